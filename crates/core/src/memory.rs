@@ -1,0 +1,239 @@
+//! Registered memory: a range of bytes whose address stays fixed for as long as any handle to it
+//! lives, so that transports (and, for RDMA, the NIC) can read and write it directly.
+//!
+//! Concurrency model: like any RDMA-registered buffer, a region can be written by the network while
+//! the application reads it. Ferry's contract is at the level of requests: bytes a request moves
+//! are defined once its outcome says so (and the buffer is reusable once `drained`). The copy
+//! helpers here use raw pointer copies and never create Rust references that outlive the call, so
+//! overlapping use from two threads yields unspecified bytes, not a dangling reference.
+
+use std::alloc::Layout;
+use std::any::Any;
+use std::fmt;
+use std::ptr::NonNull;
+
+/// A range that falls outside a region or segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("range {offset}+{len} is out of bounds of a {size}-byte region")]
+pub struct OutOfBounds {
+    /// Start of the requested range.
+    pub offset: u64,
+    /// Length of the requested range.
+    pub len: u64,
+    /// Size of the region.
+    pub size: u64,
+}
+
+/// Host memory could not be allocated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("cannot allocate {len} bytes aligned to {align}")]
+pub struct AllocError {
+    /// Requested length.
+    pub len: usize,
+    /// Requested alignment.
+    pub align: usize,
+}
+
+/// Checks that `offset..offset+len` lies inside `size` bytes, without overflow.
+pub fn check_range(offset: u64, len: u64, size: u64) -> Result<(), OutOfBounds> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(OutOfBounds { offset, len, size }),
+    }
+}
+
+enum Owner {
+    /// Allocated here with this layout; freed on drop.
+    Aligned(Layout),
+    /// Memory someone else owns; dropping the box releases it (or does nothing for `'static`).
+    External(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+}
+
+/// A fixed range of host memory that Ferry may read and write by address.
+pub struct MemoryRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    owner: Owner,
+}
+
+// SAFETY: the region owns (or keeps alive through `Owner::External`, which is `Send + Sync`) a plain
+// byte range; access goes through raw copies documented in the module's concurrency model.
+unsafe impl Send for MemoryRegion {}
+// SAFETY: as above; `&MemoryRegion` only hands out raw copies and addresses, never aliasing `&mut`.
+unsafe impl Sync for MemoryRegion {}
+
+/// Default alignment of regions allocated by Ferry: a page, so they suit O_DIRECT and NIC DMA.
+pub const PAGE_ALIGN: usize = 4096;
+
+impl MemoryRegion {
+    /// Allocates `len` zeroed bytes aligned to `align` (a power of two). A zero-length region is
+    /// allowed and has a dangling, well-aligned address.
+    pub fn alloc_zeroed(len: usize, align: usize) -> Result<Self, AllocError> {
+        let err = AllocError { len, align };
+        let layout = Layout::from_size_align(len.max(1), align.max(1)).map_err(|_| err)?;
+        // SAFETY: `layout` has a nonzero size (len.max(1)) and a valid power-of-two alignment.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(err)?;
+        Ok(Self {
+            ptr,
+            len,
+            owner: Owner::Aligned(layout),
+        })
+    }
+
+    /// Takes ownership of a vector's bytes (its heap buffer never moves while the region lives).
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let mut boxed = v.into_boxed_slice();
+        let len = boxed.len();
+        let ptr = NonNull::new(boxed.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Self {
+            ptr,
+            len,
+            owner: Owner::External(Box::new(boxed)),
+        }
+    }
+
+    /// A region over memory that `keepalive` owns; dropping the region drops `keepalive`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes for as long as `keepalive` is alive, must
+    /// not move, and must not be accessed through Rust references elsewhere while Ferry may use it.
+    pub unsafe fn from_raw_parts(
+        ptr: NonNull<u8>,
+        len: usize,
+        keepalive: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            ptr,
+            len,
+            owner: Owner::External(keepalive),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The base address (for native registration and zero-copy I/O).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Checks `offset..offset+len` against this region.
+    pub fn check(&self, offset: u64, len: u64) -> Result<(), OutOfBounds> {
+        check_range(offset, len, self.len as u64)
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), OutOfBounds> {
+        self.check(offset, dst.len() as u64)?;
+        // SAFETY: the range was bounds-checked above; `dst` is a distinct Rust buffer, so the two
+        // ranges cannot overlap; the region's memory is valid while `self` lives.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset as usize),
+                dst.as_mut_ptr(),
+                dst.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the region starting at `offset`.
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), OutOfBounds> {
+        self.check(offset, src.len() as u64)?;
+        // SAFETY: bounds-checked above; `src` is a distinct Rust buffer (it cannot alias the region
+        // because no safe API hands out references into it); the memory is valid while `self` lives.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.ptr.as_ptr().add(offset as usize),
+                src.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// A shared view of `offset..offset+len`, for handing to a syscall that reads it.
+    ///
+    /// # Safety
+    /// Nothing may write the range (locally or through the network) while the slice is alive.
+    pub unsafe fn slice(&self, offset: u64, len: usize) -> Result<&[u8], OutOfBounds> {
+        self.check(offset, len as u64)?;
+        // SAFETY: bounds-checked; the caller guarantees no concurrent writes for the slice's life.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len) })
+    }
+
+    /// An exclusive view of `offset..offset+len`, for handing to a syscall that fills it.
+    ///
+    /// # Safety
+    /// Nothing else may read or write the range while the slice is alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], OutOfBounds> {
+        self.check(offset, len as u64)?;
+        // SAFETY: bounds-checked; the caller guarantees exclusive use of the range.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len) })
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if let Owner::Aligned(layout) = self.owner {
+            // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is freed exactly once here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_is_aligned_and_zeroed() {
+        let r = MemoryRegion::alloc_zeroed(10_000, PAGE_ALIGN).unwrap();
+        assert_eq!(r.as_ptr() as usize % PAGE_ALIGN, 0);
+        let mut buf = vec![1u8; 10_000];
+        r.read_at(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn write_then_read_and_bounds() {
+        let r = MemoryRegion::from_vec(vec![0; 16]);
+        r.write_at(3, b"abc").unwrap();
+        let mut out = [0u8; 3];
+        r.read_at(3, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        assert_eq!(
+            r.write_at(15, b"ab"),
+            Err(OutOfBounds {
+                offset: 15,
+                len: 2,
+                size: 16
+            })
+        );
+        assert!(r.check(u64::MAX, 2).is_err());
+        assert!(r.check(16, 0).is_ok());
+    }
+
+    #[test]
+    fn impossible_alloc_is_an_error() {
+        assert!(MemoryRegion::alloc_zeroed(usize::MAX - 10, PAGE_ALIGN).is_err());
+    }
+}

@@ -1,0 +1,1 @@
+//! Registration lifecycle, per-context fan-out and budgets for Ferry.

@@ -1,0 +1,1 @@
+//! Ferry's portable data plane over TCP (tokio).

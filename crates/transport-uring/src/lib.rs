@@ -1,0 +1,1 @@
+//! Ferry's TCP wire protocol driven by io_uring, and file segments.

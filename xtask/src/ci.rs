@@ -1,0 +1,47 @@
+//! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
+
+use crate::util::{cargo, run};
+use anyhow::Result;
+
+pub(crate) fn run(_args: &[String]) -> Result<()> {
+    step("fmt", || {
+        run(cargo().args(["fmt", "--all", "--", "--check"]))
+    })?;
+    step("clippy", || {
+        run(cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    step("test", || {
+        run(cargo()
+            .args(["test", "--workspace", "--all-targets"])
+            .env("RUST_BACKTRACE", "1"))
+    })?;
+    step("doctest", || {
+        run(cargo().args(["test", "--workspace", "--doc"]))
+    })?;
+    step("doc", || {
+        run(cargo()
+            .args(["doc", "--workspace", "--no-deps"])
+            .env("RUSTDOCFLAGS", "-D warnings"))
+    })?;
+    eprintln!("xtask ci: all steps passed");
+    Ok(())
+}
+
+fn step(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+    let t = std::time::Instant::now();
+    eprintln!("== xtask ci: {name}");
+    let r = f();
+    eprintln!(
+        "== xtask ci: {name} {} in {:.1}s",
+        if r.is_ok() { "ok" } else { "FAILED" },
+        t.elapsed().as_secs_f64()
+    );
+    r
+}
