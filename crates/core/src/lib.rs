@@ -3,10 +3,28 @@
 //!
 //! This crate imports no other Ferry crate and does no I/O of its own. The only `unsafe` code is in
 //! [`memory`], which owns the raw registered bytes that transports read and write.
+//!
+//! Features: `__mock` (test-only) exposes mockall mocks of the traits in [`transport`]
+//! (`MockTransport`, `MockChannel`, `MockSegmentTable`, `MockHandshakeResponder`).
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod error;
 pub mod ids;
 pub mod memory;
+pub mod op;
+pub mod outcome;
+pub mod transport;
+pub mod wire;
 
+pub use error::{Error, Result};
 pub use ids::{Access, Epoch, PeerId, SegmentToken};
 pub use memory::{AllocError, MemoryRegion, OutOfBounds, PAGE_ALIGN, check_range};
+pub use op::{Op, OpKind, RemoteKey, SegmentDesc};
+pub use outcome::{
+    Failure, FailureKind, Ledger, Outcome, RemoteEffect, RemoteStatus, RequestControl,
+};
+pub use transport::{
+    BoxFuture, Channel, HandshakeResponder, PeerInfo, SegmentLease, SegmentTable, Transport,
+    TransportKind,
+};
+pub use wire::{TransportOffer, VersionRange};

@@ -1,0 +1,115 @@
+//! Operations, and the descriptors of published segments that they name.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::ids::{Access, SegmentToken};
+use crate::memory::MemoryRegion;
+
+/// The direction of one op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// Copy remote bytes into local memory.
+    Read,
+    /// Copy local bytes into remote memory.
+    Write,
+}
+
+impl OpKind {
+    /// The remote access right the op needs.
+    pub fn needed_access(self) -> Access {
+        match self {
+            OpKind::Read => Access::REMOTE_READ,
+            OpKind::Write => Access::REMOTE_WRITE,
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+        })
+    }
+}
+
+/// One op of a request: `len` bytes between a local region and a remote segment.
+///
+/// The request that carries the op owns `local[local_offset..local_offset+len]` from submission
+/// until its outcome says `drained`: nothing else may read (for a READ) or write (for either) the
+/// range meanwhile. Transports rely on that to hand the range straight to the kernel or the NIC.
+#[derive(Clone, Debug)]
+pub struct Op {
+    /// Direction.
+    pub kind: OpKind,
+    /// The local registered memory.
+    pub local: Arc<MemoryRegion>,
+    /// Offset in `local`.
+    pub local_offset: u64,
+    /// The remote segment's token.
+    pub token: SegmentToken,
+    /// Offset in the remote segment.
+    pub remote_offset: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+impl Op {
+    /// Checks the local side of the op.
+    pub fn check_local(&self) -> Result<(), crate::Error> {
+        self.local
+            .check(self.local_offset, self.len)
+            .map_err(|source| crate::Error::OutOfBounds {
+                side: "local",
+                source,
+            })
+    }
+}
+
+/// A remote key of a published segment on one native context (RDMA: rkey and address per rail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteKey {
+    /// The context (rail) index on the publishing side.
+    pub context: u32,
+    /// The address the remote key is valid for (the segment's base).
+    pub addr: u64,
+    /// The remote key.
+    pub rkey: u32,
+}
+
+/// A published segment as peers see it in the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentDesc {
+    /// The user's name for the segment (unique per engine).
+    pub name: String,
+    /// The token ops name it by.
+    pub token: SegmentToken,
+    /// Its length in bytes.
+    pub len: u64,
+    /// What peers may do to it.
+    pub access: Access,
+    /// Per-context remote keys (empty for TCP/io_uring-only segments).
+    pub remote_keys: Vec<RemoteKey>,
+}
+
+impl SegmentDesc {
+    /// Checks an op of `kind` on `offset..offset+len` against this descriptor.
+    pub fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<(), crate::Error> {
+        crate::memory::check_range(offset, len, self.len).map_err(|source| {
+            crate::Error::OutOfBounds {
+                side: "remote",
+                source,
+            }
+        })?;
+        let needed = kind.needed_access();
+        if !self.access.contains(needed) {
+            return Err(crate::Error::AccessDenied {
+                token: self.token,
+                needed,
+                granted: self.access,
+            });
+        }
+        Ok(())
+    }
+}
