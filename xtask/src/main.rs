@@ -3,7 +3,9 @@
 //! `main` only dispatches; each task lives in its own module.
 #![forbid(unsafe_code)]
 
+mod bindgen;
 mod ci;
+mod soft_roce;
 mod util;
 
 use anyhow::{Result, bail};
@@ -13,6 +15,10 @@ usage: cargo xtask <task> [args]
 
 tasks:
   ci                     fmt check, clippy -D warnings, all tests, docs with warnings denied
+  bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
+  soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
+                         RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
+                         in a QEMU guest (or on the host with --host); see xtask/src/soft_roce.rs
 ";
 
 fn main() -> Result<()> {
@@ -21,6 +27,8 @@ fn main() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match task.as_str() {
         "ci" => ci::run(&rest),
+        "soft-roce" => soft_roce::run(&rest),
+        "bindgen" => bindgen::run(&rest),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
