@@ -126,9 +126,10 @@ impl Verbs {
                 self.required().query_port,
             )
         };
-        // SAFETY: live context.
         check(rc, "ibv_query_port", || {
-            format!("{} port {port_num}", unsafe { ctx_device(ctx.as_ptr()) })
+            // SAFETY: live context (caller).
+            let device = unsafe { ctx_device(ctx.as_ptr()) };
+            format!("{device} port {port_num}")
         })?;
         Ok(attr)
     }
@@ -146,11 +147,10 @@ impl Verbs {
         let mut gid: ibv_gid = zeroed();
         // SAFETY: live context (caller), writable gid.
         let rc = unsafe { (self.required().query_gid)(ctx.as_ptr(), port_num, index, &mut gid) };
-        // SAFETY: live context.
         check(rc, "ibv_query_gid", || {
-            format!("{} port {port_num} gid {index}", unsafe {
-                ctx_device(ctx.as_ptr())
-            })
+            // SAFETY: live context (caller).
+            let device = unsafe { ctx_device(ctx.as_ptr()) };
+            format!("{device} port {port_num} gid {index}")
         })?;
         Ok(gid)
     }
@@ -182,11 +182,10 @@ impl Verbs {
                 size_of::<ibv_gid_entry>(),
             )
         };
-        // SAFETY: live context.
         check(rc, "ibv_query_gid_ex", || {
-            format!("{} port {port_num} gid {index}", unsafe {
-                ctx_device(ctx.as_ptr())
-            })
+            // SAFETY: live context (caller).
+            let device = unsafe { ctx_device(ctx.as_ptr()) };
+            format!("{device} port {port_num} gid {index}")
         })?;
         Ok(entry)
     }
@@ -441,10 +440,13 @@ impl Verbs {
     ) -> Result<(), VerbsError> {
         // SAFETY: live QP (caller).
         let rc = unsafe { (self.required().modify_qp)(qp.as_ptr(), attr, mask) };
-        // SAFETY: live QP and its context.
         check(rc, "ibv_modify_qp", || {
-            let (ctx, num) = unsafe { ((*qp.as_ptr()).context, (*qp.as_ptr()).qp_num) };
-            format!("{} qp {num}", unsafe { ctx_device(ctx) })
+            // SAFETY: live QP and its context (caller).
+            let (device, num) = unsafe {
+                let qp = qp.as_ptr();
+                (ctx_device((*qp).context), (*qp).qp_num)
+            };
+            format!("{device} qp {num}")
         })
     }
 
