@@ -309,6 +309,16 @@ impl Registry {
         }
     }
 
+    /// A registry over the [`HostBackend`](crate::HostBackend) (TCP and io_uring).
+    pub fn host(budgets: Budgets) -> Self {
+        Self::new(Arc::new(crate::backend::HostBackend), budgets)
+    }
+
+    /// The backend's contexts, as it lists them now.
+    pub fn contexts(&self) -> Vec<ContextInfo> {
+        self.shared.backend.contexts()
+    }
+
     /// The budgets this registry enforces.
     pub fn budgets(&self) -> Budgets {
         self.shared.budgets
@@ -1220,7 +1230,11 @@ mod tests {
 
     #[test]
     fn unknown_and_retired_tokens_look_the_same() {
-        let reg = Registry::new(Arc::new(HostBackend), Budgets::default());
+        let reg = Registry::host(Budgets::default());
+        assert_eq!(
+            reg.contexts(),
+            [ContextInfo::new(HostBackend::CONTEXT, "host")]
+        );
         let kept = reg.register("kept", region(16), RW).unwrap();
         let gone = reg.register("gone", region(16), RW).unwrap();
         let retired = gone.token();
