@@ -142,7 +142,10 @@ impl PciDevice {
         matches!(
             (self.class_code(), self.vendor),
             (Some(CLASS_3D | CLASS_DISPLAY_OTHER), _)
-                | (Some(CLASS_VGA), Some(VENDOR_NVIDIA | VENDOR_AMD | VENDOR_INTEL))
+                | (
+                    Some(CLASS_VGA),
+                    Some(VENDOR_NVIDIA | VENDOR_AMD | VENDOR_INTEL)
+                )
         )
     }
 }

@@ -38,21 +38,21 @@ impl Topology {
                 .max()
                 .unwrap_or(0)
                 .max(6);
-            let _ = write!(out, "{:<8}", "");
+            let mut header = format!("{:<8}", "");
             for nic in &self.nics {
-                let _ = write!(out, " {:<width$}", nic.name);
+                let _ = write!(header, " {:<width$}", nic.name);
             }
-            let _ = writeln!(out);
+            let _ = writeln!(out, "{}", header.trim_end());
             for gpu in &self.gpus {
-                let _ = write!(out, "{:<8}", format!("GPU{}", gpu.id));
+                let mut row = format!("{:<8}", format!("GPU{}", gpu.id));
                 for nic in &self.nics {
                     let cell = match gpu.nics.iter().find(|n| n.id == nic.id) {
                         Some(n) => format!("{}{}", n.class, if nic.usable { "*" } else { "" }),
                         None => "-".to_owned(),
                     };
-                    let _ = write!(out, " {cell:<width$}");
+                    let _ = write!(row, " {cell:<width$}");
                 }
-                let _ = writeln!(out);
+                let _ = writeln!(out, "{}", row.trim_end());
             }
         }
         if !self.gpus.is_empty() {

@@ -418,11 +418,12 @@ fn apply_pins(
 
 /// Assigns usable NICs to GPUs.
 ///
-/// Each GPU's candidates are the usable NICs at its nearest class. In the first round every GPU,
-/// in GPU order, takes its least-loaded candidate (ties by NIC id), so GPUs sharing the same
-/// nearest NICs spread over them. Then, round after round, each GPU takes one more candidate that
-/// no GPU has yet, until none is left: spare NICs are shared out evenly, and no NIC serves two
-/// GPUs while another candidate sits idle.
+/// Each GPU's candidates are the usable NICs at its nearest class. GPUs are visited most
+/// constrained first (nearest class, then fewest candidates, then GPU id). In the first round
+/// every GPU takes its least-loaded candidate (ties by NIC id), so GPUs sharing the same nearest
+/// NICs spread over them. Then, round after round, each GPU takes one more candidate that no GPU
+/// has yet, until none is left: spare NICs are shared out evenly, and no GPU gets a second NIC
+/// while a NIC it could use sits idle.
 fn assign(gpus: &[Gpu], nics: &[Nic]) -> Vec<Assignment> {
     let usable = |id: usize| nics.get(id).is_some_and(|n| n.usable);
     let candidates: Vec<(Option<DistanceClass>, Vec<usize>)> = gpus
@@ -443,9 +444,14 @@ fn assign(gpus: &[Gpu], nics: &[Nic]) -> Vec<Assignment> {
             (best, ids)
         })
         .collect();
+    let mut order: Vec<usize> = (0..gpus.len()).collect();
+    order.sort_by_key(|&g| candidates.get(g).map(|(best, ids)| (*best, ids.len(), g)));
     let mut load = vec![0usize; nics.len()];
     let mut chosen: Vec<Vec<usize>> = vec![Vec::new(); gpus.len()];
-    for (g, (_, cands)) in candidates.iter().enumerate() {
+    for (g, cands) in order
+        .iter()
+        .filter_map(|&g| Some((g, &candidates.get(g)?.1)))
+    {
         if let Some(&pick) = cands
             .iter()
             .min_by_key(|&&id| (load.get(id).copied().unwrap_or(usize::MAX), id))
@@ -457,7 +463,10 @@ fn assign(gpus: &[Gpu], nics: &[Nic]) -> Vec<Assignment> {
     }
     loop {
         let mut progressed = false;
-        for (g, (_, cands)) in candidates.iter().enumerate() {
+        for (g, cands) in order
+            .iter()
+            .filter_map(|&g| Some((g, &candidates.get(g)?.1)))
+        {
             if let Some(&pick) = cands.iter().find(|&&id| load.get(id) == Some(&0))
                 && let (Some(l), Some(c)) = (load.get_mut(pick), chosen.get_mut(g))
             {
