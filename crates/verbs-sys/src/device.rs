@@ -90,7 +90,7 @@ pub struct DeviceInfo {
     /// The node type.
     pub node_type: NodeType,
     /// The transport.
-    pub transport: TransportType,
+    pub transport_type: TransportType,
 }
 
 impl DeviceInfo {
@@ -99,13 +99,13 @@ impl DeviceInfo {
         name: impl Into<String>,
         guid: u64,
         node_type: NodeType,
-        transport: TransportType,
+        transport_type: TransportType,
     ) -> Self {
         Self {
             name: name.into(),
             guid,
             node_type,
-            transport,
+            transport_type,
         }
     }
 
@@ -216,7 +216,7 @@ impl Verbs {
                     name,
                     guid,
                     node_type: NodeType::from_raw(node),
-                    transport: TransportType::from_raw(transport),
+                    transport_type: TransportType::from_raw(transport),
                 }
             })
             .collect();

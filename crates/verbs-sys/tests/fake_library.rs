@@ -152,10 +152,10 @@ fn a_complete_library_enumerates_once_frees_once_and_reports_absent_options() {
     assert_eq!(devices[0].name, "fake_mlx5_0");
     assert_eq!(devices[0].guid, 0x0011_2233_4455_6677);
     assert_eq!(devices[0].node_type, NodeType::Ca);
-    assert_eq!(devices[0].transport, TransportType::Ib);
+    assert_eq!(devices[0].transport_type, TransportType::Ib);
     assert_eq!(devices[1].name, "fake_iw0");
     assert_eq!(devices[1].node_type, NodeType::Rnic);
-    assert_eq!(devices[1].transport, TransportType::Iwarp);
+    assert_eq!(devices[1].transport_type, TransportType::Iwarp);
 
     // The fake counts its calls: one list, one free.
     // SAFETY: the fake library is a plain C object with no initialisers.
