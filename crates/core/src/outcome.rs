@@ -129,6 +129,7 @@ struct OpEntry {
 #[derive(Debug)]
 pub struct Ledger {
     ops: Vec<OpEntry>,
+    any_failure: bool,
 }
 
 impl Ledger {
@@ -147,6 +148,7 @@ impl Ledger {
                     failure: None,
                 })
                 .collect(),
+            any_failure: false,
         }
     }
 
@@ -154,9 +156,12 @@ impl Ledger {
         self.ops.get_mut(op)
     }
 
-    fn fail(e: &mut OpEntry, kind: FailureKind, native: Option<i32>) {
-        if e.failure.is_none() {
-            e.failure = Some((kind, native));
+    fn fail(&mut self, op: usize, kind: FailureKind, native: Option<i32>) {
+        if let Some(e) = self.ops.get_mut(op) {
+            if e.failure.is_none() {
+                e.failure = Some((kind, native));
+            }
+            self.any_failure = true;
         }
     }
 
@@ -185,27 +190,23 @@ impl Ledger {
     pub fn refused(&mut self, op: usize, status: RemoteStatus) {
         if let Some(e) = self.entry(op) {
             e.refused += 1;
-            Self::fail(e, FailureKind::Remote(status), None);
+            self.fail(op, FailureKind::Remote(status), None);
         }
     }
 
     /// A posted chunk of `op` will never be acknowledged (its effect stays unknown).
     pub fn lost(&mut self, op: usize, kind: FailureKind, native: Option<i32>) {
-        if let Some(e) = self.entry(op) {
-            Self::fail(e, kind, native);
-        }
+        self.fail(op, kind, native);
     }
 
     /// `op` failed before (some of) its chunks were posted; those have no effect.
     pub fn not_posted(&mut self, op: usize, kind: FailureKind, native: Option<i32>) {
-        if let Some(e) = self.entry(op) {
-            Self::fail(e, kind, native);
-        }
+        self.fail(op, kind, native);
     }
 
     /// Whether any op has a recorded failure (transports stop posting then).
     pub fn has_failure(&self) -> bool {
-        self.ops.iter().any(|e| e.failure.is_some())
+        self.any_failure
     }
 
     fn complete(e: &OpEntry) -> bool {

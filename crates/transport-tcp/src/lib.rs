@@ -1,1 +1,158 @@
 //! Ferry's portable data plane over TCP (tokio).
+//!
+//! - [`TcpServer`]: one listener for control connections (the handshake, answered by the
+//!   engine's [`HandshakeResponder`]) and data streams (served from a [`SegmentTable`]). Every
+//!   request is checked for token, access and bounds before any byte of a segment is touched.
+//! - [`TcpTransport`]: the [`Transport`] that opens [`TcpChannel`]s: several streams per peer,
+//!   chunks striped over them, a bounded number in flight per stream, payloads sent from and
+//!   received into registered memory without an intermediate copy, Nagle off.
+//! - [`handshake`]: the client side of the control handshake.
+//!
+//! The io_uring transport speaks the same wire (`ferry_core::wire`) and interoperates.
+
+mod client;
+mod control;
+mod io;
+mod server;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::wire::{StreamAttach, TransportOffer};
+use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
+
+pub use client::TcpChannel;
+pub use control::handshake;
+pub use server::{ServerHandle, TcpServer};
+
+#[doc(no_inline)]
+pub use ferry_core::{HandshakeResponder, SegmentTable};
+
+/// Settings of the TCP data plane.
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Data streams per peer (1 to 64).
+    pub streams: usize,
+    /// Largest chunk an op is split into.
+    pub chunk_size: u64,
+    /// Chunks in flight per stream.
+    pub depth: usize,
+    /// Socket buffer size to request (applied only where the kernel's maximum allows it, since a
+    /// clamped size would only disable autotuning). `None`: kernel autotuning.
+    pub socket_buffer: Option<usize>,
+    /// Limit for connecting and attaching a stream.
+    pub connect_timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            streams: 1,
+            chunk_size: 1 << 20,
+            depth: 8,
+            socket_buffer: Some(4 << 20),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The TCP [`Transport`].
+#[derive(Debug, Clone)]
+pub struct TcpTransport {
+    config: TcpConfig,
+}
+
+impl TcpTransport {
+    /// A transport with `config` (streams clamped to 1..=64, chunk size to 1..=`MAX_CHUNK`).
+    pub fn new(mut config: TcpConfig) -> Self {
+        config.streams = config.streams.clamp(1, 64);
+        config.chunk_size = config.chunk_size.clamp(1, ferry_core::wire::MAX_CHUNK);
+        config.depth = config.depth.max(1);
+        Self { config }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &TcpConfig {
+        &self.config
+    }
+
+    /// Opens a channel (the concrete type; [`Transport::open`] boxes it).
+    pub async fn connect_channel(&self, peer: PeerInfo) -> Result<TcpChannel, Error> {
+        let offered = match peer.offer {
+            TransportOffer::Tcp { streams, .. } | TransportOffer::Uring { streams, .. } => {
+                usize::from(streams).max(1)
+            }
+            _ => {
+                return Err(Error::NoRoute {
+                    peer: peer.addr.to_string(),
+                    reason: "the peer offers no TCP-compatible data plane".into(),
+                });
+            }
+        };
+        let port = match peer.offer {
+            TransportOffer::Tcp { port, .. } | TransportOffer::Uring { port, .. } => port,
+            _ => 0,
+        };
+        let addr = if port == 0 {
+            peer.addr
+        } else {
+            SocketAddr::new(peer.addr.ip(), port)
+        };
+        let n = self.config.streams.min(offered);
+        let mut sockets = Vec::with_capacity(n);
+        for i in 0..n {
+            let attach = StreamAttach {
+                peer_id: peer.local_id,
+                epoch: peer.local_epoch,
+                server_epoch: peer.remote_epoch,
+                transport: TransportOffer::Tcp {
+                    streams: 0,
+                    port: 0,
+                }
+                .code(),
+                stream_index: i as u16,
+            };
+            sockets.push(
+                control::attach(
+                    addr,
+                    attach,
+                    self.config.connect_timeout,
+                    self.config.socket_buffer,
+                )
+                .await?,
+            );
+        }
+        Ok(TcpChannel::new(
+            peer.addr,
+            sockets,
+            self.config.chunk_size,
+            self.config.depth,
+        ))
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn offer(&self) -> TransportOffer {
+        TransportOffer::Tcp {
+            streams: 64,
+            port: 0,
+        }
+    }
+
+    fn accept(&self, _peer: &PeerInfo) -> Result<TransportOffer, Error> {
+        Ok(self.offer())
+    }
+
+    fn open(&self, peer: PeerInfo) -> BoxFuture<'static, Result<Arc<dyn Channel>, Error>> {
+        let this = self.clone();
+        Box::pin(async move {
+            let ch = this.connect_channel(peer).await?;
+            Ok(Arc::new(ch) as Arc<dyn Channel>)
+        })
+    }
+}

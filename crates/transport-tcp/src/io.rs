@@ -1,0 +1,178 @@
+//! Raw socket I/O between the kernel and registered memory, driven by tokio readiness.
+//!
+//! The payload of a chunk goes straight from registered memory to `sendmsg` and straight from
+//! `recv` into registered memory: no intermediate buffer, and no Rust reference into the region is
+//! created (the region may be shared with other peers' traffic, see `ferry_core::memory`).
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+use tokio::io::Interest;
+use tokio::net::TcpStream;
+
+/// An address inside registered memory, kept as an integer so futures holding it stay `Send`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawRange {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+}
+
+fn check(n: isize) -> io::Result<usize> {
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Sends `head` followed by `body` (either may be empty), resending remainders until all is sent.
+///
+/// # Safety
+/// `body.addr..body.addr+body.len` must stay valid for reads until the future completes (the
+/// request owning the range keeps its region alive and does not reuse it before `drained`).
+pub(crate) async unsafe fn send_all(
+    stream: &TcpStream,
+    head: &[u8],
+    body: RawRange,
+) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let total = head.len() + body.len;
+    let mut sent = 0usize;
+    while sent < total {
+        stream.writable().await?;
+        let res = stream.try_io(Interest::WRITABLE, || {
+            let mut iov = [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 2];
+            let mut n_iov = 0;
+            if sent < head.len() {
+                iov[0] = libc::iovec {
+                    iov_base: head[sent..].as_ptr() as *mut libc::c_void,
+                    iov_len: head.len() - sent,
+                };
+                n_iov = 1;
+            }
+            let body_done = sent.saturating_sub(head.len());
+            if body.len > body_done {
+                iov[n_iov] = libc::iovec {
+                    iov_base: (body.addr + body_done) as *mut libc::c_void,
+                    iov_len: body.len - body_done,
+                };
+                n_iov += 1;
+            }
+            // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = n_iov as _;
+            // SAFETY: `fd` is the open socket of `stream`; the iovecs point into `head` (borrowed
+            // for this call) and into the body range, valid for reads per this function's contract.
+            check(unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) })
+        });
+        match res {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Receives exactly `dst.len` bytes into `dst`. End of stream before that is `UnexpectedEof`.
+///
+/// # Safety
+/// `dst.addr..dst.addr+dst.len` must stay valid for writes until the future completes, and no Rust
+/// reference to it may be alive meanwhile.
+pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let mut got = 0usize;
+    while got < dst.len {
+        stream.readable().await?;
+        let res = stream.try_io(Interest::READABLE, || {
+            // SAFETY: `fd` is the open socket; the destination is valid for writes of the
+            // remaining length per this function's contract.
+            check(unsafe {
+                libc::recv(fd, (dst.addr + got) as *mut libc::c_void, dst.len - got, 0)
+            })
+        });
+        match res {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "peer closed the stream with {} bytes outstanding",
+                        dst.len - got
+                    ),
+                ));
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Receives exactly `buf.len()` bytes into a Rust buffer (headers).
+pub(crate) async fn recv_buf(stream: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+    let dst = RawRange {
+        addr: buf.as_mut_ptr() as usize,
+        len: buf.len(),
+    };
+    // SAFETY: `buf` is exclusively borrowed for the whole call, so it stays valid and unaliased.
+    unsafe { recv_exact(stream, dst).await }
+}
+
+/// Sends all of a Rust buffer (headers).
+pub(crate) async fn send_buf(stream: &TcpStream, buf: &[u8]) -> io::Result<()> {
+    // SAFETY: the body is empty, so no memory beyond the borrowed `buf` is read.
+    unsafe { send_all(stream, buf, RawRange { addr: 0, len: 0 }).await }
+}
+
+/// Discards exactly `len` bytes using `scratch` (a refused WRITE's payload).
+pub(crate) async fn discard(
+    stream: &TcpStream,
+    mut len: u64,
+    scratch: &mut [u8],
+) -> io::Result<()> {
+    while len > 0 {
+        let n = (scratch.len() as u64).min(len) as usize;
+        recv_buf(stream, &mut scratch[..n]).await?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+/// Nagle off, and socket buffers of `size` where the kernel allows that much (a smaller forced
+/// size would only disable autotuning and shrink them).
+pub(crate) fn tune(stream: &TcpStream, size: Option<usize>) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
+    let Some(size) = size else { return };
+    let sock = socket2::SockRef::from(stream);
+    if size <= sysctl("/proc/sys/net/core/wmem_max")
+        && let Err(e) = sock.set_send_buffer_size(size)
+    {
+        tracing::debug!(error = %e, size, "SO_SNDBUF");
+    }
+    if size <= sysctl("/proc/sys/net/core/rmem_max")
+        && let Err(e) = sock.set_recv_buffer_size(size)
+    {
+        tracing::debug!(error = %e, size, "SO_RCVBUF");
+    }
+}
+
+fn sysctl(path: &str) -> usize {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Shuts both directions of a socket (wakes any task blocked on it).
+pub(crate) fn shutdown(stream: &TcpStream) {
+    let _ = socket2::SockRef::from(stream).shutdown(std::net::Shutdown::Both);
+}

@@ -1,0 +1,267 @@
+//! The serving side: accepts control connections (handshake) and data streams on one listener.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, Reject,
+    RejectReason, SUPPORTED_VERSIONS,
+};
+use ferry_core::{Error, HandshakeResponder, OpKind, RemoteStatus, SegmentTable};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tracing::{Instrument, debug, warn};
+
+use crate::TcpConfig;
+use crate::control::{read_frame, write_frame};
+use crate::io::{RawRange, discard, recv_buf, recv_exact, send_all, send_buf, tune};
+
+/// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
+const SMALL: usize = 16 << 10;
+
+/// A bound listener, not serving yet.
+#[derive(Debug)]
+pub struct TcpServer {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+/// A running server; dropping it (or [`ServerHandle::shutdown`]) stops the listener and every
+/// connection it accepted.
+#[derive(Debug)]
+pub struct ServerHandle {
+    task: tokio::task::JoinHandle<()>,
+    addr: SocketAddr,
+}
+
+impl ServerHandle {
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops serving: the listener closes and every accepted connection is dropped.
+    pub fn shutdown(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TcpServer {
+    /// Binds `addr` (port 0: any) with `SO_REUSEADDR`, so that a restarted process can take the
+    /// same port again. Must be called inside a tokio runtime.
+    pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
+        let bind = || -> std::io::Result<TcpListener> {
+            let sock = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            sock.set_reuse_address(true)?;
+            sock.set_nonblocking(true)?;
+            sock.bind(&addr.into())?;
+            sock.listen(1024)?;
+            TcpListener::from_std(sock.into())
+        };
+        let listener = bind().map_err(|e| Error::io("bind", addr.to_string(), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Starts serving `table` with the identity and policy of `responder`.
+    pub fn serve(
+        self,
+        table: Arc<dyn SegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+        config: TcpConfig,
+    ) -> ServerHandle {
+        let addr = self.addr;
+        let listener = self.listener;
+        let task = tokio::spawn(async move {
+            let mut conns = JoinSet::new();
+            loop {
+                while conns.try_join_next().is_some() {}
+                match listener.accept().await {
+                    Ok((stream, from)) => {
+                        let table = table.clone();
+                        let responder = responder.clone();
+                        let config = config.clone();
+                        conns.spawn(async move {
+                            if let Err(e) = serve_conn(stream, from, table, responder, config).await
+                            {
+                                debug!(%from, error = %e, "connection ended");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        warn!(%addr, error = %e, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                }
+            }
+        });
+        ServerHandle { task, addr }
+    }
+}
+
+async fn serve_conn(
+    stream: TcpStream,
+    from: SocketAddr,
+    table: Arc<dyn SegmentTable>,
+    responder: Arc<dyn HandshakeResponder>,
+    config: TcpConfig,
+) -> Result<(), Error> {
+    tune(&stream, config.socket_buffer);
+    match read_frame(&stream, from).await? {
+        ControlFrame::Hello(hello) => {
+            let reply = match responder.respond(&hello, from) {
+                Ok(h) => ControlFrame::HelloAck(h),
+                Err(r) => ControlFrame::Reject(r),
+            };
+            write_frame(&stream, from, &reply).await
+        }
+        ControlFrame::StreamAttach(a) => {
+            if a.server_epoch != responder.epoch() {
+                let reject = Reject {
+                    reason: RejectReason::StaleEpoch,
+                    versions: SUPPORTED_VERSIONS,
+                    epoch: responder.epoch(),
+                    message: format!(
+                        "stream for epoch {} but this server has epoch {}",
+                        a.server_epoch,
+                        responder.epoch()
+                    ),
+                };
+                return write_frame(&stream, from, &ControlFrame::Reject(reject)).await;
+            }
+            write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
+            let span = tracing::debug_span!("serve stream", %from, stream = a.stream_index);
+            serve_data(&stream, from, &*table)
+                .instrument(span)
+                .await
+                .map_err(|e| crate::control::lost(from, "serving data", e))
+        }
+        other => Err(Error::Malformed {
+            peer: from.to_string(),
+            source: ferry_core::wire::WireError::Unexpected {
+                found: other.name(),
+                expected: "hello or stream-attach",
+            },
+        }),
+    }
+}
+
+/// Serves chunks on one data stream until the client closes it. Every request is checked (token,
+/// access, bounds) before any byte of the segment is touched; a refused WRITE's payload is read
+/// into a scratch buffer and dropped.
+async fn serve_data(
+    stream: &TcpStream,
+    from: SocketAddr,
+    table: &dyn SegmentTable,
+) -> std::io::Result<()> {
+    let mut head = [0u8; DATA_REQUEST_LEN];
+    let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
+    let mut scratch: Vec<u8> = Vec::new();
+    loop {
+        match recv_buf(stream, &mut head).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let req = match DataRequest::decode(&head) {
+            Ok(r) => r,
+            Err(e) => {
+                // The payload length cannot be trusted: answer and close the stream.
+                warn!(%from, error = %e, "malformed data request; closing stream");
+                let mut resp = [0u8; DATA_RESPONSE_LEN];
+                DataResponse {
+                    seq: u32::from_le_bytes([head[4], head[5], head[6], head[7]]),
+                    refused: Some(RemoteStatus::Malformed),
+                    len: 0,
+                }
+                .encode(&mut resp);
+                send_buf(stream, &resp).await?;
+                return Ok(());
+            }
+        };
+        let lease = table.resolve(req.token);
+        let checked = match &lease {
+            None => Err(RemoteStatus::UnknownSegment),
+            Some(l) => l.check(req.kind, req.offset, req.len),
+        };
+        let len = req.len as usize;
+        let mut resp = [0u8; DATA_RESPONSE_LEN];
+        match (req.kind, checked, &lease) {
+            (OpKind::Write, Ok(at), Some(l)) => {
+                let dst = RawRange {
+                    addr: l.region.as_ptr() as usize + at as usize,
+                    len,
+                };
+                // SAFETY: `l.check` proved `at..at+len` lies inside the region, which the lease
+                // keeps alive until the chunk is done; no Rust reference into it exists (raw recv).
+                unsafe { recv_exact(stream, dst).await? };
+                DataResponse {
+                    seq: req.seq,
+                    refused: None,
+                    len: 0,
+                }
+                .encode(&mut resp);
+                send_buf(stream, &resp).await?;
+            }
+            (OpKind::Read, Ok(at), Some(l)) => {
+                DataResponse {
+                    seq: req.seq,
+                    refused: None,
+                    len: req.len,
+                }
+                .encode(&mut resp);
+                if len <= SMALL {
+                    stage[..DATA_RESPONSE_LEN].copy_from_slice(&resp);
+                    let body = &mut stage[DATA_RESPONSE_LEN..DATA_RESPONSE_LEN + len];
+                    l.region
+                        .read_at(at, body)
+                        .map_err(|e| std::io::Error::other(e.to_string()))?;
+                    send_buf(stream, &stage[..DATA_RESPONSE_LEN + len]).await?;
+                } else {
+                    let src = RawRange {
+                        addr: l.region.as_ptr() as usize + at as usize,
+                        len,
+                    };
+                    // SAFETY: `l.check` proved the range lies inside the region, which the lease
+                    // keeps alive for the send; it is only read, through raw pointers.
+                    unsafe { send_all(stream, &resp, src).await? };
+                }
+            }
+            (kind, checked, _) => {
+                let status = checked.err().unwrap_or(RemoteStatus::UnknownSegment);
+                debug!(%from, token = %req.token, %kind, %status, "refused chunk");
+                if kind == OpKind::Write {
+                    if scratch.is_empty() {
+                        scratch = vec![0u8; 64 << 10];
+                    }
+                    discard(stream, req.len, &mut scratch).await?;
+                }
+                DataResponse {
+                    seq: req.seq,
+                    refused: Some(status),
+                    len: 0,
+                }
+                .encode(&mut resp);
+                send_buf(stream, &resp).await?;
+            }
+        }
+        drop(lease);
+    }
+}

@@ -1,0 +1,347 @@
+//! The TCP data plane against an in-process server on 127.0.0.1: transfers, refusals, epochs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::wire::{
+    Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
+};
+use ferry_core::{
+    Access, Epoch, Error, FailureKind, HandshakeResponder, MemoryRegion, Op, OpKind, PeerId,
+    PeerInfo, RemoteEffect, RemoteStatus, RequestControl, SegmentDesc, SegmentLease, SegmentTable,
+    SegmentToken, Transport,
+};
+use ferry_transport_tcp::{TcpConfig, TcpServer, TcpTransport, handshake};
+
+#[derive(Debug, Default)]
+struct Table(Mutex<HashMap<SegmentToken, (String, Arc<MemoryRegion>, Access)>>);
+
+impl SegmentTable for Table {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        let t = self.0.lock().unwrap();
+        t.get(&token).map(|(_, r, a)| SegmentLease {
+            region: r.clone(),
+            base: 0,
+            len: r.len() as u64,
+            access: *a,
+            guard: None,
+        })
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        let t = self.0.lock().unwrap();
+        t.iter()
+            .map(|(tok, (name, r, a))| SegmentDesc {
+                name: name.clone(),
+                token: *tok,
+                len: r.len() as u64,
+                access: *a,
+                remote_keys: vec![],
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug)]
+struct Responder {
+    id: PeerId,
+    epoch: Epoch,
+    versions: VersionRange,
+    table: Arc<Table>,
+}
+
+impl HandshakeResponder for Responder {
+    fn peer_id(&self) -> PeerId {
+        self.id
+    }
+    fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+    fn respond(&self, hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
+        if self.versions.common(hello.versions).is_none() {
+            return Err(Reject {
+                reason: RejectReason::ProtocolMismatch,
+                versions: self.versions,
+                epoch: self.epoch,
+                message: "no common version".into(),
+            });
+        }
+        Ok(Hello {
+            versions: self.versions,
+            peer_id: self.id,
+            epoch: self.epoch,
+            transports: vec![TransportOffer::Tcp {
+                streams: 64,
+                port: 0,
+            }],
+            segments: self.table.published(),
+        })
+    }
+}
+
+struct Fixture {
+    _server: ferry_transport_tcp::ServerHandle,
+    addr: SocketAddr,
+    table: Arc<Table>,
+    epoch: Epoch,
+}
+
+fn start(versions: VersionRange) -> Fixture {
+    let table = Arc::new(Table::default());
+    let epoch = Epoch::fresh();
+    let server = TcpServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = server.local_addr();
+    let responder = Arc::new(Responder {
+        id: PeerId::random(),
+        epoch,
+        versions,
+        table: table.clone(),
+    });
+    let handle = server.serve(table.clone(), responder, TcpConfig::default());
+    Fixture {
+        _server: handle,
+        addr,
+        table,
+        epoch,
+    }
+}
+
+fn publish(
+    f: &Fixture,
+    name: &str,
+    len: usize,
+    access: Access,
+) -> (SegmentToken, Arc<MemoryRegion>) {
+    let r = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let tok = SegmentToken::random();
+    f.table
+        .0
+        .lock()
+        .unwrap()
+        .insert(tok, (name.into(), r.clone(), access));
+    (tok, r)
+}
+
+fn fill(r: &MemoryRegion, seed: u64) {
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; r.len()];
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    r.write_at(0, &buf).unwrap();
+}
+
+fn bytes(r: &MemoryRegion, at: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    r.read_at(at, &mut v).unwrap();
+    v
+}
+
+async fn channel(f: &Fixture, streams: usize, chunk: u64) -> Arc<dyn ferry_core::Channel> {
+    let t = TcpTransport::new(TcpConfig {
+        streams,
+        chunk_size: chunk,
+        depth: 4,
+        ..TcpConfig::default()
+    });
+    let hello = Hello {
+        versions: SUPPORTED_VERSIONS,
+        peer_id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        transports: vec![t.offer()],
+        segments: vec![],
+    };
+    let server = handshake(f.addr, &hello, Duration::from_secs(5))
+        .await
+        .unwrap();
+    t.open(PeerInfo {
+        addr: f.addr,
+        local_id: hello.peer_id,
+        local_epoch: hello.epoch,
+        remote_id: server.peer_id,
+        remote_epoch: server.epoch,
+        offer: server.transports[0].clone(),
+        segments: server.segments,
+    })
+    .await
+    .unwrap()
+}
+
+fn op(
+    kind: OpKind,
+    local: &Arc<MemoryRegion>,
+    lo: u64,
+    token: SegmentToken,
+    ro: u64,
+    len: u64,
+) -> Op {
+    Op {
+        kind,
+        local: local.clone(),
+        local_offset: lo,
+        token,
+        remote_offset: ro,
+        len,
+    }
+}
+
+async fn run(ch: &Arc<dyn ferry_core::Channel>, ops: Vec<Op>) -> ferry_core::Outcome {
+    let ops: Arc<[Op]> = ops.into();
+    let control = Arc::new(RequestControl::new(&ops));
+    ch.execute(ops, control).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_read_striped_unaligned() {
+    let f = start(SUPPORTED_VERSIONS);
+    let (tok, remote) = publish(
+        &f,
+        "seg",
+        3 << 20,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    let ch = channel(&f, 3, 64 << 10).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    fill(&src, 7);
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    for &(lo, ro, len) in &[
+        (0u64, 0u64, 1u64),
+        (3, 5, 100),
+        (1, 4097, 200_001),
+        (17, 33, (3 << 20) - 40),
+    ] {
+        let o = run(&ch, vec![op(OpKind::Write, &src, lo, tok, ro, len)]).await;
+        assert!(o.is_success(), "{o:?}");
+        assert_eq!(
+            bytes(&remote, ro, len as usize),
+            bytes(&src, lo, len as usize)
+        );
+        let o = run(&ch, vec![op(OpKind::Read, &dst, lo, tok, ro, len)]).await;
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert_eq!(o.completed_bytes, len);
+        assert_eq!(bytes(&dst, lo, len as usize), bytes(&src, lo, len as usize));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_move_no_byte() {
+    let f = start(SUPPORTED_VERSIONS);
+    let (ro_tok, ro_seg) = publish(&f, "ro", 4096, Access::REMOTE_READ);
+    let (rw_tok, rw_seg) = publish(&f, "rw", 4096, Access::REMOTE_READ | Access::REMOTE_WRITE);
+    let ch = channel(&f, 1, 1 << 20).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(8192, 4096).unwrap());
+    fill(&src, 3);
+    let cases = [
+        (
+            op(OpKind::Write, &src, 0, SegmentToken(12345), 0, 100),
+            RemoteStatus::UnknownSegment,
+        ),
+        (
+            op(OpKind::Write, &src, 0, ro_tok, 0, 100),
+            RemoteStatus::AccessDenied,
+        ),
+        (
+            op(OpKind::Write, &src, 0, rw_tok, 4000, 200),
+            RemoteStatus::OutOfBounds,
+        ),
+        (
+            op(OpKind::Read, &src, 0, rw_tok, u64::MAX - 1, 4),
+            RemoteStatus::OutOfBounds,
+        ),
+    ];
+    for (o, status) in cases {
+        let out = run(&ch, vec![op(OpKind::Write, &src, 0, rw_tok, 0, 10), o]).await;
+        assert_eq!(out.completed_ops, 1);
+        let fail = out.failure.unwrap();
+        assert_eq!((fail.op_index, fail.kind), (1, FailureKind::Remote(status)));
+        assert_eq!(out.remote_effect, RemoteEffect::None);
+    }
+    assert!(bytes(&ro_seg, 0, 4096).iter().all(|&b| b == 0));
+    assert_eq!(bytes(&rw_seg, 0, 10), bytes(&src, 0, 10));
+    assert!(bytes(&rw_seg, 10, 4086).iter().all(|&b| b == 0));
+    // The stream survives refusals (a refused WRITE's payload was drained).
+    let out = run(&ch, vec![op(OpKind::Write, &src, 0, rw_tok, 0, 4096)]).await;
+    assert!(out.is_success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_mismatch_names_both_ranges() {
+    let f = start(VersionRange { min: 7, max: 9 });
+    let hello = Hello {
+        versions: SUPPORTED_VERSIONS,
+        peer_id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        transports: vec![],
+        segments: vec![],
+    };
+    match handshake(f.addr, &hello, Duration::from_secs(5)).await {
+        Err(Error::ProtocolMismatch { local, remote, .. }) => {
+            assert_eq!(local, SUPPORTED_VERSIONS);
+            assert_eq!(remote, VersionRange { min: 7, max: 9 });
+        }
+        other => panic!("expected ProtocolMismatch, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_epoch_stream_is_refused() {
+    let f = start(SUPPORTED_VERSIONS);
+    let t = TcpTransport::new(TcpConfig::default());
+    let res = t
+        .open(PeerInfo {
+            addr: f.addr,
+            local_id: PeerId::random(),
+            local_epoch: Epoch::fresh(),
+            remote_id: PeerId::random(),
+            remote_epoch: Epoch(f.epoch.0 ^ 1),
+            offer: TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            },
+            segments: vec![],
+        })
+        .await;
+    match res {
+        Err(Error::StaleEpoch { found, .. }) => assert_eq!(found, f.epoch),
+        other => panic!("expected StaleEpoch, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_does_not_hurt_the_server() {
+    use tokio::io::AsyncWriteExt;
+    let f = start(SUPPORTED_VERSIONS);
+    let mut s = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff")
+        .await
+        .unwrap();
+    let mut s2 = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    s2.write_all(&[0xAB; 64]).await.unwrap();
+    drop((s, s2));
+    let (tok, _) = publish(&f, "x", 100, Access::REMOTE_READ);
+    let ch = channel(&f, 1, 1 << 20).await;
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
+    assert!(
+        run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, 100)])
+            .await
+            .is_success()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_channel_fails_without_effect() {
+    let f = start(SUPPORTED_VERSIONS);
+    let (tok, _) = publish(&f, "x", 100, Access::REMOTE_WRITE);
+    let ch = channel(&f, 2, 1 << 20).await;
+    ch.close();
+    assert!(!ch.is_alive());
+    let src = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
+    let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 100)]).await;
+    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+    assert_eq!(o.remote_effect, RemoteEffect::None);
+    assert!(o.drained);
+}
