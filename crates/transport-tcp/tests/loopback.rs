@@ -15,8 +15,10 @@ use ferry_core::{
 };
 use ferry_transport_tcp::{TcpConfig, TcpServer, TcpTransport, handshake};
 
+type Entry = (String, Arc<MemoryRegion>, Access);
+
 #[derive(Debug, Default)]
-struct Table(Mutex<HashMap<SegmentToken, (String, Arc<MemoryRegion>, Access)>>);
+struct Table(Mutex<HashMap<SegmentToken, Entry>>);
 
 impl SegmentTable for Table {
     fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
