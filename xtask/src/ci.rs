@@ -30,6 +30,7 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
             .args(["doc", "--workspace", "--no-deps"])
             .env("RUSTDOCFLAGS", "-D warnings"))
     })?;
+    step("soft-roce", crate::soft_roce::from_ci)?;
     eprintln!("xtask ci: all steps passed");
     Ok(())
 }
