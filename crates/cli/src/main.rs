@@ -1,2 +1,67 @@
-//! The `ferry` command.
-fn main() {}
+//! The `ferry` command: `doctor` (what this machine can do), `topology` (which NIC serves which
+//! GPU), `serve` (publish segments) and `bench` (measure transfers).
+//!
+//! Exit codes: 0 on success (`doctor` always, since it is a report), 1 when a command fails, 2 for
+//! bad arguments.
+
+mod cmd_doctor;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Ferry: move bytes between registered memory over RDMA, io_uring or TCP"
+)]
+struct Cli {
+    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print the capability matrix: build features, libibverbs, RDMA devices, topology, io_uring,
+    /// CUDA, cuFile, peermem, dma-buf.
+    Doctor(cmd_doctor::DoctorArgs),
+}
+
+fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let result = match cli.command {
+        Command::Doctor(args) => cmd_doctor::run(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            // The reader went away (`ferry doctor | head`): not an error of ours.
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ferry: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

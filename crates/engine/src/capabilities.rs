@@ -1,0 +1,409 @@
+//! The capability matrix: one row per independent check of what this machine can do, each with a
+//! status, what was found, and what to do about it. `ferry doctor` prints it;
+//! [`probe`] computes it. No check depends on another: a missing libibverbs does not hide the
+//! io_uring row, and a failing check never stops the others.
+
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// The verdict of one check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Status {
+    /// Present and usable.
+    Ok,
+    /// The library or kernel facility could not be loaded or used.
+    Unavailable,
+    /// Loaded fine, but there is nothing of this kind on the machine (no devices, no module).
+    Absent,
+    /// The check itself failed unexpectedly (an I/O error, a native call that returned an error).
+    Error,
+}
+
+impl Status {
+    /// The lowercase word printed in tables and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Unavailable => "unavailable",
+            Status::Absent => "absent",
+            Status::Error => "error",
+        }
+    }
+}
+
+/// One row of the matrix.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Check {
+    /// What was checked (`libibverbs`, `rdma-devices`, `io_uring`…).
+    pub name: String,
+    /// The verdict.
+    pub status: Status,
+    /// What was found: a path, a version, device names, the loader's reason.
+    pub detail: String,
+    /// What to do about it (empty when nothing needs doing).
+    pub hint: String,
+}
+
+impl Check {
+    fn new(name: &str, status: Status, detail: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self {
+            name: name.to_owned(),
+            status,
+            detail: detail.into(),
+            hint: hint.into(),
+        }
+    }
+}
+
+/// The whole matrix.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    /// The rows, in a fixed order.
+    pub checks: Vec<Check>,
+}
+
+impl Capabilities {
+    /// The row with this name.
+    pub fn get(&self, name: &str) -> Option<&Check> {
+        self.checks.iter().find(|c| c.name == name)
+    }
+}
+
+/// Where the probes look. The defaults are the running machine's.
+#[derive(Clone, Debug)]
+pub struct ProbeOptions {
+    /// Root of the sysfs tree (default `/sys`).
+    pub sysfs_root: PathBuf,
+}
+
+impl Default for ProbeOptions {
+    fn default() -> Self {
+        Self {
+            sysfs_root: PathBuf::from("/sys"),
+        }
+    }
+}
+
+/// Runs every check.
+pub fn probe(opts: &ProbeOptions) -> Capabilities {
+    let mut checks = vec![build_features()];
+    checks.extend(verbs_checks());
+    checks.push(topology_check(opts));
+    checks.push(uring_check());
+    checks.extend(cuda_checks(opts));
+    Capabilities { checks }
+}
+
+fn build_features() -> Check {
+    let mut on = vec!["tcp"];
+    if cfg!(feature = "uring") {
+        on.push("uring");
+    }
+    if cfg!(feature = "cuda") {
+        on.push("cuda");
+    }
+    Check::new(
+        "build",
+        Status::Ok,
+        format!(
+            "ferry {} with transports: {}",
+            env!("CARGO_PKG_VERSION"),
+            on.join(", ")
+        ),
+        "",
+    )
+}
+
+#[cfg(not(feature = "uring"))]
+fn uring_check() -> Check {
+    Check::new(
+        "io_uring",
+        Status::Unavailable,
+        "not built in (feature `uring` off)",
+        "rebuild with the `uring` feature",
+    )
+}
+
+#[cfg(feature = "uring")]
+fn uring_check() -> Check {
+    let p = transport_uring::probe_kernel();
+    match (&p, p.unusable_reason()) {
+        (transport_uring::UringProbe::Unavailable { reason }, _) => Check::new(
+            "io_uring",
+            Status::Unavailable,
+            reason.clone(),
+            "io_uring is disabled or missing (kernel < 5.6, the kernel.io_uring_disabled sysctl, or a \
+             seccomp profile); Ferry uses the tokio TCP transport instead",
+        ),
+        (_, Some(reason)) => Check::new(
+            "io_uring",
+            Status::Unavailable,
+            format!("{reason}; opcodes: {p}"),
+            "upgrade the kernel for the io_uring data plane; Ferry falls back to the tokio TCP transport",
+        ),
+        (_, None) => {
+            let hint = if p.supports("SEND_ZC") {
+                ""
+            } else {
+                "SEND_ZC needs Linux 6.0+; sends will copy"
+            };
+            Check::new("io_uring", Status::Ok, format!("opcodes: {p}"), hint)
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_checks(_opts: &ProbeOptions) -> Vec<Check> {
+    ["cuda-driver", "cufile", "nvidia-peermem", "dma-buf"]
+        .iter()
+        .map(|n| {
+            Check::new(
+                n,
+                Status::Unavailable,
+                "not built in (feature `cuda` off)",
+                "rebuild with the `cuda` feature",
+            )
+        })
+        .collect()
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_checks(opts: &ProbeOptions) -> Vec<Check> {
+    let driver = cuda::probe_driver();
+    vec![
+        cuda_check(&driver),
+        cufile_check(),
+        peermem_check(opts),
+        dmabuf_check(&driver),
+    ]
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
+    match driver {
+        Ok(d) => Check::new(
+            "cuda-driver",
+            Status::Ok,
+            format!("{} loaded, CUDA driver version {}", d.library, d.version),
+            "",
+        ),
+        Err(e @ cuda::CudaError::Unavailable { .. }) => Check::new(
+            "cuda-driver",
+            Status::Unavailable,
+            e.to_string(),
+            "no NVIDIA driver here: GPU memory cannot be registered; host memory and files work",
+        ),
+        Err(e) => Check::new(
+            "cuda-driver",
+            Status::Error,
+            e.to_string(),
+            "the driver is installed but failed; check nvidia-smi",
+        ),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cufile_check() -> Check {
+    match cuda::probe_cufile() {
+        Ok(info) => Check::new("cufile", Status::Ok, format!("{} loaded", info.library), ""),
+        Err(e @ cuda::CudaError::Unavailable { .. }) => Check::new(
+            "cufile",
+            Status::Unavailable,
+            e.to_string(),
+            "GPUDirect Storage needs NVIDIA's cuFile (libcufile.so.0, from the CUDA toolkit's GDS packages)",
+        ),
+        Err(e) => Check::new("cufile", Status::Error, e.to_string(), ""),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn peermem_check(opts: &ProbeOptions) -> Check {
+    match cuda::peermem_version(&opts.sysfs_root) {
+        Some((path, version)) => Check::new(
+            "nvidia-peermem",
+            Status::Ok,
+            format!("{} = {version}", path.display()),
+            "",
+        ),
+        None => Check::new(
+            "nvidia-peermem",
+            Status::Absent,
+            format!(
+                "none of {} exists under {}",
+                cuda::PEERMEM_VERSION_PATHS.join(", "),
+                opts.sysfs_root.display()
+            ),
+            "for the peermem GPUDirect route load nvidia_peermem (or MLNX_OFED nv_peer_mem); \
+             a module directory without a version file does not count",
+        ),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn dmabuf_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
+    let cuda_side = match driver {
+        Ok(d) if d.dmabuf_export => Ok(format!(
+            "{}: cuMemGetHandleForAddressRange present",
+            d.library
+        )),
+        Ok(d) => Err(format!(
+            "{}: cuMemGetHandleForAddressRange absent (driver {})",
+            d.library, d.version
+        )),
+        Err(e) => Err(e.to_string()),
+    };
+    let verbs_side = match verbs_sys::Verbs::load() {
+        Ok(v) if v.capabilities().reg_dmabuf_mr => {
+            Ok(format!("{}: ibv_reg_dmabuf_mr present", v.library()))
+        }
+        Ok(v) => Err(format!("{}: ibv_reg_dmabuf_mr absent", v.library())),
+        Err(e) => Err(e.to_string()),
+    };
+    match (cuda_side, verbs_side) {
+        (Ok(c), Ok(v)) => Check::new("dma-buf", Status::Ok, format!("{c}; {v}"), ""),
+        (c, v) => {
+            let part = |r: Result<String, String>| r.unwrap_or_else(|e| e);
+            Check::new(
+                "dma-buf",
+                Status::Unavailable,
+                format!("{}; {}", part(c), part(v)),
+                "the dma-buf GPUDirect route needs a CUDA 11.7+ driver exporting \
+                 cuMemGetHandleForAddressRange and rdma-core 34+ with ibv_reg_dmabuf_mr",
+            )
+        }
+    }
+}
+
+/// The file the dynamic loader actually mapped for `soname`, from `/proc/self/maps`.
+fn mapped_file(soname: &str) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| {
+            std::path::Path::new(p)
+                .file_name()
+                .and_then(|f| f.to_str())
+                .is_some_and(|f| f.starts_with(soname))
+        })
+        .map(str::to_owned)
+}
+
+fn verbs_checks() -> Vec<Check> {
+    let lib = match verbs_sys::Verbs::load() {
+        Ok(v) => {
+            let caps = v.capabilities();
+            let file = mapped_file("libibverbs.so").unwrap_or_else(|| v.library().to_owned());
+            let mut optional = Vec::new();
+            for (on, name) in [
+                (caps.reg_dmabuf_mr, "ibv_reg_dmabuf_mr"),
+                (caps.reg_mr_iova2, "ibv_reg_mr_iova2"),
+                (caps.query_gid_ex, "ibv_query_gid_ex"),
+                (caps.query_gid_table, "ibv_query_gid_table"),
+            ] {
+                optional.push(format!("{name}{}", if on { "" } else { "(absent)" }));
+            }
+            Check::new(
+                "libibverbs",
+                Status::Ok,
+                format!(
+                    "{} -> {file}; optional: {}",
+                    v.library(),
+                    optional.join(" ")
+                ),
+                "",
+            )
+        }
+        Err(e) => Check::new(
+            "libibverbs",
+            Status::Unavailable,
+            e.to_string(),
+            "install the host's rdma-core runtime (Debian/Ubuntu: libibverbs1 ibverbs-providers) and \
+             the provider for your NIC, or set FERRY_IBVERBS_LIB; TCP and io_uring need none of it",
+        ),
+    };
+    let listing = crate::discovery::enumerate_verbs_devices();
+    let devices = match (&listing.unavailable, listing.devices.is_empty()) {
+        (Some(reason), _) => Check::new(
+            "rdma-devices",
+            Status::Unavailable,
+            format!("no RDMA devices found: {reason}"),
+            "RDMA needs libibverbs; see the libibverbs row",
+        ),
+        (None, true) => Check::new(
+            "rdma-devices",
+            Status::Absent,
+            "ibv_get_device_list returned no devices",
+            "no RDMA NIC (or no provider for it): check `rdma link`, the provider package for your \
+             NIC, and read/write access to /dev/infiniband/uverbs*; soft-RoCE: `rdma link add rxe0 type rxe netdev IF`",
+        ),
+        (None, false) => Check::new(
+            "rdma-devices",
+            Status::Ok,
+            listing
+                .devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "{} (guid {}, {:?}/{:?})",
+                        d.name,
+                        d.guid_string(),
+                        d.node_type,
+                        d.transport_type
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            "",
+        ),
+    };
+    vec![lib, devices]
+}
+
+fn topology_check(opts: &ProbeOptions) -> Check {
+    let listing = crate::discovery::enumerate_verbs_devices();
+    let verbs = topology::VerbsDevices {
+        names: listing.devices.iter().map(|d| d.name.clone()).collect(),
+        unavailable: listing.unavailable.clone(),
+    };
+    match topology::Topology::discover(&opts.sysfs_root, &verbs, &topology::Selector::default()) {
+        Ok(t) => {
+            let usable = t.usable_nics().count();
+            let unusable: Vec<String> = t
+                .nics
+                .iter()
+                .filter(|n| !n.usable)
+                .map(|n| {
+                    format!(
+                        "{} ({})",
+                        n.name,
+                        n.reason.as_deref().unwrap_or("not usable")
+                    )
+                })
+                .collect();
+            let mut detail = format!(
+                "{} PCI devices, {} NUMA node(s), {} GPU(s), {} RDMA NIC(s) in sysfs, {usable} usable",
+                t.pci_devices,
+                t.numa_nodes.len(),
+                t.gpus.len(),
+                t.nics.len()
+            );
+            if !unusable.is_empty() {
+                detail.push_str(&format!("; not usable: {}", unusable.join(", ")));
+            }
+            let hint = if t.gpus.is_empty() || usable > 0 {
+                ""
+            } else {
+                "GPUs but no usable RDMA NIC: transfers will use TCP"
+            };
+            Check::new("topology", Status::Ok, detail, hint)
+        }
+        Err(e) => Check::new(
+            "topology",
+            Status::Error,
+            format!("reading {}: {e}", opts.sysfs_root.display()),
+            "pass --sysfs-root to inspect another tree",
+        ),
+    }
+}
