@@ -5,6 +5,7 @@
 //! bad arguments.
 
 mod cmd_doctor;
+mod cmd_topology;
 
 use clap::{Parser, Subcommand};
 
@@ -27,6 +28,9 @@ enum Command {
     /// Print the capability matrix: build features, libibverbs, RDMA devices, topology, io_uring,
     /// CUDA, cuFile, peermem, dma-buf.
     Doctor(cmd_doctor::DoctorArgs),
+    /// Show which NIC serves which GPU: NICs with their ports and GIDs, the GPU x NIC distance
+    /// classes (PIX, PXB, PHB, NODE, SYS) and the assignment.
+    Topology(cmd_topology::TopologyArgs),
 }
 
 fn init_tracing(verbose: u8) {
@@ -49,6 +53,7 @@ fn main() -> std::process::ExitCode {
     init_tracing(cli.verbose);
     let result = match cli.command {
         Command::Doctor(args) => cmd_doctor::run(&args),
+        Command::Topology(args) => cmd_topology::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
