@@ -219,7 +219,8 @@ fn read_pci(root: &Path) -> Vec<PciDevice> {
 
 /// Splits a resolved device path `.../devices/pci0000:00/0000:00:01.0/0000:01:00.0` into its
 /// host bridge (`pci0000:00`, the component before the first PCI address) and the bridges between
-/// it and the device (every PCI address before the device's own).
+/// it and the device (every PCI address before the device's own; components that are not PCI
+/// addresses, such as a VMD domain's `pci10000:e0`, are skipped).
 fn hierarchy(resolved: &Path, address: PciAddress) -> (Option<String>, Vec<PciAddress>) {
     let comps = components(resolved);
     let Some(first) = comps.iter().position(|c| c.parse::<PciAddress>().is_ok()) else {
@@ -230,7 +231,7 @@ fn hierarchy(resolved: &Path, address: PciAddress) -> (Option<String>, Vec<PciAd
         .get(first..)
         .unwrap_or_default()
         .iter()
-        .map_while(|c| c.parse::<PciAddress>().ok())
+        .filter_map(|c| c.parse::<PciAddress>().ok())
         .collect();
     if chain.last() == Some(&address) {
         chain.pop();
@@ -381,6 +382,17 @@ mod tests {
                 "0000:18:00.0".parse::<PciAddress>().unwrap()
             ]
         );
+    }
+
+    #[test]
+    fn vmd_domain_keeps_every_bridge() {
+        let p = Path::new(
+            "/sys/devices/pci0000:00/0000:00:0e.0/pci10000:e0/10000:e0:06.0/10000:e1:00.0",
+        );
+        let a: PciAddress = "10000:e1:00.0".parse().unwrap();
+        let (hb, parents) = hierarchy(p, a);
+        assert_eq!(hb.as_deref(), Some("pci0000:00"));
+        assert_eq!(parents.len(), 2);
     }
 
     #[test]

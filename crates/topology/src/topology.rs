@@ -61,7 +61,8 @@ pub struct NicPort {
     /// first, then any RoCE v2, then any IPv4-mapped, then the lowest index; for InfiniBand the
     /// lowest index.
     pub gid_index: Option<u32>,
-    /// Whether the port can carry traffic.
+    /// Whether the port itself can carry traffic (state, link layer, GID, port filters); traffic
+    /// also needs the NIC to be usable.
     pub usable: bool,
     /// Why not, when it cannot.
     pub reason: Option<String>,
