@@ -174,7 +174,7 @@ impl Drop for DeviceList<'_> {
 pub(crate) unsafe fn device_name(dev: *const ibv_device) -> String {
     // SAFETY: the caller guarantees `dev` is live; `name` is a fixed array we bound below.
     let bytes = unsafe { &(*dev).name };
-    let bytes: &[u8] = &bytes.map(|c| c as u8);
+    let bytes: &[u8] = &bytes.map(|c| c.to_ne_bytes()[0]);
     match CStr::from_bytes_until_nul(bytes) {
         Ok(name) => name.to_string_lossy().into_owned(),
         Err(_) => String::from_utf8_lossy(bytes).into_owned(),
