@@ -123,6 +123,16 @@ pub enum Error {
         /// The native error and cleanup evidence.
         evidence: String,
     },
+    /// Registering a range failed for a reason other than a budget (a native registration error,
+    /// a fenced context, ...).
+    #[error("registering {name:?} failed: {source}")]
+    Register {
+        /// The registration's name.
+        name: String,
+        /// The registry's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A frame could not be decoded; the connection it came on is closed.
     #[error("malformed frame from {peer}: {source}")]
     Malformed {

@@ -1,4 +1,43 @@
 //! Ferry: a transfer engine that moves bytes between registered memory over RDMA, io_uring or TCP.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), ferry::Error> {
+//! use ferry::{Access, Batch, MemoryRegion, TransferEngine};
+//! let engine = TransferEngine::builder().build()?;
+//! let buf = engine.register(MemoryRegion::alloc_zeroed(1 << 20, 4096).map_err(|e| ferry::Error::InvalidRequest { reason: e.to_string() })?, Access::LOCAL, "buf")?;
+//! let peer = engine.connect("127.0.0.1:7400").await?;
+//! let weights = peer.segment("weights")?;
+//! let handle = engine.submit(Batch::new().read(&buf, 0, &weights, 0, 1 << 20))?;
+//! let drained = handle.drained();
+//! let outcome = handle.await;
+//! assert!(outcome.is_success());
+//! drained.await;
+//! # Ok(()) }
+//! ```
+//!
+//! Contract: ARCHITECTURE.md sections 2 to 6. Outcomes never report a byte that was not
+//! acknowledged; timeouts and cancels are logical (the request ends, `drained` waits for the
+//! buffers); an address whose epoch changed is refused with `StaleEpoch` until re-resolved.
+#![forbid(unsafe_code)]
+
+mod describe;
+mod engine;
+mod request;
+mod serve;
+
+pub use describe::{Description, RouteDescription, SegmentDescription};
+pub use engine::{EngineBuilder, Peer, Registration, RemoteSegment, TransferEngine};
+pub use request::{Batch, Canceller, RequestHandle};
+
+pub use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
+pub use ferry_core::{
+    Access, Epoch, Error, Failure, FailureKind, MemoryRegion, OpKind, Outcome, PeerId,
+    RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,
+};
+pub use registry::Budgets;
+
+/// Ferry's shared vocabulary (`ferry-core`), for transports built outside this crate.
+pub use ferry_core as core_types;
 
 pub mod capabilities;
 pub mod discovery;

@@ -1,0 +1,92 @@
+//! Counters and the engine's self-description.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ferry_core::{Outcome, TransportKind};
+
+/// Counters of one route (peer and transport).
+#[derive(Debug, Default)]
+pub(crate) struct RouteCounters {
+    pub(crate) requests: AtomicU64,
+    pub(crate) ops: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    pub(crate) errors: AtomicU64,
+}
+
+impl RouteCounters {
+    pub(crate) fn record(&self, o: &Outcome) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.ops
+            .fetch_add(o.completed_ops as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(o.completed_bytes, Ordering::Relaxed);
+        if o.failure.is_some() {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn snapshot(&self, peer: String, transport: TransportKind) -> RouteDescription {
+        RouteDescription {
+            peer,
+            transport: transport.name().to_owned(),
+            requests: self.requests.load(Ordering::Relaxed),
+            ops: self.ops.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Counters of one route, as [`TransferEngine::describe`](crate::TransferEngine::describe) reports
+/// them. Only acknowledged ops and bytes are counted.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RouteDescription {
+    /// The peer's address.
+    pub peer: String,
+    /// The transport (`tcp`, `uring`, `rdma`).
+    pub transport: String,
+    /// Requests finished on the route.
+    pub requests: u64,
+    /// Ops completed (acknowledged).
+    pub ops: u64,
+    /// Bytes completed (acknowledged).
+    pub bytes: u64,
+    /// Requests that ended with a failure.
+    pub errors: u64,
+}
+
+/// A published segment, as described locally.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct SegmentDescription {
+    /// Its name.
+    pub name: String,
+    /// Its token (hex).
+    pub token: String,
+    /// Its length.
+    pub len: u64,
+    /// Peers' access (`read`, `write`, `read+write`).
+    pub access: String,
+}
+
+/// What an engine is and has done: identity, listener, registrations and per-route counters.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Description {
+    /// Peer id (hex).
+    pub peer_id: String,
+    /// Epoch (hex).
+    pub epoch: String,
+    /// The address served, if any.
+    pub listen: Option<String>,
+    /// Transports built in and enabled.
+    pub transports: Vec<String>,
+    /// Live registrations.
+    pub registrations: u64,
+    /// Bytes charged to the registration budget.
+    pub registered_bytes: u64,
+    /// Published segments.
+    pub published: Vec<SegmentDescription>,
+    /// Per-route counters.
+    pub routes: Vec<RouteDescription>,
+}

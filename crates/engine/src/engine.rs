@@ -1,0 +1,739 @@
+//! The engine: builder, registrations, peers and submission.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use ferry_core::wire::{Hello, SUPPORTED_VERSIONS, VersionRange};
+use ferry_core::{
+    Access, Channel, Epoch, Error, MemoryRegion, Op, PeerId, PeerInfo, RequestControl, SegmentDesc,
+    SegmentToken, Transport, TransportKind,
+};
+use registry::{Budgets, Registry, RegistryError};
+use tokio::sync::{Notify, watch};
+use tracing::Instrument;
+use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
+
+use crate::describe::{Description, RouteCounters, SegmentDescription};
+use crate::request::{Batch, RequestHandle};
+use crate::serve::{RegistryTable, Responder, describe_lease};
+
+/// Builds a [`TransferEngine`]. Nothing native is loaded by building.
+#[derive(Debug, Clone)]
+pub struct EngineBuilder {
+    listen: Option<SocketAddr>,
+    kinds: Vec<TransportKind>,
+    extra: Vec<Arc<dyn Transport>>,
+    tcp: TcpConfig,
+    budgets: Budgets,
+    request_timeout: Option<Duration>,
+    connect_timeout: Duration,
+    versions: VersionRange,
+}
+
+impl Default for EngineBuilder {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            kinds: vec![TransportKind::Tcp],
+            extra: Vec::new(),
+            tcp: TcpConfig::default(),
+            budgets: Budgets::default(),
+            request_timeout: None,
+            connect_timeout: Duration::from_secs(10),
+            versions: SUPPORTED_VERSIONS,
+        }
+    }
+}
+
+impl EngineBuilder {
+    /// Serves published segments on `addr` (port 0: any free port). Without it the engine only
+    /// connects out.
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = Some(addr);
+        self
+    }
+
+    /// The built-in transports to use, in order of preference (default: TCP).
+    pub fn transports(mut self, kinds: &[TransportKind]) -> Self {
+        self.kinds = kinds.to_vec();
+        self
+    }
+
+    /// Adds a transport implemented outside this crate (preferred over the built-in ones).
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
+        self.extra.push(transport);
+        self
+    }
+
+    /// Data streams per peer for TCP (default 1).
+    pub fn streams(mut self, n: usize) -> Self {
+        self.tcp.streams = n;
+        self
+    }
+
+    /// Largest chunk an op is split into (default 1 MiB).
+    pub fn chunk_size(mut self, bytes: u64) -> Self {
+        self.tcp.chunk_size = bytes;
+        self
+    }
+
+    /// Chunks in flight per stream (default 8).
+    pub fn depth(mut self, n: usize) -> Self {
+        self.tcp.depth = n;
+        self
+    }
+
+    /// Socket buffer size (`None`: kernel autotuning).
+    pub fn socket_buffer(mut self, bytes: Option<usize>) -> Self {
+        self.tcp.socket_buffer = bytes;
+        self
+    }
+
+    /// Registration budgets.
+    pub fn budgets(mut self, budgets: Budgets) -> Self {
+        self.budgets = budgets;
+        self
+    }
+
+    /// Default per-request timeout (none by default).
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = Some(timeout);
+        self
+    }
+
+    /// Limit for connecting and the handshake (default 10 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self.tcp.connect_timeout = timeout;
+        self
+    }
+
+    /// The protocol versions to speak (default: all this build supports). For interoperability
+    /// tests; a peer with no common version is refused with `ProtocolMismatch`.
+    pub fn protocol_versions(mut self, versions: VersionRange) -> Self {
+        self.versions = versions;
+        self
+    }
+
+    /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
+    /// listener is bound here, and served on that runtime).
+    pub fn build(self) -> Result<TransferEngine, Error> {
+        let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
+        for kind in &self.kinds {
+            match kind {
+                TransportKind::Tcp => {
+                    transports.push(Arc::new(TcpTransport::new(self.tcp.clone())));
+                }
+                other => {
+                    if !transports.iter().any(|t| t.kind() == *other) {
+                        return Err(Error::Unavailable {
+                            library: format!("ferry {other} transport"),
+                            reason: format!(
+                                "the {other} transport is not built into this engine; \
+                                 add it with EngineBuilder::transport"
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        if transports.is_empty() {
+            return Err(Error::InvalidRequest {
+                reason: "no transport configured".into(),
+            });
+        }
+        let id = PeerId::random();
+        let epoch = Epoch::fresh();
+        let registry = Registry::host(self.budgets);
+        let table = Arc::new(RegistryTable::new(registry.clone()));
+        let responder = Arc::new(Responder {
+            id,
+            epoch,
+            versions: self.versions,
+            transports: transports.clone(),
+            table: table.clone(),
+        });
+        let server = match self.listen {
+            None => None,
+            Some(addr) => {
+                if let Err(e) = tokio::runtime::Handle::try_current() {
+                    return Err(Error::Unavailable {
+                        library: "tokio runtime".into(),
+                        reason: format!("EngineBuilder::build with listen needs one: {e}"),
+                    });
+                }
+                let server = TcpServer::bind(addr)?;
+                let tcp_config = self.tcp.clone();
+                Some(server.serve(table.clone(), responder.clone(), tcp_config))
+            }
+        };
+        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()), "engine built");
+        Ok(TransferEngine {
+            inner: Arc::new(Inner {
+                id,
+                epoch,
+                versions: self.versions,
+                transports,
+                registry,
+                table,
+                server,
+                known: Mutex::new(HashMap::new()),
+                routes: Mutex::new(Vec::new()),
+                request_timeout: self.request_timeout,
+                connect_timeout: self.connect_timeout,
+            }),
+        })
+    }
+}
+
+type Route = (String, TransportKind, Arc<RouteCounters>);
+
+struct Inner {
+    id: PeerId,
+    epoch: Epoch,
+    versions: VersionRange,
+    transports: Vec<Arc<dyn Transport>>,
+    registry: Registry,
+    table: Arc<RegistryTable>,
+    server: Option<ServerHandle>,
+    /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
+    known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
+    routes: Mutex<Vec<Route>>,
+    request_timeout: Option<Duration>,
+    connect_timeout: Duration,
+}
+
+impl fmt::Debug for Inner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("id", &self.id)
+            .field("epoch", &self.epoch)
+            .field("listen", &self.server.as_ref().map(|s| s.local_addr()))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Ferry's transfer engine: registers memory, connects to peers and moves bytes between them.
+#[derive(Clone, Debug)]
+pub struct TransferEngine {
+    inner: Arc<Inner>,
+}
+
+/// A registered range, owned by the caller. Dropping it (or [`retire`](Self::retire)) unpublishes
+/// it at once; its memory stays alive while requests still use it.
+pub struct Registration {
+    inner: Option<registry::Registration>,
+    table: Arc<RegistryTable>,
+    region: Arc<MemoryRegion>,
+    token: SegmentToken,
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration")
+            .field("token", &self.token)
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The token peers address it by.
+    pub fn token(&self) -> SegmentToken {
+        self.token
+    }
+
+    /// The registered memory.
+    pub fn region(&self) -> &Arc<MemoryRegion> {
+        &self.region
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.region.len() as u64
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.region.is_empty()
+    }
+
+    /// Unpublishes the range (peers' requests are refused as for an unknown token from now on)
+    /// and releases it once no request uses it.
+    pub fn retire(mut self) -> Result<(), Error> {
+        self.table.remove(self.token);
+        let _span = tracing::info_span!("retire", token = %self.token).entered();
+        match self.inner.take() {
+            Some(r) => r.retire().map(|_| ()).map_err(registry_error("retire")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.table.remove(self.token);
+    }
+}
+
+fn registry_error(name: &str) -> impl FnOnce(RegistryError) -> Error + '_ {
+    move |e| match e {
+        RegistryError::ResourceExhausted {
+            budget,
+            requested_copies,
+            requested_bytes,
+            held_copies,
+            held_bytes,
+            limit,
+            ..
+        } => {
+            let (requested, held) = match budget {
+                registry::Budget::Count => (requested_copies, held_copies),
+                _ => (requested_bytes, held_bytes),
+            };
+            Error::ResourceExhausted {
+                budget: format!("{budget} (registering {name:?})"),
+                requested,
+                held,
+                limit,
+            }
+        }
+        other @ RegistryError::Unquiesced { .. } => Error::Unquiesced {
+            what: format!("registration {name:?}"),
+            evidence: other.to_string(),
+        },
+        other => Error::Register {
+            name: name.to_owned(),
+            source: Box::new(other),
+        },
+    }
+}
+
+/// A connected peer incarnation and what it publishes.
+#[derive(Clone)]
+pub struct Peer {
+    inner: Arc<PeerInner>,
+}
+
+struct PeerInner {
+    addr: SocketAddr,
+    id: PeerId,
+    epoch: Epoch,
+    segments: Vec<SegmentDesc>,
+    channel: Arc<dyn Channel>,
+    counters: Arc<RouteCounters>,
+}
+
+impl fmt::Debug for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer")
+            .field("addr", &self.inner.addr)
+            .field("id", &self.inner.id)
+            .field("epoch", &self.inner.epoch)
+            .field("transport", &self.inner.channel.kind())
+            .field("segments", &self.inner.segments.len())
+            .finish()
+    }
+}
+
+impl Peer {
+    /// Its control address.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// Its peer id.
+    pub fn id(&self) -> PeerId {
+        self.inner.id
+    }
+
+    /// The epoch of this incarnation.
+    pub fn epoch(&self) -> Epoch {
+        self.inner.epoch
+    }
+
+    /// The transport its requests take.
+    pub fn transport(&self) -> TransportKind {
+        self.inner.channel.kind()
+    }
+
+    /// Descriptors of the segments it published at connection time.
+    pub fn segments(&self) -> &[SegmentDesc] {
+        &self.inner.segments
+    }
+
+    /// The segment published under `name`.
+    pub fn segment(&self, name: &str) -> Result<RemoteSegment, Error> {
+        self.inner
+            .segments
+            .iter()
+            .find(|s| s.name == name)
+            .map(|desc| RemoteSegment {
+                peer: self.inner.clone(),
+                desc: desc.clone(),
+            })
+            .ok_or_else(|| Error::UnknownSegmentName {
+                peer: self.inner.addr.to_string(),
+                name: name.to_owned(),
+            })
+    }
+
+    /// A segment of this peer from a descriptor obtained out of band (a metadata service). The
+    /// peer checks the token, bounds and access of every op itself.
+    pub fn segment_from_descriptor(&self, desc: SegmentDesc) -> RemoteSegment {
+        RemoteSegment {
+            peer: self.inner.clone(),
+            desc,
+        }
+    }
+
+    /// Closes the data path: in-flight chunks fail as lost, later requests fail at once.
+    pub fn close(&self) {
+        self.inner.channel.close();
+    }
+}
+
+/// A segment published by a peer, as an op target.
+#[derive(Clone)]
+pub struct RemoteSegment {
+    peer: Arc<PeerInner>,
+    desc: SegmentDesc,
+}
+
+impl fmt::Debug for RemoteSegment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteSegment")
+            .field("peer", &self.peer.addr)
+            .field("desc", &self.desc)
+            .finish()
+    }
+}
+
+impl RemoteSegment {
+    /// Its descriptor.
+    pub fn desc(&self) -> &SegmentDesc {
+        &self.desc
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.desc.name
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.desc.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.desc.len == 0
+    }
+
+    /// What we may do to it.
+    pub fn access(&self) -> Access {
+        self.desc.access
+    }
+}
+
+impl TransferEngine {
+    /// A builder with defaults: TCP, no listener, default budgets, no request timeout.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+
+    /// This engine's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.inner.id
+    }
+
+    /// This engine's epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.inner.epoch
+    }
+
+    /// The address it serves on, if it listens.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.inner.server.as_ref().map(|s| s.local_addr())
+    }
+
+    /// Registers `region` under `name` with `access` for peers: admitted against the budgets,
+    /// prepared on every context, then published.
+    pub fn register(
+        &self,
+        region: impl Into<Arc<MemoryRegion>>,
+        access: Access,
+        name: &str,
+    ) -> Result<Registration, Error> {
+        let region = region.into();
+        let span = tracing::info_span!("register", name, len = region.len(), %access);
+        let _enter = span.enter();
+        let reg = self
+            .inner
+            .registry
+            .register(name, region.clone(), access)
+            .map_err(registry_error(name))?;
+        let token = reg.token();
+        if access.is_remote() {
+            self.inner.table.add(reg.lease());
+        }
+        tracing::debug!(%token, "published");
+        Ok(Registration {
+            inner: Some(reg),
+            table: self.inner.table.clone(),
+            region,
+            token,
+        })
+    }
+
+    fn hello(&self) -> Hello {
+        Hello {
+            versions: self.inner.versions,
+            peer_id: self.inner.id,
+            epoch: self.inner.epoch,
+            transports: self.inner.transports.iter().map(|t| t.offer()).collect(),
+            segments: self.inner.table.published_descs(),
+        }
+    }
+
+    /// Connects to the engine serving `addr`: handshake, then the data path over the first
+    /// transport both ends offer. A peer with no common protocol version is refused with
+    /// `ProtocolMismatch`; an address whose epoch differs from the one this engine met there
+    /// first is refused with `StaleEpoch` (use [`reresolve`](Self::reresolve) to adopt it).
+    pub async fn connect(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
+        let addr = resolve(addr)?;
+        let span = tracing::info_span!("connect", %addr);
+        self.connect_inner(addr).instrument(span).await
+    }
+
+    /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
+    /// serves it now. Descriptors of the old incarnation stay refused.
+    pub async fn reresolve(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
+        let addr = resolve(addr)?;
+        self.inner
+            .known
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&addr);
+        tracing::info!(%addr, "re-resolving peer");
+        self.connect(addr).await
+    }
+
+    async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
+        let hello = self.hello();
+        let server = transport_tcp::handshake(addr, &hello, self.inner.connect_timeout).await?;
+        {
+            let mut known = self
+                .inner
+                .known
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match known.get(&addr) {
+                Some((_, e)) if *e != server.epoch => {
+                    return Err(Error::StaleEpoch {
+                        addr: addr.to_string(),
+                        known: *e,
+                        found: server.epoch,
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    known.insert(addr, (server.peer_id, server.epoch));
+                }
+            }
+        }
+        let mut chosen = None;
+        for t in &self.inner.transports {
+            if let Some(offer) = server
+                .transports
+                .iter()
+                .find(|o| TransportKind::of_offer(o) == Some(t.kind()))
+            {
+                chosen = Some((t.clone(), offer.clone()));
+                break;
+            }
+        }
+        let Some((transport, offer)) = chosen else {
+            return Err(Error::NoRoute {
+                peer: addr.to_string(),
+                reason: format!(
+                    "we offer {:?}, the peer {:?}",
+                    self.inner
+                        .transports
+                        .iter()
+                        .map(|t| t.kind().name())
+                        .collect::<Vec<_>>(),
+                    server.transports
+                ),
+            });
+        };
+        let info = PeerInfo {
+            addr,
+            local_id: self.inner.id,
+            local_epoch: self.inner.epoch,
+            remote_id: server.peer_id,
+            remote_epoch: server.epoch,
+            offer,
+            segments: server.segments.clone(),
+        };
+        let channel = transport.open(info).await?;
+        let counters = self.route(addr.to_string(), channel.kind());
+        tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
+            segments = server.segments.len(), "connected");
+        Ok(Peer {
+            inner: Arc::new(PeerInner {
+                addr,
+                id: server.peer_id,
+                epoch: server.epoch,
+                segments: server.segments,
+                channel,
+                counters,
+            }),
+        })
+    }
+
+    fn route(&self, peer: String, kind: TransportKind) -> Arc<RouteCounters> {
+        let mut routes = self
+            .inner
+            .routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, _, c)) = routes.iter().find(|(p, k, _)| *p == peer && *k == kind) {
+            return c.clone();
+        }
+        let c = Arc::new(RouteCounters::default());
+        routes.push((peer, kind, c.clone()));
+        c
+    }
+
+    /// Submits a batch: every op is checked against its local region and the peer's descriptor
+    /// before anything moves (an error here means nothing moved), then the request runs in the
+    /// background. Must be called inside a tokio runtime.
+    pub fn submit(&self, batch: Batch) -> Result<RequestHandle, Error> {
+        let Some(first) = batch.ops.first() else {
+            return Err(Error::InvalidRequest {
+                reason: "empty batch".into(),
+            });
+        };
+        let peer = first.remote.peer.clone();
+        let mut ops = Vec::with_capacity(batch.ops.len());
+        for p in &batch.ops {
+            if !Arc::ptr_eq(&p.remote.peer, &peer) {
+                return Err(Error::InvalidRequest {
+                    reason: "a batch goes to one peer incarnation; split it per peer".into(),
+                });
+            }
+            let op = Op {
+                kind: p.kind,
+                local: p.local.clone(),
+                local_offset: p.local_offset,
+                token: p.remote.desc.token,
+                remote_offset: p.remote_offset,
+                len: p.len,
+            };
+            op.check_local()?;
+            p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
+            ops.push(op);
+        }
+        if let Err(e) = tokio::runtime::Handle::try_current() {
+            return Err(Error::Unavailable {
+                library: "tokio runtime".into(),
+                reason: format!("TransferEngine::submit needs one: {e}"),
+            });
+        }
+        let bytes: u64 = ops.iter().map(|o| o.len).sum();
+        let ops: Arc<[Op]> = ops.into();
+        let control = Arc::new(RequestControl::new(&ops));
+        let span = tracing::info_span!("request", peer = %peer.addr, ops = ops.len(), bytes);
+        let (tx, rx) = watch::channel(None);
+        let fut = peer.channel.execute(ops, control.clone());
+        let counters = peer.counters.clone();
+        tokio::spawn(
+            async move {
+                let outcome = fut.await;
+                counters.record(&outcome);
+                if let Some(f) = outcome.failure {
+                    tracing::debug!(op = f.op_index, kind = %f.kind, effect = ?outcome.remote_effect,
+                        "request failed");
+                }
+                let _ = tx.send(Some(outcome));
+            }
+            .instrument(span),
+        );
+        Ok(RequestHandle {
+            control,
+            wake: Arc::new(Notify::new()),
+            done: rx,
+            timeout: batch.timeout.or(self.inner.request_timeout),
+        })
+    }
+
+    /// Identity, listener, registrations and per-route counters.
+    pub fn describe(&self) -> Description {
+        let counters = self.inner.registry.counters();
+        let published = self
+            .inner
+            .registry
+            .published()
+            .iter()
+            .map(|l| SegmentDescription {
+                name: l.name().to_owned(),
+                token: l.token().to_string(),
+                len: l.len(),
+                access: l.access().to_string(),
+            })
+            .collect();
+        let routes = self
+            .inner
+            .routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(p, k, c)| c.snapshot(p.clone(), *k))
+            .collect();
+        Description {
+            peer_id: self.inner.id.to_string(),
+            epoch: self.inner.epoch.to_string(),
+            listen: self.local_addr().map(|a| a.to_string()),
+            transports: self
+                .inner
+                .transports
+                .iter()
+                .map(|t| t.kind().name().to_owned())
+                .collect(),
+            registrations: counters.registrations,
+            registered_bytes: counters.bytes,
+            published,
+            routes,
+        }
+    }
+
+    /// Stops serving: the listener closes and accepted connections are dropped.
+    pub fn shutdown(&self) {
+        if let Some(s) = &self.inner.server {
+            s.shutdown();
+        }
+    }
+}
+
+impl RegistryTable {
+    fn published_descs(&self) -> Vec<SegmentDesc> {
+        self.registry
+            .published()
+            .iter()
+            .map(describe_lease)
+            .collect()
+    }
+}
+
+fn resolve(addr: impl ToSocketAddrs) -> Result<SocketAddr, Error> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::io("resolve", "peer address", e))?
+        .next()
+        .ok_or_else(|| Error::InvalidRequest {
+            reason: "the peer address resolves to nothing".into(),
+        })
+}

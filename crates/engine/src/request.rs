@@ -1,0 +1,206 @@
+//! Batches of ops and the handles of submitted requests.
+
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::{FailureKind, OpKind, Outcome, RequestControl};
+use tokio::sync::{Notify, watch};
+
+use crate::engine::{Registration, RemoteSegment};
+
+/// One op of a batch, before validation.
+#[derive(Clone, Debug)]
+pub(crate) struct PendingOp {
+    pub(crate) kind: OpKind,
+    pub(crate) local: Arc<ferry_core::MemoryRegion>,
+    pub(crate) local_offset: u64,
+    pub(crate) remote: RemoteSegment,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
+/// An ordered batch of READs and WRITEs to one peer: one request.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub(crate) ops: Vec<PendingOp>,
+    pub(crate) timeout: Option<Duration>,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a READ of `remote[remote_offset..+len]` into `local[local_offset..+len]`.
+    pub fn read(
+        mut self,
+        local: &Registration,
+        local_offset: u64,
+        remote: &RemoteSegment,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        self.push(
+            OpKind::Read,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+        );
+        self
+    }
+
+    /// Appends a WRITE of `local[local_offset..+len]` into `remote[remote_offset..+len]`.
+    pub fn write(
+        mut self,
+        local: &Registration,
+        local_offset: u64,
+        remote: &RemoteSegment,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        self.push(
+            OpKind::Write,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+        );
+        self
+    }
+
+    /// Appends an op (in place).
+    pub fn push(
+        &mut self,
+        kind: OpKind,
+        local: &Registration,
+        local_offset: u64,
+        remote: &RemoteSegment,
+        remote_offset: u64,
+        len: u64,
+    ) {
+        self.ops.push(PendingOp {
+            kind,
+            local: local.region().clone(),
+            local_offset,
+            remote: remote.clone(),
+            remote_offset,
+            len,
+        });
+    }
+
+    /// Sets this request's timeout (overrides the engine's default). Logical: the request ends,
+    /// in-flight chunks still finish before `drained`.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Number of ops.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether the batch has no op.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+}
+
+/// Cancels a request from anywhere (cheap to clone).
+#[derive(Clone, Debug)]
+pub struct Canceller {
+    control: Arc<RequestControl>,
+    wake: Arc<Notify>,
+}
+
+impl Canceller {
+    /// Ends the request logically: no further chunk is posted and its handle resolves at once with
+    /// a `Cancelled` failure (unless it already completed). Buffers stay owned until `drained`.
+    pub fn cancel(&self) {
+        self.control.stop(FailureKind::Cancelled);
+        self.wake.notify_one();
+    }
+}
+
+/// A submitted request. Await it (it is `IntoFuture`) for the logical [`Outcome`]; await
+/// [`drained`](Self::drained) for the moment its buffers are free again.
+#[derive(Debug)]
+pub struct RequestHandle {
+    pub(crate) control: Arc<RequestControl>,
+    pub(crate) wake: Arc<Notify>,
+    pub(crate) done: watch::Receiver<Option<Outcome>>,
+    pub(crate) timeout: Option<Duration>,
+}
+
+impl RequestHandle {
+    /// A handle that can cancel the request.
+    pub fn canceller(&self) -> Canceller {
+        Canceller {
+            control: self.control.clone(),
+            wake: self.wake.clone(),
+        }
+    }
+
+    /// Cancels the request (see [`Canceller::cancel`]).
+    pub fn cancel(&self) {
+        self.canceller().cancel();
+    }
+
+    /// The outcome so far (not drained), for progress reports.
+    pub fn progress(&self) -> Outcome {
+        self.control.outcome(false)
+    }
+
+    /// Resolves when the transport has physically finished with every buffer of the request,
+    /// with the final outcome (`drained: true`). Take it before awaiting the handle.
+    pub fn drained(&self) -> impl Future<Output = Outcome> + Send + 'static {
+        let mut rx = self.done.clone();
+        let control = self.control.clone();
+        async move {
+            loop {
+                if let Some(o) = *rx.borrow_and_update() {
+                    return o;
+                }
+                if rx.changed().await.is_err() {
+                    // The request's task ended without a word: nothing holds the buffers now.
+                    return control.outcome(true);
+                }
+            }
+        }
+    }
+
+    /// Waits for the logical outcome: completion, or the timeout, or a cancel.
+    pub async fn outcome(self) -> Outcome {
+        let drained = self.drained();
+        let deadline = async {
+            match self.timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            o = drained => o,
+            _ = self.wake.notified() => self.control.outcome(false),
+            _ = deadline => {
+                self.control.stop(FailureKind::Timeout);
+                self.control.outcome(false)
+            }
+        }
+    }
+}
+
+impl IntoFuture for RequestHandle {
+    type Output = Outcome;
+    type IntoFuture = Pin<Box<dyn Future<Output = Outcome> + Send>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(self.outcome())
+    }
+}

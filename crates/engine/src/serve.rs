@@ -1,0 +1,163 @@
+//! The serving side's adapters: the registry as a [`SegmentTable`], and the handshake policy.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, PoisonError, RwLock};
+
+use ferry_core::wire::{Hello, Reject, RejectReason, VersionRange};
+use ferry_core::{
+    Epoch, HandshakeResponder, PeerId, PeerInfo, RemoteKey, SegmentDesc, SegmentLease,
+    SegmentTable, SegmentToken, Transport, TransportKind,
+};
+use registry::{Lease, Registry};
+
+/// Published segments as the transports' servers see them.
+///
+/// Guards are kept per token (one `Arc` made at registration), so that resolving a chunk allocates
+/// nothing; the registry stays the authority on what is published.
+#[derive(Debug)]
+pub(crate) struct RegistryTable {
+    pub(crate) registry: Registry,
+    guards: RwLock<HashMap<SegmentToken, Arc<Lease>>>,
+}
+
+impl RegistryTable {
+    pub(crate) fn new(registry: Registry) -> Self {
+        Self {
+            registry,
+            guards: RwLock::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn add(&self, lease: Lease) {
+        self.guards
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(lease.token(), Arc::new(lease));
+    }
+
+    pub(crate) fn remove(&self, token: SegmentToken) {
+        self.guards
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&token);
+    }
+}
+
+pub(crate) fn describe_lease(lease: &Lease) -> SegmentDesc {
+    SegmentDesc {
+        name: lease.name().to_owned(),
+        token: lease.token(),
+        len: lease.len(),
+        access: lease.access(),
+        remote_keys: lease
+            .remote_keys()
+            .map(|(ctx, rkey)| RemoteKey {
+                context: ctx.0,
+                addr: lease.region().as_ptr() as u64,
+                rkey,
+            })
+            .collect(),
+    }
+}
+
+impl SegmentTable for RegistryTable {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        let lease = self.registry.lookup(token)?;
+        let guard = self
+            .guards
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&token)
+            .cloned();
+        let region = lease.region().clone();
+        let len = lease.len();
+        let access = lease.access();
+        let guard: Arc<dyn std::any::Any + Send + Sync> = match guard {
+            Some(g) => g,
+            None => Arc::new(lease),
+        };
+        Some(SegmentLease {
+            region,
+            base: 0,
+            len,
+            access,
+            guard: Some(guard),
+        })
+    }
+
+    fn published(&self) -> Vec<SegmentDesc> {
+        self.registry
+            .published()
+            .iter()
+            .map(describe_lease)
+            .collect()
+    }
+}
+
+/// The engine's identity and handshake policy.
+#[derive(Debug)]
+pub(crate) struct Responder {
+    pub(crate) id: PeerId,
+    pub(crate) epoch: Epoch,
+    pub(crate) versions: VersionRange,
+    pub(crate) transports: Vec<Arc<dyn Transport>>,
+    pub(crate) table: Arc<RegistryTable>,
+}
+
+impl HandshakeResponder for Responder {
+    fn peer_id(&self) -> PeerId {
+        self.id
+    }
+
+    fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    fn respond(&self, hello: &Hello, from: SocketAddr) -> Result<Hello, Reject> {
+        let _span = tracing::debug_span!("handshake", %from, peer = %hello.peer_id).entered();
+        if self.versions.common(hello.versions).is_none() {
+            tracing::info!(%from, ours = %self.versions, theirs = %hello.versions, "protocol mismatch");
+            return Err(Reject {
+                reason: RejectReason::ProtocolMismatch,
+                versions: self.versions,
+                epoch: self.epoch,
+                message: format!(
+                    "no common protocol version: server speaks {}, client {}",
+                    self.versions, hello.versions
+                ),
+            });
+        }
+        let segments = self.table.published();
+        let mut transports = Vec::new();
+        for t in &self.transports {
+            let Some(offer) = hello
+                .transports
+                .iter()
+                .find(|o| TransportKind::of_offer(o) == Some(t.kind()))
+            else {
+                continue;
+            };
+            let info = PeerInfo {
+                addr: from,
+                local_id: self.id,
+                local_epoch: self.epoch,
+                remote_id: hello.peer_id,
+                remote_epoch: hello.epoch,
+                offer: offer.clone(),
+                segments: hello.segments.clone(),
+            };
+            match t.accept(&info) {
+                Ok(o) => transports.push(o),
+                Err(e) => tracing::warn!(%from, transport = %t.kind(), error = %e, "cannot serve"),
+            }
+        }
+        Ok(Hello {
+            versions: self.versions,
+            peer_id: self.id,
+            epoch: self.epoch,
+            transports,
+            segments,
+        })
+    }
+}
