@@ -90,6 +90,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if let Err(why) = ready {
         return unavailable(&why, opts.require);
     }
+    if !opts.host
+        && let Err(e) = ensure_image(&cache_dir())
+    {
+        return unavailable(
+            &format!("building the guest image failed: {e:#}"),
+            opts.require,
+        );
+    }
     let report = suite(&opts)?;
     let failures = report.failures(opts.require_bench);
     report.print(&failures);
@@ -125,6 +133,14 @@ pub(crate) fn from_ci() -> Result<()> {
                 );
             }
         }
+    }
+    if !opts.host
+        && let Err(e) = ensure_image(&cache_dir())
+    {
+        return unavailable(
+            &format!("building the guest image failed: {e:#}"),
+            opts.require,
+        );
     }
     let report = suite(&opts)?;
     let failures = report.failures(opts.require_bench);
@@ -663,9 +679,6 @@ fn stage(share: &Path, host: bool, builds: &Builds) -> Result<()> {
 fn suite(opts: &Opts) -> Result<Report> {
     let t0 = Instant::now();
     let cache = cache_dir();
-    if !opts.host {
-        ensure_image(&cache)?;
-    }
     let builds = build_on_host()?;
     let (share, temporary) = match &opts.keep_share {
         Some(d) => (d.clone(), false),
@@ -722,7 +735,11 @@ fn suite(opts: &Opts) -> Result<Report> {
     report.total_s = t0.elapsed().as_secs_f64();
     report.broken_builds = builds.broken;
     report.notes = builds.notes;
-    report.expected_tests = builds.tests.iter().map(staged_name).collect();
+    report.expected_tests = builds
+        .tests
+        .iter()
+        .map(|t| (staged_name(t), t.label.clone()))
+        .collect();
     let failed = !report.failures(opts.require_bench).is_empty();
     if failed {
         eprintln!("---- {} ----", log_path.display());
@@ -777,7 +794,8 @@ struct Report {
     total_s: f64,
     broken_builds: Vec<String>,
     notes: Vec<String>,
-    expected_tests: Vec<String>,
+    /// Staged names of the test binaries, with their `package:target` labels.
+    expected_tests: Vec<(String, String)>,
 }
 
 /// `key=value` words of a result line.
@@ -879,6 +897,14 @@ impl Report {
         r
     }
 
+    /// The `package:target` label of a staged test binary, or its name.
+    fn label<'a>(&'a self, name: &'a str) -> &'a str {
+        self.expected_tests
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(name, |(_, l)| l.as_str())
+    }
+
     fn write_rate(&self) -> Option<f64> {
         self.refs
             .iter()
@@ -909,12 +935,18 @@ impl Report {
         }
         for t in &self.tests {
             if t.rc != "0" {
-                f.push(format!("{}: rc={} ({} failed)", t.name, t.rc, t.failed));
+                f.push(format!(
+                    "{} ({}): rc={} ({} failed)",
+                    self.label(&t.name),
+                    t.name,
+                    t.rc,
+                    t.failed
+                ));
             }
         }
-        for name in &self.expected_tests {
+        for (name, label) in &self.expected_tests {
             if self.end.is_some() && !self.tests.iter().any(|t| &t.name == name) {
-                f.push(format!("{name}: did not run"));
+                f.push(format!("{label} ({name}): did not run"));
             }
         }
         if require_bench {
@@ -974,7 +1006,7 @@ impl Report {
         for t in &self.tests {
             println!(
                 "  {:<44} {:<14} {} passed, {} failed, {} ignored, {}s",
-                format!("test {}", t.name),
+                format!("test {}", self.label(&t.name)),
                 if t.rc == "0" {
                     "ok".to_owned()
                 } else {
@@ -1067,7 +1099,11 @@ rxe-init: guest-test.sh exit=1
         r.run_ok = false;
         let f = r.failures(false);
         assert!(f.iter().any(|s| s.starts_with("ib_read_bw")), "{f:?}");
-        assert!(f.iter().any(|s| s.starts_with("ferry-99: rc=101")), "{f:?}");
+        assert!(
+            f.iter()
+                .any(|s| s.starts_with("ferry-99 (ferry-99): rc=101")),
+            "{f:?}"
+        );
         assert!(
             !f.iter().any(|s| s.contains("ferry_transport_rdma")),
             "{f:?}"

@@ -105,8 +105,12 @@ bench() {
   done
   if [ -z "$addr" ]; then
     echo "-- ferry serve output:"; cat "$srv"
-    kill $spid 2>/dev/null; wait $spid 2>/dev/null
-    result bench status=failed reason=serve-printed-no-address
+    if kill -0 $spid 2>/dev/null; then
+      kill $spid 2>/dev/null; wait $spid 2>/dev/null
+      result bench status=failed reason=serve-printed-no-address
+    else
+      wait $spid; result bench status=failed reason=serve-exited-rc-$?
+    fi
     return
   fi
   cmd=${FERRY_BENCH//@ADDR@/$addr}
