@@ -96,7 +96,7 @@ bench() {
   if ! [ -x "$FERRY" ]; then result bench status=failed reason=no-ferry-binary; return; fi
   srv=$(mktemp); out=$(mktemp)
   echo "\$ $FERRY_SERVE"
-  eval "$FERRY_SERVE" > "$srv" 2>&1 & spid=$!
+  eval "exec $FERRY_SERVE" > "$srv" 2>&1 & spid=$!  # exec: $spid is the server itself
   for _ in $(seq 120); do # up to 60 s for the listen address to be printed
     addr=$(grep -o '10\.99\.0\.1:[0-9][0-9]*' "$srv" | head -1)
     [ -n "$addr" ] && break
