@@ -1,14 +1,14 @@
 //! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
 
-use crate::util::{cargo, run};
+use crate::util::{self, cargo};
 use anyhow::Result;
 
 pub(crate) fn run(_args: &[String]) -> Result<()> {
     step("fmt", || {
-        run(cargo().args(["fmt", "--all", "--", "--check"]))
+        util::run(cargo().args(["fmt", "--all", "--", "--check"]))
     })?;
     step("clippy", || {
-        run(cargo().args([
+        util::run(cargo().args([
             "clippy",
             "--workspace",
             "--all-targets",
@@ -18,17 +18,21 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
         ]))
     })?;
     step("test", || {
-        run(cargo()
-            .args(["test", "--workspace", "--all-targets"])
-            .env("RUST_BACKTRACE", "1"))
+        util::run(
+            cargo()
+                .args(["test", "--workspace", "--all-targets"])
+                .env("RUST_BACKTRACE", "1"),
+        )
     })?;
     step("doctest", || {
-        run(cargo().args(["test", "--workspace", "--doc"]))
+        util::run(cargo().args(["test", "--workspace", "--doc"]))
     })?;
     step("doc", || {
-        run(cargo()
-            .args(["doc", "--workspace", "--no-deps"])
-            .env("RUSTDOCFLAGS", "-D warnings"))
+        util::run(
+            cargo()
+                .args(["doc", "--workspace", "--no-deps"])
+                .env("RUSTDOCFLAGS", "-D warnings"),
+        )
     })?;
     step("soft-roce", crate::soft_roce::from_ci)?;
     eprintln!("xtask ci: all steps passed");
