@@ -982,7 +982,20 @@ impl Report {
         println!();
         println!("soft-roce results ({mode}; rxe1 -> rxe0, {OP_SIZE} B ops x {ITERS})");
         if let Some(s) = &self.setup {
-            println!("  {:<44} {}", "setup", s);
+            println!(
+                "  {:<44} rxe0 gid[{}] {}, rxe1 gid[{}] {}; kernel {}, {} cpus",
+                "setup",
+                kv(s, "gids")
+                    .and_then(|g| g.split(',').next())
+                    .unwrap_or("?"),
+                kv(s, "gid0").unwrap_or("?"),
+                kv(s, "gids")
+                    .and_then(|g| g.split(',').nth(1))
+                    .unwrap_or("?"),
+                kv(s, "gid1").unwrap_or("?"),
+                kv(s, "kernel").unwrap_or("?"),
+                kv(s, "cpus").unwrap_or("?")
+            );
         }
         for r in &self.refs {
             let rate = r
