@@ -1,0 +1,187 @@
+//! Control frames over blocking sockets: the handshake and the attach of data streams. The
+//! bytes are exactly those of the TCP transport (`ferry_core::wire`).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use ferry_core::Error;
+use ferry_core::wire::{
+    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, RejectReason, SUPPORTED_VERSIONS,
+    StreamAttach, WireError,
+};
+
+pub(crate) fn lost(peer: SocketAddr, during: &'static str, e: std::io::Error) -> Error {
+    Error::PeerLost {
+        peer: peer.to_string(),
+        during,
+        source: Some(e),
+    }
+}
+
+/// Reads one control frame; the body length is checked before the body is allocated.
+pub(crate) fn read_frame(stream: &mut TcpStream, peer: SocketAddr) -> Result<ControlFrame, Error> {
+    let mut head = [0u8; CONTROL_HEADER_LEN];
+    stream
+        .read_exact(&mut head)
+        .map_err(|e| lost(peer, "handshake", e))?;
+    let header = ControlHeader::decode(&head).map_err(|source| Error::Malformed {
+        peer: peer.to_string(),
+        source,
+    })?;
+    let mut body = vec![0u8; header.body_len as usize];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| lost(peer, "handshake", e))?;
+    ControlFrame::decode_body(&header, &body).map_err(|source| Error::Malformed {
+        peer: peer.to_string(),
+        source,
+    })
+}
+
+/// Writes one control frame.
+pub(crate) fn write_frame(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    frame: &ControlFrame,
+) -> Result<(), Error> {
+    let mut buf = Vec::new();
+    frame
+        .encode(SUPPORTED_VERSIONS.max, &mut buf)
+        .map_err(|e| Error::InvalidRequest {
+            reason: e.to_string(),
+        })?;
+    stream
+        .write_all(&buf)
+        .map_err(|e| lost(peer, "handshake", e))
+}
+
+fn sysctl(path: &str) -> usize {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Nagle off, and socket buffers of `size` where the kernel's maximum allows (as the TCP
+/// transport does).
+pub(crate) fn tune(stream: &TcpStream, size: Option<usize>) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
+    let Some(size) = size else { return };
+    let sock = socket2::SockRef::from(stream);
+    if size <= sysctl("/proc/sys/net/core/wmem_max")
+        && let Err(e) = sock.set_send_buffer_size(size)
+    {
+        tracing::debug!(error = %e, size, "SO_SNDBUF");
+    }
+    if size <= sysctl("/proc/sys/net/core/rmem_max")
+        && let Err(e) = sock.set_recv_buffer_size(size)
+    {
+        tracing::debug!(error = %e, size, "SO_RCVBUF");
+    }
+}
+
+fn connect(addr: SocketAddr, timeout: Duration, buffer: Option<usize>) -> Result<TcpStream, Error> {
+    let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            Error::Timeout {
+                what: "TCP connect",
+                after: timeout,
+            }
+        } else {
+            Error::io("connect to", addr.to_string(), e)
+        }
+    })?;
+    tune(&stream, buffer);
+    let _ = stream.set_read_timeout(Some(timeout));
+    let _ = stream.set_write_timeout(Some(timeout));
+    Ok(stream)
+}
+
+/// Client side of the handshake over a blocking socket: sends `hello` to `addr` and returns the
+/// server's hello. Same bytes and errors as the TCP transport's `handshake`.
+pub fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Result<Hello, Error> {
+    let mut stream = connect(addr, timeout, None)?;
+    write_frame(&mut stream, addr, &ControlFrame::Hello(hello.clone()))?;
+    match read_frame(&mut stream, addr).map_err(|e| timed_out(e, "handshake", timeout))? {
+        ControlFrame::HelloAck(server) => {
+            if hello.versions.common(server.versions).is_none() {
+                return Err(Error::ProtocolMismatch {
+                    peer: addr.to_string(),
+                    local: hello.versions,
+                    remote: server.versions,
+                });
+            }
+            Ok(server)
+        }
+        ControlFrame::Reject(r) if r.reason == RejectReason::ProtocolMismatch => {
+            Err(Error::ProtocolMismatch {
+                peer: addr.to_string(),
+                local: hello.versions,
+                remote: r.versions,
+            })
+        }
+        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
+            peer: addr.to_string(),
+            reason: r.message,
+        }),
+        other => Err(Error::Malformed {
+            peer: addr.to_string(),
+            source: WireError::Unexpected {
+                found: other.name(),
+                expected: "hello-ack",
+            },
+        }),
+    }
+}
+
+fn timed_out(e: Error, what: &'static str, after: Duration) -> Error {
+    match &e {
+        Error::PeerLost {
+            source: Some(io), ..
+        } if matches!(
+            io.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) =>
+        {
+            Error::Timeout { what, after }
+        }
+        _ => e,
+    }
+}
+
+/// Opens one data stream and attaches it to the server incarnation `attach.server_epoch`.
+pub(crate) fn attach(
+    addr: SocketAddr,
+    attach: StreamAttach,
+    timeout: Duration,
+    buffer: Option<usize>,
+) -> Result<TcpStream, Error> {
+    let mut stream = connect(addr, timeout, buffer)?;
+    write_frame(&mut stream, addr, &ControlFrame::StreamAttach(attach))?;
+    match read_frame(&mut stream, addr).map_err(|e| timed_out(e, "data stream attach", timeout))? {
+        ControlFrame::StreamAccept => {
+            let _ = stream.set_read_timeout(None);
+            let _ = stream.set_write_timeout(None);
+            Ok(stream)
+        }
+        ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => Err(Error::StaleEpoch {
+            addr: addr.to_string(),
+            known: attach.server_epoch,
+            found: r.epoch,
+        }),
+        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
+            peer: addr.to_string(),
+            reason: r.message,
+        }),
+        other => Err(Error::Malformed {
+            peer: addr.to_string(),
+            source: WireError::Unexpected {
+                found: other.name(),
+                expected: "stream-accept",
+            },
+        }),
+    }
+}

@@ -1,0 +1,384 @@
+//! File segments: a file's byte range served to peers like registered memory, read and written
+//! with io_uring (O_DIRECT when offset, length and buffer alignment allow, buffered otherwise), and
+//! [`read_file_into`], which loads a file range into registered memory with a bounded queue depth.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferry_core::{Access, MemoryRegion, OpKind, RemoteStatus, SegmentToken};
+use io_uring::{IoUring, opcode, types};
+
+use crate::error::UringError;
+
+/// Block size O_DIRECT transfers are aligned to.
+pub const DIRECT_ALIGN: u64 = 4096;
+
+/// A published file range. Cheap to share (`Arc`); holding it keeps the file open.
+pub struct FileSegment {
+    path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    base: u64,
+    len: u64,
+    access: Access,
+}
+
+impl fmt::Debug for FileSegment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileSegment")
+            .field("path", &self.path)
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("access", &self.access)
+            .field("direct", &self.direct.is_some())
+            .finish()
+    }
+}
+
+fn open(path: &Path, write: bool, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(write);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+impl FileSegment {
+    /// Publishes the whole of `path` (its size now) with `access` for peers. Write access opens the
+    /// file read-write; peers can never extend it.
+    pub fn open(path: impl AsRef<Path>, access: Access) -> Result<Self, UringError> {
+        let path = path.as_ref();
+        let size = std::fs::metadata(path)
+            .map_err(|source| UringError::OpenFile {
+                path: path.to_owned(),
+                source,
+            })?
+            .len();
+        Self::open_range(path, 0, size, access)
+    }
+
+    /// Publishes `offset..offset+len` of `path`. The range must lie inside the file now.
+    pub fn open_range(
+        path: impl AsRef<Path>,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Self, UringError> {
+        let path = path.as_ref().to_owned();
+        let write = access.contains(Access::REMOTE_WRITE);
+        let buffered = open(&path, write, false).map_err(|source| UringError::OpenFile {
+            path: path.clone(),
+            source,
+        })?;
+        let size = buffered
+            .metadata()
+            .map_err(|source| UringError::OpenFile {
+                path: path.clone(),
+                source,
+            })?
+            .len();
+        if ferry_core::check_range(offset, len, size).is_err() {
+            return Err(UringError::OutOfRange {
+                what: "file",
+                offset,
+                len,
+                size,
+            });
+        }
+        // O_DIRECT is not offered by every filesystem (tmpfs refuses it): buffered then.
+        let direct = match open(&path, false, true) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "no O_DIRECT; buffered reads");
+                None
+            }
+        };
+        Ok(Self {
+            path,
+            buffered,
+            direct,
+            base: offset,
+            len,
+            access,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Segment length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Rights peers have.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// Offset of the segment in the file.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Whether O_DIRECT reads are possible on this file.
+    pub fn direct_capable(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// Checks an op of `kind` on `offset..offset+len` of the segment: access first, then bounds
+    /// (against the segment, and for a WRITE against the file's size now, so a WRITE can never
+    /// extend a file that shrank). Returns the file offset.
+    pub fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus> {
+        if !self.access.contains(kind.needed_access()) {
+            return Err(RemoteStatus::AccessDenied);
+        }
+        ferry_core::check_range(offset, len, self.len).map_err(|_| RemoteStatus::OutOfBounds)?;
+        let at = self
+            .base
+            .checked_add(offset)
+            .ok_or(RemoteStatus::OutOfBounds)?;
+        if kind == OpKind::Write {
+            let size = self
+                .buffered
+                .metadata()
+                .map_err(|_| RemoteStatus::OutOfBounds)?
+                .len();
+            ferry_core::check_range(at, len, size).map_err(|_| RemoteStatus::OutOfBounds)?;
+        }
+        Ok(at)
+    }
+
+    /// The fd to read `file_offset..+len` into memory at `addr` with, and whether it is O_DIRECT.
+    pub(crate) fn read_fd(&self, file_offset: u64, len: u64, addr: usize) -> (i32, bool) {
+        match &self.direct {
+            Some(d) if direct_ok(file_offset, len, addr) => (d.as_raw_fd(), true),
+            _ => (self.buffered.as_raw_fd(), false),
+        }
+    }
+
+    pub(crate) fn write_fd(&self) -> i32 {
+        self.buffered.as_raw_fd()
+    }
+}
+
+fn direct_ok(file_offset: u64, len: u64, addr: usize) -> bool {
+    file_offset % DIRECT_ALIGN == 0 && len % DIRECT_ALIGN == 0 && addr as u64 % DIRECT_ALIGN == 0
+}
+
+/// The serving side's table of published file segments (the engine implements it next to its
+/// [`ferry_core::SegmentTable`]; the io_uring server looks a token up here when the memory table
+/// does not know it).
+pub trait FileSegmentTable: Send + Sync + fmt::Debug + 'static {
+    /// The file segment published under `token`, if any.
+    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<FileSegment>>;
+}
+
+/// Runs one positioned read or write on `ring` until `len` bytes moved (short transfers are
+/// resubmitted). A read that meets end of file early returns the bytes read.
+///
+/// # Safety
+/// `buf..buf+len` must be valid for the transfer (writes for a read) and unaliased.
+pub(crate) unsafe fn file_io(
+    ring: &mut IoUring,
+    fd: i32,
+    write: bool,
+    buf: *mut u8,
+    len: usize,
+    offset: u64,
+) -> io::Result<usize> {
+    let mut done = 0usize;
+    while done < len {
+        let ask = (len - done).min(1 << 30) as u32;
+        // SAFETY: `done < len`, inside the caller's range.
+        let p = unsafe { buf.add(done) };
+        let at = offset + done as u64;
+        let e = if write {
+            opcode::Write::new(types::Fd(fd), p, ask).offset(at).build()
+        } else {
+            opcode::Read::new(types::Fd(fd), p, ask).offset(at).build()
+        };
+        // SAFETY: the buffer is valid per this function's contract until the completion, which
+        // is awaited below.
+        unsafe { ring.submission().push(&e.user_data(7)) }
+            .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        ring.submit_and_wait(1)?;
+        let Some(c) = ring.completion().next() else {
+            continue;
+        };
+        let res = c.result();
+        if res < 0 {
+            if res == -libc::EINTR || res == -libc::EAGAIN {
+                continue;
+            }
+            return Err(io::Error::from_raw_os_error(-res));
+        }
+        if res == 0 {
+            break;
+        }
+        done += res as usize;
+    }
+    Ok(done)
+}
+
+/// Loads `len` bytes of `path` from `file_offset` into `region` at `region_offset`, with up to
+/// `queue_depth` reads of at most 1 MiB in flight on one ring. Chunks whose file offset, length
+/// and destination address are 4096-aligned use O_DIRECT (READ_FIXED from the region when it can
+/// be registered), the others buffered reads. Returns the bytes read (`len`; a file that ends
+/// earlier is an error).
+pub fn read_file_into(
+    region: &Arc<MemoryRegion>,
+    region_offset: u64,
+    path: impl AsRef<Path>,
+    file_offset: u64,
+    len: u64,
+    queue_depth: usize,
+) -> Result<u64, UringError> {
+    const CHUNK: u64 = 1 << 20;
+    let path = path.as_ref();
+    if region.check(region_offset, len).is_err() {
+        return Err(UringError::OutOfRange {
+            what: "region",
+            offset: region_offset,
+            len,
+            size: region.len() as u64,
+        });
+    }
+    let open_err = |source| UringError::OpenFile {
+        path: path.to_owned(),
+        source,
+    };
+    let buffered = open(path, false, false).map_err(open_err)?;
+    let size = buffered.metadata().map_err(open_err)?.len();
+    if ferry_core::check_range(file_offset, len, size).is_err() {
+        return Err(UringError::OutOfRange {
+            what: "file",
+            offset: file_offset,
+            len,
+            size,
+        });
+    }
+    let direct = open(path, false, true).ok();
+    let qd = queue_depth.clamp(1, 256);
+    let mut ring = IoUring::new((qd as u32).next_power_of_two()).map_err(|source| {
+        UringError::CreateRing {
+            entries: qd as u32,
+            source,
+        }
+    })?;
+    let base = region.as_ptr() as usize + region_offset as usize;
+    // Register the destination range as one fixed buffer when the kernel lets us.
+    let fixed = if len > 0 && len <= 1 << 30 {
+        let iov = libc::iovec {
+            iov_base: base as *mut libc::c_void,
+            iov_len: len as usize,
+        };
+        // SAFETY: the range lies inside `region` (checked above), which outlives the ring (the
+        // ring is dropped at the end of this function, with the registration).
+        unsafe { ring.submitter().register_buffers(&[iov]) }.is_ok()
+    } else {
+        false
+    };
+    let read_err = |offset, source| UringError::ReadFile {
+        path: path.to_owned(),
+        offset,
+        source,
+    };
+    // Pending pieces: (offset in the range, length). Short reads push the remainder back.
+    let mut todo: std::collections::VecDeque<(u64, u64)> = (0..len.div_ceil(CHUNK))
+        .map(|i| (i * CHUNK, CHUNK.min(len - i * CHUNK)))
+        .collect();
+    let mut inflight: Vec<Option<(u64, u64)>> = vec![None; qd];
+    let mut busy = 0usize;
+    while !todo.is_empty() || busy > 0 {
+        while busy < qd {
+            let Some((at, n)) = todo.pop_front() else {
+                break;
+            };
+            let slot = inflight.iter().position(Option::is_none).unwrap_or(0);
+            let addr = base + at as usize;
+            let foff = file_offset + at;
+            let e = match &direct {
+                Some(d) if direct_ok(foff, n, addr) => {
+                    if fixed {
+                        opcode::ReadFixed::new(types::Fd(d.as_raw_fd()), addr as *mut u8, n as u32, 0)
+                            .offset(foff)
+                            .build()
+                    } else {
+                        opcode::Read::new(types::Fd(d.as_raw_fd()), addr as *mut u8, n as u32)
+                            .offset(foff)
+                            .build()
+                    }
+                }
+                _ => opcode::Read::new(types::Fd(buffered.as_raw_fd()), addr as *mut u8, n as u32)
+                    .offset(foff)
+                    .build(),
+            };
+            // SAFETY: `at..at+n` lies inside the checked destination range, which this function
+            // exclusively uses until every completion is reaped below.
+            unsafe { ring.submission().push(&e.user_data(slot as u64)) }
+                .map_err(|_| read_err(foff, io::Error::other("submission queue full")))?;
+            inflight[slot] = Some((at, n));
+            busy += 1;
+        }
+        ring.submit_and_wait(1)
+            .map_err(|e| read_err(file_offset, e))?;
+        let done: Vec<(u64, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        for (slot, res) in done {
+            let Some((at, n)) = inflight.get_mut(slot as usize).and_then(Option::take) else {
+                continue;
+            };
+            busy -= 1;
+            if res < 0 {
+                if res == -libc::EINTR || res == -libc::EAGAIN {
+                    todo.push_front((at, n));
+                    continue;
+                }
+                // Drain what is in flight before returning: the kernel still writes the region.
+                while busy > 0 {
+                    if ring.submit_and_wait(1).is_err() {
+                        break;
+                    }
+                    busy -= ring.completion().count();
+                }
+                return Err(read_err(
+                    file_offset + at,
+                    io::Error::from_raw_os_error(-res),
+                ));
+            }
+            let got = res as u64;
+            if got == 0 {
+                while busy > 0 {
+                    if ring.submit_and_wait(1).is_err() {
+                        break;
+                    }
+                    busy -= ring.completion().count();
+                }
+                return Err(read_err(
+                    file_offset + at,
+                    io::Error::new(io::ErrorKind::UnexpectedEof, "file ended early"),
+                ));
+            }
+            if got < n {
+                todo.push_front((at + got, n - got));
+            }
+        }
+    }
+    Ok(len)
+}

@@ -1,0 +1,453 @@
+//! One io_uring ring driving one socket from one thread: ordered sends (short sends resent),
+//! exact receives, SEND_ZC with its notifications, a fixed file and registered buffers.
+//!
+//! The ring is used synchronously: the owning thread submits the SQEs of one logical send or
+//! receive and waits for their completions. Zero-copy notifications (`IORING_CQE_F_NOTIF`) may
+//! arrive later, interleaved with other completions; each one releases a *hold* (whatever keeps
+//! the sent buffer alive and its request un-drained) by dropping it.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use ferry_core::MemoryRegion;
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use tracing::debug;
+
+/// Ring entries per socket ring.
+const ENTRIES: u32 = 64;
+/// Fixed-buffer slots per ring.
+const BUF_SLOTS: u32 = 32;
+/// Largest buffer the kernel registers (it refuses single buffers above 1 GiB).
+const MAX_FIXED_BUF: usize = 1 << 30;
+
+const UD_HEAD: u64 = 1;
+const UD_BODY: u64 = 2;
+const UD_RECV: u64 = 3;
+const UD_TIMEOUT: u64 = 4;
+/// User data of zero-copy sends start here (each gets its own, for its notification).
+const UD_ZC_BASE: u64 = 1 << 32;
+
+/// Counters of one transport, shared by all its rings.
+#[derive(Debug, Default)]
+pub struct IoStats {
+    /// Sends (or receives) the kernel completed short, whose remainder was resubmitted.
+    pub short_sends: AtomicU64,
+    /// Short receives resubmitted.
+    pub short_recvs: AtomicU64,
+    /// Payload sends done with SEND_ZC.
+    pub zc_sends: AtomicU64,
+    /// Payload sends done with plain SEND.
+    pub copy_sends: AtomicU64,
+    /// Zero-copy sends that came from a registered (fixed) buffer.
+    pub fixed_sends: AtomicU64,
+    /// Zero-copy notifications received.
+    pub notifications: AtomicU64,
+    /// Registrations of buffers that the kernel refused (fallback to unregistered sends).
+    pub register_failures: AtomicU64,
+}
+
+impl IoStats {
+    fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// Registered-buffer slots of one ring, keyed by region (weakly, so a dropped region's slot is
+/// never matched by a new region at the same address: the `Weak` keeps the `Arc` allocation).
+struct BufCache {
+    slots: Vec<Option<Weak<MemoryRegion>>>,
+    refused: Vec<Weak<MemoryRegion>>,
+    enabled: bool,
+    victim: usize,
+}
+
+impl BufCache {
+    fn new(ring: &IoUring, want: bool) -> Self {
+        let enabled = want && ring.submitter().register_buffers_sparse(BUF_SLOTS).is_ok();
+        Self {
+            slots: vec![None; if enabled { BUF_SLOTS as usize } else { 0 }],
+            refused: Vec::new(),
+            enabled,
+            victim: 0,
+        }
+    }
+
+    /// The fixed-buffer index covering `region`, registering it if needed and possible.
+    fn index(&mut self, ring: &IoUring, region: &Arc<MemoryRegion>, stats: &IoStats) -> Option<u16> {
+        if !self.enabled || region.is_empty() || region.len() > MAX_FIXED_BUF {
+            return None;
+        }
+        let me = Arc::as_ptr(region);
+        if let Some(i) = self.slots.iter().position(|s| {
+            s.as_ref()
+                .is_some_and(|w| w.as_ptr() == me && w.strong_count() > 0)
+        }) {
+            return Some(i as u16);
+        }
+        self.refused.retain(|w| w.strong_count() > 0);
+        if self.refused.iter().any(|w| w.as_ptr() == me) {
+            return None;
+        }
+        let slot = self
+            .slots
+            .iter()
+            .position(|s| s.as_ref().is_none_or(|w| w.strong_count() == 0))
+            .unwrap_or_else(|| {
+                self.victim = (self.victim + 1) % self.slots.len();
+                self.victim
+            });
+        let iov = libc::iovec {
+            iov_base: region.as_ptr().cast(),
+            iov_len: region.len(),
+        };
+        // SAFETY: the kernel pins the region's pages at registration and holds them until the slot
+        // is replaced or the ring is closed, so the registration cannot outlive the pages; we only
+        // use the slot while `region` is alive (checked through the `Weak` above).
+        match unsafe {
+            ring.submitter()
+                .register_buffers_update(slot as u32, &[iov], None)
+        } {
+            Ok(()) => {
+                self.slots[slot] = Some(Arc::downgrade(region));
+                Some(slot as u16)
+            }
+            Err(e) => {
+                IoStats::add(&stats.register_failures, 1);
+                debug!(error = %e, len = region.len(), "registering buffer refused; sending unregistered");
+                self.slots[slot] = None;
+                self.refused.push(Arc::downgrade(region));
+                None
+            }
+        }
+    }
+}
+
+/// A payload to send straight from registered memory.
+pub(crate) struct Body<'a> {
+    /// The region holding it (for the fixed-buffer lookup).
+    pub(crate) region: &'a Arc<MemoryRegion>,
+    /// Offset in the region.
+    pub(crate) offset: u64,
+    /// Length.
+    pub(crate) len: usize,
+}
+
+/// One socket driven by one ring. `H` is what a zero-copy send must keep alive until its
+/// notification: dropping it releases the buffer.
+pub(crate) struct SockIo<H> {
+    ring: IoUring,
+    fd: RawFd,
+    fixed_file: bool,
+    zero_copy: bool,
+    bufs: BufCache,
+    /// Sends awaiting their zero-copy notification.
+    waiting: Vec<(u64, H)>,
+    next_zc: u64,
+    stats: Arc<IoStats>,
+}
+
+fn cqe_err(res: i32) -> io::Error {
+    io::Error::from_raw_os_error(-res)
+}
+
+macro_rules! on_fd {
+    ($self:ident, $op:ident :: new ( $($arg:expr),* ) $(. $m:ident ( $($a:expr),* ))* ) => {
+        if $self.fixed_file {
+            opcode::$op::new(types::Fixed(0), $($arg),*) $(. $m($($a),*))* .build()
+        } else {
+            opcode::$op::new(types::Fd($self.fd), $($arg),*) $(. $m($($a),*))* .build()
+        }
+    };
+}
+
+impl<H> SockIo<H> {
+    /// A ring for `fd` (which must outlive it). `zero_copy`: send payloads with SEND_ZC;
+    /// `register`: try registered buffers and the fixed file.
+    pub(crate) fn new(
+        fd: RawFd,
+        zero_copy: bool,
+        register: bool,
+        stats: Arc<IoStats>,
+    ) -> io::Result<Self> {
+        let ring = IoUring::new(ENTRIES)?;
+        let fixed_file = register && ring.submitter().register_files(&[fd]).is_ok();
+        let bufs = BufCache::new(&ring, register && zero_copy);
+        Ok(Self {
+            ring,
+            fd,
+            fixed_file,
+            zero_copy,
+            bufs,
+            waiting: Vec::new(),
+            next_zc: UD_ZC_BASE,
+            stats,
+        })
+    }
+
+    /// Pushes `entries` and waits until a completion for each of `want` user-data values arrived;
+    /// returns their results in order. Notifications met meanwhile release their holds.
+    fn run(
+        &mut self,
+        entries: &[Option<squeue::Entry>],
+        want: &[u64],
+        out: &mut [(i32, u32)],
+    ) -> io::Result<()> {
+        {
+            let mut sq = self.ring.submission();
+            for e in entries.iter().flatten() {
+                // SAFETY: every entry points at memory its caller keeps valid until the
+                // completion, which this function waits for before returning.
+                if unsafe { sq.push(e) }.is_err() {
+                    return Err(io::Error::other("io_uring submission queue full"));
+                }
+            }
+        }
+        let mut got = 0;
+        let mut seen = [false; 2];
+        while got < want.len() {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
+            let waiting = &mut self.waiting;
+            for c in self.ring.completion() {
+                if cqueue::notif(c.flags()) {
+                    IoStats::add(&self.stats.notifications, 1);
+                    release(waiting, c.user_data());
+                    continue;
+                }
+                if let Some(i) = want.iter().position(|&w| w == c.user_data()) {
+                    if i < seen.len() && !seen[i] {
+                        seen[i] = true;
+                        out[i] = (c.result(), c.flags());
+                        got += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `head` then `body` in order, resending whatever the kernel did not take. `hold` makes
+    /// the value kept alive until each zero-copy send's notification.
+    ///
+    /// # Safety
+    /// `body` must stay valid for reads (and not be written) until every hold made for it is
+    /// dropped; the holds must keep its region alive.
+    pub(crate) unsafe fn send(
+        &mut self,
+        head: &[u8],
+        body: Option<Body<'_>>,
+        mut hold: Option<&mut dyn FnMut() -> H>,
+    ) -> io::Result<()> {
+        let zero_copy = self.zero_copy && hold.is_some();
+        let (body_ptr, body_len, buf_index) = match &body {
+            Some(b) => {
+                let idx = if zero_copy {
+                    self.bufs.index(&self.ring, b.region, &self.stats)
+                } else {
+                    None
+                };
+                (
+                    (b.region.as_ptr() as usize + b.offset as usize) as *const u8,
+                    b.len,
+                    idx,
+                )
+            }
+            None => (std::ptr::null(), 0, None),
+        };
+        let mut head_at = 0usize;
+        let mut body_at = 0usize;
+        let more = if body_len > 0 { libc::MSG_MORE } else { 0 };
+        while head_at < head.len() || body_at < body_len {
+            let mut entries: [Option<squeue::Entry>; 2] = [None, None];
+            let mut want = [0u64; 2];
+            let mut n = 0;
+            if head_at < head.len() {
+                let len = (head.len() - head_at) as u32;
+                let ptr = head[head_at..].as_ptr();
+                let e = on_fd!(self, Send::new(ptr, len).flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL | more));
+                entries[n] = Some(e.user_data(UD_HEAD));
+                want[n] = UD_HEAD;
+                n += 1;
+            }
+            let mut zc_ud = None;
+            if body_at < body_len {
+                let len = (body_len - body_at).min(u32::MAX as usize & !4095) as u32;
+                // SAFETY: `body_at < body_len`, so the pointer stays inside the caller's range.
+                let ptr = unsafe { body_ptr.add(body_at) };
+                let flags = libc::MSG_WAITALL | libc::MSG_NOSIGNAL;
+                let e = if let (true, Some(hold)) = (zero_copy, hold.as_mut()) {
+                    let ud = self.next_zc;
+                    self.next_zc += 1;
+                    zc_ud = Some(ud);
+                    // The hold exists before the send can complete, so the request cannot be
+                    // seen as drained in between.
+                    self.waiting.push((ud, hold()));
+                    on_fd!(self, SendZc::new(ptr, len).buf_index(buf_index).flags(flags)).user_data(ud)
+                } else {
+                    on_fd!(self, Send::new(ptr, len).flags(flags)).user_data(UD_BODY)
+                };
+                if n == 1 {
+                    entries[0] = entries[0].take().map(|h| h.flags(squeue::Flags::IO_LINK));
+                }
+                want[n] = zc_ud.unwrap_or(UD_BODY);
+                entries[n] = Some(e);
+                n += 1;
+            }
+            let mut out = [(0i32, 0u32); 2];
+            self.run(&entries, &want[..n], &mut out)?;
+            let mut k = 0;
+            if head_at < head.len() {
+                let (res, _) = out[k];
+                k += 1;
+                if res < 0 && res != -libc::ECANCELED && res != -libc::EINTR && res != -libc::EAGAIN
+                {
+                    return Err(cqe_err(res));
+                }
+                if res > 0 {
+                    let want_len = head.len() - head_at;
+                    if (res as usize) < want_len {
+                        IoStats::add(&self.stats.short_sends, 1);
+                    }
+                    head_at += res as usize;
+                }
+                if head_at < head.len() {
+                    // The body (if linked) was cancelled or not sent; resend in order.
+                    if let Some(ud) = zc_ud {
+                        let (_, flags) = out[k];
+                        if !cqueue::more(flags) {
+                            self.release_silently(ud);
+                        }
+                    }
+                    continue;
+                }
+            }
+            if body_at < body_len {
+                let (res, flags) = out[k];
+                let asked = (body_len - body_at).min(u32::MAX as usize & !4095);
+                if let Some(ud) = zc_ud {
+                    IoStats::add(&self.stats.zc_sends, 1);
+                    if buf_index.is_some() {
+                        IoStats::add(&self.stats.fixed_sends, 1);
+                    }
+                    if !cqueue::more(flags) {
+                        // No notification will come for this one.
+                        self.release_silently(ud);
+                    }
+                } else {
+                    IoStats::add(&self.stats.copy_sends, 1);
+                }
+                if res < 0 {
+                    if res == -libc::ECANCELED || res == -libc::EINTR || res == -libc::EAGAIN {
+                        continue;
+                    }
+                    return Err(cqe_err(res));
+                }
+                if (res as usize) < asked {
+                    IoStats::add(&self.stats.short_sends, 1);
+                }
+                body_at += res as usize;
+            }
+        }
+        Ok(())
+    }
+
+    fn release_silently(&mut self, ud: u64) {
+        release(&mut self.waiting, ud);
+    }
+
+    /// Sends all of a Rust buffer (copying send).
+    pub(crate) fn send_buf(&mut self, buf: &[u8]) -> io::Result<()> {
+        // SAFETY: no body: only `buf`, borrowed for the whole call, is read.
+        unsafe { self.send(buf, None, None) }
+    }
+
+    /// Receives exactly `len` bytes at `ptr`. End of stream before that is `UnexpectedEof`
+    /// (with `got` = 0 meaning a clean end before the first byte).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for writes and not referenced elsewhere during the call.
+    pub(crate) unsafe fn recv_exact(&mut self, ptr: *mut u8, len: usize) -> io::Result<()> {
+        let mut got = 0usize;
+        while got < len {
+            let ask = (len - got).min(1 << 30) as u32;
+            // SAFETY: `got < len`, inside the caller's range.
+            let at = unsafe { ptr.add(got) };
+            let e = on_fd!(self, Recv::new(at, ask).flags(libc::MSG_WAITALL)).user_data(UD_RECV);
+            let mut out = [(0i32, 0u32); 1];
+            self.run(&[Some(e)], &[UD_RECV], &mut out)?;
+            let res = out[0].0;
+            if res == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("peer closed the stream with {} of {len} bytes outstanding", len - got),
+                ));
+            }
+            if res < 0 {
+                if res == -libc::EINTR || res == -libc::EAGAIN {
+                    continue;
+                }
+                return Err(cqe_err(res));
+            }
+            if (res as u32) < ask {
+                IoStats::add(&self.stats.short_recvs, 1);
+            }
+            got += res as usize;
+        }
+        Ok(())
+    }
+
+    /// Receives exactly `buf.len()` bytes into a Rust buffer.
+    pub(crate) fn recv_buf(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        // SAFETY: `buf` is exclusively borrowed for the call.
+        unsafe { self.recv_exact(buf.as_mut_ptr(), buf.len()) }
+    }
+
+    /// Zero-copy sends still waiting for their notification.
+    pub(crate) fn pending_notifications(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Waits up to `timeout` for notifications (releasing their holds).
+    pub(crate) fn wait_notifications(&mut self, timeout: Duration) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let ts = types::Timespec::new()
+            .sec(timeout.as_secs())
+            .nsec(timeout.subsec_nanos());
+        let e = opcode::Timeout::new(&ts).build().user_data(UD_TIMEOUT);
+        let mut out = [(0i32, 0u32); 1];
+        if let Err(e) = self.run(&[Some(e)], &[UD_TIMEOUT], &mut out) {
+            debug!(error = %e, "waiting for zero-copy notifications");
+        }
+    }
+
+    /// Waits for every outstanding notification, up to `limit` in total (used when a stream ends:
+    /// until then the kernel may still read the buffers).
+    pub(crate) fn drain(&mut self, limit: Duration) {
+        let end = Instant::now() + limit;
+        while !self.waiting.is_empty() {
+            let now = Instant::now();
+            if now >= end {
+                tracing::warn!(
+                    pending = self.waiting.len(),
+                    "zero-copy notifications still outstanding after {limit:?}; releasing"
+                );
+                break;
+            }
+            self.wait_notifications((end - now).min(Duration::from_millis(50)));
+        }
+    }
+}
+
+fn release<H>(waiting: &mut Vec<(u64, H)>, ud: u64) {
+    if let Some(i) = waiting.iter().position(|(u, _)| *u == ud) {
+        drop(waiting.swap_remove(i));
+    }
+}

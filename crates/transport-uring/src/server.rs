@@ -1,0 +1,432 @@
+//! The serving side: one listener thread for control connections (handshake) and data streams;
+//! each data stream is served by its own thread with its own ring. Every request is checked for
+//! token, access and bounds before any byte of a segment (memory or file) is touched.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, Reject,
+    RejectReason, SUPPORTED_VERSIONS,
+};
+use ferry_core::{
+    Error, HandshakeResponder, MemoryRegion, OpKind, RemoteStatus, SegmentLease, SegmentTable,
+};
+use io_uring::IoUring;
+use tracing::{debug, warn};
+
+use crate::UringConfig;
+use crate::control::{read_frame, tune, write_frame};
+use crate::file::{DIRECT_ALIGN, FileSegment, FileSegmentTable, file_io};
+use crate::ring::{Body, IoStats, SockIo};
+
+/// A bound listener, not serving yet.
+#[derive(Debug)]
+pub struct UringServer {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+#[derive(Debug, Default)]
+struct Live {
+    stopped: AtomicBool,
+    conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
+    next: AtomicU64,
+}
+
+impl Live {
+    fn shutdown_all(&self) {
+        let conns = match self.conns.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        for c in conns.values() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A running server; dropping it (or [`UringServerHandle::shutdown`]) stops the listener and
+/// every connection it accepted.
+#[derive(Debug)]
+pub struct UringServerHandle {
+    addr: SocketAddr,
+    live: Arc<Live>,
+    listener_fd: i32,
+    stats: Arc<IoStats>,
+}
+
+impl UringServerHandle {
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The I/O counters of the server's rings.
+    pub fn stats(&self) -> &IoStats {
+        &self.stats
+    }
+
+    /// Stops serving: the listener closes and every accepted connection is shut down.
+    pub fn shutdown(&self) {
+        if !self.live.stopped.swap(true, Ordering::AcqRel) {
+            // SAFETY: shutting down a socket we own (the listener thread keeps it open until it
+            // sees `stopped`); this only wakes the blocked accept().
+            unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+            self.live.shutdown_all();
+        }
+    }
+}
+
+impl Drop for UringServerHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// No file segments.
+#[derive(Debug)]
+struct NoFiles;
+
+impl FileSegmentTable for NoFiles {
+    fn resolve_file(&self, _token: ferry_core::SegmentToken) -> Option<Arc<FileSegment>> {
+        None
+    }
+}
+
+struct Ctx {
+    table: Arc<dyn SegmentTable>,
+    files: Arc<dyn FileSegmentTable>,
+    responder: Arc<dyn HandshakeResponder>,
+    config: UringConfig,
+    stats: Arc<IoStats>,
+    live: Arc<Live>,
+}
+
+impl UringServer {
+    /// Binds `addr` (port 0: any; `SO_REUSEADDR` as std sets it).
+    pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
+        let listener = TcpListener::bind(addr).map_err(|e| Error::io("bind", addr.to_string(), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Starts serving `table` with the identity and policy of `responder` (same shape as the TCP
+    /// transport's `TcpServer::serve`). Needs no async runtime.
+    pub fn serve(
+        self,
+        table: Arc<dyn SegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+        config: UringConfig,
+    ) -> Result<UringServerHandle, Error> {
+        self.serve_with_files(table, Arc::new(NoFiles), responder, config)
+    }
+
+    /// As [`UringServer::serve`], and serves the file segments of `files` too (tokens the memory
+    /// table does not know are looked up there).
+    pub fn serve_with_files(
+        self,
+        table: Arc<dyn SegmentTable>,
+        files: Arc<dyn FileSegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+        config: UringConfig,
+    ) -> Result<UringServerHandle, Error> {
+        let addr = self.addr;
+        let live = Arc::new(Live::default());
+        let stats = Arc::new(IoStats::default());
+        let listener_fd = self.listener.as_raw_fd();
+        let ctx = Arc::new(Ctx {
+            table,
+            files,
+            responder,
+            config,
+            stats: stats.clone(),
+            live: live.clone(),
+        });
+        let listener = self.listener;
+        std::thread::Builder::new()
+            .name("ferry-uring-accept".into())
+            .spawn(move || accept_loop(listener, ctx))
+            .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
+        Ok(UringServerHandle {
+            addr,
+            live,
+            listener_fd,
+            stats,
+        })
+    }
+}
+
+fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
+    loop {
+        if ctx.live.stopped.load(Ordering::Acquire) {
+            break;
+        }
+        match listener.accept() {
+            Ok((stream, from)) => {
+                if ctx.live.stopped.load(Ordering::Acquire) {
+                    break;
+                }
+                let ctx = ctx.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("ferry-uring-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = serve_conn(stream, from, &ctx) {
+                            debug!(%from, error = %e, "connection ended");
+                        }
+                    });
+                if let Err(e) = spawned {
+                    warn!(%from, error = %e, "cannot spawn a connection thread");
+                }
+            }
+            Err(e) => {
+                if ctx.live.stopped.load(Ordering::Acquire) {
+                    break;
+                }
+                warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+    drop(listener);
+}
+
+fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), Error> {
+    tune(&stream, ctx.config.socket_buffer);
+    // A peer that sends nothing must not hold a thread forever.
+    let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
+    match read_frame(&mut stream, from)? {
+        ControlFrame::Hello(hello) => {
+            let reply = match ctx.responder.respond(&hello, from) {
+                Ok(h) => ControlFrame::HelloAck(h),
+                Err(r) => ControlFrame::Reject(r),
+            };
+            write_frame(&mut stream, from, &reply)
+        }
+        ControlFrame::StreamAttach(a) => {
+            let epoch = ctx.responder.epoch();
+            if a.server_epoch != epoch {
+                let reject = Reject {
+                    reason: RejectReason::StaleEpoch,
+                    versions: SUPPORTED_VERSIONS,
+                    epoch,
+                    message: format!(
+                        "stream for epoch {} but this server has epoch {epoch}",
+                        a.server_epoch
+                    ),
+                };
+                return write_frame(&mut stream, from, &ControlFrame::Reject(reject));
+            }
+            write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
+            let _ = stream.set_read_timeout(None);
+            let stream = Arc::new(stream);
+            let id = ctx.live.next.fetch_add(1, Ordering::Relaxed);
+            match ctx.live.conns.lock() {
+                Ok(mut g) => g.insert(id, stream.clone()),
+                Err(p) => p.into_inner().insert(id, stream.clone()),
+            };
+            if ctx.live.stopped.load(Ordering::Acquire) {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            let _span = tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
+            let res = serve_data(&stream, from, ctx).map_err(|e| crate::control::lost(from, "serving data", e));
+            match ctx.live.conns.lock() {
+                Ok(mut g) => g.remove(&id),
+                Err(p) => p.into_inner().remove(&id),
+            };
+            res
+        }
+        other => Err(Error::Malformed {
+            peer: from.to_string(),
+            source: ferry_core::wire::WireError::Unexpected {
+                found: other.name(),
+                expected: "hello or stream-attach",
+            },
+        }),
+    }
+}
+
+/// A staging buffer for file segments, page-aligned for O_DIRECT.
+struct Stage {
+    region: Option<Arc<MemoryRegion>>,
+}
+
+impl Stage {
+    fn get(&mut self, len: usize) -> std::io::Result<&Arc<MemoryRegion>> {
+        let need = (len as u64).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        if self.region.as_ref().is_none_or(|r| (r.len() as u64) < need) {
+            let r = MemoryRegion::alloc_zeroed(need.max(DIRECT_ALIGN) as usize, DIRECT_ALIGN as usize)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            self.region = Some(Arc::new(r));
+        }
+        self.region
+            .as_ref()
+            .ok_or_else(|| std::io::Error::other("staging buffer"))
+    }
+}
+
+enum Target {
+    Memory(SegmentLease, u64),
+    File(Arc<FileSegment>, u64),
+}
+
+/// Serves chunks on one data stream until the client closes it. Wire behaviour is exactly the TCP
+/// transport's: responses in request order, a refused WRITE's payload read and dropped, a
+/// malformed header answered with `Malformed` and the stream closed.
+fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Result<()> {
+    let mut io: SockIo<SegmentLease> = SockIo::new(
+        stream.as_raw_fd(),
+        ctx.config.zero_copy_enabled(),
+        ctx.config.register_buffers,
+        ctx.stats.clone(),
+    )?;
+    let mut file_ring: Option<IoUring> = None;
+    let mut stage = Stage { region: None };
+    let mut head = [0u8; DATA_REQUEST_LEN];
+    let mut scratch: Vec<u8> = Vec::new();
+    let res = loop {
+        let mut resp = [0u8; DATA_RESPONSE_LEN];
+        match io.recv_buf(&mut head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
+            Err(e) => break Err(e),
+        }
+        let req = match DataRequest::decode(&head) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(%from, error = %e, "malformed data request; closing stream");
+                DataResponse {
+                    seq: u32::from_le_bytes([head[4], head[5], head[6], head[7]]),
+                    refused: Some(RemoteStatus::Malformed),
+                    len: 0,
+                }
+                .encode(&mut resp);
+                break io.send_buf(&resp);
+            }
+        };
+        let target = match ctx.table.resolve(req.token) {
+            Some(l) => l.check(req.kind, req.offset, req.len).map(|at| Target::Memory(l, at)),
+            None => match ctx.files.resolve_file(req.token) {
+                Some(f) => f.check(req.kind, req.offset, req.len).map(|at| Target::File(f, at)),
+                None => Err(RemoteStatus::UnknownSegment),
+            },
+        };
+        let len = req.len as usize;
+        let accepted = |len: u64| DataResponse {
+            seq: req.seq,
+            refused: None,
+            len,
+        };
+        let step = match (req.kind, target) {
+            (OpKind::Write, Ok(Target::Memory(l, at))) => {
+                let ptr = (l.region.as_ptr() as usize + at as usize) as *mut u8;
+                // SAFETY: `l.check` proved `at..at+len` lies inside the region, which the lease
+                // keeps alive; no Rust reference into it exists (raw receive).
+                unsafe { io.recv_exact(ptr, len) }.and_then(|()| {
+                    accepted(0).encode(&mut resp);
+                    io.send_buf(&resp)
+                })
+            }
+            (OpKind::Read, Ok(Target::Memory(l, at))) => {
+                accepted(req.len).encode(&mut resp);
+                let region = l.region.clone();
+                let body = Body {
+                    region: &region,
+                    offset: at,
+                    len,
+                };
+                let mut hold = || l.clone();
+                // SAFETY: the range was checked against the region; each hold is a clone of the
+                // lease, which keeps the region alive (and the registration in use) until the
+                // zero-copy notification.
+                unsafe { io.send(&resp, Some(body), Some(&mut hold)) }
+            }
+            (OpKind::Read, Ok(Target::File(f, at))) => {
+                let ring = match &mut file_ring {
+                    Some(r) => r,
+                    None => file_ring.insert(IoUring::new(4)?),
+                };
+                let buf = stage.get(len)?.clone();
+                let (fd, _direct) = f.read_fd(at, req.len, buf.as_ptr() as usize);
+                // SAFETY: the staging region holds at least `len` bytes and is used only here.
+                let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), len, at) }?;
+                if got < len {
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("file {} shrank under a READ", f.path().display()),
+                    ))
+                } else {
+                    accepted(req.len).encode(&mut resp);
+                    let body = Body {
+                        region: &buf,
+                        offset: 0,
+                        len,
+                    };
+                    // SAFETY: the staging buffer is not reused before this copying send returns
+                    // (no zero-copy hold is given).
+                    unsafe { io.send(&resp, Some(body), None) }
+                }
+            }
+            (OpKind::Write, Ok(Target::File(f, at))) => {
+                let ring = match &mut file_ring {
+                    Some(r) => r,
+                    None => file_ring.insert(IoUring::new(4)?),
+                };
+                let buf = stage.get(len)?.clone();
+                // SAFETY: the staging region holds at least `len` bytes and is used only here.
+                unsafe { io.recv_exact(buf.as_ptr(), len) }.and_then(|()| {
+                    // SAFETY: as above; the bytes were just received into it.
+                    let put = unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), len, at) }?;
+                    if put < len {
+                        return Err(std::io::Error::other("short file write"));
+                    }
+                    accepted(0).encode(&mut resp);
+                    io.send_buf(&resp)
+                })
+            }
+            (kind, Err(status)) => {
+                debug!(%from, token = %req.token, %kind, %status, "refused chunk");
+                let drained = if kind == OpKind::Write {
+                    if scratch.is_empty() {
+                        scratch = vec![0u8; 64 << 10];
+                    }
+                    let mut left = req.len;
+                    let mut r = Ok(());
+                    while left > 0 && r.is_ok() {
+                        let n = (scratch.len() as u64).min(left) as usize;
+                        r = io.recv_buf(&mut scratch[..n]);
+                        left -= n as u64;
+                    }
+                    r
+                } else {
+                    Ok(())
+                };
+                drained.and_then(|()| {
+                    DataResponse {
+                        seq: req.seq,
+                        refused: Some(status),
+                        len: 0,
+                    }
+                    .encode(&mut resp);
+                    io.send_buf(&resp)
+                })
+            }
+        };
+        if let Err(e) = step {
+            break Err(e);
+        }
+    };
+    io.drain(Duration::from_secs(10));
+    res
+}

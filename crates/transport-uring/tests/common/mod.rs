@@ -1,0 +1,185 @@
+//! Shared fixture: an in-memory segment table (memory and file segments), a responder, helpers.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::wire::{Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer};
+use ferry_core::{
+    Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, Outcome, PeerId,
+    PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+};
+use ferry_transport_uring::{FileSegment, FileSegmentTable};
+
+type Entry = (String, Arc<MemoryRegion>, Access);
+
+/// Memory segments and file segments under random tokens.
+#[derive(Debug, Default)]
+pub struct Table {
+    pub mem: Mutex<HashMap<SegmentToken, Entry>>,
+    pub files: Mutex<HashMap<SegmentToken, (String, Arc<FileSegment>)>>,
+}
+
+impl SegmentTable for Table {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        let t = self.mem.lock().unwrap();
+        t.get(&token).map(|(_, r, a)| SegmentLease {
+            region: r.clone(),
+            base: 0,
+            len: r.len() as u64,
+            access: *a,
+            guard: None,
+        })
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        let mut v: Vec<SegmentDesc> = self
+            .mem
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(tok, (name, r, a))| SegmentDesc {
+                name: name.clone(),
+                token: *tok,
+                len: r.len() as u64,
+                access: *a,
+                remote_keys: vec![],
+            })
+            .collect();
+        v.extend(self.files.lock().unwrap().iter().map(|(tok, (name, f))| SegmentDesc {
+            name: name.clone(),
+            token: *tok,
+            len: f.len(),
+            access: f.access(),
+            remote_keys: vec![],
+        }));
+        v
+    }
+}
+
+impl FileSegmentTable for Table {
+    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<FileSegment>> {
+        self.files.lock().unwrap().get(&token).map(|(_, f)| f.clone())
+    }
+}
+
+#[derive(Debug)]
+pub struct Responder {
+    pub id: PeerId,
+    pub epoch: Epoch,
+    pub table: Arc<Table>,
+    pub offer: TransportOffer,
+}
+
+impl HandshakeResponder for Responder {
+    fn peer_id(&self) -> PeerId {
+        self.id
+    }
+    fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+    fn respond(&self, hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
+        if SUPPORTED_VERSIONS.common(hello.versions).is_none() {
+            return Err(Reject {
+                reason: RejectReason::ProtocolMismatch,
+                versions: SUPPORTED_VERSIONS,
+                epoch: self.epoch,
+                message: "no common version".into(),
+            });
+        }
+        Ok(Hello {
+            versions: SUPPORTED_VERSIONS,
+            peer_id: self.id,
+            epoch: self.epoch,
+            transports: vec![self.offer.clone()],
+            segments: self.table.published(),
+        })
+    }
+}
+
+/// Whether io_uring can run here; prints the reason when it cannot.
+pub fn uring_usable() -> bool {
+    let p = ferry_transport_uring::probe_kernel();
+    match p.unusable_reason() {
+        None => true,
+        Some(why) => {
+            eprintln!("skip: {why}");
+            false
+        }
+    }
+}
+
+pub fn publish(table: &Table, name: &str, len: usize, access: Access) -> (SegmentToken, Arc<MemoryRegion>) {
+    let r = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let tok = SegmentToken::random();
+    table
+        .mem
+        .lock()
+        .unwrap()
+        .insert(tok, (name.into(), r.clone(), access));
+    (tok, r)
+}
+
+pub fn fill(r: &MemoryRegion, seed: u64) {
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; r.len()];
+    for b in buf.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    r.write_at(0, &buf).unwrap();
+}
+
+pub fn bytes(r: &MemoryRegion, at: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    r.read_at(at, &mut v).unwrap();
+    v
+}
+
+pub fn op(
+    kind: OpKind,
+    local: &Arc<MemoryRegion>,
+    lo: u64,
+    token: SegmentToken,
+    ro: u64,
+    len: u64,
+) -> Op {
+    Op {
+        kind,
+        local: local.clone(),
+        local_offset: lo,
+        token,
+        remote_offset: ro,
+        len,
+    }
+}
+
+pub async fn run(ch: &Arc<dyn Channel>, ops: Vec<Op>) -> Outcome {
+    let ops: Arc<[Op]> = ops.into();
+    let control = Arc::new(RequestControl::new(&ops));
+    ch.execute(ops, control).await
+}
+
+/// Handshake with the blocking uring handshake and build the peer info for the first offer.
+pub fn peer_info(addr: SocketAddr, my_offer: TransportOffer) -> PeerInfo {
+    let hello = Hello {
+        versions: SUPPORTED_VERSIONS,
+        peer_id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        transports: vec![my_offer],
+        segments: vec![],
+    };
+    let server = ferry_transport_uring::handshake(addr, &hello, Duration::from_secs(5)).unwrap();
+    PeerInfo {
+        addr,
+        local_id: hello.peer_id,
+        local_epoch: hello.epoch,
+        remote_id: server.peer_id,
+        remote_epoch: server.epoch,
+        offer: server.transports[0].clone(),
+        segments: server.segments,
+    }
+}

@@ -1,0 +1,368 @@
+//! The TCP transport's loopback correctness cases over io_uring, and in both mixed directions
+//! against ferry-transport-tcp (uring client to TCP server, TCP client to uring server).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+
+use common::*;
+use ferry_core::wire::{ControlFrame, SUPPORTED_VERSIONS, TransportOffer};
+use ferry_core::{
+    Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
+    RemoteEffect, RemoteStatus, SegmentToken, Transport,
+};
+use transport_tcp::{TcpConfig, TcpServer, TcpTransport};
+use ferry_transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Side {
+    Uring(ZeroCopy),
+    Tcp,
+}
+
+enum ServerHandle {
+    Uring(#[allow(dead_code)] ferry_transport_uring::UringServerHandle),
+    Tcp(#[allow(dead_code)] transport_tcp::ServerHandle),
+}
+
+struct Fixture {
+    _server: ServerHandle,
+    addr: SocketAddr,
+    table: Arc<Table>,
+    epoch: Epoch,
+}
+
+fn start(side: Side) -> Fixture {
+    let table = Arc::new(Table::default());
+    let epoch = Epoch::fresh();
+    let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    match side {
+        Side::Uring(zc) => {
+            let t = UringTransport::new(UringConfig {
+                zero_copy: zc,
+                ..UringConfig::default()
+            })
+            .unwrap();
+            let server = UringServer::bind(addr).unwrap();
+            let addr = server.local_addr();
+            let responder = Arc::new(Responder {
+                id: PeerId::random(),
+                epoch,
+                table: table.clone(),
+                offer: t.offer(),
+            });
+            let h = server
+                .serve_with_files(table.clone(), table.clone(), responder, t.config().clone())
+                .unwrap();
+            Fixture {
+                _server: ServerHandle::Uring(h),
+                addr,
+                table,
+                epoch,
+            }
+        }
+        Side::Tcp => {
+            let server = TcpServer::bind(addr).unwrap();
+            let addr = server.local_addr();
+            let responder = Arc::new(Responder {
+                id: PeerId::random(),
+                epoch,
+                table: table.clone(),
+                offer: TransportOffer::Tcp {
+                    streams: 64,
+                    port: 0,
+                },
+            });
+            let h = server.serve(table.clone(), responder, TcpConfig::default());
+            Fixture {
+                _server: ServerHandle::Tcp(h),
+                addr,
+                table,
+                epoch,
+            }
+        }
+    }
+}
+
+async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<dyn Channel> {
+    let (transport, offer): (Arc<dyn Transport>, TransportOffer) = match client {
+        Side::Uring(zc) => {
+            let t = UringTransport::new(UringConfig {
+                streams,
+                chunk_size: chunk,
+                depth: 4,
+                zero_copy: zc,
+                ..UringConfig::default()
+            })
+            .unwrap();
+            let o = t.offer();
+            (Arc::new(t), o)
+        }
+        Side::Tcp => {
+            let t = TcpTransport::new(TcpConfig {
+                streams,
+                chunk_size: chunk,
+                depth: 4,
+                ..TcpConfig::default()
+            });
+            let o = t.offer();
+            (Arc::new(t), o)
+        }
+    };
+    let addr = f.addr;
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
+        .unwrap();
+    transport.open(peer).await.unwrap()
+}
+
+const PAIRS: &[(Side, Side)] = &[
+    (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Never), Side::Uring(ZeroCopy::Never)),
+    (Side::Uring(ZeroCopy::Auto), Side::Tcp),
+    (Side::Tcp, Side::Uring(ZeroCopy::Auto)),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_read_many_sizes_unaligned() {
+    if !uring_usable() {
+        return;
+    }
+    for &(client, server) in PAIRS {
+        let f = start(server);
+        let size = 20 << 20;
+        let (tok, remote) = publish(&f.table, "seg", size, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let src = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+        fill(&src, 7);
+        let dst = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+        for &(streams, chunk) in &[(3usize, 64u64 << 10), (1, 1 << 20)] {
+            let ch = channel(&f, client, streams, chunk).await;
+            for &(lo, ro, len) in &[
+                (0u64, 0u64, 1u64),
+                (3, 5, 100),
+                (1, 4097, 200_001),
+                (17, 33, (3 << 20) - 40),
+                (4095, 12_345, (16 << 20) + 3),
+            ] {
+                let o = run(&ch, vec![op(OpKind::Write, &src, lo, tok, ro, len)]).await;
+                assert!(o.is_success() && o.drained, "{client:?}->{server:?}: {o:?}");
+                assert!(
+                    bytes(&remote, ro, len as usize) == bytes(&src, lo, len as usize),
+                    "{client:?}->{server:?} write {lo} {ro} {len}"
+                );
+                let o = run(&ch, vec![op(OpKind::Read, &dst, lo + 1, tok, ro, len)]).await;
+                assert!(o.is_success() && o.drained, "{client:?}->{server:?}: {o:?}");
+                assert_eq!(o.completed_bytes, len);
+                assert!(
+                    bytes(&dst, lo + 1, len as usize) == bytes(&src, lo, len as usize),
+                    "{client:?}->{server:?} read {lo} {ro} {len}"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_move_no_byte() {
+    if !uring_usable() {
+        return;
+    }
+    for &(client, server) in PAIRS {
+        let f = start(server);
+        let (ro_tok, ro_seg) = publish(&f.table, "ro", 4096, Access::REMOTE_READ);
+        let (rw_tok, rw_seg) = publish(&f.table, "rw", 4096, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let (wo_tok, _) = publish(&f.table, "wo", 4096, Access::REMOTE_WRITE);
+        let ch = channel(&f, client, 1, 1 << 20).await;
+        let src = Arc::new(MemoryRegion::alloc_zeroed(8192, 4096).unwrap());
+        fill(&src, 3);
+        let cases = [
+            (op(OpKind::Write, &src, 0, SegmentToken(12345), 0, 100), RemoteStatus::UnknownSegment),
+            (op(OpKind::Write, &src, 0, ro_tok, 0, 100), RemoteStatus::AccessDenied),
+            (op(OpKind::Read, &src, 0, wo_tok, 0, 100), RemoteStatus::AccessDenied),
+            (op(OpKind::Write, &src, 0, rw_tok, 4000, 200), RemoteStatus::OutOfBounds),
+            (op(OpKind::Read, &src, 0, rw_tok, u64::MAX - 1, 4), RemoteStatus::OutOfBounds),
+        ];
+        for (o, status) in cases {
+            let out = run(&ch, vec![op(OpKind::Write, &src, 0, rw_tok, 0, 10), o]).await;
+            assert_eq!(out.completed_ops, 1, "{client:?}->{server:?}");
+            let fail = out.failure.unwrap();
+            assert_eq!((fail.op_index, fail.kind), (1, FailureKind::Remote(status)), "{client:?}->{server:?}");
+            assert_eq!(out.remote_effect, RemoteEffect::None);
+            assert!(out.drained);
+        }
+        assert!(bytes(&ro_seg, 0, 4096).iter().all(|&b| b == 0));
+        assert_eq!(bytes(&rw_seg, 0, 10), bytes(&src, 0, 10));
+        assert!(bytes(&rw_seg, 10, 4086).iter().all(|&b| b == 0));
+        // The stream survives refusals (a refused WRITE's payload was drained).
+        let out = run(&ch, vec![op(OpKind::Write, &src, 0, rw_tok, 0, 4096)]).await;
+        assert!(out.is_success(), "{client:?}->{server:?}: {out:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_epoch_stream_is_refused() {
+    if !uring_usable() {
+        return;
+    }
+    for server in [Side::Uring(ZeroCopy::Auto), Side::Tcp] {
+        let f = start(server);
+        let t = UringTransport::new(UringConfig::default()).unwrap();
+        let res = t
+            .open(PeerInfo {
+                addr: f.addr,
+                local_id: PeerId::random(),
+                local_epoch: Epoch::fresh(),
+                remote_id: PeerId::random(),
+                remote_epoch: Epoch(f.epoch.0 ^ 1),
+                offer: TransportOffer::Uring {
+                    streams: 1,
+                    port: 0,
+                    zero_copy: false,
+                },
+                segments: vec![],
+            })
+            .await;
+        match res {
+            Err(Error::StaleEpoch { found, .. }) => assert_eq!(found, f.epoch),
+            other => panic!("expected StaleEpoch, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_says_which_engine_each_side_has() {
+    if !uring_usable() {
+        return;
+    }
+    let f = start(Side::Uring(ZeroCopy::Never));
+    let t = TcpTransport::new(TcpConfig::default());
+    let addr = f.addr;
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, t.offer()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(peer.offer, TransportOffer::Uring { zero_copy: false, .. }),
+        "{:?}",
+        peer.offer
+    );
+    let f = start(Side::Tcp);
+    let addr = f.addr;
+    let peer = tokio::task::spawn_blocking(move || {
+        peer_info(
+            addr,
+            TransportOffer::Uring {
+                streams: 64,
+                port: 0,
+                zero_copy: true,
+            },
+        )
+    })
+    .await
+    .unwrap();
+    assert!(matches!(peer.offer, TransportOffer::Tcp { .. }), "{:?}", peer.offer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_does_not_hurt_the_server() {
+    if !uring_usable() {
+        return;
+    }
+    let f = start(Side::Uring(ZeroCopy::Auto));
+    let mut s = std::net::TcpStream::connect(f.addr).unwrap();
+    s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff").unwrap();
+    let mut s2 = std::net::TcpStream::connect(f.addr).unwrap();
+    s2.write_all(&[0xAB; 64]).unwrap();
+    drop((s, s2));
+    let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_READ);
+    let ch = channel(&f, Side::Tcp, 1, 1 << 20).await;
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
+    assert!(run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, 100)]).await.is_success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_channel_fails_without_effect() {
+    if !uring_usable() {
+        return;
+    }
+    let f = start(Side::Tcp);
+    let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_WRITE);
+    let ch = channel(&f, Side::Uring(ZeroCopy::Auto), 2, 1 << 20).await;
+    ch.close();
+    assert!(!ch.is_alive());
+    let src = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
+    let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 100)]).await;
+    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+    assert_eq!(o.remote_effect, RemoteEffect::None);
+    assert!(o.drained);
+}
+
+/// A server that accepts the stream, swallows part of a WRITE and dies without answering.
+fn dying_server(swallow: usize) -> (SocketAddr, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut head = [0u8; ferry_core::wire::CONTROL_HEADER_LEN];
+        s.read_exact(&mut head).unwrap();
+        let h = ferry_core::wire::ControlHeader::decode(&head).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut body).unwrap();
+        let mut out = Vec::new();
+        ControlFrame::StreamAccept
+            .encode(SUPPORTED_VERSIONS.max, &mut out)
+            .unwrap();
+        s.write_all(&out).unwrap();
+        let mut sink = vec![0u8; swallow];
+        s.read_exact(&mut sink).unwrap();
+        drop(s);
+    });
+    (addr, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_lost_mid_write_is_uncertain() {
+    if !uring_usable() {
+        return;
+    }
+    for zc in [ZeroCopy::Auto, ZeroCopy::Never] {
+        let (addr, h) = dying_server(300_000);
+        let t = UringTransport::new(UringConfig {
+            chunk_size: 64 << 10,
+            zero_copy: zc,
+            ..UringConfig::default()
+        })
+        .unwrap();
+        let ch = t
+            .open(PeerInfo {
+                addr,
+                local_id: PeerId::random(),
+                local_epoch: Epoch::fresh(),
+                remote_id: PeerId::random(),
+                remote_epoch: Epoch(1),
+                offer: TransportOffer::Tcp {
+                    streams: 1,
+                    port: 0,
+                },
+                segments: vec![],
+            })
+            .await
+            .unwrap();
+        let src = Arc::new(MemoryRegion::alloc_zeroed(8 << 20, 4096).unwrap());
+        let o = run(
+            &ch,
+            vec![
+                op(OpKind::Write, &src, 0, SegmentToken(9), 0, 8 << 20),
+                op(OpKind::Read, &src, 0, SegmentToken(9), 0, 10),
+            ],
+        )
+        .await;
+        h.join().unwrap();
+        assert_eq!(o.completed_ops, 0, "{o:?}");
+        assert_eq!(o.failure.map(|f| (f.op_index, f.kind)), Some((0, FailureKind::PeerLost)));
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain, "{zc:?}");
+        assert!(o.drained);
+        assert!(!ch.is_alive());
+    }
+}
