@@ -1,1 +1,39 @@
-//! RC queue pairs over verbs for Ferry: one-sided READ/WRITE, multi-rail striping.
+//! RC queue pairs over verbs for Ferry: one-sided RDMA READ/WRITE, multi-rail striping.
+//!
+//! Contract (ARCHITECTURE.md sections 2 to 5):
+//! - [`RdmaTransport::open`] loads libibverbs (`ferry-verbs-sys`), selects rails from
+//!   [`RdmaConfig`] (discovery through `ferry-topology`, or explicit [`RailSpec`]s) and opens
+//!   them: one device context, protection domain and completion channel per device.
+//! - Registration goes through the registry with [`RdmaTransport::backend`]: one context per
+//!   rail, one MR per copy (local copy `LOCAL_WRITE`, remote copy plus the granted remote rights).
+//! - Connection setup rides on the control handshake ([`ferry_core::Transport`]): GID, LID, QPN,
+//!   PSN and MTU per rail; queue pairs go RESET→INIT→RTR→RTS with a global route header on RoCE
+//!   and the smaller of both path MTUs. A refused transition names device, port, GID index and
+//!   the transition.
+//! - Data: ops are cut into chunks (`chunk_size`), striped round-robin over the rails, posted as
+//!   chained WRITE/READ work requests with batched signalling and a bounded depth per queue pair,
+//!   and folded into the request's outcome by a per-channel worker thread that busy-polls. An
+//!   error completion fails its queue pair (moved to ERR and flushed); later WRITEs are then
+//!   `Uncertain`, and a request resolves `drained` only after its work requests all completed.
+//! - Native handles never panic in `Drop`: a failed destroy is kept and reported by
+//!   [`RdmaTransport::check`] as `Unquiesced`, and through the registry for MRs.
+//!
+//! `unsafe` code lives only in `native` (the owning handles) and `backend` (handing registered
+//! memory to `ibv_reg_mr`). No features.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod backend;
+mod config;
+mod error;
+mod native;
+mod pump;
+mod qp;
+mod transport;
+mod verbs;
+
+pub use backend::RdmaBackend;
+pub use config::{RailSpec, RdmaConfig};
+pub use error::RdmaError;
+pub use pump::RailCounters;
+pub use qp::QpTiming;
+pub use transport::{RailStats, RdmaChannel, RdmaTransport};

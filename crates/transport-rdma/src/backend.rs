@@ -1,0 +1,188 @@
+//! Registration through the registry: one context per rail, one MR per copy.
+//!
+//! This module touches raw registered memory (it hands a region's address to `ibv_reg_mr`), so it
+//! holds one `unsafe` block.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
+
+use ferry_core::{Access, MemoryRegion};
+use registry::{ContextId, ContextInfo, NativeError, NativeHandle, RegistrationBackend};
+use verbs_sys::{VerbsError, ffi};
+
+use crate::native::Mr;
+use crate::transport::Shared;
+
+/// Native registrations made through [`RdmaBackend`], by handle id.
+#[derive(Default)]
+pub(crate) struct MrTable {
+    by_id: HashMap<u64, Registered>,
+}
+
+struct Registered {
+    context: u32,
+    addr: u64,
+    len: u64,
+    mr: Mr,
+}
+
+impl MrTable {
+    /// The lkey of an MR on `context` covering `addr..addr+len`.
+    pub(crate) fn lkey(&self, context: u32, addr: u64, len: u64) -> Option<u32> {
+        let end = addr.checked_add(len)?;
+        self.by_id
+            .values()
+            .find(|r| r.context == context && r.addr <= addr && end <= r.addr + r.len)
+            .map(|r| r.mr.lkey())
+    }
+}
+
+/// The registry's view of the RDMA transport: one context per rail (in rail order, named
+/// `device:port`), one `ibv_reg_mr` per copy. The local copy gets `LOCAL_WRITE`; the remote copy
+/// adds `REMOTE_READ` / `REMOTE_WRITE` as the range's access grants.
+#[derive(Clone)]
+pub struct RdmaBackend {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl fmt::Debug for RdmaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaBackend")
+            .field(
+                "contexts",
+                &self
+                    .shared
+                    .rails
+                    .iter()
+                    .map(|r| &r.name)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// `ibv_access_flags` for a copy with `access`.
+pub(crate) fn mr_access(access: Access) -> u32 {
+    let mut flags = ffi::IBV_ACCESS_LOCAL_WRITE;
+    if access.contains(Access::REMOTE_READ) {
+        flags |= ffi::IBV_ACCESS_REMOTE_READ;
+    }
+    if access.contains(Access::REMOTE_WRITE) {
+        flags |= ffi::IBV_ACCESS_REMOTE_WRITE;
+    }
+    flags
+}
+
+fn native(device: &str, call: &'static str, e: VerbsError) -> NativeError {
+    let source = match e {
+        VerbsError::Verb { source, .. } => source,
+        other => io::Error::other(other.to_string()),
+    };
+    NativeError::new(device, call, source)
+}
+
+impl RegistrationBackend for RdmaBackend {
+    fn contexts(&self) -> Vec<ContextInfo> {
+        self.shared
+            .rails
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ContextInfo {
+                id: ContextId(u32::try_from(i).unwrap_or(u32::MAX)),
+                name: r.name.clone(),
+                paused: !r.active,
+            })
+            .collect()
+    }
+
+    fn register_copy(
+        &self,
+        context: ContextId,
+        region: &MemoryRegion,
+        access: Access,
+    ) -> Result<NativeHandle, NativeError> {
+        let Some(rail) = usize::try_from(context.0)
+            .ok()
+            .and_then(|i| self.shared.rails.get(i))
+        else {
+            return Err(NativeError::new(
+                format!("{context}"),
+                "ibv_reg_mr",
+                io::Error::new(io::ErrorKind::NotFound, "no such RDMA context"),
+            ));
+        };
+        let addr = region.as_ptr();
+        let len = region.len();
+        // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`, whose bytes never move)
+        // alive until it calls `destroy_copy` for this handle, which deregisters the MR first.
+        let mr = unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
+            .map_err(|e| native(&rail.name, "ibv_reg_mr", e))?;
+        let id = self.shared.next_mr.fetch_add(1, Ordering::Relaxed);
+        let handle = NativeHandle {
+            id,
+            lkey: mr.lkey(),
+            rkey: if access.is_remote() { mr.rkey() } else { 0 },
+        };
+        tracing::debug!(rail = %rail.name, len, %access, lkey = handle.lkey, rkey = handle.rkey,
+            "memory registered");
+        self.shared
+            .mrs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_id
+            .insert(
+                id,
+                Registered {
+                    context: context.0,
+                    addr: addr as u64,
+                    len: len as u64,
+                    mr,
+                },
+            );
+        Ok(handle)
+    }
+
+    fn destroy_copy(&self, context: ContextId, handle: NativeHandle) -> Result<(), NativeError> {
+        let name = usize::try_from(context.0)
+            .ok()
+            .and_then(|i| self.shared.rails.get(i))
+            .map_or_else(|| context.to_string(), |r| r.name.clone());
+        let reg = self
+            .shared
+            .mrs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_id
+            .remove(&handle.id);
+        match reg {
+            Some(r) => r.mr.destroy().map_err(|e| native(&name, "ibv_dereg_mr", e)),
+            None => Err(NativeError::new(
+                name,
+                "ibv_dereg_mr",
+                io::Error::new(io::ErrorKind::NotFound, "unknown memory region handle"),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_flags_per_copy() {
+        let local = ffi::IBV_ACCESS_LOCAL_WRITE;
+        assert_eq!(mr_access(Access::LOCAL), local);
+        assert_eq!(
+            mr_access(Access::REMOTE_READ),
+            local | ffi::IBV_ACCESS_REMOTE_READ
+        );
+        assert_eq!(
+            mr_access(Access::REMOTE_READ | Access::REMOTE_WRITE),
+            local | ffi::IBV_ACCESS_REMOTE_READ | ffi::IBV_ACCESS_REMOTE_WRITE
+        );
+    }
+}

@@ -1,0 +1,756 @@
+//! The data path of one channel, free of native calls: requests are cut into chunks, striped over
+//! the rails, posted as chained work requests (a bounded number in flight per queue pair, every
+//! `signal_every`-th one and the last of each chain signalled), and completions are folded into
+//! each request's [`RequestControl`] ledger.
+//!
+//! Folding rules (RC completes in order per queue pair):
+//! - a completion for work request `w` resolves every earlier outstanding one on that QP: as
+//!   acknowledged while the QP is healthy, as flushed (lost) once it has failed;
+//! - the first error completion on a QP fails that QP: it is moved to ERR explicitly, and its
+//!   later work requests complete as flushed, which leaves their WRITEs `Uncertain`;
+//! - `IBV_WC_REM_ACCESS_ERR` is a refusal (the responder checks key and bounds before placing a
+//!   byte); retry-exceeded errors mean the peer is lost;
+//! - a request resolves (with `drained: true`) only when none of its work requests is still
+//!   outstanding, so a failed QP is flushed before its buffers are declared free.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ferry_core::{FailureKind, Op, OpKind, Outcome, RemoteStatus, RequestControl};
+
+use crate::verbs::{
+    Completion, QpVerbs, SendWr, Transition, WC_FLUSH, WC_REM_ACCESS, WC_RETRY_EXC,
+    WC_RNR_RETRY_EXC, WC_SUCCESS, WrKind,
+};
+
+/// The keys one op uses on one rail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Keys {
+    /// Local key of an MR covering the local range on the rail's context.
+    pub(crate) lkey: u32,
+    /// Remote address of the segment's offset 0 on the peer.
+    pub(crate) remote_base: u64,
+    /// The peer's remote key for the segment on the paired context.
+    pub(crate) rkey: u32,
+}
+
+/// Per op: the keys for each rail (`None`: that rail cannot carry it), or why no rail can.
+pub(crate) type OpKeys = Result<Vec<Option<Keys>>, FailureKind>;
+
+/// Counters of one rail, readable while the channel runs.
+#[derive(Debug, Default)]
+pub struct RailCounters {
+    /// Bytes acknowledged.
+    pub bytes: AtomicU64,
+    /// Work requests acknowledged.
+    pub work_requests: AtomicU64,
+    /// Work requests posted.
+    pub posted: AtomicU64,
+    /// Error completions (flushes not counted).
+    pub errors: AtomicU64,
+    /// Flushed work requests.
+    pub flushed: AtomicU64,
+}
+
+/// Limits of the data path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PumpLimits {
+    /// Largest chunk one work request moves.
+    pub(crate) chunk: u64,
+    /// Work requests outstanding per queue pair (its send queue depth).
+    pub(crate) depth: usize,
+    /// Signal at least every this many work requests.
+    pub(crate) signal_every: usize,
+}
+
+struct Entry {
+    wr_id: u64,
+    req: u64,
+    op: usize,
+    len: u64,
+}
+
+/// One rail as the pump drives it.
+pub(crate) struct Rail {
+    pub(crate) qp: Box<dyn QpVerbs>,
+    pub(crate) name: String,
+    pub(crate) counters: Arc<RailCounters>,
+    outstanding: VecDeque<Entry>,
+    failed: Option<FailureKind>,
+    unsignaled: usize,
+}
+
+impl Rail {
+    pub(crate) fn new(qp: Box<dyn QpVerbs>, name: String, counters: Arc<RailCounters>) -> Self {
+        Self {
+            qp,
+            name,
+            counters,
+            outstanding: VecDeque::new(),
+            failed: None,
+            unsignaled: 0,
+        }
+    }
+
+    fn usable(&self) -> bool {
+        self.failed.is_none()
+    }
+
+    /// Fails the rail: moves its QP to ERR so outstanding work flushes.
+    fn fail(&mut self, kind: FailureKind) {
+        if self.failed.is_some() {
+            return;
+        }
+        self.failed = Some(kind);
+        if let Err(e) = self.qp.modify(&Transition::Error) {
+            tracing::warn!(rail = %self.name, error = %e, "moving the queue pair to ERR failed");
+        }
+        tracing::info!(rail = %self.name, kind = %kind, outstanding = self.outstanding.len(),
+            "rail failed; flushing");
+    }
+}
+
+/// Called once with the request's outcome.
+pub(crate) type Done = Box<dyn FnOnce(Outcome) + Send>;
+
+struct Active {
+    id: u64,
+    ops: Arc<[Op]>,
+    control: Arc<RequestControl>,
+    keys: Vec<OpKeys>,
+    next_op: usize,
+    next_off: u64,
+    planned: bool,
+    exhausted: bool,
+    in_flight: usize,
+    undrained: bool,
+    rr: usize,
+    done: Option<Done>,
+}
+
+impl Active {
+    fn local_addr(&self, op: usize, off: u64) -> u64 {
+        let o = &self.ops[op];
+        o.local.as_ptr() as u64 + o.local_offset + off
+    }
+}
+
+/// The data path of one channel.
+pub(crate) struct Pump {
+    rails: Vec<Rail>,
+    limits: PumpLimits,
+    active: Vec<Active>,
+    next_wr: u64,
+    next_req: u64,
+}
+
+fn classify(status: u32) -> FailureKind {
+    match status {
+        WC_REM_ACCESS => FailureKind::Remote(RemoteStatus::AccessDenied),
+        WC_RETRY_EXC | WC_RNR_RETRY_EXC | WC_FLUSH => FailureKind::PeerLost,
+        _ => FailureKind::Local,
+    }
+}
+
+impl Pump {
+    pub(crate) fn new(rails: Vec<Rail>, limits: PumpLimits) -> Self {
+        Self {
+            rails,
+            limits: PumpLimits {
+                chunk: limits.chunk.max(1),
+                depth: limits.depth.max(1),
+                signal_every: limits.signal_every.max(1),
+            },
+            active: Vec::new(),
+            next_wr: 1,
+            next_req: 1,
+        }
+    }
+
+    /// Whether any rail can still carry work.
+    pub(crate) fn alive(&self) -> bool {
+        self.rails.iter().any(Rail::usable)
+    }
+
+    /// Whether nothing is pending (no request, no outstanding work request).
+    pub(crate) fn idle(&self) -> bool {
+        self.active.is_empty() && self.rails.iter().all(|r| r.outstanding.is_empty())
+    }
+
+    /// Adds a request; `keys[i]` are op `i`'s keys per rail.
+    pub(crate) fn add(
+        &mut self,
+        ops: Arc<[Op]>,
+        control: Arc<RequestControl>,
+        keys: Vec<OpKeys>,
+        done: Done,
+    ) {
+        let id = self.next_req;
+        self.next_req += 1;
+        self.active.push(Active {
+            id,
+            ops,
+            control,
+            keys,
+            next_op: 0,
+            next_off: 0,
+            planned: false,
+            exhausted: false,
+            in_flight: 0,
+            undrained: false,
+            rr: 0,
+            done: Some(done),
+        });
+    }
+
+    /// Fails every rail (the channel closes): outstanding work flushes, nothing new is posted.
+    pub(crate) fn close(&mut self) {
+        for r in &mut self.rails {
+            r.fail(FailureKind::PeerLost);
+        }
+    }
+
+    /// Posts what fits, folds what completed, resolves finished requests. Returns whether
+    /// anything happened.
+    pub(crate) fn step(&mut self) -> bool {
+        let mut progress = self.post();
+        progress |= self.poll();
+        progress |= self.finish();
+        progress
+    }
+
+    fn post(&mut self) -> bool {
+        let n = self.rails.len();
+        let mut batches: Vec<Vec<(SendWr, Entry)>> = (0..n).map(|_| Vec::new()).collect();
+        let chunk = self.limits.chunk;
+        let depth = self.limits.depth;
+        for req in &mut self.active {
+            while !req.exhausted {
+                if req.next_op >= req.ops.len() || req.control.should_stop_posting() {
+                    req.exhausted = true;
+                    break;
+                }
+                let i = req.next_op;
+                let op = &req.ops[i];
+                let rail_keys = match &req.keys[i] {
+                    Ok(k) => k,
+                    Err(kind) => {
+                        req.control.with_ledger(|l| l.not_posted(i, *kind, None));
+                        req.exhausted = true;
+                        break;
+                    }
+                };
+                if !req.planned {
+                    let chunks = op.len.div_ceil(chunk);
+                    let chunks = u32::try_from(chunks).unwrap_or(u32::MAX);
+                    req.control.with_ledger(|l| l.plan(i, chunks));
+                    req.planned = true;
+                    if chunks == 0 {
+                        req.next_op += 1;
+                        req.next_off = 0;
+                        req.planned = false;
+                        continue;
+                    }
+                }
+                // A rail that is healthy, has keys for this op and room in its send queue.
+                let carriers = |r: usize| {
+                    self.rails[r].usable() && rail_keys.get(r).is_some_and(Option::is_some)
+                };
+                if !(0..n).any(carriers) {
+                    req.control
+                        .with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
+                    req.exhausted = true;
+                    break;
+                }
+                let pick = (0..n).map(|k| (req.rr + k) % n).find(|&r| {
+                    carriers(r) && self.rails[r].outstanding.len() + batches[r].len() < depth
+                });
+                let Some(r) = pick else { break };
+                let Some(keys) = rail_keys[r] else { break };
+                let len = (op.len - req.next_off).min(chunk);
+                let wr = SendWr {
+                    wr_id: self.next_wr,
+                    kind: match op.kind {
+                        OpKind::Write => WrKind::Write,
+                        OpKind::Read => WrKind::Read,
+                    },
+                    local_addr: req.local_addr(i, req.next_off),
+                    len: u32::try_from(len).unwrap_or(u32::MAX),
+                    lkey: keys.lkey,
+                    remote_addr: keys
+                        .remote_base
+                        .wrapping_add(op.remote_offset)
+                        .wrapping_add(req.next_off),
+                    rkey: keys.rkey,
+                    signaled: false,
+                };
+                batches[r].push((
+                    wr,
+                    Entry {
+                        wr_id: self.next_wr,
+                        req: req.id,
+                        op: i,
+                        len,
+                    },
+                ));
+                self.next_wr += 1;
+                req.in_flight += 1;
+                req.rr = (r + 1) % n;
+                req.next_off += len;
+                if req.next_off >= op.len {
+                    req.next_op += 1;
+                    req.next_off = 0;
+                    req.planned = false;
+                }
+            }
+        }
+        let mut progress = false;
+        for (r, mut batch) in batches.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            progress = true;
+            let rail = &mut self.rails[r];
+            let last = batch.len() - 1;
+            for (k, (wr, _)) in batch.iter_mut().enumerate() {
+                rail.unsignaled += 1;
+                if k == last || rail.unsignaled >= self.limits.signal_every {
+                    wr.signaled = true;
+                    rail.unsignaled = 0;
+                }
+            }
+            let wrs: Vec<SendWr> = batch.iter().map(|(w, _)| *w).collect();
+            let (posted, err) = match rail.qp.post_send(&wrs) {
+                Ok(()) => (batch.len(), None),
+                Err(e) => (e.posted.min(batch.len()), Some(e.errno)),
+            };
+            let mut rest = batch.split_off(posted);
+            for (_, e) in batch {
+                if let Some(req) = self.active.iter().find(|a| a.id == e.req) {
+                    req.control.with_ledger(|l| l.posted(e.op));
+                }
+                rail.counters.posted.fetch_add(1, Ordering::Relaxed);
+                rail.outstanding.push_back(e);
+            }
+            if let Some(errno) = err {
+                tracing::warn!(rail = %rail.name, errno, posted, refused = rest.len(),
+                    "ibv_post_send refused part of a chain");
+                for (_, e) in rest.drain(..) {
+                    if let Some(req) = self.active.iter_mut().find(|a| a.id == e.req) {
+                        req.control
+                            .with_ledger(|l| l.not_posted(e.op, FailureKind::Local, Some(errno)));
+                        req.in_flight -= 1;
+                    }
+                }
+                // The chain's tail may be unsignalled: flush the QP so everything posted completes.
+                rail.fail(FailureKind::Local);
+            }
+        }
+        progress
+    }
+
+    fn poll(&mut self) -> bool {
+        let mut progress = false;
+        for r in 0..self.rails.len() {
+            if self.rails[r].outstanding.is_empty() {
+                continue;
+            }
+            match self.rails[r].qp.poll(32) {
+                Ok(cs) => {
+                    for c in cs {
+                        progress = true;
+                        self.complete(r, c);
+                    }
+                }
+                Err(errno) => {
+                    // Completions can no longer be read: nothing on this rail can be proven
+                    // finished, so its requests resolve undrained.
+                    tracing::error!(rail = %self.rails[r].name, errno, "ibv_poll_cq failed");
+                    progress = true;
+                    let rail = &mut self.rails[r];
+                    rail.fail(FailureKind::Local);
+                    for e in rail.outstanding.drain(..) {
+                        if let Some(req) = self.active.iter_mut().find(|a| a.id == e.req) {
+                            req.control
+                                .with_ledger(|l| l.lost(e.op, FailureKind::Local, Some(errno)));
+                            req.in_flight -= 1;
+                            req.undrained = true;
+                        }
+                    }
+                }
+            }
+        }
+        progress
+    }
+
+    fn complete(&mut self, r: usize, c: Completion) {
+        let rail = &mut self.rails[r];
+        if !rail.outstanding.iter().any(|e| e.wr_id == c.wr_id) {
+            tracing::warn!(rail = %rail.name, wr_id = c.wr_id, "completion for an unknown work request");
+            return;
+        }
+        while let Some(e) = rail.outstanding.pop_front() {
+            let hit = e.wr_id == c.wr_id;
+            let status = if hit {
+                c.status
+            } else if rail.failed.is_some() {
+                WC_FLUSH
+            } else {
+                WC_SUCCESS
+            };
+            let Some(req) = self.active.iter_mut().find(|a| a.id == e.req) else {
+                if hit {
+                    break;
+                }
+                continue;
+            };
+            req.in_flight -= 1;
+            match status {
+                WC_SUCCESS => {
+                    rail.counters.bytes.fetch_add(e.len, Ordering::Relaxed);
+                    rail.counters.work_requests.fetch_add(1, Ordering::Relaxed);
+                    req.control.with_ledger(|l| l.acked(e.op));
+                }
+                WC_FLUSH => {
+                    rail.counters.flushed.fetch_add(1, Ordering::Relaxed);
+                    req.control.with_ledger(|l| {
+                        l.lost(e.op, FailureKind::PeerLost, Some(WC_FLUSH as i32))
+                    });
+                    // A flush on a QP we did not fail ourselves: it is broken.
+                    rail.fail(FailureKind::PeerLost);
+                }
+                other => {
+                    rail.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    let kind = classify(other);
+                    tracing::info!(rail = %rail.name, status = other, vendor_err = c.vendor_err,
+                        op = e.op, kind = %kind, "work completion error");
+                    req.control.with_ledger(|l| match kind {
+                        FailureKind::Remote(s) => l.refused(e.op, s),
+                        k => l.lost(e.op, k, Some(other as i32)),
+                    });
+                    rail.fail(kind);
+                }
+            }
+            if hit {
+                break;
+            }
+        }
+    }
+
+    fn finish(&mut self) -> bool {
+        let mut progress = false;
+        let mut k = 0;
+        while k < self.active.len() {
+            let a = &mut self.active[k];
+            if !a.exhausted && a.control.should_stop_posting() {
+                a.exhausted = true;
+            }
+            if a.exhausted && a.in_flight == 0 {
+                let a = self.active.remove(k);
+                let outcome = a.control.outcome(!a.undrained);
+                if let Some(done) = a.done {
+                    done(outcome);
+                }
+                progress = true;
+            } else {
+                k += 1;
+            }
+        }
+        progress
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::{MockQpVerbs, PostError, WC_RETRY_EXC};
+    use ferry_core::{MemoryRegion, RemoteEffect, SegmentToken};
+    use mockall::Sequence;
+    use std::sync::Mutex;
+
+    const K: Keys = Keys {
+        lkey: 0x11,
+        remote_base: 0x1000_0000,
+        rkey: 0x22,
+    };
+
+    fn ops(kinds: &[(OpKind, u64)]) -> Arc<[Op]> {
+        let r = Arc::new(MemoryRegion::from_vec(vec![0; 1 << 16]));
+        kinds
+            .iter()
+            .map(|&(kind, len)| Op {
+                kind,
+                local: r.clone(),
+                local_offset: 0,
+                token: SegmentToken(1),
+                remote_offset: 0,
+                len,
+            })
+            .collect()
+    }
+
+    fn limits(depth: usize) -> PumpLimits {
+        PumpLimits {
+            chunk: 100,
+            depth,
+            signal_every: 2,
+        }
+    }
+
+    type Slot = Arc<Mutex<Option<Outcome>>>;
+
+    fn add(p: &mut Pump, ops: Arc<[Op]>, rails: usize) -> (Arc<RequestControl>, Slot) {
+        let control = Arc::new(RequestControl::new(&ops));
+        let keys = ops.iter().map(|_| Ok(vec![Some(K); rails])).collect();
+        let slot: Slot = Arc::default();
+        let s = slot.clone();
+        p.add(
+            ops,
+            control.clone(),
+            keys,
+            Box::new(move |o| *s.lock().unwrap() = Some(o)),
+        );
+        (control, slot)
+    }
+
+    fn rail(qp: MockQpVerbs) -> Rail {
+        Rail::new(Box::new(qp), "mock:1".into(), Arc::default())
+    }
+
+    fn ok(wr_id: u64) -> Completion {
+        Completion {
+            wr_id,
+            status: WC_SUCCESS,
+            vendor_err: 0,
+        }
+    }
+
+    fn status(wr_id: u64, status: u32) -> Completion {
+        Completion {
+            wr_id,
+            status,
+            vendor_err: 0,
+        }
+    }
+
+    #[test]
+    fn a_chain_is_posted_with_batched_signals_and_one_completion_acks_it() {
+        let mut qp = MockQpVerbs::new();
+        qp.expect_post_send()
+            .withf(|w| {
+                // 250 + 100 bytes: chunks of 100, 100, 50 then 100; every 2nd and the last signalled.
+                w.len() == 4
+                    && w.iter().map(|x| x.len).collect::<Vec<_>>() == [100, 100, 50, 100]
+                    && w.iter().map(|x| x.signaled).collect::<Vec<_>>()
+                        == [false, true, false, true]
+                    && w[1].remote_addr == K.remote_base + 100
+                    && w[3].kind == WrKind::Read
+                    && w.iter().all(|x| x.lkey == K.lkey && x.rkey == K.rkey)
+            })
+            .times(1)
+            .returning(|_| Ok(()));
+        qp.expect_poll().times(1).returning(|_| Ok(vec![ok(4)]));
+        let mut p = Pump::new(vec![rail(qp)], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 250), (OpKind::Read, 100)]), 1);
+        assert!(p.step());
+        let o = slot.lock().unwrap().take().expect("resolved");
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert_eq!((o.completed_ops, o.completed_bytes), (2, 350));
+        assert!(p.idle());
+    }
+
+    #[test]
+    fn an_error_mid_chain_makes_later_writes_uncertain_and_drains_after_the_flush() {
+        let mut qp = MockQpVerbs::new();
+        let mut seq = Sequence::new();
+        qp.expect_post_send()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|w| {
+                assert_eq!(w.len(), 4);
+                Ok(())
+            });
+        // wr 2 fails (so wr 1 completed); wr 3 and 4 are still on the wire.
+        qp.expect_poll()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(vec![status(2, WC_RETRY_EXC)]));
+        qp.expect_modify()
+            .withf(|t| *t == Transition::Error)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(()));
+        // Not flushed yet: the request must not resolve.
+        qp.expect_poll()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(vec![]));
+        qp.expect_poll()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(vec![status(4, WC_FLUSH)]));
+        let mut p = Pump::new(vec![rail(qp)], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 10); 4]), 1);
+        p.step();
+        assert!(slot.lock().unwrap().is_none(), "resolved before the flush");
+        p.step();
+        assert!(slot.lock().unwrap().is_none(), "resolved before the flush");
+        p.step();
+        let o = slot
+            .lock()
+            .unwrap()
+            .take()
+            .expect("resolved after the flush");
+        assert_eq!((o.completed_ops, o.completed_bytes), (1, 10));
+        let f = o.failure.unwrap();
+        assert_eq!(f.op_index, 1);
+        assert_eq!(f.kind, FailureKind::PeerLost);
+        assert_eq!(f.native_status, Some(WC_RETRY_EXC as i32));
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        assert!(o.drained);
+        assert!(!p.alive());
+    }
+
+    #[test]
+    fn a_remote_access_error_is_a_refusal_with_no_effect() {
+        let mut qp = MockQpVerbs::new();
+        qp.expect_post_send().returning(|_| Ok(()));
+        qp.expect_poll()
+            .times(1)
+            .returning(|_| Ok(vec![status(1, WC_REM_ACCESS)]));
+        qp.expect_modify().times(1).returning(|_| Ok(()));
+        let mut p = Pump::new(vec![rail(qp)], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 10)]), 1);
+        p.step();
+        let o = slot.lock().unwrap().take().expect("resolved");
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::Remote(RemoteStatus::AccessDenied))
+        );
+        assert_eq!(o.remote_effect, RemoteEffect::None);
+        assert_eq!(o.completed_ops, 0);
+    }
+
+    #[test]
+    fn large_ops_stripe_over_rails_and_in_flight_is_bounded() {
+        let posted = Arc::new(Mutex::new(Vec::<(usize, Vec<u64>)>::new()));
+        let mut rails = Vec::new();
+        for r in 0..2 {
+            let mut qp = MockQpVerbs::new();
+            let log = posted.clone();
+            let pending = Arc::new(Mutex::new(Vec::<u64>::new()));
+            let p2 = pending.clone();
+            qp.expect_post_send().returning(move |w| {
+                assert!(w.len() <= 2, "more than the depth in flight");
+                log.lock()
+                    .unwrap()
+                    .push((r, w.iter().map(|x| x.wr_id).collect()));
+                p2.lock()
+                    .unwrap()
+                    .extend(w.iter().filter(|x| x.signaled).map(|x| x.wr_id));
+                Ok(())
+            });
+            qp.expect_poll()
+                .returning(move |_| Ok(pending.lock().unwrap().drain(..).map(ok).collect()));
+            rails.push(rail(qp));
+        }
+        let mut p = Pump::new(rails, limits(2));
+        // one op of 1000 bytes: 10 chunks over 2 rails of depth 2
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 1000)]), 2);
+        for _ in 0..20 {
+            if slot.lock().unwrap().is_some() {
+                break;
+            }
+            p.step();
+        }
+        let o = slot.lock().unwrap().take().expect("resolved");
+        assert!(o.is_success(), "{o:?}");
+        let log = posted.lock().unwrap();
+        let per_rail = |r| {
+            log.iter()
+                .filter(|(x, _)| *x == r)
+                .map(|(_, w)| w.len())
+                .sum::<usize>()
+        };
+        assert_eq!((per_rail(0), per_rail(1)), (5, 5));
+        assert_eq!(p.rails[0].counters.bytes.load(Ordering::Relaxed), 500);
+    }
+
+    #[test]
+    fn a_partial_post_fails_the_rest_locally_and_flushes() {
+        let mut qp = MockQpVerbs::new();
+        qp.expect_post_send().returning(|_| {
+            Err(PostError {
+                posted: 1,
+                errno: libc::ENOMEM,
+            })
+        });
+        qp.expect_modify().times(1).returning(|_| Ok(()));
+        qp.expect_poll()
+            .returning(|_| Ok(vec![status(1, WC_FLUSH)]));
+        let mut p = Pump::new(vec![rail(qp)], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 10), (OpKind::Write, 10)]), 1);
+        p.step();
+        let o = slot.lock().unwrap().take().expect("resolved");
+        assert_eq!(o.completed_ops, 0);
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        assert!(o.drained);
+    }
+
+    #[test]
+    fn ops_without_keys_fail_before_posting() {
+        let mut qp = MockQpVerbs::new();
+        qp.expect_post_send().never();
+        let mut p = Pump::new(vec![rail(qp)], limits(16));
+        let ops = ops(&[(OpKind::Read, 10)]);
+        let control = Arc::new(RequestControl::new(&ops));
+        let slot: Slot = Arc::default();
+        let s = slot.clone();
+        p.add(
+            ops,
+            control,
+            vec![Err(FailureKind::Remote(RemoteStatus::UnknownSegment))],
+            Box::new(move |o| *s.lock().unwrap() = Some(o)),
+        );
+        p.step();
+        let o = slot.lock().unwrap().take().expect("resolved");
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::Remote(RemoteStatus::UnknownSegment))
+        );
+        assert_eq!(o.remote_effect, RemoteEffect::None);
+    }
+
+    #[test]
+    fn a_stopped_request_posts_nothing_more_but_waits_for_what_is_out() {
+        let mut qp = MockQpVerbs::new();
+        let mut seq = Sequence::new();
+        qp.expect_post_send()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|w| {
+                assert_eq!(w.len(), 2);
+                Ok(())
+            });
+        qp.expect_poll()
+            .times(2)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(vec![]));
+        qp.expect_poll()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(vec![ok(2)]));
+        let mut p = Pump::new(vec![rail(qp)], limits(2));
+        let (c, slot) = add(&mut p, ops(&[(OpKind::Write, 10); 5]), 1);
+        p.step();
+        c.stop(FailureKind::Cancelled);
+        p.step();
+        assert!(slot.lock().unwrap().is_none());
+        p.step();
+        let o = slot.lock().unwrap().take().expect("resolved");
+        assert_eq!(o.completed_ops, 2);
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::Cancelled));
+        assert!(o.drained);
+    }
+}

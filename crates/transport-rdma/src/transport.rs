@@ -1,0 +1,709 @@
+//! The RDMA [`Transport`] and its [`Channel`].
+//!
+//! Connection setup rides on the control handshake. The initiator's `offer()` creates one RC
+//! queue pair per rail (kept pending) and offers its endpoints (GID, LID, QPN, PSN, MTU). The
+//! serving side's `accept()` pairs each offered rail with one of its own (rail `k` with rail
+//! `k mod n`), creates and connects a queue pair for it (RESET→INIT→RTR→RTS) and answers with
+//! its endpoints, echoing the initiator's PSNs: that is how `open()` finds the pending queue
+//! pairs the answer belongs to before connecting them in turn.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use ferry_core::wire::RdmaEndpoint;
+use ferry_core::{
+    BoxFuture, Channel, Epoch, FailureKind, Op, Outcome, PeerId, PeerInfo, RemoteStatus,
+    RequestControl, SegmentDesc, SegmentToken, Transport, TransportKind, TransportOffer,
+};
+use verbs_sys::{Verbs, ffi};
+
+use crate::backend::{MrTable, RdmaBackend};
+use crate::config::{RailSpec, RdmaConfig};
+use crate::error::{RdmaError, error_chain};
+use crate::native::{CompChannel, Cq, Device, Faults, Pd, RcQp};
+use crate::pump::{Keys, OpKeys, Pump, PumpLimits, Rail, RailCounters};
+use crate::qp::{LocalPort, bring_up};
+use crate::verbs::QpVerbs;
+
+/// Pending queue-pair sets older than this are destroyed at the next offer.
+const PENDING_TTL: Duration = Duration::from_secs(120);
+/// At most this many pending sets are kept.
+const MAX_PENDING: usize = 32;
+
+/// One opened rail: a device port with its protection domain.
+pub(crate) struct RailCtx {
+    pub(crate) name: String,
+    pub(crate) local: LocalPort,
+    pub(crate) active: bool,
+    pub(crate) depth: u32,
+    comp: Arc<CompChannel>,
+    pub(crate) pd: Arc<Pd>,
+}
+
+impl RailCtx {
+    fn new_qp(&self) -> Result<RcQp, RdmaError> {
+        let cq = Cq::create(&self.comp, self.depth.saturating_mul(2).max(16))?;
+        RcQp::create(&self.pd, &cq, self.depth)
+    }
+}
+
+struct PendingSet {
+    created: Instant,
+    /// (rail index, PSN, QP)
+    qps: Vec<(usize, u32, RcQp)>,
+}
+
+struct ServedSet {
+    peer: (PeerId, Epoch),
+    qps: Vec<RcQp>,
+}
+
+/// State shared by the transport, its channels and its registration backend. Field order is
+/// drop order: queue pairs and MRs go before the rails (PDs, devices) they live on.
+pub(crate) struct Shared {
+    pending: Mutex<VecDeque<PendingSet>>,
+    served: Mutex<VecDeque<ServedSet>>,
+    pub(crate) mrs: Mutex<MrTable>,
+    pub(crate) next_mr: AtomicU64,
+    channels: Mutex<Vec<Weak<ChannelStats>>>,
+    pub(crate) rails: Vec<RailCtx>,
+    config: RdmaConfig,
+    faults: Faults,
+}
+
+/// Counters of one rail of one channel.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RailStats {
+    /// `device:port` of the local rail.
+    pub rail: String,
+    /// Bytes acknowledged.
+    pub bytes: u64,
+    /// Work requests acknowledged.
+    pub work_requests: u64,
+    /// Work requests posted.
+    pub posted: u64,
+    /// Error completions.
+    pub errors: u64,
+    /// Flushed work requests.
+    pub flushed: u64,
+}
+
+struct ChannelStats {
+    rails: Vec<(String, Arc<RailCounters>)>,
+}
+
+/// RDMA reliable-connected queue pairs over the selected rails. Cheap to clone.
+#[derive(Clone)]
+pub struct RdmaTransport {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaTransport")
+            .field("rails", &self.rail_names())
+            .finish()
+    }
+}
+
+/// A device opened once for all its rails.
+type OpenDevice = (Arc<Device>, Arc<Pd>, Arc<CompChannel>);
+
+fn open_rail(
+    verbs: &Verbs,
+    spec: &RailSpec,
+    devices: &mut HashMap<String, OpenDevice>,
+    config: &RdmaConfig,
+    faults: &Faults,
+) -> Result<RailCtx, RdmaError> {
+    let (device, pd, comp) = match devices.get(&spec.device) {
+        Some(d) => d.clone(),
+        None => {
+            let device = Device::open(verbs, &spec.device, faults)?;
+            let pd = Pd::alloc(&device)?;
+            let comp = CompChannel::create(&device)?;
+            devices.insert(
+                spec.device.clone(),
+                (device.clone(), pd.clone(), comp.clone()),
+            );
+            (device, pd, comp)
+        }
+    };
+    let query = |what, source| RdmaError::QueryPort {
+        device: spec.device.clone(),
+        port: spec.port,
+        gid_index: spec.gid_index,
+        what,
+        source,
+    };
+    let port = device
+        .query_port(spec.port)
+        .map_err(|e| query("ibv_query_port", e))?;
+    let gid = device
+        .query_gid(spec.port, spec.gid_index)
+        .map_err(|e| query("ibv_query_gid", e))?;
+    let (max_rd, max_wr) = device.limits().map_err(|e| query("ibv_query_device", e))?;
+    let unusable = |reason: String| RdmaError::PortUnusable {
+        device: spec.device.clone(),
+        port: spec.port,
+        gid_index: spec.gid_index,
+        reason,
+    };
+    if !port.active {
+        return Err(unusable(format!(
+            "port state {} is not ACTIVE ({})",
+            port.state,
+            ffi::IBV_PORT_ACTIVE
+        )));
+    }
+    if port.ethernet && gid == [0; 16] {
+        return Err(unusable(
+            "the GID is all-zero (unset) on a RoCE port".into(),
+        ));
+    }
+    let local = LocalPort {
+        device: spec.device.clone(),
+        port: spec.port,
+        gid_index: spec.gid_index,
+        gid,
+        lid: port.lid,
+        active_mtu: port.active_mtu,
+        ethernet: port.ethernet,
+        max_rd_atomic: max_rd.min(16),
+    };
+    tracing::info!(device = %spec.device, port = spec.port, gid_index = spec.gid_index,
+        mtu = port.active_mtu, ethernet = port.ethernet, "RDMA rail opened");
+    Ok(RailCtx {
+        name: format!("{}:{}", spec.device, spec.port),
+        local,
+        active: port.active,
+        depth: config.depth.clamp(1, max_wr),
+        comp,
+        pd,
+    })
+}
+
+impl RdmaTransport {
+    /// Loads libibverbs, selects the rails (see [`RdmaConfig`]) and opens them.
+    pub fn open(config: RdmaConfig) -> Result<Self, RdmaError> {
+        let verbs = match &config.library {
+            Some(p) => Verbs::load_from(p),
+            None => Verbs::load(),
+        }
+        .map_err(|e| RdmaError::LoadLibrary {
+            library: e.library().unwrap_or(verbs_sys::IBVERBS_LIBRARY).to_owned(),
+            reason: error_chain(&e),
+        })?;
+        let specs = config.resolve(&verbs)?;
+        let faults = Faults::default();
+        let mut devices = HashMap::new();
+        let mut rails = Vec::with_capacity(specs.len());
+        for spec in &specs {
+            rails.push(open_rail(&verbs, spec, &mut devices, &config, &faults)?);
+        }
+        drop(devices);
+        Ok(Self {
+            shared: Arc::new(Shared {
+                pending: Mutex::default(),
+                served: Mutex::default(),
+                mrs: Mutex::default(),
+                next_mr: AtomicU64::new(1),
+                channels: Mutex::default(),
+                rails,
+                config,
+                faults,
+            }),
+        })
+    }
+
+    /// The registration backend for the registry (one context per rail, in rail order).
+    pub fn backend(&self) -> RdmaBackend {
+        RdmaBackend {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// `device:port` of each rail, in rail (context) order.
+    pub fn rail_names(&self) -> Vec<String> {
+        self.shared.rails.iter().map(|r| r.name.clone()).collect()
+    }
+
+    /// Counters per rail, summed over this transport's live channels.
+    pub fn rail_stats(&self) -> Vec<RailStats> {
+        let mut out: Vec<RailStats> = self
+            .shared
+            .rails
+            .iter()
+            .map(|r| RailStats {
+                rail: r.name.clone(),
+                ..RailStats::default()
+            })
+            .collect();
+        let mut chans = self
+            .shared
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        chans.retain(|w| w.strong_count() > 0);
+        for c in chans.iter().filter_map(Weak::upgrade) {
+            for (name, k) in &c.rails {
+                if let Some(s) = out.iter_mut().find(|s| &s.rail == name) {
+                    s.bytes += k.bytes.load(Ordering::Relaxed);
+                    s.work_requests += k.work_requests.load(Ordering::Relaxed);
+                    s.posted += k.posted.load(Ordering::Relaxed);
+                    s.errors += k.errors.load(Ordering::Relaxed);
+                    s.flushed += k.flushed.load(Ordering::Relaxed);
+                }
+            }
+        }
+        out
+    }
+
+    /// `Err(Unquiesced)` when a native destroy failed (the objects are kept).
+    pub fn check(&self) -> Result<(), ferry_core::Error> {
+        self.shared.faults.check()
+    }
+
+    fn endpoint(&self, rail: usize, qpn: u32, psn: u32) -> RdmaEndpoint {
+        let r = &self.shared.rails[rail];
+        RdmaEndpoint {
+            rail: u16::try_from(rail).unwrap_or(u16::MAX),
+            port_num: r.local.port,
+            mtu: u8::try_from(r.local.active_mtu).unwrap_or(1),
+            lid: r.local.lid,
+            gid: r.local.gid,
+            qpn,
+            psn,
+        }
+    }
+
+    fn try_offer(&self) -> Result<Vec<RdmaEndpoint>, RdmaError> {
+        let mut qps = Vec::with_capacity(self.shared.rails.len());
+        let mut eps = Vec::with_capacity(self.shared.rails.len());
+        for (i, rail) in self.shared.rails.iter().enumerate() {
+            let qp = rail.new_qp()?;
+            let psn = rand::random::<u32>() & 0x00ff_ffff;
+            eps.push(self.endpoint(i, qp.qp_num(), psn));
+            qps.push((i, psn, qp));
+        }
+        let mut pending = self
+            .shared
+            .pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        pending.retain(|p| p.created.elapsed() < PENDING_TTL);
+        while pending.len() >= MAX_PENDING {
+            pending.pop_front();
+        }
+        pending.push_back(PendingSet {
+            created: Instant::now(),
+            qps,
+        });
+        Ok(eps)
+    }
+
+    fn try_accept(&self, peer: &PeerInfo) -> Result<Vec<RdmaEndpoint>, RdmaError> {
+        let who = peer.addr.to_string();
+        let TransportOffer::Rdma { rails: offered } = &peer.offer else {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer's offer is not an RDMA offer".into(),
+            });
+        };
+        if offered.is_empty() {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer offers no RDMA rail (it could not create queue pairs)".into(),
+            });
+        }
+        let n = self.shared.rails.len();
+        let mut qps = Vec::with_capacity(offered.len());
+        let mut answer = Vec::with_capacity(offered.len());
+        for (k, ep) in offered.iter().enumerate() {
+            let i = k % n;
+            let rail = &self.shared.rails[i];
+            let qp = rail.new_qp()?;
+            bring_up(
+                &qp,
+                &rail.local,
+                ep.psn,
+                ep,
+                &self.shared.config.timing,
+                &who,
+            )?;
+            answer.push(self.endpoint(i, qp.qp_num(), ep.psn));
+            qps.push(qp);
+        }
+        let mut served = self
+            .shared
+            .served
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Sets whose queue pairs all failed (their peer went away) are released.
+        served.retain(|s| {
+            !s.qps
+                .iter()
+                .all(|q| q.state().map_or(true, |st| st == ffi::IBV_QPS_ERR))
+        });
+        while served.len() >= self.shared.config.max_served.max(1) {
+            served.pop_front();
+        }
+        served.push_back(ServedSet {
+            peer: (peer.remote_id, peer.remote_epoch),
+            qps,
+        });
+        tracing::info!(peer = %who, rails = answer.len(), "RDMA queue pairs accepted");
+        Ok(answer)
+    }
+
+    /// Releases the queue pairs kept for serving `peer` (all its incarnations when `epoch` is
+    /// `None`).
+    pub fn release_peer(&self, peer: PeerId, epoch: Option<Epoch>) {
+        self.shared
+            .served
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|s| !(s.peer.0 == peer && epoch.is_none_or(|e| e == s.peer.1)));
+    }
+
+    fn try_open(&self, peer: &PeerInfo) -> Result<RdmaChannel, RdmaError> {
+        let who = peer.addr.to_string();
+        let TransportOffer::Rdma { rails: answer } = &peer.offer else {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer's answer is not an RDMA offer".into(),
+            });
+        };
+        if answer.is_empty() {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer answered with no RDMA rail".into(),
+            });
+        }
+        let set = {
+            let mut pending = self
+                .shared
+                .pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let pos = pending.iter().position(|p| {
+                p.qps.len() >= answer.len()
+                    && p.qps
+                        .iter()
+                        .zip(answer)
+                        .all(|((_, psn, _), ep)| *psn == ep.psn)
+            });
+            pos.and_then(|i| pending.remove(i))
+        };
+        let Some(set) = set else {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer's answer matches none of our pending queue pairs (it did not \
+                         echo our PSNs, or they expired)"
+                    .into(),
+            });
+        };
+        let mut rails = Vec::with_capacity(answer.len());
+        let mut plan = Vec::with_capacity(answer.len());
+        let mut stats = Vec::with_capacity(answer.len());
+        for ((i, psn, qp), ep) in set.qps.into_iter().zip(answer) {
+            let rail = &self.shared.rails[i];
+            bring_up(&qp, &rail.local, psn, ep, &self.shared.config.timing, &who)?;
+            let counters = Arc::new(RailCounters::default());
+            let name = format!("{}->{}", rail.name, ep.rail);
+            stats.push((rail.name.clone(), counters.clone()));
+            rails.push(Rail::new(Box::new(qp) as Box<dyn QpVerbs>, name, counters));
+            plan.push((u32::try_from(i).unwrap_or(u32::MAX), u32::from(ep.rail)));
+        }
+        let stats = Arc::new(ChannelStats { rails: stats });
+        self.shared
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Arc::downgrade(&stats));
+        let segments: HashMap<SegmentToken, SegmentDesc> =
+            peer.segments.iter().map(|s| (s.token, s.clone())).collect();
+        let c = &self.shared.config;
+        let limits = PumpLimits {
+            chunk: c.chunk_size.clamp(1, 1 << 30),
+            depth: usize::try_from(self.shared.rails.iter().map(|r| r.depth).min().unwrap_or(1))
+                .unwrap_or(1),
+            signal_every: usize::try_from(c.signal_every).unwrap_or(16),
+        };
+        tracing::info!(peer = %who, rails = plan.len(), "RDMA channel open");
+        Ok(RdmaChannel::start(
+            who,
+            self.shared.clone(),
+            rails,
+            plan,
+            segments,
+            limits,
+            stats,
+        ))
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn offer(&self) -> TransportOffer {
+        match self.try_offer() {
+            Ok(rails) => TransportOffer::Rdma { rails },
+            Err(e) => {
+                tracing::warn!(error = %error_chain(&e), "cannot create RDMA queue pairs to offer");
+                TransportOffer::Rdma { rails: Vec::new() }
+            }
+        }
+    }
+
+    fn accept(&self, peer: &PeerInfo) -> Result<TransportOffer, ferry_core::Error> {
+        self.try_accept(peer)
+            .map(|rails| TransportOffer::Rdma { rails })
+            .map_err(RdmaError::into_core)
+    }
+
+    fn open(
+        &self,
+        peer: PeerInfo,
+    ) -> BoxFuture<'static, Result<Arc<dyn Channel>, ferry_core::Error>> {
+        let r = self
+            .try_open(&peer)
+            .map(|c| Arc::new(c) as Arc<dyn Channel>)
+            .map_err(RdmaError::into_core);
+        Box::pin(async move { r })
+    }
+}
+
+enum Job {
+    Run {
+        ops: Arc<[Op]>,
+        control: Arc<RequestControl>,
+        keys: Vec<OpKeys>,
+        done: tokio::sync::oneshot::Sender<Outcome>,
+    },
+    Close,
+}
+
+/// The data path to one peer: a worker thread that owns the queue pairs, posts and busy-polls.
+pub struct RdmaChannel {
+    peer: String,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    alive: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+    /// Per rail of this channel: (local context, remote context).
+    plan: Vec<(u32, u32)>,
+    segments: HashMap<SegmentToken, SegmentDesc>,
+    _stats: Arc<ChannelStats>,
+}
+
+impl fmt::Debug for RdmaChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaChannel")
+            .field("peer", &self.peer)
+            .field("rails", &self.plan)
+            .field("alive", &self.alive.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+fn worker(mut pump: Pump, rx: mpsc::Receiver<Job>, alive: Arc<AtomicBool>) {
+    let mut closing = false;
+    let mut idle_spins: u32 = 0;
+    let take = |job: Job, pump: &mut Pump, closing: &mut bool| match job {
+        Job::Run {
+            ops,
+            control,
+            keys,
+            done,
+        } => pump.add(
+            ops,
+            control,
+            keys,
+            Box::new(move |o| {
+                let _ = done.send(o);
+            }),
+        ),
+        Job::Close => {
+            pump.close();
+            *closing = true;
+        }
+    };
+    loop {
+        if pump.idle() {
+            if closing {
+                break;
+            }
+            match rx.recv() {
+                Ok(job) => take(job, &mut pump, &mut closing),
+                Err(_) => {
+                    pump.close();
+                    closing = true;
+                }
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(job) => take(job, &mut pump, &mut closing),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    if !closing {
+                        pump.close();
+                        closing = true;
+                    }
+                    break;
+                }
+            }
+        }
+        let progressed = pump.step();
+        alive.store(pump.alive() && !closing, Ordering::Release);
+        if progressed {
+            idle_spins = 0;
+        } else {
+            idle_spins = idle_spins.saturating_add(1);
+            if idle_spins > 20_000 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else if idle_spins > 32 {
+                std::thread::yield_now();
+            }
+        }
+    }
+    alive.store(false, Ordering::Release);
+    tracing::debug!("RDMA channel worker done");
+}
+
+impl RdmaChannel {
+    fn start(
+        peer: String,
+        shared: Arc<Shared>,
+        rails: Vec<Rail>,
+        plan: Vec<(u32, u32)>,
+        segments: HashMap<SegmentToken, SegmentDesc>,
+        limits: PumpLimits,
+        stats: Arc<ChannelStats>,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let alive = Arc::new(AtomicBool::new(true));
+        let pump = Pump::new(rails, limits);
+        let a = alive.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-rdma".into())
+            .spawn(move || worker(pump, rx, a));
+        let tx = match spawned {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the RDMA channel worker");
+                alive.store(false, Ordering::Release);
+                None
+            }
+        };
+        Self {
+            peer,
+            tx: Mutex::new(tx),
+            alive,
+            shared,
+            plan,
+            segments,
+            _stats: stats,
+        }
+    }
+
+    fn keys(&self, op: &Op) -> OpKeys {
+        let Some(seg) = self.segments.get(&op.token) else {
+            return Err(FailureKind::Remote(RemoteStatus::UnknownSegment));
+        };
+        let mrs = self
+            .shared
+            .mrs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let addr = op.local.as_ptr() as u64 + op.local_offset;
+        let mut any_local = false;
+        let per_rail: Vec<Option<Keys>> = self
+            .plan
+            .iter()
+            .map(|&(local, remote)| {
+                let lkey = mrs.lkey(local, addr, op.len)?;
+                any_local = true;
+                let rk = seg.remote_keys.iter().find(|k| k.context == remote)?;
+                Some(Keys {
+                    lkey,
+                    remote_base: rk.addr,
+                    rkey: rk.rkey,
+                })
+            })
+            .collect();
+        if per_rail.iter().any(Option::is_some) {
+            Ok(per_rail)
+        } else if !any_local {
+            tracing::warn!(peer = %self.peer, "local range is not registered on any rail");
+            Err(FailureKind::Local)
+        } else {
+            Err(FailureKind::Remote(RemoteStatus::UnknownSegment))
+        }
+    }
+}
+
+impl Channel for RdmaChannel {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
+        let keys: Vec<OpKeys> = ops.iter().map(|op| self.keys(op)).collect();
+        let (done, rx) = tokio::sync::oneshot::channel();
+        let sent = {
+            let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+            match tx.as_ref() {
+                Some(tx) if self.is_alive() => tx
+                    .send(Job::Run {
+                        ops: ops.clone(),
+                        control: control.clone(),
+                        keys,
+                        done,
+                    })
+                    .is_ok(),
+                _ => false,
+            }
+        };
+        Box::pin(async move {
+            if sent && let Ok(o) = rx.await {
+                return o;
+            }
+            // Nothing of this request was posted (or the worker is gone): it failed as lost.
+            if !ops.is_empty() {
+                control.with_ledger(|l| l.not_posted(0, FailureKind::PeerLost, None));
+            }
+            control.outcome(!sent)
+        })
+    }
+
+    fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    fn close(&self) {
+        let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(tx) = tx.as_ref() {
+            let _ = tx.send(Job::Close);
+        }
+        self.alive.store(false, Ordering::Release);
+    }
+}
+
+impl Drop for RdmaChannel {
+    fn drop(&mut self) {
+        // Dropping the sender lets the worker flush what is outstanding and exit; it owns the
+        // queue pairs and destroys them after the flush.
+        self.tx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+}
