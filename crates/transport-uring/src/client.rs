@@ -23,6 +23,17 @@ use tracing::debug;
 use crate::ring::{Body, IoStats, SockIo};
 use crate::waiter::Countdown;
 
+/// How a channel's sender threads send payloads.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SendPlan {
+    /// SEND_ZC (else SEND).
+    pub(crate) zero_copy: bool,
+    /// vmsplice + SPLICE for WRITE payloads (loopback peers).
+    pub(crate) splice: bool,
+    /// Registered buffers and fixed file.
+    pub(crate) register: bool,
+}
+
 /// One request being executed.
 #[derive(Debug)]
 struct ReqShared {
@@ -91,10 +102,14 @@ impl UringChannel {
         sockets: Vec<TcpStream>,
         chunk: u64,
         depth: usize,
-        zero_copy: bool,
-        register: bool,
+        plan: SendPlan,
         stats: Arc<IoStats>,
     ) -> Result<Self, ferry_core::Error> {
+        let SendPlan {
+            zero_copy,
+            splice,
+            register,
+        } = plan;
         let depth = depth.max(1);
         let mut streams = Vec::with_capacity(sockets.len());
         for (i, s) in sockets.into_iter().enumerate() {
@@ -104,26 +119,71 @@ impl UringChannel {
             let (fly_tx, fly_rx) = mpsc::sync_channel::<InFlight>(depth);
             use std::os::fd::AsRawFd;
             let fd = socket.as_raw_fd();
-            let tx_io = SockIo::new(fd, zero_copy, register, stats.clone())
-                .map_err(|e| ferry_core::Error::io("create io_uring ring for", peer.to_string(), e))?;
-            let rx_io = SockIo::<()>::new(fd, false, register, stats.clone())
-                .map_err(|e| ferry_core::Error::io("create io_uring ring for", peer.to_string(), e))?;
-            let (s1, d1) = (socket.clone(), dead.clone());
+            // Each thread creates its own ring (single-issuer rings belong to their creator) and
+            // reports whether that worked before the channel is handed out.
+            let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(2);
             let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
                 std::thread::Builder::new()
                     .name(name)
                     .spawn(f)
-                    .map_err(|e| ferry_core::Error::io("spawn ring thread for", peer.to_string(), e))
+                    .map_err(|e| {
+                        ferry_core::Error::io("spawn ring thread for", peer.to_string(), e)
+                    })
             };
+            let (s1, d1, st1, r1) = (
+                socket.clone(),
+                dead.clone(),
+                stats.clone(),
+                ready_tx.clone(),
+            );
             spawn(
                 format!("ferry-uring-tx{i}"),
-                Box::new(move || sender(tx_io, s1, d1, jobs_rx, fly_tx, peer, i)),
+                Box::new(move || match SockIo::new(fd, zero_copy, register, st1) {
+                    Ok(io) => {
+                        let _ = r1.send(Ok(()));
+                        sender(io, splice, s1, d1, jobs_rx, fly_tx, peer, i)
+                    }
+                    Err(e) => {
+                        d1.store(true, Ordering::Release);
+                        let _ = r1.send(Err(e));
+                    }
+                }),
             )?;
-            let (s2, d2) = (socket.clone(), dead.clone());
+            let (s2, d2, st2, r2) = (socket.clone(), dead.clone(), stats.clone(), ready_tx);
             spawn(
                 format!("ferry-uring-rx{i}"),
-                Box::new(move || receiver(rx_io, s2, d2, fly_rx, peer, i)),
+                Box::new(move || match SockIo::<()>::new(fd, false, register, st2) {
+                    Ok(io) => {
+                        let _ = r2.send(Ok(()));
+                        receiver(io, s2, d2, fly_rx, peer, i)
+                    }
+                    Err(e) => {
+                        d2.store(true, Ordering::Release);
+                        shutdown(&s2);
+                        let _ = r2.send(Err(e));
+                    }
+                }),
             )?;
+            for _ in 0..2 {
+                match ready_rx.recv() {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        shutdown(&socket);
+                        return Err(ferry_core::Error::io(
+                            "create io_uring ring for",
+                            peer.to_string(),
+                            e,
+                        ));
+                    }
+                    Err(_) => {
+                        shutdown(&socket);
+                        return Err(ferry_core::Error::Unavailable {
+                            library: "io_uring".into(),
+                            reason: "a ring thread ended before reporting".into(),
+                        });
+                    }
+                }
+            }
             streams.push(StreamSlot {
                 jobs: Mutex::new(Some(jobs_tx)),
                 dead,
@@ -279,8 +339,10 @@ fn fail_lost(job: Job, native: Option<i32>) {
     job.req.parts.done_one();
 }
 
+#[allow(clippy::too_many_arguments)]
 fn sender(
     mut io: SockIo<NotifHold>,
+    splice: bool,
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     jobs: mpsc::Receiver<Job>,
@@ -344,7 +406,13 @@ fn sender(
             continue;
         }
         req.control.with_ledger(|l| l.posted(op_index));
-        let res = if is_write {
+        let res = if is_write && splice {
+            let ptr = (region.as_ptr() as usize + local_at as usize) as *const u8;
+            // SAFETY: bounds-checked above; the request owns the range and keeps the region alive
+            // until its response is read (the job in flight holds the ops), and the peer answers
+            // only after it received every byte, so no page reference outlives that.
+            unsafe { io.send_spliced(&head, ptr, len) }
+        } else if is_write {
             let body = Body {
                 region: &region,
                 offset: local_at,

@@ -176,7 +176,9 @@ impl FileSegment {
 }
 
 fn direct_ok(file_offset: u64, len: u64, addr: usize) -> bool {
-    file_offset % DIRECT_ALIGN == 0 && len % DIRECT_ALIGN == 0 && addr as u64 % DIRECT_ALIGN == 0
+    file_offset.is_multiple_of(DIRECT_ALIGN)
+        && len.is_multiple_of(DIRECT_ALIGN)
+        && (addr as u64).is_multiple_of(DIRECT_ALIGN)
 }
 
 /// The serving side's table of published file segments (the engine implements it next to its
@@ -273,12 +275,11 @@ pub fn read_file_into(
     }
     let direct = open(path, false, true).ok();
     let qd = queue_depth.clamp(1, 256);
-    let mut ring = IoUring::new((qd as u32).next_power_of_two()).map_err(|source| {
-        UringError::CreateRing {
+    let mut ring =
+        IoUring::new((qd as u32).next_power_of_two()).map_err(|source| UringError::CreateRing {
             entries: qd as u32,
             source,
-        }
-    })?;
+        })?;
     let base = region.as_ptr() as usize + region_offset as usize;
     // Register the destination range as one fixed buffer when the kernel lets us.
     let fixed = if len > 0 && len <= 1 << 30 {
@@ -314,9 +315,14 @@ pub fn read_file_into(
             let e = match &direct {
                 Some(d) if direct_ok(foff, n, addr) => {
                     if fixed {
-                        opcode::ReadFixed::new(types::Fd(d.as_raw_fd()), addr as *mut u8, n as u32, 0)
-                            .offset(foff)
-                            .build()
+                        opcode::ReadFixed::new(
+                            types::Fd(d.as_raw_fd()),
+                            addr as *mut u8,
+                            n as u32,
+                            0,
+                        )
+                        .offset(foff)
+                        .build()
                     } else {
                         opcode::Read::new(types::Fd(d.as_raw_fd()), addr as *mut u8, n as u32)
                             .offset(foff)

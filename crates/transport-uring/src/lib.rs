@@ -73,6 +73,12 @@ pub struct UringConfig {
     pub register_buffers: bool,
     /// Whether the kernel offers SEND_ZC (from the probe; set by [`UringTransport::new`]).
     pub kernel_send_zc: bool,
+    /// To a loopback peer, send WRITE payloads by page reference (`vmsplice` + IORING_OP_SPLICE)
+    /// instead of SEND_ZC, which the kernel copies on loopback: the peer's receive is then the
+    /// only copy. The request is drained once the peer acknowledged the payload.
+    pub splice_loopback: bool,
+    /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
+    pub kernel_splice: bool,
 }
 
 impl Default for UringConfig {
@@ -86,6 +92,8 @@ impl Default for UringConfig {
             zero_copy: ZeroCopy::Auto,
             register_buffers: true,
             kernel_send_zc: false,
+            splice_loopback: true,
+            kernel_splice: false,
         }
     }
 }
@@ -175,6 +183,7 @@ impl UringTransport {
             return Err(UringError::Unusable { reason });
         }
         config.kernel_send_zc = probe.supports("SEND_ZC");
+        config.kernel_splice = probe.supports("SPLICE");
         if config.zero_copy == ZeroCopy::Always && !config.kernel_send_zc {
             return Err(UringError::Unusable {
                 reason: "zero-copy send forced but the kernel lacks io_uring opcode SEND_ZC".into(),
@@ -206,8 +215,16 @@ impl UringTransport {
         format!(
             "uring: streams {}, SEND_ZC {}, registered buffers {}; zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
             self.config.streams,
-            if self.config.zero_copy_enabled() { "on" } else { "off" },
-            if self.config.register_buffers { "tried" } else { "off" },
+            if self.config.zero_copy_enabled() {
+                "on"
+            } else {
+                "off"
+            },
+            if self.config.register_buffers {
+                "tried"
+            } else {
+                "off"
+            },
             s.zc_sends.load(Relaxed),
             s.fixed_sends.load(Relaxed),
             s.copy_sends.load(Relaxed),
@@ -252,13 +269,18 @@ impl UringTransport {
                 self.config.socket_buffer,
             )?);
         }
+        let splice =
+            self.config.splice_loopback && self.config.kernel_splice && addr.ip().is_loopback();
         UringChannel::new(
             peer.addr,
             sockets,
             self.config.chunk_size,
             self.config.depth,
-            self.config.zero_copy_enabled(),
-            self.config.register_buffers,
+            client::SendPlan {
+                zero_copy: self.config.zero_copy_enabled(),
+                splice,
+                register: self.config.register_buffers,
+            },
             self.stats.clone(),
         )
     }

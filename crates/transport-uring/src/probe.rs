@@ -40,6 +40,7 @@ const OPCODES: &[(&str, u8, bool)] = &[
     ("SEND_ZC", opcode::SendZc::CODE, false),
     ("ASYNC_CANCEL", opcode::AsyncCancel::CODE, true),
     ("LINK_TIMEOUT", opcode::LinkTimeout::CODE, false),
+    ("SPLICE", opcode::Splice::CODE, false),
 ];
 
 impl UringProbe {

@@ -7,7 +7,7 @@
 //! the sent buffer alive and its request un-drained) by dropping it.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -39,6 +39,8 @@ pub struct IoStats {
     pub short_recvs: AtomicU64,
     /// Payload sends done with SEND_ZC.
     pub zc_sends: AtomicU64,
+    /// Payload bytes sent by vmsplice + SPLICE (loopback WRITEs; see `UringConfig::splice`).
+    pub spliced_sends: AtomicU64,
     /// Payload sends done with plain SEND.
     pub copy_sends: AtomicU64,
     /// Zero-copy sends that came from a registered (fixed) buffer.
@@ -76,7 +78,12 @@ impl BufCache {
     }
 
     /// The fixed-buffer index covering `region`, registering it if needed and possible.
-    fn index(&mut self, ring: &IoUring, region: &Arc<MemoryRegion>, stats: &IoStats) -> Option<u16> {
+    fn index(
+        &mut self,
+        ring: &IoUring,
+        region: &Arc<MemoryRegion>,
+        stats: &IoStats,
+    ) -> Option<u16> {
         if !self.enabled || region.is_empty() || region.len() > MAX_FIXED_BUF {
             return None;
         }
@@ -147,6 +154,8 @@ pub(crate) struct SockIo<H> {
     waiting: Vec<(u64, H)>,
     next_zc: u64,
     stats: Arc<IoStats>,
+    /// Pipe for spliced sends (read end, write end, capacity), made on first use.
+    pipe: Option<(OwnedFd, OwnedFd, usize)>,
 }
 
 fn cqe_err(res: i32) -> io::Error {
@@ -164,7 +173,7 @@ macro_rules! on_fd {
 }
 
 impl<H> SockIo<H> {
-    /// A ring for `fd` (which must outlive it). `zero_copy`: send payloads with SEND_ZC;
+    /// A ring for `fd` (which must outlive it), to be used only by the calling thread. `zero_copy`: send payloads with SEND_ZC;
     /// `register`: try registered buffers and the fixed file.
     pub(crate) fn new(
         fd: RawFd,
@@ -172,7 +181,16 @@ impl<H> SockIo<H> {
         register: bool,
         stats: Arc<IoStats>,
     ) -> io::Result<Self> {
-        let ring = IoUring::new(ENTRIES)?;
+        // The ring is only ever used by the thread that creates it: single issuer, and task work
+        // deferred to when that thread waits (fewer interruptions). Older kernels: plain ring.
+        let ring = match IoUring::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(ENTRIES)
+        {
+            Ok(r) => r,
+            Err(_) => IoUring::new(ENTRIES)?,
+        };
         let fixed_file = register && ring.submitter().register_files(&[fd]).is_ok();
         let bufs = BufCache::new(&ring, register && zero_copy);
         Ok(Self {
@@ -184,6 +202,7 @@ impl<H> SockIo<H> {
             waiting: Vec::new(),
             next_zc: UD_ZC_BASE,
             stats,
+            pipe: None,
         })
     }
 
@@ -220,12 +239,13 @@ impl<H> SockIo<H> {
                     release(waiting, c.user_data());
                     continue;
                 }
-                if let Some(i) = want.iter().position(|&w| w == c.user_data()) {
-                    if i < seen.len() && !seen[i] {
-                        seen[i] = true;
-                        out[i] = (c.result(), c.flags());
-                        got += 1;
-                    }
+                if let Some(i) = want.iter().position(|&w| w == c.user_data())
+                    && i < seen.len()
+                    && !seen[i]
+                {
+                    seen[i] = true;
+                    out[i] = (c.result(), c.flags());
+                    got += 1;
                 }
             }
         }
@@ -270,7 +290,10 @@ impl<H> SockIo<H> {
             if head_at < head.len() {
                 let len = (head.len() - head_at) as u32;
                 let ptr = head[head_at..].as_ptr();
-                let e = on_fd!(self, Send::new(ptr, len).flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL | more));
+                let e = on_fd!(
+                    self,
+                    Send::new(ptr, len).flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL | more)
+                );
                 entries[n] = Some(e.user_data(UD_HEAD));
                 want[n] = UD_HEAD;
                 n += 1;
@@ -288,7 +311,11 @@ impl<H> SockIo<H> {
                     // The hold exists before the send can complete, so the request cannot be
                     // seen as drained in between.
                     self.waiting.push((ud, hold()));
-                    on_fd!(self, SendZc::new(ptr, len).buf_index(buf_index).flags(flags)).user_data(ud)
+                    on_fd!(
+                        self,
+                        SendZc::new(ptr, len).buf_index(buf_index).flags(flags)
+                    )
+                    .user_data(ud)
                 } else {
                     on_fd!(self, Send::new(ptr, len).flags(flags)).user_data(UD_BODY)
                 };
@@ -361,6 +388,166 @@ impl<H> SockIo<H> {
         release(&mut self.waiting, ud);
     }
 
+    fn pipe(&mut self) -> io::Result<(RawFd, RawFd, usize)> {
+        if self.pipe.is_none() {
+            let mut fds = [0i32; 2];
+            // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: pipe2 succeeded, so both are fresh descriptors we now own.
+            let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+            // SAFETY: F_SETPIPE_SZ on our own pipe; failure leaves the default size.
+            let cap = unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20) };
+            let cap = if cap > 0 { cap as usize } else { 64 << 10 };
+            self.pipe = Some((r, w, cap));
+        }
+        match &self.pipe {
+            Some((r, w, cap)) => Ok((r.as_raw_fd(), w.as_raw_fd(), *cap)),
+            None => Err(io::Error::other("pipe")),
+        }
+    }
+
+    /// Sends `head` (copied) then `body` by page reference: `vmsplice` maps the body's pages into
+    /// a pipe and IORING_OP_SPLICE moves them to the socket, so a loopback peer's receive is the
+    /// only copy. There is no completion notification: the caller must not reuse the body before
+    /// the peer has acknowledged receiving all of it (the data-plane response does that, and the
+    /// TCP ACK it carries frees the retransmit queue's references first).
+    ///
+    /// # Safety
+    /// `body_ptr..body_ptr+body_len` must stay valid and unmodified until the peer acknowledged it.
+    pub(crate) unsafe fn send_spliced(
+        &mut self,
+        head: &[u8],
+        body_ptr: *const u8,
+        body_len: usize,
+    ) -> io::Result<()> {
+        let (pr, pw, cap) = self.pipe()?;
+        let mut head_at = 0usize;
+        let mut body_at = 0usize;
+        while head_at < head.len() || body_at < body_len {
+            // Fill the pipe with (references to) the next piece of the body.
+            let mut piece = 0usize;
+            if body_at < body_len {
+                let iov = libc::iovec {
+                    // SAFETY: `body_at < body_len`, inside the caller's range.
+                    iov_base: unsafe { body_ptr.add(body_at) } as *mut libc::c_void,
+                    iov_len: (body_len - body_at).min(cap),
+                };
+                // SAFETY: the iovec points into the caller's range (valid per the contract);
+                // vmsplice only takes page references.
+                let n = unsafe { libc::vmsplice(pw, &iov, 1, 0) };
+                if n < 0 {
+                    let e = io::Error::last_os_error();
+                    if e.kind() == io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err(e);
+                }
+                piece = n as usize;
+            }
+            let mut entries: [Option<squeue::Entry>; 2] = [None, None];
+            let mut want = [0u64; 2];
+            let mut n = 0;
+            if head_at < head.len() {
+                let len = (head.len() - head_at) as u32;
+                let ptr = head[head_at..].as_ptr();
+                let more = if piece > 0 { libc::MSG_MORE } else { 0 };
+                let e = on_fd!(
+                    self,
+                    Send::new(ptr, len).flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL | more)
+                );
+                let flags = if piece > 0 {
+                    squeue::Flags::IO_LINK
+                } else {
+                    squeue::Flags::empty()
+                };
+                entries[n] = Some(e.user_data(UD_HEAD).flags(flags));
+                want[n] = UD_HEAD;
+                n += 1;
+            }
+            if piece > 0 {
+                let e = if self.fixed_file {
+                    opcode::Splice::new(types::Fd(pr), -1, types::Fixed(0), -1, piece as u32)
+                        .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE)
+                        .build()
+                } else {
+                    opcode::Splice::new(types::Fd(pr), -1, types::Fd(self.fd), -1, piece as u32)
+                        .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE)
+                        .build()
+                };
+                entries[n] = Some(e.user_data(UD_BODY));
+                want[n] = UD_BODY;
+                n += 1;
+            }
+            let mut out = [(0i32, 0u32); 2];
+            self.run(&entries, &want[..n], &mut out)?;
+            let mut k = 0;
+            if head_at < head.len() {
+                let res = out[0].0;
+                k = 1;
+                if res < 0 && res != -libc::ECANCELED && res != -libc::EINTR && res != -libc::EAGAIN
+                {
+                    return Err(cqe_err(res));
+                }
+                if res > 0 {
+                    head_at += res as usize;
+                }
+            }
+            if piece > 0 {
+                // Whatever the linked splice did not move is still in the pipe: move it now.
+                let mut moved = out[k].0.max(0) as usize;
+                if out[k].0 < 0
+                    && out[k].0 != -libc::ECANCELED
+                    && out[k].0 != -libc::EINTR
+                    && out[k].0 != -libc::EAGAIN
+                {
+                    return Err(cqe_err(out[k].0));
+                }
+                if head_at < head.len() && moved == 0 {
+                    // The head went short and cancelled the splice: resend the head first.
+                    let rest = &head[head_at..];
+                    self.send_buf(rest)?;
+                    head_at = head.len();
+                }
+                while moved < piece {
+                    if moved > 0 {
+                        IoStats::add(&self.stats.short_sends, 1);
+                    }
+                    let left = (piece - moved) as u32;
+                    let e = if self.fixed_file {
+                        opcode::Splice::new(types::Fd(pr), -1, types::Fixed(0), -1, left)
+                            .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE)
+                            .build()
+                    } else {
+                        opcode::Splice::new(types::Fd(pr), -1, types::Fd(self.fd), -1, left)
+                            .flags(libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE)
+                            .build()
+                    };
+                    let mut o = [(0i32, 0u32); 1];
+                    self.run(&[Some(e.user_data(UD_BODY))], &[UD_BODY], &mut o)?;
+                    let res = o[0].0;
+                    if res < 0 {
+                        if res == -libc::EINTR || res == -libc::EAGAIN {
+                            continue;
+                        }
+                        return Err(cqe_err(res));
+                    }
+                    if res == 0 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::WriteZero,
+                            "splice moved nothing",
+                        ));
+                    }
+                    moved += res as usize;
+                }
+                IoStats::add(&self.stats.spliced_sends, 1);
+                body_at += piece;
+            }
+        }
+        Ok(())
+    }
+
     /// Sends all of a Rust buffer (copying send).
     pub(crate) fn send_buf(&mut self, buf: &[u8]) -> io::Result<()> {
         // SAFETY: no body: only `buf`, borrowed for the whole call, is read.
@@ -385,7 +572,10 @@ impl<H> SockIo<H> {
             if res == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
-                    format!("peer closed the stream with {} of {len} bytes outstanding", len - got),
+                    format!(
+                        "peer closed the stream with {} of {len} bytes outstanding",
+                        len - got
+                    ),
                 ));
             }
             if res < 0 {

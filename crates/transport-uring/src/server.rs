@@ -110,7 +110,8 @@ struct Ctx {
 impl UringServer {
     /// Binds `addr` (port 0: any; `SO_REUSEADDR` as std sets it).
     pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
-        let listener = TcpListener::bind(addr).map_err(|e| Error::io("bind", addr.to_string(), e))?;
+        let listener =
+            TcpListener::bind(addr).map_err(|e| Error::io("bind", addr.to_string(), e))?;
         let addr = listener
             .local_addr()
             .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
@@ -239,8 +240,10 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
             if ctx.live.stopped.load(Ordering::Acquire) {
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             }
-            let _span = tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
-            let res = serve_data(&stream, from, ctx).map_err(|e| crate::control::lost(from, "serving data", e));
+            let _span =
+                tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
+            let res = serve_data(&stream, from, ctx)
+                .map_err(|e| crate::control::lost(from, "serving data", e));
             match ctx.live.conns.lock() {
                 Ok(mut g) => g.remove(&id),
                 Err(p) => p.into_inner().remove(&id),
@@ -266,8 +269,9 @@ impl Stage {
     fn get(&mut self, len: usize) -> std::io::Result<&Arc<MemoryRegion>> {
         let need = (len as u64).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
         if self.region.as_ref().is_none_or(|r| (r.len() as u64) < need) {
-            let r = MemoryRegion::alloc_zeroed(need.max(DIRECT_ALIGN) as usize, DIRECT_ALIGN as usize)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let r =
+                MemoryRegion::alloc_zeroed(need.max(DIRECT_ALIGN) as usize, DIRECT_ALIGN as usize)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
             self.region = Some(Arc::new(r));
         }
         self.region
@@ -316,9 +320,13 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
             }
         };
         let target = match ctx.table.resolve(req.token) {
-            Some(l) => l.check(req.kind, req.offset, req.len).map(|at| Target::Memory(l, at)),
+            Some(l) => l
+                .check(req.kind, req.offset, req.len)
+                .map(|at| Target::Memory(l, at)),
             None => match ctx.files.resolve_file(req.token) {
-                Some(f) => f.check(req.kind, req.offset, req.len).map(|at| Target::File(f, at)),
+                Some(f) => f
+                    .check(req.kind, req.offset, req.len)
+                    .map(|at| Target::File(f, at)),
                 None => Err(RemoteStatus::UnknownSegment),
             },
         };

@@ -13,8 +13,8 @@ use ferry_core::{
     Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
     RemoteEffect, RemoteStatus, SegmentToken, Transport,
 };
-use transport_tcp::{TcpConfig, TcpServer, TcpTransport};
 use ferry_transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy};
+use transport_tcp::{TcpConfig, TcpServer, TcpTransport};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
@@ -94,6 +94,8 @@ async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<d
                 chunk_size: chunk,
                 depth: 4,
                 zero_copy: zc,
+                // Auto: loopback WRITE payloads by vmsplice + SPLICE; Always/Never: SEND_ZC/SEND.
+                splice_loopback: zc == ZeroCopy::Auto,
                 ..UringConfig::default()
             })
             .unwrap();
@@ -121,6 +123,7 @@ async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<d
 const PAIRS: &[(Side, Side)] = &[
     (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
     (Side::Uring(ZeroCopy::Never), Side::Uring(ZeroCopy::Never)),
+    (Side::Uring(ZeroCopy::Always), Side::Uring(ZeroCopy::Always)),
     (Side::Uring(ZeroCopy::Auto), Side::Tcp),
     (Side::Tcp, Side::Uring(ZeroCopy::Auto)),
 ];
@@ -133,7 +136,12 @@ async fn write_then_read_many_sizes_unaligned() {
     for &(client, server) in PAIRS {
         let f = start(server);
         let size = 20 << 20;
-        let (tok, remote) = publish(&f.table, "seg", size, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let (tok, remote) = publish(
+            &f.table,
+            "seg",
+            size,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
         let src = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
         fill(&src, 7);
         let dst = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
@@ -172,23 +180,47 @@ async fn refusals_move_no_byte() {
     for &(client, server) in PAIRS {
         let f = start(server);
         let (ro_tok, ro_seg) = publish(&f.table, "ro", 4096, Access::REMOTE_READ);
-        let (rw_tok, rw_seg) = publish(&f.table, "rw", 4096, Access::REMOTE_READ | Access::REMOTE_WRITE);
+        let (rw_tok, rw_seg) = publish(
+            &f.table,
+            "rw",
+            4096,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
         let (wo_tok, _) = publish(&f.table, "wo", 4096, Access::REMOTE_WRITE);
         let ch = channel(&f, client, 1, 1 << 20).await;
         let src = Arc::new(MemoryRegion::alloc_zeroed(8192, 4096).unwrap());
         fill(&src, 3);
         let cases = [
-            (op(OpKind::Write, &src, 0, SegmentToken(12345), 0, 100), RemoteStatus::UnknownSegment),
-            (op(OpKind::Write, &src, 0, ro_tok, 0, 100), RemoteStatus::AccessDenied),
-            (op(OpKind::Read, &src, 0, wo_tok, 0, 100), RemoteStatus::AccessDenied),
-            (op(OpKind::Write, &src, 0, rw_tok, 4000, 200), RemoteStatus::OutOfBounds),
-            (op(OpKind::Read, &src, 0, rw_tok, u64::MAX - 1, 4), RemoteStatus::OutOfBounds),
+            (
+                op(OpKind::Write, &src, 0, SegmentToken(12345), 0, 100),
+                RemoteStatus::UnknownSegment,
+            ),
+            (
+                op(OpKind::Write, &src, 0, ro_tok, 0, 100),
+                RemoteStatus::AccessDenied,
+            ),
+            (
+                op(OpKind::Read, &src, 0, wo_tok, 0, 100),
+                RemoteStatus::AccessDenied,
+            ),
+            (
+                op(OpKind::Write, &src, 0, rw_tok, 4000, 200),
+                RemoteStatus::OutOfBounds,
+            ),
+            (
+                op(OpKind::Read, &src, 0, rw_tok, u64::MAX - 1, 4),
+                RemoteStatus::OutOfBounds,
+            ),
         ];
         for (o, status) in cases {
             let out = run(&ch, vec![op(OpKind::Write, &src, 0, rw_tok, 0, 10), o]).await;
             assert_eq!(out.completed_ops, 1, "{client:?}->{server:?}");
             let fail = out.failure.unwrap();
-            assert_eq!((fail.op_index, fail.kind), (1, FailureKind::Remote(status)), "{client:?}->{server:?}");
+            assert_eq!(
+                (fail.op_index, fail.kind),
+                (1, FailureKind::Remote(status)),
+                "{client:?}->{server:?}"
+            );
             assert_eq!(out.remote_effect, RemoteEffect::None);
             assert!(out.drained);
         }
@@ -243,7 +275,13 @@ async fn handshake_says_which_engine_each_side_has() {
         .await
         .unwrap();
     assert!(
-        matches!(peer.offer, TransportOffer::Uring { zero_copy: false, .. }),
+        matches!(
+            peer.offer,
+            TransportOffer::Uring {
+                zero_copy: false,
+                ..
+            }
+        ),
         "{:?}",
         peer.offer
     );
@@ -261,7 +299,11 @@ async fn handshake_says_which_engine_each_side_has() {
     })
     .await
     .unwrap();
-    assert!(matches!(peer.offer, TransportOffer::Tcp { .. }), "{:?}", peer.offer);
+    assert!(
+        matches!(peer.offer, TransportOffer::Tcp { .. }),
+        "{:?}",
+        peer.offer
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -271,14 +313,19 @@ async fn garbage_does_not_hurt_the_server() {
     }
     let f = start(Side::Uring(ZeroCopy::Auto));
     let mut s = std::net::TcpStream::connect(f.addr).unwrap();
-    s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff").unwrap();
+    s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff")
+        .unwrap();
     let mut s2 = std::net::TcpStream::connect(f.addr).unwrap();
     s2.write_all(&[0xAB; 64]).unwrap();
     drop((s, s2));
     let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_READ);
     let ch = channel(&f, Side::Tcp, 1, 1 << 20).await;
     let dst = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
-    assert!(run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, 100)]).await.is_success());
+    assert!(
+        run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, 100)])
+            .await
+            .is_success()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,11 +373,12 @@ async fn peer_lost_mid_write_is_uncertain() {
     if !uring_usable() {
         return;
     }
-    for zc in [ZeroCopy::Auto, ZeroCopy::Never] {
+    for zc in [ZeroCopy::Auto, ZeroCopy::Always, ZeroCopy::Never] {
         let (addr, h) = dying_server(300_000);
         let t = UringTransport::new(UringConfig {
             chunk_size: 64 << 10,
             zero_copy: zc,
+            splice_loopback: zc == ZeroCopy::Auto,
             ..UringConfig::default()
         })
         .unwrap();
@@ -360,7 +408,10 @@ async fn peer_lost_mid_write_is_uncertain() {
         .await;
         h.join().unwrap();
         assert_eq!(o.completed_ops, 0, "{o:?}");
-        assert_eq!(o.failure.map(|f| (f.op_index, f.kind)), Some((0, FailureKind::PeerLost)));
+        assert_eq!(
+            o.failure.map(|f| (f.op_index, f.kind)),
+            Some((0, FailureKind::PeerLost))
+        );
         assert_eq!(o.remote_effect, RemoteEffect::Uncertain, "{zc:?}");
         assert!(o.drained);
         assert!(!ch.is_alive());

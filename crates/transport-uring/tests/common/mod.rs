@@ -47,20 +47,30 @@ impl SegmentTable for Table {
                 remote_keys: vec![],
             })
             .collect();
-        v.extend(self.files.lock().unwrap().iter().map(|(tok, (name, f))| SegmentDesc {
-            name: name.clone(),
-            token: *tok,
-            len: f.len(),
-            access: f.access(),
-            remote_keys: vec![],
-        }));
+        v.extend(
+            self.files
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(tok, (name, f))| SegmentDesc {
+                    name: name.clone(),
+                    token: *tok,
+                    len: f.len(),
+                    access: f.access(),
+                    remote_keys: vec![],
+                }),
+        );
         v
     }
 }
 
 impl FileSegmentTable for Table {
     fn resolve_file(&self, token: SegmentToken) -> Option<Arc<FileSegment>> {
-        self.files.lock().unwrap().get(&token).map(|(_, f)| f.clone())
+        self.files
+            .lock()
+            .unwrap()
+            .get(&token)
+            .map(|(_, f)| f.clone())
     }
 }
 
@@ -110,7 +120,12 @@ pub fn uring_usable() -> bool {
     }
 }
 
-pub fn publish(table: &Table, name: &str, len: usize, access: Access) -> (SegmentToken, Arc<MemoryRegion>) {
+pub fn publish(
+    table: &Table,
+    name: &str,
+    len: usize,
+    access: Access,
+) -> (SegmentToken, Arc<MemoryRegion>) {
     let r = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
     let tok = SegmentToken::random();
     table
