@@ -1,0 +1,318 @@
+//! `cargo xtask bench uring`: the io_uring transport against its references, in one run.
+//!
+//! - Network, loopback, 1 MiB ops, the same bytes: `iperf3 -Z` (one process for one stream, two
+//!   processes for two streams: iperf3 3.12 runs all `-P` streams in one thread) against the
+//!   io_uring transport's loopback WRITE bench (`crates/transport-uring/examples/uring_bench.rs`,
+//!   until `ferry bench --transport uring` exists). Ferry is measured twice: with a 1 MiB
+//!   segment (like iperf3, which reuses one `-l 1M` buffer on each side: the headline ratio) and
+//!   with a 256 MiB segment (cache-cold memory, as a real transfer sees it).
+//! - File: `fio --ioengine=io_uring --direct=1 --bs=1M --iodepth=32 --rw=read` on a temp file
+//!   under /var/tmp against `read_file_into` (queue depth 32) and remote READs of the same file
+//!   published as a file segment.
+//!
+//! Options: `--total BYTES` (network bytes per run, default 4GiB), `--file-size BYTES` (default
+//! 1GiB), `--dir DIR` (default /var/tmp). Installs iperf3 and fio with apt-get when missing.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{cargo, have, project_root, run as run_loud};
+
+fn size(s: &str) -> Result<u64> {
+    let (num, mul) = if let Some(n) = s.strip_suffix("GiB") {
+        (n, 1u64 << 30)
+    } else if let Some(n) = s.strip_suffix("MiB") {
+        (n, 1 << 20)
+    } else if let Some(n) = s.strip_suffix("KiB") {
+        (n, 1 << 10)
+    } else {
+        (s, 1)
+    };
+    Ok(num.parse::<u64>().with_context(|| format!("size {s:?}"))? * mul)
+}
+
+fn ensure(tool: &str, package: &str) -> Result<()> {
+    if have(tool) {
+        return Ok(());
+    }
+    eprintln!("{tool} missing: installing {package} with apt-get");
+    let sudo = if have("sudo") { vec!["sudo"] } else { vec![] };
+    let mut update = Command::new(sudo.first().copied().unwrap_or("apt-get"));
+    if !sudo.is_empty() {
+        update.arg("apt-get");
+    }
+    update.args(["update", "-q"]);
+    run_loud(&mut update)?;
+    let mut install = Command::new(sudo.first().copied().unwrap_or("apt-get"));
+    if !sudo.is_empty() {
+        install.arg("apt-get");
+    }
+    install
+        .args(["install", "-y", "-q", package])
+        .env("DEBIAN_FRONTEND", "noninteractive");
+    run_loud(&mut install)?;
+    if !have(tool) {
+        bail!("{tool} still missing after installing {package}");
+    }
+    Ok(())
+}
+
+/// The number after `"key":` at or after `from` in a JSON text (no JSON parser in xtask).
+fn json_num(text: &str, key: &str, from: usize) -> Option<f64> {
+    let pat = format!("\"{key}\"");
+    let at = text.get(from..)?.find(&pat)? + from + pat.len();
+    let rest = text.get(at..)?.trim_start().strip_prefix(':')?.trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let line = format!("{cmd:?}");
+    eprintln!("$ {line}");
+    let out = cmd.output().with_context(|| format!("spawning {line}"))?;
+    if !out.status.success() {
+        bail!(
+            "command failed ({}): {line}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn iperf3_server(port: u16) -> Result<Killed> {
+    let child = Command::new("iperf3")
+        .args(["-s", "-1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("spawning iperf3 -s")?;
+    // No probe connection: a one-off (`-1`) server would take it as its client.
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(Killed(child))
+}
+
+/// iperf3 -Z over `streams` separate processes (one stream each), `total` bytes in all.
+/// Returns the aggregate rate in GB/s (10^9 bytes per second).
+fn iperf3(streams: usize, total: u64) -> Result<f64> {
+    let base = 5201 + (std::process::id() % 1000) as u16 * 4;
+    let servers: Vec<Killed> = (0..streams)
+        .map(|i| iperf3_server(base + i as u16))
+        .collect::<Result<_>>()?;
+    let per = total / streams as u64;
+    let clients: Vec<Child> = (0..streams)
+        .map(|i| {
+            Command::new("iperf3")
+                .args(["-c", "127.0.0.1", "-p", &(base + i as u16).to_string()])
+                .args(["-Z", "-l", "1M", "-n", &per.to_string(), "-J"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("spawning iperf3 -c")
+        })
+        .collect::<Result<_>>()?;
+    let mut bytes = 0f64;
+    let mut slowest = 0f64;
+    for c in clients {
+        let out = c.wait_with_output().context("waiting for iperf3 -c")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!("iperf3 -c failed: {text}");
+        }
+        let at = text
+            .find("\"sum_received\"")
+            .context("iperf3 JSON without sum_received")?;
+        bytes += json_num(&text, "bytes", at).context("iperf3 bytes")?;
+        slowest = slowest.max(json_num(&text, "seconds", at).context("iperf3 seconds")?);
+    }
+    drop(servers);
+    Ok(bytes / slowest / 1e9)
+}
+
+fn bench_bin() -> Result<PathBuf> {
+    run_loud(cargo().args([
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "ferry-transport-uring",
+        "--example",
+        "uring_bench",
+    ]))?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project_root().join("target"));
+    let bin = target.join("release/examples/uring_bench");
+    if !bin.is_file() {
+        bail!("{} not built", bin.display());
+    }
+    Ok(bin)
+}
+
+fn ferry_net(bin: &Path, streams: usize, total: u64, segment: &str) -> Result<(f64, String)> {
+    let out = output(Command::new(bin).args([
+        "net",
+        "--total",
+        &total.to_string(),
+        "--streams",
+        &streams.to_string(),
+        "--segment",
+        segment,
+    ]))?;
+    let rate = json_num(&out, "gb_per_s", 0).context("uring_bench gb_per_s")?;
+    Ok((rate, out.trim().to_owned()))
+}
+
+fn make_file(path: &Path, len: u64) -> Result<()> {
+    let mut f =
+        std::fs::File::create(path).with_context(|| format!("create {}", path.display()))?;
+    let mut block = vec![0u8; 1 << 20];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut left = len;
+    while left > 0 {
+        for b in block.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        let n = left.min(block.len() as u64) as usize;
+        f.write_all(&block[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+struct Remove(PathBuf);
+
+impl Drop for Remove {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Entry point: `cargo xtask bench uring [--total BYTES] [--file-size BYTES] [--dir DIR]`.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut total = 4u64 << 30;
+    let mut file_size = 1u64 << 30;
+    let mut dir = PathBuf::from("/var/tmp");
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--total" => total = size(val()?)?,
+            "--file-size" => file_size = size(val()?)?,
+            "--dir" => dir = PathBuf::from(val()?),
+            other => bail!("unknown option {other}"),
+        }
+    }
+    ensure("iperf3", "iperf3")?;
+    ensure("fio", "fio")?;
+    let bin = bench_bin()?;
+
+    let mut rows: Vec<(String, f64, f64)> = Vec::new();
+    let mut details = Vec::new();
+    for streams in [1usize, 2] {
+        let reference = iperf3(streams, total)?;
+        let (hot, d1) = ferry_net(&bin, streams, total, "1MiB")?;
+        let (cold, d2) = ferry_net(&bin, streams, total, "256MiB")?;
+        details.push(d1);
+        details.push(d2);
+        rows.push((
+            format!("net {streams} stream(s), 1 MiB segment"),
+            hot,
+            reference,
+        ));
+        rows.push((
+            format!("net {streams} stream(s), 256 MiB segment"),
+            cold,
+            reference,
+        ));
+    }
+
+    let path = dir.join(format!("ferry-bench-uring-{}.bin", std::process::id()));
+    let _cleanup = Remove(path.clone());
+    eprintln!("writing {} bytes to {}", file_size, path.display());
+    make_file(&path, file_size)?;
+    let fio_out = output(Command::new("fio").args([
+        "--name=ferry",
+        &format!("--filename={}", path.display()),
+        "--ioengine=io_uring",
+        "--direct=1",
+        "--bs=1M",
+        "--iodepth=32",
+        "--rw=read",
+        &format!("--size={file_size}"),
+        "--output-format=json",
+    ]))?;
+    let read_at = fio_out.find("\"read\"").context("fio JSON without read")?;
+    let fio = json_num(&fio_out, "bw_bytes", read_at).context("fio bw_bytes")? / 1e9;
+    let file_out = output(Command::new(&bin).args([
+        "file",
+        "--path",
+        &path.display().to_string(),
+        "--qd",
+        "32",
+        "--streams",
+        "4",
+    ]))?;
+    let local_at = file_out
+        .find("read_file_into")
+        .context("uring_bench file output")?;
+    let local = json_num(&file_out, "gb_per_s", local_at).context("read_file_into rate")?;
+    let remote_at = file_out
+        .find("file_segment_read")
+        .context("uring_bench file output")?;
+    let remote = json_num(&file_out, "gb_per_s", remote_at).context("file segment rate")?;
+    details.push(file_out.trim().to_owned());
+    rows.push(("file read_file_into, qd 32".into(), local, fio));
+    rows.push((
+        "file segment READ over loopback, 4 streams".into(),
+        remote,
+        fio,
+    ));
+
+    println!();
+    for d in &details {
+        println!("{d}");
+    }
+    println!();
+    println!(
+        "{:<46} {:>10} {:>12} {:>7}",
+        "case", "ferry GB/s", "ref GB/s", "ratio"
+    );
+    for (name, ferry, reference) in &rows {
+        let refname = if name.starts_with("net") {
+            "iperf3 -Z"
+        } else {
+            "fio"
+        };
+        println!(
+            "{:<46} {:>10.2} {:>8.2} {:<4}{:>6.2}x",
+            name,
+            ferry,
+            reference,
+            if refname == "fio" { "fio" } else { "ip3" },
+            ferry / reference
+        );
+    }
+    println!();
+    println!("targets: network >= 1.0x iperf3 -Z; file READ >= 0.9x fio");
+    Ok(())
+}
