@@ -89,4 +89,22 @@ pub struct Description {
     pub published: Vec<SegmentDescription>,
     /// Per-route counters.
     pub routes: Vec<RouteDescription>,
+    /// Per-rail RDMA counters (empty without RDMA).
+    pub rails: Vec<RailDescription>,
+}
+
+/// Counters of one RDMA rail (`device:port`), summed over the live channels.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RailDescription {
+    /// `device:port`.
+    pub rail: String,
+    /// Bytes acknowledged.
+    pub bytes: u64,
+    /// Work requests acknowledged.
+    pub work_requests: u64,
+    /// Error completions.
+    pub errors: u64,
+    /// Flushed work requests.
+    pub flushed: u64,
 }

@@ -15,8 +15,10 @@ use registry::{Budgets, Registry, RegistryError};
 use tokio::sync::{Notify, watch};
 use tracing::Instrument;
 use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
+#[cfg(feature = "rdma")]
+use transport_rdma::{RdmaConfig, RdmaTransport};
 
-use crate::describe::{Description, RouteCounters, SegmentDescription};
+use crate::describe::{Description, RailDescription, RouteCounters, SegmentDescription};
 use crate::request::{Batch, RequestHandle};
 use crate::serve::{RegistryTable, Responder, describe_lease};
 
@@ -31,6 +33,8 @@ pub struct EngineBuilder {
     request_timeout: Option<Duration>,
     connect_timeout: Duration,
     versions: VersionRange,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaConfig>,
 }
 
 impl Default for EngineBuilder {
@@ -44,6 +48,8 @@ impl Default for EngineBuilder {
             request_timeout: None,
             connect_timeout: Duration::from_secs(10),
             versions: SUPPORTED_VERSIONS,
+            #[cfg(feature = "rdma")]
+            rdma: None,
         }
     }
 }
@@ -118,14 +124,37 @@ impl EngineBuilder {
         self
     }
 
+    /// Enables the RDMA transport with `config`; it is preferred over the built-in TCP and
+    /// io_uring transports when both ends offer it, and registrations then go through its
+    /// contexts (one MR per rail for local ranges, two for remote ones). `TransportKind::Rdma`
+    /// in [`transports`](Self::transports) enables it with `RdmaConfig::default()` (discovery).
+    #[cfg(feature = "rdma")]
+    pub fn rdma(mut self, config: RdmaConfig) -> Self {
+        self.rdma = Some(config);
+        if !self.kinds.contains(&TransportKind::Rdma) {
+            self.kinds.push(TransportKind::Rdma);
+        }
+        self
+    }
+
     /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
         let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
+        #[cfg(feature = "rdma")]
+        let mut rdma: Option<RdmaTransport> = None;
         for kind in &self.kinds {
             match kind {
                 TransportKind::Tcp => {
                     transports.push(Arc::new(TcpTransport::new(self.tcp.clone())));
+                }
+                #[cfg(feature = "rdma")]
+                TransportKind::Rdma if rdma.is_none() => {
+                    let config = self.rdma.clone().unwrap_or_default();
+                    let t = RdmaTransport::open(config).map_err(|e| e.into_core())?;
+                    // Preferred over every built-in transport: right after the added ones.
+                    transports.insert(self.extra.len(), Arc::new(t.clone()));
+                    rdma = Some(t);
                 }
                 other => {
                     if !transports.iter().any(|t| t.kind() == *other) {
@@ -147,6 +176,12 @@ impl EngineBuilder {
         }
         let id = PeerId::random();
         let epoch = Epoch::fresh();
+        #[cfg(feature = "rdma")]
+        let registry = match &rdma {
+            Some(t) => Registry::new(Arc::new(t.backend()), self.budgets),
+            None => Registry::host(self.budgets),
+        };
+        #[cfg(not(feature = "rdma"))]
         let registry = Registry::host(self.budgets);
         let table = Arc::new(RegistryTable::new(registry.clone()));
         let responder = Arc::new(Responder {
@@ -184,6 +219,8 @@ impl EngineBuilder {
                 routes: Mutex::new(Vec::new()),
                 request_timeout: self.request_timeout,
                 connect_timeout: self.connect_timeout,
+                #[cfg(feature = "rdma")]
+                rdma,
             }),
         })
     }
@@ -204,6 +241,8 @@ struct Inner {
     routes: Mutex<Vec<Route>>,
     request_timeout: Option<Duration>,
     connect_timeout: Duration,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaTransport>,
 }
 
 impl fmt::Debug for Inner {
@@ -708,7 +747,27 @@ impl TransferEngine {
             registered_bytes: counters.bytes,
             published,
             routes,
+            rails: self.rails(),
         }
+    }
+
+    /// Per-rail RDMA counters (empty without RDMA).
+    fn rails(&self) -> Vec<RailDescription> {
+        #[cfg(feature = "rdma")]
+        if let Some(t) = &self.inner.rdma {
+            return t
+                .rail_stats()
+                .into_iter()
+                .map(|s| RailDescription {
+                    rail: s.rail,
+                    bytes: s.bytes,
+                    work_requests: s.work_requests,
+                    errors: s.errors,
+                    flushed: s.flushed,
+                })
+                .collect();
+        }
+        Vec::new()
     }
 
     /// Stops serving: the listener closes and accepted connections are dropped.

@@ -25,7 +25,7 @@ mod engine;
 mod request;
 mod serve;
 
-pub use describe::{Description, RouteDescription, SegmentDescription};
+pub use describe::{Description, RailDescription, RouteDescription, SegmentDescription};
 pub use engine::{EngineBuilder, Peer, Registration, RemoteSegment, TransferEngine};
 pub use request::{Batch, Canceller, RequestHandle};
 
@@ -35,6 +35,9 @@ pub use ferry_core::{
     RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,
 };
 pub use registry::Budgets;
+/// The RDMA transport's configuration (`ferry-transport-rdma`).
+#[cfg(feature = "rdma")]
+pub use transport_rdma::{RailSpec, RdmaConfig};
 
 /// Ferry's shared vocabulary (`ferry-core`), for transports built outside this crate.
 pub use ferry_core as core_types;
