@@ -417,3 +417,34 @@ async fn peer_lost_mid_write_is_uncertain() {
         assert!(!ch.is_alive());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_shutdown_loses_the_peer() {
+    if !uring_usable() {
+        return;
+    }
+    for client in [Side::Uring(ZeroCopy::Auto), Side::Tcp] {
+        let f = start(Side::Uring(ZeroCopy::Auto));
+        let (tok, _) = publish(&f.table, "x", 1 << 20, Access::REMOTE_WRITE);
+        let ch = channel(&f, client, 2, 64 << 10).await;
+        let src = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+        assert!(
+            run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 1 << 20)])
+                .await
+                .is_success()
+        );
+        let Fixture { _server, .. } = f;
+        drop(_server);
+        let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 1 << 20)]).await;
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost),
+            "{client:?}: {o:?}"
+        );
+        assert!(o.drained);
+        // A stream that carried nothing since the loss learns of it on its next chunk.
+        let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 1 << 20)]).await;
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost), "{client:?}: {o:?}");
+        assert!(!ch.is_alive(), "{client:?}");
+    }
+}
