@@ -1,0 +1,585 @@
+//! Two processes over loopback: this test binary re-runs itself as the serving child
+//! (`child_server` / `child_trap_server`, active only with `FERRY_TEST_CHILD` set).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use ferry::core_types::wire::{
+    Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
+};
+use ferry::core_types::{HandshakeResponder, SegmentLease, SegmentTable};
+use ferry::{
+    Access, Batch, Epoch, Error, FailureKind, MemoryRegion, PeerId, RemoteEffect, RemoteStatus,
+    SegmentDesc, SegmentToken, TransferEngine,
+};
+
+const BIG: usize = (256 << 20) + 64;
+
+// ---------------------------------------------------------------- the child side
+
+/// Child: an engine serving segments named in `FERRY_TEST_SEGMENTS` (`name=size:access,...`,
+/// access `r`, `w` or `rw`), on `FERRY_TEST_LISTEN` (default 127.0.0.1:0), speaking
+/// `FERRY_TEST_VERSIONS` (`min-max`). Prints `LISTEN addr`; reads `retire NAME` lines on stdin and
+/// answers `RETIRED NAME`; exits on EOF.
+#[test]
+fn child_server() -> Result<()> {
+    if std::env::var("FERRY_TEST_CHILD").as_deref() != Ok("server") {
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let listen: SocketAddr = std::env::var("FERRY_TEST_LISTEN")
+            .unwrap_or_else(|_| "127.0.0.1:0".into())
+            .parse()?;
+        let mut b = TransferEngine::builder().listen(listen).streams(4);
+        if let Ok(v) = std::env::var("FERRY_TEST_VERSIONS") {
+            let (a, z) = v.split_once('-').context("versions")?;
+            b = b.protocol_versions(VersionRange {
+                min: a.parse()?,
+                max: z.parse()?,
+            });
+        }
+        let engine = b.build()?;
+        let mut regs = Vec::new();
+        for spec in std::env::var("FERRY_TEST_SEGMENTS")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|s| !s.is_empty())
+        {
+            let (name, rest) = spec.split_once('=').context("segment spec")?;
+            let (size, acc) = rest.split_once(':').context("segment spec")?;
+            let access = match acc {
+                "r" => Access::REMOTE_READ,
+                "w" => Access::REMOTE_WRITE,
+                _ => Access::REMOTE_READ | Access::REMOTE_WRITE,
+            };
+            let region = MemoryRegion::alloc_zeroed(size.parse()?, 4096)?;
+            regs.push((name.to_owned(), engine.register(region, access, name)?));
+        }
+        println!(
+            "LISTEN {}",
+            engine.local_addr().context("no listen address")?
+        );
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        // Serve until stdin closes.
+        while let Some(line) = rx.recv().await {
+            if let Some(name) = line.strip_prefix("retire ") {
+                let pos = regs.iter().position(|(n, _)| n == name);
+                if let Some(i) = pos {
+                    regs.remove(i).1.retire()?;
+                }
+                println!("RETIRED {name}");
+            }
+        }
+        Ok(())
+    })
+}
+
+#[derive(Debug)]
+struct TrapTable {
+    ok: (SegmentToken, Arc<MemoryRegion>),
+    trap: SegmentToken,
+}
+
+impl SegmentTable for TrapTable {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        if token == self.trap {
+            // Stall forever: the parent kills this process while the chunk is in flight.
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        (token == self.ok.0).then(|| SegmentLease {
+            region: self.ok.1.clone(),
+            base: 0,
+            len: self.ok.1.len() as u64,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            guard: None,
+        })
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        [("ok", self.ok.0), ("trap", self.trap)]
+            .into_iter()
+            .map(|(name, token)| SegmentDesc {
+                name: name.into(),
+                token,
+                len: 1 << 20,
+                access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+                remote_keys: vec![],
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug)]
+struct TrapResponder {
+    id: PeerId,
+    epoch: Epoch,
+    table: Arc<TrapTable>,
+}
+
+impl HandshakeResponder for TrapResponder {
+    fn peer_id(&self) -> PeerId {
+        self.id
+    }
+    fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+    fn respond(&self, hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
+        if SUPPORTED_VERSIONS.common(hello.versions).is_none() {
+            return Err(Reject {
+                reason: RejectReason::ProtocolMismatch,
+                versions: SUPPORTED_VERSIONS,
+                epoch: self.epoch,
+                message: String::new(),
+            });
+        }
+        Ok(Hello {
+            versions: SUPPORTED_VERSIONS,
+            peer_id: self.id,
+            epoch: self.epoch,
+            transports: vec![TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            }],
+            segments: self.table.published(),
+        })
+    }
+}
+
+/// Child: a raw TCP-transport server whose `trap` segment stalls the stream that touches it.
+#[test]
+fn child_trap_server() -> Result<()> {
+    if std::env::var("FERRY_TEST_CHILD").as_deref() != Ok("trap") {
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let table = Arc::new(TrapTable {
+            ok: (
+                SegmentToken::random(),
+                Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096)?),
+            ),
+            trap: SegmentToken::random(),
+        });
+        let responder = Arc::new(TrapResponder {
+            id: PeerId::random(),
+            epoch: Epoch::fresh(),
+            table: table.clone(),
+        });
+        let server = transport_tcp::TcpServer::bind("127.0.0.1:0".parse()?)?;
+        println!("LISTEN {}", server.local_addr());
+        let _h = server.serve(table, responder, transport_tcp::TcpConfig::default());
+        tokio::task::spawn_blocking(|| for _ in std::io::stdin().lock().lines() {}).await?;
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------- the parent side
+
+struct ChildProc {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    addr: SocketAddr,
+}
+
+impl ChildProc {
+    fn spawn(kind: &str, envs: &[(&str, &str)]) -> Result<Self> {
+        let test = match kind {
+            "trap" => "child_trap_server",
+            _ => "child_server",
+        };
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env("FERRY_TEST_CHILD", kind)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn()?;
+        let stdin = child.stdin.take();
+        let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+        let addr = loop {
+            let line = lines.next().context("child exited before listening")??;
+            // libtest may print "test child_server ... " on the same line first.
+            if let Some((_, a)) = line.split_once("LISTEN ") {
+                break a.trim().parse()?;
+            }
+        };
+        Ok(Self {
+            child,
+            stdin,
+            lines,
+            addr,
+        })
+    }
+
+    fn command(&mut self, cmd: &str, expect: &str) -> Result<()> {
+        let stdin = self.stdin.as_mut().context("stdin")?;
+        writeln!(stdin, "{cmd}")?;
+        stdin.flush()?;
+        for line in self.lines.by_ref() {
+            if line?.contains(expect) {
+                return Ok(());
+            }
+        }
+        bail!("child exited before answering {cmd:?}")
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        self.stdin.take();
+        self.kill();
+    }
+}
+
+fn fill(r: &MemoryRegion, seed: u64) -> Result<()> {
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; r.len()];
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+    r.write_at(0, &buf)?;
+    Ok(())
+}
+
+fn bytes(r: &MemoryRegion, at: u64, len: u64) -> Result<Vec<u8>> {
+    let mut v = vec![0u8; len as usize];
+    r.read_at(at, &mut v)?;
+    Ok(v)
+}
+
+fn client() -> Result<TransferEngine> {
+    Ok(TransferEngine::builder().streams(2).build()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_then_read_back_many_sizes() -> Result<()> {
+    let child = ChildProc::spawn(
+        "server",
+        &[("FERRY_TEST_SEGMENTS", &format!("data={BIG}:rw"))],
+    )?;
+    let engine = client()?;
+    let peer = engine.connect(child.addr).await?;
+    let remote = peer.segment("data")?;
+    assert_eq!(remote.len(), BIG as u64);
+    let src = engine.register(MemoryRegion::alloc_zeroed(BIG, 4096)?, Access::LOCAL, "src")?;
+    let dst = engine.register(MemoryRegion::alloc_zeroed(BIG, 4096)?, Access::LOCAL, "dst")?;
+    fill(src.region(), 0x5eed)?;
+    let cases: &[(u64, u64, u64)] = &[
+        (0, 0, 1),
+        (1, 3, 2),
+        (5, 4093, 4095),
+        (13, 7, 4097),
+        (4095, 1, 65_537),
+        (3, 12_345, (1 << 20) + 3),
+        (7, 999_999, (16 << 20) + 5),
+        (17, 29, (256 << 20) - 13),
+    ];
+    for &(lo, ro, len) in cases {
+        let o = engine
+            .submit(Batch::new().write(&src, lo, &remote, ro, len))?
+            .await;
+        assert!(o.is_success(), "write {len}: {o:?}");
+        assert_eq!((o.completed_ops, o.completed_bytes), (1, len));
+        let h = engine.submit(Batch::new().read(&dst, lo + 1, &remote, ro, len))?;
+        let drained = h.drained();
+        let o = h.await;
+        assert!(o.is_success(), "read {len}: {o:?}");
+        assert!(drained.await.drained);
+        assert!(
+            bytes(dst.region(), lo + 1, len)? == bytes(src.region(), lo, len)?,
+            "bytes differ after a round trip of {len} bytes at {lo}/{ro}"
+        );
+    }
+    // A batch of many small ops, mixed directions.
+    let mut b = Batch::new();
+    for i in 0..64u64 {
+        b = b.write(&src, i * 1000, &remote, i * 3001, 999 + i);
+    }
+    let o = engine.submit(b)?.await;
+    assert!(o.is_success() && o.completed_ops == 64, "{o:?}");
+    let d = engine.describe();
+    let route = &d.routes[0];
+    assert_eq!(route.transport, "tcp");
+    assert!(route.ops >= 17 && route.errors == 0, "{route:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_each_have_their_own_error_and_move_nothing() -> Result<()> {
+    let mut child = ChildProc::spawn(
+        "server",
+        &[("FERRY_TEST_SEGMENTS", "ro=4096:r,rw=8192:rw,gone=4096:rw")],
+    )?;
+    let engine = client()?;
+    let peer = engine.connect(child.addr).await?;
+    let ro = peer.segment("ro")?;
+    let rw = peer.segment("rw")?;
+    let gone = peer.segment("gone")?;
+    assert!(matches!(
+        peer.segment("nope"),
+        Err(Error::UnknownSegmentName { .. })
+    ));
+    let src = engine.register(
+        MemoryRegion::alloc_zeroed(8192, 4096)?,
+        Access::LOCAL,
+        "src",
+    )?;
+    fill(src.region(), 9)?;
+    let probe = engine.register(MemoryRegion::alloc_zeroed(8192, 4096)?, Access::LOCAL, "p")?;
+
+    // Checked before anything moves: out of bounds (remote and local) and access rights.
+    assert!(matches!(
+        engine.submit(Batch::new().write(&src, 0, &rw, 8000, 200)),
+        Err(Error::OutOfBounds { side: "remote", .. })
+    ));
+    assert!(matches!(
+        engine.submit(Batch::new().write(&src, 8000, &rw, 0, 200)),
+        Err(Error::OutOfBounds { side: "local", .. })
+    ));
+    assert!(matches!(
+        engine.submit(Batch::new().write(&src, 0, &ro, 0, 10)),
+        Err(Error::AccessDenied { .. })
+    ));
+
+    // Refused by the server: a token it never published, a descriptor that lies about bounds
+    // or access, and a retired segment.
+    let forged = |token, len, access| {
+        peer.segment_from_descriptor(SegmentDesc {
+            name: "forged".into(),
+            token,
+            len,
+            access,
+            remote_keys: vec![],
+        })
+    };
+    child.command("retire gone", "RETIRED gone")?;
+    let cases = [
+        (
+            forged(SegmentToken::random(), 4096, Access::REMOTE_WRITE),
+            RemoteStatus::UnknownSegment,
+        ),
+        (
+            forged(ro.desc().token, 4096, Access::REMOTE_WRITE),
+            RemoteStatus::AccessDenied,
+        ),
+        (
+            forged(rw.desc().token, 1 << 20, Access::REMOTE_WRITE),
+            RemoteStatus::OutOfBounds,
+        ),
+        (gone.clone(), RemoteStatus::UnknownSegment),
+    ];
+    for (seg, status) in cases {
+        let off = if status == RemoteStatus::OutOfBounds {
+            8000
+        } else {
+            0
+        };
+        let o = engine
+            .submit(Batch::new().write(&src, 0, &seg, off, 1000))?
+            .await;
+        let f = o.failure.context("expected a failure")?;
+        assert_eq!(f.kind, FailureKind::Remote(status), "{o:?}");
+        assert_eq!(o.completed_ops, 0);
+        assert_eq!(o.remote_effect, RemoteEffect::None);
+    }
+    // Nothing moved: every segment still reads back as zeros.
+    for seg in [&ro, &rw] {
+        let len = seg.len();
+        let o = engine
+            .submit(Batch::new().read(&probe, 0, seg, 0, len))?
+            .await;
+        assert!(o.is_success(), "{o:?}");
+        assert!(bytes(probe.region(), 0, len)?.iter().all(|&b| b == 0));
+    }
+    let o = engine
+        .submit(Batch::new().read(&probe, 0, &gone, 0, 10))?
+        .await;
+    assert_eq!(
+        o.failure.map(|f| f.kind),
+        Some(FailureKind::Remote(RemoteStatus::UnknownSegment))
+    );
+    assert!(engine.describe().routes[0].errors >= 5);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_mismatch_is_refused_before_admission() -> Result<()> {
+    let child = ChildProc::spawn(
+        "server",
+        &[
+            ("FERRY_TEST_SEGMENTS", "x=4096:rw"),
+            ("FERRY_TEST_VERSIONS", "40-41"),
+        ],
+    )?;
+    let engine = client()?;
+    match engine.connect(child.addr).await {
+        Err(Error::ProtocolMismatch { local, remote, .. }) => {
+            assert_eq!(local, SUPPORTED_VERSIONS);
+            assert_eq!(remote, VersionRange { min: 40, max: 41 });
+        }
+        other => bail!("expected ProtocolMismatch, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_source_is_refused_until_reresolved() -> Result<()> {
+    let mut first = ChildProc::spawn("server", &[("FERRY_TEST_SEGMENTS", "x=4096:rw")])?;
+    let addr = first.addr;
+    let engine = client()?;
+    let old = engine.connect(addr).await?;
+    let old_seg = old.segment("x")?;
+    first.kill();
+    let _second = ChildProc::spawn(
+        "server",
+        &[
+            ("FERRY_TEST_SEGMENTS", "x=4096:rw"),
+            ("FERRY_TEST_LISTEN", &addr.to_string()),
+        ],
+    )?;
+    match engine.connect(addr).await {
+        Err(Error::StaleEpoch { known, found, .. }) => {
+            assert_eq!(known, old.epoch());
+            assert_ne!(found, old.epoch());
+        }
+        other => bail!("expected StaleEpoch, got {other:?}"),
+    }
+    // The old incarnation's descriptors never reach the new process.
+    let src = engine.register(MemoryRegion::alloc_zeroed(4096, 4096)?, Access::LOCAL, "s")?;
+    let o = engine
+        .submit(Batch::new().write(&src, 0, &old_seg, 0, 100))?
+        .await;
+    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+    let new = engine.reresolve(addr).await?;
+    assert_ne!(new.epoch(), old.epoch());
+    let o = engine
+        .submit(Batch::new().write(&src, 0, &new.segment("x")?, 0, 100))?
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    Ok(())
+}
+
+/// The trap child's batch: two ops that complete, one that stalls, one more after it.
+fn trap_batch(src: &ferry::Registration, peer: &ferry::Peer) -> Result<Batch> {
+    let ok = peer.segment("ok")?;
+    let trap = peer.segment("trap")?;
+    Ok(Batch::new()
+        .write(src, 0, &ok, 0, 4096)
+        .write(src, 4096, &ok, 4096, 300_000)
+        .write(src, 0, &trap, 0, 65_536)
+        .write(src, 0, &ok, 0, 100))
+}
+
+async fn wait_prefix(h: &ferry::RequestHandle, n: usize) {
+    for _ in 0..2000 {
+        if h.progress().completed_ops >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_mid_write_is_uncertain_with_exact_prefix() -> Result<()> {
+    let mut child = ChildProc::spawn("trap", &[])?;
+    let engine = TransferEngine::builder().build()?;
+    let peer = engine.connect(child.addr).await?;
+    let src = engine.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::LOCAL,
+        "s",
+    )?;
+    let h = engine.submit(trap_batch(&src, &peer)?)?;
+    wait_prefix(&h, 2).await;
+    child.kill();
+    let o = h.await;
+    assert_eq!(o.completed_ops, 2, "{o:?}");
+    assert_eq!(o.completed_bytes, 4096 + 300_000);
+    let f = o.failure.context("expected a failure")?;
+    assert_eq!((f.op_index, f.kind), (2, FailureKind::PeerLost));
+    assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+    assert!(o.drained);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_and_cancel_end_the_request_but_drained_waits() -> Result<()> {
+    for cancel in [false, true] {
+        let mut child = ChildProc::spawn("trap", &[])?;
+        let engine = TransferEngine::builder().build()?;
+        let peer = engine.connect(child.addr).await?;
+        let src = engine.register(
+            MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+            Access::LOCAL,
+            "s",
+        )?;
+        let mut batch = trap_batch(&src, &peer)?;
+        if !cancel {
+            batch = batch.timeout(Duration::from_millis(300));
+        }
+        let h = engine.submit(batch)?;
+        wait_prefix(&h, 2).await;
+        let drained = tokio::spawn(h.drained());
+        if cancel {
+            h.cancel();
+        }
+        let o = h.await;
+        let want = if cancel {
+            FailureKind::Cancelled
+        } else {
+            FailureKind::Timeout
+        };
+        assert_eq!(
+            o.failure.map(|f| (f.op_index, f.kind)),
+            Some((2, want)),
+            "{o:?}"
+        );
+        assert_eq!(o.completed_ops, 2);
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        assert!(!o.drained);
+        // The trap chunk is still in the server's hands: the buffers are not free.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !drained.is_finished(),
+            "drained before the stalled chunk ended"
+        );
+        child.kill();
+        let last = tokio::time::timeout(Duration::from_secs(30), drained).await??;
+        assert!(last.drained);
+        assert_eq!(last.completed_ops, 2);
+        assert_eq!(last.remote_effect, RemoteEffect::Uncertain);
+    }
+    Ok(())
+}
