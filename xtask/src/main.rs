@@ -3,6 +3,8 @@
 //! `main` only dispatches; each task lives in its own module.
 #![forbid(unsafe_code)]
 
+mod bench;
+mod bench_uring;
 mod bindgen;
 mod ci;
 mod soft_roce;
@@ -15,6 +17,9 @@ usage: cargo xtask <task> [args]
 
 tasks:
   ci                     fmt check, clippy -D warnings, all tests, docs with warnings denied
+  bench tcp [--total BYTES] [--repeat N]
+                         ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
+  bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
@@ -27,6 +32,7 @@ fn main() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match task.as_str() {
         "ci" => ci::run(&rest),
+        "bench" => bench::run(&rest),
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "" | "help" | "-h" | "--help" => {

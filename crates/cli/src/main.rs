@@ -4,7 +4,9 @@
 //! Exit codes: 0 on success (`doctor` always, since it is a report), 1 when a command fails, 2 for
 //! bad arguments.
 
+mod cmd_bench;
 mod cmd_doctor;
+mod cmd_serve;
 mod cmd_topology;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +33,11 @@ enum Command {
     /// Show which NIC serves which GPU: NICs with their ports and GIDs, the GPU x NIC distance
     /// classes (PIX, PXB, PHB, NODE, SYS) and the assignment.
     Topology(cmd_topology::TopologyArgs),
+    /// Publish named segments (generated data or a file's bytes) and serve them until stopped.
+    Serve(cmd_serve::ServeArgs),
+    /// Measure READ/WRITE throughput and latency against a `ferry serve` peer, or on loopback
+    /// against a server started in this process when no peer is given.
+    Bench(cmd_bench::BenchArgs),
 }
 
 fn init_tracing(verbose: u8) {
@@ -54,6 +61,8 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Doctor(args) => cmd_doctor::run(&args),
         Command::Topology(args) => cmd_topology::run(args),
+        Command::Serve(args) => cmd_serve::run(args),
+        Command::Bench(args) => cmd_bench::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,0 +1,426 @@
+//! `ferry bench`: measure READ or WRITE throughput and op latency against a peer, or on loopback
+//! against a server this process starts itself.
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use ferry::{Access, Batch, MemoryRegion, TransferEngine, TransportKind};
+
+/// Arguments of `ferry bench`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct BenchArgs {
+    /// The `ferry serve` peer (HOST:PORT). Without it, a server starts in this process on
+    /// loopback.
+    peer: Option<String>,
+    /// The peer's segment to use (loopback: created with this name).
+    #[arg(long, default_value = "bench")]
+    segment: String,
+    /// Transport: tcp, or auto (the best both ends offer).
+    #[arg(long, default_value = "auto")]
+    transport: String,
+    /// Direction: read (peer to us) or write (us to peer).
+    #[arg(long, default_value = "write", value_parser = ["read", "write"])]
+    op: String,
+    /// Bytes per op (suffixes: KiB, MiB, GiB, KB, MB, GB).
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    op_size: u64,
+    /// Total bytes to move [default: 4GiB, unless --duration is given].
+    #[arg(long, value_parser = parse_size, conflicts_with = "duration")]
+    total: Option<u64>,
+    /// Run for this many seconds instead of a byte count.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// TCP streams per peer.
+    #[arg(long, default_value_t = 1)]
+    streams: usize,
+    /// Ops in flight.
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// Socket buffer size to request, or `auto` for kernel autotuning.
+    #[arg(long, default_value = "4MiB")]
+    socket_buffer: String,
+    /// Loopback only: size of the segment the in-process server publishes [default: op size
+    /// times depth, at least one op].
+    #[arg(long, value_parser = parse_size)]
+    segment_size: Option<u64>,
+    /// Print one JSON object instead of the human summary.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parses a byte size: `4096`, `64KiB`, `1MiB`, `8GiB`, `1.5GB`, `10k`.
+pub(crate) fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        other => bail!("unknown size unit {other:?} in {s:?} (use KiB, MiB, GiB, KB, MB, GB)"),
+    };
+    if num.is_empty() {
+        bail!("no number in size {s:?}");
+    }
+    let value = if num.contains('.') {
+        let f: f64 = num.parse().with_context(|| format!("bad size {s:?}"))?;
+        (f * mult as f64).round() as u64
+    } else {
+        let n: u64 = num.parse().with_context(|| format!("bad size {s:?}"))?;
+        n.checked_mul(mult)
+            .with_context(|| format!("size {s:?} overflows"))?
+    };
+    Ok(value)
+}
+
+/// The measured result.
+#[derive(Debug)]
+struct Report {
+    transport: String,
+    op: String,
+    op_bytes: u64,
+    total_bytes: u64,
+    seconds: f64,
+    gb_per_s: f64,
+    ops_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    streams: usize,
+    depth: usize,
+    peer: String,
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    f64::from(sorted[idx.min(sorted.len() - 1)])
+}
+
+/// The in-process loopback server: its own thread and runtime, like a separate process would
+/// have, so that its work does not queue behind the client's tasks.
+struct LoopbackServer {
+    addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LoopbackServer {
+    fn start(
+        kinds: &[TransportKind],
+        streams: usize,
+        socket_buffer: Option<usize>,
+        seg_len: u64,
+        name: String,
+    ) -> Result<Self> {
+        let kinds = kinds.to_vec();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("ferry-bench-server".into())
+            .spawn(move || {
+                let run = || -> Result<()> {
+                    // One worker per stream, as one server process per stream would have.
+                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                    let rt = tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(streams.clamp(1, cores))
+                        .enable_all()
+                        .build()
+                        .context("starting the server runtime")?;
+                    rt.block_on(async {
+                        let server = TransferEngine::builder()
+                            .listen("127.0.0.1:0".parse()?)
+                            .transports(&kinds)
+                            .streams(streams)
+                            .socket_buffer(socket_buffer)
+                            .build()?;
+                        let region =
+                            MemoryRegion::alloc_zeroed(seg_len as usize, ferry::PAGE_ALIGN)?;
+                        let _reg = server.register(
+                            region,
+                            Access::REMOTE_READ | Access::REMOTE_WRITE,
+                            &name,
+                        )?;
+                        let addr = server
+                            .local_addr()
+                            .context("loopback server has no address")?;
+                        let _ = ready_tx.send(Ok(addr));
+                        let _ = stop_rx.await;
+                        Ok(())
+                    })
+                };
+                if let Err(e) = run() {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .context("starting the loopback server thread")?;
+        let addr = ready_rx
+            .recv()
+            .context("the loopback server thread ended")??;
+        Ok(Self {
+            addr,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for LoopbackServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Runs `ferry bench`.
+pub(crate) fn run(args: BenchArgs) -> Result<()> {
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = std::env::var("FERRY_BENCH_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        rt.worker_threads(n);
+    }
+    let rt = rt
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let report = rt.block_on(bench(&args))?;
+    if args.json {
+        let r = &report;
+        let obj = serde_json::json!({
+            "transport": r.transport,
+            "op": r.op,
+            "op_bytes": r.op_bytes,
+            "total_bytes": r.total_bytes,
+            "seconds": r.seconds,
+            "gb_per_s": r.gb_per_s,
+            "ops_per_s": r.ops_per_s,
+            "p50_us": r.p50_us,
+            "p99_us": r.p99_us,
+            "streams": r.streams,
+            "depth": r.depth,
+            "peer": r.peer,
+        });
+        println!("{obj}");
+    } else {
+        println!(
+            "{} {} {} B ops over {}: {:.3} GB/s, {:.0} ops/s, p50 {:.0} us, p99 {:.0} us \
+             ({} bytes in {:.3} s, {} streams, depth {})",
+            report.transport,
+            report.op,
+            report.op_bytes,
+            report.peer,
+            report.gb_per_s,
+            report.ops_per_s,
+            report.p50_us,
+            report.p99_us,
+            report.total_bytes,
+            report.seconds,
+            report.streams,
+            report.depth
+        );
+    }
+    Ok(())
+}
+
+async fn bench(args: &BenchArgs) -> Result<Report> {
+    let kinds = match args.transport.as_str() {
+        "auto" | "tcp" => vec![TransportKind::Tcp],
+        other => bail!("transport {other:?} is not available in this build (use tcp or auto)"),
+    };
+    if args.op_size == 0 {
+        bail!("--op-size must be at least 1 byte");
+    }
+    let depth = args.depth.max(1);
+    let streams = args.streams.max(1);
+    // Loopback: our own server, with a segment large enough for every op in flight.
+    let seg_len = args
+        .segment_size
+        .unwrap_or(args.op_size * depth as u64)
+        .max(args.op_size);
+    let socket_buffer = match args.socket_buffer.as_str() {
+        "auto" => None,
+        s => Some(parse_size(s)? as usize),
+    };
+    let (_server, addr) = match &args.peer {
+        Some(p) => (None, p.clone()),
+        None => {
+            let server = LoopbackServer::start(
+                &kinds,
+                streams,
+                socket_buffer,
+                seg_len,
+                args.segment.clone(),
+            )?;
+            let addr = server.addr.to_string();
+            (Some(server), addr)
+        }
+    };
+    let engine = TransferEngine::builder()
+        .transports(&kinds)
+        .streams(streams)
+        .depth(depth.max(2))
+        .socket_buffer(socket_buffer)
+        .build()?;
+    let peer = engine
+        .connect(addr.as_str())
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    let remote = peer.segment(&args.segment)?;
+    if remote.len() < args.op_size {
+        bail!(
+            "segment {:?} has {} bytes, fewer than one op of {}",
+            args.segment,
+            remote.len(),
+            args.op_size
+        );
+    }
+    let slots_in_remote = (remote.len() / args.op_size).max(1);
+    let local = Arc::new(engine.register(
+        MemoryRegion::alloc_zeroed((args.op_size * depth as u64) as usize, ferry::PAGE_ALIGN)?,
+        Access::LOCAL,
+        "bench-local",
+    )?);
+    let total = match (args.total, args.duration) {
+        (Some(t), _) => Some(t),
+        (None, Some(_)) => None,
+        (None, None) => Some(4 << 30),
+    };
+    let deadline = args.duration.map(Duration::from_secs_f64);
+    let ops_budget = total.map(|t| t.div_ceil(args.op_size));
+    let claimed = Arc::new(AtomicU64::new(0));
+    let moved = Arc::new(AtomicU64::new(0));
+    let is_read = args.op == "read";
+
+    let bar = if std::io::stderr().is_terminal() && !args.json {
+        let bar = match total {
+            Some(t) => indicatif::ProgressBar::new(t),
+            None => indicatif::ProgressBar::new_spinner(),
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Some(bar)
+    } else {
+        None
+    };
+
+    let start = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for w in 0..depth {
+        let engine = engine.clone();
+        let local = local.clone();
+        let remote = remote.clone();
+        let claimed = claimed.clone();
+        let moved = moved.clone();
+        let op_size = args.op_size;
+        workers.spawn(async move {
+            let mut lat: Vec<u32> = Vec::with_capacity(1 << 16);
+            loop {
+                let n = claimed.fetch_add(1, Ordering::Relaxed);
+                if ops_budget.is_some_and(|b| n >= b)
+                    || deadline.is_some_and(|d| start.elapsed() >= d)
+                {
+                    break;
+                }
+                let local_off = w as u64 * op_size;
+                let remote_off = (n % slots_in_remote) * op_size;
+                let batch = if is_read {
+                    Batch::new().read(&local, local_off, &remote, remote_off, op_size)
+                } else {
+                    Batch::new().write(&local, local_off, &remote, remote_off, op_size)
+                };
+                let t0 = Instant::now();
+                let outcome = engine.submit(batch)?.await;
+                if let Some(f) = outcome.failure {
+                    bail!("op {n} failed: {} (op {})", f.kind, f.op_index);
+                }
+                lat.push(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                moved.fetch_add(op_size, Ordering::Relaxed);
+            }
+            Ok(lat)
+        });
+    }
+    let ticker = bar.clone().map(|bar| {
+        let moved = moved.clone();
+        tokio::spawn(async move {
+            loop {
+                bar.set_position(moved.load(Ordering::Relaxed));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    });
+    let mut lat = Vec::new();
+    while let Some(res) = workers.join_next().await {
+        lat.extend(res.context("bench worker")??);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    if let Some(t) = ticker {
+        t.abort();
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    lat.sort_unstable();
+    let total_bytes = moved.load(Ordering::Relaxed);
+    Ok(Report {
+        transport: peer.transport().name().to_owned(),
+        op: args.op.clone(),
+        op_bytes: args.op_size,
+        total_bytes,
+        seconds,
+        gb_per_s: total_bytes as f64 / seconds / 1e9,
+        ops_per_s: lat.len() as f64 / seconds,
+        p50_us: percentile(&lat, 0.50),
+        p99_us: percentile(&lat, 0.99),
+        streams,
+        depth,
+        peer: args.peer.clone().unwrap_or_else(|| "loopback".into()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_with_suffixes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
+        assert_eq!(parse_size("1.5k").unwrap(), 1536);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("MiB").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn percentiles() {
+        let v: Vec<u32> = (1..=100).collect();
+        assert_eq!(percentile(&v, 0.5), 51.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+}

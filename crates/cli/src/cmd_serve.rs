@@ -1,0 +1,98 @@
+//! `ferry serve`: publish named segments and serve them until stopped.
+
+use std::net::SocketAddr;
+
+use anyhow::{Context, Result, bail};
+use ferry::{Access, MemoryRegion, TransferEngine};
+
+use crate::cmd_bench::parse_size;
+
+/// Arguments of `ferry serve`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0:7400")]
+    listen: SocketAddr,
+    /// A segment to publish: NAME=SIZE (generated data, e.g. `weights=1GiB`) or NAME=@PATH (a
+    /// file's bytes loaded into memory). Repeatable.
+    #[arg(long = "segment", value_name = "NAME=SIZE|NAME=@PATH")]
+    segments: Vec<String>,
+    /// Publish every segment read-only (default: generated segments read+write, files read-only).
+    #[arg(long)]
+    read_only: bool,
+    /// Data streams accepted per peer and used per connection.
+    #[arg(long, default_value_t = 4)]
+    streams: usize,
+}
+
+/// Fills `region` with a deterministic pattern (so that readers can check what they got).
+pub(crate) fn fill_pattern(region: &MemoryRegion) -> Result<()> {
+    let mut buf = vec![0u8; (1 << 20).min(region.len())];
+    let mut at = 0u64;
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    while (at as usize) < region.len() {
+        let n = buf.len().min(region.len() - at as usize);
+        for chunk in buf[..n].chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+        region.write_at(at, &buf[..n])?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+fn load_segment(spec: &str, read_only: bool) -> Result<(String, MemoryRegion, Access)> {
+    let (name, what) = spec
+        .split_once('=')
+        .with_context(|| format!("--segment {spec:?}: expected NAME=SIZE or NAME=@PATH"))?;
+    if name.is_empty() {
+        bail!("--segment {spec:?}: empty name");
+    }
+    if let Some(path) = what.strip_prefix('@') {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {path}"))?;
+        return Ok((
+            name.into(),
+            MemoryRegion::from_vec(bytes),
+            Access::REMOTE_READ,
+        ));
+    }
+    let size = parse_size(what).with_context(|| format!("--segment {spec:?}"))?;
+    let region = MemoryRegion::alloc_zeroed(size as usize, ferry::PAGE_ALIGN)
+        .with_context(|| format!("allocating {size} bytes for segment {name:?}"))?;
+    fill_pattern(&region)?;
+    let access = if read_only {
+        Access::REMOTE_READ
+    } else {
+        Access::REMOTE_READ | Access::REMOTE_WRITE
+    };
+    Ok((name.into(), region, access))
+}
+
+/// Runs `ferry serve`.
+pub(crate) fn run(args: ServeArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    rt.block_on(async move {
+        let engine = TransferEngine::builder()
+            .listen(args.listen)
+            .streams(args.streams)
+            .build()?;
+        let mut held = Vec::new();
+        for spec in &args.segments {
+            let (name, region, access) = load_segment(spec, args.read_only)?;
+            let len = region.len();
+            held.push(engine.register(region, access, &name)?);
+            println!("segment {name}: {len} bytes, {access}");
+        }
+        let addr = engine.local_addr().context("the engine has no listener")?;
+        println!("listening on {addr}");
+        std::future::pending::<()>().await;
+        drop(held);
+        Ok(())
+    })
+}
