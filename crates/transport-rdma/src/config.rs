@@ -1,6 +1,7 @@
 //! Which ports carry traffic, and the limits of the data path.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use topology::{Selector, Topology, VerbsDevices};
 use verbs_sys::Verbs;
@@ -55,6 +56,9 @@ pub struct RdmaConfig {
     pub signal_every: u32,
     /// Timeouts and retries of the queue pairs.
     pub timing: QpTiming,
+    /// How long a failed queue pair may take to flush (default 30 s); past it, its outstanding
+    /// work is lost and its requests resolve with `drained: false`.
+    pub flush_timeout: Duration,
     /// Queue-pair sets kept for peers this side serves (oldest destroyed beyond; default 256).
     pub max_served: usize,
 }
@@ -70,6 +74,7 @@ impl Default for RdmaConfig {
             depth: 64,
             signal_every: 16,
             timing: QpTiming::default(),
+            flush_timeout: Duration::from_secs(30),
             max_served: 256,
         }
     }

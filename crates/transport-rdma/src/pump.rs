@@ -16,6 +16,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use ferry_core::{FailureKind, Op, OpKind, Outcome, RemoteStatus, RequestControl};
 
@@ -62,6 +63,9 @@ pub(crate) struct PumpLimits {
     pub(crate) depth: usize,
     /// Signal at least every this many work requests.
     pub(crate) signal_every: usize,
+    /// How long a failed queue pair may take to flush its outstanding work requests; past it
+    /// they are given up as lost and their requests resolve with `drained: false`.
+    pub(crate) flush_timeout: Duration,
 }
 
 struct Entry {
@@ -78,6 +82,7 @@ pub(crate) struct Rail {
     pub(crate) counters: Arc<RailCounters>,
     outstanding: VecDeque<Entry>,
     failed: Option<FailureKind>,
+    failed_at: Option<Instant>,
     unsignaled: usize,
 }
 
@@ -89,6 +94,7 @@ impl Rail {
             counters,
             outstanding: VecDeque::new(),
             failed: None,
+            failed_at: None,
             unsignaled: 0,
         }
     }
@@ -103,6 +109,7 @@ impl Rail {
             return;
         }
         self.failed = Some(kind);
+        self.failed_at = Some(Instant::now());
         if let Err(e) = self.qp.modify(&Transition::Error) {
             tracing::warn!(rail = %self.name, error = %e, "moving the queue pair to ERR failed");
         }
@@ -161,6 +168,7 @@ impl Pump {
                 chunk: limits.chunk.max(1),
                 depth: limits.depth.max(1),
                 signal_every: limits.signal_every.max(1),
+                flush_timeout: limits.flush_timeout,
             },
             active: Vec::new(),
             next_wr: 1,
@@ -214,8 +222,14 @@ impl Pump {
     /// Posts what fits, folds what completed, resolves finished requests. Returns whether
     /// anything happened.
     pub(crate) fn step(&mut self) -> bool {
+        self.step_at(Instant::now())
+    }
+
+    /// [`step`](Self::step) at time `now`.
+    pub(crate) fn step_at(&mut self, now: Instant) -> bool {
         let mut progress = self.post();
         progress |= self.poll();
+        progress |= self.give_up_flushes(now);
         progress |= self.finish();
         progress
     }
@@ -345,6 +359,30 @@ impl Pump {
                 }
                 // The chain's tail may be unsignalled: flush the QP so everything posted completes.
                 rail.fail(FailureKind::Local);
+            }
+        }
+        progress
+    }
+
+    /// Outstanding work of a rail that failed more than `flush_timeout` ago and never flushed:
+    /// lost, and its requests are not drained (the NIC may still touch their buffers).
+    fn give_up_flushes(&mut self, now: Instant) -> bool {
+        let mut progress = false;
+        for rail in &mut self.rails {
+            let Some(at) = rail.failed_at else { continue };
+            if rail.outstanding.is_empty() || now.saturating_duration_since(at) < self.limits.flush_timeout {
+                continue;
+            }
+            tracing::error!(rail = %rail.name, outstanding = rail.outstanding.len(),
+                "the failed queue pair did not flush in time; its buffers are not declared drained");
+            progress = true;
+            for e in rail.outstanding.drain(..) {
+                if let Some(req) = self.active.iter_mut().find(|a| a.id == e.req) {
+                    req.control
+                        .with_ledger(|l| l.lost(e.op, FailureKind::PeerLost, None));
+                    req.in_flight -= 1;
+                    req.undrained = true;
+                }
             }
         }
         progress
@@ -495,6 +533,7 @@ mod tests {
             chunk: 100,
             depth,
             signal_every: 2,
+            flush_timeout: Duration::from_secs(10),
         }
     }
 
@@ -752,5 +791,29 @@ mod tests {
         assert_eq!(o.completed_ops, 2);
         assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::Cancelled));
         assert!(o.drained);
+    }
+
+    #[test]
+    fn a_failed_queue_pair_that_never_flushes_resolves_undrained_after_the_timeout() {
+        let mut qp = MockQpVerbs::new();
+        qp.expect_post_send().returning(|_| Ok(()));
+        let mut seq = Sequence::new();
+        qp.expect_poll()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(vec![status(1, WC_RETRY_EXC)]));
+        qp.expect_poll().returning(|_| Ok(vec![]));
+        qp.expect_modify().times(1).returning(|_| Ok(()));
+        let mut p = Pump::new(vec![rail(qp)], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 10); 3]), 1);
+        let t0 = Instant::now();
+        p.step_at(t0);
+        p.step_at(t0 + Duration::from_secs(9));
+        assert!(slot.lock().unwrap().is_none(), "gave up before the flush timeout");
+        p.step_at(t0 + Duration::from_secs(11));
+        let o = slot.lock().unwrap().take().expect("resolved after the flush timeout");
+        assert_eq!(o.completed_ops, 0);
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        assert!(!o.drained, "never flushed, so never drained");
     }
 }

@@ -27,7 +27,7 @@ pub(crate) struct LocalPort {
 pub struct QpTiming {
     /// Local ACK timeout exponent (4.096 us * 2^timeout).
     pub timeout: u8,
-    /// Transport retries before a completion error.
+    /// Transport retries before a completion error (6 by default; rxe retries forever on 7).
     pub retry_cnt: u8,
     /// Receiver-not-ready retries (7: forever).
     pub rnr_retry: u8,
@@ -41,7 +41,9 @@ impl Default for QpTiming {
     fn default() -> Self {
         Self {
             timeout: 14,
-            retry_cnt: 7,
+            // Not 7: soft-RoCE (rdma_rxe) treats a retry count of 7 as "retry forever", so a
+            // dead peer would never fail the queue pair.
+            retry_cnt: 6,
             rnr_retry: 7,
             min_rnr_timer: 12,
             hop_limit: 64,
@@ -217,7 +219,7 @@ mod tests {
                     Transition::Rts {
                         sq_psn: 0x12_3456,
                         timeout: 14,
-                        retry_cnt: 7,
+                        retry_cnt: 6,
                         rnr_retry: 7,
                         max_rd_atomic: 16
                     }

@@ -434,6 +434,7 @@ impl RdmaTransport {
             depth: usize::try_from(self.shared.rails.iter().map(|r| r.depth).min().unwrap_or(1))
                 .unwrap_or(1),
             signal_every: usize::try_from(c.signal_every).unwrap_or(16),
+            flush_timeout: c.flush_timeout,
         };
         tracing::info!(peer = %who, rails = plan.len(), "RDMA channel open");
         Ok(RdmaChannel::start(
