@@ -572,6 +572,14 @@ fn build_on_host() -> Result<Builds> {
 // ---------------------------------------------------------------------------------------------
 // The share folder and the generated guest-test.sh.
 
+/// Seconds one test binary may run in the guest: `FERRY_SOFT_ROCE_TEST_TIMEOUT`, default 300.
+fn test_timeout() -> String {
+    std::env::var("FERRY_SOFT_ROCE_TEST_TIMEOUT")
+        .ok()
+        .filter(|v| v.parse::<u32>().is_ok_and(|n| n > 0))
+        .unwrap_or_else(|| "300".to_owned())
+}
+
 /// A shell word that reads back as `s`.
 fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
@@ -611,7 +619,7 @@ fn guest_script(host: bool, share_in_guest: &str, builds: &Builds) -> String {
         ("LIVE", if host { "" } else { "/dev/ttyS0" }.to_owned()),
         ("OP_SIZE", OP_SIZE.to_string()),
         ("ITERS", ITERS.to_string()),
-        ("TEST_TIMEOUT", "900".to_owned()),
+        ("TEST_TIMEOUT", test_timeout()),
         ("FERRY", ferry.clone()),
         ("FERRY_SERVE", serve),
         ("FERRY_BENCH", bench),
@@ -711,7 +719,7 @@ fn suite(opts: &Opts) -> Result<Report> {
         cmd.arg("-c").arg(line);
         cmd.status().context("running guest-test.sh on the host")?
     } else {
-        let timeout = std::env::var("FERRY_SOFT_ROCE_TIMEOUT").unwrap_or_else(|_| "1200".into());
+        let timeout = std::env::var("FERRY_SOFT_ROCE_TIMEOUT").unwrap_or_else(|_| "1800".into());
         eprintln!(
             "soft-roce: booting the guest (QEMU TCG, 2 vCPUs, up to {timeout}s); results appear as @@ferry lines"
         );
@@ -775,6 +783,17 @@ struct TestRun {
     failed: u64,
     ignored: u64,
     wall_s: String,
+    timeout_s: String,
+}
+
+impl TestRun {
+    fn outcome(&self) -> String {
+        match self.rc.as_str() {
+            "0" => "ok".to_owned(),
+            "124" | "137" => format!("TIMED OUT after {}s", self.timeout_s),
+            rc => format!("FAILED rc={rc}"),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -824,7 +843,8 @@ impl Report {
             if let Some(exit) = line.strip_prefix("rxe-init: guest-test.sh exit=") {
                 r.guest_exit = Some(exit.trim().to_owned());
             }
-            let Some(rest) = line.strip_prefix(MARK) else {
+            // Anywhere in the line: output of a killed test may precede it.
+            let Some(rest) = line.find(MARK).map(|p| &line[p + MARK.len()..]) else {
                 continue;
             };
             let (kind, words) = rest.split_once(' ').unwrap_or((rest, ""));
@@ -873,6 +893,7 @@ impl Report {
                         failed: num("failed"),
                         ignored: num("ignored"),
                         wall_s: kv(words, "wall_s").unwrap_or("?").to_owned(),
+                        timeout_s: kv(words, "timeout_s").unwrap_or("?").to_owned(),
                     });
                 }
                 "bench" => {
@@ -936,10 +957,10 @@ impl Report {
         for t in &self.tests {
             if t.rc != "0" {
                 f.push(format!(
-                    "{} ({}): rc={} ({} failed)",
+                    "{} ({}): {}, {} failed",
                     self.label(&t.name),
                     t.name,
-                    t.rc,
+                    t.outcome(),
                     t.failed
                 ));
             }
@@ -1020,11 +1041,7 @@ impl Report {
             println!(
                 "  {:<44} {:<14} {} passed, {} failed, {} ignored, {}s",
                 format!("test {}", self.label(&t.name)),
-                if t.rc == "0" {
-                    "ok".to_owned()
-                } else {
-                    format!("FAILED rc={}", t.rc)
-                },
+                t.outcome(),
                 t.passed,
                 t.failed,
                 t.ignored,
@@ -1079,6 +1096,7 @@ noise
 @@ferry test ferry_transport_rdma-0123 rc=0 passed=5 failed=0 ignored=0 wall_s=3.2
 @@ferry test ferry-99 rc=101 passed=3 failed=1 ignored=0 wall_s=1.0
 @@ferry bench status=ok wall_s=6.0 json={\"transport\":\"rdma\",\"op\":\"write\",\"gb_per_s\":0.0253,\"ops_per_s\":24.1}
+test slow ... @@ferry test slow-1 rc=124 passed=0 failed=0 ignored=0 wall_s=300.1 timeout_s=300
 @@ferry end fails=1 uptime=40.1
 rxe-init: guest-test.sh exit=1
 ";
@@ -1098,7 +1116,8 @@ rxe-init: guest-test.sh exit=1
                 ("topology".into(), "2".into())
             ]
         );
-        assert_eq!(r.tests.len(), 2);
+        assert_eq!(r.tests.len(), 3);
+        assert_eq!(r.tests[2].outcome(), "TIMED OUT after 300s");
         assert_eq!((r.tests[1].passed, r.tests[1].failed), (3, 1));
         assert_eq!(r.bench, Some(Ok(0.0253)));
         assert_eq!(r.guest_exit.as_deref(), Some("1"));
@@ -1114,7 +1133,7 @@ rxe-init: guest-test.sh exit=1
         assert!(f.iter().any(|s| s.starts_with("ib_read_bw")), "{f:?}");
         assert!(
             f.iter()
-                .any(|s| s.starts_with("ferry-99 (ferry-99): rc=101")),
+                .any(|s| s.starts_with("ferry-99 (ferry-99): FAILED rc=101")),
             "{f:?}"
         );
         assert!(

@@ -79,11 +79,13 @@ for entry in "${TESTS[@]}"; do
   [ -d "$dir" ] || dir=$SHARE
   echo "== (cd $dir && FERRY_RDMA_TEST_DEVICES=$FERRY_RDMA_TEST_DEVICES FERRY_RDMA_TEST_GIDS=$FERRY_RDMA_TEST_GIDS $t --include-ignored --test-threads=1)"
   out=$(mktemp); t0=$(now)
-  (cd "$dir" && timeout "$TEST_TIMEOUT" "$t" --include-ignored --test-threads=1) 2>&1 | tee "$out"; rc=${PIPESTATUS[0]}
+  # timeout signals its whole process group, so processes a test spawned go too (rc 124: timed out)
+  (cd "$dir" && timeout -k 10 "$TEST_TIMEOUT" "$t" --include-ignored --test-threads=1) 2>&1 | tee "$out"; rc=${PIPESTATUS[0]}
   t1=$(now)
+  [ -z "$(tail -c 1 "$out")" ] || echo  # a killed test leaves its last line unterminated
   line=$(grep '^test result:' "$out" | tail -1)
   count() { echo "$line" | grep -o "[0-9]\+ $1" | grep -o '[0-9]\+' || echo 0; }
-  result test $name rc=$rc passed=$(count passed) failed=$(count failed) ignored=$(count ignored) wall_s=$(secs "$t0" "$t1")
+  result test $name rc=$rc passed=$(count passed) failed=$(count failed) ignored=$(count ignored) wall_s=$(secs "$t0" "$t1") timeout_s=$TEST_TIMEOUT
   [ "$rc" = 0 ] || fails=$((fails+1))
   rm -f "$out"
 done
