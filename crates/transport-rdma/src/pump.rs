@@ -132,7 +132,6 @@ struct Active {
     exhausted: bool,
     in_flight: usize,
     undrained: bool,
-    rr: usize,
     done: Option<Done>,
 }
 
@@ -150,6 +149,9 @@ pub(crate) struct Pump {
     active: Vec<Active>,
     next_wr: u64,
     next_req: u64,
+    /// The rail the next chunk tries first: round-robin across requests, so that many small
+    /// requests spread over the rails as one large op does.
+    rr: usize,
 }
 
 fn classify(status: u32) -> FailureKind {
@@ -173,6 +175,7 @@ impl Pump {
             active: Vec::new(),
             next_wr: 1,
             next_req: 1,
+            rr: 0,
         }
     }
 
@@ -207,7 +210,6 @@ impl Pump {
             exhausted: false,
             in_flight: 0,
             undrained: false,
-            rr: 0,
             done: Some(done),
         });
     }
@@ -277,7 +279,7 @@ impl Pump {
                     req.exhausted = true;
                     break;
                 }
-                let pick = (0..n).map(|k| (req.rr + k) % n).find(|&r| {
+                let pick = (0..n).map(|k| (self.rr + k) % n).find(|&r| {
                     carriers(r) && self.rails[r].outstanding.len() + batches[r].len() < depth
                 });
                 let Some(r) = pick else { break };
@@ -310,7 +312,7 @@ impl Pump {
                 ));
                 self.next_wr += 1;
                 req.in_flight += 1;
-                req.rr = (r + 1) % n;
+                self.rr = (r + 1) % n;
                 req.next_off += len;
                 if req.next_off >= op.len {
                     req.next_op += 1;
@@ -370,7 +372,9 @@ impl Pump {
         let mut progress = false;
         for rail in &mut self.rails {
             let Some(at) = rail.failed_at else { continue };
-            if rail.outstanding.is_empty() || now.saturating_duration_since(at) < self.limits.flush_timeout {
+            if rail.outstanding.is_empty()
+                || now.saturating_duration_since(at) < self.limits.flush_timeout
+            {
                 continue;
             }
             tracing::error!(rail = %rail.name, outstanding = rail.outstanding.len(),
@@ -809,11 +813,42 @@ mod tests {
         let t0 = Instant::now();
         p.step_at(t0);
         p.step_at(t0 + Duration::from_secs(9));
-        assert!(slot.lock().unwrap().is_none(), "gave up before the flush timeout");
+        assert!(
+            slot.lock().unwrap().is_none(),
+            "gave up before the flush timeout"
+        );
         p.step_at(t0 + Duration::from_secs(11));
-        let o = slot.lock().unwrap().take().expect("resolved after the flush timeout");
+        let o = slot
+            .lock()
+            .unwrap()
+            .take()
+            .expect("resolved after the flush timeout");
         assert_eq!(o.completed_ops, 0);
         assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
         assert!(!o.drained, "never flushed, so never drained");
+    }
+
+    #[test]
+    fn single_chunk_requests_alternate_rails() {
+        let mut rails = Vec::new();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for r in 0..2 {
+            let mut qp = MockQpVerbs::new();
+            let seen = seen.clone();
+            qp.expect_post_send().returning(move |w| {
+                seen.lock().unwrap().push((r, w.len()));
+                Ok(())
+            });
+            qp.expect_poll().returning(|_| Ok(vec![]));
+            rails.push(rail(qp));
+        }
+        let mut p = Pump::new(rails, limits(16));
+        for _ in 0..4 {
+            add(&mut p, ops(&[(OpKind::Write, 100)]), 2);
+        }
+        p.step();
+        let mut seen = seen.lock().unwrap().clone();
+        seen.sort();
+        assert_eq!(seen, vec![(0, 2), (1, 2)]);
     }
 }

@@ -15,8 +15,7 @@ use anyhow::{Context, Result, bail, ensure};
 use ferry_core::wire::{ControlFrame, Hello, SUPPORTED_VERSIONS};
 use ferry_core::{
     Access, Channel, Epoch, FailureKind, MemoryRegion, Op, OpKind, Outcome, PeerId, PeerInfo,
-    RemoteEffect, RemoteKey, RemoteStatus, RequestControl, SegmentDesc, Transport,
-    TransportOffer,
+    RemoteEffect, RemoteKey, RemoteStatus, RequestControl, SegmentDesc, Transport, TransportOffer,
 };
 use ferry_transport_rdma::{RailSpec, RdmaConfig, RdmaTransport};
 use rand::RngCore;
@@ -46,8 +45,15 @@ fn devices() -> Option<Vec<RailSpec>> {
                 .unwrap_or_else(|_| panic!("FERRY_RDMA_TEST_GIDS: {s:?} is not a GID index"))
         })
         .collect();
-    let names: Vec<&str> = devs.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-    assert!(!names.is_empty(), "FERRY_RDMA_TEST_DEVICES is set but empty");
+    let names: Vec<&str> = devs
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    assert!(
+        !names.is_empty(),
+        "FERRY_RDMA_TEST_DEVICES is set but empty"
+    );
     let listed: Vec<String> = verbs_sys::devices()
         .unwrap_or_else(|e| panic!("FERRY_RDMA_TEST_DEVICES={devs} but libibverbs fails: {e}"))
         .into_iter()
@@ -145,7 +151,14 @@ async fn run(ch: &Arc<dyn Channel>, ops: Vec<Op>) -> Outcome {
         .expect("request did not resolve within 120 s")
 }
 
-fn op(kind: OpKind, local: &Arc<MemoryRegion>, lo: u64, seg: &SegmentDesc, ro: u64, len: u64) -> Op {
+fn op(
+    kind: OpKind,
+    local: &Arc<MemoryRegion>,
+    lo: u64,
+    seg: &SegmentDesc,
+    ro: u64,
+    len: u64,
+) -> Op {
     Op {
         kind,
         local: local.clone(),
@@ -173,7 +186,11 @@ async fn write_then_read_back_at_many_sizes_and_unaligned_offsets() -> Result<()
     let creg = registry(&client);
     const LEN: usize = 4 << 20;
     let remote = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
-    let seg = sreg.register("target", remote.clone(), Access::REMOTE_READ | Access::REMOTE_WRITE)?;
+    let seg = sreg.register(
+        "target",
+        remote.clone(),
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    )?;
     let src = Arc::new(MemoryRegion::from_vec(random(LEN)));
     let dst = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
     let _s = creg.register("src", src.clone(), Access::LOCAL)?;
@@ -241,7 +258,11 @@ async fn bad_remote_key_and_out_of_bounds_are_remote_access_errors_that_move_not
     const LEN: usize = 1 << 20;
     let pattern: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
     let remote = Arc::new(MemoryRegion::from_vec(pattern.clone()));
-    let seg = sreg.register("target", remote.clone(), Access::REMOTE_READ | Access::REMOTE_WRITE)?;
+    let seg = sreg.register(
+        "target",
+        remote.clone(),
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    )?;
     let src = Arc::new(MemoryRegion::from_vec(random(2 * LEN)));
     let dst = Arc::new(MemoryRegion::from_vec(vec![0xee; 2 * LEN]));
     let _s = creg.register("src", src.clone(), Access::LOCAL)?;
@@ -258,25 +279,54 @@ async fn bad_remote_key_and_out_of_bounds_are_remote_access_errors_that_move_not
     let cases = [
         ("bad rkey WRITE", bad_key.clone(), OpKind::Write, 0, 4096),
         ("bad rkey READ", bad_key, OpKind::Read, 0, 4096),
-        ("out-of-bounds WRITE", too_long.clone(), OpKind::Write, LEN as u64 - 100, 4096),
-        ("out-of-bounds READ", too_long, OpKind::Read, LEN as u64 + 8, 64),
+        (
+            "out-of-bounds WRITE",
+            too_long.clone(),
+            OpKind::Write,
+            LEN as u64 - 100,
+            4096,
+        ),
+        (
+            "out-of-bounds READ",
+            too_long,
+            OpKind::Read,
+            LEN as u64 + 8,
+            64,
+        ),
     ];
     for (what, desc, kind, ro, len) in cases {
         // A refused op breaks its queue pair: each case gets a fresh connection.
         let ch = connect(&client, &server, vec![desc.clone()]).await?;
-        let o = run(&ch, vec![op(kind, if kind == OpKind::Write { &src } else { &dst }, 0, &desc, ro, len)]).await;
+        let o = run(
+            &ch,
+            vec![op(
+                kind,
+                if kind == OpKind::Write { &src } else { &dst },
+                0,
+                &desc,
+                ro,
+                len,
+            )],
+        )
+        .await;
         ensure!(
             o.failure.map(|f| f.kind) == Some(FailureKind::Remote(RemoteStatus::AccessDenied)),
             "{what}: expected a remote access error, got {o:?}"
         );
         ensure!(o.completed_ops == 0 && o.drained, "{what}: {o:?}");
         ensure!(o.remote_effect == RemoteEffect::None, "{what}: {o:?}");
-        ensure!(bytes(&remote, 0, LEN) == pattern, "{what}: remote bytes changed");
+        ensure!(
+            bytes(&remote, 0, LEN) == pattern,
+            "{what}: remote bytes changed"
+        );
         ensure!(
             bytes(&dst, 0, 2 * LEN).iter().all(|&b| b == 0xee),
             "{what}: local bytes changed"
         );
-        ensure!(!ch.is_alive(), "{what}: the channel should report its only rail failed");
+        ensure!(
+            !ch.is_alive(),
+            "{what}: the channel should report its only rail failed"
+        );
         eprintln!("ok: {what} refused, nothing moved");
     }
     // The transport still serves new connections after the failures.
@@ -298,8 +348,15 @@ async fn two_rails_stripe_one_large_op() -> Result<()> {
     let creg = registry(&client);
     const LEN: usize = 8 << 20;
     let remote = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
-    let seg = sreg.register("target", remote.clone(), Access::REMOTE_READ | Access::REMOTE_WRITE)?;
-    ensure!(seg.lease().remote_keys().count() == 2, "one remote key per rail");
+    let seg = sreg.register(
+        "target",
+        remote.clone(),
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    )?;
+    ensure!(
+        seg.lease().remote_keys().count() == 2,
+        "one remote key per rail"
+    );
     let src = Arc::new(MemoryRegion::from_vec(random(LEN)));
     let dst = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
     let _s = creg.register("src", src.clone(), Access::LOCAL)?;
@@ -308,17 +365,30 @@ async fn two_rails_stripe_one_large_op() -> Result<()> {
     let ch = connect(&client, &server, vec![desc.clone()]).await?;
     let o = run(&ch, vec![op(OpKind::Write, &src, 0, &desc, 0, LEN as u64)]).await;
     ensure!(o.is_success(), "{o:?}");
-    ensure!(bytes(&remote, 0, LEN) == bytes(&src, 0, LEN), "striped WRITE: bytes differ");
+    ensure!(
+        bytes(&remote, 0, LEN) == bytes(&src, 0, LEN),
+        "striped WRITE: bytes differ"
+    );
     let o = run(&ch, vec![op(OpKind::Read, &dst, 0, &desc, 0, LEN as u64)]).await;
     ensure!(o.is_success(), "{o:?}");
-    ensure!(bytes(&dst, 0, LEN) == bytes(&src, 0, LEN), "striped READ: bytes differ");
+    ensure!(
+        bytes(&dst, 0, LEN) == bytes(&src, 0, LEN),
+        "striped READ: bytes differ"
+    );
     let stats = client.rail_stats();
     eprintln!("rail stats: {stats:?}");
     ensure!(stats.len() == 2, "{stats:?}");
     for s in &stats {
-        ensure!(s.bytes >= LEN as u64 / 4, "rail {} carried too little: {stats:?}", s.rail);
+        ensure!(
+            s.bytes >= LEN as u64 / 4,
+            "rail {} carried too little: {stats:?}",
+            s.rail
+        );
     }
-    ensure!(stats.iter().map(|s| s.bytes).sum::<u64>() == 2 * LEN as u64, "{stats:?}");
+    ensure!(
+        stats.iter().map(|s| s.bytes).sum::<u64>() == 2 * LEN as u64,
+        "{stats:?}"
+    );
     Ok(())
 }
 
@@ -358,7 +428,10 @@ fn map(fd: i32, len: usize) -> Result<Arc<MemoryRegion>> {
         )
     };
     if p == libc::MAP_FAILED {
-        bail!("mmap of the shared segment: {}", std::io::Error::last_os_error());
+        bail!(
+            "mmap of the shared segment: {}",
+            std::io::Error::last_os_error()
+        );
     }
     let ptr = NonNull::new(p.cast::<u8>()).context("mmap returned NULL")?;
     let shm = Shm { ptr, len };
@@ -436,12 +509,21 @@ async fn a_peer_killed_mid_write_is_uncertain_with_the_exact_prefix() -> Result<
     let fd = unsafe { libc::memfd_create(c"ferry-rdma-test".as_ptr(), 0) };
     ensure!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
     // SAFETY: `fd` is the memfd just created.
-    ensure!(unsafe { libc::ftruncate(fd, LEN as libc::off_t) } == 0, "ftruncate");
+    ensure!(
+        unsafe { libc::ftruncate(fd, LEN as libc::off_t) } == 0,
+        "ftruncate"
+    );
     let shared = map(fd, LEN)?;
 
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
-        .args(["child_peer", "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_peer",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_FD, fd.to_string())
         .env(CHILD_LEN, LEN.to_string())
         .stdin(Stdio::piped())
@@ -476,7 +558,10 @@ async fn a_peer_killed_mid_write_is_uncertain_with_the_exact_prefix() -> Result<
     let answer = rx.recv_timeout(Duration::from_secs(120)).ok();
     let Some((offer, segments)) = answer.map(|h| decode(&h)).transpose()? else {
         let _ = child.kill();
-        bail!("the child peer printed no answer (status {:?})", child.wait());
+        bail!(
+            "the child peer printed no answer (status {:?})",
+            child.wait()
+        );
     };
     eprintln!("step: child answered");
     let desc = segments.first().context("no segment")?.clone();
@@ -484,7 +569,16 @@ async fn a_peer_killed_mid_write_is_uncertain_with_the_exact_prefix() -> Result<
     eprintln!("step: channel open");
 
     let ops: Arc<[Op]> = (0..OPS)
-        .map(|i| op(OpKind::Write, &src, (i * OP_LEN) as u64, &desc, (i * OP_LEN) as u64, OP_LEN as u64))
+        .map(|i| {
+            op(
+                OpKind::Write,
+                &src,
+                (i * OP_LEN) as u64,
+                &desc,
+                (i * OP_LEN) as u64,
+                OP_LEN as u64,
+            )
+        })
         .collect();
     let control = Arc::new(RequestControl::new(&ops));
     let fut = tokio::spawn(ch.execute(ops, control.clone()));
@@ -518,8 +612,14 @@ async fn a_peer_killed_mid_write_is_uncertain_with_the_exact_prefix() -> Result<
         }
     };
     eprintln!("killed after {killed_after} ops; outcome {o:?}");
-    ensure!(o.completed_ops >= killed_after && o.completed_ops < OPS, "{o:?}");
-    ensure!(o.completed_bytes == (o.completed_ops * OP_LEN) as u64, "{o:?}");
+    ensure!(
+        o.completed_ops >= killed_after && o.completed_ops < OPS,
+        "{o:?}"
+    );
+    ensure!(
+        o.completed_bytes == (o.completed_ops * OP_LEN) as u64,
+        "{o:?}"
+    );
     let f = o.failure.context("the request must fail")?;
     ensure!(f.op_index == o.completed_ops, "{o:?}");
     ensure!(f.kind == FailureKind::PeerLost, "{o:?}");
@@ -581,9 +681,13 @@ async fn default_config_discovers_the_devices_with_their_roce_v2_gids() -> Resul
 fn misconfigured_gid_or_port_names_device_port_and_gid_index() -> Result<()> {
     let Some(devs) = devices() else { return Ok(()) };
     let dev = &devs[0].device;
-    let err = RdmaTransport::open(RdmaConfig::with_rails(vec![RailSpec::new(dev.clone(), 1, 250)]))
-        .err()
-        .context("GID index 250 must be refused")?;
+    let err = RdmaTransport::open(RdmaConfig::with_rails(vec![RailSpec::new(
+        dev.clone(),
+        1,
+        250,
+    )]))
+    .err()
+    .context("GID index 250 must be refused")?;
     let text = format!("{err:#}");
     for needle in [dev.as_str(), "port 1", "GID index 250"] {
         ensure!(text.contains(needle), "{needle:?} missing in {text}");
