@@ -18,9 +18,13 @@ pub(crate) struct BenchArgs {
     /// The peer's segment to use (loopback: created with this name).
     #[arg(long, default_value = "bench")]
     segment: String,
-    /// Transport: tcp, or auto (the best both ends offer).
+    /// Transport: tcp, rdma, or auto (the best both ends offer).
     #[arg(long, default_value = "auto")]
     transport: String,
+    /// RDMA devices and ports to use, in NCCL_IB_HCA syntax (`mlx5_0,mlx5_1:1`, `^mlx5_2`,
+    /// `=rxe1`); default: every usable port.
+    #[arg(long, value_name = "FILTER")]
+    rdma_hca: Option<String>,
     /// Direction: read (peer to us) or write (us to peer).
     #[arg(long, default_value = "write", value_parser = ["read", "write"])]
     op: String,
@@ -84,6 +88,17 @@ pub(crate) fn parse_size(s: &str) -> Result<u64> {
     Ok(value)
 }
 
+/// The RDMA configuration for `--rdma-hca` (discovery narrowed by the filter).
+pub(crate) fn rdma_config(hca: Option<&str>) -> Result<ferry::RdmaConfig> {
+    let mut config = ferry::RdmaConfig::default();
+    if let Some(hca) = hca {
+        let selector = ferry::topology::Selector::from_hca(hca)
+            .with_context(|| format!("--rdma-hca {hca:?}"))?;
+        config = config.selector(selector);
+    }
+    Ok(config)
+}
+
 /// The measured result.
 #[derive(Debug)]
 struct Report {
@@ -135,7 +150,12 @@ impl LoopbackServer {
                     // One worker per stream, as one server process per stream would have.
                     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
                     let rt = tokio::runtime::Builder::new_multi_thread()
-                        .worker_threads(streams.clamp(1, cores))
+                        .worker_threads(
+                            std::env::var("FERRY_BENCH_SERVER_THREADS")
+                                .ok()
+                                .and_then(|v| v.parse().ok())
+                                .unwrap_or(streams.clamp(1, cores)),
+                        )
                         .enable_all()
                         .build()
                         .context("starting the server runtime")?;
@@ -243,7 +263,10 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
 async fn bench(args: &BenchArgs) -> Result<Report> {
     let kinds = match args.transport.as_str() {
         "auto" | "tcp" => vec![TransportKind::Tcp],
-        other => bail!("transport {other:?} is not available in this build (use tcp or auto)"),
+        "rdma" => vec![TransportKind::Rdma],
+        other => {
+            bail!("transport {other:?} is not available in this build (use tcp, rdma or auto)")
+        }
     };
     if args.op_size == 0 {
         bail!("--op-size must be at least 1 byte");
@@ -273,12 +296,15 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
             (Some(server), addr)
         }
     };
-    let engine = TransferEngine::builder()
+    let mut builder = TransferEngine::builder()
         .transports(&kinds)
         .streams(streams)
         .depth(depth.max(2))
-        .socket_buffer(socket_buffer)
-        .build()?;
+        .socket_buffer(socket_buffer);
+    if kinds.contains(&TransportKind::Rdma) {
+        builder = builder.rdma(rdma_config(args.rdma_hca.as_deref())?);
+    }
+    let engine = builder.build()?;
     let peer = engine
         .connect(addr.as_str())
         .await

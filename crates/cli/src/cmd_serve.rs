@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use anyhow::{Context, Result, bail};
 use ferry::{Access, MemoryRegion, TransferEngine};
 
-use crate::cmd_bench::parse_size;
+use crate::cmd_bench::{parse_size, rdma_config};
 
 /// Arguments of `ferry serve`.
 #[derive(clap::Args, Debug)]
@@ -23,6 +23,13 @@ pub(crate) struct ServeArgs {
     /// Data streams accepted per peer and used per connection.
     #[arg(long, default_value_t = 4)]
     streams: usize,
+    /// Transports to serve: tcp, rdma (TCP and RDMA, RDMA required), or auto (TCP, plus RDMA
+    /// when this machine has a usable RDMA port).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "rdma"])]
+    transport: String,
+    /// RDMA devices and ports to serve on, in NCCL_IB_HCA syntax; default: every usable port.
+    #[arg(long, value_name = "FILTER")]
+    rdma_hca: Option<String>,
 }
 
 /// Fills `region` with a deterministic pattern (so that readers can check what they got).
@@ -78,10 +85,27 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     rt.block_on(async move {
-        let engine = TransferEngine::builder()
+        let builder = TransferEngine::builder()
             .listen(args.listen)
-            .streams(args.streams)
-            .build()?;
+            .streams(args.streams);
+        let engine = match args.transport.as_str() {
+            "tcp" => builder.build()?,
+            "rdma" => builder
+                .rdma(rdma_config(args.rdma_hca.as_deref())?)
+                .build()?,
+            _ => match builder
+                .clone()
+                .rdma(rdma_config(args.rdma_hca.as_deref())?)
+                .build()
+            {
+                Ok(engine) => engine,
+                Err(e) => {
+                    eprintln!("ferry serve: RDMA not served: {e}");
+                    builder.build()?
+                }
+            },
+        };
+        println!("transports: {}", engine.describe().transports.join(", "));
         let mut held = Vec::new();
         for spec in &args.segments {
             let (name, region, access) = load_segment(spec, args.read_only)?;
