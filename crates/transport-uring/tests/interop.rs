@@ -444,7 +444,11 @@ async fn server_shutdown_loses_the_peer() {
         assert!(o.drained);
         // A stream that carried nothing since the loss learns of it on its next chunk.
         let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 1 << 20)]).await;
-        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost), "{client:?}: {o:?}");
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost),
+            "{client:?}: {o:?}"
+        );
         assert!(!ch.is_alive(), "{client:?}");
     }
 }
