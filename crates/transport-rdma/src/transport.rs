@@ -391,14 +391,11 @@ impl RdmaTransport {
                 .pending
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            let pos = pending.iter().position(|p| {
-                p.qps.len() >= answer.len()
-                    && p.qps
-                        .iter()
-                        .zip(answer)
-                        .all(|((_, psn, _), ep)| *psn == ep.psn)
-            });
-            pos.and_then(|i| pending.remove(i))
+            let psns: Vec<Vec<u32>> = pending
+                .iter()
+                .map(|p| p.qps.iter().map(|(_, psn, _)| *psn).collect())
+                .collect();
+            match_pending(&psns, answer).and_then(|i| pending.remove(i))
         };
         let Some(set) = set else {
             return Err(RdmaError::Connect {
@@ -447,6 +444,16 @@ impl RdmaTransport {
             stats,
         ))
     }
+}
+
+/// Which pending set (by the PSNs it offered, per rail) an answer belongs to: the serving side
+/// echoes our PSNs, one endpoint per rail it accepted, in our rail order.
+fn match_pending(pending: &[Vec<u32>], answer: &[RdmaEndpoint]) -> Option<usize> {
+    pending.iter().position(|psns| {
+        !answer.is_empty()
+            && psns.len() >= answer.len()
+            && psns.iter().zip(answer).all(|(psn, ep)| *psn == ep.psn)
+    })
 }
 
 impl Transport for RdmaTransport {
@@ -706,5 +713,34 @@ impl Drop for RdmaChannel {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(psn: u32) -> RdmaEndpoint {
+        RdmaEndpoint {
+            rail: 0,
+            port_num: 1,
+            mtu: 5,
+            lid: 0,
+            gid: [1; 16],
+            qpn: 7,
+            psn,
+        }
+    }
+
+    #[test]
+    fn answers_find_their_pending_queue_pairs_by_echoed_psns() {
+        let pending = vec![vec![10, 11], vec![20, 21], vec![30]];
+        assert_eq!(match_pending(&pending, &[ep(20), ep(21)]), Some(1));
+        // The server may accept fewer rails than offered.
+        assert_eq!(match_pending(&pending, &[ep(10)]), Some(0));
+        assert_eq!(match_pending(&pending, &[ep(30)]), Some(2));
+        assert_eq!(match_pending(&pending, &[ep(30), ep(31)]), None);
+        assert_eq!(match_pending(&pending, &[ep(11)]), None);
+        assert_eq!(match_pending(&pending, &[]), None);
     }
 }

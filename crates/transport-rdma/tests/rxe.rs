@@ -509,10 +509,8 @@ async fn a_peer_killed_mid_write_is_uncertain_with_the_exact_prefix() -> Result<
     let fd = unsafe { libc::memfd_create(c"ferry-rdma-test".as_ptr(), 0) };
     ensure!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
     // SAFETY: `fd` is the memfd just created.
-    ensure!(
-        unsafe { libc::ftruncate(fd, LEN as libc::off_t) } == 0,
-        "ftruncate"
-    );
+    let rc = unsafe { libc::ftruncate(fd, LEN as libc::off_t) };
+    ensure!(rc == 0, "ftruncate: {}", std::io::Error::last_os_error());
     let shared = map(fd, LEN)?;
 
     let exe = std::env::current_exe()?;
