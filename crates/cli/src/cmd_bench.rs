@@ -50,6 +50,12 @@ pub(crate) struct BenchArgs {
     /// times depth, at least one op].
     #[arg(long, value_parser = parse_size)]
     segment_size: Option<u64>,
+    /// Worker threads of this process's runtime [default: one per core].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Loopback only: worker threads of the in-process server's own runtime.
+    #[arg(long, default_value_t = 1)]
+    server_threads: usize,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
@@ -139,6 +145,7 @@ impl LoopbackServer {
         socket_buffer: Option<usize>,
         seg_len: u64,
         name: String,
+        server_threads: usize,
     ) -> Result<Self> {
         let kinds = kinds.to_vec();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -147,15 +154,8 @@ impl LoopbackServer {
             .name("ferry-bench-server".into())
             .spawn(move || {
                 let run = || -> Result<()> {
-                    // One worker per stream, as one server process per stream would have.
-                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
                     let rt = tokio::runtime::Builder::new_multi_thread()
-                        .worker_threads(
-                            std::env::var("FERRY_BENCH_SERVER_THREADS")
-                                .ok()
-                                .and_then(|v| v.parse().ok())
-                                .unwrap_or(streams.clamp(1, cores)),
-                        )
+                        .worker_threads(server_threads.max(1))
                         .enable_all()
                         .build()
                         .context("starting the server runtime")?;
@@ -211,11 +211,8 @@ impl Drop for LoopbackServer {
 /// Runs `ferry bench`.
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = std::env::var("FERRY_BENCH_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        rt.worker_threads(n);
+    if let Some(n) = args.threads {
+        rt.worker_threads(n.max(1));
     }
     let rt = rt
         .enable_all()
@@ -291,6 +288,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 socket_buffer,
                 seg_len,
                 args.segment.clone(),
+                args.server_threads,
             )?;
             let addr = server.addr.to_string();
             (Some(server), addr)
