@@ -3,9 +3,10 @@
 //! Connection setup rides on the control handshake. The initiator's `offer()` creates one RC
 //! queue pair per rail (kept pending) and offers its endpoints (GID, LID, QPN, PSN, MTU). The
 //! serving side's `accept()` pairs each offered rail with one of its own (rail `k` with rail
-//! `k mod n`), creates and connects a queue pair for it (RESET→INIT→RTR→RTS) and answers with
-//! its endpoints, echoing the initiator's PSNs: that is how `open()` finds the pending queue
-//! pairs the answer belongs to before connecting them in turn.
+//! `k mod n`, or the next one whose GID is not the offered one), creates and connects a queue
+//! pair for it (RESET→INIT→RTR→RTS) and answers with its endpoints, echoing the initiator's PSNs:
+//! that is how `open()` finds the pending queue pairs the answer belongs to before connecting
+//! them in turn.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -325,7 +326,7 @@ impl RdmaTransport {
         let mut qps = Vec::with_capacity(offered.len());
         let mut answer = Vec::with_capacity(offered.len());
         for (k, ep) in offered.iter().enumerate() {
-            let i = k % n;
+            let i = pair_rail(k, n, |i| self.shared.rails[i].local.gid == ep.gid);
             let rail = &self.shared.rails[i];
             let qp = rail.new_qp()?;
             bring_up(
@@ -444,6 +445,16 @@ impl RdmaTransport {
             stats,
         ))
     }
+}
+
+/// The local rail that serves the peer's `k`-th offered rail, out of `n`: rail `k mod n`, or the
+/// next one whose GID differs from the peer's (`same_gid`): two engines on one host would
+/// otherwise pair a device with itself and bypass the network.
+fn pair_rail(k: usize, n: usize, same_gid: impl Fn(usize) -> bool) -> usize {
+    (0..n)
+        .map(|j| (k + j) % n)
+        .find(|&i| !same_gid(i))
+        .unwrap_or(k % n)
 }
 
 /// Which pending set (by the PSNs it offered, per rail) an answer belongs to: the serving side
@@ -730,6 +741,19 @@ mod tests {
             qpn: 7,
             psn,
         }
+    }
+
+    #[test]
+    fn offered_rails_pair_with_a_different_device_when_there_is_one() {
+        // Our rails: [a, b]; the peer offers [a, b] (same host).
+        let ours = ["a", "b"];
+        let theirs = ["a", "b"];
+        let pick = |k: usize| pair_rail(k, 2, |i| ours[i] == theirs[k]);
+        assert_eq!((pick(0), pick(1)), (1, 0));
+        // Different hosts: rail k mod n.
+        assert_eq!(pair_rail(3, 2, |_| false), 1);
+        // Only the same device: use it anyway.
+        assert_eq!(pair_rail(0, 1, |_| true), 0);
     }
 
     #[test]
