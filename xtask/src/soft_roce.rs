@@ -770,6 +770,8 @@ fn suite(opts: &Opts) -> Result<Report> {
 #[derive(Debug, Default, PartialEq)]
 struct RefRate {
     tool: String,
+    /// When it ran: `before-bench` or `after-bench`.
+    when: String,
     /// 10^9 bytes per second.
     gb_per_s: Option<f64>,
     detail: String,
@@ -805,6 +807,8 @@ struct Report {
     tests: Vec<TestRun>,
     /// Ok(GB/s) or Err(why it did not run).
     bench: Option<std::result::Result<f64, String>>,
+    /// Packets rxe0 and rxe1 sent during the bench.
+    bench_pkts: Option<String>,
     end: Option<String>,
     /// `guest-test.sh exit=N` from the guest's init.
     guest_exit: Option<String>,
@@ -815,6 +819,21 @@ struct Report {
     notes: Vec<String>,
     /// Staged names of the test binaries, with their `package:target` labels.
     expected_tests: Vec<(String, String)>,
+}
+
+/// The bench's bytes must have crossed rxe0/rxe1: at least one packet per 4096 bytes (the
+/// largest RoCE MTU) is sent, or the bench did not run over RDMA and its rate is no RDMA rate.
+fn check_rxe_packets(bytes: f64, pkts: Option<&str>) -> std::result::Result<(), String> {
+    let Some(n) = pkts.and_then(|p| p.parse::<f64>().ok()) else {
+        return Ok(()); // counters unreadable: nothing to check against
+    };
+    let least = (bytes / 4096.0).ceil();
+    if n < least {
+        return Err(format!(
+            "ferry bench sent {n} rxe packets for {bytes} bytes, fewer than the {least} RDMA needs: not over rxe"
+        ));
+    }
+    Ok(())
 }
 
 /// `key=value` words of a result line.
@@ -875,6 +894,7 @@ impl Report {
                     };
                     r.refs.push(RefRate {
                         tool,
+                        when: kv(words, "when").unwrap_or("?").to_owned(),
                         gb_per_s: rate,
                         detail,
                     });
@@ -897,11 +917,17 @@ impl Report {
                     });
                 }
                 "bench" => {
+                    r.bench_pkts = kv(words, "rxe_pkts").map(str::to_owned);
                     r.bench = Some(if kv(words, "status") == Some("ok") {
                         match words.find("json=").map(|p| &words[p + 5..]) {
                             Some(json) => json_num(json, "gb_per_s")
                                 .filter(|v| v.is_finite() && *v > 0.0)
-                                .ok_or_else(|| "no gb_per_s in its --json output".to_owned()),
+                                .ok_or_else(|| "no gb_per_s in its --json output".to_owned())
+                                .and_then(|g| {
+                                    let bytes = json_num(json, "total_bytes")
+                                        .unwrap_or((OP_SIZE * ITERS) as f64);
+                                    check_rxe_packets(bytes, kv(words, "rxe_pkts")).map(|()| g)
+                                }),
                             None => Err("no --json output".to_owned()),
                         }
                     } else {
@@ -926,11 +952,15 @@ impl Report {
             .map_or(name, |(_, l)| l.as_str())
     }
 
+    /// The ib_write_bw reference: the mean of its runs before and after the bench.
     fn write_rate(&self) -> Option<f64> {
-        self.refs
+        let rates: Vec<f64> = self
+            .refs
             .iter()
-            .find(|r| r.tool == "ib_write_bw")
-            .and_then(|r| r.gb_per_s)
+            .filter(|r| r.tool == "ib_write_bw")
+            .filter_map(|r| r.gb_per_s)
+            .collect();
+        (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64)
     }
 
     /// What makes the run fail; empty when it passed.
@@ -1024,7 +1054,7 @@ impl Report {
                 .map_or_else(|| "-".to_owned(), |g| format!("{g:.4} GB/s"));
             println!(
                 "  {:<44} {:<14} {}",
-                format!("{} (reference)", r.tool),
+                format!("{} (reference, {})", r.tool, r.when),
                 rate,
                 r.detail
             );
@@ -1052,7 +1082,10 @@ impl Report {
             println!("  {:<44} none found", "test binaries");
         }
         let bench = match &self.bench {
-            Some(Ok(g)) => format!("{g:.4} GB/s"),
+            Some(Ok(g)) => format!(
+                "{g:.4} GB/s     {} rxe packets sent during it",
+                self.bench_pkts.as_deref().unwrap_or("?")
+            ),
             Some(Err(why)) => format!("- ({why})"),
             None => "- (did not run)".to_owned(),
         };
@@ -1089,13 +1122,14 @@ mod tests {
     const LOG: &str = "\
 noise
 @@ferry setup status=ok mode=guest devices=rxe0,rxe1 gids=1,1 gid0=x gid1=y
-@@ferry ref ib_write_bw status=ok bytes=1048576 iters=128 bw_avg=26.80 unit=MB/sec wall_s=5.1
+@@ferry ref ib_write_bw when=before-bench status=ok bytes=1048576 iters=128 bw_avg=26.80 unit=MB/sec wall_s=5.1
 @@ferry ref ib_read_bw status=failed reason=client-rc-1-server-rc-0
 @@ferry cmd doctor rc=0
 @@ferry cmd topology rc=2
 @@ferry test ferry_transport_rdma-0123 rc=0 passed=5 failed=0 ignored=0 wall_s=3.2
 @@ferry test ferry-99 rc=101 passed=3 failed=1 ignored=0 wall_s=1.0
-@@ferry bench status=ok wall_s=6.0 json={\"transport\":\"rdma\",\"op\":\"write\",\"gb_per_s\":0.0253,\"ops_per_s\":24.1}
+@@ferry ref ib_write_bw when=after-bench status=ok bytes=1048576 iters=128 bw_avg=28.80 unit=MB/sec wall_s=5.1
+@@ferry bench status=ok wall_s=6.0 rxe_pkts=33000 json={\"transport\":\"rdma\",\"op\":\"write\",\"gb_per_s\":0.0253,\"ops_per_s\":24.1}
 test slow ... @@ferry test slow-1 rc=124 passed=0 failed=0 ignored=0 wall_s=300.1 timeout_s=300
 @@ferry end fails=1 uptime=40.1
 rxe-init: guest-test.sh exit=1
@@ -1105,9 +1139,13 @@ rxe-init: guest-test.sh exit=1
     fn parses_every_result_line() {
         let r = Report::parse(LOG, false);
         assert!(r.setup.is_some());
-        assert_eq!(r.refs.len(), 2);
+        assert_eq!(r.refs.len(), 3);
+        assert_eq!(r.refs[0].when, "before-bench");
         let w = r.write_rate().unwrap();
-        assert!((w - 26.80 * 1_048_576.0 / 1e9).abs() < 1e-12);
+        assert!(
+            (w - 27.80 * 1_048_576.0 / 1e9).abs() < 1e-12,
+            "mean of both runs: {w}"
+        );
         assert_eq!(r.refs[1].gb_per_s, None);
         assert_eq!(
             r.cmds,
@@ -1145,7 +1183,7 @@ rxe-init: guest-test.sh exit=1
     #[test]
     fn a_failed_or_missing_bench_is_not_a_number() {
         let failed = LOG.replace(
-            "@@ferry bench status=ok wall_s=6.0 json={\"transport\":\"rdma\",\"op\":\"write\",\"gb_per_s\":0.0253,\"ops_per_s\":24.1}",
+            "@@ferry bench status=ok wall_s=6.0 rxe_pkts=33000 json={\"transport\":\"rdma\",\"op\":\"write\",\"gb_per_s\":0.0253,\"ops_per_s\":24.1}",
             "@@ferry bench status=failed reason=serve-printed-no-address",
         );
         let r = Report::parse(&failed, false);
@@ -1209,6 +1247,24 @@ rxe-init: guest-test.sh exit=1
         );
         assert_eq!(json_num(r#"{"gb_per_s":null}"#, "gb_per_s"), None);
         assert_eq!(sh_quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn a_bench_that_did_not_cross_rxe_has_no_rate() {
+        let over_tcp = LOG.replace("rxe_pkts=33000", "rxe_pkts=1200");
+        let r = Report::parse(&over_tcp, false);
+        assert!(
+            matches!(&r.bench, Some(Err(why)) if why.contains("not over rxe")),
+            "{:?}",
+            r.bench
+        );
+        assert!(
+            r.ratio_line()
+                .starts_with("ferry/ib_write_bw = n/a (ferry bench sent 1200")
+        );
+        assert_eq!(check_rxe_packets(8192.0, Some("2")), Ok(()));
+        assert!(check_rxe_packets(8193.0, Some("2")).is_err());
+        assert_eq!(check_rxe_packets(8193.0, Some("unknown")), Ok(()));
     }
 
     #[test]

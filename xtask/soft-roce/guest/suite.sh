@@ -27,10 +27,11 @@ if [ "$MODE" = guest ] && [ -n "${REPO:-}" ]; then
 fi
 
 # --- reference: perftest between the two devices, server on rxe0 <- client on rxe1
+# $1 = the perftest, $2 = when (a tag on the result line)
 perf() {
-  local b=$1 srv cli rc src t0 t1 row unit attempt
+  local b=$1 when=$2 srv cli rc src t0 t1 row unit attempt
   srv=$(mktemp); cli=$(mktemp)
-  if ! command -v "$b" >/dev/null; then result ref $b status=failed reason=not-installed; fails=$((fails+1)); return; fi
+  if ! command -v "$b" >/dev/null; then result ref $b when=$when status=failed reason=not-installed; fails=$((fails+1)); return; fi
   # perftest times with the TSC, calibrated against gettimeofday at start; under TCG that
   # calibration fails now and then ("Correlation coefficient r^2 < 0.9") and the rate reads 0.00,
   # so a run without a rate is retried.
@@ -51,15 +52,13 @@ perf() {
   unit=$(grep -o 'BW average\[[^]]*\]' "$cli" | head -1 | sed 's/.*\[\(.*\)\]/\1/')
   if [ "$rc" = 0 ] && [ "$src" = 0 ] && [ -n "$row" ]; then
     set -- $row
-    result ref $b status=ok bytes=$1 iters=$2 bw_avg=$3 unit=$unit wall_s=$(secs "$t0" "$t1") attempts=$attempt
+    result ref $b when=$when status=ok bytes=$1 iters=$2 bw_avg=$3 unit=$unit wall_s=$(secs "$t0" "$t1") attempts=$attempt
   else
-    result ref $b status=failed reason=client-rc-$rc-server-rc-$src-or-no-rate attempts=$attempt
+    result ref $b when=$when status=failed reason=client-rc-$rc-server-rc-$src-or-no-rate attempts=$attempt
     fails=$((fails+1))
   fi
   rm -f "$srv" "$cli"
 }
-perf ib_write_bw
-perf ib_read_bw
 
 # --- the ferry CLI's own view of the devices (a missing subcommand is reported, not fatal)
 for sub in doctor topology; do
@@ -93,7 +92,7 @@ unset FERRY_RDMA_TEST_DEVICES FERRY_RDMA_TEST_GIDS
 
 # --- ferry's own RDMA WRITE bench between the two devices: same op size, same bytes as ib_write_bw
 bench() {
-  local srv out addr="" spid rc json cmd t0 t1
+  local srv out addr="" spid rc json cmd t0 t1 p0 p1
   echo "== ferry bench (rdma, write)"
   if ! [ -x "$FERRY" ]; then result bench status=failed reason=no-ferry-binary; return; fi
   srv=$(mktemp); out=$(mktemp)
@@ -117,21 +116,33 @@ bench() {
   fi
   cmd=${FERRY_BENCH//@ADDR@/$addr}
   echo "\$ $cmd"
-  t0=$(now)
+  p0=$(rxe_pkts); t0=$(now)
   eval "timeout 300 $cmd" > "$out"; rc=$?
-  t1=$(now)
+  t1=$(now); p1=$(rxe_pkts)
   cat "$out"
   json=$(grep '^ *{' "$out" | tail -1)
   kill $spid 2>/dev/null; sleep 1; kill -9 $spid 2>/dev/null; wait $spid 2>/dev/null
   echo "-- ferry serve output:"; cat "$srv"
   if [ "$rc" = 0 ] && [ -n "$json" ]; then
-    result bench status=ok wall_s=$(secs "$t0" "$t1") json=$json
+    result bench status=ok wall_s=$(secs "$t0" "$t1") rxe_pkts=$([ -n "$p0" ] && [ -n "$p1" ] && echo $((p1 - p0)) || echo unknown) json=$json
   else
     result bench status=failed reason=bench-rc-$rc$([ -n "$json" ] || echo -no-json)
   fi
   rm -f "$srv" "$out"
 }
+# Packets both rxe devices sent: what the bench moves must show here, or it did not go over RDMA.
+rxe_pkts() {
+  local a b
+  a=$(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/sent_pkts 2>/dev/null) || return 0
+  b=$(cat /sys/class/infiniband/rxe1/ports/1/hw_counters/sent_pkts 2>/dev/null) || return 0
+  echo $((a + b))
+}
+# The reference runs right before and right after the ferry bench, so that the ratio compares
+# rates taken under the same load (TCG on a shared host swings by 2x and more over minutes).
+perf ib_write_bw before-bench
+perf ib_read_bw before-bench
 bench
+perf ib_write_bw after-bench
 
 echo "== veth and rxe counters (traffic crossed the veth pair)"
 ip -s link show va | sed -n '3,6p'
