@@ -130,6 +130,7 @@ fn connect(
         depth,
         zero_copy: zc,
         splice_loopback: splice,
+        register_buffers: std::env::var_os("URING_BENCH_NO_REGISTER").is_none(),
         chunk_size: chunk,
         ..UringConfig::default()
     })?;

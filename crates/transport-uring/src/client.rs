@@ -9,6 +9,7 @@
 //! notification of its sends arrived.
 
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -74,12 +75,47 @@ impl Drop for NotifHold {
     }
 }
 
+/// Wakes a sender thread that waits on its ring for zero-copy notifications.
+#[derive(Debug)]
+struct Wake {
+    fd: OwnedFd,
+    /// The sender is (about to be) waiting on its ring.
+    sleeping: AtomicBool,
+}
+
+impl Wake {
+    fn new() -> std::io::Result<Self> {
+        // SAFETY: plain eventfd creation; the result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self {
+            // SAFETY: eventfd returned a fresh descriptor that we now own.
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            sleeping: AtomicBool::new(false),
+        })
+    }
+
+    fn poke(&self) {
+        if self.sleeping.load(Ordering::SeqCst) {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writing 8 bytes from a local array to our own eventfd.
+            let _ = unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
+    }
+}
+
 #[derive(Debug)]
 struct StreamSlot {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    wake: Arc<Wake>,
     dead: Arc<AtomicBool>,
     socket: Arc<TcpStream>,
 }
+
+/// What `execute` needs of one stream: its job queue (if open), its death flag, its wake-up.
+type Poster = (Option<mpsc::Sender<Job>>, Arc<AtomicBool>, Arc<Wake>);
 
 /// A data channel to one peer, driven by io_uring.
 #[derive(Debug)]
@@ -117,8 +153,12 @@ impl UringChannel {
             let dead = Arc::new(AtomicBool::new(false));
             let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
             let (fly_tx, fly_rx) = mpsc::sync_channel::<InFlight>(depth);
-            use std::os::fd::AsRawFd;
             let fd = socket.as_raw_fd();
+            let wake =
+                Arc::new(Wake::new().map_err(|e| {
+                    ferry_core::Error::io("create eventfd for", peer.to_string(), e)
+                })?);
+            let w1 = wake.clone();
             // Each thread creates its own ring (single-issuer rings belong to their creator) and
             // reports whether that worked before the channel is handed out.
             let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(2);
@@ -139,9 +179,10 @@ impl UringChannel {
             spawn(
                 format!("ferry-uring-tx{i}"),
                 Box::new(move || match SockIo::new(fd, zero_copy, register, st1) {
-                    Ok(io) => {
+                    Ok(mut io) => {
+                        io.set_wake(w1.fd.as_raw_fd());
                         let _ = r1.send(Ok(()));
-                        sender(io, splice, s1, d1, jobs_rx, fly_tx, peer, i)
+                        sender(io, splice, &w1, s1, d1, jobs_rx, fly_tx, peer, i)
                     }
                     Err(e) => {
                         d1.store(true, Ordering::Release);
@@ -186,6 +227,7 @@ impl UringChannel {
             }
             streams.push(StreamSlot {
                 jobs: Mutex::new(Some(jobs_tx)),
+                wake,
                 dead,
                 socket,
             });
@@ -210,7 +252,7 @@ impl UringChannel {
         self.streams.len()
     }
 
-    fn senders(&self) -> Vec<(Option<mpsc::Sender<Job>>, Arc<AtomicBool>)> {
+    fn senders(&self) -> Vec<Poster> {
         self.streams
             .iter()
             .map(|s| {
@@ -218,7 +260,7 @@ impl UringChannel {
                     Ok(g) => g.clone(),
                     Err(p) => p.into_inner().clone(),
                 };
-                (tx, s.dead.clone())
+                (tx, s.dead.clone(), s.wake.clone())
             })
             .collect()
     }
@@ -273,13 +315,16 @@ impl Channel for UringChannel {
                         .flatten();
                     rr = rr.wrapping_add(1);
                     tried += 1;
-                    let Some((Some(tx), _)) = live else {
+                    let Some((Some(tx), _, wake)) = live else {
                         control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
                         break 'ops;
                     };
                     req.parts.add(1);
                     match tx.send(job) {
-                        Ok(()) => break,
+                        Ok(()) => {
+                            wake.poke();
+                            break;
+                        }
                         Err(mpsc::SendError(j)) => {
                             req.parts.done_one();
                             job = j;
@@ -343,6 +388,7 @@ fn fail_lost(job: Job, native: Option<i32>) {
 fn sender(
     mut io: SockIo<NotifHold>,
     splice: bool,
+    wake: &Wake,
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     jobs: mpsc::Receiver<Job>,
@@ -357,8 +403,21 @@ fn sender(
             match jobs.try_recv() {
                 Ok(j) => j,
                 Err(mpsc::TryRecvError::Empty) => {
-                    io.wait_notifications(Duration::from_millis(1));
-                    continue;
+                    // Announce the wait, then look again: a poster that queued a job after our
+                    // first look sees the flag and writes the eventfd (both sides SeqCst).
+                    wake.sleeping.store(true, Ordering::SeqCst);
+                    match jobs.try_recv() {
+                        Ok(j) => {
+                            wake.sleeping.store(false, Ordering::SeqCst);
+                            j
+                        }
+                        Err(mpsc::TryRecvError::Empty) => {
+                            io.wait_notifications(Duration::from_millis(10));
+                            wake.sleeping.store(false, Ordering::SeqCst);
+                            continue;
+                        }
+                        Err(mpsc::TryRecvError::Disconnected) => break,
+                    }
                 }
                 Err(mpsc::TryRecvError::Disconnected) => break,
             }

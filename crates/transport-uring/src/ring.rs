@@ -27,6 +27,7 @@ const UD_HEAD: u64 = 1;
 const UD_BODY: u64 = 2;
 const UD_RECV: u64 = 3;
 const UD_TIMEOUT: u64 = 4;
+const UD_WAKE: u64 = 5;
 /// User data of zero-copy sends start here (each gets its own, for its notification).
 const UD_ZC_BASE: u64 = 1 << 32;
 
@@ -156,6 +157,9 @@ pub(crate) struct SockIo<H> {
     stats: Arc<IoStats>,
     /// Pipe for spliced sends (read end, write end, capacity), made on first use.
     pipe: Option<(OwnedFd, OwnedFd, usize)>,
+    /// An eventfd that ends [`SockIo::wait_notifications`] early (new work arrived), its read
+    /// buffer, and whether a read of it is armed on the ring.
+    wake: Option<(RawFd, &'static mut [u8; 8], bool)>,
 }
 
 fn cqe_err(res: i32) -> io::Error {
@@ -203,6 +207,7 @@ impl<H> SockIo<H> {
             next_zc: UD_ZC_BASE,
             stats,
             pipe: None,
+            wake: None,
         })
     }
 
@@ -233,7 +238,14 @@ impl<H> SockIo<H> {
                 Err(e) => return Err(e),
             }
             let waiting = &mut self.waiting;
+            let wake = &mut self.wake;
             for c in self.ring.completion() {
+                if c.user_data() == UD_WAKE {
+                    if let Some(w) = wake.as_mut() {
+                        w.2 = false;
+                    }
+                    continue;
+                }
                 if cqueue::notif(c.flags()) {
                     IoStats::add(&self.stats.notifications, 1);
                     release(waiting, c.user_data());
@@ -603,10 +615,30 @@ impl<H> SockIo<H> {
         self.waiting.len()
     }
 
-    /// Waits up to `timeout` for notifications (releasing their holds).
+    /// Makes [`SockIo::wait_notifications`] end as soon as `fd` (an eventfd, which must outlive
+    /// this ring) is written.
+    pub(crate) fn set_wake(&mut self, fd: RawFd) {
+        // Leaked on purpose (8 bytes per stream): a read armed when the ring closes may still be
+        // completed by the kernel while it tears the ring down.
+        self.wake = Some((fd, Box::leak(Box::new([0u8; 8])), false));
+    }
+
+    /// Waits up to `timeout` for notifications (releasing their holds), or until the wake
+    /// eventfd is written.
     pub(crate) fn wait_notifications(&mut self, timeout: Duration) {
         if self.waiting.is_empty() {
             return;
+        }
+        if let Some((fd, buf, armed)) = self.wake.as_mut()
+            && !*armed
+        {
+            let e = opcode::Read::new(types::Fd(*fd), buf.as_mut_ptr(), 8)
+                .build()
+                .user_data(UD_WAKE);
+            // SAFETY: the buffer is leaked, so it outlives the read whatever happens to the ring.
+            if unsafe { self.ring.submission().push(&e) }.is_ok() {
+                *armed = true;
+            }
         }
         let ts = types::Timespec::new()
             .sec(timeout.as_secs())

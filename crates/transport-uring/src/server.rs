@@ -291,7 +291,7 @@ enum Target {
 fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Result<()> {
     let mut io: SockIo<SegmentLease> = SockIo::new(
         stream.as_raw_fd(),
-        ctx.config.zero_copy_enabled(),
+        ctx.config.zero_copy_for(from.ip()),
         ctx.config.register_buffers,
         ctx.stats.clone(),
     )?;
