@@ -1,0 +1,110 @@
+//! The engine over RDMA: handshake on loopback TCP, data by one-sided READ/WRITE on real verbs
+//! devices (soft-RoCE in `cargo xtask soft-roce`).
+//!
+//! `#[ignore]`d: run with `--include-ignored` and `FERRY_RDMA_TEST_DEVICES=rxe0,rxe1
+//! FERRY_RDMA_TEST_GIDS=<gid index of each>`. Unset, the test prints why it skips; set but naming
+//! a device libibverbs does not list, it fails.
+#![cfg(feature = "rdma")]
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, ensure};
+use ferry::{Access, Batch, MemoryRegion, RailSpec, RdmaConfig, TransferEngine, TransportKind};
+
+fn rails() -> Option<(RailSpec, RailSpec)> {
+    let Ok(devs) = std::env::var("FERRY_RDMA_TEST_DEVICES") else {
+        eprintln!("skip: FERRY_RDMA_TEST_DEVICES is unset (run `cargo xtask soft-roce`)");
+        return None;
+    };
+    let gids: Vec<u32> = std::env::var("FERRY_RDMA_TEST_GIDS")
+        .unwrap_or_default()
+        .split(',')
+        .map(|g| g.trim().parse().unwrap_or(0))
+        .collect();
+    let names: Vec<&str> = devs
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let listed: Vec<String> = ferry::discovery::enumerate_verbs_devices()
+        .devices
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
+    for n in &names {
+        assert!(
+            listed.iter().any(|l| l == n),
+            "FERRY_RDMA_TEST_DEVICES names {n}, but libibverbs lists only {listed:?}"
+        );
+    }
+    let spec = |i: usize| {
+        let i = i.min(names.len() - 1);
+        RailSpec::new(names[i], 1, gids.get(i).copied().unwrap_or(0))
+    };
+    Some((spec(0), spec(1)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn engine_moves_bytes_over_rdma_and_counts_them_per_rail() -> Result<()> {
+    let Some((s, c)) = rails() else { return Ok(()) };
+    let server = TransferEngine::builder()
+        .listen("127.0.0.1:0".parse()?)
+        .rdma(RdmaConfig::with_rails(vec![s]).chunk_size(256 << 10))
+        .build()?;
+    const LEN: usize = 3 << 20;
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 7 % 253) as u8).collect();
+    let target = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
+    let _seg = server.register(
+        target.clone(),
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        "t",
+    )?;
+    let addr = server.local_addr().context("no listener")?;
+
+    let client = TransferEngine::builder()
+        .rdma(RdmaConfig::with_rails(vec![c]).chunk_size(256 << 10))
+        .build()?;
+    let src = client.register(
+        MemoryRegion::from_vec(pattern.clone()),
+        Access::LOCAL,
+        "src",
+    )?;
+    let dst = client.register(MemoryRegion::from_vec(vec![0; LEN]), Access::LOCAL, "dst")?;
+    let peer = client.connect(addr).await?;
+    ensure!(
+        peer.transport() == TransportKind::Rdma,
+        "route is {}",
+        peer.transport()
+    );
+    let seg = peer.segment("t")?;
+    ensure!(
+        !seg.desc().remote_keys.is_empty(),
+        "no remote keys published"
+    );
+
+    let o = client
+        .submit(Batch::new().write(&src, 1, &seg, 5, (LEN - 10) as u64))?
+        .await;
+    ensure!(o.is_success() && o.drained, "{o:?}");
+    let mut got = vec![0u8; LEN - 10];
+    target.read_at(5, &mut got)?;
+    ensure!(got == pattern[1..LEN - 9], "WRITE: remote bytes differ");
+
+    let o = client
+        .submit(Batch::new().read(&dst, 0, &seg, 5, (LEN - 10) as u64))?
+        .await;
+    ensure!(o.is_success(), "{o:?}");
+    let mut back = vec![0u8; LEN - 10];
+    dst.region().read_at(0, &mut back)?;
+    ensure!(back == pattern[1..LEN - 9], "READ: bytes differ");
+
+    let d = client.describe();
+    eprintln!("rails: {:?}", d.rails);
+    ensure!(
+        d.rails.len() == 1 && d.rails[0].bytes == 2 * (LEN as u64 - 10),
+        "{:?}",
+        d.rails
+    );
+    Ok(())
+}
