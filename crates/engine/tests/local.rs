@@ -1,0 +1,100 @@
+//! Single-process checks of the facade: budgets, validation before anything moves, runtime
+//! requirements, counters.
+
+use anyhow::Result;
+use ferry::{Access, Batch, Budgets, Error, MemoryRegion, TransferEngine};
+
+#[test]
+fn listening_needs_a_runtime_and_says_so() {
+    let r = TransferEngine::builder()
+        .listen("127.0.0.1:0".parse().unwrap())
+        .build();
+    match r {
+        Err(Error::Unavailable { library, .. }) => assert_eq!(library, "tokio runtime"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
+#[test]
+fn budgets_refuse_with_resource_exhausted_and_keep_what_is_published() -> Result<()> {
+    let engine = TransferEngine::builder()
+        .budgets(Budgets {
+            max_copies: 100,
+            max_bytes: 3 << 20,
+        })
+        .build()?;
+    // A remote range costs two copies on the host context (local + remote), each charging it all.
+    let a = engine.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::REMOTE_READ,
+        "a",
+    )?;
+    match engine.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::REMOTE_READ,
+        "b",
+    ) {
+        Err(Error::ResourceExhausted {
+            requested,
+            held,
+            limit,
+            budget,
+        }) => {
+            assert_eq!((requested, held, limit), (2 << 20, 2 << 20, 3 << 20));
+            assert!(budget.contains("\"b\""), "{budget}");
+        }
+        other => panic!("expected ResourceExhausted, got {other:?}"),
+    }
+    let d = engine.describe();
+    assert_eq!(d.published.len(), 1);
+    assert_eq!(d.published[0].name, "a");
+    a.retire()?;
+    assert!(engine.describe().published.is_empty());
+    // Room again after the retirement.
+    engine.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::REMOTE_READ,
+        "b",
+    )?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_are_validated_before_anything_moves() -> Result<()> {
+    let server = TransferEngine::builder()
+        .listen("127.0.0.1:0".parse()?)
+        .build()?;
+    let _seg = server.register(
+        MemoryRegion::alloc_zeroed(4096, 4096)?,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        "seg",
+    )?;
+    let addr = server.local_addr().unwrap();
+    let client = TransferEngine::builder().build()?;
+    let p1 = client.connect(addr).await?;
+    let p2 = client.connect(addr).await?;
+    assert_eq!(p1.epoch(), server.epoch());
+    let local = client.register(MemoryRegion::alloc_zeroed(4096, 4096)?, Access::LOCAL, "l")?;
+    assert!(matches!(
+        client.submit(Batch::new()),
+        Err(Error::InvalidRequest { .. })
+    ));
+    let mixed = Batch::new()
+        .read(&local, 0, &p1.segment("seg")?, 0, 10)
+        .read(&local, 0, &p2.segment("seg")?, 0, 10);
+    assert!(matches!(
+        client.submit(mixed),
+        Err(Error::InvalidRequest { .. })
+    ));
+    let o = client
+        .submit(Batch::new().write(&local, 0, &p1.segment("seg")?, 0, 4096))?
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    let d = client.describe();
+    assert_eq!(d.routes.len(), 1);
+    assert_eq!(
+        (d.routes[0].ops, d.routes[0].bytes, d.routes[0].errors),
+        (1, 4096, 0)
+    );
+    Ok(())
+}
