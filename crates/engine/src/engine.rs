@@ -14,9 +14,9 @@ use ferry_core::{
 use registry::{Budgets, Registry, RegistryError};
 use tokio::sync::{Notify, watch};
 use tracing::Instrument;
-use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
 #[cfg(feature = "rdma")]
 use transport_rdma::{RdmaConfig, RdmaTransport};
+use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
 
 use crate::describe::{Description, RailDescription, RouteCounters, SegmentDescription};
 use crate::request::{Batch, RequestHandle};

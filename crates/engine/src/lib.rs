@@ -31,8 +31,8 @@ pub use request::{Batch, Canceller, RequestHandle};
 
 pub use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
 pub use ferry_core::{
-    Access, Epoch, Error, Failure, FailureKind, MemoryRegion, OpKind, Outcome, PAGE_ALIGN,
-    PeerId, RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,
+    Access, Epoch, Error, Failure, FailureKind, MemoryRegion, OpKind, Outcome, PAGE_ALIGN, PeerId,
+    RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,
 };
 pub use registry::Budgets;
 /// The RDMA transport's configuration (`ferry-transport-rdma`).
