@@ -26,7 +26,9 @@ fn check_report(v: &serde_json::Value, op: &str, op_bytes: u64, total: u64) -> R
     assert_eq!(v["op_bytes"].as_u64(), Some(op_bytes));
     assert_eq!(v["total_bytes"].as_u64(), Some(total));
     for key in ["seconds", "gb_per_s", "ops_per_s", "p50_us", "p99_us"] {
-        let x = v[key].as_f64().with_context(|| format!("{key} missing in {v}"))?;
+        let x = v[key]
+            .as_f64()
+            .with_context(|| format!("{key} missing in {v}"))?;
         assert!(x >= 0.0, "{key} = {x}");
     }
     assert!(v["p99_us"].as_f64() >= v["p50_us"].as_f64());
@@ -42,7 +44,13 @@ fn loopback_bench_without_a_peer() -> Result<()> {
 #[test]
 fn bench_against_ferry_serve() -> Result<()> {
     let mut serve = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--segment", "weights=4MiB"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--segment",
+            "weights=4MiB",
+        ])
         .stdout(Stdio::piped())
         .spawn()?;
     let stdout = serve.stdout.take().context("stdout")?;
