@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use topology::{Selector, Topology, VerbsDevices};
+use topology::{LinkLayer, Selector, Topology, VerbsDevices};
 use verbs_sys::Verbs;
 
 use crate::error::{RdmaError, error_chain};
@@ -29,6 +29,58 @@ impl RailSpec {
             gid_index,
         }
     }
+}
+
+/// A rail discovery chose, and whether its port is down (a paused rail: registrations still get
+/// copies on it, traffic does not use it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Resolved {
+    pub(crate) spec: RailSpec,
+    pub(crate) paused: bool,
+}
+
+/// The rails of `topo`: every usable port, plus (paused) the ports that the filters keep but that
+/// are down, on devices the filters keep. Pinned selections never include paused ports (a pin is
+/// strict: `Topology` already refused a pinned port that is down).
+fn rails_from(topo: &Topology, selector: &Selector) -> Vec<Resolved> {
+    let pinned = selector.device_pin.is_some();
+    let mut rails = Vec::new();
+    for nic in &topo.nics {
+        let kept = nic.usable
+            || (!pinned
+                && nic
+                    .reason
+                    .as_deref()
+                    .is_some_and(|r| r.starts_with("no usable port"))
+                && selector.device_exclusion(nic.id, &nic.name).is_none());
+        if !kept {
+            continue;
+        }
+        for p in &nic.ports {
+            let paused = !p.usable;
+            if paused
+                && (pinned
+                    || p.state.is_active()
+                    || selector.port_exclusion(&nic.name, p.port).is_some()
+                    || !matches!(p.link_layer, LinkLayer::InfiniBand | LinkLayer::Ethernet))
+            {
+                continue;
+            }
+            let Ok(port) = u8::try_from(p.port) else {
+                continue;
+            };
+            let gid_index = match (selector.gid_pin, p.gid_index) {
+                (Some(pin), _) => pin,
+                (None, Some(g)) => g,
+                (None, None) => 0,
+            };
+            rails.push(Resolved {
+                spec: RailSpec::new(nic.name.clone(), port, gid_index),
+                paused,
+            });
+        }
+    }
+    rails
 }
 
 /// Configuration of the RDMA transport.
@@ -116,10 +168,17 @@ impl RdmaConfig {
         self
     }
 
-    /// The rails to open: the explicit ones, or what discovery and the selector leave.
-    pub(crate) fn resolve(&self, verbs: &Verbs) -> Result<Vec<RailSpec>, RdmaError> {
+    /// The rails to open: the explicit ones (strict), or what discovery and the selector leave.
+    pub(crate) fn resolve(&self, verbs: &Verbs) -> Result<Vec<Resolved>, RdmaError> {
         if !self.rails.is_empty() {
-            return Ok(self.rails.clone());
+            return Ok(self
+                .rails
+                .iter()
+                .map(|spec| Resolved {
+                    spec: spec.clone(),
+                    paused: false,
+                })
+                .collect());
         }
         let devices = verbs.devices().map_err(|e| RdmaError::Select {
             reason: format!(
@@ -143,21 +202,8 @@ impl RdmaConfig {
         .map_err(|e| RdmaError::Select {
             reason: error_chain(&e),
         })?;
-        let mut rails = Vec::new();
-        for nic in topo.usable_nics() {
-            for p in nic.ports.iter().filter(|p| p.usable) {
-                let Ok(port) = u8::try_from(p.port) else {
-                    continue;
-                };
-                let gid_index = match (self.selector.gid_pin, p.gid_index) {
-                    (Some(pin), _) => pin,
-                    (None, Some(g)) => g,
-                    (None, None) => 0,
-                };
-                rails.push(RailSpec::new(nic.name.clone(), port, gid_index));
-            }
-        }
-        if rails.is_empty() {
+        let rails = rails_from(&topo, &self.selector);
+        if !rails.iter().any(|r| !r.paused) {
             let why: Vec<String> = topo
                 .nics
                 .iter()
@@ -196,6 +242,93 @@ mod tests {
         assert!(c.rails.is_empty());
         let d = RdmaConfig::default();
         assert_eq!(d.selector, Selector::default());
+    }
+
+    fn topo(ports: &[(&str, u32, bool, Option<&str>)]) -> Topology {
+        use topology::{Nic, NicPort, PortState};
+        let mut nics: Vec<Nic> = Vec::new();
+        for &(name, port, active, reason) in ports {
+            if !nics.iter().any(|n| n.name == name) {
+                nics.push(Nic {
+                    id: nics.len(),
+                    name: name.into(),
+                    pci: None,
+                    numa_node: None,
+                    usable: true,
+                    reason: None,
+                    ports: Vec::new(),
+                });
+            }
+            let nic = nics.iter_mut().find(|n| n.name == name).unwrap();
+            let reason = reason
+                .map(str::to_owned)
+                .or_else(|| (!active).then(|| "port state DOWN is not ACTIVE".to_owned()));
+            nic.ports.push(NicPort {
+                port,
+                state: PortState::parse(if active { "4: ACTIVE" } else { "1: DOWN" }),
+                phys_state: None,
+                link_layer: LinkLayer::Ethernet,
+                rate: None,
+                netdev: None,
+                mtu: None,
+                gids: Vec::new(),
+                gid_index: Some(3),
+                usable: reason.is_none(),
+                reason,
+            });
+        }
+        for n in &mut nics {
+            if n.ports.iter().all(|p| !p.usable) {
+                n.usable = false;
+                n.reason = Some("no usable port (...)".into());
+            }
+        }
+        Topology {
+            nics,
+            gpus: Vec::new(),
+            assignment: Vec::new(),
+            verbs_only: Vec::new(),
+            verbs_unavailable: None,
+            pci_devices: 0,
+            numa_nodes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn down_ports_the_filters_keep_are_paused_rails() {
+        let t = topo(&[
+            ("mlx5_0", 1, true, None),
+            ("mlx5_0", 2, false, None),
+            ("mlx5_1", 1, false, None),
+            ("mlx5_2", 1, true, Some("excluded by HCA filter \"mlx5_0\"")),
+        ]);
+        let got: Vec<(String, u8, bool)> = rails_from(&t, &Selector::default())
+            .into_iter()
+            .map(|r| (r.spec.device, r.spec.port, r.paused))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("mlx5_0".to_owned(), 1, false),
+                ("mlx5_0".to_owned(), 2, true),
+                ("mlx5_1".to_owned(), 1, true),
+            ]
+        );
+        // A blacklisted device contributes no paused rail; a pin never yields one.
+        let sel = Selector {
+            blacklist: vec!["mlx5_1".into()],
+            ..Selector::default()
+        };
+        assert!(
+            rails_from(&t, &sel)
+                .iter()
+                .all(|r| r.spec.device != "mlx5_1")
+        );
+        let sel = Selector {
+            device_pin: Some("mlx5_0".into()),
+            ..Selector::default()
+        };
+        assert!(rails_from(&t, &sel).iter().all(|r| !r.paused));
     }
 
     #[test]

@@ -99,17 +99,6 @@ pub enum RdmaError {
         /// Why.
         reason: String,
     },
-    /// `ibv_reg_mr` failed.
-    #[error("registering {len} bytes on {device}")]
-    RegisterMemory {
-        /// The device and port.
-        device: String,
-        /// The length.
-        len: usize,
-        /// The verbs error.
-        #[source]
-        source: VerbsError,
-    },
 }
 
 impl RdmaError {

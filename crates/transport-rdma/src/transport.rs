@@ -118,6 +118,7 @@ type OpenDevice = (Arc<Device>, Arc<Pd>, Arc<CompChannel>);
 fn open_rail(
     verbs: &Verbs,
     spec: &RailSpec,
+    may_be_paused: bool,
     devices: &mut HashMap<String, OpenDevice>,
     config: &RdmaConfig,
     faults: &Faults,
@@ -155,14 +156,17 @@ fn open_rail(
         gid_index: spec.gid_index,
         reason,
     };
-    if !port.active {
+    if !port.active && may_be_paused {
+        tracing::info!(device = %spec.device, port = spec.port, state = port.state,
+            "RDMA port is down: paused rail (registrations only)");
+    } else if !port.active {
         return Err(unusable(format!(
             "port state {} is not ACTIVE ({})",
             port.state,
             ffi::IBV_PORT_ACTIVE
         )));
     }
-    if port.ethernet && gid == [0; 16] {
+    if port.active && port.ethernet && gid == [0; 16] {
         return Err(unusable(
             "the GID is all-zero (unset) on a RoCE port".into(),
         ));
@@ -204,8 +208,15 @@ impl RdmaTransport {
         let faults = Faults::default();
         let mut devices = HashMap::new();
         let mut rails = Vec::with_capacity(specs.len());
-        for spec in &specs {
-            rails.push(open_rail(&verbs, spec, &mut devices, &config, &faults)?);
+        for r in &specs {
+            rails.push(open_rail(
+                &verbs,
+                &r.spec,
+                r.paused,
+                &mut devices,
+                &config,
+                &faults,
+            )?);
         }
         drop(devices);
         Ok(Self {
@@ -287,6 +298,9 @@ impl RdmaTransport {
         let mut qps = Vec::with_capacity(self.shared.rails.len());
         let mut eps = Vec::with_capacity(self.shared.rails.len());
         for (i, rail) in self.shared.rails.iter().enumerate() {
+            if !rail.active {
+                continue;
+            }
             let qp = rail.new_qp()?;
             let psn = rand::random::<u32>() & 0x00ff_ffff;
             eps.push(self.endpoint(i, qp.qp_num(), psn));
@@ -322,11 +336,20 @@ impl RdmaTransport {
                 reason: "the peer offers no RDMA rail (it could not create queue pairs)".into(),
             });
         }
-        let n = self.shared.rails.len();
+        let active: Vec<usize> = (0..self.shared.rails.len())
+            .filter(|&i| self.shared.rails[i].active)
+            .collect();
+        let n = active.len();
+        if n == 0 {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "every local RDMA port is down".into(),
+            });
+        }
         let mut qps = Vec::with_capacity(offered.len());
         let mut answer = Vec::with_capacity(offered.len());
         for (k, ep) in offered.iter().enumerate() {
-            let i = pair_rail(k, n, |i| self.shared.rails[i].local.gid == ep.gid);
+            let i = active[pair_rail(k, n, |j| self.shared.rails[active[j]].local.gid == ep.gid)];
             let rail = &self.shared.rails[i];
             let qp = rail.new_qp()?;
             bring_up(
