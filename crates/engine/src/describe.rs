@@ -81,6 +81,9 @@ pub struct Description {
     pub listen: Option<String>,
     /// Transports built in and enabled.
     pub transports: Vec<String>,
+    /// The portable data plane (`uring` or `tcp`) and why it was chosen, e.g. `tcp (fell back to
+    /// tcp: kernel lacks io_uring opcode(s) SEND)`; `None` when neither is enabled.
+    pub data_plane: Option<String>,
     /// Live registrations.
     pub registrations: u64,
     /// Bytes charged to the registration budget.
@@ -91,6 +94,46 @@ pub struct Description {
     pub routes: Vec<RouteDescription>,
     /// Per-rail RDMA counters (empty without RDMA).
     pub rails: Vec<RailDescription>,
+}
+
+impl std::fmt::Display for Description {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "peer {} epoch {}", self.peer_id, self.epoch)?;
+        if let Some(l) = &self.listen {
+            writeln!(f, "listening on {l}")?;
+        }
+        writeln!(f, "transports: {}", self.transports.join(", "))?;
+        if let Some(d) = &self.data_plane {
+            writeln!(f, "data plane: {d}")?;
+        }
+        writeln!(
+            f,
+            "registrations: {} ({} bytes)",
+            self.registrations, self.registered_bytes
+        )?;
+        for s in &self.published {
+            writeln!(
+                f,
+                "published {} token {} len {} access {}",
+                s.name, s.token, s.len, s.access
+            )?;
+        }
+        for r in &self.routes {
+            writeln!(
+                f,
+                "route {} over {}: {} requests, {} ops, {} bytes, {} errors",
+                r.peer, r.transport, r.requests, r.ops, r.bytes, r.errors
+            )?;
+        }
+        for r in &self.rails {
+            writeln!(
+                f,
+                "rail {}: {} bytes, {} work requests, {} errors, {} flushed",
+                r.rail, r.bytes, r.work_requests, r.errors, r.flushed
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// Counters of one RDMA rail (`device:port`), summed over the live channels.

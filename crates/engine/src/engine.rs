@@ -9,7 +9,7 @@ use std::time::Duration;
 use ferry_core::wire::{Hello, SUPPORTED_VERSIONS, VersionRange};
 use ferry_core::{
     Access, Channel, Epoch, Error, MemoryRegion, Op, PeerId, PeerInfo, RequestControl, SegmentDesc,
-    SegmentToken, Transport, TransportKind,
+    SegmentTable, SegmentToken, Transport, TransportKind,
 };
 use registry::{Budgets, Registry, RegistryError};
 use tokio::sync::{Notify, watch};
@@ -17,16 +17,93 @@ use tracing::Instrument;
 #[cfg(feature = "rdma")]
 use transport_rdma::{RdmaConfig, RdmaTransport};
 use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
+#[cfg(feature = "uring")]
+use transport_uring::{
+    FileSegment, Preference, UringConfig, UringProbe, UringServer, UringServerHandle,
+    UringTransport,
+};
 
 use crate::describe::{Description, RailDescription, RouteCounters, SegmentDescription};
 use crate::request::{Batch, RequestHandle};
-use crate::serve::{RegistryTable, Responder, describe_lease};
+use crate::serve::{RegistryTable, Responder};
+
+/// Which transport carries the portable data plane (the one every host has, beside RDMA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DataPlane {
+    /// io_uring where the kernel supports the opcodes it needs (probed at build), TCP otherwise;
+    /// the reason is reported in [`Description::data_plane`](crate::Description::data_plane).
+    Auto,
+    /// io_uring, or an error naming what the kernel lacks.
+    Uring,
+    /// The tokio TCP transport (the builder's default).
+    #[default]
+    Tcp,
+}
+
+impl DataPlane {
+    /// Parses `auto`, `uring` or `tcp`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(Self::Auto),
+            "uring" | "io_uring" => Some(Self::Uring),
+            "tcp" => Some(Self::Tcp),
+            _ => None,
+        }
+    }
+}
+
+/// The portable data plane chosen at build, and why.
+fn choose_data_plane(
+    pref: DataPlane,
+    #[cfg(feature = "uring")] probe: Option<&UringProbe>,
+) -> Result<(TransportKind, String), Error> {
+    #[cfg(feature = "uring")]
+    {
+        let pref = match pref {
+            DataPlane::Auto => Preference::Auto,
+            DataPlane::Uring => Preference::Uring,
+            DataPlane::Tcp => Preference::Tcp,
+        };
+        let probed;
+        let probe = match probe {
+            Some(p) => p,
+            None if pref == Preference::Tcp => {
+                return Ok((TransportKind::Tcp, "tcp forced by configuration".into()));
+            }
+            None => {
+                probed = transport_uring::probe_kernel();
+                &probed
+            }
+        };
+        let s = transport_uring::select(probe, pref).map_err(|e| Error::Unavailable {
+            library: "io_uring".into(),
+            reason: format!("io_uring was forced but cannot be used: {e}"),
+        })?;
+        Ok((s.kind, s.reason))
+    }
+    #[cfg(not(feature = "uring"))]
+    match pref {
+        DataPlane::Uring => Err(Error::Unavailable {
+            library: "io_uring".into(),
+            reason: "io_uring was forced but this build lacks the `uring` feature".into(),
+        }),
+        DataPlane::Tcp => Ok((TransportKind::Tcp, "tcp forced by configuration".into())),
+        DataPlane::Auto => Ok((
+            TransportKind::Tcp,
+            "fell back to tcp: this build lacks the `uring` feature".into(),
+        )),
+    }
+}
 
 /// Builds a [`TransferEngine`]. Nothing native is loaded by building.
 #[derive(Debug, Clone)]
 pub struct EngineBuilder {
     listen: Option<SocketAddr>,
     kinds: Vec<TransportKind>,
+    data_plane: DataPlane,
+    #[cfg(feature = "uring")]
+    uring_probe: Option<UringProbe>,
     extra: Vec<Arc<dyn Transport>>,
     tcp: TcpConfig,
     budgets: Budgets,
@@ -42,6 +119,9 @@ impl Default for EngineBuilder {
         Self {
             listen: None,
             kinds: vec![TransportKind::Tcp],
+            data_plane: DataPlane::default(),
+            #[cfg(feature = "uring")]
+            uring_probe: None,
             extra: Vec::new(),
             tcp: TcpConfig::default(),
             budgets: Budgets::default(),
@@ -62,10 +142,50 @@ impl EngineBuilder {
         self
     }
 
-    /// The built-in transports to use, in order of preference (default: TCP).
+    /// The built-in transports to use, in order of preference (default: TCP). `Tcp` stands for
+    /// the portable data plane chosen by [`data_plane`](Self::data_plane); `Uring` forces io_uring
+    /// for it.
     pub fn transports(mut self, kinds: &[TransportKind]) -> Self {
         self.kinds = kinds.to_vec();
+        if kinds.contains(&TransportKind::Uring) {
+            self.data_plane = DataPlane::Uring;
+        }
         self
+    }
+
+    /// Which transport carries the portable data plane (default [`DataPlane::Tcp`]). With
+    /// [`DataPlane::Uring`] and a listener, the io_uring server serves (it also answers TCP
+    /// clients: the wire is the same), and file segments can be published.
+    pub fn data_plane(mut self, pref: DataPlane) -> Self {
+        self.data_plane = pref;
+        if !self
+            .kinds
+            .iter()
+            .any(|k| matches!(k, TransportKind::Tcp | TransportKind::Uring))
+        {
+            self.kinds.push(TransportKind::Tcp);
+        }
+        self
+    }
+
+    /// Uses `probe` instead of probing the kernel when choosing the data plane (tests force a
+    /// kernel without some opcode this way).
+    #[cfg(feature = "uring")]
+    pub fn uring_probe(mut self, probe: UringProbe) -> Self {
+        self.uring_probe = Some(probe);
+        self
+    }
+
+    #[cfg(feature = "uring")]
+    fn uring_config(&self) -> UringConfig {
+        UringConfig {
+            streams: self.tcp.streams,
+            chunk_size: self.tcp.chunk_size,
+            depth: self.tcp.depth,
+            socket_buffer: self.tcp.socket_buffer,
+            connect_timeout: self.connect_timeout,
+            ..UringConfig::default()
+        }
     }
 
     /// Adds a transport implemented outside this crate (preferred over the built-in ones).
@@ -143,11 +263,38 @@ impl EngineBuilder {
         let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
         #[cfg(feature = "rdma")]
         let mut rdma: Option<RdmaTransport> = None;
+        let mut data_plane: Option<(TransportKind, String)> = None;
+        #[cfg(feature = "uring")]
+        let mut uring: Option<UringTransport> = None;
         for kind in &self.kinds {
             match kind {
-                TransportKind::Tcp => {
+                TransportKind::Tcp | TransportKind::Uring if data_plane.is_none() => {
+                    let (chosen, reason) = choose_data_plane(
+                        self.data_plane,
+                        #[cfg(feature = "uring")]
+                        self.uring_probe.as_ref(),
+                    )?;
+                    tracing::info!(transport = %chosen, %reason, "portable data plane");
+                    #[cfg(feature = "uring")]
+                    if chosen == TransportKind::Uring {
+                        let probed;
+                        let probe = match &self.uring_probe {
+                            Some(p) => p,
+                            None => {
+                                probed = transport_uring::probe_kernel();
+                                &probed
+                            }
+                        };
+                        let t = UringTransport::with_probe(self.uring_config(), probe)?;
+                        transports.push(Arc::new(t.clone()));
+                        uring = Some(t);
+                    }
+                    // TCP is offered beside io_uring too: the wire is the same, so TCP-only
+                    // peers still meet us (our io_uring channel takes their TCP offers).
                     transports.push(Arc::new(TcpTransport::new(self.tcp.clone())));
+                    data_plane = Some((chosen, reason));
                 }
+                TransportKind::Tcp | TransportKind::Uring => {}
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma if rdma.is_none() => {
                     let config = self.rdma.clone().unwrap_or_default();
@@ -193,6 +340,20 @@ impl EngineBuilder {
         });
         let server = match self.listen {
             None => None,
+            #[cfg(feature = "uring")]
+            Some(addr) if uring.is_some() => {
+                let config = uring
+                    .as_ref()
+                    .map(|t| t.config().clone())
+                    .unwrap_or_default();
+                let h = UringServer::bind(addr)?.serve_with_files(
+                    table.clone(),
+                    table.clone(),
+                    responder.clone(),
+                    config,
+                )?;
+                Some(Server::Uring(h))
+            }
             Some(addr) => {
                 if let Err(e) = tokio::runtime::Handle::try_current() {
                     return Err(Error::Unavailable {
@@ -202,7 +363,11 @@ impl EngineBuilder {
                 }
                 let server = TcpServer::bind(addr)?;
                 let tcp_config = self.tcp.clone();
-                Some(server.serve(table.clone(), responder.clone(), tcp_config))
+                Some(Server::Tcp(server.serve(
+                    table.clone(),
+                    responder.clone(),
+                    tcp_config,
+                )))
             }
         };
         tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()), "engine built");
@@ -215,6 +380,9 @@ impl EngineBuilder {
                 registry,
                 table,
                 server,
+                data_plane,
+                #[cfg(feature = "uring")]
+                uring,
                 known: Mutex::new(HashMap::new()),
                 routes: Mutex::new(Vec::new()),
                 request_timeout: self.request_timeout,
@@ -228,6 +396,32 @@ impl EngineBuilder {
 
 type Route = (String, TransportKind, Arc<RouteCounters>);
 
+/// The engine's listener: the TCP transport's server, or the io_uring one.
+#[derive(Debug)]
+enum Server {
+    Tcp(ServerHandle),
+    #[cfg(feature = "uring")]
+    Uring(UringServerHandle),
+}
+
+impl Server {
+    fn local_addr(&self) -> SocketAddr {
+        match self {
+            Server::Tcp(h) => h.local_addr(),
+            #[cfg(feature = "uring")]
+            Server::Uring(h) => h.local_addr(),
+        }
+    }
+
+    fn shutdown(&self) {
+        match self {
+            Server::Tcp(h) => h.shutdown(),
+            #[cfg(feature = "uring")]
+            Server::Uring(h) => h.shutdown(),
+        }
+    }
+}
+
 struct Inner {
     id: PeerId,
     epoch: Epoch,
@@ -235,7 +429,11 @@ struct Inner {
     transports: Vec<Arc<dyn Transport>>,
     registry: Registry,
     table: Arc<RegistryTable>,
-    server: Option<ServerHandle>,
+    server: Option<Server>,
+    /// The portable data plane and why it was chosen.
+    data_plane: Option<(TransportKind, String)>,
+    #[cfg(feature = "uring")]
+    uring: Option<UringTransport>,
     /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
     known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
     routes: Mutex<Vec<Route>>,
@@ -315,6 +513,79 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.table.remove(self.token);
+    }
+}
+
+/// A published file segment (io_uring data plane only), owned by the caller. Dropping it (or
+/// [`retire`](Self::retire)) unpublishes it: later requests naming its token are refused as
+/// unknown; reads already running finish on the open file.
+#[cfg(feature = "uring")]
+pub struct FileRegistration {
+    table: Arc<RegistryTable>,
+    file: Arc<FileSegment>,
+    token: SegmentToken,
+    name: String,
+}
+
+#[cfg(feature = "uring")]
+impl fmt::Debug for FileRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileRegistration")
+            .field("name", &self.name)
+            .field("token", &self.token)
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+#[cfg(feature = "uring")]
+impl FileRegistration {
+    /// The token peers address it by.
+    pub fn token(&self) -> SegmentToken {
+        self.token
+    }
+
+    /// The name it is published under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The file range served.
+    pub fn file(&self) -> &Arc<FileSegment> {
+        &self.file
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.file.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.file.is_empty()
+    }
+
+    /// The descriptor peers see in the handshake (no remote keys: files go over the wire).
+    pub fn desc(&self) -> SegmentDesc {
+        SegmentDesc {
+            name: self.name.clone(),
+            token: self.token,
+            len: self.file.len(),
+            access: self.file.access(),
+            remote_keys: Vec::new(),
+        }
+    }
+
+    /// Unpublishes the file segment.
+    pub fn retire(self) {
+        drop(self);
+    }
+}
+
+#[cfg(feature = "uring")]
+impl Drop for FileRegistration {
+    fn drop(&mut self) {
+        self.table.remove_file(self.token);
     }
 }
 
@@ -528,13 +799,104 @@ impl TransferEngine {
         })
     }
 
+    /// Publishes the whole of the file at `path` as a segment named after the path, with
+    /// `access` for peers (see [`publish_file_named`](Self::publish_file_named)).
+    #[cfg(feature = "uring")]
+    pub fn publish_file(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        access: Access,
+    ) -> Result<FileRegistration, Error> {
+        let path = path.as_ref();
+        self.publish_file_named(path, access, &path.display().to_string())
+    }
+
+    /// Publishes the whole of the file at `path` (its size now) as the segment `name`, served
+    /// to peers by io_uring reads (O_DIRECT when a request's alignment allows) and, with
+    /// `Access::REMOTE_WRITE`, writes that never extend the file. It gets a random token and is
+    /// listed in the handshake from now on; dropping the handle unpublishes it.
+    ///
+    /// Only an engine whose data plane is io_uring serves file segments: with TCP this is an
+    /// `Unavailable` error naming the reason TCP was chosen (load the file into registered
+    /// memory with [`read_file_into`](Self::read_file_into) and [`register`](Self::register) it
+    /// instead). File segments take no registration budget: no memory is pinned for them.
+    #[cfg(feature = "uring")]
+    pub fn publish_file_named(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        access: Access,
+        name: &str,
+    ) -> Result<FileRegistration, Error> {
+        let path = path.as_ref();
+        let _span =
+            tracing::info_span!("publish_file", name, path = %path.display(), %access).entered();
+        if self.inner.uring.is_none() {
+            let why = self
+                .inner
+                .data_plane
+                .as_ref()
+                .map(|(k, r)| format!("the data plane is {k} ({r})"))
+                .unwrap_or_else(|| "no portable data plane is enabled".into());
+            return Err(Error::Unavailable {
+                library: "io_uring file segments".into(),
+                reason: format!(
+                    "publishing {} needs the io_uring data plane, but {why}",
+                    path.display()
+                ),
+            });
+        }
+        let file = Arc::new(FileSegment::open(path, access)?);
+        let token = SegmentToken::random();
+        self.inner
+            .table
+            .add_file(token, name.to_owned(), file.clone());
+        tracing::info!(%token, len = file.len(), "file segment published");
+        Ok(FileRegistration {
+            table: self.inner.table.clone(),
+            file,
+            token,
+            name: name.to_owned(),
+        })
+    }
+
+    /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`, with
+    /// io_uring reads of up to 1 MiB, at most 32 in flight (O_DIRECT for aligned chunks).
+    /// Blocking: call it from a blocking context. Returns the bytes read.
+    #[cfg(feature = "uring")]
+    pub fn read_file_into(
+        &self,
+        dst: &Registration,
+        offset: u64,
+        path: impl AsRef<std::path::Path>,
+        file_offset: u64,
+        len: u64,
+    ) -> Result<u64, Error> {
+        const QUEUE_DEPTH: usize = 32;
+        let path = path.as_ref();
+        let _span = tracing::info_span!("read_file_into", path = %path.display(), file_offset, len)
+            .entered();
+        Ok(transport_uring::read_file_into(
+            dst.region(),
+            offset,
+            path,
+            file_offset,
+            len,
+            QUEUE_DEPTH,
+        )?)
+    }
+
+    /// The portable data plane (`Tcp` or `Uring`) this engine chose, if one is enabled.
+    pub fn data_plane(&self) -> Option<TransportKind> {
+        self.inner.data_plane.as_ref().map(|(k, _)| *k)
+    }
+
     fn hello(&self) -> Hello {
         Hello {
             versions: self.inner.versions,
             peer_id: self.inner.id,
             epoch: self.inner.epoch,
             transports: self.inner.transports.iter().map(|t| t.offer()).collect(),
-            segments: self.inner.table.published_descs(),
+            segments: self.inner.table.published(),
         }
     }
 
@@ -586,11 +948,22 @@ impl TransferEngine {
         }
         let mut chosen = None;
         for t in &self.inner.transports {
-            if let Some(offer) = server
+            let exact = server
                 .transports
                 .iter()
-                .find(|o| TransportKind::of_offer(o) == Some(t.kind()))
-            {
+                .find(|o| TransportKind::of_offer(o) == Some(t.kind()));
+            // Our io_uring channel speaks the TCP transport's wire: it takes a TCP offer too.
+            let offer = exact.or_else(|| {
+                (t.kind() == TransportKind::Uring)
+                    .then(|| {
+                        server
+                            .transports
+                            .iter()
+                            .find(|o| TransportKind::of_offer(o) == Some(TransportKind::Tcp))
+                    })
+                    .flatten()
+            });
+            if let Some(offer) = offer {
                 chosen = Some((t.clone(), offer.clone()));
                 break;
             }
@@ -724,6 +1097,18 @@ impl TransferEngine {
                 len: l.len(),
                 access: l.access().to_string(),
             })
+            .chain(
+                self.inner
+                    .table
+                    .file_descs()
+                    .into_iter()
+                    .map(|d| SegmentDescription {
+                        name: d.name,
+                        token: d.token.to_string(),
+                        len: d.len,
+                        access: d.access.to_string(),
+                    }),
+            )
             .collect();
         let routes = self
             .inner
@@ -743,6 +1128,11 @@ impl TransferEngine {
                 .iter()
                 .map(|t| t.kind().name().to_owned())
                 .collect(),
+            data_plane: self
+                .inner
+                .data_plane
+                .as_ref()
+                .map(|(k, why)| format!("{k} ({why})")),
             registrations: counters.registrations,
             registered_bytes: counters.bytes,
             published,
@@ -775,16 +1165,6 @@ impl TransferEngine {
         if let Some(s) = &self.inner.server {
             s.shutdown();
         }
-    }
-}
-
-impl RegistryTable {
-    fn published_descs(&self) -> Vec<SegmentDesc> {
-        self.registry
-            .published()
-            .iter()
-            .map(describe_lease)
-            .collect()
     }
 }
 

@@ -26,8 +26,13 @@ mod request;
 mod serve;
 
 pub use describe::{Description, RailDescription, RouteDescription, SegmentDescription};
-pub use engine::{EngineBuilder, Peer, Registration, RemoteSegment, TransferEngine};
+#[cfg(feature = "uring")]
+pub use engine::FileRegistration;
+pub use engine::{DataPlane, EngineBuilder, Peer, Registration, RemoteSegment, TransferEngine};
 pub use request::{Batch, Canceller, RequestHandle};
+/// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
+#[cfg(feature = "uring")]
+pub use transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 
 pub use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
 pub use ferry_core::{

@@ -14,11 +14,14 @@ use registry::{Lease, Registry};
 /// Published segments as the transports' servers see them.
 ///
 /// Guards are kept per token (one `Arc` made at registration), so that resolving a chunk allocates
-/// nothing; the registry stays the authority on what is published.
+/// nothing; the registry stays the authority on what is published. Published file segments
+/// (io_uring only) live beside them, and are listed in the handshake like memory (no remote keys).
 #[derive(Debug)]
 pub(crate) struct RegistryTable {
     pub(crate) registry: Registry,
     guards: RwLock<HashMap<SegmentToken, Arc<Lease>>>,
+    #[cfg(feature = "uring")]
+    files: RwLock<HashMap<SegmentToken, (String, Arc<transport_uring::FileSegment>)>>,
 }
 
 impl RegistryTable {
@@ -26,7 +29,54 @@ impl RegistryTable {
         Self {
             registry,
             guards: RwLock::new(HashMap::new()),
+            #[cfg(feature = "uring")]
+            files: RwLock::new(HashMap::new()),
         }
+    }
+
+    /// Publishes a file segment under `token`.
+    #[cfg(feature = "uring")]
+    pub(crate) fn add_file(
+        &self,
+        token: SegmentToken,
+        name: String,
+        file: Arc<transport_uring::FileSegment>,
+    ) {
+        self.files
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(token, (name, file));
+    }
+
+    /// Unpublishes the file segment under `token` (if any).
+    #[cfg(feature = "uring")]
+    pub(crate) fn remove_file(&self, token: SegmentToken) {
+        self.files
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&token);
+    }
+
+    /// Descriptors of the published file segments.
+    pub(crate) fn file_descs(&self) -> Vec<SegmentDesc> {
+        #[cfg(feature = "uring")]
+        {
+            let files = self.files.read().unwrap_or_else(PoisonError::into_inner);
+            let mut v: Vec<SegmentDesc> = files
+                .iter()
+                .map(|(token, (name, f))| SegmentDesc {
+                    name: name.clone(),
+                    token: *token,
+                    len: f.len(),
+                    access: f.access(),
+                    remote_keys: Vec::new(),
+                })
+                .collect();
+            v.sort_by(|a, b| a.name.cmp(&b.name));
+            v
+        }
+        #[cfg(not(feature = "uring"))]
+        Vec::new()
     }
 
     pub(crate) fn add(&self, lease: Lease) {
@@ -87,11 +137,25 @@ impl SegmentTable for RegistryTable {
     }
 
     fn published(&self) -> Vec<SegmentDesc> {
-        self.registry
+        let mut v: Vec<SegmentDesc> = self
+            .registry
             .published()
             .iter()
             .map(describe_lease)
-            .collect()
+            .collect();
+        v.extend(self.file_descs());
+        v
+    }
+}
+
+#[cfg(feature = "uring")]
+impl transport_uring::FileSegmentTable for RegistryTable {
+    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<transport_uring::FileSegment>> {
+        self.files
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&token)
+            .map(|(_, f)| f.clone())
     }
 }
 
