@@ -131,11 +131,21 @@ pub(crate) fn generate(triple: &str) -> Result<String> {
     let bindings = builder
         .generate()
         .map_err(|e| anyhow!("bindgen failed on infiniband/verbs.h for {triple}: {e}"))?;
-    let text = format!("{HEADER}\n{bindings}");
+    let text = document_default_impls(&format!("{HEADER}\n{bindings}"));
     if text.contains("extern \"C\" {") || text.contains("#[link") {
         bail!("generated bindings contain link-time declarations; they must be types only");
     }
     Ok(text)
+}
+
+/// bindgen's `Default` impls zero a `MaybeUninit` in an `unsafe` block; give each the `// SAFETY:`
+/// line the project requires of every unsafe block, generated code included.
+fn document_default_impls(text: &str) -> String {
+    const UNINIT: &str = "        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();\n        unsafe {";
+    const DOCUMENTED: &str = "        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();\n        \
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,\n        \
+        // unions of them); bindgen only derives this Default for such types.\n        unsafe {";
+    text.replace(UNINIT, DOCUMENTED)
 }
 
 #[cfg(test)]

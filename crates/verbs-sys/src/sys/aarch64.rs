@@ -57,6 +57,8 @@ const _: () = {
 impl Default for __atomic_wide_counter {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -82,6 +84,8 @@ const _: () = {
 impl Default for __pthread_internal_list {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -122,6 +126,8 @@ const _: () = {
 impl Default for __pthread_mutex_s {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -161,6 +167,8 @@ const _: () = {
 impl Default for __pthread_cond_s {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -188,6 +196,8 @@ const _: () = {
 impl Default for pthread_mutex_t {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -215,6 +225,8 @@ const _: () = {
 impl Default for pthread_cond_t {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -274,6 +286,8 @@ const _: () = {
 impl Default for ib_uverbs_flow_action_esp_encap__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -303,6 +317,8 @@ const _: () = {
 impl Default for ib_uverbs_flow_action_esp_encap__bindgen_ty_2 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -323,6 +339,8 @@ const _: () = {
 impl Default for ib_uverbs_flow_action_esp_encap {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -391,6 +409,8 @@ const _: () = {
 impl Default for ibv_gid {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -427,6 +447,8 @@ const _: () = {
 impl Default for ibv_gid_entry {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -540,6 +562,8 @@ const _: () = {
 impl Default for ibv_dm {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -678,6 +702,8 @@ const _: () = {
 impl Default for ibv_device_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -945,6 +971,8 @@ const _: () = {
 impl Default for ibv_device_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1077,6 +1105,8 @@ const _: () = {
 impl Default for ibv_port_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1139,6 +1169,8 @@ const _: () = {
 impl Default for ibv_async_event__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1157,6 +1189,8 @@ const _: () = {
 impl Default for ibv_async_event {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1270,6 +1304,8 @@ const _: () = {
 impl Default for ibv_wc__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1297,6 +1333,8 @@ const _: () = {
 impl Default for ibv_wc {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1337,6 +1375,8 @@ const _: () = {
 impl Default for ibv_mw_bind_info {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1359,6 +1399,8 @@ const _: () = {
 impl Default for ibv_pd {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1391,6 +1433,8 @@ const _: () = {
 impl Default for ibv_td {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1433,6 +1477,8 @@ const _: () = {
 impl Default for ibv_xrcd {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1470,6 +1516,8 @@ const _: () = {
 impl Default for ibv_mr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1501,6 +1549,8 @@ const _: () = {
 impl Default for ibv_mw {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1534,6 +1584,8 @@ const _: () = {
 impl Default for ibv_global_route {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1565,6 +1617,8 @@ const _: () = {
 impl Default for ibv_grh {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1626,6 +1680,8 @@ const _: () = {
 impl Default for ibv_ah_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1671,6 +1727,8 @@ const _: () = {
 impl Default for ibv_srq_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1738,6 +1796,8 @@ const _: () = {
 impl Default for ibv_srq_init_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1791,6 +1851,8 @@ const _: () = {
 impl Default for ibv_wq_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1833,6 +1895,8 @@ const _: () = {
 impl Default for ibv_wq_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1863,6 +1927,8 @@ const _: () = {
 impl Default for ibv_rwq_ind_table {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1894,6 +1960,8 @@ const _: () = {
 impl Default for ibv_rwq_ind_table_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1965,6 +2033,8 @@ const _: () = {
 impl Default for ibv_qp_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2022,6 +2092,8 @@ const _: () = {
 impl Default for ibv_rx_hash_conf {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2088,6 +2160,8 @@ const _: () = {
 impl Default for ibv_qp_init_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2127,6 +2201,8 @@ const _: () = {
 impl Default for ibv_qp_open_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2255,6 +2331,8 @@ const _: () = {
 impl Default for ibv_qp_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2320,6 +2398,8 @@ const _: () = {
 impl Default for ibv_data_buf {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2375,6 +2455,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2451,6 +2533,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2473,6 +2557,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_2 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2510,6 +2596,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_3 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2545,6 +2633,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_4__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2574,6 +2664,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_4__bindgen_ty_2 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2594,6 +2686,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_4 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2620,6 +2714,8 @@ const _: () = {
 impl Default for ibv_send_wr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2648,6 +2744,8 @@ const _: () = {
 impl Default for ibv_recv_wr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2706,6 +2804,8 @@ const _: () = {
 impl Default for ibv_ops_wr__bindgen_ty_1__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2728,6 +2828,8 @@ const _: () = {
 impl Default for ibv_ops_wr__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2747,6 +2849,8 @@ const _: () = {
 impl Default for ibv_ops_wr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2773,6 +2877,8 @@ const _: () = {
 impl Default for ibv_mw_bind {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2807,6 +2913,8 @@ const _: () = {
 impl Default for ibv_srq {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2858,6 +2966,8 @@ const _: () = {
 impl Default for ibv_wq {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2903,6 +3013,8 @@ const _: () = {
 impl Default for ibv_qp {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3050,6 +3162,8 @@ const _: () = {
 impl Default for ibv_qp_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3092,6 +3206,8 @@ const _: () = {
 impl Default for ibv_comp_channel {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3130,6 +3246,8 @@ const _: () = {
 impl Default for ibv_cq {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3272,6 +3390,8 @@ const _: () = {
 impl Default for ibv_cq_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3329,6 +3449,8 @@ const _: () = {
 impl Default for ibv_ah {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3404,6 +3526,8 @@ const _: () = {
 impl Default for ibv_flow_spec_eth {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3449,6 +3573,8 @@ const _: () = {
 impl Default for ibv_flow_spec_ipv4 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3509,6 +3635,8 @@ const _: () = {
 impl Default for ibv_flow_spec_ipv4_ext {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3566,6 +3694,8 @@ const _: () = {
 impl Default for ibv_flow_spec_ipv6 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3611,6 +3741,8 @@ const _: () = {
 impl Default for ibv_flow_spec_esp {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3658,6 +3790,8 @@ const _: () = {
 impl Default for ibv_flow_spec_tcp_udp {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3706,6 +3840,8 @@ const _: () = {
 impl Default for ibv_flow_spec_gre {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3748,6 +3884,8 @@ const _: () = {
 impl Default for ibv_flow_spec_mpls {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3791,6 +3929,8 @@ const _: () = {
 impl Default for ibv_flow_spec_tunnel {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3820,6 +3960,8 @@ const _: () = {
 impl Default for ibv_flow_spec_action_tag {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3846,6 +3988,8 @@ const _: () = {
 impl Default for ibv_flow_spec_action_drop {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3875,6 +4019,8 @@ const _: () = {
 impl Default for ibv_flow_spec_action_handle {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3904,6 +4050,8 @@ const _: () = {
 impl Default for ibv_flow_spec_counter_action {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3953,6 +4101,8 @@ const _: () = {
 impl Default for ibv_flow_spec__bindgen_ty_1__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3997,6 +4147,8 @@ const _: () = {
 impl Default for ibv_flow_spec__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4011,6 +4163,8 @@ const _: () = {
 impl Default for ibv_flow_spec {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4048,6 +4202,8 @@ const _: () = {
 impl Default for ibv_flow_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4072,6 +4228,8 @@ const _: () = {
 impl Default for ibv_flow {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4093,6 +4251,8 @@ const _: () = {
 impl Default for ibv_flow_action {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4145,6 +4305,8 @@ const _: () = {
 impl Default for ibv_flow_action_esp_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4205,6 +4367,8 @@ const _: () = {
 impl Default for ibv_device {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4422,6 +4586,8 @@ const _: () = {
 impl Default for ibv_context {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4470,6 +4636,8 @@ const _: () = {
 impl Default for ibv_cq_init_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4526,6 +4694,8 @@ const _: () = {
 impl Default for ibv_parent_domain_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4560,6 +4730,8 @@ const _: () = {
 impl Default for ibv_counters {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4591,6 +4763,8 @@ const _: () = {
 impl Default for ibv_counter_attach_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4894,6 +5068,8 @@ const _: () = {
 impl Default for verbs_context {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()

@@ -57,6 +57,8 @@ const _: () = {
 impl Default for __atomic_wide_counter {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -82,6 +84,8 @@ const _: () = {
 impl Default for __pthread_internal_list {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -125,6 +129,8 @@ const _: () = {
 impl Default for __pthread_mutex_s {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -164,6 +170,8 @@ const _: () = {
 impl Default for __pthread_cond_s {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -191,6 +199,8 @@ const _: () = {
 impl Default for pthread_mutex_t {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -218,6 +228,8 @@ const _: () = {
 impl Default for pthread_cond_t {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -277,6 +289,8 @@ const _: () = {
 impl Default for ib_uverbs_flow_action_esp_encap__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -306,6 +320,8 @@ const _: () = {
 impl Default for ib_uverbs_flow_action_esp_encap__bindgen_ty_2 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -326,6 +342,8 @@ const _: () = {
 impl Default for ib_uverbs_flow_action_esp_encap {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -394,6 +412,8 @@ const _: () = {
 impl Default for ibv_gid {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -430,6 +450,8 @@ const _: () = {
 impl Default for ibv_gid_entry {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -543,6 +565,8 @@ const _: () = {
 impl Default for ibv_dm {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -681,6 +705,8 @@ const _: () = {
 impl Default for ibv_device_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -948,6 +974,8 @@ const _: () = {
 impl Default for ibv_device_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1080,6 +1108,8 @@ const _: () = {
 impl Default for ibv_port_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1142,6 +1172,8 @@ const _: () = {
 impl Default for ibv_async_event__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1160,6 +1192,8 @@ const _: () = {
 impl Default for ibv_async_event {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1273,6 +1307,8 @@ const _: () = {
 impl Default for ibv_wc__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1300,6 +1336,8 @@ const _: () = {
 impl Default for ibv_wc {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1340,6 +1378,8 @@ const _: () = {
 impl Default for ibv_mw_bind_info {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1362,6 +1402,8 @@ const _: () = {
 impl Default for ibv_pd {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1394,6 +1436,8 @@ const _: () = {
 impl Default for ibv_td {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1436,6 +1480,8 @@ const _: () = {
 impl Default for ibv_xrcd {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1473,6 +1519,8 @@ const _: () = {
 impl Default for ibv_mr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1504,6 +1552,8 @@ const _: () = {
 impl Default for ibv_mw {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1537,6 +1587,8 @@ const _: () = {
 impl Default for ibv_global_route {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1568,6 +1620,8 @@ const _: () = {
 impl Default for ibv_grh {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1629,6 +1683,8 @@ const _: () = {
 impl Default for ibv_ah_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1674,6 +1730,8 @@ const _: () = {
 impl Default for ibv_srq_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1741,6 +1799,8 @@ const _: () = {
 impl Default for ibv_srq_init_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1794,6 +1854,8 @@ const _: () = {
 impl Default for ibv_wq_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1836,6 +1898,8 @@ const _: () = {
 impl Default for ibv_wq_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1866,6 +1930,8 @@ const _: () = {
 impl Default for ibv_rwq_ind_table {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1897,6 +1963,8 @@ const _: () = {
 impl Default for ibv_rwq_ind_table_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -1968,6 +2036,8 @@ const _: () = {
 impl Default for ibv_qp_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2025,6 +2095,8 @@ const _: () = {
 impl Default for ibv_rx_hash_conf {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2091,6 +2163,8 @@ const _: () = {
 impl Default for ibv_qp_init_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2130,6 +2204,8 @@ const _: () = {
 impl Default for ibv_qp_open_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2258,6 +2334,8 @@ const _: () = {
 impl Default for ibv_qp_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2323,6 +2401,8 @@ const _: () = {
 impl Default for ibv_data_buf {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2378,6 +2458,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2454,6 +2536,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_2__bindgen_ty_3 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2476,6 +2560,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_2 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2513,6 +2599,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_3 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2548,6 +2636,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_4__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2577,6 +2667,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_4__bindgen_ty_2 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2597,6 +2689,8 @@ const _: () = {
 impl Default for ibv_send_wr__bindgen_ty_4 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2623,6 +2717,8 @@ const _: () = {
 impl Default for ibv_send_wr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2651,6 +2747,8 @@ const _: () = {
 impl Default for ibv_recv_wr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2709,6 +2807,8 @@ const _: () = {
 impl Default for ibv_ops_wr__bindgen_ty_1__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2731,6 +2831,8 @@ const _: () = {
 impl Default for ibv_ops_wr__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2750,6 +2852,8 @@ const _: () = {
 impl Default for ibv_ops_wr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2776,6 +2880,8 @@ const _: () = {
 impl Default for ibv_mw_bind {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2810,6 +2916,8 @@ const _: () = {
 impl Default for ibv_srq {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2861,6 +2969,8 @@ const _: () = {
 impl Default for ibv_wq {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -2906,6 +3016,8 @@ const _: () = {
 impl Default for ibv_qp {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3053,6 +3165,8 @@ const _: () = {
 impl Default for ibv_qp_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3095,6 +3209,8 @@ const _: () = {
 impl Default for ibv_comp_channel {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3133,6 +3249,8 @@ const _: () = {
 impl Default for ibv_cq {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3275,6 +3393,8 @@ const _: () = {
 impl Default for ibv_cq_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3332,6 +3452,8 @@ const _: () = {
 impl Default for ibv_ah {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3407,6 +3529,8 @@ const _: () = {
 impl Default for ibv_flow_spec_eth {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3452,6 +3576,8 @@ const _: () = {
 impl Default for ibv_flow_spec_ipv4 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3512,6 +3638,8 @@ const _: () = {
 impl Default for ibv_flow_spec_ipv4_ext {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3569,6 +3697,8 @@ const _: () = {
 impl Default for ibv_flow_spec_ipv6 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3614,6 +3744,8 @@ const _: () = {
 impl Default for ibv_flow_spec_esp {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3661,6 +3793,8 @@ const _: () = {
 impl Default for ibv_flow_spec_tcp_udp {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3709,6 +3843,8 @@ const _: () = {
 impl Default for ibv_flow_spec_gre {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3751,6 +3887,8 @@ const _: () = {
 impl Default for ibv_flow_spec_mpls {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3794,6 +3932,8 @@ const _: () = {
 impl Default for ibv_flow_spec_tunnel {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3823,6 +3963,8 @@ const _: () = {
 impl Default for ibv_flow_spec_action_tag {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3849,6 +3991,8 @@ const _: () = {
 impl Default for ibv_flow_spec_action_drop {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3878,6 +4022,8 @@ const _: () = {
 impl Default for ibv_flow_spec_action_handle {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3907,6 +4053,8 @@ const _: () = {
 impl Default for ibv_flow_spec_counter_action {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -3956,6 +4104,8 @@ const _: () = {
 impl Default for ibv_flow_spec__bindgen_ty_1__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4000,6 +4150,8 @@ const _: () = {
 impl Default for ibv_flow_spec__bindgen_ty_1 {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4014,6 +4166,8 @@ const _: () = {
 impl Default for ibv_flow_spec {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4051,6 +4205,8 @@ const _: () = {
 impl Default for ibv_flow_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4075,6 +4231,8 @@ const _: () = {
 impl Default for ibv_flow {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4096,6 +4254,8 @@ const _: () = {
 impl Default for ibv_flow_action {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4148,6 +4308,8 @@ const _: () = {
 impl Default for ibv_flow_action_esp_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4208,6 +4370,8 @@ const _: () = {
 impl Default for ibv_device {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4425,6 +4589,8 @@ const _: () = {
 impl Default for ibv_context {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4473,6 +4639,8 @@ const _: () = {
 impl Default for ibv_cq_init_attr_ex {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4529,6 +4697,8 @@ const _: () = {
 impl Default for ibv_parent_domain_init_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4563,6 +4733,8 @@ const _: () = {
 impl Default for ibv_counters {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4594,6 +4766,8 @@ const _: () = {
 impl Default for ibv_counter_attach_attr {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -4897,6 +5071,8 @@ const _: () = {
 impl Default for verbs_context {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,
+        // unions of them); bindgen only derives this Default for such types.
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
