@@ -141,7 +141,8 @@ pub(crate) fn generate(triple: &str) -> Result<String> {
 /// bindgen's `Default` impls zero a `MaybeUninit` in an `unsafe` block; give each the `// SAFETY:`
 /// line the project requires of every unsafe block, generated code included.
 fn document_default_impls(text: &str) -> String {
-    const UNINIT: &str = "        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();\n        unsafe {";
+    const UNINIT: &str =
+        "        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();\n        unsafe {";
     const DOCUMENTED: &str = "        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();\n        \
         // SAFETY: all-zero bytes are a valid value of this plain C type (integers, raw pointers,\n        \
         // unions of them); bindgen only derives this Default for such types.\n        unsafe {";
