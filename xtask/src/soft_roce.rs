@@ -46,10 +46,14 @@ const MARK: &str = "@@ferry ";
 /// release binary. Adjust here when the CLI changes.
 fn bench_commands(ferry: &str) -> (String, String) {
     let total = OP_SIZE * ITERS;
-    let serve = format!("{ferry} serve --listen 10.99.0.1:0 --segment bench={total}");
+    // Pinned to the path perftest measures (one queue pair, client on rxe1, server on rxe0), so
+    // that the ratio compares like with like; striping over both devices would flatter ferry.
+    let serve = format!(
+        "{ferry} serve --listen 10.99.0.1:0 --segment bench={total} --transport rdma --rdma-hca =rxe0"
+    );
     let bench = format!(
-        "{ferry} bench @ADDR@ --segment bench --transport rdma --op write --op-size {OP_SIZE} \
-         --total {total} --json"
+        "{ferry} bench @ADDR@ --segment bench --transport rdma --rdma-hca =rxe1 --op write \
+         --op-size {OP_SIZE} --total {total} --json"
     );
     (serve, bench)
 }
