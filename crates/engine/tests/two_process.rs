@@ -1,5 +1,9 @@
 //! Two processes over loopback: this test binary re-runs itself as the serving child
 //! (`child_server` / `child_trap_server`, active only with `FERRY_TEST_CHILD` set).
+//!
+//! The key cases run over each portable data plane pairing: TCP to TCP, io_uring to io_uring,
+//! and both mixed directions (the child serves with `FERRY_TEST_DATA_PLANE`), plus file
+//! segments published by an io_uring child and READ by TCP and io_uring clients.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -13,8 +17,8 @@ use ferry::core_types::wire::{
 };
 use ferry::core_types::{HandshakeResponder, SegmentLease, SegmentTable};
 use ferry::{
-    Access, Batch, Epoch, Error, FailureKind, MemoryRegion, PeerId, RemoteEffect, RemoteStatus,
-    SegmentDesc, SegmentToken, TransferEngine,
+    Access, Batch, DataPlane, Epoch, Error, FailureKind, MemoryRegion, PeerId, RemoteEffect,
+    RemoteStatus, SegmentDesc, SegmentToken, TransferEngine, TransportKind,
 };
 
 const BIG: usize = (256 << 20) + 64;
@@ -22,9 +26,10 @@ const BIG: usize = (256 << 20) + 64;
 // ---------------------------------------------------------------- the child side
 
 /// Child: an engine serving segments named in `FERRY_TEST_SEGMENTS` (`name=size:access,...`,
-/// access `r`, `w` or `rw`), on `FERRY_TEST_LISTEN` (default 127.0.0.1:0), speaking
-/// `FERRY_TEST_VERSIONS` (`min-max`). Prints `LISTEN addr`; reads `retire NAME` lines on stdin and
-/// answers `RETIRED NAME`; exits on EOF.
+/// access `r`, `w` or `rw`) and file segments in `FERRY_TEST_FILES` (`name=path:access,...`), on
+/// `FERRY_TEST_LISTEN` (default 127.0.0.1:0), with the data plane `FERRY_TEST_DATA_PLANE`
+/// (default tcp), speaking `FERRY_TEST_VERSIONS` (`min-max`). Prints `LISTEN addr`; reads
+/// `retire NAME` lines on stdin and answers `RETIRED NAME`; exits on EOF.
 #[test]
 fn child_server() -> Result<()> {
     if std::env::var("FERRY_TEST_CHILD").as_deref() != Ok("server") {
@@ -38,7 +43,10 @@ fn child_server() -> Result<()> {
         let listen: SocketAddr = std::env::var("FERRY_TEST_LISTEN")
             .unwrap_or_else(|_| "127.0.0.1:0".into())
             .parse()?;
-        let mut b = TransferEngine::builder().listen(listen).streams(4);
+        let mut b = TransferEngine::builder()
+            .listen(listen)
+            .streams(4)
+            .data_plane(env_data_plane()?);
         if let Ok(v) = std::env::var("FERRY_TEST_VERSIONS") {
             let (a, z) = v.split_once('-').context("versions")?;
             b = b.protocol_versions(VersionRange {
@@ -55,13 +63,24 @@ fn child_server() -> Result<()> {
         {
             let (name, rest) = spec.split_once('=').context("segment spec")?;
             let (size, acc) = rest.split_once(':').context("segment spec")?;
-            let access = match acc {
-                "r" => Access::REMOTE_READ,
-                "w" => Access::REMOTE_WRITE,
-                _ => Access::REMOTE_READ | Access::REMOTE_WRITE,
-            };
+            let access = parse_access(acc);
             let region = MemoryRegion::alloc_zeroed(size.parse()?, 4096)?;
             regs.push((name.to_owned(), engine.register(region, access, name)?));
+        }
+        #[cfg(feature = "uring")]
+        let mut files = Vec::new();
+        for spec in std::env::var("FERRY_TEST_FILES")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|s| !s.is_empty())
+        {
+            let (name, rest) = spec.split_once('=').context("file spec")?;
+            let (path, acc) = rest.rsplit_once(':').context("file spec")?;
+            let access = parse_access(acc);
+            #[cfg(feature = "uring")]
+            files.push(engine.publish_file_named(path, access, name)?);
+            #[cfg(not(feature = "uring"))]
+            bail!("file segment {name}={path} ({access}) needs the uring feature");
         }
         println!(
             "LISTEN {}",
@@ -88,6 +107,20 @@ fn child_server() -> Result<()> {
         }
         Ok(())
     })
+}
+
+fn parse_access(acc: &str) -> Access {
+    match acc {
+        "r" => Access::REMOTE_READ,
+        "w" => Access::REMOTE_WRITE,
+        _ => Access::REMOTE_READ | Access::REMOTE_WRITE,
+    }
+}
+
+/// The child's data plane (`FERRY_TEST_DATA_PLANE`, default tcp).
+fn env_data_plane() -> Result<DataPlane> {
+    let v = std::env::var("FERRY_TEST_DATA_PLANE").unwrap_or_else(|_| "tcp".into());
+    DataPlane::parse(&v).with_context(|| format!("FERRY_TEST_DATA_PLANE={v}"))
 }
 
 #[derive(Debug)]
@@ -162,7 +195,8 @@ impl HandshakeResponder for TrapResponder {
     }
 }
 
-/// Child: a raw TCP-transport server whose `trap` segment stalls the stream that touches it.
+/// Child: a raw server (the TCP transport's, or the io_uring one with
+/// `FERRY_TEST_DATA_PLANE=uring`) whose `trap` segment stalls the stream that touches it.
 #[test]
 fn child_trap_server() -> Result<()> {
     if std::env::var("FERRY_TEST_CHILD").as_deref() != Ok("trap") {
@@ -185,9 +219,21 @@ fn child_trap_server() -> Result<()> {
             epoch: Epoch::fresh(),
             table: table.clone(),
         });
-        let server = transport_tcp::TcpServer::bind("127.0.0.1:0".parse()?)?;
-        println!("LISTEN {}", server.local_addr());
-        let _h = server.serve(table, responder, transport_tcp::TcpConfig::default());
+        let addr = "127.0.0.1:0".parse()?;
+        let _h: Box<dyn std::any::Any> = if env_data_plane()? == DataPlane::Uring {
+            #[cfg(feature = "uring")]
+            {
+                let server = transport_uring::UringServer::bind(addr)?;
+                println!("LISTEN {}", server.local_addr());
+                Box::new(server.serve(table, responder, transport_uring::UringConfig::default())?)
+            }
+            #[cfg(not(feature = "uring"))]
+            bail!("a uring trap server needs the uring feature")
+        } else {
+            let server = transport_tcp::TcpServer::bind(addr)?;
+            println!("LISTEN {}", server.local_addr());
+            Box::new(server.serve(table, responder, transport_tcp::TcpConfig::default()))
+        };
         tokio::task::spawn_blocking(|| for _ in std::io::stdin().lock().lines() {}).await?;
         Ok(())
     })
@@ -279,22 +325,93 @@ fn bytes(r: &MemoryRegion, at: u64, len: u64) -> Result<Vec<u8>> {
     Ok(v)
 }
 
-fn client() -> Result<TransferEngine> {
-    Ok(TransferEngine::builder().streams(2).build()?)
+fn client(plane: DataPlane) -> Result<TransferEngine> {
+    Ok(TransferEngine::builder()
+        .streams(2)
+        .data_plane(plane)
+        .build()?)
+}
+
+fn plane_env(plane: DataPlane) -> &'static str {
+    match plane {
+        DataPlane::Uring => "uring",
+        _ => "tcp",
+    }
+}
+
+/// Whether io_uring tests must skip here (prints why).
+fn uring_unusable() -> bool {
+    #[cfg(feature = "uring")]
+    {
+        match ferry::probe_kernel().unusable_reason() {
+            Some(why) => {
+                eprintln!("skipped: io_uring unusable here: {why}");
+                true
+            }
+            None => false,
+        }
+    }
+    #[cfg(not(feature = "uring"))]
+    {
+        eprintln!("skipped: built without the uring feature");
+        true
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_read_back_many_sizes() -> Result<()> {
+    round_trip(DataPlane::Tcp, DataPlane::Tcp, u64::MAX).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uring_to_uring_write_then_read_back_many_sizes() -> Result<()> {
+    if uring_unusable() {
+        return Ok(());
+    }
+    round_trip(DataPlane::Uring, DataPlane::Uring, u64::MAX).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uring_client_tcp_server_write_then_read_back() -> Result<()> {
+    if uring_unusable() {
+        return Ok(());
+    }
+    round_trip(DataPlane::Uring, DataPlane::Tcp, 17 << 20).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_client_uring_server_write_then_read_back() -> Result<()> {
+    if uring_unusable() {
+        return Ok(());
+    }
+    round_trip(DataPlane::Tcp, DataPlane::Uring, 17 << 20).await
+}
+
+/// WRITE then READ back random data at the sizes and offsets up to `max` bytes, `client` engine
+/// against a child serving with `server`.
+async fn round_trip(client_plane: DataPlane, server: DataPlane, max: u64) -> Result<()> {
+    let size = BIG.min(usize::try_from(max)?.saturating_add(1 << 20));
     let child = ChildProc::spawn(
         "server",
-        &[("FERRY_TEST_SEGMENTS", &format!("data={BIG}:rw"))],
+        &[
+            ("FERRY_TEST_SEGMENTS", &format!("data={size}:rw")),
+            ("FERRY_TEST_DATA_PLANE", plane_env(server)),
+        ],
     )?;
-    let engine = client()?;
+    let engine = client(client_plane)?;
     let peer = engine.connect(child.addr).await?;
     let remote = peer.segment("data")?;
-    assert_eq!(remote.len(), BIG as u64);
-    let src = engine.register(MemoryRegion::alloc_zeroed(BIG, 4096)?, Access::LOCAL, "src")?;
-    let dst = engine.register(MemoryRegion::alloc_zeroed(BIG, 4096)?, Access::LOCAL, "dst")?;
+    assert_eq!(remote.len(), size as u64);
+    let src = engine.register(
+        MemoryRegion::alloc_zeroed(size, 4096)?,
+        Access::LOCAL,
+        "src",
+    )?;
+    let dst = engine.register(
+        MemoryRegion::alloc_zeroed(size, 4096)?,
+        Access::LOCAL,
+        "dst",
+    )?;
     fill(src.region(), 0x5eed)?;
     let cases: &[(u64, u64, u64)] = &[
         (0, 0, 1),
@@ -306,7 +423,7 @@ async fn write_then_read_back_many_sizes() -> Result<()> {
         (7, 999_999, (16 << 20) + 5),
         (17, 29, (256 << 20) - 13),
     ];
-    for &(lo, ro, len) in cases {
+    for &(lo, ro, len) in cases.iter().filter(|c| c.2 <= max) {
         let o = engine
             .submit(Batch::new().write(&src, lo, &remote, ro, len))?
             .await;
@@ -331,18 +448,49 @@ async fn write_then_read_back_many_sizes() -> Result<()> {
     assert!(o.is_success() && o.completed_ops == 64, "{o:?}");
     let d = engine.describe();
     let route = &d.routes[0];
-    assert_eq!(route.transport, "tcp");
+    assert_eq!(route.transport, plane_env(client_plane));
+    assert_eq!(
+        peer.transport(),
+        match client_plane {
+            DataPlane::Uring => TransportKind::Uring,
+            _ => TransportKind::Tcp,
+        }
+    );
     assert!(route.ops >= 17 && route.errors == 0, "{route:?}");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_each_have_their_own_error_and_move_nothing() -> Result<()> {
+    refusals(DataPlane::Tcp, DataPlane::Tcp).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uring_refusals_in_every_pairing() -> Result<()> {
+    if uring_unusable() {
+        return Ok(());
+    }
+    for (c, s) in [
+        (DataPlane::Uring, DataPlane::Uring),
+        (DataPlane::Uring, DataPlane::Tcp),
+        (DataPlane::Tcp, DataPlane::Uring),
+    ] {
+        refusals(c, s)
+            .await
+            .with_context(|| format!("client {c:?}, server {s:?}"))?;
+    }
+    Ok(())
+}
+
+async fn refusals(client_plane: DataPlane, server: DataPlane) -> Result<()> {
     let mut child = ChildProc::spawn(
         "server",
-        &[("FERRY_TEST_SEGMENTS", "ro=4096:r,rw=8192:rw,gone=4096:rw")],
+        &[
+            ("FERRY_TEST_SEGMENTS", "ro=4096:r,rw=8192:rw,gone=4096:rw"),
+            ("FERRY_TEST_DATA_PLANE", plane_env(server)),
+        ],
     )?;
-    let engine = client()?;
+    let engine = client(client_plane)?;
     let peer = engine.connect(child.addr).await?;
     let ro = peer.segment("ro")?;
     let rw = peer.segment("rw")?;
@@ -443,7 +591,7 @@ async fn protocol_mismatch_is_refused_before_admission() -> Result<()> {
             ("FERRY_TEST_VERSIONS", "40-41"),
         ],
     )?;
-    let engine = client()?;
+    let engine = client(DataPlane::Tcp)?;
     match engine.connect(child.addr).await {
         Err(Error::ProtocolMismatch { local, remote, .. }) => {
             assert_eq!(local, SUPPORTED_VERSIONS);
@@ -458,7 +606,7 @@ async fn protocol_mismatch_is_refused_before_admission() -> Result<()> {
 async fn restarted_source_is_refused_until_reresolved() -> Result<()> {
     let mut first = ChildProc::spawn("server", &[("FERRY_TEST_SEGMENTS", "x=4096:rw")])?;
     let addr = first.addr;
-    let engine = client()?;
+    let engine = client(DataPlane::Tcp)?;
     let old = engine.connect(addr).await?;
     let old_seg = old.segment("x")?;
     first.kill();
@@ -513,8 +661,29 @@ async fn wait_prefix(h: &ferry::RequestHandle, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_mid_write_is_uncertain_with_exact_prefix() -> Result<()> {
-    let mut child = ChildProc::spawn("trap", &[])?;
-    let engine = TransferEngine::builder().build()?;
+    killed_mid_write(DataPlane::Tcp, DataPlane::Tcp).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uring_peer_killed_mid_write_in_every_pairing() -> Result<()> {
+    if uring_unusable() {
+        return Ok(());
+    }
+    for (c, s) in [
+        (DataPlane::Uring, DataPlane::Uring),
+        (DataPlane::Uring, DataPlane::Tcp),
+        (DataPlane::Tcp, DataPlane::Uring),
+    ] {
+        killed_mid_write(c, s)
+            .await
+            .with_context(|| format!("client {c:?}, server {s:?}"))?;
+    }
+    Ok(())
+}
+
+async fn killed_mid_write(client_plane: DataPlane, server: DataPlane) -> Result<()> {
+    let mut child = ChildProc::spawn("trap", &[("FERRY_TEST_DATA_PLANE", plane_env(server))])?;
+    let engine = TransferEngine::builder().data_plane(client_plane).build()?;
     let peer = engine.connect(child.addr).await?;
     let src = engine.register(
         MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
@@ -582,4 +751,75 @@ async fn timeout_and_cancel_end_the_request_but_drained_waits() -> Result<()> {
         assert_eq!(last.remote_effect, RemoteEffect::Uncertain);
     }
     Ok(())
+}
+
+/// A file segment published by an io_uring child and READ by TCP and io_uring clients: random
+/// contents, unaligned offsets and lengths, aligned ones (O_DIRECT), and the tail of a file whose
+/// size is not a multiple of 4096, compared byte for byte.
+#[cfg(feature = "uring")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_segment_read_across_processes() -> Result<()> {
+    if uring_unusable() {
+        return Ok(());
+    }
+    let len: u64 = (3 << 20) + 1234;
+    let file = MemoryRegion::alloc_zeroed(len as usize, 4096)?;
+    fill(&file, 0xf17e)?;
+    let data = bytes(&file, 0, len)?;
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ferry-two-process-file-{}", std::process::id()));
+    std::fs::write(&path, &data)?;
+    let child = ChildProc::spawn(
+        "server",
+        &[
+            ("FERRY_TEST_FILES", &format!("shard={}:r", path.display())),
+            ("FERRY_TEST_DATA_PLANE", "uring"),
+        ],
+    );
+    let result = async {
+        let child = child?;
+        let tail_block = len / 4096 * 4096;
+        let cases: &[(u64, u64, u64)] = &[
+            (0, 0, len),
+            (1, 1, 4095),
+            (4096, 4096, 1 << 20),
+            (3, 8191, (2 << 20) + 17),
+            (5, len - 4000, 4000),
+            (0, len - 1, 1),
+            (8192, tail_block, len - tail_block),
+            (7, tail_block - 3, len - tail_block + 3),
+            (0, len - (1 << 20) - 3, (1 << 20) + 3),
+        ];
+        for plane in [DataPlane::Tcp, DataPlane::Uring] {
+            let engine = client(plane)?;
+            let peer = engine.connect(child.addr).await?;
+            let seg = peer.segment("shard")?;
+            assert_eq!((seg.len(), seg.access()), (len, Access::REMOTE_READ));
+            let dst = engine.register(
+                MemoryRegion::alloc_zeroed(len as usize + 8192, 4096)?,
+                Access::LOCAL,
+                "dst",
+            )?;
+            for &(lo, fo, n) in cases {
+                dst.region().write_at(lo, &vec![0u8; n as usize])?;
+                let o = engine
+                    .submit(Batch::new().read(&dst, lo, &seg, fo, n))?
+                    .await;
+                assert!(o.is_success(), "{plane:?} read {n} at {fo}: {o:?}");
+                assert!(
+                    bytes(dst.region(), lo, n)? == data[fo as usize..(fo + n) as usize],
+                    "{plane:?}: bytes differ reading {n} at {fo} into {lo}"
+                );
+            }
+            // Read-only: a WRITE is refused before anything moves.
+            assert!(matches!(
+                engine.submit(Batch::new().write(&dst, 0, &seg, 0, 10)),
+                Err(Error::AccessDenied { .. })
+            ));
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = std::fs::remove_file(&path);
+    result
 }
