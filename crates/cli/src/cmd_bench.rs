@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use ferry::{Access, Batch, MemoryRegion, TransferEngine, TransportKind};
+use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine, TransportKind};
 
 /// Arguments of `ferry bench`.
 #[derive(clap::Args, Debug)]
@@ -18,8 +18,10 @@ pub(crate) struct BenchArgs {
     /// The peer's segment to use (loopback: created with this name).
     #[arg(long, default_value = "bench")]
     segment: String,
-    /// Transport: tcp, rdma, or auto (the best both ends offer).
-    #[arg(long, default_value = "auto")]
+    /// Transport: tcp, uring (io_uring, an error where the kernel cannot), rdma, or auto (the
+    /// engine's choice: io_uring where the kernel supports it, TCP otherwise). The report's
+    /// `transport` says what ran.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring", "rdma"])]
     transport: String,
     /// RDMA devices and ports to use, in NCCL_IB_HCA syntax (`mlx5_0,mlx5_1:1`, `^mlx5_2`,
     /// `=rxe1`); default: every usable port.
@@ -141,6 +143,7 @@ struct LoopbackServer {
 impl LoopbackServer {
     fn start(
         kinds: &[TransportKind],
+        plane: DataPlane,
         streams: usize,
         socket_buffer: Option<usize>,
         seg_len: u64,
@@ -163,6 +166,7 @@ impl LoopbackServer {
                         let server = TransferEngine::builder()
                             .listen("127.0.0.1:0".parse()?)
                             .transports(&kinds)
+                            .data_plane(plane)
                             .streams(streams)
                             .socket_buffer(socket_buffer)
                             .build()?;
@@ -258,11 +262,13 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
 }
 
 async fn bench(args: &BenchArgs) -> Result<Report> {
-    let kinds = match args.transport.as_str() {
-        "auto" | "tcp" => vec![TransportKind::Tcp],
-        "rdma" => vec![TransportKind::Rdma],
+    let (kinds, plane) = match args.transport.as_str() {
+        "auto" => (vec![TransportKind::Tcp], DataPlane::Auto),
+        "tcp" => (vec![TransportKind::Tcp], DataPlane::Tcp),
+        "uring" => (vec![TransportKind::Tcp], DataPlane::Uring),
+        "rdma" => (vec![TransportKind::Rdma], DataPlane::Tcp),
         other => {
-            bail!("transport {other:?} is not available in this build (use tcp, rdma or auto)")
+            bail!("transport {other:?} is not available (use tcp, uring, rdma or auto)")
         }
     };
     if args.op_size == 0 {
@@ -284,6 +290,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         None => {
             let server = LoopbackServer::start(
                 &kinds,
+                plane,
                 streams,
                 socket_buffer,
                 seg_len,
@@ -296,6 +303,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     };
     let mut builder = TransferEngine::builder()
         .transports(&kinds)
+        .data_plane(plane)
         .streams(streams)
         .depth(depth.max(2))
         .socket_buffer(socket_buffer);

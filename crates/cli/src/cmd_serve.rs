@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result, bail};
-use ferry::{Access, MemoryRegion, TransferEngine};
+use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
 
 use crate::cmd_bench::{parse_size, rdma_config};
 
@@ -17,15 +17,22 @@ pub(crate) struct ServeArgs {
     /// file's bytes loaded into memory). Repeatable.
     #[arg(long = "segment", value_name = "NAME=SIZE|NAME=@PATH")]
     segments: Vec<String>,
+    /// A file segment to publish without loading it: NAME=PATH, served read-only by io_uring
+    /// reads (O_DIRECT where a request's alignment allows). Needs the io_uring data plane
+    /// (`--transport uring`, or auto on a kernel that supports it). Repeatable.
+    #[arg(long = "file", value_name = "NAME=PATH")]
+    files: Vec<String>,
     /// Publish every segment read-only (default: generated segments read+write, files read-only).
     #[arg(long)]
     read_only: bool,
     /// Data streams accepted per peer and used per connection.
     #[arg(long, default_value_t = 4)]
     streams: usize,
-    /// Transports to serve: tcp, rdma (TCP and RDMA, RDMA required), or auto (TCP, plus RDMA
-    /// when this machine has a usable RDMA port).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "rdma"])]
+    /// Transports to serve: tcp, uring (the io_uring server, which TCP clients reach too; an
+    /// error where the kernel cannot), rdma (RDMA required, plus the engine's choice of io_uring
+    /// or TCP), or auto (io_uring where the kernel supports it, else TCP, plus RDMA when this
+    /// machine has a usable RDMA port).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring", "rdma"])]
     transport: String,
     /// RDMA devices and ports to serve on, in NCCL_IB_HCA syntax; default: every usable port.
     #[arg(long, value_name = "FILTER")]
@@ -85,11 +92,17 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     rt.block_on(async move {
+        let plane = match args.transport.as_str() {
+            "tcp" => DataPlane::Tcp,
+            "uring" => DataPlane::Uring,
+            _ => DataPlane::Auto,
+        };
         let builder = TransferEngine::builder()
             .listen(args.listen)
-            .streams(args.streams);
+            .streams(args.streams)
+            .data_plane(plane);
         let engine = match args.transport.as_str() {
-            "tcp" => builder.build()?,
+            "tcp" | "uring" => builder.build()?,
             "rdma" => builder
                 .rdma(rdma_config(args.rdma_hca.as_deref())?)
                 .build()?,
@@ -105,7 +118,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 }
             },
         };
-        println!("transports: {}", engine.describe().transports.join(", "));
+        let description = engine.describe();
+        println!("transports: {}", description.transports.join(", "));
+        if let Some(dp) = &description.data_plane {
+            println!("data plane: {dp}");
+        }
         let mut held = Vec::new();
         for spec in &args.segments {
             let (name, region, access) = load_segment(spec, args.read_only)?;
@@ -113,9 +130,22 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             held.push(engine.register(region, access, &name)?);
             println!("segment {name}: {len} bytes, {access}");
         }
+        let mut files = Vec::new();
+        for spec in &args.files {
+            let (name, path) = spec
+                .split_once('=')
+                .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+                .with_context(|| format!("--file {spec:?}: expected NAME=PATH"))?;
+            let file = engine
+                .publish_file_named(path, Access::REMOTE_READ, name)
+                .with_context(|| format!("--file {spec:?}"))?;
+            println!("file segment {name}: {} bytes of {path}, read", file.len());
+            files.push(file);
+        }
         let addr = engine.local_addr().context("the engine has no listener")?;
         println!("listening on {addr}");
         std::future::pending::<()>().await;
+        drop(files);
         drop(held);
         Ok(())
     })

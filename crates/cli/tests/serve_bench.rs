@@ -20,8 +20,27 @@ fn bench_json(args: &[&str]) -> Result<serde_json::Value> {
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
+/// What `--transport auto` runs here: io_uring where the kernel can carry it, else TCP.
+fn auto_transport() -> &'static str {
+    if ferry::probe_kernel().usable() {
+        "uring"
+    } else {
+        "tcp"
+    }
+}
+
 fn check_report(v: &serde_json::Value, op: &str, op_bytes: u64, total: u64) -> Result<()> {
-    assert_eq!(v["transport"], "tcp");
+    check_report_over(v, auto_transport(), op, op_bytes, total)
+}
+
+fn check_report_over(
+    v: &serde_json::Value,
+    transport: &str,
+    op: &str,
+    op_bytes: u64,
+    total: u64,
+) -> Result<()> {
+    assert_eq!(v["transport"], transport, "{v}");
     assert_eq!(v["op"], op);
     assert_eq!(v["op_bytes"].as_u64(), Some(op_bytes));
     assert_eq!(v["total_bytes"].as_u64(), Some(total));
@@ -42,15 +61,39 @@ fn loopback_bench_without_a_peer() -> Result<()> {
 }
 
 #[test]
-fn bench_against_ferry_serve() -> Result<()> {
+fn loopback_bench_over_each_data_plane() -> Result<()> {
+    for transport in ["tcp", "uring"] {
+        if transport == "uring" {
+            if let Some(why) = ferry::probe_kernel().unusable_reason() {
+                eprintln!("skipped --transport uring: io_uring unusable here: {why}");
+                continue;
+            }
+        }
+        for op in ["read", "write"] {
+            let v = bench_json(&[
+                "--transport",
+                transport,
+                "--op",
+                op,
+                "--total",
+                "8MiB",
+                "--op-size",
+                "1MiB",
+                "--streams",
+                "2",
+            ])?;
+            check_report_over(&v, transport, op, 1 << 20, 8 << 20)?;
+        }
+    }
+    Ok(())
+}
+
+/// Starts `ferry serve` with `args` and returns it with the address it printed.
+fn serve(args: &[&str]) -> Result<(std::process::Child, Option<String>)> {
     let mut serve = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--segment",
-            "weights=4MiB",
-        ])
+        .arg("serve")
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()?;
     let stdout = serve.stdout.take().context("stdout")?;
@@ -62,6 +105,59 @@ fn bench_against_ferry_serve() -> Result<()> {
             break;
         }
     }
+    Ok((serve, addr))
+}
+
+#[test]
+fn bench_reads_a_file_segment_served_by_io_uring() -> Result<()> {
+    if let Some(why) = ferry::probe_kernel().unusable_reason() {
+        eprintln!("skipped: io_uring unusable here: {why}");
+        return Ok(());
+    }
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ferry-cli-file-{}", std::process::id()));
+    std::fs::write(&path, vec![7u8; (4 << 20) + 100])?;
+    let spec = format!("shard={}", path.display());
+    let (mut child, addr) = serve(&["--transport", "uring", "--file", &spec])?;
+    let result = (|| -> Result<()> {
+        let addr = addr.context("ferry serve printed no address")?;
+        for transport in ["tcp", "uring"] {
+            let v = bench_json(&[
+                &addr,
+                "--transport",
+                transport,
+                "--segment",
+                "shard",
+                "--op",
+                "read",
+                "--total",
+                "8MiB",
+            ])?;
+            check_report_over(&v, transport, "read", 1 << 20, 8 << 20)?;
+        }
+        Ok(())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+#[test]
+fn serve_with_a_file_segment_over_tcp_is_a_clear_error() -> Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--transport", "tcp"])
+        .args(["--file", &format!("me={}", env!("CARGO_BIN_EXE_ferry"))])
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs the io_uring data plane"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn bench_against_ferry_serve() -> Result<()> {
+    let (mut serve, addr) = serve(&["--segment", "weights=4MiB"])?;
     let result = (|| -> Result<()> {
         let addr = addr.context("ferry serve printed no address")?;
         for op in ["read", "write"] {
