@@ -151,7 +151,8 @@ fn iperf3(n: usize, total: u64) -> Result<f64> {
 fn ferry(streams: usize, op: &str, total: u64) -> Result<f64> {
     let bin = project_root().join("target/release/ferry");
     let out = Command::new(&bin)
-        .args(["bench", "--json", "--op", op, "--op-size", "1MiB"])
+        .args(["bench", "--json", "--transport", "tcp", "--op", op])
+        .args(["--op-size", "1MiB"])
         .args([
             "--streams",
             &streams.to_string(),

@@ -1,14 +1,14 @@
 //! `cargo xtask bench uring`: the io_uring transport against its references, in one run.
 //!
 //! - Network, loopback, 1 MiB ops, the same bytes: `iperf3 -Z` (one process for one stream, two
-//!   processes for two streams: iperf3 3.12 runs all `-P` streams in one thread) against the
-//!   io_uring transport's loopback WRITE bench (`crates/transport-uring/examples/uring_bench.rs`,
-//!   until `ferry bench --transport uring` exists). Ferry is measured twice: with a 1 MiB
-//!   segment (like iperf3, which reuses one `-l 1M` buffer on each side: the headline ratio) and
-//!   with a 256 MiB segment (cache-cold memory, as a real transfer sees it).
+//!   processes for two streams: iperf3 3.12 runs all `-P` streams in one thread) against
+//!   `ferry bench --transport uring --op write` (release build, its own io_uring server in the
+//!   same process, the report's `transport` checked to be `uring`). Ferry is measured twice: with
+//!   a 1 MiB segment (like iperf3, which reuses one `-l 1M` buffer on each side: the headline
+//!   ratio) and with a 256 MiB segment (cache-cold memory, as a real transfer sees it).
 //! - File: `fio --ioengine=io_uring --direct=1 --bs=1M --iodepth=32 --rw=read` on a temp file
 //!   under /var/tmp against `read_file_into` (queue depth 32) and remote READs of the same file
-//!   published as a file segment.
+//!   published as a file segment (`crates/transport-uring/examples/uring_bench.rs file`).
 //!
 //! Options: `--total BYTES` (network bytes per run, default 4GiB), `--file-size BYTES` (default
 //! 1GiB), `--dir DIR` (default /var/tmp). Installs iperf3 and fio with apt-get when missing.
@@ -161,20 +161,36 @@ fn bench_bin() -> Result<PathBuf> {
     if !bin.is_file() {
         bail!("{} not built", bin.display());
     }
+    run_loud(cargo().args(["build", "--release", "-q", "-p", "ferry-cli"]))?;
     Ok(bin)
 }
 
-fn ferry_net(bin: &Path, streams: usize, total: u64, segment: &str) -> Result<(f64, String)> {
-    let out = output(Command::new(bin).args([
-        "net",
+/// `ferry bench --transport uring` on loopback: WRITE, 1 MiB ops, `total` bytes over `streams`
+/// streams, against a segment of `segment` bytes. Returns GB/s and the JSON line.
+fn ferry_net(streams: usize, total: u64, segment: &str) -> Result<(f64, String)> {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project_root().join("target"));
+    let out = output(Command::new(target.join("release/ferry")).args([
+        "bench",
+        "--transport",
+        "uring",
+        "--json",
+        "--op",
+        "write",
+        "--op-size",
+        "1MiB",
         "--total",
         &total.to_string(),
         "--streams",
         &streams.to_string(),
-        "--segment",
+        "--segment-size",
         segment,
     ]))?;
-    let rate = json_num(&out, "gb_per_s", 0).context("uring_bench gb_per_s")?;
+    if !out.contains("\"transport\":\"uring\"") {
+        bail!("ferry bench --transport uring ran something else: {out}");
+    }
+    let rate = json_num(&out, "gb_per_s", 0).context("ferry bench gb_per_s")?;
     Ok((rate, out.trim().to_owned()))
 }
 
@@ -247,8 +263,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut details = Vec::new();
     for streams in [1usize, 2] {
         let reference = iperf3(streams, total)?;
-        let (hot, d1) = ferry_net(&bin, streams, total, "1MiB")?;
-        let (cold, d2) = ferry_net(&bin, streams, total, "256MiB")?;
+        let (hot, d1) = ferry_net(streams, total, "1MiB")?;
+        let (cold, d2) = ferry_net(streams, total, "256MiB")?;
         details.push(d1);
         details.push(d2);
         rows.push((
