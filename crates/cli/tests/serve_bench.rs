@@ -63,11 +63,10 @@ fn loopback_bench_without_a_peer() -> Result<()> {
 #[test]
 fn loopback_bench_over_each_data_plane() -> Result<()> {
     for transport in ["tcp", "uring"] {
-        if transport == "uring" {
-            if let Some(why) = ferry::probe_kernel().unusable_reason() {
-                eprintln!("skipped --transport uring: io_uring unusable here: {why}");
-                continue;
-            }
+        let unusable = ferry::probe_kernel().unusable_reason();
+        if let (Some(why), "uring") = (unusable, transport) {
+            eprintln!("skipped --transport uring: io_uring unusable here: {why}");
+            continue;
         }
         for op in ["read", "write"] {
             let v = bench_json(&[

@@ -153,18 +153,13 @@ impl EngineBuilder {
         self
     }
 
-    /// Which transport carries the portable data plane (default [`DataPlane::Tcp`]). With
-    /// [`DataPlane::Uring`] and a listener, the io_uring server serves (it also answers TCP
-    /// clients: the wire is the same), and file segments can be published.
+    /// Which transport carries the portable data plane (default [`DataPlane::Tcp`]), where the
+    /// [`transports`](Self::transports) include one (the default does; an RDMA-only list has
+    /// none, and this is then ignored). With [`DataPlane::Uring`] and a listener, the io_uring
+    /// server serves (it also answers TCP clients: the wire is the same), and file segments can
+    /// be published.
     pub fn data_plane(mut self, pref: DataPlane) -> Self {
         self.data_plane = pref;
-        if !self
-            .kinds
-            .iter()
-            .any(|k| matches!(k, TransportKind::Tcp | TransportKind::Uring))
-        {
-            self.kinds.push(TransportKind::Tcp);
-        }
         self
     }
 

@@ -67,21 +67,7 @@ fn child_server() -> Result<()> {
             let region = MemoryRegion::alloc_zeroed(size.parse()?, 4096)?;
             regs.push((name.to_owned(), engine.register(region, access, name)?));
         }
-        #[cfg(feature = "uring")]
-        let mut files = Vec::new();
-        for spec in std::env::var("FERRY_TEST_FILES")
-            .unwrap_or_default()
-            .split(',')
-            .filter(|s| !s.is_empty())
-        {
-            let (name, rest) = spec.split_once('=').context("file spec")?;
-            let (path, acc) = rest.rsplit_once(':').context("file spec")?;
-            let access = parse_access(acc);
-            #[cfg(feature = "uring")]
-            files.push(engine.publish_file_named(path, access, name)?);
-            #[cfg(not(feature = "uring"))]
-            bail!("file segment {name}={path} ({access}) needs the uring feature");
-        }
+        let _files = publish_files(&engine)?;
         println!(
             "LISTEN {}",
             engine.local_addr().context("no listen address")?
@@ -107,6 +93,26 @@ fn child_server() -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Publishes the file segments of `FERRY_TEST_FILES` (`name=path:access,...`).
+#[cfg_attr(not(feature = "uring"), allow(clippy::never_loop, unused_mut))]
+fn publish_files(engine: &TransferEngine) -> Result<Vec<Box<dyn std::any::Any>>> {
+    let mut files: Vec<Box<dyn std::any::Any>> = Vec::new();
+    for spec in std::env::var("FERRY_TEST_FILES")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+    {
+        let (name, rest) = spec.split_once('=').context("file spec")?;
+        let (path, acc) = rest.rsplit_once(':').context("file spec")?;
+        let access = parse_access(acc);
+        #[cfg(feature = "uring")]
+        files.push(Box::new(engine.publish_file_named(path, access, name)?));
+        #[cfg(not(feature = "uring"))]
+        bail!("file segment {name}={path} ({access}) needs the uring feature for {engine:?}");
+    }
+    Ok(files)
 }
 
 fn parse_access(acc: &str) -> Access {
