@@ -113,8 +113,7 @@ fn bench_reads_a_file_segment_served_by_io_uring() -> Result<()> {
         eprintln!("skipped: io_uring unusable here: {why}");
         return Ok(());
     }
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ferry-cli-file-{}", std::process::id()));
+    let path = std::env::temp_dir().join(format!("ferry-cli-file-{}", std::process::id()));
     std::fs::write(&path, vec![7u8; (4 << 20) + 100])?;
     let spec = format!("shard={}", path.display());
     let (mut child, addr) = serve(&["--transport", "uring", "--file", &spec])?;

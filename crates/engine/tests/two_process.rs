@@ -772,8 +772,7 @@ async fn file_segment_read_across_processes() -> Result<()> {
     let file = MemoryRegion::alloc_zeroed(len as usize, 4096)?;
     fill(&file, 0xf17e)?;
     let data = bytes(&file, 0, len)?;
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ferry-two-process-file-{}", std::process::id()));
+    let path = std::env::temp_dir().join(format!("ferry-two-process-file-{}", std::process::id()));
     std::fs::write(&path, &data)?;
     let child = ChildProc::spawn(
         "server",

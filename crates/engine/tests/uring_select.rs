@@ -120,8 +120,7 @@ fn random_file(name: &str, len: usize, seed: u64) -> Result<(std::path::PathBuf,
             x as u8
         })
         .collect();
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("{name}-{}-{seed:x}", std::process::id()));
+    let path = std::env::temp_dir().join(format!("{name}-{}-{seed:x}", std::process::id()));
     std::fs::write(&path, &data)?;
     Ok((path, data))
 }
