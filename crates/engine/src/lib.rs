@@ -52,3 +52,8 @@ pub mod discovery;
 
 /// sysfs topology: NICs, GPUs, distance classes, NIC assignment and filters (`ferry-topology`).
 pub use topology;
+
+/// The quickstart's Rust example, compiled as a doctest so that the guide stays true to the API.
+#[doc = include_str!("../../../docs/quickstart.md")]
+#[cfg(doctest)]
+pub struct QuickstartDoctest;
