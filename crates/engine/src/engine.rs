@@ -33,11 +33,12 @@ use crate::serve::{RegistryTable, Responder};
 pub enum DataPlane {
     /// io_uring where the kernel supports the opcodes it needs (probed at build), TCP otherwise;
     /// the reason is reported in [`Description::data_plane`](crate::Description::data_plane).
+    /// The builder's default.
+    #[default]
     Auto,
     /// io_uring, or an error naming what the kernel lacks.
     Uring,
-    /// The tokio TCP transport (the builder's default).
-    #[default]
+    /// The tokio TCP transport.
     Tcp,
 }
 
@@ -153,7 +154,7 @@ impl EngineBuilder {
         self
     }
 
-    /// Which transport carries the portable data plane (default [`DataPlane::Tcp`]), where the
+    /// Which transport carries the portable data plane (default [`DataPlane::Auto`]), where the
     /// [`transports`](Self::transports) include one (the default does; an RDMA-only list has
     /// none, and this is then ignored). With [`DataPlane::Uring`] and a listener, the io_uring
     /// server serves (it also answers TCP clients: the wire is the same), and file segments can
@@ -745,7 +746,8 @@ impl RemoteSegment {
 }
 
 impl TransferEngine {
-    /// A builder with defaults: TCP, no listener, default budgets, no request timeout.
+    /// A builder with defaults: the portable data plane (io_uring where the kernel supports it,
+    /// else TCP), no listener, default budgets, no request timeout.
     pub fn builder() -> EngineBuilder {
         EngineBuilder::default()
     }
@@ -1149,6 +1151,8 @@ impl TransferEngine {
                     work_requests: s.work_requests,
                     errors: s.errors,
                     flushed: s.flushed,
+                    replayed: s.replayed,
+                    replayed_bytes: s.replayed_bytes,
                 })
                 .collect();
         }

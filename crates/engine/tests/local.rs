@@ -2,11 +2,13 @@
 //! requirements, counters.
 
 use anyhow::Result;
-use ferry::{Access, Batch, Budgets, Error, MemoryRegion, TransferEngine};
+use ferry::{Access, Batch, Budgets, DataPlane, Error, MemoryRegion, TransferEngine};
 
 #[test]
 fn listening_needs_a_runtime_and_says_so() {
+    // The tokio TCP listener needs a runtime (the io_uring server runs its own threads).
     let r = TransferEngine::builder()
+        .data_plane(DataPlane::Tcp)
         .listen("127.0.0.1:0".parse().unwrap())
         .build();
     match r {

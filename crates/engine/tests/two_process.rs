@@ -713,7 +713,9 @@ async fn killed_mid_write(client_plane: DataPlane, server: DataPlane) -> Result<
 async fn timeout_and_cancel_end_the_request_but_drained_waits() -> Result<()> {
     for cancel in [false, true] {
         let mut child = ChildProc::spawn("trap", &[])?;
-        let engine = TransferEngine::builder().build()?;
+        let engine = TransferEngine::builder()
+            .data_plane(DataPlane::Tcp)
+            .build()?;
         let peer = engine.connect(child.addr).await?;
         let src = engine.register(
             MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
