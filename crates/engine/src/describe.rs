@@ -128,8 +128,8 @@ impl std::fmt::Display for Description {
         for r in &self.rails {
             writeln!(
                 f,
-                "rail {}: {} bytes, {} work requests, {} errors, {} flushed",
-                r.rail, r.bytes, r.work_requests, r.errors, r.flushed
+                "rail {}: {} bytes, {} work requests, {} errors, {} flushed, {} replayed ({} bytes)",
+                r.rail, r.bytes, r.work_requests, r.errors, r.flushed, r.replayed, r.replayed_bytes
             )?;
         }
         Ok(())
@@ -150,4 +150,8 @@ pub struct RailDescription {
     pub errors: u64,
     /// Flushed work requests.
     pub flushed: u64,
+    /// Chunks of a failed rail this rail re-posted (multi-rail replay).
+    pub replayed: u64,
+    /// Bytes of those replayed chunks.
+    pub replayed_bytes: u64,
 }

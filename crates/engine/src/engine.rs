@@ -1151,6 +1151,8 @@ impl TransferEngine {
                     work_requests: s.work_requests,
                     errors: s.errors,
                     flushed: s.flushed,
+                    replayed: s.replayed,
+                    replayed_bytes: s.replayed_bytes,
                 })
                 .collect();
         }

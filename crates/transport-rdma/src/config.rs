@@ -113,6 +113,12 @@ pub struct RdmaConfig {
     pub flush_timeout: Duration,
     /// Queue-pair sets kept for peers this side serves (oldest destroyed beyond; default 256).
     pub max_served: usize,
+    /// Whether the unacknowledged WRITE chunks of a rail that failed may be replayed on another
+    /// rail of the channel (default `false`: they stay `Uncertain` and the request fails).
+    /// Unacknowledged READ chunks are always replayed when a healthy rail is left (READs are
+    /// idempotent); a remote access error is never replayed. Replays are counted per rail
+    /// ([`RailStats::replayed`](crate::RailStats::replayed)).
+    pub replay_writes: bool,
 }
 
 impl Default for RdmaConfig {
@@ -128,6 +134,7 @@ impl Default for RdmaConfig {
             timing: QpTiming::default(),
             flush_timeout: Duration::from_secs(30),
             max_served: 256,
+            replay_writes: false,
         }
     }
 }
@@ -165,6 +172,13 @@ impl RdmaConfig {
     /// Sets the work requests in flight per queue pair.
     pub fn depth(mut self, n: u32) -> Self {
         self.depth = n;
+        self
+    }
+
+    /// Sets whether WRITE chunks of a failed rail may be replayed on another rail (see
+    /// [`replay_writes`](Self::replay_writes)).
+    pub fn replay_writes(mut self, allow: bool) -> Self {
+        self.replay_writes = allow;
         self
     }
 

@@ -15,11 +15,17 @@
 //!   and folded into the request's outcome by a per-channel worker thread that busy-polls. An
 //!   error completion fails its queue pair (moved to ERR and flushed); later WRITEs are then
 //!   `Uncertain`, and a request resolves `drained` only after its work requests all completed.
+//! - Multi-rail replay: when a rail's queue pair fails with a transport error (retry exceeded,
+//!   flush), its unacknowledged READ chunks are re-posted on a healthy rail of the channel, and
+//!   its WRITE chunks too when [`RdmaConfig::replay_writes`] allows; the rail stays dead for the
+//!   channel. Remote access errors are never replayed. Replays are counted per rail
+//!   ([`RailStats::replayed`], [`RailStats::replayed_bytes`]).
 //! - Native handles never panic in `Drop`: a failed destroy is kept and reported by
 //!   [`RdmaTransport::check`] as `Unquiesced`, and through the registry for MRs.
 //!
 //! `unsafe` code lives only in `native` (the owning handles) and `backend` (handing registered
-//! memory to `ibv_reg_mr`). No features.
+//! memory to `ibv_reg_mr`). Features: `__fault-injection` (test-only) adds
+//! `RdmaTransport::inject_rail_failure`, which the guest tests use to break one rail mid-request.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod backend;

@@ -12,6 +12,16 @@
 //!   byte); retry-exceeded errors mean the peer is lost;
 //! - a request resolves (with `drained: true`) only when none of its work requests is still
 //!   outstanding, so a failed QP is flushed before its buffers are declared free.
+//!
+//! Replay (ARCHITECTURE.md section 5, multi-rail): a chunk whose work request completes with a
+//! transport error (retry or RNR retry exceeded) or is flushed off a failed queue pair was never
+//! acknowledged. When it is a READ (idempotent), or a WRITE and [`PumpLimits::replay_writes`]
+//! allows it, and its request has not failed or stopped, and another healthy rail can carry the
+//! op, the chunk is queued again and re-posted on that rail instead of being lost. It keeps its
+//! single `posted` in the request's ledger (a WRITE re-posted and then lost again stays in
+//! doubt; one never re-posted is lost with its original status), and counts as complete only
+//! when the replay is acknowledged. A refused chunk (remote access error) is never replayed.
+//! The failed rail stays dead for the channel: later chunks stripe over the remaining rails.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -52,6 +62,14 @@ pub struct RailCounters {
     pub errors: AtomicU64,
     /// Flushed work requests.
     pub flushed: AtomicU64,
+    /// Chunks of a failed rail re-posted on this rail (replays it carried).
+    pub replayed: AtomicU64,
+    /// Bytes of those replayed chunks.
+    pub replayed_bytes: AtomicU64,
+    /// Test-only: move this rail's queue pair to ERR at the next step that finds work
+    /// outstanding on it, behind the data path's back (as a failing link would).
+    #[cfg(feature = "__fault-injection")]
+    pub(crate) inject_failure: std::sync::atomic::AtomicBool,
 }
 
 /// Limits of the data path.
@@ -66,13 +84,35 @@ pub(crate) struct PumpLimits {
     /// How long a failed queue pair may take to flush its outstanding work requests; past it
     /// they are given up as lost and their requests resolve with `drained: false`.
     pub(crate) flush_timeout: Duration,
+    /// Whether unacknowledged WRITE chunks of a failed rail may be replayed on another rail
+    /// (READs always may).
+    pub(crate) replay_writes: bool,
 }
 
 struct Entry {
     wr_id: u64,
     req: u64,
     op: usize,
+    /// Offset of the chunk in its op.
+    off: u64,
     len: u64,
+    /// Whether this posting is a replay of a chunk lost on another rail.
+    replay: bool,
+    /// Whether the ledger already counts a posting of this chunk (a replay of a chunk that
+    /// was on the wire): then this posting is not counted again.
+    counted: bool,
+}
+
+/// A chunk waiting to be re-posted on a healthy rail.
+struct Replay {
+    op: usize,
+    off: u64,
+    len: u64,
+    /// How it failed on its rail, should it never be re-posted.
+    kind: FailureKind,
+    native: Option<i32>,
+    /// Whether it was on the wire (its effect unknown) rather than refused by `ibv_post_send`.
+    counted: bool,
 }
 
 /// One rail as the pump drives it.
@@ -132,6 +172,8 @@ struct Active {
     exhausted: bool,
     in_flight: usize,
     undrained: bool,
+    /// Chunks lost on a failed rail, waiting to be re-posted.
+    replays: VecDeque<Replay>,
     done: Option<Done>,
 }
 
@@ -139,6 +181,46 @@ impl Active {
     fn local_addr(&self, op: usize, off: u64) -> u64 {
         let o = &self.ops[op];
         o.local.as_ptr() as u64 + o.local_offset + off
+    }
+
+    /// The work request moving `len` bytes at `off` of op `op` with `keys`.
+    fn work_request(&self, wr_id: u64, op: usize, off: u64, len: u64, keys: Keys) -> SendWr {
+        let o = &self.ops[op];
+        SendWr {
+            wr_id,
+            kind: match o.kind {
+                OpKind::Write => WrKind::Write,
+                OpKind::Read => WrKind::Read,
+            },
+            local_addr: self.local_addr(op, off),
+            len: u32::try_from(len).unwrap_or(u32::MAX),
+            lkey: keys.lkey,
+            remote_addr: keys
+                .remote_base
+                .wrapping_add(o.remote_offset)
+                .wrapping_add(off),
+            rkey: keys.rkey,
+            signaled: false,
+        }
+    }
+
+    /// The queued replays will not be posted (the request stopped or failed, or no rail is
+    /// left): they are lost with the status they were lost with on their rail.
+    fn abandon_replays(&mut self) -> bool {
+        if self.replays.is_empty() {
+            return false;
+        }
+        let replays = std::mem::take(&mut self.replays);
+        self.control.with_ledger(|l| {
+            for c in &replays {
+                if c.counted {
+                    l.lost(c.op, c.kind, c.native);
+                } else {
+                    l.not_posted(c.op, c.kind, c.native);
+                }
+            }
+        });
+        true
     }
 }
 
@@ -171,6 +253,7 @@ impl Pump {
                 depth: limits.depth.max(1),
                 signal_every: limits.signal_every.max(1),
                 flush_timeout: limits.flush_timeout,
+                replay_writes: limits.replay_writes,
             },
             active: Vec::new(),
             next_wr: 1,
@@ -210,6 +293,7 @@ impl Pump {
             exhausted: false,
             in_flight: 0,
             undrained: false,
+            replays: VecDeque::new(),
             done: Some(done),
         });
     }
@@ -230,6 +314,8 @@ impl Pump {
     /// [`step`](Self::step) at time `now`.
     pub(crate) fn step_at(&mut self, now: Instant) -> bool {
         let mut progress = self.post();
+        #[cfg(feature = "__fault-injection")]
+        self.inject_failures();
         progress |= self.poll();
         progress |= self.give_up_flushes(now);
         progress |= self.finish();
@@ -242,6 +328,45 @@ impl Pump {
         let chunk = self.limits.chunk;
         let depth = self.limits.depth;
         for req in &mut self.active {
+            if req.control.should_stop_posting() {
+                req.abandon_replays();
+            }
+            while let Some(c) = req.replays.front() {
+                let Ok(rail_keys) = &req.keys[c.op] else {
+                    req.abandon_replays();
+                    break;
+                };
+                let carriers = |r: usize| {
+                    self.rails[r].usable() && rail_keys.get(r).is_some_and(Option::is_some)
+                };
+                if !(0..n).any(carriers) {
+                    req.abandon_replays();
+                    break;
+                }
+                let pick = (0..n).map(|k| (self.rr + k) % n).find(|&r| {
+                    carriers(r) && self.rails[r].outstanding.len() + batches[r].len() < depth
+                });
+                let Some(r) = pick else { break };
+                let Some(keys) = rail_keys[r] else { break };
+                let (op, off, len, counted) = (c.op, c.off, c.len, c.counted);
+                req.replays.pop_front();
+                let wr = req.work_request(self.next_wr, op, off, len, keys);
+                batches[r].push((
+                    wr,
+                    Entry {
+                        wr_id: self.next_wr,
+                        req: req.id,
+                        op,
+                        off,
+                        len,
+                        replay: true,
+                        counted,
+                    },
+                ));
+                self.next_wr += 1;
+                req.in_flight += 1;
+                self.rr = (r + 1) % n;
+            }
             while !req.exhausted {
                 if req.next_op >= req.ops.len() || req.control.should_stop_posting() {
                     req.exhausted = true;
@@ -285,29 +410,17 @@ impl Pump {
                 let Some(r) = pick else { break };
                 let Some(keys) = rail_keys[r] else { break };
                 let len = (op.len - req.next_off).min(chunk);
-                let wr = SendWr {
-                    wr_id: self.next_wr,
-                    kind: match op.kind {
-                        OpKind::Write => WrKind::Write,
-                        OpKind::Read => WrKind::Read,
-                    },
-                    local_addr: req.local_addr(i, req.next_off),
-                    len: u32::try_from(len).unwrap_or(u32::MAX),
-                    lkey: keys.lkey,
-                    remote_addr: keys
-                        .remote_base
-                        .wrapping_add(op.remote_offset)
-                        .wrapping_add(req.next_off),
-                    rkey: keys.rkey,
-                    signaled: false,
-                };
+                let wr = req.work_request(self.next_wr, i, req.next_off, len, keys);
                 batches[r].push((
                     wr,
                     Entry {
                         wr_id: self.next_wr,
                         req: req.id,
                         op: i,
+                        off: req.next_off,
                         len,
+                        replay: false,
+                        counted: false,
                     },
                 ));
                 self.next_wr += 1;
@@ -343,7 +456,17 @@ impl Pump {
             };
             let mut rest = batch.split_off(posted);
             for (_, e) in batch {
-                if let Some(req) = self.active.iter().find(|a| a.id == e.req) {
+                if e.replay {
+                    rail.counters.replayed.fetch_add(1, Ordering::Relaxed);
+                    rail.counters
+                        .replayed_bytes
+                        .fetch_add(e.len, Ordering::Relaxed);
+                }
+                // A replay of a chunk that was on the wire: its first posting is still the one
+                // the ledger counts.
+                if !e.counted
+                    && let Some(req) = self.active.iter().find(|a| a.id == e.req)
+                {
                     req.control.with_ledger(|l| l.posted(e.op));
                 }
                 rail.counters.posted.fetch_add(1, Ordering::Relaxed);
@@ -352,18 +475,58 @@ impl Pump {
             if let Some(errno) = err {
                 tracing::warn!(rail = %rail.name, errno, posted, refused = rest.len(),
                     "ibv_post_send refused part of a chain");
+                // Refused chunks never reached the wire: another healthy rail of the channel
+                // may carry them (whatever their kind), else they fail locally.
+                let others: Vec<bool> = (0..n).map(|j| j != r && self.rails[j].usable()).collect();
                 for (_, e) in rest.drain(..) {
                     if let Some(req) = self.active.iter_mut().find(|a| a.id == e.req) {
-                        req.control
-                            .with_ledger(|l| l.not_posted(e.op, FailureKind::Local, Some(errno)));
                         req.in_flight -= 1;
+                        let carrier = req.keys[e.op]
+                            .as_ref()
+                            .is_ok_and(|k| k.iter().zip(&others).any(|(k, &ok)| ok && k.is_some()));
+                        if carrier && !req.control.should_stop_posting() {
+                            req.replays.push_back(Replay {
+                                op: e.op,
+                                off: e.off,
+                                len: e.len,
+                                kind: FailureKind::Local,
+                                native: Some(errno),
+                                counted: e.counted,
+                            });
+                        } else if e.counted {
+                            req.control
+                                .with_ledger(|l| l.lost(e.op, FailureKind::Local, Some(errno)));
+                        } else {
+                            req.control.with_ledger(|l| {
+                                l.not_posted(e.op, FailureKind::Local, Some(errno))
+                            });
+                        }
                     }
                 }
+                let rail = &mut self.rails[r];
                 // The chain's tail may be unsignalled: flush the QP so everything posted completes.
                 rail.fail(FailureKind::Local);
             }
         }
         progress
+    }
+
+    /// Test-only: the rails asked to break while they have work outstanding go to ERR; the pump
+    /// learns of it from their flushed completions only.
+    #[cfg(feature = "__fault-injection")]
+    fn inject_failures(&mut self) {
+        for rail in &mut self.rails {
+            if rail.outstanding.is_empty()
+                || !rail.counters.inject_failure.swap(false, Ordering::AcqRel)
+            {
+                continue;
+            }
+            tracing::warn!(rail = %rail.name, outstanding = rail.outstanding.len(),
+                "fault injection: moving the queue pair to ERR");
+            if let Err(e) = rail.qp.modify(&Transition::Error) {
+                tracing::warn!(rail = %rail.name, error = %e, "fault injection failed");
+            }
+        }
     }
 
     /// Outstanding work of a rail that failed more than `flush_timeout` ago and never flushed:
@@ -427,6 +590,15 @@ impl Pump {
     }
 
     fn complete(&mut self, r: usize, c: Completion) {
+        // The other rails that can take over this rail's lost chunks (only rail `r` changes
+        // below).
+        let healthy: Vec<bool> = self
+            .rails
+            .iter()
+            .enumerate()
+            .map(|(j, x)| j != r && x.usable())
+            .collect();
+        let replay_writes = self.limits.replay_writes;
         let rail = &mut self.rails[r];
         if !rail.outstanding.iter().any(|e| e.wr_id == c.wr_id) {
             tracing::warn!(rail = %rail.name, wr_id = c.wr_id, "completion for an unknown work request");
@@ -448,6 +620,27 @@ impl Pump {
                 continue;
             };
             req.in_flight -= 1;
+            // A chunk this rail lost to a transport failure, replayed on another rail when its
+            // kind and the policy allow it and a healthy rail can carry its op.
+            let replay = |req: &mut Active, status: u32| {
+                let op = &req.ops[e.op];
+                let allowed = op.kind == OpKind::Read || replay_writes;
+                let carrier = req.keys[e.op]
+                    .as_ref()
+                    .is_ok_and(|k| k.iter().zip(&healthy).any(|(k, &ok)| ok && k.is_some()));
+                if !allowed || !carrier || req.control.should_stop_posting() {
+                    return false;
+                }
+                req.replays.push_back(Replay {
+                    op: e.op,
+                    off: e.off,
+                    len: e.len,
+                    kind: FailureKind::PeerLost,
+                    native: Some(status as i32),
+                    counted: true,
+                });
+                true
+            };
             match status {
                 WC_SUCCESS => {
                     rail.counters.bytes.fetch_add(e.len, Ordering::Relaxed);
@@ -456,9 +649,11 @@ impl Pump {
                 }
                 WC_FLUSH => {
                     rail.counters.flushed.fetch_add(1, Ordering::Relaxed);
-                    req.control.with_ledger(|l| {
-                        l.lost(e.op, FailureKind::PeerLost, Some(WC_FLUSH as i32))
-                    });
+                    if !replay(req, WC_FLUSH) {
+                        req.control.with_ledger(|l| {
+                            l.lost(e.op, FailureKind::PeerLost, Some(WC_FLUSH as i32))
+                        });
+                    }
                     // A flush on a QP we did not fail ourselves: it is broken.
                     rail.fail(FailureKind::PeerLost);
                 }
@@ -467,10 +662,13 @@ impl Pump {
                     let kind = classify(other);
                     tracing::info!(rail = %rail.name, status = other, vendor_err = c.vendor_err,
                         op = e.op, kind = %kind, "work completion error");
-                    req.control.with_ledger(|l| match kind {
-                        FailureKind::Remote(s) => l.refused(e.op, s),
-                        k => l.lost(e.op, k, Some(other as i32)),
-                    });
+                    let replayed = kind == FailureKind::PeerLost && replay(req, other);
+                    if !replayed {
+                        req.control.with_ledger(|l| match kind {
+                            FailureKind::Remote(s) => l.refused(e.op, s),
+                            k => l.lost(e.op, k, Some(other as i32)),
+                        });
+                    }
                     rail.fail(kind);
                 }
             }
@@ -485,10 +683,11 @@ impl Pump {
         let mut k = 0;
         while k < self.active.len() {
             let a = &mut self.active[k];
-            if !a.exhausted && a.control.should_stop_posting() {
+            if a.control.should_stop_posting() {
                 a.exhausted = true;
+                progress |= a.abandon_replays();
             }
-            if a.exhausted && a.in_flight == 0 {
+            if a.exhausted && a.in_flight == 0 && a.replays.is_empty() {
                 let a = self.active.remove(k);
                 let outcome = a.control.outcome(!a.undrained);
                 if let Some(done) = a.done {
@@ -538,6 +737,7 @@ mod tests {
             depth,
             signal_every: 2,
             flush_timeout: Duration::from_secs(10),
+            replay_writes: false,
         }
     }
 
@@ -850,5 +1050,307 @@ mod tests {
         let mut seen = seen.lock().unwrap().clone();
         seen.sort();
         assert_eq!(seen, vec![(0, 2), (1, 2)]);
+    }
+
+    /// A queue pair that acknowledges what is posted (up to the last signalled work request of
+    /// each poll), except that its `fail_at`-th work request (in posting order) completes with
+    /// `status`; after that, or once moved to ERR, everything outstanding flushes (one
+    /// completion each, as verbs reports errors whether signalled or not). `ibv_post_send`
+    /// refuses the work requests from the `refuse_from`-th on.
+    #[derive(Default)]
+    struct FakeQp {
+        posted: Vec<SendWr>,
+        completed: usize,
+        fail_at: Option<(usize, u32)>,
+        refuse_from: Option<usize>,
+        broken: bool,
+    }
+
+    impl FakeQp {
+        fn post(&mut self, w: &[SendWr]) -> Result<(), PostError> {
+            let room = self
+                .refuse_from
+                .map_or(w.len(), |n| n.saturating_sub(self.posted.len()));
+            self.posted.extend_from_slice(&w[..room.min(w.len())]);
+            if room < w.len() {
+                return Err(PostError {
+                    posted: room,
+                    errno: libc::ENOMEM,
+                });
+            }
+            Ok(())
+        }
+
+        fn poll(&mut self) -> Vec<Completion> {
+            let rest = self.completed..self.posted.len();
+            if rest.is_empty() {
+                return vec![];
+            }
+            if self.broken {
+                self.completed = self.posted.len();
+                return self.posted[rest]
+                    .iter()
+                    .map(|w| status(w.wr_id, WC_FLUSH))
+                    .collect();
+            }
+            if let Some((i, st)) = self.fail_at
+                && rest.contains(&i)
+            {
+                self.broken = true;
+                self.completed = i + 1;
+                return vec![status(self.posted[i].wr_id, st)];
+            }
+            match rest.clone().rev().find(|&i| self.posted[i].signaled) {
+                Some(i) => {
+                    self.completed = i + 1;
+                    vec![ok(self.posted[i].wr_id)]
+                }
+                None => vec![],
+            }
+        }
+    }
+
+    fn fake_rail(fail_at: Option<(usize, u32)>) -> (Rail, Arc<Mutex<FakeQp>>) {
+        fake_rail_with(FakeQp {
+            fail_at,
+            ..FakeQp::default()
+        })
+    }
+
+    fn fake_rail_with(fake: FakeQp) -> (Rail, Arc<Mutex<FakeQp>>) {
+        let state = Arc::new(Mutex::new(fake));
+        let mut qp = MockQpVerbs::new();
+        let s = state.clone();
+        qp.expect_post_send()
+            .returning(move |w| s.lock().unwrap().post(w));
+        let s = state.clone();
+        qp.expect_poll()
+            .returning(move |_| Ok(s.lock().unwrap().poll()));
+        let s = state.clone();
+        qp.expect_modify()
+            .withf(|t| *t == Transition::Error)
+            .returning(move |_| {
+                s.lock().unwrap().broken = true;
+                Ok(())
+            });
+        (rail(qp), state)
+    }
+
+    fn run(p: &mut Pump, slot: &Slot) -> Outcome {
+        for _ in 0..100 {
+            if let Some(o) = slot.lock().unwrap().take() {
+                return o;
+            }
+            p.step();
+        }
+        panic!("the request did not resolve");
+    }
+
+    fn counter(p: &Pump, r: usize, f: impl Fn(&RailCounters) -> &AtomicU64) -> u64 {
+        f(&p.rails[r].counters).load(Ordering::Relaxed)
+    }
+
+    /// Two rails; rail 1's second work request fails with `status`. One op of `kind`, 1000
+    /// bytes in 10 chunks of 100 (5 per rail).
+    fn two_rails_one_failing(
+        kind: OpKind,
+        status: u32,
+        replay_writes: bool,
+    ) -> (Pump, Outcome, Arc<Mutex<FakeQp>>) {
+        let (r0, _) = fake_rail(None);
+        let (r1, s1) = fake_rail(Some((1, status)));
+        let mut p = Pump::new(
+            vec![r0, r1],
+            PumpLimits {
+                replay_writes,
+                ..limits(16)
+            },
+        );
+        let (_c, slot) = add(&mut p, ops(&[(kind, 1000)]), 2);
+        let o = run(&mut p, &slot);
+        (p, o, s1)
+    }
+
+    #[test]
+    fn reads_lost_on_a_failed_rail_are_replayed_on_the_other_and_the_dead_rail_is_skipped() {
+        let (mut p, o, s1) = two_rails_one_failing(OpKind::Read, WC_RETRY_EXC, false);
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert_eq!((o.completed_ops, o.completed_bytes), (1, 1000));
+        // Rail 1 carried 5 chunks: the first was acknowledged, the failed one and the 3 flushed
+        // after it were replayed on rail 0.
+        assert_eq!(counter(&p, 1, |c| &c.bytes), 100);
+        assert_eq!(counter(&p, 1, |c| &c.errors), 1);
+        assert_eq!(counter(&p, 1, |c| &c.flushed), 3);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 4);
+        assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 400);
+        assert_eq!(counter(&p, 0, |c| &c.bytes), 900);
+        assert_eq!(counter(&p, 1, |c| &c.replayed), 0);
+        // The replays moved exactly the lost ranges.
+        let lost: Vec<u64> = s1.lock().unwrap().posted[1..]
+            .iter()
+            .map(|w| w.remote_addr)
+            .collect();
+        assert_eq!(lost.len(), 4);
+        assert!(p.alive(), "rail 0 is still healthy");
+        // The next request stripes over rail 0 only.
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 400)]), 2);
+        let o = run(&mut p, &slot);
+        assert!(o.is_success(), "{o:?}");
+        assert_eq!(
+            s1.lock().unwrap().posted.len(),
+            5,
+            "the dead rail got new work"
+        );
+        assert_eq!(counter(&p, 0, |c| &c.bytes), 1300);
+    }
+
+    #[test]
+    fn replays_cover_exactly_the_lost_chunks() {
+        let (r0, s0) = fake_rail(None);
+        let (r1, s1) = fake_rail(Some((1, WC_RETRY_EXC)));
+        let mut p = Pump::new(vec![r0, r1], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 1000)]), 2);
+        assert!(run(&mut p, &slot).is_success());
+        let mut lost: Vec<(u64, u64, u32)> = s1.lock().unwrap().posted[1..]
+            .iter()
+            .map(|w| (w.local_addr, w.remote_addr, w.len))
+            .collect();
+        let mut replayed: Vec<(u64, u64, u32)> = s0.lock().unwrap().posted[5..]
+            .iter()
+            .map(|w| {
+                assert_eq!(w.kind, WrKind::Read);
+                (w.local_addr, w.remote_addr, w.len)
+            })
+            .collect();
+        lost.sort_unstable();
+        replayed.sort_unstable();
+        assert_eq!(lost, replayed);
+    }
+
+    #[test]
+    fn writes_lost_on_a_failed_rail_stay_uncertain_unless_the_policy_allows_replay() {
+        let (p, o, _) = two_rails_one_failing(OpKind::Write, WC_RETRY_EXC, false);
+        assert_eq!((o.completed_ops, o.completed_bytes), (0, 0));
+        let f = o.failure.expect("failed");
+        assert_eq!(f.kind, FailureKind::PeerLost);
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        assert!(o.drained);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 0);
+
+        let (p, o, _) = two_rails_one_failing(OpKind::Write, WC_RETRY_EXC, true);
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert_eq!(o.completed_bytes, 1000);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 4);
+        assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 400);
+    }
+
+    #[test]
+    fn a_remote_access_error_is_not_replayed() {
+        let (p, o, _) = two_rails_one_failing(OpKind::Read, WC_REM_ACCESS, false);
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::Remote(RemoteStatus::AccessDenied))
+        );
+        assert_eq!(o.completed_ops, 0);
+        assert!(o.drained);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 0);
+        // Nothing beyond the first posting went to rail 0.
+        assert_eq!(counter(&p, 0, |c| &c.posted), 5);
+    }
+
+    #[test]
+    fn when_every_rail_fails_the_request_is_lost_with_the_exact_prefix() {
+        // op 0 (200 bytes): wr 1 on rail 0, wr 2 on rail 1, both acknowledged.
+        // op 1 (800 bytes): wr 3, 5, 7, 9 on rail 0 and 4, 6, 8, 10 on rail 1. Rail 0 fails at
+        // wr 5 (its replay is queued for rail 1), then rail 1 fails at wr 4: nothing is left.
+        let (r0, _) = fake_rail(Some((2, WC_RETRY_EXC)));
+        let (r1, _) = fake_rail(Some((1, WC_RETRY_EXC)));
+        let mut p = Pump::new(vec![r0, r1], limits(16));
+        let (c, slot) = add(&mut p, ops(&[(OpKind::Read, 200), (OpKind::Read, 800)]), 2);
+        let o = run(&mut p, &slot);
+        assert_eq!((o.completed_ops, o.completed_bytes), (1, 200));
+        let f = o.failure.expect("failed");
+        assert_eq!((f.op_index, f.kind), (1, FailureKind::PeerLost));
+        assert_eq!(f.native_status, Some(WC_RETRY_EXC as i32));
+        assert_eq!(o.remote_effect, RemoteEffect::None);
+        assert!(o.drained);
+        assert!(!p.alive());
+        assert!(p.idle());
+        // wr 5's queued replay was dropped as lost: the outcome is final, not waiting on it.
+        assert_eq!(c.outcome(true), o);
+    }
+
+    #[test]
+    fn a_cancelled_request_drops_its_queued_replays_as_lost() {
+        let (r0, _) = fake_rail(None);
+        let (r1, _) = fake_rail(Some((0, WC_RETRY_EXC)));
+        let mut p = Pump::new(vec![r0, r1], limits(16));
+        let (c, slot) = add(&mut p, ops(&[(OpKind::Read, 200)]), 2);
+        // Step 1 posts both chunks; rail 0 acks its chunk, rail 1 fails its own: replay queued.
+        p.step();
+        assert!(slot.lock().unwrap().is_none());
+        c.stop(FailureKind::Cancelled);
+        let o = run(&mut p, &slot);
+        assert_eq!(o.completed_ops, 0);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 0);
+        assert!(o.drained);
+        assert!(p.idle());
+    }
+
+    #[test]
+    fn chunks_refused_by_post_send_move_to_a_healthy_rail_even_writes() {
+        // Rail 1 takes 2 of its 5 work requests, refuses the rest, and is flushed: its 3
+        // refused chunks never reached the wire and move to rail 0 whatever their kind; its 2
+        // posted READ chunks flush and are replayed.
+        let (r0, _) = fake_rail(None);
+        let (r1, s1) = fake_rail_with(FakeQp {
+            refuse_from: Some(2),
+            ..FakeQp::default()
+        });
+        let mut p = Pump::new(vec![r0, r1], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 1000)]), 2);
+        let o = run(&mut p, &slot);
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert_eq!(s1.lock().unwrap().posted.len(), 2);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+        assert_eq!(counter(&p, 0, |c| &c.bytes), 1000);
+
+        // WRITEs, replay not allowed: chunks refused before reaching the wire still move (they
+        // have had no effect), and the request completes.
+        let (r0, _) = fake_rail(None);
+        let (r1, s1) = fake_rail_with(FakeQp {
+            refuse_from: Some(0),
+            ..FakeQp::default()
+        });
+        let mut p = Pump::new(vec![r0, r1], limits(16));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Write, 1000)]), 2);
+        let o = run(&mut p, &slot);
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert!(s1.lock().unwrap().posted.is_empty());
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+        assert!(!p.rails[1].usable(), "the refusing rail is dead");
+    }
+
+    #[cfg(feature = "__fault-injection")]
+    #[test]
+    fn an_injected_rail_failure_is_learnt_from_the_flushes_and_replayed() {
+        let (r0, _) = fake_rail(None);
+        let (r1, s1) = fake_rail(None);
+        let mut p = Pump::new(vec![r0, r1], limits(16));
+        p.rails[1]
+            .counters
+            .inject_failure
+            .store(true, Ordering::Relaxed);
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 1000)]), 2);
+        let o = run(&mut p, &slot);
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert!(
+            s1.lock().unwrap().broken,
+            "the queue pair was not moved to ERR"
+        );
+        assert_eq!(counter(&p, 1, |c| &c.flushed), 5);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+        assert_eq!(counter(&p, 0, |c| &c.bytes), 1000);
+        assert!(p.alive());
     }
 }

@@ -92,6 +92,10 @@ pub struct RailStats {
     pub errors: u64,
     /// Flushed work requests.
     pub flushed: u64,
+    /// Chunks of a failed rail that this rail re-posted (replays it carried).
+    pub replayed: u64,
+    /// Bytes of those replayed chunks.
+    pub replayed_bytes: u64,
 }
 
 struct ChannelStats {
@@ -270,10 +274,40 @@ impl RdmaTransport {
                     s.posted += k.posted.load(Ordering::Relaxed);
                     s.errors += k.errors.load(Ordering::Relaxed);
                     s.flushed += k.flushed.load(Ordering::Relaxed);
+                    s.replayed += k.replayed.load(Ordering::Relaxed);
+                    s.replayed_bytes += k.replayed_bytes.load(Ordering::Relaxed);
                 }
             }
         }
         out
+    }
+
+    /// Test-only (feature `__fault-injection`): breaks local rail `rail` (an index into
+    /// [`rail_names`](Self::rail_names)) on every live channel, as a failing link would: each
+    /// channel's worker moves that rail's queue pair to ERR at its next step with work
+    /// outstanding on it, and learns of the failure only from the flushed completions. Returns
+    /// how many channel rails were marked.
+    #[cfg(feature = "__fault-injection")]
+    pub fn inject_rail_failure(&self, rail: usize) -> usize {
+        let Some(name) = self.shared.rails.get(rail).map(|r| r.name.as_str()) else {
+            return 0;
+        };
+        let mut chans = self
+            .shared
+            .channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        chans.retain(|w| w.strong_count() > 0);
+        let mut marked = 0;
+        for c in chans.iter().filter_map(Weak::upgrade) {
+            for (n, k) in &c.rails {
+                if n == name {
+                    k.inject_failure.store(true, Ordering::Release);
+                    marked += 1;
+                }
+            }
+        }
+        marked
     }
 
     /// `Err(Unquiesced)` when a native destroy failed (the objects are kept).
@@ -456,6 +490,7 @@ impl RdmaTransport {
                 .unwrap_or(1),
             signal_every: usize::try_from(c.signal_every).unwrap_or(16),
             flush_timeout: c.flush_timeout,
+            replay_writes: c.replay_writes,
         };
         tracing::info!(peer = %who, rails = plan.len(), "RDMA channel open");
         Ok(RdmaChannel::start(

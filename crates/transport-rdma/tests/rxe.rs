@@ -392,6 +392,98 @@ async fn two_rails_stripe_one_large_op() -> Result<()> {
     Ok(())
 }
 
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn a_rail_failing_mid_read_has_its_chunks_replayed_on_the_other_rail() -> Result<()> {
+    let Some(devs) = devices() else { return Ok(()) };
+    let (a, b) = pair(&devs);
+    let server = transport(vec![b.clone(), a.clone()], 64 << 10)?;
+    let client = transport(vec![a, b], 64 << 10)?;
+    let sreg = registry(&server);
+    let creg = registry(&client);
+    const LEN: usize = 32 << 20;
+    let remote = Arc::new(MemoryRegion::from_vec(random(LEN)));
+    let seg = sreg.register("source", remote.clone(), Access::REMOTE_READ)?;
+    let dst = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
+    let _d = creg.register("dst", dst.clone(), Access::LOCAL)?;
+    let desc = describe(&seg);
+    let ch = connect(&client, &server, vec![desc.clone()]).await?;
+    let names = client.rail_names();
+    let stat = |rail: &str| {
+        client
+            .rail_stats()
+            .into_iter()
+            .find(|s| s.rail == rail)
+            .unwrap_or_default()
+    };
+    // Break rail 1 once it has moved 1 MiB of the first READ. Should that READ finish first,
+    // the break stays armed and lands on the next one, right after its first post.
+    let mut watcher = Some({
+        let client = client.clone();
+        let rail = names[1].clone();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(60) {
+                let moved = client
+                    .rail_stats()
+                    .iter()
+                    .find(|s| s.rail == rail)
+                    .map_or(0, |s| s.bytes);
+                if moved >= 1 << 20 {
+                    return client.inject_rail_failure(1);
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            0
+        })
+    });
+    let mut replayed = false;
+    for attempt in 1..=4 {
+        dst.write_at(0, &vec![0; LEN])?;
+        let o = run(&ch, vec![op(OpKind::Read, &dst, 0, &desc, 0, LEN as u64)]).await;
+        eprintln!(
+            "attempt {attempt}: {o:?}; rail stats: {:?}",
+            client.rail_stats()
+        );
+        ensure!(o.is_success() && o.drained, "attempt {attempt}: {o:?}");
+        ensure!(
+            bytes(&dst, 0, LEN) == bytes(&remote, 0, LEN),
+            "attempt {attempt}: READ with a failing rail: bytes differ"
+        );
+        if let Some(w) = watcher.take() {
+            let marked = w.join().map_err(|_| anyhow::anyhow!("watcher panicked"))?;
+            ensure!(marked == 1, "the rail break marked {marked} channel rails");
+        }
+        if stat(&names[0]).replayed > 0 {
+            replayed = true;
+            break;
+        }
+    }
+    let (s0, s1) = (stat(&names[0]), stat(&names[1]));
+    ensure!(
+        replayed,
+        "no chunk was replayed after rail 1 broke: {s0:?} {s1:?}"
+    );
+    ensure!(s0.replayed_bytes > 0, "{s0:?}");
+    ensure!(s1.flushed + s1.errors > 0, "rail 1 never failed: {s1:?}");
+    ensure!(
+        ch.is_alive(),
+        "rail 0 is healthy, the channel must be alive"
+    );
+    // Rail 1 is dead for later requests: they go over rail 0 only.
+    let posted = s1.posted;
+    dst.write_at(0, &vec![0; LEN])?;
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, &desc, 0, LEN as u64)]).await;
+    ensure!(o.is_success(), "{o:?}");
+    ensure!(
+        bytes(&dst, 0, LEN) == bytes(&remote, 0, LEN),
+        "READ after the rail died: bytes differ"
+    );
+    let s1 = stat(&names[1]);
+    ensure!(s1.posted == posted, "the dead rail got new work: {s1:?}");
+    Ok(())
+}
+
 // ---- a peer killed mid-WRITE ---------------------------------------------------------------
 
 const CHILD_FD: &str = "FERRY_RDMA_TEST_CHILD_FD";
