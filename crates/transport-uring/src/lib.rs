@@ -15,8 +15,10 @@
 //! On loopback (measured on this project's machines): the kernel copies SEND_ZC payloads, and
 //! SEND_ZC from registered buffers is 2-4x slower than a plain SEND, so `ZeroCopy::Auto` sends
 //! to loopback peers with SEND, and WRITE payloads to loopback peers go by `vmsplice` +
-//! IORING_OP_SPLICE (`UringConfig::splice_loopback`), which leaves the receiver's copy as the
-//! only one. `ZeroCopy::Always` keeps SEND_ZC everywhere (the tests use it to check it).
+//! `splice` (`UringConfig::splice_loopback`), which leaves the receiver's copy as the only one.
+//! The splice is a direct syscall on the sender thread: io_uring always hands IORING_OP_SPLICE
+//! to an io-wq worker, and that hand-off cost more than the splice. `ZeroCopy::Always` keeps
+//! SEND_ZC everywhere (the tests use it to check it).
 //!
 //! Receives are plain RECV straight into registered memory (multishot receive with provided
 //! buffers would add a copy out of the provided buffers, so it is not used for payloads).
@@ -79,7 +81,7 @@ pub struct UringConfig {
     pub register_buffers: bool,
     /// Whether the kernel offers SEND_ZC (from the probe; set by [`UringTransport::new`]).
     pub kernel_send_zc: bool,
-    /// To a loopback peer, send WRITE payloads by page reference (`vmsplice` + IORING_OP_SPLICE)
+    /// To a loopback peer, send WRITE payloads by page reference (`vmsplice` + `splice`)
     /// instead of SEND_ZC, which the kernel copies on loopback: the peer's receive is then the
     /// only copy. The request is drained once the peer acknowledged the payload.
     pub splice_loopback: bool,

@@ -402,6 +402,17 @@ impl<H> SockIo<H> {
 
     fn pipe(&mut self) -> io::Result<(RawFd, RawFd, usize)> {
         if self.pipe.is_none() {
+            // splice(2) has no MSG_NOSIGNAL: a peer gone mid-send raises SIGPIPE at this thread,
+            // which would end a host process that has not ignored it. Spliced sends run only on
+            // the transport's own sender threads, so block it here (it stays pending, unhandled;
+            // the splice itself reports EPIPE).
+            // SAFETY: plain signal-mask calls on a local set, for the calling thread only.
+            unsafe {
+                let mut set: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGPIPE);
+                libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            }
             let mut fds = [0i32; 2];
             // SAFETY: `fds` has room for the two descriptors pipe2 writes.
             if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
