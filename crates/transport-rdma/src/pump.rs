@@ -328,7 +328,7 @@ impl Pump {
         let chunk = self.limits.chunk;
         let depth = self.limits.depth;
         for req in &mut self.active {
-            if req.control.should_stop_posting() {
+            if !req.replays.is_empty() && req.control.should_stop_posting() {
                 req.abandon_replays();
             }
             while let Some(c) = req.replays.front() {
@@ -683,7 +683,7 @@ impl Pump {
         let mut k = 0;
         while k < self.active.len() {
             let a = &mut self.active[k];
-            if a.control.should_stop_posting() {
+            if (!a.exhausted || !a.replays.is_empty()) && a.control.should_stop_posting() {
                 a.exhausted = true;
                 progress |= a.abandon_replays();
             }
