@@ -33,6 +33,8 @@ pub(crate) struct SendPlan {
     pub(crate) splice: bool,
     /// Registered buffers and fixed file.
     pub(crate) register: bool,
+    /// Pin stream `i`'s threads to the `i`-th allowed CPU (loopback, several streams).
+    pub(crate) pin: bool,
 }
 
 /// One request being executed.
@@ -145,6 +147,7 @@ impl UringChannel {
             zero_copy,
             splice,
             register,
+            pin,
         } = plan;
         let depth = depth.max(1);
         let mut streams = Vec::with_capacity(sockets.len());
@@ -180,6 +183,9 @@ impl UringChannel {
                 format!("ferry-uring-tx{i}"),
                 Box::new(move || match SockIo::new(fd, zero_copy, register, st1) {
                     Ok(mut io) => {
+                        if pin {
+                            crate::pin_stream_thread(i);
+                        }
                         io.set_wake(w1.fd.as_raw_fd());
                         let _ = r1.send(Ok(()));
                         sender(io, splice, &w1, s1, d1, jobs_rx, fly_tx, peer, i)
@@ -195,6 +201,9 @@ impl UringChannel {
                 format!("ferry-uring-rx{i}"),
                 Box::new(move || match SockIo::<()>::new(fd, false, register, st2) {
                     Ok(io) => {
+                        if pin {
+                            crate::pin_stream_thread(i);
+                        }
                         let _ = r2.send(Ok(()));
                         receiver(io, s2, d2, fly_rx, peer, i)
                     }

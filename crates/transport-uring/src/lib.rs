@@ -87,6 +87,12 @@ pub struct UringConfig {
     pub splice_loopback: bool,
     /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
     pub kernel_splice: bool,
+    /// To a loopback peer over two or more streams, pin stream `i`'s threads (the client's
+    /// sender and receiver, the server's thread for attach index `i` >= 1) to the `i`-th CPU
+    /// this thread may run on, so both ends of one flow share a core's caches instead of
+    /// bouncing each chunk between cores. Measured on the 2-core machines: 2 streams went from
+    /// about 3-4 to 5-7 GB/s. Off: the scheduler places every thread.
+    pub pin_loopback_streams: bool,
 }
 
 impl Default for UringConfig {
@@ -102,6 +108,7 @@ impl Default for UringConfig {
             kernel_send_zc: false,
             splice_loopback: true,
             kernel_splice: false,
+            pin_loopback_streams: true,
         }
     }
 }
@@ -123,6 +130,33 @@ impl UringConfig {
             ZeroCopy::Always => true,
             ZeroCopy::Never => false,
             ZeroCopy::Auto => self.kernel_send_zc,
+        }
+    }
+}
+
+/// Pins the calling thread to the `index`-th CPU (modulo their count) of those it may run on now
+/// (see [`UringConfig::pin_loopback_streams`]). Best effort: a failure is logged and ignored.
+pub(crate) fn pin_stream_thread(index: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls below only read and write this
+    // local set and the calling thread's (pid 0) affinity.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), "sched_getaffinity");
+            return;
+        }
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &allowed))
+            .collect();
+        if cpus.len() < 2 {
+            return;
+        }
+        let cpu = cpus[index % cpus.len()];
+        let mut one: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut one);
+        if libc::sched_setaffinity(0, size, &one) != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), cpu, "sched_setaffinity");
         }
     }
 }
@@ -289,6 +323,7 @@ impl UringTransport {
         }
         let splice =
             self.config.splice_loopback && self.config.kernel_splice && addr.ip().is_loopback();
+        let pin = self.config.pin_loopback_streams && addr.ip().is_loopback() && n >= 2;
         UringChannel::new(
             peer.addr,
             sockets,
@@ -298,6 +333,7 @@ impl UringTransport {
                 zero_copy: self.config.zero_copy_for(addr.ip()),
                 splice,
                 register: self.config.register_buffers,
+                pin,
             },
             self.stats.clone(),
         )
@@ -344,5 +380,40 @@ impl Transport for UringTransport {
                 }),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    fn allowed() -> Vec<usize> {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set, filled by the kernel for this thread.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(
+                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
+                0
+            );
+            (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect()
+        }
+    }
+
+    #[test]
+    fn a_pinned_stream_thread_runs_on_the_indexed_allowed_cpu() {
+        let before = allowed();
+        if before.len() < 2 {
+            eprintln!("skip: this process may run on {} CPU(s)", before.len());
+            return;
+        }
+        for index in [0, 1, before.len() + 1] {
+            let after = std::thread::spawn(move || {
+                super::pin_stream_thread(index);
+                allowed()
+            })
+            .join()
+            .unwrap();
+            assert_eq!(after, vec![before[index % before.len()]], "index {index}");
+        }
     }
 }

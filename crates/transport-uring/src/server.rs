@@ -231,6 +231,11 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
             }
             write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
             let _ = stream.set_read_timeout(None);
+            // Stream 0 is left to the scheduler: a one-stream client pins nothing (this server
+            // cannot tell how many streams follow).
+            if ctx.config.pin_loopback_streams && from.ip().is_loopback() && a.stream_index >= 1 {
+                crate::pin_stream_thread(usize::from(a.stream_index));
+            }
             let stream = Arc::new(stream);
             let id = ctx.live.next.fetch_add(1, Ordering::Relaxed);
             match ctx.live.conns.lock() {
