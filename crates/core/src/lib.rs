@@ -9,6 +9,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod error;
+pub mod handshake;
 pub mod ids;
 pub mod memory;
 pub mod op;

@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use ferry_core::Error;
 use ferry_core::wire::{
-    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, RejectReason, SUPPORTED_VERSIONS,
-    StreamAttach,
+    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, SUPPORTED_VERSIONS, StreamAttach,
 };
 use tokio::net::TcpStream;
 
@@ -85,36 +84,7 @@ pub async fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Re
         let stream = connect(addr, timeout, None).await?;
         write_frame(&stream, addr, &ControlFrame::Hello(hello.clone())).await?;
         let reply = read_frame(&stream, addr).await?;
-        match reply {
-            ControlFrame::HelloAck(server) => {
-                if hello.versions.common(server.versions).is_none() {
-                    return Err(Error::ProtocolMismatch {
-                        peer: addr.to_string(),
-                        local: hello.versions,
-                        remote: server.versions,
-                    });
-                }
-                Ok(server)
-            }
-            ControlFrame::Reject(r) if r.reason == RejectReason::ProtocolMismatch => {
-                Err(Error::ProtocolMismatch {
-                    peer: addr.to_string(),
-                    local: hello.versions,
-                    remote: r.versions,
-                })
-            }
-            ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
-                peer: addr.to_string(),
-                reason: r.message,
-            }),
-            other => Err(Error::Malformed {
-                peer: addr.to_string(),
-                source: ferry_core::wire::WireError::Unexpected {
-                    found: other.name(),
-                    expected: "hello-ack",
-                },
-            }),
-        }
+        ferry_core::handshake::hello_reply(addr, hello, reply)
     };
     tokio::time::timeout(timeout, run)
         .await
@@ -134,27 +104,9 @@ pub(crate) async fn attach(
     let run = async {
         let stream = connect(addr, timeout, buffer).await?;
         write_frame(&stream, addr, &ControlFrame::StreamAttach(attach)).await?;
-        match read_frame(&stream, addr).await? {
-            ControlFrame::StreamAccept => Ok(stream),
-            ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => {
-                Err(Error::StaleEpoch {
-                    addr: addr.to_string(),
-                    known: attach.server_epoch,
-                    found: r.epoch,
-                })
-            }
-            ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
-                peer: addr.to_string(),
-                reason: r.message,
-            }),
-            other => Err(Error::Malformed {
-                peer: addr.to_string(),
-                source: ferry_core::wire::WireError::Unexpected {
-                    found: other.name(),
-                    expected: "stream-accept",
-                },
-            }),
-        }
+        let reply = read_frame(&stream, addr).await?;
+        ferry_core::handshake::attach_reply(addr, &attach, reply)?;
+        Ok(stream)
     };
     tokio::time::timeout(timeout, run)
         .await

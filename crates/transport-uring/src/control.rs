@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use ferry_core::Error;
 use ferry_core::wire::{
-    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, RejectReason, SUPPORTED_VERSIONS,
-    StreamAttach, WireError,
+    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, SUPPORTED_VERSIONS, StreamAttach,
 };
 
 pub(crate) fn lost(peer: SocketAddr, during: &'static str, e: std::io::Error) -> Error {
@@ -105,36 +104,8 @@ fn connect(addr: SocketAddr, timeout: Duration, buffer: Option<usize>) -> Result
 pub fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Result<Hello, Error> {
     let mut stream = connect(addr, timeout, None)?;
     write_frame(&mut stream, addr, &ControlFrame::Hello(hello.clone()))?;
-    match read_frame(&mut stream, addr).map_err(|e| timed_out(e, "handshake", timeout))? {
-        ControlFrame::HelloAck(server) => {
-            if hello.versions.common(server.versions).is_none() {
-                return Err(Error::ProtocolMismatch {
-                    peer: addr.to_string(),
-                    local: hello.versions,
-                    remote: server.versions,
-                });
-            }
-            Ok(server)
-        }
-        ControlFrame::Reject(r) if r.reason == RejectReason::ProtocolMismatch => {
-            Err(Error::ProtocolMismatch {
-                peer: addr.to_string(),
-                local: hello.versions,
-                remote: r.versions,
-            })
-        }
-        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
-            peer: addr.to_string(),
-            reason: r.message,
-        }),
-        other => Err(Error::Malformed {
-            peer: addr.to_string(),
-            source: WireError::Unexpected {
-                found: other.name(),
-                expected: "hello-ack",
-            },
-        }),
-    }
+    let reply = read_frame(&mut stream, addr).map_err(|e| timed_out(e, "handshake", timeout))?;
+    ferry_core::handshake::hello_reply(addr, hello, reply)
 }
 
 fn timed_out(e: Error, what: &'static str, after: Duration) -> Error {
@@ -161,27 +132,10 @@ pub(crate) fn attach(
 ) -> Result<TcpStream, Error> {
     let mut stream = connect(addr, timeout, buffer)?;
     write_frame(&mut stream, addr, &ControlFrame::StreamAttach(attach))?;
-    match read_frame(&mut stream, addr).map_err(|e| timed_out(e, "data stream attach", timeout))? {
-        ControlFrame::StreamAccept => {
-            let _ = stream.set_read_timeout(None);
-            let _ = stream.set_write_timeout(None);
-            Ok(stream)
-        }
-        ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => Err(Error::StaleEpoch {
-            addr: addr.to_string(),
-            known: attach.server_epoch,
-            found: r.epoch,
-        }),
-        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
-            peer: addr.to_string(),
-            reason: r.message,
-        }),
-        other => Err(Error::Malformed {
-            peer: addr.to_string(),
-            source: WireError::Unexpected {
-                found: other.name(),
-                expected: "stream-accept",
-            },
-        }),
-    }
+    let reply =
+        read_frame(&mut stream, addr).map_err(|e| timed_out(e, "data stream attach", timeout))?;
+    ferry_core::handshake::attach_reply(addr, &attach, reply)?;
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
+    Ok(stream)
 }

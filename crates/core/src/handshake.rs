@@ -1,0 +1,166 @@
+//! The client side of the control handshake, without I/O: what a server's answer means.
+//!
+//! Every transport that speaks Ferry's wire sends a [`Hello`] (or a [`StreamAttach`]) and reads
+//! one [`ControlFrame`] back; these functions turn that frame into the result, so that the TCP
+//! and io_uring transports (and any other) give the same errors for the same bytes.
+
+use std::net::SocketAddr;
+
+use crate::error::Error;
+use crate::wire::{ControlFrame, Hello, RejectReason, StreamAttach, WireError};
+
+/// What the server's reply to our `ours` hello means: its hello, `ProtocolMismatch` (with both
+/// ranges, before anything is admitted), `HandshakeRefused`, or `Malformed` for any other frame.
+pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Result<Hello, Error> {
+    match reply {
+        ControlFrame::HelloAck(server) => {
+            if ours.versions.common(server.versions).is_none() {
+                return Err(Error::ProtocolMismatch {
+                    peer: peer.to_string(),
+                    local: ours.versions,
+                    remote: server.versions,
+                });
+            }
+            Ok(server)
+        }
+        ControlFrame::Reject(r) if r.reason == RejectReason::ProtocolMismatch => {
+            Err(Error::ProtocolMismatch {
+                peer: peer.to_string(),
+                local: ours.versions,
+                remote: r.versions,
+            })
+        }
+        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
+            peer: peer.to_string(),
+            reason: r.message,
+        }),
+        other => Err(unexpected(peer, &other, "hello-ack")),
+    }
+}
+
+/// What the server's reply to a data-stream `attach` means: accepted, `StaleEpoch` (the server
+/// is another incarnation than the one the stream was meant for), `HandshakeRefused`, or
+/// `Malformed` for any other frame.
+pub fn attach_reply(
+    peer: SocketAddr,
+    attach: &StreamAttach,
+    reply: ControlFrame,
+) -> Result<(), Error> {
+    match reply {
+        ControlFrame::StreamAccept => Ok(()),
+        ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => Err(Error::StaleEpoch {
+            addr: peer.to_string(),
+            known: attach.server_epoch,
+            found: r.epoch,
+        }),
+        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
+            peer: peer.to_string(),
+            reason: r.message,
+        }),
+        other => Err(unexpected(peer, &other, "stream-accept")),
+    }
+}
+
+fn unexpected(peer: SocketAddr, found: &ControlFrame, expected: &'static str) -> Error {
+    Error::Malformed {
+        peer: peer.to_string(),
+        source: WireError::Unexpected {
+            found: found.name(),
+            expected,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{Epoch, PeerId};
+    use crate::wire::{Reject, VersionRange};
+
+    fn peer() -> SocketAddr {
+        "127.0.0.1:7400".parse().unwrap()
+    }
+
+    fn hello(min: u16, max: u16) -> Hello {
+        Hello {
+            versions: VersionRange { min, max },
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            transports: vec![],
+            segments: vec![],
+        }
+    }
+
+    fn reject(reason: RejectReason, versions: VersionRange, epoch: u64) -> ControlFrame {
+        ControlFrame::Reject(Reject {
+            reason,
+            versions,
+            epoch: Epoch(epoch),
+            message: "go away".into(),
+        })
+    }
+
+    #[test]
+    fn hello_ack_with_a_common_version_is_the_servers_hello() {
+        let server = hello(1, 3);
+        let got = hello_reply(peer(), &hello(1, 1), ControlFrame::HelloAck(server.clone()));
+        assert_eq!(got.unwrap(), server);
+    }
+
+    #[test]
+    fn no_common_version_is_a_mismatch_naming_both_ranges() {
+        let ours = hello(1, 1);
+        let e = hello_reply(peer(), &ours, ControlFrame::HelloAck(hello(2, 3))).unwrap_err();
+        assert!(
+            matches!(e, Error::ProtocolMismatch { local, remote, .. }
+                if local == ours.versions && remote == VersionRange { min: 2, max: 3 }),
+            "{e:?}"
+        );
+        let theirs = VersionRange { min: 5, max: 6 };
+        let e = hello_reply(
+            peer(),
+            &ours,
+            reject(RejectReason::ProtocolMismatch, theirs, 0),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::ProtocolMismatch { remote, .. } if remote == theirs),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn other_refusals_and_frames() {
+        let any = VersionRange { min: 1, max: 1 };
+        let e = hello_reply(
+            peer(),
+            &hello(1, 1),
+            reject(RejectReason::StaleEpoch, any, 9),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::HandshakeRefused { ref reason, .. } if reason == "go away"));
+        let e = hello_reply(peer(), &hello(1, 1), ControlFrame::StreamAccept).unwrap_err();
+        assert!(matches!(e, Error::Malformed { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn attach_replies() {
+        let attach = StreamAttach {
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            server_epoch: Epoch(3),
+            transport: 1,
+            stream_index: 0,
+        };
+        assert!(attach_reply(peer(), &attach, ControlFrame::StreamAccept).is_ok());
+        let any = VersionRange { min: 1, max: 1 };
+        let e =
+            attach_reply(peer(), &attach, reject(RejectReason::StaleEpoch, any, 4)).unwrap_err();
+        assert!(
+            matches!(e, Error::StaleEpoch { known, found, .. } if known == Epoch(3) && found == Epoch(4)),
+            "{e:?}"
+        );
+        let e = attach_reply(peer(), &attach, ControlFrame::HelloAck(hello(1, 1))).unwrap_err();
+        assert!(matches!(e, Error::Malformed { .. }), "{e:?}");
+    }
+}
