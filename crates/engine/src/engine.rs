@@ -1159,6 +1159,19 @@ impl TransferEngine {
         Vec::new()
     }
 
+    /// Surfaces native cleanup that failed earlier, where `Drop` could only record it: the
+    /// registry's deferred errors (a registration whose native destroy failed on drop is
+    /// `Unquiesced`, its copies and charges still held) and the RDMA transport's failed destroys
+    /// of queue pairs, completion queues and protection domains. Returns the oldest one.
+    pub fn check(&self) -> Result<(), Error> {
+        self.inner.registry.check().map_err(registry_error("(deferred)"))?;
+        #[cfg(feature = "rdma")]
+        if let Some(rdma) = &self.inner.rdma {
+            rdma.check()?;
+        }
+        Ok(())
+    }
+
     /// Stops serving: the listener closes and accepted connections are dropped.
     pub fn shutdown(&self) {
         if let Some(s) = &self.inner.server {
