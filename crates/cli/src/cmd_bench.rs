@@ -49,7 +49,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value = "4MiB")]
     socket_buffer: String,
     /// Loopback only: size of the segment the in-process server publishes [default: op size
-    /// times depth, at least one op].
+    /// times depth; at least one op per stream, so that each stream has its own buffer on each
+    /// side, as one iperf3 process per stream has].
     #[arg(long, value_parser = parse_size)]
     segment_size: Option<u64>,
     /// Worker threads of this process's runtime [default: one per core].
@@ -276,11 +277,13 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     }
     let depth = args.depth.max(1);
     let streams = args.streams.max(1);
-    // Loopback: our own server, with a segment large enough for every op in flight.
+    // Loopback: our own server, with a segment large enough for every op in flight, and one op
+    // per stream at least (ops go to the streams in turn and cycle through the segment's op
+    // slots, so with one slot per stream the streams do not share buffers).
     let seg_len = args
         .segment_size
         .unwrap_or(args.op_size * depth as u64)
-        .max(args.op_size);
+        .max(args.op_size * streams as u64);
     let socket_buffer = match args.socket_buffer.as_str() {
         "auto" => None,
         s => Some(parse_size(s)? as usize),
