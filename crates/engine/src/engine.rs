@@ -1164,7 +1164,10 @@ impl TransferEngine {
     /// `Unquiesced`, its copies and charges still held) and the RDMA transport's failed destroys
     /// of queue pairs, completion queues and protection domains. Returns the oldest one.
     pub fn check(&self) -> Result<(), Error> {
-        self.inner.registry.check().map_err(registry_error("(deferred)"))?;
+        self.inner
+            .registry
+            .check()
+            .map_err(registry_error("(deferred)"))?;
         #[cfg(feature = "rdma")]
         if let Some(rdma) = &self.inner.rdma {
             rdma.check()?;
