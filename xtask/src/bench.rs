@@ -152,7 +152,9 @@ fn ferry(streams: usize, op: &str, total: u64) -> Result<f64> {
     let bin = project_root().join("target/release/ferry");
     let out = Command::new(&bin)
         .args(["bench", "--json", "--transport", "tcp", "--op", op])
-        .args(["--op-size", "1MiB"])
+        // One 1 MiB buffer per stream on each side, as iperf3 reuses one `-l 1M` buffer per
+        // process (ferry bench raises the segment to one op per stream).
+        .args(["--op-size", "1MiB", "--segment-size", "1MiB"])
         .args([
             "--streams",
             &streams.to_string(),

@@ -56,9 +56,10 @@ pub(crate) struct BenchArgs {
     /// Worker threads of this process's runtime [default: one per core].
     #[arg(long)]
     threads: Option<usize>,
-    /// Loopback only: worker threads of the in-process server's own runtime.
-    #[arg(long, default_value_t = 1)]
-    server_threads: usize,
+    /// Loopback only: worker threads of the in-process server's own runtime [default: one per
+    /// stream, as one iperf3 server process per stream has its own thread].
+    #[arg(long)]
+    server_threads: Option<usize>,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
@@ -298,7 +299,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 socket_buffer,
                 seg_len,
                 args.segment.clone(),
-                args.server_threads,
+                args.server_threads.unwrap_or(streams),
             )?;
             let addr = server.addr.to_string();
             (Some(server), addr)
