@@ -364,6 +364,28 @@ fn uring_unusable() -> bool {
     }
 }
 
+/// Runs `case(client, server)` with io_uring on both ends and in each mixed direction (skipped,
+/// with the reason printed, where io_uring is unusable).
+async fn in_every_uring_pairing<F, Fut>(case: F) -> Result<()>
+where
+    F: Fn(DataPlane, DataPlane) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    if uring_unusable() {
+        return Ok(());
+    }
+    for (c, s) in [
+        (DataPlane::Uring, DataPlane::Uring),
+        (DataPlane::Uring, DataPlane::Tcp),
+        (DataPlane::Tcp, DataPlane::Uring),
+    ] {
+        case(c, s)
+            .await
+            .with_context(|| format!("client {c:?}, server {s:?}"))?;
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_read_back_many_sizes() -> Result<()> {
     round_trip(DataPlane::Tcp, DataPlane::Tcp, u64::MAX).await
@@ -473,19 +495,7 @@ async fn refusals_each_have_their_own_error_and_move_nothing() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uring_refusals_in_every_pairing() -> Result<()> {
-    if uring_unusable() {
-        return Ok(());
-    }
-    for (c, s) in [
-        (DataPlane::Uring, DataPlane::Uring),
-        (DataPlane::Uring, DataPlane::Tcp),
-        (DataPlane::Tcp, DataPlane::Uring),
-    ] {
-        refusals(c, s)
-            .await
-            .with_context(|| format!("client {c:?}, server {s:?}"))?;
-    }
-    Ok(())
+    in_every_uring_pairing(refusals).await
 }
 
 async fn refusals(client_plane: DataPlane, server: DataPlane) -> Result<()> {
@@ -672,19 +682,7 @@ async fn peer_killed_mid_write_is_uncertain_with_exact_prefix() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uring_peer_killed_mid_write_in_every_pairing() -> Result<()> {
-    if uring_unusable() {
-        return Ok(());
-    }
-    for (c, s) in [
-        (DataPlane::Uring, DataPlane::Uring),
-        (DataPlane::Uring, DataPlane::Tcp),
-        (DataPlane::Tcp, DataPlane::Uring),
-    ] {
-        killed_mid_write(c, s)
-            .await
-            .with_context(|| format!("client {c:?}, server {s:?}"))?;
-    }
-    Ok(())
+    in_every_uring_pairing(killed_mid_write).await
 }
 
 async fn killed_mid_write(client_plane: DataPlane, server: DataPlane) -> Result<()> {
