@@ -214,6 +214,13 @@ impl EngineBuilder {
         self
     }
 
+    /// I/O threads of the TCP data plane, for the client side and for the server each (default
+    /// 0: one per available core). Every TCP data stream lives on one of them.
+    pub fn io_threads(mut self, n: usize) -> Self {
+        self.tcp.io_threads = n;
+        self
+    }
+
     /// Registration budgets.
     pub fn budgets(mut self, budgets: Budgets) -> Self {
         self.budgets = budgets;

@@ -2,7 +2,7 @@
 //!
 //! Each stream has a sender task (writes request headers and WRITE payloads straight from
 //! registered memory) and a receiver task (reads responses and READ payloads straight into
-//! registered memory). Chunks are striped over the streams round-robin; each stream keeps at most
+//! registered memory), both on the stream's I/O thread (`pool.rs`). Chunks are striped over the streams round-robin; each stream keeps at most
 //! `depth` chunks in flight. Responses on a stream come back in request order, so the receiver
 //! matches them with a FIFO of in-flight chunks (and checks the sequence number).
 
@@ -18,7 +18,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
 use tracing::debug;
 
-use crate::io::{RawRange, recv_buf, recv_exact, send_all, shutdown};
+use crate::io::{RawRange, recv_buf, recv_exact, send_all, shutdown, shutdown_std};
+use crate::pool::IoPool;
 
 /// Payloads up to this size are staged with their header and sent in one call.
 const SMALL: usize = 16 << 10;
@@ -60,7 +61,8 @@ struct InFlight {
 struct StreamSlot {
     jobs: mpsc::Sender<Job>,
     dead: Arc<AtomicBool>,
-    socket: Arc<TcpStream>,
+    /// A duplicate of the stream's descriptor, to shut it down from any thread.
+    socket: std::net::TcpStream,
 }
 
 /// A data channel to one peer over TCP.
@@ -71,42 +73,56 @@ pub struct TcpChannel {
     next: AtomicUsize,
     chunk: u64,
     closed: AtomicBool,
+    /// Keeps the I/O threads of the streams running while the channel lives.
+    _pool: Arc<IoPool>,
 }
 
 impl TcpChannel {
-    pub(crate) fn new(peer: SocketAddr, sockets: Vec<TcpStream>, chunk: u64, depth: usize) -> Self {
+    /// Moves each stream to an I/O thread of `pool`, where its sender and receiver tasks run.
+    pub(crate) fn new(
+        peer: SocketAddr,
+        sockets: Vec<TcpStream>,
+        chunk: u64,
+        depth: usize,
+        pool: &Arc<IoPool>,
+    ) -> std::io::Result<Self> {
         let depth = depth.max(1);
-        let streams = sockets
-            .into_iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let socket = Arc::new(s);
-                let dead = Arc::new(AtomicBool::new(false));
-                let (jobs_tx, jobs_rx) = mpsc::channel(depth);
-                let (fly_tx, fly_rx) = mpsc::channel(depth);
-                tokio::spawn(sender(
-                    socket.clone(),
-                    dead.clone(),
-                    jobs_rx,
-                    fly_tx,
-                    peer,
-                    i,
-                ));
-                tokio::spawn(receiver(socket.clone(), dead.clone(), fly_rx, peer, i));
-                StreamSlot {
-                    jobs: jobs_tx,
-                    dead,
-                    socket,
-                }
-            })
-            .collect();
-        Self {
+        let mut streams = Vec::with_capacity(sockets.len());
+        for (i, s) in sockets.into_iter().enumerate() {
+            // Out of the caller's reactor, into the I/O thread's; a duplicate descriptor stays
+            // here to shut the socket down from any thread.
+            let std_socket = s.into_std()?;
+            let control = std_socket.try_clone()?;
+            let dead = Arc::new(AtomicBool::new(false));
+            let (jobs_tx, jobs_rx) = mpsc::channel(depth);
+            let (fly_tx, fly_rx) = mpsc::channel(depth);
+            let d = dead.clone();
+            pool.spawn(async move {
+                let socket = match TcpStream::from_std(std_socket) {
+                    Ok(s) => Arc::new(s),
+                    Err(e) => {
+                        debug!(%peer, stream = i, error = %e, "registering the stream failed");
+                        d.store(true, Ordering::Release);
+                        return;
+                    }
+                };
+                tokio::spawn(receiver(socket.clone(), d.clone(), fly_rx, peer, i));
+                sender(socket, d, jobs_rx, fly_tx, peer, i).await;
+            })?;
+            streams.push(StreamSlot {
+                jobs: jobs_tx,
+                dead,
+                socket: control,
+            });
+        }
+        Ok(Self {
             peer,
             streams,
             next: AtomicUsize::new(0),
             chunk: chunk.max(1),
             closed: AtomicBool::new(false),
-        }
+            _pool: pool.clone(),
+        })
     }
 }
 
@@ -193,7 +209,7 @@ impl Channel for TcpChannel {
         self.closed.store(true, Ordering::Release);
         for s in &self.streams {
             s.dead.store(true, Ordering::Release);
-            shutdown(&s.socket);
+            shutdown_std(&s.socket);
         }
         debug!(peer = %self.peer, "channel closed");
     }
@@ -202,7 +218,7 @@ impl Channel for TcpChannel {
 impl Drop for TcpChannel {
     fn drop(&mut self) {
         for s in &self.streams {
-            shutdown(&s.socket);
+            shutdown_std(&s.socket);
         }
     }
 }

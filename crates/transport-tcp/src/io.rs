@@ -176,3 +176,8 @@ fn sysctl(path: &str) -> usize {
 pub(crate) fn shutdown(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).shutdown(std::net::Shutdown::Both);
 }
+
+/// [`shutdown`] through a duplicate descriptor of the socket (held outside its I/O thread).
+pub(crate) fn shutdown_std(stream: &std::net::TcpStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}

@@ -13,6 +13,7 @@
 mod client;
 mod control;
 mod io;
+mod pool;
 mod server;
 
 use std::net::SocketAddr;
@@ -43,6 +44,10 @@ pub struct TcpConfig {
     pub socket_buffer: Option<usize>,
     /// Limit for connecting and attaching a stream.
     pub connect_timeout: Duration,
+    /// I/O threads that drive the data streams (each a current-thread tokio runtime; streams
+    /// are assigned round-robin and stay on their thread). 0: one per available core. A
+    /// transport and a server each have their own, started on first use.
+    pub io_threads: usize,
 }
 
 impl Default for TcpConfig {
@@ -53,6 +58,7 @@ impl Default for TcpConfig {
             depth: 8,
             socket_buffer: Some(4 << 20),
             connect_timeout: Duration::from_secs(10),
+            io_threads: 0,
         }
     }
 }
@@ -61,6 +67,7 @@ impl Default for TcpConfig {
 #[derive(Debug, Clone)]
 pub struct TcpTransport {
     config: TcpConfig,
+    pool: Arc<pool::IoPool>,
 }
 
 impl TcpTransport {
@@ -69,7 +76,8 @@ impl TcpTransport {
         config.streams = config.streams.clamp(1, 64);
         config.chunk_size = config.chunk_size.clamp(1, ferry_core::wire::MAX_CHUNK);
         config.depth = config.depth.max(1);
-        Self { config }
+        let pool = Arc::new(pool::IoPool::new(config.io_threads, "ferry-tcp-io"));
+        Self { config, pool }
     }
 
     /// Its settings.
@@ -123,12 +131,14 @@ impl TcpTransport {
                 .await?,
             );
         }
-        Ok(TcpChannel::new(
+        TcpChannel::new(
             peer.addr,
             sockets,
             self.config.chunk_size,
             self.config.depth,
-        ))
+            &self.pool,
+        )
+        .map_err(|e| Error::io("start the data streams of", peer.addr.to_string(), e))
     }
 }
 

@@ -15,6 +15,7 @@ use tracing::{Instrument, debug, warn};
 use crate::TcpConfig;
 use crate::control::{read_frame, write_frame};
 use crate::io::{RawRange, discard, recv_buf, recv_exact, send_all, send_buf, tune};
+use crate::pool::{AbortOnDrop, IoPool};
 
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
 const SMALL: usize = 16 << 10;
@@ -89,6 +90,7 @@ impl TcpServer {
     ) -> ServerHandle {
         let addr = self.addr;
         let listener = self.listener;
+        let pool = Arc::new(IoPool::new(config.io_threads, "ferry-tcp-serve"));
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             loop {
@@ -98,8 +100,10 @@ impl TcpServer {
                         let table = table.clone();
                         let responder = responder.clone();
                         let config = config.clone();
+                        let pool = pool.clone();
                         conns.spawn(async move {
-                            if let Err(e) = serve_conn(stream, from, table, responder, config).await
+                            if let Err(e) =
+                                serve_conn(stream, from, table, responder, config, &pool).await
                             {
                                 debug!(%from, error = %e, "connection ended");
                             }
@@ -122,6 +126,7 @@ async fn serve_conn(
     table: Arc<dyn SegmentTable>,
     responder: Arc<dyn HandshakeResponder>,
     config: TcpConfig,
+    pool: &IoPool,
 ) -> Result<(), Error> {
     tune(&stream, config.socket_buffer);
     match read_frame(&stream, from).await? {
@@ -148,10 +153,29 @@ async fn serve_conn(
             }
             write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
             let span = tracing::debug_span!("serve stream", %from, stream = a.stream_index);
-            serve_data(&stream, from, &*table)
-                .instrument(span)
-                .await
-                .map_err(|e| crate::control::lost(from, "serving data", e))
+            // The stream moves to an I/O thread for good; this task only waits for it (and aborts
+            // it when the server stops).
+            let std_stream = stream
+                .into_std()
+                .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
+            let task = pool
+                .spawn(
+                    async move {
+                        let stream = TcpStream::from_std(std_stream)?;
+                        serve_data(&stream, from, &*table).await
+                    }
+                    .instrument(span),
+                )
+                .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
+            let mut task = AbortOnDrop(task);
+            match (&mut task.0).await {
+                Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
+                Err(e) => Err(crate::control::lost(
+                    from,
+                    "serving data",
+                    std::io::Error::other(e.to_string()),
+                )),
+            }
         }
         other => Err(Error::Malformed {
             peer: from.to_string(),
