@@ -60,9 +60,31 @@ pub(crate) struct BenchArgs {
     /// stream, as one iperf3 server process per stream has its own thread].
     #[arg(long)]
     server_threads: Option<usize>,
+    /// TCP data plane: I/O threads per engine (`auto`: one per core), or `caller` to run the
+    /// streams on this process's runtime (lower latency for small ops, less bulk throughput).
+    #[arg(long, default_value = "auto", value_parser = parse_io_threads)]
+    io_threads: IoThreads,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
+}
+
+/// `--io-threads`, as `EngineBuilder::io_threads` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IoThreads(pub(crate) Option<usize>);
+
+/// Parses `--io-threads`: `auto` (one per core), `caller` (none), or a count.
+pub(crate) fn parse_io_threads(s: &str) -> Result<IoThreads> {
+    Ok(IoThreads(match s {
+        "auto" => Some(0),
+        "caller" => None,
+        n => match n.parse::<usize>() {
+            Ok(0) | Err(_) => {
+                bail!("--io-threads takes auto, caller or a positive count, not {n:?}")
+            }
+            Ok(k) => Some(k),
+        },
+    }))
 }
 
 /// Parses a byte size: `4096`, `64KiB`, `1MiB`, `8GiB`, `1.5GB`, `10k`.
@@ -146,13 +168,13 @@ impl LoopbackServer {
     fn start(
         kinds: &[TransportKind],
         plane: DataPlane,
-        streams: usize,
-        socket_buffer: Option<usize>,
+        tcp: (usize, Option<usize>, Option<usize>),
         seg_len: u64,
         name: String,
         server_threads: usize,
     ) -> Result<Self> {
         let kinds = kinds.to_vec();
+        let (streams, socket_buffer, io_threads) = tcp;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -171,6 +193,7 @@ impl LoopbackServer {
                             .data_plane(plane)
                             .streams(streams)
                             .socket_buffer(socket_buffer)
+                            .io_threads(io_threads)
                             .build()?;
                         let region =
                             MemoryRegion::alloc_zeroed(seg_len as usize, ferry::PAGE_ALIGN)?;
@@ -295,8 +318,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
             let server = LoopbackServer::start(
                 &kinds,
                 plane,
-                streams,
-                socket_buffer,
+                (streams, socket_buffer, args.io_threads.0),
                 seg_len,
                 args.segment.clone(),
                 args.server_threads.unwrap_or(streams),
@@ -310,7 +332,8 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         .data_plane(plane)
         .streams(streams)
         .depth(depth.max(2))
-        .socket_buffer(socket_buffer);
+        .socket_buffer(socket_buffer)
+        .io_threads(args.io_threads.0);
     if kinds.contains(&TransportKind::Rdma) {
         builder = builder.rdma(rdma_config(args.rdma_hca.as_deref())?);
     }
@@ -455,6 +478,15 @@ mod tests {
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("MiB").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn io_thread_choices() {
+        assert_eq!(parse_io_threads("auto").unwrap(), IoThreads(Some(0)));
+        assert_eq!(parse_io_threads("caller").unwrap(), IoThreads(None));
+        assert_eq!(parse_io_threads("3").unwrap(), IoThreads(Some(3)));
+        assert!(parse_io_threads("0").is_err());
+        assert!(parse_io_threads("many").is_err());
     }
 
     #[test]

@@ -214,9 +214,11 @@ impl EngineBuilder {
         self
     }
 
-    /// I/O threads of the TCP data plane, for the client side and for the server each (default
-    /// 0: one per available core). Every TCP data stream lives on one of them.
-    pub fn io_threads(mut self, n: usize) -> Self {
+    /// I/O threads of the TCP data plane, for the client side and for the server each:
+    /// `Some(0)` (default) one per available core, `Some(n)` n, `None` none (streams run on the
+    /// caller's tokio runtime: lower latency for small ops, less throughput for bulk; see
+    /// `TcpConfig::io_threads`).
+    pub fn io_threads(mut self, n: Option<usize>) -> Self {
         self.tcp.io_threads = n;
         self
     }

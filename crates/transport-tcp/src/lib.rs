@@ -45,9 +45,15 @@ pub struct TcpConfig {
     /// Limit for connecting and attaching a stream.
     pub connect_timeout: Duration,
     /// I/O threads that drive the data streams (each a current-thread tokio runtime; streams
-    /// are assigned round-robin and stay on their thread). 0: one per available core. A
-    /// transport and a server each have their own, started on first use.
-    pub io_threads: usize,
+    /// are assigned round-robin and stay on their thread). `Some(0)` (default): one per
+    /// available core; `None`: no threads of its own, streams run as tasks on the caller's
+    /// runtime. A transport and a server each have their own threads, started on first use.
+    ///
+    /// The trade-off, measured on loopback with 2 cores: I/O threads move bulk data faster
+    /// (two streams: READs about 1.2x, WRITEs about 1.05x) because a stream never migrates
+    /// between workers; the caller's runtime answers small ops sooner (a 64-byte WRITE about
+    /// 28 us against 45 us) because no request crosses threads on its way to the socket.
+    pub io_threads: Option<usize>,
 }
 
 impl Default for TcpConfig {
@@ -58,7 +64,7 @@ impl Default for TcpConfig {
             depth: 8,
             socket_buffer: Some(4 << 20),
             connect_timeout: Duration::from_secs(10),
-            io_threads: 0,
+            io_threads: Some(0),
         }
     }
 }

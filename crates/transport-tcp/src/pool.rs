@@ -20,10 +20,11 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// A lazily started, fixed set of I/O threads. Dropping it stops them (tasks still on them are
-/// dropped, which closes their sockets).
+/// A lazily started, fixed set of I/O threads, or the caller's runtime. Dropping it stops the
+/// threads (tasks still on them are dropped, which closes their sockets).
 #[derive(Debug)]
 pub(crate) struct IoPool {
+    /// 0: no threads of its own; tasks go to the caller's runtime (`tokio::spawn`).
     size: usize,
     name: &'static str,
     workers: Mutex<Vec<Worker>>,
@@ -37,35 +38,40 @@ struct Worker {
 }
 
 impl IoPool {
-    /// A pool of `size` threads (0: one per available core), none started yet.
-    pub(crate) fn new(size: usize, name: &'static str) -> Self {
-        let size = if size == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            size
+    /// A pool of `size` threads (`Some(0)`: one per available core), none started yet; `None`:
+    /// no threads, tasks run on the caller's runtime.
+    pub(crate) fn new(size: Option<usize>, name: &'static str) -> Self {
+        let size = match size {
+            None => 0,
+            Some(0) => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            Some(n) => n,
         };
         Self {
-            size: size.clamp(1, 256),
+            size: size.min(256),
             name,
             workers: Mutex::new(Vec::new()),
             next: AtomicUsize::new(0),
         }
     }
 
-    /// Runs `fut` on the next I/O thread (round-robin), starting that thread on first use.
-    /// Sockets must be registered with the thread's runtime from inside `fut`
-    /// (`TcpStream::from_std`).
+    /// Runs `fut` on the next I/O thread (round-robin), starting that thread on first use, or
+    /// on the caller's runtime (which must exist) for a pool without threads. Sockets must be
+    /// registered with the runtime from inside `fut` (`TcpStream::from_std`).
     pub(crate) fn spawn<F>(&self, fut: F) -> std::io::Result<JoinHandle<F::Output>>
     where
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
+        if self.size == 0 {
+            let handle = Handle::try_current().map_err(std::io::Error::other)?;
+            return Ok(handle.spawn(fut));
+        }
         let handle = self.pick()?;
         Ok(handle.spawn(fut))
     }
 
-    /// The runtime of the next I/O thread.
-    pub(crate) fn pick(&self) -> std::io::Result<Handle> {
+    /// The runtime of the next I/O thread (a pool with threads).
+    fn pick(&self) -> std::io::Result<Handle> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.size;
         let mut workers = self
             .workers
@@ -140,7 +146,7 @@ mod tests {
 
     #[test]
     fn round_robin_over_lazily_started_threads() {
-        let pool = IoPool::new(2, "ferry-test-io");
+        let pool = IoPool::new(Some(2), "ferry-test-io");
         let names: Vec<String> = (0..4)
             .map(|_| {
                 let h = pool
@@ -162,7 +168,7 @@ mod tests {
 
     #[test]
     fn dropping_the_pool_drops_its_tasks() {
-        let pool = IoPool::new(1, "ferry-test-drop");
+        let pool = IoPool::new(Some(1), "ferry-test-drop");
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         struct Guard(std::sync::mpsc::Sender<()>);
         impl Drop for Guard {
@@ -179,6 +185,22 @@ mod tests {
         drop(pool);
         rx.recv_timeout(std::time::Duration::from_secs(10))
             .expect("the task was dropped with the pool");
+    }
+
+    #[test]
+    fn without_threads_tasks_run_on_the_callers_runtime() {
+        let pool = IoPool::new(None, "unused");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let caller = std::thread::current().id();
+        let ran_on = rt.block_on(async {
+            pool.spawn(async { std::thread::current().id() })
+                .unwrap()
+                .await
+        });
+        assert_eq!(ran_on.unwrap(), caller);
+        assert!(pool.spawn(async {}).is_err(), "no runtime outside one");
     }
 
     fn block_on<T>(h: JoinHandle<T>) -> Result<T, tokio::task::JoinError> {

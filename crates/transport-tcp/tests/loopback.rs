@@ -90,6 +90,11 @@ struct Fixture {
 }
 
 fn start(versions: VersionRange) -> Fixture {
+    start_with(versions, TcpConfig::default().io_threads)
+}
+
+/// A server whose data streams run on `io_threads` (see `TcpConfig::io_threads`).
+fn start_with(versions: VersionRange, io_threads: Option<usize>) -> Fixture {
     let table = Arc::new(Table::default());
     let epoch = Epoch::fresh();
     let server = TcpServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
@@ -100,7 +105,11 @@ fn start(versions: VersionRange) -> Fixture {
         versions,
         table: table.clone(),
     });
-    let handle = server.serve(table.clone(), responder, TcpConfig::default());
+    let config = TcpConfig {
+        io_threads,
+        ..TcpConfig::default()
+    };
+    let handle = server.serve(table.clone(), responder, config);
     Fixture {
         _server: handle,
         addr,
@@ -144,10 +153,20 @@ fn bytes(r: &MemoryRegion, at: u64, len: usize) -> Vec<u8> {
 }
 
 async fn channel(f: &Fixture, streams: usize, chunk: u64) -> Arc<dyn ferry_core::Channel> {
+    channel_with(f, streams, chunk, TcpConfig::default().io_threads).await
+}
+
+async fn channel_with(
+    f: &Fixture,
+    streams: usize,
+    chunk: u64,
+    io_threads: Option<usize>,
+) -> Arc<dyn ferry_core::Channel> {
     let t = TcpTransport::new(TcpConfig {
         streams,
         chunk_size: chunk,
         depth: 4,
+        io_threads,
         ..TcpConfig::default()
     });
     let hello = Hello {
@@ -199,14 +218,27 @@ async fn run(ch: &Arc<dyn ferry_core::Channel>, ops: Vec<Op>) -> ferry_core::Out
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_read_striped_unaligned() {
-    let f = start(SUPPORTED_VERSIONS);
+    // Streams on I/O threads (two, fewer than the streams) and on the caller's runtime, on
+    // either side.
+    for (server_io, client_io) in [
+        (Some(2), Some(2)),
+        (None, None),
+        (Some(1), None),
+        (None, Some(0)),
+    ] {
+        write_then_read_with(server_io, client_io).await;
+    }
+}
+
+async fn write_then_read_with(server_io: Option<usize>, client_io: Option<usize>) {
+    let f = start_with(SUPPORTED_VERSIONS, server_io);
     let (tok, remote) = publish(
         &f,
         "seg",
         3 << 20,
         Access::REMOTE_READ | Access::REMOTE_WRITE,
     );
-    let ch = channel(&f, 3, 64 << 10).await;
+    let ch = channel_with(&f, 3, 64 << 10, client_io).await;
     let src = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
     fill(&src, 7);
     let dst = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
@@ -217,7 +249,7 @@ async fn write_then_read_striped_unaligned() {
         (17, 33, (3 << 20) - 40),
     ] {
         let o = run(&ch, vec![op(OpKind::Write, &src, lo, tok, ro, len)]).await;
-        assert!(o.is_success(), "{o:?}");
+        assert!(o.is_success(), "{server_io:?}/{client_io:?}: {o:?}");
         assert_eq!(
             bytes(&remote, ro, len as usize),
             bytes(&src, lo, len as usize)
