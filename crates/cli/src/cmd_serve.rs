@@ -17,9 +17,9 @@ pub(crate) struct ServeArgs {
     /// file's bytes loaded into memory). Repeatable.
     #[arg(long = "segment", value_name = "NAME=SIZE|NAME=@PATH")]
     segments: Vec<String>,
-    /// A file segment to publish without loading it: NAME=PATH, served read-only by io_uring
-    /// reads (O_DIRECT where a request's alignment allows). Needs the io_uring data plane
-    /// (`--transport uring`, or auto on a kernel that supports it). Repeatable.
+    /// A file segment to publish without loading it: NAME=PATH, served read-only, by io_uring
+    /// reads (O_DIRECT where a request's alignment allows) or, on the TCP data plane, by
+    /// positioned reads. Repeatable.
     #[arg(long = "file", value_name = "NAME=PATH")]
     files: Vec<String>,
     /// Publish every segment read-only (default: generated segments read+write, files read-only).

@@ -25,7 +25,7 @@ pub use outcome::{
     Failure, FailureKind, Ledger, Outcome, RemoteEffect, RemoteStatus, RequestControl,
 };
 pub use transport::{
-    BoxFuture, Channel, HandshakeResponder, PeerInfo, SegmentLease, SegmentTable, Transport,
-    TransportKind,
+    BoxFuture, Channel, FileSource, HandshakeResponder, PeerInfo, SegmentLease, SegmentTable,
+    Transport, TransportKind,
 };
 pub use wire::{TransportOffer, VersionRange};

@@ -166,6 +166,22 @@ impl SegmentLease {
     }
 }
 
+/// A published file range, served with positioned reads and writes by servers that have no
+/// faster way (the io_uring server uses its own rings and O_DIRECT instead).
+pub trait FileSource: Send + Sync + fmt::Debug + 'static {
+    /// Checks an op of `kind` on `offset..offset+len` of the segment: access first, then bounds
+    /// (a WRITE also against the file's size now, so that it can never extend the file).
+    /// Returns the offset in the file.
+    fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus>;
+
+    /// Reads exactly `buf.len()` bytes at file offset `at` (a file that ends earlier is an
+    /// `UnexpectedEof` error).
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()>;
+
+    /// Writes all of `buf` at file offset `at`.
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()>;
+}
+
 /// The serving side's table of published segments.
 #[cfg_attr(any(test, feature = "__mock"), mockall::automock)]
 pub trait SegmentTable: Send + Sync + fmt::Debug + 'static {
@@ -174,6 +190,12 @@ pub trait SegmentTable: Send + Sync + fmt::Debug + 'static {
 
     /// Descriptors of everything published, for the handshake.
     fn published(&self) -> Vec<SegmentDesc>;
+
+    /// The file segment published under `token`, if any (asked when [`resolve`](Self::resolve)
+    /// does not know the token). Tables without file segments keep the default.
+    fn file(&self, _token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+        None
+    }
 }
 
 /// The serving side's identity and handshake policy.

@@ -386,8 +386,6 @@ impl EngineBuilder {
                 table,
                 server,
                 data_plane,
-                #[cfg(feature = "uring")]
-                uring,
                 known: Mutex::new(HashMap::new()),
                 routes: Mutex::new(Vec::new()),
                 request_timeout: self.request_timeout,
@@ -437,8 +435,6 @@ struct Inner {
     server: Option<Server>,
     /// The portable data plane and why it was chosen.
     data_plane: Option<(TransportKind, String)>,
-    #[cfg(feature = "uring")]
-    uring: Option<UringTransport>,
     /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
     known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
     routes: Mutex<Vec<Route>>,
@@ -822,10 +818,10 @@ impl TransferEngine {
     /// `Access::REMOTE_WRITE`, writes that never extend the file. It gets a random token and is
     /// listed in the handshake from now on; dropping the handle unpublishes it.
     ///
-    /// Only an engine whose data plane is io_uring serves file segments: with TCP this is an
-    /// `Unavailable` error naming the reason TCP was chosen (load the file into registered
-    /// memory with [`read_file_into`](Self::read_file_into) and [`register`](Self::register) it
-    /// instead). File segments take no registration budget: no memory is pinned for them.
+    /// The io_uring data plane serves them with its rings (O_DIRECT where a request's alignment
+    /// allows); the TCP data plane (where the kernel refuses io_uring, or when it is forced) with
+    /// positioned reads and writes off its I/O threads. File segments take no registration
+    /// budget: no memory is pinned for them.
     #[cfg(feature = "uring")]
     pub fn publish_file_named(
         &self,
@@ -836,17 +832,12 @@ impl TransferEngine {
         let path = path.as_ref();
         let _span =
             tracing::info_span!("publish_file", name, path = %path.display(), %access).entered();
-        if self.inner.uring.is_none() {
-            let why = self
-                .inner
-                .data_plane
-                .as_ref()
-                .map(|(k, r)| format!("the data plane is {k} ({r})"))
-                .unwrap_or_else(|| "no portable data plane is enabled".into());
+        if self.inner.data_plane.is_none() {
             return Err(Error::Unavailable {
-                library: "io_uring file segments".into(),
+                library: "file segments".into(),
                 reason: format!(
-                    "publishing {} needs the io_uring data plane, but {why}",
+                    "publishing {} needs a portable data plane (io_uring or TCP) to serve it, and \
+                     this engine has none",
                     path.display()
                 ),
             });
@@ -866,8 +857,10 @@ impl TransferEngine {
     }
 
     /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`, with
-    /// io_uring reads of up to 1 MiB, at most 32 in flight (O_DIRECT for aligned chunks).
-    /// Blocking: call it from a blocking context. Returns the bytes read.
+    /// io_uring reads of up to 1 MiB, at most 32 in flight (O_DIRECT for aligned chunks), or
+    /// with positioned reads through a bounce buffer where this engine's data plane is not
+    /// io_uring (the kernel refused it, or TCP was forced). Blocking: call it from a blocking
+    /// context. Returns the bytes read.
     #[cfg(feature = "uring")]
     pub fn read_file_into(
         &self,
@@ -881,6 +874,15 @@ impl TransferEngine {
         let path = path.as_ref();
         let _span = tracing::info_span!("read_file_into", path = %path.display(), file_offset, len)
             .entered();
+        if self.data_plane() != Some(TransportKind::Uring) {
+            return Ok(transport_uring::read_file_into_buffered(
+                dst.region(),
+                offset,
+                path,
+                file_offset,
+                len,
+            )?);
+        }
         Ok(transport_uring::read_file_into(
             dst.region(),
             offset,

@@ -14,8 +14,9 @@ use registry::{Lease, Registry};
 /// Published segments as the transports' servers see them.
 ///
 /// Guards are kept per token (one `Arc` made at registration), so that resolving a chunk allocates
-/// nothing; the registry stays the authority on what is published. Published file segments
-/// (io_uring only) live beside them, and are listed in the handshake like memory (no remote keys).
+/// nothing; the registry stays the authority on what is published. Published file segments live
+/// beside them (served by io_uring, or by positioned reads on the TCP server), and are listed in
+/// the handshake like memory (no remote keys).
 #[derive(Debug)]
 pub(crate) struct RegistryTable {
     pub(crate) registry: Registry,
@@ -145,6 +146,15 @@ impl SegmentTable for RegistryTable {
             .collect();
         v.extend(self.file_descs());
         v
+    }
+
+    #[cfg(feature = "uring")]
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
+        self.files
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&token)
+            .map(|(_, f)| f.clone() as Arc<dyn ferry_core::FileSource>)
     }
 }
 

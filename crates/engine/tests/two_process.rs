@@ -759,68 +759,77 @@ async fn timeout_and_cancel_end_the_request_but_drained_waits() -> Result<()> {
     Ok(())
 }
 
-/// A file segment published by an io_uring child and READ by TCP and io_uring clients: random
-/// contents, unaligned offsets and lengths, aligned ones (O_DIRECT), and the tail of a file whose
-/// size is not a multiple of 4096, compared byte for byte.
+/// A file segment published by an io_uring child and by a TCP child (positioned reads), READ by
+/// TCP and io_uring clients: random contents, unaligned offsets and lengths, aligned ones
+/// (O_DIRECT on io_uring), and the tail of a file whose size is not a multiple of 4096, compared
+/// byte for byte.
 #[cfg(feature = "uring")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_segment_read_across_processes() -> Result<()> {
-    if uring_unusable() {
-        return Ok(());
-    }
+    let uring = !uring_unusable();
     let len: u64 = (3 << 20) + 1234;
     let file = MemoryRegion::alloc_zeroed(len as usize, 4096)?;
     fill(&file, 0xf17e)?;
     let data = bytes(&file, 0, len)?;
     let path = std::env::temp_dir().join(format!("ferry-two-process-file-{}", std::process::id()));
     std::fs::write(&path, &data)?;
-    let child = ChildProc::spawn(
-        "server",
-        &[
-            ("FERRY_TEST_FILES", &format!("shard={}:r", path.display())),
-            ("FERRY_TEST_DATA_PLANE", "uring"),
-        ],
-    );
+    let servers: &[&str] = if uring { &["uring", "tcp"] } else { &["tcp"] };
+    let clients: &[DataPlane] = if uring {
+        &[DataPlane::Tcp, DataPlane::Uring]
+    } else {
+        &[DataPlane::Tcp]
+    };
     let result = async {
-        let child = child?;
-        let tail_block = len / 4096 * 4096;
-        let cases: &[(u64, u64, u64)] = &[
-            (0, 0, len),
-            (1, 1, 4095),
-            (4096, 4096, 1 << 20),
-            (3, 8191, (2 << 20) + 17),
-            (5, len - 4000, 4000),
-            (0, len - 1, 1),
-            (8192, tail_block, len - tail_block),
-            (7, tail_block - 3, len - tail_block + 3),
-            (0, len - (1 << 20) - 3, (1 << 20) + 3),
-        ];
-        for plane in [DataPlane::Tcp, DataPlane::Uring] {
-            let engine = client(plane)?;
-            let peer = engine.connect(child.addr).await?;
-            let seg = peer.segment("shard")?;
-            assert_eq!((seg.len(), seg.access()), (len, Access::REMOTE_READ));
-            let dst = engine.register(
-                MemoryRegion::alloc_zeroed(len as usize + 8192, 4096)?,
-                Access::LOCAL,
-                "dst",
+        for &served in servers {
+            let child = ChildProc::spawn(
+                "server",
+                &[
+                    ("FERRY_TEST_FILES", &format!("shard={}:r", path.display())),
+                    ("FERRY_TEST_DATA_PLANE", served),
+                ],
             )?;
-            for &(lo, fo, n) in cases {
-                dst.region().write_at(lo, &vec![0u8; n as usize])?;
-                let o = engine
-                    .submit(Batch::new().read(&dst, lo, &seg, fo, n))?
-                    .await;
-                assert!(o.is_success(), "{plane:?} read {n} at {fo}: {o:?}");
-                assert!(
-                    bytes(dst.region(), lo, n)? == data[fo as usize..(fo + n) as usize],
-                    "{plane:?}: bytes differ reading {n} at {fo} into {lo}"
-                );
+            let tail_block = len / 4096 * 4096;
+            let cases: &[(u64, u64, u64)] = &[
+                (0, 0, len),
+                (1, 1, 4095),
+                (4096, 4096, 1 << 20),
+                (3, 8191, (2 << 20) + 17),
+                (5, len - 4000, 4000),
+                (0, len - 1, 1),
+                (8192, tail_block, len - tail_block),
+                (7, tail_block - 3, len - tail_block + 3),
+                (0, len - (1 << 20) - 3, (1 << 20) + 3),
+            ];
+            for &plane in clients {
+                let engine = client(plane)?;
+                let peer = engine.connect(child.addr).await?;
+                let seg = peer.segment("shard")?;
+                assert_eq!((seg.len(), seg.access()), (len, Access::REMOTE_READ));
+                let dst = engine.register(
+                    MemoryRegion::alloc_zeroed(len as usize + 8192, 4096)?,
+                    Access::LOCAL,
+                    "dst",
+                )?;
+                for &(lo, fo, n) in cases {
+                    dst.region().write_at(lo, &vec![0u8; n as usize])?;
+                    let o = engine
+                        .submit(Batch::new().read(&dst, lo, &seg, fo, n))?
+                        .await;
+                    assert!(
+                        o.is_success(),
+                        "{served} server, {plane:?} read {n} at {fo}: {o:?}"
+                    );
+                    assert!(
+                        bytes(dst.region(), lo, n)? == data[fo as usize..(fo + n) as usize],
+                        "{served} server, {plane:?}: bytes differ reading {n} at {fo} into {lo}"
+                    );
+                }
+                // Read-only: a WRITE is refused before anything moves.
+                assert!(matches!(
+                    engine.submit(Batch::new().write(&dst, 0, &seg, 0, 10)),
+                    Err(Error::AccessDenied { .. })
+                ));
             }
-            // Read-only: a WRITE is refused before anything moves.
-            assert!(matches!(
-                engine.submit(Batch::new().write(&dst, 0, &seg, 0, 10)),
-                Err(Error::AccessDenied { .. })
-            ));
         }
         anyhow::Ok(())
     }

@@ -60,14 +60,11 @@ fn auto_falls_back_to_tcp_with_the_missing_opcode_in_describe() -> Result<()> {
     assert!(d.to_string().contains("opcode(s) SEND"), "{d}");
     let json = serde_json::to_value(&d)?;
     assert_eq!(json["data_plane"].as_str(), Some(dp.as_str()));
-    // File segments need io_uring: a clear error naming why TCP was chosen.
+    // File segments do not need io_uring: the TCP data plane serves them too (see
+    // `file_segments_are_served_over_tcp_where_io_uring_is_refused`).
     let path = std::env::current_exe()?;
-    match engine.publish_file(&path, Access::REMOTE_READ) {
-        Err(Error::Unavailable { reason, .. }) => {
-            assert!(reason.contains("lacks io_uring opcode(s) SEND"), "{reason}")
-        }
-        other => bail!("expected Unavailable, got {other:?}"),
-    }
+    let file = engine.publish_file(&path, Access::REMOTE_READ)?;
+    assert_eq!(file.len(), std::fs::metadata(&path)?.len());
     Ok(())
 }
 
@@ -131,12 +128,33 @@ async fn file_segment_published_read_and_unpublished_in_process() -> Result<()> 
         eprintln!("skipped: io_uring unusable here: {why}");
         return Ok(());
     }
-    let len = (1 << 20) + 12_345;
-    let (path, data) = random_file("ferry-file-seg", len, 0xf11e)?;
     let server = TransferEngine::builder()
         .data_plane(DataPlane::Uring)
         .listen("127.0.0.1:0".parse::<SocketAddr>()?)
         .build()?;
+    assert_eq!(server.data_plane(), Some(TransportKind::Uring));
+    file_segment_round_trip(server, 0xf11e).await
+}
+
+/// A kernel that refuses io_uring (a seccomp profile, `kernel.io_uring_disabled`) leaves the
+/// engine on TCP: file segments are published, read, written and unpublished all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_segments_are_served_over_tcp_where_io_uring_is_refused() -> Result<()> {
+    let server = TransferEngine::builder()
+        .data_plane(DataPlane::Auto)
+        .uring_probe(probe_without_send())
+        .listen("127.0.0.1:0".parse::<SocketAddr>()?)
+        .build()?;
+    assert_eq!(server.data_plane(), Some(TransportKind::Tcp));
+    file_segment_round_trip(server, 0x7c9).await
+}
+
+/// Publishes a read-only and a writable file on `server`, READs and WRITEs them from another
+/// engine at unaligned offsets (the tail of a file whose size is no multiple of the block size
+/// included), loads one with `read_file_into`, and unpublishes.
+async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()> {
+    let len = (1 << 20) + 12_345;
+    let (path, data) = random_file("ferry-file-seg", len, seed)?;
     let file = server.publish_file_named(&path, Access::REMOTE_READ, "shard")?;
     assert_eq!(file.len(), len as u64);
     assert!(
@@ -187,5 +205,52 @@ async fn file_segment_published_read_and_unpublished_in_process() -> Result<()> 
         Some(FailureKind::Remote(RemoteStatus::UnknownSegment))
     );
     let _ = std::fs::remove_file(&path);
+
+    // A writable file: WRITEs land in place and never extend it; a read-only one refuses them.
+    let wlen = 3 * 4096 + 77;
+    let (wpath, mut expect) = random_file("ferry-file-seg-w", wlen, seed ^ 0x55)?;
+    let wfile = server.publish_file_named(
+        &wpath,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        "scratch",
+    )?;
+    let (rpath, _) = random_file("ferry-file-seg-r", 4096, seed ^ 0xaa)?;
+    let rfile = server.publish_file_named(&rpath, Access::REMOTE_READ, "ro")?;
+    let peer = client.connect(addr).await?;
+    let wseg = peer.segment("scratch")?;
+    let src = client.register(MemoryRegion::alloc_zeroed(wlen, 4096)?, Access::LOCAL, "s")?;
+    let fresh: Vec<u8> = (0..wlen).map(|i| (i * 7 + 1) as u8).collect();
+    src.region().write_at(0, &fresh)?;
+    // Unaligned, across block boundaries, through the unaligned tail.
+    for &(lo, ro, n) in &[(0u64, 0u64, 1u64), (5, 4093, 8000), (100, 4096 * 3, 77)] {
+        let o = client
+            .submit(Batch::new().write(&src, lo, &wseg, ro, n))?
+            .await;
+        assert!(o.is_success(), "write {lo}/{ro}/{n}: {o:?}");
+        expect[ro as usize..(ro + n) as usize]
+            .copy_from_slice(&fresh[lo as usize..(lo + n) as usize]);
+    }
+    assert!(
+        std::fs::read(&wpath)? == expect,
+        "file bytes after WRITEs differ"
+    );
+    // Both are refused before anything moves (the descriptor says so); the servers' own checks
+    // are the same `FileSegment::check` the io_uring file tests cover.
+    let past_end = client.submit(Batch::new().write(&src, 0, &wseg, wlen as u64 - 10, 11));
+    assert!(past_end.is_err(), "a WRITE past the end must be refused");
+    assert_eq!(
+        std::fs::metadata(&wpath)?.len(),
+        wlen as u64,
+        "the file grew"
+    );
+    let rseg = peer.segment("ro")?;
+    let read_only = client.submit(Batch::new().write(&src, 0, &rseg, 0, 10));
+    assert!(
+        read_only.is_err(),
+        "a WRITE to a read-only file must be refused"
+    );
+    drop((wfile, rfile));
+    let _ = std::fs::remove_file(&wpath);
+    let _ = std::fs::remove_file(&rpath);
     Ok(())
 }

@@ -7,7 +7,7 @@ use ferry_core::wire::{
     ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, Reject,
     RejectReason, SUPPORTED_VERSIONS,
 };
-use ferry_core::{Error, HandshakeResponder, OpKind, RemoteStatus, SegmentTable};
+use ferry_core::{Error, FileSource, HandshakeResponder, OpKind, RemoteStatus, SegmentTable};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
@@ -198,6 +198,7 @@ async fn serve_data(
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
     let mut scratch: Vec<u8> = Vec::new();
+    let mut file_stage: Vec<u8> = Vec::new();
     loop {
         match recv_buf(stream, &mut head).await {
             Ok(()) => {}
@@ -220,15 +221,26 @@ async fn serve_data(
                 return Ok(());
             }
         };
-        let lease = table.resolve(req.token);
-        let checked = match &lease {
-            None => Err(RemoteStatus::UnknownSegment),
-            Some(l) => l.check(req.kind, req.offset, req.len),
+        let target = match table.resolve(req.token) {
+            Some(l) => l
+                .check(req.kind, req.offset, req.len)
+                .map(|at| Target::Memory(l, at)),
+            None => match table.file(req.token) {
+                Some(f) => f
+                    .check(req.kind, req.offset, req.len)
+                    .map(|at| Target::File(f, at)),
+                None => Err(RemoteStatus::UnknownSegment),
+            },
         };
         let len = req.len as usize;
         let mut resp = [0u8; DATA_RESPONSE_LEN];
-        match (req.kind, checked, &lease) {
-            (OpKind::Write, Ok(at), Some(l)) => {
+        let accepted = |len: u64| DataResponse {
+            seq: req.seq,
+            refused: None,
+            len,
+        };
+        match (req.kind, target) {
+            (OpKind::Write, Ok(Target::Memory(l, at))) => {
                 let dst = RawRange {
                     addr: l.region.as_ptr() as usize + at as usize,
                     len,
@@ -236,21 +248,11 @@ async fn serve_data(
                 // SAFETY: `l.check` proved `at..at+len` lies inside the region, which the lease
                 // keeps alive until the chunk is done; no Rust reference into it exists (raw recv).
                 unsafe { recv_exact(stream, dst).await? };
-                DataResponse {
-                    seq: req.seq,
-                    refused: None,
-                    len: 0,
-                }
-                .encode(&mut resp);
+                accepted(0).encode(&mut resp);
                 send_buf(stream, &resp).await?;
             }
-            (OpKind::Read, Ok(at), Some(l)) => {
-                DataResponse {
-                    seq: req.seq,
-                    refused: None,
-                    len: req.len,
-                }
-                .encode(&mut resp);
+            (OpKind::Read, Ok(Target::Memory(l, at))) => {
+                accepted(req.len).encode(&mut resp);
                 if len <= SMALL {
                     stage[..DATA_RESPONSE_LEN].copy_from_slice(&resp);
                     let body = &mut stage[DATA_RESPONSE_LEN..DATA_RESPONSE_LEN + len];
@@ -268,8 +270,39 @@ async fn serve_data(
                     unsafe { send_all(stream, &resp, src).await? };
                 }
             }
-            (kind, checked, _) => {
-                let status = checked.err().unwrap_or(RemoteStatus::UnknownSegment);
+            (OpKind::Read, Ok(Target::File(f, at))) => {
+                // Positioned reads block: off this stream's I/O thread, through a staging buffer
+                // kept per stream. A file that shrank under the READ closes the stream.
+                let mut buf = std::mem::take(&mut file_stage);
+                buf.resize(DATA_RESPONSE_LEN + len, 0);
+                let (buf, read) = tokio::task::spawn_blocking(move || {
+                    let r = f.read_exact_at(at, &mut buf[DATA_RESPONSE_LEN..]);
+                    (buf, r)
+                })
+                .await
+                .map_err(std::io::Error::other)?;
+                file_stage = buf;
+                read?;
+                accepted(req.len).encode(&mut resp);
+                file_stage[..DATA_RESPONSE_LEN].copy_from_slice(&resp);
+                send_buf(stream, &file_stage[..DATA_RESPONSE_LEN + len]).await?;
+            }
+            (OpKind::Write, Ok(Target::File(f, at))) => {
+                let mut buf = std::mem::take(&mut file_stage);
+                buf.resize(len, 0);
+                recv_buf(stream, &mut buf).await?;
+                let (buf, wrote) = tokio::task::spawn_blocking(move || {
+                    let r = f.write_all_at(at, &buf);
+                    (buf, r)
+                })
+                .await
+                .map_err(std::io::Error::other)?;
+                file_stage = buf;
+                wrote?;
+                accepted(0).encode(&mut resp);
+                send_buf(stream, &resp).await?;
+            }
+            (kind, Err(status)) => {
                 debug!(%from, token = %req.token, %kind, %status, "refused chunk");
                 if kind == OpKind::Write {
                     if scratch.is_empty() {
@@ -286,6 +319,11 @@ async fn serve_data(
                 send_buf(stream, &resp).await?;
             }
         }
-        drop(lease);
     }
+}
+
+/// What a checked request touches: registered memory or a file, at this offset.
+enum Target {
+    Memory(ferry_core::SegmentLease, u64),
+    File(Arc<dyn FileSource>, u64),
 }

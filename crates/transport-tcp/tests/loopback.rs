@@ -9,16 +9,43 @@ use ferry_core::wire::{
     Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
 };
 use ferry_core::{
-    Access, Epoch, Error, FailureKind, HandshakeResponder, MemoryRegion, Op, OpKind, PeerId,
-    PeerInfo, RemoteEffect, RemoteStatus, RequestControl, SegmentDesc, SegmentLease, SegmentTable,
-    SegmentToken, Transport,
+    Access, Epoch, Error, FailureKind, FileSource, HandshakeResponder, MemoryRegion, Op, OpKind,
+    PeerId, PeerInfo, RemoteEffect, RemoteStatus, RequestControl, SegmentDesc, SegmentLease,
+    SegmentTable, SegmentToken, Transport,
 };
 use ferry_transport_tcp::{TcpConfig, TcpServer, TcpTransport, handshake};
 
 type Entry = (String, Arc<MemoryRegion>, Access);
 
 #[derive(Debug, Default)]
-struct Table(Mutex<HashMap<SegmentToken, Entry>>);
+struct Table(
+    Mutex<HashMap<SegmentToken, Entry>>,
+    Mutex<HashMap<SegmentToken, Arc<TestFile>>>,
+);
+
+/// A file segment served by positioned I/O (what the engine's file segments provide).
+#[derive(Debug)]
+struct TestFile {
+    file: std::fs::File,
+    len: u64,
+    access: Access,
+}
+
+impl FileSource for TestFile {
+    fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus> {
+        if !self.access.contains(kind.needed_access()) {
+            return Err(RemoteStatus::AccessDenied);
+        }
+        ferry_core::check_range(offset, len, self.len).map_err(|_| RemoteStatus::OutOfBounds)?;
+        Ok(offset)
+    }
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, at)
+    }
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.file, buf, at)
+    }
+}
 
 impl SegmentTable for Table {
     fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
@@ -42,6 +69,10 @@ impl SegmentTable for Table {
                 remote_keys: vec![],
             })
             .collect()
+    }
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+        let f = self.1.lock().unwrap();
+        f.get(&token).map(|f| f.clone() as Arc<dyn FileSource>)
     }
 }
 
@@ -481,4 +512,77 @@ async fn random_requests_match_the_oracle() {
     }
     assert_eq!(bytes(&rw_seg, 0, 5000), shadow_rw);
     assert_eq!(bytes(&ro_seg, 0, 3000), shadow_ro);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_segments_by_positioned_io() {
+    let f = start(SUPPORTED_VERSIONS);
+    let len = 10_000usize;
+    let path = std::env::temp_dir().join(format!("ferry-tcp-file-{}", std::process::id()));
+    let initial: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(&path, &initial).unwrap();
+    let open = |write| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(write)
+            .open(&path)
+            .unwrap()
+    };
+    let (rw, ro) = (SegmentToken(0xf1), SegmentToken(0xf2));
+    {
+        let mut files = f.table.1.lock().unwrap();
+        files.insert(
+            rw,
+            Arc::new(TestFile {
+                file: open(true),
+                len: len as u64,
+                access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            }),
+        );
+        files.insert(
+            ro,
+            Arc::new(TestFile {
+                file: open(false),
+                len: len as u64,
+                access: Access::REMOTE_READ,
+            }),
+        );
+    }
+    let ch = channel(&f, 2, 4096).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(8192, 4096).unwrap());
+    fill(&src, 9);
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    // WRITE across chunk and block boundaries, then READ the whole file (its odd tail too).
+    let o = run(&ch, vec![op(OpKind::Write, &src, 3, rw, 4001, 5000)]).await;
+    assert!(o.is_success(), "{o:?}");
+    let mut expect = initial.clone();
+    expect[4001..9001].copy_from_slice(&bytes(&src, 3, 5000));
+    assert!(std::fs::read(&path).unwrap() == expect);
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, ro, 0, len as u64)]).await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert!(bytes(&dst, 0, len) == expect);
+    // Refused by the server's check without touching the file; the stream survives.
+    for (o, status) in [
+        (
+            op(OpKind::Write, &src, 0, ro, 0, 100),
+            RemoteStatus::AccessDenied,
+        ),
+        (
+            op(OpKind::Write, &src, 0, rw, len as u64 - 10, 20),
+            RemoteStatus::OutOfBounds,
+        ),
+    ] {
+        let out = run(&ch, vec![o]).await;
+        let fail = out.failure.unwrap();
+        assert_eq!(fail.kind, FailureKind::Remote(status));
+        assert_eq!(out.remote_effect, RemoteEffect::None);
+    }
+    assert!(
+        std::fs::read(&path).unwrap() == expect,
+        "a refused WRITE changed the file"
+    );
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 1, rw, len as u64 - 7, 7)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert_eq!(bytes(&dst, 1, 7), expect[len - 7..]);
+    let _ = std::fs::remove_file(&path);
 }

@@ -175,6 +175,20 @@ impl FileSegment {
     }
 }
 
+impl ferry_core::FileSource for FileSegment {
+    fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus> {
+        FileSegment::check(self, kind, offset, len)
+    }
+
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(&self.buffered, buf, at)
+    }
+
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.buffered, buf, at)
+    }
+}
+
 fn direct_ok(file_offset: u64, len: u64, addr: usize) -> bool {
     file_offset.is_multiple_of(DIRECT_ALIGN)
         && len.is_multiple_of(DIRECT_ALIGN)
@@ -236,6 +250,80 @@ pub(crate) unsafe fn file_io(
     Ok(done)
 }
 
+/// Loads `len` bytes of `path` from `file_offset` into `region` at `region_offset` with
+/// positioned reads (`pread`) of up to 1 MiB through a bounce buffer: what
+/// [`read_file_into`] does where the kernel refuses io_uring, and what an engine whose data
+/// plane is TCP uses. Returns the bytes read (`len`; a file that ends earlier is an error).
+pub fn read_file_into_buffered(
+    region: &Arc<MemoryRegion>,
+    region_offset: u64,
+    path: impl AsRef<Path>,
+    file_offset: u64,
+    len: u64,
+) -> Result<u64, UringError> {
+    let path = path.as_ref();
+    let file = open(path, false, false).map_err(|source| UringError::OpenFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    read_file_into_positioned(region, region_offset, &file, path, file_offset, len)
+}
+
+fn read_file_into_positioned(
+    region: &Arc<MemoryRegion>,
+    region_offset: u64,
+    file: &File,
+    path: &Path,
+    file_offset: u64,
+    len: u64,
+) -> Result<u64, UringError> {
+    const CHUNK: u64 = 1 << 20;
+    if region.check(region_offset, len).is_err() {
+        return Err(UringError::OutOfRange {
+            what: "region",
+            offset: region_offset,
+            len,
+            size: region.len() as u64,
+        });
+    }
+    let size = file
+        .metadata()
+        .map_err(|source| UringError::OpenFile {
+            path: path.to_owned(),
+            source,
+        })?
+        .len();
+    if ferry_core::check_range(file_offset, len, size).is_err() {
+        return Err(UringError::OutOfRange {
+            what: "file",
+            offset: file_offset,
+            len,
+            size,
+        });
+    }
+    let mut buf = vec![0u8; CHUNK.min(len) as usize];
+    let mut done = 0u64;
+    while done < len {
+        let n = CHUNK.min(len - done) as usize;
+        std::os::unix::fs::FileExt::read_exact_at(file, &mut buf[..n], file_offset + done)
+            .map_err(|source| UringError::ReadFile {
+                path: path.to_owned(),
+                offset: file_offset + done,
+                source,
+            })?;
+        region
+            .write_at(region_offset + done, &buf[..n])
+            .map_err(|e| UringError::OutOfRange {
+                what: "region",
+                offset: e.offset,
+                len: e.len,
+                size: e.size,
+            })?;
+        done += n as u64;
+    }
+    Ok(len)
+}
+
 /// Loads `len` bytes of `path` from `file_offset` into `region` at `region_offset`, with up to
 /// `queue_depth` reads of at most 1 MiB in flight on one ring. Chunks whose file offset, length
 /// and destination address are 4096-aligned use O_DIRECT (READ_FIXED from the region when it can
@@ -275,11 +363,22 @@ pub fn read_file_into(
     }
     let direct = open(path, false, true).ok();
     let qd = queue_depth.clamp(1, 256);
-    let mut ring =
-        IoUring::new((qd as u32).next_power_of_two()).map_err(|source| UringError::CreateRing {
-            entries: qd as u32,
-            source,
-        })?;
+    let mut ring = match IoUring::new((qd as u32).next_power_of_two()) {
+        Ok(r) => r,
+        Err(e) => {
+            // Seccomp profiles (Docker's default among them) and `kernel.io_uring_disabled`
+            // refuse rings: positioned reads then, slower but the same bytes.
+            tracing::info!(error = %e, path = %path.display(), "no io_uring ring; positioned reads");
+            return read_file_into_positioned(
+                region,
+                region_offset,
+                &buffered,
+                path,
+                file_offset,
+                len,
+            );
+        }
+    };
     let base = region.as_ptr() as usize + region_offset as usize;
     // Register the destination range as one fixed buffer when the kernel lets us.
     let fixed = if len > 0 && len <= 1 << 30 {

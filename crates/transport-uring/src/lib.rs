@@ -43,7 +43,9 @@ use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 pub use client::UringChannel;
 pub use control::handshake;
 pub use error::UringError;
-pub use file::{DIRECT_ALIGN, FileSegment, FileSegmentTable, read_file_into};
+pub use file::{
+    DIRECT_ALIGN, FileSegment, FileSegmentTable, read_file_into, read_file_into_buffered,
+};
 pub use probe::{OpcodeSupport, UringProbe, probe_kernel};
 pub use ring::IoStats;
 pub use server::{UringServer, UringServerHandle};
