@@ -229,6 +229,27 @@ impl Selector {
         None
     }
 
+    /// Parts of this selector that have no effect, in words (logged when a topology is built):
+    /// a blacklist beside a nonempty whitelist, and mask bits a NIC id cannot reach.
+    pub fn ignored_settings(&self, nic_count: usize) -> Vec<String> {
+        let mut v = Vec::new();
+        if !self.whitelist.is_empty() && !self.blacklist.is_empty() {
+            v.push(format!(
+                "blacklist [{}] is ignored: a nonempty whitelist [{}] takes precedence",
+                self.blacklist.join(","),
+                self.whitelist.join(",")
+            ));
+        }
+        if self.device_mask.is_some() && nic_count > 64 {
+            v.push(format!(
+                "device_mask covers NIC ids 0 to 63 only: the {} NICs with higher ids are \
+                 always excluded while a mask is set",
+                nic_count - 64
+            ));
+        }
+        v
+    }
+
     /// Why `port` of the NIC `name` is filtered out, or `None` when it is kept.
     pub fn port_exclusion(&self, name: &str, port: u32) -> Option<String> {
         if let Some(hca) = &self.hca
@@ -315,6 +336,22 @@ mod tests {
         assert!(!f.allows_device("mlx5_1") && f.allows_device("mlx5_10"));
         let f = HcaFilter::parse("^mlx5_1").unwrap();
         assert!(!f.allows_device("mlx5_10"));
+    }
+
+    #[test]
+    fn ignored_settings_are_named() {
+        let s = Selector {
+            whitelist: vec!["a".into()],
+            blacklist: vec!["b".into()],
+            device_mask: Some(1),
+            ..Selector::default()
+        };
+        let w = s.ignored_settings(70);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("blacklist [b] is ignored"), "{w:?}");
+        assert!(w[1].contains("6 NICs with higher ids"), "{w:?}");
+        assert!(s.ignored_settings(3).len() == 1);
+        assert!(Selector::default().ignored_settings(100).is_empty());
     }
 
     #[test]

@@ -211,6 +211,9 @@ impl Topology {
                 return Err(TopologyError::PinWithoutDevice { what: "GID" });
             }
         }
+        for ignored in selector.ignored_settings(machine.rdma_devices.len()) {
+            tracing::warn!("{ignored}");
+        }
         let mut nics: Vec<Nic> = machine
             .rdma_devices
             .iter()
