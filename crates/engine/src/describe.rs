@@ -88,6 +88,11 @@ pub struct Description {
     pub registrations: u64,
     /// Bytes charged to the registration budget.
     pub registered_bytes: u64,
+    /// Registrations held because a native destroy failed (see
+    /// [`TransferEngine::retry_unquiesced`](crate::TransferEngine::retry_unquiesced)).
+    pub unquiesced: u64,
+    /// Registration contexts on which admission is fenced after a failed destroy.
+    pub fenced_contexts: Vec<String>,
     /// Published segments.
     pub published: Vec<SegmentDescription>,
     /// Per-route counters.
@@ -111,6 +116,14 @@ impl std::fmt::Display for Description {
             "registrations: {} ({} bytes)",
             self.registrations, self.registered_bytes
         )?;
+        if self.unquiesced > 0 || !self.fenced_contexts.is_empty() {
+            writeln!(
+                f,
+                "unquiesced registrations: {} (admission fenced on: {})",
+                self.unquiesced,
+                self.fenced_contexts.join(", ")
+            )?;
+        }
         for s in &self.published {
             writeln!(
                 f,

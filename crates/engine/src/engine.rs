@@ -1143,6 +1143,13 @@ impl TransferEngine {
                 .map(|(k, why)| format!("{k} ({why})")),
             registrations: counters.registrations,
             registered_bytes: counters.bytes,
+            unquiesced: counters.unquiesced,
+            fenced_contexts: counters
+                .per_context
+                .iter()
+                .filter(|c| c.fenced)
+                .map(|c| c.name.clone())
+                .collect(),
             published,
             routes,
             rails: self.rails(),
@@ -1184,6 +1191,15 @@ impl TransferEngine {
             rdma.check()?;
         }
         Ok(())
+    }
+
+    /// Retries the native destroy of every registration left `Unquiesced` by a failed one (see
+    /// [`check`](Self::check)), once the cause is dealt with: destroyed copies release their
+    /// budget charges, fully destroyed registrations free their memory, and a context with
+    /// nothing unquiesced left accepts registrations again. Returns what was released and the
+    /// evidence for what is still held.
+    pub fn retry_unquiesced(&self) -> registry::UnquiescedRetry {
+        self.inner.registry.retry_unquiesced()
     }
 
     /// Stops serving: the listener closes and accepted connections are dropped.

@@ -39,7 +39,7 @@ pub use ferry_core::{
     Access, Epoch, Error, Failure, FailureKind, MemoryRegion, OpKind, Outcome, PAGE_ALIGN, PeerId,
     RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,
 };
-pub use registry::Budgets;
+pub use registry::{Budgets, UnquiescedInfo, UnquiescedRetry};
 /// The RDMA transport's configuration (`ferry-transport-rdma`).
 #[cfg(feature = "rdma")]
 pub use transport_rdma::{RailSpec, RdmaConfig};

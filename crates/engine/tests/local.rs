@@ -50,6 +50,11 @@ fn budgets_refuse_with_resource_exhausted_and_keep_what_is_published() -> Result
     let d = engine.describe();
     assert_eq!(d.published.len(), 1);
     assert_eq!(d.published[0].name, "a");
+    // Host registrations have no native destroy to fail: nothing unquiesced, nothing fenced.
+    assert_eq!((d.unquiesced, d.fenced_contexts.len()), (0, 0));
+    assert!(!d.to_string().contains("unquiesced"));
+    let retry = engine.retry_unquiesced();
+    assert_eq!((retry.released, retry.still_held.len()), (0, 0));
     a.retire()?;
     assert!(engine.describe().published.is_empty());
     // Room again after the retirement.

@@ -37,5 +37,5 @@ pub use error::{AccessError, Budget, RegistryError};
 pub use ferry_core::SegmentToken;
 pub use registry::{
     Budgets, ContextCounters, CopyRole, Lease, NativeCopy, Registration, Registry,
-    RegistryCounters, Retirement, SegmentState, UnquiescedInfo,
+    RegistryCounters, Retirement, SegmentState, UnquiescedInfo, UnquiescedRetry,
 };

@@ -163,6 +163,15 @@ pub struct UnquiescedInfo {
     pub error: Arc<NativeError>,
 }
 
+/// What [`Registry::retry_unquiesced`] achieved.
+#[derive(Clone, Debug)]
+pub struct UnquiescedRetry {
+    /// Registrations whose every native copy is destroyed now.
+    pub released: usize,
+    /// Evidence for those still held (with the latest failure).
+    pub still_held: Vec<UnquiescedInfo>,
+}
+
 struct UnquiescedEntry {
     info: UnquiescedInfo,
     /// The copies that could not be destroyed (kept, never reused).
@@ -552,6 +561,73 @@ impl Registry {
             .iter()
             .map(|e| e.info.clone())
             .collect()
+    }
+
+    /// Retries the native destroy of every unquiesced registration, for an operator who dealt
+    /// with the cause (a device reset, a process that held the MR). Each copy destroyed now
+    /// releases its charge; a registration whose copies are all gone is dropped (its memory is
+    /// freed once nothing else holds it); a context is unfenced once no unquiesced registration
+    /// is left on it. Native calls run on this thread without the registry's lock held.
+    pub fn retry_unquiesced(&self) -> UnquiescedRetry {
+        let entries = std::mem::take(&mut self.shared.accounts().unquiesced);
+        let mut released = 0usize;
+        let mut kept = Vec::new();
+        let mut newly_fenced = Vec::new();
+        let mut freed_copies = Vec::new();
+        for entry in entries {
+            let UnquiescedEntry {
+                mut info,
+                _copies: copies,
+                _region: region,
+            } = entry;
+            let len = region.len() as u64;
+            let (destroyed, left, failure) = self.shared.destroy_reverse(copies);
+            freed_copies.push((destroyed, len));
+            match failure {
+                None => {
+                    released += 1;
+                    tracing::info!(token = %info.token, name = %info.name, "unquiesced registration destroyed on retry");
+                }
+                Some((context, error)) => {
+                    let error = Arc::new(error);
+                    info.context = context;
+                    info.copies_held = left.len();
+                    info.bytes_held = (left.len() as u64).saturating_mul(len);
+                    info.error = error.clone();
+                    tracing::warn!(token = %info.token, name = %info.name, context = %info.context_name,
+                        error = %error, copies_held = left.len(), "native destroy failed again");
+                    newly_fenced.push((context, error));
+                    kept.push(UnquiescedEntry {
+                        info,
+                        _copies: left,
+                        _region: region,
+                    });
+                }
+            }
+        }
+        let mut acc = self.shared.accounts();
+        for (destroyed, len) in &freed_copies {
+            acc.release_charge(destroyed.len() as u64, *len);
+            acc.remove_copies(destroyed, *len);
+        }
+        // Entries recorded meanwhile (a drop on another thread) stay, after the retried ones.
+        let recorded_meanwhile = std::mem::take(&mut acc.unquiesced);
+        acc.unquiesced = kept;
+        acc.unquiesced.extend(recorded_meanwhile);
+        for (context, error) in newly_fenced {
+            acc.fenced.insert(context, error);
+        }
+        let still: std::collections::BTreeSet<ContextId> =
+            acc.unquiesced.iter().map(|e| e.info.context).collect();
+        acc.fenced.retain(|ctx, _| still.contains(ctx));
+        let fenced: Vec<ContextId> = acc.fenced.keys().copied().collect();
+        for c in acc.per_context.values_mut() {
+            c.fenced = fenced.contains(&c.id);
+        }
+        UnquiescedRetry {
+            released,
+            still_held: acc.unquiesced.iter().map(|e| e.info.clone()).collect(),
+        }
     }
 
     /// The contexts on which admission is fenced, with the destroy failure that fenced each.
@@ -1349,6 +1425,49 @@ mod tests {
         assert_unquiesced_state(&reg, &weak, 100);
         // Returned directly, so not recorded a second time.
         assert!(reg.take_errors().is_empty());
+    }
+
+    #[test]
+    fn retry_unquiesced_releases_charges_and_unfences_once_destroys_succeed() {
+        let mut m = failing_destroy_backend();
+        // The retry: copy 2 fails once more, then 2, 1, 0 go.
+        let mut seq = Sequence::new();
+        m.expect_destroy_copy()
+            .withf(|c, h| *c == ContextId(1) && h.id == 2)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _| Err(native_err("mlx5_1:1", "ibv_dereg_mr")));
+        for id in [2u64, 1, 0] {
+            m.expect_destroy_copy()
+                .withf(move |_, h| h.id == id)
+                .times(1)
+                .in_sequence(&mut seq)
+                .returning(|_, _| Ok(()));
+        }
+        let reg = Registry::new(Arc::new(m), Budgets::default());
+        let mem = region(100);
+        let weak = Arc::downgrade(&mem);
+        let r = reg.register("u", mem, RW).unwrap();
+        assert!(r.retire().is_err());
+        let first = reg.retry_unquiesced();
+        assert_eq!(first.released, 0);
+        assert_eq!(first.still_held.len(), 1);
+        assert_eq!(first.still_held[0].copies_held, 3);
+        assert_unquiesced_state(&reg, &weak, 100);
+        let second = reg.retry_unquiesced();
+        assert_eq!((second.released, second.still_held.len()), (1, 0));
+        let c = reg.counters();
+        assert_eq!((c.copies, c.bytes, c.unquiesced), (0, 0, 0));
+        assert!(
+            c.per_context.iter().all(|p| p.copies == 0 && !p.fenced),
+            "{c:?}"
+        );
+        assert!(reg.fenced().is_empty());
+        assert!(weak.upgrade().is_none(), "memory freed with the last copy");
+        assert!(
+            reg.take_errors().is_empty(),
+            "retire returned its error directly"
+        );
     }
 
     #[test]
