@@ -17,76 +17,23 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, have, project_root, run as run_loud};
+use crate::util::{cargo, ensure_tool, json_num, median, project_root, run as run_loud, size};
 
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
-       cargo xtask bench uring [options of bench_uring]";
+       cargo xtask bench uring [options of bench_uring]
+       cargo xtask bench latency [--ops N] [--repeat N]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
     match args.first().map(String::as_str) {
         Some("tcp") => tcp(&args[1..]),
         Some("uring") => crate::bench_uring::run(&args[1..]),
+        Some("latency") => crate::bench_latency::run(&args[1..]),
         _ => {
             eprintln!("{USAGE}");
             bail!("bench: say which transport to measure")
         }
     }
-}
-
-fn size(s: &str) -> Result<u64> {
-    let units = [
-        ("GiB", 1u64 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-        ("", 1),
-    ];
-    for (suffix, mul) in units {
-        if let Some(n) = s.strip_suffix(suffix) {
-            return Ok(n
-                .trim()
-                .parse::<u64>()
-                .with_context(|| format!("size {s:?}"))?
-                * mul);
-        }
-    }
-    bail!("size {s:?}")
-}
-
-fn ensure_iperf3() -> Result<()> {
-    if have("iperf3") {
-        return Ok(());
-    }
-    eprintln!("iperf3 missing: installing it with apt-get");
-    let sudo = have("sudo");
-    let apt = |args: &[&str]| {
-        let mut c = if sudo {
-            let mut c = Command::new("sudo");
-            c.arg("apt-get");
-            c
-        } else {
-            Command::new("apt-get")
-        };
-        c.args(args).env("DEBIAN_FRONTEND", "noninteractive");
-        c
-    };
-    run_loud(&mut apt(&["update", "-q"]))?;
-    run_loud(&mut apt(&["install", "-y", "-q", "iperf3"]))?;
-    if !have("iperf3") {
-        bail!("iperf3 still missing after apt-get install iperf3");
-    }
-    Ok(())
-}
-
-/// The number after `"key":` at or after `from` in a JSON text (xtask has no JSON parser).
-fn json_num(text: &str, key: &str, from: usize) -> Option<f64> {
-    let pat = format!("\"{key}\"");
-    let at = text.get(from..)?.find(&pat)? + from + pat.len();
-    let rest = text.get(at..)?.trim_start().strip_prefix(':')?.trim_start();
-    let end = rest
-        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
 }
 
 fn free_port() -> Result<u16> {
@@ -175,16 +122,6 @@ fn ferry(streams: usize, op: &str, total: u64) -> Result<f64> {
     json_num(&text, "gb_per_s", 0).with_context(|| format!("no gb_per_s in {text:?}"))
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 fn tcp(args: &[String]) -> Result<()> {
     let mut total = 4u64 << 30;
     let mut repeat = 5usize;
@@ -206,7 +143,7 @@ fn tcp(args: &[String]) -> Result<()> {
         }
     }
     let repeat = repeat.max(1);
-    ensure_iperf3()?;
+    ensure_tool("iperf3", "iperf3")?;
     run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
     println!(
         "loopback, 1 MiB ops, {total} bytes per run, {repeat} rounds of iperf3, ferry write and \
@@ -254,28 +191,4 @@ fn tcp(args: &[String]) -> Result<()> {
         "ferry/iperf3 (write, worse of 1 and 2 streams, median) = {worst:.2}: {verdict} the 0.9 target"
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_sizes_and_json() {
-        assert_eq!(size("4GiB").unwrap(), 4 << 30);
-        assert_eq!(size("12").unwrap(), 12);
-        assert!(size("x").is_err());
-        let t = r#"{"end":{"sum_sent":{"bytes":5},"sum_received":{"seconds": 2.5,"bytes":10}}}"#;
-        let at = t.find("\"sum_received\"").unwrap();
-        assert_eq!(json_num(t, "bytes", at), Some(10.0));
-        assert_eq!(json_num(t, "seconds", at), Some(2.5));
-        assert_eq!(json_num(t, "nope", 0), None);
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&[]).is_nan());
-    }
 }

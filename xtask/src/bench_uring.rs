@@ -22,57 +22,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, have, project_root, run as run_loud};
-
-fn size(s: &str) -> Result<u64> {
-    let (num, mul) = if let Some(n) = s.strip_suffix("GiB") {
-        (n, 1u64 << 30)
-    } else if let Some(n) = s.strip_suffix("MiB") {
-        (n, 1 << 20)
-    } else if let Some(n) = s.strip_suffix("KiB") {
-        (n, 1 << 10)
-    } else {
-        (s, 1)
-    };
-    Ok(num.parse::<u64>().with_context(|| format!("size {s:?}"))? * mul)
-}
-
-fn ensure(tool: &str, package: &str) -> Result<()> {
-    if have(tool) {
-        return Ok(());
-    }
-    eprintln!("{tool} missing: installing {package} with apt-get");
-    let sudo = if have("sudo") { vec!["sudo"] } else { vec![] };
-    let mut update = Command::new(sudo.first().copied().unwrap_or("apt-get"));
-    if !sudo.is_empty() {
-        update.arg("apt-get");
-    }
-    update.args(["update", "-q"]);
-    run_loud(&mut update)?;
-    let mut install = Command::new(sudo.first().copied().unwrap_or("apt-get"));
-    if !sudo.is_empty() {
-        install.arg("apt-get");
-    }
-    install
-        .args(["install", "-y", "-q", package])
-        .env("DEBIAN_FRONTEND", "noninteractive");
-    run_loud(&mut install)?;
-    if !have(tool) {
-        bail!("{tool} still missing after installing {package}");
-    }
-    Ok(())
-}
-
-/// The number after `"key":` at or after `from` in a JSON text (no JSON parser in xtask).
-fn json_num(text: &str, key: &str, from: usize) -> Option<f64> {
-    let pat = format!("\"{key}\"");
-    let at = text.get(from..)?.find(&pat)? + from + pat.len();
-    let rest = text.get(at..)?.trim_start().strip_prefix(':')?.trim_start();
-    let end = rest
-        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
-}
+use crate::util::{cargo, ensure_tool, json_num, median, project_root, run as run_loud, size};
 
 fn output(cmd: &mut Command) -> Result<String> {
     let line = format!("{cmd:?}");
@@ -243,12 +193,6 @@ impl Drop for Remove {
 }
 
 /// Entry point: `cargo xtask bench uring [--total BYTES] [--file-size BYTES] [--dir DIR]`.
-/// The median of `v` (the upper middle for an even count); `v` is non-empty.
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut total = 4u64 << 30;
     let mut file_size = 1u64 << 30;
@@ -265,8 +209,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             other => bail!("unknown option {other}"),
         }
     }
-    ensure("iperf3", "iperf3")?;
-    ensure("fio", "fio")?;
+    ensure_tool("iperf3", "iperf3")?;
+    ensure_tool("fio", "fio")?;
     let bin = bench_bin()?;
 
     let mut rows: Vec<(String, f64, f64)> = Vec::new();
@@ -290,15 +234,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "{streams} stream(s), GB/s per round: iperf3 -Z {refs:.2?}, ferry 1 MiB {hots:.2?}, \
              ferry 256 MiB {colds:.2?}"
         ));
-        let reference = median(&mut refs);
+        let reference = median(&refs);
         rows.push((
             format!("net {streams} stream(s), 1 MiB segment"),
-            median(&mut hots),
+            median(&hots),
             reference,
         ));
         rows.push((
             format!("net {streams} stream(s), 256 MiB segment"),
-            median(&mut colds),
+            median(&colds),
             reference,
         ));
     }

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_latency;
 mod bench_uring;
 mod bindgen;
 mod ci;
@@ -20,6 +21,8 @@ tasks:
   bench tcp [--total BYTES] [--repeat N]
                          ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
+  bench latency [--ops N] [--repeat N]
+                         64-byte round trips of ferry bench against a bare TCP ping-pong
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)

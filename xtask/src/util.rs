@@ -1,4 +1,5 @@
-//! Small helpers shared by the tasks: the project root and running commands loudly.
+//! Small helpers shared by the tasks: the project root, running commands loudly, installing a
+//! missing tool, and the number parsing the benches share.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -36,4 +37,95 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
 pub(crate) fn have(prog: &str) -> bool {
     std::env::var_os("PATH")
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(prog).is_file()))
+}
+
+/// Installs `package` with apt-get (through sudo where present) unless `tool` is on PATH already.
+pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
+    if have(tool) {
+        return Ok(());
+    }
+    eprintln!("{tool} missing: installing {package} with apt-get");
+    let sudo = have("sudo");
+    let apt = |args: &[&str]| {
+        let mut c = if sudo {
+            let mut c = Command::new("sudo");
+            c.arg("apt-get");
+            c
+        } else {
+            Command::new("apt-get")
+        };
+        c.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        c
+    };
+    run(&mut apt(&["update", "-q"]))?;
+    run(&mut apt(&["install", "-y", "-q", package]))?;
+    if !have(tool) {
+        bail!("{tool} still missing after apt-get install {package}");
+    }
+    Ok(())
+}
+
+/// A byte size with an optional binary suffix: `4096`, `64KiB`, `1MiB`, `4GiB`.
+pub(crate) fn size(s: &str) -> Result<u64> {
+    let units = [
+        ("GiB", 1u64 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+        ("", 1),
+    ];
+    for (suffix, mul) in units {
+        if let Some(n) = s.strip_suffix(suffix) {
+            return n
+                .trim()
+                .parse::<u64>()
+                .with_context(|| format!("size {s:?}"))?
+                .checked_mul(mul)
+                .with_context(|| format!("size {s:?} overflows"));
+        }
+    }
+    bail!("size {s:?}")
+}
+
+/// The number after `"key":` at or after `from` in a JSON text (xtask has no JSON parser).
+pub(crate) fn json_num(text: &str, key: &str, from: usize) -> Option<f64> {
+    let pat = format!("\"{key}\"");
+    let at = text.get(from..)?.find(&pat)? + from + pat.len();
+    let rest = text.get(at..)?.trim_start().strip_prefix(':')?.trim_start();
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+/// The median of `v` (the mean of the middle two for an even count; NaN when empty).
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_json_and_medians() {
+        assert_eq!(size("4GiB").unwrap(), 4 << 30);
+        assert_eq!(size("64KiB").unwrap(), 64 << 10);
+        assert_eq!(size("12").unwrap(), 12);
+        assert!(size("x").is_err());
+        assert!(size("99999999999GiB").is_err());
+        let t = r#"{"end":{"sum_sent":{"bytes":5},"sum_received":{"seconds": 2.5,"bytes":10}}}"#;
+        let at = t.find("\"sum_received\"").unwrap();
+        assert_eq!(json_num(t, "bytes", at), Some(10.0));
+        assert_eq!(json_num(t, "seconds", at), Some(2.5));
+        assert_eq!(json_num(t, "nope", 0), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
 }
