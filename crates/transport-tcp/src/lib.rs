@@ -1,11 +1,14 @@
 //! Ferry's portable data plane over TCP (tokio).
 //!
 //! - [`TcpServer`]: one listener for control connections (the handshake, answered by the
-//!   engine's [`HandshakeResponder`]) and data streams (served from a [`SegmentTable`]). Every
-//!   request is checked for token, access and bounds before any byte of a segment is touched.
+//!   engine's [`HandshakeResponder`]) and data streams (served from a [`SegmentTable`]: registered
+//!   memory, and file segments by positioned I/O on the blocking pool). Every request is checked
+//!   for token, access and bounds before any byte of a segment is touched.
 //! - [`TcpTransport`]: the [`Transport`] that opens [`TcpChannel`]s: several streams per peer,
 //!   chunks striped over them, a bounded number in flight per stream, payloads sent from and
 //!   received into registered memory without an intermediate copy, Nagle off.
+//! - Data streams, on both sides, live on a bounded set of I/O threads with current-thread
+//!   runtimes ([`TcpConfig::io_threads`]), or on the caller's runtime where that is asked for.
 //! - [`handshake`]: the client side of the control handshake.
 //!
 //! The io_uring transport speaks the same wire (`ferry_core::wire`) and interoperates.
