@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::histogram::Histogram;
 use anyhow::{Context, Result, bail};
 use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine, TransportKind};
 
@@ -146,14 +147,6 @@ struct Report {
     streams: usize,
     depth: usize,
     peer: String,
-}
-
-fn percentile(sorted: &[u32], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    f64::from(sorted[idx.min(sorted.len() - 1)])
 }
 
 /// The in-process loopback server: its own thread and runtime, like a separate process would
@@ -399,7 +392,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         let moved = moved.clone();
         let op_size = args.op_size;
         workers.spawn(async move {
-            let mut lat: Vec<u32> = Vec::with_capacity(1 << 16);
+            let mut lat = Histogram::default();
             loop {
                 let n = claimed.fetch_add(1, Ordering::Relaxed);
                 if ops_budget.is_some_and(|b| n >= b)
@@ -419,7 +412,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 if let Some(f) = outcome.failure {
                     bail!("op {n} failed: {} (op {})", f.kind, f.op_index);
                 }
-                lat.push(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                lat.record(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
                 moved.fetch_add(op_size, Ordering::Relaxed);
             }
             Ok(lat)
@@ -434,9 +427,9 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
             }
         })
     });
-    let mut lat = Vec::new();
+    let mut lat = Histogram::default();
     while let Some(res) = workers.join_next().await {
-        lat.extend(res.context("bench worker")??);
+        lat.merge(&res.context("bench worker")??);
     }
     let seconds = start.elapsed().as_secs_f64();
     if let Some(t) = ticker {
@@ -445,7 +438,6 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    lat.sort_unstable();
     let total_bytes = moved.load(Ordering::Relaxed);
     Ok(Report {
         transport: peer.transport().name().to_owned(),
@@ -455,8 +447,8 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         seconds,
         gb_per_s: total_bytes as f64 / seconds / 1e9,
         ops_per_s: lat.len() as f64 / seconds,
-        p50_us: percentile(&lat, 0.50),
-        p99_us: percentile(&lat, 0.99),
+        p50_us: lat.percentile(0.50),
+        p99_us: lat.percentile(0.99),
         streams,
         depth,
         peer: args.peer.clone().unwrap_or_else(|| "loopback".into()),
@@ -487,13 +479,5 @@ mod tests {
         assert_eq!(parse_io_threads("3").unwrap(), IoThreads(Some(3)));
         assert!(parse_io_threads("0").is_err());
         assert!(parse_io_threads("many").is_err());
-    }
-
-    #[test]
-    fn percentiles() {
-        let v: Vec<u32> = (1..=100).collect();
-        assert_eq!(percentile(&v, 0.5), 51.0);
-        assert_eq!(percentile(&v, 0.99), 99.0);
-        assert_eq!(percentile(&[], 0.5), 0.0);
     }
 }

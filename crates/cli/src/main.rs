@@ -8,6 +8,7 @@ mod cmd_bench;
 mod cmd_doctor;
 mod cmd_serve;
 mod cmd_topology;
+mod histogram;
 
 use clap::{Parser, Subcommand};
 
