@@ -37,6 +37,10 @@ pub(crate) struct ServeArgs {
     /// RDMA devices and ports to serve on, in NCCL_IB_HCA syntax; default: every usable port.
     #[arg(long, value_name = "FILTER")]
     rdma_hca: Option<String>,
+    /// TCP data plane: I/O threads serving the data streams (`auto`: one per core), or `caller`
+    /// to serve them on this process's runtime.
+    #[arg(long, default_value = "auto", value_parser = crate::cmd_bench::parse_io_threads)]
+    io_threads: crate::cmd_bench::IoThreads,
 }
 
 /// Fills `region` with a deterministic pattern (so that readers can check what they got).
@@ -100,6 +104,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         let builder = TransferEngine::builder()
             .listen(args.listen)
             .streams(args.streams)
+            .io_threads(args.io_threads.0)
             .data_plane(plane);
         let engine = match args.transport.as_str() {
             "tcp" | "uring" => builder.build()?,

@@ -127,7 +127,16 @@ fn bench_reads_a_file_segment_served_over(served: &str) -> Result<()> {
     let path = std::env::temp_dir().join(format!("ferry-cli-file-{served}-{}", std::process::id()));
     std::fs::write(&path, vec![7u8; (4 << 20) + 100])?;
     let spec = format!("shard={}", path.display());
-    let (mut child, addr) = serve(&["--transport", served, "--file", &spec])?;
+    // The TCP server runs its streams on the caller's runtime here (I/O threads elsewhere).
+    let io_threads = if served == "tcp" { "caller" } else { "auto" };
+    let (mut child, addr) = serve(&[
+        "--transport",
+        served,
+        "--file",
+        &spec,
+        "--io-threads",
+        io_threads,
+    ])?;
     let result = (|| -> Result<()> {
         let addr = addr.context("ferry serve printed no address")?;
         let mut clients = vec!["tcp"];
