@@ -20,6 +20,10 @@ use crate::pool::{AbortOnDrop, IoPool};
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
 const SMALL: usize = 16 << 10;
 
+/// File segments move through a staging buffer of at most this much per stream, so a chunk of up
+/// to `MAX_CHUNK` costs no more memory than a small one.
+const FILE_PIECE: usize = 1 << 20;
+
 /// A bound listener, not serving yet.
 #[derive(Debug)]
 pub struct TcpServer {
@@ -272,33 +276,48 @@ async fn serve_data(
             }
             (OpKind::Read, Ok(Target::File(f, at))) => {
                 // Positioned reads block: off this stream's I/O thread, through a staging buffer
-                // kept per stream. A file that shrank under the READ closes the stream.
-                let mut buf = std::mem::take(&mut file_stage);
-                buf.resize(DATA_RESPONSE_LEN + len, 0);
-                let (buf, read) = tokio::task::spawn_blocking(move || {
-                    let r = f.read_exact_at(at, &mut buf[DATA_RESPONSE_LEN..]);
-                    (buf, r)
-                })
-                .await
-                .map_err(std::io::Error::other)?;
-                file_stage = buf;
-                read?;
+                // of at most FILE_PIECE per stream, however large the chunk. A file that shrank
+                // under the READ closes the stream.
                 accepted(req.len).encode(&mut resp);
-                file_stage[..DATA_RESPONSE_LEN].copy_from_slice(&resp);
-                send_buf(stream, &file_stage[..DATA_RESPONSE_LEN + len]).await?;
+                send_buf(stream, &resp).await?;
+                let mut done = 0usize;
+                while done < len {
+                    let n = FILE_PIECE.min(len - done);
+                    let mut buf = std::mem::take(&mut file_stage);
+                    buf.resize(n, 0);
+                    let f = f.clone();
+                    let from_at = at + done as u64;
+                    let (buf, read) = tokio::task::spawn_blocking(move || {
+                        let r = f.read_exact_at(from_at, &mut buf);
+                        (buf, r)
+                    })
+                    .await
+                    .map_err(std::io::Error::other)?;
+                    file_stage = buf;
+                    read?;
+                    send_buf(stream, &file_stage[..n]).await?;
+                    done += n;
+                }
             }
             (OpKind::Write, Ok(Target::File(f, at))) => {
-                let mut buf = std::mem::take(&mut file_stage);
-                buf.resize(len, 0);
-                recv_buf(stream, &mut buf).await?;
-                let (buf, wrote) = tokio::task::spawn_blocking(move || {
-                    let r = f.write_all_at(at, &buf);
-                    (buf, r)
-                })
-                .await
-                .map_err(std::io::Error::other)?;
-                file_stage = buf;
-                wrote?;
+                let mut done = 0usize;
+                while done < len {
+                    let n = FILE_PIECE.min(len - done);
+                    let mut buf = std::mem::take(&mut file_stage);
+                    buf.resize(n, 0);
+                    recv_buf(stream, &mut buf).await?;
+                    let f = f.clone();
+                    let to_at = at + done as u64;
+                    let (buf, wrote) = tokio::task::spawn_blocking(move || {
+                        let r = f.write_all_at(to_at, &buf);
+                        (buf, r)
+                    })
+                    .await
+                    .map_err(std::io::Error::other)?;
+                    file_stage = buf;
+                    wrote?;
+                    done += n;
+                }
                 accepted(0).encode(&mut resp);
                 send_buf(stream, &resp).await?;
             }

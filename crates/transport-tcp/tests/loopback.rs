@@ -585,4 +585,41 @@ async fn file_segments_by_positioned_io() {
     assert!(o.is_success(), "{o:?}");
     assert_eq!(bytes(&dst, 1, 7), expect[len - 7..]);
     let _ = std::fs::remove_file(&path);
+
+    // Chunks larger than the server's 1 MiB file staging move in pieces, both ways.
+    let big = (5 << 19) + 333; // 2.5 MiB and an odd tail
+    let big_path = std::env::temp_dir().join(format!("ferry-tcp-file-big-{}", std::process::id()));
+    std::fs::write(&big_path, vec![0u8; big]).unwrap();
+    let big_tok = SegmentToken(0xf3);
+    f.table.1.lock().unwrap().insert(
+        big_tok,
+        Arc::new(TestFile {
+            file: std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&big_path)
+                .unwrap(),
+            len: big as u64,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+        }),
+    );
+    let ch = channel(&f, 1, 4 << 20).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(big, 4096).unwrap());
+    fill(&src, 21);
+    let o = run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, big_tok, 0, big as u64)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(std::fs::read(&big_path).unwrap() == bytes(&src, 0, big));
+    let back = Arc::new(MemoryRegion::alloc_zeroed(big, 4096).unwrap());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Read, &back, 0, big_tok, 0, big as u64)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&back, 0, big) == bytes(&src, 0, big));
+    let _ = std::fs::remove_file(&big_path);
 }
