@@ -279,23 +279,28 @@ async fn serve_data(
                 // of at most FILE_PIECE per stream, however large the chunk. A file that shrank
                 // under the READ closes the stream.
                 accepted(req.len).encode(&mut resp);
-                send_buf(stream, &resp).await?;
+                if len == 0 {
+                    send_buf(stream, &resp).await?;
+                }
                 let mut done = 0usize;
                 while done < len {
+                    // The header goes out in front of the first piece.
                     let n = FILE_PIECE.min(len - done);
+                    let head = if done == 0 { DATA_RESPONSE_LEN } else { 0 };
                     let mut buf = std::mem::take(&mut file_stage);
-                    buf.resize(n, 0);
+                    buf.resize(head + n, 0);
+                    buf[..head].copy_from_slice(&resp[..head]);
                     let f = f.clone();
                     let from_at = at + done as u64;
                     let (buf, read) = tokio::task::spawn_blocking(move || {
-                        let r = f.read_exact_at(from_at, &mut buf);
+                        let r = f.read_exact_at(from_at, &mut buf[head..]);
                         (buf, r)
                     })
                     .await
                     .map_err(std::io::Error::other)?;
                     file_stage = buf;
                     read?;
-                    send_buf(stream, &file_stage[..n]).await?;
+                    send_buf(stream, &file_stage[..head + n]).await?;
                     done += n;
                 }
             }

@@ -581,6 +581,8 @@ async fn file_segments_by_positioned_io() {
         std::fs::read(&path).unwrap() == expect,
         "a refused WRITE changed the file"
     );
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, ro, 5, 0)]).await;
+    assert!(o.is_success(), "an empty READ: {o:?}");
     let o = run(&ch, vec![op(OpKind::Read, &dst, 1, rw, len as u64 - 7, 7)]).await;
     assert!(o.is_success(), "{o:?}");
     assert_eq!(bytes(&dst, 1, 7), expect[len - 7..]);

@@ -265,6 +265,10 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
     }
 }
 
+/// File segments move through a staging buffer of at most this much per stream (a multiple of
+/// `DIRECT_ALIGN`, so aligned chunks stay aligned piece by piece).
+const FILE_PIECE: usize = 1 << 20;
+
 /// A staging buffer for file segments, page-aligned for O_DIRECT.
 struct Stage {
     region: Option<Arc<MemoryRegion>>,
@@ -366,44 +370,70 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
                 unsafe { io.send(&resp, Some(body), Some(&mut hold)) }
             }
             (OpKind::Read, Ok(Target::File(f, at))) => {
+                // Through a staging buffer of at most FILE_PIECE (O_DIRECT-aligned), however
+                // large the chunk: the header first, then the payload piece by piece. A file
+                // that shrank under the READ closes the stream.
                 let ring = match &mut file_ring {
                     Some(r) => r,
                     None => file_ring.insert(IoUring::new(4)?),
                 };
-                let buf = stage.get(len)?.clone();
-                let (fd, _direct) = f.read_fd(at, req.len, buf.as_ptr() as usize);
-                // SAFETY: the staging region holds at least `len` bytes and is used only here.
-                let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), len, at) }?;
-                if got < len {
-                    Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("file {} shrank under a READ", f.path().display()),
-                    ))
-                } else {
-                    accepted(req.len).encode(&mut resp);
-                    let body = Body {
-                        region: &buf,
-                        offset: 0,
-                        len,
-                    };
-                    // SAFETY: the staging buffer is not reused before this copying send returns
-                    // (no zero-copy hold is given).
-                    unsafe { io.send(&resp, Some(body), None) }
+                accepted(req.len).encode(&mut resp);
+                // The header goes out with the first piece (alone only for an empty READ).
+                let mut step = if len == 0 { io.send_buf(&resp) } else { Ok(()) };
+                let mut done = 0usize;
+                while step.is_ok() && done < len {
+                    let n = FILE_PIECE.min(len - done);
+                    let from_at = at + done as u64;
+                    step = stage.get(n).cloned().and_then(|buf| {
+                        let (fd, _direct) = f.read_fd(from_at, n as u64, buf.as_ptr() as usize);
+                        // SAFETY: the staging region holds at least `n` bytes and is used only
+                        // here.
+                        let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), n, from_at) }?;
+                        if got < n {
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::UnexpectedEof,
+                                format!("file {} shrank under a READ", f.path().display()),
+                            ));
+                        }
+                        let body = Body {
+                            region: &buf,
+                            offset: 0,
+                            len: n,
+                        };
+                        let head: &[u8] = if done == 0 { &resp } else { &[] };
+                        // SAFETY: the staging buffer is not reused before this copying send
+                        // returns (no zero-copy hold is given).
+                        unsafe { io.send(head, Some(body), None) }
+                    });
+                    done += n;
                 }
+                step
             }
             (OpKind::Write, Ok(Target::File(f, at))) => {
                 let ring = match &mut file_ring {
                     Some(r) => r,
                     None => file_ring.insert(IoUring::new(4)?),
                 };
-                let buf = stage.get(len)?.clone();
-                // SAFETY: the staging region holds at least `len` bytes and is used only here.
-                unsafe { io.recv_exact(buf.as_ptr(), len) }.and_then(|()| {
-                    // SAFETY: as above; the bytes were just received into it.
-                    let put = unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), len, at) }?;
-                    if put < len {
-                        return Err(std::io::Error::other("short file write"));
-                    }
+                let mut step = Ok(());
+                let mut done = 0usize;
+                while step.is_ok() && done < len {
+                    let n = FILE_PIECE.min(len - done);
+                    let to_at = at + done as u64;
+                    step = stage.get(n).cloned().and_then(|buf| {
+                        // SAFETY: the staging region holds at least `n` bytes and is used only
+                        // here.
+                        unsafe { io.recv_exact(buf.as_ptr(), n) }?;
+                        // SAFETY: as above; the bytes were just received into it.
+                        let put =
+                            unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), n, to_at) }?;
+                        if put < n {
+                            return Err(std::io::Error::other("short file write"));
+                        }
+                        Ok(())
+                    });
+                    done += n;
+                }
+                step.and_then(|()| {
                     accepted(0).encode(&mut resp);
                     io.send_buf(&resp)
                 })
