@@ -46,6 +46,10 @@ pub(crate) struct BenchArgs {
     /// Ops in flight.
     #[arg(long, default_value_t = 8)]
     depth: usize,
+    /// Largest chunk an op is split into on TCP and io_uring (one data-plane request and one
+    /// acknowledgment each).
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    chunk_size: u64,
     /// Socket buffer size to request, or `auto` for kernel autotuning.
     #[arg(long, default_value = "4MiB")]
     socket_buffer: String,
@@ -325,6 +329,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         .data_plane(plane)
         .streams(streams)
         .depth(depth.max(2))
+        .chunk_size(args.chunk_size.max(1))
         .socket_buffer(socket_buffer)
         .io_threads(args.io_threads.0);
     if kinds.contains(&TransportKind::Rdma) {
