@@ -167,8 +167,9 @@ impl SegmentLease {
 }
 
 /// A published file range, served with positioned reads and writes by servers that have no
-/// faster way (the io_uring server uses its own rings and O_DIRECT instead).
-pub trait FileSource: Send + Sync + fmt::Debug + 'static {
+/// faster way. `Any`, so that a server with one (the io_uring server and its `FileSegment`:
+/// rings and O_DIRECT) can recognize the sources it knows.
+pub trait FileSource: Any + Send + Sync + fmt::Debug + 'static {
     /// Checks an op of `kind` on `offset..offset+len` of the segment: access first, then bounds
     /// (a WRITE also against the file's size now, so that it can never extend the file).
     /// Returns the offset in the file.

@@ -351,12 +351,7 @@ impl EngineBuilder {
                     .as_ref()
                     .map(|t| t.config().clone())
                     .unwrap_or_default();
-                let h = UringServer::bind(addr)?.serve_with_files(
-                    table.clone(),
-                    table.clone(),
-                    responder.clone(),
-                    config,
-                )?;
+                let h = UringServer::bind(addr)?.serve(table.clone(), responder.clone(), config)?;
                 Some(Server::Uring(h))
             }
             Some(addr) => {

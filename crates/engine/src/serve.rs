@@ -158,17 +158,6 @@ impl SegmentTable for RegistryTable {
     }
 }
 
-#[cfg(feature = "uring")]
-impl transport_uring::FileSegmentTable for RegistryTable {
-    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<transport_uring::FileSegment>> {
-        self.files
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&token)
-            .map(|(_, f)| f.clone())
-    }
-}
-
 /// The engine's identity and handshake policy.
 #[derive(Debug)]
 pub(crate) struct Responder {

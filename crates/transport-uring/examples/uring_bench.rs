@@ -22,8 +22,8 @@ use ferry_core::{
     RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
 use ferry_transport_uring::{
-    FileSegment, FileSegmentTable, UringConfig, UringServer, UringTransport, ZeroCopy, block_on,
-    handshake, read_file_into,
+    FileSegment, UringConfig, UringServer, UringTransport, ZeroCopy, block_on, handshake,
+    read_file_into,
 };
 
 #[derive(Debug, Default)]
@@ -46,11 +46,9 @@ impl SegmentTable for Table {
     fn published(&self) -> Vec<SegmentDesc> {
         Vec::new()
     }
-}
-
-impl FileSegmentTable for Table {
-    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<FileSegment>> {
-        self.files.lock().ok()?.get(&token).cloned()
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
+        let f = self.files.lock().ok()?.get(&token).cloned()?;
+        Some(f as Arc<dyn ferry_core::FileSource>)
     }
 }
 
@@ -209,7 +207,7 @@ fn serve(table: Arc<Table>) -> Result<ferry_transport_uring::UringServerHandle> 
         epoch: Epoch::fresh(),
         offer: t.offer(),
     });
-    Ok(server.serve_with_files(table.clone(), table, responder, t.config().clone())?)
+    Ok(server.serve(table, responder, t.config().clone())?)
 }
 
 fn net(a: &Args) -> Result<()> {

@@ -10,7 +10,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ferry_core::{Access, MemoryRegion, OpKind, RemoteStatus, SegmentToken};
+use ferry_core::{Access, MemoryRegion, OpKind, RemoteStatus};
 use io_uring::{IoUring, opcode, types};
 
 use crate::error::UringError;
@@ -173,6 +173,17 @@ impl FileSegment {
     pub(crate) fn write_fd(&self) -> i32 {
         self.buffered.as_raw_fd()
     }
+
+    /// `e`, with the file, the range and what was being done in its message (the kind kept).
+    fn io_error(&self, doing: &str, len: usize, at: u64, e: io::Error) -> io::Error {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "{doing} {len} bytes at {at} of {}: {e}",
+                self.path.display()
+            ),
+        )
+    }
 }
 
 impl ferry_core::FileSource for FileSegment {
@@ -182,10 +193,12 @@ impl ferry_core::FileSource for FileSegment {
 
     fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
         std::os::unix::fs::FileExt::read_exact_at(&self.buffered, buf, at)
+            .map_err(|e| self.io_error("reading", buf.len(), at, e))
     }
 
     fn write_all_at(&self, at: u64, buf: &[u8]) -> io::Result<()> {
         std::os::unix::fs::FileExt::write_all_at(&self.buffered, buf, at)
+            .map_err(|e| self.io_error("writing", buf.len(), at, e))
     }
 }
 
@@ -193,14 +206,6 @@ fn direct_ok(file_offset: u64, len: u64, addr: usize) -> bool {
     file_offset.is_multiple_of(DIRECT_ALIGN)
         && len.is_multiple_of(DIRECT_ALIGN)
         && (addr as u64).is_multiple_of(DIRECT_ALIGN)
-}
-
-/// The serving side's table of published file segments (the engine implements it next to its
-/// [`ferry_core::SegmentTable`]; the io_uring server looks a token up here when the memory table
-/// does not know it).
-pub trait FileSegmentTable: Send + Sync + fmt::Debug + 'static {
-    /// The file segment published under `token`, if any.
-    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<FileSegment>>;
 }
 
 /// Runs one positioned read or write on `ring` until `len` bytes moved (short transfers are
@@ -486,4 +491,28 @@ pub fn read_file_into(
         }
     }
     Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::FileSource;
+
+    #[test]
+    fn positioned_io_errors_name_the_file_and_range() {
+        let path = std::env::temp_dir().join(format!("ferry-file-err-{}", std::process::id()));
+        std::fs::write(&path, [1u8; 100]).unwrap();
+        let seg = FileSegment::open(&path, Access::REMOTE_READ).unwrap();
+        let mut buf = [0u8; 10];
+        let e = FileSource::read_exact_at(&seg, 95, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("reading 10 bytes at 95") && msg.contains(&path.display().to_string()),
+            "{msg}"
+        );
+        FileSource::read_exact_at(&seg, 90, &mut buf).unwrap();
+        assert_eq!(buf, [1u8; 10]);
+        let _ = std::fs::remove_file(&path);
+    }
 }

@@ -9,7 +9,7 @@
 //!   resent in order, and a request is drained only once every zero-copy notification arrived.
 //! - [`UringServer`]: the serving side, same shape as the TCP transport's server and the same
 //!   bytes on the wire, so a uring peer and a TCP peer interoperate in both directions. It also
-//!   serves [`FileSegment`]s through a [`FileSegmentTable`].
+//!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]).
 //! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth.
 //!
 //! On loopback (measured on this project's machines): the kernel copies SEND_ZC payloads, and
@@ -43,9 +43,7 @@ use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 pub use client::UringChannel;
 pub use control::handshake;
 pub use error::UringError;
-pub use file::{
-    DIRECT_ALIGN, FileSegment, FileSegmentTable, read_file_into, read_file_into_buffered,
-};
+pub use file::{DIRECT_ALIGN, FileSegment, read_file_into, read_file_into_buffered};
 pub use probe::{OpcodeSupport, UringProbe, probe_kernel};
 pub use ring::IoStats;
 pub use server::{UringServer, UringServerHandle};

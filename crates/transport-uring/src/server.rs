@@ -14,14 +14,15 @@ use ferry_core::wire::{
     RejectReason, SUPPORTED_VERSIONS,
 };
 use ferry_core::{
-    Error, HandshakeResponder, MemoryRegion, OpKind, RemoteStatus, SegmentLease, SegmentTable,
+    Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, RemoteStatus, SegmentLease,
+    SegmentTable,
 };
 use io_uring::IoUring;
 use tracing::{debug, warn};
 
 use crate::UringConfig;
 use crate::control::{read_frame, tune, write_frame};
-use crate::file::{DIRECT_ALIGN, FileSegment, FileSegmentTable, file_io};
+use crate::file::{DIRECT_ALIGN, FileSegment, file_io};
 use crate::ring::{Body, IoStats, SockIo};
 
 /// A bound listener, not serving yet.
@@ -88,19 +89,8 @@ impl Drop for UringServerHandle {
     }
 }
 
-/// No file segments.
-#[derive(Debug)]
-struct NoFiles;
-
-impl FileSegmentTable for NoFiles {
-    fn resolve_file(&self, _token: ferry_core::SegmentToken) -> Option<Arc<FileSegment>> {
-        None
-    }
-}
-
 struct Ctx {
     table: Arc<dyn SegmentTable>,
-    files: Arc<dyn FileSegmentTable>,
     responder: Arc<dyn HandshakeResponder>,
     config: UringConfig,
     stats: Arc<IoStats>,
@@ -124,22 +114,13 @@ impl UringServer {
     }
 
     /// Starts serving `table` with the identity and policy of `responder` (same shape as the TCP
-    /// transport's `TcpServer::serve`). Needs no async runtime.
+    /// transport's `TcpServer::serve`): its memory segments, and its file segments
+    /// ([`SegmentTable::file`]; a [`FileSegment`] with io_uring reads and writes, O_DIRECT where a
+    /// request's alignment allows, any other source with its positioned reads and writes).
+    /// Needs no async runtime.
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
-        responder: Arc<dyn HandshakeResponder>,
-        config: UringConfig,
-    ) -> Result<UringServerHandle, Error> {
-        self.serve_with_files(table, Arc::new(NoFiles), responder, config)
-    }
-
-    /// As [`UringServer::serve`], and serves the file segments of `files` too (tokens the memory
-    /// table does not know are looked up there).
-    pub fn serve_with_files(
-        self,
-        table: Arc<dyn SegmentTable>,
-        files: Arc<dyn FileSegmentTable>,
         responder: Arc<dyn HandshakeResponder>,
         config: UringConfig,
     ) -> Result<UringServerHandle, Error> {
@@ -149,7 +130,6 @@ impl UringServer {
         let listener_fd = self.listener.as_raw_fd();
         let ctx = Arc::new(Ctx {
             table,
-            files,
             responder,
             config,
             stats: stats.clone(),
@@ -291,7 +271,85 @@ impl Stage {
 
 enum Target {
     Memory(SegmentLease, u64),
-    File(Arc<FileSegment>, u64),
+    File(FileIo, u64),
+}
+
+/// A published file as this server moves it: a [`FileSegment`] through the stream's file ring
+/// (O_DIRECT where alignment allows), any other [`FileSource`] through its own positioned I/O.
+enum FileIo {
+    Segment(Arc<FileSegment>),
+    Source(Arc<dyn FileSource>),
+}
+
+impl FileIo {
+    fn new(source: Arc<dyn FileSource>) -> Self {
+        let any: Arc<dyn std::any::Any + Send + Sync> = source.clone();
+        match any.downcast::<FileSegment>() {
+            Ok(seg) => FileIo::Segment(seg),
+            Err(_) => FileIo::Source(source),
+        }
+    }
+
+    /// Reads exactly `n` bytes at file offset `at` into the start of `buf`.
+    fn read_piece(
+        &self,
+        ring: &mut IoUring,
+        buf: &MemoryRegion,
+        n: usize,
+        at: u64,
+    ) -> std::io::Result<()> {
+        match self {
+            FileIo::Segment(f) => {
+                let (fd, _direct) = f.read_fd(at, n as u64, buf.as_ptr() as usize);
+                // SAFETY: the staging region holds at least `n` bytes and is used only by this
+                // stream's thread, which waits for the read here.
+                let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), n, at) }?;
+                if got < n {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("file {} shrank under a READ", f.path().display()),
+                    ));
+                }
+                Ok(())
+            }
+            FileIo::Source(f) => {
+                let mut piece = vec![0u8; n];
+                f.read_exact_at(at, &mut piece)?;
+                buf.write_at(0, &piece)
+                    .map_err(|e| std::io::Error::other(e.to_string()))
+            }
+        }
+    }
+
+    /// Writes the first `n` bytes of `buf` at file offset `at`.
+    fn write_piece(
+        &self,
+        ring: &mut IoUring,
+        buf: &MemoryRegion,
+        n: usize,
+        at: u64,
+    ) -> std::io::Result<()> {
+        match self {
+            FileIo::Segment(f) => {
+                // SAFETY: the staging region holds the `n` bytes just received and is used only
+                // by this stream's thread, which waits for the write here.
+                let put = unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), n, at) }?;
+                if put < n {
+                    return Err(std::io::Error::other(format!(
+                        "short write to file {}",
+                        f.path().display()
+                    )));
+                }
+                Ok(())
+            }
+            FileIo::Source(f) => {
+                let mut piece = vec![0u8; n];
+                buf.read_at(0, &mut piece)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                f.write_all_at(at, &piece)
+            }
+        }
+    }
 }
 
 /// Serves chunks on one data stream until the client closes it. Wire behaviour is exactly the TCP
@@ -332,10 +390,10 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
             Some(l) => l
                 .check(req.kind, req.offset, req.len)
                 .map(|at| Target::Memory(l, at)),
-            None => match ctx.files.resolve_file(req.token) {
+            None => match ctx.table.file(req.token) {
                 Some(f) => f
                     .check(req.kind, req.offset, req.len)
-                    .map(|at| Target::File(f, at)),
+                    .map(|at| Target::File(FileIo::new(f), at)),
                 None => Err(RemoteStatus::UnknownSegment),
             },
         };
@@ -385,16 +443,7 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
                     let n = FILE_PIECE.min(len - done);
                     let from_at = at + done as u64;
                     step = stage.get(n).cloned().and_then(|buf| {
-                        let (fd, _direct) = f.read_fd(from_at, n as u64, buf.as_ptr() as usize);
-                        // SAFETY: the staging region holds at least `n` bytes and is used only
-                        // here.
-                        let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), n, from_at) }?;
-                        if got < n {
-                            return Err(std::io::Error::new(
-                                std::io::ErrorKind::UnexpectedEof,
-                                format!("file {} shrank under a READ", f.path().display()),
-                            ));
-                        }
+                        f.read_piece(ring, &buf, n, from_at)?;
                         let body = Body {
                             region: &buf,
                             offset: 0,
@@ -423,13 +472,7 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
                         // SAFETY: the staging region holds at least `n` bytes and is used only
                         // here.
                         unsafe { io.recv_exact(buf.as_ptr(), n) }?;
-                        // SAFETY: as above; the bytes were just received into it.
-                        let put =
-                            unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), n, to_at) }?;
-                        if put < n {
-                            return Err(std::io::Error::other("short file write"));
-                        }
-                        Ok(())
+                        f.write_piece(ring, &buf, n, to_at)
                     });
                     done += n;
                 }

@@ -40,7 +40,7 @@ fn serve(table: &Arc<Table>) -> UringServerHandle {
         offer: t.offer(),
     });
     server
-        .serve_with_files(table.clone(), table.clone(), responder, t.config().clone())
+        .serve(table.clone(), responder, t.config().clone())
         .unwrap()
 }
 
@@ -158,6 +158,66 @@ fn file_segment_write_needs_access_and_never_extends() {
     let on_disk = std::fs::read(&path).unwrap();
     assert_eq!(on_disk.len(), len, "the file was extended");
     assert!(on_disk == data);
+}
+
+/// A file source the io_uring server does not know: served through its own positioned I/O.
+#[derive(Debug)]
+struct Foreign(FileSegment);
+
+impl ferry_core::FileSource for Foreign {
+    fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus> {
+        self.0.check(kind, offset, len)
+    }
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        ferry_core::FileSource::read_exact_at(&self.0, at, buf)
+    }
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()> {
+        ferry_core::FileSource::write_all_at(&self.0, at, buf)
+    }
+}
+
+#[test]
+fn other_file_sources_are_served_by_their_positioned_io() {
+    if !uring_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let len = (3 << 19) + 77;
+    let (path, _) = random_file(dir.path(), len, 78);
+    let table = Arc::new(Table::default());
+    let seg = FileSegment::open(&path, Access::REMOTE_READ | Access::REMOTE_WRITE).unwrap();
+    let tok = SegmentToken::random();
+    table
+        .sources
+        .lock()
+        .unwrap()
+        .insert(tok, Arc::new(Foreign(seg)));
+    let server = serve(&table);
+    let ch = client_with_chunk(server.local_addr(), 1, 4 << 20);
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    fill(&src, 17);
+    let o = block_on(run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, tok, 0, len as u64)],
+    ));
+    assert!(o.is_success(), "{o:?}");
+    assert!(std::fs::read(&path).unwrap() == bytes(&src, 0, len));
+    let back = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let o = block_on(run(
+        &ch,
+        vec![op(OpKind::Read, &back, 3, tok, 5, len as u64 - 5)],
+    ));
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&back, 3, len - 5) == bytes(&src, 5, len - 5));
+    let o = block_on(run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, tok, len as u64 - 1, 2)],
+    ));
+    assert_eq!(
+        o.failure.map(|f| f.kind),
+        Some(FailureKind::Remote(RemoteStatus::OutOfBounds))
+    );
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), len as u64);
 }
 
 #[test]

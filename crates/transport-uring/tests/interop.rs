@@ -54,7 +54,7 @@ fn start(side: Side) -> Fixture {
                 offer: t.offer(),
             });
             let h = server
-                .serve_with_files(table.clone(), table.clone(), responder, t.config().clone())
+                .serve(table.clone(), responder, t.config().clone())
                 .unwrap();
             Fixture {
                 _server: ServerHandle::Uring(h),

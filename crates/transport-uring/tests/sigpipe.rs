@@ -40,12 +40,7 @@ fn a_peer_gone_mid_splice_fails_the_request_without_killing_the_process() {
             offer: client.offer(),
         });
         let handle = server
-            .serve_with_files(
-                table.clone(),
-                table.clone(),
-                responder,
-                client.config().clone(),
-            )
+            .serve(table.clone(), responder, client.config().clone())
             .unwrap();
         let ch: Arc<dyn Channel> = Arc::new(
             client

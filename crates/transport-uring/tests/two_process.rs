@@ -40,9 +40,7 @@ fn child_server() {
         table: table.clone(),
         offer: t.offer(),
     });
-    let _h = server
-        .serve_with_files(table.clone(), table, responder, t.config().clone())
-        .unwrap();
+    let _h = server.serve(table, responder, t.config().clone()).unwrap();
     println!("LISTEN {addr} {}", tok.0);
     loop {
         std::thread::park();

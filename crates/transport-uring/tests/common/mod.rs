@@ -11,7 +11,7 @@ use ferry_core::{
     Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, Outcome, PeerId,
     PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
 };
-use ferry_transport_uring::{FileSegment, FileSegmentTable};
+use ferry_transport_uring::FileSegment;
 
 type Entry = (String, Arc<MemoryRegion>, Access);
 
@@ -20,6 +20,8 @@ type Entry = (String, Arc<MemoryRegion>, Access);
 pub struct Table {
     pub mem: Mutex<HashMap<SegmentToken, Entry>>,
     pub files: Mutex<HashMap<SegmentToken, (String, Arc<FileSegment>)>>,
+    /// File sources that are not a `FileSegment` (served by their own positioned I/O).
+    pub sources: Mutex<HashMap<SegmentToken, Arc<dyn ferry_core::FileSource>>>,
 }
 
 impl SegmentTable for Table {
@@ -62,15 +64,12 @@ impl SegmentTable for Table {
         );
         v
     }
-}
-
-impl FileSegmentTable for Table {
-    fn resolve_file(&self, token: SegmentToken) -> Option<Arc<FileSegment>> {
-        self.files
-            .lock()
-            .unwrap()
-            .get(&token)
-            .map(|(_, f)| f.clone())
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
+        let files = self.files.lock().unwrap();
+        match files.get(&token) {
+            Some((_, f)) => Some(f.clone() as Arc<dyn ferry_core::FileSource>),
+            None => self.sources.lock().unwrap().get(&token).cloned(),
+        }
     }
 }
 
