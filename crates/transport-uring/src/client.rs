@@ -1,13 +1,15 @@
 //! The client side: a channel of several data streams to one peer incarnation.
 //!
-//! Each stream has a sender thread and a receiver thread, each with its own ring. The sender
-//! writes request headers and WRITE payloads (SEND_ZC from registered memory where possible) in
-//! order, resending whatever the kernel did not take; the receiver reads responses, and READ
-//! payloads straight into registered memory. Responses on a stream come back in request order, so
-//! the receiver matches them with a FIFO of in-flight chunks (bounded by `depth`) and checks the
-//! sequence number. A request is drained once every chunk is resolved *and* every zero-copy
-//! notification of its sends arrived.
+//! Each stream has one thread with one ring. It writes request headers and WRITE payloads
+//! (SEND_ZC from registered memory where possible, or vmsplice + splice to a loopback peer) in
+//! order, resending whatever the kernel did not take, and keeps a receive for the next response
+//! armed on the same ring, so a response that arrives while it sends is picked up by the send's
+//! own wait. READ payloads are read straight into registered memory. Responses on a stream come
+//! back in request order, so the thread matches them with a FIFO of in-flight chunks (bounded by
+//! `depth`) and checks the sequence number. A request is drained once every chunk is resolved
+//! *and* every zero-copy notification of its sends arrived.
 
+use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -24,7 +26,7 @@ use tracing::debug;
 use crate::ring::{Body, IoStats, SockIo};
 use crate::waiter::Countdown;
 
-/// How a channel's sender threads send payloads.
+/// How a channel's stream threads send payloads.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SendPlan {
     /// SEND_ZC (else SEND).
@@ -77,7 +79,7 @@ impl Drop for NotifHold {
     }
 }
 
-/// Wakes a sender thread that waits on its ring for zero-copy notifications.
+/// Wakes a stream thread that waits on its ring (for responses, notifications or new work).
 #[derive(Debug)]
 struct Wake {
     fd: OwnedFd,
@@ -101,10 +103,14 @@ impl Wake {
 
     fn poke(&self) {
         if self.sleeping.load(Ordering::SeqCst) {
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writing 8 bytes from a local array to our own eventfd.
-            let _ = unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+            self.poke_now();
         }
+    }
+
+    fn poke_now(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes from a local array to our own eventfd.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), 8) };
     }
 }
 
@@ -155,83 +161,59 @@ impl UringChannel {
             let socket = Arc::new(s);
             let dead = Arc::new(AtomicBool::new(false));
             let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
-            let (fly_tx, fly_rx) = mpsc::sync_channel::<InFlight>(depth);
             let fd = socket.as_raw_fd();
             let wake =
                 Arc::new(Wake::new().map_err(|e| {
                     ferry_core::Error::io("create eventfd for", peer.to_string(), e)
                 })?);
-            let w1 = wake.clone();
-            // Each thread creates its own ring (single-issuer rings belong to their creator) and
+            // The thread creates its own ring (single-issuer rings belong to their creator) and
             // reports whether that worked before the channel is handed out.
-            let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(2);
-            let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-                std::thread::Builder::new()
-                    .name(name)
-                    .spawn(f)
-                    .map_err(|e| {
-                        ferry_core::Error::io("spawn ring thread for", peer.to_string(), e)
-                    })
+            let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(1);
+            let cx = StreamCtx {
+                splice,
+                wake: wake.clone(),
+                socket: socket.clone(),
+                dead: dead.clone(),
+                jobs: jobs_rx,
+                depth,
+                peer,
+                index: i,
             };
-            let (s1, d1, st1, r1) = (
-                socket.clone(),
-                dead.clone(),
-                stats.clone(),
-                ready_tx.clone(),
-            );
-            spawn(
-                format!("ferry-uring-tx{i}"),
-                Box::new(move || match SockIo::new(fd, zero_copy, register, st1) {
+            let st = stats.clone();
+            std::thread::Builder::new()
+                .name(format!("ferry-uring-s{i}"))
+                .spawn(move || match SockIo::new(fd, zero_copy, register, st) {
                     Ok(mut io) => {
                         if pin {
                             crate::pin_stream_thread(i);
                         }
-                        io.set_wake(w1.fd.as_raw_fd());
-                        let _ = r1.send(Ok(()));
-                        sender(io, splice, &w1, s1, d1, jobs_rx, fly_tx, peer, i)
+                        io.set_wake(cx.wake.fd.as_raw_fd());
+                        let _ = ready_tx.send(Ok(()));
+                        stream(io, cx)
                     }
                     Err(e) => {
-                        d1.store(true, Ordering::Release);
-                        let _ = r1.send(Err(e));
+                        cx.dead.store(true, Ordering::Release);
+                        shutdown(&cx.socket);
+                        let _ = ready_tx.send(Err(e));
                     }
-                }),
-            )?;
-            let (s2, d2, st2, r2) = (socket.clone(), dead.clone(), stats.clone(), ready_tx);
-            spawn(
-                format!("ferry-uring-rx{i}"),
-                Box::new(move || match SockIo::<()>::new(fd, false, register, st2) {
-                    Ok(io) => {
-                        if pin {
-                            crate::pin_stream_thread(i);
-                        }
-                        let _ = r2.send(Ok(()));
-                        receiver(io, s2, d2, fly_rx, peer, i)
-                    }
-                    Err(e) => {
-                        d2.store(true, Ordering::Release);
-                        shutdown(&s2);
-                        let _ = r2.send(Err(e));
-                    }
-                }),
-            )?;
-            for _ in 0..2 {
-                match ready_rx.recv() {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        shutdown(&socket);
-                        return Err(ferry_core::Error::io(
-                            "create io_uring ring for",
-                            peer.to_string(),
-                            e,
-                        ));
-                    }
-                    Err(_) => {
-                        shutdown(&socket);
-                        return Err(ferry_core::Error::Unavailable {
-                            library: "io_uring".into(),
-                            reason: "a ring thread ended before reporting".into(),
-                        });
-                    }
+                })
+                .map_err(|e| ferry_core::Error::io("spawn ring thread for", peer.to_string(), e))?;
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    shutdown(&socket);
+                    return Err(ferry_core::Error::io(
+                        "create io_uring ring for",
+                        peer.to_string(),
+                        e,
+                    ));
+                }
+                Err(_) => {
+                    shutdown(&socket);
+                    return Err(ferry_core::Error::Unavailable {
+                        library: "io_uring".into(),
+                        reason: "a ring thread ended before reporting".into(),
+                    });
                 }
             }
             streams.push(StreamSlot {
@@ -370,11 +352,12 @@ impl Drop for UringChannel {
     fn drop(&mut self) {
         for s in &self.streams {
             shutdown(&s.socket);
-            // Dropping the job sender ends the sender thread (and through it the receiver).
+            // Dropping the job sender ends the stream thread once it looks again: wake it.
             match s.jobs.lock() {
                 Ok(mut g) => drop(g.take()),
                 Err(p) => drop(p.into_inner().take()),
             }
+            s.wake.poke_now();
         }
     }
 }
@@ -393,169 +376,244 @@ fn fail_lost(job: Job, native: Option<i32>) {
     job.req.parts.done_one();
 }
 
-#[allow(clippy::too_many_arguments)]
-fn sender(
-    mut io: SockIo<NotifHold>,
+/// Fails everything in flight on a broken stream as lost, and closes the stream.
+fn break_stream(
+    fly: &mut VecDeque<InFlight>,
+    dead: &AtomicBool,
+    socket: &TcpStream,
+    native: Option<i32>,
+) {
+    dead.store(true, Ordering::Release);
+    shutdown(socket);
+    for f in fly.drain(..) {
+        fail_lost(f.job, native);
+    }
+}
+
+/// What a stream thread owns besides its ring.
+struct StreamCtx {
     splice: bool,
-    wake: &Wake,
+    wake: Arc<Wake>,
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     jobs: mpsc::Receiver<Job>,
-    fly: mpsc::SyncSender<InFlight>,
+    depth: usize,
     peer: SocketAddr,
     index: usize,
-) {
-    let mut seq: u32 = 0;
-    let mut head = [0u8; DATA_REQUEST_LEN];
-    loop {
-        let job = if io.pending_notifications() > 0 {
-            match jobs.try_recv() {
-                Ok(j) => j,
-                Err(mpsc::TryRecvError::Empty) => {
-                    // Announce the wait, then look again: a poster that queued a job after our
-                    // first look sees the flag and writes the eventfd (both sides SeqCst).
-                    wake.sleeping.store(true, Ordering::SeqCst);
-                    match jobs.try_recv() {
-                        Ok(j) => {
-                            wake.sleeping.store(false, Ordering::SeqCst);
-                            j
-                        }
-                        Err(mpsc::TryRecvError::Empty) => {
-                            io.wait_notifications(Duration::from_millis(10));
-                            wake.sleeping.store(false, Ordering::SeqCst);
-                            continue;
-                        }
-                        Err(mpsc::TryRecvError::Disconnected) => break,
-                    }
-                }
-                Err(mpsc::TryRecvError::Disconnected) => break,
-            }
-        } else {
-            match jobs.recv() {
-                Ok(j) => j,
-                Err(_) => break,
-            }
-        };
-        if dead.load(Ordering::Acquire) {
-            fail_unposted(job);
-            continue;
-        }
-        if job.req.control.should_stop_posting() {
-            // Stopped or failed: the reason is already in the ledger; this chunk never moves.
-            job.req.parts.done_one();
-            continue;
-        }
-        let op = &job.req.ops[job.op];
-        let local_at = op.local_offset + job.at;
-        if op.local.check(local_at, job.len).is_err() {
-            job.req
-                .control
-                .with_ledger(|l| l.not_posted(job.op, FailureKind::Local, None));
-            job.req.parts.done_one();
-            continue;
-        }
-        let s = seq;
-        seq = seq.wrapping_add(1);
-        DataRequest {
-            kind: op.kind,
-            seq: s,
-            token: op.token,
-            offset: op.remote_offset + job.at,
-            len: job.len,
-        }
-        .encode(&mut head);
-        let is_write = op.kind == OpKind::Write;
-        let (region, len) = (op.local.clone(), job.len as usize);
-        let req = job.req.clone();
-        let op_index = job.op;
-        if let Err(mpsc::SendError(f)) = fly.send(InFlight { job, seq: s }) {
-            dead.store(true, Ordering::Release);
-            fail_unposted(f.job);
-            continue;
-        }
-        req.control.with_ledger(|l| l.posted(op_index));
-        let res = if is_write && splice {
-            let ptr = (region.as_ptr() as usize + local_at as usize) as *const u8;
-            // SAFETY: bounds-checked above; the request owns the range and keeps the region alive
-            // until its response is read (the job in flight holds the ops), and the peer answers
-            // only after it received every byte, so no page reference outlives that.
-            unsafe { io.send_spliced(&head, ptr, len) }
-        } else if is_write {
-            let body = Body {
-                region: &region,
-                offset: local_at,
-                len,
-            };
-            let mut hold = || NotifHold::new(&req);
-            // SAFETY: the range was bounds-checked against the region above; the request owns it
-            // until drained, which waits for every hold made here (each keeps the request, and so
-            // its ops' regions, alive until the send's notification).
-            unsafe { io.send(&head, Some(body), Some(&mut hold)) }
-        } else {
-            io.send_buf(&head)
-        };
-        if let Err(e) = res {
-            debug!(%peer, stream = index, error = %e, "send failed; stream closed");
-            dead.store(true, Ordering::Release);
-            // Wake the receiver: it fails everything in flight on this stream as lost.
-            shutdown(&socket);
-        }
-    }
-    drop(fly);
-    io.drain(Duration::from_secs(10));
 }
 
-fn receiver(
-    mut io: SockIo<()>,
-    socket: Arc<TcpStream>,
-    dead: Arc<AtomicBool>,
-    fly: mpsc::Receiver<InFlight>,
-    peer: SocketAddr,
-    index: usize,
-) {
-    let mut head = [0u8; DATA_RESPONSE_LEN];
-    while let Ok(f) = fly.recv() {
-        if let Err(e) = io.recv_buf(&mut head) {
-            debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
-            fail_lost(f.job, e.raw_os_error());
-            break;
-        }
-        let resp = match DataResponse::decode(&head) {
-            Ok(r) if r.seq == f.seq => r,
-            other => {
-                debug!(%peer, stream = index, ?other, "bad response; stream closed");
-                fail_lost(f.job, None);
-                break;
+/// One stream's thread: it sends requests in order (WRITE payloads from registered memory) and
+/// reads the responses with a receive kept armed on the same ring, so that a response arriving
+/// while the thread sends is picked up by that send's wait, with no second thread to wake.
+fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
+    let mut fly: VecDeque<InFlight> = VecDeque::with_capacity(cx.depth);
+    let mut seq: u32 = 0;
+    let mut resp = [0u8; DATA_RESPONSE_LEN];
+    let mut resp_at = 0usize;
+    let mut open = true;
+    let broken = 'run: loop {
+        // Responses that arrived meanwhile.
+        while let Some(got) = io.take_armed() {
+            match got {
+                Ok([]) => {
+                    debug!(peer = %cx.peer, stream = cx.index, "peer closed the stream");
+                    break 'run None;
+                }
+                Ok(bytes) => {
+                    let n = bytes.len().min(DATA_RESPONSE_LEN - resp_at);
+                    resp[resp_at..resp_at + n].copy_from_slice(&bytes[..n]);
+                    resp_at += n;
+                }
+                Err(e) => {
+                    debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+                    break 'run e.raw_os_error();
+                }
             }
-        };
-        let job = f.job;
-        let op = &job.req.ops[job.op];
-        if let Some(status) = resp.refused {
-            job.req.control.with_ledger(|l| l.refused(job.op, status));
-            job.req.parts.done_one();
+            if resp_at == DATA_RESPONSE_LEN {
+                resp_at = 0;
+                if let Err(native) = on_response(&mut io, &resp, &mut fly, &cx) {
+                    break 'run native;
+                }
+            }
+            if (!fly.is_empty() || resp_at > 0)
+                && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
+            {
+                debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
+                break 'run None;
+            }
+        }
+        // New work, while fewer than `depth` chunks are in flight.
+        let mut job = None;
+        if open && fly.len() < cx.depth {
+            match next_job(&cx.jobs) {
+                Some(Some(j)) => job = Some(j),
+                Some(None) => open = false,
+                None => {
+                    // Announce the wait, then look again: a poster that queued a job after our
+                    // first look sees the flag and writes the eventfd (both sides SeqCst).
+                    cx.wake.sleeping.store(true, Ordering::SeqCst);
+                    match next_job(&cx.jobs) {
+                        Some(Some(j)) => job = Some(j),
+                        Some(None) => open = false,
+                        None => {}
+                    }
+                }
+            }
+        }
+        let Some(job) = job else {
+            if !open && fly.is_empty() && resp_at == 0 {
+                cx.wake.sleeping.store(false, Ordering::SeqCst);
+                break 'run None;
+            }
+            // Wait for a response, a zero-copy notification or new work.
+            cx.wake.sleeping.store(true, Ordering::SeqCst);
+            io.wait(Duration::from_secs(1));
+            cx.wake.sleeping.store(false, Ordering::SeqCst);
             continue;
+        };
+        cx.wake.sleeping.store(false, Ordering::SeqCst);
+        if let Err(native) = post(&mut io, job, &mut seq, &mut fly, &cx, resp_at) {
+            break 'run native;
         }
-        if op.kind == OpKind::Read {
-            let at = op.local_offset + job.at;
-            if resp.len != job.len || op.local.check(at, job.len).is_err() {
-                fail_lost(job, None);
-                break;
-            }
-            let ptr = (op.local.as_ptr() as usize + at as usize) as *mut u8;
-            // SAFETY: bounds-checked above; the request owns the range until drained, keeps the
-            // region alive through the job's Arc, and no Rust reference to it exists.
-            if let Err(e) = unsafe { io.recv_exact(ptr, job.len as usize) } {
-                debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
-                fail_lost(job, e.raw_os_error());
-                break;
-            }
-        }
-        job.req.control.with_ledger(|l| l.acked(job.op));
+    };
+    break_stream(&mut fly, &cx.dead, &cx.socket, broken);
+    // Until they are notified the kernel may still read the buffers of zero-copy sends.
+    io.drain(Duration::from_secs(10));
+    // Chunks queued before the posters saw the stream dead never move.
+    while let Ok(job) = cx.jobs.recv() {
+        fail_unposted(job);
+    }
+}
+
+/// `Some(Some(job))`, `Some(None)` once the channel is gone, `None` if nothing is queued.
+fn next_job(jobs: &mpsc::Receiver<Job>) -> Option<Option<Job>> {
+    match jobs.try_recv() {
+        Ok(job) => Some(Some(job)),
+        Err(mpsc::TryRecvError::Empty) => None,
+        Err(mpsc::TryRecvError::Disconnected) => Some(None),
+    }
+}
+
+/// Sends one chunk's request (and WRITE payload), keeping a receive armed for its response.
+/// `Err` (with the native error, if any): the stream is broken.
+fn post(
+    io: &mut SockIo<NotifHold>,
+    job: Job,
+    seq: &mut u32,
+    fly: &mut VecDeque<InFlight>,
+    cx: &StreamCtx,
+    resp_at: usize,
+) -> Result<(), Option<i32>> {
+    if cx.dead.load(Ordering::Acquire) {
+        fail_unposted(job);
+        return Ok(());
+    }
+    if job.req.control.should_stop_posting() {
+        // Stopped or failed: the reason is already in the ledger; this chunk never moves.
         job.req.parts.done_one();
+        return Ok(());
     }
-    dead.store(true, Ordering::Release);
-    shutdown(&socket);
-    while let Ok(f) = fly.recv() {
-        fail_lost(f.job, None);
+    let op = &job.req.ops[job.op];
+    let local_at = op.local_offset + job.at;
+    if op.local.check(local_at, job.len).is_err() {
+        job.req
+            .control
+            .with_ledger(|l| l.not_posted(job.op, FailureKind::Local, None));
+        job.req.parts.done_one();
+        return Ok(());
     }
+    let s = *seq;
+    *seq = seq.wrapping_add(1);
+    let mut head = [0u8; DATA_REQUEST_LEN];
+    DataRequest {
+        kind: op.kind,
+        seq: s,
+        token: op.token,
+        offset: op.remote_offset + job.at,
+        len: job.len,
+    }
+    .encode(&mut head);
+    let is_write = op.kind == OpKind::Write;
+    let (region, len) = (op.local.clone(), job.len as usize);
+    let req = job.req.clone();
+    req.control.with_ledger(|l| l.posted(job.op));
+    fly.push_back(InFlight { job, seq: s });
+    if !io.armed()
+        && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
+    {
+        debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
+        return Err(None);
+    }
+    let res = if is_write && cx.splice {
+        let ptr = (region.as_ptr() as usize + local_at as usize) as *const u8;
+        // SAFETY: bounds-checked above; the request owns the range and keeps the region alive
+        // until its response is read (the job in flight holds the ops), and the peer answers
+        // only after it received every byte, so no page reference outlives that.
+        unsafe { io.send_spliced(&head, ptr, len) }
+    } else if is_write {
+        let body = Body {
+            region: &region,
+            offset: local_at,
+            len,
+        };
+        let mut hold = || NotifHold::new(&req);
+        // SAFETY: the range was bounds-checked against the region above; the request owns it
+        // until drained, which waits for every hold made here (each keeps the request, and so
+        // its ops' regions, alive until the send's notification).
+        unsafe { io.send(&head, Some(body), Some(&mut hold)) }
+    } else {
+        io.send_buf(&head)
+    };
+    res.map_err(|e| {
+        debug!(peer = %cx.peer, stream = cx.index, error = %e, "send failed; stream closed");
+        e.raw_os_error()
+    })
+}
+
+/// Resolves the oldest chunk in flight with `head` (reading a READ's payload into registered
+/// memory first). `Err`: the stream is broken (the chunk is failed as lost here).
+fn on_response(
+    io: &mut SockIo<NotifHold>,
+    head: &[u8; DATA_RESPONSE_LEN],
+    fly: &mut VecDeque<InFlight>,
+    cx: &StreamCtx,
+) -> Result<(), Option<i32>> {
+    let Some(f) = fly.pop_front() else {
+        debug!(peer = %cx.peer, stream = cx.index, "response with nothing in flight; stream closed");
+        return Err(None);
+    };
+    let resp = match DataResponse::decode(head) {
+        Ok(r) if r.seq == f.seq => r,
+        other => {
+            debug!(peer = %cx.peer, stream = cx.index, ?other, "bad response; stream closed");
+            fail_lost(f.job, None);
+            return Err(None);
+        }
+    };
+    let job = f.job;
+    let op = &job.req.ops[job.op];
+    if let Some(status) = resp.refused {
+        job.req.control.with_ledger(|l| l.refused(job.op, status));
+        job.req.parts.done_one();
+        return Ok(());
+    }
+    if op.kind == OpKind::Read {
+        let at = op.local_offset + job.at;
+        if resp.len != job.len || op.local.check(at, job.len).is_err() {
+            fail_lost(job, None);
+            return Err(None);
+        }
+        let ptr = (op.local.as_ptr() as usize + at as usize) as *mut u8;
+        // SAFETY: bounds-checked above; the request owns the range until drained, keeps the
+        // region alive through the job's Arc, and no Rust reference to it exists.
+        if let Err(e) = unsafe { io.recv_exact(ptr, job.len as usize) } {
+            debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+            let native = e.raw_os_error();
+            fail_lost(job, native);
+            return Err(native);
+        }
+    }
+    job.req.control.with_ledger(|l| l.acked(job.op));
+    job.req.parts.done_one();
+    Ok(())
 }

@@ -2,8 +2,10 @@
 //!
 //! - [`probe_kernel`] / [`UringProbe`]: which io_uring opcodes this kernel offers.
 //! - [`select`]: the engine's choice between io_uring and TCP, with the reason it can report.
-//! - [`UringTransport`]: the [`Transport`] that opens [`UringChannel`]s. Each data stream has a
-//!   sender and a receiver thread, each with its own ring; the socket is a fixed file, payloads
+//! - [`UringTransport`]: the [`Transport`] that opens [`UringChannel`]s. Each data stream has
+//!   one thread with its own ring, which sends requests and keeps a receive for the next
+//!   response armed on the same ring (a response that arrives while it sends is reaped by the
+//!   send's own wait, with no second thread to wake); the socket is a fixed file, payloads
 //!   go out with SEND_ZC (from registered buffers where the kernel lets us register the region,
 //!   unregistered otherwise, e.g. under a small `RLIMIT_MEMLOCK`) or plain SEND, short sends are
 //!   resent in order, and a request is drained only once every zero-copy notification arrived.
@@ -16,7 +18,7 @@
 //! SEND_ZC from registered buffers is 2-4x slower than a plain SEND, so `ZeroCopy::Auto` sends
 //! to loopback peers with SEND, and WRITE payloads to loopback peers go by `vmsplice` +
 //! `splice` (`UringConfig::splice_loopback`), which leaves the receiver's copy as the only one.
-//! The splice is a direct syscall on the sender thread: io_uring always hands IORING_OP_SPLICE
+//! The splice is a direct syscall on the stream's thread: io_uring always hands IORING_OP_SPLICE
 //! to an io-wq worker, and that hand-off cost more than the splice. `ZeroCopy::Always` keeps
 //! SEND_ZC everywhere (the tests use it to check it).
 //!
@@ -88,7 +90,7 @@ pub struct UringConfig {
     /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
     pub kernel_splice: bool,
     /// To a loopback peer over two or more streams, pin stream `i`'s threads (the client's
-    /// sender and receiver, the server's thread for attach index `i` >= 1) to the `i`-th CPU
+    /// stream thread, the server's thread for attach index `i` >= 1) to the `i`-th CPU
     /// this thread may run on, so both ends of one flow share a core's caches instead of
     /// bouncing each chunk between cores. Measured on the 2-core machines: 2 streams went from
     /// about 3-4 to 5-7 GB/s. Off: the scheduler places every thread.

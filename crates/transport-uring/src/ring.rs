@@ -28,6 +28,10 @@ const UD_BODY: u64 = 2;
 const UD_RECV: u64 = 3;
 const UD_TIMEOUT: u64 = 4;
 const UD_WAKE: u64 = 5;
+const UD_ARMED: u64 = 6;
+const UD_CANCEL: u64 = 7;
+/// Largest receive [`SockIo::arm_recv`] takes (it lands in the ring's own buffer).
+pub(crate) const ARMED_MAX: usize = 64;
 /// User data of zero-copy sends start here (each gets its own, for its notification).
 const UD_ZC_BASE: u64 = 1 << 32;
 
@@ -157,9 +161,24 @@ pub(crate) struct SockIo<H> {
     stats: Arc<IoStats>,
     /// Pipe for spliced sends (read end, write end, capacity), made on first use.
     pipe: Option<(OwnedFd, OwnedFd, usize)>,
-    /// An eventfd that ends [`SockIo::wait_notifications`] early (new work arrived), its read
+    /// An eventfd that ends [`SockIo::wait`] early (new work arrived), its read
     /// buffer, and whether a read of it is armed on the ring.
     wake: Option<(RawFd, &'static mut [u8; 8], bool)>,
+    /// The receive started by [`SockIo::arm_recv`].
+    armed: Armed,
+}
+
+/// A receive left outstanding on the ring while its thread does other work; its completion is
+/// picked up by whatever wait on the ring meets it.
+struct Armed {
+    /// Where it lands. Owned here; leaked if the ring goes while the receive is outstanding.
+    buf: Option<Box<[u8; ARMED_MAX]>>,
+    /// Bytes asked (for a resubmission after EINTR/EAGAIN).
+    len: usize,
+    /// Submitted, completion not yet seen.
+    outstanding: bool,
+    /// The completion's result, not yet taken.
+    done: Option<i32>,
 }
 
 fn cqe_err(res: i32) -> io::Error {
@@ -208,6 +227,12 @@ impl<H> SockIo<H> {
             stats,
             pipe: None,
             wake: None,
+            armed: Armed {
+                buf: Some(Box::new([0u8; ARMED_MAX])),
+                len: 0,
+                outstanding: false,
+                done: None,
+            },
         })
     }
 
@@ -239,7 +264,13 @@ impl<H> SockIo<H> {
             }
             let waiting = &mut self.waiting;
             let wake = &mut self.wake;
+            let armed = &mut self.armed;
             for c in self.ring.completion() {
+                if c.user_data() == UD_ARMED {
+                    armed.outstanding = false;
+                    armed.done = Some(c.result());
+                    continue;
+                }
                 if c.user_data() == UD_WAKE {
                     if let Some(w) = wake.as_mut() {
                         w.2 = false;
@@ -404,7 +435,7 @@ impl<H> SockIo<H> {
         if self.pipe.is_none() {
             // splice(2) has no MSG_NOSIGNAL: a peer gone mid-send raises SIGPIPE at this thread,
             // which would end a host process that has not ignored it. Spliced sends run only on
-            // the transport's own sender threads, so block it here (it stays pending, unhandled;
+            // the transport's own stream threads, so block it here (it stays pending, unhandled;
             // the splice itself reports EPIPE).
             // SAFETY: plain signal-mask calls on a local set, for the calling thread only.
             unsafe {
@@ -563,6 +594,11 @@ impl<H> SockIo<H> {
     /// # Safety
     /// `ptr..ptr+len` must be valid for writes and not referenced elsewhere during the call.
     pub(crate) unsafe fn recv_exact(&mut self, ptr: *mut u8, len: usize) -> io::Result<()> {
+        if self.armed.outstanding {
+            return Err(io::Error::other(
+                "a receive is armed on this socket: bytes would land out of order",
+            ));
+        }
         let mut got = 0usize;
         while got < len {
             let ask = (len - got).min(1 << 30) as u32;
@@ -602,11 +638,12 @@ impl<H> SockIo<H> {
     }
 
     /// Zero-copy sends still waiting for their notification.
+    #[cfg(test)]
     pub(crate) fn pending_notifications(&self) -> usize {
         self.waiting.len()
     }
 
-    /// Makes [`SockIo::wait_notifications`] end as soon as `fd` (an eventfd, which must outlive
+    /// Makes [`SockIo::wait`] end as soon as `fd` (an eventfd, which must outlive
     /// this ring) is written.
     pub(crate) fn set_wake(&mut self, fd: RawFd) {
         // Leaked on purpose (8 bytes per stream): a read armed when the ring closes may still be
@@ -614,12 +651,9 @@ impl<H> SockIo<H> {
         self.wake = Some((fd, Box::leak(Box::new([0u8; 8])), false));
     }
 
-    /// Waits up to `timeout` for notifications (releasing their holds), or until the wake
-    /// eventfd is written.
-    pub(crate) fn wait_notifications(&mut self, timeout: Duration) {
-        if self.waiting.is_empty() {
-            return;
-        }
+    /// Waits up to `timeout` for the next completion: a zero-copy notification (releasing its
+    /// hold), the armed receive, or a write of the wake eventfd.
+    pub(crate) fn wait(&mut self, timeout: Duration) {
         if let Some((fd, buf, armed)) = self.wake.as_mut()
             && !*armed
         {
@@ -634,15 +668,67 @@ impl<H> SockIo<H> {
         let ts = types::Timespec::new()
             .sec(timeout.as_secs())
             .nsec(timeout.subsec_nanos());
-        // Ends at the first completion (a notification) or at the deadline.
+        // Ends at the first completion or at the deadline.
         let e = opcode::Timeout::new(&ts)
             .count(1)
             .build()
             .user_data(UD_TIMEOUT);
         let mut out = [(0i32, 0u32); 1];
         if let Err(e) = self.run(&[Some(e)], &[UD_TIMEOUT], &mut out) {
-            debug!(error = %e, "waiting for zero-copy notifications");
+            debug!(error = %e, "waiting on the ring");
         }
+    }
+
+    /// Starts a receive of `len` bytes (at most [`ARMED_MAX`], all of them unless the stream
+    /// ends or fails) into the ring's own buffer and returns at once. Its completion is met by
+    /// the next wait on this ring (a send, [`SockIo::wait`]) and read with
+    /// [`SockIo::take_armed`]. One at a time; no other receive may run on the socket meanwhile.
+    pub(crate) fn arm_recv(&mut self, len: usize) -> io::Result<()> {
+        let len = len.min(ARMED_MAX);
+        if self.armed.outstanding || self.armed.done.is_some() {
+            return Err(io::Error::other("a receive is already armed"));
+        }
+        let Some(buf) = self.armed.buf.as_mut() else {
+            return Err(io::Error::other("armed receive buffer gone"));
+        };
+        let ptr = buf.as_mut_ptr();
+        let e =
+            on_fd!(self, Recv::new(ptr, len as u32).flags(libc::MSG_WAITALL)).user_data(UD_ARMED);
+        // SAFETY: the buffer is owned by this ring and freed only once no receive into it is
+        // outstanding (else leaked, see Drop).
+        if unsafe { self.ring.submission().push(&e) }.is_err() {
+            return Err(io::Error::other("io_uring submission queue full"));
+        }
+        self.armed.len = len;
+        self.armed.outstanding = true;
+        Ok(())
+    }
+
+    /// Whether an armed receive is outstanding or completed and not yet taken.
+    pub(crate) fn armed(&self) -> bool {
+        self.armed.outstanding || self.armed.done.is_some()
+    }
+
+    /// The bytes of a completed armed receive (empty: the peer closed the stream), its error, or
+    /// `None` while it is still outstanding (or none was armed). Interrupted receives are armed
+    /// again here.
+    pub(crate) fn take_armed(&mut self) -> Option<io::Result<&[u8]>> {
+        let res = self.armed.done?;
+        self.armed.done = None;
+        if res == -libc::EINTR || res == -libc::EAGAIN {
+            return match self.arm_recv(self.armed.len) {
+                Ok(()) => None,
+                Err(e) => Some(Err(e)),
+            };
+        }
+        if res < 0 {
+            return Some(Err(cqe_err(res)));
+        }
+        if (res as usize) < self.armed.len && res > 0 {
+            IoStats::add(&self.stats.short_recvs, 1);
+        }
+        let buf = self.armed.buf.as_deref()?;
+        Some(Ok(&buf[..(res as usize).min(ARMED_MAX)]))
     }
 
     /// Waits for every outstanding notification, up to `limit` in total (used when a stream ends:
@@ -658,7 +744,29 @@ impl<H> SockIo<H> {
                 );
                 break;
             }
-            self.wait_notifications((end - now).min(Duration::from_millis(50)));
+            self.wait((end - now).min(Duration::from_millis(50)));
+        }
+    }
+}
+
+impl<H> Drop for SockIo<H> {
+    fn drop(&mut self) {
+        if self.armed.outstanding {
+            // The owner shuts the socket down before it lets the ring go, which ends the
+            // receive; give it a moment, and cancel it if it still runs.
+            let cancel = opcode::AsyncCancel::new(UD_ARMED)
+                .build()
+                .user_data(UD_CANCEL);
+            // SAFETY: a cancel carries no buffer.
+            let _ = unsafe { self.ring.submission().push(&cancel) };
+            let end = Instant::now() + Duration::from_millis(100);
+            while self.armed.outstanding && Instant::now() < end {
+                self.wait(Duration::from_millis(10));
+            }
+            if self.armed.outstanding {
+                // The kernel may still write it after the ring closes: never free it.
+                std::mem::forget(self.armed.buf.take());
+            }
         }
     }
 }
@@ -760,6 +868,50 @@ mod tests {
         assert!(got[3..3 + (1 << 20)].iter().all(|&x| x == 7));
         assert_eq!(&got[3 + (1 << 20)..6 + (1 << 20)], b"def");
         assert!(got[6 + (1 << 20)..].iter().all(|&x| x == 9));
+    }
+
+    /// A receive armed before a send is reaped by that send's wait (or a later wait), a second
+    /// receive is refused while it is outstanding, and a ring dropped with a receive still
+    /// outstanding (the socket open, nothing arriving) cancels it without hanging.
+    #[test]
+    fn armed_receive_completes_beside_sends() {
+        if crate::probe_kernel().unusable_reason().is_some() {
+            eprintln!("skip: io_uring unavailable");
+            return;
+        }
+        let (a, mut b) = pair();
+        let mut io: SockIo<()> = SockIo::new(a.as_raw_fd(), false, true, Arc::default()).unwrap();
+        io.arm_recv(8).unwrap();
+        assert!(io.armed());
+        assert!(io.arm_recv(8).is_err(), "second armed receive");
+        let mut x = [0u8; 4];
+        // SAFETY: `x` is a local buffer, exclusively borrowed.
+        let e = unsafe { io.recv_exact(x.as_mut_ptr(), 4) }.unwrap_err();
+        assert!(e.to_string().contains("armed"), "{e}");
+        assert!(io.take_armed().is_none(), "nothing arrived yet");
+        use std::io::Write;
+        b.write_all(b"response").unwrap();
+        io.send_buf(b"request").unwrap();
+        let end = Instant::now() + Duration::from_secs(5);
+        let bytes = loop {
+            if let Some(r) = io.take_armed() {
+                break r.unwrap().to_vec();
+            }
+            assert!(Instant::now() < end, "armed receive never completed");
+            io.wait(Duration::from_millis(50));
+        };
+        assert_eq!(bytes, b"response");
+        assert!(!io.armed());
+        let mut got = [0u8; 7];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"request");
+        // Armed again with nothing to come: dropping the ring cancels it.
+        io.arm_recv(4).unwrap();
+        io.send_buf(b"x").unwrap();
+        let t = Instant::now();
+        drop(io);
+        assert!(t.elapsed() < Duration::from_secs(2));
+        drop(a);
     }
 
     #[test]
