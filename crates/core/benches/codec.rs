@@ -48,6 +48,7 @@ fn bench(c: &mut Criterion) {
         token: SegmentToken(3),
         offset: 4096,
         len: 1 << 20,
+        ack_slack: 0,
     };
     let mut h = [0u8; DATA_REQUEST_LEN];
     c.bench_function("data_request_encode_decode", |b| {

@@ -773,6 +773,10 @@ pub struct DataRequest {
     pub offset: u64,
     /// Payload length (at most [`MAX_CHUNK`]).
     pub len: u64,
+    /// For a WRITE: how many responses on this stream, this one's included, the server may hold
+    /// back and answer with one response (see [`DataResponse::also_acks`]). 0 or 1: answer this
+    /// one at once (what a peer that predates the field sends: the bytes were reserved zeros).
+    pub ack_slack: u16,
 }
 
 impl DataRequest {
@@ -783,7 +787,7 @@ impl DataRequest {
             OpKind::Write => OP_WRITE,
         };
         out[1] = 0;
-        out[2..4].copy_from_slice(&0u16.to_le_bytes());
+        out[2..4].copy_from_slice(&self.ack_slack.to_le_bytes());
         out[4..8].copy_from_slice(&self.seq.to_le_bytes());
         out[8..16].copy_from_slice(&self.token.0.to_le_bytes());
         out[16..24].copy_from_slice(&self.offset.to_le_bytes());
@@ -804,7 +808,7 @@ impl DataRequest {
             }
         };
         let _flags = r.u8("flags")?;
-        let _reserved = r.u16("reserved")?;
+        let ack_slack = r.u16("ack slack")?;
         let seq = r.u32("seq")?;
         let token = SegmentToken(r.u64("token")?);
         let offset = r.u64("offset")?;
@@ -822,6 +826,7 @@ impl DataRequest {
             token,
             offset,
             len,
+            ack_slack,
         })
     }
 }
@@ -835,6 +840,10 @@ pub struct DataResponse {
     pub refused: Option<RemoteStatus>,
     /// Payload bytes that follow (an accepted READ's length, else 0).
     pub len: u64,
+    /// How many WRITE chunks sent just before `seq` on this stream (`seq - also_acks` up to
+    /// `seq - 1`) this response also accepts: their responses were held back, as their requests'
+    /// [`DataRequest::ack_slack`] allowed. 0 from a server that holds nothing back.
+    pub also_acks: u16,
 }
 
 fn status_code(s: Option<RemoteStatus>) -> u8 {
@@ -853,7 +862,7 @@ impl DataResponse {
     pub fn encode(&self, out: &mut [u8; DATA_RESPONSE_LEN]) {
         out[0] = OP_RESPONSE;
         out[1] = status_code(self.refused);
-        out[2..4].copy_from_slice(&0u16.to_le_bytes());
+        out[2..4].copy_from_slice(&self.also_acks.to_le_bytes());
         out[4..8].copy_from_slice(&self.seq.to_le_bytes());
         out[8..16].copy_from_slice(&self.len.to_le_bytes());
     }
@@ -882,7 +891,7 @@ impl DataResponse {
                 });
             }
         };
-        let _reserved = r.u16("reserved")?;
+        let also_acks = r.u16("also acks")?;
         let seq = r.u32("seq")?;
         let len = r.u64("length")?;
         if len > MAX_CHUNK {
@@ -892,7 +901,12 @@ impl DataResponse {
                 limit: MAX_CHUNK,
             });
         }
-        Ok(Self { seq, refused, len })
+        Ok(Self {
+            seq,
+            refused,
+            len,
+            also_acks,
+        })
     }
 }
 
@@ -1033,6 +1047,7 @@ mod tests {
             token: SegmentToken(3),
             offset: 17,
             len: 1 << 20,
+            ack_slack: 3,
         };
         let mut b = [0u8; DATA_REQUEST_LEN];
         req.encode(&mut b);
@@ -1043,6 +1058,7 @@ mod tests {
             seq: 9,
             refused: Some(RemoteStatus::AccessDenied),
             len: 0,
+            also_acks: 2,
         };
         let mut b = [0u8; DATA_RESPONSE_LEN];
         resp.encode(&mut b);

@@ -266,6 +266,7 @@ async fn sender(
             token: op.token,
             offset: op.remote_offset + job.at,
             len: job.len,
+            ack_slack: 0,
         };
         req.encode(&mut head);
         let local_at = op.local_offset + job.at;

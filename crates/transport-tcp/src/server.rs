@@ -219,6 +219,7 @@ async fn serve_data(
                     seq: u32::from_le_bytes([head[4], head[5], head[6], head[7]]),
                     refused: Some(RemoteStatus::Malformed),
                     len: 0,
+                    also_acks: 0,
                 }
                 .encode(&mut resp);
                 send_buf(stream, &resp).await?;
@@ -242,6 +243,7 @@ async fn serve_data(
             seq: req.seq,
             refused: None,
             len,
+            also_acks: 0,
         };
         match (req.kind, target) {
             (OpKind::Write, Ok(Target::Memory(l, at))) => {
@@ -338,6 +340,7 @@ async fn serve_data(
                     seq: req.seq,
                     refused: Some(status),
                     len: 0,
+                    also_acks: 0,
                 }
                 .encode(&mut resp);
                 send_buf(stream, &resp).await?;

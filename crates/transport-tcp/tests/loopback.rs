@@ -466,6 +466,7 @@ async fn random_requests_match_the_oracle() {
             token,
             offset,
             len,
+            ack_slack: 0,
         };
         let mut head = [0u8; DATA_REQUEST_LEN];
         req.encode(&mut head);

@@ -485,6 +485,17 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
     }
 }
 
+/// How many WRITE responses the server may hold back and send as one, with `in_flight` chunks
+/// (this one's included) in flight on the stream: all of them. The server holds a response back
+/// only while the next request has already arrived, so a lone request (a latency-bound caller)
+/// is answered at once, and a stream that stops sending gets every answer; while requests keep
+/// coming, one response in several moves, which saves small packets and wake-ups on both sides
+/// (measured on loopback: a few percent more throughput than half the chunks in flight, which
+/// was a few percent more than none).
+fn ack_slack(in_flight: usize) -> u16 {
+    u16::try_from(in_flight).unwrap_or(u16::MAX)
+}
+
 /// `Some(Some(job))`, `Some(None)` once the channel is gone, `None` if nothing is queued.
 fn next_job(jobs: &mpsc::Receiver<Job>) -> Option<Option<Job>> {
     match jobs.try_recv() {
@@ -524,6 +535,7 @@ fn post(
     }
     let s = *seq;
     *seq = seq.wrapping_add(1);
+    let is_write = op.kind == OpKind::Write;
     let mut head = [0u8; DATA_REQUEST_LEN];
     DataRequest {
         kind: op.kind,
@@ -531,9 +543,13 @@ fn post(
         token: op.token,
         offset: op.remote_offset + job.at,
         len: job.len,
+        ack_slack: if is_write {
+            ack_slack(fly.len() + 1)
+        } else {
+            0
+        },
     }
     .encode(&mut head);
-    let is_write = op.kind == OpKind::Write;
     let (region, len) = (op.local.clone(), job.len as usize);
     let req = job.req.clone();
     req.control.with_ledger(|l| l.posted(job.op));
@@ -578,18 +594,41 @@ fn on_response(
     fly: &mut VecDeque<InFlight>,
     cx: &StreamCtx,
 ) -> Result<(), Option<i32>> {
+    let resp = match DataResponse::decode(head) {
+        Ok(r) => r,
+        Err(e) => {
+            debug!(peer = %cx.peer, stream = cx.index, error = %e, "bad response; stream closed");
+            return Err(None);
+        }
+    };
+    // Held-back responses: the `also_acks` WRITEs just before `seq` were accepted too. They
+    // must be exactly the oldest chunks in flight, WRITEs (a READ's payload cannot be implied)
+    // whose requests allowed it; anything else is a broken peer.
+    let held = usize::from(resp.also_acks);
+    let plausible = held < fly.len()
+        && fly.iter().take(held).enumerate().all(|(i, f)| {
+            f.job.req.ops[f.job.op].kind == OpKind::Write
+                && f.seq.wrapping_add((held - i) as u32) == resp.seq
+        });
+    if !plausible {
+        debug!(peer = %cx.peer, stream = cx.index, ?resp, in_flight = fly.len(),
+            "response acknowledges chunks not in flight; stream closed");
+        return Err(None);
+    }
+    for f in fly.drain(..held) {
+        f.job.req.control.with_ledger(|l| l.acked(f.job.op));
+        f.job.req.parts.done_one();
+    }
     let Some(f) = fly.pop_front() else {
         debug!(peer = %cx.peer, stream = cx.index, "response with nothing in flight; stream closed");
         return Err(None);
     };
-    let resp = match DataResponse::decode(head) {
-        Ok(r) if r.seq == f.seq => r,
-        other => {
-            debug!(peer = %cx.peer, stream = cx.index, ?other, "bad response; stream closed");
-            fail_lost(f.job, None);
-            return Err(None);
-        }
-    };
+    if resp.seq != f.seq {
+        debug!(peer = %cx.peer, stream = cx.index, ?resp, expected = f.seq,
+            "response out of order; stream closed");
+        fail_lost(f.job, None);
+        return Err(None);
+    }
     let job = f.job;
     let op = &job.req.ops[job.op];
     if let Some(status) = resp.refused {

@@ -54,10 +54,13 @@ pub struct IoStats {
     pub notifications: AtomicU64,
     /// Registrations of buffers that the kernel refused (fallback to unregistered sends).
     pub register_failures: AtomicU64,
+    /// WRITE responses a server held back and sent as part of a later one
+    /// (`DataRequest::ack_slack`).
+    pub held_responses: AtomicU64,
 }
 
 impl IoStats {
-    fn add(c: &AtomicU64, n: u64) {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
     }
 }
@@ -262,36 +265,59 @@ impl<H> SockIo<H> {
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 Err(e) => return Err(e),
             }
-            let waiting = &mut self.waiting;
-            let wake = &mut self.wake;
-            let armed = &mut self.armed;
-            for c in self.ring.completion() {
-                if c.user_data() == UD_ARMED {
-                    armed.outstanding = false;
-                    armed.done = Some(c.result());
-                    continue;
+            got += self.reap(want, out, &mut seen);
+        }
+        Ok(())
+    }
+
+    /// Takes every completion the ring holds: notifications release their holds, the armed
+    /// receive and the wake read are noted, and the results of `want` go to `out` (in `want`'s
+    /// order, once each, `seen` marking them). Returns how many of `want` it met.
+    fn reap(&mut self, want: &[u64], out: &mut [(i32, u32)], seen: &mut [bool; 2]) -> usize {
+        let mut got = 0;
+        let waiting = &mut self.waiting;
+        let wake = &mut self.wake;
+        let armed = &mut self.armed;
+        for c in self.ring.completion() {
+            if c.user_data() == UD_ARMED {
+                armed.outstanding = false;
+                armed.done = Some(c.result());
+                continue;
+            }
+            if c.user_data() == UD_WAKE {
+                if let Some(w) = wake.as_mut() {
+                    w.2 = false;
                 }
-                if c.user_data() == UD_WAKE {
-                    if let Some(w) = wake.as_mut() {
-                        w.2 = false;
-                    }
-                    continue;
-                }
-                if cqueue::notif(c.flags()) {
-                    IoStats::add(&self.stats.notifications, 1);
-                    release(waiting, c.user_data());
-                    continue;
-                }
-                if let Some(i) = want.iter().position(|&w| w == c.user_data())
-                    && i < seen.len()
-                    && !seen[i]
-                {
-                    seen[i] = true;
-                    out[i] = (c.result(), c.flags());
-                    got += 1;
-                }
+                continue;
+            }
+            if cqueue::notif(c.flags()) {
+                IoStats::add(&self.stats.notifications, 1);
+                release(waiting, c.user_data());
+                continue;
+            }
+            if let Some(i) = want.iter().position(|&w| w == c.user_data())
+                && i < seen.len()
+                && !seen[i]
+            {
+                seen[i] = true;
+                out[i] = (c.result(), c.flags());
+                got += 1;
             }
         }
+        got
+    }
+
+    /// Submits what is queued (an armed receive) without waiting, and takes what completed:
+    /// a receive whose bytes were already there completes during the submit.
+    pub(crate) fn poll(&mut self) -> io::Result<()> {
+        loop {
+            match self.ring.submit() {
+                Ok(_) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        self.reap(&[], &mut [], &mut [false; 2]);
         Ok(())
     }
 
@@ -702,6 +728,11 @@ impl<H> SockIo<H> {
         self.armed.len = len;
         self.armed.outstanding = true;
         Ok(())
+    }
+
+    /// Whether an armed receive is still outstanding (submitted or queued, not completed).
+    pub(crate) fn recv_outstanding(&self) -> bool {
+        self.armed.outstanding
     }
 
     /// Whether an armed receive is outstanding or completed and not yet taken.

@@ -352,6 +352,113 @@ impl FileIo {
     }
 }
 
+/// Accepted WRITE responses a stream holds back (see [`DataRequest::ack_slack`]).
+#[derive(Default)]
+struct Held {
+    count: u16,
+    last_seq: u32,
+}
+
+impl Held {
+    /// Whether `req` (an accepted WRITE) allows its response to be held back with the others.
+    fn may_hold(&self, req: &DataRequest) -> bool {
+        u32::from(self.count) < u32::from(req.ack_slack)
+    }
+
+    fn hold(&mut self, seq: u32, stats: &IoStats) {
+        IoStats::add(&stats.held_responses, 1);
+        self.count += 1;
+        self.last_seq = seq;
+    }
+
+    /// Answers the accepted WRITE `seq` together with every held-back response.
+    fn answer<H>(&mut self, io: &mut SockIo<H>, seq: u32) -> std::io::Result<()> {
+        let mut resp = [0u8; DATA_RESPONSE_LEN];
+        DataResponse {
+            seq,
+            refused: None,
+            len: 0,
+            also_acks: self.count,
+        }
+        .encode(&mut resp);
+        self.count = 0;
+        io.send_buf(&resp)
+    }
+
+    /// Sends the held-back responses (the last one carrying the others).
+    fn flush<H>(&mut self, io: &mut SockIo<H>) -> std::io::Result<()> {
+        if self.count == 0 {
+            return Ok(());
+        }
+        self.count -= 1;
+        let seq = self.last_seq;
+        self.answer(io, seq)
+    }
+}
+
+/// What a request names: a memory segment (its lease and the offset in its region) or a file,
+/// or why it is refused.
+fn resolve(ctx: &Ctx, req: &DataRequest) -> Result<Target, RemoteStatus> {
+    match ctx.table.resolve(req.token) {
+        Some(l) => l
+            .check(req.kind, req.offset, req.len)
+            .map(|at| Target::Memory(l, at)),
+        None => match ctx.table.file(req.token) {
+            Some(f) => f
+                .check(req.kind, req.offset, req.len)
+                .map(|at| Target::File(FileIo::new(f), at)),
+            None => Err(RemoteStatus::UnknownSegment),
+        },
+    }
+}
+
+/// Receives the next request header through the ring's armed receive (armed here if it is not
+/// already). `false`: the client closed the stream cleanly, between requests.
+fn next_head<H>(io: &mut SockIo<H>, head: &mut [u8; DATA_REQUEST_LEN]) -> std::io::Result<bool> {
+    let mut at = 0usize;
+    loop {
+        if !io.armed() {
+            io.arm_recv(DATA_REQUEST_LEN - at)?;
+        }
+        match io.take_armed() {
+            Some(Ok([])) if at == 0 => return Ok(false),
+            Some(Ok([])) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("peer closed the stream {at} bytes into a request header"),
+                ));
+            }
+            Some(Ok(bytes)) => {
+                let n = bytes.len().min(DATA_REQUEST_LEN - at);
+                head[at..at + n].copy_from_slice(&bytes[..n]);
+                at += n;
+                if at == DATA_REQUEST_LEN {
+                    return Ok(true);
+                }
+            }
+            Some(Err(e)) => return Err(e),
+            None => io.wait(Duration::from_secs(60)),
+        }
+    }
+}
+
+/// Arms the receive of the next request header and submits it without waiting: `true` if the
+/// whole header was already there (it is in `head`). Otherwise the receive stays armed and
+/// [`next_head`] finishes it.
+fn try_next_head<H>(
+    io: &mut SockIo<H>,
+    head: &mut [u8; DATA_REQUEST_LEN],
+) -> std::io::Result<bool> {
+    io.arm_recv(DATA_REQUEST_LEN)?;
+    io.poll()?;
+    if io.recv_outstanding() {
+        return Ok(false);
+    }
+    // It completed at once: take it (a short piece is finished by a wait for the rest, which
+    // the client sent with it; a clean end reports `false` and is met again by `next_head`).
+    next_head(io, head)
+}
+
 /// Serves chunks on one data stream until the client closes it. Wire behaviour is exactly the TCP
 /// transport's: responses in request order, a refused WRITE's payload read and dropped, a
 /// malformed header answered with `Malformed` and the stream closed.
@@ -366,13 +473,24 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
     let mut stage = Stage { region: None };
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut scratch: Vec<u8> = Vec::new();
+    // Accepted WRITE responses held back (their requests' `ack_slack` allowed it), and the seq of
+    // the last one; `ready`: `head` already holds the next request (a response is held back only
+    // then, so the client is never left waiting on a response with nothing else coming).
+    let mut held = Held::default();
+    let mut ready = false;
+    // The target of the request in `head` when a response was held back for it: the previous
+    // WRITE's lease, already checked for this request's range (see below).
+    let mut carried: Option<(SegmentLease, u64)> = None;
     let res = loop {
         let mut resp = [0u8; DATA_RESPONSE_LEN];
-        match io.recv_buf(&mut head) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
-            Err(e) => break Err(e),
+        if !ready {
+            match next_head(&mut io, &mut head) {
+                Ok(true) => {}
+                Ok(false) => break Ok(()),
+                Err(e) => break Err(e),
+            }
         }
+        ready = false;
         let req = match DataRequest::decode(&head) {
             Ok(r) => r,
             Err(e) => {
@@ -381,27 +499,28 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
                     seq: u32::from_le_bytes([head[4], head[5], head[6], head[7]]),
                     refused: Some(RemoteStatus::Malformed),
                     len: 0,
+                    also_acks: 0,
                 }
                 .encode(&mut resp);
-                break io.send_buf(&resp);
+                break held.flush(&mut io).and_then(|()| io.send_buf(&resp));
             }
         };
-        let target = match ctx.table.resolve(req.token) {
-            Some(l) => l
-                .check(req.kind, req.offset, req.len)
-                .map(|at| Target::Memory(l, at)),
-            None => match ctx.table.file(req.token) {
-                Some(f) => f
-                    .check(req.kind, req.offset, req.len)
-                    .map(|at| Target::File(FileIo::new(f), at)),
-                None => Err(RemoteStatus::UnknownSegment),
-            },
+        let target = match carried.take() {
+            Some((l, at)) => Ok(Target::Memory(l, at)),
+            None => resolve(ctx, &req),
         };
+        // Only an accepted WRITE to memory may join the held-back responses; any other answer
+        // must not overtake them.
+        let joins = req.kind == OpKind::Write && matches!(target, Ok(Target::Memory(..)));
+        if !joins && let Err(e) = held.flush(&mut io) {
+            break Err(e);
+        }
         let len = req.len as usize;
         let accepted = |len: u64| DataResponse {
             seq: req.seq,
             refused: None,
             len,
+            also_acks: 0,
         };
         let step = match (req.kind, target) {
             (OpKind::Write, Ok(Target::Memory(l, at))) => {
@@ -409,8 +528,23 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
                 // SAFETY: `l.check` proved `at..at+len` lies inside the region, which the lease
                 // keeps alive; no Rust reference into it exists (raw receive).
                 unsafe { io.recv_exact(ptr, len) }.and_then(|()| {
-                    accepted(0).encode(&mut resp);
-                    io.send_buf(&resp)
+                    if held.may_hold(&req) && try_next_head(&mut io, &mut head)? {
+                        ready = true;
+                        // Hold this response back only if the next request is a WRITE into the
+                        // same segment that this lease covers: then nothing lies between this
+                        // chunk and its response but the arrival of that payload, which the
+                        // client is sending now (no lookup, nothing that could stall).
+                        if let Ok(next) = DataRequest::decode(&head)
+                            && next.kind == OpKind::Write
+                            && next.token == req.token
+                            && let Ok(next_at) = l.check(OpKind::Write, next.offset, next.len)
+                        {
+                            held.hold(req.seq, &ctx.stats);
+                            carried = Some((l.clone(), next_at));
+                            return Ok(());
+                        }
+                    }
+                    held.answer(&mut io, req.seq)
                 })
             }
             (OpKind::Read, Ok(Target::Memory(l, at))) => {
@@ -503,6 +637,7 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
                         seq: req.seq,
                         refused: Some(status),
                         len: 0,
+                        also_acks: 0,
                     }
                     .encode(&mut resp);
                     io.send_buf(&resp)

@@ -8,7 +8,10 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
 use common::*;
-use ferry_core::wire::{ControlFrame, SUPPORTED_VERSIONS, TransportOffer};
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse,
+    SUPPORTED_VERSIONS, TransportOffer,
+};
 use ferry_core::{
     Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
     RemoteEffect, RemoteStatus, SegmentToken, Transport,
@@ -345,8 +348,10 @@ async fn closed_channel_fails_without_effect() {
     assert!(o.drained);
 }
 
-/// A server that accepts the stream, swallows part of a WRITE and dies without answering.
-fn dying_server(swallow: usize) -> (SocketAddr, std::thread::JoinHandle<()>) {
+/// A server that accepts one stream (answering its attach) and then runs `script` on it.
+fn scripted_server(
+    script: impl FnOnce(std::net::TcpStream) + Send + 'static,
+) -> (SocketAddr, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let h = std::thread::spawn(move || {
@@ -361,11 +366,169 @@ fn dying_server(swallow: usize) -> (SocketAddr, std::thread::JoinHandle<()>) {
             .encode(SUPPORTED_VERSIONS.max, &mut out)
             .unwrap();
         s.write_all(&out).unwrap();
-        let mut sink = vec![0u8; swallow];
-        s.read_exact(&mut sink).unwrap();
-        drop(s);
+        script(s);
     });
     (addr, h)
+}
+
+/// A server that accepts the stream, swallows part of a WRITE and dies without answering.
+fn dying_server(swallow: usize) -> (SocketAddr, std::thread::JoinHandle<()>) {
+    scripted_server(move |mut s| {
+        let mut sink = vec![0u8; swallow];
+        s.read_exact(&mut sink).unwrap();
+    })
+}
+
+async fn open_one_stream(addr: SocketAddr, chunk: u64, depth: usize) -> Arc<dyn Channel> {
+    let t = UringTransport::new(UringConfig {
+        chunk_size: chunk,
+        depth,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    t.open(PeerInfo {
+        addr,
+        local_id: PeerId::random(),
+        local_epoch: Epoch::fresh(),
+        remote_id: PeerId::random(),
+        remote_epoch: Epoch(1),
+        offer: TransportOffer::Tcp {
+            streams: 1,
+            port: 0,
+        },
+        segments: vec![],
+    })
+    .await
+    .unwrap()
+}
+
+/// Reads `n` WRITE requests with their payloads; returns them.
+fn read_writes(s: &mut std::net::TcpStream, n: usize) -> Vec<DataRequest> {
+    (0..n)
+        .map(|_| {
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            s.read_exact(&mut h).unwrap();
+            let r = DataRequest::decode(&h).unwrap();
+            assert_eq!(r.kind, OpKind::Write);
+            let mut sink = vec![0u8; r.len as usize];
+            s.read_exact(&mut sink).unwrap();
+            r
+        })
+        .collect()
+}
+
+fn respond(s: &mut std::net::TcpStream, seq: u32, also_acks: u16) {
+    let mut b = [0u8; DATA_RESPONSE_LEN];
+    DataResponse {
+        seq,
+        refused: None,
+        len: 0,
+        also_acks,
+    }
+    .encode(&mut b);
+    s.write_all(&b).unwrap();
+}
+
+/// The client's side of held-back responses: its WRITE requests allow them (`ack_slack` counts
+/// the chunks in flight), one response for four WRITEs resolves all four, and a response that
+/// claims chunks not in flight closes the stream with the request failed as lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_back_responses_resolve_every_chunk_they_name() {
+    if !uring_usable() {
+        return;
+    }
+    let (addr, h) = scripted_server(|mut s| {
+        let reqs = read_writes(&mut s, 4);
+        let slack: Vec<u16> = reqs.iter().map(|r| r.ack_slack).collect();
+        // Posted one after another with room for all four: 1, 2, 3, 4 in flight.
+        assert_eq!(slack, [1, 2, 3, 4]);
+        respond(&mut s, reqs[3].seq, 3);
+        // Then a response that names one more chunk than is in flight.
+        let reqs = read_writes(&mut s, 2);
+        respond(&mut s, reqs[1].seq, 2);
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    let ch = open_one_stream(addr, 1000, 8).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(4000, 64).unwrap());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 4000)],
+    )
+    .await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert_eq!(o.completed_bytes, 4000);
+    let o = run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 2000)],
+    )
+    .await;
+    assert_eq!(
+        o.failure.map(|f| f.kind),
+        Some(FailureKind::PeerLost),
+        "{o:?}"
+    );
+    assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+    assert!(o.drained);
+    assert!(!ch.is_alive());
+    drop(ch);
+    h.join().unwrap();
+}
+
+/// The server's side: with many WRITE chunks in flight on one stream it holds responses back
+/// (counted), every byte still lands, and READs and refusals in between are answered in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_holds_back_write_responses_and_keeps_order() {
+    if !uring_usable() {
+        return;
+    }
+    let f = start(Side::Uring(ZeroCopy::Auto));
+    let ServerHandle::Uring(server) = &f._server else {
+        unreachable!()
+    };
+    let size = 16 << 20;
+    let (tok, remote) = publish(
+        &f.table,
+        "seg",
+        size,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    let (ro_tok, _) = publish(&f.table, "ro", 4096, Access::REMOTE_READ);
+    let src = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+    fill(&src, 11);
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+    let ch = channel(&f, Side::Uring(ZeroCopy::Auto), 1, 64 << 10).await;
+    let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, size as u64)]).await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert!(bytes(&remote, 0, size) == bytes(&src, 0, size));
+    let held = server
+        .stats()
+        .held_responses
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        held > 0,
+        "256 chunks in flight four at a time, none held back"
+    );
+    // Held-back WRITEs, then a READ, a refused WRITE and more WRITEs, in one request.
+    let half = (size / 2) as u64;
+    let o = run(
+        &ch,
+        vec![
+            op(OpKind::Write, &src, half, tok, 0, half),
+            op(OpKind::Read, &dst, 0, tok, 0, half),
+            op(OpKind::Write, &src, 0, tok, half, half),
+            op(OpKind::Write, &src, 0, ro_tok, 0, 100),
+        ],
+    )
+    .await;
+    assert_eq!(o.completed_ops, 3, "{o:?}");
+    assert_eq!(
+        o.failure.map(|f| (f.op_index, f.kind)),
+        Some((3, FailureKind::Remote(RemoteStatus::AccessDenied)))
+    );
+    assert!(bytes(&dst, 0, half as usize) == bytes(&src, half, half as usize));
+    assert!(bytes(&remote, half, half as usize) == bytes(&src, 0, half as usize));
+    assert!(ch.is_alive());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
