@@ -11,9 +11,12 @@
 //!   published as a file segment (`crates/transport-uring/examples/uring_bench.rs file`).
 //!
 //! Options: `--total BYTES` (network bytes per run, default 4GiB), `--file-size BYTES` (default
-//! 1GiB), `--dir DIR` (default /var/tmp), `--repeat N` (network rounds, default 3: iperf3 and
-//! ferry alternate, and each row is the median of its rounds). Installs iperf3 and fio with
-//! apt-get when missing.
+//! 1GiB), `--dir DIR` (default /var/tmp), `--repeat N` (network rounds, default 5). A round runs
+//! iperf3, ferry (1 MiB, then 256 MiB segment) and iperf3 again; its reference is the mean of
+//! the two iperf3 runs around ferry, so a machine drifting during the round hits both sides. Each
+//! network row shows the median rates and the median of the rounds' ratios with their range
+//! (shared machines drift by more than 10% between runs: a best-of-N would be decided by
+//! luck). Installs iperf3 and fio with apt-get when missing.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -197,7 +200,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut total = 4u64 << 30;
     let mut file_size = 1u64 << 30;
     let mut dir = PathBuf::from("/var/tmp");
-    let mut repeat = 3usize;
+    let mut repeat = 5usize;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().with_context(|| format!("{a} needs a value"));
@@ -213,37 +216,44 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     ensure_tool("fio", "fio")?;
     let bin = bench_bin()?;
 
-    let mut rows: Vec<(String, f64, f64)> = Vec::new();
+    // (case, ferry GB/s, reference GB/s, per-round ratios)
+    let mut rows: Vec<(String, f64, f64, Vec<f64>)> = Vec::new();
     let mut details = Vec::new();
-    // Rounds alternate iperf3 and ferry so that a slow moment of a shared machine hits both;
-    // each row reports the median of its rounds, the same rule for both sides.
     let repeat = repeat.max(1);
     for streams in [1usize, 2] {
         let (mut refs, mut hots, mut colds) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut hot_ratios, mut cold_ratios) = (Vec::new(), Vec::new());
         for round in 1..=repeat {
             eprintln!("net, {streams} stream(s): round {round}/{repeat}");
-            refs.push(iperf3(streams, total)?);
+            let before = iperf3(streams, total)?;
             let (hot, d1) = ferry_net(streams, total, "1MiB")?;
             let (cold, d2) = ferry_net(streams, total, "256MiB")?;
+            let after = iperf3(streams, total)?;
+            let reference = (before + after) / 2.0;
+            refs.push(reference);
             hots.push(hot);
             colds.push(cold);
+            hot_ratios.push(hot / reference);
+            cold_ratios.push(cold / reference);
             details.push(d1);
             details.push(d2);
+            details.push(format!(
+                "{streams} stream(s), round {round}: iperf3 -Z {before:.2} and {after:.2}, \
+                 ferry 1 MiB {hot:.2}, 256 MiB {cold:.2} GB/s"
+            ));
         }
-        details.push(format!(
-            "{streams} stream(s), GB/s per round: iperf3 -Z {refs:.2?}, ferry 1 MiB {hots:.2?}, \
-             ferry 256 MiB {colds:.2?}"
-        ));
         let reference = median(&refs);
         rows.push((
             format!("net {streams} stream(s), 1 MiB segment"),
             median(&hots),
             reference,
+            hot_ratios,
         ));
         rows.push((
             format!("net {streams} stream(s), 256 MiB segment"),
             median(&colds),
             reference,
+            cold_ratios,
         ));
     }
 
@@ -277,11 +287,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "fio GB/s: before {fio_before:.3}, after {fio_after:.3}"
     ));
     let fio = fio_before.max(fio_after);
-    rows.push(("file read_file_into, qd 32".into(), local, fio));
+    rows.push((
+        "file read_file_into, qd 32".into(),
+        local,
+        fio,
+        vec![local / fio],
+    ));
     rows.push((
         "file segment READ over loopback, 4 streams".into(),
         remote,
         fio,
+        vec![remote / fio],
     ));
 
     println!();
@@ -291,21 +307,24 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     println!();
     println!(
         "{:<46} {:>10} {:>12} {:>7}",
-        "case", "ferry GB/s", "ref GB/s", "ratio"
+        "case", "ferry GB/s", "ref GB/s", "ratio (median of rounds [range])"
     );
-    for (name, ferry, reference) in &rows {
-        let refname = if name.starts_with("net") {
-            "iperf3 -Z"
+    for (name, ferry, reference, ratios) in &rows {
+        let refname = if name.starts_with("net") { "ip3" } else { "fio" };
+        let range = if ratios.len() > 1 {
+            let lo = ratios.iter().cloned().fold(f64::INFINITY, f64::min);
+            let hi = ratios.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            format!(" [{lo:.2}-{hi:.2}]")
         } else {
-            "fio"
+            String::new()
         };
         println!(
-            "{:<46} {:>10.2} {:>8.2} {:<4}{:>6.2}x",
+            "{:<46} {:>10.2} {:>8.2} {:<4}{:>6.2}x{range}",
             name,
             ferry,
             reference,
-            if refname == "fio" { "fio" } else { "ip3" },
-            ferry / reference
+            refname,
+            median(ratios),
         );
     }
     println!();
