@@ -267,7 +267,7 @@ impl UringTransport {
         use std::sync::atomic::Ordering::Relaxed;
         let s = &self.stats;
         format!(
-            "uring: streams {}, SEND_ZC {}, registered buffers {}; zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}, held responses {}",
+            "uring: streams {}, SEND_ZC {}, registered buffers {}; zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
             self.config.streams,
             if self.config.zero_copy_enabled() {
                 "on"
@@ -285,7 +285,6 @@ impl UringTransport {
             s.notifications.load(Relaxed),
             s.short_sends.load(Relaxed),
             s.register_failures.load(Relaxed),
-            s.held_responses.load(Relaxed),
         )
     }
 

@@ -55,7 +55,7 @@ pub struct IoStats {
     /// Registrations of buffers that the kernel refused (fallback to unregistered sends).
     pub register_failures: AtomicU64,
     /// WRITE responses a server held back and sent as part of a later one
-    /// (`DataRequest::ack_slack`).
+    /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
 }
 
