@@ -310,7 +310,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "case", "ferry GB/s", "ref GB/s", "ratio (median of rounds [range])"
     );
     for (name, ferry, reference, ratios) in &rows {
-        let refname = if name.starts_with("net") { "ip3" } else { "fio" };
+        let refname = if name.starts_with("net") {
+            "ip3"
+        } else {
+            "fio"
+        };
         let range = if ratios.len() > 1 {
             let lo = ratios.iter().cloned().fold(f64::INFINITY, f64::min);
             let hi = ratios.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

@@ -465,8 +465,9 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
                 cx.wake.sleeping.store(false, Ordering::SeqCst);
                 break 'run None;
             }
-            // Wait for a response, a zero-copy notification or new work.
-            cx.wake.sleeping.store(true, Ordering::SeqCst);
+            // Wait for a response, a zero-copy notification or new work (`sleeping` was set
+            // above if new work could be taken; with `depth` chunks in flight posters need not
+            // wake us: a response will).
             io.wait(Duration::from_secs(1));
             cx.wake.sleeping.store(false, Ordering::SeqCst);
             continue;
