@@ -37,6 +37,9 @@ pub(crate) struct SendPlan {
     pub(crate) register: bool,
     /// Pin stream `i`'s threads to the `i`-th allowed CPU (loopback, several streams).
     pub(crate) pin: bool,
+    /// Let the server hold back responses for every chunk in flight (loopback: no flight time
+    /// to cover), not just for half of them; see [`ack_slack`].
+    pub(crate) hold_whole_window: bool,
 }
 
 /// One request being executed.
@@ -154,6 +157,7 @@ impl UringChannel {
             splice,
             register,
             pin,
+            hold_whole_window,
         } = plan;
         let depth = depth.max(1);
         let mut streams = Vec::with_capacity(sockets.len());
@@ -176,6 +180,7 @@ impl UringChannel {
                 dead: dead.clone(),
                 jobs: jobs_rx,
                 depth,
+                hold_whole_window,
                 peer,
                 index: i,
             };
@@ -398,6 +403,7 @@ struct StreamCtx {
     dead: Arc<AtomicBool>,
     jobs: mpsc::Receiver<Job>,
     depth: usize,
+    hold_whole_window: bool,
     peer: SocketAddr,
     index: usize,
 }
@@ -487,14 +493,23 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
 }
 
 /// How many WRITE responses the server may hold back and send as one, with `in_flight` chunks
-/// (this one's included) in flight on the stream: all of them. The server holds a response back
-/// only while the next request has already arrived, so a lone request (a latency-bound caller)
-/// is answered at once, and a stream that stops sending gets every answer; while requests keep
-/// coming, one response in several moves, which saves small packets and wake-ups on both sides
-/// (measured on loopback: a few percent more throughput than half the chunks in flight, which
-/// was a few percent more than none).
-fn ack_slack(in_flight: usize) -> u16 {
-    u16::try_from(in_flight).unwrap_or(u16::MAX)
+/// (this one's included) in flight on the stream. The server holds a response back only while
+/// the next request has already arrived, so a lone request (a latency-bound caller) is answered
+/// at once and a stream that stops sending gets every answer; while requests keep coming, one
+/// response in several moves, which saves small packets and wake-ups on both sides.
+///
+/// Over a network, at most half of the chunks in flight, less one (one response in two with
+/// three or four in flight, as TCP's delayed ACK): the other half keeps moving and covers the
+/// flight time, so held responses never starve the pipe. On loopback there is no flight time and
+/// the whole window may be held: measured with two streams of 1 MiB WRITEs, 1.10x the rate
+/// without held responses, against 1.03x for the network rule (64 KiB WRITEs: 1.18x).
+fn ack_slack(in_flight: usize, whole_window: bool) -> u16 {
+    let slack = if whole_window {
+        in_flight
+    } else {
+        in_flight.saturating_sub(1) / 2
+    };
+    u16::try_from(slack).unwrap_or(u16::MAX)
 }
 
 /// `Some(Some(job))`, `Some(None)` once the channel is gone, `None` if nothing is queued.
@@ -545,7 +560,7 @@ fn post(
         offset: op.remote_offset + job.at,
         len: job.len,
         ack_slack: if is_write {
-            ack_slack(fly.len() + 1)
+            ack_slack(fly.len() + 1, cx.hold_whole_window)
         } else {
             0
         },
@@ -656,4 +671,21 @@ fn on_response(
     job.req.control.with_ledger(|l| l.acked(job.op));
     job.req.parts.done_one();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ack_slack;
+
+    /// Over a network half the window keeps moving (one response in two with three or four in
+    /// flight); on loopback the whole window may be held; one chunk alone is never held over a
+    /// network.
+    #[test]
+    fn ack_slack_keeps_half_the_window_moving_over_a_network() {
+        let net: Vec<u16> = (1..=8).map(|n| ack_slack(n, false)).collect();
+        assert_eq!(net, [0, 0, 1, 1, 2, 2, 3, 3]);
+        let lo: Vec<u16> = (1..=4).map(|n| ack_slack(n, true)).collect();
+        assert_eq!(lo, [1, 2, 3, 4]);
+        assert_eq!(ack_slack(1 << 20, true), u16::MAX);
+    }
 }
