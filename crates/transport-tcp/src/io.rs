@@ -79,16 +79,58 @@ pub(crate) async unsafe fn send_all(
     Ok(())
 }
 
+/// Receives of more than this wake their task only once this much has arrived (or the rest of
+/// the payload, if less): `SO_RCVLOWAT`, see [`recv_exact`].
+const LOWAT: usize = 256 << 10;
+
+/// Sets the socket's `SO_RCVLOWAT`; `false` if the kernel refused.
+fn set_lowat(fd: std::os::fd::RawFd, v: usize) -> bool {
+    let val = v.min(i32::MAX as usize) as libc::c_int;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a local int; `fd` is the caller's
+    // open socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&raw const val).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    rc == 0
+}
+
 /// Receives exactly `dst.len` bytes into `dst`. End of stream before that is `UnexpectedEof`.
+///
+/// A payload larger than [`LOWAT`] is received with the socket's `SO_RCVLOWAT` raised to
+/// [`LOWAT`] (to the rest of the payload for its tail), so the socket turns readable, and the
+/// task is woken, once per [`LOWAT`] rather than for every segment that arrives; the mark is back
+/// to 1 when this returns (a response or request header must wake its reader).
 ///
 /// # Safety
 /// `dst.addr..dst.addr+dst.len` must stay valid for writes until the future completes, and no Rust
 /// reference to it may be alive meanwhile.
 pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::Result<()> {
     let fd = stream.as_raw_fd();
+    // Whether to use the mark, and its value as last set.
+    let mut marked = dst.len > LOWAT;
+    let mut mark = 1usize;
     let mut got = 0usize;
-    while got < dst.len {
-        stream.readable().await?;
+    let res = loop {
+        if got >= dst.len {
+            break Ok(());
+        }
+        let want = (dst.len - got).min(LOWAT);
+        if marked && mark != want {
+            if set_lowat(fd, want) {
+                mark = want;
+            } else {
+                marked = false;
+            }
+        }
+        if let Err(e) = stream.readable().await {
+            break Err(e);
+        }
         let res = stream.try_io(Interest::READABLE, || {
             // SAFETY: `fd` is the open socket; the destination is valid for writes of the
             // remaining length per this function's contract.
@@ -98,7 +140,7 @@ pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::
         });
         match res {
             Ok(0) => {
-                return Err(io::Error::new(
+                break Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     format!(
                         "peer closed the stream with {} bytes outstanding",
@@ -109,10 +151,14 @@ pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
+            Err(e) => break Err(e),
         }
+    };
+    if mark > 1 && !set_lowat(fd, 1) {
+        // A mark left up would keep the next header from waking its reader.
+        return Err(io::Error::other("cannot lower SO_RCVLOWAT back to 1"));
     }
-    Ok(())
+    res
 }
 
 /// Receives exactly `buf.len()` bytes into a Rust buffer (headers).
@@ -180,4 +226,66 @@ pub(crate) fn shutdown(stream: &TcpStream) {
 /// [`shutdown`] through a duplicate descriptor of the socket (held outside its I/O thread).
 pub(crate) fn shutdown_std(stream: &std::net::TcpStream) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::AsyncWriteExt;
+
+    fn rcvlowat(fd: std::os::fd::RawFd) -> i32 {
+        let mut v: libc::c_int = -1;
+        let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `l` bytes into a local int.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&raw mut v).cast(),
+                &mut l,
+            )
+        };
+        assert_eq!(rc, 0);
+        v
+    }
+
+    /// A payload larger than the low mark, arriving in small pieces with pauses, lands whole
+    /// (its tail below the mark too), and the mark is back to 1 afterwards, so a 32-byte header
+    /// that follows alone still wakes the reader.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn large_receives_use_the_low_mark_and_lower_it_again() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        let len = 3 * LOWAT + 1234;
+        let data: Vec<u8> = (0..len + 32).map(|i| (i * 7 % 251) as u8).collect();
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            for piece in send[..len].chunks(50_000) {
+                a.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            a.write_all(&send[len..]).await.unwrap();
+            a
+        });
+        let mut got = vec![0u8; len];
+        let dst = RawRange {
+            addr: got.as_mut_ptr() as usize,
+            len,
+        };
+        // SAFETY: `got` is a local buffer, alive and unaliased for the whole call.
+        unsafe { recv_exact(&b, dst) }.await.unwrap();
+        assert!(got == data[..len], "payload differs");
+        assert_eq!(rcvlowat(b.as_raw_fd()), 1);
+        let mut head = [0u8; 32];
+        tokio::time::timeout(Duration::from_secs(5), recv_buf(&b, &mut head))
+            .await
+            .expect("a lone header must wake the reader")
+            .unwrap();
+        assert_eq!(head[..], data[len..]);
+        drop(writer.await.unwrap());
+    }
 }

@@ -172,9 +172,10 @@ pub(crate) struct SockIo<H> {
     wake: Option<(RawFd, &'static mut [u8; 8], bool)>,
     /// The receive started by [`SockIo::arm_recv`].
     armed: Armed,
-    /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default), or 0 once the kernel
-    /// refused it (receives then wait for all their bytes with `MSG_WAITALL`).
+    /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default).
     lowat: usize,
+    /// The kernel refused a mark: receives wait for all their bytes with `MSG_WAITALL`.
+    lowat_refused: bool,
 }
 
 /// A receive left outstanding on the ring while its thread does other work; its completion is
@@ -243,6 +244,7 @@ impl<H> SockIo<H> {
                 done: None,
             },
             lowat: 1,
+            lowat_refused: false,
         })
     }
 
@@ -640,7 +642,7 @@ impl<H> SockIo<H> {
                 "a receive is armed on this socket: bytes would land out of order",
             ));
         }
-        let marked = len > LOWAT && self.lowat != 0;
+        let marked = len > LOWAT && !self.lowat_refused;
         let mut got = 0usize;
         let res = loop {
             if got >= len {
@@ -649,7 +651,7 @@ impl<H> SockIo<H> {
             let rest = len - got;
             let ask = rest.min(1 << 30) as u32;
             let mut flags = libc::MSG_WAITALL;
-            if marked && self.set_lowat(rest.min(LOWAT)) {
+            if marked && !self.lowat_refused && self.set_lowat(rest.min(LOWAT)) {
                 // Wakes at the mark; returns what is there (at least the mark, or the rest).
                 flags = 0;
             }
@@ -678,7 +680,7 @@ impl<H> SockIo<H> {
             }
             got += res as usize;
         };
-        if marked && self.lowat > 1 && !self.set_lowat(1) {
+        if self.lowat > 1 && !self.set_lowat(1) {
             // A mark left up would keep the next request header (32 bytes) from waking us.
             return Err(io::Error::other("cannot lower SO_RCVLOWAT back to 1"));
         }
@@ -686,11 +688,8 @@ impl<H> SockIo<H> {
     }
 
     /// Sets the socket's `SO_RCVLOWAT` to `v` (no call if it is already). `false` if the kernel
-    /// refused it: the mark is not used on this socket again.
+    /// refused it: marks are not used on this socket again (`lowat` keeps the value in force).
     fn set_lowat(&mut self, v: usize) -> bool {
-        if self.lowat == 0 {
-            return false;
-        }
         if self.lowat == v {
             return true;
         }
@@ -708,7 +707,7 @@ impl<H> SockIo<H> {
         };
         if rc != 0 {
             debug!(error = %io::Error::last_os_error(), "SO_RCVLOWAT refused; receiving without it");
-            self.lowat = 0;
+            self.lowat_refused = true;
             return false;
         }
         self.lowat = v;
