@@ -336,7 +336,7 @@ impl UringTransport {
                 splice,
                 register: self.config.register_buffers,
                 pin,
-                hold_whole_window: addr.ip().is_loopback(),
+                loopback: addr.ip().is_loopback(),
             },
             self.stats.clone(),
         )
