@@ -83,8 +83,8 @@ pub(crate) async unsafe fn send_all(
 /// the payload, if less): `SO_RCVLOWAT`, see [`recv_exact`].
 const LOWAT: usize = 256 << 10;
 
-/// Sets the socket's `SO_RCVLOWAT`; `false` if the kernel refused.
-fn set_lowat(fd: std::os::fd::RawFd, v: usize) -> bool {
+/// Sets the socket's `SO_RCVLOWAT`.
+fn set_lowat(fd: std::os::fd::RawFd, v: usize) -> io::Result<()> {
     let val = v.min(i32::MAX as usize) as libc::c_int;
     // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a local int; `fd` is the caller's
     // open socket.
@@ -97,7 +97,7 @@ fn set_lowat(fd: std::os::fd::RawFd, v: usize) -> bool {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
-    rc == 0
+    check(rc as isize).map(|_| ())
 }
 
 /// Receives exactly `dst.len` bytes into `dst`. End of stream before that is `UnexpectedEof`.
@@ -122,7 +122,7 @@ pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::
         }
         let want = (dst.len - got).min(LOWAT);
         if marked && mark != want {
-            if set_lowat(fd, want) {
+            if set_lowat(fd, want).is_ok() {
                 mark = want;
             } else {
                 marked = false;
@@ -154,9 +154,14 @@ pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::
             Err(e) => break Err(e),
         }
     };
-    if mark > 1 && !set_lowat(fd, 1) {
+    if mark > 1
+        && let Err(e) = set_lowat(fd, 1)
+    {
         // A mark left up would keep the next header from waking its reader.
-        return Err(io::Error::other("cannot lower SO_RCVLOWAT back to 1"));
+        return Err(io::Error::new(
+            e.kind(),
+            format!("cannot lower the socket's SO_RCVLOWAT from {mark} back to 1: {e}"),
+        ));
     }
     res
 }

@@ -651,7 +651,7 @@ impl<H> SockIo<H> {
             let rest = len - got;
             let ask = rest.min(1 << 30) as u32;
             let mut flags = libc::MSG_WAITALL;
-            if marked && !self.lowat_refused && self.set_lowat(rest.min(LOWAT)) {
+            if marked && !self.lowat_refused && self.set_lowat(rest.min(LOWAT)).is_ok() {
                 // Wakes at the mark; returns what is there (at least the mark, or the rest).
                 flags = 0;
             }
@@ -680,18 +680,24 @@ impl<H> SockIo<H> {
             }
             got += res as usize;
         };
-        if self.lowat > 1 && !self.set_lowat(1) {
-            // A mark left up would keep the next request header (32 bytes) from waking us.
-            return Err(io::Error::other("cannot lower SO_RCVLOWAT back to 1"));
+        if self.lowat > 1 {
+            let was = self.lowat;
+            if let Err(e) = self.set_lowat(1) {
+                // A mark left up would keep the next request header (32 bytes) from waking us.
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot lower the socket's SO_RCVLOWAT from {was} back to 1: {e}"),
+                ));
+            }
         }
         res
     }
 
-    /// Sets the socket's `SO_RCVLOWAT` to `v` (no call if it is already). `false` if the kernel
-    /// refused it: marks are not used on this socket again (`lowat` keeps the value in force).
-    fn set_lowat(&mut self, v: usize) -> bool {
+    /// Sets the socket's `SO_RCVLOWAT` to `v` (no call if it is already). If the kernel refuses,
+    /// marks are not used on this socket again (`lowat` keeps the value in force).
+    fn set_lowat(&mut self, v: usize) -> io::Result<()> {
         if self.lowat == v {
-            return true;
+            return Ok(());
         }
         let val = v.min(i32::MAX as usize) as libc::c_int;
         // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a local int; the socket
@@ -706,12 +712,13 @@ impl<H> SockIo<H> {
             )
         };
         if rc != 0 {
-            debug!(error = %io::Error::last_os_error(), "SO_RCVLOWAT refused; receiving without it");
+            let e = io::Error::last_os_error();
+            debug!(error = %e, "SO_RCVLOWAT refused; receiving without it");
             self.lowat_refused = true;
-            return false;
+            return Err(e);
         }
         self.lowat = v;
-        true
+        Ok(())
     }
 
     /// Receives exactly `buf.len()` bytes into a Rust buffer.

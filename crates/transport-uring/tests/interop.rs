@@ -379,13 +379,9 @@ fn dying_server(swallow: usize) -> (SocketAddr, std::thread::JoinHandle<()>) {
     })
 }
 
-async fn open_one_stream(addr: SocketAddr, chunk: u64, depth: usize) -> Arc<dyn Channel> {
-    let t = UringTransport::new(UringConfig {
-        chunk_size: chunk,
-        depth,
-        ..UringConfig::default()
-    })
-    .unwrap();
+/// A one-stream channel of a transport with `config` to a scripted server at `addr`.
+async fn open_one_stream(addr: SocketAddr, config: UringConfig) -> Arc<dyn Channel> {
+    let t = UringTransport::new(config).unwrap();
     t.open(PeerInfo {
         addr,
         local_id: PeerId::random(),
@@ -450,7 +446,15 @@ async fn held_back_responses_resolve_every_chunk_they_name() {
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
     });
-    let ch = open_one_stream(addr, 1000, 8).await;
+    let ch = open_one_stream(
+        addr,
+        UringConfig {
+            chunk_size: 1000,
+            depth: 8,
+            ..UringConfig::default()
+        },
+    )
+    .await;
     let src = Arc::new(MemoryRegion::alloc_zeroed(4000, 64).unwrap());
     let o = run(
         &ch,
@@ -539,28 +543,16 @@ async fn peer_lost_mid_write_is_uncertain() {
     }
     for zc in [ZeroCopy::Auto, ZeroCopy::Always, ZeroCopy::Never] {
         let (addr, h) = dying_server(300_000);
-        let t = UringTransport::new(UringConfig {
-            chunk_size: 64 << 10,
-            zero_copy: zc,
-            splice_loopback: zc == ZeroCopy::Auto,
-            ..UringConfig::default()
-        })
-        .unwrap();
-        let ch = t
-            .open(PeerInfo {
-                addr,
-                local_id: PeerId::random(),
-                local_epoch: Epoch::fresh(),
-                remote_id: PeerId::random(),
-                remote_epoch: Epoch(1),
-                offer: TransportOffer::Tcp {
-                    streams: 1,
-                    port: 0,
-                },
-                segments: vec![],
-            })
-            .await
-            .unwrap();
+        let ch = open_one_stream(
+            addr,
+            UringConfig {
+                chunk_size: 64 << 10,
+                zero_copy: zc,
+                splice_loopback: zc == ZeroCopy::Auto,
+                ..UringConfig::default()
+            },
+        )
+        .await;
         let src = Arc::new(MemoryRegion::alloc_zeroed(8 << 20, 4096).unwrap());
         let o = run(
             &ch,
