@@ -180,6 +180,7 @@ impl EngineBuilder {
             depth: self.tcp.depth,
             socket_buffer: self.tcp.socket_buffer,
             connect_timeout: self.connect_timeout,
+            dead_peer_after: self.tcp.dead_peer_after,
             ..UringConfig::default()
         }
     }
@@ -239,6 +240,17 @@ impl EngineBuilder {
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self.tcp.connect_timeout = timeout;
+        self
+    }
+
+    /// How long a TCP or io_uring data stream may go without its sent data acknowledged (or,
+    /// idle, without answers to keepalive probes) before the peer is taken for dead: the
+    /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and
+    /// `drained` resolves once the kernel let go of the buffers. Default 30 s; `None` leaves it
+    /// to the kernel (about 15 minutes of retransmissions, and a silent idle peer is never
+    /// noticed).
+    pub fn dead_peer_after(mut self, after: Option<Duration>) -> Self {
+        self.tcp.dead_peer_after = after;
         self
     }
 
@@ -387,6 +399,8 @@ impl EngineBuilder {
                 connect_timeout: self.connect_timeout,
                 #[cfg(feature = "rdma")]
                 rdma,
+                #[cfg(feature = "uring")]
+                uring,
             }),
         })
     }
@@ -437,6 +451,9 @@ struct Inner {
     connect_timeout: Duration,
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaTransport>,
+    /// The io_uring data plane, when it was chosen (for its counters).
+    #[cfg(feature = "uring")]
+    uring: Option<UringTransport>,
 }
 
 impl fmt::Debug for Inner {
@@ -1136,6 +1153,10 @@ impl TransferEngine {
                 .data_plane
                 .as_ref()
                 .map(|(k, why)| format!("{k} ({why})")),
+            #[cfg(feature = "uring")]
+            data_plane_io: self.inner.uring.as_ref().map(|t| t.describe()),
+            #[cfg(not(feature = "uring"))]
+            data_plane_io: None,
             registrations: counters.registrations,
             registered_bytes: counters.bytes,
             unquiesced: counters.unquiesced,

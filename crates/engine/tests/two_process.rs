@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use common::Netns;
 use ferry::core_types::wire::{
     Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
 };
@@ -20,6 +21,8 @@ use ferry::{
     Access, Batch, DataPlane, Epoch, Error, FailureKind, MemoryRegion, PeerId, RemoteEffect,
     RemoteStatus, SegmentDesc, SegmentToken, TransferEngine, TransportKind,
 };
+
+mod common;
 
 const BIG: usize = (256 << 20) + 64;
 
@@ -256,11 +259,24 @@ struct ChildProc {
 
 impl ChildProc {
     fn spawn(kind: &str, envs: &[(&str, &str)]) -> Result<Self> {
+        Self::spawn_in(None, kind, envs)
+    }
+
+    /// As [`ChildProc::spawn`], inside the network namespace `netns` if given.
+    fn spawn_in(netns: Option<&Netns>, kind: &str, envs: &[(&str, &str)]) -> Result<Self> {
         let test = match kind {
             "trap" => "child_trap_server",
             _ => "child_server",
         };
-        let mut cmd = Command::new(std::env::current_exe()?);
+        let exe = std::env::current_exe()?;
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &ns.name]).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
         cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
             .env("FERRY_TEST_CHILD", kind)
             .stdin(Stdio::piped())
@@ -418,14 +434,25 @@ async fn tcp_client_uring_server_write_then_read_back() -> Result<()> {
 /// WRITE then READ back random data at the sizes and offsets up to `max` bytes, `client` engine
 /// against a child serving with `server`.
 async fn round_trip(client_plane: DataPlane, server: DataPlane, max: u64) -> Result<()> {
+    round_trip_via(None, client_plane, server, max).await
+}
+
+/// [`round_trip`] with the child in the namespace `net` if given (reached over its veth link).
+async fn round_trip_via(
+    net: Option<&Netns>,
+    client_plane: DataPlane,
+    server: DataPlane,
+    max: u64,
+) -> Result<()> {
     let size = BIG.min(usize::try_from(max)?.saturating_add(1 << 20));
-    let child = ChildProc::spawn(
-        "server",
-        &[
-            ("FERRY_TEST_SEGMENTS", &format!("data={size}:rw")),
-            ("FERRY_TEST_DATA_PLANE", plane_env(server)),
-        ],
-    )?;
+    let listen = net.map(|n| format!("{}:0", n.peer));
+    let mut envs = vec![
+        ("FERRY_TEST_SEGMENTS", format!("data={size}:rw")),
+        ("FERRY_TEST_DATA_PLANE", plane_env(server).to_owned()),
+    ];
+    envs.extend(listen.map(|l| ("FERRY_TEST_LISTEN", l)));
+    let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let child = ChildProc::spawn_in(net, "server", &envs)?;
     let engine = client(client_plane)?;
     let peer = engine.connect(child.addr).await?;
     let remote = peer.segment("data")?;
@@ -485,6 +512,213 @@ async fn round_trip(client_plane: DataPlane, server: DataPlane, max: u64) -> Res
         }
     );
     assert!(route.ops >= 17 && route.errors == 0, "{route:?}");
+    if client_plane == DataPlane::Uring {
+        let io = d
+            .data_plane_io
+            .context("no io_uring counters in describe()")?;
+        let zc = io_counter(&io, "zc sends")?;
+        if net.is_none() {
+            // Loopback WRITEs go by page reference (SEND_ZC would be copied by the kernel).
+            assert_eq!(zc, 0, "{io}");
+        } else if io.contains("SEND_ZC on") {
+            // Over a network WRITE payloads go out with SEND_ZC, and every request drained
+            // above waited for its notifications.
+            assert!(zc > 0, "{io}");
+            assert_eq!(io_counter(&io, "notifications")?, zc, "{io}");
+        }
+    }
+    Ok(())
+}
+
+/// The number after `name` in a `describe()` counter line (`..., zc sends 12, ...`).
+fn io_counter(line: &str, name: &str) -> Result<u64> {
+    let at = line
+        .find(name)
+        .with_context(|| format!("no {name:?} in {line:?}"))?;
+    let digits: String = line[at + name.len()..]
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .with_context(|| format!("no count after {name:?} in {line:?}"))
+}
+
+/// Every data plane pairing across a veth link into a namespace of the test's own: 1500-byte
+/// segments and a peer that is not loopback (so the io_uring client takes its network settings:
+/// SEND_ZC, the half-window hold rule, no splice, no pinning). Sizes up to 17 MiB, compared
+/// byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_pairing_over_a_veth_link() -> Result<()> {
+    let Some(ns) = Netns::create()? else {
+        return Ok(());
+    };
+    let mut pairs = vec![(DataPlane::Tcp, DataPlane::Tcp)];
+    if !uring_unusable() {
+        pairs.extend([
+            (DataPlane::Uring, DataPlane::Uring),
+            (DataPlane::Uring, DataPlane::Tcp),
+            (DataPlane::Tcp, DataPlane::Uring),
+        ]);
+    }
+    for (c, s) in pairs {
+        round_trip_via(Some(&ns), c, s, 17 << 20)
+            .await
+            .with_context(|| format!("client {c:?}, server {s:?}, over veth"))?;
+    }
+    Ok(())
+}
+
+/// Client engine for the link tests: two streams, dead peers given up after `dead`.
+fn client_with_dead_peer(plane: DataPlane, dead: Duration) -> Result<TransferEngine> {
+    Ok(TransferEngine::builder()
+        .streams(2)
+        .data_plane(plane)
+        .dead_peer_after(Some(dead))
+        .connect_timeout(Duration::from_secs(3))
+        .build()?)
+}
+
+/// The link goes down for a second under a 32 MiB WRITE and comes back well inside the
+/// dead-peer limit: TCP retransmits, the request succeeds, and the bytes read back are the
+/// bytes written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_flap_inside_the_dead_peer_limit_loses_nothing() -> Result<()> {
+    let Some(ns) = Netns::create()? else {
+        return Ok(());
+    };
+    let mut planes = vec![DataPlane::Tcp];
+    if !uring_unusable() {
+        planes.push(DataPlane::Uring);
+    }
+    for plane in planes {
+        let len = 32u64 << 20;
+        let _child = ChildProc::spawn_in(
+            Some(&ns),
+            "server",
+            &[
+                ("FERRY_TEST_SEGMENTS", &format!("data={len}:rw")),
+                ("FERRY_TEST_DATA_PLANE", plane_env(plane)),
+                ("FERRY_TEST_LISTEN", &format!("{}:0", ns.peer)),
+            ],
+        )?;
+        let engine = client_with_dead_peer(plane, Duration::from_secs(20))?;
+        let peer = engine.connect(_child.addr).await?;
+        let remote = peer.segment("data")?;
+        let src = engine.register(
+            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
+            Access::LOCAL,
+            "src",
+        )?;
+        let dst = engine.register(
+            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
+            Access::LOCAL,
+            "dst",
+        )?;
+        fill(src.region(), 0xf1a9)?;
+        ns.set_link(false)?;
+        let h = tokio::spawn(
+            engine
+                .submit(Batch::new().write(&src, 0, &remote, 0, len))?
+                .into_future(),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !h.is_finished(),
+            "{plane:?}: the WRITE ended with the link down"
+        );
+        ns.set_link(true)?;
+        let o = tokio::time::timeout(Duration::from_secs(60), h)
+            .await
+            .with_context(|| {
+                format!("{plane:?}: the WRITE never ended after the link came back")
+            })??;
+        assert!(o.is_success(), "{plane:?}: {o:?}");
+        let o = engine
+            .submit(Batch::new().read(&dst, 0, &remote, 0, len))?
+            .await;
+        assert!(o.is_success(), "{plane:?}: {o:?}");
+        assert!(
+            bytes(dst.region(), 0, len)? == bytes(src.region(), 0, len)?,
+            "{plane:?}: bytes differ after the flap"
+        );
+    }
+    Ok(())
+}
+
+/// The link is cut for good under a WRITE: after the dead-peer limit the request fails as
+/// PeerLost with an uncertain remote effect, and `drained` resolves, which for the io_uring
+/// client means the kernel gave back every zero-copy send (each one's notification counted).
+/// Without the limit the chunks would sit in flight for the kernel's quarter of an hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_link_is_given_up_after_the_dead_peer_limit_and_drains() -> Result<()> {
+    let Some(ns) = Netns::create()? else {
+        return Ok(());
+    };
+    let mut planes = vec![DataPlane::Tcp];
+    if !uring_unusable() {
+        planes.push(DataPlane::Uring);
+    }
+    for plane in planes {
+        let len = 16u64 << 20;
+        let mut child = ChildProc::spawn_in(
+            Some(&ns),
+            "server",
+            &[
+                ("FERRY_TEST_SEGMENTS", &format!("data={len}:rw")),
+                ("FERRY_TEST_DATA_PLANE", plane_env(plane)),
+                ("FERRY_TEST_LISTEN", &format!("{}:0", ns.peer)),
+            ],
+        )?;
+        let dead = Duration::from_secs(2);
+        let engine = client_with_dead_peer(plane, dead)?;
+        let peer = engine.connect(child.addr).await?;
+        let remote = peer.segment("data")?;
+        let src = engine.register(
+            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
+            Access::LOCAL,
+            "src",
+        )?;
+        fill(src.region(), 0xc07)?;
+        // One WRITE that moves, so the streams are up and the route is known.
+        let o = engine
+            .submit(Batch::new().write(&src, 0, &remote, 0, 1 << 20))?
+            .await;
+        assert!(o.is_success(), "{plane:?}: {o:?}");
+        ns.set_link(false)?;
+        let t0 = std::time::Instant::now();
+        let h = engine.submit(Batch::new().write(&src, 0, &remote, 0, len))?;
+        let drained = tokio::spawn(h.drained());
+        let o = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .with_context(|| format!("{plane:?}: a dead peer was never given up"))?;
+        let took = t0.elapsed();
+        let f = o.failure.with_context(|| format!("{plane:?}: {o:?}"))?;
+        assert_eq!(f.kind, FailureKind::PeerLost, "{plane:?}: {o:?}");
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain, "{plane:?}: {o:?}");
+        assert!(
+            took >= dead,
+            "{plane:?}: given up after {took:?}, before the limit"
+        );
+        let last = tokio::time::timeout(Duration::from_secs(20), drained)
+            .await
+            .with_context(|| format!("{plane:?}: never drained after the stream died"))??;
+        assert!(last.drained, "{plane:?}: {last:?}");
+        if plane == DataPlane::Uring {
+            let io = engine
+                .describe()
+                .data_plane_io
+                .context("no io_uring counters")?;
+            if io.contains("SEND_ZC on") {
+                let zc = io_counter(&io, "zc sends")?;
+                assert!(zc > 0, "{io}");
+                assert_eq!(io_counter(&io, "notifications")?, zc, "{io}");
+            }
+        }
+        ns.set_link(true)?;
+        child.kill();
+    }
     Ok(())
 }
 

@@ -63,6 +63,7 @@ pub(crate) async fn connect(
     addr: SocketAddr,
     timeout: Duration,
     buffer: Option<usize>,
+    dead_peer: Option<Duration>,
 ) -> Result<TcpStream, Error> {
     let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
         .await
@@ -71,7 +72,7 @@ pub(crate) async fn connect(
             after: timeout,
         })?
         .map_err(|e| Error::io("connect to", addr.to_string(), e))?;
-    tune(&stream, buffer);
+    tune(&stream, buffer, dead_peer);
     Ok(stream)
 }
 
@@ -81,7 +82,7 @@ pub(crate) async fn connect(
 /// [`Error::ProtocolMismatch`] with both ranges; nothing is admitted then.
 pub async fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Result<Hello, Error> {
     let run = async {
-        let stream = connect(addr, timeout, None).await?;
+        let stream = connect(addr, timeout, None, None).await?;
         write_frame(&stream, addr, &ControlFrame::Hello(hello.clone())).await?;
         let reply = read_frame(&stream, addr).await?;
         ferry_core::handshake::hello_reply(addr, hello, reply)
@@ -100,9 +101,10 @@ pub(crate) async fn attach(
     attach: StreamAttach,
     timeout: Duration,
     buffer: Option<usize>,
+    dead_peer: Option<Duration>,
 ) -> Result<TcpStream, Error> {
     let run = async {
-        let stream = connect(addr, timeout, buffer).await?;
+        let stream = connect(addr, timeout, buffer, dead_peer).await?;
         write_frame(&stream, addr, &ControlFrame::StreamAttach(attach)).await?;
         let reply = read_frame(&stream, addr).await?;
         ferry_core::handshake::attach_reply(addr, &attach, reply)?;

@@ -6,6 +6,7 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::time::Duration;
 
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -196,14 +197,30 @@ pub(crate) async fn discard(
     Ok(())
 }
 
-/// Nagle off, and socket buffers of `size` where the kernel allows that much (a smaller forced
-/// size would only disable autotuning and shrink them).
-pub(crate) fn tune(stream: &TcpStream, size: Option<usize>) {
+/// Nagle off, socket buffers of `size` where the kernel allows that much (a smaller forced
+/// size would only disable autotuning and shrink them), and dead-peer detection: with
+/// `dead_peer` set, the kernel gives up on the connection once sent data has gone
+/// unacknowledged that long (`TCP_USER_TIMEOUT`), and an idle connection is probed from half
+/// that time on (keepalive), so a peer that vanished without a word (host down, cable cut)
+/// ends the stream with `ETIMEDOUT` instead of leaving its chunks in flight forever.
+pub(crate) fn tune(stream: &TcpStream, size: Option<usize>, dead_peer: Option<Duration>) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "TCP_NODELAY");
     }
-    let Some(size) = size else { return };
     let sock = socket2::SockRef::from(stream);
+    if let Some(after) = dead_peer {
+        if let Err(e) = sock.set_tcp_user_timeout(Some(after)) {
+            tracing::debug!(error = %e, ?after, "TCP_USER_TIMEOUT");
+        }
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time((after / 2).max(Duration::from_secs(1)))
+            .with_interval((after / 10).max(Duration::from_secs(1)))
+            .with_retries(5);
+        if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
+            tracing::debug!(error = %e, ?after, "SO_KEEPALIVE");
+        }
+    }
+    let Some(size) = size else { return };
     if size <= sysctl("/proc/sys/net/core/wmem_max")
         && let Err(e) = sock.set_send_buffer_size(size)
     {

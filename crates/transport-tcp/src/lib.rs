@@ -57,7 +57,17 @@ pub struct TcpConfig {
     /// between workers; the caller's runtime answers small ops sooner (a 64-byte WRITE about
     /// 28 us against 45 us) because no request crosses threads on its way to the socket.
     pub io_threads: Option<usize>,
+    /// How long sent data may go unacknowledged (and an idle connection unanswered by
+    /// keepalive probes) before a data stream is given up as dead and its chunks in flight
+    /// are reported lost. `None`: the kernel's defaults (about 15 minutes of retransmissions;
+    /// an idle connection to a vanished peer is never noticed).
+    pub dead_peer_after: Option<Duration>,
 }
+
+/// Default of [`TcpConfig::dead_peer_after`]: long enough to ride out a switch reboot or a
+/// link flap, short enough that a dead host does not hold requests for the kernel's quarter of
+/// an hour.
+pub const DEAD_PEER_AFTER: Duration = Duration::from_secs(30);
 
 impl Default for TcpConfig {
     fn default() -> Self {
@@ -68,6 +78,7 @@ impl Default for TcpConfig {
             socket_buffer: Some(4 << 20),
             connect_timeout: Duration::from_secs(10),
             io_threads: Some(0),
+            dead_peer_after: Some(DEAD_PEER_AFTER),
         }
     }
 }
@@ -136,6 +147,7 @@ impl TcpTransport {
                     attach,
                     self.config.connect_timeout,
                     self.config.socket_buffer,
+                    self.config.dead_peer_after,
                 )
                 .await?,
             );

@@ -132,7 +132,7 @@ async fn serve_conn(
     config: TcpConfig,
     pool: &IoPool,
 ) -> Result<(), Error> {
-    tune(&stream, config.socket_buffer);
+    tune(&stream, config.socket_buffer, config.dead_peer_after);
     match read_frame(&stream, from).await? {
         ControlFrame::Hello(hello) => {
             let reply = match responder.respond(&hello, from) {

@@ -485,7 +485,7 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
     };
     break_stream(&mut fly, &cx.dead, &cx.socket, broken);
     // Until they are notified the kernel may still read the buffers of zero-copy sends.
-    io.drain(Duration::from_secs(10));
+    io.finish(crate::FINISH_GRACE);
     // Chunks queued before the posters saw the stream dead never move.
     while let Ok(job) = cx.jobs.recv() {
         fail_unposted(job);

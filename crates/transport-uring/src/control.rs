@@ -62,14 +62,30 @@ fn sysctl(path: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// Nagle off, and socket buffers of `size` where the kernel's maximum allows (as the TCP
-/// transport does).
-pub(crate) fn tune(stream: &TcpStream, size: Option<usize>) {
+/// Nagle off, socket buffers of `size` where the kernel's maximum allows, and dead-peer
+/// detection (as the TCP transport does): with `dead_peer` set, the kernel gives up on the
+/// connection once sent data has gone unacknowledged that long (`TCP_USER_TIMEOUT`), and an idle
+/// connection is probed from half that time on (keepalive), so a peer that vanished without a
+/// word (host down, cable cut) ends the stream with `ETIMEDOUT` instead of leaving its chunks
+/// in flight forever; the kernel then drops the sends' page references too.
+pub(crate) fn tune(stream: &TcpStream, size: Option<usize>, dead_peer: Option<Duration>) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "TCP_NODELAY");
     }
-    let Some(size) = size else { return };
     let sock = socket2::SockRef::from(stream);
+    if let Some(after) = dead_peer {
+        if let Err(e) = sock.set_tcp_user_timeout(Some(after)) {
+            tracing::debug!(error = %e, ?after, "TCP_USER_TIMEOUT");
+        }
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time((after / 2).max(Duration::from_secs(1)))
+            .with_interval((after / 10).max(Duration::from_secs(1)))
+            .with_retries(5);
+        if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
+            tracing::debug!(error = %e, ?after, "SO_KEEPALIVE");
+        }
+    }
+    let Some(size) = size else { return };
     if size <= sysctl("/proc/sys/net/core/wmem_max")
         && let Err(e) = sock.set_send_buffer_size(size)
     {
@@ -82,7 +98,12 @@ pub(crate) fn tune(stream: &TcpStream, size: Option<usize>) {
     }
 }
 
-fn connect(addr: SocketAddr, timeout: Duration, buffer: Option<usize>) -> Result<TcpStream, Error> {
+fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+    buffer: Option<usize>,
+    dead_peer: Option<Duration>,
+) -> Result<TcpStream, Error> {
     let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
         if e.kind() == std::io::ErrorKind::TimedOut {
             Error::Timeout {
@@ -93,7 +114,7 @@ fn connect(addr: SocketAddr, timeout: Duration, buffer: Option<usize>) -> Result
             Error::io("connect to", addr.to_string(), e)
         }
     })?;
-    tune(&stream, buffer);
+    tune(&stream, buffer, dead_peer);
     let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.set_write_timeout(Some(timeout));
     Ok(stream)
@@ -102,7 +123,7 @@ fn connect(addr: SocketAddr, timeout: Duration, buffer: Option<usize>) -> Result
 /// Client side of the handshake over a blocking socket: sends `hello` to `addr` and returns the
 /// server's hello. Same bytes and errors as the TCP transport's `handshake`.
 pub fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Result<Hello, Error> {
-    let mut stream = connect(addr, timeout, None)?;
+    let mut stream = connect(addr, timeout, None, None)?;
     write_frame(&mut stream, addr, &ControlFrame::Hello(hello.clone()))?;
     let reply = read_frame(&mut stream, addr).map_err(|e| timed_out(e, "handshake", timeout))?;
     ferry_core::handshake::hello_reply(addr, hello, reply)
@@ -129,8 +150,9 @@ pub(crate) fn attach(
     attach: StreamAttach,
     timeout: Duration,
     buffer: Option<usize>,
+    dead_peer: Option<Duration>,
 ) -> Result<TcpStream, Error> {
-    let mut stream = connect(addr, timeout, buffer)?;
+    let mut stream = connect(addr, timeout, buffer, dead_peer)?;
     write_frame(&mut stream, addr, &ControlFrame::StreamAttach(attach))?;
     let reply =
         read_frame(&mut stream, addr).map_err(|e| timed_out(e, "data stream attach", timeout))?;

@@ -95,6 +95,12 @@ pub struct UringConfig {
     /// bouncing each chunk between cores. Measured on the 2-core machines: 2 streams went from
     /// about 3-4 to 5-7 GB/s. Off: the scheduler places every thread.
     pub pin_loopback_streams: bool,
+    /// How long sent data may go unacknowledged (and an idle connection unanswered by
+    /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
+    /// then reported lost and the kernel drops its references to their pages, so `drained`
+    /// resolves. `None`: the kernel's defaults (about 15 minutes of retransmissions; an idle
+    /// connection to a vanished peer is never noticed).
+    pub dead_peer_after: Option<Duration>,
 }
 
 impl Default for UringConfig {
@@ -111,6 +117,7 @@ impl Default for UringConfig {
             splice_loopback: true,
             kernel_splice: false,
             pin_loopback_streams: true,
+            dead_peer_after: Some(DEAD_PEER_AFTER),
         }
     }
 }
@@ -138,6 +145,10 @@ impl UringConfig {
 
 /// Pins the calling thread to the `index`-th CPU (modulo their count) of those it may run on now
 /// (see [`UringConfig::pin_loopback_streams`]). Best effort: a failure is logged and ignored.
+/// How long an ending stream waits for the peer to acknowledge its zero-copy sends before it
+/// resets the connection to make the kernel let go of their pages (see `SockIo::finish`).
+pub(crate) const FINISH_GRACE: Duration = Duration::from_secs(1);
+
 pub(crate) fn pin_stream_thread(index: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls below only read and write this
     // local set and the calling thread's (pid 0) affinity.
@@ -215,6 +226,11 @@ pub fn select(probe: &UringProbe, pref: Preference) -> Result<Selection, UringEr
         }),
     }
 }
+
+/// Default of [`UringConfig::dead_peer_after`] (and of the TCP transport's): long enough to
+/// ride out a switch reboot or a link flap, short enough that a dead host does not hold
+/// requests for the kernel's quarter of an hour.
+pub const DEAD_PEER_AFTER: Duration = Duration::from_secs(30);
 
 /// The io_uring [`Transport`].
 #[derive(Debug, Clone)]
@@ -321,6 +337,7 @@ impl UringTransport {
                 attach,
                 self.config.connect_timeout,
                 self.config.socket_buffer,
+                self.config.dead_peer_after,
             )?);
         }
         let splice =

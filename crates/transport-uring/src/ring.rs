@@ -826,21 +826,60 @@ impl<H> SockIo<H> {
         Some(Ok(&buf[..(res as usize).min(ARMED_MAX)]))
     }
 
-    /// Waits for every outstanding notification, up to `limit` in total (used when a stream ends:
-    /// until then the kernel may still read the buffers).
-    pub(crate) fn drain(&mut self, limit: Duration) {
-        let end = Instant::now() + limit;
+    /// Waits until the kernel has let go of every zero-copy send (its notification), which
+    /// releases the holds that keep their requests from reporting `drained`. Used when a stream
+    /// ends. A send is normally let go once the peer acknowledged it; if some are still held
+    /// after `grace` (a peer that stopped acknowledging, a cut link), the connection is reset,
+    /// which purges the socket's queues and so ends the kernel's use of those pages, and the
+    /// wait goes on. A hold is never released before its notification, so a request cannot
+    /// report `drained` while the kernel may still read its buffers; if the kernel keeps them
+    /// after the reset too (a driver that never completes a transmit), this warns every
+    /// `grace * 10` and keeps waiting.
+    pub(crate) fn finish(&mut self, grace: Duration) {
+        let mut deadline = Instant::now() + grace;
+        let mut reset = false;
         while !self.waiting.is_empty() {
             let now = Instant::now();
-            if now >= end {
-                tracing::warn!(
-                    pending = self.waiting.len(),
-                    "zero-copy notifications still outstanding after {limit:?}; releasing"
-                );
-                break;
+            if now >= deadline {
+                if reset {
+                    tracing::warn!(
+                        pending = self.waiting.len(),
+                        "zero-copy sends still held by the kernel after the connection was \
+                         reset; their requests stay un-drained until it lets go"
+                    );
+                } else {
+                    tracing::debug!(
+                        pending = self.waiting.len(),
+                        "zero-copy sends unacknowledged after {grace:?}; resetting the connection"
+                    );
+                    if let Err(e) = self.reset() {
+                        tracing::warn!(error = %e, "cannot reset the connection");
+                    }
+                    reset = true;
+                }
+                deadline = now + grace * 10;
             }
-            self.wait((end - now).min(Duration::from_millis(50)));
+            self.wait((deadline - now).min(Duration::from_millis(50)));
         }
+    }
+
+    /// Aborts the connection: a reset to the peer, and the socket's send and retransmit queues
+    /// purged (`connect` to an `AF_UNSPEC` address, which Linux turns into `tcp_disconnect`).
+    fn reset(&self) -> io::Result<()> {
+        // SAFETY: a zeroed sockaddr is a valid AF_UNSPEC (0) address; connect only reads
+        // `size_of::<sockaddr>()` bytes of it, and `fd` is the socket this ring serves.
+        let rc = unsafe {
+            let addr: libc::sockaddr = std::mem::zeroed();
+            libc::connect(
+                self.fd,
+                &addr,
+                std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }
 
@@ -945,7 +984,7 @@ mod tests {
             .unwrap();
         }
         let got = reader.join().unwrap();
-        io.drain(Duration::from_secs(5));
+        io.finish(Duration::from_secs(5));
         assert_eq!(io.pending_notifications(), 0);
         let zc = stats.zc_sends.load(Ordering::SeqCst);
         assert!(zc >= 2, "{zc}");
@@ -963,6 +1002,95 @@ mod tests {
         assert!(got[3..3 + (1 << 20)].iter().all(|&x| x == 7));
         assert_eq!(&got[3 + (1 << 20)..6 + (1 << 20)], b"def");
         assert!(got[6 + (1 << 20)..].iter().all(|&x| x == 9));
+    }
+
+    /// A zero-copy send the peer never takes (its window is full) keeps its hold until the
+    /// stream finishes: `finish` waits out the grace, resets the connection (the peer sees
+    /// ECONNRESET), and only then, with the kernel's queues purged, is the hold released.
+    #[test]
+    fn finish_resets_a_connection_whose_zero_copy_sends_are_never_acknowledged() {
+        if crate::probe_kernel().unusable_reason().is_some()
+            || !crate::probe_kernel().supports("SEND_ZC")
+        {
+            eprintln!("skip: io_uring or SEND_ZC unavailable");
+            return;
+        }
+        // A tiny receive window (set on the listener, so the handshake advertises it) and a
+        // send buffer that holds the whole payload, so the send completes while its pages
+        // stay queued.
+        let l = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        l.set_recv_buffer_size(4096).unwrap();
+        l.bind(
+            &"127.0.0.1:0"
+                .parse::<std::net::SocketAddr>()
+                .unwrap()
+                .into(),
+        )
+        .unwrap();
+        l.listen(1).unwrap();
+        let l: TcpListener = l.into();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        socket2::SockRef::from(&a)
+            .set_send_buffer_size(1 << 20)
+            .unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let released = Arc::new(AtomicUsize::new(0));
+        // `finish` never gives up on a hold, so a regression would hang: the ring (which
+        // belongs to the thread that made it) lives on a thread of its own, and the test fails
+        // after a bound.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let counter = released.clone();
+        std::thread::spawn(move || {
+            let stats = Arc::new(IoStats::default());
+            let mut io: SockIo<Counted> =
+                SockIo::new(a.as_raw_fd(), true, false, stats.clone()).unwrap();
+            let region = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+            let mut hold = || Counted(counter.clone());
+            // SAFETY: the region outlives the send (it lives to the end of this thread, after
+            // `finish`), and nothing writes it meanwhile.
+            unsafe {
+                io.send(
+                    b"head",
+                    Some(Body {
+                        region: &region,
+                        offset: 0,
+                        len: 64 << 10,
+                    }),
+                    Some(&mut hold),
+                )
+                .unwrap();
+            }
+            io.wait(Duration::from_millis(200));
+            let before = counter.load(Ordering::SeqCst);
+            let t0 = Instant::now();
+            io.finish(Duration::from_millis(100));
+            let _ = tx.send((
+                stats.zc_sends.load(Ordering::SeqCst),
+                before,
+                t0.elapsed(),
+                io.pending_notifications(),
+            ));
+            drop(io);
+            drop(a);
+        });
+        let (zc, before, took, pending) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("finish never returned: the hold was never released");
+        assert_eq!(zc, 1);
+        assert_eq!(before, 0, "released while the peer had not taken the bytes");
+        assert!(took >= Duration::from_millis(100), "no grace: {took:?}");
+        assert_eq!(pending, 0);
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+        b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = vec![0u8; 128 << 10];
+        let err = loop {
+            match b.read(&mut buf) {
+                Ok(0) => panic!("orderly end instead of a reset"),
+                Ok(_) => {}
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
     }
 
     /// A receive armed before a send is reaped by that send's wait (or a later wait), a second

@@ -184,7 +184,11 @@ fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
 }
 
 fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), Error> {
-    tune(&stream, ctx.config.socket_buffer);
+    tune(
+        &stream,
+        ctx.config.socket_buffer,
+        ctx.config.dead_peer_after,
+    );
     // A peer that sends nothing must not hold a thread forever.
     let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
     match read_frame(&mut stream, from)? {
@@ -648,6 +652,6 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
             break Err(e);
         }
     };
-    io.drain(Duration::from_secs(10));
+    io.finish(crate::FINISH_GRACE);
     res
 }
