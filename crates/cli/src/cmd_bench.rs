@@ -194,6 +194,8 @@ impl LoopbackServer {
                             .build()?;
                         let region =
                             MemoryRegion::alloc_zeroed(seg_len as usize, ferry::PAGE_ALIGN)?;
+                        // READs take their payload from here: real bytes, not the zero page.
+                        region.write_at(0, &pseudo_random(region.len()))?;
                         let _reg = server.register(
                             region,
                             Access::REMOTE_READ | Access::REMOTE_WRITE,
@@ -356,11 +358,12 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     // cache-warm, as they do for iperf3. Concurrent READs may land in the same local slot; the
     // bench never looks at the bytes, and no Rust reference to registered memory exists.
     let local_slots = slots_in_remote.min(depth as u64);
-    let local = Arc::new(engine.register(
-        MemoryRegion::alloc_zeroed((args.op_size * local_slots) as usize, ferry::PAGE_ALIGN)?,
-        Access::LOCAL,
-        "bench-local",
-    )?);
+    let local_mem =
+        MemoryRegion::alloc_zeroed((args.op_size * local_slots) as usize, ferry::PAGE_ALIGN)?;
+    // Random bytes, as iperf3 -Z sends a file of random data: memory that was never written is
+    // the kernel's shared zero page, which no real payload is.
+    local_mem.write_at(0, &pseudo_random(local_mem.len()))?;
+    let local = Arc::new(engine.register(local_mem, Access::LOCAL, "bench-local")?);
     let total = match (args.total, args.duration) {
         (Some(t), _) => Some(t),
         (None, Some(_)) => None,
@@ -458,6 +461,20 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         depth,
         peer: args.peer.clone().unwrap_or_else(|| "loopback".into()),
     })
+}
+
+/// `len` bytes of xorshift64 output (fast, and incompressible enough for a benchmark).
+fn pseudo_random(len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut v = Vec::with_capacity(len + 8);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
 }
 
 #[cfg(test)]

@@ -213,6 +213,19 @@ impl Ledger {
         e.failure.is_none() && e.total.is_some_and(|t| e.acked >= t)
     }
 
+    /// The outcome so far of a request that may still be running: as [`Ledger::outcome`] (not
+    /// drained), except that ops merely not finished yet are no failure. A final outcome counts
+    /// them as `Local`, since a request that ended leaves none unresolved unless something went
+    /// wrong without a word; a progress report would then show a failure for every request in
+    /// flight.
+    pub fn progress(&self, stopped: Option<FailureKind>) -> Outcome {
+        let mut o = self.outcome(stopped, false);
+        if stopped.is_none() && !self.any_failure {
+            o.failure = None;
+        }
+        o
+    }
+
     /// The outcome from the facts so far. `stopped` is the logical end (timeout, cancel) when the
     /// request ended before its chunks did; `drained` says whether they all did.
     pub fn outcome(&self, stopped: Option<FailureKind>, drained: bool) -> Outcome {
@@ -318,6 +331,12 @@ impl RequestControl {
         let stopped = self.stopped();
         self.with_ledger(|l| l.outcome(stopped, drained))
     }
+
+    /// The outcome so far of a request that may still be running (see [`Ledger::progress`]).
+    pub fn progress(&self) -> Outcome {
+        let stopped = self.stopped();
+        self.with_ledger(|l| l.progress(stopped))
+    }
 }
 
 #[cfg(test)]
@@ -359,6 +378,40 @@ mod tests {
         assert!(o.is_success());
         assert_eq!((o.completed_ops, o.completed_bytes), (2, 20));
         assert_eq!(o.remote_effect, RemoteEffect::None);
+    }
+
+    /// A request in flight reports its prefix and no failure; the same facts as a final
+    /// outcome name the unresolved op as a `Local` failure, and a progress report of a stopped
+    /// or failed request names the real one.
+    #[test]
+    fn progress_of_a_running_request_shows_no_failure() {
+        let ops = ops(&[OpKind::Write, OpKind::Write]);
+        let c = RequestControl::new(&ops);
+        c.with_ledger(|l| {
+            l.plan(0, 1);
+            l.posted(0);
+            l.acked(0);
+            l.plan(1, 2);
+            l.posted(1);
+        });
+        let p = c.progress();
+        assert_eq!((p.completed_ops, p.completed_bytes), (1, 10));
+        assert_eq!(p.failure, None);
+        assert_eq!(p.remote_effect, RemoteEffect::Uncertain);
+        assert!(!p.drained);
+        let f = c.outcome(true).failure.map(|f| f.kind);
+        assert_eq!(f, Some(FailureKind::Local));
+        c.with_ledger(|l| l.lost(1, FailureKind::PeerLost, None));
+        assert_eq!(
+            c.progress().failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost)
+        );
+        let c = RequestControl::new(&ops);
+        c.stop(FailureKind::Timeout);
+        assert_eq!(
+            c.progress().failure.map(|f| f.kind),
+            Some(FailureKind::Timeout)
+        );
     }
 
     #[test]

@@ -152,9 +152,11 @@ impl RequestHandle {
         self.canceller().cancel();
     }
 
-    /// The outcome so far (not drained), for progress reports.
+    /// The outcome so far (not drained), for progress reports: the completed prefix, and a
+    /// failure only once one happened (or the request was stopped); ops still in flight are
+    /// not a failure.
     pub fn progress(&self) -> Outcome {
-        self.control.outcome(false)
+        self.control.progress()
     }
 
     /// Resolves when the transport has physically finished with every buffer of the request,
