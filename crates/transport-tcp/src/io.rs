@@ -256,6 +256,23 @@ mod tests {
     use std::time::Duration;
     use tokio::io::AsyncWriteExt;
 
+    /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and
+    /// leaves the kernel's defaults alone without it.
+    #[tokio::test]
+    async fn tune_sets_the_dead_peer_limit() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        tune(&a, None, Some(Duration::from_secs(8)));
+        tune(&b, None, None);
+        let (sa, sb) = (socket2::SockRef::from(&a), socket2::SockRef::from(&b));
+        assert_eq!(sa.tcp_user_timeout().unwrap(), Some(Duration::from_secs(8)));
+        assert!(sa.keepalive().unwrap());
+        assert_eq!(sa.keepalive_time().unwrap(), Duration::from_secs(4));
+        assert_eq!(sb.tcp_user_timeout().unwrap(), None);
+        assert!(!sb.keepalive().unwrap());
+    }
+
     fn rcvlowat(fd: std::os::fd::RawFd) -> i32 {
         let mut v: libc::c_int = -1;
         let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;

@@ -161,3 +161,25 @@ pub(crate) fn attach(
     let _ = stream.set_write_timeout(None);
     Ok(stream)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and
+    /// leaves the kernel's defaults alone without it.
+    #[test]
+    fn tune_sets_the_dead_peer_limit() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        tune(&a, None, Some(Duration::from_secs(8)));
+        tune(&b, None, None);
+        let (sa, sb) = (socket2::SockRef::from(&a), socket2::SockRef::from(&b));
+        assert_eq!(sa.tcp_user_timeout().unwrap(), Some(Duration::from_secs(8)));
+        assert!(sa.keepalive().unwrap());
+        assert_eq!(sa.keepalive_time().unwrap(), Duration::from_secs(4));
+        assert_eq!(sb.tcp_user_timeout().unwrap(), None);
+        assert!(!sb.keepalive().unwrap());
+    }
+}
