@@ -248,7 +248,8 @@ impl EngineBuilder {
     /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and
     /// `drained` resolves once the kernel let go of the buffers. Default 30 s; `None` leaves it
     /// to the kernel (about 15 minutes of retransmissions, and a silent idle peer is never
-    /// noticed).
+    /// noticed). A peer whose application stops reading for that long counts as dead too (the
+    /// kernel applies the limit to zero-window probes).
     pub fn dead_peer_after(mut self, after: Option<Duration>) -> Self {
         self.tcp.dead_peer_after = after;
         self

@@ -99,7 +99,8 @@ pub struct UringConfig {
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
     /// then reported lost and the kernel drops its references to their pages, so `drained`
     /// resolves. `None`: the kernel's defaults (about 15 minutes of retransmissions; an idle
-    /// connection to a vanished peer is never noticed).
+    /// connection to a vanished peer is never noticed). A peer whose application stops reading for that
+    /// long counts as dead too (the kernel applies the limit to zero-window probes).
     pub dead_peer_after: Option<Duration>,
 }
 
