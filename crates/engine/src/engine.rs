@@ -684,6 +684,14 @@ impl Peer {
         self.inner.channel.kind()
     }
 
+    /// Whether its data channel can still carry requests. A channel whose every stream died
+    /// (the peer reset them, or went silent past `dead_peer_after`) fails each new request at
+    /// once with `PeerLost`; [`TransferEngine::connect`] to the same address opens a fresh one
+    /// (the same incarnation is accepted again).
+    pub fn is_alive(&self) -> bool {
+        self.inner.channel.is_alive()
+    }
+
     /// Descriptors of the segments it published at connection time.
     pub fn segments(&self) -> &[SegmentDesc] {
         &self.inner.segments

@@ -716,7 +716,44 @@ async fn a_cut_link_is_given_up_after_the_dead_peer_limit_and_drains() -> Result
                 assert_eq!(io_counter(&io, "notifications")?, zc, "{io}");
             }
         }
+        // The link is back: the dead channel fails a new request at once, and connecting
+        // again (the same incarnation) gives a channel that moves bytes.
         ns.set_link(true)?;
+        assert!(
+            !peer.is_alive(),
+            "{plane:?}: the channel outlived its streams"
+        );
+        let o = tokio::time::timeout(
+            Duration::from_secs(5),
+            engine
+                .submit(Batch::new().write(&src, 0, &remote, 0, 4096))?
+                .into_future(),
+        )
+        .await
+        .with_context(|| format!("{plane:?}: a request on a dead channel hung"))?;
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost),
+            "{plane:?}: {o:?}"
+        );
+        assert_eq!(o.remote_effect, RemoteEffect::None, "{plane:?}: {o:?}");
+        let again = engine.connect(child.addr).await?;
+        assert!(again.is_alive());
+        let remote = again.segment("data")?;
+        let o = engine
+            .submit(Batch::new().write(&src, 0, &remote, 0, len))?
+            .await;
+        assert!(o.is_success(), "{plane:?} after reconnecting: {o:?}");
+        let dst = engine.register(
+            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
+            Access::LOCAL,
+            "dst",
+        )?;
+        let o = engine
+            .submit(Batch::new().read(&dst, 0, &remote, 0, len))?
+            .await;
+        assert!(o.is_success(), "{plane:?}: {o:?}");
+        assert!(bytes(dst.region(), 0, len)? == bytes(src.region(), 0, len)?);
         child.kill();
     }
     Ok(())
