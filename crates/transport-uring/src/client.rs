@@ -23,7 +23,7 @@ use ferry_core::{
 };
 use tracing::debug;
 
-use crate::ring::{Body, IoStats, SockIo};
+use crate::ring::{Body, IoStats, SockIo, ThreadCount};
 use crate::waiter::Countdown;
 
 /// How a channel's stream threads send payloads.
@@ -187,21 +187,24 @@ impl UringChannel {
             let st = stats.clone();
             std::thread::Builder::new()
                 .name(format!("ferry-uring-s{i}"))
-                .spawn(move || match SockIo::new(fd, zero_copy, register, st) {
-                    Ok(mut io) => {
-                        if pin {
-                            crate::pin_stream_thread(i);
+                .spawn(
+                    move || match SockIo::new(fd, zero_copy, register, st.clone()) {
+                        Ok(mut io) => {
+                            let _count = ThreadCount::new(&st, "client streams");
+                            if pin {
+                                crate::pin_stream_thread(i);
+                            }
+                            io.set_wake(cx.wake.fd.as_raw_fd());
+                            let _ = ready_tx.send(Ok(()));
+                            stream(io, cx)
                         }
-                        io.set_wake(cx.wake.fd.as_raw_fd());
-                        let _ = ready_tx.send(Ok(()));
-                        stream(io, cx)
-                    }
-                    Err(e) => {
-                        cx.dead.store(true, Ordering::Release);
-                        shutdown(&cx.socket);
-                        let _ = ready_tx.send(Err(e));
-                    }
-                })
+                        Err(e) => {
+                            cx.dead.store(true, Ordering::Release);
+                            shutdown(&cx.socket);
+                            let _ = ready_tx.send(Err(e));
+                        }
+                    },
+                )
                 .map_err(|e| ferry_core::Error::io("spawn ring thread for", peer.to_string(), e))?;
             match ready_rx.recv() {
                 Ok(Ok(())) => {}

@@ -284,7 +284,7 @@ impl UringTransport {
         use std::sync::atomic::Ordering::Relaxed;
         let s = &self.stats;
         format!(
-            "uring: streams {}, SEND_ZC {}, registered buffers {}; zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
+            "uring: streams {}, SEND_ZC {}, registered buffers {}; threads {}, zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
             self.config.streams,
             if self.config.zero_copy_enabled() {
                 "on"
@@ -296,6 +296,7 @@ impl UringTransport {
             } else {
                 "off"
             },
+            s.threads.load(Relaxed),
             s.zc_sends.load(Relaxed),
             s.fixed_sends.load(Relaxed),
             s.copy_sends.load(Relaxed),

@@ -60,11 +60,40 @@ pub struct IoStats {
     /// WRITE responses a server held back and sent as part of a later one
     /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
+    /// I/O threads running now: one per client stream, one per served connection (each
+    /// with its own ring).
+    pub threads: AtomicU64,
 }
 
 impl IoStats {
     pub(crate) fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// Counts one live I/O thread in [`IoStats::threads`] while held. The data plane runs a
+/// thread per stream (client) and per connection (server), so fan-out to many peers costs
+/// that many threads; past 256 it warns at each doubling.
+pub(crate) struct ThreadCount(Arc<IoStats>);
+
+impl ThreadCount {
+    pub(crate) fn new(stats: &Arc<IoStats>, what: &'static str) -> Self {
+        let n = stats.threads.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= 256 && n.is_power_of_two() {
+            tracing::warn!(
+                threads = n,
+                "the io_uring data plane runs {n} threads ({what}: one per stream or \
+                 connection); for fan-out to many peers the TCP data plane's fixed pool of I/O \
+                 threads costs less"
+            );
+        }
+        Self(stats.clone())
+    }
+}
+
+impl Drop for ThreadCount {
+    fn drop(&mut self) {
+        self.0.threads.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -23,7 +23,7 @@ use tracing::{debug, warn};
 use crate::UringConfig;
 use crate::control::{read_frame, tune, write_frame};
 use crate::file::{DIRECT_ALIGN, FileSegment, file_io};
-use crate::ring::{Body, IoStats, SockIo};
+use crate::ring::{Body, IoStats, SockIo, ThreadCount};
 
 /// A bound listener, not serving yet.
 #[derive(Debug)]
@@ -163,6 +163,7 @@ fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
                 let spawned = std::thread::Builder::new()
                     .name("ferry-uring-conn".into())
                     .spawn(move || {
+                        let _count = ThreadCount::new(&ctx.stats, "served connections");
                         if let Err(e) = serve_conn(stream, from, &ctx) {
                             debug!(%from, error = %e, "connection ended");
                         }

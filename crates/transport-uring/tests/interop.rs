@@ -6,6 +6,8 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use common::*;
 use ferry_core::wire::{
@@ -121,6 +123,54 @@ async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<d
         .await
         .unwrap();
     transport.open(peer).await.unwrap()
+}
+
+/// Each client stream runs one thread (and ring), and so does each served connection: the
+/// client transport's and the server's `threads` gauges count them while the channel lives
+/// (the handshake's connection thread ends after the handshake), and both fall back to zero
+/// once it is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_thread_per_stream_counted_while_the_channel_lives() {
+    if !uring_usable() {
+        return;
+    }
+    let t = UringTransport::new(UringConfig {
+        streams: 3,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let table = Arc::new(Table::default());
+    let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = server.local_addr();
+    let responder = Arc::new(Responder {
+        id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        table: table.clone(),
+        offer: t.offer(),
+    });
+    let h = server.serve(table, responder, t.config().clone()).unwrap();
+    let offer = t.offer();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
+        .unwrap();
+    let gauge = |s: &ferry_transport_uring::IoStats| s.threads.load(Ordering::Relaxed);
+    let settle = |want: u64, what: &str, get: &dyn Fn() -> u64| {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while get() != want {
+            assert!(
+                std::time::Instant::now() < end,
+                "{what}: {} threads, want {want}",
+                get()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let ch = t.open(peer).await.unwrap();
+    assert_eq!(gauge(t.stats()), 3);
+    settle(3, "server with the channel open", &|| gauge(h.stats()));
+    drop(ch);
+    settle(0, "client after the drop", &|| gauge(t.stats()));
+    settle(0, "server after the drop", &|| gauge(h.stats()));
 }
 
 const PAIRS: &[(Side, Side)] = &[
@@ -506,10 +556,7 @@ async fn server_holds_back_write_responses_and_keeps_order() {
     let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, size as u64)]).await;
     assert!(o.is_success() && o.drained, "{o:?}");
     assert!(bytes(&remote, 0, size) == bytes(&src, 0, size));
-    let held = server
-        .stats()
-        .held_responses
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let held = server.stats().held_responses.load(Ordering::Relaxed);
     assert!(
         held > 0,
         "256 chunks in flight four at a time, none held back"
