@@ -22,6 +22,14 @@ pub(crate) struct ServeArgs {
     /// positioned reads. Repeatable.
     #[arg(long = "file", value_name = "NAME=PATH")]
     files: Vec<String>,
+    /// A file segment peers may also WRITE: NAME=PATH, as `--file`, plus writes at positions
+    /// inside the file (a WRITE past its end is refused: the file never grows). Repeatable.
+    #[arg(
+        long = "file-rw",
+        value_name = "NAME=PATH",
+        conflicts_with = "read_only"
+    )]
+    writable_files: Vec<String>,
     /// Publish every segment read-only (default: generated segments read+write, files read-only).
     #[arg(long)]
     read_only: bool,
@@ -136,15 +144,27 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             println!("segment {name}: {len} bytes, {access}");
         }
         let mut files = Vec::new();
-        for spec in &args.files {
+        let specs = args
+            .files
+            .iter()
+            .map(|s| ("--file", s, Access::REMOTE_READ))
+            .chain(
+                args.writable_files
+                    .iter()
+                    .map(|s| ("--file-rw", s, Access::REMOTE_READ | Access::REMOTE_WRITE)),
+            );
+        for (flag, spec, access) in specs {
             let (name, path) = spec
                 .split_once('=')
                 .filter(|(n, p)| !n.is_empty() && !p.is_empty())
-                .with_context(|| format!("--file {spec:?}: expected NAME=PATH"))?;
+                .with_context(|| format!("{flag} {spec:?}: expected NAME=PATH"))?;
             let file = engine
-                .publish_file_named(path, Access::REMOTE_READ, name)
-                .with_context(|| format!("--file {spec:?}"))?;
-            println!("file segment {name}: {} bytes of {path}, read", file.len());
+                .publish_file_named(path, access, name)
+                .with_context(|| format!("{flag} {spec:?}"))?;
+            println!(
+                "file segment {name}: {} bytes of {path}, {access}",
+                file.len()
+            );
             files.push(file);
         }
         let addr = engine.local_addr().context("the engine has no listener")?;

@@ -166,6 +166,60 @@ fn bench_reads_a_file_segment_served_over(served: &str) -> Result<()> {
     result
 }
 
+/// `ferry serve --file-rw`: `ferry bench` WRITEs land in the file (over each data plane this
+/// machine has), the file keeps its size, and bytes past the last whole op stay as they were.
+#[test]
+fn bench_writes_into_a_writable_file_segment() -> Result<()> {
+    let len = (4usize << 20) + 100;
+    let path = std::env::temp_dir().join(format!("ferry-cli-file-rw-{}", std::process::id()));
+    std::fs::write(&path, vec![7u8; len])?;
+    let spec = format!("ckpt={}", path.display());
+    let (mut child, addr) = serve(&["--file-rw", &spec])?;
+    let result = (|| -> Result<()> {
+        let addr = addr.context("ferry serve printed no address")?;
+        let mut clients = vec!["tcp"];
+        if ferry::probe_kernel().unusable_reason().is_none() {
+            clients.push("uring");
+        }
+        for transport in clients {
+            std::fs::write(&path, vec![7u8; len])?;
+            let v = bench_json(&[
+                &addr,
+                "--transport",
+                transport,
+                "--segment",
+                "ckpt",
+                "--op",
+                "write",
+                "--total",
+                "8MiB",
+            ])?;
+            check_report_over(&v, transport, "write", 1 << 20, 8 << 20)?;
+            let got = std::fs::read(&path)?;
+            assert_eq!(got.len(), len, "{transport}: the file changed size");
+            assert!(
+                got[..4 << 20].iter().filter(|&&b| b == 7).count() < 1 << 16,
+                "{transport}: the WRITEs did not land in the file"
+            );
+            assert!(
+                got[4 << 20..].iter().all(|&b| b == 7),
+                "{transport}: tail touched"
+            );
+        }
+        Ok(())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_file(&path);
+    // A read-only server refuses the flag outright.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["serve", "--read-only", "--file-rw", "x=/dev/null"])
+        .output()?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--read-only"));
+    result
+}
+
 #[test]
 fn bench_against_ferry_serve() -> Result<()> {
     let (mut serve, addr) = serve(&["--segment", "weights=4MiB"])?;
