@@ -570,14 +570,77 @@ async fn every_pairing_over_a_veth_link() -> Result<()> {
     Ok(())
 }
 
-/// Client engine for the link tests: two streams, dead peers given up after `dead`.
-fn client_with_dead_peer(plane: DataPlane, dead: Duration) -> Result<TransferEngine> {
-    Ok(TransferEngine::builder()
-        .streams(2)
-        .data_plane(plane)
-        .dead_peer_after(Some(dead))
-        .connect_timeout(Duration::from_secs(3))
-        .build()?)
+/// The data planes this machine has (TCP, and io_uring where usable; the reason is printed
+/// where not).
+fn planes_here() -> Vec<DataPlane> {
+    let mut planes = vec![DataPlane::Tcp];
+    if !uring_unusable() {
+        planes.push(DataPlane::Uring);
+    }
+    planes
+}
+
+/// A link test's setup: a child serving a `len`-byte segment `data` from inside `ns` with the
+/// data plane `plane`, and a client engine (two streams, dead peers given up after `dead`)
+/// connected to it across the veth link, with a source region of random bytes.
+struct AcrossLink {
+    child: ChildProc,
+    engine: TransferEngine,
+    peer: ferry::Peer,
+    remote: ferry::RemoteSegment,
+    src: ferry::Registration,
+    len: u64,
+}
+
+impl AcrossLink {
+    async fn new(ns: &Netns, plane: DataPlane, len: u64, dead: Duration) -> Result<Self> {
+        let child = ChildProc::spawn_in(
+            Some(ns),
+            "server",
+            &[
+                ("FERRY_TEST_SEGMENTS", &format!("data={len}:rw")),
+                ("FERRY_TEST_DATA_PLANE", plane_env(plane)),
+                ("FERRY_TEST_LISTEN", &format!("{}:0", ns.peer)),
+            ],
+        )?;
+        let engine = TransferEngine::builder()
+            .streams(2)
+            .data_plane(plane)
+            .dead_peer_after(Some(dead))
+            .connect_timeout(Duration::from_secs(3))
+            .build()?;
+        let peer = engine.connect(child.addr).await?;
+        let remote = peer.segment("data")?;
+        let src = engine.register(
+            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
+            Access::LOCAL,
+            "src",
+        )?;
+        fill(src.region(), len ^ 0xf1a9)?;
+        Ok(Self {
+            child,
+            engine,
+            peer,
+            remote,
+            src,
+            len,
+        })
+    }
+
+    /// READs `remote` whole into a fresh region and says whether it equals the source.
+    async fn reads_back_the_source(&self, remote: &ferry::RemoteSegment) -> Result<bool> {
+        let dst = self.engine.register(
+            MemoryRegion::alloc_zeroed(self.len as usize, 4096)?,
+            Access::LOCAL,
+            "dst",
+        )?;
+        let o = self
+            .engine
+            .submit(Batch::new().read(&dst, 0, remote, 0, self.len))?
+            .await;
+        anyhow::ensure!(o.is_success(), "read back: {o:?}");
+        Ok(bytes(dst.region(), 0, self.len)? == bytes(self.src.region(), 0, self.len)?)
+    }
 }
 
 /// The link goes down for a second under a 32 MiB WRITE and comes back well inside the
@@ -588,39 +651,12 @@ async fn a_link_flap_inside_the_dead_peer_limit_loses_nothing() -> Result<()> {
     let Some(ns) = Netns::create()? else {
         return Ok(());
     };
-    let mut planes = vec![DataPlane::Tcp];
-    if !uring_unusable() {
-        planes.push(DataPlane::Uring);
-    }
-    for plane in planes {
-        let len = 32u64 << 20;
-        let _child = ChildProc::spawn_in(
-            Some(&ns),
-            "server",
-            &[
-                ("FERRY_TEST_SEGMENTS", &format!("data={len}:rw")),
-                ("FERRY_TEST_DATA_PLANE", plane_env(plane)),
-                ("FERRY_TEST_LISTEN", &format!("{}:0", ns.peer)),
-            ],
-        )?;
-        let engine = client_with_dead_peer(plane, Duration::from_secs(20))?;
-        let peer = engine.connect(_child.addr).await?;
-        let remote = peer.segment("data")?;
-        let src = engine.register(
-            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
-            Access::LOCAL,
-            "src",
-        )?;
-        let dst = engine.register(
-            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
-            Access::LOCAL,
-            "dst",
-        )?;
-        fill(src.region(), 0xf1a9)?;
+    for plane in planes_here() {
+        let t = AcrossLink::new(&ns, plane, 32 << 20, Duration::from_secs(20)).await?;
         ns.set_link(false)?;
         let h = tokio::spawn(
-            engine
-                .submit(Batch::new().write(&src, 0, &remote, 0, len))?
+            t.engine
+                .submit(Batch::new().write(&t.src, 0, &t.remote, 0, t.len))?
                 .into_future(),
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -635,12 +671,8 @@ async fn a_link_flap_inside_the_dead_peer_limit_loses_nothing() -> Result<()> {
                 format!("{plane:?}: the WRITE never ended after the link came back")
             })??;
         assert!(o.is_success(), "{plane:?}: {o:?}");
-        let o = engine
-            .submit(Batch::new().read(&dst, 0, &remote, 0, len))?
-            .await;
-        assert!(o.is_success(), "{plane:?}: {o:?}");
         assert!(
-            bytes(dst.region(), 0, len)? == bytes(src.region(), 0, len)?,
+            t.reads_back_the_source(&t.remote).await?,
             "{plane:?}: bytes differ after the flap"
         );
     }
@@ -650,45 +682,26 @@ async fn a_link_flap_inside_the_dead_peer_limit_loses_nothing() -> Result<()> {
 /// The link is cut for good under a WRITE: after the dead-peer limit the request fails as
 /// PeerLost with an uncertain remote effect, and `drained` resolves, which for the io_uring
 /// client means the kernel gave back every zero-copy send (each one's notification counted).
-/// Without the limit the chunks would sit in flight for the kernel's quarter of an hour.
+/// Without the limit the chunks would sit in flight for the kernel's quarter of an hour. Once
+/// the link is back, the dead channel fails new requests at once, and connecting again to the
+/// same incarnation moves bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_link_is_given_up_after_the_dead_peer_limit_and_drains() -> Result<()> {
     let Some(ns) = Netns::create()? else {
         return Ok(());
     };
-    let mut planes = vec![DataPlane::Tcp];
-    if !uring_unusable() {
-        planes.push(DataPlane::Uring);
-    }
-    for plane in planes {
-        let len = 16u64 << 20;
-        let mut child = ChildProc::spawn_in(
-            Some(&ns),
-            "server",
-            &[
-                ("FERRY_TEST_SEGMENTS", &format!("data={len}:rw")),
-                ("FERRY_TEST_DATA_PLANE", plane_env(plane)),
-                ("FERRY_TEST_LISTEN", &format!("{}:0", ns.peer)),
-            ],
-        )?;
+    for plane in planes_here() {
         let dead = Duration::from_secs(2);
-        let engine = client_with_dead_peer(plane, dead)?;
-        let peer = engine.connect(child.addr).await?;
-        let remote = peer.segment("data")?;
-        let src = engine.register(
-            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
-            Access::LOCAL,
-            "src",
-        )?;
-        fill(src.region(), 0xc07)?;
+        let mut t = AcrossLink::new(&ns, plane, 16 << 20, dead).await?;
+        let (engine, src, remote) = (&t.engine, &t.src, &t.remote);
         // One WRITE that moves, so the streams are up and the route is known.
         let o = engine
-            .submit(Batch::new().write(&src, 0, &remote, 0, 1 << 20))?
+            .submit(Batch::new().write(src, 0, remote, 0, 1 << 20))?
             .await;
         assert!(o.is_success(), "{plane:?}: {o:?}");
         ns.set_link(false)?;
         let t0 = std::time::Instant::now();
-        let h = engine.submit(Batch::new().write(&src, 0, &remote, 0, len))?;
+        let h = engine.submit(Batch::new().write(src, 0, remote, 0, t.len))?;
         let drained = tokio::spawn(h.drained());
         let o = tokio::time::timeout(Duration::from_secs(20), h)
             .await
@@ -716,17 +729,15 @@ async fn a_cut_link_is_given_up_after_the_dead_peer_limit_and_drains() -> Result
                 assert_eq!(io_counter(&io, "notifications")?, zc, "{io}");
             }
         }
-        // The link is back: the dead channel fails a new request at once, and connecting
-        // again (the same incarnation) gives a channel that moves bytes.
         ns.set_link(true)?;
         assert!(
-            !peer.is_alive(),
+            !t.peer.is_alive(),
             "{plane:?}: the channel outlived its streams"
         );
         let o = tokio::time::timeout(
             Duration::from_secs(5),
             engine
-                .submit(Batch::new().write(&src, 0, &remote, 0, 4096))?
+                .submit(Batch::new().write(src, 0, remote, 0, 4096))?
                 .into_future(),
         )
         .await
@@ -737,24 +748,18 @@ async fn a_cut_link_is_given_up_after_the_dead_peer_limit_and_drains() -> Result
             "{plane:?}: {o:?}"
         );
         assert_eq!(o.remote_effect, RemoteEffect::None, "{plane:?}: {o:?}");
-        let again = engine.connect(child.addr).await?;
+        let again = engine.connect(t.child.addr).await?;
         assert!(again.is_alive());
         let remote = again.segment("data")?;
         let o = engine
-            .submit(Batch::new().write(&src, 0, &remote, 0, len))?
+            .submit(Batch::new().write(src, 0, &remote, 0, t.len))?
             .await;
         assert!(o.is_success(), "{plane:?} after reconnecting: {o:?}");
-        let dst = engine.register(
-            MemoryRegion::alloc_zeroed(len as usize, 4096)?,
-            Access::LOCAL,
-            "dst",
-        )?;
-        let o = engine
-            .submit(Batch::new().read(&dst, 0, &remote, 0, len))?
-            .await;
-        assert!(o.is_success(), "{plane:?}: {o:?}");
-        assert!(bytes(dst.region(), 0, len)? == bytes(src.region(), 0, len)?);
-        child.kill();
+        assert!(
+            t.reads_back_the_source(&remote).await?,
+            "{plane:?}: bytes differ after reconnecting"
+        );
+        t.child.kill();
     }
     Ok(())
 }
