@@ -69,6 +69,11 @@ pub(crate) struct BenchArgs {
     /// streams on this process's runtime (lower latency for small ops, less bulk throughput).
     #[arg(long, default_value = "auto", value_parser = parse_io_threads)]
     io_threads: IoThreads,
+    /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an
+    /// idle one's keepalive probes go unanswered) this long: seconds, or `off` for the kernel's
+    /// defaults (about 15 minutes).
+    #[arg(long, default_value = "30s", value_parser = parse_dead_peer)]
+    dead_peer_after: DeadPeer,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
@@ -90,6 +95,27 @@ pub(crate) fn parse_io_threads(s: &str) -> Result<IoThreads> {
             Ok(k) => Some(k),
         },
     }))
+}
+
+/// `--dead-peer-after`, as `EngineBuilder::dead_peer_after` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeadPeer(pub(crate) Option<Duration>);
+
+/// Parses `--dead-peer-after`: seconds (`30`, `2.5`, `30s`), or `off` (the kernel's defaults).
+pub(crate) fn parse_dead_peer(s: &str) -> Result<DeadPeer> {
+    if s == "off" {
+        return Ok(DeadPeer(None));
+    }
+    let secs: f64 = s
+        .strip_suffix('s')
+        .unwrap_or(s)
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 1.0 && *v <= 86_400.0)
+        .with_context(|| {
+            format!("--dead-peer-after takes seconds from 1 to 86400 (e.g. 30s) or off, not {s:?}")
+        })?;
+    Ok(DeadPeer(Some(Duration::from_secs_f64(secs))))
 }
 
 /// Parses a byte size: `4096`, `64KiB`, `1MiB`, `8GiB`, `1.5GB`, `10k`.
@@ -333,7 +359,8 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         .depth(depth.max(2))
         .chunk_size(args.chunk_size.max(1))
         .socket_buffer(socket_buffer)
-        .io_threads(args.io_threads.0);
+        .io_threads(args.io_threads.0)
+        .dead_peer_after(args.dead_peer_after.0);
     if kinds.contains(&TransportKind::Rdma) {
         builder = builder.rdma(rdma_config(args.rdma_hca.as_deref())?);
     }
@@ -480,6 +507,23 @@ fn pseudo_random(len: usize) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dead_peer_limits() {
+        assert_eq!(
+            parse_dead_peer("30s").unwrap(),
+            DeadPeer(Some(Duration::from_secs(30)))
+        );
+        assert_eq!(
+            parse_dead_peer("2.5").unwrap(),
+            DeadPeer(Some(Duration::from_millis(2500)))
+        );
+        assert_eq!(parse_dead_peer("off").unwrap(), DeadPeer(None));
+        for bad in ["0", "0.5s", "-3", "1e9", "NaN", "soon", ""] {
+            let e = parse_dead_peer(bad).unwrap_err().to_string();
+            assert!(e.contains("--dead-peer-after"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn sizes_with_suffixes() {

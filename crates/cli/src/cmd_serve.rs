@@ -49,6 +49,11 @@ pub(crate) struct ServeArgs {
     /// to serve them on this process's runtime.
     #[arg(long, default_value = "auto", value_parser = crate::cmd_bench::parse_io_threads)]
     io_threads: crate::cmd_bench::IoThreads,
+    /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an
+    /// idle one's keepalive probes go unanswered) this long: seconds, or `off` for the kernel's
+    /// defaults (about 15 minutes).
+    #[arg(long, default_value = "30s", value_parser = crate::cmd_bench::parse_dead_peer)]
+    dead_peer_after: crate::cmd_bench::DeadPeer,
 }
 
 /// Fills `region` with a deterministic pattern (so that readers can check what they got).
@@ -113,6 +118,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .listen(args.listen)
             .streams(args.streams)
             .io_threads(args.io_threads.0)
+            .dead_peer_after(args.dead_peer_after.0)
             .data_plane(plane);
         let engine = match args.transport.as_str() {
             "tcp" | "uring" => builder.build()?,
