@@ -60,8 +60,9 @@ pub struct TcpConfig {
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead and its chunks in flight
     /// are reported lost. `None`: the kernel's defaults (about 15 minutes of retransmissions;
-    /// an idle connection to a vanished peer is never noticed). A peer whose application stops reading for that
-    /// long counts as dead too (the kernel applies the limit to zero-window probes).
+    /// an idle connection to a vanished peer is never noticed). A peer whose application stops
+    /// reading for that long counts as dead too (the kernel applies the limit to zero-window
+    /// probes).
     pub dead_peer_after: Option<Duration>,
 }
 

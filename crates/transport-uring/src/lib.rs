@@ -99,8 +99,8 @@ pub struct UringConfig {
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
     /// then reported lost and the kernel drops its references to their pages, so `drained`
     /// resolves. `None`: the kernel's defaults (about 15 minutes of retransmissions; an idle
-    /// connection to a vanished peer is never noticed). A peer whose application stops reading for that
-    /// long counts as dead too (the kernel applies the limit to zero-window probes).
+    /// connection to a vanished peer is never noticed). A peer whose application stops reading
+    /// for that long counts as dead too (the kernel applies the limit to zero-window probes).
     pub dead_peer_after: Option<Duration>,
 }
 
@@ -144,12 +144,12 @@ impl UringConfig {
     }
 }
 
-/// Pins the calling thread to the `index`-th CPU (modulo their count) of those it may run on now
-/// (see [`UringConfig::pin_loopback_streams`]). Best effort: a failure is logged and ignored.
 /// How long an ending stream waits for the peer to acknowledge its zero-copy sends before it
 /// resets the connection to make the kernel let go of their pages (see `SockIo::finish`).
 pub(crate) const FINISH_GRACE: Duration = Duration::from_secs(1);
 
+/// Pins the calling thread to the `index`-th CPU (modulo their count) of those it may run on now
+/// (see [`UringConfig::pin_loopback_streams`]). Best effort: a failure is logged and ignored.
 pub(crate) fn pin_stream_thread(index: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls below only read and write this
     // local set and the calling thread's (pid 0) affinity.
