@@ -318,10 +318,11 @@ impl FileIo {
                 Ok(())
             }
             FileIo::Source(f) => {
-                let mut piece = vec![0u8; n];
-                f.read_exact_at(at, &mut piece)?;
-                buf.write_at(0, &piece)
-                    .map_err(|e| std::io::Error::other(e.to_string()))
+                // SAFETY: the staging region is this stream thread's alone, and no other view
+                // of it is alive during the call; read straight into it, no bounce buffer.
+                let piece = unsafe { buf.slice_mut(0, n) }
+                    .map_err(|e| std::io::Error::other(format!("staging buffer: {e}")))?;
+                f.read_exact_at(at, piece)
             }
         }
     }
@@ -348,10 +349,11 @@ impl FileIo {
                 Ok(())
             }
             FileIo::Source(f) => {
-                let mut piece = vec![0u8; n];
-                buf.read_at(0, &mut piece)
-                    .map_err(|e| std::io::Error::other(e.to_string()))?;
-                f.write_all_at(at, &piece)
+                // SAFETY: the staging region is this stream thread's alone and nothing writes
+                // it during the call; write straight from it, no bounce buffer.
+                let piece = unsafe { buf.slice(0, n) }
+                    .map_err(|e| std::io::Error::other(format!("staging buffer: {e}")))?;
+                f.write_all_at(at, piece)
             }
         }
     }
