@@ -398,26 +398,29 @@ async fn closed_channel_fails_without_effect() {
     assert!(o.drained);
 }
 
+/// Accepts one stream on `l`, answering its attach.
+fn accept_stream(l: &TcpListener) -> std::net::TcpStream {
+    let (mut s, _) = l.accept().unwrap();
+    let mut head = [0u8; ferry_core::wire::CONTROL_HEADER_LEN];
+    s.read_exact(&mut head).unwrap();
+    let h = ferry_core::wire::ControlHeader::decode(&head).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    let mut out = Vec::new();
+    ControlFrame::StreamAccept
+        .encode(SUPPORTED_VERSIONS.max, &mut out)
+        .unwrap();
+    s.write_all(&out).unwrap();
+    s
+}
+
 /// A server that accepts one stream (answering its attach) and then runs `script` on it.
 fn scripted_server(
     script: impl FnOnce(std::net::TcpStream) + Send + 'static,
 ) -> (SocketAddr, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    let h = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let mut head = [0u8; ferry_core::wire::CONTROL_HEADER_LEN];
-        s.read_exact(&mut head).unwrap();
-        let h = ferry_core::wire::ControlHeader::decode(&head).unwrap();
-        let mut body = vec![0u8; h.body_len as usize];
-        s.read_exact(&mut body).unwrap();
-        let mut out = Vec::new();
-        ControlFrame::StreamAccept
-            .encode(SUPPORTED_VERSIONS.max, &mut out)
-            .unwrap();
-        s.write_all(&out).unwrap();
-        script(s);
-    });
+    let h = std::thread::spawn(move || script(accept_stream(&l)));
     (addr, h)
 }
 
@@ -431,6 +434,19 @@ fn dying_server(swallow: usize) -> (SocketAddr, std::thread::JoinHandle<()>) {
 
 /// A one-stream channel of a transport with `config` to a scripted server at `addr`.
 async fn open_one_stream(addr: SocketAddr, config: UringConfig) -> Arc<dyn Channel> {
+    open_streams(
+        addr,
+        UringConfig {
+            streams: 1,
+            ..config
+        },
+    )
+    .await
+}
+
+/// A channel of `config.streams` streams to a scripted server at `addr` (attached in order).
+async fn open_streams(addr: SocketAddr, config: UringConfig) -> Arc<dyn Channel> {
+    let streams = config.streams as u16;
     let t = UringTransport::new(config).unwrap();
     t.open(PeerInfo {
         addr,
@@ -438,10 +454,7 @@ async fn open_one_stream(addr: SocketAddr, config: UringConfig) -> Arc<dyn Chann
         local_epoch: Epoch::fresh(),
         remote_id: PeerId::random(),
         remote_epoch: Epoch(1),
-        offer: TransportOffer::Tcp {
-            streams: 1,
-            port: 0,
-        },
+        offer: TransportOffer::Tcp { streams, port: 0 },
         segments: vec![],
     })
     .await
@@ -473,6 +486,84 @@ fn respond(s: &mut std::net::TcpStream, seq: u32, also_acks: u16) {
     }
     .encode(&mut b);
     s.write_all(&b).unwrap();
+}
+
+/// Serves WRITEs on `s` (one response each) until the client closes it; returns them.
+fn serve_writes(s: &mut std::net::TcpStream) -> Vec<DataRequest> {
+    let mut got = Vec::new();
+    loop {
+        let mut h = [0u8; DATA_REQUEST_LEN];
+        if s.read_exact(&mut h).is_err() {
+            return got;
+        }
+        let r = DataRequest::decode(&h).unwrap();
+        let mut sink = vec![0u8; r.len as usize];
+        s.read_exact(&mut sink).unwrap();
+        respond(s, r.seq, 0);
+        got.push(r);
+    }
+}
+
+/// A stream that dies hands the chunks dealt to it but not yet sent to the channel's other
+/// streams: the chunk it lost fails its request as uncertain, and another request whose chunks
+/// waited behind it on that stream still completes, every chunk over the surviving stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dying_stream_hands_its_waiting_chunks_to_the_others() {
+    if !uring_usable() {
+        return;
+    }
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = std::thread::spawn(move || {
+        let mut s0 = accept_stream(&l);
+        let mut s1 = accept_stream(&l);
+        // Stream 0 takes request A's only chunk and dies without an answer, once request B's
+        // chunks were dealt to both streams (two of them wait behind A on stream 0).
+        read_writes(&mut s0, 1);
+        std::thread::sleep(Duration::from_millis(300));
+        drop(s0);
+        // Stream 1 is kept busy (one chunk in flight, depth 1) until stream 0 is surely gone,
+        // so it cannot take stream 0's chunks by itself; then it serves everything.
+        let first = read_writes(&mut s1, 1);
+        std::thread::sleep(Duration::from_millis(300));
+        respond(&mut s1, first[0].seq, 0);
+        let mut all = first;
+        all.extend(serve_writes(&mut s1));
+        all
+    });
+    let ch = open_streams(
+        addr,
+        UringConfig {
+            streams: 2,
+            chunk_size: 1000,
+            depth: 1,
+            ..UringConfig::default()
+        },
+    )
+    .await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(4000, 64).unwrap());
+    let a = run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 1000)],
+    );
+    let b = run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 4000)],
+    );
+    let (a, b) = tokio::join!(a, b);
+    assert_eq!(
+        a.failure.map(|f| f.kind),
+        Some(FailureKind::PeerLost),
+        "{a:?}"
+    );
+    assert_eq!(a.remote_effect, RemoteEffect::Uncertain);
+    assert!(b.is_success() && b.drained, "{b:?}");
+    assert_eq!(b.completed_bytes, 4000);
+    assert!(ch.is_alive(), "stream 1 lives");
+    drop(ch);
+    let mut offsets: Vec<u64> = h.join().unwrap().iter().map(|r| r.offset).collect();
+    offsets.sort_unstable();
+    assert_eq!(offsets, [0, 1000, 2000, 3000]);
 }
 
 /// The client's side of held-back responses: its WRITE requests allow them (`ack_slack` counts
