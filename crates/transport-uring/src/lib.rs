@@ -90,10 +90,12 @@ pub struct UringConfig {
     /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
     pub kernel_splice: bool,
     /// To a loopback peer over two or more streams, pin stream `i`'s threads (the client's
-    /// stream thread, the server's thread for attach index `i` >= 1) to the `i`-th CPU
-    /// this thread may run on, so both ends of one flow share a core's caches instead of
-    /// bouncing each chunk between cores. Measured on the 2-core machines: 2 streams went from
-    /// about 3-4 to 5-7 GB/s. Off: the scheduler places every thread.
+    /// stream thread, the server's thread for attach index `i`) to the `i`-th CPU this thread
+    /// may run on, so both ends of one flow share a core's caches instead of bouncing each
+    /// chunk between cores. Measured on the 2-core machines: 2 streams went from about 3-4 to
+    /// 5-7 GB/s. The server pins its stream-0 thread only once a second stream of the same
+    /// client attached (a one-stream client pins nothing). Off: the scheduler places every
+    /// thread.
     pub pin_loopback_streams: bool,
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are

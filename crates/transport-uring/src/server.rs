@@ -14,8 +14,8 @@ use ferry_core::wire::{
     RejectReason, SUPPORTED_VERSIONS,
 };
 use ferry_core::{
-    Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, RemoteStatus, SegmentLease,
-    SegmentTable,
+    Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, PeerId, RemoteStatus,
+    SegmentLease, SegmentTable,
 };
 use io_uring::IoUring;
 use tracing::{debug, warn};
@@ -37,14 +37,37 @@ struct Live {
     stopped: AtomicBool,
     conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
     next: AtomicU64,
+    /// Loopback clients' first streams, by client incarnation, while they are served: set once
+    /// a second stream of the same client attaches, which tells stream 0's thread to pin itself.
+    first_streams: Mutex<HashMap<(PeerId, Epoch), Arc<AtomicBool>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Keeps a first stream in [`Live::first_streams`] while it is served.
+struct FirstStream<'a> {
+    live: &'a Live,
+    key: (PeerId, Epoch),
+    flag: Arc<AtomicBool>,
+}
+
+impl Drop for FirstStream<'_> {
+    fn drop(&mut self) {
+        let mut g = lock(&self.live.first_streams);
+        if g.get(&self.key).is_some_and(|f| Arc::ptr_eq(f, &self.flag)) {
+            g.remove(&self.key);
+        }
+    }
 }
 
 impl Live {
     fn shutdown_all(&self) {
-        let conns = match self.conns.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let conns = lock(&self.conns);
         for c in conns.values() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
@@ -216,28 +239,40 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
             }
             write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
             let _ = stream.set_read_timeout(None);
-            // Stream 0 is left to the scheduler: a one-stream client pins nothing (this server
-            // cannot tell how many streams follow).
-            if ctx.config.pin_loopback_streams && from.ip().is_loopback() && a.stream_index >= 1 {
-                crate::pin_stream_thread(usize::from(a.stream_index));
+            // A one-stream client pins nothing, so stream 0 starts unpinned and pins itself once
+            // a second stream of the same client attaches (left to the scheduler, its thread was
+            // woken onto the other stream's core, which then ran three busy threads while its
+            // own idled for up to a millisecond at a time).
+            let mut first = None;
+            if ctx.config.pin_loopback_streams && from.ip().is_loopback() {
+                let key = (a.peer_id, a.epoch);
+                if a.stream_index == 0 {
+                    let flag = Arc::new(AtomicBool::new(false));
+                    lock(&ctx.live.first_streams).insert(key, flag.clone());
+                    first = Some(FirstStream {
+                        live: &ctx.live,
+                        key,
+                        flag,
+                    });
+                } else {
+                    crate::pin_stream_thread(usize::from(a.stream_index));
+                    if let Some(f) = lock(&ctx.live.first_streams).get(&key) {
+                        f.store(true, Ordering::Release);
+                    }
+                }
             }
             let stream = Arc::new(stream);
             let id = ctx.live.next.fetch_add(1, Ordering::Relaxed);
-            match ctx.live.conns.lock() {
-                Ok(mut g) => g.insert(id, stream.clone()),
-                Err(p) => p.into_inner().insert(id, stream.clone()),
-            };
+            lock(&ctx.live.conns).insert(id, stream.clone());
             if ctx.live.stopped.load(Ordering::Acquire) {
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             }
             let _span =
                 tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
-            let res = serve_data(&stream, from, ctx)
+            let res = serve_data(&stream, from, ctx, first.as_ref().map(|f| &*f.flag))
                 .map_err(|e| crate::control::lost(from, "serving data", e));
-            match ctx.live.conns.lock() {
-                Ok(mut g) => g.remove(&id),
-                Err(p) => p.into_inner().remove(&id),
-            };
+            drop(first);
+            lock(&ctx.live.conns).remove(&id);
             res
         }
         other => Err(Error::Malformed {
@@ -469,7 +504,13 @@ fn try_next_head<H>(
 /// Serves chunks on one data stream until the client closes it. Wire behaviour is exactly the TCP
 /// transport's: responses in request order, a refused WRITE's payload read and dropped, a
 /// malformed header answered with `Malformed` and the stream closed.
-fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Result<()> {
+/// `pin_first`: set once this stream (a loopback client's stream 0) should pin its thread.
+fn serve_data(
+    stream: &TcpStream,
+    from: SocketAddr,
+    ctx: &Ctx,
+    mut pin_first: Option<&AtomicBool>,
+) -> std::io::Result<()> {
     let mut io: SockIo<SegmentLease> = SockIo::new(
         stream.as_raw_fd(),
         ctx.config.zero_copy_for(from.ip()),
@@ -498,6 +539,12 @@ fn serve_data(stream: &TcpStream, from: SocketAddr, ctx: &Ctx) -> std::io::Resul
             }
         }
         ready = false;
+        if let Some(f) = pin_first
+            && f.load(Ordering::Acquire)
+        {
+            crate::pin_stream_thread(0);
+            pin_first = None;
+        }
         let req = match DataRequest::decode(&head) {
             Ok(r) => r,
             Err(e) => {
