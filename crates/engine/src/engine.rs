@@ -113,6 +113,8 @@ pub struct EngineBuilder {
     versions: VersionRange,
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaConfig>,
+    #[cfg(feature = "uring")]
+    uring_max_threads: usize,
 }
 
 impl Default for EngineBuilder {
@@ -131,6 +133,8 @@ impl Default for EngineBuilder {
             versions: SUPPORTED_VERSIONS,
             #[cfg(feature = "rdma")]
             rdma: None,
+            #[cfg(feature = "uring")]
+            uring_max_threads: transport_uring::MAX_THREADS,
         }
     }
 }
@@ -181,8 +185,20 @@ impl EngineBuilder {
             socket_buffer: self.tcp.socket_buffer,
             connect_timeout: self.connect_timeout,
             dead_peer_after: self.tcp.dead_peer_after,
+            max_threads: self.uring_max_threads,
             ..UringConfig::default()
         }
+    }
+
+    /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
+    /// per client stream and one per served connection. Past it, new peers are opened over
+    /// the TCP data plane (same wire, a fixed set of I/O threads; [`Peer::transport`] says
+    /// `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
+    /// Counted in `describe().data_plane_io` ("peers past it over tcp").
+    #[cfg(feature = "uring")]
+    pub fn uring_max_threads(mut self, n: usize) -> Self {
+        self.uring_max_threads = n;
+        self
     }
 
     /// Adds a transport implemented outside this crate (preferred over the built-in ones).
@@ -364,7 +380,15 @@ impl EngineBuilder {
                     .as_ref()
                     .map(|t| t.config().clone())
                     .unwrap_or_default();
-                let h = UringServer::bind(addr)?.serve(table.clone(), responder.clone(), config)?;
+                let overflow = Arc::new(TcpOverflow(transport_tcp::StreamServer::new(
+                    table.clone(),
+                    &self.tcp,
+                )));
+                let h = UringServer::bind(addr)?.with_overflow(overflow).serve(
+                    table.clone(),
+                    responder.clone(),
+                    config,
+                )?;
                 Some(Server::Uring(h))
             }
             Some(addr) => {
@@ -408,6 +432,24 @@ impl EngineBuilder {
 }
 
 type Route = (String, TransportKind, Arc<RouteCounters>);
+
+/// The io_uring listener's streams past its thread budget, served on the TCP data plane's I/O
+/// threads.
+#[cfg(feature = "uring")]
+#[derive(Debug)]
+struct TcpOverflow(transport_tcp::StreamServer);
+
+#[cfg(feature = "uring")]
+impl transport_uring::StreamOverflow for TcpOverflow {
+    fn serve(
+        &self,
+        stream: std::net::TcpStream,
+        from: SocketAddr,
+        done: Box<dyn FnOnce() + Send>,
+    ) -> Result<(), Error> {
+        self.0.serve(stream, from, done)
+    }
+}
 
 /// The engine's listener: the TCP transport's server, or the io_uring one.
 #[derive(Debug)]
@@ -977,6 +1019,19 @@ impl TransferEngine {
         }
         let mut chosen = None;
         for t in &self.inner.transports {
+            #[cfg(feature = "uring")]
+            if t.kind() == TransportKind::Uring
+                && let Some(u) = &self.inner.uring
+                && u.over_thread_budget()
+            {
+                tracing::info!(%addr, threads = u.stats().threads.load(std::sync::atomic::Ordering::Relaxed),
+                    max = u.config().max_threads,
+                    "io_uring thread budget reached: this peer goes over the TCP data plane");
+                u.stats()
+                    .handed_over
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                continue;
+            }
             let exact = server
                 .transports
                 .iter()
@@ -1163,7 +1218,20 @@ impl TransferEngine {
                 .as_ref()
                 .map(|(k, why)| format!("{k} ({why})")),
             #[cfg(feature = "uring")]
-            data_plane_io: self.inner.uring.as_ref().map(|t| t.describe()),
+            data_plane_io: self.inner.uring.as_ref().map(|t| {
+                let mut line = t.describe();
+                if let Some(Server::Uring(h)) = &self.inner.server {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let s = h.stats();
+                    line.push_str(&format!(
+                        "; listener: threads {}, streams past it on tcp I/O threads {}, held responses {}",
+                        s.threads.load(Relaxed),
+                        s.handed_over.load(Relaxed),
+                        s.held_responses.load(Relaxed),
+                    ));
+                }
+                line
+            }),
             #[cfg(not(feature = "uring"))]
             data_plane_io: None,
             registrations: counters.registrations,

@@ -254,3 +254,87 @@ async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()
     let _ = std::fs::remove_file(&rpath);
     Ok(())
 }
+
+/// Past the io_uring thread budget both sides stay bounded and move bytes the same: a client
+/// whose stream threads reached `uring_max_threads` opens its next peer over the TCP data plane,
+/// and a listener at its budget serves further data streams on the TCP data plane's I/O threads.
+/// Both are counted in `describe().data_plane_io`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Result<()> {
+    if let Some(why) = ferry::probe_kernel().unusable_reason() {
+        eprintln!("skipped: io_uring unusable here: {why}");
+        return Ok(());
+    }
+    let len = (3 << 20) + 4321;
+    let serve = |max_threads: usize| -> Result<(TransferEngine, ferry::Registration)> {
+        let e = TransferEngine::builder()
+            .data_plane(DataPlane::Uring)
+            .uring_max_threads(max_threads)
+            .listen("127.0.0.1:0".parse::<SocketAddr>()?)
+            .build()?;
+        let seg = e.register(
+            MemoryRegion::alloc_zeroed(len, 4096)?,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+            "seg",
+        )?;
+        Ok((e, seg))
+    };
+    // Server B runs one serving thread at most: a two-stream client's second stream is handed
+    // over.
+    let (a, _seg_a) = serve(256)?;
+    let (b, _seg_b) = serve(1)?;
+    let client = TransferEngine::builder()
+        .data_plane(DataPlane::Uring)
+        .streams(2)
+        .uring_max_threads(4)
+        .build()?;
+    let src = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "src")?;
+    let dst = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "dst")?;
+    let mut peers = Vec::new();
+    // Two peers fill the client's budget of four stream threads; the third goes over TCP.
+    for (i, server) in [&a, &b, &a].into_iter().enumerate() {
+        let peer = client
+            .connect(server.local_addr().context("listen")?)
+            .await?;
+        let want = if i < 2 {
+            TransportKind::Uring
+        } else {
+            TransportKind::Tcp
+        };
+        assert_eq!(peer.transport(), want, "peer {i}");
+        let data: Vec<u8> = (0..len).map(|k| (k * 31 + i * 7 + 3) as u8).collect();
+        src.region().write_at(0, &data)?;
+        let seg = peer.segment("seg")?;
+        let o = client
+            .submit(Batch::new().write(&src, 0, &seg, 0, len as u64))?
+            .await;
+        assert!(o.is_success() && o.drained, "peer {i} write: {o:?}");
+        let o = client
+            .submit(Batch::new().read(&dst, 0, &seg, 0, len as u64))?
+            .await;
+        assert!(o.is_success(), "peer {i} read: {o:?}");
+        let mut got = vec![0u8; len];
+        dst.region().read_at(0, &mut got)?;
+        assert!(got == data, "peer {i}: bytes differ");
+        peers.push(peer);
+    }
+    let io = client
+        .describe()
+        .data_plane_io
+        .context("uring in describe")?;
+    assert!(
+        io.contains("threads 4 (at most 4; peers past it over tcp: 1)"),
+        "{io}"
+    );
+    let io_b = b.describe().data_plane_io.context("uring in describe")?;
+    assert!(
+        io_b.contains("listener: threads 1, streams past it on tcp I/O threads 1"),
+        "{io_b}"
+    );
+    let io_a = a.describe().data_plane_io.context("uring in describe")?;
+    assert!(
+        io_a.contains("streams past it on tcp I/O threads 0"),
+        "{io_a}"
+    );
+    Ok(())
+}

@@ -28,7 +28,7 @@ use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::TcpChannel;
 pub use control::handshake;
-pub use server::{ServerHandle, TcpServer};
+pub use server::{ServerHandle, StreamServer, TcpServer};
 
 #[doc(no_inline)]
 pub use ferry_core::{HandshakeResponder, SegmentTable};

@@ -104,6 +104,28 @@ pub struct UringConfig {
     /// connection to a vanished peer is never noticed). A peer whose application stops reading
     /// for that long counts as dead too (the kernel applies the limit to zero-window probes).
     pub dead_peer_after: Option<Duration>,
+    /// Threads the data plane runs at most, on each side (client streams of this transport;
+    /// connections of a server): every stream and served connection is a thread with its own
+    /// ring. Past it, new peers are opened over the TCP data plane instead (the engine does
+    /// that) and a server hands new data streams to its [`StreamOverflow`], whose I/O threads
+    /// are a fixed set. Counted in [`IoStats::handed_over`].
+    pub max_threads: usize,
+}
+
+/// Default [`UringConfig::max_threads`].
+pub const MAX_THREADS: usize = 256;
+
+/// Serves the data streams an io_uring server accepts past [`UringConfig::max_threads`]; the
+/// engine hands them to the TCP data plane's fixed set of I/O threads (the wire is the same).
+pub trait StreamOverflow: Send + Sync + std::fmt::Debug {
+    /// Serves `stream` (accepted from `from`, its attach answered) until the client closes it,
+    /// then calls `done`; returns at once.
+    fn serve(
+        &self,
+        stream: std::net::TcpStream,
+        from: std::net::SocketAddr,
+        done: Box<dyn FnOnce() + Send>,
+    ) -> Result<(), Error>;
 }
 
 impl Default for UringConfig {
@@ -121,6 +143,7 @@ impl Default for UringConfig {
             kernel_splice: false,
             pin_loopback_streams: true,
             dead_peer_after: Some(DEAD_PEER_AFTER),
+            max_threads: MAX_THREADS,
         }
     }
 }
@@ -281,12 +304,22 @@ impl UringTransport {
         &self.stats
     }
 
+    /// Whether one more channel would take this transport's stream threads past
+    /// [`UringConfig::max_threads`] (its owner then opens the peer over the TCP data plane).
+    pub fn over_thread_budget(&self) -> bool {
+        let now = self
+            .stats
+            .threads
+            .load(std::sync::atomic::Ordering::Relaxed);
+        now.saturating_add(self.config.streams as u64) > self.config.max_threads as u64
+    }
+
     /// One line for `engine.describe()`.
     pub fn describe(&self) -> String {
         use std::sync::atomic::Ordering::Relaxed;
         let s = &self.stats;
         format!(
-            "uring: streams {}, SEND_ZC {}, registered buffers {}; threads {}, zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
+            "uring: streams {}, SEND_ZC {}, registered buffers {}; threads {} (at most {}; peers past it over tcp: {}), zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
             self.config.streams,
             if self.config.zero_copy_enabled() {
                 "on"
@@ -299,6 +332,8 @@ impl UringTransport {
                 "off"
             },
             s.threads.load(Relaxed),
+            self.config.max_threads,
+            s.handed_over.load(Relaxed),
             s.zc_sends.load(Relaxed),
             s.fixed_sends.load(Relaxed),
             s.copy_sends.load(Relaxed),

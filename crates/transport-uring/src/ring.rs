@@ -60,9 +60,12 @@ pub struct IoStats {
     /// WRITE responses a server held back and sent as part of a later one
     /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
-    /// I/O threads running now: one per client stream, one per served connection (each
-    /// with its own ring).
+    /// I/O threads running now: one per client stream, one per served data stream (each with
+    /// its own ring; a handshake's short-lived thread is not counted).
     pub threads: AtomicU64,
+    /// Past `UringConfig::max_threads`: data streams a server handed to its overflow, or
+    /// peers a client's engine opened over the TCP data plane instead.
+    pub handed_over: AtomicU64,
 }
 
 impl IoStats {
@@ -72,19 +75,34 @@ impl IoStats {
 }
 
 /// Counts one live I/O thread in [`IoStats::threads`] while held. The data plane runs a
-/// thread per stream (client) and per connection (server), so fan-out to many peers costs
-/// that many threads; past 256 it warns at each doubling.
+/// thread per stream (client) and per served data stream, so fan-out to many peers costs that
+/// many threads (bounded by `UringConfig::max_threads` where the owner enforces it); past 256 it
+/// warns at each doubling.
 pub(crate) struct ThreadCount(Arc<IoStats>);
 
 impl ThreadCount {
+    /// Counts one more thread if that keeps the count at `max` or below (`None`: it would not).
+    pub(crate) fn within(stats: &Arc<IoStats>, max: usize, what: &'static str) -> Option<Self> {
+        let n = stats.threads.fetch_add(1, Ordering::Relaxed) + 1;
+        if n > max as u64 {
+            stats.threads.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Self::counted(stats, n, what))
+    }
+
     pub(crate) fn new(stats: &Arc<IoStats>, what: &'static str) -> Self {
         let n = stats.threads.fetch_add(1, Ordering::Relaxed) + 1;
-        if n >= 256 && n.is_power_of_two() {
+        Self::counted(stats, n, what)
+    }
+
+    fn counted(stats: &Arc<IoStats>, n: u64, what: &'static str) -> Self {
+        if n > 256 && n.is_power_of_two() {
             tracing::warn!(
                 threads = n,
-                "the io_uring data plane runs {n} threads ({what}: one per stream or \
-                 connection); for fan-out to many peers the TCP data plane's fixed pool of I/O \
-                 threads costs less"
+                "the io_uring data plane runs {n} threads ({what}: one per stream); for fan-out \
+                 to many peers keep UringConfig::max_threads low, past it the TCP data plane's \
+                 fixed pool of I/O threads takes over"
             );
         }
         Self(stats.clone())

@@ -20,16 +20,17 @@ use ferry_core::{
 use io_uring::IoUring;
 use tracing::{debug, warn};
 
-use crate::UringConfig;
 use crate::control::{read_frame, tune, write_frame};
 use crate::file::{DIRECT_ALIGN, FileSegment, file_io};
 use crate::ring::{Body, IoStats, SockIo, ThreadCount};
+use crate::{StreamOverflow, UringConfig};
 
 /// A bound listener, not serving yet.
 #[derive(Debug)]
 pub struct UringServer {
     listener: TcpListener,
     addr: SocketAddr,
+    overflow: Option<Arc<dyn StreamOverflow>>,
 }
 
 #[derive(Debug, Default)]
@@ -118,6 +119,7 @@ struct Ctx {
     config: UringConfig,
     stats: Arc<IoStats>,
     live: Arc<Live>,
+    overflow: Option<Arc<dyn StreamOverflow>>,
 }
 
 impl UringServer {
@@ -128,7 +130,18 @@ impl UringServer {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
-        Ok(Self { listener, addr })
+        Ok(Self {
+            listener,
+            addr,
+            overflow: None,
+        })
+    }
+
+    /// Hands the data streams accepted past [`UringConfig::max_threads`] to `overflow` instead
+    /// of starting a thread for each (without one, the server keeps starting threads).
+    pub fn with_overflow(mut self, overflow: Arc<dyn StreamOverflow>) -> Self {
+        self.overflow = Some(overflow);
+        self
     }
 
     /// The bound address.
@@ -157,6 +170,7 @@ impl UringServer {
             config,
             stats: stats.clone(),
             live: live.clone(),
+            overflow: self.overflow,
         });
         let listener = self.listener;
         std::thread::Builder::new()
@@ -186,7 +200,6 @@ fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
                 let spawned = std::thread::Builder::new()
                     .name("ferry-uring-conn".into())
                     .spawn(move || {
-                        let _count = ThreadCount::new(&ctx.stats, "served connections");
                         if let Err(e) = serve_conn(stream, from, &ctx) {
                             debug!(%from, error = %e, "connection ended");
                         }
@@ -237,8 +250,23 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
                 };
                 return write_frame(&mut stream, from, &ControlFrame::Reject(reject));
             }
+            // A data stream's thread is counted (a handshake's ends at once), before the stream
+            // is accepted so that the client's next stream sees it. Past the thread budget the
+            // stream goes to the overflow's fixed set of threads and this one ends.
+            let what = "served data streams";
+            let count = match &ctx.overflow {
+                None => Ok(ThreadCount::new(&ctx.stats, what)),
+                Some(o) => ThreadCount::within(&ctx.stats, ctx.config.max_threads, what).ok_or(o),
+            };
+            if count.is_err() {
+                IoStats::add(&ctx.stats.handed_over, 1);
+            }
             write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
             let _ = stream.set_read_timeout(None);
+            let _count = match count {
+                Ok(c) => c,
+                Err(o) => return hand_over(o.as_ref(), stream, from, ctx),
+            };
             // A one-stream client pins nothing, so stream 0 starts unpinned and pins itself once
             // a second stream of the same client attaches (left to the scheduler, its thread was
             // woken onto the other stream's core, which then ran three busy threads while its
@@ -283,6 +311,37 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
             },
         }),
     }
+}
+
+/// Hands an attached data stream to `overflow`, keeping it in the server's connections (so that
+/// a shutdown still closes it) until the overflow is done with it.
+fn hand_over(
+    overflow: &dyn StreamOverflow,
+    stream: TcpStream,
+    from: SocketAddr,
+    ctx: &Ctx,
+) -> Result<(), Error> {
+    let kept = stream
+        .try_clone()
+        .map_err(|e| crate::control::lost(from, "handing over a data stream", e))?;
+    let id = ctx.live.next.fetch_add(1, Ordering::Relaxed);
+    lock(&ctx.live.conns).insert(id, Arc::new(kept));
+    if ctx.live.stopped.load(Ordering::Acquire) {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+    debug!(%from, threads = ctx.stats.threads.load(Ordering::Relaxed), "data stream handed over past the thread budget");
+    let live = ctx.live.clone();
+    let res = overflow.serve(
+        stream,
+        from,
+        Box::new(move || {
+            lock(&live.conns).remove(&id);
+        }),
+    );
+    if res.is_err() {
+        lock(&ctx.live.conns).remove(&id);
+    }
+    res
 }
 
 /// File segments move through a staging buffer of at most this much per stream (a multiple of

@@ -18,7 +18,7 @@ use ferry_core::{
     Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
     RemoteEffect, RemoteStatus, SegmentToken, Transport,
 };
-use ferry_transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy};
+use ferry_transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, ZeroCopy};
 use transport_tcp::{TcpConfig, TcpServer, TcpTransport};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -745,4 +745,100 @@ async fn server_shutdown_loses_the_peer() {
         );
         assert!(!ch.is_alive(), "{client:?}");
     }
+}
+
+/// The TCP data plane's stream server as an io_uring server's overflow (what the engine wires).
+#[derive(Debug)]
+struct TcpOverflow(transport_tcp::StreamServer);
+
+impl StreamOverflow for TcpOverflow {
+    fn serve(
+        &self,
+        stream: std::net::TcpStream,
+        from: SocketAddr,
+        done: Box<dyn FnOnce() + Send>,
+    ) -> Result<(), Error> {
+        self.0.serve(stream, from, done)
+    }
+}
+
+/// A server at its thread budget hands further data streams to its overflow: the bytes move the
+/// same both ways, the server runs no more threads than the budget, the hand-overs are counted,
+/// and shutting the server down closes the handed-over streams too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        max_threads: 2,
+        ..UringConfig::default()
+    };
+    let overflow = TcpOverflow(transport_tcp::StreamServer::new(
+        table.clone(),
+        &TcpConfig::default(),
+    ));
+    let server = UringServer::bind("127.0.0.1:0".parse().unwrap())
+        .unwrap()
+        .with_overflow(Arc::new(overflow));
+    let addr = server.local_addr();
+    let responder = Arc::new(Responder {
+        id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        table: table.clone(),
+        offer: UringTransport::new(config.clone()).unwrap().offer(),
+    });
+    let h = server.serve(table.clone(), responder, config).unwrap();
+    let len = (5 << 20) + 333;
+    let (tok, dst) = publish(&table, "x", len, Access::REMOTE_READ | Access::REMOTE_WRITE);
+    let t = UringTransport::new(UringConfig {
+        streams: 4,
+        chunk_size: 256 << 10,
+        depth: 4,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let offer = t.offer();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let stats = h.stats();
+    assert_eq!(stats.threads.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.handed_over.load(Ordering::Relaxed), 2);
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    fill(&src, 0x0f10);
+    let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, len as u64)]).await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert!(
+        bytes(&dst, 0, len) == bytes(&src, 0, len),
+        "written bytes differ"
+    );
+    let back = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let o = run(&ch, vec![op(OpKind::Read, &back, 0, tok, 0, len as u64)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(
+        bytes(&back, 0, len) == bytes(&src, 0, len),
+        "read bytes differ"
+    );
+    assert_eq!(stats.threads.load(Ordering::Relaxed), 2);
+    // Shut down: every stream, handed over or not, is closed; within a few requests (each
+    // dealt over all four streams) every stream has learned it.
+    h.shutdown();
+    let mut gone = false;
+    for _ in 0..5 {
+        let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, len as u64)]).await;
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost),
+            "{o:?}"
+        );
+        assert!(o.drained);
+        if !ch.is_alive() {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone, "a stream outlived the server's shutdown");
 }
