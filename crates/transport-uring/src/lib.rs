@@ -9,9 +9,14 @@
 //!   go out with SEND_ZC (from registered buffers where the kernel lets us register the region,
 //!   unregistered otherwise, e.g. under a small `RLIMIT_MEMLOCK`) or plain SEND, short sends are
 //!   resent in order, and a request is drained only once every zero-copy notification arrived.
+//!   A channel's chunks are dealt to its streams in turn; a stream with nothing in flight takes
+//!   the oldest chunk of another's queue, and a dying stream hands its queue on.
 //! - [`UringServer`]: the serving side, same shape as the TCP transport's server and the same
 //!   bytes on the wire, so a uring peer and a TCP peer interoperate in both directions. It also
 //!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]).
+//! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
+//!   peers over the TCP data plane, and a server hands new data streams to its
+//!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).
 //! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth.
 //!
 //! On loopback (measured on this project's machines): the kernel copies SEND_ZC payloads, and
