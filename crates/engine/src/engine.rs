@@ -191,7 +191,7 @@ impl EngineBuilder {
     }
 
     /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
-    /// per client stream and one per served connection. Past it, new peers are opened over
+    /// per client stream and one per served data stream. Past it, new peers are opened over
     /// the TCP data plane (same wire, a fixed set of I/O threads; [`Peer::transport`] says
     /// `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
     /// Counted in `describe().data_plane_io` ("peers past it over tcp").

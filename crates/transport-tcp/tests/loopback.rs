@@ -626,3 +626,97 @@ async fn file_segments_by_positioned_io() {
     assert!(bytes(&back, 0, big) == bytes(&src, 0, big));
     let _ = std::fs::remove_file(&big_path);
 }
+
+/// Streams another listener accepted and attached (the io_uring server past its thread budget)
+/// are served by a `StreamServer` on its I/O threads: bytes move both ways, checks still refuse
+/// an unknown segment, and `done` runs once the client closes each stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_over_streams_are_served_until_the_client_closes_them() {
+    use std::io::{Read, Write};
+    let table = Arc::new(Table::default());
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    let tok = SegmentToken::random();
+    let access = Access::REMOTE_READ | Access::REMOTE_WRITE;
+    table
+        .0
+        .lock()
+        .unwrap()
+        .insert(tok, ("x".into(), dst.clone(), access));
+    let server = Arc::new(ferry_transport_tcp::StreamServer::new(
+        table.clone(),
+        &TcpConfig::default(),
+    ));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let accepting = {
+        let server = server.clone();
+        std::thread::spawn(move || {
+            for _ in 0..2 {
+                let (mut s, from) = listener.accept().unwrap();
+                let mut head = [0u8; ferry_core::wire::CONTROL_HEADER_LEN];
+                s.read_exact(&mut head).unwrap();
+                let h = ferry_core::wire::ControlHeader::decode(&head).unwrap();
+                let mut body = vec![0u8; h.body_len as usize];
+                s.read_exact(&mut body).unwrap();
+                let mut out = Vec::new();
+                ferry_core::wire::ControlFrame::StreamAccept
+                    .encode(SUPPORTED_VERSIONS.max, &mut out)
+                    .unwrap();
+                s.write_all(&out).unwrap();
+                let tx = done_tx.clone();
+                server
+                    .serve(s, from, Box::new(move || tx.send(()).unwrap()))
+                    .unwrap();
+            }
+        })
+    };
+    let t = TcpTransport::new(TcpConfig {
+        streams: 2,
+        chunk_size: 256 << 10,
+        depth: 4,
+        ..TcpConfig::default()
+    });
+    let ch = t
+        .open(PeerInfo {
+            addr,
+            local_id: PeerId::random(),
+            local_epoch: Epoch::fresh(),
+            remote_id: PeerId::random(),
+            remote_epoch: Epoch(1),
+            offer: TransportOffer::Tcp {
+                streams: 2,
+                port: 0,
+            },
+            segments: vec![],
+        })
+        .await
+        .unwrap();
+    accepting.join().unwrap();
+    let len = (3 << 20) - 17;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    fill(&src, 0x5eed);
+    let o = run(&ch, vec![op(OpKind::Write, &src, 5, tok, 9, len)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&dst, 9, len as usize) == bytes(&src, 5, len as usize));
+    let back = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    let o = run(&ch, vec![op(OpKind::Read, &back, 0, tok, 9, len)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&back, 0, len as usize) == bytes(&src, 5, len as usize));
+    let o = run(
+        &ch,
+        vec![op(OpKind::Read, &back, 0, SegmentToken(3), 0, 10)],
+    )
+    .await;
+    assert_eq!(
+        o.failure.map(|f| f.kind),
+        Some(FailureKind::Remote(RemoteStatus::UnknownSegment))
+    );
+    assert!(done_rx.try_recv().is_err(), "done before the client closed");
+    drop(ch);
+    for _ in 0..2 {
+        done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a handed-over stream never reported done");
+    }
+}
