@@ -2,14 +2,17 @@
 //!
 //! Each stream has a sender task (writes request headers and WRITE payloads straight from
 //! registered memory) and a receiver task (reads responses and READ payloads straight into
-//! registered memory), both on the stream's I/O thread (`pool.rs`). Chunks are striped over the streams round-robin; each stream keeps at most
-//! `depth` chunks in flight. Responses on a stream come back in request order, so the receiver
+//! registered memory), both on the stream's I/O thread (`pool.rs`). Chunks are dealt to the
+//! streams in turn ([`Dealer`]); a stream with nothing in flight takes the oldest chunk of
+//! another's queue, and a stream that dies hands its queue on. Each stream keeps at most `depth`
+//! chunks in flight. Responses on a stream come back in request order, so the receiver
 //! matches them with a FIFO of in-flight chunks (and checks the sequence number).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
+use ferry_core::dealer::{Dealer, StreamSet};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -59,10 +62,122 @@ struct InFlight {
 
 #[derive(Debug)]
 struct StreamSlot {
-    jobs: mpsc::Sender<Job>,
     dead: Arc<AtomicBool>,
     /// A duplicate of the stream's descriptor, to shut it down from any thread.
     socket: std::net::TcpStream,
+}
+
+/// A stream's sender task, as the queue sees it.
+#[derive(Debug, Default)]
+struct Taker {
+    wake: Notify,
+    /// The sender waits for a job.
+    waiting: AtomicBool,
+    /// ... with nothing in flight: it may take another stream's job.
+    starved: AtomicBool,
+    /// Chunks posted on the stream and not resolved yet.
+    in_flight: AtomicUsize,
+}
+
+/// The chunks of a channel not yet taken by its streams' sender tasks ([`Dealer`]), with each
+/// sender's wake-up.
+#[derive(Debug)]
+struct JobQueue {
+    state: std::sync::Mutex<Dealer<Job>>,
+    takers: Vec<Taker>,
+}
+
+impl JobQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dealer<Job>> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Wakes stream `i`'s sender (a stored permit if it is busy: it looks again), and, if it is
+    /// busy, one sender that waits with nothing in flight (it may take the job).
+    fn wake_for(&self, i: usize) {
+        let Some(t) = self.takers.get(i) else {
+            return;
+        };
+        t.wake.notify_one();
+        if !t.waiting.load(Ordering::SeqCst)
+            && let Some(idle) = self
+                .takers
+                .iter()
+                .find(|t| t.starved.load(Ordering::SeqCst))
+        {
+            idle.wake.notify_one();
+        }
+    }
+
+    fn wake_all_in(&self, set: StreamSet) {
+        for i in 0..self.takers.len() {
+            if set.contains(i) {
+                self.wake_for(i);
+            }
+        }
+    }
+
+    /// Stream `i`'s sender stops taking jobs: what was dealt to it goes to the others, and what
+    /// no stream is left to take fails (never posted).
+    fn leave(&self, i: usize) {
+        let mut woken = StreamSet::default();
+        let orphans = self.lock().leave(i, &mut woken);
+        self.wake_all_in(woken);
+        for job in orphans {
+            fail_unposted(job);
+        }
+    }
+
+    /// Deals `job` to another stream (after stream `i` left), or fails it if none is left.
+    fn hand_on(&self, job: Job) {
+        let dealt = self.lock().deal(job);
+        match dealt {
+            Ok(k) => self.wake_for(k),
+            Err(job) => fail_unposted(job),
+        }
+    }
+
+    /// The next job for stream `i`'s sender, waiting for one; `None` once the channel is gone
+    /// (and nothing is queued for it) or the stream died.
+    async fn next(&self, i: usize, dead: &AtomicBool) -> Option<Job> {
+        let t = &self.takers[i];
+        loop {
+            if dead.load(Ordering::Acquire) {
+                return None;
+            }
+            let idle = t.in_flight.load(Ordering::Acquire) == 0;
+            // Announced before the look, so that a dealer that finds this sender busy after it
+            // looked wakes a starved one instead (or this one, through the stored permit).
+            t.starved.store(idle, Ordering::SeqCst);
+            t.waiting.store(true, Ordering::SeqCst);
+            let got = {
+                let mut g = self.lock();
+                match g.take(i, idle) {
+                    Some(j) => Ok(j),
+                    None => Err(g.is_closed()),
+                }
+            };
+            match got {
+                Ok(j) => {
+                    t.waiting.store(false, Ordering::SeqCst);
+                    t.starved.store(false, Ordering::SeqCst);
+                    return Some(j);
+                }
+                Err(true) => return None,
+                Err(false) => t.wake.notified().await,
+            }
+        }
+    }
+
+    /// The channel is gone: each sender ends once nothing is queued for it.
+    fn close(&self) {
+        self.lock().close();
+        for t in &self.takers {
+            t.wake.notify_one();
+        }
+    }
 }
 
 /// A data channel to one peer over TCP.
@@ -70,7 +185,7 @@ struct StreamSlot {
 pub struct TcpChannel {
     peer: SocketAddr,
     streams: Vec<StreamSlot>,
-    next: AtomicUsize,
+    queue: Arc<JobQueue>,
     chunk: u64,
     closed: AtomicBool,
     /// Keeps the I/O threads of the streams running while the channel lives.
@@ -87,6 +202,10 @@ impl TcpChannel {
         pool: &Arc<IoPool>,
     ) -> std::io::Result<Self> {
         let depth = depth.max(1);
+        let queue = Arc::new(JobQueue {
+            state: std::sync::Mutex::new(Dealer::new(sockets.len())),
+            takers: (0..sockets.len()).map(|_| Taker::default()).collect(),
+        });
         let mut streams = Vec::with_capacity(sockets.len());
         for (i, s) in sockets.into_iter().enumerate() {
             // Out of the caller's reactor, into the I/O thread's; a duplicate descriptor stays
@@ -94,23 +213,34 @@ impl TcpChannel {
             let std_socket = s.into_std()?;
             let control = std_socket.try_clone()?;
             let dead = Arc::new(AtomicBool::new(false));
-            let (jobs_tx, jobs_rx) = mpsc::channel(depth);
             let (fly_tx, fly_rx) = mpsc::channel(depth);
             let d = dead.clone();
-            pool.spawn(async move {
+            let q = queue.clone();
+            let spawned = pool.spawn(async move {
                 let socket = match TcpStream::from_std(std_socket) {
                     Ok(s) => Arc::new(s),
                     Err(e) => {
                         debug!(%peer, stream = i, error = %e, "registering the stream failed");
                         d.store(true, Ordering::Release);
+                        q.leave(i);
                         return;
                     }
                 };
-                tokio::spawn(receiver(socket.clone(), d.clone(), fly_rx, peer, i));
-                sender(socket, d, jobs_rx, fly_tx, peer, i).await;
-            })?;
+                tokio::spawn(receiver(
+                    socket.clone(),
+                    d.clone(),
+                    fly_rx,
+                    q.clone(),
+                    peer,
+                    i,
+                ));
+                sender(socket, d, q, fly_tx, peer, i).await;
+            });
+            if let Err(e) = spawned {
+                queue.close();
+                return Err(e);
+            }
             streams.push(StreamSlot {
-                jobs: jobs_tx,
                 dead,
                 socket: control,
             });
@@ -118,7 +248,7 @@ impl TcpChannel {
         Ok(Self {
             peer,
             streams,
-            next: AtomicUsize::new(0),
+            queue,
             chunk: chunk.max(1),
             closed: AtomicBool::new(false),
             _pool: pool.clone(),
@@ -133,12 +263,7 @@ impl Channel for TcpChannel {
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
         // The future must be 'static: take what it needs from `self` now.
-        let slots: Vec<(mpsc::Sender<Job>, Arc<AtomicBool>)> = self
-            .streams
-            .iter()
-            .map(|s| (s.jobs.clone(), s.dead.clone()))
-            .collect();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let queue = self.queue.clone();
         let chunk = self.chunk;
         let closed = self.closed.load(Ordering::Acquire);
         Box::pin(async move {
@@ -148,7 +273,8 @@ impl Channel for TcpChannel {
                 outstanding: AtomicUsize::new(1),
                 done: Notify::new(),
             });
-            let mut rr = start;
+            // Each op's chunks are dealt under one lock; each sender checks the request's stop
+            // flag and failures before it posts a chunk, and bounds what it has in flight.
             'ops: for (i, op) in ops.iter().enumerate() {
                 let chunks = op.len.div_ceil(chunk).max(1);
                 let Ok(chunks32) = u32::try_from(chunks) else {
@@ -156,41 +282,38 @@ impl Channel for TcpChannel {
                     break;
                 };
                 control.with_ledger(|l| l.plan(i, chunks32));
-                for c in 0..chunks {
-                    if control.should_stop_posting() {
-                        break 'ops;
-                    }
-                    let at = c * chunk;
-                    let len = chunk.min(op.len - at);
-                    let mut job = Job {
-                        req: req.clone(),
-                        op: i,
-                        at,
-                        len,
-                    };
-                    loop {
-                        let live: Option<&(mpsc::Sender<Job>, Arc<AtomicBool>)> = if closed {
-                            None
-                        } else {
-                            (0..slots.len())
-                                .map(|k| &slots[(rr + k) % slots.len()])
-                                .find(|s| !s.1.load(Ordering::Acquire))
-                        };
-                        rr = rr.wrapping_add(1);
-                        let Some((tx, _)) = live else {
-                            control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
-                            break 'ops;
+                let mut dealt = StreamSet::default();
+                let mut lost = closed;
+                if !closed {
+                    let mut q = queue.lock();
+                    for c in 0..chunks {
+                        if control.should_stop_posting() {
+                            break;
+                        }
+                        let at = c * chunk;
+                        let job = Job {
+                            req: req.clone(),
+                            op: i,
+                            at,
+                            len: chunk.min(op.len - at),
                         };
                         req.outstanding.fetch_add(1, Ordering::AcqRel);
-                        match tx.send(job).await {
-                            Ok(()) => break,
-                            Err(mpsc::error::SendError(j)) => {
-                                // That stream's sender task is gone: try another.
+                        match q.deal(job) {
+                            Ok(k) => dealt.add(k),
+                            Err(_) => {
                                 req.outstanding.fetch_sub(1, Ordering::AcqRel);
-                                job = j;
+                                lost = true;
+                                break;
                             }
                         }
                     }
+                }
+                queue.wake_all_in(dealt);
+                if lost {
+                    control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
+                }
+                if lost || control.should_stop_posting() {
+                    break 'ops;
                 }
             }
             if req.outstanding.fetch_sub(1, Ordering::AcqRel) != 1 {
@@ -220,6 +343,7 @@ impl Drop for TcpChannel {
         for s in &self.streams {
             shutdown_std(&s.socket);
         }
+        self.queue.close();
     }
 }
 
@@ -240,7 +364,7 @@ fn fail_lost(job: Job, native: Option<i32>) {
 async fn sender(
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
-    mut jobs: mpsc::Receiver<Job>,
+    queue: Arc<JobQueue>,
     fly: mpsc::Sender<InFlight>,
     peer: SocketAddr,
     index: usize,
@@ -248,16 +372,21 @@ async fn sender(
     let seq = AtomicU32::new(0);
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut stage = vec![0u8; DATA_REQUEST_LEN + SMALL];
-    while let Some(job) = jobs.recv().await {
-        if dead.load(Ordering::Acquire) {
-            fail_unposted(job);
-            continue;
-        }
+    let taker = &queue.takers[index];
+    loop {
+        // Room in flight first, then a job: a job is never held while this stream is full.
         let Ok(permit) = fly.reserve().await else {
             dead.store(true, Ordering::Release);
-            fail_unposted(job);
-            continue;
+            break;
         };
+        let Some(job) = queue.next(index, &dead).await else {
+            break;
+        };
+        if dead.load(Ordering::Acquire) {
+            queue.leave(index);
+            queue.hand_on(job);
+            break;
+        }
         let op = &job.req.ops[job.op];
         let s = seq.fetch_add(1, Ordering::Relaxed);
         let req = DataRequest {
@@ -295,8 +424,14 @@ async fn sender(
             job.req.resolve_one();
             continue;
         }
+        if job.req.control.should_stop_posting() {
+            // Stopped or failed: the reason is already in the ledger; this chunk never moves.
+            job.req.resolve_one();
+            continue;
+        }
         job.req.control.with_ledger(|l| l.posted(job.op));
         let total = DATA_REQUEST_LEN + body.len;
+        taker.in_flight.fetch_add(1, Ordering::AcqRel);
         permit.send(InFlight { job, seq: s });
         let res = if small_write {
             crate::io::send_buf(&socket, &stage[..total]).await
@@ -312,17 +447,30 @@ async fn sender(
             dead.store(true, Ordering::Release);
             // Wake the receiver: it fails everything in flight on this stream as lost.
             shutdown(&socket);
+            break;
         }
     }
+    // What was dealt to this stream goes to the others; the last one fails it.
+    taker.waiting.store(false, Ordering::SeqCst);
+    taker.starved.store(false, Ordering::SeqCst);
+    queue.leave(index);
 }
 
 async fn receiver(
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     mut fly: mpsc::Receiver<InFlight>,
+    queue: Arc<JobQueue>,
     peer: SocketAddr,
     index: usize,
 ) {
+    let taker = &queue.takers[index];
+    // One chunk fewer in flight; once none is, the sender may take other streams' jobs: wake it.
+    let resolved = || {
+        if taker.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            taker.wake.notify_one();
+        }
+    };
     let mut head = [0u8; DATA_RESPONSE_LEN];
     while let Some(f) = fly.recv().await {
         if let Err(e) = recv_buf(&socket, &mut head).await {
@@ -343,6 +491,7 @@ async fn receiver(
         if let Some(status) = resp.refused {
             job.req.control.with_ledger(|l| l.refused(job.op, status));
             job.req.resolve_one();
+            resolved();
             continue;
         }
         if op.kind == OpKind::Read {
@@ -369,9 +518,12 @@ async fn receiver(
         }
         job.req.control.with_ledger(|l| l.acked(job.op));
         job.req.resolve_one();
+        resolved();
     }
     dead.store(true, Ordering::Release);
     shutdown(&socket);
+    // The sender may wait for a job: it sees the stream dead and hands its queue on.
+    taker.wake.notify_one();
     fly.close();
     while let Some(f) = fly.recv().await {
         fail_lost(f.job, None);

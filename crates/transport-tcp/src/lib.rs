@@ -5,7 +5,8 @@
 //!   memory, and file segments by positioned I/O on the blocking pool). Every request is checked
 //!   for token, access and bounds before any byte of a segment is touched.
 //! - [`TcpTransport`]: the [`Transport`] that opens [`TcpChannel`]s: several streams per peer,
-//!   chunks striped over them, a bounded number in flight per stream, payloads sent from and
+//!   chunks dealt to them in turn (an idle stream takes others', a dying one hands its own on:
+//!   [`ferry_core::dealer`]), a bounded number in flight per stream, payloads sent from and
 //!   received into registered memory without an intermediate copy, Nagle off.
 //! - Data streams, on both sides, live on a bounded set of I/O threads with current-thread
 //!   runtimes ([`TcpConfig::io_threads`]), or on the caller's runtime where that is asked for.

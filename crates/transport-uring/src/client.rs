@@ -17,6 +17,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_core::dealer::{Dealer, StreamSet};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -126,65 +127,25 @@ struct StreamSlot {
     socket: Arc<TcpStream>,
 }
 
-#[derive(Debug)]
-struct QueueState<J> {
-    /// Chunks not yet taken, by stream.
-    jobs: Vec<VecDeque<J>>,
-    /// Whether each stream's thread still takes jobs.
-    taking: Vec<bool>,
-    /// The stream the next chunk is dealt to.
-    next: usize,
-    /// The channel was dropped: once their queues are empty, the stream threads end.
-    dropped: bool,
-}
-
-impl<J> QueueState<J> {
-    /// Deals `job` to the next stream (in turn) still taking jobs; `Err(job)` if none is.
-    fn deal(&mut self, job: J) -> Result<usize, J> {
-        let n = self.jobs.len();
-        for k in 0..n {
-            let i = (self.next + k) % n;
-            if self.taking[i] {
-                self.next = i + 1;
-                self.jobs[i].push_back(job);
-                return Ok(i);
-            }
-        }
-        Err(job)
-    }
-}
-
-/// The chunks of a channel not yet taken by its streams. Chunks are dealt to the streams in
-/// turn, so that a closed loop of requests through a few buffers (a benchmark, a ring of
-/// staging buffers) keeps each buffer on one stream and so on one core; a stream thread with
-/// nothing in flight and nothing of its own takes the oldest chunk of the longest other queue.
-///
-/// Dealt out in turn alone, the chunks of a closed loop piled up on the slower stream while the
-/// other ran dry and its core idled (traced on loopback, two streams on two cores): taking
-/// chunks when idle ran 1.10-1.13x that (1 MiB WRITEs, alternating runs). Taken from one shared
-/// queue instead, every buffer moved between the cores' caches with each chunk: 0.86x.
+/// The chunks of a channel not yet taken by its streams ([`Dealer`]: dealt in turn, taken by
+/// a stream with nothing in flight, handed on by a stream that ends), with each stream
+/// thread's wake-up.
 #[derive(Debug)]
 struct JobQueue<J> {
-    state: Mutex<QueueState<J>>,
+    state: Mutex<Dealer<J>>,
     /// Each stream thread's wake-up, by stream index.
     wakes: Vec<Arc<Wake>>,
 }
 
 impl<J> JobQueue<J> {
     fn new(wakes: Vec<Arc<Wake>>) -> Self {
-        let n = wakes.len();
         Self {
-            state: Mutex::new(QueueState {
-                jobs: (0..n).map(|_| VecDeque::new()).collect(),
-                taking: vec![true; n],
-                next: 0,
-                dropped: false,
-            }),
+            state: Mutex::new(Dealer::new(wakes.len())),
             wakes,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState<J>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dealer<J>> {
         match self.state.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
@@ -207,10 +168,19 @@ impl<J> JobQueue<J> {
         }
     }
 
+    /// Wakes (see [`JobQueue::wake_for`]) for each stream in `set`.
+    fn wake_all_in(&self, set: StreamSet) {
+        for i in 0..self.wakes.len() {
+            if set.contains(i) {
+                self.wake_for(i);
+            }
+        }
+    }
+
     /// Marks the channel gone and wakes every stream thread: each ends once nothing is queued
     /// for it and nothing is in flight.
     fn drop_channel(&self) {
-        self.lock().dropped = true;
+        self.lock().close();
         for w in &self.wakes {
             w.poke_now();
         }
@@ -221,66 +191,20 @@ impl<J> JobQueue<J> {
     /// oldest chunk of the longest other queue.
     fn next(&self, i: usize, idle: bool) -> Option<Option<J>> {
         let mut g = self.lock();
-        if let Some(j) = g.jobs.get_mut(i).and_then(VecDeque::pop_front) {
-            return Some(Some(j));
+        match g.take(i, idle) {
+            Some(j) => Some(Some(j)),
+            None if g.is_closed() => Some(None),
+            None => None,
         }
-        if idle
-            && let Some(k) = (0..g.jobs.len())
-                .filter(|&k| k != i && !g.jobs[k].is_empty())
-                .max_by_key(|&k| g.jobs[k].len())
-            && let Some(j) = g.jobs[k].pop_front()
-        {
-            return Some(Some(j));
-        }
-        if g.dropped { Some(None) } else { None }
     }
 
     /// Stream `i`'s thread stops taking jobs: what was dealt to it goes to the others (woken);
-    /// returns what no stream is left to take, for the caller to fail. From then on `deal`
-    /// skips stream `i`, and fails once no stream is left.
+    /// returns what no stream is left to take, for the caller to fail.
     fn leave(&self, i: usize) -> Vec<J> {
-        let mut orphans = Vec::new();
-        let mut dealt = Dealt::default();
-        {
-            let mut g = self.lock();
-            if !g.taking.get(i).copied().unwrap_or(false) {
-                return orphans;
-            }
-            g.taking[i] = false;
-            for job in std::mem::take(&mut g.jobs[i]) {
-                match g.deal(job) {
-                    Ok(k) => dealt.add(k),
-                    Err(job) => orphans.push(job),
-                }
-            }
-        }
-        dealt.wake(self);
+        let mut woken = StreamSet::default();
+        let orphans = self.lock().leave(i, &mut woken);
+        self.wake_all_in(woken);
         orphans
-    }
-}
-
-/// The streams some chunks were dealt to (to wake once the queue's lock is released), without
-/// allocating: the first 64 streams by bit, any further one as "all".
-#[derive(Default)]
-struct Dealt {
-    mask: u64,
-    beyond: bool,
-}
-
-impl Dealt {
-    fn add(&mut self, stream: usize) {
-        match u32::try_from(stream).ok().and_then(|s| 1u64.checked_shl(s)) {
-            Some(bit) => self.mask |= bit,
-            None => self.beyond = true,
-        }
-    }
-
-    fn wake<J>(&self, queue: &JobQueue<J>) {
-        for i in 0..queue.wakes.len() {
-            if (i < 64 && self.mask & (1 << i) != 0) || (i >= 64 && self.beyond) {
-                queue.wake_for(i);
-            }
-        }
     }
 }
 
@@ -437,7 +361,7 @@ impl Channel for UringChannel {
                 break;
             };
             control.with_ledger(|l| l.plan(i, chunks32));
-            let mut dealt = Dealt::default();
+            let mut dealt = StreamSet::default();
             let mut lost = closed;
             if !closed {
                 let mut q = self.queue.lock();
@@ -463,7 +387,7 @@ impl Channel for UringChannel {
                     }
                 }
             }
-            dealt.wake(&self.queue);
+            self.queue.wake_all_in(dealt);
             if lost {
                 control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
             }
@@ -820,11 +744,6 @@ mod tests {
         )
     }
 
-    fn deal(q: &JobQueue<u32>, jobs: impl IntoIterator<Item = u32>) -> Vec<usize> {
-        let mut g = q.lock();
-        jobs.into_iter().map(|j| g.deal(j).unwrap()).collect()
-    }
-
     /// Whether `w`'s eventfd was written (and resets it).
     fn poked(w: &Wake) -> bool {
         let mut p = libc::pollfd {
@@ -840,56 +759,6 @@ mod tests {
             unsafe { libc::read(w.fd.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
         }
         ready
-    }
-
-    /// Chunks go to the streams in turn (each stream's in order), skipping a stream that left;
-    /// what was dealt to it goes to the others, and once none is left nothing is dealt and what
-    /// was queued comes back to be failed.
-    #[test]
-    fn chunks_are_dealt_in_turn_and_a_leaving_stream_hands_its_own_on() {
-        let q = queue(3);
-        assert_eq!(deal(&q, 0..5), [0, 1, 2, 0, 1]);
-        assert!(q.leave(0).is_empty());
-        assert_eq!(q.lock().jobs[0].len(), 0);
-        // Jobs 0 and 3 went on in turn, after job 4 (stream 1): to 2, then 1.
-        assert_eq!(q.lock().jobs[1], [1, 4, 3]);
-        assert_eq!(q.lock().jobs[2], [2, 0]);
-        assert_eq!(deal(&q, [5, 6]), [2, 1]);
-        assert!(q.leave(0).is_empty(), "leaving twice hands on nothing");
-        assert!(q.leave(1).is_empty());
-        let mut orphans = q.leave(2);
-        orphans.sort_unstable();
-        assert_eq!(orphans, [0, 1, 2, 3, 4, 5, 6]);
-        assert_eq!(q.lock().deal(7), Err(7));
-    }
-
-    /// A stream takes its own chunks first; with nothing in flight (idle) and nothing of its
-    /// own it takes the oldest chunk of the longest other queue, and never while busy. Once the
-    /// channel is gone a stream ends only when nothing is queued for it.
-    #[test]
-    fn an_idle_stream_takes_the_oldest_chunk_of_the_longest_other_queue() {
-        let q = queue(3);
-        deal(&q, 0..4); // 0: [0, 3], 1: [1], 2: [2]
-        assert_eq!(q.next(1, false), Some(Some(1)));
-        assert_eq!(q.next(1, false), None, "busy: no other stream's chunk");
-        assert_eq!(
-            q.next(1, true),
-            Some(Some(0)),
-            "idle: the longest queue's oldest"
-        );
-        assert_eq!(q.next(1, true), Some(Some(2)));
-        assert_eq!(q.next(0, false), Some(Some(3)));
-        assert_eq!(q.next(0, true), None);
-        assert_eq!(deal(&q, [9]), [1]);
-        q.drop_channel();
-        assert_eq!(
-            q.next(2, false),
-            Some(None),
-            "gone, nothing of its own: ends"
-        );
-        assert_eq!(q.next(0, true), Some(Some(9)));
-        assert_eq!(q.next(0, true), Some(None));
-        assert_eq!(q.next(1, false), Some(None));
     }
 
     /// A chunk dealt to a waiting stream wakes it; dealt to a busy one, it wakes a stream that

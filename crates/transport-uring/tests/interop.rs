@@ -448,7 +448,13 @@ async fn open_one_stream(addr: SocketAddr, config: UringConfig) -> Arc<dyn Chann
 async fn open_streams(addr: SocketAddr, config: UringConfig) -> Arc<dyn Channel> {
     let streams = config.streams as u16;
     let t = UringTransport::new(config).unwrap();
-    t.open(PeerInfo {
+    t.open(scripted_peer(addr, streams)).await.unwrap()
+}
+
+/// The peer a scripted server at `addr` stands for (no handshake: its streams are attached
+/// directly).
+fn scripted_peer(addr: SocketAddr, streams: u16) -> PeerInfo {
+    PeerInfo {
         addr,
         local_id: PeerId::random(),
         local_epoch: Epoch::fresh(),
@@ -456,9 +462,7 @@ async fn open_streams(addr: SocketAddr, config: UringConfig) -> Arc<dyn Channel>
         remote_epoch: Epoch(1),
         offer: TransportOffer::Tcp { streams, port: 0 },
         segments: vec![],
-    })
-    .await
-    .unwrap()
+    }
 }
 
 /// Reads `n` WRITE requests with their payloads; returns them.
@@ -505,65 +509,84 @@ fn serve_writes(s: &mut std::net::TcpStream) -> Vec<DataRequest> {
 }
 
 /// A stream that dies hands the chunks dealt to it but not yet sent to the channel's other
-/// streams: the chunk it lost fails its request as uncertain, and another request whose chunks
-/// waited behind it on that stream still completes, every chunk over the surviving stream.
+/// streams, on both data planes: the chunk it lost fails its request as uncertain, and another
+/// request whose chunks waited behind it on that stream still completes, every chunk over the
+/// surviving stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dying_stream_hands_its_waiting_chunks_to_the_others() {
     if !uring_usable() {
         return;
     }
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let h = std::thread::spawn(move || {
-        let mut s0 = accept_stream(&l);
-        let mut s1 = accept_stream(&l);
-        // Stream 0 takes request A's only chunk and dies without an answer, once request B's
-        // chunks were dealt to both streams (two of them wait behind A on stream 0).
-        read_writes(&mut s0, 1);
-        std::thread::sleep(Duration::from_millis(300));
-        drop(s0);
-        // Stream 1 is kept busy (one chunk in flight, depth 1) until stream 0 is surely gone,
-        // so it cannot take stream 0's chunks by itself; then it serves everything.
-        let first = read_writes(&mut s1, 1);
-        std::thread::sleep(Duration::from_millis(300));
-        respond(&mut s1, first[0].seq, 0);
-        let mut all = first;
-        all.extend(serve_writes(&mut s1));
-        all
-    });
-    let ch = open_streams(
-        addr,
-        UringConfig {
-            streams: 2,
-            chunk_size: 1000,
-            depth: 1,
-            ..UringConfig::default()
-        },
-    )
-    .await;
-    let src = Arc::new(MemoryRegion::alloc_zeroed(4000, 64).unwrap());
-    let a = run(
-        &ch,
-        vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 1000)],
-    );
-    let b = run(
-        &ch,
-        vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 4000)],
-    );
-    let (a, b) = tokio::join!(a, b);
-    assert_eq!(
-        a.failure.map(|f| f.kind),
-        Some(FailureKind::PeerLost),
-        "{a:?}"
-    );
-    assert_eq!(a.remote_effect, RemoteEffect::Uncertain);
-    assert!(b.is_success() && b.drained, "{b:?}");
-    assert_eq!(b.completed_bytes, 4000);
-    assert!(ch.is_alive(), "stream 1 lives");
-    drop(ch);
-    let mut offsets: Vec<u64> = h.join().unwrap().iter().map(|r| r.offset).collect();
-    offsets.sort_unstable();
-    assert_eq!(offsets, [0, 1000, 2000, 3000]);
+    const CHUNK: u64 = 32 << 20;
+    for client in [Side::Uring(ZeroCopy::Auto), Side::Tcp] {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let h = std::thread::spawn(move || {
+            let mut s0 = accept_stream(&l);
+            let mut s1 = accept_stream(&l);
+            // Stream 0 takes request A's chunk but not its payload, so its sender stays stuck
+            // in that send (more than the socket buffers hold) while request B's chunks are
+            // dealt to both streams; then it dies unanswered.
+            let mut head = [0u8; DATA_REQUEST_LEN];
+            s0.read_exact(&mut head).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            drop(s0);
+            // Stream 1 stays busy (its first chunk unanswered) until stream 0 is surely gone,
+            // so it cannot take stream 0's chunks by itself; then it serves everything.
+            let first = read_writes(&mut s1, 1);
+            std::thread::sleep(Duration::from_millis(300));
+            respond(&mut s1, first[0].seq, 0);
+            let mut all = first;
+            all.extend(serve_writes(&mut s1));
+            all
+        });
+        let ch = match client {
+            Side::Uring(_) => {
+                open_streams(
+                    addr,
+                    UringConfig {
+                        streams: 2,
+                        chunk_size: CHUNK,
+                        depth: 1,
+                        ..UringConfig::default()
+                    },
+                )
+                .await
+            }
+            Side::Tcp => TcpTransport::new(TcpConfig {
+                streams: 2,
+                chunk_size: CHUNK,
+                depth: 1,
+                ..TcpConfig::default()
+            })
+            .open(scripted_peer(addr, 2))
+            .await
+            .unwrap(),
+        };
+        let src = Arc::new(MemoryRegion::alloc_zeroed(4 * CHUNK as usize, 4096).unwrap());
+        let a = run(
+            &ch,
+            vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, CHUNK)],
+        );
+        let b = run(
+            &ch,
+            vec![op(OpKind::Write, &src, 0, SegmentToken(5), 0, 4 * CHUNK)],
+        );
+        let (a, b) = tokio::join!(a, b);
+        assert_eq!(
+            a.failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost),
+            "{client:?}: {a:?}"
+        );
+        assert_eq!(a.remote_effect, RemoteEffect::Uncertain, "{client:?}");
+        assert!(b.is_success() && b.drained, "{client:?}: {b:?}");
+        assert_eq!(b.completed_bytes, 4 * CHUNK);
+        assert!(ch.is_alive(), "{client:?}: stream 1 lives");
+        drop(ch);
+        let mut offsets: Vec<u64> = h.join().unwrap().iter().map(|r| r.offset).collect();
+        offsets.sort_unstable();
+        assert_eq!(offsets, [0, CHUNK, 2 * CHUNK, 3 * CHUNK], "{client:?}");
+    }
 }
 
 /// The client's side of held-back responses: its WRITE requests allow them (`ack_slack` counts
