@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
-use ferry_core::dealer::{Dealer, StreamSet};
+use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -273,49 +273,28 @@ impl Channel for TcpChannel {
                 outstanding: AtomicUsize::new(1),
                 done: Notify::new(),
             });
-            // Each op's chunks are dealt under one lock; each sender checks the request's stop
-            // flag and failures before it posts a chunk, and bounds what it has in flight.
-            'ops: for (i, op) in ops.iter().enumerate() {
-                let chunks = op.len.div_ceil(chunk).max(1);
-                let Ok(chunks32) = u32::try_from(chunks) else {
-                    control.with_ledger(|l| l.not_posted(i, FailureKind::Local, None));
-                    break;
-                };
-                control.with_ledger(|l| l.plan(i, chunks32));
-                let mut dealt = StreamSet::default();
-                let mut lost = closed;
-                if !closed {
-                    let mut q = queue.lock();
-                    for c in 0..chunks {
-                        if control.should_stop_posting() {
-                            break;
-                        }
-                        let at = c * chunk;
-                        let job = Job {
-                            req: req.clone(),
-                            op: i,
-                            at,
-                            len: chunk.min(op.len - at),
-                        };
-                        req.outstanding.fetch_add(1, Ordering::AcqRel);
-                        match q.deal(job) {
-                            Ok(k) => dealt.add(k),
-                            Err(_) => {
-                                req.outstanding.fetch_sub(1, Ordering::AcqRel);
-                                lost = true;
-                                break;
-                            }
-                        }
+            // Each sender checks the request's stop flag and failures again before it posts a
+            // chunk, and bounds what it has in flight.
+            deal_ops(
+                &queue.state,
+                &ops,
+                &control,
+                chunk,
+                closed,
+                |op, at, len| {
+                    req.outstanding.fetch_add(1, Ordering::AcqRel);
+                    Job {
+                        req: req.clone(),
+                        op,
+                        at,
+                        len,
                     }
-                }
-                queue.wake_all_in(dealt);
-                if lost {
-                    control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
-                }
-                if lost || control.should_stop_posting() {
-                    break 'ops;
-                }
-            }
+                },
+                |job| {
+                    job.req.outstanding.fetch_sub(1, Ordering::AcqRel);
+                },
+                |set| queue.wake_all_in(set),
+            );
             if req.outstanding.fetch_sub(1, Ordering::AcqRel) != 1 {
                 req.done.notified().await;
             }

@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::dealer::{Dealer, StreamSet};
+use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -345,56 +345,31 @@ impl Channel for UringChannel {
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
         let closed = self.closed.load(Ordering::Acquire);
-        let chunk = self.chunk;
         let req = Arc::new(ReqShared {
             ops: ops.clone(),
             control: control.clone(),
             parts: Arc::new(Countdown::new(1)),
         });
-        // Chunks are queued for the stream threads now, op by op (each op's under one lock, so
-        // the first chunks move while later ops are queued); each thread checks the request's
-        // stop flag and failures before it posts a chunk, and bounds what it has in flight.
-        'ops: for (i, op) in ops.iter().enumerate() {
-            let chunks = op.len.div_ceil(chunk).max(1);
-            let Ok(chunks32) = u32::try_from(chunks) else {
-                control.with_ledger(|l| l.not_posted(i, FailureKind::Local, None));
-                break;
-            };
-            control.with_ledger(|l| l.plan(i, chunks32));
-            let mut dealt = StreamSet::default();
-            let mut lost = closed;
-            if !closed {
-                let mut q = self.queue.lock();
-                for c in 0..chunks {
-                    if control.should_stop_posting() {
-                        break;
-                    }
-                    let at = c * chunk;
-                    let job = Job {
-                        req: req.clone(),
-                        op: i,
-                        at,
-                        len: chunk.min(op.len - at),
-                    };
-                    req.parts.add(1);
-                    match q.deal(job) {
-                        Ok(k) => dealt.add(k),
-                        Err(_) => {
-                            req.parts.done_one();
-                            lost = true;
-                            break;
-                        }
-                    }
+        // Chunks are dealt to the stream threads now; each thread checks the request's stop
+        // flag and failures again before it posts a chunk, and bounds what it has in flight.
+        deal_ops(
+            &self.queue.state,
+            &ops,
+            &control,
+            self.chunk,
+            closed,
+            |op, at, len| {
+                req.parts.add(1);
+                Job {
+                    req: req.clone(),
+                    op,
+                    at,
+                    len,
                 }
-            }
-            self.queue.wake_all_in(dealt);
-            if lost {
-                control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
-            }
-            if lost || control.should_stop_posting() {
-                break 'ops;
-            }
-        }
+            },
+            |job| job.req.parts.done_one(),
+            |set| self.queue.wake_all_in(set),
+        );
         let parts = req.parts.clone();
         drop(req);
         parts.done_one();

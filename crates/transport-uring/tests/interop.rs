@@ -139,16 +139,8 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
         ..UringConfig::default()
     })
     .unwrap();
-    let table = Arc::new(Table::default());
-    let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = server.local_addr();
-    let responder = Arc::new(Responder {
-        id: PeerId::random(),
-        epoch: Epoch::fresh(),
-        table: table.clone(),
-        offer: t.offer(),
-    });
-    let h = server.serve(table, responder, t.config().clone()).unwrap();
+    let h = serve_uring(&Arc::new(Table::default()), t.config().clone(), None);
+    let addr = h.local_addr();
     let offer = t.offer();
     let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
         .await
@@ -802,17 +794,8 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         table.clone(),
         &TcpConfig::default(),
     ));
-    let server = UringServer::bind("127.0.0.1:0".parse().unwrap())
-        .unwrap()
-        .with_overflow(Arc::new(overflow));
-    let addr = server.local_addr();
-    let responder = Arc::new(Responder {
-        id: PeerId::random(),
-        epoch: Epoch::fresh(),
-        table: table.clone(),
-        offer: UringTransport::new(config.clone()).unwrap().offer(),
-    });
-    let h = server.serve(table.clone(), responder, config).unwrap();
+    let h = serve_uring(&table, config, Some(Arc::new(overflow)));
+    let addr = h.local_addr();
     let len = (5 << 20) + 333;
     let (tok, dst) = publish(&table, "x", len, Access::REMOTE_READ | Access::REMOTE_WRITE);
     let t = UringTransport::new(UringConfig {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use ferry_core::{Epoch, MemoryRegion, OpKind, PeerId, SegmentToken, Transport};
-use ferry_transport_uring::{UringConfig, UringServer, UringTransport};
+use ferry_core::{MemoryRegion, OpKind, SegmentToken, Transport};
+use ferry_transport_uring::{UringConfig, UringTransport};
 
 /// The CPUs each of this process's serving threads may run on, one list per thread.
 fn serving_threads() -> Vec<String> {
@@ -62,19 +62,10 @@ async fn two_loopback_streams_are_served_one_core_each() {
         eprintln!("skip: this process may run on one CPU only ({allowed}): nothing to pin apart");
         return;
     }
-    let table = Arc::new(Table::default());
-    let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let addr = server.local_addr();
     let server_config = UringConfig::default();
     assert!(server_config.pin_loopback_streams);
-    let offer = UringTransport::new(server_config.clone()).unwrap().offer();
-    let responder = Arc::new(Responder {
-        id: PeerId::random(),
-        epoch: Epoch::fresh(),
-        table: table.clone(),
-        offer,
-    });
-    let _h = server.serve(table, responder, server_config).unwrap();
+    let h = serve_uring(&Arc::new(Table::default()), server_config, None);
+    let addr = h.local_addr();
     let buf = Arc::new(MemoryRegion::alloc_zeroed(4096, 64).unwrap());
     // A request to an unknown segment is refused, but its header is served like any other.
     let ask = || vec![op(OpKind::Write, &buf, 0, SegmentToken(77), 0, 100)];

@@ -9,9 +9,11 @@ use std::time::Duration;
 use ferry_core::wire::{Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer};
 use ferry_core::{
     Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, Outcome, PeerId,
-    PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
-use ferry_transport_uring::FileSegment;
+use ferry_transport_uring::{
+    FileSegment, StreamOverflow, UringConfig, UringServer, UringServerHandle, UringTransport,
+};
 
 type Entry = (String, Arc<MemoryRegion>, Access);
 
@@ -105,6 +107,26 @@ impl HandshakeResponder for Responder {
             segments: self.table.published(),
         })
     }
+}
+
+/// An io_uring server on 127.0.0.1 (any port) serving `table` with `config`, handing streams past
+/// its thread budget to `overflow` if given; it offers io_uring with `config`'s settings.
+pub fn serve_uring(
+    table: &Arc<Table>,
+    config: UringConfig,
+    overflow: Option<Arc<dyn StreamOverflow>>,
+) -> UringServerHandle {
+    let mut server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    if let Some(o) = overflow {
+        server = server.with_overflow(o);
+    }
+    let responder = Arc::new(Responder {
+        id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        table: table.clone(),
+        offer: UringTransport::new(config.clone()).unwrap().offer(),
+    });
+    server.serve(table.clone(), responder, config).unwrap()
 }
 
 /// Whether io_uring can run here; prints the reason when it cannot.
