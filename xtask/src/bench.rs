@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_tool, json_num, median, project_root, run as run_loud, size};
+use crate::util::{cargo, ensure_tool, ferry_bench_json, json_num, median, run as run_loud, size};
 
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
@@ -97,29 +97,29 @@ fn iperf3(n: usize, total: u64) -> Result<f64> {
     Ok(bytes / seconds / 1e9)
 }
 
+/// GB/s of one `ferry bench` run over TCP: `op` (`write` or `read`), 1 MiB ops, `total` bytes
+/// over `streams` streams.
 fn ferry(streams: usize, op: &str, total: u64) -> Result<f64> {
-    let bin = project_root().join("target/release/ferry");
-    let out = Command::new(&bin)
-        .args(["bench", "--json", "--transport", "tcp", "--op", op])
-        // One 1 MiB buffer per stream on each side, as iperf3 reuses one `-l 1M` buffer per
-        // process (ferry bench raises the segment to one op per stream).
-        .args(["--op-size", "1MiB", "--segment-size", "1MiB"])
-        .args([
+    let (streams, total) = (streams.to_string(), total.to_string());
+    ferry_bench_json(
+        &[
+            "--transport",
+            "tcp",
+            "--op",
+            op,
+            // One 1 MiB buffer per stream on each side, as iperf3 reuses one `-l 1M` buffer per
+            // process (ferry bench raises the segment to one op per stream).
+            "--op-size",
+            "1MiB",
+            "--segment-size",
+            "1MiB",
             "--streams",
-            &streams.to_string(),
+            &streams,
             "--total",
-            &total.to_string(),
-        ])
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "ferry bench failed: {text} {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    json_num(&text, "gb_per_s", 0).with_context(|| format!("no gb_per_s in {text:?}"))
+            &total,
+        ],
+        "gb_per_s",
+    )
 }
 
 fn tcp(args: &[String]) -> Result<()> {

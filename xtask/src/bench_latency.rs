@@ -12,12 +12,11 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, json_num, median, project_root, run as run_loud};
+use crate::util::{cargo, ferry_bench_json, median, run as run_loud};
 
 /// p50 of a bare 64-byte TCP ping-pong over loopback, in microseconds.
 fn ping_pong(ops: usize) -> Result<f64> {
@@ -56,21 +55,19 @@ fn ping_pong(ops: usize) -> Result<f64> {
 
 /// p50 of `ferry bench` 64-byte WRITEs, one in flight.
 fn ferry(ops: usize, extra: &[&str]) -> Result<f64> {
-    let bin = project_root().join("target/release/ferry");
-    let out = Command::new(&bin)
-        .args(["bench", "--json", "--op", "write", "--op-size", "64"])
-        .args(["--depth", "1", "--total", &(ops * 64).to_string()])
-        .args(extra)
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "ferry bench failed: {text} {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    json_num(&text, "p50_us", 0).with_context(|| format!("no p50_us in {text:?}"))
+    let total = (ops * 64).to_string();
+    let mut args = vec![
+        "--op",
+        "write",
+        "--op-size",
+        "64",
+        "--depth",
+        "1",
+        "--total",
+        &total,
+    ];
+    args.extend_from_slice(extra);
+    ferry_bench_json(&args, "p50_us")
 }
 
 /// Runs the comparison.

@@ -1,5 +1,5 @@
 //! Small helpers shared by the tasks: the project root, running commands loudly, installing a
-//! missing tool, and the number parsing the benches share.
+//! missing tool, running `ferry bench`, and the number parsing the benches share.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -63,6 +63,26 @@ pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
         bail!("{tool} still missing after apt-get install {package}");
     }
     Ok(())
+}
+
+/// Runs the release binary `target/release/ferry` (built beforehand) as `ferry bench --json ARGS`
+/// and returns the number `key` of the JSON object it prints. Fails with its stdout and stderr
+/// when it exits non-zero, and with its stdout when `key` is not there.
+pub(crate) fn ferry_bench_json(args: &[&str], key: &str) -> Result<f64> {
+    let bin = project_root().join("target/release/ferry");
+    let out = Command::new(&bin)
+        .args(["bench", "--json"])
+        .args(args)
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "ferry bench failed: {text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    json_num(&text, key, 0).with_context(|| format!("no {key} in {text:?}"))
 }
 
 /// A byte size with an optional binary suffix: `4096`, `64KiB`, `1MiB`, `4GiB`.
