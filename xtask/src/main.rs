@@ -26,7 +26,7 @@ tasks:
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
-                         in a QEMU guest (or on the host with --host); see xtask/src/soft_roce.rs
+                         in a QEMU guest (or on the host with --host); see xtask/src/soft_roce/
 ";
 
 fn main() -> Result<()> {

@@ -1,5 +1,5 @@
 //! Small helpers shared by the tasks: the project root, running commands loudly, installing a
-//! missing tool, running `ferry bench`, and the number parsing the benches share.
+//! missing tool, running `ferry bench`, and the number and JSON parsing the tasks share.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -106,15 +106,55 @@ pub(crate) fn size(s: &str) -> Result<u64> {
     bail!("size {s:?}")
 }
 
-/// The number after `"key":` at or after `from` in a JSON text (xtask has no JSON parser).
-pub(crate) fn json_num(text: &str, key: &str, from: usize) -> Option<f64> {
+/// The text just after the colon of the first `"key"` at or after `from` in a JSON text, with
+/// leading whitespace skipped; `None` when there is no such key or no colon after it. xtask has
+/// no JSON parser: this reads the flat, trusted output of cargo, iperf3, fio and ferry, where the
+/// first `"key"` at or after `from` is the member wanted.
+fn json_value<'a>(text: &'a str, key: &str, from: usize) -> Option<&'a str> {
     let pat = format!("\"{key}\"");
     let at = text.get(from..)?.find(&pat)? + from + pat.len();
-    let rest = text.get(at..)?.trim_start().strip_prefix(':')?.trim_start();
+    Some(text.get(at..)?.trim_start().strip_prefix(':')?.trim_start())
+}
+
+/// The number after `"key":` at or after `from` in a JSON text (see [`json_value`]).
+pub(crate) fn json_num(text: &str, key: &str, from: usize) -> Option<f64> {
+    let rest = json_value(text, key, from)?;
     let end = rest
         .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E')))
         .unwrap_or(rest.len());
     rest[..end].parse().ok()
+}
+
+/// The string after `"key":` at or after `from` in a JSON text (see [`json_value`]), with the
+/// escapes `\n` and `\t` undone and any other escaped character taken as itself (`\"`, `\\`,
+/// `\/`); `None` when the value is not a string (`null`, say) or is not terminated.
+pub(crate) fn json_str(text: &str, key: &str, from: usize) -> Option<String> {
+    let mut chars = json_value(text, key, from)?.strip_prefix('"')?.chars();
+    let mut out = String::new();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// The boolean after `"key":` at or after `from` in a JSON text (see [`json_value`]).
+pub(crate) fn json_bool(text: &str, key: &str, from: usize) -> Option<bool> {
+    let rest = json_value(text, key, from)?;
+    if rest.starts_with("true") {
+        Some(true)
+    } else if rest.starts_with("false") {
+        Some(false)
+    } else {
+        None
+    }
 }
 
 /// The median of `v` (the mean of the middle two for an even count; NaN when empty).
@@ -144,6 +184,32 @@ mod tests {
         assert_eq!(json_num(t, "bytes", at), Some(10.0));
         assert_eq!(json_num(t, "seconds", at), Some(2.5));
         assert_eq!(json_num(t, "nope", 0), None);
+        assert_eq!(
+            json_num(r#"{"gb_per_s": 1.5e-2,"x":1}"#, "gb_per_s", 0),
+            Some(0.015)
+        );
+        assert_eq!(json_num(r#"{"gb_per_s":null}"#, "gb_per_s", 0), None);
+        assert_eq!(
+            json_str(r#"{"a":"x\"y\\z"}"#, "a", 0).as_deref(),
+            Some("x\"y\\z")
+        );
+        assert_eq!(
+            json_str(r#"{"a" : "l1\nl2"}"#, "a", 0).as_deref(),
+            Some("l1\nl2")
+        );
+        assert_eq!(json_str(r#"{"a":null}"#, "a", 0), None);
+        assert_eq!(json_str(r#"{"a":"open"#, "a", 0), None);
+        let p = r#"{"target":{"name":"t","test":true},"profile":{"test":false}}"#;
+        assert_eq!(
+            json_str(p, "name", p.find("\"target\"").unwrap()).as_deref(),
+            Some("t")
+        );
+        assert_eq!(json_bool(p, "test", 0), Some(true));
+        assert_eq!(
+            json_bool(p, "test", p.find("\"profile\"").unwrap()),
+            Some(false)
+        );
+        assert_eq!(json_bool(p, "name", 0), None);
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert!(median(&[]).is_nan());
