@@ -11,13 +11,12 @@
 //! Options: `--total BYTES` (default 4GiB per run), `--repeat N` (default 5).
 //! `cargo xtask bench uring` runs the io_uring comparison (`bench_uring.rs`).
 
-use std::process::{Command, Stdio};
 use std::thread::sleep;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_tool, ferry_bench_json, json_num, median, run as run_loud, size};
+use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud, size};
 
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
@@ -48,46 +47,11 @@ fn iperf3(n: usize, total: u64) -> Result<f64> {
     let mut ports = Vec::new();
     for _ in 0..n {
         let port = free_port()?;
-        let s = Command::new("iperf3")
-            .args(["-s", "-1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting iperf3 -s")?;
-        servers.push(s);
+        servers.push(crate::iperf3::server(port)?);
         ports.push(port);
     }
     sleep(Duration::from_millis(300));
-    let per = total / n as u64;
-    let clients: Vec<_> = ports
-        .iter()
-        .map(|p| {
-            Command::new("iperf3")
-                .args(["-c", "127.0.0.1", "-p", &p.to_string(), "-l", "1M", "-J"])
-                .args(["-n", &per.to_string()])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("starting iperf3 -c")
-        })
-        .collect::<Result<_>>()?;
-    let mut bytes = 0.0;
-    let mut seconds: f64 = 0.0;
-    for c in clients {
-        let out = c.wait_with_output().context("waiting for iperf3 -c")?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        if !out.status.success() {
-            bail!(
-                "iperf3 -c failed: {text} {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let at = text
-            .find("\"sum_received\"")
-            .context("iperf3 JSON without sum_received")?;
-        bytes += json_num(&text, "bytes", at).context("iperf3 bytes")?;
-        seconds = seconds.max(json_num(&text, "seconds", at).context("iperf3 seconds")?);
-    }
+    let (bytes, seconds) = crate::iperf3::clients(&ports, total / n as u64, &[])?;
     for mut s in servers {
         let _ = s.wait();
     }

@@ -23,7 +23,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -54,12 +54,7 @@ impl Drop for Killed {
 }
 
 fn iperf3_server(port: u16) -> Result<Killed> {
-    let child = Command::new("iperf3")
-        .args(["-s", "-1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("spawning iperf3 -s")?;
+    let child = crate::iperf3::server(port)?;
     // No probe connection: a one-off (`-1`) server would take it as its client.
     std::thread::sleep(Duration::from_millis(300));
     Ok(Killed(child))
@@ -69,35 +64,12 @@ fn iperf3_server(port: u16) -> Result<Killed> {
 /// Returns the aggregate rate in GB/s (10^9 bytes per second).
 fn iperf3(streams: usize, total: u64) -> Result<f64> {
     let base = 5201 + (std::process::id() % 1000) as u16 * 4;
-    let servers: Vec<Killed> = (0..streams)
-        .map(|i| iperf3_server(base + i as u16))
+    let ports: Vec<u16> = (0..streams).map(|i| base + i as u16).collect();
+    let servers: Vec<Killed> = ports
+        .iter()
+        .map(|&p| iperf3_server(p))
         .collect::<Result<_>>()?;
-    let per = total / streams as u64;
-    let clients: Vec<Child> = (0..streams)
-        .map(|i| {
-            Command::new("iperf3")
-                .args(["-c", "127.0.0.1", "-p", &(base + i as u16).to_string()])
-                .args(["-Z", "-l", "1M", "-n", &per.to_string(), "-J"])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("spawning iperf3 -c")
-        })
-        .collect::<Result<_>>()?;
-    let mut bytes = 0f64;
-    let mut slowest = 0f64;
-    for c in clients {
-        let out = c.wait_with_output().context("waiting for iperf3 -c")?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        if !out.status.success() {
-            bail!("iperf3 -c failed: {text}");
-        }
-        let at = text
-            .find("\"sum_received\"")
-            .context("iperf3 JSON without sum_received")?;
-        bytes += json_num(&text, "bytes", at).context("iperf3 bytes")?;
-        slowest = slowest.max(json_num(&text, "seconds", at).context("iperf3 seconds")?);
-    }
+    let (bytes, slowest) = crate::iperf3::clients(&ports, total / streams as u64, &["-Z"])?;
     drop(servers);
     Ok(bytes / slowest / 1e9)
 }
@@ -118,11 +90,7 @@ fn iperf3_one_process(streams: usize, total: u64) -> Result<f64> {
     if !out.status.success() {
         bail!("iperf3 -c -P failed: {text}");
     }
-    let at = text
-        .rfind("\"sum_received\"")
-        .context("iperf3 JSON without sum_received")?;
-    let bytes = json_num(&text, "bytes", at).context("iperf3 bytes")?;
-    let seconds = json_num(&text, "seconds", at).context("iperf3 seconds")?;
+    let (bytes, seconds) = crate::iperf3::received_in(&text)?;
     if seconds <= 0.0 {
         bail!("iperf3 reported no time");
     }

@@ -8,6 +8,7 @@ mod bench_latency;
 mod bench_uring;
 mod bindgen;
 mod ci;
+mod iperf3;
 mod soft_roce;
 mod util;
 
