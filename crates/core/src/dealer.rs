@@ -82,6 +82,11 @@ impl<J> Dealer<J> {
         orphans
     }
 
+    /// Jobs dealt and not taken yet, over all streams.
+    pub fn queued(&self) -> usize {
+        self.jobs.iter().map(VecDeque::len).sum()
+    }
+
     /// Marks the channel gone: its streams end once nothing is queued for them.
     pub fn close(&mut self) {
         self.closed = true;

@@ -15,6 +15,7 @@ pub mod ids;
 pub mod memory;
 pub mod op;
 pub mod outcome;
+pub mod stream;
 pub mod transport;
 pub mod wire;
 

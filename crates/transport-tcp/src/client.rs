@@ -10,15 +10,16 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
-use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse};
+use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution};
+use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::Notify;
 use tracing::debug;
 
 use crate::io::{RawRange, recv_buf, recv_exact, send_all, shutdown, shutdown_std};
@@ -37,28 +38,23 @@ struct ReqShared {
     done: Notify,
 }
 
-impl ReqShared {
-    fn resolve_one(&self) {
+impl ChunkOwner for ReqShared {
+    fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    fn control(&self) -> &RequestControl {
+        &self.control
+    }
+
+    fn chunk_done(&self) {
         if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.done.notify_one();
         }
     }
 }
 
-#[derive(Debug)]
-struct Job {
-    req: Arc<ReqShared>,
-    op: usize,
-    /// Offset of the chunk within the op.
-    at: u64,
-    len: u64,
-}
-
-#[derive(Debug)]
-struct InFlight {
-    job: Job,
-    seq: u32,
-}
+type Job = Chunk<ReqShared>;
 
 #[derive(Debug)]
 struct StreamSlot {
@@ -126,7 +122,7 @@ impl JobQueue {
         let orphans = self.lock().leave(i, &mut woken);
         self.wake_all_in(woken);
         for job in orphans {
-            fail_unposted(job);
+            job.not_posted(FailureKind::PeerLost);
         }
     }
 
@@ -135,7 +131,7 @@ impl JobQueue {
         let dealt = self.lock().deal(job);
         match dealt {
             Ok(k) => self.wake_for(k),
-            Err(job) => fail_unposted(job),
+            Err(job) => job.not_posted(FailureKind::PeerLost),
         }
     }
 
@@ -213,7 +209,10 @@ impl TcpChannel {
             let std_socket = s.into_std()?;
             let control = std_socket.try_clone()?;
             let dead = Arc::new(AtomicBool::new(false));
-            let (fly_tx, fly_rx) = mpsc::channel(depth);
+            let proto = Arc::new(StreamProto {
+                state: std::sync::Mutex::new(ClientStream::new(depth, AckPolicy::Immediate)),
+                room: Notify::new(),
+            });
             let d = dead.clone();
             let q = queue.clone();
             let spawned = pool.spawn(async move {
@@ -229,12 +228,12 @@ impl TcpChannel {
                 tokio::spawn(receiver(
                     socket.clone(),
                     d.clone(),
-                    fly_rx,
                     q.clone(),
+                    proto.clone(),
                     peer,
                     i,
                 ));
-                sender(socket, d, q, fly_tx, peer, i).await;
+                sender(socket, d, q, proto, peer, i).await;
             });
             if let Err(e) = spawned {
                 queue.close();
@@ -326,38 +325,44 @@ impl Drop for TcpChannel {
     }
 }
 
-fn fail_unposted(job: Job) {
-    job.req
-        .control
-        .with_ledger(|l| l.not_posted(job.op, FailureKind::PeerLost, None));
-    job.req.resolve_one();
+/// What a stream's sender and receiver tasks share: the stream protocol's client state (the
+/// sender posts, the receiver matches responses; both on the stream's I/O thread, so the lock is
+/// never contended), and the sender's wake-up when room frees in flight.
+#[derive(Debug)]
+struct StreamProto {
+    state: std::sync::Mutex<ClientStream<ReqShared>>,
+    room: Notify,
 }
 
-fn fail_lost(job: Job, native: Option<i32>) {
-    job.req
-        .control
-        .with_ledger(|l| l.lost(job.op, FailureKind::PeerLost, native));
-    job.req.resolve_one();
+impl StreamProto {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ClientStream<ReqShared>> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 async fn sender(
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     queue: Arc<JobQueue>,
-    fly: mpsc::Sender<InFlight>,
+    proto: Arc<StreamProto>,
     peer: SocketAddr,
     index: usize,
 ) {
-    let seq = AtomicU32::new(0);
-    let mut head = [0u8; DATA_REQUEST_LEN];
     let mut stage = vec![0u8; DATA_REQUEST_LEN + SMALL];
     let taker = &queue.takers[index];
-    loop {
+    'run: loop {
         // Room in flight first, then a job: a job is never held while this stream is full.
-        let Ok(permit) = fly.reserve().await else {
-            dead.store(true, Ordering::Release);
-            break;
-        };
+        loop {
+            if dead.load(Ordering::Acquire) {
+                break 'run;
+            }
+            if proto.lock().has_room() {
+                break;
+            }
+            proto.room.notified().await;
+        }
         let Some(job) = queue.next(index, &dead).await else {
             break;
         };
@@ -366,60 +371,40 @@ async fn sender(
             queue.hand_on(job);
             break;
         }
-        let op = &job.req.ops[job.op];
-        let s = seq.fetch_add(1, Ordering::Relaxed);
-        let req = DataRequest {
-            kind: op.kind,
-            seq: s,
-            token: op.token,
-            offset: op.remote_offset + job.at,
-            len: job.len,
-            ack_slack: 0,
-        };
-        req.encode(&mut head);
-        let local_at = op.local_offset + job.at;
-        let body = RawRange {
-            addr: op.local.as_ptr() as usize + local_at as usize,
-            len: job.len as usize,
-        };
-        let is_write = op.kind == OpKind::Write;
-        let small_write = is_write && body.len <= SMALL;
-        if small_write {
-            stage[..DATA_REQUEST_LEN].copy_from_slice(&head);
-            let dst = &mut stage[DATA_REQUEST_LEN..DATA_REQUEST_LEN + body.len];
-            if op.local.read_at(local_at, dst).is_err() {
-                job.req
-                    .control
-                    .with_ledger(|l| l.not_posted(job.op, FailureKind::Local, None));
-                job.req.resolve_one();
-                continue;
+        let posted = proto.lock().post(job);
+        let out = match posted {
+            Post::Send(out) => out,
+            Post::Resolved => continue,
+            Post::Broken(job) => {
+                queue.leave(index);
+                queue.hand_on(job);
+                break;
             }
-        }
-        let local_len_ok = op.local.check(local_at, job.len).is_ok();
-        if !local_len_ok {
-            job.req
-                .control
-                .with_ledger(|l| l.not_posted(job.op, FailureKind::Local, None));
-            job.req.resolve_one();
-            continue;
-        }
-        if job.req.control.should_stop_posting() {
-            // Stopped or failed: the reason is already in the ledger; this chunk never moves.
-            job.req.resolve_one();
-            continue;
-        }
-        job.req.control.with_ledger(|l| l.posted(job.op));
-        let total = DATA_REQUEST_LEN + body.len;
+        };
         taker.in_flight.fetch_add(1, Ordering::AcqRel);
-        permit.send(InFlight { job, seq: s });
-        let res = if small_write {
-            crate::io::send_buf(&socket, &stage[..total]).await
+        let is_write = out.kind == OpKind::Write;
+        let res = if is_write && out.len <= SMALL {
+            // Small payloads are staged with their header and sent in one call.
+            let total = DATA_REQUEST_LEN + out.len;
+            stage[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
+            match out
+                .region
+                .read_at(out.local_at, &mut stage[DATA_REQUEST_LEN..total])
+            {
+                Ok(()) => crate::io::send_buf(&socket, &stage[..total]).await,
+                Err(e) => Err(std::io::Error::other(e.to_string())),
+            }
         } else if is_write {
-            // SAFETY: the range was bounds-checked against the region just above; the request
-            // owns it until drained and keeps the region alive (the in-flight job holds an Arc).
-            unsafe { send_all(&socket, &head, body).await }
+            let body = RawRange {
+                addr: out.region.as_ptr() as usize + out.local_at as usize,
+                len: out.len,
+            };
+            // SAFETY: the stream protocol checked the range against the region at post; the
+            // request owns it until drained and keeps the region alive (the chunk in flight
+            // holds an Arc).
+            unsafe { send_all(&socket, &out.head, body).await }
         } else {
-            crate::io::send_buf(&socket, &head).await
+            crate::io::send_buf(&socket, &out.head).await
         };
         if let Err(e) = res {
             debug!(%peer, stream = index, error = %e, "send failed; stream closed");
@@ -438,73 +423,63 @@ async fn sender(
 async fn receiver(
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
-    mut fly: mpsc::Receiver<InFlight>,
     queue: Arc<JobQueue>,
+    proto: Arc<StreamProto>,
     peer: SocketAddr,
     index: usize,
 ) {
     let taker = &queue.takers[index];
-    // One chunk fewer in flight; once none is, the sender may take other streams' jobs: wake it.
-    let resolved = || {
-        if taker.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+    // Mirrors the chunks in flight for the dealer; once none is, the sender may take other
+    // streams' jobs: wake it. Room freed in flight wakes it too.
+    let settle = |in_flight: usize| {
+        taker.in_flight.store(in_flight, Ordering::Release);
+        if in_flight == 0 {
             taker.wake.notify_one();
         }
+        proto.room.notify_one();
     };
     let mut head = [0u8; DATA_RESPONSE_LEN];
-    while let Some(f) = fly.recv().await {
+    let broken = loop {
         if let Err(e) = recv_buf(&socket, &mut head).await {
-            debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
-            fail_lost(f.job, e.raw_os_error());
-            break;
+            if proto.lock().in_flight() > 0 {
+                debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
+            }
+            break e.raw_os_error();
         }
-        let resp = match DataResponse::decode(&head) {
-            Ok(r) if r.seq == f.seq => r,
-            other => {
-                debug!(%peer, stream = index, ?other, "bad response; stream closed");
-                fail_lost(f.job, None);
-                break;
+        let (resolved, in_flight) = {
+            let mut st = proto.lock();
+            (st.on_response(&head), st.in_flight())
+        };
+        let chunk = match resolved {
+            Ok(Resolution::Done) => {
+                settle(in_flight);
+                continue;
+            }
+            Ok(Resolution::Payload(chunk)) => chunk,
+            Err(v) => {
+                debug!(%peer, stream = index, error = %v, "bad response; stream closed");
+                break None;
             }
         };
-        let job = f.job;
-        let op = &job.req.ops[job.op];
-        if let Some(status) = resp.refused {
-            job.req.control.with_ledger(|l| l.refused(job.op, status));
-            job.req.resolve_one();
-            resolved();
-            continue;
+        let dst = RawRange {
+            addr: chunk.op().local.as_ptr() as usize + chunk.local_at() as usize,
+            len: chunk.len as usize,
+        };
+        // SAFETY: the stream protocol checked the range against the region at post; the request
+        // owns the range until drained, keeps the region alive through the chunk's Arc, and no
+        // Rust reference to it exists (raw recv).
+        if let Err(e) = unsafe { recv_exact(&socket, dst).await } {
+            debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
+            let native = e.raw_os_error();
+            chunk.lost(native);
+            break native;
         }
-        if op.kind == OpKind::Read {
-            if resp.len != job.len {
-                fail_lost(job, None);
-                break;
-            }
-            let at = op.local_offset + job.at;
-            if op.local.check(at, job.len).is_err() {
-                fail_lost(job, None);
-                break;
-            }
-            let dst = RawRange {
-                addr: op.local.as_ptr() as usize + at as usize,
-                len: job.len as usize,
-            };
-            // SAFETY: bounds-checked above; the request owns the range until drained, keeps the
-            // region alive through the job's Arc, and no Rust reference to it exists (raw recv).
-            if let Err(e) = unsafe { recv_exact(&socket, dst).await } {
-                debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
-                fail_lost(job, e.raw_os_error());
-                break;
-            }
-        }
-        job.req.control.with_ledger(|l| l.acked(job.op));
-        job.req.resolve_one();
-        resolved();
-    }
+        chunk.acked();
+        settle(in_flight);
+    };
     dead.store(true, Ordering::Release);
     shutdown(&socket);
-    // The sender may wait for a job: it sees the stream dead and hands its queue on.
-    taker.wake.notify_one();
-    fly.close();
-    while let Some(f) = fly.recv().await {
-        fail_lost(f.job, None);
-    }
+    proto.lock().fail_all(broken);
+    // The sender may wait for room or a job: it sees the stream dead and hands its queue on.
+    settle(0);
 }

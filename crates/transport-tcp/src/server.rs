@@ -3,18 +3,20 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use ferry_core::stream::{Action, ServerStream};
 use ferry_core::wire::{
-    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, Reject,
-    RejectReason, SUPPORTED_VERSIONS,
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, Reject, RejectReason, SUPPORTED_VERSIONS,
 };
-use ferry_core::{Error, FileSource, HandshakeResponder, OpKind, RemoteStatus, SegmentTable};
+use ferry_core::{Error, HandshakeResponder, SegmentTable};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
 use crate::TcpConfig;
 use crate::control::{read_frame, write_frame};
-use crate::io::{RawRange, discard, recv_buf, recv_exact, send_all, send_buf, tune};
+use crate::io::{
+    RawRange, discard as discard_payload, recv_buf, recv_exact, send_all, send_buf, tune,
+};
 use crate::pool::{AbortOnDrop, IoPool};
 
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
@@ -244,9 +246,11 @@ async fn serve_conn(
     }
 }
 
-/// Serves chunks on one data stream until the client closes it. Every request is checked (token,
-/// access, bounds) before any byte of the segment is touched; a refused WRITE's payload is read
-/// into a scratch buffer and dropped.
+/// Serves chunks on one data stream until the client closes it, as the stream protocol
+/// ([`ServerStream`]) decides: every request is checked (token, access, bounds) before any byte
+/// of the segment is touched; a refused WRITE's payload is read into a scratch buffer and
+/// dropped; a malformed header is answered and closes the stream. This server holds no response
+/// back.
 async fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
@@ -256,86 +260,66 @@ async fn serve_data(
     let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
     let mut scratch: Vec<u8> = Vec::new();
     let mut file_stage: Vec<u8> = Vec::new();
+    let mut proto = ServerStream::new();
     loop {
         match recv_buf(stream, &mut head).await {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        let req = match DataRequest::decode(&head) {
-            Ok(r) => r,
-            Err(e) => {
-                // The payload length cannot be trusted: answer and close the stream.
-                warn!(%from, error = %e, "malformed data request; closing stream");
-                let mut resp = [0u8; DATA_RESPONSE_LEN];
-                DataResponse {
-                    seq: u32::from_le_bytes([head[4], head[5], head[6], head[7]]),
-                    refused: Some(RemoteStatus::Malformed),
-                    len: 0,
-                    also_acks: 0,
-                }
-                .encode(&mut resp);
-                send_buf(stream, &resp).await?;
-                return Ok(());
-            }
-        };
-        let target = match table.resolve(req.token) {
-            Some(l) => l
-                .check(req.kind, req.offset, req.len)
-                .map(|at| Target::Memory(l, at)),
-            None => match table.file(req.token) {
-                Some(f) => f
-                    .check(req.kind, req.offset, req.len)
-                    .map(|at| Target::File(f, at)),
-                None => Err(RemoteStatus::UnknownSegment),
-            },
-        };
-        let len = req.len as usize;
-        let mut resp = [0u8; DATA_RESPONSE_LEN];
-        let accepted = |len: u64| DataResponse {
-            seq: req.seq,
-            refused: None,
-            len,
-            also_acks: 0,
-        };
-        match (req.kind, target) {
-            (OpKind::Write, Ok(Target::Memory(l, at))) => {
+        match proto.on_request(&head, table) {
+            Action::WriteMemory {
+                lease,
+                at,
+                len,
+                seq,
+                ..
+            } => {
                 let dst = RawRange {
-                    addr: l.region.as_ptr() as usize + at as usize,
+                    addr: lease.region.as_ptr() as usize + at as usize,
                     len,
                 };
-                // SAFETY: `l.check` proved `at..at+len` lies inside the region, which the lease
-                // keeps alive until the chunk is done; no Rust reference into it exists (raw recv).
+                // SAFETY: the stream protocol checked `at..at+len` against the region, which the
+                // lease keeps alive until the chunk is done; no Rust reference into it exists
+                // (raw recv).
                 unsafe { recv_exact(stream, dst).await? };
-                accepted(0).encode(&mut resp);
-                send_buf(stream, &resp).await?;
+                send_buf(stream, &proto.answer_write(seq)).await?;
             }
-            (OpKind::Read, Ok(Target::Memory(l, at))) => {
-                accepted(req.len).encode(&mut resp);
+            Action::ReadMemory {
+                lease,
+                at,
+                len,
+                response,
+            } => {
                 if len <= SMALL {
-                    stage[..DATA_RESPONSE_LEN].copy_from_slice(&resp);
+                    stage[..DATA_RESPONSE_LEN].copy_from_slice(&response);
                     let body = &mut stage[DATA_RESPONSE_LEN..DATA_RESPONSE_LEN + len];
-                    l.region
+                    lease
+                        .region
                         .read_at(at, body)
                         .map_err(|e| std::io::Error::other(e.to_string()))?;
                     send_buf(stream, &stage[..DATA_RESPONSE_LEN + len]).await?;
                 } else {
                     let src = RawRange {
-                        addr: l.region.as_ptr() as usize + at as usize,
+                        addr: lease.region.as_ptr() as usize + at as usize,
                         len,
                     };
-                    // SAFETY: `l.check` proved the range lies inside the region, which the lease
-                    // keeps alive for the send; it is only read, through raw pointers.
-                    unsafe { send_all(stream, &resp, src).await? };
+                    // SAFETY: the stream protocol checked the range against the region, which
+                    // the lease keeps alive for the send; it is only read, through raw pointers.
+                    unsafe { send_all(stream, &response, src).await? };
                 }
             }
-            (OpKind::Read, Ok(Target::File(f, at))) => {
+            Action::ReadFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
                 // Positioned reads block: off this stream's I/O thread, through a staging buffer
                 // of at most FILE_PIECE per stream, however large the chunk. A file that shrank
                 // under the READ closes the stream.
-                accepted(req.len).encode(&mut resp);
                 if len == 0 {
-                    send_buf(stream, &resp).await?;
+                    send_buf(stream, &response).await?;
                 }
                 let mut done = 0usize;
                 while done < len {
@@ -344,8 +328,8 @@ async fn serve_data(
                     let head = if done == 0 { DATA_RESPONSE_LEN } else { 0 };
                     let mut buf = std::mem::take(&mut file_stage);
                     buf.resize(head + n, 0);
-                    buf[..head].copy_from_slice(&resp[..head]);
-                    let f = f.clone();
+                    buf[..head].copy_from_slice(&response[..head]);
+                    let f = file.clone();
                     let from_at = at + done as u64;
                     let (buf, read) = tokio::task::spawn_blocking(move || {
                         let r = f.read_exact_at(from_at, &mut buf[head..]);
@@ -359,14 +343,19 @@ async fn serve_data(
                     done += n;
                 }
             }
-            (OpKind::Write, Ok(Target::File(f, at))) => {
+            Action::WriteFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
                 let mut done = 0usize;
                 while done < len {
                     let n = FILE_PIECE.min(len - done);
                     let mut buf = std::mem::take(&mut file_stage);
                     buf.resize(n, 0);
                     recv_buf(stream, &mut buf).await?;
-                    let f = f.clone();
+                    let f = file.clone();
                     let to_at = at + done as u64;
                     let (buf, wrote) = tokio::task::spawn_blocking(move || {
                         let r = f.write_all_at(to_at, &buf);
@@ -378,32 +367,30 @@ async fn serve_data(
                     wrote?;
                     done += n;
                 }
-                accepted(0).encode(&mut resp);
-                send_buf(stream, &resp).await?;
+                send_buf(stream, &response).await?;
             }
-            (kind, Err(status)) => {
-                debug!(%from, token = %req.token, %kind, %status, "refused chunk");
-                if kind == OpKind::Write {
+            Action::Refuse {
+                kind,
+                token,
+                status,
+                discard,
+                response,
+            } => {
+                debug!(%from, %token, %kind, %status, "refused chunk");
+                if discard > 0 {
                     if scratch.is_empty() {
                         scratch = vec![0u8; 64 << 10];
                     }
-                    discard(stream, req.len, &mut scratch).await?;
+                    discard_payload(stream, discard, &mut scratch).await?;
                 }
-                DataResponse {
-                    seq: req.seq,
-                    refused: Some(status),
-                    len: 0,
-                    also_acks: 0,
-                }
-                .encode(&mut resp);
-                send_buf(stream, &resp).await?;
+                send_buf(stream, &response).await?;
+            }
+            Action::Close { error, response } => {
+                // The payload length cannot be trusted: answer and close the stream.
+                warn!(%from, %error, "malformed data request; closing stream");
+                send_buf(stream, &response).await?;
+                return Ok(());
             }
         }
     }
-}
-
-/// What a checked request touches: registered memory or a file, at this offset.
-enum Target {
-    Memory(ferry_core::SegmentLease, u64),
-    File(Arc<dyn FileSource>, u64),
 }

@@ -9,7 +9,6 @@
 //! `depth`) and checks the sequence number. A request is drained once every chunk is resolved
 //! *and* every zero-copy notification of its sends arrived.
 
-use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
-use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse};
+use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution};
+use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
@@ -39,7 +39,7 @@ pub(crate) struct SendPlan {
     /// Pin stream `i`'s threads to the `i`-th allowed CPU (loopback, several streams).
     pub(crate) pin: bool,
     /// The peer is on this host (loopback): no flight time to cover, so the server may hold back
-    /// responses for all but one chunk in flight, not just for half of them; see [`ack_slack`].
+    /// responses for all but one chunk in flight, not just for half of them ([`AckPolicy`]).
     pub(crate) loopback: bool,
 }
 
@@ -52,20 +52,21 @@ struct ReqShared {
     parts: Arc<Countdown>,
 }
 
-#[derive(Debug)]
-struct Job {
-    req: Arc<ReqShared>,
-    op: usize,
-    /// Offset of the chunk within the op.
-    at: u64,
-    len: u64,
+impl ChunkOwner for ReqShared {
+    fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    fn control(&self) -> &RequestControl {
+        &self.control
+    }
+
+    fn chunk_done(&self) {
+        self.parts.done_one();
+    }
 }
 
-#[derive(Debug)]
-struct InFlight {
-    job: Job,
-    seq: u32,
-}
+type Job = Chunk<ReqShared>;
 
 /// Keeps a request un-drained until the zero-copy notification of one send.
 struct NotifHold(Arc<ReqShared>);
@@ -266,8 +267,6 @@ impl UringChannel {
                 socket: socket.clone(),
                 dead: dead.clone(),
                 queue: queue.clone(),
-                depth,
-                loopback,
                 peer,
                 index: i,
             };
@@ -283,7 +282,12 @@ impl UringChannel {
                             }
                             io.set_wake(cx.wake.fd.as_raw_fd());
                             let _ = ready_tx.send(Ok(()));
-                            stream(io, cx)
+                            let policy = if loopback {
+                                AckPolicy::Loopback
+                            } else {
+                                AckPolicy::Network
+                            };
+                            stream(io, cx, ClientStream::new(depth, policy))
                         }
                         Err(e) => {
                             cx.dead.store(true, Ordering::Release);
@@ -367,7 +371,7 @@ impl Channel for UringChannel {
                     len,
                 }
             },
-            |job| job.req.parts.done_one(),
+            Chunk::skipped,
             |set| self.queue.wake_all_in(set),
         );
         let parts = req.parts.clone();
@@ -403,34 +407,6 @@ impl Drop for UringChannel {
     }
 }
 
-fn fail_unposted(job: Job) {
-    job.req
-        .control
-        .with_ledger(|l| l.not_posted(job.op, FailureKind::PeerLost, None));
-    job.req.parts.done_one();
-}
-
-fn fail_lost(job: Job, native: Option<i32>) {
-    job.req
-        .control
-        .with_ledger(|l| l.lost(job.op, FailureKind::PeerLost, native));
-    job.req.parts.done_one();
-}
-
-/// Fails everything in flight on a broken stream as lost, and closes the stream.
-fn break_stream(
-    fly: &mut VecDeque<InFlight>,
-    dead: &AtomicBool,
-    socket: &TcpStream,
-    native: Option<i32>,
-) {
-    dead.store(true, Ordering::Release);
-    shutdown(socket);
-    for f in fly.drain(..) {
-        fail_lost(f.job, native);
-    }
-}
-
 /// What a stream thread owns besides its ring.
 struct StreamCtx {
     splice: bool,
@@ -438,8 +414,6 @@ struct StreamCtx {
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     queue: Arc<JobQueue<Job>>,
-    depth: usize,
-    loopback: bool,
     peer: SocketAddr,
     index: usize,
 }
@@ -447,9 +421,7 @@ struct StreamCtx {
 /// One stream's thread: it sends requests in order (WRITE payloads from registered memory) and
 /// reads the responses with a receive kept armed on the same ring, so that a response arriving
 /// while the thread sends is picked up by that send's wait, with no second thread to wake.
-fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
-    let mut fly: VecDeque<InFlight> = VecDeque::with_capacity(cx.depth);
-    let mut seq: u32 = 0;
+fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, mut proto: ClientStream<ReqShared>) {
     let mut resp = [0u8; DATA_RESPONSE_LEN];
     let mut resp_at = 0usize;
     let mut open = true;
@@ -473,11 +445,11 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
             }
             if resp_at == DATA_RESPONSE_LEN {
                 resp_at = 0;
-                if let Err(native) = on_response(&mut io, &resp, &mut fly, &cx) {
+                if let Err(native) = on_response(&mut io, &resp, &mut proto, &cx) {
                     break 'run native;
                 }
             }
-            if (!fly.is_empty() || resp_at > 0)
+            if (proto.in_flight() > 0 || resp_at > 0)
                 && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
             {
                 debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
@@ -486,8 +458,8 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
         }
         // New work, while fewer than `depth` chunks are in flight.
         let mut job = None;
-        if open && fly.len() < cx.depth {
-            let idle = fly.is_empty();
+        if open && proto.has_room() {
+            let idle = proto.in_flight() == 0;
             match cx.queue.next(cx.index, idle) {
                 Some(Some(j)) => job = Some(j),
                 Some(None) => open = false,
@@ -505,7 +477,7 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
             }
         }
         let Some(job) = job else {
-            if !open && fly.is_empty() && resp_at == 0 {
+            if !open && proto.in_flight() == 0 && resp_at == 0 {
                 cx.wake.rise();
                 break 'run None;
             }
@@ -517,38 +489,19 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx) {
             continue;
         };
         cx.wake.rise();
-        if let Err(native) = post(&mut io, job, &mut seq, &mut fly, &cx, resp_at) {
+        if let Err(native) = post(&mut io, job, &mut proto, &cx, resp_at) {
             break 'run native;
         }
     };
-    break_stream(&mut fly, &cx.dead, &cx.socket, broken);
+    cx.dead.store(true, Ordering::Release);
+    shutdown(&cx.socket);
+    proto.fail_all(broken);
     // The other streams take what was dealt to this one; the last one to end fails it.
     for job in cx.queue.leave(cx.index) {
-        fail_unposted(job);
+        job.not_posted(FailureKind::PeerLost);
     }
     // Until they are notified the kernel may still read the buffers of zero-copy sends.
     io.finish(crate::FINISH_GRACE);
-}
-
-/// How many WRITE responses the server may hold back and send as one, with `in_flight` chunks
-/// (this one's included) in flight on the stream. The server holds a response back only while
-/// the next request has already arrived, so a lone request (a latency-bound caller) is answered
-/// at once and a stream that stops sending gets every answer; while requests keep coming, one
-/// response in several moves, which saves small packets and wake-ups on both sides.
-///
-/// Over a network, at most half of the chunks in flight, less one (one response in two with
-/// three or four in flight, as TCP's delayed ACK): the other half keeps moving and covers the
-/// flight time, so held responses never starve the pipe. On loopback there is no flight time:
-/// all chunks in flight but one. Holding the whole window let the stream run dry before its
-/// responses came (its pinned core then idled); measured against that, all but one ran 1.03x
-/// with one and two streams of 1 MiB WRITEs.
-fn ack_slack(in_flight: usize, loopback: bool) -> u16 {
-    let slack = if loopback {
-        in_flight.saturating_sub(1)
-    } else {
-        in_flight.saturating_sub(1) / 2
-    };
-    u16::try_from(slack).unwrap_or(u16::MAX)
 }
 
 /// Sends one chunk's request (and WRITE payload), keeping a receive armed for its response.
@@ -556,75 +509,49 @@ fn ack_slack(in_flight: usize, loopback: bool) -> u16 {
 fn post(
     io: &mut SockIo<NotifHold>,
     job: Job,
-    seq: &mut u32,
-    fly: &mut VecDeque<InFlight>,
+    proto: &mut ClientStream<ReqShared>,
     cx: &StreamCtx,
     resp_at: usize,
 ) -> Result<(), Option<i32>> {
     if cx.dead.load(Ordering::Acquire) {
-        fail_unposted(job);
+        job.not_posted(FailureKind::PeerLost);
         return Ok(());
     }
-    if job.req.control.should_stop_posting() {
-        // Stopped or failed: the reason is already in the ledger; this chunk never moves.
-        job.req.parts.done_one();
-        return Ok(());
-    }
-    let op = &job.req.ops[job.op];
-    let local_at = op.local_offset + job.at;
-    if op.local.check(local_at, job.len).is_err() {
-        job.req
-            .control
-            .with_ledger(|l| l.not_posted(job.op, FailureKind::Local, None));
-        job.req.parts.done_one();
-        return Ok(());
-    }
-    let s = *seq;
-    *seq = seq.wrapping_add(1);
-    let is_write = op.kind == OpKind::Write;
-    let mut head = [0u8; DATA_REQUEST_LEN];
-    DataRequest {
-        kind: op.kind,
-        seq: s,
-        token: op.token,
-        offset: op.remote_offset + job.at,
-        len: job.len,
-        ack_slack: if is_write {
-            ack_slack(fly.len() + 1, cx.loopback)
-        } else {
-            0
-        },
-    }
-    .encode(&mut head);
-    let (region, len) = (op.local.clone(), job.len as usize);
-    let req = job.req.clone();
-    req.control.with_ledger(|l| l.posted(job.op));
-    fly.push_back(InFlight { job, seq: s });
+    let out = match proto.post(job) {
+        Post::Send(out) => out,
+        Post::Resolved => return Ok(()),
+        Post::Broken(job) => {
+            job.not_posted(FailureKind::PeerLost);
+            return Ok(());
+        }
+    };
     if !io.armed()
         && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
     {
         debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
         return Err(None);
     }
+    let is_write = out.kind == OpKind::Write;
     let res = if is_write && cx.splice {
-        let ptr = (region.as_ptr() as usize + local_at as usize) as *const u8;
-        // SAFETY: bounds-checked above; the request owns the range and keeps the region alive
-        // until its response is read (the job in flight holds the ops), and the peer answers
-        // only after it received every byte, so no page reference outlives that.
-        unsafe { io.send_spliced(&head, ptr, len) }
+        let ptr = (out.region.as_ptr() as usize + out.local_at as usize) as *const u8;
+        // SAFETY: the stream protocol checked the range against the region at post; the
+        // request owns the range and keeps the region alive until its response is read (the
+        // chunk in flight holds the ops), and the peer answers only after it received every
+        // byte, so no page reference outlives that.
+        unsafe { io.send_spliced(&out.head, ptr, out.len) }
     } else if is_write {
         let body = Body {
-            region: &region,
-            offset: local_at,
-            len,
+            region: &out.region,
+            offset: out.local_at,
+            len: out.len,
         };
-        let mut hold = || NotifHold::new(&req);
-        // SAFETY: the range was bounds-checked against the region above; the request owns it
-        // until drained, which waits for every hold made here (each keeps the request, and so
-        // its ops' regions, alive until the send's notification).
-        unsafe { io.send(&head, Some(body), Some(&mut hold)) }
+        let mut hold = || NotifHold::new(&out.req);
+        // SAFETY: the range was checked against the region at post; the request owns it until
+        // drained, which waits for every hold made here (each keeps the request, and so its
+        // ops' regions, alive until the send's notification).
+        unsafe { io.send(&out.head, Some(body), Some(&mut hold)) }
     } else {
-        io.send_buf(&head)
+        io.send_buf(&out.head)
     };
     res.map_err(|e| {
         debug!(peer = %cx.peer, stream = cx.index, error = %e, "send failed; stream closed");
@@ -632,75 +559,38 @@ fn post(
     })
 }
 
-/// Resolves the oldest chunk in flight with `head` (reading a READ's payload into registered
-/// memory first). `Err`: the stream is broken (the chunk is failed as lost here).
+/// Resolves the oldest chunks in flight with `head` (reading a READ's payload into registered
+/// memory first). `Err`: the stream is broken.
 fn on_response(
     io: &mut SockIo<NotifHold>,
     head: &[u8; DATA_RESPONSE_LEN],
-    fly: &mut VecDeque<InFlight>,
+    proto: &mut ClientStream<ReqShared>,
     cx: &StreamCtx,
 ) -> Result<(), Option<i32>> {
-    let resp = match DataResponse::decode(head) {
-        Ok(r) => r,
+    let chunk = match proto.on_response(head) {
+        Ok(Resolution::Done) => return Ok(()),
+        Ok(Resolution::Payload(chunk)) => chunk,
+        Err(v) => {
+            debug!(peer = %cx.peer, stream = cx.index, error = %v, "bad response; stream closed");
+            return Err(None);
+        }
+    };
+    let ptr = (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize) as *mut u8;
+    // SAFETY: the stream protocol checked the range against the region at post; the request
+    // owns the range until drained, keeps the region alive through the chunk's Arc, and no Rust
+    // reference to it exists.
+    match unsafe { io.recv_exact(ptr, chunk.len as usize) } {
+        Ok(()) => {
+            chunk.acked();
+            Ok(())
+        }
         Err(e) => {
-            debug!(peer = %cx.peer, stream = cx.index, error = %e, "bad response; stream closed");
-            return Err(None);
-        }
-    };
-    // Held-back responses: the `also_acks` WRITEs just before `seq` were accepted too. They
-    // must be exactly the oldest chunks in flight, WRITEs (a READ's payload cannot be implied)
-    // whose requests allowed it; anything else is a broken peer.
-    let held = usize::from(resp.also_acks);
-    let plausible = held < fly.len()
-        && fly.iter().take(held).enumerate().all(|(i, f)| {
-            f.job.req.ops[f.job.op].kind == OpKind::Write
-                && f.seq.wrapping_add((held - i) as u32) == resp.seq
-        });
-    if !plausible {
-        debug!(peer = %cx.peer, stream = cx.index, ?resp, in_flight = fly.len(),
-            "response acknowledges chunks not in flight; stream closed");
-        return Err(None);
-    }
-    for f in fly.drain(..held) {
-        f.job.req.control.with_ledger(|l| l.acked(f.job.op));
-        f.job.req.parts.done_one();
-    }
-    let Some(f) = fly.pop_front() else {
-        debug!(peer = %cx.peer, stream = cx.index, "response with nothing in flight; stream closed");
-        return Err(None);
-    };
-    if resp.seq != f.seq {
-        debug!(peer = %cx.peer, stream = cx.index, ?resp, expected = f.seq,
-            "response out of order; stream closed");
-        fail_lost(f.job, None);
-        return Err(None);
-    }
-    let job = f.job;
-    let op = &job.req.ops[job.op];
-    if let Some(status) = resp.refused {
-        job.req.control.with_ledger(|l| l.refused(job.op, status));
-        job.req.parts.done_one();
-        return Ok(());
-    }
-    if op.kind == OpKind::Read {
-        let at = op.local_offset + job.at;
-        if resp.len != job.len || op.local.check(at, job.len).is_err() {
-            fail_lost(job, None);
-            return Err(None);
-        }
-        let ptr = (op.local.as_ptr() as usize + at as usize) as *mut u8;
-        // SAFETY: bounds-checked above; the request owns the range until drained, keeps the
-        // region alive through the job's Arc, and no Rust reference to it exists.
-        if let Err(e) = unsafe { io.recv_exact(ptr, job.len as usize) } {
             debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
             let native = e.raw_os_error();
-            fail_lost(job, native);
-            return Err(native);
+            chunk.lost(native);
+            Err(native)
         }
     }
-    job.req.control.with_ledger(|l| l.acked(job.op));
-    job.req.parts.done_one();
-    Ok(())
 }
 
 #[cfg(test)]
@@ -709,7 +599,7 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::Ordering;
 
-    use super::{JobQueue, Wake, ack_slack};
+    use super::{JobQueue, Wake};
 
     fn queue(streams: usize) -> JobQueue<u32> {
         JobQueue::new(
@@ -761,17 +651,5 @@ mod tests {
         );
         q.drop_channel();
         assert!([0, 1, 2].iter().all(|&i| poked(&q.wakes[i])));
-    }
-
-    /// Over a network half the window keeps moving (one response in two with three or four in
-    /// flight); on loopback all but one chunk's responses may be held; one chunk alone is never
-    /// held.
-    #[test]
-    fn ack_slack_keeps_half_the_window_moving_over_a_network() {
-        let net: Vec<u16> = (1..=8).map(|n| ack_slack(n, false)).collect();
-        assert_eq!(net, [0, 0, 1, 1, 2, 2, 3, 3]);
-        let lo: Vec<u16> = (1..=4).map(|n| ack_slack(n, true)).collect();
-        assert_eq!(lo, [0, 1, 2, 3]);
-        assert_eq!(ack_slack(1 << 20, true), u16::MAX);
     }
 }

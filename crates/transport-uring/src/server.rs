@@ -9,13 +9,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::wire::{
-    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, Reject,
-    RejectReason, SUPPORTED_VERSIONS,
-};
+use ferry_core::stream::{Action, ServerStream};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, Reject, RejectReason, SUPPORTED_VERSIONS};
 use ferry_core::{
-    Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, PeerId, RemoteStatus,
-    SegmentLease, SegmentTable,
+    Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, PeerId, SegmentLease, SegmentTable,
 };
 use io_uring::IoUring;
 use tracing::{debug, warn};
@@ -368,11 +365,6 @@ impl Stage {
     }
 }
 
-enum Target {
-    Memory(SegmentLease, u64),
-    File(FileIo, u64),
-}
-
 /// A published file as this server moves it: a [`FileSegment`] through the stream's file ring
 /// (O_DIRECT where alignment allows), any other [`FileSource`] through its own positioned I/O.
 enum FileIo {
@@ -453,66 +445,6 @@ impl FileIo {
     }
 }
 
-/// Accepted WRITE responses a stream holds back (see [`DataRequest::ack_slack`]).
-#[derive(Default)]
-struct Held {
-    count: u16,
-    last_seq: u32,
-}
-
-impl Held {
-    /// Whether `req` (an accepted WRITE) allows its response to be held back with the others.
-    fn may_hold(&self, req: &DataRequest) -> bool {
-        u32::from(self.count) < u32::from(req.ack_slack)
-    }
-
-    fn hold(&mut self, seq: u32, stats: &IoStats) {
-        IoStats::add(&stats.held_responses, 1);
-        self.count += 1;
-        self.last_seq = seq;
-    }
-
-    /// Answers the accepted WRITE `seq` together with every held-back response.
-    fn answer<H>(&mut self, io: &mut SockIo<H>, seq: u32) -> std::io::Result<()> {
-        let mut resp = [0u8; DATA_RESPONSE_LEN];
-        DataResponse {
-            seq,
-            refused: None,
-            len: 0,
-            also_acks: self.count,
-        }
-        .encode(&mut resp);
-        self.count = 0;
-        io.send_buf(&resp)
-    }
-
-    /// Sends the held-back responses (the last one carrying the others).
-    fn flush<H>(&mut self, io: &mut SockIo<H>) -> std::io::Result<()> {
-        if self.count == 0 {
-            return Ok(());
-        }
-        self.count -= 1;
-        let seq = self.last_seq;
-        self.answer(io, seq)
-    }
-}
-
-/// What a request names: a memory segment (its lease and the offset in its region) or a file,
-/// or why it is refused.
-fn resolve(ctx: &Ctx, req: &DataRequest) -> Result<Target, RemoteStatus> {
-    match ctx.table.resolve(req.token) {
-        Some(l) => l
-            .check(req.kind, req.offset, req.len)
-            .map(|at| Target::Memory(l, at)),
-        None => match ctx.table.file(req.token) {
-            Some(f) => f
-                .check(req.kind, req.offset, req.len)
-                .map(|at| Target::File(FileIo::new(f), at)),
-            None => Err(RemoteStatus::UnknownSegment),
-        },
-    }
-}
-
 /// Receives the next request header through the ring's armed receive (armed here if it is not
 /// already). `false`: the client closed the stream cleanly, between requests.
 fn next_head<H>(io: &mut SockIo<H>, head: &mut [u8; DATA_REQUEST_LEN]) -> std::io::Result<bool> {
@@ -560,9 +492,10 @@ fn try_next_head<H>(
     next_head(io, head)
 }
 
-/// Serves chunks on one data stream until the client closes it. Wire behaviour is exactly the TCP
-/// transport's: responses in request order, a refused WRITE's payload read and dropped, a
-/// malformed header answered with `Malformed` and the stream closed.
+/// Serves chunks on one data stream until the client closes it, as the stream protocol
+/// ([`ServerStream`]) decides: responses in request order, a refused WRITE's payload read and
+/// dropped, a malformed header answered with `Malformed` and the stream closed, accepted WRITE
+/// responses held back while the client's next WRITE into the same segment has already arrived.
 /// `pin_first`: set once this stream (a loopback client's stream 0) should pin its thread.
 fn serve_data(
     stream: &TcpStream,
@@ -580,16 +513,11 @@ fn serve_data(
     let mut stage = Stage { region: None };
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut scratch: Vec<u8> = Vec::new();
-    // Accepted WRITE responses held back (their requests' `ack_slack` allowed it), and the seq of
-    // the last one; `ready`: `head` already holds the next request (a response is held back only
-    // then, so the client is never left waiting on a response with nothing else coming).
-    let mut held = Held::default();
+    let mut proto = ServerStream::new();
+    // `ready`: `head` already holds the next request (a response is held back only then, so the
+    // client is never left waiting on a response with nothing else coming).
     let mut ready = false;
-    // The target of the request in `head` when a response was held back for it: the previous
-    // WRITE's lease, already checked for this request's range (see below).
-    let mut carried: Option<(SegmentLease, u64)> = None;
     let res = loop {
-        let mut resp = [0u8; DATA_RESPONSE_LEN];
         if !ready {
             match next_head(&mut io, &mut head) {
                 Ok(true) => {}
@@ -604,87 +532,76 @@ fn serve_data(
             crate::pin_stream_thread(0);
             pin_first = None;
         }
-        let req = match DataRequest::decode(&head) {
-            Ok(r) => r,
-            Err(e) => {
-                warn!(%from, error = %e, "malformed data request; closing stream");
-                DataResponse {
-                    seq: u32::from_le_bytes([head[4], head[5], head[6], head[7]]),
-                    refused: Some(RemoteStatus::Malformed),
-                    len: 0,
-                    also_acks: 0,
-                }
-                .encode(&mut resp);
-                break held.flush(&mut io).and_then(|()| io.send_buf(&resp));
-            }
-        };
-        let target = match carried.take() {
-            Some((l, at)) => Ok(Target::Memory(l, at)),
-            None => resolve(ctx, &req),
-        };
+        let action = proto.on_request(&head, &*ctx.table);
         // Only an accepted WRITE to memory may join the held-back responses; any other answer
         // must not overtake them.
-        let joins = req.kind == OpKind::Write && matches!(target, Ok(Target::Memory(..)));
-        if !joins && let Err(e) = held.flush(&mut io) {
+        if !action.joins_held()
+            && let Some(r) = proto.flush()
+            && let Err(e) = io.send_buf(&r)
+        {
             break Err(e);
         }
-        let len = req.len as usize;
-        let accepted = |len: u64| DataResponse {
-            seq: req.seq,
-            refused: None,
-            len,
-            also_acks: 0,
-        };
-        let step = match (req.kind, target) {
-            (OpKind::Write, Ok(Target::Memory(l, at))) => {
-                let ptr = (l.region.as_ptr() as usize + at as usize) as *mut u8;
-                // SAFETY: `l.check` proved `at..at+len` lies inside the region, which the lease
-                // keeps alive; no Rust reference into it exists (raw receive).
+        let step = match action {
+            Action::WriteMemory {
+                lease,
+                token,
+                at,
+                len,
+                seq,
+                ack_slack,
+            } => {
+                let ptr = (lease.region.as_ptr() as usize + at as usize) as *mut u8;
+                // SAFETY: the stream protocol checked `at..at+len` against the region, which
+                // the lease keeps alive; no Rust reference into it exists (raw receive).
                 unsafe { io.recv_exact(ptr, len) }.and_then(|()| {
-                    if held.may_hold(&req) && try_next_head(&mut io, &mut head)? {
+                    if proto.may_hold(ack_slack) && try_next_head(&mut io, &mut head)? {
                         ready = true;
-                        // Hold this response back only if the next request is a WRITE into the
-                        // same segment that this lease covers: then nothing lies between this
-                        // chunk and its response but the arrival of that payload, which the
-                        // client is sending now (no lookup, nothing that could stall).
-                        if let Ok(next) = DataRequest::decode(&head)
-                            && next.kind == OpKind::Write
-                            && next.token == req.token
-                            && let Ok(next_at) = l.check(OpKind::Write, next.offset, next.len)
-                        {
-                            held.hold(req.seq, &ctx.stats);
-                            carried = Some((l.clone(), next_at));
+                        if proto.hold_for_next(&lease, token, seq, &head) {
+                            IoStats::add(&ctx.stats.held_responses, 1);
                             return Ok(());
                         }
                     }
-                    held.answer(&mut io, req.seq)
+                    io.send_buf(&proto.answer_write(seq))
                 })
             }
-            (OpKind::Read, Ok(Target::Memory(l, at))) => {
-                accepted(req.len).encode(&mut resp);
-                let region = l.region.clone();
+            Action::ReadMemory {
+                lease,
+                at,
+                len,
+                response,
+            } => {
+                let region = lease.region.clone();
                 let body = Body {
                     region: &region,
                     offset: at,
                     len,
                 };
-                let mut hold = || l.clone();
+                let mut hold = || lease.clone();
                 // SAFETY: the range was checked against the region; each hold is a clone of the
                 // lease, which keeps the region alive (and the registration in use) until the
                 // zero-copy notification.
-                unsafe { io.send(&resp, Some(body), Some(&mut hold)) }
+                unsafe { io.send(&response, Some(body), Some(&mut hold)) }
             }
-            (OpKind::Read, Ok(Target::File(f, at))) => {
+            Action::ReadFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
                 // Through a staging buffer of at most FILE_PIECE (O_DIRECT-aligned), however
                 // large the chunk: the header first, then the payload piece by piece. A file
                 // that shrank under the READ closes the stream.
+                let f = FileIo::new(file);
                 let ring = match &mut file_ring {
                     Some(r) => r,
                     None => file_ring.insert(IoUring::new(4)?),
                 };
-                accepted(req.len).encode(&mut resp);
                 // The header goes out with the first piece (alone only for an empty READ).
-                let mut step = if len == 0 { io.send_buf(&resp) } else { Ok(()) };
+                let mut step = if len == 0 {
+                    io.send_buf(&response)
+                } else {
+                    Ok(())
+                };
                 let mut done = 0usize;
                 while step.is_ok() && done < len {
                     let n = FILE_PIECE.min(len - done);
@@ -696,7 +613,7 @@ fn serve_data(
                             offset: 0,
                             len: n,
                         };
-                        let head: &[u8] = if done == 0 { &resp } else { &[] };
+                        let head: &[u8] = if done == 0 { &response } else { &[] };
                         // SAFETY: the staging buffer is not reused before this copying send
                         // returns (no zero-copy hold is given).
                         unsafe { io.send(head, Some(body), None) }
@@ -705,7 +622,13 @@ fn serve_data(
                 }
                 step
             }
-            (OpKind::Write, Ok(Target::File(f, at))) => {
+            Action::WriteFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
+                let f = FileIo::new(file);
                 let ring = match &mut file_ring {
                     Some(r) => r,
                     None => file_ring.insert(IoUring::new(4)?),
@@ -723,38 +646,31 @@ fn serve_data(
                     });
                     done += n;
                 }
-                step.and_then(|()| {
-                    accepted(0).encode(&mut resp);
-                    io.send_buf(&resp)
-                })
+                step.and_then(|()| io.send_buf(&response))
             }
-            (kind, Err(status)) => {
-                debug!(%from, token = %req.token, %kind, %status, "refused chunk");
-                let drained = if kind == OpKind::Write {
-                    if scratch.is_empty() {
-                        scratch = vec![0u8; 64 << 10];
-                    }
-                    let mut left = req.len;
-                    let mut r = Ok(());
-                    while left > 0 && r.is_ok() {
-                        let n = (scratch.len() as u64).min(left) as usize;
-                        r = io.recv_buf(&mut scratch[..n]);
-                        left -= n as u64;
-                    }
-                    r
-                } else {
-                    Ok(())
-                };
-                drained.and_then(|()| {
-                    DataResponse {
-                        seq: req.seq,
-                        refused: Some(status),
-                        len: 0,
-                        also_acks: 0,
-                    }
-                    .encode(&mut resp);
-                    io.send_buf(&resp)
-                })
+            Action::Refuse {
+                kind,
+                token,
+                status,
+                discard,
+                response,
+            } => {
+                debug!(%from, %token, %kind, %status, "refused chunk");
+                if discard > 0 && scratch.is_empty() {
+                    scratch = vec![0u8; 64 << 10];
+                }
+                let mut left = discard;
+                let mut r = Ok(());
+                while left > 0 && r.is_ok() {
+                    let n = (scratch.len() as u64).min(left) as usize;
+                    r = io.recv_buf(&mut scratch[..n]);
+                    left -= n as u64;
+                }
+                r.and_then(|()| io.send_buf(&response))
+            }
+            Action::Close { error, response } => {
+                warn!(%from, %error, "malformed data request; closing stream");
+                break io.send_buf(&response);
             }
         };
         if let Err(e) = step {

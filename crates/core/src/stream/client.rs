@@ -1,0 +1,383 @@
+//! The client half of a data stream: sequence numbers, the chunks in flight, how many WRITE
+//! responses the server may hold back, and the matching and validation of responses.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::memory::MemoryRegion;
+use crate::op::{Op, OpKind};
+use crate::outcome::{FailureKind, RemoteStatus, RequestControl};
+use crate::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, WireError};
+
+/// What a driver's request gives the protocol: its ops, its control (stop flag and ledger), and
+/// how one resolved chunk is counted (the driver's completion: a counter, a notification).
+pub trait ChunkOwner: Send + Sync + 'static {
+    /// The request's ops.
+    fn ops(&self) -> &[Op];
+
+    /// The request's stop flag and ledger.
+    fn control(&self) -> &RequestControl;
+
+    /// One chunk of the request is resolved (acknowledged, refused, lost or never posted).
+    /// Called exactly once per chunk.
+    fn chunk_done(&self);
+}
+
+/// One chunk of one op of a request: `len` bytes at `at` within the op.
+#[derive(Debug)]
+pub struct Chunk<R> {
+    /// The request.
+    pub req: Arc<R>,
+    /// Index of the op in the request.
+    pub op: usize,
+    /// Offset of the chunk within the op.
+    pub at: u64,
+    /// Length of the chunk.
+    pub len: u64,
+}
+
+impl<R: ChunkOwner> Chunk<R> {
+    /// The op the chunk belongs to.
+    pub fn op(&self) -> &Op {
+        &self.req.ops()[self.op]
+    }
+
+    /// Offset of the chunk in the op's local region.
+    pub fn local_at(&self) -> u64 {
+        self.op().local_offset + self.at
+    }
+
+    /// The chunk completed: acknowledged by the peer.
+    pub fn acked(self) {
+        self.req.control().with_ledger(|l| l.acked(self.op));
+        self.req.chunk_done();
+    }
+
+    /// The peer refused the chunk; it moved no byte.
+    pub fn refused(self, status: RemoteStatus) {
+        self.req
+            .control()
+            .with_ledger(|l| l.refused(self.op, status));
+        self.req.chunk_done();
+    }
+
+    /// The chunk was posted and will never be acknowledged (`PeerLost`; its effect is unknown).
+    pub fn lost(self, native: Option<i32>) {
+        self.req
+            .control()
+            .with_ledger(|l| l.lost(self.op, FailureKind::PeerLost, native));
+        self.req.chunk_done();
+    }
+
+    /// The chunk was never posted, for `kind` (it has no effect).
+    pub fn not_posted(self, kind: FailureKind) {
+        self.req
+            .control()
+            .with_ledger(|l| l.not_posted(self.op, kind, None));
+        self.req.chunk_done();
+    }
+
+    /// The chunk is dropped unposted because its request stopped posting; the reason is already
+    /// in the ledger.
+    pub fn skipped(self) {
+        self.req.chunk_done();
+    }
+}
+
+/// How many of a stream's WRITE responses a client lets the server hold back
+/// ([`DataRequest::ack_slack`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AckPolicy {
+    /// Every response at once (`ack_slack` 0).
+    Immediate,
+    /// Over a network: at most half of the chunks in flight, less one, so the other half keeps
+    /// moving and covers the flight time.
+    Network,
+    /// On loopback (no flight time): all chunks in flight but one.
+    Loopback,
+}
+
+impl AckPolicy {
+    /// The `ack_slack` of a WRITE posted with `in_flight` chunks in flight, itself included. The
+    /// server holds a response back only while the next request has already arrived, so a lone
+    /// request is answered at once and a stream that stops sending gets every answer.
+    pub fn slack(self, in_flight: usize) -> u16 {
+        let slack = match self {
+            AckPolicy::Immediate => 0,
+            AckPolicy::Network => in_flight.saturating_sub(1) / 2,
+            AckPolicy::Loopback => in_flight.saturating_sub(1),
+        };
+        u16::try_from(slack).unwrap_or(u16::MAX)
+    }
+}
+
+/// A chunk the stream admitted: the header to send, and where its payload lies (a WRITE's bytes
+/// to send after the header, a READ's room for the bytes its response brings).
+#[derive(Debug)]
+pub struct Outgoing<R> {
+    /// The encoded request header.
+    pub head: [u8; DATA_REQUEST_LEN],
+    /// READ or WRITE.
+    pub kind: OpKind,
+    /// The request (to keep it alive, e.g. until a zero-copy notification).
+    pub req: Arc<R>,
+    /// The local region; `local_at..local_at + len` was checked to lie inside it.
+    pub region: Arc<MemoryRegion>,
+    /// Offset of the chunk in `region`.
+    pub local_at: u64,
+    /// Payload length.
+    pub len: usize,
+}
+
+/// What [`ClientStream::post`] made of a chunk.
+#[derive(Debug)]
+pub enum Post<R> {
+    /// Send this: the chunk is in flight.
+    Send(Outgoing<R>),
+    /// The chunk was resolved without being posted (its request stopped posting, or its local
+    /// range is invalid); nothing to send.
+    Resolved,
+    /// The stream is broken: the chunk was not posted, hand it to another stream.
+    Broken(Chunk<R>),
+}
+
+/// What a valid response asks of the driver.
+#[derive(Debug)]
+pub enum Resolution<R> {
+    /// The chunk (and any held-back WRITEs) is resolved; nothing follows the header.
+    Done,
+    /// An accepted READ: exactly `chunk.len` payload bytes follow the header. Receive them into
+    /// `chunk.op().local` at `chunk.local_at()` (checked at post), then call
+    /// [`Chunk::acked`], or [`Chunk::lost`] and [`ClientStream::fail_all`] if the stream fails.
+    Payload(Chunk<R>),
+}
+
+/// A response that breaks the protocol; the stream must be closed and what is in flight failed
+/// ([`ClientStream::fail_all`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// The header does not decode.
+    #[error("bad response header: {0}")]
+    Malformed(#[from] WireError),
+    /// A response came with nothing in flight.
+    #[error("response (seq {seq}) with nothing in flight")]
+    Unsolicited {
+        /// The response's sequence number.
+        seq: u32,
+    },
+    /// Held-back acknowledgements that do not name the oldest WRITEs in flight.
+    #[error(
+        "response (seq {seq}) also acknowledges {also_acks} chunks, which are not the oldest WRITEs in flight ({in_flight} in flight)"
+    )]
+    BadHeldAcks {
+        /// The response's sequence number.
+        seq: u32,
+        /// What it claims.
+        also_acks: u16,
+        /// Chunks in flight.
+        in_flight: usize,
+    },
+    /// The response is not for the oldest chunk in flight.
+    #[error("response out of order: seq {got}, expected {expected}")]
+    OutOfOrder {
+        /// The response's sequence number.
+        got: u32,
+        /// The oldest in flight.
+        expected: u32,
+    },
+    /// An accepted READ announces a payload of another length than asked.
+    #[error("READ response of {got} bytes for a chunk of {expected}")]
+    WrongLength {
+        /// Announced.
+        got: u64,
+        /// Asked.
+        expected: u64,
+    },
+}
+
+#[derive(Debug)]
+struct InFlight<R> {
+    chunk: Chunk<R>,
+    seq: u32,
+    kind: OpKind,
+}
+
+/// The client state of one data stream. Responses come back in request order, so the chunks in
+/// flight are a FIFO matched by sequence number. No I/O: the driver sends what [`post`] returns
+/// and feeds each response header to [`on_response`].
+///
+/// [`post`]: ClientStream::post
+/// [`on_response`]: ClientStream::on_response
+#[derive(Debug)]
+pub struct ClientStream<R> {
+    next_seq: u32,
+    fly: VecDeque<InFlight<R>>,
+    depth: usize,
+    policy: AckPolicy,
+    broken: bool,
+}
+
+impl<R: ChunkOwner> ClientStream<R> {
+    /// A stream that keeps at most `depth` (at least 1) chunks in flight.
+    pub fn new(depth: usize, policy: AckPolicy) -> Self {
+        let depth = depth.max(1);
+        Self {
+            next_seq: 0,
+            fly: VecDeque::with_capacity(depth),
+            depth,
+            policy,
+            broken: false,
+        }
+    }
+
+    /// Chunks in flight.
+    pub fn in_flight(&self) -> usize {
+        self.fly.len()
+    }
+
+    /// Whether another chunk may be posted now (fewer than `depth` in flight).
+    pub fn has_room(&self) -> bool {
+        self.fly.len() < self.depth
+    }
+
+    /// Whether the stream was broken ([`fail_all`](Self::fail_all)).
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    /// Admits `chunk` for posting: checks its request still posts and its local range, assigns
+    /// the next sequence number, records it in flight (before a byte is sent, so that a response
+    /// always finds it) and encodes its header. The caller bounds what is in flight with
+    /// [`has_room`](Self::has_room).
+    pub fn post(&mut self, chunk: Chunk<R>) -> Post<R> {
+        if self.broken {
+            return Post::Broken(chunk);
+        }
+        let control = chunk.req.control();
+        if control.should_stop_posting() {
+            chunk.skipped();
+            return Post::Resolved;
+        }
+        let op = chunk.op();
+        let local_at = chunk.local_at();
+        let Ok(len) = usize::try_from(chunk.len) else {
+            chunk.not_posted(FailureKind::Local);
+            return Post::Resolved;
+        };
+        if op.local.check(local_at, chunk.len).is_err() {
+            chunk.not_posted(FailureKind::Local);
+            return Post::Resolved;
+        }
+        let kind = op.kind;
+        let seq = self.next_seq;
+        self.next_seq = seq.wrapping_add(1);
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        DataRequest {
+            kind,
+            seq,
+            token: op.token,
+            offset: op.remote_offset + chunk.at,
+            len: chunk.len,
+            ack_slack: match kind {
+                OpKind::Write => self.policy.slack(self.fly.len() + 1),
+                OpKind::Read => 0,
+            },
+        }
+        .encode(&mut head);
+        let out = Outgoing {
+            head,
+            kind,
+            req: chunk.req.clone(),
+            region: op.local.clone(),
+            local_at,
+            len,
+        };
+        control.with_ledger(|l| l.posted(chunk.op));
+        self.fly.push_back(InFlight { chunk, seq, kind });
+        Post::Send(out)
+    }
+
+    /// Resolves the oldest chunks in flight with a response header: the WRITEs whose responses
+    /// the server held back (`also_acks`, which must be exactly the oldest chunks in flight, all
+    /// WRITEs), then the chunk the response names (acknowledged, refused, or an accepted READ
+    /// whose payload follows). A violation leaves every chunk in flight for
+    /// [`fail_all`](Self::fail_all).
+    pub fn on_response(
+        &mut self,
+        head: &[u8; DATA_RESPONSE_LEN],
+    ) -> Result<Resolution<R>, Violation> {
+        let resp = DataResponse::decode(head)?;
+        let held = usize::from(resp.also_acks);
+        let plausible = held < self.fly.len()
+            && self.fly.iter().take(held).enumerate().all(|(i, f)| {
+                f.kind == OpKind::Write && f.seq.wrapping_add((held - i) as u32) == resp.seq
+            });
+        if !plausible {
+            return Err(if self.fly.is_empty() {
+                Violation::Unsolicited { seq: resp.seq }
+            } else {
+                Violation::BadHeldAcks {
+                    seq: resp.seq,
+                    also_acks: resp.also_acks,
+                    in_flight: self.fly.len(),
+                }
+            });
+        }
+        let Some(front) = self.fly.get(held) else {
+            return Err(Violation::Unsolicited { seq: resp.seq });
+        };
+        if front.seq != resp.seq {
+            return Err(Violation::OutOfOrder {
+                got: resp.seq,
+                expected: front.seq,
+            });
+        }
+        let payload = resp.refused.is_none() && front.kind == OpKind::Read;
+        if payload && resp.len != front.chunk.len {
+            return Err(Violation::WrongLength {
+                got: resp.len,
+                expected: front.chunk.len,
+            });
+        }
+        for f in self.fly.drain(..held) {
+            f.chunk.acked();
+        }
+        let Some(f) = self.fly.pop_front() else {
+            return Err(Violation::Unsolicited { seq: resp.seq });
+        };
+        match resp.refused {
+            Some(status) => f.chunk.refused(status),
+            None if payload => return Ok(Resolution::Payload(f.chunk)),
+            None => f.chunk.acked(),
+        }
+        Ok(Resolution::Done)
+    }
+
+    /// The stream is broken: every chunk in flight fails as lost (`native`: the error that broke
+    /// it), and later [`post`](Self::post)s hand their chunks back.
+    pub fn fail_all(&mut self, native: Option<i32>) {
+        self.broken = true;
+        for f in self.fly.drain(..) {
+            f.chunk.lost(native);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AckPolicy;
+
+    /// Over a network half the window keeps moving (one response in two with three or four in
+    /// flight); on loopback all but one chunk's responses may be held; one chunk alone is never
+    /// held; a client that asks nothing lets nothing be held.
+    #[test]
+    fn ack_slack_keeps_half_the_window_moving_over_a_network() {
+        let net: Vec<u16> = (1..=8).map(|n| AckPolicy::Network.slack(n)).collect();
+        assert_eq!(net, [0, 0, 1, 1, 2, 2, 3, 3]);
+        let lo: Vec<u16> = (1..=4).map(|n| AckPolicy::Loopback.slack(n)).collect();
+        assert_eq!(lo, [0, 1, 2, 3]);
+        assert_eq!(AckPolicy::Loopback.slack(1 << 20), u16::MAX);
+        assert_eq!(AckPolicy::Immediate.slack(8), 0);
+    }
+}

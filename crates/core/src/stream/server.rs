@@ -1,0 +1,288 @@
+//! The server half of a data stream: decode a request header, resolve it against the
+//! [`SegmentTable`], check access and bounds before any byte of a segment is touched, refuse what
+//! fails, and decide when a WRITE's response may be held back.
+
+use std::sync::Arc;
+
+use crate::ids::SegmentToken;
+use crate::op::OpKind;
+use crate::outcome::RemoteStatus;
+use crate::transport::{FileSource, SegmentLease, SegmentTable};
+use crate::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, WireError};
+
+/// The header of a response that accepts request `seq` with `len` payload bytes following (an
+/// accepted READ's length, else 0).
+pub fn accepted(seq: u32, len: u64) -> [u8; DATA_RESPONSE_LEN] {
+    let mut out = [0u8; DATA_RESPONSE_LEN];
+    DataResponse {
+        seq,
+        refused: None,
+        len,
+        also_acks: 0,
+    }
+    .encode(&mut out);
+    out
+}
+
+/// The header of a response that refuses request `seq` (no byte moved).
+pub fn refused(seq: u32, status: RemoteStatus) -> [u8; DATA_RESPONSE_LEN] {
+    let mut out = [0u8; DATA_RESPONSE_LEN];
+    DataResponse {
+        seq,
+        refused: Some(status),
+        len: 0,
+        also_acks: 0,
+    }
+    .encode(&mut out);
+    out
+}
+
+/// What the driver must do for one request. Every target was checked (token, access, bounds)
+/// against the table; lengths are at most [`MAX_CHUNK`](crate::wire::MAX_CHUNK).
+#[derive(Debug)]
+pub enum Action {
+    /// Receive `len` payload bytes into `lease.region` at `at`, then answer with
+    /// [`ServerStream::answer_write`] (or hold the answer back: [`ServerStream::may_hold`]).
+    WriteMemory {
+        /// The segment (keeps it alive).
+        lease: SegmentLease,
+        /// The segment's token.
+        token: SegmentToken,
+        /// Offset in `lease.region`.
+        at: u64,
+        /// Payload length.
+        len: usize,
+        /// The request's sequence number.
+        seq: u32,
+        /// How many responses the client lets the server hold back.
+        ack_slack: u16,
+    },
+    /// Send `response`, then `len` bytes of `lease.region` from `at`.
+    ReadMemory {
+        /// The segment (keeps it alive).
+        lease: SegmentLease,
+        /// Offset in `lease.region`.
+        at: u64,
+        /// Payload length.
+        len: usize,
+        /// The response header.
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+    /// Send `response`, then `len` bytes of `file` from `at` (a file that ends earlier closes
+    /// the stream).
+    ReadFile {
+        /// The file.
+        file: Arc<dyn FileSource>,
+        /// Offset in the file.
+        at: u64,
+        /// Payload length.
+        len: usize,
+        /// The response header.
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+    /// Receive `len` payload bytes and write them to `file` at `at`, then send `response`.
+    WriteFile {
+        /// The file.
+        file: Arc<dyn FileSource>,
+        /// Offset in the file.
+        at: u64,
+        /// Payload length.
+        len: usize,
+        /// The response header.
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+    /// Receive and drop `discard` payload bytes (a refused WRITE's), then send `response`.
+    Refuse {
+        /// The request's direction.
+        kind: OpKind,
+        /// The segment it named.
+        token: SegmentToken,
+        /// Why it is refused.
+        status: RemoteStatus,
+        /// Payload bytes to read and drop.
+        discard: u64,
+        /// The response header.
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+    /// The header does not decode and the payload length cannot be trusted: send `response`
+    /// (`Malformed`, with the sequence number read from the raw header), then close the stream.
+    Close {
+        /// Why.
+        error: WireError,
+        /// The response header.
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+}
+
+impl Action {
+    /// Whether the action answers an accepted WRITE to memory, the only answer that may join
+    /// held-back responses. Before any other, the driver sends [`ServerStream::flush`]'s, so
+    /// that no answer overtakes them.
+    pub fn joins_held(&self) -> bool {
+        matches!(self, Action::WriteMemory { .. })
+    }
+}
+
+/// The server state of one data stream: the WRITE responses it holds back (see
+/// [`DataRequest::ack_slack`]) and the checked target of the request whose arrival allowed the
+/// last hold. No I/O: the driver feeds request headers to [`on_request`](Self::on_request) and
+/// does what the [`Action`] says, in order.
+#[derive(Debug, Default)]
+pub struct ServerStream {
+    held: u16,
+    last_held: u32,
+    carried: Option<(SegmentLease, u64)>,
+}
+
+impl ServerStream {
+    /// A stream with nothing held.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Responses held back now.
+    pub fn held(&self) -> u16 {
+        self.held
+    }
+
+    /// Decodes, resolves and checks one request header: memory segments first, then file
+    /// segments (an unknown token is indistinguishable from a retired one).
+    pub fn on_request(
+        &mut self,
+        head: &[u8; DATA_REQUEST_LEN],
+        table: &dyn SegmentTable,
+    ) -> Action {
+        let req = match DataRequest::decode(head) {
+            Ok(r) => r,
+            Err(error) => {
+                self.carried = None;
+                return Action::Close {
+                    error,
+                    response: refused(request_seq(head), RemoteStatus::Malformed),
+                };
+            }
+        };
+        // `len` is at most MAX_CHUNK (checked by decode), so it fits a usize.
+        let len = req.len as usize;
+        let memory = match self.carried.take() {
+            Some(c) => Some(Ok(c)),
+            None => table
+                .resolve(req.token)
+                .map(|l| l.check(req.kind, req.offset, req.len).map(|at| (l, at))),
+        };
+        let target = match memory {
+            Some(Ok((lease, at))) => Ok(match req.kind {
+                OpKind::Write => Action::WriteMemory {
+                    lease,
+                    token: req.token,
+                    at,
+                    len,
+                    seq: req.seq,
+                    ack_slack: req.ack_slack,
+                },
+                OpKind::Read => Action::ReadMemory {
+                    lease,
+                    at,
+                    len,
+                    response: accepted(req.seq, req.len),
+                },
+            }),
+            Some(Err(status)) => Err(status),
+            None => match table.file(req.token) {
+                Some(file) => file
+                    .check(req.kind, req.offset, req.len)
+                    .map(|at| match req.kind {
+                        OpKind::Write => Action::WriteFile {
+                            file,
+                            at,
+                            len,
+                            response: accepted(req.seq, 0),
+                        },
+                        OpKind::Read => Action::ReadFile {
+                            file,
+                            at,
+                            len,
+                            response: accepted(req.seq, req.len),
+                        },
+                    }),
+                None => Err(RemoteStatus::UnknownSegment),
+            },
+        };
+        target.unwrap_or_else(|status| Action::Refuse {
+            kind: req.kind,
+            token: req.token,
+            status,
+            discard: match req.kind {
+                OpKind::Write => req.len,
+                OpKind::Read => 0,
+            },
+            response: refused(req.seq, status),
+        })
+    }
+
+    /// Whether the response of an accepted WRITE with `ack_slack` may join the held-back ones,
+    /// if the next request is already there (see [`hold_for_next`](Self::hold_for_next)).
+    pub fn may_hold(&self, ack_slack: u16) -> bool {
+        self.held < ack_slack
+    }
+
+    /// After an accepted WRITE `seq` into `lease` whose response [`may_hold`](Self::may_hold),
+    /// with the next request header `next` already received: holds the response back if `next`
+    /// is a WRITE into the same segment within `lease` (then nothing lies between this chunk
+    /// and its response but the arrival of that payload, which the client is sending now: no
+    /// lookup, nothing that could stall). Returns whether it held; if not, answer at once
+    /// ([`answer_write`](Self::answer_write)).
+    pub fn hold_for_next(
+        &mut self,
+        lease: &SegmentLease,
+        token: SegmentToken,
+        seq: u32,
+        next: &[u8; DATA_REQUEST_LEN],
+    ) -> bool {
+        let Ok(next) = DataRequest::decode(next) else {
+            return false;
+        };
+        if next.kind != OpKind::Write || next.token != token {
+            return false;
+        }
+        let Ok(at) = lease.check(OpKind::Write, next.offset, next.len) else {
+            return false;
+        };
+        self.held += 1;
+        self.last_held = seq;
+        self.carried = Some((lease.clone(), at));
+        true
+    }
+
+    /// The response accepting WRITE `seq` and, with it, every held-back one.
+    pub fn answer_write(&mut self, seq: u32) -> [u8; DATA_RESPONSE_LEN] {
+        let mut out = [0u8; DATA_RESPONSE_LEN];
+        DataResponse {
+            seq,
+            refused: None,
+            len: 0,
+            also_acks: self.held,
+        }
+        .encode(&mut out);
+        self.held = 0;
+        out
+    }
+
+    /// The response that releases the held-back responses (the last one carrying the others),
+    /// if any are held; the driver sends it before an answer that does not join them, and when
+    /// the stream ends.
+    pub fn flush(&mut self) -> Option<[u8; DATA_RESPONSE_LEN]> {
+        if self.held == 0 {
+            return None;
+        }
+        self.held -= 1;
+        let seq = self.last_held;
+        Some(self.answer_write(seq))
+    }
+}
+
+/// The sequence number of a request header, read from its raw bytes (to answer a header that
+/// does not decode).
+pub fn request_seq(head: &[u8; DATA_REQUEST_LEN]) -> u32 {
+    u32::from_le_bytes([head[4], head[5], head[6], head[7]])
+}

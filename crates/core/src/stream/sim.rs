@@ -1,0 +1,952 @@
+//! A simulated pair: client and server stream endpoints joined in memory, no sockets. The byte
+//! streams are cut into arbitrary pieces, the streams of a channel are stepped in random order,
+//! and a stream can be lost midway (its bytes in flight vanish, as when a connection resets).
+//! What the simulation checks, whatever the schedule: every chunk is resolved exactly once; the
+//! outcome's completed prefix really moved its bytes; a failure is the refusal the ops earned or
+//! `PeerLost` after a cut; and a WRITE that the outcome reports with no remote effect changed no
+//! remote byte.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::dealer::{Dealer, StreamSet, deal_ops};
+use crate::ids::{Access, SegmentToken};
+use crate::memory::MemoryRegion;
+use crate::op::{Op, OpKind, SegmentDesc};
+use crate::outcome::{FailureKind, Outcome, RemoteEffect, RemoteStatus, RequestControl};
+use crate::transport::{FileSource, SegmentLease, SegmentTable};
+use crate::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+
+#[derive(Debug)]
+struct SimReq {
+    ops: Arc<[Op]>,
+    control: RequestControl,
+    left: AtomicUsize,
+}
+
+impl ChunkOwner for SimReq {
+    fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+    fn control(&self) -> &RequestControl {
+        &self.control
+    }
+    fn chunk_done(&self) {
+        let before = self.left.fetch_sub(1, Ordering::SeqCst);
+        assert!(before > 0, "a chunk was resolved twice");
+    }
+}
+
+#[derive(Debug)]
+struct MemFile {
+    data: Mutex<Vec<u8>>,
+    access: Access,
+}
+
+impl FileSource for MemFile {
+    fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus> {
+        if !self.access.contains(kind.needed_access()) {
+            return Err(RemoteStatus::AccessDenied);
+        }
+        let size = self.data.lock().unwrap().len() as u64;
+        crate::memory::check_range(offset, len, size).map_err(|_| RemoteStatus::OutOfBounds)?;
+        Ok(offset)
+    }
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let d = self.data.lock().unwrap();
+        buf.copy_from_slice(&d[at as usize..at as usize + buf.len()]);
+        Ok(())
+    }
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()> {
+        let mut d = self.data.lock().unwrap();
+        d[at as usize..at as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+}
+
+#[derive(Debug, Default)]
+struct SimTable {
+    memory: HashMap<SegmentToken, SegmentLease>,
+    files: HashMap<SegmentToken, Arc<MemFile>>,
+}
+
+impl SegmentTable for SimTable {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        self.memory.get(&token).cloned()
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        Vec::new()
+    }
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+        self.files
+            .get(&token)
+            .map(|f| f.clone() as Arc<dyn FileSource>)
+    }
+}
+
+/// Segments of the simulated server: a read-write memory segment, a read-only one, and a
+/// read-write file, each `SLOT * slots` bytes.
+const RW: SegmentToken = SegmentToken(11);
+const RO: SegmentToken = SegmentToken(12);
+const FILE: SegmentToken = SegmentToken(13);
+const UNKNOWN: SegmentToken = SegmentToken(99);
+const SLOT: u64 = 256;
+
+/// The server's view of one request being received.
+enum ServerRx {
+    Head,
+    Write {
+        lease: SegmentLease,
+        token: SegmentToken,
+        at: u64,
+        len: usize,
+        got: usize,
+        seq: u32,
+        ack_slack: u16,
+    },
+    WriteFile {
+        file: Arc<dyn FileSource>,
+        at: u64,
+        buf: Vec<u8>,
+        len: usize,
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+    Discard {
+        left: u64,
+        response: [u8; DATA_RESPONSE_LEN],
+    },
+    Closed,
+}
+
+enum ClientRx {
+    Head,
+    Payload { chunk: Chunk<SimReq>, got: usize },
+}
+
+struct Link {
+    client: ClientStream<SimReq>,
+    crx: ClientRx,
+    server: ServerStream,
+    srx: ServerRx,
+    /// Bytes sent by the client, not yet delivered to the server.
+    c2s: VecDeque<u8>,
+    /// Delivered to the server, not yet consumed.
+    s_in: VecDeque<u8>,
+    s2c: VecDeque<u8>,
+    c_in: VecDeque<u8>,
+    alive: bool,
+}
+
+impl Link {
+    fn new(depth: usize, policy: AckPolicy) -> Self {
+        Self {
+            client: ClientStream::new(depth, policy),
+            crx: ClientRx::Head,
+            server: ServerStream::new(),
+            srx: ServerRx::Head,
+            c2s: VecDeque::new(),
+            s_in: VecDeque::new(),
+            s2c: VecDeque::new(),
+            c_in: VecDeque::new(),
+            alive: true,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        !self.alive
+            || (self.client.in_flight() == 0
+                && self.c2s.is_empty()
+                && self.s_in.is_empty()
+                && self.s2c.is_empty()
+                && self.c_in.is_empty())
+    }
+
+    /// The stream is lost: bytes in flight vanish, the server forgets it, the client fails what
+    /// it had in flight (and a READ payload it was receiving).
+    fn cut(&mut self) {
+        self.alive = false;
+        if let ClientRx::Payload { chunk, .. } = std::mem::replace(&mut self.crx, ClientRx::Head) {
+            chunk.lost(None);
+        }
+        self.client.fail_all(None);
+        self.c2s.clear();
+        self.s2c.clear();
+        self.s_in.clear();
+        self.c_in.clear();
+        self.srx = ServerRx::Closed;
+    }
+
+    fn post(&mut self, chunk: Chunk<SimReq>) -> Option<Chunk<SimReq>> {
+        match self.client.post(chunk) {
+            Post::Send(out) => {
+                self.c2s.extend(out.head);
+                if out.kind == OpKind::Write {
+                    let mut body = vec![0u8; out.len];
+                    out.region.read_at(out.local_at, &mut body).unwrap();
+                    self.c2s.extend(body);
+                }
+                None
+            }
+            Post::Resolved => None,
+            Post::Broken(c) => Some(c),
+        }
+    }
+
+    /// The server consumes what was delivered to it.
+    fn serve(&mut self, table: &SimTable) {
+        loop {
+            match &mut self.srx {
+                ServerRx::Closed => return,
+                ServerRx::Head => {
+                    if self.s_in.len() < DATA_REQUEST_LEN {
+                        return;
+                    }
+                    let head = take::<DATA_REQUEST_LEN>(&mut self.s_in);
+                    let action = self.server.on_request(&head, table);
+                    if !action.joins_held()
+                        && let Some(r) = self.server.flush()
+                    {
+                        self.s2c.extend(r);
+                    }
+                    self.srx = match action {
+                        Action::WriteMemory {
+                            lease,
+                            token,
+                            at,
+                            len,
+                            seq,
+                            ack_slack,
+                        } => ServerRx::Write {
+                            lease,
+                            token,
+                            at,
+                            len,
+                            got: 0,
+                            seq,
+                            ack_slack,
+                        },
+                        Action::ReadMemory {
+                            lease,
+                            at,
+                            len,
+                            response,
+                        } => {
+                            let mut body = vec![0u8; len];
+                            lease.region.read_at(at, &mut body).unwrap();
+                            self.s2c.extend(response);
+                            self.s2c.extend(body);
+                            ServerRx::Head
+                        }
+                        Action::ReadFile {
+                            file,
+                            at,
+                            len,
+                            response,
+                        } => {
+                            let mut body = vec![0u8; len];
+                            file.read_exact_at(at, &mut body).unwrap();
+                            self.s2c.extend(response);
+                            self.s2c.extend(body);
+                            ServerRx::Head
+                        }
+                        Action::WriteFile {
+                            file,
+                            at,
+                            len,
+                            response,
+                        } => ServerRx::WriteFile {
+                            file,
+                            at,
+                            buf: Vec::with_capacity(len),
+                            len,
+                            response,
+                        },
+                        Action::Refuse {
+                            discard, response, ..
+                        } => ServerRx::Discard {
+                            left: discard,
+                            response,
+                        },
+                        Action::Close { response, .. } => {
+                            self.s2c.extend(response);
+                            ServerRx::Closed
+                        }
+                    };
+                }
+                ServerRx::Write {
+                    lease,
+                    token,
+                    at,
+                    len,
+                    got,
+                    seq,
+                    ack_slack,
+                } => {
+                    let n = (*len - *got).min(self.s_in.len());
+                    let piece: Vec<u8> = self.s_in.drain(..n).collect();
+                    lease.region.write_at(*at + *got as u64, &piece).unwrap();
+                    *got += n;
+                    if *got < *len {
+                        return;
+                    }
+                    // Held back only if the next request has already arrived.
+                    if self.server.may_hold(*ack_slack) && self.s_in.len() >= DATA_REQUEST_LEN {
+                        let next: [u8; DATA_REQUEST_LEN] = std::array::from_fn(|i| self.s_in[i]);
+                        if self.server.hold_for_next(lease, *token, *seq, &next) {
+                            self.srx = ServerRx::Head;
+                            continue;
+                        }
+                    }
+                    let r = self.server.answer_write(*seq);
+                    self.s2c.extend(r);
+                    self.srx = ServerRx::Head;
+                }
+                ServerRx::WriteFile {
+                    file,
+                    at,
+                    buf,
+                    len,
+                    response,
+                } => {
+                    let n = (*len - buf.len()).min(self.s_in.len());
+                    buf.extend(self.s_in.drain(..n));
+                    if buf.len() < *len {
+                        return;
+                    }
+                    file.write_all_at(*at, buf).unwrap();
+                    self.s2c.extend(*response);
+                    self.srx = ServerRx::Head;
+                }
+                ServerRx::Discard { left, response } => {
+                    let n = (*left).min(self.s_in.len() as u64);
+                    self.s_in.drain(..n as usize);
+                    *left -= n;
+                    if *left > 0 {
+                        return;
+                    }
+                    self.s2c.extend(*response);
+                    self.srx = ServerRx::Head;
+                }
+            }
+        }
+    }
+
+    /// The client consumes what was delivered to it; a violation breaks the stream.
+    fn receive(&mut self) {
+        loop {
+            match &mut self.crx {
+                ClientRx::Head => {
+                    if self.c_in.len() < DATA_RESPONSE_LEN {
+                        return;
+                    }
+                    let head = take::<DATA_RESPONSE_LEN>(&mut self.c_in);
+                    match self.client.on_response(&head) {
+                        Ok(Resolution::Done) => {}
+                        Ok(Resolution::Payload(chunk)) => {
+                            self.crx = ClientRx::Payload { chunk, got: 0 }
+                        }
+                        Err(v) => panic!("a correct server broke the protocol: {v}"),
+                    }
+                }
+                ClientRx::Payload { chunk, got } => {
+                    let len = chunk.len as usize;
+                    let n = (len - *got).min(self.c_in.len());
+                    let piece: Vec<u8> = self.c_in.drain(..n).collect();
+                    let at = chunk.local_at() + *got as u64;
+                    chunk.op().local.write_at(at, &piece).unwrap();
+                    *got += n;
+                    if *got < len {
+                        return;
+                    }
+                    if let ClientRx::Payload { chunk, .. } =
+                        std::mem::replace(&mut self.crx, ClientRx::Head)
+                    {
+                        chunk.acked();
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn take<const N: usize>(q: &mut VecDeque<u8>) -> [u8; N] {
+    let out = std::array::from_fn(|i| q[i]);
+    q.drain(..N);
+    out
+}
+
+/// Moves 1..=`max` bytes (as many as there are, at most) from `from` to `to`.
+fn deliver(rng: &mut StdRng, from: &mut VecDeque<u8>, to: &mut VecDeque<u8>, max: usize) {
+    if from.is_empty() {
+        return;
+    }
+    let n = rng.gen_range(1..=max.max(1)).min(from.len());
+    to.extend(from.drain(..n));
+}
+
+/// One op as generated: its kind, which segment it names, and whether it stays in bounds.
+#[derive(Clone, Copy, Debug)]
+struct OpSpec {
+    kind: OpKind,
+    target: u8,
+    len: u64,
+    out_of_bounds: bool,
+}
+
+fn op_spec() -> impl Strategy<Value = OpSpec> {
+    (
+        prop_oneof![Just(OpKind::Read), Just(OpKind::Write)],
+        // 0..=5 RW memory (most), 6 RO memory, 7 file, 8 unknown.
+        0u8..9,
+        0u64..=SLOT,
+        prop::bool::weighted(0.05),
+    )
+        .prop_map(|(kind, target, len, out_of_bounds)| OpSpec {
+            kind,
+            target,
+            len,
+            out_of_bounds,
+        })
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    ops: Vec<OpSpec>,
+    streams: usize,
+    depth: usize,
+    chunk: u64,
+    policy: AckPolicy,
+    /// The step at which one stream is lost, and which.
+    cut: Option<(usize, usize)>,
+    /// The largest piece a byte stream is cut into.
+    split: usize,
+    seed: u64,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        prop::collection::vec(op_spec(), 1..8),
+        1usize..=4,
+        1usize..=4,
+        1u64..=96,
+        prop_oneof![
+            Just(AckPolicy::Immediate),
+            Just(AckPolicy::Network),
+            Just(AckPolicy::Loopback)
+        ],
+        prop::option::weighted(0.3, (0usize..400, 0usize..4)),
+        prop_oneof![Just(1usize), 1usize..=64, 1usize..=4096],
+        any::<u64>(),
+    )
+        .prop_map(
+            |(ops, streams, depth, chunk, policy, cut, split, seed)| Case {
+                ops,
+                streams,
+                depth,
+                chunk,
+                policy,
+                cut,
+                split,
+                seed,
+            },
+        )
+}
+
+/// What a generated op expects from the server, if it was the only op: `Ok` or the refusal.
+fn expected(spec: &OpSpec) -> Result<(), RemoteStatus> {
+    if spec.target == 8 {
+        return Err(RemoteStatus::UnknownSegment);
+    }
+    if spec.target == 6 && spec.kind == OpKind::Write {
+        return Err(RemoteStatus::AccessDenied);
+    }
+    if spec.out_of_bounds {
+        return Err(RemoteStatus::OutOfBounds);
+    }
+    Ok(())
+}
+
+struct Run {
+    outcome: Outcome,
+    cut_happened: bool,
+}
+
+fn fill(rng: &mut StdRng, len: usize) -> Vec<u8> {
+    (0..len).map(|_| rng.r#gen()).collect()
+}
+
+/// Runs `case` to the end and checks every property the module docs name.
+fn run(case: &Case) -> Run {
+    let mut rng = StdRng::seed_from_u64(case.seed);
+    let n = case.ops.len() as u64;
+    let size = (SLOT * n) as usize;
+    let rw = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
+    let ro = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
+    let file = Arc::new(MemFile {
+        data: Mutex::new(fill(&mut rng, size)),
+        access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+    });
+    let lease = |region: &Arc<MemoryRegion>, access| SegmentLease {
+        region: region.clone(),
+        base: 0,
+        len: size as u64,
+        access,
+        guard: None,
+    };
+    let mut table = SimTable::default();
+    table
+        .memory
+        .insert(RW, lease(&rw, Access::REMOTE_READ | Access::REMOTE_WRITE));
+    table.memory.insert(RO, lease(&ro, Access::REMOTE_READ));
+    table.files.insert(FILE, file.clone());
+    let remote_before = |spec: &OpSpec| -> Vec<u8> {
+        match spec.target {
+            7 => file.data.lock().unwrap().clone(),
+            6 => {
+                let mut v = vec![0; size];
+                ro.read_at(0, &mut v).unwrap();
+                v
+            }
+            _ => {
+                let mut v = vec![0; size];
+                rw.read_at(0, &mut v).unwrap();
+                v
+            }
+        }
+    };
+    let before: Vec<Vec<u8>> = case.ops.iter().map(remote_before).collect();
+    let local = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
+    let mut local_before = vec![0; size];
+    local.read_at(0, &mut local_before).unwrap();
+    // Each op has its own slot, locally and remotely, so ops never overlap.
+    let ops: Arc<[Op]> = case
+        .ops
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Op {
+            kind: s.kind,
+            local: local.clone(),
+            local_offset: i as u64 * SLOT,
+            token: match s.target {
+                6 => RO,
+                7 => FILE,
+                8 => UNKNOWN,
+                _ => RW,
+            },
+            remote_offset: if s.out_of_bounds {
+                size as u64 - s.len / 2
+            } else {
+                i as u64 * SLOT
+            },
+            len: if s.out_of_bounds { s.len.max(2) } else { s.len },
+        })
+        .collect();
+    let req = Arc::new(SimReq {
+        ops: ops.clone(),
+        control: RequestControl::new(&ops),
+        left: AtomicUsize::new(0),
+    });
+    let dealer = Mutex::new(Dealer::new(case.streams));
+    deal_ops(
+        &dealer,
+        &ops,
+        &req.control,
+        case.chunk,
+        false,
+        |op, at, len| {
+            req.left.fetch_add(1, Ordering::SeqCst);
+            Chunk {
+                req: req.clone(),
+                op,
+                at,
+                len,
+            }
+        },
+        |c| c.skipped(),
+        |_| {},
+    );
+    let mut links: Vec<Link> = (0..case.streams)
+        .map(|_| Link::new(case.depth, case.policy))
+        .collect();
+    let mut cut_happened = false;
+    let mut step = 0usize;
+    loop {
+        step += 1;
+        assert!(step < 1_000_000, "the simulation does not finish");
+        if let Some((at, which)) = case.cut
+            && at == step
+        {
+            let i = which % links.len();
+            if links[i].alive {
+                cut_happened = true;
+                links[i].cut();
+                let mut woken = StreamSet::default();
+                for orphan in dealer.lock().unwrap().leave(i, &mut woken) {
+                    orphan.not_posted(FailureKind::PeerLost);
+                }
+            }
+        }
+        // Streams are stepped in random order.
+        let i = rng.gen_range(0..links.len());
+        let link = &mut links[i];
+        if !link.alive {
+            if links.iter().all(|l| !l.alive) {
+                break;
+            }
+            continue;
+        }
+        match rng.gen_range(0..4) {
+            0 if link.client.has_room() => {
+                let idle = link.client.in_flight() == 0;
+                let taken = dealer.lock().unwrap().take(i, idle);
+                if let Some(c) = taken
+                    && let Some(back) = link.post(c)
+                {
+                    panic!("a live stream refused a chunk: {back:?}");
+                }
+            }
+            1 => {
+                deliver(&mut rng, &mut link.c2s, &mut link.s_in, case.split);
+                link.serve(&table);
+            }
+            2 => {
+                deliver(&mut rng, &mut link.s2c, &mut link.c_in, case.split);
+                link.receive();
+            }
+            _ => {}
+        }
+        let queued = {
+            let d = dealer.lock().unwrap();
+            d.queued() > 0
+        };
+        if !queued && links.iter().all(Link::idle) && case.cut.is_none_or(|(at, _)| step > at) {
+            break;
+        }
+    }
+    dealer.lock().unwrap().close();
+    assert_eq!(
+        req.left.load(Ordering::SeqCst),
+        0,
+        "every chunk is resolved exactly once"
+    );
+    let outcome = req.control.outcome(true);
+
+    // The completed prefix moved its bytes.
+    let remote_now = |spec: &OpSpec| -> Vec<u8> { remote_before(spec) };
+    for (i, (spec, op)) in case.ops.iter().zip(ops.iter()).enumerate() {
+        let slot = i * SLOT as usize;
+        let r = op.remote_offset as usize;
+        let len = op.len as usize;
+        let mut l = vec![0; len];
+        local.read_at(slot as u64, &mut l).unwrap();
+        let remote = remote_now(spec);
+        if i < outcome.completed_ops {
+            assert_eq!(l, &remote[r..r + len], "op {i} completed with other bytes");
+        }
+        // A WRITE from the failed op on counts as unchanged when the outcome says `None`.
+        if i >= outcome.completed_ops
+            && spec.kind == OpKind::Write
+            && outcome.remote_effect == RemoteEffect::None
+            && expected(spec).is_ok()
+        {
+            assert_eq!(
+                &remote[r..r + len],
+                &before[i][r..r + len],
+                "op {i} changed remote bytes but the outcome says no remote effect"
+            );
+        }
+        // A READ that is not complete may have landed partly; a WRITE never touches local bytes.
+        if spec.kind == OpKind::Write {
+            assert_eq!(l, &local_before[slot..slot + len]);
+        }
+    }
+    Run {
+        outcome,
+        cut_happened,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Whatever the schedule, splits and streams: the outcome is the one the ops earned (every op
+    /// complete, or the first refused op's refusal), unless a stream was lost (then `PeerLost` is
+    /// allowed too), and the properties `run` checks hold.
+    #[test]
+    fn a_simulated_pair_moves_exactly_what_the_outcome_says(case in case()) {
+        let Run { outcome, cut_happened } = run(&case);
+        let first_bad = case.ops.iter().position(|s| expected(s).is_err());
+        match outcome.failure {
+            None => {
+                prop_assert_eq!(outcome.completed_ops, case.ops.len());
+                prop_assert!(first_bad.is_none());
+            }
+            Some(f) if f.kind == FailureKind::PeerLost => {
+                prop_assert!(cut_happened, "PeerLost without a lost stream: {:?}", outcome);
+                prop_assert!(first_bad.is_none_or(|b| f.op_index <= b));
+            }
+            Some(f) => {
+                // Chunks of ops before the refused one may be left unposted once it is refused
+                // (the request stops posting): the prefix ends there, with its reason.
+                let b = first_bad.expect("a refusal with no bad op");
+                prop_assert!(f.op_index <= b);
+                prop_assert_eq!(f.kind, FailureKind::Remote(expected(&case.ops[b]).unwrap_err()));
+            }
+        }
+        prop_assert!(outcome.drained);
+    }
+}
+
+/// With nothing lost and every op valid, every policy and split moves every op.
+#[test]
+fn without_faults_every_op_completes() {
+    for policy in [
+        AckPolicy::Immediate,
+        AckPolicy::Network,
+        AckPolicy::Loopback,
+    ] {
+        for split in [1, 7, 4096] {
+            let case = Case {
+                ops: (0..6)
+                    .map(|i| OpSpec {
+                        kind: if i % 2 == 0 {
+                            OpKind::Write
+                        } else {
+                            OpKind::Read
+                        },
+                        target: if i == 5 { 7 } else { 0 },
+                        len: SLOT - i,
+                        out_of_bounds: false,
+                    })
+                    .collect(),
+                streams: 2,
+                depth: 4,
+                chunk: 16,
+                policy,
+                cut: None,
+                split,
+                seed: 7,
+            };
+            let run = run(&case);
+            assert!(
+                run.outcome.is_success(),
+                "{policy:?} {split}: {:?}",
+                run.outcome
+            );
+        }
+    }
+}
+
+fn one_op(kind: OpKind, len: u64) -> (Arc<SimReq>, Arc<[Op]>) {
+    let ops: Arc<[Op]> = vec![Op {
+        kind,
+        local: Arc::new(MemoryRegion::from_vec(vec![0; 1024])),
+        local_offset: 0,
+        token: RW,
+        remote_offset: 0,
+        len,
+    }]
+    .into();
+    let req = Arc::new(SimReq {
+        ops: ops.clone(),
+        control: RequestControl::new(&ops),
+        left: AtomicUsize::new(0),
+    });
+    (req, ops)
+}
+
+fn chunk(req: &Arc<SimReq>, at: u64, len: u64) -> Chunk<SimReq> {
+    req.left.fetch_add(1, Ordering::SeqCst);
+    Chunk {
+        req: req.clone(),
+        op: 0,
+        at,
+        len,
+    }
+}
+
+fn response(seq: u32, also_acks: u16) -> [u8; DATA_RESPONSE_LEN] {
+    let mut out = [0u8; DATA_RESPONSE_LEN];
+    crate::wire::DataResponse {
+        seq,
+        refused: None,
+        len: 0,
+        also_acks,
+    }
+    .encode(&mut out);
+    out
+}
+
+/// A response that acknowledges chunks that are not the oldest WRITEs in flight, one out of
+/// order, one with nothing in flight and a READ of the wrong length are violations, and
+/// `fail_all` then reports every chunk in flight lost, once.
+#[test]
+fn responses_that_break_the_protocol_are_violations() {
+    let (req, _) = one_op(OpKind::Write, 64);
+    let mut s = ClientStream::new(8, AckPolicy::Loopback);
+    for k in 0..4 {
+        assert!(matches!(s.post(chunk(&req, k * 16, 16)), Post::Send(_)));
+    }
+    // Seq 3 acknowledging 3 held-back ones would be fine; naming 4 is not (nothing after them).
+    assert!(matches!(
+        s.on_response(&response(3, 4)),
+        Err(Violation::BadHeldAcks { .. })
+    ));
+    assert!(matches!(
+        s.on_response(&response(2, 0)),
+        Err(Violation::OutOfOrder {
+            got: 2,
+            expected: 0
+        })
+    ));
+    // Seq 1 with one held: chunks 0 and 1 acknowledged.
+    assert!(matches!(
+        s.on_response(&response(1, 1)),
+        Ok(Resolution::Done)
+    ));
+    assert_eq!(s.in_flight(), 2);
+    s.fail_all(Some(104));
+    assert_eq!(req.left.load(Ordering::SeqCst), 0);
+    assert!(matches!(
+        s.on_response(&response(2, 0)),
+        Err(Violation::Unsolicited { seq: 2 })
+    ));
+    // A broken stream hands new chunks back.
+    let back = s.post(chunk(&req, 0, 16));
+    let Post::Broken(c) = back else {
+        panic!("a broken stream posted")
+    };
+    c.skipped();
+    let o = req.control.outcome(true);
+    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+    assert_eq!(o.failure.and_then(|f| f.native_status), Some(104));
+    assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+
+    let (req, _) = one_op(OpKind::Read, 64);
+    let mut s = ClientStream::new(8, AckPolicy::Immediate);
+    assert!(matches!(s.post(chunk(&req, 0, 64)), Post::Send(_)));
+    let mut wrong = [0u8; DATA_RESPONSE_LEN];
+    crate::wire::DataResponse {
+        seq: 0,
+        refused: None,
+        len: 63,
+        also_acks: 0,
+    }
+    .encode(&mut wrong);
+    assert!(matches!(
+        s.on_response(&wrong),
+        Err(Violation::WrongLength {
+            got: 63,
+            expected: 64
+        })
+    ));
+    // A READ's held acknowledgement cannot be implied.
+    assert!(matches!(s.post(chunk(&req, 0, 64)), Post::Send(_)));
+    assert!(matches!(
+        s.on_response(&response(1, 1)),
+        Err(Violation::BadHeldAcks { .. })
+    ));
+    s.fail_all(None);
+    assert_eq!(req.left.load(Ordering::SeqCst), 0);
+}
+
+/// A stopped request's chunks and chunks outside their local region are resolved at post,
+/// never sent.
+#[test]
+fn post_resolves_what_must_not_move() {
+    let (req, _) = one_op(OpKind::Write, 64);
+    let mut s = ClientStream::new(1, AckPolicy::Immediate);
+    assert!(matches!(s.post(chunk(&req, 2000, 16)), Post::Resolved));
+    assert_eq!(
+        req.control.outcome(true).failure.map(|f| f.kind),
+        Some(FailureKind::Local)
+    );
+    let (req, _) = one_op(OpKind::Write, 64);
+    req.control.stop(FailureKind::Cancelled);
+    assert!(matches!(s.post(chunk(&req, 0, 16)), Post::Resolved));
+    assert_eq!(req.left.load(Ordering::SeqCst), 0);
+    assert_eq!(s.in_flight(), 0);
+}
+
+/// The server holds a WRITE's response back only for a next WRITE into the same segment within
+/// its bounds, carries the checked target to that request, and refuses and flushes in order.
+#[test]
+fn the_server_holds_only_for_a_checked_next_write() {
+    let region = Arc::new(MemoryRegion::from_vec(vec![0; 4096]));
+    let mut table = SimTable::default();
+    table.memory.insert(
+        RW,
+        SegmentLease {
+            region,
+            base: 0,
+            len: 4096,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            guard: None,
+        },
+    );
+    let head = |kind, seq, token, offset, len, ack_slack| {
+        let mut h = [0u8; DATA_REQUEST_LEN];
+        crate::wire::DataRequest {
+            kind,
+            seq,
+            token,
+            offset,
+            len,
+            ack_slack,
+        }
+        .encode(&mut h);
+        h
+    };
+    let mut s = ServerStream::new();
+    let Action::WriteMemory {
+        lease,
+        seq,
+        ack_slack,
+        ..
+    } = s.on_request(&head(OpKind::Write, 0, RW, 0, 64, 3), &table)
+    else {
+        panic!("not a write")
+    };
+    assert!(s.may_hold(ack_slack));
+    // Out of bounds next: not held. Another segment: not held. A READ: not held.
+    assert!(!s.hold_for_next(&lease, RW, seq, &head(OpKind::Write, 1, RW, 4090, 64, 3)));
+    assert!(!s.hold_for_next(&lease, RW, seq, &head(OpKind::Write, 1, RO, 0, 64, 3)));
+    assert!(!s.hold_for_next(&lease, RW, seq, &head(OpKind::Read, 1, RW, 0, 64, 0)));
+    assert!(s.hold_for_next(&lease, RW, seq, &head(OpKind::Write, 1, RW, 64, 64, 3)));
+    assert_eq!(s.held(), 1);
+    // The next request uses the carried target (the table is not asked: an empty one works).
+    let empty = SimTable::default();
+    let Action::WriteMemory { at, seq, .. } =
+        s.on_request(&head(OpKind::Write, 1, RW, 64, 64, 3), &empty)
+    else {
+        panic!("the carried target was not used")
+    };
+    assert_eq!(at, 64);
+    let r = crate::wire::DataResponse::decode(&s.answer_write(seq)).unwrap();
+    assert_eq!((r.seq, r.also_acks), (1, 1));
+    assert_eq!(s.held(), 0);
+    // A refused request flushes nothing when nothing is held, and names its seq.
+    let a = s.on_request(&head(OpKind::Write, 2, UNKNOWN, 0, 64, 3), &table);
+    let Action::Refuse {
+        status, discard, ..
+    } = a
+    else {
+        panic!("not refused")
+    };
+    assert_eq!((status, discard), (RemoteStatus::UnknownSegment, 64));
+    assert!(s.flush().is_none());
+    // A header that does not decode is answered with its raw seq and closes the stream.
+    let mut bad = head(OpKind::Read, 77, RW, 0, 64, 0);
+    bad[0] = 9;
+    let Action::Close { response, .. } = s.on_request(&bad, &table) else {
+        panic!("not closed")
+    };
+    let r = crate::wire::DataResponse::decode(&response).unwrap();
+    assert_eq!((r.seq, r.refused), (77, Some(RemoteStatus::Malformed)));
+}
