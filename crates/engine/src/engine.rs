@@ -11,6 +11,8 @@ use ferry_core::{
     Access, Channel, Epoch, Error, MemoryRegion, Op, PeerId, PeerInfo, RequestControl, SegmentDesc,
     SegmentTable, SegmentToken, Transport, TransportKind,
 };
+#[cfg(feature = "uring")]
+use ferry_file::FileSegment;
 use registry::{Budgets, Registry, RegistryError};
 use tokio::sync::{Notify, watch};
 use tracing::Instrument;
@@ -19,8 +21,7 @@ use transport_rdma::{RdmaConfig, RdmaTransport};
 use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
 #[cfg(feature = "uring")]
 use transport_uring::{
-    FileSegment, Preference, UringConfig, UringProbe, UringServer, UringServerHandle,
-    UringTransport,
+    Preference, UringConfig, UringProbe, UringServer, UringServerHandle, UringTransport,
 };
 
 use crate::describe::{Description, RailDescription, RouteCounters, SegmentDescription};
@@ -938,7 +939,7 @@ impl TransferEngine {
         let _span = tracing::info_span!("read_file_into", path = %path.display(), file_offset, len)
             .entered();
         if self.data_plane() != Some(TransportKind::Uring) {
-            return Ok(transport_uring::read_file_into_buffered(
+            return Ok(ferry_file::read_file_into(
                 dst.region(),
                 offset,
                 path,

@@ -22,7 +22,7 @@ pub(crate) struct RegistryTable {
     pub(crate) registry: Registry,
     guards: RwLock<HashMap<SegmentToken, Arc<Lease>>>,
     #[cfg(feature = "uring")]
-    files: RwLock<HashMap<SegmentToken, (String, Arc<transport_uring::FileSegment>)>>,
+    files: RwLock<HashMap<SegmentToken, (String, Arc<ferry_file::FileSegment>)>>,
 }
 
 impl RegistryTable {
@@ -41,7 +41,7 @@ impl RegistryTable {
         &self,
         token: SegmentToken,
         name: String,
-        file: Arc<transport_uring::FileSegment>,
+        file: Arc<ferry_file::FileSegment>,
     ) {
         self.files
             .write()

@@ -1,19 +1,16 @@
-//! File segments: a file's byte range served to peers like registered memory, read and written
-//! with io_uring (O_DIRECT when offset, length and buffer alignment allow, buffered otherwise), and
-//! [`read_file_into`], which loads a file range into registered memory with a bounded queue depth.
+//! [`FileSegment`]: a file's byte range served to peers like registered memory, and
+//! [`read_file_into`], which loads a file range into registered memory with positioned reads.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use ferry_core::{Access, MemoryRegion, OpKind, RemoteStatus};
-use io_uring::{IoUring, opcode, types};
 
-use crate::error::UringError;
+use crate::error::FileError;
 
 /// Block size O_DIRECT transfers are aligned to.
 pub const DIRECT_ALIGN: u64 = 4096;
@@ -52,10 +49,10 @@ fn open(path: &Path, write: bool, direct: bool) -> io::Result<File> {
 impl FileSegment {
     /// Publishes the whole of `path` (its size now) with `access` for peers. Write access opens the
     /// file read-write; peers can never extend it.
-    pub fn open(path: impl AsRef<Path>, access: Access) -> Result<Self, UringError> {
+    pub fn open(path: impl AsRef<Path>, access: Access) -> Result<Self, FileError> {
         let path = path.as_ref();
         let size = std::fs::metadata(path)
-            .map_err(|source| UringError::OpenFile {
+            .map_err(|source| FileError::OpenFile {
                 path: path.to_owned(),
                 source,
             })?
@@ -69,22 +66,22 @@ impl FileSegment {
         offset: u64,
         len: u64,
         access: Access,
-    ) -> Result<Self, UringError> {
+    ) -> Result<Self, FileError> {
         let path = path.as_ref().to_owned();
         let write = access.contains(Access::REMOTE_WRITE);
-        let buffered = open(&path, write, false).map_err(|source| UringError::OpenFile {
+        let buffered = open(&path, write, false).map_err(|source| FileError::OpenFile {
             path: path.clone(),
             source,
         })?;
         let size = buffered
             .metadata()
-            .map_err(|source| UringError::OpenFile {
+            .map_err(|source| FileError::OpenFile {
                 path: path.clone(),
                 source,
             })?
             .len();
         if ferry_core::check_range(offset, len, size).is_err() {
-            return Err(UringError::OutOfRange {
+            return Err(FileError::OutOfRange {
                 what: "file",
                 offset,
                 len,
@@ -162,16 +159,50 @@ impl FileSegment {
         Ok(at)
     }
 
-    /// The fd to read `file_offset..+len` into memory at `addr` with, and whether it is O_DIRECT.
-    pub(crate) fn read_fd(&self, file_offset: u64, len: u64, addr: usize) -> (i32, bool) {
+    /// The file to read `file_offset..+len` (file offsets) into memory at `addr` with, for
+    /// drivers that do their own I/O (the io_uring transport), and whether it is the O_DIRECT one:
+    /// that is only offered when the offset, the length and `addr` are all multiples of
+    /// [`DIRECT_ALIGN`]. Reads through it must stay inside the range [`check`](Self::check)
+    /// allowed.
+    pub fn read_fd(&self, file_offset: u64, len: u64, addr: usize) -> (BorrowedFd<'_>, bool) {
         match &self.direct {
-            Some(d) if direct_ok(file_offset, len, addr) => (d.as_raw_fd(), true),
-            _ => (self.buffered.as_raw_fd(), false),
+            Some(d) if direct_ok(file_offset, len, addr) => (d.as_fd(), true),
+            _ => (self.buffered.as_fd(), false),
         }
     }
 
-    pub(crate) fn write_fd(&self) -> i32 {
-        self.buffered.as_raw_fd()
+    /// The file to write with, for drivers that do their own I/O: buffered, opened read-write
+    /// only when the segment has `Access::REMOTE_WRITE`. Writes through it must stay inside the
+    /// range [`check`](Self::check) allowed, which never extends the file.
+    pub fn write_fd(&self) -> BorrowedFd<'_> {
+        self.buffered.as_fd()
+    }
+
+    /// Loads `offset..offset+len` of the segment into `region` at `region_offset` with
+    /// positioned reads of up to 1 MiB through a bounce buffer (what the io_uring transport
+    /// falls back to where the kernel refuses rings). Returns the bytes read (`len`; a file that
+    /// ends earlier is an error).
+    pub fn read_into(
+        &self,
+        region: &MemoryRegion,
+        region_offset: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<u64, FileError> {
+        ferry_core::check_range(offset, len, self.len).map_err(|_| FileError::OutOfRange {
+            what: "file segment",
+            offset,
+            len,
+            size: self.len,
+        })?;
+        read_file_into_positioned(
+            region,
+            region_offset,
+            &self.buffered,
+            &self.path,
+            self.base + offset,
+            len,
+        )
     }
 
     /// `e`, with the file, the range and what was being done in its message (the kind kept).
@@ -208,66 +239,19 @@ fn direct_ok(file_offset: u64, len: u64, addr: usize) -> bool {
         && (addr as u64).is_multiple_of(DIRECT_ALIGN)
 }
 
-/// Runs one positioned read or write on `ring` until `len` bytes moved (short transfers are
-/// resubmitted). A read that meets end of file early returns the bytes read.
-///
-/// # Safety
-/// `buf..buf+len` must be valid for the transfer (writes for a read) and unaliased.
-pub(crate) unsafe fn file_io(
-    ring: &mut IoUring,
-    fd: i32,
-    write: bool,
-    buf: *mut u8,
-    len: usize,
-    offset: u64,
-) -> io::Result<usize> {
-    let mut done = 0usize;
-    while done < len {
-        let ask = (len - done).min(1 << 30) as u32;
-        // SAFETY: `done < len`, inside the caller's range.
-        let p = unsafe { buf.add(done) };
-        let at = offset + done as u64;
-        let e = if write {
-            opcode::Write::new(types::Fd(fd), p, ask).offset(at).build()
-        } else {
-            opcode::Read::new(types::Fd(fd), p, ask).offset(at).build()
-        };
-        // SAFETY: the buffer is valid per this function's contract until the completion, which
-        // is awaited below.
-        unsafe { ring.submission().push(&e.user_data(7)) }
-            .map_err(|_| io::Error::other("io_uring submission queue full"))?;
-        ring.submit_and_wait(1)?;
-        let Some(c) = ring.completion().next() else {
-            continue;
-        };
-        let res = c.result();
-        if res < 0 {
-            if res == -libc::EINTR || res == -libc::EAGAIN {
-                continue;
-            }
-            return Err(io::Error::from_raw_os_error(-res));
-        }
-        if res == 0 {
-            break;
-        }
-        done += res as usize;
-    }
-    Ok(done)
-}
-
 /// Loads `len` bytes of `path` from `file_offset` into `region` at `region_offset` with
-/// positioned reads (`pread`) of up to 1 MiB through a bounce buffer: what
-/// [`read_file_into`] does where the kernel refuses io_uring, and what an engine whose data
-/// plane is TCP uses. Returns the bytes read (`len`; a file that ends earlier is an error).
-pub fn read_file_into_buffered(
-    region: &Arc<MemoryRegion>,
+/// positioned reads (`pread`) of up to 1 MiB through a bounce buffer: the portable path, which
+/// any data plane can use (the io_uring transport has a faster one with a bounded queue depth
+/// and O_DIRECT). Returns the bytes read (`len`; a file that ends earlier is an error).
+pub fn read_file_into(
+    region: &MemoryRegion,
     region_offset: u64,
     path: impl AsRef<Path>,
     file_offset: u64,
     len: u64,
-) -> Result<u64, UringError> {
+) -> Result<u64, FileError> {
     let path = path.as_ref();
-    let file = open(path, false, false).map_err(|source| UringError::OpenFile {
+    let file = open(path, false, false).map_err(|source| FileError::OpenFile {
         path: path.to_owned(),
         source,
     })?;
@@ -275,16 +259,16 @@ pub fn read_file_into_buffered(
 }
 
 fn read_file_into_positioned(
-    region: &Arc<MemoryRegion>,
+    region: &MemoryRegion,
     region_offset: u64,
     file: &File,
     path: &Path,
     file_offset: u64,
     len: u64,
-) -> Result<u64, UringError> {
+) -> Result<u64, FileError> {
     const CHUNK: u64 = 1 << 20;
     if region.check(region_offset, len).is_err() {
-        return Err(UringError::OutOfRange {
+        return Err(FileError::OutOfRange {
             what: "region",
             offset: region_offset,
             len,
@@ -293,13 +277,13 @@ fn read_file_into_positioned(
     }
     let size = file
         .metadata()
-        .map_err(|source| UringError::OpenFile {
+        .map_err(|source| FileError::OpenFile {
             path: path.to_owned(),
             source,
         })?
         .len();
     if ferry_core::check_range(file_offset, len, size).is_err() {
-        return Err(UringError::OutOfRange {
+        return Err(FileError::OutOfRange {
             what: "file",
             offset: file_offset,
             len,
@@ -311,184 +295,20 @@ fn read_file_into_positioned(
     while done < len {
         let n = CHUNK.min(len - done) as usize;
         std::os::unix::fs::FileExt::read_exact_at(file, &mut buf[..n], file_offset + done)
-            .map_err(|source| UringError::ReadFile {
+            .map_err(|source| FileError::ReadFile {
                 path: path.to_owned(),
                 offset: file_offset + done,
                 source,
             })?;
         region
             .write_at(region_offset + done, &buf[..n])
-            .map_err(|e| UringError::OutOfRange {
+            .map_err(|e| FileError::OutOfRange {
                 what: "region",
                 offset: e.offset,
                 len: e.len,
                 size: e.size,
             })?;
         done += n as u64;
-    }
-    Ok(len)
-}
-
-/// Loads `len` bytes of `path` from `file_offset` into `region` at `region_offset`, with up to
-/// `queue_depth` reads of at most 1 MiB in flight on one ring. Chunks whose file offset, length
-/// and destination address are 4096-aligned use O_DIRECT (READ_FIXED from the region when it can
-/// be registered), the others buffered reads. Returns the bytes read (`len`; a file that ends
-/// earlier is an error).
-pub fn read_file_into(
-    region: &Arc<MemoryRegion>,
-    region_offset: u64,
-    path: impl AsRef<Path>,
-    file_offset: u64,
-    len: u64,
-    queue_depth: usize,
-) -> Result<u64, UringError> {
-    const CHUNK: u64 = 1 << 20;
-    let path = path.as_ref();
-    if region.check(region_offset, len).is_err() {
-        return Err(UringError::OutOfRange {
-            what: "region",
-            offset: region_offset,
-            len,
-            size: region.len() as u64,
-        });
-    }
-    let open_err = |source| UringError::OpenFile {
-        path: path.to_owned(),
-        source,
-    };
-    let buffered = open(path, false, false).map_err(open_err)?;
-    let size = buffered.metadata().map_err(open_err)?.len();
-    if ferry_core::check_range(file_offset, len, size).is_err() {
-        return Err(UringError::OutOfRange {
-            what: "file",
-            offset: file_offset,
-            len,
-            size,
-        });
-    }
-    let direct = open(path, false, true).ok();
-    let qd = queue_depth.clamp(1, 256);
-    let mut ring = match IoUring::new((qd as u32).next_power_of_two()) {
-        Ok(r) => r,
-        Err(e) => {
-            // Seccomp profiles (Docker's default among them) and `kernel.io_uring_disabled`
-            // refuse rings: positioned reads then, slower but the same bytes.
-            tracing::info!(error = %e, path = %path.display(), "no io_uring ring; positioned reads");
-            return read_file_into_positioned(
-                region,
-                region_offset,
-                &buffered,
-                path,
-                file_offset,
-                len,
-            );
-        }
-    };
-    let base = region.as_ptr() as usize + region_offset as usize;
-    // Register the destination range as one fixed buffer when the kernel lets us.
-    let fixed = if len > 0 && len <= 1 << 30 {
-        let iov = libc::iovec {
-            iov_base: base as *mut libc::c_void,
-            iov_len: len as usize,
-        };
-        // SAFETY: the range lies inside `region` (checked above), which outlives the ring (the
-        // ring is dropped at the end of this function, with the registration).
-        unsafe { ring.submitter().register_buffers(&[iov]) }.is_ok()
-    } else {
-        false
-    };
-    let read_err = |offset, source| UringError::ReadFile {
-        path: path.to_owned(),
-        offset,
-        source,
-    };
-    // Pending pieces: (offset in the range, length). Short reads push the remainder back.
-    let mut todo: std::collections::VecDeque<(u64, u64)> = (0..len.div_ceil(CHUNK))
-        .map(|i| (i * CHUNK, CHUNK.min(len - i * CHUNK)))
-        .collect();
-    let mut inflight: Vec<Option<(u64, u64)>> = vec![None; qd];
-    let mut busy = 0usize;
-    while !todo.is_empty() || busy > 0 {
-        while busy < qd {
-            let Some((at, n)) = todo.pop_front() else {
-                break;
-            };
-            let slot = inflight.iter().position(Option::is_none).unwrap_or(0);
-            let addr = base + at as usize;
-            let foff = file_offset + at;
-            let e = match &direct {
-                Some(d) if direct_ok(foff, n, addr) => {
-                    if fixed {
-                        opcode::ReadFixed::new(
-                            types::Fd(d.as_raw_fd()),
-                            addr as *mut u8,
-                            n as u32,
-                            0,
-                        )
-                        .offset(foff)
-                        .build()
-                    } else {
-                        opcode::Read::new(types::Fd(d.as_raw_fd()), addr as *mut u8, n as u32)
-                            .offset(foff)
-                            .build()
-                    }
-                }
-                _ => opcode::Read::new(types::Fd(buffered.as_raw_fd()), addr as *mut u8, n as u32)
-                    .offset(foff)
-                    .build(),
-            };
-            // SAFETY: `at..at+n` lies inside the checked destination range, which this function
-            // exclusively uses until every completion is reaped below.
-            unsafe { ring.submission().push(&e.user_data(slot as u64)) }
-                .map_err(|_| read_err(foff, io::Error::other("submission queue full")))?;
-            inflight[slot] = Some((at, n));
-            busy += 1;
-        }
-        ring.submit_and_wait(1)
-            .map_err(|e| read_err(file_offset, e))?;
-        let done: Vec<(u64, i32)> = ring
-            .completion()
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
-        for (slot, res) in done {
-            let Some((at, n)) = inflight.get_mut(slot as usize).and_then(Option::take) else {
-                continue;
-            };
-            busy -= 1;
-            if res < 0 {
-                if res == -libc::EINTR || res == -libc::EAGAIN {
-                    todo.push_front((at, n));
-                    continue;
-                }
-                // Drain what is in flight before returning: the kernel still writes the region.
-                while busy > 0 {
-                    if ring.submit_and_wait(1).is_err() {
-                        break;
-                    }
-                    busy -= ring.completion().count();
-                }
-                return Err(read_err(
-                    file_offset + at,
-                    io::Error::from_raw_os_error(-res),
-                ));
-            }
-            let got = res as u64;
-            if got == 0 {
-                while busy > 0 {
-                    if ring.submit_and_wait(1).is_err() {
-                        break;
-                    }
-                    busy -= ring.completion().count();
-                }
-                return Err(read_err(
-                    file_offset + at,
-                    io::Error::new(io::ErrorKind::UnexpectedEof, "file ended early"),
-                ));
-            }
-            if got < n {
-                todo.push_front((at + got, n - got));
-            }
-        }
     }
     Ok(len)
 }

@@ -17,11 +17,12 @@ use ferry_core::{
     Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, PeerId, RemoteStatus,
     SegmentLease, SegmentTable,
 };
+use ferry_file::{DIRECT_ALIGN, FileSegment};
 use io_uring::IoUring;
 use tracing::{debug, warn};
 
 use crate::control::{read_frame, tune, write_frame};
-use crate::file::{DIRECT_ALIGN, FileSegment, file_io};
+use crate::file_ring::file_io;
 use crate::ring::{Body, IoStats, SockIo, ThreadCount};
 use crate::{StreamOverflow, UringConfig};
 
