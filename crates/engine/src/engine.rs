@@ -11,6 +11,7 @@ use ferry_core::{
     Access, Channel, Epoch, Error, MemoryRegion, Op, PeerId, PeerInfo, RequestControl, SegmentDesc,
     SegmentTable, SegmentToken, Transport, TransportKind,
 };
+use ferry_file::FileSegment;
 use registry::{Budgets, Registry, RegistryError};
 use tokio::sync::{Notify, watch};
 use tracing::Instrument;
@@ -19,8 +20,7 @@ use transport_rdma::{RdmaConfig, RdmaTransport};
 use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
 #[cfg(feature = "uring")]
 use transport_uring::{
-    FileSegment, Preference, UringConfig, UringProbe, UringServer, UringServerHandle,
-    UringTransport,
+    Preference, UringConfig, UringProbe, UringServer, UringServerHandle, UringTransport,
 };
 
 use crate::describe::{Description, RailDescription, RouteCounters, SegmentDescription};
@@ -572,10 +572,9 @@ impl Drop for Registration {
     }
 }
 
-/// A published file segment (io_uring data plane only), owned by the caller. Dropping it (or
-/// [`retire`](Self::retire)) unpublishes it: later requests naming its token are refused as
-/// unknown; reads already running finish on the open file.
-#[cfg(feature = "uring")]
+/// A published file segment (served by either portable data plane), owned by the caller.
+/// Dropping it (or [`retire`](Self::retire)) unpublishes it: later requests naming its token are
+/// refused as unknown; reads already running finish on the open file.
 pub struct FileRegistration {
     table: Arc<RegistryTable>,
     file: Arc<FileSegment>,
@@ -583,7 +582,6 @@ pub struct FileRegistration {
     name: String,
 }
 
-#[cfg(feature = "uring")]
 impl fmt::Debug for FileRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FileRegistration")
@@ -594,7 +592,6 @@ impl fmt::Debug for FileRegistration {
     }
 }
 
-#[cfg(feature = "uring")]
 impl FileRegistration {
     /// The token peers address it by.
     pub fn token(&self) -> SegmentToken {
@@ -638,7 +635,6 @@ impl FileRegistration {
     }
 }
 
-#[cfg(feature = "uring")]
 impl Drop for FileRegistration {
     fn drop(&mut self) {
         self.table.remove_file(self.token);
@@ -866,7 +862,6 @@ impl TransferEngine {
 
     /// Publishes the whole of the file at `path` as a segment named after the path, with
     /// `access` for peers (see [`publish_file_named`](Self::publish_file_named)).
-    #[cfg(feature = "uring")]
     pub fn publish_file(
         &self,
         path: impl AsRef<std::path::Path>,
@@ -877,15 +872,14 @@ impl TransferEngine {
     }
 
     /// Publishes the whole of the file at `path` (its size now) as the segment `name`, served
-    /// to peers by io_uring reads (O_DIRECT when a request's alignment allows) and, with
-    /// `Access::REMOTE_WRITE`, writes that never extend the file. It gets a random token and is
-    /// listed in the handshake from now on; dropping the handle unpublishes it.
+    /// to peers by reads and, with `Access::REMOTE_WRITE`, writes that never extend the file. It
+    /// gets a random token and is listed in the handshake from now on; dropping the handle
+    /// unpublishes it.
     ///
     /// The io_uring data plane serves them with its rings (O_DIRECT where a request's alignment
-    /// allows); the TCP data plane (where the kernel refuses io_uring, or when it is forced) with
-    /// positioned reads and writes off its I/O threads. File segments take no registration
-    /// budget: no memory is pinned for them.
-    #[cfg(feature = "uring")]
+    /// allows); the TCP data plane (where the kernel refuses io_uring, when it is forced, or in a
+    /// build without the `uring` feature) with positioned reads and writes off its I/O threads.
+    /// File segments take no registration budget: no memory is pinned for them.
     pub fn publish_file_named(
         &self,
         path: impl AsRef<std::path::Path>,
@@ -922,9 +916,8 @@ impl TransferEngine {
     /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`, with
     /// io_uring reads of up to 1 MiB, at most 32 in flight (O_DIRECT for aligned chunks), or
     /// with positioned reads through a bounce buffer where this engine's data plane is not
-    /// io_uring (the kernel refused it, or TCP was forced). Blocking: call it from a blocking
-    /// context. Returns the bytes read.
-    #[cfg(feature = "uring")]
+    /// io_uring (the kernel refused it, TCP was forced, or the build lacks the `uring` feature).
+    /// Blocking: call it from a blocking context. Returns the bytes read.
     pub fn read_file_into(
         &self,
         dst: &Registration,
@@ -933,26 +926,27 @@ impl TransferEngine {
         file_offset: u64,
         len: u64,
     ) -> Result<u64, Error> {
-        const QUEUE_DEPTH: usize = 32;
         let path = path.as_ref();
         let _span = tracing::info_span!("read_file_into", path = %path.display(), file_offset, len)
             .entered();
-        if self.data_plane() != Some(TransportKind::Uring) {
-            return Ok(transport_uring::read_file_into_buffered(
+        #[cfg(feature = "uring")]
+        if self.data_plane() == Some(TransportKind::Uring) {
+            const QUEUE_DEPTH: usize = 32;
+            return Ok(transport_uring::read_file_into(
                 dst.region(),
                 offset,
                 path,
                 file_offset,
                 len,
+                QUEUE_DEPTH,
             )?);
         }
-        Ok(transport_uring::read_file_into(
+        Ok(ferry_file::read_file_into(
             dst.region(),
             offset,
             path,
             file_offset,
             len,
-            QUEUE_DEPTH,
         )?)
     }
 

@@ -26,7 +26,6 @@ mod request;
 mod serve;
 
 pub use describe::{Description, RailDescription, RouteDescription, SegmentDescription};
-#[cfg(feature = "uring")]
 pub use engine::FileRegistration;
 pub use engine::{DataPlane, EngineBuilder, Peer, Registration, RemoteSegment, TransferEngine};
 pub use request::{Batch, Canceller, RequestHandle};
@@ -39,6 +38,8 @@ pub use ferry_core::{
     Access, Epoch, Error, Failure, FailureKind, MemoryRegion, OpKind, Outcome, PAGE_ALIGN, PeerId,
     RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,
 };
+/// A published file range (`ferry-file`), as [`FileRegistration::file`] hands it out.
+pub use ferry_file::FileSegment;
 pub use registry::{Budgets, UnquiescedInfo, UnquiescedRetry};
 /// The RDMA transport's configuration (`ferry-transport-rdma`).
 #[cfg(feature = "rdma")]

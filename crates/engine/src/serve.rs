@@ -21,8 +21,7 @@ use registry::{Lease, Registry};
 pub(crate) struct RegistryTable {
     pub(crate) registry: Registry,
     guards: RwLock<HashMap<SegmentToken, Arc<Lease>>>,
-    #[cfg(feature = "uring")]
-    files: RwLock<HashMap<SegmentToken, (String, Arc<transport_uring::FileSegment>)>>,
+    files: RwLock<HashMap<SegmentToken, (String, Arc<ferry_file::FileSegment>)>>,
 }
 
 impl RegistryTable {
@@ -30,18 +29,16 @@ impl RegistryTable {
         Self {
             registry,
             guards: RwLock::new(HashMap::new()),
-            #[cfg(feature = "uring")]
             files: RwLock::new(HashMap::new()),
         }
     }
 
     /// Publishes a file segment under `token`.
-    #[cfg(feature = "uring")]
     pub(crate) fn add_file(
         &self,
         token: SegmentToken,
         name: String,
-        file: Arc<transport_uring::FileSegment>,
+        file: Arc<ferry_file::FileSegment>,
     ) {
         self.files
             .write()
@@ -50,7 +47,6 @@ impl RegistryTable {
     }
 
     /// Unpublishes the file segment under `token` (if any).
-    #[cfg(feature = "uring")]
     pub(crate) fn remove_file(&self, token: SegmentToken) {
         self.files
             .write()
@@ -60,24 +56,19 @@ impl RegistryTable {
 
     /// Descriptors of the published file segments.
     pub(crate) fn file_descs(&self) -> Vec<SegmentDesc> {
-        #[cfg(feature = "uring")]
-        {
-            let files = self.files.read().unwrap_or_else(PoisonError::into_inner);
-            let mut v: Vec<SegmentDesc> = files
-                .iter()
-                .map(|(token, (name, f))| SegmentDesc {
-                    name: name.clone(),
-                    token: *token,
-                    len: f.len(),
-                    access: f.access(),
-                    remote_keys: Vec::new(),
-                })
-                .collect();
-            v.sort_by(|a, b| a.name.cmp(&b.name));
-            v
-        }
-        #[cfg(not(feature = "uring"))]
-        Vec::new()
+        let files = self.files.read().unwrap_or_else(PoisonError::into_inner);
+        let mut v: Vec<SegmentDesc> = files
+            .iter()
+            .map(|(token, (name, f))| SegmentDesc {
+                name: name.clone(),
+                token: *token,
+                len: f.len(),
+                access: f.access(),
+                remote_keys: Vec::new(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
     }
 
     pub(crate) fn add(&self, lease: Lease) {
@@ -148,7 +139,6 @@ impl SegmentTable for RegistryTable {
         v
     }
 
-    #[cfg(feature = "uring")]
     fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
         self.files
             .read()

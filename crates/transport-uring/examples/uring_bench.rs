@@ -21,9 +21,9 @@ use ferry_core::{
     Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, PeerId, PeerInfo,
     RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
+use ferry_file::FileSegment;
 use ferry_transport_uring::{
-    FileSegment, UringConfig, UringServer, UringTransport, ZeroCopy, block_on, handshake,
-    read_file_into,
+    UringConfig, UringServer, UringTransport, ZeroCopy, block_on, handshake, read_file_into,
 };
 
 #[derive(Debug, Default)]

@@ -1,9 +1,8 @@
 //! The crate's error enum.
 
 use std::io;
-use std::path::PathBuf;
 
-/// What went wrong in the io_uring transport's own operations (rings, files). Data-plane failures
+/// What went wrong in the io_uring transport's own operations (rings, file reads). Data-plane failures
 /// reach users as [`ferry_core::Error`] and per-op outcomes; this enum converts into it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -23,38 +22,9 @@ pub enum UringError {
         /// The probe's reason.
         reason: String,
     },
-    /// A file could not be opened.
-    #[error("opening file {path}: {source}")]
-    OpenFile {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// Reading a file through io_uring failed.
-    #[error("reading file {path} at offset {offset}: {source}")]
-    ReadFile {
-        /// The file.
-        path: PathBuf,
-        /// File offset of the failed read.
-        offset: u64,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// A range is outside the file or the destination region.
-    #[error("range {offset}+{len} is outside {what} of {size} bytes")]
-    OutOfRange {
-        /// `"file"`, `"region"` or `"file segment"`.
-        what: &'static str,
-        /// Start.
-        offset: u64,
-        /// Length.
-        len: u64,
-        /// Size of the thing.
-        size: u64,
-    },
+    /// Opening, checking or reading a file (`ferry-file`'s error, or a ring read that failed).
+    #[error(transparent)]
+    File(#[from] ferry_file::FileError),
 }
 
 impl From<UringError> for ferry_core::Error {
@@ -67,15 +37,7 @@ impl From<UringError> for ferry_core::Error {
                 library: "io_uring".into(),
                 reason,
             },
-            UringError::OpenFile { path, source } => {
-                ferry_core::Error::io("open file", path.display().to_string(), source)
-            }
-            UringError::ReadFile { path, source, .. } => {
-                ferry_core::Error::io("read file", path.display().to_string(), source)
-            }
-            e @ UringError::OutOfRange { .. } => ferry_core::Error::InvalidRequest {
-                reason: e.to_string(),
-            },
+            UringError::File(e) => e.into(),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Ferry's TCP wire protocol driven by io_uring, and file segments.
+//! Ferry's TCP wire protocol driven by io_uring, and its accelerator of file segments.
 //!
 //! - [`probe_kernel`] / [`UringProbe`]: which io_uring opcodes this kernel offers.
 //! - [`select`]: the engine's choice between io_uring and TCP, with the reason it can report.
@@ -13,11 +13,17 @@
 //!   the oldest chunk of another's queue, and a dying stream hands its queue on.
 //! - [`UringServer`]: the serving side, same shape as the TCP transport's server and the same
 //!   bytes on the wire, so a uring peer and a TCP peer interoperate in both directions. It also
-//!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]).
+//!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]): a
+//!   `ferry_file::FileSegment` (recognized by downcasting the `FileSource`) through the stream's
+//!   ring, O_DIRECT where a piece's alignment allows; any other source by its positioned I/O.
 //! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
 //!   peers over the TCP data plane, and a server hands new data streams to its
 //!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).
-//! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth.
+//! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth
+//!   (positioned reads, `ferry_file`'s portable path, where the kernel refuses a ring).
+//!
+//! File segments themselves live in `ferry-file`, below the transports: the TCP data plane
+//! serves and reads them without io_uring.
 //!
 //! On loopback (measured on this project's machines): the kernel copies SEND_ZC payloads, and
 //! SEND_ZC from registered buffers is 2-4x slower than a plain SEND, so `ZeroCopy::Auto` sends
@@ -34,7 +40,7 @@
 mod client;
 mod control;
 mod error;
-mod file;
+mod file_ring;
 pub mod probe;
 mod ring;
 mod server;
@@ -50,7 +56,7 @@ use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 pub use client::UringChannel;
 pub use control::handshake;
 pub use error::UringError;
-pub use file::{DIRECT_ALIGN, FileSegment, read_file_into, read_file_into_buffered};
+pub use file_ring::read_file_into;
 pub use probe::{OpcodeSupport, UringProbe, probe_kernel};
 pub use ring::IoStats;
 pub use server::{UringServer, UringServerHandle};

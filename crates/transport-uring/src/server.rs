@@ -14,11 +14,12 @@ use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, Reject, RejectReason, SUP
 use ferry_core::{
     Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, PeerId, SegmentLease, SegmentTable,
 };
+use ferry_file::{DIRECT_ALIGN, FileSegment};
 use io_uring::IoUring;
 use tracing::{debug, warn};
 
 use crate::control::{read_frame, tune, write_frame};
-use crate::file::{DIRECT_ALIGN, FileSegment, file_io};
+use crate::file_ring::file_io;
 use crate::ring::{Body, IoStats, SockIo, ThreadCount};
 use crate::{StreamOverflow, UringConfig};
 

@@ -13,9 +13,10 @@ use ferry_core::{
     Access, Epoch, FailureKind, MemoryRegion, OpKind, PeerId, RemoteStatus, SegmentToken,
     Transport, TransportKind,
 };
+use ferry_file::FileSegment;
 use ferry_transport_uring::{
-    FileSegment, OpcodeSupport, Preference, UringConfig, UringProbe, UringServer,
-    UringServerHandle, UringTransport, ZeroCopy, block_on, read_file_into, select,
+    OpcodeSupport, Preference, UringConfig, UringProbe, UringServer, UringServerHandle,
+    UringTransport, ZeroCopy, block_on, read_file_into, select,
 };
 use rand::{Rng, SeedableRng};
 

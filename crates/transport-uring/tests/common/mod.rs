@@ -11,8 +11,9 @@ use ferry_core::{
     Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, Outcome, PeerId,
     PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
+use ferry_file::FileSegment;
 use ferry_transport_uring::{
-    FileSegment, StreamOverflow, UringConfig, UringServer, UringServerHandle, UringTransport,
+    StreamOverflow, UringConfig, UringServer, UringServerHandle, UringTransport,
 };
 
 type Entry = (String, Arc<MemoryRegion>, Access);
