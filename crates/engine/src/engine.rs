@@ -560,7 +560,7 @@ impl Registration {
         self.table.remove(self.token);
         let _span = tracing::info_span!("retire", token = %self.token).entered();
         match self.inner.take() {
-            Some(r) => r.retire().map(|_| ()).map_err(registry_error("retire")),
+            Some(r) => r.retire().map(|_| ()).map_err(RegistryError::into_core),
             None => Ok(()),
         }
     }
@@ -642,39 +642,6 @@ impl FileRegistration {
 impl Drop for FileRegistration {
     fn drop(&mut self) {
         self.table.remove_file(self.token);
-    }
-}
-
-fn registry_error(name: &str) -> impl FnOnce(RegistryError) -> Error + '_ {
-    move |e| match e {
-        RegistryError::ResourceExhausted {
-            budget,
-            requested_copies,
-            requested_bytes,
-            held_copies,
-            held_bytes,
-            limit,
-            ..
-        } => {
-            let (requested, held) = match budget {
-                registry::Budget::Count => (requested_copies, held_copies),
-                _ => (requested_bytes, held_bytes),
-            };
-            Error::ResourceExhausted {
-                budget: format!("{budget} (registering {name:?})"),
-                requested,
-                held,
-                limit,
-            }
-        }
-        other @ RegistryError::Unquiesced { .. } => Error::Unquiesced {
-            what: format!("registration {name:?}"),
-            evidence: other.to_string(),
-        },
-        other => Error::Register {
-            name: name.to_owned(),
-            source: Box::new(other),
-        },
     }
 }
 
@@ -850,7 +817,7 @@ impl TransferEngine {
             .inner
             .registry
             .register(name, region.clone(), access)
-            .map_err(registry_error(name))?;
+            .map_err(RegistryError::into_core)?;
         let token = reg.token();
         if access.is_remote() {
             self.inner.table.add(reg.lease());
@@ -1278,7 +1245,7 @@ impl TransferEngine {
         self.inner
             .registry
             .check()
-            .map_err(registry_error("(deferred)"))?;
+            .map_err(RegistryError::into_core)?;
         #[cfg(feature = "rdma")]
         if let Some(rdma) = &self.inner.rdma {
             rdma.check()?;
