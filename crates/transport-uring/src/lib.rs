@@ -317,16 +317,6 @@ impl UringTransport {
         &self.stats
     }
 
-    /// Whether one more channel would take this transport's stream threads past
-    /// [`UringConfig::max_threads`] (its owner then opens the peer over the TCP data plane).
-    pub fn over_thread_budget(&self) -> bool {
-        let now = self
-            .stats
-            .threads
-            .load(std::sync::atomic::Ordering::Relaxed);
-        now.saturating_add(self.config.streams as u64) > self.config.max_threads as u64
-    }
-
     /// Reserves this transport's thread budget for one more channel (a thread per configured
     /// stream) if that keeps it within [`UringConfig::max_threads`]. Hold the reservation until
     /// the channel is open (its stream threads count themselves once running), then drop it.
