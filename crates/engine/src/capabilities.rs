@@ -3,8 +3,12 @@
 //! [`probe`] computes it. No check depends on another: a missing libibverbs does not hide the
 //! io_uring row, and a failing check never stops the others.
 
-use serde::Serialize;
 use std::path::PathBuf;
+
+use ferry_core::TransportKind;
+use serde::Serialize;
+
+use crate::discovery::{DeviceEnumerator, Discovery, VerbsEnumerator, VerbsListing};
 
 /// The verdict of one check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -86,31 +90,51 @@ impl Default for ProbeOptions {
     }
 }
 
-/// Runs every check.
+/// Runs every check, listing the verbs devices through libibverbs ([`VerbsEnumerator`]).
 pub fn probe(opts: &ProbeOptions) -> Capabilities {
-    let mut checks = vec![build_features()];
-    checks.extend(verbs_checks());
-    checks.push(topology_check(opts));
-    checks.push(uring_check());
+    probe_with(opts, &VerbsEnumerator::new())
+}
+
+/// Runs every check, listing the verbs devices through `devices` exactly once: the
+/// `rdma-devices` row and the `topology` row read the same listing.
+pub fn probe_with(opts: &ProbeOptions, devices: &dyn DeviceEnumerator) -> Capabilities {
+    let listing = Discovery::run(devices).listing();
+    let mut checks = vec![
+        build_features(),
+        libibverbs_check(),
+        devices_check(&listing),
+        topology_check(opts, &listing),
+        uring_check(),
+    ];
     checks.extend(cuda_checks(opts));
     Capabilities { checks }
 }
 
-fn build_features() -> Check {
-    let mut on = vec!["tcp"];
+/// The transports compiled into this build (TCP always; io_uring and RDMA by feature).
+fn compiled_transports() -> Vec<TransportKind> {
+    let mut on = vec![TransportKind::Tcp];
     if cfg!(feature = "uring") {
-        on.push("uring");
+        on.push(TransportKind::Uring);
     }
-    if cfg!(feature = "cuda") {
-        on.push("cuda");
+    if cfg!(feature = "rdma") {
+        on.push(TransportKind::Rdma);
     }
+    on
+}
+
+fn build_features() -> Check {
+    let transports: Vec<&str> = compiled_transports()
+        .into_iter()
+        .map(|k| k.name())
+        .collect();
+    let cuda = if cfg!(feature = "cuda") { "on" } else { "off" };
     Check::new(
         "build",
         Status::Ok,
         format!(
-            "ferry {} with transports: {}",
+            "ferry {} with transports: {}; cuda: {cuda}",
             env!("CARGO_PKG_VERSION"),
-            on.join(", ")
+            transports.join(", ")
         ),
         "",
     )
@@ -290,8 +314,8 @@ fn mapped_file(soname: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-fn verbs_checks() -> Vec<Check> {
-    let lib = match verbs_sys::Verbs::load() {
+fn libibverbs_check() -> Check {
+    match verbs_sys::Verbs::load() {
         Ok(v) => {
             let caps = v.capabilities();
             let file = mapped_file("libibverbs.so").unwrap_or_else(|| v.library().to_owned());
@@ -322,9 +346,11 @@ fn verbs_checks() -> Vec<Check> {
             "install the host's rdma-core runtime (Debian/Ubuntu: libibverbs1 ibverbs-providers) and \
              the provider for your NIC, or set FERRY_IBVERBS_LIB; TCP and io_uring need none of it",
         ),
-    };
-    let listing = crate::discovery::enumerate_verbs_devices();
-    let devices = match (&listing.unavailable, listing.devices.is_empty()) {
+    }
+}
+
+fn devices_check(listing: &VerbsListing) -> Check {
+    match (&listing.unavailable, listing.devices.is_empty()) {
         (Some(reason), _) => Check::new(
             "rdma-devices",
             Status::Unavailable,
@@ -357,12 +383,10 @@ fn verbs_checks() -> Vec<Check> {
                 .join(", "),
             "",
         ),
-    };
-    vec![lib, devices]
+    }
 }
 
-fn topology_check(opts: &ProbeOptions) -> Check {
-    let listing = crate::discovery::enumerate_verbs_devices();
+fn topology_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
     let verbs = topology::VerbsDevices {
         names: listing.devices.iter().map(|d| d.name.clone()).collect(),
         unavailable: listing.unavailable.clone(),
@@ -405,5 +429,77 @@ fn topology_check(opts: &ProbeOptions) -> Check {
             format!("reading {}: {e}", opts.sysfs_root.display()),
             "pass --sysfs-root to inspect another tree",
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::tests::{Counting, missing_library, two};
+
+    /// A sysfs tree with two RDMA NICs, `mlx5_0` and `mlx5_1` (the topology crate's fixture).
+    fn nics_only() -> ProbeOptions {
+        ProbeOptions {
+            sysfs_root: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../topology/tests/fixtures/nics-only"),
+        }
+    }
+
+    fn detail<'a>(caps: &'a Capabilities, name: &str) -> &'a str {
+        &caps
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name} row"))
+            .detail
+    }
+
+    #[test]
+    fn the_build_row_lists_every_transport_compiled_in() {
+        let row = build_features();
+        let listed = row
+            .detail
+            .split_once("with transports: ")
+            .and_then(|(_, rest)| rest.split(';').next())
+            .unwrap_or_default();
+        let listed: Vec<&str> = listed.split(", ").collect();
+        for (kind, built) in [
+            (TransportKind::Tcp, true),
+            (TransportKind::Uring, cfg!(feature = "uring")),
+            (TransportKind::Rdma, cfg!(feature = "rdma")),
+        ] {
+            assert_eq!(
+                listed.contains(&kind.name()),
+                built,
+                "{kind} in {}",
+                row.detail
+            );
+        }
+        assert!(
+            !listed.contains(&"cuda"),
+            "cuda is no transport: {}",
+            row.detail
+        );
+    }
+
+    #[test]
+    fn one_probe_enumerates_the_verbs_devices_once_for_every_row() {
+        let devices = Counting::new(two);
+        let caps = probe_with(&nics_only(), &devices);
+        assert_eq!(devices.calls.get(), 1);
+        assert_eq!(caps.get("rdma-devices").map(|c| c.status), Some(Status::Ok));
+        assert!(detail(&caps, "rdma-devices").contains("mlx5_1"), "{caps:?}");
+        // The topology row read the same listing: both NICs are in it, so both are usable.
+        assert!(detail(&caps, "topology").contains("2 usable"), "{caps:?}");
+    }
+
+    #[test]
+    fn without_libibverbs_both_rows_say_so_from_one_attempt() {
+        let devices = Counting::new(missing_library);
+        let caps = probe_with(&nics_only(), &devices);
+        assert_eq!(devices.calls.get(), 1);
+        assert_eq!(
+            caps.get("rdma-devices").map(|c| c.status),
+            Some(Status::Unavailable)
+        );
+        assert!(detail(&caps, "topology").contains("0 usable"), "{caps:?}");
     }
 }

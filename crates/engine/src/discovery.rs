@@ -256,19 +256,19 @@ where
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::cell::Cell;
     use verbs_sys::{NodeType, TransportType, VerbsError};
 
-    /// Counts enumerations; returns a fixed answer.
-    struct Counting {
-        calls: Cell<usize>,
+    /// Counts enumerations; returns a fixed answer (the capability matrix's tests use it too).
+    pub(crate) struct Counting {
+        pub(crate) calls: Cell<usize>,
         answer: fn() -> Result<Vec<DeviceInfo>, LoadError>,
     }
 
     impl Counting {
-        fn new(answer: fn() -> Result<Vec<DeviceInfo>, LoadError>) -> Self {
+        pub(crate) fn new(answer: fn() -> Result<Vec<DeviceInfo>, LoadError>) -> Self {
             Self {
                 calls: Cell::new(0),
                 answer,
@@ -283,7 +283,7 @@ mod tests {
         }
     }
 
-    fn two() -> Result<Vec<DeviceInfo>, LoadError> {
+    pub(crate) fn two() -> Result<Vec<DeviceInfo>, LoadError> {
         Ok(vec![
             DeviceInfo::new("mlx5_0", 1, NodeType::Ca, TransportType::Ib),
             DeviceInfo::new("mlx5_1", 2, NodeType::Ca, TransportType::Ib),
@@ -294,7 +294,7 @@ mod tests {
         Ok(Vec::new())
     }
 
-    fn missing_library() -> Result<Vec<DeviceInfo>, LoadError> {
+    pub(crate) fn missing_library() -> Result<Vec<DeviceInfo>, LoadError> {
         Err(VerbsError::Unavailable {
             library: "libibverbs.so.1".into(),
             reason: "cannot open shared object file: No such file or directory".into(),

@@ -1,4 +1,5 @@
-//! The engine: builder, registrations, peers and submission.
+//! The engine: registering memory and files, connecting to peers, submitting requests, and
+//! describing itself. It is built by [`EngineBuilder`](crate::EngineBuilder).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -6,497 +7,49 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ferry_core::wire::{Hello, SUPPORTED_VERSIONS, VersionRange};
+use ferry_core::SegmentToken;
+use ferry_core::wire::{Hello, VersionRange};
 use ferry_core::{
-    Access, Channel, Epoch, Error, MemoryRegion, Op, PeerId, PeerInfo, RequestControl, SegmentDesc,
-    SegmentTable, SegmentToken, Transport, TransportKind,
+    Access, Epoch, Error, MemoryRegion, PeerId, PeerInfo, SegmentTable, Transport, TransportKind,
 };
-use ferry_file::FileSegment;
-use registry::{Budgets, Registry, RegistryError};
-use tokio::sync::{Notify, watch};
+use registry::{Registry, RegistryError};
 use tracing::Instrument;
 #[cfg(feature = "rdma")]
-use transport_rdma::{RdmaConfig, RdmaTransport};
-use transport_tcp::{ServerHandle, TcpConfig, TcpServer, TcpTransport};
+use transport_rdma::RdmaTransport;
+use ferry_file::FileSegment;
 #[cfg(feature = "uring")]
-use transport_uring::{
-    Preference, UringConfig, UringProbe, UringServer, UringServerHandle, UringTransport,
-};
+use transport_uring::UringTransport;
 
-use crate::describe::{Description, RailDescription, RouteCounters, SegmentDescription};
+use crate::describe::{Description, RailDescription, SegmentDescription};
+use crate::handles::FileRegistration;
+use crate::handles::{Peer, PeerInner, Registration};
+use crate::listener::Server;
 use crate::request::{Batch, RequestHandle};
-use crate::serve::{RegistryTable, Responder};
+use crate::route::{self, Pick, Routes};
+use crate::serve::RegistryTable;
 
-/// Which transport carries the portable data plane (the one every host has, beside RDMA).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum DataPlane {
-    /// io_uring where the kernel supports the opcodes it needs (probed at build), TCP otherwise;
-    /// the reason is reported in [`Description::data_plane`](crate::Description::data_plane).
-    /// The builder's default.
-    #[default]
-    Auto,
-    /// io_uring, or an error naming what the kernel lacks.
-    Uring,
-    /// The tokio TCP transport.
-    Tcp,
-}
-
-impl DataPlane {
-    /// Parses `auto`, `uring` or `tcp`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "auto" => Some(Self::Auto),
-            "uring" | "io_uring" => Some(Self::Uring),
-            "tcp" => Some(Self::Tcp),
-            _ => None,
-        }
-    }
-}
-
-/// The portable data plane chosen at build, and why.
-fn choose_data_plane(
-    pref: DataPlane,
-    #[cfg(feature = "uring")] probe: Option<&UringProbe>,
-) -> Result<(TransportKind, String), Error> {
-    #[cfg(feature = "uring")]
-    {
-        let pref = match pref {
-            DataPlane::Auto => Preference::Auto,
-            DataPlane::Uring => Preference::Uring,
-            DataPlane::Tcp => Preference::Tcp,
-        };
-        let probed;
-        let probe = match probe {
-            Some(p) => p,
-            None if pref == Preference::Tcp => {
-                return Ok((TransportKind::Tcp, "tcp forced by configuration".into()));
-            }
-            None => {
-                probed = transport_uring::probe_kernel();
-                &probed
-            }
-        };
-        let s = transport_uring::select(probe, pref).map_err(|e| Error::Unavailable {
-            library: "io_uring".into(),
-            reason: format!("io_uring was forced but cannot be used: {e}"),
-        })?;
-        Ok((s.kind, s.reason))
-    }
-    #[cfg(not(feature = "uring"))]
-    match pref {
-        DataPlane::Uring => Err(Error::Unavailable {
-            library: "io_uring".into(),
-            reason: "io_uring was forced but this build lacks the `uring` feature".into(),
-        }),
-        DataPlane::Tcp => Ok((TransportKind::Tcp, "tcp forced by configuration".into())),
-        DataPlane::Auto => Ok((
-            TransportKind::Tcp,
-            "fell back to tcp: this build lacks the `uring` feature".into(),
-        )),
-    }
-}
-
-/// Builds a [`TransferEngine`]. Nothing native is loaded by building.
-#[derive(Debug, Clone)]
-pub struct EngineBuilder {
-    listen: Option<SocketAddr>,
-    kinds: Vec<TransportKind>,
-    data_plane: DataPlane,
-    #[cfg(feature = "uring")]
-    uring_probe: Option<UringProbe>,
-    extra: Vec<Arc<dyn Transport>>,
-    tcp: TcpConfig,
-    budgets: Budgets,
-    request_timeout: Option<Duration>,
-    connect_timeout: Duration,
-    versions: VersionRange,
-    #[cfg(feature = "rdma")]
-    rdma: Option<RdmaConfig>,
-    #[cfg(feature = "uring")]
-    uring_max_threads: usize,
-}
-
-impl Default for EngineBuilder {
-    fn default() -> Self {
-        Self {
-            listen: None,
-            kinds: vec![TransportKind::Tcp],
-            data_plane: DataPlane::default(),
-            #[cfg(feature = "uring")]
-            uring_probe: None,
-            extra: Vec::new(),
-            tcp: TcpConfig::default(),
-            budgets: Budgets::default(),
-            request_timeout: None,
-            connect_timeout: Duration::from_secs(10),
-            versions: SUPPORTED_VERSIONS,
-            #[cfg(feature = "rdma")]
-            rdma: None,
-            #[cfg(feature = "uring")]
-            uring_max_threads: transport_uring::MAX_THREADS,
-        }
-    }
-}
-
-impl EngineBuilder {
-    /// Serves published segments on `addr` (port 0: any free port). Without it the engine only
-    /// connects out.
-    pub fn listen(mut self, addr: SocketAddr) -> Self {
-        self.listen = Some(addr);
-        self
-    }
-
-    /// The built-in transports to use, in order of preference (default: TCP). `Tcp` stands for
-    /// the portable data plane chosen by [`data_plane`](Self::data_plane); `Uring` forces io_uring
-    /// for it.
-    pub fn transports(mut self, kinds: &[TransportKind]) -> Self {
-        self.kinds = kinds.to_vec();
-        if kinds.contains(&TransportKind::Uring) {
-            self.data_plane = DataPlane::Uring;
-        }
-        self
-    }
-
-    /// Which transport carries the portable data plane (default [`DataPlane::Auto`]), where the
-    /// [`transports`](Self::transports) include one (the default does; an RDMA-only list has
-    /// none, and this is then ignored). With [`DataPlane::Uring`] and a listener, the io_uring
-    /// server serves (it also answers TCP clients: the wire is the same), and file segments can
-    /// be published.
-    pub fn data_plane(mut self, pref: DataPlane) -> Self {
-        self.data_plane = pref;
-        self
-    }
-
-    /// Uses `probe` instead of probing the kernel when choosing the data plane (tests force a
-    /// kernel without some opcode this way).
-    #[cfg(feature = "uring")]
-    pub fn uring_probe(mut self, probe: UringProbe) -> Self {
-        self.uring_probe = Some(probe);
-        self
-    }
-
-    #[cfg(feature = "uring")]
-    fn uring_config(&self) -> UringConfig {
-        UringConfig {
-            streams: self.tcp.streams,
-            chunk_size: self.tcp.chunk_size,
-            depth: self.tcp.depth,
-            socket_buffer: self.tcp.socket_buffer,
-            connect_timeout: self.connect_timeout,
-            dead_peer_after: self.tcp.dead_peer_after,
-            max_threads: self.uring_max_threads,
-            ..UringConfig::default()
-        }
-    }
-
-    /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
-    /// per client stream and one per served data stream. Past it, new peers are opened over
-    /// the TCP data plane (same wire, a fixed set of I/O threads; [`Peer::transport`] says
-    /// `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
-    /// Counted in `describe().data_plane_io` ("peers past it over tcp").
-    #[cfg(feature = "uring")]
-    pub fn uring_max_threads(mut self, n: usize) -> Self {
-        self.uring_max_threads = n;
-        self
-    }
-
-    /// Adds a transport implemented outside this crate (preferred over the built-in ones).
-    pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
-        self.extra.push(transport);
-        self
-    }
-
-    /// Data streams per peer for TCP (default 1).
-    pub fn streams(mut self, n: usize) -> Self {
-        self.tcp.streams = n;
-        self
-    }
-
-    /// Largest chunk an op is split into (default 1 MiB).
-    pub fn chunk_size(mut self, bytes: u64) -> Self {
-        self.tcp.chunk_size = bytes;
-        self
-    }
-
-    /// Chunks in flight per stream (default 8).
-    pub fn depth(mut self, n: usize) -> Self {
-        self.tcp.depth = n;
-        self
-    }
-
-    /// Socket buffer size (`None`: kernel autotuning).
-    pub fn socket_buffer(mut self, bytes: Option<usize>) -> Self {
-        self.tcp.socket_buffer = bytes;
-        self
-    }
-
-    /// I/O threads of the TCP data plane, for the client side and for the server each:
-    /// `Some(0)` (default) one per available core, `Some(n)` n, `None` none (streams run on the
-    /// caller's tokio runtime: lower latency for small ops, less throughput for bulk; see
-    /// `TcpConfig::io_threads`).
-    pub fn io_threads(mut self, n: Option<usize>) -> Self {
-        self.tcp.io_threads = n;
-        self
-    }
-
-    /// Registration budgets.
-    pub fn budgets(mut self, budgets: Budgets) -> Self {
-        self.budgets = budgets;
-        self
-    }
-
-    /// Default per-request timeout (none by default).
-    pub fn request_timeout(mut self, timeout: Duration) -> Self {
-        self.request_timeout = Some(timeout);
-        self
-    }
-
-    /// Limit for connecting and the handshake (default 10 s).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self.tcp.connect_timeout = timeout;
-        self
-    }
-
-    /// How long a TCP or io_uring data stream may go without its sent data acknowledged (or,
-    /// idle, without answers to keepalive probes) before the peer is taken for dead: the
-    /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and
-    /// `drained` resolves once the kernel let go of the buffers. Default 30 s; `None` leaves it
-    /// to the kernel (about 15 minutes of retransmissions, and a silent idle peer is never
-    /// noticed). A peer whose application stops reading for that long counts as dead too (the
-    /// kernel applies the limit to zero-window probes).
-    pub fn dead_peer_after(mut self, after: Option<Duration>) -> Self {
-        self.tcp.dead_peer_after = after;
-        self
-    }
-
-    /// The protocol versions to speak (default: all this build supports). For interoperability
-    /// tests; a peer with no common version is refused with `ProtocolMismatch`.
-    pub fn protocol_versions(mut self, versions: VersionRange) -> Self {
-        self.versions = versions;
-        self
-    }
-
-    /// Enables the RDMA transport with `config`; it is preferred over the built-in TCP and
-    /// io_uring transports when both ends offer it, and registrations then go through its
-    /// contexts (one MR per rail for local ranges, two for remote ones). `TransportKind::Rdma`
-    /// in [`transports`](Self::transports) enables it with `RdmaConfig::default()` (discovery).
-    #[cfg(feature = "rdma")]
-    pub fn rdma(mut self, config: RdmaConfig) -> Self {
-        self.rdma = Some(config);
-        if !self.kinds.contains(&TransportKind::Rdma) {
-            self.kinds.push(TransportKind::Rdma);
-        }
-        self
-    }
-
-    /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
-    /// listener is bound here, and served on that runtime).
-    pub fn build(self) -> Result<TransferEngine, Error> {
-        let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
-        #[cfg(feature = "rdma")]
-        let mut rdma: Option<RdmaTransport> = None;
-        let mut data_plane: Option<(TransportKind, String)> = None;
-        #[cfg(feature = "uring")]
-        let mut uring: Option<UringTransport> = None;
-        for kind in &self.kinds {
-            match kind {
-                TransportKind::Tcp | TransportKind::Uring if data_plane.is_none() => {
-                    let (chosen, reason) = choose_data_plane(
-                        self.data_plane,
-                        #[cfg(feature = "uring")]
-                        self.uring_probe.as_ref(),
-                    )?;
-                    tracing::info!(transport = %chosen, %reason, "portable data plane");
-                    #[cfg(feature = "uring")]
-                    if chosen == TransportKind::Uring {
-                        let probed;
-                        let probe = match &self.uring_probe {
-                            Some(p) => p,
-                            None => {
-                                probed = transport_uring::probe_kernel();
-                                &probed
-                            }
-                        };
-                        let t = UringTransport::with_probe(self.uring_config(), probe)?;
-                        transports.push(Arc::new(t.clone()));
-                        uring = Some(t);
-                    }
-                    // TCP is offered beside io_uring too: the wire is the same, so TCP-only
-                    // peers still meet us (our io_uring channel takes their TCP offers).
-                    transports.push(Arc::new(TcpTransport::new(self.tcp.clone())));
-                    data_plane = Some((chosen, reason));
-                }
-                TransportKind::Tcp | TransportKind::Uring => {}
-                #[cfg(feature = "rdma")]
-                TransportKind::Rdma if rdma.is_none() => {
-                    let config = self.rdma.clone().unwrap_or_default();
-                    let t = RdmaTransport::open(config).map_err(|e| e.into_core())?;
-                    // Preferred over every built-in transport: right after the added ones.
-                    transports.insert(self.extra.len(), Arc::new(t.clone()));
-                    rdma = Some(t);
-                }
-                other => {
-                    if !transports.iter().any(|t| t.kind() == *other) {
-                        return Err(Error::Unavailable {
-                            library: format!("ferry {other} transport"),
-                            reason: format!(
-                                "the {other} transport is not built into this engine; \
-                                 add it with EngineBuilder::transport"
-                            ),
-                        });
-                    }
-                }
-            }
-        }
-        if transports.is_empty() {
-            return Err(Error::InvalidRequest {
-                reason: "no transport configured".into(),
-            });
-        }
-        let id = PeerId::random();
-        let epoch = Epoch::fresh();
-        #[cfg(feature = "rdma")]
-        let registry = match &rdma {
-            Some(t) => Registry::new(Arc::new(t.backend()), self.budgets),
-            None => Registry::host(self.budgets),
-        };
-        #[cfg(not(feature = "rdma"))]
-        let registry = Registry::host(self.budgets);
-        let table = Arc::new(RegistryTable::new(registry.clone()));
-        let responder = Arc::new(Responder {
-            id,
-            epoch,
-            versions: self.versions,
-            transports: transports.clone(),
-            table: table.clone(),
-        });
-        let server = match self.listen {
-            None => None,
-            #[cfg(feature = "uring")]
-            Some(addr) if uring.is_some() => {
-                let config = uring
-                    .as_ref()
-                    .map(|t| t.config().clone())
-                    .unwrap_or_default();
-                let overflow = Arc::new(TcpOverflow(transport_tcp::StreamServer::new(
-                    table.clone(),
-                    &self.tcp,
-                )));
-                let h = UringServer::bind(addr)?.with_overflow(overflow).serve(
-                    table.clone(),
-                    responder.clone(),
-                    config,
-                )?;
-                Some(Server::Uring(h))
-            }
-            Some(addr) => {
-                if let Err(e) = tokio::runtime::Handle::try_current() {
-                    return Err(Error::Unavailable {
-                        library: "tokio runtime".into(),
-                        reason: format!("EngineBuilder::build with listen needs one: {e}"),
-                    });
-                }
-                let server = TcpServer::bind(addr)?;
-                let tcp_config = self.tcp.clone();
-                Some(Server::Tcp(server.serve(
-                    table.clone(),
-                    responder.clone(),
-                    tcp_config,
-                )))
-            }
-        };
-        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()), "engine built");
-        Ok(TransferEngine {
-            inner: Arc::new(Inner {
-                id,
-                epoch,
-                versions: self.versions,
-                transports,
-                registry,
-                table,
-                server,
-                data_plane,
-                known: Mutex::new(HashMap::new()),
-                routes: Mutex::new(Vec::new()),
-                request_timeout: self.request_timeout,
-                connect_timeout: self.connect_timeout,
-                #[cfg(feature = "rdma")]
-                rdma,
-                #[cfg(feature = "uring")]
-                uring,
-            }),
-        })
-    }
-}
-
-type Route = (String, TransportKind, Arc<RouteCounters>);
-
-/// The io_uring listener's streams past its thread budget, served on the TCP data plane's I/O
-/// threads.
-#[cfg(feature = "uring")]
-#[derive(Debug)]
-struct TcpOverflow(transport_tcp::StreamServer);
-
-#[cfg(feature = "uring")]
-impl transport_uring::StreamOverflow for TcpOverflow {
-    fn serve(
-        &self,
-        stream: std::net::TcpStream,
-        from: SocketAddr,
-        done: Box<dyn FnOnce() + Send>,
-    ) -> Result<(), Error> {
-        self.0.serve(stream, from, done)
-    }
-}
-
-/// The engine's listener: the TCP transport's server, or the io_uring one.
-#[derive(Debug)]
-enum Server {
-    Tcp(ServerHandle),
-    #[cfg(feature = "uring")]
-    Uring(UringServerHandle),
-}
-
-impl Server {
-    fn local_addr(&self) -> SocketAddr {
-        match self {
-            Server::Tcp(h) => h.local_addr(),
-            #[cfg(feature = "uring")]
-            Server::Uring(h) => h.local_addr(),
-        }
-    }
-
-    fn shutdown(&self) {
-        match self {
-            Server::Tcp(h) => h.shutdown(),
-            #[cfg(feature = "uring")]
-            Server::Uring(h) => h.shutdown(),
-        }
-    }
-}
-
-struct Inner {
-    id: PeerId,
-    epoch: Epoch,
-    versions: VersionRange,
-    transports: Vec<Arc<dyn Transport>>,
-    registry: Registry,
-    table: Arc<RegistryTable>,
-    server: Option<Server>,
+/// What an engine holds, shared by its clones.
+pub(crate) struct Inner {
+    pub(crate) id: PeerId,
+    pub(crate) epoch: Epoch,
+    pub(crate) versions: VersionRange,
+    /// Every transport offered, in order of preference.
+    pub(crate) transports: Vec<Arc<dyn Transport>>,
+    pub(crate) registry: Registry,
+    pub(crate) table: Arc<RegistryTable>,
+    pub(crate) server: Option<Server>,
     /// The portable data plane and why it was chosen.
-    data_plane: Option<(TransportKind, String)>,
+    pub(crate) data_plane: Option<(TransportKind, String)>,
     /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
-    known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
-    routes: Mutex<Vec<Route>>,
-    request_timeout: Option<Duration>,
-    connect_timeout: Duration,
+    pub(crate) known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
+    pub(crate) routes: Routes,
+    pub(crate) request_timeout: Option<Duration>,
+    pub(crate) connect_timeout: Duration,
     #[cfg(feature = "rdma")]
-    rdma: Option<RdmaTransport>,
-    /// The io_uring data plane, when it was chosen (for its counters).
+    pub(crate) rdma: Option<RdmaTransport>,
+    /// The io_uring data plane, when it was chosen (its thread budget and counters).
     #[cfg(feature = "uring")]
-    uring: Option<UringTransport>,
+    pub(crate) uring: Option<UringTransport>,
 }
 
 impl fmt::Debug for Inner {
@@ -512,310 +65,10 @@ impl fmt::Debug for Inner {
 /// Ferry's transfer engine: registers memory, connects to peers and moves bytes between them.
 #[derive(Clone, Debug)]
 pub struct TransferEngine {
-    inner: Arc<Inner>,
-}
-
-/// A registered range, owned by the caller. Dropping it (or [`retire`](Self::retire)) unpublishes
-/// it at once; its memory stays alive while requests still use it.
-pub struct Registration {
-    inner: Option<registry::Registration>,
-    table: Arc<RegistryTable>,
-    region: Arc<MemoryRegion>,
-    token: SegmentToken,
-}
-
-impl fmt::Debug for Registration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Registration")
-            .field("token", &self.token)
-            .field("inner", &self.inner)
-            .finish()
-    }
-}
-
-impl Registration {
-    /// The token peers address it by.
-    pub fn token(&self) -> SegmentToken {
-        self.token
-    }
-
-    /// The registered memory.
-    pub fn region(&self) -> &Arc<MemoryRegion> {
-        &self.region
-    }
-
-    /// Its length in bytes.
-    pub fn len(&self) -> u64 {
-        self.region.len() as u64
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.region.is_empty()
-    }
-
-    /// Unpublishes the range (peers' requests are refused as for an unknown token from now on)
-    /// and releases it once no request uses it.
-    pub fn retire(mut self) -> Result<(), Error> {
-        self.table.remove(self.token);
-        let _span = tracing::info_span!("retire", token = %self.token).entered();
-        match self.inner.take() {
-            Some(r) => r.retire().map(|_| ()).map_err(registry_error("retire")),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        self.table.remove(self.token);
-    }
-}
-
-/// A published file segment (served by either portable data plane), owned by the caller.
-/// Dropping it (or [`retire`](Self::retire)) unpublishes it: later requests naming its token are
-/// refused as unknown; reads already running finish on the open file.
-pub struct FileRegistration {
-    table: Arc<RegistryTable>,
-    file: Arc<FileSegment>,
-    token: SegmentToken,
-    name: String,
-}
-
-impl fmt::Debug for FileRegistration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FileRegistration")
-            .field("name", &self.name)
-            .field("token", &self.token)
-            .field("file", &self.file)
-            .finish()
-    }
-}
-
-impl FileRegistration {
-    /// The token peers address it by.
-    pub fn token(&self) -> SegmentToken {
-        self.token
-    }
-
-    /// The name it is published under.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The file range served.
-    pub fn file(&self) -> &Arc<FileSegment> {
-        &self.file
-    }
-
-    /// Its length in bytes.
-    pub fn len(&self) -> u64 {
-        self.file.len()
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.file.is_empty()
-    }
-
-    /// The descriptor peers see in the handshake (no remote keys: files go over the wire).
-    pub fn desc(&self) -> SegmentDesc {
-        SegmentDesc {
-            name: self.name.clone(),
-            token: self.token,
-            len: self.file.len(),
-            access: self.file.access(),
-            remote_keys: Vec::new(),
-        }
-    }
-
-    /// Unpublishes the file segment.
-    pub fn retire(self) {
-        drop(self);
-    }
-}
-
-impl Drop for FileRegistration {
-    fn drop(&mut self) {
-        self.table.remove_file(self.token);
-    }
-}
-
-fn registry_error(name: &str) -> impl FnOnce(RegistryError) -> Error + '_ {
-    move |e| match e {
-        RegistryError::ResourceExhausted {
-            budget,
-            requested_copies,
-            requested_bytes,
-            held_copies,
-            held_bytes,
-            limit,
-            ..
-        } => {
-            let (requested, held) = match budget {
-                registry::Budget::Count => (requested_copies, held_copies),
-                _ => (requested_bytes, held_bytes),
-            };
-            Error::ResourceExhausted {
-                budget: format!("{budget} (registering {name:?})"),
-                requested,
-                held,
-                limit,
-            }
-        }
-        other @ RegistryError::Unquiesced { .. } => Error::Unquiesced {
-            what: format!("registration {name:?}"),
-            evidence: other.to_string(),
-        },
-        other => Error::Register {
-            name: name.to_owned(),
-            source: Box::new(other),
-        },
-    }
-}
-
-/// A connected peer incarnation and what it publishes.
-#[derive(Clone)]
-pub struct Peer {
-    inner: Arc<PeerInner>,
-}
-
-struct PeerInner {
-    addr: SocketAddr,
-    id: PeerId,
-    epoch: Epoch,
-    segments: Vec<SegmentDesc>,
-    channel: Arc<dyn Channel>,
-    counters: Arc<RouteCounters>,
-}
-
-impl fmt::Debug for Peer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Peer")
-            .field("addr", &self.inner.addr)
-            .field("id", &self.inner.id)
-            .field("epoch", &self.inner.epoch)
-            .field("transport", &self.inner.channel.kind())
-            .field("segments", &self.inner.segments.len())
-            .finish()
-    }
-}
-
-impl Peer {
-    /// Its control address.
-    pub fn addr(&self) -> SocketAddr {
-        self.inner.addr
-    }
-
-    /// Its peer id.
-    pub fn id(&self) -> PeerId {
-        self.inner.id
-    }
-
-    /// The epoch of this incarnation.
-    pub fn epoch(&self) -> Epoch {
-        self.inner.epoch
-    }
-
-    /// The transport its requests take.
-    pub fn transport(&self) -> TransportKind {
-        self.inner.channel.kind()
-    }
-
-    /// Whether its data channel can still carry requests. A channel whose every stream died
-    /// (the peer reset them, or went silent past `dead_peer_after`) fails each new request at
-    /// once with `PeerLost`; [`TransferEngine::connect`] to the same address opens a fresh one
-    /// (the same incarnation is accepted again).
-    pub fn is_alive(&self) -> bool {
-        self.inner.channel.is_alive()
-    }
-
-    /// Descriptors of the segments it published at connection time.
-    pub fn segments(&self) -> &[SegmentDesc] {
-        &self.inner.segments
-    }
-
-    /// The segment published under `name`.
-    pub fn segment(&self, name: &str) -> Result<RemoteSegment, Error> {
-        self.inner
-            .segments
-            .iter()
-            .find(|s| s.name == name)
-            .map(|desc| RemoteSegment {
-                peer: self.inner.clone(),
-                desc: desc.clone(),
-            })
-            .ok_or_else(|| Error::UnknownSegmentName {
-                peer: self.inner.addr.to_string(),
-                name: name.to_owned(),
-            })
-    }
-
-    /// A segment of this peer from a descriptor obtained out of band (a metadata service). The
-    /// peer checks the token, bounds and access of every op itself.
-    pub fn segment_from_descriptor(&self, desc: SegmentDesc) -> RemoteSegment {
-        RemoteSegment {
-            peer: self.inner.clone(),
-            desc,
-        }
-    }
-
-    /// Closes the data path: in-flight chunks fail as lost, later requests fail at once.
-    pub fn close(&self) {
-        self.inner.channel.close();
-    }
-}
-
-/// A segment published by a peer, as an op target.
-#[derive(Clone)]
-pub struct RemoteSegment {
-    peer: Arc<PeerInner>,
-    desc: SegmentDesc,
-}
-
-impl fmt::Debug for RemoteSegment {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RemoteSegment")
-            .field("peer", &self.peer.addr)
-            .field("desc", &self.desc)
-            .finish()
-    }
-}
-
-impl RemoteSegment {
-    /// Its descriptor.
-    pub fn desc(&self) -> &SegmentDesc {
-        &self.desc
-    }
-
-    /// Its name.
-    pub fn name(&self) -> &str {
-        &self.desc.name
-    }
-
-    /// Its length.
-    pub fn len(&self) -> u64 {
-        self.desc.len
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.desc.len == 0
-    }
-
-    /// What we may do to it.
-    pub fn access(&self) -> Access {
-        self.desc.access
-    }
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl TransferEngine {
-    /// A builder with defaults: the portable data plane (io_uring where the kernel supports it,
-    /// else TCP), no listener, default budgets, no request timeout.
-    pub fn builder() -> EngineBuilder {
-        EngineBuilder::default()
-    }
-
     /// This engine's peer id.
     pub fn peer_id(&self) -> PeerId {
         self.inner.id
@@ -846,7 +99,7 @@ impl TransferEngine {
             .inner
             .registry
             .register(name, region.clone(), access)
-            .map_err(registry_error(name))?;
+            .map_err(RegistryError::into_core)?;
         let token = reg.token();
         if access.is_remote() {
             self.inner.table.add(reg.lease());
@@ -1011,55 +264,17 @@ impl TransferEngine {
                 }
             }
         }
-        let mut chosen = None;
-        for t in &self.inner.transports {
+        let Pick {
+            transport,
+            offer,
+            reservation,
+        } = route::pick(
+            &self.inner.transports,
+            &server.transports,
             #[cfg(feature = "uring")]
-            if t.kind() == TransportKind::Uring
-                && let Some(u) = &self.inner.uring
-                && u.over_thread_budget()
-            {
-                tracing::info!(%addr, threads = u.stats().threads.load(std::sync::atomic::Ordering::Relaxed),
-                    max = u.config().max_threads,
-                    "io_uring thread budget reached: this peer goes over the TCP data plane");
-                u.stats()
-                    .handed_over
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                continue;
-            }
-            let exact = server
-                .transports
-                .iter()
-                .find(|o| TransportKind::of_offer(o) == Some(t.kind()));
-            // Our io_uring channel speaks the TCP transport's wire: it takes a TCP offer too.
-            let offer = exact.or_else(|| {
-                (t.kind() == TransportKind::Uring)
-                    .then(|| {
-                        server
-                            .transports
-                            .iter()
-                            .find(|o| TransportKind::of_offer(o) == Some(TransportKind::Tcp))
-                    })
-                    .flatten()
-            });
-            if let Some(offer) = offer {
-                chosen = Some((t.clone(), offer.clone()));
-                break;
-            }
-        }
-        let Some((transport, offer)) = chosen else {
-            return Err(Error::NoRoute {
-                peer: addr.to_string(),
-                reason: format!(
-                    "we offer {:?}, the peer {:?}",
-                    self.inner
-                        .transports
-                        .iter()
-                        .map(|t| t.kind().name())
-                        .collect::<Vec<_>>(),
-                    server.transports
-                ),
-            });
-        };
+            self.inner.uring.as_ref(),
+            addr,
+        )?;
         let info = PeerInfo {
             addr,
             local_id: self.inner.id,
@@ -1070,7 +285,8 @@ impl TransferEngine {
             segments: server.segments.clone(),
         };
         let channel = transport.open(info).await?;
-        let counters = self.route(addr.to_string(), channel.kind());
+        drop(reservation);
+        let counters = self.inner.routes.counters(addr.to_string(), channel.kind());
         tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
             segments = server.segments.len(), "connected");
         Ok(Peer {
@@ -1085,80 +301,22 @@ impl TransferEngine {
         })
     }
 
-    fn route(&self, peer: String, kind: TransportKind) -> Arc<RouteCounters> {
-        let mut routes = self
-            .inner
-            .routes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, _, c)) = routes.iter().find(|(p, k, _)| *p == peer && *k == kind) {
-            return c.clone();
-        }
-        let c = Arc::new(RouteCounters::default());
-        routes.push((peer, kind, c.clone()));
-        c
-    }
-
     /// Submits a batch: every op is checked against its local region and the peer's descriptor
     /// before anything moves (an error here means nothing moved), then the request runs in the
     /// background. Must be called inside a tokio runtime.
     pub fn submit(&self, batch: Batch) -> Result<RequestHandle, Error> {
-        let Some(first) = batch.ops.first() else {
-            return Err(Error::InvalidRequest {
-                reason: "empty batch".into(),
-            });
-        };
-        let peer = first.remote.peer.clone();
-        let mut ops = Vec::with_capacity(batch.ops.len());
-        for p in &batch.ops {
-            if !Arc::ptr_eq(&p.remote.peer, &peer) {
-                return Err(Error::InvalidRequest {
-                    reason: "a batch goes to one peer incarnation; split it per peer".into(),
-                });
-            }
-            let op = Op {
-                kind: p.kind,
-                local: p.local.clone(),
-                local_offset: p.local_offset,
-                token: p.remote.desc.token,
-                remote_offset: p.remote_offset,
-                len: p.len,
-            };
-            op.check_local()?;
-            p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
-            ops.push(op);
-        }
+        let (peer, ops) = batch.checked_ops()?;
         if let Err(e) = tokio::runtime::Handle::try_current() {
             return Err(Error::Unavailable {
                 library: "tokio runtime".into(),
                 reason: format!("TransferEngine::submit needs one: {e}"),
             });
         }
-        let bytes: u64 = ops.iter().map(|o| o.len).sum();
-        let ops: Arc<[Op]> = ops.into();
-        let control = Arc::new(RequestControl::new(&ops));
-        let span = tracing::info_span!("request", peer = %peer.addr, ops = ops.len(), bytes);
-        let (tx, rx) = watch::channel(None);
-        let fut = peer.channel.execute(ops, control.clone());
-        let counters = peer.counters.clone();
-        tokio::spawn(
-            async move {
-                let outcome = fut.await;
-                counters.record(&outcome);
-                if let Some(f) = outcome.failure {
-                    tracing::debug!(op = f.op_index, kind = %f.kind, effect = ?outcome.remote_effect,
-                        "request failed");
-                }
-                let _ = tx.send(Some(outcome));
-            }
-            .instrument(span),
-        );
-        Ok(RequestHandle {
-            control,
-            wake: Arc::new(Notify::new()),
-            done: rx,
-            timeout: batch.timeout.or(self.inner.request_timeout),
-        })
+        Ok(RequestHandle::start(
+            &peer,
+            ops,
+            batch.timeout.or(self.inner.request_timeout),
+        ))
     }
 
     /// Identity, listener, registrations and per-route counters.
@@ -1188,14 +346,7 @@ impl TransferEngine {
                     }),
             )
             .collect();
-        let routes = self
-            .inner
-            .routes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .map(|(p, k, c)| c.snapshot(p.clone(), *k))
-            .collect();
+        let routes = self.inner.routes.snapshot();
         Description {
             peer_id: self.inner.id.to_string(),
             epoch: self.inner.epoch.to_string(),
@@ -1272,7 +423,7 @@ impl TransferEngine {
         self.inner
             .registry
             .check()
-            .map_err(registry_error("(deferred)"))?;
+            .map_err(RegistryError::into_core)?;
         #[cfg(feature = "rdma")]
         if let Some(rdma) = &self.inner.rdma {
             rdma.check()?;

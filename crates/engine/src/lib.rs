@@ -20,15 +20,23 @@
 //! buffers); an address whose epoch changed is refused with `StaleEpoch` until re-resolved.
 #![forbid(unsafe_code)]
 
+mod builder;
+mod config;
 mod describe;
 mod engine;
+mod handles;
+mod listener;
 mod request;
+mod route;
 mod serve;
 
+pub use builder::EngineBuilder;
 pub use describe::{Description, RailDescription, RouteDescription, SegmentDescription};
-pub use engine::FileRegistration;
-pub use engine::{DataPlane, EngineBuilder, Peer, Registration, RemoteSegment, TransferEngine};
+pub use engine::TransferEngine;
+pub use handles::FileRegistration;
+pub use handles::{Peer, Registration, RemoteSegment};
 pub use request::{Batch, Canceller, RequestHandle};
+pub use route::DataPlane;
 /// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
 #[cfg(feature = "uring")]
 pub use transport_uring::{OpcodeSupport, UringProbe, probe_kernel};

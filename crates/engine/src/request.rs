@@ -5,10 +5,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::{FailureKind, OpKind, Outcome, RequestControl};
+use ferry_core::{Error, FailureKind, Op, OpKind, Outcome, RequestControl};
 use tokio::sync::{Notify, watch};
+use tracing::Instrument;
 
-use crate::engine::{Registration, RemoteSegment};
+use crate::handles::{PeerInner, Registration, RemoteSegment};
 
 /// One op of a batch, before validation.
 #[derive(Clone, Debug)]
@@ -110,6 +111,38 @@ impl Batch {
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
     }
+
+    /// The peer incarnation the batch goes to and its ops, each checked against its local
+    /// region and the peer's descriptor (an error here means nothing moved). A batch is not
+    /// empty and goes to one peer incarnation.
+    pub(crate) fn checked_ops(&self) -> Result<(Arc<PeerInner>, Vec<Op>), Error> {
+        let Some(first) = self.ops.first() else {
+            return Err(Error::InvalidRequest {
+                reason: "empty batch".into(),
+            });
+        };
+        let peer = first.remote.peer.clone();
+        let mut ops = Vec::with_capacity(self.ops.len());
+        for p in &self.ops {
+            if !Arc::ptr_eq(&p.remote.peer, &peer) {
+                return Err(Error::InvalidRequest {
+                    reason: "a batch goes to one peer incarnation; split it per peer".into(),
+                });
+            }
+            let op = Op {
+                kind: p.kind,
+                local: p.local.clone(),
+                local_offset: p.local_offset,
+                token: p.remote.desc.token,
+                remote_offset: p.remote_offset,
+                len: p.len,
+            };
+            op.check_local()?;
+            p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
+            ops.push(op);
+        }
+        Ok((peer, ops))
+    }
 }
 
 /// Cancels a request from anywhere (cheap to clone).
@@ -139,6 +172,36 @@ pub struct RequestHandle {
 }
 
 impl RequestHandle {
+    /// Runs `ops` on `peer`'s channel as a task of the current tokio runtime (the caller checked
+    /// there is one), recording the outcome in the route's counters.
+    pub(crate) fn start(peer: &PeerInner, ops: Vec<Op>, timeout: Option<Duration>) -> Self {
+        let bytes: u64 = ops.iter().map(|o| o.len).sum();
+        let ops: Arc<[Op]> = ops.into();
+        let control = Arc::new(RequestControl::new(&ops));
+        let span = tracing::info_span!("request", peer = %peer.addr, ops = ops.len(), bytes);
+        let (tx, rx) = watch::channel(None);
+        let fut = peer.channel.execute(ops, control.clone());
+        let counters = peer.counters.clone();
+        tokio::spawn(
+            async move {
+                let outcome = fut.await;
+                counters.record(&outcome);
+                if let Some(f) = outcome.failure {
+                    tracing::debug!(op = f.op_index, kind = %f.kind, effect = ?outcome.remote_effect,
+                        "request failed");
+                }
+                let _ = tx.send(Some(outcome));
+            }
+            .instrument(span),
+        );
+        Self {
+            control,
+            wake: Arc::new(Notify::new()),
+            done: rx,
+            timeout,
+        }
+    }
+
     /// A handle that can cancel the request.
     pub fn canceller(&self) -> Canceller {
         Canceller {

@@ -127,6 +127,57 @@ pub enum RegistryError {
     },
 }
 
+impl RegistryError {
+    /// The name of the registration the error is about.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::ResourceExhausted { name, .. }
+            | Self::Register { name, .. }
+            | Self::Fenced { name, .. }
+            | Self::Unquiesced { name, .. }
+            | Self::NoContexts { name, .. } => name,
+        }
+    }
+
+    /// The engine's error for this one: a refused admission is `ResourceExhausted` (the count
+    /// budget reports copies, the bytes budget bytes; the budget names the registration), a
+    /// failed native destroy is `Unquiesced` (its evidence this error's message), and every
+    /// other failure is `Register` with this error as its source.
+    pub fn into_core(self) -> ferry_core::Error {
+        match self {
+            Self::ResourceExhausted {
+                budget,
+                name,
+                requested_copies,
+                requested_bytes,
+                held_copies,
+                held_bytes,
+                limit,
+                ..
+            } => {
+                let (requested, held) = match budget {
+                    Budget::Count => (requested_copies, held_copies),
+                    Budget::Bytes => (requested_bytes, held_bytes),
+                };
+                ferry_core::Error::ResourceExhausted {
+                    budget: format!("{budget} (registering {name:?})"),
+                    requested,
+                    held,
+                    limit,
+                }
+            }
+            Self::Unquiesced { .. } => ferry_core::Error::Unquiesced {
+                what: format!("registration {:?}", self.name()),
+                evidence: self.to_string(),
+            },
+            other => ferry_core::Error::Register {
+                name: other.name().to_owned(),
+                source: Box::new(other),
+            },
+        }
+    }
+}
+
 /// Why a peer's request may not touch a looked-up segment.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -150,4 +201,60 @@ pub enum AccessError {
         /// What the segment grants.
         granted: Access,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exhausted(budget: Budget) -> RegistryError {
+        RegistryError::ResourceExhausted {
+            budget,
+            name: "b".into(),
+            len: 10,
+            requested_copies: 2,
+            requested_bytes: 20,
+            held_copies: 3,
+            held_bytes: 30,
+            limit: 40,
+        }
+    }
+
+    #[test]
+    fn a_refused_admission_reports_the_budget_it_exceeds() {
+        match exhausted(Budget::Count).into_core() {
+            ferry_core::Error::ResourceExhausted {
+                budget,
+                requested,
+                held,
+                limit,
+            } => {
+                assert_eq!((requested, held, limit), (2, 3, 40));
+                assert_eq!(budget, "registration count (registering \"b\")");
+            }
+            other => panic!("expected ResourceExhausted, got {other:?}"),
+        }
+        match exhausted(Budget::Bytes).into_core() {
+            ferry_core::Error::ResourceExhausted {
+                requested, held, ..
+            } => assert_eq!((requested, held), (20, 30)),
+            other => panic!("expected ResourceExhausted, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn other_failures_keep_the_registry_error_as_source() {
+        let e = RegistryError::NoContexts {
+            name: "w".into(),
+            backend: "none".into(),
+        };
+        let text = e.to_string();
+        match e.into_core() {
+            ferry_core::Error::Register { name, source } => {
+                assert_eq!(name, "w");
+                assert_eq!(source.to_string(), text);
+            }
+            other => panic!("expected Register, got {other:?}"),
+        }
+    }
 }

@@ -59,6 +59,7 @@ pub use error::UringError;
 pub use file_ring::read_file_into;
 pub use probe::{OpcodeSupport, UringProbe, probe_kernel};
 pub use ring::IoStats;
+use ring::ThreadCount;
 pub use server::{UringServer, UringServerHandle};
 pub use waiter::block_on;
 
@@ -276,6 +277,13 @@ pub struct UringTransport {
     stats: Arc<IoStats>,
 }
 
+/// A share of a [`UringTransport`]'s thread budget, held for a channel being opened
+/// ([`UringTransport::reserve_streams`]); released on drop.
+#[derive(Debug)]
+pub struct StreamReservation {
+    _threads: ThreadCount,
+}
+
 impl UringTransport {
     /// Probes the kernel and builds a transport (streams clamped to 1..=64, chunk size to
     /// 1..=`MAX_CHUNK`). Fails with the probe's reason where io_uring cannot carry the data
@@ -315,14 +323,23 @@ impl UringTransport {
         &self.stats
     }
 
-    /// Whether one more channel would take this transport's stream threads past
-    /// [`UringConfig::max_threads`] (its owner then opens the peer over the TCP data plane).
-    pub fn over_thread_budget(&self) -> bool {
-        let now = self
-            .stats
-            .threads
-            .load(std::sync::atomic::Ordering::Relaxed);
-        now.saturating_add(self.config.streams as u64) > self.config.max_threads as u64
+    /// Reserves this transport's thread budget for one more channel (a thread per configured
+    /// stream) if that keeps it within [`UringConfig::max_threads`]. Hold the reservation until
+    /// the channel is open (its stream threads count themselves once running), then drop it.
+    /// `None`: the budget is spent; the refusal is counted in [`IoStats::handed_over`] and the
+    /// owner opens the peer over the TCP data plane instead.
+    pub fn reserve_streams(&self) -> Option<StreamReservation> {
+        let streams = self.config.streams as u64;
+        let held = ThreadCount::reserve(
+            &self.stats,
+            streams,
+            self.config.max_threads,
+            "reserved client streams",
+        );
+        if held.is_none() {
+            IoStats::add(&self.stats.handed_over, 1);
+        }
+        held.map(|threads| StreamReservation { _threads: threads })
     }
 
     /// One line for `engine.describe()`.
@@ -485,5 +502,28 @@ mod tests {
             .unwrap();
             assert_eq!(after, vec![before[index % before.len()]], "index {index}");
         }
+    }
+
+    #[test]
+    fn stream_reservations_stay_within_the_thread_budget_and_end_on_drop() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let t = super::UringTransport {
+            config: super::UringConfig {
+                streams: 2,
+                max_threads: 4,
+                ..super::UringConfig::default()
+            },
+            stats: Default::default(),
+        };
+        let first = t.reserve_streams().expect("2 of 4");
+        let second = t.reserve_streams().expect("4 of 4");
+        assert!(t.reserve_streams().is_none(), "6 of 4");
+        assert_eq!(t.stats().threads.load(Relaxed), 4);
+        assert_eq!(t.stats().handed_over.load(Relaxed), 1);
+        drop(first);
+        assert_eq!(t.stats().threads.load(Relaxed), 2);
+        let third = t.reserve_streams().expect("room again");
+        drop((second, third));
+        assert_eq!(t.stats().threads.load(Relaxed), 0);
     }
 }

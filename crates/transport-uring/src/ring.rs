@@ -74,44 +74,61 @@ impl IoStats {
     }
 }
 
-/// Counts one live I/O thread in [`IoStats::threads`] while held. The data plane runs a
-/// thread per stream (client) and per served data stream, so fan-out to many peers costs that
-/// many threads (bounded by `UringConfig::max_threads` where the owner enforces it); past 256 it
-/// warns at each doubling.
-pub(crate) struct ThreadCount(Arc<IoStats>);
+/// Counts live I/O threads (one, or a reservation of several) in [`IoStats::threads`] while
+/// held. The data plane runs a thread per stream (client) and per served data stream, so fan-out
+/// to many peers costs that many threads (bounded by `UringConfig::max_threads` where the owner
+/// enforces it); past 256 it warns at each doubling.
+#[derive(Debug)]
+pub(crate) struct ThreadCount {
+    stats: Arc<IoStats>,
+    n: u64,
+}
 
 impl ThreadCount {
     /// Counts one more thread if that keeps the count at `max` or below (`None`: it would not).
     pub(crate) fn within(stats: &Arc<IoStats>, max: usize, what: &'static str) -> Option<Self> {
-        let n = stats.threads.fetch_add(1, Ordering::Relaxed) + 1;
-        if n > max as u64 {
-            stats.threads.fetch_sub(1, Ordering::Relaxed);
+        Self::reserve(stats, 1, max, what)
+    }
+
+    /// Counts `n` more threads if that keeps the count at `max` or below (`None`: it would not).
+    pub(crate) fn reserve(
+        stats: &Arc<IoStats>,
+        n: u64,
+        max: usize,
+        what: &'static str,
+    ) -> Option<Self> {
+        let now = stats.threads.fetch_add(n, Ordering::Relaxed) + n;
+        if now > max as u64 {
+            stats.threads.fetch_sub(n, Ordering::Relaxed);
             return None;
         }
-        Some(Self::counted(stats, n, what))
+        Some(Self::counted(stats, n, now, what))
     }
 
     pub(crate) fn new(stats: &Arc<IoStats>, what: &'static str) -> Self {
-        let n = stats.threads.fetch_add(1, Ordering::Relaxed) + 1;
-        Self::counted(stats, n, what)
+        let now = stats.threads.fetch_add(1, Ordering::Relaxed) + 1;
+        Self::counted(stats, 1, now, what)
     }
 
-    fn counted(stats: &Arc<IoStats>, n: u64, what: &'static str) -> Self {
-        if n > 256 && n.is_power_of_two() {
+    fn counted(stats: &Arc<IoStats>, n: u64, now: u64, what: &'static str) -> Self {
+        if now > 256 && now.is_power_of_two() {
             tracing::warn!(
-                threads = n,
-                "the io_uring data plane runs {n} threads ({what}: one per stream); for fan-out \
+                threads = now,
+                "the io_uring data plane runs {now} threads ({what}: one per stream); for fan-out \
                  to many peers keep UringConfig::max_threads low, past it the TCP data plane's \
                  fixed pool of I/O threads takes over"
             );
         }
-        Self(stats.clone())
+        Self {
+            stats: stats.clone(),
+            n,
+        }
     }
 }
 
 impl Drop for ThreadCount {
     fn drop(&mut self) {
-        self.0.threads.fetch_sub(1, Ordering::Relaxed);
+        self.stats.threads.fetch_sub(self.n, Ordering::Relaxed);
     }
 }
 

@@ -1,0 +1,306 @@
+//! The engine's builder: what to run (transports, listener, budgets, timeouts) and the one
+//! data-plane configuration the TCP and io_uring transports are derived from.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
+use ferry_core::{Epoch, Error, PeerId, Transport, TransportKind};
+use registry::{Budgets, Registry};
+#[cfg(feature = "rdma")]
+use transport_rdma::{RdmaConfig, RdmaTransport};
+#[cfg(feature = "uring")]
+use transport_uring::UringProbe;
+
+use crate::config::DataPlaneConfig;
+use crate::engine::{Inner, TransferEngine};
+use crate::listener::Server;
+use crate::route::{DataPlane, PortablePlane, open_data_plane};
+use crate::serve::{RegistryTable, Responder};
+
+/// Builds a [`TransferEngine`]. Nothing native is loaded by building.
+#[derive(Debug, Clone)]
+pub struct EngineBuilder {
+    listen: Option<SocketAddr>,
+    kinds: Vec<TransportKind>,
+    data_plane: DataPlane,
+    #[cfg(feature = "uring")]
+    uring_probe: Option<UringProbe>,
+    extra: Vec<Arc<dyn Transport>>,
+    data: DataPlaneConfig,
+    budgets: Budgets,
+    request_timeout: Option<Duration>,
+    versions: VersionRange,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaConfig>,
+}
+
+impl Default for EngineBuilder {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            kinds: vec![TransportKind::Tcp],
+            data_plane: DataPlane::default(),
+            #[cfg(feature = "uring")]
+            uring_probe: None,
+            extra: Vec::new(),
+            data: DataPlaneConfig::default(),
+            budgets: Budgets::default(),
+            request_timeout: None,
+            versions: SUPPORTED_VERSIONS,
+            #[cfg(feature = "rdma")]
+            rdma: None,
+        }
+    }
+}
+
+impl EngineBuilder {
+    /// Serves published segments on `addr` (port 0: any free port). Without it the engine only
+    /// connects out.
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = Some(addr);
+        self
+    }
+
+    /// The built-in transports to use, in order of preference (default: TCP). `Tcp` stands for
+    /// the portable data plane chosen by [`data_plane`](Self::data_plane); `Uring` forces io_uring
+    /// for it.
+    pub fn transports(mut self, kinds: &[TransportKind]) -> Self {
+        self.kinds = kinds.to_vec();
+        if kinds.contains(&TransportKind::Uring) {
+            self.data_plane = DataPlane::Uring;
+        }
+        self
+    }
+
+    /// Which transport carries the portable data plane (default [`DataPlane::Auto`]), where the
+    /// [`transports`](Self::transports) include one (the default does; an RDMA-only list has
+    /// none, and this is then ignored). With [`DataPlane::Uring`] and a listener, the io_uring
+    /// server serves (it also answers TCP clients: the wire is the same), and file segments can
+    /// be published.
+    pub fn data_plane(mut self, pref: DataPlane) -> Self {
+        self.data_plane = pref;
+        self
+    }
+
+    /// Uses `probe` instead of probing the kernel when choosing the data plane (tests force a
+    /// kernel without some opcode this way).
+    #[cfg(feature = "uring")]
+    pub fn uring_probe(mut self, probe: UringProbe) -> Self {
+        self.uring_probe = Some(probe);
+        self
+    }
+
+    /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
+    /// per client stream and one per served data stream. Past it, new peers are opened over
+    /// the TCP data plane (same wire, a fixed set of I/O threads;
+    /// [`Peer::transport`](crate::Peer::transport) says `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
+    /// Counted in `describe().data_plane_io` ("peers past it over tcp").
+    #[cfg(feature = "uring")]
+    pub fn uring_max_threads(mut self, n: usize) -> Self {
+        self.data.uring_max_threads = n;
+        self
+    }
+
+    /// Adds a transport implemented outside this crate (preferred over the built-in ones).
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
+        self.extra.push(transport);
+        self
+    }
+
+    /// Data streams per peer over the TCP or io_uring data plane (default 1).
+    pub fn streams(mut self, n: usize) -> Self {
+        self.data.streams = n;
+        self
+    }
+
+    /// Largest chunk an op is split into (default 1 MiB).
+    pub fn chunk_size(mut self, bytes: u64) -> Self {
+        self.data.chunk_size = bytes;
+        self
+    }
+
+    /// Chunks in flight per stream (default 8).
+    pub fn depth(mut self, n: usize) -> Self {
+        self.data.depth = n;
+        self
+    }
+
+    /// Socket buffer size (`None`: kernel autotuning).
+    pub fn socket_buffer(mut self, bytes: Option<usize>) -> Self {
+        self.data.socket_buffer = bytes;
+        self
+    }
+
+    /// I/O threads of the TCP data plane, for the client side and for the server each:
+    /// `Some(0)` (default) one per available core, `Some(n)` n, `None` none (streams run on the
+    /// caller's tokio runtime: lower latency for small ops, less throughput for bulk; see
+    /// `TcpConfig::io_threads`).
+    pub fn io_threads(mut self, n: Option<usize>) -> Self {
+        self.data.io_threads = n;
+        self
+    }
+
+    /// Registration budgets.
+    pub fn budgets(mut self, budgets: Budgets) -> Self {
+        self.budgets = budgets;
+        self
+    }
+
+    /// Default per-request timeout (none by default).
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = Some(timeout);
+        self
+    }
+
+    /// Limit for connecting and the handshake (default 10 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.data.connect_timeout = timeout;
+        self
+    }
+
+    /// How long a TCP or io_uring data stream may go without its sent data acknowledged (or,
+    /// idle, without answers to keepalive probes) before the peer is taken for dead: the
+    /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and
+    /// `drained` resolves once the kernel let go of the buffers. Default 30 s; `None` leaves it
+    /// to the kernel (about 15 minutes of retransmissions, and a silent idle peer is never
+    /// noticed). A peer whose application stops reading for that long counts as dead too (the
+    /// kernel applies the limit to zero-window probes).
+    pub fn dead_peer_after(mut self, after: Option<Duration>) -> Self {
+        self.data.dead_peer_after = after;
+        self
+    }
+
+    /// The protocol versions to speak (default: all this build supports). For interoperability
+    /// tests; a peer with no common version is refused with `ProtocolMismatch`.
+    pub fn protocol_versions(mut self, versions: VersionRange) -> Self {
+        self.versions = versions;
+        self
+    }
+
+    /// Enables the RDMA transport with `config`; it is preferred over the built-in TCP and
+    /// io_uring transports when both ends offer it, and registrations then go through its
+    /// contexts (one MR per rail for local ranges, two for remote ones). `TransportKind::Rdma`
+    /// in [`transports`](Self::transports) enables it with `RdmaConfig::default()` (discovery).
+    #[cfg(feature = "rdma")]
+    pub fn rdma(mut self, config: RdmaConfig) -> Self {
+        self.rdma = Some(config);
+        if !self.kinds.contains(&TransportKind::Rdma) {
+            self.kinds.push(TransportKind::Rdma);
+        }
+        self
+    }
+
+    /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
+    /// listener is bound here, and served on that runtime).
+    pub fn build(self) -> Result<TransferEngine, Error> {
+        let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
+        #[cfg(feature = "rdma")]
+        let mut rdma: Option<RdmaTransport> = None;
+        let mut data_plane: Option<PortablePlane> = None;
+        for kind in &self.kinds {
+            match kind {
+                TransportKind::Tcp | TransportKind::Uring if data_plane.is_none() => {
+                    let plane = open_data_plane(
+                        self.data_plane,
+                        #[cfg(feature = "uring")]
+                        self.uring_probe.as_ref(),
+                        &self.data,
+                    )?;
+                    tracing::info!(transport = %plane.kind, reason = %plane.reason, "portable data plane");
+                    #[cfg(feature = "uring")]
+                    if let Some(t) = &plane.uring {
+                        transports.push(Arc::new(t.clone()));
+                    }
+                    transports.push(Arc::new(plane.tcp.clone()));
+                    data_plane = Some(plane);
+                }
+                TransportKind::Tcp | TransportKind::Uring => {}
+                #[cfg(feature = "rdma")]
+                TransportKind::Rdma if rdma.is_none() => {
+                    let config = self.rdma.clone().unwrap_or_default();
+                    let t = RdmaTransport::open(config).map_err(|e| e.into_core())?;
+                    // Preferred over every built-in transport: right after the added ones.
+                    transports.insert(self.extra.len(), Arc::new(t.clone()));
+                    rdma = Some(t);
+                }
+                other => {
+                    if !transports.iter().any(|t| t.kind() == *other) {
+                        return Err(Error::Unavailable {
+                            library: format!("ferry {other} transport"),
+                            reason: format!(
+                                "the {other} transport is not built into this engine; \
+                                 add it with EngineBuilder::transport"
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        if transports.is_empty() {
+            return Err(Error::InvalidRequest {
+                reason: "no transport configured".into(),
+            });
+        }
+        let id = PeerId::random();
+        let epoch = Epoch::fresh();
+        #[cfg(feature = "rdma")]
+        let registry = match &rdma {
+            Some(t) => Registry::new(Arc::new(t.backend()), self.budgets),
+            None => Registry::host(self.budgets),
+        };
+        #[cfg(not(feature = "rdma"))]
+        let registry = Registry::host(self.budgets);
+        let table = Arc::new(RegistryTable::new(registry.clone()));
+        let responder = Arc::new(Responder {
+            id,
+            epoch,
+            versions: self.versions,
+            transports: transports.clone(),
+            table: table.clone(),
+        });
+        #[cfg(feature = "uring")]
+        let uring = data_plane.as_ref().and_then(|p| p.uring.clone());
+        let server = match self.listen {
+            None => None,
+            Some(addr) => Some(Server::start(
+                addr,
+                &self.data,
+                #[cfg(feature = "uring")]
+                uring.as_ref(),
+                table.clone(),
+                responder,
+            )?),
+        };
+        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()), "engine built");
+        Ok(TransferEngine {
+            inner: Arc::new(Inner {
+                id,
+                epoch,
+                versions: self.versions,
+                transports,
+                registry,
+                table,
+                server,
+                data_plane: data_plane.map(|p| (p.kind, p.reason)),
+                known: Default::default(),
+                routes: Default::default(),
+                request_timeout: self.request_timeout,
+                connect_timeout: self.data.connect_timeout,
+                #[cfg(feature = "rdma")]
+                rdma,
+                #[cfg(feature = "uring")]
+                uring,
+            }),
+        })
+    }
+}
+
+impl TransferEngine {
+    /// A builder with defaults: the portable data plane (io_uring where the kernel supports it,
+    /// else TCP), no listener, default budgets, no request timeout.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+}

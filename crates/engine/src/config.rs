@@ -1,0 +1,140 @@
+//! The portable data plane's settings: one set on the builder, from which the TCP and the
+//! io_uring transports' configurations are both derived (here, and only here).
+
+use std::time::Duration;
+
+use transport_tcp::TcpConfig;
+#[cfg(feature = "uring")]
+use transport_uring::UringConfig;
+
+/// What the builder sets for the portable data plane, whichever transport carries it.
+#[derive(Clone, Debug)]
+pub(crate) struct DataPlaneConfig {
+    /// Data streams per peer.
+    pub(crate) streams: usize,
+    /// Largest chunk an op is split into.
+    pub(crate) chunk_size: u64,
+    /// Chunks in flight per stream.
+    pub(crate) depth: usize,
+    /// Socket buffer size (`None`: kernel autotuning).
+    pub(crate) socket_buffer: Option<usize>,
+    /// Limit for connecting, the handshake and attaching a stream.
+    pub(crate) connect_timeout: Duration,
+    /// How long sent data may go unacknowledged before the peer is taken for dead.
+    pub(crate) dead_peer_after: Option<Duration>,
+    /// The TCP data plane's I/O threads (see `TcpConfig::io_threads`).
+    pub(crate) io_threads: Option<usize>,
+    /// Threads the io_uring data plane runs at most on each side.
+    #[cfg(feature = "uring")]
+    pub(crate) uring_max_threads: usize,
+}
+
+impl Default for DataPlaneConfig {
+    /// The TCP transport's defaults, and io_uring's default thread budget.
+    fn default() -> Self {
+        let TcpConfig {
+            streams,
+            chunk_size,
+            depth,
+            socket_buffer,
+            connect_timeout,
+            io_threads,
+            dead_peer_after,
+        } = TcpConfig::default();
+        Self {
+            streams,
+            chunk_size,
+            depth,
+            socket_buffer,
+            connect_timeout,
+            dead_peer_after,
+            io_threads,
+            #[cfg(feature = "uring")]
+            uring_max_threads: transport_uring::MAX_THREADS,
+        }
+    }
+}
+
+impl DataPlaneConfig {
+    /// The TCP transport's (and its server's) configuration.
+    pub(crate) fn tcp(&self) -> TcpConfig {
+        TcpConfig {
+            streams: self.streams,
+            chunk_size: self.chunk_size,
+            depth: self.depth,
+            socket_buffer: self.socket_buffer,
+            connect_timeout: self.connect_timeout,
+            io_threads: self.io_threads,
+            dead_peer_after: self.dead_peer_after,
+        }
+    }
+
+    /// The io_uring transport's (and its server's) configuration; what the builder does not
+    /// set keeps `UringConfig`'s defaults.
+    #[cfg(feature = "uring")]
+    pub(crate) fn uring(&self) -> UringConfig {
+        UringConfig {
+            streams: self.streams,
+            chunk_size: self.chunk_size,
+            depth: self.depth,
+            socket_buffer: self.socket_buffer,
+            connect_timeout: self.connect_timeout,
+            dead_peer_after: self.dead_peer_after,
+            max_threads: self.uring_max_threads,
+            ..UringConfig::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_transports_get_every_setting() {
+        let c = DataPlaneConfig {
+            streams: 3,
+            chunk_size: 4096,
+            depth: 5,
+            socket_buffer: None,
+            connect_timeout: Duration::from_secs(7),
+            dead_peer_after: Some(Duration::from_secs(9)),
+            io_threads: None,
+            #[cfg(feature = "uring")]
+            uring_max_threads: 11,
+        };
+        let t = c.tcp();
+        assert_eq!(
+            (
+                t.streams,
+                t.chunk_size,
+                t.depth,
+                t.socket_buffer,
+                t.io_threads
+            ),
+            (3, 4096, 5, None, None)
+        );
+        assert_eq!(
+            (t.connect_timeout, t.dead_peer_after),
+            (c.connect_timeout, c.dead_peer_after)
+        );
+        #[cfg(feature = "uring")]
+        {
+            let u = c.uring();
+            assert_eq!(
+                (
+                    u.streams,
+                    u.chunk_size,
+                    u.depth,
+                    u.socket_buffer,
+                    u.max_threads
+                ),
+                (3, 4096, 5, None, 11)
+            );
+            assert_eq!(
+                (u.connect_timeout, u.dead_peer_after),
+                (c.connect_timeout, c.dead_peer_after)
+            );
+        }
+    }
+}

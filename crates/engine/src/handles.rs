@@ -1,0 +1,277 @@
+//! The handles the engine gives out: registrations of memory and files, connected peers and
+//! their segments. Each is owned by the caller; dropping a registration unpublishes it.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use ferry_core::{
+    Access, Channel, Epoch, Error, MemoryRegion, PeerId, SegmentDesc, SegmentToken, TransportKind,
+};
+use registry::RegistryError;
+use ferry_file::FileSegment;
+
+use crate::describe::RouteCounters;
+use crate::serve::RegistryTable;
+
+/// A registered range, owned by the caller. Dropping it (or [`retire`](Self::retire)) unpublishes
+/// it at once; its memory stays alive while requests still use it.
+pub struct Registration {
+    pub(crate) inner: Option<registry::Registration>,
+    pub(crate) table: Arc<RegistryTable>,
+    pub(crate) region: Arc<MemoryRegion>,
+    pub(crate) token: SegmentToken,
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registration")
+            .field("token", &self.token)
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The token peers address it by.
+    pub fn token(&self) -> SegmentToken {
+        self.token
+    }
+
+    /// The registered memory.
+    pub fn region(&self) -> &Arc<MemoryRegion> {
+        &self.region
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.region.len() as u64
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.region.is_empty()
+    }
+
+    /// Unpublishes the range (peers' requests are refused as for an unknown token from now on)
+    /// and releases it once no request uses it.
+    pub fn retire(mut self) -> Result<(), Error> {
+        self.table.remove(self.token);
+        let _span = tracing::info_span!("retire", token = %self.token).entered();
+        match self.inner.take() {
+            Some(r) => r.retire().map(|_| ()).map_err(RegistryError::into_core),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.table.remove(self.token);
+    }
+}
+
+/// A published file segment (served by either portable data plane), owned by the caller.
+/// Dropping it (or [`retire`](Self::retire)) unpublishes it: later requests naming its token are
+/// refused as unknown; reads already running finish on the open file.
+pub struct FileRegistration {
+    pub(crate) table: Arc<RegistryTable>,
+    pub(crate) file: Arc<FileSegment>,
+    pub(crate) token: SegmentToken,
+    pub(crate) name: String,
+}
+
+impl fmt::Debug for FileRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileRegistration")
+            .field("name", &self.name)
+            .field("token", &self.token)
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+impl FileRegistration {
+    /// The token peers address it by.
+    pub fn token(&self) -> SegmentToken {
+        self.token
+    }
+
+    /// The name it is published under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The file range served.
+    pub fn file(&self) -> &Arc<FileSegment> {
+        &self.file
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.file.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.file.is_empty()
+    }
+
+    /// The descriptor peers see in the handshake (no remote keys: files go over the wire).
+    pub fn desc(&self) -> SegmentDesc {
+        SegmentDesc {
+            name: self.name.clone(),
+            token: self.token,
+            len: self.file.len(),
+            access: self.file.access(),
+            remote_keys: Vec::new(),
+        }
+    }
+
+    /// Unpublishes the file segment.
+    pub fn retire(self) {
+        drop(self);
+    }
+}
+
+impl Drop for FileRegistration {
+    fn drop(&mut self) {
+        self.table.remove_file(self.token);
+    }
+}
+
+/// A connected peer incarnation and what it publishes.
+#[derive(Clone)]
+pub struct Peer {
+    pub(crate) inner: Arc<PeerInner>,
+}
+
+/// One connected peer incarnation, shared by its [`Peer`] handles and its segments.
+pub(crate) struct PeerInner {
+    pub(crate) addr: SocketAddr,
+    pub(crate) id: PeerId,
+    pub(crate) epoch: Epoch,
+    pub(crate) segments: Vec<SegmentDesc>,
+    pub(crate) channel: Arc<dyn Channel>,
+    pub(crate) counters: Arc<RouteCounters>,
+}
+
+impl fmt::Debug for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer")
+            .field("addr", &self.inner.addr)
+            .field("id", &self.inner.id)
+            .field("epoch", &self.inner.epoch)
+            .field("transport", &self.inner.channel.kind())
+            .field("segments", &self.inner.segments.len())
+            .finish()
+    }
+}
+
+impl Peer {
+    /// Its control address.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// Its peer id.
+    pub fn id(&self) -> PeerId {
+        self.inner.id
+    }
+
+    /// The epoch of this incarnation.
+    pub fn epoch(&self) -> Epoch {
+        self.inner.epoch
+    }
+
+    /// The transport its requests take.
+    pub fn transport(&self) -> TransportKind {
+        self.inner.channel.kind()
+    }
+
+    /// Whether its data channel can still carry requests. A channel whose every stream died
+    /// (the peer reset them, or went silent past `dead_peer_after`) fails each new request at
+    /// once with `PeerLost`; [`TransferEngine::connect`](crate::TransferEngine::connect) to
+    /// the same address opens a fresh one (the same incarnation is accepted again).
+    pub fn is_alive(&self) -> bool {
+        self.inner.channel.is_alive()
+    }
+
+    /// Descriptors of the segments it published at connection time.
+    pub fn segments(&self) -> &[SegmentDesc] {
+        &self.inner.segments
+    }
+
+    /// The segment published under `name`.
+    pub fn segment(&self, name: &str) -> Result<RemoteSegment, Error> {
+        self.inner
+            .segments
+            .iter()
+            .find(|s| s.name == name)
+            .map(|desc| RemoteSegment {
+                peer: self.inner.clone(),
+                desc: desc.clone(),
+            })
+            .ok_or_else(|| Error::UnknownSegmentName {
+                peer: self.inner.addr.to_string(),
+                name: name.to_owned(),
+            })
+    }
+
+    /// A segment of this peer from a descriptor obtained out of band (a metadata service). The
+    /// peer checks the token, bounds and access of every op itself.
+    pub fn segment_from_descriptor(&self, desc: SegmentDesc) -> RemoteSegment {
+        RemoteSegment {
+            peer: self.inner.clone(),
+            desc,
+        }
+    }
+
+    /// Closes the data path: in-flight chunks fail as lost, later requests fail at once.
+    pub fn close(&self) {
+        self.inner.channel.close();
+    }
+}
+
+/// A segment published by a peer, as an op target.
+#[derive(Clone)]
+pub struct RemoteSegment {
+    pub(crate) peer: Arc<PeerInner>,
+    pub(crate) desc: SegmentDesc,
+}
+
+impl fmt::Debug for RemoteSegment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteSegment")
+            .field("peer", &self.peer.addr)
+            .field("desc", &self.desc)
+            .finish()
+    }
+}
+
+impl RemoteSegment {
+    /// Its descriptor.
+    pub fn desc(&self) -> &SegmentDesc {
+        &self.desc
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.desc.name
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.desc.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.desc.len == 0
+    }
+
+    /// What we may do to it.
+    pub fn access(&self) -> Access {
+        self.desc.access
+    }
+}

@@ -1,0 +1,90 @@
+//! The engine's listener: the io_uring server where io_uring carries the data plane (its
+//! streams past the thread budget served on the TCP data plane's I/O threads), the TCP
+//! transport's server otherwise.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use ferry_core::Error;
+use transport_tcp::{ServerHandle, TcpServer};
+#[cfg(feature = "uring")]
+use transport_uring::{UringServer, UringServerHandle, UringTransport};
+
+use crate::config::DataPlaneConfig;
+use crate::serve::{RegistryTable, Responder};
+
+/// A listener the engine serves published segments on.
+#[derive(Debug)]
+pub(crate) enum Server {
+    Tcp(ServerHandle),
+    #[cfg(feature = "uring")]
+    Uring(UringServerHandle),
+}
+
+impl Server {
+    /// Binds `addr` and serves `table` on it: with the io_uring server when `uring` carries the
+    /// data plane, else with the TCP server (which needs a tokio runtime, checked here).
+    pub(crate) fn start(
+        addr: SocketAddr,
+        config: &DataPlaneConfig,
+        #[cfg(feature = "uring")] uring: Option<&UringTransport>,
+        table: Arc<RegistryTable>,
+        responder: Arc<Responder>,
+    ) -> Result<Self, Error> {
+        #[cfg(feature = "uring")]
+        if let Some(uring) = uring {
+            let overflow = Arc::new(TcpOverflow(transport_tcp::StreamServer::new(
+                table.clone(),
+                &config.tcp(),
+            )));
+            let h = UringServer::bind(addr)?.with_overflow(overflow).serve(
+                table,
+                responder,
+                uring.config().clone(),
+            )?;
+            return Ok(Server::Uring(h));
+        }
+        if let Err(e) = tokio::runtime::Handle::try_current() {
+            return Err(Error::Unavailable {
+                library: "tokio runtime".into(),
+                reason: format!("EngineBuilder::build with listen needs one: {e}"),
+            });
+        }
+        let server = TcpServer::bind(addr)?;
+        Ok(Server::Tcp(server.serve(table, responder, config.tcp())))
+    }
+
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        match self {
+            Server::Tcp(h) => h.local_addr(),
+            #[cfg(feature = "uring")]
+            Server::Uring(h) => h.local_addr(),
+        }
+    }
+
+    pub(crate) fn shutdown(&self) {
+        match self {
+            Server::Tcp(h) => h.shutdown(),
+            #[cfg(feature = "uring")]
+            Server::Uring(h) => h.shutdown(),
+        }
+    }
+}
+
+/// The io_uring listener's streams past its thread budget, served on the TCP data plane's I/O
+/// threads.
+#[cfg(feature = "uring")]
+#[derive(Debug)]
+struct TcpOverflow(transport_tcp::StreamServer);
+
+#[cfg(feature = "uring")]
+impl transport_uring::StreamOverflow for TcpOverflow {
+    fn serve(
+        &self,
+        stream: std::net::TcpStream,
+        from: SocketAddr,
+        done: Box<dyn FnOnce() + Send>,
+    ) -> Result<(), Error> {
+        self.0.serve(stream, from, done)
+    }
+}
