@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use common::Netns;
 use ferry::core_types::wire::{
     Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
 };
@@ -21,8 +20,7 @@ use ferry::{
     Access, Batch, DataPlane, Epoch, Error, FailureKind, MemoryRegion, PeerId, RemoteEffect,
     RemoteStatus, SegmentDesc, SegmentToken, TransferEngine, TransportKind,
 };
-
-mod common;
+use ferry_tests::{Netns, URING, require_or_skip};
 
 const BIG: usize = (256 << 20) + 64;
 
@@ -361,13 +359,15 @@ fn plane_env(plane: DataPlane) -> &'static str {
     }
 }
 
-/// Whether io_uring tests must skip here (prints why).
+/// Whether io_uring tests must skip here (prints why; fails the test instead with
+/// `FERRY_REQUIRE_URING=1`).
+#[track_caller]
 fn uring_unusable() -> bool {
     #[cfg(feature = "uring")]
     {
         match ferry::probe_kernel().unusable_reason() {
             Some(why) => {
-                eprintln!("skipped: io_uring unusable here: {why}");
+                require_or_skip(URING, format!("io_uring unusable here: {why}"));
                 true
             }
             None => false,
@@ -375,7 +375,7 @@ fn uring_unusable() -> bool {
     }
     #[cfg(not(feature = "uring"))]
     {
-        eprintln!("skipped: built without the uring feature");
+        require_or_skip(URING, "built without the uring feature");
         true
     }
 }
