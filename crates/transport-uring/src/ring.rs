@@ -987,7 +987,7 @@ mod tests {
         if crate::probe_kernel().unusable_reason().is_some()
             || !crate::probe_kernel().supports("SEND_ZC")
         {
-            eprintln!("skip: io_uring or SEND_ZC unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring or SEND_ZC unavailable");
             return;
         }
         let (a, mut b) = pair();
@@ -1059,7 +1059,7 @@ mod tests {
         if crate::probe_kernel().unusable_reason().is_some()
             || !crate::probe_kernel().supports("SEND_ZC")
         {
-            eprintln!("skip: io_uring or SEND_ZC unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring or SEND_ZC unavailable");
             return;
         }
         // A tiny receive window (set on the listener, so the handshake advertises it) and a
@@ -1146,7 +1146,7 @@ mod tests {
     #[test]
     fn armed_receive_completes_beside_sends() {
         if crate::probe_kernel().unusable_reason().is_some() {
-            eprintln!("skip: io_uring unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring unavailable");
             return;
         }
         let (a, mut b) = pair();
@@ -1207,7 +1207,7 @@ mod tests {
     #[test]
     fn large_receives_use_the_low_mark_and_lower_it_again() {
         if crate::probe_kernel().unusable_reason().is_some() {
-            eprintln!("skip: io_uring unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring unavailable");
             return;
         }
         let (mut a, b) = pair();
@@ -1239,7 +1239,7 @@ mod tests {
     #[test]
     fn receive_reports_a_clean_end() {
         if crate::probe_kernel().unusable_reason().is_some() {
-            eprintln!("skip: io_uring unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring unavailable");
             return;
         }
         let (a, b) = pair();
