@@ -79,11 +79,12 @@ impl SegmentTable for Table {
     }
 }
 
+/// Answers a handshake with `table`'s segments and one transport offer.
 #[derive(Debug)]
 pub struct Responder {
     pub id: PeerId,
     pub epoch: Epoch,
-    pub table: Arc<Table>,
+    pub table: Arc<dyn SegmentTable>,
     pub offer: TransportOffer,
 }
 
