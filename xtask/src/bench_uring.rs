@@ -11,7 +11,7 @@
 //!   is also run before and after each round); the target is judged on the two-process rows.
 //! - File: `fio --ioengine=io_uring --direct=1 --bs=1M --iodepth=32 --rw=read` on a temp file
 //!   under /var/tmp against `read_file_into` (queue depth 32) and remote READs of the same file
-//!   published as a file segment (`crates/transport-uring/examples/uring_bench.rs file`).
+//!   published as a file segment (`benches/src/bin/uring_bench.rs file`).
 //!
 //! Options: `--total BYTES` (network bytes per run, default 4GiB), `--file-size BYTES` (default
 //! 1GiB), `--dir DIR` (default /var/tmp), `--repeat N` (network rounds, default 5). A round runs
@@ -103,14 +103,14 @@ fn bench_bin() -> Result<PathBuf> {
         "--release",
         "-q",
         "-p",
-        "ferry-transport-uring",
-        "--example",
+        "ferry-benches",
+        "--bin",
         "uring_bench",
     ]))?;
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| project_root().join("target"));
-    let bin = target.join("release/examples/uring_bench");
+    let bin = target.join("release/uring_bench");
     if !bin.is_file() {
         bail!("{} not built", bin.display());
     }

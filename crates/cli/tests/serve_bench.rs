@@ -65,7 +65,10 @@ fn loopback_bench_over_each_data_plane() -> Result<()> {
     for transport in ["tcp", "uring"] {
         let unusable = ferry::probe_kernel().unusable_reason();
         if let (Some(why), "uring") = (unusable, transport) {
-            eprintln!("skipped --transport uring: io_uring unusable here: {why}");
+            ferry_tests::require_or_skip(
+                ferry_tests::URING,
+                format!("--transport uring: io_uring unusable here: {why}"),
+            );
             continue;
         }
         for op in ["read", "write"] {
@@ -110,7 +113,7 @@ fn serve(args: &[&str]) -> Result<(std::process::Child, Option<String>)> {
 #[test]
 fn bench_reads_a_file_segment_served_by_io_uring() -> Result<()> {
     if let Some(why) = ferry::probe_kernel().unusable_reason() {
-        eprintln!("skipped: io_uring unusable here: {why}");
+        ferry_tests::require_or_skip(ferry_tests::URING, format!("io_uring unusable here: {why}"));
         return Ok(());
     }
     bench_reads_a_file_segment_served_over("uring")

@@ -53,7 +53,7 @@ fn a_library_lacking_a_required_export_names_it_in_the_actionable_error() {
         .output()
         .is_ok_and(|o| o.status.success())
     {
-        eprintln!("skipping: no `cc` to build the fake library");
+        ferry_tests::require_or_skip(ferry_tests::TOOLS, "no `cc` to build the fake library");
         return;
     }
     let scratch = Scratch::new("partial");
@@ -91,7 +91,10 @@ fn the_real_library_with_no_devices_is_the_empty_list_error() {
     let d = Discovery::run(&VerbsEnumerator::with_library("libibverbs.so.1"));
     if let Some(reason) = d.unavailable() {
         if reason.starts_with("libibverbs.so.1: ") {
-            eprintln!("skipping: libibverbs.so.1 is not installed here ({reason})");
+            ferry_tests::require_or_skip(
+                ferry_tests::IBVERBS,
+                format!("libibverbs.so.1 is not installed here ({reason})"),
+            );
             return;
         }
         panic!("libibverbs.so.1 loaded but enumeration failed: {reason}");

@@ -2,8 +2,9 @@
 //! devices (soft-RoCE in `cargo xtask soft-roce`).
 //!
 //! `#[ignore]`d: run with `--include-ignored` and `FERRY_RDMA_TEST_DEVICES=rxe0,rxe1
-//! FERRY_RDMA_TEST_GIDS=<gid index of each>`. Unset, the test prints why it skips; set but naming
-//! a device libibverbs does not list, it fails.
+//! FERRY_RDMA_TEST_GIDS=<gid index of each>`. Unset, the test fails (with
+//! `FERRY_REQUIRE_RDMA=0` it prints why and skips); set but naming a device libibverbs does not
+//! list, it fails.
 #![cfg(feature = "rdma")]
 
 use std::sync::Arc;
@@ -13,7 +14,10 @@ use ferry::{Access, Batch, MemoryRegion, RailSpec, RdmaConfig, TransferEngine, T
 
 fn rails() -> Option<(RailSpec, RailSpec)> {
     let Ok(devs) = std::env::var("FERRY_RDMA_TEST_DEVICES") else {
-        eprintln!("skip: FERRY_RDMA_TEST_DEVICES is unset (run `cargo xtask soft-roce`)");
+        ferry_tests::require_unless_allowed(
+            ferry_tests::RDMA,
+            "FERRY_RDMA_TEST_DEVICES is unset (run `cargo xtask soft-roce`)",
+        );
         return None;
     };
     let gids: Vec<u32> = std::env::var("FERRY_RDMA_TEST_GIDS")

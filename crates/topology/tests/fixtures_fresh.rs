@@ -48,7 +48,10 @@ fn fixtures_match_generator() {
     {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("skipping: python3 is not runnable here ({e})");
+            ferry_tests::require_or_skip(
+                ferry_tests::TOOLS,
+                format!("python3 is not runnable here ({e})"),
+            );
             return;
         }
     };

@@ -350,7 +350,10 @@ mod tests {
         let verbs = match Verbs::load() {
             Ok(v) => v,
             Err(e) => {
-                eprintln!("skip: libibverbs not loadable here: {e}");
+                ferry_tests::require_or_skip(
+                    ferry_tests::IBVERBS,
+                    format!("libibverbs not loadable here: {e}"),
+                );
                 return;
             }
         };

@@ -2,7 +2,8 @@
 //!
 //! Every test is `#[ignore]`d: run them with `--include-ignored` and
 //! `FERRY_RDMA_TEST_DEVICES=rxe0,rxe1 FERRY_RDMA_TEST_GIDS=<gid index of each>`. Unset, each test
-//! prints why it skips; set but naming a device libibverbs does not list, each test fails.
+//! fails (with `FERRY_REQUIRE_RDMA=0` it prints why and skips); set but naming a device libibverbs
+//! does not list, each test fails.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -21,7 +22,8 @@ use ferry_transport_rdma::{RailSpec, RdmaConfig, RdmaTransport};
 use rand::RngCore;
 use registry::{Budgets, Registration, Registry};
 
-/// The devices and GID indexes to test on, or `None` (skip) when the variables are unset.
+/// The devices and GID indexes to test on, or `None` (skip, where `FERRY_REQUIRE_RDMA=0` allows it)
+/// when the variables are unset.
 fn devices() -> Option<Vec<RailSpec>> {
     // RUST_LOG=info shows the transport's own account (rails, completion errors, flushes).
     let _ = tracing_subscriber::fmt()
@@ -29,9 +31,10 @@ fn devices() -> Option<Vec<RailSpec>> {
         .with_writer(std::io::stderr)
         .try_init();
     let Ok(devs) = std::env::var("FERRY_RDMA_TEST_DEVICES") else {
-        eprintln!(
-            "skip: FERRY_RDMA_TEST_DEVICES is unset (run `cargo xtask soft-roce`, or set it to two \
-             verbs devices and FERRY_RDMA_TEST_GIDS to their GID indexes)"
+        ferry_tests::require_unless_allowed(
+            ferry_tests::RDMA,
+            "FERRY_RDMA_TEST_DEVICES is unset (run `cargo xtask soft-roce`, or set it to two \
+             verbs devices and FERRY_RDMA_TEST_GIDS to their GID indexes)",
         );
         return None;
     };

@@ -159,7 +159,10 @@ mod tests {
         let p = probe_kernel();
         match &p {
             UringProbe::Unavailable { reason } => {
-                eprintln!("skip: io_uring unavailable on this kernel: {reason}");
+                ferry_tests::require_or_skip(
+                    ferry_tests::URING,
+                    format!("io_uring unavailable on this kernel: {reason}"),
+                );
                 assert!(!p.usable());
             }
             UringProbe::Available { opcodes } => {

@@ -1004,7 +1004,7 @@ mod tests {
         if crate::probe_kernel().unusable_reason().is_some()
             || !crate::probe_kernel().supports("SEND_ZC")
         {
-            eprintln!("skip: io_uring or SEND_ZC unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring or SEND_ZC unavailable");
             return;
         }
         let (a, mut b) = pair();
@@ -1076,7 +1076,7 @@ mod tests {
         if crate::probe_kernel().unusable_reason().is_some()
             || !crate::probe_kernel().supports("SEND_ZC")
         {
-            eprintln!("skip: io_uring or SEND_ZC unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring or SEND_ZC unavailable");
             return;
         }
         // A tiny receive window (set on the listener, so the handshake advertises it) and a
@@ -1163,7 +1163,7 @@ mod tests {
     #[test]
     fn armed_receive_completes_beside_sends() {
         if crate::probe_kernel().unusable_reason().is_some() {
-            eprintln!("skip: io_uring unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring unavailable");
             return;
         }
         let (a, mut b) = pair();
@@ -1224,7 +1224,7 @@ mod tests {
     #[test]
     fn large_receives_use_the_low_mark_and_lower_it_again() {
         if crate::probe_kernel().unusable_reason().is_some() {
-            eprintln!("skip: io_uring unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring unavailable");
             return;
         }
         let (mut a, b) = pair();
@@ -1256,7 +1256,7 @@ mod tests {
     #[test]
     fn receive_reports_a_clean_end() {
         if crate::probe_kernel().unusable_reason().is_some() {
-            eprintln!("skip: io_uring unavailable");
+            ferry_tests::require_or_skip(ferry_tests::URING, "io_uring unavailable");
             return;
         }
         let (a, b) = pair();

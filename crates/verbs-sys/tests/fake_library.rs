@@ -104,7 +104,7 @@ fn a_path_that_does_not_exist_is_unavailable_with_the_loaders_reason() {
 #[test]
 fn a_library_lacking_a_required_export_is_missing_symbol_naming_it() {
     if !cc_available() {
-        eprintln!("skipping: no `cc` to build the fake library");
+        ferry_tests::require_or_skip(ferry_tests::TOOLS, "no `cc` to build the fake library");
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
@@ -136,7 +136,7 @@ fn a_library_lacking_a_required_export_is_missing_symbol_naming_it() {
 #[test]
 fn a_complete_library_enumerates_once_frees_once_and_reports_absent_options() {
     if !cc_available() {
-        eprintln!("skipping: no `cc` to build the fake library");
+        ferry_tests::require_or_skip(ferry_tests::TOOLS, "no `cc` to build the fake library");
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,8 +1,8 @@
 //! Every wrapper against a real verbs device (hardware or soft-RoCE `rxe`).
 //!
 //! `#[ignore]`d: run with `FERRY_TEST_RDMA_DEVICE=<name> cargo test -p ferry-verbs-sys --test
-//! hardware -- --ignored`. Skips (with the reason) when that variable is unset; fails loudly when
-//! the named device is absent.
+//! hardware -- --ignored`. Fails when that variable is unset (with `FERRY_REQUIRE_RDMA=0` it prints
+//! why and skips), and fails loudly when the named device is absent.
 
 use std::ffi::c_void;
 use std::os::raw::c_int;
@@ -16,7 +16,7 @@ const DEVICE_ENV: &str = "FERRY_TEST_RDMA_DEVICE";
 #[ignore = "needs an RDMA device named by FERRY_TEST_RDMA_DEVICE"]
 fn wrappers_round_trip_on_a_real_device() {
     let Some(name) = std::env::var_os(DEVICE_ENV) else {
-        eprintln!("skipping: {DEVICE_ENV} is not set");
+        ferry_tests::require_unless_allowed(ferry_tests::RDMA, format!("{DEVICE_ENV} is not set"));
         return;
     };
     let name = name.to_string_lossy().into_owned();

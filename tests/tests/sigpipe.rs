@@ -11,7 +11,7 @@ use common::*;
 use ferry_core::{
     Access, Channel, Epoch, FailureKind, MemoryRegion, OpKind, PeerId, RequestControl, Transport,
 };
-use ferry_transport_uring::{UringConfig, UringServer, UringTransport, block_on};
+use transport_uring::{UringConfig, UringServer, UringTransport, block_on};
 
 const SEG: usize = 64 << 20;
 
@@ -22,7 +22,10 @@ fn a_peer_gone_mid_splice_fails_the_request_without_killing_the_process() {
     }
     let client = UringTransport::new(UringConfig::default()).unwrap();
     if !client.config().kernel_splice {
-        eprintln!("skip: the kernel lacks io_uring SPLICE, so loopback WRITEs are not spliced");
+        ferry_tests::require_or_skip(
+            ferry_tests::URING,
+            "the kernel lacks io_uring SPLICE, so loopback WRITEs are not spliced",
+        );
         return;
     }
     // SAFETY: restoring the default action of SIGPIPE; this binary holds only this test.

@@ -13,16 +13,17 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{Context, Result, bail};
 
-/// Whether a missing namespace facility fails the test instead of skipping it (CI sets it).
-const REQUIRE: &str = "FERRY_REQUIRE_NETNS";
+use crate::{NETNS, require_or_skip};
 
-pub(crate) struct Netns {
+/// A network namespace with a veth link to this one (see the module docs).
+#[derive(Debug)]
+pub struct Netns {
     /// The namespace's name (for `ip netns exec`).
-    pub(crate) name: String,
+    pub name: String,
     /// This side's address on the link.
-    pub(crate) host: Ipv4Addr,
+    pub host: Ipv4Addr,
     /// The namespace side's address.
-    pub(crate) peer: Ipv4Addr,
+    pub peer: Ipv4Addr,
     host_link: String,
 }
 
@@ -45,15 +46,17 @@ fn ip(args: &[&str]) -> Result<()> {
 impl Netns {
     /// A fresh namespace with a veth link to this one, both ends up. `Ok(None)` (with the reason
     /// printed: `ip`'s own error) where namespaces cannot be made here: not root, no `ip`, or a
-    /// kernel without them; with `FERRY_REQUIRE_NETNS=1` that is an error instead.
-    pub(crate) fn create() -> Result<Option<Self>> {
+    /// kernel without them; with `FERRY_REQUIRE_NETNS=1` that fails the test instead
+    /// ([`require_or_skip`]).
+    #[track_caller]
+    pub fn create() -> Result<Option<Self>> {
         match Self::try_create() {
             Ok(ns) => Ok(Some(ns)),
-            Err(e) if std::env::var(REQUIRE).as_deref() == Ok("1") => Err(e.context(format!(
-                "{REQUIRE}=1 but a network namespace cannot be made"
-            ))),
             Err(e) => {
-                eprintln!("skipped: cannot make a network namespace here: {e:#}");
+                require_or_skip(
+                    NETNS,
+                    format!("cannot make a network namespace here: {e:#}"),
+                );
                 Ok(None)
             }
         }
@@ -101,7 +104,7 @@ impl Netns {
     }
 
     /// Runs `ip ARGS` inside the namespace.
-    pub(crate) fn exec_ip(&self, args: &[&str]) -> Result<()> {
+    pub fn exec_ip(&self, args: &[&str]) -> Result<()> {
         let mut all = vec!["netns", "exec", &self.name, "ip"];
         all.extend_from_slice(args);
         ip(&all)
@@ -109,7 +112,7 @@ impl Netns {
 
     /// Takes this side's end of the link down (`false`) or up again (`true`): packets in either
     /// direction are dropped while it is down, as on a cut cable.
-    pub(crate) fn set_link(&self, up: bool) -> Result<()> {
+    pub fn set_link(&self, up: bool) -> Result<()> {
         ip(&[
             "link",
             "set",

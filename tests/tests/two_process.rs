@@ -12,15 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use common::Netns;
-use ferry::core_types::wire::{
-    Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
-};
-use ferry::core_types::{HandshakeResponder, SegmentLease, SegmentTable};
+use ferry::core_types::wire::{SUPPORTED_VERSIONS, TransportOffer, VersionRange};
+use ferry::core_types::{SegmentLease, SegmentTable};
 use ferry::{
     Access, Batch, DataPlane, Epoch, Error, FailureKind, MemoryRegion, PeerId, RemoteEffect,
     RemoteStatus, SegmentDesc, SegmentToken, TransferEngine, TransportKind,
 };
+use ferry_tests::{Netns, URING, require_or_skip};
 
 mod common;
 
@@ -168,42 +166,6 @@ impl SegmentTable for TrapTable {
     }
 }
 
-#[derive(Debug)]
-struct TrapResponder {
-    id: PeerId,
-    epoch: Epoch,
-    table: Arc<TrapTable>,
-}
-
-impl HandshakeResponder for TrapResponder {
-    fn peer_id(&self) -> PeerId {
-        self.id
-    }
-    fn epoch(&self) -> Epoch {
-        self.epoch
-    }
-    fn respond(&self, hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
-        if SUPPORTED_VERSIONS.common(hello.versions).is_none() {
-            return Err(Reject {
-                reason: RejectReason::ProtocolMismatch,
-                versions: SUPPORTED_VERSIONS,
-                epoch: self.epoch,
-                message: String::new(),
-            });
-        }
-        Ok(Hello {
-            versions: SUPPORTED_VERSIONS,
-            peer_id: self.id,
-            epoch: self.epoch,
-            transports: vec![TransportOffer::Tcp {
-                streams: 1,
-                port: 0,
-            }],
-            segments: self.table.published(),
-        })
-    }
-}
-
 /// Child: a raw server (the TCP transport's, or the io_uring one with
 /// `FERRY_TEST_DATA_PLANE=uring`) whose `trap` segment stalls the stream that touches it.
 #[test]
@@ -223,10 +185,14 @@ fn child_trap_server() -> Result<()> {
             ),
             trap: SegmentToken::random(),
         });
-        let responder = Arc::new(TrapResponder {
+        let responder = Arc::new(common::Responder {
             id: PeerId::random(),
             epoch: Epoch::fresh(),
             table: table.clone(),
+            offer: TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            },
         });
         let addr = "127.0.0.1:0".parse()?;
         let _h: Box<dyn std::any::Any> = if env_data_plane()? == DataPlane::Uring {
@@ -361,13 +327,15 @@ fn plane_env(plane: DataPlane) -> &'static str {
     }
 }
 
-/// Whether io_uring tests must skip here (prints why).
+/// Whether io_uring tests must skip here (prints why; fails the test instead with
+/// `FERRY_REQUIRE_URING=1`).
+#[track_caller]
 fn uring_unusable() -> bool {
     #[cfg(feature = "uring")]
     {
         match ferry::probe_kernel().unusable_reason() {
             Some(why) => {
-                eprintln!("skipped: io_uring unusable here: {why}");
+                require_or_skip(URING, format!("io_uring unusable here: {why}"));
                 true
             }
             None => false,
@@ -375,7 +343,7 @@ fn uring_unusable() -> bool {
     }
     #[cfg(not(feature = "uring"))]
     {
-        eprintln!("skipped: built without the uring feature");
+        require_or_skip(URING, "built without the uring feature");
         true
     }
 }

@@ -1,5 +1,6 @@
-//! Loopback benchmark of the io_uring transport (used by `cargo xtask bench uring` until
-//! `ferry bench --transport uring` exists). Prints one JSON object per run.
+//! Loopback benchmark of the io_uring transport. Prints one JSON object per run. `cargo xtask
+//! bench uring` builds it and runs its `file` mode against fio; `net` is the transport alone on
+//! loopback, under `ferry bench --transport uring`.
 //!
 //! ```text
 //! uring_bench net  [--op write|read] [--op-size BYTES] [--total BYTES] [--streams N]
@@ -22,7 +23,7 @@ use ferry_core::{
     RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
 use ferry_file::FileSegment;
-use ferry_transport_uring::{
+use transport_uring::{
     UringConfig, UringServer, UringTransport, ZeroCopy, block_on, handshake, read_file_into,
 };
 
@@ -199,7 +200,7 @@ fn pump(
     Ok(start.elapsed().as_secs_f64())
 }
 
-fn serve(table: Arc<Table>) -> Result<ferry_transport_uring::UringServerHandle> {
+fn serve(table: Arc<Table>) -> Result<transport_uring::UringServerHandle> {
     let t = UringTransport::new(UringConfig::default())?;
     let server = UringServer::bind("127.0.0.1:0".parse()?)?;
     let responder = Arc::new(Responder {

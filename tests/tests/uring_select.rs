@@ -9,6 +9,7 @@ use ferry::{
     Access, Batch, DataPlane, Error, FailureKind, MemoryRegion, OpcodeSupport, RemoteStatus,
     TransferEngine, TransportKind, UringProbe,
 };
+use ferry_tests::{URING, require_or_skip};
 
 /// A kernel whose io_uring lacks SEND (everything else the data plane needs is there).
 fn probe_without_send() -> UringProbe {
@@ -125,7 +126,7 @@ fn random_file(name: &str, len: usize, seed: u64) -> Result<(std::path::PathBuf,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_segment_published_read_and_unpublished_in_process() -> Result<()> {
     if let Some(why) = ferry::probe_kernel().unusable_reason() {
-        eprintln!("skipped: io_uring unusable here: {why}");
+        require_or_skip(URING, format!("io_uring unusable here: {why}"));
         return Ok(());
     }
     let server = TransferEngine::builder()
@@ -262,7 +263,7 @@ async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Result<()> {
     if let Some(why) = ferry::probe_kernel().unusable_reason() {
-        eprintln!("skipped: io_uring unusable here: {why}");
+        require_or_skip(URING, format!("io_uring unusable here: {why}"));
         return Ok(());
     }
     let len = (3 << 20) + 4321;

@@ -1,4 +1,6 @@
-//! Shared fixture: an in-memory segment table (memory and file segments), a responder, helpers.
+//! The suite's shared fixture: an in-memory segment table (memory and file segments), a
+//! responder, an io_uring server on loopback, op and byte helpers. The facility gates and network
+//! namespaces every crate shares are the `ferry_tests` library.
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::HashMap;
@@ -6,13 +8,15 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_tests::{URING, require_or_skip};
+
 use ferry_core::wire::{Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer};
 use ferry_core::{
     Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, Outcome, PeerId,
     PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
 use ferry_file::FileSegment;
-use ferry_transport_uring::{
+use transport_uring::{
     StreamOverflow, UringConfig, UringServer, UringServerHandle, UringTransport,
 };
 
@@ -76,11 +80,12 @@ impl SegmentTable for Table {
     }
 }
 
+/// Answers a handshake with `table`'s segments and one transport offer.
 #[derive(Debug)]
 pub struct Responder {
     pub id: PeerId,
     pub epoch: Epoch,
-    pub table: Arc<Table>,
+    pub table: Arc<dyn SegmentTable>,
     pub offer: TransportOffer,
 }
 
@@ -130,13 +135,15 @@ pub fn serve_uring(
     server.serve(table.clone(), responder, config).unwrap()
 }
 
-/// Whether io_uring can run here; prints the reason when it cannot.
+/// Whether io_uring can run here; prints the reason when it cannot, and fails the test instead
+/// with `FERRY_REQUIRE_URING=1`.
+#[track_caller]
 pub fn uring_usable() -> bool {
-    let p = ferry_transport_uring::probe_kernel();
+    let p = transport_uring::probe_kernel();
     match p.unusable_reason() {
         None => true,
         Some(why) => {
-            eprintln!("skip: {why}");
+            require_or_skip(URING, format!("io_uring unusable here: {why}"));
             false
         }
     }
@@ -209,7 +216,7 @@ pub fn peer_info(addr: SocketAddr, my_offer: TransportOffer) -> PeerInfo {
         transports: vec![my_offer],
         segments: vec![],
     };
-    let server = ferry_transport_uring::handshake(addr, &hello, Duration::from_secs(5)).unwrap();
+    let server = transport_uring::handshake(addr, &hello, Duration::from_secs(5)).unwrap();
     PeerInfo {
         addr,
         local_id: hello.peer_id,

@@ -14,7 +14,7 @@ use ferry_core::{
     Access, Channel, Epoch, FailureKind, MemoryRegion, OpKind, PeerId, RemoteEffect, SegmentToken,
     Transport,
 };
-use ferry_transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy, block_on};
+use transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy, block_on};
 
 const SEG: usize = 64 << 20;
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferry_core::{MemoryRegion, OpKind, SegmentToken, Transport};
-use ferry_transport_uring::{UringConfig, UringTransport};
+use transport_uring::{UringConfig, UringTransport};
 
 /// The CPUs each of this process's serving threads may run on, one list per thread.
 fn serving_threads() -> Vec<String> {
@@ -59,7 +59,10 @@ async fn two_loopback_streams_are_served_one_core_each() {
     };
     // One CPU is a list without ranges or commas ("3").
     if !allowed.contains([',', '-']) {
-        eprintln!("skip: this process may run on one CPU only ({allowed}): nothing to pin apart");
+        ferry_tests::require_or_skip(
+            ferry_tests::CPUS,
+            format!("this process may run on one CPU only ({allowed}): nothing to pin apart"),
+        );
         return;
     }
     let server_config = UringConfig::default();

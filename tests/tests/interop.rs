@@ -18,8 +18,8 @@ use ferry_core::{
     Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
     RemoteEffect, RemoteStatus, SegmentToken, Transport,
 };
-use ferry_transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, ZeroCopy};
 use transport_tcp::{TcpConfig, TcpServer, TcpTransport};
+use transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, ZeroCopy};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
@@ -28,7 +28,7 @@ enum Side {
 }
 
 enum ServerHandle {
-    Uring(#[allow(dead_code)] ferry_transport_uring::UringServerHandle),
+    Uring(#[allow(dead_code)] transport_uring::UringServerHandle),
     Tcp(#[allow(dead_code)] transport_tcp::ServerHandle),
 }
 
@@ -145,7 +145,7 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
     let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
         .await
         .unwrap();
-    let gauge = |s: &ferry_transport_uring::IoStats| s.threads.load(Ordering::Relaxed);
+    let gauge = |s: &transport_uring::IoStats| s.threads.load(Ordering::Relaxed);
     let settle = |want: u64, what: &str, get: &dyn Fn() -> u64| {
         let end = std::time::Instant::now() + Duration::from_secs(10);
         while get() != want {

@@ -1,0 +1,19 @@
+//! Ferry's cross-crate test suite lives in this package's `tests/` (two processes, interop between
+//! the data planes, cut links and killed peers); this library is what every crate's tests share:
+//!
+//! - [`require_or_skip`] and [`require_unless_allowed`]: one rule for a test whose facility is
+//!   missing (io_uring refused, no network namespaces, no libibverbs, no RDMA device, no `cc`). It
+//!   skips with the reason printed, or fails where `FERRY_REQUIRE_<FACILITY>` says the facility is
+//!   required (`.ci/run` sets them). `#[ignore]`d hardware tests fail unless told they may skip.
+//! - [`Netns`]: a network namespace joined to this one by a veth link that can be cut.
+//!
+//! It depends on no crate of ours, so any crate takes it as a dev-dependency.
+
+mod netns;
+mod require;
+
+pub use netns::Netns;
+pub use require::{
+    CPUS, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
+    required,
+};
