@@ -1,13 +1,83 @@
-//! The client side of the control handshake, without I/O: what a server's answer means.
+//! The control handshake, without I/O: what a server answers, and what its answer means.
 //!
 //! Every transport that speaks Ferry's wire sends a [`Hello`] (or a [`StreamAttach`]) and reads
-//! one [`ControlFrame`] back; these functions turn that frame into the result, so that the TCP
-//! and io_uring transports (and any other) give the same errors for the same bytes.
+//! one [`ControlFrame`] back; these functions decide the server's answer and turn that frame into
+//! the client's result, so that the TCP and io_uring transports (and any other) give the same
+//! answers and errors for the same bytes.
 
 use std::net::SocketAddr;
 
 use crate::error::Error;
-use crate::wire::{ControlFrame, Hello, RejectReason, StreamAttach, WireError};
+use crate::ids::Epoch;
+use crate::transport::{HandshakeResponder, PeerInfo};
+use crate::wire::{
+    ControlFrame, Hello, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer,
+    WireError,
+};
+
+/// The server's answer to a peer's hello from `from`: our hello, or the responder's refusal.
+pub fn answer_hello(
+    responder: &dyn HandshakeResponder,
+    hello: &Hello,
+    from: SocketAddr,
+) -> ControlFrame {
+    match responder.respond(hello, from) {
+        Ok(h) => ControlFrame::HelloAck(h),
+        Err(r) => ControlFrame::Reject(r),
+    }
+}
+
+/// The server's answer to a data-stream attach: accepted if the stream is meant for this
+/// incarnation (`epoch`), else a `StaleEpoch` refusal naming both epochs.
+pub fn answer_attach(attach: &StreamAttach, epoch: Epoch) -> ControlFrame {
+    if attach.server_epoch == epoch {
+        return ControlFrame::StreamAccept;
+    }
+    ControlFrame::Reject(Reject {
+        reason: RejectReason::StaleEpoch,
+        versions: SUPPORTED_VERSIONS,
+        epoch,
+        message: format!(
+            "stream for epoch {} but this server has epoch {epoch}",
+            attach.server_epoch
+        ),
+    })
+}
+
+/// Where a client of a TCP-compatible data plane (TCP or io_uring: one wire) attaches its
+/// streams to `peer`: the address (the handshake's, with the offered port if one is named) and
+/// how many streams the peer takes (at least 1); `NoRoute` if it offers no such data plane.
+pub fn stream_endpoint(peer: &PeerInfo) -> Result<(SocketAddr, usize), Error> {
+    let (streams, port) = match peer.offer {
+        TransportOffer::Tcp { streams, port } | TransportOffer::Uring { streams, port, .. } => {
+            (usize::from(streams).max(1), port)
+        }
+        _ => {
+            return Err(Error::NoRoute {
+                peer: peer.addr.to_string(),
+                reason: "the peer offers no TCP-compatible data plane".into(),
+            });
+        }
+    };
+    let addr = if port == 0 {
+        peer.addr
+    } else {
+        SocketAddr::new(peer.addr.ip(), port)
+    };
+    Ok((addr, streams))
+}
+
+/// The attach of stream `index` of a channel to `peer`, by a client of data plane `transport`
+/// (an offer code).
+pub fn stream_attach(peer: &PeerInfo, index: u16, transport: u16) -> StreamAttach {
+    StreamAttach {
+        peer_id: peer.local_id,
+        epoch: peer.local_epoch,
+        server_epoch: peer.remote_epoch,
+        transport,
+        stream_index: index,
+    }
+}
 
 /// What the server's reply to our `ours` hello means: its hello, `ProtocolMismatch` (with both
 /// ranges, before anything is admitted), `HandshakeRefused`, or `Malformed` for any other frame.
@@ -98,6 +168,31 @@ mod tests {
             epoch: Epoch(epoch),
             message: "go away".into(),
         })
+    }
+
+    #[test]
+    fn an_attach_for_another_incarnation_is_refused_with_both_epochs() {
+        let attach = StreamAttach {
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            server_epoch: Epoch(7),
+            transport: 0,
+            stream_index: 0,
+        };
+        assert!(matches!(
+            answer_attach(&attach, Epoch(7)),
+            ControlFrame::StreamAccept
+        ));
+        let answer = answer_attach(&attach, Epoch(8));
+        let ControlFrame::Reject(r) = &answer else {
+            panic!("accepted a stale attach")
+        };
+        assert_eq!((r.reason, r.epoch), (RejectReason::StaleEpoch, Epoch(8)));
+        let e = attach_reply(peer(), &attach, answer).unwrap_err();
+        assert!(
+            matches!(e, Error::StaleEpoch { known, found, .. } if known == Epoch(7) && found == Epoch(8)),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -4,12 +4,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use ferry_core::Error;
-use ferry_core::wire::{
-    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, SUPPORTED_VERSIONS, StreamAttach,
-};
+use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, Hello, StreamAttach};
+pub(crate) use ferry_net::lost;
+use ferry_net::tune;
 use tokio::net::TcpStream;
 
-use crate::io::{recv_buf, send_buf, tune};
+use crate::io::{recv_buf, send_buf};
 
 /// Reads one control frame. The body length is checked before the body is allocated.
 pub(crate) async fn read_frame(
@@ -20,18 +20,12 @@ pub(crate) async fn read_frame(
     recv_buf(stream, &mut head)
         .await
         .map_err(|e| lost(peer, "handshake", e))?;
-    let header = ControlHeader::decode(&head).map_err(|source| Error::Malformed {
-        peer: peer.to_string(),
-        source,
-    })?;
+    let header = ferry_net::decode_header(&head, peer)?;
     let mut body = vec![0u8; header.body_len as usize];
     recv_buf(stream, &mut body)
         .await
         .map_err(|e| lost(peer, "handshake", e))?;
-    ControlFrame::decode_body(&header, &body).map_err(|source| Error::Malformed {
-        peer: peer.to_string(),
-        source,
-    })
+    ferry_net::decode_body(&header, &body, peer)
 }
 
 /// Writes one control frame.
@@ -40,23 +34,9 @@ pub(crate) async fn write_frame(
     peer: SocketAddr,
     frame: &ControlFrame,
 ) -> Result<(), Error> {
-    let mut buf = Vec::new();
-    frame
-        .encode(SUPPORTED_VERSIONS.max, &mut buf)
-        .map_err(|e| Error::InvalidRequest {
-            reason: e.to_string(),
-        })?;
-    send_buf(stream, &buf)
+    send_buf(stream, &ferry_net::encode_frame(frame)?)
         .await
         .map_err(|e| lost(peer, "handshake", e))
-}
-
-pub(crate) fn lost(peer: SocketAddr, during: &'static str, e: std::io::Error) -> Error {
-    Error::PeerLost {
-        peer: peer.to_string(),
-        during,
-        source: Some(e),
-    }
 }
 
 pub(crate) async fn connect(

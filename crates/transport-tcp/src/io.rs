@@ -5,8 +5,9 @@
 //! created (the region may be shared with other peers' traffic, see `ferry_core::memory`).
 
 use std::io;
-use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::os::fd::{AsFd, AsRawFd};
+
+use ferry_net::RECV_LOW_MARK as LOWAT;
 
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -80,25 +81,9 @@ pub(crate) async unsafe fn send_all(
     Ok(())
 }
 
-/// Receives of more than this wake their task only once this much has arrived (or the rest of
-/// the payload, if less): `SO_RCVLOWAT`, see [`recv_exact`].
-const LOWAT: usize = 256 << 10;
-
 /// Sets the socket's `SO_RCVLOWAT`.
-fn set_lowat(fd: std::os::fd::RawFd, v: usize) -> io::Result<()> {
-    let val = v.min(i32::MAX as usize) as libc::c_int;
-    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a local int; `fd` is the caller's
-    // open socket.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            (&raw const val).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    check(rc as isize).map(|_| ())
+fn set_lowat(stream: &TcpStream, v: usize) -> io::Result<()> {
+    ferry_net::set_recv_low_mark(stream.as_fd(), v)
 }
 
 /// Receives exactly `dst.len` bytes into `dst`. End of stream before that is `UnexpectedEof`.
@@ -123,7 +108,7 @@ pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::
         }
         let want = (dst.len - got).min(LOWAT);
         if marked && mark != want {
-            if set_lowat(fd, want).is_ok() {
+            if set_lowat(stream, want).is_ok() {
                 mark = want;
             } else {
                 marked = false;
@@ -156,7 +141,7 @@ pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::
         }
     };
     if mark > 1
-        && let Err(e) = set_lowat(fd, 1)
+        && let Err(e) = set_lowat(stream, 1)
     {
         // A mark left up would keep the next header from waking its reader.
         return Err(io::Error::new(
@@ -197,49 +182,6 @@ pub(crate) async fn discard(
     Ok(())
 }
 
-/// Nagle off, socket buffers of `size` where the kernel allows that much (a smaller forced
-/// size would only disable autotuning and shrink them), and dead-peer detection: with
-/// `dead_peer` set, the kernel gives up on the connection once sent data has gone
-/// unacknowledged that long (`TCP_USER_TIMEOUT`), and an idle connection is probed from half
-/// that time on (keepalive), so a peer that vanished without a word (host down, cable cut)
-/// ends the stream with `ETIMEDOUT` instead of leaving its chunks in flight forever.
-pub(crate) fn tune(stream: &TcpStream, size: Option<usize>, dead_peer: Option<Duration>) {
-    if let Err(e) = stream.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY");
-    }
-    let sock = socket2::SockRef::from(stream);
-    if let Some(after) = dead_peer {
-        if let Err(e) = sock.set_tcp_user_timeout(Some(after)) {
-            tracing::debug!(error = %e, ?after, "TCP_USER_TIMEOUT");
-        }
-        let keepalive = socket2::TcpKeepalive::new()
-            .with_time((after / 2).max(Duration::from_secs(1)))
-            .with_interval((after / 10).max(Duration::from_secs(1)))
-            .with_retries(5);
-        if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
-            tracing::debug!(error = %e, ?after, "SO_KEEPALIVE");
-        }
-    }
-    let Some(size) = size else { return };
-    if size <= sysctl("/proc/sys/net/core/wmem_max")
-        && let Err(e) = sock.set_send_buffer_size(size)
-    {
-        tracing::debug!(error = %e, size, "SO_SNDBUF");
-    }
-    if size <= sysctl("/proc/sys/net/core/rmem_max")
-        && let Err(e) = sock.set_recv_buffer_size(size)
-    {
-        tracing::debug!(error = %e, size, "SO_RCVBUF");
-    }
-}
-
-fn sysctl(path: &str) -> usize {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 /// Shuts both directions of a socket (wakes any task blocked on it).
 pub(crate) fn shutdown(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).shutdown(std::net::Shutdown::Both);
@@ -255,23 +197,6 @@ mod tests {
     use super::*;
     use std::time::Duration;
     use tokio::io::AsyncWriteExt;
-
-    /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and
-    /// leaves the kernel's defaults alone without it.
-    #[tokio::test]
-    async fn tune_sets_the_dead_peer_limit() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let (b, _) = l.accept().await.unwrap();
-        tune(&a, None, Some(Duration::from_secs(8)));
-        tune(&b, None, None);
-        let (sa, sb) = (socket2::SockRef::from(&a), socket2::SockRef::from(&b));
-        assert_eq!(sa.tcp_user_timeout().unwrap(), Some(Duration::from_secs(8)));
-        assert!(sa.keepalive().unwrap());
-        assert_eq!(sa.keepalive_time().unwrap(), Duration::from_secs(4));
-        assert_eq!(sb.tcp_user_timeout().unwrap(), None);
-        assert!(!sb.keepalive().unwrap());
-    }
 
     fn rcvlowat(fd: std::os::fd::RawFd) -> i32 {
         let mut v: libc::c_int = -1;

@@ -20,11 +20,11 @@ mod io;
 mod pool;
 mod server;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::wire::{StreamAttach, TransportOffer};
+use ferry_core::handshake;
+use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::TcpChannel;
@@ -69,8 +69,8 @@ pub struct TcpConfig {
 
 /// Default of [`TcpConfig::dead_peer_after`]: long enough to ride out a switch reboot or a
 /// link flap, short enough that a dead host does not hold requests for the kernel's quarter of
-/// an hour.
-pub const DEAD_PEER_AFTER: Duration = Duration::from_secs(30);
+/// an hour (the same for both TCP data planes).
+pub use ferry_net::DEAD_PEER_AFTER;
 
 impl Default for TcpConfig {
     fn default() -> Self {
@@ -110,40 +110,16 @@ impl TcpTransport {
 
     /// Opens a channel (the concrete type; [`Transport::open`] boxes it).
     pub async fn connect_channel(&self, peer: PeerInfo) -> Result<TcpChannel, Error> {
-        let offered = match peer.offer {
-            TransportOffer::Tcp { streams, .. } | TransportOffer::Uring { streams, .. } => {
-                usize::from(streams).max(1)
-            }
-            _ => {
-                return Err(Error::NoRoute {
-                    peer: peer.addr.to_string(),
-                    reason: "the peer offers no TCP-compatible data plane".into(),
-                });
-            }
-        };
-        let port = match peer.offer {
-            TransportOffer::Tcp { port, .. } | TransportOffer::Uring { port, .. } => port,
-            _ => 0,
-        };
-        let addr = if port == 0 {
-            peer.addr
-        } else {
-            SocketAddr::new(peer.addr.ip(), port)
-        };
+        let (addr, offered) = handshake::stream_endpoint(&peer)?;
         let n = self.config.streams.min(offered);
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
-            let attach = StreamAttach {
-                peer_id: peer.local_id,
-                epoch: peer.local_epoch,
-                server_epoch: peer.remote_epoch,
-                transport: TransportOffer::Tcp {
-                    streams: 0,
-                    port: 0,
-                }
-                .code(),
-                stream_index: i as u16,
-            };
+            let code = TransportOffer::Tcp {
+                streams: 0,
+                port: 0,
+            }
+            .code();
+            let attach = handshake::stream_attach(&peer, i as u16, code);
             sockets.push(
                 control::attach(
                     addr,

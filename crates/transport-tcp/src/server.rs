@@ -3,20 +3,18 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use ferry_core::handshake::{answer_attach, answer_hello};
 use ferry_core::stream::{Action, ServerStream};
-use ferry_core::wire::{
-    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, Reject, RejectReason, SUPPORTED_VERSIONS,
-};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{Error, HandshakeResponder, SegmentTable};
+use ferry_net::tune;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
 use crate::TcpConfig;
 use crate::control::{read_frame, write_frame};
-use crate::io::{
-    RawRange, discard as discard_payload, recv_buf, recv_exact, send_all, send_buf, tune,
-};
+use crate::io::{RawRange, discard as discard_payload, recv_buf, recv_exact, send_all, send_buf};
 use crate::pool::{AbortOnDrop, IoPool};
 
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
@@ -190,27 +188,15 @@ async fn serve_conn(
     tune(&stream, config.socket_buffer, config.dead_peer_after);
     match read_frame(&stream, from).await? {
         ControlFrame::Hello(hello) => {
-            let reply = match responder.respond(&hello, from) {
-                Ok(h) => ControlFrame::HelloAck(h),
-                Err(r) => ControlFrame::Reject(r),
-            };
+            let reply = answer_hello(&*responder, &hello, from);
             write_frame(&stream, from, &reply).await
         }
         ControlFrame::StreamAttach(a) => {
-            if a.server_epoch != responder.epoch() {
-                let reject = Reject {
-                    reason: RejectReason::StaleEpoch,
-                    versions: SUPPORTED_VERSIONS,
-                    epoch: responder.epoch(),
-                    message: format!(
-                        "stream for epoch {} but this server has epoch {}",
-                        a.server_epoch,
-                        responder.epoch()
-                    ),
-                };
-                return write_frame(&stream, from, &ControlFrame::Reject(reject)).await;
+            let answer = answer_attach(&a, responder.epoch());
+            write_frame(&stream, from, &answer).await?;
+            if !matches!(answer, ControlFrame::StreamAccept) {
+                return Ok(());
             }
-            write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
             let span = tracing::debug_span!("serve stream", %from, stream = a.stream_index);
             // The stream moves to an I/O thread for good; this task only waits for it (and aborts
             // it when the server stops).

@@ -46,11 +46,11 @@ mod ring;
 mod server;
 mod waiter;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::wire::{StreamAttach, TransportOffer};
+use ferry_core::handshake;
+use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::UringChannel;
@@ -268,7 +268,7 @@ pub fn select(probe: &UringProbe, pref: Preference) -> Result<Selection, UringEr
 /// Default of [`UringConfig::dead_peer_after`] (and of the TCP transport's): long enough to
 /// ride out a switch reboot or a link flap, short enough that a dead host does not hold
 /// requests for the kernel's quarter of an hour.
-pub const DEAD_PEER_AFTER: Duration = Duration::from_secs(30);
+pub use ferry_net::DEAD_PEER_AFTER;
 
 /// The io_uring [`Transport`].
 #[derive(Debug, Clone)]
@@ -373,32 +373,11 @@ impl UringTransport {
 
     /// Opens a channel (blocking: connects and attaches the streams).
     pub fn connect_channel_blocking(&self, peer: PeerInfo) -> Result<UringChannel, Error> {
-        let (offered, port) = match peer.offer {
-            TransportOffer::Tcp { streams, port } | TransportOffer::Uring { streams, port, .. } => {
-                (usize::from(streams).max(1), port)
-            }
-            _ => {
-                return Err(Error::NoRoute {
-                    peer: peer.addr.to_string(),
-                    reason: "the peer offers no TCP-compatible data plane".into(),
-                });
-            }
-        };
-        let addr = if port == 0 {
-            peer.addr
-        } else {
-            SocketAddr::new(peer.addr.ip(), port)
-        };
+        let (addr, offered) = handshake::stream_endpoint(&peer)?;
         let n = self.config.streams.min(offered);
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
-            let attach = StreamAttach {
-                peer_id: peer.local_id,
-                epoch: peer.local_epoch,
-                server_epoch: peer.remote_epoch,
-                transport: self.offer().code(),
-                stream_index: i as u16,
-            };
+            let attach = handshake::stream_attach(&peer, i as u16, self.offer().code());
             sockets.push(control::attach(
                 addr,
                 attach,

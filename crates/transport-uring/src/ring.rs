@@ -22,9 +22,9 @@ const ENTRIES: u32 = 64;
 const BUF_SLOTS: u32 = 32;
 /// Largest buffer the kernel registers (it refuses single buffers above 1 GiB).
 const MAX_FIXED_BUF: usize = 1 << 30;
-/// Receives of more than this wake their thread only once this much has arrived (or the rest
-/// of the payload, if less): `SO_RCVLOWAT`, see [`SockIo::recv_exact`].
-const LOWAT: usize = 256 << 10;
+// Receives of more than this wake their thread only once this much has arrived (or the rest of
+// the payload, if less): `SO_RCVLOWAT`, see `SockIo::recv_exact`.
+use ferry_net::RECV_LOW_MARK as LOWAT;
 
 const UD_HEAD: u64 = 1;
 const UD_BODY: u64 = 2;
@@ -763,20 +763,10 @@ impl<H> SockIo<H> {
         if self.lowat == v {
             return Ok(());
         }
-        let val = v.min(i32::MAX as usize) as libc::c_int;
-        // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a local int; the socket
-        // outlives this ring (its owner's contract).
-        let rc = unsafe {
-            libc::setsockopt(
-                self.fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                (&raw const val).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
+        // SAFETY: the socket outlives this ring (its owner's contract), so the descriptor is
+        // open for the call.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) };
+        if let Err(e) = ferry_net::set_recv_low_mark(fd, v) {
             debug!(error = %e, "SO_RCVLOWAT refused; receiving without it");
             self.lowat_refused = true;
             return Err(e);

@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ferry_core::handshake::{answer_attach, answer_hello};
 use ferry_core::stream::{Action, ServerStream};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, Reject, RejectReason, SUPPORTED_VERSIONS};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN};
 use ferry_core::{
     Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, PeerId, SegmentLease, SegmentTable,
 };
@@ -228,25 +229,13 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
     let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
     match read_frame(&mut stream, from)? {
         ControlFrame::Hello(hello) => {
-            let reply = match ctx.responder.respond(&hello, from) {
-                Ok(h) => ControlFrame::HelloAck(h),
-                Err(r) => ControlFrame::Reject(r),
-            };
+            let reply = answer_hello(&*ctx.responder, &hello, from);
             write_frame(&mut stream, from, &reply)
         }
         ControlFrame::StreamAttach(a) => {
-            let epoch = ctx.responder.epoch();
-            if a.server_epoch != epoch {
-                let reject = Reject {
-                    reason: RejectReason::StaleEpoch,
-                    versions: SUPPORTED_VERSIONS,
-                    epoch,
-                    message: format!(
-                        "stream for epoch {} but this server has epoch {epoch}",
-                        a.server_epoch
-                    ),
-                };
-                return write_frame(&mut stream, from, &ControlFrame::Reject(reject));
+            let answer = answer_attach(&a, ctx.responder.epoch());
+            if !matches!(answer, ControlFrame::StreamAccept) {
+                return write_frame(&mut stream, from, &answer);
             }
             // A data stream's thread is counted (a handshake's ends at once), before the stream
             // is accepted so that the client's next stream sees it. Past the thread budget the

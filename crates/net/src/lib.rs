@@ -1,0 +1,203 @@
+//! Socket plumbing that Ferry's two TCP data planes (`ferry-transport-tcp` on tokio,
+//! `ferry-transport-uring` on rings) share, so that it is written once: how a data socket is
+//! tuned (Nagle, buffers, the dead-peer limit), the receive low mark for large payloads, and the
+//! reading and writing of control frames. What the bytes mean is `ferry_core::wire`,
+//! `ferry_core::handshake` and `ferry_core::stream`, which do no I/O; this crate does only the
+//! socket calls around them.
+//!
+//! The only `unsafe` code is the `setsockopt` call of [`set_recv_low_mark`].
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::time::Duration;
+
+use ferry_core::Error;
+use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, ControlHeader, SUPPORTED_VERSIONS};
+
+/// The default dead-peer limit of both data planes: a peer whose sent data stays unacknowledged
+/// this long, or that answers no keepalive probe, is given up (see [`tune`]).
+pub const DEAD_PEER_AFTER: Duration = Duration::from_secs(30);
+
+/// Payload receives of more than this wake their reader only once this much has arrived (or the
+/// rest of the payload, if less), through the socket's `SO_RCVLOWAT` ([`set_recv_low_mark`]);
+/// the mark is back to 1 before a header is awaited.
+pub const RECV_LOW_MARK: usize = 256 << 10;
+
+/// Tunes a data socket: Nagle off; socket buffers of `size` where the kernel's maximum allows
+/// that much (a smaller forced size would only disable autotuning and shrink them); and with
+/// `dead_peer` set, the kernel gives up on the connection once sent data has gone
+/// unacknowledged that long (`TCP_USER_TIMEOUT`, which also covers a peer whose application
+/// stops reading), and an idle connection is probed from half that time on (keepalive), so a
+/// peer that vanished without a word (host down, cable cut) ends the stream with `ETIMEDOUT`
+/// instead of leaving its chunks in flight forever; the kernel then drops the sends' page
+/// references too. Failures are logged, never fatal: the socket still works untuned.
+pub fn tune(socket: &impl AsFd, size: Option<usize>, dead_peer: Option<Duration>) {
+    let sock = socket2::SockRef::from(socket);
+    if let Err(e) = sock.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
+    if let Some(after) = dead_peer {
+        if let Err(e) = sock.set_tcp_user_timeout(Some(after)) {
+            tracing::debug!(error = %e, ?after, "TCP_USER_TIMEOUT");
+        }
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time((after / 2).max(Duration::from_secs(1)))
+            .with_interval((after / 10).max(Duration::from_secs(1)))
+            .with_retries(5);
+        if let Err(e) = sock.set_tcp_keepalive(&keepalive) {
+            tracing::debug!(error = %e, ?after, "SO_KEEPALIVE");
+        }
+    }
+    let Some(size) = size else { return };
+    if size <= sysctl("/proc/sys/net/core/wmem_max")
+        && let Err(e) = sock.set_send_buffer_size(size)
+    {
+        tracing::debug!(error = %e, size, "SO_SNDBUF");
+    }
+    if size <= sysctl("/proc/sys/net/core/rmem_max")
+        && let Err(e) = sock.set_recv_buffer_size(size)
+    {
+        tracing::debug!(error = %e, size, "SO_RCVBUF");
+    }
+}
+
+/// A numeric sysctl from `/proc/sys`, or 0 if it cannot be read.
+fn sysctl(path: &str) -> usize {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sets the socket's `SO_RCVLOWAT` to `bytes` (clamped to `i32::MAX`): a receive wakes its
+/// reader only once that many bytes are queued. The kernel's error is returned as is.
+pub fn set_recv_low_mark(socket: BorrowedFd<'_>, bytes: usize) -> std::io::Result<()> {
+    let val = bytes.min(i32::MAX as usize) as libc::c_int;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a local int; the descriptor is
+    // borrowed open for the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&raw const val).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `PeerLost` for an I/O error with `peer` during `during`.
+pub fn lost(peer: SocketAddr, during: &'static str, e: std::io::Error) -> Error {
+    Error::PeerLost {
+        peer: peer.to_string(),
+        during,
+        source: Some(e),
+    }
+}
+
+/// The bytes of one control frame at our highest protocol version.
+pub fn encode_frame(frame: &ControlFrame) -> Result<Vec<u8>, Error> {
+    let mut buf = Vec::new();
+    frame
+        .encode(SUPPORTED_VERSIONS.max, &mut buf)
+        .map_err(|e| Error::InvalidRequest {
+            reason: e.to_string(),
+        })?;
+    Ok(buf)
+}
+
+/// Decodes a control frame's header from `peer` (its body length checked against the limit
+/// before anything is allocated for it).
+pub fn decode_header(
+    head: &[u8; CONTROL_HEADER_LEN],
+    peer: SocketAddr,
+) -> Result<ControlHeader, Error> {
+    ControlHeader::decode(head).map_err(|source| Error::Malformed {
+        peer: peer.to_string(),
+        source,
+    })
+}
+
+/// Decodes a control frame's body from `peer`.
+pub fn decode_body(
+    header: &ControlHeader,
+    body: &[u8],
+    peer: SocketAddr,
+) -> Result<ControlFrame, Error> {
+    ControlFrame::decode_body(header, body).map_err(|source| Error::Malformed {
+        peer: peer.to_string(),
+        source,
+    })
+}
+
+/// Reads one control frame from a blocking stream.
+pub fn read_frame(stream: &mut impl Read, peer: SocketAddr) -> Result<ControlFrame, Error> {
+    let mut head = [0u8; CONTROL_HEADER_LEN];
+    stream
+        .read_exact(&mut head)
+        .map_err(|e| lost(peer, "handshake", e))?;
+    let header = decode_header(&head, peer)?;
+    let mut body = vec![0u8; header.body_len as usize];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| lost(peer, "handshake", e))?;
+    decode_body(&header, &body, peer)
+}
+
+/// Writes one control frame to a blocking stream.
+pub fn write_frame(
+    stream: &mut impl Write,
+    peer: SocketAddr,
+    frame: &ControlFrame,
+) -> Result<(), Error> {
+    stream
+        .write_all(&encode_frame(frame)?)
+        .map_err(|e| lost(peer, "handshake", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and
+    /// leaves the kernel's defaults alone without it.
+    #[test]
+    fn tune_sets_the_dead_peer_limit() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        tune(&a, None, Some(Duration::from_secs(8)));
+        tune(&b, None, None);
+        let (sa, sb) = (socket2::SockRef::from(&a), socket2::SockRef::from(&b));
+        assert!(sa.nodelay().unwrap());
+        assert_eq!(sa.tcp_user_timeout().unwrap(), Some(Duration::from_secs(8)));
+        assert!(sa.keepalive().unwrap());
+        assert_eq!(sa.keepalive_time().unwrap(), Duration::from_secs(4));
+        assert_eq!(sb.tcp_user_timeout().unwrap(), None);
+        assert!(!sb.keepalive().unwrap());
+    }
+
+    /// Frames written by `write_frame` read back whole; a header that claims more than the
+    /// limit is `Malformed` before any body is read.
+    #[test]
+    fn control_frames_round_trip_and_lying_lengths_are_malformed() {
+        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let mut buf = Vec::new();
+        write_frame(&mut buf, peer, &ControlFrame::StreamAccept).unwrap();
+        let back = read_frame(&mut buf.as_slice(), peer).unwrap();
+        assert!(matches!(back, ControlFrame::StreamAccept));
+        let mut lying = buf.clone();
+        lying[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let e = read_frame(&mut lying.as_slice(), peer).unwrap_err();
+        assert!(matches!(e, Error::Malformed { .. }), "{e}");
+        let e = read_frame(&mut &buf[..5], peer).unwrap_err();
+        assert!(matches!(e, Error::PeerLost { .. }), "{e}");
+    }
+}
