@@ -5,12 +5,15 @@
 //! `ferry_core::handshake` and `ferry_core::stream`, which do no I/O; this crate does only the
 //! socket calls around them.
 //!
-//! The only `unsafe` code is the `setsockopt` call of [`set_recv_low_mark`].
+//! The only `unsafe` code is the socket-option calls of [`set_recv_low_mark`] and
+//! [`recv_low_mark`].
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ferry_core::Error;
@@ -92,6 +95,27 @@ pub fn set_recv_low_mark(socket: BorrowedFd<'_>, bytes: usize) -> std::io::Resul
     Ok(())
 }
 
+/// The socket's `SO_RCVLOWAT` now.
+pub fn recv_low_mark(socket: BorrowedFd<'_>) -> std::io::Result<usize> {
+    let mut v: libc::c_int = -1;
+    let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `l` bytes into a local int; the descriptor is borrowed
+    // open for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&raw mut v).cast(),
+            &mut l,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(usize::try_from(v).unwrap_or(0))
+}
+
 /// `PeerLost` for an I/O error with `peer` during `during`.
 pub fn lost(peer: SocketAddr, during: &'static str, e: std::io::Error) -> Error {
     Error::PeerLost {
@@ -161,6 +185,65 @@ pub fn write_frame(
         .map_err(|e| lost(peer, "handshake", e))
 }
 
+/// The data streams of a client channel as its handle sees them: whether the channel was
+/// closed, whether each stream died, and a descriptor of each to shut it down from any thread.
+/// A channel is alive while it is not closed and one of its streams is.
+#[derive(Debug, Default)]
+pub struct ChannelStreams {
+    closed: AtomicBool,
+    streams: Vec<(Arc<AtomicBool>, std::net::TcpStream)>,
+}
+
+impl ChannelStreams {
+    /// No streams yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a stream: `dead` is set by whoever ends it; `socket` is a handle (a duplicate
+    /// descriptor is fine) to shut it down.
+    pub fn push(&mut self, dead: Arc<AtomicBool>, socket: std::net::TcpStream) {
+        self.streams.push((dead, socket));
+    }
+
+    /// Number of streams.
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Whether there are no streams.
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// Whether [`close`](Self::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Not closed, and at least one stream alive.
+    pub fn is_alive(&self) -> bool {
+        !self.is_closed() && self.streams.iter().any(|(d, _)| !d.load(Ordering::Acquire))
+    }
+
+    /// Closes the channel: every stream is marked dead and shut down (their drivers then fail
+    /// what is in flight as lost), and [`is_alive`](Self::is_alive) is false from now on.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for (dead, _) in &self.streams {
+            dead.store(true, Ordering::Release);
+        }
+        self.shutdown_all();
+    }
+
+    /// Shuts every stream down (both directions), waking whatever waits on them.
+    pub fn shutdown_all(&self) {
+        for (_, s) in &self.streams {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,5 +282,32 @@ mod tests {
         assert!(matches!(e, Error::Malformed { .. }), "{e}");
         let e = read_frame(&mut &buf[..5], peer).unwrap_err();
         assert!(matches!(e, Error::PeerLost { .. }), "{e}");
+    }
+
+    /// A channel lives while one stream does; closing it marks every stream dead and shuts the
+    /// sockets (the peer reads the end).
+    #[test]
+    fn a_channel_is_alive_while_a_stream_is_and_close_shuts_them_all() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut streams = ChannelStreams::new();
+        let mut far = Vec::new();
+        let mut deads = Vec::new();
+        for _ in 0..2 {
+            let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            far.push(l.accept().unwrap().0);
+            let dead = Arc::new(AtomicBool::new(false));
+            deads.push(dead.clone());
+            streams.push(dead, a);
+        }
+        assert!(streams.is_alive());
+        deads[0].store(true, Ordering::Release);
+        assert!(streams.is_alive());
+        streams.close();
+        assert!(!streams.is_alive() && streams.is_closed());
+        assert!(deads[1].load(Ordering::Acquire));
+        for mut f in far {
+            let mut b = [0u8; 1];
+            assert_eq!(f.read(&mut b).unwrap(), 0, "the far end sees the close");
+        }
     }
 }

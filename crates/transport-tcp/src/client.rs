@@ -18,11 +18,12 @@ use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
+use ferry_net::ChannelStreams;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tracing::debug;
 
-use crate::io::{RawRange, recv_buf, recv_exact, send_all, shutdown, shutdown_std};
+use crate::io::{RawRange, recv_buf, recv_exact, send_all, shutdown};
 use crate::pool::IoPool;
 
 /// Payloads up to this size are staged with their header and sent in one call.
@@ -55,13 +56,6 @@ impl ChunkOwner for ReqShared {
 }
 
 type Job = Chunk<ReqShared>;
-
-#[derive(Debug)]
-struct StreamSlot {
-    dead: Arc<AtomicBool>,
-    /// A duplicate of the stream's descriptor, to shut it down from any thread.
-    socket: std::net::TcpStream,
-}
 
 /// A stream's sender task, as the queue sees it.
 #[derive(Debug, Default)]
@@ -180,10 +174,9 @@ impl JobQueue {
 #[derive(Debug)]
 pub struct TcpChannel {
     peer: SocketAddr,
-    streams: Vec<StreamSlot>,
+    streams: ChannelStreams,
     queue: Arc<JobQueue>,
     chunk: u64,
-    closed: AtomicBool,
     /// Keeps the I/O threads of the streams running while the channel lives.
     _pool: Arc<IoPool>,
 }
@@ -202,7 +195,7 @@ impl TcpChannel {
             state: std::sync::Mutex::new(Dealer::new(sockets.len())),
             takers: (0..sockets.len()).map(|_| Taker::default()).collect(),
         });
-        let mut streams = Vec::with_capacity(sockets.len());
+        let mut streams = ChannelStreams::new();
         for (i, s) in sockets.into_iter().enumerate() {
             // Out of the caller's reactor, into the I/O thread's; a duplicate descriptor stays
             // here to shut the socket down from any thread.
@@ -239,17 +232,13 @@ impl TcpChannel {
                 queue.close();
                 return Err(e);
             }
-            streams.push(StreamSlot {
-                dead,
-                socket: control,
-            });
+            streams.push(dead, control);
         }
         Ok(Self {
             peer,
             streams,
             queue,
             chunk: chunk.max(1),
-            closed: AtomicBool::new(false),
             _pool: pool.clone(),
         })
     }
@@ -264,7 +253,7 @@ impl Channel for TcpChannel {
         // The future must be 'static: take what it needs from `self` now.
         let queue = self.queue.clone();
         let chunk = self.chunk;
-        let closed = self.closed.load(Ordering::Acquire);
+        let closed = self.streams.is_closed();
         Box::pin(async move {
             let req = Arc::new(ReqShared {
                 ops: ops.clone(),
@@ -302,25 +291,18 @@ impl Channel for TcpChannel {
     }
 
     fn is_alive(&self) -> bool {
-        !self.closed.load(Ordering::Acquire)
-            && self.streams.iter().any(|s| !s.dead.load(Ordering::Acquire))
+        self.streams.is_alive()
     }
 
     fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        for s in &self.streams {
-            s.dead.store(true, Ordering::Release);
-            shutdown_std(&s.socket);
-        }
+        self.streams.close();
         debug!(peer = %self.peer, "channel closed");
     }
 }
 
 impl Drop for TcpChannel {
     fn drop(&mut self) {
-        for s in &self.streams {
-            shutdown_std(&s.socket);
-        }
+        self.streams.shutdown_all();
         self.queue.close();
     }
 }

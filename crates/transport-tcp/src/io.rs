@@ -187,32 +187,16 @@ pub(crate) fn shutdown(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).shutdown(std::net::Shutdown::Both);
 }
 
-/// [`shutdown`] through a duplicate descriptor of the socket (held outside its I/O thread).
-pub(crate) fn shutdown_std(stream: &std::net::TcpStream) {
-    let _ = stream.shutdown(std::net::Shutdown::Both);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
     use tokio::io::AsyncWriteExt;
 
-    fn rcvlowat(fd: std::os::fd::RawFd) -> i32 {
-        let mut v: libc::c_int = -1;
-        let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt writes at most `l` bytes into a local int.
-        let rc = unsafe {
-            libc::getsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                (&raw mut v).cast(),
-                &mut l,
-            )
-        };
-        assert_eq!(rc, 0);
-        v
+    fn rcvlowat(fd: std::os::fd::RawFd) -> usize {
+        // SAFETY: the tests pass descriptors of sockets they hold open.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        ferry_net::recv_low_mark(fd).unwrap()
     }
 
     /// A payload larger than the low mark, arriving in small pieces with pauses, lands whole

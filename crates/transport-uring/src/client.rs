@@ -22,6 +22,7 @@ use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
+use ferry_net::ChannelStreams;
 use tracing::debug;
 
 use crate::ring::{Body, IoStats, SockIo, ThreadCount};
@@ -122,12 +123,6 @@ impl Wake {
     }
 }
 
-#[derive(Debug)]
-struct StreamSlot {
-    dead: Arc<AtomicBool>,
-    socket: Arc<TcpStream>,
-}
-
 /// The chunks of a channel not yet taken by its streams ([`Dealer`]: dealt in turn, taken by
 /// a stream with nothing in flight, handed on by a stream that ends), with each stream
 /// thread's wake-up.
@@ -213,10 +208,9 @@ impl<J> JobQueue<J> {
 #[derive(Debug)]
 pub struct UringChannel {
     peer: SocketAddr,
-    streams: Vec<StreamSlot>,
+    streams: ChannelStreams,
     queue: Arc<JobQueue<Job>>,
     chunk: u64,
-    closed: AtomicBool,
     zero_copy: bool,
 }
 
@@ -246,15 +240,26 @@ impl UringChannel {
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| ferry_core::Error::io("create eventfd for", peer.to_string(), e))?;
         let queue = Arc::new(JobQueue::new(wakes.clone()));
-        let mut streams: Vec<StreamSlot> = Vec::with_capacity(sockets.len());
+        let mut streams = ChannelStreams::new();
         // On failure the threads started so far end (their sockets shut, the queue dropped).
-        let abandon = |streams: &[StreamSlot], queue: &JobQueue<Job>| {
-            for s in streams {
-                shutdown(&s.socket);
-            }
+        let abandon = |streams: &ChannelStreams, queue: &JobQueue<Job>| {
+            streams.shutdown_all();
             queue.drop_channel();
         };
         for (i, (s, wake)) in sockets.into_iter().zip(wakes).enumerate() {
+            // A duplicate descriptor stays with the channel handle, to shut the socket down from
+            // any thread.
+            let handle = match s.try_clone() {
+                Ok(h) => h,
+                Err(e) => {
+                    abandon(&streams, &queue);
+                    return Err(ferry_core::Error::io(
+                        "duplicate a stream socket of",
+                        peer.to_string(),
+                        e,
+                    ));
+                }
+            };
             let socket = Arc::new(s);
             let dead = Arc::new(AtomicBool::new(false));
             let fd = socket.as_raw_fd();
@@ -315,7 +320,7 @@ impl UringChannel {
                     }),
                 },
             };
-            streams.push(StreamSlot { dead, socket });
+            streams.push(dead, handle);
             if let Some(e) = failed {
                 abandon(&streams, &queue);
                 return Err(e);
@@ -326,7 +331,6 @@ impl UringChannel {
             streams,
             queue,
             chunk: chunk.max(1),
-            closed: AtomicBool::new(false),
             zero_copy,
         })
     }
@@ -348,7 +352,7 @@ impl Channel for UringChannel {
     }
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
-        let closed = self.closed.load(Ordering::Acquire);
+        let closed = self.streams.is_closed();
         let req = Arc::new(ReqShared {
             ops: ops.clone(),
             control: control.clone(),
@@ -384,25 +388,18 @@ impl Channel for UringChannel {
     }
 
     fn is_alive(&self) -> bool {
-        !self.closed.load(Ordering::Acquire)
-            && self.streams.iter().any(|s| !s.dead.load(Ordering::Acquire))
+        self.streams.is_alive()
     }
 
     fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        for s in &self.streams {
-            s.dead.store(true, Ordering::Release);
-            shutdown(&s.socket);
-        }
+        self.streams.close();
         debug!(peer = %self.peer, "channel closed");
     }
 }
 
 impl Drop for UringChannel {
     fn drop(&mut self) {
-        for s in &self.streams {
-            shutdown(&s.socket);
-        }
+        self.streams.shutdown_all();
         self.queue.drop_channel();
     }
 }
