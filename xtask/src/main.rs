@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_ab;
 mod bench_latency;
 mod bench_uring;
 mod bindgen;
@@ -24,6 +25,8 @@ tasks:
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bench latency [--ops N] [--repeat N]
                          64-byte round trips of ferry bench against a bare TCP ping-pong
+  bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N]
+                         this tree's ferry bench against another build, alternating rounds
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)

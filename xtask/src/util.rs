@@ -69,8 +69,12 @@ pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
 /// and returns the number `key` of the JSON object it prints. Fails with its stdout and stderr
 /// when it exits non-zero, and with its stdout when `key` is not there.
 pub(crate) fn ferry_bench_json(args: &[&str], key: &str) -> Result<f64> {
-    let bin = project_root().join("target/release/ferry");
-    let out = Command::new(&bin)
+    ferry_bench_json_of(&project_root().join("target/release/ferry"), args, key)
+}
+
+/// [`ferry_bench_json`] with the `ferry` binary at `bin` (another build, for A/B runs).
+pub(crate) fn ferry_bench_json_of(bin: &std::path::Path, args: &[&str], key: &str) -> Result<f64> {
+    let out = Command::new(bin)
         .args(["bench", "--json"])
         .args(args)
         .output()

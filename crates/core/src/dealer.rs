@@ -2,12 +2,11 @@
 //! stream with nothing to do, handed on by a stream that ends. A plain data structure (the
 //! transports guard it with their own lock and wake their own stream threads or tasks).
 //!
-//! Dealt in turn alone, the chunks of a closed loop of requests (a benchmark, a ring of staging
-//! buffers) piled up on whichever stream was slower at the moment while the other ran dry and
-//! its core idled (traced on loopback: 10-17% of a two-stream run). Taken from one shared queue
-//! instead, every buffer moved between the cores' caches with each chunk (0.86x). Dealing in
-//! turn keeps each buffer of such a loop on one stream (and so on one core); taking chunks only
-//! when idle recovers the idle time (1.10-1.13x, io_uring, two streams, 1 MiB WRITEs).
+//! Dealing in turn keeps each buffer of a closed loop of requests (a benchmark, a ring of
+//! staging buffers) on one stream, and so on one core; a stream with nothing in flight takes
+//! the oldest chunk of the longest other queue, so no stream runs dry while another has work
+//! queued. Why one queue per stream and not one shared queue, with the traces and figures:
+//! `docs/performance.md`.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};

@@ -53,10 +53,9 @@ pub struct TcpConfig {
     /// available core; `None`: no threads of its own, streams run as tasks on the caller's
     /// runtime. A transport and a server each have their own threads, started on first use.
     ///
-    /// The trade-off, measured on loopback with 2 cores: I/O threads move bulk data faster
-    /// (two streams: READs about 1.2x, WRITEs about 1.05x) because a stream never migrates
-    /// between workers; the caller's runtime answers small ops sooner (a 64-byte WRITE about
-    /// 28 us against 45 us) because no request crosses threads on its way to the socket.
+    /// The trade-off: I/O threads move bulk data faster because a stream never migrates
+    /// between workers; the caller's runtime answers small ops sooner because no request
+    /// crosses threads on its way to the socket (figures: `docs/performance.md`).
     pub io_threads: Option<usize>,
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead and its chunks in flight

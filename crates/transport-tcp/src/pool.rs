@@ -5,12 +5,10 @@
 //! assigned round-robin. Control work (handshakes, accepting, awaiting outcomes) stays on the
 //! caller's runtime.
 //!
-//! Why not the caller's multi-thread runtime: measured on a 2-core machine with two streams, its
-//! work stealing bounced a stream's tasks between workers and woke parked workers that then found
-//! nothing to do, leaving a core idle about a tenth of the time while the other had two streams'
-//! copies queued. A stream pinned to one thread blocks and wakes like a thread blocked on its
-//! socket (what iperf3 does), while the number of threads stays bounded however many peers and
-//! streams there are.
+//! A stream pinned to one thread blocks and wakes like a thread blocked on its socket (what
+//! iperf3 does) and never migrates between runtime workers, while the number of threads stays
+//! bounded however many peers and streams there are. Why not the caller's multi-thread runtime,
+//! as measured: `docs/performance.md`.
 
 use std::future::Future;
 use std::sync::Mutex;

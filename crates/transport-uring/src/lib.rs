@@ -25,9 +25,8 @@
 //! File segments themselves live in `ferry-file`, below the transports: the TCP data plane
 //! serves and reads them without io_uring.
 //!
-//! On loopback (measured on this project's machines): the kernel copies SEND_ZC payloads, and
-//! SEND_ZC from registered buffers is 2-4x slower than a plain SEND, so `ZeroCopy::Auto` sends
-//! to loopback peers with SEND, and WRITE payloads to loopback peers go by `vmsplice` +
+//! On loopback the kernel copies SEND_ZC payloads, which makes SEND_ZC slower than a plain SEND
+//! there (`docs/performance.md`), so `ZeroCopy::Auto` sends to loopback peers with SEND, and WRITE payloads to loopback peers go by `vmsplice` +
 //! `splice` (`UringConfig::splice_loopback`), which leaves the receiver's copy as the only one.
 //! The splice is a direct syscall on the stream's thread: io_uring always hands IORING_OP_SPLICE
 //! to an io-wq worker, and that hand-off cost more than the splice. `ZeroCopy::Always` keeps
@@ -104,8 +103,7 @@ pub struct UringConfig {
     /// To a loopback peer over two or more streams, pin stream `i`'s threads (the client's
     /// stream thread, the server's thread for attach index `i`) to the `i`-th CPU this thread
     /// may run on, so both ends of one flow share a core's caches instead of bouncing each
-    /// chunk between cores. Measured on the 2-core machines: 2 streams went from about 3-4 to
-    /// 5-7 GB/s. The server pins its stream-0 thread only once a second stream of the same
+    /// chunk between cores (`docs/performance.md`). The server pins its stream-0 thread only once a second stream of the same
     /// client attached (a one-stream client pins nothing). Off: the scheduler places every
     /// thread.
     pub pin_loopback_streams: bool,
@@ -162,8 +160,7 @@ impl Default for UringConfig {
 
 impl UringConfig {
     /// Whether payloads to `peer` go out with SEND_ZC: `Auto` leaves loopback peers to copying
-    /// sends, since the kernel copies SEND_ZC on loopback anyway (measured slower there, much
-    /// slower from registered buffers); `Always` uses it everywhere.
+    /// sends, since the kernel copies SEND_ZC on loopback anyway; `Always` uses it everywhere.
     pub fn zero_copy_for(&self, peer: std::net::IpAddr) -> bool {
         match self.zero_copy {
             ZeroCopy::Auto => self.kernel_send_zc && !peer.is_loopback(),

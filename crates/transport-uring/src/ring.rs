@@ -564,9 +564,8 @@ impl<H> SockIo<H> {
     /// Sends `head` (copied) then `body` by page reference: `vmsplice` maps the body's pages into
     /// a pipe and `splice` moves them to the socket, so a loopback peer's receive is the only
     /// copy. The head goes through the ring (with `MSG_MORE`); the splice is a direct syscall on
-    /// this thread, because io_uring always hands IORING_OP_SPLICE to an io-wq worker thread:
-    /// measured on loopback, that hand-off (two context switches per piece) cost more than the
-    /// splice itself. There is no completion notification: the caller must not reuse the body
+    /// this thread, because io_uring always hands IORING_OP_SPLICE to an io-wq worker thread,
+    /// a hand-off of two context switches per piece (`docs/performance.md`). There is no completion notification: the caller must not reuse the body
     /// before the peer has acknowledged receiving all of it (the data-plane response does that,
     /// and the TCP ACK it carries frees the retransmit queue's references first).
     ///
@@ -693,10 +692,8 @@ impl<H> SockIo<H> {
     /// A payload larger than [`LOWAT`] is received with the socket's `SO_RCVLOWAT` raised to
     /// [`LOWAT`] (to the rest of the payload for its tail): with `MSG_WAITALL` alone the ring
     /// wakes this thread for every segment that arrives (on loopback, about one per 64 KiB)
-    /// and copies it; with the low mark it wakes once per [`LOWAT`] at most. Measured on
-    /// loopback, one stream of 1 MiB WRITEs: the serving thread slept 2.7 times per chunk
-    /// before, and the rate rose by about a sixth. The mark is back to 1 when this returns
-    /// (a 32-byte request header must wake its receiver).
+    /// and copies it; with the low mark it wakes once per [`LOWAT`] at most. The mark is back
+    /// to 1 when this returns (a 32-byte request header must wake its receiver).
     ///
     /// # Safety
     /// `ptr..ptr+len` must be valid for writes and not referenced elsewhere during the call.

@@ -1,0 +1,154 @@
+//! `cargo xtask bench ab --baseline BIN`: this tree's `ferry` against another build of it, in
+//! alternating rounds, to show that a change costs no speed.
+//!
+//! Both binaries run `ferry bench` (each its own in-process loopback server) with the same
+//! arguments, one right after the other in each round, the order swapped every round so neither
+//! always runs on a warmer machine. Cases: the TCP and io_uring data planes, one and two
+//! streams, 1 MiB READs and WRITEs (rate, GB/s), and a 64-byte WRITE round trip with one op in
+//! flight (p50, microseconds) on each data plane. The table shows each side's median and the
+//! median and range of the per-round ratios, oriented so that above 1 means this tree is
+//! faster.
+//!
+//! Options: `--baseline BIN` (required: e.g. `target/release/ferry` of a worktree at the old
+//! commit), `--total BYTES` per bulk run (default 2GiB), `--ops N` per latency run (default
+//! 20000), `--repeat N` rounds (default 5).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{cargo, ferry_bench_json_of, median, project_root, run as run_loud, size};
+
+/// One measured case: its label, the `ferry bench` arguments, the JSON key, and whether
+/// larger is better (a rate) or smaller (a latency).
+struct Case {
+    label: String,
+    args: Vec<String>,
+    key: &'static str,
+    higher_is_better: bool,
+}
+
+fn cases(total: u64, ops: usize) -> Vec<Case> {
+    let mut v = Vec::new();
+    for transport in ["tcp", "uring"] {
+        for streams in [1, 2] {
+            for op in ["read", "write"] {
+                v.push(Case {
+                    label: format!("{transport}, {streams} stream(s), 1 MiB {op}s (GB/s)"),
+                    args: [
+                        "--transport",
+                        transport,
+                        "--op",
+                        op,
+                        "--op-size",
+                        "1MiB",
+                        "--streams",
+                        &streams.to_string(),
+                        "--total",
+                        &total.to_string(),
+                    ]
+                    .map(String::from)
+                    .to_vec(),
+                    key: "gb_per_s",
+                    higher_is_better: true,
+                });
+            }
+        }
+        v.push(Case {
+            label: format!("{transport}, 64 B write round trip p50 (us)"),
+            args: [
+                "--transport",
+                transport,
+                "--op",
+                "write",
+                "--op-size",
+                "64",
+                "--depth",
+                "1",
+                "--total",
+                &(ops * 64).to_string(),
+            ]
+            .map(String::from)
+            .to_vec(),
+            key: "p50_us",
+            higher_is_better: false,
+        });
+    }
+    v
+}
+
+/// Runs the comparison.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut baseline: Option<PathBuf> = None;
+    let mut total = 2u64 << 30;
+    let mut ops = 20_000usize;
+    let mut repeat = 5usize;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| -> Result<String> {
+            it.next()
+                .cloned()
+                .with_context(|| format!("{name} needs a value"))
+        };
+        match a.as_str() {
+            "--baseline" => baseline = Some(PathBuf::from(value("--baseline")?)),
+            "--total" => total = size(&value("--total")?)?,
+            "--ops" => ops = value("--ops")?.parse().context("--ops")?,
+            "--repeat" => {
+                repeat = value("--repeat")?
+                    .parse::<usize>()
+                    .context("--repeat")?
+                    .max(1)
+            }
+            other => bail!(
+                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N)"
+            ),
+        }
+    }
+    let Some(baseline) = baseline else {
+        bail!("bench ab needs --baseline BIN: the ferry binary of the build to compare against")
+    };
+    if !baseline.is_file() {
+        bail!("the baseline {} is not a file", baseline.display());
+    }
+    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    let current = project_root().join("target/release/ferry");
+    let cases = cases(total, ops);
+    // ratios[c]: per-round ratio (above 1: this tree is better); medians of each side.
+    let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    let mut ours: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    let mut theirs: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for round in 0..repeat {
+        eprintln!("bench ab: round {} of {repeat}", round + 1);
+        for (i, c) in cases.iter().enumerate() {
+            let args: Vec<&str> = c.args.iter().map(String::as_str).collect();
+            let (a, b) = if round % 2 == 0 {
+                let b = ferry_bench_json_of(&baseline, &args, c.key)?;
+                (ferry_bench_json_of(&current, &args, c.key)?, b)
+            } else {
+                let a = ferry_bench_json_of(&current, &args, c.key)?;
+                (a, ferry_bench_json_of(&baseline, &args, c.key)?)
+            };
+            ours[i].push(a);
+            theirs[i].push(b);
+            ratios[i].push(if c.higher_is_better { a / b } else { b / a });
+        }
+    }
+    println!(
+        "| case | baseline | this tree | this tree / baseline, median [range] of {repeat} rounds |"
+    );
+    println!("|---|---|---|---|");
+    for (i, c) in cases.iter().enumerate() {
+        let lo = ratios[i].iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = ratios[i].iter().copied().fold(0.0, f64::max);
+        println!(
+            "| {} | {:.2} | {:.2} | {:.3} [{lo:.2}-{hi:.2}] |",
+            c.label,
+            median(&theirs[i]),
+            median(&ours[i]),
+            median(&ratios[i]),
+        );
+    }
+    println!("(ratios above 1: this tree is faster; latency rows compare p50 round trips)");
+    Ok(())
+}
