@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use common::*;
-use ferry_core::wire::TransportOffer;
+use ferry_core::wire::{SUPPORTED_VERSIONS, TransportOffer};
 use ferry_core::{
     Access, Epoch, FailureKind, MemoryRegion, OpKind, PeerId, RemoteStatus, SegmentToken,
     Transport, TransportKind,
@@ -37,6 +37,7 @@ fn serve(table: &Arc<Table>) -> UringServerHandle {
     let responder = Arc::new(Responder {
         id: PeerId::random(),
         epoch: Epoch::fresh(),
+        versions: SUPPORTED_VERSIONS,
         table: table.clone(),
         offer: t.offer(),
     });

@@ -1,5 +1,7 @@
-//! The TCP transport's loopback correctness cases over io_uring, and in both mixed directions
-//! against ferry-transport-tcp (uring client to TCP server, TCP client to uring server).
+//! The data planes' loopback correctness cases: io_uring against io_uring, ferry-transport-tcp
+//! against itself (its streams on I/O threads or on the caller's runtime, on either side), and both
+//! mixed directions (uring client to TCP server, TCP client to uring server). A case whose pairing
+//! needs io_uring skips that pairing where io_uring is unusable; the TCP pairings always run.
 
 mod common;
 
@@ -11,8 +13,8 @@ use std::time::Duration;
 
 use common::*;
 use ferry_core::wire::{
-    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse,
-    SUPPORTED_VERSIONS, TransportOffer,
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, Hello,
+    SUPPORTED_VERSIONS, TransportOffer, VersionRange,
 };
 use ferry_core::{
     Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
@@ -24,7 +26,32 @@ use transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
     Uring(ZeroCopy),
-    Tcp,
+    /// The TCP data plane with its data streams on `io_threads` I/O threads
+    /// ([`TcpConfig::io_threads`]: `Some(0)` one per core, `None` the caller's runtime).
+    Tcp(Option<usize>),
+}
+
+/// The TCP data plane as configured by default (`TcpConfig::default().io_threads`).
+const TCP: Side = Side::Tcp(Some(0));
+
+impl Side {
+    fn is_uring(self) -> bool {
+        matches!(self, Side::Uring(_))
+    }
+}
+
+/// The pairings (client, server) of `pairs` that can run here: those with an io_uring side only
+/// where io_uring is usable (checked once, by `uring_usable`, so `FERRY_REQUIRE_URING=1` still
+/// fails where it is not).
+fn runnable(pairs: &[(Side, Side)]) -> Vec<(Side, Side)> {
+    let mut uring = None;
+    pairs
+        .iter()
+        .copied()
+        .filter(|&(c, s)| {
+            !(c.is_uring() || s.is_uring()) || *uring.get_or_insert_with(uring_usable)
+        })
+        .collect()
 }
 
 enum ServerHandle {
@@ -40,6 +67,11 @@ struct Fixture {
 }
 
 fn start(side: Side) -> Fixture {
+    start_with(side, SUPPORTED_VERSIONS)
+}
+
+/// A server of `side` whose handshake speaks `versions`.
+fn start_with(side: Side, versions: VersionRange) -> Fixture {
     let table = Arc::new(Table::default());
     let epoch = Epoch::fresh();
     let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
@@ -55,6 +87,7 @@ fn start(side: Side) -> Fixture {
             let responder = Arc::new(Responder {
                 id: PeerId::random(),
                 epoch,
+                versions,
                 table: table.clone(),
                 offer: t.offer(),
             });
@@ -68,19 +101,24 @@ fn start(side: Side) -> Fixture {
                 epoch,
             }
         }
-        Side::Tcp => {
+        Side::Tcp(io_threads) => {
             let server = TcpServer::bind(addr).unwrap();
             let addr = server.local_addr();
             let responder = Arc::new(Responder {
                 id: PeerId::random(),
                 epoch,
+                versions,
                 table: table.clone(),
                 offer: TransportOffer::Tcp {
                     streams: 64,
                     port: 0,
                 },
             });
-            let h = server.serve(table.clone(), responder, TcpConfig::default());
+            let config = TcpConfig {
+                io_threads,
+                ..TcpConfig::default()
+            };
+            let h = server.serve(table.clone(), responder, config);
             Fixture {
                 _server: ServerHandle::Tcp(h),
                 addr,
@@ -107,11 +145,12 @@ async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<d
             let o = t.offer();
             (Arc::new(t), o)
         }
-        Side::Tcp => {
+        Side::Tcp(io_threads) => {
             let t = TcpTransport::new(TcpConfig {
                 streams,
                 chunk_size: chunk,
                 depth: 4,
+                io_threads,
                 ..TcpConfig::default()
             });
             let o = t.offer();
@@ -169,16 +208,19 @@ const PAIRS: &[(Side, Side)] = &[
     (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
     (Side::Uring(ZeroCopy::Never), Side::Uring(ZeroCopy::Never)),
     (Side::Uring(ZeroCopy::Always), Side::Uring(ZeroCopy::Always)),
-    (Side::Uring(ZeroCopy::Auto), Side::Tcp),
-    (Side::Tcp, Side::Uring(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Auto), TCP),
+    (TCP, Side::Uring(ZeroCopy::Auto)),
+    // Streams on I/O threads (two, fewer than the streams) and on the caller's runtime, on
+    // either side.
+    (Side::Tcp(Some(2)), Side::Tcp(Some(2))),
+    (Side::Tcp(None), Side::Tcp(None)),
+    (Side::Tcp(None), Side::Tcp(Some(1))),
+    (Side::Tcp(Some(0)), Side::Tcp(None)),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_then_read_many_sizes_unaligned() {
-    if !uring_usable() {
-        return;
-    }
-    for &(client, server) in PAIRS {
+    for (client, server) in runnable(PAIRS) {
         let f = start(server);
         let size = 20 << 20;
         let (tok, remote) = publish(
@@ -219,10 +261,7 @@ async fn write_then_read_many_sizes_unaligned() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_move_no_byte() {
-    if !uring_usable() {
-        return;
-    }
-    for &(client, server) in PAIRS {
+    for (client, server) in runnable(PAIRS) {
         let f = start(server);
         let (ro_tok, ro_seg) = publish(&f.table, "ro", 4096, Access::REMOTE_READ);
         let (rw_tok, rw_seg) = publish(
@@ -280,12 +319,26 @@ async fn refusals_move_no_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_epoch_stream_is_refused() {
-    if !uring_usable() {
-        return;
-    }
-    for server in [Side::Uring(ZeroCopy::Auto), Side::Tcp] {
+    let uring = Side::Uring(ZeroCopy::Auto);
+    for (client, server) in runnable(&[(uring, uring), (uring, TCP), (TCP, TCP)]) {
         let f = start(server);
-        let t = UringTransport::new(UringConfig::default()).unwrap();
+        let (t, offer): (Arc<dyn Transport>, _) = match client {
+            Side::Uring(_) => (
+                Arc::new(UringTransport::new(UringConfig::default()).unwrap()),
+                TransportOffer::Uring {
+                    streams: 1,
+                    port: 0,
+                    zero_copy: false,
+                },
+            ),
+            Side::Tcp(_) => (
+                Arc::new(TcpTransport::new(TcpConfig::default())),
+                TransportOffer::Tcp {
+                    streams: 1,
+                    port: 0,
+                },
+            ),
+        };
         let res = t
             .open(PeerInfo {
                 addr: f.addr,
@@ -293,18 +346,36 @@ async fn stale_epoch_stream_is_refused() {
                 local_epoch: Epoch::fresh(),
                 remote_id: PeerId::random(),
                 remote_epoch: Epoch(f.epoch.0 ^ 1),
-                offer: TransportOffer::Uring {
-                    streams: 1,
-                    port: 0,
-                    zero_copy: false,
-                },
+                offer,
                 segments: vec![],
             })
             .await;
         match res {
             Err(Error::StaleEpoch { found, .. }) => assert_eq!(found, f.epoch),
-            other => panic!("expected StaleEpoch, got {other:?}"),
+            other => panic!("{client:?}->{server:?}: expected StaleEpoch, got {other:?}"),
         }
+    }
+}
+
+/// A server that shares no protocol version with the client refuses its hello, and the client's
+/// error names both ranges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_mismatch_names_both_ranges() {
+    let theirs = VersionRange { min: 7, max: 9 };
+    let f = start_with(TCP, theirs);
+    let hello = Hello {
+        versions: SUPPORTED_VERSIONS,
+        peer_id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        transports: vec![],
+        segments: vec![],
+    };
+    match transport_tcp::handshake(f.addr, &hello, Duration::from_secs(5)).await {
+        Err(Error::ProtocolMismatch { local, remote, .. }) => {
+            assert_eq!(local, SUPPORTED_VERSIONS);
+            assert_eq!(remote, theirs);
+        }
+        other => panic!("expected ProtocolMismatch, got {other:?}"),
     }
 }
 
@@ -330,7 +401,7 @@ async fn handshake_says_which_engine_each_side_has() {
         "{:?}",
         peer.offer
     );
-    let f = start(Side::Tcp);
+    let f = start(TCP);
     let addr = f.addr;
     let peer = tokio::task::spawn_blocking(move || {
         peer_info(
@@ -353,41 +424,44 @@ async fn handshake_says_which_engine_each_side_has() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_does_not_hurt_the_server() {
-    if !uring_usable() {
-        return;
+    for (client, server) in runnable(&[(TCP, Side::Uring(ZeroCopy::Auto)), (TCP, TCP)]) {
+        let f = start(server);
+        let mut s = std::net::TcpStream::connect(f.addr).unwrap();
+        s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff")
+            .unwrap();
+        let mut s2 = std::net::TcpStream::connect(f.addr).unwrap();
+        s2.write_all(&[0xAB; 64]).unwrap();
+        drop((s, s2));
+        let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_READ);
+        let ch = channel(&f, client, 1, 1 << 20).await;
+        let dst = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
+        assert!(
+            run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, 100)])
+                .await
+                .is_success(),
+            "{client:?}->{server:?}"
+        );
     }
-    let f = start(Side::Uring(ZeroCopy::Auto));
-    let mut s = std::net::TcpStream::connect(f.addr).unwrap();
-    s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff")
-        .unwrap();
-    let mut s2 = std::net::TcpStream::connect(f.addr).unwrap();
-    s2.write_all(&[0xAB; 64]).unwrap();
-    drop((s, s2));
-    let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_READ);
-    let ch = channel(&f, Side::Tcp, 1, 1 << 20).await;
-    let dst = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
-    assert!(
-        run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, 100)])
-            .await
-            .is_success()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_channel_fails_without_effect() {
-    if !uring_usable() {
-        return;
+    for (client, server) in runnable(&[(Side::Uring(ZeroCopy::Auto), TCP), (TCP, TCP)]) {
+        let f = start(server);
+        let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_WRITE);
+        let ch = channel(&f, client, 2, 1 << 20).await;
+        ch.close();
+        assert!(!ch.is_alive(), "{client:?}");
+        let src = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
+        let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 100)]).await;
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::PeerLost),
+            "{client:?}"
+        );
+        assert_eq!(o.remote_effect, RemoteEffect::None);
+        assert!(o.drained);
     }
-    let f = start(Side::Tcp);
-    let (tok, _) = publish(&f.table, "x", 100, Access::REMOTE_WRITE);
-    let ch = channel(&f, Side::Uring(ZeroCopy::Auto), 2, 1 << 20).await;
-    ch.close();
-    assert!(!ch.is_alive());
-    let src = Arc::new(MemoryRegion::alloc_zeroed(100, 64).unwrap());
-    let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, 100)]).await;
-    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
-    assert_eq!(o.remote_effect, RemoteEffect::None);
-    assert!(o.drained);
 }
 
 /// Accepts one stream on `l`, answering its attach.
@@ -510,7 +584,7 @@ async fn a_dying_stream_hands_its_waiting_chunks_to_the_others() {
         return;
     }
     const CHUNK: u64 = 32 << 20;
-    for client in [Side::Uring(ZeroCopy::Auto), Side::Tcp] {
+    for client in [Side::Uring(ZeroCopy::Auto), TCP] {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let h = std::thread::spawn(move || {
@@ -545,7 +619,7 @@ async fn a_dying_stream_hands_its_waiting_chunks_to_the_others() {
                 )
                 .await
             }
-            Side::Tcp => TcpTransport::new(TcpConfig {
+            Side::Tcp(_) => TcpTransport::new(TcpConfig {
                 streams: 2,
                 chunk_size: CHUNK,
                 depth: 1,
@@ -732,7 +806,7 @@ async fn server_shutdown_loses_the_peer() {
     if !uring_usable() {
         return;
     }
-    for client in [Side::Uring(ZeroCopy::Auto), Side::Tcp] {
+    for client in [Side::Uring(ZeroCopy::Auto), TCP] {
         let f = start(Side::Uring(ZeroCopy::Auto));
         let (tok, _) = publish(&f.table, "x", 1 << 20, Access::REMOTE_WRITE);
         let ch = channel(&f, client, 2, 64 << 10).await;
@@ -847,4 +921,266 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         }
     }
     assert!(gone, "a stream outlived the server's shutdown");
+}
+
+/// Streams another listener accepted and attached (the io_uring server past its thread budget)
+/// are served by a `StreamServer` on its I/O threads: bytes move both ways, checks still refuse
+/// an unknown segment, and `done` runs once the client closes each stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_over_streams_are_served_until_the_client_closes_them() {
+    let table = Arc::new(Table::default());
+    let (tok, dst) = publish(
+        &table,
+        "x",
+        3 << 20,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    let server = Arc::new(transport_tcp::StreamServer::new(
+        table.clone(),
+        &TcpConfig::default(),
+    ));
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let accepting = {
+        let server = server.clone();
+        std::thread::spawn(move || {
+            for _ in 0..2 {
+                let s = accept_stream(&listener);
+                let from = s.peer_addr().unwrap();
+                let tx = done_tx.clone();
+                server
+                    .serve(s, from, Box::new(move || tx.send(()).unwrap()))
+                    .unwrap();
+            }
+        })
+    };
+    let t = TcpTransport::new(TcpConfig {
+        streams: 2,
+        chunk_size: 256 << 10,
+        depth: 4,
+        ..TcpConfig::default()
+    });
+    let ch = t.open(scripted_peer(addr, 2)).await.unwrap();
+    accepting.join().unwrap();
+    let len = (3 << 20) - 17;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    fill(&src, 0x5eed);
+    let o = run(&ch, vec![op(OpKind::Write, &src, 5, tok, 9, len)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&dst, 9, len as usize) == bytes(&src, 5, len as usize));
+    let back = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
+    let o = run(&ch, vec![op(OpKind::Read, &back, 0, tok, 9, len)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&back, 0, len as usize) == bytes(&src, 5, len as usize));
+    let o = run(
+        &ch,
+        vec![op(OpKind::Read, &back, 0, SegmentToken(3), 0, 10)],
+    )
+    .await;
+    assert_eq!(
+        o.failure.map(|f| f.kind),
+        Some(FailureKind::Remote(RemoteStatus::UnknownSegment))
+    );
+    assert!(done_rx.try_recv().is_err(), "done before the client closed");
+    drop(ch);
+    for _ in 0..2 {
+        done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a handed-over stream never reported done");
+    }
+}
+
+/// Random requests on a raw data stream to the TCP server: every answer matches an oracle of the
+/// checks (token, access, bounds), and the segment changes exactly where accepted WRITEs wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_requests_match_the_oracle() {
+    use ferry_core::wire::StreamAttach;
+    use rand::{Rng, SeedableRng};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let f = start(TCP);
+    let (rw, rw_seg) = publish(
+        &f.table,
+        "rw",
+        5000,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    let (ro, ro_seg) = publish(&f.table, "ro", 3000, Access::REMOTE_READ);
+    fill(&ro_seg, 11);
+    let mut shadow_rw = vec![0u8; 5000];
+    let shadow_ro = bytes(&ro_seg, 0, 3000);
+    let mut s = tokio::net::TcpStream::connect(f.addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    let mut frame = Vec::new();
+    ControlFrame::StreamAttach(StreamAttach {
+        peer_id: PeerId::random(),
+        epoch: Epoch::fresh(),
+        server_epoch: f.epoch,
+        transport: 1,
+        stream_index: 0,
+    })
+    .encode(1, &mut frame)
+    .unwrap();
+    s.write_all(&frame).await.unwrap();
+    let mut accept = [0u8; 12];
+    s.read_exact(&mut accept).await.unwrap();
+    assert_eq!(
+        ControlFrame::decode(&accept).unwrap().unwrap().0,
+        ControlFrame::StreamAccept
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    for seq in 0..400u32 {
+        let token = match rng.gen_range(0..3) {
+            0 => rw,
+            1 => ro,
+            _ => SegmentToken(rng.r#gen()),
+        };
+        let kind = if rng.gen_bool(0.5) {
+            OpKind::Read
+        } else {
+            OpKind::Write
+        };
+        let offset = rng.gen_range(0..6000u64);
+        let len = rng.gen_range(0..3000u64);
+        let req = DataRequest {
+            kind,
+            seq,
+            token,
+            offset,
+            len,
+            ack_slack: 0,
+        };
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        req.encode(&mut head);
+        s.write_all(&head).await.unwrap();
+        let payload: Vec<u8> = (0..len).map(|_| rng.r#gen()).collect();
+        if kind == OpKind::Write {
+            s.write_all(&payload).await.unwrap();
+        }
+        let (size, access) = if token == rw {
+            (5000, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        } else if token == ro {
+            (3000, Access::REMOTE_READ)
+        } else {
+            (0, Access::LOCAL)
+        };
+        let expect = if size == 0 {
+            Some(RemoteStatus::UnknownSegment)
+        } else if !access.contains(kind.needed_access()) {
+            Some(RemoteStatus::AccessDenied)
+        } else if offset + len > size {
+            Some(RemoteStatus::OutOfBounds)
+        } else {
+            None
+        };
+        let mut rh = [0u8; DATA_RESPONSE_LEN];
+        s.read_exact(&mut rh).await.unwrap();
+        let resp = DataResponse::decode(&rh).unwrap();
+        assert_eq!((resp.seq, resp.refused), (seq, expect), "{req:?}");
+        if expect.is_none() {
+            let (lo, hi) = (offset as usize, (offset + len) as usize);
+            if kind == OpKind::Write {
+                shadow_rw[lo..hi].copy_from_slice(&payload);
+            } else {
+                let mut got = vec![0u8; len as usize];
+                s.read_exact(&mut got).await.unwrap();
+                let want = if token == rw {
+                    &shadow_rw[lo..hi]
+                } else {
+                    &shadow_ro[lo..hi]
+                };
+                assert_eq!(got, want);
+            }
+        }
+    }
+    assert_eq!(bytes(&rw_seg, 0, 5000), shadow_rw);
+    assert_eq!(bytes(&ro_seg, 0, 3000), shadow_ro);
+}
+
+/// The TCP server serves file segments (the engine's `FileSegment`) by their positioned I/O:
+/// WRITEs and READs across chunk and block boundaries, refusals that leave the file alone, and
+/// chunks larger than its staging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_segments_by_positioned_io() {
+    let f = start(TCP);
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let add_file = |path: &std::path::Path, access| {
+        let tok = SegmentToken::random();
+        let seg = Arc::new(ferry_file::FileSegment::open(path, access).unwrap());
+        f.table
+            .files
+            .lock()
+            .unwrap()
+            .insert(tok, (format!("file-{tok:?}"), seg));
+        tok
+    };
+    let len = 10_000usize;
+    let path = dir.path().join("file");
+    let initial: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(&path, &initial).unwrap();
+    let rw = add_file(&path, Access::REMOTE_READ | Access::REMOTE_WRITE);
+    let ro = add_file(&path, Access::REMOTE_READ);
+    let ch = channel(&f, TCP, 2, 4096).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(8192, 4096).unwrap());
+    fill(&src, 9);
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    // WRITE across chunk and block boundaries, then READ the whole file (its odd tail too).
+    let o = run(&ch, vec![op(OpKind::Write, &src, 3, rw, 4001, 5000)]).await;
+    assert!(o.is_success(), "{o:?}");
+    let mut expect = initial.clone();
+    expect[4001..9001].copy_from_slice(&bytes(&src, 3, 5000));
+    assert!(std::fs::read(&path).unwrap() == expect);
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, ro, 0, len as u64)]).await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert!(bytes(&dst, 0, len) == expect);
+    // Refused by the server's check without touching the file; the stream survives.
+    for (o, status) in [
+        (
+            op(OpKind::Write, &src, 0, ro, 0, 100),
+            RemoteStatus::AccessDenied,
+        ),
+        (
+            op(OpKind::Write, &src, 0, rw, len as u64 - 10, 20),
+            RemoteStatus::OutOfBounds,
+        ),
+    ] {
+        let out = run(&ch, vec![o]).await;
+        let fail = out.failure.unwrap();
+        assert_eq!(fail.kind, FailureKind::Remote(status));
+        assert_eq!(out.remote_effect, RemoteEffect::None);
+    }
+    assert!(
+        std::fs::read(&path).unwrap() == expect,
+        "a refused WRITE changed the file"
+    );
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, ro, 5, 0)]).await;
+    assert!(o.is_success(), "an empty READ: {o:?}");
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 1, rw, len as u64 - 7, 7)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert_eq!(bytes(&dst, 1, 7), expect[len - 7..]);
+
+    // Chunks larger than the server's 1 MiB file staging move in pieces, both ways.
+    let big = (5 << 19) + 333; // 2.5 MiB and an odd tail
+    let big_path = dir.path().join("big");
+    std::fs::write(&big_path, vec![0u8; big]).unwrap();
+    let big_tok = add_file(&big_path, Access::REMOTE_READ | Access::REMOTE_WRITE);
+    let ch = channel(&f, TCP, 1, 4 << 20).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(big, 4096).unwrap());
+    fill(&src, 21);
+    let o = run(
+        &ch,
+        vec![op(OpKind::Write, &src, 0, big_tok, 0, big as u64)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(std::fs::read(&big_path).unwrap() == bytes(&src, 0, big));
+    let back = Arc::new(MemoryRegion::alloc_zeroed(big, 4096).unwrap());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Read, &back, 0, big_tok, 0, big as u64)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(bytes(&back, 0, big) == bytes(&src, 0, big));
 }

@@ -39,6 +39,7 @@ fn a_peer_gone_mid_splice_fails_the_request_without_killing_the_process() {
         let responder = Arc::new(Responder {
             id: PeerId::random(),
             epoch: Epoch::fresh(),
+            versions: ferry_core::wire::SUPPORTED_VERSIONS,
             table: table.clone(),
             offer: client.offer(),
         });

@@ -188,6 +188,7 @@ fn child_trap_server() -> Result<()> {
         let responder = Arc::new(common::Responder {
             id: PeerId::random(),
             epoch: Epoch::fresh(),
+            versions: SUPPORTED_VERSIONS,
             table: table.clone(),
             offer: TransportOffer::Tcp {
                 streams: 1,

@@ -37,6 +37,7 @@ fn child_server() {
     let responder = Arc::new(Responder {
         id: PeerId::random(),
         epoch: Epoch::fresh(),
+        versions: ferry_core::wire::SUPPORTED_VERSIONS,
         table: table.clone(),
         offer: t.offer(),
     });

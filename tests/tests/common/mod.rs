@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use ferry_tests::{URING, require_or_skip};
 
-use ferry_core::wire::{Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer};
+use ferry_core::wire::{
+    Hello, Reject, RejectReason, SUPPORTED_VERSIONS, TransportOffer, VersionRange,
+};
 use ferry_core::{
     Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, Outcome, PeerId,
     PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
@@ -80,11 +82,13 @@ impl SegmentTable for Table {
     }
 }
 
-/// Answers a handshake with `table`'s segments and one transport offer.
+/// Answers a handshake with `table`'s segments and one transport offer, or refuses a hello that
+/// shares no protocol version with `versions` (`SUPPORTED_VERSIONS` but where a test says).
 #[derive(Debug)]
 pub struct Responder {
     pub id: PeerId,
     pub epoch: Epoch,
+    pub versions: VersionRange,
     pub table: Arc<dyn SegmentTable>,
     pub offer: TransportOffer,
 }
@@ -97,16 +101,16 @@ impl HandshakeResponder for Responder {
         self.epoch
     }
     fn respond(&self, hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
-        if SUPPORTED_VERSIONS.common(hello.versions).is_none() {
+        if self.versions.common(hello.versions).is_none() {
             return Err(Reject {
                 reason: RejectReason::ProtocolMismatch,
-                versions: SUPPORTED_VERSIONS,
+                versions: self.versions,
                 epoch: self.epoch,
                 message: "no common version".into(),
             });
         }
         Ok(Hello {
-            versions: SUPPORTED_VERSIONS,
+            versions: self.versions,
             peer_id: self.id,
             epoch: self.epoch,
             transports: vec![self.offer.clone()],
@@ -129,6 +133,7 @@ pub fn serve_uring(
     let responder = Arc::new(Responder {
         id: PeerId::random(),
         epoch: Epoch::fresh(),
+        versions: SUPPORTED_VERSIONS,
         table: table.clone(),
         offer: UringTransport::new(config.clone()).unwrap().offer(),
     });
