@@ -75,7 +75,16 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
     let table = Arc::new(Table::default());
     let epoch = Epoch::fresh();
     let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    match side {
+    let responder = |offer| {
+        Arc::new(Responder {
+            id: PeerId::random(),
+            epoch,
+            versions,
+            table: table.clone(),
+            offer,
+        })
+    };
+    let (server, addr) = match side {
         Side::Uring(zc) => {
             let t = UringTransport::new(UringConfig {
                 zero_copy: zc,
@@ -84,48 +93,31 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
             .unwrap();
             let server = UringServer::bind(addr).unwrap();
             let addr = server.local_addr();
-            let responder = Arc::new(Responder {
-                id: PeerId::random(),
-                epoch,
-                versions,
-                table: table.clone(),
-                offer: t.offer(),
-            });
             let h = server
-                .serve(table.clone(), responder, t.config().clone())
+                .serve(table.clone(), responder(t.offer()), t.config().clone())
                 .unwrap();
-            Fixture {
-                _server: ServerHandle::Uring(h),
-                addr,
-                table,
-                epoch,
-            }
+            (ServerHandle::Uring(h), addr)
         }
         Side::Tcp(io_threads) => {
             let server = TcpServer::bind(addr).unwrap();
             let addr = server.local_addr();
-            let responder = Arc::new(Responder {
-                id: PeerId::random(),
-                epoch,
-                versions,
-                table: table.clone(),
-                offer: TransportOffer::Tcp {
-                    streams: 64,
-                    port: 0,
-                },
-            });
+            let offer = TransportOffer::Tcp {
+                streams: 64,
+                port: 0,
+            };
             let config = TcpConfig {
                 io_threads,
                 ..TcpConfig::default()
             };
-            let h = server.serve(table.clone(), responder, config);
-            Fixture {
-                _server: ServerHandle::Tcp(h),
-                addr,
-                table,
-                epoch,
-            }
+            let h = server.serve(table.clone(), responder(offer), config);
+            (ServerHandle::Tcp(h), addr)
         }
+    };
+    Fixture {
+        _server: server,
+        addr,
+        table,
+        epoch,
     }
 }
 
