@@ -21,7 +21,7 @@ use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud,
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
        cargo xtask bench latency [--ops N] [--repeat N]
-       cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N]";
+       cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {

@@ -11,7 +11,8 @@
 //!
 //! Options: `--baseline BIN` (required: e.g. `target/release/ferry` of a worktree at the old
 //! commit), `--total BYTES` per bulk run (default 2GiB), `--ops N` per latency run (default
-//! 20000), `--repeat N` rounds (default 5).
+//! 20000), `--repeat N` rounds (default 5), `--only TEXT` (only the cases whose label contains
+//! it, e.g. `--only "2 stream"`).
 
 use std::path::PathBuf;
 
@@ -83,6 +84,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut total = 2u64 << 30;
     let mut ops = 20_000usize;
     let mut repeat = 5usize;
+    let mut only: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| -> Result<String> {
@@ -100,8 +102,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                     .context("--repeat")?
                     .max(1)
             }
+            "--only" => only = Some(value("--only")?),
             other => bail!(
-                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N)"
+                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N, --only TEXT)"
             ),
         }
     }
@@ -113,7 +116,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
     let current = project_root().join("target/release/ferry");
-    let cases = cases(total, ops);
+    let cases: Vec<Case> = cases(total, ops)
+        .into_iter()
+        .filter(|c| only.as_ref().is_none_or(|o| c.label.contains(o.as_str())))
+        .collect();
+    if cases.is_empty() {
+        bail!("no case matches --only {only:?}");
+    }
     // ratios[c]: per-round ratio (above 1: this tree is better); medians of each side.
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut ours: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];

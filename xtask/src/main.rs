@@ -25,7 +25,7 @@ tasks:
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bench latency [--ops N] [--repeat N]
                          64-byte round trips of ferry bench against a bare TCP ping-pong
-  bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N]
+  bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
                          this tree's ferry bench against another build, alternating rounds
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
