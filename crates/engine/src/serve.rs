@@ -214,3 +214,54 @@ impl HandshakeResponder for Responder {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::transport::MockTransport;
+    use registry::{Budgets, Registry};
+
+    /// A responder speaking only version 5, whose one transport must never be asked to accept
+    /// (nor anything listed) for a peer it cannot talk to.
+    fn responder() -> Responder {
+        let mut never = MockTransport::new();
+        never.expect_kind().return_const(TransportKind::Tcp);
+        never.expect_accept().never();
+        Responder {
+            id: PeerId(9),
+            epoch: Epoch(3),
+            versions: VersionRange { min: 5, max: 5 },
+            transports: vec![Arc::new(never)],
+            table: Arc::new(RegistryTable::new(Registry::host(Budgets::default()))),
+        }
+    }
+
+    fn hello(min: u16, max: u16) -> Hello {
+        Hello {
+            versions: VersionRange { min, max },
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            transports: vec![ferry_core::TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            }],
+            segments: vec![],
+        }
+    }
+
+    /// The server checks versions itself, on both sides of its range: a raw hello from a peer
+    /// that is too new or too old (or sends an empty range) is refused with both ranges, before
+    /// any transport is asked to accept it or any segment is listed. The client's own check
+    /// would hide a one-sided server check; this test talks to the server alone.
+    #[test]
+    fn the_server_refuses_versions_on_both_sides_of_its_range() {
+        let r = responder();
+        let from: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        for (min, max) in [(6, 9), (1, 4), (0, 0), (6, 4), (5, 4)] {
+            let e = r.respond(&hello(min, max), from).unwrap_err();
+            assert_eq!(e.reason, RejectReason::ProtocolMismatch, "{min}..={max}");
+            assert_eq!(e.versions, VersionRange { min: 5, max: 5 });
+            assert_eq!(e.epoch, Epoch(3));
+        }
+    }
+}
