@@ -9,6 +9,7 @@ mod bench_latency;
 mod bench_uring;
 mod bindgen;
 mod ci;
+mod fuzz;
 mod iperf3;
 mod soft_roce;
 mod util;
@@ -27,6 +28,8 @@ tasks:
                          64-byte round trips of ferry bench against a bare TCP ping-pong
   bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
                          this tree's ferry bench against another build, alternating rounds
+  fuzz [--cases N]       the property tests of every parser of outside input, N cases each
+                         (default 100000; xtask/src/fuzz.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
@@ -42,6 +45,7 @@ fn main() -> Result<()> {
         "bench" => bench::run(&rest),
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
+        "fuzz" => fuzz::run(&rest),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())

@@ -22,7 +22,9 @@ fn filter() -> impl Strategy<Value = HcaFilter> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("FERRY_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000)
+    ))]
 
     #[test]
     fn never_panics_on_any_string(s in any::<String>()) {

@@ -23,7 +23,6 @@ mod server;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::handshake;
 use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
@@ -109,7 +108,7 @@ impl TcpTransport {
 
     /// Opens a channel (the concrete type; [`Transport::open`] boxes it).
     pub async fn connect_channel(&self, peer: PeerInfo) -> Result<TcpChannel, Error> {
-        let (addr, offered) = handshake::stream_endpoint(&peer)?;
+        let (addr, offered) = ferry_core::handshake::stream_endpoint(&peer)?;
         let n = self.config.streams.min(offered);
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
@@ -118,7 +117,7 @@ impl TcpTransport {
                 port: 0,
             }
             .code();
-            let attach = handshake::stream_attach(&peer, i as u16, code);
+            let attach = ferry_core::handshake::stream_attach(&peer, i as u16, code);
             sockets.push(
                 control::attach(
                     addr,

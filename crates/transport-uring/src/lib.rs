@@ -48,7 +48,6 @@ mod waiter;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::handshake;
 use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
@@ -370,11 +369,11 @@ impl UringTransport {
 
     /// Opens a channel (blocking: connects and attaches the streams).
     pub fn connect_channel_blocking(&self, peer: PeerInfo) -> Result<UringChannel, Error> {
-        let (addr, offered) = handshake::stream_endpoint(&peer)?;
+        let (addr, offered) = ferry_core::handshake::stream_endpoint(&peer)?;
         let n = self.config.streams.min(offered);
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
-            let attach = handshake::stream_attach(&peer, i as u16, self.offer().code());
+            let attach = ferry_core::handshake::stream_attach(&peer, i as u16, self.offer().code());
             sockets.push(control::attach(
                 addr,
                 attach,

@@ -6,7 +6,7 @@
 //! - [`ClientStream`]: one client stream's sequence numbers, its chunks in flight (bounded by a
 //!   depth), how many WRITE responses the server may hold back ([`AckPolicy`]), the matching and
 //!   validation of responses, and what a broken stream fails or hands on.
-//! - [`ServerStream`]: one served stream's decode, resolution against the [`SegmentTable`],
+//! - [`ServerStream`]: one served stream's decode, resolution against the [`SegmentTable`](crate::SegmentTable),
 //!   access and bounds checks, refusals, and when a WRITE's response may be held back.
 //! - [`Chunk`] and [`ChunkOwner`]: a chunk of a request and how its resolution is recorded in the
 //!   request's ledger, the same for every driver.

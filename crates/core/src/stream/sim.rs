@@ -676,7 +676,7 @@ fn run(case: &Case) -> Run {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(fuzz_cases(512)))]
 
     /// Whatever the schedule, splits and streams: the outcome is the one the ops earned (every op
     /// complete, or the first refused op's refusal), unless a stream was lost (then `PeerLost` is
@@ -958,4 +958,222 @@ fn the_server_holds_only_for_a_checked_next_write() {
     };
     let r = crate::wire::DataResponse::decode(&response).unwrap();
     assert_eq!((r.seq, r.refused), (77, Some(RemoteStatus::Malformed)));
+}
+
+/// The fuzzed case count: `FERRY_FUZZ_CASES` (set by `cargo xtask fuzz`), else `default`.
+fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("FERRY_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A table of segments of several sizes and rights (and a file), for headers from outside.
+fn fuzz_table() -> (SimTable, Vec<(SegmentToken, u64, Access)>) {
+    let mut table = SimTable::default();
+    let mut known = Vec::new();
+    for (i, (len, access)) in [
+        (0u64, Access::REMOTE_READ | Access::REMOTE_WRITE),
+        (1, Access::REMOTE_READ),
+        (4096, Access::REMOTE_WRITE),
+        (65_536, Access::REMOTE_READ | Access::REMOTE_WRITE),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let token = SegmentToken(i as u64 + 1);
+        // The region is larger than the segment, at a base above 0, so a check against the
+        // region instead of the segment would show.
+        let region = Arc::new(MemoryRegion::from_vec(vec![0; len as usize + 512]));
+        table.memory.insert(
+            token,
+            SegmentLease {
+                region,
+                base: 256,
+                len,
+                access,
+                guard: None,
+            },
+        );
+        known.push((token, len, access));
+    }
+    table.files.insert(
+        FILE,
+        Arc::new(MemFile {
+            data: Mutex::new(vec![0; 1000]),
+            access: Access::REMOTE_READ,
+        }),
+    );
+    known.push((FILE, 1000, Access::REMOTE_READ));
+    (table, known)
+}
+
+/// Request headers from outside: mostly well-formed ones naming the known tokens (so the checks
+/// are reached) with arbitrary offsets and lengths, and some raw bytes.
+fn request_head() -> impl Strategy<Value = [u8; DATA_REQUEST_LEN]> {
+    let formed = (
+        prop_oneof![Just(OpKind::Read), Just(OpKind::Write)],
+        any::<u32>(),
+        prop_oneof![0u64..7, any::<u64>()],
+        prop_oneof![0u64..70_000, any::<u64>()],
+        prop_oneof![0u64..70_000, any::<u64>()],
+        any::<u16>(),
+    )
+        .prop_map(|(kind, seq, token, offset, len, ack_slack)| {
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            crate::wire::DataRequest {
+                kind,
+                seq,
+                token: SegmentToken(token),
+                offset,
+                len,
+                ack_slack,
+            }
+            .encode(&mut h);
+            h
+        });
+    prop_oneof![4 => formed, 1 => any::<[u8; DATA_REQUEST_LEN]>()]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(fuzz_cases(2000)))]
+
+    /// Whatever header arrives, the server's decision never panics and never lets a byte
+    /// outside the named segment, or against its rights, be touched: every memory target lies
+    /// inside the segment (and so the region), every file target inside the file, a refused
+    /// WRITE's payload is discarded whole, and a header that does not decode closes the stream.
+    /// A hold decided on an arbitrary next header carries a target that obeys the same rules.
+    #[test]
+    fn fuzz_server_checks_every_request_from_outside(
+        heads in prop::collection::vec(request_head(), 1..6),
+    ) {
+        let (table, known) = fuzz_table();
+        let mut s = ServerStream::new();
+        for (i, head) in heads.iter().enumerate() {
+            let decoded = crate::wire::DataRequest::decode(head);
+            let action = s.on_request(head, &table);
+            let inside = |token: SegmentToken, kind: OpKind, at: u64, len: usize, base: u64| {
+                let (_, seg_len, access) = known.iter().find(|k| k.0 == token).copied().unwrap();
+                access.contains(kind.needed_access())
+                    && at >= base
+                    && at - base + len as u64 <= seg_len
+            };
+            match action {
+                Action::WriteMemory { lease, token, at, len, seq, ack_slack } => {
+                    let r = decoded.unwrap();
+                    prop_assert_eq!((r.kind, r.token, r.seq, r.ack_slack), (OpKind::Write, token, seq, ack_slack));
+                    prop_assert!(inside(token, OpKind::Write, at, len, lease.base));
+                    prop_assert!(lease.region.check(at, len as u64).is_ok());
+                    // The next header decides a hold; whatever it is, a carried target obeys
+                    // the rules when it is used.
+                    if let Some(next) = heads.get(i + 1)
+                        && s.may_hold(ack_slack)
+                        && s.hold_for_next(&lease, token, seq, next)
+                    {
+                        let n = crate::wire::DataRequest::decode(next).unwrap();
+                        prop_assert_eq!((n.kind, n.token), (OpKind::Write, token));
+                    } else {
+                        let _ = s.answer_write(seq);
+                    }
+                }
+                Action::ReadMemory { lease, at, len, response } => {
+                    let r = decoded.unwrap();
+                    prop_assert!(inside(r.token, OpKind::Read, at, len, lease.base));
+                    prop_assert!(lease.region.check(at, len as u64).is_ok());
+                    let resp = crate::wire::DataResponse::decode(&response).unwrap();
+                    prop_assert_eq!((resp.seq, resp.len, resp.refused), (r.seq, r.len, None));
+                }
+                Action::ReadFile { at, len, .. } | Action::WriteFile { at, len, .. } => {
+                    let r = decoded.unwrap();
+                    prop_assert_eq!(r.token, FILE);
+                    prop_assert!(inside(FILE, r.kind, at, len, 0));
+                }
+                Action::Refuse { kind, discard, response, .. } => {
+                    let r = decoded.unwrap();
+                    prop_assert_eq!(discard, if kind == OpKind::Write { r.len } else { 0 });
+                    let resp = crate::wire::DataResponse::decode(&response).unwrap();
+                    prop_assert_eq!(resp.seq, r.seq);
+                    prop_assert!(resp.refused.is_some());
+                }
+                Action::Close { response, .. } => {
+                    prop_assert!(decoded.is_err());
+                    let resp = crate::wire::DataResponse::decode(&response).unwrap();
+                    prop_assert_eq!(resp.refused, Some(RemoteStatus::Malformed));
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Whatever responses arrive, the client never panics and never resolves a chunk twice or
+    /// leaves one unresolved: a violation, then `fail_all`, resolves everything in flight once.
+    #[test]
+    fn fuzz_client_matches_responses_from_outside(
+        posts in prop::collection::vec((prop_oneof![Just(OpKind::Read), Just(OpKind::Write)], 0u64..64), 1..8),
+        responses in prop::collection::vec(
+            prop_oneof![
+                3 => (any::<u32>(), 0u16..4, 0u64..64, any::<bool>()).prop_map(|(seq, also_acks, len, refuse)| {
+                    let mut h = [0u8; DATA_RESPONSE_LEN];
+                    crate::wire::DataResponse {
+                        seq: seq % 8,
+                        refused: refuse.then_some(RemoteStatus::OutOfBounds),
+                        len,
+                        also_acks,
+                    }
+                    .encode(&mut h);
+                    h
+                }),
+                1 => any::<[u8; DATA_RESPONSE_LEN]>(),
+            ],
+            0..10,
+        ),
+    ) {
+        let mut s = ClientStream::new(8, AckPolicy::Loopback);
+        let mut reqs = Vec::new();
+        for (kind, len) in posts {
+            let (req, _) = one_op(kind, len);
+            let c = chunk(&req, 0, len);
+            prop_assert!(matches!(s.post(c), Post::Send(_)));
+            reqs.push(req);
+        }
+        for r in responses {
+            match s.on_response(&r) {
+                Ok(Resolution::Done) => {}
+                Ok(Resolution::Payload(c)) => c.acked(),
+                Err(_) => break,
+            }
+        }
+        s.fail_all(None);
+        for req in &reqs {
+            prop_assert_eq!(req.left.load(Ordering::SeqCst), 0);
+        }
+    }
+
+    /// The client's reading of a server's answer never panics, whatever frame arrives.
+    #[test]
+    fn fuzz_handshake_replies_from_outside(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let mut framed = crate::wire::MAGIC.to_vec();
+        framed.extend_from_slice(&bytes);
+        for buf in [&bytes[..], &framed[..]] {
+            if let Ok(Some((frame, _))) = crate::wire::ControlFrame::decode(buf) {
+                let peer: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+                let ours = crate::wire::Hello {
+                    versions: crate::wire::SUPPORTED_VERSIONS,
+                    peer_id: crate::ids::PeerId(1),
+                    epoch: crate::ids::Epoch(1),
+                    transports: vec![],
+                    segments: vec![],
+                };
+                let _ = crate::handshake::hello_reply(peer, &ours, frame.clone());
+                let attach = crate::wire::StreamAttach {
+                    peer_id: crate::ids::PeerId(1),
+                    epoch: crate::ids::Epoch(1),
+                    server_epoch: crate::ids::Epoch(2),
+                    transport: 0,
+                    stream_index: 0,
+                };
+                let _ = crate::handshake::attach_reply(peer, &attach, frame);
+            }
+        }
+    }
 }
