@@ -41,6 +41,18 @@ pub trait LocalMemory {
 #[derive(Clone, Debug)]
 pub struct LocalRef(pub(crate) Local);
 
+impl<T: LocalMemory + ?Sized> LocalMemory for Arc<T> {
+    fn local_ref(&self) -> LocalRef {
+        (**self).local_ref()
+    }
+}
+
+impl<T: LocalMemory + ?Sized> LocalMemory for &T {
+    fn local_ref(&self) -> LocalRef {
+        (**self).local_ref()
+    }
+}
+
 impl LocalMemory for Registration {
     fn local_ref(&self) -> LocalRef {
         LocalRef(Local::Host(self.region().clone()))
