@@ -9,6 +9,7 @@ mod bench_latency;
 mod bench_uring;
 mod bindgen;
 mod ci;
+mod gpu_check;
 mod iperf3;
 mod soft_roce;
 mod util;
@@ -28,6 +29,9 @@ tasks:
   bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N]
                          this tree's ferry bench against another build, alternating rounds
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
+  gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
+                         GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;
+                         the table as JSON in DIR (fails at once without a GPU)
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
                          in a QEMU guest (or on the host with --host); see xtask/src/soft_roce/
@@ -42,6 +46,7 @@ fn main() -> Result<()> {
         "bench" => bench::run(&rest),
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
+        "gpu-check" => gpu_check::run(&rest),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
