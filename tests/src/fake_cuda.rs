@@ -40,11 +40,11 @@ impl FakeCuda {
         unsafe {
             let f = self
                 .lib
-                .get::<unsafe extern "C" fn(*const std::ffi::c_char, std::ffi::c_long)>(
+                .get::<unsafe extern "C" fn(*const std::ffi::c_char, i64)>(
                     b"ferry_fake_cuda_fail\0",
                 )
                 .expect("fake exports ferry_fake_cuda_fail");
-            f(c.as_ptr(), after as std::ffi::c_long);
+            f(c.as_ptr(), after);
         }
     }
 
@@ -65,9 +65,9 @@ impl FakeCuda {
         unsafe {
             let f = self
                 .lib
-                .get::<unsafe extern "C" fn() -> std::ffi::c_long>(name)
+                .get::<unsafe extern "C" fn() -> i64>(name)
                 .expect("fake exports its counters");
-            f() as i64
+            f()
         }
     }
 

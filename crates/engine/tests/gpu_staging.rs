@@ -2,8 +2,6 @@
 //! memory behind the libcuda entry points; device addresses fault if dereferenced as host
 //! memory). The fake's failure switches are process-wide: the tests take one lock.
 
-use std::sync::{Mutex, MutexGuard};
-
 use ferry::cuda::{Cuda, GpuDirectSetting, GpuRoute};
 use ferry::{
     Access, Batch, DataPlane, FailureKind, GpuRegistration, MemoryRegion, Registration, Staging,
@@ -11,10 +9,11 @@ use ferry::{
 };
 use ferry_tests::{FakeCuda, FakeVariant, URING, fake_cuda, require_or_skip};
 
-static LOCK: Mutex<()> = Mutex::new(());
+static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn lock() -> MutexGuard<'static, ()> {
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+/// For the tests outside a runtime.
+fn lock() -> tokio::sync::MutexGuard<'static, ()> {
+    LOCK.blocking_lock()
 }
 
 /// Small buffers, so that a few MiB make many chunks in flight.
@@ -68,7 +67,7 @@ fn plane_or_skip(plane: DataPlane) -> bool {
 }
 
 async fn every_direction(plane: DataPlane) {
-    let _g = lock();
+    let _g = LOCK.lock().await;
     let Some(fake) = fake_cuda(FakeVariant::Full) else {
         return;
     };
@@ -174,7 +173,7 @@ async fn staging_moves_the_right_bytes_over_uring() {
 }
 
 async fn copy_failure(plane: DataPlane, call: &str) {
-    let _g = lock();
+    let _g = LOCK.lock().await;
     let Some(fake) = fake_cuda(FakeVariant::Full) else {
         return;
     };
@@ -246,7 +245,7 @@ async fn a_host_to_device_copy_failing_midway_gives_the_prefix_uring() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staging_never_refuses_gpu_ops_before_anything_moves() {
-    let _g = lock();
+    let _g = LOCK.lock().await;
     let Some(fake) = fake_cuda(FakeVariant::Full) else {
         return;
     };
