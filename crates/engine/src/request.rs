@@ -209,6 +209,7 @@ impl Batch {
         }
         let mut ops = Vec::with_capacity(self.ops.len());
         for p in &self.ops {
+            #[allow(irrefutable_let_patterns)]
             let Local::Host(region) = &p.local else {
                 unreachable!("device ops are staged above")
             };
