@@ -6,12 +6,16 @@
 //!   skips with the reason printed, or fails where `FERRY_REQUIRE_<FACILITY>` says the facility is
 //!   required (`.ci/run` sets them). `#[ignore]`d hardware tests fail unless told they may skip.
 //! - [`Netns`]: a network namespace joined to this one by a veth link that can be cut.
+//! - [`fake_cuda`]: Ferry's fake CUDA driver (a C library built with `cc`, backed by host
+//!   memory, with failures a test switches on), loaded in place of `libcuda.so.1` by path.
 //!
 //! It depends on no crate of ours, so any crate takes it as a dev-dependency.
 
+pub mod fake_cuda;
 mod netns;
 mod require;
 
+pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};
 pub use netns::Netns;
 pub use require::{
     CPUS, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,

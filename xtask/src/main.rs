@@ -10,6 +10,7 @@ mod bench_uring;
 mod bindgen;
 mod ci;
 mod fuzz;
+mod gpu_check;
 mod iperf3;
 mod soft_roce;
 mod util;
@@ -31,6 +32,9 @@ tasks:
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
+  gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
+                         GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;
+                         the table as JSON in DIR (fails at once without a GPU)
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
                          in a QEMU guest (or on the host with --host); see xtask/src/soft_roce/
@@ -46,6 +50,7 @@ fn main() -> Result<()> {
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "fuzz" => fuzz::run(&rest),
+        "gpu-check" => gpu_check::run(&rest),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())

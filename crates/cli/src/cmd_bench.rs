@@ -16,6 +16,11 @@ pub(crate) struct BenchArgs {
     /// The `ferry serve` peer (HOST:PORT). Without it, a server starts in this process on
     /// loopback.
     peer: Option<String>,
+    /// Put the local buffer on GPU N (staged through pinned host memory over TCP and io_uring);
+    /// on loopback the server's segment goes on GPU N too. After the run a checksummed round
+    /// trip verifies the bytes.
+    #[arg(long, value_name = "N")]
+    gpu: Option<u32>,
     /// The peer's segment to use (loopback: created with this name).
     #[arg(long, default_value = "bench")]
     segment: String,
@@ -165,6 +170,8 @@ pub(crate) fn rdma_config(hca: Option<&str>) -> Result<ferry::RdmaConfig> {
 /// The measured result.
 #[derive(Debug)]
 struct Report {
+    /// With `--gpu`: the checksummed round trip's summary.
+    verified: Option<String>,
     transport: String,
     op: String,
     op_bytes: u64,
@@ -195,6 +202,7 @@ impl LoopbackServer {
         seg_len: u64,
         name: String,
         server_threads: usize,
+        gpu: Option<u32>,
     ) -> Result<Self> {
         let kinds = kinds.to_vec();
         let (streams, socket_buffer, io_threads) = tcp;
@@ -218,15 +226,27 @@ impl LoopbackServer {
                             .socket_buffer(socket_buffer)
                             .io_threads(io_threads)
                             .build()?;
-                        let region =
-                            MemoryRegion::alloc_zeroed(seg_len as usize, ferry::PAGE_ALIGN)?;
-                        // READs take their payload from here: real bytes, not the zero page.
-                        region.write_at(0, &pseudo_random(region.len()))?;
-                        let _reg = server.register(
-                            region,
-                            Access::REMOTE_READ | Access::REMOTE_WRITE,
-                            &name,
-                        )?;
+                        let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+                        let mut _gpu_reg = None;
+                        let mut _reg = None;
+                        match gpu {
+                            Some(n) => {
+                                let reg = server.alloc_gpu(n, seg_len as usize, rw, &name)?;
+                                reg.memory()
+                                    .copy_from_host(0, &pseudo_random(seg_len as usize))?;
+                                _gpu_reg = Some(reg);
+                            }
+                            None => {
+                                let region = MemoryRegion::alloc_zeroed(
+                                    seg_len as usize,
+                                    ferry::PAGE_ALIGN,
+                                )?;
+                                // READs take their payload from here: real bytes, not the zero
+                                // page.
+                                region.write_at(0, &pseudo_random(region.len()))?;
+                                _reg = Some(server.register(region, rw, &name)?);
+                            }
+                        }
                         let addr = server
                             .local_addr()
                             .context("loopback server has no address")?;
@@ -288,6 +308,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             "streams": r.streams,
             "depth": r.depth,
             "peer": r.peer,
+            "gpu_verified": r.verified,
         });
         println!("{obj}");
     } else {
@@ -307,8 +328,70 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             report.streams,
             report.depth
         );
+        if let Some(v) = &report.verified {
+            println!("{v}");
+        }
     }
     Ok(())
+}
+
+/// FNV-1a over `b` (the verification checksum).
+fn fnv1a(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// With `--gpu N`: WRITEs a known pattern from GPU memory into the remote segment, READs it back
+/// into other GPU memory, and compares checksums. Returns a summary, or an error on a mismatch.
+async fn verify_gpu(
+    engine: &TransferEngine,
+    gpu: u32,
+    remote: &ferry::RemoteSegment,
+    op_size: u64,
+) -> Result<String> {
+    let len = op_size.min(remote.len()) as usize;
+    let src = engine.alloc_gpu(gpu, len, Access::LOCAL, "bench-verify-src")?;
+    let dst = engine.alloc_gpu(gpu, len, Access::LOCAL, "bench-verify-dst")?;
+    let pattern: Vec<u8> = pseudo_random(len + 8)[8..].to_vec();
+    src.memory().copy_from_host(0, &pattern)?;
+    let o = engine
+        .submit(Batch::new().write(&src, 0, remote, 0, len as u64))?
+        .await;
+    if let Some(f) = o.failure {
+        bail!("verification WRITE failed: {}", f.kind);
+    }
+    let o = engine
+        .submit(Batch::new().read(&dst, 0, remote, 0, len as u64))?
+        .await;
+    if let Some(f) = o.failure {
+        bail!("verification READ failed: {}", f.kind);
+    }
+    let mut back = vec![0u8; len];
+    dst.memory().copy_to_host(0, &mut back)?;
+    let (want, got) = (fnv1a(&pattern), fnv1a(&back));
+    if want != got {
+        bail!("GPU round trip corrupted the bytes: checksum {got:016x}, expected {want:016x}");
+    }
+    let staging = engine
+        .describe()
+        .staging
+        .map(|s| {
+            format!(
+                "; staged {} bytes, {} us waiting on copies",
+                s.staged_bytes, s.copy_wait_us
+            )
+        })
+        .unwrap_or_default();
+    let cuda = engine.cuda()?;
+    Ok(format!(
+        "gpu {gpu} ({}{}): verified {len} bytes GPU -> peer -> GPU, checksum {got:016x}{staging}",
+        cuda.devices()
+            .get(gpu as usize)
+            .map(|d| d.name.clone())
+            .unwrap_or_default(),
+        if cuda.is_fake() { ", FAKE driver" } else { "" },
+    ))
 }
 
 async fn bench(args: &BenchArgs) -> Result<Report> {
@@ -347,6 +430,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 seg_len,
                 args.segment.clone(),
                 args.server_threads.unwrap_or(streams),
+                args.gpu,
             )?;
             let addr = server.addr.to_string();
             (Some(server), addr)
@@ -385,12 +469,23 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     // cache-warm, as they do for iperf3. Concurrent READs may land in the same local slot; the
     // bench never looks at the bytes, and no Rust reference to registered memory exists.
     let local_slots = slots_in_remote.min(depth as u64);
-    let local_mem =
-        MemoryRegion::alloc_zeroed((args.op_size * local_slots) as usize, ferry::PAGE_ALIGN)?;
-    // Random bytes, as iperf3 -Z sends a file of random data: memory that was never written is
-    // the kernel's shared zero page, which no real payload is.
-    local_mem.write_at(0, &pseudo_random(local_mem.len()))?;
-    let local = Arc::new(engine.register(local_mem, Access::LOCAL, "bench-local")?);
+    let local_len = (args.op_size * local_slots) as usize;
+    let local: Arc<dyn ferry::LocalMemory + Send + Sync> = match args.gpu {
+        Some(n) => {
+            let reg = engine
+                .alloc_gpu(n, local_len, Access::LOCAL, "bench-local")
+                .with_context(|| format!("--gpu {n}"))?;
+            reg.memory().copy_from_host(0, &pseudo_random(local_len))?;
+            Arc::new(reg)
+        }
+        None => {
+            let local_mem = MemoryRegion::alloc_zeroed(local_len, ferry::PAGE_ALIGN)?;
+            // Random bytes, as iperf3 -Z sends a file of random data: memory that was never
+            // written is the kernel's shared zero page, which no real payload is.
+            local_mem.write_at(0, &pseudo_random(local_mem.len()))?;
+            Arc::new(engine.register(local_mem, Access::LOCAL, "bench-local")?)
+        }
+    };
     let total = match (args.total, args.duration) {
         (Some(t), _) => Some(t),
         (None, Some(_)) => None,
@@ -474,7 +569,12 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         bar.finish_and_clear();
     }
     let total_bytes = moved.load(Ordering::Relaxed);
+    let verified = match args.gpu {
+        Some(n) => Some(verify_gpu(&engine, n, &remote, args.op_size).await?),
+        None => None,
+    };
     Ok(Report {
+        verified,
         transport: peer.transport().name().to_owned(),
         op: args.op.clone(),
         op_bytes: args.op_size,

@@ -13,9 +13,10 @@ pub(crate) struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "0.0.0.0:7400")]
     listen: SocketAddr,
-    /// A segment to publish: NAME=SIZE (generated data, e.g. `weights=1GiB`) or NAME=@PATH (a
-    /// file's bytes loaded into memory). Repeatable.
-    #[arg(long = "segment", value_name = "NAME=SIZE|NAME=@PATH")]
+    /// A segment to publish: NAME=SIZE (generated data, e.g. `weights=1GiB`), NAME=SIZE@gpuN
+    /// (generated data in GPU N's memory, served by staging through host memory), or
+    /// NAME=@PATH (a file's bytes loaded into memory). Repeatable.
+    #[arg(long = "segment", value_name = "NAME=SIZE|NAME=SIZE@gpuN|NAME=@PATH")]
     segments: Vec<String>,
     /// A file segment to publish without loading it: NAME=PATH, served read-only, by io_uring
     /// reads (O_DIRECT where a request's alignment allows) or, on the TCP data plane, by
@@ -143,7 +144,33 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             println!("data plane: {dp}");
         }
         let mut held = Vec::new();
+        let mut gpu_held = Vec::new();
         for spec in &args.segments {
+            if let Some((name, size, ordinal)) = gpu_segment(spec)? {
+                let access = if args.read_only {
+                    Access::REMOTE_READ
+                } else {
+                    Access::REMOTE_READ | Access::REMOTE_WRITE
+                };
+                let reg = engine
+                    .alloc_gpu(ordinal, size as usize, access, &name)
+                    .with_context(|| format!("--segment {spec:?}"))?;
+                let pattern = MemoryRegion::alloc_zeroed(size as usize, ferry::PAGE_ALIGN)?;
+                fill_pattern(&pattern)?;
+                let mut bytes = vec![0u8; size as usize];
+                pattern.read_at(0, &mut bytes)?;
+                reg.memory().copy_from_host(0, &bytes)?;
+                let loc = reg.memory().location();
+                println!(
+                    "segment {name}: {size} bytes on GPU {} ({}), {access}; route {} ({})",
+                    loc.ordinal,
+                    loc.pci_bus_id,
+                    reg.route().route,
+                    reg.route().why
+                );
+                gpu_held.push(reg);
+                continue;
+            }
             let (name, region, access) = load_segment(spec, args.read_only)?;
             let len = region.len();
             held.push(engine.register(region, access, &name)?);
@@ -178,6 +205,42 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         std::future::pending::<()>().await;
         drop(files);
         drop(held);
+        drop(gpu_held);
         Ok(())
     })
+}
+
+/// `NAME=SIZE@gpuN`: the name, the size and the GPU ordinal; `None` for other specs.
+fn gpu_segment(spec: &str) -> Result<Option<(String, u64, u32)>> {
+    let Some((name, what)) = spec.split_once('=') else {
+        return Ok(None);
+    };
+    let Some((size, gpu)) = what.rsplit_once("@gpu") else {
+        return Ok(None);
+    };
+    if size.is_empty() || name.is_empty() {
+        bail!("--segment {spec:?}: expected NAME=SIZE@gpuN");
+    }
+    let ordinal = gpu
+        .parse::<u32>()
+        .with_context(|| format!("--segment {spec:?}: GPU ordinal {gpu:?}"))?;
+    let size = parse_size(size).with_context(|| format!("--segment {spec:?}"))?;
+    Ok(Some((name.to_owned(), size, ordinal)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_segment_specs() {
+        assert_eq!(
+            gpu_segment("w=4MiB@gpu1").unwrap(),
+            Some(("w".into(), 4 << 20, 1))
+        );
+        assert_eq!(gpu_segment("w=4MiB").unwrap(), None);
+        assert_eq!(gpu_segment("w=@/tmp/x").unwrap(), None);
+        assert!(gpu_segment("w=4MiB@gpux").is_err());
+        assert!(gpu_segment("=4MiB@gpu0").is_err());
+    }
 }

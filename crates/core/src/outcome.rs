@@ -135,12 +135,18 @@ pub struct Ledger {
 impl Ledger {
     /// A ledger for `ops`, nothing planned yet.
     pub fn new(ops: &[Op]) -> Self {
+        Self::with_shape(ops.iter().map(|o| (o.kind, o.len)))
+    }
+
+    /// A ledger for ops of these kinds and lengths (a request whose ops are not all host
+    /// memory: the engine's staging of GPU memory keeps the user's ops' ledger this way).
+    pub fn with_shape(shape: impl IntoIterator<Item = (OpKind, u64)>) -> Self {
         Self {
-            ops: ops
-                .iter()
-                .map(|o| OpEntry {
-                    kind: o.kind,
-                    len: o.len,
+            ops: shape
+                .into_iter()
+                .map(|(kind, len)| OpEntry {
+                    kind,
+                    len,
                     total: None,
                     posted: 0,
                     acked: 0,
@@ -285,9 +291,18 @@ pub struct RequestControl {
 impl RequestControl {
     /// A running request over `ops`.
     pub fn new(ops: &[Op]) -> Self {
+        Self::with_ledger_of(Ledger::new(ops))
+    }
+
+    /// A running request over ops of these kinds and lengths (see [`Ledger::with_shape`]).
+    pub fn with_shape(shape: impl IntoIterator<Item = (OpKind, u64)>) -> Self {
+        Self::with_ledger_of(Ledger::with_shape(shape))
+    }
+
+    fn with_ledger_of(ledger: Ledger) -> Self {
         Self {
             stop: AtomicU8::new(RUNNING),
-            ledger: Mutex::new(Ledger::new(ops)),
+            ledger: Mutex::new(ledger),
         }
     }
 

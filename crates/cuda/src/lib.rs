@@ -6,10 +6,28 @@
 //! - cuFile (`libcufile.so.0`, GPUDirect Storage): loads it and checks its entry points;
 //! - nvidia-peermem: the three version files that prove a peer-memory client is loaded.
 //!
+//! It also drives the driver for GPU memory ([`Cuda`], [`Device`], [`DeviceMemory`],
+//! [`PinnedBuffer`], [`DeviceSegment`]), decides the GPUDirect RDMA route ([`route`]) and loads
+//! files into device memory ([`cufile`]). The driver is reached through a narrow trait,
+//! [`driver::Driver`], implemented by a table of entry points loaded with libloading (see
+//! [`driver`] for why not cudarc).
+//!
 //! A missing library is [`CudaError::Unavailable`] naming the library and carrying the loader's
 //! reason; nothing here panics. The override environment variables `FERRY_LIBCUDA` and
-//! `FERRY_LIBCUFILE` point the loader at another build (tests use them).
+//! `FERRY_LIBCUFILE` point the loader at another build (tests use them to load Ferry's fake
+//! driver; a build never loads it by itself, and a loaded fake says so in a warning).
 #![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod cufile;
+mod device;
+pub mod driver;
+pub mod route;
+
+pub use cufile::{FileLoad, FilePath};
+pub use device::{
+    Cuda, Device, DeviceInfo, DeviceLocation, DeviceMemory, DeviceSegment, PinnedBuffer,
+};
+pub use route::{GpuDirectSetting, GpuRoute, RouteChoice, RouteError, RouteFacts};
 
 use std::ffi::{OsStr, OsString, c_int};
 use std::path::{Path, PathBuf};
@@ -40,7 +58,7 @@ pub enum CudaError {
         reason: String,
     },
     /// A driver call returned an error code.
-    #[error("{library}: {call} failed with CUresult {code}")]
+    #[error("{library}: {call} failed with CUresult {code} {name}")]
     Call {
         /// The library.
         library: String,
@@ -48,7 +66,75 @@ pub enum CudaError {
         call: &'static str,
         /// The CUresult / status code.
         code: i32,
+        /// The code's name (`cuGetErrorName`), where the driver gives one.
+        name: String,
     },
+    /// A driver call on one device failed.
+    #[error("GPU {device}: {source}")]
+    OnDevice {
+        /// The device ordinal.
+        device: u32,
+        /// The failed call.
+        #[source]
+        source: Box<CudaError>,
+    },
+    /// No device has that ordinal.
+    #[error("{library}: no GPU {ordinal} (the driver lists {count})")]
+    NoDevice {
+        /// The library.
+        library: String,
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// How many devices the driver lists.
+        count: usize,
+    },
+    /// The device's primary context could not be retained (remembered: it is made once).
+    #[error("GPU {device}: retaining the primary context failed: {reason}")]
+    Context {
+        /// The device ordinal.
+        device: u32,
+        /// The driver's error.
+        reason: String,
+    },
+    /// A range falls outside the device memory or host buffer.
+    #[error("{0}")]
+    OutOfBounds(#[source] ferry_core::OutOfBounds),
+    /// File I/O of `read_file_into` failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An explicit GPUDirect route cannot work here.
+    #[error(transparent)]
+    Route(#[from] route::RouteError),
+}
+
+impl CudaError {
+    /// This error, as it happened on device `device`.
+    pub fn on_device(self, device: u32) -> Self {
+        match self {
+            e @ (CudaError::OnDevice { .. }
+            | CudaError::NoDevice { .. }
+            | CudaError::Context { .. }) => e,
+            e => CudaError::OnDevice {
+                device,
+                source: Box::new(e),
+            },
+        }
+    }
+
+    /// The native code (CUresult), if a driver call failed.
+    pub fn code(&self) -> Option<i32> {
+        match self {
+            CudaError::Call { code, .. } => Some(*code),
+            CudaError::OnDevice { source, .. } => source.code(),
+            _ => None,
+        }
+    }
 }
 
 /// What the CUDA driver probe found.
@@ -69,13 +155,13 @@ pub struct CuFileInfo {
     pub library: String,
 }
 
-fn library_name(env: &str, default: &str) -> OsString {
+pub(crate) fn library_name(env: &str, default: &str) -> OsString {
     std::env::var_os(env)
         .filter(|v| !v.is_empty())
         .unwrap_or_else(|| OsString::from(default))
 }
 
-fn open(name: &OsStr) -> Result<libloading::Library, CudaError> {
+pub(crate) fn open(name: &OsStr) -> Result<libloading::Library, CudaError> {
     // SAFETY: loading runs the library's initialisers. The CUDA driver and cuFile are system
     // libraries designed to be dlopen'ed (cudarc and every CUDA runtime load them this way).
     unsafe { libloading::Library::new(name) }.map_err(|e| CudaError::Unavailable {
@@ -96,7 +182,7 @@ fn strip_library(library: &str, reason: String) -> String {
 }
 
 /// The loader's reason without libloading's own prefix.
-fn loader_reason(e: &libloading::Error) -> String {
+pub(crate) fn loader_reason(e: &libloading::Error) -> String {
     match e {
         libloading::Error::DlOpen { desc } | libloading::Error::DlSym { desc } => {
             format!("{desc:?}").trim_matches('"').to_owned()
@@ -105,7 +191,7 @@ fn loader_reason(e: &libloading::Error) -> String {
     }
 }
 
-fn has_symbol(lib: &libloading::Library, name: &[u8]) -> bool {
+pub(crate) fn has_symbol(lib: &libloading::Library, name: &[u8]) -> bool {
     // SAFETY: the symbol is only looked up, never called, so its type does not matter.
     unsafe { lib.get::<*const ()>(name) }.is_ok()
 }
@@ -134,6 +220,7 @@ pub fn probe_driver() -> Result<DriverInfo, CudaError> {
             library,
             call: "cuDriverGetVersion",
             code,
+            name: String::new(),
         });
     }
     Ok(DriverInfo {

@@ -34,6 +34,8 @@ pub struct EngineBuilder {
     versions: VersionRange,
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaConfig>,
+    #[cfg(feature = "cuda")]
+    gpu: crate::gpu::GpuConfig,
 }
 
 impl Default for EngineBuilder {
@@ -51,6 +53,8 @@ impl Default for EngineBuilder {
             versions: SUPPORTED_VERSIONS,
             #[cfg(feature = "rdma")]
             rdma: None,
+            #[cfg(feature = "cuda")]
+            gpu: Default::default(),
         }
     }
 }
@@ -192,6 +196,47 @@ impl EngineBuilder {
         self
     }
 
+    /// Uses `cuda` as the CUDA driver instead of loading the system's `libcuda.so.1` on first
+    /// GPU use (tests give Ferry's fake driver this way).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(mut self, cuda: cuda::Cuda) -> Self {
+        self.gpu.cuda = Some(cuda);
+        self
+    }
+
+    /// Whether GPU memory may be staged through pinned host memory (default
+    /// [`Staging::Auto`](crate::Staging::Auto)); `Never` refuses ops on GPU memory that no direct
+    /// route serves.
+    #[cfg(feature = "cuda")]
+    pub fn staging(mut self, staging: crate::Staging) -> Self {
+        self.gpu.staging = staging;
+        self
+    }
+
+    /// The staging pool: `buffers` pinned host buffers of `size` bytes each (default 4 of
+    /// 4 MiB), allocated when the first staged request needs them. The pool bounds the chunks of
+    /// GPU memory in flight.
+    #[cfg(feature = "cuda")]
+    pub fn staging_buffers(mut self, buffers: usize, size: usize) -> Self {
+        self.gpu.buffers = buffers;
+        self.gpu.buffer_size = size;
+        self
+    }
+
+    /// The GPUDirect RDMA registration route, `gpu_direct_registration` (default `auto`).
+    #[cfg(feature = "cuda")]
+    pub fn gpu_direct_registration(mut self, setting: cuda::GpuDirectSetting) -> Self {
+        self.gpu.gpu_direct = setting;
+        self
+    }
+
+    /// Whether `read_file_into_gpu` tries cuFile (GPUDirect Storage) first (default true).
+    #[cfg(feature = "cuda")]
+    pub fn gds(mut self, on: bool) -> Self {
+        self.gpu.gds = on;
+        self
+    }
+
     /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
@@ -292,6 +337,8 @@ impl EngineBuilder {
                 rdma,
                 #[cfg(feature = "uring")]
                 uring,
+                #[cfg(feature = "cuda")]
+                gpu: Some(crate::gpu::GpuState::new(self.gpu)),
             }),
         })
     }

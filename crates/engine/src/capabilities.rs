@@ -107,6 +107,8 @@ pub fn probe_with(opts: &ProbeOptions, devices: &dyn DeviceEnumerator) -> Capabi
         uring_check(),
     ];
     checks.extend(cuda_checks(opts));
+    #[cfg(feature = "cuda")]
+    checks.push(gpus_check(opts, &listing));
     Capabilities { checks }
 }
 
@@ -202,6 +204,86 @@ fn cuda_checks(opts: &ProbeOptions) -> Vec<Check> {
         peermem_check(opts),
         dmabuf_check(&driver),
     ]
+}
+
+/// The GPUs the driver lists (name, PCI bus id, memory), and for each the route `auto` would
+/// take with the NICs nearest it (the topology's assignment).
+#[cfg(feature = "cuda")]
+fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
+    let cuda = match cuda::Cuda::load() {
+        Ok(c) => c,
+        Err(e) => {
+            return Check::new(
+                "gpus",
+                Status::Unavailable,
+                e.to_string(),
+                "no CUDA driver: no GPU memory to register",
+            );
+        }
+    };
+    let devices = cuda.devices();
+    if devices.is_empty() {
+        return Check::new(
+            "gpus",
+            Status::Absent,
+            format!("{} lists no GPU", cuda.library()),
+            "check nvidia-smi and the device nodes (/dev/nvidia*)",
+        );
+    }
+    let verbs = topology::VerbsDevices {
+        names: listing.devices.iter().map(|d| d.name.clone()).collect(),
+        unavailable: listing.unavailable.clone(),
+    };
+    let topo =
+        topology::Topology::discover(&opts.sysfs_root, &verbs, &topology::Selector::default()).ok();
+    let ibv_dmabuf = verbs_sys::Verbs::load()
+        .map(|v| v.capabilities().reg_dmabuf_mr)
+        .unwrap_or(false);
+    let peermem = cuda::peermem_version(&opts.sysfs_root).map(|(p, _)| p.display().to_string());
+    let mut parts = Vec::new();
+    for d in &devices {
+        let facts = cuda::RouteFacts {
+            cuda_dmabuf_export: cuda.has_dmabuf_export(),
+            device_dmabuf: d.dmabuf_supported,
+            ibv_reg_dmabuf_mr: ibv_dmabuf,
+            peermem_version_file: peermem.clone(),
+        };
+        let route = cuda::route::choose(cuda::GpuDirectSetting::Auto, &facts)
+            .map(|c| format!("{} ({})", c.route, c.why))
+            .unwrap_or_else(|e| e.to_string());
+        let nics = topo
+            .as_ref()
+            .and_then(|t| {
+                t.gpus
+                    .iter()
+                    .find(|g| {
+                        g.pci
+                            .to_string()
+                            .eq_ignore_ascii_case(&d.location.pci_bus_id)
+                    })
+                    .map(|g| t.assigned(g.id).join(","))
+            })
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "none".into());
+        parts.push(format!(
+            "GPU {} {} at {}, {} MiB; auto route: {route}; nearest NICs: {nics}",
+            d.location.ordinal,
+            d.name,
+            d.location.pci_bus_id,
+            d.total_mem >> 20
+        ));
+    }
+    let fake = if cuda.is_fake() {
+        " [FAKE driver, tests only]"
+    } else {
+        ""
+    };
+    Check::new(
+        "gpus",
+        Status::Ok,
+        format!("{}{fake}: {}", cuda.library(), parts.join("; ")),
+        "",
+    )
 }
 
 #[cfg(feature = "cuda")]

@@ -106,6 +106,13 @@ pub struct Description {
     pub routes: Vec<RouteDescription>,
     /// Per-rail RDMA counters (empty without RDMA).
     pub rails: Vec<RailDescription>,
+    /// GPU registrations: device, PCI bus id, the GPUDirect route and why.
+    #[cfg(feature = "cuda")]
+    pub gpu_registrations: Vec<crate::gpu::GpuRegistrationDescription>,
+    /// The staging path: policy, pinned buffers, staged bytes, time waiting on copies, and the
+    /// path of the last file load into GPU memory.
+    #[cfg(feature = "cuda")]
+    pub staging: Option<crate::gpu::StagingDescription>,
 }
 
 impl std::fmt::Display for Description {
@@ -146,6 +153,35 @@ impl std::fmt::Display for Description {
                 f,
                 "route {} over {}: {} requests, {} ops, {} bytes, {} errors",
                 r.peer, r.transport, r.requests, r.ops, r.bytes, r.errors
+            )?;
+        }
+        #[cfg(feature = "cuda")]
+        for g in &self.gpu_registrations {
+            writeln!(
+                f,
+                "gpu registration {} len {} on GPU {} ({}): route {} ({}); {}",
+                g.name, g.len, g.device, g.pci_bus_id, g.route.route, g.route.why, g.served
+            )?;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(s) = &self.staging {
+            writeln!(
+                f,
+                "staging {} (gpu_direct_registration {}): {} buffers of {} bytes, {} in use, \
+                 {} bytes staged, {} copies ({} failed), {} us waiting on copies{}",
+                s.policy,
+                s.gpu_direct_registration,
+                s.buffers,
+                s.buffer_size,
+                s.buffers_in_use,
+                s.staged_bytes,
+                s.copies,
+                s.copy_failures,
+                s.copy_wait_us,
+                s.last_file_path
+                    .as_ref()
+                    .map(|p| format!("; last file load: {p}"))
+                    .unwrap_or_default()
             )?;
         }
         for r in &self.rails {

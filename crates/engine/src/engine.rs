@@ -24,7 +24,7 @@ use crate::describe::{Description, RailDescription, SegmentDescription};
 use crate::handles::FileRegistration;
 use crate::handles::{Peer, PeerInner, Registration};
 use crate::listener::Server;
-use crate::request::{Batch, RequestHandle};
+use crate::request::{Batch, Checked, RequestHandle};
 use crate::route::{self, Pick, Routes};
 use crate::serve::RegistryTable;
 
@@ -50,6 +50,9 @@ pub(crate) struct Inner {
     /// The io_uring data plane, when it was chosen (its thread budget and counters).
     #[cfg(feature = "uring")]
     pub(crate) uring: Option<UringTransport>,
+    /// GPU memory: the driver, the staging pool, its counters.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: Option<crate::gpu::GpuState>,
 }
 
 impl fmt::Debug for Inner {
@@ -154,9 +157,13 @@ impl TransferEngine {
         }
         let file = Arc::new(FileSegment::open(path, access)?);
         let token = SegmentToken::random();
-        self.inner
-            .table
-            .add_file(token, name.to_owned(), file.clone());
+        self.inner.table.add_file(
+            token,
+            name.to_owned(),
+            file.len(),
+            file.access(),
+            file.clone(),
+        );
         tracing::info!(%token, len = file.len(), "file segment published");
         Ok(FileRegistration {
             table: self.inner.table.clone(),
@@ -304,19 +311,37 @@ impl TransferEngine {
     /// Submits a batch: every op is checked against its local region and the peer's descriptor
     /// before anything moves (an error here means nothing moved), then the request runs in the
     /// background. Must be called inside a tokio runtime.
+    ///
+    /// Ops on GPU memory (a `GpuRegistration`) are staged through the engine's pool of pinned
+    /// host buffers (see [`crate::gpu`]); with `staging: never` such a batch is refused here.
     pub fn submit(&self, batch: Batch) -> Result<RequestHandle, Error> {
-        let (peer, ops) = batch.checked_ops()?;
+        let (peer, checked) = batch.checked()?;
         if let Err(e) = tokio::runtime::Handle::try_current() {
             return Err(Error::Unavailable {
                 library: "tokio runtime".into(),
                 reason: format!("TransferEngine::submit needs one: {e}"),
             });
         }
-        Ok(RequestHandle::start(
-            &peer,
-            ops,
-            batch.timeout.or(self.inner.request_timeout),
-        ))
+        let timeout = batch.timeout.or(self.inner.request_timeout);
+        match checked {
+            Checked::Host(ops) => Ok(RequestHandle::start(&peer, ops, timeout)),
+            #[cfg(feature = "cuda")]
+            Checked::Staged(ops) => {
+                let pool = crate::gpu::prepare(&self.inner, &ops)?;
+                let ops: Arc<[crate::gpu::StagedOp]> = ops.into();
+                let control = Arc::new(ferry_core::RequestControl::with_shape(
+                    ops.iter().map(|o| (o.kind, o.len)),
+                ));
+                let fut =
+                    crate::gpu::run(peer.clone(), ops, control.clone(), pool, self.inner.clone());
+                Ok(RequestHandle::start_with(
+                    &peer,
+                    control,
+                    Box::pin(fut),
+                    timeout,
+                ))
+            }
+        }
     }
 
     /// Identity, listener, registrations and per-route counters.
@@ -391,6 +416,17 @@ impl TransferEngine {
             published,
             routes,
             rails: self.rails(),
+            #[cfg(feature = "cuda")]
+            gpu_registrations: self.inner.gpu.as_ref().map_or_else(Vec::new, |g| {
+                g.registrations
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .iter()
+                    .map(|(_, d)| d.clone())
+                    .collect()
+            }),
+            #[cfg(feature = "cuda")]
+            staging: self.inner.gpu.as_ref().map(|g| g.describe()),
         }
     }
 

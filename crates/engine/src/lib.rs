@@ -24,6 +24,8 @@ mod builder;
 mod config;
 mod describe;
 mod engine;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 mod handles;
 mod listener;
 mod request;
@@ -31,11 +33,16 @@ mod route;
 mod serve;
 
 pub use builder::EngineBuilder;
+/// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
+#[cfg(feature = "cuda")]
+pub use cuda;
 pub use describe::{Description, RailDescription, RouteDescription, SegmentDescription};
 pub use engine::TransferEngine;
+#[cfg(feature = "cuda")]
+pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescription};
 pub use handles::FileRegistration;
 pub use handles::{Peer, Registration, RemoteSegment};
-pub use request::{Batch, Canceller, RequestHandle};
+pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;
 /// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
 #[cfg(feature = "uring")]

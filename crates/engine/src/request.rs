@@ -11,11 +11,66 @@ use tracing::Instrument;
 
 use crate::handles::{PeerInner, Registration, RemoteSegment};
 
+/// The local side of an op: host memory, or (with the `cuda` feature) device memory, which
+/// never reaches a transport (the engine stages it).
+#[derive(Clone, Debug)]
+pub(crate) enum Local {
+    Host(Arc<ferry_core::MemoryRegion>),
+    #[cfg(feature = "cuda")]
+    Device(Arc<cuda::DeviceMemory>),
+}
+
+impl Local {
+    fn len(&self) -> u64 {
+        match self {
+            Local::Host(r) => r.len() as u64,
+            #[cfg(feature = "cuda")]
+            Local::Device(m) => m.len() as u64,
+        }
+    }
+}
+
+/// Local memory a batch can name: a [`Registration`] of host memory, or (with the `cuda`
+/// feature) a `GpuRegistration` of device memory.
+pub trait LocalMemory {
+    /// The memory, as the batch records it.
+    fn local_ref(&self) -> LocalRef;
+}
+
+/// Local memory as a batch records it (opaque).
+#[derive(Clone, Debug)]
+pub struct LocalRef(pub(crate) Local);
+
+impl<T: LocalMemory + ?Sized> LocalMemory for Arc<T> {
+    fn local_ref(&self) -> LocalRef {
+        (**self).local_ref()
+    }
+}
+
+impl<T: LocalMemory + ?Sized> LocalMemory for &T {
+    fn local_ref(&self) -> LocalRef {
+        (**self).local_ref()
+    }
+}
+
+impl LocalMemory for Registration {
+    fn local_ref(&self) -> LocalRef {
+        LocalRef(Local::Host(self.region().clone()))
+    }
+}
+
+/// A batch after its checks: host ops for a transport, or ops with device memory to stage.
+pub(crate) enum Checked {
+    Host(Vec<Op>),
+    #[cfg(feature = "cuda")]
+    Staged(Vec<crate::gpu::StagedOp>),
+}
+
 /// One op of a batch, before validation.
 #[derive(Clone, Debug)]
 pub(crate) struct PendingOp {
     pub(crate) kind: OpKind,
-    pub(crate) local: Arc<ferry_core::MemoryRegion>,
+    pub(crate) local: Local,
     pub(crate) local_offset: u64,
     pub(crate) remote: RemoteSegment,
     pub(crate) remote_offset: u64,
@@ -38,7 +93,7 @@ impl Batch {
     /// Appends a READ of `remote[remote_offset..+len]` into `local[local_offset..+len]`.
     pub fn read(
         mut self,
-        local: &Registration,
+        local: &impl LocalMemory,
         local_offset: u64,
         remote: &RemoteSegment,
         remote_offset: u64,
@@ -58,7 +113,7 @@ impl Batch {
     /// Appends a WRITE of `local[local_offset..+len]` into `remote[remote_offset..+len]`.
     pub fn write(
         mut self,
-        local: &Registration,
+        local: &impl LocalMemory,
         local_offset: u64,
         remote: &RemoteSegment,
         remote_offset: u64,
@@ -79,7 +134,7 @@ impl Batch {
     pub fn push(
         &mut self,
         kind: OpKind,
-        local: &Registration,
+        local: &impl LocalMemory,
         local_offset: u64,
         remote: &RemoteSegment,
         remote_offset: u64,
@@ -87,7 +142,7 @@ impl Batch {
     ) {
         self.ops.push(PendingOp {
             kind,
-            local: local.region().clone(),
+            local: local.local_ref().0,
             local_offset,
             remote: remote.clone(),
             remote_offset,
@@ -115,33 +170,59 @@ impl Batch {
     /// The peer incarnation the batch goes to and its ops, each checked against its local
     /// region and the peer's descriptor (an error here means nothing moved). A batch is not
     /// empty and goes to one peer incarnation.
-    pub(crate) fn checked_ops(&self) -> Result<(Arc<PeerInner>, Vec<Op>), Error> {
+    pub(crate) fn checked(&self) -> Result<(Arc<PeerInner>, Checked), Error> {
         let Some(first) = self.ops.first() else {
             return Err(Error::InvalidRequest {
                 reason: "empty batch".into(),
             });
         };
         let peer = first.remote.peer.clone();
-        let mut ops = Vec::with_capacity(self.ops.len());
         for p in &self.ops {
             if !Arc::ptr_eq(&p.remote.peer, &peer) {
                 return Err(Error::InvalidRequest {
                     reason: "a batch goes to one peer incarnation; split it per peer".into(),
                 });
             }
-            let op = Op {
+            ferry_core::check_range(p.local_offset, p.len, p.local.len()).map_err(|source| {
+                Error::OutOfBounds {
+                    side: "local",
+                    source,
+                }
+            })?;
+            p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
+        }
+        #[cfg(feature = "cuda")]
+        if self.ops.iter().any(|p| matches!(p.local, Local::Device(_))) {
+            let ops = self
+                .ops
+                .iter()
+                .map(|p| crate::gpu::StagedOp {
+                    kind: p.kind,
+                    local: p.local.clone(),
+                    local_offset: p.local_offset,
+                    token: p.remote.desc.token,
+                    remote_offset: p.remote_offset,
+                    len: p.len,
+                })
+                .collect();
+            return Ok((peer, Checked::Staged(ops)));
+        }
+        let mut ops = Vec::with_capacity(self.ops.len());
+        for p in &self.ops {
+            #[allow(irrefutable_let_patterns)]
+            let Local::Host(region) = &p.local else {
+                unreachable!("device ops are staged above")
+            };
+            ops.push(Op {
                 kind: p.kind,
-                local: p.local.clone(),
+                local: region.clone(),
                 local_offset: p.local_offset,
                 token: p.remote.desc.token,
                 remote_offset: p.remote_offset,
                 len: p.len,
-            };
-            op.check_local()?;
-            p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
-            ops.push(op);
+            });
         }
-        Ok((peer, ops))
+        Ok((peer, Checked::Host(ops)))
     }
 }
 
@@ -175,12 +256,22 @@ impl RequestHandle {
     /// Runs `ops` on `peer`'s channel as a task of the current tokio runtime (the caller checked
     /// there is one), recording the outcome in the route's counters.
     pub(crate) fn start(peer: &PeerInner, ops: Vec<Op>, timeout: Option<Duration>) -> Self {
-        let bytes: u64 = ops.iter().map(|o| o.len).sum();
         let ops: Arc<[Op]> = ops.into();
         let control = Arc::new(RequestControl::new(&ops));
-        let span = tracing::info_span!("request", peer = %peer.addr, ops = ops.len(), bytes);
-        let (tx, rx) = watch::channel(None);
         let fut = peer.channel.execute(ops, control.clone());
+        Self::start_with(peer, control, fut, timeout)
+    }
+
+    /// Runs `fut`, the request `control` keeps the ledger of, as a task of the current tokio
+    /// runtime, recording its outcome in the route's counters.
+    pub(crate) fn start_with(
+        peer: &PeerInner,
+        control: Arc<RequestControl>,
+        fut: ferry_core::BoxFuture<'static, Outcome>,
+        timeout: Option<Duration>,
+    ) -> Self {
+        let span = tracing::info_span!("request", peer = %peer.addr);
+        let (tx, rx) = watch::channel(None);
         let counters = peer.counters.clone();
         tokio::spawn(
             async move {

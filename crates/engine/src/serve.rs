@@ -11,6 +11,16 @@ use ferry_core::{
 };
 use registry::{Lease, Registry};
 
+/// A segment served by positioned I/O: a file, or (with the `cuda` feature) device memory
+/// served by device copies.
+#[derive(Debug)]
+struct ServedSource {
+    name: String,
+    len: u64,
+    access: ferry_core::Access,
+    source: Arc<dyn ferry_core::FileSource>,
+}
+
 /// Published segments as the transports' servers see them.
 ///
 /// Guards are kept per token (one `Arc` made at registration), so that resolving a chunk allocates
@@ -21,7 +31,7 @@ use registry::{Lease, Registry};
 pub(crate) struct RegistryTable {
     pub(crate) registry: Registry,
     guards: RwLock<HashMap<SegmentToken, Arc<Lease>>>,
-    files: RwLock<HashMap<SegmentToken, (String, Arc<ferry_file::FileSegment>)>>,
+    files: RwLock<HashMap<SegmentToken, ServedSource>>,
 }
 
 impl RegistryTable {
@@ -33,17 +43,27 @@ impl RegistryTable {
         }
     }
 
-    /// Publishes a file segment under `token`.
+    /// Publishes a segment served by positioned I/O (a file, or device memory) under `token`.
     pub(crate) fn add_file(
         &self,
         token: SegmentToken,
         name: String,
-        file: Arc<ferry_file::FileSegment>,
+        len: u64,
+        access: ferry_core::Access,
+        source: Arc<dyn ferry_core::FileSource>,
     ) {
         self.files
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(token, (name, file));
+            .insert(
+                token,
+                ServedSource {
+                    name,
+                    len,
+                    access,
+                    source,
+                },
+            );
     }
 
     /// Unpublishes the file segment under `token` (if any).
@@ -59,11 +79,11 @@ impl RegistryTable {
         let files = self.files.read().unwrap_or_else(PoisonError::into_inner);
         let mut v: Vec<SegmentDesc> = files
             .iter()
-            .map(|(token, (name, f))| SegmentDesc {
-                name: name.clone(),
+            .map(|(token, f)| SegmentDesc {
+                name: f.name.clone(),
                 token: *token,
-                len: f.len(),
-                access: f.access(),
+                len: f.len,
+                access: f.access,
                 remote_keys: Vec::new(),
             })
             .collect();
@@ -144,7 +164,7 @@ impl SegmentTable for RegistryTable {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&token)
-            .map(|(_, f)| f.clone() as Arc<dyn ferry_core::FileSource>)
+            .map(|f| f.source.clone())
     }
 }
 

@@ -1,0 +1,200 @@
+//! ferry-cuda against Ferry's fake CUDA driver (host memory behind the libcuda entry points).
+//! The fake's failure switches are process-wide, so these tests take one lock.
+
+use std::ffi::OsStr;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ferry_core::{Access, FileSource, OpKind, RemoteStatus};
+use ferry_cuda::{Cuda, CudaError, DeviceSegment};
+use ferry_tests::{FakeVariant, fake_cuda};
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn lock() -> MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[test]
+fn devices_memory_and_copies() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    assert!(cuda.is_fake());
+    assert_eq!(cuda.version().unwrap(), "12.4");
+    let devs = cuda.devices();
+    assert_eq!(devs.len(), 1);
+    assert_eq!(devs[0].location.pci_bus_id, "0000:17:00.0");
+    assert!(devs[0].name.contains("Fake"));
+    assert!(devs[0].dmabuf_supported);
+    let before = fake.retained_contexts();
+    let d0 = cuda.device(0).unwrap();
+    let _again = cuda.device(0).unwrap();
+    assert_eq!(
+        fake.retained_contexts(),
+        before + 1,
+        "one primary context, retained once"
+    );
+
+    let live = fake.live_device_allocs();
+    let mem = d0.alloc(10_000).unwrap();
+    assert_eq!(fake.live_device_allocs(), live + 1);
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+    mem.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0u8; 100];
+    mem.copy_to_host(9_900, &mut back).unwrap();
+    assert_eq!(back, &data[9_900..]);
+    assert!(matches!(
+        mem.copy_to_host(9_950, &mut back),
+        Err(CudaError::OutOfBounds(_))
+    ));
+    // The device address is not a host address (the fake tags it; dereferencing would fault).
+    assert_ne!(mem.device_ptr() & (1 << 62), 0);
+    assert!(mem.dmabuf_fd().is_ok());
+
+    let host = fake.live_host_allocs();
+    let pinned = d0.alloc_pinned(4096).unwrap().into_region();
+    assert_eq!(fake.live_host_allocs(), host + 1);
+    mem.copy_to_region(0, &pinned, 0, 4096).unwrap();
+    let mut out = vec![0u8; 4096];
+    pinned.read_at(0, &mut out).unwrap();
+    assert_eq!(out, &data[..4096]);
+    drop(pinned);
+    assert_eq!(fake.live_host_allocs(), host, "pinned memory freed on drop");
+
+    // Served as a segment: access first, then bounds, then copies.
+    let seg = DeviceSegment::new(Arc::new(mem), Access::REMOTE_READ);
+    assert_eq!(seg.check(OpKind::Read, 10, 20), Ok(10));
+    assert_eq!(
+        seg.check(OpKind::Write, 0, 1),
+        Err(RemoteStatus::AccessDenied)
+    );
+    assert_eq!(
+        seg.check(OpKind::Read, 9_999, 2),
+        Err(RemoteStatus::OutOfBounds)
+    );
+    let mut b = [0u8; 3];
+    seg.read_exact_at(1, &mut b).unwrap();
+    assert_eq!(&b, &data[1..4]);
+    drop(seg);
+    assert_eq!(
+        fake.live_device_allocs(),
+        live,
+        "device memory freed on drop"
+    );
+    assert!(cuda.device(3).unwrap_err().to_string().contains("no GPU 3"));
+    drop((d0, _again, cuda));
+    assert_eq!(
+        fake.retained_contexts(),
+        before,
+        "context released with the last handle"
+    );
+}
+
+#[test]
+fn failures_carry_the_call_the_code_and_the_device() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    let d0 = cuda.device(0).unwrap();
+    fake.fail("cuMemAlloc_v2", 0);
+    let e = d0.alloc(1 << 20).unwrap_err();
+    fake.reset();
+    let text = e.to_string();
+    assert!(text.starts_with("GPU 0: "), "{text}");
+    assert!(text.contains("cuMemAlloc_v2"), "{text}");
+    assert!(text.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
+    assert!(text.contains("libcuda.so.1"), "{text}");
+    assert_eq!(e.code(), Some(2));
+
+    let mem = d0.alloc(64).unwrap();
+    fake.fail("cuMemcpyDtoH_v2", 0);
+    let e = mem.copy_to_host(0, &mut [0u8; 8]).unwrap_err();
+    fake.reset();
+    assert!(e.to_string().contains("cuMemcpyDtoH_v2"), "{e}");
+}
+
+#[test]
+fn a_driver_without_dmabuf_export_says_so() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::NoDmabuf) else {
+        return;
+    };
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    assert!(!cuda.has_dmabuf_export());
+    assert!(!cuda.devices()[0].dmabuf_supported);
+    let mem = cuda.device(0).unwrap().alloc(64).unwrap();
+    let e = mem.dmabuf_fd().unwrap_err().to_string();
+    assert!(e.contains("cuMemGetHandleForAddressRange"), "{e}");
+}
+
+#[test]
+fn no_libcuda_at_all_is_unavailable_not_a_panic() {
+    let e = Cuda::open(OsStr::new("/nonexistent/libcuda.so.1")).unwrap_err();
+    match &e {
+        CudaError::Unavailable { library, reason } => {
+            assert_eq!(library, "/nonexistent/libcuda.so.1");
+            assert!(reason.contains("No such file"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // And the system's libcuda.so.1, which this machine may lack: an error or a driver, never a
+    // panic.
+    if std::env::var_os("FERRY_LIBCUDA").is_none() {
+        match Cuda::load() {
+            Ok(c) => assert!(!c.is_fake()),
+            Err(e) => assert!(e.to_string().starts_with("libcuda.so.1: "), "{e}"),
+        }
+    }
+}
+
+#[test]
+fn a_library_missing_a_required_entry_point_is_unavailable() {
+    // libc loads but exports no CUDA entry point.
+    let e = Cuda::open(OsStr::new("libc.so.6")).unwrap_err().to_string();
+    assert!(e.starts_with("libc.so.6: missing export cuInit"), "{e}");
+}
+
+#[test]
+fn file_into_device_memory_by_the_compat_path() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shard.bin");
+    let len = ferry_cuda::cufile::COMPAT_CHUNK * 2 + 12_345;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 256) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    let mem = cuda.device(0).unwrap().alloc(len + 100).unwrap();
+    let host = fake.live_host_allocs();
+    // No libcufile here (or GDS refused): the compatibility path runs and says why.
+    let load = ferry_cuda::cufile::read_file_into(&mem, 100, &path, 0, len as u64, true).unwrap();
+    assert_eq!(load.bytes, len as u64);
+    match &load.path {
+        ferry_cuda::FilePath::Compat { why } => assert!(!why.is_empty()),
+        ferry_cuda::FilePath::Gds => eprintln!("GDS ran (libcufile present)"),
+    }
+    let mut back = vec![0u8; len];
+    mem.copy_to_host(100, &mut back).unwrap();
+    assert!(back == data, "bytes differ");
+    assert_eq!(fake.live_host_allocs(), host, "pinned buffers freed");
+
+    // A copy failing midway is an error, and leaves nothing pinned.
+    fake.fail("cuMemcpyHtoD_v2", 1);
+    let e = ferry_cuda::cufile::read_file_into(&mem, 0, &path, 0, len as u64, false).unwrap_err();
+    fake.reset();
+    assert!(e.to_string().contains("cuMemcpyHtoD_v2"), "{e}");
+    assert_eq!(
+        fake.live_host_allocs(),
+        host,
+        "pinned buffers freed after a failure"
+    );
+}

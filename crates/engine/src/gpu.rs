@@ -1,0 +1,821 @@
+//! GPU memory in the engine: registering device memory, publishing it to peers, and staging it
+//! through pinned host buffers over the TCP and io_uring data planes.
+//!
+//! Device memory is never a `MemoryRegion`, so it never reaches a transport: an op on a
+//! [`GpuRegistration`] becomes host ops on buffers of the [`StagingPool`] plus driver copies
+//! (client side), and a published device segment is a `FileSource` whose positioned reads and
+//! writes are device copies through the servers' bounded staging path (serving side).
+//!
+//! The client pipeline: a request's device ops are cut into chunks of one pool buffer; at most
+//! as many chunks as there are buffers are in flight, so chunk k+1's device-to-host copy runs
+//! while chunk k is on the wire (WRITE), and chunk k's host-to-device copy runs while chunk k+1
+//! is received (READ). Buffers are allocated once, when the first staged request needs them;
+//! no chunk allocates a buffer.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Instant;
+
+use cuda::{Cuda, CudaError, DeviceMemory, DeviceSegment, GpuDirectSetting, RouteChoice};
+use ferry_core::{
+    Access, Error, FailureKind, MemoryRegion, Op, OpKind, Outcome, RemoteEffect, RequestControl,
+    SegmentDesc, SegmentToken,
+};
+use tokio::sync::Semaphore;
+
+use crate::handles::PeerInner;
+use crate::serve::RegistryTable;
+
+/// Whether device memory may move through host memory when no direct route serves it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Staging {
+    /// Stage through pinned host buffers where no direct route serves the op (TCP, io_uring,
+    /// RDMA with `gpu_direct_registration = off`).
+    #[default]
+    Auto,
+    /// Never stage: an op on device memory without a direct route is refused before anything
+    /// moves.
+    Never,
+}
+
+impl std::str::FromStr for Staging {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Staging::Auto),
+            "never" => Ok(Staging::Never),
+            _ => Err(format!("staging is auto or never, not {s:?}")),
+        }
+    }
+}
+
+/// The builder's GPU settings.
+#[derive(Clone, Debug)]
+pub(crate) struct GpuConfig {
+    pub(crate) cuda: Option<Cuda>,
+    pub(crate) staging: Staging,
+    pub(crate) gpu_direct: GpuDirectSetting,
+    pub(crate) buffers: usize,
+    pub(crate) buffer_size: usize,
+    pub(crate) gds: bool,
+}
+
+/// Staging buffers by default: 4 of 4 MiB (16 MiB pinned per engine, allocated on first use).
+pub const STAGING_BUFFERS: usize = 4;
+/// The default staging buffer (and chunk) size.
+pub const STAGING_BUFFER_SIZE: usize = 4 << 20;
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        Self {
+            cuda: None,
+            staging: Staging::Auto,
+            gpu_direct: GpuDirectSetting::Auto,
+            buffers: STAGING_BUFFERS,
+            buffer_size: STAGING_BUFFER_SIZE,
+            gds: true,
+        }
+    }
+}
+
+/// The engine's GPU state: the driver (loaded on first use), the staging pool and counters.
+pub(crate) struct GpuState {
+    pub(crate) config: GpuConfig,
+    cuda: OnceLock<Result<Cuda, String>>,
+    pool: OnceLock<Arc<StagingPool>>,
+    pub(crate) counters: StagingCounters,
+    pub(crate) registrations: Mutex<Vec<(SegmentToken, GpuRegistrationDescription)>>,
+    pub(crate) last_file_path: Mutex<Option<String>>,
+}
+
+impl fmt::Debug for GpuState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuState")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Counters of the staging path.
+#[derive(Debug, Default)]
+pub(crate) struct StagingCounters {
+    staged_bytes: AtomicU64,
+    copies: AtomicU64,
+    copy_wait_ns: AtomicU64,
+    copy_failures: AtomicU64,
+}
+
+impl GpuState {
+    pub(crate) fn new(config: GpuConfig) -> Self {
+        let cuda = OnceLock::new();
+        if let Some(c) = &config.cuda {
+            let _ = cuda.set(Ok(c.clone()));
+        }
+        Self {
+            config,
+            cuda,
+            pool: OnceLock::new(),
+            counters: StagingCounters::default(),
+            registrations: Mutex::new(Vec::new()),
+            last_file_path: Mutex::new(None),
+        }
+    }
+
+    /// The driver: the one the builder was given, or the system's, loaded once.
+    pub(crate) fn cuda(&self) -> Result<Cuda, Error> {
+        self.cuda
+            .get_or_init(|| Cuda::load().map_err(|e| e.to_string()))
+            .clone()
+            .map_err(|reason| Error::Unavailable {
+                library: cuda::LIBCUDA.into(),
+                reason: reason
+                    .strip_prefix(&format!("{}: ", cuda::LIBCUDA))
+                    .unwrap_or(&reason)
+                    .to_owned(),
+            })
+    }
+
+    fn pool(&self, device: &cuda::Device) -> Result<Arc<StagingPool>, Error> {
+        if let Some(p) = self.pool.get() {
+            return Ok(p.clone());
+        }
+        let pool = Arc::new(StagingPool::new(
+            device,
+            self.config.buffers.max(1),
+            self.config.buffer_size.max(4096),
+        )?);
+        Ok(self.pool.get_or_init(|| pool).clone())
+    }
+
+    pub(crate) fn describe(&self) -> StagingDescription {
+        let pool = self.pool.get();
+        StagingDescription {
+            policy: match self.config.staging {
+                Staging::Auto => "auto",
+                Staging::Never => "never",
+            }
+            .into(),
+            gpu_direct_registration: self.config.gpu_direct.name().into(),
+            buffers: pool.map_or(0, |p| p.buffers),
+            buffer_size: self.config.buffer_size as u64,
+            buffers_in_use: pool.map_or(0, |p| p.in_use()),
+            staged_bytes: self.counters.staged_bytes.load(Ordering::Relaxed),
+            copies: self.counters.copies.load(Ordering::Relaxed),
+            copy_wait_us: self.counters.copy_wait_ns.load(Ordering::Relaxed) / 1000,
+            copy_failures: self.counters.copy_failures.load(Ordering::Relaxed),
+            last_file_path: self
+                .last_file_path
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        }
+    }
+}
+
+/// A bounded pool of pinned host buffers (each a host `MemoryRegion` transports may use).
+pub(crate) struct StagingPool {
+    free: Mutex<Vec<Arc<MemoryRegion>>>,
+    permits: Arc<Semaphore>,
+    buffers: usize,
+    buffer_size: usize,
+}
+
+impl StagingPool {
+    fn new(device: &cuda::Device, buffers: usize, buffer_size: usize) -> Result<Self, Error> {
+        let mut free = Vec::with_capacity(buffers);
+        for _ in 0..buffers {
+            let b = device.alloc_pinned(buffer_size).map_err(cuda_error)?;
+            free.push(Arc::new(b.into_region()));
+        }
+        tracing::info!(
+            buffers,
+            buffer_size,
+            "staging pool of pinned host buffers allocated"
+        );
+        Ok(Self {
+            free: Mutex::new(free),
+            permits: Arc::new(Semaphore::new(buffers)),
+            buffers,
+            buffer_size,
+        })
+    }
+
+    fn in_use(&self) -> usize {
+        self.buffers - self.permits.available_permits()
+    }
+
+    async fn take(self: &Arc<Self>) -> Option<PoolBuffer> {
+        let permit = self.permits.clone().acquire_owned().await.ok()?;
+        let buf = self
+            .free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()?;
+        Some(PoolBuffer {
+            pool: self.clone(),
+            buf: Some(buf),
+            _permit: permit,
+        })
+    }
+}
+
+/// A buffer taken from the pool; it goes back on drop (after the sub-request that used it
+/// drained, so no transport still holds it).
+struct PoolBuffer {
+    pool: Arc<StagingPool>,
+    buf: Option<Arc<MemoryRegion>>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl PoolBuffer {
+    fn region(&self) -> &Arc<MemoryRegion> {
+        // Set from construction until drop.
+        self.buf.as_ref().unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl Drop for PoolBuffer {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool
+                .free
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(b);
+        }
+    }
+}
+
+/// The staging path's counters, as `describe()` reports them.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct StagingDescription {
+    /// `auto` or `never`.
+    pub policy: String,
+    /// The `gpu_direct_registration` setting.
+    pub gpu_direct_registration: String,
+    /// Pinned buffers allocated (0 until the first staged request).
+    pub buffers: usize,
+    /// Their size (the staging chunk).
+    pub buffer_size: u64,
+    /// Buffers held by requests now (0 when idle: nothing stays pinned to a request).
+    pub buffers_in_use: usize,
+    /// Bytes of device memory moved through the buffers (acknowledged chunks).
+    pub staged_bytes: u64,
+    /// Device copies done.
+    pub copies: u64,
+    /// Time spent waiting on device copies, in microseconds.
+    pub copy_wait_us: u64,
+    /// Device copies that failed.
+    pub copy_failures: u64,
+    /// Which path the last `read_file_into_gpu` took (`gds` or `compat (why)`).
+    pub last_file_path: Option<String>,
+}
+
+/// A GPU registration as `describe()` reports it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct GpuRegistrationDescription {
+    /// Its name.
+    pub name: String,
+    /// Its length.
+    pub len: u64,
+    /// The device ordinal.
+    pub device: u32,
+    /// The device's PCI bus id.
+    pub pci_bus_id: String,
+    /// The GPUDirect route and why.
+    pub route: RouteChoice,
+    /// How peers' ops on it move (e.g. `staged through host memory by the server`).
+    pub served: String,
+}
+
+/// Device memory registered with the engine (and published to peers when `access` grants them
+/// anything). Ops on it are staged through pinned host memory; dropping it unpublishes it.
+pub struct GpuRegistration {
+    pub(crate) memory: Arc<DeviceMemory>,
+    pub(crate) token: SegmentToken,
+    pub(crate) name: String,
+    pub(crate) access: Access,
+    pub(crate) route: RouteChoice,
+    pub(crate) table: Arc<RegistryTable>,
+    pub(crate) state: Arc<crate::engine::Inner>,
+}
+
+impl fmt::Debug for GpuRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuRegistration")
+            .field("name", &self.name)
+            .field("token", &self.token)
+            .field("memory", &self.memory)
+            .field("route", &self.route)
+            .finish()
+    }
+}
+
+impl GpuRegistration {
+    /// The token peers address it by.
+    pub fn token(&self) -> SegmentToken {
+        self.token
+    }
+
+    /// The device memory.
+    pub fn memory(&self) -> &Arc<DeviceMemory> {
+        &self.memory
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.memory.len() as u64
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.memory.is_empty()
+    }
+
+    /// The GPUDirect route chosen for it (before registering) and why.
+    pub fn route(&self) -> &RouteChoice {
+        &self.route
+    }
+
+    /// The descriptor peers see.
+    pub fn desc(&self) -> SegmentDesc {
+        SegmentDesc {
+            name: self.name.clone(),
+            token: self.token,
+            len: self.len(),
+            access: self.access,
+            remote_keys: Vec::new(),
+        }
+    }
+}
+
+impl Drop for GpuRegistration {
+    fn drop(&mut self) {
+        self.table.remove_file(self.token);
+        if let Some(g) = &self.state.gpu {
+            g.registrations
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .retain(|(t, _)| *t != self.token);
+        }
+    }
+}
+
+/// Maps a driver error to the engine's error.
+pub(crate) fn cuda_error(e: CudaError) -> Error {
+    match e {
+        CudaError::Unavailable { library, reason } => Error::Unavailable { library, reason },
+        CudaError::Route(r) => Error::InvalidRequest {
+            reason: r.to_string(),
+        },
+        other => Error::Register {
+            name: "GPU memory".into(),
+            source: Box::new(other),
+        },
+    }
+}
+
+impl crate::TransferEngine {
+    fn gpu_state(&self) -> Result<&GpuState, Error> {
+        self.inner.gpu.as_ref().ok_or_else(|| Error::Unavailable {
+            library: "ferry cuda".into(),
+            reason: "GPU support is off in this engine".into(),
+        })
+    }
+
+    /// The CUDA driver this engine uses (the builder's, or the system's `libcuda.so.1` loaded
+    /// on first use; `Unavailable("libcuda.so.1: <loader's reason>")` without one).
+    pub fn cuda(&self) -> Result<Cuda, Error> {
+        self.gpu_state()?.cuda()
+    }
+
+    /// Allocates `len` bytes on GPU `ordinal` (freed when the registration and every request
+    /// using it are gone) and registers them (see [`register_gpu`](Self::register_gpu)).
+    pub fn alloc_gpu(
+        &self,
+        ordinal: u32,
+        len: usize,
+        access: Access,
+        name: &str,
+    ) -> Result<GpuRegistration, Error> {
+        let mem = self
+            .cuda()?
+            .device(ordinal)
+            .and_then(|d| d.alloc(len))
+            .map_err(cuda_error)?;
+        self.register_gpu(mem, access, name)
+    }
+
+    /// Registers device memory (allocated by [`cuda::Device::alloc`] or wrapped with
+    /// [`cuda::Device::wrap`]) under `name`. The GPUDirect route is decided first, from the
+    /// `gpu_direct_registration` setting and what the machine offers; an explicit route that
+    /// cannot work is an error naming what is missing. With remote access it is published:
+    /// peers' READs and WRITEs are served by device copies through the server's staging buffer.
+    pub fn register_gpu(
+        &self,
+        memory: impl Into<Arc<DeviceMemory>>,
+        access: Access,
+        name: &str,
+    ) -> Result<GpuRegistration, Error> {
+        let memory = memory.into();
+        let state = self.gpu_state()?;
+        let _span = tracing::info_span!(
+            "register_gpu",
+            name,
+            len = memory.len(),
+            device = memory.location().ordinal
+        )
+        .entered();
+        let route = self.choose_route(state, &memory)?;
+        let token = SegmentToken::random();
+        if access.is_remote() {
+            if self.inner.data_plane.is_none() {
+                return Err(Error::Unavailable {
+                    library: "GPU segments".into(),
+                    reason: "publishing GPU memory needs a portable data plane (io_uring or \
+                             TCP) to serve it by staging, and this engine has none"
+                        .into(),
+                });
+            }
+            self.inner.table.add_file(
+                token,
+                name.to_owned(),
+                memory.len() as u64,
+                access,
+                Arc::new(DeviceSegment::new(memory.clone(), access)),
+            );
+        }
+        let desc = GpuRegistrationDescription {
+            name: name.to_owned(),
+            len: memory.len() as u64,
+            device: memory.location().ordinal,
+            pci_bus_id: memory.location().pci_bus_id.clone(),
+            route: route.clone(),
+            served: if access.is_remote() {
+                "published; peers' ops staged through the server's host buffer".into()
+            } else {
+                "local only".into()
+            },
+        };
+        state
+            .registrations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((token, desc));
+        tracing::info!(%token, route = %route.route, why = %route.why, "GPU memory registered");
+        Ok(GpuRegistration {
+            memory,
+            token,
+            name: name.to_owned(),
+            access,
+            route,
+            table: self.inner.table.clone(),
+            state: self.inner.clone(),
+        })
+    }
+
+    /// Decides the GPUDirect route before anything is registered.
+    fn choose_route(&self, state: &GpuState, memory: &DeviceMemory) -> Result<RouteChoice, Error> {
+        let setting = state.config.gpu_direct;
+        let rdma = self
+            .inner
+            .transports
+            .iter()
+            .any(|t| t.kind() == ferry_core::TransportKind::Rdma);
+        if setting == GpuDirectSetting::Off {
+            return cuda::route::choose(setting, &Default::default())
+                .map_err(|e| cuda_error(e.into()));
+        }
+        if !rdma {
+            // No NIC would see the memory: only staging can move it.
+            return match setting {
+                GpuDirectSetting::Auto => Ok(RouteChoice {
+                    route: cuda::GpuRoute::Off,
+                    why: "auto: no RDMA transport in this engine; GPU memory is staged over the \
+                          portable data plane"
+                        .into(),
+                }),
+                explicit => Err(Error::InvalidRequest {
+                    reason: format!(
+                        "gpu_direct_registration = {explicit} cannot work here: missing an RDMA \
+                         transport in this engine (enable RDMA, or use auto/off to stage)"
+                    ),
+                }),
+            };
+        }
+        let facts = cuda::RouteFacts {
+            cuda_dmabuf_export: memory.device().cuda().has_dmabuf_export(),
+            device_dmabuf: memory.device().info().dmabuf_supported,
+            ibv_reg_dmabuf_mr: verbs_sys::Verbs::load()
+                .map(|v| v.capabilities().reg_dmabuf_mr)
+                .unwrap_or(false),
+            peermem_version_file: cuda::peermem_version(std::path::Path::new("/sys"))
+                .map(|(p, _)| p.display().to_string()),
+        };
+        let choice = cuda::route::choose(setting, &facts).map_err(|e| cuda_error(e.into()))?;
+        if choice.route == cuda::GpuRoute::Off {
+            return Ok(choice);
+        }
+        // The decision is made and recorded, but the RDMA data path does not yet register GPU
+        // memory with the NIC: say so instead of pretending.
+        match setting {
+            GpuDirectSetting::Auto => Ok(RouteChoice {
+                route: cuda::GpuRoute::Off,
+                why: format!(
+                    "auto found {} ({}), but this build does not register GPU memory with \
+                     RDMA NICs yet: staged",
+                    choice.route, choice.why
+                ),
+            }),
+            explicit => Err(Error::InvalidRequest {
+                reason: format!(
+                    "gpu_direct_registration = {explicit}: the route is available ({}), but this \
+                     build does not register GPU memory with RDMA NICs yet; use auto or off to \
+                     stage",
+                    choice.why
+                ),
+            }),
+        }
+    }
+
+    /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`: by
+    /// cuFile (GPUDirect Storage) when `libcufile.so.0` loads and the file system supports it,
+    /// else by the compatibility path (positioned reads into pinned buffers, then host-to-device
+    /// copies, pipelined). Which path ran is returned and shown by `describe()`. Blocking.
+    pub fn read_file_into_gpu(
+        &self,
+        dst: &GpuRegistration,
+        offset: u64,
+        path: impl AsRef<std::path::Path>,
+        file_offset: u64,
+        len: u64,
+    ) -> Result<cuda::FileLoad, Error> {
+        let state = self.gpu_state()?;
+        let path = path.as_ref();
+        let _span =
+            tracing::info_span!("read_file_into_gpu", path = %path.display(), len).entered();
+        let load = cuda::cufile::read_file_into(
+            &dst.memory,
+            offset,
+            path,
+            file_offset,
+            len,
+            state.config.gds,
+        )
+        .map_err(|e| match e {
+            CudaError::Io { what, source } => Error::Io {
+                op: "read_file_into_gpu",
+                target: what,
+                source,
+            },
+            e => cuda_error(e),
+        })?;
+        tracing::info!(path = %load.path, bytes = load.bytes, "file loaded into GPU memory");
+        *state
+            .last_file_path
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(load.path.to_string());
+        Ok(load)
+    }
+}
+
+use crate::request::Local as StagedLocal;
+
+/// An op of a staged request.
+#[derive(Clone, Debug)]
+pub(crate) struct StagedOp {
+    pub(crate) kind: OpKind,
+    pub(crate) local: StagedLocal,
+    pub(crate) local_offset: u64,
+    pub(crate) token: SegmentToken,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
+/// One piece of the pipeline: a host op whole, or one buffer's worth of a device op.
+struct Piece {
+    op: usize,
+    offset: u64,
+    len: u64,
+}
+
+/// Checks the staging policy and returns the pool for `ops` (the caller saw a device op).
+pub(crate) fn prepare(
+    inner: &crate::engine::Inner,
+    ops: &[StagedOp],
+) -> Result<Arc<StagingPool>, Error> {
+    let Some(state) = &inner.gpu else {
+        return Err(Error::Unavailable {
+            library: "ferry cuda".into(),
+            reason: "GPU support is off in this engine".into(),
+        });
+    };
+    if state.config.staging == Staging::Never {
+        return Err(Error::InvalidRequest {
+            reason: "staging: never, and no direct route serves GPU memory on this peer's \
+                     transport (TCP and io_uring move host memory only; GPUDirect RDMA \
+                     registration is not available): allow staging (auto) or use host memory"
+                .into(),
+        });
+    }
+    let device = ops
+        .iter()
+        .find_map(|o| match &o.local {
+            StagedLocal::Device(m) => Some(m.device().clone()),
+            StagedLocal::Host(_) => None,
+        })
+        .ok_or_else(|| Error::InvalidRequest {
+            reason: "no GPU op to stage".into(),
+        })?;
+    state.pool(&device)
+}
+
+/// Runs a request whose ops include device memory: host ops go through the channel as they are,
+/// device ops through pool buffers and copies, at most `pool.buffers` pieces in flight. Every
+/// piece is recorded in `control`'s ledger, so the outcome's prefix, failure and remote effect
+/// follow the same rules as any request's.
+pub(crate) async fn run(
+    peer: Arc<PeerInner>,
+    ops: Arc<[StagedOp]>,
+    control: Arc<RequestControl>,
+    pool: Arc<StagingPool>,
+    inner: Arc<crate::engine::Inner>,
+) -> Outcome {
+    let chunk = pool.buffer_size as u64;
+    let mut pieces = Vec::new();
+    for (i, op) in ops.iter().enumerate() {
+        let n = match op.local {
+            StagedLocal::Host(_) => 1,
+            StagedLocal::Device(_) => op.len.div_ceil(chunk).max(1),
+        };
+        control.with_ledger(|l| l.plan(i, n as u32));
+        for k in 0..n {
+            let (offset, len) = match op.local {
+                StagedLocal::Host(_) => (0, op.len),
+                StagedLocal::Device(_) => (k * chunk, chunk.min(op.len - (k * chunk).min(op.len))),
+            };
+            pieces.push(Piece { op: i, offset, len });
+        }
+    }
+    let mut running = tokio::task::JoinSet::new();
+    for piece in pieces {
+        if control.should_stop_posting() {
+            break;
+        }
+        while running.len() >= pool.buffers {
+            let _ = running.join_next().await;
+        }
+        let (peer, ops, control, pool, inner) = (
+            peer.clone(),
+            ops.clone(),
+            control.clone(),
+            pool.clone(),
+            inner.clone(),
+        );
+        running.spawn(async move { run_piece(&peer, &ops, &control, &pool, &inner, piece).await });
+    }
+    while running.join_next().await.is_some() {}
+    control.outcome(true)
+}
+
+async fn run_piece(
+    peer: &PeerInner,
+    ops: &[StagedOp],
+    control: &RequestControl,
+    pool: &Arc<StagingPool>,
+    inner: &crate::engine::Inner,
+    piece: Piece,
+) {
+    let op = &ops[piece.op];
+    let Some(state) = &inner.gpu else { return };
+    let counters = &state.counters;
+    let mem = match &op.local {
+        StagedLocal::Host(region) => {
+            let host = Op {
+                kind: op.kind,
+                local: region.clone(),
+                local_offset: op.local_offset,
+                token: op.token,
+                remote_offset: op.remote_offset,
+                len: op.len,
+            };
+            let o = execute(peer, host).await;
+            record(control, piece.op, &o);
+            return;
+        }
+        StagedLocal::Device(m) => m.clone(),
+    };
+    let Some(buf) = pool.take().await else {
+        control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, None));
+        return;
+    };
+    let region = buf.region().clone();
+    let n = piece.len as usize;
+    let at = op.local_offset + piece.offset;
+    let copy = |to_host: bool| {
+        let (mem, region) = (mem.clone(), region.clone());
+        async move {
+            let t0 = Instant::now();
+            let r = tokio::task::spawn_blocking(move || {
+                if to_host {
+                    mem.copy_to_region(at, &region, 0, n)
+                } else {
+                    mem.copy_from_region(at, &region, 0, n)
+                }
+            })
+            .await;
+            counters
+                .copy_wait_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            counters.copies.fetch_add(1, Ordering::Relaxed);
+            match r {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => {
+                    counters.copy_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "staging copy failed");
+                    Err(e.code())
+                }
+                Err(_) => Err(None),
+            }
+        }
+    };
+    let host = Op {
+        kind: op.kind,
+        local: region.clone(),
+        local_offset: 0,
+        token: op.token,
+        remote_offset: op.remote_offset + piece.offset,
+        len: piece.len,
+    };
+    match op.kind {
+        OpKind::Write => {
+            if let Err(code) = copy(true).await {
+                // Nothing of this chunk was sent.
+                control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, code));
+                return;
+            }
+            let o = execute(peer, host).await;
+            if o.is_success() {
+                counters
+                    .staged_bytes
+                    .fetch_add(piece.len, Ordering::Relaxed);
+            }
+            record(control, piece.op, &o);
+        }
+        OpKind::Read => {
+            let o = execute(peer, host).await;
+            if !o.is_success() {
+                record(control, piece.op, &o);
+                return;
+            }
+            match copy(false).await {
+                Ok(()) => {
+                    counters
+                        .staged_bytes
+                        .fetch_add(piece.len, Ordering::Relaxed);
+                    record(control, piece.op, &o);
+                }
+                Err(code) => {
+                    control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, code))
+                }
+            }
+        }
+    }
+    drop(buf);
+}
+
+/// Runs one host op as a request of its own on the peer's channel, to the end (drained).
+async fn execute(peer: &PeerInner, op: Op) -> Outcome {
+    let ops: Arc<[Op]> = Arc::from([op]);
+    let control = Arc::new(RequestControl::new(&ops));
+    peer.channel.execute(ops, control).await
+}
+
+/// Folds a piece's outcome into the request's ledger: complete (posted and acknowledged), or
+/// failed with its kind; a failed WRITE piece that may have reached remote memory counts as
+/// posted and lost (uncertain).
+fn record(control: &RequestControl, op: usize, o: &Outcome) {
+    control.with_ledger(|l| match o.failure {
+        None => {
+            l.posted(op);
+            l.acked(op);
+        }
+        Some(f) => {
+            if o.remote_effect == RemoteEffect::None {
+                l.not_posted(op, f.kind, f.native_status);
+            } else {
+                l.posted(op);
+                l.lost(op, f.kind, f.native_status);
+            }
+        }
+    });
+}
+
+impl crate::request::LocalMemory for GpuRegistration {
+    fn local_ref(&self) -> crate::request::LocalRef {
+        crate::request::LocalRef(StagedLocal::Device(self.memory.clone()))
+    }
+}

@@ -1,0 +1,134 @@
+//! GPU tests against the real driver (`#[ignore]`d: `cargo xtask gpu-check` runs them on a
+//! machine with a GPU). Each prints `GPUCHECK key=value` lines that gpu-check collects. They fail
+//! when no driver or GPU is found, unless `FERRY_REQUIRE_GPU=0`.
+
+use std::time::Instant;
+
+use ferry::cuda::Cuda;
+use ferry::{Access, Batch, DataPlane, TransferEngine};
+
+fn cuda_or_skip() -> Option<Cuda> {
+    match Cuda::load() {
+        Ok(c) if !c.devices().is_empty() => Some(c),
+        other => {
+            let why = match other {
+                Ok(c) => format!("{} lists no GPU", c.library()),
+                Err(e) => e.to_string(),
+            };
+            ferry_tests::require_unless_allowed("FERRY_REQUIRE_GPU", format!("no GPU: {why}"));
+            None
+        }
+    }
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2])
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a GPU (cargo xtask gpu-check)"]
+fn raw_copy_rates() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    let dev = cuda.device(0).unwrap();
+    let len = 256 << 20;
+    let mem = dev.alloc(len).unwrap();
+    let host = dev.alloc_pinned(len).unwrap().into_region();
+    let reps = 8;
+    let t = Instant::now();
+    for _ in 0..reps {
+        mem.copy_from_region(0, &host, 0, len).unwrap();
+    }
+    let h2d = (reps * len) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let t = Instant::now();
+    for _ in 0..reps {
+        mem.copy_to_region(0, &host, 0, len).unwrap();
+    }
+    let d2h = (reps * len) as f64 / t.elapsed().as_secs_f64() / 1e9;
+    println!("GPUCHECK raw_h2d_gbps={h2d:.3}");
+    println!("GPUCHECK raw_d2h_gbps={d2h:.3}");
+}
+
+#[test]
+#[ignore = "needs a GPU (cargo xtask gpu-check)"]
+fn real_gpu_round_trip_over_both_planes() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for plane in [DataPlane::Tcp, DataPlane::Uring] {
+        if plane == DataPlane::Uring && !ferry::probe_kernel().usable() {
+            println!("GPUCHECK roundtrip_uring=skipped (io_uring unusable)");
+            continue;
+        }
+        rt.block_on(async {
+            let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+            let mk = |listen: bool| {
+                let mut b = TransferEngine::builder()
+                    .data_plane(plane)
+                    .cuda(cuda.clone());
+                if listen {
+                    b = b.listen("127.0.0.1:0".parse().unwrap());
+                }
+                b.build().unwrap()
+            };
+            let (server, client) = (mk(true), mk(false));
+            let len = (64 << 20) + 4097;
+            let remote_gpu = server.alloc_gpu(0, len, rw, "g").unwrap();
+            let a = client.alloc_gpu(0, len, Access::LOCAL, "a").unwrap();
+            let b = client.alloc_gpu(0, len, Access::LOCAL, "b").unwrap();
+            let data = pattern(len);
+            a.memory().copy_from_host(0, &data).unwrap();
+            let peer = client.connect(server.local_addr().unwrap()).await.unwrap();
+            let seg = peer.segment("g").unwrap();
+            let o = client
+                .submit(Batch::new().write(&a, 0, &seg, 0, len as u64))
+                .unwrap()
+                .await;
+            assert!(o.is_success(), "{o:?}");
+            let o = client
+                .submit(Batch::new().read(&b, 0, &seg, 0, len as u64))
+                .unwrap()
+                .await;
+            assert!(o.is_success(), "{o:?}");
+            let mut back = vec![0; len];
+            b.memory().copy_to_host(0, &mut back).unwrap();
+            assert!(
+                back == data,
+                "bytes differ after the GPU round trip over {plane:?}"
+            );
+            let mut on_server = vec![0; len];
+            remote_gpu.memory().copy_to_host(0, &mut on_server).unwrap();
+            assert!(on_server == data);
+            println!("GPUCHECK roundtrip_{plane:?}=ok checksum-verified {len} bytes");
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU (cargo xtask gpu-check)"]
+fn real_file_load() {
+    let Some(cuda) = cuda_or_skip() else { return };
+    let dir = std::env::var_os("FERRY_GPU_CHECK_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let path = dir.join("ferry-gpu-check-file.bin");
+    let len = 512 << 20;
+    std::fs::write(&path, pattern(len)).unwrap();
+    let e = TransferEngine::builder()
+        .data_plane(DataPlane::Tcp)
+        .cuda(cuda)
+        .build()
+        .unwrap();
+    let g = e.alloc_gpu(0, len, Access::LOCAL, "f").unwrap();
+    let t = Instant::now();
+    let load = e.read_file_into_gpu(&g, 0, &path, 0, len as u64).unwrap();
+    let gbps = len as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let mut back = vec![0; 4096];
+    g.memory()
+        .copy_to_host((len - 4096) as u64, &mut back)
+        .unwrap();
+    assert!(back == pattern(len)[len - 4096..]);
+    let _ = std::fs::remove_file(&path);
+    println!("GPUCHECK file_path={}", load.path);
+    println!("GPUCHECK file_gbps={gbps:.3}");
+}

@@ -1,0 +1,252 @@
+/* Ferry's FAKE CUDA driver, for tests only: exports the libcuda.so.1 entry points Ferry calls,
+ * backed by host memory. Built by the test suite (ferry_tests::fake_cuda), never installed, and
+ * never what a release build loads: it is reached only through FERRY_LIBCUDA or an explicit path.
+ *
+ * Device pointers are host pointers with bit 62 set: a non-canonical address on x86-64 and
+ * aarch64, so code that dereferences device memory as host memory faults at once instead of
+ * passing by luck. Copies check the tag, and that a context is current on the calling thread.
+ *
+ * Failures a test can switch on, by ferry_fake_cuda_fail("<entry point>", after) or by the
+ * environment at cuInit (FERRY_FAKE_CUDA_FAIL=<entry point>:<after>): every call of that entry
+ * point after `after` successful ones fails with CUDA_ERROR_UNKNOWN (999) until reset.
+ * FERRY_FAKE_CUDA_DEVICES sets the device count (default 1). Built with -DFAKE_NO_DMABUF it lacks
+ * cuMemGetHandleForAddressRange and reports no dma-buf support.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+
+#define TAG (1ULL << 62)
+#define ERR_INVALID_VALUE 1
+#define ERR_OUT_OF_MEMORY 2
+#define ERR_NOT_INITIALIZED 3
+#define ERR_NO_DEVICE 100
+#define ERR_INVALID_DEVICE 101
+#define ERR_INVALID_CONTEXT 201
+#define ERR_UNKNOWN 999
+
+int ferry_fake_cuda = 1;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int initialised;
+static int devices = 1;
+static char fail_call[64];
+static long fail_after = -1;
+static long fail_seen;
+static long live_device, live_host, retained, copies;
+static __thread int current = -1;
+static int contexts[64];
+
+static void load_env(void) {
+    const char *d = getenv("FERRY_FAKE_CUDA_DEVICES");
+    if (d) devices = atoi(d);
+    if (devices < 0) devices = 0;
+    if (devices > 64) devices = 64;
+    const char *f = getenv("FERRY_FAKE_CUDA_FAIL");
+    if (f) {
+        const char *colon = strchr(f, ':');
+        size_t n = colon ? (size_t)(colon - f) : strlen(f);
+        if (n >= sizeof fail_call) n = sizeof fail_call - 1;
+        memcpy(fail_call, f, n);
+        fail_call[n] = 0;
+        fail_after = colon ? atol(colon + 1) : 0;
+        fail_seen = 0;
+    }
+}
+
+/* Whether this call of `name` must fail. */
+static int failing(const char *name) {
+    int fail = 0;
+    pthread_mutex_lock(&lock);
+    if (fail_after >= 0 && strcmp(name, fail_call) == 0) {
+        if (fail_seen >= fail_after) fail = 1; else fail_seen++;
+    }
+    pthread_mutex_unlock(&lock);
+    return fail;
+}
+
+static void count(long *c, long d) {
+    pthread_mutex_lock(&lock);
+    *c += d;
+    pthread_mutex_unlock(&lock);
+}
+
+void ferry_fake_cuda_fail(const char *name, long after) {
+    pthread_mutex_lock(&lock);
+    snprintf(fail_call, sizeof fail_call, "%s", name);
+    fail_after = after;
+    fail_seen = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+void ferry_fake_cuda_reset(void) {
+    pthread_mutex_lock(&lock);
+    fail_after = -1;
+    fail_call[0] = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+long ferry_fake_cuda_live_device_allocs(void) { return live_device; }
+long ferry_fake_cuda_live_host_allocs(void) { return live_host; }
+long ferry_fake_cuda_retained_contexts(void) { return retained; }
+long ferry_fake_cuda_copies(void) { return copies; }
+
+CUresult cuInit(unsigned flags) {
+    if (flags != 0) return ERR_INVALID_VALUE;
+    if (failing("cuInit")) return ERR_UNKNOWN;
+    pthread_mutex_lock(&lock);
+    if (!initialised) { initialised = 1; pthread_mutex_unlock(&lock); load_env(); return 0; }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+CUresult cuDriverGetVersion(int *v) { if (!v) return ERR_INVALID_VALUE; *v = 12040; return 0; }
+
+CUresult cuDeviceGetCount(int *n) {
+    if (!initialised) return ERR_NOT_INITIALIZED;
+    *n = devices;
+    return 0;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    if (!initialised) return ERR_NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= devices) return ERR_INVALID_DEVICE;
+    *d = ordinal;
+    return 0;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "Ferry Fake GPU %d", d);
+    return 0;
+}
+
+CUresult cuDeviceGetPCIBusId(char *id, int len, CUdevice d) {
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+    snprintf(id, (size_t)len, "0000:%02X:00.0", 0x17 + d);
+    return 0;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+    *bytes = (size_t)80 << 30;
+    return 0;
+}
+
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+#ifdef FAKE_NO_DMABUF
+    *v = 0;
+#else
+    *v = attr == 124 ? 1 : 0;
+#endif
+    return 0;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+    if (failing("cuDevicePrimaryCtxRetain")) return ERR_UNKNOWN;
+    *ctx = &contexts[d];
+    count(&retained, 1);
+    return 0;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+    count(&retained, -1);
+    return 0;
+}
+
+CUresult cuCtxSetCurrent(void *ctx) {
+    if (!ctx) { current = -1; return 0; }
+    int *c = ctx;
+    if (c < contexts || c >= contexts + 64) return ERR_INVALID_CONTEXT;
+    current = (int)(c - contexts);
+    return 0;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (failing("cuMemAlloc_v2")) return ERR_OUT_OF_MEMORY;
+    void *h = calloc(1, n ? n : 1);
+    if (!h) return ERR_OUT_OF_MEMORY;
+    *p = (CUdeviceptr)(uintptr_t)h | TAG;
+    count(&live_device, 1);
+    return 0;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    if (!(p & TAG)) return ERR_INVALID_VALUE;
+    free((void *)(uintptr_t)(p & ~TAG));
+    count(&live_device, -1);
+    return 0;
+}
+
+CUresult cuMemAllocHost_v2(void **p, size_t n) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (failing("cuMemAllocHost_v2")) return ERR_OUT_OF_MEMORY;
+    void *h = NULL;
+    if (posix_memalign(&h, 4096, n ? n : 1) != 0) return ERR_OUT_OF_MEMORY;
+    memset(h, 0, n);
+    *p = h;
+    count(&live_host, 1);
+    return 0;
+}
+
+CUresult cuMemFreeHost(void *p) {
+    free(p);
+    count(&live_host, -1);
+    return 0;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (!(dst & TAG) || ((uintptr_t)src & TAG)) return ERR_INVALID_VALUE;
+    if (failing("cuMemcpyHtoD_v2")) return ERR_UNKNOWN;
+    memcpy((void *)(uintptr_t)(dst & ~TAG), src, n);
+    count(&copies, 1);
+    return 0;
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (!(src & TAG) || ((uintptr_t)dst & TAG)) return ERR_INVALID_VALUE;
+    if (failing("cuMemcpyDtoH_v2")) return ERR_UNKNOWN;
+    memcpy(dst, (const void *)(uintptr_t)(src & ~TAG), n);
+    count(&copies, 1);
+    return 0;
+}
+
+#ifndef FAKE_NO_DMABUF
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, int type,
+                                       unsigned long long flags) {
+    (void)n; (void)flags;
+    if (!(p & TAG) || type != 1) return ERR_INVALID_VALUE;
+    if (failing("cuMemGetHandleForAddressRange")) return ERR_UNKNOWN;
+    int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ERR_UNKNOWN;
+    *(int *)handle = fd;
+    return 0;
+}
+#endif
+
+CUresult cuGetErrorName(CUresult e, const char **s) {
+    switch (e) {
+    case 0: *s = "CUDA_SUCCESS"; return 0;
+    case ERR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; return 0;
+    case ERR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; return 0;
+    case ERR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; return 0;
+    case ERR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; return 0;
+    case ERR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; return 0;
+    case ERR_UNKNOWN: *s = "CUDA_ERROR_UNKNOWN"; return 0;
+    default: return ERR_INVALID_VALUE;
+    }
+}

@@ -1,0 +1,146 @@
+//! Ferry's fake CUDA driver for tests: `fake-cuda/fake_cuda.c` compiled with `cc` into a
+//! directory under the system's temporary directory, once per process and variant, and loaded
+//! in place of `libcuda.so.1` by path (`FERRY_LIBCUDA` or `Cuda::open`). See the C file for what
+//! it fakes and which failures a test can switch on ([`FakeCuda::fail`]).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use crate::require::{TOOLS, require_or_skip};
+
+const SOURCE: &str = include_str!("../fake-cuda/fake_cuda.c");
+
+/// Which fake to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FakeVariant {
+    /// Every entry point, dma-buf export included.
+    Full,
+    /// Without `cuMemGetHandleForAddressRange` (a driver older than 11.7), no dma-buf support.
+    NoDmabuf,
+}
+
+/// A built fake driver, with its control entry points loaded.
+#[derive(Debug)]
+pub struct FakeCuda {
+    path: PathBuf,
+    lib: libloading::Library,
+}
+
+impl FakeCuda {
+    /// The library's path (give it to `Cuda::open` or `FERRY_LIBCUDA`).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes every call of `call` fail after `after` successful ones, until [`reset`](Self::reset).
+    pub fn fail(&self, call: &str, after: i64) {
+        let c = std::ffi::CString::new(call).expect("entry point names have no NUL");
+        // SAFETY: the fake defines `void ferry_fake_cuda_fail(const char *, long)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(*const std::ffi::c_char, i64)>(
+                    b"ferry_fake_cuda_fail\0",
+                )
+                .expect("fake exports ferry_fake_cuda_fail");
+            f(c.as_ptr(), after);
+        }
+    }
+
+    /// Switches every failure off.
+    pub fn reset(&self) {
+        // SAFETY: the fake defines `void ferry_fake_cuda_reset(void)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn()>(b"ferry_fake_cuda_reset\0")
+                .expect("fake exports ferry_fake_cuda_reset");
+            f();
+        }
+    }
+
+    fn counter(&self, name: &[u8]) -> i64 {
+        // SAFETY: the fake defines each counter as `long name(void)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn() -> i64>(name)
+                .expect("fake exports its counters");
+            f()
+        }
+    }
+
+    /// Device allocations not freed yet.
+    pub fn live_device_allocs(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_live_device_allocs\0")
+    }
+
+    /// Pinned host allocations not freed yet.
+    pub fn live_host_allocs(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_live_host_allocs\0")
+    }
+
+    /// Primary contexts retained and not released.
+    pub fn retained_contexts(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_retained_contexts\0")
+    }
+
+    /// Copies done so far.
+    pub fn copies(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_copies\0")
+    }
+}
+
+fn build(variant: FakeVariant) -> Result<PathBuf, String> {
+    let tag = match variant {
+        FakeVariant::Full => "full",
+        FakeVariant::NoDmabuf => "nodmabuf",
+    };
+    // One directory per process and variant: a fake's globals (failures, counters) belong to the
+    // test binary that loaded it.
+    let dir = std::env::temp_dir().join(format!("ferry-fake-cuda-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let src = dir.join("fake_cuda.c");
+    std::fs::write(&src, SOURCE).map_err(|e| format!("write {}: {e}", src.display()))?;
+    let out = dir.join("libcuda.so.1");
+    let mut cmd = Command::new("cc");
+    cmd.args(["-shared", "-fPIC", "-O1", "-pthread", "-o"])
+        .arg(&out)
+        .arg(&src);
+    if variant == FakeVariant::NoDmabuf {
+        cmd.arg("-DFAKE_NO_DMABUF");
+    }
+    let status = cmd.output().map_err(|e| format!("cc not runnable: {e}"))?;
+    if !status.status.success() {
+        return Err(format!(
+            "cc failed: {}",
+            String::from_utf8_lossy(&status.stderr)
+        ));
+    }
+    Ok(out)
+}
+
+/// The fake driver of `variant`, built once per process. `None` (after the `FERRY_REQUIRE_TOOLS`
+/// gate: a failure where it is `1`, else a printed skip) when `cc` cannot build it.
+pub fn fake_cuda(variant: FakeVariant) -> Option<&'static FakeCuda> {
+    static FULL: OnceLock<Result<FakeCuda, String>> = OnceLock::new();
+    static NO_DMABUF: OnceLock<Result<FakeCuda, String>> = OnceLock::new();
+    let cell = match variant {
+        FakeVariant::Full => &FULL,
+        FakeVariant::NoDmabuf => &NO_DMABUF,
+    };
+    let r = cell.get_or_init(|| {
+        let path = build(variant)?;
+        // SAFETY: the fake's initialisers are C's defaults; it was just built from our source.
+        let lib = unsafe { libloading::Library::new(&path) }.map_err(|e| e.to_string())?;
+        Ok(FakeCuda { path, lib })
+    });
+    match r {
+        Ok(f) => Some(f),
+        Err(why) => {
+            require_or_skip(TOOLS, format!("cannot build the fake CUDA driver: {why}"));
+            None
+        }
+    }
+}
