@@ -12,11 +12,11 @@ use ferry_core::wire::{Hello, VersionRange};
 use ferry_core::{
     Access, Epoch, Error, MemoryRegion, PeerId, PeerInfo, SegmentTable, Transport, TransportKind,
 };
+use ferry_file::FileSegment;
 use registry::{Registry, RegistryError};
 use tracing::Instrument;
 #[cfg(feature = "rdma")]
 use transport_rdma::RdmaTransport;
-use ferry_file::FileSegment;
 #[cfg(feature = "uring")]
 use transport_uring::UringTransport;
 

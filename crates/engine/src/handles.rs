@@ -8,8 +8,8 @@ use std::sync::Arc;
 use ferry_core::{
     Access, Channel, Epoch, Error, MemoryRegion, PeerId, SegmentDesc, SegmentToken, TransportKind,
 };
-use registry::RegistryError;
 use ferry_file::FileSegment;
+use registry::RegistryError;
 
 use crate::describe::RouteCounters;
 use crate::serve::RegistryTable;
