@@ -9,6 +9,7 @@ mod bench_uring;
 mod bindgen;
 mod ci;
 mod iperf3;
+mod python;
 mod soft_roce;
 mod util;
 
@@ -18,12 +19,15 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [args]
 
 tasks:
-  ci                     fmt check, clippy -D warnings, all tests, docs with warnings denied
+  ci [--step NAME]       fmt check, clippy -D warnings, all tests, docs with warnings denied,
+                         the Python package's pytest suite, soft-RoCE
   bench tcp [--total BYTES] [--repeat N]
                          ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bench latency [--ops N] [--repeat N]
                          64-byte round trips of ferry bench against a bare TCP ping-pong
+  bench python [--total BYTES] [--repeat N]
+                         1 MiB READs through the Python package against the Rust CLI, alternating
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
