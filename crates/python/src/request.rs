@@ -349,6 +349,13 @@ pub(crate) struct Request {
 impl Request {
     fn wait_for(&self, py: Python<'_>, timeout: Option<f64>, drained: bool) -> PyResult<PyOutcome> {
         let limit = seconds("timeout", timeout)?;
+        // Already ended (often so for the oldest of several in flight): no GIL round trip.
+        {
+            let st = self.watch.lock();
+            if let Some(o) = if drained { st.drained } else { st.outcome } {
+                return Ok(PyOutcome(o));
+            }
+        }
         let deadline = limit.map(|t| Instant::now() + t);
         // Wait in slices so that Ctrl-C (a pending signal) interrupts a long wait.
         const SLICE: Duration = Duration::from_millis(100);
