@@ -2,8 +2,8 @@
 //! `cargo xtask bench python`.
 //!
 //! Both make (once) a virtual environment in `target/python-venv` (ignored by git) with the
-//! interpreter named by `FERRY_PYTHON` (default `python3`), install maturin, pytest and NumPy
-//! into it from the package index with pip, and build the extension into it with
+//! interpreter named by `FERRY_PYTHON` (default `python3`), install maturin, pytest, NumPy and
+//! mypy into it from the package index with pip, and build the extension into it with
 //! `maturin develop`. Debian needs `python3-venv` for the environment and `python3-dev` is not
 //! needed (the module is abi3 and links no libpython); `.ci/run` installs both anyway.
 //!
@@ -86,7 +86,7 @@ fn venv(require: bool) -> Result<Option<PathBuf>> {
     run_loud(
         Command::new(&py)
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
-            .args(["maturin", "pytest", "numpy"]),
+            .args(["maturin", "pytest", "numpy", "mypy"]),
     )?;
     Ok(Some(py))
 }
@@ -108,12 +108,18 @@ fn develop(py: &Path, release: bool) -> Result<()> {
     run_loud(&mut cmd)
 }
 
-/// `cargo xtask ci`'s `python` step: build the module and run the pytest suite.
+/// `cargo xtask ci`'s `python` step: build the module, check the type stubs against it
+/// (mypy's stubtest), and run the pytest suite.
 pub(crate) fn from_ci() -> Result<()> {
     let Some(py) = venv(required())? else {
         return Ok(());
     };
     develop(&py, false)?;
+    run_loud(Command::new(&py).current_dir(project_root()).args([
+        "-m",
+        "mypy.stubtest",
+        "ferry._ferry",
+    ]))?;
     run_loud(
         Command::new(&py)
             .current_dir(project_root())

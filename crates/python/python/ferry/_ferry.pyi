@@ -1,15 +1,49 @@
-"""Type stubs of the native module ``ferry._ferry`` (re-exported by ``ferry``)."""
+"""Type stubs of the native module ``ferry._ferry`` (re-exported by ``ferry``); ``cargo xtask ci``
+checks them against the built module with mypy's stubtest."""
 
 import os
 from asyncio import Future
 from collections.abc import Generator, Sequence
-from typing import Any, Literal, final
+from typing import Any, Literal, TypeAlias, final
 
 from typing_extensions import Buffer, Self
 
+__all__ = [
+    "AccessDenied",
+    "Batch",
+    "Cancelled",
+    "Engine",
+    "Failure",
+    "FerryError",
+    "FileRegistration",
+    "HandshakeRefused",
+    "InvalidRequest",
+    "IoError",
+    "Malformed",
+    "NoRoute",
+    "OutOfBounds",
+    "Outcome",
+    "Peer",
+    "PeerLost",
+    "ProtocolMismatch",
+    "Registration",
+    "RegistrationError",
+    "RemoteSegment",
+    "Request",
+    "ResourceExhausted",
+    "StaleEpoch",
+    "Timeout",
+    "Unavailable",
+    "UnknownSegment",
+    "UnknownSegmentName",
+    "Unquiesced",
+    "__version__",
+    "doctor",
+]
+
 __version__: str
 
-AccessName = Literal["local", "read", "write", "read+write"]
+_AccessName: TypeAlias = Literal["local", "read", "write", "read+write"]
 
 class FerryError(Exception):
     """Base class of every error Ferry raises. str(e) is the message the Rust engine gave."""
@@ -78,8 +112,8 @@ class Engine:
     thread per core, ``dead_peer_after=0`` the kernel's limits.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         listen: str | None = None,
         *,
         transports: Sequence[str] | None = None,
@@ -92,7 +126,7 @@ class Engine:
         request_timeout: float | None = None,
         connect_timeout: float | None = None,
         dead_peer_after: float | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def listen_addr(self) -> str | None:
         """The address it serves on, or None when it does not listen."""
@@ -106,7 +140,7 @@ class Engine:
     def data_plane(self) -> Literal["uring", "tcp"] | None:
         """The portable data plane it chose."""
     def register(
-        self, obj: Buffer, name: str | None = None, access: AccessName = "local"
+        self, obj: Buffer, name: str | None = None, access: _AccessName = "local"
     ) -> Registration:
         """Registers ``obj``'s memory without copying it; the registration keeps it alive.
 
@@ -117,7 +151,7 @@ class Engine:
         self,
         path: str | os.PathLike[str],
         name: str | None = None,
-        access: AccessName = "read",
+        access: _AccessName = "read",
     ) -> FileRegistration:
         """Publishes the file at ``path`` as the segment ``name`` (default: the path)."""
     def connect(self, addr: str) -> Peer:
@@ -166,7 +200,7 @@ class Registration:
     @property
     def token(self) -> str: ...
     @property
-    def access(self) -> AccessName: ...
+    def access(self) -> _AccessName: ...
     @property
     def readonly(self) -> bool:
         """Whether the buffer is read-only (a source only)."""
@@ -218,15 +252,16 @@ class RemoteSegment:
     @property
     def name(self) -> str: ...
     @property
-    def access(self) -> AccessName: ...
+    def access(self) -> _AccessName: ...
     @property
     def token(self) -> str: ...
     def __len__(self) -> int: ...
 
+@final
 class Batch:
     """An ordered batch of READs and WRITEs to one peer, submitted as one request."""
 
-    def __init__(self, timeout: float | None = None) -> None: ...
+    def __new__(cls, timeout: float | None = None) -> Self: ...
     def read(
         self,
         local: Registration,
