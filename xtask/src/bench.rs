@@ -21,7 +21,8 @@ use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud,
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
        cargo xtask bench latency [--ops N] [--repeat N]
-       cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]";
+       cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
+       cargo xtask bench python [--total BYTES] [--repeat N]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -30,6 +31,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("uring") => crate::bench_uring::run(&args[1..]),
         Some("latency") => crate::bench_latency::run(&args[1..]),
         Some("ab") => crate::bench_ab::run(&args[1..]),
+        Some("python") => crate::python::bench(&args[1..]),
         _ => {
             eprintln!("{USAGE}");
             bail!("bench: say which transport to measure")

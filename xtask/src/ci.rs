@@ -1,13 +1,17 @@
 //! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
+//! `cargo xtask ci --step NAME` runs one step alone (`fmt`, `clippy`, `test`, `doctest`,
+//! `doc`, `python`, `soft-roce`).
 
 use crate::util::{self, cargo};
-use anyhow::Result;
+use anyhow::{Result, bail};
 
-pub(crate) fn run(_args: &[String]) -> Result<()> {
-    step("fmt", || {
+type Step = (&'static str, fn() -> Result<()>);
+
+const STEPS: &[Step] = &[
+    ("fmt", || {
         util::run(cargo().args(["fmt", "--all", "--", "--check"]))
-    })?;
-    step("clippy", || {
+    }),
+    ("clippy", || {
         util::run(cargo().args([
             "clippy",
             "--workspace",
@@ -16,27 +20,46 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
             "-D",
             "warnings",
         ]))
-    })?;
-    step("test", || {
+    }),
+    ("test", || {
         util::run(
             cargo()
                 .args(["test", "--workspace", "--all-targets"])
                 .env("RUST_BACKTRACE", "1"),
         )
-    })?;
-    step("doctest", || {
+    }),
+    ("doctest", || {
         util::run(cargo().args(["test", "--workspace", "--doc"]))
-    })?;
-    step("doc", || {
+    }),
+    ("doc", || {
         util::run(
             cargo()
                 .args(["doc", "--workspace", "--no-deps"])
                 .env("RUSTDOCFLAGS", "-D warnings"),
         )
-    })?;
-    step("soft-roce", crate::soft_roce::from_ci)?;
-    eprintln!("xtask ci: all steps passed");
-    Ok(())
+    }),
+    ("python", crate::python::from_ci),
+    ("soft-roce", crate::soft_roce::from_ci),
+];
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    match args {
+        [] => {
+            for (name, f) in STEPS {
+                step(name, *f)?;
+            }
+            eprintln!("xtask ci: all steps passed");
+            Ok(())
+        }
+        [flag, name] if flag == "--step" => match STEPS.iter().find(|(n, _)| n == name) {
+            Some((name, f)) => step(name, *f),
+            None => bail!(
+                "no ci step {name:?}; steps: {}",
+                STEPS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            ),
+        },
+        _ => bail!("usage: cargo xtask ci [--step NAME]"),
+    }
 }
 
 fn step(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {

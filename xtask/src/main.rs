@@ -12,6 +12,7 @@ mod ci;
 mod fuzz;
 mod gpu_check;
 mod iperf3;
+mod python;
 mod soft_roce;
 mod util;
 
@@ -21,7 +22,8 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [args]
 
 tasks:
-  ci                     fmt check, clippy -D warnings, all tests, docs with warnings denied
+  ci [--step NAME]       fmt check, clippy -D warnings, all tests, docs with warnings denied,
+                         the Python package's pytest suite, soft-RoCE
   bench tcp [--total BYTES] [--repeat N]
                          ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
@@ -31,6 +33,8 @@ tasks:
                          this tree's ferry bench against another build, alternating rounds
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
+  bench python [--total BYTES] [--repeat N]
+                         1 MiB READs through the Python package against the Rust CLI, alternating
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
                          GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;

@@ -1,0 +1,347 @@
+"""Type stubs of the native module ``ferry._ferry`` (re-exported by ``ferry``); ``cargo xtask ci``
+checks them against the built module with mypy's stubtest."""
+
+import os
+from asyncio import Future
+from collections.abc import Generator, Sequence
+from typing import Any, Literal, TypeAlias, final
+
+from typing_extensions import Buffer, Self
+
+__all__ = [
+    "AccessDenied",
+    "Batch",
+    "Cancelled",
+    "Engine",
+    "Failure",
+    "FerryError",
+    "FileRegistration",
+    "HandshakeRefused",
+    "InvalidRequest",
+    "IoError",
+    "Malformed",
+    "NoRoute",
+    "OutOfBounds",
+    "Outcome",
+    "Peer",
+    "PeerLost",
+    "ProtocolMismatch",
+    "Registration",
+    "RegistrationError",
+    "RemoteSegment",
+    "Request",
+    "ResourceExhausted",
+    "StaleEpoch",
+    "Timeout",
+    "Unavailable",
+    "UnknownSegment",
+    "UnknownSegmentName",
+    "Unquiesced",
+    "__version__",
+    "doctor",
+]
+
+__version__: str
+
+_AccessName: TypeAlias = Literal["local", "read", "write", "read+write"]
+
+class FerryError(Exception):
+    """Base class of every error Ferry raises. str(e) is the message the Rust engine gave."""
+
+class Unavailable(FerryError):
+    """A native library or kernel facility is not available (libibverbs, io_uring, ...)."""
+
+class PeerLost(FerryError, ConnectionError):
+    """The connection to the peer broke."""
+
+class StaleEpoch(FerryError):
+    """The peer at a known address restarted (new epoch); re-resolve it explicitly."""
+
+class ResourceExhausted(FerryError):
+    """A registration budget would be exceeded; published ranges are never evicted to fit."""
+
+class ProtocolMismatch(FerryError):
+    """The two ends share no protocol version."""
+
+class HandshakeRefused(FerryError, ConnectionError):
+    """The peer refused the handshake."""
+
+class UnknownSegment(FerryError, LookupError):
+    """The peer knows no segment with that token (never published, or retired)."""
+
+class UnknownSegmentName(UnknownSegment):
+    """The peer publishes no segment of that name."""
+
+class OutOfBounds(FerryError, ValueError):
+    """A range falls outside a local registration or a remote segment."""
+
+class AccessDenied(FerryError):
+    """The segment does not grant the access right the op needs."""
+
+class Timeout(FerryError, TimeoutError):
+    """A request, connection or handshake took longer than allowed."""
+
+class Cancelled(FerryError):
+    """The request was cancelled."""
+
+class Unquiesced(FerryError):
+    """A native destroy failed: the objects and their budget charges stay held."""
+
+class RegistrationError(FerryError):
+    """Registering a range failed for a reason other than a budget."""
+
+class Malformed(FerryError):
+    """A frame could not be decoded (or the peer could not parse a request)."""
+
+class InvalidRequest(FerryError, ValueError):
+    """The request was malformed before anything moved (empty batch, mixed peers, ...)."""
+
+class NoRoute(FerryError):
+    """No transport is offered by both ends."""
+
+class IoError(FerryError, OSError):
+    """An I/O operation (bind, connect, open a file, ...) failed."""
+
+@final
+class Engine:
+    """Ferry's transfer engine: registers memory and files, connects to peers, moves bytes.
+
+    ``listen`` ("127.0.0.1:0": any free port) makes it serve what it publishes. ``transports``
+    ("tcp", "uring", "rdma") in order of preference; ``data_plane`` "auto", "uring" or "tcp".
+    Times are in seconds; ``socket_buffer=0`` is kernel autotuning, ``io_threads=0`` one I/O
+    thread per core, ``dead_peer_after=0`` the kernel's limits.
+    """
+
+    def __new__(
+        cls,
+        listen: str | None = None,
+        *,
+        transports: Sequence[str] | None = None,
+        data_plane: Literal["auto", "uring", "tcp"] = "auto",
+        streams: int | None = None,
+        depth: int | None = None,
+        chunk_size: int | None = None,
+        socket_buffer: int | None = None,
+        io_threads: int | None = None,
+        request_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        dead_peer_after: float | None = None,
+    ) -> Self: ...
+    @property
+    def listen_addr(self) -> str | None:
+        """The address it serves on, or None when it does not listen."""
+    @property
+    def peer_id(self) -> str:
+        """Its peer id (hex)."""
+    @property
+    def epoch(self) -> str:
+        """Its epoch (hex), chosen at start and never reused."""
+    @property
+    def data_plane(self) -> Literal["uring", "tcp"] | None:
+        """The portable data plane it chose."""
+    def register(
+        self, obj: Buffer, name: str | None = None, access: _AccessName = "local"
+    ) -> Registration:
+        """Registers ``obj``'s memory without copying it; the registration keeps it alive.
+
+        Raises TypeError (no buffer protocol; read-only buffer with write access), ValueError
+        (strided buffer, bad access), ResourceExhausted or RegistrationError.
+        """
+    def publish_file(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        access: _AccessName = "read",
+    ) -> FileRegistration:
+        """Publishes the file at ``path`` as the segment ``name`` (default: the path)."""
+    def connect(self, addr: str) -> Peer:
+        """Connects to the engine serving ``addr``; blocks with the GIL released."""
+    def reresolve(self, addr: str) -> Peer:
+        """Forgets the epoch known for ``addr`` and connects afresh."""
+    def read(
+        self,
+        local: Registration,
+        remote: RemoteSegment,
+        *,
+        local_offset: int = 0,
+        remote_offset: int = 0,
+        length: int | None = None,
+        timeout: float | None = None,
+    ) -> Request:
+        """Starts a READ of ``remote[remote_offset:+length]`` into ``local[local_offset:+length]``."""
+    def write(
+        self,
+        local: Registration,
+        remote: RemoteSegment,
+        *,
+        local_offset: int = 0,
+        remote_offset: int = 0,
+        length: int | None = None,
+        timeout: float | None = None,
+    ) -> Request:
+        """Starts a WRITE of ``local[local_offset:+length]`` into ``remote[remote_offset:+length]``."""
+    def submit(self, batch: Batch) -> Request:
+        """Submits a batch as one request (checked before anything moves)."""
+    def describe(self) -> dict[str, Any]:
+        """Identity, listener, transports, registrations, segments and counters, as a dict."""
+    def check(self) -> None:
+        """Raises the oldest native cleanup failure (Unquiesced), if any."""
+    def shutdown(self) -> None:
+        """Stops serving."""
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *args: object) -> None: ...
+
+@final
+class Registration:
+    """Registered memory. close() (or leaving a with block) unpublishes it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def access(self) -> _AccessName: ...
+    @property
+    def readonly(self) -> bool:
+        """Whether the buffer is read-only (a source only)."""
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None:
+        """Unpublishes it; the memory is released once no request uses it."""
+    def __len__(self) -> int: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *args: object) -> None: ...
+
+@final
+class FileRegistration:
+    """A published file segment. close() unpublishes it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    def close(self) -> None: ...
+    def __len__(self) -> int: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *args: object) -> None: ...
+
+@final
+class Peer:
+    """A connected peer incarnation and the segments it published at connection time."""
+
+    @property
+    def addr(self) -> str: ...
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def epoch(self) -> str: ...
+    @property
+    def transport(self) -> Literal["tcp", "uring", "rdma"]: ...
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        """Dicts with ``name``, ``len``, ``access`` and ``token``."""
+    def segment(self, name: str) -> RemoteSegment:
+        """The segment published under ``name``; raises UnknownSegmentName."""
+    def is_alive(self) -> bool: ...
+    def close(self) -> None: ...
+
+@final
+class RemoteSegment:
+    """A segment published by a peer, as the target of READs and WRITEs."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def access(self) -> _AccessName: ...
+    @property
+    def token(self) -> str: ...
+    def __len__(self) -> int: ...
+
+@final
+class Batch:
+    """An ordered batch of READs and WRITEs to one peer, submitted as one request."""
+
+    def __new__(cls, timeout: float | None = None) -> Self: ...
+    def read(
+        self,
+        local: Registration,
+        remote: RemoteSegment,
+        local_offset: int = 0,
+        remote_offset: int = 0,
+        length: int | None = None,
+    ) -> Self: ...
+    def write(
+        self,
+        local: Registration,
+        remote: RemoteSegment,
+        local_offset: int = 0,
+        remote_offset: int = 0,
+        length: int | None = None,
+    ) -> Self: ...
+    def __len__(self) -> int: ...
+
+@final
+class Request:
+    """A submitted request: wait() (GIL released) or await it for its Outcome."""
+
+    def wait(self, timeout: float | None = None) -> Outcome:
+        """Blocks until the request ends; TimeoutError if not by ``timeout`` seconds."""
+    def wait_drained(self, timeout: float | None = None) -> Outcome:
+        """Blocks until the local buffers are free again."""
+    def drained(self) -> Future[Outcome]:
+        """An asyncio future of the drained outcome."""
+    def done(self) -> bool: ...
+    def cancel(self) -> None:
+        """Ends the request logically; buffers stay in use until drained."""
+    def __await__(self) -> Generator[Any, None, Outcome]: ...
+
+@final
+class Outcome:
+    """How far a request got; never reports a byte that was not acknowledged."""
+
+    @property
+    def completed_ops(self) -> int: ...
+    @property
+    def completed_bytes(self) -> int: ...
+    @property
+    def failure(self) -> Failure | None: ...
+    @property
+    def remote_effect(self) -> Literal["none", "certain", "uncertain"]: ...
+    @property
+    def drained(self) -> bool: ...
+    @property
+    def ok(self) -> bool: ...
+    def raise_for_failure(self) -> None:
+        """Raises the FerryError subclass of the failure's kind (with ``.outcome``)."""
+    def __bool__(self) -> bool: ...
+
+@final
+class Failure:
+    """The first failed op of a request."""
+
+    @property
+    def op_index(self) -> int: ...
+    @property
+    def kind(
+        self,
+    ) -> Literal[
+        "timeout",
+        "cancelled",
+        "peer_lost",
+        "local",
+        "unknown_segment",
+        "out_of_bounds",
+        "access_denied",
+        "stale_epoch",
+        "malformed",
+        "other",
+    ]: ...
+    @property
+    def remote(self) -> bool: ...
+    @property
+    def native_status(self) -> int | None: ...
+    @property
+    def message(self) -> str: ...
+
+def doctor() -> dict[str, Any]:
+    """The capability matrix, as ``ferry doctor --json`` prints it."""

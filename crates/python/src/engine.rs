@@ -1,0 +1,686 @@
+//! `Engine`, and the handles it gives out: `Registration`, `FileRegistration`, `Peer` and
+//! `RemoteSegment`. Each wraps the facade's type of the same role; every call that can block
+//! (connecting, probing) releases the GIL.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use ferry::{Access, DataPlane, OpKind, TransferEngine, TransportKind};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::buffer;
+use crate::errors::{self, Kind};
+use crate::request::{self, Batch, Request, make_op, seconds, to_batch};
+use crate::runtime;
+
+/// Parses an access string: `"local"`, `"read"`, `"write"` or `"read+write"` (also `"rw"`).
+fn parse_access(s: &str) -> PyResult<Access> {
+    Ok(match s {
+        "local" | "none" => Access::LOCAL,
+        "read" | "r" => Access::REMOTE_READ,
+        "write" | "w" => Access::REMOTE_WRITE,
+        "read+write" | "rw" | "write+read" => Access::REMOTE_READ | Access::REMOTE_WRITE,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "access must be \"local\", \"read\", \"write\" or \"read+write\", not {other:?}"
+            )));
+        }
+    })
+}
+
+/// An access right as Python reads it.
+fn access_name(a: Access) -> &'static str {
+    match (
+        a.contains(Access::REMOTE_READ),
+        a.contains(Access::REMOTE_WRITE),
+    ) {
+        (true, true) => "read+write",
+        (true, false) => "read",
+        (false, true) => "write",
+        (false, false) => "local",
+    }
+}
+
+/// A serializable value as plain Python objects (dicts, lists, str, int, float, bool, None).
+pub(crate) fn to_plain<'py>(
+    py: Python<'py>,
+    value: &impl serde::Serialize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let text = serde_json::to_string(value)
+        .map_err(|e| errors::err(py, Kind::FerryError, format!("internal error: {e}")))?;
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+/// Names registrations that were given none.
+static UNNAMED: AtomicU64 = AtomicU64::new(0);
+
+/// Ferry's transfer engine: registers memory and files, connects to peers, moves bytes.
+///
+/// `Engine(listen="127.0.0.1:0")` also serves what it publishes (port 0: any free port; see
+/// `listen_addr`); without `listen` it only connects out. `transports` lists the built-in
+/// transports to use in order of preference (`"tcp"`, the portable data plane chosen by
+/// `data_plane`; `"uring"`; `"rdma"`); `data_plane` is `"auto"` (io_uring where the kernel
+/// supports it, TCP otherwise), `"uring"` or `"tcp"`. `streams`, `depth` and `chunk_size` tune
+/// the TCP/io_uring data plane (defaults 1, 8, 1 MiB); `socket_buffer` sets the socket buffers
+/// in bytes (0: kernel autotuning); `io_threads` the TCP data plane's I/O threads (0: one per
+/// core). Times are in seconds: `request_timeout` is every request's default deadline,
+/// `connect_timeout` limits connecting and the handshake, `dead_peer_after` (default 30, 0 for
+/// the kernel's quarter hour) gives a silent peer up.
+#[pyclass(name = "Engine", module = "ferry", frozen)]
+pub(crate) struct Engine {
+    pub(crate) inner: TransferEngine,
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (listen=None, *, transports=None, data_plane="auto", streams=None,
+        depth=None, chunk_size=None, socket_buffer=None, io_threads=None, request_timeout=None,
+        connect_timeout=None, dead_peer_after=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        listen: Option<&str>,
+        transports: Option<Vec<String>>,
+        data_plane: &str,
+        streams: Option<usize>,
+        depth: Option<usize>,
+        chunk_size: Option<u64>,
+        socket_buffer: Option<usize>,
+        io_threads: Option<usize>,
+        request_timeout: Option<f64>,
+        connect_timeout: Option<f64>,
+        dead_peer_after: Option<f64>,
+    ) -> PyResult<Self> {
+        let mut b = TransferEngine::builder();
+        if let Some(addr) = listen {
+            let addr = addr.parse().map_err(|e| {
+                PyValueError::new_err(format!(
+                    "listen must be an IP address and port like \"127.0.0.1:0\", not {addr:?}: {e}"
+                ))
+            })?;
+            b = b.listen(addr);
+        }
+        if let Some(ts) = transports {
+            let mut kinds = Vec::with_capacity(ts.len());
+            for t in &ts {
+                kinds.push(match t.as_str() {
+                    "tcp" => TransportKind::Tcp,
+                    "uring" => TransportKind::Uring,
+                    "rdma" => TransportKind::Rdma,
+                    other => {
+                        return Err(PyValueError::new_err(format!(
+                            "transports takes \"tcp\", \"uring\" and \"rdma\", not {other:?}"
+                        )));
+                    }
+                });
+            }
+            if kinds.is_empty() {
+                return Err(PyValueError::new_err("transports must name at least one"));
+            }
+            b = b.transports(&kinds);
+        }
+        let plane = DataPlane::parse(data_plane).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "data_plane must be \"auto\", \"uring\" or \"tcp\", not {data_plane:?}"
+            ))
+        })?;
+        b = b.data_plane(plane);
+        for (what, v) in [("streams", streams), ("depth", depth)] {
+            if v == Some(0) {
+                return Err(PyValueError::new_err(format!("{what} must be at least 1")));
+            }
+        }
+        if let Some(n) = streams {
+            b = b.streams(n);
+        }
+        if let Some(n) = depth {
+            b = b.depth(n);
+        }
+        match chunk_size {
+            Some(0) => return Err(PyValueError::new_err("chunk_size must be at least 1 byte")),
+            Some(n) => b = b.chunk_size(n),
+            None => {}
+        }
+        if let Some(n) = socket_buffer {
+            b = b.socket_buffer((n > 0).then_some(n));
+        }
+        if let Some(n) = io_threads {
+            b = b.io_threads(Some(n));
+        }
+        if let Some(t) = seconds("request_timeout", request_timeout)? {
+            b = b.request_timeout(t);
+        }
+        if let Some(t) = seconds("connect_timeout", connect_timeout)? {
+            b = b.connect_timeout(t);
+        }
+        if let Some(t) = seconds("dead_peer_after", dead_peer_after)? {
+            b = b.dead_peer_after((!t.is_zero()).then_some(t));
+        }
+        let rt = runtime::get(py)?;
+        let inner = py
+            .detach(|| {
+                let _enter = rt.enter();
+                b.build()
+            })
+            .map_err(|e| errors::to_py(py, e))?;
+        Ok(Self { inner })
+    }
+
+    /// The address it serves on (`"127.0.0.1:41234"`), or None when it does not listen.
+    #[getter]
+    fn listen_addr(&self) -> Option<String> {
+        self.inner.local_addr().map(|a| a.to_string())
+    }
+
+    /// Its peer id (hex).
+    #[getter]
+    fn peer_id(&self) -> String {
+        self.inner.peer_id().to_string()
+    }
+
+    /// Its epoch (hex), chosen at start and never reused.
+    #[getter]
+    fn epoch(&self) -> String {
+        self.inner.epoch().to_string()
+    }
+
+    /// The portable data plane it chose (`"uring"` or `"tcp"`), or None.
+    #[getter]
+    fn data_plane(&self) -> Option<&'static str> {
+        self.inner.data_plane().map(TransportKind::name)
+    }
+
+    /// Registers the memory of `obj`, any object with the buffer protocol (a NumPy array,
+    /// `bytearray`, `memoryview`, `mmap`), without copying it, under `name` with `access` for
+    /// peers: `"local"` (default: only this engine's requests use it), `"read"`, `"write"` or
+    /// `"read+write"`.
+    ///
+    /// The registration holds a buffer export of `obj`, so the memory stays valid (and in place)
+    /// until the registration is closed and no request uses it, even if `obj` is deleted.
+    /// Raises `TypeError` for an object without the buffer protocol and for a read-only buffer
+    /// with `"write"` access, `ValueError` for a strided buffer or a bad `access`, and
+    /// `ResourceExhausted`/`RegistrationError` when the engine refuses it.
+    #[pyo3(signature = (obj, name=None, access="local"))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        name: Option<String>,
+        access: &str,
+    ) -> PyResult<Registration> {
+        let access = parse_access(access)?;
+        let exported = buffer::export(obj)?;
+        if exported.readonly && access.contains(Access::REMOTE_WRITE) {
+            return Err(PyTypeError::new_err(format!(
+                "cannot register {} for remote write: the buffer of this {} is read-only \
+                 (register a writable buffer, or use access=\"read\")",
+                name.as_deref()
+                    .map_or_else(|| "a buffer".to_owned(), |n| format!("{n:?}")),
+                obj.get_type().name()?
+            )));
+        }
+        let name =
+            name.unwrap_or_else(|| format!("buffer-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
+        let len = exported.region.len() as u64;
+        let reg = self
+            .inner
+            .register(exported.region, access, &name)
+            .map_err(|e| errors::to_py(py, e))?;
+        Ok(Registration {
+            name,
+            len,
+            readonly: exported.readonly,
+            access,
+            token: reg.token().to_string(),
+            inner: Mutex::new(Some(reg)),
+        })
+    }
+
+    /// Publishes the file at `path` (its whole size now) as the segment `name` (default: the
+    /// path), served to peers by positioned reads and, with `access="read+write"`, writes that
+    /// never extend the file. No memory is pinned for it.
+    #[pyo3(signature = (path, name=None, access="read"))]
+    fn publish_file(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        name: Option<String>,
+        access: &str,
+    ) -> PyResult<FileRegistration> {
+        let access = parse_access(access)?;
+        if !access.is_remote() {
+            return Err(PyValueError::new_err(
+                "a published file needs access \"read\", \"write\" or \"read+write\"",
+            ));
+        }
+        let name = name.unwrap_or_else(|| path.display().to_string());
+        let inner = &self.inner;
+        let reg = py
+            .detach(|| inner.publish_file_named(&path, access, &name))
+            .map_err(|e| errors::to_py(py, e))?;
+        Ok(FileRegistration {
+            name: reg.name().to_owned(),
+            len: reg.len(),
+            token: reg.token().to_string(),
+            inner: Mutex::new(Some(reg)),
+        })
+    }
+
+    /// Connects to the engine serving `addr` (`"host:port"`): handshake, then the data path
+    /// over the first transport both ends offer. Blocks with the GIL released (at most the
+    /// engine's `connect_timeout`). Raises `StaleEpoch` when the address now has another
+    /// epoch than the one this engine met there first, `ProtocolMismatch`, `Timeout`,
+    /// `IoError` (refused, unreachable) or `NoRoute`.
+    fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
+        let rt = runtime::get(py)?;
+        let inner = &self.inner;
+        let peer = py
+            .detach(|| rt.block_on(inner.connect(addr)))
+            .map_err(|e| errors::to_py(py, e))?;
+        Ok(Peer { inner: peer })
+    }
+
+    /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
+    /// serves it now (descriptors of the old one stay refused).
+    fn reresolve(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
+        let rt = runtime::get(py)?;
+        let inner = &self.inner;
+        let peer = py
+            .detach(|| rt.block_on(inner.reresolve(addr)))
+            .map_err(|e| errors::to_py(py, e))?;
+        Ok(Peer { inner: peer })
+    }
+
+    /// Starts a READ of `remote[remote_offset:+length]` into `local[local_offset:+length]` and
+    /// returns its `Request` (`length=None`: the rest of `local`, clipped to the rest of
+    /// `remote`). `timeout` (seconds) ends it logically once it passes. Bad arguments raise
+    /// before anything moves: `TypeError` (wrong types, a read-only `local`), `ValueError`
+    /// (negative numbers), `OutOfBounds`, `AccessDenied`.
+    #[pyo3(signature = (local, remote, *, local_offset=0, remote_offset=0, length=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read(
+        &self,
+        py: Python<'_>,
+        local: &Bound<'_, Registration>,
+        remote: &Bound<'_, RemoteSegment>,
+        local_offset: i64,
+        remote_offset: i64,
+        length: Option<i64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Request> {
+        let timeout = seconds("timeout", timeout)?;
+        let op = make_op(
+            OpKind::Read,
+            local,
+            remote,
+            local_offset,
+            remote_offset,
+            length,
+        )?;
+        self.start(py, to_batch(py, &[op], timeout)?)
+    }
+
+    /// Starts a WRITE of `local[local_offset:+length]` into `remote[remote_offset:+length]` and
+    /// returns its `Request`; arguments and errors as for `read`.
+    #[pyo3(signature = (local, remote, *, local_offset=0, remote_offset=0, length=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        py: Python<'_>,
+        local: &Bound<'_, Registration>,
+        remote: &Bound<'_, RemoteSegment>,
+        local_offset: i64,
+        remote_offset: i64,
+        length: Option<i64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Request> {
+        let timeout = seconds("timeout", timeout)?;
+        let op = make_op(
+            OpKind::Write,
+            local,
+            remote,
+            local_offset,
+            remote_offset,
+            length,
+        )?;
+        self.start(py, to_batch(py, &[op], timeout)?)
+    }
+
+    /// Submits a `Batch` as one request: every op is checked against its local registration
+    /// and the peer's descriptor first (an error here means nothing moved), then it runs in the
+    /// background. Returns its `Request`.
+    fn submit(&self, py: Python<'_>, batch: &Bound<'_, Batch>) -> PyResult<Request> {
+        let b = batch.borrow();
+        let fb = to_batch(py, &b.ops, b.timeout)?;
+        drop(b);
+        self.start(py, fb)
+    }
+
+    /// What the engine is and has done, as a dict: identity, listener, transports, data plane,
+    /// registrations, published segments, per-route and per-rail counters.
+    fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_plain(py, &self.inner.describe())
+    }
+
+    /// Surfaces native cleanup that failed earlier (an `Unquiesced` registration); returns None
+    /// when there is none.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.check().map_err(|e| errors::to_py(py, e))
+    }
+
+    /// Stops serving: the listener closes and accepted connections are dropped.
+    fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.inner.shutdown();
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferry.Engine peer_id={} listen={} data_plane={}>",
+            self.inner.peer_id(),
+            self.inner
+                .local_addr()
+                .map_or("None".into(), |a| a.to_string()),
+            self.inner.data_plane().map_or("None", TransportKind::name)
+        )
+    }
+}
+
+impl Engine {
+    fn start(&self, py: Python<'_>, batch: ferry::Batch) -> PyResult<Request> {
+        let rt = runtime::get(py)?;
+        let _enter = rt.enter();
+        let handle = self.inner.submit(batch).map_err(|e| errors::to_py(py, e))?;
+        let (watch, canceller) = request::watch(handle);
+        Ok(Request { watch, canceller })
+    }
+}
+
+/// Registered memory: a buffer-protocol object published under a name. `close()` (or leaving
+/// a `with` block) unpublishes it; the memory stays in use until requests using it drained.
+#[pyclass(name = "Registration", module = "ferry", frozen)]
+pub(crate) struct Registration {
+    pub(crate) name: String,
+    pub(crate) len: u64,
+    pub(crate) readonly: bool,
+    access: Access,
+    token: String,
+    pub(crate) inner: Mutex<Option<ferry::Registration>>,
+}
+
+#[pymethods]
+impl Registration {
+    /// The name it is published under.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its token (hex), which peers address it by.
+    #[getter]
+    fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// Peers' access: `"local"`, `"read"`, `"write"` or `"read+write"`.
+    #[getter]
+    fn access(&self) -> &'static str {
+        access_name(self.access)
+    }
+
+    /// Whether the buffer is read-only (it can then only be a source: WRITEs from it, READs
+    /// of it by peers).
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.readonly
+    }
+
+    /// Whether it was closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// Unpublishes it now: peers' requests are refused as for an unknown token from then on,
+    /// and later requests of this engine cannot use it. The buffer export is released once no
+    /// request uses the memory. Closing twice does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let reg = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match reg {
+            Some(r) => r.retire().map_err(|e| errors::to_py(py, e)),
+            None => Ok(()),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.len as usize
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferry.Registration {:?} {} bytes access={}{}{}>",
+            self.name,
+            self.len,
+            access_name(self.access),
+            if self.readonly { " readonly" } else { "" },
+            if self.closed() { " closed" } else { "" }
+        )
+    }
+}
+
+/// A published file segment. `close()` unpublishes it; reads already running finish.
+#[pyclass(name = "FileRegistration", module = "ferry", frozen)]
+pub(crate) struct FileRegistration {
+    name: String,
+    len: u64,
+    token: String,
+    inner: Mutex<Option<ferry::FileRegistration>>,
+}
+
+#[pymethods]
+impl FileRegistration {
+    /// The name it is published under.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its token (hex).
+    #[getter]
+    fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// Unpublishes the file segment. Closing twice does nothing.
+    fn close(&self) {
+        let reg = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(reg);
+    }
+
+    fn __len__(&self) -> usize {
+        self.len as usize
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close();
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferry.FileRegistration {:?} {} bytes>",
+            self.name, self.len
+        )
+    }
+}
+
+/// A connected peer incarnation and the segments it published at connection time.
+#[pyclass(name = "Peer", module = "ferry", frozen)]
+pub(crate) struct Peer {
+    inner: ferry::Peer,
+}
+
+#[pymethods]
+impl Peer {
+    /// Its control address.
+    #[getter]
+    fn addr(&self) -> String {
+        self.inner.addr().to_string()
+    }
+
+    /// Its peer id (hex).
+    #[getter]
+    fn peer_id(&self) -> String {
+        self.inner.id().to_string()
+    }
+
+    /// The epoch of this incarnation (hex).
+    #[getter]
+    fn epoch(&self) -> String {
+        self.inner.epoch().to_string()
+    }
+
+    /// The transport its requests take (`"tcp"`, `"uring"`, `"rdma"`).
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.inner.transport().name()
+    }
+
+    /// The segments it published at connection time, as dicts (`name`, `len`, `access`,
+    /// `token`).
+    #[getter]
+    fn segments<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for s in self.inner.segments() {
+            let d = PyDict::new(py);
+            d.set_item("name", &s.name)?;
+            d.set_item("len", s.len)?;
+            d.set_item("access", access_name(s.access))?;
+            d.set_item("token", s.token.to_string())?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    /// The segment published under `name`; raises `UnknownSegmentName` (a `LookupError`) when
+    /// there is none.
+    fn segment(&self, py: Python<'_>, name: &str) -> PyResult<RemoteSegment> {
+        let segment = self.inner.segment(name).map_err(|e| errors::to_py(py, e))?;
+        Ok(RemoteSegment { segment })
+    }
+
+    /// Whether its data channel can still carry requests.
+    fn is_alive(&self) -> bool {
+        self.inner.is_alive()
+    }
+
+    /// Closes the data path: in-flight chunks fail as lost, later requests fail at once.
+    fn close(&self) {
+        self.inner.close();
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferry.Peer {} transport={} segments={}>",
+            self.inner.addr(),
+            self.inner.transport().name(),
+            self.inner.segments().len()
+        )
+    }
+}
+
+/// A segment published by a peer, as the target of READs and WRITEs.
+#[pyclass(name = "RemoteSegment", module = "ferry", frozen)]
+pub(crate) struct RemoteSegment {
+    pub(crate) segment: ferry::RemoteSegment,
+}
+
+#[pymethods]
+impl RemoteSegment {
+    /// Its name.
+    #[getter]
+    fn name(&self) -> &str {
+        self.segment.name()
+    }
+
+    /// What this side may do to it: `"read"`, `"write"` or `"read+write"`.
+    #[getter]
+    fn access(&self) -> &'static str {
+        access_name(self.segment.access())
+    }
+
+    /// Its token (hex).
+    #[getter]
+    fn token(&self) -> String {
+        self.segment.desc().token.to_string()
+    }
+
+    fn __len__(&self) -> usize {
+        self.segment.len() as usize
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<ferry.RemoteSegment {:?} {} bytes access={}>",
+            self.segment.name(),
+            self.segment.len(),
+            access_name(self.segment.access())
+        )
+    }
+}
+
+/// Runs every check of the capability matrix (what `ferry doctor --json` prints) and returns it
+/// as a dict: `{"checks": [{"name", "status", "detail", "hint"}, ...]}`. Releases the GIL while
+/// probing.
+#[pyfunction]
+pub(crate) fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let caps =
+        py.detach(|| ferry::capabilities::probe(&ferry::capabilities::ProbeOptions::default()));
+    to_plain(py, &caps)
+}
+
+/// Registers the classes and functions of this module.
+pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Engine>()?;
+    m.add_class::<Registration>()?;
+    m.add_class::<FileRegistration>()?;
+    m.add_class::<Peer>()?;
+    m.add_class::<RemoteSegment>()?;
+    m.add_function(pyo3::wrap_pyfunction!(doctor, m)?)?;
+    Ok(())
+}

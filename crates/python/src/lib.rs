@@ -1,0 +1,33 @@
+//! Ferry for Python: the native part (`ferry._ferry`) of the `ferry` package, which the
+//! distribution `ferry-transfer` installs. Built by maturin as an abi3 extension module for
+//! CPython 3.11 and later (3.11 is the first whose stable ABI has the buffer protocol).
+//!
+//! Contract: the Python API mirrors the facade crate `ferry` (`Engine` is a `TransferEngine`,
+//! `register` takes any buffer-protocol object without copying it, `connect` gives a `Peer`,
+//! `read`/`write`/`submit` give a `Request` whose `wait()` releases the GIL and which asyncio
+//! can await). Ferry's errors become `FerryError` subclasses with Rust's message; bad arguments
+//! raise `TypeError`/`ValueError` before anything moves. No Rust panic crosses into Python as an
+//! abort: PyO3 turns a panic in a call into a `pyo3_runtime.PanicException`, and a panic on the
+//! runtime ends a request's watch with a `FerryError` instead of leaving its waiters hanging.
+//! No runtime worker thread ever waits for the GIL (see `request` and `buffer`).
+//!
+//! It depends on the facade only; GPU memory and broadcast are not bound yet (their Rust side
+//! does not exist).
+
+mod buffer;
+mod engine;
+mod errors;
+mod request;
+mod runtime;
+
+use pyo3::prelude::*;
+
+/// The native module `ferry._ferry`; `ferry/__init__.py` re-exports it.
+#[pymodule]
+fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::add_to(m)?;
+    engine::add_to(m)?;
+    request::add_to(m)?;
+    Ok(())
+}

@@ -1,0 +1,686 @@
+//! Batches, submitted requests and their outcomes.
+//!
+//! A submitted request is watched by one task on the shared runtime, which records the logical
+//! outcome and then the drained one in a [`Watch`]. `Request.wait` blocks on the watch's condvar
+//! with the GIL released; `await request` registers an asyncio future that the watch settles
+//! through `loop.call_soon_threadsafe`, called from tokio's blocking pool (never from a runtime
+//! worker, which must not wait for the GIL).
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use ferry::{Canceller, OpKind, Outcome, RemoteEffect, RemoteStatus};
+use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::engine::{Registration, RemoteSegment};
+use crate::errors::{self, Kind};
+
+/// What the watch of a request knows.
+#[derive(Default)]
+struct State {
+    /// The logical outcome, once the request ended (completed, failed, timed out, cancelled).
+    outcome: Option<Outcome>,
+    /// The final outcome once the buffers are free again (`drained: true`).
+    drained: Option<Outcome>,
+    /// The watching task ended without an outcome (a panic below): waiting raises.
+    lost: bool,
+    /// asyncio futures to settle: (event loop, future, whether it waits for `drained`).
+    waiters: Vec<(Py<PyAny>, Py<PyAny>, bool)>,
+}
+
+/// The outcome slots of one request, shared by its watching task and its Python handle.
+#[derive(Default)]
+pub(crate) struct Watch {
+    state: Mutex<State>,
+    cond: Condvar,
+}
+
+impl Watch {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records the logical outcome (`drained == false`) or the drained one, wakes the waiters
+    /// and settles the asyncio futures that waited for it.
+    fn settle(&self, outcome: Option<Outcome>, drained: bool) {
+        let due = {
+            let mut st = self.lock();
+            match (outcome, drained) {
+                (Some(o), false) => st.outcome = Some(o),
+                (Some(o), true) => {
+                    st.outcome.get_or_insert(o);
+                    st.drained = Some(o);
+                }
+                (None, _) => st.lost = true,
+            }
+            let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.waiters)
+                .into_iter()
+                .partition(|(_, _, wants_drained)| outcome.is_none() || *wants_drained == drained);
+            st.waiters = keep;
+            due
+        };
+        self.cond.notify_all();
+        if !due.is_empty() {
+            // The blocking pool, not this runtime worker, waits for the GIL.
+            tokio::task::spawn_blocking(move || {
+                Python::try_attach(|py| {
+                    for (event_loop, fut, _) in due {
+                        settle_future(py, &event_loop, &fut, outcome);
+                    }
+                });
+            });
+        }
+    }
+}
+
+/// Sets `fut`'s result (or its exception when the request's watch was lost) from its loop's
+/// thread. A closed loop cannot be told; the future is then dropped unsettled.
+fn settle_future(py: Python<'_>, event_loop: &Py<PyAny>, fut: &Py<PyAny>, o: Option<Outcome>) {
+    let result = (|| -> PyResult<()> {
+        let value: Py<PyAny> = match o {
+            Some(o) => Py::new(py, PyOutcome(o))?.into_any(),
+            None => lost_error(py).into_value(py).into_any(),
+        };
+        let setter = pyo3::wrap_pyfunction!(_settle, py)?;
+        event_loop.call_method1(py, "call_soon_threadsafe", (setter, fut, value))?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        // A closed event loop raises RuntimeError; nothing awaits the future any more.
+        if !e.is_instance_of::<pyo3::exceptions::PyRuntimeError>(py) {
+            e.write_unraisable(py, None);
+        }
+    }
+}
+
+/// Settles an asyncio future with an outcome or an exception, unless it was cancelled meanwhile.
+#[pyfunction]
+fn _settle(fut: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    if fut.call_method0("done")?.is_truthy()? {
+        return Ok(());
+    }
+    if value.is_instance_of::<pyo3::exceptions::PyBaseException>() {
+        fut.call_method1("set_exception", (value,))?;
+    } else {
+        fut.call_method1("set_result", (value,))?;
+    }
+    Ok(())
+}
+
+fn lost_error(py: Python<'_>) -> PyErr {
+    errors::err(
+        py,
+        Kind::FerryError,
+        "internal error: the task watching this request ended without an outcome".into(),
+    )
+}
+
+/// Sets the watch's state to `lost` if the watching task unwinds or is dropped before it
+/// recorded the outcomes, so that no waiter hangs.
+struct LostGuard(Option<Arc<Watch>>);
+
+impl Drop for LostGuard {
+    fn drop(&mut self) {
+        if let Some(w) = self.0.take() {
+            w.settle(None, false);
+        }
+    }
+}
+
+/// Starts watching `handle` on the current runtime.
+pub(crate) fn watch(handle: ferry::RequestHandle) -> (Arc<Watch>, Canceller) {
+    let watch = Arc::new(Watch::default());
+    let canceller = handle.canceller();
+    let drained = handle.drained();
+    let w = watch.clone();
+    tokio::spawn(async move {
+        let mut guard = LostGuard(Some(w.clone()));
+        let outcome = handle.await;
+        w.settle(Some(outcome), false);
+        let done = drained.await;
+        guard.0 = None;
+        w.settle(Some(done), true);
+    });
+    (watch, canceller)
+}
+
+/// Seconds (a non-negative number) as a `Duration`; `what` names the argument in errors.
+pub(crate) fn seconds(what: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
+    match v {
+        None => Ok(None),
+        Some(s) if (0.0..1e9).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(PyValueError::new_err(format!(
+            "{what} must be a number of seconds from 0 to 1e9, not {s}"
+        ))),
+    }
+}
+
+/// A non-negative offset or length; `what` names the argument in errors.
+pub(crate) fn non_negative(what: &str, v: i64) -> PyResult<u64> {
+    u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, not {v}")))
+}
+
+/// One op of a Python batch, before validation.
+pub(crate) struct PyOp {
+    kind: OpKind,
+    local: Py<Registration>,
+    local_offset: u64,
+    remote: Py<RemoteSegment>,
+    remote_offset: u64,
+    len: u64,
+}
+
+/// Checks a Python op's arguments and describes it; errors are `TypeError`/`ValueError`.
+pub(crate) fn make_op(
+    kind: OpKind,
+    local: &Bound<'_, Registration>,
+    remote: &Bound<'_, RemoteSegment>,
+    local_offset: i64,
+    remote_offset: i64,
+    length: Option<i64>,
+) -> PyResult<PyOp> {
+    let local_offset = non_negative("local_offset", local_offset)?;
+    let remote_offset = non_negative("remote_offset", remote_offset)?;
+    let reg = local.get();
+    if kind == OpKind::Read && reg.readonly {
+        return Err(PyTypeError::new_err(format!(
+            "cannot READ into registration {:?}: its buffer is read-only",
+            reg.name
+        )));
+    }
+    let len = match length {
+        Some(l) => non_negative("length", l)?,
+        // The rest of the local registration, clipped to the rest of the remote segment.
+        None => {
+            let local_rest = reg.len.checked_sub(local_offset).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "local_offset {local_offset} is past the end of registration {:?} ({} bytes)",
+                    reg.name, reg.len
+                ))
+            })?;
+            let remote_len = remote.get().segment.len();
+            let remote_rest = remote_len.checked_sub(remote_offset).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "remote_offset {remote_offset} is past the end of segment {:?} ({} bytes)",
+                    remote.get().segment.name(),
+                    remote_len
+                ))
+            })?;
+            local_rest.min(remote_rest)
+        }
+    };
+    Ok(PyOp {
+        kind,
+        local: local.clone().unbind(),
+        local_offset,
+        remote: remote.clone().unbind(),
+        remote_offset,
+        len,
+    })
+}
+
+/// Builds the facade's batch from Python ops; `ValueError`/`FerryError` for what it refuses.
+pub(crate) fn to_batch(
+    py: Python<'_>,
+    ops: &[PyOp],
+    timeout: Option<Duration>,
+) -> PyResult<ferry::Batch> {
+    let mut batch = ferry::Batch::new();
+    for op in ops {
+        let local = op.local.get();
+        let guard = local.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(reg) = guard.as_ref() else {
+            return Err(errors::err(
+                py,
+                Kind::InvalidRequest,
+                format!("registration {:?} is closed", local.name),
+            ));
+        };
+        batch.push(
+            op.kind,
+            reg,
+            op.local_offset,
+            &op.remote.get().segment,
+            op.remote_offset,
+            op.len,
+        );
+    }
+    Ok(match timeout {
+        Some(t) => batch.timeout(t),
+        None => batch,
+    })
+}
+
+/// An ordered batch of READs and WRITEs to one peer, submitted as one request with
+/// `Engine.submit(batch)`.
+///
+/// Offsets and lengths are in bytes. `length=None` moves the rest of the local registration
+/// from `local_offset` on, clipped to the rest of the remote segment. `timeout` (seconds) ends
+/// the request logically once it passes: its outcome then fails with kind `timeout`.
+#[pyclass(name = "Batch", module = "ferry")]
+pub(crate) struct Batch {
+    pub(crate) ops: Vec<PyOp>,
+    pub(crate) timeout: Option<Duration>,
+}
+
+#[pymethods]
+impl Batch {
+    #[new]
+    #[pyo3(signature = (timeout=None))]
+    fn new(timeout: Option<f64>) -> PyResult<Self> {
+        Ok(Self {
+            ops: Vec::new(),
+            timeout: seconds("timeout", timeout)?,
+        })
+    }
+
+    /// Appends a READ of `remote[remote_offset:+length]` into `local[local_offset:+length]`;
+    /// returns the batch.
+    #[pyo3(signature = (local, remote, local_offset=0, remote_offset=0, length=None))]
+    fn read<'py>(
+        mut slf: PyRefMut<'py, Self>,
+        local: &Bound<'py, Registration>,
+        remote: &Bound<'py, RemoteSegment>,
+        local_offset: i64,
+        remote_offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<PyRefMut<'py, Self>> {
+        let op = make_op(
+            OpKind::Read,
+            local,
+            remote,
+            local_offset,
+            remote_offset,
+            length,
+        )?;
+        slf.ops.push(op);
+        Ok(slf)
+    }
+
+    /// Appends a WRITE of `local[local_offset:+length]` into `remote[remote_offset:+length]`;
+    /// returns the batch.
+    #[pyo3(signature = (local, remote, local_offset=0, remote_offset=0, length=None))]
+    fn write<'py>(
+        mut slf: PyRefMut<'py, Self>,
+        local: &Bound<'py, Registration>,
+        remote: &Bound<'py, RemoteSegment>,
+        local_offset: i64,
+        remote_offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<PyRefMut<'py, Self>> {
+        let op = make_op(
+            OpKind::Write,
+            local,
+            remote,
+            local_offset,
+            remote_offset,
+            length,
+        )?;
+        slf.ops.push(op);
+        Ok(slf)
+    }
+
+    fn __len__(&self) -> usize {
+        self.ops.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Batch(ops={}, bytes={}, timeout={:?})",
+            self.ops.len(),
+            self.ops.iter().map(|o| o.len).sum::<u64>(),
+            self.timeout.map(|t| t.as_secs_f64())
+        )
+    }
+}
+
+/// A submitted request. `wait()` blocks (with the GIL released) until it ends; `await request`
+/// does the same in asyncio. Both give an `Outcome`, which says how far the request got; a
+/// failed request does not raise unless you call `outcome.raise_for_failure()`.
+///
+/// The registrations it uses stay alive until it is drained, whatever Python does with them.
+#[pyclass(name = "Request", module = "ferry", frozen)]
+pub(crate) struct Request {
+    pub(crate) watch: Arc<Watch>,
+    pub(crate) canceller: Canceller,
+}
+
+impl Request {
+    fn wait_for(&self, py: Python<'_>, timeout: Option<f64>, drained: bool) -> PyResult<PyOutcome> {
+        let limit = seconds("timeout", timeout)?;
+        // Already ended (often so for the oldest of several in flight): no GIL round trip.
+        {
+            let st = self.watch.lock();
+            if let Some(o) = if drained { st.drained } else { st.outcome } {
+                return Ok(PyOutcome(o));
+            }
+        }
+        let deadline = limit.map(|t| Instant::now() + t);
+        // Wait in slices so that Ctrl-C (a pending signal) interrupts a long wait.
+        const SLICE: Duration = Duration::from_millis(100);
+        loop {
+            let watch = &self.watch;
+            let got = py.detach(|| {
+                let mut st = watch.lock();
+                let until = Instant::now() + SLICE;
+                let until = deadline.map_or(until, |d| d.min(until));
+                loop {
+                    let ready = if drained { st.drained } else { st.outcome };
+                    if ready.is_some() || st.lost {
+                        return (ready, st.lost);
+                    }
+                    let now = Instant::now();
+                    if now >= until {
+                        return (None, false);
+                    }
+                    st = watch
+                        .cond
+                        .wait_timeout(st, until - now)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+            });
+            match got {
+                (Some(o), _) => return Ok(PyOutcome(o)),
+                (None, true) => return Err(lost_error(py)),
+                (None, false) => {}
+            }
+            py.check_signals()?;
+            if let (Some(d), Some(t)) = (deadline, limit)
+                && Instant::now() >= d
+            {
+                return Err(PyTimeoutError::new_err(format!(
+                    "the request did not {} within {:.3} s; it is still running (wait again, \
+                     or cancel() it)",
+                    if drained { "drain" } else { "end" },
+                    t.as_secs_f64()
+                )));
+            }
+        }
+    }
+
+    fn future<'py>(&self, py: Python<'py>, drained: bool) -> PyResult<Bound<'py, PyAny>> {
+        let asyncio = py.import("asyncio")?;
+        let event_loop = asyncio.call_method0("get_running_loop")?;
+        let fut = event_loop.call_method0("create_future")?;
+        // Cancelling the awaiting task (asyncio.wait_for, TaskGroup) cancels the request.
+        let on_done = Py::new(
+            py,
+            CancelOnCancel {
+                canceller: self.canceller.clone(),
+            },
+        )?;
+        fut.call_method1("add_done_callback", (on_done,))?;
+        let ready = {
+            let mut st = self.watch.lock();
+            let ready = if drained { st.drained } else { st.outcome };
+            match (ready, st.lost) {
+                (None, false) => {
+                    st.waiters
+                        .push((event_loop.clone().unbind(), fut.clone().unbind(), drained));
+                    None
+                }
+                (o, _) => Some(o),
+            }
+        };
+        match ready {
+            Some(Some(o)) => {
+                fut.call_method1("set_result", (Py::new(py, PyOutcome(o))?,))?;
+            }
+            Some(None) => {
+                fut.call_method1("set_exception", (lost_error(py).into_value(py),))?;
+            }
+            None => {}
+        }
+        Ok(fut)
+    }
+}
+
+#[pymethods]
+impl Request {
+    /// Blocks until the request ends (completed, failed, timed out or cancelled) and returns its
+    /// `Outcome`. Releases the GIL meanwhile. With `timeout` (seconds), raises the builtin
+    /// `TimeoutError` if it has not ended by then; the request keeps running.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyOutcome> {
+        self.wait_for(py, timeout, false)
+    }
+
+    /// Like `wait`, but returns only once the transport has physically finished with the local
+    /// buffers (`outcome.drained` is true): after a timeout or cancel, reuse the buffers only then.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_drained(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyOutcome> {
+        self.wait_for(py, timeout, true)
+    }
+
+    /// An asyncio future that resolves to the drained `Outcome` (call inside a running loop).
+    fn drained<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.future(py, true)
+    }
+
+    /// Whether the request has ended (its outcome is known).
+    fn done(&self) -> bool {
+        let st = self.watch.lock();
+        st.outcome.is_some() || st.lost
+    }
+
+    /// Ends the request logically: no further chunk is posted and it resolves with a
+    /// `cancelled` failure (unless it already completed). Buffers stay in use until drained.
+    fn cancel(&self) {
+        self.canceller.cancel();
+    }
+
+    fn __await__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.future(py, false)?.call_method0("__await__")
+    }
+
+    fn __repr__(&self) -> String {
+        let st = self.watch.lock();
+        match (st.drained, st.outcome) {
+            (Some(o), _) | (None, Some(o)) => format!("<ferry.Request done: {}>", describe(&o)),
+            _ => "<ferry.Request running>".into(),
+        }
+    }
+}
+
+/// The done-callback that cancels a request when the asyncio future awaiting it is cancelled.
+#[pyclass(module = "ferry", frozen)]
+struct CancelOnCancel {
+    canceller: Canceller,
+}
+
+#[pymethods]
+impl CancelOnCancel {
+    fn __call__(&self, fut: &Bound<'_, PyAny>) -> PyResult<()> {
+        if fut.call_method0("cancelled")?.is_truthy()? {
+            self.canceller.cancel();
+        }
+        Ok(())
+    }
+}
+
+fn effect_name(e: RemoteEffect) -> &'static str {
+    match e {
+        RemoteEffect::None => "none",
+        RemoteEffect::Certain => "certain",
+        RemoteEffect::Uncertain => "uncertain",
+    }
+}
+
+fn failure_kind_name(k: ferry::FailureKind) -> &'static str {
+    use ferry::FailureKind as F;
+    match k {
+        F::Timeout => "timeout",
+        F::Cancelled => "cancelled",
+        F::PeerLost => "peer_lost",
+        F::Remote(RemoteStatus::UnknownSegment) => "unknown_segment",
+        F::Remote(RemoteStatus::OutOfBounds) => "out_of_bounds",
+        F::Remote(RemoteStatus::AccessDenied) => "access_denied",
+        F::Remote(RemoteStatus::StaleEpoch) => "stale_epoch",
+        F::Remote(RemoteStatus::Malformed) => "malformed",
+        F::Local => "local",
+        _ => "other",
+    }
+}
+
+fn describe(o: &Outcome) -> String {
+    let failure = match o.failure {
+        None => "None".to_owned(),
+        Some(f) => format!(
+            "Failure(op_index={}, kind={:?})",
+            f.op_index,
+            failure_kind_name(f.kind)
+        ),
+    };
+    format!(
+        "Outcome(completed_ops={}, completed_bytes={}, failure={failure}, remote_effect={:?}, \
+         drained={})",
+        o.completed_ops,
+        o.completed_bytes,
+        effect_name(o.remote_effect),
+        if o.drained { "True" } else { "False" },
+    )
+}
+
+/// The outcome of a request: how many ops from the start completed and their bytes, the first
+/// failure if any, what failed WRITEs may have done to remote memory, and whether the local
+/// buffers are free again. Never reports a byte that was not acknowledged.
+#[pyclass(name = "Outcome", module = "ferry", frozen)]
+#[derive(Clone, Copy)]
+pub(crate) struct PyOutcome(pub(crate) Outcome);
+
+#[pymethods]
+impl PyOutcome {
+    /// How many ops, from the start of the batch, are known complete.
+    #[getter]
+    fn completed_ops(&self) -> usize {
+        self.0.completed_ops
+    }
+
+    /// The bytes of those ops.
+    #[getter]
+    fn completed_bytes(&self) -> u64 {
+        self.0.completed_bytes
+    }
+
+    /// The first failure (`Failure`), or None when every op completed.
+    #[getter]
+    fn failure(&self) -> Option<PyFailure> {
+        self.0.failure.map(PyFailure)
+    }
+
+    /// What the failed and later WRITEs may have done remotely: `"none"`, `"certain"` (some of
+    /// their bytes landed, none is in doubt) or `"uncertain"` (some may have landed).
+    #[getter]
+    fn remote_effect(&self) -> &'static str {
+        effect_name(self.0.remote_effect)
+    }
+
+    /// Whether the local side has physically finished with the buffers.
+    #[getter]
+    fn drained(&self) -> bool {
+        self.0.drained
+    }
+
+    /// Whether every op completed.
+    #[getter]
+    fn ok(&self) -> bool {
+        self.0.is_success()
+    }
+
+    /// Raises the `FerryError` subclass of the failure's kind (`Timeout`, `Cancelled`,
+    /// `PeerLost`, `OutOfBounds`, `AccessDenied`, `UnknownSegment`, `StaleEpoch`, `Malformed`,
+    /// or `FerryError` for a local error), with this outcome as its `outcome` attribute.
+    /// Does nothing when the request succeeded.
+    fn raise_for_failure(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(f) = self.0.failure else {
+            return Ok(());
+        };
+        let msg = format!(
+            "op {} of the request failed: {}{}; {} ops ({} bytes) completed before it; remote \
+             effect of the failed and later WRITEs: {}",
+            f.op_index,
+            f.kind,
+            f.native_status
+                .map(|s| format!(" (native status {s})"))
+                .unwrap_or_default(),
+            self.0.completed_ops,
+            self.0.completed_bytes,
+            effect_name(self.0.remote_effect)
+        );
+        let err = errors::err(py, errors::kind_of_failure(f.kind), msg);
+        err.value(py).setattr("outcome", Py::new(py, *self)?)?;
+        Err(err)
+    }
+
+    fn __bool__(&self) -> bool {
+        self.0.is_success()
+    }
+
+    fn __repr__(&self) -> String {
+        describe(&self.0)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<PyOutcome>().is_ok_and(|o| o.get().0 == self.0)
+    }
+}
+
+/// The first failed op of a request.
+#[pyclass(name = "Failure", module = "ferry", frozen)]
+#[derive(Clone, Copy)]
+pub(crate) struct PyFailure(ferry::Failure);
+
+#[pymethods]
+impl PyFailure {
+    /// Index of the op in the batch (equal to the outcome's `completed_ops`).
+    #[getter]
+    fn op_index(&self) -> usize {
+        self.0.op_index
+    }
+
+    /// What went wrong: `"timeout"`, `"cancelled"`, `"peer_lost"`, `"local"`, or a refusal by
+    /// the remote side: `"unknown_segment"`, `"out_of_bounds"`, `"access_denied"`,
+    /// `"stale_epoch"`, `"malformed"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        failure_kind_name(self.0.kind)
+    }
+
+    /// Whether the remote side refused the op (no byte of the refused chunk moved).
+    #[getter]
+    fn remote(&self) -> bool {
+        matches!(self.0.kind, ferry::FailureKind::Remote(_))
+    }
+
+    /// The native status (errno, verbs work-completion status) where there is one.
+    #[getter]
+    fn native_status(&self) -> Option<i32> {
+        self.0.native_status
+    }
+
+    /// The failure in words, as the Rust engine says it.
+    #[getter]
+    fn message(&self) -> String {
+        self.0.kind.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Failure(op_index={}, kind={:?}, native_status={:?})",
+            self.0.op_index,
+            failure_kind_name(self.0.kind),
+            self.0.native_status
+        )
+    }
+}
+
+/// Registers the classes of this module.
+pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Batch>()?;
+    m.add_class::<Request>()?;
+    m.add_class::<PyOutcome>()?;
+    m.add_class::<PyFailure>()?;
+    Ok(())
+}

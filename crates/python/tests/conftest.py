@@ -1,0 +1,123 @@
+"""Shared fixtures: facility gates in the FERRY_REQUIRE_* convention, and peer processes.
+
+A test whose facility is missing skips with the reason, unless ``FERRY_REQUIRE_PYTHON=1``
+says this machine has everything the Python suite needs (``.ci/run`` sets it): then the skip
+is a failure.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def require(facility_ok: bool, reason: str) -> None:
+    """Skips the test with ``reason`` when the facility is missing, or fails under
+    ``FERRY_REQUIRE_PYTHON=1``."""
+    if facility_ok:
+        return
+    if os.environ.get("FERRY_REQUIRE_PYTHON") == "1":
+        pytest.fail(f"{reason} (FERRY_REQUIRE_PYTHON=1 says it must be here)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def np():
+    """NumPy, which most tests move."""
+    try:
+        import numpy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        require(False, f"numpy is not installed: {e}")
+    return numpy
+
+
+def _state(task: Path) -> str | None:
+    """A thread's state letter from /proc (None once it is gone)."""
+    try:
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split()[1]
+    except OSError:
+        return None
+    return None
+
+
+class PeerProcess:
+    """A ``peer.py`` process: its address, commands, and signals to stop or kill it."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "peer.py"), str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer process exited: {self.proc.wait()}")
+        self.addr = json.loads(line)["addr"]
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def stop(self) -> None:
+        """SIGSTOP, and wait until every thread of the peer is stopped (delivery is async)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if all(_state(t) in ("T", None) for t in Path(f"/proc/{self.proc.pid}/task").iterdir()):
+                return
+            time.sleep(0.005)
+        raise RuntimeError("the peer did not stop within 10 s")
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+@pytest.fixture
+def peer_process(np):
+    """A peer in another process serving ``src``/``sink`` of 1 Mi uint32 (4 MiB) each."""
+    p = PeerProcess(1 << 20)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def loopback():
+    """A serving engine with one read+write 64 KiB ``seg``, and a client engine."""
+    import ferry
+
+    server = ferry.Engine(listen="127.0.0.1:0")
+    buf = bytearray(64 << 10)
+    reg = server.register(buf, name="seg", access="read+write")
+    ro = server.register(bytearray(4096), name="ro", access="read")
+    client = ferry.Engine()
+    peer = client.connect(server.listen_addr)
+    yield server, client, peer, buf
+    reg.close()
+    ro.close()
+    server.shutdown()

@@ -1,0 +1,74 @@
+"""describe(), doctor(), handles' properties, the bench and the example."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ferry
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_describe_is_a_plain_dict(loopback):
+    server, client, peer, _ = loopback
+    d = server.describe()
+    assert isinstance(d, dict)
+    assert d["listen"] == server.listen_addr
+    assert {s["name"] for s in d["published"]} == {"seg", "ro"}
+    json.dumps(d)  # plain values only
+    assert peer.epoch == server.epoch and peer.peer_id == server.peer_id
+    assert peer.transport in ("tcp", "uring")
+
+
+def test_doctor_rows():
+    d = ferry.doctor()
+    names = [c["name"] for c in d["checks"]]
+    assert "build" in names and "io_uring" in names
+    for c in d["checks"]:
+        assert c["status"] in ("ok", "unavailable", "absent", "error")
+
+
+def test_handles(loopback):
+    _, client, peer, _ = loopback
+    seg = peer.segment("seg")
+    assert len(seg) == 64 << 10 and seg.access == "read+write" and seg.name == "seg"
+    reg = client.register(bytearray(10), name="ten", access="read")
+    assert (reg.name, len(reg), reg.access, reg.readonly, reg.closed) == (
+        "ten", 10, "read", False, False
+    )
+    assert "ten" in repr(reg)
+    reg.close()
+    reg.close()
+    assert reg.closed
+
+
+def test_publish_file(tmp_path):
+    path = tmp_path / "shard.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    server = ferry.Engine(listen="127.0.0.1:0")
+    with server.publish_file(path, name="shard") as f:
+        assert len(f) == 4096
+        client = ferry.Engine()
+        peer = client.connect(server.listen_addr)
+        buf = bytearray(4096)
+        reg = client.register(buf)
+        client.read(reg, peer.segment("shard")).wait(timeout=30).raise_for_failure()
+        assert bytes(buf) == path.read_bytes()
+
+
+def test_python_bench_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "ferry", "bench", "--op", "read", "--total", "64MiB", "--json"],
+        check=True, capture_output=True, text=True, timeout=120,
+    )
+    r = json.loads(out.stdout)
+    assert r["total_bytes"] == 64 << 20 and r["gb_per_s"] > 0
+
+
+def test_weight_update_example(np):
+    example = ROOT / "examples" / "python" / "weight_update.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], check=True, capture_output=True, text=True, timeout=120
+    )
+    assert "all weights match" in out.stdout

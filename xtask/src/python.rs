@@ -1,0 +1,268 @@
+//! The Python package (`crates/python`): `cargo xtask ci`'s `python` step and
+//! `cargo xtask bench python`.
+//!
+//! Both make (once) a virtual environment in `target/python-venv` (ignored by git) with the
+//! interpreter named by `FERRY_PYTHON` (default `python3`), install maturin, pytest, NumPy and
+//! mypy into it from the package index with pip, and build the extension into it with
+//! `maturin develop`. Debian needs `python3-venv` for the environment and `python3-dev` is not
+//! needed (the module is abi3 and links no libpython); `.ci/run` installs both anyway.
+//!
+//! The CI step then runs the pytest suite in `crates/python/tests`. Without an interpreter or
+//! the venv module it skips with the reason, unless `FERRY_REQUIRE_PYTHON=1` (then it fails),
+//! as the FERRY_REQUIRE_* gates of the Rust tests do.
+//!
+//! `bench python` starts one `ferry serve` (release build) and runs, in `--repeat` alternating
+//! rounds, `ferry bench PEER --op read` (the Rust CLI) and `python -m ferry bench PEER --op
+//! read` (the same loop through the Python API, release build of the module) against it, 1 MiB
+//! READs, the same bytes each; it prints each round and the median ratio Python/Rust (target:
+//! at least 0.9).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{cargo, have, json_num, median, project_root, run as run_loud, size};
+
+/// The virtual environment's directory.
+fn venv_dir() -> PathBuf {
+    project_root().join("target/python-venv")
+}
+
+/// The interpreter to make the environment with.
+fn base_python() -> String {
+    std::env::var("FERRY_PYTHON").unwrap_or_else(|_| "python3".to_owned())
+}
+
+/// Whether `FERRY_REQUIRE_PYTHON=1`.
+fn required() -> bool {
+    std::env::var("FERRY_REQUIRE_PYTHON").is_ok_and(|v| v == "1")
+}
+
+/// A facility is missing: `Ok(None)` with a skip line, or an error when it is required.
+fn missing(reason: String, require: bool) -> Result<Option<PathBuf>> {
+    if require {
+        bail!("{reason} (FERRY_REQUIRE_PYTHON=1 says this machine has it)");
+    }
+    eprintln!("python: SKIPPED: {reason} (set FERRY_REQUIRE_PYTHON=1 to make this a failure)");
+    Ok(None)
+}
+
+/// The environment's interpreter, made and provisioned if need be; `None` when Python or its
+/// venv module is missing and not required.
+fn venv(require: bool) -> Result<Option<PathBuf>> {
+    let dir = venv_dir();
+    let py = dir.join("bin/python");
+    if !py.is_file() {
+        let base = base_python();
+        let on_path = if base.contains('/') {
+            Path::new(&base).is_file()
+        } else {
+            have(&base)
+        };
+        if !on_path {
+            return missing(format!("no Python interpreter `{base}`"), require);
+        }
+        eprintln!("$ {base} -m venv {}", dir.display());
+        let out = Command::new(&base)
+            .args(["-m", "venv"])
+            .arg(&dir)
+            .output()
+            .with_context(|| format!("running {base} -m venv"))?;
+        if !out.status.success() {
+            // Debian without python3-venv: "ensurepip is not available".
+            let _ = std::fs::remove_dir_all(&dir);
+            return missing(
+                format!(
+                    "`{base} -m venv` failed (install python3-venv): {}",
+                    String::from_utf8_lossy(&out.stdout).trim()
+                ),
+                require,
+            );
+        }
+    }
+    // Already installed packages are not fetched again.
+    run_loud(
+        Command::new(&py)
+            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(["maturin", "pytest", "numpy", "mypy"]),
+    )?;
+    Ok(Some(py))
+}
+
+/// Builds the extension into the environment (`release`: optimized, as for the bench).
+fn develop(py: &Path, release: bool) -> Result<()> {
+    let bin = py.parent().context("venv has no bin directory")?;
+    let path = std::env::join_paths(std::iter::once(bin.to_path_buf()).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))?;
+    let mut cmd = Command::new(bin.join("maturin"));
+    cmd.current_dir(project_root())
+        .args(["develop", "--manifest-path", "crates/python/Cargo.toml"])
+        .env("VIRTUAL_ENV", venv_dir())
+        .env("PATH", path);
+    if release {
+        cmd.arg("--release");
+    }
+    run_loud(&mut cmd)
+}
+
+/// `cargo xtask ci`'s `python` step: build the module, check the type stubs against it
+/// (mypy's stubtest), and run the pytest suite.
+pub(crate) fn from_ci() -> Result<()> {
+    let Some(py) = venv(required())? else {
+        return Ok(());
+    };
+    develop(&py, false)?;
+    run_loud(Command::new(&py).current_dir(project_root()).args([
+        "-m",
+        "mypy.stubtest",
+        "ferry._ferry",
+    ]))?;
+    run_loud(
+        Command::new(&py)
+            .current_dir(project_root())
+            .args([
+                "-m",
+                "pytest",
+                "crates/python/tests",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+            ])
+            .env("RUST_BACKTRACE", "1"),
+    )
+}
+
+/// A `ferry serve` process on loopback, killed on drop.
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Serve {
+    fn start(segment_bytes: u64) -> Result<Self> {
+        let bin = project_root().join("target/release/ferry");
+        let mut child = Command::new(&bin)
+            .args(["serve", "--listen", "127.0.0.1:0", "--segment"])
+            .arg(format!("bench={segment_bytes}"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {} serve", bin.display()))?;
+        let stdout = child.stdout.take().context("ferry serve has no stdout")?;
+        let mut serve = Self {
+            child,
+            addr: String::new(),
+        };
+        for line in BufReader::new(stdout).lines() {
+            let line = line.context("reading ferry serve's output")?;
+            if let Some(addr) = line.strip_prefix("listening on ") {
+                serve.addr = addr.trim().to_owned();
+                break;
+            }
+        }
+        if serve.addr.is_empty() {
+            bail!("ferry serve ended without saying where it listens");
+        }
+        Ok(serve)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// GB/s of one bench run (`cmd` prints the JSON report); `who` names it in errors.
+fn gbps(cmd: &mut Command, who: &str) -> Result<f64> {
+    let out = cmd.output().with_context(|| format!("running {who}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "{who} failed: {text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    json_num(&text, "gb_per_s", 0).with_context(|| format!("no gb_per_s in {who}'s {text:?}"))
+}
+
+/// `cargo xtask bench python [--total BYTES] [--repeat N]`.
+pub(crate) fn bench(args: &[String]) -> Result<()> {
+    const USAGE: &str = "usage: cargo xtask bench python [--total BYTES] [--repeat N]";
+    let mut total = 2u64 << 30;
+    let mut repeat = 5usize;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--total" => total = size(it.next().context("--total needs a value")?)?,
+            "--repeat" => {
+                repeat = it
+                    .next()
+                    .context("--repeat needs a value")?
+                    .parse()
+                    .context("--repeat")?
+            }
+            other => {
+                eprintln!("{USAGE}");
+                bail!("unknown option {other}")
+            }
+        }
+    }
+    let repeat = repeat.max(1);
+    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    let py = venv(true)?.context("no Python environment")?;
+    develop(&py, true)?;
+    // One op in flight per slot: the 8 MiB that `ferry bench` serves itself on loopback.
+    let serve = Serve::start(8 << 20)?;
+    let total_s = total.to_string();
+    let common = [
+        serve.addr.as_str(),
+        "--op",
+        "read",
+        "--op-size",
+        "1MiB",
+        "--total",
+        &total_s,
+        "--json",
+    ];
+    println!(
+        "1 MiB READs from one `ferry serve` on loopback ({}), {total} bytes per run, {repeat} \
+         rounds of the Rust CLI and the Python API back to back; GB/s = 10^9 B/s",
+        serve.addr
+    );
+    println!(
+        "{:<6} {:>10} {:>10} {:>8}",
+        "round", "rust", "python", "ratio"
+    );
+    let (mut rust, mut python, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=repeat {
+        let r = gbps(
+            Command::new(project_root().join("target/release/ferry"))
+                .arg("bench")
+                .args(common),
+            "ferry bench",
+        )?;
+        let p = gbps(
+            Command::new(&py)
+                .args(["-m", "ferry", "bench"])
+                .args(common),
+            "python -m ferry bench",
+        )?;
+        println!("{round:<6} {r:>10.3} {p:>10.3} {:>8.3}", p / r);
+        rust.push(r);
+        python.push(p);
+        ratios.push(p / r);
+    }
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    println!(
+        "median {:>10.3} {:>10.3} {:>8.3}  (ratio range {lo:.3}-{hi:.3}; target: at least 0.9)",
+        median(&rust),
+        median(&python),
+        median(&ratios)
+    );
+    Ok(())
+}
