@@ -14,6 +14,6 @@ mod require;
 
 pub use netns::Netns;
 pub use require::{
-    CPUS, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
+    CPUS, ETCD, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
     required,
 };

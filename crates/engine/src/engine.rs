@@ -12,11 +12,11 @@ use ferry_core::wire::{Hello, VersionRange};
 use ferry_core::{
     Access, Epoch, Error, MemoryRegion, PeerId, PeerInfo, SegmentTable, Transport, TransportKind,
 };
+use ferry_file::FileSegment;
 use registry::{Registry, RegistryError};
 use tracing::Instrument;
 #[cfg(feature = "rdma")]
 use transport_rdma::RdmaTransport;
-use ferry_file::FileSegment;
 #[cfg(feature = "uring")]
 use transport_uring::UringTransport;
 
@@ -244,6 +244,8 @@ impl TransferEngine {
     async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
         let hello = self.hello();
         let server = transport_tcp::handshake(addr, &hello, self.inner.connect_timeout).await?;
+        // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
+        let version = self.inner.versions.common(server.versions).unwrap_or(1);
         {
             let mut known = self
                 .inner
@@ -295,6 +297,7 @@ impl TransferEngine {
                 id: server.peer_id,
                 epoch: server.epoch,
                 segments: server.segments,
+                version,
                 channel,
                 counters,
             }),
