@@ -6,12 +6,16 @@
 //!   skips with the reason printed, or fails where `FERRY_REQUIRE_<FACILITY>` says the facility is
 //!   required (`.ci/run` sets them). `#[ignore]`d hardware tests fail unless told they may skip.
 //! - [`Netns`]: a network namespace joined to this one by a veth link that can be cut.
+//! - [`Fleet`]: namespaces joined by one bridge (hosts that reach each other), links optionally
+//!   shaped by TBF.
 //!
 //! It depends on no crate of ours, so any crate takes it as a dev-dependency.
 
+mod fleet;
 mod netns;
 mod require;
 
+pub use fleet::Fleet;
 pub use netns::Netns;
 pub use require::{
     CPUS, ETCD, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,

@@ -20,7 +20,8 @@ use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud,
 
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
-       cargo xtask bench latency [--ops N] [--repeat N]";
+       cargo xtask bench latency [--ops N] [--repeat N]
+       cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--skip-baseline]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -28,6 +29,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("tcp") => tcp(&args[1..]),
         Some("uring") => crate::bench_uring::run(&args[1..]),
         Some("latency") => crate::bench_latency::run(&args[1..]),
+        Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         _ => {
             eprintln!("{USAGE}");
             bail!("bench: say which transport to measure")

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_broadcast;
 mod bench_latency;
 mod bench_uring;
 mod bindgen;
@@ -24,6 +25,8 @@ tasks:
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bench latency [--ops N] [--repeat N]
                          64-byte round trips of ferry bench against a bare TCP ping-pong
+  bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--skip-baseline]
+                         ferry publish/pull: 1 source, N receivers in shaped network namespaces
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)

@@ -53,6 +53,10 @@ pub struct ReceiverOptions {
     pub stall_after: Duration,
     /// How often the receiver renews its entry (progress) and rereads the member list.
     pub heartbeat: Duration,
+    /// Whether to fetch from other receivers (the plan's chain). `false`: from the source
+    /// only, as a point-to-point pull would (the baseline `cargo xtask bench broadcast`
+    /// compares with). It still serves what it verified.
+    pub relay: bool,
     /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
     /// read from (a relay that corrupts what it serves). Its own final check finds it again.
     #[doc(hidden)]
@@ -71,6 +75,7 @@ impl Default for ReceiverOptions {
             window: 8,
             stall_after: Duration::from_secs(3),
             heartbeat: Duration::from_millis(500),
+            relay: true,
             corrupt_after_verify: None,
             pause_after: None,
         }
@@ -212,14 +217,16 @@ fn reachable(addr: &str, ip: IpAddr) -> String {
 }
 
 impl Receiver {
-    /// Joins the broadcast `name` through `discovery`: finds its source, fetches the manifest,
-    /// allocates and registers one buffer per segment, starts its control service and lists
-    /// itself.
+    /// Joins the broadcast `name` (`None`: whatever the source listed publishes) through
+    /// `discovery`: finds its source, fetches the manifest, allocates and registers one buffer
+    /// per segment, starts its control service and lists itself.
     pub async fn join(
         discovery: Arc<dyn Discovery>,
-        name: &str,
+        name: Option<&str>,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
+        let wanted = name;
+        let name = name.unwrap_or("(any)");
         let timeout = Duration::from_secs(5);
         let source = discovery
             .members()
@@ -242,7 +249,7 @@ impl Receiver {
             } => (manifest, source_epoch),
             _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
         };
-        if manifest.name != name {
+        if wanted.is_some_and(|n| n != manifest.name) {
             return Err(control_err(
                 &source.ctl_addr,
                 format!("publishes {:?}, not {name:?}", manifest.name),
@@ -301,7 +308,7 @@ impl Receiver {
             && found != source_epoch
         {
             return Err(BroadcastError::SourceRestarted {
-                name: name.to_owned(),
+                name: manifest.name.clone(),
                 had: source_epoch,
                 found,
             });
@@ -311,6 +318,7 @@ impl Receiver {
             total,
             ..Default::default()
         });
+        let name = manifest.name.clone();
         tracing::info!(name, id = %member.id, %data_addr, %ctl_addr, source_epoch,
             chunks = manifest.chunks.len(), bytes = total, "receiver joined");
         Ok(Self {
@@ -588,7 +596,11 @@ impl Receiver {
             }
             if parent.is_none() {
                 let mut last = String::from("no holder listed");
-                for m in holders(&members, &self.member.id, self.source_epoch, &avoid) {
+                let mut listed = holders(&members, &self.member.id, self.source_epoch, &avoid);
+                if !self.opts.relay {
+                    listed.retain(|m| m.role == Role::Source);
+                }
+                for m in listed {
                     match self.attach(m, &poll_tx).await {
                         Ok(h) => {
                             sum.holders.push(h.member.id.clone());

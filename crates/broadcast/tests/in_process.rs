@@ -72,7 +72,7 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
             // The first relay corrupts chunk 2 after verifying it: the second must catch it.
             o.corrupt_after_verify = Some(2);
         }
-        rs.push(Receiver::join(disc.clone(), "w", o).await.unwrap());
+        rs.push(Receiver::join(disc.clone(), Some("w"), o).await.unwrap());
     }
     let mut tasks = Vec::new();
     for mut r in rs {
@@ -100,7 +100,9 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
     assert_eq!(sums[0].bytes_from_source, total + 256 * 1024);
     assert!(sums[2].bytes_from_relays >= total, "{:?}", sums[2]);
     // A late joiner catches up from whoever holds the chunks.
-    let mut late = Receiver::join(disc.clone(), "w", opts()).await.unwrap();
+    let mut late = Receiver::join(disc.clone(), Some("w"), opts())
+        .await
+        .unwrap();
     let s = late.run().await.unwrap();
     assert_eq!(late.segment_bytes(0).unwrap(), want[0]);
     assert_eq!(s.refetched_chunks, 0);
@@ -122,7 +124,7 @@ async fn a_restarted_source_is_refused_with_a_clear_error() {
     // Fetch a few chunks, then pause long enough for the source to restart.
     o.pause_after = Some((3, Duration::from_secs(2)));
     o.window = 1;
-    let mut r = Receiver::join(disc.clone(), "w", o).await.unwrap();
+    let mut r = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
     let run = tokio::spawn(async move { r.run().await });
     tokio::time::sleep(Duration::from_millis(500)).await;
     drop(src);

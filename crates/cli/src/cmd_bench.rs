@@ -77,6 +77,11 @@ pub(crate) struct BenchArgs {
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
+    /// After the run, move each of the first buffers once more and compare the CRC-32C the
+    /// peer computes over its side (a CHECKSUM request, protocol version 2) with the local
+    /// bytes' (`verified_bytes` in the report); a mismatch fails the bench.
+    #[arg(long)]
+    verify: bool,
 }
 
 /// `--io-threads`, as `EngineBuilder::io_threads` takes it.
@@ -177,6 +182,8 @@ struct Report {
     streams: usize,
     depth: usize,
     peer: String,
+    /// Bytes checked against the peer's CRC-32C (`--verify`).
+    verified_bytes: Option<u64>,
 }
 
 /// The in-process loopback server: its own thread and runtime, like a separate process would
@@ -288,6 +295,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             "streams": r.streams,
             "depth": r.depth,
             "peer": r.peer,
+            "verified_bytes": r.verified_bytes,
         });
         println!("{obj}");
     } else {
@@ -307,6 +315,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             report.streams,
             report.depth
         );
+        if let Some(v) = report.verified_bytes {
+            println!("verified {v} bytes: the peer's CRC-32C matches ours");
+        }
     }
     Ok(())
 }
@@ -474,7 +485,39 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         bar.finish_and_clear();
     }
     let total_bytes = moved.load(Ordering::Relaxed);
+    let verified_bytes = if args.verify {
+        let mut checked = 0u64;
+        for k in 0..slots_in_remote.min(local_slots) {
+            let off = k * args.op_size;
+            let batch = if is_read {
+                Batch::new().read(&local, off, &remote, off, args.op_size)
+            } else {
+                Batch::new().write(&local, off, &remote, off, args.op_size)
+            };
+            let outcome = engine.submit(batch)?.await;
+            if let Some(f) = outcome.failure {
+                bail!("verification op {k} failed: {}", f.kind);
+            }
+            let theirs = peer
+                .checksum(&remote, off, args.op_size)
+                .await
+                .context("asking the peer for a checksum")?;
+            let ours = ferry::checksum::crc32c_region(local.region(), off, args.op_size)?;
+            if theirs != ours {
+                bail!(
+                    "verification failed: {} bytes at {off}: the peer's CRC-32C is {theirs:#010x}, \
+                     ours {ours:#010x}",
+                    args.op_size
+                );
+            }
+            checked += args.op_size;
+        }
+        Some(checked)
+    } else {
+        None
+    };
     Ok(Report {
+        verified_bytes,
         transport: peer.transport().name().to_owned(),
         op: args.op.clone(),
         op_bytes: args.op_size,
