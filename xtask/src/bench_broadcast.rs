@@ -28,7 +28,7 @@ use crate::util::{cargo, json_num, project_root, run as run_loud, size};
 const PREFIX: &str = "fbc";
 
 fn addr(i: usize) -> String {
-    format!("10.78.0.{}", i + 1)
+    format!("198.19.78.{}", i + 1)
 }
 
 fn ip(args: &[&str]) -> Result<()> {

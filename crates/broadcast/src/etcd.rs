@@ -14,7 +14,6 @@ use crate::error::BroadcastError;
 use crate::plan::Member;
 
 /// Members of one broadcast in etcd.
-#[derive(Debug)]
 pub struct Etcd {
     endpoint: String,
     prefix: String,
@@ -24,6 +23,16 @@ pub struct Etcd {
     /// key -> (create revision, member), kept by the watch task.
     cache: Arc<StdMutex<HashMap<String, (i64, Member)>>>,
     watch: StdMutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd")
+            .field("endpoint", &self.endpoint)
+            .field("prefix", &self.prefix)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
 }
 
 fn err(reason: impl std::fmt::Display) -> BroadcastError {
@@ -80,7 +89,7 @@ impl Etcd {
                 }
             }
         }
-        let (_watcher, mut stream) = client
+        let mut stream = client
             .watch(
                 self.prefix.as_str(),
                 Some(
@@ -93,7 +102,6 @@ impl Etcd {
             .map_err(err)?;
         let cache = self.cache.clone();
         let task = tokio::spawn(async move {
-            let _watcher = _watcher;
             while let Ok(Some(resp)) = stream.message().await {
                 let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
                 for ev in resp.events() {
