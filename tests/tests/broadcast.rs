@@ -506,7 +506,7 @@ mod etcd {
             let sd: Arc<dyn Discovery> = Arc::new(Etcd::connect(&etcd.url, "e", ttl).await?);
             let src = Source::start(
                 m,
-                &[file.clone()],
+                std::slice::from_ref(&file),
                 SourceOptions {
                     data_plane: DataPlane::Tcp,
                     ..Default::default()

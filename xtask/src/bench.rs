@@ -21,7 +21,8 @@ use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud,
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
        cargo xtask bench latency [--ops N] [--repeat N]
-       cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--skip-baseline]";
+       cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES]
+       [--skip-baseline] [--no-build]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {

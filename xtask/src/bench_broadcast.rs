@@ -13,7 +13,8 @@
 //! 0.6. A benchmark: it reports, it asserts nothing about time.
 //!
 //! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
-//! `--skip-baseline` (no relaying-off run). Needs root, `ip` and `tc`.
+//! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
+//! is). Needs root, `ip` and `tc`.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -189,6 +190,7 @@ fn run_once(
     work: &Path,
     relay: bool,
     kill: Option<(usize, Duration)>,
+    chunk: &str,
 ) -> Result<Outcome> {
     let listen = format!("{}:7500", addr(0));
     let file_s = file.display().to_string();
@@ -204,6 +206,8 @@ fn run_once(
             &listen,
             "--transport",
             "tcp",
+            "--chunk-size",
+            chunk,
         ],
     )?;
     // Wait for the source's first line (it listens then).
@@ -249,15 +253,14 @@ fn run_once(
         if let Some((k, after)) = kill
             && killed.is_none()
             && start.elapsed() >= after
+            && let Some((_, c, _)) = receivers.iter_mut().find(|(i, _, _)| *i == k)
         {
-            if let Some((_, c, _)) = receivers.iter_mut().find(|(i, _, _)| *i == k) {
-                let _ = c.kill();
-                killed = Some(k);
-                eprintln!(
-                    "  killed receiver {k} at {:.1} s",
-                    start.elapsed().as_secs_f64()
-                );
-            }
+            let _ = c.kill();
+            killed = Some(k);
+            eprintln!(
+                "  killed receiver {k} at {:.1} s",
+                start.elapsed().as_secs_f64()
+            );
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok((i, line, at)) if line.starts_with('{') && Some(i) != killed => {
@@ -304,6 +307,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut len = 256u64 << 20;
     let mut rate = "200mbit".to_string();
     let mut baseline = true;
+    let mut build = true;
+    let mut chunk = "1MiB".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -311,13 +316,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--size" => len = size(it.next().context("--size BYTES")?)?,
             "--rate" => rate = it.next().context("--rate RATE")?.clone(),
             "--skip-baseline" => baseline = false,
+            "--no-build" => build = false,
+            "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
             other => bail!("bench broadcast: unknown option {other:?}"),
         }
     }
     if n == 0 {
         bail!("--receivers must be at least 1");
     }
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    if build {
+        run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    }
     let bin = project_root().join("target/release/ferry");
     let work: PathBuf = std::env::temp_dir().join("ferry-bench-broadcast");
     std::fs::create_dir_all(&work)?;
@@ -326,8 +335,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let fleet = Fleet::up(n, &rate).context("making the namespaces (root, ip and tc needed)")?;
     let ideal = len as f64 / rate_bytes(&rate)?;
     println!(
-        "broadcast: 1 source + {n} receivers, {} MiB payload, links {rate} each way (TBF), \
-         ideal {ideal:.2} s",
+        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, links {rate} \
+         each way (TBF), ideal {ideal:.2} s",
         len >> 20
     );
     let report = |what: &str, o: &Outcome| {
@@ -344,10 +353,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             o.from_relays / (1u64 << 20) as f64
         );
     };
-    let relayed = run_once(&fleet, &bin, &file, &work, true, None)?;
+    let relayed = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
     report("relayed", &relayed);
     if baseline {
-        let direct = run_once(&fleet, &bin, &file, &work, false, None)?;
+        let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
         report("relaying off", &direct);
     }
     let victim = n.div_ceil(2);
@@ -358,6 +367,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         &work,
         true,
         Some((victim, Duration::from_secs_f64(ideal / 2.0))),
+        &chunk,
     )?;
     report(&format!("relayed, receiver {victim} killed"), &killed);
     drop(fleet);

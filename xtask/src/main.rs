@@ -25,7 +25,7 @@ tasks:
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bench latency [--ops N] [--repeat N]
                          64-byte round trips of ferry bench against a bare TCP ping-pong
-  bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--skip-baseline]
+  bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]

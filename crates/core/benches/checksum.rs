@@ -1,4 +1,5 @@
 //! CRC-32C throughput on 1 MiB chunks (the broadcast's chunk size), to compare with link rates.
+#![allow(missing_docs)]
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 
