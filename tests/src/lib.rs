@@ -8,16 +8,20 @@
 //! - [`Netns`]: a network namespace joined to this one by a veth link that can be cut.
 //! - [`fake_cuda`]: Ferry's fake CUDA driver (a C library built with `cc`, backed by host
 //!   memory, with failures a test switches on), loaded in place of `libcuda.so.1` by path.
+//! - [`Fleet`]: namespaces joined by one bridge (hosts that reach each other), links optionally
+//!   shaped by TBF.
 //!
 //! It depends on no crate of ours, so any crate takes it as a dev-dependency.
 
 pub mod fake_cuda;
+mod fleet;
 mod netns;
 mod require;
 
 pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};
+pub use fleet::Fleet;
 pub use netns::Netns;
 pub use require::{
-    CPUS, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
+    CPUS, ETCD, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
     required,
 };

@@ -22,6 +22,9 @@ pub const TOOLS: &str = "FERRY_REQUIRE_TOOLS";
 pub const SYSFS: &str = "FERRY_REQUIRE_SYSFS";
 /// More than one CPU to run on (thread placement tests).
 pub const CPUS: &str = "FERRY_REQUIRE_CPUS";
+/// An etcd server binary (`etcd`, Debian's `etcd-server`) the etcd discovery tests start on a
+/// loopback port, and a build with the broadcast crate's `etcd` feature.
+pub const ETCD: &str = "FERRY_REQUIRE_ETCD";
 
 /// Whether `var` (one of this module's constants) makes its facility required: `1` yes, `0` no,
 /// unset (or anything else) `default`.

@@ -22,7 +22,9 @@ const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
        cargo xtask bench latency [--ops N] [--repeat N]
        cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
-       cargo xtask bench python [--total BYTES] [--repeat N]";
+       cargo xtask bench python [--total BYTES] [--repeat N]
+       cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES]
+       [--skip-baseline] [--no-build]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -32,6 +34,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("latency") => crate::bench_latency::run(&args[1..]),
         Some("ab") => crate::bench_ab::run(&args[1..]),
         Some("python") => crate::python::bench(&args[1..]),
+        Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         _ => {
             eprintln!("{USAGE}");
             bail!("bench: say which transport to measure")

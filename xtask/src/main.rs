@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_ab;
+mod bench_broadcast;
 mod bench_latency;
 mod bench_uring;
 mod bindgen;
@@ -35,6 +36,8 @@ tasks:
                          (default 100000; xtask/src/fuzz.rs)
   bench python [--total BYTES] [--repeat N]
                          1 MiB READs through the Python package against the Rust CLI, alternating
+  bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--no-build]
+                         ferry publish/pull: 1 source, N receivers in shaped network namespaces
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
                          GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;

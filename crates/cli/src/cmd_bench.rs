@@ -82,6 +82,12 @@ pub(crate) struct BenchArgs {
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
+    /// After the run, move each of the first buffers once more and compare the CRC-32C the
+    /// peer computes over its side (a CHECKSUM request, protocol version 2) with the local
+    /// bytes' (`verified_bytes` in the report); a mismatch fails the bench. Host buffers only
+    /// (`--gpu` checks its own round trip).
+    #[arg(long, conflicts_with = "gpu")]
+    verify: bool,
 }
 
 /// `--io-threads`, as `EngineBuilder::io_threads` takes it.
@@ -184,6 +190,8 @@ struct Report {
     streams: usize,
     depth: usize,
     peer: String,
+    /// Bytes checked against the peer's CRC-32C (`--verify`).
+    verified_bytes: Option<u64>,
 }
 
 /// The in-process loopback server: its own thread and runtime, like a separate process would
@@ -309,6 +317,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             "depth": r.depth,
             "peer": r.peer,
             "gpu_verified": r.verified,
+            "verified_bytes": r.verified_bytes,
         });
         println!("{obj}");
     } else {
@@ -330,6 +339,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         );
         if let Some(v) = &report.verified {
             println!("{v}");
+        }
+        if let Some(v) = report.verified_bytes {
+            println!("verified {v} bytes: the peer's CRC-32C matches ours");
         }
     }
     Ok(())
@@ -470,6 +482,8 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     // bench never looks at the bytes, and no Rust reference to registered memory exists.
     let local_slots = slots_in_remote.min(depth as u64);
     let local_len = (args.op_size * local_slots) as usize;
+    // The host buffer, for `--verify` (which conflicts with `--gpu`).
+    let mut host_region = None;
     let local: Arc<dyn ferry::LocalMemory + Send + Sync> = match args.gpu {
         Some(n) => {
             let reg = engine
@@ -483,7 +497,9 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
             // Random bytes, as iperf3 -Z sends a file of random data: memory that was never
             // written is the kernel's shared zero page, which no real payload is.
             local_mem.write_at(0, &pseudo_random(local_mem.len()))?;
-            Arc::new(engine.register(local_mem, Access::LOCAL, "bench-local")?)
+            let reg = engine.register(local_mem, Access::LOCAL, "bench-local")?;
+            host_region = Some(reg.region().clone());
+            Arc::new(reg)
         }
     };
     let total = match (args.total, args.duration) {
@@ -573,8 +589,43 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         Some(n) => Some(verify_gpu(&engine, n, &remote, args.op_size).await?),
         None => None,
     };
+    let verified_bytes = if args.verify {
+        let mut checked = 0u64;
+        for k in 0..slots_in_remote.min(local_slots) {
+            let off = k * args.op_size;
+            let batch = if is_read {
+                Batch::new().read(&local, off, &remote, off, args.op_size)
+            } else {
+                Batch::new().write(&local, off, &remote, off, args.op_size)
+            };
+            let outcome = engine.submit(batch)?.await;
+            if let Some(f) = outcome.failure {
+                bail!("verification op {k} failed: {}", f.kind);
+            }
+            let theirs = peer
+                .checksum(&remote, off, args.op_size)
+                .await
+                .context("asking the peer for a checksum")?;
+            let region = host_region
+                .as_ref()
+                .context("--verify needs a host buffer")?;
+            let ours = ferry::checksum::crc32c_region(region, off, args.op_size)?;
+            if theirs != ours {
+                bail!(
+                    "verification failed: {} bytes at {off}: the peer's CRC-32C is {theirs:#010x}, \
+                     ours {ours:#010x}",
+                    args.op_size
+                );
+            }
+            checked += args.op_size;
+        }
+        Some(checked)
+    } else {
+        None
+    };
     Ok(Report {
         verified,
+        verified_bytes,
         transport: peer.transport().name().to_owned(),
         op: args.op.clone(),
         op_bytes: args.op_size,

@@ -1,10 +1,12 @@
 //! The `ferry` command: `doctor` (what this machine can do), `topology` (which NIC serves which
-//! GPU), `serve` (publish segments) and `bench` (measure transfers).
+//! GPU), `serve` (publish segments), `bench` (measure transfers), `publish` and `pull` (weight
+//! broadcast).
 //!
 //! Exit codes: 0 on success (`doctor` always, since it is a report), 1 when a command fails, 2 for
 //! bad arguments.
 
 mod cmd_bench;
+mod cmd_broadcast;
 mod cmd_doctor;
 mod cmd_serve;
 mod cmd_topology;
@@ -39,6 +41,12 @@ enum Command {
     /// Measure READ/WRITE throughput and latency against a `ferry serve` peer, or on loopback
     /// against a server started in this process when no peer is given.
     Bench(cmd_bench::BenchArgs),
+    /// Publish files for a weight broadcast: receivers pull them chunk by chunk, relaying
+    /// verified chunks to each other, so that the source sends each byte about once.
+    Publish(cmd_broadcast::PublishArgs),
+    /// Pull a broadcast (from the source's address, or etcd://HOST:PORT/NAME) into a directory,
+    /// verifying every chunk and relaying it to the members after this one.
+    Pull(cmd_broadcast::PullArgs),
 }
 
 fn init_tracing(verbose: u8) {
@@ -64,6 +72,8 @@ fn main() -> std::process::ExitCode {
         Command::Topology(args) => cmd_topology::run(args),
         Command::Serve(args) => cmd_serve::run(args),
         Command::Bench(args) => cmd_bench::run(args),
+        Command::Publish(args) => cmd_broadcast::publish(args),
+        Command::Pull(args) => cmd_broadcast::pull(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

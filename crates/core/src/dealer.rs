@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 
-use crate::op::Op;
+use crate::op::{Op, OpKind};
 use crate::outcome::{FailureKind, RequestControl};
 
 /// The chunks of one channel not yet taken by its streams, one queue per stream.
@@ -117,6 +117,12 @@ pub fn deal_ops<J>(
 ) {
     let chunk = chunk.max(1);
     for (i, op) in ops.iter().enumerate() {
+        // A CHECKSUM is one chunk however long its range: the peer hashes the whole of it.
+        let chunk = if op.kind == OpKind::Checksum {
+            op.len.max(1)
+        } else {
+            chunk
+        };
         let chunks = op.len.div_ceil(chunk).max(1);
         let Ok(chunks32) = u32::try_from(chunks) else {
             control.with_ledger(|l| l.not_posted(i, FailureKind::Local, None));

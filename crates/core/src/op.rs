@@ -13,14 +13,28 @@ pub enum OpKind {
     Read,
     /// Copy local bytes into remote memory.
     Write,
+    /// Ask the peer for the CRC-32C of `len` remote bytes ([`crate::checksum`]); its
+    /// [`CHECKSUM_LEN`](crate::checksum::CHECKSUM_LEN) bytes (little-endian) land in local
+    /// memory at the op's local offset. Never split into chunks; needs protocol version 2 and a
+    /// TCP or io_uring data plane.
+    Checksum,
 }
 
 impl OpKind {
     /// The remote access right the op needs.
     pub fn needed_access(self) -> Access {
         match self {
-            OpKind::Read => Access::REMOTE_READ,
+            OpKind::Read | OpKind::Checksum => Access::REMOTE_READ,
             OpKind::Write => Access::REMOTE_WRITE,
+        }
+    }
+
+    /// Local bytes the op touches for `len` remote bytes: `len`, or the digest's length for a
+    /// checksum.
+    pub fn local_len(self, len: u64) -> u64 {
+        match self {
+            OpKind::Checksum => crate::checksum::CHECKSUM_LEN as u64,
+            OpKind::Read | OpKind::Write => len,
         }
     }
 }
@@ -30,6 +44,7 @@ impl fmt::Display for OpKind {
         f.write_str(match self {
             OpKind::Read => "read",
             OpKind::Write => "write",
+            OpKind::Checksum => "checksum",
         })
     }
 }
@@ -59,7 +74,7 @@ impl Op {
     /// Checks the local side of the op.
     pub fn check_local(&self) -> Result<(), crate::Error> {
         self.local
-            .check(self.local_offset, self.len)
+            .check(self.local_offset, self.kind.local_len(self.len))
             .map_err(|source| crate::Error::OutOfBounds {
                 side: "local",
                 source,

@@ -16,8 +16,12 @@ use crate::outcome::RemoteStatus;
 
 /// Magic bytes that open every control frame.
 pub const MAGIC: [u8; 4] = *b"FRRY";
-/// The protocol versions this build speaks.
-pub const SUPPORTED_VERSIONS: VersionRange = VersionRange { min: 1, max: 1 };
+/// The protocol versions this build speaks. Version 2 adds the CHECKSUM data request
+/// ([`OpKind::Checksum`]); frames and the other data requests are unchanged, so a version-1 peer
+/// is spoken to in version 1 and is never sent a CHECKSUM (the facade refuses it locally).
+pub const SUPPORTED_VERSIONS: VersionRange = VersionRange { min: 1, max: 2 };
+/// The first protocol version with the CHECKSUM data request.
+pub const CHECKSUM_VERSION: u16 = 2;
 /// Size of a control frame header.
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// Largest control frame body accepted.
@@ -758,6 +762,7 @@ fn truncate_utf8(s: &str, max: usize) -> &str {
 
 const OP_READ: u8 = 1;
 const OP_WRITE: u8 = 2;
+const OP_CHECKSUM: u8 = 3;
 const OP_RESPONSE: u8 = 0x81;
 
 /// A data-plane request header: one chunk of one op.
@@ -771,7 +776,9 @@ pub struct DataRequest {
     pub token: SegmentToken,
     /// Offset in the segment.
     pub offset: u64,
-    /// Payload length (at most [`MAX_CHUNK`]).
+    /// Payload length (at most [`MAX_CHUNK`]); for a CHECKSUM, the length of the range to hash
+    /// (any length: no payload moves, the answer is [`CHECKSUM_LEN`](crate::checksum::CHECKSUM_LEN)
+    /// bytes).
     pub len: u64,
     /// For a WRITE: how many responses on this stream, this one's included, the server may hold
     /// back and answer with one response (see [`DataResponse::also_acks`]). 0 or 1: answer this
@@ -785,6 +792,7 @@ impl DataRequest {
         out[0] = match self.kind {
             OpKind::Read => OP_READ,
             OpKind::Write => OP_WRITE,
+            OpKind::Checksum => OP_CHECKSUM,
         };
         out[1] = 0;
         out[2..4].copy_from_slice(&self.ack_slack.to_le_bytes());
@@ -800,6 +808,7 @@ impl DataRequest {
         let kind = match r.u8("op")? {
             OP_READ => OpKind::Read,
             OP_WRITE => OpKind::Write,
+            OP_CHECKSUM => OpKind::Checksum,
             c => {
                 return Err(WireError::UnknownCode {
                     field: "op",
@@ -813,7 +822,7 @@ impl DataRequest {
         let token = SegmentToken(r.u64("token")?);
         let offset = r.u64("offset")?;
         let len = r.u64("length")?;
-        if len > MAX_CHUNK {
+        if len > MAX_CHUNK && kind != OpKind::Checksum {
             return Err(WireError::TooLarge {
                 field: "chunk length",
                 value: len,
@@ -1059,6 +1068,15 @@ mod tests {
         assert_eq!(DataRequest::decode(&b), Ok(req));
         b[24..32].copy_from_slice(&(MAX_CHUNK + 1).to_le_bytes());
         assert!(DataRequest::decode(&b).is_err());
+        // A CHECKSUM names a range to hash, not a payload: any length.
+        let sum = DataRequest {
+            kind: OpKind::Checksum,
+            len: 1 << 40,
+            ack_slack: 0,
+            ..req
+        };
+        sum.encode(&mut b);
+        assert_eq!(DataRequest::decode(&b), Ok(sum));
         let resp = DataResponse {
             seq: 9,
             refused: Some(RemoteStatus::AccessDenied),

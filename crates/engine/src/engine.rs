@@ -251,6 +251,8 @@ impl TransferEngine {
     async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
         let hello = self.hello();
         let server = transport_tcp::handshake(addr, &hello, self.inner.connect_timeout).await?;
+        // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
+        let version = self.inner.versions.common(server.versions).unwrap_or(1);
         {
             let mut known = self
                 .inner
@@ -302,6 +304,7 @@ impl TransferEngine {
                 id: server.peer_id,
                 epoch: server.epoch,
                 segments: server.segments,
+                version,
                 channel,
                 counters,
             }),

@@ -783,6 +783,10 @@ async fn run_piece(
                 }
             }
         }
+        // A checksum answers into host memory (`Peer::checksum`); it is never staged.
+        OpKind::Checksum => {
+            control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, None));
+        }
     }
     drop(buf);
 }

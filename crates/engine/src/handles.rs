@@ -5,8 +5,10 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use ferry_core::checksum::CHECKSUM_LEN;
 use ferry_core::{
-    Access, Channel, Epoch, Error, MemoryRegion, PeerId, SegmentDesc, SegmentToken, TransportKind,
+    Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, RemoteStatus,
+    SegmentDesc, SegmentToken, TransportKind,
 };
 use ferry_file::FileSegment;
 use registry::RegistryError;
@@ -152,6 +154,8 @@ pub(crate) struct PeerInner {
     pub(crate) id: PeerId,
     pub(crate) epoch: Epoch,
     pub(crate) segments: Vec<SegmentDesc>,
+    /// The protocol version both ends speak (the newest in both ranges).
+    pub(crate) version: u16,
     pub(crate) channel: Arc<dyn Channel>,
     pub(crate) counters: Arc<RouteCounters>,
 }
@@ -230,6 +234,99 @@ impl Peer {
     /// Closes the data path: in-flight chunks fail as lost, later requests fail at once.
     pub fn close(&self) {
         self.inner.channel.close();
+    }
+
+    /// The protocol version spoken with this peer (the newest both ends speak).
+    pub fn protocol_version(&self) -> u16 {
+        self.inner.version
+    }
+
+    /// Asks the peer for the CRC-32C ([`checksum`](crate::checksum)) of `len` bytes of
+    /// `segment` (one of this peer's) from `offset`, computed by the peer over its bytes as they
+    /// are when the request reaches it (memory or file segments alike), with the READ access
+    /// right. Compare it with [`checksum::crc32c`](crate::checksum::crc32c) of the local copy to
+    /// verify a transfer. One data-plane request, never split, whatever `len`.
+    ///
+    /// Needs protocol version 2 ([`CHECKSUM_VERSION`](ferry_core::wire::CHECKSUM_VERSION)) on
+    /// both ends and the TCP or io_uring data plane: an older peer or an RDMA channel is
+    /// `Unavailable`, and nothing is sent. Must be called inside a tokio runtime.
+    pub async fn checksum(
+        &self,
+        segment: &RemoteSegment,
+        offset: u64,
+        len: u64,
+    ) -> Result<u32, Error> {
+        let peer = self.inner.addr.to_string();
+        if !Arc::ptr_eq(&segment.peer, &self.inner) {
+            return Err(Error::InvalidRequest {
+                reason: format!("segment {:?} belongs to another peer", segment.desc.name),
+            });
+        }
+        if self.inner.version < ferry_core::wire::CHECKSUM_VERSION {
+            return Err(Error::Unavailable {
+                library: "checksum request".into(),
+                reason: format!(
+                    "peer {peer} speaks protocol version {}, checksums need {}",
+                    self.inner.version,
+                    ferry_core::wire::CHECKSUM_VERSION
+                ),
+            });
+        }
+        if self.inner.channel.kind() == TransportKind::Rdma {
+            return Err(Error::Unavailable {
+                library: "checksum request".into(),
+                reason: format!(
+                    "peer {peer} is reached over RDMA, which cannot ask it to hash; connect \
+                     over the TCP or io_uring data plane"
+                ),
+            });
+        }
+        segment.desc.check(OpKind::Checksum, offset, len)?;
+        let local = Arc::new(MemoryRegion::from_vec(vec![0; CHECKSUM_LEN]));
+        let op = ferry_core::Op {
+            kind: OpKind::Checksum,
+            local: local.clone(),
+            local_offset: 0,
+            token: segment.desc.token,
+            remote_offset: offset,
+            len,
+        };
+        if let Err(e) = tokio::runtime::Handle::try_current() {
+            return Err(Error::Unavailable {
+                library: "tokio runtime".into(),
+                reason: format!("Peer::checksum needs one: {e}"),
+            });
+        }
+        let outcome = crate::request::RequestHandle::start(&self.inner, vec![op], None).await;
+        match outcome.failure {
+            None => {
+                let mut digest = [0u8; CHECKSUM_LEN];
+                local
+                    .read_at(0, &mut digest)
+                    .map_err(|source| Error::OutOfBounds {
+                        side: "local",
+                        source,
+                    })?;
+                Ok(u32::from_le_bytes(digest))
+            }
+            Some(f) => Err(match f.kind {
+                FailureKind::Remote(RemoteStatus::UnknownSegment) => Error::UnknownSegment {
+                    peer,
+                    token: segment.desc.token,
+                },
+                FailureKind::Remote(RemoteStatus::AccessDenied) => Error::AccessDenied {
+                    token: segment.desc.token,
+                    needed: Access::REMOTE_READ,
+                    granted: segment.desc.access,
+                },
+                FailureKind::Cancelled => Error::Cancelled,
+                _ => Error::PeerLost {
+                    peer,
+                    during: "a checksum request",
+                    source: f.native_status.map(std::io::Error::from_raw_os_error),
+                },
+            }),
+        }
     }
 }
 

@@ -48,7 +48,11 @@ pub use route::DataPlane;
 #[cfg(feature = "uring")]
 pub use transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 
-pub use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
+pub use ferry_core::wire::{CHECKSUM_VERSION, SUPPORTED_VERSIONS, VersionRange};
+
+/// CRC-32C of byte ranges (hardware-accelerated where the CPU has it): the function
+/// [`Peer::checksum`] asks a peer to compute, for comparing with local bytes (`ferry-core`).
+pub use ferry_core::checksum;
 pub use ferry_core::{
     Access, Epoch, Error, Failure, FailureKind, MemoryRegion, OpKind, Outcome, PAGE_ALIGN, PeerId,
     RemoteEffect, RemoteStatus, SegmentDesc, SegmentToken, TransportKind,

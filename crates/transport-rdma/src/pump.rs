@@ -190,7 +190,8 @@ impl Active {
             wr_id,
             kind: match o.kind {
                 OpKind::Write => WrKind::Write,
-                OpKind::Read => WrKind::Read,
+                // A CHECKSUM never gets here: `RdmaChannel::execute` refuses it before posting.
+                OpKind::Read | OpKind::Checksum => WrKind::Read,
             },
             local_addr: self.local_addr(op, off),
             len: u32::try_from(len).unwrap_or(u32::MAX),

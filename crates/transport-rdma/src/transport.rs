@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use ferry_core::wire::RdmaEndpoint;
 use ferry_core::{
-    BoxFuture, Channel, Epoch, FailureKind, Op, Outcome, PeerId, PeerInfo, RemoteStatus,
+    BoxFuture, Channel, Epoch, FailureKind, Op, OpKind, Outcome, PeerId, PeerInfo, RemoteStatus,
     RequestControl, SegmentDesc, SegmentToken, Transport, TransportKind, TransportOffer,
 };
 use verbs_sys::{Verbs, ffi};
@@ -733,6 +733,13 @@ impl Channel for RdmaChannel {
     }
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
+        // One-sided verbs cannot ask the peer to hash its memory: a CHECKSUM goes over the TCP
+        // or io_uring data plane. The request fails at its first op, nothing posted.
+        if ops.iter().any(|op| op.kind == OpKind::Checksum) {
+            control.with_ledger(|l| l.not_posted(0, FailureKind::Local, None));
+            let outcome = control.outcome(true);
+            return Box::pin(async move { outcome });
+        }
         let keys: Vec<OpKeys> = ops.iter().map(|op| self.keys(op)).collect();
         let (done, rx) = tokio::sync::oneshot::channel();
         let sent = {

@@ -445,7 +445,7 @@ async fn receiver(
         };
         let dst = RawRange {
             addr: chunk.op().local.as_ptr() as usize + chunk.local_at() as usize,
-            len: chunk.len as usize,
+            len: chunk.payload_len() as usize,
         };
         // SAFETY: the stream protocol checked the range against the region at post; the request
         // owns the range until drained, keeps the region alive through the chunk's Arc, and no

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use ferry_core::handshake::{answer_attach, answer_hello};
-use ferry_core::stream::{Action, ServerStream};
+use ferry_core::stream::{Action, ServerStream, checksum_response};
 use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{Error, HandshakeResponder, SegmentTable};
 use ferry_net::tune;
@@ -370,6 +370,16 @@ async fn serve_data(
                     discard_payload(stream, discard, &mut scratch).await?;
                 }
                 send_buf(stream, &response).await?;
+            }
+            Action::Reply { response } => send_buf(stream, &response).await?,
+            Action::ChecksumFile { file, at, len, seq } => {
+                // Positioned reads block: off this stream's I/O thread.
+                let crc = tokio::task::spawn_blocking(move || {
+                    ferry_core::checksum::crc32c_file(&*file, at, len)
+                })
+                .await
+                .map_err(std::io::Error::other)??;
+                send_buf(stream, &checksum_response(seq, crc)).await?;
             }
             Action::Close { error, response } => {
                 // The payload length cannot be trusted: answer and close the stream.

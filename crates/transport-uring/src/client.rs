@@ -576,7 +576,7 @@ fn on_response(
     // SAFETY: the stream protocol checked the range against the region at post; the request
     // owns the range until drained, keeps the region alive through the chunk's Arc, and no Rust
     // reference to it exists.
-    match unsafe { io.recv_exact(ptr, chunk.len as usize) } {
+    match unsafe { io.recv_exact(ptr, chunk.payload_len() as usize) } {
         Ok(()) => {
             chunk.acked();
             Ok(())

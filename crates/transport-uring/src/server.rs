@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::handshake::{answer_attach, answer_hello};
-use ferry_core::stream::{Action, ServerStream};
+use ferry_core::stream::{Action, ServerStream, checksum_response};
 use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN};
 use ferry_core::{
     Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, PeerId, SegmentLease, SegmentTable,
@@ -657,6 +657,12 @@ fn serve_data(
                     left -= n as u64;
                 }
                 r.and_then(|()| io.send_buf(&response))
+            }
+            Action::Reply { response } => io.send_buf(&response),
+            Action::ChecksumFile { file, at, len, seq } => {
+                // This stream has its own thread: the positioned reads block only it.
+                ferry_core::checksum::crc32c_file(&*file, at, len)
+                    .and_then(|crc| io.send_buf(&checksum_response(seq, crc)))
             }
             Action::Close { error, response } => {
                 warn!(%from, %error, "malformed data request; closing stream");

@@ -47,6 +47,13 @@ impl<R: ChunkOwner> Chunk<R> {
         self.op().local_offset + self.at
     }
 
+    /// Bytes that land in local memory at [`local_at`](Self::local_at) when the chunk's
+    /// response accepts it: a READ's length, a CHECKSUM's digest
+    /// ([`CHECKSUM_LEN`](crate::checksum::CHECKSUM_LEN)), a WRITE's length (sent, not received).
+    pub fn payload_len(&self) -> u64 {
+        self.op().kind.local_len(self.len)
+    }
+
     /// The chunk completed: acknowledged by the peer.
     pub fn acked(self) {
         self.req.control().with_ledger(|l| l.acked(self.op));
@@ -117,7 +124,7 @@ impl AckPolicy {
 pub struct Outgoing<R> {
     /// The encoded request header.
     pub head: [u8; DATA_REQUEST_LEN],
-    /// READ or WRITE.
+    /// READ, WRITE or CHECKSUM (only a WRITE sends bytes after the header).
     pub kind: OpKind,
     /// The request (to keep it alive, e.g. until a zero-copy notification).
     pub req: Arc<R>,
@@ -146,8 +153,8 @@ pub enum Post<R> {
 pub enum Resolution<R> {
     /// The chunk (and any held-back WRITEs) is resolved; nothing follows the header.
     Done,
-    /// An accepted READ: exactly `chunk.len` payload bytes follow the header. Receive them into
-    /// `chunk.op().local` at `chunk.local_at()` (checked at post), then call
+    /// An accepted READ or CHECKSUM: exactly `chunk.payload_len()` payload bytes follow the
+    /// header. Receive them into `chunk.op().local` at `chunk.local_at()` (checked at post), then call
     /// [`Chunk::acked`], or [`Chunk::lost`] and [`ClientStream::fail_all`] if the stream fails.
     Payload(Chunk<R>),
 }
@@ -186,8 +193,8 @@ pub enum Violation {
         /// The oldest in flight.
         expected: u32,
     },
-    /// An accepted READ announces a payload of another length than asked.
-    #[error("READ response of {got} bytes for a chunk of {expected}")]
+    /// An accepted READ or CHECKSUM announces a payload of another length than asked.
+    #[error("READ or CHECKSUM response of {got} bytes for a payload of {expected}")]
     WrongLength {
         /// Announced.
         got: u64,
@@ -261,11 +268,12 @@ impl<R: ChunkOwner> ClientStream<R> {
         }
         let op = chunk.op();
         let local_at = chunk.local_at();
-        let Ok(len) = usize::try_from(chunk.len) else {
+        let payload = chunk.payload_len();
+        let Ok(len) = usize::try_from(payload) else {
             chunk.not_posted(FailureKind::Local);
             return Post::Resolved;
         };
-        if op.local.check(local_at, chunk.len).is_err() {
+        if op.local.check(local_at, payload).is_err() {
             chunk.not_posted(FailureKind::Local);
             return Post::Resolved;
         }
@@ -281,7 +289,7 @@ impl<R: ChunkOwner> ClientStream<R> {
             len: chunk.len,
             ack_slack: match kind {
                 OpKind::Write => self.policy.slack(self.fly.len() + 1),
-                OpKind::Read => 0,
+                OpKind::Read | OpKind::Checksum => 0,
             },
         }
         .encode(&mut head);
@@ -333,11 +341,11 @@ impl<R: ChunkOwner> ClientStream<R> {
                 expected: front.seq,
             });
         }
-        let payload = resp.refused.is_none() && front.kind == OpKind::Read;
-        if payload && resp.len != front.chunk.len {
+        let payload = resp.refused.is_none() && front.kind != OpKind::Write;
+        if payload && resp.len != front.chunk.payload_len() {
             return Err(Violation::WrongLength {
                 got: resp.len,
-                expected: front.chunk.len,
+                expected: front.chunk.payload_len(),
             });
         }
         for f in self.fly.drain(..held) {

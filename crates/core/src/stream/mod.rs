@@ -14,7 +14,8 @@
 //! The protocol: a stream carries request headers ([`DataRequest`](crate::wire::DataRequest),
 //! a WRITE's payload right behind its header) one way and response headers
 //! ([`DataResponse`](crate::wire::DataResponse), an accepted READ's payload right behind it) the
-//! other way, in request order. A response may also acknowledge the WRITEs just before it whose
+//! other way, in request order. A CHECKSUM request (protocol version 2) carries no payload; its
+//! accepted response carries the 4-byte CRC-32C of the named range. A response may also acknowledge the WRITEs just before it whose
 //! responses the server held back, as far as their requests allowed. A response that does not
 //! match the oldest chunk in flight breaks the stream: everything in flight is then lost
 //! (`PeerLost`, uncertain for WRITEs), and chunks not yet posted go to the channel's other
@@ -31,4 +32,6 @@ mod sim;
 pub use client::{
     AckPolicy, Chunk, ChunkOwner, ClientStream, Outgoing, Post, Resolution, Violation,
 };
-pub use server::{Action, ServerStream, accepted, refused, request_seq};
+pub use server::{
+    Action, CHECKSUM_RESPONSE_LEN, ServerStream, accepted, checksum_response, refused, request_seq,
+};

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::checksum::CHECKSUM_LEN;
 use crate::ids::SegmentToken;
 use crate::op::OpKind;
 use crate::outcome::RemoteStatus;
@@ -21,6 +22,19 @@ pub fn accepted(seq: u32, len: u64) -> [u8; DATA_RESPONSE_LEN] {
         also_acks: 0,
     }
     .encode(&mut out);
+    out
+}
+
+/// Bytes of a checksum answer: the response header, then the checksum.
+pub const CHECKSUM_RESPONSE_LEN: usize = DATA_RESPONSE_LEN + CHECKSUM_LEN;
+
+/// The answer to CHECKSUM request `seq`: an accepted response announcing
+/// [`CHECKSUM_LEN`] payload bytes, then `crc` (little-endian).
+pub fn checksum_response(seq: u32, crc: u32) -> [u8; CHECKSUM_RESPONSE_LEN] {
+    let mut out = [0u8; CHECKSUM_RESPONSE_LEN];
+    let head = accepted(seq, CHECKSUM_LEN as u64);
+    out[..DATA_RESPONSE_LEN].copy_from_slice(&head);
+    out[DATA_RESPONSE_LEN..].copy_from_slice(&crc.to_le_bytes());
     out
 }
 
@@ -90,6 +104,24 @@ pub enum Action {
         len: usize,
         /// The response header.
         response: [u8; DATA_RESPONSE_LEN],
+    },
+    /// Send `response` (a CHECKSUM of memory, computed already: nothing else moves).
+    Reply {
+        /// The whole answer: header and checksum.
+        response: [u8; CHECKSUM_RESPONSE_LEN],
+    },
+    /// Compute the CRC-32C of `len` bytes of `file` from `at`
+    /// ([`crc32c_file`](crate::checksum::crc32c_file): blocking positioned reads), then send
+    /// [`checksum_response`]`(seq, crc)`; a file that ends earlier closes the stream.
+    ChecksumFile {
+        /// The file.
+        file: Arc<dyn FileSource>,
+        /// Offset in the file.
+        at: u64,
+        /// Bytes to hash.
+        len: u64,
+        /// The request's sequence number.
+        seq: u32,
     },
     /// Receive and drop `discard` payload bytes (a refused WRITE's), then send `response`.
     Refuse {
@@ -162,7 +194,8 @@ impl ServerStream {
                 };
             }
         };
-        // `len` is at most MAX_CHUNK (checked by decode), so it fits a usize.
+        // `len` is at most MAX_CHUNK (checked by decode) for a READ or WRITE, so it fits a
+        // usize; a CHECKSUM's is not used as one.
         let len = req.len as usize;
         let memory = match self.carried.take() {
             Some(c) => Some(Ok(c)),
@@ -186,6 +219,14 @@ impl ServerStream {
                     len,
                     response: accepted(req.seq, req.len),
                 },
+                OpKind::Checksum => {
+                    // Checked against the region just above, so it cannot fail.
+                    let crc = crate::checksum::crc32c_region(&lease.region, at, req.len)
+                        .unwrap_or_default();
+                    Action::Reply {
+                        response: checksum_response(req.seq, crc),
+                    }
+                }
             }),
             Some(Err(status)) => Err(status),
             None => match table.file(req.token) {
@@ -204,6 +245,12 @@ impl ServerStream {
                             len,
                             response: accepted(req.seq, req.len),
                         },
+                        OpKind::Checksum => Action::ChecksumFile {
+                            file,
+                            at,
+                            len: req.len,
+                            seq: req.seq,
+                        },
                     }),
                 None => Err(RemoteStatus::UnknownSegment),
             },
@@ -214,7 +261,7 @@ impl ServerStream {
             status,
             discard: match req.kind {
                 OpKind::Write => req.len,
-                OpKind::Read => 0,
+                OpKind::Read | OpKind::Checksum => 0,
             },
             response: refused(req.seq, status),
         })

@@ -277,6 +277,15 @@ impl Link {
                             self.s2c.extend(response);
                             ServerRx::Closed
                         }
+                        Action::Reply { response } => {
+                            self.s2c.extend(response);
+                            ServerRx::Head
+                        }
+                        Action::ChecksumFile { file, at, len, seq } => {
+                            let crc = crate::checksum::crc32c_file(&*file, at, len).unwrap();
+                            self.s2c.extend(super::checksum_response(seq, crc));
+                            ServerRx::Head
+                        }
                     };
                 }
                 ServerRx::Write {
@@ -355,7 +364,7 @@ impl Link {
                     }
                 }
                 ClientRx::Payload { chunk, got } => {
-                    let len = chunk.len as usize;
+                    let len = chunk.payload_len() as usize;
                     let n = (len - *got).min(self.c_in.len());
                     let piece: Vec<u8> = self.c_in.drain(..n).collect();
                     let at = chunk.local_at() + *got as u64;
@@ -401,7 +410,11 @@ struct OpSpec {
 
 fn op_spec() -> impl Strategy<Value = OpSpec> {
     (
-        prop_oneof![Just(OpKind::Read), Just(OpKind::Write)],
+        prop_oneof![
+            3 => Just(OpKind::Read),
+            3 => Just(OpKind::Write),
+            1 => Just(OpKind::Checksum)
+        ],
         // 0..=5 RW memory (most), 6 RO memory, 7 file, 8 unknown.
         0u8..9,
         0u64..=SLOT,
@@ -649,7 +662,21 @@ fn run(case: &Case) -> Run {
         let mut l = vec![0; len];
         local.read_at(slot as u64, &mut l).unwrap();
         let remote = remote_now(spec);
-        if i < outcome.completed_ops {
+        if i < outcome.completed_ops && spec.kind == OpKind::Checksum {
+            // The digest of the remote range landed in the first bytes of the slot, and nothing
+            // else of the slot changed.
+            let crc = crate::checksum::crc32c(&remote[r..r + len]);
+            let n = crate::checksum::CHECKSUM_LEN;
+            assert_eq!(
+                l[..n.min(len)],
+                crc.to_le_bytes()[..n.min(len)],
+                "op {i}: digest"
+            );
+            let mut whole = vec![0; SLOT as usize];
+            local.read_at(slot as u64, &mut whole).unwrap();
+            assert_eq!(whole[..n], crc.to_le_bytes(), "op {i}: digest");
+            assert_eq!(whole[n..], local_before[slot + n..slot + SLOT as usize]);
+        } else if i < outcome.completed_ops {
             assert_eq!(l, &remote[r..r + len], "op {i} completed with other bytes");
         }
         // A WRITE from the failed op on counts as unchanged when the outcome says `None`.
@@ -664,7 +691,8 @@ fn run(case: &Case) -> Run {
                 "op {i} changed remote bytes but the outcome says no remote effect"
             );
         }
-        // A READ that is not complete may have landed partly; a WRITE never touches local bytes.
+        // A READ or CHECKSUM that is not complete may have landed partly; a WRITE never
+        // touches local bytes.
         if spec.kind == OpKind::Write {
             assert_eq!(l, &local_before[slot..slot + len]);
         }
@@ -724,10 +752,10 @@ fn without_faults_every_op_completes() {
             let case = Case {
                 ops: (0..6)
                     .map(|i| OpSpec {
-                        kind: if i % 2 == 0 {
-                            OpKind::Write
-                        } else {
-                            OpKind::Read
+                        kind: match i % 3 {
+                            0 => OpKind::Write,
+                            1 => OpKind::Read,
+                            _ => OpKind::Checksum,
                         },
                         target: if i == 5 { 7 } else { 0 },
                         len: SLOT - i,
@@ -1082,6 +1110,18 @@ proptest! {
                     prop_assert!(lease.region.check(at, len as u64).is_ok());
                     let resp = crate::wire::DataResponse::decode(&response).unwrap();
                     prop_assert_eq!((resp.seq, resp.len, resp.refused), (r.seq, r.len, None));
+                }
+                Action::Reply { .. } => {
+                    let r = decoded.unwrap();
+                    prop_assert_eq!(r.kind, OpKind::Checksum);
+                    let (_, seg_len, access) = known.iter().find(|k| k.0 == r.token).copied().unwrap();
+                    prop_assert!(access.contains(OpKind::Checksum.needed_access()));
+                    prop_assert!(r.offset.checked_add(r.len).is_some_and(|end| end <= seg_len));
+                }
+                Action::ChecksumFile { at, len, seq, .. } => {
+                    let r = decoded.unwrap();
+                    prop_assert_eq!((r.kind, r.token, r.seq), (OpKind::Checksum, FILE, seq));
+                    prop_assert!(at.checked_add(len).is_some_and(|end| end <= 1000));
                 }
                 Action::ReadFile { at, len, .. } | Action::WriteFile { at, len, .. } => {
                     let r = decoded.unwrap();

@@ -1,0 +1,243 @@
+//! etcd discovery (feature `etcd`): members under `/ferry/broadcast/<name>/members/<id>`, each
+//! key bound to the member's lease, the list kept current by a watch on the prefix.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex as StdMutex, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+
+use crate::discovery::{BoxFuture, Discovery};
+use crate::error::BroadcastError;
+use crate::plan::Member;
+
+/// Members of one broadcast in etcd.
+pub struct Etcd {
+    endpoint: String,
+    prefix: String,
+    ttl: i64,
+    client: Mutex<Client>,
+    lease: Mutex<Option<(i64, JoinHandle<()>)>>,
+    /// key -> (create revision, member), kept by the watch task.
+    cache: Arc<StdMutex<HashMap<String, (i64, Member)>>>,
+    watch: StdMutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd")
+            .field("endpoint", &self.endpoint)
+            .field("prefix", &self.prefix)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+fn err(reason: impl std::fmt::Display) -> BroadcastError {
+    BroadcastError::Discovery {
+        backend: "etcd",
+        reason: reason.to_string(),
+    }
+}
+
+impl Etcd {
+    /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`) for the
+    /// broadcast `name`; members' leases last `ttl` (at least one second) without renewal.
+    /// Starts the watch that keeps the member list.
+    pub async fn connect(
+        endpoint: &str,
+        name: &str,
+        ttl: Duration,
+    ) -> Result<Self, BroadcastError> {
+        let client =
+            tokio::time::timeout(Duration::from_secs(5), Client::connect([endpoint], None))
+                .await
+                .map_err(|_| err(format!("{endpoint}: connect timed out")))?
+                .map_err(|e| err(format!("{endpoint}: {e}")))?;
+        let this = Self {
+            endpoint: endpoint.to_owned(),
+            prefix: format!("/ferry/broadcast/{name}/members/"),
+            ttl: ttl.as_secs().max(1) as i64,
+            client: Mutex::new(client),
+            lease: Mutex::new(None),
+            cache: Arc::new(StdMutex::new(HashMap::new())),
+            watch: StdMutex::new(None),
+        };
+        this.start_watch().await?;
+        Ok(this)
+    }
+
+    /// Loads the list, then follows changes from the revision it was read at.
+    async fn start_watch(&self) -> Result<(), BroadcastError> {
+        let mut client = self.client.lock().await.clone();
+        let got = client
+            .get(self.prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(err)?;
+        let revision = got.header().map_or(0, |h| h.revision());
+        {
+            let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+            cache.clear();
+            for kv in got.kvs() {
+                if let Ok(m) = serde_json::from_slice::<Member>(kv.value()) {
+                    cache.insert(
+                        String::from_utf8_lossy(kv.key()).into_owned(),
+                        (kv.create_revision(), m),
+                    );
+                }
+            }
+        }
+        let mut stream = client
+            .watch(
+                self.prefix.as_str(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision + 1),
+                ),
+            )
+            .await
+            .map_err(err)?;
+        let cache = self.cache.clone();
+        let task = tokio::spawn(async move {
+            while let Ok(Some(resp)) = stream.message().await {
+                let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    match ev.event_type() {
+                        EventType::Put => {
+                            if let Ok(m) = serde_json::from_slice::<Member>(kv.value()) {
+                                cache.insert(key, (kv.create_revision(), m));
+                            }
+                        }
+                        EventType::Delete => {
+                            cache.remove(&key);
+                        }
+                    }
+                }
+            }
+            tracing::debug!("etcd watch ended");
+        });
+        if let Some(old) = self
+            .watch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(task)
+        {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    async fn put(&self, me: &Member) -> Result<(), BroadcastError> {
+        let lease = self.lease.lock().await.as_ref().map(|(id, _)| *id);
+        let Some(lease) = lease else {
+            return Err(err("not registered"));
+        };
+        let value = serde_json::to_vec(me).map_err(err)?;
+        self.client
+            .lock()
+            .await
+            .put(
+                format!("{}{}", self.prefix, me.id),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        if let Some(t) = self
+            .watch
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            t.abort();
+        }
+        if let Some((_, t)) = self.lease.get_mut().take() {
+            t.abort();
+        }
+    }
+}
+
+impl Discovery for Etcd {
+    fn register<'a>(
+        &'a self,
+        me: &'a Member,
+    ) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
+        Box::pin(async move {
+            let mut client = self.client.lock().await.clone();
+            let lease = client.lease_grant(self.ttl, None).await.map_err(err)?.id();
+            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await.map_err(err)?;
+            let every = Duration::from_millis((self.ttl as u64 * 1000 / 3).max(200));
+            let task = tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    if keeper.keep_alive().await.is_err() {
+                        break;
+                    }
+                    if !matches!(stream.message().await, Ok(Some(_))) {
+                        break;
+                    }
+                }
+                tracing::debug!(lease, "etcd lease keep-alive ended");
+            });
+            if let Some((_, old)) = self.lease.lock().await.replace((lease, task)) {
+                old.abort();
+            }
+            self.put(me).await?;
+            Ok(None)
+        })
+    }
+
+    fn update<'a>(&'a self, me: &'a Member) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
+        Box::pin(async move {
+            self.put(me).await?;
+            Ok(None)
+        })
+    }
+
+    fn members(&self) -> BoxFuture<'_, Result<Vec<Member>, BroadcastError>> {
+        Box::pin(async move {
+            let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut v: Vec<Member> = cache
+                .values()
+                .map(|(rev, m)| {
+                    let mut m = m.clone();
+                    m.order = *rev as u64;
+                    m
+                })
+                .collect();
+            v.sort_by_key(|m| m.order);
+            Ok(v)
+        })
+    }
+
+    fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BroadcastError>> {
+        Box::pin(async move {
+            let lease = self.lease.lock().await.take();
+            let mut client = self.client.lock().await.clone();
+            client
+                .delete(format!("{}{id}", self.prefix), None)
+                .await
+                .map_err(err)?;
+            if let Some((lease, task)) = lease {
+                task.abort();
+                let _ = client.lease_revoke(lease).await;
+            }
+            Ok(())
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("etcd {}", self.endpoint)
+    }
+}

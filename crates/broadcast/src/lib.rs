@@ -1,0 +1,37 @@
+//! Weight broadcast over Ferry: one source to many receivers in little more than the time of
+//! one, every chunk verified.
+//!
+//! - [`manifest`]: what a source publishes (segments, entries with dtype and shape for
+//!   `.safetensors` tensors, chunks with CRC-32C), built from files and validated on receipt.
+//! - [`plan`]: the chain every member derives from the membership list, and a receiver's
+//!   bookkeeping of verified chunks (no I/O).
+//! - [`Source`] and [`Receiver`]: the roles. Receivers fetch chunks by Ferry READs from their
+//!   parent, verify them, and serve them to the member after them; dead, stalled or corrupting
+//!   holders are routed around, and a restarted source (new epoch) is refused.
+//! - [`discovery`]: the membership list behind one trait, [`Embedded`](discovery::Embedded)
+//!   (the source keeps it) or `Etcd` (feature `etcd`, which needs `protoc` at build time).
+//!
+//! This crate sits above the facade (`ferry`): it depends on no transport. The design and its
+//! measurements are in `docs/architecture.md` (section 11) and `docs/broadcast.md`.
+//!
+//! Features: `etcd` (etcd discovery through the `etcd-client` crate).
+#![forbid(unsafe_code)]
+
+mod control;
+pub mod discovery;
+mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
+pub mod manifest;
+pub mod plan;
+mod receiver;
+mod source;
+
+pub use discovery::{Discovery, Embedded};
+pub use error::BroadcastError;
+#[cfg(feature = "etcd")]
+pub use etcd::Etcd;
+pub use manifest::{Manifest, ManifestError};
+pub use plan::{Member, Role};
+pub use receiver::{Receiver, ReceiverOptions, Snapshot, Summary};
+pub use source::{Source, SourceOptions};

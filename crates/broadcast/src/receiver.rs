@@ -1,0 +1,832 @@
+//! A receiver: fetches the manifest's chunks from its parent in the chain
+//! ([`plan`](crate::plan)), verifies each against the manifest's CRC-32C, and serves what it
+//! verified to the member after it.
+//!
+//! Contract:
+//! - a chunk is fetched by a Ferry READ straight into this receiver's registered buffer, then
+//!   verified; only verified chunks count, and only the verified prefix is advertised, so a
+//!   member never fetches from it a chunk it has not verified;
+//! - a chunk whose checksum does not match is counted ([`Summary::refetched_chunks`]) and
+//!   fetched again from the source (a holder other than the one that served it, or, if the
+//!   source served it, the source once more, three times at most);
+//! - a parent that fails a READ, stops answering, or whose prefix does not advance for
+//!   `stall_after` while this receiver waits on it is given up: its data path is closed (its
+//!   chunks in flight fail at once, so none lands later) and the next holder in the plan is
+//!   taken; chunks already verified are kept and never fetched again;
+//! - everything is tied to one source epoch: a holder of another is never used, and if the
+//!   source itself shows another epoch (it restarted) the pull fails with
+//!   [`BroadcastError::SourceRestarted`] instead of mixing chunks of two versions.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::{
+    Access, Batch, DataPlane, MemoryRegion, PAGE_ALIGN, Peer, Registration, RemoteSegment,
+    TransferEngine,
+};
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
+use crate::discovery::Discovery;
+use crate::error::BroadcastError;
+use crate::manifest::Manifest;
+use crate::plan::{Have, Member, Role, holders};
+
+/// How a receiver runs.
+#[derive(Clone, Debug)]
+pub struct ReceiverOptions {
+    /// The IP its Ferry listener and control service listen on (any free ports). `None`: the
+    /// IP it reaches the source from, which the other members can reach too.
+    pub listen_ip: Option<IpAddr>,
+    /// Which data plane carries the chunks.
+    pub data_plane: DataPlane,
+    /// Chunks in flight from the parent.
+    pub window: usize,
+    /// A parent whose verified prefix does not advance for this long while this receiver waits
+    /// on it is given up.
+    pub stall_after: Duration,
+    /// How often the receiver renews its entry (progress) and rereads the member list.
+    pub heartbeat: Duration,
+    /// Whether to fetch from other receivers (the plan's chain). `false`: from the source
+    /// only, as a point-to-point pull would (the baseline `cargo xtask bench broadcast`
+    /// compares with). It still serves what it verified.
+    pub relay: bool,
+    /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
+    /// read from (a relay that corrupts what it serves). Its own final check finds it again.
+    #[doc(hidden)]
+    pub corrupt_after_verify: Option<usize>,
+    /// Tests only: stop fetching (but keep serving and heartbeating) after this many chunks
+    /// are verified, for this long (a stalled relay).
+    #[doc(hidden)]
+    pub pause_after: Option<(u64, Duration)>,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> Self {
+        Self {
+            listen_ip: None,
+            data_plane: DataPlane::Auto,
+            window: 8,
+            stall_after: Duration::from_secs(3),
+            heartbeat: Duration::from_millis(500),
+            relay: true,
+            corrupt_after_verify: None,
+            pause_after: None,
+        }
+    }
+}
+
+/// What a finished pull did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Summary {
+    /// The broadcast's name.
+    pub name: String,
+    /// Its version.
+    pub version: u64,
+    /// The source epoch every chunk came from.
+    pub source_epoch: u64,
+    /// Payload bytes (all segments).
+    pub bytes: u64,
+    /// Seconds from the first fetch to the last chunk verified.
+    pub seconds: f64,
+    /// `bytes / seconds`, in GB/s (10^9).
+    pub gb_per_s: f64,
+    /// Chunks in the manifest.
+    pub chunks: u64,
+    /// Chunks whose checksum did not match and that were fetched again.
+    pub refetched_chunks: u64,
+    /// Bytes received from the source (verified or not).
+    pub bytes_from_source: u64,
+    /// Bytes received from other receivers (verified or not).
+    pub bytes_from_relays: u64,
+    /// Parents given up on (dead, stalled, other epoch).
+    pub parents_given_up: u64,
+    /// Ids of the members it fetched from, in order.
+    pub holders: Vec<String>,
+}
+
+/// Where a pull stands, for progress displays.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Bytes verified.
+    pub bytes: u64,
+    /// Payload bytes.
+    pub total: u64,
+    /// Chunks re-fetched after a checksum mismatch.
+    pub refetched: u64,
+    /// Members listed.
+    pub peers: usize,
+    /// The current parent's data address.
+    pub parent: String,
+    /// Whether every chunk is verified.
+    pub done: bool,
+}
+
+/// A member that holds chunks and that this receiver fetches from.
+struct Holder {
+    member: Member,
+    peer: Peer,
+    segs: Vec<RemoteSegment>,
+    prefix: u64,
+    done: bool,
+    advanced: Instant,
+    poll: JoinHandle<()>,
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.poll.abort();
+    }
+}
+
+/// What the parent's progress poller reports.
+enum PollMsg {
+    Progress {
+        id: String,
+        source_epoch: u64,
+        prefix: u64,
+        done: bool,
+    },
+    Failed {
+        id: String,
+        reason: String,
+    },
+}
+
+/// What a fetch task reports.
+struct Fetched {
+    chunk: usize,
+    from: String,
+    from_source: bool,
+    /// `Ok(true)`: verified; `Ok(false)`: checksum mismatch; `Err`: the READ failed.
+    result: Result<bool, String>,
+}
+
+/// A receiver that joined a broadcast: its engine and buffers are set up and registered, its
+/// control service runs and it is listed. [`run`](Self::run) fetches.
+pub struct Receiver {
+    engine: TransferEngine,
+    discovery: Arc<dyn Discovery>,
+    manifest: Manifest,
+    source_epoch: u64,
+    source_ip: IpAddr,
+    regs: Vec<Registration>,
+    member: Member,
+    opts: ReceiverOptions,
+    progress_tx: watch::Sender<Progress>,
+    snapshot_tx: watch::Sender<Snapshot>,
+    ctl_task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receiver")
+            .field("name", &self.manifest.name)
+            .field("member", &self.member)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.ctl_task.abort();
+        self.engine.shutdown();
+    }
+}
+
+fn control_err(addr: &str, reason: impl Into<String>) -> BroadcastError {
+    BroadcastError::Control {
+        addr: addr.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// An address with an unspecified IP (a member that listens on all interfaces) made reachable
+/// with `ip`.
+fn reachable(addr: &str, ip: IpAddr) -> String {
+    match addr.parse::<SocketAddr>() {
+        Ok(a) if a.ip().is_unspecified() => SocketAddr::new(ip, a.port()).to_string(),
+        _ => addr.to_owned(),
+    }
+}
+
+impl Receiver {
+    /// Joins the broadcast `name` (`None`: whatever the source listed publishes) through
+    /// `discovery`: finds its source, fetches the manifest, allocates and registers one buffer
+    /// per segment, starts its control service and lists itself.
+    pub async fn join(
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let wanted = name;
+        let name = name.unwrap_or("(any)");
+        let timeout = Duration::from_secs(5);
+        let source = discovery
+            .members()
+            .await?
+            .into_iter()
+            .find(|m| m.role == Role::Source)
+            .ok_or_else(|| BroadcastError::NoSource {
+                name: name.to_owned(),
+                discovery: discovery.describe(),
+            })?;
+        let mut ctl = CtlClient::connect(&source.ctl_addr, timeout).await?;
+        let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
+            Ok(a) if !a.ip().is_unspecified() => a.ip(),
+            _ => ctl.local_addr().ip(),
+        };
+        let (manifest, source_epoch) = match ctl.call(&Request::Manifest, timeout).await? {
+            Reply::Manifest {
+                manifest,
+                source_epoch,
+            } => (manifest, source_epoch),
+            _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
+        };
+        if wanted.is_some_and(|n| n != manifest.name) {
+            return Err(control_err(
+                &source.ctl_addr,
+                format!("publishes {:?}, not {name:?}", manifest.name),
+            ));
+        }
+        let ip = opts.listen_ip.unwrap_or(ctl.local_addr().ip());
+        let engine = TransferEngine::builder()
+            .data_plane(opts.data_plane)
+            .listen(SocketAddr::new(ip, 0))
+            .build()?;
+        let mut regs = Vec::with_capacity(manifest.segments.len());
+        for seg in &manifest.segments {
+            let len = usize::try_from(seg.len).map_err(|_| {
+                BroadcastError::io(
+                    format!("segment {:?}", seg.name),
+                    std::io::Error::other("longer than this machine's address space"),
+                )
+            })?;
+            let region = MemoryRegion::alloc_zeroed(len, PAGE_ALIGN).map_err(|e| {
+                BroadcastError::io(
+                    format!("allocating {len} bytes for {:?}", seg.name),
+                    std::io::Error::other(e.to_string()),
+                )
+            })?;
+            regs.push(engine.register(region, Access::REMOTE_READ, &seg.name)?);
+        }
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .await
+            .map_err(|e| BroadcastError::io(format!("control listener on {ip}"), e))?;
+        let ctl_addr = listener
+            .local_addr()
+            .map_err(|e| BroadcastError::io("control listener address", e))?;
+        let (progress_tx, progress) = watch::channel(Progress::default());
+        let state = Arc::new(CtlState {
+            source_epoch,
+            manifest: None,
+            progress,
+            tracker: None,
+        });
+        let ctl_task = tokio::spawn(control::serve(listener, state));
+        let data_addr = engine
+            .local_addr()
+            .ok_or_else(|| BroadcastError::io("data listener", std::io::Error::other("none")))?;
+        let member = Member {
+            id: engine.peer_id().to_string(),
+            epoch: engine.epoch().0,
+            source_epoch,
+            data_addr: data_addr.to_string(),
+            ctl_addr: ctl_addr.to_string(),
+            role: Role::Receiver,
+            progress: 0,
+            done: manifest.chunks.is_empty(),
+            order: 0,
+        };
+        if let Some(found) = discovery.register(&member).await?
+            && found != source_epoch
+        {
+            return Err(BroadcastError::SourceRestarted {
+                name: manifest.name.clone(),
+                had: source_epoch,
+                found,
+            });
+        }
+        let total = manifest.total_bytes();
+        let (snapshot_tx, _) = watch::channel(Snapshot {
+            total,
+            ..Default::default()
+        });
+        let name = manifest.name.clone();
+        tracing::info!(name, id = %member.id, %data_addr, %ctl_addr, source_epoch,
+            chunks = manifest.chunks.len(), bytes = total, "receiver joined");
+        Ok(Self {
+            engine,
+            discovery,
+            manifest,
+            source_epoch,
+            source_ip,
+            regs,
+            member,
+            opts,
+            progress_tx,
+            snapshot_tx,
+            ctl_task,
+        })
+    }
+
+    /// The manifest being pulled.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// This member's entry.
+    pub fn member(&self) -> &Member {
+        &self.member
+    }
+
+    /// Follows the pull's progress.
+    pub fn progress(&self) -> watch::Receiver<Snapshot> {
+        self.snapshot_tx.subscribe()
+    }
+
+    /// The bytes of segment `i` as held now (a copy).
+    pub fn segment_bytes(&self, i: usize) -> Option<Vec<u8>> {
+        let reg = self.regs.get(i)?;
+        let mut v = vec![0u8; reg.len() as usize];
+        reg.region().read_at(0, &mut v).ok()?;
+        Some(v)
+    }
+
+    /// Writes each segment to `dir/<segment name>` (as published).
+    pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
+        for (i, seg) in self.manifest.segments.iter().enumerate() {
+            let path = dir.join(&seg.name);
+            let bytes = self.segment_bytes(i).unwrap_or_default();
+            std::fs::write(&path, &bytes)
+                .map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+        }
+        Ok(())
+    }
+
+    async fn heartbeat(&mut self, have: &Have) -> Result<(), BroadcastError> {
+        self.member.progress = have.count();
+        self.member.done = have.is_done();
+        match self.discovery.update(&self.member).await {
+            Ok(Some(found)) if found != self.source_epoch => Err(BroadcastError::SourceRestarted {
+                name: self.manifest.name.clone(),
+                had: self.source_epoch,
+                found,
+            }),
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // The backend may be down for a while (a source that died): keep fetching
+                // from the relays; the holders' epochs still guard against mixing.
+                tracing::debug!(error = %e, "heartbeat failed");
+                Ok(())
+            }
+        }
+    }
+
+    /// Connects to `m` as a holder and starts following its progress.
+    async fn attach(
+        &self,
+        m: &Member,
+        polls: &mpsc::UnboundedSender<PollMsg>,
+    ) -> Result<Holder, BroadcastError> {
+        let data_addr = reachable(&m.data_addr, self.source_ip);
+        let ctl_addr = reachable(&m.ctl_addr, self.source_ip);
+        let peer = match self.engine.connect(data_addr.as_str()).await {
+            Ok(p) => p,
+            Err(ferry::Error::StaleEpoch { found, .. }) if m.role == Role::Source => {
+                return Err(BroadcastError::SourceRestarted {
+                    name: self.manifest.name.clone(),
+                    had: self.source_epoch,
+                    found: found.0,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if m.role == Role::Source && peer.epoch().0 != self.source_epoch {
+            return Err(BroadcastError::SourceRestarted {
+                name: self.manifest.name.clone(),
+                had: self.source_epoch,
+                found: peer.epoch().0,
+            });
+        }
+        let mut segs = Vec::with_capacity(self.manifest.segments.len());
+        for s in &self.manifest.segments {
+            let seg = peer.segment(&s.name)?;
+            if seg.len() < s.len {
+                return Err(control_err(
+                    &data_addr,
+                    format!(
+                        "segment {:?} has {} bytes, not {}",
+                        s.name,
+                        seg.len(),
+                        s.len
+                    ),
+                ));
+            }
+            segs.push(seg);
+        }
+        let mut ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+        let id = m.id.clone();
+        let tx = polls.clone();
+        let stall = self.opts.stall_after;
+        let poll = tokio::spawn(async move {
+            let mut after = 0u64;
+            let wait = stall.min(Duration::from_secs(2));
+            loop {
+                let req = Request::Progress {
+                    after,
+                    wait_ms: wait.as_millis() as u64,
+                };
+                match ctl.call(&req, wait + Duration::from_secs(2)).await {
+                    Ok(Reply::Progress {
+                        source_epoch,
+                        prefix,
+                        done,
+                    }) => {
+                        after = prefix;
+                        let msg = PollMsg::Progress {
+                            id: id.clone(),
+                            source_epoch,
+                            prefix,
+                            done,
+                        };
+                        if tx.send(msg).is_err() || done {
+                            return;
+                        }
+                    }
+                    Ok(_) => {
+                        let _ = tx.send(PollMsg::Failed {
+                            id,
+                            reason: "answered progress with something else".into(),
+                        });
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(PollMsg::Failed {
+                            id,
+                            reason: e.to_string(),
+                        });
+                        return;
+                    }
+                }
+            }
+        });
+        tracing::info!(holder = %m.id, %data_addr, role = ?m.role, "attached");
+        Ok(Holder {
+            member: m.clone(),
+            peer,
+            segs,
+            prefix: if m.role == Role::Source {
+                self.manifest.chunks.len() as u64
+            } else {
+                0
+            },
+            done: m.role == Role::Source,
+            advanced: Instant::now(),
+            poll,
+        })
+    }
+
+    /// Starts a READ of chunk `i` from `h` into this receiver's buffer, then its verification.
+    fn fetch(&self, set: &mut JoinSet<Fetched>, h: &Holder, i: usize) {
+        let c = self.manifest.chunks[i];
+        let seg = c.segment as usize;
+        let reg = &self.regs[seg];
+        let batch = Batch::new().read(reg, c.offset, &h.segs[seg], c.offset, c.len);
+        let region = reg.region().clone();
+        let from = h.member.id.clone();
+        let from_source = h.member.role == Role::Source;
+        let submitted = self.engine.submit(batch);
+        set.spawn(async move {
+            let result = match submitted {
+                Err(e) => Err(e.to_string()),
+                Ok(handle) => {
+                    // Wait for the buffers to be free, not just the logical outcome: a chunk
+                    // given up on must not land later over one fetched elsewhere.
+                    let outcome = handle.drained().await;
+                    match outcome.failure {
+                        Some(f) => Err(format!("READ failed: {}", f.kind)),
+                        None => Ok(ferry::checksum::crc32c_region(&region, c.offset, c.len)
+                            .is_ok_and(|crc| crc == c.crc32c)),
+                    }
+                }
+            };
+            Fetched {
+                chunk: i,
+                from,
+                from_source,
+                result,
+            }
+        });
+    }
+
+    fn publish(&self, have: &Have, refetched: u64, peers: usize, parent: &str) {
+        let _ = self.progress_tx.send(Progress {
+            prefix: have.prefix(),
+            done: have.is_done(),
+        });
+        let bytes = (0..have.len())
+            .filter(|&i| have.has(i))
+            .map(|i| self.manifest.chunks[i].len)
+            .sum();
+        self.snapshot_tx.send_modify(|s| {
+            s.bytes = bytes;
+            s.refetched = refetched;
+            s.peers = peers;
+            s.parent = parent.to_owned();
+            s.done = have.is_done();
+        });
+    }
+
+    /// Fetches every chunk, verifying each, then checks every chunk once more at rest (a chunk
+    /// corrupted after its verification is fetched again). Returns what it did. The receiver
+    /// keeps serving afterwards until dropped (see [`linger`](Self::linger)).
+    pub async fn run(&mut self) -> Result<Summary, BroadcastError> {
+        let started = Instant::now();
+        let n = self.manifest.chunks.len();
+        let mut have = Have::new(n);
+        let mut sum = Summary {
+            name: self.manifest.name.clone(),
+            version: self.manifest.version,
+            source_epoch: self.source_epoch,
+            bytes: self.manifest.total_bytes(),
+            chunks: n as u64,
+            ..Default::default()
+        };
+        let (poll_tx, mut poll_rx) = mpsc::unbounded_channel();
+        let mut members = self.discovery.members().await.unwrap_or_default();
+        let mut avoid: HashSet<String> = HashSet::new();
+        let mut parent: Option<Holder> = None;
+        // Holders other than the parent, used for re-fetches: id -> holder.
+        let mut others: HashMap<String, Holder> = HashMap::new();
+        let mut bad_tries: HashMap<usize, u32> = HashMap::new();
+        let mut set: JoinSet<Fetched> = JoinSet::new();
+        let mut tick = tokio::time::interval(self.opts.heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut paused_until: Option<Instant> = None;
+        let mut final_check_done = false;
+        let mut corrupted = false;
+        loop {
+            if have.is_done() && set.is_empty() {
+                if final_check_done {
+                    break;
+                }
+                final_check_done = true;
+                for (i, c) in self.manifest.chunks.iter().enumerate() {
+                    let reg = &self.regs[c.segment as usize];
+                    let ok = ferry::checksum::crc32c_region(reg.region(), c.offset, c.len)
+                        .is_ok_and(|crc| crc == c.crc32c);
+                    if !ok {
+                        tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
+                        sum.refetched_chunks += 1;
+                        have.lost(i);
+                    }
+                }
+                if have.is_done() {
+                    break;
+                }
+            }
+            if parent.is_none() {
+                let mut last = String::from("no holder listed");
+                let mut listed = holders(&members, &self.member.id, self.source_epoch, &avoid);
+                if !self.opts.relay {
+                    listed.retain(|m| m.role == Role::Source);
+                }
+                for m in listed {
+                    match self.attach(m, &poll_tx).await {
+                        Ok(h) => {
+                            sum.holders.push(h.member.id.clone());
+                            parent = Some(h);
+                            break;
+                        }
+                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
+                        Err(e) => {
+                            tracing::info!(holder = %m.id, error = %e, "cannot attach");
+                            last = e.to_string();
+                            if m.role != Role::Source {
+                                avoid.insert(m.id.clone());
+                            }
+                        }
+                    }
+                }
+                if parent.is_none() {
+                    // Wait for the list to change (a source that comes back, a new member);
+                    // a source that came back with another epoch ends the pull.
+                    tokio::time::sleep(self.opts.heartbeat).await;
+                    self.heartbeat(&have).await?;
+                    if started.elapsed() > self.opts.stall_after * 10 {
+                        return Err(BroadcastError::NoHolder {
+                            name: self.manifest.name.clone(),
+                            chunk: have.next_to_fetch(n as u64).unwrap_or(0),
+                            reason: last,
+                        });
+                    }
+                    members = self.discovery.members().await.unwrap_or(members);
+                    continue;
+                }
+            }
+            let paused = paused_until.is_some_and(|t| Instant::now() < t);
+            if let Some(p) = &parent
+                && !paused
+            {
+                while set.len() < self.opts.window.max(1) {
+                    match have.next_to_fetch(p.prefix) {
+                        Some(i) => self.fetch(&mut set, p, i),
+                        None => break,
+                    }
+                }
+            }
+            tokio::select! {
+                Some(joined) = set.join_next() => {
+                    let Ok(f) = joined else { continue };
+                    let c = self.manifest.chunks[f.chunk];
+                    match f.result {
+                        Ok(true) => {
+                            if f.from_source {
+                                sum.bytes_from_source += c.len;
+                            } else {
+                                sum.bytes_from_relays += c.len;
+                            }
+                            have.verified(f.chunk);
+                            if self.opts.corrupt_after_verify == Some(f.chunk) && !corrupted {
+                                corrupted = true;
+                                let reg = &self.regs[c.segment as usize];
+                                let mut b = [0u8; 1];
+                                let _ = reg.region().read_at(c.offset, &mut b);
+                                let _ = reg.region().write_at(c.offset, &[b[0] ^ 0xff]);
+                                tracing::warn!(chunk = f.chunk, "test hook: corrupted a verified chunk");
+                            }
+                            if let Some((after, pause)) = self.opts.pause_after
+                                && have.count() == after
+                            {
+                                paused_until = Some(Instant::now() + pause);
+                            }
+                        }
+                        Ok(false) => {
+                            if f.from_source {
+                                sum.bytes_from_source += c.len;
+                            } else {
+                                sum.bytes_from_relays += c.len;
+                            }
+                            sum.refetched_chunks += 1;
+                            let tries = bad_tries.entry(f.chunk).or_default();
+                            *tries += 1;
+                            tracing::warn!(chunk = f.chunk, from = %f.from, tries = *tries,
+                                "checksum mismatch; fetching the chunk from another holder");
+                            if *tries > 3 {
+                                return Err(BroadcastError::NoHolder {
+                                    name: self.manifest.name.clone(),
+                                    chunk: f.chunk,
+                                    reason: "checksum mismatch from every holder tried".into(),
+                                });
+                            }
+                            // The source holds every chunk: fetch it from there (keeping the
+                            // chunk marked in flight meanwhile).
+                            let src = members
+                                .iter()
+                                .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch)
+                                .cloned();
+                            let h = match (&parent, src) {
+                                (Some(p), _) if p.member.role == Role::Source => None,
+                                (_, Some(s)) => {
+                                    if !others.contains_key(&s.id) {
+                                        match self.attach(&s, &poll_tx).await {
+                                            Ok(h) => { others.insert(s.id.clone(), h); }
+                                            Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
+                                            Err(e) => tracing::info!(error = %e, "cannot attach to the source"),
+                                        }
+                                    }
+                                    others.get(&s.id)
+                                }
+                                (_, None) => None,
+                            };
+                            match (h, &parent) {
+                                (Some(h), _) => self.fetch(&mut set, h, f.chunk),
+                                (None, Some(p)) => self.fetch(&mut set, p, f.chunk),
+                                (None, None) => have.released(f.chunk),
+                            }
+                        }
+                        Err(reason) => {
+                            have.released(f.chunk);
+                            if parent.as_ref().is_some_and(|p| p.member.id == f.from) {
+                                tracing::info!(holder = %f.from, %reason, "giving up parent");
+                                if let Some(p) = parent.take() {
+                                    p.peer.close();
+                                    if p.member.role != Role::Source {
+                                        avoid.insert(p.member.id.clone());
+                                    }
+                                }
+                                sum.parents_given_up += 1;
+                            } else {
+                                others.remove(&f.from);
+                            }
+                        }
+                    }
+                    let parent_addr = parent.as_ref().map(|p| p.member.data_addr.clone()).unwrap_or_default();
+                    self.publish(&have, sum.refetched_chunks, members.len(), &parent_addr);
+                }
+                Some(msg) = poll_rx.recv() => match msg {
+                    PollMsg::Progress { id, source_epoch, prefix, done } => {
+                        let Some(p) = parent.as_mut().filter(|p| p.member.id == id) else { continue };
+                        if source_epoch != self.source_epoch {
+                            if p.member.role == Role::Source {
+                                return Err(BroadcastError::SourceRestarted {
+                                    name: self.manifest.name.clone(),
+                                    had: self.source_epoch,
+                                    found: source_epoch,
+                                });
+                            }
+                            tracing::info!(holder = %id, source_epoch, "holder of another source epoch; giving it up");
+                            avoid.insert(id);
+                            if let Some(p) = parent.take() { p.peer.close(); }
+                            sum.parents_given_up += 1;
+                            continue;
+                        }
+                        if prefix > p.prefix {
+                            p.prefix = prefix;
+                            p.advanced = Instant::now();
+                        }
+                        p.done = done;
+                    }
+                    PollMsg::Failed { id, reason } => {
+                        if parent.as_ref().is_some_and(|p| p.member.id == id && p.member.role != Role::Source) {
+                            tracing::info!(holder = %id, %reason, "parent stopped answering; giving it up");
+                            if let Some(p) = parent.take() { p.peer.close(); }
+                            avoid.insert(id);
+                            sum.parents_given_up += 1;
+                        }
+                    }
+                },
+                _ = tick.tick() => {
+                    self.heartbeat(&have).await?;
+                    if let Ok(m) = self.discovery.members().await {
+                        members = m;
+                    }
+                    // A parent gone from the list (its lease expired), or one we wait on that
+                    // does not advance, is given up.
+                    let listed = |p: &Holder| members.iter().any(|m| m.id == p.member.id);
+                    let stalled = |p: &Holder| {
+                        p.member.role != Role::Source
+                            && !p.done
+                            && p.prefix <= have.prefix()
+                            && p.advanced.elapsed() > self.opts.stall_after
+                    };
+                    if let Some(p) = parent.as_ref()
+                        && (stalled(p) || (!listed(p) && p.member.role != Role::Source))
+                    {
+                        tracing::info!(holder = %p.member.id, stalled = stalled(p), "giving up parent");
+                        avoid.insert(p.member.id.clone());
+                        if let Some(p) = parent.take() { p.peer.close(); }
+                        sum.parents_given_up += 1;
+                    }
+                    let parent_addr = parent.as_ref().map(|p| p.member.data_addr.clone()).unwrap_or_default();
+                    self.publish(&have, sum.refetched_chunks, members.len(), &parent_addr);
+                }
+            }
+        }
+        sum.seconds = started.elapsed().as_secs_f64();
+        sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
+        self.publish(&have, sum.refetched_chunks, members.len(), "");
+        self.heartbeat(&have).await?;
+        tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
+            from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
+        Ok(sum)
+    }
+
+    /// Keeps serving (and heartbeating) after [`run`](Self::run) while a member that joined
+    /// after this one has not finished, at most `max`.
+    pub async fn linger(&mut self, max: Duration) {
+        let deadline = Instant::now() + max;
+        while Instant::now() < deadline {
+            let Ok(members) = self.discovery.members().await else {
+                break;
+            };
+            let me = members
+                .iter()
+                .find(|m| m.id == self.member.id)
+                .map(|m| m.order);
+            let waiting = members
+                .iter()
+                .any(|m| m.role == Role::Receiver && !m.done && me.is_none_or(|o| m.order > o));
+            if !waiting {
+                break;
+            }
+            let _ = self.discovery.update(&self.member).await;
+            tokio::time::sleep(self.opts.heartbeat).await;
+        }
+    }
+
+    /// Leaves the member list and stops serving.
+    pub async fn leave(self) {
+        let _ = self.discovery.deregister(&self.member.id).await;
+        drop(self);
+    }
+}

@@ -1,0 +1,552 @@
+//! Weight broadcast across processes and network namespaces: this test binary re-runs itself
+//! as a source or a receiver (`child_broadcast`, active only with `FERRY_TEST_CHILD` set),
+//! each in its own host of a [`Fleet`]. Every receiver's bytes are compared with the payload.
+//! The etcd cases start a real etcd (Debian's `etcd-server`) on a loopback port.
+
+use std::io::{BufRead, BufReader, Lines};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use ferry::DataPlane;
+use ferry_broadcast::{Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions};
+use ferry_tests::Fleet;
+
+const CHUNK: u64 = 256 << 10;
+
+fn payload(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = Vec::with_capacity(len + 8);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+fn env(k: &str) -> Option<String> {
+    std::env::var(k).ok()
+}
+
+// ---------------------------------------------------------------- the child side
+
+/// Child: `FERRY_TEST_CHILD=bcast-source` publishes `FERRY_BC_FILE` on `FERRY_BC_LISTEN`,
+/// prints `LISTEN addr` and serves until stdin closes; `bcast-receiver` pulls from
+/// `FERRY_BC_FROM` into `FERRY_BC_INTO` (corrupting chunk `FERRY_BC_CORRUPT` after verifying it,
+/// if set), prints `JOINED`, then `SUMMARY {json}` or `ERROR message`, and lingers.
+#[test]
+fn child_broadcast() -> Result<()> {
+    let role = env("FERRY_TEST_CHILD").unwrap_or_default();
+    if !role.starts_with("bcast-") {
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        if role == "bcast-source" {
+            let file = PathBuf::from(env("FERRY_BC_FILE").context("FERRY_BC_FILE")?);
+            let m = Manifest::build("t", 1, std::slice::from_ref(&file), CHUNK)?;
+            let src = Source::start(
+                m,
+                &[file],
+                SourceOptions {
+                    listen: env("FERRY_BC_LISTEN").context("FERRY_BC_LISTEN")?.parse()?,
+                    data_plane: DataPlane::Tcp,
+                    ..Default::default()
+                },
+                None,
+            )
+            .await?;
+            println!("LISTEN {}", src.ctl_addr());
+            tokio::task::spawn_blocking(|| {
+                let mut s = String::new();
+                while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {}
+            })
+            .await?;
+            return Ok(());
+        }
+        let from = env("FERRY_BC_FROM").context("FERRY_BC_FROM")?.parse()?;
+        let opts = ReceiverOptions {
+            data_plane: DataPlane::Tcp,
+            stall_after: Duration::from_secs(2),
+            heartbeat: Duration::from_millis(200),
+            corrupt_after_verify: env("FERRY_BC_CORRUPT").and_then(|c| c.parse().ok()),
+            ..Default::default()
+        };
+        let mut r = match Receiver::join(Arc::new(Embedded::new(from)), Some("t"), opts).await {
+            Ok(r) => r,
+            Err(e) => {
+                println!("ERROR {e}");
+                return Ok(());
+            }
+        };
+        println!("JOINED {}", r.member().id);
+        match r.run().await {
+            Ok(s) => {
+                r.write_to(Path::new(&env("FERRY_BC_INTO").context("FERRY_BC_INTO")?))?;
+                println!("SUMMARY {}", serde_json::to_string(&s)?);
+                r.linger(Duration::from_secs(20)).await;
+            }
+            Err(e) => println!("ERROR {e}"),
+        }
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------- the parent side
+
+struct Proc {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Proc {
+    fn spawn(fleet: &Fleet, host: usize, role: &str, envs: &[(&str, String)]) -> Result<Self> {
+        let mut cmd = fleet.command(host, std::env::current_exe()?);
+        cmd.args([
+            "--exact",
+            "child_broadcast",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FERRY_TEST_CHILD", role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn()?;
+        let lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+        Ok(Self { child, lines })
+    }
+
+    /// The rest of the first line that contains one of `keys`, with the key.
+    fn expect(&mut self, keys: &[&str]) -> Result<(String, String)> {
+        for line in self.lines.by_ref() {
+            let line = line?;
+            for k in keys {
+                if let Some((_, rest)) = line.split_once(k) {
+                    return Ok((k.to_string(), rest.trim().to_owned()));
+                }
+            }
+        }
+        bail!("child exited before printing any of {keys:?}")
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Setup {
+    fleet: Fleet,
+    dir: tempfile::TempDir,
+    file: PathBuf,
+    want: Vec<u8>,
+}
+
+fn setup(hosts: usize, rate: Option<&str>, len: usize) -> Result<Option<Setup>> {
+    let Some(fleet) = Fleet::create(hosts, rate)? else {
+        return Ok(None);
+    };
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("weights.bin");
+    let want = payload(len, 0x5eed);
+    std::fs::write(&file, &want)?;
+    Ok(Some(Setup {
+        fleet,
+        dir,
+        file,
+        want,
+    }))
+}
+
+impl Setup {
+    fn source(&self) -> Result<(Proc, String)> {
+        let listen = format!("{}:7500", self.fleet.addr(0));
+        let mut p = Proc::spawn(
+            &self.fleet,
+            0,
+            "bcast-source",
+            &[
+                ("FERRY_BC_FILE", self.file.display().to_string()),
+                ("FERRY_BC_LISTEN", listen.clone()),
+            ],
+        )?;
+        p.expect(&["LISTEN "])?;
+        Ok((p, listen))
+    }
+
+    fn receiver(&self, host: usize, from: &str, corrupt: Option<usize>) -> Result<Proc> {
+        let mut envs = vec![
+            ("FERRY_BC_FROM", from.to_owned()),
+            ("FERRY_BC_INTO", self.out(host).display().to_string()),
+        ];
+        if let Some(c) = corrupt {
+            envs.push(("FERRY_BC_CORRUPT", c.to_string()));
+        }
+        let mut p = Proc::spawn(&self.fleet, host, "bcast-receiver", &envs)?;
+        let (k, rest) = p.expect(&["JOINED ", "ERROR "])?;
+        if k == "ERROR " {
+            bail!("receiver {host} could not join: {rest}");
+        }
+        Ok(p)
+    }
+
+    fn out(&self, host: usize) -> PathBuf {
+        self.dir.path().join(format!("out-{host}"))
+    }
+
+    /// Waits for the receiver's summary and checks its file byte for byte.
+    fn finished(&self, p: &mut Proc, host: usize) -> Result<serde_json::Value> {
+        let (k, rest) = p.expect(&["SUMMARY ", "ERROR "])?;
+        if k == "ERROR " {
+            bail!("receiver {host} failed: {rest}");
+        }
+        let got = std::fs::read(self.out(host).join("weights.bin"))?;
+        assert!(got == self.want, "receiver {host}: bytes differ");
+        Ok(serde_json::from_str(&rest)?)
+    }
+}
+
+fn n(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_default()
+}
+
+#[test]
+fn broadcast_across_namespaces_verifies_relays_catches_corruption_and_a_late_joiner() -> Result<()>
+{
+    let Some(s) = setup(5, Some("400mbit"), 24 << 20)? else {
+        return Ok(());
+    };
+    let (_src, from) = s.source()?;
+    // Joined in order: host 1 (which corrupts chunk 3 after verifying it) serves host 2.
+    let mut r1 = s.receiver(1, &from, Some(3))?;
+    let mut r2 = s.receiver(2, &from, None)?;
+    let mut r3 = s.receiver(3, &from, None)?;
+    std::thread::sleep(Duration::from_millis(200));
+    // A late joiner, while the others are under way.
+    let mut r4 = s.receiver(4, &from, None)?;
+    let s1 = s.finished(&mut r1, 1)?;
+    let s2 = s.finished(&mut r2, 2)?;
+    let s3 = s.finished(&mut r3, 3)?;
+    let s4 = s.finished(&mut r4, 4)?;
+    let total = s.want.len() as u64;
+    // The corrupting relay found its own corruption at rest, its child the mismatch.
+    assert!(n(&s1, "refetched_chunks") >= 1, "{s1}");
+    assert!(n(&s2, "refetched_chunks") >= 1, "{s2}");
+    // The source sent host 1 everything once (and one chunk again for its re-fetch); the
+    // others took from relays all but re-fetched chunks.
+    assert!(n(&s1, "bytes_from_source") <= total + 2 * CHUNK, "{s1}");
+    assert!(n(&s3, "bytes_from_relays") >= total - 2 * CHUNK, "{s3}");
+    assert!(n(&s4, "bytes_from_relays") >= total - 2 * CHUNK, "{s4}");
+    Ok(())
+}
+
+#[test]
+fn a_killed_relay_is_routed_around_and_nothing_verified_is_fetched_twice() -> Result<()> {
+    // Shaped so that the pull takes about three seconds.
+    let Some(s) = setup(4, Some("100mbit"), 32 << 20)? else {
+        return Ok(());
+    };
+    let (_src, from) = s.source()?;
+    let mut r1 = s.receiver(1, &from, None)?;
+    let mut r2 = s.receiver(2, &from, None)?;
+    let mut r3 = s.receiver(3, &from, None)?;
+    std::thread::sleep(Duration::from_millis(1200));
+    r2.kill();
+    let s1 = s.finished(&mut r1, 1)?;
+    let s3 = s.finished(&mut r3, 3)?;
+    assert_eq!(n(&s1, "parents_given_up"), 0, "{s1}");
+    assert!(n(&s3, "parents_given_up") >= 1, "{s3}");
+    // Every chunk verified once: what came in is the payload, nothing more.
+    let total = s.want.len() as u64;
+    let got = n(&s3, "bytes_from_source") + n(&s3, "bytes_from_relays");
+    assert!(got <= total, "host 3 fetched {got} bytes for {total}: {s3}");
+    Ok(())
+}
+
+#[test]
+fn a_source_restarted_mid_broadcast_is_refused_with_a_clear_message() -> Result<()> {
+    let Some(s) = setup(2, Some("100mbit"), 32 << 20)? else {
+        return Ok(());
+    };
+    let (mut src, from) = s.source()?;
+    let mut r1 = s.receiver(1, &from, None)?;
+    std::thread::sleep(Duration::from_millis(800));
+    src.kill();
+    let (_again, _) = s.source()?;
+    let t0 = Instant::now();
+    let (k, rest) = r1.expect(&["SUMMARY ", "ERROR "])?;
+    assert_eq!(
+        k, "ERROR ",
+        "the pull must not complete across two epochs: {rest}"
+    );
+    assert!(
+        rest.contains("restarted") && rest.contains("refusing to mix"),
+        "{rest}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    Ok(())
+}
+
+// ---------------------------------------------------------------- etcd
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+    use ferry_broadcast::{Discovery, Etcd, Member, Role};
+    use ferry_tests::{ETCD, require_or_skip};
+
+    /// A real etcd on a loopback port with its data in a temporary directory.
+    struct EtcdServer {
+        child: Child,
+        url: String,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Drop for EtcdServer {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    fn free_port() -> Result<u16> {
+        Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port())
+    }
+
+    fn start_etcd() -> Result<Option<EtcdServer>> {
+        let bin = ["etcd", "/usr/bin/etcd"].into_iter().find(|b| {
+            std::process::Command::new(b)
+                .arg("--version")
+                .output()
+                .is_ok()
+        });
+        let Some(bin) = bin else {
+            require_or_skip(ETCD, "no etcd binary (Debian: apt-get install etcd-server)");
+            return Ok(None);
+        };
+        let dir = tempfile::tempdir()?;
+        let (client, peer) = (free_port()?, free_port()?);
+        let url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = std::process::Command::new(bin)
+            .arg("--data-dir")
+            .arg(dir.path())
+            .args(["--name", "ferry-test"])
+            .args([
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+            ])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("ferry-test={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting etcd")?;
+        let server = EtcdServer {
+            child,
+            url,
+            _dir: dir,
+        };
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+            if t0.elapsed() > Duration::from_secs(20) {
+                bail!("etcd did not listen within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(Some(server))
+    }
+
+    fn member(id: &str) -> Member {
+        Member {
+            id: id.into(),
+            epoch: 1,
+            source_epoch: 9,
+            data_addr: "127.0.0.1:1".into(),
+            ctl_addr: "127.0.0.1:2".into(),
+            role: Role::Receiver,
+            progress: 0,
+            done: false,
+            order: 0,
+        }
+    }
+
+    /// Child: registers `FERRY_BC_ID` in the etcd at `FERRY_BC_ETCD` with a 2 s lease, prints
+    /// `REGISTERED`, then waits to be killed.
+    #[test]
+    fn child_etcd_member() -> Result<()> {
+        if env("FERRY_TEST_CHILD").as_deref() != Some("etcd-member") {
+            return Ok(());
+        }
+        let rt = tokio::runtime::Runtime::new()?;
+        rt.block_on(async {
+            let d = Etcd::connect(
+                &env("FERRY_BC_ETCD").context("url")?,
+                "t",
+                Duration::from_secs(2),
+            )
+            .await?;
+            d.register(&member(&env("FERRY_BC_ID").context("id")?))
+                .await?;
+            println!("REGISTERED");
+            tokio::time::sleep(Duration::from_secs(120)).await;
+            Ok(())
+        })
+    }
+
+    async fn wait_for(d: &Etcd, what: &str, f: impl Fn(&[Member]) -> bool) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            if f(&d.members().await?) {
+                return Ok(());
+            }
+            if t0.elapsed() > Duration::from_secs(15) {
+                bail!("etcd: {what} did not happen within 15 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Members register under leases and see each other through the watch; a member killed
+    /// without a word disappears when its lease expires, and the plan stops naming it.
+    #[test]
+    fn etcd_members_watch_each_other_and_a_killed_members_lease_expires() -> Result<()> {
+        let Some(etcd) = start_etcd()? else {
+            return Ok(());
+        };
+        let mut child = std::process::Command::new(std::env::current_exe()?)
+            .args([
+                "--exact",
+                "etcd::child_etcd_member",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("FERRY_TEST_CHILD", "etcd-member")
+            .env("FERRY_BC_ETCD", &etcd.url)
+            .env("FERRY_BC_ID", "doomed")
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+        loop {
+            let line = lines.next().context("member child exited")??;
+            if line.contains("REGISTERED") {
+                break;
+            }
+        }
+        let rt = tokio::runtime::Runtime::new()?;
+        let res = rt.block_on(async {
+            let d = Etcd::connect(&etcd.url, "t", Duration::from_secs(2)).await?;
+            let me = member("me");
+            d.register(&me).await?;
+            wait_for(&d, "both listed", |m| m.len() == 2).await?;
+            let ms = d.members().await?;
+            // Join order: the child registered first.
+            assert_eq!(ms[0].id, "doomed");
+            let plan = ferry_broadcast::plan::holders(&ms, "me", 9, &Default::default());
+            assert_eq!(plan.len(), 1);
+            assert_eq!(plan[0].id, "doomed");
+            let _ = child.kill();
+            let _ = child.wait();
+            let t0 = Instant::now();
+            wait_for(&d, "the killed member's lease expiry", |m| {
+                m.iter().all(|x| x.id != "doomed")
+            })
+            .await?;
+            // Our own lease is kept alive meanwhile.
+            let ms = d.members().await?;
+            assert_eq!(ms.len(), 1, "{ms:?}");
+            assert!(ferry_broadcast::plan::holders(&ms, "me", 9, &Default::default()).is_empty());
+            eprintln!("lease expired after {:?}", t0.elapsed());
+            d.deregister("me").await?;
+            wait_for(&d, "deregistration", |m| m.is_empty()).await
+        });
+        let _ = child.kill();
+        res
+    }
+
+    /// A whole broadcast with etcd discovery: the source lists itself, receivers find it there.
+    #[test]
+    fn a_broadcast_over_etcd_discovery() -> Result<()> {
+        let Some(etcd) = start_etcd()? else {
+            return Ok(());
+        };
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("w.bin");
+        let want = payload(5 << 20, 3);
+        std::fs::write(&file, &want)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let ttl = Duration::from_secs(2);
+            let m = Manifest::build("e", 1, std::slice::from_ref(&file), CHUNK)?;
+            let sd: Arc<dyn Discovery> = Arc::new(Etcd::connect(&etcd.url, "e", ttl).await?);
+            let src = Source::start(
+                m,
+                std::slice::from_ref(&file),
+                SourceOptions {
+                    data_plane: DataPlane::Tcp,
+                    ..Default::default()
+                },
+                Some(sd),
+            )
+            .await?;
+            let mut tasks = Vec::new();
+            for _ in 0..3 {
+                let d: Arc<dyn Discovery> = Arc::new(Etcd::connect(&etcd.url, "e", ttl).await?);
+                // The watch needs a moment to list the source.
+                let t0 = Instant::now();
+                while !d.members().await?.iter().any(|m| m.role == Role::Source) {
+                    if t0.elapsed() > Duration::from_secs(10) {
+                        bail!("the source never showed up in etcd");
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let opts = ReceiverOptions {
+                    data_plane: DataPlane::Tcp,
+                    heartbeat: Duration::from_millis(200),
+                    ..Default::default()
+                };
+                let mut r = Receiver::join(d, Some("e"), opts).await?;
+                tasks.push(tokio::spawn(async move {
+                    let s = r.run().await;
+                    r.linger(Duration::from_secs(10)).await;
+                    (r, s)
+                }));
+            }
+            let mut relayed = 0;
+            for t in tasks {
+                let (r, s) = t.await?;
+                let s = s?;
+                assert_eq!(r.segment_bytes(0).context("segment")?, want);
+                relayed += s.bytes_from_relays;
+            }
+            assert!(relayed > 0, "nothing was relayed");
+            src.stop().await;
+            Ok(())
+        })
+    }
+}

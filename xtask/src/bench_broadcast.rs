@@ -1,0 +1,387 @@
+//! `cargo xtask bench broadcast`: one source and N receivers, each in its own network namespace,
+//! every host's veth link shaped by TBF to the same rate in both directions (one bridge joins
+//! them, as `shared/tools/netns/fleet.sh` does), a payload of a few hundred MiB.
+//!
+//! Three runs of the release `ferry` binary (`ferry publish` in host 0, `ferry pull --json` in
+//! hosts 1..N, all started at once): relayed; relaying off (`--no-relay`: every receiver pulls
+//! from the source); relayed with one receiver killed (SIGKILL) halfway through the ideal time.
+//! For each: the time until the last surviving receiver printed its summary, the ideal time
+//! (payload / link rate), efficiency = ideal / measured, the source's egress (its veth's
+//! transmitted bytes) over the payload, and whether every surviving receiver's files equal the
+//! payload byte for byte. Targets (issue 15): efficiency at least 0.8 with N = 8, source egress
+//! at most 1.1x, and with a receiver killed every other one completes with efficiency at least
+//! 0.6. A benchmark: it reports, it asserts nothing about time.
+//!
+//! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
+//! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
+//! is). Needs root, `ip` and `tc`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{cargo, json_num, project_root, run as run_loud, size};
+
+const PREFIX: &str = "fbc";
+
+fn addr(i: usize) -> String {
+    format!("198.19.78.{}", i + 1)
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running ip")?;
+    if !out.status.success() {
+        bail!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// The namespaces: `fbc-hub` with a bridge, `fbc-0..=n` each with a shaped veth to it.
+struct Fleet {
+    n: usize,
+}
+
+impl Fleet {
+    fn up(n: usize, rate: &str) -> Result<Self> {
+        Self::down_all();
+        let hub = format!("{PREFIX}-hub");
+        ip(&["netns", "add", &hub])?;
+        let fleet = Fleet { n };
+        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        for i in 0..=n {
+            let ns = format!("{PREFIX}-{i}");
+            let (h, p) = (format!("h{i}"), format!("p{i}"));
+            ip(&["netns", "add", &ns])?;
+            ip(&[
+                "link", "add", &h, "netns", &ns, "type", "veth", "peer", "name", &p, "netns", &hub,
+            ])?;
+            ip(&["-n", &hub, "link", "set", &p, "master", "br0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{}/24", addr(i)),
+                "dev",
+                &h,
+            ])?;
+            ip(&["-n", &ns, "link", "set", &h, "up"])?;
+            for (space, dev) in [(&ns, &h), (&hub, &p)] {
+                let out = Command::new("ip")
+                    .args(["netns", "exec", space, "tc", "qdisc", "add", "dev", dev])
+                    .args([
+                        "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms",
+                    ])
+                    .output()
+                    .context("running tc")?;
+                if !out.status.success() {
+                    bail!(
+                        "tc on {dev}: {}",
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    );
+                }
+            }
+        }
+        Ok(fleet)
+    }
+
+    fn down_all() {
+        if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let name = line.split_whitespace().next().unwrap_or_default();
+                if name.starts_with(&format!("{PREFIX}-")) {
+                    let _ = Command::new("ip").args(["netns", "del", name]).status();
+                }
+            }
+        }
+    }
+
+    /// Bytes host `i` has sent on its link.
+    fn tx_bytes(&self, i: usize) -> Result<u64> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &format!("{PREFIX}-{i}")])
+            .args(["cat", &format!("/sys/class/net/h{i}/statistics/tx_bytes")])
+            .output()?;
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .context("reading tx_bytes")
+    }
+
+    fn spawn(&self, i: usize, bin: &Path, args: &[&str]) -> Result<Child> {
+        Command::new("ip")
+            .args(["netns", "exec", &format!("{PREFIX}-{i}")])
+            .arg(bin)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {} in host {i}", bin.display()))
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        let _ = self.n;
+        Self::down_all();
+    }
+}
+
+/// A tc rate (`200mbit`, `50mbps`, `1gbit`) in bytes per second.
+fn rate_bytes(rate: &str) -> Result<f64> {
+    let r = rate.to_ascii_lowercase();
+    let units = [
+        ("gbit", 1e9 / 8.0),
+        ("mbit", 1e6 / 8.0),
+        ("kbit", 1e3 / 8.0),
+        ("gbps", 1e9),
+        ("mbps", 1e6),
+        ("kbps", 1e3),
+        ("bit", 1.0 / 8.0),
+    ];
+    for (u, mul) in units {
+        if let Some(v) = r.strip_suffix(u) {
+            return Ok(v.parse::<f64>().context("rate")? * mul);
+        }
+    }
+    bail!("rate {rate:?}: use tc units such as 200mbit")
+}
+
+fn payload(path: &Path, len: u64) -> Result<()> {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut v = Vec::with_capacity(len as usize);
+    while (v.len() as u64) < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len as usize);
+    std::fs::write(path, v).with_context(|| format!("writing {}", path.display()))
+}
+
+struct Outcome {
+    seconds: f64,
+    egress: u64,
+    completed: usize,
+    verified: usize,
+    refetched: f64,
+    from_relays: f64,
+}
+
+/// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when.
+fn run_once(
+    fleet: &Fleet,
+    bin: &Path,
+    file: &Path,
+    work: &Path,
+    relay: bool,
+    kill: Option<(usize, Duration)>,
+    chunk: &str,
+) -> Result<Outcome> {
+    let listen = format!("{}:7500", addr(0));
+    let file_s = file.display().to_string();
+    let mut source = fleet.spawn(
+        0,
+        bin,
+        &[
+            "publish",
+            &file_s,
+            "--name",
+            "bench",
+            "--listen",
+            &listen,
+            "--transport",
+            "tcp",
+            "--chunk-size",
+            chunk,
+        ],
+    )?;
+    // Wait for the source's first line (it listens then).
+    let mut lines = BufReader::new(source.stdout.take().context("source stdout")?).lines();
+    lines.next().context("the source printed nothing")??;
+    let egress0 = fleet.tx_bytes(0)?;
+    let (tx, rx) = mpsc::channel::<(usize, String, Instant)>();
+    let mut receivers = Vec::new();
+    let start = Instant::now();
+    for i in 1..=fleet.n {
+        let dir = work.join(format!("out-{i}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir_s = dir.display().to_string();
+        let mut args = vec![
+            "pull",
+            &listen,
+            "--into",
+            &dir_s,
+            "--json",
+            "--transport",
+            "tcp",
+        ];
+        args.extend(["--linger", "30"]);
+        if !relay {
+            args.push("--no-relay");
+        }
+        let mut child = fleet.spawn(i, bin, &args)?;
+        let out = child.stdout.take().context("receiver stdout")?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send((i, line, Instant::now()));
+            }
+        });
+        receivers.push((i, child, dir));
+    }
+    drop(tx);
+    let mut killed = None;
+    let mut done = std::collections::HashMap::new();
+    let expect = fleet.n - usize::from(kill.is_some());
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while done.len() < expect && Instant::now() < deadline {
+        if let Some((k, after)) = kill
+            && killed.is_none()
+            && start.elapsed() >= after
+            && let Some((_, c, _)) = receivers.iter_mut().find(|(i, _, _)| *i == k)
+        {
+            let _ = c.kill();
+            killed = Some(k);
+            eprintln!(
+                "  killed receiver {k} at {:.1} s",
+                start.elapsed().as_secs_f64()
+            );
+        }
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok((i, line, at)) if line.starts_with('{') && Some(i) != killed => {
+                done.insert(i, (line, at));
+            }
+            Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let last = done.values().map(|(_, at)| *at).max().unwrap_or(start);
+    let seconds = last.duration_since(start).as_secs_f64();
+    let egress = fleet.tx_bytes(0)?.saturating_sub(egress0);
+    let want = std::fs::read(file)?;
+    let name = file.file_name().context("payload name")?;
+    let mut verified = 0;
+    let (mut refetched, mut from_relays) = (0.0, 0.0);
+    for (i, (line, _)) in &done {
+        refetched += json_num(line, "refetched_chunks", 0).unwrap_or(0.0);
+        from_relays += json_num(line, "bytes_from_relays", 0).unwrap_or(0.0);
+        let got = std::fs::read(work.join(format!("out-{i}")).join(name)).unwrap_or_default();
+        if got == want {
+            verified += 1;
+        }
+    }
+    for (_, mut c, _) in receivers {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let _ = source.kill();
+    let _ = source.wait();
+    Ok(Outcome {
+        seconds,
+        egress,
+        completed: done.len(),
+        verified,
+        refetched,
+        from_relays,
+    })
+}
+
+/// Runs the benchmark (see the module docs).
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut n = 8usize;
+    let mut len = 256u64 << 20;
+    let mut rate = "200mbit".to_string();
+    let mut baseline = true;
+    let mut build = true;
+    let mut chunk = "1MiB".to_string();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--receivers" => n = it.next().context("--receivers N")?.parse()?,
+            "--size" => len = size(it.next().context("--size BYTES")?)?,
+            "--rate" => rate = it.next().context("--rate RATE")?.clone(),
+            "--skip-baseline" => baseline = false,
+            "--no-build" => build = false,
+            "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
+            other => bail!("bench broadcast: unknown option {other:?}"),
+        }
+    }
+    if n == 0 {
+        bail!("--receivers must be at least 1");
+    }
+    if build {
+        run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    }
+    let bin = project_root().join("target/release/ferry");
+    let work: PathBuf = std::env::temp_dir().join("ferry-bench-broadcast");
+    std::fs::create_dir_all(&work)?;
+    let file = work.join("payload.bin");
+    payload(&file, len)?;
+    let fleet = Fleet::up(n, &rate).context("making the namespaces (root, ip and tc needed)")?;
+    let ideal = len as f64 / rate_bytes(&rate)?;
+    println!(
+        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, links {rate} \
+         each way (TBF), ideal {ideal:.2} s",
+        len >> 20
+    );
+    let report = |what: &str, o: &Outcome| {
+        println!(
+            "{what:<28} {:>7.2} s  efficiency {:.2}  source egress {:.2}x payload  \
+             completed {}/{} verified {}  re-fetched {}  from relays {:.0} MiB",
+            o.seconds,
+            ideal / o.seconds.max(1e-9),
+            o.egress as f64 / len as f64,
+            o.completed,
+            n,
+            o.verified,
+            o.refetched,
+            o.from_relays / (1u64 << 20) as f64
+        );
+    };
+    let relayed = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
+    report("relayed", &relayed);
+    if baseline {
+        let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
+        report("relaying off", &direct);
+    }
+    let victim = n.div_ceil(2);
+    let killed = run_once(
+        &fleet,
+        &bin,
+        &file,
+        &work,
+        true,
+        Some((victim, Duration::from_secs_f64(ideal / 2.0))),
+        &chunk,
+    )?;
+    report(&format!("relayed, receiver {victim} killed"), &killed);
+    drop(fleet);
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tc_rates() {
+        assert_eq!(super::rate_bytes("200mbit").unwrap(), 25e6);
+        assert_eq!(super::rate_bytes("1gbit").unwrap(), 125e6);
+        assert_eq!(super::rate_bytes("50mbps").unwrap(), 50e6);
+        assert!(super::rate_bytes("fast").is_err());
+    }
+}
