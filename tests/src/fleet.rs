@@ -10,8 +10,9 @@ use std::net::Ipv4Addr;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
+use crate::netns::ip;
 use crate::{NETNS, require_or_skip};
 
 /// Hosts `0..=n` in namespaces joined by a bridge (see the module docs).
@@ -22,36 +23,13 @@ pub struct Fleet {
     hosts: usize,
 }
 
-fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .with_context(|| format!("running ip {}", args.join(" ")))?;
-    if !out.status.success() {
-        bail!(
-            "ip {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
 impl Fleet {
     /// `hosts` hosts, each link shaped to `rate` (tc units, `100mbit`) if given. `Ok(None)` (the
     /// reason printed) where namespaces cannot be made; with `FERRY_REQUIRE_NETNS=1` that fails
     /// the test instead.
     #[track_caller]
     pub fn create(hosts: usize, rate: Option<&str>) -> Result<Option<Self>> {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let pid = std::process::id();
-        let fleet = Self {
-            prefix: format!("ffl{:x}{n}", pid & 0xf_ffff),
-            net: ((pid.wrapping_mul(7).wrapping_add(n)) % 250) as u8,
-            hosts: 0,
-        };
-        match fleet.build(hosts, rate) {
+        match Self::make(hosts, rate) {
             Ok(f) => Ok(Some(f)),
             Err(e) => {
                 require_or_skip(
@@ -61,6 +39,20 @@ impl Fleet {
                 Ok(None)
             }
         }
+    }
+
+    /// [`create`](Self::create) for tools that need the fleet (a bench): an error, with the
+    /// failing `ip` or `tc` command, where namespaces cannot be made.
+    pub fn make(hosts: usize, rate: Option<&str>) -> Result<Self> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        Self {
+            prefix: format!("ffl{:x}{n}", pid & 0xf_ffff),
+            net: ((pid.wrapping_mul(7).wrapping_add(n)) % 250) as u8,
+            hosts: 0,
+        }
+        .build(hosts, rate)
     }
 
     fn build(mut self, hosts: usize, rate: Option<&str>) -> Result<Self> {
@@ -111,6 +103,24 @@ impl Fleet {
     /// Host `i`'s address.
     pub fn addr(&self, i: usize) -> Ipv4Addr {
         Ipv4Addr::new(198, 19, self.net, (i + 1) as u8)
+    }
+
+    /// Hosts in the fleet.
+    pub fn hosts(&self) -> usize {
+        self.hosts
+    }
+
+    /// Bytes host `i` has sent on its link to the bridge.
+    pub fn tx_bytes(&self, i: usize) -> Result<u64> {
+        let out = self
+            .command(i, "cat")
+            .arg(format!("/sys/class/net/h{i}/statistics/tx_bytes"))
+            .output()
+            .with_context(|| format!("reading host {i}'s tx_bytes"))?;
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .with_context(|| format!("host {i}'s tx_bytes"))
     }
 
     /// A command running `program` inside host `i`.

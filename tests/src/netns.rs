@@ -27,7 +27,8 @@ pub struct Netns {
     host_link: String,
 }
 
-fn ip(args: &[&str]) -> Result<()> {
+/// Runs `ip ARGS`; its stderr is the error when it fails.
+pub(crate) fn ip(args: &[&str]) -> Result<()> {
     let out = Command::new("ip")
         .args(args)
         .output()

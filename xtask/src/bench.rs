@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud, size};
+use crate::util::{
+    cargo, ensure_tool, ferry_bench_json, median, run as run_loud, total_and_repeat,
+};
 
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
@@ -94,26 +96,7 @@ fn ferry(streams: usize, op: &str, total: u64) -> Result<f64> {
 }
 
 fn tcp(args: &[String]) -> Result<()> {
-    let mut total = 4u64 << 30;
-    let mut repeat = 5usize;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--total" => total = size(it.next().context("--total needs a value")?)?,
-            "--repeat" => {
-                repeat = it
-                    .next()
-                    .context("--repeat needs a value")?
-                    .parse()
-                    .context("--repeat")?
-            }
-            other => {
-                eprintln!("{USAGE}");
-                bail!("unknown option {other}")
-            }
-        }
-    }
-    let repeat = repeat.max(1);
+    let (total, repeat) = total_and_repeat(args, 4u64 << 30, 5, USAGE)?;
     ensure_tool("iperf3", "iperf3")?;
     run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
     println!(

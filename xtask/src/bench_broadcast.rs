@@ -18,126 +18,25 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use ferry_tests::Fleet;
+
 use crate::util::{cargo, json_num, project_root, run as run_loud, size};
 
-const PREFIX: &str = "fbc";
-
-fn addr(i: usize) -> String {
-    format!("198.19.78.{}", i + 1)
-}
-
-fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip")
+/// Spawns `bin ARGS` inside host `i` of the fleet, its stdout piped.
+fn spawn(fleet: &Fleet, i: usize, bin: &Path, args: &[&str]) -> Result<Child> {
+    fleet
+        .command(i, bin)
         .args(args)
-        .output()
-        .context("running ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-/// The namespaces: `fbc-hub` with a bridge, `fbc-0..=n` each with a shaped veth to it.
-struct Fleet {
-    n: usize,
-}
-
-impl Fleet {
-    fn up(n: usize, rate: &str) -> Result<Self> {
-        Self::down_all();
-        let hub = format!("{PREFIX}-hub");
-        ip(&["netns", "add", &hub])?;
-        let fleet = Fleet { n };
-        ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &hub, "link", "set", "br0", "up"])?;
-        for i in 0..=n {
-            let ns = format!("{PREFIX}-{i}");
-            let (h, p) = (format!("h{i}"), format!("p{i}"));
-            ip(&["netns", "add", &ns])?;
-            ip(&[
-                "link", "add", &h, "netns", &ns, "type", "veth", "peer", "name", &p, "netns", &hub,
-            ])?;
-            ip(&["-n", &hub, "link", "set", &p, "master", "br0", "up"])?;
-            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-            ip(&[
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("{}/24", addr(i)),
-                "dev",
-                &h,
-            ])?;
-            ip(&["-n", &ns, "link", "set", &h, "up"])?;
-            for (space, dev) in [(&ns, &h), (&hub, &p)] {
-                let out = Command::new("ip")
-                    .args(["netns", "exec", space, "tc", "qdisc", "add", "dev", dev])
-                    .args([
-                        "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms",
-                    ])
-                    .output()
-                    .context("running tc")?;
-                if !out.status.success() {
-                    bail!(
-                        "tc on {dev}: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    );
-                }
-            }
-        }
-        Ok(fleet)
-    }
-
-    fn down_all() {
-        if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                let name = line.split_whitespace().next().unwrap_or_default();
-                if name.starts_with(&format!("{PREFIX}-")) {
-                    let _ = Command::new("ip").args(["netns", "del", name]).status();
-                }
-            }
-        }
-    }
-
-    /// Bytes host `i` has sent on its link.
-    fn tx_bytes(&self, i: usize) -> Result<u64> {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &format!("{PREFIX}-{i}")])
-            .args(["cat", &format!("/sys/class/net/h{i}/statistics/tx_bytes")])
-            .output()?;
-        String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .context("reading tx_bytes")
-    }
-
-    fn spawn(&self, i: usize, bin: &Path, args: &[&str]) -> Result<Child> {
-        Command::new("ip")
-            .args(["netns", "exec", &format!("{PREFIX}-{i}")])
-            .arg(bin)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("starting {} in host {i}", bin.display()))
-    }
-}
-
-impl Drop for Fleet {
-    fn drop(&mut self) {
-        let _ = self.n;
-        Self::down_all();
-    }
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {} in host {i}", bin.display()))
 }
 
 /// A tc rate (`200mbit`, `50mbps`, `1gbit`) in bytes per second.
@@ -192,9 +91,10 @@ fn run_once(
     kill: Option<(usize, Duration)>,
     chunk: &str,
 ) -> Result<Outcome> {
-    let listen = format!("{}:7500", addr(0));
+    let listen = format!("{}:7500", fleet.addr(0));
     let file_s = file.display().to_string();
-    let mut source = fleet.spawn(
+    let mut source = spawn(
+        fleet,
         0,
         bin,
         &[
@@ -217,7 +117,7 @@ fn run_once(
     let (tx, rx) = mpsc::channel::<(usize, String, Instant)>();
     let mut receivers = Vec::new();
     let start = Instant::now();
-    for i in 1..=fleet.n {
+    for i in 1..fleet.hosts() {
         let dir = work.join(format!("out-{i}"));
         let _ = std::fs::remove_dir_all(&dir);
         let dir_s = dir.display().to_string();
@@ -234,7 +134,7 @@ fn run_once(
         if !relay {
             args.push("--no-relay");
         }
-        let mut child = fleet.spawn(i, bin, &args)?;
+        let mut child = spawn(fleet, i, bin, &args)?;
         let out = child.stdout.take().context("receiver stdout")?;
         let tx = tx.clone();
         std::thread::spawn(move || {
@@ -247,7 +147,7 @@ fn run_once(
     drop(tx);
     let mut killed = None;
     let mut done = std::collections::HashMap::new();
-    let expect = fleet.n - usize::from(kill.is_some());
+    let expect = fleet.hosts() - 1 - usize::from(kill.is_some());
     let deadline = Instant::now() + Duration::from_secs(600);
     while done.len() < expect && Instant::now() < deadline {
         if let Some((k, after)) = kill
@@ -332,7 +232,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     std::fs::create_dir_all(&work)?;
     let file = work.join("payload.bin");
     payload(&file, len)?;
-    let fleet = Fleet::up(n, &rate).context("making the namespaces (root, ip and tc needed)")?;
+    let fleet = Fleet::make(n + 1, Some(&rate))
+        .context("making the namespaces (root, ip and tc needed)")?;
     let ideal = len as f64 / rate_bytes(&rate)?;
     println!(
         "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, links {rate} \

@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, have, json_num, median, project_root, run as run_loud, size};
+use crate::util::{cargo, have, json_num, median, project_root, run as run_loud, total_and_repeat};
 
 /// The virtual environment's directory.
 fn venv_dir() -> PathBuf {
@@ -192,26 +192,7 @@ fn gbps(cmd: &mut Command, who: &str) -> Result<f64> {
 /// `cargo xtask bench python [--total BYTES] [--repeat N]`.
 pub(crate) fn bench(args: &[String]) -> Result<()> {
     const USAGE: &str = "usage: cargo xtask bench python [--total BYTES] [--repeat N]";
-    let mut total = 2u64 << 30;
-    let mut repeat = 5usize;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--total" => total = size(it.next().context("--total needs a value")?)?,
-            "--repeat" => {
-                repeat = it
-                    .next()
-                    .context("--repeat needs a value")?
-                    .parse()
-                    .context("--repeat")?
-            }
-            other => {
-                eprintln!("{USAGE}");
-                bail!("unknown option {other}")
-            }
-        }
-    }
-    let repeat = repeat.max(1);
+    let (total, repeat) = total_and_repeat(args, 2u64 << 30, 5, USAGE)?;
     run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
     let py = venv(true)?.context("no Python environment")?;
     develop(&py, true)?;

@@ -89,6 +89,34 @@ pub(crate) fn ferry_bench_json_of(bin: &std::path::Path, args: &[&str], key: &st
     json_num(&text, key, 0).with_context(|| format!("no {key} in {text:?}"))
 }
 
+/// Parses `--total BYTES` and `--repeat N` (at least 1), the options of the side-by-side benches,
+/// with their defaults; any other option is an error that prints `usage`.
+pub(crate) fn total_and_repeat(
+    args: &[String],
+    mut total: u64,
+    mut repeat: usize,
+    usage: &str,
+) -> Result<(u64, usize)> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--total" => total = size(it.next().context("--total needs a value")?)?,
+            "--repeat" => {
+                repeat = it
+                    .next()
+                    .context("--repeat needs a value")?
+                    .parse()
+                    .context("--repeat")?
+            }
+            other => {
+                eprintln!("{usage}");
+                bail!("unknown option {other}")
+            }
+        }
+    }
+    Ok((total, repeat.max(1)))
+}
+
 /// A byte size with an optional binary suffix: `4096`, `64KiB`, `1MiB`, `4GiB`.
 pub(crate) fn size(s: &str) -> Result<u64> {
     let units = [
