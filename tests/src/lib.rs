@@ -6,7 +6,7 @@
 //!   skips with the reason printed, or fails where `FERRY_REQUIRE_<FACILITY>` says the facility is
 //!   required (`.ci/run` sets them). `#[ignore]`d hardware tests fail unless told they may skip.
 //! - [`Netns`]: a network namespace joined to this one by a veth link that can be cut.
-//! - [`fake_cuda`]: Ferry's fake CUDA driver (a C library built with `cc`, backed by host
+//! - [`fake_cuda()`]: Ferry's fake CUDA driver (a C library built with `cc`, backed by host
 //!   memory, with failures a test switches on), loaded in place of `libcuda.so.1` by path.
 //! - [`Fleet`]: namespaces joined by one bridge (hosts that reach each other), links optionally
 //!   shaped by TBF.

@@ -8,7 +8,7 @@
 //! - [`Source`] and [`Receiver`]: the roles. Receivers fetch chunks by Ferry READs from their
 //!   parent, verify them, and serve them to the member after them; dead, stalled or corrupting
 //!   holders are routed around, and a restarted source (new epoch) is refused.
-//! - [`discovery`]: the membership list behind one trait, [`Embedded`](discovery::Embedded)
+//! - [`discovery`]: the membership list behind one trait, [`Embedded`]
 //!   (the source keeps it) or `Etcd` (feature `etcd`, which needs `protoc` at build time).
 //!
 //! This crate sits above the facade (`ferry`): it depends on no transport. The design and its

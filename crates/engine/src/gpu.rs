@@ -2,7 +2,7 @@
 //! through pinned host buffers over the TCP and io_uring data planes.
 //!
 //! Device memory is never a `MemoryRegion`, so it never reaches a transport: an op on a
-//! [`GpuRegistration`] becomes host ops on buffers of the [`StagingPool`] plus driver copies
+//! [`GpuRegistration`] becomes host ops on buffers of the staging pool plus driver copies
 //! (client side), and a published device segment is a `FileSource` whose positioned reads and
 //! writes are device copies through the servers' bounded staging path (serving side).
 //!
