@@ -13,6 +13,7 @@ mod ci;
 mod fuzz;
 mod gpu_check;
 mod iperf3;
+mod mutants;
 mod python;
 mod soft_roce;
 mod util;
@@ -38,6 +39,8 @@ tasks:
                          1 MiB READs through the Python package against the Rust CLI, alternating
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
+  mutants [--file TEXT]... [--list]
+                         cargo-mutants over the code that checks outside input (xtask/src/mutants.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
                          GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;
@@ -57,6 +60,7 @@ fn main() -> Result<()> {
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "fuzz" => fuzz::run(&rest),
+        "mutants" => mutants::run(&rest),
         "gpu-check" => gpu_check::run(&rest),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");

@@ -170,6 +170,76 @@ mod tests {
         })
     }
 
+    /// Streams attach at the handshake's address, or at the port the offer names, and a peer
+    /// takes at least one stream; a peer with no TCP-compatible offer is no route.
+    #[test]
+    fn the_stream_endpoint_follows_the_offer() {
+        let info = |offer| PeerInfo {
+            addr: peer(),
+            local_id: PeerId(1),
+            local_epoch: Epoch(2),
+            remote_id: PeerId(3),
+            remote_epoch: Epoch(4),
+            offer,
+            segments: vec![],
+        };
+        let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {
+            streams: 0,
+            port: 0,
+        }))
+        .unwrap();
+        assert_eq!((addr, n), (peer(), 1));
+        let (addr, n) = stream_endpoint(&info(TransportOffer::Uring {
+            streams: 4,
+            port: 9100,
+            zero_copy: false,
+        }))
+        .unwrap();
+        assert_eq!((addr, n), ("127.0.0.1:9100".parse().unwrap(), 4));
+        let a = stream_attach(
+            &info(TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            }),
+            3,
+            7,
+        );
+        assert_eq!(
+            (
+                a.peer_id,
+                a.epoch,
+                a.server_epoch,
+                a.transport,
+                a.stream_index
+            ),
+            (PeerId(1), Epoch(2), Epoch(4), 7, 3)
+        );
+    }
+
+    /// Only a `StaleEpoch` refusal of an attach means another incarnation; any other refusal
+    /// is the server's reason.
+    #[test]
+    fn an_attach_refused_for_another_reason_is_not_stale() {
+        let attach = StreamAttach {
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            server_epoch: Epoch(7),
+            transport: 0,
+            stream_index: 0,
+        };
+        let e = attach_reply(
+            peer(),
+            &attach,
+            reject(
+                RejectReason::ProtocolMismatch,
+                VersionRange { min: 1, max: 1 },
+                7,
+            ),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::HandshakeRefused { .. }), "{e:?}");
+    }
+
     #[test]
     fn an_attach_for_another_incarnation_is_refused_with_both_epochs() {
         let attach = StreamAttach {

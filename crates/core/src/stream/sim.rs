@@ -1217,3 +1217,117 @@ proptest! {
         }
     }
 }
+
+/// The held-response bookkeeping on its own: a response may join the held ones only while fewer
+/// than the request's `ack_slack` are held; `flush` releases them as one response naming the
+/// last held WRITE and accepting the others with it, and leaves nothing held; only an accepted
+/// WRITE to memory joins them.
+#[test]
+fn held_responses_are_counted_flushed_and_joined_only_by_writes_to_memory() {
+    let region = Arc::new(MemoryRegion::from_vec(vec![0; 4096]));
+    let lease = SegmentLease {
+        region,
+        base: 0,
+        len: 4096,
+        access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+        guard: None,
+    };
+    let mut table = SimTable::default();
+    table.memory.insert(RW, lease.clone());
+    let write = |seq: u32, offset: u64| {
+        let mut h = [0u8; DATA_REQUEST_LEN];
+        crate::wire::DataRequest {
+            kind: OpKind::Write,
+            seq,
+            token: RW,
+            offset,
+            len: 64,
+            ack_slack: 4,
+        }
+        .encode(&mut h);
+        h
+    };
+    let mut s = ServerStream::new();
+    assert!(
+        !s.may_hold(0),
+        "a request that allows nothing is answered at once"
+    );
+    assert!(s.may_hold(1));
+    assert!(s.flush().is_none(), "nothing held, nothing to flush");
+    assert!(s.hold_for_next(&lease, RW, 7, &write(8, 64)));
+    assert!(!s.may_hold(1), "one held: a slack of one allows no more");
+    assert!(s.may_hold(2));
+    let _ = s.on_request(&write(8, 64), &table);
+    assert!(s.hold_for_next(&lease, RW, 8, &write(9, 128)));
+    assert_eq!(s.held(), 2);
+    let r = crate::wire::DataResponse::decode(&s.flush().unwrap()).unwrap();
+    assert_eq!((r.seq, r.also_acks, r.refused), (8, 1, None));
+    assert_eq!(s.held(), 0);
+    assert!(s.flush().is_none());
+
+    let joins =
+        |head: &[u8; DATA_REQUEST_LEN]| ServerStream::new().on_request(head, &table).joins_held();
+    assert!(joins(&write(1, 0)));
+    let mut read = write(1, 0);
+    read[0] = 1; // READ
+    assert!(!joins(&read));
+    let mut unknown = write(1, 0);
+    unknown[8..16].copy_from_slice(&99u64.to_le_bytes());
+    assert!(!joins(&unknown), "a refused WRITE does not join");
+}
+
+/// The client's window and its broken state, an op's remote offset in every chunk's header,
+/// and held acknowledgements that would name every chunk in flight (none would be left for
+/// the response itself).
+#[test]
+fn the_client_bounds_its_window_and_encodes_each_chunks_remote_offset() {
+    let (req, ops) = one_op(OpKind::Write, 64);
+    assert_eq!(ops.len(), 1);
+    let mut s = ClientStream::new(2, AckPolicy::Loopback);
+    assert!(s.has_room() && !s.is_broken());
+    let mut heads = Vec::new();
+    for k in 0..2 {
+        let Post::Send(out) = s.post(chunk(&req, k * 16, 16)) else {
+            panic!("not sent")
+        };
+        heads.push(crate::wire::DataRequest::decode(&out.head).unwrap());
+    }
+    assert!(!s.has_room(), "two in flight fill a window of two");
+    assert_eq!(
+        heads[1].offset, 16,
+        "the op's remote offset plus the chunk's"
+    );
+    // Both chunks named as held, with no chunk left for the response's own seq.
+    assert!(matches!(
+        s.on_response(&response(2, 2)),
+        Err(Violation::BadHeldAcks { .. })
+    ));
+    s.fail_all(None);
+    assert!(s.is_broken() && s.has_room());
+
+    // An op that starts at remote offset 100: its chunk at 16 names 116.
+    let region = Arc::new(MemoryRegion::from_vec(vec![0; 1024]));
+    let ops: Arc<[Op]> = vec![Op {
+        kind: OpKind::Read,
+        local: region,
+        local_offset: 0,
+        token: RW,
+        remote_offset: 100,
+        len: 64,
+    }]
+    .into();
+    let req = Arc::new(SimReq {
+        ops: ops.clone(),
+        control: RequestControl::new(&ops),
+        left: AtomicUsize::new(0),
+    });
+    let mut s = ClientStream::new(4, AckPolicy::Immediate);
+    let Post::Send(out) = s.post(chunk(&req, 16, 16)) else {
+        panic!("not sent")
+    };
+    assert_eq!(
+        crate::wire::DataRequest::decode(&out.head).unwrap().offset,
+        116
+    );
+    s.fail_all(None);
+}
