@@ -10,17 +10,21 @@
 //!   memory, with failures a test switches on), loaded in place of `libcuda.so.1` by path.
 //! - [`Fleet`]: namespaces joined by one bridge (hosts that reach each other), links optionally
 //!   shaped by TBF.
+//! - [`FaultProxy`]: a TCP proxy on loopback that cuts, stalls, slows, resets and half-closes the
+//!   connections it forwards, switched at runtime.
 //!
 //! It depends on no crate of ours, so any crate takes it as a dev-dependency.
 
 pub mod fake_cuda;
 mod fleet;
 mod netns;
+pub mod proxy;
 mod require;
 
 pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};
 pub use fleet::Fleet;
 pub use netns::Netns;
+pub use proxy::{Dir, Fault, FaultProxy, ProxyCounters, RuleId, Scope};
 pub use require::{
     CPUS, ETCD, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
     required,
