@@ -8,6 +8,7 @@
 //! (`MockTransport`, `MockChannel`, `MockSegmentTable`, `MockHandshakeResponder`).
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod backoff;
 pub mod checksum;
 pub mod dealer;
 pub mod error;
@@ -25,7 +26,7 @@ pub use ids::{Access, Epoch, PeerId, SegmentToken};
 pub use memory::{AllocError, MemoryRegion, OutOfBounds, PAGE_ALIGN, check_range};
 pub use op::{Op, OpKind, RemoteKey, SegmentDesc};
 pub use outcome::{
-    Failure, FailureKind, Ledger, Outcome, RemoteEffect, RemoteStatus, RequestControl,
+    Failure, FailureKind, Ledger, Outcome, RemoteEffect, RemoteStatus, ReplayPlan, RequestControl,
 };
 pub use transport::{
     BoxFuture, Channel, FileSource, HandshakeResponder, PeerInfo, SegmentLease, SegmentTable,

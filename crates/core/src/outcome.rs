@@ -123,13 +123,47 @@ struct OpEntry {
     acked: u32,
     refused: u32,
     failure: Option<(FailureKind, Option<i32>)>,
+    /// An earlier attempt (before a replay) left chunks of it in doubt.
+    doubt_before: bool,
+    /// An earlier attempt had chunks of it acknowledged.
+    acked_before: bool,
+}
+
+impl OpEntry {
+    /// Whether any chunk of it was ever handed to the wire, in this attempt or an earlier one.
+    fn ever_posted(&self) -> bool {
+        self.posted > 0 || self.doubt_before || self.acked_before
+    }
 }
 
 /// Per-request chunk accounting (see the module docs).
+///
+/// A request whose connection was lost can be run again in part (a replay, see
+/// [`Ledger::replay_plan`]): while a replay runs, the ledger is viewed through the replayed ops'
+/// indices ([`Ledger::rearm`]), so the transport reports chunks of op `i` of the replay and the
+/// ledger records them for the request's op `view[i]`.
 #[derive(Debug)]
 pub struct Ledger {
     ops: Vec<OpEntry>,
     any_failure: bool,
+    /// While a replay runs: the request's index of each replayed op.
+    view: Option<Vec<usize>>,
+}
+
+/// What a request whose attempt ended may run again ([`Ledger::replay_plan`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayPlan {
+    /// The request's indices of the ops to run again, in order: every unfinished op from the
+    /// first one not complete up to the first that may not be replayed.
+    pub ops: Vec<usize>,
+    /// How many of them are replays proper (they had chunks posted before); the others were never
+    /// posted and simply run now.
+    pub replayed: usize,
+    /// Bytes of the replays proper (whole ops: the ledger counts chunks, not which ones).
+    pub replayed_bytes: u64,
+    /// The first op left out because it is a WRITE that had chunks posted and the policy does
+    /// not allow replaying WRITEs (it keeps its `PeerLost` failure and its remote effect).
+    pub held_back: Option<usize>,
 }
 
 impl Ledger {
@@ -152,17 +186,30 @@ impl Ledger {
                     acked: 0,
                     refused: 0,
                     failure: None,
+                    doubt_before: false,
+                    acked_before: false,
                 })
                 .collect(),
             any_failure: false,
+            view: None,
+        }
+    }
+
+    /// The request's index of the transport's op `op` (through the view of a replay).
+    fn index(&self, op: usize) -> Option<usize> {
+        match &self.view {
+            Some(v) => v.get(op).copied(),
+            None => Some(op),
         }
     }
 
     fn entry(&mut self, op: usize) -> Option<&mut OpEntry> {
-        self.ops.get_mut(op)
+        let i = self.index(op)?;
+        self.ops.get_mut(i)
     }
 
     fn fail(&mut self, op: usize, kind: FailureKind, native: Option<i32>) {
+        let Some(op) = self.index(op) else { return };
         if let Some(e) = self.ops.get_mut(op) {
             if e.failure.is_none() {
                 e.failure = Some((kind, native));
@@ -210,9 +257,97 @@ impl Ledger {
         self.fail(op, kind, native);
     }
 
-    /// Whether any op has a recorded failure (transports stop posting then).
+    /// Whether any op has a recorded failure (transports stop posting then). While a replay
+    /// runs, only the replayed ops count: a failure left from before (an op held back) does not
+    /// stop the replay.
     pub fn has_failure(&self) -> bool {
         self.any_failure
+    }
+
+    /// After an attempt of the request ended (every chunk resolved), what may run again on a
+    /// fresh connection to the same peer incarnation: `None` unless the first op not complete
+    /// failed with `PeerLost` (or was never finished because another op did). From that op on,
+    /// each op not complete is taken, up to the first that may not run again: one that failed
+    /// otherwise (refused, local error, timeout, cancel), or a WRITE that had chunks posted when
+    /// `replay_writes` is false (its bytes may have reached the peer: running it again is
+    /// not idempotent if someone else wrote there since). READs and CHECKSUMs are idempotent.
+    /// Ops complete beyond the prefix are not run again.
+    pub fn replay_plan(&self, replay_writes: bool) -> Option<ReplayPlan> {
+        let first = self.ops.iter().position(|e| !Self::complete(e))?;
+        let lost = |e: &OpEntry| matches!(e.failure, Some((FailureKind::PeerLost, _)));
+        if !self.ops[first..].iter().any(lost) {
+            return None;
+        }
+        let mut plan = ReplayPlan {
+            ops: Vec::new(),
+            replayed: 0,
+            replayed_bytes: 0,
+            held_back: None,
+        };
+        for (i, e) in self.ops.iter().enumerate().skip(first) {
+            if Self::complete(e) {
+                continue;
+            }
+            match e.failure {
+                None | Some((FailureKind::PeerLost, _)) => {}
+                Some(_) => break,
+            }
+            if e.ever_posted() && e.kind == OpKind::Write && !replay_writes {
+                plan.held_back = Some(i);
+                break;
+            }
+            if e.ever_posted() {
+                plan.replayed += 1;
+                plan.replayed_bytes += e.len;
+            }
+            plan.ops.push(i);
+        }
+        if plan.ops.is_empty() {
+            None
+        } else {
+            Some(plan)
+        }
+    }
+
+    /// Starts a replay of `ops` (the request's indices, from [`Ledger::replay_plan`]): their
+    /// entries are reset as if never planned, and until [`Ledger::end_replay`] the transport's op
+    /// `i` is the request's op `ops[i]`. The replay's own failures are the only ones that stop
+    /// posting.
+    pub fn rearm(&mut self, ops: &[usize]) {
+        for &i in ops {
+            if let Some(e) = self.ops.get_mut(i) {
+                e.doubt_before |= e.posted > e.acked + e.refused;
+                e.acked_before |= e.acked > 0;
+                e.total = None;
+                e.posted = 0;
+                e.acked = 0;
+                e.refused = 0;
+                e.failure = None;
+            }
+        }
+        self.view = Some(ops.to_vec());
+        self.any_failure = false;
+    }
+
+    /// Ends the view of a replay ([`Ledger::rearm`]): indices are the request's again, and any
+    /// failure recorded counts.
+    pub fn end_replay(&mut self) {
+        self.view = None;
+        self.any_failure = self.ops.iter().any(|e| e.failure.is_some());
+    }
+
+    /// The replay of `ops` could not run (the peer came back as a new incarnation, or did not
+    /// come back): each of them not complete fails with `kind` in place of the `PeerLost` it
+    /// had. Their counts stay, so a WRITE's remote effect stays what it was.
+    pub fn give_up(&mut self, ops: &[usize], kind: FailureKind, native: Option<i32>) {
+        for &i in ops {
+            if let Some(e) = self.ops.get_mut(i)
+                && !Self::complete(e)
+            {
+                e.failure = Some((kind, native));
+                self.any_failure = true;
+            }
+        }
     }
 
     fn complete(e: &OpEntry) -> bool {
@@ -258,11 +393,11 @@ impl Ledger {
             .filter(|e| e.kind == OpKind::Write)
         {
             let in_doubt = e.posted.saturating_sub(e.acked + e.refused);
-            if in_doubt > 0 {
+            if in_doubt > 0 || e.doubt_before {
                 remote_effect = RemoteEffect::Uncertain;
                 break;
             }
-            if e.acked > 0 {
+            if e.acked > 0 || e.acked_before {
                 remote_effect = RemoteEffect::Certain;
             }
         }
@@ -360,6 +495,10 @@ mod tests {
     use crate::ids::SegmentToken;
     use crate::memory::MemoryRegion;
     use std::sync::Arc;
+
+    fn ops_of(kinds: &[OpKind]) -> Vec<Op> {
+        ops(kinds)
+    }
 
     fn ops(kinds: &[OpKind]) -> Vec<Op> {
         let r = Arc::new(MemoryRegion::from_vec(vec![0; 64]));
@@ -502,6 +641,171 @@ mod tests {
         assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::Timeout));
         assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
         assert!(!o.drained);
+    }
+
+    /// A lost READ among complete ops: the replay takes the unfinished ops from the first not
+    /// complete, runs them through the view, and the outcome is then a success.
+    #[test]
+    fn lost_reads_are_replayed_through_a_view() {
+        let ops = ops(&[OpKind::Read, OpKind::Read, OpKind::Read, OpKind::Read]);
+        let c = RequestControl::new(&ops);
+        c.with_ledger(|l| {
+            l.plan(0, 1);
+            l.posted(0);
+            l.acked(0);
+            l.plan(1, 2);
+            l.posted(1);
+            l.posted(1);
+            l.acked(1);
+            l.lost(1, FailureKind::PeerLost, Some(104));
+            // op 2 finished on another stream; op 3 was never posted.
+            l.plan(2, 1);
+            l.posted(2);
+            l.acked(2);
+        });
+        assert_eq!(c.outcome(true).completed_ops, 1);
+        assert_eq!(
+            c.with_ledger(|l| l.replay_plan(true)),
+            c.with_ledger(|l| l.replay_plan(false))
+        );
+        let plan = c.with_ledger(|l| l.replay_plan(false)).expect("a plan");
+        assert_eq!(
+            plan,
+            ReplayPlan {
+                ops: vec![1, 3],
+                replayed: 1,
+                replayed_bytes: 10,
+                held_back: None
+            }
+        );
+        c.with_ledger(|l| l.rearm(&plan.ops));
+        assert!(!c.should_stop_posting());
+        assert_eq!(c.progress().failure, None);
+        c.with_ledger(|l| {
+            for i in 0..2 {
+                l.plan(i, 1);
+                l.posted(i);
+                l.acked(i);
+            }
+            // Beyond the view: ignored.
+            l.acked(2);
+            l.end_replay();
+        });
+        let o = c.outcome(true);
+        assert!(o.is_success(), "{o:?}");
+        assert_eq!((o.completed_ops, o.completed_bytes), (4, 40));
+        assert_eq!(c.with_ledger(|l| l.replay_plan(true)), None);
+    }
+
+    /// A WRITE with a lost chunk is held back unless the policy allows replaying WRITEs; a WRITE
+    /// never posted runs either way; ops behind a held-back WRITE are not run.
+    #[test]
+    fn posted_writes_wait_for_the_policy() {
+        let ops = ops(&[OpKind::Read, OpKind::Write, OpKind::Read]);
+        let c = RequestControl::new(&ops);
+        c.with_ledger(|l| {
+            l.plan(0, 1);
+            l.posted(0);
+            l.lost(0, FailureKind::PeerLost, None);
+            l.plan(1, 2);
+            l.posted(1);
+            l.lost(1, FailureKind::PeerLost, None);
+        });
+        let held = c.with_ledger(|l| l.replay_plan(false)).expect("a plan");
+        assert_eq!((held.ops, held.held_back), (vec![0], Some(1)));
+        let all = c.with_ledger(|l| l.replay_plan(true)).expect("a plan");
+        assert_eq!(
+            (all.ops, all.replayed, all.held_back),
+            (vec![0, 1, 2], 2, None)
+        );
+        // Only the READ is replayed, and completes; the WRITE keeps its failure and doubt.
+        c.with_ledger(|l| {
+            l.rearm(&[0]);
+            l.plan(0, 1);
+            l.posted(0);
+            l.acked(0);
+            l.end_replay();
+        });
+        let o = c.outcome(true);
+        assert_eq!(o.completed_ops, 1);
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        // A WRITE never posted is no replay.
+        let ops = ops_of(&[OpKind::Read, OpKind::Write]);
+        let c = RequestControl::new(&ops);
+        c.with_ledger(|l| {
+            l.plan(0, 1);
+            l.posted(0);
+            l.lost(0, FailureKind::PeerLost, None);
+            l.not_posted(1, FailureKind::PeerLost, None);
+        });
+        let p = c.with_ledger(|l| l.replay_plan(false)).expect("a plan");
+        assert_eq!((p.ops, p.replayed, p.held_back), (vec![0, 1], 1, None));
+    }
+
+    /// A replayed WRITE whose replay is lost again, or given up, stays uncertain: the first
+    /// attempt's lost chunk may have landed.
+    #[test]
+    fn a_replayed_write_keeps_the_doubt_of_its_first_attempt() {
+        let ops = ops(&[OpKind::Write]);
+        let c = RequestControl::new(&ops);
+        c.with_ledger(|l| {
+            l.plan(0, 2);
+            l.posted(0);
+            l.acked(0);
+            l.posted(0);
+            l.lost(0, FailureKind::PeerLost, None);
+            let plan = l.replay_plan(true).expect("a plan");
+            l.rearm(&plan.ops);
+            l.end_replay();
+            l.give_up(
+                &plan.ops,
+                FailureKind::Remote(RemoteStatus::StaleEpoch),
+                None,
+            );
+        });
+        let o = c.outcome(true);
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(FailureKind::Remote(RemoteStatus::StaleEpoch))
+        );
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        // Acked chunks only, before: certain.
+        let c = RequestControl::new(&ops);
+        c.with_ledger(|l| {
+            l.plan(0, 2);
+            l.posted(0);
+            l.acked(0);
+            l.not_posted(0, FailureKind::PeerLost, None);
+            let plan = l.replay_plan(true).expect("a plan");
+            l.rearm(&plan.ops);
+            l.end_replay();
+        });
+        assert_eq!(c.outcome(true).remote_effect, RemoteEffect::Certain);
+    }
+
+    /// Refusals, local errors and stops are final: nothing is replayed.
+    #[test]
+    fn only_lost_connections_are_replayed() {
+        let ops = ops(&[OpKind::Read, OpKind::Read]);
+        for kind in [
+            FailureKind::Remote(RemoteStatus::OutOfBounds),
+            FailureKind::Local,
+            FailureKind::Timeout,
+        ] {
+            let c = RequestControl::new(&ops);
+            c.with_ledger(|l| {
+                l.plan(0, 1);
+                l.posted(0);
+                l.lost(0, kind, None);
+                l.plan(1, 1);
+                l.posted(1);
+                l.lost(1, FailureKind::PeerLost, None);
+            });
+            assert_eq!(c.with_ledger(|l| l.replay_plan(true)), None, "{kind}");
+        }
+        let c = RequestControl::new(&ops);
+        assert_eq!(c.with_ledger(|l| l.replay_plan(true)), None, "nothing lost");
     }
 
     #[test]
