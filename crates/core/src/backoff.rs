@@ -32,6 +32,11 @@ impl Backoff {
         }
     }
 
+    /// As [`Backoff::new`], seeded at random (each client its own jitter).
+    pub fn random(base: Duration, max: Duration) -> Self {
+        Self::new(base, max, rand::random())
+    }
+
     /// The longest delay attempt `n` may wait: `min(max, base * 2^n)`.
     pub fn ceiling(&self, n: u32) -> Duration {
         let factor = 1u32.checked_shl(n.min(31)).unwrap_or(u32::MAX);

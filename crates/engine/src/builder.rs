@@ -16,6 +16,7 @@ use transport_uring::UringProbe;
 use crate::config::DataPlaneConfig;
 use crate::engine::{Inner, TransferEngine};
 use crate::listener::Server;
+use crate::reconnect::ReconnectPolicy;
 use crate::route::{DataPlane, PortablePlane, open_data_plane};
 use crate::serve::{RegistryTable, Responder};
 
@@ -31,6 +32,7 @@ pub struct EngineBuilder {
     data: DataPlaneConfig,
     budgets: Budgets,
     request_timeout: Option<Duration>,
+    reconnect: ReconnectPolicy,
     versions: VersionRange,
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaConfig>,
@@ -50,6 +52,7 @@ impl Default for EngineBuilder {
             data: DataPlaneConfig::default(),
             budgets: Budgets::default(),
             request_timeout: None,
+            reconnect: ReconnectPolicy::default(),
             versions: SUPPORTED_VERSIONS,
             #[cfg(feature = "rdma")]
             rdma: None,
@@ -155,6 +158,21 @@ impl EngineBuilder {
     /// Default per-request timeout (none by default).
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = Some(timeout);
+        self
+    }
+
+    /// What happens when the connection to a peer is lost (default
+    /// [`ReconnectPolicy::default`]): a request whose channel broke is run again, in part, on a
+    /// fresh connection to the same peer incarnation; `attempts: 0` turns this off.
+    pub fn reconnect(mut self, policy: ReconnectPolicy) -> Self {
+        self.reconnect = policy;
+        self
+    }
+
+    /// Whether WRITEs that had bytes sent before a lost connection are replayed after a
+    /// reconnect (default false; see [`ReconnectPolicy::replay_writes`]).
+    pub fn replay_writes(mut self, on: bool) -> Self {
+        self.reconnect.replay_writes = on;
         self
     }
 
@@ -333,6 +351,7 @@ impl EngineBuilder {
                 routes: Default::default(),
                 request_timeout: self.request_timeout,
                 connect_timeout: self.data.connect_timeout,
+                reconnect: self.reconnect,
                 #[cfg(feature = "rdma")]
                 rdma,
                 #[cfg(feature = "uring")]

@@ -11,6 +11,11 @@ pub(crate) struct RouteCounters {
     pub(crate) ops: AtomicU64,
     pub(crate) bytes: AtomicU64,
     pub(crate) errors: AtomicU64,
+    pub(crate) replays: AtomicU64,
+    pub(crate) replayed_bytes: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+    pub(crate) reconnect_attempts: AtomicU64,
+    pub(crate) reconnect_failures: AtomicU64,
 }
 
 impl RouteCounters {
@@ -32,6 +37,11 @@ impl RouteCounters {
             ops: self.ops.load(Ordering::Relaxed),
             bytes: self.bytes.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
+            replays: self.replays.load(Ordering::Relaxed),
+            replayed_bytes: self.replayed_bytes.load(Ordering::Relaxed),
+            reconnects: self.reconnects.load(Ordering::Relaxed),
+            reconnect_attempts: self.reconnect_attempts.load(Ordering::Relaxed),
+            reconnect_failures: self.reconnect_failures.load(Ordering::Relaxed),
         }
     }
 }
@@ -53,6 +63,18 @@ pub struct RouteDescription {
     pub bytes: u64,
     /// Requests that ended with a failure.
     pub errors: u64,
+    /// Ops run again after a lost connection, which had chunks sent before (READs and
+    /// CHECKSUMs; WRITEs only under `ReconnectPolicy::replay_writes`). Whole ops are replayed.
+    pub replays: u64,
+    /// Bytes of those ops.
+    pub replayed_bytes: u64,
+    /// Channels reopened to the same peer incarnation after every stream of the last one died.
+    pub reconnects: u64,
+    /// Reconnect attempts (handshake and data path), successful or not.
+    pub reconnect_attempts: u64,
+    /// Reconnects given up: the attempts ran out, or the peer came back as a new incarnation
+    /// (`StaleEpoch`).
+    pub reconnect_failures: u64,
 }
 
 /// A published segment, as described locally.
@@ -151,8 +173,19 @@ impl std::fmt::Display for Description {
         for r in &self.routes {
             writeln!(
                 f,
-                "route {} over {}: {} requests, {} ops, {} bytes, {} errors",
-                r.peer, r.transport, r.requests, r.ops, r.bytes, r.errors
+                "route {} over {}: {} requests, {} ops, {} bytes, {} errors; {} replays ({} bytes), \
+                 {} reconnects ({} attempts, {} given up)",
+                r.peer,
+                r.transport,
+                r.requests,
+                r.ops,
+                r.bytes,
+                r.errors,
+                r.replays,
+                r.replayed_bytes,
+                r.reconnects,
+                r.reconnect_attempts,
+                r.reconnect_failures
             )?;
         }
         #[cfg(feature = "cuda")]

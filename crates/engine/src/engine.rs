@@ -24,6 +24,7 @@ use crate::describe::{Description, RailDescription, SegmentDescription};
 use crate::handles::FileRegistration;
 use crate::handles::{Peer, PeerInner, Registration};
 use crate::listener::Server;
+use crate::reconnect::{Link, ReconnectPolicy};
 use crate::request::{Batch, Checked, RequestHandle};
 use crate::route::{self, Pick, Routes};
 use crate::serve::RegistryTable;
@@ -45,6 +46,8 @@ pub(crate) struct Inner {
     pub(crate) routes: Routes,
     pub(crate) request_timeout: Option<Duration>,
     pub(crate) connect_timeout: Duration,
+    /// What happens when a peer's connection is lost.
+    pub(crate) reconnect: ReconnectPolicy,
     #[cfg(feature = "rdma")]
     pub(crate) rdma: Option<RdmaTransport>,
     /// The io_uring data plane, when it was chosen (its thread budget and counters).
@@ -249,30 +252,84 @@ impl TransferEngine {
     }
 
     async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
-        let hello = self.hello();
-        let server = transport_tcp::handshake(addr, &hello, self.inner.connect_timeout).await?;
-        // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
-        let version = self.inner.versions.common(server.versions).unwrap_or(1);
-        {
+        let known = |server: &Hello| {
             let mut known = self
                 .inner
                 .known
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             match known.get(&addr) {
-                Some((_, e)) if *e != server.epoch => {
-                    return Err(Error::StaleEpoch {
-                        addr: addr.to_string(),
-                        known: *e,
-                        found: server.epoch,
-                    });
-                }
-                Some(_) => {}
+                Some((_, e)) if *e != server.epoch => Err(Error::StaleEpoch {
+                    addr: addr.to_string(),
+                    known: *e,
+                    found: server.epoch,
+                }),
+                Some(_) => Ok(()),
                 None => {
                     known.insert(addr, (server.peer_id, server.epoch));
+                    Ok(())
                 }
             }
-        }
+        };
+        let (server, version, channel) = self.open_channel(addr, known).await?;
+        let counters = self.inner.routes.counters(addr.to_string(), channel.kind());
+        tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
+            segments = server.segments.len(), "connected");
+        Ok(Peer {
+            inner: Arc::new(PeerInner {
+                addr,
+                id: server.peer_id,
+                epoch: server.epoch,
+                segments: server.segments,
+                version,
+                link: Mutex::new(Link {
+                    generation: 0,
+                    channel,
+                }),
+                recovery: Default::default(),
+                engine: Arc::downgrade(&self.inner),
+                policy: self.inner.reconnect,
+                closed: Default::default(),
+                counters,
+            }),
+        })
+    }
+
+    /// A fresh channel to the incarnation `peer` was connected to (reconnect): the same
+    /// handshake and route choice as [`connect`](Self::connect), refused with `StaleEpoch` if
+    /// the address now answers with another epoch.
+    pub(crate) async fn reopen(
+        &self,
+        peer: &PeerInner,
+    ) -> Result<Arc<dyn ferry_core::Channel>, Error> {
+        let same = |server: &Hello| {
+            if server.epoch == peer.epoch && server.peer_id == peer.id {
+                Ok(())
+            } else {
+                Err(Error::StaleEpoch {
+                    addr: peer.addr.to_string(),
+                    known: peer.epoch,
+                    found: server.epoch,
+                })
+            }
+        };
+        let span = tracing::info_span!("reconnect", addr = %peer.addr);
+        let (_, _, channel) = self.open_channel(peer.addr, same).instrument(span).await?;
+        Ok(channel)
+    }
+
+    /// Handshake with `addr`, `check` of its answer, then the data path over the first transport
+    /// both ends offer: the peer's hello, the protocol version spoken, the channel.
+    async fn open_channel(
+        &self,
+        addr: SocketAddr,
+        check: impl FnOnce(&Hello) -> Result<(), Error>,
+    ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>), Error> {
+        let hello = self.hello();
+        let server = transport_tcp::handshake(addr, &hello, self.inner.connect_timeout).await?;
+        // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
+        let version = self.inner.versions.common(server.versions).unwrap_or(1);
+        check(&server)?;
         let Pick {
             transport,
             offer,
@@ -295,20 +352,7 @@ impl TransferEngine {
         };
         let channel = transport.open(info).await?;
         drop(reservation);
-        let counters = self.inner.routes.counters(addr.to_string(), channel.kind());
-        tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
-            segments = server.segments.len(), "connected");
-        Ok(Peer {
-            inner: Arc::new(PeerInner {
-                addr,
-                id: server.peer_id,
-                epoch: server.epoch,
-                segments: server.segments,
-                version,
-                channel,
-                counters,
-            }),
-        })
+        Ok((server, version, channel))
     }
 
     /// Submits a batch: every op is checked against its local region and the peer's descriptor

@@ -795,7 +795,7 @@ async fn run_piece(
 async fn execute(peer: &PeerInner, op: Op) -> Outcome {
     let ops: Arc<[Op]> = Arc::from([op]);
     let control = Arc::new(RequestControl::new(&ops));
-    peer.channel.execute(ops, control).await
+    peer.channel().execute(ops, control).await
 }
 
 /// Folds a piece's outcome into the request's ledger: complete (posted and acknowledged), or

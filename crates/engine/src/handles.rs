@@ -3,7 +3,8 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use ferry_core::checksum::CHECKSUM_LEN;
 use ferry_core::{
@@ -14,6 +15,8 @@ use ferry_file::FileSegment;
 use registry::RegistryError;
 
 use crate::describe::RouteCounters;
+use crate::engine::Inner;
+use crate::reconnect::{Link, ReconnectPolicy, Recovery};
 use crate::serve::RegistryTable;
 
 /// A registered range, owned by the caller. Dropping it (or [`retire`](Self::retire)) unpublishes
@@ -156,8 +159,29 @@ pub(crate) struct PeerInner {
     pub(crate) segments: Vec<SegmentDesc>,
     /// The protocol version both ends speak (the newest in both ranges).
     pub(crate) version: u16,
-    pub(crate) channel: Arc<dyn Channel>,
+    /// The channel its requests take now (replaced at a reconnect).
+    pub(crate) link: Mutex<Link>,
+    /// The reconnect in flight, one at a time.
+    pub(crate) recovery: tokio::sync::Mutex<Recovery>,
+    /// The engine, to reconnect through (a peer does not keep its engine alive).
+    pub(crate) engine: Weak<Inner>,
+    pub(crate) policy: ReconnectPolicy,
+    /// [`Peer::close`] was called: no reconnect.
+    pub(crate) closed: AtomicBool,
     pub(crate) counters: Arc<RouteCounters>,
+}
+
+impl PeerInner {
+    /// The generation of the current channel, and the channel.
+    pub(crate) fn link(&self) -> (u64, Arc<dyn Channel>) {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        (link.generation, link.channel.clone())
+    }
+
+    /// The current channel.
+    pub(crate) fn channel(&self) -> Arc<dyn Channel> {
+        self.link().1
+    }
 }
 
 impl fmt::Debug for Peer {
@@ -166,7 +190,7 @@ impl fmt::Debug for Peer {
             .field("addr", &self.inner.addr)
             .field("id", &self.inner.id)
             .field("epoch", &self.inner.epoch)
-            .field("transport", &self.inner.channel.kind())
+            .field("transport", &self.inner.channel().kind())
             .field("segments", &self.inner.segments.len())
             .finish()
     }
@@ -190,15 +214,18 @@ impl Peer {
 
     /// The transport its requests take.
     pub fn transport(&self) -> TransportKind {
-        self.inner.channel.kind()
+        self.inner.channel().kind()
     }
 
-    /// Whether its data channel can still carry requests. A channel whose every stream died
-    /// (the peer reset them, or went silent past `dead_peer_after`) fails each new request at
-    /// once with `PeerLost`; [`TransferEngine::connect`](crate::TransferEngine::connect) to
-    /// the same address opens a fresh one (the same incarnation is accepted again).
+    /// Whether its data channel can still carry requests now. A channel whose every stream died
+    /// (the peer reset them, or went silent past `dead_peer_after`) is reopened by the next
+    /// request that needs it, as long as the same incarnation answers (see
+    /// [`ReconnectPolicy`](crate::ReconnectPolicy)); with reconnects off (`attempts` 0) each
+    /// new request fails at once with `PeerLost`, and
+    /// [`TransferEngine::connect`](crate::TransferEngine::connect) to the same address opens a
+    /// fresh one.
     pub fn is_alive(&self) -> bool {
-        self.inner.channel.is_alive()
+        self.inner.channel().is_alive()
     }
 
     /// Descriptors of the segments it published at connection time.
@@ -231,9 +258,11 @@ impl Peer {
         }
     }
 
-    /// Closes the data path: in-flight chunks fail as lost, later requests fail at once.
+    /// Closes the data path: in-flight chunks fail as lost, later requests fail at once, and
+    /// nothing is reconnected or replayed.
     pub fn close(&self) {
-        self.inner.channel.close();
+        self.inner.closed.store(true, Ordering::Release);
+        self.inner.channel().close();
     }
 
     /// The protocol version spoken with this peer (the newest both ends speak).
@@ -272,7 +301,7 @@ impl Peer {
                 ),
             });
         }
-        if self.inner.channel.kind() == TransportKind::Rdma {
+        if self.inner.channel().kind() == TransportKind::Rdma {
             return Err(Error::Unavailable {
                 library: "checksum request".into(),
                 reason: format!(

@@ -28,6 +28,7 @@ mod engine;
 pub mod gpu;
 mod handles;
 mod listener;
+mod reconnect;
 mod request;
 mod route;
 mod serve;
@@ -42,6 +43,7 @@ pub use engine::TransferEngine;
 pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescription};
 pub use handles::FileRegistration;
 pub use handles::{Peer, Registration, RemoteSegment};
+pub use reconnect::ReconnectPolicy;
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;
 /// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).

@@ -254,12 +254,15 @@ pub struct RequestHandle {
 
 impl RequestHandle {
     /// Runs `ops` on `peer`'s channel as a task of the current tokio runtime (the caller checked
-    /// there is one), recording the outcome in the route's counters.
-    pub(crate) fn start(peer: &PeerInner, ops: Vec<Op>, timeout: Option<Duration>) -> Self {
+    /// there is one), reconnecting and replaying after a lost connection as the peer's
+    /// [`ReconnectPolicy`](crate::ReconnectPolicy) allows (never past `timeout`), and recording
+    /// the outcome in the route's counters.
+    pub(crate) fn start(peer: &Arc<PeerInner>, ops: Vec<Op>, timeout: Option<Duration>) -> Self {
         let ops: Arc<[Op]> = ops.into();
         let control = Arc::new(RequestControl::new(&ops));
-        let fut = peer.channel.execute(ops, control.clone());
-        Self::start_with(peer, control, fut, timeout)
+        let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        let fut = crate::reconnect::run(peer.clone(), ops, control.clone(), deadline);
+        Self::start_with(peer, control, Box::pin(fut), timeout)
     }
 
     /// Runs `fut`, the request `control` keeps the ledger of, as a task of the current tokio

@@ -1,0 +1,263 @@
+//! Reconnect and replay: a request whose connection to its peer was lost is run again, in part,
+//! on a fresh connection to the same peer incarnation (docs/architecture.md §5).
+//!
+//! What may run again is decided by the ledger ([`Ledger::replay_plan`](ferry_core::Ledger::replay_plan),
+//! no I/O): unfinished READs and CHECKSUMs, and WRITEs only under
+//! [`ReconnectPolicy::replay_writes`]. This module drives it: it waits for the attempt to drain,
+//! gets a channel that can carry the replay (the same one while some of its streams live, else a
+//! reconnect), and runs the replayed ops through the ledger's view so the request's outcome stays
+//! exact. One reconnect per peer is in flight at a time, shared by every request waiting on it;
+//! its attempts are spaced by a jittered [`Backoff`], and they stop at the request's deadline.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use ferry_core::backoff::Backoff;
+use ferry_core::{Channel, Error, FailureKind, Op, Outcome, RemoteStatus, RequestControl};
+use tokio::time::Instant;
+
+use crate::engine::TransferEngine;
+use crate::handles::PeerInner;
+
+/// What an engine does when the connection to a peer incarnation is lost: how often it
+/// reconnects, how long it waits between attempts, and whether WRITEs are replayed. Set with
+/// [`EngineBuilder::reconnect`](crate::EngineBuilder::reconnect).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReconnectPolicy {
+    /// Reconnect attempts for one loss before the peer is given up (its waiting requests keep
+    /// their `PeerLost` failure); also how many replays in a row may make no progress. 0: never
+    /// reconnect nor replay (a lost connection fails its requests, as without this policy).
+    pub attempts: u32,
+    /// The first attempt waits up to this long (full jitter: a random time from zero).
+    pub backoff_base: Duration,
+    /// No attempt waits longer than this.
+    pub backoff_max: Duration,
+    /// Replay WRITEs that had bytes sent before the loss. Off by default: such a WRITE may have
+    /// changed remote memory, and writing it again overwrites whatever was written there since
+    /// (the request ends with `PeerLost` and an `Uncertain` remote effect instead). READs and
+    /// CHECKSUMs are always replayed; a WRITE never sent is simply run.
+    pub replay_writes: bool,
+}
+
+impl Default for ReconnectPolicy {
+    /// 8 attempts, waits from up to 50 ms growing to at most 2 s, WRITEs not replayed.
+    fn default() -> Self {
+        Self {
+            attempts: 8,
+            backoff_base: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(2),
+            replay_writes: false,
+        }
+    }
+}
+
+/// A peer's connection state shared by its requests: which channel carries them now.
+#[derive(Debug)]
+pub(crate) struct Link {
+    /// Bumped at each reconnect: a request that lost generation `g` and finds another needs no
+    /// reconnect of its own.
+    pub(crate) generation: u64,
+    pub(crate) channel: Arc<dyn Channel>,
+}
+
+/// The reconnect in flight for a peer (one at a time).
+#[derive(Debug, Default)]
+pub(crate) struct Recovery {
+    /// The generation whose reconnect was given up, and why: later requests that lost it fail
+    /// the same way without trying again.
+    gave_up: Option<(u64, FailureKind)>,
+}
+
+/// Why a replay cannot run.
+enum NoChannel {
+    /// The request stopped, its deadline passed, or the peer was closed: the outcome stands.
+    Stopped,
+    /// The reconnect was given up for this reason.
+    GaveUp(FailureKind),
+}
+
+/// Runs `ops` on `peer`'s channel; if the connection is lost, reconnects and replays what the
+/// policy allows, until the request completes, fails for good, or its `deadline` passes. Resolves
+/// once every chunk of every attempt is resolved (`drained`).
+pub(crate) async fn run(
+    peer: Arc<PeerInner>,
+    ops: Arc<[Op]>,
+    control: Arc<RequestControl>,
+    deadline: Option<Instant>,
+) -> Outcome {
+    let (mut generation, mut channel) = peer.link();
+    let mut outcome = channel.execute(ops.clone(), control.clone()).await;
+    let policy = peer.policy;
+    let mut fruitless = 0u32;
+    loop {
+        if outcome.failure.is_none() || policy.attempts == 0 || stop_if_late(&control, deadline) {
+            return outcome;
+        }
+        let Some(plan) = control.with_ledger(|l| l.replay_plan(policy.replay_writes)) else {
+            return outcome;
+        };
+        if fruitless >= policy.attempts {
+            tracing::warn!(peer = %peer.addr, replays = fruitless,
+                "replays make no progress; giving the request up");
+            return outcome;
+        }
+        match recover(&peer, generation, &control, deadline).await {
+            Ok((g, c)) => (generation, channel) = (g, c),
+            Err(NoChannel::Stopped) => return control.outcome(true),
+            Err(NoChannel::GaveUp(kind)) => {
+                control.with_ledger(|l| l.give_up(&plan.ops, kind, None));
+                return control.outcome(true);
+            }
+        }
+        if stop_if_late(&control, deadline) {
+            return control.outcome(true);
+        }
+        if plan.replayed > 0 {
+            peer.counters
+                .replays
+                .fetch_add(plan.replayed as u64, Ordering::Relaxed);
+            peer.counters
+                .replayed_bytes
+                .fetch_add(plan.replayed_bytes, Ordering::Relaxed);
+        }
+        tracing::info!(peer = %peer.addr, ops = plan.ops.len(), replayed = plan.replayed,
+            bytes = plan.replayed_bytes, held_back = ?plan.held_back, "replaying a lost request");
+        let before = outcome.completed_ops;
+        control.with_ledger(|l| l.rearm(&plan.ops));
+        let sub: Arc<[Op]> = plan.ops.iter().map(|&i| ops[i].clone()).collect();
+        channel.execute(sub, control.clone()).await;
+        control.with_ledger(|l| l.end_replay());
+        outcome = control.outcome(true);
+        if outcome.completed_ops > before {
+            fruitless = 0;
+        } else {
+            fruitless += 1;
+        }
+    }
+}
+
+/// Whether the request is over: stopped by its owner, or past its deadline (then stopped here
+/// as a timeout, as awaiting its handle would).
+fn stop_if_late(control: &RequestControl, deadline: Option<Instant>) -> bool {
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        control.stop(FailureKind::Timeout);
+    }
+    control.stopped().is_some()
+}
+
+/// A channel to run a replay on, for a request that lost generation `lost`: the current one if
+/// another request reconnected meanwhile or some of its streams still live, else a reconnect
+/// (one per peer at a time; the others wait for it and share its result).
+async fn recover(
+    peer: &Arc<PeerInner>,
+    lost: u64,
+    control: &RequestControl,
+    deadline: Option<Instant>,
+) -> Result<(u64, Arc<dyn Channel>), NoChannel> {
+    let mut recovery = match deadline {
+        Some(d) => match tokio::time::timeout_at(d, peer.recovery.lock()).await {
+            Ok(g) => g,
+            Err(_) => {
+                control.stop(FailureKind::Timeout);
+                return Err(NoChannel::Stopped);
+            }
+        },
+        None => peer.recovery.lock().await,
+    };
+    if peer.closed.load(Ordering::Acquire) {
+        return Err(NoChannel::Stopped);
+    }
+    let (generation, channel) = peer.link();
+    if generation != lost || channel.is_alive() {
+        return Ok((generation, channel));
+    }
+    if let Some((g, why)) = recovery.gave_up
+        && g == lost
+    {
+        return Err(NoChannel::GaveUp(why));
+    }
+    let Some(engine) = peer.engine.upgrade().map(|inner| TransferEngine { inner }) else {
+        return Err(NoChannel::Stopped);
+    };
+    let policy = peer.policy;
+    let mut backoff = Backoff::random(policy.backoff_base, policy.backoff_max);
+    let mut last: Option<Error> = None;
+    while backoff.attempts() < policy.attempts {
+        let wait = backoff.next_delay();
+        if !sleep_unless_late(wait, control, deadline).await {
+            return Err(NoChannel::Stopped);
+        }
+        peer.counters
+            .reconnect_attempts
+            .fetch_add(1, Ordering::Relaxed);
+        let reopen = engine.reopen(peer);
+        let result = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, reopen).await {
+                Ok(r) => r,
+                Err(_) => {
+                    control.stop(FailureKind::Timeout);
+                    return Err(NoChannel::Stopped);
+                }
+            },
+            None => reopen.await,
+        };
+        match result {
+            Ok(channel) => {
+                let mut link = peer.link.lock().unwrap_or_else(PoisonError::into_inner);
+                link.generation += 1;
+                link.channel = channel.clone();
+                peer.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(peer = %peer.addr, attempt = backoff.attempts(),
+                    generation = link.generation, "reconnected");
+                return Ok((link.generation, channel));
+            }
+            Err(e @ Error::StaleEpoch { .. }) => {
+                tracing::warn!(peer = %peer.addr, error = %e,
+                    "the peer came back as a new incarnation: nothing is replayed into it");
+                let why = FailureKind::Remote(RemoteStatus::StaleEpoch);
+                recovery.gave_up = Some((lost, why));
+                peer.counters
+                    .reconnect_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(NoChannel::GaveUp(why));
+            }
+            Err(e) => {
+                tracing::debug!(peer = %peer.addr, attempt = backoff.attempts(), error = %e,
+                    "reconnect attempt failed");
+                last = Some(e);
+            }
+        }
+    }
+    tracing::warn!(peer = %peer.addr, attempts = backoff.attempts(),
+        last_error = ?last.map(|e| e.to_string()), "reconnect given up");
+    recovery.gave_up = Some((lost, FailureKind::PeerLost));
+    peer.counters
+        .reconnect_failures
+        .fetch_add(1, Ordering::Relaxed);
+    Err(NoChannel::GaveUp(FailureKind::PeerLost))
+}
+
+/// Sleeps `wait`, unless the request stops or its deadline comes first (checked every 50 ms for
+/// a stop); whether it slept the whole time.
+async fn sleep_unless_late(
+    wait: Duration,
+    control: &RequestControl,
+    deadline: Option<Instant>,
+) -> bool {
+    let until = Instant::now() + wait;
+    loop {
+        if stop_if_late(control, deadline) {
+            return false;
+        }
+        let now = Instant::now();
+        if now >= until {
+            return true;
+        }
+        let mut next = until.min(now + Duration::from_millis(50));
+        if let Some(d) = deadline {
+            next = next.min(d);
+        }
+        tokio::time::sleep_until(next).await;
+    }
+}
