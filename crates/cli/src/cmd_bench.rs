@@ -192,6 +192,9 @@ struct Report {
     peer: String,
     /// Bytes checked against the peer's CRC-32C (`--verify`).
     verified_bytes: Option<u64>,
+    /// Ops replayed and channels reopened after lost connections (the engine's `describe()`).
+    replays: u64,
+    reconnects: u64,
 }
 
 /// The in-process loopback server: its own thread and runtime, like a separate process would
@@ -318,6 +321,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             "peer": r.peer,
             "gpu_verified": r.verified,
             "verified_bytes": r.verified_bytes,
+            "replays": r.replays,
+            "reconnects": r.reconnects,
         });
         println!("{obj}");
     } else {
@@ -342,6 +347,12 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         }
         if let Some(v) = report.verified_bytes {
             println!("verified {v} bytes: the peer's CRC-32C matches ours");
+        }
+        if report.replays > 0 || report.reconnects > 0 {
+            println!(
+                "lost connections: {} reconnects, {} ops replayed",
+                report.reconnects, report.replays
+            );
         }
     }
     Ok(())
@@ -623,9 +634,12 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     } else {
         None
     };
+    let routes = engine.describe().routes;
     Ok(Report {
         verified,
         verified_bytes,
+        replays: routes.iter().map(|r| r.replays).sum(),
+        reconnects: routes.iter().map(|r| r.reconnects).sum(),
         transport: peer.transport().name().to_owned(),
         op: args.op.clone(),
         op_bytes: args.op_size,

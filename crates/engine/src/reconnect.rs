@@ -41,10 +41,12 @@ pub struct ReconnectPolicy {
 }
 
 impl Default for ReconnectPolicy {
-    /// 8 attempts, waits from up to 50 ms growing to at most 2 s, WRITEs not replayed.
+    /// 5 attempts, waits from up to 50 ms growing to at most 2 s, WRITEs not replayed. Each
+    /// attempt is bounded by the engine's connect timeout, so a peer that never comes back is
+    /// given up within about five connect timeouts plus 3 s (sooner where it refuses at once).
     fn default() -> Self {
         Self {
-            attempts: 8,
+            attempts: 5,
             backoff_base: Duration::from_millis(50),
             backoff_max: Duration::from_secs(2),
             replay_writes: false,
@@ -64,9 +66,10 @@ pub(crate) struct Link {
 /// The reconnect in flight for a peer (one at a time).
 #[derive(Debug, Default)]
 pub(crate) struct Recovery {
-    /// The generation whose reconnect was given up, and why: later requests that lost it fail
-    /// the same way without trying again.
-    gave_up: Option<(u64, FailureKind)>,
+    /// The last reconnect given up: the generation it tried to replace, why, and when. The
+    /// requests that lost that generation and were already waiting fail the same way without
+    /// trying again; a request that comes later tries afresh.
+    gave_up: Option<(u64, FailureKind, Instant)>,
 }
 
 /// Why a replay cannot run.
@@ -90,6 +93,8 @@ pub(crate) async fn run(
     let mut outcome = channel.execute(ops.clone(), control.clone()).await;
     let policy = peer.policy;
     let mut fruitless = 0u32;
+    // Spaces replays that completed nothing (a channel whose streams are still dying).
+    let mut again = Backoff::random(policy.backoff_base, policy.backoff_max);
     loop {
         if outcome.failure.is_none() || policy.attempts == 0 || stop_if_late(&control, deadline) {
             return outcome;
@@ -101,6 +106,9 @@ pub(crate) async fn run(
             tracing::warn!(peer = %peer.addr, replays = fruitless,
                 "replays make no progress; giving the request up");
             return outcome;
+        }
+        if fruitless > 0 && !sleep_unless_late(again.next_delay(), &control, deadline).await {
+            return control.outcome(true);
         }
         match recover(&peer, generation, &control, deadline).await {
             Ok((g, c)) => (generation, channel) = (g, c),
@@ -155,6 +163,7 @@ async fn recover(
     control: &RequestControl,
     deadline: Option<Instant>,
 ) -> Result<(u64, Arc<dyn Channel>), NoChannel> {
+    let asked = Instant::now();
     let mut recovery = match deadline {
         Some(d) => match tokio::time::timeout_at(d, peer.recovery.lock()).await {
             Ok(g) => g,
@@ -172,8 +181,9 @@ async fn recover(
     if generation != lost || channel.is_alive() {
         return Ok((generation, channel));
     }
-    if let Some((g, why)) = recovery.gave_up
+    if let Some((g, why, at)) = recovery.gave_up
         && g == lost
+        && asked <= at
     {
         return Err(NoChannel::GaveUp(why));
     }
@@ -216,7 +226,7 @@ async fn recover(
                 tracing::warn!(peer = %peer.addr, error = %e,
                     "the peer came back as a new incarnation: nothing is replayed into it");
                 let why = FailureKind::Remote(RemoteStatus::StaleEpoch);
-                recovery.gave_up = Some((lost, why));
+                recovery.gave_up = Some((lost, why, Instant::now()));
                 peer.counters
                     .reconnect_failures
                     .fetch_add(1, Ordering::Relaxed);
@@ -231,7 +241,7 @@ async fn recover(
     }
     tracing::warn!(peer = %peer.addr, attempts = backoff.attempts(),
         last_error = ?last.map(|e| e.to_string()), "reconnect given up");
-    recovery.gave_up = Some((lost, FailureKind::PeerLost));
+    recovery.gave_up = Some((lost, FailureKind::PeerLost, Instant::now()));
     peer.counters
         .reconnect_failures
         .fetch_add(1, Ordering::Relaxed);
