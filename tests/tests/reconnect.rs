@@ -3,8 +3,9 @@
 //! reset in the middle of a large READ is replayed and the READ completes with the right bytes;
 //! a server restarted as a new incarnation on the same port is refused (`StaleEpoch`) and nothing
 //! is replayed into it; a WRITE cut midway is replayed only when the policy allows; a stall that
-//! never ends is ended by the request's deadline with an exact prefix; and many clients that lose
-//! the same server reconnect once each, however many requests each had waiting.
+//! never ends is ended by the request's deadline with an exact prefix, and so are reconnect
+//! attempts to a server gone for good; and many clients that lose the same server reconnect once
+//! each, however many requests each had waiting.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -431,6 +432,92 @@ async fn a_stall_forever_ends_by_the_deadline_over_tcp() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_forever_ends_by_the_deadline_over_uring() -> Result<()> {
     stall_forever_ends_by_deadline(Plane::Uring).await
+}
+
+/// The server is gone for good while a READ is cut: reconnect attempts (a thousand allowed,
+/// spaced up to 2 s) stop at the request's deadline, which ends it with its exact prefix and
+/// lets it drain; the reconnect is not counted as given up.
+async fn attempts_stop_at_the_deadline(plane: Plane) -> Result<()> {
+    if !plane.usable() {
+        return Ok(());
+    }
+    let len = 32 * MIB;
+    let r = rig(
+        plane,
+        len,
+        ReconnectPolicy {
+            attempts: 1000,
+            backoff_base: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(2),
+            replay_writes: false,
+        },
+    )
+    .await?;
+    let dst = r.client.register(
+        MemoryRegion::alloc_zeroed(len as usize, 4096)?,
+        Access::LOCAL,
+        "dst",
+    )?;
+    let seg = r.peer.segment("src")?;
+    let handle = r.client.submit(
+        Batch::new()
+            .read(&dst, 0, &seg, 0, len)
+            .timeout(Duration::from_secs(3)),
+    )?;
+    let stall = r.proxy.inject(
+        Scope::All,
+        Dir::ToClient,
+        Fault::Stall {
+            after: 4 * MIB,
+            duration: None,
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while r.proxy.counters().faults_fired == 0 {
+        ensure!(Instant::now() < deadline, "the stall never began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    r.server.shutdown();
+    drop(r.server);
+    drop(r.src);
+    r.proxy.kill_all();
+    r.proxy.remove(stall);
+    let drained = handle.drained();
+    let o = tokio::time::timeout(Duration::from_secs(60), handle.outcome())
+        .await
+        .context("the request outlived its deadline by a minute")?;
+    let f = o
+        .failure
+        .context("a READ from a server gone cannot complete")?;
+    ensure!(
+        matches!(f.kind, FailureKind::Timeout | FailureKind::PeerLost),
+        "{o:?}"
+    );
+    ensure!(o.completed_ops == 0 && o.completed_bytes == 0, "{o:?}");
+    let d = tokio::time::timeout(Duration::from_secs(60), drained)
+        .await
+        .context("reconnect attempts went on past the deadline")?;
+    ensure!(d.drained && d.completed_ops == 0, "{d:?}");
+    let route = route(&r.client)?;
+    ensure!(
+        route.reconnect_attempts >= 1 && route.reconnect_attempts < 1000,
+        "{route:?}"
+    );
+    ensure!(
+        route.reconnects == 0 && route.reconnect_failures == 0,
+        "{route:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_attempts_stop_at_the_deadline_over_tcp() -> Result<()> {
+    attempts_stop_at_the_deadline(Plane::Tcp).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnect_attempts_stop_at_the_deadline_over_uring() -> Result<()> {
+    attempts_stop_at_the_deadline(Plane::Uring).await
 }
 
 /// Many clients, each with several requests waiting, lose the same server at once: every

@@ -90,7 +90,7 @@ pub(crate) async fn run(
     deadline: Option<Instant>,
 ) -> Outcome {
     let (mut generation, mut channel) = peer.link();
-    let mut outcome = channel.execute(ops.clone(), control.clone()).await;
+    let mut outcome = execute_until(&channel, ops.clone(), &control, deadline).await;
     let policy = peer.policy;
     let mut fruitless = 0u32;
     // Spaces replays that completed nothing (a channel whose streams are still dying).
@@ -134,13 +134,35 @@ pub(crate) async fn run(
         let before = outcome.completed_ops;
         control.with_ledger(|l| l.rearm(&plan.ops));
         let sub: Arc<[Op]> = plan.ops.iter().map(|&i| ops[i].clone()).collect();
-        channel.execute(sub, control.clone()).await;
+        execute_until(&channel, sub, &control, deadline).await;
         control.with_ledger(|l| l.end_replay());
         outcome = control.outcome(true);
         if outcome.completed_ops > before {
             fruitless = 0;
         } else {
             fruitless += 1;
+        }
+    }
+}
+
+/// Runs `ops` on `channel`; at `deadline` the request is stopped (a timeout: nothing more is
+/// posted), and what was posted still resolves before this returns.
+async fn execute_until(
+    channel: &Arc<dyn Channel>,
+    ops: Arc<[Op]>,
+    control: &Arc<RequestControl>,
+    deadline: Option<Instant>,
+) -> Outcome {
+    let run = channel.execute(ops, control.clone());
+    let Some(deadline) = deadline else {
+        return run.await;
+    };
+    tokio::pin!(run);
+    tokio::select! {
+        o = &mut run => o,
+        _ = tokio::time::sleep_until(deadline) => {
+            control.stop(FailureKind::Timeout);
+            run.await
         }
     }
 }
