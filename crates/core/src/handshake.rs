@@ -6,24 +6,218 @@
 //! answers and errors for the same bytes.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
+use crate::auth::{PeerView, PendingProof};
 use crate::error::Error;
 use crate::ids::Epoch;
-use crate::transport::{HandshakeResponder, PeerInfo};
+use crate::transport::{HandshakeResponder, PeerInfo, SegmentTable};
 use crate::wire::{
     ControlFrame, Hello, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer,
     WireError,
 };
 
-/// The server's answer to a peer's hello from `from`: our hello, or the responder's refusal.
+/// The server's answer to a peer's hello from `from` (authenticated as `peer`, if at all): our
+/// hello, or the responder's refusal.
 pub fn answer_hello(
     responder: &dyn HandshakeResponder,
     hello: &Hello,
     from: SocketAddr,
+    peer: Option<&str>,
 ) -> ControlFrame {
-    match responder.respond(hello, from) {
+    match responder.respond(hello, from, peer) {
         Ok(h) => ControlFrame::HelloAck(h),
         Err(r) => ControlFrame::Reject(r),
+    }
+}
+
+/// What a server does next on a control connection (see [`ServerConversation`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ServerStep {
+    /// Send this frame, then read the next one.
+    Reply(ControlFrame),
+    /// Read the next frame without answering.
+    Read,
+    /// Send this frame, then close the connection.
+    Close(ControlFrame),
+    /// A data stream is accepted: send [`ControlFrame::StreamAccept`] and serve its requests
+    /// from `table` (the peer's view of the published segments).
+    Stream {
+        /// The attach.
+        attach: StreamAttach,
+        /// What the stream may see.
+        table: Arc<dyn SegmentTable>,
+    },
+    /// A frame that has no place here: close without answering.
+    Fail(Error),
+}
+
+#[derive(Debug)]
+enum Conversation {
+    Start,
+    /// Challenge sent; the client's proof comes next.
+    Challenged(PendingProof),
+    /// Proof checked; the client's hello comes next (read before a refusal is sent, so that
+    /// the client reads the refusal rather than a reset).
+    Proven(Result<Arc<str>, Reject>, (crate::PeerId, Epoch)),
+    Done,
+}
+
+/// The server's side of one control connection, without I/O: fed each frame the peer sends,
+/// it says what to send back and when the connection becomes a data stream. Both servers (TCP,
+/// io_uring) drive it, so they answer the same bytes the same way.
+///
+/// Without authentication ([`HandshakeResponder::auth`] is `None`) a connection is one
+/// [`Hello`] (answered) or one [`StreamAttach`] (served), as always, and an authentication
+/// frame is refused with [`RejectReason::Unauthenticated`]. With it, a plain hello or attach is
+/// refused, and a handshake is `AuthHello` → challenge, `AuthProof` + `Hello` → `HelloAck`
+/// listing what is published to the proven key name; a stream is an `AuthAttach` whose proof
+/// [`ServerAuth::check_attach`](crate::auth::ServerAuth::check_attach) accepts, served from
+/// that name's view of the table.
+#[derive(Debug)]
+pub struct ServerConversation {
+    responder: Arc<dyn HandshakeResponder>,
+    table: Arc<dyn SegmentTable>,
+    from: SocketAddr,
+    state: Conversation,
+}
+
+impl ServerConversation {
+    /// A conversation with the peer at `from`, served from `table` as `responder` decides.
+    pub fn new(
+        responder: Arc<dyn HandshakeResponder>,
+        table: Arc<dyn SegmentTable>,
+        from: SocketAddr,
+    ) -> Self {
+        Self {
+            responder,
+            table,
+            from,
+            state: Conversation::Start,
+        }
+    }
+
+    fn refused(&self, message: String) -> ServerStep {
+        tracing::warn!(from = %self.from, %message, "authentication refused");
+        ServerStep::Close(ControlFrame::Reject(Reject {
+            reason: RejectReason::Unauthenticated,
+            versions: SUPPORTED_VERSIONS,
+            epoch: self.responder.epoch(),
+            message,
+        }))
+    }
+
+    /// The next step after the peer sent `frame`.
+    pub fn on_frame(&mut self, frame: ControlFrame) -> ServerStep {
+        let from = self.from;
+        let auth = self.responder.auth();
+        let state = std::mem::replace(&mut self.state, Conversation::Done);
+        match (state, frame) {
+            (Conversation::Start, ControlFrame::Hello(hello)) => {
+                if auth.is_some() {
+                    tracing::warn!(%from, peer = %hello.peer_id,
+                        "plain hello refused: this server requires authentication");
+                    return ServerStep::Close(ControlFrame::Reject(Reject {
+                        reason: RejectReason::Refused,
+                        versions: SUPPORTED_VERSIONS,
+                        epoch: self.responder.epoch(),
+                        message: "authentication required: this server only serves peers that \
+                                  prove its key (give the client a key file)"
+                            .into(),
+                    }));
+                }
+                ServerStep::Close(answer_hello(&*self.responder, &hello, from, None))
+            }
+            (Conversation::Start, ControlFrame::StreamAttach(a)) => {
+                let answer = answer_attach(&a, self.responder.epoch());
+                if !matches!(answer, ControlFrame::StreamAccept) {
+                    return ServerStep::Close(answer);
+                }
+                if auth.is_some() {
+                    return self.refused(
+                        "data stream refused: this server requires an authenticated session".into(),
+                    );
+                }
+                ServerStep::Stream {
+                    attach: a,
+                    table: self.table.clone(),
+                }
+            }
+            (Conversation::Start, ControlFrame::AuthHello(h)) => {
+                let Some(auth) = auth else {
+                    return self.refused(
+                        "this server has no authentication key and serves any peer: connect \
+                         without a key"
+                            .into(),
+                    );
+                };
+                match auth.challenge(
+                    &h,
+                    self.responder.peer_id(),
+                    self.responder.epoch(),
+                    crate::auth::nonce(),
+                ) {
+                    Ok((challenge, pending)) => {
+                        self.state = Conversation::Challenged(pending);
+                        ServerStep::Reply(challenge)
+                    }
+                    Err(r) => self.refused(r.message),
+                }
+            }
+            (Conversation::Challenged(pending), ControlFrame::AuthProof(p)) => {
+                let client = pending.client();
+                let proven = match auth {
+                    Some(auth) => auth.verify(pending, &p),
+                    None => Err(Reject {
+                        reason: RejectReason::Unauthenticated,
+                        versions: SUPPORTED_VERSIONS,
+                        epoch: self.responder.epoch(),
+                        message: "authentication is off".into(),
+                    }),
+                };
+                self.state = Conversation::Proven(proven, client);
+                ServerStep::Read
+            }
+            (Conversation::Proven(proven, client), ControlFrame::Hello(hello)) => match proven {
+                Err(r) => self.refused(r.message),
+                Ok(_) if (hello.peer_id, hello.epoch) != client => self.refused(format!(
+                    "the hello names peer {} epoch {}, the authenticated one peer {} epoch {}",
+                    hello.peer_id, hello.epoch, client.0, client.1
+                )),
+                Ok(name) => {
+                    tracing::info!(%from, peer = %hello.peer_id, key = %name, "peer authenticated");
+                    ServerStep::Close(answer_hello(&*self.responder, &hello, from, Some(&name)))
+                }
+            },
+            (Conversation::Start, ControlFrame::AuthAttach(a)) => {
+                let answer = answer_attach(&a.attach, self.responder.epoch());
+                if !matches!(answer, ControlFrame::StreamAccept) {
+                    return ServerStep::Close(answer);
+                }
+                let Some(auth) = auth else {
+                    return self.refused(
+                        "data stream refused: this server has no authentication key".into(),
+                    );
+                };
+                match auth.check_attach(&a, self.responder.epoch()) {
+                    Ok(name) => ServerStep::Stream {
+                        attach: a.attach,
+                        table: Arc::new(PeerView::new(self.table.clone(), name)),
+                    },
+                    Err(r) => self.refused(r.message),
+                }
+            }
+            (state, other) => {
+                let expected = match state {
+                    Conversation::Start => "hello, stream-attach, auth-hello or auth-attach",
+                    Conversation::Challenged(_) => "auth-proof",
+                    Conversation::Proven(..) => "hello",
+                    Conversation::Done => "nothing more",
+                };
+                ServerStep::Fail(unexpected(from, &other, expected))
+            }
+        }
     }
 }
 
@@ -79,6 +273,15 @@ pub fn stream_attach(peer: &PeerInfo, index: u16, transport: u16) -> StreamAttac
     }
 }
 
+/// The frame that attaches `attach` to `peer`: a plain [`StreamAttach`], or with the proof of
+/// the peer's authenticated session where it has one.
+pub fn attach_frame(peer: &PeerInfo, attach: StreamAttach) -> ControlFrame {
+    match &peer.session {
+        Some(s) => s.attach(attach),
+        None => ControlFrame::StreamAttach(attach),
+    }
+}
+
 /// What the server's reply to our `ours` hello means: its hello, `ProtocolMismatch` (with both
 /// ranges, before anything is admitted), `HandshakeRefused`, or `Malformed` for any other frame.
 pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Result<Hello, Error> {
@@ -92,6 +295,12 @@ pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Resul
                 });
             }
             Ok(server)
+        }
+        ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
+            Err(Error::Authentication {
+                peer: peer.to_string(),
+                reason: r.message,
+            })
         }
         ControlFrame::Reject(r) if r.reason == RejectReason::ProtocolMismatch => {
             Err(Error::ProtocolMismatch {
@@ -123,6 +332,12 @@ pub fn attach_reply(
             known: attach.server_epoch,
             found: r.epoch,
         }),
+        ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
+            Err(Error::Authentication {
+                peer: peer.to_string(),
+                reason: r.message,
+            })
+        }
         ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
             peer: peer.to_string(),
             reason: r.message,
@@ -182,6 +397,7 @@ mod tests {
             remote_epoch: Epoch(4),
             offer,
             segments: vec![],
+            session: None,
         };
         let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {
             streams: 0,
