@@ -1320,7 +1320,137 @@ mod tests {
             })
     }
 
+    fn arb_attach() -> impl Strategy<Value = StreamAttach> {
+        (
+            any::<u128>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u16>(),
+            any::<u16>(),
+        )
+            .prop_map(
+                |(id, epoch, server_epoch, transport, stream_index)| StreamAttach {
+                    peer_id: PeerId(id),
+                    epoch: Epoch(epoch),
+                    server_epoch: Epoch(server_epoch),
+                    transport,
+                    stream_index,
+                },
+            )
+    }
+
+    fn arb_auth_frame() -> impl Strategy<Value = ControlFrame> {
+        prop_oneof![
+            (
+                "[A-Za-z0-9._@:-]{0,64}",
+                any::<u128>(),
+                any::<u64>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(name, id, epoch, nonce)| ControlFrame::AuthHello(AuthHello {
+                    name,
+                    peer_id: PeerId(id),
+                    epoch: Epoch(epoch),
+                    nonce,
+                })),
+            (
+                any::<u128>(),
+                any::<u64>(),
+                any::<[u8; 32]>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(id, epoch, nonce, mac)| ControlFrame::AuthChallenge(
+                    AuthChallenge {
+                        peer_id: PeerId(id),
+                        epoch: Epoch(epoch),
+                        nonce,
+                        mac,
+                    }
+                )),
+            any::<[u8; 32]>().prop_map(|mac| ControlFrame::AuthProof(AuthProof { mac })),
+            (
+                arb_attach(),
+                any::<[u8; 32]>(),
+                any::<u64>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(attach, session, counter, mac)| ControlFrame::AuthAttach(
+                    AuthAttach {
+                        attach,
+                        session,
+                        counter,
+                        mac,
+                    }
+                )),
+        ]
+    }
+
+    #[test]
+    fn auth_frames_roundtrip_and_refuse_long_names() {
+        let hello = ControlFrame::AuthHello(AuthHello {
+            name: "alice".into(),
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            nonce: [3; 32],
+        });
+        assert_eq!(roundtrip(&hello), hello);
+        let mut buf = Vec::new();
+        hello.encode(1, &mut buf).unwrap();
+        for cut in 0..buf.len() {
+            assert_eq!(ControlFrame::decode(&buf[..cut]), Ok(None), "cut {cut}");
+        }
+        // A name length past the limit is refused at the count.
+        buf[CONTROL_HEADER_LEN] = (MAX_AUTH_NAME + 1) as u8;
+        assert!(matches!(
+            ControlFrame::decode(&buf),
+            Err(WireError::TooLarge { .. })
+        ));
+        let long = ControlFrame::AuthHello(AuthHello {
+            name: "a".repeat(MAX_AUTH_NAME + 1),
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            nonce: [3; 32],
+        });
+        assert!(long.encode(1, &mut Vec::new()).is_err());
+        let reject = ControlFrame::Reject(Reject {
+            reason: RejectReason::Unauthenticated,
+            versions: SUPPORTED_VERSIONS,
+            epoch: Epoch(1),
+            message: "no".into(),
+        });
+        assert_eq!(roundtrip(&reject), reject);
+        // A proof with a byte missing or one too many is refused, not misread.
+        let mut buf = Vec::new();
+        ControlFrame::AuthProof(AuthProof { mac: [7; 32] })
+            .encode(1, &mut buf)
+            .unwrap();
+        buf[8] -= 1;
+        assert!(ControlFrame::decode(&buf[..buf.len() - 1]).is_err());
+        buf[8] += 2;
+        buf.push(0);
+        buf.push(0);
+        assert!(ControlFrame::decode(&buf[..buf.len() - 1]).is_err());
+    }
+
     proptest! {
+        #[test]
+        fn any_auth_frame_roundtrips(f in arb_auth_frame()) {
+            prop_assert_eq!(roundtrip(&f), f);
+        }
+
+        #[test]
+        fn mutated_auth_frames_never_panic(f in arb_auth_frame(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8), cut in any::<usize>()) {
+            let mut buf = Vec::new();
+            f.encode(1, &mut buf).unwrap();
+            for (at, v) in flips {
+                let i = at % buf.len();
+                buf[i] ^= v;
+            }
+            let cut = cut % (buf.len() + 1);
+            let _ = ControlFrame::decode(&buf[..cut]);
+            let _ = ControlFrame::decode(&buf);
+        }
+
         #[test]
         fn any_hello_roundtrips(h in arb_hello(), ack in any::<bool>()) {
             let f = if ack { ControlFrame::HelloAck(h) } else { ControlFrame::Hello(h) };
