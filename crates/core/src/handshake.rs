@@ -633,8 +633,12 @@ mod tests {
             server: &mut ServerConversation,
         ) -> Result<(ServerStep, crate::auth::Session), Error> {
             let ours = client_hello();
-            let (first, client) =
-                ClientAuth::start(&Keyring::parse(keys).unwrap(), ours.peer_id, ours.epoch, [1; 32]);
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(keys).unwrap(),
+                ours.peer_id,
+                ours.epoch,
+                [1; 32],
+            );
             let challenge = match server.on_frame(first) {
                 ServerStep::Reply(f) | ServerStep::Close(f) => f,
                 other => panic!("{other:?}"),
@@ -665,9 +669,9 @@ mod tests {
         #[test]
         fn a_keyless_server_refuses_an_authenticating_client_clearly() {
             let r = responder(None, false);
-            let e = authenticate(ALICE, &mut talk(&r)).err().unwrap_or_else(|| {
-                panic!("a keyless server challenged")
-            });
+            let e = authenticate(ALICE, &mut talk(&r))
+                .err()
+                .unwrap_or_else(|| panic!("a keyless server challenged"));
             assert!(
                 matches!(&e, Error::Authentication { reason, .. } if reason.contains("no authentication key")),
                 "{e}"
@@ -738,7 +742,9 @@ mod tests {
                 ..ours
             };
             let answer = closed_with(t.on_frame(ControlFrame::Hello(other)));
-            assert!(matches!(answer, ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated));
+            assert!(
+                matches!(answer, ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated)
+            );
         }
 
         fn attach() -> StreamAttach {
@@ -763,7 +769,10 @@ mod tests {
             let ControlFrame::AuthAttach(good) = session.attach(attach()) else {
                 panic!()
             };
-            let forged = AuthAttach { mac: [9; 32], ..good };
+            let forged = AuthAttach {
+                mac: [9; 32],
+                ..good
+            };
             let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(forged)));
             assert!(attach_reply(peer(), &attach(), answer).is_err());
             // For another incarnation: stale, whatever the proof.
@@ -828,7 +837,11 @@ mod tests {
                 })),
                 (any::<u8>(), any::<[u8; 32]>()).prop_map(|(n, nonce)| {
                     ControlFrame::AuthHello(crate::wire::AuthHello {
-                        name: if n % 2 == 0 { "alice".into() } else { format!("x{n}") },
+                        name: if n % 2 == 0 {
+                            "alice".into()
+                        } else {
+                            format!("x{n}")
+                        },
                         peer_id: PeerId(1),
                         epoch: Epoch(2),
                         nonce,

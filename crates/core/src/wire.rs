@@ -1347,12 +1347,14 @@ mod tests {
                 any::<u64>(),
                 any::<[u8; 32]>()
             )
-                .prop_map(|(name, id, epoch, nonce)| ControlFrame::AuthHello(AuthHello {
-                    name,
-                    peer_id: PeerId(id),
-                    epoch: Epoch(epoch),
-                    nonce,
-                })),
+                .prop_map(|(name, id, epoch, nonce)| ControlFrame::AuthHello(
+                    AuthHello {
+                        name,
+                        peer_id: PeerId(id),
+                        epoch: Epoch(epoch),
+                        nonce,
+                    }
+                )),
             (
                 any::<u128>(),
                 any::<u64>(),
