@@ -1441,7 +1441,7 @@ mod tests {
         }
 
         #[test]
-        fn mutated_auth_frames_never_panic(f in arb_auth_frame(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8), cut in any::<usize>()) {
+        fn mutated_auth_frames_never_panics(f in arb_auth_frame(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8), cut in any::<usize>()) {
             let mut buf = Vec::new();
             f.encode(1, &mut buf).unwrap();
             for (at, v) in flips {
