@@ -76,8 +76,8 @@ impl Server {
         };
         Ok(Self {
             engine,
-            open: open,
-            secret: secret,
+            open,
+            secret,
         })
     }
 

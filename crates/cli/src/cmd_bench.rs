@@ -208,6 +208,7 @@ struct LoopbackServer {
 }
 
 impl LoopbackServer {
+    #[allow(clippy::too_many_arguments)]
     fn start(
         kinds: &[TransportKind],
         plane: DataPlane,

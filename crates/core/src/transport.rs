@@ -204,12 +204,16 @@ pub trait SegmentTable: Send + Sync + fmt::Debug + 'static {
     /// Whether the segment under `token` is published to `peer` (the key name an authenticated
     /// peer proved; `None`: an unauthenticated peer). Segments published to named peers only
     /// are visible to those names alone. Tables that publish to everyone keep the default.
+    // mockall's mocks need the argument's lifetime named.
+    #[allow(clippy::needless_lifetimes)]
     fn visible_to<'a>(&self, _token: SegmentToken, _peer: Option<&'a str>) -> bool {
         true
     }
 
     /// Descriptors of what is published to `peer` (see [`visible_to`](Self::visible_to)), for
     /// the handshake. Tables that publish to everyone keep the default.
+    // mockall's mocks need the argument's lifetime named.
+    #[allow(clippy::needless_lifetimes)]
     fn published_to<'a>(&self, _peer: Option<&'a str>) -> Vec<SegmentDesc> {
         self.published()
     }
@@ -227,6 +231,8 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
     /// Answers a peer's hello from `from`: our hello (with the transports we accept for it and
     /// the segments published to `peer`: the key name it proved, `None` when unauthenticated),
     /// or a refusal.
+    // mockall's mocks need the argument's lifetime named.
+    #[allow(clippy::needless_lifetimes)]
     fn respond<'a>(
         &self,
         hello: &Hello,
