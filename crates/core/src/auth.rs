@@ -14,7 +14,7 @@
 //! 2. server → client: [`AuthChallenge`] (server id and epoch, server nonce `Ns`, and
 //!    `HMAC(K, "server" | T)`), where the transcript `T` is the protocol label, the key name,
 //!    both ids, both epochs and both nonces;
-//! 3. client → server: [`AuthProof`] (`HMAC(K, "client" | T)`), then the ordinary [`Hello`];
+//! 3. client → server: [`AuthProof`] (`HMAC(K, "client" | T)`), then the ordinary [`Hello`](crate::wire::Hello);
 //! 4. server → client: `HelloAck` with the segments published to that name, or a refusal.
 //!
 //! Each side checks the other's MAC in constant time over a transcript holding its own fresh
@@ -326,7 +326,7 @@ impl ClientAuth {
     }
 
     /// What the server's answer means: its proof checked, the client's proof to send (then the
-    /// [`Hello`]) and the session; [`Error::Authentication`] when the server refused or could
+    /// [`Hello`](crate::wire::Hello)) and the session; [`Error::Authentication`] when the server refused or could
     /// not prove the key, [`Error::HandshakeRefused`] or `Malformed` otherwise.
     pub fn on_reply(
         self,
