@@ -783,6 +783,19 @@ mod tests {
         assert_eq!(&*name, "bob");
     }
 
+    /// The server's hello must come from the server that answered the challenge.
+    #[test]
+    fn the_servers_hello_must_match_its_challenge() {
+        let server = ServerAuth::new(ring(ALICE));
+        let (session, _) = pair(&ring(ALICE), &server).unwrap();
+        assert_eq!(session.name(), "alice");
+        assert!(session.check_server(addr(), PeerId(3), Epoch(4)).is_ok());
+        for (id, epoch) in [(PeerId(9), Epoch(4)), (PeerId(3), Epoch(9))] {
+            let e = session.check_server(addr(), id, epoch).unwrap_err();
+            assert!(matches!(e, Error::Authentication { .. }), "{e}");
+        }
+    }
+
     #[test]
     fn a_wrong_key_fails_on_both_sides() {
         let server = ServerAuth::new(ring(ALICE));
