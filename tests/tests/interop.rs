@@ -340,6 +340,7 @@ async fn stale_epoch_stream_is_refused() {
                 remote_epoch: Epoch(f.epoch.0 ^ 1),
                 offer,
                 segments: vec![],
+                session: None,
             })
             .await;
         match res {
@@ -520,6 +521,7 @@ fn scripted_peer(addr: SocketAddr, streams: u16) -> PeerInfo {
         remote_epoch: Epoch(1),
         offer: TransportOffer::Tcp { streams, port: 0 },
         segments: vec![],
+        session: None,
     }
 }
 
@@ -837,9 +839,10 @@ impl StreamOverflow for TcpOverflow {
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
+        table: Arc<dyn ferry_core::SegmentTable>,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
-        self.0.serve(stream, from, done)
+        self.0.serve(stream, from, table, done)
     }
 }
 
@@ -856,10 +859,7 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         max_threads: 2,
         ..UringConfig::default()
     };
-    let overflow = TcpOverflow(transport_tcp::StreamServer::new(
-        table.clone(),
-        &TcpConfig::default(),
-    ));
+    let overflow = TcpOverflow(transport_tcp::StreamServer::new(&TcpConfig::default()));
     let h = serve_uring(&table, config, Some(Arc::new(overflow)));
     let addr = h.local_addr();
     let len = (5 << 20) + 333;
@@ -927,10 +927,7 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
         3 << 20,
         Access::REMOTE_READ | Access::REMOTE_WRITE,
     );
-    let server = Arc::new(transport_tcp::StreamServer::new(
-        table.clone(),
-        &TcpConfig::default(),
-    ));
+    let server = Arc::new(transport_tcp::StreamServer::new(&TcpConfig::default()));
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -942,7 +939,12 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
                 let from = s.peer_addr().unwrap();
                 let tx = done_tx.clone();
                 server
-                    .serve(s, from, Box::new(move || tx.send(()).unwrap()))
+                    .serve(
+                        s,
+                        from,
+                        table.clone(),
+                        Box::new(move || tx.send(()).unwrap()),
+                    )
                     .unwrap();
             }
         })

@@ -4,7 +4,7 @@
 //! cargo-mutants plants one defect at a time (a condition negated, a comparison flipped, a
 //! function body replaced by a default) and runs the tests; a mutant the tests do not catch
 //! ("missed") is a check nothing tests. The default scope is what decides what a peer may do:
-//! the wire decoders, the handshake, the stream protocol's client and server, the registry, the
+//! the wire decoders, the handshake and its authentication, the stream protocol's client and server, the registry, the
 //! file segments' checks and both servers' request paths. `--file TEXT` narrows it to the scope's
 //! files whose path contains TEXT (repeatable), `--list` only lists the mutants. cargo-mutants is installed with
 //! `cargo install cargo-mutants --locked` when it is missing. The report is cargo-mutants'
@@ -24,6 +24,7 @@ const SCOPE: &[(&str, &str, &[&str])] = &[
         "crates/core/src/handshake.rs",
         &["ferry-core"],
     ),
+    ("ferry-core", "crates/core/src/auth.rs", &["ferry-core"]),
     (
         "ferry-core",
         "crates/core/src/stream/client.rs",

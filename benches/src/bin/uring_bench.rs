@@ -67,7 +67,12 @@ impl HandshakeResponder for Responder {
     fn epoch(&self) -> Epoch {
         self.epoch
     }
-    fn respond(&self, _hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
+    fn respond(
+        &self,
+        _hello: &Hello,
+        _from: SocketAddr,
+        _peer: Option<&str>,
+    ) -> Result<Hello, Reject> {
         Ok(Hello {
             versions: SUPPORTED_VERSIONS,
             peer_id: self.id,
@@ -149,6 +154,7 @@ fn connect(
         remote_epoch: reply.epoch,
         offer: reply.transports[0].clone(),
         segments: vec![],
+        session: None,
     };
     let ch = block_on(t.open(peer))?;
     Ok((t, ch))

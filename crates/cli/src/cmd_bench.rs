@@ -88,6 +88,11 @@ pub(crate) struct BenchArgs {
     /// (`--gpu` checks its own round trip).
     #[arg(long, conflicts_with = "gpu")]
     verify: bool,
+    /// Authenticate with the keyring file F (lines of `name hexkey`): this client proves its
+    /// first key to the peer (on loopback the in-process server requires the same file). Without
+    /// it, the file named by FERRY_AUTH_KEY_FILE, if set.
+    #[arg(long, value_name = "F")]
+    auth_key_file: Option<std::path::PathBuf>,
 }
 
 /// `--io-threads`, as `EngineBuilder::io_threads` takes it.
@@ -206,6 +211,7 @@ struct LoopbackServer {
 }
 
 impl LoopbackServer {
+    #[allow(clippy::too_many_arguments)]
     fn start(
         kinds: &[TransportKind],
         plane: DataPlane,
@@ -214,6 +220,7 @@ impl LoopbackServer {
         name: String,
         server_threads: usize,
         gpu: Option<u32>,
+        auth_key_file: Option<std::path::PathBuf>,
     ) -> Result<Self> {
         let kinds = kinds.to_vec();
         let (streams, socket_buffer, io_threads) = tcp;
@@ -229,14 +236,17 @@ impl LoopbackServer {
                         .build()
                         .context("starting the server runtime")?;
                     rt.block_on(async {
-                        let server = TransferEngine::builder()
+                        let mut server = TransferEngine::builder()
                             .listen("127.0.0.1:0".parse()?)
                             .transports(&kinds)
                             .data_plane(plane)
                             .streams(streams)
                             .socket_buffer(socket_buffer)
-                            .io_threads(io_threads)
-                            .build()?;
+                            .io_threads(io_threads);
+                        if let Some(f) = auth_key_file {
+                            server = server.auth_key_file(f);
+                        }
+                        let server = server.build()?;
                         let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
                         let mut _gpu_reg = None;
                         let mut _reg = None;
@@ -454,6 +464,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 args.segment.clone(),
                 args.server_threads.unwrap_or(streams),
                 args.gpu,
+                args.auth_key_file.clone(),
             )?;
             let addr = server.addr.to_string();
             (Some(server), addr)
@@ -470,6 +481,9 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         .dead_peer_after(args.dead_peer_after.0);
     if kinds.contains(&TransportKind::Rdma) {
         builder = builder.rdma(rdma_config(args.rdma_hca.as_deref())?);
+    }
+    if let Some(f) = &args.auth_key_file {
+        builder = builder.auth_key_file(f);
     }
     let engine = builder.build()?;
     let peer = engine

@@ -55,6 +55,35 @@ pub(crate) struct ServeArgs {
     /// defaults (about 15 minutes).
     #[arg(long, default_value = "30s", value_parser = crate::cmd_bench::parse_dead_peer)]
     dead_peer_after: crate::cmd_bench::DeadPeer,
+    /// Serve only peers that prove a key of the keyring file F (lines of `name hexkey`, each key
+    /// at least 16 bytes); the key's name is the peer's identity for `--publish-to`. Without it,
+    /// the file named by FERRY_AUTH_KEY_FILE, if set; with neither, anyone who can reach the
+    /// address is served (a warning says so on an address other than loopback).
+    #[arg(long, value_name = "F")]
+    auth_key_file: Option<std::path::PathBuf>,
+    /// Publish the segment or file segment NAME only to the authenticated peers named (key
+    /// names of the keyring): NAME=PEER[,PEER...]. Repeatable. Others neither see it listed nor
+    /// reach it.
+    #[arg(long = "publish-to", value_name = "NAME=PEER[,PEER]")]
+    publish_to: Vec<String>,
+}
+
+/// `--publish-to` specs as segment name → key names.
+fn audiences(specs: &[String]) -> Result<std::collections::HashMap<String, Vec<String>>> {
+    let mut out = std::collections::HashMap::new();
+    for spec in specs {
+        let (name, peers) = spec
+            .split_once('=')
+            .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+            .with_context(|| format!("--publish-to {spec:?}: expected NAME=PEER[,PEER]"))?;
+        let peers: Vec<String> = peers
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect();
+        out.insert(name.to_owned(), peers);
+    }
+    Ok(out)
 }
 
 /// Fills `region` with a deterministic pattern (so that readers can check what they got).
@@ -115,12 +144,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             "uring" => DataPlane::Uring,
             _ => DataPlane::Auto,
         };
-        let builder = TransferEngine::builder()
+        let audiences = audiences(&args.publish_to)?;
+        let mut builder = TransferEngine::builder()
             .listen(args.listen)
             .streams(args.streams)
             .io_threads(args.io_threads.0)
             .dead_peer_after(args.dead_peer_after.0)
             .data_plane(plane);
+        if let Some(f) = &args.auth_key_file {
+            builder = builder.auth_key_file(f);
+        }
         let engine = match args.transport.as_str() {
             "tcp" | "uring" => builder.build()?,
             "rdma" => builder
@@ -147,6 +180,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         let mut gpu_held = Vec::new();
         for spec in &args.segments {
             if let Some((name, size, ordinal)) = gpu_segment(spec)? {
+                if audiences.contains_key(&name) {
+                    bail!("--publish-to {name}: GPU segments are published to every peer");
+                }
                 let access = if args.read_only {
                     Access::REMOTE_READ
                 } else {
@@ -173,8 +209,24 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             }
             let (name, region, access) = load_segment(spec, args.read_only)?;
             let len = region.len();
-            held.push(engine.register(region, access, &name)?);
-            println!("segment {name}: {len} bytes, {access}");
+            match audiences.get(&name) {
+                Some(peers) => {
+                    let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
+                    held.push(
+                        engine
+                            .register_to(region, access, &name, &peers)
+                            .with_context(|| format!("--publish-to {name}"))?,
+                    );
+                    println!(
+                        "segment {name}: {len} bytes, {access}, to {}",
+                        peers.join(",")
+                    );
+                }
+                None => {
+                    held.push(engine.register(region, access, &name)?);
+                    println!("segment {name}: {len} bytes, {access}");
+                }
+            }
         }
         let mut files = Vec::new();
         let specs = args
@@ -191,14 +243,30 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 .split_once('=')
                 .filter(|(n, p)| !n.is_empty() && !p.is_empty())
                 .with_context(|| format!("{flag} {spec:?}: expected NAME=PATH"))?;
-            let file = engine
-                .publish_file_named(path, access, name)
-                .with_context(|| format!("{flag} {spec:?}"))?;
+            let file = match audiences.get(name) {
+                Some(peers) => {
+                    let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
+                    engine.publish_file_to(path, access, name, &peers)
+                }
+                None => engine.publish_file_named(path, access, name),
+            }
+            .with_context(|| format!("{flag} {spec:?}"))?;
             println!(
                 "file segment {name}: {} bytes of {path}, {access}",
                 file.len()
             );
             files.push(file);
+        }
+        for name in audiences.keys() {
+            let known = args
+                .segments
+                .iter()
+                .chain(&args.files)
+                .chain(&args.writable_files)
+                .any(|s| s.split_once('=').is_some_and(|(n, _)| n == name));
+            if !known {
+                bail!("--publish-to {name}: no --segment or --file of that name");
+            }
         }
         let addr = engine.local_addr().context("the engine has no listener")?;
         println!("listening on {addr}");

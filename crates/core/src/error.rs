@@ -150,6 +150,27 @@ pub enum Error {
         /// The peer's reason.
         reason: String,
     },
+    /// Authentication with the peer failed: it refused our key (a different key under our
+    /// key's name, a name it does not know, a stream proof it does not accept), it could not
+    /// prove it holds our key, or one side has a key and the other none.
+    #[error("authentication with {peer} failed: {reason}")]
+    Authentication {
+        /// The peer's address.
+        peer: String,
+        /// What failed (never a key's bytes).
+        reason: String,
+    },
+    /// An authentication key (file) could not be used: unreadable, or not a valid keyring.
+    #[error("authentication key {source_name}: {reason}")]
+    AuthKey {
+        /// The file (or `FERRY_AUTH_KEY_FILE`, or "the key given").
+        source_name: String,
+        /// What is wrong (never the key's bytes).
+        reason: String,
+        /// The I/O error, where the file could not be read.
+        #[source]
+        source: Option<io::Error>,
+    },
     /// The request was malformed before anything moved (empty batch, mixed peers, ...).
     #[error("invalid request: {reason}")]
     InvalidRequest {

@@ -6,24 +6,218 @@
 //! answers and errors for the same bytes.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
+use crate::auth::{PeerView, PendingProof};
 use crate::error::Error;
 use crate::ids::Epoch;
-use crate::transport::{HandshakeResponder, PeerInfo};
+use crate::transport::{HandshakeResponder, PeerInfo, SegmentTable};
 use crate::wire::{
     ControlFrame, Hello, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer,
     WireError,
 };
 
-/// The server's answer to a peer's hello from `from`: our hello, or the responder's refusal.
+/// The server's answer to a peer's hello from `from` (authenticated as `peer`, if at all): our
+/// hello, or the responder's refusal.
 pub fn answer_hello(
     responder: &dyn HandshakeResponder,
     hello: &Hello,
     from: SocketAddr,
+    peer: Option<&str>,
 ) -> ControlFrame {
-    match responder.respond(hello, from) {
+    match responder.respond(hello, from, peer) {
         Ok(h) => ControlFrame::HelloAck(h),
         Err(r) => ControlFrame::Reject(r),
+    }
+}
+
+/// What a server does next on a control connection (see [`ServerConversation`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ServerStep {
+    /// Send this frame, then read the next one.
+    Reply(ControlFrame),
+    /// Read the next frame without answering.
+    Read,
+    /// Send this frame, then close the connection.
+    Close(ControlFrame),
+    /// A data stream is accepted: send [`ControlFrame::StreamAccept`] and serve its requests
+    /// from `table` (the peer's view of the published segments).
+    Stream {
+        /// The attach.
+        attach: StreamAttach,
+        /// What the stream may see.
+        table: Arc<dyn SegmentTable>,
+    },
+    /// A frame that has no place here: close without answering.
+    Fail(Error),
+}
+
+#[derive(Debug)]
+enum Conversation {
+    Start,
+    /// Challenge sent; the client's proof comes next.
+    Challenged(PendingProof),
+    /// Proof checked; the client's hello comes next (read before a refusal is sent, so that
+    /// the client reads the refusal rather than a reset).
+    Proven(Result<Arc<str>, Reject>, (crate::PeerId, Epoch)),
+    Done,
+}
+
+/// The server's side of one control connection, without I/O: fed each frame the peer sends,
+/// it says what to send back and when the connection becomes a data stream. Both servers (TCP,
+/// io_uring) drive it, so they answer the same bytes the same way.
+///
+/// Without authentication ([`HandshakeResponder::auth`] is `None`) a connection is one
+/// [`Hello`] (answered) or one [`StreamAttach`] (served), as always, and an authentication
+/// frame is refused with [`RejectReason::Unauthenticated`]. With it, a plain hello or attach is
+/// refused, and a handshake is `AuthHello` → challenge, `AuthProof` + `Hello` → `HelloAck`
+/// listing what is published to the proven key name; a stream is an `AuthAttach` whose proof
+/// [`ServerAuth::check_attach`](crate::auth::ServerAuth::check_attach) accepts, served from
+/// that name's view of the table.
+#[derive(Debug)]
+pub struct ServerConversation {
+    responder: Arc<dyn HandshakeResponder>,
+    table: Arc<dyn SegmentTable>,
+    from: SocketAddr,
+    state: Conversation,
+}
+
+impl ServerConversation {
+    /// A conversation with the peer at `from`, served from `table` as `responder` decides.
+    pub fn new(
+        responder: Arc<dyn HandshakeResponder>,
+        table: Arc<dyn SegmentTable>,
+        from: SocketAddr,
+    ) -> Self {
+        Self {
+            responder,
+            table,
+            from,
+            state: Conversation::Start,
+        }
+    }
+
+    fn refused(&self, message: String) -> ServerStep {
+        tracing::warn!(from = %self.from, %message, "authentication refused");
+        ServerStep::Close(ControlFrame::Reject(Reject {
+            reason: RejectReason::Unauthenticated,
+            versions: SUPPORTED_VERSIONS,
+            epoch: self.responder.epoch(),
+            message,
+        }))
+    }
+
+    /// The next step after the peer sent `frame`.
+    pub fn on_frame(&mut self, frame: ControlFrame) -> ServerStep {
+        let from = self.from;
+        let auth = self.responder.auth();
+        let state = std::mem::replace(&mut self.state, Conversation::Done);
+        match (state, frame) {
+            (Conversation::Start, ControlFrame::Hello(hello)) => {
+                if auth.is_some() {
+                    tracing::warn!(%from, peer = %hello.peer_id,
+                        "plain hello refused: this server requires authentication");
+                    return ServerStep::Close(ControlFrame::Reject(Reject {
+                        reason: RejectReason::Refused,
+                        versions: SUPPORTED_VERSIONS,
+                        epoch: self.responder.epoch(),
+                        message: "authentication required: this server only serves peers that \
+                                  prove its key (give the client a key file)"
+                            .into(),
+                    }));
+                }
+                ServerStep::Close(answer_hello(&*self.responder, &hello, from, None))
+            }
+            (Conversation::Start, ControlFrame::StreamAttach(a)) => {
+                let answer = answer_attach(&a, self.responder.epoch());
+                if !matches!(answer, ControlFrame::StreamAccept) {
+                    return ServerStep::Close(answer);
+                }
+                if auth.is_some() {
+                    return self.refused(
+                        "data stream refused: this server requires an authenticated session".into(),
+                    );
+                }
+                ServerStep::Stream {
+                    attach: a,
+                    table: self.table.clone(),
+                }
+            }
+            (Conversation::Start, ControlFrame::AuthHello(h)) => {
+                let Some(auth) = auth else {
+                    return self.refused(
+                        "this server has no authentication key and serves any peer: connect \
+                         without a key"
+                            .into(),
+                    );
+                };
+                match auth.challenge(
+                    &h,
+                    self.responder.peer_id(),
+                    self.responder.epoch(),
+                    crate::auth::nonce(),
+                ) {
+                    Ok((challenge, pending)) => {
+                        self.state = Conversation::Challenged(pending);
+                        ServerStep::Reply(challenge)
+                    }
+                    Err(r) => self.refused(r.message),
+                }
+            }
+            (Conversation::Challenged(pending), ControlFrame::AuthProof(p)) => {
+                let client = pending.client();
+                let proven = match auth {
+                    Some(auth) => auth.verify(pending, &p),
+                    None => Err(Reject {
+                        reason: RejectReason::Unauthenticated,
+                        versions: SUPPORTED_VERSIONS,
+                        epoch: self.responder.epoch(),
+                        message: "authentication is off".into(),
+                    }),
+                };
+                self.state = Conversation::Proven(proven, client);
+                ServerStep::Read
+            }
+            (Conversation::Proven(proven, client), ControlFrame::Hello(hello)) => match proven {
+                Err(r) => self.refused(r.message),
+                Ok(_) if (hello.peer_id, hello.epoch) != client => self.refused(format!(
+                    "the hello names peer {} epoch {}, the authenticated one peer {} epoch {}",
+                    hello.peer_id, hello.epoch, client.0, client.1
+                )),
+                Ok(name) => {
+                    tracing::info!(%from, peer = %hello.peer_id, key = %name, "peer authenticated");
+                    ServerStep::Close(answer_hello(&*self.responder, &hello, from, Some(&name)))
+                }
+            },
+            (Conversation::Start, ControlFrame::AuthAttach(a)) => {
+                let answer = answer_attach(&a.attach, self.responder.epoch());
+                if !matches!(answer, ControlFrame::StreamAccept) {
+                    return ServerStep::Close(answer);
+                }
+                let Some(auth) = auth else {
+                    return self.refused(
+                        "data stream refused: this server has no authentication key".into(),
+                    );
+                };
+                match auth.check_attach(&a, self.responder.epoch()) {
+                    Ok(name) => ServerStep::Stream {
+                        attach: a.attach,
+                        table: Arc::new(PeerView::new(self.table.clone(), name)),
+                    },
+                    Err(r) => self.refused(r.message),
+                }
+            }
+            (state, other) => {
+                let expected = match state {
+                    Conversation::Start => "hello, stream-attach, auth-hello or auth-attach",
+                    Conversation::Challenged(_) => "auth-proof",
+                    Conversation::Proven(..) => "hello",
+                    Conversation::Done => "nothing more",
+                };
+                ServerStep::Fail(unexpected(from, &other, expected))
+            }
+        }
     }
 }
 
@@ -79,6 +273,15 @@ pub fn stream_attach(peer: &PeerInfo, index: u16, transport: u16) -> StreamAttac
     }
 }
 
+/// The frame that attaches `attach` to `peer`: a plain [`StreamAttach`], or with the proof of
+/// the peer's authenticated session where it has one.
+pub fn attach_frame(peer: &PeerInfo, attach: StreamAttach) -> ControlFrame {
+    match &peer.session {
+        Some(s) => s.attach(attach),
+        None => ControlFrame::StreamAttach(attach),
+    }
+}
+
 /// What the server's reply to our `ours` hello means: its hello, `ProtocolMismatch` (with both
 /// ranges, before anything is admitted), `HandshakeRefused`, or `Malformed` for any other frame.
 pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Result<Hello, Error> {
@@ -92,6 +295,12 @@ pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Resul
                 });
             }
             Ok(server)
+        }
+        ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
+            Err(Error::Authentication {
+                peer: peer.to_string(),
+                reason: r.message,
+            })
         }
         ControlFrame::Reject(r) if r.reason == RejectReason::ProtocolMismatch => {
             Err(Error::ProtocolMismatch {
@@ -123,6 +332,12 @@ pub fn attach_reply(
             known: attach.server_epoch,
             found: r.epoch,
         }),
+        ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
+            Err(Error::Authentication {
+                peer: peer.to_string(),
+                reason: r.message,
+            })
+        }
         ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
             peer: peer.to_string(),
             reason: r.message,
@@ -182,6 +397,7 @@ mod tests {
             remote_epoch: Epoch(4),
             offer,
             segments: vec![],
+            session: None,
         };
         let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {
             streams: 0,
@@ -327,5 +543,346 @@ mod tests {
         );
         let e = attach_reply(peer(), &attach, ControlFrame::HelloAck(hello(1, 1))).unwrap_err();
         assert!(matches!(e, Error::Malformed { .. }), "{e:?}");
+    }
+
+    mod conversation {
+        use super::*;
+        use crate::auth::{ClientAuth, Keyring, ServerAuth};
+        use crate::ids::{Access, PeerId, SegmentToken};
+        use crate::op::SegmentDesc;
+        use crate::transport::{MockHandshakeResponder, SegmentLease};
+        use crate::wire::{AuthAttach, VersionRange};
+        use proptest::prelude::*;
+
+        const ALICE: &str = "alice 000102030405060708090a0b0c0d0e0f";
+        const BOB: &str = "bob 101112131415161718191a1b1c1d1e1f";
+
+        /// Token 1 is published to everyone, token 2 to bob only.
+        #[derive(Debug)]
+        struct Table;
+
+        fn desc(token: u64) -> SegmentDesc {
+            SegmentDesc {
+                name: format!("s{token}"),
+                token: SegmentToken(token),
+                len: 8,
+                access: Access::REMOTE_READ,
+                remote_keys: vec![],
+            }
+        }
+
+        impl SegmentTable for Table {
+            fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+                (token.0 == 1 || token.0 == 2).then(|| SegmentLease {
+                    region: Arc::new(crate::MemoryRegion::from_vec(vec![0; 8])),
+                    base: 0,
+                    len: 8,
+                    access: Access::REMOTE_READ,
+                    guard: None,
+                })
+            }
+            fn published(&self) -> Vec<SegmentDesc> {
+                vec![desc(1), desc(2)]
+            }
+            fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
+                token.0 != 2 || peer == Some("bob")
+            }
+            fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
+                self.published()
+                    .into_iter()
+                    .filter(|d| self.visible_to(d.token, peer))
+                    .collect()
+            }
+        }
+
+        /// A responder with `keys` (or none) that answers a hello with the segments published
+        /// to the proven name, and must not be asked to answer when `answers` is false.
+        fn responder(keys: Option<&str>, answers: bool) -> Arc<dyn HandshakeResponder> {
+            let mut r = MockHandshakeResponder::new();
+            r.expect_peer_id().return_const(PeerId(3));
+            r.expect_epoch().return_const(Epoch(4));
+            let auth = keys.map(|k| Arc::new(ServerAuth::new(Keyring::parse(k).unwrap())));
+            r.expect_auth().returning(move || auth.clone());
+            if answers {
+                r.expect_respond().returning(|h, _, peer| {
+                    Ok(Hello {
+                        segments: Table.published_to(peer),
+                        peer_id: PeerId(3),
+                        epoch: Epoch(4),
+                        ..h.clone()
+                    })
+                });
+            } else {
+                r.expect_respond().never();
+            }
+            Arc::new(r)
+        }
+
+        fn talk(r: &Arc<dyn HandshakeResponder>) -> ServerConversation {
+            ServerConversation::new(r.clone(), Arc::new(Table), peer())
+        }
+
+        fn client_hello() -> Hello {
+            hello(1, 2)
+        }
+
+        /// Runs the client's side of an authenticated handshake with `keys` against `server`:
+        /// the server's last step and, if it got that far, the client's session.
+        fn authenticate(
+            keys: &str,
+            server: &mut ServerConversation,
+        ) -> Result<(ServerStep, crate::auth::Session), Error> {
+            let ours = client_hello();
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(keys).unwrap(),
+                ours.peer_id,
+                ours.epoch,
+                [1; 32],
+            );
+            let challenge = match server.on_frame(first) {
+                ServerStep::Reply(f) | ServerStep::Close(f) => f,
+                other => panic!("{other:?}"),
+            };
+            let (proof, session) = client.on_reply(peer(), challenge)?;
+            assert!(matches!(server.on_frame(proof), ServerStep::Read));
+            Ok((server.on_frame(ControlFrame::Hello(ours)), session))
+        }
+
+        fn closed_with(step: ServerStep) -> ControlFrame {
+            match step {
+                ServerStep::Close(f) => f,
+                other => panic!("expected a close, got {other:?}"),
+            }
+        }
+
+        #[test]
+        fn a_keyed_server_refuses_a_plain_hello_before_listing_anything() {
+            let r = responder(Some(ALICE), false);
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::Hello(client_hello())));
+            let e = hello_reply(peer(), &client_hello(), answer).unwrap_err();
+            assert!(
+                matches!(&e, Error::HandshakeRefused { reason, .. } if reason.contains("authentication required")),
+                "{e}"
+            );
+        }
+
+        #[test]
+        fn a_keyless_server_refuses_an_authenticating_client_clearly() {
+            let r = responder(None, false);
+            let e = authenticate(ALICE, &mut talk(&r))
+                .err()
+                .unwrap_or_else(|| panic!("a keyless server challenged"));
+            assert!(
+                matches!(&e, Error::Authentication { reason, .. } if reason.contains("no authentication key")),
+                "{e}"
+            );
+            // A keyless server serves plain peers as before (what is published to everyone).
+            let r = responder(None, true);
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::Hello(client_hello())));
+            assert_eq!(
+                hello_reply(peer(), &client_hello(), answer)
+                    .unwrap()
+                    .segments
+                    .len(),
+                1
+            );
+        }
+
+        #[test]
+        fn an_authenticated_peer_sees_what_is_published_to_its_name() {
+            for (keys, expect) in [(ALICE, vec![1]), (BOB, vec![1, 2])] {
+                let r = responder(Some(&format!("{ALICE}\n{BOB}")), true);
+                let (step, _) = authenticate(keys, &mut talk(&r)).unwrap();
+                let server = hello_reply(peer(), &client_hello(), closed_with(step)).unwrap();
+                let tokens: Vec<u64> = server.segments.iter().map(|d| d.token.0).collect();
+                assert_eq!(tokens, expect, "{keys}");
+            }
+        }
+
+        #[test]
+        fn a_wrong_key_is_refused_and_nothing_is_listed() {
+            let r = responder(Some(ALICE), false);
+            let wrong = "alice ffffffffffffffffffffffffffffffff";
+            let e = authenticate(wrong, &mut talk(&r)).err().unwrap();
+            assert!(matches!(e, Error::Authentication { .. }), "{e}");
+            // A client that ignores the server's failed proof and sends a forged one.
+            let mut t = talk(&r);
+            let (first, _) = ClientAuth::start(
+                &Keyring::parse(wrong).unwrap(),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+            );
+            assert!(matches!(t.on_frame(first), ServerStep::Reply(_)));
+            let forged = ControlFrame::AuthProof(crate::wire::AuthProof { mac: [0; 32] });
+            assert!(matches!(t.on_frame(forged), ServerStep::Read));
+            let answer = closed_with(t.on_frame(ControlFrame::Hello(client_hello())));
+            let e = hello_reply(peer(), &client_hello(), answer).unwrap_err();
+            assert!(matches!(e, Error::Authentication { .. }), "{e}");
+        }
+
+        #[test]
+        fn a_proven_client_cannot_switch_identity_in_its_hello() {
+            let r = responder(Some(ALICE), false);
+            let mut t = talk(&r);
+            let ours = client_hello();
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                ours.peer_id,
+                ours.epoch,
+                [1; 32],
+            );
+            let ServerStep::Reply(challenge) = t.on_frame(first) else {
+                panic!()
+            };
+            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+            t.on_frame(proof);
+            let other = Hello {
+                peer_id: PeerId(77),
+                ..ours
+            };
+            let answer = closed_with(t.on_frame(ControlFrame::Hello(other)));
+            assert!(
+                matches!(answer, ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated)
+            );
+        }
+
+        fn attach() -> StreamAttach {
+            StreamAttach {
+                peer_id: PeerId(1),
+                epoch: Epoch(2),
+                server_epoch: Epoch(4),
+                transport: 1,
+                stream_index: 0,
+            }
+        }
+
+        #[test]
+        fn streams_attach_only_with_the_sessions_proof() {
+            let r = responder(Some(&format!("{ALICE}\n{BOB}")), true);
+            let (_, session) = authenticate(ALICE, &mut talk(&r)).unwrap();
+            // Plain attach: refused.
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::StreamAttach(attach())));
+            let e = attach_reply(peer(), &attach(), answer).unwrap_err();
+            assert!(matches!(e, Error::Authentication { .. }), "{e}");
+            // Forged proof: refused.
+            let ControlFrame::AuthAttach(good) = session.attach(attach()) else {
+                panic!()
+            };
+            let forged = AuthAttach {
+                mac: [9; 32],
+                ..good
+            };
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(forged)));
+            assert!(attach_reply(peer(), &attach(), answer).is_err());
+            // For another incarnation: stale, whatever the proof.
+            let stale = AuthAttach {
+                attach: StreamAttach {
+                    server_epoch: Epoch(9),
+                    ..attach()
+                },
+                ..good
+            };
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(stale)));
+            assert!(matches!(
+                attach_reply(peer(), &stale.attach, answer),
+                Err(Error::StaleEpoch { .. })
+            ));
+            // The real one: served from alice's view (token 2 is bob's).
+            let ServerStep::Stream { table, .. } =
+                talk(&r).on_frame(ControlFrame::AuthAttach(good))
+            else {
+                panic!("refused the session's own attach")
+            };
+            assert!(table.resolve(SegmentToken(1)).is_some());
+            assert!(table.resolve(SegmentToken(2)).is_none());
+            assert_eq!(table.published().len(), 1);
+            // And once only.
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(good)));
+            assert!(attach_reply(peer(), &attach(), answer).is_err());
+        }
+
+        #[test]
+        fn a_keyless_server_refuses_an_authenticated_attach_and_serves_plain_ones() {
+            let r = responder(None, false);
+            let a = AuthAttach {
+                attach: attach(),
+                session: [0; 32],
+                counter: 0,
+                mac: [0; 32],
+            };
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(a)));
+            assert!(matches!(
+                attach_reply(peer(), &attach(), answer),
+                Err(Error::Authentication { .. })
+            ));
+            let step = talk(&r).on_frame(ControlFrame::StreamAttach(attach()));
+            let ServerStep::Stream { table, .. } = step else {
+                panic!("{step:?}")
+            };
+            assert!(table.resolve(SegmentToken(2)).is_some());
+        }
+
+        fn arb_frame() -> impl Strategy<Value = ControlFrame> {
+            let any_range = VersionRange { min: 1, max: 2 };
+            prop_oneof![
+                Just(ControlFrame::Hello(hello(1, 2))),
+                Just(ControlFrame::StreamAttach(attach())),
+                Just(ControlFrame::StreamAccept),
+                Just(ControlFrame::Reject(Reject {
+                    reason: RejectReason::Refused,
+                    versions: any_range,
+                    epoch: Epoch(1),
+                    message: String::new(),
+                })),
+                (any::<u8>(), any::<[u8; 32]>()).prop_map(|(n, nonce)| {
+                    ControlFrame::AuthHello(crate::wire::AuthHello {
+                        name: if n % 2 == 0 {
+                            "alice".into()
+                        } else {
+                            format!("x{n}")
+                        },
+                        peer_id: PeerId(1),
+                        epoch: Epoch(2),
+                        nonce,
+                    })
+                }),
+                any::<[u8; 32]>()
+                    .prop_map(|mac| ControlFrame::AuthProof(crate::wire::AuthProof { mac })),
+                (any::<[u8; 32]>(), any::<u64>(), any::<[u8; 32]>()).prop_map(
+                    |(session, counter, mac)| ControlFrame::AuthAttach(AuthAttach {
+                        attach: attach(),
+                        session,
+                        counter,
+                        mac,
+                    })
+                ),
+            ]
+        }
+
+        proptest! {
+            /// Any sequence of frames, to a server with or without keys, ends the conversation
+            /// (a close or a failure) without a panic, and never reaches a data stream or a
+            /// listing on a keyed server without the key.
+            #[test]
+            fn fuzz_the_server_conversation_never_panics(frames in proptest::collection::vec(arb_frame(), 1..6), keyed in any::<bool>()) {
+                let r = responder(keyed.then_some(ALICE), !keyed);
+                let mut t = talk(&r);
+                for f in frames {
+                    match t.on_frame(f) {
+                        ServerStep::Reply(_) | ServerStep::Read => continue,
+                        ServerStep::Stream { .. } => {
+                            prop_assert!(!keyed, "a stranger attached to a keyed server");
+                            break;
+                        }
+                        ServerStep::Close(f) => {
+                            prop_assert!(!keyed || !matches!(f, ControlFrame::HelloAck(_)));
+                            break;
+                        }
+                        _ => break,
+                    }
+                }
+            }
+        }
     }
 }

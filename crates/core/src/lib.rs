@@ -8,6 +8,7 @@
 //! (`MockTransport`, `MockChannel`, `MockSegmentTable`, `MockHandshakeResponder`).
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod auth;
 pub mod backoff;
 pub mod checksum;
 pub mod dealer;

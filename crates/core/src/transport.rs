@@ -82,6 +82,9 @@ pub struct PeerInfo {
     pub offer: TransportOffer,
     /// The peer's published segments.
     pub segments: Vec<SegmentDesc>,
+    /// The authenticated session with the peer, if the handshake authenticated (client side:
+    /// its data streams attach with its proof).
+    pub session: Option<Arc<crate::auth::Session>>,
 }
 
 /// One kind of data plane.
@@ -197,6 +200,23 @@ pub trait SegmentTable: Send + Sync + fmt::Debug + 'static {
     fn file(&self, _token: SegmentToken) -> Option<Arc<dyn FileSource>> {
         None
     }
+
+    /// Whether the segment under `token` is published to `peer` (the key name an authenticated
+    /// peer proved; `None`: an unauthenticated peer). Segments published to named peers only
+    /// are visible to those names alone. Tables that publish to everyone keep the default.
+    // mockall's mocks need the argument's lifetime named.
+    #[allow(clippy::needless_lifetimes)]
+    fn visible_to<'a>(&self, _token: SegmentToken, _peer: Option<&'a str>) -> bool {
+        true
+    }
+
+    /// Descriptors of what is published to `peer` (see [`visible_to`](Self::visible_to)), for
+    /// the handshake. Tables that publish to everyone keep the default.
+    // mockall's mocks need the argument's lifetime named.
+    #[allow(clippy::needless_lifetimes)]
+    fn published_to<'a>(&self, _peer: Option<&'a str>) -> Vec<SegmentDesc> {
+        self.published()
+    }
 }
 
 /// The serving side's identity and handshake policy.
@@ -208,9 +228,22 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
     /// Our epoch.
     fn epoch(&self) -> Epoch;
 
-    /// Answers a peer's hello from `from`: our hello (with the transports we accept for it), or a
-    /// refusal.
-    fn respond(&self, hello: &Hello, from: SocketAddr) -> Result<Hello, Reject>;
+    /// Answers a peer's hello from `from`: our hello (with the transports we accept for it and
+    /// the segments published to `peer`: the key name it proved, `None` when unauthenticated),
+    /// or a refusal.
+    // mockall's mocks need the argument's lifetime named.
+    #[allow(clippy::needless_lifetimes)]
+    fn respond<'a>(
+        &self,
+        hello: &Hello,
+        from: SocketAddr,
+        peer: Option<&'a str>,
+    ) -> Result<Hello, Reject>;
+
+    /// The authentication this server requires (`None`: none; every peer is served as before).
+    fn auth(&self) -> Option<Arc<crate::auth::ServerAuth>> {
+        None
+    }
 }
 
 #[cfg(test)]

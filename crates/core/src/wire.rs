@@ -44,6 +44,12 @@ pub const MAX_CHUNK: u64 = 64 << 20;
 pub const DATA_REQUEST_LEN: usize = 32;
 /// Size of a data response header.
 pub const DATA_RESPONSE_LEN: usize = 16;
+/// Size of an authentication nonce.
+pub const AUTH_NONCE_LEN: usize = 32;
+/// Size of an authentication MAC (HMAC-SHA256).
+pub const AUTH_MAC_LEN: usize = 32;
+/// Largest key name an authenticating peer may claim, in bytes.
+pub const MAX_AUTH_NAME: usize = 64;
 
 /// An inclusive range of protocol versions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -397,6 +403,11 @@ pub enum RejectReason {
     StaleEpoch,
     /// The server does not take this kind of stream or peer.
     Refused,
+    /// Authentication failed or is not possible: a wrong key, an unknown key name, a missing or
+    /// forged stream proof, or an authenticating peer met by a server without a key. Only sent
+    /// in answer to the authentication frames (a plain [`Hello`] to a server that requires a key
+    /// is answered with [`RejectReason::Refused`], which any peer understands).
+    Unauthenticated,
 }
 
 /// The first frame of a data stream: which peer and incarnation it belongs to.
@@ -414,6 +425,58 @@ pub struct StreamAttach {
     pub stream_index: u16,
 }
 
+/// The first frame of an authenticating client: the key it uses (by name), who it is, and its
+/// fresh nonce. The server answers with an [`AuthChallenge`] (or a refusal); see
+/// [`crate::auth`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthHello {
+    /// The name of the client's key in the server's keyring (at most [`MAX_AUTH_NAME`] bytes).
+    pub name: String,
+    /// Client's peer id.
+    pub peer_id: PeerId,
+    /// Client's epoch.
+    pub epoch: Epoch,
+    /// The client's fresh nonce.
+    pub nonce: [u8; AUTH_NONCE_LEN],
+}
+
+/// The server's answer to an [`AuthHello`]: who it is, its fresh nonce, and its proof that it
+/// holds the named key (a MAC over both nonces, both ids and epochs and the name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthChallenge {
+    /// Server's peer id.
+    pub peer_id: PeerId,
+    /// Server's epoch.
+    pub epoch: Epoch,
+    /// The server's fresh nonce.
+    pub nonce: [u8; AUTH_NONCE_LEN],
+    /// The server's proof.
+    pub mac: [u8; AUTH_MAC_LEN],
+}
+
+/// The client's proof that it holds the key (a MAC over the same transcript, another label).
+/// A [`Hello`] follows it on the same connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthProof {
+    /// The client's proof.
+    pub mac: [u8; AUTH_MAC_LEN],
+}
+
+/// The first frame of a data stream of an authenticated session: the attach, the session it
+/// belongs to (the client's handshake nonce), a counter used once per session, and a MAC with
+/// the session's key over all of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthAttach {
+    /// The attach itself.
+    pub attach: StreamAttach,
+    /// The session (the client nonce of its handshake).
+    pub session: [u8; AUTH_NONCE_LEN],
+    /// Used once per session (a replayed attach is refused).
+    pub counter: u64,
+    /// MAC with the session key.
+    pub mac: [u8; AUTH_MAC_LEN],
+}
+
 /// A control frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -428,6 +491,14 @@ pub enum ControlFrame {
     StreamAttach(StreamAttach),
     /// Accepts a data stream.
     StreamAccept,
+    /// Opens an authenticated handshake.
+    AuthHello(AuthHello),
+    /// The server's challenge and proof.
+    AuthChallenge(AuthChallenge),
+    /// The client's proof.
+    AuthProof(AuthProof),
+    /// Opens a data stream of an authenticated session.
+    AuthAttach(AuthAttach),
 }
 
 const K_HELLO: u8 = 1;
@@ -435,6 +506,10 @@ const K_HELLO_ACK: u8 = 2;
 const K_REJECT: u8 = 3;
 const K_ATTACH: u8 = 4;
 const K_ACCEPT: u8 = 5;
+const K_AUTH_HELLO: u8 = 6;
+const K_AUTH_CHALLENGE: u8 = 7;
+const K_AUTH_PROOF: u8 = 8;
+const K_AUTH_ATTACH: u8 = 9;
 
 /// A decoded control frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -459,7 +534,7 @@ impl ControlHeader {
         let kind = r.u8("kind")?;
         let _flags = r.u8("flags")?;
         let body_len = r.u32("body length")?;
-        if !(K_HELLO..=K_ACCEPT).contains(&kind) {
+        if !(K_HELLO..=K_AUTH_ATTACH).contains(&kind) {
             return Err(WireError::UnknownCode {
                 field: "frame kind",
                 code: kind.into(),
@@ -610,6 +685,27 @@ impl Hello {
     }
 }
 
+impl StreamAttach {
+    /// The attach's fields as they are encoded (also what a stream proof covers).
+    pub fn encode_body(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.peer_id.0.to_le_bytes());
+        put_u64(out, self.epoch.0);
+        put_u64(out, self.server_epoch.0);
+        put_u16(out, self.transport);
+        put_u16(out, self.stream_index);
+    }
+
+    fn decode_body(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        Ok(Self {
+            peer_id: PeerId(r.u128("peer id")?),
+            epoch: Epoch(r.u64("epoch")?),
+            server_epoch: Epoch(r.u64("server epoch")?),
+            transport: r.u16("transport")?,
+            stream_index: r.u16("stream index")?,
+        })
+    }
+}
+
 impl ControlFrame {
     fn kind_code(&self) -> u8 {
         match self {
@@ -618,6 +714,10 @@ impl ControlFrame {
             ControlFrame::Reject(_) => K_REJECT,
             ControlFrame::StreamAttach(_) => K_ATTACH,
             ControlFrame::StreamAccept => K_ACCEPT,
+            ControlFrame::AuthHello(_) => K_AUTH_HELLO,
+            ControlFrame::AuthChallenge(_) => K_AUTH_CHALLENGE,
+            ControlFrame::AuthProof(_) => K_AUTH_PROOF,
+            ControlFrame::AuthAttach(_) => K_AUTH_ATTACH,
         }
     }
 
@@ -641,6 +741,7 @@ impl ControlFrame {
                     RejectReason::ProtocolMismatch => 1,
                     RejectReason::StaleEpoch => 2,
                     RejectReason::Refused => 3,
+                    RejectReason::Unauthenticated => 4,
                 });
                 put_u16(out, rj.versions.min);
                 put_u16(out, rj.versions.max);
@@ -649,14 +750,29 @@ impl ControlFrame {
                 put_u16(out, msg.len() as u16);
                 out.extend_from_slice(msg.as_bytes());
             }
-            ControlFrame::StreamAttach(a) => {
-                out.extend_from_slice(&a.peer_id.0.to_le_bytes());
-                put_u64(out, a.epoch.0);
-                put_u64(out, a.server_epoch.0);
-                put_u16(out, a.transport);
-                put_u16(out, a.stream_index);
-            }
+            ControlFrame::StreamAttach(a) => a.encode_body(out),
             ControlFrame::StreamAccept => {}
+            ControlFrame::AuthHello(h) => {
+                limit("key name", h.name.len(), MAX_AUTH_NAME)?;
+                out.push(h.name.len() as u8);
+                out.extend_from_slice(h.name.as_bytes());
+                out.extend_from_slice(&h.peer_id.0.to_le_bytes());
+                put_u64(out, h.epoch.0);
+                out.extend_from_slice(&h.nonce);
+            }
+            ControlFrame::AuthChallenge(c) => {
+                out.extend_from_slice(&c.peer_id.0.to_le_bytes());
+                put_u64(out, c.epoch.0);
+                out.extend_from_slice(&c.nonce);
+                out.extend_from_slice(&c.mac);
+            }
+            ControlFrame::AuthProof(p) => out.extend_from_slice(&p.mac),
+            ControlFrame::AuthAttach(a) => {
+                a.attach.encode_body(out);
+                out.extend_from_slice(&a.session);
+                put_u64(out, a.counter);
+                out.extend_from_slice(&a.mac);
+            }
         }
         let body_len = out.len() - start - CONTROL_HEADER_LEN;
         limit("control body", body_len, MAX_CONTROL_BODY as usize)?;
@@ -682,6 +798,7 @@ impl ControlFrame {
                     1 => RejectReason::ProtocolMismatch,
                     2 => RejectReason::StaleEpoch,
                     3 => RejectReason::Refused,
+                    4 => RejectReason::Unauthenticated,
                     c => {
                         return Err(WireError::UnknownCode {
                             field: "reject reason",
@@ -704,14 +821,33 @@ impl ControlFrame {
                     message,
                 })
             }
-            K_ATTACH => ControlFrame::StreamAttach(StreamAttach {
+            K_ATTACH => ControlFrame::StreamAttach(StreamAttach::decode_body(&mut r)?),
+            K_ACCEPT => ControlFrame::StreamAccept,
+            K_AUTH_HELLO => {
+                let len = r.u8("key name length")?;
+                let len = r.count(len.into(), MAX_AUTH_NAME, 1, "key name length")?;
+                ControlFrame::AuthHello(AuthHello {
+                    name: r.string(len, "key name")?,
+                    peer_id: PeerId(r.u128("peer id")?),
+                    epoch: Epoch(r.u64("epoch")?),
+                    nonce: r.array("nonce")?,
+                })
+            }
+            K_AUTH_CHALLENGE => ControlFrame::AuthChallenge(AuthChallenge {
                 peer_id: PeerId(r.u128("peer id")?),
                 epoch: Epoch(r.u64("epoch")?),
-                server_epoch: Epoch(r.u64("server epoch")?),
-                transport: r.u16("transport")?,
-                stream_index: r.u16("stream index")?,
+                nonce: r.array("nonce")?,
+                mac: r.array("mac")?,
             }),
-            K_ACCEPT => ControlFrame::StreamAccept,
+            K_AUTH_PROOF => ControlFrame::AuthProof(AuthProof {
+                mac: r.array("mac")?,
+            }),
+            K_AUTH_ATTACH => ControlFrame::AuthAttach(AuthAttach {
+                attach: StreamAttach::decode_body(&mut r)?,
+                session: r.array("session")?,
+                counter: r.u64("counter")?,
+                mac: r.array("mac")?,
+            }),
             other => {
                 return Err(WireError::UnknownCode {
                     field: "frame kind",
@@ -745,6 +881,10 @@ fn kind_name(code: u8) -> &'static str {
         K_REJECT => "reject",
         K_ATTACH => "stream-attach",
         K_ACCEPT => "stream-accept",
+        K_AUTH_HELLO => "auth-hello",
+        K_AUTH_CHALLENGE => "auth-challenge",
+        K_AUTH_PROOF => "auth-proof",
+        K_AUTH_ATTACH => "auth-attach",
         _ => "unknown",
     }
 }
@@ -1180,7 +1320,139 @@ mod tests {
             })
     }
 
+    fn arb_attach() -> impl Strategy<Value = StreamAttach> {
+        (
+            any::<u128>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u16>(),
+            any::<u16>(),
+        )
+            .prop_map(
+                |(id, epoch, server_epoch, transport, stream_index)| StreamAttach {
+                    peer_id: PeerId(id),
+                    epoch: Epoch(epoch),
+                    server_epoch: Epoch(server_epoch),
+                    transport,
+                    stream_index,
+                },
+            )
+    }
+
+    fn arb_auth_frame() -> impl Strategy<Value = ControlFrame> {
+        prop_oneof![
+            (
+                "[A-Za-z0-9._@:-]{0,64}",
+                any::<u128>(),
+                any::<u64>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(name, id, epoch, nonce)| ControlFrame::AuthHello(
+                    AuthHello {
+                        name,
+                        peer_id: PeerId(id),
+                        epoch: Epoch(epoch),
+                        nonce,
+                    }
+                )),
+            (
+                any::<u128>(),
+                any::<u64>(),
+                any::<[u8; 32]>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(id, epoch, nonce, mac)| ControlFrame::AuthChallenge(
+                    AuthChallenge {
+                        peer_id: PeerId(id),
+                        epoch: Epoch(epoch),
+                        nonce,
+                        mac,
+                    }
+                )),
+            any::<[u8; 32]>().prop_map(|mac| ControlFrame::AuthProof(AuthProof { mac })),
+            (
+                arb_attach(),
+                any::<[u8; 32]>(),
+                any::<u64>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(attach, session, counter, mac)| ControlFrame::AuthAttach(
+                    AuthAttach {
+                        attach,
+                        session,
+                        counter,
+                        mac,
+                    }
+                )),
+        ]
+    }
+
+    #[test]
+    fn auth_frames_roundtrip_and_refuse_long_names() {
+        let hello = ControlFrame::AuthHello(AuthHello {
+            name: "alice".into(),
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            nonce: [3; 32],
+        });
+        assert_eq!(roundtrip(&hello), hello);
+        let mut buf = Vec::new();
+        hello.encode(1, &mut buf).unwrap();
+        for cut in 0..buf.len() {
+            assert_eq!(ControlFrame::decode(&buf[..cut]), Ok(None), "cut {cut}");
+        }
+        // A name length past the limit is refused at the count.
+        buf[CONTROL_HEADER_LEN] = (MAX_AUTH_NAME + 1) as u8;
+        assert!(matches!(
+            ControlFrame::decode(&buf),
+            Err(WireError::TooLarge { .. })
+        ));
+        let long = ControlFrame::AuthHello(AuthHello {
+            name: "a".repeat(MAX_AUTH_NAME + 1),
+            peer_id: PeerId(1),
+            epoch: Epoch(2),
+            nonce: [3; 32],
+        });
+        assert!(long.encode(1, &mut Vec::new()).is_err());
+        let reject = ControlFrame::Reject(Reject {
+            reason: RejectReason::Unauthenticated,
+            versions: SUPPORTED_VERSIONS,
+            epoch: Epoch(1),
+            message: "no".into(),
+        });
+        assert_eq!(roundtrip(&reject), reject);
+        // A proof with a byte missing or one too many is refused, not misread.
+        let mut buf = Vec::new();
+        ControlFrame::AuthProof(AuthProof { mac: [7; 32] })
+            .encode(1, &mut buf)
+            .unwrap();
+        buf[8] -= 1;
+        assert!(ControlFrame::decode(&buf[..buf.len() - 1]).is_err());
+        buf[8] += 2;
+        buf.push(0);
+        buf.push(0);
+        assert!(ControlFrame::decode(&buf[..buf.len() - 1]).is_err());
+    }
+
     proptest! {
+        #[test]
+        fn any_auth_frame_roundtrips(f in arb_auth_frame()) {
+            prop_assert_eq!(roundtrip(&f), f);
+        }
+
+        #[test]
+        fn mutated_auth_frames_never_panics(f in arb_auth_frame(), flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8), cut in any::<usize>()) {
+            let mut buf = Vec::new();
+            f.encode(1, &mut buf).unwrap();
+            for (at, v) in flips {
+                let i = at % buf.len();
+                buf[i] ^= v;
+            }
+            let cut = cut % (buf.len() + 1);
+            let _ = ControlFrame::decode(&buf[..cut]);
+            let _ = ControlFrame::decode(&buf);
+        }
+
         #[test]
         fn any_hello_roundtrips(h in arb_hello(), ack in any::<bool>()) {
             let f = if ack { ControlFrame::HelloAck(h) } else { ControlFrame::Hello(h) };

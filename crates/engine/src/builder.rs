@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_core::auth::{KeyError, Keyring, ServerAuth};
 use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
 use ferry_core::{Epoch, Error, PeerId, Transport, TransportKind};
 use registry::{Budgets, Registry};
@@ -38,6 +39,47 @@ pub struct EngineBuilder {
     rdma: Option<RdmaConfig>,
     #[cfg(feature = "cuda")]
     gpu: crate::gpu::GpuConfig,
+    auth: AuthSetting,
+}
+
+/// Where the engine's authentication keys come from.
+#[derive(Debug, Clone)]
+enum AuthSetting {
+    /// The file named by `FERRY_AUTH_KEY_FILE`, if set; else none.
+    FromEnv,
+    /// No authentication, whatever the environment says.
+    Off,
+    /// A keyring file.
+    File(std::path::PathBuf),
+    /// A keyring given in code (or why it was refused).
+    Keys(Result<Keyring, KeyError>),
+}
+
+/// The environment variable naming a keyring file, read by [`EngineBuilder::build`] when no key
+/// was given in code.
+pub const AUTH_KEY_FILE_ENV: &str = "FERRY_AUTH_KEY_FILE";
+
+/// Reads the keyring file at `path` (lines of `name hexkey`, see [`ferry_core::auth::Keyring`]).
+/// Errors name the file and never show a key's bytes.
+pub fn load_keyring(path: &std::path::Path) -> Result<Keyring, Error> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::AuthKey {
+        source_name: shown.clone(),
+        reason: format!("cannot read it: {e}"),
+        source: Some(e),
+    })?;
+    #[cfg(unix)]
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::PermissionsExt;
+        if meta.permissions().mode() & 0o077 != 0 {
+            tracing::warn!(file = %shown, "the key file is readable by other users (chmod 600 it)");
+        }
+    }
+    Keyring::parse(&text).map_err(|e| Error::AuthKey {
+        source_name: shown,
+        reason: e.to_string(),
+        source: None,
+    })
 }
 
 impl Default for EngineBuilder {
@@ -58,6 +100,7 @@ impl Default for EngineBuilder {
             rdma: None,
             #[cfg(feature = "cuda")]
             gpu: Default::default(),
+            auth: AuthSetting::FromEnv,
         }
     }
 }
@@ -107,6 +150,36 @@ impl EngineBuilder {
     #[cfg(feature = "uring")]
     pub fn uring_max_threads(mut self, n: usize) -> Self {
         self.data.uring_max_threads = n;
+        self
+    }
+
+    /// Authenticates peers with the keyring file at `path` (read by [`build`](Self::build);
+    /// lines of `name hexkey`, each key at least 16 bytes): as a server, every peer must prove
+    /// one of its keys, and the name of that key is the peer's identity (see
+    /// [`TransferEngine::register_to`]); as a client, the engine proves the file's first key. An
+    /// unreadable or invalid file fails `build` with [`Error::AuthKey`] naming it. Without any
+    /// key given in code, `build` reads the file named by `FERRY_AUTH_KEY_FILE`, if set.
+    pub fn auth_key_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.auth = AuthSetting::File(path.into());
+        self
+    }
+
+    /// Authenticates peers with the one key `key` (at least 16 bytes) named `name` (see
+    /// [`auth_key_file`](Self::auth_key_file)).
+    pub fn auth_key(mut self, name: &str, key: &[u8]) -> Self {
+        self.auth = AuthSetting::Keys(Keyring::single(name, key));
+        self
+    }
+
+    /// Authenticates peers with `keyring` (see [`auth_key_file`](Self::auth_key_file)).
+    pub fn auth_keyring(mut self, keyring: Keyring) -> Self {
+        self.auth = AuthSetting::Keys(Ok(keyring));
+        self
+    }
+
+    /// No authentication, even where `FERRY_AUTH_KEY_FILE` is set.
+    pub fn no_auth(mut self) -> Self {
+        self.auth = AuthSetting::Off;
         self
     }
 
@@ -258,6 +331,22 @@ impl EngineBuilder {
     /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
+        let keyring = match &self.auth {
+            AuthSetting::Off => None,
+            AuthSetting::FromEnv => match std::env::var_os(AUTH_KEY_FILE_ENV) {
+                Some(path) if !path.is_empty() => Some(load_keyring(std::path::Path::new(&path))?),
+                _ => None,
+            },
+            AuthSetting::File(path) => Some(load_keyring(path)?),
+            AuthSetting::Keys(Ok(k)) => Some(k.clone()),
+            AuthSetting::Keys(Err(e)) => {
+                return Err(Error::AuthKey {
+                    source_name: "the key given to EngineBuilder::auth_key".into(),
+                    reason: e.to_string(),
+                    source: None,
+                });
+            }
+        };
         let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
         #[cfg(feature = "rdma")]
         let mut rdma: Option<RdmaTransport> = None;
@@ -322,7 +411,16 @@ impl EngineBuilder {
             versions: self.versions,
             transports: transports.clone(),
             table: table.clone(),
+            auth: keyring.clone().map(|k| Arc::new(ServerAuth::new(k))),
         });
+        if let Some(addr) = self.listen
+            && keyring.is_none()
+            && !addr.ip().is_loopback()
+        {
+            tracing::warn!(%addr, "serving without authentication on an address other than \
+                loopback: anyone who can reach it can list the published segments and read or \
+                write them (give a key file: --auth-key-file, FERRY_AUTH_KEY_FILE)");
+        }
         #[cfg(feature = "uring")]
         let uring = data_plane.as_ref().and_then(|p| p.uring.clone());
         let server = match self.listen {
@@ -336,7 +434,8 @@ impl EngineBuilder {
                 responder,
             )?),
         };
-        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()), "engine built");
+        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()),
+            auth = ?keyring.as_ref().map(|k| k.names().collect::<Vec<_>>()), "engine built");
         Ok(TransferEngine {
             inner: Arc::new(Inner {
                 id,
@@ -350,6 +449,7 @@ impl EngineBuilder {
                 known: Default::default(),
                 routes: Default::default(),
                 request_timeout: self.request_timeout,
+                keyring,
                 connect_timeout: self.data.connect_timeout,
                 reconnect: self.reconnect,
                 #[cfg(feature = "rdma")]

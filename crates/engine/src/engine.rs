@@ -48,6 +48,8 @@ pub(crate) struct Inner {
     pub(crate) connect_timeout: Duration,
     /// What happens when a peer's connection is lost.
     pub(crate) reconnect: ReconnectPolicy,
+    /// The keys this engine proves (client: the first) and accepts (server), if authenticated.
+    pub(crate) keyring: Option<ferry_core::auth::Keyring>,
     #[cfg(feature = "rdma")]
     pub(crate) rdma: Option<RdmaTransport>,
     /// The io_uring data plane, when it was chosen (its thread budget and counters).
@@ -98,7 +100,54 @@ impl TransferEngine {
         access: Access,
         name: &str,
     ) -> Result<Registration, Error> {
+        self.register_inner(region.into(), access, name)
+    }
+
+    /// Registers `region` like [`register`](Self::register), published only to the
+    /// authenticated peers whose key is named in `peers` (names of this engine's keyring): other
+    /// peers, authenticated or not, never see it listed and their ops on its token are refused
+    /// as on an unknown token. Refused with `InvalidRequest` on an engine without keys (no
+    /// peer could prove a name) or with an empty `peers`.
+    pub fn register_to(
+        &self,
+        region: impl Into<Arc<MemoryRegion>>,
+        access: Access,
+        name: &str,
+        peers: &[&str],
+    ) -> Result<Registration, Error> {
+        let audience = self.audience(peers)?;
         let region = region.into();
+        self.inner.table.publish_restricted(audience, || {
+            let reg = self.register_inner(region, access, name)?;
+            Ok((reg.token, reg))
+        })
+    }
+
+    fn audience(&self, peers: &[&str]) -> Result<Arc<[String]>, Error> {
+        let Some(keyring) = &self.inner.keyring else {
+            return Err(Error::InvalidRequest {
+                reason: "publishing to named peers needs authentication keys \
+                         (EngineBuilder::auth_key_file)"
+                    .into(),
+            });
+        };
+        if peers.is_empty() {
+            return Err(Error::InvalidRequest {
+                reason: "publishing to named peers needs at least one name".into(),
+            });
+        }
+        if let Some(unknown) = peers.iter().find(|p| keyring.get(p).is_none()) {
+            tracing::warn!(peer = %unknown, "publishing to a key name this engine's keyring lacks: no peer can prove it");
+        }
+        Ok(peers.iter().map(|p| (*p).to_owned()).collect())
+    }
+
+    fn register_inner(
+        &self,
+        region: Arc<MemoryRegion>,
+        access: Access,
+        name: &str,
+    ) -> Result<Registration, Error> {
         let span = tracing::info_span!("register", name, len = region.len(), %access);
         let _enter = span.enter();
         let reg = self
@@ -145,7 +194,31 @@ impl TransferEngine {
         access: Access,
         name: &str,
     ) -> Result<FileRegistration, Error> {
-        let path = path.as_ref();
+        self.publish_file_inner(path.as_ref(), access, name)
+    }
+
+    /// Publishes a file like [`publish_file_named`](Self::publish_file_named), only to the
+    /// authenticated peers whose key is named in `peers` (see [`register_to`](Self::register_to)).
+    pub fn publish_file_to(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        access: Access,
+        name: &str,
+        peers: &[&str],
+    ) -> Result<FileRegistration, Error> {
+        let audience = self.audience(peers)?;
+        self.inner.table.publish_restricted(audience, || {
+            let reg = self.publish_file_inner(path.as_ref(), access, name)?;
+            Ok((reg.token, reg))
+        })
+    }
+
+    fn publish_file_inner(
+        &self,
+        path: &std::path::Path,
+        access: Access,
+        name: &str,
+    ) -> Result<FileRegistration, Error> {
         let _span =
             tracing::info_span!("publish_file", name, path = %path.display(), %access).entered();
         if self.inner.data_plane.is_none() {
@@ -224,7 +297,8 @@ impl TransferEngine {
             peer_id: self.inner.id,
             epoch: self.inner.epoch,
             transports: self.inner.transports.iter().map(|t| t.offer()).collect(),
-            segments: self.inner.table.published(),
+            // Only what every peer may see: the server is not authenticated to a name here.
+            segments: self.inner.table.published_to(None),
         }
     }
 
@@ -326,7 +400,13 @@ impl TransferEngine {
         check: impl FnOnce(&Hello) -> Result<(), Error>,
     ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>), Error> {
         let hello = self.hello();
-        let server = transport_tcp::handshake(addr, &hello, self.inner.connect_timeout).await?;
+        let (server, session) = transport_tcp::handshake_with(
+            addr,
+            &hello,
+            self.inner.keyring.as_ref(),
+            self.inner.connect_timeout,
+        )
+        .await?;
         // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
         let version = self.inner.versions.common(server.versions).unwrap_or(1);
         check(&server)?;
@@ -349,6 +429,7 @@ impl TransferEngine {
             remote_epoch: server.epoch,
             offer,
             segments: server.segments.clone(),
+            session,
         };
         let channel = transport.open(info).await?;
         drop(reservation);

@@ -33,10 +33,7 @@ impl Server {
     ) -> Result<Self, Error> {
         #[cfg(feature = "uring")]
         if let Some(uring) = uring {
-            let overflow = Arc::new(TcpOverflow(transport_tcp::StreamServer::new(
-                table.clone(),
-                &config.tcp(),
-            )));
+            let overflow = Arc::new(TcpOverflow(transport_tcp::StreamServer::new(&config.tcp())));
             let h = UringServer::bind(addr)?.with_overflow(overflow).serve(
                 table,
                 responder,
@@ -83,8 +80,9 @@ impl transport_uring::StreamOverflow for TcpOverflow {
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
+        table: Arc<dyn ferry_core::SegmentTable>,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
-        self.0.serve(stream, from, done)
+        self.0.serve(stream, from, table, done)
     }
 }

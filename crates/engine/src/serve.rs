@@ -32,6 +32,8 @@ pub(crate) struct RegistryTable {
     pub(crate) registry: Registry,
     guards: RwLock<HashMap<SegmentToken, Arc<Lease>>>,
     files: RwLock<HashMap<SegmentToken, ServedSource>>,
+    /// Segments published to named peers only (absent: to every peer), by token.
+    audience: RwLock<HashMap<SegmentToken, Arc<[String]>>>,
 }
 
 impl RegistryTable {
@@ -40,7 +42,33 @@ impl RegistryTable {
             registry,
             guards: RwLock::new(HashMap::new()),
             files: RwLock::new(HashMap::new()),
+            audience: RwLock::new(HashMap::new()),
         }
+    }
+
+    /// Runs `publish` (which registers a segment and returns its token) and restricts that
+    /// segment to the key names `peers`, with no listing in between: listings hold the same
+    /// lock ([`published_to`](SegmentTable::published_to)), so none sees the segment
+    /// unrestricted.
+    pub(crate) fn publish_restricted<T>(
+        &self,
+        peers: Arc<[String]>,
+        publish: impl FnOnce() -> Result<(SegmentToken, T), ferry_core::Error>,
+    ) -> Result<T, ferry_core::Error> {
+        let mut audience = self
+            .audience
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (token, out) = publish()?;
+        audience.insert(token, peers);
+        Ok(out)
+    }
+
+    fn unrestrict(&self, token: SegmentToken) {
+        self.audience
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&token);
     }
 
     /// Publishes a segment served by positioned I/O (a file, or device memory) under `token`.
@@ -72,6 +100,7 @@ impl RegistryTable {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&token);
+        self.unrestrict(token);
     }
 
     /// Descriptors of the published file segments.
@@ -103,6 +132,7 @@ impl RegistryTable {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&token);
+        self.unrestrict(token);
     }
 }
 
@@ -166,6 +196,28 @@ impl SegmentTable for RegistryTable {
             .get(&token)
             .map(|f| f.source.clone())
     }
+
+    fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
+        let audience = self.audience.read().unwrap_or_else(PoisonError::into_inner);
+        match audience.get(&token) {
+            None => true,
+            Some(names) => peer.is_some_and(|p| names.iter().any(|n| n == p)),
+        }
+    }
+
+    fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
+        // The lock first: a segment being published to named peers is listed only once its
+        // restriction is in place (`publish_restricted`).
+        let audience = self.audience.read().unwrap_or_else(PoisonError::into_inner);
+        let mut all = self.published();
+        if !audience.is_empty() {
+            all.retain(|d| match audience.get(&d.token) {
+                None => true,
+                Some(names) => peer.is_some_and(|p| names.iter().any(|n| n == p)),
+            });
+        }
+        all
+    }
 }
 
 /// The engine's identity and handshake policy.
@@ -176,6 +228,8 @@ pub(crate) struct Responder {
     pub(crate) versions: VersionRange,
     pub(crate) transports: Vec<Arc<dyn Transport>>,
     pub(crate) table: Arc<RegistryTable>,
+    /// The keys peers must prove (`None`: every peer is served).
+    pub(crate) auth: Option<Arc<ferry_core::auth::ServerAuth>>,
 }
 
 impl HandshakeResponder for Responder {
@@ -187,7 +241,16 @@ impl HandshakeResponder for Responder {
         self.epoch
     }
 
-    fn respond(&self, hello: &Hello, from: SocketAddr) -> Result<Hello, Reject> {
+    fn auth(&self) -> Option<Arc<ferry_core::auth::ServerAuth>> {
+        self.auth.clone()
+    }
+
+    fn respond(
+        &self,
+        hello: &Hello,
+        from: SocketAddr,
+        peer: Option<&str>,
+    ) -> Result<Hello, Reject> {
         let _span = tracing::debug_span!("handshake", %from, peer = %hello.peer_id).entered();
         if self.versions.common(hello.versions).is_none() {
             tracing::info!(%from, ours = %self.versions, theirs = %hello.versions, "protocol mismatch");
@@ -201,7 +264,7 @@ impl HandshakeResponder for Responder {
                 ),
             });
         }
-        let segments = self.table.published();
+        let segments = self.table.published_to(peer);
         let mut transports = Vec::new();
         for t in &self.transports {
             let Some(offer) = hello
@@ -219,6 +282,7 @@ impl HandshakeResponder for Responder {
                 remote_epoch: hello.epoch,
                 offer: offer.clone(),
                 segments: hello.segments.clone(),
+                session: None,
             };
             match t.accept(&info) {
                 Ok(o) => transports.push(o),
@@ -253,6 +317,7 @@ mod tests {
             versions: VersionRange { min: 5, max: 5 },
             transports: vec![Arc::new(never)],
             table: Arc::new(RegistryTable::new(Registry::host(Budgets::default()))),
+            auth: None,
         }
     }
 
@@ -278,7 +343,7 @@ mod tests {
         let r = responder();
         let from: SocketAddr = "127.0.0.1:9".parse().unwrap();
         for (min, max) in [(6, 9), (1, 4), (0, 0), (6, 4), (5, 4)] {
-            let e = r.respond(&hello(min, max), from).unwrap_err();
+            let e = r.respond(&hello(min, max), from, None).unwrap_err();
             assert_eq!(e.reason, RejectReason::ProtocolMismatch, "{min}..={max}");
             assert_eq!(e.versions, VersionRange { min: 5, max: 5 });
             assert_eq!(e.epoch, Epoch(3));

@@ -67,7 +67,9 @@ static UNNAMED: AtomicU64 = AtomicU64::new(0);
 /// in bytes (0: kernel autotuning); `io_threads` the TCP data plane's I/O threads (0: one per
 /// core). Times are in seconds: `request_timeout` is every request's default deadline,
 /// `connect_timeout` limits connecting and the handshake, `dead_peer_after` (default 30, 0 for
-/// the kernel's quarter hour) gives a silent peer up.
+/// the kernel's quarter hour) gives a silent peer up. `auth_key_file` names a keyring file
+/// (lines of `name hexkey`): peers must then prove a key of it, and this engine proves its first
+/// key when it connects (without it, the file named by `FERRY_AUTH_KEY_FILE`, if set).
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
@@ -78,7 +80,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (listen=None, *, transports=None, data_plane="auto", streams=None,
         depth=None, chunk_size=None, socket_buffer=None, io_threads=None, request_timeout=None,
-        connect_timeout=None, dead_peer_after=None))]
+        connect_timeout=None, dead_peer_after=None, auth_key_file=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -93,6 +95,7 @@ impl Engine {
         request_timeout: Option<f64>,
         connect_timeout: Option<f64>,
         dead_peer_after: Option<f64>,
+        auth_key_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let mut b = TransferEngine::builder();
         if let Some(addr) = listen {
@@ -158,6 +161,9 @@ impl Engine {
         }
         if let Some(t) = seconds("dead_peer_after", dead_peer_after)? {
             b = b.dead_peer_after((!t.is_zero()).then_some(t));
+        }
+        if let Some(path) = auth_key_file {
+            b = b.auth_key_file(path);
         }
         let rt = runtime::get(py)?;
         let inner = py

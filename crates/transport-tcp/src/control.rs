@@ -1,9 +1,11 @@
 //! Control frames over a TCP stream: the handshake and the attach of data streams.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::Error;
+use ferry_core::auth::{ClientAuth, Keyring, Session};
 use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, Hello, StreamAttach};
 pub(crate) use ferry_net::lost;
 use ferry_net::tune;
@@ -61,11 +63,50 @@ pub(crate) async fn connect(
 /// A server that shares no protocol version with `hello.versions` gives
 /// [`Error::ProtocolMismatch`] with both ranges; nothing is admitted then.
 pub async fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Result<Hello, Error> {
+    Ok(handshake_with(addr, hello, None, timeout).await?.0)
+}
+
+/// Client side of the handshake, authenticated with the first key of `keyring` where one is
+/// given (see [`ferry_core::auth`]): the server's hello and the session its data streams attach
+/// with. [`Error::Authentication`] when either side cannot prove the key or the server has
+/// none; a server that requires a key refuses a plain hello ([`Error::HandshakeRefused`]).
+pub async fn handshake_with(
+    addr: SocketAddr,
+    hello: &Hello,
+    keyring: Option<&Keyring>,
+    timeout: Duration,
+) -> Result<(Hello, Option<Arc<Session>>), Error> {
     let run = async {
         let stream = connect(addr, timeout, None, None).await?;
-        write_frame(&stream, addr, &ControlFrame::Hello(hello.clone())).await?;
+        let Some(keyring) = keyring else {
+            write_frame(&stream, addr, &ControlFrame::Hello(hello.clone())).await?;
+            let reply = read_frame(&stream, addr).await?;
+            return Ok((
+                ferry_core::handshake::hello_reply(addr, hello, reply)?,
+                None,
+            ));
+        };
+        let (first, client) = ClientAuth::start(
+            keyring,
+            hello.peer_id,
+            hello.epoch,
+            ferry_core::auth::nonce(),
+        );
+        write_frame(&stream, addr, &first).await?;
         let reply = read_frame(&stream, addr).await?;
-        ferry_core::handshake::hello_reply(addr, hello, reply)
+        let (proof, session) = client.on_reply(addr, reply)?;
+        // The proof and the hello go out together: one round trip more than a plain handshake.
+        let mut both = ferry_net::encode_frame(&proof)?;
+        both.extend_from_slice(&ferry_net::encode_frame(&ControlFrame::Hello(
+            hello.clone(),
+        ))?);
+        send_buf(&stream, &both)
+            .await
+            .map_err(|e| lost(addr, "handshake", e))?;
+        let reply = read_frame(&stream, addr).await?;
+        let server = ferry_core::handshake::hello_reply(addr, hello, reply)?;
+        session.check_server(addr, server.peer_id, server.epoch)?;
+        Ok((server, Some(Arc::new(session))))
     };
     tokio::time::timeout(timeout, run)
         .await
@@ -75,17 +116,19 @@ pub async fn handshake(addr: SocketAddr, hello: &Hello, timeout: Duration) -> Re
         })?
 }
 
-/// Opens one data stream and attaches it to the server incarnation `attach.server_epoch`.
+/// Opens one data stream and attaches it (with `frame`: the attach, or its authenticated form)
+/// to the server incarnation `attach.server_epoch`.
 pub(crate) async fn attach(
     addr: SocketAddr,
     attach: StreamAttach,
+    frame: ControlFrame,
     timeout: Duration,
     buffer: Option<usize>,
     dead_peer: Option<Duration>,
 ) -> Result<TcpStream, Error> {
     let run = async {
         let stream = connect(addr, timeout, buffer, dead_peer).await?;
-        write_frame(&stream, addr, &ControlFrame::StreamAttach(attach)).await?;
+        write_frame(&stream, addr, &frame).await?;
         let reply = read_frame(&stream, addr).await?;
         ferry_core::handshake::attach_reply(addr, &attach, reply)?;
         Ok(stream)

@@ -27,7 +27,7 @@ use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::TcpChannel;
-pub use control::handshake;
+pub use control::{handshake, handshake_with};
 pub use server::{ServerHandle, StreamServer, TcpServer};
 
 #[doc(no_inline)]
@@ -122,6 +122,7 @@ impl TcpTransport {
                 control::attach(
                     addr,
                     attach,
+                    ferry_core::handshake::attach_frame(&peer, attach),
                     self.config.connect_timeout,
                     self.config.socket_buffer,
                     self.config.dead_peer_after,

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use ferry_core::handshake::{answer_attach, answer_hello};
+use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, checksum_response};
 use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{Error, HandshakeResponder, SegmentTable};
@@ -130,33 +130,31 @@ impl TcpServer {
 /// streams. Dropping it stops its I/O threads, which closes the streams still served.
 #[derive(Debug)]
 pub struct StreamServer {
-    table: Arc<dyn SegmentTable>,
     pool: IoPool,
 }
 
 impl StreamServer {
-    /// Serves `table` on the I/O threads of `config` (`io_threads`; `None` here also means one
+    /// Serves streams on the I/O threads of `config` (`io_threads`; `None` here also means one
     /// per core: the streams come from threads without a runtime of their own).
-    pub fn new(table: Arc<dyn SegmentTable>, config: &TcpConfig) -> Self {
+    pub fn new(config: &TcpConfig) -> Self {
         let threads = config.io_threads.unwrap_or(0);
         Self {
-            table,
             pool: IoPool::new(Some(threads), "ferry-tcp-serve"),
         }
     }
 
-    /// Serves `stream` (accepted from `from`, its attach answered) until the client closes it,
-    /// then calls `done`. Returns at once.
+    /// Serves `stream` (accepted from `from`, its attach answered) from `table` (the segments
+    /// its peer may see) until the client closes it, then calls `done`. Returns at once.
     pub fn serve(
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
+        table: Arc<dyn SegmentTable>,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
         stream
             .set_nonblocking(true)
             .map_err(|e| crate::control::lost(from, "handing over a data stream", e))?;
-        let table = self.table.clone();
         let span = tracing::debug_span!("serve handed-over stream", %from);
         self.pool
             .spawn(
@@ -186,49 +184,52 @@ async fn serve_conn(
     pool: &IoPool,
 ) -> Result<(), Error> {
     tune(&stream, config.socket_buffer, config.dead_peer_after);
-    match read_frame(&stream, from).await? {
-        ControlFrame::Hello(hello) => {
-            let reply = answer_hello(&*responder, &hello, from);
-            write_frame(&stream, from, &reply).await
-        }
-        ControlFrame::StreamAttach(a) => {
-            let answer = answer_attach(&a, responder.epoch());
-            write_frame(&stream, from, &answer).await?;
-            if !matches!(answer, ControlFrame::StreamAccept) {
-                return Ok(());
+    let mut talk = ServerConversation::new(responder, table, from);
+    loop {
+        let frame = read_frame(&stream, from).await?;
+        match talk.on_frame(frame) {
+            ServerStep::Reply(f) => write_frame(&stream, from, &f).await?,
+            ServerStep::Read => {}
+            ServerStep::Close(f) => return write_frame(&stream, from, &f).await,
+            ServerStep::Fail(e) => return Err(e),
+            ServerStep::Stream { attach, table } => {
+                write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
+                let span =
+                    tracing::debug_span!("serve stream", %from, stream = attach.stream_index);
+                // The stream moves to an I/O thread for good; this task only waits for it (and
+                // aborts it when the server stops).
+                let std_stream = stream
+                    .into_std()
+                    .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
+                let task = pool
+                    .spawn(
+                        async move {
+                            let stream = TcpStream::from_std(std_stream)?;
+                            serve_data(&stream, from, &*table).await
+                        }
+                        .instrument(span),
+                    )
+                    .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
+                let mut task = AbortOnDrop(task);
+                return match (&mut task.0).await {
+                    Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
+                    Err(e) => Err(crate::control::lost(
+                        from,
+                        "serving data",
+                        std::io::Error::other(e.to_string()),
+                    )),
+                };
             }
-            let span = tracing::debug_span!("serve stream", %from, stream = a.stream_index);
-            // The stream moves to an I/O thread for good; this task only waits for it (and aborts
-            // it when the server stops).
-            let std_stream = stream
-                .into_std()
-                .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
-            let task = pool
-                .spawn(
-                    async move {
-                        let stream = TcpStream::from_std(std_stream)?;
-                        serve_data(&stream, from, &*table).await
-                    }
-                    .instrument(span),
-                )
-                .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
-            let mut task = AbortOnDrop(task);
-            match (&mut task.0).await {
-                Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
-                Err(e) => Err(crate::control::lost(
-                    from,
-                    "serving data",
-                    std::io::Error::other(e.to_string()),
-                )),
+            _ => {
+                return Err(Error::Malformed {
+                    peer: from.to_string(),
+                    source: ferry_core::wire::WireError::Unexpected {
+                        found: "a step this server does not know",
+                        expected: "hello or stream-attach",
+                    },
+                });
             }
         }
-        other => Err(Error::Malformed {
-            peer: from.to_string(),
-            source: ferry_core::wire::WireError::Unexpected {
-                found: other.name(),
-                expected: "hello or stream-attach",
-            },
-        }),
     }
 }
 

@@ -55,16 +55,18 @@ fn timed_out(e: Error, what: &'static str, after: Duration) -> Error {
     }
 }
 
-/// Opens one data stream and attaches it to the server incarnation `attach.server_epoch`.
+/// Opens one data stream and attaches it (with `frame`: the attach, or its authenticated form)
+/// to the server incarnation `attach.server_epoch`.
 pub(crate) fn attach(
     addr: SocketAddr,
     attach: StreamAttach,
+    frame: ControlFrame,
     timeout: Duration,
     buffer: Option<usize>,
     dead_peer: Option<Duration>,
 ) -> Result<TcpStream, Error> {
     let mut stream = connect(addr, timeout, buffer, dead_peer)?;
-    write_frame(&mut stream, addr, &ControlFrame::StreamAttach(attach))?;
+    write_frame(&mut stream, addr, &frame)?;
     let reply =
         read_frame(&mut stream, addr).map_err(|e| timed_out(e, "data stream attach", timeout))?;
     ferry_core::handshake::attach_reply(addr, &attach, reply)?;

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::handshake::{answer_attach, answer_hello};
+use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, checksum_response};
 use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN};
 use ferry_core::{
@@ -227,77 +227,82 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
     );
     // A peer that sends nothing must not hold a thread forever.
     let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
-    match read_frame(&mut stream, from)? {
-        ControlFrame::Hello(hello) => {
-            let reply = answer_hello(&*ctx.responder, &hello, from);
-            write_frame(&mut stream, from, &reply)
+    let mut talk = ServerConversation::new(ctx.responder.clone(), ctx.table.clone(), from);
+    let (a, table) = loop {
+        match talk.on_frame(read_frame(&mut stream, from)?) {
+            ServerStep::Reply(f) => write_frame(&mut stream, from, &f)?,
+            ServerStep::Read => {}
+            ServerStep::Close(f) => return write_frame(&mut stream, from, &f),
+            ServerStep::Fail(e) => return Err(e),
+            ServerStep::Stream { attach, table } => break (attach, table),
+            _ => {
+                return Err(Error::Malformed {
+                    peer: from.to_string(),
+                    source: ferry_core::wire::WireError::Unexpected {
+                        found: "a step this server does not know",
+                        expected: "hello or stream-attach",
+                    },
+                });
+            }
         }
-        ControlFrame::StreamAttach(a) => {
-            let answer = answer_attach(&a, ctx.responder.epoch());
-            if !matches!(answer, ControlFrame::StreamAccept) {
-                return write_frame(&mut stream, from, &answer);
-            }
-            // A data stream's thread is counted (a handshake's ends at once), before the stream
-            // is accepted so that the client's next stream sees it. Past the thread budget the
-            // stream goes to the overflow's fixed set of threads and this one ends.
-            let what = "served data streams";
-            let count = match &ctx.overflow {
-                None => Ok(ThreadCount::new(&ctx.stats, what)),
-                Some(o) => ThreadCount::within(&ctx.stats, ctx.config.max_threads, what).ok_or(o),
-            };
-            if count.is_err() {
-                IoStats::add(&ctx.stats.handed_over, 1);
-            }
-            write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
-            let _ = stream.set_read_timeout(None);
-            let _count = match count {
-                Ok(c) => c,
-                Err(o) => return hand_over(o.as_ref(), stream, from, ctx),
-            };
-            // A one-stream client pins nothing, so stream 0 starts unpinned and pins itself once
-            // a second stream of the same client attaches (left to the scheduler, its thread was
-            // woken onto the other stream's core, which then ran three busy threads while its
-            // own idled for up to a millisecond at a time).
-            let mut first = None;
-            if ctx.config.pin_loopback_streams && from.ip().is_loopback() {
-                let key = (a.peer_id, a.epoch);
-                if a.stream_index == 0 {
-                    let flag = Arc::new(AtomicBool::new(false));
-                    lock(&ctx.live.first_streams).insert(key, flag.clone());
-                    first = Some(FirstStream {
-                        live: &ctx.live,
-                        key,
-                        flag,
-                    });
-                } else {
-                    crate::pin_stream_thread(usize::from(a.stream_index));
-                    if let Some(f) = lock(&ctx.live.first_streams).get(&key) {
-                        f.store(true, Ordering::Release);
-                    }
-                }
-            }
-            let stream = Arc::new(stream);
-            let id = ctx.live.next.fetch_add(1, Ordering::Relaxed);
-            lock(&ctx.live.conns).insert(id, stream.clone());
-            if ctx.live.stopped.load(Ordering::Acquire) {
-                let _ = stream.shutdown(std::net::Shutdown::Both);
-            }
-            let _span =
-                tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
-            let res = serve_data(&stream, from, ctx, first.as_ref().map(|f| &*f.flag))
-                .map_err(|e| crate::control::lost(from, "serving data", e));
-            drop(first);
-            lock(&ctx.live.conns).remove(&id);
-            res
-        }
-        other => Err(Error::Malformed {
-            peer: from.to_string(),
-            source: ferry_core::wire::WireError::Unexpected {
-                found: other.name(),
-                expected: "hello or stream-attach",
-            },
-        }),
+    };
+    // A data stream's thread is counted (a handshake's ends at once), before the stream
+    // is accepted so that the client's next stream sees it. Past the thread budget the
+    // stream goes to the overflow's fixed set of threads and this one ends.
+    let what = "served data streams";
+    let count = match &ctx.overflow {
+        None => Ok(ThreadCount::new(&ctx.stats, what)),
+        Some(o) => ThreadCount::within(&ctx.stats, ctx.config.max_threads, what).ok_or(o),
+    };
+    if count.is_err() {
+        IoStats::add(&ctx.stats.handed_over, 1);
     }
+    write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
+    let _ = stream.set_read_timeout(None);
+    let _count = match count {
+        Ok(c) => c,
+        Err(o) => return hand_over(o.as_ref(), stream, from, table, ctx),
+    };
+    // A one-stream client pins nothing, so stream 0 starts unpinned and pins itself once
+    // a second stream of the same client attaches (left to the scheduler, its thread was
+    // woken onto the other stream's core, which then ran three busy threads while its
+    // own idled for up to a millisecond at a time).
+    let mut first = None;
+    if ctx.config.pin_loopback_streams && from.ip().is_loopback() {
+        let key = (a.peer_id, a.epoch);
+        if a.stream_index == 0 {
+            let flag = Arc::new(AtomicBool::new(false));
+            lock(&ctx.live.first_streams).insert(key, flag.clone());
+            first = Some(FirstStream {
+                live: &ctx.live,
+                key,
+                flag,
+            });
+        } else {
+            crate::pin_stream_thread(usize::from(a.stream_index));
+            if let Some(f) = lock(&ctx.live.first_streams).get(&key) {
+                f.store(true, Ordering::Release);
+            }
+        }
+    }
+    let stream = Arc::new(stream);
+    let id = ctx.live.next.fetch_add(1, Ordering::Relaxed);
+    lock(&ctx.live.conns).insert(id, stream.clone());
+    if ctx.live.stopped.load(Ordering::Acquire) {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+    let _span = tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
+    let res = serve_data(
+        &stream,
+        from,
+        ctx,
+        &*table,
+        first.as_ref().map(|f| &*f.flag),
+    )
+    .map_err(|e| crate::control::lost(from, "serving data", e));
+    drop(first);
+    lock(&ctx.live.conns).remove(&id);
+    res
 }
 
 /// Hands an attached data stream to `overflow`, keeping it in the server's connections (so that
@@ -306,6 +311,7 @@ fn hand_over(
     overflow: &dyn StreamOverflow,
     stream: TcpStream,
     from: SocketAddr,
+    table: Arc<dyn SegmentTable>,
     ctx: &Ctx,
 ) -> Result<(), Error> {
     let kept = stream
@@ -321,6 +327,7 @@ fn hand_over(
     let res = overflow.serve(
         stream,
         from,
+        table,
         Box::new(move || {
             lock(&live.conns).remove(&id);
         }),
@@ -491,6 +498,7 @@ fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
     ctx: &Ctx,
+    table: &dyn SegmentTable,
     mut pin_first: Option<&AtomicBool>,
 ) -> std::io::Result<()> {
     let mut io: SockIo<SegmentLease> = SockIo::new(
@@ -522,7 +530,7 @@ fn serve_data(
             crate::pin_stream_thread(0);
             pin_first = None;
         }
-        let action = proto.on_request(&head, &*ctx.table);
+        let action = proto.on_request(&head, table);
         // Only an accepted WRITE to memory may join the held-back responses; any other answer
         // must not overtake them.
         if !action.joins_held()

@@ -100,7 +100,12 @@ impl HandshakeResponder for Responder {
     fn epoch(&self) -> Epoch {
         self.epoch
     }
-    fn respond(&self, hello: &Hello, _from: SocketAddr) -> Result<Hello, Reject> {
+    fn respond(
+        &self,
+        hello: &Hello,
+        _from: SocketAddr,
+        _peer: Option<&str>,
+    ) -> Result<Hello, Reject> {
         if self.versions.common(hello.versions).is_none() {
             return Err(Reject {
                 reason: RejectReason::ProtocolMismatch,
@@ -230,5 +235,6 @@ pub fn peer_info(addr: SocketAddr, my_offer: TransportOffer) -> PeerInfo {
         remote_epoch: server.epoch,
         offer: server.transports[0].clone(),
         segments: server.segments,
+        session: None,
     }
 }

@@ -109,7 +109,9 @@ class Engine:
     ``listen`` ("127.0.0.1:0": any free port) makes it serve what it publishes. ``transports``
     ("tcp", "uring", "rdma") in order of preference; ``data_plane`` "auto", "uring" or "tcp".
     Times are in seconds; ``socket_buffer=0`` is kernel autotuning, ``io_threads=0`` one I/O
-    thread per core, ``dead_peer_after=0`` the kernel's limits.
+    thread per core, ``dead_peer_after=0`` the kernel's limits. ``auth_key_file`` names a
+    keyring file (lines of ``name hexkey``): peers must prove one of its keys, and this engine
+    proves the first when it connects.
     """
 
     def __new__(
@@ -126,6 +128,7 @@ class Engine:
         request_timeout: float | None = None,
         connect_timeout: float | None = None,
         dead_peer_after: float | None = None,
+        auth_key_file: str | os.PathLike[str] | None = None,
     ) -> Self: ...
     @property
     def listen_addr(self) -> str | None:
