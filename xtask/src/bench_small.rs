@@ -219,7 +219,10 @@ fn mooncake_target(bin: &PathBuf) -> Result<MooncakeTarget> {
             return Ok(target);
         }
     }
-    bail!("the Mooncake target logged no handshake port ({})", log.display())
+    bail!(
+        "the Mooncake target logged no handshake port ({})",
+        log.display()
+    )
 }
 
 /// GB/s of one Mooncake initiator run against `target`: `op` batches of `blocks` x `block`.
@@ -310,7 +313,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 plane,
                 op,
                 Row::new(
-                    format!("{} x {} KiB scattered {op}s, {plane}", o.blocks, o.block >> 10),
+                    format!(
+                        "{} x {} KiB scattered {op}s, {plane}",
+                        o.blocks,
+                        o.block >> 10
+                    ),
                     "one op",
                     "GB/s",
                     Some(0.8),
@@ -336,11 +343,19 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     for round in 0..o.repeat {
         eprintln!("== bench small: round {} of {}", round + 1, o.repeat);
         let p = crate::bench_latency::ping_pong(o.ops)?;
-        rtt.pairs.push((p, crate::bench_latency::ferry(o.ops, &[])?));
+        rtt.pairs
+            .push((p, crate::bench_latency::ferry(o.ops, &[])?));
         for (row, op) in small.iter_mut().zip(["read", "write"]) {
             let i = iperf3(o.total)?;
             let f = ferry_gbps(&[
-                "--op", op, "--op-size", "64KiB", "--depth", "16", "--total", &total,
+                "--op",
+                op,
+                "--op-size",
+                "64KiB",
+                "--depth",
+                "16",
+                "--total",
+                &total,
             ])?;
             row.pairs.push((i, f));
         }
