@@ -149,6 +149,7 @@ fn connect(
         remote_epoch: reply.epoch,
         offer: reply.transports[0].clone(),
         segments: vec![],
+        version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     };
     let ch = block_on(t.open(peer))?;
     Ok((t, ch))

@@ -566,7 +566,10 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 for k in n..n + batch {
                     let (local_off, remote_off) = if scatter {
                         let l = xorshift(&mut rng) % local_slots;
-                        (l * op_size, (xorshift(&mut rng) % slots_in_remote) * op_size)
+                        (
+                            l * op_size,
+                            (xorshift(&mut rng) % slots_in_remote) * op_size,
+                        )
                     } else {
                         ((k % local_slots) * op_size, (k % slots_in_remote) * op_size)
                     };

@@ -182,6 +182,7 @@ mod tests {
             remote_epoch: Epoch(4),
             offer,
             segments: vec![],
+            version: crate::wire::SUPPORTED_VERSIONS.max,
         };
         let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {
             streams: 0,

@@ -82,6 +82,9 @@ pub struct PeerInfo {
     pub offer: TransportOffer,
     /// The peer's published segments.
     pub segments: Vec<SegmentDesc>,
+    /// The protocol version both ends speak (the newest in both ranges): vectored requests
+    /// only from [`VECTORED_VERSION`](crate::wire::VECTORED_VERSION) on.
+    pub version: u16,
 }
 
 /// One kind of data plane.

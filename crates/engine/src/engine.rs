@@ -292,6 +292,7 @@ impl TransferEngine {
             remote_epoch: server.epoch,
             offer,
             segments: server.segments.clone(),
+            version,
         };
         let channel = transport.open(info).await?;
         drop(reservation);

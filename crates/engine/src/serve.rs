@@ -219,6 +219,7 @@ impl HandshakeResponder for Responder {
                 remote_epoch: hello.epoch,
                 offer: offer.clone(),
                 segments: hello.segments.clone(),
+                version: self.versions.common(hello.versions).unwrap_or(1),
             };
             match t.accept(&info) {
                 Ok(o) => transports.push(o),

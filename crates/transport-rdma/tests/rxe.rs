@@ -127,6 +127,7 @@ fn info(offer: TransportOffer, segments: Vec<SegmentDesc>) -> PeerInfo {
         remote_epoch: Epoch::fresh(),
         offer,
         segments,
+        version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     }
 }
 
