@@ -1538,3 +1538,67 @@ async fn vectored_requests_go_only_to_version_3_peers() {
         }
     }
 }
+
+/// A vectored batch whose pieces alternate between a memory segment and a file segment moves
+/// every piece, WRITE then READ, on both servers (file pieces by positioned I/O).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vectored_batches_mix_file_and_memory_pieces() {
+    let uring = Side::Uring(ZeroCopy::Auto);
+    for (client, server) in runnable(&[(TCP, TCP), (uring, uring), (TCP, uring)]) {
+        let f = start(server);
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("file");
+        std::fs::write(&path, vec![0u8; 64 << 10]).unwrap();
+        let file_tok = SegmentToken::random();
+        let seg = Arc::new(
+            ferry_file::FileSegment::open(&path, Access::REMOTE_READ | Access::REMOTE_WRITE)
+                .unwrap(),
+        );
+        f.table
+            .files
+            .lock()
+            .unwrap()
+            .insert(file_tok, ("file".into(), seg));
+        let (mem_tok, mem) = publish(
+            &f.table,
+            "mem",
+            64 << 10,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
+        let ch = channel(&f, client, 1, 64 << 10).await;
+        let src = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+        fill(&src, 17);
+        let dst = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+        let pieces = |kind, local: &Arc<MemoryRegion>| -> Vec<ferry_core::Op> {
+            (0..10u64)
+                .map(|i| {
+                    let tok = if i % 2 == 0 { mem_tok } else { file_tok };
+                    op(kind, local, i * 3000, tok, i * 5000 + 7, 1000 + i * 100)
+                })
+                .collect()
+        };
+        let tag = format!("{client:?}->{server:?}");
+        let o = run(&ch, pieces(OpKind::Write, &src)).await;
+        assert!(o.is_success() && o.drained, "{tag}: {o:?}");
+        let file = std::fs::read(&path).unwrap();
+        for w in pieces(OpKind::Write, &src) {
+            let (r, n) = (w.remote_offset as usize, w.len as usize);
+            let there = if w.token == mem_tok {
+                bytes(&mem, w.remote_offset, n)
+            } else {
+                file[r..r + n].to_vec()
+            };
+            assert_eq!(there, bytes(&src, w.local_offset, n), "{tag}: write");
+        }
+        let o = run(&ch, pieces(OpKind::Read, &dst)).await;
+        assert!(o.is_success() && o.drained, "{tag}: {o:?}");
+        for r in pieces(OpKind::Read, &dst) {
+            let n = r.len as usize;
+            assert_eq!(
+                bytes(&dst, r.local_offset, n),
+                bytes(&src, r.local_offset, n),
+                "{tag}: read"
+            );
+        }
+    }
+}
