@@ -52,7 +52,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     depth: usize,
     /// Ops per request: each submit carries this many ops of `--op-size` (a KV-cache batch is
-    /// 1024 blocks of 32 KiB); latencies are per request.
+    /// 1024 blocks of 32 KiB); latencies, and `ops_per_s` in the report, are per request.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Put each op at a random op-aligned offset of the remote segment and of a local buffer

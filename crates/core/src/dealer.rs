@@ -122,9 +122,12 @@ pub fn deal_ops<J>(
 }
 
 /// Whether `op` may travel as a piece of a vectored request with the byte budget `budget`: a
-/// READ or WRITE of at most half the budget (so that at least two share a request).
+/// READ or WRITE of at most an eighth of the budget. Small ops gain from sharing a request;
+/// larger ones already amortise theirs, and keep their own acknowledgment (an op that shares a
+/// request completes only with the whole request, so an op stalled at the peer would hold back
+/// the completion of the ops grouped with it).
 pub fn is_piece(op: &Op, budget: u64) -> bool {
-    op.kind != OpKind::Checksum && op.len <= budget.min(MAX_CHUNK) / 2
+    op.kind != OpKind::Checksum && op.len <= budget.min(MAX_CHUNK) / 8
 }
 
 /// [`deal_ops`] for a peer that takes vectored requests (protocol version 3): runs of
@@ -492,17 +495,16 @@ mod tests {
             len,
         };
         let (w, rd, ck) = (OpKind::Write, OpKind::Read, OpKind::Checksum);
-        let ops = vec![
-            op(w, 100),
-            op(w, 100),
-            op(w, 100),
-            op(w, 300), // over the budget with the three before: a new run
-            op(rd, 10), // another kind: a new run (of one)
+        let mut ops: Vec<Op> = (0..8).map(|_| op(w, 200)).collect(); // the budget, exactly
+        ops.extend([
+            op(w, 150), // over the budget with the eight before: a new run (of one)
+            op(rd, 10), // another kind: a new run (of one, a CHECKSUM follows)
             op(ck, 10),
             op(w, 2500), // large: chunked
             op(w, 1),
             op(w, 1),
-        ];
+            op(w, 201), // over an eighth of the budget: not a piece
+        ]);
         let c = RequestControl::new(&ops);
         let dealer = Mutex::new(Dealer::new(1));
         let mut jobs: Vec<Vec<(usize, u64, u64)>> = Vec::new();
@@ -511,7 +513,7 @@ mod tests {
             &ops,
             &c,
             1000,
-            400,
+            1600,
             false,
             |op, at, len| vec![(op, at, len)],
             |members| members.iter().map(|&m| (m, 0, u64::MAX)).collect(),
@@ -528,21 +530,22 @@ mod tests {
         assert_eq!(
             shape,
             vec![
-                vec![0, 1, 2],
-                vec![3],
-                vec![4],
-                vec![5],
-                vec![6],
-                vec![6],
-                vec![6],
-                vec![7, 8]
+                (0..8).collect::<Vec<_>>(),
+                vec![8],
+                vec![9],
+                vec![10],
+                vec![11],
+                vec![11],
+                vec![11],
+                vec![12, 13],
+                vec![14],
             ]
         );
         // A single op of a run of one is an ordinary chunk (its own length).
-        assert_eq!(jobs[1], vec![(3, 0, 300)]);
-        assert_eq!(jobs[6], vec![(6, 2000, 500)]);
-        assert!(super::is_piece(&ops[0], 400));
-        assert!(!super::is_piece(&ops[5], 400));
-        assert!(!super::is_piece(&ops[3], 400));
+        assert_eq!(jobs[1], vec![(8, 0, 150)]);
+        assert_eq!(jobs[6], vec![(11, 2000, 500)]);
+        assert!(super::is_piece(&ops[0], 1600));
+        assert!(!super::is_piece(&ops[10], 1600));
+        assert!(!super::is_piece(&ops[14], 1600));
     }
 }
