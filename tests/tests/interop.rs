@@ -122,6 +122,17 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
 }
 
 async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<dyn Channel> {
+    channel_with(f, client, streams, chunk, SUPPORTED_VERSIONS).await
+}
+
+/// [`channel`] from a client whose handshake speaks `versions`.
+async fn channel_with(
+    f: &Fixture,
+    client: Side,
+    streams: usize,
+    chunk: u64,
+    versions: VersionRange,
+) -> Arc<dyn Channel> {
     let (transport, offer): (Arc<dyn Transport>, TransportOffer) = match client {
         Side::Uring(zc) => {
             let t = UringTransport::new(UringConfig {
@@ -150,7 +161,7 @@ async fn channel(f: &Fixture, client: Side, streams: usize, chunk: u64) -> Arc<d
         }
     };
     let addr = f.addr;
-    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+    let peer = tokio::task::spawn_blocking(move || peer_info_with(addr, offer, versions))
         .await
         .unwrap();
     transport.open(peer).await.unwrap()
@@ -341,6 +352,7 @@ async fn stale_epoch_stream_is_refused() {
                 offer,
                 segments: vec![],
                 session: None,
+                version: ferry_core::wire::SUPPORTED_VERSIONS.max,
             })
             .await;
         match res {
@@ -522,6 +534,7 @@ fn scripted_peer(addr: SocketAddr, streams: u16) -> PeerInfo {
         offer: TransportOffer::Tcp { streams, port: 0 },
         segments: vec![],
         session: None,
+        version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     }
 }
 
@@ -1177,4 +1190,417 @@ async fn file_segments_by_positioned_io() {
     .await;
     assert!(o.is_success(), "{o:?}");
     assert!(bytes(&back, 0, big) == bytes(&src, 0, big));
+}
+
+/// Version-2 ranges, for a peer that predates vectored requests.
+const V2: VersionRange = VersionRange { min: 1, max: 2 };
+
+/// `n` small ops of `kind` at scattered, non-overlapping slots (4 KiB apart, in a shuffled
+/// order, lengths 1 to 4000), local slot `i` for op `i`, remote slots permuted.
+fn scattered(
+    kind: OpKind,
+    local: &Arc<MemoryRegion>,
+    tok: SegmentToken,
+    n: u64,
+    seed: u64,
+) -> Vec<ferry_core::Op> {
+    let mut x = seed | 1;
+    let mut slots: Vec<u64> = (0..n).collect();
+    for i in (1..slots.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        slots.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    (0..n)
+        .map(|i| {
+            let len = 1 + (i * 7919 + seed) % 4000;
+            op(
+                kind,
+                local,
+                i * 4096 + i % 5,
+                tok,
+                slots[i as usize] * 4096 + 3,
+                len,
+            )
+        })
+        .collect()
+}
+
+/// Batches of many small ops at scattered offsets, WRITEs then READs and mixed batches (runs
+/// of WRITEs and READs of other slots in one request), move exactly their bytes in every
+/// pairing (io_uring and TCP clients against either server), over one and several streams,
+/// both with peers of protocol version 3 (vectored requests) and with a client or a server
+/// that speaks only version 2 (one request per op).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vectored_batches_move_scattered_pieces_in_every_pairing() {
+    let pairs = [
+        (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
+        (Side::Uring(ZeroCopy::Never), TCP),
+        (TCP, Side::Uring(ZeroCopy::Auto)),
+        (TCP, TCP),
+        (Side::Tcp(None), Side::Tcp(None)),
+    ];
+    for (client, server) in runnable(&pairs) {
+        for (server_versions, client_versions) in [
+            (SUPPORTED_VERSIONS, SUPPORTED_VERSIONS),
+            (V2, SUPPORTED_VERSIONS),
+            (SUPPORTED_VERSIONS, V2),
+        ] {
+            let f = start_with(server, server_versions);
+            let n = 300u64;
+            let size = (2 * n * 4096) as usize;
+            let (tok, remote) = publish(
+                &f.table,
+                "seg",
+                size,
+                Access::REMOTE_READ | Access::REMOTE_WRITE,
+            );
+            let src = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+            fill(&src, 11);
+            let dst = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+            let tag =
+                format!("{client:?}->{server:?} server {server_versions} client {client_versions}");
+            for &(streams, chunk) in &[(1usize, 64u64 << 10), (3, 1 << 20)] {
+                let ch = channel_with(&f, client, streams, chunk, client_versions).await;
+                let writes = scattered(OpKind::Write, &src, tok, n, streams as u64);
+                let o = run(&ch, writes.clone()).await;
+                assert!(o.is_success() && o.drained, "{tag}: {o:?}");
+                for w in &writes {
+                    assert_eq!(
+                        bytes(&remote, w.remote_offset, w.len as usize),
+                        bytes(&src, w.local_offset, w.len as usize),
+                        "{tag}: write"
+                    );
+                }
+                let reads: Vec<_> = writes
+                    .iter()
+                    .map(|w| {
+                        op(
+                            OpKind::Read,
+                            &dst,
+                            w.local_offset,
+                            tok,
+                            w.remote_offset,
+                            w.len,
+                        )
+                    })
+                    .collect();
+                let o = run(&ch, reads.clone()).await;
+                assert!(o.is_success() && o.drained, "{tag}: {o:?}");
+                assert_eq!(o.completed_ops, n as usize);
+                for r in &reads {
+                    assert_eq!(
+                        bytes(&dst, r.local_offset, r.len as usize),
+                        bytes(&src, r.local_offset, r.len as usize),
+                        "{tag}: read"
+                    );
+                }
+                // A mixed batch: runs of WRITEs into the upper half and READs of the lower.
+                let upper: Vec<_> = scattered(OpKind::Write, &src, tok, n, 99)
+                    .into_iter()
+                    .map(|mut w| {
+                        w.remote_offset += n * 4096;
+                        w
+                    })
+                    .collect();
+                let mut mixed = Vec::new();
+                for (k, (w, r)) in upper.iter().zip(&reads).enumerate() {
+                    if (k / 20) % 2 == 0 {
+                        mixed.push(w.clone());
+                    } else {
+                        mixed.push(r.clone());
+                    }
+                }
+                let o = run(&ch, mixed.clone()).await;
+                assert!(o.is_success() && o.drained, "{tag} mixed: {o:?}");
+                for m in &mixed {
+                    if m.kind == OpKind::Write {
+                        assert_eq!(
+                            bytes(&remote, m.remote_offset, m.len as usize),
+                            bytes(&src, m.local_offset, m.len as usize),
+                            "{tag}: mixed write"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A piece refused in the middle of a batch (out of bounds, then against the segment's rights,
+/// then an unknown segment), READs and WRITEs, in every pairing: the outcome completes exactly
+/// the ops before it, whose bytes moved, fails at it with its refusal, and no later op's bytes
+/// moved (no remote effect); the stream survives for the next batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_piece_refused_mid_batch_completes_exactly_the_ops_before_it() {
+    let pairs = [
+        (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
+        (Side::Uring(ZeroCopy::Auto), TCP),
+        (TCP, Side::Uring(ZeroCopy::Auto)),
+        (TCP, TCP),
+    ];
+    for (client, server) in runnable(&pairs) {
+        let f = start(server);
+        let (rw_tok, rw_seg) = publish(
+            &f.table,
+            "rw",
+            1 << 20,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
+        let (ro_tok, _) = publish(&f.table, "ro", 1 << 20, Access::REMOTE_READ);
+        fill(&rw_seg, 5);
+        let ch = channel(&f, client, 1, 1 << 20).await;
+        let src = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+        fill(&src, 6);
+        let dst = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+        for kind in [OpKind::Write, OpKind::Read] {
+            let local = if kind == OpKind::Write { &src } else { &dst };
+            let bads = [
+                (
+                    op(kind, local, 0, rw_tok, (1 << 20) - 10, 100),
+                    RemoteStatus::OutOfBounds,
+                ),
+                (
+                    op(kind, local, 0, SegmentToken(4242), 0, 100),
+                    RemoteStatus::UnknownSegment,
+                ),
+                (
+                    op(kind, local, 0, ro_tok, 0, 100),
+                    if kind == OpKind::Write {
+                        RemoteStatus::AccessDenied
+                    } else {
+                        // READ access is there: this one is accepted; judged below.
+                        RemoteStatus::Malformed
+                    },
+                ),
+            ];
+            for (case, (bad, status)) in bads.into_iter().enumerate() {
+                let before = bytes(&rw_seg, 0, 1 << 20);
+                let dst_before = bytes(&dst, 0, 1 << 20);
+                let mut ops: Vec<_> = (0..12u64)
+                    .map(|i| {
+                        op(
+                            kind,
+                            local,
+                            i * 8192,
+                            rw_tok,
+                            (case as u64 * 12 + i) * 8192,
+                            3000 + i,
+                        )
+                    })
+                    .collect();
+                ops[7] = bad;
+                let o = run(&ch, ops.clone()).await;
+                let tag = format!("{client:?}->{server:?} {kind:?} case {case}");
+                if status == RemoteStatus::Malformed {
+                    assert!(o.is_success(), "{tag}: {o:?}");
+                    continue;
+                }
+                assert_eq!(o.completed_ops, 7, "{tag}: {o:?}");
+                let fail = o.failure.unwrap();
+                assert_eq!(
+                    (fail.op_index, fail.kind),
+                    (7, FailureKind::Remote(status)),
+                    "{tag}"
+                );
+                assert_eq!(o.remote_effect, RemoteEffect::None, "{tag}");
+                assert!(o.drained);
+                let after = bytes(&rw_seg, 0, 1 << 20);
+                let dst_after = bytes(&dst, 0, 1 << 20);
+                for (i, x) in ops.iter().enumerate() {
+                    if i == 7 {
+                        continue;
+                    }
+                    let (l, r, n) = (
+                        x.local_offset as usize,
+                        x.remote_offset as usize,
+                        x.len as usize,
+                    );
+                    if kind == OpKind::Write {
+                        let want = if i < 7 {
+                            &bytes(&src, l as u64, n)[..]
+                        } else {
+                            &before[r..r + n]
+                        };
+                        assert_eq!(&after[r..r + n], want, "{tag}: op {i}");
+                    } else {
+                        let want = if i < 7 {
+                            &after[r..r + n]
+                        } else {
+                            &dst_before[l..l + n]
+                        };
+                        assert_eq!(&dst_after[l..l + n], want, "{tag}: op {i}");
+                    }
+                }
+            }
+            // The stream survives.
+            let o = run(
+                &ch,
+                vec![
+                    op(OpKind::Write, &src, 0, rw_tok, 0, 4096),
+                    op(OpKind::Write, &src, 0, rw_tok, 8192, 4096),
+                ],
+            )
+            .await;
+            assert!(o.is_success(), "{client:?}->{server:?}: {o:?}");
+        }
+    }
+}
+
+/// What goes on the wire: towards a peer whose common version is 2, a batch of small WRITEs is
+/// one request per op; towards version 3, one vectored request naming every op, with their bytes
+/// back to back; both clients (io_uring and TCP), a scripted server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vectored_requests_go_only_to_version_3_peers() {
+    for uring in [true, false] {
+        if uring && !uring_usable() {
+            continue;
+        }
+        for version in [2u16, 3] {
+            let (addr, h) = scripted_server(move |mut s| {
+                if version == 2 {
+                    let reqs = read_writes(&mut s, 5);
+                    let lens: Vec<u64> = reqs.iter().map(|r| r.len).collect();
+                    assert_eq!(lens, [100, 101, 102, 103, 104]);
+                    for r in &reqs {
+                        respond(&mut s, r.seq, 0);
+                    }
+                } else {
+                    let mut h = [0u8; DATA_REQUEST_LEN];
+                    s.read_exact(&mut h).unwrap();
+                    let Ok(ferry_core::wire::RequestHead::Vectored(req)) =
+                        ferry_core::wire::RequestHead::decode(&h)
+                    else {
+                        panic!("not a vectored request")
+                    };
+                    assert_eq!((req.kind, req.pieces, req.total), (OpKind::Write, 5, 510));
+                    let mut table = vec![0u8; req.table_len()];
+                    s.read_exact(&mut table).unwrap();
+                    let pieces = ferry_core::wire::decode_pieces(&req, &table).unwrap();
+                    let offs: Vec<u64> = pieces.iter().map(|p| p.offset).collect();
+                    assert_eq!(offs, [0, 1000, 2000, 3000, 4000]);
+                    let mut payload = vec![0u8; 510];
+                    s.read_exact(&mut payload).unwrap();
+                    assert_eq!(payload[..100], [1u8; 100]);
+                    let mut b = [0u8; DATA_RESPONSE_LEN];
+                    ferry_core::wire::VectoredResponse {
+                        seq: req.seq,
+                        refused: None,
+                        done: 5,
+                        len: 0,
+                    }
+                    .encode(&mut b);
+                    s.write_all(&b).unwrap();
+                }
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+            });
+            let mut peer = scripted_peer(addr, 1);
+            peer.version = version;
+            let ch = if uring {
+                UringTransport::new(UringConfig {
+                    streams: 1,
+                    ..UringConfig::default()
+                })
+                .unwrap()
+                .open(peer)
+                .await
+                .unwrap()
+            } else {
+                TcpTransport::new(TcpConfig {
+                    streams: 1,
+                    ..TcpConfig::default()
+                })
+                .open(peer)
+                .await
+                .unwrap()
+            };
+            let src = Arc::new(MemoryRegion::alloc_zeroed(8192, 64).unwrap());
+            src.write_at(0, &[1u8; 8192]).unwrap();
+            let ops = (0..5u64)
+                .map(|i| {
+                    op(
+                        OpKind::Write,
+                        &src,
+                        i * 200,
+                        SegmentToken(5),
+                        i * 1000,
+                        100 + i,
+                    )
+                })
+                .collect();
+            let o = run(&ch, ops).await;
+            assert!(
+                o.is_success() && o.drained,
+                "uring {uring} version {version}: {o:?}"
+            );
+            drop(ch);
+            h.join().unwrap();
+        }
+    }
+}
+
+/// A vectored batch whose pieces alternate between a memory segment and a file segment moves
+/// every piece, WRITE then READ, on both servers (file pieces by positioned I/O).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vectored_batches_mix_file_and_memory_pieces() {
+    let uring = Side::Uring(ZeroCopy::Auto);
+    for (client, server) in runnable(&[(TCP, TCP), (uring, uring), (TCP, uring)]) {
+        let f = start(server);
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("file");
+        std::fs::write(&path, vec![0u8; 64 << 10]).unwrap();
+        let file_tok = SegmentToken::random();
+        let seg = Arc::new(
+            ferry_file::FileSegment::open(&path, Access::REMOTE_READ | Access::REMOTE_WRITE)
+                .unwrap(),
+        );
+        f.table
+            .files
+            .lock()
+            .unwrap()
+            .insert(file_tok, ("file".into(), seg));
+        let (mem_tok, mem) = publish(
+            &f.table,
+            "mem",
+            64 << 10,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
+        let ch = channel(&f, client, 1, 64 << 10).await;
+        let src = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+        fill(&src, 17);
+        let dst = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+        let pieces = |kind, local: &Arc<MemoryRegion>| -> Vec<ferry_core::Op> {
+            (0..10u64)
+                .map(|i| {
+                    let tok = if i % 2 == 0 { mem_tok } else { file_tok };
+                    op(kind, local, i * 3000, tok, i * 5000 + 7, 1000 + i * 100)
+                })
+                .collect()
+        };
+        let tag = format!("{client:?}->{server:?}");
+        let o = run(&ch, pieces(OpKind::Write, &src)).await;
+        assert!(o.is_success() && o.drained, "{tag}: {o:?}");
+        let file = std::fs::read(&path).unwrap();
+        for w in pieces(OpKind::Write, &src) {
+            let (r, n) = (w.remote_offset as usize, w.len as usize);
+            let there = if w.token == mem_tok {
+                bytes(&mem, w.remote_offset, n)
+            } else {
+                file[r..r + n].to_vec()
+            };
+            assert_eq!(there, bytes(&src, w.local_offset, n), "{tag}: write");
+        }
+        let o = run(&ch, pieces(OpKind::Read, &dst)).await;
+        assert!(o.is_success() && o.drained, "{tag}: {o:?}");
+        for r in pieces(OpKind::Read, &dst) {
+            let n = r.len as usize;
+            assert_eq!(
+                bytes(&dst, r.local_offset, n),
+                bytes(&src, r.local_offset, n),
+                "{tag}: read"
+            );
+        }
+    }
 }

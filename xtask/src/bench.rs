@@ -23,6 +23,7 @@ use crate::util::{
 const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench uring [options of bench_uring]
        cargo xtask bench latency [--ops N] [--repeat N]
+       cargo xtask bench small [--repeat N] [--ops N] [--total BYTES] [--blocks N] [--block BYTES] [--no-mooncake]
        cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
        cargo xtask bench python [--total BYTES] [--repeat N]
        cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES]
@@ -34,6 +35,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("tcp") => tcp(&args[1..]),
         Some("uring") => crate::bench_uring::run(&args[1..]),
         Some("latency") => crate::bench_latency::run(&args[1..]),
+        Some("small") => crate::bench_small::run(&args[1..]),
         Some("ab") => crate::bench_ab::run(&args[1..]),
         Some("python") => crate::python::bench(&args[1..]),
         Some("broadcast") => crate::bench_broadcast::run(&args[1..]),

@@ -19,7 +19,7 @@ use anyhow::{Context, Result, bail};
 use crate::util::{cargo, ferry_bench_json, median, run as run_loud};
 
 /// p50 of a bare 64-byte TCP ping-pong over loopback, in microseconds.
-fn ping_pong(ops: usize) -> Result<f64> {
+pub(crate) fn ping_pong(ops: usize) -> Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0").context("bind")?;
     let addr = listener.local_addr()?;
     let echo = std::thread::spawn(move || -> Result<()> {
@@ -54,7 +54,7 @@ fn ping_pong(ops: usize) -> Result<f64> {
 }
 
 /// p50 of `ferry bench` 64-byte WRITEs, one in flight.
-fn ferry(ops: usize, extra: &[&str]) -> Result<f64> {
+pub(crate) fn ferry(ops: usize, extra: &[&str]) -> Result<f64> {
     let total = (ops * 64).to_string();
     let mut args = vec![
         "--op",

@@ -3,7 +3,7 @@
 //!
 //! The toolchain here is stable, so coverage-guided fuzzing (cargo-fuzz needs nightly) is
 //! replaced by property tests with a large case count: control frames, data-request and
-//! response headers and the handshake replies (`ferry-core` `wire` and `stream::sim`), the
+//! response headers (vectored ones and their piece tables too) and the handshake replies (`ferry-core` `wire` and `stream::sim`), the
 //! server's checks of requests from outside and the client's matching of responses
 //! (`ferry-core` `stream::sim`, the `fuzz_` tests), socket-level control-frame reading
 //! (`ferry-net`), and the NIC filter syntax (`ferry-topology` `filter_fuzz`). `cargo xtask ci`

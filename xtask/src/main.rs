@@ -7,6 +7,7 @@ mod bench;
 mod bench_ab;
 mod bench_broadcast;
 mod bench_latency;
+mod bench_small;
 mod bench_uring;
 mod bindgen;
 mod ci;
@@ -31,6 +32,9 @@ tasks:
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
   bench latency [--ops N] [--repeat N]
                          64-byte round trips of ferry bench against a bare TCP ping-pong
+  bench small [--repeat N] [--ops N] [--total BYTES] [--blocks N] [--block BYTES] [--no-mooncake]
+                         small ops: 64 B round trip vs a TCP ping-pong, 64 KiB ops vs iperf3,
+                         a scattered KV-cache batch vs one op of its bytes, Mooncake's TCP batch
   bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
                          this tree's ferry bench against another build, alternating rounds
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each

@@ -48,9 +48,18 @@ pub(crate) struct BenchArgs {
     /// TCP streams per peer.
     #[arg(long, default_value_t = 1)]
     streams: usize,
-    /// Ops in flight.
+    /// Ops in flight (with `--batch`: requests in flight).
     #[arg(long, default_value_t = 8)]
     depth: usize,
+    /// Ops per request: each submit carries this many ops of `--op-size` (a KV-cache batch is
+    /// 1024 blocks of 32 KiB); latencies, and `ops_per_s` in the report, are per request.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Put each op at a random op-aligned offset of the remote segment and of a local buffer
+    /// as large as the segment (blocks scattered over a paged cache), instead of cycling
+    /// through slots.
+    #[arg(long)]
+    scatter: bool,
     /// Largest chunk an op is split into on TCP and io_uring (one data-plane request and one
     /// acknowledgment each).
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
@@ -505,7 +514,12 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     // alike (iperf3 reuses one `-l` buffer on each side): with a 1 MiB segment both ends stay
     // cache-warm, as they do for iperf3. Concurrent READs may land in the same local slot; the
     // bench never looks at the bytes, and no Rust reference to registered memory exists.
-    let local_slots = slots_in_remote.min(depth as u64);
+    let batch = args.batch.max(1) as u64;
+    let local_slots = if args.scatter {
+        slots_in_remote
+    } else {
+        slots_in_remote.min(depth as u64 * batch)
+    };
     let local_len = (args.op_size * local_slots) as usize;
     // The host buffer, for `--verify` (which conflicts with `--gpu`).
     let mut host_region = None;
@@ -533,7 +547,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         (None, None) => Some(4 << 30),
     };
     let deadline = args.duration.map(Duration::from_secs_f64);
-    let ops_budget = total.map(|t| t.div_ceil(args.op_size));
+    let ops_budget = total.map(|t| t.div_ceil(args.op_size).max(batch));
     let claimed = Arc::new(AtomicU64::new(0));
     let moved = Arc::new(AtomicU64::new(0));
 
@@ -562,29 +576,41 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         let claimed = claimed.clone();
         let moved = moved.clone();
         let op_size = args.op_size;
+        let scatter = args.scatter;
         workers.spawn(async move {
             let mut lat = Histogram::default();
+            let mut rng = 0x2545_f491_4f6c_dd1du64 ^ (start.elapsed().as_nanos() as u64);
             loop {
-                let n = claimed.fetch_add(1, Ordering::Relaxed);
-                if ops_budget.is_some_and(|b| n >= b)
+                let n = claimed.fetch_add(batch, Ordering::Relaxed);
+                if ops_budget.is_some_and(|b| n + batch > b)
                     || deadline.is_some_and(|d| start.elapsed() >= d)
                 {
                     break;
                 }
-                let local_off = (n % local_slots) * op_size;
-                let remote_off = (n % slots_in_remote) * op_size;
-                let batch = if is_read {
-                    Batch::new().read(&local, local_off, &remote, remote_off, op_size)
-                } else {
-                    Batch::new().write(&local, local_off, &remote, remote_off, op_size)
-                };
+                let mut ops = Batch::new();
+                for k in n..n + batch {
+                    let (local_off, remote_off) = if scatter {
+                        let l = xorshift(&mut rng) % local_slots;
+                        (
+                            l * op_size,
+                            (xorshift(&mut rng) % slots_in_remote) * op_size,
+                        )
+                    } else {
+                        ((k % local_slots) * op_size, (k % slots_in_remote) * op_size)
+                    };
+                    ops = if is_read {
+                        ops.read(&local, local_off, &remote, remote_off, op_size)
+                    } else {
+                        ops.write(&local, local_off, &remote, remote_off, op_size)
+                    };
+                }
                 let t0 = Instant::now();
-                let outcome = engine.submit(batch)?.await;
+                let outcome = engine.submit(ops)?.await;
                 if let Some(f) = outcome.failure {
-                    bail!("op {n} failed: {} (op {})", f.kind, f.op_index);
+                    bail!("request {n} failed: {} (op {})", f.kind, f.op_index);
                 }
                 lat.record(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
-                moved.fetch_add(op_size, Ordering::Relaxed);
+                moved.fetch_add(op_size * batch, Ordering::Relaxed);
             }
             Ok(lat)
         });
@@ -667,6 +693,16 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         depth,
         peer: args.peer.clone().unwrap_or_else(|| "loopback".into()),
     })
+}
+
+/// The next xorshift64 number of `state` (not zero).
+fn xorshift(state: &mut u64) -> u64 {
+    let mut x = (*state).max(1);
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    x
 }
 
 /// `len` bytes of xorshift64 output (fast, and incompressible enough for a benchmark).

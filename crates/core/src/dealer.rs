@@ -13,6 +13,7 @@ use std::sync::{Mutex, PoisonError};
 
 use crate::op::{Op, OpKind};
 use crate::outcome::{FailureKind, RequestControl};
+use crate::wire::{MAX_CHUNK, MAX_PIECES};
 
 /// The chunks of one channel not yet taken by its streams, one queue per stream.
 #[derive(Debug)]
@@ -111,12 +112,127 @@ pub fn deal_ops<J>(
     control: &RequestControl,
     chunk: u64,
     closed: bool,
+    job: impl FnMut(usize, u64, u64) -> J,
+    undealt: impl FnMut(J),
+    wake: impl FnMut(StreamSet),
+) {
+    deal(
+        dealer, ops, control, chunk, closed, job, None, undealt, wake,
+    );
+}
+
+/// Whether `op` may travel as a piece of a vectored request with the byte budget `budget`: a
+/// READ or WRITE of at most an eighth of the budget. Small ops gain from sharing a request;
+/// larger ones already amortise theirs, and keep their own acknowledgment (an op that shares a
+/// request completes only with the whole request, so an op stalled at the peer would hold back
+/// the completion of the ops grouped with it).
+pub fn is_piece(op: &Op, budget: u64) -> bool {
+    op.kind != OpKind::Checksum && op.len <= budget.min(MAX_CHUNK) / 8
+}
+
+/// [`deal_ops`] for a peer that takes vectored requests (protocol version 3): runs of
+/// consecutive small ops of one kind ([`is_piece`]) are grouped, whole, into one job of at most
+/// `budget` bytes (at most [`MAX_CHUNK`]) and [`MAX_PIECES`] ops, made by `group(ops)` (it
+/// counts one chunk per op); each of their ops is planned as one chunk. A run of one is an
+/// ordinary `job`; other ops are chunked as [`deal_ops`] does.
+#[allow(clippy::too_many_arguments)]
+pub fn deal_ops_grouped<J>(
+    dealer: &Mutex<Dealer<J>>,
+    ops: &[Op],
+    control: &RequestControl,
+    chunk: u64,
+    budget: u64,
+    closed: bool,
+    job: impl FnMut(usize, u64, u64) -> J,
+    mut group: impl FnMut(&[usize]) -> J,
+    undealt: impl FnMut(J),
+    wake: impl FnMut(StreamSet),
+) {
+    deal(
+        dealer,
+        ops,
+        control,
+        chunk,
+        closed,
+        job,
+        Some((budget, &mut group)),
+        undealt,
+        wake,
+    );
+}
+
+type Grouper<'a, J> = (u64, &'a mut dyn FnMut(&[usize]) -> J);
+
+#[allow(clippy::too_many_arguments)]
+fn deal<J>(
+    dealer: &Mutex<Dealer<J>>,
+    ops: &[Op],
+    control: &RequestControl,
+    chunk: u64,
+    closed: bool,
     mut job: impl FnMut(usize, u64, u64) -> J,
+    mut grouper: Option<Grouper<'_, J>>,
     mut undealt: impl FnMut(J),
     mut wake: impl FnMut(StreamSet),
 ) {
     let chunk = chunk.max(1);
-    for (i, op) in ops.iter().enumerate() {
+    let mut i = 0;
+    let mut members: Vec<usize> = Vec::new();
+    while i < ops.len() {
+        let op = &ops[i];
+        // A run of small ops of one kind, for one vectored request.
+        members.clear();
+        if let Some((budget, _)) = &grouper
+            && is_piece(op, *budget)
+        {
+            let budget = (*budget).min(MAX_CHUNK);
+            let mut bytes = 0u64;
+            let mut j = i;
+            while j < ops.len()
+                && members.len() < MAX_PIECES as usize
+                && ops[j].kind == op.kind
+                && is_piece(&ops[j], budget)
+                && bytes + ops[j].len <= budget
+            {
+                bytes += ops[j].len;
+                members.push(j);
+                j += 1;
+            }
+        }
+        if members.len() > 1 {
+            control.with_ledger(|l| {
+                for &k in &members {
+                    l.plan(k, 1);
+                }
+            });
+            let mut dealt = StreamSet::default();
+            let mut lost = closed;
+            if !closed && !control.should_stop_posting() {
+                let mut d = dealer.lock().unwrap_or_else(PoisonError::into_inner);
+                let made = match &mut grouper {
+                    Some((_, g)) => g(&members),
+                    None => break,
+                };
+                match d.deal(made) {
+                    Ok(k) => dealt.add(k),
+                    Err(j) => {
+                        undealt(j);
+                        lost = true;
+                    }
+                }
+            }
+            if !dealt.is_empty() {
+                wake(dealt);
+            }
+            if lost {
+                control.with_ledger(|l| l.not_posted(i, FailureKind::PeerLost, None));
+            }
+            if lost || control.should_stop_posting() {
+                return;
+            }
+            i += members.len();
+            continue;
+        }
         // A CHECKSUM is one chunk however long its range: the peer hashes the whole of it.
         let chunk = if op.kind == OpKind::Checksum {
             op.len.max(1)
@@ -157,6 +273,7 @@ pub fn deal_ops<J>(
         if lost || control.should_stop_posting() {
             return;
         }
+        i += 1;
     }
 }
 
@@ -196,7 +313,7 @@ impl StreamSet {
 mod tests {
     use std::sync::{Arc, Mutex};
 
-    use super::{Dealer, StreamSet, deal_ops};
+    use super::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
     use crate::ids::SegmentToken;
     use crate::memory::MemoryRegion;
     use crate::op::{Op, OpKind};
@@ -360,5 +477,75 @@ mod tests {
         assert!(s.contains(0) && s.contains(63) && !s.contains(1) && !s.contains(64));
         s.add(100);
         assert!(s.contains(64) && s.contains(100) && !s.is_empty());
+    }
+
+    /// With a group budget, runs of small ops of one kind become one job each, of at most the
+    /// budget's bytes; a change of kind, a CHECKSUM or a large op ends a run; a run of one is an
+    /// ordinary job; large ops are chunked as without a budget; every grouped op is planned as
+    /// one chunk.
+    #[test]
+    fn grouped_dealing_makes_vectored_jobs_by_budget_and_kind() {
+        let r = Arc::new(MemoryRegion::from_vec(vec![0; 64]));
+        let op = |kind, len| Op {
+            kind,
+            local: r.clone(),
+            local_offset: 0,
+            token: SegmentToken(1),
+            remote_offset: 0,
+            len,
+        };
+        let (w, rd, ck) = (OpKind::Write, OpKind::Read, OpKind::Checksum);
+        let mut ops: Vec<Op> = (0..8).map(|_| op(w, 200)).collect(); // the budget, exactly
+        ops.extend([
+            op(w, 150), // over the budget with the eight before: a new run (of one)
+            op(rd, 10), // another kind: a new run (of one, a CHECKSUM follows)
+            op(ck, 10),
+            op(w, 2500), // large: chunked
+            op(w, 1),
+            op(w, 1),
+            op(w, 201), // over an eighth of the budget: not a piece
+        ]);
+        let c = RequestControl::new(&ops);
+        let dealer = Mutex::new(Dealer::new(1));
+        let mut jobs: Vec<Vec<(usize, u64, u64)>> = Vec::new();
+        deal_ops_grouped(
+            &dealer,
+            &ops,
+            &c,
+            1000,
+            1600,
+            false,
+            |op, at, len| vec![(op, at, len)],
+            |members| members.iter().map(|&m| (m, 0, u64::MAX)).collect(),
+            |_| {},
+            |_| {},
+        );
+        while let Some(j) = dealer.lock().unwrap().take(0, false) {
+            jobs.push(j);
+        }
+        let shape: Vec<Vec<usize>> = jobs
+            .iter()
+            .map(|j| j.iter().map(|x| x.0).collect())
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (0..8).collect::<Vec<_>>(),
+                vec![8],
+                vec![9],
+                vec![10],
+                vec![11],
+                vec![11],
+                vec![11],
+                vec![12, 13],
+                vec![14],
+            ]
+        );
+        // A single op of a run of one is an ordinary chunk (its own length).
+        assert_eq!(jobs[1], vec![(8, 0, 150)]);
+        assert_eq!(jobs[6], vec![(11, 2000, 500)]);
+        assert!(super::is_piece(&ops[0], 1600));
+        assert!(!super::is_piece(&ops[10], 1600));
+        assert!(!super::is_piece(&ops[14], 1600));
     }
 }

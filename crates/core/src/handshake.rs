@@ -398,6 +398,7 @@ mod tests {
             offer,
             segments: vec![],
             session: None,
+            version: crate::wire::SUPPORTED_VERSIONS.max,
         };
         let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {
             streams: 0,

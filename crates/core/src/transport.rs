@@ -85,6 +85,9 @@ pub struct PeerInfo {
     /// The authenticated session with the peer, if the handshake authenticated (client side:
     /// its data streams attach with its proof).
     pub session: Option<Arc<crate::auth::Session>>,
+    /// The protocol version both ends speak (the newest in both ranges): vectored requests
+    /// only from [`VECTORED_VERSION`](crate::wire::VECTORED_VERSION) on.
+    pub version: u16,
 }
 
 /// One kind of data plane.

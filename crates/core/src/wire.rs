@@ -19,9 +19,17 @@ pub const MAGIC: [u8; 4] = *b"FRRY";
 /// The protocol versions this build speaks. Version 2 adds the CHECKSUM data request
 /// ([`OpKind::Checksum`]); frames and the other data requests are unchanged, so a version-1 peer
 /// is spoken to in version 1 and is never sent a CHECKSUM (the facade refuses it locally).
-pub const SUPPORTED_VERSIONS: VersionRange = VersionRange { min: 1, max: 2 };
+/// Version 3 adds vectored requests ([`VectoredRequest`]); an older peer gets one request per
+/// chunk, as before.
+pub const SUPPORTED_VERSIONS: VersionRange = VersionRange { min: 1, max: 3 };
 /// The first protocol version with the CHECKSUM data request.
 pub const CHECKSUM_VERSION: u16 = 2;
+/// The first protocol version with vectored requests ([`VectoredRequest`]).
+pub const VECTORED_VERSION: u16 = 3;
+/// Largest number of pieces in one vectored request.
+pub const MAX_PIECES: u32 = 1024;
+/// Size of one piece in a vectored request's piece table.
+pub const PIECE_LEN: usize = 24;
 /// Size of a control frame header.
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// Largest control frame body accepted.
@@ -904,6 +912,9 @@ const OP_READ: u8 = 1;
 const OP_WRITE: u8 = 2;
 const OP_CHECKSUM: u8 = 3;
 const OP_RESPONSE: u8 = 0x81;
+const OP_VREAD: u8 = 4;
+const OP_VWRITE: u8 = 5;
+const OP_VRESPONSE: u8 = 0x82;
 
 /// A data-plane request header: one chunk of one op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1026,20 +1037,7 @@ impl DataResponse {
                 code: op.into(),
             });
         }
-        let refused = match r.u8("status")? {
-            0 => None,
-            1 => Some(RemoteStatus::UnknownSegment),
-            2 => Some(RemoteStatus::OutOfBounds),
-            3 => Some(RemoteStatus::AccessDenied),
-            4 => Some(RemoteStatus::StaleEpoch),
-            5 => Some(RemoteStatus::Malformed),
-            c => {
-                return Err(WireError::UnknownCode {
-                    field: "status",
-                    code: c.into(),
-                });
-            }
-        };
+        let refused = status_from_code(r.u8("status")?)?;
         let also_acks = r.u16("also acks")?;
         let seq = r.u32("seq")?;
         let len = r.u64("length")?;
@@ -1057,6 +1055,246 @@ impl DataResponse {
             also_acks,
         })
     }
+}
+
+/// A vectored data request header (protocol version 3): one READ or WRITE of many pieces, each
+/// a (segment, offset, length), whose bytes travel as one payload in piece order.
+///
+/// Layout (32 bytes, the size of a [`DataRequest`]): `op u8 (4: READ, 5: WRITE) | flags u8 (0) |
+/// reserved u16 | seq u32 | pieces u32 | reserved u32 | reserved u64 | total u64`. The piece
+/// table follows the header: `pieces` records of [`PIECE_LEN`] bytes (`token u64 | offset u64 |
+/// len u64`, see [`decode_pieces`]); a WRITE's payload of `total` bytes follows the table.
+///
+/// The server checks the pieces in order before it moves a byte and performs the longest prefix
+/// it accepts: its [`VectoredResponse`] says how many pieces were done and why the next one was
+/// refused; no piece after a refused one is touched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VectoredRequest {
+    /// READ or WRITE.
+    pub kind: OpKind,
+    /// Sequence number on its stream (echoed in the response).
+    pub seq: u32,
+    /// Pieces in the table (1 to [`MAX_PIECES`]).
+    pub pieces: u32,
+    /// The sum of the pieces' lengths (at most [`MAX_CHUNK`]).
+    pub total: u64,
+}
+
+impl VectoredRequest {
+    /// Encodes into a fixed buffer (no allocation).
+    pub fn encode(&self, out: &mut [u8; DATA_REQUEST_LEN]) {
+        *out = [0u8; DATA_REQUEST_LEN];
+        out[0] = match self.kind {
+            OpKind::Write => OP_VWRITE,
+            OpKind::Read | OpKind::Checksum => OP_VREAD,
+        };
+        out[4..8].copy_from_slice(&self.seq.to_le_bytes());
+        out[8..12].copy_from_slice(&self.pieces.to_le_bytes());
+        out[24..32].copy_from_slice(&self.total.to_le_bytes());
+    }
+
+    /// Bytes of the piece table that follows the header.
+    pub fn table_len(&self) -> usize {
+        self.pieces as usize * PIECE_LEN
+    }
+}
+
+/// One piece of a vectored request: a range of a remote segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// The segment.
+    pub token: SegmentToken,
+    /// Offset in the segment.
+    pub offset: u64,
+    /// Length (at most [`MAX_CHUNK`]).
+    pub len: u64,
+}
+
+impl Piece {
+    /// Appends the piece's table record to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        put_u64(out, self.token.0);
+        put_u64(out, self.offset);
+        put_u64(out, self.len);
+    }
+}
+
+/// Decodes the piece table of `req` from `buf`: the count is checked against [`MAX_PIECES`] and
+/// against the bytes in `buf` before anything is allocated, every length against [`MAX_CHUNK`],
+/// and the lengths must add up to `req.total` exactly (no overflow); `buf` must hold nothing
+/// else.
+pub fn decode_pieces(req: &VectoredRequest, buf: &[u8]) -> Result<Vec<Piece>, WireError> {
+    let mut r = Reader::new(buf);
+    let n = r.count(
+        req.pieces.into(),
+        MAX_PIECES as usize,
+        PIECE_LEN,
+        "piece count",
+    )?;
+    let mut pieces = Vec::with_capacity(n);
+    let mut sum = 0u64;
+    for _ in 0..n {
+        let p = Piece {
+            token: SegmentToken(r.u64("piece token")?),
+            offset: r.u64("piece offset")?,
+            len: r.u64("piece length")?,
+        };
+        if p.len > MAX_CHUNK {
+            return Err(WireError::TooLarge {
+                field: "piece length",
+                value: p.len,
+                limit: MAX_CHUNK,
+            });
+        }
+        sum = sum.saturating_add(p.len);
+        pieces.push(p);
+    }
+    r.finish("piece table")?;
+    if sum != req.total {
+        return Err(WireError::TooLarge {
+            field: "sum of piece lengths (must equal the request's total)",
+            value: sum,
+            limit: req.total,
+        });
+    }
+    Ok(pieces)
+}
+
+/// A request header as it arrives: one chunk ([`DataRequest`]) or a vectored request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestHead {
+    /// One chunk of one op.
+    Single(DataRequest),
+    /// Many pieces (protocol version 3); the piece table follows.
+    Vectored(VectoredRequest),
+}
+
+impl RequestHead {
+    /// Decodes and checks a header: a vectored one's piece count against [`MAX_PIECES`] (and
+    /// 0) and its total against [`MAX_CHUNK`].
+    pub fn decode(buf: &[u8; DATA_REQUEST_LEN]) -> Result<Self, WireError> {
+        let kind = match buf[0] {
+            OP_VREAD => OpKind::Read,
+            OP_VWRITE => OpKind::Write,
+            _ => return DataRequest::decode(buf).map(RequestHead::Single),
+        };
+        let mut r = Reader::new(&buf[4..]);
+        let seq = r.u32("seq")?;
+        let pieces = r.u32("piece count")?;
+        let _reserved = r.u32("reserved")?;
+        let _reserved = r.u64("reserved")?;
+        let total = r.u64("total length")?;
+        if pieces == 0 || pieces > MAX_PIECES {
+            return Err(WireError::TooLarge {
+                field: "piece count (1 up)",
+                value: pieces.into(),
+                limit: MAX_PIECES.into(),
+            });
+        }
+        if total > MAX_CHUNK {
+            return Err(WireError::TooLarge {
+                field: "vectored length",
+                value: total,
+                limit: MAX_CHUNK,
+            });
+        }
+        Ok(RequestHead::Vectored(VectoredRequest {
+            kind,
+            seq,
+            pieces,
+            total,
+        }))
+    }
+}
+
+/// The response to a vectored request (16 bytes): `op u8 (0x82) | status u8 | reserved u16 |
+/// seq u32 | done u32 | len u32`. The first `done` pieces were performed; when `done` is less
+/// than the request's piece count, `refused` says why piece `done` was refused (and no later
+/// piece was touched). `len` payload bytes follow: an accepted READ's pieces, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VectoredResponse {
+    /// The request's sequence number.
+    pub seq: u32,
+    /// Why piece `done` was refused; `None` when every piece was done.
+    pub refused: Option<RemoteStatus>,
+    /// Pieces performed, from the first.
+    pub done: u32,
+    /// Payload bytes that follow (a READ's done pieces, else 0).
+    pub len: u32,
+}
+
+impl VectoredResponse {
+    /// Encodes into a fixed buffer (no allocation).
+    pub fn encode(&self, out: &mut [u8; DATA_RESPONSE_LEN]) {
+        out[0] = OP_VRESPONSE;
+        out[1] = status_code(self.refused);
+        out[2..4].copy_from_slice(&[0, 0]);
+        out[4..8].copy_from_slice(&self.seq.to_le_bytes());
+        out[8..12].copy_from_slice(&self.done.to_le_bytes());
+        out[12..16].copy_from_slice(&self.len.to_le_bytes());
+    }
+}
+
+/// A response header as it arrives: to one chunk or to a vectored request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseHead {
+    /// To one chunk.
+    Single(DataResponse),
+    /// To a vectored request.
+    Vectored(VectoredResponse),
+}
+
+impl ResponseHead {
+    /// Decodes and checks a header (lengths against [`MAX_CHUNK`], `done` against
+    /// [`MAX_PIECES`]).
+    pub fn decode(buf: &[u8; DATA_RESPONSE_LEN]) -> Result<Self, WireError> {
+        if buf[0] != OP_VRESPONSE {
+            return DataResponse::decode(buf).map(ResponseHead::Single);
+        }
+        let mut r = Reader::new(&buf[1..]);
+        let refused = status_from_code(r.u8("status")?)?;
+        let _reserved = r.u16("reserved")?;
+        let seq = r.u32("seq")?;
+        let done = r.u32("pieces done")?;
+        let len = r.u32("length")?;
+        if done > MAX_PIECES {
+            return Err(WireError::TooLarge {
+                field: "pieces done",
+                value: done.into(),
+                limit: MAX_PIECES.into(),
+            });
+        }
+        if u64::from(len) > MAX_CHUNK {
+            return Err(WireError::TooLarge {
+                field: "response length",
+                value: len.into(),
+                limit: MAX_CHUNK,
+            });
+        }
+        Ok(ResponseHead::Vectored(VectoredResponse {
+            seq,
+            refused,
+            done,
+            len,
+        }))
+    }
+}
+
+fn status_from_code(c: u8) -> Result<Option<RemoteStatus>, WireError> {
+    Ok(match c {
+        0 => None,
+        1 => Some(RemoteStatus::UnknownSegment),
+        2 => Some(RemoteStatus::OutOfBounds),
+        3 => Some(RemoteStatus::AccessDenied),
+        4 => Some(RemoteStatus::StaleEpoch),
+        5 => Some(RemoteStatus::Malformed),
+        c => {
+            return Err(WireError::UnknownCode {
+                field: "status",
+                code: c.into(),
+            });
+        }
+    })
 }
 
 #[cfg(test)]
@@ -1226,6 +1464,50 @@ mod tests {
         let mut b = [0u8; DATA_RESPONSE_LEN];
         resp.encode(&mut b);
         assert_eq!(DataResponse::decode(&b), Ok(resp));
+    }
+
+    #[test]
+    fn vectored_headers_roundtrip_and_check_counts() {
+        let req = VectoredRequest {
+            kind: OpKind::Read,
+            seq: 5,
+            pieces: 3,
+            total: 96,
+        };
+        let mut b = [0u8; DATA_REQUEST_LEN];
+        req.encode(&mut b);
+        assert_eq!(RequestHead::decode(&b), Ok(RequestHead::Vectored(req)));
+        // An older peer's decoder refuses the op code (it is never sent one).
+        assert!(DataRequest::decode(&b).is_err());
+        for pieces in [0, MAX_PIECES + 1] {
+            VectoredRequest { pieces, ..req }.encode(&mut b);
+            assert!(RequestHead::decode(&b).is_err());
+        }
+        let resp = VectoredResponse {
+            seq: 5,
+            refused: Some(RemoteStatus::AccessDenied),
+            done: 2,
+            len: 64,
+        };
+        let mut b = [0u8; DATA_RESPONSE_LEN];
+        resp.encode(&mut b);
+        assert_eq!(ResponseHead::decode(&b), Ok(ResponseHead::Vectored(resp)));
+        assert!(DataResponse::decode(&b).is_err());
+        VectoredResponse {
+            done: MAX_PIECES + 1,
+            ..resp
+        }
+        .encode(&mut b);
+        assert!(ResponseHead::decode(&b).is_err());
+        // A count larger than the bytes is refused before allocation.
+        let liar = VectoredRequest {
+            pieces: MAX_PIECES,
+            ..req
+        };
+        assert!(matches!(
+            decode_pieces(&liar, &[0u8; PIECE_LEN]),
+            Err(WireError::Truncated { .. })
+        ));
     }
 
     #[test]
@@ -1467,9 +1749,47 @@ mod tests {
             let _ = ControlFrame::decode(&with_magic);
             if let Some(h) = bytes.first_chunk::<DATA_REQUEST_LEN>() {
                 let _ = DataRequest::decode(h);
+                if let Ok(RequestHead::Vectored(v)) = RequestHead::decode(h) {
+                    let _ = decode_pieces(&v, &bytes[DATA_REQUEST_LEN..]);
+                }
             }
             if let Some(h) = bytes.first_chunk::<DATA_RESPONSE_LEN>() {
                 let _ = DataResponse::decode(h);
+                let _ = ResponseHead::decode(h);
+            }
+        }
+
+        /// A piece table decodes only when its count, its bytes and its lengths' sum agree,
+        /// whatever count and total the header claims; it never panics and never allocates
+        /// more records than the bytes hold.
+        #[test]
+        fn piece_tables_roundtrip_and_lies_are_refused(
+            pieces in proptest::collection::vec((any::<u64>(), any::<u64>(), 0..=MAX_CHUNK), 1..40),
+            count in any::<u32>(),
+            total in any::<u64>(),
+            cut in any::<usize>(),
+        ) {
+            let mut buf = Vec::new();
+            let mut sum = 0u64;
+            for &(t, o, l) in &pieces {
+                Piece { token: SegmentToken(t), offset: o, len: l }.encode(&mut buf);
+                sum = sum.saturating_add(l);
+            }
+            let honest = VectoredRequest { kind: OpKind::Write, seq: 9, pieces: pieces.len() as u32, total: sum };
+            let decoded = decode_pieces(&honest, &buf).unwrap();
+            prop_assert_eq!(decoded.len(), pieces.len());
+            let liar = VectoredRequest { kind: OpKind::Read, seq: 9, pieces: count, total };
+            let r = decode_pieces(&liar, &buf[..cut % (buf.len() + 1)]);
+            if let Ok(p) = r {
+                prop_assert_eq!(p.len() as u32, count);
+                prop_assert_eq!(p.iter().map(|p| p.len).sum::<u64>(), total);
+            }
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            honest.encode(&mut h);
+            if sum <= MAX_CHUNK {
+                prop_assert_eq!(RequestHead::decode(&h), Ok(RequestHead::Vectored(honest)));
+            } else {
+                prop_assert!(RequestHead::decode(&h).is_err());
             }
         }
 

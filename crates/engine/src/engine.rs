@@ -430,6 +430,7 @@ impl TransferEngine {
             offer,
             segments: server.segments.clone(),
             session,
+            version,
         };
         let channel = transport.open(info).await?;
         drop(reservation);

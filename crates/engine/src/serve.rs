@@ -283,6 +283,7 @@ impl HandshakeResponder for Responder {
                 offer: offer.clone(),
                 segments: hello.segments.clone(),
                 session: None,
+                version: self.versions.common(hello.versions).unwrap_or(1),
             };
             match t.accept(&info) {
                 Ok(o) => transports.push(o),

@@ -47,7 +47,7 @@ async fn checksums_match_local_bytes_on_both_data_planes_in_every_pairing() -> R
         for client_plane in planes() {
             let client = TransferEngine::builder().data_plane(client_plane).build()?;
             let peer = client.connect(addr).await?;
-            assert_eq!(peer.protocol_version(), 2);
+            assert_eq!(peer.protocol_version(), ferry::SUPPORTED_VERSIONS.max);
             let seg = peer.segment("mem")?;
             for (off, len) in [
                 (0u64, mem.len() as u64),

@@ -12,8 +12,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
-use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution};
+use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -23,7 +23,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tracing::debug;
 
-use crate::io::{RawRange, recv_buf, recv_exact, send_all, shutdown};
+use crate::io::{RawRange, recv_buf, recv_exact, recv_vectored, send_all, send_vectored, shutdown};
 use crate::pool::IoPool;
 
 /// Payloads up to this size are staged with their header and sent in one call.
@@ -55,7 +55,7 @@ impl ChunkOwner for ReqShared {
     }
 }
 
-type Job = Chunk<ReqShared>;
+type Job = Work<ReqShared>;
 
 /// A stream's sender task, as the queue sees it.
 #[derive(Debug, Default)]
@@ -177,6 +177,8 @@ pub struct TcpChannel {
     streams: ChannelStreams,
     queue: Arc<JobQueue>,
     chunk: u64,
+    /// The peer takes vectored requests (protocol version 3): small ops are grouped.
+    vectored: bool,
     /// Keeps the I/O threads of the streams running while the channel lives.
     _pool: Arc<IoPool>,
 }
@@ -188,6 +190,7 @@ impl TcpChannel {
         sockets: Vec<TcpStream>,
         chunk: u64,
         depth: usize,
+        vectored: bool,
         pool: &Arc<IoPool>,
     ) -> std::io::Result<Self> {
         let depth = depth.max(1);
@@ -239,6 +242,7 @@ impl TcpChannel {
             streams,
             queue,
             chunk: chunk.max(1),
+            vectored,
             _pool: pool.clone(),
         })
     }
@@ -253,6 +257,7 @@ impl Channel for TcpChannel {
         // The future must be 'static: take what it needs from `self` now.
         let queue = self.queue.clone();
         let chunk = self.chunk;
+        let vectored = self.vectored;
         let closed = self.streams.is_closed();
         Box::pin(async move {
             let req = Arc::new(ReqShared {
@@ -263,26 +268,58 @@ impl Channel for TcpChannel {
             });
             // Each sender checks the request's stop flag and failures again before it posts a
             // chunk, and bounds what it has in flight.
-            deal_ops(
-                &queue.state,
-                &ops,
-                &control,
-                chunk,
-                closed,
-                |op, at, len| {
-                    req.outstanding.fetch_add(1, Ordering::AcqRel);
-                    Job {
-                        req: req.clone(),
-                        op,
-                        at,
-                        len,
-                    }
-                },
-                |job| {
-                    job.req.outstanding.fetch_sub(1, Ordering::AcqRel);
-                },
-                |set| queue.wake_all_in(set),
-            );
+            let one = |op, at, len| {
+                req.outstanding.fetch_add(1, Ordering::AcqRel);
+                Work::One(Chunk {
+                    req: req.clone(),
+                    op,
+                    at,
+                    len,
+                })
+            };
+            let undealt = |job: Job| {
+                req.outstanding.fetch_sub(job.chunks(), Ordering::AcqRel);
+            };
+            let wake = |set| queue.wake_all_in(set);
+            if vectored {
+                // Runs of small ops go out as vectored requests of up to one chunk's bytes.
+                deal_ops_grouped(
+                    &queue.state,
+                    &ops,
+                    &control,
+                    chunk,
+                    chunk,
+                    closed,
+                    one,
+                    |members| {
+                        req.outstanding.fetch_add(members.len(), Ordering::AcqRel);
+                        Work::Pieces(
+                            members
+                                .iter()
+                                .map(|&op| Chunk {
+                                    req: req.clone(),
+                                    op,
+                                    at: 0,
+                                    len: ops[op].len,
+                                })
+                                .collect(),
+                        )
+                    },
+                    undealt,
+                    wake,
+                );
+            } else {
+                deal_ops(
+                    &queue.state,
+                    &ops,
+                    &control,
+                    chunk,
+                    closed,
+                    one,
+                    undealt,
+                    wake,
+                );
+            }
             if req.outstanding.fetch_sub(1, Ordering::AcqRel) != 1 {
                 req.done.notified().await;
             }
@@ -365,7 +402,27 @@ async fn sender(
         };
         taker.in_flight.fetch_add(1, Ordering::AcqRel);
         let is_write = out.kind == OpKind::Write;
-        let res = if is_write && out.len <= SMALL {
+        let res = if !out.scatter.is_empty() {
+            let mut parts = Vec::with_capacity(2 + if is_write { out.scatter.len() } else { 0 });
+            parts.push(RawRange {
+                addr: out.head.as_ptr() as usize,
+                len: out.head.len(),
+            });
+            parts.push(RawRange {
+                addr: out.table.as_ptr() as usize,
+                len: out.table.len(),
+            });
+            if is_write {
+                parts.extend(out.scatter.iter().map(|r| RawRange {
+                    addr: r.region.as_ptr() as usize + r.at as usize,
+                    len: r.len,
+                }));
+            }
+            // SAFETY: the header and table live in `out` for the whole call; the stream
+            // protocol checked each piece's range against its region at post, and the request
+            // owns them until drained and keeps the regions alive (`out.scatter` holds Arcs).
+            unsafe { send_vectored(&socket, &parts).await }
+        } else if is_write && out.len <= SMALL {
             // Small payloads are staged with their header and sent in one call.
             let total = DATA_REQUEST_LEN + out.len;
             stage[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
@@ -434,6 +491,27 @@ async fn receiver(
         };
         let chunk = match resolved {
             Ok(Resolution::Done) => {
+                settle(in_flight);
+                continue;
+            }
+            Ok(Resolution::Pieces(pieces)) => {
+                let parts: Vec<RawRange> = pieces
+                    .iter()
+                    .map(|c| RawRange {
+                        addr: c.op().local.as_ptr() as usize + c.local_at() as usize,
+                        len: c.payload_len() as usize,
+                    })
+                    .collect();
+                // SAFETY: the stream protocol checked each piece's range against its region at
+                // post; the request owns the ranges until drained, keeps the regions alive
+                // through the chunks' Arcs, and no Rust reference to them exists (raw recv).
+                if let Err(e) = unsafe { recv_vectored(&socket, &parts).await } {
+                    debug!(%peer, stream = index, error = %e, "receive failed; stream closed");
+                    let native = e.raw_os_error();
+                    pieces.into_iter().for_each(|c| c.lost(native));
+                    break native;
+                }
+                pieces.into_iter().for_each(Chunk::acked);
                 settle(in_flight);
                 continue;
             }

@@ -81,6 +81,129 @@ pub(crate) async unsafe fn send_all(
     Ok(())
 }
 
+/// The iovecs of `parts` from byte `done` on (at most [`MAX_IOV`] of them).
+fn iovecs_from(parts: &[RawRange], mut done: usize, iov: &mut Vec<libc::iovec>) {
+    iov.clear();
+    for p in parts {
+        if done >= p.len {
+            done -= p.len;
+            continue;
+        }
+        iov.push(libc::iovec {
+            iov_base: (p.addr + done) as *mut libc::c_void,
+            iov_len: p.len - done,
+        });
+        done = 0;
+        if iov.len() == MAX_IOV {
+            break;
+        }
+    }
+}
+
+/// The most iovecs one `sendmsg`/`recvmsg` is given (Linux's `UIO_MAXIOV`).
+const MAX_IOV: usize = 1024;
+
+/// Sends `parts` back to back with vectored `sendmsg` calls (a vectored request: header, piece
+/// table, the pieces' bytes scattered over local memory), resending remainders until all is sent.
+///
+/// # Safety
+/// Every range must stay valid for reads until the future completes (the request owning them
+/// keeps their regions alive and does not reuse them before `drained`).
+pub(crate) async unsafe fn send_vectored(stream: &TcpStream, parts: &[RawRange]) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let total: usize = parts.iter().map(|p| p.len).sum();
+    let mut sent = 0usize;
+    while sent < total {
+        stream.writable().await?;
+        let res = stream.try_io(Interest::WRITABLE, || {
+            // Built here, not across an await: iovecs hold raw pointers (not `Send`).
+            let mut iov = Vec::with_capacity(parts.len().min(MAX_IOV));
+            iovecs_from(parts, sent, &mut iov);
+            // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            // SAFETY: `fd` is the open socket of `stream`; the iovecs point into ranges the
+            // caller keeps valid for reads (this function's contract).
+            check(unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) })
+        });
+        match res {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Receives exactly the bytes of `parts`, back to back, with vectored `recvmsg` calls (a
+/// vectored READ's payload into the pieces' scattered local ranges), the socket's
+/// `SO_RCVLOWAT` raised as [`recv_exact`] does. End of stream before that is `UnexpectedEof`.
+///
+/// # Safety
+/// Every range must stay valid for writes until the future completes, and no Rust reference to
+/// any of them may be alive meanwhile.
+pub(crate) async unsafe fn recv_vectored(stream: &TcpStream, parts: &[RawRange]) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let total: usize = parts.iter().map(|p| p.len).sum();
+    let mut marked = total > LOWAT;
+    let mut mark = 1usize;
+    let mut got = 0usize;
+    let res = loop {
+        if got >= total {
+            break Ok(());
+        }
+        let want = (total - got).min(LOWAT);
+        if marked && mark != want {
+            if set_lowat(stream, want).is_ok() {
+                mark = want;
+            } else {
+                marked = false;
+            }
+        }
+        if let Err(e) = stream.readable().await {
+            break Err(e);
+        }
+        let res = stream.try_io(Interest::READABLE, || {
+            // Built here, not across an await: iovecs hold raw pointers (not `Send`).
+            let mut iov = Vec::with_capacity(parts.len().min(MAX_IOV));
+            iovecs_from(parts, got, &mut iov);
+            // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            // SAFETY: `fd` is the open socket; the iovecs point into ranges valid for writes
+            // with no Rust reference alive (this function's contract).
+            check(unsafe { libc::recvmsg(fd, &mut msg, 0) })
+        });
+        match res {
+            Ok(0) => {
+                break Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "peer closed the stream with {} bytes outstanding",
+                        total - got
+                    ),
+                ));
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => break Err(e),
+        }
+    };
+    if mark > 1
+        && let Err(e) = set_lowat(stream, 1)
+    {
+        return Err(io::Error::new(
+            e.kind(),
+            format!("cannot lower the socket's SO_RCVLOWAT from {mark} back to 1: {e}"),
+        ));
+    }
+    res
+}
+
 /// Sets the socket's `SO_RCVLOWAT`.
 fn set_lowat(stream: &TcpStream, v: usize) -> io::Result<()> {
     ferry_net::set_recv_low_mark(stream.as_fd(), v)

@@ -135,6 +135,7 @@ impl TcpTransport {
             sockets,
             self.config.chunk_size,
             self.config.depth,
+            peer.version >= ferry_core::wire::VECTORED_VERSION,
             &self.pool,
         )
         .map_err(|e| Error::io("start the data streams of", peer.addr.to_string(), e))

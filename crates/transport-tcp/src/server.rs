@@ -4,9 +4,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use ferry_core::handshake::{ServerConversation, ServerStep};
-use ferry_core::stream::{Action, ServerStream, checksum_response};
+use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
 use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
-use ferry_core::{Error, HandshakeResponder, SegmentTable};
+use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
 use ferry_net::tune;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -14,7 +14,10 @@ use tracing::{Instrument, debug, warn};
 
 use crate::TcpConfig;
 use crate::control::{read_frame, write_frame};
-use crate::io::{RawRange, discard as discard_payload, recv_buf, recv_exact, send_all, send_buf};
+use crate::io::{
+    RawRange, discard as discard_payload, recv_buf, recv_exact, recv_vectored, send_all, send_buf,
+    send_vectored,
+};
 use crate::pool::{AbortOnDrop, IoPool};
 
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
@@ -247,6 +250,7 @@ async fn serve_data(
     let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
     let mut scratch: Vec<u8> = Vec::new();
     let mut file_stage: Vec<u8> = Vec::new();
+    let mut table_stage: Vec<u8> = Vec::new();
     let mut proto = ServerStream::new();
     loop {
         match recv_buf(stream, &mut head).await {
@@ -388,6 +392,143 @@ async fn serve_data(
                 send_buf(stream, &response).await?;
                 return Ok(());
             }
+            Action::Table { req } => {
+                let mut bytes = std::mem::take(&mut table_stage);
+                bytes.resize(req.table_len(), 0);
+                recv_buf(stream, &mut bytes).await?;
+                let action = proto.on_table(&req, &bytes, table);
+                table_stage = bytes;
+                match action {
+                    Action::Vectored {
+                        kind,
+                        targets,
+                        discard,
+                        response,
+                    } => {
+                        if kind == OpKind::Write {
+                            receive_pieces(stream, &targets, &mut file_stage).await?;
+                            if discard > 0 {
+                                if scratch.is_empty() {
+                                    scratch = vec![0u8; 64 << 10];
+                                }
+                                discard_payload(stream, discard, &mut scratch).await?;
+                            }
+                            send_buf(stream, &response).await?;
+                        } else {
+                            send_pieces(stream, &response, &targets, &mut file_stage).await?;
+                        }
+                    }
+                    Action::Close { error, response } => {
+                        warn!(%from, %error, "malformed piece table; closing stream");
+                        send_buf(stream, &response).await?;
+                        return Ok(());
+                    }
+                    other => {
+                        warn!(%from, ?other, "unexpected answer to a piece table; closing stream");
+                        return Ok(());
+                    }
+                }
+            }
+            Action::Vectored { .. } => {
+                warn!(%from, "a vectored action without its table; closing stream");
+                return Ok(());
+            }
         }
     }
+}
+
+/// The memory range of a checked target as a raw range.
+fn raw(lease: &ferry_core::SegmentLease, at: u64, len: usize) -> RawRange {
+    RawRange {
+        addr: lease.region.as_ptr() as usize + at as usize,
+        len,
+    }
+}
+
+/// Receives a vectored WRITE's accepted pieces, in order: runs of memory targets with one
+/// vectored receive, file targets through `file_stage` and positioned writes off the I/O thread.
+async fn receive_pieces(
+    stream: &TcpStream,
+    targets: &[Target],
+    file_stage: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    let mut parts: Vec<RawRange> = Vec::with_capacity(targets.len());
+    for t in targets {
+        match t {
+            Target::Memory { lease, at, len } => parts.push(raw(lease, *at, *len)),
+            Target::File { file, at, len } => {
+                // SAFETY: the stream protocol checked every memory range against its region,
+                // which the targets' leases keep alive; no Rust reference into them exists.
+                unsafe { recv_vectored(stream, &parts).await? };
+                parts.clear();
+                let mut done = 0usize;
+                while done < *len {
+                    let n = FILE_PIECE.min(len - done);
+                    let mut buf = std::mem::take(file_stage);
+                    buf.resize(n, 0);
+                    recv_buf(stream, &mut buf).await?;
+                    let f = file.clone();
+                    let to_at = at + done as u64;
+                    let (buf, wrote) = tokio::task::spawn_blocking(move || {
+                        let r = f.write_all_at(to_at, &buf);
+                        (buf, r)
+                    })
+                    .await
+                    .map_err(std::io::Error::other)?;
+                    *file_stage = buf;
+                    wrote?;
+                    done += n;
+                }
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { recv_vectored(stream, &parts).await }
+}
+
+/// Sends a vectored READ's response and its accepted pieces, in order: runs of memory targets
+/// with one vectored send (the response in front of the first), file targets through
+/// `file_stage` and positioned reads off the I/O thread.
+async fn send_pieces(
+    stream: &TcpStream,
+    response: &[u8; DATA_RESPONSE_LEN],
+    targets: &[Target],
+    file_stage: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    let mut parts: Vec<RawRange> = Vec::with_capacity(targets.len() + 1);
+    parts.push(RawRange {
+        addr: response.as_ptr() as usize,
+        len: response.len(),
+    });
+    for t in targets {
+        match t {
+            Target::Memory { lease, at, len } => parts.push(raw(lease, *at, *len)),
+            Target::File { file, at, len } => {
+                // SAFETY: the response lives across the call; the memory ranges were checked
+                // against their regions, which the leases keep alive; they are only read.
+                unsafe { send_vectored(stream, &parts).await? };
+                parts.clear();
+                let mut done = 0usize;
+                while done < *len {
+                    let n = FILE_PIECE.min(len - done);
+                    let mut buf = std::mem::take(file_stage);
+                    buf.resize(n, 0);
+                    let f = file.clone();
+                    let from_at = at + done as u64;
+                    let (buf, read) = tokio::task::spawn_blocking(move || {
+                        let r = f.read_exact_at(from_at, &mut buf);
+                        (buf, r)
+                    })
+                    .await
+                    .map_err(std::io::Error::other)?;
+                    *file_stage = buf;
+                    read?;
+                    send_buf(stream, file_stage).await?;
+                    done += n;
+                }
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { send_vectored(stream, &parts).await }
 }

@@ -16,8 +16,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
-use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution};
+use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -42,6 +42,8 @@ pub(crate) struct SendPlan {
     /// The peer is on this host (loopback): no flight time to cover, so the server may hold back
     /// responses for all but one chunk in flight, not just for half of them ([`AckPolicy`]).
     pub(crate) loopback: bool,
+    /// The peer takes vectored requests (protocol version 3): runs of small ops are grouped.
+    pub(crate) vectored: bool,
 }
 
 /// One request being executed.
@@ -67,7 +69,7 @@ impl ChunkOwner for ReqShared {
     }
 }
 
-type Job = Chunk<ReqShared>;
+type Job = Work<ReqShared>;
 
 /// Keeps a request un-drained until the zero-copy notification of one send.
 struct NotifHold(Arc<ReqShared>);
@@ -212,6 +214,7 @@ pub struct UringChannel {
     queue: Arc<JobQueue<Job>>,
     chunk: u64,
     zero_copy: bool,
+    vectored: bool,
 }
 
 fn shutdown(s: &TcpStream) {
@@ -233,6 +236,7 @@ impl UringChannel {
             register,
             pin,
             loopback,
+            vectored,
         } = plan;
         let depth = depth.max(1);
         let wakes = (0..sockets.len())
@@ -332,6 +336,7 @@ impl UringChannel {
             queue,
             chunk: chunk.max(1),
             zero_copy,
+            vectored,
         })
     }
 
@@ -360,24 +365,55 @@ impl Channel for UringChannel {
         });
         // Chunks are dealt to the stream threads now; each thread checks the request's stop
         // flag and failures again before it posts a chunk, and bounds what it has in flight.
-        deal_ops(
-            &self.queue.state,
-            &ops,
-            &control,
-            self.chunk,
-            closed,
-            |op, at, len| {
-                req.parts.add(1);
-                Job {
-                    req: req.clone(),
-                    op,
-                    at,
-                    len,
-                }
-            },
-            Chunk::skipped,
-            |set| self.queue.wake_all_in(set),
-        );
+        let one = |op, at, len| {
+            req.parts.add(1);
+            Work::One(Chunk {
+                req: req.clone(),
+                op,
+                at,
+                len,
+            })
+        };
+        let wake = |set| self.queue.wake_all_in(set);
+        if self.vectored {
+            // Runs of small ops go out as vectored requests of up to one chunk's bytes.
+            deal_ops_grouped(
+                &self.queue.state,
+                &ops,
+                &control,
+                self.chunk,
+                self.chunk,
+                closed,
+                one,
+                |members| {
+                    req.parts.add(members.len());
+                    Work::Pieces(
+                        members
+                            .iter()
+                            .map(|&op| Chunk {
+                                req: req.clone(),
+                                op,
+                                at: 0,
+                                len: ops[op].len,
+                            })
+                            .collect(),
+                    )
+                },
+                Work::skipped,
+                wake,
+            );
+        } else {
+            deal_ops(
+                &self.queue.state,
+                &ops,
+                &control,
+                self.chunk,
+                closed,
+                one,
+                Work::skipped,
+                wake,
+            );
+        }
         let parts = req.parts.clone();
         drop(req);
         parts.done_one();
@@ -529,7 +565,24 @@ fn post(
         return Err(None);
     }
     let is_write = out.kind == OpKind::Write;
-    let res = if is_write && cx.splice {
+    let res = if !out.scatter.is_empty() {
+        let mut parts: Vec<(*const u8, usize)> =
+            Vec::with_capacity(2 + if is_write { out.scatter.len() } else { 0 });
+        parts.push((out.head.as_ptr(), out.head.len()));
+        parts.push((out.table.as_ptr(), out.table.len()));
+        if is_write {
+            parts.extend(out.scatter.iter().map(|r| {
+                (
+                    (r.region.as_ptr() as usize + r.at as usize) as *const u8,
+                    r.len,
+                )
+            }));
+        }
+        // SAFETY: the header and table live in `out` across the call; each piece's range was
+        // checked against its region at post, and `out.scatter` keeps the regions alive; the
+        // send is a copying one, done when the call returns.
+        unsafe { io.send_vectored(&parts) }
+    } else if is_write && cx.splice {
         let ptr = (out.region.as_ptr() as usize + out.local_at as usize) as *const u8;
         // SAFETY: the stream protocol checked the range against the region at post; the
         // request owns the range and keeps the region alive until its response is read (the
@@ -566,6 +619,32 @@ fn on_response(
 ) -> Result<(), Option<i32>> {
     let chunk = match proto.on_response(head) {
         Ok(Resolution::Done) => return Ok(()),
+        Ok(Resolution::Pieces(pieces)) => {
+            let parts: Vec<(*mut u8, usize)> = pieces
+                .iter()
+                .map(|c| {
+                    (
+                        (c.op().local.as_ptr() as usize + c.local_at() as usize) as *mut u8,
+                        c.payload_len() as usize,
+                    )
+                })
+                .collect();
+            // SAFETY: each piece's range was checked against its region at post; the request
+            // owns the ranges until drained, keeps the regions alive through the chunks' Arcs,
+            // and no Rust reference to them exists.
+            return match unsafe { io.recv_vectored(&parts) } {
+                Ok(()) => {
+                    pieces.into_iter().for_each(Chunk::acked);
+                    Ok(())
+                }
+                Err(e) => {
+                    debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+                    let native = e.raw_os_error();
+                    pieces.into_iter().for_each(|c| c.lost(native));
+                    Err(native)
+                }
+            };
+        }
         Ok(Resolution::Payload(chunk)) => chunk,
         Err(v) => {
             debug!(peer = %cx.peer, stream = cx.index, error = %v, "bad response; stream closed");

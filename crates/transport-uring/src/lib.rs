@@ -398,6 +398,7 @@ impl UringTransport {
                 register: self.config.register_buffers,
                 pin,
                 loopback: addr.ip().is_loopback(),
+                vectored: peer.version >= ferry_core::wire::VECTORED_VERSION,
             },
             self.stats.clone(),
         )

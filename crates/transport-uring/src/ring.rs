@@ -259,6 +259,28 @@ fn cqe_err(res: i32) -> io::Error {
     io::Error::from_raw_os_error(-res)
 }
 
+/// The most iovecs one message is given (Linux's `UIO_MAXIOV`).
+const MAX_IOV: usize = 1024;
+
+/// The iovecs of `parts` from byte `done` on (at most [`MAX_IOV`] of them).
+fn iovecs_from(parts: &[(*const u8, usize)], mut done: usize, iov: &mut Vec<libc::iovec>) {
+    iov.clear();
+    for &(ptr, len) in parts {
+        if done >= len {
+            done -= len;
+            continue;
+        }
+        iov.push(libc::iovec {
+            iov_base: (ptr as usize + done) as *mut libc::c_void,
+            iov_len: len - done,
+        });
+        done = 0;
+        if iov.len() == MAX_IOV {
+            break;
+        }
+    }
+}
+
 macro_rules! on_fd {
     ($self:ident, $op:ident :: new ( $($arg:expr),* ) $(. $m:ident ( $($a:expr),* ))* ) => {
         if $self.fixed_file {
@@ -678,6 +700,116 @@ impl<H> SockIo<H> {
             at += res as usize;
         }
         Ok(())
+    }
+
+    /// Sends `parts` (pointer, length) back to back, each IORING_OP_SENDMSG carrying them all as
+    /// one message of iovecs (at most [`MAX_IOV`] per message), resending whatever the kernel did
+    /// not take: a vectored request's header, piece table and scattered pieces in one SQE.
+    ///
+    /// # Safety
+    /// Every part must stay valid for reads (and not be written) until the call returns.
+    pub(crate) unsafe fn send_vectored(&mut self, parts: &[(*const u8, usize)]) -> io::Result<()> {
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let mut sent = 0usize;
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
+        while sent < total {
+            iovecs_from(parts, sent, &mut iov);
+            // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            let e = on_fd!(
+                self,
+                SendMsg::new(&msg as *const libc::msghdr)
+                    .flags((libc::MSG_WAITALL | libc::MSG_NOSIGNAL) as u32)
+            )
+            .user_data(UD_HEAD);
+            let mut out = [(0i32, 0u32); 1];
+            // `msg` and `iov` live until `run` returns, which waits for the completion.
+            self.run(&[Some(e)], &[UD_HEAD], &mut out)?;
+            let res = out[0].0;
+            if res < 0 {
+                if res == -libc::EINTR || res == -libc::EAGAIN {
+                    continue;
+                }
+                return Err(cqe_err(res));
+            }
+            if (res as usize) < total - sent {
+                IoStats::add(&self.stats.short_sends, 1);
+            }
+            sent += res as usize;
+        }
+        Ok(())
+    }
+
+    /// Receives exactly the bytes of `parts` (pointer, length), back to back, each
+    /// IORING_OP_RECVMSG scattering into all of them (a vectored READ's payload into its pieces'
+    /// local ranges), with the socket's `SO_RCVLOWAT` raised as [`recv_exact`](Self::recv_exact)
+    /// does. End of stream before that is `UnexpectedEof`.
+    ///
+    /// # Safety
+    /// Every part must be valid for writes and not referenced elsewhere during the call.
+    pub(crate) unsafe fn recv_vectored(&mut self, parts: &[(*mut u8, usize)]) -> io::Result<()> {
+        if self.armed.outstanding {
+            return Err(io::Error::other(
+                "a receive is armed on this socket: bytes would land out of order",
+            ));
+        }
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let marked = total > LOWAT && !self.lowat_refused;
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
+        let mut got = 0usize;
+        let res = loop {
+            if got >= total {
+                break Ok(());
+            }
+            let rest = total - got;
+            let mut flags = libc::MSG_WAITALL;
+            if marked && !self.lowat_refused && self.set_lowat(rest.min(LOWAT)).is_ok() {
+                flags = 0;
+            }
+            let as_const: Vec<(*const u8, usize)> =
+                parts.iter().map(|&(p, l)| (p as *const u8, l)).collect();
+            iovecs_from(&as_const, got, &mut iov);
+            // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            let e = on_fd!(
+                self,
+                RecvMsg::new(&mut msg as *mut libc::msghdr).flags(flags as u32)
+            )
+            .user_data(UD_RECV);
+            let mut out = [(0i32, 0u32); 1];
+            // `msg` and `iov` live until `run` returns, which waits for the completion.
+            if let Err(e) = self.run(&[Some(e)], &[UD_RECV], &mut out) {
+                break Err(e);
+            }
+            let res = out[0].0;
+            if res == 0 {
+                break Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("peer closed the stream with {rest} of {total} bytes outstanding"),
+                ));
+            }
+            if res < 0 {
+                if res == -libc::EINTR || res == -libc::EAGAIN {
+                    continue;
+                }
+                break Err(cqe_err(res));
+            }
+            got += res as usize;
+        };
+        if self.lowat > 1 {
+            let was = self.lowat;
+            if let Err(e) = self.set_lowat(1) {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot lower the socket's SO_RCVLOWAT from {was} back to 1: {e}"),
+                ));
+            }
+        }
+        res
     }
 
     /// Sends all of a Rust buffer (copying send).

@@ -10,10 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::handshake::{ServerConversation, ServerStep};
-use ferry_core::stream::{Action, ServerStream, checksum_response};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN};
+use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
-    Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, PeerId, SegmentLease, SegmentTable,
+    Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, PeerId, SegmentLease,
+    SegmentTable,
 };
 use ferry_file::{DIRECT_ALIGN, FileSegment};
 use io_uring::IoUring;
@@ -489,6 +490,76 @@ fn try_next_head<H>(
     next_head(io, head)
 }
 
+/// Moves a vectored request's accepted pieces, in order, and answers it. A WRITE: runs of
+/// memory targets with one vectored receive (RECVMSG), file targets through `scratch` and
+/// positioned writes (this stream's own thread blocks), then the refused pieces' payload
+/// (`discard`) dropped, then `response`. A READ: `response` and runs of memory targets with one
+/// vectored send (SENDMSG), file targets through `scratch` and positioned reads.
+fn serve_vectored(
+    io: &mut SockIo<SegmentLease>,
+    kind: OpKind,
+    targets: &[Target],
+    discard: u64,
+    response: &[u8; DATA_RESPONSE_LEN],
+    scratch: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    if kind == OpKind::Write {
+        let mut parts: Vec<(*mut u8, usize)> = Vec::with_capacity(targets.len());
+        for t in targets {
+            match t {
+                Target::Memory { lease, at, len } => parts.push((
+                    (lease.region.as_ptr() as usize + *at as usize) as *mut u8,
+                    *len,
+                )),
+                Target::File { file, at, len } => {
+                    // SAFETY: every memory range was checked against its region, which the
+                    // targets' leases keep alive; no Rust reference into them exists.
+                    unsafe { io.recv_vectored(&parts) }?;
+                    parts.clear();
+                    scratch.resize(*len, 0);
+                    io.recv_buf(&mut scratch[..*len])?;
+                    file.write_all_at(*at, &scratch[..*len])?;
+                }
+            }
+        }
+        // SAFETY: as above.
+        unsafe { io.recv_vectored(&parts) }?;
+        if discard > 0 && scratch.len() < 64 << 10 {
+            scratch.resize(64 << 10, 0);
+        }
+        let mut left = discard;
+        while left > 0 {
+            let n = (scratch.len() as u64).min(left) as usize;
+            io.recv_buf(&mut scratch[..n])?;
+            left -= n as u64;
+        }
+        io.send_buf(response)
+    } else {
+        let mut parts: Vec<(*const u8, usize)> = Vec::with_capacity(targets.len() + 1);
+        parts.push((response.as_ptr(), response.len()));
+        for t in targets {
+            match t {
+                Target::Memory { lease, at, len } => parts.push((
+                    (lease.region.as_ptr() as usize + *at as usize) as *const u8,
+                    *len,
+                )),
+                Target::File { file, at, len } => {
+                    // SAFETY: the response lives across the call; the memory ranges were
+                    // checked against their regions, which the leases keep alive; they are
+                    // only read, by a copying send done when the call returns.
+                    unsafe { io.send_vectored(&parts) }?;
+                    parts.clear();
+                    scratch.resize(*len, 0);
+                    file.read_exact_at(*at, &mut scratch[..*len])?;
+                    io.send_buf(&scratch[..*len])?;
+                }
+            }
+        }
+        // SAFETY: as above.
+        unsafe { io.send_vectored(&parts) }
+    }
+}
+
 /// Serves chunks on one data stream until the client closes it, as the stream protocol
 /// ([`ServerStream`]) decides: responses in request order, a refused WRITE's payload read and
 /// dropped, a malformed header answered with `Malformed` and the stream closed, accepted WRITE
@@ -675,6 +746,32 @@ fn serve_data(
             Action::Close { error, response } => {
                 warn!(%from, %error, "malformed data request; closing stream");
                 break io.send_buf(&response);
+            }
+            Action::Table { req } => {
+                let mut bytes = vec![0u8; req.table_len()];
+                if let Err(e) = io.recv_buf(&mut bytes) {
+                    break Err(e);
+                }
+                match proto.on_table(&req, &bytes, &*ctx.table) {
+                    Action::Vectored {
+                        kind,
+                        targets,
+                        discard,
+                        response,
+                    } => serve_vectored(&mut io, kind, &targets, discard, &response, &mut scratch),
+                    Action::Close { error, response } => {
+                        warn!(%from, %error, "malformed piece table; closing stream");
+                        break io.send_buf(&response);
+                    }
+                    other => {
+                        warn!(%from, ?other, "unexpected answer to a piece table; closing stream");
+                        break Ok(());
+                    }
+                }
+            }
+            Action::Vectored { .. } => {
+                warn!(%from, "a vectored action without its table; closing stream");
+                break Ok(());
             }
         };
         if let Err(e) = step {

@@ -219,8 +219,18 @@ pub async fn run(ch: &Arc<dyn Channel>, ops: Vec<Op>) -> Outcome {
 
 /// Handshake with the blocking uring handshake and build the peer info for the first offer.
 pub fn peer_info(addr: SocketAddr, my_offer: TransportOffer) -> PeerInfo {
+    peer_info_with(addr, my_offer, SUPPORTED_VERSIONS)
+}
+
+/// [`peer_info`] for a client that speaks `versions`: the info's version is the newest both
+/// ends speak.
+pub fn peer_info_with(
+    addr: SocketAddr,
+    my_offer: TransportOffer,
+    versions: VersionRange,
+) -> PeerInfo {
     let hello = Hello {
-        versions: SUPPORTED_VERSIONS,
+        versions,
         peer_id: PeerId::random(),
         epoch: Epoch::fresh(),
         transports: vec![my_offer],
@@ -236,5 +246,6 @@ pub fn peer_info(addr: SocketAddr, my_offer: TransportOffer) -> PeerInfo {
         offer: server.transports[0].clone(),
         segments: server.segments,
         session: None,
+        version: versions.common(server.versions).unwrap_or(1),
     }
 }

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use crate::memory::MemoryRegion;
 use crate::op::{Op, OpKind};
 use crate::outcome::{FailureKind, RemoteStatus, RequestControl};
-use crate::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, WireError};
+use crate::wire::{
+    DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, MAX_CHUNK, MAX_PIECES, Piece, ResponseHead,
+    VectoredRequest, VectoredResponse, WireError,
+};
 
 /// What a driver's request gives the protocol: its ops, its control (stop flag and ledger), and
 /// how one resolved chunk is counted (the driver's completion: a counter, a notification).
@@ -91,6 +94,70 @@ impl<R: ChunkOwner> Chunk<R> {
     }
 }
 
+/// What a stream posts: one chunk, or the pieces of one vectored request (protocol version 3;
+/// see [`VectoredRequest`]): whole small ops of one request, all READs or all WRITEs, in op
+/// order, their lengths adding up to at most [`MAX_CHUNK`] and at most [`MAX_PIECES`] of them
+/// ([`deal_ops`](crate::dealer::deal_ops) groups them so).
+#[derive(Debug)]
+pub enum Work<R> {
+    /// One chunk, one request header.
+    One(Chunk<R>),
+    /// Pieces that go out as one vectored request.
+    Pieces(Vec<Chunk<R>>),
+}
+
+impl<R: ChunkOwner> Work<R> {
+    /// The request the work belongs to (`None` only for an empty set of pieces).
+    pub fn req(&self) -> Option<&Arc<R>> {
+        match self {
+            Work::One(c) => Some(&c.req),
+            Work::Pieces(v) => v.first().map(|c| &c.req),
+        }
+    }
+
+    /// Chunks in the work (each resolved once).
+    pub fn chunks(&self) -> usize {
+        match self {
+            Work::One(_) => 1,
+            Work::Pieces(v) => v.len(),
+        }
+    }
+
+    fn into_vec(self) -> Vec<Chunk<R>> {
+        match self {
+            Work::One(c) => vec![c],
+            Work::Pieces(v) => v,
+        }
+    }
+
+    /// Every chunk was never posted, for `kind` ([`Chunk::not_posted`]).
+    pub fn not_posted(self, kind: FailureKind) {
+        for c in self.into_vec() {
+            c.not_posted(kind);
+        }
+    }
+
+    /// Every chunk is dropped unposted ([`Chunk::skipped`]).
+    pub fn skipped(self) {
+        for c in self.into_vec() {
+            c.skipped();
+        }
+    }
+
+    /// Every chunk was posted and is lost ([`Chunk::lost`]).
+    pub fn lost(self, native: Option<i32>) {
+        for c in self.into_vec() {
+            c.lost(native);
+        }
+    }
+}
+
+impl<R> From<Chunk<R>> for Work<R> {
+    fn from(c: Chunk<R>) -> Self {
+        Work::One(c)
+    }
+}
+
 /// How many of a stream's WRITE responses a client lets the server hold back
 /// ([`DataRequest::ack_slack`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,7 +199,24 @@ pub struct Outgoing<R> {
     pub region: Arc<MemoryRegion>,
     /// Offset of the chunk in `region`.
     pub local_at: u64,
-    /// Payload length.
+    /// Payload length (a vectored request's: the sum of its pieces').
+    pub len: usize,
+    /// A vectored request's piece table, sent right after the header (empty for one chunk).
+    pub table: Vec<u8>,
+    /// A vectored request's local ranges, in piece order: a WRITE sends their bytes after the
+    /// table, a READ's response brings theirs (empty for one chunk: `region` at `local_at`).
+    /// Each was checked to lie inside its region.
+    pub scatter: Vec<LocalRange>,
+}
+
+/// One local range of a vectored request.
+#[derive(Debug, Clone)]
+pub struct LocalRange {
+    /// The region.
+    pub region: Arc<MemoryRegion>,
+    /// Offset in `region`.
+    pub at: u64,
+    /// Length.
     pub len: usize,
 }
 
@@ -144,8 +228,8 @@ pub enum Post<R> {
     /// The chunk was resolved without being posted (its request stopped posting, or its local
     /// range is invalid); nothing to send.
     Resolved,
-    /// The stream is broken: the chunk was not posted, hand it to another stream.
-    Broken(Chunk<R>),
+    /// The stream is broken: the work was not posted, hand it to another stream.
+    Broken(Work<R>),
 }
 
 /// What a valid response asks of the driver.
@@ -157,6 +241,12 @@ pub enum Resolution<R> {
     /// header. Receive them into `chunk.op().local` at `chunk.local_at()` (checked at post), then call
     /// [`Chunk::acked`], or [`Chunk::lost`] and [`ClientStream::fail_all`] if the stream fails.
     Payload(Chunk<R>),
+    /// An accepted vectored READ (all its pieces, or the prefix the server performed): the
+    /// pieces' payloads follow the header back to back, in this order, each exactly
+    /// `payload_len()` bytes. Receive each into its local range (checked at post), then call
+    /// [`Chunk::acked`] on each, or [`Chunk::lost`] on those not received and
+    /// [`ClientStream::fail_all`] if the stream fails.
+    Pieces(Vec<Chunk<R>>),
 }
 
 /// A response that breaks the protocol; the stream must be closed and what is in flight failed
@@ -193,6 +283,27 @@ pub enum Violation {
         /// The oldest in flight.
         expected: u32,
     },
+    /// A response of one kind (one chunk, vectored) for a request of the other.
+    #[error("response (seq {seq}) of the wrong kind for its request (vectored or not)")]
+    WrongKind {
+        /// The response's sequence number.
+        seq: u32,
+    },
+    /// A vectored response that claims more pieces than the request had, or whose status does
+    /// not match its count (a refusal with every piece done, or no refusal with fewer).
+    #[error(
+        "vectored response (seq {seq}) says {done} pieces done of {pieces}, refused: {refused}"
+    )]
+    BadPieces {
+        /// The response's sequence number.
+        seq: u32,
+        /// Pieces it says were done.
+        done: u32,
+        /// Pieces in the request.
+        pieces: usize,
+        /// Whether it carries a refusal.
+        refused: bool,
+    },
     /// An accepted READ or CHECKSUM announces a payload of another length than asked.
     #[error("READ or CHECKSUM response of {got} bytes for a payload of {expected}")]
     WrongLength {
@@ -206,6 +317,9 @@ pub enum Violation {
 #[derive(Debug)]
 struct InFlight<R> {
     chunk: Chunk<R>,
+    /// A vectored request's further pieces (`chunk` is its first).
+    more: Vec<Chunk<R>>,
+    vectored: bool,
     seq: u32,
     kind: OpKind,
 }
@@ -257,9 +371,20 @@ impl<R: ChunkOwner> ClientStream<R> {
     /// the next sequence number, records it in flight (before a byte is sent, so that a response
     /// always finds it) and encodes its header. The caller bounds what is in flight with
     /// [`has_room`](Self::has_room).
-    pub fn post(&mut self, chunk: Chunk<R>) -> Post<R> {
+    pub fn post(&mut self, work: impl Into<Work<R>>) -> Post<R> {
+        match work.into() {
+            Work::One(chunk) => self.post_one(chunk),
+            Work::Pieces(mut pieces) if pieces.len() <= 1 => match pieces.pop() {
+                Some(chunk) => self.post_one(chunk),
+                None => Post::Resolved,
+            },
+            Work::Pieces(pieces) => self.post_pieces(pieces),
+        }
+    }
+
+    fn post_one(&mut self, chunk: Chunk<R>) -> Post<R> {
         if self.broken {
-            return Post::Broken(chunk);
+            return Post::Broken(Work::One(chunk));
         }
         let control = chunk.req.control();
         if control.should_stop_posting() {
@@ -300,9 +425,114 @@ impl<R: ChunkOwner> ClientStream<R> {
             region: op.local.clone(),
             local_at,
             len,
+            table: Vec::new(),
+            scatter: Vec::new(),
         };
         control.with_ledger(|l| l.posted(chunk.op));
-        self.fly.push_back(InFlight { chunk, seq, kind });
+        self.fly.push_back(InFlight {
+            chunk,
+            more: Vec::new(),
+            vectored: false,
+            seq,
+            kind,
+        });
+        Post::Send(out)
+    }
+
+    /// [`post`](Self::post) for the pieces of a vectored request: checks each piece's local
+    /// range in order (the first that fails is `Local`, never posted, and the pieces after it
+    /// are dropped unposted: the request has failed there), then sends the rest as one request.
+    fn post_pieces(&mut self, mut pieces: Vec<Chunk<R>>) -> Post<R> {
+        if self.broken {
+            return Post::Broken(Work::Pieces(pieces));
+        }
+        let Some(first) = pieces.first() else {
+            return Post::Resolved;
+        };
+        let req = first.req.clone();
+        let kind = first.op().kind;
+        if req.control().should_stop_posting() {
+            Work::Pieces(pieces).skipped();
+            return Post::Resolved;
+        }
+        let mut total = 0u64;
+        let mut scatter = Vec::with_capacity(pieces.len());
+        let mut bad = None;
+        for (k, c) in pieces.iter().enumerate() {
+            let op = c.op();
+            let local_at = c.local_at();
+            let fits = op.kind == kind
+                && kind != OpKind::Checksum
+                && k < MAX_PIECES as usize
+                && total + c.len <= MAX_CHUNK
+                && op.local.check(local_at, c.len).is_ok();
+            if !fits {
+                bad = Some(k);
+                break;
+            }
+            total += c.len;
+            scatter.push(LocalRange {
+                region: op.local.clone(),
+                at: local_at,
+                len: c.len as usize,
+            });
+        }
+        if let Some(k) = bad {
+            let mut rest = pieces.split_off(k).into_iter();
+            if let Some(c) = rest.next() {
+                c.not_posted(FailureKind::Local);
+            }
+            rest.for_each(Chunk::skipped);
+            if pieces.is_empty() {
+                return Post::Resolved;
+            }
+        }
+        let seq = self.next_seq;
+        self.next_seq = seq.wrapping_add(1);
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        VectoredRequest {
+            kind,
+            seq,
+            pieces: pieces.len() as u32,
+            total,
+        }
+        .encode(&mut head);
+        let mut table = Vec::with_capacity(pieces.len() * crate::wire::PIECE_LEN);
+        for c in &pieces {
+            let op = c.op();
+            Piece {
+                token: op.token,
+                offset: op.remote_offset + c.at,
+                len: c.len,
+            }
+            .encode(&mut table);
+        }
+        req.control().with_ledger(|l| {
+            for c in &pieces {
+                l.posted(c.op);
+            }
+        });
+        let mut it = pieces.into_iter();
+        let Some(chunk) = it.next() else {
+            return Post::Resolved;
+        };
+        let out = Outgoing {
+            head,
+            kind,
+            req,
+            region: chunk.op().local.clone(),
+            local_at: chunk.local_at(),
+            len: total as usize,
+            table,
+            scatter,
+        };
+        self.fly.push_back(InFlight {
+            chunk,
+            more: it.collect(),
+            vectored: true,
+            seq,
+            kind,
+        });
         Post::Send(out)
     }
 
@@ -315,11 +545,16 @@ impl<R: ChunkOwner> ClientStream<R> {
         &mut self,
         head: &[u8; DATA_RESPONSE_LEN],
     ) -> Result<Resolution<R>, Violation> {
-        let resp = DataResponse::decode(head)?;
+        let resp = match ResponseHead::decode(head)? {
+            ResponseHead::Single(r) => r,
+            ResponseHead::Vectored(r) => return self.on_vectored(r),
+        };
         let held = usize::from(resp.also_acks);
         let plausible = held < self.fly.len()
             && self.fly.iter().take(held).enumerate().all(|(i, f)| {
-                f.kind == OpKind::Write && f.seq.wrapping_add((held - i) as u32) == resp.seq
+                f.kind == OpKind::Write
+                    && !f.vectored
+                    && f.seq.wrapping_add((held - i) as u32) == resp.seq
             });
         if !plausible {
             return Err(if self.fly.is_empty() {
@@ -340,6 +575,9 @@ impl<R: ChunkOwner> ClientStream<R> {
                 got: resp.seq,
                 expected: front.seq,
             });
+        }
+        if front.vectored {
+            return Err(Violation::WrongKind { seq: resp.seq });
         }
         let payload = resp.refused.is_none() && front.kind != OpKind::Write;
         if payload && resp.len != front.chunk.payload_len() {
@@ -362,12 +600,76 @@ impl<R: ChunkOwner> ClientStream<R> {
         Ok(Resolution::Done)
     }
 
+    /// Resolves the oldest request in flight, a vectored one, with its response: the pieces
+    /// done are acknowledged (a READ's are returned, their payloads follow), the piece the
+    /// server refused is refused, and the pieces after it, which the server did not touch, are
+    /// refused with the same status (they moved no byte).
+    fn on_vectored(&mut self, resp: VectoredResponse) -> Result<Resolution<R>, Violation> {
+        let Some(front) = self.fly.front() else {
+            return Err(Violation::Unsolicited { seq: resp.seq });
+        };
+        if front.seq != resp.seq {
+            return Err(Violation::OutOfOrder {
+                got: resp.seq,
+                expected: front.seq,
+            });
+        }
+        if !front.vectored {
+            return Err(Violation::WrongKind { seq: resp.seq });
+        }
+        let pieces = 1 + front.more.len();
+        let done = resp.done as usize;
+        if done > pieces || (done == pieces) != resp.refused.is_none() {
+            return Err(Violation::BadPieces {
+                seq: resp.seq,
+                done: resp.done,
+                pieces,
+                refused: resp.refused.is_some(),
+            });
+        }
+        let expected: u64 = match front.kind {
+            OpKind::Write => 0,
+            _ => std::iter::once(&front.chunk)
+                .chain(&front.more)
+                .take(done)
+                .map(|c| c.len)
+                .sum(),
+        };
+        if u64::from(resp.len) != expected {
+            return Err(Violation::WrongLength {
+                got: resp.len.into(),
+                expected,
+            });
+        }
+        let Some(f) = self.fly.pop_front() else {
+            return Err(Violation::Unsolicited { seq: resp.seq });
+        };
+        let mut all: Vec<Chunk<R>> = Vec::with_capacity(pieces);
+        all.push(f.chunk);
+        all.extend(f.more);
+        let rest = all.split_off(done);
+        if let Some(status) = resp.refused {
+            for c in rest {
+                c.refused(status);
+            }
+        }
+        if f.kind == OpKind::Write || all.is_empty() {
+            all.into_iter().for_each(Chunk::acked);
+            Ok(Resolution::Done)
+        } else {
+            Ok(Resolution::Pieces(all))
+        }
+    }
+
     /// The stream is broken: every chunk in flight fails as lost (`native`: the error that broke
     /// it), and later [`post`](Self::post)s hand their chunks back.
     pub fn fail_all(&mut self, native: Option<i32>) {
         self.broken = true;
         for f in self.fly.drain(..) {
             f.chunk.lost(native);
+            for c in f.more {
+                c.lost(native);
+            }
         }
     }
 }

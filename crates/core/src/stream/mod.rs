@@ -21,6 +21,14 @@
 //! (`PeerLost`, uncertain for WRITEs), and chunks not yet posted go to the channel's other
 //! streams ([`Dealer`](crate::dealer::Dealer)).
 //!
+//! A vectored request (protocol version 3, [`VectoredRequest`](crate::wire::VectoredRequest))
+//! names many pieces (segment, offset, length), all READs or all WRITEs of one request, and moves
+//! their bytes as one payload: the server checks the pieces in order and performs the longest
+//! prefix it accepts, and its response says how many pieces that was and why the next one was
+//! refused, so every piece (one whole op) is resolved as a chunk of its own. Only peers whose
+//! common version is at least 3 are sent one; the dealer groups small ops
+//! ([`deal_ops`](crate::dealer::deal_ops) with a group budget).
+//!
 //! The simulated pair in this module's tests joins client and server endpoints in memory, with
 //! arbitrary splits of the byte streams, streams served in random order and streams lost midway.
 
@@ -30,8 +38,10 @@ mod server;
 mod sim;
 
 pub use client::{
-    AckPolicy, Chunk, ChunkOwner, ClientStream, Outgoing, Post, Resolution, Violation,
+    AckPolicy, Chunk, ChunkOwner, ClientStream, LocalRange, Outgoing, Post, Resolution, Violation,
+    Work,
 };
 pub use server::{
-    Action, CHECKSUM_RESPONSE_LEN, ServerStream, accepted, checksum_response, refused, request_seq,
+    Action, CHECKSUM_RESPONSE_LEN, ServerStream, Target, accepted, checksum_response, refused,
+    request_seq,
 };

@@ -9,7 +9,10 @@ use crate::ids::SegmentToken;
 use crate::op::OpKind;
 use crate::outcome::RemoteStatus;
 use crate::transport::{FileSource, SegmentLease, SegmentTable};
-use crate::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, WireError};
+use crate::wire::{
+    DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, RequestHead, VectoredRequest,
+    VectoredResponse, WireError, decode_pieces,
+};
 
 /// The header of a response that accepts request `seq` with `len` payload bytes following (an
 /// accepted READ's length, else 0).
@@ -136,6 +139,27 @@ pub enum Action {
         /// The response header.
         response: [u8; DATA_RESPONSE_LEN],
     },
+    /// A vectored request (protocol version 3): receive its piece table,
+    /// [`VectoredRequest::table_len`] bytes, and hand them to [`ServerStream::on_table`], whose
+    /// action follows. Nothing is held across it: send [`ServerStream::flush`]'s first.
+    Table {
+        /// The request header.
+        req: VectoredRequest,
+    },
+    /// The checked pieces of a vectored request, the longest prefix the server accepts, in
+    /// order. A WRITE: receive each target's bytes into it in turn, then receive and drop
+    /// `discard` bytes (the refused pieces' payload), then send `response`. A READ: send
+    /// `response`, then each target's bytes in turn.
+    Vectored {
+        /// READ or WRITE.
+        kind: OpKind,
+        /// The accepted pieces' targets.
+        targets: Vec<Target>,
+        /// Payload bytes to read and drop after the targets' (a WRITE's refused pieces).
+        discard: u64,
+        /// The response header.
+        response: [u8; DATA_RESPONSE_LEN],
+    },
     /// The header does not decode and the payload length cannot be trusted: send `response`
     /// (`Malformed`, with the sequence number read from the raw header), then close the stream.
     Close {
@@ -144,6 +168,45 @@ pub enum Action {
         /// The response header.
         response: [u8; DATA_RESPONSE_LEN],
     },
+}
+
+/// Where one accepted piece of a vectored request lands or comes from; checked against its
+/// segment (token, access, bounds) before any byte moved.
+#[derive(Debug)]
+pub enum Target {
+    /// `len` bytes of `lease.region` at `at`.
+    Memory {
+        /// The segment (keeps it alive).
+        lease: SegmentLease,
+        /// Offset in `lease.region`.
+        at: u64,
+        /// Length.
+        len: usize,
+    },
+    /// `len` bytes of `file` at `at` (positioned I/O; a file that ends earlier closes the
+    /// stream).
+    File {
+        /// The file.
+        file: Arc<dyn FileSource>,
+        /// Offset in the file.
+        at: u64,
+        /// Length.
+        len: usize,
+    },
+}
+
+impl Target {
+    /// The piece's length.
+    pub fn len(&self) -> usize {
+        match self {
+            Target::Memory { len, .. } | Target::File { len, .. } => *len,
+        }
+    }
+
+    /// Whether the piece is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl Action {
@@ -184,8 +247,12 @@ impl ServerStream {
         head: &[u8; DATA_REQUEST_LEN],
         table: &dyn SegmentTable,
     ) -> Action {
-        let req = match DataRequest::decode(head) {
-            Ok(r) => r,
+        let req = match RequestHead::decode(head) {
+            Ok(RequestHead::Single(r)) => r,
+            Ok(RequestHead::Vectored(req)) => {
+                self.carried = None;
+                return Action::Table { req };
+            }
             Err(error) => {
                 self.carried = None;
                 return Action::Close {
@@ -265,6 +332,84 @@ impl ServerStream {
             },
             response: refused(req.seq, status),
         })
+    }
+
+    /// Decodes and checks the piece table of vectored request `req` (see
+    /// [`decode_pieces`]: counts and lengths are checked before allocation); resolves each
+    /// piece in order as [`on_request`](Self::on_request) does one chunk, and accepts the
+    /// longest prefix that passes: the response says how many pieces that is and why the next
+    /// was refused. A table that does not decode closes the stream ([`Action::Close`]).
+    pub fn on_table(
+        &mut self,
+        req: &VectoredRequest,
+        bytes: &[u8],
+        table: &dyn SegmentTable,
+    ) -> Action {
+        let pieces = match decode_pieces(req, bytes) {
+            Ok(p) => p,
+            Err(error) => {
+                return Action::Close {
+                    error,
+                    response: refused(req.seq, RemoteStatus::Malformed),
+                };
+            }
+        };
+        let mut targets = Vec::with_capacity(pieces.len());
+        let mut refusal = None;
+        let mut moved = 0u64;
+        for p in &pieces {
+            let target = match table.resolve(p.token) {
+                Some(lease) => lease
+                    .check(req.kind, p.offset, p.len)
+                    .map(|at| Target::Memory {
+                        lease,
+                        at,
+                        len: p.len as usize,
+                    }),
+                None => match table.file(p.token) {
+                    Some(file) => file
+                        .check(req.kind, p.offset, p.len)
+                        .map(|at| Target::File {
+                            file,
+                            at,
+                            len: p.len as usize,
+                        }),
+                    None => Err(RemoteStatus::UnknownSegment),
+                },
+            };
+            match target {
+                Ok(t) => {
+                    moved += p.len;
+                    targets.push(t);
+                }
+                Err(status) => {
+                    refusal = Some(status);
+                    break;
+                }
+            }
+        }
+        let done = targets.len() as u32;
+        let mut response = [0u8; DATA_RESPONSE_LEN];
+        VectoredResponse {
+            seq: req.seq,
+            refused: refusal,
+            done,
+            // At most the request's total, itself at most MAX_CHUNK (checked by decode).
+            len: match req.kind {
+                OpKind::Write => 0,
+                _ => moved as u32,
+            },
+        }
+        .encode(&mut response);
+        Action::Vectored {
+            kind: req.kind,
+            targets,
+            discard: match req.kind {
+                OpKind::Write => req.total - moved,
+                _ => 0,
+            },
+            response,
+        }
     }
 
     /// Whether the response of an accepted WRITE with `ack_slack` may join the held-back ones,
