@@ -250,40 +250,40 @@ impl Channel for TcpChannel {
     }
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
-        // The future must be 'static: take what it needs from `self` now.
-        let queue = self.queue.clone();
-        let chunk = self.chunk;
-        let closed = self.streams.is_closed();
+        let queue = &self.queue;
+        let req = Arc::new(ReqShared {
+            ops: ops.clone(),
+            control: control.clone(),
+            outstanding: AtomicUsize::new(1),
+            done: Notify::new(),
+        });
+        // Dealt now, before the future is first polled; each sender checks the request's stop
+        // flag and failures again before it posts a chunk, and bounds what it has in flight.
+        deal_ops(
+            &queue.state,
+            &ops,
+            &control,
+            self.chunk,
+            self.streams.is_closed(),
+            |op, at, len| {
+                req.outstanding.fetch_add(1, Ordering::AcqRel);
+                Job {
+                    req: req.clone(),
+                    op,
+                    at,
+                    len,
+                }
+            },
+            |job| {
+                job.req.outstanding.fetch_sub(1, Ordering::AcqRel);
+            },
+            |set| queue.wake_all_in(set),
+        );
+        // The poster's own count; `notify_one` stores a permit, so the last chunk's
+        // notification is not lost if it comes before the future waits.
+        let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
         Box::pin(async move {
-            let req = Arc::new(ReqShared {
-                ops: ops.clone(),
-                control: control.clone(),
-                outstanding: AtomicUsize::new(1),
-                done: Notify::new(),
-            });
-            // Each sender checks the request's stop flag and failures again before it posts a
-            // chunk, and bounds what it has in flight.
-            deal_ops(
-                &queue.state,
-                &ops,
-                &control,
-                chunk,
-                closed,
-                |op, at, len| {
-                    req.outstanding.fetch_add(1, Ordering::AcqRel);
-                    Job {
-                        req: req.clone(),
-                        op,
-                        at,
-                        len,
-                    }
-                },
-                |job| {
-                    job.req.outstanding.fetch_sub(1, Ordering::AcqRel);
-                },
-                |set| queue.wake_all_in(set),
-            );
-            if req.outstanding.fetch_sub(1, Ordering::AcqRel) != 1 {
+            if !last {
                 req.done.notified().await;
             }
             control.outcome(true)
