@@ -501,3 +501,122 @@ impl IntoFuture for RequestHandle {
         Box::pin(self.outcome())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use ferry_core::transport::MockChannel;
+    use ferry_core::{Epoch, MemoryRegion, PeerId, SegmentToken, TransportKind};
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    /// A peer whose channel runs each request until the test sends on the returned sender
+    /// (then every chunk is acknowledged), and one 4 KiB WRITE op for it.
+    fn peer() -> (Arc<PeerInner>, Vec<Op>, oneshot::Sender<()>) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let rx = Arc::new(Mutex::new(Some(rx)));
+        let mut ch = MockChannel::new();
+        ch.expect_kind().return_const(TransportKind::Tcp);
+        ch.expect_execute().returning(move |ops, control| {
+            let rx = lock(&rx).take().expect("one request");
+            Box::pin(async move {
+                let _ = rx.await;
+                control.with_ledger(|l| {
+                    for i in 0..ops.len() {
+                        l.plan(i, 1);
+                        l.posted(i);
+                        l.acked(i);
+                    }
+                });
+                control.outcome(true)
+            })
+        });
+        let inner = Arc::new(PeerInner {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            id: PeerId::random(),
+            epoch: Epoch::fresh(),
+            segments: Vec::new(),
+            version: 2,
+            channel: Arc::new(ch),
+            counters: Arc::default(),
+        });
+        let region = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+        let op = Op {
+            kind: OpKind::Write,
+            local: region,
+            local_offset: 0,
+            token: SegmentToken(1),
+            remote_offset: 0,
+            len: 4096,
+        };
+        (inner, vec![op], tx)
+    }
+
+    /// The handle and a drained future on another task both see the one outcome, recorded
+    /// once in the route's counters, though no task was spawned for the request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_handle_and_a_drained_future_share_one_outcome() {
+        let (peer, ops, tx) = peer();
+        let h = RequestHandle::start(&peer, ops, None);
+        let drained = tokio::spawn(h.drained());
+        tokio::task::yield_now().await;
+        assert!(!drained.is_finished());
+        tx.send(()).unwrap();
+        let o = h.await;
+        assert!(o.is_success() && o.drained, "{o:?}");
+        let d = drained.await.unwrap();
+        assert_eq!(d, o);
+        assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 1);
+        assert_eq!(peer.counters.bytes.load(Ordering::Relaxed), 4096);
+    }
+
+    /// A timeout and a cancel end the request logically (not drained) while the channel still
+    /// holds it; a drained future waits for the channel, and the counters see the request once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn timeout_and_cancel_leave_drained_to_the_channel() {
+        for cancel in [false, true] {
+            let (peer, ops, tx) = peer();
+            let timeout = (!cancel).then_some(Duration::from_millis(50));
+            let h = RequestHandle::start(&peer, ops, timeout);
+            let drained = tokio::spawn(h.drained());
+            if cancel {
+                h.cancel();
+            }
+            let o = h.await;
+            let want = if cancel {
+                FailureKind::Cancelled
+            } else {
+                FailureKind::Timeout
+            };
+            assert_eq!(o.failure.map(|f| f.kind), Some(want), "{o:?}");
+            assert!(!o.drained);
+            tokio::task::yield_now().await;
+            assert!(!drained.is_finished(), "drained before the channel let go");
+            assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 0);
+            tx.send(()).unwrap();
+            let d = drained.await.unwrap();
+            assert!(d.drained, "{d:?}");
+            assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 1);
+        }
+    }
+
+    /// A request whose handle is dropped unawaited (and with no drained future) runs to its end
+    /// as a task: the route's counters see its outcome.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_handle_still_finishes_its_request() {
+        let (peer, ops, tx) = peer();
+        drop(RequestHandle::start(&peer, ops, None));
+        tx.send(()).unwrap();
+        let counted = async {
+            while peer.counters.requests.load(Ordering::Relaxed) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), counted)
+            .await
+            .expect("the dropped request never finished");
+        assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 1);
+    }
+}
