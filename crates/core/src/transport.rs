@@ -113,8 +113,7 @@ pub trait Channel: Send + Sync + fmt::Debug + 'static {
     /// local regions and the peer's descriptors by the caller; the remote side checks again.
     ///
     /// The request starts here, before the future is first polled (the facade polls it only
-    /// when the request is awaited): the future only waits for the chunks' fate. It may spend a
-    /// bounded moment polling for a response when first polled, never in `execute`.
+    /// when the request is awaited): the future only waits for the chunks' fate.
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome>;
 
     /// Whether the channel can still carry requests.

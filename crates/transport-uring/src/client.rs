@@ -11,10 +11,10 @@
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferry_core::dealer::{Dealer, StreamSet, deal_ops};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution};
@@ -208,58 +208,6 @@ impl<J> JobQueue<J> {
 /// sent by the submitting thread itself when a stream is idle ([`UringChannel::send_direct`]).
 const DIRECT_MAX: usize = 16 << 10;
 
-/// How long the task awaiting a request sent by its submitter ([`UringChannel::send_direct`])
-/// polls for the response before it sleeps: a loopback round trip takes a few microseconds, and
-/// a task that sleeps pays a wake-up (a futex, a scheduler hand-off) on top of it.
-const SPIN: Duration = Duration::from_micros(50);
-/// After a spin that saw no response within [`SPIN`] (a peer farther away, a loaded machine),
-/// this many requests sleep at once before one spins again.
-const SPIN_BACKOFF: u32 = 64;
-
-/// Whether the awaiting task of a directly sent request spins for its response first.
-#[derive(Debug)]
-struct SpinGate {
-    /// Requests left to sleep at once after a spin that timed out.
-    skip: AtomicU32,
-    /// More than one CPU: a spinner does not keep the stream and server threads off the only one.
-    cores: bool,
-}
-
-impl SpinGate {
-    fn new() -> Self {
-        Self {
-            skip: AtomicU32::new(0),
-            cores: std::thread::available_parallelism().is_ok_and(|n| n.get() > 1),
-        }
-    }
-
-    /// Polls `parts` for up to [`SPIN`] unless spins are backed off; a spin that times out
-    /// backs them off for [`SPIN_BACKOFF`] requests.
-    fn spin_until(&self, parts: &Countdown) {
-        if !self.cores {
-            return;
-        }
-        let skip = self.skip.load(Ordering::Relaxed);
-        if skip > 0 {
-            self.skip.store(skip - 1, Ordering::Relaxed);
-            return;
-        }
-        let start = Instant::now();
-        loop {
-            for _ in 0..32 {
-                if parts.is_done() {
-                    return;
-                }
-                std::hint::spin_loop();
-            }
-            if start.elapsed() >= SPIN {
-                self.skip.store(SPIN_BACKOFF, Ordering::Relaxed);
-                return;
-            }
-        }
-    }
-}
-
 /// A stream's protocol state and its socket's send side, shared by the stream's thread and the
 /// threads that submit to an idle stream themselves. Whoever holds the lock and finds the send
 /// side free posts (assigns the sequence number) and writes the request in one go, so requests
@@ -299,7 +247,6 @@ pub struct UringChannel {
     queue: Arc<JobQueue<Job>>,
     /// Each stream's shared state, by stream index.
     shared: Vec<Arc<StreamShared>>,
-    spin: Arc<SpinGate>,
     stats: Arc<IoStats>,
     chunk: u64,
     zero_copy: bool,
@@ -433,7 +380,6 @@ impl UringChannel {
             streams,
             queue,
             shared,
-            spin: Arc::new(SpinGate::new()),
             stats,
             chunk: chunk.max(1),
             zero_copy,
@@ -585,8 +531,7 @@ impl Channel for UringChannel {
         // A small request to an idle stream is sent from here; otherwise chunks are dealt to
         // the stream threads now; each thread checks the request's stop flag and failures again
         // before it posts a chunk, and bounds what it has in flight.
-        let direct = !closed && self.send_direct(&ops, &control, &req);
-        if !direct {
+        if closed || !self.send_direct(&ops, &control, &req) {
             deal_ops(
                 &self.queue.state,
                 &ops,
@@ -609,13 +554,7 @@ impl Channel for UringChannel {
         let parts = req.parts.clone();
         drop(req);
         parts.done_one();
-        // The awaiting task of a request sent from here polls for its response a moment first
-        // (when it first awaits, not in `execute`: a submitter is never held up).
-        let spin = direct.then(|| self.spin.clone());
         Box::pin(async move {
-            if let Some(gate) = spin {
-                gate.spin_until(&parts);
-            }
             parts.wait().await;
             control.outcome(true)
         })

@@ -109,11 +109,6 @@ impl Countdown {
         }
     }
 
-    /// Whether the count reached zero.
-    pub(crate) fn is_done(&self) -> bool {
-        self.left.load(Ordering::Acquire) == 0
-    }
-
     /// Resolves once the count is zero.
     pub(crate) fn wait(self: Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
         CountdownWait(self)
