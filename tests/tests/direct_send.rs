@@ -148,6 +148,7 @@ async fn a_direct_send_the_kernel_takes_in_part_is_finished_by_the_stream_thread
     assert_eq!(rc, 0);
     let addr = l.local_addr().unwrap();
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let src = Arc::new(MemoryRegion::alloc_zeroed(2 * OP, 4096).unwrap());
     fill(&src, 3);
     let expect = bytes(&src, 0, 2 * OP);
@@ -179,6 +180,8 @@ async fn a_direct_send_the_kernel_takes_in_part_is_finished_by_the_stream_thread
             s.write_all(&b).unwrap();
             seqs.push(r.seq);
         }
+        // The stream stays open until the client looked at it.
+        done_rx.recv().unwrap();
         seqs
     });
     let t = UringTransport::new(UringConfig {
@@ -233,6 +236,7 @@ async fn a_direct_send_the_kernel_takes_in_part_is_finished_by_the_stream_thread
         let o = fut.await;
         assert!(o.is_success() && o.drained, "write {k}: {o:?}");
     }
-    assert_eq!(server.join().unwrap(), [0, 1]);
     assert!(ch.is_alive());
+    done_tx.send(()).unwrap();
+    assert_eq!(server.join().unwrap(), [0, 1]);
 }
