@@ -8,6 +8,11 @@
 //! back in request order, so the thread matches them with a FIFO of in-flight chunks (bounded by
 //! `depth`) and checks the sequence number. A request is drained once every chunk is resolved
 //! *and* every zero-copy notification of its sends arrived.
+//!
+//! A request of one small chunk submitted while a stream is idle skips the hand-over: the
+//! submitting thread posts it and writes it with one non-blocking `sendmsg`
+//! ([`UringChannel::send_direct`]); the stream thread, whose receive stays armed while idle,
+//! meets the response, and sends first whatever part of the request the kernel did not take.
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
