@@ -117,6 +117,9 @@ pub trait Channel: Send + Sync + fmt::Debug + 'static {
     /// posting once `control` says so (stop or failure), and resolves once every posted chunk is
     /// acknowledged, refused or known lost, with `drained: true`. Ops were validated against the
     /// local regions and the peer's descriptors by the caller; the remote side checks again.
+    ///
+    /// The request starts here, before the future is first polled (the facade polls it only
+    /// when the request is awaited): the future only waits for the chunks' fate.
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome>;
 
     /// Whether the channel can still carry requests.

@@ -14,7 +14,11 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use ferry_core::backoff::Backoff;
-use ferry_core::{Channel, Error, FailureKind, Op, Outcome, RemoteStatus, RequestControl};
+use std::future::Future;
+
+use ferry_core::{
+    BoxFuture, Channel, Error, FailureKind, Op, Outcome, RemoteStatus, RequestControl,
+};
 use tokio::time::Instant;
 
 use crate::engine::TransferEngine;
@@ -83,14 +87,28 @@ enum NoChannel {
 /// Runs `ops` on `peer`'s channel; if the connection is lost, reconnects and replays what the
 /// policy allows, until the request completes, fails for good, or its `deadline` passes. Resolves
 /// once every chunk of every attempt is resolved (`drained`).
-pub(crate) async fn run(
+pub(crate) fn run(
     peer: Arc<PeerInner>,
     ops: Arc<[Op]>,
     control: Arc<RequestControl>,
     deadline: Option<Instant>,
+) -> impl Future<Output = Outcome> + Send + 'static {
+    let (generation, channel) = peer.link();
+    // Posted now, not when the future is first polled.
+    let first = channel.execute(ops.clone(), control.clone());
+    run_on(peer, ops, control, deadline, generation, first)
+}
+
+/// The rest of [`run`]: waits for the first attempt, then recovers and replays.
+async fn run_on(
+    peer: Arc<PeerInner>,
+    ops: Arc<[Op]>,
+    control: Arc<RequestControl>,
+    deadline: Option<Instant>,
+    mut generation: u64,
+    first: BoxFuture<'static, Outcome>,
 ) -> Outcome {
-    let (mut generation, mut channel) = peer.link();
-    let mut outcome = execute_until(&channel, ops.clone(), &control, deadline).await;
+    let mut outcome = until(first, &control, deadline).await;
     let policy = peer.policy;
     let mut fruitless = 0u32;
     // Spaces replays that completed nothing (a channel whose streams are still dying).
@@ -110,14 +128,17 @@ pub(crate) async fn run(
         if fruitless > 0 && !sleep_unless_late(again.next_delay(), &control, deadline).await {
             return control.outcome(true);
         }
-        match recover(&peer, generation, &control, deadline).await {
-            Ok((g, c)) => (generation, channel) = (g, c),
+        let channel = match recover(&peer, generation, &control, deadline).await {
+            Ok((g, c)) => {
+                generation = g;
+                c
+            }
             Err(NoChannel::Stopped) => return control.outcome(true),
             Err(NoChannel::GaveUp(kind)) => {
                 control.with_ledger(|l| l.give_up(&plan.ops, kind, None));
                 return control.outcome(true);
             }
-        }
+        };
         if stop_if_late(&control, deadline) {
             return control.outcome(true);
         }
@@ -153,7 +174,15 @@ async fn execute_until(
     control: &Arc<RequestControl>,
     deadline: Option<Instant>,
 ) -> Outcome {
-    let run = channel.execute(ops, control.clone());
+    until(channel.execute(ops, control.clone()), control, deadline).await
+}
+
+/// Waits for `run`, stopping the request as a timeout at `deadline` (the run still drains).
+async fn until(
+    run: BoxFuture<'static, Outcome>,
+    control: &Arc<RequestControl>,
+    deadline: Option<Instant>,
+) -> Outcome {
     let Some(deadline) = deadline else {
         return run.await;
     };

@@ -2,12 +2,13 @@
 
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use ferry_core::{Error, FailureKind, Op, OpKind, Outcome, RequestControl};
-use tokio::sync::{Notify, watch};
-use tracing::Instrument;
+use tokio::sync::Notify;
 
 use crate::handles::{PeerInner, Registration, RemoteSegment};
 
@@ -244,54 +245,207 @@ impl Canceller {
 
 /// A submitted request. Await it (it is `IntoFuture`) for the logical [`Outcome`]; await
 /// [`drained`](Self::drained) for the moment its buffers are free again.
+///
+/// The channel's future of the request is driven by whoever awaits the handle or a
+/// [`drained`](Self::drained) future, on the caller's own task: no task is spawned per request,
+/// so the transport's completion wakes the awaiting task directly. If every handle and drained
+/// future is dropped before the request finished, the rest of it runs as a task of the runtime
+/// it was submitted on (its outcome still reaches the route's counters).
 #[derive(Debug)]
 pub struct RequestHandle {
     pub(crate) control: Arc<RequestControl>,
     pub(crate) wake: Arc<Notify>,
-    pub(crate) done: watch::Receiver<Option<Outcome>>,
+    drive: DriveRef,
     pub(crate) timeout: Option<Duration>,
 }
 
+/// The channel's future of one request, shared by its handle and drained futures: the first to
+/// see it complete records the outcome (route counters, a debug line) and wakes the others.
+struct Drive {
+    state: Mutex<DriveState>,
+    /// Every task that polled and still waits; the channel's future gets a waker that wakes
+    /// them all, so it does not matter which of them polled it last.
+    waiters: Arc<Waiters>,
+    control: Arc<RequestControl>,
+    counters: Arc<crate::describe::RouteCounters>,
+    span: tracing::Span,
+    /// Handles and drained futures alive; the last one to go finishes an unfinished request
+    /// on `runtime`.
+    users: AtomicUsize,
+    runtime: tokio::runtime::Handle,
+}
+
+struct DriveState {
+    fut: Option<ferry_core::BoxFuture<'static, Outcome>>,
+    done: Option<Outcome>,
+}
+
+impl std::fmt::Debug for Drive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drive")
+            .field("done", &lock(&self.state).done)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Wakers of the tasks waiting for one request.
+#[derive(Default)]
+struct Waiters(Mutex<Vec<Waker>>);
+
+impl Waiters {
+    fn register(&self, w: &Waker) {
+        let mut g = lock(&self.0);
+        if !g.iter().any(|x| x.will_wake(w)) {
+            g.push(w.clone());
+        }
+    }
+
+    fn wake_all(&self) {
+        let ws = std::mem::take(&mut *lock(&self.0));
+        for w in ws {
+            w.wake();
+        }
+    }
+}
+
+impl Wake for Waiters {
+    fn wake(self: Arc<Self>) {
+        self.wake_all();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wake_all();
+    }
+}
+
+impl Drive {
+    /// Polls the channel's future for the task of `cx` (or returns the recorded outcome).
+    fn poll(&self, cx: &mut Context<'_>) -> Poll<Outcome> {
+        let mut st = lock(&self.state);
+        if let Some(o) = st.done {
+            return Poll::Ready(o);
+        }
+        self.waiters.register(cx.waker());
+        let Some(fut) = st.fut.as_mut() else {
+            // Not reachable (the future is only taken when it completed), but a request whose
+            // future is gone holds no buffer.
+            return Poll::Ready(self.control.outcome(true));
+        };
+        let waker = Waker::from(self.waiters.clone());
+        let polled = {
+            let _span = self.span.enter();
+            fut.as_mut().poll(&mut Context::from_waker(&waker))
+        };
+        let Poll::Ready(outcome) = polled else {
+            return Poll::Pending;
+        };
+        st.fut = None;
+        st.done = Some(outcome);
+        drop(st);
+        self.counters.record(&outcome);
+        if let Some(f) = outcome.failure {
+            let _span = self.span.enter();
+            tracing::debug!(op = f.op_index, kind = %f.kind, effect = ?outcome.remote_effect,
+                "request failed");
+        }
+        // The other tasks waiting for this request.
+        self.waiters.wake_all();
+        Poll::Ready(outcome)
+    }
+}
+
+/// One user of a [`Drive`] (a handle or a drained future).
+#[derive(Debug)]
+struct DriveRef(Arc<Drive>);
+
+impl DriveRef {
+    fn new(drive: Arc<Drive>) -> Self {
+        drive.users.fetch_add(1, Ordering::AcqRel);
+        Self(drive)
+    }
+}
+
+impl Clone for DriveRef {
+    fn clone(&self) -> Self {
+        Self::new(self.0.clone())
+    }
+}
+
+impl Drop for DriveRef {
+    fn drop(&mut self) {
+        if self.0.users.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let drive = self.0.clone();
+        if lock(&drive.state).done.is_some() {
+            return;
+        }
+        // Nobody waits for the request any more: it runs to its end as a task, as it would had
+        // it been awaited (the route's counters still see its outcome).
+        let runtime = drive.runtime.clone();
+        runtime.spawn(std::future::poll_fn(move |cx| drive.poll(cx)));
+    }
+}
+
 impl RequestHandle {
-    /// Runs `ops` on `peer`'s channel as a task of the current tokio runtime (the caller checked
-    /// there is one), reconnecting and replaying after a lost connection as the peer's
+    /// Runs `ops` on `peer`'s channel (the caller checked there is a tokio runtime),
+    /// reconnecting and replaying after a lost connection as the peer's
     /// [`ReconnectPolicy`](crate::ReconnectPolicy) allows (never past `timeout`), and recording
     /// the outcome in the route's counters.
     pub(crate) fn start(peer: &Arc<PeerInner>, ops: Vec<Op>, timeout: Option<Duration>) -> Self {
         let ops: Arc<[Op]> = ops.into();
         let control = Arc::new(RequestControl::new(&ops));
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        // The first attempt posts here (channels post in `execute`; their future only waits),
+        // so the request moves whether or not the handle is polled; a replay after a lost
+        // connection runs while the handle or a drained future is awaited (or, once both are
+        // dropped, as a task).
         let fut = crate::reconnect::run(peer.clone(), ops, control.clone(), deadline);
-        Self::start_with(peer, control, Box::pin(fut), timeout)
+        Self::driven(peer, control, Box::pin(fut), timeout)
     }
 
     /// Runs `fut`, the request `control` keeps the ledger of, as a task of the current tokio
-    /// runtime, recording its outcome in the route's counters.
+    /// runtime (a staged request moves through several steps that must go on whether or not
+    /// anyone awaits it), recording its outcome in the route's counters.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn start_with(
         peer: &PeerInner,
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
     ) -> Self {
-        let span = tracing::info_span!("request", peer = %peer.addr);
-        let (tx, rx) = watch::channel(None);
-        let counters = peer.counters.clone();
-        tokio::spawn(
-            async move {
-                let outcome = fut.await;
-                counters.record(&outcome);
-                if let Some(f) = outcome.failure {
-                    tracing::debug!(op = f.op_index, kind = %f.kind, effect = ?outcome.remote_effect,
-                        "request failed");
-                }
-                let _ = tx.send(Some(outcome));
-            }
-            .instrument(span),
-        );
+        let handle = Self::driven(peer, control, fut, timeout);
+        let drive = handle.drive.clone();
+        tokio::spawn(std::future::poll_fn(move |cx| drive.0.poll(cx)));
+        handle
+    }
+
+    fn driven(
+        peer: &PeerInner,
+        control: Arc<RequestControl>,
+        fut: ferry_core::BoxFuture<'static, Outcome>,
+        timeout: Option<Duration>,
+    ) -> Self {
+        let drive = Arc::new(Drive {
+            state: Mutex::new(DriveState {
+                fut: Some(fut),
+                done: None,
+            }),
+            waiters: Arc::default(),
+            control: control.clone(),
+            counters: peer.counters.clone(),
+            span: tracing::info_span!("request", peer = %peer.addr),
+            users: AtomicUsize::new(0),
+            runtime: tokio::runtime::Handle::current(),
+        });
         Self {
             control,
             wake: Arc::new(Notify::new()),
-            done: rx,
+            drive: DriveRef::new(drive),
             timeout,
         }
     }
@@ -319,24 +473,13 @@ impl RequestHandle {
     /// Resolves when the transport has physically finished with every buffer of the request,
     /// with the final outcome (`drained: true`). Take it before awaiting the handle.
     pub fn drained(&self) -> impl Future<Output = Outcome> + Send + 'static {
-        let mut rx = self.done.clone();
-        let control = self.control.clone();
-        async move {
-            loop {
-                if let Some(o) = *rx.borrow_and_update() {
-                    return o;
-                }
-                if rx.changed().await.is_err() {
-                    // The request's task ended without a word: nothing holds the buffers now.
-                    return control.outcome(true);
-                }
-            }
-        }
+        let drive = self.drive.clone();
+        std::future::poll_fn(move |cx| drive.0.poll(cx))
     }
 
     /// Waits for the logical outcome: completion, or the timeout, or a cancel.
     pub async fn outcome(self) -> Outcome {
-        let drained = self.drained();
+        let drained = std::future::poll_fn(|cx| self.drive.0.poll(cx));
         let deadline = async {
             match self.timeout {
                 Some(t) => tokio::time::sleep(t).await,
@@ -361,5 +504,131 @@ impl IntoFuture for RequestHandle {
 
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(self.outcome())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use ferry_core::transport::MockChannel;
+    use ferry_core::{Epoch, MemoryRegion, PeerId, SegmentToken, TransportKind};
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    /// A peer whose channel runs each request until the test sends on the returned sender
+    /// (then every chunk is acknowledged), and one 4 KiB WRITE op for it.
+    fn peer() -> (Arc<PeerInner>, Vec<Op>, oneshot::Sender<()>) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let rx = Arc::new(Mutex::new(Some(rx)));
+        let mut ch = MockChannel::new();
+        ch.expect_kind().return_const(TransportKind::Tcp);
+        ch.expect_execute().returning(move |ops, control| {
+            let rx = lock(&rx).take().expect("one request");
+            Box::pin(async move {
+                let _ = rx.await;
+                control.with_ledger(|l| {
+                    for i in 0..ops.len() {
+                        l.plan(i, 1);
+                        l.posted(i);
+                        l.acked(i);
+                    }
+                });
+                control.outcome(true)
+            })
+        });
+        let inner = Arc::new(PeerInner {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            id: PeerId::random(),
+            epoch: Epoch::fresh(),
+            segments: Vec::new(),
+            version: 2,
+            link: std::sync::Mutex::new(crate::reconnect::Link {
+                generation: 0,
+                channel: Arc::new(ch),
+            }),
+            recovery: Default::default(),
+            engine: std::sync::Weak::new(),
+            policy: crate::ReconnectPolicy::default(),
+            closed: Default::default(),
+            counters: Arc::default(),
+        });
+        let region = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+        let op = Op {
+            kind: OpKind::Write,
+            local: region,
+            local_offset: 0,
+            token: SegmentToken(1),
+            remote_offset: 0,
+            len: 4096,
+        };
+        (inner, vec![op], tx)
+    }
+
+    /// The handle and a drained future on another task both see the one outcome, recorded
+    /// once in the route's counters, though no task was spawned for the request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_handle_and_a_drained_future_share_one_outcome() {
+        let (peer, ops, tx) = peer();
+        let h = RequestHandle::start(&peer, ops, None);
+        let drained = tokio::spawn(h.drained());
+        tokio::task::yield_now().await;
+        assert!(!drained.is_finished());
+        tx.send(()).unwrap();
+        let o = h.await;
+        assert!(o.is_success() && o.drained, "{o:?}");
+        let d = drained.await.unwrap();
+        assert_eq!(d, o);
+        assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 1);
+        assert_eq!(peer.counters.bytes.load(Ordering::Relaxed), 4096);
+    }
+
+    /// A timeout and a cancel end the request logically (not drained) while the channel still
+    /// holds it; a drained future waits for the channel, and the counters see the request once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn timeout_and_cancel_leave_drained_to_the_channel() {
+        for cancel in [false, true] {
+            let (peer, ops, tx) = peer();
+            let timeout = (!cancel).then_some(Duration::from_millis(50));
+            let h = RequestHandle::start(&peer, ops, timeout);
+            let drained = tokio::spawn(h.drained());
+            if cancel {
+                h.cancel();
+            }
+            let o = h.await;
+            let want = if cancel {
+                FailureKind::Cancelled
+            } else {
+                FailureKind::Timeout
+            };
+            assert_eq!(o.failure.map(|f| f.kind), Some(want), "{o:?}");
+            assert!(!o.drained);
+            tokio::task::yield_now().await;
+            assert!(!drained.is_finished(), "drained before the channel let go");
+            assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 0);
+            tx.send(()).unwrap();
+            let d = drained.await.unwrap();
+            assert!(d.drained, "{d:?}");
+            assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 1);
+        }
+    }
+
+    /// A request whose handle is dropped unawaited (and with no drained future) runs to its end
+    /// as a task: the route's counters see its outcome.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_handle_still_finishes_its_request() {
+        let (peer, ops, tx) = peer();
+        drop(RequestHandle::start(&peer, ops, None));
+        tx.send(()).unwrap();
+        let counted = async {
+            while peer.counters.requests.load(Ordering::Relaxed) == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), counted)
+            .await
+            .expect("the dropped request never finished");
+        assert_eq!(peer.counters.requests.load(Ordering::Relaxed), 1);
     }
 }

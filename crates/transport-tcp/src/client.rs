@@ -254,73 +254,73 @@ impl Channel for TcpChannel {
     }
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
-        // The future must be 'static: take what it needs from `self` now.
-        let queue = self.queue.clone();
-        let chunk = self.chunk;
-        let vectored = self.vectored;
+        let queue = &self.queue;
+        let req = Arc::new(ReqShared {
+            ops: ops.clone(),
+            control: control.clone(),
+            outstanding: AtomicUsize::new(1),
+            done: Notify::new(),
+        });
         let closed = self.streams.is_closed();
+        // Dealt now, before the future is first polled; each sender checks the request's stop
+        // flag and failures again before it posts a chunk, and bounds what it has in flight.
+        let one = |op, at, len| {
+            req.outstanding.fetch_add(1, Ordering::AcqRel);
+            Work::One(Chunk {
+                req: req.clone(),
+                op,
+                at,
+                len,
+            })
+        };
+        let undealt = |job: Job| {
+            req.outstanding.fetch_sub(job.chunks(), Ordering::AcqRel);
+        };
+        let wake = |set| queue.wake_all_in(set);
+        if self.vectored {
+            // Runs of small ops go out as vectored requests of up to one chunk's bytes.
+            deal_ops_grouped(
+                &queue.state,
+                &ops,
+                &control,
+                self.chunk,
+                self.chunk,
+                closed,
+                one,
+                |members| {
+                    req.outstanding.fetch_add(members.len(), Ordering::AcqRel);
+                    Work::Pieces(
+                        members
+                            .iter()
+                            .map(|&op| Chunk {
+                                req: req.clone(),
+                                op,
+                                at: 0,
+                                len: ops[op].len,
+                            })
+                            .collect(),
+                    )
+                },
+                undealt,
+                wake,
+            );
+        } else {
+            deal_ops(
+                &queue.state,
+                &ops,
+                &control,
+                self.chunk,
+                closed,
+                one,
+                undealt,
+                wake,
+            );
+        }
+        // The poster's own count; `notify_one` stores a permit, so the last chunk's
+        // notification is not lost if it comes before the future waits.
+        let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
         Box::pin(async move {
-            let req = Arc::new(ReqShared {
-                ops: ops.clone(),
-                control: control.clone(),
-                outstanding: AtomicUsize::new(1),
-                done: Notify::new(),
-            });
-            // Each sender checks the request's stop flag and failures again before it posts a
-            // chunk, and bounds what it has in flight.
-            let one = |op, at, len| {
-                req.outstanding.fetch_add(1, Ordering::AcqRel);
-                Work::One(Chunk {
-                    req: req.clone(),
-                    op,
-                    at,
-                    len,
-                })
-            };
-            let undealt = |job: Job| {
-                req.outstanding.fetch_sub(job.chunks(), Ordering::AcqRel);
-            };
-            let wake = |set| queue.wake_all_in(set);
-            if vectored {
-                // Runs of small ops go out as vectored requests of up to one chunk's bytes.
-                deal_ops_grouped(
-                    &queue.state,
-                    &ops,
-                    &control,
-                    chunk,
-                    chunk,
-                    closed,
-                    one,
-                    |members| {
-                        req.outstanding.fetch_add(members.len(), Ordering::AcqRel);
-                        Work::Pieces(
-                            members
-                                .iter()
-                                .map(|&op| Chunk {
-                                    req: req.clone(),
-                                    op,
-                                    at: 0,
-                                    len: ops[op].len,
-                                })
-                                .collect(),
-                        )
-                    },
-                    undealt,
-                    wake,
-                );
-            } else {
-                deal_ops(
-                    &queue.state,
-                    &ops,
-                    &control,
-                    chunk,
-                    closed,
-                    one,
-                    undealt,
-                    wake,
-                );
-            }
-            if req.outstanding.fetch_sub(1, Ordering::AcqRel) != 1 {
+            if !last {
                 req.done.notified().await;
             }
             control.outcome(true)

@@ -8,6 +8,11 @@
 //! back in request order, so the thread matches them with a FIFO of in-flight chunks (bounded by
 //! `depth`) and checks the sequence number. A request is drained once every chunk is resolved
 //! *and* every zero-copy notification of its sends arrived.
+//!
+//! A request of one small chunk submitted while a stream is idle skips the hand-over: the
+//! submitting thread posts it and writes it with one non-blocking `sendmsg`
+//! ([`UringChannel::send_direct`]); the stream thread, whose receive stays armed while idle,
+//! meets the response, and sends first whatever part of the request the kernel did not take.
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -18,7 +23,7 @@ use std::time::Duration;
 
 use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
-use ferry_core::wire::DATA_RESPONSE_LEN;
+use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
@@ -206,12 +211,50 @@ impl<J> JobQueue<J> {
     }
 }
 
+/// Requests of one chunk whose header and payload together are at most this many bytes are
+/// sent by the submitting thread itself when a stream is idle ([`UringChannel::send_direct`]).
+const DIRECT_MAX: usize = 16 << 10;
+
+/// A stream's protocol state and its socket's send side, shared by the stream's thread and the
+/// threads that submit to an idle stream themselves. Whoever holds the lock and finds the send
+/// side free posts (assigns the sequence number) and writes the request in one go, so requests
+/// reach the socket in sequence order.
+#[derive(Debug)]
+struct StreamShared {
+    state: Mutex<SendState>,
+    socket: Arc<TcpStream>,
+    dead: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+struct SendState {
+    proto: ClientStream<ReqShared>,
+    /// The stream thread is taking or sending a chunk (or a tail): nobody else writes the
+    /// socket.
+    busy: bool,
+    /// Bytes of a submitter's send that the kernel did not take at once; the stream thread
+    /// sends them before anything else.
+    tail: Vec<u8>,
+}
+
+impl StreamShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SendState> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+}
+
 /// A data channel to one peer, driven by io_uring.
 #[derive(Debug)]
 pub struct UringChannel {
     peer: SocketAddr,
     streams: ChannelStreams,
     queue: Arc<JobQueue<Job>>,
+    /// Each stream's shared state, by stream index.
+    shared: Vec<Arc<StreamShared>>,
+    stats: Arc<IoStats>,
     chunk: u64,
     zero_copy: bool,
     vectored: bool,
@@ -245,6 +288,7 @@ impl UringChannel {
             .map_err(|e| ferry_core::Error::io("create eventfd for", peer.to_string(), e))?;
         let queue = Arc::new(JobQueue::new(wakes.clone()));
         let mut streams = ChannelStreams::new();
+        let mut shared = Vec::new();
         // On failure the threads started so far end (their sockets shut, the queue dropped).
         let abandon = |streams: &ChannelStreams, queue: &JobQueue<Job>| {
             streams.shutdown_all();
@@ -266,6 +310,21 @@ impl UringChannel {
             };
             let socket = Arc::new(s);
             let dead = Arc::new(AtomicBool::new(false));
+            let policy = if loopback {
+                AckPolicy::Loopback
+            } else {
+                AckPolicy::Network
+            };
+            let sh = Arc::new(StreamShared {
+                state: Mutex::new(SendState {
+                    proto: ClientStream::new(depth, policy),
+                    busy: false,
+                    tail: Vec::new(),
+                }),
+                socket: socket.clone(),
+                dead: dead.clone(),
+            });
+            shared.push(sh.clone());
             let fd = socket.as_raw_fd();
             // The thread creates its own ring (single-issuer rings belong to their creator) and
             // reports whether that worked before the channel is handed out.
@@ -291,12 +350,7 @@ impl UringChannel {
                             }
                             io.set_wake(cx.wake.fd.as_raw_fd());
                             let _ = ready_tx.send(Ok(()));
-                            let policy = if loopback {
-                                AckPolicy::Loopback
-                            } else {
-                                AckPolicy::Network
-                            };
-                            stream(io, cx, ClientStream::new(depth, policy))
+                            stream(io, cx, sh)
                         }
                         Err(e) => {
                             cx.dead.store(true, Ordering::Release);
@@ -334,10 +388,131 @@ impl UringChannel {
             peer,
             streams,
             queue,
+            shared,
+            stats,
             chunk: chunk.max(1),
             zero_copy,
             vectored,
         })
+    }
+
+    /// Sends a request of one small chunk from the calling thread, on a stream that is idle
+    /// (nothing in flight, its thread not sending, nothing queued on the channel): one
+    /// non-blocking `sendmsg` instead of a hand-over to the stream's thread, whose armed
+    /// receive then meets the response. What the kernel does not take at once is left for the
+    /// stream thread to send first. `false`: nothing was done, deal the request.
+    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> bool {
+        let [op] = ops else {
+            return false;
+        };
+        let one_chunk = op.kind == OpKind::Checksum || op.len <= self.chunk;
+        let payload = if op.kind == OpKind::Write { op.len } else { 0 };
+        if !one_chunk || payload > (DIRECT_MAX - DATA_REQUEST_LEN) as u64 {
+            return false;
+        }
+        for (i, sh) in self.shared.iter().enumerate() {
+            // A stream whose lock is taken is busy; its thread holds it only briefly.
+            let Ok(mut g) = sh.state.try_lock() else {
+                continue;
+            };
+            if g.busy
+                || !g.tail.is_empty()
+                || g.proto.in_flight() > 0
+                || g.proto.is_broken()
+                || sh.dead.load(Ordering::Acquire)
+            {
+                continue;
+            }
+            // Requests dealt earlier and not taken yet go first.
+            if self.queue.lock().queued() > 0 {
+                return false;
+            }
+            control.with_ledger(|l| l.plan(0, 1));
+            req.parts.add(1);
+            let job = Work::One(Chunk {
+                req: req.clone(),
+                op: 0,
+                at: 0,
+                len: op.len,
+            });
+            let out = match g.proto.post(job) {
+                Post::Send(out) => out,
+                Post::Resolved => return true,
+                Post::Broken(job) => {
+                    // Not reached (checked above); hand it on like a leaving stream would.
+                    drop(g);
+                    let dealt = self.queue.lock().deal(job);
+                    match dealt {
+                        Ok(k) => self.queue.wake_for(k),
+                        Err(job) => job.not_posted(FailureKind::PeerLost),
+                    }
+                    return true;
+                }
+            };
+            let body_len = if out.kind == OpKind::Write {
+                out.len
+            } else {
+                0
+            };
+            let body = (out.region.as_ptr() as usize + out.local_at as usize) as *const u8;
+            let iov = [
+                libc::iovec {
+                    iov_base: out.head.as_ptr() as *mut libc::c_void,
+                    iov_len: out.head.len(),
+                },
+                libc::iovec {
+                    iov_base: body as *mut libc::c_void,
+                    iov_len: body_len,
+                },
+            ];
+            // SAFETY: a zeroed msghdr is valid (no address, no control data); the iovecs point
+            // at `out.head` (alive for the call) and at the chunk's payload, whose range the
+            // stream protocol checked against the region `out.region` keeps alive.
+            let sent = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+                msg.msg_iovlen = if body_len > 0 { 2 } else { 1 };
+                libc::sendmsg(
+                    sh.socket.as_raw_fd(),
+                    &msg,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            let total = out.head.len() + body_len;
+            IoStats::add(&self.stats.direct_sends, 1);
+            let sent = if sent >= 0 {
+                sent as usize
+            } else {
+                let e = std::io::Error::last_os_error();
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) {
+                    // The stream thread's armed receive ends with the socket and fails what is
+                    // in flight, this chunk included.
+                    debug!(peer = %self.peer, stream = i, error = %e, "send failed; stream closed");
+                    shutdown(&sh.socket);
+                    return true;
+                }
+                0
+            };
+            if sent < total {
+                IoStats::add(&self.stats.direct_tails, 1);
+                let mut tail = Vec::with_capacity(total - sent);
+                let head_rest = out.head.get(sent..).unwrap_or(&[]);
+                tail.extend_from_slice(head_rest);
+                let body_from = sent.saturating_sub(out.head.len());
+                // SAFETY: as for the send above; `body_from <= body_len`.
+                tail.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(body.add(body_from), body_len - body_from)
+                });
+                g.tail = tail;
+                drop(g);
+                self.queue.wakes[i].poke_now();
+            }
+            return true;
+        }
+        false
     }
 
     /// Whether payloads go out with SEND_ZC.
@@ -363,8 +538,9 @@ impl Channel for UringChannel {
             control: control.clone(),
             parts: Arc::new(Countdown::new(1)),
         });
-        // Chunks are dealt to the stream threads now; each thread checks the request's stop
-        // flag and failures again before it posts a chunk, and bounds what it has in flight.
+        // A small request to an idle stream is sent from here; otherwise chunks are dealt to
+        // the stream threads now; each thread checks the request's stop flag and failures again
+        // before it posts a chunk, and bounds what it has in flight.
         let one = |op, at, len| {
             req.parts.add(1);
             Work::One(Chunk {
@@ -375,44 +551,46 @@ impl Channel for UringChannel {
             })
         };
         let wake = |set| self.queue.wake_all_in(set);
-        if self.vectored {
-            // Runs of small ops go out as vectored requests of up to one chunk's bytes.
-            deal_ops_grouped(
-                &self.queue.state,
-                &ops,
-                &control,
-                self.chunk,
-                self.chunk,
-                closed,
-                one,
-                |members| {
-                    req.parts.add(members.len());
-                    Work::Pieces(
-                        members
-                            .iter()
-                            .map(|&op| Chunk {
-                                req: req.clone(),
-                                op,
-                                at: 0,
-                                len: ops[op].len,
-                            })
-                            .collect(),
-                    )
-                },
-                Work::skipped,
-                wake,
-            );
-        } else {
-            deal_ops(
-                &self.queue.state,
-                &ops,
-                &control,
-                self.chunk,
-                closed,
-                one,
-                Work::skipped,
-                wake,
-            );
+        if closed || !self.send_direct(&ops, &control, &req) {
+            if self.vectored {
+                // Runs of small ops go out as vectored requests of up to one chunk's bytes.
+                deal_ops_grouped(
+                    &self.queue.state,
+                    &ops,
+                    &control,
+                    self.chunk,
+                    self.chunk,
+                    closed,
+                    one,
+                    |members| {
+                        req.parts.add(members.len());
+                        Work::Pieces(
+                            members
+                                .iter()
+                                .map(|&op| Chunk {
+                                    req: req.clone(),
+                                    op,
+                                    at: 0,
+                                    len: ops[op].len,
+                                })
+                                .collect(),
+                        )
+                    },
+                    Work::skipped,
+                    wake,
+                );
+            } else {
+                deal_ops(
+                    &self.queue.state,
+                    &ops,
+                    &control,
+                    self.chunk,
+                    closed,
+                    one,
+                    Work::skipped,
+                    wake,
+                );
+            }
         }
         let parts = req.parts.clone();
         drop(req);
@@ -452,15 +630,18 @@ struct StreamCtx {
 }
 
 /// One stream's thread: it sends requests in order (WRITE payloads from registered memory) and
-/// reads the responses with a receive kept armed on the same ring, so that a response arriving
-/// while the thread sends is picked up by that send's wait, with no second thread to wake.
-fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, mut proto: ClientStream<ReqShared>) {
+/// reads the responses with a receive kept armed on the same ring (idle or not), so that a
+/// response arriving while the thread sends is picked up by that send's wait, with no second
+/// thread to wake, and a response to a request a submitter sent itself wakes the thread.
+fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
     let mut resp = [0u8; DATA_RESPONSE_LEN];
     let mut resp_at = 0usize;
     let mut open = true;
     let broken = 'run: loop {
         // Responses that arrived meanwhile.
+        let mut met = false;
         while let Some(got) = io.take_armed() {
+            met = true;
             match got {
                 Ok([]) => {
                     debug!(peer = %cx.peer, stream = cx.index, "peer closed the stream");
@@ -478,21 +659,37 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, mut proto: ClientStream<ReqS
             }
             if resp_at == DATA_RESPONSE_LEN {
                 resp_at = 0;
-                if let Err(native) = on_response(&mut io, &resp, &mut proto, &cx) {
+                if let Err(native) = on_response(&mut io, &resp, &sh, &cx) {
                     break 'run native;
                 }
             }
-            if (proto.in_flight() > 0 || resp_at > 0)
-                && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
-            {
+            if let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at) {
                 debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
                 break 'run None;
             }
         }
-        // New work, while fewer than `depth` chunks are in flight.
+        if !met
+            && !io.armed()
+            && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
+        {
+            debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
+            break 'run None;
+        }
+        // What a submitter left unsent goes out before anything else.
+        if let Err(native) = flush_tail(&mut io, &sh, &cx) {
+            break 'run native;
+        }
+        // New work, while fewer than `depth` chunks are in flight. The send side is claimed
+        // (`busy`) before the look, so that a submitter cannot send past a chunk taken here.
         let mut job = None;
-        if open && proto.has_room() {
-            let idle = proto.in_flight() == 0;
+        let (room, in_flight) = {
+            let mut g = sh.lock();
+            let room = open && g.proto.has_room();
+            g.busy = room;
+            (room, g.proto.in_flight())
+        };
+        if room {
+            let idle = in_flight == 0;
             match cx.queue.next(cx.index, idle) {
                 Some(Some(j)) => job = Some(j),
                 Some(None) => open = false,
@@ -510,25 +707,34 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, mut proto: ClientStream<ReqS
             }
         }
         let Some(job) = job else {
-            if !open && proto.in_flight() == 0 && resp_at == 0 {
+            let (in_flight, tail) = {
+                let mut g = sh.lock();
+                g.busy = false;
+                (g.proto.in_flight(), !g.tail.is_empty())
+            };
+            if !open && in_flight == 0 && resp_at == 0 && !tail {
                 cx.wake.rise();
                 break 'run None;
             }
             // Wait for a response, a zero-copy notification or new work (`sleeping` was set
             // above if new work could be taken; with `depth` chunks in flight posters need not
-            // wake us: a response will).
-            io.wait(Duration::from_secs(1));
+            // wake us: a response will; a submitter that leaves a tail writes the eventfd).
+            if !tail {
+                io.wait(Duration::from_secs(1));
+            }
             cx.wake.rise();
             continue;
         };
         cx.wake.rise();
-        if let Err(native) = post(&mut io, job, &mut proto, &cx, resp_at) {
+        let res = post(&mut io, job, &sh, &cx);
+        sh.lock().busy = false;
+        if let Err(native) = res {
             break 'run native;
         }
     };
     cx.dead.store(true, Ordering::Release);
     shutdown(&cx.socket);
-    proto.fail_all(broken);
+    sh.lock().proto.fail_all(broken);
     // The other streams take what was dealt to this one; the last one to end fails it.
     for job in cx.queue.leave(cx.index) {
         job.not_posted(FailureKind::PeerLost);
@@ -537,20 +743,47 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, mut proto: ClientStream<ReqS
     io.finish(crate::FINISH_GRACE);
 }
 
-/// Sends one chunk's request (and WRITE payload), keeping a receive armed for its response.
-/// `Err` (with the native error, if any): the stream is broken.
+/// Sends what a submitter's send left over, if anything. `Err`: the stream is broken.
+fn flush_tail(
+    io: &mut SockIo<NotifHold>,
+    sh: &StreamShared,
+    cx: &StreamCtx,
+) -> Result<(), Option<i32>> {
+    let tail = {
+        let mut g = sh.lock();
+        if g.tail.is_empty() {
+            return Ok(());
+        }
+        g.busy = true;
+        std::mem::take(&mut g.tail)
+    };
+    let res = io.send_buf(&tail);
+    sh.lock().busy = false;
+    res.map_err(|e| {
+        debug!(peer = %cx.peer, stream = cx.index, error = %e, "send failed; stream closed");
+        e.raw_os_error()
+    })
+}
+
+/// Sends one chunk's request (and WRITE payload); the receive for its response is armed
+/// already. The caller holds the send side (`busy`). `Err` (with the native error, if any):
+/// the stream is broken.
 fn post(
     io: &mut SockIo<NotifHold>,
     job: Job,
-    proto: &mut ClientStream<ReqShared>,
+    sh: &StreamShared,
     cx: &StreamCtx,
-    resp_at: usize,
 ) -> Result<(), Option<i32>> {
     if cx.dead.load(Ordering::Acquire) {
         job.not_posted(FailureKind::PeerLost);
         return Ok(());
     }
-    let out = match proto.post(job) {
+    let (posted, tail) = {
+        let mut g = sh.lock();
+        let posted = g.proto.post(job);
+        (posted, std::mem::take(&mut g.tail))
+    };
+    let out = match posted {
         Post::Send(out) => out,
         Post::Resolved => return Ok(()),
         Post::Broken(job) => {
@@ -558,11 +791,13 @@ fn post(
             return Ok(());
         }
     };
-    if !io.armed()
-        && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
-    {
-        debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
-        return Err(None);
+    let fail = |e: std::io::Error| {
+        debug!(peer = %cx.peer, stream = cx.index, error = %e, "send failed; stream closed");
+        e.raw_os_error()
+    };
+    // A submitter's leftover bytes precede this request on the wire.
+    if !tail.is_empty() {
+        io.send_buf(&tail).map_err(fail)?;
     }
     let is_write = out.kind == OpKind::Write;
     let res = if !out.scatter.is_empty() {
@@ -603,10 +838,7 @@ fn post(
     } else {
         io.send_buf(&out.head)
     };
-    res.map_err(|e| {
-        debug!(peer = %cx.peer, stream = cx.index, error = %e, "send failed; stream closed");
-        e.raw_os_error()
-    })
+    res.map_err(fail)
 }
 
 /// Resolves the oldest chunks in flight with `head` (reading a READ's payload into registered
@@ -614,10 +846,11 @@ fn post(
 fn on_response(
     io: &mut SockIo<NotifHold>,
     head: &[u8; DATA_RESPONSE_LEN],
-    proto: &mut ClientStream<ReqShared>,
+    sh: &StreamShared,
     cx: &StreamCtx,
 ) -> Result<(), Option<i32>> {
-    let chunk = match proto.on_response(head) {
+    let resolved = sh.lock().proto.on_response(head);
+    let chunk = match resolved {
         Ok(Resolution::Done) => return Ok(()),
         Ok(Resolution::Pieces(pieces)) => {
             let parts: Vec<(*mut u8, usize)> = pieces

@@ -63,6 +63,12 @@ pub struct IoStats {
     /// I/O threads running now: one per client stream, one per served data stream (each with
     /// its own ring; a handshake's short-lived thread is not counted).
     pub threads: AtomicU64,
+    /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
+    /// with no hand-over to the stream's thread.
+    pub direct_sends: AtomicU64,
+    /// Of those, sends the kernel took only in part (a full socket): the stream's thread sent
+    /// the rest before anything else.
+    pub direct_tails: AtomicU64,
     /// Past `UringConfig::max_threads`: data streams a server handed to its overflow, or
     /// peers a client's engine opened over the TCP data plane instead.
     pub handed_over: AtomicU64,
@@ -941,6 +947,18 @@ impl<H> SockIo<H> {
         let ts = types::Timespec::new()
             .sec(timeout.as_secs())
             .nsec(timeout.subsec_nanos());
+        if self.ring.params().is_feature_ext_arg() {
+            // The wait's own deadline (one io_uring_enter, no timeout request to arm and
+            // complete): ends at the first completion or at the deadline (ETIME).
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
+                Err(e) => debug!(error = %e, "waiting on the ring"),
+            }
+            self.reap(&[], &mut [], &mut [false; 2]);
+            return;
+        }
         // Ends at the first completion or at the deadline.
         let e = opcode::Timeout::new(&ts)
             .count(1)

@@ -630,6 +630,12 @@ fn serve_data(
                             return Ok(());
                         }
                     }
+                    // The next header's receive goes into the ring with the response (one
+                    // io_uring_enter for both; `next_head` finds it armed), unless the next
+                    // header is in already.
+                    if !ready && !io.armed() {
+                        io.arm_recv(DATA_REQUEST_LEN)?;
+                    }
                     io.send_buf(&proto.answer_write(seq))
                 })
             }

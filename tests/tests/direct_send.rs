@@ -1,0 +1,244 @@
+//! The io_uring client's direct sends: a request of one small chunk submitted while a stream is
+//! idle is written by the submitting thread itself (no hand-over to the stream's thread), and
+//! whatever the kernel does not take at once is sent by the stream's thread before anything
+//! else. Both must keep each stream's requests in sequence order and their bytes whole, whoever
+//! sends them; the io_uring server checks the order (a request out of sequence closes the
+//! stream) and the bytes are compared at the end.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use common::*;
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse,
+    SUPPORTED_VERSIONS, TransportOffer,
+};
+use ferry_core::{
+    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
+    SegmentToken, Transport,
+};
+use transport_uring::{UringConfig, UringTransport};
+
+/// A one-stream io_uring channel (with `config`) to an io_uring server (with `server`) that
+/// publishes `len` bytes; returns the channel, its transport and the server's segment.
+async fn setup(
+    config: UringConfig,
+    server: UringConfig,
+    len: usize,
+) -> (
+    Arc<dyn Channel>,
+    Arc<UringTransport>,
+    ferry_core::SegmentToken,
+    Arc<MemoryRegion>,
+    transport_uring::UringServerHandle,
+) {
+    let table = Arc::new(Table::default());
+    let (tok, remote) = publish(
+        &table,
+        "seg",
+        len,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    let handle = serve_uring(&table, server, None);
+    let addr = handle.local_addr();
+    let t = Arc::new(UringTransport::new(config).unwrap());
+    let offer = t.offer();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    (ch, t, tok, remote, handle)
+}
+
+/// Many tasks submit small WRITEs and READs to one stream at once: some go out from their
+/// submitters, some through the stream's thread, and every one completes with its bytes where
+/// they belong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_submitters_keep_one_streams_order() {
+    if !uring_usable() {
+        return;
+    }
+    const TASKS: u64 = 8;
+    const EACH: u64 = 200;
+    const OP: u64 = 64;
+    let len = (TASKS * EACH * OP) as usize;
+    let config = UringConfig {
+        streams: 1,
+        depth: 4,
+        ..UringConfig::default()
+    };
+    let (ch, t, tok, remote, _server) = setup(config.clone(), config, len).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    fill(&src, 7);
+    let back = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let mut tasks = Vec::new();
+    for k in 0..TASKS {
+        let (ch, src, back) = (ch.clone(), src.clone(), back.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..EACH {
+                let at = (k * EACH + i) * OP;
+                let w = run(&ch, vec![op(OpKind::Write, &src, at, tok, at, OP)]).await;
+                assert!(w.is_success() && w.drained, "write {k}/{i}: {w:?}");
+                let r = run(&ch, vec![op(OpKind::Read, &back, at, tok, at, OP)]).await;
+                assert!(r.is_success() && r.drained, "read {k}/{i}: {r:?}");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert!(
+        ch.is_alive(),
+        "a request out of order would have closed the stream"
+    );
+    assert!(
+        bytes(&remote, 0, len) == bytes(&src, 0, len),
+        "remote bytes differ"
+    );
+    assert!(
+        bytes(&back, 0, len) == bytes(&src, 0, len),
+        "bytes read back differ"
+    );
+    let direct = t.stats().direct_sends.load(Ordering::Relaxed);
+    assert!(direct > 0, "no request was sent by its submitter");
+}
+
+/// Accepts one stream on `l`, answering its attach.
+fn accept_stream(l: &TcpListener) -> std::net::TcpStream {
+    let (mut s, _) = l.accept().unwrap();
+    let mut head = [0u8; ferry_core::wire::CONTROL_HEADER_LEN];
+    s.read_exact(&mut head).unwrap();
+    let h = ferry_core::wire::ControlHeader::decode(&head).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    let mut out = Vec::new();
+    ControlFrame::StreamAccept
+        .encode(SUPPORTED_VERSIONS.max, &mut out)
+        .unwrap();
+    s.write_all(&out).unwrap();
+    s
+}
+
+/// A direct send the kernel takes only in part (the peer reads nothing yet and both socket
+/// buffers are as small as the kernel allows): the stream's thread sends the rest, and the
+/// peer sees that request whole and then the next one, in sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_send_the_kernel_takes_in_part_is_finished_by_the_stream_thread() {
+    if !uring_usable() {
+        return;
+    }
+    const OP: usize = (16 << 10) - DATA_REQUEST_LEN;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let small: libc::c_int = 1;
+    // SAFETY: setting an int socket option on a listener we own; accepted sockets inherit it.
+    let rc = unsafe {
+        libc::setsockopt(
+            l.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    let addr = l.local_addr().unwrap();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let src = Arc::new(MemoryRegion::alloc_zeroed(2 * OP, 4096).unwrap());
+    fill(&src, 3);
+    let expect = bytes(&src, 0, 2 * OP);
+    let server = std::thread::spawn(move || {
+        let mut s = accept_stream(&l);
+        let mut seqs = Vec::new();
+        for k in 0..2usize {
+            // Nothing is read before the client's first send returned.
+            if k == 0 {
+                go_rx.recv().unwrap();
+            }
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            s.read_exact(&mut h).unwrap();
+            let r = DataRequest::decode(&h).unwrap();
+            let mut payload = vec![0u8; r.len as usize];
+            s.read_exact(&mut payload).unwrap();
+            assert!(
+                payload == expect[k * OP..(k + 1) * OP],
+                "payload {k} differs"
+            );
+            let mut b = [0u8; DATA_RESPONSE_LEN];
+            DataResponse {
+                seq: r.seq,
+                refused: None,
+                len: 0,
+                also_acks: 0,
+            }
+            .encode(&mut b);
+            s.write_all(&b).unwrap();
+            seqs.push(r.seq);
+        }
+        // The stream stays open until the client looked at it.
+        done_rx.recv().unwrap();
+        seqs
+    });
+    let t = UringTransport::new(UringConfig {
+        streams: 1,
+        depth: 4,
+        socket_buffer: Some(1),
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let ch = t
+        .open(PeerInfo {
+            addr,
+            local_id: PeerId::random(),
+            local_epoch: Epoch::fresh(),
+            remote_id: PeerId::random(),
+            remote_epoch: Epoch(1),
+            offer: TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            },
+            segments: vec![],
+            session: None,
+            version: ferry_core::wire::SUPPORTED_VERSIONS.max,
+        })
+        .await
+        .unwrap();
+    for k in 0..2u64 {
+        let ops: Arc<[Op]> = vec![op(
+            OpKind::Write,
+            &src,
+            k * OP as u64,
+            SegmentToken(9),
+            0,
+            OP as u64,
+        )]
+        .into();
+        let control = Arc::new(RequestControl::new(&ops));
+        // The send happens in `execute`, before the future is polled.
+        let fut = ch.execute(ops, control);
+        if k == 0 {
+            let s = t.stats();
+            assert_eq!(
+                s.direct_sends.load(Ordering::Relaxed),
+                1,
+                "not sent directly"
+            );
+            assert_eq!(
+                s.direct_tails.load(Ordering::Relaxed),
+                1,
+                "the kernel took {OP} bytes at once"
+            );
+            go_tx.send(()).unwrap();
+        }
+        let o = fut.await;
+        assert!(o.is_success() && o.drained, "write {k}: {o:?}");
+    }
+    assert!(ch.is_alive());
+    done_tx.send(()).unwrap();
+    assert_eq!(server.join().unwrap(), [0, 1]);
+}
