@@ -74,11 +74,13 @@ impl RegistryTable {
             .remove(&token);
     }
 
-    /// Descriptors of the published file segments.
+    /// Descriptors of the published file segments (GPU segments registered with RDMA NICs,
+    /// which the registry lists with their remote keys, are left to it).
     pub(crate) fn file_descs(&self) -> Vec<SegmentDesc> {
         let files = self.files.read().unwrap_or_else(PoisonError::into_inner);
         let mut v: Vec<SegmentDesc> = files
             .iter()
+            .filter(|(token, _)| self.registry.lookup(**token).is_none())
             .map(|(token, f)| SegmentDesc {
                 name: f.name.clone(),
                 token: *token,
@@ -125,7 +127,12 @@ pub(crate) fn describe_lease(lease: &Lease) -> SegmentDesc {
 
 impl SegmentTable for RegistryTable {
     fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
-        let lease = self.registry.lookup(token)?;
+        // Device memory has no host bytes for a server to touch: its token resolves to the
+        // device-copy source in `file` instead.
+        let lease = self
+            .registry
+            .lookup(token)
+            .filter(|l| l.region().is_host())?;
         let guard = self
             .guards
             .read()
