@@ -1127,6 +1127,90 @@ mod tests {
         );
     }
 
+    /// Local memory that is device memory, with or without its GPUDirect region.
+    struct Dev(Arc<DeviceMemory>, Option<Arc<MemoryRegion>>);
+
+    impl crate::request::LocalMemory for Dev {
+        fn local_ref(&self) -> crate::request::LocalRef {
+            crate::request::LocalRef(StagedLocal::Device(self.0.clone(), self.1.clone()))
+        }
+    }
+
+    /// Host memory.
+    struct Host(Arc<MemoryRegion>);
+
+    impl crate::request::LocalMemory for Host {
+        fn local_ref(&self) -> crate::request::LocalRef {
+            crate::request::LocalRef(StagedLocal::Host(self.0.clone()))
+        }
+    }
+
+    fn segment(kind: ferry_core::TransportKind) -> crate::handles::RemoteSegment {
+        let mut ch = ferry_core::transport::MockChannel::new();
+        ch.expect_kind().return_const(kind);
+        let desc = SegmentDesc {
+            name: "g".into(),
+            token: SegmentToken(7),
+            len: 1 << 20,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            remote_keys: Vec::new(),
+        };
+        let peer = Arc::new(PeerInner {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            id: ferry_core::PeerId(1),
+            epoch: ferry_core::Epoch(1),
+            segments: vec![desc.clone()],
+            version: 2,
+            channel: Arc::new(ch),
+            counters: crate::route::Routes::default().counters("p".into(), kind),
+        });
+        crate::handles::RemoteSegment { peer, desc }
+    }
+
+    /// Device memory reaches a transport only as its GPUDirect region, only towards an RDMA
+    /// peer, and only when every device op of the batch has one; every other batch is staged.
+    #[test]
+    fn gpu_ops_go_to_the_nic_only_over_rdma_with_a_region() {
+        use ferry_core::TransportKind::{Rdma, Tcp, Uring};
+        let Some(fake) = ferry_tests::fake_cuda(ferry_tests::FakeVariant::Full) else {
+            return;
+        };
+        let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+        let mem = Arc::new(cuda.device(0).unwrap().alloc(1 << 20).unwrap());
+        let region = Arc::new(mem.nic_region(cuda::GpuRoute::Peermem).unwrap());
+        assert!(!region.is_host());
+        assert_eq!(region.as_ptr() as u64, mem.device_ptr());
+        let with = Dev(mem.clone(), Some(region.clone()));
+        let without = Dev(mem.clone(), None);
+        let host = Host(Arc::new(MemoryRegion::from_vec(vec![0; 64])));
+        for (kind, direct) in [(Rdma, true), (Tcp, false), (Uring, false)] {
+            let seg = segment(kind);
+            let (_, checked) = crate::Batch::new()
+                .write(&with, 0, &seg, 0, 4096)
+                .read(&host, 0, &seg, 8, 64)
+                .checked()
+                .unwrap();
+            match checked {
+                crate::request::Checked::Host(ops) => {
+                    assert!(direct, "{kind}: device memory given to a {kind} transport");
+                    assert!(Arc::ptr_eq(&ops[0].local, &region));
+                    assert!(ops[1].local.is_host());
+                }
+                crate::request::Checked::Staged(_) => assert!(!direct, "{kind}: staged"),
+            }
+            // A device op without a region stages the whole batch, whatever the peer.
+            let (_, checked) = crate::Batch::new()
+                .write(&with, 0, &seg, 0, 4096)
+                .write(&without, 0, &seg, 0, 4096)
+                .checked()
+                .unwrap();
+            assert!(
+                matches!(checked, crate::request::Checked::Staged(_)),
+                "{kind}"
+            );
+        }
+    }
+
     #[test]
     fn rail_names_give_their_device() {
         assert_eq!(rail_device("mlx5_0:1"), "mlx5_0");
