@@ -764,8 +764,10 @@ pub(crate) fn prepare(
     if state.config.staging == Staging::Never {
         return Err(Error::InvalidRequest {
             reason: "staging: never, and no direct route serves GPU memory on this peer's \
-                     transport (TCP and io_uring move host memory only; GPUDirect RDMA \
-                     registration is not available): allow staging (auto) or use host memory"
+                     transport (TCP and io_uring move host memory only; over RDMA every GPU \
+                     op of the batch needs a registration whose GPUDirect route is dmabuf or \
+                     peermem): allow staging (auto), register with a GPUDirect route, or use \
+                     host memory"
                 .into(),
         });
     }

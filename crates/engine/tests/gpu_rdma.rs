@@ -274,3 +274,62 @@ async fn a_dmabuf_registration_the_nic_refuses_is_a_typed_error() -> Result<()> 
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn with_route_off_gpu_memory_is_staged_over_rdma() -> Result<()> {
+    let Some((s, c)) = rails() else { return Ok(()) };
+    let fake = fake_cuda(FakeVariant::Full).context("the fake CUDA driver is missing")?;
+    let empty = tempfile::tempdir()?;
+    const LEN: usize = (1 << 20) + 513;
+    let server = TransferEngine::builder()
+        .listen("127.0.0.1:0".parse()?)
+        .rdma(RdmaConfig::with_rails(vec![s]).chunk_size(256 << 10))
+        .build()?;
+    let target = std::sync::Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
+    let _seg = server.register(
+        target.clone(),
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        "h",
+    )?;
+    let client = engine(fake, c, GpuDirectSetting::Off, empty.path(), false)?;
+    let src = client.alloc_gpu(0, LEN, Access::LOCAL, "src")?;
+    let dst = client.alloc_gpu(0, LEN, Access::LOCAL, "dst")?;
+    ensure!(
+        src.route().route == GpuRoute::Off && src.nics().is_empty(),
+        "{:?}",
+        src.route()
+    );
+    let data = pattern(LEN, 0x77);
+    src.memory().copy_from_host(0, &data)?;
+    let peer = client
+        .connect(server.local_addr().context("no listener")?)
+        .await?;
+    ensure!(
+        peer.transport() == TransportKind::Rdma,
+        "route is {}",
+        peer.transport()
+    );
+    let seg = peer.segment("h")?;
+    let o = client
+        .submit(Batch::new().write(&src, 0, &seg, 0, LEN as u64))?
+        .await;
+    ensure!(o.is_success() && o.drained, "staged WRITE: {o:?}");
+    let mut got = vec![0; LEN];
+    target.read_at(0, &mut got)?;
+    ensure!(fnv(&got) == fnv(&data), "staged WRITE: bytes differ");
+    let o = client
+        .submit(Batch::new().read(&dst, 0, &seg, 0, LEN as u64))?
+        .await;
+    ensure!(o.is_success() && o.drained, "staged READ: {o:?}");
+    let mut back = vec![0; LEN];
+    dst.memory().copy_to_host(0, &mut back)?;
+    ensure!(fnv(&back) == fnv(&data), "staged READ: bytes differ");
+    let st = client
+        .describe()
+        .staging
+        .context("no staging description")?;
+    ensure!(st.staged_bytes == 2 * LEN as u64, "{st:?}");
+    ensure!(st.buffers_in_use == 0, "{st:?}");
+    Ok(())
+}
