@@ -345,7 +345,7 @@ pub(crate) struct Direct {
     /// The device memory as a region placed on its device (only RDMA ops get it).
     pub(crate) region: Arc<MemoryRegion>,
     /// Dropping it retires the MRs (after the last lease).
-    pub(crate) _registration: registry::Registration,
+    pub(crate) registration: registry::Registration,
 }
 
 impl fmt::Debug for GpuRegistration {
@@ -389,7 +389,7 @@ impl GpuRegistration {
     /// or `peermem`.
     pub fn nics(&self) -> Vec<String> {
         self.direct.as_ref().map_or_else(Vec::new, |d| {
-            d._registration
+            d.registration
                 .lease()
                 .contexts()
                 .iter()
@@ -402,7 +402,7 @@ impl GpuRegistration {
     /// RDMA NICs).
     pub fn desc(&self) -> SegmentDesc {
         match &self.direct {
-            Some(d) => crate::serve::describe_lease(&d._registration.lease()),
+            Some(d) => crate::serve::describe_lease(&d.registration.lease()),
             None => SegmentDesc {
                 name: self.name.clone(),
                 token: self.token,
@@ -508,7 +508,7 @@ impl crate::TransferEngine {
         };
         let token = direct
             .as_ref()
-            .map_or_else(SegmentToken::random, |d| d._registration.token());
+            .map_or_else(SegmentToken::random, |d| d.registration.token());
         let served_by_staging = access.is_remote() && self.inner.data_plane.is_some();
         if access.is_remote() && direct.is_none() && !served_by_staging {
             return Err(Error::Unavailable {
@@ -529,7 +529,7 @@ impl crate::TransferEngine {
             );
         }
         let nics: Vec<String> = direct.as_ref().map_or_else(Vec::new, |d| {
-            d._registration
+            d.registration
                 .lease()
                 .contexts()
                 .iter()
@@ -624,7 +624,7 @@ impl crate::TransferEngine {
         Ok((
             Direct {
                 region,
-                _registration: registration,
+                registration,
             },
             choice.why,
         ))
@@ -1068,13 +1068,32 @@ pub(crate) fn choose_nics(
 mod tests {
     use super::*;
 
-    fn dgx8() -> topology::Topology {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../topology/tests/fixtures/dgx8");
-        let m = topology::Machine::read(&root).unwrap();
-        let verbs =
-            topology::VerbsDevices::from_names(m.rdma_devices.iter().map(|d| d.name.clone()));
-        topology::Topology::discover(&root, &verbs, &topology::Selector::default()).unwrap()
+    /// Two GPUs, each with its own nearest NIC (what the topology crate's assignment gives on a
+    /// DGX-like machine; its fixtures test the assignment itself), built in memory: no I/O.
+    fn two_gpus() -> topology::Topology {
+        let gpu = |id: usize, pci: &str| topology::Gpu {
+            id,
+            pci: pci.parse().unwrap(),
+            vendor: None,
+            device: None,
+            numa_node: None,
+            nics: Vec::new(),
+        };
+        let assigned = |gpu: usize, nic: &str, id: usize| topology::Assignment {
+            gpu,
+            nics: vec![nic.to_owned()],
+            nic_ids: vec![id],
+            class: Some(topology::DistanceClass::Pix),
+        };
+        topology::Topology {
+            nics: Vec::new(),
+            gpus: vec![gpu(0, "0000:17:00.0"), gpu(1, "0000:3d:00.0")],
+            assignment: vec![assigned(0, "mlx5_0", 0), assigned(1, "mlx5_3", 3)],
+            verbs_only: Vec::new(),
+            verbs_unavailable: None,
+            pci_devices: 0,
+            numa_nodes: Vec::new(),
+        }
     }
 
     fn rails(names: &[&str]) -> Vec<String> {
@@ -1084,29 +1103,24 @@ mod tests {
     /// A GPU registration is made on the rails of the NICs nearest its GPU, and says why.
     #[test]
     fn nics_nearest_the_gpu_serve_it() {
-        let t = dgx8();
-        let gpu0 = t.gpus[0].pci.to_string();
-        let gpu5 = t.gpus[5].pci.to_string();
-        let r = rails(&["mlx5_0", "mlx5_1", "mlx5_5", "mlx5_7"]);
-        let c = choose_nics(&r, Some(&t), &gpu0);
+        let t = two_gpus();
+        let r = rails(&["mlx5_0", "mlx5_1", "mlx5_3", "mlx5_7"]);
+        let c = choose_nics(&r, Some(&t), "0000:17:00.0");
         assert_eq!(c.rails, vec![0], "{c:?}");
         assert!(
             c.why.contains("PIX") && c.why.contains("mlx5_0:1"),
             "{}",
             c.why
         );
-        let c = choose_nics(&r, Some(&t), &gpu5.to_uppercase());
-        assert_eq!(
-            c.names(&r),
-            vec![format!("{}:1", t.assigned(5)[0])],
-            "{c:?}"
-        );
+        // The bus id is matched whatever its case.
+        let c = choose_nics(&r, Some(&t), "0000:3D:00.0");
+        assert_eq!(c.names(&r), vec!["mlx5_3:1".to_owned()], "{c:?}");
     }
 
     /// Unknown locality never narrows the rails, and the reason says which fact was missing.
     #[test]
     fn unknown_locality_uses_every_rail_and_says_why() {
-        let t = dgx8();
+        let t = two_gpus();
         let r = rails(&["mlx5_4", "mlx5_5"]);
         let c = choose_nics(&r, None, "0000:17:00.0");
         assert_eq!(c.rails, vec![0, 1]);
@@ -1119,7 +1133,7 @@ mod tests {
             c.why
         );
         // GPU 0's nearest NIC is mlx5_0, which carries no rail here.
-        let c = choose_nics(&r, Some(&t), &t.gpus[0].pci.to_string());
+        let c = choose_nics(&r, Some(&t), "0000:17:00.0");
         assert_eq!(c.rails, vec![0, 1]);
         assert!(c.why.contains("carry none"), "{}", c.why);
         assert!(
@@ -1127,6 +1141,11 @@ mod tests {
             "{}",
             c.why
         );
+        let mut none = two_gpus();
+        none.assignment[0].nics.clear();
+        let c = choose_nics(&r, Some(&none), "0000:17:00.0");
+        assert_eq!(c.rails, vec![0, 1]);
+        assert!(c.why.contains("no usable NIC is assigned"), "{}", c.why);
     }
 
     /// Local memory that is device memory, with or without its GPUDirect region.

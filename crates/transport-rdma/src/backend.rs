@@ -10,10 +10,9 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
-
-use std::os::fd::AsRawFd;
 
 use ferry_core::{Access, DeviceNative, DevicePlacement, MemoryRegion, Placement};
 use registry::{ContextId, ContextInfo, NativeError, NativeHandle, RegistrationBackend};
@@ -144,20 +143,23 @@ impl RegistrationBackend for RdmaBackend {
             }
             // peermem: `ibv_reg_mr` on the device address; the peer-memory client in the kernel
             // resolves it to the GPU's pages.
-            // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`, whose memory never
-            // moves: host bytes, or a device allocation its keepalive holds) alive until it
-            // calls `destroy_copy` for this handle, which deregisters the MR first.
-            Placement::Device(_) => (
-                unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
-                    .map_err(|e| native(&rail.name, "ibv_reg_mr (peermem, GPU memory)", e))?,
-                "peermem",
-            ),
-            // SAFETY: as above, for host memory.
-            _ => (
-                unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
-                    .map_err(|e| native(&rail.name, "ibv_reg_mr", e))?,
-                "host",
-            ),
+            Placement::Device(_) => {
+                // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`) alive until it
+                // calls `destroy_copy` for this handle, which deregisters the MR first; the
+                // region's keepalive holds the device allocation, which never moves.
+                let mr = unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
+                    .map_err(|e| native(&rail.name, "ibv_reg_mr (peermem, GPU memory)", e))?;
+                (mr, "peermem")
+            }
+            // Host memory.
+            _ => {
+                // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`, whose bytes never
+                // move) alive until it calls `destroy_copy` for this handle, which deregisters
+                // the MR first.
+                let mr = unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
+                    .map_err(|e| native(&rail.name, "ibv_reg_mr", e))?;
+                (mr, "host")
+            }
         };
         let id = self.shared.next_mr.fetch_add(1, Ordering::Relaxed);
         let handle = NativeHandle {
