@@ -10,7 +10,11 @@
  * environment at cuInit (FERRY_FAKE_CUDA_FAIL=<entry point>:<after>): every call of that entry
  * point after `after` successful ones fails with CUDA_ERROR_UNKNOWN (999) until reset.
  * FERRY_FAKE_CUDA_DEVICES sets the device count (default 1). Built with -DFAKE_NO_DMABUF it lacks
- * cuMemGetHandleForAddressRange and reports no dma-buf support.
+ * cuMemGetHandleForAddressRange and reports no dma-buf support. Built with -DFAKE_HOST_POINTERS its
+ * device pointers are untagged, page-aligned host memory (see below).
+ *
+ * The dma-buf export hands out an fd of /dev/null: not a dma-buf, so ibv_reg_dmabuf_mr on it is
+ * refused by any NIC (rdma_rxe refuses dma-buf MRs before it looks at the fd).
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -24,7 +28,18 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 
+#ifdef FAKE_HOST_POINTERS
+/* Device pointers are plain host pointers (page-aligned): a NIC's ibv_reg_mr on them succeeds
+ * the way nvidia_peermem makes it succeed on a GPU's addresses. For the soft-RoCE tests of the
+ * peermem route only; everything else uses the tagged pointers below. */
+#define TAG 0ULL
+#define IS_DEV(p) ((p) != 0)
+#define IS_HOST(p) 1
+#else
 #define TAG (1ULL << 62)
+#define IS_DEV(p) (((p) & TAG) != 0)
+#define IS_HOST(p) ((((uintptr_t)(p)) & TAG) == 0)
+#endif
 #define ERR_INVALID_VALUE 1
 #define ERR_OUT_OF_MEMORY 2
 #define ERR_NOT_INITIALIZED 3
@@ -176,15 +191,16 @@ CUresult cuCtxSetCurrent(void *ctx) {
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (failing("cuMemAlloc_v2")) return ERR_OUT_OF_MEMORY;
-    void *h = calloc(1, n ? n : 1);
-    if (!h) return ERR_OUT_OF_MEMORY;
+    void *h = NULL;
+    if (posix_memalign(&h, 4096, n ? n : 1) != 0) return ERR_OUT_OF_MEMORY;
+    memset(h, 0, n ? n : 1);
     *p = (CUdeviceptr)(uintptr_t)h | TAG;
     count(&live_device, 1);
     return 0;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
-    if (!(p & TAG)) return ERR_INVALID_VALUE;
+    if (!IS_DEV(p)) return ERR_INVALID_VALUE;
     free((void *)(uintptr_t)(p & ~TAG));
     count(&live_device, -1);
     return 0;
@@ -209,7 +225,7 @@ CUresult cuMemFreeHost(void *p) {
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
-    if (!(dst & TAG) || ((uintptr_t)src & TAG)) return ERR_INVALID_VALUE;
+    if (!IS_DEV(dst) || !IS_HOST(src)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyHtoD_v2")) return ERR_UNKNOWN;
     memcpy((void *)(uintptr_t)(dst & ~TAG), src, n);
     count(&copies, 1);
@@ -218,7 +234,7 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
 
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
-    if (!(src & TAG) || ((uintptr_t)dst & TAG)) return ERR_INVALID_VALUE;
+    if (!IS_DEV(src) || !IS_HOST(dst)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyDtoH_v2")) return ERR_UNKNOWN;
     memcpy(dst, (const void *)(uintptr_t)(src & ~TAG), n);
     count(&copies, 1);
@@ -229,7 +245,7 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
 CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, int type,
                                        unsigned long long flags) {
     (void)n; (void)flags;
-    if (!(p & TAG) || type != 1) return ERR_INVALID_VALUE;
+    if (!IS_DEV(p) || type != 1) return ERR_INVALID_VALUE;
     if (failing("cuMemGetHandleForAddressRange")) return ERR_UNKNOWN;
     int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ERR_UNKNOWN;

@@ -18,6 +18,24 @@ pub enum FakeVariant {
     Full,
     /// Without `cuMemGetHandleForAddressRange` (a driver older than 11.7), no dma-buf support.
     NoDmabuf,
+    /// Every entry point, with device pointers that are plain (untagged, page-aligned) host
+    /// memory, so a NIC's `ibv_reg_mr` on them works as `nvidia_peermem` makes it work on a GPU:
+    /// the soft-RoCE tests of the peermem route.
+    HostPointers,
+}
+
+impl FakeVariant {
+    /// The variant's directory name (and the name under `FERRY_FAKE_CUDA_PREBUILT`).
+    pub fn tag(self) -> &'static str {
+        match self {
+            FakeVariant::Full => "full",
+            FakeVariant::NoDmabuf => "nodmabuf",
+            FakeVariant::HostPointers => "hostptr",
+        }
+    }
+
+    /// Every variant.
+    pub const ALL: [FakeVariant; 3] = [Self::Full, Self::NoDmabuf, Self::HostPointers];
 }
 
 /// A built fake driver, with its control entry points loaded.
@@ -92,15 +110,10 @@ impl FakeCuda {
     }
 }
 
-fn build(variant: FakeVariant) -> Result<PathBuf, String> {
-    let tag = match variant {
-        FakeVariant::Full => "full",
-        FakeVariant::NoDmabuf => "nodmabuf",
-    };
-    // One directory per process and variant: a fake's globals (failures, counters) belong to the
-    // test binary that loaded it.
-    let dir = std::env::temp_dir().join(format!("ferry-fake-cuda-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+/// Compiles the fake of `variant` into `dir/libcuda.so.1` with `cc`, and returns that path.
+/// `cargo xtask soft-roce` prebuilds every variant this way for the guest, which has no compiler.
+pub fn build_into(variant: FakeVariant, dir: &Path) -> Result<PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     let src = dir.join("fake_cuda.c");
     std::fs::write(&src, SOURCE).map_err(|e| format!("write {}: {e}", src.display()))?;
     let out = dir.join("libcuda.so.1");
@@ -108,8 +121,14 @@ fn build(variant: FakeVariant) -> Result<PathBuf, String> {
     cmd.args(["-shared", "-fPIC", "-O1", "-pthread", "-o"])
         .arg(&out)
         .arg(&src);
-    if variant == FakeVariant::NoDmabuf {
-        cmd.arg("-DFAKE_NO_DMABUF");
+    match variant {
+        FakeVariant::Full => {}
+        FakeVariant::NoDmabuf => {
+            cmd.arg("-DFAKE_NO_DMABUF");
+        }
+        FakeVariant::HostPointers => {
+            cmd.arg("-DFAKE_HOST_POINTERS");
+        }
     }
     let status = cmd.output().map_err(|e| format!("cc not runnable: {e}"))?;
     if !status.status.success() {
@@ -121,14 +140,40 @@ fn build(variant: FakeVariant) -> Result<PathBuf, String> {
     Ok(out)
 }
 
+/// The environment variable naming a directory of prebuilt fakes (`<dir>/<tag>/libcuda.so.1`,
+/// as [`build_into`] makes them): used instead of compiling, where no compiler is (the
+/// soft-RoCE guest).
+pub const PREBUILT_ENV: &str = "FERRY_FAKE_CUDA_PREBUILT";
+
+fn build(variant: FakeVariant) -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os(PREBUILT_ENV).filter(|d| !d.is_empty()) {
+        let path = Path::new(&dir).join(variant.tag()).join("libcuda.so.1");
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!("{PREBUILT_ENV}: no {}", path.display()))
+        };
+    }
+    // One directory per process and variant: a fake's globals (failures, counters) belong to the
+    // test binary that loaded it.
+    let dir = std::env::temp_dir().join(format!(
+        "ferry-fake-cuda-{}-{}",
+        std::process::id(),
+        variant.tag()
+    ));
+    build_into(variant, &dir)
+}
+
 /// The fake driver of `variant`, built once per process. `None` (after the `FERRY_REQUIRE_TOOLS`
 /// gate: a failure where it is `1`, else a printed skip) when `cc` cannot build it.
 pub fn fake_cuda(variant: FakeVariant) -> Option<&'static FakeCuda> {
     static FULL: OnceLock<Result<FakeCuda, String>> = OnceLock::new();
     static NO_DMABUF: OnceLock<Result<FakeCuda, String>> = OnceLock::new();
+    static HOST_POINTERS: OnceLock<Result<FakeCuda, String>> = OnceLock::new();
     let cell = match variant {
         FakeVariant::Full => &FULL,
         FakeVariant::NoDmabuf => &NO_DMABUF,
+        FakeVariant::HostPointers => &HOST_POINTERS,
     };
     let r = cell.get_or_init(|| {
         let path = build(variant)?;

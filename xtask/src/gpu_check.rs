@@ -2,8 +2,10 @@
 //! command that fits in 10 minutes on one H200 with 16 cores: a release build, `ferry doctor`,
 //! the `#[ignore]`d real-driver tests (raw cuMemcpy rates, a checksummed GPU round trip over TCP
 //! and io_uring, a file loaded into GPU memory saying GDS or compat), loopback `ferry bench
-//! --gpu 0` over TCP and io_uring beside host-to-host runs, one table of GB/s, and that table as
-//! JSON in DIR/gpu-check.json. Without a GPU it fails at once, saying what is missing.
+//! --gpu 0` over TCP and io_uring beside host-to-host runs, GPU memory registered with the RDMA
+//! NICs (GPUDirect, route `auto`) and moved over loopback RDMA when a verbs device is present
+//! (one `rdma: none: ...` line saying why when there is none), one table of GB/s, and that table
+//! as JSON in DIR/gpu-check.json. Without a GPU it fails at once, saying what is missing.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -138,6 +140,19 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         fact("file_gbps")
     )?;
     writeln!(table, "file path: {}", fact("file_path"))?;
+    writeln!(
+        table,
+        "{:<34} {:>10}",
+        "gpu-to-gpu RDMA WRITE (GPUDirect)",
+        fact("rdma_write_gbps")
+    )?;
+    writeln!(table, "rdma: {}", fact("rdma"))?;
+    writeln!(
+        table,
+        "rdma route: {}; NICs: {}",
+        fact("rdma_route"),
+        fact("rdma_nics")
+    )?;
     let ratio = |t: &str| {
         let h = rows.iter().find(|(k, _)| k == &format!("{t} host-to-host"));
         let g = rows
@@ -161,11 +176,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let _ = write!(
         json,
-        "}},\"raw_h2d_gbps\":\"{}\",\"raw_d2h_gbps\":\"{}\",\"file_gbps\":\"{}\",\"file_path\":{:?},\"ratio_tcp\":{},\"ratio_uring\":{}}}",
+        "}},\"raw_h2d_gbps\":\"{}\",\"raw_d2h_gbps\":\"{}\",\"file_gbps\":\"{}\",\"file_path\":{:?},\"rdma\":{:?},\"rdma_route\":{:?},\"rdma_write_gbps\":\"{}\",\"ratio_tcp\":{},\"ratio_uring\":{}}}",
         fact("raw_h2d_gbps"),
         fact("raw_d2h_gbps"),
         fact("file_gbps"),
         fact("file_path"),
+        fact("rdma"),
+        fact("rdma_route"),
+        fact("rdma_write_gbps"),
         ratio("tcp"),
         ratio("uring")
     );

@@ -14,7 +14,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value = "0.0.0.0:7400")]
     listen: SocketAddr,
     /// A segment to publish: NAME=SIZE (generated data, e.g. `weights=1GiB`), NAME=SIZE@gpuN
-    /// (generated data in GPU N's memory, served by staging through host memory), or
+    /// (generated data in GPU N's memory: registered with the NICs nearest it for RDMA peers
+    /// when a GPUDirect route exists, served by staging through host memory otherwise), or
     /// NAME=@PATH (a file's bytes loaded into memory). Repeatable.
     #[arg(long = "segment", value_name = "NAME=SIZE|NAME=SIZE@gpuN|NAME=@PATH")]
     segments: Vec<String>,
@@ -197,8 +198,14 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 pattern.read_at(0, &mut bytes)?;
                 reg.memory().copy_from_host(0, &bytes)?;
                 let loc = reg.memory().location();
+                let nics = reg.nics();
+                let nics = if nics.is_empty() {
+                    String::new()
+                } else {
+                    format!("; NICs {}", nics.join(", "))
+                };
                 println!(
-                    "segment {name}: {size} bytes on GPU {} ({}), {access}; route {} ({})",
+                    "segment {name}: {size} bytes on GPU {} ({}), {access}; route {} ({}){nics}",
                     loc.ordinal,
                     loc.pci_bus_id,
                     reg.route().route,

@@ -24,7 +24,10 @@ pub mod wire;
 
 pub use error::{Error, Result};
 pub use ids::{Access, Epoch, PeerId, SegmentToken};
-pub use memory::{AllocError, MemoryRegion, OutOfBounds, PAGE_ALIGN, check_range};
+pub use memory::{
+    AllocError, DeviceNative, DevicePlacement, MemoryRegion, OutOfBounds, PAGE_ALIGN, Placement,
+    check_range,
+};
 pub use op::{Op, OpKind, RemoteKey, SegmentDesc};
 pub use outcome::{
     Failure, FailureKind, Ledger, Outcome, RemoteEffect, RemoteStatus, ReplayPlan, RequestControl,

@@ -49,10 +49,52 @@ enum Owner {
     External(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
 }
 
-/// A fixed range of host memory that Ferry may read and write by address.
+/// Where a region's bytes live.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub enum Placement {
+    /// Host memory: Ferry reads and writes it by address (every transport may use it).
+    #[default]
+    Host,
+    /// GPU memory registered for GPUDirect RDMA: only a NIC reaches it (by DMA); it has no
+    /// host-addressable bytes, so the host copies here refuse it and only the RDMA transport
+    /// is ever given it (the facade routes device memory elsewhere through staging).
+    Device(DevicePlacement),
+}
+
+/// Where device memory lives and how a NIC registers it.
+#[derive(Clone, Debug)]
+pub struct DevicePlacement {
+    /// The CUDA device ordinal.
+    pub ordinal: u32,
+    /// The device's PCI bus id, lower-case (`0000:17:00.0`).
+    pub pci_bus_id: String,
+    /// How the NIC registers it.
+    pub native: DeviceNative,
+}
+
+/// How a NIC registers device memory (the GPUDirect route chosen for it).
+#[derive(Clone, Debug)]
+pub enum DeviceNative {
+    /// peermem: `ibv_reg_mr` on the device address, which a peer-memory client
+    /// (`nvidia_peermem`, `nv_peer_mem`) resolves.
+    Peermem,
+    /// dma-buf: `ibv_reg_dmabuf_mr` of `offset..offset+len` of the exported dma-buf `fd`,
+    /// addressed by the device address (the iova).
+    Dmabuf {
+        /// The dma-buf (from `cuMemGetHandleForAddressRange`); kept open while the region lives.
+        fd: std::sync::Arc<std::os::fd::OwnedFd>,
+        /// The region's offset in the dma-buf.
+        offset: u64,
+    },
+}
+
+/// A fixed range of memory that Ferry may read and write by address: host memory, or (for
+/// GPUDirect RDMA only) device memory that only a NIC reaches ([`Placement::Device`]).
 pub struct MemoryRegion {
     ptr: NonNull<u8>,
     len: usize,
+    placement: Placement,
     owner: Owner,
 }
 
@@ -77,6 +119,7 @@ impl MemoryRegion {
         Ok(Self {
             ptr,
             len,
+            placement: Placement::Host,
             owner: Owner::Aligned(layout),
         })
     }
@@ -89,6 +132,7 @@ impl MemoryRegion {
         Self {
             ptr,
             len,
+            placement: Placement::Host,
             owner: Owner::External(Box::new(boxed)),
         }
     }
@@ -106,7 +150,55 @@ impl MemoryRegion {
         Self {
             ptr,
             len,
+            placement: Placement::Host,
             owner: Owner::External(keepalive),
+        }
+    }
+
+    /// A region over device memory at device address `addr`, for GPUDirect RDMA registration
+    /// only: its address is what a NIC is given, and the host copies of this type
+    /// ([`read_at`](Self::read_at), [`write_at`](Self::write_at), the slices) refuse it as having
+    /// no host bytes. Dropping the region drops `keepalive`.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be one device allocation (or part of one) on the device `placement`
+    /// names, live and unmoved for as long as `keepalive` is alive; the region must only be
+    /// handed to a transport that reaches it by DMA (the RDMA transport), never one that
+    /// dereferences `as_ptr()` on the host.
+    pub unsafe fn device(
+        addr: u64,
+        len: usize,
+        placement: DevicePlacement,
+        keepalive: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            ptr: NonNull::new(addr as usize as *mut u8).unwrap_or(NonNull::dangling()),
+            len,
+            placement: Placement::Device(placement),
+            owner: Owner::External(keepalive),
+        }
+    }
+
+    /// Where the bytes live.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// Whether the bytes are host memory (every region but a [`device`](Self::device) one).
+    pub fn is_host(&self) -> bool {
+        matches!(self.placement, Placement::Host)
+    }
+
+    /// Checks a range for host access: a device region has no host-addressable bytes.
+    fn host_check(&self, offset: u64, len: u64) -> Result<(), OutOfBounds> {
+        if self.is_host() {
+            self.check(offset, len)
+        } else {
+            Err(OutOfBounds {
+                offset,
+                len,
+                size: 0,
+            })
         }
     }
 
@@ -131,8 +223,9 @@ impl MemoryRegion {
     }
 
     /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    /// A device region has no host bytes: refused as out of bounds of zero host bytes.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), OutOfBounds> {
-        self.check(offset, dst.len() as u64)?;
+        self.host_check(offset, dst.len() as u64)?;
         // SAFETY: the range was bounds-checked above; `dst` is a distinct Rust buffer, so the two
         // ranges cannot overlap; the region's memory is valid while `self` lives.
         unsafe {
@@ -146,8 +239,9 @@ impl MemoryRegion {
     }
 
     /// Copies `src` into the region starting at `offset`.
+    /// A device region is refused as for [`read_at`](Self::read_at).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), OutOfBounds> {
-        self.check(offset, src.len() as u64)?;
+        self.host_check(offset, src.len() as u64)?;
         // SAFETY: bounds-checked above; `src` is a distinct Rust buffer (it cannot alias the region
         // because no safe API hands out references into it); the memory is valid while `self` lives.
         unsafe {
@@ -165,7 +259,7 @@ impl MemoryRegion {
     /// # Safety
     /// Nothing may write the range (locally or through the network) while the slice is alive.
     pub unsafe fn slice(&self, offset: u64, len: usize) -> Result<&[u8], OutOfBounds> {
-        self.check(offset, len as u64)?;
+        self.host_check(offset, len as u64)?;
         // SAFETY: bounds-checked; the caller guarantees no concurrent writes for the slice's life.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len) })
     }
@@ -176,7 +270,7 @@ impl MemoryRegion {
     /// Nothing else may read or write the range while the slice is alive.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], OutOfBounds> {
-        self.check(offset, len as u64)?;
+        self.host_check(offset, len as u64)?;
         // SAFETY: bounds-checked; the caller guarantees exclusive use of the range.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len) })
     }
@@ -196,6 +290,7 @@ impl fmt::Debug for MemoryRegion {
         f.debug_struct("MemoryRegion")
             .field("addr", &self.ptr)
             .field("len", &self.len)
+            .field("placement", &self.placement)
             .finish()
     }
 }
@@ -203,6 +298,29 @@ impl fmt::Debug for MemoryRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_region_has_no_host_bytes() {
+        let placement = DevicePlacement {
+            ordinal: 0,
+            pci_bus_id: "0000:17:00.0".into(),
+            native: DeviceNative::Peermem,
+        };
+        // SAFETY: the region is never given to a transport, and its host accessors refuse it
+        // before touching the (fake, non-canonical) address.
+        let r = unsafe { MemoryRegion::device(1 << 62, 4096, placement, Box::new(())) };
+        assert!(!r.is_host());
+        assert_eq!(r.as_ptr() as u64, 1 << 62);
+        assert!(r.check(0, 4096).is_ok(), "bounds are the device range's");
+        let mut buf = [0u8; 8];
+        assert_eq!(r.read_at(0, &mut buf).unwrap_err().size, 0);
+        assert_eq!(r.write_at(0, &buf).unwrap_err().size, 0);
+        // SAFETY: refused before any view is made.
+        assert!(unsafe { r.slice(0, 8) }.is_err());
+        // SAFETY: as above.
+        assert!(unsafe { r.slice_mut(0, 8) }.is_err());
+        assert!(MemoryRegion::from_vec(vec![1]).is_host());
+    }
 
     #[test]
     fn alloc_is_aligned_and_zeroed() {

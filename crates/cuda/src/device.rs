@@ -12,7 +12,10 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use ferry_core::{Access, FileSource, MemoryRegion, OpKind, RemoteStatus, check_range};
+use ferry_core::{
+    Access, DeviceNative, DevicePlacement, FileSource, MemoryRegion, OpKind, RemoteStatus,
+    check_range,
+};
 
 use crate::CudaError;
 use crate::driver::{CtxHandle, CuDevice, DevicePtr, Driver, LibCuda};
@@ -429,6 +432,40 @@ impl DeviceMemory {
             .driver()
             .dmabuf_export(self.ptr, self.len.max(1))
             .map_err(|e| e.on_device(self.location().ordinal))
+    }
+}
+
+impl DeviceMemory {
+    /// This memory as a [`MemoryRegion`] placed on its device, for GPUDirect RDMA registration
+    /// by `route` (peermem: the device address as is; dma-buf: a dma-buf exported for the range
+    /// now, kept open by the region). The region keeps this memory alive; its host accessors
+    /// refuse it, and only the RDMA transport may be given it. `route` `off` is refused: it has
+    /// no NIC registration.
+    pub fn nic_region(self: &Arc<Self>, route: crate::GpuRoute) -> Result<MemoryRegion, CudaError> {
+        let native = match route {
+            crate::GpuRoute::Peermem => DeviceNative::Peermem,
+            crate::GpuRoute::Dmabuf => DeviceNative::Dmabuf {
+                fd: Arc::new(self.dmabuf_fd()?),
+                offset: 0,
+            },
+            crate::GpuRoute::Off => {
+                return Err(CudaError::Unavailable {
+                    library: self.device.cuda.library().to_owned(),
+                    reason: "gpu_direct_registration = off: GPU memory has no NIC registration"
+                        .into(),
+                });
+            }
+        };
+        let placement = DevicePlacement {
+            ordinal: self.location().ordinal,
+            pci_bus_id: self.location().pci_bus_id.clone(),
+            native,
+        };
+        // SAFETY: `ptr..ptr+len` is one device allocation on this device (allocated here, or
+        // wrapped under `Device::wrap`'s contract), and the region's keepalive is this
+        // `Arc<DeviceMemory>`, which keeps it live and unfreed. The engine hands the region to
+        // the RDMA registration path and RDMA ops only (documented on `MemoryRegion::device`).
+        Ok(unsafe { MemoryRegion::device(self.ptr, self.len, placement, Box::new(self.clone())) })
     }
 }
 

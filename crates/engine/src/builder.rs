@@ -321,6 +321,15 @@ impl EngineBuilder {
         self
     }
 
+    /// Where the peermem version files (`module/nvidia_peermem/version`, ...) and the PCI
+    /// topology that places GPUs and NICs are read: `/sys` by default. Tests point it at a
+    /// prepared tree (a peermem version file in a temporary directory).
+    #[cfg(feature = "cuda")]
+    pub fn gpu_sysfs_root(mut self, root: impl Into<std::path::PathBuf>) -> Self {
+        self.gpu.sysfs_root = root.into();
+        self
+    }
+
     /// Whether `read_file_into_gpu` tries cuFile (GPUDirect Storage) first (default true).
     #[cfg(feature = "cuda")]
     pub fn gds(mut self, on: bool) -> Self {

@@ -190,9 +190,14 @@ impl std::fmt::Display for Description {
         }
         #[cfg(feature = "cuda")]
         for g in &self.gpu_registrations {
+            let nics = if g.nics.is_empty() {
+                String::new()
+            } else {
+                format!("; NICs {} ({})", g.nics.join(", "), g.nic_choice)
+            };
             writeln!(
                 f,
-                "gpu registration {} len {} on GPU {} ({}): route {} ({}); {}",
+                "gpu registration {} len {} on GPU {} ({}): route {} ({}){nics}; {}",
                 g.name, g.len, g.device, g.pci_bus_id, g.route.route, g.route.why, g.served
             )?;
         }

@@ -59,6 +59,8 @@ pub(crate) struct GpuConfig {
     pub(crate) buffers: usize,
     pub(crate) buffer_size: usize,
     pub(crate) gds: bool,
+    /// Where the peermem version files and the PCI topology are read (`/sys`).
+    pub(crate) sysfs_root: std::path::PathBuf,
 }
 
 /// Staging buffers by default: 4 of 4 MiB (16 MiB pinned per engine, allocated on first use).
@@ -75,6 +77,7 @@ impl Default for GpuConfig {
             buffers: STAGING_BUFFERS,
             buffer_size: STAGING_BUFFER_SIZE,
             gds: true,
+            sysfs_root: "/sys".into(),
         }
     }
 }
@@ -136,7 +139,11 @@ impl GpuState {
             })
     }
 
-    fn pool(&self, device: &cuda::Device) -> Result<Arc<StagingPool>, Error> {
+    fn pool(
+        &self,
+        device: &cuda::Device,
+        rdma: Option<&registry::Registry>,
+    ) -> Result<Arc<StagingPool>, Error> {
         if let Some(p) = self.pool.get() {
             return Ok(p.clone());
         }
@@ -144,6 +151,7 @@ impl GpuState {
             device,
             self.config.buffers.max(1),
             self.config.buffer_size.max(4096),
+            rdma,
         )?);
         Ok(self.pool.get_or_init(|| pool).clone())
     }
@@ -179,14 +187,34 @@ pub(crate) struct StagingPool {
     permits: Arc<Semaphore>,
     buffers: usize,
     buffer_size: usize,
+    /// The buffers' local RDMA registrations (engines with RDMA: staging with
+    /// `gpu_direct_registration = off` sends from them); dropped after the buffers' last use.
+    _rdma: Vec<registry::Registration>,
 }
 
 impl StagingPool {
-    fn new(device: &cuda::Device, buffers: usize, buffer_size: usize) -> Result<Self, Error> {
+    fn new(
+        device: &cuda::Device,
+        buffers: usize,
+        buffer_size: usize,
+        rdma: Option<&registry::Registry>,
+    ) -> Result<Self, Error> {
         let mut free = Vec::with_capacity(buffers);
-        for _ in 0..buffers {
-            let b = device.alloc_pinned(buffer_size).map_err(cuda_error)?;
-            free.push(Arc::new(b.into_region()));
+        let mut registered = Vec::new();
+        for i in 0..buffers {
+            let b = Arc::new(
+                device
+                    .alloc_pinned(buffer_size)
+                    .map_err(cuda_error)?
+                    .into_region(),
+            );
+            if let Some(r) = rdma {
+                registered.push(
+                    r.register(format!("staging buffer {i}"), b.clone(), Access::LOCAL)
+                        .map_err(registry::RegistryError::into_core)?,
+                );
+            }
+            free.push(b);
         }
         tracing::info!(
             buffers,
@@ -198,6 +226,7 @@ impl StagingPool {
             permits: Arc::new(Semaphore::new(buffers)),
             buffers,
             buffer_size,
+            _rdma: registered,
         })
     }
 
@@ -287,6 +316,11 @@ pub struct GpuRegistrationDescription {
     pub pci_bus_id: String,
     /// The GPUDirect route and why.
     pub route: RouteChoice,
+    /// The RDMA rails (`device:port`) it is registered on (empty unless the route is direct).
+    pub nics: Vec<String>,
+    /// Why those rails (the NICs nearest its GPU, or why locality is unknown); empty unless the
+    /// route is direct.
+    pub nic_choice: String,
     /// How peers' ops on it move (e.g. `staged through host memory by the server`).
     pub served: String,
 }
@@ -299,8 +333,19 @@ pub struct GpuRegistration {
     pub(crate) name: String,
     pub(crate) access: Access,
     pub(crate) route: RouteChoice,
+    /// The GPUDirect RDMA registration (route `dmabuf` or `peermem`): the device region and its
+    /// registry entry (the MRs on the NICs nearest the GPU, published with their remote keys).
+    pub(crate) direct: Option<Direct>,
     pub(crate) table: Arc<RegistryTable>,
     pub(crate) state: Arc<crate::engine::Inner>,
+}
+
+/// A GPU registration made with the RDMA NICs.
+pub(crate) struct Direct {
+    /// The device memory as a region placed on its device (only RDMA ops get it).
+    pub(crate) region: Arc<MemoryRegion>,
+    /// Dropping it retires the MRs (after the last lease).
+    pub(crate) registration: registry::Registration,
 }
 
 impl fmt::Debug for GpuRegistration {
@@ -340,14 +385,31 @@ impl GpuRegistration {
         &self.route
     }
 
-    /// The descriptor peers see.
+    /// The RDMA rails (`device:port`) it is registered on: empty unless the route is `dmabuf`
+    /// or `peermem`.
+    pub fn nics(&self) -> Vec<String> {
+        self.direct.as_ref().map_or_else(Vec::new, |d| {
+            d.registration
+                .lease()
+                .contexts()
+                .iter()
+                .map(|c| c.name.clone())
+                .collect()
+        })
+    }
+
+    /// The descriptor peers see (with the remote keys of its MRs when it is registered with
+    /// RDMA NICs).
     pub fn desc(&self) -> SegmentDesc {
-        SegmentDesc {
-            name: self.name.clone(),
-            token: self.token,
-            len: self.len(),
-            access: self.access,
-            remote_keys: Vec::new(),
+        match &self.direct {
+            Some(d) => crate::serve::describe_lease(&d.registration.lease()),
+            None => SegmentDesc {
+                name: self.name.clone(),
+                token: self.token,
+                len: self.len(),
+                access: self.access,
+                remote_keys: Vec::new(),
+            },
         }
     }
 }
@@ -412,8 +474,16 @@ impl crate::TransferEngine {
     /// Registers device memory (allocated by [`cuda::Device::alloc`] or wrapped with
     /// [`cuda::Device::wrap`]) under `name`. The GPUDirect route is decided first, from the
     /// `gpu_direct_registration` setting and what the machine offers; an explicit route that
-    /// cannot work is an error naming what is missing. With remote access it is published:
-    /// peers' READs and WRITEs are served by device copies through the server's staging buffer.
+    /// cannot work is an error naming what is missing, and nothing falls back silently.
+    ///
+    /// With route `dmabuf` or `peermem` (an engine with the RDMA transport) the memory is
+    /// registered with the NICs nearest its GPU (the topology's assignment by PCI distance):
+    /// through the registry like host memory, so budgets, fan-out and retirement are the same,
+    /// and with remote access it is published with its remote keys, so RDMA peers READ and
+    /// WRITE it one-sided. A registration that fails there (a NIC that refuses dma-buf MRs, a
+    /// peer-memory client that cannot resolve the address) is an error naming the device and
+    /// the native errno. Peers on the TCP or io_uring data plane are served by device copies
+    /// through the server's staging buffer, whatever the route.
     pub fn register_gpu(
         &self,
         memory: impl Into<Arc<DeviceMemory>>,
@@ -430,16 +500,26 @@ impl crate::TransferEngine {
         )
         .entered();
         let route = self.choose_route(state, &memory)?;
-        let token = SegmentToken::random();
-        if access.is_remote() {
-            if self.inner.data_plane.is_none() {
-                return Err(Error::Unavailable {
-                    library: "GPU segments".into(),
-                    reason: "publishing GPU memory needs a portable data plane (io_uring or \
-                             TCP) to serve it by staging, and this engine has none"
-                        .into(),
-                });
-            }
+        let (direct, nic_choice) = if route.route == cuda::GpuRoute::Off {
+            (None, String::new())
+        } else {
+            let (d, why) = self.register_direct(state, &memory, &route, access, name)?;
+            (Some(d), why)
+        };
+        let token = direct
+            .as_ref()
+            .map_or_else(SegmentToken::random, |d| d.registration.token());
+        let served_by_staging = access.is_remote() && self.inner.data_plane.is_some();
+        if access.is_remote() && direct.is_none() && !served_by_staging {
+            return Err(Error::Unavailable {
+                library: "GPU segments".into(),
+                reason: "publishing GPU memory needs a portable data plane (io_uring or \
+                         TCP) to serve it by staging, or a GPUDirect RDMA route, and this \
+                         engine has neither"
+                    .into(),
+            });
+        }
+        if served_by_staging {
             self.inner.table.add_file(
                 token,
                 name.to_owned(),
@@ -448,17 +528,40 @@ impl crate::TransferEngine {
                 Arc::new(DeviceSegment::new(memory.clone(), access)),
             );
         }
+        let nics: Vec<String> = direct.as_ref().map_or_else(Vec::new, |d| {
+            d.registration
+                .lease()
+                .contexts()
+                .iter()
+                .map(|c| c.name.clone())
+                .collect()
+        });
+        let served = match (access.is_remote(), &direct, served_by_staging) {
+            (false, _, _) => "local only".to_owned(),
+            (true, Some(_), true) => format!(
+                "published; RDMA peers reach it one-sided through {} ({}); TCP and io_uring \
+                 peers' ops staged through the server's host buffer",
+                nics.join(", "),
+                route.route
+            ),
+            (true, Some(_), false) => format!(
+                "published; RDMA peers reach it one-sided through {} ({})",
+                nics.join(", "),
+                route.route
+            ),
+            (true, None, _) => {
+                "published; peers' ops staged through the server's host buffer".to_owned()
+            }
+        };
         let desc = GpuRegistrationDescription {
             name: name.to_owned(),
             len: memory.len() as u64,
             device: memory.location().ordinal,
             pci_bus_id: memory.location().pci_bus_id.clone(),
             route: route.clone(),
-            served: if access.is_remote() {
-                "published; peers' ops staged through the server's host buffer".into()
-            } else {
-                "local only".into()
-            },
+            nics,
+            nic_choice,
+            served,
         };
         state
             .registrations
@@ -472,8 +575,76 @@ impl crate::TransferEngine {
             name: name.to_owned(),
             access,
             route,
+            direct,
             table: self.inner.table.clone(),
             state: self.inner.clone(),
+        })
+    }
+
+    /// Registers `memory` with the RDMA NICs nearest its GPU by `route` (dma-buf or peermem),
+    /// through the registry. Returns the registration and why those NICs.
+    #[cfg(feature = "rdma")]
+    fn register_direct(
+        &self,
+        state: &GpuState,
+        memory: &Arc<DeviceMemory>,
+        route: &RouteChoice,
+        access: Access,
+        name: &str,
+    ) -> Result<(Direct, String), Error> {
+        let Some(rdma) = &self.inner.rdma else {
+            return Err(Error::InvalidRequest {
+                reason: format!(
+                    "gpu_direct_registration chose {} but this engine has no RDMA transport",
+                    route.route
+                ),
+            });
+        };
+        let rails = rdma.rail_names();
+        let devices: Vec<String> = rails.iter().map(|r| rail_device(r).to_owned()).collect();
+        let topo = topology::Topology::discover(
+            &state.config.sysfs_root,
+            &topology::VerbsDevices::from_names(devices),
+            &topology::Selector::default(),
+        );
+        let choice = choose_nics(&rails, topo.as_ref().ok(), &memory.location().pci_bus_id);
+        let region = Arc::new(memory.nic_region(route.route).map_err(cuda_error)?);
+        let contexts: Vec<registry::ContextId> = choice
+            .rails
+            .iter()
+            .map(|&i| registry::ContextId(i as u32))
+            .collect();
+        let registration = self
+            .inner
+            .registry
+            .register_on(name, region.clone(), access, &contexts)
+            .map_err(registry::RegistryError::into_core)?;
+        tracing::info!(route = %route.route, nics = ?choice.names(&rails), why = %choice.why,
+            "GPU memory registered with RDMA NICs");
+        Ok((
+            Direct {
+                region,
+                registration,
+            },
+            choice.why,
+        ))
+    }
+
+    /// Without the `rdma` feature no route but `off` is ever chosen.
+    #[cfg(not(feature = "rdma"))]
+    fn register_direct(
+        &self,
+        _state: &GpuState,
+        _memory: &Arc<DeviceMemory>,
+        route: &RouteChoice,
+        _access: Access,
+        _name: &str,
+    ) -> Result<(Direct, String), Error> {
+        Err(Error::InvalidRequest {
+            reason: format!(
+                "gpu_direct_registration chose {} but this build has no RDMA transport",
+                route.route
+            ),
         })
     }
 
@@ -512,33 +683,10 @@ impl crate::TransferEngine {
             ibv_reg_dmabuf_mr: verbs_sys::Verbs::load()
                 .map(|v| v.capabilities().reg_dmabuf_mr)
                 .unwrap_or(false),
-            peermem_version_file: cuda::peermem_version(std::path::Path::new("/sys"))
+            peermem_version_file: cuda::peermem_version(&state.config.sysfs_root)
                 .map(|(p, _)| p.display().to_string()),
         };
-        let choice = cuda::route::choose(setting, &facts).map_err(|e| cuda_error(e.into()))?;
-        if choice.route == cuda::GpuRoute::Off {
-            return Ok(choice);
-        }
-        // The decision is made and recorded, but the RDMA data path does not yet register GPU
-        // memory with the NIC: say so instead of pretending.
-        match setting {
-            GpuDirectSetting::Auto => Ok(RouteChoice {
-                route: cuda::GpuRoute::Off,
-                why: format!(
-                    "auto found {} ({}), but this build does not register GPU memory with \
-                     RDMA NICs yet: staged",
-                    choice.route, choice.why
-                ),
-            }),
-            explicit => Err(Error::InvalidRequest {
-                reason: format!(
-                    "gpu_direct_registration = {explicit}: the route is available ({}), but this \
-                     build does not register GPU memory with RDMA NICs yet; use auto or off to \
-                     stage",
-                    choice.why
-                ),
-            }),
-        }
+        cuda::route::choose(setting, &facts).map_err(|e| cuda_error(e.into()))
     }
 
     /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`: by
@@ -616,21 +764,27 @@ pub(crate) fn prepare(
     if state.config.staging == Staging::Never {
         return Err(Error::InvalidRequest {
             reason: "staging: never, and no direct route serves GPU memory on this peer's \
-                     transport (TCP and io_uring move host memory only; GPUDirect RDMA \
-                     registration is not available): allow staging (auto) or use host memory"
+                     transport (TCP and io_uring move host memory only; over RDMA every GPU \
+                     op of the batch needs a registration whose GPUDirect route is dmabuf or \
+                     peermem): allow staging (auto), register with a GPUDirect route, or use \
+                     host memory"
                 .into(),
         });
     }
     let device = ops
         .iter()
         .find_map(|o| match &o.local {
-            StagedLocal::Device(m) => Some(m.device().clone()),
+            StagedLocal::Device(m, _) => Some(m.device().clone()),
             StagedLocal::Host(_) => None,
         })
         .ok_or_else(|| Error::InvalidRequest {
             reason: "no GPU op to stage".into(),
         })?;
-    state.pool(&device)
+    #[cfg(feature = "rdma")]
+    let rdma = inner.rdma.is_some().then_some(&inner.registry);
+    #[cfg(not(feature = "rdma"))]
+    let rdma = None;
+    state.pool(&device, rdma)
 }
 
 /// Runs a request whose ops include device memory: host ops go through the channel as they are,
@@ -649,13 +803,13 @@ pub(crate) async fn run(
     for (i, op) in ops.iter().enumerate() {
         let n = match op.local {
             StagedLocal::Host(_) => 1,
-            StagedLocal::Device(_) => op.len.div_ceil(chunk).max(1),
+            StagedLocal::Device(..) => op.len.div_ceil(chunk).max(1),
         };
         control.with_ledger(|l| l.plan(i, n as u32));
         for k in 0..n {
             let (offset, len) = match op.local {
                 StagedLocal::Host(_) => (0, op.len),
-                StagedLocal::Device(_) => (k * chunk, chunk.min(op.len - (k * chunk).min(op.len))),
+                StagedLocal::Device(..) => (k * chunk, chunk.min(op.len - (k * chunk).min(op.len))),
             };
             pieces.push(Piece { op: i, offset, len });
         }
@@ -706,7 +860,7 @@ async fn run_piece(
             record(control, piece.op, &o);
             return;
         }
-        StagedLocal::Device(m) => m.clone(),
+        StagedLocal::Device(m, _) => m.clone(),
     };
     let Some(buf) = pool.take().await else {
         control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, None));
@@ -820,6 +974,267 @@ fn record(control: &RequestControl, op: usize, o: &Outcome) {
 
 impl crate::request::LocalMemory for GpuRegistration {
     fn local_ref(&self) -> crate::request::LocalRef {
-        crate::request::LocalRef(StagedLocal::Device(self.memory.clone()))
+        crate::request::LocalRef(StagedLocal::Device(
+            self.memory.clone(),
+            self.direct.as_ref().map(|d| d.region.clone()),
+        ))
+    }
+}
+
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+/// The device of a rail name (`mlx5_0:1` is on `mlx5_0`).
+pub(crate) fn rail_device(rail: &str) -> &str {
+    rail.rsplit_once(':').map_or(rail, |(d, _)| d)
+}
+
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+/// Which of the engine's rails a GPU registration is made on, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct NicChoice {
+    /// Rail indices (the registry's context ids).
+    pub(crate) rails: Vec<usize>,
+    /// Why, in words (shown by `describe()`).
+    pub(crate) why: String,
+}
+
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+impl NicChoice {
+    fn names(&self, rails: &[String]) -> Vec<String> {
+        self.rails
+            .iter()
+            .filter_map(|&i| rails.get(i).cloned())
+            .collect()
+    }
+}
+
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+/// The rails on the NICs nearest the GPU at `pci_bus_id`: the topology's assignment (same PCI
+/// switch, then root complex, then NUMA node, then across sockets, load spread over GPUs). When
+/// locality is unknown (no sysfs topology, the GPU not in it, no NIC assigned, or no rail on
+/// the assigned NICs) every rail serves it, and `why` says so.
+pub(crate) fn choose_nics(
+    rails: &[String],
+    topo: Option<&topology::Topology>,
+    pci_bus_id: &str,
+) -> NicChoice {
+    let every = |why: String| NicChoice {
+        rails: (0..rails.len()).collect(),
+        why: format!("{why}: every rail ({})", rails.join(", ")),
+    };
+    let Some(topo) = topo else {
+        return every("the sysfs PCI topology is unreadable, so locality is unknown".into());
+    };
+    let Some(gpu) = topo
+        .gpus
+        .iter()
+        .find(|g| g.pci.to_string().eq_ignore_ascii_case(pci_bus_id))
+    else {
+        return every(format!(
+            "GPU {pci_bus_id} is not in the sysfs PCI topology, so locality is unknown"
+        ));
+    };
+    let Some(assigned) = topo.assignment.get(gpu.id).filter(|a| !a.nics.is_empty()) else {
+        return every(format!("no usable NIC is assigned to GPU {pci_bus_id}"));
+    };
+    let picked: Vec<usize> = rails
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| assigned.nics.iter().any(|n| n == rail_device(r)))
+        .map(|(i, _)| i)
+        .collect();
+    let class = assigned
+        .class
+        .map_or_else(|| "?".to_owned(), |c| c.as_str().to_owned());
+    if picked.is_empty() {
+        return every(format!(
+            "the NICs nearest GPU {pci_bus_id} ({}, {class}) carry none of this engine's rails",
+            assigned.nics.join(", ")
+        ));
+    }
+    NicChoice {
+        why: format!(
+            "nearest GPU {pci_bus_id} by PCI distance ({class}): {}",
+            picked
+                .iter()
+                .filter_map(|&i| rails.get(i).map(String::as_str))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        rails: picked,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two GPUs, each with its own nearest NIC (what the topology crate's assignment gives on a
+    /// DGX-like machine; its fixtures test the assignment itself), built in memory: no I/O.
+    fn two_gpus() -> topology::Topology {
+        let gpu = |id: usize, pci: &str| topology::Gpu {
+            id,
+            pci: pci.parse().unwrap(),
+            vendor: None,
+            device: None,
+            numa_node: None,
+            nics: Vec::new(),
+        };
+        let assigned = |gpu: usize, nic: &str, id: usize| topology::Assignment {
+            gpu,
+            nics: vec![nic.to_owned()],
+            nic_ids: vec![id],
+            class: Some(topology::DistanceClass::Pix),
+        };
+        topology::Topology {
+            nics: Vec::new(),
+            gpus: vec![gpu(0, "0000:17:00.0"), gpu(1, "0000:3d:00.0")],
+            assignment: vec![assigned(0, "mlx5_0", 0), assigned(1, "mlx5_3", 3)],
+            verbs_only: Vec::new(),
+            verbs_unavailable: None,
+            pci_devices: 0,
+            numa_nodes: Vec::new(),
+        }
+    }
+
+    fn rails(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| format!("{n}:1")).collect()
+    }
+
+    /// A GPU registration is made on the rails of the NICs nearest its GPU, and says why.
+    #[test]
+    fn nics_nearest_the_gpu_serve_it() {
+        let t = two_gpus();
+        let r = rails(&["mlx5_0", "mlx5_1", "mlx5_3", "mlx5_7"]);
+        let c = choose_nics(&r, Some(&t), "0000:17:00.0");
+        assert_eq!(c.rails, vec![0], "{c:?}");
+        assert!(
+            c.why.contains("PIX") && c.why.contains("mlx5_0:1"),
+            "{}",
+            c.why
+        );
+        // The bus id is matched whatever its case.
+        let c = choose_nics(&r, Some(&t), "0000:3D:00.0");
+        assert_eq!(c.names(&r), vec!["mlx5_3:1".to_owned()], "{c:?}");
+    }
+
+    /// Unknown locality never narrows the rails, and the reason says which fact was missing.
+    #[test]
+    fn unknown_locality_uses_every_rail_and_says_why() {
+        let t = two_gpus();
+        let r = rails(&["mlx5_4", "mlx5_5"]);
+        let c = choose_nics(&r, None, "0000:17:00.0");
+        assert_eq!(c.rails, vec![0, 1]);
+        assert!(c.why.contains("unreadable"), "{}", c.why);
+        let c = choose_nics(&r, Some(&t), "0000:ee:00.0");
+        assert_eq!(c.rails, vec![0, 1]);
+        assert!(
+            c.why.contains("0000:ee:00.0 is not in the sysfs"),
+            "{}",
+            c.why
+        );
+        // GPU 0's nearest NIC is mlx5_0, which carries no rail here.
+        let c = choose_nics(&r, Some(&t), "0000:17:00.0");
+        assert_eq!(c.rails, vec![0, 1]);
+        assert!(c.why.contains("carry none"), "{}", c.why);
+        assert!(
+            c.why.contains("every rail (mlx5_4:1, mlx5_5:1)"),
+            "{}",
+            c.why
+        );
+        let mut none = two_gpus();
+        none.assignment[0].nics.clear();
+        let c = choose_nics(&r, Some(&none), "0000:17:00.0");
+        assert_eq!(c.rails, vec![0, 1]);
+        assert!(c.why.contains("no usable NIC is assigned"), "{}", c.why);
+    }
+
+    /// Local memory that is device memory, with or without its GPUDirect region.
+    struct Dev(Arc<DeviceMemory>, Option<Arc<MemoryRegion>>);
+
+    impl crate::request::LocalMemory for Dev {
+        fn local_ref(&self) -> crate::request::LocalRef {
+            crate::request::LocalRef(StagedLocal::Device(self.0.clone(), self.1.clone()))
+        }
+    }
+
+    /// Host memory.
+    struct Host(Arc<MemoryRegion>);
+
+    impl crate::request::LocalMemory for Host {
+        fn local_ref(&self) -> crate::request::LocalRef {
+            crate::request::LocalRef(StagedLocal::Host(self.0.clone()))
+        }
+    }
+
+    fn segment(kind: ferry_core::TransportKind) -> crate::handles::RemoteSegment {
+        let mut ch = ferry_core::transport::MockChannel::new();
+        ch.expect_kind().return_const(kind);
+        let desc = SegmentDesc {
+            name: "g".into(),
+            token: SegmentToken(7),
+            len: 1 << 20,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            remote_keys: Vec::new(),
+        };
+        let peer = Arc::new(PeerInner {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            id: ferry_core::PeerId(1),
+            epoch: ferry_core::Epoch(1),
+            segments: vec![desc.clone()],
+            version: 2,
+            channel: Arc::new(ch),
+            counters: crate::route::Routes::default().counters("p".into(), kind),
+        });
+        crate::handles::RemoteSegment { peer, desc }
+    }
+
+    /// Device memory reaches a transport only as its GPUDirect region, only towards an RDMA
+    /// peer, and only when every device op of the batch has one; every other batch is staged.
+    #[test]
+    fn gpu_ops_go_to_the_nic_only_over_rdma_with_a_region() {
+        use ferry_core::TransportKind::{Rdma, Tcp, Uring};
+        let Some(fake) = ferry_tests::fake_cuda(ferry_tests::FakeVariant::Full) else {
+            return;
+        };
+        let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+        let mem = Arc::new(cuda.device(0).unwrap().alloc(1 << 20).unwrap());
+        let region = Arc::new(mem.nic_region(cuda::GpuRoute::Peermem).unwrap());
+        assert!(!region.is_host());
+        assert_eq!(region.as_ptr() as u64, mem.device_ptr());
+        let with = Dev(mem.clone(), Some(region.clone()));
+        let without = Dev(mem.clone(), None);
+        let host = Host(Arc::new(MemoryRegion::from_vec(vec![0; 64])));
+        for (kind, direct) in [(Rdma, true), (Tcp, false), (Uring, false)] {
+            let seg = segment(kind);
+            let (_, checked) = crate::Batch::new()
+                .write(&with, 0, &seg, 0, 4096)
+                .read(&host, 0, &seg, 8, 64)
+                .checked()
+                .unwrap();
+            match checked {
+                crate::request::Checked::Host(ops) => {
+                    assert!(direct, "{kind}: device memory given to a {kind} transport");
+                    assert!(Arc::ptr_eq(&ops[0].local, &region));
+                    assert!(ops[1].local.is_host());
+                }
+                crate::request::Checked::Staged(_) => assert!(!direct, "{kind}: staged"),
+            }
+            // A device op without a region stages the whole batch, whatever the peer.
+            let (_, checked) = crate::Batch::new()
+                .write(&with, 0, &seg, 0, 4096)
+                .write(&without, 0, &seg, 0, 4096)
+                .checked()
+                .unwrap();
+            assert!(
+                matches!(checked, crate::request::Checked::Staged(_)),
+                "{kind}"
+            );
+        }
+    }
+
+    #[test]
+    fn rail_names_give_their_device() {
+        assert_eq!(rail_device("mlx5_0:1"), "mlx5_0");
+        assert_eq!(rail_device("rxe0"), "rxe0");
     }
 }

@@ -12,13 +12,17 @@ use tokio::sync::Notify;
 
 use crate::handles::{PeerInner, Registration, RemoteSegment};
 
-/// The local side of an op: host memory, or (with the `cuda` feature) device memory, which
-/// never reaches a transport (the engine stages it).
+/// The local side of an op: host memory, or (with the `cuda` feature) device memory, with its
+/// GPUDirect RDMA region when it has one. Device memory reaches a transport only as that region
+/// and only towards an RDMA peer; otherwise the engine stages it.
 #[derive(Clone, Debug)]
 pub(crate) enum Local {
     Host(Arc<ferry_core::MemoryRegion>),
     #[cfg(feature = "cuda")]
-    Device(Arc<cuda::DeviceMemory>),
+    Device(
+        Arc<cuda::DeviceMemory>,
+        Option<Arc<ferry_core::MemoryRegion>>,
+    ),
 }
 
 impl Local {
@@ -26,7 +30,7 @@ impl Local {
         match self {
             Local::Host(r) => r.len() as u64,
             #[cfg(feature = "cuda")]
-            Local::Device(m) => m.len() as u64,
+            Local::Device(m, _) => m.len() as u64,
         }
     }
 }
@@ -192,8 +196,21 @@ impl Batch {
             })?;
             p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
         }
+        // Device memory goes to the transport as its GPUDirect region when the peer is reached
+        // over RDMA and every device op has one; otherwise the whole batch is staged.
         #[cfg(feature = "cuda")]
-        if self.ops.iter().any(|p| matches!(p.local, Local::Device(_))) {
+        let direct = peer.channel.kind() == ferry_core::TransportKind::Rdma
+            && self.ops.iter().all(|p| match &p.local {
+                Local::Device(_, d) => d.is_some(),
+                Local::Host(_) => true,
+            });
+        #[cfg(feature = "cuda")]
+        if !direct
+            && self
+                .ops
+                .iter()
+                .any(|p| matches!(p.local, Local::Device(..)))
+        {
             let ops = self
                 .ops
                 .iter()
@@ -210,9 +227,12 @@ impl Batch {
         }
         let mut ops = Vec::with_capacity(self.ops.len());
         for p in &self.ops {
-            #[allow(irrefutable_let_patterns)]
-            let Local::Host(region) = &p.local else {
-                unreachable!("device ops are staged above")
+            let region = match &p.local {
+                Local::Host(region) => region,
+                #[cfg(feature = "cuda")]
+                Local::Device(_, Some(region)) => region,
+                #[cfg(feature = "cuda")]
+                Local::Device(_, None) => unreachable!("device ops without a region are staged"),
             };
             ops.push(Op {
                 kind: p.kind,

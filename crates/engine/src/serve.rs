@@ -103,11 +103,13 @@ impl RegistryTable {
         self.unrestrict(token);
     }
 
-    /// Descriptors of the published file segments.
+    /// Descriptors of the published file segments (GPU segments registered with RDMA NICs,
+    /// which the registry lists with their remote keys, are left to it).
     pub(crate) fn file_descs(&self) -> Vec<SegmentDesc> {
         let files = self.files.read().unwrap_or_else(PoisonError::into_inner);
         let mut v: Vec<SegmentDesc> = files
             .iter()
+            .filter(|(token, _)| self.registry.lookup(**token).is_none())
             .map(|(token, f)| SegmentDesc {
                 name: f.name.clone(),
                 token: *token,
@@ -155,7 +157,12 @@ pub(crate) fn describe_lease(lease: &Lease) -> SegmentDesc {
 
 impl SegmentTable for RegistryTable {
     fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
-        let lease = self.registry.lookup(token)?;
+        // Device memory has no host bytes for a server to touch: its token resolves to the
+        // device-copy source in `file` instead.
+        let lease = self
+            .registry
+            .lookup(token)
+            .filter(|l| l.region().is_host())?;
         let guard = self
             .guards
             .read()
@@ -320,6 +327,44 @@ mod tests {
             table: Arc::new(RegistryTable::new(Registry::host(Budgets::default()))),
             auth: None,
         }
+    }
+
+    /// A GPU segment registered with the NICs (a device region in the registry) is listed once,
+    /// and servers never resolve its token to the device region: they get the device-copy
+    /// source instead.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_gpu_segment_is_served_by_copies_and_listed_once() {
+        use ferry_core::Access;
+        let Some(fake) = ferry_tests::fake_cuda(ferry_tests::FakeVariant::Full) else {
+            return;
+        };
+        let cuda = cuda::Cuda::open(fake.path().as_os_str()).unwrap();
+        let mem = Arc::new(cuda.device(0).unwrap().alloc(8192).unwrap());
+        let region = Arc::new(mem.nic_region(cuda::GpuRoute::Peermem).unwrap());
+        let table = RegistryTable::new(Registry::host(Budgets::default()));
+        let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+        let reg = table.registry.register("g", region, rw).unwrap();
+        let token = reg.token();
+        table.add_file(
+            token,
+            "g".into(),
+            8192,
+            rw,
+            Arc::new(cuda::DeviceSegment::new(mem.clone(), rw)),
+        );
+        assert!(
+            table.resolve(token).is_none(),
+            "device memory resolved for a server"
+        );
+        assert!(table.file(token).is_some());
+        let listed = table.published();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(listed[0].token, token);
+        assert!(table.file_descs().is_empty());
+        drop(reg);
+        // Retired from the registry: the file entry alone is listed (the engine removes it too).
+        assert_eq!(table.published().len(), 1);
     }
 
     fn hello(min: u16, max: u16) -> Hello {

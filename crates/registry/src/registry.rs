@@ -346,10 +346,35 @@ impl Registry {
         region: Arc<MemoryRegion>,
         access: Access,
     ) -> Result<Registration, RegistryError> {
-        let name = name.into();
+        self.register_inner(name.into(), region, access, None)
+    }
+
+    /// As [`register`](Self::register), on the backend's contexts in `only` alone (GPU memory:
+    /// the NICs nearest its GPU). Ids the backend does not list are ignored; if none is left
+    /// the error is [`RegistryError::NoContexts`].
+    pub fn register_on(
+        &self,
+        name: impl Into<String>,
+        region: Arc<MemoryRegion>,
+        access: Access,
+        only: &[ContextId],
+    ) -> Result<Registration, RegistryError> {
+        self.register_inner(name.into(), region, access, Some(only))
+    }
+
+    fn register_inner(
+        &self,
+        name: String,
+        region: Arc<MemoryRegion>,
+        access: Access,
+        only: Option<&[ContextId]>,
+    ) -> Result<Registration, RegistryError> {
         let shared = &self.shared;
         let len = region.len() as u64;
-        let contexts = shared.backend.contexts();
+        let mut contexts = shared.backend.contexts();
+        if let Some(only) = only {
+            contexts.retain(|c| only.contains(&c.id));
+        }
         if contexts.is_empty() {
             return Err(RegistryError::NoContexts {
                 name,
@@ -1018,6 +1043,38 @@ mod tests {
         assert_send_sync::<Registry>();
         assert_send_sync::<Lease>();
         assert_send_sync::<Registration>();
+    }
+
+    /// `register_on` makes copies on the named contexts only (GPU memory on the NICs nearest its
+    /// GPU), charges only those, and refuses a list naming no context the backend has.
+    #[test]
+    fn register_on_fans_out_to_the_named_contexts_only() {
+        let mut m = mock(3);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        m.expect_register_copy().returning(move |ctx, _, access| {
+            s.lock().unwrap().push(ctx);
+            Ok(NativeHandle {
+                id: 1,
+                lkey: 1,
+                rkey: u32::from(access.is_remote()),
+            })
+        });
+        m.expect_destroy_copy().returning(|_, _| Ok(()));
+        let reg = Registry::new(Arc::new(m), Budgets::default());
+        let r = reg
+            .register_on("gpu", region(64), RW, &[ContextId(2), ContextId(9)])
+            .unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![ContextId(2), ContextId(2)]);
+        assert_eq!(
+            r.lease().remote_keys().map(|(c, _)| c).collect::<Vec<_>>(),
+            vec![ContextId(2)]
+        );
+        assert_eq!(reg.counters().copies, 2);
+        let e = reg
+            .register_on("none", region(64), RW, &[ContextId(9)])
+            .unwrap_err();
+        assert!(matches!(e, RegistryError::NoContexts { .. }), "{e}");
     }
 
     #[test]

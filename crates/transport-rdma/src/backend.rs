@@ -1,15 +1,20 @@
 //! Registration through the registry: one context per rail, one MR per copy.
 //!
-//! This module touches raw registered memory (it hands a region's address to `ibv_reg_mr`), so it
-//! holds one `unsafe` block.
+//! This module touches raw registered memory (it hands a region's address to `ibv_reg_mr`, or a
+//! device region's dma-buf to `ibv_reg_dmabuf_mr`), so it holds the `unsafe` blocks of
+//! registration. GPU memory (a region placed on a device) takes the route its placement names:
+//! peermem registers the device address with `ibv_reg_mr`, dma-buf registers the exported
+//! dma-buf with `ibv_reg_dmabuf_mr` addressed by the device address, so peers address both
+//! kinds the same way (the segment's base is the device address).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
-use ferry_core::{Access, MemoryRegion};
+use ferry_core::{Access, DeviceNative, DevicePlacement, MemoryRegion, Placement};
 use registry::{ContextId, ContextInfo, NativeError, NativeHandle, RegistrationBackend};
 use verbs_sys::{VerbsError, ffi};
 
@@ -116,18 +121,54 @@ impl RegistrationBackend for RdmaBackend {
         };
         let addr = region.as_ptr();
         let len = region.len();
-        // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`, whose bytes never move)
-        // alive until it calls `destroy_copy` for this handle, which deregisters the MR first.
-        let mr = unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
-            .map_err(|e| native(&rail.name, "ibv_reg_mr", e))?;
+        let (mr, route) = match region.placement() {
+            Placement::Device(DevicePlacement {
+                native: DeviceNative::Dmabuf { fd, offset },
+                ..
+            }) => {
+                // SAFETY: the region keeps its dma-buf fd open (an `Arc<OwnedFd>` in its
+                // placement) and the registry keeps the region alive until it calls
+                // `destroy_copy` for this handle, which deregisters the MR first.
+                let mr = unsafe {
+                    rail.pd.reg_dmabuf_mr(
+                        *offset,
+                        len,
+                        addr as u64,
+                        fd.as_raw_fd(),
+                        mr_access(access),
+                    )
+                }
+                .map_err(|e| native(&rail.name, "ibv_reg_dmabuf_mr", e))?;
+                (mr, "dmabuf")
+            }
+            // peermem: `ibv_reg_mr` on the device address; the peer-memory client in the kernel
+            // resolves it to the GPU's pages.
+            Placement::Device(_) => {
+                // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`) alive until it
+                // calls `destroy_copy` for this handle, which deregisters the MR first; the
+                // region's keepalive holds the device allocation, which never moves.
+                let mr = unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
+                    .map_err(|e| native(&rail.name, "ibv_reg_mr (peermem, GPU memory)", e))?;
+                (mr, "peermem")
+            }
+            // Host memory.
+            _ => {
+                // SAFETY: the registry keeps the region (an `Arc<MemoryRegion>`, whose bytes never
+                // move) alive until it calls `destroy_copy` for this handle, which deregisters
+                // the MR first.
+                let mr = unsafe { rail.pd.reg_mr(addr, len, mr_access(access)) }
+                    .map_err(|e| native(&rail.name, "ibv_reg_mr", e))?;
+                (mr, "host")
+            }
+        };
         let id = self.shared.next_mr.fetch_add(1, Ordering::Relaxed);
         let handle = NativeHandle {
             id,
             lkey: mr.lkey(),
             rkey: if access.is_remote() { mr.rkey() } else { 0 },
         };
-        tracing::debug!(rail = %rail.name, len, %access, lkey = handle.lkey, rkey = handle.rkey,
-            "memory registered");
+        tracing::debug!(rail = %rail.name, len, %access, route, lkey = handle.lkey,
+            rkey = handle.rkey, "memory registered");
         self.shared
             .mrs
             .lock()

@@ -183,6 +183,35 @@ impl Pd {
     }
 }
 
+impl Pd {
+    /// Registers `len` bytes at `offset` of the dma-buf `fd`, addressed as `iova`, with `access`
+    /// (`ibv_reg_dmabuf_mr`; `Unsupported` naming libibverbs and the export when it is absent).
+    ///
+    /// # Safety
+    /// `fd` must be a dma-buf that stays open until the returned MR is dropped or destroyed.
+    pub(crate) unsafe fn reg_dmabuf_mr(
+        self: &Arc<Self>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: c_int,
+        access: u32,
+    ) -> Result<Mr, VerbsError> {
+        let access = c_int::try_from(access).unwrap_or(0);
+        // SAFETY: live PD; the dma-buf stays open (caller's contract).
+        let mr = unsafe {
+            self.device
+                .verbs
+                .reg_dmabuf_mr(self.pd, offset, len, iova, fd, access)
+        }?;
+        Ok(Mr {
+            mr,
+            live: true,
+            pd: self.clone(),
+        })
+    }
+}
+
 impl Drop for Pd {
     fn drop(&mut self) {
         // SAFETY: MRs and QPs hold an `Arc<Pd>`, so none is left; not used again.

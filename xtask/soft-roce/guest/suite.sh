@@ -1,7 +1,8 @@
 #!/bin/bash
 # The soft-RoCE suite, run after setup-rxe-pair.sh (rxe0 on 10.99.0.1, rxe1 on 10.99.0.2, GID
 # indexes in G0/G1). Not run on its own: `cargo xtask soft-roce` concatenates a generated header
-# (MODE, SHARE, REPO, LIVE, OP_SIZE, ITERS, TEST_TIMEOUT, FERRY, TESTS, FERRY_SERVE, FERRY_BENCH),
+# (MODE, SHARE, REPO, LIVE, OP_SIZE, ITERS, TEST_TIMEOUT, FERRY, TESTS, FERRY_SERVE, FERRY_BENCH,
+# FERRY_FAKE_CUDA_PREBUILT),
 # setup-rxe-pair.sh and this file into guest-test.sh.
 #
 # Every result is one line "@@ferry KIND ..." that xtask parses; everything else is log for people.
@@ -71,7 +72,9 @@ for sub in doctor topology; do
 done
 
 # --- the project's RDMA test binaries, ignored (hardware) tests included, one test at a time
+# (the GPU tests load the fake CUDA drivers the host built: the guest has no compiler)
 export FERRY_RDMA_TEST_DEVICES=rxe0,rxe1 FERRY_RDMA_TEST_GIDS=$G0,$G1 RUST_BACKTRACE=1
+export FERRY_FAKE_CUDA_PREBUILT
 for entry in "${TESTS[@]}"; do
   name=${entry%%|*}; dir=${entry#*|}
   t=$SHARE/tests/$name

@@ -80,6 +80,10 @@ fn guest_script(host: bool, share_in_guest: &str, builds: &Builds) -> String {
         ("FERRY", ferry.clone()),
         ("FERRY_SERVE", serve),
         ("FERRY_BENCH", bench),
+        (
+            ferry_tests::fake_cuda::PREBUILT_ENV,
+            format!("{share_in_guest}/{FAKE_CUDA_DIR}"),
+        ),
     ];
     for (k, v) in vars {
         let _ = writeln!(s, "{k}={}", sh_quote(&v));
@@ -112,7 +116,10 @@ fn guest_script(host: bool, share_in_guest: &str, builds: &Builds) -> String {
     s
 }
 
-/// Fills `share` with the test binaries, the `ferry` binary and `guest-test.sh` (paths in it
+/// Where in the share the prebuilt fake CUDA drivers go (`<tag>/libcuda.so.1`).
+const FAKE_CUDA_DIR: &str = "fake-cuda";
+
+/// Fills `share` with the test binaries, the fake CUDA drivers, the `ferry` binary and `guest-test.sh` (paths in it
 /// as the guest sees them, `/mnt/host`, or as the host does with `host`).
 pub(super) fn stage(share: &Path, host: bool, builds: &Builds) -> Result<()> {
     for sub in ["tests", "bin"] {
@@ -127,6 +134,16 @@ pub(super) fn stage(share: &Path, host: bool, builds: &Builds) -> Result<()> {
     }
     if let Some(f) = &builds.ferry {
         stage_file(f, &share.join("bin/ferry"))?;
+    }
+    // The guest has no compiler: the GPU tests load the fake CUDA drivers built here.
+    let fakes = share.join(FAKE_CUDA_DIR);
+    for v in ferry_tests::FakeVariant::ALL {
+        if let Err(e) = ferry_tests::fake_cuda::build_into(v, &fakes.join(v.tag())) {
+            eprintln!(
+                "soft-roce: the fake CUDA driver ({}) was not built: {e}",
+                v.tag()
+            );
+        }
     }
     let in_guest = if host {
         share.display().to_string()
@@ -164,6 +181,7 @@ mod tests {
         assert!(s.contains("MODE='guest'"));
         assert!(s.contains("'ferry-77|/w/crates/engine'"));
         assert!(s.contains("FERRY_BENCH='/mnt/host/bin/ferry bench @ADDR@ "));
+        assert!(s.contains("FERRY_FAKE_CUDA_PREBUILT='/mnt/host/fake-cuda'"));
         assert!(s.contains("# ---- guest/setup-rxe-pair.sh"));
         assert!(s.contains("# ---- guest/suite.sh"));
         assert!(!s.contains("host-teardown"));
