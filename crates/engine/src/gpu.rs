@@ -1176,15 +1176,11 @@ mod tests {
             access: Access::REMOTE_READ | Access::REMOTE_WRITE,
             remote_keys: Vec::new(),
         };
-        let peer = Arc::new(PeerInner {
-            addr: "127.0.0.1:9".parse().unwrap(),
-            id: ferry_core::PeerId(1),
-            epoch: ferry_core::Epoch(1),
-            segments: vec![desc.clone()],
-            version: 2,
-            channel: Arc::new(ch),
-            counters: crate::route::Routes::default().counters("p".into(), kind),
-        });
+        let peer = Arc::new(PeerInner::for_test(
+            Arc::new(ch),
+            vec![desc.clone()],
+            crate::route::Routes::default().counters("p".into(), kind),
+        ));
         crate::handles::RemoteSegment { peer, desc }
     }
 

@@ -182,6 +182,32 @@ impl PeerInner {
     pub(crate) fn channel(&self) -> Arc<dyn Channel> {
         self.link().1
     }
+
+    /// A peer over `channel` with `segments` and no engine behind it (so no reconnect), for
+    /// unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(
+        channel: Arc<dyn Channel>,
+        segments: Vec<SegmentDesc>,
+        counters: Arc<RouteCounters>,
+    ) -> Self {
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], 9)),
+            id: PeerId(1),
+            epoch: Epoch(1),
+            segments,
+            version: 2,
+            link: Mutex::new(crate::reconnect::Link {
+                generation: 0,
+                channel,
+            }),
+            recovery: Default::default(),
+            engine: std::sync::Weak::new(),
+            policy: crate::ReconnectPolicy::default(),
+            closed: Default::default(),
+            counters,
+        }
+    }
 }
 
 impl fmt::Debug for Peer {

@@ -199,7 +199,7 @@ impl Batch {
         // Device memory goes to the transport as its GPUDirect region when the peer is reached
         // over RDMA and every device op has one; otherwise the whole batch is staged.
         #[cfg(feature = "cuda")]
-        let direct = peer.channel.kind() == ferry_core::TransportKind::Rdma
+        let direct = peer.channel().kind() == ferry_core::TransportKind::Rdma
             && self.ops.iter().all(|p| match &p.local {
                 Local::Device(_, d) => d.is_some(),
                 Local::Host(_) => true,
@@ -532,7 +532,7 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use ferry_core::transport::MockChannel;
-    use ferry_core::{Epoch, MemoryRegion, PeerId, SegmentToken, TransportKind};
+    use ferry_core::{MemoryRegion, SegmentToken, TransportKind};
     use tokio::sync::oneshot;
 
     use super::*;
@@ -558,22 +558,11 @@ mod tests {
                 control.outcome(true)
             })
         });
-        let inner = Arc::new(PeerInner {
-            addr: "127.0.0.1:1".parse().unwrap(),
-            id: PeerId::random(),
-            epoch: Epoch::fresh(),
-            segments: Vec::new(),
-            version: 2,
-            link: std::sync::Mutex::new(crate::reconnect::Link {
-                generation: 0,
-                channel: Arc::new(ch),
-            }),
-            recovery: Default::default(),
-            engine: std::sync::Weak::new(),
-            policy: crate::ReconnectPolicy::default(),
-            closed: Default::default(),
-            counters: Arc::default(),
-        });
+        let inner = Arc::new(PeerInner::for_test(
+            Arc::new(ch),
+            Vec::new(),
+            Arc::default(),
+        ));
         let region = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
         let op = Op {
             kind: OpKind::Write,
