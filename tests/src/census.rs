@@ -1,0 +1,123 @@
+//! What a process holds, read from `/proc`: resident memory, open file descriptors and threads.
+//! The fault suite, `cargo xtask bench load` and `cargo xtask soak` count with it, so that "nothing
+//! leaked" and "stays flat" mean the same thing in all three.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+/// One reading of a process's resources.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    /// Resident memory (`VmRSS`), KiB.
+    pub rss_kib: u64,
+    /// Open file descriptors (entries of `/proc/PID/fd`).
+    pub fds: u64,
+    /// Threads (entries of `/proc/PID/task`).
+    pub threads: u64,
+}
+
+impl Census {
+    /// This process.
+    pub fn of_self() -> Result<Self> {
+        Self::read("self")
+    }
+
+    /// Process `pid`.
+    pub fn of(pid: u32) -> Result<Self> {
+        Self::read(&pid.to_string())
+    }
+
+    fn read(pid: &str) -> Result<Self> {
+        let proc = format!("/proc/{pid}");
+        let status = std::fs::read_to_string(format!("{proc}/status"))
+            .with_context(|| format!("reading {proc}/status"))?;
+        let rss_kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .with_context(|| format!("no VmRSS in {proc}/status"))?;
+        let count = |dir: &str| -> Result<u64> {
+            Ok(std::fs::read_dir(format!("{proc}/{dir}"))
+                .with_context(|| format!("listing {proc}/{dir}"))?
+                .count() as u64)
+        };
+        Ok(Self {
+            rss_kib,
+            // The listing's own descriptor is open while it is read: leave it out.
+            fds: count("fd")?.saturating_sub(u64::from(pid == "self")),
+            threads: count("task")?,
+        })
+    }
+
+    /// The larger of each figure (a running peak).
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            rss_kib: self.rss_kib.max(other.rss_kib),
+            fds: self.fds.max(other.fds),
+            threads: self.threads.max(other.threads),
+        }
+    }
+
+    /// Whether descriptors and threads are back to `baseline` or below (memory is left out:
+    /// allocators keep freed pages, so only a soak's trend says anything about it).
+    pub fn within(self, baseline: Self) -> bool {
+        self.fds <= baseline.fds && self.threads <= baseline.threads
+    }
+}
+
+impl fmt::Display for Census {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rss {:.1} MiB, {} fds, {} threads",
+            self.rss_kib as f64 / 1024.0,
+            self.fds,
+            self.threads
+        )
+    }
+}
+
+/// Reads `read` until descriptors and threads are back to `baseline` (see [`Census::within`]) or
+/// `settle` has passed; returns the last reading and whether it got back. Threads and sockets of
+/// closed peers take a moment to go (a stream's thread notices its socket closed, the kernel
+/// reaps a task), hence the wait.
+pub fn settle(
+    baseline: Census,
+    settle: Duration,
+    mut read: impl FnMut() -> Result<Census>,
+) -> Result<(Census, bool)> {
+    let start = Instant::now();
+    loop {
+        let now = read()?;
+        if now.within(baseline) {
+            return Ok((now, true));
+        }
+        if start.elapsed() >= settle {
+            return Ok((now, false));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_a_thread_and_a_descriptor_of_this_process() {
+        let before = Census::of_self().unwrap();
+        assert!(before.rss_kib > 0 && before.fds >= 3 && before.threads >= 1);
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || rx.recv());
+        let during = Census::of_self().unwrap();
+        assert!(during.fds > before.fds && during.threads > before.threads);
+        assert_eq!(Census::of(std::process::id()).unwrap().threads, during.threads);
+        drop((file, tx));
+        t.join().unwrap().ok();
+        let (after, back) = settle(before, Duration::from_secs(5), Census::of_self).unwrap();
+        assert!(back, "{after} vs {before}");
+    }
+}
