@@ -16,6 +16,8 @@
 //! - [`pattern`]: bytes known at every position, to check what a transfer moved (old, new or
 //!   corrupt).
 //! - [`FaultRow`]: a row of the fault suite's table (`cargo xtask faults`).
+//! - [`FaultProxy`]: a TCP proxy on loopback that cuts, stalls, slows, resets and half-closes the
+//!   connections it forwards, switched at runtime.
 //!
 //! It depends on no crate of ours, so any crate takes it as a dev-dependency.
 
@@ -25,6 +27,7 @@ mod fault_table;
 mod fleet;
 mod netns;
 pub mod pattern;
+pub mod proxy;
 mod require;
 
 pub use census::{Census, settle};
@@ -32,6 +35,7 @@ pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};
 pub use fault_table::{FaultRow, TABLE_VAR};
 pub use fleet::Fleet;
 pub use netns::Netns;
+pub use proxy::{Dir, Fault, FaultProxy, ProxyCounters, RuleId, Scope};
 pub use require::{
     CPUS, ETCD, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
     required,
