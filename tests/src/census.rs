@@ -114,7 +114,10 @@ mod tests {
         let t = std::thread::spawn(move || rx.recv());
         let during = Census::of_self().unwrap();
         assert!(during.fds > before.fds && during.threads > before.threads);
-        assert_eq!(Census::of(std::process::id()).unwrap().threads, during.threads);
+        assert_eq!(
+            Census::of(std::process::id()).unwrap().threads,
+            during.threads
+        );
         drop((file, tx));
         t.join().unwrap().ok();
         let (after, back) = settle(before, Duration::from_secs(5), Census::of_self).unwrap();

@@ -147,7 +147,9 @@ impl Server {
     }
 
     fn addr(&self) -> Result<SocketAddr> {
-        self.engine.local_addr().context("the server listens nowhere")
+        self.engine
+            .local_addr()
+            .context("the server listens nowhere")
     }
 
     /// Retires both registrations and waits for the registry to let them go (no lease left).
@@ -179,7 +181,11 @@ async fn clean_peer(plane: DataPlane, addr: SocketAddr) -> Result<bool> {
         .submit(batch.write(&src, 0, &data, 2 * REQ, OP))?
         .await;
     let r = client
-        .submit(Batch::new().timeout(DEADLINE).read(&dst, 0, &data, 2 * REQ, OP))?
+        .submit(
+            Batch::new()
+                .timeout(DEADLINE)
+                .read(&dst, 0, &data, 2 * REQ, OP),
+        )?
         .await;
     let ok = w.is_success()
         && r.is_success()
@@ -333,7 +339,11 @@ fn proxied(plane_name: &str, name: &str, fault: Fault, must_succeed: bool) -> Re
         drained &= ran.drained;
         notes.push(format!(
             "{}: {}",
-            if kind == OpKind::Read { "READ" } else { "WRITE" },
+            if kind == OpKind::Read {
+                "READ"
+            } else {
+                "WRITE"
+            },
             describe(&ran.outcome, OPS)
         ));
         match &ran.outcome {
@@ -379,7 +389,11 @@ fn proxied(plane_name: &str, name: &str, fault: Fault, must_succeed: bool) -> Re
             if served { "served" } else { "NOT served" },
             now,
             base,
-            if drained { "" } else { "; a request did not drain" }
+            if drained {
+                ""
+            } else {
+                "; a request did not drain"
+            }
         ),
     };
     finish(row)
@@ -470,8 +484,16 @@ fn fault_child() -> Result<()> {
         let big = peer.segment("big")?;
         // The new bytes and the old in turn, so that the server's memory is a mixture when the
         // kill lands, and any other byte is corruption.
-        let new = e.register(region(BIG_OPS * BIG_OP, DST, 0, false)?, Access::LOCAL, "new")?;
-        let old = e.register(region(BIG_OPS * BIG_OP, DST, 0, true)?, Access::LOCAL, "old")?;
+        let new = e.register(
+            region(BIG_OPS * BIG_OP, DST, 0, false)?,
+            Access::LOCAL,
+            "new",
+        )?;
+        let old = e.register(
+            region(BIG_OPS * BIG_OP, DST, 0, true)?,
+            Access::LOCAL,
+            "old",
+        )?;
         for n in 0.. {
             let local = if n % 2 == 0 { &new } else { &old };
             let mut batch = Batch::new();
@@ -526,9 +548,7 @@ fn server_killed(plane_name: &str) -> Result<()> {
             .ok()
     });
     let elapsed = t.elapsed();
-    let drained = rt
-        .block_on(tokio::time::timeout(SETTLE, drained))
-        .is_ok();
+    let drained = rt.block_on(tokio::time::timeout(SETTLE, drained)).is_ok();
     let ran = Ran {
         outcome,
         elapsed,

@@ -41,7 +41,14 @@ pub(crate) fn faults(args: &[String]) -> Result<()> {
     // Faults in the order the suite names them, each on both planes.
     let order = |r: &FaultRow| {
         let f = [
-            "cut", "reset", "half", "stall 1", "stall past", "trickle", "server", "client",
+            "cut",
+            "reset",
+            "half",
+            "stall 1",
+            "stall past",
+            "trickle",
+            "server",
+            "client",
         ]
         .iter()
         .position(|p| r.fault.starts_with(p))
@@ -52,7 +59,8 @@ pub(crate) fn faults(args: &[String]) -> Result<()> {
     let md = FaultRow::markdown(&rows);
     print!("{md}");
     let doc = project_root().join("docs/faults.md");
-    let old = std::fs::read_to_string(&doc).with_context(|| format!("reading {}", doc.display()))?;
+    let old =
+        std::fs::read_to_string(&doc).with_context(|| format!("reading {}", doc.display()))?;
     let (Some(b), Some(e)) = (old.find(BEGIN), old.find(END)) else {
         bail!("{} lacks the markers {BEGIN} and {END}", doc.display());
     };
@@ -78,7 +86,14 @@ pub(crate) fn faults(args: &[String]) -> Result<()> {
 }
 
 fn build_stress() -> Result<std::path::PathBuf> {
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-benches", "--bin", "stress"]))?;
+    run_loud(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "ferry-benches",
+        "--bin",
+        "stress",
+    ]))?;
     Ok(project_root().join("target/release/stress"))
 }
 
@@ -140,6 +155,14 @@ pub(crate) fn soak(args: &[String]) -> Result<()> {
 /// The CI step: a 30-second soak on the debug build the test step compiled the dependencies of.
 pub(crate) fn from_ci() -> Result<()> {
     run_loud(cargo().args([
-        "run", "-p", "ferry-benches", "--bin", "stress", "--", "soak", "--seconds", "30",
+        "run",
+        "-p",
+        "ferry-benches",
+        "--bin",
+        "stress",
+        "--",
+        "soak",
+        "--seconds",
+        "30",
     ]))
 }

@@ -4,7 +4,8 @@
 //! forwarding after 64 KiB in each direction without closing anything, each submit eight 1 MiB
 //! READs or WRITEs and hang: the server is left with sends nobody reads and payloads that never
 //! come. Reported: the healthy peers' ops/s and p50/p99 latency with and without the stalled
-//! ones (the ratio per round, alternating, so drift hits both alike), and the server's resident
+//! ones (the ratio per round; rounds alternate which window comes first, so drift hits both
+//! alike), and the server's resident
 //! memory, descriptors and threads idle, at peak and at the end.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -43,8 +44,8 @@ pub(crate) fn run(args: &Args) -> Result<()> {
     let (_, plane) = args.plane()?;
     let peers: usize = args.get("peers", 256)?;
     let stalled: usize = args.get("stalled", 16)?;
-    let window = Duration::from_secs_f64(args.get("seconds", 3.0)?);
-    let rounds: usize = args.get::<usize>("rounds", 3)?.max(1);
+    let window = Duration::from_secs_f64(args.get("seconds", 2.0)?);
+    let rounds: usize = args.get::<usize>("rounds", 6)?.max(1);
     let mut server = Server::start(&plane)?;
     let idle = server.census()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -85,7 +86,10 @@ pub(crate) fn run(args: &Args) -> Result<()> {
                     mine.push((w, us, len == LARGE, !outcome.is_success()));
                 }
             }
-            samples.lock().unwrap_or_else(|e| e.into_inner()).extend(mine);
+            samples
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(mine);
             drop(peer);
             anyhow::Ok(())
         }));
@@ -104,21 +108,32 @@ pub(crate) fn run(args: &Args) -> Result<()> {
     }
     std::thread::sleep(window); // warm-up, not recorded
     for r in 0..rounds {
-        current.store(2 * r, Ordering::Relaxed);
-        std::thread::sleep(window);
-        current.store(NONE, Ordering::Relaxed);
-        peak = peak.max(server.census()?);
-        let hung = rt.block_on(stall(stalled, &proxy))?;
-        std::thread::sleep(Duration::from_millis(200));
-        current.store(2 * r + 1, Ordering::Relaxed);
-        std::thread::sleep(window);
-        current.store(NONE, Ordering::Relaxed);
-        peak = peak.max(server.census()?);
-        for (h, _, _) in &hung {
-            h.cancel();
+        // ABBA: every other round starts with the stalled window, so that whatever follows a
+        // window change hits both kinds alike.
+        let order = if r % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for with_stalled in order {
+            let hung = if with_stalled {
+                rt.block_on(stall(stalled, &proxy))?
+            } else {
+                Vec::new()
+            };
+            // Before either kind of window, a pause that is not recorded: the stalled peers get
+            // stuck, those of the last window finish going.
+            std::thread::sleep(Duration::from_millis(500));
+            current.store(2 * r + usize::from(with_stalled), Ordering::Relaxed);
+            std::thread::sleep(window);
+            current.store(NONE, Ordering::Relaxed);
+            peak = peak.max(server.census()?);
+            for (h, _, _) in &hung {
+                h.cancel();
+            }
+            drop(hung);
+            proxy.kill_all();
         }
-        drop(hung);
-        proxy.kill_all();
     }
     let (_, io) = server.describe()?;
     stop.store(true, Ordering::Relaxed);
@@ -217,11 +232,14 @@ fn report(
             ratios.push(count(2 * r + 1) / count(2 * r));
         }
     }
+    let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
     ratios.sort_by(f64::total_cmp);
     if let (Some(lo), Some(hi)) = (ratios.first(), ratios.last()) {
         println!(
-            "healthy ops/s with stalled peers / without, per round: median {:.2} [{lo:.2}-{hi:.2}]",
-            ratios[ratios.len() / 2]
+            "healthy ops/s with stalled peers / without, per round: median {:.2} [{lo:.2}-{hi:.2}] \
+             (rounds in order: {})",
+            ratios[ratios.len() / 2],
+            each.join(" ")
         );
     }
 }

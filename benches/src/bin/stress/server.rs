@@ -43,7 +43,11 @@ pub(crate) fn serve(args: &Args) -> Result<()> {
         )?,
     );
     let mut out = std::io::stdout().lock();
-    writeln!(out, "LISTEN {}", engine.local_addr().context("no listen address")?)?;
+    writeln!(
+        out,
+        "LISTEN {}",
+        engine.local_addr().context("no listen address")?
+    )?;
     out.flush()?;
     for line in std::io::stdin().lock().lines() {
         let line = line?;

@@ -67,7 +67,10 @@ impl Tally {
 
     fn wrong(&self, what: String) {
         eprintln!("WRONG: {what}");
-        self.wrong.lock().unwrap_or_else(|e| e.into_inner()).push(what);
+        self.wrong
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(what);
     }
 }
 
@@ -135,7 +138,10 @@ pub(crate) fn run(args: &Args) -> Result<()> {
         let (c, _) = ferry_tests::settle(base.1, settle, Census::of_self)?;
         after.push((s, c));
         peaks.push(peak);
-        eprintln!("after {name} ({:.0}s): server {s}; clients {c}", t.elapsed().as_secs_f64());
+        eprintln!(
+            "after {name} ({:.0}s): server {s}; clients {c}",
+            t.elapsed().as_secs_f64()
+        );
     }
     let (warm, end, warm_peak) = (after[0], after[1], peaks[0]);
     println!("| process | start | after warm-up | peak | end |");
@@ -184,9 +190,15 @@ pub(crate) fn run(args: &Args) -> Result<()> {
         problems.push("no op completed".into());
     }
     if !problems.is_empty() {
-        bail!("soak failed ({} wrong bytes reports): {}", wrong.len(), problems.join("; "));
+        bail!(
+            "soak failed ({} wrong bytes reports): {}",
+            wrong.len(),
+            problems.join("; ")
+        );
     }
-    println!("soak passed: every byte right, descriptors and threads back to the warm-up level, memory within its slack");
+    println!(
+        "soak passed: every byte right, descriptors and threads back to the warm-up level, memory within its slack"
+    );
     Ok(())
 }
 
@@ -232,11 +244,8 @@ fn phase(
         std::thread::sleep(Duration::from_millis(500));
         tick += 1;
         register(server, &mut live)?;
-        *peak = (
-            peak.0.max(server.census()?),
-            peak.1.max(Census::of_self()?),
-        );
-        if tick % 2 == 0 {
+        *peak = (peak.0.max(server.census()?), peak.1.max(Census::of_self()?));
+        if tick.is_multiple_of(2) {
             let after = rng.gen_range(0..4u64 << 20);
             let dir = [Dir::ToClient, Dir::ToTarget, Dir::Both][rng.gen_range(0..3)];
             let fault = match rng.gen_range(0..5) {
@@ -326,8 +335,8 @@ async fn worker(
                 let n = rng.gen_range(1..=3);
                 let ranges: Vec<(u64, u64)> = (0..n)
                     .map(|_| {
-                        let len = [4u64 << 10, 64 << 10, 1 << 20][rng.gen_range(0..3)]
-                            .min(slice / 4);
+                        let len =
+                            [4u64 << 10, 64 << 10, 1 << 20][rng.gen_range(0..3)].min(slice / 4);
                         (rng.gen_range(0..(RO_LEN - len) / 8) * 8, len)
                     })
                     .collect();
@@ -356,7 +365,9 @@ async fn worker(
                     tally.bytes_checked.fetch_add(len, Ordering::Relaxed);
                     at += len;
                 }
-                tally.ops.fetch_add(o.completed_ops as u64, Ordering::Relaxed);
+                tally
+                    .ops
+                    .fetch_add(o.completed_ops as u64, Ordering::Relaxed);
                 if retired {
                     // The segment was retired meanwhile: connect afresh to learn a newer one.
                     break;
