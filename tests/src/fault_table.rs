@@ -132,7 +132,10 @@ mod tests {
             }]
         );
         assert!(!rows[0].passed());
-        assert!(FaultRow::parse_all("reset\ttcp\ttrue\n").is_err(), "a short row");
+        assert!(
+            FaultRow::parse_all("reset\ttcp\ttrue\n").is_err(),
+            "a short row"
+        );
         assert!(FaultRow::parse_all(&row.line().replace("true", "yes")).is_err());
         assert!(FaultRow::markdown(&rows).contains("| reset | tcp | yes | yes | **NO** |"));
     }
