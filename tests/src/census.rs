@@ -79,6 +79,20 @@ impl fmt::Display for Census {
     }
 }
 
+/// The names of this process's threads (`/proc/self/task/*/comm`), sorted: what to print when
+/// threads did not come back.
+pub fn thread_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+        .map(|n| n.trim().to_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Reads `read` until descriptors and threads are back to `baseline` (see [`Census::within`]) or
 /// `settle` has passed; returns the last reading and whether it got back. Threads and sockets of
 /// closed peers take a moment to go (a stream's thread notices its socket closed, the kernel

@@ -30,7 +30,7 @@ pub mod pattern;
 pub mod proxy;
 mod require;
 
-pub use census::{Census, settle};
+pub use census::{Census, settle, thread_names};
 pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};
 pub use fault_table::{FaultRow, TABLE_VAR};
 pub use fleet::Fleet;

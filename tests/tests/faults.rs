@@ -36,7 +36,7 @@ use ferry::{
     TransferEngine,
 };
 use ferry_tests::proxy::{Dir, Fault, FaultProxy, Scope};
-use ferry_tests::{Census, FaultRow, URING, pattern, require_or_skip, settle};
+use ferry_tests::{Census, FaultRow, URING, pattern, require_or_skip, settle, thread_names};
 
 /// One op of a proxied request.
 const OP: u64 = 256 << 10;
@@ -86,13 +86,30 @@ fn plane(name: &str) -> Option<DataPlane> {
     }
 }
 
+/// This process's figures, less the test harness's own threads (one per case it has started,
+/// waiting on [`serial`] or running: they come and go with the queue, not with Ferry).
+fn census() -> Result<Census> {
+    let mut c = Census::of_self()?;
+    let names = thread_names();
+    let harness = names
+        .iter()
+        .filter(|n| n.starts_with("tcp::") || n.starts_with("uring::") || *n == "fault_child")
+        .count();
+    c.threads = (names.len() - harness) as u64;
+    Ok(c)
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         // Blocking-pool threads would otherwise linger 10 s and read as a leak.
         .thread_keep_alive(Duration::from_millis(50))
         .enable_all()
-        .build()?)
+        .build()?;
+    // A new worker thread bears its parent's name (a case's) until it names itself: let both
+    // get there before anything is counted.
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
+    Ok(rt)
 }
 
 fn engine(plane: DataPlane, listen: bool) -> Result<TransferEngine> {
@@ -204,7 +221,7 @@ async fn baseline(plane: DataPlane, server: &Server) -> Result<Census> {
         "the clean peer was not served before any fault"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Census::of_self()
+    census()
 }
 
 /// What one request did.
@@ -370,7 +387,7 @@ fn proxied(plane_name: &str, name: &str, fault: Fault, must_succeed: bool) -> Re
         }
     }
     drop(proxy);
-    let (now, back) = settle(base, SETTLE, Census::of_self)?;
+    let (now, back) = settle(base, SETTLE, census)?;
     // Served streams are gone: the server's memory holds all the WRITE did.
     for o in &writes {
         right &= write_right(o, &data_region, REQ, OP, OPS)?;
@@ -521,7 +538,8 @@ fn server_killed(plane_name: &str) -> Result<()> {
     };
     let rt = runtime()?;
     let _in_rt = rt.enter();
-    let base = Census::of_self()?;
+    let base = census()?;
+    let base_threads = thread_names();
     let (mut child, addr) = spawn_child("server", plane_name, None)?;
     let addr: SocketAddr = addr.parse()?;
     let client = engine(plane, false)?;
@@ -567,7 +585,7 @@ fn server_killed(plane_name: &str) -> Result<()> {
     let retired = client.describe().registrations == 0;
     // The segment handle holds the peer's channel: all must go before counting.
     drop((big, peer, client));
-    let (now, back) = settle(base, SETTLE, Census::of_self)?;
+    let (now, back) = settle(base, SETTLE, census)?;
     finish(FaultRow {
         fault: "server process killed".into(),
         plane: plane_name.into(),
@@ -576,8 +594,13 @@ fn server_killed(plane_name: &str) -> Result<()> {
         nothing_leaked: back && retired && ran.drained,
         note: format!(
             "READ: {} ({at_kill} done when it was stopped); no server left to serve others; \
-             client process {now} vs baseline {base}",
-            describe(&ran.outcome, BIG_OPS)
+             client process {now} vs baseline {base}{}",
+            describe(&ran.outcome, BIG_OPS),
+            if back {
+                String::new()
+            } else {
+                format!(" (threads {:?}, before {base_threads:?})", thread_names())
+            }
         ),
     })
 }
@@ -600,7 +623,7 @@ fn client_killed(plane_name: &str) -> Result<()> {
     child.kill()?;
     child.wait()?;
     let t = Instant::now();
-    let (now, back) = settle(base, SETTLE, Census::of_self)?;
+    let (now, back) = settle(base, SETTLE, census)?;
     let released = t.elapsed();
     let served = rt.block_on(clean_peer(plane, server.addr()?))?;
     let m = pattern::mix(&bytes(&big, 0, BIG_OPS * BIG_OP)?, DST, 0);
