@@ -10,18 +10,29 @@
 //!   memory, with failures a test switches on), loaded in place of `libcuda.so.1` by path.
 //! - [`Fleet`]: namespaces joined by one bridge (hosts that reach each other), links optionally
 //!   shaped by TBF.
+//! - [`Census`]: a process's resident memory, descriptors and threads from `/proc`, and
+//!   [`settle`] back to a baseline: the fault suite, the load bench and the soak count leaks
+//!   with it.
+//! - [`pattern`]: bytes known at every position, to check what a transfer moved (old, new or
+//!   corrupt).
+//! - [`FaultRow`]: a row of the fault suite's table (`cargo xtask faults`).
 //! - [`FaultProxy`]: a TCP proxy on loopback that cuts, stalls, slows, resets and half-closes the
 //!   connections it forwards, switched at runtime.
 //!
 //! It depends on no crate of ours, so any crate takes it as a dev-dependency.
 
+mod census;
 pub mod fake_cuda;
+mod fault_table;
 mod fleet;
 mod netns;
+pub mod pattern;
 pub mod proxy;
 mod require;
 
+pub use census::{Census, settle, thread_names};
 pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};
+pub use fault_table::{FaultRow, TABLE_VAR};
 pub use fleet::Fleet;
 pub use netns::Netns;
 pub use proxy::{Dir, Fault, FaultProxy, ProxyCounters, RuleId, Scope};

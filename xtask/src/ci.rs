@@ -1,6 +1,6 @@
 //! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
 //! `cargo xtask ci --step NAME` runs one step alone (`fmt`, `clippy`, `test`, `doctest`,
-//! `doc`, `python`, `soft-roce`).
+//! `doc`, `soak`, `python`, `soft-roce`).
 
 use crate::util::{self, cargo};
 use anyhow::{Result, bail};
@@ -38,6 +38,7 @@ const STEPS: &[Step] = &[
                 .env("RUSTDOCFLAGS", "-D warnings"),
         )
     }),
+    ("soak", crate::stress::from_ci),
     ("python", crate::python::from_ci),
     ("soft-roce", crate::soft_roce::from_ci),
 ];

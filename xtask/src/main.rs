@@ -17,6 +17,7 @@ mod iperf3;
 mod mutants;
 mod python;
 mod soft_roce;
+mod stress;
 mod util;
 
 use anyhow::{Result, bail};
@@ -41,10 +42,17 @@ tasks:
                          (default 100000; xtask/src/fuzz.rs)
   bench python [--total BYTES] [--repeat N]
                          1 MiB READs through the Python package against the Rust CLI, alternating
+  bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
+                         hundreds of peers against one server, some stalled behind a fault proxy:
+                         ops/s, p50/p99, the server's memory and threads (xtask/src/stress.rs)
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
   mutants [--file TEXT]... [--list]
                          cargo-mutants over the code that checks outside input (xtask/src/mutants.rs)
+  faults [--check]       the fault suite (tests/tests/faults.rs); writes its table into docs/faults.md
+  soak [--minutes N | --seconds N] [--plane tcp|uring] [--workers N]
+                         a mixed workload through proxy faults, every byte checked; fails if
+                         memory, descriptors or threads grow past warm-up (default 10 minutes)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
                          GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;
@@ -65,6 +73,8 @@ fn main() -> Result<()> {
         "bindgen" => bindgen::run(&rest),
         "fuzz" => fuzz::run(&rest),
         "mutants" => mutants::run(&rest),
+        "faults" => stress::faults(&rest),
+        "soak" => stress::soak(&rest),
         "gpu-check" => gpu_check::run(&rest),
         "" | "help" | "-h" | "--help" => {
             print!("{USAGE}");
