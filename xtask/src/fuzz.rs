@@ -6,7 +6,8 @@
 //! response headers (vectored ones and their piece tables too) and the handshake replies (`ferry-core` `wire` and `stream::sim`), the
 //! server's checks of requests from outside and the client's matching of responses
 //! (`ferry-core` `stream::sim`, the `fuzz_` tests), socket-level control-frame reading
-//! (`ferry-net`), and the NIC filter syntax (`ferry-topology` `filter_fuzz`). `cargo xtask ci`
+//! (`ferry-net`), the NIC filter syntax (`ferry-topology` `filter_fuzz`), and broadcast
+//! manifests (`ferry-broadcast`: mangled manifests and arbitrary numbers never panic). `cargo xtask ci`
 //! runs the same tests briefly (their default case counts); this task sets `PROPTEST_CASES`
 //! and `FERRY_FUZZ_CASES` to `--cases` (default 100000) and runs them in a release build.
 //! A failure prints proptest's minimal input and records it under the crate's
@@ -45,9 +46,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 "ferry-net",
                 "-p",
                 "ferry-topology",
+                "-p",
+                "ferry-broadcast",
                 "--",
                 "fuzz",
-                "never_panics",
+                "never_panic",
                 "roundtrip",
                 "a_simulated_pair",
             ])
