@@ -102,7 +102,8 @@ bench() {
   echo "\$ $FERRY_SERVE"
   eval "exec $FERRY_SERVE" > "$srv" 2>&1 & spid=$!  # exec: $spid is the server itself
   for _ in $(seq 120); do # up to 60 s for the listen address to be printed
-    addr=$(grep -o '10\.99\.0\.1:[0-9][0-9]*' "$srv" | head -1)
+    # The line serve prints once it listens (a log line may name the address too, with port 0).
+    addr=$(sed -n 's/^listening on \(10\.99\.0\.1:[0-9][0-9]*\)$/\1/p' "$srv" | head -1)
     [ -n "$addr" ] && break
     kill -0 $spid 2>/dev/null || break
     sleep 0.5
