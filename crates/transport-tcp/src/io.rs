@@ -37,71 +37,53 @@ pub(crate) async unsafe fn send_all(
     head: &[u8],
     body: RawRange,
 ) -> io::Result<()> {
-    let fd = stream.as_raw_fd();
-    let total = head.len() + body.len;
-    let mut sent = 0usize;
-    while sent < total {
-        stream.writable().await?;
-        let res = stream.try_io(Interest::WRITABLE, || {
-            let mut iov = [libc::iovec {
-                iov_base: std::ptr::null_mut(),
-                iov_len: 0,
-            }; 2];
-            let mut n_iov = 0;
-            if sent < head.len() {
-                iov[0] = libc::iovec {
-                    iov_base: head[sent..].as_ptr() as *mut libc::c_void,
-                    iov_len: head.len() - sent,
-                };
-                n_iov = 1;
-            }
-            let body_done = sent.saturating_sub(head.len());
-            if body.len > body_done {
-                iov[n_iov] = libc::iovec {
-                    iov_base: (body.addr + body_done) as *mut libc::c_void,
-                    iov_len: body.len - body_done,
-                };
-                n_iov += 1;
-            }
-            // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = iov.as_mut_ptr();
-            msg.msg_iovlen = n_iov as _;
-            // SAFETY: `fd` is the open socket of `stream`; the iovecs point into `head` (borrowed
-            // for this call) and into the body range, valid for reads per this function's contract.
-            check(unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) })
-        });
-        match res {
-            Ok(n) => sent += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    let parts = [
+        RawRange {
+            addr: head.as_ptr() as usize,
+            len: head.len(),
+        },
+        body,
+    ];
+    // SAFETY: `head` is borrowed until the future completes; the body per this function's
+    // contract.
+    unsafe { send_vectored(stream, &parts).await }
 }
 
-/// The iovecs of `parts` from byte `done` on (at most [`MAX_IOV`] of them).
-fn iovecs_from(parts: &[RawRange], mut done: usize, iov: &mut Vec<libc::iovec>) {
-    iov.clear();
+/// The iovecs of `parts` from byte `done` on, as many as `iov` holds (empty parts skipped);
+/// returns how many. A call that gets fewer than all is followed by another: the callers loop
+/// until every byte moved.
+fn iovecs_from(parts: &[RawRange], mut done: usize, iov: &mut Iovecs) -> usize {
+    let mut n = 0;
     for p in parts {
         if done >= p.len {
             done -= p.len;
             continue;
         }
-        iov.push(libc::iovec {
+        iov[n].write(libc::iovec {
             iov_base: (p.addr + done) as *mut libc::c_void,
             iov_len: p.len - done,
         });
         done = 0;
-        if iov.len() == MAX_IOV {
+        n += 1;
+        if n == IOV_BATCH {
             break;
         }
     }
+    n
 }
 
-/// The most iovecs one `sendmsg`/`recvmsg` is given (Linux's `UIO_MAXIOV`).
-const MAX_IOV: usize = 1024;
+/// The most iovecs one `sendmsg`/`recvmsg` is given: an array on the stack (4 KiB), so no call
+/// allocates; 256 pieces of even 4 KiB are 1 MiB a call, more than a receive's low mark.
+const IOV_BATCH: usize = 256;
+
+/// Room for [`IOV_BATCH`] iovecs, left uninitialized (a small message pays nothing for the
+/// room it does not use): [`iovecs_from`] writes the first `n`, and only those reach the kernel.
+type Iovecs = [std::mem::MaybeUninit<libc::iovec>; IOV_BATCH];
+
+/// Uninitialized room for [`iovecs_from`].
+fn no_iovecs() -> Iovecs {
+    [const { std::mem::MaybeUninit::uninit() }; IOV_BATCH]
+}
 
 /// Sends `parts` back to back with vectored `sendmsg` calls (a vectored request: header, piece
 /// table, the pieces' bytes scattered over local memory), resending remainders until all is sent.
@@ -117,12 +99,12 @@ pub(crate) async unsafe fn send_vectored(stream: &TcpStream, parts: &[RawRange])
         stream.writable().await?;
         let res = stream.try_io(Interest::WRITABLE, || {
             // Built here, not across an await: iovecs hold raw pointers (not `Send`).
-            let mut iov = Vec::with_capacity(parts.len().min(MAX_IOV));
-            iovecs_from(parts, sent, &mut iov);
+            let mut iov = no_iovecs();
+            let n = iovecs_from(parts, sent, &mut iov);
             // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = iov.as_mut_ptr();
-            msg.msg_iovlen = iov.len() as _;
+            msg.msg_iov = iov.as_mut_ptr().cast(); // the first `n` are initialized
+            msg.msg_iovlen = n as _;
             // SAFETY: `fd` is the open socket of `stream`; the iovecs point into ranges the
             // caller keeps valid for reads (this function's contract).
             check(unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) })
@@ -167,12 +149,12 @@ pub(crate) async unsafe fn recv_vectored(stream: &TcpStream, parts: &[RawRange])
         }
         let res = stream.try_io(Interest::READABLE, || {
             // Built here, not across an await: iovecs hold raw pointers (not `Send`).
-            let mut iov = Vec::with_capacity(parts.len().min(MAX_IOV));
-            iovecs_from(parts, got, &mut iov);
+            let mut iov = no_iovecs();
+            let n = iovecs_from(parts, got, &mut iov);
             // SAFETY: a zeroed msghdr is a valid empty message; we fill in the iovec array only.
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = iov.as_mut_ptr();
-            msg.msg_iovlen = iov.len() as _;
+            msg.msg_iov = iov.as_mut_ptr().cast(); // the first `n` are initialized
+            msg.msg_iovlen = n as _;
             // SAFETY: `fd` is the open socket; the iovecs point into ranges valid for writes
             // with no Rust reference alive (this function's contract).
             check(unsafe { libc::recvmsg(fd, &mut msg, 0) })
@@ -220,59 +202,8 @@ fn set_lowat(stream: &TcpStream, v: usize) -> io::Result<()> {
 /// `dst.addr..dst.addr+dst.len` must stay valid for writes until the future completes, and no Rust
 /// reference to it may be alive meanwhile.
 pub(crate) async unsafe fn recv_exact(stream: &TcpStream, dst: RawRange) -> io::Result<()> {
-    let fd = stream.as_raw_fd();
-    // Whether to use the mark, and its value as last set.
-    let mut marked = dst.len > LOWAT;
-    let mut mark = 1usize;
-    let mut got = 0usize;
-    let res = loop {
-        if got >= dst.len {
-            break Ok(());
-        }
-        let want = (dst.len - got).min(LOWAT);
-        if marked && mark != want {
-            if set_lowat(stream, want).is_ok() {
-                mark = want;
-            } else {
-                marked = false;
-            }
-        }
-        if let Err(e) = stream.readable().await {
-            break Err(e);
-        }
-        let res = stream.try_io(Interest::READABLE, || {
-            // SAFETY: `fd` is the open socket; the destination is valid for writes of the
-            // remaining length per this function's contract.
-            check(unsafe {
-                libc::recv(fd, (dst.addr + got) as *mut libc::c_void, dst.len - got, 0)
-            })
-        });
-        match res {
-            Ok(0) => {
-                break Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "peer closed the stream with {} bytes outstanding",
-                        dst.len - got
-                    ),
-                ));
-            }
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => break Err(e),
-        }
-    };
-    if mark > 1
-        && let Err(e) = set_lowat(stream, 1)
-    {
-        // A mark left up would keep the next header from waking its reader.
-        return Err(io::Error::new(
-            e.kind(),
-            format!("cannot lower the socket's SO_RCVLOWAT from {mark} back to 1: {e}"),
-        ));
-    }
-    res
+    // SAFETY: this function's contract is `recv_vectored`'s for one range.
+    unsafe { recv_vectored(stream, std::slice::from_ref(&dst)).await }
 }
 
 /// Receives exactly `buf.len()` bytes into a Rust buffer (headers).
