@@ -56,7 +56,7 @@ static int devices = 1;
 static char fail_call[64];
 static long fail_after = -1;
 static long fail_seen;
-static long live_device, live_host, retained, copies;
+static long live_device, live_host, retained, copies, live_streams;
 static __thread int current = -1;
 static int contexts[64];
 
@@ -113,6 +113,7 @@ long ferry_fake_cuda_live_device_allocs(void) { return live_device; }
 long ferry_fake_cuda_live_host_allocs(void) { return live_host; }
 long ferry_fake_cuda_retained_contexts(void) { return retained; }
 long ferry_fake_cuda_copies(void) { return copies; }
+long ferry_fake_cuda_live_streams(void) { return live_streams; }
 
 CUresult cuInit(unsigned flags) {
     if (flags != 0) return ERR_INVALID_VALUE;
@@ -236,6 +237,62 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (!IS_DEV(src) || !IS_HOST(dst)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyDtoH_v2")) return ERR_UNKNOWN;
+    memcpy(dst, (const void *)(uintptr_t)(src & ~TAG), n);
+    count(&copies, 1);
+    return 0;
+}
+
+/* Streams: a stream is a small allocation naming its context. Copies on a stream run at once
+ * (the fake has no engine to run them later), so cuStreamSynchronize only checks the handle and
+ * its context; a failure switched on for it still reaches the caller after the copy. */
+struct fake_stream { int ctx; int magic; };
+#define STREAM_MAGIC 0x5f5e
+
+static int stream_ok(void *s) {
+    struct fake_stream *st = s;
+    return st && st->magic == STREAM_MAGIC && st->ctx == current;
+}
+
+CUresult cuStreamCreate(void **s, unsigned flags) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (flags > 1) return ERR_INVALID_VALUE;
+    if (failing("cuStreamCreate")) return ERR_UNKNOWN;
+    struct fake_stream *st = malloc(sizeof *st);
+    if (!st) return ERR_OUT_OF_MEMORY;
+    st->ctx = current;
+    st->magic = STREAM_MAGIC;
+    *s = st;
+    count(&live_streams, 1);
+    return 0;
+}
+
+CUresult cuStreamDestroy_v2(void *s) {
+    if (!stream_ok(s)) return ERR_INVALID_VALUE;
+    ((struct fake_stream *)s)->magic = 0;
+    free(s);
+    count(&live_streams, -1);
+    return 0;
+}
+
+CUresult cuStreamSynchronize(void *s) {
+    if (!stream_ok(s)) return ERR_INVALID_VALUE;
+    if (failing("cuStreamSynchronize")) return ERR_UNKNOWN;
+    return 0;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (!stream_ok(s) || !IS_DEV(dst) || !IS_HOST(src)) return ERR_INVALID_VALUE;
+    if (failing("cuMemcpyHtoDAsync_v2")) return ERR_UNKNOWN;
+    memcpy((void *)(uintptr_t)(dst & ~TAG), src, n);
+    count(&copies, 1);
+    return 0;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (!stream_ok(s) || !IS_DEV(src) || !IS_HOST(dst)) return ERR_INVALID_VALUE;
+    if (failing("cuMemcpyDtoHAsync_v2")) return ERR_UNKNOWN;
     memcpy(dst, (const void *)(uintptr_t)(src & ~TAG), n);
     count(&copies, 1);
     return 0;

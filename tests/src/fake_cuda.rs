@@ -108,6 +108,11 @@ impl FakeCuda {
     pub fn copies(&self) -> i64 {
         self.counter(b"ferry_fake_cuda_copies\0")
     }
+
+    /// Streams created and not destroyed.
+    pub fn live_streams(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_live_streams\0")
+    }
 }
 
 /// Compiles the fake of `variant` into `dir/libcuda.so.1` with `cc`, and returns that path.

@@ -18,7 +18,7 @@ use ferry_core::{
 };
 
 use crate::CudaError;
-use crate::driver::{CtxHandle, CuDevice, DevicePtr, Driver, LibCuda};
+use crate::driver::{CtxHandle, CuDevice, DevicePtr, Driver, LibCuda, StreamHandle};
 
 /// Where a GPU sits: what routing needs (the topology crate matches the PCI bus id).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
@@ -280,6 +280,21 @@ impl Device {
         }
     }
 
+    /// A stream of copies on this device (`cuStreamCreate`, non-blocking: its copies do not
+    /// wait for work on the legacy default stream, nor does that work wait for them), destroyed
+    /// on drop. What the staging pipeline copies on: one per staging buffer.
+    pub fn copy_stream(&self) -> Result<CopyStream, CudaError> {
+        self.make_current()?;
+        let handle = self
+            .driver()
+            .stream_create()
+            .map_err(|e| e.on_device(self.info.location.ordinal))?;
+        Ok(CopyStream {
+            device: self.clone(),
+            handle,
+        })
+    }
+
     /// Allocates `len` bytes of pinned (page-locked) host memory in this device's context.
     pub fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer, CudaError> {
         self.make_current()?;
@@ -481,6 +496,122 @@ impl Drop for DeviceMemory {
                     .cuda
                     .record(e.on_device(self.location().ordinal));
             }
+        }
+    }
+}
+
+/// A non-blocking stream of one device, for copies between its memory and pinned host memory.
+///
+/// Each copy is enqueued (`cuMemcpy*Async_v2`) and waited for (`cuStreamSynchronize`) before the
+/// call returns, so a copy blocks only its own thread: copies on different streams run
+/// concurrently with each other and with whatever the application runs on its own streams.
+/// Nothing orders them after the application's kernels: memory is copied as it is when the copy
+/// starts, so the caller synchronizes the stream that produced it before submitting (as with
+/// any transfer engine). Memory of another device is copied by that device's blocking copies.
+pub struct CopyStream {
+    device: Device,
+    handle: StreamHandle,
+}
+
+impl fmt::Debug for CopyStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CopyStream")
+            .field("device", &self.device.info.location.ordinal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CopyStream {
+    /// The stream's device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn same_device(&self, mem: &DeviceMemory) -> bool {
+        Arc::ptr_eq(&self.device.cuda.inner, &mem.device.cuda.inner)
+            && self.device.ctx == mem.device.ctx
+    }
+
+    fn finish(&self, r: Result<(), CudaError>) -> Result<(), CudaError> {
+        // A failed enqueue still synchronizes, so that nothing of an earlier copy is in flight
+        // when the caller reuses its buffer.
+        let synced = self.device.driver().stream_synchronize(self.handle);
+        r.and(synced)
+            .map_err(|e| e.on_device(self.device.info.location.ordinal))
+    }
+
+    /// Copies `len` bytes of `mem` at `offset` into `dst` at `dst_offset` (device to host), on
+    /// this stream; returns when the bytes are in `dst`.
+    pub fn copy_to_region(
+        &self,
+        mem: &DeviceMemory,
+        offset: u64,
+        dst: &MemoryRegion,
+        dst_offset: u64,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if !self.same_device(mem) {
+            return mem.copy_to_region(offset, dst, dst_offset, len);
+        }
+        let src = mem.bounds(offset, len)?;
+        dst.check(dst_offset, len as u64)
+            .map_err(CudaError::OutOfBounds)?;
+        self.device.make_current()?;
+        // SAFETY: both ranges were bounds-checked; `mem` and `dst` outlive this call, which
+        // synchronizes the stream before it returns, and the caller (the staging pipeline) owns
+        // the host range exclusively meanwhile.
+        let r = unsafe {
+            self.device.driver().copy_dtoh_async(
+                dst.as_ptr().add(dst_offset as usize),
+                src,
+                len,
+                self.handle,
+            )
+        };
+        self.finish(r)
+    }
+
+    /// Copies `len` bytes of `src` at `src_offset` into `mem` at `offset` (host to device), on
+    /// this stream; returns when the bytes are in device memory.
+    pub fn copy_from_region(
+        &self,
+        mem: &DeviceMemory,
+        offset: u64,
+        src: &MemoryRegion,
+        src_offset: u64,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if !self.same_device(mem) {
+            return mem.copy_from_region(offset, src, src_offset, len);
+        }
+        let dst = mem.bounds(offset, len)?;
+        src.check(src_offset, len as u64)
+            .map_err(CudaError::OutOfBounds)?;
+        self.device.make_current()?;
+        // SAFETY: as for `copy_to_region`: bounds-checked ranges, kept alive and untouched
+        // until the stream is synchronized below.
+        let r = unsafe {
+            self.device.driver().copy_htod_async(
+                dst,
+                src.as_ptr().add(src_offset as usize),
+                len,
+                self.handle,
+            )
+        };
+        self.finish(r)
+    }
+}
+
+impl Drop for CopyStream {
+    fn drop(&mut self) {
+        let r = self
+            .device
+            .make_current()
+            .and_then(|_| self.device.driver().stream_destroy(self.handle));
+        if let Err(e) = r {
+            self.device
+                .cuda
+                .record(e.on_device(self.device.info.location.ordinal));
         }
     }
 }

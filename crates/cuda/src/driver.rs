@@ -27,6 +27,13 @@ pub type DevicePtr = u64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CtxHandle(pub usize);
 
+/// A stream handle (`CUstream`), as an opaque integer so it is `Send`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamHandle(pub usize);
+
+/// `CU_STREAM_NON_BLOCKING`: the stream does not synchronize with the legacy default stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
+
 /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
 pub const ATTR_DMA_BUF_SUPPORTED: c_int = 124;
 /// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`.
@@ -86,6 +93,37 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
     /// # Safety
     /// `dst..dst+len` is writable host memory; `src..src+len` lies in one device allocation.
     unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, len: usize) -> Result<(), CudaError>;
+    /// `cuStreamCreate(.., CU_STREAM_NON_BLOCKING)`: a stream in the current context that does
+    /// not wait for work on the legacy default stream.
+    fn stream_create(&self) -> Result<StreamHandle, CudaError>;
+    /// `cuStreamDestroy_v2`.
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<(), CudaError>;
+    /// `cuStreamSynchronize`: waits until every copy enqueued on `stream` finished.
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<(), CudaError>;
+    /// `cuMemcpyHtoDAsync_v2`: enqueues a copy on `stream`.
+    ///
+    /// # Safety
+    /// As for [`copy_htod`](Self::copy_htod), and both ranges stay valid and untouched by
+    /// anything else until `stream` is synchronized.
+    unsafe fn copy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), CudaError>;
+    /// `cuMemcpyDtoHAsync_v2`: enqueues a copy on `stream`.
+    ///
+    /// # Safety
+    /// As for [`copy_dtoh`](Self::copy_dtoh), and both ranges stay valid and untouched by
+    /// anything else until `stream` is synchronized.
+    unsafe fn copy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), CudaError>;
     /// Whether `cuMemGetHandleForAddressRange` (dma-buf export) is exported.
     fn has_dmabuf_export(&self) -> bool;
     /// `cuMemGetHandleForAddressRange(.., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`: a dma-buf
@@ -108,6 +146,10 @@ type FnHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FnHostFree = unsafe extern "C" fn(*mut c_void) -> c_int;
 type FnHtoD = unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> c_int;
 type FnDtoH = unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> c_int;
+type FnStreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type FnStream = unsafe extern "C" fn(*mut c_void) -> c_int;
+type FnHtoDAsync = unsafe extern "C" fn(DevicePtr, *const c_void, usize, *mut c_void) -> c_int;
+type FnDtoHAsync = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, *mut c_void) -> c_int;
 type FnGetHandle = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, c_int, c_ulonglong) -> c_int;
 type FnErrorName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
 
@@ -130,6 +172,11 @@ struct Fns {
     host_free: FnHostFree,
     htod: FnHtoD,
     dtoh: FnDtoH,
+    stream_create: FnStreamCreate,
+    stream_destroy: FnStream,
+    stream_sync: FnStream,
+    htod_async: FnHtoDAsync,
+    dtoh_async: FnDtoHAsync,
     get_handle: Option<FnGetHandle>,
     error_name: Option<FnErrorName>,
 }
@@ -199,6 +246,11 @@ impl LibCuda {
             host_free: req!("cuMemFreeHost"),
             htod: req!("cuMemcpyHtoD_v2"),
             dtoh: req!("cuMemcpyDtoH_v2"),
+            stream_create: req!("cuStreamCreate"),
+            stream_destroy: req!("cuStreamDestroy_v2"),
+            stream_sync: req!("cuStreamSynchronize"),
+            htod_async: req!("cuMemcpyHtoDAsync_v2"),
+            dtoh_async: req!("cuMemcpyDtoHAsync_v2"),
             get_handle: opt!("cuMemGetHandleForAddressRange"),
             error_name: opt!("cuGetErrorName"),
         };
@@ -372,6 +424,50 @@ impl Driver for LibCuda {
         // SAFETY: the caller guarantees both ranges (see the trait's contract).
         let rc = unsafe { (self.f.dtoh)(dst.cast(), src, len) };
         self.check("cuMemcpyDtoH_v2", rc)
+    }
+
+    fn stream_create(&self) -> Result<StreamHandle, CudaError> {
+        let mut s: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the call writes one stream handle into `s`.
+        let rc = unsafe { (self.f.stream_create)(&mut s, STREAM_NON_BLOCKING) };
+        self.check("cuStreamCreate", rc)
+            .map(|_| StreamHandle(s as usize))
+    }
+
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<(), CudaError> {
+        // SAFETY: the caller destroys a handle from `stream_create` once (CopyStream's Drop).
+        let rc = unsafe { (self.f.stream_destroy)(stream.0 as *mut c_void) };
+        self.check("cuStreamDestroy_v2", rc)
+    }
+
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<(), CudaError> {
+        // SAFETY: `stream` is a live handle from `stream_create`.
+        let rc = unsafe { (self.f.stream_sync)(stream.0 as *mut c_void) };
+        self.check("cuStreamSynchronize", rc)
+    }
+
+    unsafe fn copy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees both ranges until the stream is synchronized.
+        let rc = unsafe { (self.f.htod_async)(dst, src.cast(), len, stream.0 as *mut c_void) };
+        self.check("cuMemcpyHtoDAsync_v2", rc)
+    }
+
+    unsafe fn copy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees both ranges until the stream is synchronized.
+        let rc = unsafe { (self.f.dtoh_async)(dst.cast(), src, len, stream.0 as *mut c_void) };
+        self.check("cuMemcpyDtoHAsync_v2", rc)
     }
 
     fn has_dmabuf_export(&self) -> bool {

@@ -25,7 +25,7 @@ pub mod route;
 
 pub use cufile::{FileLoad, FilePath};
 pub use device::{
-    Cuda, Device, DeviceInfo, DeviceLocation, DeviceMemory, DeviceSegment, PinnedBuffer,
+    CopyStream, Cuda, Device, DeviceInfo, DeviceLocation, DeviceMemory, DeviceSegment, PinnedBuffer,
 };
 pub use route::{GpuDirectSetting, GpuRoute, RouteChoice, RouteError, RouteFacts};
 

@@ -198,3 +198,77 @@ fn file_into_device_memory_by_the_compat_path() {
         "pinned buffers freed after a failure"
     );
 }
+
+#[test]
+fn copies_on_a_stream_from_any_thread_and_their_failures() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    let d0 = cuda.device(0).unwrap();
+    let streams = fake.live_streams();
+    let copies = fake.copies();
+    let stream = d0.copy_stream().unwrap();
+    assert_eq!(fake.live_streams(), streams + 1);
+    let mem = d0.alloc(10_000).unwrap();
+    let host = Arc::new(d0.alloc_pinned(4096).unwrap().into_region());
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 251) as u8).collect();
+    // SAFETY: the region is ours alone here, 4096 bytes long.
+    unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), host.as_ptr(), 4096) };
+    // Made on this thread, used on another (the staging lanes do): each copy makes the device's
+    // context current on its own thread.
+    let (stream, mem, host) = std::thread::scope(|s| {
+        s.spawn(move || {
+            stream.copy_from_region(&mem, 5000, &host, 0, 4096).unwrap();
+            // SAFETY: as above.
+            unsafe { std::ptr::write_bytes(host.as_ptr(), 0, 4096) };
+            stream.copy_to_region(&mem, 5000, &host, 0, 4096).unwrap();
+            (stream, mem, host)
+        })
+        .join()
+        .unwrap()
+    });
+    // SAFETY: the region is 4096 bytes and no copy is in flight.
+    let back = unsafe { std::slice::from_raw_parts(host.as_ptr(), 4096) };
+    assert!(
+        back == pattern.as_slice(),
+        "bytes differ after a round trip"
+    );
+    assert_eq!(fake.copies(), copies + 2, "both copies went to the driver");
+
+    // Out of bounds is refused before the driver sees it.
+    let e = stream
+        .copy_to_region(&mem, 9000, &host, 0, 4096)
+        .unwrap_err();
+    assert!(matches!(e, CudaError::OutOfBounds(_)), "{e:?}");
+
+    for call in [
+        "cuMemcpyDtoHAsync_v2",
+        "cuMemcpyHtoDAsync_v2",
+        "cuStreamSynchronize",
+    ] {
+        fake.fail(call, 0);
+        let e = if call == "cuMemcpyHtoDAsync_v2" {
+            stream.copy_from_region(&mem, 0, &host, 0, 64)
+        } else {
+            stream.copy_to_region(&mem, 0, &host, 0, 64)
+        }
+        .unwrap_err();
+        fake.reset();
+        let text = e.to_string();
+        assert!(text.starts_with("GPU 0: "), "{text}");
+        assert!(text.contains(call), "{call}: {text}");
+    }
+    fake.fail("cuStreamCreate", 0);
+    let e = d0.copy_stream().unwrap_err().to_string();
+    fake.reset();
+    assert!(e.contains("cuStreamCreate"), "{e}");
+    drop(stream);
+    assert_eq!(
+        fake.live_streams(),
+        streams,
+        "the stream is destroyed on drop"
+    );
+}

@@ -461,8 +461,14 @@ impl TransferEngine {
                 let control = Arc::new(ferry_core::RequestControl::with_shape(
                     ops.iter().map(|o| (o.kind, o.len)),
                 ));
-                let fut =
-                    crate::gpu::run(peer.clone(), ops, control.clone(), pool, self.inner.clone());
+                let fut = crate::gpu::run(
+                    peer.clone(),
+                    ops,
+                    control.clone(),
+                    pool,
+                    self.inner.clone(),
+                    timeout,
+                );
                 Ok(RequestHandle::start_with(
                     &peer,
                     control,

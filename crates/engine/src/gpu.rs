@@ -181,9 +181,11 @@ impl GpuState {
     }
 }
 
-/// A bounded pool of pinned host buffers (each a host `MemoryRegion` transports may use).
+/// A bounded pool of staging lanes: each a pinned host buffer (a host `MemoryRegion` transports
+/// may use), a copy stream of the pool's device, and the thread that runs that stream's copies.
+/// Made once, when the first staged request needs it; a chunk only borrows a lane.
 pub(crate) struct StagingPool {
-    free: Mutex<Vec<Arc<MemoryRegion>>>,
+    free: Mutex<Vec<Lane>>,
     permits: Arc<Semaphore>,
     buffers: usize,
     buffer_size: usize,
@@ -214,12 +216,14 @@ impl StagingPool {
                         .map_err(registry::RegistryError::into_core)?,
                 );
             }
-            free.push(b);
+            let stream = device.copy_stream().map_err(cuda_error)?;
+            free.push(Lane::start(i, b, stream)?);
         }
         tracing::info!(
             buffers,
             buffer_size,
-            "staging pool of pinned host buffers allocated"
+            device = device.location().ordinal,
+            "staging pool allocated: pinned host buffers, each with a copy stream and its thread"
         );
         Ok(Self {
             free: Mutex::new(free),
@@ -234,44 +238,185 @@ impl StagingPool {
         self.buffers - self.permits.available_permits()
     }
 
-    async fn take(self: &Arc<Self>) -> Option<PoolBuffer> {
+    /// Borrows an idle lane (waits while all are borrowed). No allocation.
+    async fn take(self: &Arc<Self>) -> Option<LaneGuard> {
         let permit = self.permits.clone().acquire_owned().await.ok()?;
-        let buf = self
+        let lane = self
             .free
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .pop()?;
-        Some(PoolBuffer {
+        // A lane goes back only after its copy finished; this guards the buffer anyway, should a
+        // borrower have been dropped while its copy ran.
+        lane.idle().await;
+        Some(LaneGuard {
             pool: self.clone(),
-            buf: Some(buf),
+            lane: Some(lane),
             _permit: permit,
         })
     }
 }
 
-/// A buffer taken from the pool; it goes back on drop (after the sub-request that used it
-/// drained, so no transport still holds it).
-struct PoolBuffer {
-    pool: Arc<StagingPool>,
-    buf: Option<Arc<MemoryRegion>>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
+/// A copy for a lane's thread: `n` bytes between `mem` at `at` and the start of the lane's buffer.
+struct CopyJob {
+    seq: u64,
+    mem: Arc<DeviceMemory>,
+    at: u64,
+    n: usize,
+    to_host: bool,
 }
 
-impl PoolBuffer {
-    fn region(&self) -> &Arc<MemoryRegion> {
-        // Set from construction until drop.
-        self.buf.as_ref().unwrap_or_else(|| unreachable!())
+/// The last copy a lane's thread finished: its sequence number and result.
+#[derive(Default)]
+struct CopyDone {
+    state: Mutex<(u64, Option<Result<(), CudaError>>)>,
+    notify: tokio::sync::Notify,
+}
+
+/// One pinned buffer with its copy stream and thread. The thread blocks in the driver (a copy
+/// is enqueued on the lane's stream and synchronized), so no runtime thread does, and copies of
+/// different lanes run at once: chunk k+1's device-to-host copy overlaps chunk k's send.
+struct Lane {
+    buf: Arc<MemoryRegion>,
+    jobs: Option<std::sync::mpsc::SyncSender<CopyJob>>,
+    done: Arc<CopyDone>,
+    /// Sequence number of the last job sent (only the borrower sends).
+    sent: u64,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Lane {
+    fn start(i: usize, buf: Arc<MemoryRegion>, stream: cuda::CopyStream) -> Result<Self, Error> {
+        // One job at a time per lane (the borrower waits for each), so a channel of one never
+        // blocks the sender, and holds its slot without allocating per job.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<CopyJob>(1);
+        let done = Arc::new(CopyDone::default());
+        let (thread_buf, thread_done) = (buf.clone(), done.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("ferry-stage-{i}"))
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    let r = if job.to_host {
+                        stream.copy_to_region(&job.mem, job.at, &thread_buf, 0, job.n)
+                    } else {
+                        stream.copy_from_region(&job.mem, job.at, &thread_buf, 0, job.n)
+                    };
+                    drop(job.mem);
+                    *thread_done
+                        .state
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = (job.seq, Some(r));
+                    thread_done.notify.notify_one();
+                }
+            })
+            .map_err(|source| Error::Io {
+                op: "spawn",
+                target: "a staging lane's copy thread".into(),
+                source,
+            })?;
+        Ok(Self {
+            buf,
+            jobs: Some(tx),
+            done,
+            sent: 0,
+            thread: Some(thread),
+        })
+    }
+
+    /// Waits until the thread finished job `seq`, and takes its result (`None`: the thread is
+    /// gone, or the result was taken).
+    async fn finished(&self, seq: u64) -> Option<Result<(), CudaError>> {
+        loop {
+            let notified = self.done.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = self
+                    .done
+                    .state
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if st.0 >= seq {
+                    return st.1.take();
+                }
+            }
+            if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+                return None;
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits until no copy of this lane is running.
+    async fn idle(&self) {
+        if self.sent > 0 {
+            let _ = self.finished(self.sent).await;
+        }
+    }
+
+    /// Runs one copy between `mem` at `at` and the first `n` bytes of the buffer on the lane's
+    /// thread, and waits for it without blocking the runtime.
+    async fn copy(
+        &mut self,
+        mem: &Arc<DeviceMemory>,
+        at: u64,
+        n: usize,
+        to_host: bool,
+    ) -> Result<(), Option<CudaError>> {
+        self.sent += 1;
+        let job = CopyJob {
+            seq: self.sent,
+            mem: mem.clone(),
+            at,
+            n,
+            to_host,
+        };
+        let sent = self.jobs.as_ref().is_some_and(|j| j.try_send(job).is_ok());
+        if !sent {
+            tracing::warn!("a staging lane's copy thread is gone");
+            return Err(None);
+        }
+        match self.finished(self.sent).await {
+            Some(r) => r.map_err(Some),
+            None => Err(None),
+        }
     }
 }
 
-impl Drop for PoolBuffer {
+impl Drop for Lane {
     fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
+        // Closing the channel ends the thread after its copy (if one runs); joined so that the
+        // buffer and the stream are gone when the pool is.
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A lane borrowed from the pool; it goes back on drop (after the sub-request that used its
+/// buffer drained, so no transport still holds it).
+struct LaneGuard {
+    pool: Arc<StagingPool>,
+    lane: Option<Lane>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl LaneGuard {
+    fn lane(&mut self) -> &mut Lane {
+        // Set from construction until drop.
+        self.lane.as_mut().unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl Drop for LaneGuard {
+    fn drop(&mut self) {
+        if let Some(l) = self.lane.take() {
             self.pool
                 .free
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .push(b);
+                .push(l);
         }
     }
 }
@@ -743,13 +888,6 @@ pub(crate) struct StagedOp {
     pub(crate) len: u64,
 }
 
-/// One piece of the pipeline: a host op whole, or one buffer's worth of a device op.
-struct Piece {
-    op: usize,
-    offset: u64,
-    len: u64,
-}
-
 /// Checks the staging policy and returns the pool for `ops` (the caller saw a device op).
 pub(crate) fn prepare(
     inner: &crate::engine::Inner,
@@ -787,65 +925,134 @@ pub(crate) fn prepare(
     state.pool(&device, rdma)
 }
 
+/// One piece of the pipeline: a host op whole, or one buffer's worth of a device op.
+#[derive(Clone, Copy)]
+struct Piece {
+    op: usize,
+    offset: u64,
+    len: u64,
+}
+
+/// The pieces of a staged request, in order, handed out to its workers one at a time.
+struct Cursor {
+    op: usize,
+    offset: u64,
+}
+
+/// What the workers of one staged request share.
+struct Pipeline {
+    peer: Arc<PeerInner>,
+    ops: Arc<[StagedOp]>,
+    control: Arc<RequestControl>,
+    pool: Arc<StagingPool>,
+    inner: Arc<crate::engine::Inner>,
+    deadline: Option<tokio::time::Instant>,
+    cursor: Mutex<Cursor>,
+}
+
+impl Pipeline {
+    /// The next piece to post, unless the request stopped or every piece was handed out.
+    fn next(&self) -> Option<Piece> {
+        if self.control.should_stop_posting() {
+            return None;
+        }
+        let chunk = self.pool.buffer_size as u64;
+        let mut c = self.cursor.lock().unwrap_or_else(PoisonError::into_inner);
+        let op = self.ops.get(c.op)?;
+        let piece = match op.local {
+            StagedLocal::Host(_) => Piece {
+                op: c.op,
+                offset: 0,
+                len: op.len,
+            },
+            StagedLocal::Device(..) => Piece {
+                op: c.op,
+                offset: c.offset,
+                len: chunk.min(op.len - c.offset),
+            },
+        };
+        c.offset += piece.len;
+        if matches!(op.local, StagedLocal::Host(_)) || c.offset >= op.len {
+            c.op += 1;
+            c.offset = 0;
+        }
+        Some(piece)
+    }
+}
+
 /// Runs a request whose ops include device memory: host ops go through the channel as they are,
-/// device ops through pool buffers and copies, at most `pool.buffers` pieces in flight. Every
-/// piece is recorded in `control`'s ledger, so the outcome's prefix, failure and remote effect
-/// follow the same rules as any request's.
+/// device ops through the pool's lanes (a pinned buffer and a copy stream each), at most one
+/// piece per lane in flight. Each piece is a sub-request on the peer's channel that reconnects and
+/// replays after a lost connection as any request does (a READ piece always; a WRITE piece under
+/// `replay_writes`), bounded by the request's `timeout`. Every piece is recorded in `control`'s
+/// ledger, so the outcome's prefix, failure and remote effect follow the same rules as any
+/// request's.
+///
+/// Allocations are per request (its workers), not per chunk: a chunk borrows a lane, and its
+/// sub-request costs what any one-op request costs (its op, its ledger, the channel's future).
 pub(crate) async fn run(
     peer: Arc<PeerInner>,
     ops: Arc<[StagedOp]>,
     control: Arc<RequestControl>,
     pool: Arc<StagingPool>,
     inner: Arc<crate::engine::Inner>,
+    timeout: Option<std::time::Duration>,
 ) -> Outcome {
     let chunk = pool.buffer_size as u64;
-    let mut pieces = Vec::new();
-    for (i, op) in ops.iter().enumerate() {
-        let n = match op.local {
-            StagedLocal::Host(_) => 1,
-            StagedLocal::Device(..) => op.len.div_ceil(chunk).max(1),
-        };
-        control.with_ledger(|l| l.plan(i, n as u32));
-        for k in 0..n {
-            let (offset, len) = match op.local {
-                StagedLocal::Host(_) => (0, op.len),
-                StagedLocal::Device(..) => (k * chunk, chunk.min(op.len - (k * chunk).min(op.len))),
+    control.with_ledger(|l| {
+        for (i, op) in ops.iter().enumerate() {
+            let n = match op.local {
+                StagedLocal::Host(_) => 1,
+                StagedLocal::Device(..) => op.len.div_ceil(chunk).max(1),
             };
-            pieces.push(Piece { op: i, offset, len });
+            l.plan(i, n as u32);
         }
-    }
-    let mut running = tokio::task::JoinSet::new();
-    for piece in pieces {
-        if control.should_stop_posting() {
-            break;
+    });
+    let pipeline = Pipeline {
+        deadline: timeout.map(|t| tokio::time::Instant::now() + t),
+        peer,
+        ops,
+        control,
+        pool,
+        inner,
+        cursor: Mutex::new(Cursor { op: 0, offset: 0 }),
+    };
+    // As many workers as lanes; each takes the next piece when its last one drained.
+    let mut workers: Vec<_> = (0..pipeline.pool.buffers)
+        .map(|_| Some(Box::pin(worker(&pipeline))))
+        .collect();
+    std::future::poll_fn(|cx| {
+        let mut busy = false;
+        for w in workers.iter_mut() {
+            if let Some(f) = w {
+                if f.as_mut().poll(cx).is_ready() {
+                    *w = None;
+                } else {
+                    busy = true;
+                }
+            }
         }
-        while running.len() >= pool.buffers {
-            let _ = running.join_next().await;
+        if busy {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
         }
-        let (peer, ops, control, pool, inner) = (
-            peer.clone(),
-            ops.clone(),
-            control.clone(),
-            pool.clone(),
-            inner.clone(),
-        );
-        running.spawn(async move { run_piece(&peer, &ops, &control, &pool, &inner, piece).await });
-    }
-    while running.join_next().await.is_some() {}
-    control.outcome(true)
+    })
+    .await;
+    pipeline.control.outcome(true)
 }
 
-async fn run_piece(
-    peer: &PeerInner,
-    ops: &[StagedOp],
-    control: &RequestControl,
-    pool: &Arc<StagingPool>,
-    inner: &crate::engine::Inner,
-    piece: Piece,
-) {
-    let op = &ops[piece.op];
-    let Some(state) = &inner.gpu else { return };
+async fn worker(p: &Pipeline) {
+    while let Some(piece) = p.next() {
+        run_piece(p, piece).await;
+    }
+}
+
+async fn run_piece(p: &Pipeline, piece: Piece) {
+    let op = &p.ops[piece.op];
+    let Some(state) = &p.inner.gpu else { return };
     let counters = &state.counters;
+    let control = &p.control;
     let mem = match &op.local {
         StagedLocal::Host(region) => {
             let host = Op {
@@ -856,100 +1063,91 @@ async fn run_piece(
                 remote_offset: op.remote_offset,
                 len: op.len,
             };
-            let o = execute(peer, host).await;
+            let o = execute(p, host).await;
             record(control, piece.op, &o);
             return;
         }
-        StagedLocal::Device(m, _) => m.clone(),
+        StagedLocal::Device(m, _) => m,
     };
-    let Some(buf) = pool.take().await else {
+    let Some(mut guard) = p.pool.take().await else {
         control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, None));
         return;
     };
-    let region = buf.region().clone();
+    let lane = guard.lane();
     let n = piece.len as usize;
     let at = op.local_offset + piece.offset;
-    let copy = |to_host: bool| {
-        let (mem, region) = (mem.clone(), region.clone());
-        async move {
-            let t0 = Instant::now();
-            let r = tokio::task::spawn_blocking(move || {
-                if to_host {
-                    mem.copy_to_region(at, &region, 0, n)
-                } else {
-                    mem.copy_from_region(at, &region, 0, n)
-                }
-            })
-            .await;
-            counters
-                .copy_wait_ns
-                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            counters.copies.fetch_add(1, Ordering::Relaxed);
-            match r {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => {
-                    counters.copy_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "staging copy failed");
-                    Err(e.code())
-                }
-                Err(_) => Err(None),
-            }
-        }
-    };
     let host = Op {
         kind: op.kind,
-        local: region.clone(),
+        local: lane.buf.clone(),
         local_offset: 0,
         token: op.token,
         remote_offset: op.remote_offset + piece.offset,
         len: piece.len,
     };
-    match op.kind {
-        OpKind::Write => {
-            if let Err(code) = copy(true).await {
-                // Nothing of this chunk was sent.
-                control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, code));
-                return;
-            }
-            let o = execute(peer, host).await;
-            if o.is_success() {
-                counters
-                    .staged_bytes
-                    .fetch_add(piece.len, Ordering::Relaxed);
-            }
-            record(control, piece.op, &o);
-        }
-        OpKind::Read => {
-            let o = execute(peer, host).await;
-            if !o.is_success() {
-                record(control, piece.op, &o);
-                return;
-            }
-            match copy(false).await {
-                Ok(()) => {
-                    counters
-                        .staged_bytes
-                        .fetch_add(piece.len, Ordering::Relaxed);
-                    record(control, piece.op, &o);
-                }
-                Err(code) => {
-                    control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, code))
-                }
-            }
-        }
+    let to_host = match op.kind {
+        OpKind::Write => true,
+        OpKind::Read => false,
         // A checksum answers into host memory (`Peer::checksum`); it is never staged.
         OpKind::Checksum => {
             control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, None));
+            return;
+        }
+    };
+    let copied = |r: Result<(), Option<CudaError>>, t0: Instant| {
+        counters
+            .copy_wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        counters.copies.fetch_add(1, Ordering::Relaxed);
+        r.map_err(|e| {
+            counters.copy_failures.fetch_add(1, Ordering::Relaxed);
+            let code = e.as_ref().and_then(CudaError::code);
+            match e {
+                Some(e) => tracing::warn!(error = %e, "staging copy failed"),
+                None => tracing::warn!("staging copy failed: its lane's thread is gone"),
+            }
+            code
+        })
+    };
+    if to_host {
+        let t0 = Instant::now();
+        if let Err(code) = copied(lane.copy(mem, at, n, true).await, t0) {
+            // Nothing of this chunk was sent.
+            control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, code));
+            return;
+        }
+        let o = execute(p, host).await;
+        if o.is_success() {
+            counters
+                .staged_bytes
+                .fetch_add(piece.len, Ordering::Relaxed);
+        }
+        record(control, piece.op, &o);
+    } else {
+        let o = execute(p, host).await;
+        if !o.is_success() {
+            record(control, piece.op, &o);
+            return;
+        }
+        let t0 = Instant::now();
+        match copied(lane.copy(mem, at, n, false).await, t0) {
+            Ok(()) => {
+                counters
+                    .staged_bytes
+                    .fetch_add(piece.len, Ordering::Relaxed);
+                record(control, piece.op, &o);
+            }
+            Err(code) => control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, code)),
         }
     }
-    drop(buf);
+    drop(guard);
 }
 
-/// Runs one host op as a request of its own on the peer's channel, to the end (drained).
-async fn execute(peer: &PeerInner, op: Op) -> Outcome {
+/// Runs one host op as a sub-request on the peer's channel to its end (drained), reconnecting
+/// and replaying as the peer's policy allows until the request's deadline.
+async fn execute(p: &Pipeline, op: Op) -> Outcome {
     let ops: Arc<[Op]> = Arc::from([op]);
     let control = Arc::new(RequestControl::new(&ops));
-    peer.channel().execute(ops, control).await
+    crate::reconnect::run(p.peer.clone(), ops, control, p.deadline).await
 }
 
 /// Folds a piece's outcome into the request's ledger: complete (posted and acknowledged), or

@@ -172,7 +172,8 @@ async fn staging_moves_the_right_bytes_over_uring() {
     every_direction(DataPlane::Uring).await;
 }
 
-async fn copy_failure(plane: DataPlane, call: &str) {
+/// A batch of a host op and two GPU ops whose `call` fails at its third use: WRITEs when `write`.
+async fn copy_failure(plane: DataPlane, call: &str, write: bool) {
     let _g = LOCK.lock().await;
     let Some(fake) = fake_cuda(FakeVariant::Full) else {
         return;
@@ -200,7 +201,7 @@ async fn copy_failure(plane: DataPlane, call: &str) {
 
     // Op 0 on host memory, op 1 on the GPU (its third copy fails), op 2 on the GPU.
     fake.fail(call, 2);
-    let batch = if call == "cuMemcpyDtoH_v2" {
+    let batch = if write {
         Batch::new()
             .write(&host, 0, &rh, 0, 100)
             .write(&mine, 0, &rh, 0, len as u64)
@@ -235,12 +236,18 @@ async fn copy_failure(plane: DataPlane, call: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_to_host_copy_failing_midway_gives_the_prefix_tcp() {
-    copy_failure(DataPlane::Tcp, "cuMemcpyDtoH_v2").await;
+    copy_failure(DataPlane::Tcp, "cuMemcpyDtoHAsync_v2", true).await;
+}
+
+/// A copy whose enqueue succeeded but whose stream reports the failure when synchronized.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_failing_at_stream_synchronize_gives_the_prefix_tcp() {
+    copy_failure(DataPlane::Tcp, "cuStreamSynchronize", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_to_device_copy_failing_midway_gives_the_prefix_uring() {
-    copy_failure(DataPlane::Uring, "cuMemcpyHtoD_v2").await;
+    copy_failure(DataPlane::Uring, "cuMemcpyHtoDAsync_v2", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
