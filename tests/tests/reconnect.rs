@@ -5,7 +5,9 @@
 //! is replayed into it; a WRITE cut midway is replayed only when the policy allows; a stall that
 //! never ends is ended by the request's deadline with an exact prefix, and so are reconnect
 //! attempts to a server gone for good; and many clients that lose the same server reconnect once
-//! each, however many requests each had waiting.
+//! each, however many requests each had waiting. GPU memory staged through pinned buffers (the
+//! fake CUDA driver) is replayed the same way: a reset mid-READ into a GPU completes with the
+//! right bytes, and a cut staged WRITE is replayed only when the policy allows.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -15,7 +17,9 @@ use ferry::{
     Access, Batch, DataPlane, FailureKind, MemoryRegion, Peer, ReconnectPolicy, Registration,
     RemoteEffect, RemoteStatus, RouteDescription, TransferEngine,
 };
-use ferry_tests::{Dir, Fault, FaultProxy, Scope, URING, require_or_skip};
+use ferry_tests::{
+    Dir, FakeCuda, FakeVariant, Fault, FaultProxy, Scope, URING, fake_cuda, require_or_skip,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -108,13 +112,29 @@ struct Rig {
 }
 
 async fn rig(plane: Plane, len: u64, policy: ReconnectPolicy) -> Result<Rig> {
+    rig_with(plane, len, policy, None).await
+}
+
+/// As [`rig`], the client with GPU support on the fake CUDA driver `gpu` when given (staging
+/// buffers of 1 MiB, so that a few MiB make several chunks).
+async fn rig_with(
+    plane: Plane,
+    len: u64,
+    policy: ReconnectPolicy,
+    gpu: Option<&FakeCuda>,
+) -> Result<Rig> {
     let data = pattern(len, 0x5eed ^ len);
     let (server, src) = server(plane, "127.0.0.1:0".parse()?, &data)?;
     let proxy = FaultProxy::start(server.local_addr().context("listen")?)?;
-    let client = TransferEngine::builder()
+    let mut client = TransferEngine::builder()
         .data_plane(plane.data_plane())
-        .reconnect(policy)
-        .build()?;
+        .reconnect(policy);
+    if let Some(fake) = gpu {
+        client = client
+            .cuda(ferry::cuda::Cuda::open(fake.path().as_os_str())?)
+            .staging_buffers(4, MIB as usize);
+    }
+    let client = client.build()?;
     let peer = client.connect(proxy.addr()).await?;
     Ok(Rig {
         server,
@@ -605,4 +625,79 @@ async fn a_reconnect_storm_is_one_reconnect_per_client_over_tcp() -> Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_storm_is_one_reconnect_per_client_over_uring() -> Result<()> {
     reconnect_storm(Plane::Uring, 20).await
+}
+
+/// GPU memory staged through the pool's lanes, reset midway: a READ into the GPU is replayed
+/// piece by piece and completes with the right bytes in device memory; a WRITE from the GPU
+/// completes under `replay_writes`, and without it ends `PeerLost` and `Uncertain`. Every
+/// chunk is staged once however often its sub-request ran, and no lane stays borrowed.
+async fn staged_reset_midway(plane: Plane, write: bool, replay_writes: bool) -> Result<()> {
+    if !plane.usable() {
+        return Ok(());
+    }
+    let fake = fake_cuda(FakeVariant::Full).context("the fake CUDA driver is missing")?;
+    fake.reset();
+    let len = 24 * MIB;
+    let r = rig_with(plane, len, policy(replay_writes), Some(fake)).await?;
+    let gpu = r.client.alloc_gpu(0, len as usize, Access::LOCAL, "gpu")?;
+    let seg = r.peer.segment("src")?;
+    let mine = pattern(len, 0x6e0);
+    if write {
+        gpu.memory().copy_from_host(0, &mine)?;
+    }
+    let batch = if write {
+        Batch::new().write(&gpu, 0, &seg, 0, len)
+    } else {
+        Batch::new().read(&gpu, 0, &seg, 0, len)
+    };
+    let handle = r.client.submit(batch)?;
+    let drained = handle.drained();
+    let dir = if write { Dir::ToTarget } else { Dir::ToClient };
+    reset_midway(&r.proxy, dir, 6 * MIB).await?;
+    let o = handle.await;
+    let d = drained.await;
+    ensure!(d.drained, "{d:?}");
+    let route = route(&r.client)?;
+    let staging = r.client.describe().staging.context("staging described")?;
+    ensure!(staging.buffers_in_use == 0, "{staging:?}");
+    if write && !replay_writes {
+        let f = o.failure.context("a staged WRITE cut midway must fail")?;
+        ensure!(f.kind == FailureKind::PeerLost, "{o:?}");
+        ensure!(o.remote_effect == RemoteEffect::Uncertain, "{o:?}");
+        ensure!(route.replays == 0, "{route:?}");
+        ensure!(staging.staged_bytes < len, "{staging:?}");
+        return Ok(());
+    }
+    ensure!(o.is_success(), "{o:?}");
+    ensure!(route.replays >= 1, "{route:?}");
+    ensure!(route.reconnects >= 1, "{route:?}");
+    ensure!(staging.staged_bytes == len, "each chunk staged once: {staging:?}");
+    if write {
+        ensure!(bytes(&r.src, 0, len)? == mine, "remote bytes differ");
+    } else {
+        let mut back = vec![0u8; len as usize];
+        gpu.memory().copy_to_host(0, &mut back)?;
+        ensure!(back == r.data, "GPU bytes differ after the replay");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_mid_staged_gpu_read_is_replayed_over_tcp() -> Result<()> {
+    staged_reset_midway(Plane::Tcp, false, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_mid_staged_gpu_read_is_replayed_over_uring() -> Result<()> {
+    staged_reset_midway(Plane::Uring, false, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_staged_gpu_write_is_uncertain_without_replay_over_tcp() -> Result<()> {
+    staged_reset_midway(Plane::Tcp, true, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_staged_gpu_write_is_replayed_when_allowed_over_uring() -> Result<()> {
+    staged_reset_midway(Plane::Uring, true, true).await
 }
