@@ -671,7 +671,10 @@ async fn staged_reset_midway(plane: Plane, write: bool, replay_writes: bool) -> 
     ensure!(o.is_success(), "{o:?}");
     ensure!(route.replays >= 1, "{route:?}");
     ensure!(route.reconnects >= 1, "{route:?}");
-    ensure!(staging.staged_bytes == len, "each chunk staged once: {staging:?}");
+    ensure!(
+        staging.staged_bytes == len,
+        "each chunk staged once: {staging:?}"
+    );
     if write {
         ensure!(bytes(&r.src, 0, len)? == mine, "remote bytes differ");
     } else {

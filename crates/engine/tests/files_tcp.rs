@@ -66,6 +66,21 @@ async fn a_tcp_engine_serves_and_loads_file_segments() -> Result<()> {
         std::fs::read(&path)? == data,
         "file bytes after WRITE differ"
     );
+    // A WRITE of many server pieces per chunk (the server writes piece k while it receives
+    // piece k+1): every byte lands, and the acknowledgment comes after the last write.
+    let big = len - 12_345;
+    let many: Vec<u8> = (0..big).map(|i| (i * 31 + 3) as u8).collect();
+    let src_big = client.register(MemoryRegion::alloc_zeroed(big, 4096)?, Access::LOCAL, "b")?;
+    src_big.region().write_at(0, &many)?;
+    let o = client
+        .submit(Batch::new().write(&src_big, 0, &seg, 12_345, big as u64))?
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    data[12_345..].copy_from_slice(&many);
+    assert!(
+        std::fs::read(&path)? == data,
+        "file bytes after a large WRITE differ"
+    );
     let past_end = client.submit(Batch::new().write(&src, 0, &seg, len as u64 - 10, 11));
     assert!(past_end.is_err(), "a WRITE past the end must be refused");
     assert_eq!(std::fs::metadata(&path)?.len(), len as u64, "the file grew");

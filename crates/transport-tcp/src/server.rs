@@ -23,9 +23,10 @@ use crate::pool::{AbortOnDrop, IoPool};
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
 const SMALL: usize = 16 << 10;
 
-/// File segments move through a staging buffer of at most this much per stream, so a chunk of up
-/// to `MAX_CHUNK` costs no more memory than a small one.
-const FILE_PIECE: usize = 1 << 20;
+/// File segments move through two buffers of at most this much per stream, so a chunk of up to
+/// `MAX_CHUNK` costs no more memory than a small one, and a chunk is several pieces whose
+/// positioned I/O overlaps the socket's (piece k+1 read while piece k is sent).
+const FILE_PIECE: usize = 256 << 10;
 
 /// A bound listener, not serving yet.
 #[derive(Debug)]
@@ -249,7 +250,7 @@ async fn serve_data(
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
     let mut scratch: Vec<u8> = Vec::new();
-    let mut file_stage: Vec<u8> = Vec::new();
+    let mut file_stage = FileStage::default();
     let mut table_stage: Vec<u8> = Vec::new();
     let mut proto = ServerStream::new();
     loop {
@@ -306,33 +307,9 @@ async fn serve_data(
                 len,
                 response,
             } => {
-                // Positioned reads block: off this stream's I/O thread, through a staging buffer
-                // of at most FILE_PIECE per stream, however large the chunk. A file that shrank
-                // under the READ closes the stream.
-                if len == 0 {
-                    send_buf(stream, &response).await?;
-                }
-                let mut done = 0usize;
-                while done < len {
-                    // The header goes out in front of the first piece.
-                    let n = FILE_PIECE.min(len - done);
-                    let head = if done == 0 { DATA_RESPONSE_LEN } else { 0 };
-                    let mut buf = std::mem::take(&mut file_stage);
-                    buf.resize(head + n, 0);
-                    buf[..head].copy_from_slice(&response[..head]);
-                    let f = file.clone();
-                    let from_at = at + done as u64;
-                    let (buf, read) = tokio::task::spawn_blocking(move || {
-                        let r = f.read_exact_at(from_at, &mut buf[head..]);
-                        (buf, r)
-                    })
-                    .await
-                    .map_err(std::io::Error::other)?;
-                    file_stage = buf;
-                    read?;
-                    send_buf(stream, &file_stage[..head + n]).await?;
-                    done += n;
-                }
+                // Positioned reads block: off this stream's I/O thread, pipelined through the
+                // stream's two file buffers. A file that shrank under the READ closes the stream.
+                send_file(stream, &response[..], &file, at, len, &mut file_stage).await?;
             }
             Action::WriteFile {
                 file,
@@ -340,24 +317,7 @@ async fn serve_data(
                 len,
                 response,
             } => {
-                let mut done = 0usize;
-                while done < len {
-                    let n = FILE_PIECE.min(len - done);
-                    let mut buf = std::mem::take(&mut file_stage);
-                    buf.resize(n, 0);
-                    recv_buf(stream, &mut buf).await?;
-                    let f = file.clone();
-                    let to_at = at + done as u64;
-                    let (buf, wrote) = tokio::task::spawn_blocking(move || {
-                        let r = f.write_all_at(to_at, &buf);
-                        (buf, r)
-                    })
-                    .await
-                    .map_err(std::io::Error::other)?;
-                    file_stage = buf;
-                    wrote?;
-                    done += n;
-                }
+                recv_file(stream, &file, at, len, &mut file_stage).await?;
                 send_buf(stream, &response).await?;
             }
             Action::Refuse {
@@ -450,7 +410,7 @@ fn raw(lease: &ferry_core::SegmentLease, at: u64, len: usize) -> RawRange {
 async fn receive_pieces(
     stream: &TcpStream,
     targets: &[Target],
-    file_stage: &mut Vec<u8>,
+    file_stage: &mut FileStage,
 ) -> std::io::Result<()> {
     let mut parts: Vec<RawRange> = Vec::with_capacity(targets.len());
     for t in targets {
@@ -461,24 +421,7 @@ async fn receive_pieces(
                 // which the targets' leases keep alive; no Rust reference into them exists.
                 unsafe { recv_vectored(stream, &parts).await? };
                 parts.clear();
-                let mut done = 0usize;
-                while done < *len {
-                    let n = FILE_PIECE.min(len - done);
-                    let mut buf = std::mem::take(file_stage);
-                    buf.resize(n, 0);
-                    recv_buf(stream, &mut buf).await?;
-                    let f = file.clone();
-                    let to_at = at + done as u64;
-                    let (buf, wrote) = tokio::task::spawn_blocking(move || {
-                        let r = f.write_all_at(to_at, &buf);
-                        (buf, r)
-                    })
-                    .await
-                    .map_err(std::io::Error::other)?;
-                    *file_stage = buf;
-                    wrote?;
-                    done += n;
-                }
+                recv_file(stream, file, *at, *len, file_stage).await?;
             }
         }
     }
@@ -493,7 +436,7 @@ async fn send_pieces(
     stream: &TcpStream,
     response: &[u8; DATA_RESPONSE_LEN],
     targets: &[Target],
-    file_stage: &mut Vec<u8>,
+    file_stage: &mut FileStage,
 ) -> std::io::Result<()> {
     let mut parts: Vec<RawRange> = Vec::with_capacity(targets.len() + 1);
     parts.push(RawRange {
@@ -508,27 +451,117 @@ async fn send_pieces(
                 // against their regions, which the leases keep alive; they are only read.
                 unsafe { send_vectored(stream, &parts).await? };
                 parts.clear();
-                let mut done = 0usize;
-                while done < *len {
-                    let n = FILE_PIECE.min(len - done);
-                    let mut buf = std::mem::take(file_stage);
-                    buf.resize(n, 0);
-                    let f = file.clone();
-                    let from_at = at + done as u64;
-                    let (buf, read) = tokio::task::spawn_blocking(move || {
-                        let r = f.read_exact_at(from_at, &mut buf);
-                        (buf, r)
-                    })
-                    .await
-                    .map_err(std::io::Error::other)?;
-                    *file_stage = buf;
-                    read?;
-                    send_buf(stream, file_stage).await?;
-                    done += n;
-                }
+                send_file(stream, &[], file, *at, *len, file_stage).await?;
             }
         }
     }
     // SAFETY: as above.
     unsafe { send_vectored(stream, &parts).await }
+}
+
+/// A stream's two buffers for file pieces (empty until the first file op, then reused).
+#[derive(Debug, Default)]
+struct FileStage {
+    spare: [Vec<u8>; 2],
+}
+
+impl FileStage {
+    fn take(&mut self, n: usize) -> Vec<u8> {
+        let mut b = match self.spare.iter_mut().find(|b| b.capacity() > 0) {
+            Some(b) => std::mem::take(b),
+            None => Vec::with_capacity(FILE_PIECE),
+        };
+        b.resize(n, 0);
+        b
+    }
+
+    fn give(&mut self, b: Vec<u8>) {
+        if let Some(slot) = self.spare.iter_mut().find(|s| s.capacity() == 0) {
+            *slot = b;
+        }
+    }
+}
+
+type Piece = tokio::task::JoinHandle<(Vec<u8>, std::io::Result<()>)>;
+
+/// Sends `head` then `len` bytes of `file` at `at`, in pieces of at most [`FILE_PIECE`]: each
+/// read runs off the I/O thread while the piece before it is sent. A failed read (a file that
+/// shrank) is an error that closes the stream.
+async fn send_file(
+    stream: &TcpStream,
+    head: &[u8],
+    file: &Arc<dyn ferry_core::FileSource>,
+    at: u64,
+    len: usize,
+    stage: &mut FileStage,
+) -> std::io::Result<()> {
+    let read = |stage: &mut FileStage, done: usize| -> Piece {
+        let mut buf = stage.take(FILE_PIECE.min(len - done));
+        let f = file.clone();
+        let from = at + done as u64;
+        tokio::task::spawn_blocking(move || {
+            let r = f.read_exact_at(from, &mut buf);
+            (buf, r)
+        })
+    };
+    if len == 0 {
+        return send_buf(stream, head).await;
+    }
+    let mut head = head;
+    let mut next = Some(read(stage, 0));
+    let mut done = 0usize;
+    while let Some(piece) = next.take() {
+        let (buf, r) = piece.await.map_err(std::io::Error::other)?;
+        r?;
+        done += buf.len();
+        if done < len {
+            next = Some(read(stage, done));
+        }
+        let body = RawRange {
+            addr: buf.as_ptr() as usize,
+            len: buf.len(),
+        };
+        // SAFETY: `buf` is owned here and lives until after the call; it is only read.
+        unsafe { send_all(stream, head, body).await? };
+        head = &[];
+        stage.give(buf);
+    }
+    Ok(())
+}
+
+/// Receives `len` bytes into `file` at `at`, in pieces of at most [`FILE_PIECE`]: each positioned
+/// write runs off the I/O thread while the next piece is received; returns once every write
+/// finished (so the acknowledgment that follows is true).
+async fn recv_file(
+    stream: &TcpStream,
+    file: &Arc<dyn ferry_core::FileSource>,
+    at: u64,
+    len: usize,
+    stage: &mut FileStage,
+) -> std::io::Result<()> {
+    let mut writing: Option<Piece> = None;
+    let mut done = 0usize;
+    while done < len {
+        let mut buf = stage.take(FILE_PIECE.min(len - done));
+        let received = recv_buf(stream, &mut buf).await;
+        if let Some(w) = writing.take() {
+            let (b, r) = w.await.map_err(std::io::Error::other)?;
+            stage.give(b);
+            r?;
+        }
+        received?;
+        let f = file.clone();
+        let to = at + done as u64;
+        done += buf.len();
+        writing = Some(tokio::task::spawn_blocking(move || {
+            let r = f.write_all_at(to, &buf);
+            (buf, r)
+        }));
+    }
+    if let Some(w) = writing {
+        let (b, r) = w.await.map_err(std::io::Error::other)?;
+        stage.give(b);
+        r?;
+    }
+    Ok(())
 }
