@@ -136,6 +136,18 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     writeln!(
         table,
         "{:<34} {:>10}",
+        "staging lane h2d (4 MiB, stream)",
+        fact("lane_h2d_gbps")
+    )?;
+    writeln!(
+        table,
+        "{:<34} {:>10}",
+        "staging lane d2h (4 MiB, stream)",
+        fact("lane_d2h_gbps")
+    )?;
+    writeln!(
+        table,
+        "{:<34} {:>10}",
         "read_file_into GPU",
         fact("file_gbps")
     )?;
@@ -176,9 +188,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let _ = write!(
         json,
-        "}},\"raw_h2d_gbps\":\"{}\",\"raw_d2h_gbps\":\"{}\",\"file_gbps\":\"{}\",\"file_path\":{:?},\"rdma\":{:?},\"rdma_route\":{:?},\"rdma_write_gbps\":\"{}\",\"ratio_tcp\":{},\"ratio_uring\":{}}}",
+        "}},\"raw_h2d_gbps\":\"{}\",\"raw_d2h_gbps\":\"{}\",\"lane_h2d_gbps\":\"{}\",\"lane_d2h_gbps\":\"{}\",\"file_gbps\":\"{}\",\"file_path\":{:?},\"rdma\":{:?},\"rdma_route\":{:?},\"rdma_write_gbps\":\"{}\",\"ratio_tcp\":{},\"ratio_uring\":{}}}",
         fact("raw_h2d_gbps"),
         fact("raw_d2h_gbps"),
+        fact("lane_h2d_gbps"),
+        fact("lane_d2h_gbps"),
         fact("file_gbps"),
         fact("file_path"),
         fact("rdma"),
