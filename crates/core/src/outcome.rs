@@ -421,6 +421,8 @@ const TIMED_OUT: u8 = 2;
 pub struct RequestControl {
     stop: AtomicU8,
     ledger: Mutex<Ledger>,
+    /// The request this one is a part of: stopping it stops this one too.
+    parent: Option<std::sync::Arc<RequestControl>>,
 }
 
 impl RequestControl {
@@ -434,10 +436,21 @@ impl RequestControl {
         Self::with_ledger_of(Ledger::with_shape(shape))
     }
 
+    /// A running request over `ops` that is part of `parent` (one piece of a staged request):
+    /// it has its own ledger, and it is stopped whenever `parent` is (its own stop does not
+    /// stop `parent`).
+    pub fn part_of(parent: &std::sync::Arc<RequestControl>, ops: &[Op]) -> Self {
+        Self {
+            parent: Some(parent.clone()),
+            ..Self::new(ops)
+        }
+    }
+
     fn with_ledger_of(ledger: Ledger) -> Self {
         Self {
             stop: AtomicU8::new(RUNNING),
             ledger: Mutex::new(ledger),
+            parent: None,
         }
     }
 
@@ -452,12 +465,12 @@ impl RequestControl {
             .compare_exchange(RUNNING, code, Ordering::AcqRel, Ordering::Acquire);
     }
 
-    /// Why the request was stopped, if it was.
+    /// Why the request (or the request it is part of) was stopped, if it was.
     pub fn stopped(&self) -> Option<FailureKind> {
         match self.stop.load(Ordering::Acquire) {
             CANCELLED => Some(FailureKind::Cancelled),
             TIMED_OUT => Some(FailureKind::Timeout),
-            _ => None,
+            _ => self.parent.as_ref().and_then(|p| p.stopped()),
         }
     }
 
@@ -818,5 +831,22 @@ mod tests {
             l.acked(7);
         });
         assert!(!c.outcome(true).is_success());
+    }
+
+    #[test]
+    fn a_part_stops_with_its_request_but_not_the_other_way() {
+        let ops = ops_of(&[OpKind::Read]);
+        let parent = Arc::new(RequestControl::new(&ops));
+        let part = RequestControl::part_of(&parent, &ops);
+        assert_eq!(part.stopped(), None);
+        part.stop(FailureKind::Timeout);
+        assert_eq!(part.stopped(), Some(FailureKind::Timeout));
+        assert_eq!(parent.stopped(), None, "a part's stop is its own");
+        let other = RequestControl::part_of(&parent, &ops);
+        parent.stop(FailureKind::Cancelled);
+        assert_eq!(other.stopped(), Some(FailureKind::Cancelled));
+        assert!(other.should_stop_posting());
+        // Its own first stop still names its own reason.
+        assert_eq!(part.stopped(), Some(FailureKind::Timeout));
     }
 }

@@ -1143,10 +1143,11 @@ async fn run_piece(p: &Pipeline, piece: Piece) {
 }
 
 /// Runs one host op as a sub-request on the peer's channel to its end (drained), reconnecting
-/// and replaying as the peer's policy allows until the request's deadline.
+/// and replaying as the peer's policy allows until the request's deadline; a cancel of the
+/// request stops it too (no further chunk, no replay).
 async fn execute(p: &Pipeline, op: Op) -> Outcome {
     let ops: Arc<[Op]> = Arc::from([op]);
-    let control = Arc::new(RequestControl::new(&ops));
+    let control = Arc::new(RequestControl::part_of(&p.control, &ops));
     crate::reconnect::run(p.peer.clone(), ops, control, p.deadline).await
 }
 
