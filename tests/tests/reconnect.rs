@@ -704,3 +704,58 @@ async fn a_cut_staged_gpu_write_is_uncertain_without_replay_over_tcp() -> Result
 async fn a_cut_staged_gpu_write_is_replayed_when_allowed_over_uring() -> Result<()> {
     staged_reset_midway(Plane::Uring, true, true).await
 }
+
+/// A staged GPU READ cancelled while its connection stalls, then cut: the handle resolves
+/// `Cancelled` at once, and the cut pieces are neither reconnected nor replayed (they are parts
+/// of the cancelled request); drained comes once the cut resolved them, with every lane back.
+async fn staged_cancel_then_cut(plane: Plane) -> Result<()> {
+    if !plane.usable() {
+        return Ok(());
+    }
+    let fake = fake_cuda(FakeVariant::Full).context("the fake CUDA driver is missing")?;
+    fake.reset();
+    let len = 24 * MIB;
+    let r = rig_with(plane, len, policy(false), Some(fake)).await?;
+    let gpu = r.client.alloc_gpu(0, len as usize, Access::LOCAL, "gpu")?;
+    let seg = r.peer.segment("src")?;
+    let stall = r.proxy.inject(
+        Scope::All,
+        Dir::ToClient,
+        Fault::Stall {
+            after: 3 * MIB,
+            duration: None,
+        },
+    );
+    let handle = r.client.submit(Batch::new().read(&gpu, 0, &seg, 0, len))?;
+    let drained = handle.drained();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while r.proxy.counters().faults_fired == 0 {
+        ensure!(Instant::now() < deadline, "the stall never began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    handle.cancel();
+    let o = handle.await;
+    ensure!(
+        o.failure.map(|f| f.kind) == Some(FailureKind::Cancelled),
+        "{o:?}"
+    );
+    r.proxy.kill_all();
+    r.proxy.remove(stall);
+    let d = tokio::time::timeout(Duration::from_secs(60), drained)
+        .await
+        .context("drained never came")?;
+    ensure!(d.drained, "{d:?}");
+    let route = route(&r.client)?;
+    ensure!(
+        route.reconnects == 0 && route.replays == 0,
+        "a cancelled request's pieces were replayed: {route:?}"
+    );
+    let staging = r.client.describe().staging.context("staging described")?;
+    ensure!(staging.buffers_in_use == 0, "{staging:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_staged_read_is_not_replayed_over_tcp() -> Result<()> {
+    staged_cancel_then_cut(Plane::Tcp).await
+}
