@@ -553,22 +553,11 @@ impl CopyStream {
         if !self.same_device(mem) {
             return mem.copy_to_region(offset, dst, dst_offset, len);
         }
-        let src = mem.bounds(offset, len)?;
         dst.check(dst_offset, len as u64)
             .map_err(CudaError::OutOfBounds)?;
-        self.device.make_current()?;
-        // SAFETY: both ranges were bounds-checked; `mem` and `dst` outlive this call, which
-        // synchronizes the stream before it returns, and the caller (the staging pipeline) owns
-        // the host range exclusively meanwhile.
-        let r = unsafe {
-            self.device.driver().copy_dtoh_async(
-                dst.as_ptr().add(dst_offset as usize),
-                src,
-                len,
-                self.handle,
-            )
-        };
-        self.finish(r)
+        // SAFETY: the host range was bounds-checked in `dst`, which outlives this call, and the
+        // caller (the staging pipeline) owns it exclusively meanwhile.
+        unsafe { self.dtoh(mem, offset, dst.as_ptr().add(dst_offset as usize), len) }
     }
 
     /// Copies `len` bytes of `src` at `src_offset` into `mem` at `offset` (host to device), on
@@ -584,19 +573,82 @@ impl CopyStream {
         if !self.same_device(mem) {
             return mem.copy_from_region(offset, src, src_offset, len);
         }
-        let dst = mem.bounds(offset, len)?;
         src.check(src_offset, len as u64)
             .map_err(CudaError::OutOfBounds)?;
+        // SAFETY: the host range was bounds-checked in `src`, which outlives this call; nothing
+        // writes it meanwhile (the staging pipeline owns it until this copy returns).
+        unsafe { self.htod(mem, offset, src.as_ptr().add(src_offset as usize), len) }
+    }
+
+    /// Copies `dst.len()` bytes of `mem` at `offset` into `dst` (device to host), on this stream.
+    pub fn copy_to_host(
+        &self,
+        mem: &DeviceMemory,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), CudaError> {
+        if !self.same_device(mem) {
+            return mem.copy_to_host(offset, dst);
+        }
+        // SAFETY: `dst` is exclusively borrowed for the whole call, which waits for the copy.
+        unsafe { self.dtoh(mem, offset, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// Copies `src` into `mem` at `offset` (host to device), on this stream.
+    pub fn copy_from_host(
+        &self,
+        mem: &DeviceMemory,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), CudaError> {
+        if !self.same_device(mem) {
+            return mem.copy_from_host(offset, src);
+        }
+        // SAFETY: `src` is borrowed for the whole call, which waits for the copy.
+        unsafe { self.htod(mem, offset, src.as_ptr(), src.len()) }
+    }
+
+    /// Device to host on this stream, synchronized.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is host memory writable by this call alone until it returns.
+    unsafe fn dtoh(
+        &self,
+        mem: &DeviceMemory,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        let src = mem.bounds(offset, len)?;
         self.device.make_current()?;
-        // SAFETY: as for `copy_to_region`: bounds-checked ranges, kept alive and untouched
-        // until the stream is synchronized below.
+        // SAFETY: the device range was bounds-checked in `mem`, which outlives this call; the
+        // host range is the caller's (see above); the stream is synchronized before returning.
         let r = unsafe {
-            self.device.driver().copy_htod_async(
-                dst,
-                src.as_ptr().add(src_offset as usize),
-                len,
-                self.handle,
-            )
+            self.device
+                .driver()
+                .copy_dtoh_async(dst, src, len, self.handle)
+        };
+        self.finish(r)
+    }
+
+    /// Host to device on this stream, synchronized.
+    ///
+    /// # Safety
+    /// `src..src+len` is host memory readable, and written by nobody, until this call returns.
+    unsafe fn htod(
+        &self,
+        mem: &DeviceMemory,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        let dst = mem.bounds(offset, len)?;
+        self.device.make_current()?;
+        // SAFETY: as for `dtoh`.
+        let r = unsafe {
+            self.device
+                .driver()
+                .copy_htod_async(dst, src, len, self.handle)
         };
         self.finish(r)
     }
@@ -674,17 +726,52 @@ impl Drop for PinnedBuffer {
 
 /// Device memory published to peers: served by the TCP and io_uring servers through their
 /// bounded staging buffers, with device-to-host copies for READs and host-to-device copies for
-/// WRITEs (the servers see a positioned-I/O source and learn nothing of CUDA).
+/// WRITEs (the servers see a positioned-I/O source and learn nothing of CUDA). The copies run on
+/// non-blocking streams of the memory's device, one per concurrent call, kept for reuse.
 #[derive(Debug)]
 pub struct DeviceSegment {
     memory: Arc<DeviceMemory>,
     access: Access,
+    /// Copy streams of idle servers' calls (one per call at a time, made on first need): the
+    /// serving copies do not wait for, nor hold up, the application's work on the legacy
+    /// default stream.
+    streams: Mutex<Vec<CopyStream>>,
 }
 
 impl DeviceSegment {
     /// Serves `memory` with `access` for peers.
     pub fn new(memory: Arc<DeviceMemory>, access: Access) -> Self {
-        Self { memory, access }
+        Self {
+            memory,
+            access,
+            streams: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Runs `f` on an idle copy stream of the memory's device (made if none is idle).
+    fn on_stream(
+        &self,
+        f: impl FnOnce(&CopyStream) -> Result<(), CudaError>,
+    ) -> std::io::Result<()> {
+        let idle = self
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let stream = match idle {
+            Some(s) => s,
+            None => self
+                .memory
+                .device
+                .copy_stream()
+                .map_err(std::io::Error::other)?,
+        };
+        let r = f(&stream);
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(stream);
+        r.map_err(std::io::Error::other)
     }
 
     /// The memory served.
@@ -709,14 +796,10 @@ impl FileSource for DeviceSegment {
     }
 
     fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self.memory
-            .copy_to_host(at, buf)
-            .map_err(std::io::Error::other)
+        self.on_stream(|s| s.copy_to_host(&self.memory, at, buf))
     }
 
     fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()> {
-        self.memory
-            .copy_from_host(at, buf)
-            .map_err(std::io::Error::other)
+        self.on_stream(|s| s.copy_from_host(&self.memory, at, buf))
     }
 }

@@ -75,10 +75,23 @@ fn devices_memory_and_copies() {
         seg.check(OpKind::Read, 9_999, 2),
         Err(RemoteStatus::OutOfBounds)
     );
+    let streams = fake.live_streams();
     let mut b = [0u8; 3];
     seg.read_exact_at(1, &mut b).unwrap();
     assert_eq!(&b, &data[1..4]);
+    seg.read_exact_at(2, &mut b).unwrap();
+    assert_eq!(&b, &data[2..5]);
+    assert_eq!(
+        fake.live_streams(),
+        streams + 1,
+        "served on a copy stream, kept for the next call"
+    );
+    fake.fail("cuMemcpyDtoHAsync_v2", 0);
+    let e = seg.read_exact_at(0, &mut b).unwrap_err().to_string();
+    fake.reset();
+    assert!(e.contains("cuMemcpyDtoHAsync_v2"), "{e}");
     drop(seg);
+    assert_eq!(fake.live_streams(), streams, "its streams go with it");
     assert_eq!(
         fake.live_device_allocs(),
         live,
