@@ -1,7 +1,7 @@
 //! What a staged chunk allocates, against Ferry's fake CUDA driver over loopback TCP: a counting
 //! global allocator measures staged WRITEs and READs of a few and of many chunks, and one-op host
 //! requests, in the same process. Per chunk, staging may cost what a one-op sub-request costs
-//! (its op, its ledger, the channel's future) and no buffer. One test in this file: the
+//! (its op, its ledger, the channel's future), less than a one-op request, and no buffer. One test in this file: the
 //! allocator's counters are process-wide.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -85,7 +85,7 @@ fn per_unit(few: (u64, u64), many: (u64, u64)) -> (f64, f64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_staged_chunk_allocates_no_more_than_a_one_op_request() {
+async fn a_staged_chunk_allocates_less_than_a_one_op_request() {
     let Some(fake) = fake_cuda(FakeVariant::Full) else {
         return;
     };
@@ -195,23 +195,18 @@ async fn a_staged_chunk_allocates_no_more_than_a_one_op_request() {
             "a staged {what} allocates {bytes} bytes per chunk of {CHUNK}"
         );
     }
-    // A chunk is a one-op sub-request on the channel (its op, its control and ledger, the
-    // channel's shared state and future), less than a whole request (no batch, handle, task or
-    // timer of its own). SLACK covers what a staged request does more often than a one-op
-    // request, per chunk rather than per request: its handle re-registers its waiter after each
-    // wake-up (the request is woken as its pieces finish), and the runtime's scheduling of the
-    // lanes' wake-ups; a buffer, a task or a boxed worker per chunk would each exceed it.
-    const SLACK: f64 = 4.0;
-    assert!(
-        sw.0 <= hw.0 + SLACK,
-        "a staged write allocates {} times per chunk; a one-op host write request {}",
-        sw.0,
-        hw.0
-    );
-    assert!(
-        sr.0 <= hr.0 + SLACK,
-        "a staged read allocates {} times per chunk; a one-op host read request {}",
-        sr.0,
-        hr.0
-    );
+    // A chunk is a one-op sub-request on the channel (its op list, its control and ledger, the
+    // channel's shared state and boxed future): a one-op request makes each of those too, and
+    // its own batch, boxed future, task and handle besides (10 allocations at this writing), so
+    // a chunk allocates fewer times than a one-op request. What a staged request does per chunk
+    // where a one-op request does it once (its handle re-registers its waiter after a wake-up,
+    // and a staged request is woken as its pieces finish) is under one allocation per chunk.
+    // This catches a chunk costing a whole request; a box or a task more per chunk stays under
+    // it (the table shows it).
+    for (what, staged, host) in [("write", sw.0, hw.0), ("read", sr.0, hr.0)] {
+        assert!(
+            staged < host,
+            "a staged {what} allocates {staged} times per chunk; a one-op host {what} request {host}"
+        );
+    }
 }
