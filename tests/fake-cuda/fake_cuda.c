@@ -9,7 +9,15 @@
  * Failures a test can switch on, by ferry_fake_cuda_fail("<entry point>", after) or by the
  * environment at cuInit (FERRY_FAKE_CUDA_FAIL=<entry point>:<after>): every call of that entry
  * point after `after` successful ones fails with CUDA_ERROR_UNKNOWN (999) until reset.
- * FERRY_FAKE_CUDA_DEVICES sets the device count (default 1). Built with -DFAKE_NO_DMABUF it lacks
+ * FERRY_FAKE_CUDA_DEVICES sets the device count (default 1).
+ *
+ * Copies on a stream (cuMemcpy*Async_v2) can be slowed and observed, for the tests of staging's
+ * pipeline: ferry_fake_cuda_copy_delay_us(us) (or FERRY_FAKE_CUDA_COPY_DELAY_US at cuInit) makes
+ * each one sleep that long before it copies; ferry_fake_cuda_max_copies_in_flight() is the most
+ * that ran at once (on different threads) since reset; ferry_fake_cuda_hold_copy(n) makes the
+ * n-th one from now (0: the next) wait, before it copies, until ferry_fake_cuda_release(), and
+ * ferry_fake_cuda_held() says whether one waits now. Reset switches the delay and the hold off
+ * (releasing a held copy) and restarts the maximum from the copies running then. Built with -DFAKE_NO_DMABUF it lacks
  * cuMemGetHandleForAddressRange and reports no dma-buf support. Built with -DFAKE_HOST_POINTERS its
  * device pointers are untagged, page-aligned host memory (see below).
  *
@@ -57,6 +65,12 @@ static char fail_call[64];
 static long fail_after = -1;
 static long fail_seen;
 static long live_device, live_host, retained, copies, live_streams;
+/* Copies on a stream: their delay, how many run now and the most at once, how many began, the
+ * ordinal of the one to hold (-1: none) and whether it waits now. */
+static long copy_delay_us, in_flight, max_in_flight, async_begun;
+static long hold_at = -1;
+static int holding;
+static pthread_cond_t released = PTHREAD_COND_INITIALIZER;
 static __thread int current = -1;
 static int contexts[64];
 
@@ -74,6 +88,12 @@ static void load_env(void) {
         fail_call[n] = 0;
         fail_after = colon ? atol(colon + 1) : 0;
         fail_seen = 0;
+    }
+    const char *delay = getenv("FERRY_FAKE_CUDA_COPY_DELAY_US");
+    if (delay) {
+        pthread_mutex_lock(&lock);
+        copy_delay_us = atol(delay) > 0 ? atol(delay) : 0;
+        pthread_mutex_unlock(&lock);
     }
 }
 
@@ -106,7 +126,47 @@ void ferry_fake_cuda_reset(void) {
     pthread_mutex_lock(&lock);
     fail_after = -1;
     fail_call[0] = 0;
+    copy_delay_us = 0;
+    max_in_flight = in_flight;
+    hold_at = -1;
+    holding = 0;
+    pthread_cond_broadcast(&released);
     pthread_mutex_unlock(&lock);
+}
+
+void ferry_fake_cuda_copy_delay_us(long us) {
+    pthread_mutex_lock(&lock);
+    copy_delay_us = us > 0 ? us : 0;
+    pthread_mutex_unlock(&lock);
+}
+
+void ferry_fake_cuda_hold_copy(long nth) {
+    pthread_mutex_lock(&lock);
+    hold_at = async_begun + (nth > 0 ? nth : 0);
+    pthread_mutex_unlock(&lock);
+}
+
+void ferry_fake_cuda_release(void) {
+    pthread_mutex_lock(&lock);
+    hold_at = -1;
+    holding = 0;
+    pthread_cond_broadcast(&released);
+    pthread_mutex_unlock(&lock);
+}
+
+static long locked_read(const long *c) {
+    pthread_mutex_lock(&lock);
+    long v = *c;
+    pthread_mutex_unlock(&lock);
+    return v;
+}
+
+long ferry_fake_cuda_max_copies_in_flight(void) { return locked_read(&max_in_flight); }
+long ferry_fake_cuda_held(void) {
+    pthread_mutex_lock(&lock);
+    long v = holding;
+    pthread_mutex_unlock(&lock);
+    return v;
 }
 
 long ferry_fake_cuda_live_device_allocs(void) { return live_device; }
@@ -280,12 +340,35 @@ CUresult cuStreamSynchronize(void *s) {
     return 0;
 }
 
+/* A copy on a stream begins: counted in flight, held if it is the one to hold, then delayed. */
+static void async_begin(void) {
+    pthread_mutex_lock(&lock);
+    long nth = async_begun++;
+    in_flight++;
+    if (in_flight > max_in_flight) max_in_flight = in_flight;
+    if (hold_at >= 0 && nth == hold_at) {
+        holding = 1;
+        while (holding) pthread_cond_wait(&released, &lock);
+    }
+    long delay = copy_delay_us;
+    pthread_mutex_unlock(&lock);
+    if (delay > 0) usleep((useconds_t)delay);
+}
+
+static void async_end(void) {
+    pthread_mutex_lock(&lock);
+    in_flight--;
+    copies++;
+    pthread_mutex_unlock(&lock);
+}
+
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (!stream_ok(s) || !IS_DEV(dst) || !IS_HOST(src)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyHtoDAsync_v2")) return ERR_UNKNOWN;
+    async_begin();
     memcpy((void *)(uintptr_t)(dst & ~TAG), src, n);
-    count(&copies, 1);
+    async_end();
     return 0;
 }
 
@@ -293,8 +376,9 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (!stream_ok(s) || !IS_DEV(src) || !IS_HOST(dst)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyDtoHAsync_v2")) return ERR_UNKNOWN;
+    async_begin();
     memcpy(dst, (const void *)(uintptr_t)(src & ~TAG), n);
-    count(&copies, 1);
+    async_end();
     return 0;
 }
 

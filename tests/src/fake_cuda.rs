@@ -66,7 +66,8 @@ impl FakeCuda {
         }
     }
 
-    /// Switches every failure off.
+    /// Switches every failure off, and the copy delay and hold (releasing a held copy); restarts
+    /// [`max_copies_in_flight`](Self::max_copies_in_flight).
     pub fn reset(&self) {
         // SAFETY: the fake defines `void ferry_fake_cuda_reset(void)`.
         unsafe {
@@ -76,6 +77,57 @@ impl FakeCuda {
                 .expect("fake exports ferry_fake_cuda_reset");
             f();
         }
+    }
+
+    /// Calls one of the fake's `void name(long)` switches.
+    fn switch(&self, name: &[u8], arg: i64) {
+        // SAFETY: the fake defines each switch as `void name(long)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(i64)>(name)
+                .expect("fake exports its switches");
+            f(arg);
+        }
+    }
+
+    /// Makes each copy on a stream (`cuMemcpyDtoHAsync_v2`, `cuMemcpyHtoDAsync_v2`) sleep this
+    /// long before it copies, until [`reset`](Self::reset) (which also clears what
+    /// `FERRY_FAKE_CUDA_COPY_DELAY_US` set at `cuInit`). Slows copies so that overlapping ones
+    /// show in [`max_copies_in_flight`](Self::max_copies_in_flight); not a timing assertion.
+    pub fn copy_delay(&self, delay: std::time::Duration) {
+        let us = i64::try_from(delay.as_micros()).unwrap_or(i64::MAX);
+        self.switch(b"ferry_fake_cuda_copy_delay_us\0", us);
+    }
+
+    /// The most copies on a stream that ran at once (on different threads) since
+    /// [`reset`](Self::reset) (counted from those running at the reset).
+    pub fn max_copies_in_flight(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_max_copies_in_flight\0")
+    }
+
+    /// Makes the `nth` copy on a stream from now (0: the next) wait, counted in flight and before
+    /// it copies anything, until [`release`](Self::release) or [`reset`](Self::reset): a test
+    /// sees what else moves while one copy has not finished.
+    pub fn hold_copy(&self, nth: i64) {
+        self.switch(b"ferry_fake_cuda_hold_copy\0", nth);
+    }
+
+    /// Lets a copy held by [`hold_copy`](Self::hold_copy) go on, and holds no further one.
+    pub fn release(&self) {
+        // SAFETY: the fake defines `void ferry_fake_cuda_release(void)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn()>(b"ferry_fake_cuda_release\0")
+                .expect("fake exports ferry_fake_cuda_release");
+            f();
+        }
+    }
+
+    /// Whether a copy held by [`hold_copy`](Self::hold_copy) waits now.
+    pub fn held(&self) -> bool {
+        self.counter(b"ferry_fake_cuda_held\0") != 0
     }
 
     fn counter(&self, name: &[u8]) -> i64 {
@@ -104,7 +156,7 @@ impl FakeCuda {
         self.counter(b"ferry_fake_cuda_retained_contexts\0")
     }
 
-    /// Copies done so far.
+    /// Copies done so far (those on a stream count when they finished).
     pub fn copies(&self) -> i64 {
         self.counter(b"ferry_fake_cuda_copies\0")
     }

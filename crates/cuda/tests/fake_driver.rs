@@ -285,3 +285,62 @@ fn copies_on_a_stream_from_any_thread_and_their_failures() {
         "the stream is destroyed on drop"
     );
 }
+
+/// The fake's pipeline switches, which the staging tests rely on: a held copy waits (counted in
+/// flight) until released while another stream's copy runs; the most in flight is counted and
+/// restarted by reset; a delay only slows copies down.
+#[test]
+fn copies_on_streams_can_be_held_delayed_and_counted_in_flight() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    let d0 = cuda.device(0).unwrap();
+    let (s1, s2) = (d0.copy_stream().unwrap(), d0.copy_stream().unwrap());
+    let mem = d0.alloc(8192).unwrap();
+    let (h1, h2) = (
+        Arc::new(d0.alloc_pinned(4096).unwrap().into_region()),
+        Arc::new(d0.alloc_pinned(4096).unwrap().into_region()),
+    );
+    // One at a time: never more than one in flight.
+    s1.copy_to_region(&mem, 0, &h1, 0, 4096).unwrap();
+    s2.copy_to_region(&mem, 4096, &h2, 0, 4096).unwrap();
+    assert_eq!(fake.max_copies_in_flight(), 1);
+
+    fake.reset();
+    let copies = fake.copies();
+    fake.hold_copy(0);
+    /// Releases the held copy should an assertion fail (the scope would wait for it forever).
+    struct ResetOnDrop(&'static ferry_tests::FakeCuda);
+    impl Drop for ResetOnDrop {
+        fn drop(&mut self) {
+            self.0.reset();
+        }
+    }
+    std::thread::scope(|s| {
+        let _reset = ResetOnDrop(fake);
+        let held = s.spawn(|| s1.copy_from_region(&mem, 0, &h1, 0, 4096));
+        while !fake.held() {
+            std::thread::yield_now();
+        }
+        // Another stream's copy runs to its end while the held one waits.
+        s2.copy_to_region(&mem, 4096, &h2, 0, 4096).unwrap();
+        assert!(fake.held());
+        assert_eq!(fake.copies(), copies + 1, "only the unheld copy finished");
+        assert_eq!(fake.max_copies_in_flight(), 2);
+        fake.release();
+        held.join().unwrap().unwrap();
+    });
+    assert!(!fake.held());
+    assert_eq!(fake.copies(), copies + 2);
+    fake.reset();
+    assert_eq!(fake.max_copies_in_flight(), 0, "restarted by reset");
+
+    fake.copy_delay(std::time::Duration::from_millis(1));
+    s1.copy_to_region(&mem, 0, &h1, 0, 4096).unwrap();
+    fake.reset();
+    assert_eq!(fake.max_copies_in_flight(), 0);
+    assert_eq!(fake.copies(), copies + 3);
+}

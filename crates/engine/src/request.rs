@@ -324,10 +324,17 @@ impl Waiters {
         }
     }
 
+    /// Wakes every waiter, outside the lock. The emptied list goes back unless a waiter came
+    /// meanwhile, so that the next registration allocates nothing (a staged request is woken
+    /// as each of its pieces finishes).
     fn wake_all(&self) {
-        let ws = std::mem::take(&mut *lock(&self.0));
-        for w in ws {
+        let mut ws = std::mem::take(&mut *lock(&self.0));
+        for w in ws.drain(..) {
             w.wake();
+        }
+        let mut g = lock(&self.0);
+        if g.capacity() == 0 {
+            *g = ws;
         }
     }
 }

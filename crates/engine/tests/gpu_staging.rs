@@ -33,11 +33,21 @@ fn fnv(b: &[u8]) -> u64 {
 }
 
 fn engine(fake: &FakeCuda, plane: DataPlane, listen: bool) -> TransferEngine {
+    engine_with_lanes(fake, plane, listen, BUFFERS)
+}
+
+/// An engine whose staging pool has `lanes` lanes of `BUF` bytes.
+fn engine_with_lanes(
+    fake: &FakeCuda,
+    plane: DataPlane,
+    listen: bool,
+    lanes: usize,
+) -> TransferEngine {
     let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
     let mut b = TransferEngine::builder()
         .data_plane(plane)
         .cuda(cuda)
-        .staging_buffers(BUFFERS, BUF)
+        .staging_buffers(lanes, BUF)
         .chunk_size(32 << 10);
     if listen {
         b = b.listen("127.0.0.1:0".parse().unwrap());
@@ -170,6 +180,199 @@ async fn staging_moves_the_right_bytes_over_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staging_moves_the_right_bytes_over_uring() {
     every_direction(DataPlane::Uring).await;
+}
+
+/// Resets the fake when dropped, releasing a held copy even when an assertion failed (a lane's
+/// thread held in the driver would keep the engine's drop from returning).
+struct ResetOnDrop(&'static FakeCuda);
+
+impl Drop for ResetOnDrop {
+    fn drop(&mut self) {
+        self.0.reset();
+    }
+}
+
+/// Lanes of the client's pool in the pipeline tests, and the chunks of their ops.
+const LANES: usize = 4;
+const CHUNKS: usize = 12;
+
+/// Staged WRITEs and READs of `CHUNKS` chunks (the last one short) between client GPU memory
+/// and server host memory (so only the client's lanes copy), with each copy slowed down by the
+/// fake: with `LANES` lanes the copies of different chunks run at once (the fake saw two or more
+/// in flight), with one lane never (exactly one): the count means what it says.
+async fn copies_overlap(plane: DataPlane) {
+    let _g = LOCK.lock().await;
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    if !plane_or_skip(plane) {
+        return;
+    }
+    let _reset = ResetOnDrop(fake);
+    fake.reset();
+    let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let server = engine(fake, plane, true);
+    let len = (CHUNKS - 1) * BUF + 4321;
+    let h = host_reg(&server, len, rw, "h");
+    let delay = std::time::Duration::from_millis(20);
+    let mut seen = Vec::new();
+    for lanes in [LANES, 1] {
+        let client = engine_with_lanes(fake, plane, false, lanes);
+        let mine = client.alloc_gpu(0, len, Access::LOCAL, "mine").unwrap();
+        let peer = client.connect(server.local_addr().unwrap()).await.unwrap();
+        let rh = peer.segment("h").unwrap();
+        let data = pattern(len, lanes as u8);
+        mine.memory().copy_from_host(0, &data).unwrap();
+
+        fake.reset();
+        fake.copy_delay(delay);
+        let o = client
+            .submit(Batch::new().write(&mine, 0, &rh, 0, len as u64))
+            .unwrap()
+            .await;
+        let write = fake.max_copies_in_flight();
+        fake.reset();
+        assert!(o.is_success(), "{lanes} lanes: {o:?}");
+        let mut on_host = vec![0; len];
+        h.region().read_at(0, &mut on_host).unwrap();
+        assert!(on_host == data, "{lanes} lanes: staged write");
+
+        mine.memory().copy_from_host(0, &vec![0; len]).unwrap();
+        fake.copy_delay(delay);
+        let o = client
+            .submit(Batch::new().read(&mine, 0, &rh, 0, len as u64))
+            .unwrap()
+            .await;
+        let read = fake.max_copies_in_flight();
+        fake.reset();
+        assert!(o.is_success(), "{lanes} lanes: {o:?}");
+        assert!(
+            gpu_bytes(&mine, 0, len) == data,
+            "{lanes} lanes: staged read"
+        );
+        let s = client.describe().staging.unwrap();
+        assert_eq!(s.buffers, lanes);
+        assert_eq!(s.copies, 2 * CHUNKS as u64, "one copy per chunk each way");
+        seen.push((lanes, write, read));
+    }
+    eprintln!("(lanes, most copies in flight in a write, in a read): {seen:?}");
+    let [(_, w4, r4), (_, w1, r1)] = seen[..] else {
+        unreachable!()
+    };
+    assert!(
+        w4 >= 2,
+        "{LANES} lanes: a write's copies never overlapped: {seen:?}"
+    );
+    assert!(
+        r4 >= 2,
+        "{LANES} lanes: a read's copies never overlapped: {seen:?}"
+    );
+    assert_eq!(
+        (w1, r1),
+        (1, 1),
+        "one lane runs one copy at a time: {seen:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_different_chunks_overlap_tcp() {
+    copies_overlap(DataPlane::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_different_chunks_overlap_uring() {
+    copies_overlap(DataPlane::Uring).await;
+}
+
+/// Polls `done` until it holds; panics with `what` after a generous bound (a liveness bound so
+/// that a broken pipeline fails instead of hanging, not a timing assertion).
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !done() {
+        assert!(std::time::Instant::now() < give_up, "never: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
+
+/// The wire overlaps copies, shown without timing: the fake holds one chunk's copy, and the
+/// other chunks still move. A WRITE's other chunks reach the peer's memory (copied, sent and
+/// received while that copy has not finished); a READ's other chunks are received and copied to
+/// the device while it has not. One lane, or chunks posted one after another, would wait.
+async fn the_wire_moves_while_a_copy_is_held(plane: DataPlane) {
+    let _g = LOCK.lock().await;
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    if !plane_or_skip(plane) {
+        return;
+    }
+    let _reset = ResetOnDrop(fake);
+    fake.reset();
+    let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let server = engine(fake, plane, true);
+    let client = engine_with_lanes(fake, plane, false, LANES);
+    let len = CHUNKS * BUF;
+    let h = host_reg(&server, len, rw, "h");
+    let mine = client.alloc_gpu(0, len, Access::LOCAL, "mine").unwrap();
+    let peer = client.connect(server.local_addr().unwrap()).await.unwrap();
+    let rh = peer.segment("h").unwrap();
+    let data = pattern(len, 7);
+    mine.memory().copy_from_host(0, &data).unwrap();
+    let arrived = || {
+        let mut on_host = vec![0; len];
+        h.region().read_at(0, &mut on_host).unwrap();
+        on_host
+            .chunks(BUF)
+            .zip(data.chunks(BUF))
+            .filter(|(a, b)| a == b)
+            .count()
+    };
+
+    // WRITE: chunk copies to host, then sends; one copy waits in the driver.
+    let copies = fake.copies();
+    fake.hold_copy(0);
+    let handle = client
+        .submit(Batch::new().write(&mine, 0, &rh, 0, len as u64))
+        .unwrap();
+    eventually("a write's copy held", || fake.held()).await;
+    eventually("every other chunk of a write on the peer", || {
+        arrived() == CHUNKS - 1
+    })
+    .await;
+    assert!(fake.held(), "still held");
+    assert_eq!(fake.copies(), copies + CHUNKS as i64 - 1);
+    fake.release();
+    let o = handle.await;
+    assert!(o.is_success(), "{o:?}");
+    assert_eq!(arrived(), CHUNKS, "the held chunk too, once released");
+
+    // READ: chunks are received, then copied to the device; one copy waits in the driver.
+    mine.memory().copy_from_host(0, &vec![0; len]).unwrap();
+    let copies = fake.copies();
+    fake.hold_copy(0);
+    let handle = client
+        .submit(Batch::new().read(&mine, 0, &rh, 0, len as u64))
+        .unwrap();
+    eventually("a read's copy held", || fake.held()).await;
+    eventually("every other chunk of a read received and copied", || {
+        fake.copies() == copies + CHUNKS as i64 - 1
+    })
+    .await;
+    assert!(fake.held(), "still held");
+    fake.release();
+    let o = handle.await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(gpu_bytes(&mine, 0, len) == data, "staged read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wire_moves_while_a_copy_is_held_tcp() {
+    the_wire_moves_while_a_copy_is_held(DataPlane::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wire_moves_while_a_copy_is_held_uring() {
+    the_wire_moves_while_a_copy_is_held(DataPlane::Uring).await;
 }
 
 /// A batch of a host op and two GPU ops whose `call` fails at its third use: WRITEs when `write`.
