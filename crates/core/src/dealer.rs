@@ -189,14 +189,17 @@ fn deal<J>(
             let mut bytes = 0u64;
             let mut j = i;
             while j < ops.len()
-                && members.len() < MAX_PIECES as usize
+                && j - i < MAX_PIECES as usize
                 && ops[j].kind == op.kind
                 && is_piece(&ops[j], budget)
                 && bytes + ops[j].len <= budget
             {
                 bytes += ops[j].len;
-                members.push(j);
                 j += 1;
+            }
+            // Filled only for a run worth grouping: a lone op allocates nothing here.
+            if j - i > 1 {
+                members.extend(i..j);
             }
         }
         if members.len() > 1 {
