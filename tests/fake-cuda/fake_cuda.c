@@ -17,7 +17,10 @@
  * that ran at once (on different threads) since reset; ferry_fake_cuda_hold_copy(n) makes the
  * n-th one from now (0: the next) wait, before it copies, until ferry_fake_cuda_release(), and
  * ferry_fake_cuda_held() says whether one waits now. Reset switches the delay and the hold off
- * (releasing a held copy) and restarts the maximum from the copies running then. Built with -DFAKE_NO_DMABUF it lacks
+ * (releasing a held copy) and restarts the maximum from the copies running then.
+ * FERRY_FAKE_CUDA_COPY_GBPS=<rate> (read at cuInit, for benches) makes each copy on a stream last
+ * at least n / rate, like a copy engine of that rate (the memcpy itself still costs CPU).
+ * Built with -DFAKE_NO_DMABUF it lacks
  * cuMemGetHandleForAddressRange and reports no dma-buf support. Built with -DFAKE_HOST_POINTERS its
  * device pointers are untagged, page-aligned host memory (see below).
  *
@@ -30,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -68,6 +72,9 @@ static long live_device, live_host, retained, copies, live_streams;
 /* Copies on a stream: their delay, how many run now and the most at once, how many began, the
  * ordinal of the one to hold (-1: none) and whether it waits now. */
 static long copy_delay_us, in_flight, max_in_flight, async_begun;
+/* FERRY_FAKE_CUDA_COPY_GBPS (read at cuInit; benches only): a copy on a stream lasts at least
+ * n / rate, as if a copy engine of that rate moved it (the memcpy still costs CPU time). */
+static double copy_gbps;
 static long hold_at = -1;
 static int holding;
 static pthread_cond_t released = PTHREAD_COND_INITIALIZER;
@@ -89,6 +96,8 @@ static void load_env(void) {
         fail_after = colon ? atol(colon + 1) : 0;
         fail_seen = 0;
     }
+    const char *rate = getenv("FERRY_FAKE_CUDA_COPY_GBPS");
+    if (rate) copy_gbps = atof(rate) > 0 ? atof(rate) : 0;
     const char *delay = getenv("FERRY_FAKE_CUDA_COPY_DELAY_US");
     if (delay) {
         pthread_mutex_lock(&lock);
@@ -355,6 +364,19 @@ static void async_begin(void) {
     if (delay > 0) usleep((useconds_t)delay);
 }
 
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* Sleeps what is left of n / FERRY_FAKE_CUDA_COPY_GBPS since `t0`. */
+static void copy_engine_time(size_t n, double t0) {
+    if (copy_gbps <= 0) return;
+    double left = (double)n / (copy_gbps * 1e9) - (now_s() - t0);
+    if (left > 0) usleep((useconds_t)(left * 1e6));
+}
+
 static void async_end(void) {
     pthread_mutex_lock(&lock);
     in_flight--;
@@ -367,7 +389,9 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *
     if (!stream_ok(s) || !IS_DEV(dst) || !IS_HOST(src)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyHtoDAsync_v2")) return ERR_UNKNOWN;
     async_begin();
+    double t0 = now_s();
     memcpy((void *)(uintptr_t)(dst & ~TAG), src, n);
+    copy_engine_time(n, t0);
     async_end();
     return 0;
 }
@@ -377,7 +401,9 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
     if (!stream_ok(s) || !IS_DEV(src) || !IS_HOST(dst)) return ERR_INVALID_VALUE;
     if (failing("cuMemcpyDtoHAsync_v2")) return ERR_UNKNOWN;
     async_begin();
+    double t0 = now_s();
     memcpy(dst, (const void *)(uintptr_t)(src & ~TAG), n);
+    copy_engine_time(n, t0);
     async_end();
     return 0;
 }
