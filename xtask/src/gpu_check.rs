@@ -1,11 +1,23 @@
 //! `cargo xtask gpu-check --out DIR`: everything about GPU memory that needs a real GPU, in one
 //! command that fits in 10 minutes on one H200 with 16 cores: a release build, `ferry doctor`,
-//! the `#[ignore]`d real-driver tests (raw cuMemcpy rates, a checksummed GPU round trip over TCP
-//! and io_uring, a file loaded into GPU memory saying GDS or compat), loopback `ferry bench
-//! --gpu 0` over TCP and io_uring beside host-to-host runs, GPU memory registered with the RDMA
-//! NICs (GPUDirect, route `auto`) and moved over loopback RDMA when a verbs device is present
-//! (one `rdma: none: ...` line saying why when there is none), one table of GB/s, and that table
-//! as JSON in DIR/gpu-check.json. Without a GPU it fails at once, saying what is missing.
+//! the `#[ignore]`d real-driver tests (raw cuMemcpy rates and a staging lane's, a checksummed GPU
+//! round trip over TCP and io_uring, a file loaded into GPU memory saying GDS or compat),
+//! loopback `ferry bench --gpu 0` over TCP and io_uring beside host-to-host runs, GPU memory
+//! registered with the RDMA NICs (GPUDirect, route `auto`) and moved over loopback RDMA when a
+//! verbs device is present (one `rdma: none: ...` line saying why when there is none), one table
+//! of GB/s, and that table as JSON in DIR/gpu-check.json. Without a GPU it fails at once, saying
+//! what is missing. A data plane the machine cannot run (io_uring under gVisor) is a row that says
+//! why, not a failure.
+//!
+//! The GPU machine this project is lent has no Rust toolchain and reaches nothing, so the check
+//! travels prebuilt:
+//! - `gpu-check --bundle DIR` (here): release builds of `ferry`, the real-driver test binary and
+//!   this xtask, stripped, into DIR with a `run.sh`;
+//! - `DIR/run.sh OUT` (there; `$OUT` when no argument): `xtask gpu-check --prebuilt DIR --out OUT`,
+//!   the same steps with the bundle's binaries instead of cargo.
+//!
+//! `--allow-fake` runs the whole check against the driver `FERRY_LIBCUDA` names (Ferry's fake):
+//! a dry run of the steps, whose table says FAKE and whose figures are no GPU's.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -18,9 +30,17 @@ use crate::util::{cargo, ferry_bench_json_of, project_root};
 fn has_gpu() -> Result<(), String> {
     if let Some(p) = std::env::var_os("FERRY_LIBCUDA") {
         return Err(format!(
-            "FERRY_LIBCUDA={} is set: gpu-check measures the real driver; unset it",
+            "FERRY_LIBCUDA={} is set: gpu-check measures the real driver; unset it (or \
+             --allow-fake for a dry run)",
             p.to_string_lossy()
         ));
+    }
+    let smi = Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .is_ok_and(|o| o.status.success() && !o.stdout.is_empty());
+    if smi {
+        return Ok(());
     }
     let ldconfig = Command::new("ldconfig").arg("-p").output();
     let has_lib = ldconfig
@@ -29,38 +49,28 @@ fn has_gpu() -> Result<(), String> {
         || [
             "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
             "/usr/lib64/libcuda.so.1",
+            "/usr/local/nvidia/lib64/libcuda.so.1",
         ]
         .iter()
         .any(|p| std::path::Path::new(p).exists());
     if !has_lib {
-        return Err("libcuda.so.1 not found (no NVIDIA driver on this machine)".into());
+        return Err("libcuda.so.1 not found and nvidia-smi lists no GPU (no NVIDIA driver)".into());
     }
     if !std::path::Path::new("/dev/nvidiactl").exists() {
-        return Err("/dev/nvidiactl missing (no GPU device nodes)".into());
+        return Err("/dev/nvidiactl missing and nvidia-smi lists no GPU".into());
     }
     Ok(())
 }
 
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    let mut out: Option<PathBuf> = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--out" => out = it.next().map(PathBuf::from),
-            other => bail!("gpu-check: unknown argument {other:?} (usage: gpu-check --out DIR)"),
-        }
-    }
-    let out = out.context("gpu-check: name a directory for the JSON with --out DIR")?;
-    if let Err(why) = has_gpu() {
-        bail!("gpu-check needs an NVIDIA GPU and its driver: {why}");
-    }
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let root = project_root();
-    crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
-    let ferry = root.join("target/release/ferry");
-    crate::util::run(Command::new(&ferry).arg("doctor"))?;
+const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bundle DIR | \
+                     gpu-check --prebuilt BUNDLE --out DIR [--allow-fake]";
 
-    let tests = cargo()
+/// Release builds of `ferry`, the real-driver GPU tests and this xtask, stripped, into `dir`
+/// with a `run.sh` that runs the check from them (for a machine without cargo).
+fn bundle(dir: &std::path::Path) -> Result<()> {
+    let root = project_root();
+    crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli", "-p", "xtask"]))?;
+    let built = cargo()
         .args([
             "test",
             "--release",
@@ -68,11 +78,130 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "ferry",
             "--test",
             "gpu_real",
-            "--",
+            "--no-run",
+            "--message-format=json",
         ])
+        .output()
+        .context("building the GPU tests")?;
+    if !built.status.success() {
+        bail!(
+            "building the GPU tests failed: {}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+    }
+    let text = String::from_utf8_lossy(&built.stdout);
+    let tests = text
+        .lines()
+        .filter(|l| l.contains("\"name\":\"gpu_real\"") && l.contains("\"executable\":\""))
+        .find_map(|l| {
+            let at = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+            l[at..].split('"').next().map(PathBuf::from)
+        })
+        .context("cargo named no executable for the gpu_real tests")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let release = root.join("target/release");
+    for (from, name) in [
+        (release.join("ferry"), "ferry"),
+        (release.join("xtask"), "xtask"),
+        (tests, "gpu_real"),
+    ] {
+        let to = dir.join(name);
+        std::fs::copy(&from, &to)
+            .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+        if crate::util::have("strip") {
+            crate::util::run(Command::new("strip").arg("--strip-debug").arg(&to))?;
+        }
+    }
+    let script = dir.join("run.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n\
+         # Ferry's GPU check from prebuilt binaries (made by `cargo xtask gpu-check --bundle`).\n\
+         # Usage: run.sh [OUT] (default $OUT): writes OUT/gpu-check.json and prints the table.\n\
+         set -e\n\
+         here=$(cd \"$(dirname \"$0\")\" && pwd)\n\
+         out=${1:-${OUT:?name a directory for the JSON}}\n\
+         # Where driver images put libcuda.so.1 when ld.so.conf does not name it.\n\
+         export LD_LIBRARY_PATH=\"${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/nvidia/lib64\"\n\
+         exec \"$here/xtask\" gpu-check --prebuilt \"$here\" --out \"$out\" $FERRY_GPU_CHECK_ARGS\n",
+    )
+    .with_context(|| format!("writing {}", script.display()))?;
+    let mut perms = std::fs::metadata(&script)?.permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&script, perms)?;
+    let mut total = 0u64;
+    for e in std::fs::read_dir(dir)? {
+        total += e?.metadata()?.len();
+    }
+    println!(
+        "bundle in {} ({:.1} MiB): run it on the GPU machine as `{}/run.sh` (it writes \
+         $OUT/gpu-check.json), carrying that folder",
+        dir.display(),
+        total as f64 / (1 << 20) as f64,
+        dir.display()
+    );
+    Ok(())
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut out: Option<PathBuf> = None;
+    let mut prebuilt: Option<PathBuf> = None;
+    let mut allow_fake = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--out" => out = it.next().map(PathBuf::from),
+            "--prebuilt" => prebuilt = it.next().map(PathBuf::from),
+            "--bundle" => {
+                let dir = it.next().context(USAGE)?;
+                return bundle(std::path::Path::new(dir));
+            }
+            "--allow-fake" => allow_fake = true,
+            other => bail!("gpu-check: unknown argument {other:?} ({USAGE})"),
+        }
+    }
+    let out = out.context("gpu-check: name a directory for the JSON with --out DIR")?;
+    if allow_fake {
+        let fake = std::env::var_os("FERRY_LIBCUDA")
+            .context("--allow-fake: set FERRY_LIBCUDA to Ferry's fake driver")?;
+        println!(
+            "gpu-check DRY RUN against {} (FAKE driver): the steps run, the figures are no GPU's",
+            fake.to_string_lossy()
+        );
+    } else if let Err(why) = has_gpu() {
+        bail!("gpu-check needs an NVIDIA GPU and its driver: {why}");
+    }
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let (ferry, mut tests) = match &prebuilt {
+        Some(dir) => (dir.join("ferry"), Command::new(dir.join("gpu_real"))),
+        None => {
+            crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+            let mut t = cargo();
+            t.args([
+                "test",
+                "--release",
+                "-p",
+                "ferry",
+                "--test",
+                "gpu_real",
+                "--",
+            ]);
+            (project_root().join("target/release/ferry"), t)
+        }
+    };
+    // The doctor's report is for the log; a row it marks missing (no RDMA here) is no failure.
+    match Command::new(&ferry).arg("doctor").status() {
+        Ok(s) if s.success() => {}
+        Ok(s) => println!("ferry doctor exited with {s} (continuing)"),
+        Err(e) => bail!("running {}: {e}", ferry.display()),
+    }
+    // The file test writes 512 MiB: into scratch space, never into the folder that comes back.
+    let scratch = std::env::temp_dir().join("ferry-gpu-check");
+    std::fs::create_dir_all(&scratch)?;
+    let tests = tests
         .args(["--ignored", "--nocapture", "--test-threads", "1"])
         .env("FERRY_REQUIRE_GPU", "1")
-        .env("FERRY_GPU_CHECK_DIR", &out)
+        .env("FERRY_GPU_CHECK_DIR", &scratch)
         .output()
         .context("running the GPU tests")?;
     let text = String::from_utf8_lossy(&tests.stdout).into_owned();
@@ -97,6 +226,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
     let total = "8GiB";
     let mut rows: Vec<(String, f64)> = Vec::new();
+    let mut failed: Vec<(String, String)> = Vec::new();
     for transport in ["tcp", "uring"] {
         for (label, gpu) in [("host-to-host", false), ("gpu-to-gpu (staged)", true)] {
             let mut a = vec![
@@ -111,15 +241,29 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             if gpu {
                 a.extend(["--gpu", "0"]);
             }
-            let gbps = ferry_bench_json_of(&ferry, &a, "gb_per_s")
-                .with_context(|| format!("ferry bench {a:?}"))?;
-            rows.push((format!("{transport} {label}"), gbps));
+            match ferry_bench_json_of(&ferry, &a, "gb_per_s") {
+                Ok(gbps) => rows.push((format!("{transport} {label}"), gbps)),
+                // io_uring where the kernel refuses it (gVisor): a row saying why.
+                Err(e) if transport == "uring" => {
+                    let why = format!("{e:#}");
+                    let why = why.lines().last().unwrap_or_default().to_owned();
+                    println!("uring {label}: not run: {why}");
+                    failed.push((format!("{transport} {label}"), why));
+                }
+                Err(e) => return Err(e.context(format!("ferry bench {a:?}"))),
+            }
         }
     }
     let mut table = String::new();
+    if allow_fake {
+        writeln!(table, "FAKE DRIVER (dry run): no figure below is a GPU's")?;
+    }
     writeln!(table, "{:<34} {:>10}", "what", "GB/s")?;
     for (k, v) in &rows {
         writeln!(table, "{k:<34} {v:>10.3}")?;
+    }
+    for (k, why) in &failed {
+        writeln!(table, "{k:<34} {:>10}  ({why})", "not run")?;
     }
     writeln!(
         table,
@@ -182,7 +326,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         ratio("uring")
     )?;
     print!("{table}");
-    let mut json = String::from("{\"rows\":{");
+    let mut json = format!("{{\"fake\":{allow_fake},\"not_run\":{{");
+    for (i, (k, why)) in failed.iter().enumerate() {
+        let _ = write!(json, "{}\"{k}\":{why:?}", if i > 0 { "," } else { "" });
+    }
+    json.push_str("},\"rows\":{");
     for (i, (k, v)) in rows.iter().enumerate() {
         let _ = write!(json, "{}\"{k}\":{v}", if i > 0 { "," } else { "" });
     }

@@ -54,9 +54,12 @@ tasks:
                          a mixed workload through proxy faults, every byte checked; fails if
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
-  gpu-check --out DIR    on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
+  gpu-check --out DIR [--allow-fake]
+                         on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
                          GB/s over TCP and io_uring, raw cuMemcpy rates, a file into GPU memory;
-                         the table as JSON in DIR (fails at once without a GPU)
+                         the table as JSON in DIR (fails at once without a GPU; --allow-fake: a dry
+                         run against the driver FERRY_LIBCUDA names)
+  gpu-check --bundle DIR the same, prebuilt for a GPU machine without cargo: DIR/run.sh there
   soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
                          in a QEMU guest (or on the host with --host); see xtask/src/soft_roce/
