@@ -62,6 +62,16 @@ fn has_gpu() -> Result<(), String> {
     Ok(())
 }
 
+/// The `GPUCHECK key=value` facts the real-driver tests print, wherever on a line they start:
+/// `--nocapture` prints a test's first line after its `test name ... ` header.
+fn facts_of(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter_map(|l| l.find("GPUCHECK ").map(|at| &l[at + "GPUCHECK ".len()..]))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
 const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bundle DIR | \
                      gpu-check --prebuilt BUNDLE --out DIR [--allow-fake]";
 
@@ -70,33 +80,20 @@ const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bun
 fn bundle(dir: &std::path::Path) -> Result<()> {
     let root = project_root();
     crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli", "-p", "xtask"]))?;
-    let built = cargo()
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "ferry",
-            "--test",
-            "gpu_real",
-            "--no-run",
-            "--message-format=json",
-        ])
-        .output()
-        .context("building the GPU tests")?;
-    if !built.status.success() {
-        bail!(
-            "building the GPU tests failed: {}",
-            String::from_utf8_lossy(&built.stderr)
-        );
-    }
-    let text = String::from_utf8_lossy(&built.stdout);
-    let tests = text
-        .lines()
-        .filter(|l| l.contains("\"name\":\"gpu_real\"") && l.contains("\"executable\":\""))
-        .find_map(|l| {
-            let at = l.find("\"executable\":\"")? + "\"executable\":\"".len();
-            l[at..].split('"').next().map(PathBuf::from)
-        })
+    let built = crate::soft_roce::artifacts::cargo_json(&[
+        "test",
+        "--release",
+        "-p",
+        "ferry",
+        "--test",
+        "gpu_real",
+        "--no-run",
+    ])?
+    .map_err(|e| anyhow::anyhow!("building the GPU tests failed: {e}"))?;
+    let tests = crate::soft_roce::artifacts::parse_artifacts(&built, true)
+        .into_iter()
+        .find(|a| a.label.ends_with(":gpu_real"))
+        .map(|a| a.executable)
         .context("cargo named no executable for the gpu_real tests")?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let release = root.join("target/release");
@@ -210,12 +207,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !tests.status.success() {
         bail!("the real-driver GPU tests failed");
     }
-    let facts: Vec<(String, String)> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("GPUCHECK "))
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect();
+    let facts = facts_of(&text);
     let fact = |k: &str| {
         facts
             .iter()
@@ -353,4 +345,31 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     std::fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
     println!("wrote {}", path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::facts_of;
+
+    #[test]
+    fn facts_are_read_wherever_a_line_has_them() {
+        let text = "running 2 tests\n\
+                    test raw_copy_rates ... GPUCHECK raw_h2d_gbps=5.195\n\
+                    GPUCHECK raw_d2h_gbps=6.303\n\
+                    ok\n\
+                    test real_file_load ... GPUCHECK file_path=compat (no libcufile: x=y)\n\
+                    not a fact = 3\n";
+        let f = facts_of(text);
+        assert_eq!(
+            f,
+            [
+                ("raw_h2d_gbps".to_owned(), "5.195".to_owned()),
+                ("raw_d2h_gbps".to_owned(), "6.303".to_owned()),
+                (
+                    "file_path".to_owned(),
+                    "compat (no libcufile: x=y)".to_owned()
+                ),
+            ]
+        );
+    }
 }

@@ -16,17 +16,17 @@ const NOT_FOR_RXE: &[&str] = &["gpu_real"];
 
 /// One executable from cargo's JSON messages.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Artifact {
+pub(crate) struct Artifact {
     /// `package:target`, for people.
-    pub(super) label: String,
+    pub(crate) label: String,
     /// The executable cargo built.
-    pub(super) executable: PathBuf,
+    pub(crate) executable: PathBuf,
     /// The package directory (test binaries run there, as under `cargo test`).
     pub(super) package_dir: PathBuf,
 }
 
 /// Executables of compiler-artifact messages; with `tests_only`, only test-profile ones.
-fn parse_artifacts(json_lines: &str, tests_only: bool) -> Vec<Artifact> {
+pub(crate) fn parse_artifacts(json_lines: &str, tests_only: bool) -> Vec<Artifact> {
     let mut found = Vec::new();
     for line in json_lines.lines() {
         if json_str(line, "reason", 0).as_deref() != Some("compiler-artifact") {
@@ -64,7 +64,7 @@ fn parse_artifacts(json_lines: &str, tests_only: bool) -> Vec<Artifact> {
 }
 
 /// Runs a cargo build with `--message-format=json`; Ok(stdout) or Err(stderr).
-fn cargo_json(args: &[&str]) -> Result<std::result::Result<String, String>> {
+pub(crate) fn cargo_json(args: &[&str]) -> Result<std::result::Result<String, String>> {
     let mut cmd = cargo();
     cmd.args(args).arg("--message-format=json");
     eprintln!("$ {cmd:?}");

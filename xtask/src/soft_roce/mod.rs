@@ -23,7 +23,7 @@
 //! [`artifacts`] (host builds), [`stage`] (the share folder and `guest-test.sh`, with the ferry
 //! bench's command lines), [`suite`] (one run) and [`report`] (the result log and the table).
 
-mod artifacts;
+pub(crate) mod artifacts;
 mod host;
 mod image;
 mod report;
