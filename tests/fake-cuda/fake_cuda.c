@@ -184,6 +184,13 @@ long ferry_fake_cuda_retained_contexts(void) { return retained; }
 long ferry_fake_cuda_copies(void) { return copies; }
 long ferry_fake_cuda_live_streams(void) { return live_streams; }
 
+/* Sets the device count (as FERRY_FAKE_CUDA_DEVICES does at cuInit) for drivers opened from now. */
+void ferry_fake_cuda_set_devices(int n) {
+    pthread_mutex_lock(&lock);
+    devices = n < 0 ? 0 : n > 64 ? 64 : n;
+    pthread_mutex_unlock(&lock);
+}
+
 CUresult cuInit(unsigned flags) {
     if (flags != 0) return ERR_INVALID_VALUE;
     if (failing("cuInit")) return ERR_UNKNOWN;

@@ -161,6 +161,19 @@ impl FakeCuda {
         self.counter(b"ferry_fake_cuda_copies\0")
     }
 
+    /// Sets the number of GPUs the fake lists to drivers opened from now on (it starts at
+    /// `FERRY_FAKE_CUDA_DEVICES`, default 1; `reset` leaves it).
+    pub fn set_devices(&self, n: i32) {
+        // SAFETY: the fake defines `void ferry_fake_cuda_set_devices(int)`.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(i32)>(b"ferry_fake_cuda_set_devices\0")
+                .expect("fake exports ferry_fake_cuda_set_devices");
+            f(n);
+        }
+    }
+
     /// Streams created and not destroyed.
     pub fn live_streams(&self) -> i64 {
         self.counter(b"ferry_fake_cuda_live_streams\0")

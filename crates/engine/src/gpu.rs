@@ -63,7 +63,8 @@ pub(crate) struct GpuConfig {
     pub(crate) sysfs_root: std::path::PathBuf,
 }
 
-/// Staging buffers by default: 4 of 4 MiB (16 MiB pinned per engine, allocated on first use).
+/// Staging buffers by default: 4 of 4 MiB per GPU that stages (16 MiB pinned each, allocated on
+/// first use).
 pub const STAGING_BUFFERS: usize = 4;
 /// The default staging buffer (and chunk) size.
 pub const STAGING_BUFFER_SIZE: usize = 4 << 20;
@@ -86,7 +87,10 @@ impl Default for GpuConfig {
 pub(crate) struct GpuState {
     pub(crate) config: GpuConfig,
     cuda: OnceLock<Result<Cuda, String>>,
-    pool: OnceLock<Arc<StagingPool>>,
+    /// One staging pool per device, made when a staged request on that device first needs it:
+    /// pinned memory is pinned for the context that allocated it, and a lane's stream copies
+    /// only its own device's memory asynchronously.
+    pools: Mutex<Vec<(u32, Arc<StagingPool>)>>,
     pub(crate) counters: StagingCounters,
     pub(crate) registrations: Mutex<Vec<(SegmentToken, GpuRegistrationDescription)>>,
     pub(crate) last_file_path: Mutex<Option<String>>,
@@ -118,7 +122,7 @@ impl GpuState {
         Self {
             config,
             cuda,
-            pool: OnceLock::new(),
+            pools: Mutex::new(Vec::new()),
             counters: StagingCounters::default(),
             registrations: Mutex::new(Vec::new()),
             last_file_path: Mutex::new(None),
@@ -144,20 +148,24 @@ impl GpuState {
         device: &cuda::Device,
         rdma: Option<&registry::Registry>,
     ) -> Result<Arc<StagingPool>, Error> {
-        if let Some(p) = self.pool.get() {
+        let ordinal = device.location().ordinal;
+        let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, p)) = pools.iter().find(|(o, _)| *o == ordinal) {
             return Ok(p.clone());
         }
+        // Made under the lock: two first requests on one device make one pool.
         let pool = Arc::new(StagingPool::new(
             device,
             self.config.buffers.max(1),
             self.config.buffer_size.max(4096),
             rdma,
         )?);
-        Ok(self.pool.get_or_init(|| pool).clone())
+        pools.push((ordinal, pool.clone()));
+        Ok(pool)
     }
 
     pub(crate) fn describe(&self) -> StagingDescription {
-        let pool = self.pool.get();
+        let pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
         StagingDescription {
             policy: match self.config.staging {
                 Staging::Auto => "auto",
@@ -165,9 +173,9 @@ impl GpuState {
             }
             .into(),
             gpu_direct_registration: self.config.gpu_direct.name().into(),
-            buffers: pool.map_or(0, |p| p.buffers),
+            buffers: pools.iter().map(|(_, p)| p.buffers).sum(),
             buffer_size: self.config.buffer_size as u64,
-            buffers_in_use: pool.map_or(0, |p| p.in_use()),
+            buffers_in_use: pools.iter().map(|(_, p)| p.in_use()).sum(),
             staged_bytes: self.counters.staged_bytes.load(Ordering::Relaxed),
             copies: self.counters.copies.load(Ordering::Relaxed),
             copy_wait_us: self.counters.copy_wait_ns.load(Ordering::Relaxed) / 1000,
@@ -429,7 +437,8 @@ pub struct StagingDescription {
     pub policy: String,
     /// The `gpu_direct_registration` setting.
     pub gpu_direct_registration: String,
-    /// Pinned buffers allocated (0 until the first staged request).
+    /// Pinned buffers allocated, over every device's pool (0 until the first staged request;
+    /// each device's pool is made by the first staged request on that device).
     pub buffers: usize,
     /// Their size (the staging chunk).
     pub buffer_size: u64,
@@ -888,7 +897,10 @@ pub(crate) struct StagedOp {
     pub(crate) len: u64,
 }
 
-/// Checks the staging policy and returns the pool for `ops` (the caller saw a device op).
+/// Checks the staging policy and returns the pool for `ops` (the caller saw a device op): the
+/// pool of the first device op's GPU. Device ops of a batch on another GPU are staged through
+/// it too, by that GPU's own blocking copies (correct, not overlapped on streams): a batch per
+/// GPU moves fastest.
 pub(crate) fn prepare(
     inner: &crate::engine::Inner,
     ops: &[StagedOp],

@@ -553,3 +553,78 @@ fn a_file_loads_into_gpu_memory_and_says_which_path() {
         "{shown}"
     );
 }
+
+/// Two GPUs stage through a pool each (pinned buffers and copy streams of their own device):
+/// the bytes of both move right, the second GPU's first request makes its pool, and a batch with
+/// ops on both GPUs still moves right (the second GPU's ops through the first pool, by its own
+/// blocking copies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_gpu_stages_through_its_own_pool() {
+    let _g = LOCK.lock().await;
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    // Two GPUs while this test runs (the fake checks ordinals on every call), one again after.
+    struct TwoGpus(&'static FakeCuda);
+    impl Drop for TwoGpus {
+        fn drop(&mut self) {
+            self.0.set_devices(1);
+        }
+    }
+    fake.set_devices(2);
+    let _two = TwoGpus(fake);
+    let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let server = engine(fake, DataPlane::Tcp, true);
+    let client = engine(fake, DataPlane::Tcp, false);
+    let len = 3 * BUF + 77;
+    let h = host_reg(&server, 2 * len, rw, "h");
+    let peer = client.connect(server.local_addr().unwrap()).await.unwrap();
+    let rh = peer.segment("h").unwrap();
+    let streams = fake.live_streams();
+    let g0 = client.alloc_gpu(0, len, Access::LOCAL, "g0").unwrap();
+    let g1 = client.alloc_gpu(1, len, Access::LOCAL, "g1").unwrap();
+    let (d0, d1) = (pattern(len, 10), pattern(len, 11));
+    g0.memory().copy_from_host(0, &d0).unwrap();
+    g1.memory().copy_from_host(0, &d1).unwrap();
+
+    let o = client
+        .submit(Batch::new().write(&g1, 0, &rh, len as u64, len as u64))
+        .unwrap()
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    assert_eq!(client.describe().staging.unwrap().buffers, BUFFERS);
+    let o = client
+        .submit(Batch::new().write(&g0, 0, &rh, 0, len as u64))
+        .unwrap()
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    let s = client.describe().staging.unwrap();
+    assert_eq!(s.buffers, 2 * BUFFERS, "a pool per GPU: {s:?}");
+    assert_eq!(
+        fake.live_streams(),
+        streams + 2 * BUFFERS as i64,
+        "each lane has a stream"
+    );
+    let mut on_host = vec![0u8; 2 * len];
+    h.region().read_at(0, &mut on_host).unwrap();
+    assert!(on_host[..len] == d0[..] && on_host[len..] == d1[..]);
+
+    // One batch over both GPUs, read back crosswise.
+    let o = client
+        .submit(
+            Batch::new()
+                .read(&g0, 0, &rh, len as u64, len as u64)
+                .read(&g1, 0, &rh, 0, len as u64),
+        )
+        .unwrap()
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(gpu_bytes(&g0, 0, len) == d1 && gpu_bytes(&g1, 0, len) == d0);
+    drop((g0, g1, peer, client));
+    assert_eq!(
+        fake.live_streams(),
+        streams,
+        "the pools' streams go with the engine"
+    );
+}
