@@ -297,6 +297,35 @@ impl Engine {
         gpu::wrap(py, &self.inner, obj, name, access, device)
     }
 
+    /// Loads `length` bytes of the file at `path` from `file_offset` into the GPU registration
+    /// `dst` at `offset` (`length=None`: the rest of the file, clipped to the rest of `dst`), by
+    /// cuFile (GPUDirect Storage) where `libcufile.so.0` loads and the file system supports it,
+    /// else by positioned reads into pinned buffers and host-to-device copies, pipelined.
+    /// Blocks with the GIL released. Returns `{"bytes": n, "path": "gds" | "compat (why)"}`;
+    /// `describe()["staging"]["last_file_path"]` says the same. Raises `IoError` (the file),
+    /// `OutOfBounds` (past the end of `dst`), `InvalidRequest` (a closed `dst`).
+    #[pyo3(signature = (dst, path, *, offset=0, file_offset=0, length=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read_file_into_gpu<'py>(
+        &self,
+        py: Python<'py>,
+        dst: &Bound<'py, GpuRegistration>,
+        path: std::path::PathBuf,
+        offset: i64,
+        file_offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        gpu::read_file(
+            py,
+            &self.inner,
+            dst.get(),
+            path,
+            offset,
+            file_offset,
+            length,
+        )
+    }
+
     /// Publishes the file at `path` (its whole size now) as the segment `name` (default: the
     /// path), served to peers by positioned reads and, with `access="read+write"`, writes that
     /// never extend the file. No memory is pinned for it.

@@ -291,6 +291,58 @@ pub(crate) fn wrap(
     registration(py, engine, memory, access, name, cai.readonly)
 }
 
+/// `Engine.read_file_into_gpu`: loads `length` bytes of the file at `path` from `file_offset`
+/// into `dst` at `offset` (`length=None`: the rest of the file, clipped to the rest of `dst`).
+pub(crate) fn read_file<'py>(
+    py: Python<'py>,
+    engine: &TransferEngine,
+    dst: &GpuRegistration,
+    path: std::path::PathBuf,
+    offset: i64,
+    file_offset: i64,
+    length: Option<i64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let offset = non_negative("offset", offset)?;
+    let file_offset = non_negative("file_offset", file_offset)?;
+    let len = match length {
+        Some(l) => non_negative("length", l)?,
+        None => {
+            let size = std::fs::metadata(&path)
+                .map_err(|e| {
+                    errors::to_py(
+                        py,
+                        ferry::Error::Io {
+                            op: "read_file_into_gpu",
+                            target: path.display().to_string(),
+                            source: e,
+                        },
+                    )
+                })?
+                .len();
+            size.saturating_sub(file_offset)
+                .min(dst.len.saturating_sub(offset))
+        }
+    };
+    // Checked here: the facade reports a range past the end as a failed registration.
+    dst.bounds(py, offset, len)?;
+    let guard = dst.inner.lock().unwrap_or_else(PoisonError::into_inner);
+    let reg = guard.as_ref().ok_or_else(|| {
+        errors::err(
+            py,
+            Kind::InvalidRequest,
+            format!("GPU registration {:?} is closed", dst.name),
+        )
+    })?;
+    let load = py
+        .detach(|| engine.read_file_into_gpu(reg, offset, &path, file_offset, len))
+        .map_err(|e| errors::to_py(py, e))?;
+    drop(guard);
+    let d = PyDict::new(py);
+    d.set_item("bytes", load.bytes)?;
+    d.set_item("path", load.path.to_string())?;
+    Ok(d)
+}
+
 /// Device memory registered with an engine (`Engine.alloc_gpu`, `Engine.register_gpu`), usable
 /// as the local side of `read`, `write` and `Batch` ops like a `Registration`: its ops are
 /// staged through pinned host buffers over TCP and io_uring (GPUDirect over RDMA where a route

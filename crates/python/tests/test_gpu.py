@@ -350,3 +350,25 @@ def test_without_libcuda_gpu_calls_raise_unavailable():
     for line in lines:
         assert line.startswith("Unavailable: libcuda.so.1"), line
         assert missing in line, line  # the loader's reason names the file it tried
+
+
+def test_read_file_into_gpu(cuda_driver, tmp_path):
+    engine = ferry.Engine()
+    payload = data(N, 5)
+    f = tmp_path / "weights.bin"
+    f.write_bytes(payload)
+    dst = engine.alloc_gpu(0, N + 100)
+    load = engine.read_file_into_gpu(dst, f, offset=100)
+    assert load["bytes"] == N and load["path"].startswith(("gds", "compat"))
+    assert dst.to_bytes(100) == payload
+    assert engine.describe()["staging"]["last_file_path"] == load["path"]
+    # A range of the file, at the start of `dst`.
+    load = engine.read_file_into_gpu(dst, str(f), file_offset=7, length=1000)
+    assert load["bytes"] == 1000 and dst.to_bytes(0, 1000) == payload[7:1007]
+    with pytest.raises(ferry.OutOfBounds):
+        engine.read_file_into_gpu(dst, f, offset=200, length=N)
+    with pytest.raises(ferry.IoError, match="missing.bin"):
+        engine.read_file_into_gpu(dst, tmp_path / "missing.bin")
+    dst.close()
+    with pytest.raises(ferry.InvalidRequest, match="is closed"):
+        engine.read_file_into_gpu(dst, f)

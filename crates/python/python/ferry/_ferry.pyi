@@ -187,6 +187,17 @@ class Engine:
         on its own streams. Raises TypeError (no interface; read-only with write access),
         ValueError (non-contiguous, masked, empty, unknown typestr), Unavailable (no driver).
         """
+    def read_file_into_gpu(
+        self,
+        dst: GpuRegistration,
+        path: str | os.PathLike[str],
+        *,
+        offset: int = 0,
+        file_offset: int = 0,
+        length: int | None = None,
+    ) -> dict[str, Any]:
+        """Loads a file range into ``dst`` (cuFile/GDS, else pinned-buffer copies); blocks with
+        the GIL released; returns ``{"bytes": n, "path": "gds" | "compat (why)"}``."""
     def publish_file(
         self,
         path: str | os.PathLike[str],
