@@ -125,6 +125,8 @@ def test_alloc_gpu_memory_is_freed_with_the_object(cuda_driver):
         pytest.skip("counts allocations through the fake driver's counters; this is another driver")
     engine = ferry.Engine()
     gc.collect()
+    # Other tests drain their requests (wait_drained), so no earlier allocation is freed
+    # behind this test's back.
     before = cuda_driver.live_device_allocs()
     reg = engine.alloc_gpu(0, 4096)
     assert cuda_driver.live_device_allocs() == before + 1
@@ -197,7 +199,7 @@ def test_gpu_to_peer_gpu_memory_and_back(gpu_pair):
 
     # Closed: unpublished (the peer refuses the token), and unusable locally.
     remote_gpu.close()
-    outcome = client.read(dst, seg).wait(timeout=60)
+    outcome = client.read(dst, seg).wait_drained(timeout=60)
     assert outcome.failure is not None and outcome.failure.kind == "unknown_segment"
     dst.close()
     with pytest.raises(ferry.InvalidRequest, match="is closed"):
