@@ -12,11 +12,12 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::buffer;
 use crate::errors::{self, Kind};
+use crate::gpu::{self, GpuRegistration};
 use crate::request::{self, Batch, Request, make_op, seconds, to_batch};
 use crate::runtime;
 
 /// Parses an access string: `"local"`, `"read"`, `"write"` or `"read+write"` (also `"rw"`).
-fn parse_access(s: &str) -> PyResult<Access> {
+pub(crate) fn parse_access(s: &str) -> PyResult<Access> {
     Ok(match s {
         "local" | "none" => Access::LOCAL,
         "read" | "r" => Access::REMOTE_READ,
@@ -31,7 +32,7 @@ fn parse_access(s: &str) -> PyResult<Access> {
 }
 
 /// An access right as Python reads it.
-fn access_name(a: Access) -> &'static str {
+pub(crate) fn access_name(a: Access) -> &'static str {
     match (
         a.contains(Access::REMOTE_READ),
         a.contains(Access::REMOTE_WRITE),
@@ -245,6 +246,86 @@ impl Engine {
         })
     }
 
+    /// Allocates `size` bytes on GPU `device` (an ordinal) and registers them under `name` with
+    /// `access` for peers (as `register`), returning a `GpuRegistration`: the local side of
+    /// `read`/`write`/`Batch` ops like a `Registration` (staged through pinned host buffers over
+    /// TCP and io_uring, GPUDirect over RDMA where a route exists), published to peers when
+    /// `access` grants them anything. The memory is freed once the registration object and every
+    /// request using it are gone.
+    ///
+    /// The CUDA driver is loaded on the engine's first GPU call: the system's `libcuda.so.1`, or
+    /// the file the environment variable `FERRY_LIBCUDA` names then. Raises `Unavailable` (with
+    /// the loader's reason) without a driver, `InvalidRequest` (a `ValueError`) for a device the
+    /// driver does not list, `ValueError` for a size below 1 or a bad `access`, and `FerryError`
+    /// when the driver refuses the allocation.
+    #[pyo3(signature = (device, size, name=None, access="local"))]
+    fn alloc_gpu(
+        &self,
+        py: Python<'_>,
+        device: i64,
+        size: i64,
+        name: Option<String>,
+        access: &str,
+    ) -> PyResult<GpuRegistration> {
+        gpu::alloc(py, &self.inner, device, size, name, access)
+    }
+
+    /// Registers device memory someone else owns, without copying it: `obj` is any object with
+    /// `__cuda_array_interface__` (a PyTorch CUDA tensor, a CuPy array, a Numba device array),
+    /// contiguous (strides None or C order), of `product(shape) * itemsize` bytes. Arguments as
+    /// for `alloc_gpu`. The registration keeps `obj` alive (and so its memory) until the
+    /// registration object and every request using it are gone.
+    ///
+    /// The device is `device` when given, else `obj.device.index` (PyTorch), else
+    /// `obj.device.id` (CuPy), else 0; Ferry cannot check it, so name it for memory of another
+    /// GPU than the object says (Numba arrays say none). Ferry's copies run on its own
+    /// non-blocking streams and do not wait for work queued on the producer's stream:
+    /// synchronize it (`torch.cuda.synchronize()`, `stream.synchronize()`) before submitting.
+    ///
+    /// Raises `TypeError` when `obj` has no interface or marks its memory read-only while
+    /// `access` grants remote writes, `ValueError` for a non-contiguous, masked or empty array
+    /// or an unknown `typestr`, and `Unavailable` without a driver.
+    #[pyo3(signature = (obj, name=None, access="local", device=None))]
+    fn register_gpu(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        name: Option<String>,
+        access: &str,
+        device: Option<i64>,
+    ) -> PyResult<GpuRegistration> {
+        gpu::wrap(py, &self.inner, obj, name, access, device)
+    }
+
+    /// Loads `length` bytes of the file at `path` from `file_offset` into the GPU registration
+    /// `dst` at `offset` (`length=None`: the rest of the file, clipped to the rest of `dst`), by
+    /// cuFile (GPUDirect Storage) where `libcufile.so.0` loads and the file system supports it,
+    /// else by positioned reads into pinned buffers and host-to-device copies, pipelined.
+    /// Blocks with the GIL released. Returns `{"bytes": n, "path": "gds" | "compat (why)"}`;
+    /// `describe()["staging"]["last_file_path"]` says the same. Raises `IoError` (the file),
+    /// `OutOfBounds` (past the end of `dst`), `InvalidRequest` (a closed `dst`).
+    #[pyo3(signature = (dst, path, *, offset=0, file_offset=0, length=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn read_file_into_gpu<'py>(
+        &self,
+        py: Python<'py>,
+        dst: &Bound<'py, GpuRegistration>,
+        path: std::path::PathBuf,
+        offset: i64,
+        file_offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        gpu::read_file(
+            py,
+            &self.inner,
+            dst.get(),
+            path,
+            offset,
+            file_offset,
+            length,
+        )
+    }
+
     /// Publishes the file at `path` (its whole size now) as the segment `name` (default: the
     /// path), served to peers by positioned reads and, with `access="read+write"`, writes that
     /// never extend the file. No memory is pinned for it.
@@ -310,7 +391,7 @@ impl Engine {
     fn read(
         &self,
         py: Python<'_>,
-        local: &Bound<'_, Registration>,
+        local: &Bound<'_, PyAny>,
         remote: &Bound<'_, RemoteSegment>,
         local_offset: i64,
         remote_offset: i64,
@@ -336,7 +417,7 @@ impl Engine {
     fn write(
         &self,
         py: Python<'_>,
-        local: &Bound<'_, Registration>,
+        local: &Bound<'_, PyAny>,
         remote: &Bound<'_, RemoteSegment>,
         local_offset: i64,
         remote_offset: i64,

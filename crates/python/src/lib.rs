@@ -11,12 +11,15 @@
 //! runtime ends a request's watch with a `FerryError` instead of leaving its waiters hanging.
 //! No runtime worker thread ever waits for the GIL (see `request` and `buffer`).
 //!
-//! It depends on the facade only; GPU memory and broadcast are not bound yet (their Rust side
-//! does not exist).
+//! It depends on the facade only (GPU memory through the facade's `ferry::cuda` re-export);
+//! broadcast is not bound yet. GPU memory: `Engine.alloc_gpu` and `Engine.register_gpu` (any
+//! object with `__cuda_array_interface__`) give a `GpuRegistration`, which read/write/Batch take
+//! wherever they take a `Registration` (see `gpu`).
 
 mod buffer;
 mod engine;
 mod errors;
+mod gpu;
 mod request;
 mod runtime;
 
@@ -28,6 +31,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::add_to(m)?;
     engine::add_to(m)?;
+    gpu::add_to(m)?;
     request::add_to(m)?;
     Ok(())
 }

@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 
 use crate::engine::{Registration, RemoteSegment};
 use crate::errors::{self, Kind};
+use crate::gpu::GpuRegistration;
 
 /// What the watch of a request knows.
 #[derive(Default)]
@@ -161,10 +162,49 @@ pub(crate) fn non_negative(what: &str, v: i64) -> PyResult<u64> {
     u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, not {v}")))
 }
 
+/// The local side of an op: host memory (`Registration`) or device memory (`GpuRegistration`).
+pub(crate) enum LocalReg {
+    Host(Py<Registration>),
+    Gpu(Py<GpuRegistration>),
+}
+
+impl LocalReg {
+    /// `obj` as a local registration; `TypeError` for anything else.
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if let Ok(r) = obj.cast::<Registration>() {
+            return Ok(Self::Host(r.clone().unbind()));
+        }
+        if let Ok(r) = obj.cast::<GpuRegistration>() {
+            return Ok(Self::Gpu(r.clone().unbind()));
+        }
+        Err(PyTypeError::new_err(format!(
+            "local must be a Registration or a GpuRegistration, not {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into())
+        )))
+    }
+
+    /// Name, length and whether it is read-only.
+    fn facts(&self) -> (&str, u64, bool) {
+        match self {
+            Self::Host(r) => {
+                let r = r.get();
+                (&r.name, r.len, r.readonly)
+            }
+            Self::Gpu(r) => {
+                let r = r.get();
+                (&r.name, r.len, r.readonly)
+            }
+        }
+    }
+}
+
 /// One op of a Python batch, before validation.
 pub(crate) struct PyOp {
     kind: OpKind,
-    local: Py<Registration>,
+    local: LocalReg,
     local_offset: u64,
     remote: Py<RemoteSegment>,
     remote_offset: u64,
@@ -174,29 +214,29 @@ pub(crate) struct PyOp {
 /// Checks a Python op's arguments and describes it; errors are `TypeError`/`ValueError`.
 pub(crate) fn make_op(
     kind: OpKind,
-    local: &Bound<'_, Registration>,
+    local: &Bound<'_, PyAny>,
     remote: &Bound<'_, RemoteSegment>,
     local_offset: i64,
     remote_offset: i64,
     length: Option<i64>,
 ) -> PyResult<PyOp> {
+    let local = LocalReg::extract(local)?;
     let local_offset = non_negative("local_offset", local_offset)?;
     let remote_offset = non_negative("remote_offset", remote_offset)?;
-    let reg = local.get();
-    if kind == OpKind::Read && reg.readonly {
+    let (name, reg_len, readonly) = local.facts();
+    if kind == OpKind::Read && readonly {
         return Err(PyTypeError::new_err(format!(
-            "cannot READ into registration {:?}: its buffer is read-only",
-            reg.name
+            "cannot READ into registration {name:?}: its memory is read-only"
         )));
     }
     let len = match length {
         Some(l) => non_negative("length", l)?,
         // The rest of the local registration, clipped to the rest of the remote segment.
         None => {
-            let local_rest = reg.len.checked_sub(local_offset).ok_or_else(|| {
+            let local_rest = reg_len.checked_sub(local_offset).ok_or_else(|| {
                 PyValueError::new_err(format!(
-                    "local_offset {local_offset} is past the end of registration {:?} ({} bytes)",
-                    reg.name, reg.len
+                    "local_offset {local_offset} is past the end of registration {name:?} \
+                     ({reg_len} bytes)"
                 ))
             })?;
             let remote_len = remote.get().segment.len();
@@ -212,7 +252,7 @@ pub(crate) fn make_op(
     };
     Ok(PyOp {
         kind,
-        local: local.clone().unbind(),
+        local,
         local_offset,
         remote: remote.clone().unbind(),
         remote_offset,
@@ -227,24 +267,43 @@ pub(crate) fn to_batch(
     timeout: Option<Duration>,
 ) -> PyResult<ferry::Batch> {
     let mut batch = ferry::Batch::new();
+    let closed = |name: &str| {
+        errors::err(
+            py,
+            Kind::InvalidRequest,
+            format!("registration {name:?} is closed"),
+        )
+    };
     for op in ops {
-        let local = op.local.get();
-        let guard = local.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(reg) = guard.as_ref() else {
-            return Err(errors::err(
-                py,
-                Kind::InvalidRequest,
-                format!("registration {:?} is closed", local.name),
-            ));
-        };
-        batch.push(
-            op.kind,
-            reg,
-            op.local_offset,
-            &op.remote.get().segment,
-            op.remote_offset,
-            op.len,
-        );
+        let remote = &op.remote.get().segment;
+        match &op.local {
+            LocalReg::Host(r) => {
+                let r = r.get();
+                let guard = r.inner.lock().unwrap_or_else(PoisonError::into_inner);
+                let reg = guard.as_ref().ok_or_else(|| closed(&r.name))?;
+                batch.push(
+                    op.kind,
+                    reg,
+                    op.local_offset,
+                    remote,
+                    op.remote_offset,
+                    op.len,
+                );
+            }
+            LocalReg::Gpu(r) => {
+                let r = r.get();
+                let guard = r.inner.lock().unwrap_or_else(PoisonError::into_inner);
+                let reg = guard.as_ref().ok_or_else(|| closed(&r.name))?;
+                batch.push(
+                    op.kind,
+                    reg,
+                    op.local_offset,
+                    remote,
+                    op.remote_offset,
+                    op.len,
+                );
+            }
+        }
     }
     Ok(match timeout {
         Some(t) => batch.timeout(t),
@@ -280,7 +339,7 @@ impl Batch {
     #[pyo3(signature = (local, remote, local_offset=0, remote_offset=0, length=None))]
     fn read<'py>(
         mut slf: PyRefMut<'py, Self>,
-        local: &Bound<'py, Registration>,
+        local: &Bound<'py, PyAny>,
         remote: &Bound<'py, RemoteSegment>,
         local_offset: i64,
         remote_offset: i64,
@@ -303,7 +362,7 @@ impl Batch {
     #[pyo3(signature = (local, remote, local_offset=0, remote_offset=0, length=None))]
     fn write<'py>(
         mut slf: PyRefMut<'py, Self>,
-        local: &Bound<'py, Registration>,
+        local: &Bound<'py, PyAny>,
         remote: &Bound<'py, RemoteSegment>,
         local_offset: i64,
         remote_offset: i64,

@@ -1,21 +1,98 @@
-"""Shared fixtures: facility gates in the FERRY_REQUIRE_* convention, and peer processes.
+"""Shared fixtures: facility gates in the FERRY_REQUIRE_* convention, peer processes, and
+Ferry's fake CUDA driver.
 
 A test whose facility is missing skips with the reason, unless ``FERRY_REQUIRE_PYTHON=1``
 says this machine has everything the Python suite needs (``.ci/run`` sets it): then the skip
-is a failure.
+is a failure. The fake CUDA driver needs ``cc``, gated by ``FERRY_REQUIRE_TOOLS`` as in the Rust
+tests.
 """
 
+import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+FAKE_CUDA_SOURCE = REPO / "tests" / "fake-cuda" / "fake_cuda.c"
+
+# What pytest_configure found for the GPU tests: {"path": driver} or {"reason": why not}.
+_CUDA: dict[str, str] = {}
+
+
+def pytest_configure(config):
+    """Points ``FERRY_LIBCUDA`` at Ferry's fake CUDA driver, compiled here with ``cc``, unless
+    the environment already names a driver (a real GPU machine can run the GPU tests on
+    ``FERRY_LIBCUDA=libcuda.so.1``).
+
+    Done here, before any test made an engine, for two reasons: each engine loads the driver
+    on its first GPU call and reads ``FERRY_LIBCUDA`` then (an engine that loaded none keeps
+    that error), and changing the environment while Ferry's threads run would race with their
+    reads of it. Other tests never touch CUDA, so the variable changes nothing for them.
+    """
+    preset = os.environ.get("FERRY_LIBCUDA")
+    if preset:
+        _CUDA["path"] = preset
+        return
+    cc = shutil.which("cc")
+    if cc is None:
+        _CUDA["reason"] = "no C compiler `cc` here to build Ferry's fake CUDA driver"
+        return
+    out_dir = Path(tempfile.mkdtemp(prefix="ferry-py-fake-cuda-"))
+    _CUDA["dir"] = str(out_dir)
+    out = out_dir / "libcuda.so.1"
+    built = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-pthread", "-o", str(out), str(FAKE_CUDA_SOURCE)],
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        _CUDA["reason"] = f"cc could not build {FAKE_CUDA_SOURCE}: {built.stderr.strip()}"
+        return
+    os.environ["FERRY_LIBCUDA"] = str(out)
+    _CUDA["path"] = str(out)
+
+
+def pytest_unconfigure(config):
+    if "dir" in _CUDA:
+        shutil.rmtree(_CUDA["dir"], ignore_errors=True)
+
+
+class CudaDriver:
+    """The driver the GPU tests run against, and the fake's counters when it is the fake."""
+
+    def __init__(self, path: str):
+        self.path = path
+        lib = ctypes.CDLL(path)  # the handle the engines get too (same path)
+        self.fake = hasattr(lib, "ferry_fake_cuda")
+        self._lib = lib
+
+    def live_device_allocs(self) -> int:
+        """Device allocations not freed yet (the fake only)."""
+        f = self._lib.ferry_fake_cuda_live_device_allocs
+        f.restype = ctypes.c_long
+        return f()
+
+
+@pytest.fixture(scope="session")
+def cuda_driver() -> CudaDriver:
+    """The CUDA driver ``FERRY_LIBCUDA`` names for this run (Ferry's fake unless the environment
+    named another). Skips without ``cc`` to build the fake, or fails under
+    ``FERRY_REQUIRE_TOOLS=1``."""
+    if "path" not in _CUDA:
+        reason = _CUDA.get("reason", "the fake CUDA driver was not built")
+        if os.environ.get("FERRY_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"{reason} (FERRY_REQUIRE_TOOLS=1 says this machine has cc)")
+        pytest.skip(f"{reason} (set FERRY_REQUIRE_TOOLS=1 to make this a failure)")
+    return CudaDriver(_CUDA["path"])
 
 
 def require(facility_ok: bool, reason: str) -> None:

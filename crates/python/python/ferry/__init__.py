@@ -16,7 +16,9 @@ A server publishes memory; a client connects and reads or writes it::
     outcome.raise_for_failure()
     assert (dst == weights).all()
 
-Registrations are zero-copy (any object with the buffer protocol). ``Request.wait()`` releases
+Registrations are zero-copy (any object with the buffer protocol). GPU memory comes in by
+``Engine.alloc_gpu`` or ``Engine.register_gpu(tensor)`` (anything with
+``__cuda_array_interface__``) and goes wherever a registration does. ``Request.wait()`` releases
 the GIL, and ``await request`` works in asyncio. Errors are ``FerryError`` subclasses carrying
 the Rust engine's message.
 """
@@ -29,6 +31,7 @@ from ferry._ferry import (
     Failure,
     FerryError,
     FileRegistration,
+    GpuRegistration,
     HandshakeRefused,
     InvalidRequest,
     IoError,
@@ -62,6 +65,7 @@ __all__ = [
     "Failure",
     "FerryError",
     "FileRegistration",
+    "GpuRegistration",
     "HandshakeRefused",
     "InvalidRequest",
     "IoError",

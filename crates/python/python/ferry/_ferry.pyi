@@ -4,7 +4,7 @@ checks them against the built module with mypy's stubtest."""
 import os
 from asyncio import Future
 from collections.abc import Generator, Sequence
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, Protocol, TypeAlias, final
 
 from typing_extensions import Buffer, Self
 
@@ -16,6 +16,7 @@ __all__ = [
     "Failure",
     "FerryError",
     "FileRegistration",
+    "GpuRegistration",
     "HandshakeRefused",
     "InvalidRequest",
     "IoError",
@@ -44,6 +45,14 @@ __all__ = [
 __version__: str
 
 _AccessName: TypeAlias = Literal["local", "read", "write", "read+write"]
+
+_Local: TypeAlias = "Registration | GpuRegistration"
+
+class _CudaArray(Protocol):
+    """Anything that exports device memory by the CUDA Array Interface."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
 
 class FerryError(Exception):
     """Base class of every error Ferry raises. str(e) is the message the Rust engine gave."""
@@ -150,6 +159,45 @@ class Engine:
         Raises TypeError (no buffer protocol; read-only buffer with write access), ValueError
         (strided buffer, bad access), ResourceExhausted or RegistrationError.
         """
+    def alloc_gpu(
+        self,
+        device: int,
+        size: int,
+        name: str | None = None,
+        access: _AccessName = "local",
+    ) -> GpuRegistration:
+        """Allocates ``size`` bytes on GPU ``device`` and registers them (a GpuRegistration).
+
+        The CUDA driver loads on the engine's first GPU call (``libcuda.so.1``, or the file
+        ``FERRY_LIBCUDA`` names). Raises Unavailable without a driver (the loader's reason),
+        InvalidRequest for a device the driver does not list, ValueError for a bad size/access.
+        """
+    def register_gpu(
+        self,
+        obj: _CudaArray,
+        name: str | None = None,
+        access: _AccessName = "local",
+        device: int | None = None,
+    ) -> GpuRegistration:
+        """Registers the device memory ``obj`` exports by ``__cuda_array_interface__`` (PyTorch
+        CUDA tensor, CuPy array, Numba device array) without copying; keeps ``obj`` alive.
+
+        The device is ``device``, else ``obj.device.index`` (PyTorch), else ``obj.device.id``
+        (CuPy), else 0. Synchronize the producer's stream before submitting: Ferry's copies run
+        on its own streams. Raises TypeError (no interface; read-only with write access),
+        ValueError (non-contiguous, masked, empty, unknown typestr), Unavailable (no driver).
+        """
+    def read_file_into_gpu(
+        self,
+        dst: GpuRegistration,
+        path: str | os.PathLike[str],
+        *,
+        offset: int = 0,
+        file_offset: int = 0,
+        length: int | None = None,
+    ) -> dict[str, Any]:
+        """Loads a file range into ``dst`` (cuFile/GDS, else pinned-buffer copies); blocks with
+        the GIL released; returns ``{"bytes": n, "path": "gds" | "compat (why)"}``."""
     def publish_file(
         self,
         path: str | os.PathLike[str],
@@ -163,7 +211,7 @@ class Engine:
         """Forgets the epoch known for ``addr`` and connects afresh."""
     def read(
         self,
-        local: Registration,
+        local: _Local,
         remote: RemoteSegment,
         *,
         local_offset: int = 0,
@@ -174,7 +222,7 @@ class Engine:
         """Starts a READ of ``remote[remote_offset:+length]`` into ``local[local_offset:+length]``."""
     def write(
         self,
-        local: Registration,
+        local: _Local,
         remote: RemoteSegment,
         *,
         local_offset: int = 0,
@@ -211,6 +259,50 @@ class Registration:
     def closed(self) -> bool: ...
     def close(self) -> None:
         """Unpublishes it; the memory is released once no request uses it."""
+    def __len__(self) -> int: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *args: object) -> None: ...
+
+@final
+class GpuRegistration:
+    """Device memory registered with an engine (alloc_gpu, register_gpu): the local side of
+    read/write/Batch ops like a Registration, published to peers when its access allows.
+    close() unpublishes it; the memory stays valid while this object or a request using it
+    lives."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def access(self) -> _AccessName: ...
+    @property
+    def device(self) -> int:
+        """The device ordinal."""
+    @property
+    def pci_bus_id(self) -> str: ...
+    @property
+    def ptr(self) -> int:
+        """The device address of its first byte."""
+    @property
+    def route(self) -> str:
+        """The GPUDirect route: "dmabuf", "peermem" or "off" (staged)."""
+    @property
+    def why(self) -> str:
+        """Why that route."""
+    @property
+    def readonly(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3: shape (len,), typestr "|u1", strides None, stream None."""
+    def copy_from(self, data: Buffer, offset: int = 0) -> None:
+        """Copies ``data`` into the memory at ``offset`` (host to device, by the driver)."""
+    def to_bytes(self, offset: int = 0, length: int | None = None) -> bytes:
+        """The bytes from ``offset`` (to the end by default), copied out by the driver."""
+    def close(self) -> None:
+        """Unpublishes it."""
     def __len__(self) -> int: ...
     def __enter__(self) -> Self: ...
     def __exit__(self, *args: object) -> None: ...
@@ -267,7 +359,7 @@ class Batch:
     def __new__(cls, timeout: float | None = None) -> Self: ...
     def read(
         self,
-        local: Registration,
+        local: _Local,
         remote: RemoteSegment,
         local_offset: int = 0,
         remote_offset: int = 0,
@@ -275,7 +367,7 @@ class Batch:
     ) -> Self: ...
     def write(
         self,
-        local: Registration,
+        local: _Local,
         remote: RemoteSegment,
         local_offset: int = 0,
         remote_offset: int = 0,
