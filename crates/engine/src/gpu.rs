@@ -587,6 +587,11 @@ pub(crate) fn cuda_error(e: CudaError) -> Error {
         CudaError::Route(r) => Error::InvalidRequest {
             reason: r.to_string(),
         },
+        // A range past the end of GPU memory (a copy or file load asked for too much).
+        CudaError::OutOfBounds(source) => Error::OutOfBounds {
+            side: "local",
+            source,
+        },
         other => Error::Register {
             name: "GPU memory".into(),
             source: Box::new(other),

@@ -546,6 +546,14 @@ fn a_file_loads_into_gpu_memory_and_says_which_path() {
         .unwrap();
     assert_eq!(load.bytes, data.len() as u64);
     assert!(gpu_bytes(&g, 0, data.len()) == data);
+    // Past the end of the GPU memory: out of bounds, before anything is read.
+    let past = e
+        .read_file_into_gpu(&g, 1, &path, 0, data.len() as u64)
+        .unwrap_err();
+    assert!(
+        matches!(past, ferry::Error::OutOfBounds { side: "local", .. }),
+        "{past:?}"
+    );
     let shown = e.describe().staging.unwrap().last_file_path.unwrap();
     assert_eq!(shown, load.path.to_string());
     assert!(
