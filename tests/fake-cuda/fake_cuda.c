@@ -265,6 +265,10 @@ CUresult cuCtxSetCurrent(void *ctx) {
     return 0;
 }
 
+/* Live device allocations, for cuPointerGetAttribute (a fixed table: the tests make few). */
+#define MAX_ALLOCS 4096
+static struct { CUdeviceptr start; size_t size; int dev; } allocs[MAX_ALLOCS];
+
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (failing("cuMemAlloc_v2")) return ERR_OUT_OF_MEMORY;
@@ -272,15 +276,58 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (posix_memalign(&h, 4096, n ? n : 1) != 0) return ERR_OUT_OF_MEMORY;
     memset(h, 0, n ? n : 1);
     *p = (CUdeviceptr)(uintptr_t)h | TAG;
-    count(&live_device, 1);
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].start == 0) {
+            allocs[i].start = *p;
+            allocs[i].size = n ? n : 1;
+            allocs[i].dev = current;
+            break;
+        }
+    }
+    live_device++;
+    pthread_mutex_unlock(&lock);
     return 0;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     if (!IS_DEV(p)) return ERR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].start == p) { allocs[i].start = 0; break; }
+    }
+    live_device--;
+    pthread_mutex_unlock(&lock);
     free((void *)(uintptr_t)(p & ~TAG));
-    count(&live_device, -1);
     return 0;
+}
+
+/* Memory type (2: device), device ordinal (9), range start (11) and size (12) of a pointer into
+ * a live cuMemAlloc allocation; any other pointer is CUDA_ERROR_INVALID_VALUE, as the driver
+ * answers for memory it does not know. */
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    if (!data) return ERR_INVALID_VALUE;
+    if (failing("cuPointerGetAttribute")) return ERR_UNKNOWN;
+    int found = -1;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].start && p >= allocs[i].start && p < allocs[i].start + allocs[i].size) {
+            found = i;
+            break;
+        }
+    }
+    CUdeviceptr start = found >= 0 ? allocs[found].start : 0;
+    size_t size = found >= 0 ? allocs[found].size : 0;
+    int dev = found >= 0 ? allocs[found].dev : -1;
+    pthread_mutex_unlock(&lock);
+    if (found < 0) return ERR_INVALID_VALUE;
+    switch (attr) {
+    case 2: *(unsigned *)data = 2; return 0;
+    case 9: *(int *)data = dev; return 0;
+    case 11: *(CUdeviceptr *)data = start; return 0;
+    case 12: *(size_t *)data = size; return 0;
+    default: return ERR_INVALID_VALUE;
+    }
 }
 
 CUresult cuMemAllocHost_v2(void **p, size_t n) {

@@ -124,6 +124,50 @@ impl Cuda {
         })
     }
 
+    /// Wraps device memory someone else owns, as [`Device::wrap`] does, but asks the driver
+    /// where it is first (`cuPointerGetAttribute`): `ptr` must be device memory (not host,
+    /// managed or array memory), and `ptr..ptr+len` must lie inside the one allocation holding
+    /// `ptr`; the device is the one the driver names. A pointer the driver does not know, or a
+    /// range past its allocation, is an error naming both.
+    ///
+    /// # Safety
+    /// `owner` keeps the allocation alive, and nothing frees it, until the last handle drops.
+    pub unsafe fn wrap_located(
+        &self,
+        ptr: DevicePtr,
+        len: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<DeviceMemory, CudaError> {
+        let driver = &*self.inner.driver;
+        let info = driver.pointer_info(ptr)?;
+        let refuse = |what: String| CudaError::Call {
+            library: driver.library().to_owned(),
+            call: "cuPointerGetAttribute",
+            code: 0,
+            name: what,
+        };
+        if info.memory_type != crate::driver::MEMORY_TYPE_DEVICE {
+            return Err(refuse(format!(
+                "{ptr:#x} is not device memory (memory type {}: 1 host, 3 array, 4 managed); \
+                 register host memory as host memory",
+                info.memory_type
+            )));
+        }
+        let end = ptr.checked_add(len as u64);
+        if ptr < info.start || end.is_none_or(|e| e > info.start + info.size) {
+            return Err(refuse(format!(
+                "{ptr:#x}+{len} runs past its allocation ({:#x}+{} on GPU {})",
+                info.start, info.size, info.ordinal
+            )));
+        }
+        let ordinal = u32::try_from(info.ordinal)
+            .map_err(|_| refuse(format!("{ptr:#x} names no device ({})", info.ordinal)))?;
+        let device = self.device(ordinal)?;
+        // SAFETY: the driver places the range inside one live device allocation on `device`;
+        // the caller guarantees `owner` keeps it alive.
+        Ok(unsafe { device.wrap(ptr, len, owner) })
+    }
+
     /// The library loaded.
     pub fn library(&self) -> &str {
         self.inner.driver.library()

@@ -31,6 +31,27 @@ pub struct CtxHandle(pub usize);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamHandle(pub usize);
 
+/// What the driver says about a device address (`cuPointerGetAttribute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PointerInfo {
+    /// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`: 1 host, 2 device, 3 array, 4 unified.
+    pub memory_type: u32,
+    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
+    pub ordinal: i32,
+    /// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`: where the allocation holding it starts.
+    pub start: DevicePtr,
+    /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE`: that allocation's length.
+    pub size: u64,
+}
+
+/// `CU_MEMORYTYPE_DEVICE`.
+pub const MEMORY_TYPE_DEVICE: u32 = 2;
+
+const ATTR_MEMORY_TYPE: c_int = 2;
+const ATTR_DEVICE_ORDINAL: c_int = 9;
+const ATTR_RANGE_START_ADDR: c_int = 11;
+const ATTR_RANGE_SIZE: c_int = 12;
+
 /// `CU_STREAM_NON_BLOCKING`: the stream does not synchronize with the legacy default stream.
 const STREAM_NON_BLOCKING: c_uint = 1;
 
@@ -124,6 +145,9 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
         len: usize,
         stream: StreamHandle,
     ) -> Result<(), CudaError>;
+    /// `cuPointerGetAttribute` of the memory type, device ordinal and allocation range of
+    /// `ptr` (an address the driver does not know is an error, `CUDA_ERROR_INVALID_VALUE`).
+    fn pointer_info(&self, ptr: DevicePtr) -> Result<PointerInfo, CudaError>;
     /// Whether `cuMemGetHandleForAddressRange` (dma-buf export) is exported.
     fn has_dmabuf_export(&self) -> bool;
     /// `cuMemGetHandleForAddressRange(.., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`: a dma-buf
@@ -150,6 +174,7 @@ type FnStreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
 type FnStream = unsafe extern "C" fn(*mut c_void) -> c_int;
 type FnHtoDAsync = unsafe extern "C" fn(DevicePtr, *const c_void, usize, *mut c_void) -> c_int;
 type FnDtoHAsync = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, *mut c_void) -> c_int;
+type FnPointerAttr = unsafe extern "C" fn(*mut c_void, c_int, DevicePtr) -> c_int;
 type FnGetHandle = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, c_int, c_ulonglong) -> c_int;
 type FnErrorName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
 
@@ -177,6 +202,7 @@ struct Fns {
     stream_sync: FnStream,
     htod_async: FnHtoDAsync,
     dtoh_async: FnDtoHAsync,
+    pointer_attr: FnPointerAttr,
     get_handle: Option<FnGetHandle>,
     error_name: Option<FnErrorName>,
 }
@@ -251,6 +277,7 @@ impl LibCuda {
             stream_sync: req!("cuStreamSynchronize"),
             htod_async: req!("cuMemcpyHtoDAsync_v2"),
             dtoh_async: req!("cuMemcpyDtoHAsync_v2"),
+            pointer_attr: req!("cuPointerGetAttribute"),
             get_handle: opt!("cuMemGetHandleForAddressRange"),
             error_name: opt!("cuGetErrorName"),
         };
@@ -468,6 +495,33 @@ impl Driver for LibCuda {
         // SAFETY: the caller guarantees both ranges until the stream is synchronized.
         let rc = unsafe { (self.f.dtoh_async)(dst.cast(), src, len, stream.0 as *mut c_void) };
         self.check("cuMemcpyDtoHAsync_v2", rc)
+    }
+
+    fn pointer_info(&self, ptr: DevicePtr) -> Result<PointerInfo, CudaError> {
+        let mut memory_type: c_uint = 0;
+        let mut ordinal: c_int = -1;
+        let mut start: DevicePtr = 0;
+        let mut size: usize = 0;
+        for (attr, out) in [
+            (
+                ATTR_MEMORY_TYPE,
+                (&mut memory_type as *mut c_uint).cast::<c_void>(),
+            ),
+            (ATTR_DEVICE_ORDINAL, (&mut ordinal as *mut c_int).cast()),
+            (ATTR_RANGE_START_ADDR, (&mut start as *mut DevicePtr).cast()),
+            (ATTR_RANGE_SIZE, (&mut size as *mut usize).cast()),
+        ] {
+            // SAFETY: each attribute writes one value of the type `out` points to (cuda.h:
+            // unsigned int, int, CUdeviceptr, size_t), which lives across the call.
+            let rc = unsafe { (self.f.pointer_attr)(out, attr, ptr) };
+            self.check("cuPointerGetAttribute", rc)?;
+        }
+        Ok(PointerInfo {
+            memory_type,
+            ordinal,
+            start,
+            size: size as u64,
+        })
     }
 
     fn has_dmabuf_export(&self) -> bool {

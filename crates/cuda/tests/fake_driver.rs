@@ -344,3 +344,35 @@ fn copies_on_streams_can_be_held_delayed_and_counted_in_flight() {
     assert_eq!(fake.max_copies_in_flight(), 0);
     assert_eq!(fake.copies(), copies + 3);
 }
+
+#[test]
+fn wrapping_asks_the_driver_where_the_memory_is() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::Full) else {
+        return;
+    };
+    fake.reset();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    let mem = Arc::new(cuda.device(0).unwrap().alloc(8192).unwrap());
+    let owner = || -> Box<dyn std::any::Any + Send + Sync> { Box::new(mem.clone()) };
+    // SAFETY (each call): `mem` is a live allocation that the owner keeps alive.
+    let inner = unsafe { cuda.wrap_located(mem.device_ptr() + 100, 4000, owner()) }.unwrap();
+    assert_eq!(inner.location().ordinal, 0);
+    assert_eq!(inner.len(), 4000);
+    inner.copy_from_host(0, b"located").unwrap();
+    let mut back = [0u8; 7];
+    mem.copy_to_host(100, &mut back).unwrap();
+    assert_eq!(&back, b"located");
+
+    let e = unsafe { cuda.wrap_located(mem.device_ptr() + 100, 8192, owner()) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("runs past its allocation"), "{e}");
+    let e = unsafe { cuda.wrap_located(mem.device_ptr() + 9000, 1, owner()) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cuPointerGetAttribute") && e.contains("CUDA_ERROR_INVALID_VALUE"),
+        "{e}"
+    );
+}

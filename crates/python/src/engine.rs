@@ -276,15 +276,16 @@ impl Engine {
     /// for `alloc_gpu`. The registration keeps `obj` alive (and so its memory) until the
     /// registration object and every request using it are gone.
     ///
-    /// The device is `device` when given, else `obj.device.index` (PyTorch), else
-    /// `obj.device.id` (CuPy), else 0; Ferry cannot check it, so name it for memory of another
-    /// GPU than the object says (Numba arrays say none). Ferry's copies run on its own
-    /// non-blocking streams and do not wait for work queued on the producer's stream:
+    /// The driver says which GPU holds the memory (`cuPointerGetAttribute`) and that the range
+    /// lies inside one device allocation; `device` when given (else `obj.device.index`,
+    /// PyTorch, else `obj.device.id`, CuPy) is checked against it. Ferry's copies run on its
+    /// own non-blocking streams and do not wait for work queued on the producer's stream:
     /// synchronize it (`torch.cuda.synchronize()`, `stream.synchronize()`) before submitting.
     ///
     /// Raises `TypeError` when `obj` has no interface or marks its memory read-only while
-    /// `access` grants remote writes, `ValueError` for a non-contiguous, masked or empty array
-    /// or an unknown `typestr`, and `Unavailable` without a driver.
+    /// `access` grants remote writes, `ValueError` for a non-contiguous, masked or empty array,
+    /// an unknown `typestr` or a GPU other than the driver's, Ferry's error for a pointer the
+    /// driver does not know or a range past its allocation, and `Unavailable` without a driver.
     #[pyo3(signature = (obj, name=None, access="local", device=None))]
     fn register_gpu(
         &self,

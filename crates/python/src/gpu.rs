@@ -180,17 +180,22 @@ fn c_contiguous(shape: &[usize], strides: &[i64], itemsize: usize) -> bool {
     true
 }
 
-/// The device ordinal for `obj`: `device` when given, else `obj.device.index` (a PyTorch CUDA
-/// tensor's), else `obj.device.id` (a CuPy array's), else 0.
-fn ordinal_of(obj: &Bound<'_, PyAny>, device: Option<i64>) -> PyResult<u32> {
+/// The device ordinal claimed for `obj`: `device` when given, else `obj.device.index` (a
+/// PyTorch CUDA tensor's), else `obj.device.id` (a CuPy array's), else none.
+fn claimed_ordinal(obj: &Bound<'_, PyAny>, device: Option<i64>) -> PyResult<Option<u32>> {
     let from_obj = || -> Option<i64> {
         let dev = obj.getattr("device").ok()?;
         ["index", "id"]
             .iter()
             .find_map(|a| dev.getattr(*a).ok()?.extract::<i64>().ok())
     };
-    let d = device.or_else(from_obj).unwrap_or(0);
-    u32::try_from(d).map_err(|_| PyValueError::new_err(format!("device must be >= 0, not {d}")))
+    device
+        .or_else(from_obj)
+        .map(|d| {
+            u32::try_from(d)
+                .map_err(|_| PyValueError::new_err(format!("device must be >= 0, not {d}")))
+        })
+        .transpose()
 }
 
 /// Registers `memory` with `engine` (GIL released, on the runtime) and makes the Python handle.
@@ -273,21 +278,29 @@ pub(crate) fn wrap(
             type_name(obj)
         )));
     }
-    let ordinal = ordinal_of(obj, device)?;
+    let claimed = claimed_ordinal(obj, device)?;
     let name = name.unwrap_or_else(|| format!("gpu-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
     let cuda = engine.cuda().map_err(|e| errors::to_py(py, e))?;
-    let dev = py
-        .detach(|| cuda.device(ordinal))
-        .map_err(|e| cuda_err(py, e))?;
     let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(obj.clone().unbind());
     // SAFETY: `cai.ptr..+cai.len` is the memory `obj` exports through the CUDA Array Interface
     // (checked: non-null, contiguous, not empty, no overflow); by that interface's contract it
-    // is one device allocation that stays valid while `obj` lives, and `obj` is the owner the
-    // DeviceMemory keeps until its last handle (registration, request, this Python handle)
-    // drops. That it is on GPU `ordinal` is the caller's word (the `device` argument or the
-    // object's `device`), as the docstring says. Ferry only hands the address to the driver's
-    // copies and, on a GPUDirect route, to the NIC registration; never to host code.
-    let memory = unsafe { dev.wrap(cai.ptr, cai.len, owner) };
+    // stays valid while `obj` lives, and `obj` is the owner the DeviceMemory keeps until its
+    // last handle (registration, request, this Python handle) drops. The driver itself says
+    // which GPU holds it and that the range lies inside one device allocation
+    // (`wrap_located`). Ferry only hands the address to the driver's copies and, on a
+    // GPUDirect route, to the NIC registration; never to host code.
+    let memory = py
+        .detach(|| unsafe { cuda.wrap_located(cai.ptr, cai.len, owner) })
+        .map_err(|e| cuda_err(py, e))?;
+    if let Some(c) = claimed
+        && c != memory.location().ordinal
+    {
+        return Err(PyValueError::new_err(format!(
+            "the driver places this memory on GPU {}, not GPU {c} (the device argument or the \
+             object's device); leave device unset to take the driver's word",
+            memory.location().ordinal
+        )));
+    }
     registration(py, engine, memory, access, name, cai.readonly)
 }
 

@@ -241,17 +241,26 @@ def test_register_gpu_wraps_an_exporter_and_keeps_it_alive(gpu_pair):
 def test_register_gpu_device_ordinal(cuda_driver):
     engine = ferry.Engine()
     base = engine.alloc_gpu(0, 256)
-    # C-contiguous strides are accepted, and the device comes from obj.device.index (PyTorch).
+    # C-contiguous strides are accepted; the driver places the memory, and the object's word
+    # (obj.device.index, PyTorch) agrees.
     two_d = interface(base.ptr, shape=(4, 8), typestr="<u2", strides=(16, 2))
     reg = engine.register_gpu(CudaArray(two_d, device=TorchLikeDevice(0)))
     assert len(reg) == 64 and reg.device == 0
-    with pytest.raises(ferry.InvalidRequest, match="no GPU 3"):
+    # No word at all: the driver's.
+    assert engine.register_gpu(CudaArray(interface(base.ptr))).device == 0
+    # A claim the driver contradicts is refused, naming both.
+    with pytest.raises(ValueError, match="on GPU 0, not GPU 3"):
         engine.register_gpu(CudaArray(interface(base.ptr), device=TorchLikeDevice(3)))
-    # The argument wins over the object's word.
+    # The argument is checked too, and wins over the object's word.
     reg = engine.register_gpu(CudaArray(interface(base.ptr), device=TorchLikeDevice(3)), device=0)
     assert reg.device == 0
     with pytest.raises(ValueError, match="device must be >= 0"):
         engine.register_gpu(CudaArray(interface(base.ptr)), device=-2)
+    # The driver knows where allocations end, and which addresses are none of its.
+    with pytest.raises(ferry.FerryError, match="runs past its allocation"):
+        engine.register_gpu(CudaArray(interface(base.ptr + 128, shape=(256,))))
+    with pytest.raises(ferry.FerryError, match="cuPointerGetAttribute"):
+        engine.register_gpu(CudaArray(interface(base.ptr + (1 << 40))))
 
 
 def test_register_gpu_read_only_memory(gpu_pair):

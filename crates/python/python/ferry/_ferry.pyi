@@ -182,10 +182,13 @@ class Engine:
         """Registers the device memory ``obj`` exports by ``__cuda_array_interface__`` (PyTorch
         CUDA tensor, CuPy array, Numba device array) without copying; keeps ``obj`` alive.
 
-        The device is ``device``, else ``obj.device.index`` (PyTorch), else ``obj.device.id``
-        (CuPy), else 0. Synchronize the producer's stream before submitting: Ferry's copies run
-        on its own streams. Raises TypeError (no interface; read-only with write access),
-        ValueError (non-contiguous, masked, empty, unknown typestr), Unavailable (no driver).
+        The driver says which GPU holds the memory and that the range lies inside one device
+        allocation; ``device`` (else ``obj.device.index``, PyTorch, or ``obj.device.id``, CuPy) is
+        checked against it. Synchronize the producer's stream before submitting: Ferry's copies
+        run on its own streams. Raises TypeError (no interface; read-only with write access),
+        ValueError (non-contiguous, masked, empty, unknown typestr, another GPU than claimed),
+        FerryError (the driver does not know the pointer, or the range runs past its allocation),
+        Unavailable (no driver).
         """
     def read_file_into_gpu(
         self,
