@@ -355,7 +355,7 @@ fn wrapping_asks_the_driver_where_the_memory_is() {
     let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
     let mem = Arc::new(cuda.device(0).unwrap().alloc(8192).unwrap());
     let owner = || -> Box<dyn std::any::Any + Send + Sync> { Box::new(mem.clone()) };
-    // SAFETY (each call): `mem` is a live allocation that the owner keeps alive.
+    // SAFETY: `mem` is a live allocation that the owner keeps alive.
     let inner = unsafe { cuda.wrap_located(mem.device_ptr() + 100, 4000, owner()) }.unwrap();
     assert_eq!(inner.location().ordinal, 0);
     assert_eq!(inner.len(), 4000);
@@ -364,10 +364,12 @@ fn wrapping_asks_the_driver_where_the_memory_is() {
     mem.copy_to_host(100, &mut back).unwrap();
     assert_eq!(&back, b"located");
 
+    // SAFETY: as above (and the call is refused).
     let e = unsafe { cuda.wrap_located(mem.device_ptr() + 100, 8192, owner()) }
         .unwrap_err()
         .to_string();
     assert!(e.contains("runs past its allocation"), "{e}");
+    // SAFETY: as above (and the call is refused).
     let e = unsafe { cuda.wrap_located(mem.device_ptr() + 9000, 1, owner()) }
         .unwrap_err()
         .to_string();
