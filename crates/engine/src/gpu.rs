@@ -1025,7 +1025,7 @@ pub(crate) async fn run(
             l.plan(i, n as u32);
         }
     });
-    let pipeline = Pipeline {
+    let pipeline = Arc::new(Pipeline {
         deadline: timeout.map(|t| tokio::time::Instant::now() + t),
         peer,
         ops,
@@ -1033,29 +1033,16 @@ pub(crate) async fn run(
         pool,
         inner,
         cursor: Mutex::new(Cursor { op: 0, offset: 0 }),
-    };
-    // As many workers as lanes; each takes the next piece when its last one drained.
-    let mut workers: Vec<_> = (0..pipeline.pool.buffers)
-        .map(|_| Some(Box::pin(worker(&pipeline))))
-        .collect();
-    std::future::poll_fn(|cx| {
-        let mut busy = false;
-        for w in workers.iter_mut() {
-            if let Some(f) = w {
-                if f.as_mut().poll(cx).is_ready() {
-                    *w = None;
-                } else {
-                    busy = true;
-                }
-            }
-        }
-        if busy {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
+    });
+    // As many workers as lanes, each a task of its own (so that one's completion is handled
+    // while another's is polled, on another runtime thread); each takes the next piece when its
+    // last one drained.
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..pipeline.pool.buffers {
+        let p = pipeline.clone();
+        workers.spawn(async move { worker(&p).await });
+    }
+    while workers.join_next().await.is_some() {}
     pipeline.control.outcome(true)
 }
 
