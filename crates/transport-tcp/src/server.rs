@@ -23,10 +23,18 @@ use crate::pool::{AbortOnDrop, IoPool};
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
 const SMALL: usize = 16 << 10;
 
-/// File segments move through two buffers of at most this much per stream, so a chunk of up to
-/// `MAX_CHUNK` costs no more memory than a small one, and a chunk is several pieces whose
-/// positioned I/O overlaps the socket's (piece k+1 read while piece k is sent).
-const FILE_PIECE: usize = 256 << 10;
+/// File segments move through two buffers per stream, of at most [`READ_PIECE`] bytes: a chunk of
+/// up to `MAX_CHUNK` costs no more memory than a small one, and a chunk of several pieces
+/// overlaps its positioned I/O with the socket's (piece k+1 read while piece k is sent; piece k
+/// written while piece k+1 is received).
+///
+/// READ pieces are as large as the default chunk (1 MiB): smaller ones overlapped more but cost
+/// a blocking-pool hand-off each, and on loopback with a GPU segment (the fake driver, 2 cores)
+/// 256 KiB pieces moved READs about 10% slower. WRITE pieces are 256 KiB: there the overlap of
+/// receiving with writing paid (about 1.16x on the same bench). docs/performance.md has both.
+const READ_PIECE: usize = 1 << 20;
+/// See [`READ_PIECE`].
+const WRITE_PIECE: usize = 256 << 10;
 
 /// A bound listener, not serving yet.
 #[derive(Debug)]
@@ -469,7 +477,7 @@ impl FileStage {
     fn take(&mut self, n: usize) -> Vec<u8> {
         let mut b = match self.spare.iter_mut().find(|b| b.capacity() > 0) {
             Some(b) => std::mem::take(b),
-            None => Vec::with_capacity(FILE_PIECE),
+            None => Vec::with_capacity(READ_PIECE.max(WRITE_PIECE)),
         };
         b.resize(n, 0);
         b
@@ -484,7 +492,7 @@ impl FileStage {
 
 type Piece = tokio::task::JoinHandle<(Vec<u8>, std::io::Result<()>)>;
 
-/// Sends `head` then `len` bytes of `file` at `at`, in pieces of at most [`FILE_PIECE`]: each
+/// Sends `head` then `len` bytes of `file` at `at`, in pieces of at most [`READ_PIECE`]: each
 /// read runs off the I/O thread while the piece before it is sent. A failed read (a file that
 /// shrank) is an error that closes the stream.
 async fn send_file(
@@ -496,7 +504,7 @@ async fn send_file(
     stage: &mut FileStage,
 ) -> std::io::Result<()> {
     let read = |stage: &mut FileStage, done: usize| -> Piece {
-        let mut buf = stage.take(FILE_PIECE.min(len - done));
+        let mut buf = stage.take(READ_PIECE.min(len - done));
         let f = file.clone();
         let from = at + done as u64;
         tokio::task::spawn_blocking(move || {
@@ -529,7 +537,7 @@ async fn send_file(
     Ok(())
 }
 
-/// Receives `len` bytes into `file` at `at`, in pieces of at most [`FILE_PIECE`]: each positioned
+/// Receives `len` bytes into `file` at `at`, in pieces of at most [`WRITE_PIECE`]: each positioned
 /// write runs off the I/O thread while the next piece is received; returns once every write
 /// finished (so the acknowledgment that follows is true).
 async fn recv_file(
@@ -542,7 +550,7 @@ async fn recv_file(
     let mut writing: Option<Piece> = None;
     let mut done = 0usize;
     while done < len {
-        let mut buf = stage.take(FILE_PIECE.min(len - done));
+        let mut buf = stage.take(WRITE_PIECE.min(len - done));
         let received = recv_buf(stream, &mut buf).await;
         if let Some(w) = writing.take() {
             let (b, r) = w.await.map_err(std::io::Error::other)?;
