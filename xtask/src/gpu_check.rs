@@ -72,6 +72,9 @@ fn facts_of(text: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The cargo command (after `cargo`) that builds and runs the real-driver GPU tests.
+const GPU_TESTS: [&str; 6] = ["test", "--release", "-p", "ferry", "--test", "gpu_real"];
+
 const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bundle DIR | \
                      gpu-check --prebuilt BUNDLE --out DIR [--allow-fake]";
 
@@ -80,16 +83,8 @@ const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bun
 fn bundle(dir: &std::path::Path) -> Result<()> {
     let root = project_root();
     crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli", "-p", "xtask"]))?;
-    let built = crate::soft_roce::artifacts::cargo_json(&[
-        "test",
-        "--release",
-        "-p",
-        "ferry",
-        "--test",
-        "gpu_real",
-        "--no-run",
-    ])?
-    .map_err(|e| anyhow::anyhow!("building the GPU tests failed: {e}"))?;
+    let built = crate::soft_roce::artifacts::cargo_json(&[&GPU_TESTS[..], &["--no-run"]].concat())?
+        .map_err(|e| anyhow::anyhow!("building the GPU tests failed: {e}"))?;
     let tests = crate::soft_roce::artifacts::parse_artifacts(&built, true)
         .into_iter()
         .find(|a| a.label.ends_with(":gpu_real"))
@@ -174,15 +169,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         None => {
             crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
             let mut t = cargo();
-            t.args([
-                "test",
-                "--release",
-                "-p",
-                "ferry",
-                "--test",
-                "gpu_real",
-                "--",
-            ]);
+            t.args(GPU_TESTS).arg("--");
             (project_root().join("target/release/ferry"), t)
         }
     };

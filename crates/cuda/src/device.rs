@@ -140,11 +140,9 @@ impl Cuda {
     ) -> Result<DeviceMemory, CudaError> {
         let driver = &*self.inner.driver;
         let info = driver.pointer_info(ptr)?;
-        let refuse = |what: String| CudaError::Call {
+        let refuse = |what: String| CudaError::NotDeviceMemory {
             library: driver.library().to_owned(),
-            call: "cuPointerGetAttribute",
-            code: 0,
-            name: what,
+            what: format!("cuPointerGetAttribute: {what}"),
         };
         if info.memory_type != crate::driver::MEMORY_TYPE_DEVICE {
             return Err(refuse(format!(

@@ -96,6 +96,15 @@ pub enum CudaError {
         /// The driver's error.
         reason: String,
     },
+    /// Memory offered as device memory is not what the driver says it is (host or managed
+    /// memory, or a range running past its allocation).
+    #[error("{library}: {what}")]
+    NotDeviceMemory {
+        /// The library that was asked (`cuPointerGetAttribute`).
+        library: String,
+        /// What the driver said, with the address and length.
+        what: String,
+    },
     /// A range falls outside the device memory or host buffer.
     #[error("{0}")]
     OutOfBounds(#[source] ferry_core::OutOfBounds),

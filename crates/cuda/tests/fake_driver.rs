@@ -365,10 +365,13 @@ fn wrapping_asks_the_driver_where_the_memory_is() {
     assert_eq!(&back, b"located");
 
     // SAFETY: as above (and the call is refused).
-    let e = unsafe { cuda.wrap_located(mem.device_ptr() + 100, 8192, owner()) }
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("runs past its allocation"), "{e}");
+    let e = unsafe { cuda.wrap_located(mem.device_ptr() + 100, 8192, owner()) }.unwrap_err();
+    assert!(matches!(e, CudaError::NotDeviceMemory { .. }), "{e:?}");
+    let e = e.to_string();
+    assert!(
+        e.contains("runs past its allocation") && e.contains("libcuda"),
+        "{e}"
+    );
     // SAFETY: as above (and the call is refused).
     let e = unsafe { cuda.wrap_located(mem.device_ptr() + 9000, 1, owner()) }
         .unwrap_err()

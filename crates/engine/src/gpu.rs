@@ -502,6 +502,18 @@ pub(crate) struct Direct {
     pub(crate) registration: registry::Registration,
 }
 
+impl Direct {
+    /// The rails (`device:port`) its MRs are on.
+    fn rails(&self) -> Vec<String> {
+        self.registration
+            .lease()
+            .contexts()
+            .iter()
+            .map(|c| c.name.clone())
+            .collect()
+    }
+}
+
 impl fmt::Debug for GpuRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GpuRegistration")
@@ -542,14 +554,7 @@ impl GpuRegistration {
     /// The RDMA rails (`device:port`) it is registered on: empty unless the route is `dmabuf`
     /// or `peermem`.
     pub fn nics(&self) -> Vec<String> {
-        self.direct.as_ref().map_or_else(Vec::new, |d| {
-            d.registration
-                .lease()
-                .contexts()
-                .iter()
-                .map(|c| c.name.clone())
-                .collect()
-        })
+        self.direct.as_ref().map_or_else(Vec::new, Direct::rails)
     }
 
     /// The descriptor peers see (with the remote keys of its MRs when it is registered with
@@ -586,6 +591,9 @@ pub(crate) fn cuda_error(e: CudaError) -> Error {
         CudaError::Unavailable { library, reason } => Error::Unavailable { library, reason },
         CudaError::Route(r) => Error::InvalidRequest {
             reason: r.to_string(),
+        },
+        e @ CudaError::NotDeviceMemory { .. } => Error::InvalidRequest {
+            reason: e.to_string(),
         },
         // A range past the end of GPU memory (a copy or file load asked for too much).
         CudaError::OutOfBounds(source) => Error::OutOfBounds {
@@ -687,14 +695,7 @@ impl crate::TransferEngine {
                 Arc::new(DeviceSegment::new(memory.clone(), access)),
             );
         }
-        let nics: Vec<String> = direct.as_ref().map_or_else(Vec::new, |d| {
-            d.registration
-                .lease()
-                .contexts()
-                .iter()
-                .map(|c| c.name.clone())
-                .collect()
-        });
+        let nics: Vec<String> = direct.as_ref().map_or_else(Vec::new, Direct::rails);
         let served = match (access.is_remote(), &direct, served_by_staging) {
             (false, _, _) => "local only".to_owned(),
             (true, Some(_), true) => format!(

@@ -52,6 +52,12 @@ impl<T: LocalMemory + ?Sized> LocalMemory for Arc<T> {
     }
 }
 
+impl LocalMemory for LocalRef {
+    fn local_ref(&self) -> LocalRef {
+        self.clone()
+    }
+}
+
 impl<T: LocalMemory + ?Sized> LocalMemory for &T {
     fn local_ref(&self) -> LocalRef {
         (**self).local_ref()

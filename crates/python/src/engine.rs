@@ -284,8 +284,9 @@ impl Engine {
     ///
     /// Raises `TypeError` when `obj` has no interface or marks its memory read-only while
     /// `access` grants remote writes, `ValueError` for a non-contiguous, masked or empty array,
-    /// an unknown `typestr` or a GPU other than the driver's, Ferry's error for a pointer the
-    /// driver does not know or a range past its allocation, and `Unavailable` without a driver.
+    /// an unknown `typestr` or a GPU other than the driver's, `InvalidRequest` (a `ValueError`)
+    /// for a range past its allocation or memory that is not device memory, `FerryError` for a
+    /// pointer the driver does not know, and `Unavailable` without a driver.
     #[pyo3(signature = (obj, name=None, access="local", device=None))]
     fn register_gpu(
         &self,

@@ -13,6 +13,8 @@ use ferry::{Canceller, OpKind, Outcome, RemoteEffect, RemoteStatus};
 use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use ferry::LocalMemory;
+
 use crate::engine::{Registration, RemoteSegment};
 use crate::errors::{self, Kind};
 use crate::gpu::GpuRegistration;
@@ -276,34 +278,33 @@ pub(crate) fn to_batch(
     };
     for op in ops {
         let remote = &op.remote.get().segment;
-        match &op.local {
+        // The memory as the batch records it (its registration may be closed meanwhile).
+        let local = match &op.local {
             LocalReg::Host(r) => {
                 let r = r.get();
                 let guard = r.inner.lock().unwrap_or_else(PoisonError::into_inner);
-                let reg = guard.as_ref().ok_or_else(|| closed(&r.name))?;
-                batch.push(
-                    op.kind,
-                    reg,
-                    op.local_offset,
-                    remote,
-                    op.remote_offset,
-                    op.len,
-                );
+                guard
+                    .as_ref()
+                    .map(LocalMemory::local_ref)
+                    .ok_or_else(|| closed(&r.name))?
             }
             LocalReg::Gpu(r) => {
                 let r = r.get();
                 let guard = r.inner.lock().unwrap_or_else(PoisonError::into_inner);
-                let reg = guard.as_ref().ok_or_else(|| closed(&r.name))?;
-                batch.push(
-                    op.kind,
-                    reg,
-                    op.local_offset,
-                    remote,
-                    op.remote_offset,
-                    op.len,
-                );
+                guard
+                    .as_ref()
+                    .map(LocalMemory::local_ref)
+                    .ok_or_else(|| closed(&r.name))?
             }
-        }
+        };
+        batch.push(
+            op.kind,
+            &local,
+            op.local_offset,
+            remote,
+            op.remote_offset,
+            op.len,
+        );
     }
     Ok(match timeout {
         Some(t) => batch.timeout(t),

@@ -257,7 +257,7 @@ def test_register_gpu_device_ordinal(cuda_driver):
     with pytest.raises(ValueError, match="device must be >= 0"):
         engine.register_gpu(CudaArray(interface(base.ptr)), device=-2)
     # The driver knows where allocations end, and which addresses are none of its.
-    with pytest.raises(ferry.FerryError, match="runs past its allocation"):
+    with pytest.raises(ferry.InvalidRequest, match="runs past its allocation"):
         engine.register_gpu(CudaArray(interface(base.ptr + 128, shape=(256,))))
     with pytest.raises(ferry.FerryError, match="cuPointerGetAttribute"):
         engine.register_gpu(CudaArray(interface(base.ptr + (1 << 40))))

@@ -186,8 +186,9 @@ class Engine:
         allocation; ``device`` (else ``obj.device.index``, PyTorch, or ``obj.device.id``, CuPy) is
         checked against it. Synchronize the producer's stream before submitting: Ferry's copies
         run on its own streams. Raises TypeError (no interface; read-only with write access),
-        ValueError (non-contiguous, masked, empty, unknown typestr, another GPU than claimed),
-        FerryError (the driver does not know the pointer, or the range runs past its allocation),
+        ValueError (non-contiguous, masked, empty, unknown typestr, another GPU than claimed; and
+        InvalidRequest, one, for a range past its allocation or memory that is not device
+        memory), FerryError (the driver does not know the pointer),
         Unavailable (no driver).
         """
     def read_file_into_gpu(
