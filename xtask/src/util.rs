@@ -39,6 +39,16 @@ pub(crate) fn have(prog: &str) -> bool {
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(prog).is_file()))
 }
 
+/// Whether this process runs as root (effective uid 0).
+pub(crate) fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find(|l| l.starts_with("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .is_some_and(|euid| euid == "0")
+    })
+}
+
 /// Installs `package` with apt-get (through sudo where present) unless `tool` is on PATH already.
 pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
     if have(tool) {
