@@ -13,7 +13,7 @@
 //!    machine);
 //! 3. `cargo test --workspace --all-targets`, which builds the default features and, through
 //!    `ferry-tests`' default features, the `etcd` feature of the broadcast and the CLI;
-//! 4. `cargo build -p ferry-cli --features etcd`, the user's way to the etcd discovery.
+//! 4. `cargo build -p ferry-engine-cli --features etcd`, the user's way to the etcd discovery.
 //!
 //! With `--full` it runs the whole `.ci/run` instead of steps 2-4 (soft-RoCE guest included).
 //!
@@ -226,7 +226,7 @@ fn inside_script(full: bool, sysroot: &Path) -> String {
         "step '.ci/packages' bash .ci/packages\n\
          step 'clippy' cargo clippy --workspace --all-targets -- -D warnings\n\
          step 'test (default features; etcd through ferry-tests)' cargo test --workspace --all-targets\n\
-         step 'ferry-cli --features etcd' cargo build -p ferry-cli --features etcd\n"
+         step 'ferry-cli --features etcd' cargo build -p ferry-engine-cli --features etcd\n"
             .to_owned()
     };
     format!(
@@ -352,6 +352,7 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
         .arg(&root)
         .args(["/bin/bash", "/work/fresh-machine.sh"])
         .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .env("TERM", "dumb"));
     drop(mounts);
     res.context("a step failed on the fresh Debian 12 root")?;

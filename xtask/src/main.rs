@@ -43,6 +43,7 @@ tasks:
                          a bare Debian 12 root (debootstrap): .ci/packages, then clippy, all tests
                          and the etcd feature inside it; run before changing native dependencies
                          or .ci/ (xtask/src/fresh_machine.rs)
+  wheel                  the Python package as an abi3 wheel (release, maturin) in <target>/wheels
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
   bench python [--total BYTES] [--repeat N]
@@ -80,6 +81,7 @@ fn main() -> Result<()> {
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "fuzz" => fuzz::run(&rest),
+        "wheel" => python::wheel(&rest),
         "fresh-machine" => fresh_machine::run_task(&rest),
         "mutants" => mutants::run(&rest),
         "faults" => stress::faults(&rest),
