@@ -5,8 +5,8 @@
 //! that etcd-client's build needs went unnoticed that way), so this task builds a root with
 //! `debootstrap --variant=minbase bookworm` (the bare base is cached as a tarball in
 //! [`cache_dir`] and unpacked afresh for every run, so each run starts from the same bare root),
-//! copies this checkout into it (the files git tracks plus untracked ones it does not ignore:
-//! what a clean clone of a commit of this tree holds), and inside it, under `chroot`:
+//! copies this checkout into it (`.git`, the files git tracks and untracked ones it does not
+//! ignore: what a clean clone of a commit of this tree holds), and inside it, under `chroot`:
 //!
 //! 1. runs `.ci/packages`, the package step of `.ci/run`;
 //! 2. `cargo clippy --workspace --all-targets -- -D warnings` (the step that failed on a fresh
@@ -154,8 +154,8 @@ fn ensure_base(dir: &Path, rebuild: bool) -> Result<PathBuf> {
     Ok(tar)
 }
 
-/// The checkout's files a clean clone would hold: tracked ones and untracked ones git does not
-/// ignore, as NUL-separated paths relative to the root.
+/// The checkout's files a clean clone would hold: `.git`, tracked files and untracked ones git
+/// does not ignore, as NUL-separated paths relative to the root.
 fn checkout_files() -> Result<Vec<u8>> {
     let out = Command::new("git")
         .args([
@@ -176,7 +176,8 @@ fn checkout_files() -> Result<Vec<u8>> {
     }
     // A file deleted in the work tree but still in the index is not part of the checkout.
     let root = project_root();
-    let mut kept = Vec::with_capacity(out.stdout.len());
+    // The repository itself too, as a clone has it: tests and build scripts may ask git.
+    let mut kept = b".git\0".to_vec();
     for p in out.stdout.split(|b| *b == 0).filter(|p| !p.is_empty()) {
         let rel = Path::new(std::str::from_utf8(p).context("a non-UTF-8 path in the checkout")?);
         if root.join(rel).symlink_metadata().is_ok() {
@@ -225,7 +226,7 @@ fn inside_script(full: bool, sysroot: &Path) -> String {
     } else {
         "step '.ci/packages' bash .ci/packages\n\
          step 'clippy' cargo clippy --workspace --all-targets -- -D warnings\n\
-         step 'test (default features; etcd through ferry-tests)' cargo test --workspace --all-targets\n\
+         step 'test (default features; etcd through ferry-tests)' cargo test --workspace --all-targets --no-fail-fast\n\
          step 'ferry-cli --features etcd' cargo build -p ferry-engine-cli --features etcd\n"
             .to_owned()
     };
@@ -387,6 +388,7 @@ mod tests {
         let names: Vec<&[u8]> = list.split(|b| *b == 0).filter(|p| !p.is_empty()).collect();
         assert!(names.iter().any(|n| *n == b".ci/packages"));
         assert!(names.iter().any(|n| *n == b"Cargo.lock"));
+        assert!(names.iter().any(|n| *n == b".git"));
         assert!(!names.iter().any(|n| n.starts_with(b"target/")));
     }
 }

@@ -271,6 +271,25 @@ mod tests {
     }
 
     #[test]
+    fn no_task_builds_a_path_into_target_by_hand() {
+        // Every output path comes from `target_dir()`; a path joined by hand under `target` would
+        // ignore CARGO_TARGET_DIR again (how `cargo xtask soak` lost its binary).
+        let needle = ["join(\"target", "/"].concat();
+        let mut stack = vec![project_root().join("xtask/src")];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    assert!(!text.contains(&needle), "{} builds a target path by hand", p.display());
+                }
+            }
+        }
+    }
+
+    #[test]
     fn sizes_json_and_medians() {
         assert_eq!(size("4GiB").unwrap(), 4 << 30);
         assert_eq!(size("64KiB").unwrap(), 64 << 10);
