@@ -89,34 +89,43 @@ fn host_registry() -> PathBuf {
         .join("registry")
 }
 
-/// Mounts made inside the root, unmounted (last first) when dropped, whatever went wrong.
-#[derive(Default)]
-struct Mounts(Vec<PathBuf>);
+/// Mounts made inside the root; dropping it detaches every mount under the root (ours and any
+/// the steps made, such as `ip netns`'s /run/netns), whatever went wrong.
+struct Mounts {
+    root: PathBuf,
+}
 
 impl Mounts {
     fn mount(&mut self, args: &[&str], target: &Path) -> Result<()> {
         std::fs::create_dir_all(target)
             .with_context(|| format!("creating {}", target.display()))?;
-        run(Command::new("mount").args(args).arg(target))?;
-        self.0.push(target.to_path_buf());
-        Ok(())
+        run(Command::new("mount").args(args).arg(target))
     }
 }
 
 impl Drop for Mounts {
     fn drop(&mut self) {
-        for t in self.0.iter().rev() {
-            let ok = Command::new("umount")
-                .arg("-R")
-                .arg(t)
-                .status()
-                .is_ok_and(|s| s.success());
-            if !ok {
-                // A lazy unmount still detaches it, so the next run's `rm -rf` cannot reach the
-                // host's files through it.
-                let _ = Command::new("umount").arg("-Rl").arg(t).status();
-            }
-        }
+        unmount_all_under(&self.root);
+    }
+}
+
+/// Detaches (lazily, deepest first) every mount point at or under `root`, as
+/// `/proc/self/mountinfo` lists them.
+fn unmount_all_under(root: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        // mountinfo escapes spaces and the like as octal; such a path is not one we made.
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(root))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    points.dedup();
+    for p in points {
+        let _ = Command::new("umount").arg("-l").arg(&p).status();
     }
 }
 
@@ -271,20 +280,9 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
     let base = ensure_base(&dir, rebuild)?;
     let root = dir.join("root");
     if root.exists() {
-        // Left mounted only if a run was killed; a lazy unmount of each keeps rm off the host.
-        for m in [
-            "proc",
-            "sys",
-            "dev",
-            "root/.cargo/registry",
-            "opt/host-registry",
-        ] {
-            let _ = Command::new("umount").arg("-Rl").arg(root.join(m)).status();
-        }
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(root.join(sysroot()?.strip_prefix("/")?))
-            .status();
+        // Whatever is still mounted in it (a killed run, or a mount the tests made inside, such
+        // as `ip netns`'s /run/netns) is detached first, so rm cannot reach the host through it.
+        unmount_all_under(&root);
         run(Command::new("rm")
             .args(["-rf", "--one-file-system"])
             .arg(&root))?;
@@ -300,7 +298,7 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
 
     let sysroot = sysroot()?;
     let registry = host_registry();
-    let mut mounts = Mounts::default();
+    let mut mounts = Mounts { root: root.clone() };
     mounts.mount(&["-t", "proc", "proc"], &root.join("proc"))?;
     mounts.mount(&["--rbind", "/sys"], &root.join("sys"))?;
     mounts.mount(&["--rbind", "/dev"], &root.join("dev"))?;

@@ -283,7 +283,11 @@ mod tests {
                     stack.push(p);
                 } else if p.extension().is_some_and(|x| x == "rs") {
                     let text = std::fs::read_to_string(&p).unwrap();
-                    assert!(!text.contains(&needle), "{} builds a target path by hand", p.display());
+                    assert!(
+                        !text.contains(&needle),
+                        "{} builds a target path by hand",
+                        p.display()
+                    );
                 }
             }
         }
