@@ -300,8 +300,13 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
     let registry = host_registry();
     let mut mounts = Mounts { root: root.clone() };
     mounts.mount(&["-t", "proc", "proc"], &root.join("proc"))?;
-    mounts.mount(&["--rbind", "/sys"], &root.join("sys"))?;
-    mounts.mount(&["--rbind", "/dev"], &root.join("dev"))?;
+    for (from, to) in [("/sys", "sys"), ("/dev", "dev")] {
+        let to = root.join(to);
+        mounts.mount(&["--rbind", from], &to)?;
+        // Slave, not shared: where the host's mounts are shared (systemd), unmounting the
+        // copies afterwards must not propagate back and unmount the host's /dev/pts and the like.
+        run(Command::new("mount").arg("--make-rslave").arg(&to))?;
+    }
     let inner_sysroot = root.join(sysroot.strip_prefix("/").context("a relative sysroot")?);
     mounts.mount(
         &["--bind", "-o", "ro", &sysroot.to_string_lossy()],
