@@ -11,6 +11,7 @@ use std::sync::Arc;
 use crate::auth::{PeerView, PendingProof};
 use crate::error::Error;
 use crate::ids::Epoch;
+use crate::stream::ServerStream;
 use crate::transport::{HandshakeResponder, PeerInfo, SegmentTable};
 use crate::wire::{
     ControlFrame, Hello, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer,
@@ -42,12 +43,13 @@ pub enum ServerStep {
     /// Send this frame, then close the connection.
     Close(ControlFrame),
     /// A data stream is accepted: send [`ControlFrame::StreamAccept`] and serve its requests
-    /// from `table` (the peer's view of the published segments).
+    /// with `stream`, which resolves every op and piece through the peer's view of the
+    /// published segments (an authenticated peer sees only what is published to its key name).
     Stream {
         /// The attach.
         attach: StreamAttach,
-        /// What the stream may see.
-        table: Arc<dyn SegmentTable>,
+        /// The stream's protocol state, bound to what the peer may see.
+        stream: ServerStream,
     },
     /// A frame that has no place here: close without answering.
     Fail(Error),
@@ -141,7 +143,7 @@ impl ServerConversation {
                 }
                 ServerStep::Stream {
                     attach: a,
-                    table: self.table.clone(),
+                    stream: ServerStream::new(self.table.clone()),
                 }
             }
             (Conversation::Start, ControlFrame::AuthHello(h)) => {
@@ -203,7 +205,10 @@ impl ServerConversation {
                 match auth.check_attach(&a, self.responder.epoch()) {
                     Ok(name) => ServerStep::Stream {
                         attach: a.attach,
-                        table: Arc::new(PeerView::new(self.table.clone(), name)),
+                        stream: ServerStream::new(Arc::new(PeerView::new(
+                            self.table.clone(),
+                            name,
+                        ))),
                     },
                     Err(r) => self.refused(r.message),
                 }
@@ -550,7 +555,8 @@ mod tests {
         use super::*;
         use crate::auth::{ClientAuth, Keyring, ServerAuth};
         use crate::ids::{Access, PeerId, SegmentToken};
-        use crate::op::SegmentDesc;
+        use crate::op::{OpKind, SegmentDesc};
+        use crate::outcome::RemoteStatus;
         use crate::transport::{MockHandshakeResponder, SegmentLease};
         use crate::wire::{AuthAttach, VersionRange};
         use proptest::prelude::*;
@@ -647,6 +653,74 @@ mod tests {
             let (proof, session) = client.on_reply(peer(), challenge)?;
             assert!(matches!(server.on_frame(proof), ServerStep::Read));
             Ok((server.on_frame(ControlFrame::Hello(ours)), session))
+        }
+
+        /// What `stream` answers for `token`: a single READ of the whole segment, then a
+        /// vectored READ of it in four 2-byte pieces; `None` where accepted, else the refusal.
+        fn served(
+            stream: &mut ServerStream,
+            token: u64,
+        ) -> (Option<RemoteStatus>, Option<RemoteStatus>) {
+            use crate::stream::Action;
+            use crate::wire::{
+                DATA_REQUEST_LEN, DataRequest, Piece, ResponseHead, VectoredRequest,
+            };
+            let token = SegmentToken(token);
+            let mut head = [0u8; DATA_REQUEST_LEN];
+            DataRequest {
+                kind: OpKind::Read,
+                seq: 1,
+                token,
+                offset: 0,
+                len: 8,
+                ack_slack: 0,
+            }
+            .encode(&mut head);
+            let single = match stream.on_request(&head) {
+                Action::ReadMemory { .. } => None,
+                Action::Refuse { status, .. } => Some(status),
+                other => panic!("{other:?}"),
+            };
+            let req = VectoredRequest {
+                kind: OpKind::Read,
+                seq: 2,
+                pieces: 4,
+                total: 8,
+            };
+            req.encode(&mut head);
+            let Action::Table { req } = stream.on_request(&head) else {
+                panic!("not a table")
+            };
+            let mut table = Vec::new();
+            for i in 0..4 {
+                Piece {
+                    token,
+                    offset: i * 2,
+                    len: 2,
+                }
+                .encode(&mut table);
+            }
+            let Action::Vectored {
+                targets, response, ..
+            } = stream.on_table(&req, &table)
+            else {
+                panic!("not served as a vectored request")
+            };
+            let Ok(ResponseHead::Vectored(r)) = ResponseHead::decode(&response) else {
+                panic!("not a vectored response")
+            };
+            assert_eq!(r.done as usize, targets.len());
+            let vectored = match r.refused {
+                None => {
+                    assert_eq!(r.done, 4);
+                    None
+                }
+                Some(status) => {
+                    assert_eq!(r.done, 0, "a piece of a refused segment was accepted");
+                    Some(status)
+                }
+            };
+            (single, vectored)
         }
 
         fn closed_with(step: ServerStep) -> ControlFrame {
@@ -789,15 +863,16 @@ mod tests {
                 attach_reply(peer(), &stale.attach, answer),
                 Err(Error::StaleEpoch { .. })
             ));
-            // The real one: served from alice's view (token 2 is bob's).
-            let ServerStep::Stream { table, .. } =
+            // The real one: served from alice's view (token 2 is bob's), for single ops and
+            // piece tables alike.
+            let ServerStep::Stream { mut stream, .. } =
                 talk(&r).on_frame(ControlFrame::AuthAttach(good))
             else {
                 panic!("refused the session's own attach")
             };
-            assert!(table.resolve(SegmentToken(1)).is_some());
-            assert!(table.resolve(SegmentToken(2)).is_none());
-            assert_eq!(table.published().len(), 1);
+            assert_eq!(served(&mut stream, 1), (None, None));
+            let unknown = Some(RemoteStatus::UnknownSegment);
+            assert_eq!(served(&mut stream, 2), (unknown, unknown));
             // And once only.
             let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(good)));
             assert!(attach_reply(peer(), &attach(), answer).is_err());
@@ -818,10 +893,10 @@ mod tests {
                 Err(Error::Authentication { .. })
             ));
             let step = talk(&r).on_frame(ControlFrame::StreamAttach(attach()));
-            let ServerStep::Stream { table, .. } = step else {
+            let ServerStep::Stream { mut stream, .. } = step else {
                 panic!("{step:?}")
             };
-            assert!(table.resolve(SegmentToken(2)).is_some());
+            assert_eq!(served(&mut stream, 2), (None, None));
         }
 
         fn arb_frame() -> impl Strategy<Value = ControlFrame> {

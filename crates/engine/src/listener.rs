@@ -80,9 +80,9 @@ impl transport_uring::StreamOverflow for TcpOverflow {
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
-        table: Arc<dyn ferry_core::SegmentTable>,
+        proto: ferry_core::stream::ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
-        self.0.serve(stream, from, table, done)
+        self.0.serve(stream, from, proto, done)
     }
 }

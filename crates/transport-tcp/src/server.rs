@@ -155,13 +155,14 @@ impl StreamServer {
         }
     }
 
-    /// Serves `stream` (accepted from `from`, its attach answered) from `table` (the segments
-    /// its peer may see) until the client closes it, then calls `done`. Returns at once.
+    /// Serves `stream` (accepted from `from`, its attach answered) as `proto` decides (the
+    /// handshake bound it to the segments its peer may see) until the client closes it, then
+    /// calls `done`. Returns at once.
     pub fn serve(
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
-        table: Arc<dyn SegmentTable>,
+        proto: ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
         stream
@@ -172,7 +173,7 @@ impl StreamServer {
             .spawn(
                 async move {
                     let res = match TcpStream::from_std(stream) {
-                        Ok(s) => serve_data(&s, from, &*table).await,
+                        Ok(s) => serve_data(&s, from, proto).await,
                         Err(e) => Err(e),
                     };
                     if let Err(e) = &res {
@@ -204,7 +205,10 @@ async fn serve_conn(
             ServerStep::Read => {}
             ServerStep::Close(f) => return write_frame(&stream, from, &f).await,
             ServerStep::Fail(e) => return Err(e),
-            ServerStep::Stream { attach, table } => {
+            ServerStep::Stream {
+                attach,
+                stream: proto,
+            } => {
                 write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
                 let span =
                     tracing::debug_span!("serve stream", %from, stream = attach.stream_index);
@@ -217,7 +221,7 @@ async fn serve_conn(
                     .spawn(
                         async move {
                             let stream = TcpStream::from_std(std_stream)?;
-                            serve_data(&stream, from, &*table).await
+                            serve_data(&stream, from, proto).await
                         }
                         .instrument(span),
                     )
@@ -253,21 +257,20 @@ async fn serve_conn(
 async fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
-    table: &dyn SegmentTable,
+    mut proto: ServerStream,
 ) -> std::io::Result<()> {
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
     let mut scratch: Vec<u8> = Vec::new();
     let mut file_stage = FileStage::default();
     let mut table_stage: Vec<u8> = Vec::new();
-    let mut proto = ServerStream::new();
     loop {
         match recv_buf(stream, &mut head).await {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        match proto.on_request(&head, table) {
+        match proto.on_request(&head) {
             Action::WriteMemory {
                 lease,
                 at,
@@ -364,7 +367,7 @@ async fn serve_data(
                 let mut bytes = std::mem::take(&mut table_stage);
                 bytes.resize(req.table_len(), 0);
                 recv_buf(stream, &mut bytes).await?;
-                let action = proto.on_table(&req, &bytes, table);
+                let action = proto.on_table(&req, &bytes);
                 table_stage = bytes;
                 match action {
                     Action::Vectored {

@@ -127,13 +127,14 @@ pub const MAX_THREADS: usize = 256;
 /// Serves the data streams an io_uring server accepts past [`UringConfig::max_threads`]; the
 /// engine hands them to the TCP data plane's fixed set of I/O threads (the wire is the same).
 pub trait StreamOverflow: Send + Sync + std::fmt::Debug {
-    /// Serves `stream` (accepted from `from`, its attach answered) from `table` (the segments
-    /// its peer may see) until the client closes it, then calls `done`; returns at once.
+    /// Serves `stream` (accepted from `from`, its attach answered) as `proto` decides (the
+    /// handshake bound it to the segments its peer may see) until the client closes it, then
+    /// calls `done`; returns at once.
     fn serve(
         &self,
         stream: std::net::TcpStream,
         from: std::net::SocketAddr,
-        table: std::sync::Arc<dyn ferry_core::SegmentTable>,
+        proto: ferry_core::stream::ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error>;
 }

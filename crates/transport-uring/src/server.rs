@@ -229,13 +229,13 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
     // A peer that sends nothing must not hold a thread forever.
     let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
     let mut talk = ServerConversation::new(ctx.responder.clone(), ctx.table.clone(), from);
-    let (a, table) = loop {
+    let (a, proto) = loop {
         match talk.on_frame(read_frame(&mut stream, from)?) {
             ServerStep::Reply(f) => write_frame(&mut stream, from, &f)?,
             ServerStep::Read => {}
             ServerStep::Close(f) => return write_frame(&mut stream, from, &f),
             ServerStep::Fail(e) => return Err(e),
-            ServerStep::Stream { attach, table } => break (attach, table),
+            ServerStep::Stream { attach, stream } => break (attach, stream),
             _ => {
                 return Err(Error::Malformed {
                     peer: from.to_string(),
@@ -262,7 +262,7 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
     let _ = stream.set_read_timeout(None);
     let _count = match count {
         Ok(c) => c,
-        Err(o) => return hand_over(o.as_ref(), stream, from, table, ctx),
+        Err(o) => return hand_over(o.as_ref(), stream, from, proto, ctx),
     };
     // A one-stream client pins nothing, so stream 0 starts unpinned and pins itself once
     // a second stream of the same client attaches (left to the scheduler, its thread was
@@ -293,14 +293,8 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
         let _ = stream.shutdown(std::net::Shutdown::Both);
     }
     let _span = tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
-    let res = serve_data(
-        &stream,
-        from,
-        ctx,
-        &*table,
-        first.as_ref().map(|f| &*f.flag),
-    )
-    .map_err(|e| crate::control::lost(from, "serving data", e));
+    let res = serve_data(&stream, from, ctx, proto, first.as_ref().map(|f| &*f.flag))
+        .map_err(|e| crate::control::lost(from, "serving data", e));
     drop(first);
     lock(&ctx.live.conns).remove(&id);
     res
@@ -312,7 +306,7 @@ fn hand_over(
     overflow: &dyn StreamOverflow,
     stream: TcpStream,
     from: SocketAddr,
-    table: Arc<dyn SegmentTable>,
+    proto: ServerStream,
     ctx: &Ctx,
 ) -> Result<(), Error> {
     let kept = stream
@@ -328,7 +322,7 @@ fn hand_over(
     let res = overflow.serve(
         stream,
         from,
-        table,
+        proto,
         Box::new(move || {
             lock(&live.conns).remove(&id);
         }),
@@ -569,7 +563,7 @@ fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
     ctx: &Ctx,
-    table: &dyn SegmentTable,
+    mut proto: ServerStream,
     mut pin_first: Option<&AtomicBool>,
 ) -> std::io::Result<()> {
     let mut io: SockIo<SegmentLease> = SockIo::new(
@@ -582,7 +576,6 @@ fn serve_data(
     let mut stage = Stage { region: None };
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut scratch: Vec<u8> = Vec::new();
-    let mut proto = ServerStream::new();
     // `ready`: `head` already holds the next request (a response is held back only then, so the
     // client is never left waiting on a response with nothing else coming).
     let mut ready = false;
@@ -601,7 +594,7 @@ fn serve_data(
             crate::pin_stream_thread(0);
             pin_first = None;
         }
-        let action = proto.on_request(&head, table);
+        let action = proto.on_request(&head);
         // Only an accepted WRITE to memory may join the held-back responses; any other answer
         // must not overtake them.
         if !action.joins_held()
@@ -758,7 +751,7 @@ fn serve_data(
                 if let Err(e) = io.recv_buf(&mut bytes) {
                     break Err(e);
                 }
-                match proto.on_table(&req, &bytes, &*ctx.table) {
+                match proto.on_table(&req, &bytes) {
                     Action::Vectored {
                         kind,
                         targets,

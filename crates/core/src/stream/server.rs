@@ -218,21 +218,33 @@ impl Action {
     }
 }
 
-/// The server state of one data stream: the WRITE responses it holds back (see
-/// [`DataRequest::ack_slack`]) and the checked target of the request whose arrival allowed the
-/// last hold. No I/O: the driver feeds request headers to [`on_request`](Self::on_request) and
-/// does what the [`Action`] says, in order.
-#[derive(Debug, Default)]
+/// The server state of one data stream: the table its peer may see, the WRITE responses it
+/// holds back (see [`DataRequest::ack_slack`]) and the checked target of the request whose
+/// arrival allowed the last hold. No I/O: the driver feeds request headers to
+/// [`on_request`](Self::on_request) and piece tables to [`on_table`](Self::on_table) and does
+/// what the [`Action`] says, in order.
+///
+/// The table is fixed when the stream is made (by the handshake,
+/// [`ServerStep::Stream`](crate::handshake::ServerStep::Stream): the peer's view of the
+/// published segments), and every single op and every piece of a vectored request resolves
+/// through it; a driver holds no table to pass.
+#[derive(Debug)]
 pub struct ServerStream {
+    table: Arc<dyn SegmentTable>,
     held: u16,
     last_held: u32,
     carried: Option<(SegmentLease, u64)>,
 }
 
 impl ServerStream {
-    /// A stream with nothing held.
-    pub fn new() -> Self {
-        Self::default()
+    /// A stream that serves what `table` resolves, with nothing held.
+    pub fn new(table: Arc<dyn SegmentTable>) -> Self {
+        Self {
+            table,
+            held: 0,
+            last_held: 0,
+            carried: None,
+        }
     }
 
     /// Responses held back now.
@@ -242,11 +254,8 @@ impl ServerStream {
 
     /// Decodes, resolves and checks one request header: memory segments first, then file
     /// segments (an unknown token is indistinguishable from a retired one).
-    pub fn on_request(
-        &mut self,
-        head: &[u8; DATA_REQUEST_LEN],
-        table: &dyn SegmentTable,
-    ) -> Action {
+    pub fn on_request(&mut self, head: &[u8; DATA_REQUEST_LEN]) -> Action {
+        let table = &*self.table;
         let req = match RequestHead::decode(head) {
             Ok(RequestHead::Single(r)) => r,
             Ok(RequestHead::Vectored(req)) => {
@@ -339,12 +348,8 @@ impl ServerStream {
     /// piece in order as [`on_request`](Self::on_request) does one chunk, and accepts the
     /// longest prefix that passes: the response says how many pieces that is and why the next
     /// was refused. A table that does not decode closes the stream ([`Action::Close`]).
-    pub fn on_table(
-        &mut self,
-        req: &VectoredRequest,
-        bytes: &[u8],
-        table: &dyn SegmentTable,
-    ) -> Action {
+    pub fn on_table(&mut self, req: &VectoredRequest, bytes: &[u8]) -> Action {
+        let table = &*self.table;
         let pieces = match decode_pieces(req, bytes) {
             Ok(p) => p,
             Err(error) => {
