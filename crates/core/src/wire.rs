@@ -471,13 +471,13 @@ pub struct AuthProof {
 }
 
 /// The first frame of a data stream of an authenticated session: the attach, the session it
-/// belongs to (the client's handshake nonce), a counter used once per session, and a MAC with
-/// the session's key over all of it.
+/// belongs to (the server's handshake nonce: the server chose it), a counter used once per
+/// session, and a MAC with the session's key over all of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AuthAttach {
     /// The attach itself.
     pub attach: StreamAttach,
-    /// The session (the client nonce of its handshake).
+    /// The session (the server nonce of its handshake).
     pub session: [u8; AUTH_NONCE_LEN],
     /// Used once per session (a replayed attach is refused).
     pub counter: u64,
