@@ -852,10 +852,10 @@ impl StreamOverflow for TcpOverflow {
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
-        table: Arc<dyn ferry_core::SegmentTable>,
+        proto: ferry_core::stream::ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
-        self.0.serve(stream, from, table, done)
+        self.0.serve(stream, from, proto, done)
     }
 }
 
@@ -955,7 +955,7 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
                     .serve(
                         s,
                         from,
-                        table.clone(),
+                        ferry_core::stream::ServerStream::new(table.clone()),
                         Box::new(move || tx.send(()).unwrap()),
                     )
                     .unwrap();

@@ -14,8 +14,8 @@ use crate::ids::Epoch;
 use crate::stream::ServerStream;
 use crate::transport::{HandshakeResponder, PeerInfo, SegmentTable};
 use crate::wire::{
-    ControlFrame, Hello, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer,
-    WireError,
+    ControlFrame, ControlHeader, Hello, MAX_CONTROL_BODY, MAX_PREAUTH_BODY, Reject, RejectReason,
+    SUPPORTED_VERSIONS, StreamAttach, TransportOffer, WireError,
 };
 
 /// The server's answer to a peer's hello from `from` (authenticated as `peer`, if at all): our
@@ -108,6 +108,42 @@ impl ServerConversation {
             epoch: self.responder.epoch(),
             message,
         }))
+    }
+
+    /// The largest body the peer's next frame may have: [`MAX_PREAUTH_BODY`] on a server that
+    /// requires authentication until the peer has proven its key, [`MAX_CONTROL_BODY`] after
+    /// (its hello) and on a server without keys (which serves whoever connects).
+    pub fn body_limit(&self) -> u32 {
+        let proven = matches!(self.state, Conversation::Proven(Ok(_), _));
+        if self.responder.auth().is_some() && !proven {
+            MAX_PREAUTH_BODY
+        } else {
+            MAX_CONTROL_BODY
+        }
+    }
+
+    /// Checks the header of the peer's next frame before its body is read: `None` when the
+    /// body may be read (then [`on_frame`](Self::on_frame)), else the step to take instead
+    /// (a refusal, then close; the body is never read), for a body over
+    /// [`body_limit`](Self::body_limit).
+    pub fn on_header(&mut self, header: &ControlHeader) -> Option<ServerStep> {
+        let limit = self.body_limit();
+        if header.body_len <= limit {
+            return None;
+        }
+        self.state = Conversation::Done;
+        tracing::warn!(from = %self.from, len = header.body_len, limit,
+            "control frame too large before authentication; closing");
+        Some(ServerStep::Close(ControlFrame::Reject(Reject {
+            reason: RejectReason::Refused,
+            versions: SUPPORTED_VERSIONS,
+            epoch: self.responder.epoch(),
+            message: format!(
+                "authentication required: this server reads at most {limit} bytes of a frame \
+                 before a peer proves its key, and this one has {}",
+                header.body_len
+            ),
+        })))
     }
 
     /// The next step after the peer sent `frame`.
@@ -739,6 +775,110 @@ mod tests {
                 matches!(&e, Error::HandshakeRefused { reason, .. } if reason.contains("authentication required")),
                 "{e}"
             );
+        }
+
+        fn header_of(frame: &ControlFrame) -> ControlHeader {
+            let mut buf = Vec::new();
+            frame.encode(SUPPORTED_VERSIONS.max, &mut buf).unwrap();
+            let head: [u8; crate::wire::CONTROL_HEADER_LEN] =
+                buf[..crate::wire::CONTROL_HEADER_LEN].try_into().unwrap();
+            ControlHeader::decode(&head).unwrap()
+        }
+
+        /// Before a peer proves its key, a keyed server reads at most `MAX_PREAUTH_BODY` bytes
+        /// of a frame (every authentication frame fits, with the longest key name); a larger
+        /// one is refused from its header alone. After the proof, and on a keyless server, the
+        /// whole control limit applies.
+        #[test]
+        fn frames_before_the_proof_are_capped_to_what_authentication_needs() {
+            let longest = AuthAttach {
+                attach: attach(),
+                session: [0; 32],
+                counter: u64::MAX,
+                mac: [0; 32],
+            };
+            let auth_hello = ControlFrame::AuthHello(crate::wire::AuthHello {
+                name: "n".repeat(crate::wire::MAX_AUTH_NAME),
+                peer_id: PeerId(1),
+                epoch: Epoch(2),
+                nonce: [0; 32],
+            });
+            let proof = ControlFrame::AuthProof(crate::wire::AuthProof { mac: [0; 32] });
+            for f in [&auth_hello, &proof, &ControlFrame::AuthAttach(longest)] {
+                assert!(header_of(f).body_len <= MAX_PREAUTH_BODY, "{f:?}");
+            }
+            let big = ControlHeader {
+                version: SUPPORTED_VERSIONS.max,
+                kind: header_of(&ControlFrame::Hello(client_hello())).kind,
+                body_len: MAX_PREAUTH_BODY + 1,
+            };
+
+            let r = responder(Some(ALICE), true);
+            let mut t = talk(&r);
+            assert_eq!(t.body_limit(), MAX_PREAUTH_BODY);
+            let step = t
+                .on_header(&big)
+                .expect("a large first frame was let through");
+            let e = hello_reply(peer(), &client_hello(), closed_with(step)).unwrap_err();
+            assert!(
+                matches!(&e, Error::HandshakeRefused { reason, .. } if reason.contains("authentication required")),
+                "{e}"
+            );
+            // Nothing more is read on that connection.
+            assert!(matches!(
+                t.on_frame(auth_hello.clone()),
+                ServerStep::Fail(_)
+            ));
+
+            // Challenged, and after a forged proof: still capped.
+            let mut t = talk(&r);
+            let (first, _) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+            );
+            assert!(t.on_header(&header_of(&first)).is_none());
+            assert!(matches!(t.on_frame(first), ServerStep::Reply(_)));
+            assert_eq!(t.body_limit(), MAX_PREAUTH_BODY);
+            assert!(t.on_header(&big).is_some());
+            let mut t = talk(&r);
+            let (first, _) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+            );
+            t.on_frame(first);
+            t.on_frame(proof);
+            assert_eq!(
+                t.body_limit(),
+                MAX_PREAUTH_BODY,
+                "a forged proof lifted the cap"
+            );
+
+            // Proven: the hello may be as large as any control frame.
+            let mut t = talk(&r);
+            let ours = client_hello();
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                ours.peer_id,
+                ours.epoch,
+                [1; 32],
+            );
+            let ServerStep::Reply(challenge) = t.on_frame(first) else {
+                panic!()
+            };
+            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+            t.on_frame(proof);
+            assert_eq!(t.body_limit(), MAX_CONTROL_BODY);
+            assert!(t.on_header(&big).is_none());
+
+            // A keyless server serves whoever connects: the control limit.
+            let r = responder(None, true);
+            let mut t = talk(&r);
+            assert_eq!(t.body_limit(), MAX_CONTROL_BODY);
+            assert!(t.on_header(&big).is_none());
         }
 
         #[test]

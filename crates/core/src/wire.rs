@@ -34,6 +34,10 @@ pub const PIECE_LEN: usize = 24;
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// Largest control frame body accepted.
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
+/// Largest control frame body a server that requires authentication reads before the peer has
+/// proven its key: an [`AuthHello`], [`AuthProof`] or [`AuthAttach`] is under 200 bytes (see
+/// [`ServerConversation::body_limit`](crate::handshake::ServerConversation::body_limit)).
+pub const MAX_PREAUTH_BODY: u32 = 1024;
 /// Largest number of segments in one handshake.
 pub const MAX_SEGMENTS: usize = 65_536;
 /// Largest segment name, in bytes.

@@ -255,6 +255,23 @@ impl EngineBuilder {
         self
     }
 
+    /// How long the listener gives a connection to finish its handshake, however it spreads its
+    /// bytes (default 5 s): past it the connection is closed and counted
+    /// ([`Description::handshakes`](crate::Description::handshakes)). A client's own handshake
+    /// towards this engine must fit in it.
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.data.handshake.timeout = timeout;
+        self
+    }
+
+    /// How many connections the listener lets be in their handshake at once (default 256);
+    /// one accepted past it is closed at once and counted
+    /// ([`Description::handshakes`](crate::Description::handshakes)).
+    pub fn max_pending_handshakes(mut self, n: usize) -> Self {
+        self.data.handshake.max_pending = n;
+        self
+    }
+
     /// How long a TCP or io_uring data stream may go without its sent data acknowledged (or,
     /// idle, without answers to keepalive probes) before the peer is taken for dead: the
     /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and

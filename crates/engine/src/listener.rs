@@ -51,6 +51,20 @@ impl Server {
         Ok(Server::Tcp(server.serve(table, responder, config.tcp())))
     }
 
+    /// The listener's handshake counters, and the limits they are counted against.
+    pub(crate) fn handshakes(
+        &self,
+    ) -> (
+        transport_tcp::HandshakeStats,
+        transport_tcp::HandshakeLimits,
+    ) {
+        match self {
+            Server::Tcp(h) => (h.handshakes(), h.handshake_limits()),
+            #[cfg(feature = "uring")]
+            Server::Uring(h) => (h.handshakes(), h.handshake_limits()),
+        }
+    }
+
     pub(crate) fn local_addr(&self) -> SocketAddr {
         match self {
             Server::Tcp(h) => h.local_addr(),

@@ -5,15 +5,15 @@ use std::sync::Arc;
 
 use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach};
 use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
-use ferry_net::tune;
+use ferry_net::{HandshakeGate, HandshakeSlot, HandshakeStats, tune};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
 use crate::TcpConfig;
-use crate::control::{read_frame, write_frame};
+use crate::control::{read_body, read_header, write_frame};
 use crate::io::{
     RawRange, discard as discard_payload, recv_buf, recv_exact, recv_vectored, send_all, send_buf,
     send_vectored,
@@ -49,12 +49,23 @@ pub struct TcpServer {
 pub struct ServerHandle {
     task: tokio::task::JoinHandle<()>,
     addr: SocketAddr,
+    gate: Arc<HandshakeGate>,
 }
 
 impl ServerHandle {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections in their handshake now, and those closed past the cap or the deadline.
+    pub fn handshakes(&self) -> HandshakeStats {
+        self.gate.stats()
+    }
+
+    /// The limits those are counted against.
+    pub fn handshake_limits(&self) -> ferry_net::HandshakeLimits {
+        self.gate.limits()
     }
 
     /// Stops serving: the listener closes and every accepted connection is dropped.
@@ -97,7 +108,10 @@ impl TcpServer {
         self.addr
     }
 
-    /// Starts serving `table` with the identity and policy of `responder`.
+    /// Starts serving `table` with the identity and policy of `responder`. A connection's
+    /// handshake must be over within `config.handshake.timeout` of its accept, and at most
+    /// `config.handshake.max_pending` are in one at a time (one accepted past that is closed
+    /// at once); both are counted in [`ServerHandle::handshakes`].
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
@@ -107,20 +121,33 @@ impl TcpServer {
         let addr = self.addr;
         let listener = self.listener;
         let pool = Arc::new(IoPool::new(config.io_threads, "ferry-tcp-serve"));
+        let gate = HandshakeGate::new(config.handshake);
+        let gate_kept = gate.clone();
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             loop {
                 while conns.try_join_next().is_some() {}
                 match listener.accept().await {
                     Ok((stream, from)) => {
+                        let Some(slot) = gate.admit() else {
+                            debug!(%from, "too many connections in their handshake; closed at once");
+                            drop(stream);
+                            continue;
+                        };
+                        let gate = gate.clone();
                         let table = table.clone();
                         let responder = responder.clone();
                         let config = config.clone();
                         let pool = pool.clone();
                         conns.spawn(async move {
-                            if let Err(e) =
-                                serve_conn(stream, from, table, responder, config, &pool).await
-                            {
+                            let conn = Conn {
+                                table,
+                                responder,
+                                config,
+                                slot,
+                                gate,
+                            };
+                            if let Err(e) = serve_conn(stream, from, conn, &pool).await {
                                 debug!(%from, error = %e, "connection ended");
                             }
                         });
@@ -132,7 +159,11 @@ impl TcpServer {
                 }
             }
         });
-        ServerHandle { task, addr }
+        ServerHandle {
+            task,
+            addr,
+            gate: gate_kept,
+        }
     }
 }
 
@@ -188,53 +219,41 @@ impl StreamServer {
     }
 }
 
-async fn serve_conn(
-    stream: TcpStream,
-    from: SocketAddr,
+/// What a connection is served with, and its place among the pending handshakes.
+struct Conn {
     table: Arc<dyn SegmentTable>,
     responder: Arc<dyn HandshakeResponder>,
     config: TcpConfig,
-    pool: &IoPool,
-) -> Result<(), Error> {
-    tune(&stream, config.socket_buffer, config.dead_peer_after);
-    let mut talk = ServerConversation::new(responder, table, from);
+    slot: HandshakeSlot,
+    gate: Arc<HandshakeGate>,
+}
+
+/// The end of a connection's handshake: answered (and closed), or a data stream to serve.
+enum Handshake {
+    Done,
+    Stream(StreamAttach, ServerStream),
+}
+
+/// Runs the control conversation until it closes or a data stream is accepted; each frame's
+/// header is checked ([`ServerConversation::on_header`]) before its body is read.
+async fn handshake(stream: &TcpStream, from: SocketAddr, conn: &Conn) -> Result<Handshake, Error> {
+    let mut talk = ServerConversation::new(conn.responder.clone(), conn.table.clone(), from);
     loop {
-        let frame = read_frame(&stream, from).await?;
-        match talk.on_frame(frame) {
-            ServerStep::Reply(f) => write_frame(&stream, from, &f).await?,
+        let header = read_header(stream, from).await?;
+        let step = match talk.on_header(&header) {
+            Some(step) => step,
+            None => talk.on_frame(read_body(stream, from, &header).await?),
+        };
+        match step {
+            ServerStep::Reply(f) => write_frame(stream, from, &f).await?,
             ServerStep::Read => {}
-            ServerStep::Close(f) => return write_frame(&stream, from, &f).await,
+            ServerStep::Close(f) => {
+                write_frame(stream, from, &f).await?;
+                return Ok(Handshake::Done);
+            }
             ServerStep::Fail(e) => return Err(e),
-            ServerStep::Stream {
-                attach,
-                stream: proto,
-            } => {
-                write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
-                let span =
-                    tracing::debug_span!("serve stream", %from, stream = attach.stream_index);
-                // The stream moves to an I/O thread for good; this task only waits for it (and
-                // aborts it when the server stops).
-                let std_stream = stream
-                    .into_std()
-                    .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
-                let task = pool
-                    .spawn(
-                        async move {
-                            let stream = TcpStream::from_std(std_stream)?;
-                            serve_data(&stream, from, proto).await
-                        }
-                        .instrument(span),
-                    )
-                    .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
-                let mut task = AbortOnDrop(task);
-                return match (&mut task.0).await {
-                    Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
-                    Err(e) => Err(crate::control::lost(
-                        from,
-                        "serving data",
-                        std::io::Error::other(e.to_string()),
-                    )),
-                };
+            ServerStep::Stream { attach, stream } => {
+                return Ok(Handshake::Stream(attach, stream));
             }
             _ => {
                 return Err(Error::Malformed {
@@ -244,6 +263,66 @@ async fn serve_conn(
                         expected: "hello or stream-attach",
                     },
                 });
+            }
+        }
+    }
+}
+
+async fn serve_conn(
+    stream: TcpStream,
+    from: SocketAddr,
+    conn: Conn,
+    pool: &IoPool,
+) -> Result<(), Error> {
+    let config = &conn.config;
+    tune(&stream, config.socket_buffer, config.dead_peer_after);
+    let limit = config.handshake.timeout;
+    let talk = async {
+        let step = handshake(&stream, from, &conn).await?;
+        if let Handshake::Stream(..) = step {
+            write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
+        }
+        Ok::<_, Error>(step)
+    };
+    let step = match tokio::time::timeout(limit, talk).await {
+        Ok(step) => step?,
+        Err(_) => {
+            conn.gate.note_timeout();
+            debug!(%from, ?limit, "handshake not over by its deadline; closing");
+            return Err(Error::Timeout {
+                what: "a peer's handshake",
+                after: limit,
+            });
+        }
+    };
+    // The handshake is over: its place among the pending ones is free.
+    drop(conn.slot);
+    match step {
+        Handshake::Done => Ok(()),
+        Handshake::Stream(attach, proto) => {
+            let span = tracing::debug_span!("serve stream", %from, stream = attach.stream_index);
+            // The stream moves to an I/O thread for good; this task only waits for it (and
+            // aborts it when the server stops).
+            let std_stream = stream
+                .into_std()
+                .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
+            let task = pool
+                .spawn(
+                    async move {
+                        let stream = TcpStream::from_std(std_stream)?;
+                        serve_data(&stream, from, proto).await
+                    }
+                    .instrument(span),
+                )
+                .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
+            let mut task = AbortOnDrop(task);
+            match (&mut task.0).await {
+                Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
+                Err(e) => Err(crate::control::lost(
+                    from,
+                    "serving data",
+                    std::io::Error::other(e.to_string()),
+                )),
             }
         }
     }

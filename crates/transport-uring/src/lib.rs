@@ -40,6 +40,7 @@ mod client;
 mod control;
 mod error;
 mod file_ring;
+mod handshakes;
 pub mod probe;
 mod ring;
 mod server;
@@ -119,6 +120,10 @@ pub struct UringConfig {
     /// that) and a server hands new data streams to its [`StreamOverflow`], whose I/O threads
     /// are a fixed set. Counted in [`IoStats::handed_over`].
     pub max_threads: usize,
+    /// What the server allows a connection before its handshake is over: a deadline on the
+    /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
+    /// in their handshake share one thread.
+    pub handshake: HandshakeLimits,
 }
 
 /// Default [`UringConfig::max_threads`].
@@ -155,6 +160,7 @@ impl Default for UringConfig {
             pin_loopback_streams: true,
             dead_peer_after: Some(DEAD_PEER_AFTER),
             max_threads: MAX_THREADS,
+            handshake: HandshakeLimits::default(),
         }
     }
 }
@@ -267,6 +273,7 @@ pub fn select(probe: &UringProbe, pref: Preference) -> Result<Selection, UringEr
 /// ride out a switch reboot or a link flap, short enough that a dead host does not hold
 /// requests for the kernel's quarter of an hour.
 pub use ferry_net::DEAD_PEER_AFTER;
+pub use ferry_net::{HandshakeLimits, HandshakeStats};
 
 /// The io_uring [`Transport`].
 #[derive(Debug, Clone)]

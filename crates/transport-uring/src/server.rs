@@ -9,18 +9,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach};
 use ferry_core::{
     Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, PeerId, SegmentLease,
     SegmentTable,
 };
 use ferry_file::{DIRECT_ALIGN, FileSegment};
+use ferry_net::{HandshakeGate, HandshakeStats};
 use io_uring::IoUring;
 use tracing::{debug, warn};
 
-use crate::control::{read_frame, tune, write_frame};
+use crate::control::write_frame;
 use crate::file_ring::file_io;
 use crate::ring::{Body, IoStats, SockIo, ThreadCount};
 use crate::{StreamOverflow, UringConfig};
@@ -34,8 +34,8 @@ pub struct UringServer {
 }
 
 #[derive(Debug, Default)]
-struct Live {
-    stopped: AtomicBool,
+pub(crate) struct Live {
+    pub(crate) stopped: AtomicBool,
     conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
     next: AtomicU64,
     /// Loopback clients' first streams, by client incarnation, while they are served: set once
@@ -83,6 +83,7 @@ pub struct UringServerHandle {
     live: Arc<Live>,
     listener_fd: i32,
     stats: Arc<IoStats>,
+    gate: Arc<HandshakeGate>,
 }
 
 impl UringServerHandle {
@@ -94,6 +95,16 @@ impl UringServerHandle {
     /// The I/O counters of the server's rings.
     pub fn stats(&self) -> &IoStats {
         &self.stats
+    }
+
+    /// Connections in their handshake now, and those closed past the cap or the deadline.
+    pub fn handshakes(&self) -> HandshakeStats {
+        self.gate.stats()
+    }
+
+    /// The limits those are counted against.
+    pub fn handshake_limits(&self) -> ferry_net::HandshakeLimits {
+        self.gate.limits()
     }
 
     /// Stops serving: the listener closes and every accepted connection is shut down.
@@ -113,12 +124,13 @@ impl Drop for UringServerHandle {
     }
 }
 
-struct Ctx {
-    table: Arc<dyn SegmentTable>,
-    responder: Arc<dyn HandshakeResponder>,
-    config: UringConfig,
+/// What the server's threads share.
+pub(crate) struct Ctx {
+    pub(crate) table: Arc<dyn SegmentTable>,
+    pub(crate) responder: Arc<dyn HandshakeResponder>,
+    pub(crate) config: UringConfig,
     stats: Arc<IoStats>,
-    live: Arc<Live>,
+    pub(crate) live: Arc<Live>,
     overflow: Option<Arc<dyn StreamOverflow>>,
 }
 
@@ -153,7 +165,10 @@ impl UringServer {
     /// transport's `TcpServer::serve`): its memory segments, and its file segments
     /// ([`SegmentTable::file`]; a [`FileSegment`] with io_uring reads and writes, O_DIRECT where a
     /// request's alignment allows, any other source with its positioned reads and writes).
-    /// Needs no async runtime.
+    /// Needs no async runtime. One thread accepts connections and runs their handshakes
+    /// (within `config.handshake`: a deadline on each, a cap on how many at once; counted in
+    /// [`UringServerHandle::handshakes`]); each attached data stream gets a thread of its own
+    /// (or the overflow's, past [`UringConfig::max_threads`]).
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
@@ -173,80 +188,62 @@ impl UringServer {
             overflow: self.overflow,
         });
         let listener = self.listener;
+        let gate = HandshakeGate::new(ctx.config.handshake);
+        let gate_run = gate.clone();
         std::thread::Builder::new()
             .name("ferry-uring-accept".into())
-            .spawn(move || accept_loop(listener, ctx))
+            .spawn(move || crate::handshakes::run(listener, ctx, gate_run))
             .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
         Ok(UringServerHandle {
             addr,
             live,
             listener_fd,
             stats,
+            gate,
         })
     }
 }
 
-fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
-    loop {
-        if ctx.live.stopped.load(Ordering::Acquire) {
-            break;
-        }
-        match listener.accept() {
-            Ok((stream, from)) => {
-                if ctx.live.stopped.load(Ordering::Acquire) {
-                    break;
-                }
-                let ctx = ctx.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("ferry-uring-conn".into())
-                    .spawn(move || {
-                        if let Err(e) = serve_conn(stream, from, &ctx) {
-                            debug!(%from, error = %e, "connection ended");
-                        }
-                    });
-                if let Err(e) = spawned {
-                    warn!(%from, error = %e, "cannot spawn a connection thread");
-                }
-            }
-            Err(e) => {
-                if ctx.live.stopped.load(Ordering::Acquire) {
-                    break;
-                }
-                warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-    drop(listener);
-}
-
-fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), Error> {
-    tune(
-        &stream,
-        ctx.config.socket_buffer,
-        ctx.config.dead_peer_after,
-    );
-    // A peer that sends nothing must not hold a thread forever.
-    let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
-    let mut talk = ServerConversation::new(ctx.responder.clone(), ctx.table.clone(), from);
-    let (a, proto) = loop {
-        match talk.on_frame(read_frame(&mut stream, from)?) {
-            ServerStep::Reply(f) => write_frame(&mut stream, from, &f)?,
-            ServerStep::Read => {}
-            ServerStep::Close(f) => return write_frame(&mut stream, from, &f),
-            ServerStep::Fail(e) => return Err(e),
-            ServerStep::Stream { attach, stream } => break (attach, stream),
-            _ => {
-                return Err(Error::Malformed {
-                    peer: from.to_string(),
-                    source: ferry_core::wire::WireError::Unexpected {
-                        found: "a step this server does not know",
-                        expected: "hello or stream-attach",
-                    },
-                });
-            }
+/// Serves a data stream whose handshake just ended (the attach accepted, its `proto` bound to
+/// what the peer may see): answers the attach (the socket's send buffer is empty, so that small
+/// frame goes at once; `left` of the handshake's time bounds it anyway) and serves the stream
+/// on a thread of its own, or hands it to the overflow past the thread budget.
+pub(crate) fn attached(
+    stream: TcpStream,
+    from: SocketAddr,
+    attach: StreamAttach,
+    proto: ServerStream,
+    ctx: &Arc<Ctx>,
+    left: Duration,
+) {
+    let ctx = ctx.clone();
+    let run = move || {
+        if let Err(e) = serve_attached(stream, from, attach, proto, &ctx, left) {
+            debug!(%from, error = %e, "connection ended");
         }
     };
+    // The thread counts itself before it answers the attach; past the thread budget it only
+    // hands the stream to the overflow and ends.
+    let spawned = std::thread::Builder::new()
+        .name("ferry-uring-conn".into())
+        .spawn(run);
+    if let Err(e) = spawned {
+        warn!(%from, error = %e, "cannot spawn a connection thread");
+    }
+}
+
+fn serve_attached(
+    mut stream: TcpStream,
+    from: SocketAddr,
+    a: StreamAttach,
+    proto: ServerStream,
+    ctx: &Ctx,
+    left: Duration,
+) -> Result<(), Error> {
+    stream
+        .set_nonblocking(false)
+        .map_err(|e| crate::control::lost(from, "attaching a data stream", e))?;
+    let _ = stream.set_write_timeout(Some(left.max(Duration::from_millis(1))));
     // A data stream's thread is counted (a handshake's ends at once), before the stream
     // is accepted so that the client's next stream sees it. Past the thread budget the
     // stream goes to the overflow's fixed set of threads and this one ends.
@@ -259,7 +256,7 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
         IoStats::add(&ctx.stats.handed_over, 1);
     }
     write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
-    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
     let _count = match count {
         Ok(c) => c,
         Err(o) => return hand_over(o.as_ref(), stream, from, proto, ctx),
