@@ -426,7 +426,21 @@ async fn serve_data(
                 }
                 send_buf(stream, &response).await?;
             }
-            Action::Reply { response } => send_buf(stream, &response).await?,
+            Action::ChecksumMemory {
+                lease,
+                mut sum,
+                seq,
+            } => {
+                // A piece at a time: the I/O thread serves its other streams in between.
+                let crc = loop {
+                    match sum.step() {
+                        Some(crc) => break crc,
+                        None => tokio::task::yield_now().await,
+                    }
+                };
+                drop(lease);
+                send_buf(stream, &checksum_response(seq, crc)).await?;
+            }
             Action::ChecksumFile { file, at, len, seq } => {
                 // Positioned reads block: off this stream's I/O thread.
                 let crc = tokio::task::spawn_blocking(move || {

@@ -733,7 +733,12 @@ fn serve_data(
                 }
                 r.and_then(|()| io.send_buf(&response))
             }
-            Action::Reply { response } => io.send_buf(&response),
+            // This stream has its own thread: hashing blocks only it.
+            Action::ChecksumMemory { lease, sum, seq } => {
+                let crc = sum.finish();
+                drop(lease);
+                io.send_buf(&checksum_response(seq, crc))
+            }
             Action::ChecksumFile { file, at, len, seq } => {
                 // This stream has its own thread: the positioned reads block only it.
                 ferry_core::checksum::crc32c_file(&*file, at, len)

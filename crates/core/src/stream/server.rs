@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::checksum::CHECKSUM_LEN;
+use crate::checksum::{CHECKSUM_LEN, RegionCrc};
 use crate::ids::SegmentToken;
 use crate::op::OpKind;
 use crate::outcome::RemoteStatus;
@@ -108,10 +108,16 @@ pub enum Action {
         /// The response header.
         response: [u8; DATA_RESPONSE_LEN],
     },
-    /// Send `response` (a CHECKSUM of memory, computed already: nothing else moves).
-    Reply {
-        /// The whole answer: header and checksum.
-        response: [u8; CHECKSUM_RESPONSE_LEN],
+    /// Compute the CRC-32C of a memory range (`sum`, checked already; a piece per
+    /// [`RegionCrc::step`], so that a driver whose thread serves other streams lets them run
+    /// between pieces), then send [`checksum_response`]`(seq, crc)`. Nothing else moves.
+    ChecksumMemory {
+        /// The segment (keeps it alive while it is hashed).
+        lease: SegmentLease,
+        /// The range's checksum, to be computed.
+        sum: RegionCrc,
+        /// The request's sequence number.
+        seq: u32,
     },
     /// Compute the CRC-32C of `len` bytes of `file` from `at`
     /// ([`crc32c_file`](crate::checksum::crc32c_file): blocking positioned reads), then send
@@ -296,11 +302,20 @@ impl ServerStream {
                     response: accepted(req.seq, req.len),
                 },
                 OpKind::Checksum => {
-                    // Checked against the region just above, so it cannot fail.
-                    let crc = crate::checksum::crc32c_region(&lease.region, at, req.len)
-                        .unwrap_or_default();
-                    Action::Reply {
-                        response: checksum_response(req.seq, crc),
+                    match RegionCrc::new(lease.region.clone(), at, req.len) {
+                        Ok(sum) => Action::ChecksumMemory {
+                            lease,
+                            sum,
+                            seq: req.seq,
+                        },
+                        // Checked against the segment just above, which lies in the region.
+                        Err(_) => Action::Refuse {
+                            kind: req.kind,
+                            token: req.token,
+                            status: RemoteStatus::OutOfBounds,
+                            discard: 0,
+                            response: refused(req.seq, RemoteStatus::OutOfBounds),
+                        },
                     }
                 }
             }),

@@ -311,8 +311,8 @@ impl Link {
                             self.s2c.extend(response);
                             ServerRx::Closed
                         }
-                        Action::Reply { response } => {
-                            self.s2c.extend(response);
+                        Action::ChecksumMemory { sum, seq, .. } => {
+                            self.s2c.extend(super::checksum_response(seq, sum.finish()));
                             ServerRx::Head
                         }
                         Action::ChecksumFile { file, at, len, seq } => {
@@ -1389,7 +1389,7 @@ proptest! {
                     let resp = crate::wire::DataResponse::decode(&response).unwrap();
                     prop_assert_eq!((resp.seq, resp.len, resp.refused), (r.seq, r.len, None));
                 }
-                Action::Reply { .. } => {
+                Action::ChecksumMemory { .. } => {
                     let r = decoded.unwrap();
                     prop_assert_eq!(r.kind, OpKind::Checksum);
                     let (_, seg_len, access) = known.iter().find(|k| k.0 == r.token).copied().unwrap();
