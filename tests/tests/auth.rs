@@ -576,6 +576,8 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     );
     let short = dir.path().join("short.keys");
     std::fs::write(&short, "alice 0001020304050607\n")?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600))?;
     let e = TransferEngine::builder()
         .auth_key_file(&short)
         .build()
@@ -593,6 +595,29 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
         .err()
         .context("built with a short key")?;
     assert!(matches!(e, Error::AuthKey { .. }), "{e}");
+    // A key file group or others may read is refused, naming the file and the way out, unless
+    // allowed; a good key in it then works.
+    let open = dir.path().join("open.keys");
+    std::fs::write(&open, format!("{ALICE}\n"))?;
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644))?;
+    let e = TransferEngine::builder()
+        .auth_key_file(&open)
+        .build()
+        .err()
+        .context("built with a key file others may read")?;
+    let text = e.to_string();
+    assert!(
+        matches!(&e, Error::AuthKey { .. })
+            && text.contains("open.keys")
+            && text.contains("644")
+            && text.contains("allow-open-key-file"),
+        "{text}"
+    );
+    assert!(!text.contains("0a0b0c0d"), "{text}");
+    TransferEngine::builder()
+        .auth_key_file(&open)
+        .allow_open_key_file(true)
+        .build()?;
     // Publishing to named peers needs keys.
     let engine = TransferEngine::builder().no_auth().build()?;
     let r = MemoryRegion::alloc_zeroed(4096, 4096)?;

@@ -149,6 +149,11 @@ fn check_name(name: &str) -> Result<(), KeyError> {
     }
 }
 
+/// Whether `word` reads as a key: at least [`MIN_KEY_LEN`] bytes' worth of hex digits.
+fn looks_like_key(word: &str) -> bool {
+    word.len() >= 2 * MIN_KEY_LEN && word.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 fn unhex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
@@ -192,7 +197,20 @@ impl Keyring {
             let (Some(name), Some(hex), None) = (words.next(), words.next(), words.next()) else {
                 return Err(bad("expected `name hexkey`".into()));
             };
-            check_name(name).map_err(|e| bad(e.to_string()))?;
+            // A key where the name belongs (a swapped `hexkey name` line): refused without
+            // echoing either word, and never taken as a name (names go on the wire in clear).
+            if looks_like_key(name) {
+                return Err(bad(
+                    "the first word looks like a key (32 or more hex digits); the line must be \
+                     `name hexkey`"
+                        .into(),
+                ));
+            }
+            if check_name(name).is_err() {
+                return Err(bad(format!(
+                    "the name is not 1 to {MAX_AUTH_NAME} characters of A-Z a-z 0-9 . _ @ : -"
+                )));
+            }
             let bytes = unhex(hex).ok_or_else(|| bad("the key is not hexadecimal".into()))?;
             let key = Key::new(&bytes).map_err(|e| bad(e.to_string()))?;
             if keys.iter().any(|(n, _)| n == name) {
@@ -795,6 +813,21 @@ mod tests {
             );
         }
         assert_eq!(Keyring::parse("# nothing\n"), Err(KeyError::Empty));
+        // A swapped `hexkey name` line, with a key of any length: refused, and no part of the
+        // key in the error.
+        for key in [
+            "000102030405060708090a0b0c0d0e0f",
+            &"ab".repeat(64),
+            &"cd".repeat(MAX_KEY_LEN),
+        ] {
+            let e = Keyring::parse(&format!("# k\n{key} alice\n")).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                matches!(&e, KeyError::BadLine { line: 2, .. }) && text.contains("name hexkey"),
+                "{text}"
+            );
+            assert!(!text.contains(&key[..8]), "the key leaked: {text}");
+        }
         assert!(matches!(
             Keyring::parse(&format!("{ALICE}\n{ALICE2}")),
             Err(KeyError::Duplicate { .. })

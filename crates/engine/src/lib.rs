@@ -35,7 +35,7 @@ mod request;
 mod route;
 mod serve;
 
-pub use builder::{AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
+pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
 /// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
 #[cfg(feature = "cuda")]
 pub use cuda;

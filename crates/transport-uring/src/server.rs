@@ -481,6 +481,17 @@ fn try_next_head<H>(
     next_head(io, head)
 }
 
+/// The most bytes of a file piece a vectored request moves through the stream's scratch buffer
+/// at a time: a piece may be up to `MAX_CHUNK` long, the buffer never grows past this.
+const FILE_STEP: usize = 1 << 20;
+
+/// A file piece of `len` bytes as steps of at most [`FILE_STEP`]: (offset in the piece, length).
+fn file_steps(len: usize) -> impl Iterator<Item = (u64, usize)> {
+    (0..len)
+        .step_by(FILE_STEP)
+        .map(move |off| (off as u64, FILE_STEP.min(len - off)))
+}
+
 /// Moves a vectored request's accepted pieces, in order, and answers it. A WRITE: runs of
 /// memory targets with one vectored receive (RECVMSG), file targets through `scratch` and
 /// positioned writes (this stream's own thread blocks), then the refused pieces' payload
@@ -507,9 +518,11 @@ fn serve_vectored(
                     // targets' leases keep alive; no Rust reference into them exists.
                     unsafe { io.recv_vectored(&parts) }?;
                     parts.clear();
-                    scratch.resize(*len, 0);
-                    io.recv_buf(&mut scratch[..*len])?;
-                    file.write_all_at(*at, &scratch[..*len])?;
+                    for (off, n) in file_steps(*len) {
+                        scratch.resize(scratch.len().max(n), 0);
+                        io.recv_buf(&mut scratch[..n])?;
+                        file.write_all_at(*at + off, &scratch[..n])?;
+                    }
                 }
             }
         }
@@ -540,9 +553,11 @@ fn serve_vectored(
                     // only read, by a copying send done when the call returns.
                     unsafe { io.send_vectored(&parts) }?;
                     parts.clear();
-                    scratch.resize(*len, 0);
-                    file.read_exact_at(*at, &mut scratch[..*len])?;
-                    io.send_buf(&scratch[..*len])?;
+                    for (off, n) in file_steps(*len) {
+                        scratch.resize(scratch.len().max(n), 0);
+                        file.read_exact_at(*at + off, &mut scratch[..n])?;
+                        io.send_buf(&scratch[..n])?;
+                    }
                 }
             }
         }
@@ -781,4 +796,25 @@ fn serve_data(
     };
     io.finish(crate::FINISH_GRACE);
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file piece of any length moves through at most `FILE_STEP` bytes of scratch, every
+    /// byte once, in order.
+    #[test]
+    fn file_pieces_move_in_bounded_steps() {
+        for len in [0, 1, FILE_STEP - 1, FILE_STEP, FILE_STEP + 1, 64 << 20] {
+            let steps: Vec<_> = file_steps(len).collect();
+            assert!(steps.iter().all(|&(_, n)| n > 0 && n <= FILE_STEP), "{len}");
+            let mut next = 0u64;
+            for &(off, n) in &steps {
+                assert_eq!(off, next, "{len}");
+                next += n as u64;
+            }
+            assert_eq!(next, len as u64);
+        }
+    }
 }
