@@ -352,6 +352,7 @@ async fn stale_epoch_stream_is_refused() {
                 offer,
                 segments: vec![],
                 session: None,
+                key_name: None,
                 version: ferry_core::wire::SUPPORTED_VERSIONS.max,
             })
             .await;
@@ -534,6 +535,7 @@ fn scripted_peer(addr: SocketAddr, streams: u16) -> PeerInfo {
         offer: TransportOffer::Tcp { streams, port: 0 },
         segments: vec![],
         session: None,
+        key_name: None,
         version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     }
 }

@@ -439,6 +439,7 @@ mod tests {
             offer,
             segments: vec![],
             session: None,
+            key_name: None,
             version: crate::wire::SUPPORTED_VERSIONS.max,
         };
         let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {

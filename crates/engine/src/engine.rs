@@ -430,6 +430,7 @@ impl TransferEngine {
             offer,
             segments: server.segments.clone(),
             session,
+            key_name: None,
             version,
         };
         let channel = transport.open(info).await?;

@@ -326,6 +326,7 @@ impl HandshakeResponder for Responder {
                 offer: offer.clone(),
                 segments: hello.segments.clone(),
                 session: None,
+                key_name: peer.map(Into::into),
                 version: self.versions.common(hello.versions).unwrap_or(1),
             };
             match t.accept(&info) {
