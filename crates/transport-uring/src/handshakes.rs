@@ -197,13 +197,10 @@ impl Conn {
 /// shutdown did not wake `poll`.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
-/// Accepts connections on `listener` and runs their handshakes until the server stops; an
-/// attached data stream goes to [`attached`] (its own thread, or the overflow).
+/// Accepts connections on `listener` (non-blocking) and runs their handshakes until the server
+/// stops; an attached data stream goes to [`attached`] (its own thread, or the overflow). The
+/// listener stays open until then: the server's handle shuts it down by its descriptor.
 pub(crate) fn run(listener: TcpListener, ctx: Arc<Ctx>, gate: Arc<HandshakeGate>) {
-    if let Err(e) = listener.set_nonblocking(true) {
-        warn!(error = %e, "cannot make the listener non-blocking; not serving");
-        return;
-    }
     let timeout = gate.limits().timeout;
     let mut conns: Vec<Conn> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();

@@ -188,6 +188,10 @@ impl UringServer {
             overflow: self.overflow,
         });
         let listener = self.listener;
+        // The accept thread polls it with the connections in their handshake.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("make non-blocking the listener on", addr.to_string(), e))?;
         let gate = HandshakeGate::new(ctx.config.handshake);
         let gate_run = gate.clone();
         std::thread::Builder::new()
