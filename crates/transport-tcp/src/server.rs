@@ -236,7 +236,7 @@ enum Handshake {
 
 /// Runs the control conversation until it closes or a data stream is accepted; each frame's
 /// header is checked ([`ServerConversation::on_header`]) before its body is read.
-async fn handshake(stream: &TcpStream, from: SocketAddr, conn: &Conn) -> Result<Handshake, Error> {
+async fn converse(stream: &TcpStream, from: SocketAddr, conn: &Conn) -> Result<Handshake, Error> {
     let mut talk = ServerConversation::new(conn.responder.clone(), conn.table.clone(), from);
     loop {
         let header = read_header(stream, from).await?;
@@ -278,7 +278,7 @@ async fn serve_conn(
     tune(&stream, config.socket_buffer, config.dead_peer_after);
     let limit = config.handshake.timeout;
     let talk = async {
-        let step = handshake(&stream, from, &conn).await?;
+        let step = converse(&stream, from, &conn).await?;
         if let Handshake::Stream(..) = step {
             write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
         }

@@ -16,6 +16,9 @@
 //!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]): a
 //!   `ferry_file::FileSegment` (recognized by downcasting the `FileSource`) through the stream's
 //!   ring, O_DIRECT where a piece's alignment allows; any other source by its positioned I/O.
+//! - A server's connections in their handshake cost no thread: its accept thread runs all of
+//!   them on non-blocking sockets, within [`UringConfig::handshake`] (a deadline on each, a cap
+//!   on how many at once), and only an attached data stream gets a thread.
 //! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
 //!   peers over the TCP data plane, and a server hands new data streams to its
 //!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).

@@ -61,7 +61,7 @@ pub struct IoStats {
     /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
     /// I/O threads running now: one per client stream, one per served data stream (each with
-    /// its own ring; a handshake's short-lived thread is not counted).
+    /// its own ring; handshakes run on the server's accept thread, which is not counted).
     pub threads: AtomicU64,
     /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
     /// with no hand-over to the stream's thread.
