@@ -59,7 +59,7 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// Sessions a server remembers per key name for stream attaches; past it that name's oldest is
 /// forgotten (its streams already attached keep running; new ones need a new handshake).
 /// Other names' sessions are never touched.
-pub const MAX_SESSIONS_PER_NAME: usize = 256;
+pub const MAX_SESSIONS_PER_NAME: usize = 1024;
 /// Data streams one session may attach: counters `0..MAX_ATTACHES_PER_SESSION`, each once.
 pub const MAX_ATTACHES_PER_SESSION: usize = 4096;
 
