@@ -168,7 +168,7 @@ pub fn read_file_into(
                 }
                 // Drain what is in flight before returning: the kernel still writes the region.
                 while busy > 0 {
-                    if ring.submit_and_wait(1).is_err() {
+                    if enter(&mut ring).is_err() {
                         break;
                     }
                     busy -= ring.completion().count();
@@ -181,7 +181,7 @@ pub fn read_file_into(
             let got = res as u64;
             if got == 0 {
                 while busy > 0 {
-                    if ring.submit_and_wait(1).is_err() {
+                    if enter(&mut ring).is_err() {
                         break;
                     }
                     busy -= ring.completion().count();
