@@ -434,6 +434,88 @@ async fn a_segment_published_to_named_peers_is_invisible_to_others() -> Result<(
     Ok(())
 }
 
+/// Ops per scattered batch, and bytes per op: small enough that the client groups them into
+/// vectored requests (piece tables).
+const SCATTERED: u64 = 64;
+const PIECE: u64 = 512;
+
+/// A scattered batch (64 READs, then 64 WRITEs, of 512 bytes each, one per KiB) from `engine`
+/// to `target`: the READ's outcome, the bytes it read, and the WRITE's outcome.
+async fn scattered(
+    engine: &TransferEngine,
+    target: &ferry::RemoteSegment,
+) -> Result<(ferry::Outcome, Vec<u8>, ferry::Outcome)> {
+    let probe = local(engine, 0)?;
+    let mut reads = Batch::new();
+    for i in 0..SCATTERED {
+        reads = reads.read(&probe, i * PIECE, target, 2 * i * PIECE, PIECE);
+    }
+    let read = engine.submit(reads)?.await;
+    let mut got = vec![0u8; LEN];
+    probe.region().read_at(0, &mut got)?;
+    let src = local(engine, 0xee)?;
+    let mut writes = Batch::new();
+    for i in 0..SCATTERED {
+        writes = writes.write(&src, i * PIECE, target, 2 * i * PIECE, PIECE);
+    }
+    let write = engine.submit(writes)?.await;
+    Ok((read, got, write))
+}
+
+/// A segment published to bob, reached by alice with a leaked token through scattered batches
+/// (vectored requests, one piece table each): every piece is refused as an unknown segment on
+/// both planes, no byte is read or written; bob's own scattered batches succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scattered_batches_cannot_reach_a_segment_published_to_others() -> Result<()> {
+    for plane in planes() {
+        let server = Server::start(plane, Some(&format!("{ALICE}\n{BOB}")))?;
+        let secret = server.secret.as_ref().context("no secret")?;
+
+        let alice = client(plane, Some(ALICE))?;
+        let peer = alice.connect(server.addr()).await?;
+        let forged = peer.segment_from_descriptor(SegmentDesc {
+            name: "forged".into(),
+            token: secret.token(),
+            len: LEN as u64,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            remote_keys: vec![],
+        });
+        let (read, got, write) = scattered(&alice, &forged).await?;
+        let unknown = Some(FailureKind::Remote(RemoteStatus::UnknownSegment));
+        assert_eq!(
+            read.failure.as_ref().map(|f| f.kind),
+            unknown,
+            "{plane:?}: {read:?}"
+        );
+        assert!(got.iter().all(|&b| b == 0), "{plane:?}: bytes leaked");
+        assert_eq!(
+            write.failure.as_ref().map(|f| f.kind),
+            unknown,
+            "{plane:?}: {write:?}"
+        );
+        assert_eq!(write.remote_effect, RemoteEffect::None, "{plane:?}");
+        assert!(server.untouched(secret)?, "{plane:?}: alice wrote");
+
+        // The same batches from bob pass: the refusal above is the view, not the batch.
+        let bob = client(plane, Some(BOB))?;
+        let bob_peer = bob.connect(server.addr()).await?;
+        let (read, got, write) = scattered(&bob, &bob_peer.segment("secret")?).await?;
+        assert!(read.is_success(), "{plane:?}: {read:?}");
+        assert!(
+            got[..(SCATTERED * PIECE) as usize]
+                .iter()
+                .all(|&b| b == 0x5a),
+            "{plane:?}: bob read wrong bytes"
+        );
+        assert!(write.is_success(), "{plane:?}: {write:?}");
+        assert!(
+            !server.untouched(secret)?,
+            "{plane:?}: bob's writes did not land"
+        );
+    }
+    Ok(())
+}
+
 /// An io_uring server past its thread budget hands data streams to the TCP data plane's I/O
 /// threads: they are served from the authenticated peer's view too.
 #[cfg(feature = "uring")]
@@ -494,6 +576,8 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     );
     let short = dir.path().join("short.keys");
     std::fs::write(&short, "alice 0001020304050607\n")?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600))?;
     let e = TransferEngine::builder()
         .auth_key_file(&short)
         .build()
@@ -511,6 +595,29 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
         .err()
         .context("built with a short key")?;
     assert!(matches!(e, Error::AuthKey { .. }), "{e}");
+    // A key file group or others may read is refused, naming the file and the way out, unless
+    // allowed; a good key in it then works.
+    let open = dir.path().join("open.keys");
+    std::fs::write(&open, format!("{ALICE}\n"))?;
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644))?;
+    let e = TransferEngine::builder()
+        .auth_key_file(&open)
+        .build()
+        .err()
+        .context("built with a key file others may read")?;
+    let text = e.to_string();
+    assert!(
+        matches!(&e, Error::AuthKey { .. })
+            && text.contains("open.keys")
+            && text.contains("644")
+            && text.contains("allow-open-key-file"),
+        "{text}"
+    );
+    assert!(!text.contains("0a0b0c0d"), "{text}");
+    TransferEngine::builder()
+        .auth_key_file(&open)
+        .allow_open_key_file(true)
+        .build()?;
     // Publishing to named peers needs keys.
     let engine = TransferEngine::builder().no_auth().build()?;
     let r = MemoryRegion::alloc_zeroed(4096, 4096)?;

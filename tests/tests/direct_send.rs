@@ -204,6 +204,7 @@ async fn a_direct_send_the_kernel_takes_in_part_is_finished_by_the_stream_thread
             },
             segments: vec![],
             session: None,
+            key_name: None,
             version: ferry_core::wire::SUPPORTED_VERSIONS.max,
         })
         .await

@@ -352,6 +352,7 @@ async fn stale_epoch_stream_is_refused() {
                 offer,
                 segments: vec![],
                 session: None,
+                key_name: None,
                 version: ferry_core::wire::SUPPORTED_VERSIONS.max,
             })
             .await;
@@ -534,6 +535,7 @@ fn scripted_peer(addr: SocketAddr, streams: u16) -> PeerInfo {
         offer: TransportOffer::Tcp { streams, port: 0 },
         segments: vec![],
         session: None,
+        key_name: None,
         version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     }
 }
@@ -852,10 +854,10 @@ impl StreamOverflow for TcpOverflow {
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
-        table: Arc<dyn ferry_core::SegmentTable>,
+        proto: ferry_core::stream::ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
-        self.0.serve(stream, from, table, done)
+        self.0.serve(stream, from, proto, done)
     }
 }
 
@@ -955,7 +957,7 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
                     .serve(
                         s,
                         from,
-                        table.clone(),
+                        ferry_core::stream::ServerStream::new(table.clone()),
                         Box::new(move || tx.send(()).unwrap()),
                     )
                     .unwrap();

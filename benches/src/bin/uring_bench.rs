@@ -155,6 +155,7 @@ fn connect(
         offer: reply.transports[0].clone(),
         segments: vec![],
         session: None,
+        key_name: None,
         version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     };
     let ch = block_on(t.open(peer))?;

@@ -102,6 +102,10 @@ pub(crate) struct BenchArgs {
     /// it, the file named by FERRY_AUTH_KEY_FILE, if set.
     #[arg(long, value_name = "F")]
     auth_key_file: Option<std::path::PathBuf>,
+    /// Read the key file even where group or others may access it (a warning is logged);
+    /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
+    #[arg(long)]
+    allow_open_key_file: bool,
 }
 
 /// `--io-threads`, as `EngineBuilder::io_threads` takes it.
@@ -229,8 +233,9 @@ impl LoopbackServer {
         name: String,
         server_threads: usize,
         gpu: Option<u32>,
-        auth_key_file: Option<std::path::PathBuf>,
+        auth: (Option<std::path::PathBuf>, bool),
     ) -> Result<Self> {
+        let (auth_key_file, allow_open_key_file) = auth;
         let kinds = kinds.to_vec();
         let (streams, socket_buffer, io_threads) = tcp;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -255,6 +260,7 @@ impl LoopbackServer {
                         if let Some(f) = auth_key_file {
                             server = server.auth_key_file(f);
                         }
+                        server = server.allow_open_key_file(allow_open_key_file);
                         let server = server.build()?;
                         let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
                         let mut _gpu_reg = None;
@@ -473,7 +479,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 args.segment.clone(),
                 args.server_threads.unwrap_or(streams),
                 args.gpu,
-                args.auth_key_file.clone(),
+                (args.auth_key_file.clone(), args.allow_open_key_file),
             )?;
             let addr = server.addr.to_string();
             (Some(server), addr)
@@ -494,6 +500,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     if let Some(f) = &args.auth_key_file {
         builder = builder.auth_key_file(f);
     }
+    builder = builder.allow_open_key_file(args.allow_open_key_file);
     let engine = builder.build()?;
     let peer = engine
         .connect(addr.as_str())

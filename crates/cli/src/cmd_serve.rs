@@ -62,6 +62,10 @@ pub(crate) struct ServeArgs {
     /// address is served (a warning says so on an address other than loopback).
     #[arg(long, value_name = "F")]
     auth_key_file: Option<std::path::PathBuf>,
+    /// Read the key file even where group or others may access it (a warning is logged);
+    /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
+    #[arg(long)]
+    allow_open_key_file: bool,
     /// Publish the segment or file segment NAME only to the authenticated peers named (key
     /// names of the keyring): NAME=PEER[,PEER...]. Repeatable. Others neither see it listed nor
     /// reach it.
@@ -155,6 +159,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         if let Some(f) = &args.auth_key_file {
             builder = builder.auth_key_file(f);
         }
+        builder = builder.allow_open_key_file(args.allow_open_key_file);
         let engine = match args.transport.as_str() {
             "tcp" | "uring" => builder.build()?,
             "rdma" => builder

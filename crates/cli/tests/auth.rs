@@ -81,14 +81,22 @@ impl Serve {
 
 /// Runs `ferry bench ARGS --json`: its report, or its stderr as the error.
 fn bench(args: &[&str]) -> Result<serde_json::Value, String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .arg("bench")
+    bench_with(args, None)
+}
+
+/// `ferry bench` with `FERRY_ALLOW_OPEN_KEY_FILE` set to `allow_open`, or unset.
+fn bench_with(args: &[&str], allow_open: Option<&str>) -> Result<serde_json::Value, String> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    cmd.arg("bench")
         .args(["--transport", "tcp", "--total", "4MiB", "--op-size", "1MiB"])
         .args(args)
         .arg("--json")
         .env_remove("FERRY_AUTH_KEY_FILE")
-        .output()
-        .map_err(|e| e.to_string())?;
+        .env_remove("FERRY_ALLOW_OPEN_KEY_FILE");
+    if let Some(v) = allow_open {
+        cmd.env("FERRY_ALLOW_OPEN_KEY_FILE", v);
+    }
+    let out = cmd.output().map_err(|e| e.to_string())?;
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).into_owned());
     }
@@ -189,6 +197,27 @@ fn bench_on_loopback_with_a_key_file_and_bad_files() -> Result<()> {
         .err()
         .context("ran with a short key")?;
     assert!(e.contains("short.key") && e.contains("at least 16"), "{e}");
+    // A key file group or others may read: refused, unless the flag or the variable allows it.
+    let open = key_file(dir.path(), "open.key", ALICE)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o640))?;
+    }
+    let open = open.to_str().context("path")?;
+    let e = bench(&["--auth-key-file", open])
+        .err()
+        .context("ran with a key file group may read")?;
+    assert!(
+        e.contains("open.key") && e.contains("640") && e.contains("--allow-open-key-file"),
+        "{e}"
+    );
+    assert!(!e.contains("0a0b0c0d"), "{e}");
+    let v =
+        bench(&["--auth-key-file", open, "--allow-open-key-file"]).map_err(anyhow::Error::msg)?;
+    assert_eq!(moved(&v), 4 << 20, "{v}");
+    let v = bench_with(&["--auth-key-file", open], Some("1")).map_err(anyhow::Error::msg)?;
+    assert_eq!(moved(&v), 4 << 20, "{v}");
     Ok(())
 }
 

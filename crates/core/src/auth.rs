@@ -23,16 +23,19 @@
 //! `HMAC(K, "session" | T)`.
 //!
 //! **Data streams.** An authenticated client attaches each data stream with an [`AuthAttach`]:
-//! the attach, the session (its `Nc`), a counter and `HMAC(session key, "attach" | attach |
-//! counter)`. The server keeps its recent sessions ([`Sessions`], bounded) and accepts a counter
-//! once per session, so a stranger who knows ids and epochs, or who replays a captured attach,
-//! attaches nothing.
+//! the attach, the session (the server's `Ns`: the server chooses session ids, one per
+//! handshake, and never replaces one), a counter and `HMAC(session key, "attach" | attach |
+//! counter)`. The server keeps the recent sessions of each key name ([`Sessions`]: at most
+//! [`MAX_SESSIONS_PER_NAME`] a name, the oldest of that name forgotten first, so one key holder
+//! cannot evict another's) and accepts each counter below [`MAX_ATTACHES_PER_SESSION`] once per
+//! session, so a stranger who knows ids and epochs, or who replays a captured attach, attaches
+//! nothing, and the table's memory is bounded by the keyring's size.
 //!
 //! What this does not do: it does not encrypt or authenticate the payload bytes or the data
 //! headers after the attach. An attacker who can read the network sees the data; one who can
 //! write into established TCP connections can alter it. See `docs/architecture.md` §4.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -53,10 +56,11 @@ use crate::wire::{
 pub const MIN_KEY_LEN: usize = 16;
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 1024;
-/// Sessions a server remembers for stream attaches; past it the oldest is forgotten (its
-/// streams already attached keep running; new ones need a new handshake).
-pub const MAX_SESSIONS: usize = 4096;
-/// Data streams one session may attach.
+/// Sessions a server remembers per key name for stream attaches; past it that name's oldest is
+/// forgotten (its streams already attached keep running; new ones need a new handshake).
+/// Other names' sessions are never touched.
+pub const MAX_SESSIONS_PER_NAME: usize = 1024;
+/// Data streams one session may attach: counters `0..MAX_ATTACHES_PER_SESSION`, each once.
 pub const MAX_ATTACHES_PER_SESSION: usize = 4096;
 
 const LABEL: &[u8] = b"ferry-auth-1";
@@ -145,6 +149,11 @@ fn check_name(name: &str) -> Result<(), KeyError> {
     }
 }
 
+/// Whether `word` reads as a key: at least [`MIN_KEY_LEN`] bytes' worth of hex digits.
+fn looks_like_key(word: &str) -> bool {
+    word.len() >= 2 * MIN_KEY_LEN && word.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 fn unhex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
@@ -188,7 +197,20 @@ impl Keyring {
             let (Some(name), Some(hex), None) = (words.next(), words.next(), words.next()) else {
                 return Err(bad("expected `name hexkey`".into()));
             };
-            check_name(name).map_err(|e| bad(e.to_string()))?;
+            // A key where the name belongs (a swapped `hexkey name` line): refused without
+            // echoing either word, and never taken as a name (names go on the wire in clear).
+            if looks_like_key(name) {
+                return Err(bad(
+                    "the first word looks like a key (32 or more hex digits); the line must be \
+                     `name hexkey`"
+                        .into(),
+                ));
+            }
+            if check_name(name).is_err() {
+                return Err(bad(format!(
+                    "the name is not 1 to {MAX_AUTH_NAME} characters of A-Z a-z 0-9 . _ @ : -"
+                )));
+            }
             let bytes = unhex(hex).ok_or_else(|| bad("the key is not hexadecimal".into()))?;
             let key = Key::new(&bytes).map_err(|e| bad(e.to_string()))?;
             if keys.iter().any(|(n, _)| n == name) {
@@ -378,7 +400,7 @@ impl ClientAuth {
         });
         let session = Session {
             key: t.session_key(&self.key),
-            id: self.nonce,
+            id: c.nonce,
             server: (c.peer_id, c.epoch),
             name: self.name.clone(),
             counter: std::sync::atomic::AtomicU64::new(0),
@@ -438,39 +460,73 @@ impl Session {
 // ---------------------------------------------------------------------------------------------
 // Server side.
 
+/// The attach counters a session has used: one bit for each of `0..MAX_ATTACHES_PER_SESSION`
+/// (a fixed 512 bytes, whatever the peer sends).
+struct Used(Box<[u64; MAX_ATTACHES_PER_SESSION / 64]>);
+
+impl Used {
+    fn new() -> Self {
+        Self(Box::new([0; MAX_ATTACHES_PER_SESSION / 64]))
+    }
+
+    /// Marks `counter` used: `Some(true)` if it was not yet, `Some(false)` for a replay, `None`
+    /// past the session's limit.
+    fn take(&mut self, counter: u64) -> Option<bool> {
+        let i = usize::try_from(counter)
+            .ok()
+            .filter(|&i| i < MAX_ATTACHES_PER_SESSION)?;
+        let (word, bit) = (i / 64, 1u64 << (i % 64));
+        let fresh = self.0[word] & bit == 0;
+        self.0[word] |= bit;
+        Some(fresh)
+    }
+}
+
 struct ServerSession {
     key: Key,
     name: Arc<str>,
     client: (PeerId, Epoch),
-    used: HashSet<u64>,
+    used: Used,
 }
 
-/// The sessions a server remembers for stream attaches (at most [`MAX_SESSIONS`], oldest
-/// forgotten first).
+/// The sessions a server remembers for stream attaches, by the id the server chose (its
+/// handshake nonce): at most [`MAX_SESSIONS_PER_NAME`] per key name, that name's oldest
+/// forgotten first; an id already taken is never replaced.
 #[derive(Default)]
 pub struct Sessions {
     map: HashMap<[u8; AUTH_NONCE_LEN], ServerSession>,
-    order: VecDeque<[u8; AUTH_NONCE_LEN]>,
+    by_name: HashMap<Arc<str>, VecDeque<[u8; AUTH_NONCE_LEN]>>,
 }
 
 impl fmt::Debug for Sessions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Sessions")
             .field("len", &self.map.len())
+            .field("names", &self.by_name.len())
             .finish()
     }
 }
 
 impl Sessions {
-    fn insert(&mut self, id: [u8; AUTH_NONCE_LEN], s: ServerSession) {
-        if self.map.insert(id, s).is_none() {
-            self.order.push_back(id);
+    /// Remembers session `id`; `false` (and nothing changes) if `id` is taken.
+    fn insert(&mut self, id: [u8; AUTH_NONCE_LEN], s: ServerSession) -> bool {
+        if self.map.contains_key(&id) {
+            return false;
         }
-        while self.order.len() > MAX_SESSIONS {
-            if let Some(old) = self.order.pop_front() {
+        let order = self.by_name.entry(s.name.clone()).or_default();
+        order.push_back(id);
+        while order.len() > MAX_SESSIONS_PER_NAME {
+            if let Some(old) = order.pop_front() {
                 self.map.remove(&old);
             }
         }
+        self.map.insert(id, s);
+        true
+    }
+
+    /// How many sessions of key name `name` are remembered.
+    pub fn len_of(&self, name: &str) -> usize {
+        self.by_name.get(name).map_or(0, VecDeque::len)
     }
 
     /// How many sessions are remembered.
@@ -572,18 +628,26 @@ impl ServerAuth {
             ));
         }
         let name: Arc<str> = pending.hello.name.as_str().into();
-        self.sessions
+        let fresh = self
+            .sessions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(
-                pending.hello.nonce,
+                pending.nonce,
                 ServerSession {
                     key: t.session_key(&pending.key),
                     name: name.clone(),
                     client: (pending.hello.peer_id, pending.hello.epoch),
-                    used: HashSet::new(),
+                    used: Used::new(),
                 },
             );
+        if !fresh {
+            // The server's own fresh nonce repeated: never replace the session that holds it.
+            return Err(refuse(
+                pending.server.1,
+                "authentication failed: the session id is taken (handshake again)".into(),
+            ));
+        }
         Ok(name)
     }
 
@@ -605,13 +669,11 @@ impl ServerAuth {
         {
             return Err(refused("its proof does not match the session"));
         }
-        if s.used.len() >= MAX_ATTACHES_PER_SESSION {
-            return Err(refused("the session attached too many streams"));
+        match s.used.take(a.counter) {
+            None => Err(refused("the session attached too many streams")),
+            Some(false) => Err(refused("its proof was used before (a replay)")),
+            Some(true) => Ok(s.name.clone()),
         }
-        if !s.used.insert(a.counter) {
-            return Err(refused("its proof was used before (a replay)"));
-        }
-        Ok(s.name.clone())
     }
 }
 
@@ -705,7 +767,7 @@ mod tests {
             panic!("{first:?}")
         };
         let (challenge, pending) = server
-            .challenge(&h, PeerId(3), Epoch(4), [2; 32])
+            .challenge(&h, PeerId(3), Epoch(4), nonce())
             .map_err(|r| r.message)?;
         let (proof, session) = c.on_reply(addr(), challenge).map_err(|e| e.to_string())?;
         let ControlFrame::AuthProof(p) = proof else {
@@ -751,6 +813,21 @@ mod tests {
             );
         }
         assert_eq!(Keyring::parse("# nothing\n"), Err(KeyError::Empty));
+        // A swapped `hexkey name` line, with a key of any length: refused, and no part of the
+        // key in the error.
+        for key in [
+            "000102030405060708090a0b0c0d0e0f",
+            &"ab".repeat(64),
+            &"cd".repeat(MAX_KEY_LEN),
+        ] {
+            let e = Keyring::parse(&format!("# k\n{key} alice\n")).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                matches!(&e, KeyError::BadLine { line: 2, .. }) && text.contains("name hexkey"),
+                "{text}"
+            );
+            assert!(!text.contains(&key[..8]), "the key leaked: {text}");
+        }
         assert!(matches!(
             Keyring::parse(&format!("{ALICE}\n{ALICE2}")),
             Err(KeyError::Duplicate { .. })
@@ -936,23 +1013,103 @@ mod tests {
         assert!(matches!(e, Error::Malformed { .. }), "{e}");
     }
 
-    #[test]
-    fn the_session_table_is_bounded() {
-        let mut s = Sessions::default();
-        for i in 0..(MAX_SESSIONS + 10) {
-            let mut id = [0u8; 32];
-            id[..8].copy_from_slice(&(i as u64).to_le_bytes());
-            s.insert(
-                id,
-                ServerSession {
-                    key: Key::new(&[0; 16]).unwrap(),
-                    name: "a".into(),
-                    client: (PeerId(0), Epoch(0)),
-                    used: HashSet::new(),
-                },
-            );
+    fn session(name: &str) -> ServerSession {
+        ServerSession {
+            key: Key::new(&[0; 16]).unwrap(),
+            name: name.into(),
+            client: (PeerId(0), Epoch(0)),
+            used: Used::new(),
         }
-        assert_eq!(s.len(), MAX_SESSIONS);
-        assert!(!s.map.contains_key(&[0u8; 32]));
+    }
+
+    fn id(i: usize) -> [u8; 32] {
+        let mut id = [0u8; 32];
+        id[..8].copy_from_slice(&(i as u64).to_le_bytes());
+        id
+    }
+
+    /// Each key name keeps at most `MAX_SESSIONS_PER_NAME` sessions, its own oldest forgotten
+    /// first: a flood of handshakes under one name leaves the other names' sessions alone.
+    #[test]
+    fn the_session_table_is_bounded_per_name() {
+        let mut s = Sessions::default();
+        assert!(s.insert(id(0), session("bob")));
+        for i in 1..=(MAX_SESSIONS_PER_NAME + 10) {
+            assert!(s.insert(id(i), session("alice")));
+        }
+        assert_eq!(s.len_of("alice"), MAX_SESSIONS_PER_NAME);
+        assert_eq!(s.len(), MAX_SESSIONS_PER_NAME + 1);
+        assert!(s.map.contains_key(&id(0)), "bob's session was evicted");
+        assert!(!s.map.contains_key(&id(1)), "alice's oldest was kept");
+        assert!(s.map.contains_key(&id(MAX_SESSIONS_PER_NAME + 10)));
+    }
+
+    /// An id already taken is never replaced, by any name.
+    #[test]
+    fn a_session_is_never_replaced() {
+        let mut s = Sessions::default();
+        assert!(s.insert(id(7), session("bob")));
+        assert!(!s.insert(id(7), session("alice")));
+        assert_eq!(&*s.map[&id(7)].name, "bob");
+        assert_eq!((s.len_of("alice"), s.len_of("bob")), (0, 1));
+    }
+
+    /// The server chooses the session id (its own nonce): a key holder that reuses another
+    /// client's nonce gets a session of its own, and the first client's session keeps working.
+    #[test]
+    fn session_ids_are_the_servers_and_one_per_handshake() {
+        let server = ServerAuth::new(ring(&format!("{ALICE}\n{BOB}")));
+        let run = |keys: &str, client_nonce: [u8; 32], server_nonce: [u8; 32]| {
+            let (first, c) = ClientAuth::start(&ring(keys), PeerId(1), Epoch(2), client_nonce);
+            let ControlFrame::AuthHello(h) = first else {
+                panic!()
+            };
+            let (challenge, pending) = server
+                .challenge(&h, PeerId(3), Epoch(4), server_nonce)
+                .unwrap();
+            let (proof, session) = c.on_reply(addr(), challenge).unwrap();
+            let ControlFrame::AuthProof(p) = proof else {
+                panic!()
+            };
+            (server.verify(pending, &p), session)
+        };
+        let (name, alice) = run(ALICE, [1; 32], [2; 32]);
+        assert_eq!(&*name.unwrap(), "alice");
+        // Bob sends alice's nonce: his session gets the server's fresh nonce as its id.
+        let (name, bob) = run(BOB, [1; 32], [3; 32]);
+        assert_eq!(&*name.unwrap(), "bob");
+        assert_eq!(server.session_count(), 2);
+        let ControlFrame::AuthAttach(a) = alice.attach(attach(0)) else {
+            panic!()
+        };
+        assert_eq!(
+            a.session, [2; 32],
+            "the session id is not the server's nonce"
+        );
+        assert_eq!(&*server.check_attach(&a, Epoch(4)).unwrap(), "alice");
+        let ControlFrame::AuthAttach(b) = bob.attach(attach(0)) else {
+            panic!()
+        };
+        assert_eq!(&*server.check_attach(&b, Epoch(4)).unwrap(), "bob");
+        // A server nonce repeated (it never is: it is fresh) would not replace alice's session.
+        let (refused, _) = run(BOB, [9; 32], [2; 32]);
+        assert!(refused.unwrap_err().message.contains("taken"));
+        let ControlFrame::AuthAttach(a) = alice.attach(attach(1)) else {
+            panic!()
+        };
+        assert_eq!(&*server.check_attach(&a, Epoch(4)).unwrap(), "alice");
+    }
+
+    /// Counters are accepted once each, below the session's limit, in any order.
+    #[test]
+    fn attach_counters_are_bounded_and_used_once() {
+        let mut u = Used::new();
+        assert_eq!(u.take(5), Some(true));
+        assert_eq!(u.take(0), Some(true));
+        assert_eq!(u.take(5), Some(false));
+        let last = MAX_ATTACHES_PER_SESSION as u64 - 1;
+        assert_eq!(u.take(last), Some(true));
+        assert_eq!(u.take(last + 1), None);
+        assert_eq!(u.take(u64::MAX), None);
     }
 }

@@ -8,6 +8,7 @@
 //! measures the rate; `docs/broadcast.md` quotes it against the link rate.
 
 use std::io;
+use std::sync::Arc;
 
 use crate::memory::{MemoryRegion, OutOfBounds};
 use crate::transport::FileSource;
@@ -45,6 +46,66 @@ pub fn crc32c_region(region: &MemoryRegion, offset: u64, len: u64) -> Result<u32
     Ok(crc)
 }
 
+/// The CRC-32C of a range of a region, computed one piece ([`RegionCrc::PIECE`] bytes) per
+/// [`step`](Self::step), so that a driver that serves other streams on the same thread can let
+/// them run between the pieces of a long range. Bytes are copied out as in [`crc32c_region`].
+#[derive(Debug)]
+pub struct RegionCrc {
+    region: Arc<MemoryRegion>,
+    at: u64,
+    left: u64,
+    crc: u32,
+    buf: Vec<u8>,
+}
+
+impl RegionCrc {
+    /// Bytes hashed per step.
+    pub const PIECE: usize = PIECE;
+
+    /// A checksum of `region[at..at + len]`, checked against the region now.
+    pub fn new(region: Arc<MemoryRegion>, at: u64, len: u64) -> Result<Self, OutOfBounds> {
+        region.check(at, len)?;
+        Ok(Self {
+            region,
+            at,
+            left: len,
+            crc: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Hashes the next piece; the checksum once the whole range is hashed (then again on each
+    /// call).
+    pub fn step(&mut self) -> Option<u32> {
+        if self.left == 0 {
+            self.buf = Vec::new();
+            return Some(self.crc);
+        }
+        let n = self.left.min(PIECE as u64) as usize;
+        if self.buf.len() < n {
+            self.buf.resize(n, 0);
+        }
+        // Checked against the region in `new`; the region does not shrink.
+        if self.region.read_at(self.at, &mut self.buf[..n]).is_err() {
+            self.left = 0;
+            return Some(self.crc);
+        }
+        self.crc = crc32c_append(self.crc, &self.buf[..n]);
+        self.at += n as u64;
+        self.left -= n as u64;
+        None
+    }
+
+    /// Hashes the rest at once.
+    pub fn finish(mut self) -> u32 {
+        loop {
+            if let Some(crc) = self.step() {
+                return crc;
+            }
+        }
+    }
+}
+
 /// The CRC-32C of `len` bytes of `file` from `at` (positioned reads: blocking).
 pub fn crc32c_file(file: &dyn FileSource, at: u64, len: u64) -> io::Result<u32> {
     let mut buf = vec![0u8; PIECE.min(len as usize)];
@@ -76,5 +137,20 @@ mod tests {
         assert!(crc32c_region(&region, 1, data.len() as u64).is_err());
         let split = crc32c_append(crc32c(&data[..1000]), &data[1000..]);
         assert_eq!(split, whole);
+        let region = Arc::new(region);
+        let mut steps = RegionCrc::new(region.clone(), 0, data.len() as u64).unwrap();
+        let mut n = 1;
+        let stepped = loop {
+            match steps.step() {
+                Some(crc) => break crc,
+                None => n += 1,
+            }
+        };
+        assert_eq!((stepped, n), (whole, 4), "three pieces, then the sum");
+        assert_eq!(steps.step(), Some(whole));
+        let part = RegionCrc::new(region.clone(), 5, 100).unwrap().finish();
+        assert_eq!(part, crc32c(&data[5..105]));
+        assert_eq!(RegionCrc::new(region.clone(), 0, 0).unwrap().finish(), 0);
+        assert!(RegionCrc::new(region, 1, data.len() as u64).is_err());
     }
 }

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use crate::auth::{PeerView, PendingProof};
 use crate::error::Error;
 use crate::ids::Epoch;
+use crate::stream::ServerStream;
 use crate::transport::{HandshakeResponder, PeerInfo, SegmentTable};
 use crate::wire::{
-    ControlFrame, Hello, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer,
-    WireError,
+    ControlFrame, ControlHeader, Hello, MAX_CONTROL_BODY, MAX_PREAUTH_BODY, Reject, RejectReason,
+    SUPPORTED_VERSIONS, StreamAttach, TransportOffer, WireError,
 };
 
 /// The server's answer to a peer's hello from `from` (authenticated as `peer`, if at all): our
@@ -42,12 +43,13 @@ pub enum ServerStep {
     /// Send this frame, then close the connection.
     Close(ControlFrame),
     /// A data stream is accepted: send [`ControlFrame::StreamAccept`] and serve its requests
-    /// from `table` (the peer's view of the published segments).
+    /// with `stream`, which resolves every op and piece through the peer's view of the
+    /// published segments (an authenticated peer sees only what is published to its key name).
     Stream {
         /// The attach.
         attach: StreamAttach,
-        /// What the stream may see.
-        table: Arc<dyn SegmentTable>,
+        /// The stream's protocol state, bound to what the peer may see.
+        stream: ServerStream,
     },
     /// A frame that has no place here: close without answering.
     Fail(Error),
@@ -108,6 +110,42 @@ impl ServerConversation {
         }))
     }
 
+    /// The largest body the peer's next frame may have: [`MAX_PREAUTH_BODY`] on a server that
+    /// requires authentication until the peer has proven its key, [`MAX_CONTROL_BODY`] after
+    /// (its hello) and on a server without keys (which serves whoever connects).
+    pub fn body_limit(&self) -> u32 {
+        let proven = matches!(self.state, Conversation::Proven(Ok(_), _));
+        if self.responder.auth().is_some() && !proven {
+            MAX_PREAUTH_BODY
+        } else {
+            MAX_CONTROL_BODY
+        }
+    }
+
+    /// Checks the header of the peer's next frame before its body is read: `None` when the
+    /// body may be read (then [`on_frame`](Self::on_frame)), else the step to take instead
+    /// (a refusal, then close; the body is never read), for a body over
+    /// [`body_limit`](Self::body_limit).
+    pub fn on_header(&mut self, header: &ControlHeader) -> Option<ServerStep> {
+        let limit = self.body_limit();
+        if header.body_len <= limit {
+            return None;
+        }
+        self.state = Conversation::Done;
+        tracing::warn!(from = %self.from, len = header.body_len, limit,
+            "control frame too large before authentication; closing");
+        Some(ServerStep::Close(ControlFrame::Reject(Reject {
+            reason: RejectReason::Refused,
+            versions: SUPPORTED_VERSIONS,
+            epoch: self.responder.epoch(),
+            message: format!(
+                "authentication required: this server reads at most {limit} bytes of a frame \
+                 before a peer proves its key, and this one has {}",
+                header.body_len
+            ),
+        })))
+    }
+
     /// The next step after the peer sent `frame`.
     pub fn on_frame(&mut self, frame: ControlFrame) -> ServerStep {
         let from = self.from;
@@ -141,7 +179,7 @@ impl ServerConversation {
                 }
                 ServerStep::Stream {
                     attach: a,
-                    table: self.table.clone(),
+                    stream: ServerStream::new(self.table.clone()),
                 }
             }
             (Conversation::Start, ControlFrame::AuthHello(h)) => {
@@ -203,7 +241,10 @@ impl ServerConversation {
                 match auth.check_attach(&a, self.responder.epoch()) {
                     Ok(name) => ServerStep::Stream {
                         attach: a.attach,
-                        table: Arc::new(PeerView::new(self.table.clone(), name)),
+                        stream: ServerStream::new(Arc::new(PeerView::new(
+                            self.table.clone(),
+                            name,
+                        ))),
                     },
                     Err(r) => self.refused(r.message),
                 }
@@ -398,6 +439,7 @@ mod tests {
             offer,
             segments: vec![],
             session: None,
+            key_name: None,
             version: crate::wire::SUPPORTED_VERSIONS.max,
         };
         let (addr, n) = stream_endpoint(&info(TransportOffer::Tcp {
@@ -550,7 +592,8 @@ mod tests {
         use super::*;
         use crate::auth::{ClientAuth, Keyring, ServerAuth};
         use crate::ids::{Access, PeerId, SegmentToken};
-        use crate::op::SegmentDesc;
+        use crate::op::{OpKind, SegmentDesc};
+        use crate::outcome::RemoteStatus;
         use crate::transport::{MockHandshakeResponder, SegmentLease};
         use crate::wire::{AuthAttach, VersionRange};
         use proptest::prelude::*;
@@ -649,6 +692,74 @@ mod tests {
             Ok((server.on_frame(ControlFrame::Hello(ours)), session))
         }
 
+        /// What `stream` answers for `token`: a single READ of the whole segment, then a
+        /// vectored READ of it in four 2-byte pieces; `None` where accepted, else the refusal.
+        fn served(
+            stream: &mut ServerStream,
+            token: u64,
+        ) -> (Option<RemoteStatus>, Option<RemoteStatus>) {
+            use crate::stream::Action;
+            use crate::wire::{
+                DATA_REQUEST_LEN, DataRequest, Piece, ResponseHead, VectoredRequest,
+            };
+            let token = SegmentToken(token);
+            let mut head = [0u8; DATA_REQUEST_LEN];
+            DataRequest {
+                kind: OpKind::Read,
+                seq: 1,
+                token,
+                offset: 0,
+                len: 8,
+                ack_slack: 0,
+            }
+            .encode(&mut head);
+            let single = match stream.on_request(&head) {
+                Action::ReadMemory { .. } => None,
+                Action::Refuse { status, .. } => Some(status),
+                other => panic!("{other:?}"),
+            };
+            let req = VectoredRequest {
+                kind: OpKind::Read,
+                seq: 2,
+                pieces: 4,
+                total: 8,
+            };
+            req.encode(&mut head);
+            let Action::Table { req } = stream.on_request(&head) else {
+                panic!("not a table")
+            };
+            let mut table = Vec::new();
+            for i in 0..4 {
+                Piece {
+                    token,
+                    offset: i * 2,
+                    len: 2,
+                }
+                .encode(&mut table);
+            }
+            let Action::Vectored {
+                targets, response, ..
+            } = stream.on_table(&req, &table)
+            else {
+                panic!("not served as a vectored request")
+            };
+            let Ok(ResponseHead::Vectored(r)) = ResponseHead::decode(&response) else {
+                panic!("not a vectored response")
+            };
+            assert_eq!(r.done as usize, targets.len());
+            let vectored = match r.refused {
+                None => {
+                    assert_eq!(r.done, 4);
+                    None
+                }
+                Some(status) => {
+                    assert_eq!(r.done, 0, "a piece of a refused segment was accepted");
+                    Some(status)
+                }
+            };
+            (single, vectored)
+        }
+
         fn closed_with(step: ServerStep) -> ControlFrame {
             match step {
                 ServerStep::Close(f) => f,
@@ -665,6 +776,110 @@ mod tests {
                 matches!(&e, Error::HandshakeRefused { reason, .. } if reason.contains("authentication required")),
                 "{e}"
             );
+        }
+
+        fn header_of(frame: &ControlFrame) -> ControlHeader {
+            let mut buf = Vec::new();
+            frame.encode(SUPPORTED_VERSIONS.max, &mut buf).unwrap();
+            let head: [u8; crate::wire::CONTROL_HEADER_LEN] =
+                buf[..crate::wire::CONTROL_HEADER_LEN].try_into().unwrap();
+            ControlHeader::decode(&head).unwrap()
+        }
+
+        /// Before a peer proves its key, a keyed server reads at most `MAX_PREAUTH_BODY` bytes
+        /// of a frame (every authentication frame fits, with the longest key name); a larger
+        /// one is refused from its header alone. After the proof, and on a keyless server, the
+        /// whole control limit applies.
+        #[test]
+        fn frames_before_the_proof_are_capped_to_what_authentication_needs() {
+            let longest = AuthAttach {
+                attach: attach(),
+                session: [0; 32],
+                counter: u64::MAX,
+                mac: [0; 32],
+            };
+            let auth_hello = ControlFrame::AuthHello(crate::wire::AuthHello {
+                name: "n".repeat(crate::wire::MAX_AUTH_NAME),
+                peer_id: PeerId(1),
+                epoch: Epoch(2),
+                nonce: [0; 32],
+            });
+            let proof = ControlFrame::AuthProof(crate::wire::AuthProof { mac: [0; 32] });
+            for f in [&auth_hello, &proof, &ControlFrame::AuthAttach(longest)] {
+                assert!(header_of(f).body_len <= MAX_PREAUTH_BODY, "{f:?}");
+            }
+            let big = ControlHeader {
+                version: SUPPORTED_VERSIONS.max,
+                kind: header_of(&ControlFrame::Hello(client_hello())).kind,
+                body_len: MAX_PREAUTH_BODY + 1,
+            };
+
+            let r = responder(Some(ALICE), true);
+            let mut t = talk(&r);
+            assert_eq!(t.body_limit(), MAX_PREAUTH_BODY);
+            let step = t
+                .on_header(&big)
+                .expect("a large first frame was let through");
+            let e = hello_reply(peer(), &client_hello(), closed_with(step)).unwrap_err();
+            assert!(
+                matches!(&e, Error::HandshakeRefused { reason, .. } if reason.contains("authentication required")),
+                "{e}"
+            );
+            // Nothing more is read on that connection.
+            assert!(matches!(
+                t.on_frame(auth_hello.clone()),
+                ServerStep::Fail(_)
+            ));
+
+            // Challenged, and after a forged proof: still capped.
+            let mut t = talk(&r);
+            let (first, _) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+            );
+            assert!(t.on_header(&header_of(&first)).is_none());
+            assert!(matches!(t.on_frame(first), ServerStep::Reply(_)));
+            assert_eq!(t.body_limit(), MAX_PREAUTH_BODY);
+            assert!(t.on_header(&big).is_some());
+            let mut t = talk(&r);
+            let (first, _) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+            );
+            t.on_frame(first);
+            t.on_frame(proof);
+            assert_eq!(
+                t.body_limit(),
+                MAX_PREAUTH_BODY,
+                "a forged proof lifted the cap"
+            );
+
+            // Proven: the hello may be as large as any control frame.
+            let mut t = talk(&r);
+            let ours = client_hello();
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                ours.peer_id,
+                ours.epoch,
+                [1; 32],
+            );
+            let ServerStep::Reply(challenge) = t.on_frame(first) else {
+                panic!()
+            };
+            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+            t.on_frame(proof);
+            assert_eq!(t.body_limit(), MAX_CONTROL_BODY);
+            assert!(t.on_header(&big).is_none());
+
+            // A keyless server serves whoever connects: the control limit.
+            let r = responder(None, true);
+            let mut t = talk(&r);
+            assert_eq!(t.body_limit(), MAX_CONTROL_BODY);
+            assert!(t.on_header(&big).is_none());
         }
 
         #[test]
@@ -789,15 +1004,16 @@ mod tests {
                 attach_reply(peer(), &stale.attach, answer),
                 Err(Error::StaleEpoch { .. })
             ));
-            // The real one: served from alice's view (token 2 is bob's).
-            let ServerStep::Stream { table, .. } =
+            // The real one: served from alice's view (token 2 is bob's), for single ops and
+            // piece tables alike.
+            let ServerStep::Stream { mut stream, .. } =
                 talk(&r).on_frame(ControlFrame::AuthAttach(good))
             else {
                 panic!("refused the session's own attach")
             };
-            assert!(table.resolve(SegmentToken(1)).is_some());
-            assert!(table.resolve(SegmentToken(2)).is_none());
-            assert_eq!(table.published().len(), 1);
+            assert_eq!(served(&mut stream, 1), (None, None));
+            let unknown = Some(RemoteStatus::UnknownSegment);
+            assert_eq!(served(&mut stream, 2), (unknown, unknown));
             // And once only.
             let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(good)));
             assert!(attach_reply(peer(), &attach(), answer).is_err());
@@ -818,10 +1034,10 @@ mod tests {
                 Err(Error::Authentication { .. })
             ));
             let step = talk(&r).on_frame(ControlFrame::StreamAttach(attach()));
-            let ServerStep::Stream { table, .. } = step else {
+            let ServerStep::Stream { mut stream, .. } = step else {
                 panic!("{step:?}")
             };
-            assert!(table.resolve(SegmentToken(2)).is_some());
+            assert_eq!(served(&mut stream, 2), (None, None));
         }
 
         fn arb_frame() -> impl Strategy<Value = ControlFrame> {

@@ -85,6 +85,10 @@ pub struct PeerInfo {
     /// The authenticated session with the peer, if the handshake authenticated (client side:
     /// its data streams attach with its proof).
     pub session: Option<Arc<crate::auth::Session>>,
+    /// Server side: the key name the peer proved in the handshake (`None`: it proved none, or
+    /// this is the client side). Limits on what one peer may hold (RDMA queue pairs) are kept
+    /// per name.
+    pub key_name: Option<Arc<str>>,
     /// The protocol version both ends speak (the newest in both ranges): vectored requests
     /// only from [`VECTORED_VERSION`](crate::wire::VECTORED_VERSION) on.
     pub version: u16,

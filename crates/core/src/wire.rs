@@ -34,6 +34,10 @@ pub const PIECE_LEN: usize = 24;
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// Largest control frame body accepted.
 pub const MAX_CONTROL_BODY: u32 = 16 << 20;
+/// Largest control frame body a server that requires authentication reads before the peer has
+/// proven its key: an [`AuthHello`], [`AuthProof`] or [`AuthAttach`] is under 200 bytes (see
+/// [`ServerConversation::body_limit`](crate::handshake::ServerConversation::body_limit)).
+pub const MAX_PREAUTH_BODY: u32 = 1024;
 /// Largest number of segments in one handshake.
 pub const MAX_SEGMENTS: usize = 65_536;
 /// Largest segment name, in bytes.
@@ -471,13 +475,13 @@ pub struct AuthProof {
 }
 
 /// The first frame of a data stream of an authenticated session: the attach, the session it
-/// belongs to (the client's handshake nonce), a counter used once per session, and a MAC with
-/// the session's key over all of it.
+/// belongs to (the server's handshake nonce: the server chose it), a counter used once per
+/// session, and a MAC with the session's key over all of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AuthAttach {
     /// The attach itself.
     pub attach: StreamAttach,
-    /// The session (the client nonce of its handshake).
+    /// The session (the server nonce of its handshake).
     pub session: [u8; AUTH_NONCE_LEN],
     /// Used once per session (a replayed attach is refused).
     pub counter: u64,

@@ -40,6 +40,7 @@ pub struct EngineBuilder {
     #[cfg(feature = "cuda")]
     gpu: crate::gpu::GpuConfig,
     auth: AuthSetting,
+    allow_open_key_file: bool,
 }
 
 /// Where the engine's authentication keys come from.
@@ -59,22 +60,46 @@ enum AuthSetting {
 /// was given in code.
 pub const AUTH_KEY_FILE_ENV: &str = "FERRY_AUTH_KEY_FILE";
 
+/// The environment variable that, set to `1`, lets [`EngineBuilder::build`] read a key file that
+/// group or others may access (see [`EngineBuilder::allow_open_key_file`]).
+pub const ALLOW_OPEN_KEY_FILE_ENV: &str = "FERRY_ALLOW_OPEN_KEY_FILE";
+
 /// Reads the keyring file at `path` (lines of `name hexkey`, see [`ferry_core::auth::Keyring`]).
-/// Errors name the file and never show a key's bytes.
-pub fn load_keyring(path: &std::path::Path) -> Result<Keyring, Error> {
+/// A file whose mode grants group or others any access is refused unless `allow_open` (then a
+/// warning is logged). Errors name the file and never show a key's bytes.
+pub fn load_keyring(path: &std::path::Path, allow_open: bool) -> Result<Keyring, Error> {
+    use std::io::Read;
     let shown = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| Error::AuthKey {
+    let unreadable = |e: std::io::Error| Error::AuthKey {
         source_name: shown.clone(),
         reason: format!("cannot read it: {e}"),
         source: Some(e),
-    })?;
+    };
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    // The mode of the file opened, not of whatever the path names a moment later.
     #[cfg(unix)]
-    if let Ok(meta) = std::fs::metadata(path) {
+    {
         use std::os::unix::fs::PermissionsExt;
-        if meta.permissions().mode() & 0o077 != 0 {
-            tracing::warn!(file = %shown, "the key file is readable by other users (chmod 600 it)");
+        let mode = file.metadata().map_err(unreadable)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            if !allow_open {
+                return Err(Error::AuthKey {
+                    source_name: shown,
+                    reason: format!(
+                        "group or others may access it (mode {:o}): `chmod 600` it, or allow \
+                         it (`--allow-open-key-file`, {ALLOW_OPEN_KEY_FILE_ENV}=1, \
+                         EngineBuilder::allow_open_key_file)",
+                        mode & 0o777
+                    ),
+                    source: None,
+                });
+            }
+            tracing::warn!(file = %shown, mode = format!("{:o}", mode & 0o777),
+                "the key file is open to group or others, as allowed (chmod 600 it)");
         }
     }
+    let mut text = String::new();
+    file.read_to_string(&mut text).map_err(unreadable)?;
     Keyring::parse(&text).map_err(|e| Error::AuthKey {
         source_name: shown,
         reason: e.to_string(),
@@ -101,6 +126,7 @@ impl Default for EngineBuilder {
             #[cfg(feature = "cuda")]
             gpu: Default::default(),
             auth: AuthSetting::FromEnv,
+            allow_open_key_file: false,
         }
     }
 }
@@ -157,10 +183,19 @@ impl EngineBuilder {
     /// lines of `name hexkey`, each key at least 16 bytes): as a server, every peer must prove
     /// one of its keys, and the name of that key is the peer's identity (see
     /// [`TransferEngine::register_to`]); as a client, the engine proves the file's first key. An
-    /// unreadable or invalid file fails `build` with [`Error::AuthKey`] naming it. Without any
+    /// unreadable or invalid file, or one group or others may access (see
+    /// [`allow_open_key_file`](Self::allow_open_key_file)), fails `build` with [`Error::AuthKey`] naming it. Without any
     /// key given in code, `build` reads the file named by `FERRY_AUTH_KEY_FILE`, if set.
     pub fn auth_key_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
         self.auth = AuthSetting::File(path.into());
+        self
+    }
+
+    /// Reads a key file even where group or others may access it (logging a warning); by
+    /// default `build` refuses such a file with [`Error::AuthKey`]. Setting
+    /// `FERRY_ALLOW_OPEN_KEY_FILE=1` in the environment does the same.
+    pub fn allow_open_key_file(mut self, allow: bool) -> Self {
+        self.allow_open_key_file = allow;
         self
     }
 
@@ -255,6 +290,23 @@ impl EngineBuilder {
         self
     }
 
+    /// How long the listener gives a connection to finish its handshake, however it spreads its
+    /// bytes (default 5 s): past it the connection is closed and counted
+    /// ([`Description::handshakes`](crate::Description::handshakes)). A client's own handshake
+    /// towards this engine must fit in it.
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.data.handshake.timeout = timeout;
+        self
+    }
+
+    /// How many connections the listener lets be in their handshake at once (default 256);
+    /// one accepted past it is closed at once and counted
+    /// ([`Description::handshakes`](crate::Description::handshakes)).
+    pub fn max_pending_handshakes(mut self, n: usize) -> Self {
+        self.data.handshake.max_pending = n;
+        self
+    }
+
     /// How long a TCP or io_uring data stream may go without its sent data acknowledged (or,
     /// idle, without answers to keepalive probes) before the peer is taken for dead: the
     /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and
@@ -340,13 +392,17 @@ impl EngineBuilder {
     /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
+        let allow_open = self.allow_open_key_file
+            || std::env::var_os(ALLOW_OPEN_KEY_FILE_ENV).is_some_and(|v| v == "1");
         let keyring = match &self.auth {
             AuthSetting::Off => None,
             AuthSetting::FromEnv => match std::env::var_os(AUTH_KEY_FILE_ENV) {
-                Some(path) if !path.is_empty() => Some(load_keyring(std::path::Path::new(&path))?),
+                Some(path) if !path.is_empty() => {
+                    Some(load_keyring(std::path::Path::new(&path), allow_open)?)
+                }
                 _ => None,
             },
-            AuthSetting::File(path) => Some(load_keyring(path)?),
+            AuthSetting::File(path) => Some(load_keyring(path, allow_open)?),
             AuthSetting::Keys(Ok(k)) => Some(k.clone()),
             AuthSetting::Keys(Err(e)) => {
                 return Err(Error::AuthKey {

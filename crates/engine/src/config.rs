@@ -27,6 +27,8 @@ pub(crate) struct DataPlaneConfig {
     /// Threads the io_uring data plane runs at most on each side.
     #[cfg(feature = "uring")]
     pub(crate) uring_max_threads: usize,
+    /// What the listener allows a connection before its handshake is over.
+    pub(crate) handshake: transport_tcp::HandshakeLimits,
 }
 
 impl Default for DataPlaneConfig {
@@ -40,6 +42,7 @@ impl Default for DataPlaneConfig {
             connect_timeout,
             io_threads,
             dead_peer_after,
+            handshake,
         } = TcpConfig::default();
         Self {
             streams,
@@ -51,6 +54,7 @@ impl Default for DataPlaneConfig {
             io_threads,
             #[cfg(feature = "uring")]
             uring_max_threads: transport_uring::MAX_THREADS,
+            handshake,
         }
     }
 }
@@ -66,6 +70,7 @@ impl DataPlaneConfig {
             connect_timeout: self.connect_timeout,
             io_threads: self.io_threads,
             dead_peer_after: self.dead_peer_after,
+            handshake: self.handshake,
         }
     }
 
@@ -81,6 +86,7 @@ impl DataPlaneConfig {
             connect_timeout: self.connect_timeout,
             dead_peer_after: self.dead_peer_after,
             max_threads: self.uring_max_threads,
+            handshake: self.handshake,
             ..UringConfig::default()
         }
     }
@@ -102,6 +108,10 @@ mod tests {
             io_threads: None,
             #[cfg(feature = "uring")]
             uring_max_threads: 11,
+            handshake: transport_tcp::HandshakeLimits {
+                timeout: Duration::from_secs(3),
+                max_pending: 13,
+            },
         };
         let t = c.tcp();
         assert_eq!(
@@ -115,8 +125,8 @@ mod tests {
             (3, 4096, 5, None, None)
         );
         assert_eq!(
-            (t.connect_timeout, t.dead_peer_after),
-            (c.connect_timeout, c.dead_peer_after)
+            (t.connect_timeout, t.dead_peer_after, t.handshake),
+            (c.connect_timeout, c.dead_peer_after, c.handshake)
         );
         #[cfg(feature = "uring")]
         {
@@ -132,8 +142,8 @@ mod tests {
                 (3, 4096, 5, None, 11)
             );
             assert_eq!(
-                (u.connect_timeout, u.dead_peer_after),
-                (c.connect_timeout, c.dead_peer_after)
+                (u.connect_timeout, u.dead_peer_after, u.handshake),
+                (c.connect_timeout, c.dead_peer_after, c.handshake)
             );
         }
     }

@@ -91,6 +91,22 @@ pub struct SegmentDescription {
     pub access: String,
 }
 
+/// The listener's connections before their handshake is over: the limits and what they did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct HandshakeDescription {
+    /// Connections in their handshake now.
+    pub pending: u64,
+    /// Connections closed at once because `max_pending` were in their handshake.
+    pub refused: u64,
+    /// Connections closed because their handshake outlasted `timeout_ms`.
+    pub timed_out: u64,
+    /// The cap on connections in their handshake at once.
+    pub max_pending: u64,
+    /// The deadline of a handshake, in milliseconds from the accept.
+    pub timeout_ms: u64,
+}
+
 /// What an engine is and has done: identity, listener, registrations and per-route counters.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -113,6 +129,8 @@ pub struct Description {
     /// for an io_uring listener, `; listener: threads 3, streams past it on tcp I/O threads 0,
     /// held responses 40`.
     pub data_plane_io: Option<String>,
+    /// The listener's connections before their handshake is over, if it listens.
+    pub handshakes: Option<HandshakeDescription>,
     /// Live registrations.
     pub registrations: u64,
     /// Bytes charged to the registration budget.
@@ -149,6 +167,14 @@ impl std::fmt::Display for Description {
         }
         if let Some(io) = &self.data_plane_io {
             writeln!(f, "{io}")?;
+        }
+        if let Some(h) = &self.handshakes {
+            writeln!(
+                f,
+                "handshakes: {} pending (at most {}), {} closed past the cap, {} closed at the \
+                 {} ms deadline",
+                h.pending, h.max_pending, h.refused, h.timed_out, h.timeout_ms
+            )?;
         }
         writeln!(
             f,

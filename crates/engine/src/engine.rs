@@ -430,6 +430,7 @@ impl TransferEngine {
             offer,
             segments: server.segments.clone(),
             session,
+            key_name: None,
             version,
         };
         let channel = transport.open(info).await?;
@@ -539,6 +540,16 @@ impl TransferEngine {
             }),
             #[cfg(not(feature = "uring"))]
             data_plane_io: None,
+            handshakes: self.inner.server.as_ref().map(|s| {
+                let (stats, limits) = s.handshakes();
+                crate::describe::HandshakeDescription {
+                    pending: stats.pending,
+                    refused: stats.refused,
+                    timed_out: stats.timed_out,
+                    max_pending: limits.max_pending as u64,
+                    timeout_ms: u64::try_from(limits.timeout.as_millis()).unwrap_or(u64::MAX),
+                }
+            }),
             registrations: counters.registrations,
             registered_bytes: counters.bytes,
             unquiesced: counters.unquiesced,

@@ -575,7 +575,10 @@ impl GpuRegistration {
 
 impl Drop for GpuRegistration {
     fn drop(&mut self) {
-        self.table.remove_file(self.token);
+        // The registry entry (GPUDirect: listed with its remote keys) goes first, then the
+        // device-copy source and any restriction (`RegistryTable::retire`).
+        let direct = self.direct.take();
+        self.table.retire(self.token, || drop(direct));
         if let Some(g) = &self.state.gpu {
             g.registrations
                 .lock()

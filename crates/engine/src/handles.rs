@@ -61,18 +61,19 @@ impl Registration {
     /// Unpublishes the range (peers' requests are refused as for an unknown token from now on)
     /// and releases it once no request uses it.
     pub fn retire(mut self) -> Result<(), Error> {
-        self.table.remove(self.token);
         let _span = tracing::info_span!("retire", token = %self.token).entered();
-        match self.inner.take() {
+        let inner = self.inner.take();
+        self.table.retire(self.token, || match inner {
             Some(r) => r.retire().map(|_| ()).map_err(RegistryError::into_core),
             None => Ok(()),
-        }
+        })
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.table.remove(self.token);
+        let inner = self.inner.take();
+        self.table.retire(self.token, || drop(inner));
     }
 }
 
@@ -141,7 +142,7 @@ impl FileRegistration {
 
 impl Drop for FileRegistration {
     fn drop(&mut self) {
-        self.table.remove_file(self.token);
+        self.table.retire(self.token, || ());
     }
 }
 

@@ -35,11 +35,13 @@ mod request;
 mod route;
 mod serve;
 
-pub use builder::{AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
+pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
 /// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
 #[cfg(feature = "cuda")]
 pub use cuda;
-pub use describe::{Description, RailDescription, RouteDescription, SegmentDescription};
+pub use describe::{
+    Description, HandshakeDescription, RailDescription, RouteDescription, SegmentDescription,
+};
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;
 #[cfg(feature = "cuda")]

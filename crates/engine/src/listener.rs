@@ -51,6 +51,20 @@ impl Server {
         Ok(Server::Tcp(server.serve(table, responder, config.tcp())))
     }
 
+    /// The listener's handshake counters, and the limits they are counted against.
+    pub(crate) fn handshakes(
+        &self,
+    ) -> (
+        transport_tcp::HandshakeStats,
+        transport_tcp::HandshakeLimits,
+    ) {
+        match self {
+            Server::Tcp(h) => (h.handshakes(), h.handshake_limits()),
+            #[cfg(feature = "uring")]
+            Server::Uring(h) => (h.handshakes(), h.handshake_limits()),
+        }
+    }
+
     pub(crate) fn local_addr(&self) -> SocketAddr {
         match self {
             Server::Tcp(h) => h.local_addr(),
@@ -80,9 +94,9 @@ impl transport_uring::StreamOverflow for TcpOverflow {
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
-        table: Arc<dyn ferry_core::SegmentTable>,
+        proto: ferry_core::stream::ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
-        self.0.serve(stream, from, table, done)
+        self.0.serve(stream, from, proto, done)
     }
 }

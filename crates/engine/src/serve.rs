@@ -34,6 +34,25 @@ pub(crate) struct RegistryTable {
     files: RwLock<HashMap<SegmentToken, ServedSource>>,
     /// Segments published to named peers only (absent: to every peer), by token.
     audience: RwLock<HashMap<SegmentToken, Arc<[String]>>>,
+    /// What was still reachable of each segment at the moment its restriction ended (see
+    /// [`retire`](Self::retire)), for the tests of that order.
+    #[cfg(test)]
+    pub(crate) ended: std::sync::Mutex<Vec<Ended>>,
+}
+
+/// What of a retired segment was still reachable just after its restriction to named peers was
+/// lifted: each must be `false`.
+#[cfg(test)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ended {
+    /// The registry still knew the token.
+    pub(crate) registered: bool,
+    /// The token still resolved to memory.
+    pub(crate) resolves: bool,
+    /// The token still resolved to a file or device-copy source.
+    pub(crate) file: bool,
+    /// A listing for an anonymous peer named it.
+    pub(crate) listed: bool,
 }
 
 impl RegistryTable {
@@ -43,7 +62,28 @@ impl RegistryTable {
             guards: RwLock::new(HashMap::new()),
             files: RwLock::new(HashMap::new()),
             audience: RwLock::new(HashMap::new()),
+            #[cfg(test)]
+            ended: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// Ends the publication of the segment under `token`, in the one order that keeps a
+    /// segment published to named peers from ever resolving or being listed for anyone else:
+    /// `unpublish` first (it retires or drops the segment's registry entry, if it has one), then
+    /// the served entries (lease guard, file or device-copy source), and its restriction last.
+    /// Returns what `unpublish` returned.
+    pub(crate) fn retire<T>(&self, token: SegmentToken, unpublish: impl FnOnce() -> T) -> T {
+        let out = unpublish();
+        self.guards
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&token);
+        self.files
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&token);
+        self.unrestrict(token);
+        out
     }
 
     /// Runs `publish` (which registers a segment and returns its token) and restricts that
@@ -69,6 +109,19 @@ impl RegistryTable {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&token);
+        #[cfg(test)]
+        {
+            let seen = Ended {
+                registered: self.registry.lookup(token).is_some(),
+                resolves: self.resolve(token).is_some(),
+                file: self.file(token).is_some(),
+                listed: self.published_to(None).iter().any(|d| d.token == token),
+            };
+            self.ended
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(seen);
+        }
     }
 
     /// Publishes a segment served by positioned I/O (a file, or device memory) under `token`.
@@ -92,15 +145,6 @@ impl RegistryTable {
                     source,
                 },
             );
-    }
-
-    /// Unpublishes the file segment under `token` (if any).
-    pub(crate) fn remove_file(&self, token: SegmentToken) {
-        self.files
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&token);
-        self.unrestrict(token);
     }
 
     /// Descriptors of the published file segments (GPU segments registered with RDMA NICs,
@@ -127,14 +171,6 @@ impl RegistryTable {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(lease.token(), Arc::new(lease));
-    }
-
-    pub(crate) fn remove(&self, token: SegmentToken) {
-        self.guards
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&token);
-        self.unrestrict(token);
     }
 }
 
@@ -290,6 +326,7 @@ impl HandshakeResponder for Responder {
                 offer: offer.clone(),
                 segments: hello.segments.clone(),
                 session: None,
+                key_name: peer.map(Into::into),
                 version: self.versions.common(hello.versions).unwrap_or(1),
             };
             match t.accept(&info) {
@@ -365,6 +402,47 @@ mod tests {
         drop(reg);
         // Retired from the registry: the file entry alone is listed (the engine removes it too).
         assert_eq!(table.published().len(), 1);
+    }
+
+    /// A segment published to bob only, retired by dropping its registration or by `retire`:
+    /// when its restriction ends, the registry has already forgotten it, it resolves to
+    /// nothing and no listing names it, so there is no moment when it is open to everyone.
+    #[test]
+    fn a_restricted_segment_is_unpublished_before_its_restriction_ends() {
+        use ferry_core::{Access, MemoryRegion};
+        let table = Arc::new(RegistryTable::new(Registry::host(Budgets::default())));
+        let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+        let publish = |name: &str| {
+            let region = Arc::new(MemoryRegion::from_vec(vec![0; 4096]));
+            table
+                .publish_restricted(Arc::from(["bob".to_owned()]), || {
+                    let reg = table.registry.register(name, region.clone(), rw).unwrap();
+                    table.add(reg.lease());
+                    let token = reg.token();
+                    Ok((
+                        token,
+                        crate::Registration {
+                            inner: Some(reg),
+                            table: table.clone(),
+                            region,
+                            token,
+                        },
+                    ))
+                })
+                .unwrap()
+        };
+        let dropped = publish("dropped");
+        let retired = publish("retired");
+        for reg in [&dropped, &retired] {
+            assert!(!table.visible_to(reg.token, Some("alice")));
+            assert!(table.visible_to(reg.token, Some("bob")));
+            assert!(table.resolve(reg.token).is_some());
+        }
+        drop(dropped);
+        retired.retire().unwrap();
+        // Three ends: the drop, the retire, and the drop of the retired handle (a no-op).
+        let ended = table.ended.lock().unwrap().clone();
+        assert_eq!(ended, [Ended::default(); 3]);
     }
 
     fn hello(min: u16, max: u16) -> Hello {

@@ -1,7 +1,8 @@
 //! Socket plumbing that Ferry's two TCP data planes (`ferry-transport-tcp` on tokio,
 //! `ferry-transport-uring` on rings) share, so that it is written once: how a data socket is
-//! tuned (Nagle, buffers, the dead-peer limit), the receive low mark for large payloads, and the
-//! reading and writing of control frames. What the bytes mean is `ferry_core::wire`,
+//! tuned (Nagle, buffers, the dead-peer limit), the receive low mark for large payloads, the
+//! limits on connections before their handshake is over ([`HandshakeGate`]), and the reading
+//! and writing of control frames. What the bytes mean is `ferry_core::wire`,
 //! `ferry_core::handshake` and `ferry_core::stream`, which do no I/O; this crate does only the
 //! socket calls around them.
 //!
@@ -13,7 +14,7 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use ferry_core::Error;
@@ -27,6 +28,114 @@ pub const DEAD_PEER_AFTER: Duration = Duration::from_secs(30);
 /// rest of the payload, if less), through the socket's `SO_RCVLOWAT` ([`set_recv_low_mark`]);
 /// the mark is back to 1 before a header is awaited.
 pub const RECV_LOW_MARK: usize = 256 << 10;
+
+/// Default of [`HandshakeLimits::timeout`].
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default of [`HandshakeLimits::max_pending`].
+pub const MAX_PENDING_HANDSHAKES: usize = 256;
+
+/// What a server allows a connection before its handshake is over (a control exchange
+/// answered, or a data stream attached): everything a peer sends then comes before it has
+/// proven anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HandshakeLimits {
+    /// The whole handshake must be over within this time from the accept, however the peer
+    /// spreads its bytes; past it the connection is closed.
+    pub timeout: Duration,
+    /// Connections in their handshake at once; one accepted past it is closed at once.
+    pub max_pending: usize,
+}
+
+impl Default for HandshakeLimits {
+    fn default() -> Self {
+        Self {
+            timeout: HANDSHAKE_TIMEOUT,
+            max_pending: MAX_PENDING_HANDSHAKES,
+        }
+    }
+}
+
+/// What a server's [`HandshakeGate`] has seen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandshakeStats {
+    /// Connections in their handshake now.
+    pub pending: u64,
+    /// Connections closed at once because [`HandshakeLimits::max_pending`] were pending.
+    pub refused: u64,
+    /// Connections closed because their handshake outlasted [`HandshakeLimits::timeout`].
+    pub timed_out: u64,
+}
+
+/// A server's connections in their handshake: each is admitted while fewer than
+/// [`HandshakeLimits::max_pending`] are, and holds its [`HandshakeSlot`] until its handshake is
+/// over. Shared by the accept loop and the connections of one listener.
+#[derive(Debug)]
+pub struct HandshakeGate {
+    limits: HandshakeLimits,
+    pending: AtomicU64,
+    refused: AtomicU64,
+    timed_out: AtomicU64,
+}
+
+impl HandshakeGate {
+    /// A gate with `limits` and nothing pending.
+    pub fn new(limits: HandshakeLimits) -> Arc<Self> {
+        Arc::new(Self {
+            limits,
+            pending: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            timed_out: AtomicU64::new(0),
+        })
+    }
+
+    /// Its limits.
+    pub fn limits(&self) -> HandshakeLimits {
+        self.limits
+    }
+
+    /// Admits one more connection to its handshake, or counts it refused (`None`: close it at
+    /// once) when [`HandshakeLimits::max_pending`] are pending.
+    pub fn admit(self: &Arc<Self>) -> Option<HandshakeSlot> {
+        let max = self.limits.max_pending as u64;
+        let admitted = self
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok();
+        if admitted {
+            Some(HandshakeSlot(self.clone()))
+        } else {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+
+    /// Counts a connection closed at the handshake deadline.
+    pub fn note_timeout(&self) {
+        self.timed_out.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> HandshakeStats {
+        HandshakeStats {
+            pending: self.pending.load(Ordering::Acquire),
+            refused: self.refused.load(Ordering::Relaxed),
+            timed_out: self.timed_out.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One connection's place among a gate's pending handshakes; dropping it (the handshake is
+/// over, or the connection closed) frees the place.
+#[derive(Debug)]
+pub struct HandshakeSlot(Arc<HandshakeGate>);
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// Tunes a data socket: Nagle off; socket buffers of `size` where the kernel's maximum allows
 /// that much (a smaller forced size would only disable autotuning and shrink them); and with
@@ -248,6 +357,31 @@ impl ChannelStreams {
 mod tests {
     use super::*;
     use std::net::{TcpListener, TcpStream};
+
+    /// The gate admits up to its cap, refuses (and counts) past it, and frees a place when a
+    /// slot drops.
+    #[test]
+    fn the_handshake_gate_caps_pending_connections() {
+        let gate = HandshakeGate::new(HandshakeLimits {
+            timeout: HANDSHAKE_TIMEOUT,
+            max_pending: 2,
+        });
+        let a = gate.admit().unwrap();
+        let _b = gate.admit().unwrap();
+        assert!(gate.admit().is_none());
+        gate.note_timeout();
+        assert_eq!(
+            gate.stats(),
+            HandshakeStats {
+                pending: 2,
+                refused: 1,
+                timed_out: 1
+            }
+        );
+        drop(a);
+        assert!(gate.admit().is_some());
+        assert_eq!(gate.stats().pending, 1);
+    }
 
     /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and
     /// leaves the kernel's defaults alone without it.

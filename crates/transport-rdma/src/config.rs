@@ -111,8 +111,17 @@ pub struct RdmaConfig {
     /// How long a failed queue pair may take to flush (default 30 s); past it, its outstanding
     /// work is lost and its requests resolve with `drained: false`.
     pub flush_timeout: Duration,
-    /// Queue-pair sets kept for peers this side serves (oldest destroyed beyond; default 256).
+    /// Queue-pair sets kept for peers this side serves (default 256). Beyond it, the oldest set
+    /// of the key name (or of the unauthenticated peers) that holds the most sets is destroyed,
+    /// so that one name's flood of hellos takes its own sets, not other peers'.
     pub max_served: usize,
+    /// Queue-pair sets kept per authenticated key name (default 32): beyond it that name's oldest
+    /// set is destroyed. Peers that proved no key are bounded by `max_served` alone.
+    pub max_served_per_name: usize,
+    /// Queue pairs kept per authenticated key name, over all its sets (default 128): a hello
+    /// offering more rails than this is refused, and beyond it that name's oldest sets are
+    /// destroyed.
+    pub max_qps_per_name: usize,
     /// Whether the unacknowledged WRITE chunks of a rail that failed may be replayed on another
     /// rail of the channel (default `false`: they stay `Uncertain` and the request fails).
     /// Unacknowledged READ chunks are always replayed when a healthy rail is left (READs are
@@ -134,6 +143,8 @@ impl Default for RdmaConfig {
             timing: QpTiming::default(),
             flush_timeout: Duration::from_secs(30),
             max_served: 256,
+            max_served_per_name: 32,
+            max_qps_per_name: 128,
             replay_writes: false,
         }
     }

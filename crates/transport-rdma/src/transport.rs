@@ -60,7 +60,68 @@ struct PendingSet {
 
 struct ServedSet {
     peer: (PeerId, Epoch),
+    /// The key name the peer proved, if any: what the set is charged to.
+    name: Option<Arc<str>>,
     qps: Vec<RcQp>,
+}
+
+impl Charged for ServedSet {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+    fn qps(&self) -> usize {
+        self.qps.len()
+    }
+}
+
+/// A served set as the limits see it: whose it is and how many queue pairs it holds.
+trait Charged {
+    fn name(&self) -> Option<&str>;
+    fn qps(&self) -> usize;
+}
+
+/// The limits on served sets (see [`RdmaConfig::max_served`] and the per-name ones).
+#[derive(Clone, Copy, Debug)]
+struct ServedLimits {
+    total: usize,
+    per_name: usize,
+    qps_per_name: usize,
+}
+
+/// Removes (oldest first) the sets that must go before a set of `qps` queue pairs charged to
+/// `name` joins `served`: that name's own beyond its limits, then, past the total, the oldest of
+/// whichever name (or the unauthenticated peers, as one) holds the most sets. Another name's
+/// set goes only when that name holds at least as many sets as any, so a flood of hellos under
+/// one name cannot evict the others.
+fn make_room<S: Charged>(
+    served: &mut VecDeque<S>,
+    name: Option<&str>,
+    qps: usize,
+    limits: ServedLimits,
+) {
+    if name.is_some() {
+        loop {
+            let (sets, held) = served
+                .iter()
+                .filter(|s| s.name() == name)
+                .fold((0, 0), |(n, q), s| (n + 1, q + s.qps()));
+            if sets == 0 || (sets < limits.per_name.max(1) && held + qps <= limits.qps_per_name) {
+                break;
+            }
+            if let Some(i) = served.iter().position(|s| s.name() == name) {
+                served.remove(i);
+            }
+        }
+    }
+    while served.len() >= limits.total.max(1) {
+        let held = |name: Option<&str>| served.iter().filter(|s| s.name() == name).count();
+        let most = served.iter().map(|s| held(s.name())).max().unwrap_or(0);
+        // The oldest set of a name that holds the most.
+        let Some(i) = served.iter().position(|s| held(s.name()) == most) else {
+            break;
+        };
+        served.remove(i);
+    }
 }
 
 /// State shared by the transport, its channels and its registration backend. Field order is
@@ -370,6 +431,21 @@ impl RdmaTransport {
                 reason: "the peer offers no RDMA rail (it could not create queue pairs)".into(),
             });
         }
+        let limits = ServedLimits {
+            total: self.shared.config.max_served,
+            per_name: self.shared.config.max_served_per_name,
+            qps_per_name: self.shared.config.max_qps_per_name,
+        };
+        if peer.key_name.is_some() && offered.len() > limits.qps_per_name {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: format!(
+                    "the peer offers {} rails; at most {} queue pairs are kept per key name",
+                    offered.len(),
+                    limits.qps_per_name
+                ),
+            });
+        }
         let active: Vec<usize> = (0..self.shared.rails.len())
             .filter(|&i| self.shared.rails[i].active)
             .collect();
@@ -408,11 +484,10 @@ impl RdmaTransport {
                 .iter()
                 .all(|q| q.state().map_or(true, |st| st == ffi::IBV_QPS_ERR))
         });
-        while served.len() >= self.shared.config.max_served.max(1) {
-            served.pop_front();
-        }
+        make_room(&mut served, peer.key_name.as_deref(), qps.len(), limits);
         served.push_back(ServedSet {
             peer: (peer.remote_id, peer.remote_epoch),
+            name: peer.key_name.clone(),
             qps,
         });
         tracing::info!(peer = %who, rails = answer.len(), "RDMA queue pairs accepted");
@@ -806,6 +881,63 @@ mod tests {
             qpn: 7,
             psn,
         }
+    }
+
+    impl Charged for (Option<&'static str>, usize) {
+        fn name(&self) -> Option<&str> {
+            self.0
+        }
+        fn qps(&self) -> usize {
+            self.1
+        }
+    }
+
+    const LIMITS: ServedLimits = ServedLimits {
+        total: 8,
+        per_name: 3,
+        qps_per_name: 5,
+    };
+
+    fn admit(
+        served: &mut VecDeque<(Option<&'static str>, usize)>,
+        name: Option<&'static str>,
+        qps: usize,
+    ) {
+        make_room(served, name, qps, LIMITS);
+        served.push_back((name, qps));
+    }
+
+    /// A flood of hellos under one key name evicts only that name's sets (per-name caps on sets
+    /// and queue pairs), and past the total only the sets of whoever holds the most.
+    #[test]
+    fn one_names_hellos_cannot_evict_other_peers_sets() {
+        let mut served = VecDeque::new();
+        admit(&mut served, Some("bob"), 2);
+        admit(&mut served, None, 1);
+        for _ in 0..100 {
+            admit(&mut served, Some("eve"), 1);
+        }
+        let of = |s: &VecDeque<(Option<&str>, usize)>, n| s.iter().filter(|x| x.0 == n).count();
+        assert_eq!(of(&served, Some("eve")), LIMITS.per_name);
+        assert_eq!((of(&served, Some("bob")), of(&served, None)), (1, 1));
+        // Queue pairs per name: two sets of 2 fit in 5, a third of 2 pushes out the oldest.
+        admit(&mut served, Some("carol"), 2);
+        admit(&mut served, Some("carol"), 2);
+        admit(&mut served, Some("carol"), 2);
+        assert_eq!(of(&served, Some("carol")), 2);
+        assert_eq!(of(&served, Some("bob")), 1);
+        // Past the total (8), the name holding the most loses its oldest; bob keeps his set.
+        admit(&mut served, Some("dave"), 1);
+        admit(&mut served, Some("dave"), 1);
+        admit(&mut served, Some("frank"), 1);
+        assert!(served.len() <= LIMITS.total);
+        assert_eq!(of(&served, Some("bob")), 1, "{served:?}");
+        // Unauthenticated peers share the total only: many of them push out one another.
+        let mut open = VecDeque::new();
+        for _ in 0..20 {
+            admit(&mut open, None, 4);
+        }
+        assert_eq!(open.len(), LIMITS.total);
     }
 
     #[test]

@@ -128,6 +128,7 @@ fn info(offer: TransportOffer, segments: Vec<SegmentDesc>) -> PeerInfo {
         offer,
         segments,
         session: None,
+        key_name: None,
         version: ferry_core::wire::SUPPORTED_VERSIONS.max,
     }
 }

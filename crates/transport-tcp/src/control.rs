@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use ferry_core::Error;
 use ferry_core::auth::{ClientAuth, Keyring, Session};
-use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, Hello, StreamAttach};
+use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, StreamAttach};
 pub(crate) use ferry_net::lost;
 use ferry_net::tune;
 use tokio::net::TcpStream;
@@ -18,16 +18,33 @@ pub(crate) async fn read_frame(
     stream: &TcpStream,
     peer: SocketAddr,
 ) -> Result<ControlFrame, Error> {
+    let header = read_header(stream, peer).await?;
+    read_body(stream, peer, &header).await
+}
+
+/// Reads and checks a control frame's header (its body length against `MAX_CONTROL_BODY`).
+pub(crate) async fn read_header(
+    stream: &TcpStream,
+    peer: SocketAddr,
+) -> Result<ControlHeader, Error> {
     let mut head = [0u8; CONTROL_HEADER_LEN];
     recv_buf(stream, &mut head)
         .await
         .map_err(|e| lost(peer, "handshake", e))?;
-    let header = ferry_net::decode_header(&head, peer)?;
+    ferry_net::decode_header(&head, peer)
+}
+
+/// Reads the body of the frame `header` announced.
+pub(crate) async fn read_body(
+    stream: &TcpStream,
+    peer: SocketAddr,
+    header: &ControlHeader,
+) -> Result<ControlFrame, Error> {
     let mut body = vec![0u8; header.body_len as usize];
     recv_buf(stream, &mut body)
         .await
         .map_err(|e| lost(peer, "handshake", e))?;
-    ferry_net::decode_body(&header, &body, peer)
+    ferry_net::decode_body(header, &body, peer)
 }
 
 /// Writes one control frame.

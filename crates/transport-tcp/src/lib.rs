@@ -63,12 +63,16 @@ pub struct TcpConfig {
     /// reading for that long counts as dead too (the kernel applies the limit to zero-window
     /// probes).
     pub dead_peer_after: Option<Duration>,
+    /// What the server allows a connection before its handshake is over: a deadline on the
+    /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]).
+    pub handshake: HandshakeLimits,
 }
 
 /// Default of [`TcpConfig::dead_peer_after`]: long enough to ride out a switch reboot or a
 /// link flap, short enough that a dead host does not hold requests for the kernel's quarter of
 /// an hour (the same for both TCP data planes).
 pub use ferry_net::DEAD_PEER_AFTER;
+pub use ferry_net::{HandshakeLimits, HandshakeStats};
 
 impl Default for TcpConfig {
     fn default() -> Self {
@@ -80,6 +84,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(10),
             io_threads: Some(0),
             dead_peer_after: Some(DEAD_PEER_AFTER),
+            handshake: HandshakeLimits::default(),
         }
     }
 }

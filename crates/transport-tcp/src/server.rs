@@ -5,15 +5,15 @@ use std::sync::Arc;
 
 use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach};
 use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
-use ferry_net::tune;
+use ferry_net::{HandshakeGate, HandshakeSlot, HandshakeStats, tune};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
 use crate::TcpConfig;
-use crate::control::{read_frame, write_frame};
+use crate::control::{read_body, read_header, write_frame};
 use crate::io::{
     RawRange, discard as discard_payload, recv_buf, recv_exact, recv_vectored, send_all, send_buf,
     send_vectored,
@@ -49,12 +49,23 @@ pub struct TcpServer {
 pub struct ServerHandle {
     task: tokio::task::JoinHandle<()>,
     addr: SocketAddr,
+    gate: Arc<HandshakeGate>,
 }
 
 impl ServerHandle {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections in their handshake now, and those closed past the cap or the deadline.
+    pub fn handshakes(&self) -> HandshakeStats {
+        self.gate.stats()
+    }
+
+    /// The limits those are counted against.
+    pub fn handshake_limits(&self) -> ferry_net::HandshakeLimits {
+        self.gate.limits()
     }
 
     /// Stops serving: the listener closes and every accepted connection is dropped.
@@ -97,7 +108,10 @@ impl TcpServer {
         self.addr
     }
 
-    /// Starts serving `table` with the identity and policy of `responder`.
+    /// Starts serving `table` with the identity and policy of `responder`. A connection's
+    /// handshake must be over within `config.handshake.timeout` of its accept, and at most
+    /// `config.handshake.max_pending` are in one at a time (one accepted past that is closed
+    /// at once); both are counted in [`ServerHandle::handshakes`].
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
@@ -107,20 +121,33 @@ impl TcpServer {
         let addr = self.addr;
         let listener = self.listener;
         let pool = Arc::new(IoPool::new(config.io_threads, "ferry-tcp-serve"));
+        let gate = HandshakeGate::new(config.handshake);
+        let gate_kept = gate.clone();
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             loop {
                 while conns.try_join_next().is_some() {}
                 match listener.accept().await {
                     Ok((stream, from)) => {
+                        let Some(slot) = gate.admit() else {
+                            debug!(%from, "too many connections in their handshake; closed at once");
+                            drop(stream);
+                            continue;
+                        };
+                        let gate = gate.clone();
                         let table = table.clone();
                         let responder = responder.clone();
                         let config = config.clone();
                         let pool = pool.clone();
                         conns.spawn(async move {
-                            if let Err(e) =
-                                serve_conn(stream, from, table, responder, config, &pool).await
-                            {
+                            let conn = Conn {
+                                table,
+                                responder,
+                                config,
+                                slot,
+                                gate,
+                            };
+                            if let Err(e) = serve_conn(stream, from, conn, &pool).await {
                                 debug!(%from, error = %e, "connection ended");
                             }
                         });
@@ -132,7 +159,11 @@ impl TcpServer {
                 }
             }
         });
-        ServerHandle { task, addr }
+        ServerHandle {
+            task,
+            addr,
+            gate: gate_kept,
+        }
     }
 }
 
@@ -155,13 +186,14 @@ impl StreamServer {
         }
     }
 
-    /// Serves `stream` (accepted from `from`, its attach answered) from `table` (the segments
-    /// its peer may see) until the client closes it, then calls `done`. Returns at once.
+    /// Serves `stream` (accepted from `from`, its attach answered) as `proto` decides (the
+    /// handshake bound it to the segments its peer may see) until the client closes it, then
+    /// calls `done`. Returns at once.
     pub fn serve(
         &self,
         stream: std::net::TcpStream,
         from: SocketAddr,
-        table: Arc<dyn SegmentTable>,
+        proto: ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error> {
         stream
@@ -172,7 +204,7 @@ impl StreamServer {
             .spawn(
                 async move {
                     let res = match TcpStream::from_std(stream) {
-                        Ok(s) => serve_data(&s, from, &*table).await,
+                        Ok(s) => serve_data(&s, from, proto).await,
                         Err(e) => Err(e),
                     };
                     if let Err(e) = &res {
@@ -187,50 +219,41 @@ impl StreamServer {
     }
 }
 
-async fn serve_conn(
-    stream: TcpStream,
-    from: SocketAddr,
+/// What a connection is served with, and its place among the pending handshakes.
+struct Conn {
     table: Arc<dyn SegmentTable>,
     responder: Arc<dyn HandshakeResponder>,
     config: TcpConfig,
-    pool: &IoPool,
-) -> Result<(), Error> {
-    tune(&stream, config.socket_buffer, config.dead_peer_after);
-    let mut talk = ServerConversation::new(responder, table, from);
+    slot: HandshakeSlot,
+    gate: Arc<HandshakeGate>,
+}
+
+/// The end of a connection's handshake: answered (and closed), or a data stream to serve.
+enum Handshake {
+    Done,
+    Stream(StreamAttach, ServerStream),
+}
+
+/// Runs the control conversation until it closes or a data stream is accepted; each frame's
+/// header is checked ([`ServerConversation::on_header`]) before its body is read.
+async fn converse(stream: &TcpStream, from: SocketAddr, conn: &Conn) -> Result<Handshake, Error> {
+    let mut talk = ServerConversation::new(conn.responder.clone(), conn.table.clone(), from);
     loop {
-        let frame = read_frame(&stream, from).await?;
-        match talk.on_frame(frame) {
-            ServerStep::Reply(f) => write_frame(&stream, from, &f).await?,
+        let header = read_header(stream, from).await?;
+        let step = match talk.on_header(&header) {
+            Some(step) => step,
+            None => talk.on_frame(read_body(stream, from, &header).await?),
+        };
+        match step {
+            ServerStep::Reply(f) => write_frame(stream, from, &f).await?,
             ServerStep::Read => {}
-            ServerStep::Close(f) => return write_frame(&stream, from, &f).await,
+            ServerStep::Close(f) => {
+                write_frame(stream, from, &f).await?;
+                return Ok(Handshake::Done);
+            }
             ServerStep::Fail(e) => return Err(e),
-            ServerStep::Stream { attach, table } => {
-                write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
-                let span =
-                    tracing::debug_span!("serve stream", %from, stream = attach.stream_index);
-                // The stream moves to an I/O thread for good; this task only waits for it (and
-                // aborts it when the server stops).
-                let std_stream = stream
-                    .into_std()
-                    .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
-                let task = pool
-                    .spawn(
-                        async move {
-                            let stream = TcpStream::from_std(std_stream)?;
-                            serve_data(&stream, from, &*table).await
-                        }
-                        .instrument(span),
-                    )
-                    .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
-                let mut task = AbortOnDrop(task);
-                return match (&mut task.0).await {
-                    Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
-                    Err(e) => Err(crate::control::lost(
-                        from,
-                        "serving data",
-                        std::io::Error::other(e.to_string()),
-                    )),
-                };
+            ServerStep::Stream { attach, stream } => {
+                return Ok(Handshake::Stream(attach, stream));
             }
             _ => {
                 return Err(Error::Malformed {
@@ -245,6 +268,66 @@ async fn serve_conn(
     }
 }
 
+async fn serve_conn(
+    stream: TcpStream,
+    from: SocketAddr,
+    conn: Conn,
+    pool: &IoPool,
+) -> Result<(), Error> {
+    let config = &conn.config;
+    tune(&stream, config.socket_buffer, config.dead_peer_after);
+    let limit = config.handshake.timeout;
+    let talk = async {
+        let step = converse(&stream, from, &conn).await?;
+        if let Handshake::Stream(..) = step {
+            write_frame(&stream, from, &ControlFrame::StreamAccept).await?;
+        }
+        Ok::<_, Error>(step)
+    };
+    let step = match tokio::time::timeout(limit, talk).await {
+        Ok(step) => step?,
+        Err(_) => {
+            conn.gate.note_timeout();
+            debug!(%from, ?limit, "handshake not over by its deadline; closing");
+            return Err(Error::Timeout {
+                what: "a peer's handshake",
+                after: limit,
+            });
+        }
+    };
+    // The handshake is over: its place among the pending ones is free.
+    drop(conn.slot);
+    match step {
+        Handshake::Done => Ok(()),
+        Handshake::Stream(attach, proto) => {
+            let span = tracing::debug_span!("serve stream", %from, stream = attach.stream_index);
+            // The stream moves to an I/O thread for good; this task only waits for it (and
+            // aborts it when the server stops).
+            let std_stream = stream
+                .into_std()
+                .map_err(|e| crate::control::lost(from, "moving a data stream", e))?;
+            let task = pool
+                .spawn(
+                    async move {
+                        let stream = TcpStream::from_std(std_stream)?;
+                        serve_data(&stream, from, proto).await
+                    }
+                    .instrument(span),
+                )
+                .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
+            let mut task = AbortOnDrop(task);
+            match (&mut task.0).await {
+                Ok(res) => res.map_err(|e| crate::control::lost(from, "serving data", e)),
+                Err(e) => Err(crate::control::lost(
+                    from,
+                    "serving data",
+                    std::io::Error::other(e.to_string()),
+                )),
+            }
+        }
+    }
+}
+
 /// Serves chunks on one data stream until the client closes it, as the stream protocol
 /// ([`ServerStream`]) decides: every request is checked (token, access, bounds) before any byte
 /// of the segment is touched; a refused WRITE's payload is read into a scratch buffer and
@@ -253,21 +336,20 @@ async fn serve_conn(
 async fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
-    table: &dyn SegmentTable,
+    mut proto: ServerStream,
 ) -> std::io::Result<()> {
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
     let mut scratch: Vec<u8> = Vec::new();
     let mut file_stage = FileStage::default();
     let mut table_stage: Vec<u8> = Vec::new();
-    let mut proto = ServerStream::new();
     loop {
         match recv_buf(stream, &mut head).await {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        match proto.on_request(&head, table) {
+        match proto.on_request(&head) {
             Action::WriteMemory {
                 lease,
                 at,
@@ -344,7 +426,21 @@ async fn serve_data(
                 }
                 send_buf(stream, &response).await?;
             }
-            Action::Reply { response } => send_buf(stream, &response).await?,
+            Action::ChecksumMemory {
+                lease,
+                mut sum,
+                seq,
+            } => {
+                // A piece at a time: the I/O thread serves its other streams in between.
+                let crc = loop {
+                    match sum.step() {
+                        Some(crc) => break crc,
+                        None => tokio::task::yield_now().await,
+                    }
+                };
+                drop(lease);
+                send_buf(stream, &checksum_response(seq, crc)).await?;
+            }
             Action::ChecksumFile { file, at, len, seq } => {
                 // Positioned reads block: off this stream's I/O thread.
                 let crc = tokio::task::spawn_blocking(move || {
@@ -364,7 +460,7 @@ async fn serve_data(
                 let mut bytes = std::mem::take(&mut table_stage);
                 bytes.resize(req.table_len(), 0);
                 recv_buf(stream, &mut bytes).await?;
-                let action = proto.on_table(&req, &bytes, table);
+                let action = proto.on_table(&req, &bytes);
                 table_stage = bytes;
                 match action {
                     Action::Vectored {

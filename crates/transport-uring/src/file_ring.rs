@@ -43,7 +43,7 @@ pub(crate) unsafe fn file_io(
         // is awaited below.
         unsafe { ring.submission().push(&e.user_data(7)) }
             .map_err(|_| io::Error::other("io_uring submission queue full"))?;
-        ring.submit_and_wait(1)?;
+        enter(ring)?;
         let Some(c) = ring.completion().next() else {
             continue;
         };
@@ -151,8 +151,7 @@ pub fn read_file_into(
             inflight[slot] = Some((at, n));
             busy += 1;
         }
-        ring.submit_and_wait(1)
-            .map_err(|e| read_err(file_offset, e))?;
+        enter(&mut ring).map_err(|e| read_err(file_offset, e))?;
         let done: Vec<(u64, i32)> = ring
             .completion()
             .map(|c| (c.user_data(), c.result()))
@@ -169,7 +168,7 @@ pub fn read_file_into(
                 }
                 // Drain what is in flight before returning: the kernel still writes the region.
                 while busy > 0 {
-                    if ring.submit_and_wait(1).is_err() {
+                    if enter(&mut ring).is_err() {
                         break;
                     }
                     busy -= ring.completion().count();
@@ -182,7 +181,7 @@ pub fn read_file_into(
             let got = res as u64;
             if got == 0 {
                 while busy > 0 {
-                    if ring.submit_and_wait(1).is_err() {
+                    if enter(&mut ring).is_err() {
                         break;
                     }
                     busy -= ring.completion().count();
@@ -198,4 +197,27 @@ pub fn read_file_into(
         }
     }
     Ok(len)
+}
+
+/// Submits what is queued and waits for a completion, retrying where `io_uring_enter` consumed
+/// nothing and a retry mends it (`EINTR`, `EBUSY`: a full completion queue, `EAGAIN`): a read
+/// already in flight into the caller's memory must be waited for, not abandoned by an early
+/// error return.
+fn enter(ring: &mut IoUring) -> io::Result<()> {
+    loop {
+        match ring.submit_and_wait(1) {
+            Ok(_) => return Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
+                ) =>
+            {
+                if !ring.completion().is_empty() {
+                    return Ok(());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }

@@ -16,6 +16,9 @@
 //!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]): a
 //!   `ferry_file::FileSegment` (recognized by downcasting the `FileSource`) through the stream's
 //!   ring, O_DIRECT where a piece's alignment allows; any other source by its positioned I/O.
+//! - A server's connections in their handshake cost no thread: its accept thread runs all of
+//!   them on non-blocking sockets, within [`UringConfig::handshake`] (a deadline on each, a cap
+//!   on how many at once), and only an attached data stream gets a thread.
 //! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
 //!   peers over the TCP data plane, and a server hands new data streams to its
 //!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).
@@ -40,6 +43,7 @@ mod client;
 mod control;
 mod error;
 mod file_ring;
+mod handshakes;
 pub mod probe;
 mod ring;
 mod server;
@@ -119,6 +123,10 @@ pub struct UringConfig {
     /// that) and a server hands new data streams to its [`StreamOverflow`], whose I/O threads
     /// are a fixed set. Counted in [`IoStats::handed_over`].
     pub max_threads: usize,
+    /// What the server allows a connection before its handshake is over: a deadline on the
+    /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
+    /// in their handshake share one thread.
+    pub handshake: HandshakeLimits,
 }
 
 /// Default [`UringConfig::max_threads`].
@@ -127,13 +135,14 @@ pub const MAX_THREADS: usize = 256;
 /// Serves the data streams an io_uring server accepts past [`UringConfig::max_threads`]; the
 /// engine hands them to the TCP data plane's fixed set of I/O threads (the wire is the same).
 pub trait StreamOverflow: Send + Sync + std::fmt::Debug {
-    /// Serves `stream` (accepted from `from`, its attach answered) from `table` (the segments
-    /// its peer may see) until the client closes it, then calls `done`; returns at once.
+    /// Serves `stream` (accepted from `from`, its attach answered) as `proto` decides (the
+    /// handshake bound it to the segments its peer may see) until the client closes it, then
+    /// calls `done`; returns at once.
     fn serve(
         &self,
         stream: std::net::TcpStream,
         from: std::net::SocketAddr,
-        table: std::sync::Arc<dyn ferry_core::SegmentTable>,
+        proto: ferry_core::stream::ServerStream,
         done: Box<dyn FnOnce() + Send>,
     ) -> Result<(), Error>;
 }
@@ -154,6 +163,7 @@ impl Default for UringConfig {
             pin_loopback_streams: true,
             dead_peer_after: Some(DEAD_PEER_AFTER),
             max_threads: MAX_THREADS,
+            handshake: HandshakeLimits::default(),
         }
     }
 }
@@ -266,6 +276,7 @@ pub fn select(probe: &UringProbe, pref: Preference) -> Result<Selection, UringEr
 /// ride out a switch reboot or a link flap, short enough that a dead host does not hold
 /// requests for the kernel's quarter of an hour.
 pub use ferry_net::DEAD_PEER_AFTER;
+pub use ferry_net::{HandshakeLimits, HandshakeStats};
 
 /// The io_uring [`Transport`].
 #[derive(Debug, Clone)]

@@ -61,7 +61,7 @@ pub struct IoStats {
     /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
     /// I/O threads running now: one per client stream, one per served data stream (each with
-    /// its own ring; a handshake's short-lived thread is not counted).
+    /// its own ring; handshakes run on the server's accept thread, which is not counted).
     pub threads: AtomicU64,
     /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
     /// with no hand-over to the stream's thread.
@@ -246,6 +246,10 @@ pub(crate) struct SockIo<H> {
     lowat: usize,
     /// The kernel refused a mark: receives wait for all their bytes with `MSG_WAITALL`.
     lowat_refused: bool,
+    /// `io_uring_enter` failed in a way a retry does not mend: the ring is never entered again,
+    /// so entries still in its submission queue (pointing at memory their callers free once the
+    /// call that pushed them returned its error) never reach the kernel. See [`SockIo::run`].
+    poisoned: bool,
 }
 
 /// A receive left outstanding on the ring while its thread does other work; its completion is
@@ -337,19 +341,38 @@ impl<H> SockIo<H> {
             },
             lowat: 1,
             lowat_refused: false,
+            poisoned: false,
         })
     }
 
     /// Pushes `entries` and waits until a completion for each of `want` user-data values arrived;
     /// returns their results in order. Notifications met meanwhile release their holds.
+    ///
+    /// The entries point at the caller's memory (a receive into a lease's region), which the
+    /// caller may free as soon as this returns, error or not. So this never returns while the
+    /// kernel may still use an entry: nothing is pushed unless all of them fit; `EINTR`, and
+    /// `EBUSY`/`EAGAIN` (a full completion queue, a transient allocation failure: nothing was
+    /// consumed, the completions reaped here make room), are retried; any other failure of
+    /// `io_uring_enter` poisons the ring before it returns, so the entries it left in the
+    /// submission queue are never submitted (the kernel reports errors of a consumed entry in
+    /// its completion, not by failing the call, so a failed call consumed nothing). Should the
+    /// kernel ever fail the call after it consumed an entry still in flight, the process
+    /// aborts: that entry could write into freed memory.
     fn run(
         &mut self,
         entries: &[Option<squeue::Entry>],
         want: &[u64],
         out: &mut [(i32, u32)],
     ) -> io::Result<()> {
+        if self.poisoned {
+            return Err(io::Error::other("this stream's io_uring failed before"));
+        }
         {
             let mut sq = self.ring.submission();
+            let n = entries.iter().flatten().count();
+            if sq.capacity() - sq.len() < n {
+                return Err(io::Error::other("io_uring submission queue full"));
+            }
             for e in entries.iter().flatten() {
                 // SAFETY: every entry points at memory its caller keeps valid until the
                 // completion, which this function waits for before returning.
@@ -360,11 +383,23 @@ impl<H> SockIo<H> {
         }
         let mut got = 0;
         let mut seen = [false; 2];
+        // Whether a call consumed the entries (they are then the kernel's until they complete).
+        let mut consumed = false;
         while got < want.len() {
             match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
+                Ok(_) => consumed = true,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => return Err(e),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {}
+                Err(e) => {
+                    self.poisoned = true;
+                    if consumed {
+                        tracing::error!(error = %e, "io_uring_enter failed with a receive or \
+                            send into caller memory in flight; aborting rather than letting the \
+                            kernel write into memory that is about to be freed");
+                        std::process::abort();
+                    }
+                    return Err(e);
+                }
             }
             got += self.reap(want, out, &mut seen);
         }
@@ -411,6 +446,9 @@ impl<H> SockIo<H> {
     /// Submits what is queued (an armed receive) without waiting, and takes what completed:
     /// a receive whose bytes were already there completes during the submit.
     pub(crate) fn poll(&mut self) -> io::Result<()> {
+        if self.poisoned {
+            return Err(io::Error::other("this stream's io_uring failed before"));
+        }
         loop {
             match self.ring.submit() {
                 Ok(_) => break,
@@ -933,6 +971,9 @@ impl<H> SockIo<H> {
     /// Waits up to `timeout` for the next completion: a zero-copy notification (releasing its
     /// hold), the armed receive, or a write of the wake eventfd.
     pub(crate) fn wait(&mut self, timeout: Duration) {
+        if self.poisoned {
+            return;
+        }
         if let Some((fd, buf, armed)) = self.wake.as_mut()
             && !*armed
         {
@@ -1086,7 +1127,10 @@ impl<H> SockIo<H> {
 
 impl<H> Drop for SockIo<H> {
     fn drop(&mut self) {
-        if self.armed.outstanding {
+        if self.armed.outstanding && self.poisoned {
+            // The ring cannot be waited on: the armed receive's buffer is the kernel's for good.
+            std::mem::forget(self.armed.buf.take());
+        } else if self.armed.outstanding {
             // The owner shuts the socket down before it lets the ring go, which ends the
             // receive; give it a moment, and cancel it if it still runs.
             let cancel = opcode::AsyncCancel::new(UD_ARMED)

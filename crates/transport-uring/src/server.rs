@@ -9,18 +9,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach};
 use ferry_core::{
     Epoch, Error, FileSource, HandshakeResponder, MemoryRegion, OpKind, PeerId, SegmentLease,
     SegmentTable,
 };
 use ferry_file::{DIRECT_ALIGN, FileSegment};
+use ferry_net::{HandshakeGate, HandshakeStats};
 use io_uring::IoUring;
 use tracing::{debug, warn};
 
-use crate::control::{read_frame, tune, write_frame};
+use crate::control::write_frame;
 use crate::file_ring::file_io;
 use crate::ring::{Body, IoStats, SockIo, ThreadCount};
 use crate::{StreamOverflow, UringConfig};
@@ -34,8 +34,8 @@ pub struct UringServer {
 }
 
 #[derive(Debug, Default)]
-struct Live {
-    stopped: AtomicBool,
+pub(crate) struct Live {
+    pub(crate) stopped: AtomicBool,
     conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
     next: AtomicU64,
     /// Loopback clients' first streams, by client incarnation, while they are served: set once
@@ -83,6 +83,7 @@ pub struct UringServerHandle {
     live: Arc<Live>,
     listener_fd: i32,
     stats: Arc<IoStats>,
+    gate: Arc<HandshakeGate>,
 }
 
 impl UringServerHandle {
@@ -94,6 +95,16 @@ impl UringServerHandle {
     /// The I/O counters of the server's rings.
     pub fn stats(&self) -> &IoStats {
         &self.stats
+    }
+
+    /// Connections in their handshake now, and those closed past the cap or the deadline.
+    pub fn handshakes(&self) -> HandshakeStats {
+        self.gate.stats()
+    }
+
+    /// The limits those are counted against.
+    pub fn handshake_limits(&self) -> ferry_net::HandshakeLimits {
+        self.gate.limits()
     }
 
     /// Stops serving: the listener closes and every accepted connection is shut down.
@@ -113,12 +124,13 @@ impl Drop for UringServerHandle {
     }
 }
 
-struct Ctx {
-    table: Arc<dyn SegmentTable>,
-    responder: Arc<dyn HandshakeResponder>,
-    config: UringConfig,
+/// What the server's threads share.
+pub(crate) struct Ctx {
+    pub(crate) table: Arc<dyn SegmentTable>,
+    pub(crate) responder: Arc<dyn HandshakeResponder>,
+    pub(crate) config: UringConfig,
     stats: Arc<IoStats>,
-    live: Arc<Live>,
+    pub(crate) live: Arc<Live>,
     overflow: Option<Arc<dyn StreamOverflow>>,
 }
 
@@ -153,7 +165,10 @@ impl UringServer {
     /// transport's `TcpServer::serve`): its memory segments, and its file segments
     /// ([`SegmentTable::file`]; a [`FileSegment`] with io_uring reads and writes, O_DIRECT where a
     /// request's alignment allows, any other source with its positioned reads and writes).
-    /// Needs no async runtime.
+    /// Needs no async runtime. One thread accepts connections and runs their handshakes
+    /// (within `config.handshake`: a deadline on each, a cap on how many at once; counted in
+    /// [`UringServerHandle::handshakes`]); each attached data stream gets a thread of its own
+    /// (or the overflow's, past [`UringConfig::max_threads`]).
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
@@ -173,80 +188,66 @@ impl UringServer {
             overflow: self.overflow,
         });
         let listener = self.listener;
+        // The accept thread polls it with the connections in their handshake.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("make non-blocking the listener on", addr.to_string(), e))?;
+        let gate = HandshakeGate::new(ctx.config.handshake);
+        let gate_run = gate.clone();
         std::thread::Builder::new()
             .name("ferry-uring-accept".into())
-            .spawn(move || accept_loop(listener, ctx))
+            .spawn(move || crate::handshakes::run(listener, ctx, gate_run))
             .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
         Ok(UringServerHandle {
             addr,
             live,
             listener_fd,
             stats,
+            gate,
         })
     }
 }
 
-fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
-    loop {
-        if ctx.live.stopped.load(Ordering::Acquire) {
-            break;
-        }
-        match listener.accept() {
-            Ok((stream, from)) => {
-                if ctx.live.stopped.load(Ordering::Acquire) {
-                    break;
-                }
-                let ctx = ctx.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("ferry-uring-conn".into())
-                    .spawn(move || {
-                        if let Err(e) = serve_conn(stream, from, &ctx) {
-                            debug!(%from, error = %e, "connection ended");
-                        }
-                    });
-                if let Err(e) = spawned {
-                    warn!(%from, error = %e, "cannot spawn a connection thread");
-                }
-            }
-            Err(e) => {
-                if ctx.live.stopped.load(Ordering::Acquire) {
-                    break;
-                }
-                warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-    drop(listener);
-}
-
-fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), Error> {
-    tune(
-        &stream,
-        ctx.config.socket_buffer,
-        ctx.config.dead_peer_after,
-    );
-    // A peer that sends nothing must not hold a thread forever.
-    let _ = stream.set_read_timeout(Some(ctx.config.connect_timeout));
-    let mut talk = ServerConversation::new(ctx.responder.clone(), ctx.table.clone(), from);
-    let (a, table) = loop {
-        match talk.on_frame(read_frame(&mut stream, from)?) {
-            ServerStep::Reply(f) => write_frame(&mut stream, from, &f)?,
-            ServerStep::Read => {}
-            ServerStep::Close(f) => return write_frame(&mut stream, from, &f),
-            ServerStep::Fail(e) => return Err(e),
-            ServerStep::Stream { attach, table } => break (attach, table),
-            _ => {
-                return Err(Error::Malformed {
-                    peer: from.to_string(),
-                    source: ferry_core::wire::WireError::Unexpected {
-                        found: "a step this server does not know",
-                        expected: "hello or stream-attach",
-                    },
-                });
-            }
+/// Serves a data stream whose handshake just ended (the attach accepted, its `proto` bound to
+/// what the peer may see): answers the attach (the socket's send buffer is empty, so that small
+/// frame goes at once; `left` of the handshake's time bounds it anyway) and serves the stream
+/// on a thread of its own, or hands it to the overflow past the thread budget.
+pub(crate) fn attached(
+    stream: TcpStream,
+    from: SocketAddr,
+    attach: StreamAttach,
+    proto: ServerStream,
+    ctx: &Arc<Ctx>,
+    left: Duration,
+) {
+    let ctx = ctx.clone();
+    let run = move || {
+        if let Err(e) = serve_attached(stream, from, attach, proto, &ctx, left) {
+            debug!(%from, error = %e, "connection ended");
         }
     };
+    // The thread counts itself before it answers the attach; past the thread budget it only
+    // hands the stream to the overflow and ends.
+    let spawned = std::thread::Builder::new()
+        .name("ferry-uring-conn".into())
+        .spawn(run);
+    if let Err(e) = spawned {
+        warn!(%from, error = %e, "cannot spawn a connection thread");
+    }
+}
+
+fn serve_attached(
+    mut stream: TcpStream,
+    from: SocketAddr,
+    a: StreamAttach,
+    proto: ServerStream,
+    ctx: &Ctx,
+    left: Duration,
+) -> Result<(), Error> {
+    stream
+        .set_nonblocking(false)
+        .map_err(|e| crate::control::lost(from, "attaching a data stream", e))?;
+    let _ = stream.set_write_timeout(Some(left.max(Duration::from_millis(1))));
     // A data stream's thread is counted (a handshake's ends at once), before the stream
     // is accepted so that the client's next stream sees it. Past the thread budget the
     // stream goes to the overflow's fixed set of threads and this one ends.
@@ -259,10 +260,10 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
         IoStats::add(&ctx.stats.handed_over, 1);
     }
     write_frame(&mut stream, from, &ControlFrame::StreamAccept)?;
-    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
     let _count = match count {
         Ok(c) => c,
-        Err(o) => return hand_over(o.as_ref(), stream, from, table, ctx),
+        Err(o) => return hand_over(o.as_ref(), stream, from, proto, ctx),
     };
     // A one-stream client pins nothing, so stream 0 starts unpinned and pins itself once
     // a second stream of the same client attaches (left to the scheduler, its thread was
@@ -293,14 +294,8 @@ fn serve_conn(mut stream: TcpStream, from: SocketAddr, ctx: &Ctx) -> Result<(), 
         let _ = stream.shutdown(std::net::Shutdown::Both);
     }
     let _span = tracing::debug_span!("serve stream", %from, stream = a.stream_index).entered();
-    let res = serve_data(
-        &stream,
-        from,
-        ctx,
-        &*table,
-        first.as_ref().map(|f| &*f.flag),
-    )
-    .map_err(|e| crate::control::lost(from, "serving data", e));
+    let res = serve_data(&stream, from, ctx, proto, first.as_ref().map(|f| &*f.flag))
+        .map_err(|e| crate::control::lost(from, "serving data", e));
     drop(first);
     lock(&ctx.live.conns).remove(&id);
     res
@@ -312,7 +307,7 @@ fn hand_over(
     overflow: &dyn StreamOverflow,
     stream: TcpStream,
     from: SocketAddr,
-    table: Arc<dyn SegmentTable>,
+    proto: ServerStream,
     ctx: &Ctx,
 ) -> Result<(), Error> {
     let kept = stream
@@ -328,7 +323,7 @@ fn hand_over(
     let res = overflow.serve(
         stream,
         from,
-        table,
+        proto,
         Box::new(move || {
             lock(&live.conns).remove(&id);
         }),
@@ -490,6 +485,17 @@ fn try_next_head<H>(
     next_head(io, head)
 }
 
+/// The most bytes of a file piece a vectored request moves through the stream's scratch buffer
+/// at a time: a piece may be up to `MAX_CHUNK` long, the buffer never grows past this.
+const FILE_STEP: usize = 1 << 20;
+
+/// A file piece of `len` bytes as steps of at most [`FILE_STEP`]: (offset in the piece, length).
+fn file_steps(len: usize) -> impl Iterator<Item = (u64, usize)> {
+    (0..len)
+        .step_by(FILE_STEP)
+        .map(move |off| (off as u64, FILE_STEP.min(len - off)))
+}
+
 /// Moves a vectored request's accepted pieces, in order, and answers it. A WRITE: runs of
 /// memory targets with one vectored receive (RECVMSG), file targets through `scratch` and
 /// positioned writes (this stream's own thread blocks), then the refused pieces' payload
@@ -516,9 +522,11 @@ fn serve_vectored(
                     // targets' leases keep alive; no Rust reference into them exists.
                     unsafe { io.recv_vectored(&parts) }?;
                     parts.clear();
-                    scratch.resize(*len, 0);
-                    io.recv_buf(&mut scratch[..*len])?;
-                    file.write_all_at(*at, &scratch[..*len])?;
+                    for (off, n) in file_steps(*len) {
+                        scratch.resize(scratch.len().max(n), 0);
+                        io.recv_buf(&mut scratch[..n])?;
+                        file.write_all_at(*at + off, &scratch[..n])?;
+                    }
                 }
             }
         }
@@ -549,9 +557,11 @@ fn serve_vectored(
                     // only read, by a copying send done when the call returns.
                     unsafe { io.send_vectored(&parts) }?;
                     parts.clear();
-                    scratch.resize(*len, 0);
-                    file.read_exact_at(*at, &mut scratch[..*len])?;
-                    io.send_buf(&scratch[..*len])?;
+                    for (off, n) in file_steps(*len) {
+                        scratch.resize(scratch.len().max(n), 0);
+                        file.read_exact_at(*at + off, &mut scratch[..n])?;
+                        io.send_buf(&scratch[..n])?;
+                    }
                 }
             }
         }
@@ -569,7 +579,7 @@ fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
     ctx: &Ctx,
-    table: &dyn SegmentTable,
+    mut proto: ServerStream,
     mut pin_first: Option<&AtomicBool>,
 ) -> std::io::Result<()> {
     let mut io: SockIo<SegmentLease> = SockIo::new(
@@ -582,7 +592,6 @@ fn serve_data(
     let mut stage = Stage { region: None };
     let mut head = [0u8; DATA_REQUEST_LEN];
     let mut scratch: Vec<u8> = Vec::new();
-    let mut proto = ServerStream::new();
     // `ready`: `head` already holds the next request (a response is held back only then, so the
     // client is never left waiting on a response with nothing else coming).
     let mut ready = false;
@@ -601,7 +610,7 @@ fn serve_data(
             crate::pin_stream_thread(0);
             pin_first = None;
         }
-        let action = proto.on_request(&head, table);
+        let action = proto.on_request(&head);
         // Only an accepted WRITE to memory may join the held-back responses; any other answer
         // must not overtake them.
         if !action.joins_held()
@@ -743,7 +752,12 @@ fn serve_data(
                 }
                 r.and_then(|()| io.send_buf(&response))
             }
-            Action::Reply { response } => io.send_buf(&response),
+            // This stream has its own thread: hashing blocks only it.
+            Action::ChecksumMemory { lease, sum, seq } => {
+                let crc = sum.finish();
+                drop(lease);
+                io.send_buf(&checksum_response(seq, crc))
+            }
             Action::ChecksumFile { file, at, len, seq } => {
                 // This stream has its own thread: the positioned reads block only it.
                 ferry_core::checksum::crc32c_file(&*file, at, len)
@@ -758,7 +772,7 @@ fn serve_data(
                 if let Err(e) = io.recv_buf(&mut bytes) {
                     break Err(e);
                 }
-                match proto.on_table(&req, &bytes, &*ctx.table) {
+                match proto.on_table(&req, &bytes) {
                     Action::Vectored {
                         kind,
                         targets,
@@ -786,4 +800,25 @@ fn serve_data(
     };
     io.finish(crate::FINISH_GRACE);
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file piece of any length moves through at most `FILE_STEP` bytes of scratch, every
+    /// byte once, in order.
+    #[test]
+    fn file_pieces_move_in_bounded_steps() {
+        for len in [0, 1, FILE_STEP - 1, FILE_STEP, FILE_STEP + 1, 64 << 20] {
+            let steps: Vec<_> = file_steps(len).collect();
+            assert!(steps.iter().all(|&(_, n)| n > 0 && n <= FILE_STEP), "{len}");
+            let mut next = 0u64;
+            for &(off, n) in &steps {
+                assert_eq!(off, next, "{len}");
+                next += n as u64;
+            }
+            assert_eq!(next, len as u64);
+        }
+    }
 }

@@ -246,6 +246,7 @@ pub fn peer_info_with(
         offer: server.transports[0].clone(),
         segments: server.segments,
         session: None,
+        key_name: None,
         version: versions.common(server.versions).unwrap_or(1),
     }
 }

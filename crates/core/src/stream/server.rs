@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::checksum::CHECKSUM_LEN;
+use crate::checksum::{CHECKSUM_LEN, RegionCrc};
 use crate::ids::SegmentToken;
 use crate::op::OpKind;
 use crate::outcome::RemoteStatus;
@@ -108,10 +108,16 @@ pub enum Action {
         /// The response header.
         response: [u8; DATA_RESPONSE_LEN],
     },
-    /// Send `response` (a CHECKSUM of memory, computed already: nothing else moves).
-    Reply {
-        /// The whole answer: header and checksum.
-        response: [u8; CHECKSUM_RESPONSE_LEN],
+    /// Compute the CRC-32C of a memory range (`sum`, checked already; a piece per
+    /// [`RegionCrc::step`], so that a driver whose thread serves other streams lets them run
+    /// between pieces), then send [`checksum_response`]`(seq, crc)`. Nothing else moves.
+    ChecksumMemory {
+        /// The segment (keeps it alive while it is hashed).
+        lease: SegmentLease,
+        /// The range's checksum, to be computed.
+        sum: RegionCrc,
+        /// The request's sequence number.
+        seq: u32,
     },
     /// Compute the CRC-32C of `len` bytes of `file` from `at`
     /// ([`crc32c_file`](crate::checksum::crc32c_file): blocking positioned reads), then send
@@ -218,21 +224,33 @@ impl Action {
     }
 }
 
-/// The server state of one data stream: the WRITE responses it holds back (see
-/// [`DataRequest::ack_slack`]) and the checked target of the request whose arrival allowed the
-/// last hold. No I/O: the driver feeds request headers to [`on_request`](Self::on_request) and
-/// does what the [`Action`] says, in order.
-#[derive(Debug, Default)]
+/// The server state of one data stream: the table its peer may see, the WRITE responses it
+/// holds back (see [`DataRequest::ack_slack`]) and the checked target of the request whose
+/// arrival allowed the last hold. No I/O: the driver feeds request headers to
+/// [`on_request`](Self::on_request) and piece tables to [`on_table`](Self::on_table) and does
+/// what the [`Action`] says, in order.
+///
+/// The table is fixed when the stream is made (by the handshake,
+/// [`ServerStep::Stream`](crate::handshake::ServerStep::Stream): the peer's view of the
+/// published segments), and every single op and every piece of a vectored request resolves
+/// through it; a driver holds no table to pass.
+#[derive(Debug)]
 pub struct ServerStream {
+    table: Arc<dyn SegmentTable>,
     held: u16,
     last_held: u32,
     carried: Option<(SegmentLease, u64)>,
 }
 
 impl ServerStream {
-    /// A stream with nothing held.
-    pub fn new() -> Self {
-        Self::default()
+    /// A stream that serves what `table` resolves, with nothing held.
+    pub fn new(table: Arc<dyn SegmentTable>) -> Self {
+        Self {
+            table,
+            held: 0,
+            last_held: 0,
+            carried: None,
+        }
     }
 
     /// Responses held back now.
@@ -242,11 +260,8 @@ impl ServerStream {
 
     /// Decodes, resolves and checks one request header: memory segments first, then file
     /// segments (an unknown token is indistinguishable from a retired one).
-    pub fn on_request(
-        &mut self,
-        head: &[u8; DATA_REQUEST_LEN],
-        table: &dyn SegmentTable,
-    ) -> Action {
+    pub fn on_request(&mut self, head: &[u8; DATA_REQUEST_LEN]) -> Action {
+        let table = &*self.table;
         let req = match RequestHead::decode(head) {
             Ok(RequestHead::Single(r)) => r,
             Ok(RequestHead::Vectored(req)) => {
@@ -287,11 +302,20 @@ impl ServerStream {
                     response: accepted(req.seq, req.len),
                 },
                 OpKind::Checksum => {
-                    // Checked against the region just above, so it cannot fail.
-                    let crc = crate::checksum::crc32c_region(&lease.region, at, req.len)
-                        .unwrap_or_default();
-                    Action::Reply {
-                        response: checksum_response(req.seq, crc),
+                    match RegionCrc::new(lease.region.clone(), at, req.len) {
+                        Ok(sum) => Action::ChecksumMemory {
+                            lease,
+                            sum,
+                            seq: req.seq,
+                        },
+                        // Checked against the segment just above, which lies in the region.
+                        Err(_) => Action::Refuse {
+                            kind: req.kind,
+                            token: req.token,
+                            status: RemoteStatus::OutOfBounds,
+                            discard: 0,
+                            response: refused(req.seq, RemoteStatus::OutOfBounds),
+                        },
                     }
                 }
             }),
@@ -339,12 +363,8 @@ impl ServerStream {
     /// piece in order as [`on_request`](Self::on_request) does one chunk, and accepts the
     /// longest prefix that passes: the response says how many pieces that is and why the next
     /// was refused. A table that does not decode closes the stream ([`Action::Close`]).
-    pub fn on_table(
-        &mut self,
-        req: &VectoredRequest,
-        bytes: &[u8],
-        table: &dyn SegmentTable,
-    ) -> Action {
+    pub fn on_table(&mut self, req: &VectoredRequest, bytes: &[u8]) -> Action {
+        let table = &*self.table;
         let pieces = match decode_pieces(req, bytes) {
             Ok(p) => p,
             Err(error) => {

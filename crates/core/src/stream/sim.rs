@@ -74,10 +74,13 @@ impl FileSource for MemFile {
 struct SimTable {
     memory: HashMap<SegmentToken, SegmentLease>,
     files: HashMap<SegmentToken, Arc<MemFile>>,
+    /// Lookups of memory segments so far.
+    resolved: AtomicUsize,
 }
 
 impl SegmentTable for SimTable {
     fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        self.resolved.fetch_add(1, Ordering::Relaxed);
         self.memory.get(&token).cloned()
     }
     fn published(&self) -> Vec<SegmentDesc> {
@@ -164,11 +167,11 @@ struct Link {
 }
 
 impl Link {
-    fn new(depth: usize, policy: AckPolicy) -> Self {
+    fn new(depth: usize, policy: AckPolicy, table: Arc<SimTable>) -> Self {
         Self {
             client: ClientStream::new(depth, policy),
             crx: ClientRx::Head,
-            server: ServerStream::new(),
+            server: ServerStream::new(table),
             srx: ServerRx::Head,
             c2s: VecDeque::new(),
             s_in: VecDeque::new(),
@@ -230,7 +233,7 @@ impl Link {
     }
 
     /// The server consumes what was delivered to it.
-    fn serve(&mut self, table: &SimTable) {
+    fn serve(&mut self) {
         loop {
             match &mut self.srx {
                 ServerRx::Closed => return,
@@ -239,7 +242,7 @@ impl Link {
                         return;
                     }
                     let head = take::<DATA_REQUEST_LEN>(&mut self.s_in);
-                    let action = self.server.on_request(&head, table);
+                    let action = self.server.on_request(&head);
                     if !action.joins_held()
                         && let Some(r) = self.server.flush()
                     {
@@ -308,8 +311,8 @@ impl Link {
                             self.s2c.extend(response);
                             ServerRx::Closed
                         }
-                        Action::Reply { response } => {
-                            self.s2c.extend(response);
+                        Action::ChecksumMemory { sum, seq, .. } => {
+                            self.s2c.extend(super::checksum_response(seq, sum.finish()));
                             ServerRx::Head
                         }
                         Action::ChecksumFile { file, at, len, seq } => {
@@ -333,7 +336,7 @@ impl Link {
                         return;
                     }
                     let (req, buf) = (*req, std::mem::take(buf));
-                    self.srx = match self.server.on_table(&req, &buf, table) {
+                    self.srx = match self.server.on_table(&req, &buf) {
                         Action::Vectored {
                             kind: OpKind::Write,
                             targets,
@@ -664,6 +667,7 @@ fn run(case: &Case) -> Run {
         .insert(RW, lease(&rw, Access::REMOTE_READ | Access::REMOTE_WRITE));
     table.memory.insert(RO, lease(&ro, Access::REMOTE_READ));
     table.files.insert(FILE, file.clone());
+    let table = Arc::new(table);
     let remote_before = |spec: &OpSpec| -> Vec<u8> {
         match spec.target {
             7 => file.data.lock().unwrap().clone(),
@@ -759,7 +763,7 @@ fn run(case: &Case) -> Run {
         ),
     }
     let mut links: Vec<Link> = (0..case.streams)
-        .map(|_| Link::new(case.depth, case.policy))
+        .map(|_| Link::new(case.depth, case.policy, table.clone()))
         .collect();
     let mut cut_happened = false;
     let mut step = 0usize;
@@ -803,7 +807,7 @@ fn run(case: &Case) -> Run {
             }
             1 => {
                 deliver(&mut rng, &mut link.c2s, &mut link.s_in, case.split);
-                link.serve(&table);
+                link.serve();
             }
             2 => {
                 deliver(&mut rng, &mut link.s2c, &mut link.c_in, case.split);
@@ -1213,13 +1217,14 @@ fn the_server_holds_only_for_a_checked_next_write() {
         .encode(&mut h);
         h
     };
-    let mut s = ServerStream::new();
+    let table = Arc::new(table);
+    let mut s = ServerStream::new(table.clone());
     let Action::WriteMemory {
         lease,
         seq,
         ack_slack,
         ..
-    } = s.on_request(&head(OpKind::Write, 0, RW, 0, 64, 3), &table)
+    } = s.on_request(&head(OpKind::Write, 0, RW, 0, 64, 3))
     else {
         panic!("not a write")
     };
@@ -1230,19 +1235,19 @@ fn the_server_holds_only_for_a_checked_next_write() {
     assert!(!s.hold_for_next(&lease, RW, seq, &head(OpKind::Read, 1, RW, 0, 64, 0)));
     assert!(s.hold_for_next(&lease, RW, seq, &head(OpKind::Write, 1, RW, 64, 64, 3)));
     assert_eq!(s.held(), 1);
-    // The next request uses the carried target (the table is not asked: an empty one works).
-    let empty = SimTable::default();
-    let Action::WriteMemory { at, seq, .. } =
-        s.on_request(&head(OpKind::Write, 1, RW, 64, 64, 3), &empty)
+    // The next request uses the carried target (the table is not asked).
+    let asked = table.resolved.load(Ordering::Relaxed);
+    let Action::WriteMemory { at, seq, .. } = s.on_request(&head(OpKind::Write, 1, RW, 64, 64, 3))
     else {
         panic!("the carried target was not used")
     };
     assert_eq!(at, 64);
+    assert_eq!(table.resolved.load(Ordering::Relaxed), asked);
     let r = crate::wire::DataResponse::decode(&s.answer_write(seq)).unwrap();
     assert_eq!((r.seq, r.also_acks), (1, 1));
     assert_eq!(s.held(), 0);
     // A refused request flushes nothing when nothing is held, and names its seq.
-    let a = s.on_request(&head(OpKind::Write, 2, UNKNOWN, 0, 64, 3), &table);
+    let a = s.on_request(&head(OpKind::Write, 2, UNKNOWN, 0, 64, 3));
     let Action::Refuse {
         status, discard, ..
     } = a
@@ -1254,7 +1259,7 @@ fn the_server_holds_only_for_a_checked_next_write() {
     // A header that does not decode is answered with its raw seq and closes the stream.
     let mut bad = head(OpKind::Read, 77, RW, 0, 64, 0);
     bad[0] = 9;
-    let Action::Close { response, .. } = s.on_request(&bad, &table) else {
+    let Action::Close { response, .. } = s.on_request(&bad) else {
         panic!("not closed")
     };
     let r = crate::wire::DataResponse::decode(&response).unwrap();
@@ -1349,10 +1354,10 @@ proptest! {
         heads in prop::collection::vec(request_head(), 1..6),
     ) {
         let (table, known) = fuzz_table();
-        let mut s = ServerStream::new();
+        let mut s = ServerStream::new(Arc::new(table));
         for (i, head) in heads.iter().enumerate() {
             let decoded = crate::wire::DataRequest::decode(head);
-            let action = s.on_request(head, &table);
+            let action = s.on_request(head);
             let inside = |token: SegmentToken, kind: OpKind, at: u64, len: usize, base: u64| {
                 let (_, seg_len, access) = known.iter().find(|k| k.0 == token).copied().unwrap();
                 access.contains(kind.needed_access())
@@ -1384,7 +1389,7 @@ proptest! {
                     let resp = crate::wire::DataResponse::decode(&response).unwrap();
                     prop_assert_eq!((resp.seq, resp.len, resp.refused), (r.seq, r.len, None));
                 }
-                Action::Reply { .. } => {
+                Action::ChecksumMemory { .. } => {
                     let r = decoded.unwrap();
                     prop_assert_eq!(r.kind, OpKind::Checksum);
                     let (_, seg_len, access) = known.iter().find(|k| k.0 == r.token).copied().unwrap();
@@ -1469,8 +1474,8 @@ proptest! {
         if let Some(c) = cut {
             bytes.truncate(c % (bytes.len() + 1));
         }
-        let mut s = ServerStream::new();
-        let req = match s.on_request(&head, &table) {
+        let mut s = ServerStream::new(Arc::new(table));
+        let req = match s.on_request(&head) {
             Action::Table { req } => req,
             Action::Close { .. } => {
                 prop_assert!(req.pieces == 0 || req.pieces > crate::wire::MAX_PIECES || req.total > crate::wire::MAX_CHUNK);
@@ -1482,7 +1487,7 @@ proptest! {
             }
         };
         let decoded = crate::wire::decode_pieces(&req, &bytes);
-        match s.on_table(&req, &bytes, &table) {
+        match s.on_table(&req, &bytes) {
             Action::Vectored { kind: k, targets, discard, response } => {
                 let pieces = decoded.unwrap();
                 prop_assert_eq!(k, kind);
@@ -1671,7 +1676,8 @@ fn held_responses_are_counted_flushed_and_joined_only_by_writes_to_memory() {
         .encode(&mut h);
         h
     };
-    let mut s = ServerStream::new();
+    let table = Arc::new(table);
+    let mut s = ServerStream::new(table.clone());
     assert!(
         !s.may_hold(0),
         "a request that allows nothing is answered at once"
@@ -1681,7 +1687,7 @@ fn held_responses_are_counted_flushed_and_joined_only_by_writes_to_memory() {
     assert!(s.hold_for_next(&lease, RW, 7, &write(8, 64)));
     assert!(!s.may_hold(1), "one held: a slack of one allows no more");
     assert!(s.may_hold(2));
-    let _ = s.on_request(&write(8, 64), &table);
+    let _ = s.on_request(&write(8, 64));
     assert!(s.hold_for_next(&lease, RW, 8, &write(9, 128)));
     assert_eq!(s.held(), 2);
     let r = crate::wire::DataResponse::decode(&s.flush().unwrap()).unwrap();
@@ -1689,8 +1695,11 @@ fn held_responses_are_counted_flushed_and_joined_only_by_writes_to_memory() {
     assert_eq!(s.held(), 0);
     assert!(s.flush().is_none());
 
-    let joins =
-        |head: &[u8; DATA_REQUEST_LEN]| ServerStream::new().on_request(head, &table).joins_held();
+    let joins = |head: &[u8; DATA_REQUEST_LEN]| {
+        ServerStream::new(table.clone())
+            .on_request(head)
+            .joins_held()
+    };
     assert!(joins(&write(1, 0)));
     let mut read = write(1, 0);
     read[0] = 1; // READ
