@@ -23,9 +23,10 @@ pub(crate) struct PublishArgs {
     /// The broadcast's name.
     #[arg(long)]
     name: String,
-    /// Its version (receivers never mix two).
-    #[arg(long, default_value_t = 1)]
-    version: u64,
+    /// The broadcast's version (receivers never mix two). Not `--version`, which prints
+    /// ferry's own.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    weights_version: u64,
     /// Control address receivers are given (`ferry pull ADDR`); the Ferry listener takes the
     /// same IP and any free port.
     #[arg(long, default_value = "0.0.0.0:7500")]
@@ -109,8 +110,13 @@ async fn etcd(url: &str, _name: &str) -> Result<Arc<dyn Discovery>> {
 }
 
 pub(crate) fn publish(args: PublishArgs) -> Result<()> {
-    let manifest = Manifest::build(&args.name, args.version, &args.files, args.chunk_size)
-        .context("building the manifest")?;
+    let manifest = Manifest::build(
+        &args.name,
+        args.weights_version,
+        &args.files,
+        args.chunk_size,
+    )
+    .context("building the manifest")?;
     runtime()?.block_on(async {
         let discovery = match &args.etcd {
             Some(url) => Some(etcd(url, &args.name).await?),

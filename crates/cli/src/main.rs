@@ -2,8 +2,8 @@
 //! GPU), `serve` (publish segments), `bench` (measure transfers), `publish` and `pull` (weight
 //! broadcast).
 //!
-//! Exit codes: 0 on success (`doctor` always, since it is a report), 1 when a command fails, 2 for
-//! bad arguments.
+//! Exit codes: 0 on success (`doctor` too, since it is a report, unless `--require` names what
+//! is missing), 1 when a command fails, 2 for bad arguments.
 
 mod cmd_bench;
 mod cmd_broadcast;
@@ -11,8 +11,9 @@ mod cmd_doctor;
 mod cmd_serve;
 mod cmd_topology;
 mod histogram;
+mod version;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -65,7 +66,12 @@ fn init_tracing(verbose: u8) {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let version: &'static str = version::LONG.as_str();
+    let matches = Cli::command().version(version).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     init_tracing(cli.verbose);
     let result = match cli.command {
         Command::Doctor(args) => cmd_doctor::run(&args),

@@ -754,7 +754,8 @@ impl RemoteSegment {
 }
 
 /// Runs every check of the capability matrix (what `ferry doctor --json` prints) and returns it
-/// as a dict: `{"checks": [{"name", "status", "detail", "hint"}, ...]}`. Releases the GIL while
+/// as a dict: `{"summary": {"transports", "rdma_devices", "gpus", "uring_opcodes"}, "checks":
+/// [{"name", "status", "detail", "hint"}, ...]}`. Releases the GIL while
 /// probing.
 #[pyfunction]
 pub(crate) fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {

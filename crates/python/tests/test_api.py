@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import ferry
@@ -21,10 +22,17 @@ def test_describe_is_a_plain_dict(loopback):
     assert peer.transport in ("tcp", "uring")
 
 
+def test_version_is_the_workspace_version():
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
+    assert ferry.__version__ == cargo["workspace"]["package"]["version"]
+
+
 def test_doctor_rows():
     d = ferry.doctor()
     names = [c["name"] for c in d["checks"]]
     assert "build" in names and "io_uring" in names
+    assert d["summary"]["transports"][0] == "tcp"
+    assert ("uring" in d["summary"]["transports"]) == bool(d["summary"]["uring_opcodes"])
     for c in d["checks"]:
         assert c["status"] in ("ok", "unavailable", "absent", "error")
 
