@@ -12,7 +12,7 @@ use ferry_broadcast::{
     Discovery, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions,
 };
 
-use crate::cmd_bench::parse_size;
+use crate::parse;
 
 /// Arguments of `ferry publish`.
 #[derive(clap::Args, Debug)]
@@ -35,15 +35,15 @@ pub(crate) struct PublishArgs {
     /// etcd://HOST:PORT/NAME` (needs a build with the `etcd` feature).
     #[arg(long, value_name = "URL")]
     etcd: Option<String>,
-    /// Chunk size (the unit of transfer and verification).
-    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    /// Chunk size (the unit of transfer and verification), 4KiB to 64MiB.
+    #[arg(long, default_value = "1MiB", value_parser = publish_chunk_size)]
     chunk_size: u64,
     /// Data plane: auto, tcp or uring.
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
-    /// Stop after this many seconds (default: until interrupted).
-    #[arg(long, value_name = "SECS")]
-    serve_for: Option<f64>,
+    /// Stop after this long (`90s`, `10m`; default: until interrupted).
+    #[arg(long, value_name = "DURATION", value_parser = parse::positive_duration)]
+    serve_for: Option<Duration>,
 }
 
 /// Arguments of `ferry pull`.
@@ -61,15 +61,15 @@ pub(crate) struct PullArgs {
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
     /// Chunks in flight.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value = "8", value_parser = parse::count)]
     window: usize,
-    /// Give up a parent whose progress stalls this many seconds.
-    #[arg(long, default_value_t = 3.0)]
-    stall_after: f64,
+    /// Give up a parent whose progress stalls this long (`3s`, `500ms`).
+    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse::positive_duration)]
+    stall_after: Duration,
     /// After finishing, keep serving while members that joined later are unfinished, at most
-    /// this many seconds.
-    #[arg(long, default_value_t = 60.0)]
-    linger: f64,
+    /// this long (`60s`; `0` not at all).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse::duration)]
+    linger: Duration,
     /// Fetch from the source only, never from other receivers (a point-to-point pull: the
     /// baseline the relayed pull is measured against).
     #[arg(long)]
@@ -77,6 +77,15 @@ pub(crate) struct PullArgs {
     /// Print one JSON summary instead of the progress bar and human summary.
     #[arg(long)]
     json: bool,
+}
+
+/// `publish --chunk-size`: a size in the manifest's range.
+fn publish_chunk_size(s: &str) -> Result<u64> {
+    let (lo, hi) = ferry_broadcast::manifest::CHUNK_SIZE_RANGE;
+    match parse::size(s)? {
+        n if (lo..=hi).contains(&n) => Ok(n),
+        _ => bail!("must be {} KiB to {} MiB", lo >> 10, hi >> 20),
+    }
 }
 
 fn plane(s: &str) -> DataPlane {
@@ -151,7 +160,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             src.ctl_addr()
         );
         match args.serve_for {
-            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,
+            Some(d) => tokio::time::sleep(d).await,
             None => tokio::signal::ctrl_c()
                 .await
                 .context("waiting for ctrl-c")?,
@@ -190,8 +199,8 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
             ReceiverOptions {
                 listen_ip: args.listen,
                 data_plane: plane(&args.transport),
-                window: args.window.max(1),
-                stall_after: Duration::from_secs_f64(args.stall_after.max(0.1)),
+                window: args.window,
+                stall_after: args.stall_after,
                 relay: !args.no_relay,
                 ..Default::default()
             },
@@ -247,8 +256,7 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
                 args.into.display()
             );
         }
-        r.linger(Duration::from_secs_f64(args.linger.max(0.0)))
-            .await;
+        r.linger(args.linger).await;
         r.leave().await;
         Ok(())
     })

@@ -11,6 +11,7 @@ mod cmd_doctor;
 mod cmd_serve;
 mod cmd_topology;
 mod histogram;
+mod parse;
 mod version;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -50,6 +51,12 @@ enum Command {
     Pull(cmd_broadcast::PullArgs),
 }
 
+/// Colour only on a terminal, and never with NO_COLOR set (to anything but empty).
+fn colour() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 fn init_tracing(verbose: u8) {
     let default = match verbose {
         0 => "warn",
@@ -62,6 +69,7 @@ fn init_tracing(verbose: u8) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .init();
 }
 

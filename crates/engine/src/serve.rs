@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use ferry_core::wire::{Hello, Reject, RejectReason, VersionRange};
 use ferry_core::{
@@ -34,7 +34,19 @@ pub(crate) struct RegistryTable {
     files: RwLock<HashMap<SegmentToken, ServedSource>>,
     /// Segments published to named peers only (absent: to every peer), by token.
     audience: RwLock<HashMap<SegmentToken, Arc<[String]>>>,
+    /// Held while a name is checked and published, so that two registrations of one name
+    /// cannot both pass the check.
+    naming: Mutex<()>,
 }
+
+/// Why a registration under a name already published is refused (inside
+/// [`Error::Register`](ferry_core::Error::Register), which names the segment).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this engine already publishes a segment of that name (names are unique per engine: drop the \
+     other registration first, or pick another name)"
+)]
+pub(crate) struct NameTaken;
 
 impl RegistryTable {
     pub(crate) fn new(registry: Registry) -> Self {
@@ -43,7 +55,30 @@ impl RegistryTable {
             guards: RwLock::new(HashMap::new()),
             files: RwLock::new(HashMap::new()),
             audience: RwLock::new(HashMap::new()),
+            naming: Mutex::new(()),
         }
+    }
+
+    /// Runs `publish` (which publishes a segment named `name` to peers when `published`), after
+    /// checking that no published segment has that name: the name a peer asks for must mean one
+    /// segment. Local-only registrations (`published` false) are not checked.
+    pub(crate) fn publish_named<T>(
+        &self,
+        name: &str,
+        published: bool,
+        publish: impl FnOnce() -> Result<T, ferry_core::Error>,
+    ) -> Result<T, ferry_core::Error> {
+        if !published {
+            return publish();
+        }
+        let _naming = self.naming.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.published().iter().any(|d| d.name == name) {
+            return Err(ferry_core::Error::Register {
+                name: name.to_owned(),
+                source: Box::new(NameTaken),
+            });
+        }
+        publish()
     }
 
     /// Runs `publish` (which registers a segment and returns its token) and restricts that
