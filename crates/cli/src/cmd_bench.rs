@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::failure::{RequestFailed, UnknownSegment};
 use crate::histogram::Histogram;
 use crate::parse::{self, DeadPeer, IoThreads, SocketBuffer};
 use anyhow::{Context, Result, bail};
@@ -16,13 +17,15 @@ use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine, TransportKin
 pub(crate) struct BenchArgs {
     /// The `ferry serve` peer (HOST:PORT). Without it, a server starts in this process on
     /// loopback.
+    #[arg(value_parser = parse::peer_addr)]
     peer: Option<String>,
     /// Put the local buffer on GPU N (staged through pinned host memory over TCP and io_uring);
     /// on loopback the server's segment goes on GPU N too. After the run a checksummed round
     /// trip verifies the bytes.
     #[arg(long, value_name = "N")]
     gpu: Option<u32>,
-    /// The peer's segment to use (loopback: created with this name).
+    /// The peer's segment to use (loopback: created with this name); a plain `ferry serve`
+    /// publishes `bench`.
     #[arg(long, default_value = "bench")]
     segment: String,
     /// Transport: tcp, uring (io_uring, an error where the kernel cannot), rdma, or auto (the
@@ -139,6 +142,41 @@ struct Report {
     /// Ops replayed and channels reopened after lost connections (the engine's `describe()`).
     replays: u64,
     reconnects: u64,
+}
+
+/// What a run has done so far, kept when it fails.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Bytes of completed ops.
+    bytes: AtomicU64,
+    /// Completed ops.
+    ops: AtomicU64,
+    /// Failed requests whose WRITEs may have changed remote memory (sent, never acknowledged).
+    uncertain_writes: AtomicU64,
+    /// Ops replayed after lost connections.
+    replays: AtomicU64,
+    /// Channels reopened after lost connections.
+    reconnects: AtomicU64,
+    /// Attempts to reopen them, successful or not.
+    reconnect_attempts: AtomicU64,
+}
+
+impl Progress {
+    /// The facts, as JSON fields (beside `error`, for `--json`).
+    fn facts(&self) -> serde_json::Map<String, serde_json::Value> {
+        let get = |a: &AtomicU64| serde_json::Value::from(a.load(Ordering::Relaxed));
+        [
+            ("bytes_moved", get(&self.bytes)),
+            ("ops_completed", get(&self.ops)),
+            ("uncertain_writes", get(&self.uncertain_writes)),
+            ("replays", get(&self.replays)),
+            ("reconnects", get(&self.reconnects)),
+            ("reconnect_attempts", get(&self.reconnect_attempts)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
 }
 
 /// The in-process loopback server: its own thread and runtime, like a separate process would
@@ -265,7 +303,33 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let report = rt.block_on(bench(&args))?;
+    let progress = Arc::new(Progress::default());
+    let report = match rt.block_on(bench(&args, &progress)) {
+        Ok(r) => r,
+        Err(e) => {
+            let facts = progress.facts();
+            let l = |k: &str| facts.get(k).cloned().unwrap_or_default();
+            let done = format!(
+                "before failing: {} bytes moved in {} ops; {} reconnects of {} attempts, {} ops \
+                 replayed; {} requests with WRITEs of uncertain effect",
+                l("bytes_moved"),
+                l("ops_completed"),
+                l("reconnects"),
+                l("reconnect_attempts"),
+                l("replays"),
+                l("uncertain_writes")
+            );
+            let started = progress.ops.load(Ordering::Relaxed) > 0
+                || progress.reconnect_attempts.load(Ordering::Relaxed) > 0;
+            return Err(crate::failure::report(
+                e,
+                crate::failure::Server::Serve,
+                args.json,
+                facts,
+                started.then_some(done),
+            ));
+        }
+    };
     if args.json {
         let r = &report;
         let obj = serde_json::json!({
@@ -379,7 +443,7 @@ async fn verify_gpu(
     ))
 }
 
-async fn bench(args: &BenchArgs) -> Result<Report> {
+async fn bench(args: &BenchArgs, progress: &Arc<Progress>) -> Result<Report> {
     let (kinds, plane) = match args.transport.as_str() {
         "auto" => (vec![TransportKind::Tcp], DataPlane::Auto),
         "tcp" => (vec![TransportKind::Tcp], DataPlane::Tcp),
@@ -459,11 +523,43 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         builder = builder.auth_key_file(f);
     }
     let engine = builder.build()?;
+    let result = measure(args, &engine, &addr, (depth, streams), progress).await;
+    // Kept for a failure too: what reconnecting did.
+    let routes = engine.describe().routes;
+    progress
+        .replays
+        .store(routes.iter().map(|r| r.replays).sum(), Ordering::Relaxed);
+    progress
+        .reconnects
+        .store(routes.iter().map(|r| r.reconnects).sum(), Ordering::Relaxed);
+    progress.reconnect_attempts.store(
+        routes.iter().map(|r| r.reconnect_attempts).sum(),
+        Ordering::Relaxed,
+    );
+    let mut report = result?;
+    report.replays = progress.replays.load(Ordering::Relaxed);
+    report.reconnects = progress.reconnects.load(Ordering::Relaxed);
+    Ok(report)
+}
+
+/// The measured part of `bench`: connect, move, verify.
+async fn measure(
+    args: &BenchArgs,
+    engine: &TransferEngine,
+    addr: &str,
+    (depth, streams): (usize, usize),
+    progress: &Arc<Progress>,
+) -> Result<Report> {
     let peer = engine
-        .connect(addr.as_str())
+        .connect(addr)
         .await
         .with_context(|| format!("connecting to {addr}"))?;
-    let remote = peer.segment(&args.segment)?;
+    let remote = peer
+        .segment(&args.segment)
+        .map_err(|source| UnknownSegment {
+            source,
+            published: peer.segments().iter().map(|s| s.name.clone()).collect(),
+        })?;
     if remote.len() < args.op_size {
         bail!(
             "segment {:?} has {} bytes, fewer than one op of {}",
@@ -473,6 +569,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         );
     }
     let slots_in_remote = (remote.len() / args.op_size).max(1);
+    let batch = args.batch as u64;
     let is_read = args.op == "read";
     // Local buffers cycle through no more memory than the remote segment, for READs and WRITEs
     // alike (iperf3 reuses one `-l` buffer on each side): with a 1 MiB segment both ends stay
@@ -527,7 +624,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     let deadline = args.duration;
     let ops_budget = total.map(|t| t.div_ceil(args.op_size).max(batch));
     let claimed = Arc::new(AtomicU64::new(0));
-    let moved = Arc::new(AtomicU64::new(0));
+    let moved = progress.clone();
 
     let bar = if std::io::stderr().is_terminal() && !args.json {
         let bar = match total {
@@ -546,7 +643,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     };
 
     let start = Instant::now();
-    let mut workers = tokio::task::JoinSet::new();
+    let mut workers = tokio::task::JoinSet::<Result<Histogram>>::new();
     for _ in 0..depth {
         let engine = engine.clone();
         let local = local.clone();
@@ -585,10 +682,24 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 let t0 = Instant::now();
                 let outcome = engine.submit(ops)?.await;
                 if let Some(f) = outcome.failure {
-                    bail!("request {n} failed: {} (op {})", f.kind, f.op_index);
+                    moved
+                        .bytes
+                        .fetch_add(outcome.completed_bytes, Ordering::Relaxed);
+                    moved
+                        .ops
+                        .fetch_add(outcome.completed_ops as u64, Ordering::Relaxed);
+                    if outcome.remote_effect == ferry::RemoteEffect::Uncertain {
+                        moved.uncertain_writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(RequestFailed {
+                        request: n,
+                        failure: f,
+                    }
+                    .into());
                 }
                 lat.record(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
-                moved.fetch_add(op_size * batch, Ordering::Relaxed);
+                moved.bytes.fetch_add(op_size * batch, Ordering::Relaxed);
+                moved.ops.fetch_add(batch, Ordering::Relaxed);
             }
             Ok(lat)
         });
@@ -597,7 +708,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         let moved = moved.clone();
         tokio::spawn(async move {
             loop {
-                bar.set_position(moved.load(Ordering::Relaxed));
+                bar.set_position(moved.bytes.load(Ordering::Relaxed));
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
@@ -613,9 +724,9 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let total_bytes = moved.load(Ordering::Relaxed);
+    let total_bytes = moved.bytes.load(Ordering::Relaxed);
     let verified = match args.gpu {
-        Some(n) => Some(verify_gpu(&engine, n, &remote, args.op_size).await?),
+        Some(n) => Some(verify_gpu(engine, n, &remote, args.op_size).await?),
         None => None,
     };
     let verified_bytes = if args.verify {
@@ -652,12 +763,11 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     } else {
         None
     };
-    let routes = engine.describe().routes;
     Ok(Report {
         verified,
         verified_bytes,
-        replays: routes.iter().map(|r| r.replays).sum(),
-        reconnects: routes.iter().map(|r| r.reconnects).sum(),
+        replays: 0,
+        reconnects: 0,
         transport: peer.transport().name().to_owned(),
         op: args.op.clone(),
         op_bytes: args.op_size,

@@ -171,6 +171,35 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
 }
 
 pub(crate) fn pull(args: PullArgs) -> Result<()> {
+    let last = std::sync::Mutex::new(None::<ferry_broadcast::Snapshot>);
+    let result = pull_inner(&args, &last);
+    result.map_err(|e| {
+        let mut facts = serde_json::Map::new();
+        let snap = last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        facts.insert("from".into(), args.from.clone().into());
+        facts.insert("bytes".into(), snap.as_ref().map_or(0, |s| s.bytes).into());
+        facts.insert("total_bytes".into(), snap.as_ref().map(|s| s.total).into());
+        facts.insert(
+            "refetched_chunks".into(),
+            snap.as_ref().map_or(0, |s| s.refetched).into(),
+        );
+        let done = snap.as_ref().map(|s| {
+            format!(
+                "before failing: {} of {} bytes pulled, {} chunks re-fetched",
+                s.bytes, s.total, s.refetched
+            )
+        });
+        crate::failure::report(e, crate::failure::Server::Publish, args.json, facts, done)
+    })
+}
+
+fn pull_inner(
+    args: &PullArgs,
+    last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
+) -> Result<()> {
     runtime()?.block_on(async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
             match args.from.strip_prefix("etcd://") {
@@ -184,6 +213,13 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
                     )
                 }
                 None => {
+                    if !parse::has_port(&args.from) {
+                        bail!(
+                            "{:?} has no port: give HOST:PORT, as `ferry publish` prints it \
+                             (its control port is 7500 unless --listen says otherwise)",
+                            args.from
+                        );
+                    }
                     let addr: SocketAddr = tokio::net::lookup_host(&args.from)
                         .await
                         .with_context(|| format!("resolving {}", args.from))?
@@ -231,6 +267,10 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
             })
         });
         let summary = r.run().await;
+        *last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(r.progress().borrow().clone());
         if let Some(t) = ticker {
             t.abort();
         }

@@ -10,6 +10,7 @@ mod cmd_broadcast;
 mod cmd_doctor;
 mod cmd_serve;
 mod cmd_topology;
+mod failure;
 mod histogram;
 mod parse;
 mod version;
@@ -98,8 +99,11 @@ fn main() -> std::process::ExitCode {
             // The reader went away (`ferry doctor | head`): not an error of ours.
             std::process::ExitCode::SUCCESS
         }
+        Err(e) if e.downcast_ref::<failure::Reported>().is_some() => {
+            std::process::ExitCode::FAILURE
+        }
         Err(e) => {
-            eprintln!("ferry: {e:#}");
+            failure::Failure::of(&e, failure::Server::Serve).print();
             std::process::ExitCode::FAILURE
         }
     }

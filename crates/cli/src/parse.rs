@@ -208,6 +208,14 @@ pub(crate) fn listen_addr(s: &str) -> Result<std::net::SocketAddr> {
         .with_context(|| format!("{s:?} resolves to no address"))
 }
 
+/// A peer's address: HOST:PORT (the host a name or an IP), resolved when connecting.
+pub(crate) fn peer_addr(s: &str) -> Result<String> {
+    if !has_port(s) {
+        bail!("no port: {}", crate::failure::NO_PORT_HINT);
+    }
+    Ok(s.to_owned())
+}
+
 /// Whether `addr` ends in `:PORT` (an IPv6 literal needs brackets: `[::1]:7400`).
 pub(crate) fn has_port(addr: &str) -> bool {
     addr.rsplit_once(':').is_some_and(|(host, port)| {
