@@ -229,7 +229,9 @@ impl LoopbackServer {
                         let mut _reg = None;
                         match gpu {
                             Some(n) => {
-                                let reg = server.alloc_gpu(n, seg_len as usize, rw, &name)?;
+                                let reg = server
+                                    .alloc_gpu(n, seg_len as usize, rw, &name)
+                                    .with_context(|| format!("--gpu {n}"))?;
                                 reg.memory()
                                     .copy_from_host(0, &pseudo_random(seg_len as usize))?;
                                 _gpu_reg = Some(reg);

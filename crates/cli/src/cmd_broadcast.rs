@@ -17,8 +17,9 @@ use crate::parse;
 /// Arguments of `ferry publish`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
-    /// The files to publish (a `.safetensors` file is listed tensor by tensor).
-    #[arg(required = true)]
+    /// The files to publish (a `.safetensors` file is listed tensor by tensor); a directory
+    /// stands for the files directly in it (a checkpoint directory).
+    #[arg(required = true, value_name = "FILE|DIR")]
     files: Vec<PathBuf>,
     /// The broadcast's name.
     #[arg(long)]
@@ -118,14 +119,51 @@ async fn etcd(url: &str, _name: &str) -> Result<Arc<dyn Discovery>> {
     )
 }
 
+/// The files to publish: each FILE as given, each DIR as the files directly in it, by name (a
+/// checkpoint directory). A directory inside a DIR is refused: pulled files land side by side,
+/// named after their file names.
+fn expand_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for path in paths {
+        let meta =
+            std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+        if !meta.is_dir() {
+            files.push(path.clone());
+            continue;
+        }
+        let mut inside = Vec::new();
+        for entry in
+            std::fs::read_dir(path).with_context(|| format!("listing {}", path.display()))?
+        {
+            let entry = entry.with_context(|| format!("listing {}", path.display()))?;
+            let p = entry.path();
+            if p.is_dir() {
+                bail!(
+                    "{} is a directory inside {}: publish DIR takes the files directly in it \
+                     (give {} as a DIR of its own if its file names differ)",
+                    p.display(),
+                    path.display(),
+                    p.display()
+                );
+            }
+            inside.push(p);
+        }
+        if inside.is_empty() {
+            bail!(
+                "{} is an empty directory: nothing to publish",
+                path.display()
+            );
+        }
+        inside.sort();
+        files.extend(inside);
+    }
+    Ok(files)
+}
+
 pub(crate) fn publish(args: PublishArgs) -> Result<()> {
-    let manifest = Manifest::build(
-        &args.name,
-        args.weights_version,
-        &args.files,
-        args.chunk_size,
-    )
-    .context("building the manifest")?;
+    let files = expand_files(&args.files)?;
+    let manifest = Manifest::build(&args.name, args.weights_version, &files, args.chunk_size)
+        .context("building the manifest")?;
     runtime()?.block_on(async {
         let discovery = match &args.etcd {
             Some(url) => Some(etcd(url, &args.name).await?),
@@ -133,7 +171,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
         };
         let src = Source::start(
             manifest,
-            &args.files,
+            &files,
             SourceOptions {
                 listen: args.listen,
                 data_plane: plane(&args.transport),

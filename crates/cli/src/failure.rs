@@ -204,6 +204,15 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
                     );
                 }
                 ferry::Error::Timeout { .. } => return ("timeout", None),
+                ferry::Error::Unavailable { .. } => {
+                    return (
+                        "unavailable",
+                        Some(
+                            "`ferry doctor` shows what this machine can use, and why not the rest"
+                                .into(),
+                        ),
+                    );
+                }
                 ferry::Error::PeerLost { during, .. } if during.contains("handshake") => {
                     return (
                         "not_ferry",
