@@ -1,6 +1,6 @@
 //! The `ferry` command: `doctor` (what this machine can do), `topology` (which NIC serves which
 //! GPU), `serve` (publish segments), `bench` (measure transfers), `publish` and `pull` (weight
-//! broadcast).
+//! broadcast), `completions` (shell completion scripts).
 //!
 //! Exit codes: 0 on success (`doctor` too, since it is a report, unless `--require` names what
 //! is missing), 1 when a command fails, 2 for bad arguments.
@@ -50,6 +50,14 @@ enum Command {
     /// Pull a broadcast (from the source's address, or etcd://HOST:PORT/NAME) into a directory,
     /// verifying every chunk and relaying it to the members after this one.
     Pull(cmd_broadcast::PullArgs),
+    /// Print a shell completion script: `ferry completions bash > /etc/bash_completion.d/ferry`,
+    /// `ferry completions zsh > ~/.zfunc/_ferry`, `ferry completions fish >
+    /// ~/.config/fish/completions/ferry.fish`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 /// Colour only on a terminal, and never with NO_COLOR set (to anything but empty).
@@ -89,6 +97,12 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => cmd_bench::run(args),
         Command::Publish(args) => cmd_broadcast::publish(args),
         Command::Pull(args) => cmd_broadcast::pull(args),
+        Command::Completions { shell } => {
+            // Into a buffer first: clap_complete panics on a write error (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "ferry", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script).map_err(Into::into)
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
