@@ -556,12 +556,11 @@ async fn measure(
         .connect(addr)
         .await
         .with_context(|| format!("connecting to {addr}"))?;
-    let remote = peer
-        .segment(&args.segment)
-        .map_err(|source| UnknownSegment {
-            source,
-            published: peer.segments().iter().map(|s| s.name.clone()).collect(),
-        })?;
+    let remote = peer.segment(&args.segment).map_err(|source| {
+        let mut published: Vec<String> = peer.segments().iter().map(|s| s.name.clone()).collect();
+        published.sort();
+        UnknownSegment { source, published }
+    })?;
     if remote.len() < args.op_size {
         bail!(
             "segment {:?} has {} bytes, fewer than one op of {}",

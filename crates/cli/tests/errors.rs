@@ -223,3 +223,21 @@ fn a_bench_whose_server_dies_reports_what_it_did() {
         assert!(v[key].is_u64(), "{key} in {v}");
     }
 }
+
+#[test]
+fn no_colour_on_a_redirected_stderr() {
+    // stderr is a pipe here: the log lines come without ANSI escapes, NO_COLOR or not.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .env_remove("NO_COLOR")
+        .env_remove("FERRY_AUTH_KEY_FILE")
+        .args(["-v", "bench", "--total", "1MiB", "--json"])
+        .output()
+        .expect("run bench");
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("INFO"), "log lines expected: {err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "ANSI escapes in a redirected stderr: {err:?}"
+    );
+}
