@@ -102,7 +102,7 @@ fn ferry(streams: usize, op: &str, total: u64) -> Result<f64> {
 fn tcp(args: &[String]) -> Result<()> {
     let (total, repeat) = total_and_repeat(args, 4u64 << 30, 5, USAGE)?;
     ensure_tool("iperf3", "iperf3")?;
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     println!(
         "loopback, 1 MiB ops, {total} bytes per run, {repeat} rounds of iperf3, ferry write and \
          ferry read back to back; rates are medians, ratios the median of each round's ratio \

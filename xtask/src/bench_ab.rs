@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ferry_bench_json_of, median, project_root, run as run_loud, size};
+use crate::util::{cargo, ferry_bench_json_of, median, run as run_loud, size};
 
 /// One measured case: its label, the `ferry bench` arguments, the JSON key, and whether
 /// larger is better (a rate) or smaller (a latency).
@@ -114,8 +114,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !baseline.is_file() {
         bail!("the baseline {} is not a file", baseline.display());
     }
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
-    let current = project_root().join("target/release/ferry");
+    run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+    let current = crate::util::release_bin("ferry");
     let cases: Vec<Case> = cases(total, ops)
         .into_iter()
         .filter(|c| only.as_ref().is_none_or(|o| c.label.contains(o.as_str())))

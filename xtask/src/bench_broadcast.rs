@@ -26,7 +26,7 @@ use anyhow::{Context, Result, bail};
 
 use ferry_tests::Fleet;
 
-use crate::util::{cargo, json_num, project_root, run as run_loud, size};
+use crate::util::{cargo, json_num, run as run_loud, size};
 
 /// Spawns `bin ARGS` inside host `i` of the fleet, its stdout piped.
 fn spawn(fleet: &Fleet, i: usize, bin: &Path, args: &[&str]) -> Result<Child> {
@@ -225,9 +225,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!("--receivers must be at least 1");
     }
     if build {
-        run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+        run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     }
-    let bin = project_root().join("target/release/ferry");
+    let bin = crate::util::release_bin("ferry");
     let work: PathBuf = std::env::temp_dir().join("ferry-bench-broadcast");
     std::fs::create_dir_all(&work)?;
     let file = work.join("payload.bin");

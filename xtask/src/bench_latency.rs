@@ -88,7 +88,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             other => bail!("unknown option {other} (bench latency takes --ops N, --repeat N)"),
         }
     }
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     let mut cases: Vec<(&str, Vec<&str>)> = vec![
         ("ferry tcp, I/O threads", vec!["--transport", "tcp"]),
         (

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_tool, ferry_bench_json, median, project_root, run as run_loud};
+use crate::util::{cargo, ensure_tool, ferry_bench_json, median, run as run_loud};
 
 /// The Mooncake wheel (no CUDA) and the version measured.
 const MOONCAKE_WHEEL: &str = "mooncake-transfer-engine-non-cuda==0.3.13.post1";
@@ -154,7 +154,7 @@ fn ferry_gbps(args: &[&str]) -> Result<f64> {
 
 /// Mooncake's bench: its binary, installed from PyPI when missing.
 fn mooncake_bench() -> Result<PathBuf> {
-    let dir = project_root().join("target/mooncake");
+    let dir = crate::util::target_dir().join("mooncake");
     let bin = dir.join("mooncake/transfer_engine_bench");
     if bin.exists() {
         return Ok(bin);
@@ -190,7 +190,7 @@ impl Drop for MooncakeTarget {
 /// Starts `transfer_engine_bench --mode=target` with P2P handshakes (no etcd) and a 1 GiB
 /// buffer, and reads the handshake port it logs.
 fn mooncake_target(bin: &PathBuf) -> Result<MooncakeTarget> {
-    let log = project_root().join("target/mooncake/target.log");
+    let log = crate::util::target_dir().join("mooncake/target.log");
     let file = std::fs::File::create(&log).context("mooncake target log")?;
     let port = free_port()?;
     let child = Command::new(bin)
@@ -262,7 +262,7 @@ fn mooncake(bin: &PathBuf, target: &MooncakeTarget, op: &str, o: &Opts) -> Resul
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let o = parse(args)?;
     ensure_tool("iperf3", "iperf3")?;
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+    run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     let total = o.total.to_string();
     let batch_bytes = o.blocks * o.block;
     let (blocks, block, whole) = (

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_tool, json_num, median, project_root, run as run_loud, size};
+use crate::util::{cargo, ensure_tool, json_num, median, run as run_loud, size};
 
 fn output(cmd: &mut Command) -> Result<String> {
     let line = format!("{cmd:?}");
@@ -107,23 +107,19 @@ fn bench_bin() -> Result<PathBuf> {
         "--bin",
         "uring_bench",
     ]))?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| project_root().join("target"));
+    let target = crate::util::target_dir();
     let bin = target.join("release/uring_bench");
     if !bin.is_file() {
         bail!("{} not built", bin.display());
     }
-    run_loud(cargo().args(["build", "--release", "-q", "-p", "ferry-cli"]))?;
+    run_loud(cargo().args(["build", "--release", "-q", "-p", "ferry-engine-cli"]))?;
     Ok(bin)
 }
 
 /// `ferry bench --transport uring` on loopback: WRITE, 1 MiB ops, `total` bytes over `streams`
 /// streams, against a segment of `segment` bytes. Returns GB/s and the JSON line.
 fn ferry_net(streams: usize, total: u64, segment: &str) -> Result<(f64, String)> {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| project_root().join("target"));
+    let target = crate::util::target_dir();
     let out = output(Command::new(target.join("release/ferry")).args([
         "bench",
         "--transport",

@@ -1,6 +1,11 @@
 //! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
 //! `cargo xtask ci --step NAME` runs one step alone (`fmt`, `clippy`, `test`, `doctest`,
 //! `doc`, `soak`, `python`, `soft-roce`).
+//!
+//! `cargo xtask ci --repeat N` runs the whole test suite (`cargo test --workspace --all-targets
+//! --no-fail-fast`) N times in a row, whatever fails, and ends with each test that failed and
+//! in how many runs: the hunt for flaky tests. Set the `FERRY_REQUIRE_*` variables as `.ci/run`
+//! does, so no test skips its way to green.
 
 use crate::util::{self, cargo};
 use anyhow::{Result, bail};
@@ -52,6 +57,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             eprintln!("xtask ci: all steps passed");
             Ok(())
         }
+        [flag, n] if flag == "--repeat" => {
+            let n: u32 = n
+                .parse()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| anyhow::anyhow!("--repeat takes a positive count, not {n:?}"))?;
+            repeat(n)
+        }
         [flag, name] if flag == "--step" => match STEPS.iter().find(|(n, _)| n == name) {
             Some((name, f)) => step(name, *f),
             None => bail!(
@@ -59,7 +72,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 STEPS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
             ),
         },
-        _ => bail!("usage: cargo xtask ci [--step NAME]"),
+        _ => bail!("usage: cargo xtask ci [--step NAME | --repeat N]"),
     }
 }
 
@@ -73,4 +86,103 @@ fn step(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     r
+}
+
+/// The names of the tests a `cargo test` output says failed (`test NAME ... FAILED`), with the
+/// test binary they ran in where the output says (`Running ... (BINARY)`).
+fn failed_tests(output: &str) -> Vec<String> {
+    let mut binary = String::new();
+    let mut failed = Vec::new();
+    for line in output.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("Running ") {
+            // `Running unittests src/lib.rs (target/debug/deps/ferry_core-1a2b)`: the source,
+            // and the binary, which names the crate.
+            binary = match rest.split_once(" (") {
+                Some((what, bin)) => {
+                    let bin = bin.trim_end_matches(')');
+                    let bin = bin.rsplit('/').next().unwrap_or(bin);
+                    format!("{what} [{bin}]")
+                }
+                None => rest.to_owned(),
+            };
+        } else if let Some(name) = line
+            .strip_prefix("test ")
+            .and_then(|l| l.strip_suffix(" ... FAILED"))
+        {
+            failed.push(format!("{binary}: {name}"));
+        }
+    }
+    failed
+}
+
+/// `--repeat N`: the test suite N times; a summary of every failure.
+fn repeat(n: u32) -> Result<()> {
+    use std::collections::BTreeMap;
+    let mut failures: BTreeMap<String, u32> = BTreeMap::new();
+    let mut failed_runs = 0;
+    for run in 1..=n {
+        let t = std::time::Instant::now();
+        eprintln!("== xtask ci --repeat: run {run} of {n}");
+        let out = cargo()
+            .args(["test", "--workspace", "--all-targets", "--no-fail-fast"])
+            .env("RUST_BACKTRACE", "1")
+            .stderr(std::process::Stdio::inherit())
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        print!("{text}");
+        let failed = failed_tests(&text);
+        if !out.status.success() {
+            failed_runs += 1;
+            if failed.is_empty() {
+                *failures
+                    .entry("(a test binary failed to build or crashed; see the log)".to_owned())
+                    .or_default() += 1;
+            }
+        }
+        for f in failed {
+            *failures.entry(f).or_default() += 1;
+        }
+        eprintln!(
+            "== xtask ci --repeat: run {run} {} in {:.0}s",
+            if out.status.success() {
+                "passed"
+            } else {
+                "FAILED"
+            },
+            t.elapsed().as_secs_f64()
+        );
+    }
+    eprintln!(
+        "== xtask ci --repeat: {} of {n} runs passed",
+        n - failed_runs
+    );
+    for (name, count) in &failures {
+        eprintln!("   failed in {count} of {n} runs: {name}");
+    }
+    if failed_runs > 0 {
+        bail!("{failed_runs} of {n} runs of the test suite failed");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_tests_are_named_with_their_binary() {
+        let out = "     Running tests/in_process.rs (target/debug/deps/in_process-ca11)\n\
+                   test a ... ok\n\
+                   test relay::b ... FAILED\n\
+                   \n     Running unittests src/lib.rs (target/debug/deps/ferry-12)\n\
+                   test c ... FAILED\n";
+        assert_eq!(
+            failed_tests(out),
+            vec![
+                "tests/in_process.rs [in_process-ca11]: relay::b".to_owned(),
+                "unittests src/lib.rs [ferry-12]: c".to_owned()
+            ]
+        );
+    }
 }

@@ -41,7 +41,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 "test",
                 "--release",
                 "-p",
-                "ferry-core",
+                "ferry-engine-core",
                 "-p",
                 "ferry-net",
                 "-p",

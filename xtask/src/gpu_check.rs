@@ -25,7 +25,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ferry_bench_json_of, project_root};
+use crate::util::{cargo, ferry_bench_json_of};
 
 fn has_gpu() -> Result<(), String> {
     if let Some(p) = std::env::var_os("FERRY_LIBCUDA") {
@@ -73,7 +73,14 @@ fn facts_of(text: &str) -> Vec<(String, String)> {
 }
 
 /// The cargo command (after `cargo`) that builds and runs the real-driver GPU tests.
-const GPU_TESTS: [&str; 6] = ["test", "--release", "-p", "ferry", "--test", "gpu_real"];
+const GPU_TESTS: [&str; 6] = [
+    "test",
+    "--release",
+    "-p",
+    "ferry-engine",
+    "--test",
+    "gpu_real",
+];
 
 const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bundle DIR | \
                      gpu-check --prebuilt BUNDLE --out DIR [--allow-fake]";
@@ -81,8 +88,14 @@ const USAGE: &str = "usage: gpu-check --out DIR [--allow-fake] | gpu-check --bun
 /// Release builds of `ferry`, the real-driver GPU tests and this xtask, stripped, into `dir`
 /// with a `run.sh` that runs the check from them (for a machine without cargo).
 fn bundle(dir: &std::path::Path) -> Result<()> {
-    let root = project_root();
-    crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli", "-p", "xtask"]))?;
+    crate::util::run(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "ferry-engine-cli",
+        "-p",
+        "xtask",
+    ]))?;
     let built = crate::soft_roce::artifacts::cargo_json(&[&GPU_TESTS[..], &["--no-run"]].concat())?
         .map_err(|e| anyhow::anyhow!("building the GPU tests failed: {e}"))?;
     let tests = crate::soft_roce::artifacts::parse_artifacts(&built, true)
@@ -91,7 +104,7 @@ fn bundle(dir: &std::path::Path) -> Result<()> {
         .map(|a| a.executable)
         .context("cargo named no executable for the gpu_real tests")?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let release = root.join("target/release");
+    let release = crate::util::target_dir().join("release");
     for (from, name) in [
         (release.join("ferry"), "ferry"),
         (release.join("xtask"), "xtask"),
@@ -167,10 +180,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let (ferry, mut tests) = match &prebuilt {
         Some(dir) => (dir.join("ferry"), Command::new(dir.join("gpu_real"))),
         None => {
-            crate::util::run(cargo().args(["build", "--release", "-p", "ferry-cli"]))?;
+            crate::util::run(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
             let mut t = cargo();
             t.args(GPU_TESTS).arg("--");
-            (project_root().join("target/release/ferry"), t)
+            (crate::util::release_bin("ferry"), t)
         }
     };
     // The doctor's report is for the log; a row it marks missing (no RDMA here) is no failure.

@@ -11,6 +11,7 @@ mod bench_small;
 mod bench_uring;
 mod bindgen;
 mod ci;
+mod fresh_machine;
 mod fuzz;
 mod gpu_check;
 mod iperf3;
@@ -38,6 +39,11 @@ tasks:
                          a scattered KV-cache batch vs one op of its bytes, Mooncake's TCP batch
   bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
                          this tree's ferry bench against another build, alternating rounds
+  fresh-machine [--full] [--rebuild-base]
+                         a bare Debian 12 root (debootstrap): .ci/packages, then clippy, all tests
+                         and the etcd feature inside it; run before changing native dependencies
+                         or .ci/ (xtask/src/fresh_machine.rs)
+  wheel                  the Python package as an abi3 wheel (release, maturin) in <target>/wheels
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
   bench python [--total BYTES] [--repeat N]
@@ -75,6 +81,8 @@ fn main() -> Result<()> {
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "fuzz" => fuzz::run(&rest),
+        "wheel" => python::wheel(&rest),
+        "fresh-machine" => fresh_machine::run_task(&rest),
         "mutants" => mutants::run(&rest),
         "faults" => stress::faults(&rest),
         "soak" => stress::soak(&rest),

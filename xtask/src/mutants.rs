@@ -18,27 +18,35 @@ use crate::util::{cargo, have, project_root, run as run_loud};
 /// The code that checks input from outside: (its package, the file, the packages whose tests
 /// cover it).
 const SCOPE: &[(&str, &str, &[&str])] = &[
-    ("ferry-core", "crates/core/src/wire.rs", &["ferry-core"]),
     (
-        "ferry-core",
+        "ferry-engine-core",
+        "crates/core/src/wire.rs",
+        &["ferry-engine-core"],
+    ),
+    (
+        "ferry-engine-core",
         "crates/core/src/handshake.rs",
-        &["ferry-core"],
+        &["ferry-engine-core"],
     ),
-    ("ferry-core", "crates/core/src/auth.rs", &["ferry-core"]),
     (
-        "ferry-core",
+        "ferry-engine-core",
+        "crates/core/src/auth.rs",
+        &["ferry-engine-core"],
+    ),
+    (
+        "ferry-engine-core",
         "crates/core/src/stream/client.rs",
-        &["ferry-core"],
+        &["ferry-engine-core"],
     ),
     (
-        "ferry-core",
+        "ferry-engine-core",
         "crates/core/src/stream/server.rs",
-        &["ferry-core"],
+        &["ferry-engine-core"],
     ),
     (
-        "ferry-core",
+        "ferry-engine-core",
         "crates/core/src/transport.rs",
-        &["ferry-core"],
+        &["ferry-engine-core"],
     ),
     (
         "ferry-registry",
@@ -81,7 +89,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if scope.is_empty() {
         bail!("no file of the mutation scope matches {files:?}");
     }
-    let out = project_root().join("target/mutants");
+    let out = crate::util::target_dir().join("mutants");
     let mut cmd = cargo();
     cmd.arg("mutants")
         .arg("--output")

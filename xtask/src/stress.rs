@@ -25,7 +25,7 @@ pub(crate) fn faults(args: &[String]) -> Result<()> {
         [c] if c == "--check" => true,
         _ => bail!("usage: cargo xtask faults [--check]"),
     };
-    let table = project_root().join("target/faults-table.tsv");
+    let table = crate::util::target_dir().join("faults-table.tsv");
     let _ = std::fs::remove_file(&table);
     // The suite runs its cases one at a time anyway (it counts the whole process's threads).
     let status = cargo()
@@ -94,7 +94,7 @@ fn build_stress() -> Result<std::path::PathBuf> {
         "--bin",
         "stress",
     ]))?;
-    Ok(project_root().join("target/release/stress"))
+    Ok(crate::util::release_bin("stress"))
 }
 
 /// `cargo xtask bench load`.

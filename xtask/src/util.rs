@@ -14,6 +14,49 @@ pub(crate) fn project_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
+/// Cargo's target directory for this workspace, as cargo itself reports it (`cargo metadata`),
+/// so `CARGO_TARGET_DIR`, `build.target-dir` and the default `./target` all work. Asked once.
+pub(crate) fn target_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        target_dir_of(&mut cargo()).unwrap_or_else(|e| {
+            eprintln!("xtask: cargo metadata failed ({e:#}); assuming ./target");
+            project_root().join("target")
+        })
+    })
+    .clone()
+}
+
+/// What `cargo metadata` run as `cmd` (a `cargo()` with its environment) says the target
+/// directory is.
+fn target_dir_of(cmd: &mut Command) -> Result<PathBuf> {
+    let out = cmd
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .output()
+        .context("running cargo metadata")?;
+    if !out.status.success() {
+        bail!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    json_str(&text, "target_directory", 0)
+        .map(PathBuf::from)
+        .context("no target_directory in cargo metadata's output")
+}
+
+/// A binary of the release profile in [`target_dir`].
+pub(crate) fn release_bin(name: &str) -> PathBuf {
+    target_dir().join("release").join(name)
+}
+
 /// The cargo that runs us (so the pinned toolchain is used throughout).
 pub(crate) fn cargo() -> Command {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
@@ -37,6 +80,16 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
 pub(crate) fn have(prog: &str) -> bool {
     std::env::var_os("PATH")
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(prog).is_file()))
+}
+
+/// Whether this process runs as root (effective uid 0).
+pub(crate) fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find(|l| l.starts_with("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .is_some_and(|euid| euid == "0")
+    })
 }
 
 /// Installs `package` with apt-get (through sudo where present) unless `tool` is on PATH already.
@@ -69,7 +122,7 @@ pub(crate) fn ensure_tool(tool: &str, package: &str) -> Result<()> {
 /// and returns the number `key` of the JSON object it prints. Fails with its stdout and stderr
 /// when it exits non-zero, and with its stdout when `key` is not there.
 pub(crate) fn ferry_bench_json(args: &[&str], key: &str) -> Result<f64> {
-    ferry_bench_json_of(&project_root().join("target/release/ferry"), args, key)
+    ferry_bench_json_of(&release_bin("ferry"), args, key)
 }
 
 /// [`ferry_bench_json`] with the `ferry` binary at `bin` (another build, for A/B runs).
@@ -203,6 +256,42 @@ pub(crate) fn median(v: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_target_directory_is_cargos_with_or_without_cargo_target_dir() {
+        let mut plain = cargo();
+        plain.env_remove("CARGO_TARGET_DIR");
+        let default = target_dir_of(&mut plain).unwrap();
+        // `.cargo/config.toml` sets no target-dir, so the default is ./target.
+        assert_eq!(default, project_root().join("target"));
+        let elsewhere = std::env::temp_dir().join("ferry-xtask-target-dir-test");
+        let mut set = cargo();
+        set.env("CARGO_TARGET_DIR", &elsewhere);
+        assert_eq!(target_dir_of(&mut set).unwrap(), elsewhere);
+    }
+
+    #[test]
+    fn no_task_builds_a_path_into_target_by_hand() {
+        // Every output path comes from `target_dir()`; a path joined by hand under `target` would
+        // ignore CARGO_TARGET_DIR again (how `cargo xtask soak` lost its binary).
+        let needle = ["join(\"target", "/"].concat();
+        let mut stack = vec![project_root().join("xtask/src")];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    assert!(
+                        !text.contains(&needle),
+                        "{} builds a target path by hand",
+                        p.display()
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn sizes_json_and_medians() {

@@ -143,13 +143,54 @@ pub(crate) struct CtlState {
     pub(crate) tracker: Option<Arc<Tracker>>,
 }
 
-/// Serves the control protocol on `listener` until the task is dropped or aborted; its
+/// A member's running control service. Dropping it closes its listener before `drop` returns
+/// (so the address can be bound again at once, as a restarted source does) and ends its
+/// connections with its task.
+#[derive(Debug)]
+pub(crate) struct Service {
+    /// The listener, shared with the accept loop, which polls it under this lock only for the
+    /// moment of one `poll_accept`; `None` once dropped.
+    listener: Arc<Mutex<Option<TcpListener>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Service {
+    /// Serves the control protocol on `listener`. Must be called inside a tokio runtime.
+    pub(crate) fn start(listener: TcpListener, state: Arc<CtlState>) -> Self {
+        let listener = Arc::new(Mutex::new(Some(listener)));
+        let task = tokio::spawn(serve(listener.clone(), state));
+        Self { listener, task }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        // Closing the socket here, not when the runtime gets to drop the aborted task, is what
+        // frees the port before `drop` returns.
+        drop(lock(&self.listener).take());
+        self.task.abort();
+    }
+}
+
+/// Serves the control protocol until the listener is taken away or the task is aborted; its
 /// connections end with it (they live in its `JoinSet`), so a stopped member answers nothing.
-pub(crate) async fn serve(listener: TcpListener, state: Arc<CtlState>) {
+/// The lock of a poisoned mutex is still the data (nothing here is left half-updated).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+async fn serve(listener: Arc<Mutex<Option<TcpListener>>>, state: Arc<CtlState>) {
     let mut conns = tokio::task::JoinSet::new();
+    let accept = || {
+        std::future::poll_fn(|cx| match lock(&listener).as_ref() {
+            Some(l) => l.poll_accept(cx).map(Some),
+            None => std::task::Poll::Ready(None),
+        })
+    };
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
+            accepted = accept() => {
+                let Some(accepted) = accepted else { return };
                 let Ok((stream, from)) = accepted else { continue };
                 let state = state.clone();
                 conns.spawn(async move {

@@ -65,6 +65,11 @@ pub struct ReceiverOptions {
     /// are verified, for this long (a stalled relay).
     #[doc(hidden)]
     pub pause_after: Option<(u64, Duration)>,
+    /// Tests only: once every chunk is verified, keep serving what it holds, as it is, and
+    /// run the at-rest check only after this is notified (a corrupting relay stays corrupt
+    /// until the test has seen another receiver catch it).
+    #[doc(hidden)]
+    pub hold_final_check: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl Default for ReceiverOptions {
@@ -78,6 +83,7 @@ impl Default for ReceiverOptions {
             relay: true,
             corrupt_after_verify: None,
             pause_after: None,
+            hold_final_check: None,
         }
     }
 }
@@ -181,7 +187,8 @@ pub struct Receiver {
     opts: ReceiverOptions,
     progress_tx: watch::Sender<Progress>,
     snapshot_tx: watch::Sender<Snapshot>,
-    ctl_task: JoinHandle<()>,
+    /// Held for its drop: the control listener closes with the member.
+    _ctl: control::Service,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -195,7 +202,6 @@ impl std::fmt::Debug for Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        self.ctl_task.abort();
         self.engine.shutdown();
     }
 }
@@ -289,7 +295,7 @@ impl Receiver {
             progress,
             tracker: None,
         });
-        let ctl_task = tokio::spawn(control::serve(listener, state));
+        let ctl = control::Service::start(listener, state);
         let data_addr = engine
             .local_addr()
             .ok_or_else(|| BroadcastError::io("data listener", std::io::Error::other("none")))?;
@@ -332,7 +338,7 @@ impl Receiver {
             opts,
             progress_tx,
             snapshot_tx,
-            ctl_task,
+            _ctl: ctl,
         })
     }
 
@@ -574,8 +580,9 @@ impl Receiver {
         let mut paused_until: Option<Instant> = None;
         let mut final_check_done = false;
         let mut corrupted = false;
+        let mut hold = self.opts.hold_final_check.clone();
         loop {
-            if have.is_done() && set.is_empty() {
+            if have.is_done() && set.is_empty() && hold.is_none() {
                 if final_check_done {
                     break;
                 }
@@ -645,6 +652,9 @@ impl Receiver {
                 }
             }
             tokio::select! {
+                () = async { if let Some(h) = &hold { h.notified().await } }, if hold.is_some() && have.is_done() => {
+                    hold = None;
+                }
                 Some(joined) = set.join_next() => {
                     let Ok(f) = joined else { continue };
                     let c = self.manifest.chunks[f.chunk];

@@ -50,7 +50,8 @@ pub struct Source {
     member: Member,
     tracker: Arc<Tracker>,
     discovery: Option<Arc<dyn Discovery>>,
-    ctl_task: JoinHandle<()>,
+    /// Held for its drop: the control listener closes with the member.
+    _ctl: control::Service,
     keepalive: Option<JoinHandle<()>>,
 }
 
@@ -124,7 +125,7 @@ impl Source {
             progress,
             tracker: Some(tracker.clone()),
         });
-        let ctl_task = tokio::spawn(control::serve(listener, state));
+        let ctl = control::Service::start(listener, state);
         let mut keepalive = None;
         if let Some(d) = &discovery {
             d.register(&member).await?;
@@ -148,7 +149,7 @@ impl Source {
             member,
             tracker,
             discovery,
-            ctl_task,
+            _ctl: ctl,
             keepalive,
         })
     }
@@ -194,7 +195,6 @@ impl Source {
 
 impl Drop for Source {
     fn drop(&mut self) {
-        self.ctl_task.abort();
         if let Some(k) = &self.keepalive {
             k.abort();
         }

@@ -66,11 +66,14 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
     let src = source(&paths).await;
     let disc = Arc::new(Embedded::new(src.ctl_addr()));
     let mut rs = Vec::new();
+    let release = Arc::new(tokio::sync::Notify::new());
     for k in 0..3 {
         let mut o = opts();
         if k == 0 {
-            // The first relay corrupts chunk 2 after verifying it: the second must catch it.
+            // The first relay corrupts chunk 2 after verifying it, and keeps it corrupt until the
+            // others are done: the second, whose parent it is, must catch it.
             o.corrupt_after_verify = Some(2);
+            o.hold_final_check = Some(release.clone());
         }
         rs.push(Receiver::join(disc.clone(), Some("w"), o).await.unwrap());
     }
@@ -82,9 +85,16 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
             (r, s)
         }));
     }
-    let mut sums = Vec::new();
+    let first = tasks.remove(0);
+    let mut done = Vec::new();
     for t in tasks {
-        let (r, s) = t.await.unwrap();
+        done.push(t.await.unwrap());
+    }
+    // Only now may the first receiver find and mend its corrupted chunk at rest.
+    release.notify_one();
+    done.insert(0, first.await.unwrap());
+    let mut sums = Vec::new();
+    for (r, s) in done {
         let s = s.unwrap();
         for (i, w) in want.iter().enumerate() {
             assert!(r.segment_bytes(i).unwrap() == *w, "segment {i} differs");
@@ -121,12 +131,18 @@ async fn a_restarted_source_is_refused_with_a_clear_error() {
     let addr = src.ctl_addr();
     let disc = Arc::new(Embedded::new(addr));
     let mut o = opts();
-    // Fetch a few chunks, then pause long enough for the source to restart.
-    o.pause_after = Some((3, Duration::from_secs(2)));
+    // Fetch a few chunks, then fetch nothing more until the source has restarted (the pause
+    // outlasts the test: the restart ends the pull, not the pause).
+    o.pause_after = Some((3, Duration::from_secs(3600)));
     o.window = 1;
     let mut r = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
+    let mut progress = r.progress();
     let run = tokio::spawn(async move { r.run().await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    progress
+        .wait_for(|s| s.bytes >= 3 * (256 << 10))
+        .await
+        .unwrap();
+    // Once drop returns, the control listener is closed, so its address binds again at once.
     drop(src);
     // The same control address, a new engine and so a new epoch.
     let m = Manifest::build("w", 1, &paths, 256 << 10).unwrap();

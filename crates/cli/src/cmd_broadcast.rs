@@ -114,7 +114,7 @@ async fn etcd(url: &str, name: &str) -> Result<Arc<dyn Discovery>> {
 async fn etcd(url: &str, _name: &str) -> Result<Arc<dyn Discovery>> {
     bail!(
         "etcd discovery ({url}) needs a ferry built with the etcd feature: \
-         `cargo build --release -p ferry-cli --features etcd` (its client needs protoc, \
+         `cargo build --release -p ferry-engine-cli --features etcd` (its client needs protoc, \
          Debian's protobuf-compiler)"
     )
 }

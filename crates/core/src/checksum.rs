@@ -4,7 +4,7 @@
 //!
 //! One function family serves every side: the data plane's checksum request (a peer hashes a
 //! range of one of its segments, [`OpKind::Checksum`](crate::OpKind::Checksum)), and the
-//! broadcast manifest's per-chunk checksums. `cargo bench -p ferry-core --bench checksum`
+//! broadcast manifest's per-chunk checksums. `cargo bench -p ferry-engine-core --bench checksum`
 //! measures the rate; `docs/broadcast.md` quotes it against the link rate.
 
 use std::io;

@@ -125,20 +125,21 @@ pub(super) fn build_on_host() -> Result<Builds> {
             }
         }
     }
-    match cargo_json(&["build", "--release", "-p", "ferry-cli"])? {
+    match cargo_json(&["build", "--release", "-p", "ferry-engine-cli"])? {
         Ok(stdout) => {
             b.ferry = parse_artifacts(&stdout, false)
                 .into_iter()
                 .map(|a| a.executable)
                 .find(|p| p.file_name().is_some_and(|n| n == "ferry"));
             if b.ferry.is_none() {
-                b.notes.push("ferry-cli built no `ferry` binary".to_owned());
+                b.notes
+                    .push("ferry-engine-cli built no `ferry` binary".to_owned());
             }
         }
         Err(stderr) => {
             eprint!("{stderr}");
             b.broken
-                .push("building ferry-cli (release) failed".to_owned());
+                .push("building ferry-engine-cli (release) failed".to_owned());
         }
     }
     eprintln!("soft-roce: test binaries found:");

@@ -3,22 +3,12 @@
 //! host glibc the guest can run) and [`host_ready`] (`rdma_rxe` loadable, perftest and iproute2).
 
 use super::image::{cache_dir, image_is_current};
-use crate::util::have;
+use crate::util::{have, is_root};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// The guest's glibc (Debian bookworm): host-built binaries must not need a newer one.
 const GUEST_GLIBC: (u32, u32) = (2, 36);
-
-/// Whether this process runs as root (effective uid 0).
-pub(super) fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find(|l| l.starts_with("Uid:"))
-            .and_then(|l| l.split_whitespace().nth(2))
-            .is_some_and(|euid| euid == "0")
-    })
-}
 
 /// Whether commands needing root can run: as root, or through password-less sudo.
 fn root_prefix() -> Option<Vec<String>> {
