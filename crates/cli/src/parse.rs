@@ -117,6 +117,9 @@ pub(crate) fn duration(s: &str) -> Result<Duration> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        bail!("{t:?} is not a duration (e.g. 10s, 1.5s, 500ms)");
+    }
     let scale = match unit.trim() {
         "" | "s" => 1.0,
         "ms" => 1e-3,
