@@ -146,8 +146,8 @@ fn a_published_name_is_unique_per_engine() -> Result<()> {
     let _local = engine.register(mem()?, Access::LOCAL, "dup")?;
     let published = engine.describe().published;
     assert_eq!(published.iter().filter(|s| s.name == "dup").count(), 1);
-    // Once the first is gone, the name is free again.
-    first.retire()?;
+    // Once the first is gone (dropped, no request holding it), the name is free again.
+    drop(first);
     let _again = engine.register(mem()?, Access::REMOTE_READ, "dup")?;
     let _f_again = engine.register(mem()?, Access::REMOTE_READ, "f")?;
     Ok(())
