@@ -1,9 +1,11 @@
 //! The control service every member runs beside its Ferry listener: one JSON object per line
 //! over TCP, each request answered by one line.
 //!
-//! Requests: `manifest` (the source answers with the manifest and its epoch), `progress` (the
-//! member's verified prefix, answered once it passes `after` or after `wait_ms`: a long poll
-//! that lets a child follow its parent chunk by chunk), and, at a source running the embedded
+//! Requests: `manifest` (the source answers with the manifest of the version asked for, or of
+//! its newest, and its epoch), `progress` (the member's verified prefix of the version it
+//! holds, answered once it passes `after` or after `wait_ms`: a long poll that lets a child
+//! follow its parent chunk by chunk), `layout` (where a receiver holds each segment, so that
+//! a child can read its chunks from the receiver's own destinations), and, at a source running the embedded
 //! discovery, `join`, `heartbeat`, `members` and `leave` (the tracker, see
 //! [`discovery`](crate::discovery)). Every answer carries the answering member's source epoch.
 //! Lines are capped in length before they are parsed; a bad line is answered with an error
@@ -20,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::error::BroadcastError;
+use crate::layout::Extent;
 use crate::manifest::{MAX_MANIFEST_BYTES, Manifest};
 use crate::plan::{Member, Role};
 
@@ -32,12 +35,25 @@ const MAX_WAIT: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub(crate) enum Request {
-    Manifest,
-    Progress { after: u64, wait_ms: u64 },
-    Join { member: Member },
-    Heartbeat { member: Member },
+    Manifest {
+        #[serde(default)]
+        version: Option<u64>,
+    },
+    Progress {
+        after: u64,
+        wait_ms: u64,
+    },
+    Layout,
+    Join {
+        member: Member,
+    },
+    Heartbeat {
+        member: Member,
+    },
     Members,
-    Leave { id: String },
+    Leave {
+        id: String,
+    },
 }
 
 /// An answer.
@@ -52,6 +68,13 @@ pub(crate) enum Reply {
         source_epoch: u64,
         prefix: u64,
         done: bool,
+        #[serde(default)]
+        version: u64,
+    },
+    Layout {
+        source_epoch: u64,
+        version: u64,
+        segments: Vec<Vec<Extent>>,
     },
     Members {
         source_epoch: u64,
@@ -138,7 +161,12 @@ impl Tracker {
 #[derive(Debug)]
 pub(crate) struct CtlState {
     pub(crate) source_epoch: u64,
-    pub(crate) manifest: Option<Manifest>,
+    /// At a source: the versions it publishes, oldest first.
+    pub(crate) manifests: Mutex<Vec<Manifest>>,
+    /// The version this member's progress and layout are of.
+    pub(crate) version: u64,
+    /// At a receiver: where it holds each segment.
+    pub(crate) layout: Option<Vec<Vec<Extent>>>,
     pub(crate) progress: watch::Receiver<Progress>,
     pub(crate) tracker: Option<Arc<Tracker>>,
 }
@@ -235,13 +263,38 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
             .into(),
     };
     match req {
-        Request::Manifest => match &state.manifest {
-            Some(m) => Reply::Manifest {
+        Request::Manifest { version } => {
+            let ms = lock(&state.manifests);
+            let found = match version {
+                Some(v) => ms.iter().find(|m| m.version == v),
+                None => ms.last(),
+            };
+            match (found, ms.is_empty()) {
+                (Some(m), _) => Reply::Manifest {
+                    source_epoch,
+                    manifest: m.clone(),
+                },
+                (None, true) => Reply::Error {
+                    message: "only the source serves the manifest".into(),
+                },
+                (None, false) => Reply::Error {
+                    message: format!(
+                        "version {} of {:?} is not published here (versions kept: {:?})",
+                        version.unwrap_or_default(),
+                        ms[0].name,
+                        ms.iter().map(|m| m.version).collect::<Vec<_>>()
+                    ),
+                },
+            }
+        }
+        Request::Layout => match &state.layout {
+            Some(l) => Reply::Layout {
                 source_epoch,
-                manifest: m.clone(),
+                version: state.version,
+                segments: l.clone(),
             },
             None => Reply::Error {
-                message: "only the source serves the manifest".into(),
+                message: "this member holds every segment whole (a source)".into(),
             },
         },
         Request::Progress { after, wait_ms } => {
@@ -253,6 +306,7 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
                 source_epoch,
                 prefix: p.prefix,
                 done: p.done,
+                version: state.version,
             }
         }
         Request::Join { member } | Request::Heartbeat { member } => match &state.tracker {
@@ -408,6 +462,7 @@ mod tests {
             progress: 0,
             done: false,
             order: 99,
+            version: 1,
         }
     }
 
@@ -446,5 +501,10 @@ mod tests {
         let mut r = BufReader::new(&long[..]);
         assert!(read_line(&mut r, 100).await.is_err());
         assert!(serde_json::from_slice::<Request>(b"{\"op\":\"nope\"}").is_err());
+        // A request of the protocol before versions still parses.
+        assert!(matches!(
+            serde_json::from_slice::<Request>(b"{\"op\":\"manifest\"}"),
+            Ok(Request::Manifest { version: None })
+        ));
     }
 }
