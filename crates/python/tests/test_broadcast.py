@@ -1,0 +1,212 @@
+"""ferry.broadcast: NumPy tensors published from a trainer's memory and pulled into receivers'
+live arrays (in place, relayed, and staged until commit), versions side by side, a mismatch
+refused before any byte moves, weights from a .safetensors file written by PyPI's
+``safetensors``, and GPU destinations and sources against the fake CUDA driver."""
+
+import asyncio
+import threading
+
+import pytest
+
+import ferry
+from ferry.broadcast import (
+    BroadcastError,
+    Publisher,
+    TensorMismatch,
+    Torn,
+    TornError,
+    held,
+    pull,
+    pull_async,
+)
+
+
+def engine():
+    return ferry.Engine(listen="127.0.0.1:0", data_plane="tcp")
+
+
+def weights(np, seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": rng.standard_normal((300, 64)).astype(np.float32),
+        "norm": rng.standard_normal(64).astype(np.float16),
+        "head": rng.integers(0, 1 << 30, size=(40_000,), dtype=np.int64),
+    }
+
+
+def empty_like(np, ws):
+    return {k: np.zeros_like(v) for k, v in ws.items()}
+
+
+def test_error_classes_are_ferry_errors():
+    assert issubclass(BroadcastError, ferry.FerryError)
+    assert issubclass(TensorMismatch, BroadcastError) and issubclass(TensorMismatch, ValueError)
+    assert issubclass(TornError, BroadcastError)
+
+
+def test_numpy_in_place_relayed_then_the_next_version(np):
+    trainer = engine()
+    w1 = weights(np, 1)
+    with Publisher(trainer, w1, name="policy", version=1, chunk_size=16 << 10) as pub:
+        receivers = [engine() for _ in range(3)]
+        lives = [empty_like(np, w1) for _ in receivers]
+        out: dict = {}
+
+        def run(i):
+            try:
+                out[i] = pull(receivers[i], pub.addr, lives[i], name="policy", timeout=60)
+            except BaseException as e:  # reported below
+                out[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sums = [out[i] for i in range(3)]
+        for s in sums:
+            assert not isinstance(s, BaseException), s
+            assert s.version == 1 and s.refetched == 0
+            assert s.bytes == sum(v.nbytes for v in w1.values())
+            assert s.from_source + s.from_relays >= s.bytes
+        assert sum(s.from_relays for s in sums) > 0, "receivers relay to each other"
+        for live in lives:
+            for k in w1:
+                assert np.array_equal(live[k], w1[k]), k
+                assert held(live[k]) == 1
+
+        # Version 2 from other arrays: the publisher keeps version 1 meanwhile.
+        w2 = weights(np, 2)
+        pub.publish(w2, 2)
+        assert pub.versions == [1, 2]
+        s = pull(receivers[0], pub.addr, lives[0], name="policy", relay=False)
+        assert s.version == 2
+        for k in w2:
+            assert np.array_equal(lives[0][k], w2[k]), k
+            assert held(lives[0][k]) == 2
+        # Version 1 is still served to whoever asks for it by number.
+        old = empty_like(np, w1)
+        assert pull(receivers[1], pub.addr, old, version=1, relay=False).version == 1
+        assert all(np.array_equal(old[k], w1[k]) for k in w1)
+
+
+def test_mismatch_is_one_error_before_any_byte_moves(np):
+    trainer = engine()
+    w = weights(np, 3)
+    with Publisher(trainer, w, name="policy") as pub:
+        r = engine()
+        into = {
+            "embed": np.zeros_like(w["embed"]),
+            "head": np.zeros(10, np.int64),  # wrong size
+            "bias": np.zeros(8, np.float32),  # not published
+        }  # and "norm" is missing
+        with pytest.raises(TensorMismatch) as ei:
+            pull(r, pub.addr, into, name="policy")
+        e = ei.value
+        assert isinstance(e, ferry.FerryError)
+        assert e.name == "policy" and e.version == 1 and len(e.problems) == 3
+        msg = str(e)
+        assert "norm" in msg and "head" in msg and "bias" in msg
+        assert all(not v.any() for v in into.values()), "nothing moved"
+        assert held(into["embed"]) is None
+        # A subset with a rename is fine.
+        sub = {"lm_head": np.zeros_like(w["head"])}
+        s = pull(r, pub.addr, sub, rename={"head": "lm_head"}, subset=True, relay=False)
+        assert np.array_equal(sub["lm_head"], w["head"]) and s.version == 1
+
+
+def test_staged_pull_leaves_live_tensors_until_commit(np):
+    trainer = engine()
+    w1, w2 = weights(np, 4), weights(np, 5)
+    with Publisher(trainer, w1, name="policy", version=7) as pub:
+        r = engine()
+        live = empty_like(np, w1)
+        pull(r, pub.addr, live, relay=False)
+        pub.publish(w2, 8)
+        staging = empty_like(np, w2)
+        s = pull(r, pub.addr, live, mode="staged", staging=staging, relay=False)
+        assert s.version == 8
+        assert all(np.array_equal(live[k], w1[k]) for k in w1), "untouched before commit"
+        assert held(live["embed"]) == 7
+        took = s.commit()
+        assert took >= 0
+        assert all(np.array_equal(live[k], w2[k]) for k in w2)
+        assert held(live["embed"]) == 8
+        with pytest.raises(ValueError, match="staging"):
+            pull(r, pub.addr, live, mode="staged")
+        with pytest.raises(BroadcastError, match="staged"):
+            pull(r, pub.addr, live, relay=False).commit()
+
+
+def test_weights_from_a_safetensors_file(np, tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    path = tmp_path / "model.safetensors"
+    st.save_file(weights(np, 6), str(path))
+    loaded = st.load_file(str(path))
+    trainer = engine()
+    with Publisher(trainer, loaded, name="ckpt") as pub:
+        live = empty_like(np, loaded)
+        s = pull(engine(), pub.addr, live, relay=False)
+        assert s.version == 1
+        for k in loaded:
+            assert np.array_equal(live[k], loaded[k]), k
+
+
+def test_asyncio_pull_and_progress(np):
+    trainer = engine()
+    w = weights(np, 7)
+    seen = []
+    with Publisher(trainer, w, name="policy", chunk_size=4096) as pub:
+        live = empty_like(np, w)
+
+        async def main():
+            return await pull_async(
+                engine(), pub.addr, live, relay=False, progress=lambda b, t: seen.append((b, t))
+            )
+
+        s = asyncio.run(main())
+        assert s.version == 1
+        assert all(np.array_equal(live[k], w[k]) for k in w)
+        total = sum(v.nbytes for v in w.values())
+        assert seen and seen[-1] == (total, total)
+        assert all(b <= t for b, t in seen)
+
+
+def test_read_only_destinations_and_bad_modes_are_refused(np):
+    trainer = engine()
+    w = weights(np, 8)
+    with Publisher(trainer, w, name="policy") as pub:
+        live = empty_like(np, w)
+        live["norm"].flags.writeable = False
+        with pytest.raises(TypeError, match="read-only"):
+            pull(engine(), pub.addr, live)
+        with pytest.raises(ValueError, match="mode"):
+            pull(engine(), pub.addr, empty_like(np, w), mode="eventually")
+
+
+def test_torn_is_a_version(np):
+    assert Torn(3) == Torn(moving_to=3) and Torn(3) != 3
+
+
+def test_gpu_destinations_and_gpu_source(np, cuda_driver):
+    trainer = engine()
+    w = weights(np, 9)
+    with Publisher(trainer, w, name="policy") as pub:
+        r = engine()
+        gpu = {k: r.alloc_gpu(0, v.nbytes, access="read") for k, v in w.items()}
+        s = pull(r, pub.addr, gpu, relay=False)
+        assert s.version == 1
+        for k, v in w.items():
+            assert gpu[k].to_bytes() == v.tobytes(), k
+    # A source of GPU memory, pulled into host arrays.
+    g = engine()
+    src = {}
+    for k, v in w.items():
+        reg = g.alloc_gpu(0, v.nbytes, access="read")
+        reg.copy_from(v.tobytes())
+        src[k] = reg
+    with Publisher(g, src, name="gpu") as pub:
+        live = empty_like(np, w)
+        pull(engine(), pub.addr, live, relay=False)
+        for k in w:
+            assert np.array_equal(live[k], w[k]), k
