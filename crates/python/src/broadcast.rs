@@ -226,7 +226,7 @@ impl Puller {
     }
 
     /// Pulls every chunk (GIL released), calling `progress(bytes, total)` as bytes are
-    /// verified; then, with `linger` seconds, keeps relaying while later receivers are
+    /// verified (last with `bytes == total` on success); then, with `linger` seconds, keeps relaying while later receivers are
     /// unfinished. Returns the summary as a dict. `timeout` (seconds) bounds the pull.
     #[pyo3(signature = (timeout=None, progress=None, linger=0.0))]
     fn run<'py>(
@@ -241,8 +241,21 @@ impl Puller {
         let timeout = timeout.map(Duration::from_secs_f64);
         let mut watch = r.progress();
         let name = r.manifest().name.clone();
+        let report = |last: &mut (u64, u64), s: &ferry_broadcast::Snapshot| {
+            if let Some(p) = &progress
+                && *last != (s.bytes, s.total)
+            {
+                *last = (s.bytes, s.total);
+                Python::attach(|py| {
+                    if let Err(e) = p.call1(py, (s.bytes, s.total)) {
+                        e.write_unraisable(py, None);
+                    }
+                });
+            }
+        };
         let result = py.detach(|| {
             rt.block_on(async {
+                let mut last = (u64::MAX, u64::MAX);
                 let res = {
                     let run = r.run();
                     tokio::pin!(run);
@@ -259,17 +272,17 @@ impl Puller {
                             () = &mut deadline => break None,
                             Ok(()) = watch.changed(), if progress.is_some() => {
                                 let s = watch.borrow_and_update().clone();
-                                if let Some(p) = &progress {
-                                    Python::attach(|py| {
-                                        if let Err(e) = p.call1(py, (s.bytes, s.total)) {
-                                            e.write_unraisable(py, None);
-                                        }
-                                    });
-                                }
+                                report(&mut last, &s);
                             }
                         }
                     }
                 };
+                if matches!(res, Some(Ok(_))) {
+                    // The last snapshot (every byte) even when the pull ended before the
+                    // watch was polled again.
+                    let s = watch.borrow_and_update().clone();
+                    report(&mut last, &s);
+                }
                 if matches!(res, Some(Ok(_))) && linger > 0.0 {
                     r.linger(Duration::from_secs_f64(linger)).await;
                 }

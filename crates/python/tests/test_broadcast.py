@@ -210,3 +210,25 @@ def test_gpu_destinations_and_gpu_source(np, cuda_driver):
         pull(engine(), pub.addr, live, relay=False)
         for k in w:
             assert np.array_equal(live[k], w[k]), k
+
+
+def test_rl_weight_update_example(np):
+    """The example runs in CI: one trainer, three inference processes (two in place, one
+    staged), every tensor's hash checked each round, a table printed."""
+    pytest.importorskip("safetensors.numpy")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "python" / "rl_weight_update.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--rounds", "2", "--mb", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:4] == ["round", "version", "seconds", "GB/s"], out.stdout
+    assert [line.split()[:2] for line in lines[1:3]] == [["1", "2"], ["2", "3"]], out.stdout
+    assert "matched the trainer's" in lines[-1]
