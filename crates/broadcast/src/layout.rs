@@ -155,9 +155,9 @@ impl Slice {
         Ok(())
     }
 
-    /// Copies the whole of `src` (of the same length) into this slice: host to host directly
-    /// (one copy per byte), GPU to or from host by the driver, GPU to GPU through host pieces.
-    /// Returns the bytes the CPU copied.
+    /// Copies the whole of `src` (of the same length) into this slice: host to host through a
+    /// bounce buffer (two CPU copies per byte), GPU to or from host by the driver, GPU to GPU
+    /// through host pieces. Returns the bytes the CPU copied.
     pub(crate) fn copy_from(&self, src: &Slice) -> Result<u64, String> {
         if src.len != self.len {
             return Err(format!(
@@ -168,7 +168,8 @@ impl Slice {
         match (src.memory.host(), self.memory.host()) {
             (Some(s), Some(d)) => {
                 copy_region(s, src.offset, d, self.offset, self.len)?;
-                Ok(self.len)
+                // Out to a bounce buffer and in again: the regions offer no direct copy.
+                Ok(2 * self.len)
             }
             #[cfg(feature = "cuda")]
             (Some(s), None) => {

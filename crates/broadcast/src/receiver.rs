@@ -21,6 +21,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry::{
@@ -124,6 +125,8 @@ pub struct Summary {
     pub parents_given_up: u64,
     /// Ids of the members it fetched from, in order.
     pub holders: Vec<String>,
+    /// Bytes the CPU copied during the pull (see [`Receiver::bytes_copied`]).
+    pub bytes_copied: u64,
 }
 
 /// Where a pull stands, for progress displays.
@@ -210,6 +213,8 @@ pub struct Receiver {
     tensors: Vec<String>,
     /// Whether a READ into the destinations was started.
     touched: std::sync::atomic::AtomicBool,
+    /// Bytes the CPU copied: host memory copied out to be hashed, and commits.
+    copied: Arc<AtomicU64>,
     /// Whether [`run`](Self::run) verified every chunk.
     pulled: bool,
     member: Member,
@@ -576,6 +581,7 @@ impl Receiver {
             staged,
             tensors,
             touched: std::sync::atomic::AtomicBool::new(false),
+            copied: Arc::new(AtomicU64::new(0)),
             pulled: false,
             member,
             opts,
@@ -616,6 +622,14 @@ impl Receiver {
         self.manifest.version
     }
 
+    /// Bytes the CPU copied so far (counted, not timed): host memory copied out in pieces to
+    /// be hashed (each chunk when it lands and once more at rest) and, staged, the commit's
+    /// copies. Divided by the payload: the copies per byte received, besides the data plane's
+    /// own (the kernel's socket copy on TCP and io_uring).
+    pub fn bytes_copied(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
+    }
+
     /// The destination tensors, by their local names.
     pub fn tensors(&self) -> &[String] {
         &self.tensors
@@ -638,8 +652,10 @@ impl Receiver {
         }
         let mut bytes = 0;
         for (tensor, staging, live) in staged {
-            live.copy_from(staging)
+            let cpu = live
+                .copy_from(staging)
                 .map_err(|e| refuse(&format!("copying tensor {tensor:?}: {e}")))?;
+            self.copied.fetch_add(cpu, Ordering::Relaxed);
             bytes += live.len();
         }
         tracing::info!(name = %self.manifest.name, version = self.manifest.version, bytes, "staged version committed");
@@ -859,6 +875,7 @@ impl Receiver {
             covered += n;
         }
         let pieces = self.local_pieces(i);
+        let copied = self.copied.clone();
         let from = h.member.id.clone();
         let from_source = h.member.role == Role::Source;
         let submitted = if covered == c.len {
@@ -880,7 +897,7 @@ impl Receiver {
                     let outcome = handle.drained().await;
                     match outcome.failure {
                         Some(f) => Err(format!("READ failed: {}", f.kind)),
-                        None => Ok(crc_of(&pieces).is_ok_and(|crc| crc == c.crc32c)),
+                        None => Ok(crc_of(&pieces, &copied).is_ok_and(|crc| crc == c.crc32c)),
                     }
                 }
             };
@@ -975,7 +992,8 @@ impl Receiver {
                 }
                 final_check_done = true;
                 for (i, c) in self.manifest.chunks.iter().enumerate() {
-                    let ok = crc_of(&self.local_pieces(i)).is_ok_and(|crc| crc == c.crc32c);
+                    let ok = crc_of(&self.local_pieces(i), &self.copied)
+                        .is_ok_and(|crc| crc == c.crc32c);
                     if !ok {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
@@ -1211,6 +1229,7 @@ impl Receiver {
             }
         }
         sum.seconds = started.elapsed().as_secs_f64();
+        sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(&have, sum.refetched_chunks, members.len(), "");
         self.heartbeat(&have).await?;
@@ -1249,11 +1268,15 @@ impl Receiver {
     }
 }
 
-/// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order.
-fn crc_of(pieces: &[(Slice, u64, u64)]) -> Result<u32, String> {
+/// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
+/// memory the CPU copied out to hash them to `copied`.
+fn crc_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<u32, String> {
     let mut crc = 0;
     for (slice, at, n) in pieces {
         crc = slice.crc_append(crc, *at, *n)?;
+        if slice.is_host() {
+            copied.fetch_add(*n, Ordering::Relaxed);
+        }
     }
     Ok(crc)
 }

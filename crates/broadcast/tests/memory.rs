@@ -186,6 +186,9 @@ async fn tensors_from_memory_land_in_place_and_are_relayed() {
         let s = s.unwrap();
         assert_eq!(s.version, 1);
         assert_eq!(s.refetched_chunks, 0);
+        // Counted, not timed: each byte copied out once to be hashed as it lands and once
+        // more at rest; the READs themselves land in place.
+        assert_eq!(s.bytes_copied, 2 * s.bytes);
         relayed += s.bytes_from_relays;
     }
     assert!(relayed > 0, "later receivers fetch from earlier ones");
@@ -314,9 +317,12 @@ async fn staged_versions_commit_when_asked_and_a_failed_one_leaves_the_live_tens
     for (name, reg) in &l.regs {
         assert_eq!(&read(reg), &w1.bytes[name], "{name} is still version 1");
     }
+    let tensors: u64 = SIZES.iter().map(|s| s.1 as u64).sum();
+    assert_eq!(r.commit().unwrap(), tensors);
+    // Hashing (twice) plus the commit's copy through a bounce buffer (twice).
     assert_eq!(
-        r.commit().unwrap(),
-        SIZES.iter().map(|s| s.1 as u64).sum::<u64>()
+        r.bytes_copied(),
+        2 * r.manifest().total_bytes() + 2 * tensors
     );
     for (name, reg) in &l.regs {
         assert_eq!(&read(reg), &w2.bytes[name], "{name} is version 2");

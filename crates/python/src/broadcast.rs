@@ -314,6 +314,7 @@ impl Puller {
         d.set_item("from_relays", sum.bytes_from_relays)?;
         d.set_item("refetched", sum.refetched_chunks)?;
         d.set_item("parents_given_up", sum.parents_given_up)?;
+        d.set_item("bytes_copied", sum.bytes_copied)?;
         Ok(d)
     }
 
@@ -324,6 +325,12 @@ impl Puller {
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("this pull was closed"))?;
         py.detach(|| r.commit()).map_err(|e| to_py(py, e))
+    }
+
+    /// Bytes the CPU copied so far: hashing host memory, and commits (counted, not timed).
+    fn bytes_copied(&self) -> u64 {
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        g.as_ref().map_or(0, Receiver::bytes_copied)
     }
 
     /// Leaves the member list and stops serving.

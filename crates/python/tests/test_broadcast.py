@@ -69,6 +69,7 @@ def test_numpy_in_place_relayed_then_the_next_version(np):
             assert s.version == 1 and s.refetched == 0
             assert s.bytes == sum(v.nbytes for v in w1.values())
             assert s.from_source + s.from_relays >= s.bytes
+            assert s.copies_per_byte == 2.0  # hashed as it lands and once more at rest
         assert sum(s.from_relays for s in sums) > 0, "receivers relay to each other"
         for live in lives:
             for k in w1:
@@ -128,8 +129,10 @@ def test_staged_pull_leaves_live_tensors_until_commit(np):
         assert s.version == 8
         assert all(np.array_equal(live[k], w1[k]) for k in w1), "untouched before commit"
         assert held(live["embed"]) == 7
+        assert s.copies_per_byte == 2.0
         took = s.commit()
         assert took >= 0
+        assert s.copies_per_byte == 4.0  # and the commit, through a bounce buffer
         assert all(np.array_equal(live[k], w2[k]) for k in w2)
         assert held(live["embed"]) == 8
         with pytest.raises(ValueError, match="staging"):

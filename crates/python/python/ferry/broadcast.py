@@ -274,6 +274,7 @@ class PullSummary:
     from_relays: int
     refetched: int
     mode: str = "in_place"
+    bytes_copied: int = 0
     committed: bool = False
     _native: Any = field(default=None, repr=False)
     _placed: list = field(default_factory=list, repr=False)
@@ -283,6 +284,12 @@ class PullSummary:
     def gb_per_s(self) -> float:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
+    @property
+    def copies_per_byte(self) -> float:
+        """Bytes the CPU copied (hashing host memory as it lands and at rest, and a commit's
+        copies) per byte received: counted, not timed."""
+        return self.bytes_copied / max(self.bytes, 1)
+
     def commit(self) -> float:
         if self.mode != "staged":
             raise BroadcastError("commit() is for staged pulls; this one was in place")
@@ -291,6 +298,7 @@ class PullSummary:
         t = time.perf_counter()
         self._native.commit()
         took = time.perf_counter() - t
+        self.bytes_copied = self._native.bytes_copied()
         self.committed = True
         _mark(self._live, self.version)
         self._release()
@@ -379,6 +387,7 @@ def pull(
         from_relays=s["from_relays"],
         refetched=s["refetched"],
         mode=mode,
+        bytes_copied=s["bytes_copied"],
         _native=native,
         _placed=placed,
         _live=live,
