@@ -453,3 +453,73 @@ async fn a_receiver_of_the_next_version_never_takes_chunks_from_one_still_pullin
         assert_eq!(&read(reg), &w1.bytes[name], "{name} at version 1");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_of_a_published_safetensors_file_land_in_place() {
+    // A .safetensors file: the header travels into scratch memory, each tensor in place.
+    let a = payload(10_000, 7);
+    let b = payload(5_000, 8);
+    let header = r#"{"a":{"dtype":"U8","shape":[10000],"data_offsets":[0,10000]},"b":{"dtype":"U8","shape":[5000],"data_offsets":[10000,15000]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header.as_bytes());
+    file.extend_from_slice(&a);
+    file.extend_from_slice(&b);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    std::fs::write(&path, &file).unwrap();
+    let m = ferry_broadcast::Manifest::build("st", 1, std::slice::from_ref(&path), CHUNK).unwrap();
+    let src = Source::start(
+        m,
+        &[path],
+        SourceOptions {
+            data_plane: DataPlane::Tcp,
+            ..Default::default()
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let disc = Arc::new(Embedded::new(src.ctl_addr()));
+    let mut rs = Vec::new();
+    let mut lives = Vec::new();
+    let mut engines = Vec::new();
+    for k in 0..2 {
+        let e = engine();
+        let l = live(&e, &format!("st{k}"), &[("a", 10_000), ("b", 5_000)]);
+        let dests = Destinations {
+            into: l.dests.clone(),
+            ..Default::default()
+        };
+        rs.push(
+            Receiver::join_into(&e, disc.clone(), Some("st"), dests, opts())
+                .await
+                .unwrap(),
+        );
+        lives.push(l);
+        engines.push(e);
+    }
+    let mut tasks = Vec::new();
+    for mut r in rs {
+        tasks.push(tokio::spawn(async move {
+            let s = r.run().await;
+            r.linger(Duration::from_secs(10)).await;
+            (s, r)
+        }));
+    }
+    let mut relayed = 0;
+    for t in tasks {
+        let (s, r) = t.await.unwrap();
+        let s = s.unwrap();
+        relayed += s.bytes_from_relays;
+        // The whole file is held (header in scratch), as the source publishes it.
+        assert_eq!(r.segment_bytes(0).unwrap(), file);
+    }
+    assert!(
+        relayed > 0,
+        "the second receiver reads the first one's destinations"
+    );
+    for l in &lives {
+        assert_eq!(read(&l.regs["a"]), a);
+        assert_eq!(read(&l.regs["b"]), b);
+    }
+}
