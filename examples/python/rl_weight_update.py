@@ -9,8 +9,10 @@ the next version with ``ferry.broadcast.Publisher.publish``; the three inference
 it at the same time, relaying to one another: two straight into the arrays they serve from
 (``mode="in_place"``), one into a staging copy it then commits (``mode="staged"``). Every
 inference process hashes every tensor and the parent checks the hashes against the trainer's.
-It prints one row per round: version, seconds until the slowest receiver held the version,
-payload GB/s, and the staged receiver's commit time.
+It prints one row per round: version; seconds from the slowest receiver's first fetch to its
+last verified chunk, and the payload GB/s over that; the staged receiver's commit time; the
+share of received bytes that came from relays; and the longest ``pull()`` call (joining, and
+lingering to serve receivers behind it, included).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def inference(path: str, mode: str) -> None:
                 {
                     "version": s.version,
                     "held": sorted(versions),
-                    "seconds": pulled,
+                    "seconds": s.seconds,
+                    "wall": pulled,
                     "commit": commit,
                     "bytes": s.bytes,
                     "from_relays": s.from_relays,
@@ -135,7 +138,10 @@ def main() -> None:
             for w in workers:
                 recv(w)
             payload = 0
-            print(f"{'round':>5} {'version':>7} {'seconds':>8} {'GB/s':>6} {'commit s':>9} {'relayed':>8}")
+            print(
+                f"{'round':>5} {'version':>7} {'seconds':>8} {'GB/s':>6} {'commit s':>9} "
+                f"{'relayed':>8} {'wall s':>7}"
+            )
             for rnd in range(1, args.rounds + 1):
                 version = rnd + 1
                 send(t, {"op": "publish", "version": version})
@@ -144,6 +150,7 @@ def main() -> None:
                     send(w, {"op": "pull", "addr": addr, "version": version})
                 got = [recv(w) for w in workers]
                 seconds = max(g["seconds"] for g in got)
+                wall = max(g["wall"] for g in got)
                 for mode, g in zip(modes, got):
                     assert g["version"] == version and g["held"] == [version], (mode, g)
                     bad = [k for k in want if g["hashes"].get(k) != want[k]]
@@ -153,7 +160,7 @@ def main() -> None:
                 commit = got[2]["commit"]
                 print(
                     f"{rnd:>5} {version:>7} {seconds:>8.3f} {payload / seconds / 1e9:>6.2f} "
-                    f"{commit:>9.4f} {relayed:>8.0%}",
+                    f"{commit:>9.4f} {relayed:>8.0%} {wall:>7.3f}",
                     flush=True,
                 )
             print(f"every tensor of every round matched the trainer's ({payload / 1e6:.1f} MB, 3 receivers)")

@@ -307,6 +307,9 @@ async fn manifest_from_source(
     Ok((manifest, source_epoch, source_ip, ctl.local_addr().ip()))
 }
 
+/// How often [`Receiver::linger`] rereads the member list at most.
+const LINGER_CHECK: Duration = Duration::from_millis(100);
+
 /// Registration names of scratch buffers are unique within the process.
 static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -1239,7 +1242,8 @@ impl Receiver {
     }
 
     /// Keeps serving (and heartbeating) after [`run`](Self::run) while a member that joined
-    /// after this one has not finished, at most `max`.
+    /// after this one has not finished, at most `max`; the list is read again every
+    /// 100 ms (or every heartbeat, if shorter).
     pub async fn linger(&mut self, max: Duration) {
         let deadline = Instant::now() + max;
         while Instant::now() < deadline {
@@ -1257,7 +1261,8 @@ impl Receiver {
                 break;
             }
             let _ = self.discovery.update(&self.member).await;
-            tokio::time::sleep(self.opts.heartbeat).await;
+            // Checked more often than the heartbeat: the caller waits on this to return.
+            tokio::time::sleep(self.opts.heartbeat.min(LINGER_CHECK)).await;
         }
     }
 

@@ -235,3 +235,30 @@ def test_rl_weight_update_example(np):
     assert lines[0].split()[:4] == ["round", "version", "seconds", "GB/s"], out.stdout
     assert [line.split()[:2] for line in lines[1:3]] == [["1", "2"], ["2", "3"]], out.stdout
     assert "matched the trainer's" in lines[-1]
+
+
+def test_gpu_destinations_relay_to_each_other(np, cuda_driver):
+    trainer = engine()
+    w = weights(np, 10)
+    with Publisher(trainer, w, name="policy", chunk_size=16 << 10) as pub:
+        rs = [engine() for _ in range(2)]
+        gpus = [{k: r.alloc_gpu(0, v.nbytes, access="read") for k, v in w.items()} for r in rs]
+        out: dict = {}
+
+        def run(i):
+            try:
+                out[i] = pull(rs[i], pub.addr, gpus[i], timeout=60)
+            except BaseException as e:  # reported below
+                out[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in range(2):
+            assert not isinstance(out[i], BaseException), out[i]
+            for k, v in w.items():
+                assert gpus[i][k].to_bytes() == v.tobytes(), (i, k)
+        assert out[0].from_relays + out[1].from_relays > 0, "one read the other's GPU memory"
+        assert out[0].copies_per_byte == 0.0, "GPU memory is hashed from driver copies"
