@@ -95,6 +95,16 @@ pub enum BroadcastError {
         #[source]
         cause: Box<BroadcastError>,
     },
+    /// A pull did not complete in the time its caller gave it.
+    #[error("pull of {name:?} version {version} did not complete within {seconds:.1} s")]
+    TimedOut {
+        /// The broadcast.
+        name: String,
+        /// The version.
+        version: u64,
+        /// The time given.
+        seconds: f64,
+    },
     /// A staged version could not be committed.
     #[error("{name:?}: cannot commit version {version}: {reason}")]
     Commit {

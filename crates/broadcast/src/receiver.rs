@@ -447,7 +447,7 @@ impl Receiver {
         let (gap_total, gaps) = layout::gaps(&manifest, &taken);
         let mut own = Vec::new();
         let scratch = if gap_total > 0 {
-            let k = SCRATCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
             let reg_name = format!("{}.v{}.scratch.{k}", manifest.name, manifest.version);
             let reg = alloc(engine, gap_total, &reg_name)?;
             let whole = Slice::whole(&reg, &reg_name);
@@ -882,8 +882,7 @@ impl Receiver {
         let from = h.member.id.clone();
         let from_source = h.member.role == Role::Source;
         let submitted = if covered == c.len {
-            self.touched
-                .store(true, std::sync::atomic::Ordering::Relaxed);
+            self.touched.store(true, Ordering::Relaxed);
             self.engine.submit(batch).map_err(|e| e.to_string())
         } else {
             Err(format!(
@@ -943,21 +942,29 @@ impl Receiver {
                 self.pulled = true;
                 Ok(sum)
             }
-            Err(e)
-                if self.staged.is_none()
-                    && !self.tensors.is_empty()
-                    && self.touched.load(std::sync::atomic::Ordering::Relaxed) =>
-            {
-                tracing::warn!(name = %self.manifest.name, version = self.manifest.version,
-                    tensors = self.tensors.len(), error = %e, "pull in place failed: destinations torn");
-                Err(BroadcastError::Torn {
-                    name: self.manifest.name.clone(),
-                    version: self.manifest.version,
-                    tensors: self.tensors.clone(),
-                    cause: Box::new(e),
-                })
-            }
-            Err(e) => Err(e),
+            Err(e) => Err(self.failed(e)),
+        }
+    }
+
+    /// Why a pull stopped, as the caller should see it: `cause` itself, or, when the pull was
+    /// in place into the caller's destinations and a READ into them had started,
+    /// [`BroadcastError::Torn`] with `cause`. For a caller that abandons [`run`](Self::run)
+    /// (a timeout) as much as for `run`'s own errors.
+    pub fn failed(&self, cause: BroadcastError) -> BroadcastError {
+        if self.staged.is_some()
+            || self.tensors.is_empty()
+            || !self.touched.load(Ordering::Relaxed)
+            || matches!(cause, BroadcastError::Torn { .. })
+        {
+            return cause;
+        }
+        tracing::warn!(name = %self.manifest.name, version = self.manifest.version,
+            tensors = self.tensors.len(), error = %cause, "pull in place failed: destinations torn");
+        BroadcastError::Torn {
+            name: self.manifest.name.clone(),
+            version: self.manifest.version,
+            tensors: self.tensors.clone(),
+            cause: Box::new(cause),
         }
     }
 
@@ -1333,6 +1340,12 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
             ));
         }
     }
+    let mut published = std::collections::HashSet::new();
+    for e in &m.entries {
+        if !published.insert(e.name.as_str()) {
+            problems.push(format!("tensor {:?} is published twice", e.name));
+        }
+    }
     let mut matched = Vec::new();
     let mut used = vec![false; d.into.len()];
     let mut extra = Vec::new();
@@ -1376,5 +1389,97 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
             version: m.version,
             problems,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::{Chunk, Entry, Segment};
+
+    fn manifest(entries: &[(&str, u64, u64)]) -> Manifest {
+        Manifest {
+            name: "w".into(),
+            version: 3,
+            chunk_size: 4096,
+            segments: vec![Segment {
+                name: "s".into(),
+                len: 4096,
+            }],
+            entries: entries
+                .iter()
+                .map(|&(name, offset, len)| Entry {
+                    name: name.into(),
+                    len,
+                    dtype: None,
+                    shape: None,
+                    segment: 0,
+                    offset,
+                })
+                .collect(),
+            chunks: vec![Chunk {
+                segment: 0,
+                offset: 0,
+                len: 4096,
+                crc32c: 0,
+            }],
+        }
+    }
+
+    #[test]
+    fn every_mismatch_is_listed_once_and_a_name_published_twice_is_refused() {
+        let engine = TransferEngine::builder()
+            .data_plane(DataPlane::Tcp)
+            .build()
+            .unwrap();
+        let reg = engine
+            .register(MemoryRegion::from_vec(vec![0; 4096]), Access::LOCAL, "d")
+            .unwrap();
+        let at = |off, len| Slice::new(&reg, "d", off, len).unwrap();
+        let m = manifest(&[("a", 0, 100), ("b", 100, 100), ("c", 200, 100)]);
+        let d = Destinations {
+            into: vec![
+                ("a".into(), at(0, 100)),
+                ("b".into(), at(100, 50)),
+                ("z".into(), at(200, 8)),
+            ],
+            ..Default::default()
+        };
+        let Err(BroadcastError::Mismatch {
+            problems, version, ..
+        }) = match_tensors(&m, &d)
+        else {
+            panic!("expected a mismatch");
+        };
+        assert_eq!(version, 3);
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("\"b\"") && p.contains("50"))
+        );
+        assert!(problems.iter().any(|p| p.contains("\"c\"")));
+        assert!(problems.iter().any(|p| p.contains("\"z\"")));
+        // A hostile manifest naming one tensor twice is refused, not written twice.
+        let m = manifest(&[("a", 0, 100), ("a", 100, 100)]);
+        let d = Destinations {
+            into: vec![("a".into(), at(0, 100))],
+            ..Default::default()
+        };
+        assert!(matches!(
+            match_tensors(&m, &d),
+            Err(BroadcastError::Mismatch { problems, .. }) if problems[0].contains("twice")
+        ));
+        // Staging must match `into` name for name and size.
+        let m = manifest(&[("a", 0, 100)]);
+        let d = Destinations {
+            into: vec![("a".into(), at(0, 100))],
+            staging: Some(vec![("a".into(), at(100, 99))]),
+            ..Default::default()
+        };
+        assert!(matches!(
+            match_tensors(&m, &d),
+            Err(BroadcastError::Mismatch { problems, .. }) if problems[0].contains("staging")
+        ));
     }
 }

@@ -33,6 +33,7 @@ fn to_py(py: Python<'_>, e: BroadcastError) -> PyErr {
             BroadcastError::Mismatch { name, version, .. } => ("TensorMismatch", name, *version),
             BroadcastError::Torn { name, version, .. } => ("TornError", name, *version),
             BroadcastError::Commit { name, version, .. } => ("BroadcastError", name, *version),
+            BroadcastError::TimedOut { name, version, .. } => ("PullTimeout", name, *version),
             _ => ("BroadcastError", &String::new(), 0),
         };
         let exc = m.getattr(class)?.call1((e.to_string(),))?;
@@ -290,21 +291,15 @@ impl Puller {
             })
         });
         let (res, r) = result;
+        let res = res.unwrap_or_else(|| {
+            Err(r.failed(BroadcastError::TimedOut {
+                name,
+                version: r.version(),
+                seconds: timeout.unwrap_or_default().as_secs_f64(),
+            }))
+        });
         self.put(r);
-        let sum = match res {
-            None => {
-                return Err(crate::errors::err(
-                    py,
-                    crate::errors::Kind::Timeout,
-                    format!(
-                        "pull of {name:?} did not complete within {:?}",
-                        timeout.unwrap_or_default()
-                    ),
-                ));
-            }
-            Some(Err(e)) => return Err(to_py(py, e)),
-            Some(Ok(s)) => s,
-        };
+        let sum = res.map_err(|e| to_py(py, e))?;
         let d = PyDict::new(py);
         d.set_item("name", &sum.name)?;
         d.set_item("version", sum.version)?;

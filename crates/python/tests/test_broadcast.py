@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import ferry
+import ferry.broadcast
 from ferry.broadcast import (
     BroadcastError,
     Publisher,
@@ -262,3 +263,17 @@ def test_gpu_destinations_relay_to_each_other(np, cuda_driver):
                 assert gpus[i][k].to_bytes() == v.tobytes(), (i, k)
         assert out[0].from_relays + out[1].from_relays > 0, "one read the other's GPU memory"
         assert out[0].copies_per_byte == 0.0, "GPU memory is hashed from driver copies"
+
+
+def test_a_timeout_is_torn_exactly_when_bytes_were_written(np):
+    trainer = engine()
+    w = weights(np, 11)
+    with Publisher(trainer, w, name="policy", chunk_size=4096) as pub:
+        live = empty_like(np, w)
+        with pytest.raises((ferry.broadcast.PullTimeout, TornError)) as ei:
+            pull(engine(), pub.addr, live, relay=False, timeout=1e-6)
+        if isinstance(ei.value, TornError):
+            assert held(live["embed"]) == Torn(1) and ei.value.version == 1
+            assert sorted(ei.value.tensors) == sorted(w)
+        else:
+            assert isinstance(ei.value, TimeoutError) and held(live["embed"]) is None

@@ -23,7 +23,7 @@ Tensors are NumPy arrays (or any buffer-protocol object), objects with
 ``__cuda_array_interface__`` (GPU memory), ``Registration``/``GpuRegistration`` objects, or
 ``(registration, offset, length)`` tuples. Names and sizes are matched before any byte moves;
 a mismatch is one ``TensorMismatch`` that lists every problem. An in-place pull that fails
-after its first byte raises ``TornError`` naming the tensors and the version they were moving
+(or times out) after its first byte raises ``TornError`` naming the tensors and the version they were moving
 to; ``held(array)`` says what an array holds. A staged pull leaves the live tensors untouched
 until ``commit()``.
 
@@ -54,6 +54,7 @@ __all__ = [
     "BroadcastError",
     "Publisher",
     "PullSummary",
+    "PullTimeout",
     "TensorMismatch",
     "Torn",
     "TornError",
@@ -75,6 +76,11 @@ class TensorMismatch(BroadcastError, ValueError):
     tensors, all listed in ``problems``); nothing moved."""
 
     problems: list[str] = []
+
+
+class PullTimeout(BroadcastError, TimeoutError):
+    """A pull did not complete within its ``timeout`` (nothing was written, or the pull was
+    staged: an in-place pull cut short after its first byte is a ``TornError``)."""
 
 
 class TornError(BroadcastError):
