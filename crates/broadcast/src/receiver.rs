@@ -427,8 +427,9 @@ impl Receiver {
         let mut taken: Vec<Vec<(u64, Slice)>> = vec![Vec::new(); manifest.segments.len()];
         for &(e, d) in &matched {
             let entry = &manifest.entries[e];
-            if entry.len > 0 {
-                taken[entry.segment as usize].push((entry.offset, target[d].clone()));
+            let shard = dests.shards.get(&dests.into[d].0).copied().unwrap_or(0);
+            if target[d].len() > 0 {
+                taken[entry.segment as usize].push((entry.offset + shard, target[d].clone()));
             }
         }
         for (si, t) in taken.iter_mut().enumerate() {
@@ -1306,6 +1307,10 @@ pub struct Destinations {
     /// Whether published tensors `into` does not name are left out (their bytes still travel,
     /// into scratch memory, verified and relayed) rather than refused.
     pub subset: bool,
+    /// Shards: a destination named here takes only its own length of the published tensor,
+    /// from this byte offset in it (a tensor-parallel rank's rows of a row-major tensor). The
+    /// rest of the tensor travels into scratch memory, verified and relayed.
+    pub shards: HashMap<String, u64>,
 }
 
 /// Matches the manifest's entries with `d` by name and size: `(entry, index in into)` for each
@@ -1355,13 +1360,18 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
             Some(&i) => {
                 used[i] = true;
                 let have = d.into[i].1.len();
-                if have != entry.len {
-                    problems.push(format!(
+                match d.shards.get(local) {
+                    None if have != entry.len => problems.push(format!(
                         "tensor {local:?}: published with {} bytes, destination has {have}",
                         entry.len
-                    ));
-                } else {
-                    matched.push((e, i));
+                    )),
+                    Some(&at) if at.checked_add(have).is_none_or(|end| end > entry.len) => problems
+                        .push(format!(
+                            "tensor {local:?}: a shard of {have} bytes at {at} does not fit the \
+                             {} bytes published",
+                            entry.len
+                        )),
+                    _ => matched.push((e, i)),
                 }
             }
             None if d.subset => {}

@@ -236,11 +236,28 @@ async fn missing_extra_and_resized_tensors_are_one_error_before_any_byte_moves()
         subset: true,
         ..Default::default()
     };
-    let mut r = Receiver::join_into(&e, disc, Some("w"), dests, opts())
+    let mut r = Receiver::join_into(&e, disc.clone(), Some("w"), dests, opts())
         .await
         .unwrap();
     r.run().await.unwrap();
     assert_eq!(read(&l.regs["embed"]), w.bytes["embed"]);
+    // A shard: bytes 5000..12000 of "embed" only; a shard past the tensor's end is refused.
+    let l = live(&e, "t", &[("embed", 7_000)]);
+    let shard = |at| Destinations {
+        into: l.dests.clone(),
+        subset: true,
+        shards: HashMap::from([("embed".to_string(), at)]),
+        ..Default::default()
+    };
+    let err = Receiver::join_into(&e, disc.clone(), Some("w"), shard(15_000), opts())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("does not fit"), "{err}");
+    let mut r = Receiver::join_into(&e, disc, Some("w"), shard(5_000), opts())
+        .await
+        .unwrap();
+    r.run().await.unwrap();
+    assert_eq!(read(&l.regs["embed"]), w.bytes["embed"][5_000..12_000]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

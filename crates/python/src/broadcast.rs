@@ -355,7 +355,7 @@ fn dests(list: Vec<PyDest<'_>>) -> PyResult<Vec<(String, Slice)>> {
 /// Joins the broadcast whose publisher's control service is at `source` to pull it into
 /// `into` (and `staging`), on `engine`.
 #[pyfunction]
-#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay))]
+#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards))]
 #[allow(clippy::too_many_arguments)]
 fn _join(
     py: Python<'_>,
@@ -368,12 +368,14 @@ fn _join(
     rename: HashMap<String, String>,
     subset: bool,
     relay: bool,
+    shards: HashMap<String, u64>,
 ) -> PyResult<Puller> {
     let d = Destinations {
         into: dests(into)?,
         staging: staging.map(dests).transpose()?,
         rename,
         subset,
+        shards,
     };
     let opts = ReceiverOptions {
         relay,

@@ -115,6 +115,11 @@ def test_mismatch_is_one_error_before_any_byte_moves(np):
         sub = {"lm_head": np.zeros_like(w["head"])}
         s = pull(r, pub.addr, sub, rename={"head": "lm_head"}, subset=True, relay=False)
         assert np.array_equal(sub["lm_head"], w["head"]) and s.version == 1
+        # Tensor-parallel rank 1 of 2: the second half of the rows of "embed".
+        rows = w["embed"].shape[0] // 2
+        shard = {"embed": np.zeros((rows, 64), np.float32)}
+        pull(r, pub.addr, shard, subset=True, shards={"embed": rows * 64 * 4}, relay=False)
+        assert np.array_equal(shard["embed"], w["embed"][rows:])
 
 
 def test_staged_pull_leaves_live_tensors_until_commit(np):

@@ -482,4 +482,5 @@ def _join(
     rename: dict[str, str],
     subset: bool,
     relay: bool,
+    shards: dict[str, int],
 ) -> _Puller: ...

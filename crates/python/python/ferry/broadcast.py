@@ -333,6 +333,7 @@ def pull(
     progress: Callable[[int, int], None] | None = None,
     rename: Mapping[str, str] | None = None,
     subset: bool = False,
+    shards: Mapping[str, int] | None = None,
     linger: float = 30.0,
 ) -> PullSummary:
     """Pulls version ``version`` (None: the newest) of the broadcast at ``source`` (a
@@ -340,7 +341,9 @@ def pull(
     which must listen to relay). ``mode="in_place"`` writes the live tensors;
     ``mode="staged"`` writes ``staging`` (same names and sizes) and ``commit()`` on the summary
     copies it into ``into``. ``rename`` maps published names to the names in ``into``;
-    ``subset`` allows leaving published tensors out. With ``relay`` the pull keeps serving
+    ``subset`` allows leaving published tensors out. ``shards`` maps a name in ``into`` to a byte
+    offset in the published tensor: that destination takes only its own length from there (a
+    tensor-parallel rank's rows). With ``relay`` the pull keeps serving
     later receivers for up to ``linger`` seconds after it completes. ``progress(bytes, total)``
     is called as chunks are verified. Blocks with the GIL released."""
     if source.startswith("etcd://"):
@@ -366,6 +369,7 @@ def pull(
             dict(rename or {}),
             subset,
             relay,
+            {k: int(v) for k, v in (shards or {}).items()},
         )
     except BaseException:
         for p in placed:
