@@ -428,7 +428,7 @@ impl Receiver {
         for &(e, d) in &matched {
             let entry = &manifest.entries[e];
             let shard = dests.shards.get(&dests.into[d].0).copied().unwrap_or(0);
-            if target[d].len() > 0 {
+            if !target[d].is_empty() {
                 taken[entry.segment as usize].push((entry.offset + shard, target[d].clone()));
             }
         }
