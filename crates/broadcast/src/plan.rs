@@ -56,7 +56,8 @@ pub struct Member {
 
 /// The members `me` may fetch `version` from, in the order to try them: the receivers of that
 /// version that joined before it (nearest first), then the source; never `me`, nor anyone in
-/// `avoid`, nor a member of another source epoch, nor a receiver of another version. A member
+/// `avoid`, nor a member of another source epoch, nor a receiver of another version, nor one
+/// that serves nothing (no data address: its engine does not listen). A member
 /// `me` does not find in `members` (not yet listed) is taken to be the last to join.
 pub fn holders<'a>(
     members: &'a [Member],
@@ -77,6 +78,7 @@ pub fn holders<'a>(
                 && m.order < my_order
                 && m.source_epoch == source_epoch
                 && m.version == version
+                && !m.data_addr.is_empty()
                 && !avoid.contains(&m.id)
         })
         .collect();
@@ -207,7 +209,7 @@ mod tests {
             id: id.into(),
             epoch: 1,
             source_epoch: epoch,
-            data_addr: String::new(),
+            data_addr: "127.0.0.1:1".into(),
             ctl_addr: String::new(),
             role,
             progress: 0,
@@ -242,6 +244,9 @@ mod tests {
         ms[3].version = 2;
         assert_eq!(ids(holders(&ms, "late2", 7, 2, &none)), ["c", "s"]);
         assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["b", "a", "s"]);
+        // A receiver whose engine does not listen serves nothing.
+        ms[2].data_addr.clear();
+        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["a", "s"]);
     }
 
     #[test]
