@@ -48,8 +48,9 @@ pub struct Member {
     /// Join order, assigned by discovery (the tracker's counter, or etcd's create revision).
     #[serde(default)]
     pub order: u64,
-    /// The version it holds or pulls (a source: the newest it publishes; it serves every
-    /// version it still keeps). Receivers fetch only from receivers of their own version.
+    /// The version it holds or pulls (a source: the version it started with; it serves every
+    /// version it still keeps, which its `manifest` answers say). Receivers fetch only from
+    /// receivers of their own version, and from the source.
     #[serde(default)]
     pub version: u64,
 }
