@@ -43,7 +43,10 @@ pub(crate) enum Request {
         after: u64,
         wait_ms: u64,
     },
-    Layout,
+    Layout {
+        #[serde(default)]
+        version: Option<u64>,
+    },
     Join {
         member: Member,
     },
@@ -167,6 +170,9 @@ pub(crate) struct CtlState {
     pub(crate) version: u64,
     /// At a receiver: where it holds each segment.
     pub(crate) layout: Option<Vec<Vec<Extent>>>,
+    /// At a source: where it holds the segments of the versions not served under their own
+    /// names (files published again as a new version); the others are the identity.
+    pub(crate) source_layouts: Mutex<HashMap<u64, Vec<Vec<Extent>>>>,
     pub(crate) progress: watch::Receiver<Progress>,
     pub(crate) tracker: Option<Arc<Tracker>>,
 }
@@ -287,15 +293,35 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
                 },
             }
         }
-        Request::Layout => match &state.layout {
+        Request::Layout { version } => match &state.layout {
             Some(l) => Reply::Layout {
                 source_epoch,
                 version: state.version,
                 segments: l.clone(),
             },
-            None => Reply::Error {
-                message: "this member holds every segment whole (a source)".into(),
-            },
+            None => {
+                let ms = lock(&state.manifests);
+                let m = match version {
+                    Some(v) => ms.iter().find(|m| m.version == v),
+                    None => ms.last(),
+                };
+                match m {
+                    Some(m) => Reply::Layout {
+                        source_epoch,
+                        version: m.version,
+                        segments: lock(&state.source_layouts)
+                            .get(&m.version)
+                            .cloned()
+                            .unwrap_or_else(|| crate::layout::identity(m)),
+                    },
+                    None => Reply::Error {
+                        message: format!(
+                            "version {} is not published here",
+                            version.unwrap_or_default()
+                        ),
+                    },
+                }
+            }
         },
         Request::Progress { after, wait_ms } => {
             let mut rx = state.progress.clone();

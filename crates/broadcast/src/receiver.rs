@@ -533,6 +533,7 @@ impl Receiver {
         let state = Arc::new(CtlState {
             source_epoch,
             manifests: std::sync::Mutex::new(Vec::new()),
+            source_layouts: std::sync::Mutex::new(Default::default()),
             version: manifest.version,
             layout: Some(layout::to_wire(&layout)),
             progress,
@@ -725,10 +726,36 @@ impl Receiver {
             });
         }
         let mut ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+        let version = self.manifest.version;
         let wire = if m.role == Role::Source {
-            layout::identity(&self.manifest)
+            let asked = Request::Layout {
+                version: Some(version),
+            };
+            match ctl.call(&asked, Duration::from_secs(3)).await {
+                Ok(Reply::Layout {
+                    version: v,
+                    segments,
+                    ..
+                }) if v == version => segments,
+                Ok(_) => {
+                    return Err(control_err(
+                        &ctl_addr,
+                        format!("answered layout of version {version} with another"),
+                    ));
+                }
+                Err(e) => {
+                    // A source from before layouts (it closed the connection on the request):
+                    // every segment under its own name.
+                    tracing::debug!(error = %e, "source gave no layout; taking the identity");
+                    ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+                    layout::identity(&self.manifest)
+                }
+            }
         } else {
-            match ctl.call(&Request::Layout, Duration::from_secs(3)).await? {
+            match ctl
+                .call(&Request::Layout { version: None }, Duration::from_secs(3))
+                .await?
+            {
                 Reply::Layout {
                     version, segments, ..
                 } if version == self.manifest.version => segments,

@@ -58,7 +58,10 @@ pub struct Source {
     engine: TransferEngine,
     /// Whether the engine is this source's own (shut down with it) or the caller's.
     owns_engine: bool,
-    _files: Vec<FileRegistration>,
+    /// Whether it publishes files (else tensors of the caller's engine).
+    from_files: bool,
+    /// The file segments of each version kept.
+    files: std::sync::Mutex<Vec<(u64, Vec<FileRegistration>)>>,
     state: Arc<CtlState>,
     keep_versions: usize,
     ctl_addr: SocketAddr,
@@ -99,7 +102,7 @@ impl Source {
             .data_plane(opts.data_plane)
             .listen(SocketAddr::new(ctl_addr.ip(), 0))
             .build()?;
-        let regs = Self::publish_files(&engine, &manifest, files)?;
+        let regs = Self::register_files(&engine, &manifest, files, None)?;
         Self::serve(engine, true, regs, manifest, listener, opts, discovery).await
     }
 
@@ -152,9 +155,9 @@ impl Source {
         chunk_size: Option<u64>,
     ) -> Result<Manifest, BroadcastError> {
         let newest = self.manifest();
-        if !self._files.is_empty() {
+        if self.from_files {
             return Err(ManifestError::Invalid(format!(
-                "{:?} is published from files; a new version comes from a new source",
+                "{:?} is published from files: publish its next version with publish_files",
                 newest.name
             ))
             .into());
@@ -178,11 +181,80 @@ impl Source {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         ms.push(m.clone());
-        let drop_n = ms.len().saturating_sub(self.keep_versions);
-        ms.drain(..drop_n);
+        drop(ms);
+        self.prune();
         tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
-            kept = ?ms.iter().map(|m| m.version).collect::<Vec<_>>(), "source publishing a new version");
+            kept = ?self.versions(), "source publishing a new version");
         Ok(m)
+    }
+
+    /// Publishes `files` as version `version` of the same broadcast (a source of files), and
+    /// returns its manifest (read from the files now: blocking). Each file is served under a
+    /// name of that version, so the segments of the versions kept do not collide; the source
+    /// tells receivers where each version's segments are. A version whose files were
+    /// overwritten in place is no longer servable (its chunks fail verification): a pull of it
+    /// fails rather than mix. Refused: a version not above the newest, a source of tensors.
+    pub fn publish_files(
+        &self,
+        version: u64,
+        files: &[PathBuf],
+        chunk_size: Option<u64>,
+    ) -> Result<Manifest, BroadcastError> {
+        let newest = self.manifest();
+        if !self.from_files {
+            return Err(ManifestError::Invalid(format!(
+                "{:?} is published from memory: publish its next version with publish",
+                newest.name
+            ))
+            .into());
+        }
+        if version <= newest.version {
+            return Err(ManifestError::Invalid(format!(
+                "version {version} of {:?} is not above the newest published, {}",
+                newest.name, newest.version
+            ))
+            .into());
+        }
+        let m = Manifest::build(
+            &newest.name,
+            version,
+            files,
+            chunk_size.unwrap_or(newest.chunk_size),
+        )?;
+        let regs = Self::register_files(&self.engine, &m, files, Some(version))?;
+        let layout = m
+            .segments
+            .iter()
+            .map(|s| {
+                if s.len == 0 {
+                    Vec::new()
+                } else {
+                    vec![crate::layout::Extent {
+                        seg_offset: 0,
+                        len: s.len,
+                        segment: versioned(&s.name, version),
+                        offset: 0,
+                    }]
+                }
+            })
+            .collect();
+        lock(&self.files).push((version, regs));
+        lock(&self.state.source_layouts).insert(version, layout);
+        lock(&self.state.manifests).push(m.clone());
+        self.prune();
+        tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
+            kept = ?self.versions(), "source publishing a new version of its files");
+        Ok(m)
+    }
+
+    /// Drops the versions beyond the newest `keep_versions`.
+    fn prune(&self) {
+        let mut ms = lock(&self.state.manifests);
+        let drop_n = ms.len().saturating_sub(self.keep_versions);
+        let gone: Vec<u64> = ms.drain(..drop_n).map(|m| m.version).collect();
+        drop(ms);
+        lock(&self.state.source_layouts).retain(|v, _| !gone.contains(v));
+        lock(&self.files).retain(|(v, _)| !gone.contains(v));
     }
 
     /// The versions served now, oldest first.
@@ -196,14 +268,21 @@ impl Source {
             .collect()
     }
 
-    fn publish_files(
+    /// Publishes `files` as the segments of `manifest`: under the segments' names, or with
+    /// `version`, under names of that version.
+    fn register_files(
         engine: &TransferEngine,
         manifest: &Manifest,
         files: &[PathBuf],
+        version: Option<u64>,
     ) -> Result<Vec<FileRegistration>, BroadcastError> {
         let mut regs = Vec::with_capacity(files.len());
         for (path, seg) in files.iter().zip(&manifest.segments) {
-            let reg = engine.publish_file_named(path, Access::REMOTE_READ, &seg.name)?;
+            let name = match version {
+                Some(v) => versioned(&seg.name, v),
+                None => seg.name.clone(),
+            };
+            let reg = engine.publish_file_named(path, Access::REMOTE_READ, &name)?;
             if reg.len() != seg.len {
                 return Err(ManifestError::Invalid(format!(
                     "{} has {} bytes now, the manifest says {}",
@@ -255,6 +334,7 @@ impl Source {
         let state = Arc::new(CtlState {
             source_epoch,
             manifests: std::sync::Mutex::new(vec![manifest.clone()]),
+            source_layouts: std::sync::Mutex::new(Default::default()),
             version: manifest.version,
             layout: None,
             progress,
@@ -279,7 +359,9 @@ impl Source {
         Ok(Self {
             engine,
             owns_engine,
-            _files: regs,
+            // Sources of files run an engine of their own; sources of tensors, the caller's.
+            from_files: owns_engine,
+            files: std::sync::Mutex::new(vec![(manifest.version, regs)]),
             state,
             keep_versions: opts.keep_versions.max(1),
             ctl_addr,
@@ -347,4 +429,14 @@ impl Drop for Source {
             self.engine.shutdown();
         }
     }
+}
+
+/// The name a segment of `version` is served under when files are published again: a segment
+/// name has no `/`, so it never collides with the first version's names.
+fn versioned(segment: &str, version: u64) -> String {
+    format!("v{version}/{segment}")
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -540,3 +540,54 @@ async fn tensors_of_a_published_safetensors_file_land_in_place() {
         assert_eq!(read(&l.regs["b"]), b);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_of_files_publishes_the_next_version_without_restarting() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.bin");
+    let v1 = payload(5 * CHUNK as usize + 17, 1);
+    std::fs::write(&path, &v1).unwrap();
+    let m =
+        ferry_broadcast::Manifest::build("files", 1, std::slice::from_ref(&path), CHUNK).unwrap();
+    let src = Source::start(
+        m,
+        std::slice::from_ref(&path),
+        SourceOptions {
+            data_plane: DataPlane::Tcp,
+            ..Default::default()
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let disc = Arc::new(Embedded::new(src.ctl_addr()));
+    let mut r = Receiver::join(disc.clone(), Some("files"), opts())
+        .await
+        .unwrap();
+    assert_eq!(r.run().await.unwrap().version, 1);
+    assert_eq!(r.segment_bytes(0).unwrap(), v1);
+    r.leave().await;
+    // The trainer writes the next checkpoint to a new path; the same source publishes it.
+    let path2 = dir.path().join("w2.bin");
+    let v2 = payload(3 * CHUNK as usize + 5, 2);
+    std::fs::write(&path2, &v2).unwrap();
+    let m2 = src
+        .publish_files(2, std::slice::from_ref(&path2), None)
+        .unwrap();
+    assert_eq!((m2.version, src.versions()), (2, vec![1, 2]));
+    let pull = |version| {
+        let mut o = opts();
+        o.version = Some(version);
+        Receiver::join(disc.clone(), Some("files"), o)
+    };
+    let mut r2 = pull(2).await.unwrap();
+    let mut r1 = pull(1).await.unwrap();
+    assert_eq!(r2.run().await.unwrap().version, 2);
+    assert_eq!(r2.segment_bytes(0).unwrap(), v2);
+    // Version 1 is still served, from its own file.
+    assert_eq!(r1.run().await.unwrap().version, 1);
+    assert_eq!(r1.segment_bytes(0).unwrap(), v1);
+    // Tensors cannot be added to a source of files, nor an old version number.
+    assert!(src.publish(3, &[], None).is_err());
+    assert!(src.publish_files(2, &[path2], None).is_err());
+}

@@ -14,7 +14,10 @@ use ferry_broadcast::{
 
 use crate::cmd_bench::parse_size;
 
-/// Arguments of `ferry publish`.
+/// Arguments of `ferry publish`. On SIGHUP it reads the files again and publishes them as the
+/// next version, without restarting (the version before stays served while it is among the
+/// two newest, as long as its files are unchanged: write the next checkpoint in place and
+/// pulls of the old version fail verification instead of mixing).
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
     /// The files to publish (a `.safetensors` file is listed tensor by tensor).
@@ -76,6 +79,9 @@ pub(crate) struct PullArgs {
     /// Print one JSON summary instead of the progress bar and human summary.
     #[arg(long)]
     json: bool,
+    /// Pull this version [default: the newest the source publishes].
+    #[arg(long, value_name = "N")]
+    version: Option<u64>,
 }
 
 fn plane(s: &str) -> DataPlane {
@@ -144,11 +150,41 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             src.data_addr().map(|a| a.to_string()).unwrap_or_default(),
             src.ctl_addr()
         );
-        match args.serve_for {
-            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,
-            None => tokio::signal::ctrl_c()
-                .await
-                .context("waiting for ctrl-c")?,
+        let stop = async {
+            match args.serve_for {
+                Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,
+                None => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        };
+        tokio::pin!(stop);
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("listening for SIGHUP")?;
+        let mut version = args.version;
+        loop {
+            tokio::select! {
+                () = &mut stop => break,
+                Some(()) = hangup.recv() => {
+                    version += 1;
+                    // Reads every file once, to checksum it.
+                    match tokio::task::block_in_place(|| src.publish_files(version, &args.files, Some(args.chunk_size))) {
+                        Ok(m) => println!(
+                            "publishing {:?} version {version}: {} files, {} bytes in {} chunks \
+                             (versions served: {:?})",
+                            m.name,
+                            m.segments.len(),
+                            m.total_bytes(),
+                            m.chunks.len(),
+                            src.versions()
+                        ),
+                        Err(e) => {
+                            version -= 1;
+                            eprintln!("ferry publish: version {} not published: {e}", version + 1);
+                        }
+                    }
+                }
+            }
         }
         src.stop().await;
         Ok(())
@@ -187,6 +223,7 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
                 window: args.window.max(1),
                 stall_after: Duration::from_secs_f64(args.stall_after.max(0.1)),
                 relay: !args.no_relay,
+                version: args.version,
                 ..Default::default()
             },
         )
