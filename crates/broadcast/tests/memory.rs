@@ -330,7 +330,31 @@ async fn staged_versions_commit_when_asked_and_a_failed_one_leaves_the_live_tens
     };
     let mut r = staged(opts()).await.unwrap();
     assert!(r.commit().is_err(), "nothing to commit before the pull");
-    assert_eq!(r.run().await.unwrap().version, 2);
+    // Another receiver joins behind it and reads from its staging.
+    let ec = engine();
+    let lc = live(&ec, "child", &SIZES);
+    let mut child = Receiver::join_into(
+        &ec,
+        disc.clone(),
+        Some("w"),
+        Destinations {
+            into: lc.dests.clone(),
+            ..Default::default()
+        },
+        opts(),
+    )
+    .await
+    .unwrap();
+    let child = tokio::spawn(async move { child.run().await.map(|s| (s, child)) });
+    let sum = r.run().await.unwrap();
+    assert_eq!(sum.version, 2);
+    r.linger(Duration::from_secs(10)).await;
+    let (sc, child) = child.await.unwrap().unwrap();
+    assert!(sc.bytes_from_relays > 0, "the child read the staging");
+    for (name, reg) in &lc.regs {
+        assert_eq!(&read(reg), &w2.bytes[name], "{name} of the child");
+    }
+    child.leave().await;
     for (name, reg) in &l.regs {
         assert_eq!(&read(reg), &w1.bytes[name], "{name} is still version 1");
     }
