@@ -141,6 +141,11 @@ def test_staged_pull_leaves_live_tensors_until_commit(np):
         assert s.copies_per_byte == 4.0  # and the commit, through a bounce buffer
         assert all(np.array_equal(live[k], w2[k]) for k in w2)
         assert held(live["embed"]) == 8
+        # A staged version dropped without a commit leaves the live tensors as they were.
+        pub.publish(weights(np, 12), 9)
+        s = pull(r, pub.addr, live, mode="staged", staging=staging, relay=False)
+        s.close()
+        assert all(np.array_equal(live[k], w2[k]) for k in w2) and held(live["embed"]) == 8
         with pytest.raises(ValueError, match="staging"):
             pull(r, pub.addr, live, mode="staged")
         with pytest.raises(BroadcastError, match="staged"):

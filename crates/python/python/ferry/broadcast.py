@@ -310,6 +310,11 @@ class PullSummary:
         self._release()
         return took
 
+    def close(self) -> None:
+        """Stops relaying and, staged, drops the staged version without committing it (the
+        live tensors stay as they are). A completed in-place pull is already closed."""
+        self._release()
+
     def _release(self) -> None:
         for p in self._placed:
             p.close()
