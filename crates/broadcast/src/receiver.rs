@@ -1,11 +1,20 @@
-//! A receiver: fetches the manifest's chunks from its parent in the chain
+//! A receiver: fetches the manifest's chunks of one version from its parent in the chain
 //! ([`plan`](crate::plan)), verifies each against the manifest's CRC-32C, and serves what it
-//! verified to the member after it.
+//! verified to the member after it. It pulls into buffers of its own ([`Receiver::join`]) or
+//! into the caller's destinations ([`Receiver::join_into`]: in place, or staged and then
+//! committed), and serves from wherever the chunks landed ([`layout`](crate::layout)).
 //!
 //! Contract:
-//! - a chunk is fetched by a Ferry READ straight into this receiver's registered buffer, then
-//!   verified; only verified chunks count, and only the verified prefix is advertised, so a
-//!   member never fetches from it a chunk it has not verified;
+//! - a chunk is fetched by Ferry READs straight into where it lands here (one per piece where
+//!   the holder's layout and this receiver's meet), then verified over those pieces; only
+//!   verified chunks count, and only the verified prefix is advertised, so a member never
+//!   fetches from it a chunk it has not verified;
+//! - destinations are matched with the published tensors by name and size before anything is
+//!   registered, listed or moved ([`BroadcastError::Mismatch`]);
+//! - it takes chunks only from the source and from receivers of its own version, and gives up
+//!   a parent that answers for another version;
+//! - in place, a pull that fails after its first READ is [`BroadcastError::Torn`]; staged, the
+//!   live tensors change only in [`Receiver::commit`];
 //! - a chunk whose checksum does not match is counted ([`Summary::refetched_chunks`]) and
 //!   fetched again from the source (a holder other than the one that served it, or, if the
 //!   source served it, the source once more, three times at most);
