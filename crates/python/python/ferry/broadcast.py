@@ -27,6 +27,10 @@ a mismatch is one ``TensorMismatch`` that lists every problem. An in-place pull 
 to; ``held(array)`` says what an array holds. A staged pull leaves the live tensors untouched
 until ``commit()``.
 
+Arrays are registered with the engine for the call and closed after it; pass registrations
+(``engine.register(array, access="read")``, made once) to keep them registered across pulls,
+which matters where registering is costly (RDMA).
+
 Versions: ``Publisher.publish(tensors, version)`` serves version v+1 while v is still pulled
 (the publisher keeps the newest ``keep_versions``); v+1 must live in other memory than v for v
 to stay servable. Receivers of v+1 never take chunks from a receiver of v.
