@@ -287,3 +287,25 @@ def test_a_timeout_is_torn_exactly_when_bytes_were_written(np):
             assert sorted(ei.value.tensors) == sorted(w)
         else:
             assert isinstance(ei.value, TimeoutError) and held(live["embed"]) is None
+
+
+def test_registrations_and_slices_of_them_as_tensors(np):
+    trainer = engine()
+    w = weights(np, 13)
+    # The publisher's tensors: one arena registration, sliced.
+    arena = np.concatenate([w[k].view(np.uint8).ravel() for k in ("embed", "norm", "head")])
+    areg = trainer.register(arena, name="arena", access="read")
+    sizes = [w[k].nbytes for k in ("embed", "norm", "head")]
+    offs = [0, sizes[0], sizes[0] + sizes[1]]
+    tensors = {k: (areg, o, n) for k, o, n in zip(("embed", "norm", "head"), offs, sizes)}
+    with Publisher(trainer, tensors, name="policy") as pub:
+        r = engine()
+        live = empty_like(np, w)
+        # Registered once by the caller, reused across pulls.
+        regs = {k: r.register(v, access="read") for k, v in live.items()}
+        for _ in range(2):
+            s = pull(r, pub.addr, regs, relay=False)
+            assert s.version == 1
+        for k in w:
+            assert np.array_equal(live[k], w[k]), k
+        assert not any(reg.closed for reg in regs.values()), "the caller's stay open"
