@@ -38,7 +38,11 @@ __all__ = [
     "UnknownSegment",
     "UnknownSegmentName",
     "Unquiesced",
+    "_Publisher",
+    "_Puller",
     "__version__",
+    "_join",
+    "_publish",
     "doctor",
 ]
 
@@ -446,6 +450,7 @@ def doctor() -> dict[str, Any]:
     """The capability matrix, as ``ferry doctor --json`` prints it."""
 
 # The native side of ferry.broadcast (private: use ferry.broadcast).
+@final
 class _Publisher:
     @property
     def addr(self) -> str: ...
@@ -453,6 +458,7 @@ class _Publisher:
     def publish(self, version: int, tensors: list[tuple[Any, ...]]) -> None: ...
     def close(self) -> None: ...
 
+@final
 class _Puller:
     @property
     def version(self) -> int: ...
