@@ -2,7 +2,7 @@
 //! and `cargo xtask bench python`.
 //!
 //! Each makes (once) a virtual environment in `<target>/python-venv` with the interpreter named
-//! by `FERRY_PYTHON` (default `python3`) and installs maturin, pytest, NumPy and mypy into it
+//! by `FERRY_PYTHON` (default `python3`) and installs maturin, pytest, NumPy, mypy and safetensors into it
 //! from the package index with pip. Debian needs `python3-venv` for the environment;
 //! `python3-dev` is not needed (the module is abi3 and links no libpython).
 //!
@@ -91,7 +91,7 @@ fn venv(require: bool) -> Result<Option<PathBuf>> {
     run_loud(
         Command::new(&py)
             .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
-            .args(["maturin", "pytest", "numpy", "mypy"]),
+            .args(["maturin", "pytest", "numpy", "mypy", "safetensors"]),
     )?;
     Ok(Some(py))
 }

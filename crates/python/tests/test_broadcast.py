@@ -152,8 +152,8 @@ def test_staged_pull_leaves_live_tensors_until_commit(np):
             pull(r, pub.addr, live, relay=False).commit()
 
 
-def test_weights_from_a_safetensors_file(np, tmp_path):
-    st = pytest.importorskip("safetensors.numpy")
+def test_weights_from_a_safetensors_file(np, safetensors_numpy, tmp_path):
+    st = safetensors_numpy
     path = tmp_path / "model.safetensors"
     st.save_file(weights(np, 6), str(path))
     loaded = st.load_file(str(path))
@@ -226,10 +226,9 @@ def test_gpu_destinations_and_gpu_source(np, cuda_driver):
             assert np.array_equal(live[k], w[k]), k
 
 
-def test_rl_weight_update_example(np):
+def test_rl_weight_update_example(np, safetensors_numpy):
     """The example runs in CI: one trainer, three inference processes (two in place, one
     staged), every tensor's hash checked each round, a table printed."""
-    pytest.importorskip("safetensors.numpy")
     import subprocess
     import sys
     from pathlib import Path
