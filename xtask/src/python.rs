@@ -3,8 +3,8 @@
 //!
 //! Each makes (once) a virtual environment in `<target>/python-venv` with the interpreter named
 //! by `FERRY_PYTHON` (default `python3`) and installs maturin, pytest, NumPy, mypy and
-//! safetensors into it from the package index with pip. Debian needs `python3-venv` for the environment;
-//! `python3-dev` is not needed (the module is abi3 and links no libpython).
+//! safetensors into it from the package index with pip. Debian needs `python3-venv` for the
+//! environment; `python3-dev` is not needed (the module is abi3 and links no libpython).
 //!
 //! `wheel` builds the release abi3 wheel, stripped, into `<target>/wheels` (`maturin build`;
 //! the platform tag is what maturin's manylinux check finds the extension's symbols allow).
