@@ -1330,6 +1330,20 @@ fn crc_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<u32, Strin
     Ok(crc)
 }
 
+/// Up to 16 of `v`, quoted, and how many more (a hostile manifest may name a million).
+fn names<S: AsRef<str>>(v: &[S]) -> String {
+    let mut s = v
+        .iter()
+        .take(16)
+        .map(|n| format!("{:?}", n.as_ref()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if v.len() > 16 {
+        s.push_str(&format!(" and {} more", v.len() - 16));
+    }
+    s
+}
+
 /// Where a receiver pulls into: see [`Receiver::join_into`].
 #[derive(Clone, Debug, Default)]
 pub struct Destinations {
@@ -1415,7 +1429,7 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
         }
     }
     if !extra.is_empty() {
-        problems.push(format!("published but not received: {extra:?}"));
+        problems.push(format!("published but not received: {}", names(&extra)));
     }
     let missing: Vec<&str> = d
         .into
@@ -1425,7 +1439,7 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
         .map(|((n, _), _)| n.as_str())
         .collect();
     if !missing.is_empty() {
-        problems.push(format!("not published: {missing:?}"));
+        problems.push(format!("not published: {}", names(&missing)));
     }
     if problems.is_empty() {
         Ok(matched)
@@ -1506,6 +1520,15 @@ mod tests {
         );
         assert!(problems.iter().any(|p| p.contains("\"c\"")));
         assert!(problems.iter().any(|p| p.contains("\"z\"")));
+        // A manifest of many tensors none of which is received: the message stays short.
+        let many: Vec<(String, u64, u64)> = (0..1000).map(|i| (format!("t{i}"), i, 1)).collect();
+        let many: Vec<(&str, u64, u64)> =
+            many.iter().map(|(n, o, l)| (n.as_str(), *o, *l)).collect();
+        let Err(e) = match_tensors(&manifest(&many), &Destinations::default()) else {
+            panic!("expected a mismatch");
+        };
+        assert!(e.to_string().contains("and 984 more"), "{e}");
+        assert!(e.to_string().len() < 1000);
         // A hostile manifest naming one tensor twice is refused, not written twice.
         let m = manifest(&[("a", 0, 100), ("a", 100, 100)]);
         let d = Destinations {
