@@ -15,6 +15,8 @@
 //!   a parent that answers for another version;
 //! - in place, a pull that fails after its first READ is [`BroadcastError::Torn`]; staged, the
 //!   live tensors change only in [`Receiver::commit`];
+//! - unless [`ReceiverOptions::verify_at_rest`] is off, every chunk is checked once more at
+//!   rest before the pull reports done, and one that changed is fetched again;
 //! - a chunk whose checksum does not match is counted ([`Summary::refetched_chunks`]) and
 //!   fetched again from the source (a holder other than the one that served it, or, if the
 //!   source served it, the source once more, three times at most);
@@ -70,6 +72,11 @@ pub struct ReceiverOptions {
     pub relay: bool,
     /// The version to pull (`None`: the newest the source publishes).
     pub version: Option<u64>,
+    /// Whether to check every chunk once more at rest before reporting done (a chunk whose
+    /// memory changed after it was verified is fetched again). `false` halves the hashing
+    /// (one pass over the payload instead of two); every chunk is still verified as it lands,
+    /// and the children verify what they read from this receiver.
+    pub verify_at_rest: bool,
     /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
     /// read from (a relay that corrupts what it serves). Its own final check finds it again.
     #[doc(hidden)]
@@ -99,6 +106,7 @@ impl Default for ReceiverOptions {
             heartbeat: Duration::from_millis(500),
             relay: true,
             version: None,
+            verify_at_rest: true,
             corrupt_after_verify: None,
             pause_after: None,
             hold_after: None,
@@ -1034,7 +1042,7 @@ impl Receiver {
         let mut hold = self.opts.hold_final_check.clone();
         loop {
             if have.is_done() && set.is_empty() && hold.is_none() {
-                if final_check_done {
+                if final_check_done || !self.opts.verify_at_rest {
                     break;
                 }
                 final_check_done = true;

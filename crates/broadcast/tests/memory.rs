@@ -253,11 +253,27 @@ async fn missing_extra_and_resized_tensors_are_one_error_before_any_byte_moves()
         .await
         .unwrap_err();
     assert!(err.to_string().contains("does not fit"), "{err}");
-    let mut r = Receiver::join_into(&e, disc, Some("w"), shard(5_000), opts())
+    let mut r = Receiver::join_into(&e, disc.clone(), Some("w"), shard(5_000), opts())
         .await
         .unwrap();
     r.run().await.unwrap();
     assert_eq!(read(&l.regs["embed"]), w.bytes["embed"][5_000..12_000]);
+    // Without the check at rest, each byte is hashed once: one copy per byte received.
+    let l = live(&e, "u", &SIZES);
+    let mut o = opts();
+    o.verify_at_rest = false;
+    let dests = Destinations {
+        into: l.dests.clone(),
+        ..Default::default()
+    };
+    let mut r = Receiver::join_into(&e, disc, Some("w"), dests, o)
+        .await
+        .unwrap();
+    let s = r.run().await.unwrap();
+    assert_eq!(s.bytes_copied, s.bytes);
+    for (name, reg) in &l.regs {
+        assert_eq!(&read(reg), &w.bytes[name], "tensor {name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -355,7 +355,7 @@ fn dests(list: Vec<PyDest<'_>>) -> PyResult<Vec<(String, Slice)>> {
 /// Joins the broadcast whose publisher's control service is at `source` to pull it into
 /// `into` (and `staging`), on `engine`.
 #[pyfunction]
-#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards))]
+#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest))]
 #[allow(clippy::too_many_arguments)]
 fn _join(
     py: Python<'_>,
@@ -369,6 +369,7 @@ fn _join(
     subset: bool,
     relay: bool,
     shards: HashMap<String, u64>,
+    verify_at_rest: bool,
 ) -> PyResult<Puller> {
     let d = Destinations {
         into: dests(into)?,
@@ -380,6 +381,7 @@ fn _join(
     let opts = ReceiverOptions {
         relay,
         version,
+        verify_at_rest,
         ..Default::default()
     };
     let disc = Arc::new(Embedded::new(addr(source)?));

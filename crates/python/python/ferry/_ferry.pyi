@@ -489,4 +489,5 @@ def _join(
     subset: bool,
     relay: bool,
     shards: dict[str, int],
+    verify_at_rest: bool,
 ) -> _Puller: ...
