@@ -478,7 +478,9 @@ mod etcd {
             // Our own lease is kept alive meanwhile.
             let ms = d.members().await?;
             assert_eq!(ms.len(), 1, "{ms:?}");
-            assert!(ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default()).is_empty());
+            assert!(
+                ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default()).is_empty()
+            );
             eprintln!("lease expired after {:?}", t0.elapsed());
             d.deregister("me").await?;
             wait_for(&d, "deregistration", |m| m.is_empty()).await

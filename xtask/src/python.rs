@@ -91,11 +91,13 @@ fn venv(require: bool) -> Result<Option<PathBuf>> {
         }
     }
     // Already installed packages are not fetched again.
-    run_loud(
-        Command::new(&py)
-            .args(PIP_INSTALL)
-            .args(["maturin", "pytest", "numpy", "mypy", "safetensors"]),
-    )?;
+    run_loud(Command::new(&py).args(PIP_INSTALL).args([
+        "maturin",
+        "pytest",
+        "numpy",
+        "mypy",
+        "safetensors",
+    ]))?;
     Ok(Some(py))
 }
 
