@@ -588,7 +588,9 @@ impl ServeStats {
             Action::ReadMemory { len, .. } | Action::ReadFile { len, .. } => {
                 self.accepted(OpKind::Read, 1, *len as u64)
             }
-            Action::ChecksumMemory { sum, .. } => self.accepted(OpKind::Checksum, 1, sum.remaining()),
+            Action::ChecksumMemory { sum, .. } => {
+                self.accepted(OpKind::Checksum, 1, sum.remaining())
+            }
             Action::ChecksumFile { len, .. } => self.accepted(OpKind::Checksum, 1, *len),
             Action::Refuse { status, .. } => self.refused(*status),
             Action::Close { .. } => self.refused(RemoteStatus::Malformed),
