@@ -193,6 +193,13 @@ struct Snapshot(Description);
 
 type Labels = Vec<(&'static str, String)>;
 
+/// A per-rail counter: name, help, and how to read it.
+type RailFamily = (
+    &'static str,
+    &'static str,
+    fn(&crate::RailDescription) -> u64,
+);
+
 /// One family: its rows, summed by label set.
 struct Family {
     name: &'static str,
@@ -498,11 +505,7 @@ impl Collector for Snapshot {
         .encode(&mut enc)?;
 
         // RDMA rails.
-        let rail_families: [(
-            &'static str,
-            &'static str,
-            fn(&crate::RailDescription) -> u64,
-        ); 6] = [
+        let rail_families: [RailFamily; 6] = [
             (
                 "ferry_rail_bytes",
                 "Bytes acknowledged per RDMA rail.",

@@ -71,6 +71,8 @@ static UNNAMED: AtomicU64 = AtomicU64::new(0);
 /// the kernel's quarter hour) gives a silent peer up. `auth_key_file` names a keyring file
 /// (lines of `name hexkey`): peers must then prove a key of it, and this engine proves its first
 /// key when it connects (without it, the file named by `FERRY_AUTH_KEY_FILE`, if set).
+/// `metrics="127.0.0.1:9400"` serves Prometheus metrics over HTTP there (`GET /metrics`; port
+/// 0: any free port, see `metrics_addr`).
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
@@ -81,7 +83,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (listen=None, *, transports=None, data_plane="auto", streams=None,
         depth=None, chunk_size=None, socket_buffer=None, io_threads=None, request_timeout=None,
-        connect_timeout=None, dead_peer_after=None, auth_key_file=None))]
+        connect_timeout=None, dead_peer_after=None, auth_key_file=None, metrics=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -97,6 +99,7 @@ impl Engine {
         connect_timeout: Option<f64>,
         dead_peer_after: Option<f64>,
         auth_key_file: Option<std::path::PathBuf>,
+        metrics: Option<&str>,
     ) -> PyResult<Self> {
         let mut b = TransferEngine::builder();
         if let Some(addr) = listen {
@@ -166,6 +169,15 @@ impl Engine {
         if let Some(path) = auth_key_file {
             b = b.auth_key_file(path);
         }
+        if let Some(addr) = metrics {
+            let addr = addr.parse().map_err(|e| {
+                PyValueError::new_err(format!(
+                    "metrics must be an IP address and port like \"127.0.0.1:9400\", not \
+                     {addr:?}: {e}"
+                ))
+            })?;
+            b = b.metrics(addr);
+        }
         let rt = runtime::get(py)?;
         let inner = py
             .detach(|| {
@@ -180,6 +192,12 @@ impl Engine {
     #[getter]
     fn listen_addr(&self) -> Option<String> {
         self.inner.local_addr().map(|a| a.to_string())
+    }
+
+    /// The address its Prometheus metrics are served on (`"127.0.0.1:9400"`), or None.
+    #[getter]
+    fn metrics_addr(&self) -> Option<String> {
+        self.inner.metrics_addr().map(|a| a.to_string())
     }
 
     /// Its peer id (hex).
