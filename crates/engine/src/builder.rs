@@ -479,12 +479,16 @@ impl EngineBuilder {
         let id = PeerId::random();
         let epoch = Epoch::fresh();
         #[cfg(feature = "rdma")]
-        let registry = match &rdma {
-            Some(t) => Registry::new(Arc::new(t.backend()), self.budgets),
+        let shared_copies = rdma
+            .as_ref()
+            .map(|t| Arc::new(registry::SharedCopies::new(Arc::new(t.backend()))));
+        #[cfg(feature = "rdma")]
+        let registry = match &shared_copies {
+            Some(cache) => Registry::new(cache.clone(), self.budgets),
             None => Registry::host(self.budgets),
         };
         #[cfg(not(feature = "rdma"))]
-        let registry = Registry::host(self.budgets);
+        let (registry, shared_copies) = (Registry::host(self.budgets), None);
         let table = Arc::new(RegistryTable::new(registry.clone()));
         let serve_stats = Arc::new(ferry_core::stream::ServeStats::default());
         let responder = Arc::new(Responder {
@@ -524,6 +528,7 @@ impl EngineBuilder {
         Ok(TransferEngine {
             inner: Arc::new_cyclic(|weak| Inner {
                 serve_stats,
+                shared_copies,
                 metrics: metrics
                     .map(|(listener, addr)| MetricsServer::start(listener, addr, weak.clone())),
                 id,

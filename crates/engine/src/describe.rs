@@ -364,6 +364,19 @@ impl ServedDescription {
     }
 }
 
+/// The registration cache: registering the same pages again (same start, length and access)
+/// shares the native copies already made, until the last registration using them retires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct CacheDescription {
+    /// Copies asked for that an existing copy served.
+    pub hits: u64,
+    /// Copies made.
+    pub misses: u64,
+    /// Distinct copies alive.
+    pub entries: u64,
+}
+
 /// Registrations on one registration context (an RDMA device's port, or `host`).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -483,6 +496,8 @@ pub struct Description {
     pub served: Option<ServedDescription>,
     /// Request latencies by op kind and size class (classes no request fell in left out).
     pub latency: Vec<LatencyDescription>,
+    /// The registration cache (RDMA): native copies shared by registrations of the same pages.
+    pub registration_cache: Option<CacheDescription>,
     /// The address metrics are served on (Prometheus text format), if they are.
     pub metrics: Option<String>,
     /// Published segments.

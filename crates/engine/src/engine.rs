@@ -58,6 +58,9 @@ pub(crate) struct Inner {
     /// GPU memory: the driver, the staging pool, its counters.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: Option<crate::gpu::GpuState>,
+    /// The registration cache in front of the RDMA backend (none on host memory alone, where
+    /// registering makes no native copy to share).
+    pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
     /// What the listener's data streams accepted and refused.
     pub(crate) serve_stats: Arc<ferry_core::stream::ServeStats>,
     /// The HTTP listener serving metrics, if asked for.
@@ -588,6 +591,14 @@ impl TransferEngine {
                 })
                 .collect(),
             latency: self.inner.routes.latencies().snapshot(),
+            registration_cache: self.inner.shared_copies.as_ref().map(|c| {
+                let s = c.stats();
+                crate::describe::CacheDescription {
+                    hits: s.hits,
+                    misses: s.misses,
+                    entries: s.entries,
+                }
+            }),
             metrics: self.metrics_addr().map(|a| a.to_string()),
             registrations: counters.registrations,
             registered_bytes: counters.bytes,

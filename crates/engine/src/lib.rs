@@ -41,8 +41,8 @@ pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, loa
 #[cfg(feature = "cuda")]
 pub use cuda;
 pub use describe::{
-    ContextDescription, Description, HandshakeDescription, LatencyDescription, RailDescription,
-    RouteDescription, SegmentDescription, ServedDescription, TrafficDescription,
+    CacheDescription, ContextDescription, Description, HandshakeDescription, LatencyDescription,
+    RailDescription, RouteDescription, SegmentDescription, ServedDescription, TrafficDescription,
 };
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;

@@ -496,6 +496,22 @@ impl Collector for Snapshot {
         }
         copies.encode(&mut enc)?;
         copy_bytes.encode(&mut enc)?;
+        if let Some(c) = &d.registration_cache {
+            Family::new(
+                "ferry_registration_cache_hits",
+                "Native registration copies served by an existing copy of the same pages.",
+                Counter,
+            )
+            .add(Labels::new(), c.hits)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_registration_cache_misses",
+                "Native registration copies made.",
+                Counter,
+            )
+            .add(Labels::new(), c.misses)
+            .encode(&mut enc)?;
+        }
         Family::new(
             "ferry_published_segments",
             "Segments published (memory and files).",
