@@ -124,15 +124,29 @@ fn repeat(n: u32) -> Result<()> {
     for run in 1..=n {
         let t = std::time::Instant::now();
         eprintln!("== xtask ci --repeat: run {run} of {n}");
-        let out = cargo()
+        // One pipe for both streams: cargo writes `Running BINARY` to stderr and the tests
+        // write their results to stdout, and the order between them names each failure's binary.
+        let (mut reader, writer) = std::io::pipe()?;
+        let mut child = cargo()
             .args(["test", "--workspace", "--all-targets", "--no-fail-fast"])
             .env("RUST_BACKTRACE", "1")
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        print!("{text}");
+            .stdout(writer.try_clone()?)
+            .stderr(writer)
+            .spawn()?;
+        let mut text = String::new();
+        {
+            use std::io::{BufRead, Write};
+            let mut lines = std::io::BufReader::new(&mut reader);
+            let mut line = Vec::new();
+            while lines.read_until(b'\n', &mut line)? > 0 {
+                std::io::stdout().write_all(&line)?;
+                text.push_str(&String::from_utf8_lossy(&line));
+                line.clear();
+            }
+        }
+        let status = child.wait()?;
         let failed = failed_tests(&text);
-        if !out.status.success() {
+        if !status.success() {
             failed_runs += 1;
             if failed.is_empty() {
                 *failures
@@ -145,11 +159,7 @@ fn repeat(n: u32) -> Result<()> {
         }
         eprintln!(
             "== xtask ci --repeat: run {run} {} in {:.0}s",
-            if out.status.success() {
-                "passed"
-            } else {
-                "FAILED"
-            },
+            if status.success() { "passed" } else { "FAILED" },
             t.elapsed().as_secs_f64()
         );
     }

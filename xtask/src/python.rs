@@ -30,6 +30,9 @@ use anyhow::{Context, Result, bail};
 
 use crate::util::{cargo, have, json_num, median, project_root, run as run_loud, total_and_repeat};
 
+/// `python` arguments that install quietly with pip.
+const PIP_INSTALL: [&str; 5] = ["-m", "pip", "install", "-q", "--disable-pip-version-check"];
+
 /// The virtual environment's directory.
 fn venv_dir() -> PathBuf {
     crate::util::target_dir().join("python-venv")
@@ -90,7 +93,7 @@ fn venv(require: bool) -> Result<Option<PathBuf>> {
     // Already installed packages are not fetched again.
     run_loud(
         Command::new(&py)
-            .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+            .args(PIP_INSTALL)
             .args(["maturin", "pytest", "numpy", "mypy"]),
     )?;
     Ok(Some(py))
@@ -203,14 +206,8 @@ fn check_wheel_without_rust(wheel: &Path) -> Result<()> {
     let py = dir.join("bin/python");
     run_loud(
         Command::new(&py)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "--no-index",
-            ])
+            .args(PIP_INSTALL)
+            .arg("--no-index")
             .arg(wheel)
             .env("PATH", &path),
     )?;
@@ -257,15 +254,8 @@ pub(crate) fn from_ci() -> Result<()> {
     check_wheel_without_rust(&wheel)?;
     run_loud(
         Command::new(&py)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "--force-reinstall",
-                "--no-deps",
-            ])
+            .args(PIP_INSTALL)
+            .args(["--force-reinstall", "--no-deps"])
             .arg(&wheel),
     )?;
     run_loud(Command::new(&py).current_dir(project_root()).args([

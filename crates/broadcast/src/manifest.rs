@@ -266,6 +266,13 @@ impl Manifest {
         files: &[PathBuf],
         chunk_size: u64,
     ) -> Result<Self, ManifestError> {
+        // Checked before cutting: a zero chunk size would cut forever.
+        let (lo, hi) = CHUNK_SIZE_RANGE;
+        if !(lo..=hi).contains(&chunk_size) {
+            return Err(invalid(format!(
+                "chunk size {chunk_size} outside {lo}..={hi}"
+            )));
+        }
         let mut m = Manifest {
             name: name.to_owned(),
             version,

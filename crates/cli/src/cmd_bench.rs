@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::failure::{RequestFailed, UnknownSegment};
 use crate::histogram::Histogram;
+use crate::parse::{self, DeadPeer, IoThreads, SocketBuffer};
 use anyhow::{Context, Result, bail};
 use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine, TransportKind};
 
@@ -15,13 +17,15 @@ use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine, TransportKin
 pub(crate) struct BenchArgs {
     /// The `ferry serve` peer (HOST:PORT). Without it, a server starts in this process on
     /// loopback.
+    #[arg(value_parser = parse::peer_addr)]
     peer: Option<String>,
     /// Put the local buffer on GPU N (staged through pinned host memory over TCP and io_uring);
     /// on loopback the server's segment goes on GPU N too. After the run a checksummed round
     /// trip verifies the bytes.
     #[arg(long, value_name = "N")]
     gpu: Option<u32>,
-    /// The peer's segment to use (loopback: created with this name).
+    /// The peer's segment to use (loopback: created with this name); a plain `ferry serve`
+    /// publishes `bench`.
     #[arg(long, default_value = "bench")]
     segment: String,
     /// Transport: tcp, uring (io_uring, an error where the kernel cannot), rdma, or auto (the
@@ -37,23 +41,24 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value = "write", value_parser = ["read", "write"])]
     op: String,
     /// Bytes per op (suffixes: KiB, MiB, GiB, KB, MB, GB).
-    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "1MiB", value_parser = parse::nonzero_size)]
     op_size: u64,
-    /// Total bytes to move [default: 4GiB, unless --duration is given].
-    #[arg(long, value_parser = parse_size, conflicts_with = "duration")]
+    /// Total bytes to move, rounded up to whole requests (`--op-size` times `--batch`), at
+    /// least one request [default: 4GiB, unless --duration is given].
+    #[arg(long, value_parser = parse::nonzero_size, conflicts_with = "duration")]
     total: Option<u64>,
-    /// Run for this many seconds instead of a byte count.
-    #[arg(long)]
-    duration: Option<f64>,
-    /// TCP streams per peer.
-    #[arg(long, default_value_t = 1)]
+    /// Run this long instead of moving a byte count (`10s`, `1.5s`, `500ms`).
+    #[arg(long, value_parser = parse::positive_duration)]
+    duration: Option<Duration>,
+    /// TCP streams per peer (1 to 64).
+    #[arg(long, default_value = "1", value_parser = parse::streams)]
     streams: usize,
     /// Ops in flight (with `--batch`: requests in flight).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value = "8", value_parser = parse::count)]
     depth: usize,
     /// Ops per request: each submit carries this many ops of `--op-size` (a KV-cache batch is
     /// 1024 blocks of 32 KiB); latencies, and `ops_per_s` in the report, are per request.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value = "1", value_parser = parse::count)]
     batch: usize,
     /// Put each op at a random op-aligned offset of the remote segment and of a local buffer
     /// as large as the segment (blocks scattered over a paged cache), instead of cycling
@@ -61,32 +66,32 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     scatter: bool,
     /// Largest chunk an op is split into on TCP and io_uring (one data-plane request and one
-    /// acknowledgment each).
-    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    /// acknowledgment each); 1 byte to 64 MiB.
+    #[arg(long, default_value = "1MiB", value_parser = parse::chunk_size)]
     chunk_size: u64,
-    /// Socket buffer size to request, or `auto` for kernel autotuning.
-    #[arg(long, default_value = "4MiB")]
-    socket_buffer: String,
+    /// Socket buffer size to request (4KiB to 1GiB), or `auto` for kernel autotuning.
+    #[arg(long, default_value = "4MiB", value_parser = parse::socket_buffer)]
+    socket_buffer: SocketBuffer,
     /// Loopback only: size of the segment the in-process server publishes [default: op size
     /// times depth; at least one op per stream, so that each stream has its own buffer on each
     /// side, as one iperf3 process per stream has].
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse::nonzero_size)]
     segment_size: Option<u64>,
     /// Worker threads of this process's runtime [default: one per core].
-    #[arg(long)]
+    #[arg(long, value_parser = parse::count)]
     threads: Option<usize>,
     /// Loopback only: worker threads of the in-process server's own runtime [default: one per
     /// stream, as one iperf3 server process per stream has its own thread].
-    #[arg(long)]
+    #[arg(long, value_parser = parse::count)]
     server_threads: Option<usize>,
     /// TCP data plane: I/O threads per engine (`auto`: one per core), or `caller` to run the
     /// streams on this process's runtime (lower latency for small ops, less bulk throughput).
-    #[arg(long, default_value = "auto", value_parser = parse_io_threads)]
+    #[arg(long, default_value = "auto", value_parser = parse::io_threads)]
     io_threads: IoThreads,
     /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an
-    /// idle one's keepalive probes go unanswered) this long: seconds, or `off` for the kernel's
-    /// defaults (about 15 minutes).
-    #[arg(long, default_value = "30s", value_parser = parse_dead_peer)]
+    /// idle one's keepalive probes go unanswered) this long (1s to a day), or `off` for the
+    /// kernel's defaults (about 15 minutes).
+    #[arg(long, default_value = "30s", value_parser = parse::dead_peer)]
     dead_peer_after: DeadPeer,
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
@@ -106,78 +111,6 @@ pub(crate) struct BenchArgs {
     /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
     #[arg(long)]
     allow_open_key_file: bool,
-}
-
-/// `--io-threads`, as `EngineBuilder::io_threads` takes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct IoThreads(pub(crate) Option<usize>);
-
-/// Parses `--io-threads`: `auto` (one per core), `caller` (none), or a count.
-pub(crate) fn parse_io_threads(s: &str) -> Result<IoThreads> {
-    Ok(IoThreads(match s {
-        "auto" => Some(0),
-        "caller" => None,
-        n => match n.parse::<usize>() {
-            Ok(0) | Err(_) => {
-                bail!("--io-threads takes auto, caller or a positive count, not {n:?}")
-            }
-            Ok(k) => Some(k),
-        },
-    }))
-}
-
-/// `--dead-peer-after`, as `EngineBuilder::dead_peer_after` takes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct DeadPeer(pub(crate) Option<Duration>);
-
-/// Parses `--dead-peer-after`: seconds (`30`, `2.5`, `30s`), or `off` (the kernel's defaults).
-pub(crate) fn parse_dead_peer(s: &str) -> Result<DeadPeer> {
-    if s == "off" {
-        return Ok(DeadPeer(None));
-    }
-    let secs: f64 = s
-        .strip_suffix('s')
-        .unwrap_or(s)
-        .parse()
-        .ok()
-        .filter(|v: &f64| v.is_finite() && *v >= 1.0 && *v <= 86_400.0)
-        .with_context(|| {
-            format!("--dead-peer-after takes seconds from 1 to 86400 (e.g. 30s) or off, not {s:?}")
-        })?;
-    Ok(DeadPeer(Some(Duration::from_secs_f64(secs))))
-}
-
-/// Parses a byte size: `4096`, `64KiB`, `1MiB`, `8GiB`, `1.5GB`, `10k`.
-pub(crate) fn parse_size(s: &str) -> Result<u64> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        other => bail!("unknown size unit {other:?} in {s:?} (use KiB, MiB, GiB, KB, MB, GB)"),
-    };
-    if num.is_empty() {
-        bail!("no number in size {s:?}");
-    }
-    let value = if num.contains('.') {
-        let f: f64 = num.parse().with_context(|| format!("bad size {s:?}"))?;
-        (f * mult as f64).round() as u64
-    } else {
-        let n: u64 = num.parse().with_context(|| format!("bad size {s:?}"))?;
-        n.checked_mul(mult)
-            .with_context(|| format!("size {s:?} overflows"))?
-    };
-    Ok(value)
 }
 
 /// The RDMA configuration for `--rdma-hca` (discovery narrowed by the filter).
@@ -213,6 +146,41 @@ struct Report {
     /// Ops replayed and channels reopened after lost connections (the engine's `describe()`).
     replays: u64,
     reconnects: u64,
+}
+
+/// What a run has done so far, kept when it fails.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Bytes of completed ops.
+    bytes: AtomicU64,
+    /// Completed ops.
+    ops: AtomicU64,
+    /// Failed requests whose WRITEs may have changed remote memory (sent, never acknowledged).
+    uncertain_writes: AtomicU64,
+    /// Ops replayed after lost connections.
+    replays: AtomicU64,
+    /// Channels reopened after lost connections.
+    reconnects: AtomicU64,
+    /// Attempts to reopen them, successful or not.
+    reconnect_attempts: AtomicU64,
+}
+
+impl Progress {
+    /// The facts, as JSON fields (beside `error`, for `--json`).
+    fn facts(&self) -> serde_json::Map<String, serde_json::Value> {
+        let get = |a: &AtomicU64| serde_json::Value::from(a.load(Ordering::Relaxed));
+        [
+            ("bytes_moved", get(&self.bytes)),
+            ("ops_completed", get(&self.ops)),
+            ("uncertain_writes", get(&self.uncertain_writes)),
+            ("replays", get(&self.replays)),
+            ("reconnects", get(&self.reconnects)),
+            ("reconnect_attempts", get(&self.reconnect_attempts)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
 }
 
 /// The in-process loopback server: its own thread and runtime, like a separate process would
@@ -267,16 +235,17 @@ impl LoopbackServer {
                         let mut _reg = None;
                         match gpu {
                             Some(n) => {
-                                let reg = server.alloc_gpu(n, seg_len as usize, rw, &name)?;
+                                let reg = server
+                                    .alloc_gpu(n, seg_len as usize, rw, &name)
+                                    .with_context(|| format!("--gpu {n}"))?;
                                 reg.memory()
                                     .copy_from_host(0, &pseudo_random(seg_len as usize))?;
                                 _gpu_reg = Some(reg);
                             }
                             None => {
-                                let region = MemoryRegion::alloc_zeroed(
-                                    seg_len as usize,
-                                    ferry::PAGE_ALIGN,
-                                )?;
+                                let region =
+                                    MemoryRegion::alloc_zeroed(seg_len as usize, ferry::PAGE_ALIGN)
+                                        .context("the loopback server's segment")?;
                                 // READs take their payload from here: real bytes, not the zero
                                 // page.
                                 region.write_at(0, &pseudo_random(region.len()))?;
@@ -318,6 +287,20 @@ impl Drop for LoopbackServer {
     }
 }
 
+/// Refuses a buffer larger than this machine's memory (twice that, as the bench fills it from
+/// a second buffer of random bytes), naming the flags that sized it.
+fn fits_in_memory(what: &str, bytes: u64, flags: &str) -> Result<()> {
+    if let Some(total) = parse::memory_total()
+        && bytes.saturating_mul(2) > total
+    {
+        bail!(
+            "{what} would need {bytes} bytes ({flags}), and filling it as much again: more than \
+             this machine's {total} bytes of memory; lower those flags"
+        );
+    }
+    Ok(())
+}
+
 /// Runs `ferry bench`.
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let mut rt = tokio::runtime::Builder::new_multi_thread();
@@ -328,7 +311,33 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let report = rt.block_on(bench(&args))?;
+    let progress = Arc::new(Progress::default());
+    let report = match rt.block_on(bench(&args, &progress)) {
+        Ok(r) => r,
+        Err(e) => {
+            let facts = progress.facts();
+            let l = |k: &str| facts.get(k).cloned().unwrap_or_default();
+            let done = format!(
+                "before failing: {} bytes moved in {} ops; {} reconnects of {} attempts, {} ops \
+                 replayed; {} requests with WRITEs of uncertain effect",
+                l("bytes_moved"),
+                l("ops_completed"),
+                l("reconnects"),
+                l("reconnect_attempts"),
+                l("replays"),
+                l("uncertain_writes")
+            );
+            let started = progress.ops.load(Ordering::Relaxed) > 0
+                || progress.reconnect_attempts.load(Ordering::Relaxed) > 0;
+            return Err(crate::failure::report(
+                e,
+                crate::failure::Server::Serve,
+                args.json,
+                facts,
+                started.then_some(done),
+            ));
+        }
+    };
     if args.json {
         let r = &report;
         let obj = serde_json::json!({
@@ -442,7 +451,7 @@ async fn verify_gpu(
     ))
 }
 
-async fn bench(args: &BenchArgs) -> Result<Report> {
+async fn bench(args: &BenchArgs, progress: &Arc<Progress>) -> Result<Report> {
     let (kinds, plane) = match args.transport.as_str() {
         "auto" => (vec![TransportKind::Tcp], DataPlane::Auto),
         "tcp" => (vec![TransportKind::Tcp], DataPlane::Tcp),
@@ -452,22 +461,43 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
             bail!("transport {other:?} is not available (use tcp, uring, rdma or auto)")
         }
     };
-    if args.op_size == 0 {
-        bail!("--op-size must be at least 1 byte");
+    let (depth, streams) = (args.depth, args.streams);
+    let batch = args.batch as u64;
+    let request_bytes = args
+        .op_size
+        .checked_mul(batch)
+        .with_context(|| format!("--op-size {} × --batch {batch} overflows", args.op_size))?;
+    if let Some(t) = args.total.filter(|&t| t < request_bytes) {
+        bail!(
+            "--total {t} is less than one request: --op-size {} × --batch {batch} = \
+             {request_bytes} bytes",
+            args.op_size
+        );
     }
-    let depth = args.depth.max(1);
-    let streams = args.streams.max(1);
     // Loopback: our own server, with a segment large enough for every op in flight, and one op
     // per stream at least (ops go to the streams in turn and cycle through the segment's op
     // slots, so with one slot per stream the streams do not share buffers).
-    let seg_len = args
-        .segment_size
-        .unwrap_or(args.op_size * depth as u64)
-        .max(args.op_size * streams as u64);
-    let socket_buffer = match args.socket_buffer.as_str() {
-        "auto" => None,
-        s => Some(parse_size(s)? as usize),
+    let seg_len = match args.segment_size {
+        Some(n) => n.max(args.op_size.saturating_mul(streams as u64)),
+        None => args.op_size.saturating_mul(depth.max(streams) as u64),
     };
+    if args.peer.is_none() {
+        let flags = match args.segment_size {
+            Some(_) => "--segment-size (at least --op-size × --streams)".to_owned(),
+            None => format!(
+                "--op-size {} × {} {}",
+                args.op_size,
+                if depth >= streams {
+                    "--depth"
+                } else {
+                    "--streams"
+                },
+                depth.max(streams)
+            ),
+        };
+        fits_in_memory("the loopback server's segment", seg_len, &flags)?;
+    }
+    let socket_buffer = args.socket_buffer.0;
     let (_server, addr) = match &args.peer {
         Some(p) => (None, p.clone()),
         None => {
@@ -490,7 +520,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         .data_plane(plane)
         .streams(streams)
         .depth(depth.max(2))
-        .chunk_size(args.chunk_size.max(1))
+        .chunk_size(args.chunk_size)
         .socket_buffer(socket_buffer)
         .io_threads(args.io_threads.0)
         .dead_peer_after(args.dead_peer_after.0);
@@ -502,11 +532,42 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     }
     builder = builder.allow_open_key_file(args.allow_open_key_file);
     let engine = builder.build()?;
+    let result = measure(args, &engine, &addr, (depth, streams), progress).await;
+    // Kept for a failure too: what reconnecting did.
+    let routes = engine.describe().routes;
+    progress
+        .replays
+        .store(routes.iter().map(|r| r.replays).sum(), Ordering::Relaxed);
+    progress
+        .reconnects
+        .store(routes.iter().map(|r| r.reconnects).sum(), Ordering::Relaxed);
+    progress.reconnect_attempts.store(
+        routes.iter().map(|r| r.reconnect_attempts).sum(),
+        Ordering::Relaxed,
+    );
+    let mut report = result?;
+    report.replays = progress.replays.load(Ordering::Relaxed);
+    report.reconnects = progress.reconnects.load(Ordering::Relaxed);
+    Ok(report)
+}
+
+/// The measured part of `bench`: connect, move, verify.
+async fn measure(
+    args: &BenchArgs,
+    engine: &TransferEngine,
+    addr: &str,
+    (depth, streams): (usize, usize),
+    progress: &Arc<Progress>,
+) -> Result<Report> {
     let peer = engine
-        .connect(addr.as_str())
+        .connect(addr)
         .await
         .with_context(|| format!("connecting to {addr}"))?;
-    let remote = peer.segment(&args.segment)?;
+    let remote = peer.segment(&args.segment).map_err(|source| {
+        let mut published: Vec<String> = peer.segments().iter().map(|s| s.name.clone()).collect();
+        published.sort();
+        UnknownSegment { source, published }
+    })?;
     if remote.len() < args.op_size {
         bail!(
             "segment {:?} has {} bytes, fewer than one op of {}",
@@ -516,18 +577,32 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         );
     }
     let slots_in_remote = (remote.len() / args.op_size).max(1);
+    let batch = args.batch as u64;
     let is_read = args.op == "read";
     // Local buffers cycle through no more memory than the remote segment, for READs and WRITEs
     // alike (iperf3 reuses one `-l` buffer on each side): with a 1 MiB segment both ends stay
     // cache-warm, as they do for iperf3. Concurrent READs may land in the same local slot; the
     // bench never looks at the bytes, and no Rust reference to registered memory exists.
-    let batch = args.batch.max(1) as u64;
     let local_slots = if args.scatter {
         slots_in_remote
     } else {
         slots_in_remote.min(depth as u64 * batch)
     };
-    let local_len = (args.op_size * local_slots) as usize;
+    let local_len = args.op_size.saturating_mul(local_slots);
+    let local_flags = format!(
+        "--op-size {} × {local_slots} slots (--depth {depth} × --batch {batch}{})",
+        args.op_size,
+        if args.scatter {
+            ", or with --scatter the peer's segment"
+        } else {
+            ", at most the peer's segment"
+        }
+    );
+    if args.gpu.is_none() {
+        fits_in_memory("the local buffer", local_len, &local_flags)?;
+    }
+    let local_len = usize::try_from(local_len)
+        .with_context(|| format!("the local buffer of {local_len} bytes ({local_flags})"))?;
     // The host buffer, for `--verify` (which conflicts with `--gpu`).
     let mut host_region = None;
     let local: Arc<dyn ferry::LocalMemory + Send + Sync> = match args.gpu {
@@ -539,7 +614,8 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
             Arc::new(reg)
         }
         None => {
-            let local_mem = MemoryRegion::alloc_zeroed(local_len, ferry::PAGE_ALIGN)?;
+            let local_mem = MemoryRegion::alloc_zeroed(local_len, ferry::PAGE_ALIGN)
+                .with_context(|| format!("the local buffer ({local_flags})"))?;
             // Random bytes, as iperf3 -Z sends a file of random data: memory that was never
             // written is the kernel's shared zero page, which no real payload is.
             local_mem.write_at(0, &pseudo_random(local_mem.len()))?;
@@ -553,10 +629,10 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         (None, Some(_)) => None,
         (None, None) => Some(4 << 30),
     };
-    let deadline = args.duration.map(Duration::from_secs_f64);
+    let deadline = args.duration;
     let ops_budget = total.map(|t| t.div_ceil(args.op_size).max(batch));
     let claimed = Arc::new(AtomicU64::new(0));
-    let moved = Arc::new(AtomicU64::new(0));
+    let moved = progress.clone();
 
     let bar = if std::io::stderr().is_terminal() && !args.json {
         let bar = match total {
@@ -575,7 +651,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     };
 
     let start = Instant::now();
-    let mut workers = tokio::task::JoinSet::new();
+    let mut workers = tokio::task::JoinSet::<Result<Histogram>>::new();
     for _ in 0..depth {
         let engine = engine.clone();
         let local = local.clone();
@@ -614,10 +690,24 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
                 let t0 = Instant::now();
                 let outcome = engine.submit(ops)?.await;
                 if let Some(f) = outcome.failure {
-                    bail!("request {n} failed: {} (op {})", f.kind, f.op_index);
+                    moved
+                        .bytes
+                        .fetch_add(outcome.completed_bytes, Ordering::Relaxed);
+                    moved
+                        .ops
+                        .fetch_add(outcome.completed_ops as u64, Ordering::Relaxed);
+                    if outcome.remote_effect == ferry::RemoteEffect::Uncertain {
+                        moved.uncertain_writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(RequestFailed {
+                        request: n,
+                        failure: f,
+                    }
+                    .into());
                 }
                 lat.record(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
-                moved.fetch_add(op_size * batch, Ordering::Relaxed);
+                moved.bytes.fetch_add(op_size * batch, Ordering::Relaxed);
+                moved.ops.fetch_add(batch, Ordering::Relaxed);
             }
             Ok(lat)
         });
@@ -626,7 +716,7 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
         let moved = moved.clone();
         tokio::spawn(async move {
             loop {
-                bar.set_position(moved.load(Ordering::Relaxed));
+                bar.set_position(moved.bytes.load(Ordering::Relaxed));
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
@@ -642,9 +732,9 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let total_bytes = moved.load(Ordering::Relaxed);
+    let total_bytes = moved.bytes.load(Ordering::Relaxed);
     let verified = match args.gpu {
-        Some(n) => Some(verify_gpu(&engine, n, &remote, args.op_size).await?),
+        Some(n) => Some(verify_gpu(engine, n, &remote, args.op_size).await?),
         None => None,
     };
     let verified_bytes = if args.verify {
@@ -681,12 +771,11 @@ async fn bench(args: &BenchArgs) -> Result<Report> {
     } else {
         None
     };
-    let routes = engine.describe().routes;
     Ok(Report {
         verified,
         verified_bytes,
-        replays: routes.iter().map(|r| r.replays).sum(),
-        reconnects: routes.iter().map(|r| r.reconnects).sum(),
+        replays: 0,
+        reconnects: 0,
         transport: peer.transport().name().to_owned(),
         op: args.op.clone(),
         op_bytes: args.op_size,
@@ -724,48 +813,4 @@ fn pseudo_random(len: usize) -> Vec<u8> {
     }
     v.truncate(len);
     v
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dead_peer_limits() {
-        assert_eq!(
-            parse_dead_peer("30s").unwrap(),
-            DeadPeer(Some(Duration::from_secs(30)))
-        );
-        assert_eq!(
-            parse_dead_peer("2.5").unwrap(),
-            DeadPeer(Some(Duration::from_millis(2500)))
-        );
-        assert_eq!(parse_dead_peer("off").unwrap(), DeadPeer(None));
-        for bad in ["0", "0.5s", "-3", "1e9", "NaN", "soon", ""] {
-            let e = parse_dead_peer(bad).unwrap_err().to_string();
-            assert!(e.contains("--dead-peer-after"), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn sizes_with_suffixes() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
-        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
-        assert_eq!(parse_size("8GiB").unwrap(), 8 << 30);
-        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
-        assert_eq!(parse_size("1.5k").unwrap(), 1536);
-        assert!(parse_size("12 parsecs").is_err());
-        assert!(parse_size("MiB").is_err());
-        assert!(parse_size("99999999999999GiB").is_err());
-    }
-
-    #[test]
-    fn io_thread_choices() {
-        assert_eq!(parse_io_threads("auto").unwrap(), IoThreads(Some(0)));
-        assert_eq!(parse_io_threads("caller").unwrap(), IoThreads(None));
-        assert_eq!(parse_io_threads("3").unwrap(), IoThreads(Some(3)));
-        assert!(parse_io_threads("0").is_err());
-        assert!(parse_io_threads("many").is_err());
-    }
 }

@@ -12,20 +12,22 @@ use ferry_broadcast::{
     Discovery, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions,
 };
 
-use crate::cmd_bench::parse_size;
+use crate::parse;
 
 /// Arguments of `ferry publish`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
-    /// The files to publish (a `.safetensors` file is listed tensor by tensor).
-    #[arg(required = true)]
+    /// The files to publish (a `.safetensors` file is listed tensor by tensor); a directory
+    /// stands for the files directly in it (a checkpoint directory).
+    #[arg(required = true, value_name = "FILE|DIR")]
     files: Vec<PathBuf>,
     /// The broadcast's name.
     #[arg(long)]
     name: String,
-    /// Its version (receivers never mix two).
-    #[arg(long, default_value_t = 1)]
-    version: u64,
+    /// The broadcast's version (receivers never mix two). Not `--version`, which prints
+    /// ferry's own.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    weights_version: u64,
     /// Control address receivers are given (`ferry pull ADDR`); the Ferry listener takes the
     /// same IP and any free port.
     #[arg(long, default_value = "0.0.0.0:7500")]
@@ -34,15 +36,15 @@ pub(crate) struct PublishArgs {
     /// etcd://HOST:PORT/NAME` (needs a build with the `etcd` feature).
     #[arg(long, value_name = "URL")]
     etcd: Option<String>,
-    /// Chunk size (the unit of transfer and verification).
-    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    /// Chunk size (the unit of transfer and verification), 4KiB to 64MiB.
+    #[arg(long, default_value = "1MiB", value_parser = publish_chunk_size)]
     chunk_size: u64,
     /// Data plane: auto, tcp or uring.
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
-    /// Stop after this many seconds (default: until interrupted).
-    #[arg(long, value_name = "SECS")]
-    serve_for: Option<f64>,
+    /// Stop after this long (`90s`, `10m`; default: until interrupted).
+    #[arg(long, value_name = "DURATION", value_parser = parse::positive_duration)]
+    serve_for: Option<Duration>,
 }
 
 /// Arguments of `ferry pull`.
@@ -60,15 +62,15 @@ pub(crate) struct PullArgs {
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
     /// Chunks in flight.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value = "8", value_parser = parse::count)]
     window: usize,
-    /// Give up a parent whose progress stalls this many seconds.
-    #[arg(long, default_value_t = 3.0)]
-    stall_after: f64,
+    /// Give up a parent whose progress stalls this long (`3s`, `500ms`).
+    #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse::positive_duration)]
+    stall_after: Duration,
     /// After finishing, keep serving while members that joined later are unfinished, at most
-    /// this many seconds.
-    #[arg(long, default_value_t = 60.0)]
-    linger: f64,
+    /// this long (`60s`; `0` not at all).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse::duration)]
+    linger: Duration,
     /// Fetch from the source only, never from other receivers (a point-to-point pull: the
     /// baseline the relayed pull is measured against).
     #[arg(long)]
@@ -76,6 +78,15 @@ pub(crate) struct PullArgs {
     /// Print one JSON summary instead of the progress bar and human summary.
     #[arg(long)]
     json: bool,
+}
+
+/// `publish --chunk-size`: a size in the manifest's range.
+fn publish_chunk_size(s: &str) -> Result<u64> {
+    let (lo, hi) = ferry_broadcast::manifest::CHUNK_SIZE_RANGE;
+    match parse::size(s)? {
+        n if (lo..=hi).contains(&n) => Ok(n),
+        _ => bail!("must be {} KiB to {} MiB", lo >> 10, hi >> 20),
+    }
 }
 
 fn plane(s: &str) -> DataPlane {
@@ -108,8 +119,50 @@ async fn etcd(url: &str, _name: &str) -> Result<Arc<dyn Discovery>> {
     )
 }
 
+/// The files to publish: each FILE as given, each DIR as the files directly in it, by name (a
+/// checkpoint directory). A directory inside a DIR is refused: pulled files land side by side,
+/// named after their file names.
+fn expand_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for path in paths {
+        let meta =
+            std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+        if !meta.is_dir() {
+            files.push(path.clone());
+            continue;
+        }
+        let mut inside = Vec::new();
+        for entry in
+            std::fs::read_dir(path).with_context(|| format!("listing {}", path.display()))?
+        {
+            let entry = entry.with_context(|| format!("listing {}", path.display()))?;
+            let p = entry.path();
+            if p.is_dir() {
+                bail!(
+                    "{} is a directory inside {}: publish DIR takes the files directly in it \
+                     (give {} as a DIR of its own if its file names differ)",
+                    p.display(),
+                    path.display(),
+                    p.display()
+                );
+            }
+            inside.push(p);
+        }
+        if inside.is_empty() {
+            bail!(
+                "{} is an empty directory: nothing to publish",
+                path.display()
+            );
+        }
+        inside.sort();
+        files.extend(inside);
+    }
+    Ok(files)
+}
+
 pub(crate) fn publish(args: PublishArgs) -> Result<()> {
-    let manifest = Manifest::build(&args.name, args.version, &args.files, args.chunk_size)
+    let files = expand_files(&args.files)?;
+    let manifest = Manifest::build(&args.name, args.weights_version, &files, args.chunk_size)
         .context("building the manifest")?;
     runtime()?.block_on(async {
         let discovery = match &args.etcd {
@@ -118,7 +171,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
         };
         let src = Source::start(
             manifest,
-            &args.files,
+            &files,
             SourceOptions {
                 listen: args.listen,
                 data_plane: plane(&args.transport),
@@ -145,7 +198,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             src.ctl_addr()
         );
         match args.serve_for {
-            Some(s) => tokio::time::sleep(Duration::from_secs_f64(s.max(0.0))).await,
+            Some(d) => tokio::time::sleep(d).await,
             None => tokio::signal::ctrl_c()
                 .await
                 .context("waiting for ctrl-c")?,
@@ -156,6 +209,35 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
 }
 
 pub(crate) fn pull(args: PullArgs) -> Result<()> {
+    let last = std::sync::Mutex::new(None::<ferry_broadcast::Snapshot>);
+    let result = pull_inner(&args, &last);
+    result.map_err(|e| {
+        let mut facts = serde_json::Map::new();
+        let snap = last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        facts.insert("from".into(), args.from.clone().into());
+        facts.insert("bytes".into(), snap.as_ref().map_or(0, |s| s.bytes).into());
+        facts.insert("total_bytes".into(), snap.as_ref().map(|s| s.total).into());
+        facts.insert(
+            "refetched_chunks".into(),
+            snap.as_ref().map_or(0, |s| s.refetched).into(),
+        );
+        let done = snap.as_ref().map(|s| {
+            format!(
+                "before failing: {} of {} bytes pulled, {} chunks re-fetched",
+                s.bytes, s.total, s.refetched
+            )
+        });
+        crate::failure::report(e, crate::failure::Server::Publish, args.json, facts, done)
+    })
+}
+
+fn pull_inner(
+    args: &PullArgs,
+    last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
+) -> Result<()> {
     runtime()?.block_on(async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
             match args.from.strip_prefix("etcd://") {
@@ -169,6 +251,13 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
                     )
                 }
                 None => {
+                    if !parse::has_port(&args.from) {
+                        bail!(
+                            "{:?} has no port: give HOST:PORT, as `ferry publish` prints it \
+                             (its control port is 7500 unless --listen says otherwise)",
+                            args.from
+                        );
+                    }
                     let addr: SocketAddr = tokio::net::lookup_host(&args.from)
                         .await
                         .with_context(|| format!("resolving {}", args.from))?
@@ -184,8 +273,8 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
             ReceiverOptions {
                 listen_ip: args.listen,
                 data_plane: plane(&args.transport),
-                window: args.window.max(1),
-                stall_after: Duration::from_secs_f64(args.stall_after.max(0.1)),
+                window: args.window,
+                stall_after: args.stall_after,
                 relay: !args.no_relay,
                 ..Default::default()
             },
@@ -216,6 +305,10 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
             })
         });
         let summary = r.run().await;
+        *last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(r.progress().borrow().clone());
         if let Some(t) = ticker {
             t.abort();
         }
@@ -241,8 +334,7 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
                 args.into.display()
             );
         }
-        r.linger(Duration::from_secs_f64(args.linger.max(0.0)))
-            .await;
+        r.linger(args.linger).await;
         r.leave().await;
         Ok(())
     })

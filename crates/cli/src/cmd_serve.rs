@@ -5,18 +5,21 @@ use std::net::SocketAddr;
 use anyhow::{Context, Result, bail};
 use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
 
-use crate::cmd_bench::{parse_size, rdma_config};
+use crate::cmd_bench::rdma_config;
+use crate::parse::{self, DeadPeer, IoThreads};
 
 /// Arguments of `ferry serve`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct ServeArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0:7400")]
+    /// Address to listen on: HOST:PORT (`0.0.0.0:7400`, `localhost:0` for any free port).
+    #[arg(long, default_value = DEFAULT_LISTEN, value_parser = parse::listen_addr)]
     listen: SocketAddr,
     /// A segment to publish: NAME=SIZE (generated data, e.g. `weights=1GiB`), NAME=SIZE@gpuN
     /// (generated data in GPU N's memory: registered with the NICs nearest it for RDMA peers
     /// when a GPUDirect route exists, served by staging through host memory otherwise), or
-    /// NAME=@PATH (a file's bytes loaded into memory). Repeatable.
+    /// NAME=@PATH (a file's bytes loaded into memory). Repeatable; names are unique. Without
+    /// any `--segment`, `--file` or `--file-rw`, a segment `bench=64MiB` is published, the one
+    /// `ferry bench HOST:PORT` uses.
     #[arg(long = "segment", value_name = "NAME=SIZE|NAME=SIZE@gpuN|NAME=@PATH")]
     segments: Vec<String>,
     /// A file segment to publish without loading it: NAME=PATH, served read-only, by io_uring
@@ -35,8 +38,8 @@ pub(crate) struct ServeArgs {
     /// Publish every segment read-only (default: generated segments read+write, files read-only).
     #[arg(long)]
     read_only: bool,
-    /// Data streams accepted per peer and used per connection.
-    #[arg(long, default_value_t = 4)]
+    /// Data streams accepted per peer and used per connection (1 to 64).
+    #[arg(long, default_value = "4", value_parser = parse::streams)]
     streams: usize,
     /// Transports to serve: tcp, uring (the io_uring server, which TCP clients reach too; an
     /// error where the kernel cannot), rdma (RDMA required, plus the engine's choice of io_uring
@@ -49,13 +52,13 @@ pub(crate) struct ServeArgs {
     rdma_hca: Option<String>,
     /// TCP data plane: I/O threads serving the data streams (`auto`: one per core), or `caller`
     /// to serve them on this process's runtime.
-    #[arg(long, default_value = "auto", value_parser = crate::cmd_bench::parse_io_threads)]
-    io_threads: crate::cmd_bench::IoThreads,
+    #[arg(long, default_value = "auto", value_parser = parse::io_threads)]
+    io_threads: IoThreads,
     /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an
-    /// idle one's keepalive probes go unanswered) this long: seconds, or `off` for the kernel's
-    /// defaults (about 15 minutes).
-    #[arg(long, default_value = "30s", value_parser = crate::cmd_bench::parse_dead_peer)]
-    dead_peer_after: crate::cmd_bench::DeadPeer,
+    /// idle one's keepalive probes go unanswered) this long (1s to a day), or `off` for the
+    /// kernel's defaults (about 15 minutes).
+    #[arg(long, default_value = "30s", value_parser = parse::dead_peer)]
+    dead_peer_after: DeadPeer,
     /// Serve only peers that prove a key of the keyring file F (lines of `name hexkey`, each key
     /// at least 16 bytes); the key's name is the peer's identity for `--publish-to`. Without it,
     /// the file named by FERRY_AUTH_KEY_FILE, if set; with neither, anyone who can reach the
@@ -71,11 +74,65 @@ pub(crate) struct ServeArgs {
     /// reach it.
     #[arg(long = "publish-to", value_name = "NAME=PEER[,PEER]")]
     publish_to: Vec<String>,
-    /// Serve Prometheus metrics over HTTP on ADDR (`GET /metrics`, e.g. 127.0.0.1:9400; port 0
-    /// picks a free one, printed at start). Anyone who can reach ADDR reads them: keep it on
-    /// loopback or a management network.
-    #[arg(long, value_name = "ADDR")]
+    /// Serve Prometheus metrics over HTTP on ADDR: HOST:PORT (`GET /metrics`, e.g.
+    /// 127.0.0.1:9400; port 0 picks a free one, printed at start). Anyone who can reach ADDR
+    /// reads them: keep it on loopback or a management network.
+    #[arg(long, value_name = "ADDR", value_parser = parse::listen_addr)]
     metrics: Option<SocketAddr>,
+}
+
+/// The address `serve` listens on by default (its port is the one a HOST alone means).
+pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:7400";
+/// The segment a plain `ferry serve` publishes, which `ferry bench`'s `--segment` names by default.
+pub(crate) const DEFAULT_SEGMENT: (&str, &str) = ("bench", "64MiB");
+
+/// Checks what can be checked before anything starts: every spec parses, no name is given
+/// twice, every `--publish-to` names a segment and has keys to name peers by.
+fn check_specs(args: &ServeArgs) -> Result<()> {
+    let mut seen: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+    let specs = args
+        .segments
+        .iter()
+        .map(|s| ("--segment", s))
+        .chain(args.files.iter().map(|s| ("--file", s)))
+        .chain(args.writable_files.iter().map(|s| ("--file-rw", s)));
+    for (flag, spec) in specs {
+        let (name, what) = spec
+            .split_once('=')
+            .filter(|(n, w)| !n.is_empty() && !w.is_empty())
+            .with_context(|| {
+                let form = if flag == "--segment" {
+                    "NAME=SIZE, NAME=SIZE@gpuN or NAME=@PATH"
+                } else {
+                    "NAME=PATH"
+                };
+                format!("{flag} {spec:?}: expected {form}")
+            })?;
+        if flag == "--segment" && gpu_segment(spec)?.is_none() && !what.starts_with('@') {
+            parse::nonzero_size(what).with_context(|| format!("--segment {spec:?}"))?;
+        }
+        if let Some(first) = seen.insert(name, format!("{flag} {spec}")) {
+            bail!(
+                "{flag} {spec}: the name {name:?} is already given ({first}); segment names are \
+                 unique per server"
+            );
+        }
+    }
+    if !args.publish_to.is_empty()
+        && args.auth_key_file.is_none()
+        && std::env::var_os(ferry::AUTH_KEY_FILE_ENV).is_none_or(|v| v.is_empty())
+    {
+        bail!(
+            "--publish-to needs --auth-key-file (or {}): peers are named by the keys they prove",
+            ferry::AUTH_KEY_FILE_ENV
+        );
+    }
+    for name in audiences(&args.publish_to)?.keys() {
+        if !seen.contains_key(name.as_str()) {
+            bail!("--publish-to {name}: no --segment or --file of that name");
+        }
+    }
+    Ok(())
 }
 
 /// `--publish-to` specs as segment name → key names.
@@ -130,7 +187,7 @@ fn load_segment(spec: &str, read_only: bool) -> Result<(String, MemoryRegion, Ac
             Access::REMOTE_READ,
         ));
     }
-    let size = parse_size(what).with_context(|| format!("--segment {spec:?}"))?;
+    let size = parse::nonzero_size(what).with_context(|| format!("--segment {spec:?}"))?;
     let region = MemoryRegion::alloc_zeroed(size as usize, ferry::PAGE_ALIGN)
         .with_context(|| format!("allocating {size} bytes for segment {name:?}"))?;
     fill_pattern(&region)?;
@@ -154,6 +211,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             "uring" => DataPlane::Uring,
             _ => DataPlane::Auto,
         };
+        check_specs(&args)?;
         let audiences = audiences(&args.publish_to)?;
         let mut builder = TransferEngine::builder()
             .listen(args.listen)
@@ -195,7 +253,21 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         }
         let mut held = Vec::new();
         let mut gpu_held = Vec::new();
-        for spec in &args.segments {
+        let default_segment;
+        let segments = if args.segments.is_empty()
+            && args.files.is_empty()
+            && args.writable_files.is_empty()
+        {
+            default_segment = [format!("{}={}", DEFAULT_SEGMENT.0, DEFAULT_SEGMENT.1)];
+            println!(
+                "no --segment or --file given: publishing {} for `ferry bench`",
+                default_segment[0]
+            );
+            &default_segment[..]
+        } else {
+            &args.segments[..]
+        };
+        for spec in segments {
             if let Some((name, size, ordinal)) = gpu_segment(spec)? {
                 if audiences.contains_key(&name) {
                     bail!("--publish-to {name}: GPU segments are published to every peer");
@@ -280,17 +352,6 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             );
             files.push(file);
         }
-        for name in audiences.keys() {
-            let known = args
-                .segments
-                .iter()
-                .chain(&args.files)
-                .chain(&args.writable_files)
-                .any(|s| s.split_once('=').is_some_and(|(n, _)| n == name));
-            if !known {
-                bail!("--publish-to {name}: no --segment or --file of that name");
-            }
-        }
         let addr = engine.local_addr().context("the engine has no listener")?;
         println!("listening on {addr}");
         std::future::pending::<()>().await;
@@ -315,7 +376,7 @@ fn gpu_segment(spec: &str) -> Result<Option<(String, u64, u32)>> {
     let ordinal = gpu
         .parse::<u32>()
         .with_context(|| format!("--segment {spec:?}: GPU ordinal {gpu:?}"))?;
-    let size = parse_size(size).with_context(|| format!("--segment {spec:?}"))?;
+    let size = parse::nonzero_size(size).with_context(|| format!("--segment {spec:?}"))?;
     Ok(Some((name.to_owned(), size, ordinal)))
 }
 

@@ -59,6 +59,31 @@ pub(crate) fn run(args: TopologyArgs) -> anyhow::Result<()> {
         writeln!(out, "{}", topology.to_json()?).context("writing to stdout")?;
     } else {
         write!(out, "{}", topology.render_table()).context("writing to stdout")?;
+        if let Some(next) = next_step(&topology) {
+            writeln!(out, "\nnext: {next}").context("writing to stdout")?;
+        }
     }
     Ok(())
+}
+
+/// What to do when the topology has nothing to assign.
+fn next_step(t: &Topology) -> Option<&'static str> {
+    let usable_nics = t.nics.iter().filter(|n| n.usable).count();
+    match (usable_nics, t.gpus.len()) {
+        (0, 0) => Some(
+            "no usable RDMA NIC and no GPU here, so there is nothing to pair; TCP and io_uring need \
+             neither: try `ferry bench` (loopback) or `ferry serve` + `ferry bench HOST:7400`. \
+             `ferry doctor` says why RDMA or CUDA is missing.",
+        ),
+        (0, _) => Some(
+            "GPUs but no usable RDMA NIC: GPU memory is served by staging through host memory \
+             over TCP or io_uring (`ferry bench --gpu 0`); `ferry doctor` says why RDMA is \
+             missing.",
+        ),
+        (_, 0) => Some(
+            "RDMA NICs but no GPU: they serve host memory (`ferry bench --transport rdma`); GPU \
+             routes need the NVIDIA driver (`ferry doctor`).",
+        ),
+        _ => None,
+    }
 }

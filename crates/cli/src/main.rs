@@ -1,18 +1,21 @@
 //! The `ferry` command: `doctor` (what this machine can do), `topology` (which NIC serves which
 //! GPU), `serve` (publish segments), `bench` (measure transfers), `publish` and `pull` (weight
-//! broadcast).
+//! broadcast), `completions` (shell completion scripts).
 //!
-//! Exit codes: 0 on success (`doctor` always, since it is a report), 1 when a command fails, 2 for
-//! bad arguments.
+//! Exit codes: 0 on success (`doctor` too, since it is a report, unless `--require` names what
+//! is missing), 1 when a command fails, 2 for bad arguments.
 
 mod cmd_bench;
 mod cmd_broadcast;
 mod cmd_doctor;
 mod cmd_serve;
 mod cmd_topology;
+mod failure;
 mod histogram;
+mod parse;
+mod version;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -47,6 +50,20 @@ enum Command {
     /// Pull a broadcast (from the source's address, or etcd://HOST:PORT/NAME) into a directory,
     /// verifying every chunk and relaying it to the members after this one.
     Pull(cmd_broadcast::PullArgs),
+    /// Print a shell completion script: `ferry completions bash > /etc/bash_completion.d/ferry`,
+    /// `ferry completions zsh > ~/.zfunc/_ferry`, `ferry completions fish >
+    /// ~/.config/fish/completions/ferry.fish`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Colour only on a terminal, and never with NO_COLOR set (to anything but empty).
+fn colour() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 fn init_tracing(verbose: u8) {
@@ -61,11 +78,17 @@ fn init_tracing(verbose: u8) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .init();
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let version: &'static str = version::LONG.as_str();
+    let matches = Cli::command().version(version).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     init_tracing(cli.verbose);
     let result = match cli.command {
         Command::Doctor(args) => cmd_doctor::run(&args),
@@ -74,6 +97,12 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => cmd_bench::run(args),
         Command::Publish(args) => cmd_broadcast::publish(args),
         Command::Pull(args) => cmd_broadcast::pull(args),
+        Command::Completions { shell } => {
+            // Into a buffer first: clap_complete panics on a write error (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "ferry", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script).map_err(Into::into)
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -84,8 +113,11 @@ fn main() -> std::process::ExitCode {
             // The reader went away (`ferry doctor | head`): not an error of ours.
             std::process::ExitCode::SUCCESS
         }
+        Err(e) if e.downcast_ref::<failure::Reported>().is_some() => {
+            std::process::ExitCode::FAILURE
+        }
         Err(e) => {
-            eprintln!("ferry: {e:#}");
+            failure::Failure::of(&e, failure::Server::Serve).print();
             std::process::ExitCode::FAILURE
         }
     }

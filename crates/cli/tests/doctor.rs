@@ -129,3 +129,152 @@ fn bad_arguments_exit_2() {
     let out = ferry().arg("no-such-command").output().expect("run ferry");
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
+
+#[test]
+fn version_names_the_commit_the_features_and_the_protocol() {
+    let out = ferry()
+        .arg("--version")
+        .output()
+        .expect("run ferry --version");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rest = text
+        .trim()
+        .strip_prefix(&format!("ferry {} (commit ", env!("CARGO_PKG_VERSION")))
+        .unwrap_or_else(|| panic!("version first: {text}"));
+    let (commit, rest) = rest.split_once(';').expect("commit, then features");
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.chars().all(|c| c.is_ascii_hexdigit())),
+        "a short commit or `unknown`: {commit:?}"
+    );
+    assert!(rest.contains(" features: "), "{text}");
+    let v = ferry::SUPPORTED_VERSIONS;
+    assert!(
+        rest.contains(&format!("wire protocol {}..={}", v.min, v.max)),
+        "{text}"
+    );
+    // `-V` says the same.
+    let short = ferry().arg("-V").output().expect("run ferry -V");
+    assert_eq!(String::from_utf8(short.stdout).unwrap(), text);
+}
+
+#[test]
+fn doctor_opens_with_a_verdict_and_the_version() {
+    let out = ferry().arg("doctor").output().expect("run ferry doctor");
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines();
+    let first = lines.next().unwrap_or_default();
+    assert!(first.starts_with("usable here: tcp"), "{first}");
+    assert!(first.contains("try `ferry bench"), "{first}");
+    let second = lines.next().unwrap_or_default();
+    assert!(
+        second.starts_with(&format!("ferry {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{second}"
+    );
+    assert!(second.contains("wire protocol "), "{second}");
+
+    let v = doctor_json(&[]);
+    assert!(
+        v["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("usable here: tcp")
+    );
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    assert!(v["commit"].is_string());
+    assert!(v["features"].is_array());
+    let p = ferry::SUPPORTED_VERSIONS;
+    assert_eq!(v["protocol_versions"]["min"], p.min);
+    assert_eq!(v["protocol_versions"]["max"], p.max);
+    let s = &v["summary"];
+    assert_eq!(s["transports"][0], "tcp", "{s}");
+    for key in ["rdma_devices", "gpus", "uring_opcodes"] {
+        assert!(s[key].is_array(), "{key} in {s}");
+    }
+    // The structured fields agree with the rows.
+    let uring_ok = row(&v, "io_uring")["status"] == "ok";
+    let has_uring = s["transports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t == "uring");
+    assert_eq!(uring_ok, has_uring, "{s}");
+    assert_eq!(
+        uring_ok,
+        !s["uring_opcodes"].as_array().unwrap().is_empty(),
+        "{s}"
+    );
+}
+
+#[test]
+fn require_exits_1_naming_what_is_missing() {
+    let out = ferry()
+        .args(["doctor", "--require", "tcp"])
+        .output()
+        .expect("run ferry doctor");
+    assert!(out.status.success(), "{out:?}");
+    let v = doctor_json(&[]);
+    let has = |t: &str| {
+        v["summary"]["transports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x == t)
+    };
+    let gpus = !v["summary"]["gpus"].as_array().unwrap().is_empty();
+    let missing: Vec<&str> = [
+        ("uring", has("uring")),
+        ("rdma", has("rdma")),
+        ("gpu", gpus),
+    ]
+    .into_iter()
+    .filter(|(_, present)| !present)
+    .map(|(n, _)| n)
+    .collect();
+    let out = ferry()
+        .args(["doctor", "--require", "tcp,uring,rdma,gpu"])
+        .output()
+        .expect("run ferry doctor");
+    if missing.is_empty() {
+        assert!(out.status.success(), "{out:?}");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            err.contains(&format!("not usable here: {}", missing.join(", "))),
+            "{err}"
+        );
+        // The report is printed all the same.
+        assert!(
+            String::from_utf8(out.stdout)
+                .unwrap()
+                .starts_with("usable here: ")
+        );
+    }
+    let out = ferry()
+        .args(["doctor", "--require", "warp-drive"])
+        .output()
+        .expect("run ferry doctor");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}
+
+#[test]
+fn publish_has_no_version_flag_of_its_own() {
+    // `--version` is ferry's; the broadcast's is `--weights-version`.
+    let out = ferry()
+        .args(["publish", "x", "--name", "n", "--version", "3"])
+        .output()
+        .expect("run ferry publish");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let help = ferry()
+        .args(["publish", "--help"])
+        .output()
+        .expect("run ferry publish --help");
+    assert!(
+        String::from_utf8(help.stdout)
+            .unwrap()
+            .contains("--weights-version <N>")
+    );
+}

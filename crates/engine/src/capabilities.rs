@@ -64,8 +64,41 @@ impl Check {
 /// The whole matrix.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Capabilities {
+    /// What the rows add up to, as fields a script can read.
+    pub summary: Summary,
     /// The rows, in a fixed order.
     pub checks: Vec<Check>,
+}
+
+/// The facts behind the rows, structured: what a script checks instead of parsing `detail`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct Summary {
+    /// Transports usable here: `tcp` always, `uring` when the kernel carries the io_uring data
+    /// plane, `rdma` when RDMA is built in and libibverbs lists a device.
+    pub transports: Vec<&'static str>,
+    /// The RDMA devices libibverbs lists.
+    pub rdma_devices: Vec<String>,
+    /// The GPUs the CUDA driver lists.
+    pub gpus: Vec<GpuSummary>,
+    /// The io_uring opcodes the kernel supports (empty without io_uring).
+    pub uring_opcodes: Vec<&'static str>,
+}
+
+/// One GPU of [`Summary::gpus`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct GpuSummary {
+    /// The CUDA ordinal (`--gpu N`).
+    pub ordinal: u32,
+    /// The driver's name for it.
+    pub name: String,
+    /// Its PCI bus id.
+    pub pci_bus_id: String,
+    /// Its memory, in MiB.
+    pub memory_mib: u64,
+    /// Whether the driver is the test suite's fake.
+    pub fake: bool,
 }
 
 impl Capabilities {
@@ -99,17 +132,50 @@ pub fn probe(opts: &ProbeOptions) -> Capabilities {
 /// `rdma-devices` row and the `topology` row read the same listing.
 pub fn probe_with(opts: &ProbeOptions, devices: &dyn DeviceEnumerator) -> Capabilities {
     let listing = Discovery::run(devices).listing();
+    let (uring, uring_opcodes) = uring_check();
+    let mut summary = Summary {
+        transports: vec![TransportKind::Tcp.name()],
+        rdma_devices: listing.devices.iter().map(|d| d.name.clone()).collect(),
+        uring_opcodes,
+        ..Summary::default()
+    };
+    if uring.status == Status::Ok {
+        summary.transports.push(TransportKind::Uring.name());
+    }
+    if cfg!(feature = "rdma") && !summary.rdma_devices.is_empty() {
+        summary.transports.push(TransportKind::Rdma.name());
+    }
     let mut checks = vec![
         build_features(),
         libibverbs_check(),
         devices_check(&listing),
         topology_check(opts, &listing),
-        uring_check(),
+        uring,
     ];
     checks.extend(cuda_checks(opts));
     #[cfg(feature = "cuda")]
-    checks.push(gpus_check(opts, &listing));
-    Capabilities { checks }
+    {
+        let (check, gpus) = gpus_check(opts, &listing);
+        checks.push(check);
+        summary.gpus = gpus;
+    }
+    Capabilities { summary, checks }
+}
+
+/// The cargo features of the `ferry` crate this build has on (`uring`, `cuda`, `rdma`), for
+/// version reports.
+pub fn compiled_features() -> Vec<&'static str> {
+    let mut on = Vec::new();
+    if cfg!(feature = "uring") {
+        on.push("uring");
+    }
+    if cfg!(feature = "cuda") {
+        on.push("cuda");
+    }
+    if cfg!(feature = "rdma") {
+        on.push("rdma");
+    }
+    on
 }
 
 /// The transports compiled into this build (TCP always; io_uring and RDMA by feature).
@@ -143,19 +209,28 @@ fn build_features() -> Check {
 }
 
 #[cfg(not(feature = "uring"))]
-fn uring_check() -> Check {
-    Check::new(
+fn uring_check() -> (Check, Vec<&'static str>) {
+    let check = Check::new(
         "io_uring",
         Status::Unavailable,
         "not built in (feature `uring` off)",
         "rebuild with the `uring` feature",
-    )
+    );
+    (check, Vec::new())
 }
 
 #[cfg(feature = "uring")]
-fn uring_check() -> Check {
+fn uring_check() -> (Check, Vec<&'static str>) {
     let p = transport_uring::probe_kernel();
-    match (&p, p.unusable_reason()) {
+    let opcodes = match &p {
+        transport_uring::UringProbe::Available { opcodes } => opcodes
+            .iter()
+            .filter(|o| o.supported)
+            .map(|o| o.name)
+            .collect(),
+        _ => Vec::new(),
+    };
+    let check = match (&p, p.unusable_reason()) {
         (transport_uring::UringProbe::Unavailable { reason }, _) => Check::new(
             "io_uring",
             Status::Unavailable,
@@ -177,7 +252,8 @@ fn uring_check() -> Check {
             };
             Check::new("io_uring", Status::Ok, format!("opcodes: {p}"), hint)
         }
-    }
+    };
+    (check, opcodes)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -209,27 +285,39 @@ fn cuda_checks(opts: &ProbeOptions) -> Vec<Check> {
 /// The GPUs the driver lists (name, PCI bus id, memory), and for each the route `auto` would
 /// take with the NICs nearest it (the topology's assignment).
 #[cfg(feature = "cuda")]
-fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
+fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> (Check, Vec<GpuSummary>) {
     let cuda = match cuda::Cuda::load() {
         Ok(c) => c,
         Err(e) => {
-            return Check::new(
+            let check = Check::new(
                 "gpus",
                 Status::Unavailable,
                 e.to_string(),
                 "no CUDA driver: no GPU memory to register",
             );
+            return (check, Vec::new());
         }
     };
     let devices = cuda.devices();
     if devices.is_empty() {
-        return Check::new(
+        let check = Check::new(
             "gpus",
             Status::Absent,
             format!("{} lists no GPU", cuda.library()),
             "check nvidia-smi and the device nodes (/dev/nvidia*)",
         );
+        return (check, Vec::new());
     }
+    let gpus = devices
+        .iter()
+        .map(|d| GpuSummary {
+            ordinal: d.location.ordinal,
+            name: d.name.clone(),
+            pci_bus_id: d.location.pci_bus_id.clone(),
+            memory_mib: d.total_mem >> 20,
+            fake: cuda.is_fake(),
+        })
+        .collect();
     let verbs = topology::VerbsDevices {
         names: listing.devices.iter().map(|d| d.name.clone()).collect(),
         unavailable: listing.unavailable.clone(),
@@ -278,12 +366,13 @@ fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
     } else {
         ""
     };
-    Check::new(
+    let check = Check::new(
         "gpus",
         Status::Ok,
         format!("{}{fake}: {}", cuda.library(), parts.join("; ")),
         "",
-    )
+    );
+    (check, gpus)
 }
 
 #[cfg(feature = "cuda")]

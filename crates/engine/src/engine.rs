@@ -168,6 +168,19 @@ impl TransferEngine {
         access: Access,
         name: &str,
     ) -> Result<Registration, Error> {
+        self.inner
+            .table
+            .publish_named(name, access.is_remote(), || {
+                self.register_unchecked(region, access, name)
+            })
+    }
+
+    fn register_unchecked(
+        &self,
+        region: Arc<MemoryRegion>,
+        access: Access,
+        name: &str,
+    ) -> Result<Registration, Error> {
         let span = tracing::info_span!("register", name, len = region.len(), %access);
         let _enter = span.enter();
         let reg = self
@@ -234,6 +247,17 @@ impl TransferEngine {
     }
 
     fn publish_file_inner(
+        &self,
+        path: &std::path::Path,
+        access: Access,
+        name: &str,
+    ) -> Result<FileRegistration, Error> {
+        self.inner.table.publish_named(name, true, || {
+            self.publish_file_unchecked(path, access, name)
+        })
+    }
+
+    fn publish_file_unchecked(
         &self,
         path: &std::path::Path,
         access: Access,

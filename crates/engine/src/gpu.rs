@@ -661,6 +661,19 @@ impl crate::TransferEngine {
         name: &str,
     ) -> Result<GpuRegistration, Error> {
         let memory = memory.into();
+        self.inner
+            .table
+            .publish_named(name, access.is_remote(), || {
+                self.register_gpu_unchecked(memory, access, name)
+            })
+    }
+
+    fn register_gpu_unchecked(
+        &self,
+        memory: Arc<DeviceMemory>,
+        access: Access,
+        name: &str,
+    ) -> Result<GpuRegistration, Error> {
         let state = self.gpu_state()?;
         let _span = tracing::info_span!(
             "register_gpu",

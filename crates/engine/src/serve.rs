@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use ferry_core::wire::{Hello, Reject, RejectReason, VersionRange};
 use ferry_core::{
@@ -38,6 +38,9 @@ pub(crate) struct RegistryTable {
     /// [`retire`](Self::retire)), for the tests of that order.
     #[cfg(test)]
     pub(crate) ended: std::sync::Mutex<Vec<Ended>>,
+    /// Held while a name is checked and published, so that two registrations of one name
+    /// cannot both pass the check.
+    naming: Mutex<()>,
 }
 
 /// What of a retired segment was still reachable just after its restriction to named peers was
@@ -55,6 +58,15 @@ pub(crate) struct Ended {
     pub(crate) listed: bool,
 }
 
+/// Why a registration under a name already published is refused (inside
+/// [`Error::Register`](ferry_core::Error::Register), which names the segment).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this engine already publishes a segment of that name (names are unique per engine: drop the \
+     other registration first, or pick another name)"
+)]
+pub(crate) struct NameTaken;
+
 impl RegistryTable {
     pub(crate) fn new(registry: Registry) -> Self {
         Self {
@@ -64,6 +76,7 @@ impl RegistryTable {
             audience: RwLock::new(HashMap::new()),
             #[cfg(test)]
             ended: std::sync::Mutex::new(Vec::new()),
+            naming: Mutex::new(()),
         }
     }
 
@@ -84,6 +97,28 @@ impl RegistryTable {
             .remove(&token);
         self.unrestrict(token);
         out
+    }
+
+    /// Runs `publish` (which publishes a segment named `name` to peers when `published`), after
+    /// checking that no published segment has that name: the name a peer asks for must mean one
+    /// segment. Local-only registrations (`published` false) are not checked.
+    pub(crate) fn publish_named<T>(
+        &self,
+        name: &str,
+        published: bool,
+        publish: impl FnOnce() -> Result<T, ferry_core::Error>,
+    ) -> Result<T, ferry_core::Error> {
+        if !published {
+            return publish();
+        }
+        let _naming = self.naming.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.published().iter().any(|d| d.name == name) {
+            return Err(ferry_core::Error::Register {
+                name: name.to_owned(),
+                source: Box::new(NameTaken),
+            });
+        }
+        publish()
     }
 
     /// Runs `publish` (which registers a segment and returns its token) and restricts that

@@ -105,3 +105,50 @@ async fn batches_are_validated_before_anything_moves() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_published_name_is_unique_per_engine() -> Result<()> {
+    let engine = TransferEngine::builder().build()?;
+    let mem = || MemoryRegion::alloc_zeroed(4096, 4096);
+    let first = engine.register(mem()?, Access::REMOTE_READ, "dup")?;
+    let refused = |r: Result<(), Error>, what: &str| match r {
+        Err(e @ Error::Register { .. }) => {
+            let m = e.to_string();
+            assert!(
+                m.starts_with("registering \"") && m.contains("unique per engine"),
+                "{what}: {m}"
+            );
+        }
+        other => panic!("{what}: expected Register, got {other:?}"),
+    };
+    refused(
+        engine
+            .register(mem()?, Access::REMOTE_READ | Access::REMOTE_WRITE, "dup")
+            .map(drop),
+        "memory",
+    );
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), [7u8; 4096])?;
+    refused(
+        engine
+            .publish_file_named(file.path(), Access::REMOTE_READ, "dup")
+            .map(drop),
+        "file",
+    );
+    // A file takes the name as memory would.
+    let f = engine.publish_file_named(file.path(), Access::REMOTE_READ, "f")?;
+    refused(
+        engine.register(mem()?, Access::REMOTE_READ, "f").map(drop),
+        "memory after a file",
+    );
+    drop(f);
+    // Local-only registrations are not published, and take any name.
+    let _local = engine.register(mem()?, Access::LOCAL, "dup")?;
+    let published = engine.describe().published;
+    assert_eq!(published.iter().filter(|s| s.name == "dup").count(), 1);
+    // Once the first is gone (dropped, no request holding it), the name is free again.
+    drop(first);
+    let _again = engine.register(mem()?, Access::REMOTE_READ, "dup")?;
+    let _f_again = engine.register(mem()?, Access::REMOTE_READ, "f")?;
+    Ok(())
+}

@@ -13,9 +13,11 @@ use std::ptr::NonNull;
 
 use ferry::MemoryRegion;
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyMemoryView;
+
+use crate::errors;
 
 /// A buffer exported for registration.
 pub(crate) struct Exported {
@@ -44,7 +46,7 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>) -> PyResult<Exported> {
     })?;
     let buf = PyUntypedBuffer::get(view.as_any())?;
     if !(buf.is_c_contiguous() || buf.is_fortran_contiguous()) {
-        return Err(PyValueError::new_err(
+        return Err(errors::invalid_argument(
             "register() needs a contiguous buffer; this one is strided (for NumPy, register \
              numpy.ascontiguousarray(a) or the array the view was taken from)",
         ));

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use ferry::{Access, DataPlane, OpKind, TransferEngine, TransportKind};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -16,6 +16,9 @@ use crate::gpu::{self, GpuRegistration};
 use crate::request::{self, Batch, Request, make_op, seconds, to_batch};
 use crate::runtime;
 
+/// Data streams per peer, as the transports take them (`ferry --streams` has the same limit).
+const MAX_STREAMS: usize = 64;
+
 /// Parses an access string: `"local"`, `"read"`, `"write"` or `"read+write"` (also `"rw"`).
 pub(crate) fn parse_access(s: &str) -> PyResult<Access> {
     Ok(match s {
@@ -24,7 +27,7 @@ pub(crate) fn parse_access(s: &str) -> PyResult<Access> {
         "write" | "w" => Access::REMOTE_WRITE,
         "read+write" | "rw" | "write+read" => Access::REMOTE_READ | Access::REMOTE_WRITE,
         other => {
-            return Err(PyValueError::new_err(format!(
+            return Err(errors::invalid_argument(format!(
                 "access must be \"local\", \"read\", \"write\" or \"read+write\", not {other:?}"
             )));
         }
@@ -56,6 +59,19 @@ pub(crate) fn to_plain<'py>(
 
 /// Names registrations that were given none.
 static UNNAMED: AtomicU64 = AtomicU64::new(0);
+
+/// Resolves the argument `what`, HOST:PORT (`example` shows one), to its first address.
+fn host_port(what: &str, addr: &str, example: &str) -> PyResult<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| {
+            errors::invalid_argument(format!(
+                "{what} must be HOST:PORT like \"{example}\" or \"localhost:0\", not {addr:?}"
+            ))
+        })
+}
 
 /// Ferry's transfer engine: registers memory and files, connects to peers, moves bytes.
 ///
@@ -103,12 +119,7 @@ impl Engine {
     ) -> PyResult<Self> {
         let mut b = TransferEngine::builder();
         if let Some(addr) = listen {
-            let addr = addr.parse().map_err(|e| {
-                PyValueError::new_err(format!(
-                    "listen must be an IP address and port like \"127.0.0.1:0\", not {addr:?}: {e}"
-                ))
-            })?;
-            b = b.listen(addr);
+            b = b.listen(host_port("listen", addr, "127.0.0.1:0")?);
         }
         if let Some(ts) = transports {
             let mut kinds = Vec::with_capacity(ts.len());
@@ -118,27 +129,36 @@ impl Engine {
                     "uring" => TransportKind::Uring,
                     "rdma" => TransportKind::Rdma,
                     other => {
-                        return Err(PyValueError::new_err(format!(
+                        return Err(errors::invalid_argument(format!(
                             "transports takes \"tcp\", \"uring\" and \"rdma\", not {other:?}"
                         )));
                     }
                 });
             }
             if kinds.is_empty() {
-                return Err(PyValueError::new_err("transports must name at least one"));
+                return Err(errors::invalid_argument(
+                    "transports must name at least one",
+                ));
             }
             b = b.transports(&kinds);
         }
         let plane = DataPlane::parse(data_plane).ok_or_else(|| {
-            PyValueError::new_err(format!(
+            errors::invalid_argument(format!(
                 "data_plane must be \"auto\", \"uring\" or \"tcp\", not {data_plane:?}"
             ))
         })?;
         b = b.data_plane(plane);
         for (what, v) in [("streams", streams), ("depth", depth)] {
             if v == Some(0) {
-                return Err(PyValueError::new_err(format!("{what} must be at least 1")));
+                return Err(errors::invalid_argument(format!(
+                    "{what} must be at least 1"
+                )));
             }
+        }
+        if let Some(n) = streams.filter(|&n| n > MAX_STREAMS) {
+            return Err(errors::invalid_argument(format!(
+                "streams must be at most {MAX_STREAMS}, not {n}"
+            )));
         }
         if let Some(n) = streams {
             b = b.streams(n);
@@ -147,7 +167,17 @@ impl Engine {
             b = b.depth(n);
         }
         match chunk_size {
-            Some(0) => return Err(PyValueError::new_err("chunk_size must be at least 1 byte")),
+            Some(0) => {
+                return Err(errors::invalid_argument(
+                    "chunk_size must be at least 1 byte",
+                ));
+            }
+            Some(n) if n > ferry::core_types::wire::MAX_CHUNK => {
+                return Err(errors::invalid_argument(format!(
+                    "chunk_size must be at most {} MiB (the largest chunk the wire carries), not {n}",
+                    ferry::core_types::wire::MAX_CHUNK >> 20
+                )));
+            }
             Some(n) => b = b.chunk_size(n),
             None => {}
         }
@@ -170,13 +200,7 @@ impl Engine {
             b = b.auth_key_file(path);
         }
         if let Some(addr) = metrics {
-            let addr = addr.parse().map_err(|e| {
-                PyValueError::new_err(format!(
-                    "metrics must be an IP address and port like \"127.0.0.1:9400\", not \
-                     {addr:?}: {e}"
-                ))
-            })?;
-            b = b.metrics(addr);
+            b = b.metrics(host_port("metrics", addr, "127.0.0.1:9400")?);
         }
         let rt = runtime::get(py)?;
         let inner = py
@@ -359,7 +383,7 @@ impl Engine {
     ) -> PyResult<FileRegistration> {
         let access = parse_access(access)?;
         if !access.is_remote() {
-            return Err(PyValueError::new_err(
+            return Err(errors::invalid_argument(
                 "a published file needs access \"read\", \"write\" or \"read+write\"",
             ));
         }
@@ -427,7 +451,7 @@ impl Engine {
             remote_offset,
             length,
         )?;
-        self.start(py, to_batch(py, &[op], timeout)?)
+        self.start(py, &[op], timeout)
     }
 
     /// Starts a WRITE of `local[local_offset:+length]` into `remote[remote_offset:+length]` and
@@ -453,7 +477,7 @@ impl Engine {
             remote_offset,
             length,
         )?;
-        self.start(py, to_batch(py, &[op], timeout)?)
+        self.start(py, &[op], timeout)
     }
 
     /// Submits a `Batch` as one request: every op is checked against its local registration
@@ -461,9 +485,7 @@ impl Engine {
     /// background. Returns its `Request`.
     fn submit(&self, py: Python<'_>, batch: &Bound<'_, Batch>) -> PyResult<Request> {
         let b = batch.borrow();
-        let fb = to_batch(py, &b.ops, b.timeout)?;
-        drop(b);
-        self.start(py, fb)
+        self.start(py, &b.ops, b.timeout)
     }
 
     /// What the engine is and has done, as a dict: identity, listener, transports, data plane,
@@ -505,10 +527,19 @@ impl Engine {
 }
 
 impl Engine {
-    fn start(&self, py: Python<'_>, batch: ferry::Batch) -> PyResult<Request> {
+    fn start(
+        &self,
+        py: Python<'_>,
+        ops: &[request::PyOp],
+        timeout: Option<std::time::Duration>,
+    ) -> PyResult<Request> {
+        let batch = to_batch(py, ops, timeout)?;
         let rt = runtime::get(py)?;
         let _enter = rt.enter();
-        let handle = self.inner.submit(batch).map_err(|e| errors::to_py(py, e))?;
+        let handle = self
+            .inner
+            .submit(batch)
+            .map_err(|e| request::segment_error(py, e, ops))?;
         let (watch, canceller) = request::watch(handle);
         Ok(Request { watch, canceller })
     }
@@ -772,7 +803,8 @@ impl RemoteSegment {
 }
 
 /// Runs every check of the capability matrix (what `ferry doctor --json` prints) and returns it
-/// as a dict: `{"checks": [{"name", "status", "detail", "hint"}, ...]}`. Releases the GIL while
+/// as a dict: `{"summary": {"transports", "rdma_devices", "gpus", "uring_opcodes"}, "checks":
+/// [{"name", "status", "detail", "hint"}, ...]}`. Releases the GIL while
 /// probing.
 #[pyfunction]
 pub(crate) fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {

@@ -3,7 +3,7 @@
 //!
 //! Where a kind has an obvious builtin counterpart the class derives from it too, so generic
 //! handlers catch it: `Timeout` is a `TimeoutError`, `PeerLost` and `HandshakeRefused` are
-//! `ConnectionError`s, `OutOfBounds` and `InvalidRequest` are `ValueError`s, `UnknownSegment`
+//! `ConnectionError`s, `OutOfBounds`, `InvalidRequest` and `InvalidArgument` are `ValueError`s, `UnknownSegment`
 //! (and `UnknownSegmentName`) are `LookupError`s, `IoError` is an `OSError`.
 //!
 //! The classes are made once per process with `type(name, bases, namespace)` (PyO3's
@@ -42,6 +42,9 @@ pub(crate) enum Kind {
     InvalidRequest,
     NoRoute,
     IoError,
+    InvalidArgument,
+    AuthenticationFailed,
+    AuthKeyError,
 }
 
 /// Which builtin a class derives from besides its Ferry parent.
@@ -190,6 +193,29 @@ const TABLE: &[(Kind, &str, Option<Kind>, Builtin, &str)] = &[
         Builtin::Os,
         "An I/O operation (bind, connect, open a file, ...) failed.",
     ),
+    (
+        Kind::InvalidArgument,
+        "InvalidArgument",
+        Some(Kind::FerryError),
+        Builtin::Value,
+        "An argument is out of its range (a negative offset, a zero count, a bad duration); the \
+         message names it.",
+    ),
+    (
+        Kind::AuthenticationFailed,
+        "AuthenticationFailed",
+        Some(Kind::HandshakeRefused),
+        Builtin::None,
+        "Authentication with the peer failed (a key it does not accept, or one side without keys).",
+    ),
+    (
+        Kind::AuthKeyError,
+        "AuthKeyError",
+        Some(Kind::FerryError),
+        Builtin::None,
+        "An authentication key file cannot be used (missing, unreadable, malformed); the message \
+         names the file.",
+    ),
 ];
 
 fn make_classes(py: Python<'_>) -> PyResult<Vec<Py<PyType>>> {
@@ -265,9 +291,18 @@ pub(crate) fn kind_of(e: &ferry::Error) -> Kind {
         E::InvalidRequest { .. } => Kind::InvalidRequest,
         E::NoRoute { .. } => Kind::NoRoute,
         E::Io { .. } => Kind::IoError,
+        E::Authentication { .. } => Kind::AuthenticationFailed,
+        E::AuthKey { .. } => Kind::AuthKeyError,
         // `ferry::Error` is non-exhaustive: a kind added later is still a FerryError.
         _ => Kind::FerryError,
     }
+}
+
+/// An `InvalidArgument` (a `FerryError` and a `ValueError`) with `message`, which names the
+/// argument.
+pub(crate) fn invalid_argument(message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| err(py, Kind::InvalidArgument, message))
 }
 
 /// Converts an engine error into the matching Python exception, keeping Rust's message.

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use ferry::cuda::{CudaError, DeviceMemory};
 use ferry::{Access, TransferEngine};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -111,7 +111,7 @@ pub(crate) fn interface(obj: &Bound<'_, PyAny>) -> PyResult<Interface> {
             "the __cuda_array_interface__ of this {ty} is not a dict: {e}"
         ))
     })?;
-    let bad = |what: String| PyValueError::new_err(format!("register_gpu(): {ty}: {what}"));
+    let bad = |what: String| errors::invalid_argument(format!("register_gpu(): {ty}: {what}"));
     let item = |key: &str| -> PyResult<Bound<'_, PyAny>> {
         cai.get_item(key)?
             .ok_or_else(|| bad(format!("its __cuda_array_interface__ has no {key:?} entry")))
@@ -193,7 +193,7 @@ fn claimed_ordinal(obj: &Bound<'_, PyAny>, device: Option<i64>) -> PyResult<Opti
         .or_else(from_obj)
         .map(|d| {
             u32::try_from(d)
-                .map_err(|_| PyValueError::new_err(format!("device must be >= 0, not {d}")))
+                .map_err(|_| errors::invalid_argument(format!("device must be >= 0, not {d}")))
         })
         .transpose()
 }
@@ -243,12 +243,12 @@ pub(crate) fn alloc(
 ) -> PyResult<GpuRegistration> {
     let access = parse_access(access)?;
     let ordinal = u32::try_from(device)
-        .map_err(|_| PyValueError::new_err(format!("device must be >= 0, not {device}")))?;
+        .map_err(|_| errors::invalid_argument(format!("device must be >= 0, not {device}")))?;
     let size = usize::try_from(size)
         .ok()
         .filter(|&n| n > 0)
         .ok_or_else(|| {
-            PyValueError::new_err(format!("size must be at least 1 byte, not {size}"))
+            errors::invalid_argument(format!("size must be at least 1 byte, not {size}"))
         })?;
     let name = name.unwrap_or_else(|| format!("gpu-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
     let cuda = engine.cuda().map_err(|e| errors::to_py(py, e))?;
@@ -295,7 +295,7 @@ pub(crate) fn wrap(
     if let Some(c) = claimed
         && c != memory.location().ordinal
     {
-        return Err(PyValueError::new_err(format!(
+        return Err(errors::invalid_argument(format!(
             "the driver places this memory on GPU {}, not GPU {c} (the device argument or the \
              object's device); leave device unset to take the driver's word",
             memory.location().ordinal
@@ -497,7 +497,7 @@ impl GpuRegistration {
             ))
         })?;
         if !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err(
+            return Err(errors::invalid_argument(
                 "copy_from() needs a contiguous buffer",
             ));
         }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ferry::{Canceller, OpKind, Outcome, RemoteEffect, RemoteStatus};
-use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTimeoutError, PyTypeError};
 use pyo3::prelude::*;
 
 use ferry::LocalMemory;
@@ -153,7 +153,7 @@ pub(crate) fn seconds(what: &str, v: Option<f64>) -> PyResult<Option<Duration>> 
     match v {
         None => Ok(None),
         Some(s) if (0.0..1e9).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(PyValueError::new_err(format!(
+        Some(s) => Err(errors::invalid_argument(format!(
             "{what} must be a number of seconds from 0 to 1e9, not {s}"
         ))),
     }
@@ -161,7 +161,7 @@ pub(crate) fn seconds(what: &str, v: Option<f64>) -> PyResult<Option<Duration>> 
 
 /// A non-negative offset or length; `what` names the argument in errors.
 pub(crate) fn non_negative(what: &str, v: i64) -> PyResult<u64> {
-    u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} must be >= 0, not {v}")))
+    u64::try_from(v).map_err(|_| errors::invalid_argument(format!("{what} must be >= 0, not {v}")))
 }
 
 /// The local side of an op: host memory (`Registration`) or device memory (`GpuRegistration`).
@@ -236,18 +236,26 @@ pub(crate) fn make_op(
         // The rest of the local registration, clipped to the rest of the remote segment.
         None => {
             let local_rest = reg_len.checked_sub(local_offset).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "local_offset {local_offset} is past the end of registration {name:?} \
-                     ({reg_len} bytes)"
-                ))
+                errors::err(
+                    remote.py(),
+                    Kind::OutOfBounds,
+                    format!(
+                        "local_offset {local_offset} is past the end of registration {name:?} \
+                         ({reg_len} bytes)"
+                    ),
+                )
             })?;
             let remote_len = remote.get().segment.len();
             let remote_rest = remote_len.checked_sub(remote_offset).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "remote_offset {remote_offset} is past the end of segment {:?} ({} bytes)",
-                    remote.get().segment.name(),
-                    remote_len
-                ))
+                errors::err(
+                    remote.py(),
+                    Kind::OutOfBounds,
+                    format!(
+                        "remote_offset {remote_offset} is past the end of segment {:?} ({} bytes)",
+                        remote.get().segment.name(),
+                        remote_len
+                    ),
+                )
             })?;
             local_rest.min(remote_rest)
         }
@@ -260,6 +268,26 @@ pub(crate) fn make_op(
         remote_offset,
         len,
     })
+}
+
+/// The engine's error for a submit of `ops`, naming the segment it concerns where the engine
+/// gives only its token (`AccessDenied`, `UnknownSegment`).
+pub(crate) fn segment_error(py: Python<'_>, e: ferry::Error, ops: &[PyOp]) -> PyErr {
+    let token = match &e {
+        ferry::Error::AccessDenied { token, .. } | ferry::Error::UnknownSegment { token, .. } => {
+            *token
+        }
+        _ => return errors::to_py(py, e),
+    };
+    let name = ops
+        .iter()
+        .map(|op| &op.remote.get().segment)
+        .find(|s| s.desc().token == token)
+        .map(|s| s.name().to_owned());
+    match name {
+        Some(name) => errors::err(py, errors::kind_of(&e), format!("segment {name:?}: {e}")),
+        None => errors::to_py(py, e),
+    }
 }
 
 /// Builds the facade's batch from Python ops; `ValueError`/`FerryError` for what it refuses.
@@ -395,9 +423,11 @@ impl Batch {
     }
 }
 
-/// A submitted request. `wait()` blocks (with the GIL released) until it ends; `await request`
-/// does the same in asyncio. Both give an `Outcome`, which says how far the request got; a
-/// failed request does not raise unless you call `outcome.raise_for_failure()`.
+/// A submitted request. `wait()` blocks (with the GIL released) until it ends and returns its
+/// `Outcome`, raising the failure's `FerryError` subclass (with the outcome as its `outcome`
+/// attribute) when the request failed; `wait(check=False)` returns the failed `Outcome` instead.
+/// `await request` does the same in asyncio and gives the `Outcome` without raising (call
+/// `outcome.raise_for_failure()`).
 ///
 /// The registrations it uses stay alive until it is drained, whatever Python does with them.
 #[pyclass(name = "Request", module = "ferry", frozen)]
@@ -500,15 +530,23 @@ impl Request {
 #[pymethods]
 impl Request {
     /// Blocks until the request ends (completed, failed, timed out or cancelled) and returns its
-    /// `Outcome`. Releases the GIL meanwhile. With `timeout` (seconds), raises the builtin
-    /// `TimeoutError` if it has not ended by then; the request keeps running.
-    #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyOutcome> {
-        self.wait_for(py, timeout, false)
+    /// `Outcome`. Releases the GIL meanwhile. With `check` (the default), a failed request
+    /// raises its `FerryError` subclass (`PeerLost`, `Timeout`, ...) with the `Outcome` as its
+    /// `outcome` attribute: a failure is never mistaken for data in the buffer. With
+    /// `check=False` the failed `Outcome` is returned. With `timeout` (seconds), raises the
+    /// builtin `TimeoutError` if it has not ended by then; the request keeps running.
+    #[pyo3(signature = (timeout=None, check=true))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>, check: bool) -> PyResult<PyOutcome> {
+        let outcome = self.wait_for(py, timeout, false)?;
+        if check {
+            outcome.raise_for_failure(py)?;
+        }
+        Ok(outcome)
     }
 
-    /// Like `wait`, but returns only once the transport has physically finished with the local
-    /// buffers (`outcome.drained` is true): after a timeout or cancel, reuse the buffers only then.
+    /// Like `wait(check=False)`, but returns only once the transport has physically finished
+    /// with the local buffers (`outcome.drained` is true): after a timeout or cancel, reuse the
+    /// buffers only then. It does not raise for a failed request (it is how one is cleaned up).
     #[pyo3(signature = (timeout=None))]
     fn wait_drained(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyOutcome> {
         self.wait_for(py, timeout, true)

@@ -3,9 +3,11 @@
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import ferry
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -21,10 +23,17 @@ def test_describe_is_a_plain_dict(loopback):
     assert peer.transport in ("tcp", "uring")
 
 
+def test_version_is_the_workspace_version():
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
+    assert ferry.__version__ == cargo["workspace"]["package"]["version"]
+
+
 def test_doctor_rows():
     d = ferry.doctor()
     names = [c["name"] for c in d["checks"]]
     assert "build" in names and "io_uring" in names
+    assert d["summary"]["transports"][0] == "tcp"
+    assert ("uring" in d["summary"]["transports"]) == bool(d["summary"]["uring_opcodes"])
     for c in d["checks"]:
         assert c["status"] in ("ok", "unavailable", "absent", "error")
 
@@ -66,6 +75,37 @@ def test_python_bench_runs():
     assert r["total_bytes"] == 64 << 20 and r["gb_per_s"] > 0
 
 
+def _ferry_module(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_python_m_ferry_help_and_version():
+    out = _ferry_module("--help")
+    assert out.returncode == 0, out.stderr
+    assert "bench" in out.stdout and "doctor" in out.stdout
+    out = _ferry_module("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"ferry {ferry.__version__}"
+    assert _ferry_module().returncode == 2
+
+
+def test_python_bench_checks_its_numbers():
+    for args, flag in [
+        (["--depth", "0"], "--depth"),
+        (["--streams", "0"], "--streams"),
+        (["--op-size", "0"], "--op-size"),
+        (["--duration", "0"], "--duration"),
+        (["--total", "1.5"], "--total"),
+    ]:
+        out = _ferry_module("bench", *args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert f"argument {flag}" in out.stderr, out.stderr
+    out = _ferry_module("bench", "--duration", "300ms", "--op-size", "64KiB", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["seconds"] >= 0.3
+
+
 def test_weight_update_example(np):
     example = ROOT / "examples" / "python" / "weight_update.py"
     out = subprocess.run(
@@ -87,3 +127,5 @@ def test_metrics_are_served_over_http():
     assert "# TYPE ferry_registrations gauge" in text
     assert f'peer_id="{engine.peer_id}"' in text
     assert ferry.Engine().metrics_addr is None
+    with pytest.raises(ferry.InvalidArgument, match="metrics must be HOST:PORT"):
+        ferry.Engine(metrics="no-port")

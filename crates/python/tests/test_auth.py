@@ -35,5 +35,5 @@ def test_with_the_key_bytes_move_and_without_it_nothing_is_listed(key_file):
 
 def test_an_unreadable_key_file_names_the_file(tmp_path):
     missing = tmp_path / "nope.key"
-    with pytest.raises(ferry.FerryError, match="nope.key"):
+    with pytest.raises(ferry.AuthKeyError, match="nope.key"):
         ferry.Engine(auth_key_file=missing)

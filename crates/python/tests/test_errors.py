@@ -11,7 +11,7 @@ KINDS = [
     "Unavailable", "PeerLost", "StaleEpoch", "ResourceExhausted", "ProtocolMismatch",
     "HandshakeRefused", "UnknownSegment", "UnknownSegmentName", "OutOfBounds", "AccessDenied",
     "Timeout", "Cancelled", "Unquiesced", "RegistrationError", "Malformed", "InvalidRequest",
-    "NoRoute", "IoError",
+    "NoRoute", "IoError", "InvalidArgument", "AuthenticationFailed", "AuthKeyError",
 ]
 
 
@@ -28,6 +28,8 @@ def test_hierarchy():
     assert issubclass(ferry.UnknownSegmentName, ferry.UnknownSegment)
     assert issubclass(ferry.UnknownSegment, LookupError)
     assert issubclass(ferry.IoError, OSError)
+    assert issubclass(ferry.InvalidArgument, ValueError)
+    assert issubclass(ferry.AuthenticationFailed, ferry.HandshakeRefused)
 
 
 def test_unknown_segment_name(loopback):
@@ -44,15 +46,47 @@ def test_out_of_bounds_local_and_remote(loopback):
         client.read(reg, seg, length=2048)
     with pytest.raises(ferry.OutOfBounds, match="remote range out of bounds"):
         client.read(reg, seg, remote_offset=len(seg) - 10, length=100)
-    with pytest.raises(ValueError, match="past the end"):
+    with pytest.raises(ferry.OutOfBounds, match="past the end of registration"):
         client.read(reg, seg, local_offset=4096)
+    # An offset past the end is out of bounds, as a length past the end is.
+    with pytest.raises(ferry.OutOfBounds, match='past the end of segment "seg"'):
+        client.read(reg, seg, remote_offset=len(seg) + 1)
 
 
 def test_access_denied_writing_a_read_only_segment(loopback):
     _, client, peer, _ = loopback
     reg = client.register(bytearray(16))
-    with pytest.raises(ferry.AccessDenied, match="access denied"):
+    with pytest.raises(ferry.AccessDenied, match='segment "ro": access denied'):
         client.write(reg, peer.segment("ro"))
+
+
+def test_a_published_name_is_unique_per_engine():
+    engine = ferry.Engine()
+    first = engine.register(bytearray(4096), name="dup", access="read")
+    with pytest.raises(ferry.RegistrationError, match='"dup".*unique per engine'):
+        engine.register(bytearray(4096), name="dup", access="read+write")
+    # Local-only registrations are not published: any name.
+    engine.register(bytearray(4096), name="dup")
+    assert [s["name"] for s in engine.describe()["published"]] == ["dup"]
+    first.close()
+    engine.register(bytearray(4096), name="dup", access="read")
+
+
+def test_bad_numbers_are_ferry_errors_naming_the_argument(loopback):
+    _, client, peer, _ = loopback
+    reg = client.register(bytearray(64))
+    with pytest.raises(ferry.InvalidArgument, match="remote_offset must be >= 0"):
+        client.read(reg, peer.segment("seg"), remote_offset=-1)
+    with pytest.raises(ferry.InvalidArgument, match="streams must be at most 64"):
+        ferry.Engine(streams=65)
+    with pytest.raises(ferry.InvalidArgument, match="depth must be at least 1"):
+        ferry.Engine(depth=0)
+    with pytest.raises(ferry.InvalidArgument, match="chunk_size must be at most 64 MiB"):
+        ferry.Engine(chunk_size=1 << 30)
+    with pytest.raises(ferry.InvalidArgument, match="chunk_size must be at least 1 byte"):
+        ferry.Engine(chunk_size=0)
+    with pytest.raises(ferry.InvalidArgument, match="timeout must be"):
+        client.read(reg, peer.segment("seg"), timeout=-1)
 
 
 def test_connect_refused_is_an_io_error():
@@ -138,8 +172,10 @@ def test_bad_op_arguments(loopback):
 
 
 def test_bad_engine_arguments():
-    with pytest.raises(ValueError, match="listen must be"):
+    with pytest.raises(ferry.InvalidArgument, match="listen must be HOST:PORT"):
         ferry.Engine(listen="localhost")
+    with ferry.Engine(listen="localhost:0") as e:
+        assert e.listen_addr.rsplit(":", 1)[1] != "0"
     with pytest.raises(ValueError, match="data_plane must be"):
         ferry.Engine(data_plane="carrier-pigeon")
     with pytest.raises(ValueError, match="transports takes"):

@@ -31,7 +31,7 @@ def test_request_timeout_ends_it_with_a_timeout_failure(peer_process, np):
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"), timeout=0.2)
-        outcome = req.wait(timeout=10)
+        outcome = req.wait(timeout=10, check=False)
         assert not outcome.ok and not outcome
         assert outcome.failure.kind == "timeout" and outcome.failure.op_index == 0
         assert outcome.completed_ops == 0 and outcome.completed_bytes == 0
@@ -52,8 +52,9 @@ def test_engine_request_timeout_is_the_default(peer_process, np):
     reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
     peer_process.stop()
     try:
-        outcome = engine.read(reg, peer.segment("src")).wait(timeout=10)
-        assert outcome.failure.kind == "timeout"
+        with pytest.raises(ferry.Timeout) as e:
+            engine.read(reg, peer.segment("src")).wait(timeout=10)
+        assert e.value.outcome.failure.kind == "timeout"
     finally:
         peer_process.resume()
 
@@ -65,7 +66,11 @@ def test_killed_peer_fails_requests_with_peer_lost(peer_process, np):
     peer_process.stop()
     req = engine.write(reg, peer.segment("sink"))
     peer_process.kill()
-    outcome = req.wait(timeout=30)
+    # wait() raises a failure (check=True is the default), carrying the outcome.
+    with pytest.raises(ferry.PeerLost) as lost:
+        req.wait(timeout=30)
+    outcome = req.wait(timeout=30, check=False)
+    assert lost.value.outcome == outcome
     assert outcome.failure is not None and outcome.failure.kind == "peer_lost"
     assert outcome.remote_effect in ("none", "uncertain", "certain")
     with pytest.raises(ferry.PeerLost) as e:
@@ -73,6 +78,7 @@ def test_killed_peer_fails_requests_with_peer_lost(peer_process, np):
     assert isinstance(e.value, ConnectionError)
     assert req.wait_drained(timeout=30).drained
     # The channel is dead: a new request fails at once, and connecting again is refused.
-    assert engine.read(reg, peer.segment("src")).wait(timeout=30).failure.kind == "peer_lost"
+    again = engine.read(reg, peer.segment("src")).wait(timeout=30, check=False)
+    assert again.failure.kind == "peer_lost"
     with pytest.raises(ferry.IoError):
         engine.connect(peer_process.addr)

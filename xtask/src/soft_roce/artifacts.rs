@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 /// Packages whose test binaries run against the rxe devices.
-const TEST_PACKAGES: &[&str] = &["ferry-transport-rdma", "ferry"];
+const TEST_PACKAGES: &[&str] = &["ferry-transport-rdma", "ferry-engine"];
 
 /// Test targets of those packages that need other hardware than RDMA: their ignored tests fail
 /// without it (as `ferry-tests` makes ignored hardware tests do), so the guest, which has rxe

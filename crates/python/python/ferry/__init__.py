@@ -19,12 +19,15 @@ A server publishes memory; a client connects and reads or writes it::
 Registrations are zero-copy (any object with the buffer protocol). GPU memory comes in by
 ``Engine.alloc_gpu`` or ``Engine.register_gpu(tensor)`` (anything with
 ``__cuda_array_interface__``) and goes wherever a registration does. ``Request.wait()`` releases
-the GIL, and ``await request`` works in asyncio. Errors are ``FerryError`` subclasses carrying
-the Rust engine's message.
+the GIL and raises a failed request's error (``wait(check=False)`` returns its ``Outcome``), and
+``await request`` works in asyncio. Errors are ``FerryError`` subclasses carrying the Rust
+engine's message, which names the segment, registration or file.
 """
 
 from ferry._ferry import (
     AccessDenied,
+    AuthenticationFailed,
+    AuthKeyError,
     Batch,
     Cancelled,
     Engine,
@@ -33,6 +36,7 @@ from ferry._ferry import (
     FileRegistration,
     GpuRegistration,
     HandshakeRefused,
+    InvalidArgument,
     InvalidRequest,
     IoError,
     Malformed,
@@ -59,6 +63,8 @@ from ferry._ferry import (
 
 __all__ = [
     "AccessDenied",
+    "AuthKeyError",
+    "AuthenticationFailed",
     "Batch",
     "Cancelled",
     "Engine",
@@ -67,6 +73,7 @@ __all__ = [
     "FileRegistration",
     "GpuRegistration",
     "HandshakeRefused",
+    "InvalidArgument",
     "InvalidRequest",
     "IoError",
     "Malformed",

@@ -1,7 +1,23 @@
-"""``python -m ferry``: ``bench`` (throughput against a peer or on loopback) and ``doctor``."""
+"""``python -m ferry``: ``bench`` (throughput against a peer or on loopback, the options of
+``ferry bench`` that the Python API has) and ``doctor`` (the capability matrix as JSON)."""
 
+import argparse
 import json
 import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    import ferry
+
+    p = argparse.ArgumentParser(
+        prog="python -m ferry",
+        description="Ferry from Python: bench (python -m ferry bench --help) and doctor.",
+    )
+    p.add_argument("--version", action="version", version=f"ferry {ferry.__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{bench,doctor}")
+    sub.add_parser("bench", help="throughput and latency through the Python API", add_help=False)
+    sub.add_parser("doctor", help="the capability matrix (ferry.doctor()) as JSON")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -11,12 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         from ferry.bench import main as bench
 
         return bench(args[1:])
-    if args[:1] == ["doctor"]:
+    parser = _parser()
+    ns = parser.parse_args(args)
+    if ns.command == "doctor":
         import ferry
 
         print(json.dumps(ferry.doctor(), indent=2))
         return 0
-    print("usage: python -m ferry bench [options] | doctor  (bench --help for options)", file=sys.stderr)
+    parser.print_usage(sys.stderr)
     return 2
 
 

@@ -10,6 +10,8 @@ from typing_extensions import Buffer, Self
 
 __all__ = [
     "AccessDenied",
+    "AuthKeyError",
+    "AuthenticationFailed",
     "Batch",
     "Cancelled",
     "Engine",
@@ -18,6 +20,7 @@ __all__ = [
     "FileRegistration",
     "GpuRegistration",
     "HandshakeRefused",
+    "InvalidArgument",
     "InvalidRequest",
     "IoError",
     "Malformed",
@@ -110,6 +113,15 @@ class NoRoute(FerryError):
 
 class IoError(FerryError, OSError):
     """An I/O operation (bind, connect, open a file, ...) failed."""
+
+class InvalidArgument(FerryError, ValueError):
+    """An argument is out of its range (a negative offset, a zero count, a bad duration); the message names it."""
+
+class AuthenticationFailed(HandshakeRefused):
+    """Authentication with the peer failed (a key it does not accept, or one side without keys)."""
+
+class AuthKeyError(FerryError):
+    """An authentication key file cannot be used (missing, unreadable, malformed); the message names the file."""
 
 @final
 class Engine:
@@ -388,8 +400,9 @@ class Batch:
 class Request:
     """A submitted request: wait() (GIL released) or await it for its Outcome."""
 
-    def wait(self, timeout: float | None = None) -> Outcome:
-        """Blocks until the request ends; TimeoutError if not by ``timeout`` seconds."""
+    def wait(self, timeout: float | None = None, check: bool = True) -> Outcome:
+        """Blocks until the request ends; TimeoutError if not by ``timeout`` seconds. With
+        ``check`` (the default) a failed request raises its FerryError (``e.outcome``)."""
     def wait_drained(self, timeout: float | None = None) -> Outcome:
         """Blocks until the local buffers are free again."""
     def drained(self) -> Future[Outcome]:

@@ -20,20 +20,71 @@ import ferry
 
 _UNITS = {
     "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
+_MAX_SIZE = 1 << 60
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
 def parse_size(s: str) -> int:
-    """A byte size: ``4096``, ``64KiB``, ``1MiB``, ``8GiB``, ``1.5GB``."""
+    """A byte size: ``4096``, ``64KiB``, ``1MiB``, ``8GiB``, ``1.5GB`` (the rules of ``ferry``'s
+    flags: no negatives, no fractions of a byte, nothing above 1 EiB)."""
     t = s.strip()
-    i = len(t)
-    while i and not (t[i - 1].isdigit() or t[i - 1] == "."):
-        i -= 1
+    if t.startswith("-"):
+        raise argparse.ArgumentTypeError("a size cannot be negative")
+    i = 0
+    while i < len(t) and (t[i].isdigit() or t[i] == "."):
+        i += 1
     num, unit = t[:i], t[i:].strip().lower()
     if not num or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {s!r} (use KiB, MiB, GiB, KB, MB, GB)")
-    return round(float(num) * _UNITS[unit]) if "." in num else int(num) * _UNITS[unit]
+        raise argparse.ArgumentTypeError(f"bad size {s!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    try:
+        value = float(num) * _UNITS[unit] if "." in num else int(num) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{num!r} is not a number") from None
+    if value > _MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{t} is more than 1 EiB: not a size any machine has")
+    if _UNITS[unit] == 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"{t} is not a whole number of bytes")
+    return round(value)
+
+
+def nonzero_size(s: str) -> int:
+    """A byte size of at least one byte."""
+    n = parse_size(s)
+    if n == 0:
+        raise argparse.ArgumentTypeError("must be at least 1 byte")
+    return n
+
+
+def count(s: str) -> int:
+    """A whole number of at least one."""
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a whole number (at least 1)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
+def positive_duration(s: str) -> float:
+    """A duration in seconds: ``10s``, ``1.5s``, ``500ms``, ``2m``, or a bare number of seconds."""
+    t = s.strip()
+    i = 0
+    while i < len(t) and (t[i].isdigit() or t[i] in ".-+"):
+        i += 1
+    num, unit = t[:i], t[i:].strip()
+    if unit not in _DURATION_UNITS:
+        raise argparse.ArgumentTypeError(f"unknown duration unit {unit!r} (use ms, s, m or h)")
+    try:
+        v = float(num) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{t!r} is not a duration (e.g. 10s, 1.5s, 500ms)") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError("must be longer than zero")
+    return v
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,15 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--segment", default="bench", help="the peer's segment to use")
     p.add_argument("--transport", default="auto", choices=["auto", "tcp", "uring"])
     p.add_argument("--op", default="write", choices=["read", "write"])
-    p.add_argument("--op-size", type=parse_size, default=1 << 20)
+    p.add_argument("--op-size", type=nonzero_size, default=1 << 20)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--total", type=parse_size, help="bytes to move [default: 4GiB]")
-    g.add_argument("--duration", type=float, help="seconds to run instead of a byte count")
-    p.add_argument("--streams", type=int, default=1)
-    p.add_argument("--depth", type=int, default=8, help="ops in flight")
-    p.add_argument("--chunk-size", type=parse_size, default=1 << 20)
+    g.add_argument("--total", type=nonzero_size, help="bytes to move [default: 4GiB]")
+    g.add_argument("--duration", type=positive_duration, help="how long to run instead (10s, 500ms)")
+    p.add_argument("--streams", type=count, default=1)
+    p.add_argument("--depth", type=count, default=8, help="ops in flight")
+    p.add_argument("--chunk-size", type=nonzero_size, default=1 << 20)
     p.add_argument("--socket-buffer", default="4MiB", help="bytes, or auto")
-    p.add_argument("--segment-size", type=parse_size, help="loopback: the served segment's size")
+    p.add_argument("--segment-size", type=nonzero_size, help="loopback: the served segment's size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -65,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark described by ``args``; returns the report as a dict."""
     if args.op_size <= 0:
         raise SystemExit("--op-size must be at least 1 byte")
-    depth, streams = max(1, args.depth), max(1, args.streams)
+    depth, streams = args.depth, args.streams
     socket_buffer = 0 if args.socket_buffer == "auto" else parse_size(args.socket_buffer)
     settings = dict(
         data_plane=args.transport,
