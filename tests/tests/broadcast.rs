@@ -390,6 +390,7 @@ mod etcd {
             progress: 0,
             done: false,
             order: 0,
+            version: 0,
         }
     }
 
@@ -464,7 +465,7 @@ mod etcd {
             let ms = d.members().await?;
             // Join order: the child registered first.
             assert_eq!(ms[0].id, "doomed");
-            let plan = ferry_broadcast::plan::holders(&ms, "me", 9, &Default::default());
+            let plan = ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default());
             assert_eq!(plan.len(), 1);
             assert_eq!(plan[0].id, "doomed");
             let _ = child.kill();
@@ -477,7 +478,9 @@ mod etcd {
             // Our own lease is kept alive meanwhile.
             let ms = d.members().await?;
             assert_eq!(ms.len(), 1, "{ms:?}");
-            assert!(ferry_broadcast::plan::holders(&ms, "me", 9, &Default::default()).is_empty());
+            assert!(
+                ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default()).is_empty()
+            );
             eprintln!("lease expired after {:?}", t0.elapsed());
             d.deregister("me").await?;
             wait_for(&d, "deregistration", |m| m.is_empty()).await

@@ -1,9 +1,11 @@
 //! The control service every member runs beside its Ferry listener: one JSON object per line
 //! over TCP, each request answered by one line.
 //!
-//! Requests: `manifest` (the source answers with the manifest and its epoch), `progress` (the
-//! member's verified prefix, answered once it passes `after` or after `wait_ms`: a long poll
-//! that lets a child follow its parent chunk by chunk), and, at a source running the embedded
+//! Requests: `manifest` (the source answers with the manifest of the version asked for, or of
+//! its newest, and its epoch), `progress` (the member's verified prefix of the version it
+//! holds, answered once it passes `after` or after `wait_ms`: a long poll that lets a child
+//! follow its parent chunk by chunk), `layout` (where a receiver holds each segment, so that
+//! a child can read its chunks from the receiver's own destinations), and, at a source running the embedded
 //! discovery, `join`, `heartbeat`, `members` and `leave` (the tracker, see
 //! [`discovery`](crate::discovery)). Every answer carries the answering member's source epoch.
 //! Lines are capped in length before they are parsed; a bad line is answered with an error
@@ -20,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::error::BroadcastError;
+use crate::layout::Extent;
 use crate::manifest::{MAX_MANIFEST_BYTES, Manifest};
 use crate::plan::{Member, Role};
 
@@ -32,12 +35,28 @@ const MAX_WAIT: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub(crate) enum Request {
-    Manifest,
-    Progress { after: u64, wait_ms: u64 },
-    Join { member: Member },
-    Heartbeat { member: Member },
+    Manifest {
+        #[serde(default)]
+        version: Option<u64>,
+    },
+    Progress {
+        after: u64,
+        wait_ms: u64,
+    },
+    Layout {
+        #[serde(default)]
+        version: Option<u64>,
+    },
+    Join {
+        member: Member,
+    },
+    Heartbeat {
+        member: Member,
+    },
     Members,
-    Leave { id: String },
+    Leave {
+        id: String,
+    },
 }
 
 /// An answer.
@@ -52,6 +71,13 @@ pub(crate) enum Reply {
         source_epoch: u64,
         prefix: u64,
         done: bool,
+        #[serde(default)]
+        version: u64,
+    },
+    Layout {
+        source_epoch: u64,
+        version: u64,
+        segments: Vec<Vec<Extent>>,
     },
     Members {
         source_epoch: u64,
@@ -138,7 +164,15 @@ impl Tracker {
 #[derive(Debug)]
 pub(crate) struct CtlState {
     pub(crate) source_epoch: u64,
-    pub(crate) manifest: Option<Manifest>,
+    /// At a source: the versions it publishes, oldest first.
+    pub(crate) manifests: Mutex<Vec<Manifest>>,
+    /// The version this member's progress and layout are of.
+    pub(crate) version: u64,
+    /// At a receiver: where it holds each segment.
+    pub(crate) layout: Option<Vec<Vec<Extent>>>,
+    /// At a source: where it holds the segments of the versions not served under their own
+    /// names (files published again as a new version); the others are the identity.
+    pub(crate) source_layouts: Mutex<HashMap<u64, Vec<Vec<Extent>>>>,
     pub(crate) progress: watch::Receiver<Progress>,
     pub(crate) tracker: Option<Arc<Tracker>>,
 }
@@ -235,14 +269,59 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
             .into(),
     };
     match req {
-        Request::Manifest => match &state.manifest {
-            Some(m) => Reply::Manifest {
+        Request::Manifest { version } => {
+            let ms = lock(&state.manifests);
+            let found = match version {
+                Some(v) => ms.iter().find(|m| m.version == v),
+                None => ms.last(),
+            };
+            match (found, ms.is_empty()) {
+                (Some(m), _) => Reply::Manifest {
+                    source_epoch,
+                    manifest: m.clone(),
+                },
+                (None, true) => Reply::Error {
+                    message: "only the source serves the manifest".into(),
+                },
+                (None, false) => Reply::Error {
+                    message: format!(
+                        "version {} of {:?} is not published here (versions kept: {:?})",
+                        version.unwrap_or_default(),
+                        ms[0].name,
+                        ms.iter().map(|m| m.version).collect::<Vec<_>>()
+                    ),
+                },
+            }
+        }
+        Request::Layout { version } => match &state.layout {
+            Some(l) => Reply::Layout {
                 source_epoch,
-                manifest: m.clone(),
+                version: state.version,
+                segments: l.clone(),
             },
-            None => Reply::Error {
-                message: "only the source serves the manifest".into(),
-            },
+            None => {
+                let ms = lock(&state.manifests);
+                let m = match version {
+                    Some(v) => ms.iter().find(|m| m.version == v),
+                    None => ms.last(),
+                };
+                match m {
+                    Some(m) => Reply::Layout {
+                        source_epoch,
+                        version: m.version,
+                        segments: lock(&state.source_layouts)
+                            .get(&m.version)
+                            .cloned()
+                            .unwrap_or_else(|| crate::layout::identity(m)),
+                    },
+                    None => Reply::Error {
+                        message: format!(
+                            "version {} is not published here",
+                            version.unwrap_or_default()
+                        ),
+                    },
+                }
+            }
         },
         Request::Progress { after, wait_ms } => {
             let mut rx = state.progress.clone();
@@ -253,6 +332,7 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
                 source_epoch,
                 prefix: p.prefix,
                 done: p.done,
+                version: state.version,
             }
         }
         Request::Join { member } | Request::Heartbeat { member } => match &state.tracker {
@@ -408,6 +488,7 @@ mod tests {
             progress: 0,
             done: false,
             order: 99,
+            version: 1,
         }
     }
 
@@ -446,5 +527,10 @@ mod tests {
         let mut r = BufReader::new(&long[..]);
         assert!(read_line(&mut r, 100).await.is_err());
         assert!(serde_json::from_slice::<Request>(b"{\"op\":\"nope\"}").is_err());
+        // A request of the protocol before versions still parses.
+        assert!(matches!(
+            serde_json::from_slice::<Request>(b"{\"op\":\"manifest\"}"),
+            Ok(Request::Manifest { version: None })
+        ));
     }
 }

@@ -98,6 +98,7 @@ fn epoch_of(r: &Reply) -> Option<u64> {
         Reply::Ok { source_epoch }
         | Reply::Members { source_epoch, .. }
         | Reply::Progress { source_epoch, .. }
+        | Reply::Layout { source_epoch, .. }
         | Reply::Manifest { source_epoch, .. } => Some(*source_epoch),
         Reply::Error { .. } => None,
     }

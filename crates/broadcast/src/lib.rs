@@ -5,7 +5,11 @@
 //!   `.safetensors` tensors, chunks with CRC-32C), built from files and validated on receipt.
 //! - [`plan`]: the chain every member derives from the membership list, and a receiver's
 //!   bookkeeping of verified chunks (no I/O).
-//! - [`Source`] and [`Receiver`]: the roles. Receivers fetch chunks by Ferry READs from their
+//! - [`layout`]: where a member holds each segment ([`Slice`]s of its registrations, host or
+//!   GPU), and the pieces a chunk moves in.
+//! - [`Source`] and [`Receiver`]: the roles. A source publishes files or named [`Tensor`]s of
+//!   the caller's engine (no copy), several versions side by side; a receiver pulls into
+//!   buffers of its own or into the caller's [`Destinations`], in place or staged. Receivers fetch chunks by Ferry READs from their
 //!   parent, verify them, and serve them to the member after them; dead, stalled or corrupting
 //!   holders are routed around, and a restarted source (new epoch) is refused.
 //! - [`discovery`]: the membership list behind one trait, [`Embedded`]
@@ -22,6 +26,7 @@ pub mod discovery;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+pub mod layout;
 pub mod manifest;
 pub mod plan;
 mod receiver;
@@ -31,7 +36,8 @@ pub use discovery::{Discovery, Embedded};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
 pub use etcd::Etcd;
+pub use layout::{Slice, Tensor};
 pub use manifest::{Manifest, ManifestError};
 pub use plan::{Member, Role};
-pub use receiver::{Receiver, ReceiverOptions, Snapshot, Summary};
+pub use receiver::{Destinations, Receiver, ReceiverOptions, Snapshot, Summary};
 pub use source::{Source, SourceOptions};

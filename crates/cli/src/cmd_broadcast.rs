@@ -14,7 +14,10 @@ use ferry_broadcast::{
 
 use crate::parse;
 
-/// Arguments of `ferry publish`.
+/// Arguments of `ferry publish`. On SIGHUP it reads the files again and publishes them as the
+/// next version, without restarting (the version before stays served while it is among the
+/// two newest, as long as its files are unchanged: write the next checkpoint in place and
+/// pulls of the old version fail verification instead of mixing).
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
     /// The files to publish (a `.safetensors` file is listed tensor by tensor); a directory
@@ -78,6 +81,10 @@ pub(crate) struct PullArgs {
     /// Print one JSON summary instead of the progress bar and human summary.
     #[arg(long)]
     json: bool,
+    /// Pull this version of the weights [default: the newest the source publishes]. Not
+    /// `--version`, which prints ferry's own.
+    #[arg(long, value_name = "N")]
+    weights_version: Option<u64>,
 }
 
 /// `publish --chunk-size`: a size in the manifest's range.
@@ -197,11 +204,41 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             src.data_addr().map(|a| a.to_string()).unwrap_or_default(),
             src.ctl_addr()
         );
-        match args.serve_for {
-            Some(d) => tokio::time::sleep(d).await,
-            None => tokio::signal::ctrl_c()
-                .await
-                .context("waiting for ctrl-c")?,
+        let stop = async {
+            match args.serve_for {
+                Some(d) => tokio::time::sleep(d).await,
+                None => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        };
+        tokio::pin!(stop);
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("listening for SIGHUP")?;
+        let mut version = args.weights_version;
+        loop {
+            tokio::select! {
+                () = &mut stop => break,
+                Some(()) = hangup.recv() => {
+                    version += 1;
+                    // Reads every file once, to checksum it.
+                    match tokio::task::block_in_place(|| src.publish_files(version, &files, Some(args.chunk_size))) {
+                        Ok(m) => println!(
+                            "publishing {:?} version {version}: {} files, {} bytes in {} chunks \
+                             (versions served: {:?})",
+                            m.name,
+                            m.segments.len(),
+                            m.total_bytes(),
+                            m.chunks.len(),
+                            src.versions()
+                        ),
+                        Err(e) => {
+                            version -= 1;
+                            eprintln!("ferry publish: version {} not published: {e}", version + 1);
+                        }
+                    }
+                }
+            }
         }
         src.stop().await;
         Ok(())
@@ -276,6 +313,7 @@ fn pull_inner(
                 window: args.window,
                 stall_after: args.stall_after,
                 relay: !args.no_relay,
+                version: args.weights_version,
                 ..Default::default()
             },
         )

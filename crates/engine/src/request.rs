@@ -46,6 +46,36 @@ pub trait LocalMemory {
 #[derive(Clone, Debug)]
 pub struct LocalRef(pub(crate) Local);
 
+impl LocalRef {
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    /// Whether it has no byte.
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// The host memory, when it is host memory (layers above the engine read and checksum it).
+    pub fn host(&self) -> Option<&Arc<ferry_core::MemoryRegion>> {
+        match &self.0 {
+            Local::Host(r) => Some(r),
+            #[cfg(feature = "cuda")]
+            Local::Device(..) => None,
+        }
+    }
+
+    /// The device memory, when it is device memory (copied to and from the host by the driver).
+    #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&Arc<cuda::DeviceMemory>> {
+        match &self.0 {
+            Local::Host(_) => None,
+            Local::Device(m, _) => Some(m),
+        }
+    }
+}
+
 impl<T: LocalMemory + ?Sized> LocalMemory for Arc<T> {
     fn local_ref(&self) -> LocalRef {
         (**self).local_ref()

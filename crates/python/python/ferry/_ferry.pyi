@@ -41,7 +41,11 @@ __all__ = [
     "UnknownSegment",
     "UnknownSegmentName",
     "Unquiesced",
+    "_Publisher",
+    "_Puller",
     "__version__",
+    "_join",
+    "_publish",
     "doctor",
 ]
 
@@ -462,3 +466,46 @@ class Failure:
 
 def doctor() -> dict[str, Any]:
     """The capability matrix, as ``ferry doctor --json`` prints it."""
+
+# The native side of ferry.broadcast (private: use ferry.broadcast).
+@final
+class _Publisher:
+    @property
+    def addr(self) -> str: ...
+    def versions(self) -> list[int]: ...
+    def publish(self, version: int, tensors: list[tuple[Any, ...]]) -> None: ...
+    def close(self) -> None: ...
+
+@final
+class _Puller:
+    @property
+    def version(self) -> int: ...
+    def run(
+        self, timeout: float | None = None, progress: Any = None, linger: float = 0.0
+    ) -> dict[str, Any]: ...
+    def commit(self) -> int: ...
+    def bytes_copied(self) -> int: ...
+    def close(self) -> None: ...
+
+def _publish(
+    engine: Engine,
+    name: str,
+    version: int,
+    tensors: list[tuple[Any, ...]],
+    chunk_size: int | None,
+    listen: str,
+    keep_versions: int,
+) -> _Publisher: ...
+def _join(
+    engine: Engine,
+    source: str,
+    into: list[tuple[Any, ...]],
+    name: str | None,
+    version: int | None,
+    staging: list[tuple[Any, ...]] | None,
+    rename: dict[str, str],
+    subset: bool,
+    relay: bool,
+    shards: dict[str, int],
+    verify_at_rest: bool,
+) -> _Puller: ...
