@@ -172,3 +172,108 @@ async fn an_address_in_use_fails_the_build_naming_it() -> Result<()> {
     assert!(e.to_string().contains(&addr.to_string()), "{e}");
     Ok(())
 }
+
+/// A batch of READs and WRITEs is counted op by op, by kind; a request the server refuses
+/// (its segment retired after the client listed it) is a client failure of kind
+/// `remote_unknown_segment` and a server refusal of status `unknown_segment`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_batches_and_refusals_are_counted_by_kind() -> Result<()> {
+    let server = TransferEngine::builder()
+        .data_plane(DataPlane::Tcp)
+        .listen("127.0.0.1:0".parse()?)
+        .build()?;
+    let kept = server.register(
+        MemoryRegion::from_vec(vec![1u8; 1 << 20]),
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        "kept",
+    )?;
+    let gone = server.register(
+        MemoryRegion::from_vec(vec![2u8; 4096]),
+        Access::REMOTE_READ,
+        "gone",
+    )?;
+    let client = TransferEngine::builder()
+        .data_plane(DataPlane::Tcp)
+        .build()?;
+    let addr = server.local_addr().context("listens")?;
+    let peer = client.connect(addr).await?;
+    let (k, g) = (peer.segment("kept")?, peer.segment("gone")?);
+    let buf = client.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::LOCAL,
+        "b",
+    )?;
+    let o = client
+        .submit(
+            Batch::new()
+                .read(&buf, 0, &k, 0, 1000)
+                .write(&buf, 4096, &k, 4096, 3000)
+                .read(&buf, 8192, &k, 8192, 500),
+        )?
+        .await;
+    assert!(o.is_success(), "{o:?}");
+    gone.retire()?;
+    let o = client
+        .submit(Batch::new().read(&buf, 0, &g, 0, 4096))?
+        .await;
+    assert!(!o.is_success(), "a READ of a retired segment succeeded");
+    drop(kept);
+
+    let text = client.metrics_text();
+    let route = |op: &str| {
+        format!(
+            "{{peer=\"{addr}\",transport=\"{}\",op=\"{op}\",route=\"direct\"}}",
+            peer.transport()
+        )
+    };
+    assert_eq!(
+        sample(&text, &format!("ferry_bytes_total{}", route("read"))),
+        Some(1500.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, &format!("ferry_ops_total{}", route("read"))),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, &format!("ferry_bytes_total{}", route("write"))),
+        Some(3000.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            &format!(
+                "ferry_request_failures_total{{peer=\"{addr}\",transport=\"{}\",\
+                 kind=\"remote_unknown_segment\"}}",
+                peer.transport()
+            )
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "ferry_request_duration_seconds_count{op=\"mixed\",size=\"64KiB\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    let served = server.metrics_text();
+    assert_eq!(
+        sample(
+            &served,
+            "ferry_served_refusals_total{status=\"unknown_segment\"}"
+        ),
+        Some(1.0),
+        "{served}"
+    );
+    assert_eq!(
+        sample(&served, "ferry_served_ops_total{op=\"read\"}"),
+        Some(2.0),
+        "{served}"
+    );
+    Ok(())
+}
