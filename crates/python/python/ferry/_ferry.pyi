@@ -136,7 +136,8 @@ class Engine:
     Times are in seconds; ``socket_buffer=0`` is kernel autotuning, ``io_threads=0`` one I/O
     thread per core, ``dead_peer_after=0`` the kernel's limits. ``auth_key_file`` names a
     keyring file (lines of ``name hexkey``): peers must prove one of its keys, and this engine
-    proves the first when it connects.
+    proves the first when it connects. ``metrics`` ("127.0.0.1:9400") serves Prometheus
+    metrics over HTTP there (``GET /metrics``; port 0: any free port, see ``metrics_addr``).
     """
 
     def __new__(
@@ -154,10 +155,14 @@ class Engine:
         connect_timeout: float | None = None,
         dead_peer_after: float | None = None,
         auth_key_file: str | os.PathLike[str] | None = None,
+        metrics: str | None = None,
     ) -> Self: ...
     @property
     def listen_addr(self) -> str | None:
         """The address it serves on, or None when it does not listen."""
+    @property
+    def metrics_addr(self) -> str | None:
+        """The address its Prometheus metrics are served on, or None."""
     @property
     def peer_id(self) -> str:
         """Its peer id (hex)."""
