@@ -460,14 +460,16 @@ impl CtlClient {
             serde_json::from_slice(&answer).map_err(|e| err(format!("bad answer: {e}")))?;
         match reply {
             Reply::Error { message } => Err(err(message)),
-            Reply::Manifest { manifest, .. } if manifest.validate().is_err() => Err(err(format!(
-                "invalid manifest: {}",
-                manifest
-                    .validate()
-                    .err()
-                    .map(|e| e.to_string())
-                    .unwrap_or_default()
-            ))),
+            Reply::Manifest {
+                manifest,
+                source_epoch,
+            } => match manifest.validate() {
+                Err(source) => Err(BroadcastError::ManifestFrom { addr, source }),
+                Ok(()) => Ok(Reply::Manifest {
+                    source_epoch,
+                    manifest,
+                }),
+            },
             r => Ok(r),
         }
     }

@@ -2,7 +2,8 @@
 //! one, every chunk verified.
 //!
 //! - [`manifest`]: what a source publishes (segments, entries with dtype and shape for
-//!   `.safetensors` tensors, chunks with CRC-32C), built from files and validated on receipt.
+//!   `.safetensors` tensors, chunks with BLAKE3 and CRC-32C), built from files and validated on
+//!   receipt; its [`Digest`] binds every chunk hash to the source.
 //! - [`plan`]: the chain every member derives from the membership list, and a receiver's
 //!   bookkeeping of verified chunks (no I/O).
 //! - [`layout`]: where a member holds each segment ([`Slice`]s of its registrations, host or
@@ -37,7 +38,7 @@ pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
 pub use etcd::Etcd;
 pub use layout::{Slice, Tensor};
-pub use manifest::{Manifest, ManifestError};
+pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
 pub use receiver::{Destinations, Receiver, ReceiverOptions, Snapshot, Summary};
 pub use source::{Source, SourceOptions};

@@ -1,14 +1,19 @@
 //! A receiver: fetches the manifest's chunks of one version from its parent in the chain
-//! ([`plan`](crate::plan)), verifies each against the manifest's CRC-32C, and serves what it
+//! ([`plan`](crate::plan)), verifies each against the manifest's BLAKE3, and serves what it
 //! verified to the member after it. It pulls into buffers of its own ([`Receiver::join`]) or
 //! into the caller's destinations ([`Receiver::join_into`]: in place, or staged and then
 //! committed), and serves from wherever the chunks landed ([`layout`](crate::layout)).
 //!
 //! Contract:
 //! - a chunk is fetched by Ferry READs straight into where it lands here (one per piece where
-//!   the holder's layout and this receiver's meet), then verified over those pieces; only
-//!   verified chunks count, and only the verified prefix is advertised, so a member never
-//!   fetches from it a chunk it has not verified;
+//!   the holder's layout and this receiver's meet), then verified over those pieces against the
+//!   manifest's BLAKE3; only verified chunks count, and only the verified prefix is advertised
+//!   (never more than [`Snapshot::chunks`] verified), so a member never fetches from it a chunk
+//!   it has not verified;
+//! - with [`ReceiverOptions::expect_manifest`], a manifest whose digest differs is refused
+//!   before anything is allocated ([`BroadcastError::ManifestDigest`]), so every chunk hash,
+//!   and so every byte, is bound to the source whoever relays it; a manifest declaring more
+//!   than [`ReceiverOptions::max_bytes`] is refused there too;
 //! - destinations are matched with the published tensors by name and size before anything is
 //!   registered, listed or moved ([`BroadcastError::Mismatch`]);
 //! - it takes chunks only from the source and from receivers of its own version, and gives up
@@ -17,9 +22,11 @@
 //!   live tensors change only in [`Receiver::commit`];
 //! - unless [`ReceiverOptions::verify_at_rest`] is off, every chunk is checked once more at
 //!   rest before the pull reports done, and one that changed is fetched again;
-//! - a chunk whose checksum does not match is counted ([`Summary::refetched_chunks`]) and
-//!   fetched again from the source (a holder other than the one that served it, or, if the
-//!   source served it, the source once more, three times at most);
+//! - a chunk whose hash does not match when fetched is counted ([`Summary::fetch_mismatches`],
+//!   apart from those found at rest, [`Summary::at_rest_mismatches`]) and fetched again from
+//!   the source (or, if the source served it, the source once more, three times at most); the
+//!   relay that served it is reported ([`Summary::corrupt_holders`], a warning) and given up
+//!   for the rest of the pull;
 //! - a parent that fails a READ, stops answering, or whose prefix does not advance for
 //!   `stall_after` while this receiver waits on it is given up: its data path is closed (its
 //!   chunks in flight fail at once, so none lands later) and the next holder in the plan is
@@ -48,7 +55,7 @@ use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
 use crate::layout::{self, LocalExtents, Slice};
-use crate::manifest::Manifest;
+use crate::manifest::{Digest, MAX_TOTAL_BYTES, Manifest};
 use crate::plan::{Have, Member, Role, holders};
 
 /// How a receiver runs.
@@ -73,10 +80,19 @@ pub struct ReceiverOptions {
     /// The version to pull (`None`: the newest the source publishes).
     pub version: Option<u64>,
     /// Whether to check every chunk once more at rest before reporting done (a chunk whose
-    /// memory changed after it was verified is fetched again). `false` halves the hashing
-    /// (one pass over the payload instead of two); every chunk is still verified as it lands,
-    /// and the children verify what they read from this receiver.
+    /// memory changed after it was verified is fetched again; the check is the cheaper
+    /// CRC-32C of memory already verified against BLAKE3). `false` halves the copies (one pass
+    /// over the payload instead of two); every chunk is still verified as it lands, and the
+    /// children verify what they read from this receiver.
     pub verify_at_rest: bool,
+    /// The manifest's digest ([`Manifest::digest`]), given out of band (`ferry publish`
+    /// prints it): any other manifest is refused before anything is allocated for it. `None`:
+    /// the manifest is taken from the source as it answers (its chunk hashes still catch any
+    /// relay that alters a chunk, but not an impostor source).
+    pub expect_manifest: Option<Digest>,
+    /// Most payload bytes accepted from a manifest (`None`: [`MAX_TOTAL_BYTES`]); checked
+    /// before anything is allocated.
+    pub max_bytes: Option<u64>,
     /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
     /// read from (a relay that corrupts what it serves). Its own final check finds it again.
     #[doc(hidden)]
@@ -107,6 +123,8 @@ impl Default for ReceiverOptions {
             relay: true,
             version: None,
             verify_at_rest: true,
+            expect_manifest: None,
+            max_bytes: None,
             corrupt_after_verify: None,
             pause_after: None,
             hold_after: None,
@@ -132,8 +150,16 @@ pub struct Summary {
     pub gb_per_s: f64,
     /// Chunks in the manifest.
     pub chunks: u64,
-    /// Chunks whose checksum did not match and that were fetched again.
+    /// Chunks whose hash did not match and that were fetched again: `fetch_mismatches +
+    /// at_rest_mismatches`.
     pub refetched_chunks: u64,
+    /// Chunks whose BLAKE3 did not match the manifest's as they were fetched (a holder served
+    /// other bytes).
+    pub fetch_mismatches: u64,
+    /// Chunks verified when fetched whose bytes here had changed by the check at rest.
+    pub at_rest_mismatches: u64,
+    /// Members that served a chunk whose hash did not match (each once), given up on.
+    pub corrupt_holders: Vec<String>,
     /// Bytes received from the source (verified or not).
     pub bytes_from_source: u64,
     /// Bytes received from other receivers (verified or not).
@@ -151,6 +177,9 @@ pub struct Summary {
 pub struct Snapshot {
     /// Bytes verified.
     pub bytes: u64,
+    /// Chunks verified. What the member advertises to others (its verified prefix) never
+    /// exceeds it: the snapshot is updated before the advertisement.
+    pub chunks: u64,
     /// Payload bytes.
     pub total: u64,
     /// Chunks re-fetched after a checksum mismatch.
@@ -203,7 +232,7 @@ struct Fetched {
     chunk: usize,
     from: String,
     from_source: bool,
-    /// `Ok(true)`: verified; `Ok(false)`: checksum mismatch; `Err`: the READ failed.
+    /// `Ok(true)`: verified; `Ok(false)`: BLAKE3 mismatch; `Err`: the READ failed.
     result: Result<bool, String>,
 }
 
@@ -280,8 +309,9 @@ fn reachable(addr: &str, ip: IpAddr) -> String {
 async fn manifest_from_source(
     discovery: &Arc<dyn Discovery>,
     wanted: Option<&str>,
-    version: Option<u64>,
+    opts: &ReceiverOptions,
 ) -> Result<(Manifest, u64, IpAddr, IpAddr), BroadcastError> {
+    let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
     let source = discovery
@@ -305,6 +335,29 @@ async fn manifest_from_source(
         } => (manifest, source_epoch),
         _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
     };
+    if let Some(expected) = opts.expect_manifest {
+        let found = manifest.digest();
+        if found != expected {
+            return Err(BroadcastError::ManifestDigest {
+                source_addr: source.ctl_addr.clone(),
+                expected,
+                found,
+            });
+        }
+    }
+    let limit = opts
+        .max_bytes
+        .unwrap_or(MAX_TOTAL_BYTES)
+        .min(MAX_TOTAL_BYTES);
+    if manifest.total_bytes() > limit {
+        return Err(BroadcastError::ManifestFrom {
+            addr: source.ctl_addr.clone(),
+            source: crate::manifest::ManifestError::TooManyBytes {
+                declared: manifest.total_bytes(),
+                limit,
+            },
+        });
+    }
     if wanted.is_some_and(|n| n != manifest.name) {
         return Err(control_err(
             &source.ctl_addr,
@@ -372,7 +425,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let (manifest, source_epoch, source_ip, local_ip) =
-            manifest_from_source(&discovery, name, opts.version).await?;
+            manifest_from_source(&discovery, name, &opts).await?;
         let ip = opts.listen_ip.unwrap_or(local_ip);
         let engine = TransferEngine::builder()
             .data_plane(opts.data_plane)
@@ -425,7 +478,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let (manifest, source_epoch, source_ip, local_ip) =
-            manifest_from_source(&discovery, name, opts.version).await?;
+            manifest_from_source(&discovery, name, &opts).await?;
         let matched = match_tensors(&manifest, &dests)?;
         // Where each tensor of `into` lands: itself, or its staging (matched by name above).
         let target: Vec<Slice> = match &dests.staging {
@@ -684,15 +737,32 @@ impl Receiver {
         Ok(bytes)
     }
 
-    /// Writes each segment to `dir/<segment name>` (as published).
+    /// Writes each segment to `dir/<segment name>` (as published), never through a symlink:
+    /// each file is written to a new file beside it (created exclusively, which no symlink
+    /// satisfies) and renamed over the name, which replaces a symlink there rather than the
+    /// file it points to. Segment names are plain file names (checked with the manifest).
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
+        use std::io::Write;
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
         for (i, seg) in self.manifest.segments.iter().enumerate() {
             let path = dir.join(&seg.name);
+            let tmp = dir.join(format!(
+                ".{}.ferry-partial.{}",
+                seg.name,
+                std::process::id()
+            ));
             let bytes = self.segment_bytes(i).unwrap_or_default();
-            std::fs::write(&path, &bytes)
-                .map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_all()))
+                .and_then(|()| std::fs::rename(&tmp, &path));
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(BroadcastError::io(format!("writing {}", path.display()), e));
+            }
         }
         Ok(())
     }
@@ -944,7 +1014,7 @@ impl Receiver {
                     let outcome = handle.drained().await;
                     match outcome.failure {
                         Some(f) => Err(format!("READ failed: {}", f.kind)),
-                        None => Ok(crc_of(&pieces, &copied).is_ok_and(|crc| crc == c.crc32c)),
+                        None => Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3)),
                     }
                 }
             };
@@ -957,21 +1027,24 @@ impl Receiver {
         });
     }
 
+    /// Updates the snapshot, then what the control service advertises (in that order: an
+    /// advertised prefix is never ahead of the snapshot's verified chunks).
     fn publish(&self, have: &Have, refetched: u64, peers: usize, parent: &str) {
-        let _ = self.progress_tx.send(Progress {
-            prefix: have.prefix(),
-            done: have.is_done(),
-        });
         let bytes = (0..have.len())
             .filter(|&i| have.has(i))
             .map(|i| self.manifest.chunks[i].len)
             .sum();
         self.snapshot_tx.send_modify(|s| {
             s.bytes = bytes;
+            s.chunks = have.count();
             s.refetched = refetched;
             s.peers = peers;
             s.parent = parent.to_owned();
             s.done = have.is_done();
+        });
+        let _ = self.progress_tx.send(Progress {
+            prefix: have.prefix(),
+            done: have.is_done(),
         });
     }
 
@@ -1052,6 +1125,7 @@ impl Receiver {
                     if !ok {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
+                        sum.at_rest_mismatches += 1;
                         have.lost(i);
                     }
                 }
@@ -1160,10 +1234,26 @@ impl Receiver {
                                 sum.bytes_from_relays += c.len;
                             }
                             sum.refetched_chunks += 1;
+                            sum.fetch_mismatches += 1;
                             let tries = bad_tries.entry(f.chunk).or_default();
                             *tries += 1;
                             tracing::warn!(chunk = f.chunk, from = %f.from, tries = *tries,
-                                "checksum mismatch; fetching the chunk from another holder");
+                                "BLAKE3 mismatch; fetching the chunk from another holder");
+                            if !f.from_source {
+                                // A relay served bytes that are not the source's: report it
+                                // and take nothing more from it.
+                                tracing::warn!(holder = %f.from, chunk = f.chunk,
+                                    "relay served a chunk whose hash does not match; giving it up");
+                                if !sum.corrupt_holders.contains(&f.from) {
+                                    sum.corrupt_holders.push(f.from.clone());
+                                }
+                                avoid.insert(f.from.clone());
+                                others.remove(&f.from);
+                                if parent.as_ref().is_some_and(|p| p.member.id == f.from) {
+                                    if let Some(p) = parent.take() { p.peer.close(); }
+                                    sum.parents_given_up += 1;
+                                }
+                            }
                             if *tries > 3 {
                                 return Err(BroadcastError::NoHolder {
                                     name: self.manifest.name.clone(),
@@ -1323,6 +1413,19 @@ impl Receiver {
         let _ = self.discovery.deregister(&self.member.id).await;
         drop(self);
     }
+}
+
+/// BLAKE3 of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
+/// memory the CPU copied out to hash them to `copied`.
+fn blake3_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<Digest, String> {
+    let mut h = blake3::Hasher::new();
+    for (slice, at, n) in pieces {
+        slice.blake3_update(&mut h, *at, *n)?;
+        if slice.is_host() {
+            copied.fetch_add(*n, Ordering::Relaxed);
+        }
+    }
+    Ok(h.finalize().into())
 }
 
 /// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
@@ -1490,6 +1593,7 @@ mod tests {
                 offset: 0,
                 len: 4096,
                 crc32c: 0,
+                blake3: Digest::default(),
             }],
         }
     }

@@ -85,6 +85,16 @@ pub(crate) struct PullArgs {
     /// `--version`, which prints ferry's own.
     #[arg(long, value_name = "N")]
     weights_version: Option<u64>,
+    /// Refuse any manifest but the one of this digest (64 hex digits, as `ferry publish`
+    /// prints it): binds every chunk's hash, and so every byte, to that publisher.
+    #[arg(long, value_name = "DIGEST", value_parser = digest)]
+    expect_manifest: Option<ferry_broadcast::Digest>,
+}
+
+/// `pull --expect-manifest`: 64 hex digits.
+fn digest(s: &str) -> Result<ferry_broadcast::Digest> {
+    ferry_broadcast::Digest::from_hex(s.trim())
+        .with_context(|| format!("{s:?} is not a manifest digest (64 hex digits)"))
 }
 
 /// `publish --chunk-size`: a size in the manifest's range.
@@ -199,10 +209,11 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             m.entries.len()
         );
         println!(
-            "control {} data {}; receivers: ferry pull {} --into DIR",
+            "control {} data {}; receivers: ferry pull {} --into DIR --expect-manifest {}",
             src.ctl_addr(),
             src.data_addr().map(|a| a.to_string()).unwrap_or_default(),
-            src.ctl_addr()
+            src.ctl_addr(),
+            m.digest()
         );
         let stop = async {
             match args.serve_for {
@@ -225,12 +236,13 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
                     match tokio::task::block_in_place(|| src.publish_files(version, &files, Some(args.chunk_size))) {
                         Ok(m) => println!(
                             "publishing {:?} version {version}: {} files, {} bytes in {} chunks \
-                             (versions served: {:?})",
+                             (versions served: {:?}); manifest {}",
                             m.name,
                             m.segments.len(),
                             m.total_bytes(),
                             m.chunks.len(),
-                            src.versions()
+                            src.versions(),
+                            m.digest()
                         ),
                         Err(e) => {
                             version -= 1;
@@ -314,6 +326,7 @@ fn pull_inner(
                 stall_after: args.stall_after,
                 relay: !args.no_relay,
                 version: args.weights_version,
+                expect_manifest: args.expect_manifest,
                 ..Default::default()
             },
         )
