@@ -93,6 +93,13 @@ pub struct ReceiverOptions {
     /// Most payload bytes accepted from a manifest (`None`: [`MAX_TOTAL_BYTES`]); checked
     /// before anything is allocated.
     pub max_bytes: Option<u64>,
+    /// The broadcast's keys: this receiver proves the first on every control connection (and
+    /// refuses members that cannot), its control service answers only connections that prove
+    /// one, and the engine [`join`](Receiver::join) builds serves chunks only to peers that
+    /// prove one (the data plane's own authentication). With [`join_into`](Receiver::join_into)
+    /// the caller's engine must be keyed by the caller. Give the [`Embedded`](crate::Embedded)
+    /// discovery the same keys ([`Embedded::with_keys`](crate::Embedded::with_keys)).
+    pub keys: Option<ferry::Keyring>,
     /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
     /// read from (a relay that corrupts what it serves). Its own final check finds it again.
     #[doc(hidden)]
@@ -125,6 +132,7 @@ impl Default for ReceiverOptions {
             verify_at_rest: true,
             expect_manifest: None,
             max_bytes: None,
+            keys: None,
             corrupt_after_verify: None,
             pause_after: None,
             hold_after: None,
@@ -323,7 +331,7 @@ async fn manifest_from_source(
             name: name.to_owned(),
             discovery: discovery.describe(),
         })?;
-    let mut ctl = CtlClient::connect(&source.ctl_addr, timeout).await?;
+    let mut ctl = CtlClient::connect_keyed(&source.ctl_addr, timeout, opts.keys.as_ref()).await?;
     let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
         Ok(a) if !a.ip().is_unspecified() => a.ip(),
         _ => ctl.local_addr().ip(),
@@ -427,10 +435,13 @@ impl Receiver {
         let (manifest, source_epoch, source_ip, local_ip) =
             manifest_from_source(&discovery, name, &opts).await?;
         let ip = opts.listen_ip.unwrap_or(local_ip);
-        let engine = TransferEngine::builder()
+        let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
-            .listen(SocketAddr::new(ip, 0))
-            .build()?;
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
         let mut own = Vec::with_capacity(manifest.segments.len());
         let mut layout = Vec::with_capacity(manifest.segments.len());
         for seg in &manifest.segments {
@@ -608,6 +619,13 @@ impl Receiver {
             layout: Some(layout::to_wire(&layout)),
             progress,
             tracker: None,
+            auth: opts.keys.clone().map(|k| {
+                (
+                    ferry::core_types::auth::ServerAuth::new(k),
+                    engine.peer_id(),
+                    engine.epoch(),
+                )
+            }),
         });
         let ctl = control::Service::start(listener, state);
         let data_addr = engine
@@ -812,7 +830,8 @@ impl Receiver {
                 found: peer.epoch().0,
             });
         }
-        let mut ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+        let keys = self.opts.keys.as_ref();
+        let mut ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
         let version = self.manifest.version;
         let wire = if m.role == Role::Source {
             let asked = Request::Layout {
@@ -834,7 +853,7 @@ impl Receiver {
                     // A source from before layouts (it closed the connection on the request):
                     // every segment under its own name.
                     tracing::debug!(error = %e, "source gave no layout; taking the identity");
-                    ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+                    ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
                     layout::identity(&self.manifest)
                 }
             }
