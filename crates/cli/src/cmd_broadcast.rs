@@ -48,6 +48,16 @@ pub(crate) struct PublishArgs {
     /// Stop after this long (`90s`, `10m`; default: until interrupted).
     #[arg(long, value_name = "DURATION", value_parser = parse::positive_duration)]
     serve_for: Option<Duration>,
+    /// Authenticate the broadcast with the keyring file F (lines of `name hexkey`): every
+    /// control request (join, heartbeat, leave, manifest, progress) and every chunk is served
+    /// only to members that prove a key of it. Without it, the file named by
+    /// FERRY_AUTH_KEY_FILE, if set; with neither, anyone who reaches the address is served.
+    #[arg(long, value_name = "F")]
+    auth_key_file: Option<PathBuf>,
+    /// Read the key file even where group or others may access it (a warning is logged);
+    /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
+    #[arg(long)]
+    allow_open_key_file: bool,
 }
 
 /// Arguments of `ferry pull`.
@@ -89,6 +99,31 @@ pub(crate) struct PullArgs {
     /// prints it): binds every chunk's hash, and so every byte, to that publisher.
     #[arg(long, value_name = "DIGEST", value_parser = digest)]
     expect_manifest: Option<ferry_broadcast::Digest>,
+    /// Authenticate the broadcast with the keyring file F (lines of `name hexkey`): every
+    /// control request (join, heartbeat, leave, manifest, progress) and every chunk is served
+    /// only to members that prove a key of it. Without it, the file named by
+    /// FERRY_AUTH_KEY_FILE, if set; with neither, anyone who reaches the address is served.
+    #[arg(long, value_name = "F")]
+    auth_key_file: Option<PathBuf>,
+    /// Read the key file even where group or others may access it (a warning is logged);
+    /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
+    #[arg(long)]
+    allow_open_key_file: bool,
+}
+
+/// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
+/// means unset), else none.
+fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {
+    let path = file.cloned().or_else(|| {
+        std::env::var_os(ferry::AUTH_KEY_FILE_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    let allow_open =
+        allow_open || std::env::var(ferry::ALLOW_OPEN_KEY_FILE_ENV).is_ok_and(|v| v == "1");
+    path.map(|p| ferry::load_keyring(&p, allow_open))
+        .transpose()
+        .context("reading the broadcast's key file")
 }
 
 /// `pull --expect-manifest`: 64 hex digits.
@@ -179,6 +214,7 @@ fn expand_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 
 pub(crate) fn publish(args: PublishArgs) -> Result<()> {
     let files = expand_files(&args.files)?;
+    let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     let manifest = Manifest::build(&args.name, args.weights_version, &files, args.chunk_size)
         .context("building the manifest")?;
     runtime()?.block_on(async {
@@ -192,6 +228,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             SourceOptions {
                 listen: args.listen,
                 data_plane: plane(&args.transport),
+                keys,
                 ..Default::default()
             },
             discovery,
@@ -287,6 +324,7 @@ fn pull_inner(
     args: &PullArgs,
     last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
 ) -> Result<()> {
+    let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     runtime()?.block_on(async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
             match args.from.strip_prefix("etcd://") {
@@ -312,7 +350,11 @@ fn pull_inner(
                         .with_context(|| format!("resolving {}", args.from))?
                         .next()
                         .with_context(|| format!("{} resolves to nothing", args.from))?;
-                    (Arc::new(Embedded::new(addr)), None)
+                    let d = match &keys {
+                        Some(k) => Embedded::with_keys(addr, k.clone()),
+                        None => Embedded::new(addr),
+                    };
+                    (Arc::new(d), None)
                 }
             };
         // The embedded source names the broadcast in its manifest.
@@ -327,6 +369,7 @@ fn pull_inner(
                 relay: !args.no_relay,
                 version: args.weights_version,
                 expect_manifest: args.expect_manifest,
+                keys,
                 ..Default::default()
             },
         )
