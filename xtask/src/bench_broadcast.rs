@@ -8,7 +8,9 @@
 //! For each: the time until the last surviving receiver printed its summary, the ideal time
 //! (payload / link rate), efficiency = ideal / measured, the source's egress (its veth's
 //! transmitted bytes) over the payload, and whether every surviving receiver's files equal the
-//! payload byte for byte. Targets (issue 15): efficiency at least 0.8 with N = 8, source egress
+//! payload byte for byte. After the relayed run, each receiver's timeline (`ferry pull --json`:
+//! started, joined, manifest, first chunk requested and verified, last verified, done) in
+//! chain order with each hop's lag behind the one before. Targets (issue 15): efficiency at least 0.8 with N = 8, source egress
 //! at most 1.1x, and with a receiver killed every other one completes with efficiency at least
 //! 0.6. A benchmark: it reports, it asserts nothing about time.
 //!
@@ -79,6 +81,66 @@ struct Outcome {
     verified: usize,
     refetched: f64,
     from_relays: f64,
+    /// Each surviving receiver's host and JSON summary.
+    summaries: Vec<(usize, String)>,
+}
+
+/// The steps of `ferry pull --json`'s `timeline`, in order.
+const STEPS: [&str; 8] = [
+    "process_start",
+    "join_start",
+    "manifest",
+    "joined",
+    "first_request",
+    "first_verified",
+    "last_verified",
+    "done",
+];
+
+/// Prints each receiver's timeline (`ferry pull --json`), in join order (the chain's), in
+/// seconds from the first receiver's start, and each hop's lag behind the one before it.
+fn print_timeline(summaries: &[(usize, String)]) {
+    let mut rows: Vec<(usize, Vec<Option<f64>>)> = summaries
+        .iter()
+        .map(|(i, line)| (*i, STEPS.iter().map(|k| json_num(line, k, 0)).collect()))
+        .collect();
+    rows.sort_by(|a, b| {
+        a.1[3]
+            .unwrap_or(f64::MAX)
+            .total_cmp(&b.1[3].unwrap_or(f64::MAX))
+    });
+    let t0 = rows
+        .iter()
+        .filter_map(|(_, r)| r[0])
+        .fold(f64::MAX, f64::min);
+    println!("  per-hop timeline (s from the first receiver's start; chain order):");
+    println!(
+        "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7}   lag: first verified, last verified",
+        "host", "start", "join", "manifest", "joined", "1st req", "1st ok", "last ok", "done"
+    );
+    let mut prev: Option<(f64, f64)> = None;
+    for (i, r) in &rows {
+        let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.3}", v - t0));
+        let lag = match (prev, r[5], r[6]) {
+            (Some((pf, pl)), Some(f), Some(l)) => format!("+{:.3} +{:.3}", f - pf, l - pl),
+            _ => String::new(),
+        };
+        println!(
+            "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7}   {lag}",
+            i,
+            cell(r[0]),
+            cell(r[1]),
+            cell(r[2]),
+            cell(r[3]),
+            cell(r[4]),
+            cell(r[5]),
+            cell(r[6]),
+            cell(r[7])
+        );
+        if let (Some(f), Some(l)) = (r[5], r[6]) {
+            prev = Some((f, l));
+        }
+    }
 }
 
 /// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when.
@@ -177,6 +239,7 @@ fn run_once(
     let name = file.file_name().context("payload name")?;
     let mut verified = 0;
     let (mut refetched, mut from_relays) = (0.0, 0.0);
+    let summaries = done.iter().map(|(i, (l, _))| (*i, l.clone())).collect();
     for (i, (line, _)) in &done {
         refetched += json_num(line, "refetched_chunks", 0).unwrap_or(0.0);
         from_relays += json_num(line, "bytes_from_relays", 0).unwrap_or(0.0);
@@ -198,6 +261,7 @@ fn run_once(
         verified,
         refetched,
         from_relays,
+        summaries,
     })
 }
 
@@ -256,6 +320,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     let relayed = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
     report("relayed", &relayed);
+    print_timeline(&relayed.summaries);
     if baseline {
         let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
         report("relaying off", &direct);

@@ -40,5 +40,7 @@ pub use etcd::Etcd;
 pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
-pub use receiver::{Destinations, Receiver, ReceiverOptions, Snapshot, Summary};
+pub use receiver::{
+    Destinations, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
+};
 pub use source::{Source, SourceOptions};

@@ -178,6 +178,38 @@ pub struct Summary {
     pub holders: Vec<String>,
     /// Bytes the CPU copied during the pull (see [`Receiver::bytes_copied`]).
     pub bytes_copied: u64,
+    /// When each step of this member's pull happened.
+    pub timeline: Timeline,
+}
+
+/// When each step of a member's pull happened, in seconds since the Unix epoch (the wall
+/// clock, so that the members of one machine, or of machines with synchronised clocks, line up
+/// hop by hop: `cargo xtask bench broadcast` prints them). `None`: not reached.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timeline {
+    /// The process started (set by the caller: `ferry pull` sets it when the command starts).
+    pub process_start: Option<f64>,
+    /// [`Receiver::join`] or [`Receiver::join_into`] was called.
+    pub join_start: Option<f64>,
+    /// The manifest was received and checked.
+    pub manifest: Option<f64>,
+    /// The member was listed (its buffers registered, its control service up).
+    pub joined: Option<f64>,
+    /// The first chunk was requested.
+    pub first_request: Option<f64>,
+    /// The first chunk was verified.
+    pub first_verified: Option<f64>,
+    /// The last chunk was verified.
+    pub last_verified: Option<f64>,
+    /// [`Receiver::run`] returned: every chunk verified, at rest too.
+    pub done: Option<f64>,
+}
+
+/// The wall clock now, in seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Where a pull stands, for progress displays.
@@ -271,6 +303,7 @@ pub struct Receiver {
     copied: Arc<AtomicU64>,
     /// Whether [`run`](Self::run) verified every chunk.
     pulled: bool,
+    timeline: Timeline,
     member: Member,
     opts: ReceiverOptions,
     progress_tx: watch::Sender<Progress>,
@@ -420,6 +453,7 @@ struct Joined {
     own: Vec<Registration>,
     staged: Option<Vec<(String, Slice, Slice)>>,
     tensors: Vec<String>,
+    timeline: Timeline,
 }
 
 impl Receiver {
@@ -432,8 +466,14 @@ impl Receiver {
         name: Option<&str>,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
         let (manifest, source_epoch, source_ip, local_ip) =
             manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
         let ip = opts.listen_ip.unwrap_or(local_ip);
         let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
@@ -464,6 +504,7 @@ impl Receiver {
             own,
             staged: None,
             tensors: Vec::new(),
+            timeline,
         };
         Self::start(j, discovery, opts).await
     }
@@ -488,8 +529,14 @@ impl Receiver {
         dests: Destinations,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
         let (manifest, source_epoch, source_ip, local_ip) =
             manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
         let matched = match_tensors(&manifest, &dests)?;
         // Where each tensor of `into` lands: itself, or its staging (matched by name above).
         let target: Vec<Slice> = match &dests.staging {
@@ -579,6 +626,7 @@ impl Receiver {
             own,
             staged,
             tensors,
+            timeline,
         };
         Self::start(j, discovery, opts).await
     }
@@ -599,6 +647,7 @@ impl Receiver {
             own,
             staged,
             tensors,
+            mut timeline,
         } = j;
         let ranges = layout
             .iter()
@@ -653,6 +702,7 @@ impl Receiver {
                 found,
             });
         }
+        timeline.joined = Some(unix_now());
         let total = manifest.total_bytes();
         let (snapshot_tx, _) = watch::channel(Snapshot {
             total,
@@ -676,6 +726,7 @@ impl Receiver {
             touched: std::sync::atomic::AtomicBool::new(false),
             copied: Arc::new(AtomicU64::new(0)),
             pulled: false,
+            timeline,
             member,
             opts,
             progress_tx,
@@ -1203,7 +1254,10 @@ impl Receiver {
             {
                 while set.len() < self.opts.window.max(1) {
                     match have.next_to_fetch(p.prefix) {
-                        Some(i) => self.fetch(&mut set, p, i),
+                        Some(i) => {
+                            self.fetch(&mut set, p, i);
+                            self.timeline.first_request.get_or_insert_with(unix_now);
+                        }
                         None => break,
                     }
                 }
@@ -1226,6 +1280,9 @@ impl Receiver {
                                 sum.bytes_from_relays += c.len;
                             }
                             have.verified(f.chunk);
+                            let now = unix_now();
+                            self.timeline.first_verified.get_or_insert(now);
+                            self.timeline.last_verified = Some(now);
                             if self.opts.corrupt_after_verify == Some(f.chunk) && !corrupted {
                                 corrupted = true;
                                 if let Some((slice, at, _)) = self.local_pieces(f.chunk).first() {
@@ -1393,6 +1450,8 @@ impl Receiver {
             }
         }
         sum.seconds = started.elapsed().as_secs_f64();
+        self.timeline.done = Some(unix_now());
+        sum.timeline = self.timeline.clone();
         sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(&have, sum.refetched_chunks, members.len(), "");

@@ -88,7 +88,9 @@ pub(crate) struct PullArgs {
     /// baseline the relayed pull is measured against).
     #[arg(long)]
     no_relay: bool,
-    /// Print one JSON summary instead of the progress bar and human summary.
+    /// Print one JSON summary instead of the progress bar and human summary (with
+    /// `timeline`: when the command started, joined, got the manifest, requested and verified
+    /// its first chunk, verified its last and was done, in seconds since the Unix epoch).
     #[arg(long)]
     json: bool,
     /// Pull this version of the weights [default: the newest the source publishes]. Not
@@ -295,8 +297,9 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
 }
 
 pub(crate) fn pull(args: PullArgs) -> Result<()> {
+    let started = ferry_broadcast::unix_now();
     let last = std::sync::Mutex::new(None::<ferry_broadcast::Snapshot>);
-    let result = pull_inner(&args, &last);
+    let result = pull_inner(&args, &last, started);
     result.map_err(|e| {
         let mut facts = serde_json::Map::new();
         let snap = last
@@ -323,6 +326,7 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
 fn pull_inner(
     args: &PullArgs,
     last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
+    started: f64,
 ) -> Result<()> {
     let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     runtime()?.block_on(async {
@@ -409,7 +413,8 @@ fn pull_inner(
         if let Some(b) = &bar {
             b.finish_and_clear();
         }
-        let summary = summary?;
+        let mut summary = summary?;
+        summary.timeline.process_start = Some(started);
         r.write_to(&args.into)?;
         if args.json {
             println!("{}", serde_json::to_string(&summary)?);
