@@ -826,7 +826,7 @@ impl Receiver {
                 .write(true)
                 .create_new(true)
                 .open(&tmp)
-                .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_all()))
+                .and_then(|mut f| f.write_all(&bytes))
                 .and_then(|()| std::fs::rename(&tmp, &path));
             if let Err(e) = written {
                 let _ = std::fs::remove_file(&tmp);
