@@ -198,16 +198,16 @@ mod tests {
                     }
                 }
             }
-            for m in 0..n {
+            for (m, &up) in upload.iter().enumerate() {
                 if plan.is_straggler(m) && fast >= d.max(1) {
-                    prop_assert_eq!(upload[m], 0, "straggler {} serves", m);
+                    prop_assert_eq!(up, 0, "straggler {} serves", m);
                 }
                 // Inner in its one stripe: at most d inner children and an even share of the
                 // rest (each a 1/d share of the chunks); a leaf elsewhere.
                 if fast >= d {
                     let gmin = fast / d;
                     let most = ((n - 1).div_ceil(gmin) + 1) as f64 / d as f64;
-                    let payloads = upload[m] as f64 / d as f64;
+                    let payloads = up as f64 / d as f64;
                     prop_assert!(payloads <= most, "member {m} uploads {payloads} payloads, more than {most}");
                 }
             }
