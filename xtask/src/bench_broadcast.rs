@@ -5,7 +5,9 @@
 //! Three runs of the release `ferry` binary (`ferry publish` in host 0, `ferry pull --json` in
 //! hosts 1..N, all started at once): relayed; relaying off (`--no-relay`: every receiver pulls
 //! from the source); relayed with one receiver killed (SIGKILL) halfway through the ideal time.
-//! For each: the time until the last surviving receiver printed its summary, the ideal time
+//! For each: the time until the last surviving receiver printed its summary (after writing its
+//! files), the time until it had verified every chunk in memory (its timeline's `done`; the
+//! receivers all write to this one machine's disk, which a fleet does not share), the ideal time
 //! (payload / link rate), efficiency = ideal / measured, the source's egress (its veth's
 //! transmitted bytes) over the payload, and whether every surviving receiver's files equal the
 //! payload byte for byte. After the relayed run, each receiver's timeline (`ferry pull --json`:
@@ -76,6 +78,9 @@ fn payload(path: &Path, len: u64) -> Result<()> {
 
 struct Outcome {
     seconds: f64,
+    /// From the first receiver's spawn until the last surviving one had verified every chunk
+    /// in memory (its timeline's `done`), before writing its files.
+    verified_seconds: f64,
     egress: u64,
     completed: usize,
     verified: usize,
@@ -183,6 +188,9 @@ fn run_once(
     let (tx, rx) = mpsc::channel::<(usize, String, Instant)>();
     let mut receivers = Vec::new();
     let start = Instant::now();
+    let start_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
     for i in 1..fleet.hosts() {
         let dir = work.join(format!("out-{i}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -243,7 +251,12 @@ fn run_once(
     let name = file.file_name().context("payload name")?;
     let mut verified = 0;
     let (mut refetched, mut from_relays) = (0.0, 0.0);
-    let summaries = done.iter().map(|(i, (l, _))| (*i, l.clone())).collect();
+    let summaries: Vec<(usize, String)> = done.iter().map(|(i, (l, _))| (*i, l.clone())).collect();
+    let verified_seconds = summaries
+        .iter()
+        .filter_map(|(_, l)| json_num(l, "done", 0))
+        .fold(start_unix, f64::max)
+        - start_unix;
     for (i, (line, _)) in &done {
         refetched += json_num(line, "refetched_chunks", 0).unwrap_or(0.0);
         from_relays += json_num(line, "bytes_from_relays", 0).unwrap_or(0.0);
@@ -260,6 +273,7 @@ fn run_once(
     let _ = source.wait();
     Ok(Outcome {
         seconds,
+        verified_seconds,
         egress,
         completed: done.len(),
         verified,
@@ -310,10 +324,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     );
     let report = |what: &str, o: &Outcome| {
         println!(
-            "{what:<28} {:>7.2} s  efficiency {:.2}  source egress {:.2}x payload  \
-             completed {}/{} verified {}  re-fetched {}  from relays {:.0} MiB",
+            "{what:<28} {:>7.2} s  efficiency {:.2} (verified in memory: {:.2} s, {:.2})  \
+             source egress {:.2}x payload  completed {}/{} verified {}  re-fetched {}  \
+             from relays {:.0} MiB",
             o.seconds,
             ideal / o.seconds.max(1e-9),
+            o.verified_seconds,
+            ideal / o.verified_seconds.max(1e-9),
             o.egress as f64 / len as f64,
             o.completed,
             n,

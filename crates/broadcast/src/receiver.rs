@@ -809,9 +809,10 @@ impl Receiver {
     /// Writes each segment to `dir/<segment name>` (as published), never through a symlink:
     /// each file is written to a new file beside it (created exclusively, which no symlink
     /// satisfies) and renamed over the name, which replaces a symlink there rather than the
-    /// file it points to. Segment names are plain file names (checked with the manifest).
+    /// file it points to. Segment names are plain file names (checked with the manifest). The
+    /// bytes are copied out of where they landed 1 MiB at a time (never a copy of a whole
+    /// segment in memory).
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
-        use std::io::Write;
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
         for (i, seg) in self.manifest.segments.iter().enumerate() {
@@ -821,12 +822,11 @@ impl Receiver {
                 seg.name,
                 std::process::id()
             ));
-            let bytes = self.segment_bytes(i).unwrap_or_default();
             let written = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .open(&tmp)
-                .and_then(|mut f| f.write_all(&bytes))
+                .and_then(|f| self.write_segment(i, f))
                 .and_then(|()| std::fs::rename(&tmp, &path));
             if let Err(e) = written {
                 let _ = std::fs::remove_file(&tmp);
@@ -834,6 +834,25 @@ impl Receiver {
             }
         }
         Ok(())
+    }
+
+    /// Writes segment `i`, extent by extent in offset order, 1 MiB at a time.
+    fn write_segment(&self, i: usize, file: std::fs::File) -> std::io::Result<()> {
+        use std::io::Write;
+        const PIECE: u64 = 1 << 20;
+        let mut out = std::io::BufWriter::with_capacity(PIECE as usize, file);
+        let mut buf = Vec::new();
+        for (_, slice) in &self.layout[i] {
+            let mut at = 0;
+            while at < slice.len() {
+                let n = PIECE.min(slice.len() - at);
+                buf.resize(n as usize, 0);
+                slice.read(at, &mut buf).map_err(std::io::Error::other)?;
+                out.write_all(&buf)?;
+                at += n;
+            }
+        }
+        out.flush()
     }
 
     async fn heartbeat(&mut self, have: &Have) -> Result<(), BroadcastError> {
