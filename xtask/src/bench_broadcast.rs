@@ -346,17 +346,20 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
         report("relaying off", &direct);
     }
-    let victim = n.div_ceil(2);
-    let killed = run_once(
-        &fleet,
-        &bin,
-        &file,
-        &work,
-        true,
-        Some((victim, Duration::from_secs_f64(ideal / 2.0))),
-        &chunk,
-    )?;
-    report(&format!("relayed, receiver {victim} killed"), &killed);
+    // With one receiver there is no other to route around a killed one.
+    if n > 1 {
+        let victim = n.div_ceil(2);
+        let killed = run_once(
+            &fleet,
+            &bin,
+            &file,
+            &work,
+            true,
+            Some((victim, Duration::from_secs_f64(ideal / 2.0))),
+            &chunk,
+        )?;
+        report(&format!("relayed, receiver {victim} killed"), &killed);
+    }
     drop(fleet);
     let _ = std::fs::remove_dir_all(&work);
     Ok(())
