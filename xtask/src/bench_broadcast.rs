@@ -17,6 +17,7 @@
 //! 0.6. A benchmark: it reports, it asserts nothing about time.
 //!
 //! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
+//! `--straggler TC_RATE` (also a relayed run with the middle receiver's link at that rate),
 //! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
 //! is). Needs root, `ip` and `tc`.
 
@@ -291,6 +292,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut baseline = true;
     let mut build = true;
     let mut chunk = "1MiB".to_string();
+    let mut straggler: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -300,6 +302,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--skip-baseline" => baseline = false,
             "--no-build" => build = false,
             "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
+            "--straggler" => straggler = Some(it.next().context("--straggler RATE")?.clone()),
             other => bail!("bench broadcast: unknown option {other:?}"),
         }
     }
@@ -345,6 +348,34 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if baseline {
         let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
         report("relaying off", &direct);
+    }
+    if let Some(slow) = &straggler
+        && n > 1
+    {
+        // The middle receiver's link slowed; the others' time is what the plan should protect.
+        let host = n.div_ceil(2);
+        fleet.reshape(host, slow)?;
+        let o = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
+        fleet.reshape(host, &rate)?;
+        report(&format!("relayed, receiver {host} at {slow}"), &o);
+        let start = o
+            .summaries
+            .iter()
+            .filter_map(|(_, l)| json_num(l, "process_start", 0))
+            .fold(f64::MAX, f64::min);
+        let others = o
+            .summaries
+            .iter()
+            .filter(|(i, _)| *i != host)
+            .filter_map(|(_, l)| json_num(l, "done", 0))
+            .fold(start, f64::max)
+            - start;
+        println!(
+            "  the {} others verified in memory in {others:.2} s from the first start: efficiency {:.2}",
+            n - 1,
+            ideal / others.max(1e-9)
+        );
+        print_timeline(&o.summaries);
     }
     // With one receiver there is no other to route around a killed one.
     if n > 1 {
