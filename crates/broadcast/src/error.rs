@@ -45,6 +45,29 @@ pub enum BroadcastError {
         /// The one it found.
         found: u64,
     },
+    /// A member answered a manifest that is refused (it does not add up, or declares more
+    /// bytes than accepted): refused before anything is allocated for it.
+    #[error("manifest from {addr}: {source}")]
+    ManifestFrom {
+        /// The member's control address.
+        addr: String,
+        /// Why it is refused.
+        #[source]
+        source: ManifestError,
+    },
+    /// The source answered a manifest whose digest is not the one given out of band.
+    #[error(
+        "the manifest from {source_addr} has digest {found}, not the expected {expected}: \
+         refusing it (another publisher, or another version)"
+    )]
+    ManifestDigest {
+        /// The source's control address.
+        source_addr: String,
+        /// The digest given.
+        expected: crate::manifest::Digest,
+        /// The manifest's.
+        found: crate::manifest::Digest,
+    },
     /// No source is listed for the broadcast.
     #[error("no source publishes {name:?} (discovery: {discovery})")]
     NoSource {

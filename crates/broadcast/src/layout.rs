@@ -202,17 +202,36 @@ impl Slice {
     /// CRC-32C of `len` bytes at `at`, appended to `crc` (the bytes copied out in pieces of
     /// 1 MiB: by the CPU from host memory, by the driver from GPU memory).
     pub(crate) fn crc_append(&self, crc: u32, at: u64, len: u64) -> Result<u32, String> {
-        self.bounds(at, len)?;
         let mut crc = crc;
+        self.for_each_piece(at, len, |b| crc = ferry::checksum::crc32c_append(crc, b))?;
+        Ok(crc)
+    }
+
+    /// `len` bytes at `at` fed to `hasher` (BLAKE3), copied out as [`crc_append`](Self::crc_append)
+    /// copies them.
+    pub(crate) fn blake3_update(
+        &self,
+        hasher: &mut blake3::Hasher,
+        at: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        self.for_each_piece(at, len, |b| {
+            hasher.update(b);
+        })
+    }
+
+    /// Copies `len` bytes at `at` out in pieces of at most 1 MiB and hands each to `f`.
+    fn for_each_piece(&self, at: u64, len: u64, mut f: impl FnMut(&[u8])) -> Result<(), String> {
+        self.bounds(at, len)?;
         let mut buf = vec![0u8; PIECE.min(len) as usize];
         let mut done = 0;
         while done < len {
             let n = PIECE.min(len - done) as usize;
             self.read(at + done, &mut buf[..n])?;
-            crc = ferry::checksum::crc32c_append(crc, &buf[..n]);
+            f(&buf[..n]);
             done += n as u64;
         }
-        Ok(crc)
+        Ok(())
     }
 }
 

@@ -1,14 +1,19 @@
 //! A receiver: fetches the manifest's chunks of one version from its parent in the chain
-//! ([`plan`](crate::plan)), verifies each against the manifest's CRC-32C, and serves what it
+//! ([`plan`](crate::plan)), verifies each against the manifest's BLAKE3, and serves what it
 //! verified to the member after it. It pulls into buffers of its own ([`Receiver::join`]) or
 //! into the caller's destinations ([`Receiver::join_into`]: in place, or staged and then
 //! committed), and serves from wherever the chunks landed ([`layout`](crate::layout)).
 //!
 //! Contract:
 //! - a chunk is fetched by Ferry READs straight into where it lands here (one per piece where
-//!   the holder's layout and this receiver's meet), then verified over those pieces; only
-//!   verified chunks count, and only the verified prefix is advertised, so a member never
-//!   fetches from it a chunk it has not verified;
+//!   the holder's layout and this receiver's meet), then verified over those pieces against the
+//!   manifest's BLAKE3; only verified chunks count, and only the verified prefix is advertised
+//!   (never more than [`Snapshot::chunks`] verified), so a member never fetches from it a chunk
+//!   it has not verified;
+//! - with [`ReceiverOptions::expect_manifest`], a manifest whose digest differs is refused
+//!   before anything is allocated ([`BroadcastError::ManifestDigest`]), so every chunk hash,
+//!   and so every byte, is bound to the source whoever relays it; a manifest declaring more
+//!   than [`ReceiverOptions::max_bytes`] is refused there too;
 //! - destinations are matched with the published tensors by name and size before anything is
 //!   registered, listed or moved ([`BroadcastError::Mismatch`]);
 //! - it takes chunks only from the source and from receivers of its own version, and gives up
@@ -17,9 +22,11 @@
 //!   live tensors change only in [`Receiver::commit`];
 //! - unless [`ReceiverOptions::verify_at_rest`] is off, every chunk is checked once more at
 //!   rest before the pull reports done, and one that changed is fetched again;
-//! - a chunk whose checksum does not match is counted ([`Summary::refetched_chunks`]) and
-//!   fetched again from the source (a holder other than the one that served it, or, if the
-//!   source served it, the source once more, three times at most);
+//! - a chunk whose hash does not match when fetched is counted ([`Summary::fetch_mismatches`],
+//!   apart from those found at rest, [`Summary::at_rest_mismatches`]) and fetched again from
+//!   the source (or, if the source served it, the source once more, three times at most); the
+//!   relay that served it is reported ([`Summary::corrupt_holders`], a warning) and given up
+//!   for the rest of the pull;
 //! - a parent that fails a READ, stops answering, or whose prefix does not advance for
 //!   `stall_after` while this receiver waits on it is given up: its data path is closed (its
 //!   chunks in flight fail at once, so none lands later) and the next holder in the plan is
@@ -36,8 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Access, Batch, DataPlane, MemoryRegion, PAGE_ALIGN, Peer, Registration, RemoteSegment,
-    TransferEngine,
+    Access, Batch, DataPlane, MemoryRegion, Peer, Registration, RemoteSegment, TransferEngine,
 };
 use serde::Serialize;
 use tokio::net::TcpListener;
@@ -48,7 +54,7 @@ use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
 use crate::layout::{self, LocalExtents, Slice};
-use crate::manifest::Manifest;
+use crate::manifest::{Digest, MAX_TOTAL_BYTES, Manifest};
 use crate::plan::{Have, Member, Role, holders};
 
 /// How a receiver runs.
@@ -73,10 +79,26 @@ pub struct ReceiverOptions {
     /// The version to pull (`None`: the newest the source publishes).
     pub version: Option<u64>,
     /// Whether to check every chunk once more at rest before reporting done (a chunk whose
-    /// memory changed after it was verified is fetched again). `false` halves the hashing
-    /// (one pass over the payload instead of two); every chunk is still verified as it lands,
-    /// and the children verify what they read from this receiver.
+    /// memory changed after it was verified is fetched again; the check is the cheaper
+    /// CRC-32C of memory already verified against BLAKE3). `false` halves the copies (one pass
+    /// over the payload instead of two); every chunk is still verified as it lands, and the
+    /// children verify what they read from this receiver.
     pub verify_at_rest: bool,
+    /// The manifest's digest ([`Manifest::digest`]), given out of band (`ferry publish`
+    /// prints it): any other manifest is refused before anything is allocated for it. `None`:
+    /// the manifest is taken from the source as it answers (its chunk hashes still catch any
+    /// relay that alters a chunk, but not an impostor source).
+    pub expect_manifest: Option<Digest>,
+    /// Most payload bytes accepted from a manifest (`None`: [`MAX_TOTAL_BYTES`]); checked
+    /// before anything is allocated.
+    pub max_bytes: Option<u64>,
+    /// The broadcast's keys: this receiver proves the first on every control connection (and
+    /// refuses members that cannot), its control service answers only connections that prove
+    /// one, and the engine [`join`](Receiver::join) builds serves chunks only to peers that
+    /// prove one (the data plane's own authentication). With [`join_into`](Receiver::join_into)
+    /// the caller's engine must be keyed by the caller. Give the [`Embedded`](crate::Embedded)
+    /// discovery the same keys ([`Embedded::with_keys`](crate::Embedded::with_keys)).
+    pub keys: Option<ferry::Keyring>,
     /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
     /// read from (a relay that corrupts what it serves). Its own final check finds it again.
     #[doc(hidden)]
@@ -107,6 +129,9 @@ impl Default for ReceiverOptions {
             relay: true,
             version: None,
             verify_at_rest: true,
+            expect_manifest: None,
+            max_bytes: None,
+            keys: None,
             corrupt_after_verify: None,
             pause_after: None,
             hold_after: None,
@@ -132,8 +157,16 @@ pub struct Summary {
     pub gb_per_s: f64,
     /// Chunks in the manifest.
     pub chunks: u64,
-    /// Chunks whose checksum did not match and that were fetched again.
+    /// Chunks whose hash did not match and that were fetched again: `fetch_mismatches +
+    /// at_rest_mismatches`.
     pub refetched_chunks: u64,
+    /// Chunks whose BLAKE3 did not match the manifest's as they were fetched (a holder served
+    /// other bytes).
+    pub fetch_mismatches: u64,
+    /// Chunks verified when fetched whose bytes here had changed by the check at rest.
+    pub at_rest_mismatches: u64,
+    /// Members that served a chunk whose hash did not match (each once), given up on.
+    pub corrupt_holders: Vec<String>,
     /// Bytes received from the source (verified or not).
     pub bytes_from_source: u64,
     /// Bytes received from other receivers (verified or not).
@@ -144,6 +177,38 @@ pub struct Summary {
     pub holders: Vec<String>,
     /// Bytes the CPU copied during the pull (see [`Receiver::bytes_copied`]).
     pub bytes_copied: u64,
+    /// When each step of this member's pull happened.
+    pub timeline: Timeline,
+}
+
+/// When each step of a member's pull happened, in seconds since the Unix epoch (the wall
+/// clock, so that the members of one machine, or of machines with synchronised clocks, line up
+/// hop by hop: `cargo xtask bench broadcast` prints them). `None`: not reached.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timeline {
+    /// The process started (set by the caller: `ferry pull` sets it when the command starts).
+    pub process_start: Option<f64>,
+    /// [`Receiver::join`] or [`Receiver::join_into`] was called.
+    pub join_start: Option<f64>,
+    /// The manifest was received and checked.
+    pub manifest: Option<f64>,
+    /// The member was listed (its buffers registered, its control service up).
+    pub joined: Option<f64>,
+    /// The first chunk was requested.
+    pub first_request: Option<f64>,
+    /// The first chunk was verified.
+    pub first_verified: Option<f64>,
+    /// The last chunk was verified.
+    pub last_verified: Option<f64>,
+    /// [`Receiver::run`] returned: every chunk verified, at rest too.
+    pub done: Option<f64>,
+}
+
+/// The wall clock now, in seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Where a pull stands, for progress displays.
@@ -151,6 +216,9 @@ pub struct Summary {
 pub struct Snapshot {
     /// Bytes verified.
     pub bytes: u64,
+    /// Chunks verified. What the member advertises to others (its verified prefix) never
+    /// exceeds it: the snapshot is updated before the advertisement.
+    pub chunks: u64,
     /// Payload bytes.
     pub total: u64,
     /// Chunks re-fetched after a checksum mismatch.
@@ -203,7 +271,7 @@ struct Fetched {
     chunk: usize,
     from: String,
     from_source: bool,
-    /// `Ok(true)`: verified; `Ok(false)`: checksum mismatch; `Err`: the READ failed.
+    /// `Ok(true)`: verified; `Ok(false)`: BLAKE3 mismatch; `Err`: the READ failed.
     result: Result<bool, String>,
 }
 
@@ -234,6 +302,7 @@ pub struct Receiver {
     copied: Arc<AtomicU64>,
     /// Whether [`run`](Self::run) verified every chunk.
     pulled: bool,
+    timeline: Timeline,
     member: Member,
     opts: ReceiverOptions,
     progress_tx: watch::Sender<Progress>,
@@ -280,8 +349,9 @@ fn reachable(addr: &str, ip: IpAddr) -> String {
 async fn manifest_from_source(
     discovery: &Arc<dyn Discovery>,
     wanted: Option<&str>,
-    version: Option<u64>,
+    opts: &ReceiverOptions,
 ) -> Result<(Manifest, u64, IpAddr, IpAddr), BroadcastError> {
+    let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
     let source = discovery
@@ -293,7 +363,7 @@ async fn manifest_from_source(
             name: name.to_owned(),
             discovery: discovery.describe(),
         })?;
-    let mut ctl = CtlClient::connect(&source.ctl_addr, timeout).await?;
+    let mut ctl = CtlClient::connect_keyed(&source.ctl_addr, timeout, opts.keys.as_ref()).await?;
     let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
         Ok(a) if !a.ip().is_unspecified() => a.ip(),
         _ => ctl.local_addr().ip(),
@@ -305,6 +375,29 @@ async fn manifest_from_source(
         } => (manifest, source_epoch),
         _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
     };
+    if let Some(expected) = opts.expect_manifest {
+        let found = manifest.digest();
+        if found != expected {
+            return Err(BroadcastError::ManifestDigest {
+                source_addr: source.ctl_addr.clone(),
+                expected,
+                found,
+            });
+        }
+    }
+    let limit = opts
+        .max_bytes
+        .unwrap_or(MAX_TOTAL_BYTES)
+        .min(MAX_TOTAL_BYTES);
+    if manifest.total_bytes() > limit {
+        return Err(BroadcastError::ManifestFrom {
+            addr: source.ctl_addr.clone(),
+            source: crate::manifest::ManifestError::TooManyBytes {
+                declared: manifest.total_bytes(),
+                limit,
+            },
+        });
+    }
     if wanted.is_some_and(|n| n != manifest.name) {
         return Err(control_err(
             &source.ctl_addr,
@@ -330,7 +423,8 @@ const LINGER_CHECK: Duration = Duration::from_millis(100);
 /// Registration names of scratch buffers are unique within the process.
 static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Allocates and registers `len` zeroed bytes of host memory on `engine` as `name`.
+/// Allocates and registers `len` zeroed bytes of host memory on `engine` as `name`; a
+/// failed allocation is an error, never an abort.
 fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, BroadcastError> {
     let n = usize::try_from(len).map_err(|_| {
         BroadcastError::io(
@@ -338,7 +432,11 @@ fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, 
             std::io::Error::other("longer than this machine's address space"),
         )
     })?;
-    let region = MemoryRegion::alloc_zeroed(n, PAGE_ALIGN).map_err(|e| {
+    // Aligned to 16, not to a page: the allocator then takes zeroed memory from the kernel
+    // (calloc, fresh pages) instead of writing zeros over every page first, which cost each
+    // receiver a pass over its whole payload before joining (0.1 to 1.5 s per 128 MiB with
+    // several receivers starting on one machine: the timeline's manifest-to-joined step).
+    let region = MemoryRegion::alloc_zeroed(n, 16).map_err(|e| {
         BroadcastError::io(
             format!("allocating {len} bytes for {name:?}"),
             std::io::Error::other(e.to_string()),
@@ -359,6 +457,7 @@ struct Joined {
     own: Vec<Registration>,
     staged: Option<Vec<(String, Slice, Slice)>>,
     tensors: Vec<String>,
+    timeline: Timeline,
 }
 
 impl Receiver {
@@ -371,13 +470,22 @@ impl Receiver {
         name: Option<&str>,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
         let (manifest, source_epoch, source_ip, local_ip) =
-            manifest_from_source(&discovery, name, opts.version).await?;
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
         let ip = opts.listen_ip.unwrap_or(local_ip);
-        let engine = TransferEngine::builder()
+        let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
-            .listen(SocketAddr::new(ip, 0))
-            .build()?;
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
         let mut own = Vec::with_capacity(manifest.segments.len());
         let mut layout = Vec::with_capacity(manifest.segments.len());
         for seg in &manifest.segments {
@@ -400,6 +508,7 @@ impl Receiver {
             own,
             staged: None,
             tensors: Vec::new(),
+            timeline,
         };
         Self::start(j, discovery, opts).await
     }
@@ -424,8 +533,14 @@ impl Receiver {
         dests: Destinations,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
         let (manifest, source_epoch, source_ip, local_ip) =
-            manifest_from_source(&discovery, name, opts.version).await?;
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
         let matched = match_tensors(&manifest, &dests)?;
         // Where each tensor of `into` lands: itself, or its staging (matched by name above).
         let target: Vec<Slice> = match &dests.staging {
@@ -515,6 +630,7 @@ impl Receiver {
             own,
             staged,
             tensors,
+            timeline,
         };
         Self::start(j, discovery, opts).await
     }
@@ -535,6 +651,7 @@ impl Receiver {
             own,
             staged,
             tensors,
+            mut timeline,
         } = j;
         let ranges = layout
             .iter()
@@ -555,6 +672,13 @@ impl Receiver {
             layout: Some(layout::to_wire(&layout)),
             progress,
             tracker: None,
+            auth: opts.keys.clone().map(|k| {
+                (
+                    ferry::core_types::auth::ServerAuth::new(k),
+                    engine.peer_id(),
+                    engine.epoch(),
+                )
+            }),
         });
         let ctl = control::Service::start(listener, state);
         let data_addr = engine
@@ -582,6 +706,7 @@ impl Receiver {
                 found,
             });
         }
+        timeline.joined = Some(unix_now());
         let total = manifest.total_bytes();
         let (snapshot_tx, _) = watch::channel(Snapshot {
             total,
@@ -605,6 +730,7 @@ impl Receiver {
             touched: std::sync::atomic::AtomicBool::new(false),
             copied: Arc::new(AtomicU64::new(0)),
             pulled: false,
+            timeline,
             member,
             opts,
             progress_tx,
@@ -684,17 +810,53 @@ impl Receiver {
         Ok(bytes)
     }
 
-    /// Writes each segment to `dir/<segment name>` (as published).
+    /// Writes each segment to `dir/<segment name>` (as published), never through a symlink:
+    /// each file is written to a new file beside it (created exclusively, which no symlink
+    /// satisfies) and renamed over the name, which replaces a symlink there rather than the
+    /// file it points to. Segment names are plain file names (checked with the manifest). The
+    /// bytes are copied out of where they landed 1 MiB at a time (never a copy of a whole
+    /// segment in memory).
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
         for (i, seg) in self.manifest.segments.iter().enumerate() {
             let path = dir.join(&seg.name);
-            let bytes = self.segment_bytes(i).unwrap_or_default();
-            std::fs::write(&path, &bytes)
-                .map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+            let tmp = dir.join(format!(
+                ".{}.ferry-partial.{}",
+                seg.name,
+                std::process::id()
+            ));
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .and_then(|f| self.write_segment(i, f))
+                .and_then(|()| std::fs::rename(&tmp, &path));
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(BroadcastError::io(format!("writing {}", path.display()), e));
+            }
         }
         Ok(())
+    }
+
+    /// Writes segment `i`, extent by extent in offset order, 1 MiB at a time.
+    fn write_segment(&self, i: usize, file: std::fs::File) -> std::io::Result<()> {
+        use std::io::Write;
+        const PIECE: u64 = 1 << 20;
+        let mut out = std::io::BufWriter::with_capacity(PIECE as usize, file);
+        let mut buf = Vec::new();
+        for (_, slice) in &self.layout[i] {
+            let mut at = 0;
+            while at < slice.len() {
+                let n = PIECE.min(slice.len() - at);
+                buf.resize(n as usize, 0);
+                slice.read(at, &mut buf).map_err(std::io::Error::other)?;
+                out.write_all(&buf)?;
+                at += n;
+            }
+        }
+        out.flush()
     }
 
     async fn heartbeat(&mut self, have: &Have) -> Result<(), BroadcastError> {
@@ -742,7 +904,8 @@ impl Receiver {
                 found: peer.epoch().0,
             });
         }
-        let mut ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+        let keys = self.opts.keys.as_ref();
+        let mut ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
         let version = self.manifest.version;
         let wire = if m.role == Role::Source {
             let asked = Request::Layout {
@@ -764,7 +927,7 @@ impl Receiver {
                     // A source from before layouts (it closed the connection on the request):
                     // every segment under its own name.
                     tracing::debug!(error = %e, "source gave no layout; taking the identity");
-                    ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
+                    ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
                     layout::identity(&self.manifest)
                 }
             }
@@ -944,7 +1107,7 @@ impl Receiver {
                     let outcome = handle.drained().await;
                     match outcome.failure {
                         Some(f) => Err(format!("READ failed: {}", f.kind)),
-                        None => Ok(crc_of(&pieces, &copied).is_ok_and(|crc| crc == c.crc32c)),
+                        None => Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3)),
                     }
                 }
             };
@@ -957,21 +1120,24 @@ impl Receiver {
         });
     }
 
+    /// Updates the snapshot, then what the control service advertises (in that order: an
+    /// advertised prefix is never ahead of the snapshot's verified chunks).
     fn publish(&self, have: &Have, refetched: u64, peers: usize, parent: &str) {
-        let _ = self.progress_tx.send(Progress {
-            prefix: have.prefix(),
-            done: have.is_done(),
-        });
         let bytes = (0..have.len())
             .filter(|&i| have.has(i))
             .map(|i| self.manifest.chunks[i].len)
             .sum();
         self.snapshot_tx.send_modify(|s| {
             s.bytes = bytes;
+            s.chunks = have.count();
             s.refetched = refetched;
             s.peers = peers;
             s.parent = parent.to_owned();
             s.done = have.is_done();
+        });
+        let _ = self.progress_tx.send(Progress {
+            prefix: have.prefix(),
+            done: have.is_done(),
         });
     }
 
@@ -1052,6 +1218,7 @@ impl Receiver {
                     if !ok {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
+                        sum.at_rest_mismatches += 1;
                         have.lost(i);
                     }
                 }
@@ -1110,7 +1277,10 @@ impl Receiver {
             {
                 while set.len() < self.opts.window.max(1) {
                     match have.next_to_fetch(p.prefix) {
-                        Some(i) => self.fetch(&mut set, p, i),
+                        Some(i) => {
+                            self.fetch(&mut set, p, i);
+                            self.timeline.first_request.get_or_insert_with(unix_now);
+                        }
                         None => break,
                     }
                 }
@@ -1133,6 +1303,9 @@ impl Receiver {
                                 sum.bytes_from_relays += c.len;
                             }
                             have.verified(f.chunk);
+                            let now = unix_now();
+                            self.timeline.first_verified.get_or_insert(now);
+                            self.timeline.last_verified = Some(now);
                             if self.opts.corrupt_after_verify == Some(f.chunk) && !corrupted {
                                 corrupted = true;
                                 if let Some((slice, at, _)) = self.local_pieces(f.chunk).first() {
@@ -1160,10 +1333,26 @@ impl Receiver {
                                 sum.bytes_from_relays += c.len;
                             }
                             sum.refetched_chunks += 1;
+                            sum.fetch_mismatches += 1;
                             let tries = bad_tries.entry(f.chunk).or_default();
                             *tries += 1;
                             tracing::warn!(chunk = f.chunk, from = %f.from, tries = *tries,
-                                "checksum mismatch; fetching the chunk from another holder");
+                                "BLAKE3 mismatch; fetching the chunk from another holder");
+                            if !f.from_source {
+                                // A relay served bytes that are not the source's: report it
+                                // and take nothing more from it.
+                                tracing::warn!(holder = %f.from, chunk = f.chunk,
+                                    "relay served a chunk whose hash does not match; giving it up");
+                                if !sum.corrupt_holders.contains(&f.from) {
+                                    sum.corrupt_holders.push(f.from.clone());
+                                }
+                                avoid.insert(f.from.clone());
+                                others.remove(&f.from);
+                                if parent.as_ref().is_some_and(|p| p.member.id == f.from) {
+                                    if let Some(p) = parent.take() { p.peer.close(); }
+                                    sum.parents_given_up += 1;
+                                }
+                            }
                             if *tries > 3 {
                                 return Err(BroadcastError::NoHolder {
                                     name: self.manifest.name.clone(),
@@ -1284,6 +1473,8 @@ impl Receiver {
             }
         }
         sum.seconds = started.elapsed().as_secs_f64();
+        self.timeline.done = Some(unix_now());
+        sum.timeline = self.timeline.clone();
         sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(&have, sum.refetched_chunks, members.len(), "");
@@ -1323,6 +1514,19 @@ impl Receiver {
         let _ = self.discovery.deregister(&self.member.id).await;
         drop(self);
     }
+}
+
+/// BLAKE3 of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
+/// memory the CPU copied out to hash them to `copied`.
+fn blake3_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<Digest, String> {
+    let mut h = blake3::Hasher::new();
+    for (slice, at, n) in pieces {
+        slice.blake3_update(&mut h, *at, *n)?;
+        if slice.is_host() {
+            copied.fetch_add(*n, Ordering::Relaxed);
+        }
+    }
+    Ok(h.finalize().into())
 }
 
 /// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
@@ -1490,6 +1694,7 @@ mod tests {
                 offset: 0,
                 len: 4096,
                 crc32c: 0,
+                blake3: Digest::default(),
             }],
         }
     }

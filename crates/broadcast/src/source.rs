@@ -39,6 +39,12 @@ pub struct SourceOptions {
     pub lease: Duration,
     /// How many versions' manifests are kept and served (at least 1).
     pub keep_versions: usize,
+    /// The broadcast's keys: the control service answers only connections that prove one
+    /// (join, heartbeat, leave, members, manifest, progress, layout: everything), and the
+    /// engine [`start`](Source::start) builds serves the files only to peers that prove one.
+    /// With [`start_tensors`](Source::start_tensors) the caller's engine must be keyed by the
+    /// caller.
+    pub keys: Option<ferry::Keyring>,
 }
 
 impl Default for SourceOptions {
@@ -48,6 +54,7 @@ impl Default for SourceOptions {
             data_plane: DataPlane::Auto,
             lease: Duration::from_secs(3),
             keep_versions: 2,
+            keys: None,
         }
     }
 }
@@ -98,10 +105,13 @@ impl Source {
         let ctl_addr = listener
             .local_addr()
             .map_err(|e| BroadcastError::io("control listener address", e))?;
-        let engine = TransferEngine::builder()
+        let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
-            .listen(SocketAddr::new(ctl_addr.ip(), 0))
-            .build()?;
+            .listen(SocketAddr::new(ctl_addr.ip(), 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
         let regs = Self::register_files(&engine, &manifest, files, None)?;
         Self::serve(engine, true, regs, manifest, listener, opts, discovery).await
     }
@@ -339,6 +349,13 @@ impl Source {
             layout: None,
             progress,
             tracker: Some(tracker.clone()),
+            auth: opts.keys.clone().map(|k| {
+                (
+                    ferry::core_types::auth::ServerAuth::new(k),
+                    engine.peer_id(),
+                    engine.epoch(),
+                )
+            }),
         });
         let ctl = control::Service::start(listener, state.clone());
         let mut keepalive = None;
