@@ -46,6 +46,7 @@ mod file_ring;
 mod handshakes;
 pub mod probe;
 mod ring;
+mod rings;
 mod server;
 mod waiter;
 
@@ -127,6 +128,18 @@ pub struct UringConfig {
     /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
     /// in their handshake share one thread.
     pub handshake: HandshakeLimits,
+    /// The server serves every data stream on a fixed set of rings ([`server_rings`] of them,
+    /// each on one thread) instead of a thread and a ring per stream: a stream costs no thread,
+    /// [`max_threads`] does not bound the server and nothing goes to its [`StreamOverflow`].
+    /// Payloads go out with copying sends there (no SEND_ZC). Off by default while it is
+    /// measured (`docs/performance.md`).
+    ///
+    /// [`server_rings`]: UringConfig::server_rings
+    /// [`max_threads`]: UringConfig::max_threads
+    pub event_loop: bool,
+    /// How many rings serve a server's data streams with [`UringConfig::event_loop`] (0: one
+    /// per CPU this process may run on).
+    pub server_rings: usize,
 }
 
 /// Default [`UringConfig::max_threads`].
@@ -164,6 +177,8 @@ impl Default for UringConfig {
             dead_peer_after: Some(DEAD_PEER_AFTER),
             max_threads: MAX_THREADS,
             handshake: HandshakeLimits::default(),
+            event_loop: false,
+            server_rings: 0,
         }
     }
 }

@@ -270,10 +270,14 @@ fn cqe_err(res: i32) -> io::Error {
 }
 
 /// The most iovecs one message is given (Linux's `UIO_MAXIOV`).
-const MAX_IOV: usize = 1024;
+pub(crate) const MAX_IOV: usize = 1024;
 
 /// The iovecs of `parts` from byte `done` on (at most [`MAX_IOV`] of them).
-fn iovecs_from(parts: &[(*const u8, usize)], mut done: usize, iov: &mut Vec<libc::iovec>) {
+pub(crate) fn iovecs_from(
+    parts: &[(*const u8, usize)],
+    mut done: usize,
+    iov: &mut Vec<libc::iovec>,
+) {
     iov.clear();
     for &(ptr, len) in parts {
         if done >= len {
