@@ -269,6 +269,11 @@ struct Conn {
     steps: VecDeque<Step>,
     /// A socket operation of the front step is in flight.
     inflight: bool,
+    /// The next request header's receive, submitted with the request's last send (one enter
+    /// for both) while the stream is otherwise idle; at most one receive is in flight.
+    armed: Option<Armed>,
+    /// Ended, waiting for its operations in flight before it is freed.
+    dead: bool,
     /// The next request's header, already received (`ready`).
     head: [u8; DATA_REQUEST_LEN],
     ready: bool,
@@ -279,6 +284,23 @@ struct Conn {
     /// Bumped per slot reuse, so a completion never reaches a later stream in the same slot.
     generation: u32,
 }
+
+/// A header receive armed beside a send.
+struct Armed {
+    buf: Box<[u8; DATA_REQUEST_LEN]>,
+    /// Its completion's result, once reaped.
+    res: Option<i32>,
+}
+
+impl Conn {
+    /// Whether the kernel may still use memory of this stream.
+    fn busy(&self) -> bool {
+        self.inflight || self.armed.as_ref().is_some_and(|a| a.res.is_none())
+    }
+}
+
+/// User data bit of an armed header receive.
+const ARMED_BIT: u64 = 1 << 31;
 
 /// What a stream's turn ended with.
 enum Turn {
@@ -313,11 +335,19 @@ fn ud(index: usize, generation: u32) -> u64 {
 
 impl Driver {
     fn new(ctx: Arc<Ctx>, rx: mpsc::Receiver<NewStream>, wake: Arc<OwnedFd>) -> io::Result<Self> {
-        // Made here, driven only by the ring's thread (entered from no other): no single-issuer
-        // flag, since the thread that makes it is not the one that enters it.
-        let ring = IoUring::builder()
+        // Made and entered only by the ring's thread: single issuer, and task work deferred to
+        // when it waits. Older kernels: a plain ring.
+        let ring = match IoUring::builder()
             .setup_cqsize(CQ_ENTRIES)
-            .build(SQ_ENTRIES)?;
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(SQ_ENTRIES)
+        {
+            Ok(r) => r,
+            Err(_) => IoUring::builder()
+                .setup_cqsize(CQ_ENTRIES)
+                .build(SQ_ENTRIES)?,
+        };
         let fixed_files = ctx.config.register_buffers
             && ring.submitter().register_files_sparse(FIXED_FILES).is_ok();
         let count = ThreadCount::new(&ctx.stats, "server rings");
@@ -353,7 +383,7 @@ impl Driver {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
         if res.is_ok() {
-            while self.conns.iter().flatten().any(|c| c.inflight) || self.wake_armed {
+            while self.conns.iter().flatten().any(|c| c.busy()) || self.wake_armed {
                 if self.wake_armed {
                     wake(&self.wake);
                 }
@@ -363,9 +393,9 @@ impl Driver {
                 self.reap();
             }
         }
-        let still = self.conns.iter().flatten().any(|c| c.inflight) || self.wake_armed;
+        let still = self.conns.iter().flatten().any(|c| c.busy()) || self.wake_armed;
         for i in 0..self.conns.len() {
-            if self.conns[i].as_ref().is_some_and(|c| !c.inflight) {
+            if self.conns[i].as_ref().is_some_and(|c| !c.busy()) {
                 self.end(i, Ok(()));
             }
         }
@@ -423,16 +453,34 @@ impl Driver {
                 self.wake_armed = false;
                 continue;
             }
-            let i = (u & 0xffff_ffff) as usize;
+            let i = (u & (ARMED_BIT - 1)) as usize;
             let g = (u >> 32) as u32;
             let Some(Some(c)) = self.conns.get_mut(i) else {
                 continue;
             };
-            if c.generation != g || !c.inflight {
+            if c.generation != g {
                 continue;
             }
-            c.inflight = false;
-            match on_complete(c, res) {
+            let r = if u & ARMED_BIT != 0 {
+                match c.armed.as_mut() {
+                    Some(a) if a.res.is_none() => a.res = Some(res),
+                    _ => continue,
+                }
+                Ok(())
+            } else {
+                if !c.inflight {
+                    continue;
+                }
+                c.inflight = false;
+                if c.dead { Ok(()) } else { on_complete(c, res) }
+            };
+            if c.dead {
+                if !c.busy() {
+                    self.end(i, Ok(()));
+                }
+                continue;
+            }
+            match r {
                 Ok(()) => self.runnable.push_back(i),
                 Err(e) => self.end(i, Err(e)),
             }
@@ -474,6 +522,8 @@ impl Driver {
             proto: n.proto,
             steps,
             inflight: false,
+            armed: None,
+            dead: false,
             head: [0; DATA_REQUEST_LEN],
             ready: false,
             stage: Stage { region: None },
@@ -485,14 +535,23 @@ impl Driver {
         self.runnable.push_back(i);
     }
 
-    /// Ends stream `i` (nothing of it in flight).
+    /// Ends stream `i`: at once, or once the kernel is done with its operations in flight
+    /// (the socket's shutdown ends them).
     fn end(&mut self, i: usize, res: io::Result<()>) {
-        let Some(c) = self.conns[i].take() else {
+        let Some(c) = self.conns[i].as_mut() else {
             return;
         };
         if let Err(e) = res {
             debug!(from = %c.from, error = %e, "connection ended");
         }
+        if c.busy() {
+            c.dead = true;
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        let Some(c) = self.conns[i].take() else {
+            return;
+        };
         if let Some(slot) = c.fixed {
             let _ = self.ring.submitter().register_files_update(slot, &[-1]);
         }
@@ -507,7 +566,7 @@ impl Driver {
         let Some(c) = self.conns[i].as_mut() else {
             return Turn::Wait;
         };
-        if c.inflight {
+        if c.inflight || c.dead {
             return Turn::Wait;
         }
         if stopped {
@@ -519,6 +578,16 @@ impl Driver {
                     c.ready = false;
                     let head = c.head;
                     plan(c, &self.ctx, &head);
+                } else if let Some(a) = c.armed.take() {
+                    // The header's receive went with the last send: take it as its own.
+                    let Some(res) = a.res else {
+                        c.armed = Some(a);
+                        return Turn::Wait;
+                    };
+                    c.steps.push_back(Step::Head { buf: a.buf, got: 0 });
+                    if let Err(e) = on_complete(c, res) {
+                        return Turn::End(Err(e));
+                    }
                 } else {
                     c.steps.push_back(Step::head());
                 }
@@ -533,19 +602,48 @@ impl Driver {
                     let Some(e) = sock_op(c) else {
                         return Turn::End(Err(io::Error::other("a socket step with no bytes")));
                     };
+                    let last_send = c.steps.len() == 1
+                        && matches!(c.steps.front(), Some(Step::Send { .. }))
+                        && !c.ready
+                        && c.armed.is_none();
                     let e = e.user_data(ud(i, c.generation));
                     c.inflight = true;
                     // SAFETY: the entry points into the boxed `Conn` (iovecs, message) and at
                     // memory its front step keeps alive (`Keep`, owned buffers); the step is
                     // popped, and the `Conn` freed, only after the completion was reaped.
-                    return match unsafe { push(&mut self.ring, &e) } {
-                        Ok(()) => Turn::Wait,
-                        Err(err) => {
-                            // Not queued (the ring refused a submit): nothing is in flight.
-                            c.inflight = false;
-                            Turn::End(Err(err))
+                    if let Err(err) = unsafe { push(&mut self.ring, &e) } {
+                        // Not queued (the ring refused a submit): nothing is in flight.
+                        c.inflight = false;
+                        return Turn::End(Err(err));
+                    }
+                    if last_send {
+                        // Nothing else is received on this stream until the header is in.
+                        let mut buf = Box::new([0u8; DATA_REQUEST_LEN]);
+                        let flags = libc::MSG_WAITALL | libc::MSG_NOSIGNAL;
+                        let e = match c.fixed {
+                            Some(slot) => opcode::Recv::new(
+                                types::Fixed(slot),
+                                buf.as_mut_ptr(),
+                                DATA_REQUEST_LEN as u32,
+                            )
+                            .flags(flags)
+                            .build(),
+                            None => opcode::Recv::new(
+                                types::Fd(c.stream.as_raw_fd()),
+                                buf.as_mut_ptr(),
+                                DATA_REQUEST_LEN as u32,
+                            )
+                            .flags(flags)
+                            .build(),
                         }
-                    };
+                        .user_data(ud(i, c.generation) | ARMED_BIT);
+                        // SAFETY: the buffer is boxed in `c.armed` (set before the completion
+                        // can be reaped, on this thread), which is kept until it completes.
+                        if unsafe { push(&mut self.ring, &e) }.is_ok() {
+                            c.armed = Some(Armed { buf, res: None });
+                        }
+                    }
+                    return Turn::Wait;
                 }
                 Step::FileRead {
                     file,
