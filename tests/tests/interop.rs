@@ -449,7 +449,11 @@ async fn handshake_says_which_engine_each_side_has() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_does_not_hurt_the_server() {
-    for (client, server) in runnable(&[(TCP, Side::Uring(ZeroCopy::Auto)), (TCP, TCP)]) {
+    for (client, server) in runnable(&[
+        (TCP, Side::Uring(ZeroCopy::Auto)),
+        (TCP, Side::Rings),
+        (TCP, TCP),
+    ]) {
         let f = start(server);
         let mut s = std::net::TcpStream::connect(f.addr).unwrap();
         s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff")
@@ -1030,11 +1034,17 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
 /// checks (token, access, bounds), and the segment changes exactly where accepted WRITEs wrote.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_requests_match_the_oracle() {
+    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings)]) {
+        random_requests_match_the_oracle_on(server).await;
+    }
+}
+
+async fn random_requests_match_the_oracle_on(server: Side) {
     use ferry_core::wire::StreamAttach;
     use rand::{Rng, SeedableRng};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    let f = start(TCP);
+    let f = start(server);
     let (rw, rw_seg) = publish(
         &f.table,
         "rw",
@@ -1138,7 +1148,13 @@ async fn random_requests_match_the_oracle() {
 /// chunks larger than its staging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_segments_by_positioned_io() {
-    let f = start(TCP);
+    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings)]) {
+        file_segments_by_positioned_io_on(server).await;
+    }
+}
+
+async fn file_segments_by_positioned_io_on(server: Side) {
+    let f = start(server);
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let add_file = |path: &std::path::Path, access| {
         let tok = SegmentToken::random();

@@ -599,6 +599,18 @@ impl Driver {
                 | Step::Discard { .. }
                 | Step::Head { .. }
                 | Step::Table { .. } => {
+                    if matches!(step, Step::Send { .. } | Step::Recv { .. }) {
+                        // What the socket takes (or holds) now moves with one plain syscall,
+                        // no ring round trip; the ring waits only for the rest.
+                        match direct(c) {
+                            Ok(true) => {
+                                c.steps.pop_front();
+                                continue;
+                            }
+                            Ok(false) => {}
+                            Err(e) => return Turn::End(Err(e)),
+                        }
+                    }
                     let Some(e) = sock_op(c) else {
                         return Turn::End(Err(io::Error::other("a socket step with no bytes")));
                     };
@@ -778,6 +790,57 @@ fn head_now(c: &mut Conn) -> bool {
         )
     };
     n == DATA_REQUEST_LEN as isize
+}
+
+/// Moves as much of `c`'s front step (a send or a payload receive) as the socket takes or holds
+/// now, without waiting: `true` once all of it moved.
+fn direct(c: &mut Conn) -> io::Result<bool> {
+    let fd = c.stream.as_raw_fd();
+    let Conn { steps, iov, .. } = c;
+    let (send, parts, done) = match steps.front_mut() {
+        Some(Step::Send { parts, done, .. }) => (true, &*parts, done),
+        Some(Step::Recv { parts, done, .. }) => (false, &*parts, done),
+        _ => return Ok(false),
+    };
+    let all = total(parts);
+    if *done >= all {
+        return Ok(true);
+    }
+    iovecs_from(parts, *done, iov);
+    // SAFETY: a zeroed msghdr is valid (no name, no control).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+    // SAFETY: the iovecs cover memory the step keeps alive (its `Keep`, checked ranges of
+    // leased regions) and that nothing else reads or writes meanwhile; the call does not keep
+    // them past its return.
+    let n = unsafe {
+        if send {
+            libc::sendmsg(fd, &msg, flags)
+        } else {
+            libc::recvmsg(fd, &mut msg, flags)
+        }
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EAGAIN | libc::EINTR) => Ok(false),
+            _ => Err(e),
+        };
+    }
+    if n == 0 {
+        return Err(if send {
+            io::Error::new(io::ErrorKind::WriteZero, "send took nothing")
+        } else {
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed the stream in a payload",
+            )
+        });
+    }
+    *done += n as usize;
+    Ok(*done >= all)
 }
 
 /// The socket operation of `c`'s front step (its iovecs and message set up in `c`).
