@@ -28,7 +28,7 @@ enum Side {
     Uring(ZeroCopy),
     /// As a server: io_uring with every data stream on its fixed set of rings
     /// ([`UringConfig::event_loop`], two rings); as a client: `Uring(ZeroCopy::Auto)`.
-    Rings,
+    Rings(ZeroCopy),
     /// The TCP data plane with its data streams on `io_threads` I/O threads
     /// ([`TcpConfig::io_threads`]: `Some(0)` one per core, `None` the caller's runtime).
     Tcp(Option<usize>),
@@ -39,7 +39,7 @@ const TCP: Side = Side::Tcp(Some(0));
 
 impl Side {
     fn is_uring(self) -> bool {
-        matches!(self, Side::Uring(_) | Side::Rings)
+        matches!(self, Side::Uring(_) | Side::Rings(_))
     }
 }
 
@@ -88,17 +88,19 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
         })
     };
     let (server, addr) = match side {
-        Side::Uring(_) | Side::Rings => {
+        Side::Uring(_) | Side::Rings(_) => {
             let t = UringTransport::new(match side {
                 Side::Uring(zc) => UringConfig {
                     zero_copy: zc,
                     ..UringConfig::default()
                 },
-                _ => UringConfig {
+                Side::Rings(zc) => UringConfig {
+                    zero_copy: zc,
                     event_loop: true,
                     server_rings: 2,
                     ..UringConfig::default()
                 },
+                Side::Tcp(_) => unreachable!("an io_uring side"),
             })
             .unwrap();
             let server = UringServer::bind(addr).unwrap();
@@ -143,13 +145,13 @@ async fn channel_with(
     chunk: u64,
     versions: VersionRange,
 ) -> Arc<dyn Channel> {
-    let client = if client == Side::Rings {
+    let client = if let Side::Rings(_) = client {
         Side::Uring(ZeroCopy::Auto)
     } else {
         client
     };
     let (transport, offer): (Arc<dyn Transport>, TransportOffer) = match client {
-        Side::Rings => unreachable!("a client side"),
+        Side::Rings(_) => unreachable!("a client side"),
         Side::Uring(zc) => {
             let t = UringTransport::new(UringConfig {
                 streams,
@@ -229,9 +231,10 @@ const PAIRS: &[(Side, Side)] = &[
     (Side::Uring(ZeroCopy::Always), Side::Uring(ZeroCopy::Always)),
     (Side::Uring(ZeroCopy::Auto), TCP),
     (TCP, Side::Uring(ZeroCopy::Auto)),
-    (Side::Uring(ZeroCopy::Auto), Side::Rings),
-    (Side::Uring(ZeroCopy::Never), Side::Rings),
-    (TCP, Side::Rings),
+    (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Never), Side::Rings(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Always), Side::Rings(ZeroCopy::Always)),
+    (TCP, Side::Rings(ZeroCopy::Auto)),
     // Streams on I/O threads (two, fewer than the streams) and on the caller's runtime, on
     // either side.
     (Side::Tcp(Some(2)), Side::Tcp(Some(2))),
@@ -345,7 +348,7 @@ async fn stale_epoch_stream_is_refused() {
     for (client, server) in runnable(&[(uring, uring), (uring, TCP), (TCP, TCP)]) {
         let f = start(server);
         let (t, offer): (Arc<dyn Transport>, _) = match client {
-            Side::Uring(_) | Side::Rings => (
+            Side::Uring(_) | Side::Rings(_) => (
                 Arc::new(UringTransport::new(UringConfig::default()).unwrap()),
                 TransportOffer::Uring {
                     streams: 1,
@@ -451,7 +454,7 @@ async fn handshake_says_which_engine_each_side_has() {
 async fn garbage_does_not_hurt_the_server() {
     for (client, server) in runnable(&[
         (TCP, Side::Uring(ZeroCopy::Auto)),
-        (TCP, Side::Rings),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
         (TCP, TCP),
     ]) {
         let f = start(server);
@@ -639,7 +642,7 @@ async fn a_dying_stream_hands_its_waiting_chunks_to_the_others() {
             all
         });
         let ch = match client {
-            Side::Uring(_) | Side::Rings => {
+            Side::Uring(_) | Side::Rings(_) => {
                 open_streams(
                     addr,
                     UringConfig {
@@ -749,7 +752,7 @@ async fn server_holds_back_write_responses_and_keeps_order() {
     if !uring_usable() {
         return;
     }
-    for side in [Side::Uring(ZeroCopy::Auto), Side::Rings] {
+    for side in [Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)] {
         let f = start(side);
         let ServerHandle::Uring(server) = &f._server else {
             unreachable!()
@@ -843,8 +846,8 @@ async fn server_shutdown_loses_the_peer() {
     for (client, server) in [
         (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
         (TCP, Side::Uring(ZeroCopy::Auto)),
-        (Side::Uring(ZeroCopy::Auto), Side::Rings),
-        (TCP, Side::Rings),
+        (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
     ] {
         let f = start(server);
         let (tok, _) = publish(&f.table, "x", 1 << 20, Access::REMOTE_WRITE);
@@ -1034,7 +1037,7 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
 /// checks (token, access, bounds), and the segment changes exactly where accepted WRITEs wrote.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_requests_match_the_oracle() {
-    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings)]) {
+    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings(ZeroCopy::Auto))]) {
         random_requests_match_the_oracle_on(server).await;
     }
 }
@@ -1148,7 +1151,7 @@ async fn random_requests_match_the_oracle_on(server: Side) {
 /// chunks larger than its staging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_segments_by_positioned_io() {
-    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings)]) {
+    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings(ZeroCopy::Auto))]) {
         file_segments_by_positioned_io_on(server).await;
     }
 }
@@ -1282,8 +1285,8 @@ async fn vectored_batches_move_scattered_pieces_in_every_pairing() {
         (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
         (Side::Uring(ZeroCopy::Never), TCP),
         (TCP, Side::Uring(ZeroCopy::Auto)),
-        (Side::Uring(ZeroCopy::Auto), Side::Rings),
-        (TCP, Side::Rings),
+        (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
         (TCP, TCP),
         (Side::Tcp(None), Side::Tcp(None)),
     ];
@@ -1384,7 +1387,7 @@ async fn a_piece_refused_mid_batch_completes_exactly_the_ops_before_it() {
         (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
         (Side::Uring(ZeroCopy::Auto), TCP),
         (TCP, Side::Uring(ZeroCopy::Auto)),
-        (Side::Uring(ZeroCopy::Auto), Side::Rings),
+        (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
         (TCP, TCP),
     ];
     for (client, server) in runnable(&pairs) {
@@ -1597,8 +1600,8 @@ async fn vectored_batches_mix_file_and_memory_pieces() {
         (TCP, TCP),
         (uring, uring),
         (TCP, uring),
-        (uring, Side::Rings),
-        (TCP, Side::Rings),
+        (uring, Side::Rings(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
     ]) {
         let f = start(server);
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();

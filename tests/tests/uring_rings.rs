@@ -109,3 +109,57 @@ async fn idle_streams_cost_the_ring_server_no_thread() {
         );
     }
 }
+
+/// With SEND_ZC forced, the ring server sends READ payloads zero-copy, every byte arrives, and
+/// every zero-copy send's notification comes (each releases the lease that kept its buffer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_reads_go_out_zero_copy_and_are_all_let_go() {
+    if !uring_usable() {
+        return;
+    }
+    if !transport_uring::probe_kernel().supports("SEND_ZC") {
+        ferry_tests::require_or_skip(ferry_tests::URING, "the kernel lacks io_uring SEND_ZC");
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        event_loop: true,
+        zero_copy: transport_uring::ZeroCopy::Always,
+        ..UringConfig::default()
+    };
+    let server = serve_uring(&table, config, None);
+    let len = 4 << 20;
+    let (tok, remote) = publish(&table, "r", len, Access::REMOTE_READ);
+    fill(&remote, 3);
+    let t = UringTransport::new(UringConfig {
+        chunk_size: 1 << 20,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let my_offer = t.offer();
+    let addr = server.local_addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, len as u64)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(
+        bytes(&dst, 0, len) == bytes(&remote, 0, len),
+        "bytes differ"
+    );
+    use std::sync::atomic::Ordering::Relaxed;
+    let zc = server.stats().zc_sends.load(Relaxed);
+    assert!(zc >= 4, "{zc} zero-copy sends for four 1 MiB chunks");
+    // The notifications follow the peer's acknowledgements; wait for them (bounded).
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while server.stats().notifications.load(Relaxed) < zc {
+        assert!(
+            std::time::Instant::now() < end,
+            "{} of {zc} notifications",
+            server.stats().notifications.load(Relaxed)
+        );
+        tokio::task::yield_now().await;
+    }
+}

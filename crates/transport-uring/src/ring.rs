@@ -140,7 +140,7 @@ impl Drop for ThreadCount {
 
 /// Registered-buffer slots of one ring, keyed by region (weakly, so a dropped region's slot is
 /// never matched by a new region at the same address: the `Weak` keeps the `Arc` allocation).
-struct BufCache {
+pub(crate) struct BufCache {
     slots: Vec<Option<Weak<MemoryRegion>>>,
     refused: Vec<Weak<MemoryRegion>>,
     enabled: bool,
@@ -148,7 +148,7 @@ struct BufCache {
 }
 
 impl BufCache {
-    fn new(ring: &IoUring, want: bool) -> Self {
+    pub(crate) fn new(ring: &IoUring, want: bool) -> Self {
         let enabled = want && ring.submitter().register_buffers_sparse(BUF_SLOTS).is_ok();
         Self {
             slots: vec![None; if enabled { BUF_SLOTS as usize } else { 0 }],
@@ -159,7 +159,7 @@ impl BufCache {
     }
 
     /// The fixed-buffer index covering `region`, registering it if needed and possible.
-    fn index(
+    pub(crate) fn index(
         &mut self,
         ring: &IoUring,
         region: &Arc<MemoryRegion>,

@@ -16,7 +16,7 @@
 //!
 //! [`UringConfig::event_loop`]: crate::UringConfig::event_loop
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -27,10 +27,10 @@ use ferry_core::checksum::{RegionCrc, crc32c_file};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
 use ferry_core::wire::{DATA_REQUEST_LEN, VectoredRequest};
 use ferry_core::{FileSource, MemoryRegion, OpKind, SegmentLease, SegmentToken};
-use io_uring::{IoUring, opcode, squeue, types};
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
-use crate::ring::{IoStats, MAX_IOV, ThreadCount, iovecs_from};
+use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from};
 use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
 
 /// Submission entries per ring (more are submitted in several calls).
@@ -179,6 +179,16 @@ enum Step {
         done: usize,
         _keep: Keep,
     },
+    /// Sends `head` (copied, `MSG_MORE`), then `len` bytes of `lease.region` at `at` with
+    /// SEND_ZC; each zero-copy send holds a clone of the lease until its notification.
+    SendZc {
+        head: Vec<u8>,
+        head_done: usize,
+        lease: SegmentLease,
+        at: u64,
+        len: usize,
+        done: usize,
+    },
     /// Receives exactly the bytes of `parts`; `done` came.
     Recv {
         parts: Vec<(*const u8, usize)>,
@@ -274,6 +284,8 @@ struct Conn {
     armed: Option<Armed>,
     /// Ended, waiting for its operations in flight before it is freed.
     dead: bool,
+    /// READ payloads go out with SEND_ZC (`UringConfig::zero_copy_for` this peer).
+    zero_copy: bool,
     /// The next request's header, already received (`ready`).
     head: [u8; DATA_REQUEST_LEN],
     ready: bool,
@@ -301,6 +313,8 @@ impl Conn {
 
 /// User data bit of an armed header receive.
 const ARMED_BIT: u64 = 1 << 31;
+/// User data bit of a zero-copy send (the rest: its key in `Driver::zc`).
+const ZC_BIT: u64 = 1 << 62;
 
 /// What a stream's turn ended with.
 enum Turn {
@@ -326,6 +340,13 @@ struct Driver {
     free: Vec<usize>,
     runnable: VecDeque<usize>,
     file_ring: Option<IoUring>,
+    /// Registered buffers for zero-copy sends.
+    bufs: BufCache,
+    /// Zero-copy sends not yet let go by the kernel, by key: the stream and generation that
+    /// sent it (for its completion) and the lease that keeps its buffer alive (until its
+    /// notification).
+    zc: HashMap<u64, (usize, u32, SegmentLease)>,
+    zc_next: u64,
     _count: ThreadCount,
 }
 
@@ -351,6 +372,10 @@ impl Driver {
         let fixed_files = ctx.config.register_buffers
             && ring.submitter().register_files_sparse(FIXED_FILES).is_ok();
         let count = ThreadCount::new(&ctx.stats, "server rings");
+        let bufs = BufCache::new(
+            &ring,
+            ctx.config.register_buffers && ctx.config.zero_copy_enabled(),
+        );
         Ok(Self {
             ctx,
             ring,
@@ -364,6 +389,9 @@ impl Driver {
             free: Vec::new(),
             runnable: VecDeque::new(),
             file_ring: None,
+            bufs,
+            zc: HashMap::new(),
+            zc_next: 0,
             _count: count,
         })
     }
@@ -382,17 +410,31 @@ impl Driver {
         for c in self.conns.iter().flatten() {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
+        let grace = std::time::Instant::now() + crate::FINISH_GRACE;
         if res.is_ok() {
-            while self.conns.iter().flatten().any(|c| c.busy()) || self.wake_armed {
+            while self.conns.iter().flatten().any(|c| c.busy())
+                || self.wake_armed
+                || (!self.zc.is_empty() && std::time::Instant::now() < grace)
+            {
                 if self.wake_armed {
                     wake(&self.wake);
                 }
-                if submit(&mut self.ring, true).is_err() {
+                let r = if self.conns.iter().flatten().any(|c| c.busy()) || self.wake_armed {
+                    submit(&mut self.ring, true)
+                } else {
+                    // Only notifications are awaited: poll, the grace bounds it.
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    submit(&mut self.ring, false)
+                };
+                if r.is_err() {
                     break;
                 }
                 self.reap();
             }
         }
+        // Zero-copy sends the kernel did not let go of (the peer never acknowledged them):
+        // their buffers stay alive for good.
+        std::mem::forget(std::mem::take(&mut self.zc));
         let still = self.conns.iter().flatten().any(|c| c.busy()) || self.wake_armed;
         for i in 0..self.conns.len() {
             if self.conns[i].as_ref().is_some_and(|c| !c.busy()) {
@@ -443,18 +485,34 @@ impl Driver {
     }
 
     fn reap(&mut self) {
-        let done: Vec<(u64, i32)> = self
+        let done: Vec<(u64, i32, u32)> = self
             .ring
             .completion()
-            .map(|c| (c.user_data(), c.result()))
+            .map(|c| (c.user_data(), c.result(), c.flags()))
             .collect();
-        for (u, res) in done {
+        for (u, res, flags) in done {
             if u == UD_WAKE {
                 self.wake_armed = false;
                 continue;
             }
-            let i = (u & (ARMED_BIT - 1)) as usize;
-            let g = (u >> 32) as u32;
+            let (i, g) = if u & ZC_BIT != 0 {
+                let key = u & !ZC_BIT;
+                if cqueue::notif(flags) {
+                    IoStats::add(&self.ctx.stats.notifications, 1);
+                    self.zc.remove(&key);
+                    continue;
+                }
+                let Some(&(i, g, _)) = self.zc.get(&key) else {
+                    continue;
+                };
+                if !cqueue::more(flags) {
+                    // No notification will come for this one.
+                    self.zc.remove(&key);
+                }
+                (i, g)
+            } else {
+                ((u & (ARMED_BIT - 1)) as usize, (u >> 32) as u32)
+            };
             let Some(Some(c)) = self.conns.get_mut(i) else {
                 continue;
             };
@@ -524,6 +582,7 @@ impl Driver {
             inflight: false,
             armed: None,
             dead: false,
+            zero_copy: self.ctx.config.zero_copy_for(n.from.ip()),
             head: [0; DATA_REQUEST_LEN],
             ready: false,
             stage: Stage { region: None },
@@ -594,7 +653,50 @@ impl Driver {
                 continue;
             };
             let r = match step {
-                Step::Send { .. }
+                Step::SendZc {
+                    head,
+                    head_done,
+                    lease,
+                    at,
+                    len,
+                    done,
+                } if *head_done >= head.len() => {
+                    if *done >= *len {
+                        c.steps.pop_front();
+                        continue;
+                    }
+                    let ptr = (lease.region.as_ptr() as usize + *at as usize + *done) as *const u8;
+                    let n = (*len - *done).min(u32::MAX as usize & !4095) as u32;
+                    let index = self.bufs.index(&self.ring, &lease.region, &self.ctx.stats);
+                    let flags = libc::MSG_WAITALL | libc::MSG_NOSIGNAL;
+                    let e = match c.fixed {
+                        Some(slot) => opcode::SendZc::new(types::Fixed(slot), ptr, n),
+                        None => opcode::SendZc::new(types::Fd(c.stream.as_raw_fd()), ptr, n),
+                    }
+                    .buf_index(index)
+                    .flags(flags)
+                    .build();
+                    let key = self.zc_next;
+                    self.zc_next += 1;
+                    // The hold is in place before the send can complete.
+                    self.zc.insert(key, (i, c.generation, lease.clone()));
+                    IoStats::add(&self.ctx.stats.zc_sends, 1);
+                    if index.is_some() {
+                        IoStats::add(&self.ctx.stats.fixed_sends, 1);
+                    }
+                    c.inflight = true;
+                    // SAFETY: the range was checked against the region by the stream protocol;
+                    // the lease held in `zc` keeps the region alive (and its registration in
+                    // use) until the kernel's notification that it let go of the pages.
+                    if let Err(err) = unsafe { push(&mut self.ring, &e.user_data(ZC_BIT | key)) } {
+                        c.inflight = false;
+                        self.zc.remove(&key);
+                        return Turn::End(Err(err));
+                    }
+                    return Turn::Wait;
+                }
+                Step::SendZc { .. }
+                | Step::Send { .. }
                 | Step::Recv { .. }
                 | Step::Discard { .. }
                 | Step::Head { .. }
@@ -856,7 +958,15 @@ fn sock_op(c: &mut Conn) -> Option<squeue::Entry> {
     let (send, flags) = match steps.front_mut()? {
         Step::Send { parts, done, .. } => {
             iovecs_from(parts, *done, iov);
-            (true, 0)
+            // All of it before the completion (a full socket is waited out in the kernel,
+            // not with a completion per piece).
+            (true, libc::MSG_WAITALL)
+        }
+        Step::SendZc {
+            head, head_done, ..
+        } => {
+            iovecs_from(&[(head.as_ptr(), head.len())], *head_done, iov);
+            (true, libc::MSG_WAITALL | libc::MSG_MORE)
         }
         Step::Recv { parts, done, .. } => {
             iovecs_from(parts, *done, iov);
@@ -926,6 +1036,26 @@ fn on_complete(c: &mut Conn, res: i32) -> io::Result<()> {
             }
             *done += n;
             *done >= total(parts)
+        }
+        Some(Step::SendZc {
+            head,
+            head_done,
+            len,
+            done,
+            ..
+        }) => {
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "send took nothing",
+                ));
+            }
+            if *head_done < head.len() {
+                *head_done += n;
+            } else {
+                *done += n;
+            }
+            *head_done >= head.len() && *done >= *len
         }
         Some(Step::Recv { parts, done, .. }) => {
             if n == 0 {
@@ -1020,6 +1150,17 @@ fn plan(c: &mut Conn, ctx: &Ctx, head: &[u8; DATA_REQUEST_LEN]) {
             len,
             response,
         } => {
+            if c.zero_copy && len > 0 {
+                c.steps.push_back(Step::SendZc {
+                    head: response.to_vec(),
+                    head_done: 0,
+                    lease,
+                    at,
+                    len,
+                    done: 0,
+                });
+                return;
+            }
             let bytes = response.to_vec();
             let mut parts = vec![(bytes.as_ptr(), bytes.len())];
             if len > 0 {
