@@ -1100,7 +1100,9 @@ fn on_complete(c: &mut Conn, res: i32) -> io::Result<()> {
         _ => return Err(io::Error::other("a completion for a step without one")),
     };
     if finished {
-        if let Some(Step::Table { req, bytes, .. }) = c.steps.pop_front() {
+        // Done: off the queue (a piece table then queues its pieces).
+        let step = c.steps.pop_front();
+        if let Some(Step::Table { req, bytes, .. }) = step {
             plan_table(c, &req, &bytes);
         }
     }
