@@ -163,3 +163,51 @@ async fn ring_server_reads_go_out_zero_copy_and_are_all_let_go() {
         tokio::task::yield_now().await;
     }
 }
+
+/// WRITE payloads larger than the receive low mark (256 KiB), with tails of every size below
+/// it, land whole on the ring server: a receive under a raised mark never waits for more than
+/// the rest of its payload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_receives_large_writes_with_any_tail() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        event_loop: true,
+        ..UringConfig::default()
+    };
+    let server = serve_uring(&table, config, None);
+    let len = 4 << 20;
+    let (tok, remote) = publish(&table, "w", len, Access::REMOTE_WRITE);
+    let t = UringTransport::new(UringConfig {
+        chunk_size: 4 << 20,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let my_offer = t.offer();
+    let addr = server.local_addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    for (i, n) in [(256 << 10) + 1, (1 << 20) + 12345, (3 << 20) + 4097, len]
+        .into_iter()
+        .enumerate()
+    {
+        fill(&src, i as u64 + 1);
+        // A receive that waits for bytes that never come would hang the WRITE: fail instead.
+        let o = tokio::time::timeout(
+            Duration::from_secs(60),
+            run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, n as u64)]),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("a {n}-byte WRITE never completed"));
+        assert!(o.is_success(), "{n} bytes: {o:?}");
+        assert!(
+            bytes(&remote, 0, n) == bytes(&src, 0, n),
+            "{n} bytes differ"
+        );
+    }
+}

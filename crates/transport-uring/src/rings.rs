@@ -8,9 +8,13 @@
 //! every other stream's. An idle stream is one armed receive of its next request header.
 //! Everything a ring's streams queued in one turn goes to the kernel with one `io_uring_enter`.
 //!
-//! Sockets are fixed files where the kernel lets the ring register them. Payloads go out with
-//! copying SENDMSG (no SEND_ZC on this path) and come in with RECVMSG `MSG_WAITALL` straight
-//! into the segment. File pieces and checksums of files run on the ring's thread (positioned or
+//! Sockets are fixed files where the kernel lets the ring register them. A send or payload
+//! receive first moves what the socket takes or holds at once with one non-blocking syscall;
+//! the rest goes through the ring (SENDMSG / RECVMSG with `MSG_WAITALL`, straight from and into
+//! the segment). A memory READ's payload to a peer the configuration sends zero-copy to goes out
+//! with SEND_ZC (from a registered buffer where the ring takes it), its lease held in the driver
+//! until the kernel's notification, however the stream ends; a request's last send carries the
+//! next header's receive in the same enter. File pieces and checksums of files run on the ring's thread (positioned or
 //! O_DIRECT ring I/O of at most one piece, 1 MiB); a memory checksum runs one
 //! [`RegionCrc::step`] per turn. No stream is ever handed to the [`crate::StreamOverflow`].
 //!
@@ -32,6 +36,7 @@ use tracing::{debug, warn};
 
 use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from};
 use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
+use ferry_net::RECV_LOW_MARK as LOWAT;
 
 /// Submission entries per ring (more are submitted in several calls).
 const SQ_ENTRIES: u32 = 1024;
@@ -99,6 +104,13 @@ impl RingSet {
             std::thread::Builder::new()
                 .name(format!("ferry-uring-ring{i}"))
                 .spawn(move || match Driver::new(c, rx, w) {
+                    Ok(mut d) if d.ctx.config.pin_loopback_streams => {
+                        // One ring per core: ring `i` on the `i`-th CPU, where a loopback
+                        // client's stream `i` runs too (see `RingSet::hand`).
+                        crate::pin_stream_thread(i);
+                        let _ = made_tx.send(Ok(()));
+                        d.run();
+                    }
                     Ok(mut d) => {
                         let _ = made_tx.send(Ok(()));
                         d.run();
@@ -119,16 +131,21 @@ impl RingSet {
         })
     }
 
-    /// Hands `stream` (blocking mode; its attach accepted by `accept`, sent first) to the next
-    /// ring in turn.
+    /// Hands `stream` (blocking mode; its attach accepted by `accept`, sent first) to a ring:
+    /// a loopback client's stream `index` to ring `index` (the rings are pinned one per CPU as
+    /// its streams are, so both ends of a stream share a core), any other to the next in turn.
     fn hand(
         &self,
         stream: TcpStream,
         from: SocketAddr,
+        index: Option<u16>,
         proto: ServerStream,
         accept: Vec<u8>,
     ) -> Result<(), ()> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.rings.len();
+        let i = match index {
+            Some(k) => usize::from(k),
+            None => self.next.fetch_add(1, Ordering::Relaxed),
+        } % self.rings.len();
         let r = &self.rings[i];
         r.tx.send(NewStream {
             stream,
@@ -144,7 +161,14 @@ impl RingSet {
 
 /// Serves a data stream whose handshake just ended on one of the server's rings: its attach is
 /// answered by the ring, as the stream's first bytes.
-pub(crate) fn attached(rings: &RingSet, stream: TcpStream, from: SocketAddr, proto: ServerStream) {
+pub(crate) fn attached(
+    rings: &RingSet,
+    stream: TcpStream,
+    from: SocketAddr,
+    stream_index: u16,
+    proto: ServerStream,
+    pin_loopback: bool,
+) {
     let accept = match ferry_net::encode_frame(&ferry_core::wire::ControlFrame::StreamAccept) {
         Ok(b) => b,
         Err(e) => {
@@ -157,7 +181,8 @@ pub(crate) fn attached(rings: &RingSet, stream: TcpStream, from: SocketAddr, pro
         debug!(%from, error = %e, "cannot make a data stream blocking; closed");
         return;
     }
-    if rings.hand(stream, from, proto, accept).is_err() {
+    let index = (pin_loopback && from.ip().is_loopback()).then_some(stream_index);
+    if rings.hand(stream, from, index, proto, accept).is_err() {
         debug!(%from, "the server's rings have stopped; stream closed");
     }
 }
@@ -286,6 +311,9 @@ struct Conn {
     dead: bool,
     /// READ payloads go out with SEND_ZC (`UringConfig::zero_copy_for` this peer).
     zero_copy: bool,
+    /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default); 0: the kernel refused
+    /// a mark, none is used on this socket.
+    lowat: usize,
     /// The next request's header, already received (`ready`).
     head: [u8; DATA_REQUEST_LEN],
     ready: bool,
@@ -583,6 +611,7 @@ impl Driver {
             armed: None,
             dead: false,
             zero_copy: self.ctx.config.zero_copy_for(n.from.ip()),
+            lowat: 1,
             head: [0; DATA_REQUEST_LEN],
             ready: false,
             stage: Stage { region: None },
@@ -713,6 +742,7 @@ impl Driver {
                             Err(e) => return Turn::End(Err(e)),
                         }
                     }
+                    low_mark(c);
                     let Some(e) = sock_op(c) else {
                         return Turn::End(Err(io::Error::other("a socket step with no bytes")));
                     };
@@ -730,7 +760,9 @@ impl Driver {
                         c.inflight = false;
                         return Turn::End(Err(err));
                     }
-                    if last_send {
+                    // The header's receive needs the low mark at 1 (a 32-byte header must wake
+                    // the ring); where it cannot be had, the header is received after the send.
+                    if last_send && mark_one(c) {
                         // Nothing else is received on this stream until the header is in.
                         let mut buf = Box::new([0u8; DATA_REQUEST_LEN]);
                         let flags = libc::MSG_WAITALL | libc::MSG_NOSIGNAL;
@@ -894,6 +926,54 @@ fn head_now(c: &mut Conn) -> bool {
     n == DATA_REQUEST_LEN as isize
 }
 
+/// Sets the socket's receive low mark for `c`'s front step, as the serving threads do
+/// (`SockIo::recv_exact`): a payload receive of more than [`LOWAT`] wakes the ring once per
+/// [`LOWAT`] (or the rest, for its tail), not once per segment; every other receive (a header
+/// next) needs the mark back at 1. A refused mark is not tried again on the socket.
+fn low_mark(c: &mut Conn) {
+    if c.lowat == 0 {
+        return;
+    }
+    let want = match c.steps.front() {
+        Some(Step::Recv { parts, done, .. }) if total(parts) > LOWAT => {
+            (total(parts) - done).clamp(1, LOWAT)
+        }
+        Some(Step::Send { .. } | Step::SendZc { .. }) => return,
+        _ => 1,
+    };
+    if want == c.lowat {
+        return;
+    }
+    // SAFETY: the descriptor of the stream's socket, which `c` keeps open.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(c.stream.as_raw_fd()) };
+    match ferry_net::set_recv_low_mark(fd, want) {
+        Ok(()) => c.lowat = want,
+        Err(e) => {
+            debug!(error = %e, "SO_RCVLOWAT refused; receiving without it");
+            if c.lowat != 1 {
+                // Still raised: a header would wait for the old mark.
+                let _ = ferry_net::set_recv_low_mark(fd, 1);
+            }
+            c.lowat = 0;
+        }
+    }
+}
+
+/// Brings the socket's receive low mark back to 1 (or finds it there): whether it is.
+fn mark_one(c: &mut Conn) -> bool {
+    if c.lowat <= 1 {
+        return true;
+    }
+    // SAFETY: the descriptor of the stream's socket, which `c` keeps open.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(c.stream.as_raw_fd()) };
+    if ferry_net::set_recv_low_mark(fd, 1).is_ok() {
+        c.lowat = 1;
+        true
+    } else {
+        false
+    }
+}
+
 /// Moves as much of `c`'s front step (a send or a payload receive) as the socket takes or holds
 /// now, without waiting: `true` once all of it moved.
 fn direct(c: &mut Conn) -> io::Result<bool> {
@@ -953,6 +1033,7 @@ fn sock_op(c: &mut Conn) -> Option<squeue::Entry> {
         msg,
         fixed,
         stream,
+        lowat,
         ..
     } = c;
     let (send, flags) = match steps.front_mut()? {
@@ -970,7 +1051,10 @@ fn sock_op(c: &mut Conn) -> Option<squeue::Entry> {
         }
         Step::Recv { parts, done, .. } => {
             iovecs_from(parts, *done, iov);
-            (false, libc::MSG_WAITALL)
+            // With the low mark raised the receive completes with what is there (at least the
+            // mark, or the rest), and the next one sets the mark for the rest: waiting for all
+            // of it under a mark above the rest would never wake.
+            (false, if *lowat > 1 { 0 } else { libc::MSG_WAITALL })
         }
         Step::Discard { left, buf } => {
             let n = (*left).min(buf.len() as u64) as usize;

@@ -1,5 +1,6 @@
 //! The serving side: one listener thread for control connections (handshake) and data streams;
-//! each data stream is served by its own thread with its own ring. Every request is checked for
+//! each data stream is served by its own thread with its own ring, or, with
+//! [`UringConfig::event_loop`], by one of a fixed set of rings (`rings.rs`). Every request is checked for
 //! token, access and bounds before any byte of a segment (memory or file) is touched.
 
 use std::collections::HashMap;
@@ -179,7 +180,9 @@ impl UringServer {
     /// Needs no async runtime. One thread accepts connections and runs their handshakes
     /// (within `config.handshake`: a deadline on each, a cap on how many at once; counted in
     /// [`UringServerHandle::handshakes`]); each attached data stream gets a thread of its own
-    /// (or the overflow's, past [`UringConfig::max_threads`]).
+    /// (or the overflow's, past [`UringConfig::max_threads`]), or, with
+    /// [`UringConfig::event_loop`], a place on one of the server's fixed set of rings (started
+    /// here: an error if a ring cannot be made).
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
@@ -238,7 +241,14 @@ pub(crate) fn attached(
     left: Duration,
 ) {
     if let Some(rings) = ctx.rings.get() {
-        crate::rings::attached(rings, stream, from, proto);
+        crate::rings::attached(
+            rings,
+            stream,
+            from,
+            attach.stream_index,
+            proto,
+            ctx.config.pin_loopback_streams,
+        );
         return;
     }
     let ctx = ctx.clone();
