@@ -66,7 +66,7 @@ struct RingHandle {
 }
 
 /// The server's fixed set of rings; dropping it does not stop them (the server's `stopped`
-/// flag and [`RingSet::wake_all`] do).
+/// flag, and the wake-ups `Live::ring_wakes` holds for the server's handle, do).
 #[derive(Debug)]
 pub(crate) struct RingSet {
     rings: Vec<RingHandle>,
