@@ -211,3 +211,58 @@ async fn ring_server_receives_large_writes_with_any_tail() {
         );
     }
 }
+
+/// CHECKSUM requests on the ring server: a memory range of many hashing pieces (one per turn
+/// of the ring) and a file range answer the CRC-32C of exactly their bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_answers_checksums_of_memory_and_files() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        event_loop: true,
+        server_rings: 1,
+        ..UringConfig::default()
+    };
+    let server = serve_uring(&table, config, None);
+    let len = (9 << 20) + 5;
+    let (tok, remote) = publish(&table, "m", len, Access::REMOTE_READ);
+    fill(&remote, 21);
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let path = dir.path().join("f");
+    let data: Vec<u8> = (0..300_001u32).map(|i| (i * 7 % 253) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let file_tok = ferry_core::SegmentToken::random();
+    table.files.lock().unwrap().insert(
+        file_tok,
+        (
+            "f".into(),
+            Arc::new(ferry_file::FileSegment::open(&path, Access::REMOTE_READ).unwrap()),
+        ),
+    );
+    let t = UringTransport::new(UringConfig::default()).unwrap();
+    let my_offer = t.offer();
+    let addr = server.local_addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Checksum, &dst, 0, tok, 3, len as u64 - 3)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    let want = ferry_core::checksum::crc32c(&bytes(&remote, 3, len - 3));
+    assert_eq!(bytes(&dst, 0, 4), want.to_le_bytes());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Checksum, &dst, 8, file_tok, 1, 300_000)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    let want = ferry_core::checksum::crc32c(&data[1..]);
+    assert_eq!(bytes(&dst, 8, 4), want.to_le_bytes());
+}

@@ -46,6 +46,8 @@ const CQ_ENTRIES: u32 = 8192;
 const FIXED_FILES: u32 = 1 << 14;
 /// User data of the wake eventfd's read.
 const UD_WAKE: u64 = u64::MAX;
+/// User data of a no-op that ends a wait at once.
+const UD_NOP: u64 = u64::MAX - 1;
 /// Bytes a refused WRITE's payload is dropped through, per receive.
 const DISCARD_BUF: usize = 64 << 10;
 
@@ -505,9 +507,16 @@ impl Driver {
                     Turn::End(r) => self.end(i, r),
                 }
             }
-            let again = !yielded.is_empty();
+            if !yielded.is_empty() {
+                // A stream has more to do (a checksum): do not sleep, but still run the ring's
+                // deferred task work (other streams' receives), which only a wait runs; a no-op
+                // completes at once and ends the wait.
+                let nop = opcode::Nop::new().build().user_data(UD_NOP);
+                // SAFETY: a no-op carries no buffer.
+                unsafe { push(&mut self.ring, &nop) }?;
+            }
             self.runnable.extend(yielded);
-            submit(&mut self.ring, !again)?;
+            submit(&mut self.ring, true)?;
             self.reap();
         }
     }
@@ -521,6 +530,9 @@ impl Driver {
         for (u, res, flags) in done {
             if u == UD_WAKE {
                 self.wake_armed = false;
+                continue;
+            }
+            if u == UD_NOP {
                 continue;
             }
             let (i, g) = if u & ZC_BIT != 0 {
