@@ -95,6 +95,20 @@ impl Fleet {
         Ok(self)
     }
 
+    /// Shapes host `i`'s link (both ways) to `rate` instead (a straggler); the fleet must have
+    /// been made with a rate.
+    pub fn reshape(&self, i: usize, rate: &str) -> Result<()> {
+        let hub = format!("{}-hub", self.prefix);
+        let (ns, h, p) = (self.name(i), format!("h{i}"), format!("p{i}"));
+        for (space, dev) in [(&ns, &h), (&hub, &p)] {
+            ip(&[
+                "netns", "exec", space, "tc", "qdisc", "change", "dev", dev, "root", "tbf", "rate",
+                rate, "burst", "256kb", "latency", "50ms",
+            ])?;
+        }
+        Ok(())
+    }
+
     /// Host `i`'s namespace.
     pub fn name(&self, i: usize) -> String {
         format!("{}-{i}", self.prefix)

@@ -37,6 +37,6 @@ pub use fleet::Fleet;
 pub use netns::Netns;
 pub use proxy::{Dir, Fault, FaultProxy, ProxyCounters, RuleId, Scope};
 pub use require::{
-    CPUS, ETCD, IBVERBS, NETNS, RDMA, SYSFS, TOOLS, URING, require_or_skip, require_unless_allowed,
-    required,
+    CPUS, ETCD, IBVERBS, NETNS, PROMETHEUS, RDMA, SYSFS, TOOLS, URING, require_or_skip,
+    require_unless_allowed, required,
 };

@@ -25,6 +25,9 @@ pub const CPUS: &str = "FERRY_REQUIRE_CPUS";
 /// An etcd server binary (`etcd`, Debian's `etcd-server`) the etcd discovery tests start on a
 /// loopback port, and a build with the broadcast crate's `etcd` feature.
 pub const ETCD: &str = "FERRY_REQUIRE_ETCD";
+/// A Prometheus server binary (`prometheus`, Debian's `prometheus`) the metrics test starts on a
+/// loopback port to scrape `ferry serve --metrics`.
+pub const PROMETHEUS: &str = "FERRY_REQUIRE_PROMETHEUS";
 
 /// Whether `var` (one of this module's constants) makes its facility required: `1` yes, `0` no,
 /// unset (or anything else) `default`.

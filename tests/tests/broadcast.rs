@@ -246,9 +246,15 @@ fn broadcast_across_namespaces_verifies_relays_catches_corruption_and_a_late_joi
     let s3 = s.finished(&mut r3, 3)?;
     let s4 = s.finished(&mut r4, 4)?;
     let total = s.want.len() as u64;
-    // The corrupting relay found its own corruption at rest, its child the mismatch.
-    assert!(n(&s1, "refetched_chunks") >= 1, "{s1}");
-    assert!(n(&s2, "refetched_chunks") >= 1, "{s2}");
+    // The corrupting relay found its own corruption at rest, its child the mismatch as it
+    // fetched the chunk (not at rest), and reported and gave up the relay.
+    assert!(n(&s1, "at_rest_mismatches") >= 1, "{s1}");
+    assert!(n(&s2, "fetch_mismatches") >= 1, "{s2}");
+    assert_eq!(
+        s2["corrupt_holders"].as_array().map(Vec::len),
+        Some(1),
+        "{s2}"
+    );
     // The source sent host 1 everything once (and one chunk again for its re-fetch); the
     // others took from relays all but re-fetched chunks.
     assert!(n(&s1, "bytes_from_source") <= total + 2 * CHUNK, "{s1}");
@@ -390,6 +396,7 @@ mod etcd {
             progress: 0,
             done: false,
             order: 0,
+            version: 0,
         }
     }
 
@@ -464,7 +471,7 @@ mod etcd {
             let ms = d.members().await?;
             // Join order: the child registered first.
             assert_eq!(ms[0].id, "doomed");
-            let plan = ferry_broadcast::plan::holders(&ms, "me", 9, &Default::default());
+            let plan = ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default());
             assert_eq!(plan.len(), 1);
             assert_eq!(plan[0].id, "doomed");
             let _ = child.kill();
@@ -477,7 +484,9 @@ mod etcd {
             // Our own lease is kept alive meanwhile.
             let ms = d.members().await?;
             assert_eq!(ms.len(), 1, "{ms:?}");
-            assert!(ferry_broadcast::plan::holders(&ms, "me", 9, &Default::default()).is_empty());
+            assert!(
+                ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default()).is_empty()
+            );
             eprintln!("lease expired after {:?}", t0.elapsed());
             d.deregister("me").await?;
             wait_for(&d, "deregistration", |m| m.is_empty()).await

@@ -26,6 +26,7 @@ const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench small [--repeat N] [--ops N] [--total BYTES] [--blocks N] [--block BYTES] [--no-mooncake]
        cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
        cargo xtask bench python [--total BYTES] [--repeat N]
+       cargo xtask bench register [--sizes 64MiB,1GiB] [--repeat N]
        cargo xtask bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
        cargo xtask bench idle [--plane tcp|uring|both] [--clients N] [--probes N]
        cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES]
@@ -43,11 +44,26 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         Some("load") => crate::stress::load(&args[1..]),
         Some("idle") => crate::stress::idle(&args[1..]),
+        Some("register") => register(&args[1..]),
         _ => {
             eprintln!("{USAGE}");
             bail!("bench: say which transport to measure")
         }
     }
+}
+
+/// `cargo xtask bench register`: builds `register_bench` (release) and runs it with `args`;
+/// it prints the table of docs/performance.md, "Registration".
+fn register(args: &[String]) -> Result<()> {
+    run_loud(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "ferry-benches",
+        "--bin",
+        "register_bench",
+    ]))?;
+    run_loud(std::process::Command::new(crate::util::release_bin("register_bench")).args(args))
 }
 
 fn free_port() -> Result<u16> {

@@ -295,6 +295,16 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
         .arg(&base))?;
     copy_checkout(&root.join("work/ferry"))?;
     std::fs::copy("/etc/resolv.conf", root.join("etc/resolv.conf")).ok();
+    // debootstrap writes no /etc/hosts (the installer does, as on every installed machine), and
+    // without it `localhost` does not resolve.
+    let hosts = root.join("etc/hosts");
+    if !hosts.exists() {
+        std::fs::write(
+            &hosts,
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+        )
+        .with_context(|| format!("writing {}", hosts.display()))?;
+    }
 
     let sysroot = sysroot()?;
     let registry = host_registry();

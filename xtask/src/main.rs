@@ -48,6 +48,8 @@ tasks:
                          (default 100000; xtask/src/fuzz.rs)
   bench python [--total BYTES] [--repeat N]
                          1 MiB READs through the Python package against the Rust CLI, alternating
+  bench register [--sizes 64MiB,1GiB] [--repeat N]
+                         register's cost: first, a repeat of the same pages, per GiB, per rail count
   bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
                          hundreds of peers against one server, some stalled behind a fault proxy:
                          ops/s, p50/p99, the server's memory and threads (xtask/src/stress.rs)

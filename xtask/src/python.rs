@@ -2,9 +2,9 @@
 //! and `cargo xtask bench python`.
 //!
 //! Each makes (once) a virtual environment in `<target>/python-venv` with the interpreter named
-//! by `FERRY_PYTHON` (default `python3`) and installs maturin, pytest, NumPy and mypy into it
-//! from the package index with pip. Debian needs `python3-venv` for the environment;
-//! `python3-dev` is not needed (the module is abi3 and links no libpython).
+//! by `FERRY_PYTHON` (default `python3`) and installs maturin, pytest, NumPy, mypy and
+//! safetensors into it from the package index with pip. Debian needs `python3-venv` for the
+//! environment; `python3-dev` is not needed (the module is abi3 and links no libpython).
 //!
 //! `wheel` builds the release abi3 wheel, stripped, into `<target>/wheels` (`maturin build`;
 //! the platform tag is what maturin's manylinux check finds the extension's symbols allow).
@@ -91,11 +91,13 @@ fn venv(require: bool) -> Result<Option<PathBuf>> {
         }
     }
     // Already installed packages are not fetched again.
-    run_loud(
-        Command::new(&py)
-            .args(PIP_INSTALL)
-            .args(["maturin", "pytest", "numpy", "mypy"]),
-    )?;
+    run_loud(Command::new(&py).args(PIP_INSTALL).args([
+        "maturin",
+        "pytest",
+        "numpy",
+        "mypy",
+        "safetensors",
+    ]))?;
     Ok(Some(py))
 }
 

@@ -1,13 +1,28 @@
 //! The control service every member runs beside its Ferry listener: one JSON object per line
 //! over TCP, each request answered by one line.
 //!
-//! Requests: `manifest` (the source answers with the manifest and its epoch), `progress` (the
-//! member's verified prefix, answered once it passes `after` or after `wait_ms`: a long poll
-//! that lets a child follow its parent chunk by chunk), and, at a source running the embedded
+//! Requests: `manifest` (the source answers with the manifest of the version asked for, or of
+//! its newest, and its epoch), `progress` (the member's verified prefix of the version it
+//! holds, answered once it passes `after` or after `wait_ms`: a long poll that lets a child
+//! follow its parent chunk by chunk), `layout` (where a receiver holds each segment, so that
+//! a child can read its chunks from the receiver's own destinations), and, at a source running the embedded
 //! discovery, `join`, `heartbeat`, `members` and `leave` (the tracker, see
 //! [`discovery`](crate::discovery)). Every answer carries the answering member's source epoch.
-//! Lines are capped in length before they are parsed; a bad line is answered with an error
-//! and closes that connection.
+//! Lines are capped in length before they are parsed (requests at [`MAX_REQUEST`], answers,
+//! which carry manifests, at a manifest's limit); a bad line is answered with an error and
+//! closes that connection.
+//!
+//! **Keys.** A member given a keyring authenticates every connection to its control service
+//! before it answers anything on it: `auth_hello` and `auth_proof` carry the engine's own
+//! challenge-response (`ferry::core_types::auth`, HMAC-SHA256 over both nonces, both ids and
+//! the key name; the same code the data plane's handshake runs), and any other request before
+//! the proof is refused and closes the connection. A client given a keyring refuses a member
+//! that cannot prove the key.
+//!
+//! **Entries are their members'.** The tracker answers a `join` with a secret token of the
+//! new entry (32 random bytes); a heartbeat or a leave of that entry must carry it, and a join
+//! under an id already listed must too, so no one else can renew, move or remove it. Receivers
+//! only: a join claiming the source's role is refused. At most [`MAX_MEMBERS`] are listed.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -19,12 +34,24 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
+use ferry::core_types::auth::{ClientAuth, PendingProof, ServerAuth, nonce};
+use ferry::core_types::wire::{AuthChallenge, AuthProof, ControlFrame};
+use ferry::{Epoch, Keyring, PeerId};
+
 use crate::error::BroadcastError;
-use crate::manifest::{MAX_MANIFEST_BYTES, Manifest};
+use crate::layout::Extent;
+use crate::manifest::{Digest, MAX_MANIFEST_BYTES, Manifest};
 use crate::plan::{Member, Role};
 
-/// Longest line accepted (a manifest answer is the longest).
+/// Longest answer accepted (a manifest answer is the longest).
 const MAX_LINE: usize = MAX_MANIFEST_BYTES + (1 << 20);
+/// Longest request a control service reads: requests are small (a member's entry at most).
+pub(crate) const MAX_REQUEST: usize = 64 << 10;
+/// Most members the embedded tracker lists (the source included); joins past it are refused.
+pub(crate) const MAX_MEMBERS: usize = 4096;
+
+/// 32 bytes as 64 hex digits on the wire (nonces, MACs, entry tokens).
+pub(crate) type Hex32 = Digest;
 /// Longest wait of one progress poll.
 const MAX_WAIT: Duration = Duration::from_secs(10);
 
@@ -32,12 +59,46 @@ const MAX_WAIT: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub(crate) enum Request {
-    Manifest,
-    Progress { after: u64, wait_ms: u64 },
-    Join { member: Member },
-    Heartbeat { member: Member },
+    Manifest {
+        #[serde(default)]
+        version: Option<u64>,
+    },
+    Progress {
+        after: u64,
+        wait_ms: u64,
+    },
+    Layout {
+        #[serde(default)]
+        version: Option<u64>,
+    },
+    Join {
+        member: Member,
+        /// The entry's token, to join again under an id already listed.
+        #[serde(default)]
+        token: Option<Hex32>,
+    },
+    Heartbeat {
+        member: Member,
+        #[serde(default)]
+        token: Option<Hex32>,
+    },
     Members,
-    Leave { id: String },
+    Leave {
+        id: String,
+        #[serde(default)]
+        token: Option<Hex32>,
+    },
+    /// The first step of the engine's challenge-response (`AuthHello`).
+    AuthHello {
+        name: String,
+        peer_id: String,
+        epoch: u64,
+        nonce: Hex32,
+    },
+    /// The client's proof (`AuthProof`).
+    AuthProof {
+        mac: Hex32,
+    },
 }
 
 /// An answer.
@@ -52,6 +113,13 @@ pub(crate) enum Reply {
         source_epoch: u64,
         prefix: u64,
         done: bool,
+        #[serde(default)]
+        version: u64,
+    },
+    Layout {
+        source_epoch: u64,
+        version: u64,
+        segments: Vec<Vec<Extent>>,
     },
     Members {
         source_epoch: u64,
@@ -59,6 +127,18 @@ pub(crate) enum Reply {
     },
     Ok {
         source_epoch: u64,
+    },
+    /// A join's answer: the entry's token.
+    Joined {
+        source_epoch: u64,
+        token: Hex32,
+    },
+    /// The server's side of the challenge-response (`AuthChallenge`).
+    AuthChallenge {
+        peer_id: String,
+        epoch: u64,
+        nonce: Hex32,
+        mac: Hex32,
     },
     Error {
         message: String,
@@ -83,7 +163,13 @@ pub(crate) struct Tracker {
 #[derive(Debug, Default)]
 struct TrackerInner {
     next: u64,
-    members: HashMap<String, (Member, Option<Instant>)>,
+    /// Each entry, when its lease ends (never, for the source) and its token.
+    members: HashMap<String, (Member, Option<Instant>, [u8; 32])>,
+}
+
+/// Whether `a` and `b` are equal, in time that does not depend on where they differ.
+fn same_token(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl Tracker {
@@ -95,40 +181,113 @@ impl Tracker {
         };
         let mut source = source;
         source.order = 0;
-        inner.members.insert(source.id.clone(), (source, None));
+        // The source's token is never handed out: no request can touch its entry.
+        inner
+            .members
+            .insert(source.id.clone(), (source, None, nonce()));
         Self {
             lease,
             inner: Mutex::new(inner),
         }
     }
 
-    /// A join or a heartbeat at `now`: the member's entry (order kept from its first join).
-    pub(crate) fn seen(&self, mut m: Member, now: Instant) {
+    /// A join at `now`: lists `m` and returns its entry's token. Refused: a member claiming
+    /// the source's role, a join under an id already listed without that entry's token, and a
+    /// new entry past [`MAX_MEMBERS`].
+    pub(crate) fn join(
+        &self,
+        m: Member,
+        token: Option<[u8; 32]>,
+        now: Instant,
+    ) -> Result<[u8; 32], String> {
+        self.renew(m, token, now, true)
+    }
+
+    /// A heartbeat at `now`: renews `m`'s entry (its order kept from its first join), which
+    /// `token` must be the token of; an entry whose lease ran out is listed again under it.
+    pub(crate) fn heartbeat(
+        &self,
+        m: Member,
+        token: Option<[u8; 32]>,
+        now: Instant,
+    ) -> Result<(), String> {
+        let Some(t) = token else {
+            return Err(format!(
+                "heartbeat for member {} refused: it carries no token of the entry",
+                m.id
+            ));
+        };
+        self.renew(m, Some(t), now, false).map(|_| ())
+    }
+
+    fn renew(
+        &self,
+        mut m: Member,
+        token: Option<[u8; 32]>,
+        now: Instant,
+        fresh_token: bool,
+    ) -> Result<[u8; 32], String> {
+        if m.role == Role::Source {
+            return Err(format!(
+                "member {} refused: only the source itself is listed as the source",
+                m.id
+            ));
+        }
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        let order = match g.members.get(&m.id) {
-            Some((old, _)) => old.order,
+        g.members
+            .retain(|_, (_, expires, _)| expires.is_none_or(|e| e > now));
+        let (order, token) = match g.members.get(&m.id) {
+            Some((old, _, t)) => {
+                if !token.is_some_and(|given| same_token(&given, t)) {
+                    return Err(format!(
+                        "member {} is listed already: only it may renew, move or remove its entry",
+                        m.id
+                    ));
+                }
+                (old.order, *t)
+            }
             None => {
+                if g.members.len() >= MAX_MEMBERS {
+                    return Err(format!(
+                        "member {} refused: {MAX_MEMBERS} members are listed, the most there may be",
+                        m.id
+                    ));
+                }
+                let t = match (token, fresh_token) {
+                    (Some(t), false) => t,
+                    _ => nonce(),
+                };
                 g.next += 1;
-                g.next - 1
+                (g.next - 1, t)
             }
         };
         m.order = order;
-        g.members.insert(m.id.clone(), (m, Some(now + self.lease)));
+        g.members
+            .insert(m.id.clone(), (m, Some(now + self.lease), token));
+        Ok(token)
     }
 
-    /// Drops a member.
-    pub(crate) fn leave(&self, id: &str) {
+    /// Drops the entry `id`, if `token` is its token (an entry not listed is gone already).
+    pub(crate) fn leave(&self, id: &str, token: Option<[u8; 32]>) -> Result<(), String> {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        g.members
-            .retain(|k, (m, _)| k != id || m.role == Role::Source);
+        match g.members.get(id) {
+            None => Ok(()),
+            Some((_, _, t)) if token.is_some_and(|given| same_token(&given, t)) => {
+                g.members.remove(id);
+                Ok(())
+            }
+            Some(_) => Err(format!(
+                "leave for member {id} refused: only it may remove its entry"
+            )),
+        }
     }
 
     /// The members whose lease has not expired at `now`, in join order.
     pub(crate) fn members(&self, now: Instant) -> Vec<Member> {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         g.members
-            .retain(|_, (_, expires)| expires.is_none_or(|e| e > now));
-        let mut v: Vec<Member> = g.members.values().map(|(m, _)| m.clone()).collect();
+            .retain(|_, (_, expires, _)| expires.is_none_or(|e| e > now));
+        let mut v: Vec<Member> = g.members.values().map(|(m, _, _)| m.clone()).collect();
         v.sort_by_key(|m| m.order);
         v
     }
@@ -138,9 +297,20 @@ impl Tracker {
 #[derive(Debug)]
 pub(crate) struct CtlState {
     pub(crate) source_epoch: u64,
-    pub(crate) manifest: Option<Manifest>,
+    /// At a source: the versions it publishes, oldest first.
+    pub(crate) manifests: Mutex<Vec<Manifest>>,
+    /// The version this member's progress and layout are of.
+    pub(crate) version: u64,
+    /// At a receiver: where it holds each segment.
+    pub(crate) layout: Option<Vec<Vec<Extent>>>,
+    /// At a source: where it holds the segments of the versions not served under their own
+    /// names (files published again as a new version); the others are the identity.
+    pub(crate) source_layouts: Mutex<HashMap<u64, Vec<Vec<Extent>>>>,
     pub(crate) progress: watch::Receiver<Progress>,
     pub(crate) tracker: Option<Arc<Tracker>>,
+    /// With keys: the engine's server side of the challenge-response, and the id and epoch
+    /// this member answers as. Every connection proves a key before anything else is answered.
+    pub(crate) auth: Option<(ServerAuth, PeerId, Epoch)>,
 }
 
 /// A member's running control service. Dropping it closes its listener before `drop` returns
@@ -204,13 +374,114 @@ async fn serve(listener: Arc<Mutex<Option<TcpListener>>>, state: Arc<CtlState>) 
     }
 }
 
+/// Where a connection stands with the member's keys.
+enum ConnAuth {
+    /// Keyless member: everything is answered.
+    Open,
+    /// Keyed: nothing proven yet.
+    Unproven,
+    /// Keyed: challenge sent, proof awaited.
+    Challenged(PendingProof),
+    /// Keyed: the key of this name was proven.
+    Proven,
+}
+
+fn refused(message: String) -> (Reply, bool) {
+    (Reply::Error { message }, true)
+}
+
+/// The challenge-response steps, and every request before the proof: `None` for a request
+/// to answer as usual.
+fn authenticate(req: &Request, conn: &mut ConnAuth, state: &CtlState) -> Option<(Reply, bool)> {
+    let Some((server, id, epoch)) = &state.auth else {
+        return match req {
+            Request::AuthHello { .. } | Request::AuthProof { .. } => Some(refused(
+                "this member takes no key (it was started without one)".into(),
+            )),
+            _ => None,
+        };
+    };
+    match (req, std::mem::replace(conn, ConnAuth::Unproven)) {
+        (
+            Request::AuthHello {
+                name,
+                peer_id,
+                epoch: client_epoch,
+                nonce: client_nonce,
+            },
+            ConnAuth::Unproven,
+        ) => {
+            let Ok(pid) = u128::from_str_radix(peer_id, 16) else {
+                return Some(refused("auth_hello: the peer id is not hex".into()));
+            };
+            let hello = ferry::core_types::wire::AuthHello {
+                name: name.clone(),
+                peer_id: PeerId(pid),
+                epoch: Epoch(*client_epoch),
+                nonce: client_nonce.0,
+            };
+            match server.challenge(&hello, *id, *epoch, nonce()) {
+                Ok((ControlFrame::AuthChallenge(c), pending)) => {
+                    *conn = ConnAuth::Challenged(pending);
+                    Some((
+                        Reply::AuthChallenge {
+                            peer_id: format!("{:032x}", c.peer_id.0),
+                            epoch: c.epoch.0,
+                            nonce: Digest(c.nonce),
+                            mac: Digest(c.mac),
+                        },
+                        false,
+                    ))
+                }
+                Ok(_) => Some(refused("authentication failed".into())),
+                Err(r) => Some(refused(r.message)),
+            }
+        }
+        (Request::AuthProof { mac }, ConnAuth::Challenged(pending)) => {
+            match server.verify(pending, &AuthProof { mac: mac.0 }) {
+                Ok(name) => {
+                    tracing::debug!(key = %name, "control connection authenticated");
+                    *conn = ConnAuth::Proven;
+                    Some((
+                        Reply::Ok {
+                            source_epoch: state.source_epoch,
+                        },
+                        false,
+                    ))
+                }
+                Err(r) => Some(refused(r.message)),
+            }
+        }
+        (Request::AuthHello { .. } | Request::AuthProof { .. }, _) => {
+            Some(refused("authentication out of order".into()))
+        }
+        (_, ConnAuth::Proven) => {
+            *conn = ConnAuth::Proven;
+            None
+        }
+        (_, _) => Some(refused(
+            "unauthenticated: this broadcast is keyed; requests need its key \
+             (--auth-key-file, FERRY_AUTH_KEY_FILE)"
+                .into(),
+        )),
+    }
+}
+
 async fn serve_conn(stream: TcpStream, state: &CtlState) -> std::io::Result<()> {
     let _ = stream.set_nodelay(true);
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
-    while let Some(line) = read_line(&mut r, MAX_LINE).await? {
+    let mut conn = if state.auth.is_some() {
+        ConnAuth::Unproven
+    } else {
+        ConnAuth::Open
+    };
+    while let Some(line) = read_line(&mut r, MAX_REQUEST).await? {
         let (reply, close) = match serde_json::from_slice::<Request>(&line) {
-            Ok(req) => (answer(req, state).await, false),
+            Ok(req) => match authenticate(&req, &mut conn, state) {
+                Some(r) => r,
+                None => (answer(req, state).await, false),
+            },
             Err(e) => (
                 Reply::Error {
                     message: format!("bad request: {e}"),
@@ -235,14 +506,59 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
             .into(),
     };
     match req {
-        Request::Manifest => match &state.manifest {
-            Some(m) => Reply::Manifest {
+        Request::Manifest { version } => {
+            let ms = lock(&state.manifests);
+            let found = match version {
+                Some(v) => ms.iter().find(|m| m.version == v),
+                None => ms.last(),
+            };
+            match (found, ms.is_empty()) {
+                (Some(m), _) => Reply::Manifest {
+                    source_epoch,
+                    manifest: m.clone(),
+                },
+                (None, true) => Reply::Error {
+                    message: "only the source serves the manifest".into(),
+                },
+                (None, false) => Reply::Error {
+                    message: format!(
+                        "version {} of {:?} is not published here (versions kept: {:?})",
+                        version.unwrap_or_default(),
+                        ms[0].name,
+                        ms.iter().map(|m| m.version).collect::<Vec<_>>()
+                    ),
+                },
+            }
+        }
+        Request::Layout { version } => match &state.layout {
+            Some(l) => Reply::Layout {
                 source_epoch,
-                manifest: m.clone(),
+                version: state.version,
+                segments: l.clone(),
             },
-            None => Reply::Error {
-                message: "only the source serves the manifest".into(),
-            },
+            None => {
+                let ms = lock(&state.manifests);
+                let m = match version {
+                    Some(v) => ms.iter().find(|m| m.version == v),
+                    None => ms.last(),
+                };
+                match m {
+                    Some(m) => Reply::Layout {
+                        source_epoch,
+                        version: m.version,
+                        segments: lock(&state.source_layouts)
+                            .get(&m.version)
+                            .cloned()
+                            .unwrap_or_else(|| crate::layout::identity(m)),
+                    },
+                    None => Reply::Error {
+                        message: format!(
+                            "version {} is not published here",
+                            version.unwrap_or_default()
+                        ),
+                    },
+                }
+            }
         },
         Request::Progress { after, wait_ms } => {
             let mut rx = state.progress.clone();
@@ -253,14 +569,30 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
                 source_epoch,
                 prefix: p.prefix,
                 done: p.done,
+                version: state.version,
             }
         }
-        Request::Join { member } | Request::Heartbeat { member } => match &state.tracker {
+        Request::Join { member, token } => match &state.tracker {
             Some(t) if member.source_epoch == source_epoch => {
-                t.seen(member, Instant::now());
-                Reply::Ok { source_epoch }
+                match t.join(member, token.map(|t| t.0), Instant::now()) {
+                    Ok(token) => Reply::Joined {
+                        source_epoch,
+                        token: Digest(token),
+                    },
+                    Err(message) => Reply::Error { message },
+                }
             }
             // A member of another source epoch is not listed; it learns the epoch here.
+            Some(_) => Reply::Ok { source_epoch },
+            None => no_tracker(),
+        },
+        Request::Heartbeat { member, token } => match &state.tracker {
+            Some(t) if member.source_epoch == source_epoch => {
+                match t.heartbeat(member, token.map(|t| t.0), Instant::now()) {
+                    Ok(()) => Reply::Ok { source_epoch },
+                    Err(message) => Reply::Error { message },
+                }
+            }
             Some(_) => Reply::Ok { source_epoch },
             None => no_tracker(),
         },
@@ -271,12 +603,16 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
             },
             None => no_tracker(),
         },
-        Request::Leave { id } => match &state.tracker {
-            Some(t) => {
-                t.leave(&id);
-                Reply::Ok { source_epoch }
-            }
+        Request::Leave { id, token } => match &state.tracker {
+            Some(t) => match t.leave(&id, token.map(|t| t.0)) {
+                Ok(()) => Reply::Ok { source_epoch },
+                Err(message) => Reply::Error { message },
+            },
             None => no_tracker(),
+        },
+        // Answered by `authenticate`.
+        Request::AuthHello { .. } | Request::AuthProof { .. } => Reply::Error {
+            message: "authentication out of order".into(),
         },
     }
 }
@@ -328,7 +664,74 @@ pub(crate) struct CtlClient {
 }
 
 impl CtlClient {
-    /// Connects within `timeout`.
+    /// Connects within `timeout` and, with `keys`, proves the first key (and checks the
+    /// member's proof) before anything else: a member that cannot prove it is an error
+    /// (`ferry::Error::Authentication`, or the member's refusal).
+    pub(crate) async fn connect_keyed(
+        addr: &str,
+        timeout: Duration,
+        keys: Option<&Keyring>,
+    ) -> Result<Self, BroadcastError> {
+        let mut c = Self::connect(addr, timeout).await?;
+        if let Some(k) = keys {
+            c.authenticate(k, timeout).await?;
+        }
+        Ok(c)
+    }
+
+    /// The engine's challenge-response, client side, over this connection.
+    async fn authenticate(
+        &mut self,
+        keys: &Keyring,
+        timeout: Duration,
+    ) -> Result<(), BroadcastError> {
+        let addr = self.addr.clone();
+        let err = |reason: &str| BroadcastError::Control {
+            addr: addr.clone(),
+            reason: reason.to_owned(),
+        };
+        let (hello, client) = ClientAuth::start(keys, PeerId::random(), Epoch::fresh(), nonce());
+        let ControlFrame::AuthHello(h) = hello else {
+            return Err(err("the handshake did not start with a hello"));
+        };
+        let req = Request::AuthHello {
+            name: h.name,
+            peer_id: format!("{:032x}", h.peer_id.0),
+            epoch: h.epoch.0,
+            nonce: Digest(h.nonce),
+        };
+        let Reply::AuthChallenge {
+            peer_id,
+            epoch,
+            nonce: server_nonce,
+            mac,
+        } = self.call(&req, timeout).await?
+        else {
+            return Err(err("answered auth_hello with something else"));
+        };
+        let peer_id = u128::from_str_radix(&peer_id, 16)
+            .map_err(|_| err("auth_challenge: the peer id is not hex"))?;
+        let peer = addr.parse().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+        let challenge = ControlFrame::AuthChallenge(AuthChallenge {
+            peer_id: PeerId(peer_id),
+            epoch: Epoch(epoch),
+            nonce: server_nonce.0,
+            mac: mac.0,
+        });
+        let (proof, _session) = client.on_reply(peer, challenge)?;
+        let ControlFrame::AuthProof(p) = proof else {
+            return Err(err("the handshake ended without a proof"));
+        };
+        match self
+            .call(&Request::AuthProof { mac: Digest(p.mac) }, timeout)
+            .await?
+        {
+            Reply::Ok { .. } => Ok(()),
+            _ => Err(err("answered auth_proof with something else")),
+        }
+    }
+
+    /// Connects within `timeout`, with no key.
     pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<Self, BroadcastError> {
         let err = |reason: String| BroadcastError::Control {
             addr: addr.to_owned(),
@@ -380,14 +783,16 @@ impl CtlClient {
             serde_json::from_slice(&answer).map_err(|e| err(format!("bad answer: {e}")))?;
         match reply {
             Reply::Error { message } => Err(err(message)),
-            Reply::Manifest { manifest, .. } if manifest.validate().is_err() => Err(err(format!(
-                "invalid manifest: {}",
-                manifest
-                    .validate()
-                    .err()
-                    .map(|e| e.to_string())
-                    .unwrap_or_default()
-            ))),
+            Reply::Manifest {
+                manifest,
+                source_epoch,
+            } => match manifest.validate() {
+                Err(source) => Err(BroadcastError::ManifestFrom { addr, source }),
+                Ok(()) => Ok(Reply::Manifest {
+                    source_epoch,
+                    manifest,
+                }),
+            },
             r => Ok(r),
         }
     }
@@ -408,6 +813,7 @@ mod tests {
             progress: 0,
             done: false,
             order: 99,
+            version: 1,
         }
     }
 
@@ -415,9 +821,14 @@ mod tests {
     fn tracker_orders_by_first_join_and_expires_silent_members() {
         let t0 = Instant::now();
         let t = Tracker::new(member("s", Role::Source), Duration::from_secs(2));
-        t.seen(member("a", Role::Receiver), t0);
-        t.seen(member("b", Role::Receiver), t0);
-        t.seen(member("a", Role::Receiver), t0 + Duration::from_secs(1));
+        let ta = t.join(member("a", Role::Receiver), None, t0).unwrap();
+        t.join(member("b", Role::Receiver), None, t0).unwrap();
+        t.heartbeat(
+            member("a", Role::Receiver),
+            Some(ta),
+            t0 + Duration::from_secs(1),
+        )
+        .unwrap();
         let ids = |v: Vec<Member>| v.into_iter().map(|m| (m.id, m.order)).collect::<Vec<_>>();
         assert_eq!(
             ids(t.members(t0)),
@@ -428,9 +839,40 @@ mod tests {
             ids(t.members(t0 + Duration::from_millis(2500))),
             [("s".into(), 0), ("a".into(), 1)]
         );
-        t.leave("a");
-        t.leave("s");
+        t.leave("a", Some(ta)).unwrap();
+        assert!(t.leave("s", Some(ta)).is_err());
         assert_eq!(ids(t.members(t0)), [("s".into(), 0)]);
+    }
+
+    #[test]
+    fn only_a_member_renews_moves_or_removes_its_entry() {
+        let t0 = Instant::now();
+        let t = Tracker::new(member("s", Role::Source), Duration::from_secs(2));
+        let ta = t.join(member("a", Role::Receiver), None, t0).unwrap();
+        let mut moved = member("a", Role::Receiver);
+        moved.data_addr = "10.0.0.66:1".into();
+        // Without the token, or with another entry's: refused, the entry unchanged.
+        let tb = t.join(member("b", Role::Receiver), None, t0).unwrap();
+        for token in [None, Some(tb), Some([0; 32])] {
+            assert!(t.heartbeat(moved.clone(), token, t0).is_err());
+            assert!(t.join(moved.clone(), token, t0).is_err());
+            assert!(t.leave("a", token).is_err());
+        }
+        let listed = t.members(t0);
+        assert_eq!(listed[1].id, "a");
+        assert_eq!(listed[1].data_addr, "");
+        // Nobody joins as the source, or as its id.
+        assert!(t.join(member("x", Role::Source), None, t0).is_err());
+        assert!(t.join(member("s", Role::Receiver), None, t0).is_err());
+        // With its token, the member itself does.
+        t.heartbeat(moved.clone(), Some(ta), t0).unwrap();
+        assert_eq!(t.members(t0)[1].data_addr, "10.0.0.66:1");
+        // The list is bounded.
+        for i in 0..MAX_MEMBERS {
+            let _ = t.join(member(&format!("m{i}"), Role::Receiver), None, t0);
+        }
+        assert_eq!(t.members(t0).len(), MAX_MEMBERS);
+        assert!(t.join(member("late", Role::Receiver), None, t0).is_err());
     }
 
     #[tokio::test]
@@ -445,6 +887,15 @@ mod tests {
         let long = vec![b'a'; 300];
         let mut r = BufReader::new(&long[..]);
         assert!(read_line(&mut r, 100).await.is_err());
+        // A request is refused past 64 KiB, whatever it is.
+        let long = vec![b' '; MAX_REQUEST + 2];
+        let mut r = BufReader::new(&long[..]);
+        assert!(read_line(&mut r, MAX_REQUEST).await.is_err());
         assert!(serde_json::from_slice::<Request>(b"{\"op\":\"nope\"}").is_err());
+        // A request of the protocol before versions still parses.
+        assert!(matches!(
+            serde_json::from_slice::<Request>(b"{\"op\":\"manifest\"}"),
+            Ok(Request::Manifest { version: None })
+        ));
     }
 }

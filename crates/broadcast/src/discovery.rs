@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use tokio::sync::Mutex;
 
-use crate::control::{CtlClient, Reply, Request};
+use ferry::Keyring;
+
+use crate::control::{CtlClient, Hex32, Reply, Request};
 use crate::error::BroadcastError;
 use crate::plan::Member;
 
@@ -52,6 +54,11 @@ pub struct Embedded {
     addr: SocketAddr,
     conn: Mutex<Option<CtlClient>>,
     timeout: Duration,
+    keys: Option<Keyring>,
+    /// The token of each entry listed through this value (several members of one process
+    /// may share it), from the source's answer to its join: heartbeats and the leave carry it
+    /// (no one else can renew, move or remove the entry).
+    tokens: std::sync::Mutex<std::collections::HashMap<String, Hex32>>,
 }
 
 impl Embedded {
@@ -61,7 +68,28 @@ impl Embedded {
             addr,
             conn: Mutex::new(None),
             timeout: Duration::from_secs(5),
+            keys: None,
+            tokens: std::sync::Mutex::default(),
         }
+    }
+
+    /// The same, proving the first key of `keys` on every connection to the source (a keyed
+    /// source answers nothing else) and refusing a source that cannot prove it.
+    pub fn with_keys(addr: SocketAddr, keys: Keyring) -> Self {
+        Self {
+            keys: Some(keys),
+            ..Self::new(addr)
+        }
+    }
+
+    fn tokens(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Hex32>> {
+        self.tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn token(&self, id: &str) -> Option<Hex32> {
+        self.tokens().get(id).copied()
     }
 
     /// The source's control address.
@@ -72,7 +100,10 @@ impl Embedded {
     async fn call(&self, req: Request) -> Result<Reply, BroadcastError> {
         let mut conn = self.conn.lock().await;
         if conn.is_none() {
-            *conn = Some(CtlClient::connect(&self.addr.to_string(), self.timeout).await?);
+            *conn = Some(
+                CtlClient::connect_keyed(&self.addr.to_string(), self.timeout, self.keys.as_ref())
+                    .await?,
+            );
         }
         let Some(c) = conn.as_mut() else {
             return Err(self.err("no connection"));
@@ -98,8 +129,10 @@ fn epoch_of(r: &Reply) -> Option<u64> {
         Reply::Ok { source_epoch }
         | Reply::Members { source_epoch, .. }
         | Reply::Progress { source_epoch, .. }
-        | Reply::Manifest { source_epoch, .. } => Some(*source_epoch),
-        Reply::Error { .. } => None,
+        | Reply::Layout { source_epoch, .. }
+        | Reply::Manifest { source_epoch, .. }
+        | Reply::Joined { source_epoch, .. } => Some(*source_epoch),
+        Reply::Error { .. } | Reply::AuthChallenge { .. } => None,
     }
 }
 
@@ -109,14 +142,27 @@ impl Discovery for Embedded {
         me: &'a Member,
     ) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
         Box::pin(async move {
-            let r = self.call(Request::Join { member: me.clone() }).await?;
+            let r = self
+                .call(Request::Join {
+                    member: me.clone(),
+                    token: self.token(&me.id),
+                })
+                .await?;
+            if let Reply::Joined { token, .. } = &r {
+                self.tokens().insert(me.id.clone(), *token);
+            }
             Ok(epoch_of(&r))
         })
     }
 
     fn update<'a>(&'a self, me: &'a Member) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
         Box::pin(async move {
-            let r = self.call(Request::Heartbeat { member: me.clone() }).await?;
+            let r = self
+                .call(Request::Heartbeat {
+                    member: me.clone(),
+                    token: self.token(&me.id),
+                })
+                .await?;
             Ok(epoch_of(&r))
         })
     }
@@ -132,7 +178,12 @@ impl Discovery for Embedded {
 
     fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BroadcastError>> {
         Box::pin(async move {
-            self.call(Request::Leave { id: id.to_owned() }).await?;
+            self.call(Request::Leave {
+                id: id.to_owned(),
+                token: self.token(id),
+            })
+            .await?;
+            self.tokens().remove(id);
             Ok(())
         })
     }

@@ -45,6 +45,29 @@ pub enum BroadcastError {
         /// The one it found.
         found: u64,
     },
+    /// A member answered a manifest that is refused (it does not add up, or declares more
+    /// bytes than accepted): refused before anything is allocated for it.
+    #[error("manifest from {addr}: {source}")]
+    ManifestFrom {
+        /// The member's control address.
+        addr: String,
+        /// Why it is refused.
+        #[source]
+        source: ManifestError,
+    },
+    /// The source answered a manifest whose digest is not the one given out of band.
+    #[error(
+        "the manifest from {source_addr} has digest {found}, not the expected {expected}: \
+         refusing it (another publisher, or another version)"
+    )]
+    ManifestDigest {
+        /// The source's control address.
+        source_addr: String,
+        /// The digest given.
+        expected: crate::manifest::Digest,
+        /// The manifest's.
+        found: crate::manifest::Digest,
+    },
     /// No source is listed for the broadcast.
     #[error("no source publishes {name:?} (discovery: {discovery})")]
     NoSource {
@@ -71,6 +94,64 @@ pub enum BroadcastError {
         /// Why the last one was given up on.
         reason: String,
     },
+    /// The published tensors and the receiver's destinations do not match; nothing moved.
+    #[error("{name:?} version {version}: the published tensors do not match the destinations: {}", problems.join("; "))]
+    Mismatch {
+        /// The broadcast.
+        name: String,
+        /// The version.
+        version: u64,
+        /// Every problem found: missing, extra and differently sized tensors.
+        problems: Vec<String>,
+    },
+    /// A pull in place failed after writing into the destinations: they hold neither their
+    /// old version nor `version`, the one they were moving to.
+    #[error("{name:?}: pull of version {version} failed, {} destination tensors are torn ({}): {cause}", tensors.len(), preview(tensors))]
+    Torn {
+        /// The broadcast.
+        name: String,
+        /// The version the destinations were moving to.
+        version: u64,
+        /// The destination tensors (local names).
+        tensors: Vec<String>,
+        /// Why the pull failed.
+        #[source]
+        cause: Box<BroadcastError>,
+    },
+    /// A pull did not complete in the time its caller gave it.
+    #[error("pull of {name:?} version {version} did not complete within {seconds:.1} s")]
+    TimedOut {
+        /// The broadcast.
+        name: String,
+        /// The version.
+        version: u64,
+        /// The time given.
+        seconds: f64,
+    },
+    /// A staged version could not be committed.
+    #[error("{name:?}: cannot commit version {version}: {reason}")]
+    Commit {
+        /// The broadcast.
+        name: String,
+        /// The version.
+        version: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The first few names of `v`, for messages.
+fn preview(v: &[String]) -> String {
+    let mut s = v
+        .iter()
+        .take(8)
+        .map(|n| format!("{n:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if v.len() > 8 {
+        s.push_str(&format!(", and {} more", v.len() - 8));
+    }
+    s
 }
 
 impl BroadcastError {

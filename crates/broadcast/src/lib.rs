@@ -2,10 +2,18 @@
 //! one, every chunk verified.
 //!
 //! - [`manifest`]: what a source publishes (segments, entries with dtype and shape for
-//!   `.safetensors` tensors, chunks with CRC-32C), built from files and validated on receipt.
+//!   `.safetensors` tensors, chunks with BLAKE3 and CRC-32C), built from files and validated on
+//!   receipt; its [`Digest`] binds every chunk hash to the source.
 //! - [`plan`]: the chain every member derives from the membership list, and a receiver's
 //!   bookkeeping of verified chunks (no I/O).
-//! - [`Source`] and [`Receiver`]: the roles. Receivers fetch chunks by Ferry READs from their
+//! - [`stripes`]: a relay plan that scales (striped trees of bounded depth, stragglers at the
+//!   edge), a pure function of the membership and observed rates; [`sim`]: a discrete-event
+//!   simulation of links on which the chain and the striped plan are compared.
+//! - [`layout`]: where a member holds each segment ([`Slice`]s of its registrations, host or
+//!   GPU), and the pieces a chunk moves in.
+//! - [`Source`] and [`Receiver`]: the roles. A source publishes files or named [`Tensor`]s of
+//!   the caller's engine (no copy), several versions side by side; a receiver pulls into
+//!   buffers of its own or into the caller's [`Destinations`], in place or staged. Receivers fetch chunks by Ferry READs from their
 //!   parent, verify them, and serve them to the member after them; dead, stalled or corrupting
 //!   holders are routed around, and a restarted source (new epoch) is refused.
 //! - [`discovery`]: the membership list behind one trait, [`Embedded`]
@@ -22,16 +30,22 @@ pub mod discovery;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+pub mod layout;
 pub mod manifest;
 pub mod plan;
 mod receiver;
+pub mod sim;
 mod source;
+pub mod stripes;
 
 pub use discovery::{Discovery, Embedded};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
 pub use etcd::Etcd;
-pub use manifest::{Manifest, ManifestError};
+pub use layout::{Slice, Tensor};
+pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
-pub use receiver::{Receiver, ReceiverOptions, Snapshot, Summary};
+pub use receiver::{
+    Destinations, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
+};
 pub use source::{Source, SourceOptions};

@@ -4,8 +4,14 @@
 //! each served by the source as a Ferry segment of the same name and held by every receiver as
 //! a registered buffer of the same name), the *entries* (what the bytes mean: a whole file, or
 //! one tensor of a `.safetensors` file, with its dtype and shape) and the *chunks*: each
-//! segment cut into pieces of `chunk_size` bytes (the last one shorter), each with its CRC-32C.
-//! Chunks are the unit of transfer, verification and relaying.
+//! segment cut into pieces of `chunk_size` bytes (the last one shorter), each with its BLAKE3
+//! digest (the proof a receiver checks every chunk against) and its CRC-32C (a cheaper check
+//! of memory already verified, never the proof). Chunks are the unit of transfer, verification
+//! and relaying.
+//!
+//! The manifest itself is bound to its source by its [`digest`](Manifest::digest) (BLAKE3 of
+//! its JSON): a receiver given that digest out of band (`ferry pull --expect-manifest`) refuses
+//! any other manifest, so no relay or impostor can substitute chunk hashes of its own.
 //!
 //! Manifests travel as JSON. [`Manifest::from_json`] refuses, with a [`ManifestError`] that says
 //! what is wrong, anything over [`MAX_MANIFEST_BYTES`], that does not parse, or whose numbers do
@@ -27,6 +33,10 @@ pub const MAX_SEGMENTS: usize = 4096;
 pub const MAX_CHUNKS: usize = 4 << 20;
 /// Most entries in one manifest.
 pub const MAX_ENTRIES: usize = 1 << 20;
+/// Most payload bytes one manifest may declare (64 TiB), checked before anything else is:
+/// receivers allocate what a manifest declares. A receiver may set a lower limit of its own
+/// (`ReceiverOptions::max_bytes`).
+pub const MAX_TOTAL_BYTES: u64 = 1 << 46;
 /// Smallest and largest chunk size.
 pub const CHUNK_SIZE_RANGE: (u64, u64) = (4096, 64 << 20);
 /// The default chunk size: 1 MiB.
@@ -72,8 +82,71 @@ pub struct Chunk {
     pub offset: u64,
     /// Length (the chunk size, or less for a segment's last chunk).
     pub len: u64,
-    /// CRC-32C of its bytes.
+    /// CRC-32C of its bytes: a cheap check of memory already verified (at rest), never the
+    /// proof.
     pub crc32c: u32,
+    /// BLAKE3 of its bytes: what every chunk fetched is verified against.
+    pub blake3: Digest,
+}
+
+/// A BLAKE3 digest (32 bytes), hex on the wire and in messages.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    /// The digest of `bytes`.
+    pub fn of(bytes: &[u8]) -> Self {
+        Self(*blake3::hash(bytes).as_bytes())
+    }
+
+    /// Parses 64 hex digits (either case).
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let s = s.as_bytes();
+        if s.len() != 64 {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, pair) in s.chunks_exact(2).enumerate() {
+            let hi = (pair[0] as char).to_digit(16)?;
+            let lo = (pair[1] as char).to_digit(16)?;
+            out[i] = (hi * 16 + lo) as u8;
+        }
+        Some(Self(out))
+    }
+}
+
+impl From<blake3::Hash> for Digest {
+    fn from(h: blake3::Hash) -> Self {
+        Self(*h.as_bytes())
+    }
+}
+
+impl std::fmt::Display for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Digest({self})")
+    }
+}
+
+impl Serialize for Digest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Digest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        Digest::from_hex(&s).ok_or_else(|| serde::de::Error::custom("a digest is 64 hex digits"))
+    }
 }
 
 /// What a source publishes for one broadcast.
@@ -111,6 +184,15 @@ pub enum ManifestError {
     /// The manifest parses but does not add up.
     #[error("invalid manifest: {0}")]
     Invalid(String),
+    /// The manifest declares more payload bytes than the limit (checked before anything is
+    /// allocated for them).
+    #[error("manifest declares {declared} bytes, over the limit of {limit}")]
+    TooManyBytes {
+        /// What it declares (saturated at `u64::MAX`).
+        declared: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// An input file could not be read.
     #[error("reading {path}: {source}")]
     Read {
@@ -164,15 +246,37 @@ impl Manifest {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
-    /// Total bytes of all segments.
+    /// Total bytes of all segments (saturating: a validated manifest declares at most
+    /// [`MAX_TOTAL_BYTES`]).
     pub fn total_bytes(&self) -> u64 {
-        self.segments.iter().map(|s| s.len).sum()
+        self.segments
+            .iter()
+            .fold(0u64, |t, s| t.saturating_add(s.len))
     }
 
-    /// Checks that the numbers add up: the chunk size in [`CHUNK_SIZE_RANGE`]; counts within
-    /// the limits; segment names plain, unique file names; every segment tiled exactly by its
-    /// chunks, in order, each `chunk_size` long but the last; every entry inside its segment.
+    /// The manifest's digest: BLAKE3 of its JSON ([`to_json`](Self::to_json)). It covers every
+    /// chunk's hash, so a receiver given it out of band (`ferry pull --expect-manifest`)
+    /// verifies every byte back to the source, whoever relays it.
+    pub fn digest(&self) -> Digest {
+        Digest::of(&self.to_json())
+    }
+
+    /// Checks that the numbers add up: the total bytes declared at most [`MAX_TOTAL_BYTES`]
+    /// (checked first); the chunk size in [`CHUNK_SIZE_RANGE`]; counts within the limits;
+    /// segment names plain, unique file names; every segment tiled exactly by its chunks, in
+    /// order, each `chunk_size` long but the last; every entry inside its segment.
     pub fn validate(&self) -> Result<(), ManifestError> {
+        let total = self
+            .segments
+            .iter()
+            .try_fold(0u64, |t, s| t.checked_add(s.len))
+            .filter(|&t| t <= MAX_TOTAL_BYTES);
+        if total.is_none() {
+            return Err(ManifestError::TooManyBytes {
+                declared: self.total_bytes(),
+                limit: MAX_TOTAL_BYTES,
+            });
+        }
         let (lo, hi) = CHUNK_SIZE_RANGE;
         if !(lo..=hi).contains(&self.chunk_size) {
             return Err(invalid(format!(
@@ -318,6 +422,7 @@ impl Manifest {
                     offset: at,
                     len: n as u64,
                     crc32c: ferry::checksum::crc32c(&buf[..n]),
+                    blake3: Digest::of(&buf[..n]),
                 });
                 at += n as u64;
             }
@@ -328,6 +433,95 @@ impl Manifest {
         }
         m.validate()?;
         Ok(m)
+    }
+}
+
+impl Manifest {
+    /// Builds a manifest for tensors served from memory: one segment per registration named
+    /// by the tensors' slices (in order of first appearance; the whole registration, so bytes
+    /// of it that no tensor names travel too), one entry per tensor (its dtype and shape, the
+    /// segment and offset of its slice), and the chunks' CRC-32C read from the memory now.
+    /// Refused: two tensors of the same name, two registrations of one name.
+    pub fn from_tensors(
+        name: &str,
+        version: u64,
+        tensors: &[crate::layout::Tensor],
+        chunk_size: u64,
+    ) -> Result<Self, ManifestError> {
+        let mut m = Manifest {
+            name: name.to_owned(),
+            version,
+            chunk_size,
+            segments: Vec::new(),
+            entries: Vec::new(),
+            chunks: Vec::new(),
+        };
+        let (lo, hi) = CHUNK_SIZE_RANGE;
+        if !(lo..=hi).contains(&chunk_size) {
+            return Err(invalid(format!(
+                "chunk size {chunk_size} outside {lo}..={hi}"
+            )));
+        }
+        let mut wholes: Vec<crate::layout::Slice> = Vec::new();
+        let mut seen = HashSet::new();
+        for t in tensors {
+            if !seen.insert(t.name.as_str()) {
+                return Err(invalid(format!("tensor {:?} appears twice", t.name)));
+            }
+            let seg = t.slice.segment();
+            let si = match m.segments.iter().position(|s| s.name == seg) {
+                Some(i) => i,
+                None => {
+                    let whole = t.slice.whole_registration();
+                    m.segments.push(Segment {
+                        name: seg.to_owned(),
+                        len: whole.len(),
+                    });
+                    wholes.push(whole);
+                    m.segments.len() - 1
+                }
+            };
+            if wholes[si].len() != t.slice.whole_registration().len() {
+                return Err(invalid(format!(
+                    "two registrations are named {seg:?} (tensor {:?})",
+                    t.name
+                )));
+            }
+            m.entries.push(Entry {
+                name: t.name.clone(),
+                len: t.slice.len(),
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+                segment: u32::try_from(si).map_err(|_| invalid("too many registrations"))?,
+                offset: t.slice.offset(),
+            });
+        }
+        for (si, whole) in wholes.iter().enumerate() {
+            let mut at = 0u64;
+            while at < whole.len() {
+                let n = (whole.len() - at).min(chunk_size);
+                let unreadable =
+                    |e| invalid(format!("reading registration {:?}: {e}", whole.segment()));
+                let crc = whole.crc_append(0, at, n).map_err(unreadable)?;
+                let mut h = blake3::Hasher::new();
+                whole.blake3_update(&mut h, at, n).map_err(unreadable)?;
+                m.chunks.push(Chunk {
+                    segment: si as u32,
+                    offset: at,
+                    len: n,
+                    crc32c: crc,
+                    blake3: h.finalize().into(),
+                });
+                at += n;
+            }
+        }
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// The entry named `name`, if any.
+    pub fn entry(&self, name: &str) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.name == name)
     }
 }
 
@@ -415,6 +609,13 @@ mod tests {
         assert_eq!(m.chunks.len(), 3 + 1);
         assert_eq!(m.chunks[2].len, 10_000 - 8192);
         assert_eq!(m.chunks[0].crc32c, ferry::checksum::crc32c(&plain[..4096]));
+        assert_eq!(m.chunks[0].blake3, Digest::of(&plain[..4096]));
+        assert_eq!(m.chunks[1].blake3.to_string().len(), 64);
+        assert_eq!(
+            Digest::from_hex(&m.chunks[1].blake3.to_string()),
+            Some(m.chunks[1].blake3)
+        );
+        assert_eq!(Digest::from_hex("zz"), None);
         assert_eq!(m.entries[0].name, "plain.bin");
         let names: Vec<&str> = m.entries[1..].iter().map(|e| e.name.as_str()).collect();
         assert_eq!(names, ["a", "b"]);
@@ -469,12 +670,14 @@ mod tests {
                     offset: 0,
                     len: 4096,
                     crc32c: 1,
+                    blake3: Digest::default(),
                 },
                 Chunk {
                     segment: 0,
                     offset: 4096,
                     len: 904,
                     crc32c: 2,
+                    blake3: Digest::default(),
                 },
             ],
         }
@@ -505,6 +708,47 @@ mod tests {
             Manifest::from_json(&vec![b' '; MAX_MANIFEST_BYTES + 1]),
             Err(ManifestError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn a_manifest_declaring_2_pow_48_bytes_is_refused_first() {
+        // One segment of 2^48 bytes whose chunks would tile it, were the limit not checked
+        // first: the refusal names the size, not the tiling.
+        let mut m = sample();
+        m.segments[0].len = 1 << 48;
+        assert!(matches!(
+            m.validate(),
+            Err(ManifestError::TooManyBytes { declared, .. }) if declared == 1 << 48
+        ));
+        // Lengths whose sum overflows are refused the same way.
+        let mut m = sample();
+        m.segments.push(Segment {
+            name: "b".into(),
+            len: u64::MAX,
+        });
+        assert!(matches!(
+            m.validate(),
+            Err(ManifestError::TooManyBytes { .. })
+        ));
+        // And as JSON from a peer.
+        let mut m = sample();
+        m.segments[0].len = 1 << 48;
+        assert!(matches!(
+            Manifest::from_json(&m.to_json()),
+            Err(ManifestError::TooManyBytes { .. })
+        ));
+    }
+
+    #[test]
+    fn the_digest_covers_every_chunk_hash() {
+        let m = sample();
+        let mut other = sample();
+        other.chunks[1].blake3 = Digest::of(b"x");
+        assert_ne!(m.digest(), other.digest());
+        assert_eq!(
+            m.digest(),
+            Manifest::from_json(&m.to_json()).unwrap().digest()
+        );
     }
 
     proptest! {

@@ -48,16 +48,23 @@ pub struct Member {
     /// Join order, assigned by discovery (the tracker's counter, or etcd's create revision).
     #[serde(default)]
     pub order: u64,
+    /// The version it holds or pulls (a source: the version it started with; it serves every
+    /// version it still keeps, which its `manifest` answers say). Receivers fetch only from
+    /// receivers of their own version, and from the source.
+    #[serde(default)]
+    pub version: u64,
 }
 
-/// The members `me` may fetch from, in the order to try them: the members that joined before
-/// it (nearest first), then the source; never `me`, nor anyone in `avoid`, nor a member of
-/// another source epoch. A member `me` does not find in `members` (not yet listed) is taken to
-/// be the last to join.
+/// The members `me` may fetch `version` from, in the order to try them: the receivers of that
+/// version that joined before it (nearest first), then the source; never `me`, nor anyone in
+/// `avoid`, nor a member of another source epoch, nor a receiver of another version, nor one
+/// that serves nothing (no data address: its engine does not listen). A member
+/// `me` does not find in `members` (not yet listed) is taken to be the last to join.
 pub fn holders<'a>(
     members: &'a [Member],
     me: &str,
     source_epoch: u64,
+    version: u64,
     avoid: &HashSet<String>,
 ) -> Vec<&'a Member> {
     let my_order = members
@@ -71,6 +78,8 @@ pub fn holders<'a>(
                 && m.role == Role::Receiver
                 && m.order < my_order
                 && m.source_epoch == source_epoch
+                && m.version == version
+                && !m.data_addr.is_empty()
                 && !avoid.contains(&m.id)
         })
         .collect();
@@ -201,12 +210,13 @@ mod tests {
             id: id.into(),
             epoch: 1,
             source_epoch: epoch,
-            data_addr: String::new(),
+            data_addr: "127.0.0.1:1".into(),
             ctl_addr: String::new(),
             role,
             progress: 0,
             done: false,
             order,
+            version: 1,
         }
     }
 
@@ -221,14 +231,23 @@ mod tests {
         ];
         let none = HashSet::new();
         let ids = |v: Vec<&Member>| v.into_iter().map(|m| m.id.clone()).collect::<Vec<_>>();
-        assert_eq!(ids(holders(&ms, "a", 7, &none)), ["s"]);
-        assert_eq!(ids(holders(&ms, "c", 7, &none)), ["b", "a", "s"]);
+        assert_eq!(ids(holders(&ms, "a", 7, 1, &none)), ["s"]);
+        assert_eq!(ids(holders(&ms, "c", 7, 1, &none)), ["b", "a", "s"]);
         let avoid: HashSet<String> = ["b".to_string()].into();
-        assert_eq!(ids(holders(&ms, "c", 7, &avoid)), ["a", "s"]);
+        assert_eq!(ids(holders(&ms, "c", 7, 1, &avoid)), ["a", "s"]);
         // Not listed yet: behind everyone.
-        assert_eq!(ids(holders(&ms, "late", 7, &none)), ["c", "b", "a", "s"]);
+        assert_eq!(ids(holders(&ms, "late", 7, 1, &none)), ["c", "b", "a", "s"]);
         // A source of another epoch is no holder.
-        assert_eq!(ids(holders(&ms, "y", 9, &none)), Vec::<String>::new());
+        assert_eq!(ids(holders(&ms, "y", 9, 1, &none)), Vec::<String>::new());
+        // A receiver pulling version 2 takes no receiver still holding version 1: the source
+        // (which keeps both) only.
+        let mut ms = ms;
+        ms[3].version = 2;
+        assert_eq!(ids(holders(&ms, "late2", 7, 2, &none)), ["c", "s"]);
+        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["b", "a", "s"]);
+        // A receiver whose engine does not listen serves nothing.
+        ms[2].data_addr.clear();
+        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["a", "s"]);
     }
 
     #[test]

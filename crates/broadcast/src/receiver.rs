@@ -1,14 +1,32 @@
-//! A receiver: fetches the manifest's chunks from its parent in the chain
-//! ([`plan`](crate::plan)), verifies each against the manifest's CRC-32C, and serves what it
-//! verified to the member after it.
+//! A receiver: fetches the manifest's chunks of one version from its parent in the chain
+//! ([`plan`](crate::plan)), verifies each against the manifest's BLAKE3, and serves what it
+//! verified to the member after it. It pulls into buffers of its own ([`Receiver::join`]) or
+//! into the caller's destinations ([`Receiver::join_into`]: in place, or staged and then
+//! committed), and serves from wherever the chunks landed ([`layout`](crate::layout)).
 //!
 //! Contract:
-//! - a chunk is fetched by a Ferry READ straight into this receiver's registered buffer, then
-//!   verified; only verified chunks count, and only the verified prefix is advertised, so a
-//!   member never fetches from it a chunk it has not verified;
-//! - a chunk whose checksum does not match is counted ([`Summary::refetched_chunks`]) and
-//!   fetched again from the source (a holder other than the one that served it, or, if the
-//!   source served it, the source once more, three times at most);
+//! - a chunk is fetched by Ferry READs straight into where it lands here (one per piece where
+//!   the holder's layout and this receiver's meet), then verified over those pieces against the
+//!   manifest's BLAKE3; only verified chunks count, and only the verified prefix is advertised
+//!   (never more than [`Snapshot::chunks`] verified), so a member never fetches from it a chunk
+//!   it has not verified;
+//! - with [`ReceiverOptions::expect_manifest`], a manifest whose digest differs is refused
+//!   before anything is allocated ([`BroadcastError::ManifestDigest`]), so every chunk hash,
+//!   and so every byte, is bound to the source whoever relays it; a manifest declaring more
+//!   than [`ReceiverOptions::max_bytes`] is refused there too;
+//! - destinations are matched with the published tensors by name and size before anything is
+//!   registered, listed or moved ([`BroadcastError::Mismatch`]);
+//! - it takes chunks only from the source and from receivers of its own version, and gives up
+//!   a parent that answers for another version;
+//! - in place, a pull that fails after its first READ is [`BroadcastError::Torn`]; staged, the
+//!   live tensors change only in [`Receiver::commit`];
+//! - unless [`ReceiverOptions::verify_at_rest`] is off, every chunk is checked once more at
+//!   rest before the pull reports done, and one that changed is fetched again;
+//! - a chunk whose hash does not match when fetched is counted ([`Summary::fetch_mismatches`],
+//!   apart from those found at rest, [`Summary::at_rest_mismatches`]) and fetched again from
+//!   the source (or, if the source served it, the source once more, three times at most); the
+//!   relay that served it is reported ([`Summary::corrupt_holders`], a warning) and given up
+//!   for the rest of the pull;
 //! - a parent that fails a READ, stops answering, or whose prefix does not advance for
 //!   `stall_after` while this receiver waits on it is given up: its data path is closed (its
 //!   chunks in flight fail at once, so none lands later) and the next holder in the plan is
@@ -21,11 +39,11 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Access, Batch, DataPlane, MemoryRegion, PAGE_ALIGN, Peer, Registration, RemoteSegment,
-    TransferEngine,
+    Access, Batch, DataPlane, MemoryRegion, Peer, Registration, RemoteSegment, TransferEngine,
 };
 use serde::Serialize;
 use tokio::net::TcpListener;
@@ -35,7 +53,8 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
-use crate::manifest::Manifest;
+use crate::layout::{self, LocalExtents, Slice};
+use crate::manifest::{Digest, MAX_TOTAL_BYTES, Manifest};
 use crate::plan::{Have, Member, Role, holders};
 
 /// How a receiver runs.
@@ -57,6 +76,29 @@ pub struct ReceiverOptions {
     /// only, as a point-to-point pull would (the baseline `cargo xtask bench broadcast`
     /// compares with). It still serves what it verified.
     pub relay: bool,
+    /// The version to pull (`None`: the newest the source publishes).
+    pub version: Option<u64>,
+    /// Whether to check every chunk once more at rest before reporting done (a chunk whose
+    /// memory changed after it was verified is fetched again; the check is the cheaper
+    /// CRC-32C of memory already verified against BLAKE3). `false` halves the copies (one pass
+    /// over the payload instead of two); every chunk is still verified as it lands, and the
+    /// children verify what they read from this receiver.
+    pub verify_at_rest: bool,
+    /// The manifest's digest ([`Manifest::digest`]), given out of band (`ferry publish`
+    /// prints it): any other manifest is refused before anything is allocated for it. `None`:
+    /// the manifest is taken from the source as it answers (its chunk hashes still catch any
+    /// relay that alters a chunk, but not an impostor source).
+    pub expect_manifest: Option<Digest>,
+    /// Most payload bytes accepted from a manifest (`None`: [`MAX_TOTAL_BYTES`]); checked
+    /// before anything is allocated.
+    pub max_bytes: Option<u64>,
+    /// The broadcast's keys: this receiver proves the first on every control connection (and
+    /// refuses members that cannot), its control service answers only connections that prove
+    /// one, and the engine [`join`](Receiver::join) builds serves chunks only to peers that
+    /// prove one (the data plane's own authentication). With [`join_into`](Receiver::join_into)
+    /// the caller's engine must be keyed by the caller. Give the [`Embedded`](crate::Embedded)
+    /// discovery the same keys ([`Embedded::with_keys`](crate::Embedded::with_keys)).
+    pub keys: Option<ferry::Keyring>,
     /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
     /// read from (a relay that corrupts what it serves). Its own final check finds it again.
     #[doc(hidden)]
@@ -65,6 +107,10 @@ pub struct ReceiverOptions {
     /// are verified, for this long (a stalled relay).
     #[doc(hidden)]
     pub pause_after: Option<(u64, Duration)>,
+    /// Tests only: stop fetching (but keep serving and heartbeating) after this many chunks
+    /// are verified, until this is notified (a pull held halfway while the test acts).
+    #[doc(hidden)]
+    pub hold_after: Option<(u64, Arc<tokio::sync::Notify>)>,
     /// Tests only: once every chunk is verified, keep serving what it holds, as it is, and
     /// run the at-rest check only after this is notified (a corrupting relay stays corrupt
     /// until the test has seen another receiver catch it).
@@ -81,8 +127,14 @@ impl Default for ReceiverOptions {
             stall_after: Duration::from_secs(3),
             heartbeat: Duration::from_millis(500),
             relay: true,
+            version: None,
+            verify_at_rest: true,
+            expect_manifest: None,
+            max_bytes: None,
+            keys: None,
             corrupt_after_verify: None,
             pause_after: None,
+            hold_after: None,
             hold_final_check: None,
         }
     }
@@ -105,8 +157,16 @@ pub struct Summary {
     pub gb_per_s: f64,
     /// Chunks in the manifest.
     pub chunks: u64,
-    /// Chunks whose checksum did not match and that were fetched again.
+    /// Chunks whose hash did not match and that were fetched again: `fetch_mismatches +
+    /// at_rest_mismatches`.
     pub refetched_chunks: u64,
+    /// Chunks whose BLAKE3 did not match the manifest's as they were fetched (a holder served
+    /// other bytes).
+    pub fetch_mismatches: u64,
+    /// Chunks verified when fetched whose bytes here had changed by the check at rest.
+    pub at_rest_mismatches: u64,
+    /// Members that served a chunk whose hash did not match (each once), given up on.
+    pub corrupt_holders: Vec<String>,
     /// Bytes received from the source (verified or not).
     pub bytes_from_source: u64,
     /// Bytes received from other receivers (verified or not).
@@ -115,6 +175,40 @@ pub struct Summary {
     pub parents_given_up: u64,
     /// Ids of the members it fetched from, in order.
     pub holders: Vec<String>,
+    /// Bytes the CPU copied during the pull (see [`Receiver::bytes_copied`]).
+    pub bytes_copied: u64,
+    /// When each step of this member's pull happened.
+    pub timeline: Timeline,
+}
+
+/// When each step of a member's pull happened, in seconds since the Unix epoch (the wall
+/// clock, so that the members of one machine, or of machines with synchronised clocks, line up
+/// hop by hop: `cargo xtask bench broadcast` prints them). `None`: not reached.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timeline {
+    /// The process started (set by the caller: `ferry pull` sets it when the command starts).
+    pub process_start: Option<f64>,
+    /// [`Receiver::join`] or [`Receiver::join_into`] was called.
+    pub join_start: Option<f64>,
+    /// The manifest was received and checked.
+    pub manifest: Option<f64>,
+    /// The member was listed (its buffers registered, its control service up).
+    pub joined: Option<f64>,
+    /// The first chunk was requested.
+    pub first_request: Option<f64>,
+    /// The first chunk was verified.
+    pub first_verified: Option<f64>,
+    /// The last chunk was verified.
+    pub last_verified: Option<f64>,
+    /// [`Receiver::run`] returned: every chunk verified, at rest too.
+    pub done: Option<f64>,
+}
+
+/// The wall clock now, in seconds since the Unix epoch.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Where a pull stands, for progress displays.
@@ -122,6 +216,9 @@ pub struct Summary {
 pub struct Snapshot {
     /// Bytes verified.
     pub bytes: u64,
+    /// Chunks verified. What the member advertises to others (its verified prefix) never
+    /// exceeds it: the snapshot is updated before the advertisement.
+    pub chunks: u64,
     /// Payload bytes.
     pub total: u64,
     /// Chunks re-fetched after a checksum mismatch.
@@ -138,7 +235,10 @@ pub struct Snapshot {
 struct Holder {
     member: Member,
     peer: Peer,
-    segs: Vec<RemoteSegment>,
+    /// Per segment: `(offset in the segment, offset in the remote segment, remote segment)`.
+    segs: Vec<Vec<(u64, u64, RemoteSegment)>>,
+    /// `segs` as `(offset in the segment, length)`.
+    ranges: Vec<Vec<(u64, u64)>>,
     prefix: u64,
     done: bool,
     advanced: Instant,
@@ -158,6 +258,7 @@ enum PollMsg {
         source_epoch: u64,
         prefix: u64,
         done: bool,
+        version: u64,
     },
     Failed {
         id: String,
@@ -170,7 +271,7 @@ struct Fetched {
     chunk: usize,
     from: String,
     from_source: bool,
-    /// `Ok(true)`: verified; `Ok(false)`: checksum mismatch; `Err`: the READ failed.
+    /// `Ok(true)`: verified; `Ok(false)`: BLAKE3 mismatch; `Err`: the READ failed.
     result: Result<bool, String>,
 }
 
@@ -178,11 +279,30 @@ struct Fetched {
 /// control service runs and it is listed. [`run`](Self::run) fetches.
 pub struct Receiver {
     engine: TransferEngine,
+    /// Whether the engine is this receiver's own (shut down with it) or the caller's.
+    owns_engine: bool,
     discovery: Arc<dyn Discovery>,
     manifest: Manifest,
     source_epoch: u64,
     source_ip: IpAddr,
-    regs: Vec<Registration>,
+    /// Where each segment lands: this receiver's buffers, the caller's destinations or their
+    /// staging slices, and scratch for bytes no destination takes.
+    layout: Vec<LocalExtents>,
+    /// `layout` as `(offset in the segment, length)`.
+    ranges: Vec<Vec<(u64, u64)>>,
+    /// Buffers this receiver allocated (whole segments, or scratch).
+    _own: Vec<Registration>,
+    /// Staged: `(tensor, staging, live)` for [`commit`](Self::commit).
+    staged: Option<Vec<(String, Slice, Slice)>>,
+    /// The destination tensors (local names).
+    tensors: Vec<String>,
+    /// Whether a READ into the destinations was started.
+    touched: std::sync::atomic::AtomicBool,
+    /// Bytes the CPU copied: host memory copied out to be hashed, and commits.
+    copied: Arc<AtomicU64>,
+    /// Whether [`run`](Self::run) verified every chunk.
+    pulled: bool,
+    timeline: Timeline,
     member: Member,
     opts: ReceiverOptions,
     progress_tx: watch::Sender<Progress>,
@@ -202,7 +322,9 @@ impl std::fmt::Debug for Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        self.engine.shutdown();
+        if self.owns_engine {
+            self.engine.shutdown();
+        }
     }
 }
 
@@ -222,66 +344,319 @@ fn reachable(addr: &str, ip: IpAddr) -> String {
     }
 }
 
+/// Finds the source of `name` through `discovery` and fetches the manifest of `version`
+/// (`None`: the newest). Returns it, the source epoch, the source's IP and this end's IP.
+async fn manifest_from_source(
+    discovery: &Arc<dyn Discovery>,
+    wanted: Option<&str>,
+    opts: &ReceiverOptions,
+) -> Result<(Manifest, u64, IpAddr, IpAddr), BroadcastError> {
+    let version = opts.version;
+    let name = wanted.unwrap_or("(any)");
+    let timeout = Duration::from_secs(5);
+    let source = discovery
+        .members()
+        .await?
+        .into_iter()
+        .find(|m| m.role == Role::Source)
+        .ok_or_else(|| BroadcastError::NoSource {
+            name: name.to_owned(),
+            discovery: discovery.describe(),
+        })?;
+    let mut ctl = CtlClient::connect_keyed(&source.ctl_addr, timeout, opts.keys.as_ref()).await?;
+    let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
+        Ok(a) if !a.ip().is_unspecified() => a.ip(),
+        _ => ctl.local_addr().ip(),
+    };
+    let (manifest, source_epoch) = match ctl.call(&Request::Manifest { version }, timeout).await? {
+        Reply::Manifest {
+            manifest,
+            source_epoch,
+        } => (manifest, source_epoch),
+        _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
+    };
+    if let Some(expected) = opts.expect_manifest {
+        let found = manifest.digest();
+        if found != expected {
+            return Err(BroadcastError::ManifestDigest {
+                source_addr: source.ctl_addr.clone(),
+                expected,
+                found,
+            });
+        }
+    }
+    let limit = opts
+        .max_bytes
+        .unwrap_or(MAX_TOTAL_BYTES)
+        .min(MAX_TOTAL_BYTES);
+    if manifest.total_bytes() > limit {
+        return Err(BroadcastError::ManifestFrom {
+            addr: source.ctl_addr.clone(),
+            source: crate::manifest::ManifestError::TooManyBytes {
+                declared: manifest.total_bytes(),
+                limit,
+            },
+        });
+    }
+    if wanted.is_some_and(|n| n != manifest.name) {
+        return Err(control_err(
+            &source.ctl_addr,
+            format!("publishes {:?}, not {name:?}", manifest.name),
+        ));
+    }
+    if version.is_some_and(|v| v != manifest.version) {
+        return Err(control_err(
+            &source.ctl_addr,
+            format!(
+                "answered version {} of {name:?} for version {}",
+                manifest.version,
+                version.unwrap_or_default()
+            ),
+        ));
+    }
+    Ok((manifest, source_epoch, source_ip, ctl.local_addr().ip()))
+}
+
+/// How often [`Receiver::linger`] rereads the member list at most.
+const LINGER_CHECK: Duration = Duration::from_millis(100);
+
+/// Registration names of scratch buffers are unique within the process.
+static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Allocates and registers `len` zeroed bytes of host memory on `engine` as `name`; a
+/// failed allocation is an error, never an abort.
+fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, BroadcastError> {
+    let n = usize::try_from(len).map_err(|_| {
+        BroadcastError::io(
+            format!("segment {name:?}"),
+            std::io::Error::other("longer than this machine's address space"),
+        )
+    })?;
+    // Aligned to 16, not to a page: the allocator then takes zeroed memory from the kernel
+    // (calloc, fresh pages) instead of writing zeros over every page first, which cost each
+    // receiver a pass over its whole payload before joining (0.1 to 1.5 s per 128 MiB with
+    // several receivers starting on one machine: the timeline's manifest-to-joined step).
+    let region = MemoryRegion::alloc_zeroed(n, 16).map_err(|e| {
+        BroadcastError::io(
+            format!("allocating {len} bytes for {name:?}"),
+            std::io::Error::other(e.to_string()),
+        )
+    })?;
+    Ok(engine.register(region, Access::REMOTE_READ, name)?)
+}
+
+/// What joining sets up, before the control service starts.
+struct Joined {
+    engine: TransferEngine,
+    owns_engine: bool,
+    manifest: Manifest,
+    source_epoch: u64,
+    source_ip: IpAddr,
+    ip: IpAddr,
+    layout: Vec<LocalExtents>,
+    own: Vec<Registration>,
+    staged: Option<Vec<(String, Slice, Slice)>>,
+    tensors: Vec<String>,
+    timeline: Timeline,
+}
+
 impl Receiver {
     /// Joins the broadcast `name` (`None`: whatever the source listed publishes) through
-    /// `discovery`: finds its source, fetches the manifest, allocates and registers one buffer
-    /// per segment, starts its control service and lists itself.
+    /// `discovery`: finds its source, fetches the manifest (of [`ReceiverOptions::version`]),
+    /// allocates and registers one buffer per segment on an engine of its own, starts its
+    /// control service and lists itself.
     pub async fn join(
         discovery: Arc<dyn Discovery>,
         name: Option<&str>,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
-        let wanted = name;
-        let name = name.unwrap_or("(any)");
-        let timeout = Duration::from_secs(5);
-        let source = discovery
-            .members()
-            .await?
-            .into_iter()
-            .find(|m| m.role == Role::Source)
-            .ok_or_else(|| BroadcastError::NoSource {
-                name: name.to_owned(),
-                discovery: discovery.describe(),
-            })?;
-        let mut ctl = CtlClient::connect(&source.ctl_addr, timeout).await?;
-        let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
-            Ok(a) if !a.ip().is_unspecified() => a.ip(),
-            _ => ctl.local_addr().ip(),
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
         };
-        let (manifest, source_epoch) = match ctl.call(&Request::Manifest, timeout).await? {
-            Reply::Manifest {
-                manifest,
-                source_epoch,
-            } => (manifest, source_epoch),
-            _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
-        };
-        if wanted.is_some_and(|n| n != manifest.name) {
-            return Err(control_err(
-                &source.ctl_addr,
-                format!("publishes {:?}, not {name:?}", manifest.name),
-            ));
-        }
-        let ip = opts.listen_ip.unwrap_or(ctl.local_addr().ip());
-        let engine = TransferEngine::builder()
+        let ip = opts.listen_ip.unwrap_or(local_ip);
+        let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
-            .listen(SocketAddr::new(ip, 0))
-            .build()?;
-        let mut regs = Vec::with_capacity(manifest.segments.len());
-        for seg in &manifest.segments {
-            let len = usize::try_from(seg.len).map_err(|_| {
-                BroadcastError::io(
-                    format!("segment {:?}", seg.name),
-                    std::io::Error::other("longer than this machine's address space"),
-                )
-            })?;
-            let region = MemoryRegion::alloc_zeroed(len, PAGE_ALIGN).map_err(|e| {
-                BroadcastError::io(
-                    format!("allocating {len} bytes for {:?}", seg.name),
-                    std::io::Error::other(e.to_string()),
-                )
-            })?;
-            regs.push(engine.register(region, Access::REMOTE_READ, &seg.name)?);
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
         }
+        let engine = builder.build()?;
+        let mut own = Vec::with_capacity(manifest.segments.len());
+        let mut layout = Vec::with_capacity(manifest.segments.len());
+        for seg in &manifest.segments {
+            let reg = alloc(&engine, seg.len, &seg.name)?;
+            layout.push(if seg.len == 0 {
+                Vec::new()
+            } else {
+                vec![(0, Slice::whole(&reg, &seg.name))]
+            });
+            own.push(reg);
+        }
+        let j = Joined {
+            engine,
+            owns_engine: true,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged: None,
+            tensors: Vec::new(),
+            timeline,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    /// Joins the broadcast `name` to pull it into `dests`: slices of registrations of
+    /// `engine` (the caller's; it must listen for this receiver to relay, and it is not shut
+    /// down with the receiver). Before any byte moves, every published tensor is matched by
+    /// name (after [`Destinations::rename`]) and size with a destination; a missing, extra
+    /// (unless [`Destinations::subset`]) or differently sized tensor is one
+    /// [`BroadcastError::Mismatch`] listing them all. Bytes no destination takes (a
+    /// `.safetensors` header, a tensor left out) land in a scratch buffer of this receiver's.
+    /// Chunks are relayed onward from where they landed.
+    ///
+    /// In place ([`Destinations::staging`] `None`) the pull writes the live tensors: a pull that
+    /// fails after its first READ is [`BroadcastError::Torn`]. Staged, it writes the staging
+    /// slices, and [`commit`](Self::commit) copies them into the live ones; a failed pull
+    /// leaves the live tensors untouched.
+    pub async fn join_into(
+        engine: &TransferEngine,
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        dests: Destinations,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
+        let matched = match_tensors(&manifest, &dests)?;
+        // Where each tensor of `into` lands: itself, or its staging (matched by name above).
+        let target: Vec<Slice> = match &dests.staging {
+            None => dests.into.iter().map(|(_, s)| s.clone()).collect(),
+            Some(st) => {
+                let by_name: HashMap<&str, &Slice> =
+                    st.iter().map(|(n, s)| (n.as_str(), s)).collect();
+                dests
+                    .into
+                    .iter()
+                    .map(|(n, s)| by_name.get(n.as_str()).map_or(s, |st| *st).clone())
+                    .collect()
+            }
+        };
+        // Per segment: the taken entries, in offset order, where they land.
+        let mut taken: Vec<Vec<(u64, Slice)>> = vec![Vec::new(); manifest.segments.len()];
+        for &(e, d) in &matched {
+            let entry = &manifest.entries[e];
+            let shard = dests.shards.get(&dests.into[d].0).copied().unwrap_or(0);
+            if !target[d].is_empty() {
+                taken[entry.segment as usize].push((entry.offset + shard, target[d].clone()));
+            }
+        }
+        for (si, t) in taken.iter_mut().enumerate() {
+            t.sort_by_key(|(at, _)| *at);
+            if let Some(w) = t.windows(2).find(|w| w[0].0 + w[0].1.len() > w[1].0) {
+                return Err(BroadcastError::Mismatch {
+                    name: manifest.name.clone(),
+                    version: manifest.version,
+                    problems: vec![format!(
+                        "tensors at {} and {} of segment {:?} overlap: they cannot both be received in place",
+                        w[0].0, w[1].0, manifest.segments[si].name
+                    )],
+                });
+            }
+        }
+        let (gap_total, gaps) = layout::gaps(&manifest, &taken);
+        let mut own = Vec::new();
+        let scratch = if gap_total > 0 {
+            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
+            let reg_name = format!("{}.v{}.scratch.{k}", manifest.name, manifest.version);
+            let reg = alloc(engine, gap_total, &reg_name)?;
+            let whole = Slice::whole(&reg, &reg_name);
+            own.push(reg);
+            Some(whole)
+        } else {
+            None
+        };
+        let mut layout = Vec::with_capacity(manifest.segments.len());
+        let mut packed = 0u64;
+        for (t, g) in taken.into_iter().zip(gaps) {
+            let mut ext: LocalExtents = t;
+            if let Some(scratch) = &scratch {
+                for (at, len) in g {
+                    ext.push((at, scratch.sub(packed, len)));
+                    packed += len;
+                }
+            }
+            ext.sort_by_key(|(at, _)| *at);
+            layout.push(ext);
+        }
+        let tensors: Vec<String> = matched
+            .iter()
+            .map(|&(_, d)| dests.into[d].0.clone())
+            .collect();
+        let staged = dests.staging.as_ref().map(|_| {
+            matched
+                .iter()
+                .map(|&(_, d)| {
+                    let (n, live) = &dests.into[d];
+                    (n.clone(), target[d].clone(), live.clone())
+                })
+                .collect()
+        });
+        let ip = match engine.local_addr() {
+            Some(a) if !a.ip().is_unspecified() => a.ip(),
+            _ => opts.listen_ip.unwrap_or(local_ip),
+        };
+        let j = Joined {
+            engine: engine.clone(),
+            owns_engine: false,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged,
+            tensors,
+            timeline,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    async fn start(
+        j: Joined,
+        discovery: Arc<dyn Discovery>,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let Joined {
+            engine,
+            owns_engine,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged,
+            tensors,
+            mut timeline,
+        } = j;
+        let ranges = layout
+            .iter()
+            .map(|seg| seg.iter().map(|(at, s)| (*at, s.len())).collect())
+            .collect();
         let listener = TcpListener::bind(SocketAddr::new(ip, 0))
             .await
             .map_err(|e| BroadcastError::io(format!("control listener on {ip}"), e))?;
@@ -291,24 +666,36 @@ impl Receiver {
         let (progress_tx, progress) = watch::channel(Progress::default());
         let state = Arc::new(CtlState {
             source_epoch,
-            manifest: None,
+            manifests: std::sync::Mutex::new(Vec::new()),
+            source_layouts: std::sync::Mutex::new(Default::default()),
+            version: manifest.version,
+            layout: Some(layout::to_wire(&layout)),
             progress,
             tracker: None,
+            auth: opts.keys.clone().map(|k| {
+                (
+                    ferry::core_types::auth::ServerAuth::new(k),
+                    engine.peer_id(),
+                    engine.epoch(),
+                )
+            }),
         });
         let ctl = control::Service::start(listener, state);
         let data_addr = engine
             .local_addr()
-            .ok_or_else(|| BroadcastError::io("data listener", std::io::Error::other("none")))?;
+            .map(|a| a.to_string())
+            .unwrap_or_default();
         let member = Member {
             id: engine.peer_id().to_string(),
             epoch: engine.epoch().0,
             source_epoch,
-            data_addr: data_addr.to_string(),
+            data_addr: data_addr.clone(),
             ctl_addr: ctl_addr.to_string(),
             role: Role::Receiver,
             progress: 0,
             done: manifest.chunks.is_empty(),
             order: 0,
+            version: manifest.version,
         };
         if let Some(found) = discovery.register(&member).await?
             && found != source_epoch
@@ -319,21 +706,31 @@ impl Receiver {
                 found,
             });
         }
+        timeline.joined = Some(unix_now());
         let total = manifest.total_bytes();
         let (snapshot_tx, _) = watch::channel(Snapshot {
             total,
             ..Default::default()
         });
         let name = manifest.name.clone();
-        tracing::info!(name, id = %member.id, %data_addr, %ctl_addr, source_epoch,
-            chunks = manifest.chunks.len(), bytes = total, "receiver joined");
+        tracing::info!(name, version = manifest.version, id = %member.id, %data_addr, %ctl_addr, source_epoch,
+            chunks = manifest.chunks.len(), bytes = total, staged = staged.is_some(), "receiver joined");
         Ok(Self {
             engine,
+            owns_engine,
             discovery,
             manifest,
             source_epoch,
             source_ip,
-            regs,
+            layout,
+            ranges,
+            _own: own,
+            staged,
+            tensors,
+            touched: std::sync::atomic::AtomicBool::new(false),
+            copied: Arc::new(AtomicU64::new(0)),
+            pulled: false,
+            timeline,
             member,
             opts,
             progress_tx,
@@ -359,23 +756,107 @@ impl Receiver {
 
     /// The bytes of segment `i` as held now (a copy).
     pub fn segment_bytes(&self, i: usize) -> Option<Vec<u8>> {
-        let reg = self.regs.get(i)?;
-        let mut v = vec![0u8; reg.len() as usize];
-        reg.region().read_at(0, &mut v).ok()?;
+        let seg = self.manifest.segments.get(i)?;
+        let mut v = vec![0u8; usize::try_from(seg.len).ok()?];
+        for (at, slice) in &self.layout[i] {
+            let dst = v.get_mut(*at as usize..(*at + slice.len()) as usize)?;
+            slice.read(0, dst).ok()?;
+        }
         Some(v)
     }
 
-    /// Writes each segment to `dir/<segment name>` (as published).
+    /// The version pulled.
+    pub fn version(&self) -> u64 {
+        self.manifest.version
+    }
+
+    /// Bytes the CPU copied so far (counted, not timed): host memory copied out in pieces to
+    /// be hashed (each chunk when it lands and once more at rest) and, staged, the commit's
+    /// copies. Divided by the payload: the copies per byte received, besides the data plane's
+    /// own (the kernel's socket copy on TCP and io_uring).
+    pub fn bytes_copied(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
+    }
+
+    /// The destination tensors, by their local names.
+    pub fn tensors(&self) -> &[String] {
+        &self.tensors
+    }
+
+    /// Staged mode: copies every tensor from its staging slice into its live one, after a
+    /// [`run`](Self::run) that verified every chunk; returns the bytes copied. Until it is
+    /// called the live tensors are untouched. Refused before the pull completed, and in place.
+    pub fn commit(&self) -> Result<u64, BroadcastError> {
+        let refuse = |reason: &str| BroadcastError::Commit {
+            name: self.manifest.name.clone(),
+            version: self.manifest.version,
+            reason: reason.to_owned(),
+        };
+        let Some(staged) = &self.staged else {
+            return Err(refuse("the pull was in place: there is nothing to commit"));
+        };
+        if !self.pulled {
+            return Err(refuse("the pull has not completed"));
+        }
+        let mut bytes = 0;
+        for (tensor, staging, live) in staged {
+            let cpu = live
+                .copy_from(staging)
+                .map_err(|e| refuse(&format!("copying tensor {tensor:?}: {e}")))?;
+            self.copied.fetch_add(cpu, Ordering::Relaxed);
+            bytes += live.len();
+        }
+        tracing::info!(name = %self.manifest.name, version = self.manifest.version, bytes, "staged version committed");
+        Ok(bytes)
+    }
+
+    /// Writes each segment to `dir/<segment name>` (as published), never through a symlink:
+    /// each file is written to a new file beside it (created exclusively, which no symlink
+    /// satisfies) and renamed over the name, which replaces a symlink there rather than the
+    /// file it points to. Segment names are plain file names (checked with the manifest). The
+    /// bytes are copied out of where they landed 1 MiB at a time (never a copy of a whole
+    /// segment in memory).
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
         for (i, seg) in self.manifest.segments.iter().enumerate() {
             let path = dir.join(&seg.name);
-            let bytes = self.segment_bytes(i).unwrap_or_default();
-            std::fs::write(&path, &bytes)
-                .map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+            let tmp = dir.join(format!(
+                ".{}.ferry-partial.{}",
+                seg.name,
+                std::process::id()
+            ));
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .and_then(|f| self.write_segment(i, f))
+                .and_then(|()| std::fs::rename(&tmp, &path));
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(BroadcastError::io(format!("writing {}", path.display()), e));
+            }
         }
         Ok(())
+    }
+
+    /// Writes segment `i`, extent by extent in offset order, 1 MiB at a time.
+    fn write_segment(&self, i: usize, file: std::fs::File) -> std::io::Result<()> {
+        use std::io::Write;
+        const PIECE: u64 = 1 << 20;
+        let mut out = std::io::BufWriter::with_capacity(PIECE as usize, file);
+        let mut buf = Vec::new();
+        for (_, slice) in &self.layout[i] {
+            let mut at = 0;
+            while at < slice.len() {
+                let n = PIECE.min(slice.len() - at);
+                buf.resize(n as usize, 0);
+                slice.read(at, &mut buf).map_err(std::io::Error::other)?;
+                out.write_all(&buf)?;
+                at += n;
+            }
+        }
+        out.flush()
     }
 
     async fn heartbeat(&mut self, have: &Have) -> Result<(), BroadcastError> {
@@ -423,23 +904,89 @@ impl Receiver {
                 found: peer.epoch().0,
             });
         }
-        let mut segs = Vec::with_capacity(self.manifest.segments.len());
-        for s in &self.manifest.segments {
-            let seg = peer.segment(&s.name)?;
-            if seg.len() < s.len {
-                return Err(control_err(
-                    &data_addr,
-                    format!(
-                        "segment {:?} has {} bytes, not {}",
-                        s.name,
-                        seg.len(),
-                        s.len
-                    ),
-                ));
+        let keys = self.opts.keys.as_ref();
+        let mut ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
+        let version = self.manifest.version;
+        let wire = if m.role == Role::Source {
+            let asked = Request::Layout {
+                version: Some(version),
+            };
+            match ctl.call(&asked, Duration::from_secs(3)).await {
+                Ok(Reply::Layout {
+                    version: v,
+                    segments,
+                    ..
+                }) if v == version => segments,
+                Ok(_) => {
+                    return Err(control_err(
+                        &ctl_addr,
+                        format!("answered layout of version {version} with another"),
+                    ));
+                }
+                Err(e) => {
+                    // A source from before layouts (it closed the connection on the request):
+                    // every segment under its own name.
+                    tracing::debug!(error = %e, "source gave no layout; taking the identity");
+                    ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
+                    layout::identity(&self.manifest)
+                }
             }
-            segs.push(seg);
+        } else {
+            match ctl
+                .call(&Request::Layout { version: None }, Duration::from_secs(3))
+                .await?
+            {
+                Reply::Layout {
+                    version, segments, ..
+                } if version == self.manifest.version => segments,
+                Reply::Layout { version, .. } => {
+                    return Err(control_err(
+                        &ctl_addr,
+                        format!("holds version {version}, not {}", self.manifest.version),
+                    ));
+                }
+                _ => {
+                    return Err(control_err(
+                        &ctl_addr,
+                        "answered layout with something else",
+                    ));
+                }
+            }
+        };
+        layout::check(&self.manifest, &wire).map_err(|e| control_err(&ctl_addr, e))?;
+        let mut resolved: HashMap<String, RemoteSegment> = HashMap::new();
+        let mut segs = Vec::with_capacity(wire.len());
+        let mut ranges = Vec::with_capacity(wire.len());
+        for ext in wire {
+            let mut v = Vec::with_capacity(ext.len());
+            let mut r = Vec::with_capacity(ext.len());
+            for e in ext {
+                let seg = match resolved.get(&e.segment) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let s = peer.segment(&e.segment)?;
+                        resolved.insert(e.segment.clone(), s.clone());
+                        s
+                    }
+                };
+                if e.offset + e.len > seg.len() {
+                    return Err(control_err(
+                        &data_addr,
+                        format!(
+                            "segment {:?} has {} bytes, the layout names {} at {}",
+                            e.segment,
+                            seg.len(),
+                            e.len,
+                            e.offset
+                        ),
+                    ));
+                }
+                r.push((e.seg_offset, e.len));
+                v.push((e.seg_offset, e.offset, seg));
+            }
+            segs.push(v);
+            ranges.push(r);
         }
-        let mut ctl = CtlClient::connect(&ctl_addr, Duration::from_secs(3)).await?;
         let id = m.id.clone();
         let tx = polls.clone();
         let stall = self.opts.stall_after;
@@ -456,6 +1003,7 @@ impl Receiver {
                         source_epoch,
                         prefix,
                         done,
+                        version,
                     }) => {
                         after = prefix;
                         let msg = PollMsg::Progress {
@@ -463,6 +1011,7 @@ impl Receiver {
                             source_epoch,
                             prefix,
                             done,
+                            version,
                         };
                         if tx.send(msg).is_err() || done {
                             return;
@@ -490,6 +1039,7 @@ impl Receiver {
             member: m.clone(),
             peer,
             segs,
+            ranges,
             prefix: if m.role == Role::Source {
                 self.manifest.chunks.len() as u64
             } else {
@@ -501,27 +1051,63 @@ impl Receiver {
         })
     }
 
-    /// Starts a READ of chunk `i` from `h` into this receiver's buffer, then its verification.
+    /// The pieces of chunk `i` as held here: `(slice, offset in it, length)`, in order.
+    fn local_pieces(&self, i: usize) -> Vec<(Slice, u64, u64)> {
+        let c = self.manifest.chunks[i];
+        let seg = c.segment as usize;
+        let r = &self.ranges[seg];
+        layout::pieces(r, r, c.offset, c.len)
+            .into_iter()
+            .map(|(li, _, at, n)| {
+                let (start, slice) = &self.layout[seg][li];
+                (slice.clone(), at - start, n)
+            })
+            .collect()
+    }
+
+    /// Starts the READs of chunk `i` from `h` (one per piece where `h`'s extents and this
+    /// receiver's meet) into where it lands here, then its verification over those pieces.
     fn fetch(&self, set: &mut JoinSet<Fetched>, h: &Holder, i: usize) {
         let c = self.manifest.chunks[i];
         let seg = c.segment as usize;
-        let reg = &self.regs[seg];
-        let batch = Batch::new().read(reg, c.offset, &h.segs[seg], c.offset, c.len);
-        let region = reg.region().clone();
+        let mut batch = Batch::new();
+        let mut covered = 0;
+        for (li, ri, at, n) in layout::pieces(&self.ranges[seg], &h.ranges[seg], c.offset, c.len) {
+            let (lstart, slice) = &self.layout[seg][li];
+            let (rstart, roff, remote) = &h.segs[seg][ri];
+            batch.push(
+                ferry::OpKind::Read,
+                slice.memory(),
+                slice.offset() + (at - lstart),
+                remote,
+                roff + (at - rstart),
+                n,
+            );
+            covered += n;
+        }
+        let pieces = self.local_pieces(i);
+        let copied = self.copied.clone();
         let from = h.member.id.clone();
         let from_source = h.member.role == Role::Source;
-        let submitted = self.engine.submit(batch);
+        let submitted = if covered == c.len {
+            self.touched.store(true, Ordering::Relaxed);
+            self.engine.submit(batch).map_err(|e| e.to_string())
+        } else {
+            Err(format!(
+                "the layouts cover {covered} of the chunk's {} bytes",
+                c.len
+            ))
+        };
         set.spawn(async move {
             let result = match submitted {
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e),
                 Ok(handle) => {
                     // Wait for the buffers to be free, not just the logical outcome: a chunk
                     // given up on must not land later over one fetched elsewhere.
                     let outcome = handle.drained().await;
                     match outcome.failure {
                         Some(f) => Err(format!("READ failed: {}", f.kind)),
-                        None => Ok(ferry::checksum::crc32c_region(&region, c.offset, c.len)
-                            .is_ok_and(|crc| crc == c.crc32c)),
+                        None => Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3)),
                     }
                 }
             };
@@ -534,28 +1120,66 @@ impl Receiver {
         });
     }
 
+    /// Updates the snapshot, then what the control service advertises (in that order: an
+    /// advertised prefix is never ahead of the snapshot's verified chunks).
     fn publish(&self, have: &Have, refetched: u64, peers: usize, parent: &str) {
-        let _ = self.progress_tx.send(Progress {
-            prefix: have.prefix(),
-            done: have.is_done(),
-        });
         let bytes = (0..have.len())
             .filter(|&i| have.has(i))
             .map(|i| self.manifest.chunks[i].len)
             .sum();
         self.snapshot_tx.send_modify(|s| {
             s.bytes = bytes;
+            s.chunks = have.count();
             s.refetched = refetched;
             s.peers = peers;
             s.parent = parent.to_owned();
             s.done = have.is_done();
+        });
+        let _ = self.progress_tx.send(Progress {
+            prefix: have.prefix(),
+            done: have.is_done(),
         });
     }
 
     /// Fetches every chunk, verifying each, then checks every chunk once more at rest (a chunk
     /// corrupted after its verification is fetched again). Returns what it did. The receiver
     /// keeps serving afterwards until dropped (see [`linger`](Self::linger)).
+    ///
+    /// A pull in place into the caller's destinations that fails after its first READ is
+    /// [`BroadcastError::Torn`]: the destinations hold neither their old version nor this one.
     pub async fn run(&mut self) -> Result<Summary, BroadcastError> {
+        match self.run_inner().await {
+            Ok(sum) => {
+                self.pulled = true;
+                Ok(sum)
+            }
+            Err(e) => Err(self.failed(e)),
+        }
+    }
+
+    /// Why a pull stopped, as the caller should see it: `cause` itself, or, when the pull was
+    /// in place into the caller's destinations and a READ into them had started,
+    /// [`BroadcastError::Torn`] with `cause`. For a caller that abandons [`run`](Self::run)
+    /// (a timeout) as much as for `run`'s own errors.
+    pub fn failed(&self, cause: BroadcastError) -> BroadcastError {
+        if self.staged.is_some()
+            || self.tensors.is_empty()
+            || !self.touched.load(Ordering::Relaxed)
+            || matches!(cause, BroadcastError::Torn { .. })
+        {
+            return cause;
+        }
+        tracing::warn!(name = %self.manifest.name, version = self.manifest.version,
+            tensors = self.tensors.len(), error = %cause, "pull in place failed: destinations torn");
+        BroadcastError::Torn {
+            name: self.manifest.name.clone(),
+            version: self.manifest.version,
+            tensors: self.tensors.clone(),
+            cause: Box::new(cause),
+        }
+    }
+
+    async fn run_inner(&mut self) -> Result<Summary, BroadcastError> {
         let started = Instant::now();
         let n = self.manifest.chunks.len();
         let mut have = Have::new(n);
@@ -578,22 +1202,23 @@ impl Receiver {
         let mut tick = tokio::time::interval(self.opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut paused_until: Option<Instant> = None;
+        let mut held: Option<Arc<tokio::sync::Notify>> = None;
         let mut final_check_done = false;
         let mut corrupted = false;
         let mut hold = self.opts.hold_final_check.clone();
         loop {
             if have.is_done() && set.is_empty() && hold.is_none() {
-                if final_check_done {
+                if final_check_done || !self.opts.verify_at_rest {
                     break;
                 }
                 final_check_done = true;
                 for (i, c) in self.manifest.chunks.iter().enumerate() {
-                    let reg = &self.regs[c.segment as usize];
-                    let ok = ferry::checksum::crc32c_region(reg.region(), c.offset, c.len)
+                    let ok = crc_of(&self.local_pieces(i), &self.copied)
                         .is_ok_and(|crc| crc == c.crc32c);
                     if !ok {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
+                        sum.at_rest_mismatches += 1;
                         have.lost(i);
                     }
                 }
@@ -603,7 +1228,13 @@ impl Receiver {
             }
             if parent.is_none() {
                 let mut last = String::from("no holder listed");
-                let mut listed = holders(&members, &self.member.id, self.source_epoch, &avoid);
+                let mut listed = holders(
+                    &members,
+                    &self.member.id,
+                    self.source_epoch,
+                    self.manifest.version,
+                    &avoid,
+                );
                 if !self.opts.relay {
                     listed.retain(|m| m.role == Role::Source);
                 }
@@ -640,13 +1271,16 @@ impl Receiver {
                     continue;
                 }
             }
-            let paused = paused_until.is_some_and(|t| Instant::now() < t);
+            let paused = paused_until.is_some_and(|t| Instant::now() < t) || held.is_some();
             if let Some(p) = &parent
                 && !paused
             {
                 while set.len() < self.opts.window.max(1) {
                     match have.next_to_fetch(p.prefix) {
-                        Some(i) => self.fetch(&mut set, p, i),
+                        Some(i) => {
+                            self.fetch(&mut set, p, i);
+                            self.timeline.first_request.get_or_insert_with(unix_now);
+                        }
                         None => break,
                     }
                 }
@@ -654,6 +1288,9 @@ impl Receiver {
             tokio::select! {
                 () = async { if let Some(h) = &hold { h.notified().await } }, if hold.is_some() && have.is_done() => {
                     hold = None;
+                }
+                () = async { if let Some(h) = &held { h.notified().await } }, if held.is_some() => {
+                    held = None;
                 }
                 Some(joined) = set.join_next() => {
                     let Ok(f) = joined else { continue };
@@ -666,18 +1303,27 @@ impl Receiver {
                                 sum.bytes_from_relays += c.len;
                             }
                             have.verified(f.chunk);
+                            let now = unix_now();
+                            self.timeline.first_verified.get_or_insert(now);
+                            self.timeline.last_verified = Some(now);
                             if self.opts.corrupt_after_verify == Some(f.chunk) && !corrupted {
                                 corrupted = true;
-                                let reg = &self.regs[c.segment as usize];
-                                let mut b = [0u8; 1];
-                                let _ = reg.region().read_at(c.offset, &mut b);
-                                let _ = reg.region().write_at(c.offset, &[b[0] ^ 0xff]);
+                                if let Some((slice, at, _)) = self.local_pieces(f.chunk).first() {
+                                    let mut b = [0u8; 1];
+                                    let _ = slice.read(*at, &mut b);
+                                    let _ = slice.write(*at, &[b[0] ^ 0xff]);
+                                }
                                 tracing::warn!(chunk = f.chunk, "test hook: corrupted a verified chunk");
                             }
                             if let Some((after, pause)) = self.opts.pause_after
                                 && have.count() == after
                             {
                                 paused_until = Some(Instant::now() + pause);
+                            }
+                            if let Some((after, hold)) = &self.opts.hold_after
+                                && have.count() == *after
+                            {
+                                held = Some(hold.clone());
                             }
                         }
                         Ok(false) => {
@@ -687,10 +1333,26 @@ impl Receiver {
                                 sum.bytes_from_relays += c.len;
                             }
                             sum.refetched_chunks += 1;
+                            sum.fetch_mismatches += 1;
                             let tries = bad_tries.entry(f.chunk).or_default();
                             *tries += 1;
                             tracing::warn!(chunk = f.chunk, from = %f.from, tries = *tries,
-                                "checksum mismatch; fetching the chunk from another holder");
+                                "BLAKE3 mismatch; fetching the chunk from another holder");
+                            if !f.from_source {
+                                // A relay served bytes that are not the source's: report it
+                                // and take nothing more from it.
+                                tracing::warn!(holder = %f.from, chunk = f.chunk,
+                                    "relay served a chunk whose hash does not match; giving it up");
+                                if !sum.corrupt_holders.contains(&f.from) {
+                                    sum.corrupt_holders.push(f.from.clone());
+                                }
+                                avoid.insert(f.from.clone());
+                                others.remove(&f.from);
+                                if parent.as_ref().is_some_and(|p| p.member.id == f.from) {
+                                    if let Some(p) = parent.take() { p.peer.close(); }
+                                    sum.parents_given_up += 1;
+                                }
+                            }
                             if *tries > 3 {
                                 return Err(BroadcastError::NoHolder {
                                     name: self.manifest.name.clone(),
@@ -744,8 +1406,16 @@ impl Receiver {
                     self.publish(&have, sum.refetched_chunks, members.len(), &parent_addr);
                 }
                 Some(msg) = poll_rx.recv() => match msg {
-                    PollMsg::Progress { id, source_epoch, prefix, done } => {
+                    PollMsg::Progress { id, source_epoch, prefix, done, version } => {
                         let Some(p) = parent.as_mut().filter(|p| p.member.id == id) else { continue };
+                        if p.member.role != Role::Source && version != self.manifest.version {
+                            // It moved on to another version: its memory no longer holds ours.
+                            tracing::info!(holder = %id, version, "holder of another version; giving it up");
+                            avoid.insert(id);
+                            if let Some(p) = parent.take() { p.peer.close(); }
+                            sum.parents_given_up += 1;
+                            continue;
+                        }
                         if source_epoch != self.source_epoch {
                             if p.member.role == Role::Source {
                                 return Err(BroadcastError::SourceRestarted {
@@ -803,6 +1473,9 @@ impl Receiver {
             }
         }
         sum.seconds = started.elapsed().as_secs_f64();
+        self.timeline.done = Some(unix_now());
+        sum.timeline = self.timeline.clone();
+        sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(&have, sum.refetched_chunks, members.len(), "");
         self.heartbeat(&have).await?;
@@ -812,7 +1485,8 @@ impl Receiver {
     }
 
     /// Keeps serving (and heartbeating) after [`run`](Self::run) while a member that joined
-    /// after this one has not finished, at most `max`.
+    /// after this one has not finished, at most `max`; the list is read again every
+    /// 100 ms (or every heartbeat, if shorter).
     pub async fn linger(&mut self, max: Duration) {
         let deadline = Instant::now() + max;
         while Instant::now() < deadline {
@@ -830,7 +1504,8 @@ impl Receiver {
                 break;
             }
             let _ = self.discovery.update(&self.member).await;
-            tokio::time::sleep(self.opts.heartbeat).await;
+            // Checked more often than the heartbeat: the caller waits on this to return.
+            tokio::time::sleep(self.opts.heartbeat.min(LINGER_CHECK)).await;
         }
     }
 
@@ -838,5 +1513,255 @@ impl Receiver {
     pub async fn leave(self) {
         let _ = self.discovery.deregister(&self.member.id).await;
         drop(self);
+    }
+}
+
+/// BLAKE3 of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
+/// memory the CPU copied out to hash them to `copied`.
+fn blake3_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<Digest, String> {
+    let mut h = blake3::Hasher::new();
+    for (slice, at, n) in pieces {
+        slice.blake3_update(&mut h, *at, *n)?;
+        if slice.is_host() {
+            copied.fetch_add(*n, Ordering::Relaxed);
+        }
+    }
+    Ok(h.finalize().into())
+}
+
+/// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
+/// memory the CPU copied out to hash them to `copied`.
+fn crc_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<u32, String> {
+    let mut crc = 0;
+    for (slice, at, n) in pieces {
+        crc = slice.crc_append(crc, *at, *n)?;
+        if slice.is_host() {
+            copied.fetch_add(*n, Ordering::Relaxed);
+        }
+    }
+    Ok(crc)
+}
+
+/// Up to 16 of `v`, quoted, and how many more (a hostile manifest may name a million).
+fn names<S: AsRef<str>>(v: &[S]) -> String {
+    let mut s = v
+        .iter()
+        .take(16)
+        .map(|n| format!("{:?}", n.as_ref()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if v.len() > 16 {
+        s.push_str(&format!(" and {} more", v.len() - 16));
+    }
+    s
+}
+
+/// Where a receiver pulls into: see [`Receiver::join_into`].
+#[derive(Clone, Debug, Default)]
+pub struct Destinations {
+    /// The live tensors: local name and where its bytes go.
+    pub into: Vec<(String, Slice)>,
+    /// Staged mode: the staging slice of each tensor of `into` (the same names and sizes). The
+    /// pull lands here, and [`Receiver::commit`] copies it into `into`.
+    pub staging: Option<Vec<(String, Slice)>>,
+    /// Published name to local name, for tensors whose names differ.
+    pub rename: HashMap<String, String>,
+    /// Whether published tensors `into` does not name are left out (their bytes still travel,
+    /// into scratch memory, verified and relayed) rather than refused.
+    pub subset: bool,
+    /// Shards: a destination named here takes only its own length of the published tensor,
+    /// from this byte offset in it (a tensor-parallel rank's rows of a row-major tensor). The
+    /// rest of the tensor travels into scratch memory, verified and relayed.
+    pub shards: HashMap<String, u64>,
+}
+
+/// Matches the manifest's entries with `d` by name and size: `(entry, index in into)` for each
+/// tensor taken, or one [`BroadcastError::Mismatch`] listing every problem. `staging`, when
+/// given, is reordered to `into`'s order.
+fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, BroadcastError> {
+    let mut problems = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    for (i, (n, _)) in d.into.iter().enumerate() {
+        if index.insert(n.as_str(), i).is_some() {
+            problems.push(format!("destination {n:?} is named twice"));
+        }
+    }
+    if let Some(st) = &d.staging {
+        let staged: HashMap<&str, &Slice> = st.iter().map(|(n, s)| (n.as_str(), s)).collect();
+        for (n, live) in &d.into {
+            match staged.get(n.as_str()) {
+                None => problems.push(format!("tensor {n:?} has no staging")),
+                Some(s) if s.len() != live.len() => problems.push(format!(
+                    "tensor {n:?}: staging of {} bytes for a tensor of {}",
+                    s.len(),
+                    live.len()
+                )),
+                Some(_) => {}
+            }
+        }
+        if st.len() != d.into.len() {
+            problems.push(format!(
+                "{} staging slices for {} tensors",
+                st.len(),
+                d.into.len()
+            ));
+        }
+    }
+    let mut published = std::collections::HashSet::new();
+    for e in &m.entries {
+        if !published.insert(e.name.as_str()) {
+            problems.push(format!("tensor {:?} is published twice", e.name));
+        }
+    }
+    let mut matched = Vec::new();
+    let mut used = vec![false; d.into.len()];
+    let mut extra = Vec::new();
+    for (e, entry) in m.entries.iter().enumerate() {
+        let local = d.rename.get(&entry.name).unwrap_or(&entry.name);
+        match index.get(local.as_str()) {
+            Some(&i) => {
+                used[i] = true;
+                let have = d.into[i].1.len();
+                match d.shards.get(local) {
+                    None if have != entry.len => problems.push(format!(
+                        "tensor {local:?}: published with {} bytes, destination has {have}",
+                        entry.len
+                    )),
+                    Some(&at) if at.checked_add(have).is_none_or(|end| end > entry.len) => problems
+                        .push(format!(
+                            "tensor {local:?}: a shard of {have} bytes at {at} does not fit the \
+                             {} bytes published",
+                            entry.len
+                        )),
+                    _ => matched.push((e, i)),
+                }
+            }
+            None if d.subset => {}
+            None => extra.push(local.clone()),
+        }
+    }
+    if !extra.is_empty() {
+        problems.push(format!("published but not received: {}", names(&extra)));
+    }
+    let missing: Vec<&str> = d
+        .into
+        .iter()
+        .zip(&used)
+        .filter(|(_, u)| !**u)
+        .map(|((n, _), _)| n.as_str())
+        .collect();
+    if !missing.is_empty() {
+        problems.push(format!("not published: {}", names(&missing)));
+    }
+    if problems.is_empty() {
+        Ok(matched)
+    } else {
+        Err(BroadcastError::Mismatch {
+            name: m.name.clone(),
+            version: m.version,
+            problems,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::{Chunk, Entry, Segment};
+
+    fn manifest(entries: &[(&str, u64, u64)]) -> Manifest {
+        Manifest {
+            name: "w".into(),
+            version: 3,
+            chunk_size: 4096,
+            segments: vec![Segment {
+                name: "s".into(),
+                len: 4096,
+            }],
+            entries: entries
+                .iter()
+                .map(|&(name, offset, len)| Entry {
+                    name: name.into(),
+                    len,
+                    dtype: None,
+                    shape: None,
+                    segment: 0,
+                    offset,
+                })
+                .collect(),
+            chunks: vec![Chunk {
+                segment: 0,
+                offset: 0,
+                len: 4096,
+                crc32c: 0,
+                blake3: Digest::default(),
+            }],
+        }
+    }
+
+    #[test]
+    fn every_mismatch_is_listed_once_and_a_name_published_twice_is_refused() {
+        let engine = TransferEngine::builder()
+            .data_plane(DataPlane::Tcp)
+            .build()
+            .unwrap();
+        let reg = engine
+            .register(MemoryRegion::from_vec(vec![0; 4096]), Access::LOCAL, "d")
+            .unwrap();
+        let at = |off, len| Slice::new(&reg, "d", off, len).unwrap();
+        let m = manifest(&[("a", 0, 100), ("b", 100, 100), ("c", 200, 100)]);
+        let d = Destinations {
+            into: vec![
+                ("a".into(), at(0, 100)),
+                ("b".into(), at(100, 50)),
+                ("z".into(), at(200, 8)),
+            ],
+            ..Default::default()
+        };
+        let Err(BroadcastError::Mismatch {
+            problems, version, ..
+        }) = match_tensors(&m, &d)
+        else {
+            panic!("expected a mismatch");
+        };
+        assert_eq!(version, 3);
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("\"b\"") && p.contains("50"))
+        );
+        assert!(problems.iter().any(|p| p.contains("\"c\"")));
+        assert!(problems.iter().any(|p| p.contains("\"z\"")));
+        // A manifest of many tensors none of which is received: the message stays short.
+        let many: Vec<(String, u64, u64)> = (0..1000).map(|i| (format!("t{i}"), i, 1)).collect();
+        let many: Vec<(&str, u64, u64)> =
+            many.iter().map(|(n, o, l)| (n.as_str(), *o, *l)).collect();
+        let Err(e) = match_tensors(&manifest(&many), &Destinations::default()) else {
+            panic!("expected a mismatch");
+        };
+        assert!(e.to_string().contains("and 984 more"), "{e}");
+        assert!(e.to_string().len() < 1000);
+        // A hostile manifest naming one tensor twice is refused, not written twice.
+        let m = manifest(&[("a", 0, 100), ("a", 100, 100)]);
+        let d = Destinations {
+            into: vec![("a".into(), at(0, 100))],
+            ..Default::default()
+        };
+        assert!(matches!(
+            match_tensors(&m, &d),
+            Err(BroadcastError::Mismatch { problems, .. }) if problems[0].contains("twice")
+        ));
+        // Staging must match `into` name for name and size.
+        let m = manifest(&[("a", 0, 100)]);
+        let d = Destinations {
+            into: vec![("a".into(), at(0, 100))],
+            staging: Some(vec![("a".into(), at(100, 99))]),
+            ..Default::default()
+        };
+        assert!(matches!(
+            match_tensors(&m, &d),
+            Err(BroadcastError::Mismatch { problems, .. }) if problems[0].contains("staging")
+        ));
     }
 }

@@ -1,6 +1,14 @@
-//! The source: publishes the manifest's files as Ferry file segments, serves the manifest and
-//! (embedded discovery) the membership list on its control service, and lists itself in the
-//! discovery backend it is given.
+//! The source: publishes the manifest's files as Ferry file segments, or serves named tensors
+//! from registrations of the caller's own engine (no copy: the registrations are the
+//! segments); serves the manifests of the versions it keeps and (embedded discovery) the
+//! membership list on its control service, and lists itself in the discovery backend it is
+//! given.
+//!
+//! Versions: [`Source::publish`] adds version v+1 while v is still pulled or relayed. The source
+//! keeps the newest [`SourceOptions::keep_versions`] manifests and serves each from the memory
+//! it was built from, so v stays servable as long as the caller leaves v's registrations
+//! unchanged (v+1 in other registrations). A receiver asks for a version by number, and
+//! every chunk it takes is checked against that version's CRC-32C.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,6 +23,7 @@ use tokio::task::JoinHandle;
 use crate::control::{self, CtlState, Progress, Tracker};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
+use crate::layout::Tensor;
 use crate::manifest::{Manifest, ManifestError};
 use crate::plan::{Member, Role};
 
@@ -28,6 +37,14 @@ pub struct SourceOptions {
     pub data_plane: DataPlane,
     /// How long a member stays listed by the embedded tracker without a heartbeat.
     pub lease: Duration,
+    /// How many versions' manifests are kept and served (at least 1).
+    pub keep_versions: usize,
+    /// The broadcast's keys: the control service answers only connections that prove one
+    /// (join, heartbeat, leave, members, manifest, progress, layout: everything), and the
+    /// engine [`start`](Source::start) builds serves the files only to peers that prove one.
+    /// With [`start_tensors`](Source::start_tensors) the caller's engine must be keyed by the
+    /// caller.
+    pub keys: Option<ferry::Keyring>,
 }
 
 impl Default for SourceOptions {
@@ -36,6 +53,8 @@ impl Default for SourceOptions {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             data_plane: DataPlane::Auto,
             lease: Duration::from_secs(3),
+            keep_versions: 2,
+            keys: None,
         }
     }
 }
@@ -44,8 +63,14 @@ impl Default for SourceOptions {
 #[derive(Debug)]
 pub struct Source {
     engine: TransferEngine,
-    _files: Vec<FileRegistration>,
-    manifest: Manifest,
+    /// Whether the engine is this source's own (shut down with it) or the caller's.
+    owns_engine: bool,
+    /// Whether it publishes files (else tensors of the caller's engine).
+    from_files: bool,
+    /// The file segments of each version kept.
+    files: std::sync::Mutex<Vec<(u64, Vec<FileRegistration>)>>,
+    state: Arc<CtlState>,
+    keep_versions: usize,
     ctl_addr: SocketAddr,
     member: Member,
     tracker: Arc<Tracker>,
@@ -80,13 +105,194 @@ impl Source {
         let ctl_addr = listener
             .local_addr()
             .map_err(|e| BroadcastError::io("control listener address", e))?;
-        let engine = TransferEngine::builder()
+        let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
-            .listen(SocketAddr::new(ctl_addr.ip(), 0))
-            .build()?;
+            .listen(SocketAddr::new(ctl_addr.ip(), 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
+        let regs = Self::register_files(&engine, &manifest, files, None)?;
+        Self::serve(engine, true, regs, manifest, listener, opts, discovery).await
+    }
+
+    /// Serves `tensors` (slices of registrations of `engine`, the caller's, which must listen)
+    /// as version `version` of the broadcast `name`, with no copy: each registration a tensor
+    /// names is a segment, read by receivers where it lies. The caller keeps the
+    /// registrations published (dropping one unpublishes it) and their bytes unchanged while
+    /// the version is served; the manifest's checksums are computed from them now. The
+    /// engine is not shut down with the source.
+    pub async fn start_tensors(
+        engine: &TransferEngine,
+        name: &str,
+        version: u64,
+        tensors: &[Tensor],
+        chunk_size: u64,
+        opts: SourceOptions,
+        discovery: Option<Arc<dyn Discovery>>,
+    ) -> Result<Self, BroadcastError> {
+        let manifest = Manifest::from_tensors(name, version, tensors, chunk_size)?;
+        if engine.local_addr().is_none() {
+            return Err(BroadcastError::io(
+                format!("publishing {name:?}"),
+                std::io::Error::other("the engine does not listen: build it with listen(addr)"),
+            ));
+        }
+        let listener = TcpListener::bind(opts.listen)
+            .await
+            .map_err(|e| BroadcastError::io(format!("listening on {}", opts.listen), e))?;
+        Self::serve(
+            engine.clone(),
+            false,
+            Vec::new(),
+            manifest,
+            listener,
+            opts,
+            discovery,
+        )
+        .await
+    }
+
+    /// Publishes version `version` of the same broadcast from `tensors` (slices of
+    /// registrations of the source's engine; see [`start_tensors`](Self::start_tensors)) and
+    /// returns its manifest. Receivers pulling an older version go on being served it while it
+    /// is among the [`SourceOptions::keep_versions`] newest. Refused: a version not above the
+    /// newest, a source of files.
+    pub fn publish(
+        &self,
+        version: u64,
+        tensors: &[Tensor],
+        chunk_size: Option<u64>,
+    ) -> Result<Manifest, BroadcastError> {
+        let newest = self.manifest();
+        if self.from_files {
+            return Err(ManifestError::Invalid(format!(
+                "{:?} is published from files: publish its next version with publish_files",
+                newest.name
+            ))
+            .into());
+        }
+        if version <= newest.version {
+            return Err(ManifestError::Invalid(format!(
+                "version {version} of {:?} is not above the newest published, {}",
+                newest.name, newest.version
+            ))
+            .into());
+        }
+        let m = Manifest::from_tensors(
+            &newest.name,
+            version,
+            tensors,
+            chunk_size.unwrap_or(newest.chunk_size),
+        )?;
+        let mut ms = self
+            .state
+            .manifests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        ms.push(m.clone());
+        drop(ms);
+        self.prune();
+        tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
+            kept = ?self.versions(), "source publishing a new version");
+        Ok(m)
+    }
+
+    /// Publishes `files` as version `version` of the same broadcast (a source of files), and
+    /// returns its manifest (read from the files now: blocking). Each file is served under a
+    /// name of that version, so the segments of the versions kept do not collide; the source
+    /// tells receivers where each version's segments are. A version whose files were
+    /// overwritten in place is no longer servable (its chunks fail verification): a pull of it
+    /// fails rather than mix. Refused: a version not above the newest, a source of tensors.
+    pub fn publish_files(
+        &self,
+        version: u64,
+        files: &[PathBuf],
+        chunk_size: Option<u64>,
+    ) -> Result<Manifest, BroadcastError> {
+        let newest = self.manifest();
+        if !self.from_files {
+            return Err(ManifestError::Invalid(format!(
+                "{:?} is published from memory: publish its next version with publish",
+                newest.name
+            ))
+            .into());
+        }
+        if version <= newest.version {
+            return Err(ManifestError::Invalid(format!(
+                "version {version} of {:?} is not above the newest published, {}",
+                newest.name, newest.version
+            ))
+            .into());
+        }
+        let m = Manifest::build(
+            &newest.name,
+            version,
+            files,
+            chunk_size.unwrap_or(newest.chunk_size),
+        )?;
+        let regs = Self::register_files(&self.engine, &m, files, Some(version))?;
+        let layout = m
+            .segments
+            .iter()
+            .map(|s| {
+                if s.len == 0 {
+                    Vec::new()
+                } else {
+                    vec![crate::layout::Extent {
+                        seg_offset: 0,
+                        len: s.len,
+                        segment: versioned(&s.name, version),
+                        offset: 0,
+                    }]
+                }
+            })
+            .collect();
+        lock(&self.files).push((version, regs));
+        lock(&self.state.source_layouts).insert(version, layout);
+        lock(&self.state.manifests).push(m.clone());
+        self.prune();
+        tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
+            kept = ?self.versions(), "source publishing a new version of its files");
+        Ok(m)
+    }
+
+    /// Drops the versions beyond the newest `keep_versions`.
+    fn prune(&self) {
+        let mut ms = lock(&self.state.manifests);
+        let drop_n = ms.len().saturating_sub(self.keep_versions);
+        let gone: Vec<u64> = ms.drain(..drop_n).map(|m| m.version).collect();
+        drop(ms);
+        lock(&self.state.source_layouts).retain(|v, _| !gone.contains(v));
+        lock(&self.files).retain(|(v, _)| !gone.contains(v));
+    }
+
+    /// The versions served now, oldest first.
+    pub fn versions(&self) -> Vec<u64> {
+        self.state
+            .manifests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|m| m.version)
+            .collect()
+    }
+
+    /// Publishes `files` as the segments of `manifest`: under the segments' names, or with
+    /// `version`, under names of that version.
+    fn register_files(
+        engine: &TransferEngine,
+        manifest: &Manifest,
+        files: &[PathBuf],
+        version: Option<u64>,
+    ) -> Result<Vec<FileRegistration>, BroadcastError> {
         let mut regs = Vec::with_capacity(files.len());
         for (path, seg) in files.iter().zip(&manifest.segments) {
-            let reg = engine.publish_file_named(path, Access::REMOTE_READ, &seg.name)?;
+            let name = match version {
+                Some(v) => versioned(&seg.name, v),
+                None => seg.name.clone(),
+            };
+            let reg = engine.publish_file_named(path, Access::REMOTE_READ, &name)?;
             if reg.len() != seg.len {
                 return Err(ManifestError::Invalid(format!(
                     "{} has {} bytes now, the manifest says {}",
@@ -98,6 +304,21 @@ impl Source {
             }
             regs.push(reg);
         }
+        Ok(regs)
+    }
+
+    async fn serve(
+        engine: TransferEngine,
+        owns_engine: bool,
+        regs: Vec<FileRegistration>,
+        manifest: Manifest,
+        listener: TcpListener,
+        opts: SourceOptions,
+        discovery: Option<Arc<dyn Discovery>>,
+    ) -> Result<Self, BroadcastError> {
+        let ctl_addr = listener
+            .local_addr()
+            .map_err(|e| BroadcastError::io("control listener address", e))?;
         let data_addr = engine
             .local_addr()
             .ok_or_else(|| BroadcastError::io("data listener", std::io::Error::other("none")))?;
@@ -113,6 +334,7 @@ impl Source {
             progress: chunks,
             done: true,
             order: 0,
+            version: manifest.version,
         };
         let tracker = Arc::new(Tracker::new(member.clone(), opts.lease));
         let (_tx, progress) = watch::channel(Progress {
@@ -121,11 +343,21 @@ impl Source {
         });
         let state = Arc::new(CtlState {
             source_epoch,
-            manifest: Some(manifest.clone()),
+            manifests: std::sync::Mutex::new(vec![manifest.clone()]),
+            source_layouts: std::sync::Mutex::new(Default::default()),
+            version: manifest.version,
+            layout: None,
             progress,
             tracker: Some(tracker.clone()),
+            auth: opts.keys.clone().map(|k| {
+                (
+                    ferry::core_types::auth::ServerAuth::new(k),
+                    engine.peer_id(),
+                    engine.epoch(),
+                )
+            }),
         });
-        let ctl = control::Service::start(listener, state);
+        let ctl = control::Service::start(listener, state.clone());
         let mut keepalive = None;
         if let Some(d) = &discovery {
             d.register(&member).await?;
@@ -143,8 +375,12 @@ impl Source {
             epoch = source_epoch, bytes = manifest.total_bytes(), "source publishing");
         Ok(Self {
             engine,
-            _files: regs,
-            manifest,
+            owns_engine,
+            // Sources of files run an engine of their own; sources of tensors, the caller's.
+            from_files: owns_engine,
+            files: std::sync::Mutex::new(vec![(manifest.version, regs)]),
+            state,
+            keep_versions: opts.keep_versions.max(1),
             ctl_addr,
             member,
             tracker,
@@ -169,9 +405,17 @@ impl Source {
         self.member.epoch
     }
 
-    /// The manifest published.
-    pub fn manifest(&self) -> &Manifest {
-        &self.manifest
+    /// The manifest of the newest version published.
+    pub fn manifest(&self) -> Manifest {
+        let ms = self
+            .state
+            .manifests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Never empty: a source starts with one version and keeps at least one.
+        ms.last()
+            .cloned()
+            .expect("a source keeps at least one version")
     }
 
     /// The engine serving the files (its `describe()` has the counters).
@@ -198,6 +442,18 @@ impl Drop for Source {
         if let Some(k) = &self.keepalive {
             k.abort();
         }
-        self.engine.shutdown();
+        if self.owns_engine {
+            self.engine.shutdown();
+        }
     }
+}
+
+/// The name a segment of `version` is served under when files are published again: a segment
+/// name has no `/`, so it never collides with the first version's names.
+fn versioned(segment: &str, version: u64) -> String {
+    format!("v{version}/{segment}")
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

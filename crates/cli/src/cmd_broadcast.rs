@@ -14,7 +14,10 @@ use ferry_broadcast::{
 
 use crate::parse;
 
-/// Arguments of `ferry publish`.
+/// Arguments of `ferry publish`. On SIGHUP it reads the files again and publishes them as the
+/// next version, without restarting (the version before stays served while it is among the
+/// two newest, as long as its files are unchanged: write the next checkpoint in place and
+/// pulls of the old version fail verification instead of mixing).
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
     /// The files to publish (a `.safetensors` file is listed tensor by tensor); a directory
@@ -45,6 +48,16 @@ pub(crate) struct PublishArgs {
     /// Stop after this long (`90s`, `10m`; default: until interrupted).
     #[arg(long, value_name = "DURATION", value_parser = parse::positive_duration)]
     serve_for: Option<Duration>,
+    /// Authenticate the broadcast with the keyring file F (lines of `name hexkey`): every
+    /// control request (join, heartbeat, leave, manifest, progress) and every chunk is served
+    /// only to members that prove a key of it. Without it, the file named by
+    /// FERRY_AUTH_KEY_FILE, if set; with neither, anyone who reaches the address is served.
+    #[arg(long, value_name = "F")]
+    auth_key_file: Option<PathBuf>,
+    /// Read the key file even where group or others may access it (a warning is logged);
+    /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
+    #[arg(long)]
+    allow_open_key_file: bool,
 }
 
 /// Arguments of `ferry pull`.
@@ -75,9 +88,50 @@ pub(crate) struct PullArgs {
     /// baseline the relayed pull is measured against).
     #[arg(long)]
     no_relay: bool,
-    /// Print one JSON summary instead of the progress bar and human summary.
+    /// Print one JSON summary instead of the progress bar and human summary (with
+    /// `timeline`: when the command started, joined, got the manifest, requested and verified
+    /// its first chunk, verified its last and was done, in seconds since the Unix epoch).
     #[arg(long)]
     json: bool,
+    /// Pull this version of the weights [default: the newest the source publishes]. Not
+    /// `--version`, which prints ferry's own.
+    #[arg(long, value_name = "N")]
+    weights_version: Option<u64>,
+    /// Refuse any manifest but the one of this digest (64 hex digits, as `ferry publish`
+    /// prints it): binds every chunk's hash, and so every byte, to that publisher.
+    #[arg(long, value_name = "DIGEST", value_parser = digest)]
+    expect_manifest: Option<ferry_broadcast::Digest>,
+    /// Authenticate the broadcast with the keyring file F (lines of `name hexkey`): every
+    /// control request (join, heartbeat, leave, manifest, progress) and every chunk is served
+    /// only to members that prove a key of it. Without it, the file named by
+    /// FERRY_AUTH_KEY_FILE, if set; with neither, anyone who reaches the address is served.
+    #[arg(long, value_name = "F")]
+    auth_key_file: Option<PathBuf>,
+    /// Read the key file even where group or others may access it (a warning is logged);
+    /// without it such a file is refused. `FERRY_ALLOW_OPEN_KEY_FILE=1` does the same.
+    #[arg(long)]
+    allow_open_key_file: bool,
+}
+
+/// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
+/// means unset), else none.
+fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {
+    let path = file.cloned().or_else(|| {
+        std::env::var_os(ferry::AUTH_KEY_FILE_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    let allow_open =
+        allow_open || std::env::var(ferry::ALLOW_OPEN_KEY_FILE_ENV).is_ok_and(|v| v == "1");
+    path.map(|p| ferry::load_keyring(&p, allow_open))
+        .transpose()
+        .context("reading the broadcast's key file")
+}
+
+/// `pull --expect-manifest`: 64 hex digits.
+fn digest(s: &str) -> Result<ferry_broadcast::Digest> {
+    ferry_broadcast::Digest::from_hex(s.trim())
+        .with_context(|| format!("{s:?} is not a manifest digest (64 hex digits)"))
 }
 
 /// `publish --chunk-size`: a size in the manifest's range.
@@ -162,6 +216,7 @@ fn expand_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 
 pub(crate) fn publish(args: PublishArgs) -> Result<()> {
     let files = expand_files(&args.files)?;
+    let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     let manifest = Manifest::build(&args.name, args.weights_version, &files, args.chunk_size)
         .context("building the manifest")?;
     runtime()?.block_on(async {
@@ -175,6 +230,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             SourceOptions {
                 listen: args.listen,
                 data_plane: plane(&args.transport),
+                keys,
                 ..Default::default()
             },
             discovery,
@@ -192,16 +248,48 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             m.entries.len()
         );
         println!(
-            "control {} data {}; receivers: ferry pull {} --into DIR",
+            "control {} data {}; receivers: ferry pull {} --into DIR --expect-manifest {}",
             src.ctl_addr(),
             src.data_addr().map(|a| a.to_string()).unwrap_or_default(),
-            src.ctl_addr()
+            src.ctl_addr(),
+            m.digest()
         );
-        match args.serve_for {
-            Some(d) => tokio::time::sleep(d).await,
-            None => tokio::signal::ctrl_c()
-                .await
-                .context("waiting for ctrl-c")?,
+        let stop = async {
+            match args.serve_for {
+                Some(d) => tokio::time::sleep(d).await,
+                None => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        };
+        tokio::pin!(stop);
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("listening for SIGHUP")?;
+        let mut version = args.weights_version;
+        loop {
+            tokio::select! {
+                () = &mut stop => break,
+                Some(()) = hangup.recv() => {
+                    version += 1;
+                    // Reads every file once, to checksum it.
+                    match tokio::task::block_in_place(|| src.publish_files(version, &files, Some(args.chunk_size))) {
+                        Ok(m) => println!(
+                            "publishing {:?} version {version}: {} files, {} bytes in {} chunks \
+                             (versions served: {:?}); manifest {}",
+                            m.name,
+                            m.segments.len(),
+                            m.total_bytes(),
+                            m.chunks.len(),
+                            src.versions(),
+                            m.digest()
+                        ),
+                        Err(e) => {
+                            version -= 1;
+                            eprintln!("ferry publish: version {} not published: {e}", version + 1);
+                        }
+                    }
+                }
+            }
         }
         src.stop().await;
         Ok(())
@@ -209,8 +297,9 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
 }
 
 pub(crate) fn pull(args: PullArgs) -> Result<()> {
+    let started = ferry_broadcast::unix_now();
     let last = std::sync::Mutex::new(None::<ferry_broadcast::Snapshot>);
-    let result = pull_inner(&args, &last);
+    let result = pull_inner(&args, &last, started);
     result.map_err(|e| {
         let mut facts = serde_json::Map::new();
         let snap = last
@@ -237,7 +326,9 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
 fn pull_inner(
     args: &PullArgs,
     last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
+    started: f64,
 ) -> Result<()> {
+    let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     runtime()?.block_on(async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
             match args.from.strip_prefix("etcd://") {
@@ -263,7 +354,11 @@ fn pull_inner(
                         .with_context(|| format!("resolving {}", args.from))?
                         .next()
                         .with_context(|| format!("{} resolves to nothing", args.from))?;
-                    (Arc::new(Embedded::new(addr)), None)
+                    let d = match &keys {
+                        Some(k) => Embedded::with_keys(addr, k.clone()),
+                        None => Embedded::new(addr),
+                    };
+                    (Arc::new(d), None)
                 }
             };
         // The embedded source names the broadcast in its manifest.
@@ -276,6 +371,9 @@ fn pull_inner(
                 window: args.window,
                 stall_after: args.stall_after,
                 relay: !args.no_relay,
+                version: args.weights_version,
+                expect_manifest: args.expect_manifest,
+                keys,
                 ..Default::default()
             },
         )
@@ -315,7 +413,8 @@ fn pull_inner(
         if let Some(b) = &bar {
             b.finish_and_clear();
         }
-        let summary = summary?;
+        let mut summary = summary?;
+        summary.timeline.process_start = Some(started);
         r.write_to(&args.into)?;
         if args.json {
             println!("{}", serde_json::to_string(&summary)?);

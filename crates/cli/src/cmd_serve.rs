@@ -74,6 +74,11 @@ pub(crate) struct ServeArgs {
     /// reach it.
     #[arg(long = "publish-to", value_name = "NAME=PEER[,PEER]")]
     publish_to: Vec<String>,
+    /// Serve Prometheus metrics over HTTP on ADDR: HOST:PORT (`GET /metrics`, e.g.
+    /// 127.0.0.1:9400; port 0 picks a free one, printed at start). Anyone who can reach ADDR
+    /// reads them: keep it on loopback or a management network.
+    #[arg(long, value_name = "ADDR", value_parser = parse::listen_addr)]
+    metrics: Option<SocketAddr>,
 }
 
 /// The address `serve` listens on by default (its port is the one a HOST alone means).
@@ -218,6 +223,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             builder = builder.auth_key_file(f);
         }
         builder = builder.allow_open_key_file(args.allow_open_key_file);
+        if let Some(addr) = args.metrics {
+            builder = builder.metrics(addr);
+        }
         let engine = match args.transport.as_str() {
             "tcp" | "uring" => builder.build()?,
             "rdma" => builder
@@ -239,6 +247,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         println!("transports: {}", description.transports.join(", "));
         if let Some(dp) = &description.data_plane {
             println!("data plane: {dp}");
+        }
+        if let Some(m) = engine.metrics_addr() {
+            println!("metrics on http://{m}/metrics");
         }
         let mut held = Vec::new();
         let mut gpu_held = Vec::new();

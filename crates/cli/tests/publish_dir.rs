@@ -31,17 +31,53 @@ fn a_directory_is_published_file_by_file_and_pulled_whole() {
         .expect("spawn publish");
     let out = BufReader::new(publish.stdout.take().expect("stdout"));
     let mut ctl = None;
+    let mut digest = None;
     for line in out.lines() {
         let line = line.expect("read publish's stdout");
         if let Some(rest) = line.split_once("ferry pull ").map(|(_, r)| r) {
             ctl = rest.split_whitespace().next().map(str::to_owned);
+            digest = rest
+                .split_once("--expect-manifest ")
+                .map(|(_, d)| d.trim().to_owned());
             break;
         }
     }
     let ctl = ctl.expect("publish printed the pull command");
+    let digest = digest.expect("publish printed the manifest's digest");
+    // Another digest: refused, nothing written.
+    let wrong = tempfile::tempdir().expect("tempdir");
+    let refused = ferry()
+        .args([
+            "pull",
+            &ctl,
+            "--linger",
+            "0",
+            "--expect-manifest",
+            &"ab".repeat(32),
+        ])
+        .arg("--into")
+        .arg(wrong.path().join("out"))
+        .output()
+        .expect("run pull");
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("not the expected"), "{err}");
+    assert!(
+        !wrong.path().join("out").exists(),
+        "a refused pull wrote nothing"
+    );
     let dst = tempfile::tempdir().expect("tempdir");
     let pulled = ferry()
-        .args(["pull", &ctl, "--linger", "0", "--json", "--into"])
+        .args([
+            "pull",
+            &ctl,
+            "--linger",
+            "0",
+            "--json",
+            "--expect-manifest",
+            &digest,
+        ])
+        .arg("--into")
         .arg(dst.path())
         .output()
         .expect("run pull");

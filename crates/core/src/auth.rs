@@ -747,6 +747,156 @@ impl SegmentTable for PeerView {
 mod tests {
     use super::*;
 
+    /// A table of two file segments: `PUBLIC` published to everyone, `BOBS` to bob only.
+    #[derive(Debug)]
+    struct TwoSegments;
+
+    const PUBLIC: SegmentToken = SegmentToken(1);
+    const BOBS: SegmentToken = SegmentToken(2);
+
+    #[derive(Debug)]
+    struct NoBytes;
+
+    impl FileSource for NoBytes {
+        fn check(
+            &self,
+            _kind: crate::OpKind,
+            offset: u64,
+            _len: u64,
+        ) -> Result<u64, crate::RemoteStatus> {
+            Ok(offset)
+        }
+        fn read_exact_at(&self, _at: u64, _buf: &mut [u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_all_at(&self, _at: u64, _buf: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn desc(name: &str, token: SegmentToken) -> SegmentDesc {
+        SegmentDesc {
+            name: name.into(),
+            token,
+            len: 1,
+            access: crate::Access::REMOTE_READ,
+            remote_keys: Vec::new(),
+        }
+    }
+
+    impl SegmentTable for TwoSegments {
+        fn resolve(&self, _token: SegmentToken) -> Option<SegmentLease> {
+            None
+        }
+        fn published(&self) -> Vec<SegmentDesc> {
+            vec![desc("public", PUBLIC), desc("bobs", BOBS)]
+        }
+        fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+            (token == PUBLIC || token == BOBS).then(|| Arc::new(NoBytes) as Arc<dyn FileSource>)
+        }
+        fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
+            token == PUBLIC || (token == BOBS && peer == Some("bob"))
+        }
+        fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
+            self.published()
+                .into_iter()
+                .filter(|d| self.visible_to(d.token, peer))
+                .collect()
+        }
+    }
+
+    fn names(ds: Vec<SegmentDesc>) -> Vec<String> {
+        ds.into_iter().map(|d| d.name).collect()
+    }
+
+    #[test]
+    fn attach_counters_are_one_bit_each_up_to_the_limit() {
+        let mut used = Used::new();
+        assert_eq!(used.take(0), Some(true));
+        // 64 is the first bit of the second word, not bit 0 again.
+        assert_eq!(used.take(64), Some(true));
+        assert_eq!(used.take(64), Some(false));
+        assert_eq!(used.take(0), Some(false));
+        let last = MAX_ATTACHES_PER_SESSION as u64 - 1;
+        assert_eq!(used.take(last), Some(true));
+        assert_eq!(used.take(last + 1), None);
+    }
+
+    #[test]
+    fn sessions_know_when_they_hold_none() {
+        let mut sessions = Sessions::default();
+        assert!(sessions.is_empty());
+        let session = ServerSession {
+            key: Key(vec![1; MIN_KEY_LEN].into_boxed_slice()),
+            name: "alice".into(),
+            client: (PeerId(1), Epoch(1)),
+            used: Used::new(),
+        };
+        assert!(sessions.insert([7; AUTH_NONCE_LEN], session));
+        assert!(!sessions.is_empty());
+        assert_eq!((sessions.len(), sessions.len_of("alice")), (1, 1));
+    }
+
+    #[test]
+    fn a_key_shows_its_length_and_never_its_bytes() {
+        let key = Key(vec![0xab; 20].into_boxed_slice());
+        let shown = format!("{key:?}");
+        assert_eq!(shown, "Key(<20 bytes, not shown>)");
+    }
+
+    #[test]
+    fn a_word_is_a_key_only_from_the_minimum_keys_worth_of_hex_digits() {
+        assert!(!looks_like_key(&"a".repeat(2 * MIN_KEY_LEN - 2)));
+        assert!(!looks_like_key(&"a".repeat(MIN_KEY_LEN + 2)));
+        assert!(looks_like_key(&"a".repeat(2 * MIN_KEY_LEN)));
+        assert!(!looks_like_key(&"g".repeat(2 * MIN_KEY_LEN)));
+    }
+
+    #[test]
+    fn a_refusal_that_is_not_about_the_key_is_not_an_authentication_failure() {
+        let reject = |reason| {
+            ControlFrame::Reject(crate::wire::Reject {
+                reason,
+                versions: crate::wire::SUPPORTED_VERSIONS,
+                epoch: Epoch(9),
+                message: "no".into(),
+            })
+        };
+        let (_, c) = ClientAuth::start(&ring(ALICE), PeerId(1), Epoch(2), [1; 32]);
+        let e = c
+            .on_reply(addr(), reject(RejectReason::Refused))
+            .unwrap_err();
+        assert!(matches!(e, Error::HandshakeRefused { .. }), "{e:?}");
+        let (_, c) = ClientAuth::start(&ring(ALICE), PeerId(1), Epoch(2), [1; 32]);
+        let e = c
+            .on_reply(addr(), reject(RejectReason::Unauthenticated))
+            .unwrap_err();
+        assert!(matches!(e, Error::Authentication { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn a_peers_view_shows_it_only_what_is_published_to_it_and_speaks_for_no_one_else() {
+        let table: Arc<dyn SegmentTable> = Arc::new(TwoSegments);
+        let alice = PeerView::new(table.clone(), "alice".into());
+        let bob = PeerView::new(table, "bob".into());
+        // Files: reachable through the view only where published to its peer.
+        assert!(alice.file(PUBLIC).is_some());
+        assert!(alice.file(BOBS).is_none());
+        assert!(bob.file(BOBS).is_some());
+        // Listings.
+        assert_eq!(names(alice.published()), ["public"]);
+        assert_eq!(names(bob.published()), ["public", "bobs"]);
+        assert_eq!(names(alice.published_to(Some("alice"))), ["public"]);
+        // A view answers for its own peer alone: never for another name, nor for no name.
+        assert!(alice.published_to(Some("bob")).is_empty());
+        assert!(alice.published_to(None).is_empty());
+        assert!(alice.visible_to(PUBLIC, Some("alice")));
+        assert!(!alice.visible_to(BOBS, Some("alice")));
+        assert!(!alice.visible_to(BOBS, Some("bob")));
+        assert!(!alice.visible_to(PUBLIC, None));
+        assert!(bob.visible_to(BOBS, Some("bob")));
+    }
+
     fn ring(text: &str) -> Keyring {
         Keyring::parse(text).unwrap()
     }

@@ -74,6 +74,11 @@ impl RegionCrc {
         })
     }
 
+    /// Bytes not hashed yet (the whole range before the first step).
+    pub fn remaining(&self) -> u64 {
+        self.left
+    }
+
     /// Hashes the next piece; the checksum once the whole range is hashed (then again on each
     /// call).
     pub fn step(&mut self) -> Option<u32> {

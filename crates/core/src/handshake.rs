@@ -179,7 +179,8 @@ impl ServerConversation {
                 }
                 ServerStep::Stream {
                     attach: a,
-                    stream: ServerStream::new(self.table.clone()),
+                    stream: ServerStream::new(self.table.clone())
+                        .counting(self.responder.serve_stats()),
                 }
             }
             (Conversation::Start, ControlFrame::AuthHello(h)) => {
@@ -244,7 +245,8 @@ impl ServerConversation {
                         stream: ServerStream::new(Arc::new(PeerView::new(
                             self.table.clone(),
                             name,
-                        ))),
+                        )))
+                        .counting(self.responder.serve_stats()),
                     },
                     Err(r) => self.refused(r.message),
                 }
@@ -647,6 +649,7 @@ mod tests {
             r.expect_epoch().return_const(Epoch(4));
             let auth = keys.map(|k| Arc::new(ServerAuth::new(Keyring::parse(k).unwrap())));
             r.expect_auth().returning(move || auth.clone());
+            r.expect_serve_stats().returning(|| None);
             if answers {
                 r.expect_respond().returning(|h, _, peer| {
                     Ok(Hello {

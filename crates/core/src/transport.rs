@@ -254,6 +254,12 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
     fn auth(&self) -> Option<Arc<crate::auth::ServerAuth>> {
         None
     }
+
+    /// Where this server's data streams count what they accept and refuse (`None`: nothing is
+    /// counted).
+    fn serve_stats(&self) -> Option<Arc<crate::stream::ServeStats>> {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ use transport_uring::UringProbe;
 use crate::config::DataPlaneConfig;
 use crate::engine::{Inner, TransferEngine};
 use crate::listener::Server;
+use crate::metrics::MetricsServer;
 use crate::reconnect::ReconnectPolicy;
 use crate::route::{DataPlane, PortablePlane, open_data_plane};
 use crate::serve::{RegistryTable, Responder};
@@ -41,6 +42,7 @@ pub struct EngineBuilder {
     gpu: crate::gpu::GpuConfig,
     auth: AuthSetting,
     allow_open_key_file: bool,
+    metrics: Option<SocketAddr>,
 }
 
 /// Where the engine's authentication keys come from.
@@ -127,6 +129,7 @@ impl Default for EngineBuilder {
             gpu: Default::default(),
             auth: AuthSetting::FromEnv,
             allow_open_key_file: false,
+            metrics: None,
         }
     }
 }
@@ -215,6 +218,19 @@ impl EngineBuilder {
     /// No authentication, even where `FERRY_AUTH_KEY_FILE` is set.
     pub fn no_auth(mut self) -> Self {
         self.auth = AuthSetting::Off;
+        self
+    }
+
+    /// Serves this engine's metrics in the Prometheus text format over HTTP on `addr`
+    /// (`GET /metrics`; port 0 picks a free port, see
+    /// [`TransferEngine::metrics_addr`]): every counter of
+    /// [`describe`](TransferEngine::describe) as the series of [`crate::metrics`]. Like
+    /// [`listen`](Self::listen), [`build`](Self::build) binds it (an address in use fails the
+    /// build, naming it) and it needs a tokio runtime. Anyone who can reach the address can read
+    /// the metrics (peer addresses, segment counts, traffic): bind it to loopback or a
+    /// management network.
+    pub fn metrics(mut self, addr: SocketAddr) -> Self {
+        self.metrics = Some(addr);
         self
     }
 
@@ -463,14 +479,20 @@ impl EngineBuilder {
         let id = PeerId::random();
         let epoch = Epoch::fresh();
         #[cfg(feature = "rdma")]
-        let registry = match &rdma {
-            Some(t) => Registry::new(Arc::new(t.backend()), self.budgets),
+        let shared_copies = rdma
+            .as_ref()
+            .map(|t| Arc::new(registry::SharedCopies::new(Arc::new(t.backend()))));
+        #[cfg(feature = "rdma")]
+        let registry = match &shared_copies {
+            Some(cache) => Registry::new(cache.clone(), self.budgets),
             None => Registry::host(self.budgets),
         };
         #[cfg(not(feature = "rdma"))]
-        let registry = Registry::host(self.budgets);
+        let (registry, shared_copies) = (Registry::host(self.budgets), None);
         let table = Arc::new(RegistryTable::new(registry.clone()));
+        let serve_stats = Arc::new(ferry_core::stream::ServeStats::default());
         let responder = Arc::new(Responder {
+            stats: serve_stats.clone(),
             id,
             epoch,
             versions: self.versions,
@@ -499,10 +521,16 @@ impl EngineBuilder {
                 responder,
             )?),
         };
+        let metrics = self.metrics.map(MetricsServer::bind).transpose()?;
         tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()),
+            metrics = ?metrics.as_ref().map(|(_, a)| a),
             auth = ?keyring.as_ref().map(|k| k.names().collect::<Vec<_>>()), "engine built");
         Ok(TransferEngine {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|weak| Inner {
+                serve_stats,
+                shared_copies,
+                metrics: metrics
+                    .map(|(listener, addr)| MetricsServer::start(listener, addr, weak.clone())),
                 id,
                 epoch,
                 versions: self.versions,

@@ -1,8 +1,201 @@
 //! Counters and the engine's self-description.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use ferry_core::{Outcome, TransportKind};
+use ferry_core::{FailureKind, OpKind, Outcome, RemoteStatus, TransportKind};
+
+/// The op kinds counted per route, in the order of [`RouteCounters`]' arrays.
+const KINDS: [OpKind; 3] = [OpKind::Read, OpKind::Write, OpKind::Checksum];
+
+fn kind_index(kind: OpKind) -> usize {
+    match kind {
+        OpKind::Read => 0,
+        OpKind::Write => 1,
+        OpKind::Checksum => 2,
+    }
+}
+
+/// How a request's ops moved: straight between registered memory (`direct`), or through the
+/// engine's pinned host buffers (`staged`, GPU memory no direct route serves).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    Direct,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Staged,
+}
+
+impl Path {
+    const ALL: [Path; 2] = [Path::Direct, Path::Staged];
+
+    fn name(self) -> &'static str {
+        match self {
+            Path::Direct => "direct",
+            Path::Staged => "staged",
+        }
+    }
+}
+
+/// What a request carries, kept from submission for its counters: the kind of its ops (or
+/// each op's kind and length when they differ) and its bytes.
+#[derive(Clone, Debug)]
+pub(crate) struct Shape {
+    ops: Kinds,
+    bytes: u64,
+    path: Path,
+}
+
+#[derive(Clone, Debug)]
+enum Kinds {
+    /// Every op is of this kind.
+    One(OpKind),
+    /// Each op's kind and length.
+    Mixed(Arc<[(OpKind, u64)]>),
+}
+
+impl Shape {
+    /// The shape of ops of these kinds and lengths, moved along `path`.
+    pub(crate) fn of(ops: impl Iterator<Item = (OpKind, u64)> + Clone, path: Path) -> Self {
+        let mut first = None;
+        let mut mixed = false;
+        let mut bytes = 0u64;
+        for (kind, len) in ops.clone() {
+            bytes = bytes.saturating_add(len);
+            match first {
+                None => first = Some(kind),
+                Some(k) if k != kind => mixed = true,
+                Some(_) => {}
+            }
+        }
+        let ops = match (first, mixed) {
+            (_, true) => Kinds::Mixed(ops.collect()),
+            (Some(k), false) => Kinds::One(k),
+            (None, false) => Kinds::One(OpKind::Read),
+        };
+        Self { ops, bytes, path }
+    }
+}
+
+/// Request latency classes by the request's bytes: at most each bound (and more than the one
+/// before), the label names the bound.
+pub(crate) const SIZE_CLASSES: [(u64, &str); 5] = [
+    (4 << 10, "4KiB"),
+    (64 << 10, "64KiB"),
+    (1 << 20, "1MiB"),
+    (16 << 20, "16MiB"),
+    (u64::MAX, "inf"),
+];
+
+/// Upper bounds of the latency buckets, in microseconds (the last bucket is unbounded).
+pub(crate) const LATENCY_BOUNDS_US: [u64; 18] = [
+    10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
+    500_000, 1_000_000, 2_500_000, 10_000_000,
+];
+
+/// The op label of a request's latency: its ops' kind, or `mixed`.
+const LATENCY_OPS: [&str; 4] = ["read", "write", "checksum", "mixed"];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    /// Per bucket (not cumulative); the last one past every bound.
+    buckets: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+/// Request latencies of the whole engine (submission to the logical outcome), by op kind and
+/// size class: a bounded set of series whatever the number of peers.
+#[derive(Debug, Default)]
+pub(crate) struct Latencies {
+    by: [[Histogram; SIZE_CLASSES.len()]; LATENCY_OPS.len()],
+}
+
+impl Latencies {
+    fn record(&self, shape: &Shape, took: Duration) {
+        let op = match &shape.ops {
+            Kinds::One(k) => kind_index(*k),
+            Kinds::Mixed(_) => 3,
+        };
+        let size = SIZE_CLASSES
+            .iter()
+            .position(|(max, _)| shape.bytes <= *max)
+            .unwrap_or(SIZE_CLASSES.len() - 1);
+        let h = &self.by[op][size];
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let bucket = LATENCY_BOUNDS_US
+            .iter()
+            .position(|b| us <= *b)
+            .unwrap_or(LATENCY_BOUNDS_US.len());
+        h.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        h.sum_ns.fetch_add(
+            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        h.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The histograms that saw a request.
+    pub(crate) fn snapshot(&self) -> Vec<LatencyDescription> {
+        let mut out = Vec::new();
+        for (op, row) in LATENCY_OPS.iter().zip(&self.by) {
+            for ((_, size), h) in SIZE_CLASSES.iter().zip(row) {
+                let count = h.count.load(Ordering::Relaxed);
+                if count == 0 {
+                    continue;
+                }
+                out.push(LatencyDescription {
+                    op: (*op).to_owned(),
+                    size: (*size).to_owned(),
+                    count,
+                    sum_ns: h.sum_ns.load(Ordering::Relaxed),
+                    buckets: h
+                        .buckets
+                        .iter()
+                        .map(|b| b.load(Ordering::Relaxed))
+                        .collect(),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// Failure kinds as counted (label values of `ferry_request_failures_total`).
+const FAILURES: [&str; 10] = [
+    "timeout",
+    "cancelled",
+    "peer_lost",
+    "local",
+    "remote_unknown_segment",
+    "remote_out_of_bounds",
+    "remote_access_denied",
+    "remote_stale_epoch",
+    "remote_malformed",
+    "other",
+];
+
+fn failure_index(kind: FailureKind) -> usize {
+    match kind {
+        FailureKind::Timeout => 0,
+        FailureKind::Cancelled => 1,
+        FailureKind::PeerLost => 2,
+        FailureKind::Local => 3,
+        FailureKind::Remote(RemoteStatus::UnknownSegment) => 4,
+        FailureKind::Remote(RemoteStatus::OutOfBounds) => 5,
+        FailureKind::Remote(RemoteStatus::AccessDenied) => 6,
+        FailureKind::Remote(RemoteStatus::StaleEpoch) => 7,
+        FailureKind::Remote(RemoteStatus::Malformed) => 8,
+        _ => 9,
+    }
+}
+
+/// The label of a refusal's status (`unknown_segment`, ...).
+pub(crate) fn status_label(status: RemoteStatus) -> &'static str {
+    FAILURES[failure_index(FailureKind::Remote(status))]
+        .strip_prefix("remote_")
+        .unwrap_or("other")
+}
 
 /// Counters of one route (peer and transport).
 #[derive(Debug, Default)]
@@ -16,20 +209,76 @@ pub(crate) struct RouteCounters {
     pub(crate) reconnects: AtomicU64,
     pub(crate) reconnect_attempts: AtomicU64,
     pub(crate) reconnect_failures: AtomicU64,
+    /// Ops and bytes completed, by path and op kind.
+    by_op: [[(AtomicU64, AtomicU64); 3]; 2],
+    /// Failed requests by the kind of their first failure.
+    failures: [AtomicU64; FAILURES.len()],
+    /// The engine's latency histograms (shared by every route).
+    latencies: Arc<Latencies>,
 }
 
 impl RouteCounters {
-    pub(crate) fn record(&self, o: &Outcome) {
+    /// Counters feeding `latencies`.
+    pub(crate) fn new(latencies: Arc<Latencies>) -> Self {
+        Self {
+            latencies,
+            ..Self::default()
+        }
+    }
+
+    /// Records the outcome of a request of `shape` that took `took` from submission.
+    pub(crate) fn record(&self, o: &Outcome, shape: &Shape, took: Duration) {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.ops
             .fetch_add(o.completed_ops as u64, Ordering::Relaxed);
         self.bytes.fetch_add(o.completed_bytes, Ordering::Relaxed);
-        if o.failure.is_some() {
-            self.errors.fetch_add(1, Ordering::Relaxed);
+        let path = match shape.path {
+            Path::Direct => 0,
+            Path::Staged => 1,
+        };
+        match &shape.ops {
+            Kinds::One(k) => {
+                let (ops, bytes) = &self.by_op[path][kind_index(*k)];
+                ops.fetch_add(o.completed_ops as u64, Ordering::Relaxed);
+                bytes.fetch_add(o.completed_bytes, Ordering::Relaxed);
+            }
+            Kinds::Mixed(each) => {
+                for (k, len) in each.iter().take(o.completed_ops) {
+                    let (ops, bytes) = &self.by_op[path][kind_index(*k)];
+                    ops.fetch_add(1, Ordering::Relaxed);
+                    bytes.fetch_add(*len, Ordering::Relaxed);
+                }
+            }
         }
+        if let Some(f) = o.failure {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+            self.failures[failure_index(f.kind)].fetch_add(1, Ordering::Relaxed);
+        }
+        self.latencies.record(shape, took);
     }
 
     pub(crate) fn snapshot(&self, peer: String, transport: TransportKind) -> RouteDescription {
+        let mut traffic = Vec::new();
+        for (path, row) in Path::ALL.iter().zip(&self.by_op) {
+            for (kind, (ops, bytes)) in KINDS.iter().zip(row) {
+                let ops = ops.load(Ordering::Relaxed);
+                if ops == 0 {
+                    continue;
+                }
+                traffic.push(TrafficDescription {
+                    op: kind.to_string(),
+                    route: path.name().to_owned(),
+                    ops,
+                    bytes: bytes.load(Ordering::Relaxed),
+                });
+            }
+        }
+        let failures = FAILURES
+            .iter()
+            .zip(&self.failures)
+            .map(|(k, n)| ((*k).to_owned(), n.load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
         RouteDescription {
             peer,
             transport: transport.name().to_owned(),
@@ -42,8 +291,104 @@ impl RouteCounters {
             reconnects: self.reconnects.load(Ordering::Relaxed),
             reconnect_attempts: self.reconnect_attempts.load(Ordering::Relaxed),
             reconnect_failures: self.reconnect_failures.load(Ordering::Relaxed),
+            traffic,
+            failures,
         }
     }
+}
+
+/// Ops and bytes of one op kind along one path of a route.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct TrafficDescription {
+    /// `read`, `write` or `checksum`.
+    pub op: String,
+    /// How the bytes moved: `direct` (between registered memory, GPUDirect included) or
+    /// `staged` (GPU memory through pinned host buffers).
+    pub route: String,
+    /// Ops completed (acknowledged).
+    pub ops: u64,
+    /// Their bytes (a checksum's: the bytes hashed).
+    pub bytes: u64,
+}
+
+/// Request latencies (submission to the logical outcome) of one op kind and size class.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct LatencyDescription {
+    /// `read`, `write`, `checksum`, or `mixed` (a request of several kinds).
+    pub op: String,
+    /// The size class: requests of at most `4KiB`, `64KiB`, `1MiB`, `16MiB` bytes (and more
+    /// than the class before), or `inf`.
+    pub size: String,
+    /// Requests.
+    pub count: u64,
+    /// Their summed latency, in nanoseconds.
+    pub sum_ns: u64,
+    /// Requests per bucket (not cumulative): one per bound of [`LATENCY_BOUNDS_US`] (at most
+    /// that many microseconds), then one past the last.
+    pub buckets: Vec<u64>,
+}
+
+/// What this engine's listener accepted and refused, counted as each request is checked
+/// (before any byte moves; an accepted op whose stream dies midway still counts).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct ServedDescription {
+    /// Ops accepted and their bytes, by kind.
+    pub accepted: Vec<TrafficDescription>,
+    /// Requests refused, by status (`unknown_segment`, `out_of_bounds`, `access_denied`,
+    /// `stale_epoch`, `malformed`).
+    pub refused: Vec<(String, u64)>,
+}
+
+impl ServedDescription {
+    pub(crate) fn of(counts: &ferry_core::stream::ServeCounts) -> Self {
+        Self {
+            accepted: counts
+                .accepted
+                .iter()
+                .map(|(kind, ops, bytes)| TrafficDescription {
+                    op: kind.to_string(),
+                    route: Path::Direct.name().to_owned(),
+                    ops: *ops,
+                    bytes: *bytes,
+                })
+                .collect(),
+            refused: counts
+                .refused
+                .iter()
+                .map(|(s, n)| (status_label(*s).to_owned(), *n))
+                .collect(),
+        }
+    }
+}
+
+/// The registration cache: registering the same pages again (same start, length and access)
+/// shares the native copies already made, until the last registration using them retires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct CacheDescription {
+    /// Copies asked for that an existing copy served.
+    pub hits: u64,
+    /// Copies made.
+    pub misses: u64,
+    /// Distinct copies alive.
+    pub entries: u64,
+}
+
+/// Registrations on one registration context (an RDMA device's port, or `host`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct ContextDescription {
+    /// The context's name.
+    pub name: String,
+    /// Native copies on it (RDMA: memory regions).
+    pub copies: u64,
+    /// Bytes those copies cover.
+    pub bytes: u64,
+    /// Whether admission is fenced on it after a failed destroy.
+    pub fenced: bool,
 }
 
 /// Counters of one route, as [`TransferEngine::describe`](crate::TransferEngine::describe) reports
@@ -75,6 +420,11 @@ pub struct RouteDescription {
     /// Reconnects given up: the attempts ran out, or the peer came back as a new incarnation
     /// (`StaleEpoch`).
     pub reconnect_failures: u64,
+    /// Ops and bytes completed by op kind and path (kinds and paths with none left out).
+    pub traffic: Vec<TrafficDescription>,
+    /// Failed requests by the kind of their first failure (`timeout`, `cancelled`,
+    /// `peer_lost`, `local`, `remote_<status>`; kinds with none left out).
+    pub failures: Vec<(String, u64)>,
 }
 
 /// A published segment, as described locally.
@@ -140,6 +490,16 @@ pub struct Description {
     pub unquiesced: u64,
     /// Registration contexts on which admission is fenced after a failed destroy.
     pub fenced_contexts: Vec<String>,
+    /// Registrations per registration context.
+    pub contexts: Vec<ContextDescription>,
+    /// What the listener accepted and refused, if it listens.
+    pub served: Option<ServedDescription>,
+    /// Request latencies by op kind and size class (classes no request fell in left out).
+    pub latency: Vec<LatencyDescription>,
+    /// The registration cache (RDMA): native copies shared by registrations of the same pages.
+    pub registration_cache: Option<CacheDescription>,
+    /// The address metrics are served on (Prometheus text format), if they are.
+    pub metrics: Option<String>,
     /// Published segments.
     pub published: Vec<SegmentDescription>,
     /// Per-route counters.
@@ -175,6 +535,18 @@ impl std::fmt::Display for Description {
                  {} ms deadline",
                 h.pending, h.max_pending, h.refused, h.timed_out, h.timeout_ms
             )?;
+        }
+        if let Some(s) = &self.served {
+            let accepted: Vec<String> = s
+                .accepted
+                .iter()
+                .map(|t| format!("{} {} ops ({} bytes)", t.op, t.ops, t.bytes))
+                .collect();
+            let refused: u64 = s.refused.iter().map(|(_, n)| n).sum();
+            writeln!(f, "served: {}; {refused} refused", accepted.join(", "))?;
+        }
+        if let Some(m) = &self.metrics {
+            writeln!(f, "metrics on http://{m}/metrics")?;
         }
         writeln!(
             f,

@@ -58,6 +58,13 @@ pub(crate) struct Inner {
     /// GPU memory: the driver, the staging pool, its counters.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: Option<crate::gpu::GpuState>,
+    /// The registration cache in front of the RDMA backend (none on host memory alone, where
+    /// registering makes no native copy to share).
+    pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
+    /// What the listener's data streams accepted and refused.
+    pub(crate) serve_stats: Arc<ferry_core::stream::ServeStats>,
+    /// The HTTP listener serving metrics, if asked for.
+    pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
 
 impl fmt::Debug for Inner {
@@ -90,6 +97,19 @@ impl TransferEngine {
     /// The address it serves on, if it listens.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.inner.server.as_ref().map(|s| s.local_addr())
+    }
+
+    /// The address its Prometheus metrics are served on (`GET /metrics`), if they are (see
+    /// [`EngineBuilder::metrics`](crate::EngineBuilder::metrics)).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.inner.metrics.as_ref().map(|m| m.local_addr())
+    }
+
+    /// The Prometheus text (version 0.0.4) a scrape of [`metrics_addr`](Self::metrics_addr)
+    /// answers now: [`describe`](Self::describe) encoded as the series of
+    /// [`crate::metrics`].
+    pub fn metrics_text(&self) -> String {
+        crate::metrics::render(&self.describe())
     }
 
     /// Registers `region` under `name` with `access` for peers: admitted against the budgets,
@@ -483,6 +503,10 @@ impl TransferEngine {
             Checked::Staged(ops) => {
                 let pool = crate::gpu::prepare(&self.inner, &ops)?;
                 let ops: Arc<[crate::gpu::StagedOp]> = ops.into();
+                let shape = crate::describe::Shape::of(
+                    ops.iter().map(|o| (o.kind, o.len)),
+                    crate::describe::Path::Staged,
+                );
                 let control = Arc::new(ferry_core::RequestControl::with_shape(
                     ops.iter().map(|o| (o.kind, o.len)),
                 ));
@@ -499,6 +523,7 @@ impl TransferEngine {
                     control,
                     Box::pin(fut),
                     timeout,
+                    shape,
                 ))
             }
         }
@@ -574,6 +599,31 @@ impl TransferEngine {
                     timeout_ms: u64::try_from(limits.timeout.as_millis()).unwrap_or(u64::MAX),
                 }
             }),
+            served: self
+                .inner
+                .server
+                .as_ref()
+                .map(|_| crate::describe::ServedDescription::of(&self.inner.serve_stats.snapshot())),
+            contexts: counters
+                .per_context
+                .iter()
+                .map(|c| crate::describe::ContextDescription {
+                    name: c.name.clone(),
+                    copies: c.copies,
+                    bytes: c.bytes,
+                    fenced: c.fenced,
+                })
+                .collect(),
+            latency: self.inner.routes.latencies().snapshot(),
+            registration_cache: self.inner.shared_copies.as_ref().map(|c| {
+                let s = c.stats();
+                crate::describe::CacheDescription {
+                    hits: s.hits,
+                    misses: s.misses,
+                    entries: s.entries,
+                }
+            }),
+            metrics: self.metrics_addr().map(|a| a.to_string()),
             registrations: counters.registrations,
             registered_bytes: counters.bytes,
             unquiesced: counters.unquiesced,

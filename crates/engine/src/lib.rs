@@ -30,6 +30,7 @@ mod engine;
 pub mod gpu;
 mod handles;
 mod listener;
+pub mod metrics;
 mod reconnect;
 mod request;
 mod route;
@@ -40,7 +41,8 @@ pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, loa
 #[cfg(feature = "cuda")]
 pub use cuda;
 pub use describe::{
-    Description, HandshakeDescription, RailDescription, RouteDescription, SegmentDescription,
+    CacheDescription, ContextDescription, Description, HandshakeDescription, LatencyDescription,
+    RailDescription, RouteDescription, SegmentDescription, ServedDescription, TrafficDescription,
 };
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;

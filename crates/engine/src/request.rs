@@ -46,6 +46,36 @@ pub trait LocalMemory {
 #[derive(Clone, Debug)]
 pub struct LocalRef(pub(crate) Local);
 
+impl LocalRef {
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    /// Whether it has no byte.
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// The host memory, when it is host memory (layers above the engine read and checksum it).
+    pub fn host(&self) -> Option<&Arc<ferry_core::MemoryRegion>> {
+        match &self.0 {
+            Local::Host(r) => Some(r),
+            #[cfg(feature = "cuda")]
+            Local::Device(..) => None,
+        }
+    }
+
+    /// The device memory, when it is device memory (copied to and from the host by the driver).
+    #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&Arc<cuda::DeviceMemory>> {
+        match &self.0 {
+            Local::Host(_) => None,
+            Local::Device(m, _) => Some(m),
+        }
+    }
+}
+
 impl<T: LocalMemory + ?Sized> LocalMemory for Arc<T> {
     fn local_ref(&self) -> LocalRef {
         (**self).local_ref()
@@ -294,6 +324,10 @@ struct Drive {
     waiters: Arc<Waiters>,
     control: Arc<RequestControl>,
     counters: Arc<crate::describe::RouteCounters>,
+    /// What the request carries, for its counters.
+    shape: crate::describe::Shape,
+    /// When it was submitted.
+    started: std::time::Instant,
     span: tracing::Span,
     /// Handles and drained futures alive; the last one to go finishes an unfinished request
     /// on `runtime`.
@@ -379,7 +413,8 @@ impl Drive {
         st.fut = None;
         st.done = Some(outcome);
         drop(st);
-        self.counters.record(&outcome);
+        self.counters
+            .record(&outcome, &self.shape, self.started.elapsed());
         if let Some(f) = outcome.failure {
             let _span = self.span.enter();
             tracing::debug!(op = f.op_index, kind = %f.kind, effect = ?outcome.remote_effect,
@@ -437,8 +472,12 @@ impl RequestHandle {
         // so the request moves whether or not the handle is polled; a replay after a lost
         // connection runs while the handle or a drained future is awaited (or, once both are
         // dropped, as a task).
+        let shape = crate::describe::Shape::of(
+            ops.iter().map(|o| (o.kind, o.len)),
+            crate::describe::Path::Direct,
+        );
         let fut = crate::reconnect::run(peer.clone(), ops, control.clone(), deadline);
-        Self::driven(peer, control, Box::pin(fut), timeout)
+        Self::driven(peer, control, Box::pin(fut), timeout, shape)
     }
 
     /// Runs `fut`, the request `control` keeps the ledger of, as a task of the current tokio
@@ -450,8 +489,9 @@ impl RequestHandle {
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
+        shape: crate::describe::Shape,
     ) -> Self {
-        let handle = Self::driven(peer, control, fut, timeout);
+        let handle = Self::driven(peer, control, fut, timeout, shape);
         let drive = handle.drive.clone();
         tokio::spawn(std::future::poll_fn(move |cx| drive.0.poll(cx)));
         handle
@@ -462,6 +502,7 @@ impl RequestHandle {
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
+        shape: crate::describe::Shape,
     ) -> Self {
         let drive = Arc::new(Drive {
             state: Mutex::new(DriveState {
@@ -471,6 +512,8 @@ impl RequestHandle {
             waiters: Arc::default(),
             control: control.clone(),
             counters: peer.counters.clone(),
+            shape,
+            started: std::time::Instant::now(),
             span: tracing::info_span!("request", peer = %peer.addr),
             users: AtomicUsize::new(0),
             runtime: tokio::runtime::Handle::current(),

@@ -12,7 +12,7 @@ use transport_tcp::TcpTransport;
 use transport_uring::{Preference, StreamReservation, UringProbe, UringTransport};
 
 use crate::config::DataPlaneConfig;
-use crate::describe::{RouteCounters, RouteDescription};
+use crate::describe::{Latencies, RouteCounters, RouteDescription};
 
 /// Which transport carries the portable data plane (the one every host has, beside RDMA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -193,29 +193,37 @@ pub(crate) fn pick(
 }
 
 /// Counters per route (a peer address and the transport its requests take), in the order
-/// routes were first used.
+/// routes were first used, and the engine's latency histograms they all feed.
 #[derive(Debug, Default)]
-pub(crate) struct Routes(Mutex<Vec<(String, TransportKind, Arc<RouteCounters>)>>);
+pub(crate) struct Routes {
+    routes: Mutex<Vec<(String, TransportKind, Arc<RouteCounters>)>>,
+    latencies: Arc<Latencies>,
+}
 
 impl Routes {
     /// The counters of the route to `peer` over `kind` (made on first use).
     pub(crate) fn counters(&self, peer: String, kind: TransportKind) -> Arc<RouteCounters> {
-        let mut routes = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut routes = self.routes.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, _, c)) = routes.iter().find(|(p, k, _)| *p == peer && *k == kind) {
             return c.clone();
         }
-        let c = Arc::new(RouteCounters::default());
+        let c = Arc::new(RouteCounters::new(self.latencies.clone()));
         routes.push((peer, kind, c.clone()));
         c
     }
 
     /// Every route's counters now.
     pub(crate) fn snapshot(&self) -> Vec<RouteDescription> {
-        self.0
+        self.routes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .map(|(p, k, c)| c.snapshot(p.clone(), *k))
             .collect()
+    }
+
+    /// The engine's latency histograms.
+    pub(crate) fn latencies(&self) -> &Latencies {
+        &self.latencies
     }
 }

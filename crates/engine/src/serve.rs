@@ -308,6 +308,8 @@ pub(crate) struct Responder {
     pub(crate) table: Arc<RegistryTable>,
     /// The keys peers must prove (`None`: every peer is served).
     pub(crate) auth: Option<Arc<ferry_core::auth::ServerAuth>>,
+    /// Where served streams count what they accept and refuse.
+    pub(crate) stats: Arc<ferry_core::stream::ServeStats>,
 }
 
 impl HandshakeResponder for Responder {
@@ -321,6 +323,10 @@ impl HandshakeResponder for Responder {
 
     fn auth(&self) -> Option<Arc<ferry_core::auth::ServerAuth>> {
         self.auth.clone()
+    }
+
+    fn serve_stats(&self) -> Option<Arc<ferry_core::stream::ServeStats>> {
+        Some(self.stats.clone())
     }
 
     fn respond(
@@ -398,6 +404,7 @@ mod tests {
             transports: vec![Arc::new(never)],
             table: Arc::new(RegistryTable::new(Registry::host(Budgets::default()))),
             auth: None,
+            stats: Default::default(),
         }
     }
 

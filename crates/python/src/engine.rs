@@ -60,6 +60,19 @@ pub(crate) fn to_plain<'py>(
 /// Names registrations that were given none.
 static UNNAMED: AtomicU64 = AtomicU64::new(0);
 
+/// Resolves the argument `what`, HOST:PORT (`example` shows one), to its first address.
+fn host_port(what: &str, addr: &str, example: &str) -> PyResult<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| {
+            errors::invalid_argument(format!(
+                "{what} must be HOST:PORT like \"{example}\" or \"localhost:0\", not {addr:?}"
+            ))
+        })
+}
+
 /// Ferry's transfer engine: registers memory and files, connects to peers, moves bytes.
 ///
 /// `Engine(listen="127.0.0.1:0")` also serves what it publishes (port 0: any free port; see
@@ -74,6 +87,8 @@ static UNNAMED: AtomicU64 = AtomicU64::new(0);
 /// the kernel's quarter hour) gives a silent peer up. `auth_key_file` names a keyring file
 /// (lines of `name hexkey`): peers must then prove a key of it, and this engine proves its first
 /// key when it connects (without it, the file named by `FERRY_AUTH_KEY_FILE`, if set).
+/// `metrics="127.0.0.1:9400"` serves Prometheus metrics over HTTP there (`GET /metrics`; port
+/// 0: any free port, see `metrics_addr`).
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
@@ -84,7 +99,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (listen=None, *, transports=None, data_plane="auto", streams=None,
         depth=None, chunk_size=None, socket_buffer=None, io_threads=None, request_timeout=None,
-        connect_timeout=None, dead_peer_after=None, auth_key_file=None))]
+        connect_timeout=None, dead_peer_after=None, auth_key_file=None, metrics=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -100,21 +115,11 @@ impl Engine {
         connect_timeout: Option<f64>,
         dead_peer_after: Option<f64>,
         auth_key_file: Option<std::path::PathBuf>,
+        metrics: Option<&str>,
     ) -> PyResult<Self> {
         let mut b = TransferEngine::builder();
         if let Some(addr) = listen {
-            use std::net::ToSocketAddrs;
-            let resolved = addr
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| {
-                    errors::invalid_argument(format!(
-                        "listen must be HOST:PORT like \"127.0.0.1:0\" or \"localhost:0\", not \
-                         {addr:?}"
-                    ))
-                })?;
-            b = b.listen(resolved);
+            b = b.listen(host_port("listen", addr, "127.0.0.1:0")?);
         }
         if let Some(ts) = transports {
             let mut kinds = Vec::with_capacity(ts.len());
@@ -194,6 +199,9 @@ impl Engine {
         if let Some(path) = auth_key_file {
             b = b.auth_key_file(path);
         }
+        if let Some(addr) = metrics {
+            b = b.metrics(host_port("metrics", addr, "127.0.0.1:9400")?);
+        }
         let rt = runtime::get(py)?;
         let inner = py
             .detach(|| {
@@ -208,6 +216,12 @@ impl Engine {
     #[getter]
     fn listen_addr(&self) -> Option<String> {
         self.inner.local_addr().map(|a| a.to_string())
+    }
+
+    /// The address its Prometheus metrics are served on (`"127.0.0.1:9400"`), or None.
+    #[getter]
+    fn metrics_addr(&self) -> Option<String> {
+        self.inner.metrics_addr().map(|a| a.to_string())
     }
 
     /// Its peer id (hex).

@@ -11,11 +11,13 @@
 //! runtime ends a request's watch with a `FerryError` instead of leaving its waiters hanging.
 //! No runtime worker thread ever waits for the GIL (see `request` and `buffer`).
 //!
-//! It depends on the facade only (GPU memory through the facade's `ferry::cuda` re-export);
-//! broadcast is not bound yet. GPU memory: `Engine.alloc_gpu` and `Engine.register_gpu` (any
+//! It depends on the facade (GPU memory through the facade's `ferry::cuda` re-export) and on
+//! `ferry-broadcast`, whose tensor publisher and in-place receiver `broadcast` binds for the
+//! Python module `ferry.broadcast`. GPU memory: `Engine.alloc_gpu` and `Engine.register_gpu` (any
 //! object with `__cuda_array_interface__`) give a `GpuRegistration`, which read/write/Batch take
 //! wherever they take a `Registration` (see `gpu`).
 
+mod broadcast;
 mod buffer;
 mod engine;
 mod errors;
@@ -33,5 +35,6 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::add_to(m)?;
     gpu::add_to(m)?;
     request::add_to(m)?;
+    broadcast::add_to(m)?;
     Ok(())
 }

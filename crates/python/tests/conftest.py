@@ -115,6 +115,16 @@ def np():
     return numpy
 
 
+@pytest.fixture(scope="session")
+def safetensors_numpy():
+    """PyPI's ``safetensors`` (its NumPy API), which the broadcast tests write checkpoints with."""
+    try:
+        import safetensors.numpy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        require(False, f"safetensors is not installed: {e}")
+    return safetensors.numpy
+
+
 def _state(task: Path) -> str | None:
     """A thread's state letter from /proc (None once it is gone)."""
     try:

@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 import ferry
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -111,3 +112,20 @@ def test_weight_update_example(np):
         [sys.executable, str(example)], check=True, capture_output=True, text=True, timeout=120
     )
     assert "all weights match" in out.stdout
+
+
+def test_metrics_are_served_over_http():
+    import urllib.request
+
+    engine = ferry.Engine(metrics="127.0.0.1:0")
+    host, port = engine.metrics_addr.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    with urllib.request.urlopen(f"http://{engine.metrics_addr}/metrics", timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    assert "# TYPE ferry_registrations gauge" in text
+    assert f'peer_id="{engine.peer_id}"' in text
+    assert ferry.Engine().metrics_addr is None
+    with pytest.raises(ferry.InvalidArgument, match="metrics must be HOST:PORT"):
+        ferry.Engine(metrics="no-port")

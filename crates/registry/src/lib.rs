@@ -27,6 +27,7 @@
 mod backend;
 mod error;
 mod registry;
+mod shared;
 
 #[cfg(any(test, feature = "__mock"))]
 pub use backend::MockRegistrationBackend;
@@ -39,3 +40,4 @@ pub use registry::{
     Budgets, ContextCounters, CopyRole, Lease, NativeCopy, Registration, Registry,
     RegistryCounters, Retirement, SegmentState, UnquiescedInfo, UnquiescedRetry,
 };
+pub use shared::{CacheStats, SharedCopies};

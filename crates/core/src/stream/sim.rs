@@ -1218,7 +1218,8 @@ fn the_server_holds_only_for_a_checked_next_write() {
         h
     };
     let table = Arc::new(table);
-    let mut s = ServerStream::new(table.clone());
+    let stats = Arc::new(crate::stream::ServeStats::default());
+    let mut s = ServerStream::new(table.clone()).counting(Some(stats.clone()));
     let Action::WriteMemory {
         lease,
         seq,
@@ -1264,6 +1265,27 @@ fn the_server_holds_only_for_a_checked_next_write() {
     };
     let r = crate::wire::DataResponse::decode(&response).unwrap();
     assert_eq!((r.seq, r.refused), (77, Some(RemoteStatus::Malformed)));
+    // The stats saw two accepted WRITEs of 64 bytes (the carried one too), one unknown
+    // segment and one malformed header; nothing else.
+    let counts = stats.snapshot();
+    assert_eq!(
+        counts.accepted,
+        [
+            (OpKind::Read, 0, 0),
+            (OpKind::Write, 2, 128),
+            (OpKind::Checksum, 0, 0)
+        ]
+    );
+    assert_eq!(
+        counts.refused,
+        [
+            (RemoteStatus::UnknownSegment, 1),
+            (RemoteStatus::OutOfBounds, 0),
+            (RemoteStatus::AccessDenied, 0),
+            (RemoteStatus::StaleEpoch, 0),
+            (RemoteStatus::Malformed, 1)
+        ]
+    );
 }
 
 /// The fuzzed case count: `FERRY_FUZZ_CASES` (set by `cargo xtask fuzz`), else `default`.

@@ -41,7 +41,11 @@ __all__ = [
     "UnknownSegment",
     "UnknownSegmentName",
     "Unquiesced",
+    "_Publisher",
+    "_Puller",
     "__version__",
+    "_join",
+    "_publish",
     "doctor",
 ]
 
@@ -132,7 +136,8 @@ class Engine:
     Times are in seconds; ``socket_buffer=0`` is kernel autotuning, ``io_threads=0`` one I/O
     thread per core, ``dead_peer_after=0`` the kernel's limits. ``auth_key_file`` names a
     keyring file (lines of ``name hexkey``): peers must prove one of its keys, and this engine
-    proves the first when it connects.
+    proves the first when it connects. ``metrics`` ("127.0.0.1:9400") serves Prometheus
+    metrics over HTTP there (``GET /metrics``; port 0: any free port, see ``metrics_addr``).
     """
 
     def __new__(
@@ -150,10 +155,14 @@ class Engine:
         connect_timeout: float | None = None,
         dead_peer_after: float | None = None,
         auth_key_file: str | os.PathLike[str] | None = None,
+        metrics: str | None = None,
     ) -> Self: ...
     @property
     def listen_addr(self) -> str | None:
         """The address it serves on, or None when it does not listen."""
+    @property
+    def metrics_addr(self) -> str | None:
+        """The address its Prometheus metrics are served on, or None."""
     @property
     def peer_id(self) -> str:
         """Its peer id (hex)."""
@@ -457,3 +466,46 @@ class Failure:
 
 def doctor() -> dict[str, Any]:
     """The capability matrix, as ``ferry doctor --json`` prints it."""
+
+# The native side of ferry.broadcast (private: use ferry.broadcast).
+@final
+class _Publisher:
+    @property
+    def addr(self) -> str: ...
+    def versions(self) -> list[int]: ...
+    def publish(self, version: int, tensors: list[tuple[Any, ...]]) -> None: ...
+    def close(self) -> None: ...
+
+@final
+class _Puller:
+    @property
+    def version(self) -> int: ...
+    def run(
+        self, timeout: float | None = None, progress: Any = None, linger: float = 0.0
+    ) -> dict[str, Any]: ...
+    def commit(self) -> int: ...
+    def bytes_copied(self) -> int: ...
+    def close(self) -> None: ...
+
+def _publish(
+    engine: Engine,
+    name: str,
+    version: int,
+    tensors: list[tuple[Any, ...]],
+    chunk_size: int | None,
+    listen: str,
+    keep_versions: int,
+) -> _Publisher: ...
+def _join(
+    engine: Engine,
+    source: str,
+    into: list[tuple[Any, ...]],
+    name: str | None,
+    version: int | None,
+    staging: list[tuple[Any, ...]] | None,
+    rename: dict[str, str],
+    subset: bool,
+    relay: bool,
+    shards: dict[str, int],
+    verify_at_rest: bool,
+) -> _Puller: ...

@@ -1,0 +1,235 @@
+//! A discrete-event simulation of a broadcast over links, with no sockets and no clock: the
+//! chain ([`plan::holders`](crate::plan::holders), in join order) or the striped trees
+//! ([`StripePlan`]) on members whose links each have an upload and a download rate and a
+//! latency, so that a fleet of 256 runs in well under a second.
+//!
+//! The model. Each parent-child pair of the plan is a pipe: the parent's upload rate shared
+//! evenly by its children and the child's download rate by its parents (the fair share of
+//! both links when every flow is busy, as in the steady state), `min(up / children, down /
+//! parents)`. A member that holds chunk `c` serves it to each member whose parent it is for
+//! `c`'s stripe: the child learns of it one latency later (the progress long poll), its READ
+//! reaches the parent one latency after that, the pipe carries the chunks in the order they
+//! were asked for, and the bytes arrive one latency after they leave. The source holds every
+//! chunk at time 0. The window is not modelled (pipes are kept busy, as the window does when
+//! it suffices); neither are processes starting, hashing, or the kernel: the per-hop cost
+//! measured on the shaped-namespace bench is none of these (see `docs/broadcast.md`).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::stripes::{Parent, StripePlan};
+
+/// One member's link.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Upload rate, bytes per second.
+    pub up: f64,
+    /// Download rate, bytes per second.
+    pub down: f64,
+    /// One-way latency to any other member, seconds.
+    pub latency: f64,
+}
+
+/// Which plan the members follow.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Topology {
+    /// Each member fetches everything from the member before it (the source first).
+    Chain,
+    /// [`StripePlan`] with `d` stripes, stragglers below `straggler` times the median rate.
+    Stripes {
+        /// Stripes and tree degree.
+        d: usize,
+        /// Straggler threshold (fraction of the median rate).
+        straggler: f64,
+    },
+}
+
+/// What a simulated broadcast did.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// When each member held every chunk, seconds.
+    pub done: Vec<f64>,
+    /// Bytes the source sent.
+    pub source_egress: u64,
+}
+
+/// Simulates one broadcast of `payload` bytes in `chunk`-byte chunks from a source with link
+/// `source` to `members` (in join order), each fetching per `topology`.
+pub fn simulate(
+    source: Link,
+    members: &[Link],
+    payload: u64,
+    chunk: u64,
+    topology: Topology,
+) -> Outcome {
+    let n = members.len();
+    let chunks = payload.div_ceil(chunk.max(1)) as usize;
+    let len_of = |c: usize| (payload - c as u64 * chunk).min(chunk) as f64;
+    // Parents per stripe, and so children per stripe: index n is the source.
+    let (stripes, parent_of): (usize, Box<dyn Fn(usize, usize) -> usize>) = match topology {
+        Topology::Chain => (1, Box::new(move |_, m| if m == 0 { n } else { m - 1 })),
+        Topology::Stripes { d, straggler } => {
+            let rates: Vec<f64> = members.iter().map(|l| l.up.min(l.down)).collect();
+            let plan = StripePlan::new(&rates, d, straggler);
+            let d = plan.stripes();
+            (
+                d,
+                Box::new(move |s, m| match plan.parent(s, m) {
+                    Parent::Source => n,
+                    Parent::Member(p) => p,
+                }),
+            )
+        }
+    };
+    let mut children: Vec<Vec<Vec<usize>>> = vec![vec![Vec::new(); n + 1]; stripes];
+    for (s, per) in children.iter_mut().enumerate() {
+        for m in 0..n {
+            per[parent_of(s, m)].push(m);
+        }
+    }
+    let link = |m: usize| if m == n { source } else { members[m] };
+    // Distinct children and parents of each member over all stripes: the pipes' shares.
+    let mut pipes = std::collections::HashSet::new();
+    for (s, per) in children.iter().enumerate() {
+        for (p, chs) in per.iter().enumerate() {
+            for &ch in chs {
+                debug_assert_eq!(parent_of(s, ch), p);
+                pipes.insert((p, ch));
+            }
+        }
+    }
+    let mut out_deg = vec![0usize; n + 1];
+    let mut in_deg = vec![0usize; n];
+    for &(p, ch) in &pipes {
+        out_deg[p] += 1;
+        in_deg[ch] += 1;
+    }
+    let mut pipe_free: std::collections::HashMap<(usize, usize), f64> =
+        std::collections::HashMap::new();
+    let mut held = vec![0usize; n];
+    let mut done = vec![0.0f64; n];
+    let mut egress = 0u64;
+    // Events: (time in picoseconds, member, chunk); the source's are all at 0.
+    let mut events: BinaryHeap<Reverse<(u64, usize, usize)>> = BinaryHeap::new();
+    let ps = |t: f64| (t * 1e12) as u64;
+    for c in 0..chunks {
+        events.push(Reverse((0, n, c)));
+    }
+    while let Some(Reverse((t, m, c))) = events.pop() {
+        let now = t as f64 / 1e12;
+        if m < n {
+            held[m] += 1;
+            if held[m] == chunks {
+                done[m] = now;
+            }
+        }
+        let from = link(m);
+        for &ch in &children[c % stripes][m] {
+            let to = members[ch];
+            let lat = from.latency.max(to.latency);
+            let len = len_of(c);
+            let rate = (from.up / out_deg[m].max(1) as f64).min(to.down / in_deg[ch].max(1) as f64);
+            let free = pipe_free.entry((m, ch)).or_insert(0.0);
+            let start = (now + 2.0 * lat).max(*free);
+            *free = start + len / rate;
+            if m == n {
+                egress += len as u64;
+            }
+            events.push(Reverse((ps(*free + lat), ch, c)));
+        }
+    }
+    Outcome {
+        done,
+        source_egress: egress,
+    }
+}
+
+/// A deterministic fleet of `n` members around `rate` bytes/s: each link's rates uniform in
+/// `rate * [1 - spread, 1 + spread]`, and members `k` with `k % every == every - 1` (one in
+/// `every`; none if `every` is 0) stragglers at `slow * rate`. Returns the links and which
+/// members straggle.
+pub fn fleet(
+    n: usize,
+    rate: f64,
+    latency: f64,
+    spread: f64,
+    every: usize,
+    slow: f64,
+    seed: u64,
+) -> (Vec<Link>, Vec<bool>) {
+    let mut x = seed | 1;
+    let mut uniform = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut links = Vec::with_capacity(n);
+    let mut slowed = Vec::with_capacity(n);
+    for k in 0..n {
+        let straggles = every > 0 && k % every == every - 1;
+        let f = if straggles { slow } else { 1.0 };
+        let up = rate * f * (1.0 - spread + 2.0 * spread * uniform());
+        let down = rate * f * (1.0 - spread + 2.0 * spread * uniform());
+        links.push(Link { up, down, latency });
+        slowed.push(straggles);
+    }
+    (links, slowed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: f64 = 1e6;
+
+    fn uniform(n: usize) -> Vec<Link> {
+        vec![
+            Link {
+                up: 25.0 * MB,
+                down: 25.0 * MB,
+                latency: 1e-4,
+            };
+            n
+        ]
+    }
+
+    #[test]
+    fn a_chain_costs_one_chunk_per_hop_and_the_source_sends_once() {
+        let src = uniform(1)[0];
+        let payload = 256u64 << 20;
+        let chunk = 1u64 << 20;
+        let per_chunk = chunk as f64 / (25.0 * MB);
+        let ideal = payload as f64 / (25.0 * MB);
+        for n in [1, 8, 64] {
+            let o = simulate(src, &uniform(n), payload, chunk, Topology::Chain);
+            let last = o.done.iter().copied().fold(0.0, f64::max);
+            // The last member: the payload at link rate, and one chunk and three latencies
+            // for each hop before it.
+            let want = ideal + n as f64 * (3e-4) + (n - 1) as f64 * per_chunk;
+            assert!(
+                (last - want).abs() < 1e-3 + 1e-6 * want,
+                "n {n}: {last} vs {want}"
+            );
+            assert_eq!(o.source_egress, payload);
+        }
+    }
+
+    #[test]
+    fn striped_trees_send_once_from_the_source_and_stay_near_the_ideal() {
+        let src = uniform(1)[0];
+        let payload = 256u64 << 20;
+        let ideal = payload as f64 / (25.0 * MB);
+        let t = Topology::Stripes {
+            d: 4,
+            straggler: 0.5,
+        };
+        let o = simulate(src, &uniform(256), payload, 1 << 20, t);
+        assert_eq!(o.source_egress, payload);
+        let last = o.done.iter().copied().fold(0.0, f64::max);
+        // Depth about log4(64) + 1 hops of a chunk each, and every member uploading about
+        // one payload: far from the chain's 256 hops.
+        assert!(last < ideal * 1.2, "{last} vs {ideal}");
+        assert!(o.done.iter().all(|&d| d > 0.0));
+    }
+}

@@ -1,0 +1,232 @@
+//! A relay plan that scales: `d` stripes of the chunks, each pushed down a tree of degree `d`
+//! whose inner members are one `d`-th of the fleet, so that every member uploads about what it
+//! downloads, the depth is about `log_d N` instead of `N`, and the source sends each byte once.
+//! A pure function of the membership and the observed rates: no I/O, no clock.
+//!
+//! - Members are ranked by observed rate (fastest first; ties in join order). A member whose
+//!   rate is below `straggler` times the median is a *straggler*: a leaf of every tree, so it
+//!   slows no one but itself (the edge of the plan).
+//! - The others are dealt round-robin into `d` groups. In stripe `s` (the chunks `c` with
+//!   `c % d == s`), group `s` forms a `d`-ary heap under the source (its first member the root,
+//!   member `i`'s inner children `d*i+1 ..= d*i+d`), and every other member (the other groups'
+//!   and the stragglers) is a leaf, hung on the inner member with the fewest children,
+//!   shallowest first.
+//! - So each non-straggler is inner in one stripe (serving about `d` children a `1/d` share of
+//!   the chunks: about one payload) and a leaf in the others; the source serves the `d` roots,
+//!   a `1/d` share each: one payload.
+//!
+//! [`StripePlan::parent`] answers "whom does member `m` fetch chunk `c` from": the same answer
+//! for every member computing it from the same list, so no coordinator is needed, as with
+//! the chain ([`plan::holders`](crate::plan::holders)). Not yet driven by [`Receiver`]
+//! (crate::Receiver), which follows the chain; [`sim`](crate::sim) measures both.
+
+/// Where a member fetches a stripe from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parent {
+    /// The source.
+    Source,
+    /// The member of this index (in the slice the plan was made from).
+    Member(usize),
+}
+
+/// The plan for one membership: for each stripe, each member's parent.
+#[derive(Clone, Debug)]
+pub struct StripePlan {
+    d: usize,
+    /// `parents[s][m]`.
+    parents: Vec<Vec<Parent>>,
+    stragglers: Vec<bool>,
+}
+
+impl StripePlan {
+    /// The plan for members with observed `rates` (bytes/s; any positive scale, `0` or NaN for
+    /// a member not measured yet, taken as the median), `d` stripes (at least 1; 1 is a
+    /// chain of trees of degree 1, that is a chain in rate order), and stragglers below
+    /// `straggler` times the median rate.
+    pub fn new(rates: &[f64], d: usize, straggler: f64) -> Self {
+        let n = rates.len();
+        let d = d.max(1);
+        let mut known: Vec<f64> = rates
+            .iter()
+            .copied()
+            .filter(|r| r.is_finite() && *r > 0.0)
+            .collect();
+        known.sort_by(f64::total_cmp);
+        let median = known.get(known.len() / 2).copied().unwrap_or(1.0);
+        let rate = |i: usize| {
+            let r = rates[i];
+            if r.is_finite() && r > 0.0 { r } else { median }
+        };
+        let stragglers: Vec<bool> = (0..n).map(|i| rate(i) < straggler * median).collect();
+        let mut ranked: Vec<usize> = (0..n).filter(|&i| !stragglers[i]).collect();
+        ranked.sort_by(|&a, &b| rate(b).total_cmp(&rate(a)).then(a.cmp(&b)));
+        if ranked.is_empty() {
+            // Everyone straggles: the fastest of them carry the plan anyway.
+            ranked = (0..n).collect();
+            ranked.sort_by(|&a, &b| rate(b).total_cmp(&rate(a)).then(a.cmp(&b)));
+        }
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); d];
+        for (k, &m) in ranked.iter().enumerate() {
+            groups[k % d].push(m);
+        }
+        let mut parents = Vec::with_capacity(d);
+        for s in 0..d {
+            let mut p = vec![Parent::Source; n];
+            // A stripe whose group is empty (fewer members than stripes) borrows the first.
+            let inner: &[usize] = if groups[s].is_empty() {
+                &groups[0]
+            } else {
+                &groups[s]
+            };
+            let mut children = vec![0usize; inner.len()];
+            let mut depth = vec![0usize; inner.len()];
+            for (i, &m) in inner.iter().enumerate() {
+                if i > 0 {
+                    let up = (i - 1) / d;
+                    p[m] = Parent::Member(inner[up]);
+                    children[up] += 1;
+                    depth[i] = depth[up] + 1;
+                }
+            }
+            let is_inner: std::collections::HashSet<usize> = inner.iter().copied().collect();
+            // Leaves: the fastest first, each on the inner member with the fewest children,
+            // shallowest first (stragglers last, so they never take a shallow slot from others).
+            let mut leaves: Vec<usize> = (0..n).filter(|m| !is_inner.contains(m)).collect();
+            leaves.sort_by(|&a, &b| {
+                stragglers[a]
+                    .cmp(&stragglers[b])
+                    .then(rate(b).total_cmp(&rate(a)))
+                    .then(a.cmp(&b))
+            });
+            for m in leaves {
+                if let Some(i) = (0..inner.len()).min_by_key(|&i| (children[i], depth[i], i)) {
+                    p[m] = Parent::Member(inner[i]);
+                    children[i] += 1;
+                }
+            }
+            parents.push(p);
+        }
+        Self {
+            d,
+            parents,
+            stragglers,
+        }
+    }
+
+    /// Stripes (and the degree of each tree).
+    pub fn stripes(&self) -> usize {
+        self.d
+    }
+
+    /// The stripe chunk `c` belongs to.
+    pub fn stripe_of(&self, c: usize) -> usize {
+        c % self.d
+    }
+
+    /// Whom member `m` fetches stripe `s` from.
+    pub fn parent(&self, s: usize, m: usize) -> Parent {
+        self.parents[s][m]
+    }
+
+    /// Whether member `m` was found a straggler (a leaf of every tree).
+    pub fn is_straggler(&self, m: usize) -> bool {
+        self.stragglers[m]
+    }
+
+    /// The members that fetch stripe `s` from `p`.
+    pub fn children(&self, s: usize, p: Parent) -> Vec<usize> {
+        (0..self.parents[s].len())
+            .filter(|&m| self.parents[s][m] == p)
+            .collect()
+    }
+
+    /// Hops from the source to member `m` in stripe `s` (`None`: a cycle, which a plan never
+    /// has).
+    pub fn depth(&self, s: usize, m: usize) -> Option<usize> {
+        let mut at = m;
+        for hops in 1..=self.parents[s].len() {
+            match self.parents[s][at] {
+                Parent::Source => return Some(hops),
+                Parent::Member(p) => at = p,
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every member gets every stripe down a path from the source (no cycle), within
+        /// `log_d` of the non-stragglers plus one hop for a leaf; stragglers serve no one; the
+        /// source serves one root per stripe (egress one payload); no non-straggler serves more
+        /// than about one payload (its children in its one inner stripe, each a 1/d share).
+        #[test]
+        fn trees_are_shallow_balanced_and_keep_stragglers_at_the_edge(
+            rates in proptest::collection::vec(prop_oneof![4 => 0.5f64..2.0, 1 => 0.01f64..0.2, 1 => Just(0.0)], 1..300),
+            d in 1usize..9,
+        ) {
+            let plan = StripePlan::new(&rates, d, 0.5);
+            let n = rates.len();
+            let fast = (0..n).filter(|&m| !plan.is_straggler(m)).count();
+            let bound = {
+                // Depth of a d-ary heap of `per` members, plus the leaf hop.
+                let per = fast.max(1).div_ceil(d);
+                let mut depth = 1;
+                let mut cap = 1usize;
+                let mut level = 1usize;
+                while cap < per {
+                    level = level.saturating_mul(d);
+                    cap = cap.saturating_add(level);
+                    depth += 1;
+                }
+                depth + 1
+            };
+            let mut upload = vec![0usize; n];
+            for s in 0..plan.stripes() {
+                prop_assert!(plan.children(s, Parent::Source).len() <= 1);
+                for m in 0..n {
+                    let depth = plan.depth(s, m);
+                    prop_assert!(depth.is_some(), "a cycle in stripe {s}");
+                    prop_assert!(depth.unwrap_or(0) <= bound.max(1), "member {m} at depth {depth:?} > {bound}");
+                    if let Parent::Member(p) = plan.parent(s, m) {
+                        prop_assert!(p != m);
+                        upload[p] += 1;
+                    }
+                }
+            }
+            for (m, &up) in upload.iter().enumerate() {
+                if plan.is_straggler(m) && fast >= d.max(1) {
+                    prop_assert_eq!(up, 0, "straggler {} serves", m);
+                }
+                // Inner in its one stripe: at most d inner children and an even share of the
+                // rest (each a 1/d share of the chunks); a leaf elsewhere.
+                if fast >= d {
+                    let gmin = fast / d;
+                    let most = ((n - 1).div_ceil(gmin) + 1) as f64 / d as f64;
+                    let payloads = up as f64 / d as f64;
+                    prop_assert!(payloads <= most, "member {m} uploads {payloads} payloads, more than {most}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_slow_member_is_a_leaf_and_its_children_move() {
+        let mut rates = vec![1.0; 20];
+        let plan = StripePlan::new(&rates, 4, 0.5);
+        let inner =
+            (0..4).find_map(|s| (0..20).find(|&m| !plan.children(s, Parent::Member(m)).is_empty()));
+        let slow = inner.unwrap_or(0);
+        rates[slow] = 0.2;
+        let plan = StripePlan::new(&rates, 4, 0.5);
+        assert!(plan.is_straggler(slow));
+        for s in 0..4 {
+            assert!(plan.children(s, Parent::Member(slow)).is_empty());
+            assert!(matches!(plan.parent(s, slow), Parent::Member(_)));
+        }
+    }
+}

@@ -1,0 +1,646 @@
+//! Prometheus metrics: the counters [`TransferEngine::describe`](crate::TransferEngine::describe)
+//! reports, in the Prometheus text format (version 0.0.4), served over HTTP.
+//!
+//! Every series is derived from one [`Description`] taken at scrape time: there is no second
+//! set of counters to drift from `describe()`. `prometheus-client` encodes them (names, help,
+//! label escaping, histogram buckets); a small HTTP/1.1 responder on the engine's tokio runtime
+//! answers `GET /metrics` (any other path is 404) and closes each connection after its answer.
+//!
+//! Label cardinality is bounded: peers are labelled by address, the first
+//! [`MAX_PEER_LABELS`] of them (in the order the engine first met them); later ones are summed
+//! under `peer="other"`. Latency histograms are engine-wide, by op kind and size class.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use ferry_core::Error;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::describe::{Description, LATENCY_BOUNDS_US};
+use crate::engine::Inner;
+
+/// Peers labelled by their own address; the rest are summed under `peer="other"`.
+pub const MAX_PEER_LABELS: usize = 64;
+
+/// The `Content-Type` of a scrape's answer.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// Longest request head read (request line and headers).
+const MAX_HEAD: usize = 8192;
+/// How long a connection may take to send its request head.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Scrapes answered at once; connections past it are closed at once.
+const MAX_CONNECTIONS: usize = 16;
+
+/// The HTTP listener serving an engine's metrics; dropping it stops serving.
+#[derive(Debug)]
+pub(crate) struct MetricsServer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl MetricsServer {
+    /// Binds `addr` for serving metrics on the current tokio runtime (checked here).
+    pub(crate) fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), Error> {
+        if let Err(e) = tokio::runtime::Handle::try_current() {
+            return Err(Error::Unavailable {
+                library: "tokio runtime".into(),
+                reason: format!("EngineBuilder::build with metrics needs one: {e}"),
+            });
+        }
+        let bind_err = |e| Error::io("bind", format!("the metrics address {addr}"), e);
+        let listener = std::net::TcpListener::bind(addr).map_err(bind_err)?;
+        listener.set_nonblocking(true).map_err(bind_err)?;
+        let local = listener.local_addr().map_err(bind_err)?;
+        let listener = tokio::net::TcpListener::from_std(listener).map_err(bind_err)?;
+        Ok((listener, local))
+    }
+
+    /// Serves the metrics of `engine` (while it lives) on `listener`, bound to `addr`.
+    pub(crate) fn start(
+        listener: tokio::net::TcpListener,
+        addr: SocketAddr,
+        engine: Weak<Inner>,
+    ) -> Self {
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let task = tokio::spawn(async move {
+            loop {
+                let (stream, from) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::debug!(%addr, error = %e, "metrics accept failed");
+                        // A full file table clears as connections close.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    tracing::debug!(%addr, %from, "metrics: too many scrapes at once; closed");
+                    continue;
+                };
+                let engine = engine.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = answer(stream, &engine).await {
+                        tracing::debug!(%addr, %from, error = %e, "metrics scrape failed");
+                    }
+                    drop(slot);
+                });
+            }
+        });
+        tracing::info!(%addr, "serving metrics");
+        Self { addr, task }
+    }
+
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// Reads one request head and answers it.
+async fn answer(mut stream: tokio::net::TcpStream, engine: &Weak<Inner>) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    let read = async {
+        loop {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<bool, std::io::Error>(false);
+            }
+            head.extend_from_slice(&buf[..n]);
+            if head.windows(4).any(|w| w == b"\r\n\r\n") {
+                return Ok(true);
+            }
+            if head.len() > MAX_HEAD {
+                return Ok(false);
+            }
+        }
+    };
+    let complete = match tokio::time::timeout(READ_TIMEOUT, read).await {
+        Ok(r) => r?,
+        Err(_) => false,
+    };
+    let (status, content_type, body) = if !complete {
+        ("400 Bad Request", "text/plain", "bad request\n".to_owned())
+    } else {
+        let line = head
+            .split(|b| *b == b'\r')
+            .next()
+            .map(String::from_utf8_lossy)
+            .unwrap_or_default();
+        let mut words = line.split(' ');
+        match (words.next(), words.next().map(|p| p.split('?').next())) {
+            (Some("GET"), Some(Some("/metrics"))) => match engine.upgrade() {
+                Some(inner) => (
+                    "200 OK",
+                    CONTENT_TYPE,
+                    render(&crate::TransferEngine { inner }.describe()),
+                ),
+                None => (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    "engine gone\n".to_owned(),
+                ),
+            },
+            (Some("GET"), _) => (
+                "404 Not Found",
+                "text/plain",
+                "ferry serves its metrics at /metrics\n".to_owned(),
+            ),
+            _ => (
+                "405 Method Not Allowed",
+                "text/plain",
+                "GET /metrics\n".to_owned(),
+            ),
+        }
+    };
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    );
+    out.push_str(&body);
+    stream.write_all(out.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// The Prometheus text (version 0.0.4) of `d`.
+pub fn render(d: &Description) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Snapshot(d.clone())));
+    let mut out = String::new();
+    // Writing to a String does not fail.
+    let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry);
+    out
+}
+
+/// One description, encoded at scrape time.
+#[derive(Debug)]
+struct Snapshot(Description);
+
+type Labels = Vec<(&'static str, String)>;
+
+/// A per-rail counter: name, help, and how to read it.
+type RailFamily = (
+    &'static str,
+    &'static str,
+    fn(&crate::RailDescription) -> u64,
+);
+
+/// One family: its rows, summed by label set.
+struct Family {
+    name: &'static str,
+    help: &'static str,
+    ty: MetricType,
+    rows: BTreeMap<Labels, u64>,
+}
+
+impl Family {
+    fn new(name: &'static str, help: &'static str, ty: MetricType) -> Self {
+        Self {
+            name,
+            help,
+            ty,
+            rows: BTreeMap::new(),
+        }
+    }
+
+    fn add(&mut self, labels: Labels, v: u64) -> &mut Self {
+        let e = self.rows.entry(labels).or_default();
+        *e = e.saturating_add(v);
+        self
+    }
+
+    fn encode(&self, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        let mut m = enc.encode_descriptor(self.name, self.help, None, self.ty)?;
+        for (labels, v) in &self.rows {
+            let fam = m.encode_family(labels)?;
+            match self.ty {
+                MetricType::Counter => ConstCounter::new(*v).encode(fam)?,
+                _ => ConstGauge::new(i64::try_from(*v).unwrap_or(i64::MAX)).encode(fam)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A histogram of one label set.
+struct Hist {
+    sum: f64,
+    count: u64,
+    buckets: Vec<(f64, u64)>,
+}
+
+impl EncodeMetric for Hist {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> std::fmt::Result {
+        encoder.encode_histogram::<Labels>(self.sum, self.count, &self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+fn labels<const N: usize>(pairs: [(&'static str, &str); N]) -> Labels {
+    pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect()
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let d = &self.0;
+        use MetricType::{Counter, Gauge};
+        let mut info = Family::new(
+            "ferry_engine_info",
+            "The engine's identity (value 1): peer id, epoch (new at each start), data plane.",
+            Gauge,
+        );
+        info.add(
+            labels([
+                ("peer_id", &d.peer_id),
+                ("epoch", &d.epoch),
+                ("data_plane", d.data_plane.as_deref().unwrap_or("none")),
+            ]),
+            1,
+        );
+        info.encode(&mut enc)?;
+
+        // Client side: per route, peers capped.
+        let mut peers: Vec<&str> = Vec::new();
+        for r in &d.routes {
+            if !peers.contains(&r.peer.as_str()) {
+                peers.push(&r.peer);
+            }
+        }
+        let peer_label = |p: &str| -> String {
+            match peers.iter().position(|x| *x == p) {
+                Some(i) if i < MAX_PEER_LABELS => p.to_owned(),
+                _ => "other".to_owned(),
+            }
+        };
+        let mut bytes = Family::new(
+            "ferry_bytes",
+            "Bytes of ops this engine completed (acknowledged) as a client, by peer, transport, \
+             op kind and route (direct, or staged through pinned host buffers).",
+            Counter,
+        );
+        let mut ops = Family::new(
+            "ferry_ops",
+            "Ops this engine completed (acknowledged) as a client, by peer, transport, op kind \
+             and route.",
+            Counter,
+        );
+        let mut requests = Family::new(
+            "ferry_requests",
+            "Requests finished, by peer and transport.",
+            Counter,
+        );
+        let mut failures = Family::new(
+            "ferry_request_failures",
+            "Requests that ended with a failure, by the kind of their first failure.",
+            Counter,
+        );
+        let mut replays = Family::new(
+            "ferry_replays",
+            "Ops run again after a lost connection (whole ops).",
+            Counter,
+        );
+        let mut replayed_bytes = Family::new(
+            "ferry_replayed_bytes",
+            "Bytes of the ops run again after a lost connection.",
+            Counter,
+        );
+        let mut reconnects = Family::new(
+            "ferry_reconnects",
+            "Channels reopened to the same peer incarnation.",
+            Counter,
+        );
+        let mut reconnect_attempts = Family::new(
+            "ferry_reconnect_attempts",
+            "Reconnect attempts, successful or not.",
+            Counter,
+        );
+        let mut reconnect_failures = Family::new(
+            "ferry_reconnect_failures",
+            "Reconnects given up (attempts ran out, or the peer restarted).",
+            Counter,
+        );
+        for r in &d.routes {
+            let peer = peer_label(&r.peer);
+            let route = || labels([("peer", &peer), ("transport", &r.transport)]);
+            for t in &r.traffic {
+                let l = labels([
+                    ("peer", &peer),
+                    ("transport", &r.transport),
+                    ("op", &t.op),
+                    ("route", &t.route),
+                ]);
+                bytes.add(l.clone(), t.bytes);
+                ops.add(l, t.ops);
+            }
+            requests.add(route(), r.requests);
+            for (kind, n) in &r.failures {
+                failures.add(
+                    labels([("peer", &peer), ("transport", &r.transport), ("kind", kind)]),
+                    *n,
+                );
+            }
+            replays.add(route(), r.replays);
+            replayed_bytes.add(route(), r.replayed_bytes);
+            reconnects.add(route(), r.reconnects);
+            reconnect_attempts.add(route(), r.reconnect_attempts);
+            reconnect_failures.add(route(), r.reconnect_failures);
+        }
+        for f in [
+            &bytes,
+            &ops,
+            &requests,
+            &failures,
+            &replays,
+            &replayed_bytes,
+            &reconnects,
+            &reconnect_attempts,
+            &reconnect_failures,
+        ] {
+            f.encode(&mut enc)?;
+        }
+
+        // Latency histograms.
+        if !d.latency.is_empty() {
+            let mut m = enc.encode_descriptor(
+                "ferry_request_duration_seconds",
+                "Request latency from submission to the logical outcome, by op kind (or mixed) \
+                 and size class (the request's bytes: at most 4KiB, 64KiB, 1MiB, 16MiB, or inf).",
+                None,
+                MetricType::Histogram,
+            )?;
+            for l in &d.latency {
+                let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+                    .iter()
+                    .zip(&l.buckets)
+                    .map(|(b, n)| (*b as f64 / 1e6, *n))
+                    .collect();
+                buckets.push((f64::INFINITY, l.buckets.last().copied().unwrap_or(0)));
+                let h = Hist {
+                    sum: l.sum_ns as f64 / 1e9,
+                    count: l.count,
+                    buckets,
+                };
+                let set = labels([("op", &l.op), ("size", &l.size)]);
+                h.encode(m.encode_family(&set)?)?;
+            }
+        }
+
+        // Server side.
+        if let Some(s) = &d.served {
+            let mut bytes = Family::new(
+                "ferry_served_bytes",
+                "Bytes of ops this engine's listener accepted, by op kind (counted when \
+                 checked, before they move).",
+                Counter,
+            );
+            let mut ops = Family::new(
+                "ferry_served_ops",
+                "Ops this engine's listener accepted, by op kind.",
+                Counter,
+            );
+            let mut refused = Family::new(
+                "ferry_served_refusals",
+                "Requests this engine's listener refused, by status.",
+                Counter,
+            );
+            for t in &s.accepted {
+                bytes.add(labels([("op", &t.op)]), t.bytes);
+                ops.add(labels([("op", &t.op)]), t.ops);
+            }
+            for (status, n) in &s.refused {
+                refused.add(labels([("status", status)]), *n);
+            }
+            bytes.encode(&mut enc)?;
+            ops.encode(&mut enc)?;
+            refused.encode(&mut enc)?;
+        }
+        if let Some(h) = &d.handshakes {
+            Family::new(
+                "ferry_handshakes_pending",
+                "Connections in their handshake now (before authentication).",
+                Gauge,
+            )
+            .add(Labels::new(), h.pending)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_handshakes_max_pending",
+                "The cap on connections in their handshake at once.",
+                Gauge,
+            )
+            .add(Labels::new(), h.max_pending)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_handshake_refusals",
+                "Connections closed before their handshake ended: past the cap on pending \
+                 handshakes (reason=cap) or at the handshake deadline (reason=timeout).",
+                Counter,
+            )
+            .add(labels([("reason", "cap")]), h.refused)
+            .add(labels([("reason", "timeout")]), h.timed_out)
+            .encode(&mut enc)?;
+        }
+
+        // Registrations.
+        Family::new("ferry_registrations", "Live registrations.", Gauge)
+            .add(Labels::new(), d.registrations)
+            .encode(&mut enc)?;
+        Family::new(
+            "ferry_registered_bytes",
+            "Bytes charged to the registration budget.",
+            Gauge,
+        )
+        .add(Labels::new(), d.registered_bytes)
+        .encode(&mut enc)?;
+        Family::new(
+            "ferry_registrations_unquiesced",
+            "Registrations held because a native destroy failed.",
+            Gauge,
+        )
+        .add(Labels::new(), d.unquiesced)
+        .encode(&mut enc)?;
+        let mut copies = Family::new(
+            "ferry_device_registrations",
+            "Native registration copies (RDMA: memory regions) per registration context \
+             (device:port, or host).",
+            Gauge,
+        );
+        let mut copy_bytes = Family::new(
+            "ferry_device_registered_bytes",
+            "Bytes the native registration copies of each context cover.",
+            Gauge,
+        );
+        for c in &d.contexts {
+            copies.add(labels([("device", &c.name)]), c.copies);
+            copy_bytes.add(labels([("device", &c.name)]), c.bytes);
+        }
+        copies.encode(&mut enc)?;
+        copy_bytes.encode(&mut enc)?;
+        if let Some(c) = &d.registration_cache {
+            Family::new(
+                "ferry_registration_cache_hits",
+                "Native registration copies served by an existing copy of the same pages.",
+                Counter,
+            )
+            .add(Labels::new(), c.hits)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_registration_cache_misses",
+                "Native registration copies made.",
+                Counter,
+            )
+            .add(Labels::new(), c.misses)
+            .encode(&mut enc)?;
+        }
+        Family::new(
+            "ferry_published_segments",
+            "Segments published (memory and files).",
+            Gauge,
+        )
+        .add(Labels::new(), d.published.len() as u64)
+        .encode(&mut enc)?;
+
+        // RDMA rails.
+        let rail_families: [RailFamily; 6] = [
+            (
+                "ferry_rail_bytes",
+                "Bytes acknowledged per RDMA rail.",
+                |r| r.bytes,
+            ),
+            (
+                "ferry_rail_work_requests",
+                "Work requests acknowledged per RDMA rail.",
+                |r| r.work_requests,
+            ),
+            (
+                "ferry_rail_errors",
+                "Error completions per RDMA rail.",
+                |r| r.errors,
+            ),
+            (
+                "ferry_rail_flushed",
+                "Flushed work requests per RDMA rail.",
+                |r| r.flushed,
+            ),
+            (
+                "ferry_rail_replays",
+                "Chunks of a failed rail this rail re-posted.",
+                |r| r.replayed,
+            ),
+            (
+                "ferry_rail_replayed_bytes",
+                "Bytes of the chunks this rail re-posted for a failed rail.",
+                |r| r.replayed_bytes,
+            ),
+        ];
+        for (name, help, get) in rail_families {
+            let mut f = Family::new(name, help, Counter);
+            for r in &d.rails {
+                f.add(labels([("rail", &r.rail)]), get(r));
+            }
+            f.encode(&mut enc)?;
+        }
+
+        // Staging of GPU memory.
+        #[cfg(feature = "cuda")]
+        if let Some(s) = &d.staging {
+            Family::new(
+                "ferry_staged_bytes",
+                "Bytes of GPU memory staged through pinned host buffers.",
+                Counter,
+            )
+            .add(Labels::new(), s.staged_bytes)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_staging_copies",
+                "Copies between GPU memory and the staging buffers.",
+                Counter,
+            )
+            .add(Labels::new(), s.copies)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_staging_copy_failures",
+                "Failed copies between GPU memory and the staging buffers.",
+                Counter,
+            )
+            .add(Labels::new(), s.copy_failures)
+            .encode(&mut enc)?;
+            Family::new(
+                "ferry_staging_buffers_in_use",
+                "Staging buffers in use now.",
+                Gauge,
+            )
+            .add(Labels::new(), s.buffers_in_use as u64)
+            .encode(&mut enc)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{Outcome, RemoteEffect, TransportKind};
+
+    /// Past `MAX_PEER_LABELS` peers, the later ones are summed under `peer="other"`: the
+    /// series stay bounded and no byte is lost from the sum.
+    #[tokio::test]
+    async fn peers_past_the_cap_are_summed_under_other() {
+        let engine = crate::TransferEngine::builder().build().unwrap();
+        let extra = 6;
+        let shape = crate::describe::Shape::of(
+            [(ferry_core::OpKind::Read, 100)].into_iter(),
+            crate::describe::Path::Direct,
+        );
+        for i in 0..MAX_PEER_LABELS + extra {
+            let c = engine.inner.routes.counters(
+                format!("10.0.{}.{}:7400", i / 256, i % 256),
+                TransportKind::Tcp,
+            );
+            let o = Outcome {
+                completed_ops: 1,
+                completed_bytes: 100,
+                failure: None,
+                remote_effect: RemoteEffect::None,
+                drained: true,
+            };
+            c.record(&o, &shape, Duration::from_micros(30));
+        }
+        let text = engine.metrics_text();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("ferry_bytes_total{"))
+            .collect();
+        assert_eq!(series.len(), MAX_PEER_LABELS + 1, "{text}");
+        let other = series
+            .iter()
+            .find(|l| l.contains("peer=\"other\""))
+            .expect("an other series");
+        assert!(other.ends_with(&format!(" {}", 100 * extra)), "{other}");
+        let count = format!(
+            "ferry_request_duration_seconds_count{{op=\"read\",size=\"4KiB\"}} {}",
+            MAX_PEER_LABELS + extra
+        );
+        assert!(text.contains(&count), "{text}");
+    }
+}

@@ -1,0 +1,412 @@
+//! The native side of `ferry.broadcast`: a publisher of named tensors of an engine's
+//! registrations and a receiver that pulls them into registrations of another engine
+//! (`ferry-broadcast`'s `Source::start_tensors` and `Receiver::join_into`). The Python module
+//! registers the caller's arrays, builds the tensor lists and raises the typed errors; here
+//! each blocking call releases the GIL and runs on the module's runtime.
+//!
+//! Errors: a `BroadcastError` becomes the exception class of `ferry.broadcast` named after its
+//! kind (`TensorMismatch`, `TornError`, else `BroadcastError`), all `FerryError` subclasses,
+//! with `name`, `version` and, where they apply, `problems` or `tensors` set.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use ferry_broadcast::{
+    BroadcastError, Destinations, Embedded, Receiver, ReceiverOptions, Slice, Source,
+    SourceOptions, Tensor,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::engine::{Engine, Registration};
+use crate::gpu::GpuRegistration;
+use crate::runtime;
+
+/// `BroadcastError` as the Python exception `ferry.broadcast` defines for its kind.
+fn to_py(py: Python<'_>, e: BroadcastError) -> PyErr {
+    let make = || -> PyResult<PyErr> {
+        let m = py.import("ferry.broadcast")?;
+        let (class, name, version) = match &e {
+            BroadcastError::Mismatch { name, version, .. } => ("TensorMismatch", name, *version),
+            BroadcastError::Torn { name, version, .. } => ("TornError", name, *version),
+            BroadcastError::Commit { name, version, .. } => ("BroadcastError", name, *version),
+            BroadcastError::TimedOut { name, version, .. } => ("PullTimeout", name, *version),
+            _ => ("BroadcastError", &String::new(), 0),
+        };
+        let exc = m.getattr(class)?.call1((e.to_string(),))?;
+        if !name.is_empty() {
+            exc.setattr("name", name)?;
+            exc.setattr("version", version)?;
+        }
+        match &e {
+            BroadcastError::Mismatch { problems, .. } => {
+                exc.setattr("problems", problems.clone())?
+            }
+            BroadcastError::Torn { tensors, .. } => exc.setattr("tensors", tensors.clone())?,
+            _ => {}
+        }
+        Ok(PyErr::from_value(exc))
+    };
+    make().unwrap_or_else(|err| err)
+}
+
+/// A slice of a `Registration` or `GpuRegistration`.
+fn slice(obj: &Bound<'_, PyAny>, offset: u64, len: u64) -> PyResult<Slice> {
+    let closed = |name: &str| PyValueError::new_err(format!("registration {name:?} is closed"));
+    let made = if let Ok(r) = obj.cast::<Registration>() {
+        let r = r.get();
+        let g = r.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let reg = g.as_ref().ok_or_else(|| closed(&r.name))?;
+        Slice::new(reg, &r.name, offset, len)
+    } else if let Ok(r) = obj.cast::<GpuRegistration>() {
+        let r = r.get();
+        let g = r.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let reg = g.as_ref().ok_or_else(|| closed(&r.name))?;
+        Slice::new(reg, &r.name, offset, len)
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "a tensor must live in a Registration or a GpuRegistration, not {}",
+            obj.get_type().name()?
+        )));
+    };
+    made.map_err(PyValueError::new_err)
+}
+
+fn addr(s: &str) -> PyResult<SocketAddr> {
+    s.parse().map_err(|e| {
+        PyValueError::new_err(format!(
+            "a broadcast address is an IP address and port like \"127.0.0.1:7500\", not {s:?}: {e}"
+        ))
+    })
+}
+
+/// One tensor as the Python module passes it: name, registration, offset, length, dtype, shape.
+type PyTensor<'py> = (
+    String,
+    Bound<'py, PyAny>,
+    u64,
+    u64,
+    Option<String>,
+    Option<Vec<u64>>,
+);
+
+fn tensors(list: Vec<PyTensor<'_>>) -> PyResult<Vec<Tensor>> {
+    list.into_iter()
+        .map(|(name, reg, offset, len, dtype, shape)| {
+            Ok(Tensor {
+                name,
+                slice: slice(&reg, offset, len)?,
+                dtype,
+                shape,
+            })
+        })
+        .collect()
+}
+
+/// A running publisher (`Source` over the caller's engine).
+#[pyclass(name = "_Publisher", module = "ferry._ferry", frozen)]
+pub(crate) struct Publisher {
+    inner: Mutex<Option<Source>>,
+    addr: String,
+}
+
+#[pymethods]
+impl Publisher {
+    /// The control address receivers are given.
+    #[getter]
+    fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The versions served, oldest first.
+    fn versions(&self) -> Vec<u64> {
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        g.as_ref().map(Source::versions).unwrap_or_default()
+    }
+
+    /// Publishes `version` from `tensors` (a list as for `_publish`).
+    fn publish(&self, py: Python<'_>, version: u64, tensors: Vec<PyTensor<'_>>) -> PyResult<()> {
+        let ts = self::tensors(tensors)?;
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let src = g
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the publisher is closed"))?;
+        py.detach(|| src.publish(version, &ts, None))
+            .map(|_| ())
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Stops serving.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let src = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(src) = src {
+            let rt = runtime::get(py)?;
+            py.detach(|| rt.block_on(src.stop()));
+        }
+        Ok(())
+    }
+}
+
+/// Starts a publisher of `tensors` on `engine` (which must listen); its control service
+/// listens on `listen`.
+#[pyfunction]
+#[pyo3(signature = (engine, name, version, tensors, chunk_size, listen, keep_versions))]
+#[allow(clippy::too_many_arguments)]
+fn _publish(
+    py: Python<'_>,
+    engine: &Engine,
+    name: &str,
+    version: u64,
+    tensors: Vec<PyTensor<'_>>,
+    chunk_size: Option<u64>,
+    listen: &str,
+    keep_versions: usize,
+) -> PyResult<Publisher> {
+    let ts = self::tensors(tensors)?;
+    let opts = SourceOptions {
+        listen: addr(listen)?,
+        keep_versions,
+        ..Default::default()
+    };
+    let rt = runtime::get(py)?;
+    let chunk = chunk_size.unwrap_or(ferry_broadcast::manifest::DEFAULT_CHUNK_SIZE);
+    let src = py
+        .detach(|| {
+            rt.block_on(Source::start_tensors(
+                &engine.inner,
+                name,
+                version,
+                &ts,
+                chunk,
+                opts,
+                None,
+            ))
+        })
+        .map_err(|e| to_py(py, e))?;
+    let addr = src.ctl_addr().to_string();
+    Ok(Publisher {
+        inner: Mutex::new(Some(src)),
+        addr,
+    })
+}
+
+/// A receiver that joined a broadcast (`Receiver::join_into`).
+#[pyclass(name = "_Puller", module = "ferry._ferry", frozen)]
+pub(crate) struct Puller {
+    inner: Mutex<Option<Receiver>>,
+    version: u64,
+}
+
+impl Puller {
+    fn take(&self) -> PyResult<Receiver> {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this pull is running or was closed"))
+    }
+
+    fn put(&self, r: Receiver) {
+        *self.inner.lock().unwrap_or_else(PoisonError::into_inner) = Some(r);
+    }
+}
+
+#[pymethods]
+impl Puller {
+    /// The version being pulled.
+    #[getter]
+    fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Pulls every chunk (GIL released), calling `progress(bytes, total)` as bytes are
+    /// verified (last with `bytes == total` on success); then, with `linger` seconds, keeps relaying while later receivers are
+    /// unfinished. Returns the summary as a dict. `timeout` (seconds) bounds the pull.
+    #[pyo3(signature = (timeout=None, progress=None, linger=0.0))]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+        progress: Option<Py<PyAny>>,
+        linger: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut r = self.take()?;
+        let rt = runtime::get(py)?;
+        let timeout = timeout.map(Duration::from_secs_f64);
+        let mut watch = r.progress();
+        let name = r.manifest().name.clone();
+        let report = |last: &mut (u64, u64), s: &ferry_broadcast::Snapshot| {
+            if let Some(p) = &progress
+                && *last != (s.bytes, s.total)
+            {
+                *last = (s.bytes, s.total);
+                Python::attach(|py| {
+                    if let Err(e) = p.call1(py, (s.bytes, s.total)) {
+                        e.write_unraisable(py, None);
+                    }
+                });
+            }
+        };
+        let result = py.detach(|| {
+            rt.block_on(async {
+                let mut last = (u64::MAX, u64::MAX);
+                let res = {
+                    let run = r.run();
+                    tokio::pin!(run);
+                    let deadline = async {
+                        match timeout {
+                            Some(t) => tokio::time::sleep(t).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::pin!(deadline);
+                    loop {
+                        tokio::select! {
+                            res = &mut run => break Some(res),
+                            () = &mut deadline => break None,
+                            Ok(()) = watch.changed(), if progress.is_some() => {
+                                let s = watch.borrow_and_update().clone();
+                                report(&mut last, &s);
+                            }
+                        }
+                    }
+                };
+                if matches!(res, Some(Ok(_))) {
+                    // The last snapshot (every byte) even when the pull ended before the
+                    // watch was polled again.
+                    let s = watch.borrow_and_update().clone();
+                    report(&mut last, &s);
+                }
+                if matches!(res, Some(Ok(_))) && linger > 0.0 {
+                    r.linger(Duration::from_secs_f64(linger)).await;
+                }
+                (res, r)
+            })
+        });
+        let (res, r) = result;
+        let res = res.unwrap_or_else(|| {
+            Err(r.failed(BroadcastError::TimedOut {
+                name,
+                version: r.version(),
+                seconds: timeout.unwrap_or_default().as_secs_f64(),
+            }))
+        });
+        self.put(r);
+        let sum = res.map_err(|e| to_py(py, e))?;
+        let d = PyDict::new(py);
+        d.set_item("name", &sum.name)?;
+        d.set_item("version", sum.version)?;
+        d.set_item("bytes", sum.bytes)?;
+        d.set_item("seconds", sum.seconds)?;
+        d.set_item("from_source", sum.bytes_from_source)?;
+        d.set_item("from_relays", sum.bytes_from_relays)?;
+        d.set_item("refetched", sum.refetched_chunks)?;
+        d.set_item("parents_given_up", sum.parents_given_up)?;
+        d.set_item("bytes_copied", sum.bytes_copied)?;
+        Ok(d)
+    }
+
+    /// Staged: copies staging into the live tensors (GIL released); returns the bytes copied.
+    fn commit(&self, py: Python<'_>) -> PyResult<u64> {
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let r = g
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("this pull was closed"))?;
+        py.detach(|| r.commit()).map_err(|e| to_py(py, e))
+    }
+
+    /// Bytes the CPU copied so far: hashing host memory, and commits (counted, not timed).
+    fn bytes_copied(&self) -> u64 {
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        g.as_ref().map_or(0, Receiver::bytes_copied)
+    }
+
+    /// Leaves the member list and stops serving.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let r = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(r) = r {
+            let rt = runtime::get(py)?;
+            py.detach(|| rt.block_on(r.leave()));
+        }
+        Ok(())
+    }
+}
+
+/// A list of destinations as the Python module passes them: name, registration, offset, length.
+type PyDest<'py> = (String, Bound<'py, PyAny>, u64, u64);
+
+fn dests(list: Vec<PyDest<'_>>) -> PyResult<Vec<(String, Slice)>> {
+    list.into_iter()
+        .map(|(name, reg, off, len)| Ok((name, slice(&reg, off, len)?)))
+        .collect()
+}
+
+/// Joins the broadcast whose publisher's control service is at `source` to pull it into
+/// `into` (and `staging`), on `engine`.
+#[pyfunction]
+#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest))]
+#[allow(clippy::too_many_arguments)]
+fn _join(
+    py: Python<'_>,
+    engine: &Engine,
+    source: &str,
+    into: Vec<PyDest<'_>>,
+    name: Option<String>,
+    version: Option<u64>,
+    staging: Option<Vec<PyDest<'_>>>,
+    rename: HashMap<String, String>,
+    subset: bool,
+    relay: bool,
+    shards: HashMap<String, u64>,
+    verify_at_rest: bool,
+) -> PyResult<Puller> {
+    let d = Destinations {
+        into: dests(into)?,
+        staging: staging.map(dests).transpose()?,
+        rename,
+        subset,
+        shards,
+    };
+    let opts = ReceiverOptions {
+        relay,
+        version,
+        verify_at_rest,
+        ..Default::default()
+    };
+    let disc = Arc::new(Embedded::new(addr(source)?));
+    let rt = runtime::get(py)?;
+    let r = py
+        .detach(|| {
+            rt.block_on(Receiver::join_into(
+                &engine.inner,
+                disc,
+                name.as_deref(),
+                d,
+                opts,
+            ))
+        })
+        .map_err(|e| to_py(py, e))?;
+    Ok(Puller {
+        version: r.version(),
+        inner: Mutex::new(Some(r)),
+    })
+}
+
+pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Publisher>()?;
+    m.add_class::<Puller>()?;
+    m.add_function(wrap_pyfunction!(_publish, m)?)?;
+    m.add_function(wrap_pyfunction!(_join, m)?)?;
+    Ok(())
+}
