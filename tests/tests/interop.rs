@@ -26,6 +26,9 @@ use transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
     Uring(ZeroCopy),
+    /// As a server: io_uring with every data stream on its fixed set of rings
+    /// ([`UringConfig::event_loop`], two rings); as a client: `Uring(ZeroCopy::Auto)`.
+    Rings(ZeroCopy),
     /// The TCP data plane with its data streams on `io_threads` I/O threads
     /// ([`TcpConfig::io_threads`]: `Some(0)` one per core, `None` the caller's runtime).
     Tcp(Option<usize>),
@@ -36,7 +39,7 @@ const TCP: Side = Side::Tcp(Some(0));
 
 impl Side {
     fn is_uring(self) -> bool {
-        matches!(self, Side::Uring(_))
+        matches!(self, Side::Uring(_) | Side::Rings(_))
     }
 }
 
@@ -85,10 +88,19 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
         })
     };
     let (server, addr) = match side {
-        Side::Uring(zc) => {
-            let t = UringTransport::new(UringConfig {
-                zero_copy: zc,
-                ..UringConfig::default()
+        Side::Uring(_) | Side::Rings(_) => {
+            let t = UringTransport::new(match side {
+                Side::Uring(zc) => UringConfig {
+                    zero_copy: zc,
+                    ..UringConfig::default()
+                },
+                Side::Rings(zc) => UringConfig {
+                    zero_copy: zc,
+                    event_loop: true,
+                    server_rings: 2,
+                    ..UringConfig::default()
+                },
+                Side::Tcp(_) => unreachable!("an io_uring side"),
             })
             .unwrap();
             let server = UringServer::bind(addr).unwrap();
@@ -133,7 +145,13 @@ async fn channel_with(
     chunk: u64,
     versions: VersionRange,
 ) -> Arc<dyn Channel> {
+    let client = if let Side::Rings(_) = client {
+        Side::Uring(ZeroCopy::Auto)
+    } else {
+        client
+    };
     let (transport, offer): (Arc<dyn Transport>, TransportOffer) = match client {
+        Side::Rings(_) => unreachable!("a client side"),
         Side::Uring(zc) => {
             let t = UringTransport::new(UringConfig {
                 streams,
@@ -213,6 +231,10 @@ const PAIRS: &[(Side, Side)] = &[
     (Side::Uring(ZeroCopy::Always), Side::Uring(ZeroCopy::Always)),
     (Side::Uring(ZeroCopy::Auto), TCP),
     (TCP, Side::Uring(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Never), Side::Rings(ZeroCopy::Auto)),
+    (Side::Uring(ZeroCopy::Always), Side::Rings(ZeroCopy::Always)),
+    (TCP, Side::Rings(ZeroCopy::Auto)),
     // Streams on I/O threads (two, fewer than the streams) and on the caller's runtime, on
     // either side.
     (Side::Tcp(Some(2)), Side::Tcp(Some(2))),
@@ -326,7 +348,7 @@ async fn stale_epoch_stream_is_refused() {
     for (client, server) in runnable(&[(uring, uring), (uring, TCP), (TCP, TCP)]) {
         let f = start(server);
         let (t, offer): (Arc<dyn Transport>, _) = match client {
-            Side::Uring(_) => (
+            Side::Uring(_) | Side::Rings(_) => (
                 Arc::new(UringTransport::new(UringConfig::default()).unwrap()),
                 TransportOffer::Uring {
                     streams: 1,
@@ -430,7 +452,11 @@ async fn handshake_says_which_engine_each_side_has() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_does_not_hurt_the_server() {
-    for (client, server) in runnable(&[(TCP, Side::Uring(ZeroCopy::Auto)), (TCP, TCP)]) {
+    for (client, server) in runnable(&[
+        (TCP, Side::Uring(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
+        (TCP, TCP),
+    ]) {
         let f = start(server);
         let mut s = std::net::TcpStream::connect(f.addr).unwrap();
         s.write_all(b"FRRY\x01\x00\x01\x00\xff\xff\xff\xff")
@@ -616,7 +642,7 @@ async fn a_dying_stream_hands_its_waiting_chunks_to_the_others() {
             all
         });
         let ch = match client {
-            Side::Uring(_) => {
+            Side::Uring(_) | Side::Rings(_) => {
                 open_streams(
                     addr,
                     UringConfig {
@@ -726,50 +752,52 @@ async fn server_holds_back_write_responses_and_keeps_order() {
     if !uring_usable() {
         return;
     }
-    let f = start(Side::Uring(ZeroCopy::Auto));
-    let ServerHandle::Uring(server) = &f._server else {
-        unreachable!()
-    };
-    let size = 16 << 20;
-    let (tok, remote) = publish(
-        &f.table,
-        "seg",
-        size,
-        Access::REMOTE_READ | Access::REMOTE_WRITE,
-    );
-    let (ro_tok, _) = publish(&f.table, "ro", 4096, Access::REMOTE_READ);
-    let src = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
-    fill(&src, 11);
-    let dst = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
-    let ch = channel(&f, Side::Uring(ZeroCopy::Auto), 1, 64 << 10).await;
-    let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, size as u64)]).await;
-    assert!(o.is_success() && o.drained, "{o:?}");
-    assert!(bytes(&remote, 0, size) == bytes(&src, 0, size));
-    let held = server.stats().held_responses.load(Ordering::Relaxed);
-    assert!(
-        held > 0,
-        "256 chunks in flight four at a time, none held back"
-    );
-    // Held-back WRITEs, then a READ, a refused WRITE and more WRITEs, in one request.
-    let half = (size / 2) as u64;
-    let o = run(
-        &ch,
-        vec![
-            op(OpKind::Write, &src, half, tok, 0, half),
-            op(OpKind::Read, &dst, 0, tok, 0, half),
-            op(OpKind::Write, &src, 0, tok, half, half),
-            op(OpKind::Write, &src, 0, ro_tok, 0, 100),
-        ],
-    )
-    .await;
-    assert_eq!(o.completed_ops, 3, "{o:?}");
-    assert_eq!(
-        o.failure.map(|f| (f.op_index, f.kind)),
-        Some((3, FailureKind::Remote(RemoteStatus::AccessDenied)))
-    );
-    assert!(bytes(&dst, 0, half as usize) == bytes(&src, half, half as usize));
-    assert!(bytes(&remote, half, half as usize) == bytes(&src, 0, half as usize));
-    assert!(ch.is_alive());
+    for side in [Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)] {
+        let f = start(side);
+        let ServerHandle::Uring(server) = &f._server else {
+            unreachable!()
+        };
+        let size = 16 << 20;
+        let (tok, remote) = publish(
+            &f.table,
+            "seg",
+            size,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
+        let (ro_tok, _) = publish(&f.table, "ro", 4096, Access::REMOTE_READ);
+        let src = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+        fill(&src, 11);
+        let dst = Arc::new(MemoryRegion::alloc_zeroed(size, 4096).unwrap());
+        let ch = channel(&f, Side::Uring(ZeroCopy::Auto), 1, 64 << 10).await;
+        let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, size as u64)]).await;
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert!(bytes(&remote, 0, size) == bytes(&src, 0, size));
+        let held = server.stats().held_responses.load(Ordering::Relaxed);
+        assert!(
+            held > 0,
+            "256 chunks in flight four at a time, none held back"
+        );
+        // Held-back WRITEs, then a READ, a refused WRITE and more WRITEs, in one request.
+        let half = (size / 2) as u64;
+        let o = run(
+            &ch,
+            vec![
+                op(OpKind::Write, &src, half, tok, 0, half),
+                op(OpKind::Read, &dst, 0, tok, 0, half),
+                op(OpKind::Write, &src, 0, tok, half, half),
+                op(OpKind::Write, &src, 0, ro_tok, 0, 100),
+            ],
+        )
+        .await;
+        assert_eq!(o.completed_ops, 3, "{o:?}");
+        assert_eq!(
+            o.failure.map(|f| (f.op_index, f.kind)),
+            Some((3, FailureKind::Remote(RemoteStatus::AccessDenied)))
+        );
+        assert!(bytes(&dst, 0, half as usize) == bytes(&src, half, half as usize));
+        assert!(bytes(&remote, half, half as usize) == bytes(&src, 0, half as usize));
+        assert!(ch.is_alive());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -815,8 +843,13 @@ async fn server_shutdown_loses_the_peer() {
     if !uring_usable() {
         return;
     }
-    for client in [Side::Uring(ZeroCopy::Auto), TCP] {
-        let f = start(Side::Uring(ZeroCopy::Auto));
+    for (client, server) in [
+        (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
+        (TCP, Side::Uring(ZeroCopy::Auto)),
+        (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
+    ] {
+        let f = start(server);
         let (tok, _) = publish(&f.table, "x", 1 << 20, Access::REMOTE_WRITE);
         let ch = channel(&f, client, 2, 64 << 10).await;
         let src = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
@@ -1004,11 +1037,17 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
 /// checks (token, access, bounds), and the segment changes exactly where accepted WRITEs wrote.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_requests_match_the_oracle() {
+    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings(ZeroCopy::Auto))]) {
+        random_requests_match_the_oracle_on(server).await;
+    }
+}
+
+async fn random_requests_match_the_oracle_on(server: Side) {
     use ferry_core::wire::StreamAttach;
     use rand::{Rng, SeedableRng};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    let f = start(TCP);
+    let f = start(server);
     let (rw, rw_seg) = publish(
         &f.table,
         "rw",
@@ -1112,7 +1151,13 @@ async fn random_requests_match_the_oracle() {
 /// chunks larger than its staging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_segments_by_positioned_io() {
-    let f = start(TCP);
+    for (_, server) in runnable(&[(TCP, TCP), (TCP, Side::Rings(ZeroCopy::Auto))]) {
+        file_segments_by_positioned_io_on(server).await;
+    }
+}
+
+async fn file_segments_by_positioned_io_on(server: Side) {
+    let f = start(server);
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let add_file = |path: &std::path::Path, access| {
         let tok = SegmentToken::random();
@@ -1240,6 +1285,8 @@ async fn vectored_batches_move_scattered_pieces_in_every_pairing() {
         (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
         (Side::Uring(ZeroCopy::Never), TCP),
         (TCP, Side::Uring(ZeroCopy::Auto)),
+        (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
         (TCP, TCP),
         (Side::Tcp(None), Side::Tcp(None)),
     ];
@@ -1340,6 +1387,7 @@ async fn a_piece_refused_mid_batch_completes_exactly_the_ops_before_it() {
         (Side::Uring(ZeroCopy::Auto), Side::Uring(ZeroCopy::Auto)),
         (Side::Uring(ZeroCopy::Auto), TCP),
         (TCP, Side::Uring(ZeroCopy::Auto)),
+        (Side::Uring(ZeroCopy::Auto), Side::Rings(ZeroCopy::Auto)),
         (TCP, TCP),
     ];
     for (client, server) in runnable(&pairs) {
@@ -1548,7 +1596,13 @@ async fn vectored_requests_go_only_to_version_3_peers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vectored_batches_mix_file_and_memory_pieces() {
     let uring = Side::Uring(ZeroCopy::Auto);
-    for (client, server) in runnable(&[(TCP, TCP), (uring, uring), (TCP, uring)]) {
+    for (client, server) in runnable(&[
+        (TCP, TCP),
+        (uring, uring),
+        (TCP, uring),
+        (uring, Side::Rings(ZeroCopy::Auto)),
+        (TCP, Side::Rings(ZeroCopy::Auto)),
+    ]) {
         let f = start(server);
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let path = dir.path().join("file");

@@ -53,6 +53,9 @@ tasks:
   bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
                          hundreds of peers against one server, some stalled behind a fault proxy:
                          ops/s, p50/p99, the server's memory and threads (xtask/src/stress.rs)
+  bench idle [--plane tcp|uring|both] [--clients N] [--probes N]
+                         many idle clients on one server: its threads, memory and descriptors,
+                         and a new peer's first 64 B round trip beside them
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
   mutants [--file TEXT]... [--list]

@@ -99,6 +99,16 @@ fn build_stress() -> Result<std::path::PathBuf> {
 
 /// `cargo xtask bench load`.
 pub(crate) fn load(args: &[String]) -> Result<()> {
+    planes_of("load", args)
+}
+
+/// `cargo xtask bench idle`: many idle clients on one server (`stress idle`).
+pub(crate) fn idle(args: &[String]) -> Result<()> {
+    planes_of("idle", args)
+}
+
+/// Runs `stress MODE` once per data plane of `--plane` (both by default).
+fn planes_of(mode: &str, args: &[String]) -> Result<()> {
     let mut planes = vec!["tcp".to_owned(), "uring".to_owned()];
     let mut rest = Vec::new();
     let mut it = args.iter();
@@ -115,7 +125,7 @@ pub(crate) fn load(args: &[String]) -> Result<()> {
     let bin = build_stress()?;
     for plane in planes {
         let mut cmd = std::process::Command::new(&bin);
-        cmd.args(["load", "--plane", &plane]).args(&rest);
+        cmd.args([mode, "--plane", &plane]).args(&rest);
         run_loud(&mut cmd)?;
     }
     Ok(())

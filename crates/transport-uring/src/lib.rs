@@ -19,6 +19,16 @@
 //! - A server's connections in their handshake cost no thread: its accept thread runs all of
 //!   them on non-blocking sockets, within [`UringConfig::handshake`] (a deadline on each, a cap
 //!   on how many at once), and only an attached data stream gets a thread.
+//! - With [`UringConfig::event_loop`] (off by default), no data stream gets a thread either: a
+//!   fixed set of rings ([`UringConfig::server_rings`], one per CPU by default), each on one
+//!   thread, serves every attached stream as a queue of steps around the same
+//!   [`ServerStream`](ferry_core::stream::ServerStream), one socket operation of each stream in
+//!   flight, every stream's submissions of a turn in one `io_uring_enter`; sockets are fixed
+//!   files, READ payloads go out with SEND_ZC where the configuration sends zero-copy (registered
+//!   buffers where the ring takes them), copying SENDMSG otherwise, and what a socket takes or
+//!   holds at once moves with one plain non-blocking syscall. File segments keep their paths
+//!   (O_DIRECT ring reads and writes, positioned I/O for other sources), a piece of at most
+//!   1 MiB at a time on the ring's thread. Nothing goes to the [`StreamOverflow`] there.
 //! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
 //!   peers over the TCP data plane, and a server hands new data streams to its
 //!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).
@@ -46,6 +56,7 @@ mod file_ring;
 mod handshakes;
 pub mod probe;
 mod ring;
+mod rings;
 mod server;
 mod waiter;
 
@@ -107,8 +118,9 @@ pub struct UringConfig {
     /// stream thread, the server's thread for attach index `i`) to the `i`-th CPU this thread
     /// may run on, so both ends of one flow share a core's caches instead of bouncing each
     /// chunk between cores (`docs/performance.md`). The server pins its stream-0 thread only once a second stream of the same
-    /// client attached (a one-stream client pins nothing). Off: the scheduler places every
-    /// thread.
+    /// client attached (a one-stream client pins nothing). With [`UringConfig::event_loop`] the
+    /// server pins ring `i` to the `i`-th CPU and serves a loopback client's stream `i` on ring
+    /// `i` (modulo the rings). Off: the scheduler places every thread.
     pub pin_loopback_streams: bool,
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
@@ -127,6 +139,18 @@ pub struct UringConfig {
     /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
     /// in their handshake share one thread.
     pub handshake: HandshakeLimits,
+    /// The server serves every data stream on a fixed set of rings ([`server_rings`] of them,
+    /// each on one thread) instead of a thread and a ring per stream: a stream costs no thread,
+    /// [`max_threads`] does not bound the server and nothing goes to its [`StreamOverflow`].
+    /// Off by default: the engine does not expose it yet, and its tests of the thread budget
+    /// assume a thread per stream (`docs/architecture.md` §9, `docs/performance.md`).
+    ///
+    /// [`server_rings`]: UringConfig::server_rings
+    /// [`max_threads`]: UringConfig::max_threads
+    pub event_loop: bool,
+    /// How many rings serve a server's data streams with [`UringConfig::event_loop`] (0: one
+    /// per CPU this process may run on).
+    pub server_rings: usize,
 }
 
 /// Default [`UringConfig::max_threads`].
@@ -164,6 +188,8 @@ impl Default for UringConfig {
             dead_peer_after: Some(DEAD_PEER_AFTER),
             max_threads: MAX_THREADS,
             handshake: HandshakeLimits::default(),
+            event_loop: false,
+            server_rings: 0,
         }
     }
 }

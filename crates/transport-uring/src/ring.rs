@@ -140,7 +140,7 @@ impl Drop for ThreadCount {
 
 /// Registered-buffer slots of one ring, keyed by region (weakly, so a dropped region's slot is
 /// never matched by a new region at the same address: the `Weak` keeps the `Arc` allocation).
-struct BufCache {
+pub(crate) struct BufCache {
     slots: Vec<Option<Weak<MemoryRegion>>>,
     refused: Vec<Weak<MemoryRegion>>,
     enabled: bool,
@@ -148,7 +148,7 @@ struct BufCache {
 }
 
 impl BufCache {
-    fn new(ring: &IoUring, want: bool) -> Self {
+    pub(crate) fn new(ring: &IoUring, want: bool) -> Self {
         let enabled = want && ring.submitter().register_buffers_sparse(BUF_SLOTS).is_ok();
         Self {
             slots: vec![None; if enabled { BUF_SLOTS as usize } else { 0 }],
@@ -159,7 +159,7 @@ impl BufCache {
     }
 
     /// The fixed-buffer index covering `region`, registering it if needed and possible.
-    fn index(
+    pub(crate) fn index(
         &mut self,
         ring: &IoUring,
         region: &Arc<MemoryRegion>,
@@ -270,10 +270,14 @@ fn cqe_err(res: i32) -> io::Error {
 }
 
 /// The most iovecs one message is given (Linux's `UIO_MAXIOV`).
-const MAX_IOV: usize = 1024;
+pub(crate) const MAX_IOV: usize = 1024;
 
 /// The iovecs of `parts` from byte `done` on (at most [`MAX_IOV`] of them).
-fn iovecs_from(parts: &[(*const u8, usize)], mut done: usize, iov: &mut Vec<libc::iovec>) {
+pub(crate) fn iovecs_from(
+    parts: &[(*const u8, usize)],
+    mut done: usize,
+    iov: &mut Vec<libc::iovec>,
+) {
     iov.clear();
     for &(ptr, len) in parts {
         if done >= len {

@@ -1,5 +1,6 @@
 //! The serving side: one listener thread for control connections (handshake) and data streams;
-//! each data stream is served by its own thread with its own ring. Every request is checked for
+//! each data stream is served by its own thread with its own ring, or, with
+//! [`UringConfig::event_loop`], by one of a fixed set of rings (`rings.rs`). Every request is checked for
 //! token, access and bounds before any byte of a segment (memory or file) is touched.
 
 use std::collections::HashMap;
@@ -36,14 +37,17 @@ pub struct UringServer {
 #[derive(Debug, Default)]
 pub(crate) struct Live {
     pub(crate) stopped: AtomicBool,
-    conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
-    next: AtomicU64,
+    pub(crate) conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
+    pub(crate) next: AtomicU64,
+    /// The eventfds that wake the server's rings ([`UringConfig::event_loop`]), so that they
+    /// see `stopped`.
+    pub(crate) ring_wakes: Mutex<Vec<Arc<std::os::fd::OwnedFd>>>,
     /// Loopback clients' first streams, by client incarnation, while they are served: set once
     /// a second stream of the same client attaches, which tells stream 0's thread to pin itself.
     first_streams: Mutex<HashMap<(PeerId, Epoch), Arc<AtomicBool>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
@@ -71,6 +75,12 @@ impl Live {
         let conns = lock(&self.conns);
         for c in conns.values() {
             let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        drop(conns);
+        for w in lock(&self.ring_wakes).iter() {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a local to an eventfd the ring set keeps open.
+            unsafe { libc::write(w.as_raw_fd(), (&one as *const u64).cast(), 8) };
         }
     }
 }
@@ -129,9 +139,11 @@ pub(crate) struct Ctx {
     pub(crate) table: Arc<dyn SegmentTable>,
     pub(crate) responder: Arc<dyn HandshakeResponder>,
     pub(crate) config: UringConfig,
-    stats: Arc<IoStats>,
+    pub(crate) stats: Arc<IoStats>,
     pub(crate) live: Arc<Live>,
     overflow: Option<Arc<dyn StreamOverflow>>,
+    /// The fixed set of rings that serves every data stream ([`UringConfig::event_loop`]).
+    rings: std::sync::OnceLock<crate::rings::RingSet>,
 }
 
 impl UringServer {
@@ -168,7 +180,9 @@ impl UringServer {
     /// Needs no async runtime. One thread accepts connections and runs their handshakes
     /// (within `config.handshake`: a deadline on each, a cap on how many at once; counted in
     /// [`UringServerHandle::handshakes`]); each attached data stream gets a thread of its own
-    /// (or the overflow's, past [`UringConfig::max_threads`]).
+    /// (or the overflow's, past [`UringConfig::max_threads`]), or, with
+    /// [`UringConfig::event_loop`], a place on one of the server's fixed set of rings (started
+    /// here: an error if a ring cannot be made).
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,
@@ -186,7 +200,13 @@ impl UringServer {
             stats: stats.clone(),
             live: live.clone(),
             overflow: self.overflow,
+            rings: std::sync::OnceLock::new(),
         });
+        if ctx.config.event_loop {
+            let rings = crate::rings::RingSet::start(ctx.config.server_rings, &ctx)
+                .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
+            let _ = ctx.rings.set(rings);
+        }
         let listener = self.listener;
         // The accept thread polls it with the connections in their handshake.
         listener
@@ -220,6 +240,17 @@ pub(crate) fn attached(
     ctx: &Arc<Ctx>,
     left: Duration,
 ) {
+    if let Some(rings) = ctx.rings.get() {
+        crate::rings::attached(
+            rings,
+            stream,
+            from,
+            attach.stream_index,
+            proto,
+            ctx.config.pin_loopback_streams,
+        );
+        return;
+    }
     let ctx = ctx.clone();
     let run = move || {
         if let Err(e) = serve_attached(stream, from, attach, proto, &ctx, left) {
@@ -336,15 +367,15 @@ fn hand_over(
 
 /// File segments move through a staging buffer of at most this much per stream (a multiple of
 /// `DIRECT_ALIGN`, so aligned chunks stay aligned piece by piece).
-const FILE_PIECE: usize = 1 << 20;
+pub(crate) const FILE_PIECE: usize = 1 << 20;
 
 /// A staging buffer for file segments, page-aligned for O_DIRECT.
-struct Stage {
-    region: Option<Arc<MemoryRegion>>,
+pub(crate) struct Stage {
+    pub(crate) region: Option<Arc<MemoryRegion>>,
 }
 
 impl Stage {
-    fn get(&mut self, len: usize) -> std::io::Result<&Arc<MemoryRegion>> {
+    pub(crate) fn get(&mut self, len: usize) -> std::io::Result<&Arc<MemoryRegion>> {
         let need = (len as u64).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
         if self.region.as_ref().is_none_or(|r| (r.len() as u64) < need) {
             let r =
@@ -360,13 +391,13 @@ impl Stage {
 
 /// A published file as this server moves it: a [`FileSegment`] through the stream's file ring
 /// (O_DIRECT where alignment allows), any other [`FileSource`] through its own positioned I/O.
-enum FileIo {
+pub(crate) enum FileIo {
     Segment(Arc<FileSegment>),
     Source(Arc<dyn FileSource>),
 }
 
 impl FileIo {
-    fn new(source: Arc<dyn FileSource>) -> Self {
+    pub(crate) fn new(source: Arc<dyn FileSource>) -> Self {
         let any: Arc<dyn std::any::Any + Send + Sync> = source.clone();
         match any.downcast::<FileSegment>() {
             Ok(seg) => FileIo::Segment(seg),
@@ -375,7 +406,7 @@ impl FileIo {
     }
 
     /// Reads exactly `n` bytes at file offset `at` into the start of `buf`.
-    fn read_piece(
+    pub(crate) fn read_piece(
         &self,
         ring: &mut IoUring,
         buf: &MemoryRegion,
@@ -407,7 +438,7 @@ impl FileIo {
     }
 
     /// Writes the first `n` bytes of `buf` at file offset `at`.
-    fn write_piece(
+    pub(crate) fn write_piece(
         &self,
         ring: &mut IoUring,
         buf: &MemoryRegion,

@@ -4,13 +4,15 @@
 //! ```text
 //! stress load [--plane tcp|uring] [--peers N] [--stalled N] [--seconds S] [--rounds R]
 //! stress soak [--plane tcp|uring] [--seconds S] [--workers N]
-//! stress serve --plane tcp|uring     (the server child both start; commands on stdin)
+//! stress idle [--plane tcp|uring] [--clients N] [--probes N]
+//! stress serve --plane tcp|uring     (the server child all start; commands on stdin)
 //! ```
 //!
 //! Both run the server in a child process (this binary, `serve`), so its resident memory,
 //! descriptors and threads are its own ([`ferry_tests::Census`] of the child), and put the
 //! clients in this one, some of them behind a [`ferry_tests::proxy::FaultProxy`].
 
+mod idle;
 mod load;
 mod server;
 mod soak;
@@ -85,7 +87,10 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("serve") => server::serve(&Args::parse(rest)?),
         Some("load") => load::run(&Args::parse(rest)?),
+        Some("idle") => idle::run(&Args::parse(rest)?),
         Some("soak") => soak::run(&Args::parse(rest)?),
-        _ => bail!("usage: stress load|soak|serve [options] (see benches/src/bin/stress/main.rs)"),
+        _ => bail!(
+            "usage: stress load|idle|soak|serve [options] (see benches/src/bin/stress/main.rs)"
+        ),
     }
 }

@@ -1,0 +1,168 @@
+//! The io_uring server on its fixed set of rings (`UringConfig::event_loop`): zero-copy READs,
+//! large WRITEs, checksums (`uring_rings_idle.rs`: many idle streams).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use ferry_core::{Access, MemoryRegion, OpKind, Transport};
+use transport_uring::{UringConfig, UringTransport};
+
+/// With SEND_ZC forced, the ring server sends READ payloads zero-copy, every byte arrives, and
+/// every zero-copy send's notification comes (each releases the lease that kept its buffer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_reads_go_out_zero_copy_and_are_all_let_go() {
+    if !uring_usable() {
+        return;
+    }
+    if !transport_uring::probe_kernel().supports("SEND_ZC") {
+        ferry_tests::require_or_skip(ferry_tests::URING, "the kernel lacks io_uring SEND_ZC");
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        event_loop: true,
+        zero_copy: transport_uring::ZeroCopy::Always,
+        ..UringConfig::default()
+    };
+    let server = serve_uring(&table, config, None);
+    let len = 4 << 20;
+    let (tok, remote) = publish(&table, "r", len, Access::REMOTE_READ);
+    fill(&remote, 3);
+    let t = UringTransport::new(UringConfig {
+        chunk_size: 1 << 20,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let my_offer = t.offer();
+    let addr = server.local_addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    let o = run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, len as u64)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert!(
+        bytes(&dst, 0, len) == bytes(&remote, 0, len),
+        "bytes differ"
+    );
+    use std::sync::atomic::Ordering::Relaxed;
+    let zc = server.stats().zc_sends.load(Relaxed);
+    assert!(zc >= 4, "{zc} zero-copy sends for four 1 MiB chunks");
+    // The notifications follow the peer's acknowledgements; wait for them (bounded).
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while server.stats().notifications.load(Relaxed) < zc {
+        assert!(
+            std::time::Instant::now() < end,
+            "{} of {zc} notifications",
+            server.stats().notifications.load(Relaxed)
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+/// WRITE payloads larger than the receive low mark (256 KiB), with tails of every size below
+/// it, land whole on the ring server: a receive under a raised mark never waits for more than
+/// the rest of its payload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_receives_large_writes_with_any_tail() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        event_loop: true,
+        ..UringConfig::default()
+    };
+    let server = serve_uring(&table, config, None);
+    let len = 4 << 20;
+    let (tok, remote) = publish(&table, "w", len, Access::REMOTE_WRITE);
+    let t = UringTransport::new(UringConfig {
+        chunk_size: 4 << 20,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let my_offer = t.offer();
+    let addr = server.local_addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    for (i, n) in [(256 << 10) + 1, (1 << 20) + 12345, (3 << 20) + 4097, len]
+        .into_iter()
+        .enumerate()
+    {
+        fill(&src, i as u64 + 1);
+        // A receive that waits for bytes that never come would hang the WRITE: fail instead.
+        let o = tokio::time::timeout(
+            Duration::from_secs(60),
+            run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, n as u64)]),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("a {n}-byte WRITE never completed"));
+        assert!(o.is_success(), "{n} bytes: {o:?}");
+        assert!(
+            bytes(&remote, 0, n) == bytes(&src, 0, n),
+            "{n} bytes differ"
+        );
+    }
+}
+
+/// CHECKSUM requests on the ring server: a memory range of many hashing pieces (one per turn
+/// of the ring) and a file range answer the CRC-32C of exactly their bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_answers_checksums_of_memory_and_files() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let config = UringConfig {
+        event_loop: true,
+        server_rings: 1,
+        ..UringConfig::default()
+    };
+    let server = serve_uring(&table, config, None);
+    let len = (9 << 20) + 5;
+    let (tok, remote) = publish(&table, "m", len, Access::REMOTE_READ);
+    fill(&remote, 21);
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let path = dir.path().join("f");
+    let data: Vec<u8> = (0..300_001u32).map(|i| (i * 7 % 253) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let file_tok = ferry_core::SegmentToken::random();
+    table.files.lock().unwrap().insert(
+        file_tok,
+        (
+            "f".into(),
+            Arc::new(ferry_file::FileSegment::open(&path, Access::REMOTE_READ).unwrap()),
+        ),
+    );
+    let t = UringTransport::new(UringConfig::default()).unwrap();
+    let my_offer = t.offer();
+    let addr = server.local_addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    let dst = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Checksum, &dst, 0, tok, 3, len as u64 - 3)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    let want = ferry_core::checksum::crc32c(&bytes(&remote, 3, len - 3));
+    assert_eq!(bytes(&dst, 0, 4), want.to_le_bytes());
+    let o = run(
+        &ch,
+        vec![op(OpKind::Checksum, &dst, 8, file_tok, 1, 300_000)],
+    )
+    .await;
+    assert!(o.is_success(), "{o:?}");
+    let want = ferry_core::checksum::crc32c(&data[1..]);
+    assert_eq!(bytes(&dst, 8, 4), want.to_le_bytes());
+}
