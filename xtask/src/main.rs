@@ -62,7 +62,7 @@ tasks:
   soak [--minutes N | --seconds N] [--plane tcp|uring] [--workers N]
                          a mixed workload through proxy faults, every byte checked; fails if
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
-  module-loops           fails on an import loop between the top-level modules of crates/engine
+  module-loops [--edges] fails on an import loop between the top-level modules of crates/engine
                          or crates/core, naming it (also a test: xtask/src/module_loops.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]

@@ -20,13 +20,23 @@ use crate::util::project_root;
 pub(crate) const CRATES: &[&str] = &["crates/engine/src", "crates/core/src"];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
-    if !args.is_empty() {
-        bail!("usage: cargo xtask module-loops");
-    }
+    let edges = match args {
+        [] => false,
+        [flag] if flag == "--edges" => true,
+        _ => bail!("usage: cargo xtask module-loops [--edges]"),
+    };
     let root = project_root();
     let mut failed = false;
     for dir in CRATES {
         let graph = Graph::read(&root.join(dir))?;
+        if edges {
+            for (from, tos) in &graph.edges {
+                for (to, names) in tos {
+                    let names = names.iter().cloned().collect::<Vec<_>>().join(", ");
+                    println!("{dir}: {from} -> {to} ({names})");
+                }
+            }
+        }
         let loops = graph.loops();
         if loops.is_empty() {
             eprintln!("{dir}: {} modules, no import loop", graph.modules.len());
@@ -70,6 +80,7 @@ impl Graph {
                 graph.modules.insert(m);
             }
         }
+        let tests = test_only_files(sources);
         let lib = sources
             .get(Path::new("lib.rs"))
             .map(|t| code_of(t))
@@ -79,6 +90,9 @@ impl Graph {
             let Some(from) = top_module(rel) else {
                 continue;
             };
+            if tests.iter().any(|t| rel.starts_with(t)) {
+                continue;
+            }
             let nested = rel.components().count() > 1 && !rel.ends_with("mod.rs")
                 || rel.components().count() > 2;
             let code = code_of(text);
@@ -255,6 +269,32 @@ fn top_module(rel: &Path) -> Option<String> {
     }
 }
 
+/// The files (and folders) of the modules declared `#[cfg(test)] mod NAME;`.
+fn test_only_files(sources: &BTreeMap<PathBuf, String>) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for (rel, text) in sources {
+        let dir = match rel.file_name().and_then(|n| n.to_str()) {
+            Some("lib.rs" | "mod.rs") => rel.parent().map(Path::to_path_buf).unwrap_or_default(),
+            _ => rel.with_extension(""),
+        };
+        let mut lines = text.lines().map(str::trim).peekable();
+        while let Some(line) = lines.next() {
+            if line != "#[cfg(test)]" {
+                continue;
+            }
+            let Some(next) = lines.peek() else { break };
+            let decl = next
+                .trim_start_matches("pub(crate) ")
+                .trim_start_matches("pub ");
+            if let Some(name) = decl.strip_prefix("mod ").and_then(|d| d.strip_suffix(';')) {
+                out.push(dir.join(format!("{name}.rs")));
+                out.push(dir.join(name));
+            }
+        }
+    }
+    out
+}
+
 /// The text of a file without comments and without its trailing `#[cfg(test)] mod tests`.
 fn code_of(text: &str) -> String {
     let mut out = String::new();
@@ -429,6 +469,18 @@ mod tests {
             ),
         ]);
         assert!(g.loops().is_empty(), "{:?}", g.loops());
+        assert_eq!(g.edges.len(), 1);
+        let g = graph(&[
+            ("lib.rs", "mod a; mod b;"),
+            ("a.rs", "use crate::b::B;"),
+            ("b/mod.rs", "#[cfg(test)]\nmod sim;"),
+            ("b/sim.rs", "use crate::a::A;"),
+        ]);
+        assert!(
+            g.loops().is_empty(),
+            "a test-only module file is no import: {:?}",
+            g.loops()
+        );
         assert_eq!(g.edges.len(), 1);
     }
 }
