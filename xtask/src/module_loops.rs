@@ -483,4 +483,16 @@ mod tests {
         );
         assert_eq!(g.edges.len(), 1);
     }
+
+    fn loops_of(dir: &str) -> Vec<String> {
+        let g = Graph::read(&project_root().join(dir)).expect("read");
+        assert!(g.modules.len() > 5, "{dir}: too few modules read");
+        g.loops()
+    }
+
+    #[test]
+    fn the_core_has_no_module_loop() {
+        let loops = loops_of("crates/core/src");
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
 }

@@ -490,7 +490,7 @@ impl EngineBuilder {
         #[cfg(not(feature = "rdma"))]
         let (registry, shared_copies) = (Registry::host(self.budgets), None);
         let table = Arc::new(RegistryTable::new(registry.clone()));
-        let serve_stats = Arc::new(ferry_core::stream::ServeStats::default());
+        let serve_stats = Arc::new(ferry_core::transport::ServeStats::default());
         let responder = Arc::new(Responder {
             stats: serve_stats.clone(),
             id,

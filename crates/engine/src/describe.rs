@@ -343,7 +343,7 @@ pub struct ServedDescription {
 }
 
 impl ServedDescription {
-    pub(crate) fn of(counts: &ferry_core::stream::ServeCounts) -> Self {
+    pub(crate) fn of(counts: &ferry_core::transport::ServeCounts) -> Self {
         Self {
             accepted: counts
                 .accepted

@@ -62,7 +62,7 @@ pub(crate) struct Inner {
     /// registering makes no native copy to share).
     pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
     /// What the listener's data streams accepted and refused.
-    pub(crate) serve_stats: Arc<ferry_core::stream::ServeStats>,
+    pub(crate) serve_stats: Arc<ferry_core::transport::ServeStats>,
     /// The HTTP listener serving metrics, if asked for.
     pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }

@@ -309,7 +309,7 @@ pub(crate) struct Responder {
     /// The keys peers must prove (`None`: every peer is served).
     pub(crate) auth: Option<Arc<ferry_core::auth::ServerAuth>>,
     /// Where served streams count what they accept and refuse.
-    pub(crate) stats: Arc<ferry_core::stream::ServeStats>,
+    pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
 }
 
 impl HandshakeResponder for Responder {
@@ -325,7 +325,7 @@ impl HandshakeResponder for Responder {
         self.auth.clone()
     }
 
-    fn serve_stats(&self) -> Option<Arc<ferry_core::stream::ServeStats>> {
+    fn serve_stats(&self) -> Option<Arc<ferry_core::transport::ServeStats>> {
         Some(self.stats.clone())
     }
 
