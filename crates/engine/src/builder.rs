@@ -453,7 +453,7 @@ impl EngineBuilder {
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma if rdma.is_none() => {
                     let config = self.rdma.clone().unwrap_or_default();
-                    let t = RdmaTransport::open(config).map_err(|e| e.into_core())?;
+                    let t = RdmaTransport::open(config).map_err(Error::from)?;
                     // Preferred over every built-in transport: right after the added ones.
                     transports.insert(self.extra.len(), Arc::new(t.clone()));
                     rdma = Some(t);

@@ -13,7 +13,7 @@ use ferry_core::{
     Access, Epoch, Error, MemoryRegion, PeerId, PeerInfo, SegmentTable, Transport, TransportKind,
 };
 use ferry_file::FileSegment;
-use registry::{Registry, RegistryError};
+use registry::Registry;
 use tracing::Instrument;
 #[cfg(feature = "rdma")]
 use transport_rdma::RdmaTransport;
@@ -187,7 +187,7 @@ impl TransferEngine {
             .inner
             .registry
             .register(name, region.clone(), access)
-            .map_err(RegistryError::into_core)?;
+            .map_err(Error::from)?;
         let token = reg.token();
         if access.is_remote() {
             self.inner.table.add(reg.lease());
@@ -676,10 +676,7 @@ impl TransferEngine {
     /// `Unquiesced`, its copies and charges still held) and the RDMA transport's failed destroys
     /// of queue pairs, completion queues and protection domains. Returns the oldest one.
     pub fn check(&self) -> Result<(), Error> {
-        self.inner
-            .registry
-            .check()
-            .map_err(RegistryError::into_core)?;
+        self.inner.registry.check().map_err(Error::from)?;
         #[cfg(feature = "rdma")]
         if let Some(rdma) = &self.inner.rdma {
             rdma.check()?;

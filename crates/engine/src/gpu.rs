@@ -215,16 +215,16 @@ impl StagingPool {
             let b = Arc::new(
                 device
                     .alloc_pinned(buffer_size)
-                    .map_err(cuda_error)?
+                    .map_err(Error::from)?
                     .into_region(),
             );
             if let Some(r) = rdma {
                 registered.push(
                     r.register(format!("staging buffer {i}"), b.clone(), Access::LOCAL)
-                        .map_err(registry::RegistryError::into_core)?,
+                        .map_err(Error::from)?,
                 );
             }
-            let stream = device.copy_stream().map_err(cuda_error)?;
+            let stream = device.copy_stream().map_err(Error::from)?;
             free.push(Lane::start(i, b, stream)?);
         }
         tracing::info!(
@@ -588,28 +588,6 @@ impl Drop for GpuRegistration {
     }
 }
 
-/// Maps a driver error to the engine's error.
-pub(crate) fn cuda_error(e: CudaError) -> Error {
-    match e {
-        CudaError::Unavailable { library, reason } => Error::Unavailable { library, reason },
-        CudaError::Route(r) => Error::InvalidRequest {
-            reason: r.to_string(),
-        },
-        e @ CudaError::NotDeviceMemory { .. } => Error::InvalidRequest {
-            reason: e.to_string(),
-        },
-        // A range past the end of GPU memory (a copy or file load asked for too much).
-        CudaError::OutOfBounds(source) => Error::OutOfBounds {
-            side: "local",
-            source,
-        },
-        other => Error::Register {
-            name: "GPU memory".into(),
-            source: Box::new(other),
-        },
-    }
-}
-
 impl crate::TransferEngine {
     fn gpu_state(&self) -> Result<&GpuState, Error> {
         self.inner.gpu.as_ref().ok_or_else(|| Error::Unavailable {
@@ -637,7 +615,7 @@ impl crate::TransferEngine {
             .cuda()?
             .device(ordinal)
             .and_then(|d| d.alloc(len))
-            .map_err(cuda_error)?;
+            .map_err(Error::from)?;
         self.register_gpu(mem, access, name)
     }
 
@@ -784,7 +762,7 @@ impl crate::TransferEngine {
             &topology::Selector::default(),
         );
         let choice = choose_nics(&rails, topo.as_ref().ok(), &memory.location().pci_bus_id);
-        let region = Arc::new(memory.nic_region(route.route).map_err(cuda_error)?);
+        let region = Arc::new(memory.nic_region(route.route).map_err(Error::from)?);
         let contexts: Vec<registry::ContextId> = choice
             .rails
             .iter()
@@ -794,7 +772,7 @@ impl crate::TransferEngine {
             .inner
             .registry
             .register_on(name, region.clone(), access, &contexts)
-            .map_err(registry::RegistryError::into_core)?;
+            .map_err(Error::from)?;
         tracing::info!(route = %route.route, nics = ?choice.names(&rails), why = %choice.why,
             "GPU memory registered with RDMA NICs");
         Ok((
@@ -834,7 +812,7 @@ impl crate::TransferEngine {
             .any(|t| t.kind() == ferry_core::TransportKind::Rdma);
         if setting == GpuDirectSetting::Off {
             return cuda::route::choose(setting, &Default::default())
-                .map_err(|e| cuda_error(e.into()));
+                .map_err(|e| Error::from(CudaError::from(e)));
         }
         if !rdma {
             // No NIC would see the memory: only staging can move it.
@@ -862,7 +840,7 @@ impl crate::TransferEngine {
             peermem_version_file: cuda::peermem_version(&state.config.sysfs_root)
                 .map(|(p, _)| p.display().to_string()),
         };
-        cuda::route::choose(setting, &facts).map_err(|e| cuda_error(e.into()))
+        cuda::route::choose(setting, &facts).map_err(|e| Error::from(CudaError::from(e)))
     }
 
     /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`: by
@@ -895,7 +873,7 @@ impl crate::TransferEngine {
                 target: what,
                 source,
             },
-            e => cuda_error(e),
+            e => Error::from(e),
         })?;
         tracing::info!(path = %load.path, bytes = load.bytes, "file loaded into GPU memory");
         *state

@@ -12,7 +12,6 @@ use ferry_core::{
     SegmentDesc, SegmentToken, TransportKind,
 };
 use ferry_file::FileSegment;
-use registry::RegistryError;
 
 use crate::describe::RouteCounters;
 use crate::engine::Inner;
@@ -64,7 +63,7 @@ impl Registration {
         let _span = tracing::info_span!("retire", token = %self.token).entered();
         let inner = self.inner.take();
         self.table.retire(self.token, || match inner {
-            Some(r) => r.retire().map(|_| ()).map_err(RegistryError::into_core),
+            Some(r) => r.retire().map(|_| ()).map_err(Error::from),
             None => Ok(()),
         })
     }

@@ -101,10 +101,10 @@ pub enum RdmaError {
     },
 }
 
-impl RdmaError {
-    /// The error as ferry-core's error enum (what the `Transport` trait returns).
-    pub fn into_core(self) -> ferry_core::Error {
-        match self {
+/// The error as ferry-core's error enum (what the `Transport` trait returns).
+impl From<RdmaError> for ferry_core::Error {
+    fn from(e: RdmaError) -> Self {
+        match e {
             RdmaError::LoadLibrary { library, reason } => ferry_core::Error::Unavailable {
                 library,
                 reason: format!("no RDMA devices found: {reason}"),

@@ -618,7 +618,7 @@ impl Transport for RdmaTransport {
     fn accept(&self, peer: &PeerInfo) -> Result<TransportOffer, ferry_core::Error> {
         self.try_accept(peer)
             .map(|rails| TransportOffer::Rdma { rails })
-            .map_err(RdmaError::into_core)
+            .map_err(ferry_core::Error::from)
     }
 
     fn open(
@@ -628,7 +628,7 @@ impl Transport for RdmaTransport {
         let r = self
             .try_open(&peer)
             .map(|c| Arc::new(c) as Arc<dyn Channel>)
-            .map_err(RdmaError::into_core);
+            .map_err(ferry_core::Error::from);
         Box::pin(async move { r })
     }
 }
