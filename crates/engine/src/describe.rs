@@ -508,11 +508,11 @@ pub struct Description {
     pub rails: Vec<RailDescription>,
     /// GPU registrations: device, PCI bus id, the GPUDirect route and why.
     #[cfg(feature = "cuda")]
-    pub gpu_registrations: Vec<crate::gpu::GpuRegistrationDescription>,
+    pub gpu_registrations: Vec<GpuRegistrationDescription>,
     /// The staging path: policy, pinned buffers, staged bytes, time waiting on copies, and the
     /// path of the last file load into GPU memory.
     #[cfg(feature = "cuda")]
-    pub staging: Option<crate::gpu::StagingDescription>,
+    pub staging: Option<StagingDescription>,
 }
 
 impl std::fmt::Display for Description {
@@ -649,4 +649,56 @@ pub struct RailDescription {
     pub replayed: u64,
     /// Bytes of those replayed chunks.
     pub replayed_bytes: u64,
+}
+
+/// The staging path's counters, as `describe()` reports them.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct StagingDescription {
+    /// `auto` or `never`.
+    pub policy: String,
+    /// The `gpu_direct_registration` setting.
+    pub gpu_direct_registration: String,
+    /// Pinned buffers allocated, over every device's pool (0 until the first staged request;
+    /// each device's pool is made by the first staged request on that device).
+    pub buffers: usize,
+    /// Their size (the staging chunk).
+    pub buffer_size: u64,
+    /// Buffers held by requests now (0 when idle: nothing stays pinned to a request).
+    pub buffers_in_use: usize,
+    /// Bytes of device memory moved through the buffers (acknowledged chunks).
+    pub staged_bytes: u64,
+    /// Device copies done.
+    pub copies: u64,
+    /// Time spent waiting on device copies, in microseconds.
+    pub copy_wait_us: u64,
+    /// Device copies that failed.
+    pub copy_failures: u64,
+    /// Which path the last `read_file_into_gpu` took (`gds` or `compat (why)`).
+    pub last_file_path: Option<String>,
+}
+
+/// A GPU registration as `describe()` reports it.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct GpuRegistrationDescription {
+    /// Its name.
+    pub name: String,
+    /// Its length.
+    pub len: u64,
+    /// The device ordinal.
+    pub device: u32,
+    /// The device's PCI bus id.
+    pub pci_bus_id: String,
+    /// The GPUDirect route and why.
+    pub route: cuda::RouteChoice,
+    /// The RDMA rails (`device:port`) it is registered on (empty unless the route is direct).
+    pub nics: Vec<String>,
+    /// Why those rails (the NICs nearest its GPU, or why locality is unknown); empty unless the
+    /// route is direct.
+    pub nic_choice: String,
+    /// How peers' ops on it move (e.g. `staged through host memory by the server`).
+    pub served: String,
 }

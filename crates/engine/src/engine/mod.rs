@@ -20,6 +20,9 @@ use transport_rdma::RdmaTransport;
 #[cfg(feature = "uring")]
 use transport_uring::UringTransport;
 
+#[cfg(feature = "cuda")]
+mod gpu_memory;
+
 use crate::describe::{Description, RailDescription, SegmentDescription};
 use crate::handles::FileRegistration;
 use crate::handles::{Peer, PeerInner, Registration};
