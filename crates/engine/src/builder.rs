@@ -529,8 +529,14 @@ impl EngineBuilder {
             inner: Arc::new_cyclic(|weak| Inner {
                 serve_stats,
                 shared_copies,
-                metrics: metrics
-                    .map(|(listener, addr)| MetricsServer::start(listener, addr, weak.clone())),
+                metrics: metrics.map(|(listener, addr)| {
+                    let weak = weak.clone();
+                    let describe: crate::metrics::Describe = Arc::new(move || {
+                        weak.upgrade()
+                            .map(|inner| TransferEngine { inner }.describe())
+                    });
+                    MetricsServer::start(listener, addr, describe)
+                }),
                 id,
                 epoch,
                 versions: self.versions,
@@ -550,7 +556,7 @@ impl EngineBuilder {
                 #[cfg(feature = "uring")]
                 uring,
                 #[cfg(feature = "cuda")]
-                gpu: Some(crate::gpu::GpuState::new(self.gpu)),
+                gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
             }),
         })
     }

@@ -100,11 +100,23 @@ impl LocalMemory for Registration {
     }
 }
 
+#[cfg(feature = "cuda")]
+/// An op of a staged request.
+#[derive(Clone, Debug)]
+pub(crate) struct StagedOp {
+    pub(crate) kind: OpKind,
+    pub(crate) local: Local,
+    pub(crate) local_offset: u64,
+    pub(crate) token: ferry_core::SegmentToken,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
 /// A batch after its checks: host ops for a transport, or ops with device memory to stage.
 pub(crate) enum Checked {
     Host(Vec<Op>),
     #[cfg(feature = "cuda")]
-    Staged(Vec<crate::gpu::StagedOp>),
+    Staged(Vec<StagedOp>),
 }
 
 /// One op of a batch, before validation.
@@ -250,7 +262,7 @@ impl Batch {
             let ops = self
                 .ops
                 .iter()
-                .map(|p| crate::gpu::StagedOp {
+                .map(|p| StagedOp {
                     kind: p.kind,
                     local: p.local.clone(),
                     local_offset: p.local_offset,

@@ -10,7 +10,7 @@ use crate::describe::GpuRegistrationDescription;
 use crate::gpu::{Direct, GpuRegistration, GpuState, choose_nics, rail_device};
 
 impl crate::TransferEngine {
-    fn gpu_state(&self) -> Result<&GpuState, Error> {
+    fn gpu_state(&self) -> Result<&Arc<GpuState>, Error> {
         self.inner.gpu.as_ref().ok_or_else(|| Error::Unavailable {
             library: "ferry cuda".into(),
             reason: "GPU support is off in this engine".into(),
@@ -152,7 +152,7 @@ impl crate::TransferEngine {
             route,
             direct,
             table: self.inner.table.clone(),
-            state: self.inner.clone(),
+            gpu: state.clone(),
         })
     }
 

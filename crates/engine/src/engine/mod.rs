@@ -60,7 +60,7 @@ pub(crate) struct Inner {
     pub(crate) uring: Option<UringTransport>,
     /// GPU memory: the driver, the staging pool, its counters.
     #[cfg(feature = "cuda")]
-    pub(crate) gpu: Option<crate::gpu::GpuState>,
+    pub(crate) gpu: Option<Arc<crate::gpu::GpuState>>,
     /// The registration cache in front of the RDMA backend (none on host memory alone, where
     /// registering makes no native copy to share).
     pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
@@ -504,8 +504,25 @@ impl TransferEngine {
             Checked::Host(ops) => Ok(RequestHandle::start(&peer, ops, timeout)),
             #[cfg(feature = "cuda")]
             Checked::Staged(ops) => {
-                let pool = crate::gpu::prepare(&self.inner, &ops)?;
-                let ops: Arc<[crate::gpu::StagedOp]> = ops.into();
+                let gpu = self.inner.gpu.as_ref();
+                #[cfg(feature = "rdma")]
+                let rdma = self.inner.rdma.is_some().then_some(&self.inner.registry);
+                #[cfg(not(feature = "rdma"))]
+                let rdma = None;
+                let pool = crate::gpu::prepare(gpu.map(|g| &**g), rdma, &ops)?;
+                let gpu = gpu
+                    .expect("prepare refuses an engine without GPU support")
+                    .clone();
+                let ops: Arc<[crate::request::StagedOp]> = ops.into();
+                let on_peer = peer.clone();
+                let host: crate::gpu::HostRunner = Arc::new(move |ops, control, deadline| {
+                    Box::pin(crate::reconnect::run(
+                        on_peer.clone(),
+                        ops,
+                        control,
+                        deadline,
+                    ))
+                });
                 let shape = crate::describe::Shape::of(
                     ops.iter().map(|o| (o.kind, o.len)),
                     crate::describe::Path::Staged,
@@ -513,14 +530,7 @@ impl TransferEngine {
                 let control = Arc::new(ferry_core::RequestControl::with_shape(
                     ops.iter().map(|o| (o.kind, o.len)),
                 ));
-                let fut = crate::gpu::run(
-                    peer.clone(),
-                    ops,
-                    control.clone(),
-                    pool,
-                    self.inner.clone(),
-                    timeout,
-                );
+                let fut = crate::gpu::run(host, ops, control.clone(), pool, gpu, timeout);
                 Ok(RequestHandle::start_with(
                     &peer,
                     control,

@@ -1,41 +1,43 @@
 //! The client's staging pipeline: a request's device ops cut into chunks of one pool buffer,
 //! each moved by a lane's copies and a host sub-request on the peer's channel.
 
-use super::*;
-
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use cuda::CudaError;
-use ferry_core::{
-    Error, FailureKind, Op, OpKind, Outcome, RemoteEffect, RequestControl, SegmentToken,
-};
+use ferry_core::{Error, FailureKind, Op, OpKind, Outcome, RemoteEffect, RequestControl};
 
-use crate::handles::PeerInner;
+use ferry_core::BoxFuture;
+use registry::Registry;
 
-use crate::request::Local as StagedLocal;
+use super::config::Staging;
+use super::pool::{GpuState, StagingPool};
+use crate::request::{Local as StagedLocal, StagedOp};
 
-/// An op of a staged request.
-#[derive(Clone, Debug)]
-pub(crate) struct StagedOp {
-    pub(crate) kind: OpKind,
-    pub(crate) local: StagedLocal,
-    pub(crate) local_offset: u64,
-    pub(crate) token: SegmentToken,
-    pub(crate) remote_offset: u64,
-    pub(crate) len: u64,
-}
+/// How the pipeline runs host ops on the request's peer: one sub-request to its end (drained),
+/// reconnecting and replaying as the peer's policy allows until the deadline, if any.
+pub(crate) type HostRunner = Arc<
+    dyn Fn(
+            Arc<[Op]>,
+            Arc<RequestControl>,
+            Option<tokio::time::Instant>,
+        ) -> BoxFuture<'static, Outcome>
+        + Send
+        + Sync,
+>;
 
 /// Checks the staging policy and returns the pool for `ops` (the caller saw a device op): the
 /// pool of the first device op's GPU. Device ops of a batch on another GPU are staged through
 /// it too, by that GPU's own blocking copies (correct, not overlapped on streams): a batch per
 /// GPU moves fastest.
+/// `rdma` is the registry when RDMA is on (the pool's buffers are then registered with it).
 pub(crate) fn prepare(
-    inner: &crate::engine::Inner,
+    gpu: Option<&GpuState>,
+    rdma: Option<&Registry>,
     ops: &[StagedOp],
 ) -> Result<Arc<StagingPool>, Error> {
-    let Some(state) = &inner.gpu else {
+    let Some(state) = gpu else {
         return Err(Error::Unavailable {
             library: "ferry cuda".into(),
             reason: "GPU support is off in this engine".into(),
@@ -60,10 +62,6 @@ pub(crate) fn prepare(
         .ok_or_else(|| Error::InvalidRequest {
             reason: "no GPU op to stage".into(),
         })?;
-    #[cfg(feature = "rdma")]
-    let rdma = inner.rdma.is_some().then_some(&inner.registry);
-    #[cfg(not(feature = "rdma"))]
-    let rdma = None;
     state.pool(&device, rdma)
 }
 
@@ -83,11 +81,11 @@ struct Cursor {
 
 /// What the workers of one staged request share.
 struct Pipeline {
-    peer: Arc<PeerInner>,
+    host: HostRunner,
     ops: Arc<[StagedOp]>,
     control: Arc<RequestControl>,
     pool: Arc<StagingPool>,
-    inner: Arc<crate::engine::Inner>,
+    gpu: Arc<GpuState>,
     deadline: Option<tokio::time::Instant>,
     cursor: Mutex<Cursor>,
 }
@@ -133,11 +131,11 @@ impl Pipeline {
 /// Allocations are per request (its workers), not per chunk: a chunk borrows a lane, and its
 /// sub-request costs what any one-op request costs (its op, its ledger, the channel's future).
 pub(crate) async fn run(
-    peer: Arc<PeerInner>,
+    host: HostRunner,
     ops: Arc<[StagedOp]>,
     control: Arc<RequestControl>,
     pool: Arc<StagingPool>,
-    inner: Arc<crate::engine::Inner>,
+    gpu: Arc<GpuState>,
     timeout: Option<std::time::Duration>,
 ) -> Outcome {
     let chunk = pool.buffer_size as u64;
@@ -152,11 +150,11 @@ pub(crate) async fn run(
     });
     let pipeline = Arc::new(Pipeline {
         deadline: timeout.map(|t| tokio::time::Instant::now() + t),
-        peer,
+        host,
         ops,
         control,
         pool,
-        inner,
+        gpu,
         cursor: Mutex::new(Cursor { op: 0, offset: 0 }),
     });
     // As many workers as lanes, each a task of its own (so that one's completion is handled
@@ -179,7 +177,7 @@ async fn worker(p: &Pipeline) {
 
 async fn run_piece(p: &Pipeline, piece: Piece) {
     let op = &p.ops[piece.op];
-    let Some(state) = &p.inner.gpu else { return };
+    let state = &*p.gpu;
     let counters = &state.counters;
     let control = &p.control;
     let mem = match &op.local {
@@ -277,7 +275,7 @@ async fn run_piece(p: &Pipeline, piece: Piece) {
 async fn execute(p: &Pipeline, op: Op) -> Outcome {
     let ops: Arc<[Op]> = Arc::from([op]);
     let control = Arc::new(RequestControl::part_of(&p.control, &ops));
-    crate::reconnect::run(p.peer.clone(), ops, control, p.deadline).await
+    (p.host)(ops, control, p.deadline).await
 }
 
 /// Folds a piece's outcome into the request's ledger: complete (posted and acknowledged), or

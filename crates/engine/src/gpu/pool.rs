@@ -1,8 +1,6 @@
 //! The engine's GPU state and its staging pool: pinned host buffers, each with a copy stream of
 //! its device and the thread that runs that stream's copies.
 
-use super::*;
-
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -10,6 +8,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cuda::{Cuda, CudaError, DeviceMemory};
 use ferry_core::{Access, Error, MemoryRegion, SegmentToken};
 use tokio::sync::Semaphore;
+
+use super::config::{GpuConfig, Staging};
+use crate::describe::{GpuRegistrationDescription, StagingDescription};
 
 /// The engine's GPU state: the driver (loaded on first use), the staging pool and counters.
 pub(crate) struct GpuState {

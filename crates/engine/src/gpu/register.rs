@@ -7,6 +7,7 @@ use std::sync::{Arc, PoisonError};
 use cuda::{DeviceMemory, RouteChoice};
 use ferry_core::{Access, MemoryRegion, SegmentDesc, SegmentToken};
 
+use super::GpuState;
 use crate::serve::RegistryTable;
 
 /// Device memory registered with the engine (and published to peers when `access` grants them
@@ -21,7 +22,7 @@ pub struct GpuRegistration {
     /// registry entry (the MRs on the NICs nearest the GPU, published with their remote keys).
     pub(crate) direct: Option<Direct>,
     pub(crate) table: Arc<RegistryTable>,
-    pub(crate) state: Arc<crate::engine::Inner>,
+    pub(crate) gpu: Arc<GpuState>,
 }
 
 /// A GPU registration made with the RDMA NICs.
@@ -109,12 +110,11 @@ impl Drop for GpuRegistration {
         // device-copy source and any restriction (`RegistryTable::retire`).
         let direct = self.direct.take();
         self.table.retire(self.token, || drop(direct));
-        if let Some(g) = &self.state.gpu {
-            g.registrations
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .retain(|(t, _)| *t != self.token);
-        }
+        self.gpu
+            .registrations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(t, _)| *t != self.token);
     }
 }
 
