@@ -495,4 +495,10 @@ mod tests {
         let loops = loops_of("crates/core/src");
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
+
+    #[test]
+    fn the_engine_has_no_module_loop() {
+        let loops = loops_of("crates/engine/src");
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
 }

@@ -31,6 +31,7 @@ pub mod gpu;
 mod handles;
 mod listener;
 pub mod metrics;
+mod peer;
 mod reconnect;
 mod request;
 mod route;
@@ -49,7 +50,8 @@ pub use ferry_core::auth::Keyring;
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescription};
 pub use handles::FileRegistration;
-pub use handles::{Peer, Registration, RemoteSegment};
+pub use handles::{Registration, RemoteSegment};
+pub use peer::Peer;
 pub use reconnect::ReconnectPolicy;
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;

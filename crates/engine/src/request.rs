@@ -10,7 +10,8 @@ use std::time::Duration;
 use ferry_core::{Error, FailureKind, Op, OpKind, Outcome, RequestControl};
 use tokio::sync::Notify;
 
-use crate::handles::{PeerInner, Registration, RemoteSegment};
+use crate::handles::{Registration, RemoteSegment};
+use crate::reconnect::PeerInner;
 
 /// The local side of an op: host memory, or (with the `cuda` feature) device memory, with its
 /// GPUDirect RDMA region when it has one. Device memory reaches a transport only as that region

@@ -25,8 +25,10 @@ mod gpu_memory;
 
 use crate::describe::{Description, RailDescription, SegmentDescription};
 use crate::handles::FileRegistration;
-use crate::handles::{Peer, PeerInner, Registration};
+use crate::handles::Registration;
 use crate::listener::Server;
+use crate::peer::Peer;
+use crate::reconnect::PeerInner;
 use crate::reconnect::{Link, ReconnectPolicy};
 use crate::request::{Batch, Checked, RequestHandle};
 use crate::route::{self, Pick, Routes};
@@ -77,6 +79,16 @@ impl fmt::Debug for Inner {
             .field("epoch", &self.epoch)
             .field("listen", &self.server.as_ref().map(|s| s.local_addr()))
             .finish_non_exhaustive()
+    }
+}
+
+/// The engine is what its peers reconnect through.
+impl crate::reconnect::Reopen for Inner {
+    fn reopen<'a>(
+        self: Arc<Self>,
+        peer: &'a PeerInner,
+    ) -> ferry_core::BoxFuture<'a, Result<Arc<dyn ferry_core::Channel>, Error>> {
+        Box::pin(async move { TransferEngine { inner: self }.reopen(peer).await })
     }
 }
 
@@ -408,7 +420,8 @@ impl TransferEngine {
                     channel,
                 }),
                 recovery: Default::default(),
-                engine: Arc::downgrade(&self.inner),
+                engine: Arc::downgrade(&self.inner)
+                    as std::sync::Weak<dyn crate::reconnect::Reopen>,
                 policy: self.inner.reconnect,
                 closed: Default::default(),
                 counters,

@@ -4,7 +4,7 @@ use cuda::{Cuda, DeviceMemory};
 use ferry_core::{Access, MemoryRegion, SegmentDesc, SegmentToken};
 
 use crate::gpu::nics::*;
-use crate::handles::PeerInner;
+use crate::reconnect::PeerInner;
 
 /// Two GPUs, each with its own nearest NIC (what the topology crate's assignment gives on a
 /// DGX-like machine; its fixtures test the assignment itself), built in memory: no I/O.
