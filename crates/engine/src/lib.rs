@@ -24,6 +24,7 @@
 
 mod builder;
 mod config;
+mod counters;
 mod describe;
 mod engine;
 #[cfg(feature = "cuda")]

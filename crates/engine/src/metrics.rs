@@ -610,7 +610,7 @@ mod tests {
     async fn peers_past_the_cap_are_summed_under_other() {
         let engine = crate::TransferEngine::builder().build().unwrap();
         let extra = 6;
-        let shape = crate::describe::Shape::of(
+        let shape = crate::counters::Shape::of(
             [(ferry_core::OpKind::Read, 100)].into_iter(),
             crate::describe::Path::Direct,
         );

@@ -23,7 +23,7 @@ use ferry_core::{
 };
 use tokio::time::Instant;
 
-use crate::describe::RouteCounters;
+use crate::counters::RouteCounters;
 
 /// What reconnects a peer: a new channel to the same incarnation (the engine that connected it).
 pub(crate) trait Reopen: Send + Sync {

@@ -336,9 +336,9 @@ struct Drive {
     /// them all, so it does not matter which of them polled it last.
     waiters: Arc<Waiters>,
     control: Arc<RequestControl>,
-    counters: Arc<crate::describe::RouteCounters>,
+    counters: Arc<crate::counters::RouteCounters>,
     /// What the request carries, for its counters.
-    shape: crate::describe::Shape,
+    shape: crate::counters::Shape,
     /// When it was submitted.
     started: std::time::Instant,
     span: tracing::Span,
@@ -485,7 +485,7 @@ impl RequestHandle {
         // so the request moves whether or not the handle is polled; a replay after a lost
         // connection runs while the handle or a drained future is awaited (or, once both are
         // dropped, as a task).
-        let shape = crate::describe::Shape::of(
+        let shape = crate::counters::Shape::of(
             ops.iter().map(|o| (o.kind, o.len)),
             crate::describe::Path::Direct,
         );
@@ -502,7 +502,7 @@ impl RequestHandle {
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
-        shape: crate::describe::Shape,
+        shape: crate::counters::Shape,
     ) -> Self {
         let handle = Self::driven(peer, control, fut, timeout, shape);
         let drive = handle.drive.clone();
@@ -515,7 +515,7 @@ impl RequestHandle {
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
-        shape: crate::describe::Shape,
+        shape: crate::counters::Shape,
     ) -> Self {
         let drive = Arc::new(Drive {
             state: Mutex::new(DriveState {

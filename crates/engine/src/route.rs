@@ -12,7 +12,8 @@ use transport_tcp::TcpTransport;
 use transport_uring::{Preference, StreamReservation, UringProbe, UringTransport};
 
 use crate::config::DataPlaneConfig;
-use crate::describe::{Latencies, RouteCounters, RouteDescription};
+use crate::counters::{Latencies, RouteCounters};
+use crate::describe::RouteDescription;
 
 /// Which transport carries the portable data plane (the one every host has, beside RDMA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
