@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use ferry_core::TransportKind;
 use serde::Serialize;
 
-use crate::discovery::{DeviceEnumerator, Discovery, VerbsEnumerator, VerbsListing};
+use crate::rdma_devices::{DeviceEnumerator, RdmaDevices, VerbsEnumerator, VerbsListing};
 
 /// The verdict of one check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -131,7 +131,7 @@ pub fn probe(opts: &ProbeOptions) -> Capabilities {
 /// Runs every check, listing the verbs devices through `devices` exactly once: the
 /// `rdma-devices` row and the `topology` row read the same listing.
 pub fn probe_with(opts: &ProbeOptions, devices: &dyn DeviceEnumerator) -> Capabilities {
-    let listing = Discovery::run(devices).listing();
+    let listing = RdmaDevices::run(devices).listing();
     let (uring, uring_opcodes) = uring_check();
     let mut summary = Summary {
         transports: vec![TransportKind::Tcp.name()],
@@ -606,7 +606,7 @@ fn topology_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::tests::{Counting, missing_library, two};
+    use crate::rdma_devices::tests::{Counting, missing_library, two};
 
     /// A sysfs tree with two RDMA NICs, `mlx5_0` and `mlx5_1` (the topology crate's fixture).
     fn nics_only() -> ProbeOptions {

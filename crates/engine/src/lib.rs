@@ -80,7 +80,7 @@ pub use transport_rdma::{RailSpec, RdmaConfig};
 pub use ferry_core as core_types;
 
 pub mod capabilities;
-pub mod discovery;
+pub mod rdma_devices;
 
 /// sysfs topology: NICs, GPUs, distance classes, NIC assignment and filters (`ferry-topology`).
 pub use topology;
