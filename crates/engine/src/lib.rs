@@ -15,7 +15,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Contract: ARCHITECTURE.md sections 2 to 6. Outcomes never report a byte that was not
+//! Contract: docs/architecture.md, sections 2 to 6. Outcomes never report a byte that was not
 //! acknowledged; timeouts and cancels are logical (the request ends, `drained` waits for the
 //! buffers); an address whose epoch changed is refused with `StaleEpoch` until re-resolved. A
 //! lost connection to the same incarnation is reconnected and the unfinished READs of the
