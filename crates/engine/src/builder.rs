@@ -15,7 +15,7 @@ use transport_rdma::{RdmaConfig, RdmaTransport};
 use transport_uring::UringProbe;
 
 use crate::config::DataPlaneConfig;
-use crate::engine::{Inner, TransferEngine};
+use crate::engine::{DataPlanes, Identity, Inner, Peers, Published, Serving, TransferEngine};
 use crate::listener::Server;
 use crate::metrics::MetricsServer;
 use crate::reconnect::ReconnectPolicy;
@@ -527,34 +527,44 @@ impl EngineBuilder {
             auth = ?keyring.as_ref().map(|k| k.names().collect::<Vec<_>>()), "engine built");
         Ok(TransferEngine {
             inner: Arc::new_cyclic(|weak| Inner {
-                serve_stats,
-                shared_copies,
-                metrics: metrics.map(|(listener, addr)| {
-                    let weak = weak.clone();
-                    let describe: crate::metrics::Describe = Arc::new(move || {
-                        weak.upgrade()
-                            .map(|inner| TransferEngine { inner }.describe())
-                    });
-                    MetricsServer::start(listener, addr, describe)
-                }),
-                id,
-                epoch,
-                versions: self.versions,
-                transports,
-                registry,
-                table,
-                server,
-                data_plane: data_plane.map(|p| (p.kind, p.reason)),
-                known: Default::default(),
-                routes: Default::default(),
-                request_timeout: self.request_timeout,
-                keyring,
-                connect_timeout: self.data.connect_timeout,
-                reconnect: self.reconnect,
-                #[cfg(feature = "rdma")]
-                rdma,
-                #[cfg(feature = "uring")]
-                uring,
+                identity: Identity {
+                    id,
+                    epoch,
+                    versions: self.versions,
+                    keyring,
+                },
+                published: Published {
+                    registry,
+                    table,
+                    shared_copies,
+                },
+                planes: DataPlanes {
+                    transports,
+                    data_plane: data_plane.map(|p| (p.kind, p.reason)),
+                    #[cfg(feature = "rdma")]
+                    rdma,
+                    #[cfg(feature = "uring")]
+                    uring,
+                },
+                peers: Peers {
+                    known: Default::default(),
+                    routes: Default::default(),
+                    request_timeout: self.request_timeout,
+                    connect_timeout: self.data.connect_timeout,
+                    reconnect: self.reconnect,
+                },
+                serving: Serving {
+                    server,
+                    stats: serve_stats,
+                    metrics: metrics.map(|(listener, addr)| {
+                        let weak = weak.clone();
+                        let describe: crate::metrics::Describe = Arc::new(move || {
+                            weak.upgrade()
+                                .map(|inner| TransferEngine { inner }.describe())
+                        });
+                        MetricsServer::start(listener, addr, describe)
+                    }),
+                },
                 #[cfg(feature = "cuda")]
                 gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
             }),

@@ -615,7 +615,7 @@ mod tests {
             crate::describe::Path::Direct,
         );
         for i in 0..MAX_PEER_LABELS + extra {
-            let c = engine.inner.routes.counters(
+            let c = engine.inner.peers.routes.counters(
                 format!("10.0.{}.{}:7400", i / 256, i % 256),
                 TransportKind::Tcp,
             );

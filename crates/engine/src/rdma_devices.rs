@@ -229,8 +229,8 @@ impl RdmaDevices {
         let all = self.require()?;
         let mut selected = all.to_vec();
         for filter in filters {
-            selected =
-                filter(&selected).map_err(|e| RdmaDevicesError::ApplyFilter { source: e.into() })?;
+            selected = filter(&selected)
+                .map_err(|e| RdmaDevicesError::ApplyFilter { source: e.into() })?;
         }
         if selected.is_empty() {
             let available = all

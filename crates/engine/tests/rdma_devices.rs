@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use ferry::rdma_devices::{RdmaDevices, RdmaDevicesError, VerbsEnumerator, enumerate_verbs_devices};
+use ferry::rdma_devices::{
+    RdmaDevices, RdmaDevicesError, VerbsEnumerator, enumerate_verbs_devices,
+};
 
 /// A scratch directory unique to this test process, removed on drop.
 struct Scratch(PathBuf);
@@ -35,7 +37,10 @@ fn a_missing_library_gives_the_actionable_error_not_the_loaders() {
     assert!(loader.starts_with(&format!("{library}: ")), "{loader}");
     assert!(loader.contains("No such file or directory"), "{loader}");
     let err = d.require().expect_err("RDMA is required");
-    assert!(matches!(err, RdmaDevicesError::LoadLibrary { .. }), "{err:?}");
+    assert!(
+        matches!(err, RdmaDevicesError::LoadLibrary { .. }),
+        "{err:?}"
+    );
     let reason = loader
         .strip_prefix(&format!("{library}: "))
         .expect("library prefix");

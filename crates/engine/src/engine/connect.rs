@@ -17,12 +17,18 @@ use crate::route::{self, Pick};
 impl TransferEngine {
     fn hello(&self) -> Hello {
         Hello {
-            versions: self.inner.versions,
-            peer_id: self.inner.id,
-            epoch: self.inner.epoch,
-            transports: self.inner.transports.iter().map(|t| t.offer()).collect(),
+            versions: self.inner.identity.versions,
+            peer_id: self.inner.identity.id,
+            epoch: self.inner.identity.epoch,
+            transports: self
+                .inner
+                .planes
+                .transports
+                .iter()
+                .map(|t| t.offer())
+                .collect(),
             // Only what every peer may see: the server is not authenticated to a name here.
-            segments: self.inner.table.published_to(None),
+            segments: self.inner.published.table.published_to(None),
         }
     }
 
@@ -41,6 +47,7 @@ impl TransferEngine {
     pub async fn reresolve(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
         let addr = resolve(addr)?;
         self.inner
+            .peers
             .known
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -53,6 +60,7 @@ impl TransferEngine {
         let known = |server: &Hello| {
             let mut known = self
                 .inner
+                .peers
                 .known
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
@@ -70,7 +78,11 @@ impl TransferEngine {
             }
         };
         let (server, version, channel) = self.open_channel(addr, known).await?;
-        let counters = self.inner.routes.counters(addr.to_string(), channel.kind());
+        let counters = self
+            .inner
+            .peers
+            .routes
+            .counters(addr.to_string(), channel.kind());
         tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
             segments = server.segments.len(), "connected");
         Ok(Peer {
@@ -87,7 +99,7 @@ impl TransferEngine {
                 recovery: Default::default(),
                 engine: Arc::downgrade(&self.inner)
                     as std::sync::Weak<dyn crate::reconnect::Reopen>,
-                policy: self.inner.reconnect,
+                policy: self.inner.peers.reconnect,
                 closed: Default::default(),
                 counters,
             }),
@@ -128,28 +140,33 @@ impl TransferEngine {
         let (server, session) = transport_tcp::handshake_with(
             addr,
             &hello,
-            self.inner.keyring.as_ref(),
-            self.inner.connect_timeout,
+            self.inner.identity.keyring.as_ref(),
+            self.inner.peers.connect_timeout,
         )
         .await?;
         // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
-        let version = self.inner.versions.common(server.versions).unwrap_or(1);
+        let version = self
+            .inner
+            .identity
+            .versions
+            .common(server.versions)
+            .unwrap_or(1);
         check(&server)?;
         let Pick {
             transport,
             offer,
             reservation,
         } = route::pick(
-            &self.inner.transports,
+            &self.inner.planes.transports,
             &server.transports,
             #[cfg(feature = "uring")]
-            self.inner.uring.as_ref(),
+            self.inner.planes.uring.as_ref(),
             addr,
         )?;
         let info = PeerInfo {
             addr,
-            local_id: self.inner.id,
-            local_epoch: self.inner.epoch,
+            local_id: self.inner.identity.id,
+            local_epoch: self.inner.identity.epoch,
             remote_id: server.peer_id,
             remote_epoch: server.epoch,
             offer,

@@ -61,6 +61,7 @@ impl crate::TransferEngine {
     ) -> Result<GpuRegistration, Error> {
         let memory = memory.into();
         self.inner
+            .published
             .table
             .publish_named(name, access.is_remote(), || {
                 self.register_gpu_unchecked(memory, access, name)
@@ -91,7 +92,7 @@ impl crate::TransferEngine {
         let token = direct
             .as_ref()
             .map_or_else(SegmentToken::random, |d| d.registration.token());
-        let served_by_staging = access.is_remote() && self.inner.data_plane.is_some();
+        let served_by_staging = access.is_remote() && self.inner.planes.data_plane.is_some();
         if access.is_remote() && direct.is_none() && !served_by_staging {
             return Err(Error::Unavailable {
                 library: "GPU segments".into(),
@@ -102,7 +103,7 @@ impl crate::TransferEngine {
             });
         }
         if served_by_staging {
-            self.inner.table.add_file(
+            self.inner.published.table.add_file(
                 token,
                 name.to_owned(),
                 memory.len() as u64,
@@ -151,7 +152,7 @@ impl crate::TransferEngine {
             access,
             route,
             direct,
-            table: self.inner.table.clone(),
+            table: self.inner.published.table.clone(),
             gpu: state.clone(),
         })
     }
@@ -167,7 +168,7 @@ impl crate::TransferEngine {
         access: Access,
         name: &str,
     ) -> Result<(Direct, String), Error> {
-        let Some(rdma) = &self.inner.rdma else {
+        let Some(rdma) = &self.inner.planes.rdma else {
             return Err(Error::InvalidRequest {
                 reason: format!(
                     "gpu_direct_registration chose {} but this engine has no RDMA transport",
@@ -191,6 +192,7 @@ impl crate::TransferEngine {
             .collect();
         let registration = self
             .inner
+            .published
             .registry
             .register_on(name, region.clone(), access, &contexts)
             .map_err(Error::from)?;
@@ -228,6 +230,7 @@ impl crate::TransferEngine {
         let setting = state.config.gpu_direct;
         let rdma = self
             .inner
+            .planes
             .transports
             .iter()
             .any(|t| t.kind() == ferry_core::TransportKind::Rdma);

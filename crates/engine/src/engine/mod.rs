@@ -31,18 +31,51 @@ use crate::request::{Batch, Checked, RequestHandle};
 use crate::route::Routes;
 use crate::serve::RegistryTable;
 
-/// What an engine holds, shared by its clones.
+/// What an engine holds, shared by its clones: one part per subsystem, wired here.
 pub(crate) struct Inner {
+    pub(crate) identity: Identity,
+    pub(crate) published: Published,
+    pub(crate) planes: DataPlanes,
+    pub(crate) peers: Peers,
+    pub(crate) serving: Serving,
+    /// GPU memory: the driver, the staging pool, its counters.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: Option<Arc<crate::gpu::GpuState>>,
+}
+
+/// Who the engine is to its peers.
+pub(crate) struct Identity {
     pub(crate) id: PeerId,
     pub(crate) epoch: Epoch,
     pub(crate) versions: VersionRange,
-    /// Every transport offered, in order of preference.
-    pub(crate) transports: Vec<Arc<dyn Transport>>,
+    /// The keys this engine proves (client: the first) and accepts (server), if authenticated.
+    pub(crate) keyring: Option<ferry_core::auth::Keyring>,
+}
+
+/// What the engine registers and publishes.
+pub(crate) struct Published {
     pub(crate) registry: Registry,
     pub(crate) table: Arc<RegistryTable>,
-    pub(crate) server: Option<Server>,
+    /// The registration cache in front of the RDMA backend (none on host memory alone, where
+    /// registering makes no native copy to share).
+    pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
+}
+
+/// The data planes the engine moves bytes over.
+pub(crate) struct DataPlanes {
+    /// Every transport offered, in order of preference.
+    pub(crate) transports: Vec<Arc<dyn Transport>>,
     /// The portable data plane and why it was chosen.
     pub(crate) data_plane: Option<(TransportKind, String)>,
+    #[cfg(feature = "rdma")]
+    pub(crate) rdma: Option<RdmaTransport>,
+    /// The io_uring data plane, when it was chosen (its thread budget and counters).
+    #[cfg(feature = "uring")]
+    pub(crate) uring: Option<UringTransport>,
+}
+
+/// Connecting to peers and running requests on them.
+pub(crate) struct Peers {
     /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
     pub(crate) known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
     pub(crate) routes: Routes,
@@ -50,21 +83,13 @@ pub(crate) struct Inner {
     pub(crate) connect_timeout: Duration,
     /// What happens when a peer's connection is lost.
     pub(crate) reconnect: ReconnectPolicy,
-    /// The keys this engine proves (client: the first) and accepts (server), if authenticated.
-    pub(crate) keyring: Option<ferry_core::auth::Keyring>,
-    #[cfg(feature = "rdma")]
-    pub(crate) rdma: Option<RdmaTransport>,
-    /// The io_uring data plane, when it was chosen (its thread budget and counters).
-    #[cfg(feature = "uring")]
-    pub(crate) uring: Option<UringTransport>,
-    /// GPU memory: the driver, the staging pool, its counters.
-    #[cfg(feature = "cuda")]
-    pub(crate) gpu: Option<Arc<crate::gpu::GpuState>>,
-    /// The registration cache in front of the RDMA backend (none on host memory alone, where
-    /// registering makes no native copy to share).
-    pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
+}
+
+/// Serving peers and scrapes.
+pub(crate) struct Serving {
+    pub(crate) server: Option<Server>,
     /// What the listener's data streams accepted and refused.
-    pub(crate) serve_stats: Arc<ferry_core::transport::ServeStats>,
+    pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
     /// The HTTP listener serving metrics, if asked for.
     pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
@@ -72,9 +97,12 @@ pub(crate) struct Inner {
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TransferEngine")
-            .field("id", &self.id)
-            .field("epoch", &self.epoch)
-            .field("listen", &self.server.as_ref().map(|s| s.local_addr()))
+            .field("id", &self.identity.id)
+            .field("epoch", &self.identity.epoch)
+            .field(
+                "listen",
+                &self.serving.server.as_ref().map(|s| s.local_addr()),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -98,23 +126,23 @@ pub struct TransferEngine {
 impl TransferEngine {
     /// This engine's peer id.
     pub fn peer_id(&self) -> PeerId {
-        self.inner.id
+        self.inner.identity.id
     }
 
     /// This engine's epoch.
     pub fn epoch(&self) -> Epoch {
-        self.inner.epoch
+        self.inner.identity.epoch
     }
 
     /// The address it serves on, if it listens.
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.inner.server.as_ref().map(|s| s.local_addr())
+        self.inner.serving.server.as_ref().map(|s| s.local_addr())
     }
 
     /// The address its Prometheus metrics are served on (`GET /metrics`), if they are (see
     /// [`EngineBuilder::metrics`](crate::EngineBuilder::metrics)).
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.inner.metrics.as_ref().map(|m| m.local_addr())
+        self.inner.serving.metrics.as_ref().map(|m| m.local_addr())
     }
 
     /// The Prometheus text (version 0.0.4) a scrape of [`metrics_addr`](Self::metrics_addr)
@@ -149,14 +177,14 @@ impl TransferEngine {
     ) -> Result<Registration, Error> {
         let audience = self.audience(peers)?;
         let region = region.into();
-        self.inner.table.publish_restricted(audience, || {
+        self.inner.published.table.publish_restricted(audience, || {
             let reg = self.register_inner(region, access, name)?;
             Ok((reg.token, reg))
         })
     }
 
     fn audience(&self, peers: &[&str]) -> Result<Arc<[String]>, Error> {
-        let Some(keyring) = &self.inner.keyring else {
+        let Some(keyring) = &self.inner.identity.keyring else {
             return Err(Error::InvalidRequest {
                 reason: "publishing to named peers needs authentication keys \
                          (EngineBuilder::auth_key_file)"
@@ -181,6 +209,7 @@ impl TransferEngine {
         name: &str,
     ) -> Result<Registration, Error> {
         self.inner
+            .published
             .table
             .publish_named(name, access.is_remote(), || {
                 self.register_unchecked(region, access, name)
@@ -197,17 +226,18 @@ impl TransferEngine {
         let _enter = span.enter();
         let reg = self
             .inner
+            .published
             .registry
             .register(name, region.clone(), access)
             .map_err(Error::from)?;
         let token = reg.token();
         if access.is_remote() {
-            self.inner.table.add(reg.lease());
+            self.inner.published.table.add(reg.lease());
         }
         tracing::debug!(%token, "published");
         Ok(Registration {
             inner: Some(reg),
-            table: self.inner.table.clone(),
+            table: self.inner.published.table.clone(),
             region,
             token,
         })
@@ -252,7 +282,7 @@ impl TransferEngine {
         peers: &[&str],
     ) -> Result<FileRegistration, Error> {
         let audience = self.audience(peers)?;
-        self.inner.table.publish_restricted(audience, || {
+        self.inner.published.table.publish_restricted(audience, || {
             let reg = self.publish_file_inner(path.as_ref(), access, name)?;
             Ok((reg.token, reg))
         })
@@ -264,7 +294,7 @@ impl TransferEngine {
         access: Access,
         name: &str,
     ) -> Result<FileRegistration, Error> {
-        self.inner.table.publish_named(name, true, || {
+        self.inner.published.table.publish_named(name, true, || {
             self.publish_file_unchecked(path, access, name)
         })
     }
@@ -277,7 +307,7 @@ impl TransferEngine {
     ) -> Result<FileRegistration, Error> {
         let _span =
             tracing::info_span!("publish_file", name, path = %path.display(), %access).entered();
-        if self.inner.data_plane.is_none() {
+        if self.inner.planes.data_plane.is_none() {
             return Err(Error::Unavailable {
                 library: "file segments".into(),
                 reason: format!(
@@ -289,7 +319,7 @@ impl TransferEngine {
         }
         let file = Arc::new(FileSegment::open(path, access)?);
         let token = SegmentToken::random();
-        self.inner.table.add_file(
+        self.inner.published.table.add_file(
             token,
             name.to_owned(),
             file.len(),
@@ -298,7 +328,7 @@ impl TransferEngine {
         );
         tracing::info!(%token, len = file.len(), "file segment published");
         Ok(FileRegistration {
-            table: self.inner.table.clone(),
+            table: self.inner.published.table.clone(),
             file,
             token,
             name: name.to_owned(),
@@ -344,7 +374,7 @@ impl TransferEngine {
 
     /// The portable data plane (`Tcp` or `Uring`) this engine chose, if one is enabled.
     pub fn data_plane(&self) -> Option<TransportKind> {
-        self.inner.data_plane.as_ref().map(|(k, _)| *k)
+        self.inner.planes.data_plane.as_ref().map(|(k, _)| *k)
     }
 
     /// Submits a batch: every op is checked against its local region and the peer's descriptor
@@ -361,14 +391,19 @@ impl TransferEngine {
                 reason: format!("TransferEngine::submit needs one: {e}"),
             });
         }
-        let timeout = batch.timeout.or(self.inner.request_timeout);
+        let timeout = batch.timeout.or(self.inner.peers.request_timeout);
         match checked {
             Checked::Host(ops) => Ok(RequestHandle::start(&peer, ops, timeout)),
             #[cfg(feature = "cuda")]
             Checked::Staged(ops) => {
                 let gpu = self.inner.gpu.as_ref();
                 #[cfg(feature = "rdma")]
-                let rdma = self.inner.rdma.is_some().then_some(&self.inner.registry);
+                let rdma = self
+                    .inner
+                    .planes
+                    .rdma
+                    .is_some()
+                    .then_some(&self.inner.published.registry);
                 #[cfg(not(feature = "rdma"))]
                 let rdma = None;
                 let pool = crate::gpu::prepare(gpu.map(|g| &**g), rdma, &ops)?;
@@ -406,9 +441,10 @@ impl TransferEngine {
 
     /// Identity, listener, registrations and per-route counters.
     pub fn describe(&self) -> Description {
-        let counters = self.inner.registry.counters();
+        let counters = self.inner.published.registry.counters();
         let published = self
             .inner
+            .published
             .registry
             .published()
             .iter()
@@ -420,6 +456,7 @@ impl TransferEngine {
             })
             .chain(
                 self.inner
+                    .published
                     .table
                     .file_descs()
                     .into_iter()
@@ -431,26 +468,26 @@ impl TransferEngine {
                     }),
             )
             .collect();
-        let routes = self.inner.routes.snapshot();
+        let routes = self.inner.peers.routes.snapshot();
         Description {
-            peer_id: self.inner.id.to_string(),
-            epoch: self.inner.epoch.to_string(),
+            peer_id: self.inner.identity.id.to_string(),
+            epoch: self.inner.identity.epoch.to_string(),
             listen: self.local_addr().map(|a| a.to_string()),
             transports: self
                 .inner
-                .transports
+                .planes.transports
                 .iter()
                 .map(|t| t.kind().name().to_owned())
                 .collect(),
             data_plane: self
                 .inner
-                .data_plane
+                .planes.data_plane
                 .as_ref()
                 .map(|(k, why)| format!("{k} ({why})")),
             #[cfg(feature = "uring")]
-            data_plane_io: self.inner.uring.as_ref().map(|t| {
+            data_plane_io: self.inner.planes.uring.as_ref().map(|t| {
                 let mut line = t.describe();
-                if let Some(Server::Uring(h)) = &self.inner.server {
+                if let Some(Server::Uring(h)) = &self.inner.serving.server {
                     use std::sync::atomic::Ordering::Relaxed;
                     let s = h.stats();
                     line.push_str(&format!(
@@ -464,7 +501,7 @@ impl TransferEngine {
             }),
             #[cfg(not(feature = "uring"))]
             data_plane_io: None,
-            handshakes: self.inner.server.as_ref().map(|s| {
+            handshakes: self.inner.serving.server.as_ref().map(|s| {
                 let (stats, limits) = s.handshakes();
                 crate::describe::HandshakeDescription {
                     pending: stats.pending,
@@ -476,9 +513,9 @@ impl TransferEngine {
             }),
             served: self
                 .inner
-                .server
+                .serving.server
                 .as_ref()
-                .map(|_| crate::describe::ServedDescription::of(&self.inner.serve_stats.snapshot())),
+                .map(|_| crate::describe::ServedDescription::of(&self.inner.serving.stats.snapshot())),
             contexts: counters
                 .per_context
                 .iter()
@@ -489,8 +526,8 @@ impl TransferEngine {
                     fenced: c.fenced,
                 })
                 .collect(),
-            latency: self.inner.routes.latencies().snapshot(),
-            registration_cache: self.inner.shared_copies.as_ref().map(|c| {
+            latency: self.inner.peers.routes.latencies().snapshot(),
+            registration_cache: self.inner.published.shared_copies.as_ref().map(|c| {
                 let s = c.stats();
                 crate::describe::CacheDescription {
                     hits: s.hits,
@@ -528,7 +565,7 @@ impl TransferEngine {
     /// Per-rail RDMA counters (empty without RDMA).
     fn rails(&self) -> Vec<RailDescription> {
         #[cfg(feature = "rdma")]
-        if let Some(t) = &self.inner.rdma {
+        if let Some(t) = &self.inner.planes.rdma {
             return t
                 .rail_stats()
                 .into_iter()
@@ -551,9 +588,9 @@ impl TransferEngine {
     /// `Unquiesced`, its copies and charges still held) and the RDMA transport's failed destroys
     /// of queue pairs, completion queues and protection domains. Returns the oldest one.
     pub fn check(&self) -> Result<(), Error> {
-        self.inner.registry.check().map_err(Error::from)?;
+        self.inner.published.registry.check().map_err(Error::from)?;
         #[cfg(feature = "rdma")]
-        if let Some(rdma) = &self.inner.rdma {
+        if let Some(rdma) = &self.inner.planes.rdma {
             rdma.check()?;
         }
         Ok(())
@@ -565,12 +602,12 @@ impl TransferEngine {
     /// nothing unquiesced left accepts registrations again. Returns what was released and the
     /// evidence for what is still held.
     pub fn retry_unquiesced(&self) -> registry::UnquiescedRetry {
-        self.inner.registry.retry_unquiesced()
+        self.inner.published.registry.retry_unquiesced()
     }
 
     /// Stops serving: the listener closes and accepted connections are dropped.
     pub fn shutdown(&self) {
-        if let Some(s) = &self.inner.server {
+        if let Some(s) = &self.inner.serving.server {
             s.shutdown();
         }
     }
