@@ -8,11 +8,11 @@ use std::time::Duration;
 use ferry_core::auth::{KeyError, Keyring, ServerAuth};
 use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
 use ferry_core::{Epoch, Error, PeerId, Transport, TransportKind};
-use registry::{Budgets, Registry};
+use ferry_registry::{Budgets, Registry};
 #[cfg(feature = "rdma")]
-use transport_rdma::{RdmaConfig, RdmaTransport};
+use ferry_transport_rdma::{RdmaConfig, RdmaTransport};
 #[cfg(feature = "uring")]
-use transport_uring::UringProbe;
+use ferry_transport_uring::UringProbe;
 
 use crate::config::DataPlaneConfig;
 use crate::engine::{DataPlanes, Identity, Inner, Peers, Published, Serving, TransferEngine};
@@ -358,7 +358,7 @@ impl EngineBuilder {
     /// Uses `cuda` as the CUDA driver instead of loading the system's `libcuda.so.1` on first
     /// GPU use (tests give Ferry's fake driver this way).
     #[cfg(feature = "cuda")]
-    pub fn cuda(mut self, cuda: cuda::Cuda) -> Self {
+    pub fn cuda(mut self, cuda: ferry_cuda::Cuda) -> Self {
         self.gpu.cuda = Some(cuda);
         self
     }
@@ -384,7 +384,7 @@ impl EngineBuilder {
 
     /// The GPUDirect RDMA registration route, `gpu_direct_registration` (default `auto`).
     #[cfg(feature = "cuda")]
-    pub fn gpu_direct_registration(mut self, setting: cuda::GpuDirectSetting) -> Self {
+    pub fn gpu_direct_registration(mut self, setting: ferry_cuda::GpuDirectSetting) -> Self {
         self.gpu.gpu_direct = setting;
         self
     }
@@ -481,7 +481,7 @@ impl EngineBuilder {
         #[cfg(feature = "rdma")]
         let shared_copies = rdma
             .as_ref()
-            .map(|t| Arc::new(registry::SharedCopies::new(Arc::new(t.backend()))));
+            .map(|t| Arc::new(ferry_registry::SharedCopies::new(Arc::new(t.backend()))));
         #[cfg(feature = "rdma")]
         let registry = match &shared_copies {
             Some(cache) => Registry::new(cache.clone(), self.budgets),

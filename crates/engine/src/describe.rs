@@ -461,7 +461,7 @@ pub struct GpuRegistrationDescription {
     /// The device's PCI bus id.
     pub pci_bus_id: String,
     /// The GPUDirect route and why.
-    pub route: cuda::RouteChoice,
+    pub route: ferry_cuda::RouteChoice,
     /// The RDMA rails (`device:port`) it is registered on (empty unless the route is direct).
     pub nics: Vec<String>,
     /// Why those rails (the NICs nearest its GPU, or why locality is unknown); empty unless the

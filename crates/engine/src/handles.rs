@@ -13,7 +13,7 @@ use crate::serve::RegistryTable;
 /// A registered range, owned by the caller. Dropping it (or [`retire`](Self::retire)) unpublishes
 /// it at once; its memory stays alive while requests still use it.
 pub struct Registration {
-    pub(crate) inner: Option<registry::Registration>,
+    pub(crate) inner: Option<ferry_registry::Registration>,
     pub(crate) table: Arc<RegistryTable>,
     pub(crate) region: Arc<MemoryRegion>,
     pub(crate) token: SegmentToken,

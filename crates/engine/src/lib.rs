@@ -39,15 +39,18 @@ mod route;
 mod serve;
 
 pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
-/// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
-#[cfg(feature = "cuda")]
-pub use cuda;
 pub use describe::{
     CacheDescription, ContextDescription, Description, HandshakeDescription, LatencyDescription,
     RailDescription, RouteDescription, SegmentDescription, ServedDescription, TrafficDescription,
 };
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;
+/// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
+#[cfg(feature = "cuda")]
+pub use ferry_cuda as cuda;
+/// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
+#[cfg(feature = "uring")]
+pub use ferry_transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescription};
 pub use handles::FileRegistration;
@@ -56,9 +59,6 @@ pub use peer::Peer;
 pub use reconnect::ReconnectPolicy;
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;
-/// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
-#[cfg(feature = "uring")]
-pub use transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 
 pub use ferry_core::wire::{CHECKSUM_VERSION, SUPPORTED_VERSIONS, VersionRange};
 
@@ -71,10 +71,10 @@ pub use ferry_core::{
 };
 /// A published file range (`ferry-file`), as [`FileRegistration::file`] hands it out.
 pub use ferry_file::FileSegment;
-pub use registry::{Budgets, UnquiescedInfo, UnquiescedRetry};
+pub use ferry_registry::{Budgets, UnquiescedInfo, UnquiescedRetry};
 /// The RDMA transport's configuration (`ferry-transport-rdma`).
 #[cfg(feature = "rdma")]
-pub use transport_rdma::{RailSpec, RdmaConfig};
+pub use ferry_transport_rdma::{RailSpec, RdmaConfig};
 
 /// Ferry's shared vocabulary (`ferry-core`), for transports built outside this crate.
 pub use ferry_core as core_types;
@@ -83,7 +83,7 @@ pub mod capabilities;
 pub mod rdma_devices;
 
 /// sysfs topology: NICs, GPUs, distance classes, NIC assignment and filters (`ferry-topology`).
-pub use topology;
+pub use ferry_topology as topology;
 
 /// The quickstart's Rust example, compiled as a doctest so that the guide stays true to the API.
 #[doc = include_str!("../../../docs/quickstart.md")]

@@ -10,7 +10,7 @@
 use std::error::Error as StdError;
 use std::path::PathBuf;
 
-use verbs_sys::{DeviceInfo, LoadError, Verbs};
+use ferry_verbs_sys::{DeviceInfo, LoadError, Verbs};
 
 /// Something that lists verbs devices. The real one is [`VerbsEnumerator`]; tests use mocks.
 pub trait DeviceEnumerator {
@@ -258,8 +258,8 @@ where
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use ferry_verbs_sys::{NodeType, TransportType, VerbsError};
     use std::cell::Cell;
-    use verbs_sys::{NodeType, TransportType, VerbsError};
 
     /// Counts enumerations; returns a fixed answer (the capability matrix's tests use it too).
     pub(crate) struct Counting {

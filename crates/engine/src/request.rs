@@ -21,7 +21,7 @@ pub(crate) enum Local {
     Host(Arc<ferry_core::MemoryRegion>),
     #[cfg(feature = "cuda")]
     Device(
-        Arc<cuda::DeviceMemory>,
+        Arc<ferry_cuda::DeviceMemory>,
         Option<Arc<ferry_core::MemoryRegion>>,
     ),
 }
@@ -69,7 +69,7 @@ impl LocalRef {
 
     /// The device memory, when it is device memory (copied to and from the host by the driver).
     #[cfg(feature = "cuda")]
-    pub fn device(&self) -> Option<&Arc<cuda::DeviceMemory>> {
+    pub fn device(&self) -> Option<&Arc<ferry_cuda::DeviceMemory>> {
         match &self.0 {
             Local::Host(_) => None,
             Local::Device(m, _) => Some(m),

@@ -2,7 +2,7 @@
 
 use std::io;
 
-use verbs_sys::VerbsError;
+use ferry_verbs_sys::VerbsError;
 
 /// Everything that can go wrong opening devices, connecting queue pairs or registering memory.
 ///

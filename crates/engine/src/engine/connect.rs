@@ -137,7 +137,7 @@ impl TransferEngine {
         check: impl FnOnce(&Hello) -> Result<(), Error>,
     ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>), Error> {
         let hello = self.hello();
-        let (server, session) = transport_tcp::handshake_with(
+        let (server, session) = ferry_transport_tcp::handshake_with(
             addr,
             &hello,
             self.inner.identity.keyring.as_ref(),

@@ -3,8 +3,8 @@
 
 use std::sync::{Arc, PoisonError};
 
-use cuda::{Cuda, CudaError, DeviceMemory, DeviceSegment, GpuDirectSetting, RouteChoice};
 use ferry_core::{Access, Error, SegmentToken};
+use ferry_cuda::{Cuda, CudaError, DeviceMemory, DeviceSegment, GpuDirectSetting, RouteChoice};
 
 use crate::describe::GpuRegistrationDescription;
 use crate::gpu::{Direct, GpuRegistration, GpuState, choose_nics, rail_device};
@@ -40,8 +40,8 @@ impl crate::TransferEngine {
         self.register_gpu(mem, access, name)
     }
 
-    /// Registers device memory (allocated by [`cuda::Device::alloc`] or wrapped with
-    /// [`cuda::Device::wrap`]) under `name`. The GPUDirect route is decided first, from the
+    /// Registers device memory (allocated by [`ferry_cuda::Device::alloc`] or wrapped with
+    /// [`ferry_cuda::Device::wrap`]) under `name`. The GPUDirect route is decided first, from the
     /// `gpu_direct_registration` setting and what the machine offers; an explicit route that
     /// cannot work is an error naming what is missing, and nothing falls back silently.
     ///
@@ -83,7 +83,7 @@ impl crate::TransferEngine {
         )
         .entered();
         let route = self.choose_route(state, &memory)?;
-        let (direct, nic_choice) = if route.route == cuda::GpuRoute::Off {
+        let (direct, nic_choice) = if route.route == ferry_cuda::GpuRoute::Off {
             (None, String::new())
         } else {
             let (d, why) = self.register_direct(state, &memory, &route, access, name)?;
@@ -178,17 +178,17 @@ impl crate::TransferEngine {
         };
         let rails = rdma.rail_names();
         let devices: Vec<String> = rails.iter().map(|r| rail_device(r).to_owned()).collect();
-        let topo = topology::Topology::discover(
+        let topo = ferry_topology::Topology::discover(
             &state.config.sysfs_root,
-            &topology::VerbsDevices::from_names(devices),
-            &topology::Selector::default(),
+            &ferry_topology::VerbsDevices::from_names(devices),
+            &ferry_topology::Selector::default(),
         );
         let choice = choose_nics(&rails, topo.as_ref().ok(), &memory.location().pci_bus_id);
         let region = Arc::new(memory.nic_region(route.route).map_err(Error::from)?);
-        let contexts: Vec<registry::ContextId> = choice
+        let contexts: Vec<ferry_registry::ContextId> = choice
             .rails
             .iter()
-            .map(|&i| registry::ContextId(i as u32))
+            .map(|&i| ferry_registry::ContextId(i as u32))
             .collect();
         let registration = self
             .inner
@@ -235,14 +235,14 @@ impl crate::TransferEngine {
             .iter()
             .any(|t| t.kind() == ferry_core::TransportKind::Rdma);
         if setting == GpuDirectSetting::Off {
-            return cuda::route::choose(setting, &Default::default())
+            return ferry_cuda::route::choose(setting, &Default::default())
                 .map_err(|e| Error::from(CudaError::from(e)));
         }
         if !rdma {
             // No NIC would see the memory: only staging can move it.
             return match setting {
                 GpuDirectSetting::Auto => Ok(RouteChoice {
-                    route: cuda::GpuRoute::Off,
+                    route: ferry_cuda::GpuRoute::Off,
                     why: "auto: no RDMA transport in this engine; GPU memory is staged over the \
                           portable data plane"
                         .into(),
@@ -255,16 +255,16 @@ impl crate::TransferEngine {
                 }),
             };
         }
-        let facts = cuda::RouteFacts {
+        let facts = ferry_cuda::RouteFacts {
             cuda_dmabuf_export: memory.device().cuda().has_dmabuf_export(),
             device_dmabuf: memory.device().info().dmabuf_supported,
-            ibv_reg_dmabuf_mr: verbs_sys::Verbs::load()
+            ibv_reg_dmabuf_mr: ferry_verbs_sys::Verbs::load()
                 .map(|v| v.capabilities().reg_dmabuf_mr)
                 .unwrap_or(false),
-            peermem_version_file: cuda::peermem_version(&state.config.sysfs_root)
+            peermem_version_file: ferry_cuda::peermem_version(&state.config.sysfs_root)
                 .map(|(p, _)| p.display().to_string()),
         };
-        cuda::route::choose(setting, &facts).map_err(|e| Error::from(CudaError::from(e)))
+        ferry_cuda::route::choose(setting, &facts).map_err(|e| Error::from(CudaError::from(e)))
     }
 
     /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`: by
@@ -278,12 +278,12 @@ impl crate::TransferEngine {
         path: impl AsRef<std::path::Path>,
         file_offset: u64,
         len: u64,
-    ) -> Result<cuda::FileLoad, Error> {
+    ) -> Result<ferry_cuda::FileLoad, Error> {
         let state = self.gpu_state()?;
         let path = path.as_ref();
         let _span =
             tracing::info_span!("read_file_into_gpu", path = %path.display(), len).entered();
-        let load = cuda::cufile::read_file_into(
+        let load = ferry_cuda::cufile::read_file_into(
             &dst.memory,
             offset,
             path,

@@ -11,11 +11,11 @@ use ferry_core::SegmentToken;
 use ferry_core::wire::VersionRange;
 use ferry_core::{Access, Epoch, Error, MemoryRegion, PeerId, Transport, TransportKind};
 use ferry_file::FileSegment;
-use registry::Registry;
+use ferry_registry::Registry;
 #[cfg(feature = "rdma")]
-use transport_rdma::RdmaTransport;
+use ferry_transport_rdma::RdmaTransport;
 #[cfg(feature = "uring")]
-use transport_uring::UringTransport;
+use ferry_transport_uring::UringTransport;
 
 mod connect;
 #[cfg(feature = "cuda")]
@@ -58,7 +58,7 @@ pub(crate) struct Published {
     pub(crate) table: Arc<RegistryTable>,
     /// The registration cache in front of the RDMA backend (none on host memory alone, where
     /// registering makes no native copy to share).
-    pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
+    pub(crate) shared_copies: Option<Arc<ferry_registry::SharedCopies>>,
 }
 
 /// The data planes the engine moves bytes over.
@@ -354,7 +354,7 @@ impl TransferEngine {
         #[cfg(feature = "uring")]
         if self.data_plane() == Some(TransportKind::Uring) {
             const QUEUE_DEPTH: usize = 32;
-            return Ok(transport_uring::read_file_into(
+            return Ok(ferry_transport_uring::read_file_into(
                 dst.region(),
                 offset,
                 path,
@@ -601,7 +601,7 @@ impl TransferEngine {
     /// budget charges, fully destroyed registrations free their memory, and a context with
     /// nothing unquiesced left accepts registrations again. Returns what was released and the
     /// evidence for what is still held.
-    pub fn retry_unquiesced(&self) -> registry::UnquiescedRetry {
+    pub fn retry_unquiesced(&self) -> ferry_registry::UnquiescedRetry {
         self.inner.published.registry.retry_unquiesced()
     }
 

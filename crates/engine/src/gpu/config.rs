@@ -1,6 +1,6 @@
 //! The builder's GPU settings: the staging policy and the staging pool's size.
 
-use cuda::{Cuda, GpuDirectSetting};
+use ferry_cuda::{Cuda, GpuDirectSetting};
 
 /// Whether device memory may move through host memory when no direct route serves it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -33,7 +33,7 @@ impl NicChoice {
 /// the assigned NICs) every rail serves it, and `why` says so.
 pub(crate) fn choose_nics(
     rails: &[String],
-    topo: Option<&topology::Topology>,
+    topo: Option<&ferry_topology::Topology>,
     pci_bus_id: &str,
 ) -> NicChoice {
     let every = |why: String| NicChoice {

@@ -5,11 +5,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use cuda::CudaError;
 use ferry_core::{Error, FailureKind, Op, OpKind, Outcome, RemoteEffect, RequestControl};
+use ferry_cuda::CudaError;
 
 use ferry_core::BoxFuture;
-use registry::Registry;
+use ferry_registry::Registry;
 
 use super::config::Staging;
 use super::pool::{GpuState, StagingPool};

@@ -5,8 +5,8 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use cuda::{Cuda, CudaError, DeviceMemory};
 use ferry_core::{Access, Error, MemoryRegion, SegmentToken};
+use ferry_cuda::{Cuda, CudaError, DeviceMemory};
 use tokio::sync::Semaphore;
 
 use super::config::{GpuConfig, Staging};
@@ -64,9 +64,9 @@ impl GpuState {
             .get_or_init(|| Cuda::load().map_err(|e| e.to_string()))
             .clone()
             .map_err(|reason| Error::Unavailable {
-                library: cuda::LIBCUDA.into(),
+                library: ferry_cuda::LIBCUDA.into(),
                 reason: reason
-                    .strip_prefix(&format!("{}: ", cuda::LIBCUDA))
+                    .strip_prefix(&format!("{}: ", ferry_cuda::LIBCUDA))
                     .unwrap_or(&reason)
                     .to_owned(),
             })
@@ -74,8 +74,8 @@ impl GpuState {
 
     pub(super) fn pool(
         &self,
-        device: &cuda::Device,
-        rdma: Option<&registry::Registry>,
+        device: &ferry_cuda::Device,
+        rdma: Option<&ferry_registry::Registry>,
     ) -> Result<Arc<StagingPool>, Error> {
         let ordinal = device.location().ordinal;
         let mut pools = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
@@ -128,15 +128,15 @@ pub(crate) struct StagingPool {
     pub(super) buffer_size: usize,
     /// The buffers' local RDMA registrations (engines with RDMA: staging with
     /// `gpu_direct_registration = off` sends from them); dropped after the buffers' last use.
-    _rdma: Vec<registry::Registration>,
+    _rdma: Vec<ferry_registry::Registration>,
 }
 
 impl StagingPool {
     fn new(
-        device: &cuda::Device,
+        device: &ferry_cuda::Device,
         buffers: usize,
         buffer_size: usize,
-        rdma: Option<&registry::Registry>,
+        rdma: Option<&ferry_registry::Registry>,
     ) -> Result<Self, Error> {
         let mut free = Vec::with_capacity(buffers);
         let mut registered = Vec::new();
@@ -223,7 +223,11 @@ pub(super) struct Lane {
 }
 
 impl Lane {
-    fn start(i: usize, buf: Arc<MemoryRegion>, stream: cuda::CopyStream) -> Result<Self, Error> {
+    fn start(
+        i: usize,
+        buf: Arc<MemoryRegion>,
+        stream: ferry_cuda::CopyStream,
+    ) -> Result<Self, Error> {
         // One job at a time per lane (the borrower waits for each), so a channel of one never
         // blocks the sender, and holds its slot without allocating per job.
         let (tx, rx) = std::sync::mpsc::sync_channel::<CopyJob>(1);

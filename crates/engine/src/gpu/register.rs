@@ -4,8 +4,8 @@
 use std::fmt;
 use std::sync::{Arc, PoisonError};
 
-use cuda::{DeviceMemory, RouteChoice};
 use ferry_core::{Access, MemoryRegion, SegmentDesc, SegmentToken};
+use ferry_cuda::{DeviceMemory, RouteChoice};
 
 use super::GpuState;
 use crate::serve::RegistryTable;
@@ -30,7 +30,7 @@ pub(crate) struct Direct {
     /// The device memory as a region placed on its device (only RDMA ops get it).
     pub(crate) region: Arc<MemoryRegion>,
     /// Dropping it retires the MRs (after the last lease).
-    pub(crate) registration: registry::Registration,
+    pub(crate) registration: ferry_registry::Registration,
 }
 
 impl Direct {

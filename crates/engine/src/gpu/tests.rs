@@ -1,15 +1,15 @@
 use std::sync::Arc;
 
-use cuda::{Cuda, DeviceMemory};
 use ferry_core::{Access, MemoryRegion, SegmentDesc, SegmentToken};
+use ferry_cuda::{Cuda, DeviceMemory};
 
 use crate::gpu::nics::*;
 use crate::reconnect::PeerInner;
 
 /// Two GPUs, each with its own nearest NIC (what the topology crate's assignment gives on a
 /// DGX-like machine; its fixtures test the assignment itself), built in memory: no I/O.
-fn two_gpus() -> topology::Topology {
-    let gpu = |id: usize, pci: &str| topology::Gpu {
+fn two_gpus() -> ferry_topology::Topology {
+    let gpu = |id: usize, pci: &str| ferry_topology::Gpu {
         id,
         pci: pci.parse().unwrap(),
         vendor: None,
@@ -17,13 +17,13 @@ fn two_gpus() -> topology::Topology {
         numa_node: None,
         nics: Vec::new(),
     };
-    let assigned = |gpu: usize, nic: &str, id: usize| topology::Assignment {
+    let assigned = |gpu: usize, nic: &str, id: usize| ferry_topology::Assignment {
         gpu,
         nics: vec![nic.to_owned()],
         nic_ids: vec![id],
-        class: Some(topology::DistanceClass::Pix),
+        class: Some(ferry_topology::DistanceClass::Pix),
     };
-    topology::Topology {
+    ferry_topology::Topology {
         nics: Vec::new(),
         gpus: vec![gpu(0, "0000:17:00.0"), gpu(1, "0000:3d:00.0")],
         assignment: vec![assigned(0, "mlx5_0", 0), assigned(1, "mlx5_3", 3)],
@@ -135,7 +135,7 @@ fn gpu_ops_go_to_the_nic_only_over_rdma_with_a_region() {
     };
     let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
     let mem = Arc::new(cuda.device(0).unwrap().alloc(1 << 20).unwrap());
-    let region = Arc::new(mem.nic_region(cuda::GpuRoute::Peermem).unwrap());
+    let region = Arc::new(mem.nic_region(ferry_cuda::GpuRoute::Peermem).unwrap());
     assert!(!region.is_host());
     assert_eq!(region.as_ptr() as u64, mem.device_ptr());
     let with = Dev(mem.clone(), Some(region.clone()));
