@@ -300,12 +300,12 @@ impl SegmentDesc {
 // ---------------------------------------------------------------------------------------------
 // What a server counts.
 
-/// What the data streams of one server accepted and refused, counted as [`ServerStream`]
-/// decides, before any byte moves: an accepted READ or WRITE whose stream dies midway still
-/// counts its whole length. A CHECKSUM counts the bytes it hashes; a vectored request counts
-/// each accepted piece as an op. Shared by the streams of a server
-/// ([`HandshakeResponder::serve_stats`](crate::HandshakeResponder::serve_stats)); relaxed
-/// atomics, read by [`snapshot`](Self::snapshot).
+/// What the data streams of one server accepted and refused, counted as
+/// [`ServerStream`](crate::stream::ServerStream) decides, before any byte moves: an accepted READ
+/// or WRITE whose stream dies midway still counts its whole length. A CHECKSUM counts the bytes it
+/// hashes; a vectored request counts each accepted piece as an op. Shared by the streams of a
+/// server ([`HandshakeResponder::serve_stats`]); relaxed atomics, read by
+/// [`snapshot`](Self::snapshot).
 #[derive(Debug, Default)]
 pub struct ServeStats {
     ops: [AtomicU64; 3],
