@@ -322,7 +322,7 @@ async fn with_the_key_bytes_move_and_streams_are_bound_to_the_session() -> Resul
 
         // A session of our own, to replay and forge its attaches.
         let hello = plain_hello();
-        let (_, session) = transport_tcp::handshake_with(
+        let (_, session) = ferry_transport_tcp::handshake_with(
             server.addr(),
             &hello,
             Some(&keyring(ALICE)),

@@ -22,7 +22,7 @@ use ferry_core::{
     Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
     SegmentToken, Transport,
 };
-use transport_uring::{UringConfig, UringTransport};
+use ferry_transport_uring::{UringConfig, UringTransport};
 
 /// A one-stream io_uring channel (with `config`) to an io_uring server (with `server`) that
 /// publishes `len` bytes; returns the channel, its transport and the server's segment.
@@ -35,7 +35,7 @@ async fn setup(
     Arc<UringTransport>,
     ferry_core::SegmentToken,
     Arc<MemoryRegion>,
-    transport_uring::UringServerHandle,
+    ferry_transport_uring::UringServerHandle,
 ) {
     let table = Arc::new(Table::default());
     let (tok, remote) = publish(

@@ -14,11 +14,11 @@ use ferry_core::{
     Transport, TransportKind,
 };
 use ferry_file::FileSegment;
-use rand::{Rng, SeedableRng};
-use transport_uring::{
+use ferry_transport_uring::{
     OpcodeSupport, Preference, UringConfig, UringProbe, UringServer, UringServerHandle,
     UringTransport, ZeroCopy, block_on, read_file_into, select,
 };
+use rand::{Rng, SeedableRng};
 
 fn random_file(dir: &std::path::Path, len: usize, seed: u64) -> (std::path::PathBuf, Vec<u8>) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -408,7 +408,7 @@ fn zero_copy_sends_are_counted_and_drained() {
     if !uring_usable() {
         return;
     }
-    if !transport_uring::probe_kernel().supports("SEND_ZC") {
+    if !ferry_transport_uring::probe_kernel().supports("SEND_ZC") {
         ferry_tests::require_or_skip(ferry_tests::URING, "the kernel lacks io_uring SEND_ZC");
         return;
     }

@@ -20,8 +20,8 @@ use ferry_core::{
     Access, Channel, Epoch, Error, FailureKind, MemoryRegion, OpKind, PeerId, PeerInfo,
     RemoteEffect, RemoteStatus, SegmentToken, Transport,
 };
-use transport_tcp::{TcpConfig, TcpServer, TcpTransport};
-use transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, ZeroCopy};
+use ferry_transport_tcp::{TcpConfig, TcpServer, TcpTransport};
+use ferry_transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, ZeroCopy};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
@@ -58,8 +58,8 @@ fn runnable(pairs: &[(Side, Side)]) -> Vec<(Side, Side)> {
 }
 
 enum ServerHandle {
-    Uring(#[allow(dead_code)] transport_uring::UringServerHandle),
-    Tcp(#[allow(dead_code)] transport_tcp::ServerHandle),
+    Uring(#[allow(dead_code)] ferry_transport_uring::UringServerHandle),
+    Tcp(#[allow(dead_code)] ferry_transport_tcp::ServerHandle),
 }
 
 struct Fixture {
@@ -205,7 +205,7 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
     let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
         .await
         .unwrap();
-    let gauge = |s: &transport_uring::IoStats| s.threads.load(Ordering::Relaxed);
+    let gauge = |s: &ferry_transport_uring::IoStats| s.threads.load(Ordering::Relaxed);
     let settle = |want: u64, what: &str, get: &dyn Fn() -> u64| {
         let end = std::time::Instant::now() + Duration::from_secs(10);
         while get() != want {
@@ -398,7 +398,7 @@ async fn protocol_mismatch_names_both_ranges() {
         transports: vec![],
         segments: vec![],
     };
-    match transport_tcp::handshake(f.addr, &hello, Duration::from_secs(5)).await {
+    match ferry_transport_tcp::handshake(f.addr, &hello, Duration::from_secs(5)).await {
         Err(Error::ProtocolMismatch { local, remote, .. }) => {
             assert_eq!(local, SUPPORTED_VERSIONS);
             assert_eq!(remote, theirs);
@@ -880,7 +880,7 @@ async fn server_shutdown_loses_the_peer() {
 
 /// The TCP data plane's stream server as an io_uring server's overflow (what the engine wires).
 #[derive(Debug)]
-struct TcpOverflow(transport_tcp::StreamServer);
+struct TcpOverflow(ferry_transport_tcp::StreamServer);
 
 impl StreamOverflow for TcpOverflow {
     fn serve(
@@ -907,7 +907,7 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         max_threads: 2,
         ..UringConfig::default()
     };
-    let overflow = TcpOverflow(transport_tcp::StreamServer::new(&TcpConfig::default()));
+    let overflow = TcpOverflow(ferry_transport_tcp::StreamServer::new(&TcpConfig::default()));
     let h = serve_uring(&table, config, Some(Arc::new(overflow)));
     let addr = h.local_addr();
     let len = (5 << 20) + 333;
@@ -975,7 +975,7 @@ async fn handed_over_streams_are_served_until_the_client_closes_them() {
         3 << 20,
         Access::REMOTE_READ | Access::REMOTE_WRITE,
     );
-    let server = Arc::new(transport_tcp::StreamServer::new(&TcpConfig::default()));
+    let server = Arc::new(ferry_transport_tcp::StreamServer::new(&TcpConfig::default()));
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();

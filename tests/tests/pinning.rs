@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferry_core::{MemoryRegion, OpKind, SegmentToken, Transport};
-use transport_uring::{UringConfig, UringTransport};
+use ferry_transport_uring::{UringConfig, UringTransport};
 
 /// The CPUs each of this process's serving threads may run on, one list per thread.
 fn serving_threads() -> Vec<String> {

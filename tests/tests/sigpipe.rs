@@ -11,7 +11,7 @@ use common::*;
 use ferry_core::{
     Access, Channel, Epoch, FailureKind, MemoryRegion, OpKind, PeerId, RequestControl, Transport,
 };
-use transport_uring::{UringConfig, UringServer, UringTransport, block_on};
+use ferry_transport_uring::{UringConfig, UringServer, UringTransport, block_on};
 
 const SEG: usize = 64 << 20;
 

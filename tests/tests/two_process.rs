@@ -199,16 +199,20 @@ fn child_trap_server() -> Result<()> {
         let _h: Box<dyn std::any::Any> = if env_data_plane()? == DataPlane::Uring {
             #[cfg(feature = "uring")]
             {
-                let server = transport_uring::UringServer::bind(addr)?;
+                let server = ferry_transport_uring::UringServer::bind(addr)?;
                 println!("LISTEN {}", server.local_addr());
-                Box::new(server.serve(table, responder, transport_uring::UringConfig::default())?)
+                Box::new(server.serve(
+                    table,
+                    responder,
+                    ferry_transport_uring::UringConfig::default(),
+                )?)
             }
             #[cfg(not(feature = "uring"))]
             bail!("a uring trap server needs the uring feature")
         } else {
-            let server = transport_tcp::TcpServer::bind(addr)?;
+            let server = ferry_transport_tcp::TcpServer::bind(addr)?;
             println!("LISTEN {}", server.local_addr());
-            Box::new(server.serve(table, responder, transport_tcp::TcpConfig::default()))
+            Box::new(server.serve(table, responder, ferry_transport_tcp::TcpConfig::default()))
         };
         tokio::task::spawn_blocking(|| for _ in std::io::stdin().lock().lines() {}).await?;
         Ok(())

@@ -14,7 +14,7 @@ use ferry_core::{
     Access, Channel, Epoch, FailureKind, MemoryRegion, OpKind, PeerId, RemoteEffect, SegmentToken,
     Transport,
 };
-use transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy, block_on};
+use ferry_transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy, block_on};
 
 const SEG: usize = 64 << 20;
 
@@ -100,11 +100,13 @@ fn open(addr: SocketAddr, uring: bool, zc: ZeroCopy, chunk: u64) -> Arc<dyn Chan
             .unwrap(),
         )
     } else {
-        Arc::new(transport_tcp::TcpTransport::new(transport_tcp::TcpConfig {
-            streams: 2,
-            chunk_size: chunk,
-            ..transport_tcp::TcpConfig::default()
-        }))
+        Arc::new(ferry_transport_tcp::TcpTransport::new(
+            ferry_transport_tcp::TcpConfig {
+                streams: 2,
+                chunk_size: chunk,
+                ..ferry_transport_tcp::TcpConfig::default()
+            },
+        ))
     };
     let peer = peer_info(addr, t.offer());
     let rt = tokio::runtime::Builder::new_multi_thread()

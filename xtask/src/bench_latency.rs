@@ -5,7 +5,7 @@
 //! 64 bytes. Ferry is `ferry bench --op-size 64 --depth 1` (WRITEs, one op in flight, its own
 //! loopback server), with the TCP streams on I/O threads (`--io-threads auto`, the default) and on
 //! the caller's runtime (`caller`), and over io_uring. The table shows median (p50) round trips
-//! over `--repeat` rounds and their ratio to the ping-pong's p50. ARCHITECTURE.md's target is
+//! over `--repeat` rounds and their ratio to the ping-pong's p50. docs/architecture.md's target is
 //! 1.2x.
 //!
 //! Options: `--ops N` (round trips per run, default 20000), `--repeat N` (default 3).

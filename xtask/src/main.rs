@@ -15,6 +15,7 @@ mod fresh_machine;
 mod fuzz;
 mod gpu_check;
 mod iperf3;
+mod module_loops;
 mod mutants;
 mod python;
 mod soft_roce;
@@ -64,6 +65,8 @@ tasks:
   soak [--minutes N | --seconds N] [--plane tcp|uring] [--workers N]
                          a mixed workload through proxy faults, every byte checked; fails if
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
+  module-loops [--edges] fails on an import loop between the top-level modules of crates/engine
+                         or crates/core, naming it (also a test: xtask/src/module_loops.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]
                          on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
@@ -85,6 +88,7 @@ fn main() -> Result<()> {
         "bench" => bench::run(&rest),
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
+        "module-loops" => module_loops::run(&rest),
         "fuzz" => fuzz::run(&rest),
         "wheel" => python::wheel(&rest),
         "fresh-machine" => fresh_machine::run_task(&rest),

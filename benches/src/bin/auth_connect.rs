@@ -92,7 +92,7 @@ impl Side {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let t = Instant::now();
-            transport_tcp::handshake_with(
+            ferry_transport_tcp::handshake_with(
                 addr,
                 &hello,
                 self.keyring.as_ref(),

@@ -23,7 +23,7 @@ use ferry_core::{
     RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
 use ferry_file::FileSegment;
-use transport_uring::{
+use ferry_transport_uring::{
     UringConfig, UringServer, UringTransport, ZeroCopy, block_on, handshake, read_file_into,
 };
 
@@ -208,7 +208,7 @@ fn pump(
     Ok(start.elapsed().as_secs_f64())
 }
 
-fn serve(table: Arc<Table>) -> Result<transport_uring::UringServerHandle> {
+fn serve(table: Arc<Table>) -> Result<ferry_transport_uring::UringServerHandle> {
     let t = UringTransport::new(UringConfig::default())?;
     let server = UringServer::bind("127.0.0.1:0".parse()?)?;
     let responder = Arc::new(Responder {

@@ -38,7 +38,7 @@ fn verbs_devices(args: &TopologyArgs) -> VerbsDevices {
                 .map(str::to_owned),
         ),
         None => {
-            let listing = ferry::discovery::enumerate_verbs_devices();
+            let listing = ferry::rdma_devices::enumerate_verbs_devices();
             VerbsDevices {
                 names: listing.devices.into_iter().map(|d| d.name).collect(),
                 unavailable: listing.unavailable,

@@ -44,9 +44,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::Error;
-use crate::ids::{Epoch, PeerId, SegmentToken};
-use crate::op::SegmentDesc;
-use crate::transport::{FileSource, SegmentLease, SegmentTable};
+use crate::ids::{Epoch, PeerId};
 use crate::wire::{
     AUTH_MAC_LEN, AUTH_NONCE_LEN, AuthAttach, AuthChallenge, AuthHello, AuthProof, ControlFrame,
     MAX_AUTH_NAME, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach,
@@ -693,121 +691,9 @@ impl PendingProof {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// What one peer may see.
-
-/// A table as one authenticated peer sees it: segments published to other peers are unknown
-/// (indistinguishable from retired ones), for data ops and listings alike.
-#[derive(Debug)]
-pub struct PeerView {
-    table: Arc<dyn SegmentTable>,
-    peer: Arc<str>,
-}
-
-impl PeerView {
-    /// `table` as `peer` sees it.
-    pub fn new(table: Arc<dyn SegmentTable>, peer: Arc<str>) -> Self {
-        Self { table, peer }
-    }
-}
-
-impl SegmentTable for PeerView {
-    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
-        if !self.table.visible_to(token, Some(&self.peer)) {
-            return None;
-        }
-        self.table.resolve(token)
-    }
-
-    fn published(&self) -> Vec<SegmentDesc> {
-        self.table.published_to(Some(&self.peer))
-    }
-
-    fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
-        if !self.table.visible_to(token, Some(&self.peer)) {
-            return None;
-        }
-        self.table.file(token)
-    }
-
-    fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
-        peer == Some(&*self.peer) && self.table.visible_to(token, peer)
-    }
-
-    fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
-        if peer == Some(&*self.peer) {
-            self.table.published_to(peer)
-        } else {
-            Vec::new()
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A table of two file segments: `PUBLIC` published to everyone, `BOBS` to bob only.
-    #[derive(Debug)]
-    struct TwoSegments;
-
-    const PUBLIC: SegmentToken = SegmentToken(1);
-    const BOBS: SegmentToken = SegmentToken(2);
-
-    #[derive(Debug)]
-    struct NoBytes;
-
-    impl FileSource for NoBytes {
-        fn check(
-            &self,
-            _kind: crate::OpKind,
-            offset: u64,
-            _len: u64,
-        ) -> Result<u64, crate::RemoteStatus> {
-            Ok(offset)
-        }
-        fn read_exact_at(&self, _at: u64, _buf: &mut [u8]) -> std::io::Result<()> {
-            Ok(())
-        }
-        fn write_all_at(&self, _at: u64, _buf: &[u8]) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    fn desc(name: &str, token: SegmentToken) -> SegmentDesc {
-        SegmentDesc {
-            name: name.into(),
-            token,
-            len: 1,
-            access: crate::Access::REMOTE_READ,
-            remote_keys: Vec::new(),
-        }
-    }
-
-    impl SegmentTable for TwoSegments {
-        fn resolve(&self, _token: SegmentToken) -> Option<SegmentLease> {
-            None
-        }
-        fn published(&self) -> Vec<SegmentDesc> {
-            vec![desc("public", PUBLIC), desc("bobs", BOBS)]
-        }
-        fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
-            (token == PUBLIC || token == BOBS).then(|| Arc::new(NoBytes) as Arc<dyn FileSource>)
-        }
-        fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
-            token == PUBLIC || (token == BOBS && peer == Some("bob"))
-        }
-        fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
-            self.published()
-                .into_iter()
-                .filter(|d| self.visible_to(d.token, peer))
-                .collect()
-        }
-    }
-
-    fn names(ds: Vec<SegmentDesc>) -> Vec<String> {
-        ds.into_iter().map(|d| d.name).collect()
-    }
 
     #[test]
     fn attach_counters_are_one_bit_each_up_to_the_limit() {
@@ -872,29 +758,6 @@ mod tests {
             .on_reply(addr(), reject(RejectReason::Unauthenticated))
             .unwrap_err();
         assert!(matches!(e, Error::Authentication { .. }), "{e:?}");
-    }
-
-    #[test]
-    fn a_peers_view_shows_it_only_what_is_published_to_it_and_speaks_for_no_one_else() {
-        let table: Arc<dyn SegmentTable> = Arc::new(TwoSegments);
-        let alice = PeerView::new(table.clone(), "alice".into());
-        let bob = PeerView::new(table, "bob".into());
-        // Files: reachable through the view only where published to its peer.
-        assert!(alice.file(PUBLIC).is_some());
-        assert!(alice.file(BOBS).is_none());
-        assert!(bob.file(BOBS).is_some());
-        // Listings.
-        assert_eq!(names(alice.published()), ["public"]);
-        assert_eq!(names(bob.published()), ["public", "bobs"]);
-        assert_eq!(names(alice.published_to(Some("alice"))), ["public"]);
-        // A view answers for its own peer alone: never for another name, nor for no name.
-        assert!(alice.published_to(Some("bob")).is_empty());
-        assert!(alice.published_to(None).is_empty());
-        assert!(alice.visible_to(PUBLIC, Some("alice")));
-        assert!(!alice.visible_to(BOBS, Some("alice")));
-        assert!(!alice.visible_to(BOBS, Some("bob")));
-        assert!(!alice.visible_to(PUBLIC, None));
-        assert!(bob.visible_to(BOBS, Some("bob")));
     }
 
     fn ring(text: &str) -> Keyring {

@@ -13,8 +13,7 @@ use std::sync::Arc;
 use crate::memory::{MemoryRegion, OutOfBounds};
 use crate::transport::FileSource;
 
-/// Bytes of a checksum on the wire (a little-endian `u32`).
-pub const CHECKSUM_LEN: usize = 4;
+pub use crate::op::CHECKSUM_LEN;
 
 /// Bytes hashed per piece when the source must be copied out (files, registered memory).
 const PIECE: usize = 256 << 10;

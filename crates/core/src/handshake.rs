@@ -8,11 +8,11 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::auth::{PeerView, PendingProof};
+use crate::auth::PendingProof;
 use crate::error::Error;
 use crate::ids::Epoch;
 use crate::stream::ServerStream;
-use crate::transport::{HandshakeResponder, PeerInfo, SegmentTable};
+use crate::transport::{HandshakeResponder, PeerInfo, PeerView, SegmentTable};
 use crate::wire::{
     ControlFrame, ControlHeader, Hello, MAX_CONTROL_BODY, MAX_PREAUTH_BODY, Reject, RejectReason,
     SUPPORTED_VERSIONS, StreamAttach, TransportOffer, WireError,

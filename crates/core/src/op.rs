@@ -6,6 +6,10 @@ use std::sync::Arc;
 use crate::ids::{Access, SegmentToken};
 use crate::memory::MemoryRegion;
 
+/// Bytes of a checksum on the wire (a little-endian `u32`): what an [`OpKind::Checksum`] lands in
+/// local memory.
+pub const CHECKSUM_LEN: usize = 4;
+
 /// The direction of one op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {
@@ -14,7 +18,7 @@ pub enum OpKind {
     /// Copy local bytes into remote memory.
     Write,
     /// Ask the peer for the CRC-32C of `len` remote bytes ([`crate::checksum`]); its
-    /// [`CHECKSUM_LEN`](crate::checksum::CHECKSUM_LEN) bytes (little-endian) land in local
+    /// [`CHECKSUM_LEN`] bytes (little-endian) land in local
     /// memory at the op's local offset. Never split into chunks; needs protocol version 2 and a
     /// TCP or io_uring data plane.
     Checksum,
@@ -33,7 +37,7 @@ impl OpKind {
     /// checksum.
     pub fn local_len(self, len: u64) -> u64 {
         match self {
-            OpKind::Checksum => crate::checksum::CHECKSUM_LEN as u64,
+            OpKind::Checksum => CHECKSUM_LEN as u64,
             OpKind::Read | OpKind::Write => len,
         }
     }
@@ -70,18 +74,6 @@ pub struct Op {
     pub len: u64,
 }
 
-impl Op {
-    /// Checks the local side of the op.
-    pub fn check_local(&self) -> Result<(), crate::Error> {
-        self.local
-            .check(self.local_offset, self.kind.local_len(self.len))
-            .map_err(|source| crate::Error::OutOfBounds {
-                side: "local",
-                source,
-            })
-    }
-}
-
 /// A remote key of a published segment on one native context (RDMA: rkey and address per rail).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RemoteKey {
@@ -106,25 +98,4 @@ pub struct SegmentDesc {
     pub access: Access,
     /// Per-context remote keys (empty for TCP/io_uring-only segments).
     pub remote_keys: Vec<RemoteKey>,
-}
-
-impl SegmentDesc {
-    /// Checks an op of `kind` on `offset..offset+len` against this descriptor.
-    pub fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<(), crate::Error> {
-        crate::memory::check_range(offset, len, self.len).map_err(|source| {
-            crate::Error::OutOfBounds {
-                side: "remote",
-                source,
-            }
-        })?;
-        let needed = kind.needed_access();
-        if !self.access.contains(needed) {
-            return Err(crate::Error::AccessDenied {
-                token: self.token,
-                needed,
-                granted: self.access,
-            });
-        }
-        Ok(())
-    }
 }

@@ -91,7 +91,7 @@ pub enum RemoteEffect {
     Uncertain,
 }
 
-/// The outcome of one request (ARCHITECTURE.md section 5).
+/// The outcome of one request (docs/architecture.md section 5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Outcome {
     /// How many ops, from the start, are known complete.

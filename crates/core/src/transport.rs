@@ -14,6 +14,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::Error;
 use crate::ids::{Access, Epoch, PeerId, SegmentToken};
@@ -257,14 +258,267 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
 
     /// Where this server's data streams count what they accept and refuse (`None`: nothing is
     /// counted).
-    fn serve_stats(&self) -> Option<Arc<crate::stream::ServeStats>> {
+    fn serve_stats(&self) -> Option<Arc<ServeStats>> {
         None
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks of an op before it reaches a transport.
+
+impl Op {
+    /// Checks the local side of the op.
+    pub fn check_local(&self) -> Result<(), Error> {
+        self.local
+            .check(self.local_offset, self.kind.local_len(self.len))
+            .map_err(|source| Error::OutOfBounds {
+                side: "local",
+                source,
+            })
+    }
+}
+
+impl SegmentDesc {
+    /// Checks an op of `kind` on `offset..offset+len` against this descriptor.
+    pub fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<(), Error> {
+        crate::memory::check_range(offset, len, self.len).map_err(|source| Error::OutOfBounds {
+            side: "remote",
+            source,
+        })?;
+        let needed = kind.needed_access();
+        if !self.access.contains(needed) {
+            return Err(Error::AccessDenied {
+                token: self.token,
+                needed,
+                granted: self.access,
+            });
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What a server counts.
+
+/// What the data streams of one server accepted and refused, counted as
+/// [`ServerStream`](crate::stream::ServerStream) decides, before any byte moves: an accepted READ
+/// or WRITE whose stream dies midway still counts its whole length. A CHECKSUM counts the bytes it
+/// hashes; a vectored request counts each accepted piece as an op. Shared by the streams of a
+/// server ([`HandshakeResponder::serve_stats`]); relaxed atomics, read by
+/// [`snapshot`](Self::snapshot).
+#[derive(Debug, Default)]
+pub struct ServeStats {
+    ops: [AtomicU64; 3],
+    bytes: [AtomicU64; 3],
+    refused: [AtomicU64; 5],
+}
+
+/// A snapshot of [`ServeStats`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServeCounts {
+    /// Ops accepted and their bytes, by kind (READ, WRITE, CHECKSUM, in that order).
+    pub accepted: [(OpKind, u64, u64); 3],
+    /// Requests (or vectored pieces) refused, by status, in the order of
+    /// [`ServeStats::STATUSES`].
+    pub refused: [(RemoteStatus, u64); 5],
+}
+
+impl ServeStats {
+    /// The op kinds counted, in the order of [`ServeCounts::accepted`].
+    pub const KINDS: [OpKind; 3] = [OpKind::Read, OpKind::Write, OpKind::Checksum];
+    /// The refusals counted, in the order of [`ServeCounts::refused`].
+    pub const STATUSES: [RemoteStatus; 5] = [
+        RemoteStatus::UnknownSegment,
+        RemoteStatus::OutOfBounds,
+        RemoteStatus::AccessDenied,
+        RemoteStatus::StaleEpoch,
+        RemoteStatus::Malformed,
+    ];
+
+    fn kind_index(kind: OpKind) -> usize {
+        match kind {
+            OpKind::Read => 0,
+            OpKind::Write => 1,
+            OpKind::Checksum => 2,
+        }
+    }
+
+    /// Counts `ops` accepted ops of `kind` moving `bytes`.
+    pub fn accepted(&self, kind: OpKind, ops: u64, bytes: u64) {
+        let i = Self::kind_index(kind);
+        self.ops[i].fetch_add(ops, Ordering::Relaxed);
+        self.bytes[i].fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Counts one refusal.
+    pub fn refused(&self, status: RemoteStatus) {
+        let i = match status {
+            RemoteStatus::UnknownSegment => 0,
+            RemoteStatus::OutOfBounds => 1,
+            RemoteStatus::AccessDenied => 2,
+            RemoteStatus::StaleEpoch => 3,
+            RemoteStatus::Malformed => 4,
+        };
+        self.refused[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts now.
+    pub fn snapshot(&self) -> ServeCounts {
+        ServeCounts {
+            accepted: Self::KINDS.map(|k| {
+                let i = Self::kind_index(k);
+                (
+                    k,
+                    self.ops[i].load(Ordering::Relaxed),
+                    self.bytes[i].load(Ordering::Relaxed),
+                )
+            }),
+            refused: std::array::from_fn(|i| {
+                (Self::STATUSES[i], self.refused[i].load(Ordering::Relaxed))
+            }),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What one peer may see.
+
+/// A table as one authenticated peer sees it: segments published to other peers are unknown
+/// (indistinguishable from retired ones), for data ops and listings alike.
+#[derive(Debug)]
+pub struct PeerView {
+    table: Arc<dyn SegmentTable>,
+    peer: Arc<str>,
+}
+
+impl PeerView {
+    /// `table` as `peer` sees it.
+    pub fn new(table: Arc<dyn SegmentTable>, peer: Arc<str>) -> Self {
+        Self { table, peer }
+    }
+}
+
+impl SegmentTable for PeerView {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        if !self.table.visible_to(token, Some(&self.peer)) {
+            return None;
+        }
+        self.table.resolve(token)
+    }
+
+    fn published(&self) -> Vec<SegmentDesc> {
+        self.table.published_to(Some(&self.peer))
+    }
+
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+        if !self.table.visible_to(token, Some(&self.peer)) {
+            return None;
+        }
+        self.table.file(token)
+    }
+
+    fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
+        peer == Some(&*self.peer) && self.table.visible_to(token, peer)
+    }
+
+    fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
+        if peer == Some(&*self.peer) {
+            self.table.published_to(peer)
+        } else {
+            Vec::new()
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A table of two file segments: `PUBLIC` published to everyone, `BOBS` to bob only.
+    #[derive(Debug)]
+    struct TwoSegments;
+
+    const PUBLIC: SegmentToken = SegmentToken(1);
+    const BOBS: SegmentToken = SegmentToken(2);
+
+    #[derive(Debug)]
+    struct NoBytes;
+
+    impl FileSource for NoBytes {
+        fn check(
+            &self,
+            _kind: crate::OpKind,
+            offset: u64,
+            _len: u64,
+        ) -> Result<u64, crate::RemoteStatus> {
+            Ok(offset)
+        }
+        fn read_exact_at(&self, _at: u64, _buf: &mut [u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_all_at(&self, _at: u64, _buf: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn desc(name: &str, token: SegmentToken) -> SegmentDesc {
+        SegmentDesc {
+            name: name.into(),
+            token,
+            len: 1,
+            access: crate::Access::REMOTE_READ,
+            remote_keys: Vec::new(),
+        }
+    }
+
+    impl SegmentTable for TwoSegments {
+        fn resolve(&self, _token: SegmentToken) -> Option<SegmentLease> {
+            None
+        }
+        fn published(&self) -> Vec<SegmentDesc> {
+            vec![desc("public", PUBLIC), desc("bobs", BOBS)]
+        }
+        fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+            (token == PUBLIC || token == BOBS).then(|| Arc::new(NoBytes) as Arc<dyn FileSource>)
+        }
+        fn visible_to(&self, token: SegmentToken, peer: Option<&str>) -> bool {
+            token == PUBLIC || (token == BOBS && peer == Some("bob"))
+        }
+        fn published_to(&self, peer: Option<&str>) -> Vec<SegmentDesc> {
+            self.published()
+                .into_iter()
+                .filter(|d| self.visible_to(d.token, peer))
+                .collect()
+        }
+    }
+
+    fn names(ds: Vec<SegmentDesc>) -> Vec<String> {
+        ds.into_iter().map(|d| d.name).collect()
+    }
+
+    #[test]
+    fn a_peers_view_shows_it_only_what_is_published_to_it_and_speaks_for_no_one_else() {
+        let table: Arc<dyn SegmentTable> = Arc::new(TwoSegments);
+        let alice = PeerView::new(table.clone(), "alice".into());
+        let bob = PeerView::new(table, "bob".into());
+        // Files: reachable through the view only where published to its peer.
+        assert!(alice.file(PUBLIC).is_some());
+        assert!(alice.file(BOBS).is_none());
+        assert!(bob.file(BOBS).is_some());
+        // Listings.
+        assert_eq!(names(alice.published()), ["public"]);
+        assert_eq!(names(bob.published()), ["public", "bobs"]);
+        assert_eq!(names(alice.published_to(Some("alice"))), ["public"]);
+        // A view answers for its own peer alone: never for another name, nor for no name.
+        assert!(alice.published_to(Some("bob")).is_empty());
+        assert!(alice.published_to(None).is_empty());
+        assert!(alice.visible_to(PUBLIC, Some("alice")));
+        assert!(!alice.visible_to(BOBS, Some("alice")));
+        assert!(!alice.visible_to(BOBS, Some("bob")));
+        assert!(!alice.visible_to(PUBLIC, None));
+        assert!(bob.visible_to(BOBS, Some("bob")));
+    }
 
     #[test]
     fn lease_checks_access_then_bounds() {

@@ -122,6 +122,33 @@ pub enum CudaError {
     Route(#[from] route::RouteError),
 }
 
+/// A driver error as ferry-core's error: an absent driver is `Unavailable`, a route that cannot
+/// work or memory that is not the device's is `InvalidRequest`, a range past the end of GPU
+/// memory is a local `OutOfBounds`, and every other failure is `Register` ("GPU memory") with
+/// this error as its source.
+impl From<CudaError> for ferry_core::Error {
+    fn from(e: CudaError) -> Self {
+        use ferry_core::Error;
+        match e {
+            CudaError::Unavailable { library, reason } => Error::Unavailable { library, reason },
+            CudaError::Route(r) => Error::InvalidRequest {
+                reason: r.to_string(),
+            },
+            e @ CudaError::NotDeviceMemory { .. } => Error::InvalidRequest {
+                reason: e.to_string(),
+            },
+            CudaError::OutOfBounds(source) => Error::OutOfBounds {
+                side: "local",
+                source,
+            },
+            other => Error::Register {
+                name: "GPU memory".into(),
+                source: Box::new(other),
+            },
+        }
+    }
+}
+
 impl CudaError {
     /// This error, as it happened on device `device`.
     pub fn on_device(self, device: u32) -> Self {

@@ -8,14 +8,14 @@ use std::time::Duration;
 use ferry_core::auth::{KeyError, Keyring, ServerAuth};
 use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
 use ferry_core::{Epoch, Error, PeerId, Transport, TransportKind};
-use registry::{Budgets, Registry};
+use ferry_registry::{Budgets, Registry};
 #[cfg(feature = "rdma")]
-use transport_rdma::{RdmaConfig, RdmaTransport};
+use ferry_transport_rdma::{RdmaConfig, RdmaTransport};
 #[cfg(feature = "uring")]
-use transport_uring::UringProbe;
+use ferry_transport_uring::UringProbe;
 
 use crate::config::DataPlaneConfig;
-use crate::engine::{Inner, TransferEngine};
+use crate::engine::{DataPlanes, Identity, Inner, Peers, Published, Serving, TransferEngine};
 use crate::listener::Server;
 use crate::metrics::MetricsServer;
 use crate::reconnect::ReconnectPolicy;
@@ -358,7 +358,7 @@ impl EngineBuilder {
     /// Uses `cuda` as the CUDA driver instead of loading the system's `libcuda.so.1` on first
     /// GPU use (tests give Ferry's fake driver this way).
     #[cfg(feature = "cuda")]
-    pub fn cuda(mut self, cuda: cuda::Cuda) -> Self {
+    pub fn cuda(mut self, cuda: ferry_cuda::Cuda) -> Self {
         self.gpu.cuda = Some(cuda);
         self
     }
@@ -384,7 +384,7 @@ impl EngineBuilder {
 
     /// The GPUDirect RDMA registration route, `gpu_direct_registration` (default `auto`).
     #[cfg(feature = "cuda")]
-    pub fn gpu_direct_registration(mut self, setting: cuda::GpuDirectSetting) -> Self {
+    pub fn gpu_direct_registration(mut self, setting: ferry_cuda::GpuDirectSetting) -> Self {
         self.gpu.gpu_direct = setting;
         self
     }
@@ -453,7 +453,7 @@ impl EngineBuilder {
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma if rdma.is_none() => {
                     let config = self.rdma.clone().unwrap_or_default();
-                    let t = RdmaTransport::open(config).map_err(|e| e.into_core())?;
+                    let t = RdmaTransport::open(config).map_err(Error::from)?;
                     // Preferred over every built-in transport: right after the added ones.
                     transports.insert(self.extra.len(), Arc::new(t.clone()));
                     rdma = Some(t);
@@ -481,7 +481,7 @@ impl EngineBuilder {
         #[cfg(feature = "rdma")]
         let shared_copies = rdma
             .as_ref()
-            .map(|t| Arc::new(registry::SharedCopies::new(Arc::new(t.backend()))));
+            .map(|t| Arc::new(ferry_registry::SharedCopies::new(Arc::new(t.backend()))));
         #[cfg(feature = "rdma")]
         let registry = match &shared_copies {
             Some(cache) => Registry::new(cache.clone(), self.budgets),
@@ -490,7 +490,7 @@ impl EngineBuilder {
         #[cfg(not(feature = "rdma"))]
         let (registry, shared_copies) = (Registry::host(self.budgets), None);
         let table = Arc::new(RegistryTable::new(registry.clone()));
-        let serve_stats = Arc::new(ferry_core::stream::ServeStats::default());
+        let serve_stats = Arc::new(ferry_core::transport::ServeStats::default());
         let responder = Arc::new(Responder {
             stats: serve_stats.clone(),
             id,
@@ -527,30 +527,46 @@ impl EngineBuilder {
             auth = ?keyring.as_ref().map(|k| k.names().collect::<Vec<_>>()), "engine built");
         Ok(TransferEngine {
             inner: Arc::new_cyclic(|weak| Inner {
-                serve_stats,
-                shared_copies,
-                metrics: metrics
-                    .map(|(listener, addr)| MetricsServer::start(listener, addr, weak.clone())),
-                id,
-                epoch,
-                versions: self.versions,
-                transports,
-                registry,
-                table,
-                server,
-                data_plane: data_plane.map(|p| (p.kind, p.reason)),
-                known: Default::default(),
-                routes: Default::default(),
-                request_timeout: self.request_timeout,
-                keyring,
-                connect_timeout: self.data.connect_timeout,
-                reconnect: self.reconnect,
-                #[cfg(feature = "rdma")]
-                rdma,
-                #[cfg(feature = "uring")]
-                uring,
+                identity: Identity {
+                    id,
+                    epoch,
+                    versions: self.versions,
+                    keyring,
+                },
+                published: Published {
+                    registry,
+                    table,
+                    shared_copies,
+                },
+                planes: DataPlanes {
+                    transports,
+                    data_plane: data_plane.map(|p| (p.kind, p.reason)),
+                    #[cfg(feature = "rdma")]
+                    rdma,
+                    #[cfg(feature = "uring")]
+                    uring,
+                },
+                peers: Peers {
+                    known: Default::default(),
+                    routes: Default::default(),
+                    request_timeout: self.request_timeout,
+                    connect_timeout: self.data.connect_timeout,
+                    reconnect: self.reconnect,
+                },
+                serving: Serving {
+                    server,
+                    stats: serve_stats,
+                    metrics: metrics.map(|(listener, addr)| {
+                        let weak = weak.clone();
+                        let describe: crate::metrics::Describe = Arc::new(move || {
+                            weak.upgrade()
+                                .map(|inner| TransferEngine { inner }.describe())
+                        });
+                        MetricsServer::start(listener, addr, describe)
+                    }),
+                },
                 #[cfg(feature = "cuda")]
-                gpu: Some(crate::gpu::GpuState::new(self.gpu)),
+                gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
             }),
         })
     }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use ferry_core::TransportKind;
 use serde::Serialize;
 
-use crate::discovery::{DeviceEnumerator, Discovery, VerbsEnumerator, VerbsListing};
+use crate::rdma_devices::{DeviceEnumerator, RdmaDevices, VerbsEnumerator, VerbsListing};
 
 /// The verdict of one check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -131,7 +131,7 @@ pub fn probe(opts: &ProbeOptions) -> Capabilities {
 /// Runs every check, listing the verbs devices through `devices` exactly once: the
 /// `rdma-devices` row and the `topology` row read the same listing.
 pub fn probe_with(opts: &ProbeOptions, devices: &dyn DeviceEnumerator) -> Capabilities {
-    let listing = Discovery::run(devices).listing();
+    let listing = RdmaDevices::run(devices).listing();
     let (uring, uring_opcodes) = uring_check();
     let mut summary = Summary {
         transports: vec![TransportKind::Tcp.name()],
@@ -221,9 +221,9 @@ fn uring_check() -> (Check, Vec<&'static str>) {
 
 #[cfg(feature = "uring")]
 fn uring_check() -> (Check, Vec<&'static str>) {
-    let p = transport_uring::probe_kernel();
+    let p = ferry_transport_uring::probe_kernel();
     let opcodes = match &p {
-        transport_uring::UringProbe::Available { opcodes } => opcodes
+        ferry_transport_uring::UringProbe::Available { opcodes } => opcodes
             .iter()
             .filter(|o| o.supported)
             .map(|o| o.name)
@@ -231,7 +231,7 @@ fn uring_check() -> (Check, Vec<&'static str>) {
         _ => Vec::new(),
     };
     let check = match (&p, p.unusable_reason()) {
-        (transport_uring::UringProbe::Unavailable { reason }, _) => Check::new(
+        (ferry_transport_uring::UringProbe::Unavailable { reason }, _) => Check::new(
             "io_uring",
             Status::Unavailable,
             reason.clone(),
@@ -273,7 +273,7 @@ fn cuda_checks(_opts: &ProbeOptions) -> Vec<Check> {
 
 #[cfg(feature = "cuda")]
 fn cuda_checks(opts: &ProbeOptions) -> Vec<Check> {
-    let driver = cuda::probe_driver();
+    let driver = ferry_cuda::probe_driver();
     vec![
         cuda_check(&driver),
         cufile_check(),
@@ -286,7 +286,7 @@ fn cuda_checks(opts: &ProbeOptions) -> Vec<Check> {
 /// take with the NICs nearest it (the topology's assignment).
 #[cfg(feature = "cuda")]
 fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> (Check, Vec<GpuSummary>) {
-    let cuda = match cuda::Cuda::load() {
+    let cuda = match ferry_cuda::Cuda::load() {
         Ok(c) => c,
         Err(e) => {
             let check = Check::new(
@@ -318,25 +318,30 @@ fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> (Check, Vec<GpuSum
             fake: cuda.is_fake(),
         })
         .collect();
-    let verbs = topology::VerbsDevices {
+    let verbs = ferry_topology::VerbsDevices {
         names: listing.devices.iter().map(|d| d.name.clone()).collect(),
         unavailable: listing.unavailable.clone(),
     };
-    let topo =
-        topology::Topology::discover(&opts.sysfs_root, &verbs, &topology::Selector::default()).ok();
-    let ibv_dmabuf = verbs_sys::Verbs::load()
+    let topo = ferry_topology::Topology::discover(
+        &opts.sysfs_root,
+        &verbs,
+        &ferry_topology::Selector::default(),
+    )
+    .ok();
+    let ibv_dmabuf = ferry_verbs_sys::Verbs::load()
         .map(|v| v.capabilities().reg_dmabuf_mr)
         .unwrap_or(false);
-    let peermem = cuda::peermem_version(&opts.sysfs_root).map(|(p, _)| p.display().to_string());
+    let peermem =
+        ferry_cuda::peermem_version(&opts.sysfs_root).map(|(p, _)| p.display().to_string());
     let mut parts = Vec::new();
     for d in &devices {
-        let facts = cuda::RouteFacts {
+        let facts = ferry_cuda::RouteFacts {
             cuda_dmabuf_export: cuda.has_dmabuf_export(),
             device_dmabuf: d.dmabuf_supported,
             ibv_reg_dmabuf_mr: ibv_dmabuf,
             peermem_version_file: peermem.clone(),
         };
-        let route = cuda::route::choose(cuda::GpuDirectSetting::Auto, &facts)
+        let route = ferry_cuda::route::choose(ferry_cuda::GpuDirectSetting::Auto, &facts)
             .map(|c| format!("{} ({})", c.route, c.why))
             .unwrap_or_else(|e| e.to_string());
         let nics = topo
@@ -376,7 +381,7 @@ fn gpus_check(opts: &ProbeOptions, listing: &VerbsListing) -> (Check, Vec<GpuSum
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
+fn cuda_check(driver: &Result<ferry_cuda::DriverInfo, ferry_cuda::CudaError>) -> Check {
     match driver {
         Ok(d) => Check::new(
             "cuda-driver",
@@ -384,7 +389,7 @@ fn cuda_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
             format!("{} loaded, CUDA driver version {}", d.library, d.version),
             "",
         ),
-        Err(e @ cuda::CudaError::Unavailable { .. }) => Check::new(
+        Err(e @ ferry_cuda::CudaError::Unavailable { .. }) => Check::new(
             "cuda-driver",
             Status::Unavailable,
             e.to_string(),
@@ -401,9 +406,9 @@ fn cuda_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
 
 #[cfg(feature = "cuda")]
 fn cufile_check() -> Check {
-    match cuda::probe_cufile() {
+    match ferry_cuda::probe_cufile() {
         Ok(info) => Check::new("cufile", Status::Ok, format!("{} loaded", info.library), ""),
-        Err(e @ cuda::CudaError::Unavailable { .. }) => Check::new(
+        Err(e @ ferry_cuda::CudaError::Unavailable { .. }) => Check::new(
             "cufile",
             Status::Unavailable,
             e.to_string(),
@@ -415,7 +420,7 @@ fn cufile_check() -> Check {
 
 #[cfg(feature = "cuda")]
 fn peermem_check(opts: &ProbeOptions) -> Check {
-    match cuda::peermem_version(&opts.sysfs_root) {
+    match ferry_cuda::peermem_version(&opts.sysfs_root) {
         Some((path, version)) => Check::new(
             "nvidia-peermem",
             Status::Ok,
@@ -427,7 +432,7 @@ fn peermem_check(opts: &ProbeOptions) -> Check {
             Status::Absent,
             format!(
                 "none of {} exists under {}",
-                cuda::PEERMEM_VERSION_PATHS.join(", "),
+                ferry_cuda::PEERMEM_VERSION_PATHS.join(", "),
                 opts.sysfs_root.display()
             ),
             "for the peermem GPUDirect route load nvidia_peermem (or MLNX_OFED nv_peer_mem); \
@@ -437,7 +442,7 @@ fn peermem_check(opts: &ProbeOptions) -> Check {
 }
 
 #[cfg(feature = "cuda")]
-fn dmabuf_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
+fn dmabuf_check(driver: &Result<ferry_cuda::DriverInfo, ferry_cuda::CudaError>) -> Check {
     let cuda_side = match driver {
         Ok(d) if d.dmabuf_export => Ok(format!(
             "{}: cuMemGetHandleForAddressRange present",
@@ -449,7 +454,7 @@ fn dmabuf_check(driver: &Result<cuda::DriverInfo, cuda::CudaError>) -> Check {
         )),
         Err(e) => Err(e.to_string()),
     };
-    let verbs_side = match verbs_sys::Verbs::load() {
+    let verbs_side = match ferry_verbs_sys::Verbs::load() {
         Ok(v) if v.capabilities().reg_dmabuf_mr => {
             Ok(format!("{}: ibv_reg_dmabuf_mr present", v.library()))
         }
@@ -486,7 +491,7 @@ fn mapped_file(soname: &str) -> Option<String> {
 }
 
 fn libibverbs_check() -> Check {
-    match verbs_sys::Verbs::load() {
+    match ferry_verbs_sys::Verbs::load() {
         Ok(v) => {
             let caps = v.capabilities();
             let file = mapped_file("libibverbs.so").unwrap_or_else(|| v.library().to_owned());
@@ -558,11 +563,15 @@ fn devices_check(listing: &VerbsListing) -> Check {
 }
 
 fn topology_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
-    let verbs = topology::VerbsDevices {
+    let verbs = ferry_topology::VerbsDevices {
         names: listing.devices.iter().map(|d| d.name.clone()).collect(),
         unavailable: listing.unavailable.clone(),
     };
-    match topology::Topology::discover(&opts.sysfs_root, &verbs, &topology::Selector::default()) {
+    match ferry_topology::Topology::discover(
+        &opts.sysfs_root,
+        &verbs,
+        &ferry_topology::Selector::default(),
+    ) {
         Ok(t) => {
             let usable = t.usable_nics().count();
             let unusable: Vec<String> = t
@@ -606,7 +615,7 @@ fn topology_check(opts: &ProbeOptions, listing: &VerbsListing) -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::tests::{Counting, missing_library, two};
+    use crate::rdma_devices::tests::{Counting, missing_library, two};
 
     /// A sysfs tree with two RDMA NICs, `mlx5_0` and `mlx5_1` (the topology crate's fixture).
     fn nics_only() -> ProbeOptions {

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use transport_tcp::TcpConfig;
+use ferry_transport_tcp::TcpConfig;
 #[cfg(feature = "uring")]
-use transport_uring::UringConfig;
+use ferry_transport_uring::UringConfig;
 
 /// What the builder sets for the portable data plane, whichever transport carries it.
 #[derive(Clone, Debug)]
@@ -28,7 +28,7 @@ pub(crate) struct DataPlaneConfig {
     #[cfg(feature = "uring")]
     pub(crate) uring_max_threads: usize,
     /// What the listener allows a connection before its handshake is over.
-    pub(crate) handshake: transport_tcp::HandshakeLimits,
+    pub(crate) handshake: ferry_transport_tcp::HandshakeLimits,
 }
 
 impl Default for DataPlaneConfig {
@@ -53,7 +53,7 @@ impl Default for DataPlaneConfig {
             dead_peer_after,
             io_threads,
             #[cfg(feature = "uring")]
-            uring_max_threads: transport_uring::MAX_THREADS,
+            uring_max_threads: ferry_transport_uring::MAX_THREADS,
             handshake,
         }
     }
@@ -108,7 +108,7 @@ mod tests {
             io_threads: None,
             #[cfg(feature = "uring")]
             uring_max_threads: 11,
-            handshake: transport_tcp::HandshakeLimits {
+            handshake: ferry_transport_tcp::HandshakeLimits {
                 timeout: Duration::from_secs(3),
                 max_pending: 13,
             },

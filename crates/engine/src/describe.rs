@@ -1,21 +1,7 @@
-//! Counters and the engine's self-description.
+//! The engine's self-description: what `describe()` reports, and the labels and buckets its
+//! counters and the metrics share.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-
-use ferry_core::{FailureKind, OpKind, Outcome, RemoteStatus, TransportKind};
-
-/// The op kinds counted per route, in the order of [`RouteCounters`]' arrays.
-const KINDS: [OpKind; 3] = [OpKind::Read, OpKind::Write, OpKind::Checksum];
-
-fn kind_index(kind: OpKind) -> usize {
-    match kind {
-        OpKind::Read => 0,
-        OpKind::Write => 1,
-        OpKind::Checksum => 2,
-    }
-}
+use ferry_core::{FailureKind, RemoteStatus};
 
 /// How a request's ops moved: straight between registered memory (`direct`), or through the
 /// engine's pinned host buffers (`staged`, GPU memory no direct route serves).
@@ -27,9 +13,9 @@ pub(crate) enum Path {
 }
 
 impl Path {
-    const ALL: [Path; 2] = [Path::Direct, Path::Staged];
+    pub(crate) const ALL: [Path; 2] = [Path::Direct, Path::Staged];
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Path::Direct => "direct",
             Path::Staged => "staged",
@@ -37,132 +23,14 @@ impl Path {
     }
 }
 
-/// What a request carries, kept from submission for its counters: the kind of its ops (or
-/// each op's kind and length when they differ) and its bytes.
-#[derive(Clone, Debug)]
-pub(crate) struct Shape {
-    ops: Kinds,
-    bytes: u64,
-    path: Path,
-}
-
-#[derive(Clone, Debug)]
-enum Kinds {
-    /// Every op is of this kind.
-    One(OpKind),
-    /// Each op's kind and length.
-    Mixed(Arc<[(OpKind, u64)]>),
-}
-
-impl Shape {
-    /// The shape of ops of these kinds and lengths, moved along `path`.
-    pub(crate) fn of(ops: impl Iterator<Item = (OpKind, u64)> + Clone, path: Path) -> Self {
-        let mut first = None;
-        let mut mixed = false;
-        let mut bytes = 0u64;
-        for (kind, len) in ops.clone() {
-            bytes = bytes.saturating_add(len);
-            match first {
-                None => first = Some(kind),
-                Some(k) if k != kind => mixed = true,
-                Some(_) => {}
-            }
-        }
-        let ops = match (first, mixed) {
-            (_, true) => Kinds::Mixed(ops.collect()),
-            (Some(k), false) => Kinds::One(k),
-            (None, false) => Kinds::One(OpKind::Read),
-        };
-        Self { ops, bytes, path }
-    }
-}
-
-/// Request latency classes by the request's bytes: at most each bound (and more than the one
-/// before), the label names the bound.
-pub(crate) const SIZE_CLASSES: [(u64, &str); 5] = [
-    (4 << 10, "4KiB"),
-    (64 << 10, "64KiB"),
-    (1 << 20, "1MiB"),
-    (16 << 20, "16MiB"),
-    (u64::MAX, "inf"),
-];
-
 /// Upper bounds of the latency buckets, in microseconds (the last bucket is unbounded).
 pub(crate) const LATENCY_BOUNDS_US: [u64; 18] = [
     10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
     500_000, 1_000_000, 2_500_000, 10_000_000,
 ];
 
-/// The op label of a request's latency: its ops' kind, or `mixed`.
-const LATENCY_OPS: [&str; 4] = ["read", "write", "checksum", "mixed"];
-
-#[derive(Debug, Default)]
-struct Histogram {
-    /// Per bucket (not cumulative); the last one past every bound.
-    buckets: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
-    sum_ns: AtomicU64,
-    count: AtomicU64,
-}
-
-/// Request latencies of the whole engine (submission to the logical outcome), by op kind and
-/// size class: a bounded set of series whatever the number of peers.
-#[derive(Debug, Default)]
-pub(crate) struct Latencies {
-    by: [[Histogram; SIZE_CLASSES.len()]; LATENCY_OPS.len()],
-}
-
-impl Latencies {
-    fn record(&self, shape: &Shape, took: Duration) {
-        let op = match &shape.ops {
-            Kinds::One(k) => kind_index(*k),
-            Kinds::Mixed(_) => 3,
-        };
-        let size = SIZE_CLASSES
-            .iter()
-            .position(|(max, _)| shape.bytes <= *max)
-            .unwrap_or(SIZE_CLASSES.len() - 1);
-        let h = &self.by[op][size];
-        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        let bucket = LATENCY_BOUNDS_US
-            .iter()
-            .position(|b| us <= *b)
-            .unwrap_or(LATENCY_BOUNDS_US.len());
-        h.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        h.sum_ns.fetch_add(
-            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        h.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The histograms that saw a request.
-    pub(crate) fn snapshot(&self) -> Vec<LatencyDescription> {
-        let mut out = Vec::new();
-        for (op, row) in LATENCY_OPS.iter().zip(&self.by) {
-            for ((_, size), h) in SIZE_CLASSES.iter().zip(row) {
-                let count = h.count.load(Ordering::Relaxed);
-                if count == 0 {
-                    continue;
-                }
-                out.push(LatencyDescription {
-                    op: (*op).to_owned(),
-                    size: (*size).to_owned(),
-                    count,
-                    sum_ns: h.sum_ns.load(Ordering::Relaxed),
-                    buckets: h
-                        .buckets
-                        .iter()
-                        .map(|b| b.load(Ordering::Relaxed))
-                        .collect(),
-                });
-            }
-        }
-        out
-    }
-}
-
 /// Failure kinds as counted (label values of `ferry_request_failures_total`).
-const FAILURES: [&str; 10] = [
+pub(crate) const FAILURES: [&str; 10] = [
     "timeout",
     "cancelled",
     "peer_lost",
@@ -175,7 +43,7 @@ const FAILURES: [&str; 10] = [
     "other",
 ];
 
-fn failure_index(kind: FailureKind) -> usize {
+pub(crate) fn failure_index(kind: FailureKind) -> usize {
     match kind {
         FailureKind::Timeout => 0,
         FailureKind::Cancelled => 1,
@@ -195,106 +63,6 @@ pub(crate) fn status_label(status: RemoteStatus) -> &'static str {
     FAILURES[failure_index(FailureKind::Remote(status))]
         .strip_prefix("remote_")
         .unwrap_or("other")
-}
-
-/// Counters of one route (peer and transport).
-#[derive(Debug, Default)]
-pub(crate) struct RouteCounters {
-    pub(crate) requests: AtomicU64,
-    pub(crate) ops: AtomicU64,
-    pub(crate) bytes: AtomicU64,
-    pub(crate) errors: AtomicU64,
-    pub(crate) replays: AtomicU64,
-    pub(crate) replayed_bytes: AtomicU64,
-    pub(crate) reconnects: AtomicU64,
-    pub(crate) reconnect_attempts: AtomicU64,
-    pub(crate) reconnect_failures: AtomicU64,
-    /// Ops and bytes completed, by path and op kind.
-    by_op: [[(AtomicU64, AtomicU64); 3]; 2],
-    /// Failed requests by the kind of their first failure.
-    failures: [AtomicU64; FAILURES.len()],
-    /// The engine's latency histograms (shared by every route).
-    latencies: Arc<Latencies>,
-}
-
-impl RouteCounters {
-    /// Counters feeding `latencies`.
-    pub(crate) fn new(latencies: Arc<Latencies>) -> Self {
-        Self {
-            latencies,
-            ..Self::default()
-        }
-    }
-
-    /// Records the outcome of a request of `shape` that took `took` from submission.
-    pub(crate) fn record(&self, o: &Outcome, shape: &Shape, took: Duration) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        self.ops
-            .fetch_add(o.completed_ops as u64, Ordering::Relaxed);
-        self.bytes.fetch_add(o.completed_bytes, Ordering::Relaxed);
-        let path = match shape.path {
-            Path::Direct => 0,
-            Path::Staged => 1,
-        };
-        match &shape.ops {
-            Kinds::One(k) => {
-                let (ops, bytes) = &self.by_op[path][kind_index(*k)];
-                ops.fetch_add(o.completed_ops as u64, Ordering::Relaxed);
-                bytes.fetch_add(o.completed_bytes, Ordering::Relaxed);
-            }
-            Kinds::Mixed(each) => {
-                for (k, len) in each.iter().take(o.completed_ops) {
-                    let (ops, bytes) = &self.by_op[path][kind_index(*k)];
-                    ops.fetch_add(1, Ordering::Relaxed);
-                    bytes.fetch_add(*len, Ordering::Relaxed);
-                }
-            }
-        }
-        if let Some(f) = o.failure {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-            self.failures[failure_index(f.kind)].fetch_add(1, Ordering::Relaxed);
-        }
-        self.latencies.record(shape, took);
-    }
-
-    pub(crate) fn snapshot(&self, peer: String, transport: TransportKind) -> RouteDescription {
-        let mut traffic = Vec::new();
-        for (path, row) in Path::ALL.iter().zip(&self.by_op) {
-            for (kind, (ops, bytes)) in KINDS.iter().zip(row) {
-                let ops = ops.load(Ordering::Relaxed);
-                if ops == 0 {
-                    continue;
-                }
-                traffic.push(TrafficDescription {
-                    op: kind.to_string(),
-                    route: path.name().to_owned(),
-                    ops,
-                    bytes: bytes.load(Ordering::Relaxed),
-                });
-            }
-        }
-        let failures = FAILURES
-            .iter()
-            .zip(&self.failures)
-            .map(|(k, n)| ((*k).to_owned(), n.load(Ordering::Relaxed)))
-            .filter(|(_, n)| *n > 0)
-            .collect();
-        RouteDescription {
-            peer,
-            transport: transport.name().to_owned(),
-            requests: self.requests.load(Ordering::Relaxed),
-            ops: self.ops.load(Ordering::Relaxed),
-            bytes: self.bytes.load(Ordering::Relaxed),
-            errors: self.errors.load(Ordering::Relaxed),
-            replays: self.replays.load(Ordering::Relaxed),
-            replayed_bytes: self.replayed_bytes.load(Ordering::Relaxed),
-            reconnects: self.reconnects.load(Ordering::Relaxed),
-            reconnect_attempts: self.reconnect_attempts.load(Ordering::Relaxed),
-            reconnect_failures: self.reconnect_failures.load(Ordering::Relaxed),
-            traffic,
-            failures,
-        }
-    }
 }
 
 /// Ops and bytes of one op kind along one path of a route.
@@ -343,7 +111,7 @@ pub struct ServedDescription {
 }
 
 impl ServedDescription {
-    pub(crate) fn of(counts: &ferry_core::stream::ServeCounts) -> Self {
+    pub(crate) fn of(counts: &ferry_core::transport::ServeCounts) -> Self {
         Self {
             accepted: counts
                 .accepted
@@ -508,11 +276,11 @@ pub struct Description {
     pub rails: Vec<RailDescription>,
     /// GPU registrations: device, PCI bus id, the GPUDirect route and why.
     #[cfg(feature = "cuda")]
-    pub gpu_registrations: Vec<crate::gpu::GpuRegistrationDescription>,
+    pub gpu_registrations: Vec<GpuRegistrationDescription>,
     /// The staging path: policy, pinned buffers, staged bytes, time waiting on copies, and the
     /// path of the last file load into GPU memory.
     #[cfg(feature = "cuda")]
-    pub staging: Option<crate::gpu::StagingDescription>,
+    pub staging: Option<StagingDescription>,
 }
 
 impl std::fmt::Display for Description {
@@ -649,4 +417,56 @@ pub struct RailDescription {
     pub replayed: u64,
     /// Bytes of those replayed chunks.
     pub replayed_bytes: u64,
+}
+
+/// The staging path's counters, as `describe()` reports them.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct StagingDescription {
+    /// `auto` or `never`.
+    pub policy: String,
+    /// The `gpu_direct_registration` setting.
+    pub gpu_direct_registration: String,
+    /// Pinned buffers allocated, over every device's pool (0 until the first staged request;
+    /// each device's pool is made by the first staged request on that device).
+    pub buffers: usize,
+    /// Their size (the staging chunk).
+    pub buffer_size: u64,
+    /// Buffers held by requests now (0 when idle: nothing stays pinned to a request).
+    pub buffers_in_use: usize,
+    /// Bytes of device memory moved through the buffers (acknowledged chunks).
+    pub staged_bytes: u64,
+    /// Device copies done.
+    pub copies: u64,
+    /// Time spent waiting on device copies, in microseconds.
+    pub copy_wait_us: u64,
+    /// Device copies that failed.
+    pub copy_failures: u64,
+    /// Which path the last `read_file_into_gpu` took (`gds` or `compat (why)`).
+    pub last_file_path: Option<String>,
+}
+
+/// A GPU registration as `describe()` reports it.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct GpuRegistrationDescription {
+    /// Its name.
+    pub name: String,
+    /// Its length.
+    pub len: u64,
+    /// The device ordinal.
+    pub device: u32,
+    /// The device's PCI bus id.
+    pub pci_bus_id: String,
+    /// The GPUDirect route and why.
+    pub route: ferry_cuda::RouteChoice,
+    /// The RDMA rails (`device:port`) it is registered on (empty unless the route is direct).
+    pub nics: Vec<String>,
+    /// Why those rails (the NICs nearest its GPU, or why locality is unknown); empty unless the
+    /// route is direct.
+    pub nic_choice: String,
+    /// How peers' ops on it move (e.g. `staged through host memory by the server`).
+    pub served: String,
 }

@@ -15,7 +15,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Contract: ARCHITECTURE.md sections 2 to 6. Outcomes never report a byte that was not
+//! Contract: docs/architecture.md, sections 2 to 6. Outcomes never report a byte that was not
 //! acknowledged; timeouts and cancels are logical (the request ends, `drained` waits for the
 //! buffers); an address whose epoch changed is refused with `StaleEpoch` until re-resolved. A
 //! lost connection to the same incarnation is reconnected and the unfinished READs of the
@@ -24,6 +24,7 @@
 
 mod builder;
 mod config;
+mod counters;
 mod describe;
 mod engine;
 #[cfg(feature = "cuda")]
@@ -31,31 +32,33 @@ pub mod gpu;
 mod handles;
 mod listener;
 pub mod metrics;
+mod peer;
 mod reconnect;
 mod request;
 mod route;
 mod serve;
 
 pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
-/// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
-#[cfg(feature = "cuda")]
-pub use cuda;
 pub use describe::{
     CacheDescription, ContextDescription, Description, HandshakeDescription, LatencyDescription,
     RailDescription, RouteDescription, SegmentDescription, ServedDescription, TrafficDescription,
 };
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;
+/// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
+#[cfg(feature = "cuda")]
+pub use ferry_cuda as cuda;
+/// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
+#[cfg(feature = "uring")]
+pub use ferry_transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescription};
 pub use handles::FileRegistration;
-pub use handles::{Peer, Registration, RemoteSegment};
+pub use handles::{Registration, RemoteSegment};
+pub use peer::Peer;
 pub use reconnect::ReconnectPolicy;
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;
-/// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
-#[cfg(feature = "uring")]
-pub use transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 
 pub use ferry_core::wire::{CHECKSUM_VERSION, SUPPORTED_VERSIONS, VersionRange};
 
@@ -68,19 +71,19 @@ pub use ferry_core::{
 };
 /// A published file range (`ferry-file`), as [`FileRegistration::file`] hands it out.
 pub use ferry_file::FileSegment;
-pub use registry::{Budgets, UnquiescedInfo, UnquiescedRetry};
+pub use ferry_registry::{Budgets, UnquiescedInfo, UnquiescedRetry};
 /// The RDMA transport's configuration (`ferry-transport-rdma`).
 #[cfg(feature = "rdma")]
-pub use transport_rdma::{RailSpec, RdmaConfig};
+pub use ferry_transport_rdma::{RailSpec, RdmaConfig};
 
 /// Ferry's shared vocabulary (`ferry-core`), for transports built outside this crate.
 pub use ferry_core as core_types;
 
 pub mod capabilities;
-pub mod discovery;
+pub mod rdma_devices;
 
 /// sysfs topology: NICs, GPUs, distance classes, NIC assignment and filters (`ferry-topology`).
-pub use topology;
+pub use ferry_topology as topology;
 
 /// The quickstart's Rust example, compiled as a doctest so that the guide stays true to the API.
 #[doc = include_str!("../../../docs/quickstart.md")]

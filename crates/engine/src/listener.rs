@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use ferry_core::Error;
-use transport_tcp::{ServerHandle, TcpServer};
+use ferry_transport_tcp::{ServerHandle, TcpServer};
 #[cfg(feature = "uring")]
-use transport_uring::{UringServer, UringServerHandle, UringTransport};
+use ferry_transport_uring::{UringServer, UringServerHandle, UringTransport};
 
 use crate::config::DataPlaneConfig;
 use crate::serve::{RegistryTable, Responder};
@@ -33,7 +33,9 @@ impl Server {
     ) -> Result<Self, Error> {
         #[cfg(feature = "uring")]
         if let Some(uring) = uring {
-            let overflow = Arc::new(TcpOverflow(transport_tcp::StreamServer::new(&config.tcp())));
+            let overflow = Arc::new(TcpOverflow(ferry_transport_tcp::StreamServer::new(
+                &config.tcp(),
+            )));
             let h = UringServer::bind(addr)?.with_overflow(overflow).serve(
                 table,
                 responder,
@@ -55,8 +57,8 @@ impl Server {
     pub(crate) fn handshakes(
         &self,
     ) -> (
-        transport_tcp::HandshakeStats,
-        transport_tcp::HandshakeLimits,
+        ferry_transport_tcp::HandshakeStats,
+        ferry_transport_tcp::HandshakeLimits,
     ) {
         match self {
             Server::Tcp(h) => (h.handshakes(), h.handshake_limits()),
@@ -86,10 +88,10 @@ impl Server {
 /// threads.
 #[cfg(feature = "uring")]
 #[derive(Debug)]
-struct TcpOverflow(transport_tcp::StreamServer);
+struct TcpOverflow(ferry_transport_tcp::StreamServer);
 
 #[cfg(feature = "uring")]
-impl transport_uring::StreamOverflow for TcpOverflow {
+impl ferry_transport_uring::StreamOverflow for TcpOverflow {
     fn serve(
         &self,
         stream: std::net::TcpStream,

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::Error;
@@ -25,7 +25,6 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::describe::{Description, LATENCY_BOUNDS_US};
-use crate::engine::Inner;
 
 /// Peers labelled by their own address; the rest are summed under `peer="other"`.
 pub const MAX_PEER_LABELS: usize = 64;
@@ -70,11 +69,12 @@ impl MetricsServer {
         Ok((listener, local))
     }
 
-    /// Serves the metrics of `engine` (while it lives) on `listener`, bound to `addr`.
+    /// Serves on `listener`, bound to `addr`, what `describe` answers: the engine's description
+    /// while the engine lives (`None` once it is gone: the scrape is answered 503).
     pub(crate) fn start(
         listener: tokio::net::TcpListener,
         addr: SocketAddr,
-        engine: Weak<Inner>,
+        describe: Describe,
     ) -> Self {
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let task = tokio::spawn(async move {
@@ -92,9 +92,9 @@ impl MetricsServer {
                     tracing::debug!(%addr, %from, "metrics: too many scrapes at once; closed");
                     continue;
                 };
-                let engine = engine.clone();
+                let describe = describe.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = answer(stream, &engine).await {
+                    if let Err(e) = answer(stream, &*describe).await {
                         tracing::debug!(%addr, %from, error = %e, "metrics scrape failed");
                     }
                     drop(slot);
@@ -110,8 +110,14 @@ impl MetricsServer {
     }
 }
 
+/// What a scrape reads: the engine's description now, `None` once the engine is gone.
+pub(crate) type Describe = Arc<dyn Fn() -> Option<Description> + Send + Sync>;
+
 /// Reads one request head and answers it.
-async fn answer(mut stream: tokio::net::TcpStream, engine: &Weak<Inner>) -> std::io::Result<()> {
+async fn answer(
+    mut stream: tokio::net::TcpStream,
+    describe: &(dyn Fn() -> Option<Description> + Send + Sync),
+) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
     let read = async {
@@ -143,12 +149,8 @@ async fn answer(mut stream: tokio::net::TcpStream, engine: &Weak<Inner>) -> std:
             .unwrap_or_default();
         let mut words = line.split(' ');
         match (words.next(), words.next().map(|p| p.split('?').next())) {
-            (Some("GET"), Some(Some("/metrics"))) => match engine.upgrade() {
-                Some(inner) => (
-                    "200 OK",
-                    CONTENT_TYPE,
-                    render(&crate::TransferEngine { inner }.describe()),
-                ),
+            (Some("GET"), Some(Some("/metrics"))) => match describe() {
+                Some(description) => ("200 OK", CONTENT_TYPE, render(&description)),
                 None => (
                     "503 Service Unavailable",
                     "text/plain",
@@ -608,12 +610,12 @@ mod tests {
     async fn peers_past_the_cap_are_summed_under_other() {
         let engine = crate::TransferEngine::builder().build().unwrap();
         let extra = 6;
-        let shape = crate::describe::Shape::of(
+        let shape = crate::counters::Shape::of(
             [(ferry_core::OpKind::Read, 100)].into_iter(),
             crate::describe::Path::Direct,
         );
         for i in 0..MAX_PEER_LABELS + extra {
-            let c = engine.inner.routes.counters(
+            let c = engine.inner.peers.routes.counters(
                 format!("10.0.{}.{}:7400", i / 256, i % 256),
                 TransportKind::Tcp,
             );

@@ -9,20 +9,103 @@
 //! exact. One reconnect per peer is in flight at a time, shared by every request waiting on it;
 //! its attempts are spaced by a jittered [`Backoff`], and they stop at the request's deadline.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use ferry_core::backoff::Backoff;
 use std::future::Future;
 
 use ferry_core::{
-    BoxFuture, Channel, Error, FailureKind, Op, Outcome, RemoteStatus, RequestControl,
+    BoxFuture, Channel, Epoch, Error, FailureKind, Op, Outcome, PeerId, RemoteStatus,
+    RequestControl, SegmentDesc,
 };
 use tokio::time::Instant;
 
-use crate::engine::TransferEngine;
-use crate::handles::PeerInner;
+use crate::counters::RouteCounters;
+
+/// What reconnects a peer: a new channel to the same incarnation (the engine that connected it).
+pub(crate) trait Reopen: Send + Sync {
+    /// A channel to `peer`'s address, refused with `StaleEpoch` when another incarnation answers.
+    fn reopen<'a>(
+        self: Arc<Self>,
+        peer: &'a PeerInner,
+    ) -> BoxFuture<'a, Result<Arc<dyn Channel>, Error>>;
+}
+
+/// One connected peer incarnation, shared by its [`Peer`] handles and its segments.
+pub(crate) struct PeerInner {
+    pub(crate) addr: SocketAddr,
+    pub(crate) id: PeerId,
+    pub(crate) epoch: Epoch,
+    pub(crate) segments: Vec<SegmentDesc>,
+    /// The protocol version both ends speak (the newest in both ranges).
+    pub(crate) version: u16,
+    /// The channel its requests take now (replaced at a reconnect).
+    pub(crate) link: Mutex<Link>,
+    /// The reconnect in flight, one at a time.
+    pub(crate) recovery: tokio::sync::Mutex<Recovery>,
+    /// The engine, to reconnect through (a peer does not keep its engine alive).
+    pub(crate) engine: Weak<dyn Reopen>,
+    pub(crate) policy: ReconnectPolicy,
+    /// [`Peer::close`] was called: no reconnect.
+    pub(crate) closed: AtomicBool,
+    pub(crate) counters: Arc<RouteCounters>,
+}
+
+impl PeerInner {
+    /// The generation of the current channel, and the channel.
+    pub(crate) fn link(&self) -> (u64, Arc<dyn Channel>) {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        (link.generation, link.channel.clone())
+    }
+
+    /// The current channel.
+    pub(crate) fn channel(&self) -> Arc<dyn Channel> {
+        self.link().1
+    }
+
+    /// A peer over `channel` with `segments` and no engine behind it (so no reconnect), for
+    /// unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(
+        channel: Arc<dyn Channel>,
+        segments: Vec<SegmentDesc>,
+        counters: Arc<RouteCounters>,
+    ) -> Self {
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], 9)),
+            id: PeerId(1),
+            epoch: Epoch(1),
+            segments,
+            version: 2,
+            link: Mutex::new(Link {
+                generation: 0,
+                channel,
+            }),
+            recovery: Default::default(),
+            engine: Weak::<Detached>::new(),
+            policy: ReconnectPolicy::default(),
+            closed: Default::default(),
+            counters,
+        }
+    }
+}
+
+/// No engine: what a peer made for a unit test reconnects through (never, as it is never alive).
+#[cfg(test)]
+struct Detached;
+
+#[cfg(test)]
+impl Reopen for Detached {
+    fn reopen<'a>(
+        self: Arc<Self>,
+        _peer: &'a PeerInner,
+    ) -> BoxFuture<'a, Result<Arc<dyn Channel>, Error>> {
+        unreachable!("a detached peer has no engine to upgrade")
+    }
+}
 
 /// What an engine does when the connection to a peer incarnation is lost: how often it
 /// reconnects, how long it waits between attempts, and whether WRITEs are replayed. Set with
@@ -238,7 +321,7 @@ async fn recover(
     {
         return Err(NoChannel::GaveUp(why));
     }
-    let Some(engine) = peer.engine.upgrade().map(|inner| TransferEngine { inner }) else {
+    let Some(engine) = peer.engine.upgrade() else {
         return Err(NoChannel::Stopped);
     };
     let policy = peer.policy;
@@ -252,7 +335,7 @@ async fn recover(
         peer.counters
             .reconnect_attempts
             .fetch_add(1, Ordering::Relaxed);
-        let reopen = engine.reopen(peer);
+        let reopen = engine.clone().reopen(peer);
         let result = match deadline {
             Some(d) => match tokio::time::timeout_at(d, reopen).await {
                 Ok(r) => r,

@@ -10,7 +10,8 @@ use std::time::Duration;
 use ferry_core::{Error, FailureKind, Op, OpKind, Outcome, RequestControl};
 use tokio::sync::Notify;
 
-use crate::handles::{PeerInner, Registration, RemoteSegment};
+use crate::handles::{Registration, RemoteSegment};
+use crate::reconnect::PeerInner;
 
 /// The local side of an op: host memory, or (with the `cuda` feature) device memory, with its
 /// GPUDirect RDMA region when it has one. Device memory reaches a transport only as that region
@@ -20,7 +21,7 @@ pub(crate) enum Local {
     Host(Arc<ferry_core::MemoryRegion>),
     #[cfg(feature = "cuda")]
     Device(
-        Arc<cuda::DeviceMemory>,
+        Arc<ferry_cuda::DeviceMemory>,
         Option<Arc<ferry_core::MemoryRegion>>,
     ),
 }
@@ -68,7 +69,7 @@ impl LocalRef {
 
     /// The device memory, when it is device memory (copied to and from the host by the driver).
     #[cfg(feature = "cuda")]
-    pub fn device(&self) -> Option<&Arc<cuda::DeviceMemory>> {
+    pub fn device(&self) -> Option<&Arc<ferry_cuda::DeviceMemory>> {
         match &self.0 {
             Local::Host(_) => None,
             Local::Device(m, _) => Some(m),
@@ -100,11 +101,23 @@ impl LocalMemory for Registration {
     }
 }
 
+#[cfg(feature = "cuda")]
+/// An op of a staged request.
+#[derive(Clone, Debug)]
+pub(crate) struct StagedOp {
+    pub(crate) kind: OpKind,
+    pub(crate) local: Local,
+    pub(crate) local_offset: u64,
+    pub(crate) token: ferry_core::SegmentToken,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
 /// A batch after its checks: host ops for a transport, or ops with device memory to stage.
 pub(crate) enum Checked {
     Host(Vec<Op>),
     #[cfg(feature = "cuda")]
-    Staged(Vec<crate::gpu::StagedOp>),
+    Staged(Vec<StagedOp>),
 }
 
 /// One op of a batch, before validation.
@@ -250,7 +263,7 @@ impl Batch {
             let ops = self
                 .ops
                 .iter()
-                .map(|p| crate::gpu::StagedOp {
+                .map(|p| StagedOp {
                     kind: p.kind,
                     local: p.local.clone(),
                     local_offset: p.local_offset,
@@ -323,9 +336,9 @@ struct Drive {
     /// them all, so it does not matter which of them polled it last.
     waiters: Arc<Waiters>,
     control: Arc<RequestControl>,
-    counters: Arc<crate::describe::RouteCounters>,
+    counters: Arc<crate::counters::RouteCounters>,
     /// What the request carries, for its counters.
-    shape: crate::describe::Shape,
+    shape: crate::counters::Shape,
     /// When it was submitted.
     started: std::time::Instant,
     span: tracing::Span,
@@ -472,7 +485,7 @@ impl RequestHandle {
         // so the request moves whether or not the handle is polled; a replay after a lost
         // connection runs while the handle or a drained future is awaited (or, once both are
         // dropped, as a task).
-        let shape = crate::describe::Shape::of(
+        let shape = crate::counters::Shape::of(
             ops.iter().map(|o| (o.kind, o.len)),
             crate::describe::Path::Direct,
         );
@@ -489,7 +502,7 @@ impl RequestHandle {
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
-        shape: crate::describe::Shape,
+        shape: crate::counters::Shape,
     ) -> Self {
         let handle = Self::driven(peer, control, fut, timeout, shape);
         let drive = handle.drive.clone();
@@ -502,7 +515,7 @@ impl RequestHandle {
         control: Arc<RequestControl>,
         fut: ferry_core::BoxFuture<'static, Outcome>,
         timeout: Option<Duration>,
-        shape: crate::describe::Shape,
+        shape: crate::counters::Shape,
     ) -> Self {
         let drive = Arc::new(Drive {
             state: Mutex::new(DriveState {

@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use ferry_core::wire::TransportOffer;
 use ferry_core::{Error, Transport, TransportKind};
-use transport_tcp::TcpTransport;
+use ferry_transport_tcp::TcpTransport;
 #[cfg(feature = "uring")]
-use transport_uring::{Preference, StreamReservation, UringProbe, UringTransport};
+use ferry_transport_uring::{Preference, StreamReservation, UringProbe, UringTransport};
 
 use crate::config::DataPlaneConfig;
-use crate::describe::{Latencies, RouteCounters, RouteDescription};
+use crate::counters::{Latencies, RouteCounters};
+use crate::describe::RouteDescription;
 
 /// Which transport carries the portable data plane (the one every host has, beside RDMA).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -84,14 +85,15 @@ pub(crate) fn open_data_plane(
                 });
             }
             None => {
-                probed = transport_uring::probe_kernel();
+                probed = ferry_transport_uring::probe_kernel();
                 &probed
             }
         };
-        let chosen = transport_uring::select(probe, pref).map_err(|e| Error::Unavailable {
-            library: "io_uring".into(),
-            reason: format!("io_uring was forced but cannot be used: {e}"),
-        })?;
+        let chosen =
+            ferry_transport_uring::select(probe, pref).map_err(|e| Error::Unavailable {
+                library: "io_uring".into(),
+                reason: format!("io_uring was forced but cannot be used: {e}"),
+            })?;
         let uring = match chosen.kind {
             TransportKind::Uring => Some(UringTransport::with_probe(config.uring(), probe)?),
             _ => None,

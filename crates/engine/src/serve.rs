@@ -9,7 +9,7 @@ use ferry_core::{
     Epoch, HandshakeResponder, PeerId, PeerInfo, RemoteKey, SegmentDesc, SegmentLease,
     SegmentTable, SegmentToken, Transport, TransportKind,
 };
-use registry::{Lease, Registry};
+use ferry_registry::{Lease, Registry};
 
 /// A segment served by positioned I/O: a file, or (with the `cuda` feature) device memory
 /// served by device copies.
@@ -309,7 +309,7 @@ pub(crate) struct Responder {
     /// The keys peers must prove (`None`: every peer is served).
     pub(crate) auth: Option<Arc<ferry_core::auth::ServerAuth>>,
     /// Where served streams count what they accept and refuse.
-    pub(crate) stats: Arc<ferry_core::stream::ServeStats>,
+    pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
 }
 
 impl HandshakeResponder for Responder {
@@ -325,7 +325,7 @@ impl HandshakeResponder for Responder {
         self.auth.clone()
     }
 
-    fn serve_stats(&self) -> Option<Arc<ferry_core::stream::ServeStats>> {
+    fn serve_stats(&self) -> Option<Arc<ferry_core::transport::ServeStats>> {
         Some(self.stats.clone())
     }
 
@@ -389,7 +389,7 @@ impl HandshakeResponder for Responder {
 mod tests {
     use super::*;
     use ferry_core::transport::MockTransport;
-    use registry::{Budgets, Registry};
+    use ferry_registry::{Budgets, Registry};
 
     /// A responder speaking only version 5, whose one transport must never be asked to accept
     /// (nor anything listed) for a peer it cannot talk to.
@@ -418,9 +418,9 @@ mod tests {
         let Some(fake) = ferry_tests::fake_cuda(ferry_tests::FakeVariant::Full) else {
             return;
         };
-        let cuda = cuda::Cuda::open(fake.path().as_os_str()).unwrap();
+        let cuda = ferry_cuda::Cuda::open(fake.path().as_os_str()).unwrap();
         let mem = Arc::new(cuda.device(0).unwrap().alloc(8192).unwrap());
-        let region = Arc::new(mem.nic_region(cuda::GpuRoute::Peermem).unwrap());
+        let region = Arc::new(mem.nic_region(ferry_cuda::GpuRoute::Peermem).unwrap());
         let table = RegistryTable::new(Registry::host(Budgets::default()));
         let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
         let reg = table.registry.register("g", region, rw).unwrap();
@@ -430,7 +430,7 @@ mod tests {
             "g".into(),
             8192,
             rw,
-            Arc::new(cuda::DeviceSegment::new(mem.clone(), rw)),
+            Arc::new(ferry_cuda::DeviceSegment::new(mem.clone(), rw)),
         );
         assert!(
             table.resolve(token).is_none(),

@@ -40,7 +40,7 @@ fn rails() -> Option<(RailSpec, RailSpec)> {
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .collect();
-    let listed: Vec<String> = ferry::discovery::enumerate_verbs_devices()
+    let listed: Vec<String> = ferry::rdma_devices::enumerate_verbs_devices()
         .devices
         .into_iter()
         .map(|d| d.name)

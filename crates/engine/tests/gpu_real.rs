@@ -163,7 +163,7 @@ fn real_file_load() {
 #[ignore = "needs a GPU (cargo xtask gpu-check)"]
 fn real_gpu_over_rdma() {
     let Some(cuda) = cuda_or_skip() else { return };
-    let listing = ferry::discovery::enumerate_verbs_devices();
+    let listing = ferry::rdma_devices::enumerate_verbs_devices();
     if listing.devices.is_empty() {
         let why = listing
             .unavailable

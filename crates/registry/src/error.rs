@@ -138,14 +138,16 @@ impl RegistryError {
             | Self::NoContexts { name, .. } => name,
         }
     }
+}
 
-    /// The engine's error for this one: a refused admission is `ResourceExhausted` (the count
-    /// budget reports copies, the bytes budget bytes; the budget names the registration), a
-    /// failed native destroy is `Unquiesced` (its evidence this error's message), and every
-    /// other failure is `Register` with this error as its source.
-    pub fn into_core(self) -> ferry_core::Error {
-        match self {
-            Self::ResourceExhausted {
+/// The engine's error for a registry error: a refused admission is `ResourceExhausted` (the
+/// count budget reports copies, the bytes budget bytes; the budget names the registration), a
+/// failed native destroy is `Unquiesced` (its evidence this error's message), and every other
+/// failure is `Register` with this error as its source.
+impl From<RegistryError> for ferry_core::Error {
+    fn from(e: RegistryError) -> Self {
+        match e {
+            RegistryError::ResourceExhausted {
                 budget,
                 name,
                 requested_copies,
@@ -166,9 +168,9 @@ impl RegistryError {
                     limit,
                 }
             }
-            Self::Unquiesced { .. } => ferry_core::Error::Unquiesced {
-                what: format!("registration {:?}", self.name()),
-                evidence: self.to_string(),
+            RegistryError::Unquiesced { .. } => ferry_core::Error::Unquiesced {
+                what: format!("registration {:?}", e.name()),
+                evidence: e.to_string(),
             },
             other => ferry_core::Error::Register {
                 name: other.name().to_owned(),
@@ -222,7 +224,7 @@ mod tests {
 
     #[test]
     fn a_refused_admission_reports_the_budget_it_exceeds() {
-        match exhausted(Budget::Count).into_core() {
+        match ferry_core::Error::from(exhausted(Budget::Count)) {
             ferry_core::Error::ResourceExhausted {
                 budget,
                 requested,
@@ -234,7 +236,7 @@ mod tests {
             }
             other => panic!("expected ResourceExhausted, got {other:?}"),
         }
-        match exhausted(Budget::Bytes).into_core() {
+        match ferry_core::Error::from(exhausted(Budget::Bytes)) {
             ferry_core::Error::ResourceExhausted {
                 requested, held, ..
             } => assert_eq!((requested, held), (20, 30)),
@@ -249,7 +251,7 @@ mod tests {
             backend: "none".into(),
         };
         let text = e.to_string();
-        match e.into_core() {
+        match ferry_core::Error::from(e) {
             ferry_core::Error::Register { name, source } => {
                 assert_eq!(name, "w");
                 assert_eq!(source.to_string(), text);

@@ -4,7 +4,7 @@
 //! [`RegistrationBackend`], publishes them under random unguessable [`SegmentToken`]s and retires
 //! them. It is IO-free: no threads, no sleeping, no clock; native calls run on the caller's thread.
 //!
-//! Contract (ARCHITECTURE.md section 3, "Registration and budgets" and "Cleanup"):
+//! Contract (docs/architecture.md section 3, "Registration and budgets" and "Cleanup"):
 //! - **Fan-out.** Every context the backend lists gets copies, paused ones included: one per
 //!   context for a local-only range, two (local and remote) for a remotely accessible one.
 //! - **Budgets.** [`Budgets`] cap the aggregate count of copies and their bytes; each copy charges

@@ -1,4 +1,4 @@
-//! NIC filters: the `NCCL_IB_HCA` syntax, and the explicit selectors of ARCHITECTURE.md §3.
+//! NIC filters: the `NCCL_IB_HCA` syntax, and the explicit selectors of docs/architecture.md §3.
 //!
 //! # `NCCL_IB_HCA` syntax
 //!
@@ -160,7 +160,7 @@ impl fmt::Display for HcaFilter {
 
 /// All the ways a user narrows which NICs, ports and GIDs are used.
 ///
-/// Precedence (ARCHITECTURE.md §3), applied to every NIC:
+/// Precedence (docs/architecture.md §3), applied to every NIC:
 /// 1. `device_mask` (bit *i* = topology NIC id *i*; ids of 64 and above are outside any mask);
 /// 2. the `hca` filter ([`HcaFilter`]), per device and per port;
 /// 3. a nonempty `whitelist` keeps only the NICs it names, and the `blacklist` is then ignored;

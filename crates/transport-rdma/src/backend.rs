@@ -15,8 +15,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
 use ferry_core::{Access, DeviceNative, DevicePlacement, MemoryRegion, Placement};
-use registry::{ContextId, ContextInfo, NativeError, NativeHandle, RegistrationBackend};
-use verbs_sys::{VerbsError, ffi};
+use ferry_registry::{ContextId, ContextInfo, NativeError, NativeHandle, RegistrationBackend};
+use ferry_verbs_sys::{VerbsError, ffi};
 
 use crate::native::Mr;
 use crate::transport::Shared;

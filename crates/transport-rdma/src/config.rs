@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use topology::{LinkLayer, Selector, Topology, VerbsDevices};
-use verbs_sys::Verbs;
+use ferry_topology::{LinkLayer, Selector, Topology, VerbsDevices};
+use ferry_verbs_sys::Verbs;
 
 use crate::error::{RdmaError, error_chain};
 use crate::qp::QpTiming;
@@ -270,7 +270,7 @@ mod tests {
     }
 
     fn topo(ports: &[(&str, u32, bool, Option<&str>)]) -> Topology {
-        use topology::{Nic, NicPort, PortState};
+        use ferry_topology::{Nic, NicPort, PortState};
         let mut nics: Vec<Nic> = Vec::new();
         for &(name, port, active, reason) in ports {
             if !nics.iter().any(|n| n.name == name) {

@@ -2,7 +2,7 @@
 
 use std::io;
 
-use verbs_sys::VerbsError;
+use ferry_verbs_sys::VerbsError;
 
 /// Everything that can go wrong opening devices, connecting queue pairs or registering memory.
 ///
@@ -101,10 +101,10 @@ pub enum RdmaError {
     },
 }
 
-impl RdmaError {
-    /// The error as ferry-core's error enum (what the `Transport` trait returns).
-    pub fn into_core(self) -> ferry_core::Error {
-        match self {
+/// The error as ferry-core's error enum (what the `Transport` trait returns).
+impl From<RdmaError> for ferry_core::Error {
+    fn from(e: RdmaError) -> Self {
+        match e {
             RdmaError::LoadLibrary { library, reason } => ferry_core::Error::Unavailable {
                 library,
                 reason: format!("no RDMA devices found: {reason}"),

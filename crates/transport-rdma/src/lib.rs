@@ -1,6 +1,6 @@
 //! RC queue pairs over verbs for Ferry: one-sided RDMA READ/WRITE, multi-rail striping.
 //!
-//! Contract (ARCHITECTURE.md sections 2 to 5):
+//! Contract (docs/architecture.md sections 2 to 5):
 //! - [`RdmaTransport::open`] loads libibverbs (`ferry-verbs-sys`), selects rails from
 //!   [`RdmaConfig`] (discovery through `ferry-topology`, or explicit [`RailSpec`]s) and opens
 //!   them: one device context, protection domain and completion channel per device.

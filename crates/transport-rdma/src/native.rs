@@ -14,7 +14,7 @@ use std::os::raw::c_int;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use verbs_sys::{Verbs, VerbsError, ffi, inline};
+use ferry_verbs_sys::{Verbs, VerbsError, ffi, inline};
 
 use crate::error::RdmaError;
 use crate::verbs::{Completion, PostError, QpVerbs, SendWr, Transition, WrKind};

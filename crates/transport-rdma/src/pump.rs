@@ -13,7 +13,7 @@
 //! - a request resolves (with `drained: true`) only when none of its work requests is still
 //!   outstanding, so a failed QP is flushed before its buffers are declared free.
 //!
-//! Replay (ARCHITECTURE.md section 5, multi-rail): a chunk whose work request completes with a
+//! Replay (docs/architecture.md section 5, multi-rail): a chunk whose work request completes with a
 //! transport error (retry or RNR retry exceeded) or is flushed off a failed queue pair was never
 //! acknowledged. When it is a READ (idempotent), or a WRITE and [`PumpLimits::replay_writes`]
 //! allows it, and its request has not failed or stopped, and another healthy rail can carry the

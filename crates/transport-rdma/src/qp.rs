@@ -1,7 +1,7 @@
 //! Bringing a reliable-connected queue pair from RESET to RTS against a peer's endpoint.
 
 use ferry_core::wire::RdmaEndpoint;
-use verbs_sys::ffi;
+use ferry_verbs_sys::ffi;
 
 use crate::error::RdmaError;
 use crate::verbs::{Grh, QpVerbs, Transition};

@@ -20,7 +20,7 @@ use ferry_core::{
     BoxFuture, Channel, Epoch, FailureKind, Op, OpKind, Outcome, PeerId, PeerInfo, RemoteStatus,
     RequestControl, SegmentDesc, SegmentToken, Transport, TransportKind, TransportOffer,
 };
-use verbs_sys::{Verbs, ffi};
+use ferry_verbs_sys::{Verbs, ffi};
 
 use crate::backend::{MrTable, RdmaBackend};
 use crate::config::{RailSpec, RdmaConfig};
@@ -266,7 +266,10 @@ impl RdmaTransport {
             None => Verbs::load(),
         }
         .map_err(|e| RdmaError::LoadLibrary {
-            library: e.library().unwrap_or(verbs_sys::IBVERBS_LIBRARY).to_owned(),
+            library: e
+                .library()
+                .unwrap_or(ferry_verbs_sys::IBVERBS_LIBRARY)
+                .to_owned(),
             reason: error_chain(&e),
         })?;
         let specs = config.resolve(&verbs)?;
@@ -618,7 +621,7 @@ impl Transport for RdmaTransport {
     fn accept(&self, peer: &PeerInfo) -> Result<TransportOffer, ferry_core::Error> {
         self.try_accept(peer)
             .map(|rails| TransportOffer::Rdma { rails })
-            .map_err(RdmaError::into_core)
+            .map_err(ferry_core::Error::from)
     }
 
     fn open(
@@ -628,7 +631,7 @@ impl Transport for RdmaTransport {
         let r = self
             .try_open(&peer)
             .map(|c| Arc::new(c) as Arc<dyn Channel>)
-            .map_err(RdmaError::into_core);
+            .map_err(ferry_core::Error::from);
         Box::pin(async move { r })
     }
 }

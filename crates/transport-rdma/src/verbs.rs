@@ -4,7 +4,7 @@
 
 use std::io;
 
-use verbs_sys::ffi;
+use ferry_verbs_sys::ffi;
 
 /// Direction of one work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

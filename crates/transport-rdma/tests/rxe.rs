@@ -18,9 +18,9 @@ use ferry_core::{
     Access, Channel, Epoch, FailureKind, MemoryRegion, Op, OpKind, Outcome, PeerId, PeerInfo,
     RemoteEffect, RemoteKey, RemoteStatus, RequestControl, SegmentDesc, Transport, TransportOffer,
 };
+use ferry_registry::{Budgets, Registration, Registry};
 use ferry_transport_rdma::{RailSpec, RdmaConfig, RdmaTransport};
 use rand::RngCore;
-use registry::{Budgets, Registration, Registry};
 
 /// The devices and GID indexes to test on, or `None` (skip, where `FERRY_REQUIRE_RDMA=0` allows it)
 /// when the variables are unset.
@@ -57,7 +57,7 @@ fn devices() -> Option<Vec<RailSpec>> {
         !names.is_empty(),
         "FERRY_RDMA_TEST_DEVICES is set but empty"
     );
-    let listed: Vec<String> = verbs_sys::devices()
+    let listed: Vec<String> = ferry_verbs_sys::devices()
         .unwrap_or_else(|e| panic!("FERRY_RDMA_TEST_DEVICES={devs} but libibverbs fails: {e}"))
         .into_iter()
         .map(|d| d.name)
@@ -750,7 +750,7 @@ async fn default_config_discovers_the_devices_with_their_roce_v2_gids() -> Resul
     }
     // The GID discovery picks is the one the harness found as the IPv4-mapped RoCE v2 GID: a
     // connection over discovered rails works end to end.
-    let selector = topology::Selector {
+    let selector = ferry_topology::Selector {
         whitelist: vec![devs[0].device.clone()],
         ..Default::default()
     };

@@ -18,7 +18,7 @@ use ferry_core::{
     PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
 use ferry_file::FileSegment;
-use transport_uring::{
+use ferry_transport_uring::{
     StreamOverflow, UringConfig, UringServer, UringServerHandle, UringTransport,
 };
 
@@ -149,7 +149,7 @@ pub fn serve_uring(
 /// with `FERRY_REQUIRE_URING=1`.
 #[track_caller]
 pub fn uring_usable() -> bool {
-    let p = transport_uring::probe_kernel();
+    let p = ferry_transport_uring::probe_kernel();
     match p.unusable_reason() {
         None => true,
         Some(why) => {
@@ -236,7 +236,7 @@ pub fn peer_info_with(
         transports: vec![my_offer],
         segments: vec![],
     };
-    let server = transport_uring::handshake(addr, &hello, Duration::from_secs(5)).unwrap();
+    let server = ferry_transport_uring::handshake(addr, &hello, Duration::from_secs(5)).unwrap();
     PeerInfo {
         addr,
         local_id: hello.peer_id,

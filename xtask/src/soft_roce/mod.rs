@@ -1,5 +1,5 @@
 //! `cargo xtask soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]`: the RDMA
-//! suite on real soft-RoCE (`rdma_rxe`) devices (ARCHITECTURE.md section 7).
+//! suite on real soft-RoCE (`rdma_rxe`) devices (docs/architecture.md section 7).
 //!
 //! Guest mode (the default) builds once, and caches outside the repo, a small Debian guest with
 //! the scripts in `xtask/soft-roce/`; builds the RDMA test binaries and the `ferry` binary on the

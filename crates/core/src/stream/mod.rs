@@ -42,6 +42,6 @@ pub use client::{
     Work,
 };
 pub use server::{
-    Action, CHECKSUM_RESPONSE_LEN, ServeCounts, ServeStats, ServerStream, Target, accepted,
-    checksum_response, refused, request_seq,
+    Action, CHECKSUM_RESPONSE_LEN, ServerStream, Target, accepted, checksum_response, refused,
+    request_seq,
 };

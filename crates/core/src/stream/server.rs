@@ -3,13 +3,12 @@
 //! fails, and decide when a WRITE's response may be held back.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::checksum::{CHECKSUM_LEN, RegionCrc};
 use crate::ids::SegmentToken;
 use crate::op::OpKind;
 use crate::outcome::RemoteStatus;
-use crate::transport::{FileSource, SegmentLease, SegmentTable};
+use crate::transport::{FileSource, SegmentLease, SegmentTable, ServeStats};
 use crate::wire::{
     DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, DataResponse, RequestHead, VectoredRequest,
     VectoredResponse, WireError, decode_pieces,
@@ -273,7 +272,7 @@ impl ServerStream {
     pub fn on_request(&mut self, head: &[u8; DATA_REQUEST_LEN]) -> Action {
         let action = self.decide(head);
         if let Some(stats) = &self.stats {
-            stats.count(&action);
+            count(stats, &action);
         }
         action
     }
@@ -517,103 +516,21 @@ impl ServerStream {
     }
 }
 
-/// What the data streams of one server accepted and refused, counted as [`ServerStream`]
-/// decides, before any byte moves: an accepted READ or WRITE whose stream dies midway still
-/// counts its whole length. A CHECKSUM counts the bytes it hashes; a vectored request counts
-/// each accepted piece as an op. Shared by the streams of a server
-/// ([`HandshakeResponder::serve_stats`](crate::HandshakeResponder::serve_stats)); relaxed
-/// atomics, read by [`snapshot`](Self::snapshot).
-#[derive(Debug, Default)]
-pub struct ServeStats {
-    ops: [AtomicU64; 3],
-    bytes: [AtomicU64; 3],
-    refused: [AtomicU64; 5],
-}
-
-/// A snapshot of [`ServeStats`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ServeCounts {
-    /// Ops accepted and their bytes, by kind (READ, WRITE, CHECKSUM, in that order).
-    pub accepted: [(OpKind, u64, u64); 3],
-    /// Requests (or vectored pieces) refused, by status, in the order of
-    /// [`ServeStats::STATUSES`].
-    pub refused: [(RemoteStatus, u64); 5],
-}
-
-impl ServeStats {
-    /// The op kinds counted, in the order of [`ServeCounts::accepted`].
-    pub const KINDS: [OpKind; 3] = [OpKind::Read, OpKind::Write, OpKind::Checksum];
-    /// The refusals counted, in the order of [`ServeCounts::refused`].
-    pub const STATUSES: [RemoteStatus; 5] = [
-        RemoteStatus::UnknownSegment,
-        RemoteStatus::OutOfBounds,
-        RemoteStatus::AccessDenied,
-        RemoteStatus::StaleEpoch,
-        RemoteStatus::Malformed,
-    ];
-
-    fn kind_index(kind: OpKind) -> usize {
-        match kind {
-            OpKind::Read => 0,
-            OpKind::Write => 1,
-            OpKind::Checksum => 2,
+/// Counts what `action` accepts or refuses in `stats`.
+fn count(stats: &ServeStats, action: &Action) {
+    match action {
+        Action::WriteMemory { len, .. } | Action::WriteFile { len, .. } => {
+            stats.accepted(OpKind::Write, 1, *len as u64)
         }
-    }
-
-    /// Counts `ops` accepted ops of `kind` moving `bytes`.
-    pub fn accepted(&self, kind: OpKind, ops: u64, bytes: u64) {
-        let i = Self::kind_index(kind);
-        self.ops[i].fetch_add(ops, Ordering::Relaxed);
-        self.bytes[i].fetch_add(bytes, Ordering::Relaxed);
-    }
-
-    /// Counts one refusal.
-    pub fn refused(&self, status: RemoteStatus) {
-        let i = match status {
-            RemoteStatus::UnknownSegment => 0,
-            RemoteStatus::OutOfBounds => 1,
-            RemoteStatus::AccessDenied => 2,
-            RemoteStatus::StaleEpoch => 3,
-            RemoteStatus::Malformed => 4,
-        };
-        self.refused[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn count(&self, action: &Action) {
-        match action {
-            Action::WriteMemory { len, .. } | Action::WriteFile { len, .. } => {
-                self.accepted(OpKind::Write, 1, *len as u64)
-            }
-            Action::ReadMemory { len, .. } | Action::ReadFile { len, .. } => {
-                self.accepted(OpKind::Read, 1, *len as u64)
-            }
-            Action::ChecksumMemory { sum, .. } => {
-                self.accepted(OpKind::Checksum, 1, sum.remaining())
-            }
-            Action::ChecksumFile { len, .. } => self.accepted(OpKind::Checksum, 1, *len),
-            Action::Refuse { status, .. } => self.refused(*status),
-            Action::Close { .. } => self.refused(RemoteStatus::Malformed),
-            // Counted by `on_table`, piece by piece.
-            Action::Table { .. } | Action::Vectored { .. } => {}
+        Action::ReadMemory { len, .. } | Action::ReadFile { len, .. } => {
+            stats.accepted(OpKind::Read, 1, *len as u64)
         }
-    }
-
-    /// The counts now.
-    pub fn snapshot(&self) -> ServeCounts {
-        ServeCounts {
-            accepted: Self::KINDS.map(|k| {
-                let i = Self::kind_index(k);
-                (
-                    k,
-                    self.ops[i].load(Ordering::Relaxed),
-                    self.bytes[i].load(Ordering::Relaxed),
-                )
-            }),
-            refused: std::array::from_fn(|i| {
-                (Self::STATUSES[i], self.refused[i].load(Ordering::Relaxed))
-            }),
-        }
+        Action::ChecksumMemory { sum, .. } => stats.accepted(OpKind::Checksum, 1, sum.remaining()),
+        Action::ChecksumFile { len, .. } => stats.accepted(OpKind::Checksum, 1, *len),
+        Action::Refuse { status, .. } => stats.refused(*status),
+        Action::Close { .. } => stats.refused(RemoteStatus::Malformed),
+        // Counted by `on_table`, piece by piece.
+        Action::Table { .. } | Action::Vectored { .. } => {}
     }
 }
 

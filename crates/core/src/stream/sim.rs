@@ -1218,7 +1218,7 @@ fn the_server_holds_only_for_a_checked_next_write() {
         h
     };
     let table = Arc::new(table);
-    let stats = Arc::new(crate::stream::ServeStats::default());
+    let stats = Arc::new(crate::transport::ServeStats::default());
     let mut s = ServerStream::new(table.clone()).counting(Some(stats.clone()));
     let Action::WriteMemory {
         lease,

@@ -1,20 +1,20 @@
 //! RDMA device discovery: IO-free logic over a [`DeviceEnumerator`].
 //!
 //! Devices are what `ibv_get_device_list` returns (through [`VerbsEnumerator`]), never a sysfs
-//! listing alone. A missing libibverbs means "no RDMA devices": [`Discovery::devices`] is empty
+//! listing alone. A missing libibverbs means "no RDMA devices": [`RdmaDevices::devices`] is empty
 //! and the reason is kept, so a caller that needs RDMA gets the actionable error
 //! (`no RDMA devices found: libibverbs.so.1 could not be loaded: <reason>`), not the loader's.
-//! The list is enumerated exactly once per [`Discovery::run`], however many filters are applied
+//! The list is enumerated exactly once per [`RdmaDevices::run`], however many filters are applied
 //! and however they parse.
 
 use std::error::Error as StdError;
 use std::path::PathBuf;
 
-use verbs_sys::{DeviceInfo, LoadError, Verbs};
+use ferry_verbs_sys::{DeviceInfo, LoadError, Verbs};
 
 /// Something that lists verbs devices. The real one is [`VerbsEnumerator`]; tests use mocks.
 pub trait DeviceEnumerator {
-    /// Lists the devices once. A load failure is an error here; [`Discovery`] turns it into
+    /// Lists the devices once. A load failure is an error here; [`RdmaDevices`] turns it into
     /// "no devices" plus a reason.
     fn enumerate(&self) -> Result<Vec<DeviceInfo>, LoadError>;
 }
@@ -62,13 +62,13 @@ pub struct VerbsListing {
 
 /// Lists the verbs devices of this machine through the real loader, once.
 pub fn enumerate_verbs_devices() -> VerbsListing {
-    Discovery::run(&VerbsEnumerator::new()).listing()
+    RdmaDevices::run(&VerbsEnumerator::new()).listing()
 }
 
 /// Why discovery found no usable RDMA device.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum DiscoveryError {
+pub enum RdmaDevicesError {
     /// libibverbs (or one of its required exports) could not be loaded.
     LoadLibrary {
         /// The library that was tried, e.g. `libibverbs.so.1`.
@@ -97,7 +97,7 @@ pub enum DiscoveryError {
 
 // Display and Error by hand: this crate depends on `ferry-core` under the name `core`, which
 // shadows libcore for `thiserror`'s `::core::` paths.
-impl std::fmt::Display for DiscoveryError {
+impl std::fmt::Display for RdmaDevicesError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::LoadLibrary { library, reason } => write!(
@@ -115,7 +115,7 @@ impl std::fmt::Display for DiscoveryError {
     }
 }
 
-impl StdError for DiscoveryError {
+impl StdError for RdmaDevicesError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
             Self::ApplyFilter { source } => Some(source.as_ref()),
@@ -134,7 +134,7 @@ enum Failure {
 /// One enumeration's result: the devices, or why there are none. Cheap to query repeatedly;
 /// selecting and requiring never enumerate again.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Discovery {
+pub struct RdmaDevices {
     devices: Vec<DeviceInfo>,
     failure: Option<Failure>,
 }
@@ -143,7 +143,7 @@ pub struct Discovery {
 /// parses to nothing should return its input unchanged (fall back to all devices).
 pub type DeviceFilter<'a, E> = &'a dyn Fn(&[DeviceInfo]) -> Result<Vec<DeviceInfo>, E>;
 
-impl Discovery {
+impl RdmaDevices {
     /// Enumerates exactly once. A load failure becomes "no devices" with its reason kept.
     pub fn run(enumerator: &dyn DeviceEnumerator) -> Self {
         match enumerator.enumerate() {
@@ -203,16 +203,16 @@ impl Discovery {
     }
 
     /// The devices, or the actionable error when there are none (for callers that need RDMA).
-    pub fn require(&self) -> Result<&[DeviceInfo], DiscoveryError> {
+    pub fn require(&self) -> Result<&[DeviceInfo], RdmaDevicesError> {
         match &self.failure {
-            Some(Failure::Load { library, reason }) => Err(DiscoveryError::LoadLibrary {
+            Some(Failure::Load { library, reason }) => Err(RdmaDevicesError::LoadLibrary {
                 library: library.clone(),
                 reason: reason.clone(),
             }),
-            Some(Failure::Enumerate { detail }) => Err(DiscoveryError::EnumerateDevices {
+            Some(Failure::Enumerate { detail }) => Err(RdmaDevicesError::EnumerateDevices {
                 detail: detail.clone(),
             }),
-            None if self.devices.is_empty() => Err(DiscoveryError::EmptyDeviceList),
+            None if self.devices.is_empty() => Err(RdmaDevicesError::EmptyDeviceList),
             None => Ok(&self.devices),
         }
     }
@@ -222,15 +222,15 @@ impl Discovery {
     pub fn select<E>(
         &self,
         filters: &[DeviceFilter<'_, E>],
-    ) -> Result<Vec<DeviceInfo>, DiscoveryError>
+    ) -> Result<Vec<DeviceInfo>, RdmaDevicesError>
     where
         E: Into<Box<dyn StdError + Send + Sync>>,
     {
         let all = self.require()?;
         let mut selected = all.to_vec();
         for filter in filters {
-            selected =
-                filter(&selected).map_err(|e| DiscoveryError::ApplyFilter { source: e.into() })?;
+            selected = filter(&selected)
+                .map_err(|e| RdmaDevicesError::ApplyFilter { source: e.into() })?;
         }
         if selected.is_empty() {
             let available = all
@@ -238,7 +238,7 @@ impl Discovery {
                 .map(|d| d.name.as_str())
                 .collect::<Vec<_>>()
                 .join(", ");
-            return Err(DiscoveryError::NoDeviceMatched { available });
+            return Err(RdmaDevicesError::NoDeviceMatched { available });
         }
         Ok(selected)
     }
@@ -248,18 +248,18 @@ impl Discovery {
 pub fn discover_devices<E>(
     enumerator: &dyn DeviceEnumerator,
     filters: &[DeviceFilter<'_, E>],
-) -> Result<Vec<DeviceInfo>, DiscoveryError>
+) -> Result<Vec<DeviceInfo>, RdmaDevicesError>
 where
     E: Into<Box<dyn StdError + Send + Sync>>,
 {
-    Discovery::run(enumerator).select(filters)
+    RdmaDevices::run(enumerator).select(filters)
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use ferry_verbs_sys::{NodeType, TransportType, VerbsError};
     use std::cell::Cell;
-    use verbs_sys::{NodeType, TransportType, VerbsError};
 
     /// Counts enumerations; returns a fixed answer (the capability matrix's tests use it too).
     pub(crate) struct Counting {
@@ -341,13 +341,13 @@ pub(crate) mod tests {
     #[test]
     fn repeated_selection_on_one_discovery_never_re_enumerates() {
         let e = Counting::new(two);
-        let d = Discovery::run(&e);
+        let d = RdmaDevices::run(&e);
         let a = whitelist("mlx5_0");
         let bad = whitelist("!");
         assert!(d.select::<String>(&[&a]).is_ok());
         assert!(matches!(
             d.select::<String>(&[&bad]),
-            Err(DiscoveryError::ApplyFilter { .. })
+            Err(RdmaDevicesError::ApplyFilter { .. })
         ));
         assert!(d.require().is_ok());
         let _ = d.listing();
@@ -357,7 +357,7 @@ pub(crate) mod tests {
     #[test]
     fn a_missing_library_is_no_devices_with_the_actionable_error() {
         let e = Counting::new(missing_library);
-        let d = Discovery::run(&e);
+        let d = RdmaDevices::run(&e);
         assert!(d.devices().is_empty());
         assert_eq!(
             d.unavailable().as_deref(),
@@ -374,7 +374,7 @@ pub(crate) mod tests {
 
     #[test]
     fn an_empty_list_is_the_empty_list_error() {
-        let d = Discovery::run(&Counting::new(none));
+        let d = RdmaDevices::run(&Counting::new(none));
         assert_eq!(d.unavailable(), None);
         let err = d.require().expect_err("no devices");
         assert_eq!(
@@ -385,7 +385,7 @@ pub(crate) mod tests {
 
     #[test]
     fn filters_that_leave_nothing_name_what_exists() {
-        let d = Discovery::run(&Counting::new(two));
+        let d = RdmaDevices::run(&Counting::new(two));
         let f = whitelist("mlx5_9");
         let err = d.select::<String>(&[&f]).expect_err("nothing matches");
         assert!(

@@ -1,10 +1,12 @@
-//! Discovery through the real loader: a library path that does not exist, a library lacking a
+//! RdmaDevices through the real loader: a library path that does not exist, a library lacking a
 //! required export (built with `cc`), and the system's libibverbs when installed.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use ferry::discovery::{Discovery, DiscoveryError, VerbsEnumerator, enumerate_verbs_devices};
+use ferry::rdma_devices::{
+    RdmaDevices, RdmaDevicesError, VerbsEnumerator, enumerate_verbs_devices,
+};
 
 /// A scratch directory unique to this test process, removed on drop.
 struct Scratch(PathBuf);
@@ -29,13 +31,16 @@ fn a_missing_library_gives_the_actionable_error_not_the_loaders() {
     let scratch = Scratch::new("missing");
     let path = scratch.0.join("libibverbs.so.1");
     let library = path.display().to_string();
-    let d = Discovery::run(&VerbsEnumerator::with_library(&path));
+    let d = RdmaDevices::run(&VerbsEnumerator::with_library(&path));
     assert!(d.devices().is_empty(), "a missing library means no devices");
     let loader = d.unavailable().expect("the loader's reason is kept");
     assert!(loader.starts_with(&format!("{library}: ")), "{loader}");
     assert!(loader.contains("No such file or directory"), "{loader}");
     let err = d.require().expect_err("RDMA is required");
-    assert!(matches!(err, DiscoveryError::LoadLibrary { .. }), "{err:?}");
+    assert!(
+        matches!(err, RdmaDevicesError::LoadLibrary { .. }),
+        "{err:?}"
+    );
     let reason = loader
         .strip_prefix(&format!("{library}: "))
         .expect("library prefix");
@@ -76,7 +81,7 @@ fn a_library_lacking_a_required_export_names_it_in_the_actionable_error() {
         String::from_utf8_lossy(&out.stderr)
     );
     let library = so.display().to_string();
-    let d = Discovery::run(&VerbsEnumerator::with_library(&so));
+    let d = RdmaDevices::run(&VerbsEnumerator::with_library(&so));
     assert!(d.devices().is_empty());
     let text = d.require().expect_err("RDMA is required").to_string();
     let prefix = format!(
@@ -88,7 +93,7 @@ fn a_library_lacking_a_required_export_names_it_in_the_actionable_error() {
 
 #[test]
 fn the_real_library_with_no_devices_is_the_empty_list_error() {
-    let d = Discovery::run(&VerbsEnumerator::with_library("libibverbs.so.1"));
+    let d = RdmaDevices::run(&VerbsEnumerator::with_library("libibverbs.so.1"));
     if let Some(reason) = d.unavailable() {
         if reason.starts_with("libibverbs.so.1: ") {
             ferry_tests::require_or_skip(

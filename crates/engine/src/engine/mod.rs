@@ -8,39 +8,74 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_core::SegmentToken;
-use ferry_core::wire::{Hello, VersionRange};
-use ferry_core::{
-    Access, Epoch, Error, MemoryRegion, PeerId, PeerInfo, SegmentTable, Transport, TransportKind,
-};
+use ferry_core::wire::VersionRange;
+use ferry_core::{Access, Epoch, Error, MemoryRegion, PeerId, Transport, TransportKind};
 use ferry_file::FileSegment;
-use registry::{Registry, RegistryError};
-use tracing::Instrument;
+use ferry_registry::Registry;
 #[cfg(feature = "rdma")]
-use transport_rdma::RdmaTransport;
+use ferry_transport_rdma::RdmaTransport;
 #[cfg(feature = "uring")]
-use transport_uring::UringTransport;
+use ferry_transport_uring::UringTransport;
+
+mod connect;
+#[cfg(feature = "cuda")]
+mod gpu_memory;
 
 use crate::describe::{Description, RailDescription, SegmentDescription};
 use crate::handles::FileRegistration;
-use crate::handles::{Peer, PeerInner, Registration};
+use crate::handles::Registration;
 use crate::listener::Server;
-use crate::reconnect::{Link, ReconnectPolicy};
+use crate::reconnect::PeerInner;
+use crate::reconnect::ReconnectPolicy;
 use crate::request::{Batch, Checked, RequestHandle};
-use crate::route::{self, Pick, Routes};
+use crate::route::Routes;
 use crate::serve::RegistryTable;
 
-/// What an engine holds, shared by its clones.
+/// What an engine holds, shared by its clones: one part per subsystem, wired here.
 pub(crate) struct Inner {
+    pub(crate) identity: Identity,
+    pub(crate) published: Published,
+    pub(crate) planes: DataPlanes,
+    pub(crate) peers: Peers,
+    pub(crate) serving: Serving,
+    /// GPU memory: the driver, the staging pool, its counters.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: Option<Arc<crate::gpu::GpuState>>,
+}
+
+/// Who the engine is to its peers.
+pub(crate) struct Identity {
     pub(crate) id: PeerId,
     pub(crate) epoch: Epoch,
     pub(crate) versions: VersionRange,
-    /// Every transport offered, in order of preference.
-    pub(crate) transports: Vec<Arc<dyn Transport>>,
+    /// The keys this engine proves (client: the first) and accepts (server), if authenticated.
+    pub(crate) keyring: Option<ferry_core::auth::Keyring>,
+}
+
+/// What the engine registers and publishes.
+pub(crate) struct Published {
     pub(crate) registry: Registry,
     pub(crate) table: Arc<RegistryTable>,
-    pub(crate) server: Option<Server>,
+    /// The registration cache in front of the RDMA backend (none on host memory alone, where
+    /// registering makes no native copy to share).
+    pub(crate) shared_copies: Option<Arc<ferry_registry::SharedCopies>>,
+}
+
+/// The data planes the engine moves bytes over.
+pub(crate) struct DataPlanes {
+    /// Every transport offered, in order of preference.
+    pub(crate) transports: Vec<Arc<dyn Transport>>,
     /// The portable data plane and why it was chosen.
     pub(crate) data_plane: Option<(TransportKind, String)>,
+    #[cfg(feature = "rdma")]
+    pub(crate) rdma: Option<RdmaTransport>,
+    /// The io_uring data plane, when it was chosen (its thread budget and counters).
+    #[cfg(feature = "uring")]
+    pub(crate) uring: Option<UringTransport>,
+}
+
+/// Connecting to peers and running requests on them.
+pub(crate) struct Peers {
     /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
     pub(crate) known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
     pub(crate) routes: Routes,
@@ -48,21 +83,13 @@ pub(crate) struct Inner {
     pub(crate) connect_timeout: Duration,
     /// What happens when a peer's connection is lost.
     pub(crate) reconnect: ReconnectPolicy,
-    /// The keys this engine proves (client: the first) and accepts (server), if authenticated.
-    pub(crate) keyring: Option<ferry_core::auth::Keyring>,
-    #[cfg(feature = "rdma")]
-    pub(crate) rdma: Option<RdmaTransport>,
-    /// The io_uring data plane, when it was chosen (its thread budget and counters).
-    #[cfg(feature = "uring")]
-    pub(crate) uring: Option<UringTransport>,
-    /// GPU memory: the driver, the staging pool, its counters.
-    #[cfg(feature = "cuda")]
-    pub(crate) gpu: Option<crate::gpu::GpuState>,
-    /// The registration cache in front of the RDMA backend (none on host memory alone, where
-    /// registering makes no native copy to share).
-    pub(crate) shared_copies: Option<Arc<registry::SharedCopies>>,
+}
+
+/// Serving peers and scrapes.
+pub(crate) struct Serving {
+    pub(crate) server: Option<Server>,
     /// What the listener's data streams accepted and refused.
-    pub(crate) serve_stats: Arc<ferry_core::stream::ServeStats>,
+    pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
     /// The HTTP listener serving metrics, if asked for.
     pub(crate) metrics: Option<crate::metrics::MetricsServer>,
 }
@@ -70,10 +97,23 @@ pub(crate) struct Inner {
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TransferEngine")
-            .field("id", &self.id)
-            .field("epoch", &self.epoch)
-            .field("listen", &self.server.as_ref().map(|s| s.local_addr()))
+            .field("id", &self.identity.id)
+            .field("epoch", &self.identity.epoch)
+            .field(
+                "listen",
+                &self.serving.server.as_ref().map(|s| s.local_addr()),
+            )
             .finish_non_exhaustive()
+    }
+}
+
+/// The engine is what its peers reconnect through.
+impl crate::reconnect::Reopen for Inner {
+    fn reopen<'a>(
+        self: Arc<Self>,
+        peer: &'a PeerInner,
+    ) -> ferry_core::BoxFuture<'a, Result<Arc<dyn ferry_core::Channel>, Error>> {
+        Box::pin(async move { TransferEngine { inner: self }.reopen(peer).await })
     }
 }
 
@@ -86,23 +126,23 @@ pub struct TransferEngine {
 impl TransferEngine {
     /// This engine's peer id.
     pub fn peer_id(&self) -> PeerId {
-        self.inner.id
+        self.inner.identity.id
     }
 
     /// This engine's epoch.
     pub fn epoch(&self) -> Epoch {
-        self.inner.epoch
+        self.inner.identity.epoch
     }
 
     /// The address it serves on, if it listens.
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.inner.server.as_ref().map(|s| s.local_addr())
+        self.inner.serving.server.as_ref().map(|s| s.local_addr())
     }
 
     /// The address its Prometheus metrics are served on (`GET /metrics`), if they are (see
     /// [`EngineBuilder::metrics`](crate::EngineBuilder::metrics)).
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.inner.metrics.as_ref().map(|m| m.local_addr())
+        self.inner.serving.metrics.as_ref().map(|m| m.local_addr())
     }
 
     /// The Prometheus text (version 0.0.4) a scrape of [`metrics_addr`](Self::metrics_addr)
@@ -137,14 +177,14 @@ impl TransferEngine {
     ) -> Result<Registration, Error> {
         let audience = self.audience(peers)?;
         let region = region.into();
-        self.inner.table.publish_restricted(audience, || {
+        self.inner.published.table.publish_restricted(audience, || {
             let reg = self.register_inner(region, access, name)?;
             Ok((reg.token, reg))
         })
     }
 
     fn audience(&self, peers: &[&str]) -> Result<Arc<[String]>, Error> {
-        let Some(keyring) = &self.inner.keyring else {
+        let Some(keyring) = &self.inner.identity.keyring else {
             return Err(Error::InvalidRequest {
                 reason: "publishing to named peers needs authentication keys \
                          (EngineBuilder::auth_key_file)"
@@ -169,6 +209,7 @@ impl TransferEngine {
         name: &str,
     ) -> Result<Registration, Error> {
         self.inner
+            .published
             .table
             .publish_named(name, access.is_remote(), || {
                 self.register_unchecked(region, access, name)
@@ -185,17 +226,18 @@ impl TransferEngine {
         let _enter = span.enter();
         let reg = self
             .inner
+            .published
             .registry
             .register(name, region.clone(), access)
-            .map_err(RegistryError::into_core)?;
+            .map_err(Error::from)?;
         let token = reg.token();
         if access.is_remote() {
-            self.inner.table.add(reg.lease());
+            self.inner.published.table.add(reg.lease());
         }
         tracing::debug!(%token, "published");
         Ok(Registration {
             inner: Some(reg),
-            table: self.inner.table.clone(),
+            table: self.inner.published.table.clone(),
             region,
             token,
         })
@@ -240,7 +282,7 @@ impl TransferEngine {
         peers: &[&str],
     ) -> Result<FileRegistration, Error> {
         let audience = self.audience(peers)?;
-        self.inner.table.publish_restricted(audience, || {
+        self.inner.published.table.publish_restricted(audience, || {
             let reg = self.publish_file_inner(path.as_ref(), access, name)?;
             Ok((reg.token, reg))
         })
@@ -252,7 +294,7 @@ impl TransferEngine {
         access: Access,
         name: &str,
     ) -> Result<FileRegistration, Error> {
-        self.inner.table.publish_named(name, true, || {
+        self.inner.published.table.publish_named(name, true, || {
             self.publish_file_unchecked(path, access, name)
         })
     }
@@ -265,7 +307,7 @@ impl TransferEngine {
     ) -> Result<FileRegistration, Error> {
         let _span =
             tracing::info_span!("publish_file", name, path = %path.display(), %access).entered();
-        if self.inner.data_plane.is_none() {
+        if self.inner.planes.data_plane.is_none() {
             return Err(Error::Unavailable {
                 library: "file segments".into(),
                 reason: format!(
@@ -277,7 +319,7 @@ impl TransferEngine {
         }
         let file = Arc::new(FileSegment::open(path, access)?);
         let token = SegmentToken::random();
-        self.inner.table.add_file(
+        self.inner.published.table.add_file(
             token,
             name.to_owned(),
             file.len(),
@@ -286,7 +328,7 @@ impl TransferEngine {
         );
         tracing::info!(%token, len = file.len(), "file segment published");
         Ok(FileRegistration {
-            table: self.inner.table.clone(),
+            table: self.inner.published.table.clone(),
             file,
             token,
             name: name.to_owned(),
@@ -312,7 +354,7 @@ impl TransferEngine {
         #[cfg(feature = "uring")]
         if self.data_plane() == Some(TransportKind::Uring) {
             const QUEUE_DEPTH: usize = 32;
-            return Ok(transport_uring::read_file_into(
+            return Ok(ferry_transport_uring::read_file_into(
                 dst.region(),
                 offset,
                 path,
@@ -332,154 +374,7 @@ impl TransferEngine {
 
     /// The portable data plane (`Tcp` or `Uring`) this engine chose, if one is enabled.
     pub fn data_plane(&self) -> Option<TransportKind> {
-        self.inner.data_plane.as_ref().map(|(k, _)| *k)
-    }
-
-    fn hello(&self) -> Hello {
-        Hello {
-            versions: self.inner.versions,
-            peer_id: self.inner.id,
-            epoch: self.inner.epoch,
-            transports: self.inner.transports.iter().map(|t| t.offer()).collect(),
-            // Only what every peer may see: the server is not authenticated to a name here.
-            segments: self.inner.table.published_to(None),
-        }
-    }
-
-    /// Connects to the engine serving `addr`: handshake, then the data path over the first
-    /// transport both ends offer. A peer with no common protocol version is refused with
-    /// `ProtocolMismatch`; an address whose epoch differs from the one this engine met there
-    /// first is refused with `StaleEpoch` (use [`reresolve`](Self::reresolve) to adopt it).
-    pub async fn connect(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
-        let addr = resolve(addr)?;
-        let span = tracing::info_span!("connect", %addr);
-        self.connect_inner(addr).instrument(span).await
-    }
-
-    /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
-    /// serves it now. Descriptors of the old incarnation stay refused.
-    pub async fn reresolve(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
-        let addr = resolve(addr)?;
-        self.inner
-            .known
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&addr);
-        tracing::info!(%addr, "re-resolving peer");
-        self.connect(addr).await
-    }
-
-    async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
-        let known = |server: &Hello| {
-            let mut known = self
-                .inner
-                .known
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            match known.get(&addr) {
-                Some((_, e)) if *e != server.epoch => Err(Error::StaleEpoch {
-                    addr: addr.to_string(),
-                    known: *e,
-                    found: server.epoch,
-                }),
-                Some(_) => Ok(()),
-                None => {
-                    known.insert(addr, (server.peer_id, server.epoch));
-                    Ok(())
-                }
-            }
-        };
-        let (server, version, channel) = self.open_channel(addr, known).await?;
-        let counters = self.inner.routes.counters(addr.to_string(), channel.kind());
-        tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
-            segments = server.segments.len(), "connected");
-        Ok(Peer {
-            inner: Arc::new(PeerInner {
-                addr,
-                id: server.peer_id,
-                epoch: server.epoch,
-                segments: server.segments,
-                version,
-                link: Mutex::new(Link {
-                    generation: 0,
-                    channel,
-                }),
-                recovery: Default::default(),
-                engine: Arc::downgrade(&self.inner),
-                policy: self.inner.reconnect,
-                closed: Default::default(),
-                counters,
-            }),
-        })
-    }
-
-    /// A fresh channel to the incarnation `peer` was connected to (reconnect): the same
-    /// handshake and route choice as [`connect`](Self::connect), refused with `StaleEpoch` if
-    /// the address now answers with another epoch.
-    pub(crate) async fn reopen(
-        &self,
-        peer: &PeerInner,
-    ) -> Result<Arc<dyn ferry_core::Channel>, Error> {
-        let same = |server: &Hello| {
-            if server.epoch == peer.epoch && server.peer_id == peer.id {
-                Ok(())
-            } else {
-                Err(Error::StaleEpoch {
-                    addr: peer.addr.to_string(),
-                    known: peer.epoch,
-                    found: server.epoch,
-                })
-            }
-        };
-        let span = tracing::info_span!("reconnect", addr = %peer.addr);
-        let (_, _, channel) = self.open_channel(peer.addr, same).instrument(span).await?;
-        Ok(channel)
-    }
-
-    /// Handshake with `addr`, `check` of its answer, then the data path over the first transport
-    /// both ends offer: the peer's hello, the protocol version spoken, the channel.
-    async fn open_channel(
-        &self,
-        addr: SocketAddr,
-        check: impl FnOnce(&Hello) -> Result<(), Error>,
-    ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>), Error> {
-        let hello = self.hello();
-        let (server, session) = transport_tcp::handshake_with(
-            addr,
-            &hello,
-            self.inner.keyring.as_ref(),
-            self.inner.connect_timeout,
-        )
-        .await?;
-        // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
-        let version = self.inner.versions.common(server.versions).unwrap_or(1);
-        check(&server)?;
-        let Pick {
-            transport,
-            offer,
-            reservation,
-        } = route::pick(
-            &self.inner.transports,
-            &server.transports,
-            #[cfg(feature = "uring")]
-            self.inner.uring.as_ref(),
-            addr,
-        )?;
-        let info = PeerInfo {
-            addr,
-            local_id: self.inner.id,
-            local_epoch: self.inner.epoch,
-            remote_id: server.peer_id,
-            remote_epoch: server.epoch,
-            offer,
-            segments: server.segments.clone(),
-            session,
-            key_name: None,
-            version,
-        };
-        let channel = transport.open(info).await?;
-        drop(reservation);
-        Ok((server, version, channel))
+        self.inner.planes.data_plane.as_ref().map(|(k, _)| *k)
     }
 
     /// Submits a batch: every op is checked against its local region and the peer's descriptor
@@ -496,28 +391,43 @@ impl TransferEngine {
                 reason: format!("TransferEngine::submit needs one: {e}"),
             });
         }
-        let timeout = batch.timeout.or(self.inner.request_timeout);
+        let timeout = batch.timeout.or(self.inner.peers.request_timeout);
         match checked {
             Checked::Host(ops) => Ok(RequestHandle::start(&peer, ops, timeout)),
             #[cfg(feature = "cuda")]
             Checked::Staged(ops) => {
-                let pool = crate::gpu::prepare(&self.inner, &ops)?;
-                let ops: Arc<[crate::gpu::StagedOp]> = ops.into();
-                let shape = crate::describe::Shape::of(
+                let gpu = self.inner.gpu.as_ref();
+                #[cfg(feature = "rdma")]
+                let rdma = self
+                    .inner
+                    .planes
+                    .rdma
+                    .is_some()
+                    .then_some(&self.inner.published.registry);
+                #[cfg(not(feature = "rdma"))]
+                let rdma = None;
+                let pool = crate::gpu::prepare(gpu.map(|g| &**g), rdma, &ops)?;
+                let gpu = gpu
+                    .expect("prepare refuses an engine without GPU support")
+                    .clone();
+                let ops: Arc<[crate::request::StagedOp]> = ops.into();
+                let on_peer = peer.clone();
+                let host: crate::gpu::HostRunner = Arc::new(move |ops, control, deadline| {
+                    Box::pin(crate::reconnect::run(
+                        on_peer.clone(),
+                        ops,
+                        control,
+                        deadline,
+                    ))
+                });
+                let shape = crate::counters::Shape::of(
                     ops.iter().map(|o| (o.kind, o.len)),
                     crate::describe::Path::Staged,
                 );
                 let control = Arc::new(ferry_core::RequestControl::with_shape(
                     ops.iter().map(|o| (o.kind, o.len)),
                 ));
-                let fut = crate::gpu::run(
-                    peer.clone(),
-                    ops,
-                    control.clone(),
-                    pool,
-                    self.inner.clone(),
-                    timeout,
-                );
+                let fut = crate::gpu::run(host, ops, control.clone(), pool, gpu, timeout);
                 Ok(RequestHandle::start_with(
                     &peer,
                     control,
@@ -531,9 +441,10 @@ impl TransferEngine {
 
     /// Identity, listener, registrations and per-route counters.
     pub fn describe(&self) -> Description {
-        let counters = self.inner.registry.counters();
+        let counters = self.inner.published.registry.counters();
         let published = self
             .inner
+            .published
             .registry
             .published()
             .iter()
@@ -545,6 +456,7 @@ impl TransferEngine {
             })
             .chain(
                 self.inner
+                    .published
                     .table
                     .file_descs()
                     .into_iter()
@@ -556,26 +468,26 @@ impl TransferEngine {
                     }),
             )
             .collect();
-        let routes = self.inner.routes.snapshot();
+        let routes = self.inner.peers.routes.snapshot();
         Description {
-            peer_id: self.inner.id.to_string(),
-            epoch: self.inner.epoch.to_string(),
+            peer_id: self.inner.identity.id.to_string(),
+            epoch: self.inner.identity.epoch.to_string(),
             listen: self.local_addr().map(|a| a.to_string()),
             transports: self
                 .inner
-                .transports
+                .planes.transports
                 .iter()
                 .map(|t| t.kind().name().to_owned())
                 .collect(),
             data_plane: self
                 .inner
-                .data_plane
+                .planes.data_plane
                 .as_ref()
                 .map(|(k, why)| format!("{k} ({why})")),
             #[cfg(feature = "uring")]
-            data_plane_io: self.inner.uring.as_ref().map(|t| {
+            data_plane_io: self.inner.planes.uring.as_ref().map(|t| {
                 let mut line = t.describe();
-                if let Some(Server::Uring(h)) = &self.inner.server {
+                if let Some(Server::Uring(h)) = &self.inner.serving.server {
                     use std::sync::atomic::Ordering::Relaxed;
                     let s = h.stats();
                     line.push_str(&format!(
@@ -589,7 +501,7 @@ impl TransferEngine {
             }),
             #[cfg(not(feature = "uring"))]
             data_plane_io: None,
-            handshakes: self.inner.server.as_ref().map(|s| {
+            handshakes: self.inner.serving.server.as_ref().map(|s| {
                 let (stats, limits) = s.handshakes();
                 crate::describe::HandshakeDescription {
                     pending: stats.pending,
@@ -601,9 +513,9 @@ impl TransferEngine {
             }),
             served: self
                 .inner
-                .server
+                .serving.server
                 .as_ref()
-                .map(|_| crate::describe::ServedDescription::of(&self.inner.serve_stats.snapshot())),
+                .map(|_| crate::describe::ServedDescription::of(&self.inner.serving.stats.snapshot())),
             contexts: counters
                 .per_context
                 .iter()
@@ -614,8 +526,8 @@ impl TransferEngine {
                     fenced: c.fenced,
                 })
                 .collect(),
-            latency: self.inner.routes.latencies().snapshot(),
-            registration_cache: self.inner.shared_copies.as_ref().map(|c| {
+            latency: self.inner.peers.routes.latencies().snapshot(),
+            registration_cache: self.inner.published.shared_copies.as_ref().map(|c| {
                 let s = c.stats();
                 crate::describe::CacheDescription {
                     hits: s.hits,
@@ -653,7 +565,7 @@ impl TransferEngine {
     /// Per-rail RDMA counters (empty without RDMA).
     fn rails(&self) -> Vec<RailDescription> {
         #[cfg(feature = "rdma")]
-        if let Some(t) = &self.inner.rdma {
+        if let Some(t) = &self.inner.planes.rdma {
             return t
                 .rail_stats()
                 .into_iter()
@@ -676,12 +588,9 @@ impl TransferEngine {
     /// `Unquiesced`, its copies and charges still held) and the RDMA transport's failed destroys
     /// of queue pairs, completion queues and protection domains. Returns the oldest one.
     pub fn check(&self) -> Result<(), Error> {
-        self.inner
-            .registry
-            .check()
-            .map_err(RegistryError::into_core)?;
+        self.inner.published.registry.check().map_err(Error::from)?;
         #[cfg(feature = "rdma")]
-        if let Some(rdma) = &self.inner.rdma {
+        if let Some(rdma) = &self.inner.planes.rdma {
             rdma.check()?;
         }
         Ok(())
@@ -692,13 +601,13 @@ impl TransferEngine {
     /// budget charges, fully destroyed registrations free their memory, and a context with
     /// nothing unquiesced left accepts registrations again. Returns what was released and the
     /// evidence for what is still held.
-    pub fn retry_unquiesced(&self) -> registry::UnquiescedRetry {
-        self.inner.registry.retry_unquiesced()
+    pub fn retry_unquiesced(&self) -> ferry_registry::UnquiescedRetry {
+        self.inner.published.registry.retry_unquiesced()
     }
 
     /// Stops serving: the listener closes and accepted connections are dropped.
     pub fn shutdown(&self) {
-        if let Some(s) = &self.inner.server {
+        if let Some(s) = &self.inner.serving.server {
             s.shutdown();
         }
     }

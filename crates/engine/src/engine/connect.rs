@@ -1,0 +1,182 @@
+//! Connecting: the handshake with a peer's address, the data path over the first transport both
+//! ends offer, and the reconnect of a lost peer incarnation (the engine's side of
+//! [`Reopen`](crate::reconnect::Reopen)).
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use ferry_core::wire::Hello;
+use ferry_core::{Error, PeerInfo, SegmentTable};
+use tracing::Instrument;
+
+use super::{TransferEngine, resolve};
+use crate::peer::Peer;
+use crate::reconnect::{Link, PeerInner};
+use crate::route::{self, Pick};
+
+impl TransferEngine {
+    fn hello(&self) -> Hello {
+        Hello {
+            versions: self.inner.identity.versions,
+            peer_id: self.inner.identity.id,
+            epoch: self.inner.identity.epoch,
+            transports: self
+                .inner
+                .planes
+                .transports
+                .iter()
+                .map(|t| t.offer())
+                .collect(),
+            // Only what every peer may see: the server is not authenticated to a name here.
+            segments: self.inner.published.table.published_to(None),
+        }
+    }
+
+    /// Connects to the engine serving `addr`: handshake, then the data path over the first
+    /// transport both ends offer. A peer with no common protocol version is refused with
+    /// `ProtocolMismatch`; an address whose epoch differs from the one this engine met there
+    /// first is refused with `StaleEpoch` (use [`reresolve`](Self::reresolve) to adopt it).
+    pub async fn connect(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
+        let addr = resolve(addr)?;
+        let span = tracing::info_span!("connect", %addr);
+        self.connect_inner(addr).instrument(span).await
+    }
+
+    /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
+    /// serves it now. Descriptors of the old incarnation stay refused.
+    pub async fn reresolve(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
+        let addr = resolve(addr)?;
+        self.inner
+            .peers
+            .known
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&addr);
+        tracing::info!(%addr, "re-resolving peer");
+        self.connect(addr).await
+    }
+
+    async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
+        let known = |server: &Hello| {
+            let mut known = self
+                .inner
+                .peers
+                .known
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match known.get(&addr) {
+                Some((_, e)) if *e != server.epoch => Err(Error::StaleEpoch {
+                    addr: addr.to_string(),
+                    known: *e,
+                    found: server.epoch,
+                }),
+                Some(_) => Ok(()),
+                None => {
+                    known.insert(addr, (server.peer_id, server.epoch));
+                    Ok(())
+                }
+            }
+        };
+        let (server, version, channel) = self.open_channel(addr, known).await?;
+        let counters = self
+            .inner
+            .peers
+            .routes
+            .counters(addr.to_string(), channel.kind());
+        tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
+            segments = server.segments.len(), "connected");
+        Ok(Peer {
+            inner: Arc::new(PeerInner {
+                addr,
+                id: server.peer_id,
+                epoch: server.epoch,
+                segments: server.segments,
+                version,
+                link: Mutex::new(Link {
+                    generation: 0,
+                    channel,
+                }),
+                recovery: Default::default(),
+                engine: Arc::downgrade(&self.inner)
+                    as std::sync::Weak<dyn crate::reconnect::Reopen>,
+                policy: self.inner.peers.reconnect,
+                closed: Default::default(),
+                counters,
+            }),
+        })
+    }
+
+    /// A fresh channel to the incarnation `peer` was connected to (reconnect): the same
+    /// handshake and route choice as [`connect`](Self::connect), refused with `StaleEpoch` if
+    /// the address now answers with another epoch.
+    pub(crate) async fn reopen(
+        &self,
+        peer: &PeerInner,
+    ) -> Result<Arc<dyn ferry_core::Channel>, Error> {
+        let same = |server: &Hello| {
+            if server.epoch == peer.epoch && server.peer_id == peer.id {
+                Ok(())
+            } else {
+                Err(Error::StaleEpoch {
+                    addr: peer.addr.to_string(),
+                    known: peer.epoch,
+                    found: server.epoch,
+                })
+            }
+        };
+        let span = tracing::info_span!("reconnect", addr = %peer.addr);
+        let (_, _, channel) = self.open_channel(peer.addr, same).instrument(span).await?;
+        Ok(channel)
+    }
+
+    /// Handshake with `addr`, `check` of its answer, then the data path over the first transport
+    /// both ends offer: the peer's hello, the protocol version spoken, the channel.
+    async fn open_channel(
+        &self,
+        addr: SocketAddr,
+        check: impl FnOnce(&Hello) -> Result<(), Error>,
+    ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>), Error> {
+        let hello = self.hello();
+        let (server, session) = ferry_transport_tcp::handshake_with(
+            addr,
+            &hello,
+            self.inner.identity.keyring.as_ref(),
+            self.inner.peers.connect_timeout,
+        )
+        .await?;
+        // The server answered, so the ranges meet (it refuses otherwise); 1 if it were lax.
+        let version = self
+            .inner
+            .identity
+            .versions
+            .common(server.versions)
+            .unwrap_or(1);
+        check(&server)?;
+        let Pick {
+            transport,
+            offer,
+            reservation,
+        } = route::pick(
+            &self.inner.planes.transports,
+            &server.transports,
+            #[cfg(feature = "uring")]
+            self.inner.planes.uring.as_ref(),
+            addr,
+        )?;
+        let info = PeerInfo {
+            addr,
+            local_id: self.inner.identity.id,
+            local_epoch: self.inner.identity.epoch,
+            remote_id: server.peer_id,
+            remote_epoch: server.epoch,
+            offer,
+            segments: server.segments.clone(),
+            session,
+            key_name: None,
+            version,
+        };
+        let channel = transport.open(info).await?;
+        drop(reservation);
+        Ok((server, version, channel))
+    }
+}
