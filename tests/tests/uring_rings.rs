@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use ferry_core::{Access, MemoryRegion, OpKind, Transport};
-use transport_uring::{UringConfig, UringTransport};
+use ferry_transport_uring::{UringConfig, UringTransport};
 
 /// With SEND_ZC forced, the ring server sends READ payloads zero-copy, every byte arrives, and
 /// every zero-copy send's notification comes (each releases the lease that kept its buffer).
@@ -17,14 +17,14 @@ async fn ring_server_reads_go_out_zero_copy_and_are_all_let_go() {
     if !uring_usable() {
         return;
     }
-    if !transport_uring::probe_kernel().supports("SEND_ZC") {
+    if !ferry_transport_uring::probe_kernel().supports("SEND_ZC") {
         ferry_tests::require_or_skip(ferry_tests::URING, "the kernel lacks io_uring SEND_ZC");
         return;
     }
     let table = Arc::new(Table::default());
     let config = UringConfig {
         event_loop: true,
-        zero_copy: transport_uring::ZeroCopy::Always,
+        zero_copy: ferry_transport_uring::ZeroCopy::Always,
         ..UringConfig::default()
     };
     let server = serve_uring(&table, config, None);

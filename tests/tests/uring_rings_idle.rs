@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::*;
 use ferry_core::wire::{ControlFrame, SUPPORTED_VERSIONS, TransportOffer};
 use ferry_core::{Access, MemoryRegion, OpKind, Transport};
-use transport_uring::{UringConfig, UringTransport};
+use ferry_transport_uring::{UringConfig, UringTransport};
 
 /// This process's threads (`Threads:` of `/proc/self/status`).
 fn threads() -> usize {

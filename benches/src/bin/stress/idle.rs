@@ -87,7 +87,7 @@ fn idle_client(addr: SocketAddr, offer: &TransportOffer) -> Result<TcpStream> {
         transports: vec![offer.clone()],
         segments: vec![],
     };
-    let server = transport_uring::handshake(addr, &hello, Duration::from_secs(30))?;
+    let server = ferry_transport_uring::handshake(addr, &hello, Duration::from_secs(30))?;
     let peer = PeerInfo {
         addr,
         local_id: hello.peer_id,
