@@ -164,21 +164,7 @@ impl Source {
         tensors: &[Tensor],
         chunk_size: Option<u64>,
     ) -> Result<Manifest, BroadcastError> {
-        let newest = self.manifest();
-        if self.from_files {
-            return Err(ManifestError::Invalid(format!(
-                "{:?} is published from files: publish its next version with publish_files",
-                newest.name
-            ))
-            .into());
-        }
-        if version <= newest.version {
-            return Err(ManifestError::Invalid(format!(
-                "version {version} of {:?} is not above the newest published, {}",
-                newest.name, newest.version
-            ))
-            .into());
-        }
+        let newest = self.next_version_of(false, version)?;
         let m = Manifest::from_tensors(
             &newest.name,
             version,
@@ -210,21 +196,7 @@ impl Source {
         files: &[PathBuf],
         chunk_size: Option<u64>,
     ) -> Result<Manifest, BroadcastError> {
-        let newest = self.manifest();
-        if !self.from_files {
-            return Err(ManifestError::Invalid(format!(
-                "{:?} is published from memory: publish its next version with publish",
-                newest.name
-            ))
-            .into());
-        }
-        if version <= newest.version {
-            return Err(ManifestError::Invalid(format!(
-                "version {version} of {:?} is not above the newest published, {}",
-                newest.name, newest.version
-            ))
-            .into());
-        }
+        let newest = self.next_version_of(true, version)?;
         let m = Manifest::build(
             &newest.name,
             version,
@@ -255,6 +227,32 @@ impl Source {
         tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
             kept = ?self.versions(), "source publishing a new version of its files");
         Ok(m)
+    }
+
+    /// The newest manifest, if `version` may follow it from a source of files (`files`) or of
+    /// tensors: the source's kind must match, and the version must be above the newest.
+    fn next_version_of(&self, files: bool, version: u64) -> Result<Manifest, BroadcastError> {
+        let newest = self.manifest();
+        if self.from_files != files {
+            let (kind, call) = if self.from_files {
+                ("files", "publish_files")
+            } else {
+                ("memory", "publish")
+            };
+            return Err(ManifestError::Invalid(format!(
+                "{:?} is published from {kind}: publish its next version with {call}",
+                newest.name
+            ))
+            .into());
+        }
+        if version <= newest.version {
+            return Err(ManifestError::Invalid(format!(
+                "version {version} of {:?} is not above the newest published, {}",
+                newest.name, newest.version
+            ))
+            .into());
+        }
+        Ok(newest)
     }
 
     /// Drops the versions beyond the newest `keep_versions`.
