@@ -17,8 +17,8 @@
 //!
 //! [`StripePlan::parent`] answers "whom does member `m` fetch chunk `c` from": the same answer
 //! for every member computing it from the same list, so no coordinator is needed, as with
-//! the chain ([`plan::holders`](crate::plan::holders)). Not yet driven by [`Receiver`]
-//! (crate::Receiver), which follows the chain; [`sim`](crate::sim) measures both.
+//! the chain ([`plan::holders`](crate::plan::holders)). Not yet driven by
+//! [`Receiver`](crate::Receiver), which follows the chain; [`sim`](crate::sim) measures both.
 
 /// Where a member fetches a stripe from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -93,8 +93,9 @@ pub struct LatencyDescription {
     pub count: u64,
     /// Their summed latency, in nanoseconds.
     pub sum_ns: u64,
-    /// Requests per bucket (not cumulative): one per bound of [`LATENCY_BOUNDS_US`] (at most
-    /// that many microseconds), then one past the last.
+    /// Requests per bucket (not cumulative): one per bound of 10, 25, 50, 100, 250, 500 µs, 1,
+    /// 2.5, 5, 10, 25, 50, 100, 250, 500 ms, 1, 2.5 and 10 s (at most that long), then one
+    /// past the last.
     pub buckets: Vec<u64>,
 }
 
