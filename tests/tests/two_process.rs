@@ -985,10 +985,25 @@ async fn timeout_and_cancel_end_the_request_but_drained_waits() -> Result<()> {
         )?;
         let mut batch = trap_batch(&src, &peer)?;
         if !cancel {
-            batch = batch.timeout(Duration::from_millis(300));
+            // Long enough that the trap chunk is surely posted first (waited for below), so
+            // the deadline ends a request whose WRITE the server holds.
+            batch = batch.timeout(Duration::from_secs(5));
         }
         let h = engine.submit(batch)?;
         wait_prefix(&h, 2).await;
+        // The trap chunk posted and unacknowledged: in the server's hands.
+        for _ in 0..2000 {
+            if h.progress().remote_effect == RemoteEffect::Uncertain {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            h.progress().remote_effect,
+            RemoteEffect::Uncertain,
+            "the trap chunk was never posted: {:?}",
+            h.progress()
+        );
         let drained = tokio::spawn(h.drained());
         if cancel {
             h.cancel();
