@@ -309,6 +309,11 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
     let sysroot = sysroot()?;
     let registry = host_registry();
     let mut mounts = Mounts { root: root.clone() };
+    // The root a mount point of its own, as `/` is on a machine: `ip netns` runs
+    // `mount --make-rslave /`, which fails on a plain directory.
+    let root_arg = root.to_string_lossy().into_owned();
+    mounts.mount(&["--bind", &root_arg], &root)?;
+    run(Command::new("mount").arg("--make-private").arg(&root))?;
     mounts.mount(&["-t", "proc", "proc"], &root.join("proc"))?;
     for (from, to) in [("/sys", "sys"), ("/dev", "dev")] {
         let to = root.join(to);
