@@ -295,6 +295,20 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
         .arg(&base))?;
     copy_checkout(&root.join("work/ferry"))?;
     std::fs::copy("/etc/resolv.conf", root.join("etc/resolv.conf")).ok();
+    // The site's own trust anchors, as the network's other settings (resolv.conf) come from the
+    // host: where an egress proxy signs with a local CA, pip inside could not reach the package
+    // index without it. `.ci/packages`' ca-certificates picks them up.
+    if let Ok(entries) = std::fs::read_dir("/usr/local/share/ca-certificates") {
+        let dest = root.join("usr/local/share/ca-certificates");
+        std::fs::create_dir_all(&dest)?;
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "crt") {
+                std::fs::copy(&p, dest.join(e.file_name()))
+                    .with_context(|| format!("copying {}", p.display()))?;
+            }
+        }
+    }
     // debootstrap writes no /etc/hosts (the installer does, as on every installed machine), and
     // without it `localhost` does not resolve.
     let hosts = root.join("etc/hosts");
