@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::SegmentToken;
@@ -552,7 +552,7 @@ impl TransferEngine {
             gpu_registrations: self.inner.gpu.as_ref().map_or_else(Vec::new, |g| {
                 g.registrations
                     .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .iter()
                     .map(|(_, d)| d.clone())
                     .collect()
