@@ -397,6 +397,7 @@ mod etcd {
             done: false,
             order: 0,
             version: 0,
+            rate: 0,
         }
     }
 
