@@ -393,7 +393,10 @@ mod tests {
         assert_eq!(ids(stripe_holders(&ms, "a", 7, 1, &none, 1, 0.5)), ["s"]);
         // d = 2: groups {a, c, e} and {b, d}; a is the root of stripe 0 and a leaf of stripe
         // 1, hung on d (b, its root, already has d as a child).
-        assert_eq!(ids(stripe_holders(&ms, "a", 7, 1, &none, 2, 0.5)), ["s", "d"]);
+        assert_eq!(
+            ids(stripe_holders(&ms, "a", 7, 1, &none, 2, 0.5)),
+            ["s", "d"]
+        );
         assert_eq!(ids(stripe_holders(&ms, "b", 7, 1, &none, 2, 0.5))[1], "s");
         assert_eq!(ids(stripe_holders(&ms, "c", 7, 1, &none, 2, 0.5))[0], "a");
         // Not listed yet: planned last.
@@ -415,12 +418,20 @@ mod tests {
         let mut h = Have::striped(7, 3);
         // Stripe 1 is chunks 1, 4; stripe 0 is 0, 3, 6.
         assert_eq!(h.next_in_stripe(1, |_| true), Some(1));
-        assert_eq!(h.next_in_stripe(1, |c| c < 4), None, "the holder lacks chunk 4");
+        assert_eq!(
+            h.next_in_stripe(1, |c| c < 4),
+            None,
+            "the holder lacks chunk 4"
+        );
         assert!(h.wants_from(1, |_| true));
         assert_eq!(h.next_in_stripe(1, |_| true), Some(4));
         assert!(!h.wants_from(1, |_| true), "both in flight");
         assert!(h.verified(4));
-        assert_eq!(h.stripe_prefixes(), [0, 0, 0], "chunk 1 is not verified yet");
+        assert_eq!(
+            h.stripe_prefixes(),
+            [0, 0, 0],
+            "chunk 1 is not verified yet"
+        );
         assert!(h.verified(1));
         assert_eq!(h.stripe_prefixes(), [0, 2, 0]);
         assert!(h.stripe_done(1));

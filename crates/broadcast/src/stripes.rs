@@ -313,7 +313,11 @@ mod tests {
         assert_eq!(plan.parent(0, 1), Parent::Member(0));
         assert_eq!(plan.parent(0, 3), Parent::Member(1));
         assert_eq!(plan.parent(0, 4), Parent::Member(3));
-        assert_eq!(plan.parent(0, 2), Parent::Member(4), "the straggler at the end");
+        assert_eq!(
+            plan.parent(0, 2),
+            Parent::Member(4),
+            "the straggler at the end"
+        );
     }
 
     #[test]

@@ -159,7 +159,7 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
 /// which takes stripe 0 from the third, never sees a corrupt chunk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn striped_receivers_catch_a_corrupting_relay_in_its_stripe_and_its_grandchild_never_sees_it()
- {
+{
     let (sums, first_id) = three_with_a_corrupting_first(2, 2).await;
     let total: u64 = (3 << 20) + (1 << 20) + 4097;
     assert_eq!(sums[0].at_rest_mismatches, 1, "{:?}", sums[0]);
@@ -175,7 +175,10 @@ async fn striped_receivers_catch_a_corrupting_relay_in_its_stripe_and_its_grandc
         assert!(s.bytes_from_relays > 0, "{s:?}");
     }
     let egress: u64 = sums.iter().map(|s| s.bytes_from_source).sum();
-    assert!(egress <= total + (3 << 20), "the source sent {egress} for {total}");
+    assert!(
+        egress <= total + (3 << 20),
+        "the source sent {egress} for {total}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
