@@ -494,9 +494,10 @@ mod etcd {
             let ms = d.members().await?;
             // Join order: the child registered first.
             assert_eq!(ms[0].id, "doomed");
-            let plan = ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default());
+            let plan =
+                ferry_broadcast::plan::stripe_holders(&ms, "me", 9, 0, &Default::default(), 1, 0.5);
             assert_eq!(plan.len(), 1);
-            assert_eq!(plan[0].id, "doomed");
+            assert_eq!(plan[0].map(|m| m.id.as_str()), Some("doomed"));
             let _ = child.kill();
             let _ = child.wait();
             let t0 = Instant::now();
@@ -508,7 +509,9 @@ mod etcd {
             let ms = d.members().await?;
             assert_eq!(ms.len(), 1, "{ms:?}");
             assert!(
-                ferry_broadcast::plan::holders(&ms, "me", 9, 0, &Default::default()).is_empty()
+                ferry_broadcast::plan::stripe_holders(&ms, "me", 9, 0, &Default::default(), 1, 0.5)
+                    .iter()
+                    .all(Option::is_none)
             );
             eprintln!("lease expired after {:?}", t0.elapsed());
             d.deregister("me").await?;

@@ -1,22 +1,18 @@
 //! The plan every member derives from the membership list, and a receiver's bookkeeping of
 //! what it holds: no I/O, unit-tested.
 //!
-//! **The plan: a chain in join order.** Members are ordered by when they joined (the source
-//! first). Each receiver fetches from the nearest member before it that it has not given up on
-//! (its *parent*), and only chunks its parent has verified (the parent's verified prefix), with
-//! several chunks in flight. So the source sends each byte once, to the first receiver, every
-//! link carries the payload once in each direction, and each member serves at most one child
-//! in the steady state (degree 1). A receiver that gives up on its parent (dead, stalled, or
-//! of another epoch) moves to the next member before it, the source last; one that joins late
-//! takes the last member as its parent and catches up from it. Every member derives the same
-//! plan from the same list, so no coordinator is needed, and with etcd the list is etcd's.
-//!
-//! **The striped plan** ([`stripe_holders`]): what receivers follow. The chunks are dealt
-//! into `d` stripes, each carried down its own tree of bounded depth
-//! ([`StripePlan::in_join_order`]), so every member uploads about what it downloads and a
-//! straggler (by the rates the members list) is a leaf of every tree; with `d = 1` it is the
-//! chain above with stragglers moved to its end. A member fetches each stripe from its parent
-//! in that stripe's tree, and falls back on [`holders`]' order when it gives that parent up.
+//! **The plan: striped trees in join order** ([`stripe_holders`]). Members are ordered by
+//! when they joined. The chunks are dealt into `d` stripes, each carried down its own tree of
+//! bounded depth ([`StripePlan::in_join_order`]), so the source sends each byte once, every
+//! member uploads about what it downloads, and a straggler (by the rates the members list) is a
+//! leaf of every tree; with `d = 1` it is a chain in join order with stragglers at its end.
+//! A member fetches each stripe from its parent in that stripe's tree, and only chunks its
+//! parent has verified (the parent's verified prefix of that stripe), with several chunks in
+//! flight. A member it gives up on (dead, stalled, corrupting, of another epoch) keeps its place
+//! but moves to the edge of its plan, so only that member's children move; one that joins late
+//! is dealt into a group like the others and catches up from whoever holds its stripes. Every
+//! member derives the same plan from the same list, so no coordinator is needed, and with etcd
+//! the list is etcd's.
 
 use std::collections::HashSet;
 
@@ -66,43 +62,6 @@ pub struct Member {
     /// plan finds stragglers by ([`stripe_holders`]).
     #[serde(default)]
     pub rate: u64,
-}
-
-/// The members `me` may fetch `version` from, in the order to try them: the receivers of that
-/// version that joined before it (nearest first), then the source; never `me`, nor anyone in
-/// `avoid`, nor a member of another source epoch, nor a receiver of another version, nor one
-/// that serves nothing (no data address: its engine does not listen). A member
-/// `me` does not find in `members` (not yet listed) is taken to be the last to join.
-pub fn holders<'a>(
-    members: &'a [Member],
-    me: &str,
-    source_epoch: u64,
-    version: u64,
-    avoid: &HashSet<String>,
-) -> Vec<&'a Member> {
-    let my_order = members
-        .iter()
-        .find(|m| m.id == me)
-        .map_or(u64::MAX, |m| m.order);
-    let mut before: Vec<&Member> = members
-        .iter()
-        .filter(|m| {
-            m.id != me
-                && m.role == Role::Receiver
-                && m.order < my_order
-                && m.source_epoch == source_epoch
-                && m.version == version
-                && !m.data_addr.is_empty()
-                && !avoid.contains(&m.id)
-        })
-        .collect();
-    before.sort_by_key(|m| std::cmp::Reverse(m.order));
-    before.extend(
-        members
-            .iter()
-            .filter(|m| m.role == Role::Source && m.source_epoch == source_epoch),
-    );
-    before
 }
 
 /// Whom `me` fetches each of `d` stripes from (`None`: no holder listed): the receivers of
@@ -347,7 +306,7 @@ mod tests {
     }
 
     #[test]
-    fn a_chain_in_join_order_with_the_source_last() {
+    fn one_stripe_is_a_chain_in_join_order_with_the_source_first() {
         let ms = vec![
             m("s", 0, Role::Source, 7),
             m("a", 1, Role::Receiver, 7),
@@ -356,24 +315,26 @@ mod tests {
             m("x", 4, Role::Receiver, 8), // another source epoch
         ];
         let none = HashSet::new();
-        let ids = |v: Vec<&Member>| v.into_iter().map(|m| m.id.clone()).collect::<Vec<_>>();
-        assert_eq!(ids(holders(&ms, "a", 7, 1, &none)), ["s"]);
-        assert_eq!(ids(holders(&ms, "c", 7, 1, &none)), ["b", "a", "s"]);
+        let one = |ms: &[Member], me: &str, epoch: u64, version: u64, avoid: &HashSet<String>| {
+            stripe_holders(ms, me, epoch, version, avoid, 1, 0.5)[0].map(|m| m.id.clone())
+        };
+        assert_eq!(one(&ms, "a", 7, 1, &none).as_deref(), Some("s"));
+        assert_eq!(one(&ms, "c", 7, 1, &none).as_deref(), Some("b"));
         let avoid: HashSet<String> = ["b".to_string()].into();
-        assert_eq!(ids(holders(&ms, "c", 7, 1, &avoid)), ["a", "s"]);
+        assert_eq!(one(&ms, "c", 7, 1, &avoid).as_deref(), Some("a"));
         // Not listed yet: behind everyone.
-        assert_eq!(ids(holders(&ms, "late", 7, 1, &none)), ["c", "b", "a", "s"]);
-        // A source of another epoch is no holder.
-        assert_eq!(ids(holders(&ms, "y", 9, 1, &none)), Vec::<String>::new());
+        assert_eq!(one(&ms, "late", 7, 1, &none).as_deref(), Some("c"));
+        // A source of another epoch is no holder, nor its receivers.
+        assert_eq!(one(&ms, "y", 9, 1, &none), None);
         // A receiver pulling version 2 takes no receiver still holding version 1: the source
         // (which keeps both) only.
         let mut ms = ms;
         ms[3].version = 2;
-        assert_eq!(ids(holders(&ms, "late2", 7, 2, &none)), ["c", "s"]);
-        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["b", "a", "s"]);
+        assert_eq!(one(&ms, "late2", 7, 2, &none).as_deref(), Some("c"));
+        assert_eq!(one(&ms, "late1", 7, 1, &none).as_deref(), Some("b"));
         // A receiver whose engine does not listen serves nothing.
         ms[2].data_addr.clear();
-        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["a", "s"]);
+        assert_eq!(one(&ms, "late1", 7, 1, &none).as_deref(), Some("a"));
     }
 
     #[test]

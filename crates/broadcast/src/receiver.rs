@@ -482,6 +482,13 @@ async fn manifest_from_source(
 /// How often [`Receiver::linger`] rereads the member list at most.
 const LINGER_CHECK: Duration = Duration::from_millis(100);
 
+/// For this long after a pull starts, the member list is reread (and the plan made again)
+/// every [`EARLY_RELIST`], not only every heartbeat: the members of a fleet join within
+/// moments of each other, and until a member lists the others it takes the stripes whose
+/// groups it does not know yet from the source itself.
+const EARLY: Duration = Duration::from_secs(2);
+const EARLY_RELIST: Duration = Duration::from_millis(50);
+
 /// Registration names of scratch buffers are unique within the process.
 static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -1298,6 +1305,8 @@ impl Receiver {
         let mut set: JoinSet<Fetched> = JoinSet::new();
         let mut tick = tokio::time::interval(self.opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut relist = tokio::time::interval(EARLY_RELIST.min(self.opts.heartbeat));
+        relist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut paused_until: Option<Instant> = None;
         let mut held: Option<Arc<tokio::sync::Notify>> = None;
         let mut final_check_done = false;
@@ -1490,6 +1499,14 @@ impl Receiver {
                         }
                     }
                     self.publish(&have, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                }
+                _ = relist.tick(), if started.elapsed() < EARLY && self.opts.relay => {
+                    if let Ok(m) = self.discovery.members().await
+                        && m.len() != members.len()
+                    {
+                        members = m;
+                        replan = true;
+                    }
                 }
                 Some(msg) = poll_rx.recv() => match msg {
                     PollMsg::Progress { id, source_epoch, prefix, done, version, count, stripes } => {

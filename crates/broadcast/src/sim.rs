@@ -1,6 +1,6 @@
 //! A discrete-event simulation of a broadcast over links, with no sockets and no clock: the
-//! chain ([`plan::holders`](crate::plan::holders), in join order) or the striped trees
-//! ([`StripePlan`]) on members whose links each have an upload and a download rate and a
+//! chain (each member fetching everything from the one that joined before it) or the striped
+//! trees the receivers follow ([`StripePlan::in_join_order`]) on members whose links each have an upload and a download rate and a
 //! latency, so that a fleet of 256 runs in well under a second.
 //!
 //! The model. Each parent-child pair of the plan is a pipe: the parent's upload rate shared
@@ -253,6 +253,27 @@ mod tests {
             );
             assert_eq!(o.source_egress, payload);
         }
+    }
+
+    #[test]
+    fn costs_add_the_start_each_chunks_advertisement_and_the_headers() {
+        let src = uniform(1)[0];
+        let payload = 64u64 << 20;
+        let costs = Costs {
+            goodput: 0.9,
+            per_chunk: 0.004,
+            start: 0.25,
+        };
+        let o = simulate_with(src, &uniform(1), payload, 1 << 20, Topology::Chain, costs);
+        // The pipe starts at `start` (after the READ's two latencies), carries the payload at
+        // `goodput` of the rate, and the last chunk counts one latency and its advertisement
+        // later.
+        let want = 0.25 + payload as f64 / (25.0 * MB * 0.9) + 1e-4 + 0.004;
+        assert!((o.done[0] - want).abs() < 1e-6, "{} vs {want}", o.done[0]);
+        // Per hop, a chain pays a chunk and its advertisement again.
+        let o = simulate_with(src, &uniform(2), payload, 1 << 20, Topology::Chain, costs);
+        let hop = (1u64 << 20) as f64 / (25.0 * MB * 0.9) + 3e-4 + 0.004;
+        assert!((o.done[1] - o.done[0] - hop).abs() < 1e-3, "{:?}", o.done);
     }
 
     #[test]

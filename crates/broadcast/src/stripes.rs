@@ -16,8 +16,8 @@
 //!   a `1/d` share each: one payload.
 //!
 //! [`StripePlan::parent`] answers "whom does member `m` fetch chunk `c` from": the same answer
-//! for every member computing it from the same list, so no coordinator is needed, as with
-//! the chain ([`plan::holders`](crate::plan::holders)). [`Receiver`](crate::Receiver) follows
+//! for every member computing it from the same list, so no coordinator is needed.
+//! [`Receiver`](crate::Receiver) follows
 //! [`StripePlan::in_join_order`] (through [`plan::stripe_holders`](crate::plan::stripe_holders));
 //! [`sim`](crate::sim) compares the plan with the chain.
 
