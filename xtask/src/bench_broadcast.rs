@@ -330,7 +330,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     }
     let bin = bin_arg.unwrap_or_else(|| crate::util::release_bin("ferry"));
-    let work: PathBuf = std::env::temp_dir().join("ferry-bench-broadcast");
+    // Per process: two benches at once (two worktrees) must not write, or remove, each
+    // other's files.
+    let work: PathBuf =
+        std::env::temp_dir().join(format!("ferry-bench-broadcast.{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let file = work.join("payload.bin");
     payload(&file, len)?;
