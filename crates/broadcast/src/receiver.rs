@@ -27,9 +27,6 @@
 //!   the source (or, if the source served it, the source once more, three times at most); the
 //!   relay that served it is reported ([`Summary::corrupt_holders`], a warning) and given up
 //!   for the rest of the pull;
-//! - each stripe is fetched from its parent in the plan; when the parent has no more of it for
-//!   now, from another relay this receiver fetches from that advertises more of it (never the
-//!   source, which sends each stripe once);
 //! - a parent that fails a READ, stops answering, or whose prefix does not advance for
 //!   `stall_after` while this receiver waits on it is given up: its data path is closed (its
 //!   chunks in flight fail at once, so none lands later) and the next holder in the plan is
@@ -157,7 +154,7 @@ impl Default for ReceiverOptions {
 }
 
 /// [`ReceiverOptions::stripes`] unless set.
-pub const DEFAULT_STRIPES: usize = 4;
+pub const DEFAULT_STRIPES: usize = 2;
 
 /// What a finished pull did.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -1371,28 +1368,10 @@ impl Receiver {
                 while set.len() < self.opts.window.max(1) && idle < d {
                     let s = rr % d;
                     rr = rr.wrapping_add(1);
-                    let parent = assigned[s].as_ref().and_then(|id| holders.get(id));
-                    let mut next = None;
-                    if let Some(h) = parent {
-                        next = have.next_in_stripe(s, |c| h.holds(c)).map(|i| (h, i));
-                    }
-                    if next.is_none() {
-                        // The parent has nothing more of this stripe for now: another relay
-                        // this member fetches from that holds more of it (its uplink idle in
-                        // this stripe, where it is a leaf). Never the source, whose egress
-                        // stays one payload.
-                        for h in holders.values() {
-                            if h.member.role == Role::Source
-                                || parent.is_some_and(|p| p.member.id == h.member.id)
-                            {
-                                continue;
-                            }
-                            if let Some(i) = have.next_in_stripe(s, |c| h.holds(c)) {
-                                next = Some((h, i));
-                                break;
-                            }
-                        }
-                    }
+                    let next = assigned[s]
+                        .as_ref()
+                        .and_then(|id| holders.get(id))
+                        .and_then(|h| have.next_in_stripe(s, |c| h.holds(c)).map(|i| (h, i)));
                     match next {
                         Some((h, i)) => {
                             idle = 0;
