@@ -25,7 +25,7 @@ fn main() {
             .unwrap_or(default)
     };
     let calibrated = Costs {
-        goodput: arg(1, 0.80),
+        goodput: arg(1, 0.83),
         per_chunk: arg(2, 0.003),
         start: arg(3, 0.1),
     };
