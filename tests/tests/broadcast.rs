@@ -78,8 +78,9 @@ fn child_broadcast() -> Result<()> {
             stall_after: Duration::from_secs(2),
             heartbeat: Duration::from_millis(200),
             corrupt_after_verify: env("FERRY_BC_CORRUPT").and_then(|c| c.parse().ok()),
-            // The plans these tests reason about are fixed by join order: no receiver is taken
-            // for a straggler because a loaded machine slowed it.
+            // The plans these tests reason about: four stripes, fixed by join order (no
+            // receiver is taken for a straggler because a loaded machine slowed it).
+            stripes: 4,
             straggler: 0.0,
             ..Default::default()
         };
