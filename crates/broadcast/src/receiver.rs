@@ -241,7 +241,7 @@ pub struct Snapshot {
     pub refetched: u64,
     /// Members listed.
     pub peers: usize,
-    /// The current parent's data address.
+    /// The data addresses of the stripes' current parents, each once, comma-separated.
     pub parent: String,
     /// Whether every chunk is verified.
     pub done: bool,
