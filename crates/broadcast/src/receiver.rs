@@ -786,6 +786,10 @@ impl Receiver {
     /// Staged mode: copies every tensor from its staging slice into its live one, after a
     /// [`run`](Self::run) that verified every chunk; returns the bytes copied. Until it is
     /// called the live tensors are untouched. Refused before the pull completed, and in place.
+    /// The chunks are not verified again (the pull verified each as it landed and, with
+    /// [`ReceiverOptions::verify_at_rest`], once more at rest); host to host each byte is
+    /// copied once, directly, in pieces spread over up to four threads. A copy that fails
+    /// part way (a GPU copy the driver refused) leaves the live tensors partly written.
     pub fn commit(&self) -> Result<u64, BroadcastError> {
         let refuse = |reason: &str| BroadcastError::Commit {
             name: self.manifest.name.clone(),
@@ -798,14 +802,11 @@ impl Receiver {
         if !self.pulled {
             return Err(refuse("the pull has not completed"));
         }
-        let mut bytes = 0;
-        for (tensor, staging, live) in staged {
-            let cpu = live
-                .copy_from(staging)
-                .map_err(|e| refuse(&format!("copying tensor {tensor:?}: {e}")))?;
-            self.copied.fetch_add(cpu, Ordering::Relaxed);
-            bytes += live.len();
-        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+        let cpu = layout::copy_all(staged, threads, layout::COPY_PIECE)
+            .map_err(|e| refuse(&format!("copying tensor {e}")))?;
+        self.copied.fetch_add(cpu, Ordering::Relaxed);
+        let bytes: u64 = staged.iter().map(|(_, _, live)| live.len()).sum();
         tracing::info!(name = %self.manifest.name, version = self.manifest.version, bytes, "staged version committed");
         Ok(bytes)
     }
