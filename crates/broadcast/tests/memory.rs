@@ -384,7 +384,7 @@ async fn staged_versions_commit_when_asked_and_a_failed_one_leaves_the_live_tens
     r.leave().await;
     // Without the check at rest a staged pull and its commit copy each byte twice: hashed
     // once as it lands, copied once into the live tensor.
-    for (_, reg) in &l.regs {
+    for reg in l.regs.values() {
         reg.region()
             .write_at(0, &vec![0; reg.len() as usize])
             .unwrap();
