@@ -16,6 +16,12 @@
 //! at most 1.1x, and with a receiver killed every other one completes with efficiency at least
 //! 0.6. A benchmark: it reports, it asserts nothing about time.
 //!
+//! With `--memory` it is memory to memory, as a trainer's weights reach inference engines: the
+//! source reads the payload into host memory and serves it from there (`ferry publish
+//! --from-memory`) and the receivers keep it in memory (`ferry pull --in-memory`, no file
+//! written); "verified" then counts the receivers whose summary has every byte, each chunk
+//! checked against the manifest's BLAKE3.
+//!
 //! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
 //! `--straggler TC_RATE` (also a relayed run with the middle receiver's link at that rate),
 //! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
@@ -153,6 +159,14 @@ fn print_timeline(summaries: &[(usize, String)]) {
     }
 }
 
+/// How every run of one benchmark publishes and pulls.
+struct How {
+    /// The manifest's chunk size (`--chunk-size`).
+    chunk: String,
+    /// Memory to memory (`publish --from-memory`, `pull --in-memory`) instead of files.
+    memory: bool,
+}
+
 /// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when.
 fn run_once(
     fleet: &Fleet,
@@ -161,27 +175,26 @@ fn run_once(
     work: &Path,
     relay: bool,
     kill: Option<(usize, Duration)>,
-    chunk: &str,
+    how: &How,
 ) -> Result<Outcome> {
     let listen = format!("{}:7500", fleet.addr(0));
     let file_s = file.display().to_string();
-    let mut source = spawn(
-        fleet,
-        0,
-        bin,
-        &[
-            "publish",
-            &file_s,
-            "--name",
-            "bench",
-            "--listen",
-            &listen,
-            "--transport",
-            "tcp",
-            "--chunk-size",
-            chunk,
-        ],
-    )?;
+    let mut publish = vec![
+        "publish",
+        &file_s,
+        "--name",
+        "bench",
+        "--listen",
+        &listen,
+        "--transport",
+        "tcp",
+        "--chunk-size",
+        &how.chunk,
+    ];
+    if how.memory {
+        publish.push("--from-memory");
+    }
+    let mut source = spawn(fleet, 0, bin, &publish)?;
     // Wait for the source's first line (it listens then).
     let mut lines = BufReader::new(source.stdout.take().context("source stdout")?).lines();
     lines.next().context("the source printed nothing")??;
@@ -196,15 +209,12 @@ fn run_once(
         let dir = work.join(format!("out-{i}"));
         let _ = std::fs::remove_dir_all(&dir);
         let dir_s = dir.display().to_string();
-        let mut args = vec![
-            "pull",
-            &listen,
-            "--into",
-            &dir_s,
-            "--json",
-            "--transport",
-            "tcp",
-        ];
+        let mut args = vec!["pull", &listen, "--json", "--transport", "tcp"];
+        if how.memory {
+            args.push("--in-memory");
+        } else {
+            args.extend(["--into", &dir_s]);
+        }
         args.extend(["--linger", "30"]);
         if !relay {
             args.push("--no-relay");
@@ -261,8 +271,13 @@ fn run_once(
     for (i, (line, _)) in &done {
         refetched += json_num(line, "refetched_chunks", 0).unwrap_or(0.0);
         from_relays += json_num(line, "bytes_from_relays", 0).unwrap_or(0.0);
-        let got = std::fs::read(work.join(format!("out-{i}")).join(name)).unwrap_or_default();
-        if got == want {
+        let whole = if how.memory {
+            // Nothing written: the receiver verified each chunk against the manifest's BLAKE3.
+            json_num(line, "bytes", 0) == Some(want.len() as f64)
+        } else {
+            std::fs::read(work.join(format!("out-{i}")).join(name)).unwrap_or_default() == want
+        };
+        if whole {
             verified += 1;
         }
     }
@@ -292,6 +307,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut baseline = true;
     let mut build = true;
     let mut chunk = "1MiB".to_string();
+    let mut memory = false;
     let mut straggler: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -303,6 +319,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--no-build" => build = false,
             "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
             "--straggler" => straggler = Some(it.next().context("--straggler RATE")?.clone()),
+            "--memory" => memory = true,
             other => bail!("bench broadcast: unknown option {other:?}"),
         }
     }
@@ -321,10 +338,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         .context("making the namespaces (root, ip and tc needed)")?;
     let ideal = len as f64 / rate_bytes(&rate)?;
     println!(
-        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, links {rate} \
-         each way (TBF), ideal {ideal:.2} s",
-        len >> 20
+        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, {}, links \
+         {rate} each way (TBF), ideal {ideal:.2} s",
+        len >> 20,
+        if memory {
+            "memory to memory"
+        } else {
+            "file to file"
+        }
     );
+    let how = How { chunk, memory };
     let report = |what: &str, o: &Outcome| {
         println!(
             "{what:<28} {:>7.2} s  efficiency {:.2} (verified in memory: {:.2} s, {:.2})  \
@@ -342,11 +365,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             o.from_relays / (1u64 << 20) as f64
         );
     };
-    let relayed = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
+    let relayed = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
     report("relayed", &relayed);
     print_timeline(&relayed.summaries);
     if baseline {
-        let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
+        let direct = run_once(&fleet, &bin, &file, &work, false, None, &how)?;
         report("relaying off", &direct);
     }
     if let Some(slow) = &straggler
@@ -355,7 +378,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // The middle receiver's link slowed; the others' time is what the plan should protect.
         let host = n.div_ceil(2);
         fleet.reshape(host, slow)?;
-        let o = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
+        let o = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
         fleet.reshape(host, &rate)?;
         report(&format!("relayed, receiver {host} at {slow}"), &o);
         let start = o
@@ -387,7 +410,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             &work,
             true,
             Some((victim, Duration::from_secs_f64(ideal / 2.0))),
-            &chunk,
+            &how,
         )?;
         report(&format!("relayed, receiver {victim} killed"), &killed);
     }
