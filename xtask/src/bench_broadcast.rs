@@ -20,7 +20,9 @@
 //! source reads the payload into host memory and serves it from there (`ferry publish
 //! --from-memory`) and the receivers keep it in memory (`ferry pull --in-memory`, no file
 //! written); "verified" then counts the receivers whose summary has every byte, each chunk
-//! checked against the manifest's BLAKE3.
+//! checked against the manifest's BLAKE3. The relayed run is then `--rounds R` (3) rounds, each
+//! a file-to-file run and a memory-to-memory one, and reports the ratio of their efficiencies
+//! (at the time the last receiver had verified every chunk in memory) per round and its median.
 //!
 //! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
 //! `--straggler TC_RATE` (also a relayed run with the middle receiver's link at that rate),
@@ -48,6 +50,14 @@ fn spawn(fleet: &Fleet, i: usize, bin: &Path, args: &[&str]) -> Result<Child> {
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting {} in host {i}", bin.display()))
+}
+
+/// The 1-minute load average (`/proc/loadavg`), for the report; `?` where unreadable.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
 }
 
 /// A tc rate (`200mbit`, `50mbps`, `1gbit`) in bytes per second.
@@ -308,6 +318,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut build = true;
     let mut chunk = "1MiB".to_string();
     let mut memory = false;
+    let mut rounds = 3usize;
     let mut straggler: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -320,11 +331,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
             "--straggler" => straggler = Some(it.next().context("--straggler RATE")?.clone()),
             "--memory" => memory = true,
+            "--rounds" => rounds = it.next().context("--rounds R")?.parse()?,
             other => bail!("bench broadcast: unknown option {other:?}"),
         }
     }
     if n == 0 {
         bail!("--receivers must be at least 1");
+    }
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
     }
     if build {
         run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
@@ -365,9 +380,46 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             o.from_relays / (1u64 << 20) as f64
         );
     };
-    let relayed = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
-    report("relayed", &relayed);
-    print_timeline(&relayed.summaries);
+    if memory {
+        // The reference: file to file, relayed, in rounds alternating with memory to memory.
+        let files = How {
+            chunk: how.chunk.clone(),
+            memory: false,
+        };
+        let mut ratios = Vec::new();
+        for round in 1..=rounds {
+            let f = run_once(&fleet, &bin, &file, &work, true, None, &files)?;
+            report(&format!("round {round}: file to file"), &f);
+            let m = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
+            report(&format!("round {round}: memory to memory"), &m);
+            // Both at the time every chunk was verified in memory (a file receiver's writing
+            // comes after, on this one machine's disk).
+            let (ef, em) = (
+                ideal / f.verified_seconds.max(1e-9),
+                ideal / m.verified_seconds.max(1e-9),
+            );
+            println!(
+                "  round {round}: efficiency memory {em:.2}, files {ef:.2}; memory/files {:.2} (load {})",
+                em / ef,
+                loadavg()
+            );
+            ratios.push(em / ef);
+            if round == rounds {
+                print_timeline(&m.summaries);
+            }
+        }
+        ratios.sort_by(f64::total_cmp);
+        println!(
+            "memory/files efficiency over {rounds} alternating rounds: median {:.2}, range {:.2}-{:.2}",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    } else {
+        let relayed = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
+        report("relayed", &relayed);
+        print_timeline(&relayed.summaries);
+    }
     if baseline {
         let direct = run_once(&fleet, &bin, &file, &work, false, None, &how)?;
         report("relaying off", &direct);
