@@ -495,6 +495,7 @@ def _publish(
     chunk_size: int | None,
     listen: str,
     keep_versions: int,
+    discovery: str | None = None,
 ) -> _Publisher: ...
 def _join(
     engine: Engine,

@@ -195,7 +195,8 @@ class _Placed:
 class Publisher:
     """Publishes ``tensors`` (name to array, GPU array or registration) of ``engine`` (which
     must listen) as version ``version`` of the broadcast ``name``. ``addr`` is what receivers
-    are given. Host arrays are served where they lie: leave them unchanged while their version
+    are given; with ``discovery="etcd://HOST:PORT"`` the publisher also lists itself in that
+    etcd, and receivers may be given ``etcd://HOST:PORT/NAME`` instead (``etcd_source``). Host arrays are served where they lie: leave them unchanged while their version
     is served, and publish the next version from other arrays. A context manager."""
 
     def __init__(
@@ -210,21 +211,19 @@ class Publisher:
         listen: str | None = None,
         keep_versions: int = 2,
     ):
-        if discovery is not None:
-            raise FerryError(
-                "discovery other than the publisher's own tracker (etcd) is not built into the "
-                "Python package; receivers are given Publisher.addr"
-            )
         if listen is None:
             ip = (engine.listen_addr or "127.0.0.1:0").rsplit(":", 1)[0]
             listen = f"{ip}:0"
         self.name = name
+        self._discovery = discovery
         self._engine = engine
         self._keep = max(1, keep_versions)
         self._placed: dict[int, _Placed] = {}
         placed = _Placed(engine, tensors, _unique(f"ferry.bcast.{name}.v{version}"), writable=False)
         try:
-            self._native = _publish(engine, name, version, placed.list, chunk_size, listen, self._keep)
+            self._native = _publish(
+                engine, name, version, placed.list, chunk_size, listen, self._keep, discovery
+            )
         except BaseException:
             placed.close()
             raise
@@ -235,6 +234,15 @@ class Publisher:
     def addr(self) -> str:
         """The address receivers are given (``pull(engine, pub.addr, ...)``)."""
         return self._native.addr
+
+    @property
+    def etcd_source(self) -> str | None:
+        """With etcd discovery, the source receivers may pull from instead of ``addr``:
+        ``etcd://HOST:PORT/NAME``; else None."""
+        if self._discovery is None:
+            return None
+        host = self._discovery.removeprefix("etcd://").split("/", 1)[0]
+        return f"etcd://{host}/{self.name}"
 
     @property
     def versions(self) -> list[int]:
@@ -347,7 +355,8 @@ def pull(
     linger: float = 30.0,
 ) -> PullSummary:
     """Pulls version ``version`` (None: the newest) of the broadcast at ``source`` (a
-    ``Publisher.addr``) into ``into`` (name to array, GPU array or registration of ``engine``,
+    ``Publisher.addr``, or ``etcd://HOST:PORT/NAME`` where a publisher with etcd discovery is
+    listed; the other receivers are found there too) into ``into`` (name to array, GPU array or registration of ``engine``,
     which must listen to relay). ``mode="in_place"`` writes the live tensors;
     ``mode="staged"`` writes ``staging`` (same names and sizes) and ``commit()`` on the summary
     copies it into ``into``. ``rename`` maps published names to the names in ``into``;
@@ -358,8 +367,6 @@ def pull(
     the hashing. With ``relay`` the pull keeps serving
     later receivers for up to ``linger`` seconds after it completes. ``progress(bytes, total)``
     is called as chunks are verified. Blocks with the GIL released."""
-    if source.startswith("etcd://"):
-        raise FerryError("etcd discovery is not built into the Python package; pass Publisher.addr")
     if mode not in ("in_place", "staged"):
         raise ValueError(f'mode must be "in_place" or "staged", not {mode!r}')
     if (mode == "staged") != (staging is not None):
