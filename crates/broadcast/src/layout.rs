@@ -239,14 +239,14 @@ impl Slice {
 const PIECE: u64 = 1 << 20;
 
 /// Bytes one thread copies at a time in [`copy_all`] (a commit's piece).
-pub(crate) const COPY_PIECE: u64 = 8 << 20;
+pub const COPY_PIECE: u64 = 8 << 20;
 
 /// Copies each `(name, src, dst)` pair's `src` into its `dst` (of the same length), cut into
 /// pieces of `piece` bytes that up to `threads` threads take in turn, so that a large copy
 /// uses more than one core's share of memory bandwidth. Returns the bytes the CPU copied (as
 /// [`Slice::copy_from`] counts them), or the first failure, naming the pair; after a failure
 /// no thread starts another piece.
-pub(crate) fn copy_all(
+pub fn copy_all(
     pairs: &[(String, Slice, Slice)],
     threads: usize,
     piece: u64,
