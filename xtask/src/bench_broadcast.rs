@@ -345,7 +345,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     }
     let bin = crate::util::release_bin("ferry");
-    let work: PathBuf = std::env::temp_dir().join("ferry-bench-broadcast");
+    // One directory per run: two benches at once (two worktrees) must not share payload or outputs.
+    let work: PathBuf =
+        std::env::temp_dir().join(format!("ferry-bench-broadcast-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let file = work.join("payload.bin");
     payload(&file, len)?;
