@@ -1,8 +1,10 @@
 //! A staged commit's copy of 64 MiB of host tensors into the live ones, in alternating rounds:
 //! the reference is the copy a commit made before (out to a 1 MiB bounce buffer and in again,
-//! `read_at`/`write_at`), against `layout::copy_all` (one direct copy per byte) on one thread,
-//! and on as many as a commit uses here (up to four). Prints each round and the median of
-//! each ratio (new time / reference time; below 1 is faster).
+//! `read_at`/`write_at`), against `layout::copy_all` (one direct copy per byte) on one thread
+//! in a commit's 8 MiB pieces, on one thread a whole tensor at a time (one `memmove` each,
+//! which glibc may do with non-temporal stores above its threshold), and on several threads
+//! (half the CPUs, two to four). Prints each round and the median of each ratio (new time /
+//! reference time; below 1 is faster).
 //!
 //!     cargo bench -p ferry-broadcast --bench commit [-- ROUNDS]
 #![allow(missing_docs)]
@@ -69,7 +71,8 @@ fn main() {
             )
         })
         .collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    // As many as a commit would use, but at least two, so that the column compares threads.
+    let threads = std::thread::available_parallelism().map_or(2, |n| (n.get() / 2).clamp(2, 4));
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "commit of {} MiB ({} tensors), {rounds} alternating rounds; {threads} threads here; load {}",
@@ -84,23 +87,30 @@ fn main() {
     };
     // Warm both regions (page faults are not the commit's).
     bounce(src.region(), dst.region());
-    let (mut one, mut many) = (Vec::new(), Vec::new());
-    println!("round  bounce ms  direct 1 thread ms  direct {threads} threads ms");
+    let (mut one, mut whole, mut many) = (Vec::new(), Vec::new(), Vec::new());
+    println!(
+        "round  bounce ms  direct 1 thread ms  1 thread, whole tensors ms  direct {threads} threads ms"
+    );
     for r in 0..rounds {
         let b = time(&|| bounce(src.region(), dst.region()));
         let d1 = time(&|| {
             copy_all(&pairs, 1, COPY_PIECE).unwrap();
         });
+        let dw = time(&|| {
+            copy_all(&pairs, 1, LEN as u64).unwrap();
+        });
         let dn = time(&|| {
             copy_all(&pairs, threads, COPY_PIECE).unwrap();
         });
         println!(
-            "{r:>5}  {:>9.2}  {:>18.2}  {:>19.2}",
+            "{r:>5}  {:>9.2}  {:>18.2}  {:>26.2}  {:>19.2}",
             b * 1e3,
             d1 * 1e3,
+            dw * 1e3,
             dn * 1e3
         );
         one.push(d1 / b);
+        whole.push(dw / b);
         many.push(dn / b);
     }
     let mut check = vec![0u8; LEN];
@@ -109,8 +119,9 @@ fn main() {
     src.region().read_at(0, &mut want).unwrap();
     assert!(check == want, "the copies moved the bytes");
     println!(
-        "median time / bounce: direct, 1 thread {:.2}; direct, {threads} threads {:.2}",
+        "median time / bounce: direct, 1 thread {:.2}; whole tensors {:.2}; direct, {threads} threads {:.2}",
         median(&mut one),
+        median(&mut whole),
         median(&mut many)
     );
 }

@@ -788,7 +788,7 @@ impl Receiver {
     /// called the live tensors are untouched. Refused before the pull completed, and in place.
     /// The chunks are not verified again (the pull verified each as it landed and, with
     /// [`ReceiverOptions::verify_at_rest`], once more at rest); host to host each byte is
-    /// copied once, directly, in pieces spread over up to four threads. A copy that fails
+    /// copied once, directly, in pieces spread over half the CPUs (one to four threads). A copy that fails
     /// part way (a GPU copy the driver refused) leaves the live tensors partly written.
     pub fn commit(&self) -> Result<u64, BroadcastError> {
         let refuse = |reason: &str| BroadcastError::Commit {
@@ -802,7 +802,8 @@ impl Receiver {
         if !self.pulled {
             return Err(refuse("the pull has not completed"));
         }
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+        // Half the CPUs, one to four: the rest stay with the application and the relaying.
+        let threads = std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 4));
         let cpu = layout::copy_all(staged, threads, layout::COPY_PIECE)
             .map_err(|e| refuse(&format!("copying tensor {e}")))?;
         self.copied.fetch_add(cpu, Ordering::Relaxed);
