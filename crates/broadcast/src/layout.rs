@@ -199,16 +199,27 @@ impl Slice {
         }
     }
 
-    /// CRC-32C of `len` bytes at `at`, appended to `crc` (the bytes copied out in pieces of
-    /// 1 MiB: by the CPU from host memory, by the driver from GPU memory).
-    pub(crate) fn crc_append(&self, crc: u32, at: u64, len: u64) -> Result<u32, String> {
+    /// CRC-32C of `len` bytes at `at`, appended to `crc`, and the bytes the CPU copied to
+    /// compute it: host memory is read where it lies where the CPU has a CRC-32C instruction
+    /// ([`MemoryRegion::crc32c_in_place`](ferry::MemoryRegion::crc32c_in_place), no copy), and
+    /// is otherwise copied out in pieces of 1 MiB; GPU memory is copied out by the driver (not
+    /// counted).
+    pub(crate) fn crc_append(&self, crc: u32, at: u64, len: u64) -> Result<(u32, u64), String> {
+        self.bounds(at, len)?;
+        if let Some(r) = self.memory.host()
+            && let Some(c) = r
+                .crc32c_in_place(crc, self.offset + at, len)
+                .map_err(|e| e.to_string())?
+        {
+            return Ok((c, 0));
+        }
         let mut crc = crc;
         self.for_each_piece(at, len, |b| crc = ferry::checksum::crc32c_append(crc, b))?;
-        Ok(crc)
+        Ok((crc, if self.is_host() { len } else { 0 }))
     }
 
-    /// `len` bytes at `at` fed to `hasher` (BLAKE3), copied out as [`crc_append`](Self::crc_append)
-    /// copies them.
+    /// `len` bytes at `at` fed to `hasher` (BLAKE3), copied out in pieces of 1 MiB (by the CPU
+    /// from host memory, by the driver from GPU memory).
     pub(crate) fn blake3_update(
         &self,
         hasher: &mut blake3::Hasher,
