@@ -304,8 +304,9 @@ class PullSummary:
 
     @property
     def copies_per_byte(self) -> float:
-        """Bytes the CPU copied (hashing host memory as it lands and at rest, and a commit's
-        copies) per byte received: counted, not timed."""
+        """Bytes the CPU copied (host memory copied out to be hashed as it lands, and a
+        commit's copy; the check at rest reads memory in place where the CPU can) per byte
+        received: counted, not timed. In place 1.0, staged 2.0 after the commit (x86-64)."""
         return self.bytes_copied / max(self.bytes, 1)
 
     def commit(self) -> float:
@@ -363,8 +364,8 @@ def pull(
     ``subset`` allows leaving published tensors out. ``shards`` maps a name in ``into`` to a byte
     offset in the published tensor: that destination takes only its own length from there (a
     tensor-parallel rank's rows). ``verify_at_rest=False`` skips the second checksum pass over
-    every chunk before the pull reports done (each chunk is still verified as it lands): half
-    the hashing. With ``relay`` the pull keeps serving
+    every chunk before the pull reports done (each chunk is still verified as it lands): one
+    CRC-32C read of the payload less. With ``relay`` the pull keeps serving
     later receivers for up to ``linger`` seconds after it completes. ``progress(bytes, total)``
     is called as chunks are verified. Blocks with the GIL released."""
     if mode not in ("in_place", "staged"):
