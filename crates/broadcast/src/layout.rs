@@ -254,9 +254,10 @@ pub const COPY_PIECE: u64 = 8 << 20;
 
 /// Copies each `(name, src, dst)` pair's `src` into its `dst` (of the same length), cut into
 /// pieces of `piece` bytes that up to `threads` threads take in turn, so that a large copy
-/// uses more than one core's share of memory bandwidth. Returns the bytes the CPU copied (as
-/// [`Slice::copy_from`] counts them), or the first failure, naming the pair; after a failure
-/// no thread starts another piece.
+/// uses more than one core's share of memory bandwidth. Returns the bytes the CPU copied (host
+/// to host one per byte, none where the driver copies to or from GPU memory), or the first
+/// failure, naming the pair; after a failure no thread starts another piece, and the
+/// destinations are left partly written.
 pub fn copy_all(
     pairs: &[(String, Slice, Slice)],
     threads: usize,
