@@ -1,6 +1,6 @@
 """The RL weight update, end to end: one trainer process and three inference processes.
 
-    python examples/python/rl_weight_update.py [--rounds 3] [--mb 32]
+    python examples/python/rl_weight_update.py [--rounds 3] [--mb 32] [--etcd [etcd://HOST:PORT]]
 
 The weights start as a ``.safetensors`` file written by PyPI's ``safetensors``; the trainer and
 every inference process load it into NumPy arrays. Each round, the trainer changes its
@@ -13,13 +13,22 @@ It prints one row per round: version; seconds from the slowest receiver's first 
 last verified chunk, and the payload GB/s over that; the staged receiver's commit time; the
 share of received bytes that came from relays; and the longest ``pull()`` call (joining, and
 lingering to serve receivers behind it, included).
+
+With ``--etcd`` the processes meet in a real etcd instead of being handed the trainer's
+address: the trainer publishes with ``discovery="etcd://HOST:PORT"`` and the inference
+processes pull ``etcd://HOST:PORT/policy``. ``--etcd`` alone starts a throwaway etcd on
+loopback ports (the ``etcd`` binary, Debian's ``etcd-server``); ``--etcd etcd://HOST:PORT``
+uses a running one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -60,17 +69,59 @@ def recv(proc: subprocess.Popen) -> dict:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
-        raise SystemExit(f"a worker ({proc.args[-2]}) exited: {proc.wait()}")
+        raise SystemExit(f"a worker ({proc.args[2]}) exited: {proc.wait()}")
     return json.loads(line)
 
 
-def trainer(path: str) -> None:
+@contextlib.contextmanager
+def local_etcd():
+    """A throwaway etcd on loopback ports, its data in a temporary directory: yields
+    ``etcd://127.0.0.1:PORT`` once it accepts connections."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise SystemExit("--etcd needs the etcd binary (Debian: apt-get install etcd-server), or give etcd://HOST:PORT")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    with tempfile.TemporaryDirectory() as data, tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [binary, "--data-dir", data, "--name", "example",
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"example={peer}"],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"etcd exited with {proc.returncode}")
+                try:
+                    socket.create_connection(("127.0.0.1", ports[0]), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise SystemExit("etcd did not listen within 20 s") from None
+                    time.sleep(0.05)  # polling for its listener
+            yield f"etcd://127.0.0.1:{ports[0]}"
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def trainer(path: str, etcd: str | None) -> None:
     from safetensors.numpy import load_file
 
     engine = ferry.Engine(listen="127.0.0.1:0")
     weights = load_file(path)
-    pub = Publisher(engine, weights, name=NAME, version=1, chunk_size=1 << 20)
-    print(json.dumps({"addr": pub.addr, "version": 1, "hashes": digest(weights)}), flush=True)
+    pub = Publisher(engine, weights, name=NAME, version=1, chunk_size=1 << 20, discovery=etcd)
+    # With etcd the receivers are given the etcd address and find the trainer there.
+    source = pub.etcd_source or pub.addr
+    print(json.dumps({"addr": source, "version": 1, "hashes": digest(weights)}), flush=True)
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "quit":
@@ -120,16 +171,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mb", type=int, default=32, help="payload size in MiB")
+    ap.add_argument(
+        "--etcd",
+        nargs="?",
+        const="start",
+        metavar="etcd://HOST:PORT",
+        help="meet in etcd: this one, or (no value) a throwaway etcd started here",
+    )
     args = ap.parse_args()
     from safetensors.numpy import save_file
 
+    with contextlib.ExitStack() as stack:
+        etcd = args.etcd
+        if etcd == "start":
+            etcd = stack.enter_context(local_etcd())
+        if etcd is not None:
+            print(f"etcd: {etcd}", flush=True)
+        run(args, etcd, save_file)
+
+
+def run(args: argparse.Namespace, etcd: str | None, save_file) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "policy.safetensors")
         rng = np.random.default_rng(0)
         save_file({k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes(args.mb).items()}, path)
         me = [sys.executable, __file__]
         spawn = lambda *a: subprocess.Popen([*me, *a], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # noqa: E731
-        t = spawn("trainer", path)
+        t = spawn("trainer", path, *([etcd] if etcd else []))
         modes = ["in_place", "in_place", "staged"]
         workers = [spawn("inference", path, m) for m in modes]
         try:
@@ -176,7 +244,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "trainer":
-        trainer(sys.argv[2])
+        trainer(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
     elif len(sys.argv) > 1 and sys.argv[1] == "inference":
         inference(sys.argv[2], sys.argv[3])
     else:

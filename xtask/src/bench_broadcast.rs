@@ -16,6 +16,14 @@
 //! at most 1.1x, and with a receiver killed every other one completes with efficiency at least
 //! 0.6. A benchmark: it reports, it asserts nothing about time.
 //!
+//! With `--memory` it is memory to memory, as a trainer's weights reach inference engines: the
+//! source reads the payload into host memory and serves it from there (`ferry publish
+//! --from-memory`) and the receivers keep it in memory (`ferry pull --in-memory`, no file
+//! written); "verified" then counts the receivers whose summary has every byte, each chunk
+//! checked against the manifest's BLAKE3. The relayed run is then `--rounds R` (3) rounds, each
+//! a file-to-file run and a memory-to-memory one, and reports the ratio of their efficiencies
+//! (at the time the last receiver had verified every chunk in memory) per round and its median.
+//!
 //! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
 //! `--straggler TC_RATE` (also a relayed run with the middle receiver's link at that rate),
 //! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
@@ -44,6 +52,14 @@ fn spawn(fleet: &Fleet, i: usize, bin: &Path, args: &[&str]) -> Result<Child> {
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting {} in host {i}", bin.display()))
+}
+
+/// The 1-minute load average (`/proc/loadavg`), for the report; `?` where unreadable.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
 }
 
 /// A tc rate (`200mbit`, `50mbps`, `1gbit`) in bytes per second.
@@ -155,8 +171,17 @@ fn print_timeline(summaries: &[(usize, String)]) {
     }
 }
 
-/// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when;
-/// `stripes`: passed to every `ferry pull`.
+/// How every run of one benchmark publishes and pulls.
+struct How {
+    /// The manifest's chunk size (`--chunk-size`).
+    chunk: String,
+    /// Memory to memory (`publish --from-memory`, `pull --in-memory`) instead of files.
+    memory: bool,
+    /// Passed to every `ferry pull --stripes`.
+    stripes: Option<String>,
+}
+
+/// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when.
 #[allow(clippy::too_many_arguments)]
 fn run_once(
     fleet: &Fleet,
@@ -165,28 +190,26 @@ fn run_once(
     work: &Path,
     relay: bool,
     kill: Option<(usize, Duration)>,
-    chunk: &str,
-    stripes: Option<&str>,
+    how: &How,
 ) -> Result<Outcome> {
     let listen = format!("{}:7500", fleet.addr(0));
     let file_s = file.display().to_string();
-    let mut source = spawn(
-        fleet,
-        0,
-        bin,
-        &[
-            "publish",
-            &file_s,
-            "--name",
-            "bench",
-            "--listen",
-            &listen,
-            "--transport",
-            "tcp",
-            "--chunk-size",
-            chunk,
-        ],
-    )?;
+    let mut publish = vec![
+        "publish",
+        &file_s,
+        "--name",
+        "bench",
+        "--listen",
+        &listen,
+        "--transport",
+        "tcp",
+        "--chunk-size",
+        &how.chunk,
+    ];
+    if how.memory {
+        publish.push("--from-memory");
+    }
+    let mut source = spawn(fleet, 0, bin, &publish)?;
     // Wait for the source's first line (it listens then).
     let mut lines = BufReader::new(source.stdout.take().context("source stdout")?).lines();
     lines.next().context("the source printed nothing")??;
@@ -201,21 +224,18 @@ fn run_once(
         let dir = work.join(format!("out-{i}"));
         let _ = std::fs::remove_dir_all(&dir);
         let dir_s = dir.display().to_string();
-        let mut args = vec![
-            "pull",
-            &listen,
-            "--into",
-            &dir_s,
-            "--json",
-            "--transport",
-            "tcp",
-        ];
+        let mut args = vec!["pull", &listen, "--json", "--transport", "tcp"];
+        if how.memory {
+            args.push("--in-memory");
+        } else {
+            args.extend(["--into", &dir_s]);
+        }
         args.extend(["--linger", "30"]);
         if !relay {
             args.push("--no-relay");
         }
-        if let Some(d) = stripes {
-            args.extend(["--stripes", d]);
+        if let Some(d) = &how.stripes {
+            args.extend(["--stripes", d.as_str()]);
         }
         let mut child = spawn(fleet, i, bin, &args)?;
         let out = child.stdout.take().context("receiver stdout")?;
@@ -269,8 +289,13 @@ fn run_once(
     for (i, (line, _)) in &done {
         refetched += json_num(line, "refetched_chunks", 0).unwrap_or(0.0);
         from_relays += json_num(line, "bytes_from_relays", 0).unwrap_or(0.0);
-        let got = std::fs::read(work.join(format!("out-{i}")).join(name)).unwrap_or_default();
-        if got == want {
+        let whole = if how.memory {
+            // Nothing written: the receiver verified each chunk against the manifest's BLAKE3.
+            json_num(line, "bytes", 0) == Some(want.len() as f64)
+        } else {
+            std::fs::read(work.join(format!("out-{i}")).join(name)).unwrap_or_default() == want
+        };
+        if whole {
             verified += 1;
         }
     }
@@ -300,6 +325,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut baseline = true;
     let mut build = true;
     let mut chunk = "1MiB".to_string();
+    let mut memory = false;
+    let mut rounds = 3usize;
     let mut straggler: Option<String> = None;
     let mut bin_arg: Option<PathBuf> = None;
     let mut stripes: Option<String> = None;
@@ -320,11 +347,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             "--stripes" => stripes = Some(it.next().context("--stripes N")?.clone()),
             "--no-killed" => killed_run = false,
+            "--memory" => memory = true,
+            "--rounds" => rounds = it.next().context("--rounds R")?.parse()?,
             other => bail!("bench broadcast: unknown option {other:?}"),
         }
     }
     if n == 0 {
         bail!("--receivers must be at least 1");
+    }
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
     }
     if build {
         run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
@@ -341,10 +373,20 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         .context("making the namespaces (root, ip and tc needed)")?;
     let ideal = len as f64 / rate_bytes(&rate)?;
     println!(
-        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, links {rate} \
-         each way (TBF), ideal {ideal:.2} s",
-        len >> 20
+        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, {}, links \
+         {rate} each way (TBF), ideal {ideal:.2} s",
+        len >> 20,
+        if memory {
+            "memory to memory"
+        } else {
+            "file to file"
+        }
     );
+    let how = How {
+        chunk,
+        memory,
+        stripes,
+    };
     let report = |what: &str, o: &Outcome| {
         println!(
             "{what:<28} {:>7.2} s  efficiency {:.2} (verified in memory: {:.2} s, {:.2})  \
@@ -362,29 +404,49 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             o.from_relays / (1u64 << 20) as f64
         );
     };
-    let relayed = run_once(
-        &fleet,
-        &bin,
-        &file,
-        &work,
-        true,
-        None,
-        &chunk,
-        stripes.as_deref(),
-    )?;
-    report("relayed", &relayed);
-    print_timeline(&relayed.summaries);
+    if memory {
+        // The reference: file to file, relayed, in rounds alternating with memory to memory.
+        let files = How {
+            chunk: how.chunk.clone(),
+            memory: false,
+            stripes: how.stripes.clone(),
+        };
+        let mut ratios = Vec::new();
+        for round in 1..=rounds {
+            let f = run_once(&fleet, &bin, &file, &work, true, None, &files)?;
+            report(&format!("round {round}: file to file"), &f);
+            let m = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
+            report(&format!("round {round}: memory to memory"), &m);
+            // Both at the time every chunk was verified in memory (a file receiver's writing
+            // comes after, on this one machine's disk).
+            let (ef, em) = (
+                ideal / f.verified_seconds.max(1e-9),
+                ideal / m.verified_seconds.max(1e-9),
+            );
+            println!(
+                "  round {round}: efficiency memory {em:.2}, files {ef:.2}; memory/files {:.2} (load {})",
+                em / ef,
+                loadavg()
+            );
+            ratios.push(em / ef);
+            if round == rounds {
+                print_timeline(&m.summaries);
+            }
+        }
+        ratios.sort_by(f64::total_cmp);
+        println!(
+            "memory/files efficiency over {rounds} alternating rounds: median {:.2}, range {:.2}-{:.2}",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    } else {
+        let relayed = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
+        report("relayed", &relayed);
+        print_timeline(&relayed.summaries);
+    }
     if baseline {
-        let direct = run_once(
-            &fleet,
-            &bin,
-            &file,
-            &work,
-            false,
-            None,
-            &chunk,
-            stripes.as_deref(),
-        )?;
+        let direct = run_once(&fleet, &bin, &file, &work, false, None, &how)?;
         report("relaying off", &direct);
     }
     if let Some(slow) = &straggler
@@ -393,16 +455,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // The middle receiver's link slowed; the others' time is what the plan should protect.
         let host = n.div_ceil(2);
         fleet.reshape(host, slow)?;
-        let o = run_once(
-            &fleet,
-            &bin,
-            &file,
-            &work,
-            true,
-            None,
-            &chunk,
-            stripes.as_deref(),
-        )?;
+        let o = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
         fleet.reshape(host, &rate)?;
         report(&format!("relayed, receiver {host} at {slow}"), &o);
         let start = o
@@ -434,8 +487,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             &work,
             true,
             Some((victim, Duration::from_secs_f64(ideal / 2.0))),
-            &chunk,
-            stripes.as_deref(),
+            &how,
         )?;
         report(&format!("relayed, receiver {victim} killed"), &killed);
     }

@@ -14,7 +14,7 @@
 //! Receivers tell their children their layout on the control service ([`Extent`]s naming
 //! their registrations); a layout from a peer is checked ([`check`]) before it is used.
 
-use ferry::{LocalMemory, LocalRef, MemoryRegion};
+use ferry::{LocalMemory, LocalRef};
 use serde::{Deserialize, Serialize};
 
 use crate::manifest::{MAX_ENTRIES, MAX_SEGMENTS, Manifest};
@@ -155,9 +155,9 @@ impl Slice {
         Ok(())
     }
 
-    /// Copies the whole of `src` (of the same length) into this slice: host to host through a
-    /// bounce buffer (two CPU copies per byte), GPU to or from host by the driver, GPU to GPU
-    /// through host pieces. Returns the bytes the CPU copied.
+    /// Copies the whole of `src` (of the same length) into this slice: host to host directly
+    /// (one CPU copy per byte, [`MemoryRegion::copy_from_region`](ferry::MemoryRegion::copy_from_region)), GPU to or from host by the
+    /// driver, GPU to GPU through host pieces. Returns the bytes the CPU copied.
     pub(crate) fn copy_from(&self, src: &Slice) -> Result<u64, String> {
         if src.len != self.len {
             return Err(format!(
@@ -167,9 +167,9 @@ impl Slice {
         }
         match (src.memory.host(), self.memory.host()) {
             (Some(s), Some(d)) => {
-                copy_region(s, src.offset, d, self.offset, self.len)?;
-                // Out to a bounce buffer and in again: the regions offer no direct copy.
-                Ok(2 * self.len)
+                d.copy_from_region(self.offset, s, src.offset, self.len)
+                    .map_err(|e| e.to_string())?;
+                Ok(self.len)
             }
             #[cfg(feature = "cuda")]
             (Some(s), None) => {
@@ -199,16 +199,27 @@ impl Slice {
         }
     }
 
-    /// CRC-32C of `len` bytes at `at`, appended to `crc` (the bytes copied out in pieces of
-    /// 1 MiB: by the CPU from host memory, by the driver from GPU memory).
-    pub(crate) fn crc_append(&self, crc: u32, at: u64, len: u64) -> Result<u32, String> {
+    /// CRC-32C of `len` bytes at `at`, appended to `crc`, and the bytes the CPU copied to
+    /// compute it: host memory is read where it lies where the CPU has a CRC-32C instruction
+    /// ([`MemoryRegion::crc32c_in_place`](ferry::MemoryRegion::crc32c_in_place), no copy), and
+    /// is otherwise copied out in pieces of 1 MiB; GPU memory is copied out by the driver (not
+    /// counted).
+    pub(crate) fn crc_append(&self, crc: u32, at: u64, len: u64) -> Result<(u32, u64), String> {
+        self.bounds(at, len)?;
+        if let Some(r) = self.memory.host()
+            && let Some(c) = r
+                .crc32c_in_place(crc, self.offset + at, len)
+                .map_err(|e| e.to_string())?
+        {
+            return Ok((c, 0));
+        }
         let mut crc = crc;
         self.for_each_piece(at, len, |b| crc = ferry::checksum::crc32c_append(crc, b))?;
-        Ok(crc)
+        Ok((crc, if self.is_host() { len } else { 0 }))
     }
 
-    /// `len` bytes at `at` fed to `hasher` (BLAKE3), copied out as [`crc_append`](Self::crc_append)
-    /// copies them.
+    /// `len` bytes at `at` fed to `hasher` (BLAKE3), copied out in pieces of 1 MiB (by the CPU
+    /// from host memory, by the driver from GPU memory).
     pub(crate) fn blake3_update(
         &self,
         hasher: &mut blake3::Hasher,
@@ -238,24 +249,71 @@ impl Slice {
 /// Largest piece copied at once.
 const PIECE: u64 = 1 << 20;
 
-fn copy_region(
-    src: &MemoryRegion,
-    src_off: u64,
-    dst: &MemoryRegion,
-    dst_off: u64,
-    len: u64,
-) -> Result<(), String> {
-    let mut buf = vec![0u8; PIECE.min(len) as usize];
-    let mut at = 0;
-    while at < len {
-        let n = PIECE.min(len - at) as usize;
-        src.read_at(src_off + at, &mut buf[..n])
-            .map_err(|e| e.to_string())?;
-        dst.write_at(dst_off + at, &buf[..n])
-            .map_err(|e| e.to_string())?;
-        at += n as u64;
+/// Bytes one thread copies at a time in [`copy_all`] (a commit's piece).
+pub const COPY_PIECE: u64 = 8 << 20;
+
+/// Copies each `(name, src, dst)` pair's `src` into its `dst` (of the same length), cut into
+/// pieces of `piece` bytes that up to `threads` threads take in turn, so that a large copy
+/// uses more than one core's share of memory bandwidth. Returns the bytes the CPU copied (host
+/// to host one per byte, none where the driver copies to or from GPU memory), or the first
+/// failure, naming the pair; after a failure no thread starts another piece, and the
+/// destinations are left partly written.
+pub fn copy_all(
+    pairs: &[(String, Slice, Slice)],
+    threads: usize,
+    piece: u64,
+) -> Result<u64, String> {
+    let piece = piece.max(1);
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    let mut work = Vec::new();
+    for (i, (_, src, dst)) in pairs.iter().enumerate() {
+        if src.len != dst.len {
+            return Err(format!(
+                "{:?}: copying {} bytes into a slice of {}",
+                pairs[i].0, src.len, dst.len
+            ));
+        }
+        let mut at = 0;
+        while at < src.len {
+            let n = piece.min(src.len - at);
+            work.push((i, at, n));
+            at += n;
+        }
     }
-    Ok(())
+    let next = AtomicUsize::new(0);
+    let copied = AtomicU64::new(0);
+    let failed = AtomicBool::new(false);
+    let first_err = Mutex::new(None);
+    let worker = || {
+        while !failed.load(Ordering::Relaxed) {
+            let Some(&(i, at, n)) = work.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
+            };
+            let (name, src, dst) = &pairs[i];
+            match dst.sub(at, n).copy_from(&src.sub(at, n)) {
+                Ok(c) => {
+                    copied.fetch_add(c, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    let mut g = first_err.lock().unwrap_or_else(|p| p.into_inner());
+                    g.get_or_insert(format!("{name:?}: {e}"));
+                }
+            }
+        }
+    };
+    let threads = threads.clamp(1, work.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            s.spawn(worker);
+        }
+        worker();
+    });
+    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(copied.into_inner()),
+    }
 }
 
 /// One named tensor a publisher serves from memory: where its bytes are, and what they are.
@@ -426,6 +484,48 @@ pub(crate) fn gaps(m: &Manifest, taken: &[Vec<(u64, Slice)>]) -> (u64, Vec<Vec<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_all_copies_every_piece_once_on_several_threads_and_names_a_bad_pair() {
+        use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
+        let e = TransferEngine::builder()
+            .data_plane(DataPlane::Tcp)
+            .build()
+            .unwrap();
+        let bytes: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let reg = |v: Vec<u8>, name: &str| {
+            e.register(MemoryRegion::from_vec(v), Access::REMOTE_READ, name)
+                .unwrap()
+        };
+        let (src, dst) = (reg(bytes.clone(), "src"), reg(vec![0; 100_000], "dst"));
+        // Two tensors of one arena each, the first cut into many pieces.
+        let pairs = vec![
+            (
+                "a".to_string(),
+                Slice::new(&src, "src", 0, 70_001).unwrap(),
+                Slice::new(&dst, "dst", 0, 70_001).unwrap(),
+            ),
+            (
+                "b".to_string(),
+                Slice::new(&src, "src", 70_001, 29_999).unwrap(),
+                Slice::new(&dst, "dst", 70_001, 29_999).unwrap(),
+            ),
+        ];
+        assert_eq!(
+            copy_all(&pairs, 3, 4096).unwrap(),
+            100_000,
+            "one copy per byte"
+        );
+        let mut got = vec![0u8; 100_000];
+        dst.region().read_at(0, &mut got).unwrap();
+        assert_eq!(got, bytes);
+        let bad = vec![(
+            "c".to_string(),
+            Slice::new(&src, "src", 0, 10).unwrap(),
+            Slice::new(&dst, "dst", 0, 11).unwrap(),
+        )];
+        assert!(copy_all(&bad, 2, 4096).unwrap_err().contains("\"c\""));
+    }
 
     #[test]
     fn pieces_cut_where_either_side_changes() {

@@ -502,7 +502,7 @@ impl Manifest {
                 let n = (whole.len() - at).min(chunk_size);
                 let unreadable =
                     |e| invalid(format!("reading registration {:?}: {e}", whole.segment()));
-                let crc = whole.crc_append(0, at, n).map_err(unreadable)?;
+                let (crc, _) = whole.crc_append(0, at, n).map_err(unreadable)?;
                 let mut h = blake3::Hasher::new();
                 whole.blake3_update(&mut h, at, n).map_err(unreadable)?;
                 m.chunks.push(Chunk {

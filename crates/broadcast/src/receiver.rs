@@ -91,9 +91,10 @@ pub struct ReceiverOptions {
     pub version: Option<u64>,
     /// Whether to check every chunk once more at rest before reporting done (a chunk whose
     /// memory changed after it was verified is fetched again; the check is the cheaper
-    /// CRC-32C of memory already verified against BLAKE3). `false` halves the copies (one pass
-    /// over the payload instead of two); every chunk is still verified as it lands, and the
-    /// children verify what they read from this receiver.
+    /// CRC-32C of memory already verified against BLAKE3, read where it lies where the CPU has
+    /// a CRC-32C instruction, else copied out). `false` saves that second read of the payload
+    /// (and, without the instruction, its copy); every chunk is still verified as it lands, and
+    /// the children verify what they read from this receiver.
     pub verify_at_rest: bool,
     /// The manifest's digest ([`Manifest::digest`]), given out of band (`ferry publish`
     /// prints it): any other manifest is refused before anything is allocated for it. `None`:
@@ -841,8 +842,8 @@ impl Receiver {
     }
 
     /// Bytes the CPU copied so far (counted, not timed): host memory copied out in pieces to
-    /// be hashed (each chunk when it lands and once more at rest) and, staged, the commit's
-    /// copies. Divided by the payload: the copies per byte received, besides the data plane's
+    /// be hashed (each chunk with BLAKE3 when it lands; at rest only where the CPU cannot
+    /// compute CRC-32C over the memory in place) and, staged, the commit's copy. Divided by the payload: the copies per byte received, besides the data plane's
     /// own (the kernel's socket copy on TCP and io_uring).
     pub fn bytes_copied(&self) -> u64 {
         self.copied.load(Ordering::Relaxed)
@@ -856,6 +857,10 @@ impl Receiver {
     /// Staged mode: copies every tensor from its staging slice into its live one, after a
     /// [`run`](Self::run) that verified every chunk; returns the bytes copied. Until it is
     /// called the live tensors are untouched. Refused before the pull completed, and in place.
+    /// The chunks are not verified again (the pull verified each as it landed and, with
+    /// [`ReceiverOptions::verify_at_rest`], once more at rest); host to host each byte is
+    /// copied once, directly, in pieces spread over half the CPUs (one to four threads). A copy that fails
+    /// part way (a GPU copy the driver refused) leaves the live tensors partly written.
     pub fn commit(&self) -> Result<u64, BroadcastError> {
         let refuse = |reason: &str| BroadcastError::Commit {
             name: self.manifest.name.clone(),
@@ -868,14 +873,12 @@ impl Receiver {
         if !self.pulled {
             return Err(refuse("the pull has not completed"));
         }
-        let mut bytes = 0;
-        for (tensor, staging, live) in staged {
-            let cpu = live
-                .copy_from(staging)
-                .map_err(|e| refuse(&format!("copying tensor {tensor:?}: {e}")))?;
-            self.copied.fetch_add(cpu, Ordering::Relaxed);
-            bytes += live.len();
-        }
+        // Half the CPUs, one to four: the rest stay with the application and the relaying.
+        let threads = std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 4));
+        let cpu = layout::copy_all(staged, threads, layout::COPY_PIECE)
+            .map_err(|e| refuse(&format!("copying tensor {e}")))?;
+        self.copied.fetch_add(cpu, Ordering::Relaxed);
+        let bytes: u64 = staged.iter().map(|(_, _, live)| live.len()).sum();
         tracing::info!(name = %self.manifest.name, version = self.manifest.version, bytes, "staged version committed");
         Ok(bytes)
     }
@@ -1729,14 +1732,13 @@ fn blake3_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<Digest,
 }
 
 /// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
-/// memory the CPU copied out to hash them to `copied`.
+/// memory the CPU copied out to hash them to `copied` (none where it reads them in place).
 fn crc_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<u32, String> {
     let mut crc = 0;
     for (slice, at, n) in pieces {
-        crc = slice.crc_append(crc, *at, *n)?;
-        if slice.is_host() {
-            copied.fetch_add(*n, Ordering::Relaxed);
-        }
+        let (c, cpu) = slice.crc_append(crc, *at, *n)?;
+        crc = c;
+        copied.fetch_add(cpu, Ordering::Relaxed);
     }
     Ok(crc)
 }

@@ -42,6 +42,12 @@ pub(crate) struct PublishArgs {
     /// Chunk size (the unit of transfer and verification), 4KiB to 64MiB.
     #[arg(long, default_value = "1MiB", value_parser = publish_chunk_size)]
     chunk_size: u64,
+    /// Read the files into host memory first and serve them from there, as a trainer serves
+    /// its tensors (each file one tensor, named after it; no file reads while serving). On
+    /// SIGHUP the files are read into new memory as the next version. A receiver pulling into
+    /// a directory writes each as FILE.vN (the memory's registration).
+    #[arg(long)]
+    from_memory: bool,
     /// Data plane: auto, tcp or uring.
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
@@ -66,8 +72,12 @@ pub(crate) struct PullArgs {
     /// The source's control address (HOST:PORT), or `etcd://HOST:PORT/NAME`.
     from: String,
     /// Directory the files are written to (as published).
-    #[arg(long)]
-    into: PathBuf,
+    #[arg(long, required_unless_present = "in_memory")]
+    into: Option<PathBuf>,
+    /// Keep the pull in memory and write no file (every chunk is still verified; a check of a
+    /// source, or a benchmark of the transfer alone).
+    #[arg(long, conflicts_with = "into")]
+    in_memory: bool,
     /// IP to serve relayed chunks on [default: the one this host reaches the source from].
     #[arg(long)]
     listen: Option<IpAddr>,
@@ -222,25 +232,47 @@ fn expand_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 pub(crate) fn publish(args: PublishArgs) -> Result<()> {
     let files = expand_files(&args.files)?;
     let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
-    let manifest = Manifest::build(&args.name, args.weights_version, &files, args.chunk_size)
-        .context("building the manifest")?;
     runtime()?.block_on(async {
         let discovery = match &args.etcd {
             Some(url) => Some(etcd(url, &args.name).await?),
             None => None,
         };
-        let src = Source::start(
-            manifest,
-            &files,
-            SourceOptions {
-                listen: args.listen,
-                data_plane: plane(&args.transport),
-                keys,
-                ..Default::default()
-            },
-            discovery,
-        )
-        .await?;
+        let opts = SourceOptions {
+            listen: args.listen,
+            data_plane: plane(&args.transport),
+            keys: keys.clone(),
+            ..Default::default()
+        };
+        // From memory: the engine the tensors are registered with, and each kept version's
+        // registrations (dropped once the source no longer serves that version).
+        let mut in_memory = None;
+        let src = if args.from_memory {
+            let mut builder = ferry::TransferEngine::builder()
+                .data_plane(opts.data_plane)
+                .listen(SocketAddr::new(args.listen.ip(), 0));
+            if let Some(k) = &keys {
+                builder = builder.auth_keyring(k.clone());
+            }
+            let engine = builder.build()?;
+            let (regs, tensors) = load_into_memory(&engine, &files, args.weights_version)?;
+            let src = Source::start_tensors(
+                &engine,
+                &args.name,
+                args.weights_version,
+                &tensors,
+                args.chunk_size,
+                opts,
+                discovery,
+            )
+            .await?;
+            in_memory = Some((engine, vec![(args.weights_version, regs)]));
+            src
+        } else {
+            let manifest =
+                Manifest::build(&args.name, args.weights_version, &files, args.chunk_size)
+                    .context("building the manifest")?;
+            Source::start(manifest, &files, opts, discovery).await?
+        };
         let m = src.manifest();
         println!(
             "publishing {:?} version {} (epoch {}): {} files, {} bytes in {} chunks, {} entries",
@@ -276,8 +308,19 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
                 () = &mut stop => break,
                 Some(()) = hangup.recv() => {
                     version += 1;
-                    // Reads every file once, to checksum it.
-                    match tokio::task::block_in_place(|| src.publish_files(version, &files, Some(args.chunk_size))) {
+                    // Reads every file once, to checksum it (and, from memory, into memory).
+                    let published = tokio::task::block_in_place(|| match &mut in_memory {
+                        Some((engine, kept)) => {
+                            let (regs, tensors) = load_into_memory(engine, &files, version)?;
+                            let m = src.publish(version, &tensors, Some(args.chunk_size))?;
+                            kept.push((version, regs));
+                            let served = src.versions();
+                            kept.retain(|(v, _)| served.contains(v));
+                            anyhow::Ok(m)
+                        }
+                        None => Ok(src.publish_files(version, &files, Some(args.chunk_size))?),
+                    });
+                    match published {
                         Ok(m) => println!(
                             "publishing {:?} version {version}: {} files, {} bytes in {} chunks \
                              (versions served: {:?}); manifest {}",
@@ -297,8 +340,46 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             }
         }
         src.stop().await;
+        if let Some((engine, kept)) = in_memory {
+            drop(kept);
+            engine.shutdown();
+        }
         Ok(())
     })
+}
+
+/// `publish --from-memory`: each file read into host memory registered with `engine` (as
+/// `<file name>.v<version>`, remote read only) and offered as one tensor named after the file.
+fn load_into_memory(
+    engine: &ferry::TransferEngine,
+    files: &[PathBuf],
+    version: u64,
+) -> Result<(Vec<ferry::Registration>, Vec<ferry_broadcast::Tensor>)> {
+    let mut regs = Vec::with_capacity(files.len());
+    let mut tensors = Vec::with_capacity(files.len());
+    for file in files {
+        let name = file
+            .file_name()
+            .and_then(|n| n.to_str())
+            .with_context(|| format!("{}: not a file name in UTF-8", file.display()))?;
+        let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        let seg = format!("{name}.v{version}");
+        let reg = engine
+            .register(
+                ferry::MemoryRegion::from_vec(bytes),
+                ferry::Access::REMOTE_READ,
+                &seg,
+            )
+            .with_context(|| format!("registering {}", file.display()))?;
+        tensors.push(ferry_broadcast::Tensor {
+            name: name.to_owned(),
+            slice: ferry_broadcast::Slice::whole(&reg, &seg),
+            dtype: None,
+            shape: None,
+        });
+        regs.push(reg);
+    }
+    Ok((regs, tensors))
 }
 
 pub(crate) fn pull(args: PullArgs) -> Result<()> {
@@ -421,13 +502,19 @@ fn pull_inner(
         }
         let mut summary = summary?;
         summary.timeline.process_start = Some(started);
-        r.write_to(&args.into)?;
+        let written = match &args.into {
+            Some(dir) => {
+                r.write_to(dir)?;
+                format!("written to {}", dir.display())
+            }
+            None => "kept in memory only (--in-memory)".to_owned(),
+        };
         if args.json {
             println!("{}", serde_json::to_string(&summary)?);
         } else {
             println!(
                 "{:?} v{}: {} bytes in {:.3} s ({:.3} GB/s), verified; {} chunks re-fetched; \
-                 {} bytes from the source, {} from relays; written to {}",
+                 {} bytes from the source, {} from relays; {}",
                 summary.name,
                 summary.version,
                 summary.bytes,
@@ -436,7 +523,7 @@ fn pull_inner(
                 summary.refetched_chunks,
                 summary.bytes_from_source,
                 summary.bytes_from_relays,
-                args.into.display()
+                written
             );
         }
         r.linger(args.linger).await;

@@ -47,8 +47,8 @@ enum Command {
     /// Publish files for a weight broadcast: receivers pull them chunk by chunk, relaying
     /// verified chunks to each other, so that the source sends each byte about once.
     Publish(cmd_broadcast::PublishArgs),
-    /// Pull a broadcast (from the source's address, or etcd://HOST:PORT/NAME) into a directory,
-    /// verifying every chunk and relaying it to the members after this one.
+    /// Pull a broadcast (from the source's address, or etcd://HOST:PORT/NAME) into a directory
+    /// (or memory only), verifying every chunk and relaying it to the members after this one.
     Pull(cmd_broadcast::PullArgs),
     /// Print a shell completion script: `ferry completions bash > /etc/bash_completion.d/ferry`,
     /// `ferry completions zsh > ~/.zfunc/_ferry`, `ferry completions fish >

@@ -1,5 +1,6 @@
 //! `ferry publish` publishes the next version of the same name on SIGHUP, without restarting,
-//! and `ferry pull --weights-version N` pulls the version asked for and says which it got.
+//! and `ferry pull --weights-version N` pulls the version asked for and says which it got;
+//! `publish --from-memory` serves what it read into memory, `pull --in-memory` writes nothing.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -31,19 +32,27 @@ fn line_with(out: &mut BufReader<ChildStdout>, what: &str) -> Result<String> {
 }
 
 fn pull(addr: &str, dir: &std::path::Path, version: &str) -> Result<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args([
-            "pull",
-            addr,
-            "--transport",
-            "tcp",
-            "--json",
-            "--linger",
-            "0",
-        ])
-        .args(["--weights-version", version, "--into"])
-        .arg(dir)
-        .output()?;
+    pull_with(addr, version, |c| c.arg("--into").arg(dir))
+}
+
+/// `ferry pull ADDR --weights-version VERSION` with `more` arguments, its JSON summary.
+fn pull_with(
+    addr: &str,
+    version: &str,
+    more: impl FnOnce(&mut Command) -> &mut Command,
+) -> Result<serde_json::Value> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+    cmd.args([
+        "pull",
+        addr,
+        "--transport",
+        "tcp",
+        "--json",
+        "--linger",
+        "0",
+    ])
+    .args(["--weights-version", version]);
+    let out = more(&mut cmd).output()?;
     if !out.status.success() {
         bail!(
             "ferry pull --weights-version {version}: {}",
@@ -59,28 +68,7 @@ fn sighup_publishes_the_next_version_and_pull_takes_the_one_asked_for() -> Resul
     let file = dir.path().join("w.bin");
     let v1: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
     std::fs::write(&file, &v1)?;
-    let child = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .arg("publish")
-        .arg(&file)
-        .args([
-            "--name",
-            "w",
-            "--listen",
-            "127.0.0.1:0",
-            "--transport",
-            "tcp",
-        ])
-        .args(["--chunk-size", "64KiB", "--serve-for", "120"])
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let mut p = Publisher(child);
-    let mut out = BufReader::new(p.0.stdout.take().context("stdout")?);
-    let control = line_with(&mut out, "control ")?;
-    let addr = control
-        .split_whitespace()
-        .nth(1)
-        .context("the control address")?
-        .to_owned();
+    let (p, mut out, addr) = publish(&file, &[])?;
     let got = dir.path().join("v1");
     let s = pull(&addr, &got, "1")?;
     assert_eq!(s["version"], 1, "{s}");
@@ -102,5 +90,90 @@ fn sighup_publishes_the_next_version_and_pull_takes_the_one_asked_for() -> Resul
     // A version it does not publish is refused, naming the versions it keeps.
     let err = pull(&addr, &dir.path().join("v9"), "9").unwrap_err();
     assert!(err.to_string().contains("[1, 2]"), "{err}");
+    Ok(())
+}
+
+/// Starts `ferry publish FILE` (name `w`, 64 KiB chunks, loopback) with `more` flags; returns it,
+/// its output and the control address it printed.
+fn publish(
+    file: &std::path::Path,
+    more: &[&str],
+) -> Result<(Publisher, BufReader<ChildStdout>, String)> {
+    let child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("publish")
+        .arg(file)
+        .args([
+            "--name",
+            "w",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ])
+        .args(["--chunk-size", "64KiB", "--serve-for", "120"])
+        .args(more)
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut p = Publisher(child);
+    let mut out = BufReader::new(p.0.stdout.take().context("stdout")?);
+    let control = line_with(&mut out, "control ")?;
+    let addr = control
+        .split_whitespace()
+        .nth(1)
+        .context("the control address")?
+        .to_owned();
+    Ok((p, out, addr))
+}
+
+#[test]
+fn from_memory_serves_what_it_read_and_an_in_memory_pull_writes_nothing() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("w.bin");
+    let v1: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&file, &v1)?;
+    let (p, mut out, addr) = publish(&file, &["--from-memory"])?;
+    // In memory: every byte verified, no file written (run where any would land).
+    let cwd = dir.path().join("cwd");
+    std::fs::create_dir(&cwd)?;
+    let s = pull_with(&addr, "1", |c| c.arg("--in-memory").current_dir(&cwd))?;
+    assert_eq!(
+        (s["version"].as_u64(), s["bytes"].as_u64()),
+        (Some(1), Some(300_000)),
+        "{s}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&cwd)?.count(),
+        0,
+        "an in-memory pull writes nothing"
+    );
+    // Into a directory: the memory's registration names the file.
+    let got = dir.path().join("v1");
+    pull(&addr, &got, "1")?;
+    assert_eq!(std::fs::read(got.join("w.bin.v1"))?, v1);
+    // The file changes and SIGHUP publishes it as version 2; version 1 is still served from
+    // the memory it was read into, unchanged.
+    let v2: Vec<u8> = (0..200_000u32).map(|i| (i % 239) as u8).collect();
+    std::fs::write(&file, &v2)?;
+    let status = Command::new("kill")
+        .args(["-HUP", &p.0.id().to_string()])
+        .status()?;
+    assert!(status.success());
+    let line = line_with(&mut out, "version 2")?;
+    assert!(line.contains("versions served: [1, 2]"), "{line}");
+    let got = dir.path().join("v2");
+    pull(&addr, &got, "2")?;
+    assert_eq!(std::fs::read(got.join("w.bin.v2"))?, v2);
+    let got = dir.path().join("v1-again");
+    pull(&addr, &got, "1")?;
+    assert_eq!(std::fs::read(got.join("w.bin.v1"))?, v1);
+    // Exactly one of --into and --in-memory.
+    for extra in [&["--into", "x", "--in-memory"][..], &[][..]] {
+        let o = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["pull", &addr])
+            .args(extra)
+            .current_dir(&cwd)
+            .output()?;
+        assert!(!o.status.success(), "{extra:?} accepted");
+    }
     Ok(())
 }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_broadcast::{
-    BroadcastError, Destinations, Embedded, Receiver, ReceiverOptions, Slice, Source,
+    BroadcastError, Destinations, Discovery, Embedded, Receiver, ReceiverOptions, Slice, Source,
     SourceOptions, Tensor,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -81,6 +81,59 @@ fn addr(s: &str) -> PyResult<SocketAddr> {
             "a broadcast address is an IP address and port like \"127.0.0.1:7500\", not {s:?}: {e}"
         ))
     })
+}
+
+/// Leases of members listed in etcd last this long without renewal (as `ferry publish --etcd`).
+const ETCD_TTL: Duration = Duration::from_secs(3);
+
+/// `etcd://HOST:PORT[/NAME]` as the client's endpoint `http://HOST:PORT` and the name, if any.
+fn etcd_url(url: &str) -> PyResult<(String, Option<String>)> {
+    let bad = || {
+        PyValueError::new_err(format!(
+            "an etcd address is etcd://HOST:PORT (a publisher's discovery) or \
+             etcd://HOST:PORT/NAME (a pull's source), not {url:?}"
+        ))
+    };
+    let rest = url.strip_prefix("etcd://").ok_or_else(bad)?;
+    let (host, name) = match rest.split_once('/') {
+        Some((h, n)) => (h, Some(n)),
+        None => (rest, None),
+    };
+    if host.is_empty()
+        || !host.contains(':')
+        || name.is_some_and(|n| n.is_empty() || n.contains('/'))
+    {
+        return Err(bad());
+    }
+    Ok((format!("http://{host}"), name.map(str::to_owned)))
+}
+
+/// The etcd discovery of broadcast `name` at `endpoint` (`http://HOST:PORT`).
+#[cfg(feature = "etcd")]
+async fn etcd(endpoint: &str, name: &str) -> Result<Arc<dyn Discovery>, BroadcastError> {
+    let d = ferry_broadcast::Etcd::connect(endpoint, name, ETCD_TTL).await?;
+    Ok(Arc::new(d))
+}
+
+/// Without the `etcd` feature: the error that says so.
+#[cfg(not(feature = "etcd"))]
+async fn etcd(endpoint: &str, _name: &str) -> Result<Arc<dyn Discovery>, BroadcastError> {
+    let _ = ETCD_TTL;
+    Err(BroadcastError::Discovery {
+        backend: "etcd",
+        reason: format!(
+            "{endpoint}: this build of the ferry package has no etcd discovery (the ferry-python \
+             crate's `etcd` feature, on by default, was left out)"
+        ),
+    })
+}
+
+/// Where a pull finds its source.
+enum SourceAt {
+    /// Listed in the etcd at `endpoint` (`http://HOST:PORT`) under broadcast `name`.
+    Etcd { endpoint: String, name: String },
+    /// The publisher's control address.
+    Addr(SocketAddr),
 }
 
 /// One tensor as the Python module passes it: name, registration, offset, length, dtype, shape.
@@ -164,9 +217,10 @@ impl Publisher {
 }
 
 /// Starts a publisher of `tensors` on `engine` (which must listen); its control service
-/// listens on `listen`.
+/// listens on `listen`. With `discovery` (`etcd://HOST:PORT`, or `etcd://HOST:PORT/NAME` with
+/// this publisher's `name`), it also lists itself in that etcd, where `pull` finds it.
 #[pyfunction]
-#[pyo3(signature = (engine, name, version, tensors, chunk_size, listen, keep_versions, auth_key_file=None))]
+#[pyo3(signature = (engine, name, version, tensors, chunk_size, listen, keep_versions, auth_key_file=None, discovery=None))]
 #[allow(clippy::too_many_arguments)]
 fn _publish(
     py: Python<'_>,
@@ -178,8 +232,21 @@ fn _publish(
     listen: &str,
     keep_versions: usize,
     auth_key_file: Option<std::path::PathBuf>,
+    discovery: Option<&str>,
 ) -> PyResult<Publisher> {
     let ts = self::tensors(tensors)?;
+    let etcd_at = match discovery {
+        None => None,
+        Some(url) => {
+            let (endpoint, given) = etcd_url(url)?;
+            if let Some(given) = given.filter(|g| g != name) {
+                return Err(PyValueError::new_err(format!(
+                    "discovery {url:?} names the broadcast {given:?}, but this publisher's name is {name:?}"
+                )));
+            }
+            Some(endpoint)
+        }
+    };
     let opts = SourceOptions {
         listen: addr(listen)?,
         keep_versions,
@@ -190,15 +257,13 @@ fn _publish(
     let chunk = chunk_size.unwrap_or(ferry_broadcast::manifest::DEFAULT_CHUNK_SIZE);
     let src = py
         .detach(|| {
-            rt.block_on(Source::start_tensors(
-                &engine.inner,
-                name,
-                version,
-                &ts,
-                chunk,
-                opts,
-                None,
-            ))
+            rt.block_on(async {
+                let disc = match &etcd_at {
+                    Some(endpoint) => Some(etcd(endpoint, name).await?),
+                    None => None,
+                };
+                Source::start_tensors(&engine.inner, name, version, &ts, chunk, opts, disc).await
+            })
         })
         .map_err(|e| to_py(py, e))?;
     let addr = src.ctl_addr().to_string();
@@ -370,8 +435,8 @@ fn keyring(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Option<
         .transpose()
 }
 
-/// Joins the broadcast whose publisher's control service is at `source` to pull it into
-/// `into` (and `staging`), on `engine`.
+/// Joins the broadcast whose publisher's control service is at `source` (or which is listed
+/// in etcd: `etcd://HOST:PORT/NAME`) to pull it into `into` (and `staging`), on `engine`.
 #[pyfunction]
 #[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest, auth_key_file=None, expect_manifest=None))]
 #[allow(clippy::too_many_arguments)]
@@ -408,10 +473,7 @@ fn _join(
         subset,
         shards,
     };
-    let disc = Arc::new(match &keys {
-        Some(k) => Embedded::with_keys(addr(source)?, k.clone()),
-        None => Embedded::new(addr(source)?),
-    });
+    let tracker_keys = keys.clone();
     let opts = ReceiverOptions {
         relay,
         version,
@@ -420,16 +482,39 @@ fn _join(
         keys,
         ..Default::default()
     };
+    let (at, name) = if source.starts_with("etcd://") {
+        let (endpoint, listed) = etcd_url(source)?;
+        let listed = listed.ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{source:?}: a pull from etcd names the broadcast: etcd://HOST:PORT/NAME"
+            ))
+        })?;
+        if let Some(n) = name.as_ref().filter(|n| **n != listed) {
+            return Err(PyValueError::new_err(format!(
+                "name={n:?} but the source {source:?} names the broadcast {listed:?}"
+            )));
+        }
+        let at = SourceAt::Etcd {
+            endpoint,
+            name: listed.clone(),
+        };
+        (at, Some(listed))
+    } else {
+        (SourceAt::Addr(addr(source)?), name)
+    };
     let rt = runtime::get(py)?;
     let r = py
         .detach(|| {
-            rt.block_on(Receiver::join_into(
-                &engine.inner,
-                disc,
-                name.as_deref(),
-                d,
-                opts,
-            ))
+            rt.block_on(async {
+                let disc: Arc<dyn Discovery> = match &at {
+                    SourceAt::Etcd { endpoint, name } => etcd(endpoint, name).await?,
+                    SourceAt::Addr(a) => match tracker_keys {
+                        Some(k) => Arc::new(Embedded::with_keys(*a, k)),
+                        None => Arc::new(Embedded::new(*a)),
+                    },
+                };
+                Receiver::join_into(&engine.inner, disc, name.as_deref(), d, opts).await
+            })
         })
         .map_err(|e| to_py(py, e))?;
     Ok(Puller {

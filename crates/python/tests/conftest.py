@@ -208,3 +208,66 @@ def loopback():
     reg.close()
     ro.close()
     server.shutdown()
+
+
+def etcd_binary() -> str | None:
+    """The etcd server binary (Debian's ``etcd-server``), or None after skipping with the reason;
+    under ``FERRY_REQUIRE_ETCD=1`` (``.ci/run`` sets it) a missing one is a failure."""
+    found = shutil.which("etcd")
+    if found is None:
+        reason = "no etcd binary (Debian: apt-get install etcd-server)"
+        if os.environ.get("FERRY_REQUIRE_ETCD") == "1":
+            pytest.fail(f"{reason} (FERRY_REQUIRE_ETCD=1 says it must be here)")
+        pytest.skip(f"{reason} (set FERRY_REQUIRE_ETCD=1 to make this a failure)")
+    return found
+
+
+@pytest.fixture
+def etcd_available() -> str:
+    """The etcd server binary, for a test that starts etcd itself (see ``etcd_binary``)."""
+    return etcd_binary()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd_server():
+    """A real etcd on loopback ports, its data in a temporary directory; yields its address as
+    ``etcd://127.0.0.1:PORT`` once it accepts connections, and kills it afterwards."""
+    import socket
+
+    binary = etcd_binary()
+    client, peer = _free_port(), _free_port()
+    url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    with tempfile.TemporaryDirectory(prefix="ferry-py-etcd-") as data, tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [binary, "--data-dir", data, "--name", "ferry-test",
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"ferry-test={peer_url}"],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    pytest.fail(f"etcd exited with {proc.returncode}: {log.read()[-2000:]}")
+                try:
+                    socket.create_connection(("127.0.0.1", client), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        pytest.fail("etcd did not listen within 20 s")
+                    time.sleep(0.05)  # polling for the listener, not a fixed wait
+            yield f"etcd://127.0.0.1:{client}"
+        finally:
+            proc.kill()
+            proc.wait()

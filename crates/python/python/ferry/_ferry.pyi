@@ -497,6 +497,7 @@ def _publish(
     listen: str,
     keep_versions: int,
     auth_key_file: str | os.PathLike[str] | None = None,
+    discovery: str | None = None,
 ) -> _Publisher: ...
 def _join(
     engine: Engine,
