@@ -516,8 +516,9 @@ async fn scattered_batches_cannot_reach_a_segment_published_to_others() -> Resul
     Ok(())
 }
 
-/// An io_uring server past its thread budget hands data streams to the TCP data plane's I/O
-/// threads: they are served from the authenticated peer's view too.
+/// An io_uring server with a thread per data stream (not its default fixed set of rings) past
+/// its thread budget hands data streams to the TCP data plane's I/O threads: they are served
+/// from the authenticated peer's view too.
 #[cfg(feature = "uring")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_handed_over_past_the_thread_budget_keep_the_peers_view() -> Result<()> {
@@ -525,7 +526,7 @@ async fn streams_handed_over_past_the_thread_budget_keep_the_peers_view() -> Res
         return Ok(());
     }
     let server = Server::start_with(DataPlane::Uring, Some(&format!("{ALICE}\n{BOB}")), |b| {
-        b.uring_max_threads(0)
+        b.uring_max_threads(0).uring_event_loop(false)
     })?;
     let secret = server.secret.as_ref().context("no secret")?;
     let alice = client(DataPlane::Tcp, Some(ALICE))?;

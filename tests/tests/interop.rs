@@ -25,6 +25,8 @@ use ferry_transport_uring::{StreamOverflow, UringConfig, UringServer, UringTrans
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
+    /// As a server: io_uring with a thread per data stream (`event_loop: false`); as a client:
+    /// io_uring.
     Uring(ZeroCopy),
     /// As a server: io_uring with every data stream on its fixed set of rings
     /// ([`UringConfig::event_loop`], two rings); as a client: `Uring(ZeroCopy::Auto)`.
@@ -92,6 +94,7 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
             let t = UringTransport::new(match side {
                 Side::Uring(zc) => UringConfig {
                     zero_copy: zc,
+                    event_loop: false,
                     ..UringConfig::default()
                 },
                 Side::Rings(zc) => UringConfig {
@@ -185,21 +188,34 @@ async fn channel_with(
     transport.open(peer).await.unwrap()
 }
 
-/// Each client stream runs one thread (and ring), and so does each served connection: the
-/// client transport's and the server's `threads` gauges count them while the channel lives
-/// (the handshake's connection thread ends after the handshake), and both fall back to zero
-/// once it is dropped.
+/// Each client stream runs one thread (and ring), and so does each served connection of a
+/// server without its fixed set of rings: the client transport's and the server's `threads`
+/// gauges count them while the channel lives (the handshake's connection thread ends after the
+/// handshake), and both fall back to zero once it is dropped. The default server's gauge counts
+/// its rings, whatever it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_thread_per_stream_counted_while_the_channel_lives() {
     if !uring_usable() {
         return;
     }
+    threads_counted_while_the_channel_lives(false).await;
+    threads_counted_while_the_channel_lives(true).await;
+}
+
+async fn threads_counted_while_the_channel_lives(event_loop: bool) {
     let t = UringTransport::new(UringConfig {
         streams: 3,
         ..UringConfig::default()
     })
     .unwrap();
-    let h = serve_uring(&Arc::new(Table::default()), t.config().clone(), None);
+    let server = UringConfig {
+        event_loop,
+        server_rings: 2,
+        ..t.config().clone()
+    };
+    let h = serve_uring(&Arc::new(Table::default()), server, None);
+    // The server's threads: one per stream, or its two rings throughout.
+    let served = |streams: u64| if event_loop { 2 } else { streams };
     let addr = h.local_addr();
     let offer = t.offer();
     let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
@@ -217,12 +233,15 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
             std::thread::sleep(Duration::from_millis(10));
         }
     };
+    assert_eq!(gauge(h.stats()), served(0));
     let ch = t.open(peer).await.unwrap();
     assert_eq!(gauge(t.stats()), 3);
-    settle(3, "server with the channel open", &|| gauge(h.stats()));
+    settle(served(3), "server with the channel open", &|| {
+        gauge(h.stats())
+    });
     drop(ch);
     settle(0, "client after the drop", &|| gauge(t.stats()));
-    settle(0, "server after the drop", &|| gauge(h.stats()));
+    settle(served(0), "server after the drop", &|| gauge(h.stats()));
 }
 
 const PAIRS: &[(Side, Side)] = &[
@@ -903,8 +922,10 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         return;
     }
     let table = Arc::new(Table::default());
+    // A thread per served stream (the default fixed set of rings has no budget to pass).
     let config = UringConfig {
         max_threads: 2,
+        event_loop: false,
         ..UringConfig::default()
     };
     let overflow = TcpOverflow(ferry_transport_tcp::StreamServer::new(&TcpConfig::default()));

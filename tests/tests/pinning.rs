@@ -10,13 +10,13 @@ use common::*;
 use ferry_core::{MemoryRegion, OpKind, SegmentToken, Transport};
 use ferry_transport_uring::{UringConfig, UringTransport};
 
-/// The CPUs each of this process's serving threads may run on, one list per thread.
-fn serving_threads() -> Vec<String> {
+/// The CPUs each of this process's threads named `comm` (as the kernel keeps it, 15 bytes) may
+/// run on, one list per thread.
+fn threads_named(comm_want: &str) -> Vec<String> {
     let mut out = Vec::new();
     for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        // "ferry-uring-conn", as the kernel keeps it (15 bytes).
-        if comm.trim() != "ferry-uring-con" {
+        if comm.trim() != comm_want {
             continue;
         }
         let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
@@ -26,6 +26,11 @@ fn serving_threads() -> Vec<String> {
     }
     out.sort();
     out
+}
+
+/// The CPUs each of this process's stream-serving threads ("ferry-uring-conn") may run on.
+fn serving_threads() -> Vec<String> {
+    threads_named("ferry-uring-con")
 }
 
 /// Waits up to 10 s for `want` to hold of the serving threads' CPU lists.
@@ -65,7 +70,12 @@ async fn two_loopback_streams_are_served_one_core_each() {
         );
         return;
     }
-    let server_config = UringConfig::default();
+    // The server with a thread per served stream (its fixed set of rings is pinned at its
+    // start, below).
+    let server_config = UringConfig {
+        event_loop: false,
+        ..UringConfig::default()
+    };
     assert!(server_config.pin_loopback_streams);
     let h = serve_uring(&Arc::new(Table::default()), server_config, None);
     let addr = h.local_addr();
@@ -99,4 +109,23 @@ async fn two_loopback_streams_are_served_one_core_each() {
         drop(ch);
         settle("channel dropped", |t| t.is_empty());
     }
+    drop(h);
+
+    // The default server's rings ("ferry-uring-ring0", "...1") each run on a CPU of their own
+    // from the start, where a loopback client's stream of the same index is served.
+    let rings = serve_uring(
+        &Arc::new(Table::default()),
+        UringConfig {
+            server_rings: 2,
+            ..UringConfig::default()
+        },
+        None,
+    );
+    assert_eq!(rings.rings(), 2);
+    let ring_cpus = threads_named("ferry-uring-rin");
+    assert_eq!(ring_cpus.len(), 2, "ring threads on {ring_cpus:?}");
+    assert!(
+        ring_cpus[0] != ring_cpus[1] && ring_cpus.iter().all(|c| c.parse::<usize>().is_ok()),
+        "ring threads on {ring_cpus:?}"
+    );
 }

@@ -258,8 +258,9 @@ async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()
 
 /// Past the io_uring thread budget both sides stay bounded and move bytes the same: a client
 /// whose stream threads reached `uring_max_threads` opens its next peer over the TCP data plane,
-/// and a listener at its budget serves further data streams on the TCP data plane's I/O threads.
-/// Both are counted in `describe().data_plane_io`.
+/// and a listener with a thread per data stream (`uring_event_loop(false)`) at its budget serves
+/// further data streams on the TCP data plane's I/O threads, while the default listener's fixed
+/// set of rings has no budget to reach. Both are counted in `describe().data_plane_io`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Result<()> {
     if let Some(why) = ferry::probe_kernel().unusable_reason() {
@@ -267,23 +268,26 @@ async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Resu
         return Ok(());
     }
     let len = (3 << 20) + 4321;
-    let serve = |max_threads: usize| -> Result<(TransferEngine, ferry::Registration)> {
-        let e = TransferEngine::builder()
-            .data_plane(DataPlane::Uring)
-            .uring_max_threads(max_threads)
-            .listen("127.0.0.1:0".parse::<SocketAddr>()?)
-            .build()?;
-        let seg = e.register(
-            MemoryRegion::alloc_zeroed(len, 4096)?,
-            Access::REMOTE_READ | Access::REMOTE_WRITE,
-            "seg",
-        )?;
-        Ok((e, seg))
-    };
+    let serve =
+        |max_threads: usize, event_loop: bool| -> Result<(TransferEngine, ferry::Registration)> {
+            let e = TransferEngine::builder()
+                .data_plane(DataPlane::Uring)
+                .uring_max_threads(max_threads)
+                .uring_event_loop(event_loop)
+                .uring_server_rings(2)
+                .listen("127.0.0.1:0".parse::<SocketAddr>()?)
+                .build()?;
+            let seg = e.register(
+                MemoryRegion::alloc_zeroed(len, 4096)?,
+                Access::REMOTE_READ | Access::REMOTE_WRITE,
+                "seg",
+            )?;
+            Ok((e, seg))
+        };
     // Server B runs one serving thread at most: a two-stream client's second stream is handed
-    // over.
-    let (a, _seg_a) = serve(256)?;
-    let (b, _seg_b) = serve(1)?;
+    // over. Server A serves on two rings, however small its budget.
+    let (a, _seg_a) = serve(1, true)?;
+    let (b, _seg_b) = serve(1, false)?;
     let client = TransferEngine::builder()
         .data_plane(DataPlane::Uring)
         .streams(2)
@@ -334,7 +338,7 @@ async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Resu
     );
     let io_a = a.describe().data_plane_io.context("uring in describe")?;
     assert!(
-        io_a.contains("streams past it on tcp I/O threads 0"),
+        io_a.contains("listener on 2 rings: threads 2, streams past it on tcp I/O threads 0"),
         "{io_a}"
     );
     Ok(())

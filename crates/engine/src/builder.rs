@@ -172,13 +172,34 @@ impl EngineBuilder {
     }
 
     /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
-    /// per client stream and one per served data stream. Past it, new peers are opened over
+    /// per client stream, and one per served data stream where the listener runs without
+    /// [`uring_event_loop`](Self::uring_event_loop). Past it, new peers are opened over
     /// the TCP data plane (same wire, a fixed set of I/O threads;
     /// [`Peer::transport`](crate::Peer::transport) says `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
     /// Counted in `describe().data_plane_io` ("peers past it over tcp").
     #[cfg(feature = "uring")]
     pub fn uring_max_threads(mut self, n: usize) -> Self {
         self.data.uring_max_threads = n;
+        self
+    }
+
+    /// Whether the io_uring listener serves every data stream on a fixed set of rings, each on
+    /// one thread (default on): a served stream then costs no thread, so
+    /// [`uring_max_threads`](Self::uring_max_threads) bounds only the client side and no stream
+    /// is handed to the TCP data plane's I/O threads. Off: a thread and a ring per served data
+    /// stream, up to that budget.
+    #[cfg(feature = "uring")]
+    pub fn uring_event_loop(mut self, on: bool) -> Self {
+        self.data.uring_event_loop = on;
+        self
+    }
+
+    /// How many rings serve the io_uring listener's data streams with
+    /// [`uring_event_loop`](Self::uring_event_loop) (default 0: one per CPU this process may
+    /// run on).
+    #[cfg(feature = "uring")]
+    pub fn uring_server_rings(mut self, n: usize) -> Self {
+        self.data.uring_server_rings = n;
         self
     }
 

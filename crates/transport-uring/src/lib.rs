@@ -18,8 +18,9 @@
 //!   ring, O_DIRECT where a piece's alignment allows; any other source by its positioned I/O.
 //! - A server's connections in their handshake cost no thread: its accept thread runs all of
 //!   them on non-blocking sockets, within [`UringConfig::handshake`] (a deadline on each, a cap
-//!   on how many at once), and only an attached data stream gets a thread.
-//! - With [`UringConfig::event_loop`] (off by default), no data stream gets a thread either: a
+//!   on how many at once), and only an attached data stream of a server without
+//!   [`UringConfig::event_loop`] gets a thread.
+//! - With [`UringConfig::event_loop`] (on by default), no data stream gets a thread either: a
 //!   fixed set of rings ([`UringConfig::server_rings`], one per CPU by default), each on one
 //!   thread, serves every attached stream as a queue of steps around the same
 //!   [`ServerStream`](ferry_core::stream::ServerStream), one socket operation of each stream in
@@ -30,7 +31,7 @@
 //!   (O_DIRECT ring reads and writes, positioned I/O for other sources), a piece of at most
 //!   1 MiB at a time on the ring's thread. Nothing goes to the [`StreamOverflow`] there.
 //! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
-//!   peers over the TCP data plane, and a server hands new data streams to its
+//!   peers over the TCP data plane, and a server without the event loop hands new data streams to its
 //!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).
 //! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth
 //!   (positioned reads, `ferry_file`'s portable path, where the kernel refuses a ring).
@@ -142,8 +143,8 @@ pub struct UringConfig {
     /// The server serves every data stream on a fixed set of rings ([`server_rings`] of them,
     /// each on one thread) instead of a thread and a ring per stream: a stream costs no thread,
     /// [`max_threads`] does not bound the server and nothing goes to its [`StreamOverflow`].
-    /// Off by default: the engine does not expose it yet, and its tests of the thread budget
-    /// assume a thread per stream (`docs/architecture.md` §9, `docs/performance.md`).
+    /// On by default (the engine's `EngineBuilder::uring_event_loop`); off, each served data
+    /// stream gets a thread and a ring of its own, up to [`max_threads`].
     ///
     /// [`server_rings`]: UringConfig::server_rings
     /// [`max_threads`]: UringConfig::max_threads
@@ -188,7 +189,7 @@ impl Default for UringConfig {
             dead_peer_after: Some(DEAD_PEER_AFTER),
             max_threads: MAX_THREADS,
             handshake: HandshakeLimits::default(),
-            event_loop: false,
+            event_loop: true,
             server_rings: 0,
         }
     }

@@ -133,6 +133,11 @@ impl RingSet {
         })
     }
 
+    /// How many rings it runs.
+    pub(crate) fn len(&self) -> usize {
+        self.rings.len()
+    }
+
     /// Hands `stream` (blocking mode; its attach accepted by `accept`, sent first) to a ring:
     /// a loopback client's stream `index` to ring `index` (the rings are pinned one per CPU as
     /// its streams are, so both ends of a stream share a core), any other to the next in turn.

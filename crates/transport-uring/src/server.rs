@@ -94,9 +94,16 @@ pub struct UringServerHandle {
     listener_fd: i32,
     stats: Arc<IoStats>,
     gate: Arc<HandshakeGate>,
+    rings: usize,
 }
 
 impl UringServerHandle {
+    /// How many rings serve its data streams ([`UringConfig::event_loop`]); 0: a thread and a
+    /// ring per served data stream.
+    pub fn rings(&self) -> usize {
+        self.rings
+    }
+
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
@@ -202,10 +209,12 @@ impl UringServer {
             overflow: self.overflow,
             rings: std::sync::OnceLock::new(),
         });
+        let mut rings = 0;
         if ctx.config.event_loop {
-            let rings = crate::rings::RingSet::start(ctx.config.server_rings, &ctx)
+            let set = crate::rings::RingSet::start(ctx.config.server_rings, &ctx)
                 .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
-            let _ = ctx.rings.set(rings);
+            rings = set.len();
+            let _ = ctx.rings.set(set);
         }
         let listener = self.listener;
         // The accept thread polls it with the connections in their handshake.
@@ -224,6 +233,7 @@ impl UringServer {
             listener_fd,
             stats,
             gate,
+            rings,
         })
     }
 }

@@ -490,8 +490,12 @@ impl TransferEngine {
                 if let Some(Server::Uring(h)) = &self.inner.serving.server {
                     use std::sync::atomic::Ordering::Relaxed;
                     let s = h.stats();
+                    let rings = match h.rings() {
+                        0 => String::new(),
+                        n => format!(" on {n} rings"),
+                    };
                     line.push_str(&format!(
-                        "; listener: threads {}, streams past it on tcp I/O threads {}, held responses {}",
+                        "; listener{rings}: threads {}, streams past it on tcp I/O threads {}, held responses {}",
                         s.threads.load(Relaxed),
                         s.handed_over.load(Relaxed),
                         s.held_responses.load(Relaxed),
