@@ -18,6 +18,7 @@ pub mod ids;
 pub mod memory;
 pub mod op;
 pub mod outcome;
+pub mod queue;
 pub mod stream;
 pub mod transport;
 pub mod wire;

@@ -12,7 +12,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use ferry_core::dealer::{deal_ops, deal_ops_grouped};
+use ferry_core::queue::{JobQueue, Next, Wake};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
@@ -57,116 +58,55 @@ impl ChunkOwner for ReqShared {
 
 type Job = Work<ReqShared>;
 
-/// A stream's sender task, as the queue sees it.
+/// A stream's sender task's wake-up: new work, room freed in flight, nothing left in flight
+/// (it may take others' jobs), the stream's or the channel's end.
 #[derive(Debug, Default)]
-struct Taker {
-    wake: Notify,
-    /// The sender waits for a job.
-    waiting: AtomicBool,
-    /// ... with nothing in flight: it may take another stream's job.
-    starved: AtomicBool,
-    /// Chunks posted on the stream and not resolved yet.
-    in_flight: AtomicUsize,
+struct TaskWake(Notify);
+
+impl Wake for TaskWake {
+    fn wake(&self) {
+        self.0.notify_one();
+    }
 }
 
-/// The chunks of a channel not yet taken by its streams' sender tasks ([`Dealer`]), with each
-/// sender's wake-up.
-#[derive(Debug)]
-struct JobQueue {
-    state: std::sync::Mutex<Dealer<Job>>,
-    takers: Vec<Taker>,
+type Queue = JobQueue<Job, TaskWake>;
+
+/// The next job for stream `i`'s sender, waiting for one; `None` once the channel is gone (and
+/// nothing is queued for it) or the stream died. `idle`: nothing is in flight on the stream.
+async fn next_job(
+    queue: &Queue,
+    i: usize,
+    dead: &AtomicBool,
+    idle: impl Fn() -> bool,
+) -> Option<Job> {
+    let t = queue.taker(i)?;
+    loop {
+        if dead.load(Ordering::Acquire) {
+            return None;
+        }
+        match queue.next_or_wait(i, idle()) {
+            Next::Job(j) => return Some(j),
+            Next::Closed => return None,
+            Next::Empty => {
+                t.waker().0.notified().await;
+                t.rise();
+            }
+        }
+    }
 }
 
-impl JobQueue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Dealer<Job>> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// Stream `i`'s sender stops taking jobs: what was dealt to it goes to the others, and what no
+/// stream is left to take fails (never posted).
+fn leave(queue: &Queue, i: usize) {
+    for job in queue.leave(i) {
+        job.not_posted(FailureKind::PeerLost);
     }
+}
 
-    /// Wakes stream `i`'s sender (a stored permit if it is busy: it looks again), and, if it is
-    /// busy, one sender that waits with nothing in flight (it may take the job).
-    fn wake_for(&self, i: usize) {
-        let Some(t) = self.takers.get(i) else {
-            return;
-        };
-        t.wake.notify_one();
-        if !t.waiting.load(Ordering::SeqCst)
-            && let Some(idle) = self
-                .takers
-                .iter()
-                .find(|t| t.starved.load(Ordering::SeqCst))
-        {
-            idle.wake.notify_one();
-        }
-    }
-
-    fn wake_all_in(&self, set: StreamSet) {
-        for i in 0..self.takers.len() {
-            if set.contains(i) {
-                self.wake_for(i);
-            }
-        }
-    }
-
-    /// Stream `i`'s sender stops taking jobs: what was dealt to it goes to the others, and what
-    /// no stream is left to take fails (never posted).
-    fn leave(&self, i: usize) {
-        let mut woken = StreamSet::default();
-        let orphans = self.lock().leave(i, &mut woken);
-        self.wake_all_in(woken);
-        for job in orphans {
-            job.not_posted(FailureKind::PeerLost);
-        }
-    }
-
-    /// Deals `job` to another stream (after stream `i` left), or fails it if none is left.
-    fn hand_on(&self, job: Job) {
-        let dealt = self.lock().deal(job);
-        match dealt {
-            Ok(k) => self.wake_for(k),
-            Err(job) => job.not_posted(FailureKind::PeerLost),
-        }
-    }
-
-    /// The next job for stream `i`'s sender, waiting for one; `None` once the channel is gone
-    /// (and nothing is queued for it) or the stream died.
-    async fn next(&self, i: usize, dead: &AtomicBool) -> Option<Job> {
-        let t = &self.takers[i];
-        loop {
-            if dead.load(Ordering::Acquire) {
-                return None;
-            }
-            let idle = t.in_flight.load(Ordering::Acquire) == 0;
-            // Announced before the look, so that a dealer that finds this sender busy after it
-            // looked wakes a starved one instead (or this one, through the stored permit).
-            t.starved.store(idle, Ordering::SeqCst);
-            t.waiting.store(true, Ordering::SeqCst);
-            let got = {
-                let mut g = self.lock();
-                match g.take(i, idle) {
-                    Some(j) => Ok(j),
-                    None => Err(g.is_closed()),
-                }
-            };
-            match got {
-                Ok(j) => {
-                    t.waiting.store(false, Ordering::SeqCst);
-                    t.starved.store(false, Ordering::SeqCst);
-                    return Some(j);
-                }
-                Err(true) => return None,
-                Err(false) => t.wake.notified().await,
-            }
-        }
-    }
-
-    /// The channel is gone: each sender ends once nothing is queued for it.
-    fn close(&self) {
-        self.lock().close();
-        for t in &self.takers {
-            t.wake.notify_one();
-        }
+/// Deals `job` to another stream (after stream `i` left), or fails it if none is left.
+fn hand_on(queue: &Queue, job: Job) {
+    if let Err(job) = queue.hand_on(job) {
+        job.not_posted(FailureKind::PeerLost);
     }
 }
 
@@ -175,7 +115,7 @@ impl JobQueue {
 pub struct TcpChannel {
     peer: SocketAddr,
     streams: ChannelStreams,
-    queue: Arc<JobQueue>,
+    queue: Arc<Queue>,
     chunk: u64,
     /// The peer takes vectored requests (protocol version 3): small ops are grouped.
     vectored: bool,
@@ -194,10 +134,7 @@ impl TcpChannel {
         pool: &Arc<IoPool>,
     ) -> std::io::Result<Self> {
         let depth = depth.max(1);
-        let queue = Arc::new(JobQueue {
-            state: std::sync::Mutex::new(Dealer::new(sockets.len())),
-            takers: (0..sockets.len()).map(|_| Taker::default()).collect(),
-        });
+        let queue = Arc::new(Queue::new((0..sockets.len()).map(|_| TaskWake::default())));
         let mut streams = ChannelStreams::new();
         for (i, s) in sockets.into_iter().enumerate() {
             // Out of the caller's reactor, into the I/O thread's; a duplicate descriptor stays
@@ -217,7 +154,7 @@ impl TcpChannel {
                     Err(e) => {
                         debug!(%peer, stream = i, error = %e, "registering the stream failed");
                         d.store(true, Ordering::Release);
-                        q.leave(i);
+                        leave(&q, i);
                         return;
                     }
                 };
@@ -280,7 +217,7 @@ impl Channel for TcpChannel {
         if self.vectored {
             // Runs of small ops go out as vectored requests of up to one chunk's bytes.
             deal_ops_grouped(
-                &queue.state,
+                queue.dealer(),
                 &ops,
                 &control,
                 self.chunk,
@@ -306,7 +243,7 @@ impl Channel for TcpChannel {
             );
         } else {
             deal_ops(
-                &queue.state,
+                queue.dealer(),
                 &ops,
                 &control,
                 self.chunk,
@@ -364,13 +301,12 @@ impl StreamProto {
 async fn sender(
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
-    queue: Arc<JobQueue>,
+    queue: Arc<Queue>,
     proto: Arc<StreamProto>,
     peer: SocketAddr,
     index: usize,
 ) {
     let mut stage = vec![0u8; DATA_REQUEST_LEN + SMALL];
-    let taker = &queue.takers[index];
     'run: loop {
         // Room in flight first, then a job: a job is never held while this stream is full.
         loop {
@@ -382,12 +318,13 @@ async fn sender(
             }
             proto.room.notified().await;
         }
-        let Some(job) = queue.next(index, &dead).await else {
+        let idle = || proto.lock().in_flight() == 0;
+        let Some(job) = next_job(&queue, index, &dead, idle).await else {
             break;
         };
         if dead.load(Ordering::Acquire) {
-            queue.leave(index);
-            queue.hand_on(job);
+            leave(&queue, index);
+            hand_on(&queue, job);
             break;
         }
         let posted = proto.lock().post(job);
@@ -395,12 +332,11 @@ async fn sender(
             Post::Send(out) => out,
             Post::Resolved => continue,
             Post::Broken(job) => {
-                queue.leave(index);
-                queue.hand_on(job);
+                leave(&queue, index);
+                hand_on(&queue, job);
                 break;
             }
         };
-        taker.in_flight.fetch_add(1, Ordering::AcqRel);
         let is_write = out.kind == OpKind::Write;
         let res = if !out.scatter.is_empty() {
             let mut parts = Vec::with_capacity(2 + if is_write { out.scatter.len() } else { 0 });
@@ -454,26 +390,24 @@ async fn sender(
         }
     }
     // What was dealt to this stream goes to the others; the last one fails it.
-    taker.waiting.store(false, Ordering::SeqCst);
-    taker.starved.store(false, Ordering::SeqCst);
-    queue.leave(index);
+    leave(&queue, index);
 }
 
 async fn receiver(
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
-    queue: Arc<JobQueue>,
+    queue: Arc<Queue>,
     proto: Arc<StreamProto>,
     peer: SocketAddr,
     index: usize,
 ) {
-    let taker = &queue.takers[index];
-    // Mirrors the chunks in flight for the dealer; once none is, the sender may take other
-    // streams' jobs: wake it. Room freed in flight wakes it too.
+    // Once nothing is in flight, the sender may take other streams' jobs: wake it. Room freed
+    // in flight wakes it too.
     let settle = |in_flight: usize| {
-        taker.in_flight.store(in_flight, Ordering::Release);
-        if in_flight == 0 {
-            taker.wake.notify_one();
+        if in_flight == 0
+            && let Some(t) = queue.taker(index)
+        {
+            t.waker().wake();
         }
         proto.room.notify_one();
     };

@@ -21,7 +21,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use ferry_core::dealer::{deal_ops, deal_ops_grouped};
+use ferry_core::queue::{JobQueue, Next, Wake};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
@@ -92,124 +93,32 @@ impl Drop for NotifHold {
     }
 }
 
-/// Wakes a stream thread that waits on its ring (for responses, notifications or new work).
+/// A stream thread's wake-up: an eventfd its ring reads, so that new work, a submitter's
+/// unsent tail or the channel's end ends the ring's wait.
 #[derive(Debug)]
-struct Wake {
-    fd: OwnedFd,
-    /// The sender is (about to be) waiting on its ring.
-    sleeping: AtomicBool,
-    /// ... with nothing in flight: it may take another stream's chunk.
-    starved: AtomicBool,
-}
+struct EventFd(OwnedFd);
 
-impl Wake {
+impl EventFd {
     fn new() -> std::io::Result<Self> {
         // SAFETY: plain eventfd creation; the result is checked before use.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Self {
-            // SAFETY: eventfd returned a fresh descriptor that we now own.
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-            sleeping: AtomicBool::new(false),
-            starved: AtomicBool::new(false),
-        })
+        // SAFETY: eventfd returned a fresh descriptor that we now own.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
+}
 
-    /// The thread no longer waits.
-    fn rise(&self) {
-        self.sleeping.store(false, Ordering::SeqCst);
-        self.starved.store(false, Ordering::SeqCst);
-    }
-
-    fn poke_now(&self) {
+impl Wake for EventFd {
+    fn wake(&self) {
         let one = 1u64.to_ne_bytes();
         // SAFETY: writing 8 bytes from a local array to our own eventfd.
-        let _ = unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        let _ = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), 8) };
     }
 }
 
-/// The chunks of a channel not yet taken by its streams ([`Dealer`]: dealt in turn, taken by
-/// a stream with nothing in flight, handed on by a stream that ends), with each stream
-/// thread's wake-up.
-#[derive(Debug)]
-struct JobQueue<J> {
-    state: Mutex<Dealer<J>>,
-    /// Each stream thread's wake-up, by stream index.
-    wakes: Vec<Arc<Wake>>,
-}
-
-impl<J> JobQueue<J> {
-    fn new(wakes: Vec<Arc<Wake>>) -> Self {
-        Self {
-            state: Mutex::new(Dealer::new(wakes.len())),
-            wakes,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Dealer<J>> {
-        match self.state.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
-    }
-
-    /// Wakes stream `i` if it waits for work, else one stream that waits with nothing in
-    /// flight (it may take the chunk). A thread announces its wait before it looks at the queue
-    /// a last time, both `SeqCst`: a chunk queued after that look finds the flag set. Busy
-    /// threads look again on their own.
-    fn wake_for(&self, i: usize) {
-        if let Some(own) = self.wakes.get(i)
-            && own.sleeping.load(Ordering::SeqCst)
-        {
-            own.poke_now();
-            return;
-        }
-        if let Some(w) = self.wakes.iter().find(|w| w.starved.load(Ordering::SeqCst)) {
-            w.poke_now();
-        }
-    }
-
-    /// Wakes (see [`JobQueue::wake_for`]) for each stream in `set`.
-    fn wake_all_in(&self, set: StreamSet) {
-        for i in 0..self.wakes.len() {
-            if set.contains(i) {
-                self.wake_for(i);
-            }
-        }
-    }
-
-    /// Marks the channel gone and wakes every stream thread: each ends once nothing is queued
-    /// for it and nothing is in flight.
-    fn drop_channel(&self) {
-        self.lock().close();
-        for w in &self.wakes {
-            w.poke_now();
-        }
-    }
-
-    /// For stream `i`: `Some(Some(job))`, `Some(None)` once the channel is gone and nothing is
-    /// queued for it, `None` if nothing is. With `idle` (nothing in flight) it may take the
-    /// oldest chunk of the longest other queue.
-    fn next(&self, i: usize, idle: bool) -> Option<Option<J>> {
-        let mut g = self.lock();
-        match g.take(i, idle) {
-            Some(j) => Some(Some(j)),
-            None if g.is_closed() => Some(None),
-            None => None,
-        }
-    }
-
-    /// Stream `i`'s thread stops taking jobs: what was dealt to it goes to the others (woken);
-    /// returns what no stream is left to take, for the caller to fail.
-    fn leave(&self, i: usize) -> Vec<J> {
-        let mut woken = StreamSet::default();
-        let orphans = self.lock().leave(i, &mut woken);
-        self.wake_all_in(woken);
-        orphans
-    }
-}
+type Queue = JobQueue<Job, EventFd>;
 
 /// Requests of one chunk whose header and payload together are at most this many bytes are
 /// sent by the submitting thread itself when a stream is idle ([`UringChannel::send_direct`]).
@@ -251,7 +160,7 @@ impl StreamShared {
 pub struct UringChannel {
     peer: SocketAddr,
     streams: ChannelStreams,
-    queue: Arc<JobQueue<Job>>,
+    queue: Arc<Queue>,
     /// Each stream's shared state, by stream index.
     shared: Vec<Arc<StreamShared>>,
     stats: Arc<IoStats>,
@@ -283,18 +192,18 @@ impl UringChannel {
         } = plan;
         let depth = depth.max(1);
         let wakes = (0..sockets.len())
-            .map(|_| Wake::new().map(Arc::new))
+            .map(|_| EventFd::new())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| ferry_core::Error::io("create eventfd for", peer.to_string(), e))?;
-        let queue = Arc::new(JobQueue::new(wakes.clone()));
+        let queue = Arc::new(Queue::new(wakes));
         let mut streams = ChannelStreams::new();
         let mut shared = Vec::new();
         // On failure the threads started so far end (their sockets shut, the queue dropped).
-        let abandon = |streams: &ChannelStreams, queue: &JobQueue<Job>| {
+        let abandon = |streams: &ChannelStreams, queue: &Queue| {
             streams.shutdown_all();
-            queue.drop_channel();
+            queue.close();
         };
-        for (i, (s, wake)) in sockets.into_iter().zip(wakes).enumerate() {
+        for (i, s) in sockets.into_iter().enumerate() {
             // A duplicate descriptor stays with the channel handle, to shut the socket down from
             // any thread.
             let handle = match s.try_clone() {
@@ -331,7 +240,6 @@ impl UringChannel {
             let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(1);
             let cx = StreamCtx {
                 splice,
-                wake,
                 socket: socket.clone(),
                 dead: dead.clone(),
                 queue: queue.clone(),
@@ -348,7 +256,9 @@ impl UringChannel {
                             if pin {
                                 crate::pin_stream_thread(i);
                             }
-                            io.set_wake(cx.wake.fd.as_raw_fd());
+                            if let Some(t) = cx.queue.taker(i) {
+                                io.set_wake(t.waker().0.as_raw_fd());
+                            }
                             let _ = ready_tx.send(Ok(()));
                             stream(io, cx, sh)
                         }
@@ -441,10 +351,8 @@ impl UringChannel {
                 Post::Broken(job) => {
                     // Not reached (checked above); hand it on like a leaving stream would.
                     drop(g);
-                    let dealt = self.queue.lock().deal(job);
-                    match dealt {
-                        Ok(k) => self.queue.wake_for(k),
-                        Err(job) => job.not_posted(FailureKind::PeerLost),
+                    if let Err(job) = self.queue.hand_on(job) {
+                        job.not_posted(FailureKind::PeerLost);
                     }
                     return true;
                 }
@@ -508,7 +416,9 @@ impl UringChannel {
                 });
                 g.tail = tail;
                 drop(g);
-                self.queue.wakes[i].poke_now();
+                if let Some(t) = self.queue.taker(i) {
+                    t.waker().wake();
+                }
             }
             return true;
         }
@@ -555,7 +465,7 @@ impl Channel for UringChannel {
             if self.vectored {
                 // Runs of small ops go out as vectored requests of up to one chunk's bytes.
                 deal_ops_grouped(
-                    &self.queue.state,
+                    self.queue.dealer(),
                     &ops,
                     &control,
                     self.chunk,
@@ -581,7 +491,7 @@ impl Channel for UringChannel {
                 );
             } else {
                 deal_ops(
-                    &self.queue.state,
+                    self.queue.dealer(),
                     &ops,
                     &control,
                     self.chunk,
@@ -614,19 +524,27 @@ impl Channel for UringChannel {
 impl Drop for UringChannel {
     fn drop(&mut self) {
         self.streams.shutdown_all();
-        self.queue.drop_channel();
+        self.queue.close();
     }
 }
 
 /// What a stream thread owns besides its ring.
 struct StreamCtx {
     splice: bool,
-    wake: Arc<Wake>,
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
-    queue: Arc<JobQueue<Job>>,
+    queue: Arc<Queue>,
     peer: SocketAddr,
     index: usize,
+}
+
+impl StreamCtx {
+    /// The thread no longer waits on its ring.
+    fn rise(&self) {
+        if let Some(t) = self.queue.taker(self.index) {
+            t.rise();
+        }
+    }
 }
 
 /// One stream's thread: it sends requests in order (WRITE payloads from registered memory) and
@@ -690,20 +608,12 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
         };
         if room {
             let idle = in_flight == 0;
-            match cx.queue.next(cx.index, idle) {
-                Some(Some(j)) => job = Some(j),
-                Some(None) => open = false,
-                None => {
-                    // Announce the wait, then look again: a poster that queued a job after our
-                    // first look sees the flag and writes the eventfd (both sides SeqCst).
-                    cx.wake.sleeping.store(true, Ordering::SeqCst);
-                    cx.wake.starved.store(idle, Ordering::SeqCst);
-                    match cx.queue.next(cx.index, idle) {
-                        Some(Some(j)) => job = Some(j),
-                        Some(None) => open = false,
-                        None => {}
-                    }
-                }
+            // Nothing found: the wait stays announced, so a job dealt after the last look writes
+            // the eventfd.
+            match cx.queue.next_or_wait(cx.index, idle) {
+                Next::Job(j) => job = Some(j),
+                Next::Closed => open = false,
+                Next::Empty => {}
             }
         }
         let Some(job) = job else {
@@ -713,19 +623,19 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
                 (g.proto.in_flight(), !g.tail.is_empty())
             };
             if !open && in_flight == 0 && resp_at == 0 && !tail {
-                cx.wake.rise();
+                cx.rise();
                 break 'run None;
             }
-            // Wait for a response, a zero-copy notification or new work (`sleeping` was set
-            // above if new work could be taken; with `depth` chunks in flight posters need not
+            // Wait for a response, a zero-copy notification or new work (the wait was
+            // announced above if new work could be taken; with `depth` chunks in flight posters need not
             // wake us: a response will; a submitter that leaves a tail writes the eventfd).
             if !tail {
                 io.wait(Duration::from_secs(1));
             }
-            cx.wake.rise();
+            cx.rise();
             continue;
         };
-        cx.wake.rise();
+        cx.rise();
         let res = post(&mut io, job, &sh, &cx);
         sh.lock().busy = false;
         if let Err(native) = res {
@@ -905,23 +815,15 @@ fn on_response(
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsRawFd;
-    use std::sync::Arc;
-    use std::sync::atomic::Ordering;
 
-    use super::{JobQueue, Wake};
+    use ferry_core::queue::Wake;
 
-    fn queue(streams: usize) -> JobQueue<u32> {
-        JobQueue::new(
-            (0..streams)
-                .map(|_| Arc::new(Wake::new().unwrap()))
-                .collect(),
-        )
-    }
+    use super::EventFd;
 
     /// Whether `w`'s eventfd was written (and resets it).
-    fn poked(w: &Wake) -> bool {
+    fn poked(w: &EventFd) -> bool {
         let mut p = libc::pollfd {
-            fd: w.fd.as_raw_fd(),
+            fd: w.0.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -930,35 +832,20 @@ mod tests {
         if ready {
             let mut b = [0u8; 8];
             // SAFETY: reading 8 bytes into a local array from our own readable eventfd.
-            unsafe { libc::read(w.fd.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+            unsafe { libc::read(w.0.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
         }
         ready
     }
 
-    /// A chunk dealt to a waiting stream wakes it; dealt to a busy one, it wakes a stream that
-    /// waits with nothing in flight instead, and no stream that waits with chunks in flight.
+    /// A wake-up before the ring waits is kept (the eventfd's counter) until read, once however
+    /// many came (the queue's protocol: `ferry_core::queue`).
     #[test]
-    fn a_chunk_for_a_busy_stream_wakes_an_idle_one() {
-        let q = queue(3);
-        q.wakes[0].sleeping.store(true, Ordering::SeqCst);
-        q.wake_for(0);
-        assert!(poked(&q.wakes[0]));
-        q.wakes[0].rise();
-        // Stream 1 waits with chunks in flight (a response will wake it), stream 2 idles.
-        q.wakes[1].sleeping.store(true, Ordering::SeqCst);
-        q.wakes[2].sleeping.store(true, Ordering::SeqCst);
-        q.wakes[2].starved.store(true, Ordering::SeqCst);
-        q.wake_for(0);
-        assert!(!poked(&q.wakes[0]));
-        assert!(!poked(&q.wakes[1]));
-        assert!(poked(&q.wakes[2]));
-        q.wakes[2].rise();
-        q.wake_for(0);
-        assert!(
-            ![0, 1, 2].iter().any(|&i| poked(&q.wakes[i])),
-            "nobody to wake"
-        );
-        q.drop_channel();
-        assert!([0, 1, 2].iter().all(|&i| poked(&q.wakes[i])));
+    fn a_wake_before_the_wait_is_kept_until_read() {
+        let w = EventFd::new().unwrap();
+        assert!(!poked(&w));
+        w.wake();
+        w.wake();
+        assert!(poked(&w));
+        assert!(!poked(&w));
     }
 }
