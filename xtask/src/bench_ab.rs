@@ -4,8 +4,9 @@
 //! Both binaries run `ferry bench` (each its own in-process loopback server) with the same
 //! arguments, one right after the other in each round, the order swapped every round so neither
 //! always runs on a warmer machine. Cases: the TCP and io_uring data planes, one and two
-//! streams, 1 MiB READs and WRITEs (rate, GB/s), and a 64-byte WRITE round trip with one op in
-//! flight (p50, microseconds) on each data plane. The table shows each side's median and the
+//! streams, 1 MiB READs and WRITEs (rate, GB/s), 64 KiB READs and WRITEs at depth 16 on one
+//! stream (a quarter of `--total` each), and a 64-byte WRITE round trip with one op in flight
+//! (p50, microseconds) on each data plane. The table shows each side's median and the
 //! median and range of the per-round ratios, oriented so that above 1 means this tree is
 //! faster.
 //!
@@ -54,6 +55,27 @@ fn cases(total: u64, ops: usize) -> Vec<Case> {
                     higher_is_better: true,
                 });
             }
+        }
+        for op in ["read", "write"] {
+            v.push(Case {
+                label: format!("{transport}, 1 stream, 64 KiB {op}s at depth 16 (GB/s)"),
+                args: [
+                    "--transport",
+                    transport,
+                    "--op",
+                    op,
+                    "--op-size",
+                    "64KiB",
+                    "--depth",
+                    "16",
+                    "--total",
+                    &(total / 4).to_string(),
+                ]
+                .map(String::from)
+                .to_vec(),
+                key: "gb_per_s",
+                higher_is_better: true,
+            });
         }
         v.push(Case {
             label: format!("{transport}, 64 B write round trip p50 (us)"),

@@ -171,32 +171,21 @@ impl EngineBuilder {
         self
     }
 
-    /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
-    /// per client stream, and one per served data stream where the listener runs without
-    /// [`uring_event_loop`](Self::uring_event_loop). Past it, new peers are opened over
-    /// the TCP data plane (same wire, a fixed set of I/O threads;
-    /// [`Peer::transport`](crate::Peer::transport) says `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
-    /// Counted in `describe().data_plane_io` ("peers past it over tcp").
+    /// Threads the io_uring data plane's client side runs at most (default 256): it runs one
+    /// per client stream. Past it, new peers are opened over the TCP data plane (same wire, a
+    /// fixed set of I/O threads; [`Peer::transport`](crate::Peer::transport) says `tcp`).
+    /// Counted in `describe().data_plane_io` ("peers past it over tcp"). The listener is not
+    /// bounded by it: it serves every data stream on its fixed set of rings
+    /// ([`uring_server_rings`](Self::uring_server_rings)).
     #[cfg(feature = "uring")]
     pub fn uring_max_threads(mut self, n: usize) -> Self {
         self.data.uring_max_threads = n;
         self
     }
 
-    /// Whether the io_uring listener serves every data stream on a fixed set of rings, each on
-    /// one thread (default on): a served stream then costs no thread, so
-    /// [`uring_max_threads`](Self::uring_max_threads) bounds only the client side and no stream
-    /// is handed to the TCP data plane's I/O threads. Off: a thread and a ring per served data
-    /// stream, up to that budget.
-    #[cfg(feature = "uring")]
-    pub fn uring_event_loop(mut self, on: bool) -> Self {
-        self.data.uring_event_loop = on;
-        self
-    }
-
-    /// How many rings serve the io_uring listener's data streams with
-    /// [`uring_event_loop`](Self::uring_event_loop) (default 0: one per CPU this process may
-    /// run on).
+    /// How many rings serve the io_uring listener's data streams, each on one thread (default
+    /// 0: one per CPU this process may run on). A served data stream costs no thread: the
+    /// listener runs these however many peers it serves.
     #[cfg(feature = "uring")]
     pub fn uring_server_rings(mut self, n: usize) -> Self {
         self.data.uring_server_rings = n;

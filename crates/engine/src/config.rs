@@ -27,10 +27,7 @@ pub(crate) struct DataPlaneConfig {
     /// Threads the io_uring data plane runs at most on each side.
     #[cfg(feature = "uring")]
     pub(crate) uring_max_threads: usize,
-    /// Whether the io_uring listener serves its data streams on a fixed set of rings.
-    #[cfg(feature = "uring")]
-    pub(crate) uring_event_loop: bool,
-    /// How many rings (0: one per CPU) with `uring_event_loop`.
+    /// How many rings serve the io_uring listener's data streams (0: one per CPU).
     #[cfg(feature = "uring")]
     pub(crate) uring_server_rings: usize,
     /// What the listener allows a connection before its handshake is over.
@@ -62,8 +59,6 @@ impl Default for DataPlaneConfig {
             io_threads,
             #[cfg(feature = "uring")]
             uring_max_threads: uring.max_threads,
-            #[cfg(feature = "uring")]
-            uring_event_loop: uring.event_loop,
             #[cfg(feature = "uring")]
             uring_server_rings: uring.server_rings,
             handshake,
@@ -98,7 +93,6 @@ impl DataPlaneConfig {
             connect_timeout: self.connect_timeout,
             dead_peer_after: self.dead_peer_after,
             max_threads: self.uring_max_threads,
-            event_loop: self.uring_event_loop,
             server_rings: self.uring_server_rings,
             handshake: self.handshake,
             ..UringConfig::default()
@@ -122,8 +116,6 @@ mod tests {
             io_threads: None,
             #[cfg(feature = "uring")]
             uring_max_threads: 11,
-            #[cfg(feature = "uring")]
-            uring_event_loop: false,
             #[cfg(feature = "uring")]
             uring_server_rings: 17,
             handshake: ferry_transport_tcp::HandshakeLimits {
@@ -159,7 +151,7 @@ mod tests {
                 ),
                 (3, 4096, 5, None, 11)
             );
-            assert_eq!((u.event_loop, u.server_rings), (false, 17));
+            assert_eq!(u.server_rings, 17);
             assert_eq!(
                 (u.connect_timeout, u.dead_peer_after, u.handshake),
                 (c.connect_timeout, c.dead_peer_after, c.handshake)

@@ -1,4 +1,4 @@
-//! The serving side's event loop ([`UringConfig::event_loop`]): a fixed set of rings, each on
+//! The serving side's event loop: a fixed set of rings ([`UringConfig::server_rings`]), each on
 //! one thread, drives every attached data stream the server has; a stream costs no thread.
 //!
 //! The accept thread hands a stream whose handshake ended to one ring (in turn). Each stream is
@@ -16,9 +16,9 @@
 //! until the kernel's notification, however the stream ends; a request's last send carries the
 //! next header's receive in the same enter. File pieces and checksums of files run on the ring's thread (positioned or
 //! O_DIRECT ring I/O of at most one piece, 1 MiB); a memory checksum runs one
-//! [`RegionCrc::step`] per turn. No stream is ever handed to the [`crate::StreamOverflow`].
+//! [`RegionCrc::step`] per turn.
 //!
-//! [`UringConfig::event_loop`]: crate::UringConfig::event_loop
+//! [`UringConfig::server_rings`]: crate::UringConfig::server_rings
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
