@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ferry_bench_json_of, median, run as run_loud, size};
+use crate::util::{cargo, ferry_bench_json_of, median, median_and_range, run as run_loud, size};
 
 /// One measured case: its label, the `ferry bench` arguments, the JSON key, and whether
 /// larger is better (a rate) or smaller (a latency).
@@ -30,71 +30,61 @@ struct Case {
     higher_is_better: bool,
 }
 
+/// A `ferry bench` case on `transport`: `op`s of `size` bytes, `total` bytes, and `extra` flags.
+fn case(label: String, transport: &str, op: &str, size: &str, total: u64, extra: &[&str]) -> Case {
+    let mut args: Vec<String> = ["--transport", transport, "--op", op, "--op-size", size]
+        .map(String::from)
+        .to_vec();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(["--total".to_owned(), total.to_string()]);
+    Case {
+        label,
+        args,
+        key: "gb_per_s",
+        higher_is_better: true,
+    }
+}
+
 fn cases(total: u64, ops: usize) -> Vec<Case> {
     let mut v = Vec::new();
     for transport in ["tcp", "uring"] {
         for streams in [1, 2] {
             for op in ["read", "write"] {
-                v.push(Case {
-                    label: format!("{transport}, {streams} stream(s), 1 MiB {op}s (GB/s)"),
-                    args: [
-                        "--transport",
-                        transport,
-                        "--op",
-                        op,
-                        "--op-size",
-                        "1MiB",
-                        "--streams",
-                        &streams.to_string(),
-                        "--total",
-                        &total.to_string(),
-                    ]
-                    .map(String::from)
-                    .to_vec(),
-                    key: "gb_per_s",
-                    higher_is_better: true,
-                });
+                let label = format!("{transport}, {streams} stream(s), 1 MiB {op}s (GB/s)");
+                let streams = streams.to_string();
+                v.push(case(
+                    label,
+                    transport,
+                    op,
+                    "1MiB",
+                    total,
+                    &["--streams", &streams],
+                ));
             }
         }
         for op in ["read", "write"] {
-            v.push(Case {
-                label: format!("{transport}, 1 stream, 64 KiB {op}s at depth 16 (GB/s)"),
-                args: [
-                    "--transport",
-                    transport,
-                    "--op",
-                    op,
-                    "--op-size",
-                    "64KiB",
-                    "--depth",
-                    "16",
-                    "--total",
-                    &(total / 4).to_string(),
-                ]
-                .map(String::from)
-                .to_vec(),
-                key: "gb_per_s",
-                higher_is_better: true,
-            });
-        }
-        v.push(Case {
-            label: format!("{transport}, 64 B write round trip p50 (us)"),
-            args: [
-                "--transport",
+            let label = format!("{transport}, 1 stream, 64 KiB {op}s at depth 16 (GB/s)");
+            v.push(case(
+                label,
                 transport,
-                "--op",
-                "write",
-                "--op-size",
-                "64",
-                "--depth",
-                "1",
-                "--total",
-                &(ops * 64).to_string(),
-            ]
-            .map(String::from)
-            .to_vec(),
+                op,
+                "64KiB",
+                total / 4,
+                &["--depth", "16"],
+            ));
+        }
+        let label = format!("{transport}, 64 B write round trip p50 (us)");
+        v.push(Case {
             key: "p50_us",
             higher_is_better: false,
+            ..case(
+                label,
+                transport,
+                "write",
+                "64",
+                ops as u64 * 64,
+                &["--depth", "1"],
+            )
         });
     }
     v
@@ -170,14 +160,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     );
     println!("|---|---|---|---|");
     for (i, c) in cases.iter().enumerate() {
-        let lo = ratios[i].iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = ratios[i].iter().copied().fold(0.0, f64::max);
         println!(
-            "| {} | {:.2} | {:.2} | {:.3} [{lo:.2}-{hi:.2}] |",
+            "| {} | {:.2} | {:.2} | {} |",
             c.label,
             median(&theirs[i]),
             median(&ours[i]),
-            median(&ratios[i]),
+            median_and_range(&ratios[i]),
         );
     }
     println!("(ratios above 1: this tree is faster; latency rows compare p50 round trips)");

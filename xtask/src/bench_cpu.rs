@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ensure_tool, json_num, median, run as run_loud, size};
+use crate::util::{cargo, ensure_tool, json_num, median, median_and_range, run as run_loud, size};
 
 const USAGE: &str =
     "usage: cargo xtask bench cpu [--total BYTES] [--repeat N] [--transport auto|uring|tcp]";
@@ -312,16 +312,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     );
     println!("|---|---|---|---|");
     for (i, c) in CASES.iter().enumerate() {
-        let lo = ratios[i].iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = ratios[i].iter().copied().fold(0.0, f64::max);
         println!(
-            "| {} | {:.3} ({:.2}) | {:.3} ({:.2}) | {:.3} [{lo:.2}-{hi:.2}] |",
+            "| {} | {:.3} ({:.2}) | {:.3} ({:.2}) | {} |",
             c.label,
             per_gb(&ours[i]),
             rate(&ours[i]),
             per_gb(&theirs),
             rate(&theirs),
-            median(&ratios[i]),
+            median_and_range(&ratios[i]),
         );
     }
     println!(
