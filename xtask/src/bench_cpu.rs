@@ -14,11 +14,16 @@
 //! side's median CPU seconds per GB (10^9 bytes) and rate, and the median and range of the
 //! per-round ratios (below 1: Ferry spends less CPU per byte than iperf3).
 //!
+//! With `--baseline BIN` another build's `ferry serve` and `ferry bench` run the same cases in
+//! the same rounds (the three sides' order rotating each round), and the table adds the ratios of
+//! this tree's CPU per GB and rate to that build's.
+//!
 //! Options: `--total BYTES` per run (default 4GiB), `--repeat N` rounds (default 5), `--transport
-//! auto|uring|tcp` (default auto: the engine's choice, io_uring where the kernel allows).
+//! auto|uring|tcp` (default auto: the engine's choice, io_uring where the kernel allows),
+//! `--baseline BIN`.
 
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -26,8 +31,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::util::{cargo, ensure_tool, json_num, median, median_and_range, run as run_loud, size};
 
-const USAGE: &str =
-    "usage: cargo xtask bench cpu [--total BYTES] [--repeat N] [--transport auto|uring|tcp]";
+const USAGE: &str = "usage: cargo xtask bench cpu [--total BYTES] [--repeat N] [--transport auto|uring|tcp] [--baseline BIN]";
 
 /// A server process, killed when dropped.
 struct Server(Child);
@@ -160,16 +164,33 @@ const CASES: &[Case] = &[
     },
 ];
 
-fn ferry_run(
-    ferry: &Path,
-    server: &Server,
+/// One build of Ferry: its binary and its `ferry serve`, up for the whole run.
+struct Ferry {
+    bin: PathBuf,
+    server: Server,
     addr: SocketAddr,
-    transport: &str,
-    case: &Case,
-    total: u64,
-    hz: f64,
-) -> Result<Run> {
-    let mut cmd = Command::new(ferry);
+}
+
+impl Ferry {
+    fn start(bin: PathBuf, transport: &str) -> Result<Self> {
+        let addr: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let server = Server(
+            Command::new(&bin)
+                .args(["serve", "--listen", &addr.to_string()])
+                .args(["--transport", transport])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("starting {} serve", bin.display()))?,
+        );
+        wait_listening(addr, "ferry serve")?;
+        Ok(Self { bin, server, addr })
+    }
+}
+
+fn ferry_run(ferry: &Ferry, transport: &str, case: &Case, total: u64, hz: f64) -> Result<Run> {
+    let (server, addr) = (&ferry.server, ferry.addr);
+    let mut cmd = Command::new(&ferry.bin);
     cmd.args([
         "bench",
         &addr.to_string(),
@@ -214,6 +235,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut total = 4u64 << 30;
     let mut repeat = 5usize;
     let mut transport = "auto".to_owned();
+    let mut baseline: Option<PathBuf> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| -> Result<String> {
@@ -230,6 +252,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                     .max(1)
             }
             "--transport" => transport = value("--transport")?,
+            "--baseline" => baseline = Some(PathBuf::from(value("--baseline")?)),
             other => {
                 eprintln!("{USAGE}");
                 bail!("unknown option {other}")
@@ -241,21 +264,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     ensure_tool("iperf3", "iperf3")?;
     run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
-    let ferry = crate::util::release_bin("ferry");
     let hz = clock_ticks();
-
-    let ferry_port = free_port()?;
-    let ferry_addr: SocketAddr = ([127, 0, 0, 1], ferry_port).into();
-    let ferry_server = Server(
-        Command::new(&ferry)
-            .args(["serve", "--listen", &ferry_addr.to_string()])
-            .args(["--transport", &transport])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting ferry serve")?,
-    );
-    wait_listening(ferry_addr, "ferry serve")?;
+    let mut ferries = vec![Ferry::start(crate::util::release_bin("ferry"), &transport)?];
+    if let Some(b) = baseline {
+        if !b.is_file() {
+            bail!("the baseline {} is not a file", b.display());
+        }
+        ferries.push(Ferry::start(b, &transport)?);
+    }
     let iperf_port = free_port()?;
     // Not one-off (`-1`): the server must outlive each client so that its CPU time can be read
     // after the client ends, and it may take the probe connection below.
@@ -269,58 +285,70 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     );
     wait_listening(([127, 0, 0, 1], iperf_port).into(), "iperf3 -s")?;
 
-    // ratios[c], ferry[c], reference: per round.
-    let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
-    let mut ours: Vec<Vec<Run>> = (0..CASES.len()).map(|_| Vec::new()).collect();
-    let mut theirs: Vec<Run> = Vec::new();
+    // Per round: runs[side][case] of each Ferry build, and the iperf3 reference.
+    let mut rounds: Vec<(Vec<Vec<Run>>, Run)> = Vec::new();
     for round in 0..repeat {
         eprintln!("bench cpu: round {} of {repeat}", round + 1);
-        let reference_first = round % 2 == 0;
+        let sides = 1 + ferries.len();
         let mut reference = None;
-        if reference_first {
-            reference = Some(iperf3_run(&iperf_server, iperf_port, total, hz)?);
+        let mut runs: Vec<Vec<Run>> = (0..ferries.len()).map(|_| Vec::new()).collect();
+        for k in 0..sides {
+            // Side 0 is iperf3; the order rotates every round.
+            match (k + round) % sides {
+                0 => reference = Some(iperf3_run(&iperf_server, iperf_port, total, hz)?),
+                f => {
+                    for case in CASES {
+                        runs[f - 1].push(ferry_run(&ferries[f - 1], &transport, case, total, hz)?);
+                    }
+                }
+            }
         }
-        let mut runs = Vec::new();
-        for case in CASES {
-            runs.push(ferry_run(
-                &ferry,
-                &ferry_server,
-                ferry_addr,
-                &transport,
-                case,
-                total,
-                hz,
-            )?);
-        }
-        let reference = match reference {
-            Some(r) => r,
-            None => iperf3_run(&iperf_server, iperf_port, total, hz)?,
-        };
-        for (i, r) in runs.into_iter().enumerate() {
-            ratios[i].push(r.cpu_per_gb() / reference.cpu_per_gb());
-            ours[i].push(r);
-        }
-        theirs.push(reference);
+        rounds.push((runs, reference.context("no iperf3 run in a round")?));
     }
     drop(iperf_server);
-    drop(ferry_server);
+    let ferries_len = ferries.len();
+    drop(ferries);
 
-    let per_gb = |v: &[Run]| median(&v.iter().map(Run::cpu_per_gb).collect::<Vec<_>>());
-    let rate = |v: &[Run]| median(&v.iter().map(Run::gb_per_s).collect::<Vec<_>>());
-    println!(
+    type Round = (Vec<Vec<Run>>, Run);
+    let column = |side: usize, c: usize, f: fn(&Run) -> f64| -> Vec<f64> {
+        rounds.iter().map(|(runs, _)| f(&runs[side][c])).collect()
+    };
+    let reference = |f: fn(&Run) -> f64| -> Vec<f64> { rounds.iter().map(|(_, r)| f(r)).collect() };
+    let per_round = |of: &dyn Fn(&Round) -> f64| -> String {
+        median_and_range(&rounds.iter().map(of).collect::<Vec<_>>())
+    };
+    let with_baseline = ferries_len > 1;
+    print!(
         "| ferry ({transport}), one stream, depth 16 | ferry CPU s/GB (GB/s) | iperf3 -l 1M CPU s/GB (GB/s) | ferry / iperf3 CPU per GB, median [range] of {repeat} rounds |"
     );
-    println!("|---|---|---|---|");
-    for (i, c) in CASES.iter().enumerate() {
-        println!(
+    if with_baseline {
+        print!(" baseline CPU s/GB (GB/s) | ferry / baseline CPU per GB | ferry / baseline rate |");
+    }
+    println!();
+    println!(
+        "|---|---|---|---|{}",
+        if with_baseline { "---|---|---|" } else { "" }
+    );
+    for (c, case) in CASES.iter().enumerate() {
+        print!(
             "| {} | {:.3} ({:.2}) | {:.3} ({:.2}) | {} |",
-            c.label,
-            per_gb(&ours[i]),
-            rate(&ours[i]),
-            per_gb(&theirs),
-            rate(&theirs),
-            median_and_range(&ratios[i]),
+            case.label,
+            median(&column(0, c, Run::cpu_per_gb)),
+            median(&column(0, c, Run::gb_per_s)),
+            median(&reference(Run::cpu_per_gb)),
+            median(&reference(Run::gb_per_s)),
+            per_round(&|(runs, r)| runs[0][c].cpu_per_gb() / r.cpu_per_gb()),
         );
+        if with_baseline {
+            print!(
+                " {:.3} ({:.2}) | {} | {} |",
+                median(&column(1, c, Run::cpu_per_gb)),
+                median(&column(1, c, Run::gb_per_s)),
+                per_round(&|(runs, _)| runs[0][c].cpu_per_gb() / runs[1][c].cpu_per_gb()),
+                per_round(&|(runs, _)| runs[0][c].gb_per_s() / runs[1][c].gb_per_s()),
+            );
+        }
+        println!();
     }
     println!(
         "(CPU: user + system seconds of client and server together per 10^9 bytes; below 1: ferry spends less CPU per byte)"
