@@ -1135,6 +1135,16 @@ impl Receiver {
             s.parent = parent.to_owned();
             s.done = have.is_done();
         });
+        self.engine.report_broadcast(ferry::BroadcastDescription {
+            role: "receiver".into(),
+            name: self.manifest.name.clone(),
+            version: self.manifest.version,
+            bytes,
+            total_bytes: self.manifest.chunks.iter().map(|c| c.len).sum(),
+            refetched,
+            peers: peers as u64,
+            done: have.is_done(),
+        });
         let _ = self.progress_tx.send(Progress {
             prefix: have.prefix(),
             done: have.is_done(),

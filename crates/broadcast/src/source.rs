@@ -179,6 +179,7 @@ impl Source {
         ms.push(m.clone());
         drop(ms);
         self.prune();
+        self.report(&m, false);
         tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
             kept = ?self.versions(), "source publishing a new version");
         Ok(m)
@@ -224,6 +225,7 @@ impl Source {
         lock(&self.state.source_layouts).insert(version, layout);
         lock(&self.state.manifests).push(m.clone());
         self.prune();
+        self.report(&m, false);
         tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
             kept = ?self.versions(), "source publishing a new version of its files");
         Ok(m)
@@ -259,8 +261,12 @@ impl Source {
     fn prune(&self) {
         let mut ms = lock(&self.state.manifests);
         let drop_n = ms.len().saturating_sub(self.keep_versions);
-        let gone: Vec<u64> = ms.drain(..drop_n).map(|m| m.version).collect();
+        let dropped: Vec<Manifest> = ms.drain(..drop_n).collect();
         drop(ms);
+        for m in &dropped {
+            self.report(m, true);
+        }
+        let gone: Vec<u64> = dropped.iter().map(|m| m.version).collect();
         lock(&self.state.source_layouts).retain(|v, _| !gone.contains(v));
         lock(&self.files).retain(|(v, _)| !gone.contains(v));
     }
@@ -371,7 +377,7 @@ impl Source {
         }
         tracing::info!(name = %manifest.name, version = manifest.version, %ctl_addr, %data_addr,
             epoch = source_epoch, bytes = manifest.total_bytes(), "source publishing");
-        Ok(Self {
+        let source = Self {
             engine,
             owns_engine,
             // Sources of files run an engine of their own; sources of tensors, the caller's.
@@ -385,7 +391,24 @@ impl Source {
             discovery,
             _ctl: ctl,
             keepalive,
-        })
+        };
+        source.report(&manifest, false);
+        Ok(source)
+    }
+
+    /// Reports version `m` on the engine (`describe()`, the `ferry_broadcast_*` metrics).
+    fn report(&self, m: &Manifest, done: bool) {
+        let total = m.total_bytes();
+        self.engine.report_broadcast(ferry::BroadcastDescription {
+            role: "source".into(),
+            name: m.name.clone(),
+            version: m.version,
+            bytes: total,
+            total_bytes: total,
+            refetched: 0,
+            peers: self.tracker.members(Instant::now()).len() as u64,
+            done,
+        });
     }
 
     /// The control address receivers are given.
@@ -439,6 +462,10 @@ impl Drop for Source {
     fn drop(&mut self) {
         if let Some(k) = &self.keepalive {
             k.abort();
+        }
+        let kept: Vec<Manifest> = lock(&self.state.manifests).clone();
+        for m in &kept {
+            self.report(m, true);
         }
         if self.owns_engine {
             self.engine.shutdown();

@@ -544,6 +544,132 @@ mod tests {
         );
     }
 
+    fn op(kind: OpKind, local: usize, local_offset: u64, len: u64) -> Op {
+        Op {
+            kind,
+            local: Arc::new(MemoryRegion::from_vec(vec![0; local])),
+            local_offset,
+            token: PUBLIC,
+            remote_offset: 0,
+            len,
+        }
+    }
+
+    /// The local side of an op must lie in its region; a checksum needs room for its digest
+    /// only, however long the remote range it hashes.
+    #[test]
+    fn an_op_is_checked_against_its_local_memory() {
+        assert!(op(OpKind::Read, 100, 80, 20).check_local().is_ok());
+        let err = op(OpKind::Read, 100, 81, 20).check_local().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfBounds {
+                    side: "local",
+                    source: crate::OutOfBounds {
+                        offset: 81,
+                        len: 20,
+                        size: 100
+                    }
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(op(OpKind::Write, 100, u64::MAX, 2).check_local().is_err());
+        assert!(op(OpKind::Checksum, 8, 4, 1 << 30).check_local().is_ok());
+        assert!(op(OpKind::Checksum, 8, 5, 1).check_local().is_err());
+    }
+
+    /// An op is checked against the remote descriptor's bounds, then its access.
+    #[test]
+    fn a_remote_descriptor_checks_bounds_then_access() {
+        let d = SegmentDesc {
+            len: 100,
+            ..desc("public", PUBLIC)
+        };
+        assert!(d.check(OpKind::Read, 0, 100).is_ok());
+        assert!(d.check(OpKind::Checksum, 40, 60).is_ok());
+        assert!(matches!(
+            d.check(OpKind::Read, 1, 100),
+            Err(Error::OutOfBounds { side: "remote", .. })
+        ));
+        assert!(matches!(
+            d.check(OpKind::Read, u64::MAX, 2),
+            Err(Error::OutOfBounds { side: "remote", .. })
+        ));
+        assert!(matches!(
+            d.check(OpKind::Write, 0, 1),
+            Err(Error::AccessDenied {
+                needed: Access::REMOTE_WRITE,
+                ..
+            })
+        ));
+        // Bounds first: an out-of-bounds WRITE to a read-only segment says out of bounds.
+        assert!(matches!(
+            d.check(OpKind::Write, 99, 2),
+            Err(Error::OutOfBounds { .. })
+        ));
+    }
+
+    /// Each kind has the name users type, shown as such, and is known from its offer; an offer
+    /// this build does not know has no kind.
+    #[test]
+    fn transport_kinds_name_themselves_and_are_known_by_their_offers() {
+        let kinds = [
+            (
+                TransportKind::Tcp,
+                "tcp",
+                TransportOffer::Tcp {
+                    streams: 1,
+                    port: 0,
+                },
+            ),
+            (
+                TransportKind::Uring,
+                "uring",
+                TransportOffer::Uring {
+                    streams: 1,
+                    port: 0,
+                    zero_copy: false,
+                },
+            ),
+            (
+                TransportKind::Rdma,
+                "rdma",
+                TransportOffer::Rdma { rails: Vec::new() },
+            ),
+        ];
+        for (kind, name, offer) in kinds {
+            assert_eq!(kind.name(), name);
+            assert_eq!(kind.to_string(), name);
+            assert_eq!(TransportKind::of_offer(&offer), Some(kind));
+        }
+        let unknown = TransportOffer::Unknown {
+            code: 99,
+            body: Vec::new(),
+        };
+        assert_eq!(TransportKind::of_offer(&unknown), None);
+    }
+
+    /// A table that keeps the defaults publishes everything to everyone.
+    #[test]
+    fn a_table_without_restrictions_publishes_to_everyone() {
+        #[derive(Debug)]
+        struct Open;
+        impl SegmentTable for Open {
+            fn resolve(&self, _token: SegmentToken) -> Option<SegmentLease> {
+                None
+            }
+            fn published(&self) -> Vec<SegmentDesc> {
+                vec![desc("public", PUBLIC)]
+            }
+        }
+        assert!(Open.visible_to(PUBLIC, None));
+        assert!(Open.visible_to(PUBLIC, Some("anyone")));
+        assert_eq!(names(Open.published_to(None)), ["public"]);
+        assert!(Open.file(PUBLIC).is_none());
+    }
+
     #[test]
     fn mocks_are_object_safe() {
         let mut t = MockTransport::new();

@@ -575,6 +575,7 @@ impl EngineBuilder {
                         MetricsServer::start(listener, addr, describe)
                     }),
                 },
+                broadcasts: Default::default(),
                 #[cfg(feature = "cuda")]
                 gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
             }),

@@ -274,6 +274,9 @@ pub struct Description {
     pub routes: Vec<RouteDescription>,
     /// Per-rail RDMA counters (empty without RDMA).
     pub rails: Vec<RailDescription>,
+    /// The broadcasts this engine takes part in, as they last reported themselves
+    /// ([`TransferEngine::report_broadcast`](crate::TransferEngine::report_broadcast)).
+    pub broadcasts: Vec<BroadcastDescription>,
     /// GPU registrations: device, PCI bus id, the GPUDirect route and why.
     #[cfg(feature = "cuda")]
     pub gpu_registrations: Vec<GpuRegistrationDescription>,
@@ -395,8 +398,43 @@ impl std::fmt::Display for Description {
                 r.rail, r.bytes, r.work_requests, r.errors, r.flushed, r.replayed, r.replayed_bytes
             )?;
         }
+        for b in &self.broadcasts {
+            writeln!(
+                f,
+                "broadcast {} v{} ({}): {} of {} bytes{}, {} refetched chunks, {} members",
+                b.name,
+                b.version,
+                b.role,
+                b.bytes,
+                b.total_bytes,
+                if b.done { ", done" } else { "" },
+                b.refetched,
+                b.peers
+            )?;
+        }
         Ok(())
     }
+}
+
+/// What one broadcast (a source, or a receiver) last reported of itself.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct BroadcastDescription {
+    /// `source` or `receiver`.
+    pub role: String,
+    /// The broadcast's name.
+    pub name: String,
+    /// The version moving.
+    pub version: u64,
+    /// Bytes verified (a receiver) or published (a source).
+    pub bytes: u64,
+    /// The version's payload bytes.
+    pub total_bytes: u64,
+    /// Chunks fetched again after a failed check.
+    pub refetched: u64,
+    /// Members listed.
+    pub peers: u64,
+    /// Every chunk verified (a receiver), or the source stopped.
+    pub done: bool,
 }
 
 /// Counters of one RDMA rail (`device:port`), summed over the live channels.

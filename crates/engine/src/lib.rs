@@ -33,6 +33,7 @@ mod handles;
 mod listener;
 pub mod metrics;
 mod peer;
+mod progress;
 mod reconnect;
 mod request;
 mod route;
@@ -40,8 +41,9 @@ mod serve;
 
 pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
 pub use describe::{
-    CacheDescription, ContextDescription, Description, HandshakeDescription, LatencyDescription,
-    RailDescription, RouteDescription, SegmentDescription, ServedDescription, TrafficDescription,
+    BroadcastDescription, CacheDescription, ContextDescription, Description, HandshakeDescription,
+    LatencyDescription, RailDescription, RouteDescription, SegmentDescription, ServedDescription,
+    TrafficDescription,
 };
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;
@@ -56,6 +58,7 @@ pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescr
 pub use handles::FileRegistration;
 pub use handles::{Registration, RemoteSegment};
 pub use peer::Peer;
+pub use progress::MAX_BROADCASTS;
 pub use reconnect::ReconnectPolicy;
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;

@@ -563,6 +563,58 @@ impl Collector for Snapshot {
             f.encode(&mut enc)?;
         }
 
+        // Broadcasts, by role, name and version (at most `MAX_BROADCASTS` of them).
+        type BroadcastFamily = (
+            &'static str,
+            &'static str,
+            MetricType,
+            fn(&crate::BroadcastDescription) -> u64,
+        );
+        let broadcast_families: [BroadcastFamily; 5] = [
+            (
+                "ferry_broadcast_bytes",
+                "Bytes of a broadcast version verified (a receiver) or published (a source).",
+                Gauge,
+                |b| b.bytes,
+            ),
+            (
+                "ferry_broadcast_size_bytes",
+                "Payload bytes of a broadcast version.",
+                Gauge,
+                |b| b.total_bytes,
+            ),
+            (
+                "ferry_broadcast_refetched_chunks",
+                "Chunks of a broadcast version fetched again after a failed check.",
+                Counter,
+                |b| b.refetched,
+            ),
+            (
+                "ferry_broadcast_members",
+                "Members of a broadcast version listed.",
+                Gauge,
+                |b| b.peers,
+            ),
+            (
+                "ferry_broadcast_done",
+                "1 once every chunk of a broadcast version is verified (a receiver) or the source \
+                 stopped.",
+                Gauge,
+                |b| u64::from(b.done),
+            ),
+        ];
+        for (name, help, ty, get) in broadcast_families {
+            let mut f = Family::new(name, help, ty);
+            for b in &d.broadcasts {
+                let version = b.version.to_string();
+                f.add(
+                    labels([("role", &b.role), ("name", &b.name), ("version", &version)]),
+                    get(b),
+                );
+            }
+            f.encode(&mut enc)?;
+        }
+
         // Staging of GPU memory.
         #[cfg(feature = "cuda")]
         if let Some(s) = &d.staging {
@@ -644,5 +696,49 @@ mod tests {
             MAX_PEER_LABELS + extra
         );
         assert!(text.contains(&count), "{text}");
+    }
+
+    /// A broadcast's report is served by role, name and version, and a later report of the
+    /// same version replaces the earlier one's values.
+    #[tokio::test]
+    async fn broadcast_progress_is_served_per_name_and_version() {
+        let engine = crate::TransferEngine::builder().build().unwrap();
+        let report = |version, bytes, done| crate::BroadcastDescription {
+            role: "receiver".into(),
+            name: "weights".into(),
+            version,
+            bytes,
+            total_bytes: 4096,
+            refetched: 1,
+            peers: 3,
+            done,
+        };
+        engine.report_broadcast(report(7, 1024, false));
+        engine.report_broadcast(report(7, 4096, true));
+        engine.report_broadcast(report(8, 0, false));
+        let text = engine.metrics_text();
+        let v7 = "{role=\"receiver\",name=\"weights\",version=\"7\"}";
+        let v8 = "{role=\"receiver\",name=\"weights\",version=\"8\"}";
+        for line in [
+            format!("ferry_broadcast_bytes{v7} 4096"),
+            format!("ferry_broadcast_done{v7} 1"),
+            format!("ferry_broadcast_bytes{v8} 0"),
+            format!("ferry_broadcast_size_bytes{v8} 4096"),
+            format!("ferry_broadcast_refetched_chunks_total{v7} 1"),
+            format!("ferry_broadcast_members{v8} 3"),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+        assert!(
+            engine
+                .describe()
+                .to_string()
+                .contains("broadcast weights v7 (receiver): 4096 of 4096 bytes, done"),
+            "{}",
+            engine.describe()
+        );
     }
 }

@@ -276,6 +276,7 @@ impl Batch {
         }
         let mut ops = Vec::with_capacity(self.ops.len());
         for p in &self.ops {
+            #[cfg_attr(not(feature = "cuda"), allow(clippy::infallible_destructuring_match))]
             let region = match &p.local {
                 Local::Host(region) => region,
                 #[cfg(feature = "cuda")]

@@ -155,7 +155,8 @@ impl TransferEngine {
         let Pick {
             transport,
             offer,
-            reservation,
+            // Held until the channel is open (the end of this function).
+            reservation: _reservation,
         } = route::pick(
             &self.inner.planes.transports,
             &server.transports,
@@ -176,7 +177,6 @@ impl TransferEngine {
             version,
         };
         let channel = transport.open(info).await?;
-        drop(reservation);
         Ok((server, version, channel))
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::SegmentToken;
@@ -21,7 +21,7 @@ mod connect;
 #[cfg(feature = "cuda")]
 mod gpu_memory;
 
-use crate::describe::{Description, RailDescription, SegmentDescription};
+use crate::describe::{BroadcastDescription, Description, RailDescription, SegmentDescription};
 use crate::handles::FileRegistration;
 use crate::handles::Registration;
 use crate::listener::Server;
@@ -38,6 +38,8 @@ pub(crate) struct Inner {
     pub(crate) planes: DataPlanes,
     pub(crate) peers: Peers,
     pub(crate) serving: Serving,
+    /// What the broadcasts on this engine last reported of themselves.
+    pub(crate) broadcasts: crate::progress::Board,
     /// GPU memory: the driver, the staging pool, its counters.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: Option<Arc<crate::gpu::GpuState>>,
@@ -548,11 +550,12 @@ impl TransferEngine {
             published,
             routes,
             rails: self.rails(),
+            broadcasts: self.inner.broadcasts.snapshot(),
             #[cfg(feature = "cuda")]
             gpu_registrations: self.inner.gpu.as_ref().map_or_else(Vec::new, |g| {
                 g.registrations
                     .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .iter()
                     .map(|(_, d)| d.clone())
                     .collect()
@@ -560,6 +563,14 @@ impl TransferEngine {
             #[cfg(feature = "cuda")]
             staging: self.inner.gpu.as_ref().map(|g| g.describe()),
         }
+    }
+
+    /// Records what a broadcast on this engine (`ferry-broadcast`'s source or receiver) reports
+    /// of its progress, in place of its last report (same role, name and version): `describe()`
+    /// lists it and the metrics serve it (`ferry_broadcast_*`). At most
+    /// [`MAX_BROADCASTS`](crate::MAX_BROADCASTS) are kept; a finished one goes first.
+    pub fn report_broadcast(&self, report: BroadcastDescription) {
+        self.inner.broadcasts.report(report);
     }
 
     /// Per-rail RDMA counters (empty without RDMA).
