@@ -19,7 +19,9 @@
 //! Options: `--receivers N` (8), `--size BYTES` (256MiB), `--rate TC_RATE` (200mbit),
 //! `--straggler TC_RATE` (also a relayed run with the middle receiver's link at that rate),
 //! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
-//! is). Needs root, `ip` and `tc`.
+//! is), `--bin PATH` (run that `ferry` binary instead: another build, for before/after rounds),
+//! `--stripes N` (passed to every `ferry pull`: the relay plan's stripes; 1 is the chain),
+//! `--no-killed` (no run with a receiver killed). Needs root, `ip` and `tc`.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -153,7 +155,9 @@ fn print_timeline(summaries: &[(usize, String)]) {
     }
 }
 
-/// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when.
+/// One run: source in host 0, receivers in 1..=n; `kill`: the receiver to kill and when;
+/// `stripes`: passed to every `ferry pull`.
+#[allow(clippy::too_many_arguments)]
 fn run_once(
     fleet: &Fleet,
     bin: &Path,
@@ -162,6 +166,7 @@ fn run_once(
     relay: bool,
     kill: Option<(usize, Duration)>,
     chunk: &str,
+    stripes: Option<&str>,
 ) -> Result<Outcome> {
     let listen = format!("{}:7500", fleet.addr(0));
     let file_s = file.display().to_string();
@@ -208,6 +213,9 @@ fn run_once(
         args.extend(["--linger", "30"]);
         if !relay {
             args.push("--no-relay");
+        }
+        if let Some(d) = stripes {
+            args.extend(["--stripes", d]);
         }
         let mut child = spawn(fleet, i, bin, &args)?;
         let out = child.stdout.take().context("receiver stdout")?;
@@ -293,6 +301,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut build = true;
     let mut chunk = "1MiB".to_string();
     let mut straggler: Option<String> = None;
+    let mut bin_arg: Option<PathBuf> = None;
+    let mut stripes: Option<String> = None;
+    let mut killed_run = true;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -303,6 +314,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--no-build" => build = false,
             "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
             "--straggler" => straggler = Some(it.next().context("--straggler RATE")?.clone()),
+            "--bin" => {
+                bin_arg = Some(it.next().context("--bin PATH")?.into());
+                build = false;
+            }
+            "--stripes" => stripes = Some(it.next().context("--stripes N")?.clone()),
+            "--no-killed" => killed_run = false,
             other => bail!("bench broadcast: unknown option {other:?}"),
         }
     }
@@ -312,8 +329,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if build {
         run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
     }
-    let bin = crate::util::release_bin("ferry");
-    let work: PathBuf = std::env::temp_dir().join("ferry-bench-broadcast");
+    let bin = bin_arg.unwrap_or_else(|| crate::util::release_bin("ferry"));
+    // Per process: two benches at once (two worktrees) must not write, or remove, each
+    // other's files.
+    let work: PathBuf =
+        std::env::temp_dir().join(format!("ferry-bench-broadcast.{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let file = work.join("payload.bin");
     payload(&file, len)?;
@@ -342,11 +362,29 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             o.from_relays / (1u64 << 20) as f64
         );
     };
-    let relayed = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
+    let relayed = run_once(
+        &fleet,
+        &bin,
+        &file,
+        &work,
+        true,
+        None,
+        &chunk,
+        stripes.as_deref(),
+    )?;
     report("relayed", &relayed);
     print_timeline(&relayed.summaries);
     if baseline {
-        let direct = run_once(&fleet, &bin, &file, &work, false, None, &chunk)?;
+        let direct = run_once(
+            &fleet,
+            &bin,
+            &file,
+            &work,
+            false,
+            None,
+            &chunk,
+            stripes.as_deref(),
+        )?;
         report("relaying off", &direct);
     }
     if let Some(slow) = &straggler
@@ -355,7 +393,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // The middle receiver's link slowed; the others' time is what the plan should protect.
         let host = n.div_ceil(2);
         fleet.reshape(host, slow)?;
-        let o = run_once(&fleet, &bin, &file, &work, true, None, &chunk)?;
+        let o = run_once(
+            &fleet,
+            &bin,
+            &file,
+            &work,
+            true,
+            None,
+            &chunk,
+            stripes.as_deref(),
+        )?;
         fleet.reshape(host, &rate)?;
         report(&format!("relayed, receiver {host} at {slow}"), &o);
         let start = o
@@ -378,7 +425,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         print_timeline(&o.summaries);
     }
     // With one receiver there is no other to route around a killed one.
-    if n > 1 {
+    if n > 1 && killed_run {
         let victim = n.div_ceil(2);
         let killed = run_once(
             &fleet,
@@ -388,6 +435,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             true,
             Some((victim, Duration::from_secs_f64(ideal / 2.0))),
             &chunk,
+            stripes.as_deref(),
         )?;
         report(&format!("relayed, receiver {victim} killed"), &killed);
     }

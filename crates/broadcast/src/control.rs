@@ -66,6 +66,11 @@ pub(crate) enum Request {
     Progress {
         after: u64,
         wait_ms: u64,
+        /// Answer once more than this many chunks are verified (or after `wait_ms`) instead
+        /// of once the prefix passes `after`: a striped member's prefix may not move while
+        /// its stripes do.
+        #[serde(default)]
+        after_count: Option<u64>,
     },
     Layout {
         #[serde(default)]
@@ -115,6 +120,12 @@ pub(crate) enum Reply {
         done: bool,
         #[serde(default)]
         version: u64,
+        /// Chunks verified.
+        #[serde(default)]
+        count: u64,
+        /// Per stripe, its verified prefix ([`Have::stripe_prefixes`](crate::plan::Have)).
+        #[serde(default)]
+        stripes: Vec<u64>,
     },
     Layout {
         source_epoch: u64,
@@ -145,11 +156,14 @@ pub(crate) enum Reply {
     },
 }
 
-/// What a member's verified prefix is now, and whether it holds everything.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a member's verified prefix is now (overall and per stripe), how many chunks it
+/// verified, and whether it holds everything.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Progress {
     pub(crate) prefix: u64,
     pub(crate) done: bool,
+    pub(crate) count: u64,
+    pub(crate) stripes: Vec<u64>,
 }
 
 /// The embedded discovery's membership list, kept by the source: a member is listed while its
@@ -560,16 +574,26 @@ async fn answer(req: Request, state: &CtlState) -> Reply {
                 }
             }
         },
-        Request::Progress { after, wait_ms } => {
+        Request::Progress {
+            after,
+            wait_ms,
+            after_count,
+        } => {
             let mut rx = state.progress.clone();
             let wait = Duration::from_millis(wait_ms).min(MAX_WAIT);
-            let _ = tokio::time::timeout(wait, rx.wait_for(|p| p.prefix > after || p.done)).await;
-            let p = *rx.borrow();
+            let moved = |p: &Progress| match after_count {
+                Some(n) => p.count > n || p.done,
+                None => p.prefix > after || p.done,
+            };
+            let _ = tokio::time::timeout(wait, rx.wait_for(moved)).await;
+            let p = rx.borrow().clone();
             Reply::Progress {
                 source_epoch,
                 prefix: p.prefix,
                 done: p.done,
                 version: state.version,
+                count: p.count,
+                stripes: p.stripes,
             }
         }
         Request::Join { member, token } => match &state.tracker {
@@ -814,6 +838,7 @@ mod tests {
             done: false,
             order: 99,
             version: 1,
+            rate: 0,
         }
     }
 

@@ -8,8 +8,8 @@
 //!   runs, and watch the prefix; a member that dies stops renewing its lease, etcd deletes its
 //!   key when the lease expires, and the others' plans no longer name it.
 //!
-//! Either way the list is what [`plan::holders`](crate::plan::holders) derives each member's
-//! holders from.
+//! Either way the list is what [`plan::stripe_holders`](crate::plan::stripe_holders) derives
+//! each member's parents from.
 
 use std::fmt;
 use std::future::Future;

@@ -4,8 +4,9 @@
 //! - [`manifest`]: what a source publishes (segments, entries with dtype and shape for
 //!   `.safetensors` tensors, chunks with BLAKE3 and CRC-32C), built from files and validated on
 //!   receipt; its [`Digest`] binds every chunk hash to the source.
-//! - [`plan`]: the chain every member derives from the membership list, and a receiver's
-//!   bookkeeping of verified chunks (no I/O).
+//! - [`plan`]: whom each member fetches each stripe from, derived from the membership list
+//!   (the striped plan; one stripe is a chain), and a receiver's bookkeeping of verified
+//!   chunks (no I/O).
 //! - [`stripes`]: a relay plan that scales (striped trees of bounded depth, stragglers at the
 //!   edge), a pure function of the membership and observed rates; [`sim`]: a discrete-event
 //!   simulation of links on which the chain and the striped plan are compared.
@@ -14,7 +15,7 @@
 //! - [`Source`] and [`Receiver`]: the roles. A source publishes files or named [`Tensor`]s of
 //!   the caller's engine (no copy), several versions side by side; a receiver pulls into
 //!   buffers of its own or into the caller's [`Destinations`], in place or staged. Receivers fetch chunks by Ferry READs from their
-//!   parent, verify them, and serve them to the member after them; dead, stalled or corrupting
+//!   parents (one per stripe), verify them, and serve them to their children; dead, stalled or corrupting
 //!   holders are routed around, and a restarted source (new epoch) is refused.
 //! - [`discovery`]: the membership list behind one trait, [`Embedded`]
 //!   (the source keeps it) or `Etcd` (feature `etcd`, which needs `protoc` at build time).
@@ -46,6 +47,6 @@ pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
 pub use receiver::{
-    Destinations, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
+    DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
 };
 pub use source::{Source, SourceOptions};

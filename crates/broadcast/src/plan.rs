@@ -1,19 +1,24 @@
 //! The plan every member derives from the membership list, and a receiver's bookkeeping of
 //! what it holds: no I/O, unit-tested.
 //!
-//! **The plan: a chain in join order.** Members are ordered by when they joined (the source
-//! first). Each receiver fetches from the nearest member before it that it has not given up on
-//! (its *parent*), and only chunks its parent has verified (the parent's verified prefix), with
-//! several chunks in flight. So the source sends each byte once, to the first receiver, every
-//! link carries the payload once in each direction, and each member serves at most one child
-//! in the steady state (degree 1). A receiver that gives up on its parent (dead, stalled, or
-//! of another epoch) moves to the next member before it, the source last; one that joins late
-//! takes the last member as its parent and catches up from it. Every member derives the same
-//! plan from the same list, so no coordinator is needed, and with etcd the list is etcd's.
+//! **The plan: striped trees in join order** ([`stripe_holders`]). Members are ordered by
+//! when they joined. The chunks are dealt into `d` stripes, each carried down its own tree of
+//! bounded depth ([`StripePlan::in_join_order`]), so the source sends each byte once, every
+//! member uploads about what it downloads, and a straggler (by the rates the members list) is a
+//! leaf of every tree; with `d = 1` it is a chain in join order with stragglers at its end.
+//! A member fetches each stripe from its parent in that stripe's tree, and only chunks its
+//! parent has verified (the parent's verified prefix of that stripe), with several chunks in
+//! flight. A member it gives up on (dead, stalled, corrupting, of another epoch) keeps its place
+//! but moves to the edge of its plan, so only that member's children move; one that joins late
+//! is dealt into a group like the others and catches up from whoever holds its stripes. Every
+//! member derives the same plan from the same list, so no coordinator is needed, and with etcd
+//! the list is etcd's.
 
 use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
+
+use crate::stripes::{Parent, StripePlan};
 
 /// A member's role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -53,43 +58,61 @@ pub struct Member {
     /// receivers of their own version, and from the source.
     #[serde(default)]
     pub version: u64,
+    /// Its download rate so far, bytes per second (`0`: not measured yet). What the striped
+    /// plan finds stragglers by ([`stripe_holders`]).
+    #[serde(default)]
+    pub rate: u64,
 }
 
-/// The members `me` may fetch `version` from, in the order to try them: the receivers of that
-/// version that joined before it (nearest first), then the source; never `me`, nor anyone in
-/// `avoid`, nor a member of another source epoch, nor a receiver of another version, nor one
-/// that serves nothing (no data address: its engine does not listen). A member
-/// `me` does not find in `members` (not yet listed) is taken to be the last to join.
-pub fn holders<'a>(
+/// Whom `me` fetches each of `d` stripes from (`None`: no holder listed): the receivers of
+/// `version` and source epoch `source_epoch` that serve (a data address), in join order with
+/// `me` among them (last if not listed yet), planned by [`StripePlan::in_join_order`] on
+/// their listed [`Member::rate`]s with stragglers below `straggler` times the median, and
+/// those in `avoid` at the edge (leaves, serving no one: their children move, nobody else);
+/// a stripe whose parent is the source, the source of that epoch.
+pub fn stripe_holders<'a>(
     members: &'a [Member],
     me: &str,
     source_epoch: u64,
     version: u64,
     avoid: &HashSet<String>,
-) -> Vec<&'a Member> {
-    let my_order = members
+    d: usize,
+    straggler: f64,
+) -> Vec<Option<&'a Member>> {
+    let d = d.max(1);
+    let source = members
         .iter()
-        .find(|m| m.id == me)
-        .map_or(u64::MAX, |m| m.order);
-    let mut before: Vec<&Member> = members
+        .find(|m| m.role == Role::Source && m.source_epoch == source_epoch);
+    let mut relays: Vec<&Member> = members
         .iter()
         .filter(|m| {
-            m.id != me
-                && m.role == Role::Receiver
-                && m.order < my_order
-                && m.source_epoch == source_epoch
-                && m.version == version
-                && !m.data_addr.is_empty()
-                && !avoid.contains(&m.id)
+            m.id == me
+                || (m.role == Role::Receiver
+                    && m.source_epoch == source_epoch
+                    && m.version == version
+                    && !m.data_addr.is_empty())
         })
         .collect();
-    before.sort_by_key(|m| std::cmp::Reverse(m.order));
-    before.extend(
-        members
-            .iter()
-            .filter(|m| m.role == Role::Source && m.source_epoch == source_epoch),
-    );
-    before
+    relays.sort_by_key(|m| m.order);
+    let mut rates: Vec<f64> = relays.iter().map(|m| m.rate as f64).collect();
+    let mut edge: Vec<bool> = relays.iter().map(|m| avoid.contains(&m.id)).collect();
+    let me_at = match relays.iter().position(|m| m.id == me) {
+        Some(i) => i,
+        None => {
+            rates.push(0.0);
+            edge.push(false);
+            relays.len()
+        }
+    };
+    let plan = StripePlan::in_join_order(&rates, d, straggler, &edge);
+    (0..d)
+        .map(|s| match plan.parent(s, me_at) {
+            Parent::Source => source,
+            // Everyone straggles or was given up: the source rather than one given up.
+            Parent::Member(p) if edge[p] => source,
+            Parent::Member(p) => relays.get(p).copied(),
+        })
+        .collect()
 }
 
 /// Verified chunks of one receiver, and the next ones to fetch.
@@ -101,18 +124,69 @@ pub struct Have {
     prefix: u64,
     /// No chunk below it is missing.
     low: usize,
+    /// Per stripe `s` (chunks `c` with `c % d == s`, `d` its length): how many of its chunks
+    /// from the first are all verified.
+    stripe_prefix: Vec<u64>,
 }
 
 impl Have {
-    /// Nothing held of `chunks` chunks.
+    /// Nothing held of `chunks` chunks (one stripe).
     pub fn new(chunks: usize) -> Self {
+        Self::striped(chunks, 1)
+    }
+
+    /// Nothing held of `chunks` chunks dealt into `d` stripes (at least 1).
+    pub fn striped(chunks: usize, d: usize) -> Self {
         Self {
             have: vec![false; chunks],
             in_flight: vec![false; chunks],
             count: 0,
             prefix: 0,
             low: 0,
+            stripe_prefix: vec![0; d.max(1)],
         }
+    }
+
+    /// Per stripe, the length of its verified prefix: chunks `s, s + d, ..` below
+    /// `s + d * prefix[s]` are all verified. What a member advertises besides
+    /// [`prefix`](Self::prefix): never a chunk it has not verified.
+    pub fn stripe_prefixes(&self) -> &[u64] {
+        &self.stripe_prefix
+    }
+
+    /// Whether every chunk of stripe `s` is verified.
+    pub fn stripe_done(&self, s: usize) -> bool {
+        let d = self.stripe_prefix.len();
+        (s..self.have.len()).step_by(d).all(|c| self.have[c])
+    }
+
+    /// The lowest chunk of stripe `s` neither verified nor in flight, if `can` says it may be
+    /// fetched (a holder holds it; holders advertise prefixes, so the first chunk it does not
+    /// hold ends the search), now marked in flight.
+    pub fn next_in_stripe(&mut self, s: usize, can: impl Fn(usize) -> bool) -> Option<usize> {
+        let d = self.stripe_prefix.len();
+        while self.low < self.have.len() && self.have[self.low] {
+            self.low += 1;
+        }
+        let start = self.low + (s + d - self.low % d) % d;
+        let i = (start..self.have.len())
+            .step_by(d)
+            .find(|&i| !self.have[i] && !self.in_flight[i])?;
+        if !can(i) {
+            return None;
+        }
+        self.in_flight[i] = true;
+        Some(i)
+    }
+
+    /// Whether stripe `s` has a chunk neither verified nor in flight that `can` says may be
+    /// fetched (as [`next_in_stripe`](Self::next_in_stripe), without marking it).
+    pub fn wants_from(&self, s: usize, can: impl Fn(usize) -> bool) -> bool {
+        let d = self.stripe_prefix.len();
+        (s..self.have.len())
+            .step_by(d)
+            .find(|&i| !self.have[i] && !self.in_flight[i])
+            .is_some_and(can)
     }
 
     /// Chunks in the manifest.
@@ -177,6 +251,16 @@ impl Have {
         while (self.prefix as usize) < self.have.len() && self.have[self.prefix as usize] {
             self.prefix += 1;
         }
+        let d = self.stripe_prefix.len();
+        let s = i % d;
+        loop {
+            let next = s + d * self.stripe_prefix[s] as usize;
+            if next < self.have.len() && self.have[next] {
+                self.stripe_prefix[s] += 1;
+            } else {
+                break;
+            }
+        }
         true
     }
 
@@ -217,11 +301,12 @@ mod tests {
             done: false,
             order,
             version: 1,
+            rate: 0,
         }
     }
 
     #[test]
-    fn a_chain_in_join_order_with_the_source_last() {
+    fn one_stripe_is_a_chain_in_join_order_with_the_source_first() {
         let ms = vec![
             m("s", 0, Role::Source, 7),
             m("a", 1, Role::Receiver, 7),
@@ -230,24 +315,95 @@ mod tests {
             m("x", 4, Role::Receiver, 8), // another source epoch
         ];
         let none = HashSet::new();
-        let ids = |v: Vec<&Member>| v.into_iter().map(|m| m.id.clone()).collect::<Vec<_>>();
-        assert_eq!(ids(holders(&ms, "a", 7, 1, &none)), ["s"]);
-        assert_eq!(ids(holders(&ms, "c", 7, 1, &none)), ["b", "a", "s"]);
+        let one = |ms: &[Member], me: &str, epoch: u64, version: u64, avoid: &HashSet<String>| {
+            stripe_holders(ms, me, epoch, version, avoid, 1, 0.5)[0].map(|m| m.id.clone())
+        };
+        assert_eq!(one(&ms, "a", 7, 1, &none).as_deref(), Some("s"));
+        assert_eq!(one(&ms, "c", 7, 1, &none).as_deref(), Some("b"));
         let avoid: HashSet<String> = ["b".to_string()].into();
-        assert_eq!(ids(holders(&ms, "c", 7, 1, &avoid)), ["a", "s"]);
+        assert_eq!(one(&ms, "c", 7, 1, &avoid).as_deref(), Some("a"));
         // Not listed yet: behind everyone.
-        assert_eq!(ids(holders(&ms, "late", 7, 1, &none)), ["c", "b", "a", "s"]);
-        // A source of another epoch is no holder.
-        assert_eq!(ids(holders(&ms, "y", 9, 1, &none)), Vec::<String>::new());
+        assert_eq!(one(&ms, "late", 7, 1, &none).as_deref(), Some("c"));
+        // A source of another epoch is no holder, nor its receivers.
+        assert_eq!(one(&ms, "y", 9, 1, &none), None);
         // A receiver pulling version 2 takes no receiver still holding version 1: the source
         // (which keeps both) only.
         let mut ms = ms;
         ms[3].version = 2;
-        assert_eq!(ids(holders(&ms, "late2", 7, 2, &none)), ["c", "s"]);
-        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["b", "a", "s"]);
+        assert_eq!(one(&ms, "late2", 7, 2, &none).as_deref(), Some("c"));
+        assert_eq!(one(&ms, "late1", 7, 1, &none).as_deref(), Some("b"));
         // A receiver whose engine does not listen serves nothing.
         ms[2].data_addr.clear();
-        assert_eq!(ids(holders(&ms, "late1", 7, 1, &none)), ["a", "s"]);
+        assert_eq!(one(&ms, "late1", 7, 1, &none).as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn stripes_of_the_plan_name_a_parent_each_and_a_straggler_moves_to_the_edge() {
+        let mut ms = vec![m("s", 0, Role::Source, 7)];
+        for (k, id) in ["a", "b", "c", "d", "e"].iter().enumerate() {
+            ms.push(m(id, k as u64 + 1, Role::Receiver, 7));
+        }
+        let none = HashSet::new();
+        let ids = |v: Vec<Option<&Member>>| {
+            v.into_iter()
+                .map(|m| m.map_or("-".to_string(), |m| m.id.clone()))
+                .collect::<Vec<_>>()
+        };
+        // d = 1: the chain in join order.
+        assert_eq!(ids(stripe_holders(&ms, "c", 7, 1, &none, 1, 0.5)), ["b"]);
+        assert_eq!(ids(stripe_holders(&ms, "a", 7, 1, &none, 1, 0.5)), ["s"]);
+        // d = 2: groups {a, c, e} and {b, d}; a is the root of stripe 0 and a leaf of stripe
+        // 1, hung on d (b, its root, already has d as a child).
+        assert_eq!(
+            ids(stripe_holders(&ms, "a", 7, 1, &none, 2, 0.5)),
+            ["s", "d"]
+        );
+        assert_eq!(ids(stripe_holders(&ms, "b", 7, 1, &none, 2, 0.5))[1], "s");
+        assert_eq!(ids(stripe_holders(&ms, "c", 7, 1, &none, 2, 0.5))[0], "a");
+        // Not listed yet: planned last.
+        assert_eq!(ids(stripe_holders(&ms, "late", 7, 1, &none, 1, 0.5)), ["e"]);
+        // b straggles: it serves no one, and c, its child in the chain, takes a instead.
+        for (k, r) in ms.iter_mut().enumerate().skip(1) {
+            r.rate = if k == 2 { 10 } else { 100 };
+        }
+        assert_eq!(ids(stripe_holders(&ms, "c", 7, 1, &none, 1, 0.5)), ["a"]);
+        assert_eq!(ids(stripe_holders(&ms, "b", 7, 1, &none, 1, 0.5)), ["e"]);
+        // An avoided member is planned around; another epoch's source is no holder.
+        let avoid: HashSet<String> = ["a".to_string()].into();
+        assert_eq!(ids(stripe_holders(&ms, "c", 7, 1, &avoid, 1, 0.5)), ["s"]);
+        assert_eq!(ids(stripe_holders(&ms, "c", 8, 1, &none, 1, 0.5)), ["-"]);
+    }
+
+    #[test]
+    fn have_advertises_per_stripe_prefixes_of_verified_chunks_only() {
+        let mut h = Have::striped(7, 3);
+        // Stripe 1 is chunks 1, 4; stripe 0 is 0, 3, 6.
+        assert_eq!(h.next_in_stripe(1, |_| true), Some(1));
+        assert_eq!(
+            h.next_in_stripe(1, |c| c < 4),
+            None,
+            "the holder lacks chunk 4"
+        );
+        assert!(h.wants_from(1, |_| true));
+        assert_eq!(h.next_in_stripe(1, |_| true), Some(4));
+        assert!(!h.wants_from(1, |_| true), "both in flight");
+        assert!(h.verified(4));
+        assert_eq!(
+            h.stripe_prefixes(),
+            [0, 0, 0],
+            "chunk 1 is not verified yet"
+        );
+        assert!(h.verified(1));
+        assert_eq!(h.stripe_prefixes(), [0, 2, 0]);
+        assert!(h.stripe_done(1));
+        assert!(!h.stripe_done(0));
+        for c in [6, 0, 3] {
+            assert!(h.verified(c));
+        }
+        assert_eq!(h.stripe_prefixes(), [3, 2, 0]);
+        assert_eq!(h.prefix(), 2);
+        assert_eq!(h.next_in_stripe(2, |_| true), Some(2));
+        assert_eq!(h.next_in_stripe(2, |_| true), Some(5));
     }
 
     #[test]

@@ -55,7 +55,7 @@ use crate::discovery::Discovery;
 use crate::error::BroadcastError;
 use crate::layout::{self, LocalExtents, Slice};
 use crate::manifest::{Digest, MAX_TOTAL_BYTES, Manifest};
-use crate::plan::{Have, Member, Role, holders};
+use crate::plan::{Have, Member, Role, stripe_holders};
 
 /// How a receiver runs.
 #[derive(Clone, Debug)]
@@ -65,14 +65,25 @@ pub struct ReceiverOptions {
     pub listen_ip: Option<IpAddr>,
     /// Which data plane carries the chunks.
     pub data_plane: DataPlane,
-    /// Chunks in flight from the parent.
+    /// Chunks in flight, over all stripes.
     pub window: usize,
+    /// Stripes of the relay plan ([`plan::stripe_holders`](crate::plan::stripe_holders)): the
+    /// chunks are dealt into this many stripes, each carried down its own tree of this
+    /// degree, so that every member uploads about what it downloads and the depth is about
+    /// `log` of the fleet; `1` is the chain in join order. Members with different values
+    /// still fetch from each other (each advertises its own stripes' prefixes), but only the
+    /// same value gives every member the same plan.
+    pub stripes: usize,
+    /// A member whose listed download rate is below this fraction of the median is a
+    /// straggler: a leaf of every tree, serving no one, its children moved to others
+    /// (`0`: none is).
+    pub straggler: f64,
     /// A parent whose verified prefix does not advance for this long while this receiver waits
     /// on it is given up.
     pub stall_after: Duration,
     /// How often the receiver renews its entry (progress) and rereads the member list.
     pub heartbeat: Duration,
-    /// Whether to fetch from other receivers (the plan's chain). `false`: from the source
+    /// Whether to fetch from other receivers (the striped plan). `false`: from the source
     /// only, as a point-to-point pull would (the baseline `cargo xtask bench broadcast`
     /// compares with). It still serves what it verified.
     pub relay: bool,
@@ -124,6 +135,8 @@ impl Default for ReceiverOptions {
             listen_ip: None,
             data_plane: DataPlane::Auto,
             window: 8,
+            stripes: DEFAULT_STRIPES,
+            straggler: 0.5,
             stall_after: Duration::from_secs(3),
             heartbeat: Duration::from_millis(500),
             relay: true,
@@ -139,6 +152,9 @@ impl Default for ReceiverOptions {
         }
     }
 }
+
+/// [`ReceiverOptions::stripes`] unless set.
+pub const DEFAULT_STRIPES: usize = 2;
 
 /// What a finished pull did.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -225,7 +241,7 @@ pub struct Snapshot {
     pub refetched: u64,
     /// Members listed.
     pub peers: usize,
-    /// The current parent's data address.
+    /// The data addresses of the stripes' current parents, each once, comma-separated.
     pub parent: String,
     /// Whether every chunk is verified.
     pub done: bool,
@@ -240,9 +256,53 @@ struct Holder {
     /// `segs` as `(offset in the segment, length)`.
     ranges: Vec<Vec<(u64, u64)>>,
     prefix: u64,
+    /// Chunks it verified.
+    count: u64,
+    /// Per stripe of its own, its verified prefix (empty: it advertises only `prefix`).
+    stripes: Vec<u64>,
     done: bool,
     advanced: Instant,
     poll: JoinHandle<()>,
+}
+
+impl Holder {
+    /// Whether it advertised chunk `c` (as verified).
+    fn holds(&self, c: usize) -> bool {
+        let c = c as u64;
+        let d = self.stripes.len() as u64;
+        self.done || c < self.prefix || (d > 0 && c / d < self.stripes[(c % d) as usize])
+    }
+
+    /// Takes its new advertisement; it advanced if it verified more or advertises more.
+    fn update(&mut self, prefix: u64, count: u64, stripes: Vec<u64>, done: bool) {
+        let more = stripes.len() == self.stripes.len()
+            && stripes.iter().zip(&self.stripes).any(|(a, b)| a > b);
+        if prefix > self.prefix
+            || count > self.count
+            || more
+            || (self.stripes.is_empty() && !stripes.is_empty())
+        {
+            self.advanced = Instant::now();
+        }
+        self.prefix = self.prefix.max(prefix);
+        self.count = count;
+        // A hostile holder may send any list: only its length is bounded by the reply's.
+        self.stripes = stripes;
+        self.done = done;
+    }
+}
+
+/// The data addresses of the stripes' parents, each once, for [`Snapshot::parent`].
+fn parents_of(assigned: &[Option<String>], holders: &HashMap<String, Holder>) -> String {
+    let mut v: Vec<&str> = Vec::new();
+    for id in assigned.iter().flatten() {
+        if let Some(h) = holders.get(id)
+            && !v.contains(&h.member.data_addr.as_str())
+        {
+            v.push(&h.member.data_addr);
+        }
+    }
+    v.join(",")
 }
 
 impl Drop for Holder {
@@ -259,6 +319,8 @@ enum PollMsg {
         prefix: u64,
         done: bool,
         version: u64,
+        count: u64,
+        stripes: Vec<u64>,
     },
     Failed {
         id: String,
@@ -419,6 +481,13 @@ async fn manifest_from_source(
 
 /// How often [`Receiver::linger`] rereads the member list at most.
 const LINGER_CHECK: Duration = Duration::from_millis(100);
+
+/// For this long after a pull starts, the member list is reread (and the plan made again)
+/// every [`EARLY_RELIST`], not only every heartbeat: the members of a fleet join within
+/// moments of each other, and until a member lists the others it takes the stripes whose
+/// groups it does not know yet from the source itself.
+const EARLY: Duration = Duration::from_secs(2);
+const EARLY_RELIST: Duration = Duration::from_millis(50);
 
 /// Registration names of scratch buffers are unique within the process.
 static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -696,6 +765,7 @@ impl Receiver {
             done: manifest.chunks.is_empty(),
             order: 0,
             version: manifest.version,
+            rate: 0,
         };
         if let Some(found) = discovery.register(&member).await?
             && found != source_epoch
@@ -859,8 +929,21 @@ impl Receiver {
         out.flush()
     }
 
-    async fn heartbeat(&mut self, have: &Have) -> Result<(), BroadcastError> {
+    /// Renews this member's entry: its progress, and its download rate since `first_request`
+    /// (once a second has passed: before, too few chunks to tell a straggler).
+    async fn heartbeat(
+        &mut self,
+        have: &Have,
+        first_request: Option<Instant>,
+    ) -> Result<(), BroadcastError> {
         self.member.progress = have.count();
+        if let Some(t) = first_request
+            && !self.member.done
+            && t.elapsed() >= Duration::from_secs(1)
+        {
+            let bytes = self.snapshot_tx.borrow().bytes;
+            self.member.rate = (bytes as f64 / t.elapsed().as_secs_f64()) as u64;
+        }
         self.member.done = have.is_done();
         match self.discovery.update(&self.member).await {
             Ok(Some(found)) if found != self.source_epoch => Err(BroadcastError::SourceRestarted {
@@ -992,11 +1075,13 @@ impl Receiver {
         let stall = self.opts.stall_after;
         let poll = tokio::spawn(async move {
             let mut after = 0u64;
+            let mut after_count = 0u64;
             let wait = stall.min(Duration::from_secs(2));
             loop {
                 let req = Request::Progress {
                     after,
                     wait_ms: wait.as_millis() as u64,
+                    after_count: Some(after_count),
                 };
                 match ctl.call(&req, wait + Duration::from_secs(2)).await {
                     Ok(Reply::Progress {
@@ -1004,14 +1089,19 @@ impl Receiver {
                         prefix,
                         done,
                         version,
+                        count,
+                        stripes,
                     }) => {
                         after = prefix;
+                        after_count = count;
                         let msg = PollMsg::Progress {
                             id: id.clone(),
                             source_epoch,
                             prefix,
                             done,
                             version,
+                            count,
+                            stripes,
                         };
                         if tx.send(msg).is_err() || done {
                             return;
@@ -1045,6 +1135,8 @@ impl Receiver {
             } else {
                 0
             },
+            count: 0,
+            stripes: Vec::new(),
             done: m.role == Role::Source,
             advanced: Instant::now(),
             poll,
@@ -1148,6 +1240,8 @@ impl Receiver {
         let _ = self.progress_tx.send(Progress {
             prefix: have.prefix(),
             done: have.is_done(),
+            count: have.count(),
+            stripes: have.stripe_prefixes().to_vec(),
         });
     }
 
@@ -1192,7 +1286,12 @@ impl Receiver {
     async fn run_inner(&mut self) -> Result<Summary, BroadcastError> {
         let started = Instant::now();
         let n = self.manifest.chunks.len();
-        let mut have = Have::new(n);
+        let d = if self.opts.relay {
+            self.opts.stripes.max(1)
+        } else {
+            1
+        };
+        let mut have = Have::striped(n, d);
         let mut sum = Summary {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
@@ -1204,13 +1303,20 @@ impl Receiver {
         let (poll_tx, mut poll_rx) = mpsc::unbounded_channel();
         let mut members = self.discovery.members().await.unwrap_or_default();
         let mut avoid: HashSet<String> = HashSet::new();
-        let mut parent: Option<Holder> = None;
-        // Holders other than the parent, used for re-fetches: id -> holder.
-        let mut others: HashMap<String, Holder> = HashMap::new();
+        // Every holder attached (the parents of the stripes, and the source for re-fetches).
+        let mut holders: HashMap<String, Holder> = HashMap::new();
+        // Per stripe: the holder it is fetched from.
+        let mut assigned: Vec<Option<String>> = vec![None; d];
+        let mut replan = true;
+        let mut last = String::from("no holder listed");
+        let mut rr = 0usize;
+        let mut first_request: Option<Instant> = None;
         let mut bad_tries: HashMap<usize, u32> = HashMap::new();
         let mut set: JoinSet<Fetched> = JoinSet::new();
         let mut tick = tokio::time::interval(self.opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut relist = tokio::time::interval(EARLY_RELIST.min(self.opts.heartbeat));
+        relist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut paused_until: Option<Instant> = None;
         let mut held: Option<Arc<tokio::sync::Notify>> = None;
         let mut final_check_done = false;
@@ -1236,62 +1342,54 @@ impl Receiver {
                     break;
                 }
             }
-            if parent.is_none() {
-                let mut last = String::from("no holder listed");
-                let mut listed = holders(
+            if replan {
+                replan = false;
+                self.replan(
                     &members,
-                    &self.member.id,
-                    self.source_epoch,
-                    self.manifest.version,
-                    &avoid,
-                );
-                if !self.opts.relay {
-                    listed.retain(|m| m.role == Role::Source);
+                    &mut avoid,
+                    &mut holders,
+                    &mut assigned,
+                    &mut sum,
+                    &mut last,
+                    &poll_tx,
+                )
+                .await?;
+            }
+            if assigned.iter().all(Option::is_none) {
+                // Wait for the list to change (a source that comes back, a new member); a
+                // source that came back with another epoch ends the pull.
+                tokio::time::sleep(self.opts.heartbeat).await;
+                self.heartbeat(&have, first_request).await?;
+                if started.elapsed() > self.opts.stall_after * 10 {
+                    return Err(BroadcastError::NoHolder {
+                        name: self.manifest.name.clone(),
+                        chunk: have.next_to_fetch(n as u64).unwrap_or(0),
+                        reason: last,
+                    });
                 }
-                for m in listed {
-                    match self.attach(m, &poll_tx).await {
-                        Ok(h) => {
-                            sum.holders.push(h.member.id.clone());
-                            parent = Some(h);
-                            break;
-                        }
-                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                        Err(e) => {
-                            tracing::info!(holder = %m.id, error = %e, "cannot attach");
-                            last = e.to_string();
-                            if m.role != Role::Source {
-                                avoid.insert(m.id.clone());
-                            }
-                        }
-                    }
-                }
-                if parent.is_none() {
-                    // Wait for the list to change (a source that comes back, a new member);
-                    // a source that came back with another epoch ends the pull.
-                    tokio::time::sleep(self.opts.heartbeat).await;
-                    self.heartbeat(&have).await?;
-                    if started.elapsed() > self.opts.stall_after * 10 {
-                        return Err(BroadcastError::NoHolder {
-                            name: self.manifest.name.clone(),
-                            chunk: have.next_to_fetch(n as u64).unwrap_or(0),
-                            reason: last,
-                        });
-                    }
-                    members = self.discovery.members().await.unwrap_or(members);
-                    continue;
-                }
+                members = self.discovery.members().await.unwrap_or(members);
+                replan = true;
+                continue;
             }
             let paused = paused_until.is_some_and(|t| Instant::now() < t) || held.is_some();
-            if let Some(p) = &parent
-                && !paused
-            {
-                while set.len() < self.opts.window.max(1) {
-                    match have.next_to_fetch(p.prefix) {
-                        Some(i) => {
-                            self.fetch(&mut set, p, i);
+            if !paused {
+                // The window, dealt over the stripes in turn.
+                let mut idle = 0;
+                while set.len() < self.opts.window.max(1) && idle < d {
+                    let s = rr % d;
+                    rr = rr.wrapping_add(1);
+                    let next = assigned[s]
+                        .as_ref()
+                        .and_then(|id| holders.get(id))
+                        .and_then(|h| have.next_in_stripe(s, |c| h.holds(c)).map(|i| (h, i)));
+                    match next {
+                        Some((h, i)) => {
+                            idle = 0;
+                            self.fetch(&mut set, h, i);
+                            first_request.get_or_insert_with(Instant::now);
                             self.timeline.first_request.get_or_insert_with(unix_now);
                         }
-                        None => break,
+                        None => idle += 1,
                     }
                 }
             }
@@ -1357,11 +1455,13 @@ impl Receiver {
                                     sum.corrupt_holders.push(f.from.clone());
                                 }
                                 avoid.insert(f.from.clone());
-                                others.remove(&f.from);
-                                if parent.as_ref().is_some_and(|p| p.member.id == f.from) {
-                                    if let Some(p) = parent.take() { p.peer.close(); }
-                                    sum.parents_given_up += 1;
+                                if let Some(h) = holders.remove(&f.from) {
+                                    h.peer.close();
+                                    if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
+                                        sum.parents_given_up += 1;
+                                    }
                                 }
+                                replan = true;
                             }
                             if *tries > 3 {
                                 return Err(BroadcastError::NoHolder {
@@ -1376,57 +1476,56 @@ impl Receiver {
                                 .iter()
                                 .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch)
                                 .cloned();
-                            let h = match (&parent, src) {
-                                (Some(p), _) if p.member.role == Role::Source => None,
-                                (_, Some(s)) => {
-                                    if !others.contains_key(&s.id) {
-                                        match self.attach(&s, &poll_tx).await {
-                                            Ok(h) => { others.insert(s.id.clone(), h); }
-                                            Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                                            Err(e) => tracing::info!(error = %e, "cannot attach to the source"),
-                                        }
+                            if let Some(s) = &src
+                                && !holders.contains_key(&s.id)
+                            {
+                                match self.attach(s, &poll_tx).await {
+                                    Ok(h) => {
+                                        sum.holders.push(h.member.id.clone());
+                                        holders.insert(s.id.clone(), h);
                                     }
-                                    others.get(&s.id)
+                                    Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
+                                    Err(e) => tracing::info!(error = %e, "cannot attach to the source"),
                                 }
-                                (_, None) => None,
-                            };
-                            match (h, &parent) {
-                                (Some(h), _) => self.fetch(&mut set, h, f.chunk),
-                                (None, Some(p)) => self.fetch(&mut set, p, f.chunk),
-                                (None, None) => have.released(f.chunk),
+                            }
+                            match src.and_then(|s| holders.get(&s.id)) {
+                                Some(h) => self.fetch(&mut set, h, f.chunk),
+                                None => have.released(f.chunk),
                             }
                         }
                         Err(reason) => {
                             have.released(f.chunk);
-                            if parent.as_ref().is_some_and(|p| p.member.id == f.from) {
-                                tracing::info!(holder = %f.from, %reason, "giving up parent");
-                                if let Some(p) = parent.take() {
-                                    p.peer.close();
-                                    if p.member.role != Role::Source {
-                                        avoid.insert(p.member.id.clone());
-                                    }
+                            if let Some(h) = holders.remove(&f.from) {
+                                tracing::info!(holder = %f.from, %reason, "giving up holder");
+                                h.peer.close();
+                                if h.member.role != Role::Source {
+                                    avoid.insert(f.from.clone());
                                 }
-                                sum.parents_given_up += 1;
-                            } else {
-                                others.remove(&f.from);
+                                if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
+                                    sum.parents_given_up += 1;
+                                }
+                                replan = true;
                             }
                         }
                     }
-                    let parent_addr = parent.as_ref().map(|p| p.member.data_addr.clone()).unwrap_or_default();
-                    self.publish(&have, sum.refetched_chunks, members.len(), &parent_addr);
+                    self.publish(&have, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                }
+                _ = relist.tick(), if started.elapsed() < EARLY && self.opts.relay => {
+                    if let Ok(m) = self.discovery.members().await
+                        && m.len() != members.len()
+                    {
+                        members = m;
+                        replan = true;
+                    }
                 }
                 Some(msg) = poll_rx.recv() => match msg {
-                    PollMsg::Progress { id, source_epoch, prefix, done, version } => {
-                        let Some(p) = parent.as_mut().filter(|p| p.member.id == id) else { continue };
-                        if p.member.role != Role::Source && version != self.manifest.version {
+                    PollMsg::Progress { id, source_epoch, prefix, done, version, count, stripes } => {
+                        let Some(p) = holders.get_mut(&id) else { continue };
+                        let gone = if p.member.role != Role::Source && version != self.manifest.version {
                             // It moved on to another version: its memory no longer holds ours.
                             tracing::info!(holder = %id, version, "holder of another version; giving it up");
-                            avoid.insert(id);
-                            if let Some(p) = parent.take() { p.peer.close(); }
-                            sum.parents_given_up += 1;
-                            continue;
-                        }
-                        if source_epoch != self.source_epoch {
+                            true
+                        } else if source_epoch != self.source_epoch {
                             if p.member.role == Role::Source {
                                 return Err(BroadcastError::SourceRestarted {
                                     name: self.manifest.name.clone(),
@@ -1435,50 +1534,67 @@ impl Receiver {
                                 });
                             }
                             tracing::info!(holder = %id, source_epoch, "holder of another source epoch; giving it up");
-                            avoid.insert(id);
-                            if let Some(p) = parent.take() { p.peer.close(); }
-                            sum.parents_given_up += 1;
-                            continue;
+                            true
+                        } else {
+                            p.update(prefix, count, stripes, done);
+                            false
+                        };
+                        if gone {
+                            avoid.insert(id.clone());
+                            if let Some(p) = holders.remove(&id) { p.peer.close(); }
+                            if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
+                                sum.parents_given_up += 1;
+                            }
+                            replan = true;
                         }
-                        if prefix > p.prefix {
-                            p.prefix = prefix;
-                            p.advanced = Instant::now();
-                        }
-                        p.done = done;
                     }
                     PollMsg::Failed { id, reason } => {
-                        if parent.as_ref().is_some_and(|p| p.member.id == id && p.member.role != Role::Source) {
-                            tracing::info!(holder = %id, %reason, "parent stopped answering; giving it up");
-                            if let Some(p) = parent.take() { p.peer.close(); }
+                        if holders.get(&id).is_some_and(|p| p.member.role != Role::Source) {
+                            tracing::info!(holder = %id, %reason, "holder stopped answering; giving it up");
+                            if let Some(p) = holders.remove(&id) { p.peer.close(); }
+                            if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
+                                sum.parents_given_up += 1;
+                            }
                             avoid.insert(id);
-                            sum.parents_given_up += 1;
+                            replan = true;
                         }
                     }
                 },
                 _ = tick.tick() => {
-                    self.heartbeat(&have).await?;
+                    self.heartbeat(&have, first_request).await?;
                     if let Ok(m) = self.discovery.members().await {
                         members = m;
                     }
                     // A parent gone from the list (its lease expired), or one we wait on that
                     // does not advance, is given up.
-                    let listed = |p: &Holder| members.iter().any(|m| m.id == p.member.id);
-                    let stalled = |p: &Holder| {
-                        p.member.role != Role::Source
-                            && !p.done
-                            && p.prefix <= have.prefix()
-                            && p.advanced.elapsed() > self.opts.stall_after
-                    };
-                    if let Some(p) = parent.as_ref()
-                        && (stalled(p) || (!listed(p) && p.member.role != Role::Source))
-                    {
-                        tracing::info!(holder = %p.member.id, stalled = stalled(p), "giving up parent");
-                        avoid.insert(p.member.id.clone());
-                        if let Some(p) = parent.take() { p.peer.close(); }
+                    let mut give_up = Vec::new();
+                    for (id, p) in &holders {
+                        if p.member.role == Role::Source {
+                            continue;
+                        }
+                        let stripes: Vec<usize> =
+                            (0..d).filter(|&s| assigned[s].as_deref() == Some(id.as_str())).collect();
+                        if stripes.is_empty() {
+                            continue;
+                        }
+                        let listed = members.iter().any(|m| m.id == *id);
+                        let waiting = !p.done
+                            && stripes.iter().any(|&s| !have.stripe_done(s))
+                            && !stripes.iter().any(|&s| have.wants_from(s, |c| p.holds(c)));
+                        let stalled = waiting && p.advanced.elapsed() > self.opts.stall_after;
+                        if stalled || !listed {
+                            tracing::info!(holder = %id, stalled, "giving up parent");
+                            give_up.push(id.clone());
+                        }
+                    }
+                    for id in give_up {
+                        if let Some(p) = holders.remove(&id) { p.peer.close(); }
+                        avoid.insert(id);
                         sum.parents_given_up += 1;
                     }
-                    let parent_addr = parent.as_ref().map(|p| p.member.data_addr.clone()).unwrap_or_default();
-                    self.publish(&have, sum.refetched_chunks, members.len(), &parent_addr);
+                    // The list and the rates in it change the plan.
+                    replan = true;
+                    self.publish(&have, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
                 }
             }
         }
@@ -1488,10 +1604,83 @@ impl Receiver {
         sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(&have, sum.refetched_chunks, members.len(), "");
-        self.heartbeat(&have).await?;
+        self.heartbeat(&have, first_request).await?;
         tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
             from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
         Ok(sum)
+    }
+
+    /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on `members`:
+    /// attaches the ones not attached yet (one that cannot be attached is avoided, unless it
+    /// is the source, and the plan is made again without it), drops the relays no stripe is
+    /// fetched from any more (the source is kept for re-fetches).
+    #[allow(clippy::too_many_arguments)]
+    async fn replan(
+        &self,
+        members: &[Member],
+        avoid: &mut HashSet<String>,
+        holders: &mut HashMap<String, Holder>,
+        assigned: &mut [Option<String>],
+        sum: &mut Summary,
+        last: &mut String,
+        polls: &mpsc::UnboundedSender<PollMsg>,
+    ) -> Result<(), BroadcastError> {
+        let d = assigned.len();
+        'plan: loop {
+            let want: Vec<Option<Member>> = if self.opts.relay {
+                stripe_holders(
+                    members,
+                    &self.member.id,
+                    self.source_epoch,
+                    self.manifest.version,
+                    avoid,
+                    d,
+                    self.opts.straggler,
+                )
+                .into_iter()
+                .map(|m| m.cloned())
+                .collect()
+            } else {
+                let src = members
+                    .iter()
+                    .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch);
+                vec![src.cloned(); d]
+            };
+            for (s, w) in want.into_iter().enumerate() {
+                let Some(m) = w else {
+                    assigned[s] = None;
+                    continue;
+                };
+                if !holders.contains_key(&m.id) {
+                    match self.attach(&m, polls).await {
+                        Ok(h) => {
+                            sum.holders.push(h.member.id.clone());
+                            holders.insert(m.id.clone(), h);
+                        }
+                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
+                        Err(e) => {
+                            tracing::info!(holder = %m.id, error = %e, "cannot attach");
+                            *last = e.to_string();
+                            assigned[s] = None;
+                            if m.role != Role::Source {
+                                avoid.insert(m.id.clone());
+                                continue 'plan;
+                            }
+                            continue;
+                        }
+                    }
+                }
+                if assigned[s].as_deref() != Some(m.id.as_str()) {
+                    tracing::debug!(stripe = s, holder = %m.id, "stripe parent");
+                }
+                assigned[s] = Some(m.id);
+            }
+            break;
+        }
+        holders.retain(|id, h| {
+            h.member.role == Role::Source || assigned.iter().any(|a| a.as_deref() == Some(id))
+        });
+        Ok(())
     }
 
     /// Keeps serving (and heartbeating) after [`run`](Self::run) while a member that joined

@@ -1,6 +1,6 @@
 //! A discrete-event simulation of a broadcast over links, with no sockets and no clock: the
-//! chain ([`plan::holders`](crate::plan::holders), in join order) or the striped trees
-//! ([`StripePlan`]) on members whose links each have an upload and a download rate and a
+//! chain (each member fetching everything from the one that joined before it) or the striped
+//! trees the receivers follow ([`StripePlan::in_join_order`]) on members whose links each have an upload and a download rate and a
 //! latency, so that a fleet of 256 runs in well under a second.
 //!
 //! The model. Each parent-child pair of the plan is a pipe: the parent's upload rate shared
@@ -11,8 +11,9 @@
 //! reaches the parent one latency after that, the pipe carries the chunks in the order they
 //! were asked for, and the bytes arrive one latency after they leave. The source holds every
 //! chunk at time 0. The window is not modelled (pipes are kept busy, as the window does when
-//! it suffices); neither are processes starting, hashing, or the kernel: the per-hop cost
-//! measured on the shaped-namespace bench is none of these (see `docs/broadcast.md`).
+//! it suffices). [`simulate_with`] adds what a member pays besides its links ([`Costs`]: the
+//! frames' headers, each chunk's hashing and advertisement, the start-up), calibrated against
+//! the shaped-namespace bench (see `docs/broadcast.md`).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -44,6 +45,30 @@ pub enum Topology {
     },
 }
 
+/// What a real member pays that links alone do not: measured apart (an N = 1 run of the
+/// shaped-namespace bench, the hashing bench, the timeline), then checked against the bench at
+/// N = 8 (`docs/broadcast.md`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Costs {
+    /// Payload over wire bytes (TCP/IP and Ethernet headers in each frame a shaper counts:
+    /// 1448 of 1514 bytes with timestamps), so every pipe carries `goodput` times its rate.
+    pub goodput: f64,
+    /// Seconds from a chunk's last byte arriving to its holder advertising it: hashing it
+    /// (BLAKE3) and the progress answer reaching the children.
+    pub per_chunk: f64,
+    /// Seconds from the start until a member fetches (process start, manifest, join).
+    pub start: f64,
+}
+
+impl Costs {
+    /// Links alone: the model before calibration.
+    pub const NONE: Costs = Costs {
+        goodput: 1.0,
+        per_chunk: 0.0,
+        start: 0.0,
+    };
+}
+
 /// What a simulated broadcast did.
 #[derive(Clone, Debug)]
 pub struct Outcome {
@@ -54,13 +79,26 @@ pub struct Outcome {
 }
 
 /// Simulates one broadcast of `payload` bytes in `chunk`-byte chunks from a source with link
-/// `source` to `members` (in join order), each fetching per `topology`.
+/// `source` to `members` (in join order), each fetching per `topology`: links alone
+/// ([`Costs::NONE`]).
 pub fn simulate(
     source: Link,
     members: &[Link],
     payload: u64,
     chunk: u64,
     topology: Topology,
+) -> Outcome {
+    simulate_with(source, members, payload, chunk, topology, Costs::NONE)
+}
+
+/// [`simulate`] with what members pay besides their links ([`Costs`]).
+pub fn simulate_with(
+    source: Link,
+    members: &[Link],
+    payload: u64,
+    chunk: u64,
+    topology: Topology,
+    costs: Costs,
 ) -> Outcome {
     let n = members.len();
     let chunks = payload.div_ceil(chunk.max(1)) as usize;
@@ -69,8 +107,9 @@ pub fn simulate(
     let (stripes, parent_of): (usize, Box<dyn Fn(usize, usize) -> usize>) = match topology {
         Topology::Chain => (1, Box::new(move |_, m| if m == 0 { n } else { m - 1 })),
         Topology::Stripes { d, straggler } => {
+            // The receivers' plan: join order, stragglers (by their rates) at the edge.
             let rates: Vec<f64> = members.iter().map(|l| l.up.min(l.down)).collect();
-            let plan = StripePlan::new(&rates, d, straggler);
+            let plan = StripePlan::in_join_order(&rates, d, straggler, &[]);
             let d = plan.stripes();
             (
                 d,
@@ -128,14 +167,15 @@ pub fn simulate(
             let to = members[ch];
             let lat = from.latency.max(to.latency);
             let len = len_of(c);
-            let rate = (from.up / out_deg[m].max(1) as f64).min(to.down / in_deg[ch].max(1) as f64);
-            let free = pipe_free.entry((m, ch)).or_insert(0.0);
+            let rate = costs.goodput
+                * (from.up / out_deg[m].max(1) as f64).min(to.down / in_deg[ch].max(1) as f64);
+            let free = pipe_free.entry((m, ch)).or_insert(costs.start);
             let start = (now + 2.0 * lat).max(*free);
             *free = start + len / rate;
             if m == n {
                 egress += len as u64;
             }
-            events.push(Reverse((ps(*free + lat), ch, c)));
+            events.push(Reverse((ps(*free + lat + costs.per_chunk), ch, c)));
         }
     }
     Outcome {
@@ -213,6 +253,27 @@ mod tests {
             );
             assert_eq!(o.source_egress, payload);
         }
+    }
+
+    #[test]
+    fn costs_add_the_start_each_chunks_advertisement_and_the_headers() {
+        let src = uniform(1)[0];
+        let payload = 64u64 << 20;
+        let costs = Costs {
+            goodput: 0.9,
+            per_chunk: 0.004,
+            start: 0.25,
+        };
+        let o = simulate_with(src, &uniform(1), payload, 1 << 20, Topology::Chain, costs);
+        // The pipe starts at `start` (after the READ's two latencies), carries the payload at
+        // `goodput` of the rate, and the last chunk counts one latency and its advertisement
+        // later.
+        let want = 0.25 + payload as f64 / (25.0 * MB * 0.9) + 1e-4 + 0.004;
+        assert!((o.done[0] - want).abs() < 1e-6, "{} vs {want}", o.done[0]);
+        // Per hop, a chain pays a chunk and its advertisement again.
+        let o = simulate_with(src, &uniform(2), payload, 1 << 20, Topology::Chain, costs);
+        let hop = (1u64 << 20) as f64 / (25.0 * MB * 0.9) + 3e-4 + 0.004;
+        assert!((o.done[1] - o.done[0] - hop).abs() < 1e-3, "{:?}", o.done);
     }
 
     #[test]

@@ -339,11 +339,14 @@ impl Source {
             done: true,
             order: 0,
             version: manifest.version,
+            rate: 0,
         };
         let tracker = Arc::new(Tracker::new(member.clone(), opts.lease));
         let (_tx, progress) = watch::channel(Progress {
             prefix: chunks,
             done: true,
+            count: chunks,
+            stripes: Vec::new(),
         });
         let state = Arc::new(CtlState {
             source_epoch,

@@ -16,9 +16,10 @@
 //!   a `1/d` share each: one payload.
 //!
 //! [`StripePlan::parent`] answers "whom does member `m` fetch chunk `c` from": the same answer
-//! for every member computing it from the same list, so no coordinator is needed, as with
-//! the chain ([`plan::holders`](crate::plan::holders)). Not yet driven by
-//! [`Receiver`](crate::Receiver), which follows the chain; [`sim`](crate::sim) measures both.
+//! for every member computing it from the same list, so no coordinator is needed.
+//! [`Receiver`](crate::Receiver) follows
+//! [`StripePlan::in_join_order`] (through [`plan::stripe_holders`](crate::plan::stripe_holders));
+//! [`sim`](crate::sim) compares the plan with the chain.
 
 /// Where a member fetches a stripe from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +28,15 @@ pub enum Parent {
     Source,
     /// The member of this index (in the slice the plan was made from).
     Member(usize),
+}
+
+/// How members are dealt into the groups whose trees carry the stripes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ranking {
+    /// Fastest first.
+    ByRate,
+    /// In the order given (join order), stragglers left out.
+    JoinOrder,
 }
 
 /// The plan for one membership: for each stripe, each member's parent.
@@ -44,6 +54,22 @@ impl StripePlan {
     /// chain of trees of degree 1, that is a chain in rate order), and stragglers below
     /// `straggler` times the median rate.
     pub fn new(rates: &[f64], d: usize, straggler: f64) -> Self {
+        Self::make(rates, d, straggler, &[], Ranking::ByRate)
+    }
+
+    /// The plan that receivers follow: as [`new`](Self::new), but the members are dealt into
+    /// the groups in the order of the slice (join order), stragglers included, and a straggler
+    /// is then taken out of its group's tree (a leaf of every tree). So a member that joins
+    /// last, or a rate that changes without crossing the straggler threshold, never moves
+    /// anyone else's inner parent: members that list each other at different moments agree on
+    /// every tree they are inner in. Members `m` with `edge[m]` (missing: `false`) are taken
+    /// as stragglers whatever their rate: a member others gave up on keeps its place in join
+    /// order, so giving it up moves only its own children.
+    pub fn in_join_order(rates: &[f64], d: usize, straggler: f64, edge: &[bool]) -> Self {
+        Self::make(rates, d, straggler, edge, Ranking::JoinOrder)
+    }
+
+    fn make(rates: &[f64], d: usize, straggler: f64, edge: &[bool], ranking: Ranking) -> Self {
         let n = rates.len();
         let d = d.max(1);
         let mut known: Vec<f64> = rates
@@ -57,24 +83,45 @@ impl StripePlan {
             let r = rates[i];
             if r.is_finite() && r > 0.0 { r } else { median }
         };
-        let stragglers: Vec<bool> = (0..n).map(|i| rate(i) < straggler * median).collect();
-        let mut ranked: Vec<usize> = (0..n).filter(|&i| !stragglers[i]).collect();
-        ranked.sort_by(|&a, &b| rate(b).total_cmp(&rate(a)).then(a.cmp(&b)));
-        if ranked.is_empty() {
-            // Everyone straggles: the fastest of them carry the plan anyway.
-            ranked = (0..n).collect();
-            ranked.sort_by(|&a, &b| rate(b).total_cmp(&rate(a)).then(a.cmp(&b)));
-        }
+        let stragglers: Vec<bool> = (0..n)
+            .map(|i| rate(i) < straggler * median || edge.get(i).copied().unwrap_or(false))
+            .collect();
+        let by_rate = |v: &mut Vec<usize>| {
+            v.sort_by(|&a, &b| rate(b).total_cmp(&rate(a)).then(a.cmp(&b)));
+        };
         let mut groups: Vec<Vec<usize>> = vec![Vec::new(); d];
-        for (k, &m) in ranked.iter().enumerate() {
-            groups[k % d].push(m);
+        match ranking {
+            Ranking::ByRate => {
+                let mut ranked: Vec<usize> = (0..n).filter(|&i| !stragglers[i]).collect();
+                by_rate(&mut ranked);
+                for (k, &m) in ranked.iter().enumerate() {
+                    groups[k % d].push(m);
+                }
+            }
+            Ranking::JoinOrder => {
+                for m in 0..n {
+                    if !stragglers[m] {
+                        groups[m % d].push(m);
+                    }
+                }
+            }
         }
+        if groups.iter().all(Vec::is_empty) {
+            // Everyone straggles: the fastest of them carry the plan anyway.
+            let mut ranked: Vec<usize> = (0..n).collect();
+            by_rate(&mut ranked);
+            for (k, &m) in ranked.iter().enumerate() {
+                groups[k % d].push(m);
+            }
+        }
+        let first = groups.iter().position(|g| !g.is_empty()).unwrap_or(0);
         let mut parents = Vec::with_capacity(d);
         for s in 0..d {
             let mut p = vec![Parent::Source; n];
-            // A stripe whose group is empty (fewer members than stripes) borrows the first.
+            // A stripe whose group is empty (fewer members than stripes) borrows the first
+            // that is not.
             let inner: &[usize] = if groups[s].is_empty() {
-                &groups[0]
+                &groups[first]
             } else {
                 &groups[s]
             };
@@ -89,13 +136,18 @@ impl StripePlan {
                 }
             }
             let is_inner: std::collections::HashSet<usize> = inner.iter().copied().collect();
-            // Leaves: the fastest first, each on the inner member with the fewest children,
-            // shallowest first (stragglers last, so they never take a shallow slot from others).
+            // Leaves: the fastest first (in join order: the first to join first), each on the
+            // inner member with the fewest children, shallowest first (stragglers last, so they
+            // never take a shallow slot from others).
             let mut leaves: Vec<usize> = (0..n).filter(|m| !is_inner.contains(m)).collect();
             leaves.sort_by(|&a, &b| {
+                let faster = match ranking {
+                    Ranking::ByRate => rate(b).total_cmp(&rate(a)),
+                    Ranking::JoinOrder => std::cmp::Ordering::Equal,
+                };
                 stragglers[a]
                     .cmp(&stragglers[b])
-                    .then(rate(b).total_cmp(&rate(a)))
+                    .then(faster)
                     .then(a.cmp(&b))
             });
             for m in leaves {
@@ -212,6 +264,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    proptest! {
+        /// In join order: the same shape guarantees as by rate (no cycle, stragglers serve no
+        /// one, one root per stripe), and a member that joins last moves no earlier member's
+        /// parent in a tree that earlier member is inner in: members that list each other at
+        /// different moments never fetch a stripe from each other in a cycle.
+        #[test]
+        fn in_join_order_a_late_joiner_moves_no_inner_parent(
+            rates in proptest::collection::vec(prop_oneof![4 => 0.5f64..2.0, 1 => 0.01f64..0.2, 1 => Just(0.0)], 2..120),
+            d in 1usize..9,
+        ) {
+            let n = rates.len();
+            let before = StripePlan::in_join_order(&rates[..n - 1], d, 0.5, &[]);
+            let after = StripePlan::in_join_order(&rates, d, 0.5, &[]);
+            let fast = (0..n).filter(|&m| !after.is_straggler(m)).count();
+            for s in 0..d {
+                prop_assert!(after.children(s, Parent::Source).len() <= 1);
+                for m in 0..n {
+                    prop_assert!(after.depth(s, m).is_some(), "a cycle in stripe {s}");
+                    if after.is_straggler(m) && fast > 0 {
+                        prop_assert!(after.children(s, Parent::Member(m)).is_empty());
+                    }
+                }
+                // The median moves with the newcomer's rate, so compare only when no one
+                // crossed the straggler threshold.
+                let same = (0..n - 1).all(|m| before.is_straggler(m) == after.is_straggler(m))
+                    // A stripe whose own group was empty borrowed another's tree.
+                    && (0..n - 1).any(|m| m % d == s && !before.is_straggler(m));
+                for m in 0..n - 1 {
+                    let inner = !before.children(s, Parent::Member(m)).is_empty()
+                        || before.children(s, Parent::Source).contains(&m);
+                    if same && inner && !after.is_straggler(n - 1) {
+                        prop_assert_eq!(before.parent(s, m), after.parent(s, m), "member {} moved in stripe {}", m, s);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn in_join_order_one_stripe_is_the_chain_with_stragglers_at_its_end() {
+        let mut rates = vec![1.0; 5];
+        rates[2] = 0.1;
+        let plan = StripePlan::in_join_order(&rates, 1, 0.5, &[]);
+        assert_eq!(plan.parent(0, 0), Parent::Source);
+        assert_eq!(plan.parent(0, 1), Parent::Member(0));
+        assert_eq!(plan.parent(0, 3), Parent::Member(1));
+        assert_eq!(plan.parent(0, 4), Parent::Member(3));
+        assert_eq!(
+            plan.parent(0, 2),
+            Parent::Member(4),
+            "the straggler at the end"
+        );
     }
 
     #[test]

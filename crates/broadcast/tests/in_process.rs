@@ -41,6 +41,9 @@ fn opts() -> ReceiverOptions {
         data_plane: DataPlane::Tcp,
         stall_after: Duration::from_secs(2),
         heartbeat: Duration::from_millis(100),
+        // The plans here are fixed by join order: no member is taken for a straggler
+        // because a loaded machine slowed it.
+        straggler: 0.0,
         ..Default::default()
     }
 }
@@ -60,8 +63,13 @@ async fn source(paths: &[PathBuf]) -> Source {
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
+/// Three receivers in join order, the first of which corrupts chunk `corrupt` after verifying
+/// it and keeps it corrupt until the others are done, each pulling with `stripes`; then a
+/// late joiner. Returns the three summaries (in join order) and the first one's id.
+async fn three_with_a_corrupting_first(
+    stripes: usize,
+    corrupt: usize,
+) -> (Vec<ferry_broadcast::Summary>, String) {
     let dir = tempfile::tempdir().unwrap();
     let (paths, want) = files(dir.path());
     let src = source(&paths).await;
@@ -70,14 +78,13 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
     let release = Arc::new(tokio::sync::Notify::new());
     for k in 0..3 {
         let mut o = opts();
+        o.stripes = stripes;
         // Nothing here is about stalls: on a loaded machine a relay's first chunk may take
         // longer than the default, and a child that gave up its corrupting parent as stalled
         // would never read the corruption this test is about.
         o.stall_after = Duration::from_secs(60);
         if k == 0 {
-            // The first relay corrupts chunk 2 after verifying it, and keeps it corrupt until the
-            // others are done: the second, whose parent it is, must catch it.
-            o.corrupt_after_verify = Some(2);
+            o.corrupt_after_verify = Some(corrupt);
             o.hold_final_check = Some(release.clone());
         }
         rs.push(Receiver::join(disc.clone(), Some("w"), o).await.unwrap());
@@ -107,6 +114,27 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
         }
         sums.push(s);
     }
+    // A late joiner catches up from whoever holds the chunks.
+    let mut o = opts();
+    o.stripes = stripes;
+    let mut late = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
+    let s = late.run().await.unwrap();
+    assert_eq!(late.segment_bytes(0).unwrap(), want[0]);
+    assert_eq!(s.refetched_chunks, 0);
+    late.write_to(&dir.path().join("out")).unwrap();
+    assert_eq!(
+        std::fs::read(dir.path().join("out/b.bin")).unwrap(),
+        want[1]
+    );
+    (sums, first_id)
+}
+
+/// The chain (one stripe): the first relay corrupts chunk 2, and the second, whose parent it
+/// is, must catch it; the third, the second's child, never sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
+    let (sums, first_id) = three_with_a_corrupting_first(1, 2).await;
+    let total: u64 = (3 << 20) + (1 << 20) + 4097;
     // The first receiver re-fetched its own corrupted chunk at rest; the second found the
     // mismatch in what the first served when it fetched it (not at rest: a receiver that took
     // a fetched chunk as verified without checking it would relay it onward before that),
@@ -120,20 +148,36 @@ async fn receivers_relay_verify_and_route_around_a_corrupting_relay() {
     // The third never saw a corrupt chunk: its parent only ever advertised verified ones.
     assert_eq!(sums[2].refetched_chunks, 0, "{:?}", sums[2]);
     // Relaying: the later receivers took (nearly) everything from relays.
-    let total: u64 = want.iter().map(|w| w.len() as u64).sum();
     assert_eq!(sums[0].bytes_from_source, total + 256 * 1024);
     assert!(sums[2].bytes_from_relays >= total, "{:?}", sums[2]);
-    // A late joiner catches up from whoever holds the chunks.
-    let mut late = Receiver::join(disc.clone(), Some("w"), opts())
-        .await
-        .unwrap();
-    let s = late.run().await.unwrap();
-    assert_eq!(late.segment_bytes(0).unwrap(), want[0]);
-    assert_eq!(s.refetched_chunks, 0);
-    late.write_to(&dir.path().join("out")).unwrap();
-    assert_eq!(
-        std::fs::read(dir.path().join("out/b.bin")).unwrap(),
-        want[1]
+}
+
+/// Two stripes (groups {first, third} and {second}): the first is the root of stripe 0 and
+/// the third its child there, the second a leaf under the third. The first corrupts chunk 2
+/// (stripe 0): the third catches it as it fetches it, fetches it again from the source,
+/// reports the first and moves it to the edge (becoming stripe 0's root itself); the second,
+/// which takes stripe 0 from the third, never sees a corrupt chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn striped_receivers_catch_a_corrupting_relay_in_its_stripe_and_its_grandchild_never_sees_it()
+{
+    let (sums, first_id) = three_with_a_corrupting_first(2, 2).await;
+    let total: u64 = (3 << 20) + (1 << 20) + 4097;
+    assert_eq!(sums[0].at_rest_mismatches, 1, "{:?}", sums[0]);
+    assert_eq!(sums[0].fetch_mismatches, 0, "{:?}", sums[0]);
+    assert_eq!(sums[2].fetch_mismatches, 1, "{:?}", sums[2]);
+    assert_eq!(sums[2].at_rest_mismatches, 0, "{:?}", sums[2]);
+    assert_eq!(sums[2].corrupt_holders, [first_id], "{:?}", sums[2]);
+    assert!(sums[2].bytes_from_source >= 256 << 10, "{:?}", sums[2]);
+    assert_eq!(sums[1].refetched_chunks, 0, "{:?}", sums[1]);
+    // Striped: each took part from the source (its own root stripe, or a re-fetch) and part
+    // from relays, and the source sent about one payload to the three together.
+    for s in &sums[1..] {
+        assert!(s.bytes_from_relays > 0, "{s:?}");
+    }
+    let egress: u64 = sums.iter().map(|s| s.bytes_from_source).sum();
+    assert!(
+        egress <= total + (3 << 20),
+        "the source sent {egress} for {total}"
     );
 }
 
@@ -184,12 +228,15 @@ async fn a_restarted_source_is_refused_with_a_clear_error() {
     }
 }
 
-/// Asks the control service at `addr` for the member's advertised prefix, waiting up to
-/// `wait_ms` for it to pass `after`.
-async fn advertised(addr: &str, after: u64, wait_ms: u64) -> u64 {
+/// Asks the control service at `addr` how many of `chunks` chunks the member advertises (its
+/// prefix, and each stripe's prefix), waiting up to `wait_ms` for it to verify more than
+/// `after`.
+async fn advertised(addr: &str, after: u64, wait_ms: u64, chunks: u64) -> u64 {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("{{\"op\":\"progress\",\"after\":{after},\"wait_ms\":{wait_ms}}}\n");
+    let req = format!(
+        "{{\"op\":\"progress\",\"after\":{after},\"after_count\":{after},\"wait_ms\":{wait_ms}}}\n"
+    );
     s.write_all(req.as_bytes()).await.unwrap();
     let mut line = String::new();
     tokio::io::BufReader::new(s)
@@ -197,11 +244,30 @@ async fn advertised(addr: &str, after: u64, wait_ms: u64) -> u64 {
         .await
         .unwrap();
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-    v["prefix"].as_u64().unwrap()
+    let prefix = v["prefix"].as_u64().unwrap();
+    let stripes: Vec<u64> = v["stripes"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+        .unwrap_or_default();
+    let d = stripes.len() as u64;
+    (0..chunks)
+        .filter(|&c| c < prefix || (d > 0 && c / d < stripes[(c % d) as usize]))
+        .count() as u64
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_never_advertises_a_chunk_it_has_not_verified() {
+    never_advertises_unverified(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_striped_relay_never_advertises_a_chunk_it_has_not_verified() {
+    never_advertises_unverified(2).await;
+}
+
+/// A relay and its child pulling with `stripes` (with 2, the relay is the root of stripe 0
+/// and the child's parent there).
+async fn never_advertises_unverified(stripes: usize) {
     let dir = tempfile::tempdir().unwrap();
     let (paths, want) = files(dir.path());
     let src = source(&paths).await;
@@ -211,12 +277,14 @@ async fn a_relay_never_advertises_a_chunk_it_has_not_verified() {
     let release = Arc::new(tokio::sync::Notify::new());
     let mut o = opts();
     o.window = 1;
+    o.stripes = stripes;
     o.hold_after = Some((k, release.clone()));
     o.stall_after = Duration::from_secs(60);
     let mut relay = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
     let relay_ctl = relay.member().ctl_addr.clone();
     let mut relay_progress = relay.progress();
     let mut o = opts();
+    o.stripes = stripes;
     o.stall_after = Duration::from_secs(60);
     let mut child = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
     let relay_task = tokio::spawn(async move {
@@ -229,7 +297,8 @@ async fn a_relay_never_advertises_a_chunk_it_has_not_verified() {
     // Held with exactly k verified: what it advertises, now and while it waits, is at most k
     // (a long poll past k is answered only if the prefix passes k).
     assert_eq!(relay_progress.borrow().chunks, k);
-    let ad = advertised(&relay_ctl, k, 300).await;
+    let chunks = src.manifest().chunks.len() as u64;
+    let ad = advertised(&relay_ctl, k, 300, chunks).await;
     assert!(ad <= k, "advertises {ad} chunks with {k} verified");
     assert_eq!(relay_progress.borrow().chunks, k, "the relay was held");
     // While it runs on, every answer is at most what its snapshot says it verified (the
@@ -237,13 +306,13 @@ async fn a_relay_never_advertises_a_chunk_it_has_not_verified() {
     release.notify_one();
     let mut after = 0;
     loop {
-        let ad = advertised(&relay_ctl, after, 2000).await;
+        let ad = advertised(&relay_ctl, after, 2000, chunks).await;
         let verified = relay_progress.borrow().chunks;
         assert!(
             ad <= verified,
             "advertises {ad} chunks with {verified} verified"
         );
-        if ad == src.manifest().chunks.len() as u64 {
+        if ad == chunks {
             break;
         }
         after = ad;
@@ -253,7 +322,12 @@ async fn a_relay_never_advertises_a_chunk_it_has_not_verified() {
     // The child took everything from the relay and never fetched a chunk that failed its hash
     // (which it would have, had the relay advertised one it had not verified).
     assert_eq!(s.fetch_mismatches, 0, "{s:?}");
-    assert_eq!(s.bytes_from_source, 0, "{s:?}");
+    if stripes == 1 {
+        assert_eq!(s.bytes_from_source, 0, "{s:?}");
+    } else {
+        // Stripe 1 from the source (whose root the child is), stripe 0 from the relay.
+        assert!(s.bytes_from_relays > 0, "{s:?}");
+    }
     let (relay, rs) = relay_task.await.unwrap();
     assert_eq!(rs.unwrap().refetched_chunks, 0);
     assert_eq!(relay.segment_bytes(1).unwrap(), want[1]);

@@ -88,6 +88,11 @@ pub(crate) struct PullArgs {
     /// baseline the relayed pull is measured against).
     #[arg(long)]
     no_relay: bool,
+    /// Stripes of the relay plan: the chunks go down this many trees of this degree, so each
+    /// member uploads about what it downloads; 1 is a chain in join order. Every receiver of
+    /// one broadcast should use the same.
+    #[arg(long, value_name = "N", default_value_t = ferry_broadcast::DEFAULT_STRIPES, value_parser = parse::count)]
+    stripes: usize,
     /// Print one JSON summary instead of the progress bar and human summary (with
     /// `timeline`: when the command started, joined, got the manifest, requested and verified
     /// its first chunk, verified its last and was done, in seconds since the Unix epoch).
@@ -371,6 +376,7 @@ fn pull_inner(
                 window: args.window,
                 stall_after: args.stall_after,
                 relay: !args.no_relay,
+                stripes: args.stripes,
                 version: args.weights_version,
                 expect_manifest: args.expect_manifest,
                 keys,

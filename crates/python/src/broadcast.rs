@@ -121,6 +121,15 @@ impl Publisher {
         &self.addr
     }
 
+    /// The newest version's manifest digest (64 hex digits): what receivers pass as
+    /// `expect_manifest` to bind every chunk to this publisher.
+    fn digest(&self) -> PyResult<String> {
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        g.as_ref()
+            .map(|s| s.manifest().digest().to_string())
+            .ok_or_else(|| PyValueError::new_err("the publisher is closed"))
+    }
+
     /// The versions served, oldest first.
     fn versions(&self) -> Vec<u64> {
         let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
@@ -157,7 +166,7 @@ impl Publisher {
 /// Starts a publisher of `tensors` on `engine` (which must listen); its control service
 /// listens on `listen`.
 #[pyfunction]
-#[pyo3(signature = (engine, name, version, tensors, chunk_size, listen, keep_versions))]
+#[pyo3(signature = (engine, name, version, tensors, chunk_size, listen, keep_versions, auth_key_file=None))]
 #[allow(clippy::too_many_arguments)]
 fn _publish(
     py: Python<'_>,
@@ -168,11 +177,13 @@ fn _publish(
     chunk_size: Option<u64>,
     listen: &str,
     keep_versions: usize,
+    auth_key_file: Option<std::path::PathBuf>,
 ) -> PyResult<Publisher> {
     let ts = self::tensors(tensors)?;
     let opts = SourceOptions {
         listen: addr(listen)?,
         keep_versions,
+        keys: keyring(py, auth_key_file)?,
         ..Default::default()
     };
     let rt = runtime::get(py)?;
@@ -352,10 +363,17 @@ fn dests(list: Vec<PyDest<'_>>) -> PyResult<Vec<(String, Slice)>> {
         .collect()
 }
 
+/// The broadcast's keyring from `path` (a key file readable by others is refused, as the
+/// engine's `auth_key_file` does).
+fn keyring(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Option<ferry::Keyring>> {
+    path.map(|p| ferry::load_keyring(&p, false).map_err(|e| crate::errors::to_py(py, e)))
+        .transpose()
+}
+
 /// Joins the broadcast whose publisher's control service is at `source` to pull it into
 /// `into` (and `staging`), on `engine`.
 #[pyfunction]
-#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest))]
+#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest, auth_key_file=None, expect_manifest=None))]
 #[allow(clippy::too_many_arguments)]
 fn _join(
     py: Python<'_>,
@@ -370,7 +388,19 @@ fn _join(
     relay: bool,
     shards: HashMap<String, u64>,
     verify_at_rest: bool,
+    auth_key_file: Option<std::path::PathBuf>,
+    expect_manifest: Option<String>,
 ) -> PyResult<Puller> {
+    let expect_manifest = expect_manifest
+        .map(|h| {
+            ferry_broadcast::Digest::from_hex(h.trim()).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "expect_manifest {h:?} is not a manifest digest (64 hex digits)"
+                ))
+            })
+        })
+        .transpose()?;
+    let keys = keyring(py, auth_key_file)?;
     let d = Destinations {
         into: dests(into)?,
         staging: staging.map(dests).transpose()?,
@@ -378,13 +408,18 @@ fn _join(
         subset,
         shards,
     };
+    let disc = Arc::new(match &keys {
+        Some(k) => Embedded::with_keys(addr(source)?, k.clone()),
+        None => Embedded::new(addr(source)?),
+    });
     let opts = ReceiverOptions {
         relay,
         version,
         verify_at_rest,
+        expect_manifest,
+        keys,
         ..Default::default()
     };
-    let disc = Arc::new(Embedded::new(addr(source)?));
     let rt = runtime::get(py)?;
     let r = py
         .detach(|| {

@@ -309,3 +309,54 @@ def test_registrations_and_slices_of_them_as_tensors(np):
         for k in w:
             assert np.array_equal(live[k], w[k]), k
         assert not any(reg.closed for reg in regs.values()), "the caller's stay open"
+
+
+KEY = "fleet 000102030405060708090a0b0c0d0e0f"
+
+
+@pytest.fixture
+def broadcast_key(tmp_path):
+    path = tmp_path / "fleet.key"
+    path.write_text(KEY + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_keyed_broadcast_pulls_with_the_key_and_refuses_a_pull_without_it(np, broadcast_key):
+    trainer = ferry.Engine(listen="127.0.0.1:0", data_plane="tcp", auth_key_file=broadcast_key)
+    w = weights(np, 7)
+    with Publisher(trainer, w, name="keyed", chunk_size=16 << 10, auth_key_file=broadcast_key) as pub:
+        # Without the key: refused before anything is written.
+        stranger = engine()
+        live = empty_like(np, w)
+        with pytest.raises(ferry.FerryError):
+            pull(stranger, pub.addr, live, name="keyed", timeout=20, linger=0)
+        for k in w:
+            assert not live[k].any(), f"{k} was written without the key"
+            assert held(live[k]) is None
+        # With it (the engine keyed too): every byte arrives.
+        member = ferry.Engine(listen="127.0.0.1:0", data_plane="tcp", auth_key_file=broadcast_key)
+        live = empty_like(np, w)
+        s = pull(member, pub.addr, live, name="keyed", timeout=60, linger=0, auth_key_file=broadcast_key)
+        assert s.version == 1
+        for k in w:
+            assert np.array_equal(live[k], w[k]), k
+
+
+def test_expect_manifest_pulls_the_publishers_digest_and_refuses_another(np):
+    trainer = engine()
+    w = weights(np, 8)
+    with Publisher(trainer, w, name="bound", chunk_size=16 << 10) as pub:
+        digest = pub.digest
+        assert len(digest) == 64 and int(digest, 16) >= 0
+        live = empty_like(np, w)
+        with pytest.raises(BroadcastError, match="digest"):
+            pull(engine(), pub.addr, live, name="bound", timeout=20, linger=0, expect_manifest="ab" * 32)
+        for k in w:
+            assert not live[k].any(), f"{k} was written for another manifest"
+        with pytest.raises(ValueError, match="64 hex digits"):
+            pull(engine(), pub.addr, live, name="bound", timeout=20, linger=0, expect_manifest="nope")
+        s = pull(engine(), pub.addr, live, name="bound", timeout=60, linger=0, expect_manifest=digest)
+        assert s.version == 1
+        for k in w:
+            assert np.array_equal(live[k], w[k]), k

@@ -196,7 +196,10 @@ class Publisher:
     """Publishes ``tensors`` (name to array, GPU array or registration) of ``engine`` (which
     must listen) as version ``version`` of the broadcast ``name``. ``addr`` is what receivers
     are given. Host arrays are served where they lie: leave them unchanged while their version
-    is served, and publish the next version from other arrays. A context manager."""
+    is served, and publish the next version from other arrays. With ``auth_key_file`` (a
+    keyring file, as ``Engine(auth_key_file=...)`` takes; give the engine the same) the control
+    service answers only members that prove a key of it. ``digest`` is the newest version's
+    manifest digest, for receivers' ``expect_manifest``. A context manager."""
 
     def __init__(
         self,
@@ -209,6 +212,7 @@ class Publisher:
         discovery: str | None = None,
         listen: str | None = None,
         keep_versions: int = 2,
+        auth_key_file: str | None = None,
     ):
         if discovery is not None:
             raise FerryError(
@@ -224,7 +228,9 @@ class Publisher:
         self._placed: dict[int, _Placed] = {}
         placed = _Placed(engine, tensors, _unique(f"ferry.bcast.{name}.v{version}"), writable=False)
         try:
-            self._native = _publish(engine, name, version, placed.list, chunk_size, listen, self._keep)
+            self._native = _publish(
+                engine, name, version, placed.list, chunk_size, listen, self._keep, auth_key_file
+            )
         except BaseException:
             placed.close()
             raise
@@ -235,6 +241,12 @@ class Publisher:
     def addr(self) -> str:
         """The address receivers are given (``pull(engine, pub.addr, ...)``)."""
         return self._native.addr
+
+    @property
+    def digest(self) -> str:
+        """The newest version's manifest digest (64 hex digits): give it to receivers as
+        ``pull(..., expect_manifest=...)`` to bind every chunk to this publisher."""
+        return self._native.digest()
 
     @property
     def versions(self) -> list[int]:
@@ -345,6 +357,8 @@ def pull(
     shards: Mapping[str, int] | None = None,
     verify_at_rest: bool = True,
     linger: float = 30.0,
+    auth_key_file: str | None = None,
+    expect_manifest: str | None = None,
 ) -> PullSummary:
     """Pulls version ``version`` (None: the newest) of the broadcast at ``source`` (a
     ``Publisher.addr``) into ``into`` (name to array, GPU array or registration of ``engine``,
@@ -357,7 +371,11 @@ def pull(
     every chunk before the pull reports done (each chunk is still verified as it lands): half
     the hashing. With ``relay`` the pull keeps serving
     later receivers for up to ``linger`` seconds after it completes. ``progress(bytes, total)``
-    is called as chunks are verified. Blocks with the GIL released."""
+    is called as chunks are verified. ``auth_key_file`` (the publisher's keyring file; give
+    ``engine`` the same) authenticates every control request and chunk, as ``ferry pull
+    --auth-key-file`` does; ``expect_manifest`` (``Publisher.digest``, 64 hex digits) refuses
+    any other manifest before anything is written, as ``--expect-manifest`` does. Blocks with
+    the GIL released."""
     if source.startswith("etcd://"):
         raise FerryError("etcd discovery is not built into the Python package; pass Publisher.addr")
     if mode not in ("in_place", "staged"):
@@ -383,6 +401,8 @@ def pull(
             relay,
             {k: int(v) for k, v in (shards or {}).items()},
             verify_at_rest,
+            auth_key_file,
+            expect_manifest,
         )
     except BaseException:
         for p in placed:
