@@ -516,49 +516,6 @@ async fn scattered_batches_cannot_reach_a_segment_published_to_others() -> Resul
     Ok(())
 }
 
-/// An io_uring server past its thread budget hands data streams to the TCP data plane's I/O
-/// threads: they are served from the authenticated peer's view too.
-#[cfg(feature = "uring")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_handed_over_past_the_thread_budget_keep_the_peers_view() -> Result<()> {
-    if !planes().contains(&DataPlane::Uring) {
-        return Ok(());
-    }
-    let server = Server::start_with(DataPlane::Uring, Some(&format!("{ALICE}\n{BOB}")), |b| {
-        b.uring_max_threads(0)
-    })?;
-    let secret = server.secret.as_ref().context("no secret")?;
-    let alice = client(DataPlane::Tcp, Some(ALICE))?;
-    let peer = alice.connect(server.addr()).await?;
-    let forged = peer.segment_from_descriptor(SegmentDesc {
-        name: "forged".into(),
-        token: secret.token(),
-        len: LEN as u64,
-        access: Access::REMOTE_READ | Access::REMOTE_WRITE,
-        remote_keys: vec![],
-    });
-    let src = local(&alice, 0xee)?;
-    let o = alice
-        .submit(Batch::new().write(&src, 0, &forged, 0, LEN as u64))?
-        .await;
-    assert_eq!(
-        o.failure.as_ref().map(|f| f.kind),
-        Some(FailureKind::Remote(RemoteStatus::UnknownSegment)),
-        "{o:?}"
-    );
-    assert!(server.untouched(secret)?, "alice wrote");
-    let o = alice
-        .submit(Batch::new().write(&src, 0, &peer.segment("open")?, 0, LEN as u64))?
-        .await;
-    assert!(o.is_success(), "{o:?}");
-    let handed = server.engine.describe().data_plane_io.unwrap_or_default();
-    assert!(
-        !handed.contains("streams past it on tcp I/O threads 0"),
-        "nothing was handed over: {handed}"
-    );
-    Ok(())
-}
-
 /// Keys are checked when the engine is built: a missing file and a short key are typed errors
 /// naming the file, without the key's bytes.
 #[test]

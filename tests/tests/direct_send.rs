@@ -44,7 +44,7 @@ async fn setup(
         len,
         Access::REMOTE_READ | Access::REMOTE_WRITE,
     );
-    let handle = serve_uring(&table, server, None);
+    let handle = serve_uring(&table, server);
     let addr = handle.local_addr();
     let t = Arc::new(UringTransport::new(config).unwrap());
     let offer = t.offer();

@@ -31,13 +31,9 @@ fn random_file(dir: &std::path::Path, len: usize, seed: u64) -> (std::path::Path
     (path, data)
 }
 
-/// An io_uring server of `table`; `event_loop`: its data streams on its fixed set of rings.
-fn serve(table: &Arc<Table>, event_loop: bool) -> UringServerHandle {
-    let t = UringTransport::new(UringConfig {
-        event_loop,
-        ..UringConfig::default()
-    })
-    .unwrap();
+/// An io_uring server of `table` (its data streams on its fixed set of rings).
+fn serve(table: &Arc<Table>) -> UringServerHandle {
+    let t = UringTransport::new(UringConfig::default()).unwrap();
     let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let responder = Arc::new(Responder {
         id: PeerId::random(),
@@ -72,16 +68,6 @@ fn client_with_chunk(
 
 #[test]
 fn file_segment_reads_match_byte_for_byte_including_the_tail() {
-    file_segment_reads_match_byte_for_byte_including_the_tail_on(false);
-}
-
-/// The same on the server's fixed set of rings (`UringConfig::event_loop`).
-#[test]
-fn file_segment_reads_match_byte_for_byte_including_the_tail_on_rings() {
-    file_segment_reads_match_byte_for_byte_including_the_tail_on(true);
-}
-
-fn file_segment_reads_match_byte_for_byte_including_the_tail_on(event_loop: bool) {
     if !uring_usable() {
         return;
     }
@@ -98,7 +84,7 @@ fn file_segment_reads_match_byte_for_byte_including_the_tail_on(event_loop: bool
         .lock()
         .unwrap()
         .insert(tok, ("file".into(), seg));
-    let server = serve(&table, event_loop);
+    let server = serve(&table);
     let ch = client(server.local_addr(), 2);
     let dst = Arc::new(MemoryRegion::alloc_zeroed(len + 8192, 4096).unwrap());
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -145,16 +131,6 @@ fn file_segment_reads_match_byte_for_byte_including_the_tail_on(event_loop: bool
 
 #[test]
 fn file_segment_write_needs_access_and_never_extends() {
-    file_segment_write_needs_access_and_never_extends_on(false);
-}
-
-/// The same on the server's fixed set of rings (`UringConfig::event_loop`).
-#[test]
-fn file_segment_write_needs_access_and_never_extends_on_rings() {
-    file_segment_write_needs_access_and_never_extends_on(true);
-}
-
-fn file_segment_write_needs_access_and_never_extends_on(event_loop: bool) {
     if !uring_usable() {
         return;
     }
@@ -170,7 +146,7 @@ fn file_segment_write_needs_access_and_never_extends_on(event_loop: bool) {
         .lock()
         .unwrap()
         .insert(tok, ("file".into(), seg));
-    let server = serve(&table, event_loop);
+    let server = serve(&table);
     let ch = client(server.local_addr(), 1);
     let src = Arc::new(MemoryRegion::alloc_zeroed(16384, 4096).unwrap());
     fill(&src, 5);
@@ -205,16 +181,6 @@ impl ferry_core::FileSource for Foreign {
 
 #[test]
 fn other_file_sources_are_served_by_their_positioned_io() {
-    other_file_sources_are_served_by_their_positioned_io_on(false);
-}
-
-/// The same on the server's fixed set of rings (`UringConfig::event_loop`).
-#[test]
-fn other_file_sources_are_served_by_their_positioned_io_on_rings() {
-    other_file_sources_are_served_by_their_positioned_io_on(true);
-}
-
-fn other_file_sources_are_served_by_their_positioned_io_on(event_loop: bool) {
     if !uring_usable() {
         return;
     }
@@ -229,7 +195,7 @@ fn other_file_sources_are_served_by_their_positioned_io_on(event_loop: bool) {
         .lock()
         .unwrap()
         .insert(tok, Arc::new(Foreign(seg)));
-    let server = serve(&table, event_loop);
+    let server = serve(&table);
     let ch = client_with_chunk(server.local_addr(), 1, 4 << 20);
     let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
     fill(&src, 17);
@@ -259,16 +225,6 @@ fn other_file_sources_are_served_by_their_positioned_io_on(event_loop: bool) {
 
 #[test]
 fn file_chunks_larger_than_the_staging_move_in_pieces() {
-    file_chunks_larger_than_the_staging_move_in_pieces_on(false);
-}
-
-/// The same on the server's fixed set of rings (`UringConfig::event_loop`).
-#[test]
-fn file_chunks_larger_than_the_staging_move_in_pieces_on_rings() {
-    file_chunks_larger_than_the_staging_move_in_pieces_on(true);
-}
-
-fn file_chunks_larger_than_the_staging_move_in_pieces_on(event_loop: bool) {
     if !uring_usable() {
         return;
     }
@@ -286,7 +242,7 @@ fn file_chunks_larger_than_the_staging_move_in_pieces_on(event_loop: bool) {
         .lock()
         .unwrap()
         .insert(tok, ("file".into(), seg));
-    let server = serve(&table, event_loop);
+    let server = serve(&table);
     let ch = client_with_chunk(server.local_addr(), 1, 4 << 20);
     let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
     fill(&src, 13);
@@ -419,7 +375,7 @@ fn zero_copy_sends_are_counted_and_drained() {
         8 << 20,
         Access::REMOTE_READ | Access::REMOTE_WRITE,
     );
-    let server = serve(&table, false);
+    let server = serve(&table);
     for (zc, splice) in [
         (ZeroCopy::Always, false),
         (ZeroCopy::Never, false),

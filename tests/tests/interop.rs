@@ -21,13 +21,15 @@ use ferry_core::{
     RemoteEffect, RemoteStatus, SegmentToken, Transport,
 };
 use ferry_transport_tcp::{TcpConfig, TcpServer, TcpTransport};
-use ferry_transport_uring::{StreamOverflow, UringConfig, UringServer, UringTransport, ZeroCopy};
+use ferry_transport_uring::{UringConfig, UringServer, UringTransport, ZeroCopy};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Side {
+    /// As a server: the default io_uring server (its fixed set of rings, one per CPU); as a
+    /// client: io_uring.
     Uring(ZeroCopy),
-    /// As a server: io_uring with every data stream on its fixed set of rings
-    /// ([`UringConfig::event_loop`], two rings); as a client: `Uring(ZeroCopy::Auto)`.
+    /// As a server: io_uring on two rings ([`UringConfig::server_rings`]); as a client:
+    /// `Uring(ZeroCopy::Auto)`.
     Rings(ZeroCopy),
     /// The TCP data plane with its data streams on `io_threads` I/O threads
     /// ([`TcpConfig::io_threads`]: `Some(0)` one per core, `None` the caller's runtime).
@@ -96,7 +98,6 @@ fn start_with(side: Side, versions: VersionRange) -> Fixture {
                 },
                 Side::Rings(zc) => UringConfig {
                     zero_copy: zc,
-                    event_loop: true,
                     server_rings: 2,
                     ..UringConfig::default()
                 },
@@ -185,10 +186,9 @@ async fn channel_with(
     transport.open(peer).await.unwrap()
 }
 
-/// Each client stream runs one thread (and ring), and so does each served connection: the
-/// client transport's and the server's `threads` gauges count them while the channel lives
-/// (the handshake's connection thread ends after the handshake), and both fall back to zero
-/// once it is dropped.
+/// Each client stream runs one thread (and ring): the client transport's `threads` gauge counts
+/// them while the channel lives and falls back to zero once it is dropped. The server's gauge
+/// counts its rings, whatever it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_thread_per_stream_counted_while_the_channel_lives() {
     if !uring_usable() {
@@ -199,7 +199,11 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
         ..UringConfig::default()
     })
     .unwrap();
-    let h = serve_uring(&Arc::new(Table::default()), t.config().clone(), None);
+    let server = UringConfig {
+        server_rings: 2,
+        ..t.config().clone()
+    };
+    let h = serve_uring(&Arc::new(Table::default()), server);
     let addr = h.local_addr();
     let offer = t.offer();
     let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
@@ -217,12 +221,13 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
             std::thread::sleep(Duration::from_millis(10));
         }
     };
+    assert_eq!(gauge(h.stats()), 2);
     let ch = t.open(peer).await.unwrap();
     assert_eq!(gauge(t.stats()), 3);
-    settle(3, "server with the channel open", &|| gauge(h.stats()));
+    assert_eq!(gauge(h.stats()), 2, "server with the channel open");
     drop(ch);
     settle(0, "client after the drop", &|| gauge(t.stats()));
-    settle(0, "server after the drop", &|| gauge(h.stats()));
+    assert_eq!(gauge(h.stats()), 2, "server after the drop");
 }
 
 const PAIRS: &[(Side, Side)] = &[
@@ -878,37 +883,20 @@ async fn server_shutdown_loses_the_peer() {
     }
 }
 
-/// The TCP data plane's stream server as an io_uring server's overflow (what the engine wires).
-#[derive(Debug)]
-struct TcpOverflow(ferry_transport_tcp::StreamServer);
-
-impl StreamOverflow for TcpOverflow {
-    fn serve(
-        &self,
-        stream: std::net::TcpStream,
-        from: SocketAddr,
-        proto: ferry_core::stream::ServerStream,
-        done: Box<dyn FnOnce() + Send>,
-    ) -> Result<(), Error> {
-        self.0.serve(stream, from, proto, done)
-    }
-}
-
-/// A server at its thread budget hands further data streams to its overflow: the bytes move the
-/// same both ways, the server runs no more threads than the budget, the hand-overs are counted,
-/// and shutting the server down closes the handed-over streams too.
+/// Four streams of one client on a server's two rings: the bytes move the same both ways, the
+/// server runs its two ring threads whatever it serves, and shutting the server down closes every
+/// stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
+async fn a_ring_servers_shutdown_closes_every_stream() {
     if !uring_usable() {
         return;
     }
     let table = Arc::new(Table::default());
     let config = UringConfig {
-        max_threads: 2,
+        server_rings: 2,
         ..UringConfig::default()
     };
-    let overflow = TcpOverflow(ferry_transport_tcp::StreamServer::new(&TcpConfig::default()));
-    let h = serve_uring(&table, config, Some(Arc::new(overflow)));
+    let h = serve_uring(&table, config);
     let addr = h.local_addr();
     let len = (5 << 20) + 333;
     let (tok, dst) = publish(&table, "x", len, Access::REMOTE_READ | Access::REMOTE_WRITE);
@@ -926,7 +914,6 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
     let ch = t.open(peer).await.unwrap();
     let stats = h.stats();
     assert_eq!(stats.threads.load(Ordering::Relaxed), 2);
-    assert_eq!(stats.handed_over.load(Ordering::Relaxed), 2);
     let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
     fill(&src, 0x0f10);
     let o = run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, len as u64)]).await;
@@ -943,7 +930,7 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         "read bytes differ"
     );
     assert_eq!(stats.threads.load(Ordering::Relaxed), 2);
-    // Shut down: every stream, handed over or not, is closed; within a few requests (each
+    // Shut down: every stream is closed; within a few requests (each
     // dealt over all four streams) every stream has learned it.
     h.shutdown();
     let mut gone = false;
@@ -961,76 +948,6 @@ async fn streams_past_the_thread_budget_are_served_by_the_overflow() {
         }
     }
     assert!(gone, "a stream outlived the server's shutdown");
-}
-
-/// Streams another listener accepted and attached (the io_uring server past its thread budget)
-/// are served by a `StreamServer` on its I/O threads: bytes move both ways, checks still refuse
-/// an unknown segment, and `done` runs once the client closes each stream.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handed_over_streams_are_served_until_the_client_closes_them() {
-    let table = Arc::new(Table::default());
-    let (tok, dst) = publish(
-        &table,
-        "x",
-        3 << 20,
-        Access::REMOTE_READ | Access::REMOTE_WRITE,
-    );
-    let server = Arc::new(ferry_transport_tcp::StreamServer::new(&TcpConfig::default()));
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-    let accepting = {
-        let server = server.clone();
-        std::thread::spawn(move || {
-            for _ in 0..2 {
-                let s = accept_stream(&listener);
-                let from = s.peer_addr().unwrap();
-                let tx = done_tx.clone();
-                server
-                    .serve(
-                        s,
-                        from,
-                        ferry_core::stream::ServerStream::new(table.clone()),
-                        Box::new(move || tx.send(()).unwrap()),
-                    )
-                    .unwrap();
-            }
-        })
-    };
-    let t = TcpTransport::new(TcpConfig {
-        streams: 2,
-        chunk_size: 256 << 10,
-        depth: 4,
-        ..TcpConfig::default()
-    });
-    let ch = t.open(scripted_peer(addr, 2)).await.unwrap();
-    accepting.join().unwrap();
-    let len = (3 << 20) - 17;
-    let src = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
-    fill(&src, 0x5eed);
-    let o = run(&ch, vec![op(OpKind::Write, &src, 5, tok, 9, len)]).await;
-    assert!(o.is_success(), "{o:?}");
-    assert!(bytes(&dst, 9, len as usize) == bytes(&src, 5, len as usize));
-    let back = Arc::new(MemoryRegion::alloc_zeroed(3 << 20, 4096).unwrap());
-    let o = run(&ch, vec![op(OpKind::Read, &back, 0, tok, 9, len)]).await;
-    assert!(o.is_success(), "{o:?}");
-    assert!(bytes(&back, 0, len as usize) == bytes(&src, 5, len as usize));
-    let o = run(
-        &ch,
-        vec![op(OpKind::Read, &back, 0, SegmentToken(3), 0, 10)],
-    )
-    .await;
-    assert_eq!(
-        o.failure.map(|f| f.kind),
-        Some(FailureKind::Remote(RemoteStatus::UnknownSegment))
-    );
-    assert!(done_rx.try_recv().is_err(), "done before the client closed");
-    drop(ch);
-    for _ in 0..2 {
-        done_rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("a handed-over stream never reported done");
-    }
 }
 
 /// Random requests on a raw data stream to the TCP server: every answer matches an oracle of the

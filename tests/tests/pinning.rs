@@ -10,13 +10,13 @@ use common::*;
 use ferry_core::{MemoryRegion, OpKind, SegmentToken, Transport};
 use ferry_transport_uring::{UringConfig, UringTransport};
 
-/// The CPUs each of this process's serving threads may run on, one list per thread.
-fn serving_threads() -> Vec<String> {
+/// The CPUs each of this process's threads whose name (as the kernel keeps it, 15 bytes) starts
+/// with `prefix` may run on, one list per thread, sorted.
+fn threads_named(prefix: &str) -> Vec<String> {
     let mut out = Vec::new();
     for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
         let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        // "ferry-uring-conn", as the kernel keeps it (15 bytes).
-        if comm.trim() != "ferry-uring-con" {
+        if !comm.trim().starts_with(prefix) {
             continue;
         }
         let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
@@ -28,23 +28,22 @@ fn serving_threads() -> Vec<String> {
     out
 }
 
-/// Waits up to 10 s for `want` to hold of the serving threads' CPU lists.
-fn settle(what: &str, want: impl Fn(&[String]) -> bool) {
+/// Waits up to 10 s for `want` to hold of the CPU lists of the threads named `comm...`.
+fn settle(comm: &str, what: &str, want: impl Fn(&[String]) -> bool) {
     let end = Instant::now() + Duration::from_secs(10);
     loop {
-        let now = serving_threads();
+        let now = threads_named(comm);
         if want(&now) {
             return;
         }
-        assert!(Instant::now() < end, "{what}: serving threads on {now:?}");
+        assert!(Instant::now() < end, "{what}: {comm} threads on {now:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
-/// A one-stream loopback client's serving thread is left to the scheduler. With two streams,
-/// each serving thread is pinned to a core of its own: stream 1's when it attaches, stream 0's
-/// (which started unpinned: the server could not tell that more would follow) at its next
-/// request once stream 1 attached.
+/// The server's rings each run on a CPU of their own from its start; a two-stream loopback
+/// client's stream threads are pinned the same way, stream `i` on ring `i`'s CPU, so both ends of
+/// a flow share a core.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_loopback_streams_are_served_one_core_each() {
     if !uring_usable() {
@@ -65,38 +64,45 @@ async fn two_loopback_streams_are_served_one_core_each() {
         );
         return;
     }
-    let server_config = UringConfig::default();
-    assert!(server_config.pin_loopback_streams);
-    let h = serve_uring(&Arc::new(Table::default()), server_config, None);
+    let config = UringConfig {
+        server_rings: 2,
+        ..UringConfig::default()
+    };
+    assert!(config.pin_loopback_streams);
+    let h = serve_uring(&Arc::new(Table::default()), config);
+    assert_eq!(h.rings(), 2);
+    // "ferry-uring-ring0", "...1" as the kernel keeps them (15 bytes).
+    let rings = threads_named("ferry-uring-rin");
+    assert_eq!(rings.len(), 2, "ring threads on {rings:?}");
+    assert!(
+        rings[0] != rings[1] && rings.iter().all(|c| c.parse::<usize>().is_ok()),
+        "ring threads on {rings:?}"
+    );
     let addr = h.local_addr();
     let buf = Arc::new(MemoryRegion::alloc_zeroed(4096, 64).unwrap());
     // A request to an unknown segment is refused, but its header is served like any other.
     let ask = || vec![op(OpKind::Write, &buf, 0, SegmentToken(77), 0, 100)];
-
-    for streams in [1, 2] {
-        let t = UringTransport::new(UringConfig {
-            streams,
-            ..UringConfig::default()
-        })
+    let t = UringTransport::new(UringConfig {
+        streams: 2,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let offer = t.offer();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
         .unwrap();
-        let offer = t.offer();
-        let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
-            .await
-            .unwrap();
-        let ch = t.open(peer).await.unwrap();
-        // Enough requests that both streams (dealt in turn) serve at least one.
-        for _ in 0..4 {
-            let o = run(&ch, ask()).await;
-            assert!(o.failure.is_some(), "unknown segment: {o:?}");
-        }
-        if streams == 1 {
-            settle("one stream", |t| t.len() == 1 && t[0] == allowed);
-        } else {
-            settle("two streams", |t| {
-                t.len() == 2 && t[0] != t[1] && t.iter().all(|c| c.parse::<usize>().is_ok())
-            });
-        }
-        drop(ch);
-        settle("channel dropped", |t| t.is_empty());
+    let ch = t.open(peer).await.unwrap();
+    // Enough requests that both streams (dealt in turn) serve at least one.
+    for _ in 0..4 {
+        let o = run(&ch, ask()).await;
+        assert!(o.failure.is_some(), "unknown segment: {o:?}");
     }
+    // "ferry-uring-s0", "...s1": the client's stream threads, on the rings' CPUs.
+    let mut want = rings.clone();
+    want.sort();
+    settle("ferry-uring-s", "two client streams", |t| t == want);
+    drop(ch);
+    settle("ferry-uring-s", "channel dropped", |t| t.is_empty());
+    // The rings stay where they are.
+    assert_eq!(threads_named("ferry-uring-rin"), rings);
 }

@@ -1,4 +1,4 @@
-//! The io_uring server on its fixed set of rings (`UringConfig::event_loop`): zero-copy READs,
+//! The io_uring server on its fixed set of rings (`UringConfig::server_rings`): zero-copy READs,
 //! large WRITEs, checksums (`uring_rings_idle.rs`: many idle streams).
 
 mod common;
@@ -23,11 +23,10 @@ async fn ring_server_reads_go_out_zero_copy_and_are_all_let_go() {
     }
     let table = Arc::new(Table::default());
     let config = UringConfig {
-        event_loop: true,
         zero_copy: ferry_transport_uring::ZeroCopy::Always,
         ..UringConfig::default()
     };
-    let server = serve_uring(&table, config, None);
+    let server = serve_uring(&table, config);
     let len = 4 << 20;
     let (tok, remote) = publish(&table, "r", len, Access::REMOTE_READ);
     fill(&remote, 3);
@@ -73,11 +72,8 @@ async fn ring_server_receives_large_writes_with_any_tail() {
         return;
     }
     let table = Arc::new(Table::default());
-    let config = UringConfig {
-        event_loop: true,
-        ..UringConfig::default()
-    };
-    let server = serve_uring(&table, config, None);
+    let config = UringConfig::default();
+    let server = serve_uring(&table, config);
     let len = 4 << 20;
     let (tok, remote) = publish(&table, "w", len, Access::REMOTE_WRITE);
     let t = UringTransport::new(UringConfig {
@@ -121,11 +117,10 @@ async fn ring_server_answers_checksums_of_memory_and_files() {
     }
     let table = Arc::new(Table::default());
     let config = UringConfig {
-        event_loop: true,
         server_rings: 1,
         ..UringConfig::default()
     };
-    let server = serve_uring(&table, config, None);
+    let server = serve_uring(&table, config);
     let len = (9 << 20) + 5;
     let (tok, remote) = publish(&table, "m", len, Access::REMOTE_READ);
     fill(&remote, 21);

@@ -1,4 +1,4 @@
-//! The io_uring server on its fixed set of rings (`UringConfig::event_loop`): many attached,
+//! The io_uring server on its fixed set of rings (`UringConfig::server_rings`): many attached,
 //! idle data streams cost it no thread each, and a new peer is served meanwhile. A binary of
 //! its own: it counts this process's threads, which no other test may start meanwhile.
 
@@ -58,11 +58,8 @@ async fn idle_streams_cost_the_ring_server_no_thread() {
     let cores = std::thread::available_parallelism().unwrap().get();
     let before = threads();
     let table = Arc::new(Table::default());
-    let config = UringConfig {
-        event_loop: true,
-        ..UringConfig::default()
-    };
-    let server = serve_uring(&table, config, None);
+    let config = UringConfig::default();
+    let server = serve_uring(&table, config);
     let addr = server.local_addr();
     let (tok, remote) = publish(
         &table,

@@ -25,6 +25,7 @@ const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench latency [--ops N] [--repeat N]
        cargo xtask bench small [--repeat N] [--ops N] [--total BYTES] [--blocks N] [--block BYTES] [--no-mooncake]
        cargo xtask bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
+       cargo xtask bench cpu [--total BYTES] [--repeat N] [--transport auto|uring|tcp]
        cargo xtask bench python [--total BYTES] [--repeat N]
        cargo xtask bench register [--sizes 64MiB,1GiB] [--repeat N]
        cargo xtask bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
@@ -40,6 +41,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("latency") => crate::bench_latency::run(&args[1..]),
         Some("small") => crate::bench_small::run(&args[1..]),
         Some("ab") => crate::bench_ab::run(&args[1..]),
+        Some("cpu") => crate::bench_cpu::run(&args[1..]),
         Some("python") => crate::python::bench(&args[1..]),
         Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         Some("load") => crate::stress::load(&args[1..]),

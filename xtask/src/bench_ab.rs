@@ -4,8 +4,9 @@
 //! Both binaries run `ferry bench` (each its own in-process loopback server) with the same
 //! arguments, one right after the other in each round, the order swapped every round so neither
 //! always runs on a warmer machine. Cases: the TCP and io_uring data planes, one and two
-//! streams, 1 MiB READs and WRITEs (rate, GB/s), and a 64-byte WRITE round trip with one op in
-//! flight (p50, microseconds) on each data plane. The table shows each side's median and the
+//! streams, 1 MiB READs and WRITEs (rate, GB/s), 64 KiB READs and WRITEs at depth 16 on one
+//! stream (a quarter of `--total` each), and a 64-byte WRITE round trip with one op in flight
+//! (p50, microseconds) on each data plane. The table shows each side's median and the
 //! median and range of the per-round ratios, oriented so that above 1 means this tree is
 //! faster.
 //!
@@ -18,7 +19,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{cargo, ferry_bench_json_of, median, run as run_loud, size};
+use crate::util::{cargo, ferry_bench_json_of, median, median_and_range, run as run_loud, size};
 
 /// One measured case: its label, the `ferry bench` arguments, the JSON key, and whether
 /// larger is better (a rate) or smaller (a latency).
@@ -29,50 +30,61 @@ struct Case {
     higher_is_better: bool,
 }
 
+/// A `ferry bench` case on `transport`: `op`s of `size` bytes, `total` bytes, and `extra` flags.
+fn case(label: String, transport: &str, op: &str, size: &str, total: u64, extra: &[&str]) -> Case {
+    let mut args: Vec<String> = ["--transport", transport, "--op", op, "--op-size", size]
+        .map(String::from)
+        .to_vec();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(["--total".to_owned(), total.to_string()]);
+    Case {
+        label,
+        args,
+        key: "gb_per_s",
+        higher_is_better: true,
+    }
+}
+
 fn cases(total: u64, ops: usize) -> Vec<Case> {
     let mut v = Vec::new();
     for transport in ["tcp", "uring"] {
         for streams in [1, 2] {
             for op in ["read", "write"] {
-                v.push(Case {
-                    label: format!("{transport}, {streams} stream(s), 1 MiB {op}s (GB/s)"),
-                    args: [
-                        "--transport",
-                        transport,
-                        "--op",
-                        op,
-                        "--op-size",
-                        "1MiB",
-                        "--streams",
-                        &streams.to_string(),
-                        "--total",
-                        &total.to_string(),
-                    ]
-                    .map(String::from)
-                    .to_vec(),
-                    key: "gb_per_s",
-                    higher_is_better: true,
-                });
+                let label = format!("{transport}, {streams} stream(s), 1 MiB {op}s (GB/s)");
+                let streams = streams.to_string();
+                v.push(case(
+                    label,
+                    transport,
+                    op,
+                    "1MiB",
+                    total,
+                    &["--streams", &streams],
+                ));
             }
         }
-        v.push(Case {
-            label: format!("{transport}, 64 B write round trip p50 (us)"),
-            args: [
-                "--transport",
+        for op in ["read", "write"] {
+            let label = format!("{transport}, 1 stream, 64 KiB {op}s at depth 16 (GB/s)");
+            v.push(case(
+                label,
                 transport,
-                "--op",
-                "write",
-                "--op-size",
-                "64",
-                "--depth",
-                "1",
-                "--total",
-                &(ops * 64).to_string(),
-            ]
-            .map(String::from)
-            .to_vec(),
+                op,
+                "64KiB",
+                total / 4,
+                &["--depth", "16"],
+            ));
+        }
+        let label = format!("{transport}, 64 B write round trip p50 (us)");
+        v.push(Case {
             key: "p50_us",
             higher_is_better: false,
+            ..case(
+                label,
+                transport,
+                "write",
+                "64",
+                ops as u64 * 64,
+                &["--depth", "1"],
+            )
         });
     }
     v
@@ -148,14 +160,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     );
     println!("|---|---|---|---|");
     for (i, c) in cases.iter().enumerate() {
-        let lo = ratios[i].iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = ratios[i].iter().copied().fold(0.0, f64::max);
         println!(
-            "| {} | {:.2} | {:.2} | {:.3} [{lo:.2}-{hi:.2}] |",
+            "| {} | {:.2} | {:.2} | {} |",
             c.label,
             median(&theirs[i]),
             median(&ours[i]),
-            median(&ratios[i]),
+            median_and_range(&ratios[i]),
         );
     }
     println!("(ratios above 1: this tree is faster; latency rows compare p50 round trips)");

@@ -6,6 +6,7 @@
 mod bench;
 mod bench_ab;
 mod bench_broadcast;
+mod bench_cpu;
 mod bench_latency;
 mod bench_small;
 mod bench_uring;

@@ -242,6 +242,13 @@ pub(crate) fn json_bool(text: &str, key: &str, from: usize) -> Option<bool> {
     }
 }
 
+/// A table cell of per-round ratios: `median [lowest-highest]`, e.g. `1.013 [0.92-1.10]`.
+pub(crate) fn median_and_range(v: &[f64]) -> String {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(0.0, f64::max);
+    format!("{:.3} [{lo:.2}-{hi:.2}]", median(v))
+}
+
 /// The median of `v` (the mean of the middle two for an even count; NaN when empty).
 pub(crate) fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
@@ -256,6 +263,11 @@ pub(crate) fn median(v: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ratio_cell_is_the_median_and_the_range() {
+        assert_eq!(median_and_range(&[1.1, 0.9, 1.0]), "1.000 [0.90-1.10]");
+    }
 
     #[test]
     fn the_target_directory_is_cargos_with_or_without_cargo_target_dir() {

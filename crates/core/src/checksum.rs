@@ -112,16 +112,82 @@ impl RegionCrc {
 
 /// The CRC-32C of `len` bytes of `file` from `at` (positioned reads: blocking).
 pub fn crc32c_file(file: &dyn FileSource, at: u64, len: u64) -> io::Result<u32> {
-    let mut buf = vec![0u8; PIECE.min(len as usize)];
-    let mut crc = 0;
-    let mut done = 0u64;
-    while done < len {
-        let n = (len - done).min(PIECE as u64) as usize;
-        file.read_exact_at(at + done, &mut buf[..n])?;
-        crc = crc32c_append(crc, &buf[..n]);
-        done += n as u64;
+    let mut range = FileRange::new(at, len);
+    loop {
+        if let Some(crc) = range.step(file)? {
+            return Ok(crc);
+        }
     }
-    Ok(crc)
+}
+
+/// The CRC-32C of a range of a file, computed one piece ([`FileCrc::PIECE`] bytes, one
+/// positioned read) per [`step`](Self::step), so that a driver that serves other streams on the
+/// same thread can let them run between the pieces of a long range.
+#[derive(Debug)]
+pub struct FileCrc {
+    file: Arc<dyn FileSource>,
+    range: FileRange,
+}
+
+impl FileCrc {
+    /// Bytes hashed per step.
+    pub const PIECE: usize = PIECE;
+
+    /// A checksum of `file[at..at + len]` (a range past the file's end fails the step that
+    /// reaches it).
+    pub fn new(file: Arc<dyn FileSource>, at: u64, len: u64) -> Self {
+        Self {
+            file,
+            range: FileRange::new(at, len),
+        }
+    }
+
+    /// Bytes not hashed yet.
+    pub fn remaining(&self) -> u64 {
+        self.range.left
+    }
+
+    /// Reads and hashes the next piece; the checksum once the whole range is hashed (then again
+    /// on each call).
+    pub fn step(&mut self) -> io::Result<Option<u32>> {
+        self.range.step(&*self.file)
+    }
+}
+
+/// Where a file checksum stands: the next byte, the bytes left, the CRC so far.
+#[derive(Debug)]
+struct FileRange {
+    at: u64,
+    left: u64,
+    crc: u32,
+    buf: Vec<u8>,
+}
+
+impl FileRange {
+    fn new(at: u64, left: u64) -> Self {
+        Self {
+            at,
+            left,
+            crc: 0,
+            buf: Vec::new(),
+        }
+    }
+
+    fn step(&mut self, file: &dyn FileSource) -> io::Result<Option<u32>> {
+        if self.left == 0 {
+            self.buf = Vec::new();
+            return Ok(Some(self.crc));
+        }
+        let n = self.left.min(PIECE as u64) as usize;
+        if self.buf.len() < n {
+            self.buf.resize(n, 0);
+        }
+        file.read_exact_at(self.at, &mut self.buf[..n])?;
+        self.crc = crc32c_append(self.crc, &self.buf[..n]);
+        self.at += n as u64;
+        self.left -= n as u64;
+        Ok(None)
+    }
 }
 
 #[cfg(test)]
@@ -156,5 +222,53 @@ mod tests {
         assert_eq!(part, crc32c(&data[5..105]));
         assert_eq!(RegionCrc::new(region.clone(), 0, 0).unwrap().finish(), 0);
         assert!(RegionCrc::new(region, 1, data.len() as u64).is_err());
+    }
+
+    /// A file's bytes: reads inside them, an error past their end.
+    #[derive(Debug)]
+    struct Bytes(Vec<u8>);
+
+    impl FileSource for Bytes {
+        fn check(&self, _: crate::OpKind, offset: u64, _: u64) -> Result<u64, crate::RemoteStatus> {
+            Ok(offset)
+        }
+        fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+            let from = self
+                .0
+                .get(at as usize..at as usize + buf.len())
+                .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+            buf.copy_from_slice(from);
+            Ok(())
+        }
+        fn write_all_at(&self, _: u64, _: &[u8]) -> io::Result<()> {
+            Err(io::Error::from(io::ErrorKind::Unsupported))
+        }
+    }
+
+    /// A file range hashed a piece per step gives the whole range's checksum after one read
+    /// per piece, the same as `crc32c_file` in one call; a range past the end fails its step.
+    #[test]
+    fn a_file_checksum_in_pieces_is_the_whole_ones() {
+        let data: Vec<u8> = (0..(PIECE * 2 + 17)).map(|i| (i * 13 + 1) as u8).collect();
+        let whole = crc32c(&data[3..]);
+        let file: Arc<dyn FileSource> = Arc::new(Bytes(data.clone()));
+        let len = data.len() as u64 - 3;
+        assert_eq!(crc32c_file(&*file, 3, len).unwrap(), whole);
+        let mut sum = FileCrc::new(file.clone(), 3, len);
+        let mut steps = 1;
+        let stepped = loop {
+            match sum.step().unwrap() {
+                Some(crc) => break crc,
+                None => {
+                    steps += 1;
+                    assert!(sum.remaining() < len);
+                }
+            }
+        };
+        assert_eq!((stepped, steps), (whole, 4), "three pieces, then the sum");
+        assert_eq!(sum.step().unwrap(), Some(whole));
+        assert_eq!(FileCrc::new(file.clone(), 0, 0).step().unwrap(), Some(0));
+        let mut past = FileCrc::new(file, 1, data.len() as u64);
+        assert!(past.step().is_ok() && past.step().is_ok() && past.step().is_err());
     }
 }

@@ -171,14 +171,24 @@ impl EngineBuilder {
         self
     }
 
-    /// Threads the io_uring data plane runs at most on each side (default 256): it runs one
-    /// per client stream and one per served data stream. Past it, new peers are opened over
-    /// the TCP data plane (same wire, a fixed set of I/O threads;
-    /// [`Peer::transport`](crate::Peer::transport) says `tcp`) and the listener serves new data streams on the TCP data plane's I/O threads.
-    /// Counted in `describe().data_plane_io` ("peers past it over tcp").
+    /// Threads the io_uring data plane's client side runs at most (default 256): it runs one
+    /// per client stream. Past it, new peers are opened over the TCP data plane (same wire, a
+    /// fixed set of I/O threads; [`Peer::transport`](crate::Peer::transport) says `tcp`).
+    /// Counted in `describe().data_plane_io` ("peers past it over tcp"). The listener is not
+    /// bounded by it: it serves every data stream on its fixed set of rings
+    /// ([`uring_server_rings`](Self::uring_server_rings)).
     #[cfg(feature = "uring")]
     pub fn uring_max_threads(mut self, n: usize) -> Self {
         self.data.uring_max_threads = n;
+        self
+    }
+
+    /// How many rings serve the io_uring listener's data streams, each on one thread (default
+    /// 0: one per CPU this process may run on). A served data stream costs no thread: the
+    /// listener runs these however many peers it serves.
+    #[cfg(feature = "uring")]
+    pub fn uring_server_rings(mut self, n: usize) -> Self {
+        self.data.uring_server_rings = n;
         self
     }
 

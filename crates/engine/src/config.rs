@@ -27,13 +27,18 @@ pub(crate) struct DataPlaneConfig {
     /// Threads the io_uring data plane runs at most on each side.
     #[cfg(feature = "uring")]
     pub(crate) uring_max_threads: usize,
+    /// How many rings serve the io_uring listener's data streams (0: one per CPU).
+    #[cfg(feature = "uring")]
+    pub(crate) uring_server_rings: usize,
     /// What the listener allows a connection before its handshake is over.
     pub(crate) handshake: ferry_transport_tcp::HandshakeLimits,
 }
 
 impl Default for DataPlaneConfig {
-    /// The TCP transport's defaults, and io_uring's default thread budget.
+    /// The TCP transport's defaults, and io_uring's default thread budget and serving rings.
     fn default() -> Self {
+        #[cfg(feature = "uring")]
+        let uring = UringConfig::default();
         let TcpConfig {
             streams,
             chunk_size,
@@ -53,7 +58,9 @@ impl Default for DataPlaneConfig {
             dead_peer_after,
             io_threads,
             #[cfg(feature = "uring")]
-            uring_max_threads: ferry_transport_uring::MAX_THREADS,
+            uring_max_threads: uring.max_threads,
+            #[cfg(feature = "uring")]
+            uring_server_rings: uring.server_rings,
             handshake,
         }
     }
@@ -86,6 +93,7 @@ impl DataPlaneConfig {
             connect_timeout: self.connect_timeout,
             dead_peer_after: self.dead_peer_after,
             max_threads: self.uring_max_threads,
+            server_rings: self.uring_server_rings,
             handshake: self.handshake,
             ..UringConfig::default()
         }
@@ -108,6 +116,8 @@ mod tests {
             io_threads: None,
             #[cfg(feature = "uring")]
             uring_max_threads: 11,
+            #[cfg(feature = "uring")]
+            uring_server_rings: 17,
             handshake: ferry_transport_tcp::HandshakeLimits {
                 timeout: Duration::from_secs(3),
                 max_pending: 13,
@@ -141,6 +151,7 @@ mod tests {
                 ),
                 (3, 4096, 5, None, 11)
             );
+            assert_eq!(u.server_rings, 17);
             assert_eq!(
                 (u.connect_timeout, u.dead_peer_after, u.handshake),
                 (c.connect_timeout, c.dead_peer_after, c.handshake)

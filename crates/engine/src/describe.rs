@@ -245,8 +245,7 @@ pub struct Description {
     /// 2, SEND_ZC on, registered buffers tried; threads 2 (at most 256; peers past it over
     /// tcp: 0), zc sends 12, fixed 12, copy sends 0, notifications 12, short sends 0, register
     /// failures 0` (the client side of this engine: `threads` counts its stream threads), then,
-    /// for an io_uring listener, `; listener: threads 3, streams past it on tcp I/O threads 0,
-    /// held responses 40`.
+    /// for an io_uring listener, `; listener on 2 rings: threads 2, held responses 40`.
     pub data_plane_io: Option<String>,
     /// The listener's connections before their handshake is over, if it listens.
     pub handshakes: Option<HandshakeDescription>,

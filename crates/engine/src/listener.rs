@@ -1,6 +1,5 @@
-//! The engine's listener: the io_uring server where io_uring carries the data plane (its
-//! streams past the thread budget served on the TCP data plane's I/O threads), the TCP
-//! transport's server otherwise.
+//! The engine's listener: the io_uring server where io_uring carries the data plane (its data
+//! streams on a fixed set of rings), the TCP transport's server otherwise.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,14 +32,7 @@ impl Server {
     ) -> Result<Self, Error> {
         #[cfg(feature = "uring")]
         if let Some(uring) = uring {
-            let overflow = Arc::new(TcpOverflow(ferry_transport_tcp::StreamServer::new(
-                &config.tcp(),
-            )));
-            let h = UringServer::bind(addr)?.with_overflow(overflow).serve(
-                table,
-                responder,
-                uring.config().clone(),
-            )?;
+            let h = UringServer::bind(addr)?.serve(table, responder, uring.config().clone())?;
             return Ok(Server::Uring(h));
         }
         if let Err(e) = tokio::runtime::Handle::try_current() {
@@ -81,24 +73,5 @@ impl Server {
             #[cfg(feature = "uring")]
             Server::Uring(h) => h.shutdown(),
         }
-    }
-}
-
-/// The io_uring listener's streams past its thread budget, served on the TCP data plane's I/O
-/// threads.
-#[cfg(feature = "uring")]
-#[derive(Debug)]
-struct TcpOverflow(ferry_transport_tcp::StreamServer);
-
-#[cfg(feature = "uring")]
-impl ferry_transport_uring::StreamOverflow for TcpOverflow {
-    fn serve(
-        &self,
-        stream: std::net::TcpStream,
-        from: SocketAddr,
-        proto: ferry_core::stream::ServerStream,
-        done: Box<dyn FnOnce() + Send>,
-    ) -> Result<(), Error> {
-        self.0.serve(stream, from, proto, done)
     }
 }

@@ -28,7 +28,7 @@ use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::TcpChannel;
 pub use control::{handshake, handshake_with};
-pub use server::{ServerHandle, StreamServer, TcpServer};
+pub use server::{ServerHandle, TcpServer};
 
 #[doc(no_inline)]
 pub use ferry_core::{HandshakeResponder, SegmentTable};

@@ -167,58 +167,6 @@ impl TcpServer {
     }
 }
 
-/// Serves data streams that another listener accepted and attached: the io_uring server hands
-/// over the streams past its thread budget, so that fan-out to many peers runs on a fixed set of
-/// I/O threads instead of a thread per stream. Same wire, same checks as [`TcpServer`]'s
-/// streams. Dropping it stops its I/O threads, which closes the streams still served.
-#[derive(Debug)]
-pub struct StreamServer {
-    pool: IoPool,
-}
-
-impl StreamServer {
-    /// Serves streams on the I/O threads of `config` (`io_threads`; `None` here also means one
-    /// per core: the streams come from threads without a runtime of their own).
-    pub fn new(config: &TcpConfig) -> Self {
-        let threads = config.io_threads.unwrap_or(0);
-        Self {
-            pool: IoPool::new(Some(threads), "ferry-tcp-serve"),
-        }
-    }
-
-    /// Serves `stream` (accepted from `from`, its attach answered) as `proto` decides (the
-    /// handshake bound it to the segments its peer may see) until the client closes it, then
-    /// calls `done`. Returns at once.
-    pub fn serve(
-        &self,
-        stream: std::net::TcpStream,
-        from: SocketAddr,
-        proto: ServerStream,
-        done: Box<dyn FnOnce() + Send>,
-    ) -> Result<(), Error> {
-        stream
-            .set_nonblocking(true)
-            .map_err(|e| crate::control::lost(from, "handing over a data stream", e))?;
-        let span = tracing::debug_span!("serve handed-over stream", %from);
-        self.pool
-            .spawn(
-                async move {
-                    let res = match TcpStream::from_std(stream) {
-                        Ok(s) => serve_data(&s, from, proto).await,
-                        Err(e) => Err(e),
-                    };
-                    if let Err(e) = &res {
-                        debug!(%from, error = %e, "handed-over stream ended");
-                    }
-                    done();
-                }
-                .instrument(span),
-            )
-            .map_err(|e| crate::control::lost(from, "starting an I/O thread", e))?;
-        Ok(())
-    }
-}
-
 /// What a connection is served with, and its place among the pending handshakes.
 struct Conn {
     table: Arc<dyn SegmentTable>,

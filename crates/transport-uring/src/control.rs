@@ -7,7 +7,7 @@ use std::time::Duration;
 use ferry_core::Error;
 use ferry_core::wire::{ControlFrame, Hello, StreamAttach};
 
-pub(crate) use ferry_net::{lost, read_frame, tune, write_frame};
+pub(crate) use ferry_net::{read_frame, tune, write_frame};
 
 fn connect(
     addr: SocketAddr,

@@ -1,6 +1,6 @@
 //! The server's connections before their handshake is over: one thread accepts them and runs
 //! every control conversation ([`ServerConversation`]) on non-blocking sockets with `poll(2)`,
-//! so a connection costs a thread only once it is an attached data stream. Each conversation
+//! so a connection costs no thread; an attached data stream goes to one of the server's rings. Each conversation
 //! must be over within [`HandshakeLimits::timeout`] of its accept, at most
 //! [`HandshakeLimits::max_pending`] run at once (one accepted past that is closed at once), and
 //! each frame's header is checked ([`ServerConversation::on_header`]) before its body is read.
@@ -198,7 +198,7 @@ impl Conn {
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Accepts connections on `listener` (non-blocking) and runs their handshakes until the server
-/// stops; an attached data stream goes to [`attached`] (its own thread, or the overflow). The
+/// stops; an attached data stream goes to [`attached`] (one of the server's rings). The
 /// listener stays open until then: the server's handle shuts it down by its descriptor.
 pub(crate) fn run(listener: TcpListener, ctx: Arc<Ctx>, gate: Arc<HandshakeGate>) {
     let timeout = gate.limits().timeout;
@@ -280,8 +280,7 @@ pub(crate) fn run(listener: TcpListener, ctx: Arc<Ctx>, gate: Arc<HandshakeGate>
                     let c = conns.swap_remove(i);
                     // The handshake is over: its place among the pending ones is free.
                     drop(c.slot);
-                    let left = c.deadline.saturating_duration_since(Instant::now());
-                    attached(c.stream, c.from, attach, proto, &ctx, left);
+                    attached(c.stream, c.from, attach, proto, &ctx);
                 }
             }
         }

@@ -18,9 +18,8 @@
 //!   ring, O_DIRECT where a piece's alignment allows; any other source by its positioned I/O.
 //! - A server's connections in their handshake cost no thread: its accept thread runs all of
 //!   them on non-blocking sockets, within [`UringConfig::handshake`] (a deadline on each, a cap
-//!   on how many at once), and only an attached data stream gets a thread.
-//! - With [`UringConfig::event_loop`] (off by default), no data stream gets a thread either: a
-//!   fixed set of rings ([`UringConfig::server_rings`], one per CPU by default), each on one
+//!   on how many at once).
+//! - No data stream gets a thread either: a fixed set of rings ([`UringConfig::server_rings`], one per CPU by default), each on one
 //!   thread, serves every attached stream as a queue of steps around the same
 //!   [`ServerStream`](ferry_core::stream::ServerStream), one socket operation of each stream in
 //!   flight, every stream's submissions of a turn in one `io_uring_enter`; sockets are fixed
@@ -28,10 +27,9 @@
 //!   buffers where the ring takes them), copying SENDMSG otherwise, and what a socket takes or
 //!   holds at once moves with one plain non-blocking syscall. File segments keep their paths
 //!   (O_DIRECT ring reads and writes, positioned I/O for other sources), a piece of at most
-//!   1 MiB at a time on the ring's thread. Nothing goes to the [`StreamOverflow`] there.
-//! - Threads are bounded by [`UringConfig::max_threads`] on each side: past it the engine opens
-//!   peers over the TCP data plane, and a server hands new data streams to its
-//!   [`StreamOverflow`] (the engine's is the TCP data plane's fixed set of I/O threads).
+//!   1 MiB at a time on the ring's thread.
+//! - A client's stream threads are bounded by [`UringConfig::max_threads`]: past it the engine
+//!   opens peers over the TCP data plane.
 //! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth
 //!   (positioned reads, `ferry_file`'s portable path, where the kernel refuses a ring).
 //!
@@ -114,13 +112,11 @@ pub struct UringConfig {
     pub splice_loopback: bool,
     /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
     pub kernel_splice: bool,
-    /// To a loopback peer over two or more streams, pin stream `i`'s threads (the client's
-    /// stream thread, the server's thread for attach index `i`) to the `i`-th CPU this thread
-    /// may run on, so both ends of one flow share a core's caches instead of bouncing each
-    /// chunk between cores (`docs/performance.md`). The server pins its stream-0 thread only once a second stream of the same
-    /// client attached (a one-stream client pins nothing). With [`UringConfig::event_loop`] the
-    /// server pins ring `i` to the `i`-th CPU and serves a loopback client's stream `i` on ring
-    /// `i` (modulo the rings). Off: the scheduler places every thread.
+    /// To a loopback peer over two or more streams, pin the client's stream `i` thread to the
+    /// `i`-th CPU this thread may run on; the server pins its ring `i` to the `i`-th CPU and
+    /// serves a loopback client's stream `i` on ring `i` (modulo the rings), so both ends of one
+    /// flow share a core's caches instead of bouncing each chunk between cores
+    /// (`docs/performance.md`). Off: the scheduler places every thread.
     pub pin_loopback_streams: bool,
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
@@ -129,47 +125,25 @@ pub struct UringConfig {
     /// connection to a vanished peer is never noticed). A peer whose application stops reading
     /// for that long counts as dead too (the kernel applies the limit to zero-window probes).
     pub dead_peer_after: Option<Duration>,
-    /// Threads the data plane runs at most, on each side (client streams of this transport;
-    /// connections of a server): every stream and served connection is a thread with its own
-    /// ring. Past it, new peers are opened over the TCP data plane instead (the engine does
-    /// that) and a server hands new data streams to its [`StreamOverflow`], whose I/O threads
-    /// are a fixed set. Counted in [`IoStats::handed_over`].
+    /// Threads the client side of the data plane runs at most (client streams of this
+    /// transport): every client stream is a thread with its own ring. Past it, new peers are
+    /// opened over the TCP data plane instead (the engine does that). Counted in
+    /// [`IoStats::handed_over`]. A server runs its fixed set of rings ([`server_rings`]) however
+    /// many streams it serves.
+    ///
+    /// [`server_rings`]: UringConfig::server_rings
     pub max_threads: usize,
     /// What the server allows a connection before its handshake is over: a deadline on the
     /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
     /// in their handshake share one thread.
     pub handshake: HandshakeLimits,
-    /// The server serves every data stream on a fixed set of rings ([`server_rings`] of them,
-    /// each on one thread) instead of a thread and a ring per stream: a stream costs no thread,
-    /// [`max_threads`] does not bound the server and nothing goes to its [`StreamOverflow`].
-    /// Off by default: the engine does not expose it yet, and its tests of the thread budget
-    /// assume a thread per stream (`docs/architecture.md` §9, `docs/performance.md`).
-    ///
-    /// [`server_rings`]: UringConfig::server_rings
-    /// [`max_threads`]: UringConfig::max_threads
-    pub event_loop: bool,
-    /// How many rings serve a server's data streams with [`UringConfig::event_loop`] (0: one
-    /// per CPU this process may run on).
+    /// How many rings serve a server's data streams, each on one thread (0: one per CPU this
+    /// process may run on): a served stream costs no thread.
     pub server_rings: usize,
 }
 
 /// Default [`UringConfig::max_threads`].
 pub const MAX_THREADS: usize = 256;
-
-/// Serves the data streams an io_uring server accepts past [`UringConfig::max_threads`]; the
-/// engine hands them to the TCP data plane's fixed set of I/O threads (the wire is the same).
-pub trait StreamOverflow: Send + Sync + std::fmt::Debug {
-    /// Serves `stream` (accepted from `from`, its attach answered) as `proto` decides (the
-    /// handshake bound it to the segments its peer may see) until the client closes it, then
-    /// calls `done`; returns at once.
-    fn serve(
-        &self,
-        stream: std::net::TcpStream,
-        from: std::net::SocketAddr,
-        proto: ferry_core::stream::ServerStream,
-        done: Box<dyn FnOnce() + Send>,
-    ) -> Result<(), Error>;
-}
 
 impl Default for UringConfig {
     fn default() -> Self {
@@ -188,7 +162,6 @@ impl Default for UringConfig {
             dead_peer_after: Some(DEAD_PEER_AFTER),
             max_threads: MAX_THREADS,
             handshake: HandshakeLimits::default(),
-            event_loop: false,
             server_rings: 0,
         }
     }

@@ -60,8 +60,8 @@ pub struct IoStats {
     /// WRITE responses a server held back and sent as part of a later one
     /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
-    /// I/O threads running now: one per client stream, one per served data stream (each with
-    /// its own ring; handshakes run on the server's accept thread, which is not counted).
+    /// I/O threads running now: one per client stream (each with its own ring), one per ring of
+    /// a server (handshakes run on the server's accept thread, which is not counted).
     pub threads: AtomicU64,
     /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
     /// with no hand-over to the stream's thread.
@@ -69,8 +69,8 @@ pub struct IoStats {
     /// Of those, sends the kernel took only in part (a full socket): the stream's thread sent
     /// the rest before anything else.
     pub direct_tails: AtomicU64,
-    /// Past `UringConfig::max_threads`: data streams a server handed to its overflow, or
-    /// peers a client's engine opened over the TCP data plane instead.
+    /// Past `UringConfig::max_threads`: peers a client's engine opened over the TCP data plane
+    /// instead.
     pub handed_over: AtomicU64,
 }
 
@@ -91,11 +91,6 @@ pub(crate) struct ThreadCount {
 }
 
 impl ThreadCount {
-    /// Counts one more thread if that keeps the count at `max` or below (`None`: it would not).
-    pub(crate) fn within(stats: &Arc<IoStats>, max: usize, what: &'static str) -> Option<Self> {
-        Self::reserve(stats, 1, max, what)
-    }
-
     /// Counts `n` more threads if that keeps the count at `max` or below (`None`: it would not).
     pub(crate) fn reserve(
         stats: &Arc<IoStats>,
@@ -445,23 +440,6 @@ impl<H> SockIo<H> {
             }
         }
         got
-    }
-
-    /// Submits what is queued (an armed receive) without waiting, and takes what completed:
-    /// a receive whose bytes were already there completes during the submit.
-    pub(crate) fn poll(&mut self) -> io::Result<()> {
-        if self.poisoned {
-            return Err(io::Error::other("this stream's io_uring failed before"));
-        }
-        loop {
-            match self.ring.submit() {
-                Ok(_) => break,
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        self.reap(&[], &mut [], &mut [false; 2]);
-        Ok(())
     }
 
     /// Sends `head` then `body` in order, resending whatever the kernel did not take. `hold` makes
@@ -953,6 +931,7 @@ impl<H> SockIo<H> {
     }
 
     /// Receives exactly `buf.len()` bytes into a Rust buffer.
+    #[cfg(test)]
     pub(crate) fn recv_buf(&mut self, buf: &mut [u8]) -> io::Result<()> {
         // SAFETY: `buf` is exclusively borrowed for the call.
         unsafe { self.recv_exact(buf.as_mut_ptr(), buf.len()) }
@@ -1038,11 +1017,6 @@ impl<H> SockIo<H> {
         self.armed.len = len;
         self.armed.outstanding = true;
         Ok(())
-    }
-
-    /// Whether an armed receive is still outstanding (submitted or queued, not completed).
-    pub(crate) fn recv_outstanding(&self) -> bool {
-        self.armed.outstanding
     }
 
     /// Whether an armed receive is outstanding or completed and not yet taken.

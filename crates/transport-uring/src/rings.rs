@@ -1,4 +1,4 @@
-//! The serving side's event loop ([`UringConfig::event_loop`]): a fixed set of rings, each on
+//! The serving side's event loop: a fixed set of rings ([`UringConfig::server_rings`]), each on
 //! one thread, drives every attached data stream the server has; a stream costs no thread.
 //!
 //! The accept thread hands a stream whose handshake ended to one ring (in turn). Each stream is
@@ -14,11 +14,11 @@
 //! the segment). A memory READ's payload to a peer the configuration sends zero-copy to goes out
 //! with SEND_ZC (from a registered buffer where the ring takes it), its lease held in the driver
 //! until the kernel's notification, however the stream ends; a request's last send carries the
-//! next header's receive in the same enter. File pieces and checksums of files run on the ring's thread (positioned or
-//! O_DIRECT ring I/O of at most one piece, 1 MiB); a memory checksum runs one
-//! [`RegionCrc::step`] per turn. No stream is ever handed to the [`crate::StreamOverflow`].
+//! next header's receive in the same enter. File pieces run on the ring's thread (positioned or
+//! O_DIRECT ring I/O of at most one piece, 1 MiB); a checksum runs one piece per turn
+//! ([`RegionCrc::step`] of memory, [`FileCrc::step`] of a file: one positioned read).
 //!
-//! [`UringConfig::event_loop`]: crate::UringConfig::event_loop
+//! [`UringConfig::server_rings`]: crate::UringConfig::server_rings
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -27,10 +27,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 
-use ferry_core::checksum::{RegionCrc, crc32c_file};
+use ferry_core::checksum::{FileCrc, RegionCrc};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
 use ferry_core::wire::{DATA_REQUEST_LEN, VectoredRequest};
-use ferry_core::{FileSource, MemoryRegion, OpKind, SegmentLease, SegmentToken};
+use ferry_core::{MemoryRegion, OpKind, SegmentLease, SegmentToken};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
@@ -131,6 +131,11 @@ impl RingSet {
             rings,
             next: AtomicUsize::new(0),
         })
+    }
+
+    /// How many rings it runs.
+    pub(crate) fn len(&self) -> usize {
+        self.rings.len()
     }
 
     /// Hands `stream` (blocking mode; its attach accepted by `accept`, sent first) to a ring:
@@ -262,13 +267,9 @@ enum Step {
         seq: u32,
         _lease: SegmentLease,
     },
-    /// Hashes a file range (on the ring's thread), then answers.
-    CrcFile {
-        file: Arc<dyn FileSource>,
-        at: u64,
-        len: u64,
-        seq: u32,
-    },
+    /// Hashes a file range, a piece (one positioned read on the ring's thread) per turn, then
+    /// answers.
+    CrcFile { sum: FileCrc, seq: u32 },
     /// Ends the stream (after what came before it).
     Close,
 }
@@ -856,14 +857,15 @@ impl Driver {
                     }
                     None => return Turn::Yield,
                 },
-                Step::CrcFile { file, at, len, seq } => match crc32c_file(&**file, *at, *len) {
-                    Ok(crc) => {
+                Step::CrcFile { sum, seq } => match sum.step() {
+                    Ok(Some(crc)) => {
                         let seq = *seq;
                         c.steps.pop_front();
                         c.steps
                             .push_front(Step::send_owned(checksum_response(seq, crc).to_vec()));
                         continue;
                     }
+                    Ok(None) => return Turn::Yield,
                     Err(e) => Err(e),
                 },
                 Step::Close => return Turn::End(Ok(())),
@@ -1375,7 +1377,10 @@ fn plan(c: &mut Conn, ctx: &Ctx, head: &[u8; DATA_REQUEST_LEN]) {
             });
         }
         Action::ChecksumFile { file, at, len, seq } => {
-            c.steps.push_back(Step::CrcFile { file, at, len, seq });
+            c.steps.push_back(Step::CrcFile {
+                sum: FileCrc::new(file, at, len),
+                seq,
+            });
         }
         Action::Close { error, response } => {
             warn!(from = %c.from, %error, "malformed data request; closing stream");

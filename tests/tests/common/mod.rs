@@ -18,9 +18,7 @@ use ferry_core::{
     PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken, Transport,
 };
 use ferry_file::FileSegment;
-use ferry_transport_uring::{
-    StreamOverflow, UringConfig, UringServer, UringServerHandle, UringTransport,
-};
+use ferry_transport_uring::{UringConfig, UringServer, UringServerHandle, UringTransport};
 
 type Entry = (String, Arc<MemoryRegion>, Access);
 
@@ -124,17 +122,10 @@ impl HandshakeResponder for Responder {
     }
 }
 
-/// An io_uring server on 127.0.0.1 (any port) serving `table` with `config`, handing streams past
-/// its thread budget to `overflow` if given; it offers io_uring with `config`'s settings.
-pub fn serve_uring(
-    table: &Arc<Table>,
-    config: UringConfig,
-    overflow: Option<Arc<dyn StreamOverflow>>,
-) -> UringServerHandle {
-    let mut server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    if let Some(o) = overflow {
-        server = server.with_overflow(o);
-    }
+/// An io_uring server on 127.0.0.1 (any port) serving `table` with `config`; it offers io_uring
+/// with `config`'s settings.
+pub fn serve_uring(table: &Arc<Table>, config: UringConfig) -> UringServerHandle {
+    let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let responder = Arc::new(Responder {
         id: PeerId::random(),
         epoch: Epoch::fresh(),

@@ -23,6 +23,9 @@ pub(crate) fn run(args: &Args) -> Result<()> {
     let (_, plane) = args.plane()?;
     let clients: usize = args.get("clients", 10_000)?;
     let probes: usize = args.get::<usize>("probes", 9)?.max(1);
+    // This process holds a socket per client and so does the server child, which inherits the
+    // limit.
+    raise_open_files(clients as u64 + 256)?;
     let server = Server::start(&plane)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -75,6 +78,36 @@ pub(crate) fn run(args: &Args) -> Result<()> {
         first_loaded / first_idle
     );
     drop(held);
+    Ok(())
+}
+
+/// Raises this process's limit on open descriptors (`RLIMIT_NOFILE`) to at least `want`: the
+/// soft limit up to the hard one, and the hard one too where this process may (as root).
+fn raise_open_files(want: u64) -> Result<()> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given, which lives across the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("getrlimit(RLIMIT_NOFILE)");
+    }
+    if lim.rlim_cur >= want {
+        return Ok(());
+    }
+    let raised = libc::rlimit {
+        rlim_cur: want.max(lim.rlim_cur),
+        rlim_max: want.max(lim.rlim_max),
+    };
+    // SAFETY: setrlimit reads the struct it is given, which lives across the call.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        let e = std::io::Error::last_os_error();
+        bail!(
+            "{want} open files needed (one per idle client on each side), the limit is {} (hard {}) and cannot be raised: {e}",
+            lim.rlim_cur,
+            lim.rlim_max
+        );
+    }
     Ok(())
 }
 

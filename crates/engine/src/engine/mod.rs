@@ -477,13 +477,15 @@ impl TransferEngine {
             listen: self.local_addr().map(|a| a.to_string()),
             transports: self
                 .inner
-                .planes.transports
+                .planes
+                .transports
                 .iter()
                 .map(|t| t.kind().name().to_owned())
                 .collect(),
             data_plane: self
                 .inner
-                .planes.data_plane
+                .planes
+                .data_plane
                 .as_ref()
                 .map(|(k, why)| format!("{k} ({why})")),
             #[cfg(feature = "uring")]
@@ -493,9 +495,9 @@ impl TransferEngine {
                     use std::sync::atomic::Ordering::Relaxed;
                     let s = h.stats();
                     line.push_str(&format!(
-                        "; listener: threads {}, streams past it on tcp I/O threads {}, held responses {}",
+                        "; listener on {} rings: threads {}, held responses {}",
+                        h.rings(),
                         s.threads.load(Relaxed),
-                        s.handed_over.load(Relaxed),
                         s.held_responses.load(Relaxed),
                     ));
                 }
@@ -513,11 +515,9 @@ impl TransferEngine {
                     timeout_ms: u64::try_from(limits.timeout.as_millis()).unwrap_or(u64::MAX),
                 }
             }),
-            served: self
-                .inner
-                .serving.server
-                .as_ref()
-                .map(|_| crate::describe::ServedDescription::of(&self.inner.serving.stats.snapshot())),
+            served: self.inner.serving.server.as_ref().map(|_| {
+                crate::describe::ServedDescription::of(&self.inner.serving.stats.snapshot())
+            }),
             contexts: counters
                 .per_context
                 .iter()
