@@ -253,6 +253,8 @@ class Publisher:
         """The newest version's manifest digest (64 hex digits): give it to receivers as
         ``pull(..., expect_manifest=...)`` to bind every chunk to this publisher."""
         return self._native.digest()
+
+    @property
     def etcd_source(self) -> str | None:
         """With etcd discovery, the source receivers may pull from instead of ``addr``:
         ``etcd://HOST:PORT/NAME``; else None."""
