@@ -799,3 +799,354 @@ fn misconfigured_gid_or_port_names_device_port_and_gid_index() -> Result<()> {
     eprintln!("ok: {text}");
     Ok(())
 }
+
+// ---- a rail whose port flaps ----------------------------------------------------------------
+
+/// Set by `cargo xtask soft-roce`: this machine may create a second rxe pair on a veth link of
+/// its own and take that link down and up (root, `ip`, `rdma`).
+const FLAP: &str = "FERRY_RDMA_TEST_FLAP";
+
+/// A second soft-RoCE pair, `rxeflap0` on veth `vfa` (10.99.1.1) and `rxeflap1` on `vfb`
+/// (10.99.1.2), routed like the suite's own pair (setup-rxe-pair.sh) so that its traffic
+/// crosses the veth link: taking `vfb` down breaks this pair only. Removed on drop.
+struct FlapPair {
+    gids: [u32; 2],
+}
+
+const FLAP_DEVS: [&str; 2] = ["rxeflap0", "rxeflap1"];
+const FLAP_NETDEVS: [&str; 2] = ["vfa", "vfb"];
+const FLAP_ADDRS: [&str; 2] = ["10.99.1.1", "10.99.1.2"];
+
+fn cmd(prog: &str, args: &[&str]) -> Result<()> {
+    let out = Command::new(prog)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {prog} {}", args.join(" ")))?;
+    ensure!(
+        out.status.success(),
+        "{prog} {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// Waits (polling every 20 ms) until `ready` gives a value, at most `limit`.
+fn wait_for<T>(what: &str, limit: Duration, mut ready: impl FnMut() -> Option<T>) -> Result<T> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = ready() {
+            return Ok(v);
+        }
+        ensure!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn port_state(dev: &str) -> String {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{dev}/ports/1/state"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+impl FlapPair {
+    fn create() -> Result<Self> {
+        let [a, b] = FLAP_NETDEVS;
+        let [ia, ib] = FLAP_ADDRS;
+        // Leftovers of an interrupted run go first.
+        drop(FlapPair { gids: [0, 0] });
+        cmd("ip", &["link", "add", a, "type", "veth", "peer", "name", b])?;
+        for (d, addr) in [(a, ia), (b, ib)] {
+            for (knob, v) in [
+                (format!("/proc/sys/net/ipv6/conf/{d}/disable_ipv6"), "1"),
+                (format!("/proc/sys/net/ipv4/conf/{d}/rp_filter"), "0"),
+                (format!("/proc/sys/net/ipv4/conf/{d}/accept_local"), "1"),
+            ] {
+                std::fs::write(&knob, v).with_context(|| format!("writing {knob}"))?;
+            }
+            cmd("ip", &["link", "set", d, "up", "mtu", "4500"])?;
+            cmd("ip", &["addr", "add", &format!("{addr}/24"), "dev", d])?;
+        }
+        cmd(
+            "ip",
+            &[
+                "route",
+                "add",
+                &format!("{ib}/32"),
+                "dev",
+                a,
+                "src",
+                ia,
+                "table",
+                "100",
+            ],
+        )?;
+        cmd(
+            "ip",
+            &[
+                "route",
+                "add",
+                &format!("{ia}/32"),
+                "dev",
+                b,
+                "src",
+                ib,
+                "table",
+                "100",
+            ],
+        )?;
+        cmd(
+            "ip",
+            &["rule", "add", "pref", "12", "iif", a, "lookup", "local"],
+        )?;
+        cmd(
+            "ip",
+            &["rule", "add", "pref", "13", "iif", b, "lookup", "local"],
+        )?;
+        let mac = |d: &str| {
+            std::fs::read_to_string(format!("/sys/class/net/{d}/address"))
+                .map(|s| s.trim().to_owned())
+                .with_context(|| format!("MAC of {d}"))
+        };
+        let (ma, mb) = (mac(a)?, mac(b)?);
+        cmd(
+            "ip",
+            &[
+                "neigh",
+                "replace",
+                ib,
+                "lladdr",
+                &mb,
+                "dev",
+                a,
+                "nud",
+                "permanent",
+            ],
+        )?;
+        cmd(
+            "ip",
+            &[
+                "neigh",
+                "replace",
+                ia,
+                "lladdr",
+                &ma,
+                "dev",
+                b,
+                "nud",
+                "permanent",
+            ],
+        )?;
+        for (dev, net) in FLAP_DEVS.iter().zip(FLAP_NETDEVS) {
+            cmd("rdma", &["link", "add", dev, "type", "rxe", "netdev", net])?;
+        }
+        let mut gids = [0; 2];
+        for (k, dev) in FLAP_DEVS.iter().enumerate() {
+            gids[k] = wait_for(
+                &format!("the IPv4-mapped GID of {dev}"),
+                Duration::from_secs(20),
+                || ipv4_gid(dev),
+            )?;
+            wait_for(&format!("{dev} ACTIVE"), Duration::from_secs(20), || {
+                port_state(dev).contains("ACTIVE").then_some(())
+            })?;
+        }
+        eprintln!("flap pair: {FLAP_DEVS:?} on {FLAP_NETDEVS:?}, GID indexes {gids:?}");
+        Ok(Self { gids })
+    }
+
+    fn set_link(&self, up: bool) -> Result<()> {
+        let state = if up { "up" } else { "down" };
+        cmd("ip", &["link", "set", FLAP_NETDEVS[1], state])
+    }
+}
+
+/// The index of `dev`'s IPv4-mapped RoCE v2 GID, once it is there.
+fn ipv4_gid(dev: &str) -> Option<u32> {
+    let dir = std::fs::read_dir(format!("/sys/class/infiniband/{dev}/ports/1/gids")).ok()?;
+    dir.filter_map(Result::ok).find_map(|e| {
+        let gid = std::fs::read_to_string(e.path()).ok()?;
+        gid.starts_with("0000:0000:0000:0000:0000:ffff:")
+            .then(|| e.file_name().to_str()?.parse().ok())?
+    })
+}
+
+impl Drop for FlapPair {
+    fn drop(&mut self) {
+        let quiet = |prog: &str, args: &[&str]| {
+            let _ = Command::new(prog)
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        };
+        // Bounded: rxe cannot disassociate open contexts, so a delete waits for them to close.
+        for dev in FLAP_DEVS {
+            quiet("timeout", &["60", "rdma", "link", "delete", dev]);
+        }
+        quiet("ip", &["link", "del", FLAP_NETDEVS[0]]);
+        for pref in ["12", "13"] {
+            quiet("ip", &["rule", "del", "pref", pref]);
+        }
+        for addr in FLAP_ADDRS {
+            quiet(
+                "ip",
+                &["route", "del", &format!("{addr}/32"), "table", "100"],
+            );
+        }
+    }
+}
+
+fn peer_info(
+    offer: TransportOffer,
+    segments: Vec<SegmentDesc>,
+    remote: (PeerId, Epoch),
+) -> PeerInfo {
+    PeerInfo {
+        remote_id: remote.0,
+        remote_epoch: remote.1,
+        ..info(offer, segments)
+    }
+}
+
+/// A long READ striped over two rails, one of which crosses a veth link taken down and brought
+/// up again mid-transfer: the READ completes with the right bytes (the flapped rail's chunks
+/// replayed on the other), the flapped rail's queue pair is torn down, a heal answered by
+/// another incarnation of the peer is refused and connects nothing, the heal with the real
+/// peer rebuilds the rail on a fresh queue pair through a new handshake, and the rail carries
+/// traffic again.
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn a_rail_whose_port_flaps_mid_read_is_rebuilt_and_carries_traffic_again() -> Result<()> {
+    let Some(devs) = devices() else { return Ok(()) };
+    if std::env::var_os(FLAP).is_none() {
+        ferry_tests::require_unless_allowed(
+            ferry_tests::RDMA,
+            format!(
+                "{FLAP} is unset: this test creates an rxe pair on a veth link of its own and \
+                 takes the link down (root, ip, rdma; `cargo xtask soft-roce` sets it)"
+            ),
+        );
+        return Ok(());
+    }
+    let flap = FlapPair::create()?;
+    let (a, b) = pair(&devs);
+    let spec = |k: usize| RailSpec::new(FLAP_DEVS[k], 1, flap.gids[k]);
+    // Client rail 0: a <-> b over the suite's pair; client rail 1: rxeflap0 <-> rxeflap1.
+    let server = transport(vec![b, spec(1)], 64 << 10)?;
+    let client = transport(vec![a, spec(0)], 64 << 10)?;
+    let server_peer = (PeerId::random(), Epoch::fresh());
+    let sreg = registry(&server);
+    let creg = registry(&client);
+    const LEN: usize = 96 << 20;
+    let remote = Arc::new(MemoryRegion::from_vec(random(LEN)));
+    let seg = sreg.register("source", remote.clone(), Access::REMOTE_READ)?;
+    let dst = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
+    let _d = creg.register("dst", dst.clone(), Access::LOCAL)?;
+    let desc = describe(&seg);
+    let offer = client.offer();
+    let answer = server.accept(&info(offer, Vec::new()))?;
+    let ch = client
+        .open(peer_info(answer, vec![desc.clone()], server_peer))
+        .await?;
+    let names = client.rail_names();
+    let stat = |k: usize| {
+        client
+            .rail_stats()
+            .into_iter()
+            .find(|s| s.rail == names[k])
+            .unwrap_or_default()
+    };
+
+    let ops: Arc<[Op]> = vec![op(OpKind::Read, &dst, 0, &desc, 0, LEN as u64)].into();
+    let control = Arc::new(RequestControl::new(&ops));
+    let read = ch.execute(ops, control.clone());
+    wait_for("rail 1 moving 1 MiB", Duration::from_secs(60), || {
+        (stat(1).bytes >= 1 << 20).then_some(())
+    })?;
+    flap.set_link(false)?;
+    let t_down = Instant::now();
+    let failed = wait_for("rail 1 failing", Duration::from_secs(60), || {
+        let s = stat(1);
+        (s.down == 1 && s.torn_down >= 1).then_some(s)
+    })?;
+    eprintln!(
+        "rail 1 failed and torn down {:?} after the link went down: {failed:?}",
+        t_down.elapsed()
+    );
+    ensure!(failed.flushed + failed.errors > 0, "{failed:?}");
+    ensure!(ch.is_alive(), "rail 0 still carries the channel");
+    ensure!(
+        ch.heal_offer().is_none(),
+        "a rail whose port is down must not be offered for healing"
+    );
+    flap.set_link(true)?;
+    let t_up = Instant::now();
+    let heal = wait_for(
+        "rail 1's port ACTIVE again",
+        Duration::from_secs(60),
+        || ch.heal_offer(),
+    )?;
+    eprintln!("port back {:?} after the link came up", t_up.elapsed());
+
+    // The peer answering as another incarnation (a restart): refused, nothing connected.
+    let answer = server.accept(&info(heal, Vec::new()))?;
+    let restarted = (server_peer.0, Epoch::fresh());
+    let err = ch
+        .heal(peer_info(answer, Vec::new(), restarted))
+        .err()
+        .context("a heal answered by another epoch must be refused")?;
+    ensure!(matches!(err, ferry_core::Error::StaleEpoch { .. }), "{err}");
+    ensure!(stat(1).rebuilds == 0 && stat(1).down == 1, "{:?}", stat(1));
+
+    // The real heal: a fresh offer, the same incarnation's answer.
+    let heal = ch.heal_offer().context("rail 1 is still down")?;
+    let answer = server.accept(&info(heal, Vec::new()))?;
+    let healed = ch.heal(peer_info(answer, Vec::new(), server_peer))?;
+    ensure!(healed == 1, "{healed} rails healed");
+    let at_heal = wait_for("rail 1 rejoining", Duration::from_secs(30), || {
+        let s = stat(1);
+        (s.rebuilds == 1 && s.down == 0).then_some(s)
+    })?;
+    eprintln!("rail 1 rebuilt: {at_heal:?}");
+
+    let o = tokio::time::timeout(Duration::from_secs(300), read)
+        .await
+        .context("the READ did not resolve within 300 s")?;
+    eprintln!(
+        "READ across the flap: {o:?}; rails: {:?}",
+        client.rail_stats()
+    );
+    ensure!(o.is_success() && o.drained, "{o:?}");
+    ensure!(
+        bytes(&dst, 0, LEN) == bytes(&remote, 0, LEN),
+        "READ across the flap: bytes differ"
+    );
+    ensure!(stat(0).replayed > 0, "nothing was replayed: {:?}", stat(0));
+    // Traffic resumes on the healed rail: within the READ if it was still running, else in
+    // the next one.
+    if stat(1).bytes == at_heal.bytes {
+        dst.write_at(0, &vec![0; LEN])?;
+        let o = run(&ch, vec![op(OpKind::Read, &dst, 0, &desc, 0, 8 << 20)]).await;
+        ensure!(o.is_success(), "{o:?}");
+        ensure!(bytes(&dst, 0, 8 << 20) == bytes(&remote, 0, 8 << 20));
+    }
+    let s1 = stat(1);
+    ensure!(
+        s1.bytes > at_heal.bytes,
+        "the healed rail carried nothing: {s1:?}"
+    );
+    ensure!(
+        s1.rebuilds == 1 && s1.torn_down == 1 && s1.down == 0,
+        "{s1:?}"
+    );
+    eprintln!(
+        "after the heal rail 1 moved {} bytes",
+        s1.bytes - at_heal.bytes
+    );
+    // Everything holding the devices open goes before the pair is deleted.
+    drop((ch, control, _d, seg, creg, sreg, client, server));
+    drop(flap);
+    Ok(())
+}
