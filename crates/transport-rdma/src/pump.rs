@@ -350,6 +350,8 @@ impl Pump {
         self.rebuilds.clear();
         for r in &mut self.rails {
             r.fail(FailureKind::PeerLost);
+            // A closed channel's rails are not down (nothing will heal them), only closed.
+            r.counters.down.store(false, Ordering::Release);
         }
     }
 
@@ -402,8 +404,10 @@ impl Pump {
             }
             drop(std::mem::replace(&mut rail.qp, Box::new(Retired)));
             rail.torn_down = true;
-            rail.counters.torn_down.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(rail = %rail.name, "failed queue pair torn down");
+            if !self.closing {
+                rail.counters.torn_down.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(rail = %rail.name, "failed queue pair torn down");
+            }
             progress = true;
         }
         let mut k = 0;
@@ -1530,9 +1534,12 @@ mod tests {
         assert_eq!(Arc::strong_count(&spare_state), 1);
         assert_eq!(counter(&p, 0, |c| &c.rebuilds), 1);
 
-        // Closing: the rail fails for good, a late rebuild is dropped.
+        // Closing: the rail fails for good (neither down nor counted as torn down: closed), a
+        // late rebuild is dropped.
         p.close();
         p.step();
+        assert!(!p.rails[0].counters.down.load(Ordering::Acquire));
+        assert_eq!(counter(&p, 0, |c| &c.torn_down), 1);
         let (late, late_state) = fake_rail(None);
         p.rebuild(0, late.qp);
         p.step();
