@@ -93,8 +93,8 @@ impl RxeFlapPair {
     fn create() -> Result<Self> {
         let [a, b] = NETDEVS;
         let [ia, ib] = ADDRS;
-        // Leftovers of an interrupted run go first.
-        drop(RxeFlapPair { gids: [0, 0] });
+        // Leftovers of an interrupted run go first (nothing of this process holds them).
+        cmd("sh", &["-c", &removal_script()])?;
         cmd("ip", &["link", "add", a, "type", "veth", "peer", "name", b])?;
         for (d, addr) in [(a, ia), (b, ib)] {
             for (knob, v) in [
@@ -185,32 +185,50 @@ impl RxeFlapPair {
     }
 }
 
+/// The commands that remove the pair (rules by their full selectors, so that rules of the host's
+/// own are left alone); each may fail (already gone).
+fn removal_script() -> String {
+    let [a, b] = NETDEVS;
+    let mut sh = String::new();
+    for dev in DEVICES {
+        sh.push_str(&format!("rdma link delete {dev} 2>/dev/null; "));
+    }
+    sh.push_str(&format!("ip link del {a} 2>/dev/null; "));
+    sh.push_str(&format!(
+        "ip rule del pref 12 iif {a} lookup local 2>/dev/null; "
+    ));
+    sh.push_str(&format!(
+        "ip rule del pref 13 iif {b} lookup local 2>/dev/null; "
+    ));
+    for addr in ADDRS {
+        sh.push_str(&format!("ip route del {addr}/32 table 100 2>/dev/null; "));
+    }
+    sh.push_str("true");
+    sh
+}
+
 impl Drop for RxeFlapPair {
+    /// Removes the pair. rxe cannot disassociate open contexts, so deleting a device waits (in
+    /// the kernel, unkillably) until every context on it is closed, and an engine's tasks may
+    /// hold its transport until the runtime ends. So the removal runs in a process of its own:
+    /// waited for up to 30 s (it is done at once when nothing holds the devices), then left to
+    /// finish when this process exits and its contexts close.
     fn drop(&mut self) {
-        let quiet = |prog: &str, args: &[&str]| {
-            let _ = Command::new(prog)
-                .args(args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
+        let child = Command::new("setsid")
+            .args(["sh", "-c", &removal_script()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let Ok(mut child) = child else {
+            eprintln!("flap pair: could not start its removal");
+            return;
         };
-        // Bounded: rxe cannot disassociate open contexts, so a delete waits for them to close.
-        for dev in DEVICES {
-            quiet("timeout", &["60", "rdma", "link", "delete", dev]);
-        }
-        quiet("ip", &["link", "del", NETDEVS[0]]);
-        // By their full selectors, so that rules of the host's own are left alone.
-        for (pref, dev) in [("12", NETDEVS[0]), ("13", NETDEVS[1])] {
-            quiet(
-                "ip",
-                &["rule", "del", "pref", pref, "iif", dev, "lookup", "local"],
-            );
-        }
-        for addr in ADDRS {
-            quiet(
-                "ip",
-                &["route", "del", &format!("{addr}/32"), "table", "100"],
-            );
+        let done = wait_for("removing the flap pair", Duration::from_secs(30), || {
+            child.try_wait().ok().flatten()
+        });
+        if done.is_err() {
+            eprintln!("flap pair: its devices are still open; removed when this process exits");
         }
     }
 }
