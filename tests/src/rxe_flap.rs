@@ -177,11 +177,22 @@ impl RxeFlapPair {
     }
 
     /// Takes the pair's link down (`ip link set vfb down`: both ports go DOWN) or up again.
+    /// Setting a device down deletes the routes through it, so coming up puts `vfb`'s route
+    /// in table 100 back (else its traffic to 10.99.1.1 would be delivered through `lo`).
     pub fn set_link(&self, up: bool) -> Result<()> {
-        cmd(
-            "ip",
-            &["link", "set", NETDEVS[1], if up { "up" } else { "down" }],
-        )
+        let [_, b] = NETDEVS;
+        let [ia, ib] = ADDRS;
+        cmd("ip", &["link", "set", b, if up { "up" } else { "down" }])?;
+        if up {
+            let to_a = format!("{ia}/32");
+            cmd(
+                "ip",
+                &[
+                    "route", "replace", &to_a, "dev", b, "src", ib, "table", "100",
+                ],
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -179,7 +179,23 @@ async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
     ensure!(o.is_success() && o.drained, "{o:?}");
     let mut got = vec![0u8; LEN];
     dst.region().read_at(0, &mut got)?;
-    ensure!(got == pattern, "READ across the flap: bytes differ");
+    if got != pattern {
+        // Which 64 KiB chunks differ, to tell a lost chunk from a misplaced one.
+        let bad: Vec<usize> = (0..LEN / (64 << 10))
+            .filter(|&c| got[c << 16..(c + 1) << 16] != pattern[c << 16..(c + 1) << 16])
+            .collect();
+        let zero = bad
+            .iter()
+            .filter(|&&c| got[c << 16..(c + 1) << 16].iter().all(|&b| b == 0))
+            .count();
+        anyhow::bail!(
+            "READ across the flap: {} chunks of 64 KiB differ ({zero} all zero), first {:?}; \
+             outcome {o:?}; rails {:?}",
+            bad.len(),
+            &bad[..bad.len().min(16)],
+            client.describe().rails
+        );
+    }
     if rail()?.bytes == healed.bytes {
         let o = client
             .submit(Batch::new().read(&dst, 0, &seg, 0, 8 << 20))?
