@@ -6,6 +6,8 @@
 //!   skips with the reason printed, or fails where `FERRY_REQUIRE_<FACILITY>` says the facility is
 //!   required (`.ci/run` sets them). `#[ignore]`d hardware tests fail unless told they may skip.
 //! - [`Netns`]: a network namespace joined to this one by a veth link that can be cut.
+//! - [`rxe_flap`]: a second soft-RoCE pair on a veth link of its own, whose link a test takes
+//!   down and up (a port flap) in the soft-RoCE guest.
 //! - [`fake_cuda()`]: Ferry's fake CUDA driver (a C library built with `cc`, backed by host
 //!   memory, with failures a test switches on), loaded in place of `libcuda.so.1` by path.
 //! - [`Fleet`]: namespaces joined by one bridge (hosts that reach each other), links optionally
@@ -29,6 +31,7 @@ mod netns;
 pub mod pattern;
 pub mod proxy;
 mod require;
+pub mod rxe_flap;
 
 pub use census::{Census, settle, thread_names};
 pub use fake_cuda::{FakeCuda, FakeVariant, fake_cuda};

@@ -132,6 +132,30 @@ pub trait Channel: Send + Sync + fmt::Debug + 'static {
 
     /// Closes the channel: in-flight chunks fail as lost, later requests fail at once.
     fn close(&self);
+
+    /// Rails of this channel that failed and can be rebuilt now (RDMA: the local port is ACTIVE
+    /// again) get fresh endpoints, returned as the offer for a new handshake with the same peer
+    /// incarnation; the peer's answer goes to [`heal`](Self::heal). `None` when nothing is to
+    /// heal, and always for transports without rails. Each call replaces the endpoints the last
+    /// one made (those are torn down).
+    fn heal_offer(&self) -> Option<TransportOffer> {
+        None
+    }
+
+    /// Completes a heal: `answer` is the peer's handshake answer to the offer of
+    /// [`heal_offer`](Self::heal_offer). The peer must be the incarnation this channel was
+    /// opened to, else `StaleEpoch` (and the fresh endpoints are torn down, never used). Returns
+    /// how many rails rejoin the channel; they carry work again, requests already running
+    /// included.
+    fn heal(&self, answer: PeerInfo) -> Result<usize, Error> {
+        Err(Error::InvalidRequest {
+            reason: format!(
+                "a {} channel has no rails to heal ({})",
+                self.kind(),
+                answer.addr
+            ),
+        })
+    }
 }
 
 /// A published segment, resolved for serving one chunk. Holding the lease keeps the registration

@@ -397,6 +397,13 @@ impl std::fmt::Display for Description {
                 "rail {}: {} bytes, {} work requests, {} errors, {} flushed, {} replayed ({} bytes)",
                 r.rail, r.bytes, r.work_requests, r.errors, r.flushed, r.replayed, r.replayed_bytes
             )?;
+            if r.torn_down + r.rebuilds + r.down > 0 {
+                writeln!(
+                    f,
+                    "rail {}: {} queue pairs torn down, {} rebuilt, down on {} channels",
+                    r.rail, r.torn_down, r.rebuilds, r.down
+                )?;
+            }
         }
         for b in &self.broadcasts {
             writeln!(
@@ -455,6 +462,13 @@ pub struct RailDescription {
     pub replayed: u64,
     /// Bytes of those replayed chunks.
     pub replayed_bytes: u64,
+    /// Failed queue pairs of this rail destroyed once flushed (never reused).
+    pub torn_down: u64,
+    /// Times this rail rejoined a channel on a fresh queue pair (a new handshake) after its
+    /// port came back.
+    pub rebuilds: u64,
+    /// Channels on which this rail is down now (failed, not yet rebuilt).
+    pub down: u64,
 }
 
 /// The staging path's counters, as `describe()` reports them.

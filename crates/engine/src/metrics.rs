@@ -523,7 +523,7 @@ impl Collector for Snapshot {
         .encode(&mut enc)?;
 
         // RDMA rails.
-        let rail_families: [RailFamily; 6] = [
+        let rail_families: [RailFamily; 8] = [
             (
                 "ferry_rail_bytes",
                 "Bytes acknowledged per RDMA rail.",
@@ -554,6 +554,16 @@ impl Collector for Snapshot {
                 "Bytes of the chunks this rail re-posted for a failed rail.",
                 |r| r.replayed_bytes,
             ),
+            (
+                "ferry_rail_teardowns",
+                "Failed queue pairs of this RDMA rail destroyed once flushed.",
+                |r| r.torn_down,
+            ),
+            (
+                "ferry_rail_rebuilds",
+                "Times this RDMA rail rejoined a channel on a fresh queue pair after its port came back.",
+                |r| r.rebuilds,
+            ),
         ];
         for (name, help, get) in rail_families {
             let mut f = Family::new(name, help, Counter);
@@ -562,6 +572,15 @@ impl Collector for Snapshot {
             }
             f.encode(&mut enc)?;
         }
+        let mut down = Family::new(
+            "ferry_rail_down",
+            "Channels on which this RDMA rail is down now (failed, not yet rebuilt).",
+            Gauge,
+        );
+        for r in &d.rails {
+            down.add(labels([("rail", &r.rail)]), r.down);
+        }
+        down.encode(&mut enc)?;
 
         // Broadcasts, by role, name and version (at most `MAX_BROADCASTS` of them).
         type BroadcastFamily = (

@@ -32,6 +32,51 @@ pub(crate) trait Reopen: Send + Sync {
         self: Arc<Self>,
         peer: &'a PeerInner,
     ) -> BoxFuture<'a, Result<Arc<dyn Channel>, Error>>;
+
+    /// Rebuilds the failed rails of `peer`'s current channel whose ports are back
+    /// ([`Channel::heal_offer`]): a new handshake with the same incarnation carrying only their
+    /// fresh endpoints, then [`Channel::heal`]. How many rails rejoined (0: nothing to heal).
+    fn heal<'a>(self: Arc<Self>, peer: &'a PeerInner) -> BoxFuture<'a, Result<usize, Error>>;
+}
+
+/// How often a peer's RDMA channel is asked whether a failed rail's port is back.
+const HEAL_POLL: Duration = Duration::from_millis(200);
+/// The longest wait between heal attempts after failed ones.
+const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Watches `peer`'s channel for rails to heal (RDMA), for as long as the peer is open and held:
+/// every [`HEAL_POLL`], and after a failed heal (a handshake refused or timed out) up to
+/// [`HEAL_BACKOFF_MAX`] apart. A heal waits for a reconnect in flight and the reverse, so the two
+/// never build queue pairs for the same peer at once. Holds the peer only while healing.
+pub(crate) fn watch_rails(peer: &Arc<PeerInner>) -> tokio::task::JoinHandle<()> {
+    let weak = Arc::downgrade(peer);
+    tokio::spawn(async move {
+        let mut wait = HEAL_POLL;
+        loop {
+            tokio::time::sleep(wait).await;
+            let Some(peer) = weak.upgrade() else { break };
+            if peer.closed.load(Ordering::Acquire) {
+                break;
+            }
+            let Some(engine) = peer.engine.upgrade() else {
+                break;
+            };
+            let _recovery = peer.recovery.lock().await;
+            match engine.heal(&peer).await {
+                Ok(0) => wait = HEAL_POLL,
+                Ok(n) => {
+                    tracing::info!(peer = %peer.addr, rails = n, "RDMA rails healed");
+                    wait = HEAL_POLL;
+                }
+                Err(e) => {
+                    wait = (wait * 2).min(HEAL_BACKOFF_MAX);
+                    tracing::warn!(peer = %peer.addr, error = %e, retry_in = ?wait,
+                        "healing RDMA rails failed");
+                }
+            }
+        }
+        tracing::debug!("rail watch ended");
+    })
 }
 
 /// One connected peer incarnation, shared by its [`Peer`] handles and its segments.
@@ -103,6 +148,10 @@ impl Reopen for Detached {
         self: Arc<Self>,
         _peer: &'a PeerInner,
     ) -> BoxFuture<'a, Result<Arc<dyn Channel>, Error>> {
+        unreachable!("a detached peer has no engine to upgrade")
+    }
+
+    fn heal<'a>(self: Arc<Self>, _peer: &'a PeerInner) -> BoxFuture<'a, Result<usize, Error>> {
         unreachable!("a detached peer has no engine to upgrade")
     }
 }
@@ -403,5 +452,102 @@ async fn sleep_unless_late(
             next = next.min(d);
         }
         tokio::time::sleep_until(next).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::transport::MockChannel;
+
+    /// An engine whose heals answer from a script (then `Ok(0)`), at the (virtual) times asked.
+    struct Healer {
+        script: Mutex<Vec<Result<usize, Error>>>,
+        asked: Mutex<Vec<Instant>>,
+    }
+
+    impl Reopen for Healer {
+        fn reopen<'a>(
+            self: Arc<Self>,
+            _peer: &'a PeerInner,
+        ) -> BoxFuture<'a, Result<Arc<dyn Channel>, Error>> {
+            unreachable!("the rail watch never reconnects")
+        }
+
+        fn heal<'a>(self: Arc<Self>, _peer: &'a PeerInner) -> BoxFuture<'a, Result<usize, Error>> {
+            self.asked.lock().unwrap().push(Instant::now());
+            let mut script = self.script.lock().unwrap();
+            let r = if script.is_empty() {
+                Ok(0)
+            } else {
+                script.remove(0)
+            };
+            Box::pin(async move { r })
+        }
+    }
+
+    fn peer(engine: &Arc<Healer>) -> Arc<PeerInner> {
+        let mut p = PeerInner::for_test(
+            Arc::new(MockChannel::new()),
+            Vec::new(),
+            Arc::new(RouteCounters::default()),
+        );
+        p.engine = Arc::downgrade(engine) as Weak<dyn Reopen>;
+        Arc::new(p)
+    }
+
+    /// The watch asks every poll, backs off after failed heals (doubling, bounded) and polls
+    /// again at the normal pace after a success; it ends when the peer is dropped.
+    #[tokio::test(start_paused = true)]
+    async fn the_rail_watch_polls_backs_off_after_failures_and_ends_with_its_peer() {
+        let refused = || Error::NoRoute {
+            peer: "127.0.0.1:9".into(),
+            reason: "refused".into(),
+        };
+        let engine = Arc::new(Healer {
+            script: Mutex::new(vec![Ok(0), Err(refused()), Err(refused()), Ok(1)]),
+            asked: Mutex::default(),
+        });
+        let p = peer(&engine);
+        let watch = watch_rails(&p);
+        while engine.asked.lock().unwrap().len() < 6 {
+            tokio::time::sleep(HEAL_POLL).await;
+        }
+        let asked = engine.asked.lock().unwrap().clone();
+        let gaps: Vec<Duration> = asked.windows(2).map(|w| w[1] - w[0]).collect();
+        // ok(0) -> poll; refused -> 400 ms; refused -> 800 ms; healed -> poll; nothing -> poll.
+        assert_eq!(
+            gaps[..5],
+            [
+                HEAL_POLL,
+                HEAL_POLL * 2,
+                HEAL_POLL * 4,
+                HEAL_POLL,
+                HEAL_POLL
+            ],
+            "{gaps:?}"
+        );
+        drop(p);
+        watch.await.expect("the watch ended cleanly");
+    }
+
+    /// A closed peer is watched no more, though it is still held.
+    #[tokio::test(start_paused = true)]
+    async fn the_rail_watch_ends_when_its_peer_is_closed() {
+        let engine = Arc::new(Healer {
+            script: Mutex::default(),
+            asked: Mutex::default(),
+        });
+        let p = peer(&engine);
+        let watch = watch_rails(&p);
+        while engine.asked.lock().unwrap().is_empty() {
+            tokio::time::sleep(HEAL_POLL).await;
+        }
+        p.closed.store(true, Ordering::Release);
+        watch.await.expect("the watch ended cleanly");
+        let asked = engine.asked.lock().unwrap().len();
+        assert!(Arc::strong_count(&p) == 1);
+        tokio::time::sleep(HEAL_POLL * 10).await;
+        assert_eq!(engine.asked.lock().unwrap().len(), asked);
     }
 }

@@ -112,3 +112,107 @@ async fn engine_moves_bytes_over_rdma_and_counts_them_per_rail() -> Result<()> {
     );
     Ok(())
 }
+
+/// The engine heals a rail by itself: a long READ striped over two rails, one of which crosses
+/// a veth link taken down and up mid-transfer (`ferry_tests::rxe_flap`), completes with the
+/// right bytes; the flapped rail's queue pair is torn down, the peer's rail watch rebuilds it
+/// through a new handshake once the port is back, `describe()` counts it, and the rail carries
+/// traffic again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
+    use ferry_tests::rxe_flap::{DEVICES, RxeFlapPair, wait_for};
+    use std::time::Duration;
+    let Some((s, c)) = rails() else { return Ok(()) };
+    let Some(flap) = RxeFlapPair::create_if_allowed()? else {
+        return Ok(());
+    };
+    let spec = |k: usize| RailSpec::new(DEVICES[k], 1, flap.gids[k]);
+    let server = TransferEngine::builder()
+        .listen("127.0.0.1:0".parse()?)
+        .rdma(RdmaConfig::with_rails(vec![s, spec(1)]).chunk_size(64 << 10))
+        .build()?;
+    const LEN: usize = 96 << 20;
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 13 % 251) as u8).collect();
+    let _seg = server.register(
+        MemoryRegion::from_vec(pattern.clone()),
+        Access::REMOTE_READ,
+        "source",
+    )?;
+    let addr = server.local_addr().context("no listener")?;
+    let client = TransferEngine::builder()
+        .rdma(RdmaConfig::with_rails(vec![c, spec(0)]).chunk_size(64 << 10))
+        .build()?;
+    let dst = client.register(MemoryRegion::from_vec(vec![0; LEN]), Access::LOCAL, "dst")?;
+    let peer = client.connect(addr).await?;
+    ensure!(peer.transport() == TransportKind::Rdma);
+    let seg = peer.segment("source")?;
+    let flapped = format!("{}:1", DEVICES[0]);
+    let rail = || {
+        client
+            .describe()
+            .rails
+            .into_iter()
+            .find(|r| r.rail == flapped)
+            .context("the flapped rail is not described")
+    };
+
+    let read = client.submit(Batch::new().read(&dst, 0, &seg, 0, LEN as u64))?;
+    wait_for(
+        "the flapped rail moving 1 MiB",
+        Duration::from_secs(60),
+        || rail().ok().filter(|r| r.bytes >= 1 << 20),
+    )?;
+    flap.set_link(false)?;
+    let failed = wait_for("the rail failing", Duration::from_secs(60), || {
+        rail().ok().filter(|r| r.down == 1 && r.torn_down >= 1)
+    })?;
+    eprintln!("rail failed and torn down: {failed:?}");
+    flap.set_link(true)?;
+    let healed = wait_for("the rail rebuilt", Duration::from_secs(60), || {
+        rail().ok().filter(|r| r.rebuilds == 1 && r.down == 0)
+    })?;
+    eprintln!("rail rebuilt by the engine: {healed:?}");
+    let o = tokio::time::timeout(Duration::from_secs(300), read)
+        .await
+        .context("the READ did not resolve within 300 s")?;
+    ensure!(o.is_success() && o.drained, "{o:?}");
+    let mut got = vec![0u8; LEN];
+    dst.region().read_at(0, &mut got)?;
+    if got != pattern {
+        // Which 64 KiB chunks differ, to tell a lost chunk from a misplaced one.
+        let bad: Vec<usize> = (0..LEN / (64 << 10))
+            .filter(|&c| got[c << 16..(c + 1) << 16] != pattern[c << 16..(c + 1) << 16])
+            .collect();
+        let zero = bad
+            .iter()
+            .filter(|&&c| got[c << 16..(c + 1) << 16].iter().all(|&b| b == 0))
+            .count();
+        anyhow::bail!(
+            "READ across the flap: {} chunks of 64 KiB differ ({zero} all zero), first {:?}; \
+             outcome {o:?}; rails {:?}",
+            bad.len(),
+            &bad[..bad.len().min(16)],
+            client.describe().rails
+        );
+    }
+    if rail()?.bytes == healed.bytes {
+        let o = client
+            .submit(Batch::new().read(&dst, 0, &seg, 0, 8 << 20))?
+            .await;
+        ensure!(o.is_success(), "{o:?}");
+    }
+    let after = rail()?;
+    eprintln!("rails: {:?}", client.describe().rails);
+    ensure!(
+        after.bytes > healed.bytes,
+        "the healed rail carried nothing: {after:?}"
+    );
+    ensure!(after.rebuilds == 1 && after.torn_down == 1, "{after:?}");
+    ensure!(peer.is_alive());
+    let text = client.describe().to_string();
+    ensure!(text.contains("1 rebuilt"), "{text}");
+    drop((peer, dst, client, _seg, server));
+    drop(flap);
+    Ok(())
+}

@@ -17,9 +17,14 @@
 //!   `Uncertain`, and a request resolves `drained` only after its work requests all completed.
 //! - Multi-rail replay: when a rail's queue pair fails with a transport error (retry exceeded,
 //!   flush), its unacknowledged READ chunks are re-posted on a healthy rail of the channel, and
-//!   its WRITE chunks too when [`RdmaConfig::replay_writes`] allows; the rail stays dead for the
-//!   channel. Remote access errors are never replayed. Replays are counted per rail
+//!   its WRITE chunks too when [`RdmaConfig::replay_writes`] allows; the rail is down for the
+//!   channel until it heals (below). Remote access errors are never replayed. Replays are counted per rail
 //!   ([`RailStats::replayed`], [`RailStats::replayed_bytes`]).
+//! - Rails that heal: a failed rail's queue pair is torn down once flushed, never reused; when
+//!   its port is ACTIVE again, `Channel::heal_offer` makes fresh queue pairs for the rails that
+//!   are down, the handshake driver carries them to the same peer incarnation, and
+//!   `Channel::heal` connects them (refusing another epoch) and swaps them in
+//!   ([`RailStats::torn_down`], [`RailStats::rebuilds`], [`RailStats::down`]).
 //! - Native handles never panic in `Drop`: a failed destroy is kept and reported by
 //!   [`RdmaTransport::check`] as `Unquiesced`, and through the registry for MRs.
 //!

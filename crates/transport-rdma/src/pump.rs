@@ -21,17 +21,24 @@
 //! single `posted` in the request's ledger (a WRITE re-posted and then lost again stays in
 //! doubt; one never re-posted is lost with its original status), and counts as complete only
 //! when the replay is acknowledged. A refused chunk (remote access error) is never replayed.
-//! The failed rail stays dead for the channel: later chunks stripe over the remaining rails.
+//! Later chunks stripe over the remaining rails while the failed rail is down.
+//!
+//! Healing (docs/architecture.md section 5, rails that heal): a failed rail's queue pair is torn
+//! down (destroyed, never reused) as soon as none of its work requests is outstanding. A fresh
+//! queue pair, connected by a new handshake with the peer, is handed over with
+//! [`Pump::rebuild`]; it replaces the torn-down one once the old one is gone, and the rail
+//! rejoins the striping at once, within requests already running. Both steps are counted
+//! ([`RailCounters::torn_down`], [`RailCounters::rebuilds`]).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry_core::{FailureKind, Op, OpKind, Outcome, RemoteStatus, RequestControl};
 
 use crate::verbs::{
-    Completion, QpVerbs, SendWr, Transition, WC_FLUSH, WC_REM_ACCESS, WC_RETRY_EXC,
+    Completion, PostError, QpVerbs, SendWr, Transition, WC_FLUSH, WC_REM_ACCESS, WC_RETRY_EXC,
     WC_RNR_RETRY_EXC, WC_SUCCESS, WrKind,
 };
 
@@ -66,6 +73,12 @@ pub struct RailCounters {
     pub replayed: AtomicU64,
     /// Bytes of those replayed chunks.
     pub replayed_bytes: AtomicU64,
+    /// Failed queue pairs of this rail destroyed once flushed (never reused).
+    pub torn_down: AtomicU64,
+    /// Fresh queue pairs this rail rejoined its channel on after a failure.
+    pub rebuilds: AtomicU64,
+    /// Whether the rail is down now: failed, and not yet rebuilt.
+    pub down: AtomicBool,
     /// Test-only: move this rail's queue pair to ERR at the next step that finds work
     /// outstanding on it, behind the data path's back (as a failing link would).
     #[cfg(feature = "__fault-injection")]
@@ -115,6 +128,28 @@ struct Replay {
     counted: bool,
 }
 
+/// What a torn-down rail holds in place of its destroyed queue pair: nothing can be posted on it
+/// and nothing completes (the pump neither posts to nor polls a rail that is down).
+struct Retired;
+
+impl QpVerbs for Retired {
+    fn qp_num(&self) -> u32 {
+        0
+    }
+    fn modify(&self, _: &Transition) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn post_send(&self, _: &[SendWr]) -> Result<(), PostError> {
+        Err(PostError {
+            posted: 0,
+            errno: libc::ENOTCONN,
+        })
+    }
+    fn poll(&self, _: usize) -> Result<Vec<Completion>, i32> {
+        Ok(Vec::new())
+    }
+}
+
 /// One rail as the pump drives it.
 pub(crate) struct Rail {
     pub(crate) qp: Box<dyn QpVerbs>,
@@ -123,6 +158,8 @@ pub(crate) struct Rail {
     outstanding: VecDeque<Entry>,
     failed: Option<FailureKind>,
     failed_at: Option<Instant>,
+    /// Whether the failed queue pair was destroyed (`qp` is then [`Retired`]).
+    torn_down: bool,
     unsignaled: usize,
 }
 
@@ -135,6 +172,7 @@ impl Rail {
             outstanding: VecDeque::new(),
             failed: None,
             failed_at: None,
+            torn_down: false,
             unsignaled: 0,
         }
     }
@@ -150,6 +188,7 @@ impl Rail {
         }
         self.failed = Some(kind);
         self.failed_at = Some(Instant::now());
+        self.counters.down.store(true, Ordering::Release);
         if let Err(e) = self.qp.modify(&Transition::Error) {
             tracing::warn!(rail = %self.name, error = %e, "moving the queue pair to ERR failed");
         }
@@ -235,6 +274,10 @@ pub(crate) struct Pump {
     /// The rail the next chunk tries first: round-robin across requests, so that many small
     /// requests spread over the rails as one large op does.
     rr: usize,
+    /// Fresh queue pairs waiting for their rail's failed one to be torn down.
+    rebuilds: Vec<(usize, Box<dyn QpVerbs>)>,
+    /// Set by [`close`](Self::close): nothing is rebuilt any more.
+    closing: bool,
 }
 
 fn classify(status: u32) -> FailureKind {
@@ -260,6 +303,8 @@ impl Pump {
             next_wr: 1,
             next_req: 1,
             rr: 0,
+            rebuilds: Vec::new(),
+            closing: false,
         }
     }
 
@@ -301,8 +346,12 @@ impl Pump {
 
     /// Fails every rail (the channel closes): outstanding work flushes, nothing new is posted.
     pub(crate) fn close(&mut self) {
+        self.closing = true;
+        self.rebuilds.clear();
         for r in &mut self.rails {
             r.fail(FailureKind::PeerLost);
+            // A closed channel's rails are not down (nothing will heal them), only closed.
+            r.counters.down.store(false, Ordering::Release);
         }
     }
 
@@ -319,7 +368,68 @@ impl Pump {
         self.inject_failures();
         progress |= self.poll();
         progress |= self.give_up_flushes(now);
+        progress |= self.heal();
         progress |= self.finish();
+        progress
+    }
+
+    /// Hands rail `rail` a fresh queue pair, connected to the peer by a new handshake. It
+    /// replaces the rail's failed queue pair once that one is torn down (at once if it already
+    /// is); the rail then carries work again. Dropped (destroyed) when the rail has not failed
+    /// (nothing to replace), when there is no such rail, or once the pump is closing.
+    pub(crate) fn rebuild(&mut self, rail: usize, qp: Box<dyn QpVerbs>) {
+        let Some(r) = self.rails.get(rail) else {
+            tracing::warn!(
+                rail,
+                "rebuild for a rail this channel does not have; dropped"
+            );
+            return;
+        };
+        if self.closing || r.failed.is_none() {
+            tracing::info!(rail = %r.name, closing = self.closing,
+                "rebuild not needed (the rail is healthy or the channel closes); dropped");
+            return;
+        }
+        self.rebuilds.retain(|(i, _)| *i != rail);
+        self.rebuilds.push((rail, qp));
+    }
+
+    /// Tears down the failed queue pairs that have nothing outstanding any more, and puts the
+    /// waiting fresh ones in their place.
+    fn heal(&mut self) -> bool {
+        let mut progress = false;
+        for rail in &mut self.rails {
+            if rail.failed.is_none() || rail.torn_down || !rail.outstanding.is_empty() {
+                continue;
+            }
+            drop(std::mem::replace(&mut rail.qp, Box::new(Retired)));
+            rail.torn_down = true;
+            if !self.closing {
+                rail.counters.torn_down.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(rail = %rail.name, "failed queue pair torn down");
+            }
+            progress = true;
+        }
+        let mut k = 0;
+        while k < self.rebuilds.len() {
+            let r = self.rebuilds[k].0;
+            if !self.rails[r].torn_down {
+                k += 1;
+                continue;
+            }
+            let (_, qp) = self.rebuilds.swap_remove(k);
+            let rail = &mut self.rails[r];
+            tracing::info!(rail = %rail.name,
+                "rail rebuilt on a fresh queue pair; it rejoins the channel");
+            rail.qp = qp;
+            rail.failed = None;
+            rail.failed_at = None;
+            rail.torn_down = false;
+            rail.unsignaled = 0;
+            rail.counters.rebuilds.fetch_add(1, Ordering::Relaxed);
+            rail.counters.down.store(false, Ordering::Release);
+            progress = true;
+        }
         progress
     }
 
@@ -1065,6 +1175,8 @@ mod tests {
         fail_at: Option<(usize, u32)>,
         refuse_from: Option<usize>,
         broken: bool,
+        /// Completes nothing while set (a flush that has not come back yet).
+        hold: bool,
     }
 
     impl FakeQp {
@@ -1084,7 +1196,7 @@ mod tests {
 
         fn poll(&mut self) -> Vec<Completion> {
             let rest = self.completed..self.posted.len();
-            if rest.is_empty() {
+            if rest.is_empty() || self.hold {
                 return vec![];
             }
             if self.broken {
@@ -1330,6 +1442,110 @@ mod tests {
         assert!(s1.lock().unwrap().posted.is_empty());
         assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
         assert!(!p.rails[1].usable(), "the refusing rail is dead");
+    }
+
+    /// The rail state machine of a port flap: rail 1 fails mid-READ (its chunks are replayed on
+    /// rail 0), its queue pair is torn down once flushed (destroyed: the fake's state is no
+    /// longer held by anyone but the test), a fresh one handed over by a new handshake replaces
+    /// it, and the rest of the same request stripes over both rails again. The old queue pair
+    /// never sees another work request.
+    #[test]
+    fn a_failed_rail_is_torn_down_then_rebuilt_and_carries_the_rest_of_the_running_request() {
+        let (r0, _) = fake_rail(None);
+        let (r1, old) = fake_rail(Some((1, WC_RETRY_EXC)));
+        let mut p = Pump::new(vec![r0, r1], limits(2));
+        // 4000 bytes in 40 chunks of 100, at most 2 outstanding per rail.
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 4000)]), 2);
+        p.step();
+        // Rail 1 failed at its second work request and was flushed: it is down and torn down.
+        assert!(!p.rails[1].usable());
+        assert!(p.rails[1].counters.down.load(Ordering::Acquire));
+        assert_eq!(counter(&p, 1, |c| &c.torn_down), 1);
+        assert_eq!(
+            Arc::strong_count(&old),
+            1,
+            "the failed queue pair was not destroyed"
+        );
+        let old_posted = old.lock().unwrap().posted.len();
+        assert!(
+            slot.lock().unwrap().is_none(),
+            "the request is still running"
+        );
+        let (fresh_rail, fresh) = fake_rail(None);
+        p.rebuild(1, fresh_rail.qp);
+        let o = run(&mut p, &slot);
+        assert!(o.is_success() && o.drained, "{o:?}");
+        assert_eq!((o.completed_ops, o.completed_bytes), (1, 4000));
+        assert_eq!(counter(&p, 1, |c| &c.rebuilds), 1);
+        assert!(!p.rails[1].counters.down.load(Ordering::Acquire));
+        assert!(p.rails[1].usable());
+        // The healed rail carried part of the same request; the old queue pair nothing more.
+        let healed = fresh.lock().unwrap().posted.len();
+        assert!(healed > 0, "the rebuilt rail carried nothing");
+        assert_eq!(old.lock().unwrap().posted.len(), old_posted);
+        assert_eq!(
+            counter(&p, 0, |c| &c.bytes) + counter(&p, 1, |c| &c.bytes),
+            4000
+        );
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 1);
+        // And the next request stripes over both.
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 400)]), 2);
+        assert!(run(&mut p, &slot).is_success());
+        assert_eq!(fresh.lock().unwrap().posted.len(), healed + 2);
+    }
+
+    /// A fresh queue pair replaces a failed one only after the flush (the old one is never
+    /// reused alongside it), is dropped for a healthy rail, and nothing is rebuilt once the
+    /// channel closes.
+    #[test]
+    fn a_rebuild_waits_for_the_flush_and_is_dropped_when_not_needed_or_closing() {
+        // Rail 0's queue pair fails while its flush has not come back yet.
+        let (r0, s0) = fake_rail(None);
+        let mut p = Pump::new(vec![r0], limits(4));
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 400)]), 1);
+        s0.lock().unwrap().hold = true;
+        p.step();
+        p.rails[0].fail(FailureKind::PeerLost);
+        let (fresh_rail, fresh) = fake_rail(None);
+        p.rebuild(0, fresh_rail.qp);
+        p.step();
+        assert_eq!(p.rails[0].outstanding.len(), 4);
+        assert_eq!(counter(&p, 0, |c| &c.torn_down), 0);
+        assert_eq!(counter(&p, 0, |c| &c.rebuilds), 0);
+        assert!(!p.alive());
+        // The flush arrives: the chunks are lost (no other rail), the queue pair is torn down
+        // and the fresh one takes its place, in one step.
+        s0.lock().unwrap().hold = false;
+        let o = run(&mut p, &slot);
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+        assert!(o.drained, "{o:?}");
+        assert_eq!(counter(&p, 0, |c| &c.torn_down), 1);
+        assert_eq!(counter(&p, 0, |c| &c.rebuilds), 1);
+        assert_eq!(Arc::strong_count(&s0), 1);
+        assert!(p.alive());
+        let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 200)]), 1);
+        assert!(run(&mut p, &slot).is_success());
+        assert_eq!(fresh.lock().unwrap().posted.len(), 2);
+
+        // A healthy rail keeps its queue pair; the offered one is destroyed.
+        let (spare, spare_state) = fake_rail(None);
+        p.rebuild(0, spare.qp);
+        p.step();
+        assert_eq!(Arc::strong_count(&spare_state), 1);
+        assert_eq!(counter(&p, 0, |c| &c.rebuilds), 1);
+
+        // Closing: the rail fails for good (neither down nor counted as torn down: closed), a
+        // late rebuild is dropped.
+        p.close();
+        p.step();
+        assert!(!p.rails[0].counters.down.load(Ordering::Acquire));
+        assert_eq!(counter(&p, 0, |c| &c.torn_down), 1);
+        let (late, late_state) = fake_rail(None);
+        p.rebuild(0, late.qp);
+        p.step();
+        assert_eq!(Arc::strong_count(&late_state), 1);
+        assert!(!p.alive());
+        assert_eq!(counter(&p, 0, |c| &c.rebuilds), 1);
     }
 
     #[cfg(feature = "__fault-injection")]

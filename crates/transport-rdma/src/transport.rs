@@ -7,6 +7,13 @@
 //! pair for it (RESET→INIT→RTR→RTS) and answers with its endpoints, echoing the initiator's PSNs:
 //! that is how `open()` finds the pending queue pairs the answer belongs to before connecting
 //! them in turn.
+//!
+//! Healing a rail: once a failed rail's local port is ACTIVE again,
+//! [`Channel::heal_offer`] creates a fresh queue pair for it and offers its endpoint, the
+//! handshake driver carries that offer to the same peer incarnation in a new handshake (the peer's
+//! `accept()` treats it as any offer, pairing by the offered rail index), and
+//! [`Channel::heal`] connects the fresh queue pair to the answer and hands it to the channel's
+//! worker, which puts it in place of the torn-down one.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -50,6 +57,58 @@ impl RailCtx {
         let cq = Cq::create(&self.comp, self.depth.saturating_mul(2).max(16))?;
         RcQp::create(&self.pd, &cq, self.depth)
     }
+
+    /// The port as it is now (`ibv_query_port`, `ibv_query_gid`): `None` while it is not ACTIVE.
+    /// A healed rail connects with what the port says after the flap, not what it said at open.
+    fn live_port(&self) -> Result<Option<LocalPort>, RdmaError> {
+        let device = &self.pd.device;
+        let query = |what, source| RdmaError::QueryPort {
+            device: self.local.device.clone(),
+            port: self.local.port,
+            gid_index: self.local.gid_index,
+            what,
+            source,
+        };
+        let port = device
+            .query_port(self.local.port)
+            .map_err(|e| query("ibv_query_port", e))?;
+        if !port.active {
+            return Ok(None);
+        }
+        let gid = device
+            .query_gid(self.local.port, self.local.gid_index)
+            .map_err(|e| query("ibv_query_gid", e))?;
+        if port.ethernet && gid == [0; 16] {
+            return Ok(None);
+        }
+        Ok(Some(LocalPort {
+            gid,
+            lid: port.lid,
+            active_mtu: port.active_mtu,
+            ethernet: port.ethernet,
+            ..self.local.clone()
+        }))
+    }
+}
+
+/// `rail`'s endpoint for the handshake, as `port` describes it.
+fn endpoint_of(rail: usize, port: &LocalPort, qpn: u32, psn: u32) -> RdmaEndpoint {
+    RdmaEndpoint {
+        rail: u16::try_from(rail).unwrap_or(u16::MAX),
+        port_num: port.port,
+        mtu: u8::try_from(port.active_mtu).unwrap_or(1),
+        lid: port.lid,
+        gid: port.gid,
+        qpn,
+        psn,
+    }
+}
+
+/// Whether a heal's answer comes from the incarnation the channel was opened to: a restarted
+/// peer (another id or epoch) has other segments and keys, so nothing of the channel may be
+/// connected to it.
+fn same_incarnation(opened: (PeerId, Epoch), answer: &PeerInfo) -> bool {
+    opened == (answer.remote_id, answer.remote_epoch)
 }
 
 struct PendingSet {
@@ -157,6 +216,12 @@ pub struct RailStats {
     pub replayed: u64,
     /// Bytes of those replayed chunks.
     pub replayed_bytes: u64,
+    /// Failed queue pairs of this rail destroyed once flushed (never reused).
+    pub torn_down: u64,
+    /// Times this rail rejoined a channel on a fresh queue pair after a failure.
+    pub rebuilds: u64,
+    /// Channels on which this rail is down now (failed, not yet rebuilt).
+    pub down: u64,
 }
 
 struct ChannelStats {
@@ -340,6 +405,9 @@ impl RdmaTransport {
                     s.flushed += k.flushed.load(Ordering::Relaxed);
                     s.replayed += k.replayed.load(Ordering::Relaxed);
                     s.replayed_bytes += k.replayed_bytes.load(Ordering::Relaxed);
+                    s.torn_down += k.torn_down.load(Ordering::Relaxed);
+                    s.rebuilds += k.rebuilds.load(Ordering::Relaxed);
+                    s.down += u64::from(k.down.load(Ordering::Relaxed));
                 }
             }
         }
@@ -380,16 +448,7 @@ impl RdmaTransport {
     }
 
     fn endpoint(&self, rail: usize, qpn: u32, psn: u32) -> RdmaEndpoint {
-        let r = &self.shared.rails[rail];
-        RdmaEndpoint {
-            rail: u16::try_from(rail).unwrap_or(u16::MAX),
-            port_num: r.local.port,
-            mtu: u8::try_from(r.local.active_mtu).unwrap_or(1),
-            lid: r.local.lid,
-            gid: r.local.gid,
-            qpn,
-            psn,
-        }
+        endpoint_of(rail, &self.shared.rails[rail].local, qpn, psn)
     }
 
     fn try_offer(&self) -> Result<Vec<RdmaEndpoint>, RdmaError> {
@@ -461,7 +520,10 @@ impl RdmaTransport {
         }
         let mut qps = Vec::with_capacity(offered.len());
         let mut answer = Vec::with_capacity(offered.len());
-        for (k, ep) in offered.iter().enumerate() {
+        for ep in offered {
+            // Paired by the peer's rail index, not its place in the offer, so that a heal
+            // offering one rail pairs it as the first handshake did.
+            let k = usize::from(ep.rail);
             let i = active[pair_rail(k, n, |j| self.shared.rails[active[j]].local.gid == ep.gid)];
             let rail = &self.shared.rails[i];
             let qp = rail.new_qp()?;
@@ -573,6 +635,7 @@ impl RdmaTransport {
         tracing::info!(peer = %who, rails = plan.len(), "RDMA channel open");
         Ok(RdmaChannel::start(
             who,
+            (peer.remote_id, peer.remote_epoch),
             self.shared.clone(),
             rails,
             plan,
@@ -643,19 +706,34 @@ enum Job {
         keys: Vec<OpKeys>,
         done: tokio::sync::oneshot::Sender<Outcome>,
     },
+    /// A fresh, connected queue pair for channel rail `rail` (a heal).
+    Rebuild {
+        rail: usize,
+        qp: Box<dyn QpVerbs>,
+    },
     Close,
+}
+
+/// Fresh queue pairs offered for a heal, waiting for the peer's answer: (channel rail, PSN,
+/// queue pair, the port as it was when offered).
+struct PendingHeal {
+    qps: Vec<(usize, u32, RcQp, LocalPort)>,
 }
 
 /// The data path to one peer: a worker thread that owns the queue pairs, posts and busy-polls.
 pub struct RdmaChannel {
     peer: String,
+    /// The peer incarnation the channel was opened to: heals connect to it only.
+    remote: (PeerId, Epoch),
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     alive: Arc<AtomicBool>,
+    closed: AtomicBool,
     shared: Arc<Shared>,
     /// Per rail of this channel: (local context, remote context).
     plan: Vec<(u32, u32)>,
     segments: HashMap<SegmentToken, SegmentDesc>,
-    _stats: Arc<ChannelStats>,
+    stats: Arc<ChannelStats>,
+    heal: Mutex<Option<PendingHeal>>,
 }
 
 impl fmt::Debug for RdmaChannel {
@@ -685,6 +763,7 @@ fn worker(mut pump: Pump, rx: mpsc::Receiver<Job>, alive: Arc<AtomicBool>) {
                 let _ = done.send(o);
             }),
         ),
+        Job::Rebuild { rail, qp } => pump.rebuild(rail, qp),
         Job::Close => {
             pump.close();
             *closing = true;
@@ -734,8 +813,10 @@ fn worker(mut pump: Pump, rx: mpsc::Receiver<Job>, alive: Arc<AtomicBool>) {
 }
 
 impl RdmaChannel {
+    #[allow(clippy::too_many_arguments)]
     fn start(
         peer: String,
+        remote: (PeerId, Epoch),
         shared: Arc<Shared>,
         rails: Vec<Rail>,
         plan: Vec<(u32, u32)>,
@@ -760,13 +841,141 @@ impl RdmaChannel {
         };
         Self {
             peer,
+            remote,
             tx: Mutex::new(tx),
             alive,
+            closed: AtomicBool::new(false),
             shared,
             plan,
             segments,
-            _stats: stats,
+            stats,
+            heal: Mutex::new(None),
         }
+    }
+
+    /// Fresh queue pairs, kept pending, for the rails that are down while their local port is
+    /// ACTIVE again; their endpoints.
+    fn try_heal_offer(&self) -> Result<Vec<RdmaEndpoint>, RdmaError> {
+        let mut pending = PendingHeal { qps: Vec::new() };
+        let mut eps = Vec::new();
+        for (c, &(local, _)) in self.plan.iter().enumerate() {
+            let down = self
+                .stats
+                .rails
+                .get(c)
+                .is_some_and(|(_, k)| k.down.load(Ordering::Acquire));
+            let Some(rail) = usize::try_from(local)
+                .ok()
+                .and_then(|i| self.shared.rails.get(i))
+            else {
+                continue;
+            };
+            if !down {
+                continue;
+            }
+            let port = match rail.live_port() {
+                Ok(Some(p)) => p,
+                Ok(None) => {
+                    tracing::debug!(peer = %self.peer, rail = %rail.name,
+                        "rail is down and its port is not ACTIVE yet");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer, error = %error_chain(&e),
+                        "cannot read the port of a down rail");
+                    continue;
+                }
+            };
+            let qp = rail.new_qp()?;
+            let psn = rand::random::<u32>() & 0x00ff_ffff;
+            eps.push(endpoint_of(local as usize, &port, qp.qp_num(), psn));
+            pending.qps.push((c, psn, qp, port));
+        }
+        let mut slot = self.heal.lock().unwrap_or_else(PoisonError::into_inner);
+        *slot = (!pending.qps.is_empty()).then_some(pending);
+        Ok(eps)
+    }
+
+    /// Connects the pending fresh queue pairs to `answer` and hands them to the worker.
+    fn try_heal(&self, answer: &PeerInfo) -> Result<usize, ferry_core::Error> {
+        let who = self.peer.clone();
+        let pending = self
+            .heal
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(pending) = pending else {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "no heal is pending (its offer was replaced, or never made)".into(),
+            }
+            .into());
+        };
+        if !same_incarnation(self.remote, answer) {
+            tracing::warn!(peer = %who, known = %self.remote.1, found = %answer.remote_epoch,
+                "the peer answered the heal as another incarnation: its fresh queue pairs are \
+                 torn down, nothing is connected to it");
+            return Err(ferry_core::Error::StaleEpoch {
+                addr: who,
+                known: self.remote.1,
+                found: answer.remote_epoch,
+            });
+        }
+        let TransportOffer::Rdma { rails: eps } = &answer.offer else {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer's answer to a heal is not an RDMA offer".into(),
+            }
+            .into());
+        };
+        let psns = [pending.qps.iter().map(|(_, psn, _, _)| *psn).collect()];
+        if match_pending(&psns, eps).is_none() {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the peer's answer to a heal does not echo the PSNs offered".into(),
+            }
+            .into());
+        }
+        let mut ready = Vec::with_capacity(eps.len());
+        for ((c, psn, qp, port), ep) in pending.qps.into_iter().zip(eps) {
+            let paired = self.plan[c].1;
+            if u32::from(ep.rail) != paired {
+                return Err(RdmaError::Connect {
+                    peer: who,
+                    reason: format!(
+                        "the peer paired the healed rail with its rail {}, not {paired} as before",
+                        ep.rail
+                    ),
+                }
+                .into());
+            }
+            bring_up(&qp, &port, psn, ep, &self.shared.config.timing, &who)?;
+            ready.push((c, qp));
+        }
+        let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(tx) = tx.as_ref().filter(|_| !self.closed.load(Ordering::Acquire)) else {
+            return Err(RdmaError::Connect {
+                peer: who,
+                reason: "the channel closed during the heal".into(),
+            }
+            .into());
+        };
+        let n = ready.len();
+        for (rail, qp) in ready {
+            tracing::info!(peer = %who, rail = %self.stats.rails[rail].0, qpn = qp.qp_num(),
+                "healed rail connected; rejoining the channel");
+            let qp = Box::new(qp) as Box<dyn QpVerbs>;
+            if tx.send(Job::Rebuild { rail, qp }).is_err() {
+                return Err(RdmaError::Connect {
+                    peer: who,
+                    reason: "the channel's worker is gone".into(),
+                }
+                .into());
+            }
+        }
+        // A channel whose every rail had failed comes back to life once its worker put a
+        // rebuilt queue pair in place.
+        Ok(n)
     }
 
     fn keys(&self, op: &Op) -> OpKeys {
@@ -851,11 +1060,35 @@ impl Channel for RdmaChannel {
     }
 
     fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.heal
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         let tx = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(tx) = tx.as_ref() {
             let _ = tx.send(Job::Close);
         }
         self.alive.store(false, Ordering::Release);
+    }
+
+    fn heal_offer(&self) -> Option<TransportOffer> {
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        match self.try_heal_offer() {
+            Ok(rails) if !rails.is_empty() => Some(TransportOffer::Rdma { rails }),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, error = %error_chain(&e),
+                    "cannot create queue pairs to heal rails");
+                None
+            }
+        }
+    }
+
+    fn heal(&self, answer: PeerInfo) -> Result<usize, ferry_core::Error> {
+        self.try_heal(&answer)
     }
 }
 
@@ -954,6 +1187,31 @@ mod tests {
         assert_eq!(pair_rail(3, 2, |_| false), 1);
         // Only the same device: use it anyway.
         assert_eq!(pair_rail(0, 1, |_| true), 0);
+    }
+
+    /// A heal connects only to the incarnation the channel was opened to: a peer that restarted
+    /// (new epoch, or new id) gets none of the channel's rails, whatever it answers.
+    #[test]
+    fn a_heal_answered_by_another_incarnation_is_refused() {
+        let (id, epoch) = (PeerId::random(), Epoch::fresh());
+        let answer = |remote_id, remote_epoch| PeerInfo {
+            addr: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+            local_id: PeerId::random(),
+            local_epoch: Epoch::fresh(),
+            remote_id,
+            remote_epoch,
+            offer: TransportOffer::Rdma { rails: vec![ep(1)] },
+            segments: Vec::new(),
+            session: None,
+            key_name: None,
+            version: 1,
+        };
+        assert!(same_incarnation((id, epoch), &answer(id, epoch)));
+        assert!(!same_incarnation((id, epoch), &answer(id, Epoch::fresh())));
+        assert!(!same_incarnation(
+            (id, epoch),
+            &answer(PeerId::random(), epoch)
+        ));
     }
 
     #[test]

@@ -799,3 +799,151 @@ fn misconfigured_gid_or_port_names_device_port_and_gid_index() -> Result<()> {
     eprintln!("ok: {text}");
     Ok(())
 }
+
+// ---- a rail whose port flaps ----------------------------------------------------------------
+
+fn peer_info(
+    offer: TransportOffer,
+    segments: Vec<SegmentDesc>,
+    remote: (PeerId, Epoch),
+) -> PeerInfo {
+    PeerInfo {
+        remote_id: remote.0,
+        remote_epoch: remote.1,
+        ..info(offer, segments)
+    }
+}
+
+/// A long READ striped over two rails, one of which crosses a veth link taken down and brought
+/// up again mid-transfer: the READ completes with the right bytes (the flapped rail's chunks
+/// replayed on the other), the flapped rail's queue pair is torn down, a heal answered by
+/// another incarnation of the peer is refused and connects nothing, the heal with the real
+/// peer rebuilds the rail on a fresh queue pair through a new handshake, and the rail carries
+/// traffic again.
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn a_rail_whose_port_flaps_mid_read_is_rebuilt_and_carries_traffic_again() -> Result<()> {
+    use ferry_tests::rxe_flap::{DEVICES, RxeFlapPair, wait_for};
+    let Some(devs) = devices() else { return Ok(()) };
+    let Some(flap) = RxeFlapPair::create_if_allowed()? else {
+        return Ok(());
+    };
+    let (a, b) = pair(&devs);
+    let spec = |k: usize| RailSpec::new(DEVICES[k], 1, flap.gids[k]);
+    // Client rail 0: a <-> b over the suite's pair; client rail 1: rxeflap0 <-> rxeflap1.
+    let server = transport(vec![b, spec(1)], 64 << 10)?;
+    let client = transport(vec![a, spec(0)], 64 << 10)?;
+    let server_peer = (PeerId::random(), Epoch::fresh());
+    let sreg = registry(&server);
+    let creg = registry(&client);
+    const LEN: usize = 96 << 20;
+    let remote = Arc::new(MemoryRegion::from_vec(random(LEN)));
+    let seg = sreg.register("source", remote.clone(), Access::REMOTE_READ)?;
+    let dst = Arc::new(MemoryRegion::from_vec(vec![0; LEN]));
+    let _d = creg.register("dst", dst.clone(), Access::LOCAL)?;
+    let desc = describe(&seg);
+    let offer = client.offer();
+    let answer = server.accept(&info(offer, Vec::new()))?;
+    let ch = client
+        .open(peer_info(answer, vec![desc.clone()], server_peer))
+        .await?;
+    let names = client.rail_names();
+    let stat = |k: usize| {
+        client
+            .rail_stats()
+            .into_iter()
+            .find(|s| s.rail == names[k])
+            .unwrap_or_default()
+    };
+
+    let ops: Arc<[Op]> = vec![op(OpKind::Read, &dst, 0, &desc, 0, LEN as u64)].into();
+    let control = Arc::new(RequestControl::new(&ops));
+    let read = ch.execute(ops, control.clone());
+    wait_for("rail 1 moving 1 MiB", Duration::from_secs(60), || {
+        (stat(1).bytes >= 1 << 20).then_some(())
+    })?;
+    flap.set_link(false)?;
+    let t_down = Instant::now();
+    let failed = wait_for("rail 1 failing", Duration::from_secs(60), || {
+        let s = stat(1);
+        (s.down == 1 && s.torn_down >= 1).then_some(s)
+    })?;
+    eprintln!(
+        "rail 1 failed and torn down {:?} after the link went down: {failed:?}",
+        t_down.elapsed()
+    );
+    ensure!(failed.flushed + failed.errors > 0, "{failed:?}");
+    ensure!(ch.is_alive(), "rail 0 still carries the channel");
+    ensure!(
+        ch.heal_offer().is_none(),
+        "a rail whose port is down must not be offered for healing"
+    );
+    flap.set_link(true)?;
+    let t_up = Instant::now();
+    let heal = wait_for(
+        "rail 1's port ACTIVE again",
+        Duration::from_secs(60),
+        || ch.heal_offer(),
+    )?;
+    eprintln!("port back {:?} after the link came up", t_up.elapsed());
+
+    // The peer answering as another incarnation (a restart): refused, nothing connected.
+    let answer = server.accept(&info(heal, Vec::new()))?;
+    let restarted = (server_peer.0, Epoch::fresh());
+    let err = ch
+        .heal(peer_info(answer, Vec::new(), restarted))
+        .err()
+        .context("a heal answered by another epoch must be refused")?;
+    ensure!(matches!(err, ferry_core::Error::StaleEpoch { .. }), "{err}");
+    ensure!(stat(1).rebuilds == 0 && stat(1).down == 1, "{:?}", stat(1));
+
+    // The real heal: a fresh offer, the same incarnation's answer.
+    let heal = ch.heal_offer().context("rail 1 is still down")?;
+    let answer = server.accept(&info(heal, Vec::new()))?;
+    let healed = ch.heal(peer_info(answer, Vec::new(), server_peer))?;
+    ensure!(healed == 1, "{healed} rails healed");
+    let at_heal = wait_for("rail 1 rejoining", Duration::from_secs(30), || {
+        let s = stat(1);
+        (s.rebuilds == 1 && s.down == 0).then_some(s)
+    })?;
+    eprintln!("rail 1 rebuilt: {at_heal:?}");
+
+    let o = tokio::time::timeout(Duration::from_secs(300), read)
+        .await
+        .context("the READ did not resolve within 300 s")?;
+    eprintln!(
+        "READ across the flap: {o:?}; rails: {:?}",
+        client.rail_stats()
+    );
+    ensure!(o.is_success() && o.drained, "{o:?}");
+    ensure!(
+        bytes(&dst, 0, LEN) == bytes(&remote, 0, LEN),
+        "READ across the flap: bytes differ"
+    );
+    ensure!(stat(0).replayed > 0, "nothing was replayed: {:?}", stat(0));
+    // Traffic resumes on the healed rail: within the READ if it was still running, else in
+    // the next one.
+    if stat(1).bytes == at_heal.bytes {
+        dst.write_at(0, &vec![0; LEN])?;
+        let o = run(&ch, vec![op(OpKind::Read, &dst, 0, &desc, 0, 8 << 20)]).await;
+        ensure!(o.is_success(), "{o:?}");
+        ensure!(bytes(&dst, 0, 8 << 20) == bytes(&remote, 0, 8 << 20));
+    }
+    let s1 = stat(1);
+    ensure!(
+        s1.bytes > at_heal.bytes,
+        "the healed rail carried nothing: {s1:?}"
+    );
+    ensure!(
+        s1.rebuilds == 1 && s1.torn_down == 1 && s1.down == 0,
+        "{s1:?}"
+    );
+    eprintln!(
+        "after the heal rail 1 moved {} bytes",
+        s1.bytes - at_heal.bytes
+    );
+    // Everything holding the devices open goes before the pair is deleted.
+    drop((ch, control, _d, seg, creg, sreg, client, server));
+    drop(flap);
+    Ok(())
+}

@@ -7,6 +7,11 @@ ulimit -l unlimited            # RDMA memory registration pins pages
 teardown() {
   rdma link delete rxe0 2>/dev/null; rdma link delete rxe1 2>/dev/null
   ip link del va 2>/dev/null
+  # what the flap test (crates/transport-rdma/tests/rxe.rs) leaves should it be killed
+  rdma link delete rxeflap0 2>/dev/null; rdma link delete rxeflap1 2>/dev/null
+  ip link del vfa 2>/dev/null
+  ip rule del pref 12 iif vfa lookup local 2>/dev/null
+  ip rule del pref 13 iif vfb lookup local 2>/dev/null
   ip rule show | grep -q '^0:.*lookup local' || ip rule add pref 0 lookup local
   ip rule del pref 10 iif va lookup local 2>/dev/null
   ip rule del pref 11 iif vb lookup local 2>/dev/null

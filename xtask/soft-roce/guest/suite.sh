@@ -73,7 +73,9 @@ done
 
 # --- the project's RDMA test binaries, ignored (hardware) tests included, one test at a time
 # (the GPU tests load the fake CUDA drivers the host built: the guest has no compiler)
-export FERRY_RDMA_TEST_DEVICES=rxe0,rxe1 FERRY_RDMA_TEST_GIDS=$G0,$G1 RUST_BACKTRACE=1
+# FERRY_RDMA_TEST_FLAP: the flap test may create a second rxe pair on a veth link of its own
+# (rxeflap0/rxeflap1 on vfa/vfb, 10.99.1.0/24) and take that link down and up.
+export FERRY_RDMA_TEST_DEVICES=rxe0,rxe1 FERRY_RDMA_TEST_GIDS=$G0,$G1 FERRY_RDMA_TEST_FLAP=1 RUST_BACKTRACE=1
 export FERRY_FAKE_CUDA_PREBUILT
 for entry in "${TESTS[@]}"; do
   name=${entry%%|*}; dir=${entry#*|}
@@ -91,7 +93,7 @@ for entry in "${TESTS[@]}"; do
   [ "$rc" = 0 ] || fails=$((fails+1))
   rm -f "$out"
 done
-unset FERRY_RDMA_TEST_DEVICES FERRY_RDMA_TEST_GIDS
+unset FERRY_RDMA_TEST_DEVICES FERRY_RDMA_TEST_GIDS FERRY_RDMA_TEST_FLAP
 
 # --- ferry's own RDMA WRITE bench between the two devices: same op size, same bytes as ib_write_bw
 bench() {

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ferry_core::wire::Hello;
-use ferry_core::{Error, PeerInfo, SegmentTable};
+use ferry_core::{Error, PeerInfo, SegmentTable, TransportKind};
 use tracing::Instrument;
 
 use super::{TransferEngine, resolve};
@@ -85,7 +85,8 @@ impl TransferEngine {
             .counters(addr.to_string(), channel.kind());
         tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
             segments = server.segments.len(), "connected");
-        Ok(Peer {
+        let rails = channel.kind() == TransportKind::Rdma;
+        let peer = Peer {
             inner: Arc::new(PeerInner {
                 addr,
                 id: server.peer_id,
@@ -103,7 +104,11 @@ impl TransferEngine {
                 closed: Default::default(),
                 counters,
             }),
-        })
+        };
+        if rails {
+            crate::reconnect::watch_rails(&peer.inner);
+        }
+        Ok(peer)
     }
 
     /// A fresh channel to the incarnation `peer` was connected to (reconnect): the same
@@ -127,6 +132,56 @@ impl TransferEngine {
         let span = tracing::info_span!("reconnect", addr = %peer.addr);
         let (_, _, channel) = self.open_channel(peer.addr, same).instrument(span).await?;
         Ok(channel)
+    }
+
+    /// Rebuilds the failed rails of `peer`'s current channel whose ports are back: a handshake
+    /// offering only their fresh endpoints ([`Channel::heal_offer`](ferry_core::Channel::heal_offer)),
+    /// which the same incarnation must answer (else `StaleEpoch`, and the fresh endpoints are
+    /// torn down), then [`Channel::heal`](ferry_core::Channel::heal). How many rails rejoined.
+    pub(crate) async fn heal(&self, peer: &PeerInner) -> Result<usize, Error> {
+        let channel = peer.channel();
+        let Some(offer) = channel.heal_offer() else {
+            return Ok(0);
+        };
+        let span = tracing::info_span!("heal", addr = %peer.addr);
+        let hello = Hello {
+            versions: self.inner.identity.versions,
+            peer_id: self.inner.identity.id,
+            epoch: self.inner.identity.epoch,
+            transports: vec![offer],
+            segments: self.inner.published.table.published_to(None),
+        };
+        let (server, session) = ferry_transport_tcp::handshake_with(
+            peer.addr,
+            &hello,
+            self.inner.identity.keyring.as_ref(),
+            self.inner.peers.connect_timeout,
+        )
+        .instrument(span)
+        .await?;
+        let kind = channel.kind();
+        let Some(answer) = server
+            .transports
+            .iter()
+            .find(|o| TransportKind::of_offer(o) == Some(kind))
+        else {
+            return Err(Error::NoRoute {
+                peer: peer.addr.to_string(),
+                reason: format!("the peer did not answer the {kind} rails offered to heal"),
+            });
+        };
+        channel.heal(PeerInfo {
+            addr: peer.addr,
+            local_id: self.inner.identity.id,
+            local_epoch: self.inner.identity.epoch,
+            remote_id: server.peer_id,
+            remote_epoch: server.epoch,
+            offer: answer.clone(),
+            segments: server.segments.clone(),
+            session,
+            key_name: None,
+            version: peer.version,
+        })
     }
 
     /// Handshake with `addr`, `check` of its answer, then the data path over the first transport

@@ -117,6 +117,13 @@ impl crate::reconnect::Reopen for Inner {
     ) -> ferry_core::BoxFuture<'a, Result<Arc<dyn ferry_core::Channel>, Error>> {
         Box::pin(async move { TransferEngine { inner: self }.reopen(peer).await })
     }
+
+    fn heal<'a>(
+        self: Arc<Self>,
+        peer: &'a PeerInner,
+    ) -> ferry_core::BoxFuture<'a, Result<usize, Error>> {
+        Box::pin(async move { TransferEngine { inner: self }.heal(peer).await })
+    }
 }
 
 /// Ferry's transfer engine: registers memory, connects to peers and moves bytes between them.
@@ -588,6 +595,9 @@ impl TransferEngine {
                     flushed: s.flushed,
                     replayed: s.replayed,
                     replayed_bytes: s.replayed_bytes,
+                    torn_down: s.torn_down,
+                    rebuilds: s.rebuilds,
+                    down: s.down,
                 })
                 .collect();
         }
