@@ -1217,11 +1217,7 @@ impl Receiver {
 
     /// Updates the snapshot, then what the control service advertises (in that order: an
     /// advertised prefix is never ahead of the snapshot's verified chunks).
-    fn publish(&self, have: &Have, refetched: u64, peers: usize, parent: &str) {
-        let bytes = (0..have.len())
-            .filter(|&i| have.has(i))
-            .map(|i| self.manifest.chunks[i].len)
-            .sum();
+    fn publish(&self, have: &Have, bytes: u64, refetched: u64, peers: usize, parent: &str) {
         self.snapshot_tx.send_modify(|s| {
             s.bytes = bytes;
             s.chunks = have.count();
@@ -1235,7 +1231,7 @@ impl Receiver {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
             bytes,
-            total_bytes: self.manifest.chunks.iter().map(|c| c.len).sum(),
+            total_bytes: self.manifest.total_bytes(),
             refetched,
             peers: peers as u64,
             done: have.is_done(),
@@ -1295,6 +1291,8 @@ impl Receiver {
             1
         };
         let mut have = Have::striped(n, d);
+        // Bytes of the chunks `have` holds verified, kept beside it (not summed per update).
+        let mut verified_bytes = 0u64;
         let mut sum = Summary {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
@@ -1338,6 +1336,9 @@ impl Receiver {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
                         sum.at_rest_mismatches += 1;
+                        if have.has(i) {
+                            verified_bytes -= c.len;
+                        }
                         have.lost(i);
                     }
                 }
@@ -1413,7 +1414,9 @@ impl Receiver {
                             } else {
                                 sum.bytes_from_relays += c.len;
                             }
-                            have.verified(f.chunk);
+                            if have.verified(f.chunk) {
+                                verified_bytes += c.len;
+                            }
                             let now = unix_now();
                             self.timeline.first_verified.get_or_insert(now);
                             self.timeline.last_verified = Some(now);
@@ -1511,7 +1514,7 @@ impl Receiver {
                             }
                         }
                     }
-                    self.publish(&have, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
                 }
                 _ = relist.tick(), if started.elapsed() < EARLY && self.opts.relay => {
                     if let Ok(m) = self.discovery.members().await
@@ -1597,7 +1600,7 @@ impl Receiver {
                     }
                     // The list and the rates in it change the plan.
                     replan = true;
-                    self.publish(&have, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
                 }
             }
         }
@@ -1606,7 +1609,13 @@ impl Receiver {
         sum.timeline = self.timeline.clone();
         sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
-        self.publish(&have, sum.refetched_chunks, members.len(), "");
+        self.publish(
+            &have,
+            verified_bytes,
+            sum.refetched_chunks,
+            members.len(),
+            "",
+        );
         self.heartbeat(&have, first_request).await?;
         tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
             from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
