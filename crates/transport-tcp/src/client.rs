@@ -72,24 +72,28 @@ impl Wake for TaskWake {
 type Queue = JobQueue<Job, TaskWake>;
 
 /// The next job for stream `i`'s sender, waiting for one; `None` once the channel is gone (and
-/// nothing is queued for it) or the stream died. `idle`: nothing is in flight on the stream.
+/// nothing is queued for it) or the stream died. `idle_now`: nothing is in flight on the
+/// stream as the caller last looked; `idle` looks again after a wait.
 async fn next_job(
     queue: &Queue,
     i: usize,
     dead: &AtomicBool,
+    idle_now: bool,
     idle: impl Fn() -> bool,
 ) -> Option<Job> {
     let t = queue.taker(i)?;
+    let mut idle_now = idle_now;
     loop {
         if dead.load(Ordering::Acquire) {
             return None;
         }
-        match queue.next_or_wait(i, idle()) {
+        match queue.next_or_wait(i, idle_now) {
             Next::Job(j) => return Some(j),
             Next::Closed => return None,
             Next::Empty => {
                 t.waker().0.notified().await;
                 t.rise();
+                idle_now = idle();
             }
         }
     }
@@ -309,17 +313,20 @@ async fn sender(
     let mut stage = vec![0u8; DATA_REQUEST_LEN + SMALL];
     'run: loop {
         // Room in flight first, then a job: a job is never held while this stream is full.
-        loop {
+        let idle_now = loop {
             if dead.load(Ordering::Acquire) {
                 break 'run;
             }
-            if proto.lock().has_room() {
-                break;
+            {
+                let g = proto.lock();
+                if g.has_room() {
+                    break g.in_flight() == 0;
+                }
             }
             proto.room.notified().await;
-        }
+        };
         let idle = || proto.lock().in_flight() == 0;
-        let Some(job) = next_job(&queue, index, &dead, idle).await else {
+        let Some(job) = next_job(&queue, index, &dead, idle_now, idle).await else {
             break;
         };
         if dead.load(Ordering::Acquire) {
