@@ -8,6 +8,10 @@
 //!   acknowledged while the QP is healthy, as flushed (lost) once it has failed;
 //! - the first error completion on a QP fails that QP: it is moved to ERR explicitly, and its
 //!   later work requests complete as flushed, which leaves their WRITEs `Uncertain`;
+//! - the unsignalled work requests before an error completion are, by the verbs ordering rule,
+//!   complete; a request never *succeeds* on that inference alone: where the chunk may be
+//!   replayed (below) it is, and counted in [`RailCounters::unproven`]; where it may not, the
+//!   request fails anyway and the inference only sets how long its completed prefix is;
 //! - `IBV_WC_REM_ACCESS_ERR` is a refusal (the responder checks key and bounds before placing a
 //!   byte); retry-exceeded errors mean the peer is lost;
 //! - a request resolves (with `drained: true`) only when none of its work requests is still
@@ -69,6 +73,9 @@ pub struct RailCounters {
     pub errors: AtomicU64,
     /// Flushed work requests.
     pub flushed: AtomicU64,
+    /// Unsignalled work requests before an error completion, replayed rather than counted
+    /// acknowledged on the ordering rule alone.
+    pub unproven: AtomicU64,
     /// Chunks of a failed rail re-posted on this rail (replays it carried).
     pub replayed: AtomicU64,
     /// Bytes of those replayed chunks.
@@ -753,6 +760,12 @@ impl Pump {
                 true
             };
             match status {
+                // Unsignalled before an error completion: verbs says it completed, but a success
+                // this request would report must not rest on that inference; replayed where it
+                // can be (decisions.md, "An error completion proves nothing before it").
+                WC_SUCCESS if !hit && c.status != WC_SUCCESS && replay(req, c.status) => {
+                    rail.counters.unproven.fetch_add(1, Ordering::Relaxed);
+                }
                 WC_SUCCESS => {
                     rail.counters.bytes.fetch_add(e.len, Ordering::Relaxed);
                     rail.counters.work_requests.fetch_add(1, Ordering::Relaxed);
@@ -1289,21 +1302,17 @@ mod tests {
         let (mut p, o, s1) = two_rails_one_failing(OpKind::Read, WC_RETRY_EXC, false);
         assert!(o.is_success() && o.drained, "{o:?}");
         assert_eq!((o.completed_ops, o.completed_bytes), (1, 1000));
-        // Rail 1 carried 5 chunks: the first was acknowledged, the failed one and the 3 flushed
-        // after it were replayed on rail 0.
-        assert_eq!(counter(&p, 1, |c| &c.bytes), 100);
+        // Rail 1 carried 5 chunks: the first (unsignalled, before the error: complete by the
+        // ordering rule, but not seen acknowledged), the failed one and the 3 flushed after it
+        // were all replayed on rail 0.
+        assert_eq!(counter(&p, 1, |c| &c.bytes), 0);
         assert_eq!(counter(&p, 1, |c| &c.errors), 1);
         assert_eq!(counter(&p, 1, |c| &c.flushed), 3);
-        assert_eq!(counter(&p, 0, |c| &c.replayed), 4);
-        assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 400);
-        assert_eq!(counter(&p, 0, |c| &c.bytes), 900);
+        assert_eq!(counter(&p, 1, |c| &c.unproven), 1);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+        assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 500);
+        assert_eq!(counter(&p, 0, |c| &c.bytes), 1000);
         assert_eq!(counter(&p, 1, |c| &c.replayed), 0);
-        // The replays moved exactly the lost ranges.
-        let lost: Vec<u64> = s1.lock().unwrap().posted[1..]
-            .iter()
-            .map(|w| w.remote_addr)
-            .collect();
-        assert_eq!(lost.len(), 4);
         assert!(p.alive(), "rail 0 is still healthy");
         // The next request stripes over rail 0 only.
         let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 400)]), 2);
@@ -1314,7 +1323,7 @@ mod tests {
             5,
             "the dead rail got new work"
         );
-        assert_eq!(counter(&p, 0, |c| &c.bytes), 1300);
+        assert_eq!(counter(&p, 0, |c| &c.bytes), 1400);
     }
 
     #[test]
@@ -1324,7 +1333,9 @@ mod tests {
         let mut p = Pump::new(vec![r0, r1], limits(16));
         let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 1000)]), 2);
         assert!(run(&mut p, &slot).is_success());
-        let mut lost: Vec<(u64, u64, u32)> = s1.lock().unwrap().posted[1..]
+        // Everything rail 1 carried: the failed chunk, the flushed ones after it and the
+        // unsignalled one before it, which no completion acknowledged.
+        let mut lost: Vec<(u64, u64, u32)> = s1.lock().unwrap().posted[..]
             .iter()
             .map(|w| (w.local_addr, w.remote_addr, w.len))
             .collect();
@@ -1353,8 +1364,8 @@ mod tests {
         let (p, o, _) = two_rails_one_failing(OpKind::Write, WC_RETRY_EXC, true);
         assert!(o.is_success() && o.drained, "{o:?}");
         assert_eq!(o.completed_bytes, 1000);
-        assert_eq!(counter(&p, 0, |c| &c.replayed), 4);
-        assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 400);
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+        assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 500);
     }
 
     #[test]
@@ -1372,18 +1383,21 @@ mod tests {
     }
 
     #[test]
-    fn when_every_rail_fails_the_request_is_lost_with_the_exact_prefix() {
-        // op 0 (200 bytes): wr 1 on rail 0, wr 2 on rail 1, both acknowledged.
+    fn when_every_rail_fails_the_request_is_lost_with_the_prefix_seen_acknowledged() {
+        // op 0 (200 bytes): wr 1 on rail 0, wr 2 on rail 1, neither signalled.
         // op 1 (800 bytes): wr 3, 5, 7, 9 on rail 0 and 4, 6, 8, 10 on rail 1. Rail 0 fails at
-        // wr 5 (its replay is queued for rail 1), then rail 1 fails at wr 4: nothing is left.
+        // wr 5: wr 1 and 3 before it were never seen acknowledged, so they are queued for rail 1
+        // with wr 5 and its flushed successors; then rail 1 fails at wr 4 (wr 2 before it is
+        // acknowledged only by the ordering rule, and no rail is left to replay it on): nothing
+        // is left. No op was seen complete.
         let (r0, _) = fake_rail(Some((2, WC_RETRY_EXC)));
         let (r1, _) = fake_rail(Some((1, WC_RETRY_EXC)));
         let mut p = Pump::new(vec![r0, r1], limits(16));
         let (c, slot) = add(&mut p, ops(&[(OpKind::Read, 200), (OpKind::Read, 800)]), 2);
         let o = run(&mut p, &slot);
-        assert_eq!((o.completed_ops, o.completed_bytes), (1, 200));
+        assert_eq!((o.completed_ops, o.completed_bytes), (0, 0));
         let f = o.failure.expect("failed");
-        assert_eq!((f.op_index, f.kind), (1, FailureKind::PeerLost));
+        assert_eq!((f.op_index, f.kind), (0, FailureKind::PeerLost));
         assert_eq!(f.native_status, Some(WC_RETRY_EXC as i32));
         assert_eq!(o.remote_effect, RemoteEffect::None);
         assert!(o.drained);
@@ -1487,7 +1501,8 @@ mod tests {
             counter(&p, 0, |c| &c.bytes) + counter(&p, 1, |c| &c.bytes),
             4000
         );
-        assert_eq!(counter(&p, 0, |c| &c.replayed), 1);
+        // The failed chunk and the unsignalled one before it.
+        assert_eq!(counter(&p, 0, |c| &c.replayed), 2);
         // And the next request stripes over both.
         let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 400)]), 2);
         assert!(run(&mut p, &slot).is_success());

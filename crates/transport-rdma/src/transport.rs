@@ -212,6 +212,9 @@ pub struct RailStats {
     pub errors: u64,
     /// Flushed work requests.
     pub flushed: u64,
+    /// Unsignalled work requests before an error completion, replayed on another rail rather
+    /// than counted acknowledged on the ordering rule alone.
+    pub unproven: u64,
     /// Chunks of a failed rail that this rail re-posted (replays it carried).
     pub replayed: u64,
     /// Bytes of those replayed chunks.
@@ -403,6 +406,7 @@ impl RdmaTransport {
                     s.posted += k.posted.load(Ordering::Relaxed);
                     s.errors += k.errors.load(Ordering::Relaxed);
                     s.flushed += k.flushed.load(Ordering::Relaxed);
+                    s.unproven += k.unproven.load(Ordering::Relaxed);
                     s.replayed += k.replayed.load(Ordering::Relaxed);
                     s.replayed_bytes += k.replayed_bytes.load(Ordering::Relaxed);
                     s.torn_down += k.torn_down.load(Ordering::Relaxed);
