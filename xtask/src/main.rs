@@ -75,7 +75,7 @@ tasks:
                          the table as JSON in DIR (fails at once without a GPU; --allow-fake: a dry
                          run against the driver FERRY_LIBCUDA names)
   gpu-check --bundle DIR the same, prebuilt for a GPU machine without cargo: DIR/run.sh there
-  soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]
+  soft-roce [--host] [--require] [--require-bench] [--keep-share DIR] [--only TEXT] [--repeat N]
                          RDMA tests, perftest reference and ferry bench on soft-RoCE (rdma_rxe)
                          in a QEMU guest (or on the host with --host); see xtask/src/soft_roce/
 ";

@@ -94,6 +94,26 @@ pub(super) struct Builds {
     pub(super) notes: Vec<String>,
 }
 
+impl Builds {
+    /// Keeps the test binaries whose label contains `only` (all without it), each `repeat`
+    /// times in a row (at least once). A filter that matches nothing is a note, and the suite
+    /// then runs no test binary.
+    pub(super) fn select(&mut self, only: Option<&str>, repeat: u32) {
+        if let Some(text) = only {
+            self.tests.retain(|t| t.label.contains(text));
+            if self.tests.is_empty() {
+                self.notes
+                    .push(format!("--only {text}: no test binary's label contains it"));
+            }
+        }
+        let n = repeat.max(1) as usize;
+        self.tests = std::mem::take(&mut self.tests)
+            .into_iter()
+            .flat_map(|t| std::iter::repeat_n(t, n))
+            .collect();
+    }
+}
+
 /// Builds the test binaries of [`TEST_PACKAGES`] and the release `ferry` binary, and lists them
 /// on stderr. A package that fails to compile is recorded in [`Builds::broken`], not returned as
 /// an error; `Err` only when cargo cannot be run.
@@ -162,6 +182,35 @@ pub(super) fn build_on_host() -> Result<Builds> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_keeps_matching_test_binaries_and_repeat_runs_each_in_a_row() {
+        let a = |label: &str| Artifact {
+            label: label.into(),
+            executable: format!("/t/{label}").into(),
+            package_dir: "/w".into(),
+        };
+        let mut b = Builds {
+            tests: vec![a("engine:rdma"), a("transport-rdma:rxe"), a("engine:gpu")],
+            ..Builds::default()
+        };
+        b.select(Some("engine:"), 2);
+        let labels: Vec<&str> = b.tests.iter().map(|t| t.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["engine:rdma", "engine:rdma", "engine:gpu", "engine:gpu"]
+        );
+        assert!(b.notes.is_empty());
+        b.select(Some("nothing"), 1);
+        assert!(b.tests.is_empty());
+        assert_eq!(b.notes.len(), 1);
+        let mut all = Builds {
+            tests: vec![a("x:y")],
+            ..Builds::default()
+        };
+        all.select(None, 0);
+        assert_eq!(all.tests.len(), 1);
+    }
 
     #[test]
     fn finds_test_executables_in_cargo_json() {

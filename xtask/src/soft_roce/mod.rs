@@ -1,4 +1,5 @@
-//! `cargo xtask soft-roce [--host] [--require] [--require-bench] [--keep-share DIR]`: the RDMA
+//! `cargo xtask soft-roce [--host] [--require] [--require-bench] [--keep-share DIR] [--only TEXT]
+//! [--repeat N]`: the RDMA
 //! suite on real soft-RoCE (`rdma_rxe`) devices (docs/architecture.md section 7).
 //!
 //! Guest mode (the default) builds once, and caches outside the repo, a small Debian guest with
@@ -12,6 +13,10 @@
 //! `--host` runs the same script on the host itself, where the kernel can load `rdma_rxe` (a
 //! GitHub-hosted runner). Where neither can run, one line says why and the task succeeds, unless
 //! `--require` is given.
+//!
+//! `--only TEXT` runs only the test binaries whose label (`package:target`) contains TEXT, and
+//! `--repeat N` runs each N times in a row, each run its own result line (a run that fails once
+//! in many is found by looping it in one boot).
 //!
 //! Environment: `FERRY_SOFT_ROCE_DIR` (image cache, default `~/.cache/ferry/soft-roce`),
 //! `FERRY_SOFT_ROCE_TIMEOUT` (seconds for the whole guest run, default 1200). For `cargo xtask
@@ -51,6 +56,10 @@ struct Opts {
     require_bench: bool,
     /// Keep the share folder here rather than in a temporary folder removed after a pass.
     keep_share: Option<PathBuf>,
+    /// Run only the test binaries whose label contains this.
+    only: Option<String>,
+    /// Runs of each test binary (0 is taken as 1).
+    repeat: u32,
 }
 
 /// `cargo xtask soft-roce ...`: exits non-zero when the suite failed, or could not run and
@@ -67,9 +76,24 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 let dir = it.next().context("--keep-share needs a directory")?;
                 opts.keep_share = Some(PathBuf::from(dir));
             }
+            "--only" => {
+                let text = it
+                    .next()
+                    .context("--only needs a text to match test labels")?;
+                opts.only = Some(text.clone());
+            }
+            "--repeat" => {
+                let n = it.next().context("--repeat needs a count")?;
+                opts.repeat = n
+                    .parse()
+                    .ok()
+                    .filter(|&n: &u32| n > 0)
+                    .with_context(|| format!("--repeat takes a count above 0, not `{n}`"))?;
+            }
             other => bail!(
                 "soft-roce: unknown argument `{other}` \
-                 (usage: cargo xtask soft-roce [--host] [--require] [--require-bench] [--keep-share DIR])"
+                 (usage: cargo xtask soft-roce [--host] [--require] [--require-bench] \
+                 [--keep-share DIR] [--only TEXT] [--repeat N])"
             ),
         }
     }

@@ -18,7 +18,8 @@ use std::time::Instant;
 pub(super) fn suite(opts: &Opts) -> Result<Report> {
     let t0 = Instant::now();
     let cache = cache_dir();
-    let builds = build_on_host()?;
+    let mut builds = build_on_host()?;
+    builds.select(opts.only.as_deref(), opts.repeat);
     let (share, temporary) = match &opts.keep_share {
         Some(d) => (d.clone(), false),
         None => (
