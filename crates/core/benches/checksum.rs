@@ -1,5 +1,6 @@
 //! CRC-32C throughput on 1 MiB chunks (the broadcast's chunk size), to compare with link rates:
-//! of a slice, of a region copied out in pieces, and of a region read in place.
+//! of a slice, of a region through `crc32c_region` (what a CHECKSUM request runs: in place where
+//! the CPU can, else copied out in pieces), and of a region read in place directly.
 #![allow(missing_docs)]
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};

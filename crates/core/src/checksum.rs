@@ -28,11 +28,15 @@ pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
     ::crc32c::crc32c_append(crc, bytes)
 }
 
-/// The CRC-32C of `region[offset..offset + len]`, copied out piece by piece (no reference into
-/// registered memory is formed, so a concurrent transfer into the range cannot be undefined
-/// behaviour; it only makes the value meaningless).
+/// The CRC-32C of `region[offset..offset + len]`, read where it lies where the CPU can
+/// ([`MemoryRegion::crc32c_in_place`]), else copied out piece by piece. No reference into
+/// registered memory is formed either way, so a concurrent transfer into the range cannot be
+/// undefined behaviour; it only makes the value meaningless. A device region is out of bounds.
 pub fn crc32c_region(region: &MemoryRegion, offset: u64, len: u64) -> Result<u32, OutOfBounds> {
     region.check(offset, len)?;
+    if let Some(crc) = region.crc32c_in_place(0, offset, len)? {
+        return Ok(crc);
+    }
     let mut buf = vec![0u8; PIECE.min(len as usize)];
     let mut crc = 0;
     let mut done = 0u64;
@@ -47,7 +51,8 @@ pub fn crc32c_region(region: &MemoryRegion, offset: u64, len: u64) -> Result<u32
 
 /// The CRC-32C of a range of a region, computed one piece ([`RegionCrc::PIECE`] bytes) per
 /// [`step`](Self::step), so that a driver that serves other streams on the same thread can let
-/// them run between the pieces of a long range. Bytes are copied out as in [`crc32c_region`].
+/// them run between the pieces of a long range. Bytes are read as in [`crc32c_region`] (in
+/// place where the CPU can).
 #[derive(Debug)]
 pub struct RegionCrc {
     region: Arc<MemoryRegion>,
@@ -86,10 +91,23 @@ impl RegionCrc {
             return Some(self.crc);
         }
         let n = self.left.min(PIECE as u64) as usize;
+        // Checked against the region in `new`; the region does not shrink.
+        match self.region.crc32c_in_place(self.crc, self.at, n as u64) {
+            Ok(Some(crc)) => {
+                self.crc = crc;
+                self.at += n as u64;
+                self.left -= n as u64;
+                return None;
+            }
+            Ok(None) => {}
+            Err(_) => {
+                self.left = 0;
+                return Some(self.crc);
+            }
+        }
         if self.buf.len() < n {
             self.buf.resize(n, 0);
         }
-        // Checked against the region in `new`; the region does not shrink.
         if self.region.read_at(self.at, &mut self.buf[..n]).is_err() {
             self.left = 0;
             return Some(self.crc);
