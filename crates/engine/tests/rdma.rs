@@ -216,3 +216,120 @@ async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
     drop(flap);
     Ok(())
 }
+
+/// A peer with one rail whose port flaps mid-READ (or, where the READ outruns the flap, under a
+/// READ that starts while the port is down): with the only rail down the channel is dead,
+/// so no rail can be healed in place; the request waits for a reconnect (a fresh handshake and
+/// fresh queue pairs, the old ones torn down), which succeeds once the port is back, and the
+/// READ is replayed and completes with the right bytes. While the port is down a reconnect
+/// attempt may fail; none of them makes the request fail for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
+async fn a_single_rail_peer_whose_port_flaps_mid_read_reconnects_and_the_read_completes()
+-> Result<()> {
+    use ferry::ReconnectPolicy;
+    use ferry_tests::rxe_flap::{DEVICES, RxeFlapPair, wait_for};
+    use std::future::IntoFuture;
+    use std::time::Duration;
+    if rails().is_none() {
+        return Ok(());
+    }
+    let Some(flap) = RxeFlapPair::create_if_allowed()? else {
+        return Ok(());
+    };
+    let spec = |k: usize| RailSpec::new(DEVICES[k], 1, flap.gids[k]);
+    // Attempts enough to outlast the time the port is down under an emulated CPU.
+    let policy = ReconnectPolicy {
+        attempts: 30,
+        backoff_base: Duration::from_millis(100),
+        backoff_max: Duration::from_secs(1),
+        replay_writes: false,
+    };
+    let server = TransferEngine::builder()
+        .listen("127.0.0.1:0".parse()?)
+        .rdma(RdmaConfig::with_rails(vec![spec(1)]).chunk_size(64 << 10))
+        .build()?;
+    const LEN: usize = 64 << 20;
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 17 % 241) as u8).collect();
+    let _seg = server.register(
+        MemoryRegion::from_vec(pattern.clone()),
+        Access::REMOTE_READ,
+        "source",
+    )?;
+    let addr = server.local_addr().context("no listener")?;
+    let client = TransferEngine::builder()
+        .rdma(RdmaConfig::with_rails(vec![spec(0)]).chunk_size(64 << 10))
+        .reconnect(policy)
+        .build()?;
+    let dst = client.register(MemoryRegion::from_vec(vec![0; LEN]), Access::LOCAL, "dst")?;
+    let peer = client.connect(addr).await?;
+    ensure!(peer.transport() == TransportKind::Rdma);
+    let seg = peer.segment("source")?;
+    let flapped = format!("{}:1", DEVICES[0]);
+    let rail = || {
+        client
+            .describe()
+            .rails
+            .into_iter()
+            .find(|r| r.rail == flapped)
+    };
+    let route = || client.describe().routes.into_iter().next();
+
+    let submit_read = || -> Result<_> {
+        Ok(tokio::spawn(
+            client
+                .submit(Batch::new().read(&dst, 0, &seg, 0, LEN as u64))?
+                .into_future(),
+        ))
+    };
+    let mut read = submit_read()?;
+    wait_for("the rail moving 1 MiB", Duration::from_secs(60), || {
+        rail().filter(|r| r.bytes >= 1 << 20)
+    })?;
+    flap.set_link(false)?;
+    if read.is_finished() {
+        // It outran the flap (the emulated rate varies): the next READ starts with the port
+        // down, which fails the rail just the same.
+        let o = read.await?;
+        ensure!(o.is_success(), "{o:?}");
+        eprintln!("the READ finished before the link went down; another starts with it down");
+        read = submit_read()?;
+    }
+    // The only rail fails: its channel is dead, and the request asks for a reconnect (which
+    // fails, or connects queue pairs that cannot carry anything yet, while the port is down).
+    let down = wait_for("the rail failing", Duration::from_secs(60), || {
+        rail().filter(|r| r.down == 1)
+    })
+    .with_context(|| format!("{:?}", client.describe()))?;
+    eprintln!("the rail failed: {down:?}");
+    let asked = wait_for(
+        "a reconnect attempt (or the READ ending)",
+        Duration::from_secs(60),
+        || route().filter(|r| r.reconnect_attempts >= 1 || read.is_finished()),
+    )
+    .with_context(|| format!("{:?}", client.describe()))?;
+    ensure!(
+        !read.is_finished(),
+        "the READ ended while the port was down: {asked:?}"
+    );
+    flap.set_link(true)?;
+    let o = tokio::time::timeout(Duration::from_secs(300), read)
+        .await
+        .context("the READ did not resolve within 300 s")??;
+    let r = route().context("no route described")?;
+    eprintln!("route: {r:?}\nrails: {:?}", client.describe().rails);
+    ensure!(o.is_success() && o.drained, "{o:?}; route {r:?}");
+    let mut got = vec![0u8; LEN];
+    dst.region().read_at(0, &mut got)?;
+    ensure!(got == pattern, "READ across the flap: bytes differ; {o:?}");
+    ensure!(r.reconnects >= 1 && r.replays >= 1, "{r:?}");
+    ensure!(peer.is_alive());
+    // The reconnected channel carries the next READ on fresh queue pairs.
+    let o = client
+        .submit(Batch::new().read(&dst, 0, &seg, 0, 8 << 20))?
+        .await;
+    ensure!(o.is_success(), "{o:?}");
+    drop((peer, dst, client, _seg, server));
+    drop(flap);
+    Ok(())
+}
