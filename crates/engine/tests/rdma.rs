@@ -48,6 +48,11 @@ fn rails() -> Option<(RailSpec, RailSpec)> {
     Some((spec(0), spec(1)))
 }
 
+/// The counters `client` describes for local rail `name` (`device:port`).
+fn described_rail(client: &TransferEngine, name: &str) -> Option<ferry::RailDescription> {
+    client.describe().rails.into_iter().find(|r| r.rail == name)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs RDMA devices: FERRY_RDMA_TEST_DEVICES (cargo xtask soft-roce)"]
 async fn engine_moves_bytes_over_rdma_and_counts_them_per_rail() -> Result<()> {
@@ -148,14 +153,7 @@ async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
     ensure!(peer.transport() == TransportKind::Rdma);
     let seg = peer.segment("source")?;
     let flapped = format!("{}:1", DEVICES[0]);
-    let rail = || {
-        client
-            .describe()
-            .rails
-            .into_iter()
-            .find(|r| r.rail == flapped)
-            .context("the flapped rail is not described")
-    };
+    let rail = || described_rail(&client, &flapped).context("the flapped rail is not described");
 
     let read = client.submit(Batch::new().read(&dst, 0, &seg, 0, LEN as u64))?;
     wait_for(
@@ -266,13 +264,7 @@ async fn a_single_rail_peer_whose_port_flaps_mid_read_reconnects_and_the_read_co
     ensure!(peer.transport() == TransportKind::Rdma);
     let seg = peer.segment("source")?;
     let flapped = format!("{}:1", DEVICES[0]);
-    let rail = || {
-        client
-            .describe()
-            .rails
-            .into_iter()
-            .find(|r| r.rail == flapped)
-    };
+    let rail = || described_rail(&client, &flapped);
     let route = || client.describe().routes.into_iter().next();
 
     let submit_read = || -> Result<_> {
