@@ -113,8 +113,8 @@ fn same_incarnation(opened: (PeerId, Epoch), answer: &PeerInfo) -> bool {
 
 struct PendingSet {
     created: Instant,
-    /// (rail index, PSN, QP)
-    qps: Vec<(usize, u32, RcQp)>,
+    /// (rail index, PSN, QP, the port as it was when offered)
+    qps: Vec<(usize, u32, RcQp, LocalPort)>,
 }
 
 struct ServedSet {
@@ -451,21 +451,39 @@ impl RdmaTransport {
         self.shared.faults.check()
     }
 
-    fn endpoint(&self, rail: usize, qpn: u32, psn: u32) -> RdmaEndpoint {
-        endpoint_of(rail, &self.shared.rails[rail].local, qpn, psn)
+    /// Rail `i`'s port now, if the rail is in use (not paused) and its port is ACTIVE: a
+    /// handshake offers and accepts only such rails, described as the port is now (a port that
+    /// flapped may come back with another GID; one that is down is left out).
+    fn live_rail(&self, i: usize) -> Option<LocalPort> {
+        let rail = self.shared.rails.get(i)?;
+        if !rail.active {
+            return None;
+        }
+        match rail.live_port() {
+            Ok(Some(port)) => Some(port),
+            Ok(None) => {
+                tracing::debug!(rail = %rail.name, "left out of the handshake: its port is not ACTIVE");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(rail = %rail.name, error = %error_chain(&e),
+                    "left out of the handshake: its port cannot be read");
+                None
+            }
+        }
     }
 
     fn try_offer(&self) -> Result<Vec<RdmaEndpoint>, RdmaError> {
         let mut qps = Vec::with_capacity(self.shared.rails.len());
         let mut eps = Vec::with_capacity(self.shared.rails.len());
         for (i, rail) in self.shared.rails.iter().enumerate() {
-            if !rail.active {
+            let Some(port) = self.live_rail(i) else {
                 continue;
-            }
+            };
             let qp = rail.new_qp()?;
             let psn = rand::random::<u32>() & 0x00ff_ffff;
-            eps.push(self.endpoint(i, qp.qp_num(), psn));
-            qps.push((i, psn, qp));
+            eps.push(endpoint_of(i, &port, qp.qp_num(), psn));
+            qps.push((i, psn, qp, port));
         }
         let mut pending = self
             .shared
@@ -512,8 +530,8 @@ impl RdmaTransport {
                 ),
             });
         }
-        let active: Vec<usize> = (0..self.shared.rails.len())
-            .filter(|&i| self.shared.rails[i].active)
+        let active: Vec<(usize, LocalPort)> = (0..self.shared.rails.len())
+            .filter_map(|i| Some((i, self.live_rail(i)?)))
             .collect();
         let n = active.len();
         if n == 0 {
@@ -528,18 +546,11 @@ impl RdmaTransport {
             // Paired by the peer's rail index, not its place in the offer, so that a heal
             // offering one rail pairs it as the first handshake did.
             let k = usize::from(ep.rail);
-            let i = active[pair_rail(k, n, |j| self.shared.rails[active[j]].local.gid == ep.gid)];
-            let rail = &self.shared.rails[i];
+            let (i, port) = &active[pair_rail(k, n, |j| active[j].1.gid == ep.gid)];
+            let rail = &self.shared.rails[*i];
             let qp = rail.new_qp()?;
-            bring_up(
-                &qp,
-                &rail.local,
-                ep.psn,
-                ep,
-                &self.shared.config.timing,
-                &who,
-            )?;
-            answer.push(self.endpoint(i, qp.qp_num(), ep.psn));
+            bring_up(&qp, port, ep.psn, ep, &self.shared.config.timing, &who)?;
+            answer.push(endpoint_of(*i, port, qp.qp_num(), ep.psn));
             qps.push(qp);
         }
         let mut served = self
@@ -595,7 +606,7 @@ impl RdmaTransport {
                 .unwrap_or_else(PoisonError::into_inner);
             let psns: Vec<Vec<u32>> = pending
                 .iter()
-                .map(|p| p.qps.iter().map(|(_, psn, _)| *psn).collect())
+                .map(|p| p.qps.iter().map(|(_, psn, _, _)| *psn).collect())
                 .collect();
             match_pending(&psns, answer).and_then(|i| pending.remove(i))
         };
@@ -610,9 +621,9 @@ impl RdmaTransport {
         let mut rails = Vec::with_capacity(answer.len());
         let mut plan = Vec::with_capacity(answer.len());
         let mut stats = Vec::with_capacity(answer.len());
-        for ((i, psn, qp), ep) in set.qps.into_iter().zip(answer) {
+        for ((i, psn, qp, port), ep) in set.qps.into_iter().zip(answer) {
             let rail = &self.shared.rails[i];
-            bring_up(&qp, &rail.local, psn, ep, &self.shared.config.timing, &who)?;
+            bring_up(&qp, &port, psn, ep, &self.shared.config.timing, &who)?;
             let counters = Arc::new(RailCounters::default());
             let name = format!("{}->{}", rail.name, ep.rail);
             stats.push((rail.name.clone(), counters.clone()));
