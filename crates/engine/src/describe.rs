@@ -397,11 +397,11 @@ impl std::fmt::Display for Description {
                 "rail {}: {} bytes, {} work requests, {} errors, {} flushed, {} replayed ({} bytes)",
                 r.rail, r.bytes, r.work_requests, r.errors, r.flushed, r.replayed, r.replayed_bytes
             )?;
-            if r.torn_down + r.rebuilds + r.down > 0 {
+            if r.torn_down + r.rebuilds + r.down + r.unproven > 0 {
                 writeln!(
                     f,
-                    "rail {}: {} queue pairs torn down, {} rebuilt, down on {} channels",
-                    r.rail, r.torn_down, r.rebuilds, r.down
+                    "rail {}: {} queue pairs torn down, {} rebuilt, down on {} channels, {} unproven chunks replayed",
+                    r.rail, r.torn_down, r.rebuilds, r.down, r.unproven
                 )?;
             }
         }
@@ -458,6 +458,9 @@ pub struct RailDescription {
     pub errors: u64,
     /// Flushed work requests.
     pub flushed: u64,
+    /// Unsignalled work requests before an error completion on this rail, replayed elsewhere
+    /// rather than counted acknowledged on the verbs ordering rule alone.
+    pub unproven: u64,
     /// Chunks of a failed rail this rail re-posted (multi-rail replay).
     pub replayed: u64,
     /// Bytes of those replayed chunks.

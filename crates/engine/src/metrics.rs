@@ -523,7 +523,7 @@ impl Collector for Snapshot {
         .encode(&mut enc)?;
 
         // RDMA rails.
-        let rail_families: [RailFamily; 8] = [
+        let rail_families: [RailFamily; 9] = [
             (
                 "ferry_rail_bytes",
                 "Bytes acknowledged per RDMA rail.",
@@ -543,6 +543,11 @@ impl Collector for Snapshot {
                 "ferry_rail_flushed",
                 "Flushed work requests per RDMA rail.",
                 |r| r.flushed,
+            ),
+            (
+                "ferry_rail_unproven",
+                "Unsignalled work requests before an error completion on this RDMA rail, replayed rather than counted acknowledged.",
+                |r| r.unproven,
             ),
             (
                 "ferry_rail_replays",
@@ -715,6 +720,40 @@ mod tests {
             MAX_PEER_LABELS + extra
         );
         assert!(text.contains(&count), "{text}");
+    }
+
+    /// Every rail counter of `describe()` is a series labelled by the rail, the unproven
+    /// chunks (replayed rather than assumed acknowledged) among them; the text says so too.
+    #[tokio::test]
+    async fn rail_counters_are_served_per_rail() {
+        let engine = crate::TransferEngine::builder().build().unwrap();
+        let mut d = engine.describe();
+        d.rails = vec![crate::RailDescription {
+            rail: "mlx5_0:1".into(),
+            bytes: 10,
+            work_requests: 2,
+            errors: 1,
+            flushed: 3,
+            unproven: 4,
+            replayed: 5,
+            replayed_bytes: 6,
+            torn_down: 1,
+            rebuilds: 1,
+            down: 0,
+        }];
+        let text = render(&d);
+        for (name, v) in [
+            ("ferry_rail_bytes_total", 10),
+            ("ferry_rail_flushed_total", 3),
+            ("ferry_rail_unproven_total", 4),
+            ("ferry_rail_replays_total", 5),
+            ("ferry_rail_rebuilds_total", 1),
+            ("ferry_rail_down", 0),
+        ] {
+            let line = format!("{name}{{rail=\"mlx5_0:1\"}} {v}");
+            assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
+        }
+        assert!(d.to_string().contains("4 unproven chunks replayed"), "{d}");
     }
 
     /// A broadcast's report is served by role, name and version, and a later report of the

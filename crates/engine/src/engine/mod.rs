@@ -593,6 +593,7 @@ impl TransferEngine {
                     work_requests: s.work_requests,
                     errors: s.errors,
                     flushed: s.flushed,
+                    unproven: s.unproven,
                     replayed: s.replayed,
                     replayed_bytes: s.replayed_bytes,
                     torn_down: s.torn_down,
