@@ -421,6 +421,7 @@ mod etcd {
             order: 0,
             version: 0,
             rate: 0,
+            number: None,
         }
     }
 

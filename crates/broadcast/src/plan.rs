@@ -62,11 +62,19 @@ pub struct Member {
     /// plan finds stragglers by ([`stripe_holders`]).
     #[serde(default)]
     pub rate: u64,
+    /// Its stable number among the members of its source epoch and version, assigned by
+    /// discovery at join (the tracker's counter per version, or a number claimed in etcd by a
+    /// transaction), dense from 0 and kept until it leaves: what the plan deals stripe groups
+    /// by ([`StripePlan::numbered`]), so that a departure moves no one else. `None`: not
+    /// numbered (an older member, the source), and the plan falls back to join order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub number: Option<u64>,
 }
 
 /// Whom `me` fetches each of `d` stripes from (`None`: no holder listed): the receivers of
-/// `version` and source epoch `source_epoch` that serve (a data address), in join order with
-/// `me` among them (last if not listed yet), planned by [`StripePlan::in_join_order`] on
+/// `version` and source epoch `source_epoch` that serve (a data address), by their
+/// [`Member::number`]s with `me` among them (after every listed number if not listed yet;
+/// join order where not every one is numbered), planned by [`StripePlan::numbered`] on
 /// their listed [`Member::rate`]s with stragglers below `straggler` times the median, and
 /// those in `avoid` at the edge (leaves, serving no one: their children move, nobody else);
 /// a stripe whose parent is the source, the source of that epoch.
@@ -104,7 +112,12 @@ pub fn stripe_holders<'a>(
             relays.len()
         }
     };
-    let plan = StripePlan::in_join_order(&rates, d, straggler, &edge);
+    let mut numbers: Vec<u64> = relays.iter().filter_map(|m| m.number).collect();
+    if me_at == relays.len() {
+        // Not listed yet: planned after every listed number.
+        numbers.push(numbers.iter().max().map_or(0, |&k| k + 1));
+    }
+    let plan = StripePlan::numbered(&numbers, &rates, d, straggler, &edge);
     (0..d)
         .map(|s| match plan.parent(s, me_at) {
             Parent::Source => source,
@@ -302,6 +315,7 @@ mod tests {
             order,
             version: 1,
             rate: 0,
+            number: None,
         }
     }
 

@@ -767,6 +767,7 @@ impl Receiver {
             order: 0,
             version: manifest.version,
             rate: 0,
+            number: None,
         };
         if let Some(found) = discovery.register(&member).await?
             && found != source_epoch

@@ -69,6 +69,94 @@ impl StripePlan {
         Self::make(rates, d, straggler, edge, Ranking::JoinOrder)
     }
 
+    /// The plan that receivers follow: members dealt by a stable number each (`numbers`,
+    /// distinct, assigned by discovery at join and dense from 0 within a version), so that a
+    /// departure moves no one but the departed member's children.
+    ///
+    /// Number `k` is member of group `k % d` at slot `k / d`. Stripe `s`'s tree is laid out
+    /// over every number up to the highest listed, listed or not (a number whose member left,
+    /// a straggler, one in `edge`: a *hole*): group `s` forms a `d`-ary heap by slot, and every
+    /// other number is a leaf, hung in number order on the inner slot with the fewest children,
+    /// shallowest first. A member's parent is the nearest ancestor in that layout that is
+    /// listed and not a hole; where every ancestor is a hole, the lowest listed non-hole of
+    /// group `s` (its *acting root*, which fetches from the source). So a departure changes
+    /// the parent only of the members whose parent it was, unless it held the highest
+    /// number (the leaves of its stripe are dealt over one number fewer); a member that joins
+    /// with a new highest number moves no inner parent.
+    ///
+    /// Numbers not distinct, or sparser than [`MAX_SPAN`] times the members (an older
+    /// member that sends none, a discovery that numbers otherwise), fall back to
+    /// [`in_join_order`](Self::in_join_order) on the slice's order.
+    pub fn numbered(
+        numbers: &[u64],
+        rates: &[f64],
+        d: usize,
+        straggler: f64,
+        edge: &[bool],
+    ) -> Self {
+        let n = rates.len();
+        let d = d.max(1);
+        let span = numbers.iter().max().map_or(0, |&m| m.saturating_add(1));
+        let distinct = numbers.len() == n && {
+            let mut v = numbers.to_vec();
+            v.sort_unstable();
+            v.windows(2).all(|w| w[0] != w[1])
+        };
+        if n == 0 || !distinct || span > (MAX_SPAN * n as u64).saturating_add(MAX_SPAN * d as u64) {
+            return Self::in_join_order(rates, d, straggler, edge);
+        }
+        let span = span as usize;
+        let stragglers = straggling(rates, straggler, edge);
+        let mut at: Vec<Option<usize>> = vec![None; span];
+        for (m, &k) in numbers.iter().enumerate() {
+            at[k as usize] = Some(m);
+        }
+        // Holes: numbers not listed, and stragglers (unless everyone straggles: then the
+        // rates are ignored, and if everyone is in `edge` too, nothing is a hole).
+        let mut serves: Vec<bool> = (0..n).map(|m| !stragglers[m]).collect();
+        if !serves.iter().any(|&s| s) {
+            serves = (0..n).map(|m| !edge.get(m).copied().unwrap_or(false)).collect();
+        }
+        if !serves.iter().any(|&s| s) {
+            serves = vec![true; n];
+        }
+        let present = |k: usize| at[k].is_some_and(|m| serves[m]);
+        let first = (0..d).find(|&g| (g..span).step_by(d).any(present));
+        let mut parents = Vec::with_capacity(d);
+        for s in 0..d {
+            // A stripe whose group has no member that serves borrows the first group's tree.
+            let g = if (s..span).step_by(d).any(present) {
+                s
+            } else {
+                first.unwrap_or(s)
+            };
+            let up = layout(span, d, g);
+            let acting = (g..span).step_by(d).find(|&k| present(k));
+            let mut p = vec![Parent::Source; n];
+            for (m, &k) in numbers.iter().enumerate() {
+                let k = k as usize;
+                let mut q = up[k];
+                while let Some(x) = q {
+                    if present(x) {
+                        break;
+                    }
+                    q = up[x];
+                }
+                p[m] = match (q, acting) {
+                    (Some(x), _) => Parent::Member(at[x].unwrap_or(m)),
+                    (None, Some(a)) if a != k => Parent::Member(at[a].unwrap_or(m)),
+                    _ => Parent::Source,
+                };
+            }
+            parents.push(p);
+        }
+        Self {
+            d,
+            parents,
+            stragglers: (0..n).map(|m| !serves[m]).collect(),
+        }
+    }
+
     fn make(rates: &[f64], d: usize, straggler: f64, edge: &[bool], ranking: Ranking) -> Self {
         let n = rates.len();
         let d = d.max(1);
@@ -206,6 +294,63 @@ impl StripePlan {
     }
 }
 
+/// How much sparser than the members a plan's numbers may be before
+/// [`StripePlan::numbered`] falls back to join order: the numbers up to the highest are laid
+/// out, listed or not.
+pub const MAX_SPAN: u64 = 4;
+
+/// Whether each member straggles: a rate below `straggler` times the median of the measured
+/// rates (`0` or NaN: not measured, taken as the median), or in `edge`.
+fn straggling(rates: &[f64], straggler: f64, edge: &[bool]) -> Vec<bool> {
+    let mut known: Vec<f64> = rates
+        .iter()
+        .copied()
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    known.sort_by(f64::total_cmp);
+    let median = known.get(known.len() / 2).copied().unwrap_or(1.0);
+    rates
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| {
+            let r = if r.is_finite() && r > 0.0 { r } else { median };
+            r < straggler * median || edge.get(i).copied().unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Stripe `g`'s tree laid out over numbers `0..span`: each number's parent number (`None`:
+/// the source). Group `g` (numbers `k % d == g`) is a `d`-ary heap by slot `k / d`; every other
+/// number, in order, a leaf on the inner slot with the fewest children, shallowest first.
+fn layout(span: usize, d: usize, g: usize) -> Vec<Option<usize>> {
+    let inner: Vec<usize> = (g..span).step_by(d).collect();
+    let mut up = vec![None; span];
+    let mut children = vec![0usize; inner.len()];
+    let mut depth = vec![0usize; inner.len()];
+    for j in 1..inner.len() {
+        let p = (j - 1) / d;
+        up[inner[j]] = Some(inner[p]);
+        children[p] += 1;
+        depth[j] = depth[p] + 1;
+    }
+    if inner.is_empty() {
+        return up;
+    }
+    // The inner slot with the fewest children, shallowest first, by (children, depth, slot):
+    // a heap of candidates, each popped, taken and pushed back with one child more.
+    let mut free: std::collections::BinaryHeap<std::cmp::Reverse<(usize, usize, usize)>> = (0
+        ..inner.len())
+        .map(|j| std::cmp::Reverse((children[j], depth[j], j)))
+        .collect();
+    for k in (0..span).filter(|k| k % d != g) {
+        if let Some(std::cmp::Reverse((c, dep, j))) = free.pop() {
+            up[k] = Some(inner[j]);
+            free.push(std::cmp::Reverse((c + 1, dep, j)));
+        }
+    }
+    up
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,6 +447,159 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Members numbered `0..n` but for the holes in `gone` (members that left), with rates.
+    fn numbered_fleet(rates: &[f64], gone: &[bool]) -> (Vec<u64>, Vec<f64>) {
+        (0..rates.len())
+            .filter(|&k| !gone[k])
+            .map(|k| (k as u64, rates[k]))
+            .unzip()
+    }
+
+    /// The depth bound of a numbered plan over numbers `0..span`: a `d`-ary heap of a group's
+    /// slots, the leaf hop, and the acting root's hop.
+    fn numbered_depth_bound(span: usize, d: usize) -> usize {
+        let per = span.max(1).div_ceil(d);
+        let mut depth = 1;
+        let mut cap = 1usize;
+        let mut level = 1usize;
+        while cap < per {
+            level = level.saturating_mul(d);
+            cap = cap.saturating_add(level);
+            depth += 1;
+        }
+        depth + 2
+    }
+
+    proptest! {
+        /// Numbered: no cycle, depth within the heap of the numbers' span plus two, stragglers
+        /// serve no one, one root per stripe (source egress one payload), and with no holes
+        /// every member uploads about one payload.
+        #[test]
+        fn numbered_trees_are_shallow_and_balanced_and_send_once_from_the_source(
+            rates in proptest::collection::vec(prop_oneof![6 => 0.5f64..2.0, 1 => 0.01f64..0.2, 1 => Just(0.0)], 1..200),
+            gone in proptest::collection::vec(prop_oneof![5 => Just(false), 1 => Just(true)], 200),
+            d in 1usize..6,
+        ) {
+            let (numbers, r) = numbered_fleet(&rates, &gone[..rates.len()]);
+            prop_assume!(!numbers.is_empty());
+            let n = numbers.len();
+            let plan = StripePlan::numbered(&numbers, &r, d, 0.5, &[]);
+            let fast = (0..n).filter(|&m| !plan.is_straggler(m)).count();
+            let bound = numbered_depth_bound(rates.len(), d);
+            let mut upload = vec![0usize; n];
+            for s in 0..d {
+                prop_assert!(plan.children(s, Parent::Source).len() <= 1);
+                for m in 0..n {
+                    let depth = plan.depth(s, m);
+                    prop_assert!(depth.is_some(), "a cycle in stripe {}", s);
+                    prop_assert!(depth.unwrap_or(0) <= bound, "member {} at depth {:?} > {}", m, depth, bound);
+                    if let Parent::Member(p) = plan.parent(s, m) {
+                        prop_assert!(p != m);
+                        prop_assert!(!plan.is_straggler(p) || fast == 0, "straggler {} serves", p);
+                        upload[p] += 1;
+                    }
+                }
+            }
+            if n == rates.len() && fast == n && n >= d * d {
+                for (m, &up) in upload.iter().enumerate() {
+                    // Inner in one stripe with at most d children there (a 1/d share each),
+                    // at most one child more from the leaves' rounding: about one payload.
+                    prop_assert!(up <= d + 1, "member {} serves {} children", m, up);
+                }
+            }
+        }
+
+        /// Numbered: a member that leaves changes the parent of no one whose parent it was
+        /// not (while no one crosses the straggler threshold and it did not hold the highest
+        /// number), and a member that joins with a new highest number moves no inner parent.
+        #[test]
+        fn numbered_a_departure_moves_only_its_children_and_a_late_joiner_no_inner_parent(
+            rates in proptest::collection::vec(prop_oneof![6 => 0.5f64..2.0, 1 => 0.01f64..0.2, 1 => Just(0.0)], 2..150),
+            gone in proptest::collection::vec(prop_oneof![6 => Just(false), 1 => Just(true)], 150),
+            leaver in 0usize..150,
+            d in 1usize..6,
+        ) {
+            let len = rates.len();
+            let gone = &gone[..len];
+            let (numbers, r) = numbered_fleet(&rates, gone);
+            prop_assume!(numbers.len() >= 2);
+            let x = leaver % numbers.len();
+            let max = numbers.iter().copied().max().unwrap_or(0);
+            let before = StripePlan::numbered(&numbers, &r, d, 0.5, &[]);
+            let mut gone_after = gone.to_vec();
+            gone_after[numbers[x] as usize] = true;
+            let (numbers_after, r_after) = numbered_fleet(&rates, &gone_after);
+            let after = StripePlan::numbered(&numbers_after, &r_after, d, 0.5, &[]);
+            // Index in `after` of the member at index `m` of `before` (not x).
+            let moved = |m: usize| if m < x { m } else { m - 1 };
+            let same = (0..numbers.len())
+                .filter(|&m| m != x)
+                .all(|m| before.is_straggler(m) == after.is_straggler(moved(m)));
+            if same && numbers[x] != max {
+                for s in 0..d {
+                    for m in (0..numbers.len()).filter(|&m| m != x) {
+                        let was = before.parent(s, m);
+                        if was == Parent::Member(x) {
+                            continue;
+                        }
+                        let was = match was {
+                            Parent::Member(p) => Parent::Member(moved(p)),
+                            p => p,
+                        };
+                        prop_assert_eq!(was, after.parent(s, moved(m)), "member {} moved in stripe {}", numbers[m], s);
+                    }
+                }
+            }
+            // A late joiner, numbered after everyone: no inner parent moves.
+            let mut joined = numbers.clone();
+            joined.push(max + 1);
+            let mut rj = r.clone();
+            rj.push(1.0);
+            let later = StripePlan::numbered(&joined, &rj, d, 0.5, &[]);
+            let same = (0..numbers.len()).all(|m| before.is_straggler(m) == later.is_straggler(m));
+            if same {
+                // A stripe whose group had no member that serves borrowed another's tree.
+                let own = |s: usize| {
+                    (0..numbers.len()).any(|m| numbers[m] as usize % d == s && !before.is_straggler(m))
+                };
+                for s in (0..d).filter(|&s| own(s)) {
+                    for m in 0..numbers.len() {
+                        let inner = !before.children(s, Parent::Member(m)).is_empty()
+                            || before.children(s, Parent::Source).contains(&m);
+                        if inner {
+                            prop_assert_eq!(before.parent(s, m), later.parent(s, m), "inner member {} moved in stripe {}", numbers[m], s);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn numbered_a_dead_root_hands_its_stripe_to_the_next_of_its_group() {
+        // d = 2, numbers 0..8: group 0 is 0, 2, 4, 6 (0 the root of stripe 0).
+        let rates = vec![1.0; 8];
+        let all: Vec<u64> = (0..8).collect();
+        let plan = StripePlan::numbered(&all, &rates, 2, 0.5, &[]);
+        assert_eq!(plan.parent(0, 0), Parent::Source);
+        assert_eq!(plan.parent(0, 2), Parent::Member(0));
+        assert_eq!(plan.parent(0, 6), Parent::Member(2));
+        assert_eq!(plan.parent(1, 1), Parent::Source);
+        // 0 leaves: 2, the lowest of its group, fetches stripe 0 from the source; 0's other
+        // children take 2; no one else moves.
+        let left: Vec<u64> = (1..8).collect();
+        let after = StripePlan::numbered(&left, &rates[1..], 2, 0.5, &[]);
+        let at = |k: u64| left.iter().position(|&x| x == k).unwrap_or(usize::MAX);
+        assert_eq!(after.parent(0, at(2)), Parent::Source);
+        assert_eq!(after.parent(0, at(4)), Parent::Member(at(2)));
+        assert_eq!(after.parent(0, at(6)), Parent::Member(at(2)));
+        assert_eq!(after.children(0, Parent::Source), [at(2)]);
+        // Numbers not distinct: join order.
+        let dup = StripePlan::numbered(&[0, 0, 1], &[1.0; 3], 1, 0.5, &[]);
+        assert_eq!(dup.parent(0, 1), Parent::Member(0));
+        assert_eq!(dup.parent(0, 2), Parent::Member(1));
     }
 
     #[test]
