@@ -165,7 +165,12 @@ impl Etcd {
     /// the first number above every one listed whose key
     /// `/ferry/broadcast/<name>/numbers/<source epoch>/<version>/<k>` a transaction creates
     /// (it fails if the key exists), bound to `lease` so the number is freed with the member.
-    async fn claim(&self, client: &mut Client, me: &Member, lease: i64) -> Result<u64, BroadcastError> {
+    async fn claim(
+        &self,
+        client: &mut Client,
+        me: &Member,
+        lease: i64,
+    ) -> Result<u64, BroadcastError> {
         let base = self.prefix.trim_end_matches("members/");
         let numbers = format!("{base}numbers/{}/{}/", me.source_epoch, me.version);
         let listed = {

@@ -1696,22 +1696,24 @@ impl Receiver {
         Ok(())
     }
 
-    /// Keeps serving (and heartbeating) after [`run`](Self::run) while a member that joined
-    /// after this one has not finished, at most `max`; the list is read again every
-    /// 100 ms (or every heartbeat, if shorter).
+    /// Keeps serving (and heartbeating) after [`run`](Self::run) while another receiver of
+    /// its source epoch and version has not finished, at most `max`; the list is read again
+    /// every 100 ms (or every heartbeat, if shorter). Every unfinished one, not only those
+    /// that joined later: in the striped plan a member may be the parent of one that joined
+    /// before it (a leaf of its tree), and a departure hands its children to others.
     pub async fn linger(&mut self, max: Duration) {
         let deadline = Instant::now() + max;
         while Instant::now() < deadline {
             let Ok(members) = self.discovery.members().await else {
                 break;
             };
-            let me = members
-                .iter()
-                .find(|m| m.id == self.member.id)
-                .map(|m| m.order);
-            let waiting = members
-                .iter()
-                .any(|m| m.role == Role::Receiver && !m.done && me.is_none_or(|o| m.order > o));
+            let waiting = members.iter().any(|m| {
+                m.role == Role::Receiver
+                    && m.id != self.member.id
+                    && !m.done
+                    && m.source_epoch == self.source_epoch
+                    && m.version == self.manifest.version
+            });
             if !waiting {
                 break;
             }

@@ -30,6 +30,17 @@ pub enum Parent {
     Member(usize),
 }
 
+#[cfg(test)]
+impl Parent {
+    /// The same parent in a slice with the first member removed.
+    fn shifted_down(self) -> Self {
+        match self {
+            Parent::Member(p) => Parent::Member(p.saturating_sub(1)),
+            p => p,
+        }
+    }
+}
+
 /// How members are dealt into the groups whose trees carry the stripes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ranking {
@@ -77,12 +88,21 @@ impl StripePlan {
     /// over every number up to the highest listed, listed or not (a number whose member left,
     /// a straggler, one in `edge`: a *hole*): group `s` forms a `d`-ary heap by slot, and every
     /// other number is a leaf, hung in number order on the inner slot with the fewest children,
-    /// shallowest first. A member's parent is the nearest ancestor in that layout that is
-    /// listed and not a hole; where every ancestor is a hole, the lowest listed non-hole of
-    /// group `s` (its *acting root*, which fetches from the source). So a departure changes
-    /// the parent only of the members whose parent it was, unless it held the highest
-    /// number (the leaves of its stripe are dealt over one number fewer); a member that joins
-    /// with a new highest number moves no inner parent.
+    /// shallowest first. A member whose parent in that layout is listed and not a hole keeps
+    /// it. Where the layout's root is a hole, the lowest listed non-hole of group `s` fetches
+    /// from the source (the *acting root*). Every other member whose parent is a hole (an
+    /// *orphan*), in number order, takes the non-hole of group `s` with the fewest children,
+    /// then the shallowest, then the lowest number, that is not below it: a balanced tree
+    /// has spare places where the layout's rounding left them and where the departed member
+    /// was a child, so one departure from a plan without holes moves its children into them
+    /// and no one else.
+    ///
+    /// So: a member whose parent in the layout is listed never moves; from a plan without
+    /// holes, a departure changes the parent only of the members whose parent it was (unless
+    /// it held the highest number: the leaves of its stripe are then dealt over one number
+    /// fewer); a member that joins with a new highest number moves no inner parent. Orphans
+    /// of earlier departures are placed again by the children counts of the moment, so with
+    /// several holes they may move when another member leaves.
     ///
     /// Numbers not distinct, or sparser than [`MAX_SPAN`] times the members (an older
     /// member that sends none, a discovery that numbers otherwise), fall back to
@@ -115,7 +135,9 @@ impl StripePlan {
         // rates are ignored, and if everyone is in `edge` too, nothing is a hole).
         let mut serves: Vec<bool> = (0..n).map(|m| !stragglers[m]).collect();
         if !serves.iter().any(|&s| s) {
-            serves = (0..n).map(|m| !edge.get(m).copied().unwrap_or(false)).collect();
+            serves = (0..n)
+                .map(|m| !edge.get(m).copied().unwrap_or(false))
+                .collect();
         }
         if !serves.iter().any(|&s| s) {
             serves = vec![true; n];
@@ -131,24 +153,7 @@ impl StripePlan {
                 first.unwrap_or(s)
             };
             let up = layout(span, d, g);
-            let acting = (g..span).step_by(d).find(|&k| present(k));
-            let mut p = vec![Parent::Source; n];
-            for (m, &k) in numbers.iter().enumerate() {
-                let k = k as usize;
-                let mut q = up[k];
-                while let Some(x) = q {
-                    if present(x) {
-                        break;
-                    }
-                    q = up[x];
-                }
-                p[m] = match (q, acting) {
-                    (Some(x), _) => Parent::Member(at[x].unwrap_or(m)),
-                    (None, Some(a)) if a != k => Parent::Member(at[a].unwrap_or(m)),
-                    _ => Parent::Source,
-                };
-            }
-            parents.push(p);
+            parents.push(realize(&up, numbers, &at, &present, d, g));
         }
         Self {
             d,
@@ -315,6 +320,103 @@ fn straggling(rates: &[f64], straggler: f64, edge: &[bool]) -> Vec<bool> {
         .map(|(i, &r)| {
             let r = if r.is_finite() && r > 0.0 { r } else { median };
             r < straggler * median || edge.get(i).copied().unwrap_or(false)
+        })
+        .collect()
+}
+
+/// One stripe's parents from its layout `up` (group `g`'s tree over every number): a member
+/// whose parent in the layout is `present` keeps it; the lowest present member of group `g`
+/// whose ancestors are all holes fetches from the source (the *acting root*); every other
+/// member whose parent is a hole (an *orphan*), in number order, takes the present member of
+/// group `g` with the fewest children, shallowest, lowest number, that is not below it.
+fn realize(
+    up: &[Option<usize>],
+    numbers: &[u64],
+    at: &[Option<usize>],
+    present: &impl Fn(usize) -> bool,
+    d: usize,
+    g: usize,
+) -> Vec<Parent> {
+    let span = up.len();
+    // Parent number per number (`None`: the source, or not placed yet).
+    let mut parent: Vec<Option<usize>> = vec![None; span];
+    let mut children = vec![0usize; span];
+    let mut orphans = Vec::new();
+    for &k in numbers {
+        let k = k as usize;
+        match up[k] {
+            Some(q) if present(q) => {
+                parent[k] = Some(q);
+                children[q] += 1;
+            }
+            // The layout's root, or one whose parent is a hole.
+            None if present(k) => {}
+            _ => orphans.push(k),
+        }
+    }
+    let inner: Vec<usize> = (g..span).step_by(d).filter(|&k| present(k)).collect();
+    let root_present = present(g) && g < span;
+    // The acting root: where the layout's root is a hole, the lowest present member of the
+    // group (all its ancestors are holes: they have lower numbers).
+    let acting = if root_present {
+        None
+    } else {
+        inner.first().copied()
+    };
+    let top = if root_present { Some(g) } else { acting };
+    // Hops from the source to `k` along `parent`, if that reaches the root (not an orphan
+    // still to place, nor `k`'s own subtree).
+    let rooted_depth = |parent: &[Option<usize>], mut k: usize| {
+        let mut hops = 1;
+        for _ in 0..=span {
+            match parent[k] {
+                Some(q) => {
+                    k = q;
+                    hops += 1;
+                }
+                None => return (Some(k) == top).then_some(hops),
+            }
+        }
+        None
+    };
+    let layout_depth = |mut k: usize| {
+        let mut hops = 1;
+        while let Some(q) = up[k] {
+            k = q;
+            hops += 1;
+        }
+        hops
+    };
+    // Shallowest first, so a place is taken only below members whose depth is final: each
+    // orphan ends at most one hop deeper than its place in the layout.
+    orphans.sort_unstable_by_key(|&k| (layout_depth(k), k));
+    for k in orphans {
+        if Some(k) == acting {
+            continue;
+        }
+        let most = layout_depth(k);
+        let best = inner
+            .iter()
+            .copied()
+            .filter_map(|y| {
+                rooted_depth(&parent, y)
+                    .filter(|&depth| depth <= most)
+                    .map(|depth| (children[y], depth, y))
+            })
+            .min();
+        // None only without a root (group `g` has no member that serves, which the caller
+        // rules out): the source, then.
+        if let Some((_, _, y)) = best {
+            parent[k] = Some(y);
+            children[y] += 1;
+        }
+    }
+    numbers
+        .iter()
+        .enumerate()
+        .map(|(m, &k)| match parent[k as usize] {
+            Some(q) => Parent::Member(at[q].unwrap_or(m)),
+            None => Parent::Source,
         })
         .collect()
 }
@@ -511,24 +613,26 @@ mod tests {
             }
         }
 
-        /// Numbered: a member that leaves changes the parent of no one whose parent it was
-        /// not (while no one crosses the straggler threshold and it did not hold the highest
-        /// number), and a member that joins with a new highest number moves no inner parent.
+        /// Numbered: from a plan without holes, a member that leaves changes the parent of no
+        /// one whose parent it was not (while no one crosses the straggler threshold and it did
+        /// not hold the highest number); with holes, no member whose parent in the layout is
+        /// listed moves; a member that joins with a new highest number moves no inner parent.
         #[test]
         fn numbered_a_departure_moves_only_its_children_and_a_late_joiner_no_inner_parent(
             rates in proptest::collection::vec(prop_oneof![6 => 0.5f64..2.0, 1 => 0.01f64..0.2, 1 => Just(0.0)], 2..150),
             gone in proptest::collection::vec(prop_oneof![6 => Just(false), 1 => Just(true)], 150),
+            holes in proptest::bool::ANY,
             leaver in 0usize..150,
             d in 1usize..6,
         ) {
             let len = rates.len();
-            let gone = &gone[..len];
-            let (numbers, r) = numbered_fleet(&rates, gone);
+            let gone = if holes { gone[..len].to_vec() } else { vec![false; len] };
+            let (numbers, r) = numbered_fleet(&rates, &gone);
             prop_assume!(numbers.len() >= 2);
             let x = leaver % numbers.len();
             let max = numbers.iter().copied().max().unwrap_or(0);
             let before = StripePlan::numbered(&numbers, &r, d, 0.5, &[]);
-            let mut gone_after = gone.to_vec();
+            let mut gone_after = gone.clone();
             gone_after[numbers[x] as usize] = true;
             let (numbers_after, r_after) = numbered_fleet(&rates, &gone_after);
             let after = StripePlan::numbered(&numbers_after, &r_after, d, 0.5, &[]);
@@ -537,8 +641,14 @@ mod tests {
             let same = (0..numbers.len())
                 .filter(|&m| m != x)
                 .all(|m| before.is_straggler(m) == after.is_straggler(moved(m)));
+            let serving = |k: u64| {
+                numbers_after.iter().position(|&y| y == k).filter(|&i| !after.is_straggler(i))
+            };
+            // A stripe whose group has no member that serves borrows another's tree.
+            let own = |s: usize| (0..numbers_after.len()).any(|i| numbers_after[i] as usize % d == s && !after.is_straggler(i));
             if same && numbers[x] != max {
-                for s in 0..d {
+                for s in (0..d).filter(|&s| own(s)) {
+                    let up = layout(max as usize + 1, d, s);
                     for m in (0..numbers.len()).filter(|&m| m != x) {
                         let was = before.parent(s, m);
                         if was == Parent::Member(x) {
@@ -548,7 +658,13 @@ mod tests {
                             Parent::Member(p) => Parent::Member(moved(p)),
                             p => p,
                         };
-                        prop_assert_eq!(was, after.parent(s, moved(m)), "member {} moved in stripe {}", numbers[m], s);
+                        let now = after.parent(s, moved(m));
+                        if !holes && (0..numbers.len()).all(|m| !before.is_straggler(m)) {
+                            prop_assert_eq!(was, now, "member {} moved in stripe {}", numbers[m], s);
+                        }
+                        if let Some(q) = up[numbers[m] as usize].and_then(|q| serving(q as u64)) {
+                            prop_assert_eq!(now, Parent::Member(q), "member {} left its listed layout parent in stripe {}", numbers[m], s);
+                        }
                     }
                 }
             }
@@ -564,11 +680,21 @@ mod tests {
                 let own = |s: usize| {
                     (0..numbers.len()).any(|m| numbers[m] as usize % d == s && !before.is_straggler(m))
                 };
+                // Orphans of holes are placed by the children counts of the moment, which
+                // a newcomer changes: only members on their layout parent are held to it.
+                let serving_before = |k: usize| {
+                    numbers.iter().position(|&y| y as usize == k).is_some_and(|i| !before.is_straggler(i))
+                };
                 for s in (0..d).filter(|&s| own(s)) {
+                    let up = layout(max as usize + 1, d, s);
                     for m in 0..numbers.len() {
                         let inner = !before.children(s, Parent::Member(m)).is_empty()
                             || before.children(s, Parent::Source).contains(&m);
-                        if inner {
+                        let on_layout = match up[numbers[m] as usize] {
+                            Some(q) => serving_before(q),
+                            None => !before.is_straggler(m),
+                        };
+                        if inner && on_layout {
                             prop_assert_eq!(before.parent(s, m), later.parent(s, m), "inner member {} moved in stripe {}", numbers[m], s);
                         }
                     }
@@ -588,14 +714,32 @@ mod tests {
         assert_eq!(plan.parent(0, 6), Parent::Member(2));
         assert_eq!(plan.parent(1, 1), Parent::Source);
         // 0 leaves: 2, the lowest of its group, fetches stripe 0 from the source; 0's other
-        // children take 2; no one else moves.
+        // children take the places with the fewest children; no one else moves, and every
+        // member of stripe 0's tree has two children at most.
         let left: Vec<u64> = (1..8).collect();
         let after = StripePlan::numbered(&left, &rates[1..], 2, 0.5, &[]);
         let at = |k: u64| left.iter().position(|&x| x == k).unwrap_or(usize::MAX);
         assert_eq!(after.parent(0, at(2)), Parent::Source);
-        assert_eq!(after.parent(0, at(4)), Parent::Member(at(2)));
         assert_eq!(after.parent(0, at(6)), Parent::Member(at(2)));
         assert_eq!(after.children(0, Parent::Source), [at(2)]);
+        for m in 0..7 {
+            assert!(after.children(0, Parent::Member(m)).len() <= 2);
+            assert_eq!(after.parent(1, m), plan.parent(1, m + 1).shifted_down());
+        }
+        // 4 leaves (inner, children 1 and 7): its parent's free place and the place the
+        // layout's rounding left (6 had one child) take them; no one else moves.
+        let left: Vec<u64> = [0, 1, 2, 3, 5, 6, 7].into();
+        let after = StripePlan::numbered(&left, &[1.0; 7], 2, 0.5, &[]);
+        let at = |k: u64| left.iter().position(|&x| x == k).unwrap_or(usize::MAX);
+        for m in 0..7 {
+            assert!(
+                after.children(0, Parent::Member(m)).len() <= 2,
+                "{:?}",
+                after
+            );
+        }
+        assert_eq!(after.parent(0, at(2)), Parent::Member(at(0)));
+        assert_eq!(after.parent(0, at(6)), Parent::Member(at(2)));
         // Numbers not distinct: join order.
         let dup = StripePlan::numbered(&[0, 0, 1], &[1.0; 3], 1, 0.5, &[]);
         assert_eq!(dup.parent(0, 1), Parent::Member(0));
