@@ -219,6 +219,8 @@ pub struct Timeline {
     pub last_verified: Option<f64>,
     /// [`Receiver::run`] returned: every chunk verified, at rest too.
     pub done: Option<f64>,
+    /// A stripe's parent was first given up (dead, stalled, corrupting, of another version).
+    pub parent_given_up: Option<f64>,
 }
 
 /// The wall clock now, in seconds since the Unix epoch.
@@ -1466,6 +1468,7 @@ impl Receiver {
                                     h.peer.close();
                                     if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
                                         sum.parents_given_up += 1;
+                                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
                                     }
                                 }
                                 replan = true;
@@ -1510,6 +1513,7 @@ impl Receiver {
                                 }
                                 if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
                                     sum.parents_given_up += 1;
+                                    self.timeline.parent_given_up.get_or_insert_with(unix_now);
                                 }
                                 replan = true;
                             }
@@ -1551,6 +1555,7 @@ impl Receiver {
                             if let Some(p) = holders.remove(&id) { p.peer.close(); }
                             if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
                                 sum.parents_given_up += 1;
+                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
                             }
                             replan = true;
                         }
@@ -1561,6 +1566,7 @@ impl Receiver {
                             if let Some(p) = holders.remove(&id) { p.peer.close(); }
                             if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
                                 sum.parents_given_up += 1;
+                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
                             }
                             avoid.insert(id);
                             replan = true;
@@ -1598,6 +1604,7 @@ impl Receiver {
                         if let Some(p) = holders.remove(&id) { p.peer.close(); }
                         avoid.insert(id);
                         sum.parents_given_up += 1;
+                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
                     }
                     // The list and the rates in it change the plan.
                     replan = true;

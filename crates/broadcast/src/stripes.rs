@@ -387,9 +387,10 @@ fn realize(
         }
         hops
     };
-    // Shallowest first, so a place is taken only below members whose depth is final: each
+    // Group `g`'s orphans first (they have children of their own, and places for others),
+    // shallowest first, so a place is taken only below members whose depth is final: each
     // orphan ends at most one hop deeper than its place in the layout.
-    orphans.sort_unstable_by_key(|&k| (layout_depth(k), k));
+    orphans.sort_unstable_by_key(|&k| (k % d != g, layout_depth(k), k));
     for k in orphans {
         if Some(k) == acting {
             continue;
@@ -698,6 +699,26 @@ mod tests {
                             prop_assert_eq!(before.parent(s, m), later.parent(s, m), "inner member {} moved in stripe {}", numbers[m], s);
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn numbered_any_one_departure_from_eight_leaves_every_tree_at_two_children_at_most() {
+        // The shaped-namespace bench's fleet, d = 2: whoever dies, its children take the
+        // places its parent and the layout's rounding left, so no one serves a stripe to
+        // three (which would hold that stripe to two thirds of the link).
+        for victim in 0..8u64 {
+            let left: Vec<u64> = (0..8).filter(|&k| k != victim).collect();
+            let plan = StripePlan::numbered(&left, &[1.0; 7], 2, 0.5, &[]);
+            for s in 0..2 {
+                assert_eq!(plan.children(s, Parent::Source).len(), 1);
+                for m in 0..7 {
+                    assert!(
+                        plan.children(s, Parent::Member(m)).len() <= 2,
+                        "victim {victim}, stripe {s}: {plan:?}"
+                    );
                 }
             }
         }
