@@ -144,7 +144,16 @@ fn print_timeline(summaries: &[(usize, String)]) {
     );
     println!(
         "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7} {:>9}   lag: first verified, last verified",
-        "host", "start", "join", "manifest", "joined", "1st req", "1st ok", "last ok", "done", "gave up"
+        "host",
+        "start",
+        "join",
+        "manifest",
+        "joined",
+        "1st req",
+        "1st ok",
+        "last ok",
+        "done",
+        "gave up"
     );
     let gave_up: std::collections::HashMap<usize, f64> = summaries
         .iter()

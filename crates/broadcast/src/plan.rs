@@ -1,18 +1,19 @@
 //! The plan every member derives from the membership list, and a receiver's bookkeeping of
 //! what it holds: no I/O, unit-tested.
 //!
-//! **The plan: striped trees in join order** ([`stripe_holders`]). Members are ordered by
-//! when they joined. The chunks are dealt into `d` stripes, each carried down its own tree of
-//! bounded depth ([`StripePlan::in_join_order`]), so the source sends each byte once, every
-//! member uploads about what it downloads, and a straggler (by the rates the members list) is a
-//! leaf of every tree; with `d = 1` it is a chain in join order with stragglers at its end.
-//! A member fetches each stripe from its parent in that stripe's tree, and only chunks its
-//! parent has verified (the parent's verified prefix of that stripe), with several chunks in
-//! flight. A member it gives up on (dead, stalled, corrupting, of another epoch) keeps its place
-//! but moves to the edge of its plan, so only that member's children move; one that joins late
-//! is dealt into a group like the others and catches up from whoever holds its stripes. Every
-//! member derives the same plan from the same list, so no coordinator is needed, and with etcd
-//! the list is etcd's.
+//! **The plan: striped trees dealt by stable member numbers** ([`stripe_holders`]). Discovery
+//! numbers each receiver at join ([`Member::number`], dense from 0 within a version, kept
+//! until it leaves). The chunks are dealt into `d` stripes, each carried down its own tree of
+//! bounded depth ([`StripePlan::numbered`]), so the source sends each byte once, every member
+//! uploads about what it downloads, and a straggler (by the rates the members list) serves no
+//! one; with `d = 1` it is a chain by number. A member fetches each stripe from its parent in
+//! that stripe's tree, and only chunks its parent has verified (the parent's verified prefix
+//! of that stripe), with several chunks in flight. A member that leaves, or that a receiver
+//! gives up on (dead, stalled, corrupting, of another epoch), leaves a hole at its number: only
+//! its own children move, so members that read the list before and after it left agree on
+//! everyone else's parents; one that joins late is numbered after everyone and catches up from
+//! whoever holds its stripes. Every member derives the same plan from the same list, so no
+//! coordinator is needed, and with etcd the list is etcd's.
 
 use std::collections::HashSet;
 

@@ -17,9 +17,10 @@
 //!
 //! [`StripePlan::parent`] answers "whom does member `m` fetch chunk `c` from": the same answer
 //! for every member computing it from the same list, so no coordinator is needed.
-//! [`Receiver`](crate::Receiver) follows
-//! [`StripePlan::in_join_order`] (through [`plan::stripe_holders`](crate::plan::stripe_holders));
-//! [`sim`](crate::sim) compares the plan with the chain.
+//! [`Receiver`](crate::Receiver) follows [`StripePlan::numbered`] (groups dealt by a stable
+//! number per member, so a departure moves only its children; through
+//! [`plan::stripe_holders`](crate::plan::stripe_holders)), and [`StripePlan::in_join_order`]
+//! for members that carry no numbers; [`sim`](crate::sim) compares the plans with the chain.
 
 /// Where a member fetches a stripe from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
