@@ -272,10 +272,10 @@ pub fn simulate_departure(
         if m == n + 1 {
             // The others plan without the departed member: whoever's parent changed asks
             // the new one for what it lacks and no live parent is sending.
-            for s in 0..stripes {
+            for (s, (was, now_p)) in plans[0].iter().zip(&plans[1]).enumerate() {
                 for ch in (0..n).filter(|&ch| Some(ch) != dead) {
-                    let q = plans[1][s][ch];
-                    if q == plans[0][s][ch] {
+                    let q = now_p[ch];
+                    if q == was[ch] {
                         continue;
                     }
                     for c in (s..chunks).step_by(stripes) {
