@@ -93,7 +93,8 @@ fn main() {
     for detect in [0.1, 1.0] {
         println!(
             "\ncalibrated, uniform links, member N/2 killed at half the ideal time, the others \
-             replanning {detect} s later: the survivors' worst efficiency (source egress)\n"
+             replanning {detect} s later: the survivors' worst efficiency (source egress, members \
+             whose parent changed)\n"
         );
         println!(
             "| N | chain | stripes d=2, numbered | stripes d=2, by rank (before) | stripes d=4, numbered |"
@@ -112,9 +113,10 @@ fn main() {
                     simulate_departure(source, &same, payload, chunk, t, calibrated, Some(gone));
                 let last = o.done.iter().copied().fold(0.0, f64::max);
                 format!(
-                    "{:.2} ({:.2}x)",
+                    "{:.2} ({:.2}x, {} moved)",
                     ideal / last,
-                    o.source_egress as f64 / payload as f64
+                    o.source_egress as f64 / payload as f64,
+                    o.moved
                 )
             };
             println!(

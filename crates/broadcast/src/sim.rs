@@ -102,6 +102,9 @@ pub struct Outcome {
     pub done: Vec<f64>,
     /// Bytes the source sent.
     pub source_egress: u64,
+    /// Members whose parent in some stripe changed when the others planned without the
+    /// departed member ([`simulate_departure`]; 0 without one).
+    pub moved: usize,
 }
 
 /// Simulates one broadcast of `payload` bytes in `chunk`-byte chunks from a source with link
@@ -315,9 +318,14 @@ pub fn simulate_departure(
     if let Some(x) = dead {
         done[x] = f64::NAN;
     }
+    let moved = (0..n)
+        .filter(|&m| Some(m) != dead && departure.is_some())
+        .filter(|&m| (0..stripes).any(|s| plans[0][s][m] != plans[1][s][m]))
+        .count();
     Outcome {
         done,
         source_egress: egress,
+        moved,
     }
 }
 
@@ -462,6 +470,12 @@ mod tests {
                 // take over from relays.
                 if victim != 0 {
                     assert_eq!(o.source_egress, payload, "{t:?}, victim {victim}");
+                }
+                // Numbered, only the victim's children move (two per stripe it is inner in,
+                // at most, and one in the chain); by rank, everyone after it may. The
+                // highest number leaving re-deals its stripe's leaves (`StripePlan::numbered`).
+                if !matches!(t, Topology::StripesByRank { .. }) && victim != 31 {
+                    assert!(o.moved <= 4, "{t:?}, victim {victim}: {} moved", o.moved);
                 }
             }
         }
