@@ -421,6 +421,7 @@ mod etcd {
             order: 0,
             version: 0,
             rate: 0,
+            number: None,
         }
     }
 
@@ -493,8 +494,10 @@ mod etcd {
             d.register(&me).await?;
             wait_for(&d, "both listed", |m| m.len() == 2).await?;
             let ms = d.members().await?;
-            // Join order: the child registered first.
+            // Join order: the child registered first, and claimed the first number.
             assert_eq!(ms[0].id, "doomed");
+            assert_eq!(ms[0].number, Some(0));
+            assert_eq!(ms[1].number, Some(1));
             let plan =
                 ferry_broadcast::plan::stripe_holders(&ms, "me", 9, 0, &Default::default(), 1, 0.5);
             assert_eq!(plan.len(), 1);
@@ -520,6 +523,52 @@ mod etcd {
         });
         let _ = child.kill();
         res
+    }
+
+    /// Receivers registering at once each claim a distinct number (a transaction per claim),
+    /// dense from 0; one that registers later takes the next above every number listed.
+    #[test]
+    fn etcd_members_registering_at_once_claim_distinct_numbers() -> Result<()> {
+        let Some(etcd) = start_etcd()? else {
+            return Ok(());
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let ttl = Duration::from_secs(5);
+            let mut tasks = Vec::new();
+            for i in 0..6 {
+                let d = Etcd::connect(&etcd.url, "n", ttl).await?;
+                tasks.push(tokio::spawn(async move {
+                    d.register(&member(&format!("m{i}"))).await.map(|_| d)
+                }));
+            }
+            let mut held = Vec::new();
+            for t in tasks {
+                held.push(t.await??);
+            }
+            wait_for(&held[0], "all six listed", |m| m.len() == 6).await?;
+            let mut numbers: Vec<Option<u64>> =
+                held[0].members().await?.iter().map(|m| m.number).collect();
+            numbers.sort();
+            assert_eq!(numbers, (0..6).map(Some).collect::<Vec<_>>());
+            // Another version is numbered apart, from 0.
+            let other = Etcd::connect(&etcd.url, "n", ttl).await?;
+            let mut v1 = member("v1");
+            v1.version = 1;
+            other.register(&v1).await?;
+            let late = Etcd::connect(&etcd.url, "n", ttl).await?;
+            wait_for(&late, "seven listed", |m| m.len() == 7).await?;
+            late.register(&member("late")).await?;
+            wait_for(&late, "eight listed", |m| m.len() == 8).await?;
+            let ms = late.members().await?;
+            let number = |id: &str| ms.iter().find(|m| m.id == id).and_then(|m| m.number);
+            assert_eq!(number("v1"), Some(0));
+            assert_eq!(number("late"), Some(6));
+            Ok(())
+        })
     }
 
     /// A whole broadcast with etcd discovery: the source lists itself, receivers find it there.

@@ -143,9 +143,22 @@ fn print_timeline(summaries: &[(usize, String)]) {
          the chain's order):"
     );
     println!(
-        "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7}   lag: first verified, last verified",
-        "host", "start", "join", "manifest", "joined", "1st req", "1st ok", "last ok", "done"
+        "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7} {:>9}   lag: first verified, last verified",
+        "host",
+        "start",
+        "join",
+        "manifest",
+        "joined",
+        "1st req",
+        "1st ok",
+        "last ok",
+        "done",
+        "gave up"
     );
+    let gave_up: std::collections::HashMap<usize, f64> = summaries
+        .iter()
+        .filter_map(|(i, l)| json_num(l, "parent_given_up", 0).map(|t| (*i, t)))
+        .collect();
     let mut prev: Option<(f64, f64)> = None;
     for (i, r) in &rows {
         let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.3}", v - t0));
@@ -154,7 +167,7 @@ fn print_timeline(summaries: &[(usize, String)]) {
             _ => String::new(),
         };
         println!(
-            "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7}   {lag}",
+            "  {:>4} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7} {:>9}   {lag}",
             i,
             cell(r[0]),
             cell(r[1]),
@@ -163,7 +176,8 @@ fn print_timeline(summaries: &[(usize, String)]) {
             cell(r[4]),
             cell(r[5]),
             cell(r[6]),
-            cell(r[7])
+            cell(r[7]),
+            cell(gave_up.get(i).copied())
         );
         if let (Some(f), Some(l)) = (r[5], r[6]) {
             prev = Some((f, l));
@@ -261,8 +275,12 @@ fn run_once(
             let _ = c.kill();
             killed = Some(k);
             eprintln!(
-                "  killed receiver {k} at {:.1} s",
-                start.elapsed().as_secs_f64()
+                "  killed receiver {k} at {:.1} s (timeline: {:.3})",
+                start.elapsed().as_secs_f64(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64())
+                    - start_unix
             );
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
@@ -490,6 +508,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             &how,
         )?;
         report(&format!("relayed, receiver {victim} killed"), &killed);
+        // Where the time went: when each survivor gave up a parent (the victim, or one that
+        // stalled meanwhile), against the kill.
+        print_timeline(&killed.summaries);
     }
     drop(fleet);
     let _ = std::fs::remove_dir_all(&work);

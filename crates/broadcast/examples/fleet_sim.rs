@@ -11,11 +11,15 @@
 //! over its own download rate, or the source's upload if lower) over the time it held
 //! everything; among the members that are not stragglers, and (last column) among the
 //! stragglers. The calibrated table takes `sim::Costs` from the arguments (default: the
-//! calibration in `docs/broadcast.md`).
+//! calibration in `docs/broadcast.md`). Last, with the calibrated costs, member N/2 killed at
+//! half the ideal time: the chain, the receivers' numbered plan and the plan by rank it
+//! replaced.
 
 use std::time::Instant;
 
-use ferry_broadcast::sim::{Costs, Link, Topology, fleet, simulate_with};
+use ferry_broadcast::sim::{
+    Costs, Departure, Link, Topology, fleet, simulate_departure, simulate_with,
+};
 
 fn main() {
     let arg = |i: usize, default: f64| {
@@ -81,6 +85,49 @@ fn main() {
             };
             println!(
                 "| {n} | {c:.2} (egress {ce:.2}x) | {s2:.2} | {s4:.2} (egress {se:.2}x) | {ch:.2} | {sh2:.2} | {sh4:.2} | {st} |"
+            );
+        }
+    }
+    // One member killed halfway through the ideal time (the bench's middle receiver); the
+    // others plan without it `detect` seconds later.
+    for detect in [0.1, 1.0] {
+        println!(
+            "\ncalibrated, uniform links, member N/2 killed at half the ideal time, the others \
+             replanning {detect} s later: the survivors' worst efficiency (source egress, members \
+             whose parent changed)\n"
+        );
+        println!(
+            "| N | chain | stripes d=2, numbered | stripes d=2, by rank (before) | stripes d=4, numbered |"
+        );
+        println!("|---|---|---|---|---|");
+        for n in [8usize, 32, 128, 256] {
+            let (same, _) = fleet(n, rate, 50e-6, 0.0, 0, 1.0, 1);
+            let ideal = payload as f64 / rate;
+            let gone = Departure {
+                member: n / 2,
+                at: ideal / 2.0,
+                detect,
+            };
+            let eff = |t: Topology| {
+                let o =
+                    simulate_departure(source, &same, payload, chunk, t, calibrated, Some(gone));
+                let last = o.done.iter().copied().fold(0.0, f64::max);
+                format!(
+                    "{:.2} ({:.2}x, {} moved)",
+                    ideal / last,
+                    o.source_egress as f64 / payload as f64,
+                    o.moved
+                )
+            };
+            println!(
+                "| {n} | {} | {} | {} | {} |",
+                eff(Topology::Chain),
+                eff(stripes(2)),
+                eff(Topology::StripesByRank {
+                    d: 2,
+                    straggler: 0.5
+                }),
+                eff(stripes(4)),
             );
         }
     }

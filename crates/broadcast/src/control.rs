@@ -177,8 +177,17 @@ pub(crate) struct Tracker {
 #[derive(Debug, Default)]
 struct TrackerInner {
     next: u64,
+    /// Per version: the next [`Member::number`] to deal (a number is never dealt twice).
+    numbers: HashMap<u64, u64>,
     /// Each entry, when its lease ends (never, for the source) and its token.
     members: HashMap<String, (Member, Option<Instant>, [u8; 32])>,
+}
+
+/// The next number of `version` in `numbers` (from 0), now dealt.
+fn deal(numbers: &mut HashMap<u64, u64>, version: u64) -> u64 {
+    let next = numbers.entry(version).or_insert(0);
+    *next += 1;
+    *next - 1
 }
 
 /// Whether `a` and `b` are equal, in time that does not depend on where they differ.
@@ -250,7 +259,8 @@ impl Tracker {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         g.members
             .retain(|_, (_, expires, _)| expires.is_none_or(|e| e > now));
-        let (order, token) = match g.members.get(&m.id) {
+        let g = &mut *g;
+        let (order, number, token) = match g.members.get(&m.id) {
             Some((old, _, t)) => {
                 if !token.is_some_and(|given| same_token(&given, t)) {
                     return Err(format!(
@@ -258,7 +268,12 @@ impl Tracker {
                         m.id
                     ));
                 }
-                (old.order, *t)
+                // A member keeps its number while it pulls one version (whatever it sends).
+                let number = match old.number {
+                    Some(k) if old.version == m.version => k,
+                    _ => deal(&mut g.numbers, m.version),
+                };
+                (old.order, number, *t)
             }
             None => {
                 if g.members.len() >= MAX_MEMBERS {
@@ -272,10 +287,12 @@ impl Tracker {
                     _ => nonce(),
                 };
                 g.next += 1;
-                (g.next - 1, t)
+                let number = deal(&mut g.numbers, m.version);
+                (g.next - 1, number, t)
             }
         };
         m.order = order;
+        m.number = Some(number);
         g.members
             .insert(m.id.clone(), (m, Some(now + self.lease), token));
         Ok(token)
@@ -839,6 +856,7 @@ mod tests {
             order: 99,
             version: 1,
             rate: 0,
+            number: None,
         }
     }
 
@@ -867,6 +885,48 @@ mod tests {
         t.leave("a", Some(ta)).unwrap();
         assert!(t.leave("s", Some(ta)).is_err());
         assert_eq!(ids(t.members(t0)), [("s".into(), 0)]);
+    }
+
+    #[test]
+    fn tracker_numbers_each_version_from_zero_and_a_member_keeps_its_number() {
+        let t0 = Instant::now();
+        let t = Tracker::new(member("s", Role::Source), Duration::from_secs(60));
+        let mut forged = member("a", Role::Receiver);
+        forged.number = Some(7); // what a member claims is not what it is dealt
+        let ta = t.join(forged, None, t0).unwrap();
+        let tb = t.join(member("b", Role::Receiver), None, t0).unwrap();
+        let mut v2 = member("c", Role::Receiver);
+        v2.version = 2;
+        t.join(v2, None, t0).unwrap();
+        t.join(member("d", Role::Receiver), None, t0).unwrap();
+        t.leave("b", Some(tb)).unwrap();
+        let mut a = member("a", Role::Receiver);
+        a.number = Some(0);
+        a.progress = 5;
+        t.heartbeat(a, Some(ta), t0).unwrap();
+        t.join(member("e", Role::Receiver), None, t0).unwrap();
+        let numbers = |v: Vec<Member>| {
+            v.into_iter()
+                .map(|m| (m.id, m.version, m.number))
+                .collect::<Vec<_>>()
+        };
+        // b's number is not dealt again: a and d keep theirs, e takes the next.
+        assert_eq!(
+            numbers(t.members(t0)),
+            [
+                ("s".into(), 1, None),
+                ("a".into(), 1, Some(0)),
+                ("c".into(), 2, Some(0)),
+                ("d".into(), 1, Some(2)),
+                ("e".into(), 1, Some(3)),
+            ]
+        );
+        // A member that moves to another version is numbered in it.
+        let mut a2 = member("a", Role::Receiver);
+        a2.version = 2;
+        t.heartbeat(a2, Some(ta), t0).unwrap();
+        let a = t.members(t0).into_iter().find(|m| m.id == "a");
+        assert_eq!(a.and_then(|m| m.number), Some(1));
     }
 
     #[test]

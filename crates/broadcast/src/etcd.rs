@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex as StdMutex, PoisonError};
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
@@ -23,6 +25,9 @@ pub struct Etcd {
     /// key -> (create revision, member), kept by the watch task.
     cache: Arc<StdMutex<HashMap<String, (i64, Member)>>>,
     watch: StdMutex<Option<JoinHandle<()>>>,
+    /// The number this member claimed at registration ([`Member::number`]), written into
+    /// every put of its entry.
+    number: StdMutex<Option<u64>>,
 }
 
 impl std::fmt::Debug for Etcd {
@@ -64,6 +69,7 @@ impl Etcd {
             lease: Mutex::new(None),
             cache: Arc::new(StdMutex::new(HashMap::new())),
             watch: StdMutex::new(None),
+            number: StdMutex::new(None),
         };
         this.start_watch().await?;
         Ok(this)
@@ -137,7 +143,9 @@ impl Etcd {
         let Some(lease) = lease else {
             return Err(err("not registered"));
         };
-        let value = serde_json::to_vec(me).map_err(err)?;
+        let mut me = me.clone();
+        me.number = *self.number.lock().unwrap_or_else(PoisonError::into_inner);
+        let value = serde_json::to_vec(&me).map_err(err)?;
         self.client
             .lock()
             .await
@@ -151,6 +159,52 @@ impl Etcd {
         Ok(())
     }
 }
+
+impl Etcd {
+    /// Claims `me` a [`Member::number`] among the members of its source epoch and version:
+    /// the first number above every one listed whose key
+    /// `/ferry/broadcast/<name>/numbers/<source epoch>/<version>/<k>` a transaction creates
+    /// (it fails if the key exists), bound to `lease` so the number is freed with the member.
+    async fn claim(
+        &self,
+        client: &mut Client,
+        me: &Member,
+        lease: i64,
+    ) -> Result<u64, BroadcastError> {
+        let base = self.prefix.trim_end_matches("members/");
+        let numbers = format!("{base}numbers/{}/{}/", me.source_epoch, me.version);
+        let listed = {
+            let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+            cache
+                .values()
+                .filter(|(_, m)| m.source_epoch == me.source_epoch && m.version == me.version)
+                .filter_map(|(_, m)| m.number)
+                .max()
+        };
+        let mut k = listed.map_or(0, |k| k.saturating_add(1));
+        for _ in 0..CLAIM_TRIES {
+            let key = format!("{numbers}{k}");
+            let txn = Txn::new()
+                .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(
+                    key.as_str(),
+                    me.id.as_str(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )]);
+            if client.txn(txn).await.map_err(err)?.succeeded() {
+                return Ok(k);
+            }
+            k = k.saturating_add(1);
+        }
+        Err(err(format!(
+            "no member number claimed in {CLAIM_TRIES} tries under {numbers}"
+        )))
+    }
+}
+
+/// Numbers a registration tries before it gives up (each taken by a member that joined
+/// meanwhile).
+const CLAIM_TRIES: usize = 4096;
 
 impl Drop for Etcd {
     fn drop(&mut self) {
@@ -192,6 +246,10 @@ impl Discovery for Etcd {
             });
             if let Some((_, old)) = self.lease.lock().await.replace((lease, task)) {
                 old.abort();
+            }
+            if me.role == crate::plan::Role::Receiver {
+                let k = self.claim(&mut client, me, lease).await?;
+                *self.number.lock().unwrap_or_else(PoisonError::into_inner) = Some(k);
             }
             self.put(me).await?;
             Ok(None)

@@ -1,18 +1,19 @@
 //! The plan every member derives from the membership list, and a receiver's bookkeeping of
 //! what it holds: no I/O, unit-tested.
 //!
-//! **The plan: striped trees in join order** ([`stripe_holders`]). Members are ordered by
-//! when they joined. The chunks are dealt into `d` stripes, each carried down its own tree of
-//! bounded depth ([`StripePlan::in_join_order`]), so the source sends each byte once, every
-//! member uploads about what it downloads, and a straggler (by the rates the members list) is a
-//! leaf of every tree; with `d = 1` it is a chain in join order with stragglers at its end.
-//! A member fetches each stripe from its parent in that stripe's tree, and only chunks its
-//! parent has verified (the parent's verified prefix of that stripe), with several chunks in
-//! flight. A member it gives up on (dead, stalled, corrupting, of another epoch) keeps its place
-//! but moves to the edge of its plan, so only that member's children move; one that joins late
-//! is dealt into a group like the others and catches up from whoever holds its stripes. Every
-//! member derives the same plan from the same list, so no coordinator is needed, and with etcd
-//! the list is etcd's.
+//! **The plan: striped trees dealt by stable member numbers** ([`stripe_holders`]). Discovery
+//! numbers each receiver at join ([`Member::number`], dense from 0 within a version, kept
+//! until it leaves). The chunks are dealt into `d` stripes, each carried down its own tree of
+//! bounded depth ([`StripePlan::numbered`]), so the source sends each byte once, every member
+//! uploads about what it downloads, and a straggler (by the rates the members list) serves no
+//! one; with `d = 1` it is a chain by number. A member fetches each stripe from its parent in
+//! that stripe's tree, and only chunks its parent has verified (the parent's verified prefix
+//! of that stripe), with several chunks in flight. A member that leaves, or that a receiver
+//! gives up on (dead, stalled, corrupting, of another epoch), leaves a hole at its number: only
+//! its own children move, so members that read the list before and after it left agree on
+//! everyone else's parents; one that joins late is numbered after everyone and catches up from
+//! whoever holds its stripes. Every member derives the same plan from the same list, so no
+//! coordinator is needed, and with etcd the list is etcd's.
 
 use std::collections::HashSet;
 
@@ -62,11 +63,19 @@ pub struct Member {
     /// plan finds stragglers by ([`stripe_holders`]).
     #[serde(default)]
     pub rate: u64,
+    /// Its stable number among the members of its source epoch and version, assigned by
+    /// discovery at join (the tracker's counter per version, or a number claimed in etcd by a
+    /// transaction), dense from 0 and kept until it leaves: what the plan deals stripe groups
+    /// by ([`StripePlan::numbered`]), so that a departure moves no one else. `None`: not
+    /// numbered (an older member, the source), and the plan falls back to join order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub number: Option<u64>,
 }
 
 /// Whom `me` fetches each of `d` stripes from (`None`: no holder listed): the receivers of
-/// `version` and source epoch `source_epoch` that serve (a data address), in join order with
-/// `me` among them (last if not listed yet), planned by [`StripePlan::in_join_order`] on
+/// `version` and source epoch `source_epoch` that serve (a data address), by their
+/// [`Member::number`]s with `me` among them (after every listed number if not listed yet;
+/// join order where not every one is numbered), planned by [`StripePlan::numbered`] on
 /// their listed [`Member::rate`]s with stragglers below `straggler` times the median, and
 /// those in `avoid` at the edge (leaves, serving no one: their children move, nobody else);
 /// a stripe whose parent is the source, the source of that epoch.
@@ -104,7 +113,12 @@ pub fn stripe_holders<'a>(
             relays.len()
         }
     };
-    let plan = StripePlan::in_join_order(&rates, d, straggler, &edge);
+    let mut numbers: Vec<u64> = relays.iter().filter_map(|m| m.number).collect();
+    if me_at == relays.len() {
+        // Not listed yet: planned after every listed number.
+        numbers.push(numbers.iter().max().map_or(0, |&k| k + 1));
+    }
+    let plan = StripePlan::numbered(&numbers, &rates, d, straggler, &edge);
     (0..d)
         .map(|s| match plan.parent(s, me_at) {
             Parent::Source => source,
@@ -302,6 +316,7 @@ mod tests {
             order,
             version: 1,
             rate: 0,
+            number: None,
         }
     }
 

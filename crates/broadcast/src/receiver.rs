@@ -219,6 +219,8 @@ pub struct Timeline {
     pub last_verified: Option<f64>,
     /// [`Receiver::run`] returned: every chunk verified, at rest too.
     pub done: Option<f64>,
+    /// A stripe's parent was first given up (dead, stalled, corrupting, of another version).
+    pub parent_given_up: Option<f64>,
 }
 
 /// The wall clock now, in seconds since the Unix epoch.
@@ -767,6 +769,7 @@ impl Receiver {
             order: 0,
             version: manifest.version,
             rate: 0,
+            number: None,
         };
         if let Some(found) = discovery.register(&member).await?
             && found != source_epoch
@@ -1465,6 +1468,7 @@ impl Receiver {
                                     h.peer.close();
                                     if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
                                         sum.parents_given_up += 1;
+                                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
                                     }
                                 }
                                 replan = true;
@@ -1509,6 +1513,7 @@ impl Receiver {
                                 }
                                 if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
                                     sum.parents_given_up += 1;
+                                    self.timeline.parent_given_up.get_or_insert_with(unix_now);
                                 }
                                 replan = true;
                             }
@@ -1550,6 +1555,7 @@ impl Receiver {
                             if let Some(p) = holders.remove(&id) { p.peer.close(); }
                             if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
                                 sum.parents_given_up += 1;
+                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
                             }
                             replan = true;
                         }
@@ -1560,6 +1566,7 @@ impl Receiver {
                             if let Some(p) = holders.remove(&id) { p.peer.close(); }
                             if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
                                 sum.parents_given_up += 1;
+                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
                             }
                             avoid.insert(id);
                             replan = true;
@@ -1597,6 +1604,7 @@ impl Receiver {
                         if let Some(p) = holders.remove(&id) { p.peer.close(); }
                         avoid.insert(id);
                         sum.parents_given_up += 1;
+                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
                     }
                     // The list and the rates in it change the plan.
                     replan = true;
@@ -1695,22 +1703,24 @@ impl Receiver {
         Ok(())
     }
 
-    /// Keeps serving (and heartbeating) after [`run`](Self::run) while a member that joined
-    /// after this one has not finished, at most `max`; the list is read again every
-    /// 100 ms (or every heartbeat, if shorter).
+    /// Keeps serving (and heartbeating) after [`run`](Self::run) while another receiver of
+    /// its source epoch and version has not finished, at most `max`; the list is read again
+    /// every 100 ms (or every heartbeat, if shorter). Every unfinished one, not only those
+    /// that joined later: in the striped plan a member may be the parent of one that joined
+    /// before it (a leaf of its tree), and a departure hands its children to others.
     pub async fn linger(&mut self, max: Duration) {
         let deadline = Instant::now() + max;
         while Instant::now() < deadline {
             let Ok(members) = self.discovery.members().await else {
                 break;
             };
-            let me = members
-                .iter()
-                .find(|m| m.id == self.member.id)
-                .map(|m| m.order);
-            let waiting = members
-                .iter()
-                .any(|m| m.role == Role::Receiver && !m.done && me.is_none_or(|o| m.order > o));
+            let waiting = members.iter().any(|m| {
+                m.role == Role::Receiver
+                    && m.id != self.member.id
+                    && !m.done
+                    && m.source_epoch == self.source_epoch
+                    && m.version == self.manifest.version
+            });
             if !waiting {
                 break;
             }

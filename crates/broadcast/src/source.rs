@@ -340,6 +340,7 @@ impl Source {
             order: 0,
             version: manifest.version,
             rate: 0,
+            number: None,
         };
         let tracker = Arc::new(Tracker::new(member.clone(), opts.lease));
         let (_tx, progress) = watch::channel(Progress {

@@ -90,8 +90,8 @@ pub(crate) struct PullArgs {
     /// Give up a parent whose progress stalls this long (`3s`, `500ms`).
     #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse::positive_duration)]
     stall_after: Duration,
-    /// After finishing, keep serving while members that joined later are unfinished, at most
-    /// this long (`60s`; `0` not at all).
+    /// After finishing, keep serving while other receivers of the version are unfinished, at
+    /// most this long (`60s`; `0` not at all).
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse::duration)]
     linger: Duration,
     /// Fetch from the source only, never from other receivers (a point-to-point pull: the

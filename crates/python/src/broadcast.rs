@@ -303,7 +303,7 @@ impl Puller {
     }
 
     /// Pulls every chunk (GIL released), calling `progress(bytes, total)` as bytes are
-    /// verified (last with `bytes == total` on success); then, with `linger` seconds, keeps relaying while later receivers are
+    /// verified (last with `bytes == total` on success); then, with `linger` seconds, keeps relaying while other receivers are
     /// unfinished. Returns the summary as a dict. `timeout` (seconds) bounds the pull.
     #[pyo3(signature = (timeout=None, progress=None, linger=0.0))]
     fn run<'py>(
