@@ -5,9 +5,10 @@
 //! sends them; the io_uring server checks the order (a request out of sequence closes the
 //! stream) and the bytes are compared at the end.
 //!
-//! With `UringConfig::caller_receives` (off by default) the task that awaits a small WRITE sent
-//! directly reads its response itself; the stream's thread takes the reading over when it takes
-//! a later request, and gets it back when that task's future is dropped or the stream ends.
+//! With `UringConfig::caller_receives` (off by default) the task that awaits a small WRITE or
+//! READ sent directly reads its response (and a READ's payload) itself; the stream's thread
+//! takes the reading over when it takes a later request, and gets it back when that task's
+//! future is dropped or the stream ends.
 
 mod common;
 
@@ -138,7 +139,19 @@ fn write_at(
     at: u64,
     len: u64,
 ) -> ferry_core::BoxFuture<'static, ferry_core::Outcome> {
-    let ops: Arc<[Op]> = vec![op(OpKind::Write, src, at, tok, at, len)].into();
+    request(ch, OpKind::Write, src, tok, at, len)
+}
+
+/// One request of one op of `kind` and `len` bytes at `at` (both sides), not yet awaited.
+fn request(
+    ch: &Arc<dyn Channel>,
+    kind: OpKind,
+    local: &Arc<MemoryRegion>,
+    tok: SegmentToken,
+    at: u64,
+    len: u64,
+) -> ferry_core::BoxFuture<'static, ferry_core::Outcome> {
+    let ops: Arc<[Op]> = vec![op(kind, local, at, tok, at, len)].into();
     let control = Arc::new(RequestControl::new(&ops));
     ch.execute(ops, control)
 }
@@ -164,10 +177,10 @@ async fn settle(
     panic!("no response of 100 was read by the task awaiting it");
 }
 
-/// Round trips one at a time on an idle stream: every response is read by the task awaiting
-/// it, none by the stream's thread, and the bytes land.
+/// Round trips one at a time on an idle stream, WRITEs then READs: every response is read by
+/// the task awaiting it (a READ's payload too), none by the stream's thread, and the bytes land.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn small_writes_on_an_idle_stream_are_completed_by_the_awaiting_task() {
+async fn small_requests_on_an_idle_stream_are_completed_by_the_awaiting_task() {
     if !uring_usable() {
         return;
     }
@@ -185,14 +198,20 @@ async fn small_writes_on_an_idle_stream_are_completed_by_the_awaiting_task() {
         let o = write_at(&ch, &src, tok, i * OP, OP).await;
         assert!(o.is_success() && o.drained, "write {i}: {o:?}");
     }
-    // Every WRITE sent directly (all but, at most, those racing the stream thread's first look
-    // at the queue) had its response read by its own task.
+    let back = Arc::new(MemoryRegion::alloc_zeroed((N * OP) as usize, 4096).unwrap());
+    for i in 0..N {
+        let o = request(&ch, OpKind::Read, &back, tok, i * OP, OP).await;
+        assert!(o.is_success() && o.drained, "read {i}: {o:?}");
+    }
+    // Every request sent directly (all but, at most, those racing the stream thread's first
+    // look at the queue) had its response read by its own task.
     let s = t.stats();
     let direct = s.direct_sends.load(Ordering::Relaxed);
-    assert!(direct > N / 2, "{direct} of {N} sent directly");
+    assert!(direct > N, "{direct} of {} sent directly", 2 * N);
     assert_eq!(s.caller_receives.load(Ordering::Relaxed), direct);
     assert_eq!(s.caller_handbacks.load(Ordering::Relaxed), 0);
     assert!(bytes(&remote, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
+    assert!(bytes(&back, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
     // Off, the stream's thread reads every response.
     let off = UringConfig {
         streams: 1,
@@ -204,14 +223,20 @@ async fn small_writes_on_an_idle_stream_are_completed_by_the_awaiting_task() {
     assert_eq!(t.stats().caller_receives.load(Ordering::Relaxed), 0);
 }
 
-/// A direct WRITE whose future is not polled while a later request on the same stream is
-/// awaited (one thread runs both): the stream's thread takes the reading over, so the later one
-/// completes, and so does the first when it is awaited at last.
+/// A direct WRITE (then READ) whose future is not polled while a later request on the same
+/// stream is awaited (one thread runs both): the stream's thread takes the reading over, so the
+/// later one completes, and so does the first when it is awaited at last.
 #[tokio::test(flavor = "current_thread")]
-async fn a_later_request_takes_the_reading_over_from_a_direct_write_not_awaited() {
+async fn a_later_request_takes_the_reading_over_from_a_direct_request_not_awaited() {
     if !uring_usable() {
         return;
     }
+    for kind in [OpKind::Write, OpKind::Read] {
+        takeover(kind).await;
+    }
+}
+
+async fn takeover(kind: OpKind) {
     const OP: u64 = 64;
     let config = UringConfig {
         streams: 1,
@@ -224,7 +249,11 @@ async fn a_later_request_takes_the_reading_over_from_a_direct_write_not_awaited(
     settle(&ch, &t, &src, tok, 0).await;
     let sent = t.stats().direct_sends.load(Ordering::Relaxed);
     let read = t.stats().caller_receives.load(Ordering::Relaxed);
-    let first = write_at(&ch, &src, tok, 0, OP);
+    let back = Arc::new(MemoryRegion::alloc_zeroed(OP as usize, 4096).unwrap());
+    let first = match kind {
+        OpKind::Read => request(&ch, kind, &back, tok, 0, OP),
+        _ => write_at(&ch, &src, tok, 0, OP),
+    };
     assert_eq!(t.stats().direct_sends.load(Ordering::Relaxed), sent + 1);
     let second = write_at(&ch, &src, tok, OP, OP);
     let limit = std::time::Duration::from_secs(20);
@@ -239,15 +268,25 @@ async fn a_later_request_takes_the_reading_over_from_a_direct_write_not_awaited(
     assert_eq!(s.caller_receives.load(Ordering::Relaxed), read);
     assert!(ch.is_alive());
     assert!(bytes(&remote, 0, 2 * OP as usize) == bytes(&src, 0, 2 * OP as usize));
+    if kind == OpKind::Read {
+        assert!(bytes(&back, 0, OP as usize) == bytes(&src, 0, OP as usize));
+    }
 }
 
-/// A direct WRITE whose future is dropped before it read its response hands the reading back
-/// to the stream's thread, which reads it; the stream goes on serving.
+/// A direct WRITE (then READ) whose future is dropped before it read its response hands the
+/// reading back to the stream's thread, which reads it (a READ's payload into place); the
+/// stream goes on serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dropped_direct_write_hands_its_response_back_to_the_stream_thread() {
+async fn a_dropped_direct_request_hands_its_response_back_to_the_stream_thread() {
     if !uring_usable() {
         return;
     }
+    for kind in [OpKind::Write, OpKind::Read] {
+        dropped(kind).await;
+    }
+}
+
+async fn dropped(kind: OpKind) {
     const OP: u64 = 64;
     let config = UringConfig {
         streams: 1,
@@ -258,7 +297,11 @@ async fn a_dropped_direct_write_hands_its_response_back_to_the_stream_thread() {
     let src = Arc::new(MemoryRegion::alloc_zeroed(2 * OP as usize, 4096).unwrap());
     fill(&src, 4);
     settle(&ch, &t, &src, tok, 0).await;
-    drop(write_at(&ch, &src, tok, 0, OP));
+    let back = Arc::new(MemoryRegion::alloc_zeroed(OP as usize, 4096).unwrap());
+    drop(match kind {
+        OpKind::Read => request(&ch, kind, &back, tok, 0, OP),
+        _ => write_at(&ch, &src, tok, 0, OP),
+    });
     assert_eq!(t.stats().caller_handbacks.load(Ordering::Relaxed), 1);
     let limit = std::time::Duration::from_secs(20);
     let o = tokio::time::timeout(limit, write_at(&ch, &src, tok, OP, OP))
@@ -267,6 +310,10 @@ async fn a_dropped_direct_write_hands_its_response_back_to_the_stream_thread() {
     assert!(o.is_success() && o.drained, "{o:?}");
     assert!(ch.is_alive());
     assert!(bytes(&remote, 0, 2 * OP as usize) == bytes(&src, 0, 2 * OP as usize));
+    // Responses come in order: the dropped READ's landed before the later request's.
+    if kind == OpKind::Read {
+        assert!(bytes(&back, 0, OP as usize) == bytes(&src, 0, OP as usize));
+    }
 }
 
 /// Accepts one stream on `l`, answering its attach.

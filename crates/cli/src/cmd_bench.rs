@@ -88,9 +88,9 @@ pub(crate) struct BenchArgs {
     /// streams on this process's runtime (lower latency for small ops, less bulk throughput).
     #[arg(long, default_value = "auto", value_parser = parse::io_threads)]
     io_threads: IoThreads,
-    /// io_uring data plane: the task awaiting a small WRITE sent directly on an idle stream reads
-    /// its response itself (through the runtime's reactor) instead of being woken by the
-    /// stream's thread.
+    /// io_uring data plane: the task awaiting a small WRITE or READ sent directly on an idle
+    /// stream reads its response itself (through the runtime's reactor) instead of being woken
+    /// by the stream's thread.
     #[arg(long)]
     uring_caller_receives: bool,
     /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an

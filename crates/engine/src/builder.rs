@@ -192,9 +192,9 @@ impl EngineBuilder {
         self
     }
 
-    /// Whether the task that awaits a small io_uring WRITE sent directly on an idle stream
-    /// reads its response itself, through its tokio runtime's reactor, instead of being woken
-    /// by the stream's thread (default off; `UringConfig::caller_receives` says what it
+    /// Whether the task that awaits a small io_uring WRITE or READ sent directly on an idle
+    /// stream reads its response itself, through its tokio runtime's reactor, instead of being
+    /// woken by the stream's thread (default off; `UringConfig::caller_receives` says what it
     /// changes: such a response is read only while the request is awaited).
     #[cfg(feature = "uring")]
     pub fn uring_caller_receives(mut self, on: bool) -> Self {

@@ -50,7 +50,7 @@ pub(crate) struct SendPlan {
     pub(crate) loopback: bool,
     /// The peer takes vectored requests (protocol version 3): runs of small ops are grouped.
     pub(crate) vectored: bool,
-    /// The task awaiting a WRITE it sent directly reads the response itself
+    /// The task awaiting a WRITE or READ it sent directly reads the response itself
     /// (`UringConfig::caller_receives`).
     pub(crate) caller_receives: bool,
 }
@@ -147,7 +147,7 @@ struct SendState {
     /// Bytes of a submitter's send that the kernel did not take at once; the stream thread
     /// sends them before anything else.
     tail: Vec<u8>,
-    /// Who reads the socket's responses: the stream thread, or the task awaiting a WRITE it
+    /// Who reads the socket's responses: the stream thread, or the task awaiting a request it
     /// sent directly (that task's number). Only the reader receives, and only under this lock.
     reader: Reader,
     /// Numbers the direct readers.
@@ -158,6 +158,9 @@ struct SendState {
     /// The stream thread has a receive armed (or completed and not yet taken) on its ring: a
     /// direct reader must not be made meanwhile.
     recv_armed: bool,
+    /// A READ's payload a direct reader is receiving (the chunk, bytes received): whoever reads
+    /// next finishes it before the next header.
+    payload: Option<(Chunk<ReqShared>, usize)>,
 }
 
 /// Who reads a stream's responses.
@@ -261,6 +264,7 @@ impl UringChannel {
                     resp: [0; DATA_RESPONSE_LEN],
                     resp_at: 0,
                     recv_armed: false,
+                    payload: None,
                 }),
                 socket: socket.clone(),
                 dead: dead.clone(),
@@ -348,9 +352,9 @@ impl UringChannel {
     /// stream thread to send first. [`Direct::Dealt`]: nothing was done, deal the request.
     ///
     /// With [`SendPlan::caller_receives`], an idle stream's thread keeps no receive armed (only
-    /// a poll for the socket's hang-up), and a WRITE sent whole from a task on a tokio runtime
-    /// makes that task the stream's reader ([`CallerRead`]); any other direct send wakes the
-    /// stream thread to arm its receive.
+    /// a poll for the socket's hang-up), and a WRITE or READ sent whole from a task on a tokio
+    /// runtime makes that task the stream's reader ([`CallerRead`]); any other direct send
+    /// wakes the stream thread to arm its receive.
     fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
         let [op] = ops else {
             return Direct::Dealt;
@@ -361,7 +365,7 @@ impl UringChannel {
             return Direct::Dealt;
         }
         let caller = self.caller_receives
-            && op.kind == OpKind::Write
+            && matches!(op.kind, OpKind::Write | OpKind::Read)
             && tokio::runtime::Handle::try_current().is_ok();
         for (i, sh) in self.shared.iter().enumerate() {
             // A stream whose lock is taken is busy; its thread holds it only briefly.
@@ -374,6 +378,7 @@ impl UringChannel {
                 || g.proto.is_broken()
                 || g.reader != Reader::Ring
                 || g.resp_at > 0
+                || g.payload.is_some()
                 || (self.caller_receives && g.recv_armed)
                 || sh.dead.load(Ordering::Acquire)
             {
@@ -532,18 +537,19 @@ enum Got {
     More,
     /// Not the reader any more (the stream thread took over: it meets the response).
     Gone,
-    /// The stream ended or failed, or the response is not a WRITE's: the stream thread is to
+    /// The stream ended or failed, or the response is not one op's: the stream thread is to
     /// read (and so fail) it.
     HandBack,
 }
 
-/// The task awaiting a WRITE it sent directly, as its stream's reader (see [`Reader`]): it
-/// receives the response header without blocking, under the stream's lock, whenever its
-/// runtime's reactor finds the socket readable, and resolves the chunk through the stream
-/// protocol. It stops being the reader when the chunk is resolved, when the stream thread takes
-/// a new chunk (which takes the reading over, the header's bytes so far included), and when it
-/// is dropped or meets anything but a WRITE's response (it then hands the reading back and
-/// wakes the stream thread). Either way the request completes through its countdown.
+/// The task awaiting a WRITE or READ it sent directly, as its stream's reader (see [`Reader`]):
+/// it receives the response header (then a READ's payload, into place) without blocking, under
+/// the stream's lock, whenever its runtime's reactor finds the socket readable, and resolves
+/// the chunk through the stream protocol. It stops being the reader when the chunk is resolved,
+/// when the stream thread takes a new chunk (which takes the reading over, the header's bytes
+/// or the payload's so far included), and when it is dropped or meets the stream's end, an error
+/// or a response that is not one op's (it then hands the reading back and wakes the stream
+/// thread). Either way the request completes through its countdown.
 struct CallerRead {
     sh: Arc<StreamShared>,
     /// The request's countdown.
@@ -554,6 +560,21 @@ struct CallerRead {
     stats: Arc<IoStats>,
     /// No longer the reader.
     over: bool,
+}
+
+/// What a non-blocking receive's return value `n` means to a direct reader: bytes received
+/// (0: the stream's end), or what to do instead.
+fn received(n: isize) -> Result<usize, Got> {
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    let e = std::io::Error::last_os_error();
+    Err(match e.kind() {
+        std::io::ErrorKind::WouldBlock => Got::Empty,
+        std::io::ErrorKind::Interrupted => Got::More,
+        // The stream thread meets the end or the error too, and fails what is in flight.
+        _ => Got::HandBack,
+    })
 }
 
 /// The stream's socket as the reactor sees it; borrowed, never closed by it.
@@ -642,11 +663,40 @@ impl CallerRead {
         }
     }
 
-    /// One non-blocking receive of the header's rest, under the stream's lock.
+    /// One non-blocking receive of the header's rest (or of a READ's payload), under the
+    /// stream's lock.
     fn receive(&self, fd: std::os::fd::RawFd) -> Got {
         let mut g = self.sh.lock();
         if g.reader != Reader::Caller(self.token) {
             return Got::Gone;
+        }
+        if let Some((chunk, done)) = g.payload.as_ref() {
+            let len = chunk.payload_len() as usize;
+            let ptr =
+                (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize + done) as *mut u8;
+            // SAFETY: the stream protocol checked the chunk's range against its region at post;
+            // the request owns the range until drained, keeps the region alive through the
+            // chunk's Arc, and no Rust reference to it exists; at most the `len - done` bytes
+            // not yet received are written.
+            let n = unsafe { libc::recv(fd, ptr.cast(), len - done, libc::MSG_DONTWAIT) };
+            return match received(n) {
+                Ok(0) => Got::HandBack,
+                Ok(n) => {
+                    let done = done + n;
+                    if done < len {
+                        if let Some(p) = g.payload.as_mut() {
+                            p.1 = done;
+                        }
+                        return Got::More;
+                    }
+                    if let Some((chunk, _)) = g.payload.take() {
+                        chunk.acked();
+                    }
+                    g.reader = Reader::Ring;
+                    Got::Done
+                }
+                Err(got) => got,
+            };
         }
         let at = g.resp_at;
         let want = DATA_RESPONSE_LEN - at;
@@ -660,19 +710,12 @@ impl CallerRead {
                 libc::MSG_DONTWAIT,
             )
         };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            return match e.kind() {
-                std::io::ErrorKind::WouldBlock => Got::Empty,
-                std::io::ErrorKind::Interrupted => Got::More,
-                // The stream thread meets the end or the error too, and fails what is in flight.
-                _ => Got::HandBack,
-            };
-        }
-        if n == 0 {
-            return Got::HandBack;
-        }
-        g.resp_at += n as usize;
+        let n = match received(n) {
+            Ok(0) => return Got::HandBack,
+            Ok(n) => n,
+            Err(got) => return got,
+        };
+        g.resp_at += n;
         if g.resp_at < DATA_RESPONSE_LEN {
             return Got::More;
         }
@@ -683,13 +726,21 @@ impl CallerRead {
                 g.reader = Reader::Ring;
                 Got::Done
             }
+            Ok(Resolution::Payload(chunk)) if chunk.payload_len() == 0 => {
+                chunk.acked();
+                g.reader = Reader::Ring;
+                Got::Done
+            }
+            Ok(Resolution::Payload(chunk)) => {
+                g.payload = Some((chunk, 0));
+                Got::More
+            }
             resolved => {
-                // A WRITE's response carries no payload: the peer broke the protocol. The
-                // stream is given up; its thread fails what is in flight.
+                // One op sent directly is never a vectored request: the peer broke the
+                // protocol. The stream is given up; its thread fails what is in flight.
                 match resolved {
-                    Ok(Resolution::Payload(c)) => c.lost(None),
                     Ok(Resolution::Pieces(ps)) => ps.into_iter().for_each(|c| c.lost(None)),
-                    Ok(Resolution::Done) => {}
+                    Ok(Resolution::Done | Resolution::Payload(_)) => {}
                     Err(v) => {
                         debug!(stream = self.index, error = %v, "bad response; stream closed")
                     }
@@ -861,6 +912,10 @@ impl StreamCtx {
 fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
     let mut open = true;
     let broken = 'run: loop {
+        // A READ's payload a direct reader left (it handed the reading back).
+        if let Err(native) = finish_payload(&mut io, &sh, &cx) {
+            break 'run native;
+        }
         // Responses that arrived meanwhile.
         while let Some(got) = io.take_armed() {
             let head = {
@@ -939,7 +994,12 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
             let (in_flight, tail, resp_at) = {
                 let mut g = sh.lock();
                 g.busy = false;
-                (g.proto.in_flight(), !g.tail.is_empty(), g.resp_at)
+                let payload = g.payload.is_some();
+                (
+                    g.proto.in_flight(),
+                    !g.tail.is_empty(),
+                    g.resp_at + usize::from(payload),
+                )
             };
             if !open && in_flight == 0 && resp_at == 0 && !tail {
                 cx.rise();
@@ -966,6 +1026,10 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
             if took {
                 IoStats::add(&cx.stats.caller_handbacks, 1);
             }
+            if let Err(native) = finish_payload(&mut io, &sh, &cx) {
+                job.not_posted(FailureKind::PeerLost);
+                break 'run native;
+            }
             if let Err(e) = arm_recv(&mut io, &sh) {
                 debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
                 break 'run None;
@@ -979,7 +1043,13 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
     };
     cx.dead.store(true, Ordering::Release);
     shutdown(&cx.socket);
-    sh.lock().proto.fail_all(broken);
+    {
+        let mut g = sh.lock();
+        if let Some((chunk, _)) = g.payload.take() {
+            chunk.lost(broken);
+        }
+        g.proto.fail_all(broken);
+    }
     // The other streams take what was dealt to this one; the last one to end fails it.
     for job in cx.queue.leave(cx.index) {
         job.not_posted(FailureKind::PeerLost);
@@ -1009,6 +1079,42 @@ fn arm(io: &mut SockIo<NotifHold>, sh: &StreamShared, cx: &StreamCtx) -> std::io
         io.arm_hangup()?;
     }
     Ok(())
+}
+
+/// Receives the rest of a READ's payload a direct reader started, if the thread is the reader
+/// and one is left, into its chunk's memory (waiting on the ring). `Err`: the stream is broken.
+fn finish_payload(
+    io: &mut SockIo<NotifHold>,
+    sh: &StreamShared,
+    cx: &StreamCtx,
+) -> Result<(), Option<i32>> {
+    let left = {
+        let mut g = sh.lock();
+        if g.reader != Reader::Ring {
+            return Ok(());
+        }
+        g.payload.take()
+    };
+    let Some((chunk, done)) = left else {
+        return Ok(());
+    };
+    let len = chunk.payload_len() as usize;
+    let ptr = (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize + done) as *mut u8;
+    // SAFETY: the stream protocol checked the chunk's range against its region at post; the
+    // request owns the range until drained, keeps the region alive through the chunk's Arc,
+    // and no Rust reference to it exists; `done <= len`.
+    match unsafe { io.recv_exact(ptr, len - done) } {
+        Ok(()) => {
+            chunk.acked();
+            Ok(())
+        }
+        Err(e) => {
+            debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+            let native = e.raw_os_error();
+            chunk.lost(native);
+            Err(native)
+        }
+    }
 }
 
 /// Arms the receive of the next response header's rest, unless one is armed.
