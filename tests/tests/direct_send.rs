@@ -191,7 +191,8 @@ async fn small_requests_on_an_idle_stream_are_completed_by_the_awaiting_task() {
         caller_receives: true,
         ..UringConfig::default()
     };
-    let (ch, t, tok, remote, _server) = setup(config.clone(), config, (N * OP) as usize).await;
+    const BIG: usize = 64 << 10;
+    let (ch, t, tok, remote, _server) = setup(config.clone(), config, BIG).await;
     let src = Arc::new(MemoryRegion::alloc_zeroed((N * OP) as usize, 4096).unwrap());
     fill(&src, 5);
     for i in 0..N {
@@ -212,6 +213,12 @@ async fn small_requests_on_an_idle_stream_are_completed_by_the_awaiting_task() {
     assert_eq!(s.caller_handbacks.load(Ordering::Relaxed), 0);
     assert!(bytes(&remote, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
     assert!(bytes(&back, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
+    // A READ of more than 16 KiB is read by the stream's thread (in one wait, not in pieces).
+    let big = Arc::new(MemoryRegion::alloc_zeroed(BIG, 4096).unwrap());
+    let o = request(&ch, OpKind::Read, &big, tok, 0, BIG as u64).await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert_eq!(s.caller_receives.load(Ordering::Relaxed), direct);
+    assert!(bytes(&big, 0, BIG) == bytes(&remote, 0, BIG));
     // Off, the stream's thread reads every response.
     let off = UringConfig {
         streams: 1,

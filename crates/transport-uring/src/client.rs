@@ -352,9 +352,9 @@ impl UringChannel {
     /// stream thread to send first. [`Direct::Dealt`]: nothing was done, deal the request.
     ///
     /// With [`SendPlan::caller_receives`], an idle stream's thread keeps no receive armed (only
-    /// a poll for the socket's hang-up), and a WRITE or READ sent whole from a task on a tokio
-    /// runtime makes that task the stream's reader ([`CallerRead`]); any other direct send
-    /// wakes the stream thread to arm its receive.
+    /// a poll for the socket's hang-up), and a WRITE or a READ of at most [`DIRECT_MAX`] bytes
+    /// sent whole from a task on a tokio runtime makes that task the stream's reader
+    /// ([`CallerRead`]); any other direct send wakes the stream thread to arm its receive.
     fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
         let [op] = ops else {
             return Direct::Dealt;
@@ -364,8 +364,11 @@ impl UringChannel {
         if !one_chunk || payload > (DIRECT_MAX - DATA_REQUEST_LEN) as u64 {
             return Direct::Dealt;
         }
+        // A READ's payload is read by the task only while it is small: a large one comes in
+        // many pieces, each a wake-up of the task, where the stream thread waits for it whole.
         let caller = self.caller_receives
-            && matches!(op.kind, OpKind::Write | OpKind::Read)
+            && (op.kind == OpKind::Write
+                || (op.kind == OpKind::Read && op.len <= DIRECT_MAX as u64))
             && tokio::runtime::Handle::try_current().is_ok();
         for (i, sh) in self.shared.iter().enumerate() {
             // A stream whose lock is taken is busy; its thread holds it only briefly.

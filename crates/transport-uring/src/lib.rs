@@ -140,9 +140,9 @@ pub struct UringConfig {
     /// How many rings serve a server's data streams, each on one thread (0: one per CPU this
     /// process may run on): a served stream costs no thread.
     pub server_rings: usize,
-    /// A small WRITE or READ sent directly on an idle stream ([`UringChannel`]'s fast path) from
-    /// a task on a tokio runtime with I/O enabled has its response (and a READ's payload) read
-    /// by that task: it receives
+    /// A small WRITE or READ (at most 16 KiB) sent directly on an idle stream ([`UringChannel`]'s
+    /// fast path) from a task on a tokio runtime with I/O enabled has its response (and a READ's
+    /// payload) read by that task: it receives
     /// without blocking whenever the runtime's reactor finds the socket readable, so the round
     /// trip wakes no thread but the awaiting one (the stream's thread keeps only a hang-up poll
     /// armed while idle). Off (the default): the stream's thread reads every response and
