@@ -916,7 +916,9 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
     let mut open = true;
     let broken = 'run: loop {
         // A READ's payload a direct reader left (it handed the reading back).
-        if let Err(native) = finish_payload(&mut io, &sh, &cx) {
+        if cx.caller_receives
+            && let Err(native) = finish_payload(&mut io, &sh, &cx)
+        {
             break 'run native;
         }
         // Responses that arrived meanwhile.
