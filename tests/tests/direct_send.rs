@@ -4,6 +4,11 @@
 //! else. Both must keep each stream's requests in sequence order and their bytes whole, whoever
 //! sends them; the io_uring server checks the order (a request out of sequence closes the
 //! stream) and the bytes are compared at the end.
+//!
+//! With `UringConfig::caller_receives` (off by default) the task that awaits a small WRITE or
+//! READ sent directly reads its response (and a READ's payload) itself; the stream's thread
+//! takes the reading over when it takes a later request, and gets it back when that task's
+//! future is dropped or the stream ends.
 
 mod common;
 
@@ -57,12 +62,18 @@ async fn setup(
 
 /// Many tasks submit small WRITEs and READs to one stream at once: some go out from their
 /// submitters, some through the stream's thread, and every one completes with its bytes where
-/// they belong.
+/// they belong; with the awaiting tasks reading their WRITEs' responses and without.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_submitters_keep_one_streams_order() {
     if !uring_usable() {
         return;
     }
+    for caller_receives in [false, true] {
+        concurrent_submitters(caller_receives).await;
+    }
+}
+
+async fn concurrent_submitters(caller_receives: bool) {
     const TASKS: u64 = 8;
     const EACH: u64 = 200;
     const OP: u64 = 64;
@@ -70,6 +81,7 @@ async fn concurrent_submitters_keep_one_streams_order() {
     let config = UringConfig {
         streams: 1,
         depth: 4,
+        caller_receives,
         ..UringConfig::default()
     };
     let (ch, t, tok, remote, _server) = setup(config.clone(), config, len).await;
@@ -106,6 +118,209 @@ async fn concurrent_submitters_keep_one_streams_order() {
     );
     let direct = t.stats().direct_sends.load(Ordering::Relaxed);
     assert!(direct > 0, "no request was sent by its submitter");
+    // With the switch on, how many responses the awaiting tasks read themselves depends on
+    // how the tasks interleave (the stream thread takes the reading over whenever it takes a
+    // dealt request); `small_writes_on_an_idle_stream_are_completed_by_the_awaiting_task`
+    // counts them where nothing competes.
+    if !caller_receives {
+        let caller = t.stats().caller_receives.load(Ordering::Relaxed);
+        assert_eq!(
+            caller, 0,
+            "a response was read by its task with the switch off"
+        );
+    }
+}
+
+/// One WRITE request of `len` bytes at `at` (both sides), not yet awaited.
+fn write_at(
+    ch: &Arc<dyn Channel>,
+    src: &Arc<MemoryRegion>,
+    tok: SegmentToken,
+    at: u64,
+    len: u64,
+) -> ferry_core::BoxFuture<'static, ferry_core::Outcome> {
+    request(ch, OpKind::Write, src, tok, at, len)
+}
+
+/// One request of one op of `kind` and `len` bytes at `at` (both sides), not yet awaited.
+fn request(
+    ch: &Arc<dyn Channel>,
+    kind: OpKind,
+    local: &Arc<MemoryRegion>,
+    tok: SegmentToken,
+    at: u64,
+    len: u64,
+) -> ferry_core::BoxFuture<'static, ferry_core::Outcome> {
+    let ops: Arc<[Op]> = vec![op(kind, local, at, tok, at, len)].into();
+    let control = Arc::new(RequestControl::new(&ops));
+    ch.execute(ops, control)
+}
+
+/// 64-byte WRITEs at `at` until one's response was read by the task awaiting it (at most 100):
+/// the stream's thread, which such a round trip does not wake, then sleeps on its ring, so the
+/// next small request on the stream is sent directly. (Just after the channel opened the thread
+/// may still be looking at the queue, which makes a submitter deal its request instead.)
+async fn settle(
+    ch: &Arc<dyn Channel>,
+    t: &UringTransport,
+    src: &Arc<MemoryRegion>,
+    tok: SegmentToken,
+    at: u64,
+) {
+    for _ in 0..100 {
+        let o = write_at(ch, src, tok, at, 64).await;
+        assert!(o.is_success(), "{o:?}");
+        if t.stats().caller_receives.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+    }
+    panic!("no response of 100 was read by the task awaiting it");
+}
+
+/// Round trips one at a time on an idle stream, WRITEs then READs: every response is read by
+/// the task awaiting it (a READ's payload too), none by the stream's thread, and the bytes land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_requests_on_an_idle_stream_are_completed_by_the_awaiting_task() {
+    if !uring_usable() {
+        return;
+    }
+    const N: u64 = 50;
+    const OP: u64 = 64;
+    let config = UringConfig {
+        streams: 1,
+        caller_receives: true,
+        ..UringConfig::default()
+    };
+    const BIG: usize = 64 << 10;
+    let (ch, t, tok, remote, _server) = setup(config.clone(), config, BIG).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed((N * OP) as usize, 4096).unwrap());
+    fill(&src, 5);
+    for i in 0..N {
+        let o = write_at(&ch, &src, tok, i * OP, OP).await;
+        assert!(o.is_success() && o.drained, "write {i}: {o:?}");
+    }
+    let back = Arc::new(MemoryRegion::alloc_zeroed((N * OP) as usize, 4096).unwrap());
+    for i in 0..N {
+        let o = request(&ch, OpKind::Read, &back, tok, i * OP, OP).await;
+        assert!(o.is_success() && o.drained, "read {i}: {o:?}");
+    }
+    // Every request sent directly (all but, at most, those racing the stream thread's first
+    // look at the queue) had its response read by its own task.
+    let s = t.stats();
+    let direct = s.direct_sends.load(Ordering::Relaxed);
+    assert!(direct > N, "{direct} of {} sent directly", 2 * N);
+    assert_eq!(s.caller_receives.load(Ordering::Relaxed), direct);
+    assert_eq!(s.caller_handbacks.load(Ordering::Relaxed), 0);
+    assert!(bytes(&remote, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
+    assert!(bytes(&back, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
+    // A READ of more than 16 KiB is read by the stream's thread (in one wait, not in pieces).
+    let big = Arc::new(MemoryRegion::alloc_zeroed(BIG, 4096).unwrap());
+    let o = request(&ch, OpKind::Read, &big, tok, 0, BIG as u64).await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert_eq!(s.caller_receives.load(Ordering::Relaxed), direct);
+    assert!(bytes(&big, 0, BIG) == bytes(&remote, 0, BIG));
+    // Off, the stream's thread reads every response.
+    let off = UringConfig {
+        streams: 1,
+        ..UringConfig::default()
+    };
+    let (ch, t, tok, _remote, _server) = setup(off.clone(), off, OP as usize).await;
+    let o = write_at(&ch, &src, tok, 0, OP).await;
+    assert!(o.is_success(), "{o:?}");
+    assert_eq!(t.stats().caller_receives.load(Ordering::Relaxed), 0);
+}
+
+/// A direct WRITE (then READ) whose future is not polled while a later request on the same
+/// stream is awaited (one thread runs both): the stream's thread takes the reading over, so the
+/// later one completes, and so does the first when it is awaited at last.
+#[tokio::test(flavor = "current_thread")]
+async fn a_later_request_takes_the_reading_over_from_a_direct_request_not_awaited() {
+    if !uring_usable() {
+        return;
+    }
+    for kind in [OpKind::Write, OpKind::Read] {
+        takeover(kind).await;
+    }
+}
+
+async fn takeover(kind: OpKind) {
+    const OP: u64 = 64;
+    let config = UringConfig {
+        streams: 1,
+        caller_receives: true,
+        ..UringConfig::default()
+    };
+    let (ch, t, tok, remote, _server) = setup(config.clone(), config, 2 * OP as usize).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(2 * OP as usize, 4096).unwrap());
+    fill(&src, 9);
+    settle(&ch, &t, &src, tok, 0).await;
+    let sent = t.stats().direct_sends.load(Ordering::Relaxed);
+    let read = t.stats().caller_receives.load(Ordering::Relaxed);
+    let back = Arc::new(MemoryRegion::alloc_zeroed(OP as usize, 4096).unwrap());
+    let first = match kind {
+        OpKind::Read => request(&ch, kind, &back, tok, 0, OP),
+        _ => write_at(&ch, &src, tok, 0, OP),
+    };
+    assert_eq!(t.stats().direct_sends.load(Ordering::Relaxed), sent + 1);
+    let second = write_at(&ch, &src, tok, OP, OP);
+    let limit = std::time::Duration::from_secs(20);
+    let o = tokio::time::timeout(limit, second)
+        .await
+        .expect("the later request waits on the first one's reader");
+    assert!(o.is_success() && o.drained, "second: {o:?}");
+    let o = tokio::time::timeout(limit, first).await.expect("first");
+    assert!(o.is_success() && o.drained, "first: {o:?}");
+    let s = t.stats();
+    assert_eq!(s.caller_handbacks.load(Ordering::Relaxed), 1);
+    assert_eq!(s.caller_receives.load(Ordering::Relaxed), read);
+    assert!(ch.is_alive());
+    assert!(bytes(&remote, 0, 2 * OP as usize) == bytes(&src, 0, 2 * OP as usize));
+    if kind == OpKind::Read {
+        assert!(bytes(&back, 0, OP as usize) == bytes(&src, 0, OP as usize));
+    }
+}
+
+/// A direct WRITE (then READ) whose future is dropped before it read its response hands the
+/// reading back to the stream's thread, which reads it (a READ's payload into place); the
+/// stream goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_direct_request_hands_its_response_back_to_the_stream_thread() {
+    if !uring_usable() {
+        return;
+    }
+    for kind in [OpKind::Write, OpKind::Read] {
+        dropped(kind).await;
+    }
+}
+
+async fn dropped(kind: OpKind) {
+    const OP: u64 = 64;
+    let config = UringConfig {
+        streams: 1,
+        caller_receives: true,
+        ..UringConfig::default()
+    };
+    let (ch, t, tok, remote, _server) = setup(config.clone(), config, 2 * OP as usize).await;
+    let src = Arc::new(MemoryRegion::alloc_zeroed(2 * OP as usize, 4096).unwrap());
+    fill(&src, 4);
+    settle(&ch, &t, &src, tok, 0).await;
+    let back = Arc::new(MemoryRegion::alloc_zeroed(OP as usize, 4096).unwrap());
+    drop(match kind {
+        OpKind::Read => request(&ch, kind, &back, tok, 0, OP),
+        _ => write_at(&ch, &src, tok, 0, OP),
+    });
+    assert_eq!(t.stats().caller_handbacks.load(Ordering::Relaxed), 1);
+    let limit = std::time::Duration::from_secs(20);
+    let o = tokio::time::timeout(limit, write_at(&ch, &src, tok, OP, OP))
+        .await
+        .expect("the stream serves on");
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert!(ch.is_alive());
+    assert!(bytes(&remote, 0, 2 * OP as usize) == bytes(&src, 0, 2 * OP as usize));
+    // Responses come in order: the dropped READ's landed before the later request's.
+    if kind == OpKind::Read {
+        assert!(bytes(&back, 0, OP as usize) == bytes(&src, 0, OP as usize));
+    }
 }
 
 /// Accepts one stream on `l`, answering its attach.
@@ -242,4 +457,79 @@ async fn a_direct_send_the_kernel_takes_in_part_is_finished_by_the_stream_thread
     assert!(ch.is_alive());
     done_tx.send(()).unwrap();
     assert_eq!(server.join().unwrap(), [0, 1]);
+}
+
+/// The peer closes the stream instead of answering a WRITE whose response the awaiting task
+/// reads: the request fails (it does not hang) and the channel is seen dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_closes_instead_of_answering_a_direct_write_fails_it() {
+    if !uring_usable() {
+        return;
+    }
+    const OP: u64 = 64;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let mut s = accept_stream(&l);
+        loop {
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            s.read_exact(&mut h).unwrap();
+            let r = DataRequest::decode(&h).unwrap();
+            let mut payload = vec![0u8; r.len as usize];
+            s.read_exact(&mut payload).unwrap();
+            if r.len != OP {
+                // Closed without a response.
+                return;
+            }
+            let mut b = [0u8; DATA_RESPONSE_LEN];
+            DataResponse {
+                seq: r.seq,
+                refused: None,
+                len: 0,
+                also_acks: 0,
+            }
+            .encode(&mut b);
+            s.write_all(&b).unwrap();
+        }
+    });
+    let t = UringTransport::new(UringConfig {
+        streams: 1,
+        caller_receives: true,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let ch = t
+        .open(PeerInfo {
+            addr,
+            local_id: PeerId::random(),
+            local_epoch: Epoch::fresh(),
+            remote_id: PeerId::random(),
+            remote_epoch: Epoch(1),
+            offer: TransportOffer::Tcp {
+                streams: 1,
+                port: 0,
+            },
+            segments: vec![],
+            session: None,
+            key_name: None,
+            version: ferry_core::wire::SUPPORTED_VERSIONS.max,
+        })
+        .await
+        .unwrap();
+    let src = Arc::new(MemoryRegion::alloc_zeroed(2 * OP as usize, 4096).unwrap());
+    settle(&ch, &t, &src, SegmentToken(9), 0).await;
+    let sent = t.stats().direct_sends.load(Ordering::Relaxed);
+    let fut = write_at(&ch, &src, SegmentToken(9), 0, 2 * OP);
+    assert_eq!(t.stats().direct_sends.load(Ordering::Relaxed), sent + 1);
+    let o = tokio::time::timeout(std::time::Duration::from_secs(20), fut)
+        .await
+        .expect("a closed stream's request hangs");
+    assert!(!o.is_success(), "{o:?}");
+    server.join().unwrap();
+    // The stream's thread marks the stream dead before it fails what was in flight.
+    assert!(
+        !ch.is_alive(),
+        "the channel is still alive after its stream ended"
+    );
+    assert_eq!(t.stats().caller_handbacks.load(Ordering::Relaxed), 1);
 }

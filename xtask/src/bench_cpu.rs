@@ -12,7 +12,8 @@
 //! round the order of Ferry and iperf3 is swapped every round so neither always runs on a warmer
 //! machine; every Ferry case is divided by the iperf3 run of its round. The table shows each
 //! side's median CPU seconds per GB (10^9 bytes) and rate, and the median and range of the
-//! per-round ratios (below 1: Ferry spends less CPU per byte than iperf3).
+//! per-round ratios (below 1: Ferry spends less CPU per byte than iperf3); a second table splits
+//! each side's CPU per GB into its client and its server.
 //!
 //! With `--baseline BIN` another build's `ferry serve` and `ferry bench` run the same cases in
 //! the same rounds (the three sides' order rotating each round), and the table adds the ratios of
@@ -101,25 +102,38 @@ fn wait_listening(addr: SocketAddr, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// One measured run: CPU seconds of both ends, bytes moved, wall seconds.
+/// One measured run: CPU seconds of each end, bytes moved, wall seconds.
 struct Run {
-    cpu: f64,
+    client: f64,
+    server: f64,
     bytes: f64,
     seconds: f64,
 }
 
 impl Run {
     fn cpu_per_gb(&self) -> f64 {
-        self.cpu / (self.bytes / 1e9)
+        (self.client + self.server) / (self.bytes / 1e9)
+    }
+    fn client_per_gb(&self) -> f64 {
+        self.client / (self.bytes / 1e9)
+    }
+    fn server_per_gb(&self) -> f64 {
+        self.server / (self.bytes / 1e9)
     }
     fn gb_per_s(&self) -> f64 {
         self.bytes / self.seconds / 1e9
     }
 }
 
+/// CPU seconds of one run's two ends.
+struct Cpu {
+    client: f64,
+    server: f64,
+}
+
 /// Runs `client` to its end against `server` and counts both processes' CPU meanwhile; returns
-/// the client's stdout with the CPU seconds.
-fn measured(server: &Server, client: &mut Command, hz: f64) -> Result<(String, f64, f64)> {
+/// the client's stdout with the CPU seconds of each end and the wall seconds.
+fn measured(server: &Server, client: &mut Command, hz: f64) -> Result<(String, Cpu, f64)> {
     let pid = server.0.id();
     let (s0, c0) = (ticks_of(pid)?, children_ticks()?);
     let t0 = Instant::now();
@@ -136,7 +150,11 @@ fn measured(server: &Server, client: &mut Command, hz: f64) -> Result<(String, f
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok((text, (s1 - s0 + c1 - c0) as f64 / hz, wall))
+    let cpu = Cpu {
+        client: (c1 - c0) as f64 / hz,
+        server: (s1 - s0) as f64 / hz,
+    };
+    Ok((text, cpu, wall))
 }
 
 /// One Ferry case: label and the `ferry bench` arguments of its op.
@@ -211,7 +229,8 @@ fn ferry_run(ferry: &Ferry, transport: &str, case: &Case, total: u64, hz: f64) -
     let bytes = json_num(&text, "total_bytes", 0).with_context(|| format!("no bytes in {text}"))?;
     let seconds = json_num(&text, "seconds", 0).unwrap_or(wall);
     Ok(Run {
-        cpu,
+        client: cpu.client,
+        server: cpu.server,
         bytes,
         seconds,
     })
@@ -224,7 +243,8 @@ fn iperf3_run(server: &Server, port: u16, total: u64, hz: f64) -> Result<Run> {
     let (text, cpu, _) = measured(server, &mut cmd, hz)?;
     let (bytes, seconds) = crate::iperf3::received_in(&text)?;
     Ok(Run {
-        cpu,
+        client: cpu.client,
+        server: cpu.server,
         bytes,
         seconds,
     })
@@ -353,6 +373,23 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     println!(
         "(CPU: user + system seconds of client and server together per 10^9 bytes; below 1: ferry spends less CPU per byte)"
     );
+    println!();
+    println!(
+        "| each end, CPU s/GB (median of {repeat} rounds) | ferry client | ferry server | iperf3 client | iperf3 server | ferry / iperf3 client | ferry / iperf3 server |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (c, case) in CASES.iter().enumerate() {
+        println!(
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} |",
+            case.label,
+            median(&column(0, c, Run::client_per_gb)),
+            median(&column(0, c, Run::server_per_gb)),
+            median(&reference(Run::client_per_gb)),
+            median(&reference(Run::server_per_gb)),
+            per_round(&|(runs, r)| runs[0][c].client_per_gb() / r.client_per_gb()),
+            per_round(&|(runs, r)| runs[0][c].server_per_gb() / r.server_per_gb()),
+        );
+    }
     Ok(())
 }
 

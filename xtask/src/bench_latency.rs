@@ -4,9 +4,10 @@
 //! this process, each blocked in `recv` on its end of a loopback connection (Nagle off), bouncing
 //! 64 bytes. Ferry is `ferry bench --op-size 64 --depth 1` (WRITEs, one op in flight, its own
 //! loopback server), with the TCP streams on I/O threads (`--io-threads auto`, the default) and on
-//! the caller's runtime (`caller`), and over io_uring. The table shows median (p50) round trips
-//! over `--repeat` rounds and their ratio to the ping-pong's p50. docs/architecture.md's target is
-//! 1.2x.
+//! the caller's runtime (`caller`), and over io_uring (the stream thread reading every response,
+//! and with `--uring-caller-receives` the awaiting task reading its own). The table shows median
+//! (p50) round trips over `--repeat` rounds and their ratio to the ping-pong's p50.
+//! docs/architecture.md's target is 1.2x.
 //!
 //! Options: `--ops N` (round trips per run, default 20000), `--repeat N` (default 3).
 
@@ -97,7 +98,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         ),
     ];
     match ferry(200, &["--transport", "uring"]) {
-        Ok(_) => cases.push(("ferry uring", vec!["--transport", "uring"])),
+        Ok(_) => {
+            cases.push(("ferry uring", vec!["--transport", "uring"]));
+            cases.push((
+                "ferry uring, caller receives",
+                vec!["--transport", "uring", "--uring-caller-receives"],
+            ));
+        }
         Err(e) => println!("the uring row is left out: {e:#}"),
     }
     let mut reference = Vec::new();

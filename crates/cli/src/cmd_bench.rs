@@ -88,6 +88,11 @@ pub(crate) struct BenchArgs {
     /// streams on this process's runtime (lower latency for small ops, less bulk throughput).
     #[arg(long, default_value = "auto", value_parser = parse::io_threads)]
     io_threads: IoThreads,
+    /// io_uring data plane: the task awaiting a small WRITE or READ sent directly on an idle
+    /// stream reads its response itself (through the runtime's reactor) instead of being woken
+    /// by the stream's thread.
+    #[arg(long)]
+    uring_caller_receives: bool,
     /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an
     /// idle one's keepalive probes go unanswered) this long (1s to a day), or `off` for the
     /// kernel's defaults (about 15 minutes).
@@ -523,6 +528,7 @@ async fn bench(args: &BenchArgs, progress: &Arc<Progress>) -> Result<Report> {
         .chunk_size(args.chunk_size)
         .socket_buffer(socket_buffer)
         .io_threads(args.io_threads.0)
+        .uring_caller_receives(args.uring_caller_receives)
         .dead_peer_after(args.dead_peer_after.0);
     if kinds.contains(&TransportKind::Rdma) {
         builder = builder.rdma(rdma_config(args.rdma_hca.as_deref())?);

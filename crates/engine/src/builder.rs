@@ -192,6 +192,16 @@ impl EngineBuilder {
         self
     }
 
+    /// Whether the task that awaits a small io_uring WRITE or READ sent directly on an idle
+    /// stream reads its response itself, through its tokio runtime's reactor, instead of being
+    /// woken by the stream's thread (default off; `UringConfig::caller_receives` says what it
+    /// changes: such a response is read only while the request is awaited).
+    #[cfg(feature = "uring")]
+    pub fn uring_caller_receives(mut self, on: bool) -> Self {
+        self.data.uring_caller_receives = on;
+        self
+    }
+
     /// Authenticates peers with the keyring file at `path` (read by [`build`](Self::build);
     /// lines of `name hexkey`, each key at least 16 bytes): as a server, every peer must prove
     /// one of its keys, and the name of that key is the peer's identity (see

@@ -30,6 +30,9 @@ pub(crate) struct DataPlaneConfig {
     /// How many rings serve the io_uring listener's data streams (0: one per CPU).
     #[cfg(feature = "uring")]
     pub(crate) uring_server_rings: usize,
+    /// Whether a task awaiting a small io_uring WRITE reads its response itself.
+    #[cfg(feature = "uring")]
+    pub(crate) uring_caller_receives: bool,
     /// What the listener allows a connection before its handshake is over.
     pub(crate) handshake: ferry_transport_tcp::HandshakeLimits,
 }
@@ -61,6 +64,8 @@ impl Default for DataPlaneConfig {
             uring_max_threads: uring.max_threads,
             #[cfg(feature = "uring")]
             uring_server_rings: uring.server_rings,
+            #[cfg(feature = "uring")]
+            uring_caller_receives: uring.caller_receives,
             handshake,
         }
     }
@@ -94,6 +99,7 @@ impl DataPlaneConfig {
             dead_peer_after: self.dead_peer_after,
             max_threads: self.uring_max_threads,
             server_rings: self.uring_server_rings,
+            caller_receives: self.uring_caller_receives,
             handshake: self.handshake,
             ..UringConfig::default()
         }
@@ -118,6 +124,8 @@ mod tests {
             uring_max_threads: 11,
             #[cfg(feature = "uring")]
             uring_server_rings: 17,
+            #[cfg(feature = "uring")]
+            uring_caller_receives: true,
             handshake: ferry_transport_tcp::HandshakeLimits {
                 timeout: Duration::from_secs(3),
                 max_pending: 13,
@@ -152,6 +160,7 @@ mod tests {
                 (3, 4096, 5, None, 11)
             );
             assert_eq!(u.server_rings, 17);
+            assert!(u.caller_receives);
             assert_eq!(
                 (u.connect_timeout, u.dead_peer_after, u.handshake),
                 (c.connect_timeout, c.dead_peer_after, c.handshake)

@@ -50,6 +50,9 @@ pub(crate) struct SendPlan {
     pub(crate) loopback: bool,
     /// The peer takes vectored requests (protocol version 3): runs of small ops are grouped.
     pub(crate) vectored: bool,
+    /// The task awaiting a WRITE or READ it sent directly reads the response itself
+    /// (`UringConfig::caller_receives`).
+    pub(crate) caller_receives: bool,
 }
 
 /// One request being executed.
@@ -144,6 +147,31 @@ struct SendState {
     /// Bytes of a submitter's send that the kernel did not take at once; the stream thread
     /// sends them before anything else.
     tail: Vec<u8>,
+    /// Who reads the socket's responses: the stream thread, or the task awaiting a request it
+    /// sent directly (that task's number). Only the reader receives, and only under this lock.
+    reader: Reader,
+    /// Numbers the direct readers.
+    readers: u64,
+    /// The response header read so far (`resp_at` bytes of it), by whichever reader.
+    resp: [u8; DATA_RESPONSE_LEN],
+    resp_at: usize,
+    /// The stream thread has a receive armed (or completed and not yet taken) on its ring: a
+    /// direct reader must not be made meanwhile.
+    recv_armed: bool,
+    /// A READ's payload a direct reader is receiving (the chunk, bytes received): whoever reads
+    /// next finishes it before the next header.
+    payload: Option<(Chunk<ReqShared>, usize)>,
+}
+
+/// Who reads a stream's responses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reader {
+    /// The stream thread, with a receive armed on its ring while chunks are in flight.
+    Ring,
+    /// The task that awaits the one chunk in flight (its number): it receives without blocking
+    /// when its runtime's reactor says the socket is readable, so no thread is woken but the
+    /// one that runs it.
+    Caller(u64),
 }
 
 impl StreamShared {
@@ -167,6 +195,7 @@ pub struct UringChannel {
     chunk: u64,
     zero_copy: bool,
     vectored: bool,
+    caller_receives: bool,
 }
 
 fn shutdown(s: &TcpStream) {
@@ -189,6 +218,7 @@ impl UringChannel {
             pin,
             loopback,
             vectored,
+            caller_receives,
         } = plan;
         let depth = depth.max(1);
         let wakes = (0..sockets.len())
@@ -229,6 +259,12 @@ impl UringChannel {
                     proto: ClientStream::new(depth, policy),
                     busy: false,
                     tail: Vec::new(),
+                    reader: Reader::Ring,
+                    readers: 0,
+                    resp: [0; DATA_RESPONSE_LEN],
+                    resp_at: 0,
+                    recv_armed: false,
+                    payload: None,
                 }),
                 socket: socket.clone(),
                 dead: dead.clone(),
@@ -240,11 +276,13 @@ impl UringChannel {
             let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(1);
             let cx = StreamCtx {
                 splice,
+                caller_receives,
                 socket: socket.clone(),
                 dead: dead.clone(),
                 queue: queue.clone(),
                 peer,
                 index: i,
+                stats: stats.clone(),
             };
             let st = stats.clone();
             let spawned = std::thread::Builder::new()
@@ -303,6 +341,7 @@ impl UringChannel {
             chunk: chunk.max(1),
             zero_copy,
             vectored,
+            caller_receives,
         })
     }
 
@@ -310,16 +349,27 @@ impl UringChannel {
     /// (nothing in flight, its thread not sending, nothing queued on the channel): one
     /// non-blocking `sendmsg` instead of a hand-over to the stream's thread, whose armed
     /// receive then meets the response. What the kernel does not take at once is left for the
-    /// stream thread to send first. `false`: nothing was done, deal the request.
-    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> bool {
+    /// stream thread to send first. [`Direct::Dealt`]: nothing was done, deal the request.
+    ///
+    /// With [`SendPlan::caller_receives`], an idle stream's thread keeps no receive armed (only
+    /// a poll for the socket's hang-up), and a WRITE or a READ of at most [`DIRECT_MAX`] bytes
+    /// sent whole from a task on a tokio runtime makes that task the stream's reader
+    /// ([`CallerRead`]); any other direct send wakes the stream thread to arm its receive.
+    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
         let [op] = ops else {
-            return false;
+            return Direct::Dealt;
         };
         let one_chunk = op.kind == OpKind::Checksum || op.len <= self.chunk;
         let payload = if op.kind == OpKind::Write { op.len } else { 0 };
         if !one_chunk || payload > (DIRECT_MAX - DATA_REQUEST_LEN) as u64 {
-            return false;
+            return Direct::Dealt;
         }
+        // A READ's payload is read by the task only while it is small: a large one comes in
+        // many pieces, each a wake-up of the task, where the stream thread waits for it whole.
+        let caller = self.caller_receives
+            && (op.kind == OpKind::Write
+                || (op.kind == OpKind::Read && op.len <= DIRECT_MAX as u64))
+            && tokio::runtime::Handle::try_current().is_ok();
         for (i, sh) in self.shared.iter().enumerate() {
             // A stream whose lock is taken is busy; its thread holds it only briefly.
             let Ok(mut g) = sh.state.try_lock() else {
@@ -329,13 +379,17 @@ impl UringChannel {
                 || !g.tail.is_empty()
                 || g.proto.in_flight() > 0
                 || g.proto.is_broken()
+                || g.reader != Reader::Ring
+                || g.resp_at > 0
+                || g.payload.is_some()
+                || (self.caller_receives && g.recv_armed)
                 || sh.dead.load(Ordering::Acquire)
             {
                 continue;
             }
             // Requests dealt earlier and not taken yet go first.
             if self.queue.lock().queued() > 0 {
-                return false;
+                return Direct::Dealt;
             }
             control.with_ledger(|l| l.plan(0, 1));
             req.parts.add(1);
@@ -347,14 +401,14 @@ impl UringChannel {
             });
             let out = match g.proto.post(job) {
                 Post::Send(out) => out,
-                Post::Resolved => return true,
+                Post::Resolved => return Direct::Sent,
                 Post::Broken(job) => {
                     // Not reached (checked above); hand it on like a leaving stream would.
                     drop(g);
                     if let Err(job) = self.queue.hand_on(job) {
                         job.not_posted(FailureKind::PeerLost);
                     }
-                    return true;
+                    return Direct::Sent;
                 }
             };
             let body_len = if out.kind == OpKind::Write {
@@ -400,7 +454,12 @@ impl UringChannel {
                     // in flight, this chunk included.
                     debug!(peer = %self.peer, stream = i, error = %e, "send failed; stream closed");
                     shutdown(&sh.socket);
-                    return true;
+                    drop(g);
+                    if self.caller_receives {
+                        // The stream thread arms its receive, which ends with the socket.
+                        self.wake_stream(i);
+                    }
+                    return Direct::Sent;
                 }
                 0
             };
@@ -416,13 +475,38 @@ impl UringChannel {
                 });
                 g.tail = tail;
                 drop(g);
-                if let Some(t) = self.queue.taker(i) {
-                    t.waker().wake();
-                }
+                self.wake_stream(i);
+                return Direct::Sent;
             }
-            return true;
+            if caller {
+                g.readers += 1;
+                let token = g.readers;
+                g.reader = Reader::Caller(token);
+                return Direct::Caller(CallerRead {
+                    sh: sh.clone(),
+                    parts: req.parts.clone(),
+                    queue: self.queue.clone(),
+                    index: i,
+                    token,
+                    stats: self.stats.clone(),
+                    over: false,
+                });
+            }
+            drop(g);
+            if self.caller_receives {
+                // Its thread keeps no receive armed while idle: it arms one now.
+                self.wake_stream(i);
+            }
+            return Direct::Sent;
         }
-        false
+        Direct::Dealt
+    }
+
+    /// Ends stream `i`'s thread's wait on its ring.
+    fn wake_stream(&self, i: usize) {
+        if let Some(t) = self.queue.taker(i) {
+            t.waker().wake();
+        }
     }
 
     /// Whether payloads go out with SEND_ZC.
@@ -433,6 +517,266 @@ impl UringChannel {
     /// Number of data streams.
     pub fn streams(&self) -> usize {
         self.streams.len()
+    }
+}
+
+/// What [`UringChannel::send_direct`] did with a request.
+enum Direct {
+    /// Nothing: deal it to the streams.
+    Dealt,
+    /// Sent (or resolved, or failed with its stream); the stream thread meets the response.
+    Sent,
+    /// Sent whole; the awaiting task reads the response.
+    Caller(CallerRead),
+}
+
+/// What one receive of a direct reader found.
+enum Got {
+    /// The chunk is resolved.
+    Done,
+    /// Nothing to read yet.
+    Empty,
+    /// Some bytes of the header: read again.
+    More,
+    /// Not the reader any more (the stream thread took over: it meets the response).
+    Gone,
+    /// The stream ended or failed, or the response is not one op's: the stream thread is to
+    /// read (and so fail) it.
+    HandBack,
+}
+
+/// The task awaiting a WRITE or READ it sent directly, as its stream's reader (see [`Reader`]):
+/// it receives the response header (then a READ's payload, into place) without blocking, under
+/// the stream's lock, whenever its runtime's reactor finds the socket readable, and resolves
+/// the chunk through the stream protocol. It stops being the reader when the chunk is resolved,
+/// when the stream thread takes a new chunk (which takes the reading over, the header's bytes
+/// or the payload's so far included), and when it is dropped or meets the stream's end, an error
+/// or a response that is not one op's (it then hands the reading back and wakes the stream
+/// thread). Either way the request completes through its countdown.
+struct CallerRead {
+    sh: Arc<StreamShared>,
+    /// The request's countdown.
+    parts: Arc<Countdown>,
+    queue: Arc<Queue>,
+    index: usize,
+    token: u64,
+    stats: Arc<IoStats>,
+    /// No longer the reader.
+    over: bool,
+}
+
+/// What a non-blocking receive's return value `n` means to a direct reader: bytes received
+/// (0: the stream's end), or what to do instead.
+fn received(n: isize) -> Result<usize, Got> {
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    let e = std::io::Error::last_os_error();
+    Err(match e.kind() {
+        std::io::ErrorKind::WouldBlock => Got::Empty,
+        std::io::ErrorKind::Interrupted => Got::More,
+        // The stream thread meets the end or the error too, and fails what is in flight.
+        _ => Got::HandBack,
+    })
+}
+
+/// The stream's socket as the reactor sees it; borrowed, never closed by it.
+struct SocketFd(std::os::fd::RawFd);
+
+impl AsRawFd for SocketFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0
+    }
+}
+
+impl CallerRead {
+    /// Reads the response (or stops being the reader); the caller then waits on the countdown.
+    async fn read(&mut self) {
+        let fd = self.sh.socket.as_raw_fd();
+        let interest = tokio::io::Interest::READABLE;
+        // The reactor must have I/O enabled: a runtime built without it panics here, which is
+        // caught and taken as "no reactor" (the stream thread reads).
+        let registered = std::panic::catch_unwind(|| {
+            // SAFETY: `fd` is the stream's socket, which `self.sh` keeps open (and the same
+            // description) for as long as this registration, which is dropped before `read`
+            // returns.
+            unsafe { tokio::io::unix::AsyncFd::register_with_interest(SocketFd(fd), interest) }
+        });
+        let afd = match registered {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => {
+                debug!(stream = self.index, error = %e, "cannot watch a stream socket; its thread reads");
+                self.hand_back();
+                return;
+            }
+            Err(_) => {
+                debug!(
+                    stream = self.index,
+                    "no reactor to watch a stream socket; its thread reads"
+                );
+                self.hand_back();
+                return;
+            }
+        };
+        // The chunk may be resolved by the stream thread instead (it took the reading over, or
+        // the stream ended): then the socket need never become readable again.
+        let mut resolved = std::pin::pin!(self.parts.clone().wait());
+        loop {
+            let ready = std::future::poll_fn(|cx| {
+                if resolved.as_mut().poll(cx).is_ready() {
+                    return std::task::Poll::Ready(None);
+                }
+                afd.poll_read_ready(cx).map(Some)
+            })
+            .await;
+            let mut ready = match ready {
+                Some(Ok(r)) => r,
+                None => {
+                    self.over = true;
+                    return;
+                }
+                Some(Err(e)) => {
+                    debug!(stream = self.index, error = %e, "reactor failed; the stream thread reads");
+                    self.hand_back();
+                    return;
+                }
+            };
+            loop {
+                match self.receive(fd) {
+                    Got::Done => {
+                        IoStats::add(&self.stats.caller_receives, 1);
+                        self.over = true;
+                        return;
+                    }
+                    Got::More => continue,
+                    Got::Empty => {
+                        ready.clear_ready();
+                        break;
+                    }
+                    Got::Gone => {
+                        self.over = true;
+                        return;
+                    }
+                    Got::HandBack => {
+                        self.hand_back();
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One non-blocking receive of the header's rest (or of a READ's payload), under the
+    /// stream's lock.
+    fn receive(&self, fd: std::os::fd::RawFd) -> Got {
+        let mut g = self.sh.lock();
+        if g.reader != Reader::Caller(self.token) {
+            return Got::Gone;
+        }
+        if let Some((chunk, done)) = g.payload.as_ref() {
+            let len = chunk.payload_len() as usize;
+            let ptr =
+                (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize + done) as *mut u8;
+            // SAFETY: the stream protocol checked the chunk's range against its region at post;
+            // the request owns the range until drained, keeps the region alive through the
+            // chunk's Arc, and no Rust reference to it exists; at most the `len - done` bytes
+            // not yet received are written.
+            let n = unsafe { libc::recv(fd, ptr.cast(), len - done, libc::MSG_DONTWAIT) };
+            return match received(n) {
+                Ok(0) => Got::HandBack,
+                Ok(n) => {
+                    let done = done + n;
+                    if done < len {
+                        if let Some(p) = g.payload.as_mut() {
+                            p.1 = done;
+                        }
+                        return Got::More;
+                    }
+                    if let Some((chunk, _)) = g.payload.take() {
+                        chunk.acked();
+                    }
+                    g.reader = Reader::Ring;
+                    Got::Done
+                }
+                Err(got) => got,
+            };
+        }
+        let at = g.resp_at;
+        let want = DATA_RESPONSE_LEN - at;
+        // SAFETY: receives at most `want` bytes into the header buffer from `at` on, which the
+        // lock held here keeps borrowed.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                g.resp.as_mut_ptr().add(at).cast(),
+                want,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        let n = match received(n) {
+            Ok(0) => return Got::HandBack,
+            Ok(n) => n,
+            Err(got) => return got,
+        };
+        g.resp_at += n;
+        if g.resp_at < DATA_RESPONSE_LEN {
+            return Got::More;
+        }
+        g.resp_at = 0;
+        let head = g.resp;
+        match g.proto.on_response(&head) {
+            Ok(Resolution::Done) => {
+                g.reader = Reader::Ring;
+                Got::Done
+            }
+            Ok(Resolution::Payload(chunk)) if chunk.payload_len() == 0 => {
+                chunk.acked();
+                g.reader = Reader::Ring;
+                Got::Done
+            }
+            Ok(Resolution::Payload(chunk)) => {
+                g.payload = Some((chunk, 0));
+                Got::More
+            }
+            resolved => {
+                // One op sent directly is never a vectored request: the peer broke the
+                // protocol. The stream is given up; its thread fails what is in flight.
+                match resolved {
+                    Ok(Resolution::Pieces(ps)) => ps.into_iter().for_each(|c| c.lost(None)),
+                    Ok(Resolution::Done | Resolution::Payload(_)) => {}
+                    Err(v) => {
+                        debug!(stream = self.index, error = %v, "bad response; stream closed")
+                    }
+                }
+                shutdown(&self.sh.socket);
+                Got::HandBack
+            }
+        }
+    }
+
+    /// Makes the stream thread the reader again (if this still is) and wakes it.
+    fn hand_back(&mut self) {
+        if self.over {
+            return;
+        }
+        self.over = true;
+        {
+            let mut g = self.sh.lock();
+            if g.reader != Reader::Caller(self.token) {
+                return;
+            }
+            g.reader = Reader::Ring;
+        }
+        IoStats::add(&self.stats.caller_handbacks, 1);
+        if let Some(t) = self.queue.taker(self.index) {
+            t.waker().wake();
+        }
+    }
+}
+
+impl Drop for CallerRead {
+    fn drop(&mut self) {
+        self.hand_back();
     }
 }
 
@@ -461,7 +805,17 @@ impl Channel for UringChannel {
             })
         };
         let wake = |set| self.queue.wake_all_in(set);
-        if closed || !self.send_direct(&ops, &control, &req) {
+        let direct = if closed {
+            Direct::Dealt
+        } else {
+            self.send_direct(&ops, &control, &req)
+        };
+        let dealt = matches!(direct, Direct::Dealt);
+        let caller = match direct {
+            Direct::Caller(c) => Some(c),
+            Direct::Dealt | Direct::Sent => None,
+        };
+        if dealt {
             if self.vectored {
                 // Runs of small ops go out as vectored requests of up to one chunk's bytes.
                 deal_ops_grouped(
@@ -506,6 +860,9 @@ impl Channel for UringChannel {
         drop(req);
         parts.done_one();
         Box::pin(async move {
+            if let Some(mut c) = caller {
+                c.read().await;
+            }
             parts.wait().await;
             control.outcome(true)
         })
@@ -531,11 +888,15 @@ impl Drop for UringChannel {
 /// What a stream thread owns besides its ring.
 struct StreamCtx {
     splice: bool,
+    /// See [`SendPlan::caller_receives`]: while idle (or while a direct reader reads) the
+    /// thread keeps only a hang-up poll armed, no receive.
+    caller_receives: bool,
     socket: Arc<TcpStream>,
     dead: Arc<AtomicBool>,
     queue: Arc<Queue>,
     peer: SocketAddr,
     index: usize,
+    stats: Arc<IoStats>,
 }
 
 impl StreamCtx {
@@ -552,44 +913,62 @@ impl StreamCtx {
 /// response arriving while the thread sends is picked up by that send's wait, with no second
 /// thread to wake, and a response to a request a submitter sent itself wakes the thread.
 fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
-    let mut resp = [0u8; DATA_RESPONSE_LEN];
-    let mut resp_at = 0usize;
     let mut open = true;
     let broken = 'run: loop {
+        // A READ's payload a direct reader left (it handed the reading back).
+        if cx.caller_receives
+            && let Err(native) = finish_payload(&mut io, &sh, &cx)
+        {
+            break 'run native;
+        }
         // Responses that arrived meanwhile.
-        let mut met = false;
         while let Some(got) = io.take_armed() {
-            met = true;
-            match got {
-                Ok([]) => {
-                    debug!(peer = %cx.peer, stream = cx.index, "peer closed the stream");
-                    break 'run None;
+            let head = {
+                let mut g = sh.lock();
+                g.recv_armed = false;
+                match got {
+                    Ok([]) => {
+                        debug!(peer = %cx.peer, stream = cx.index, "peer closed the stream");
+                        break 'run None;
+                    }
+                    Ok(bytes) => {
+                        let at = g.resp_at;
+                        let n = bytes.len().min(DATA_RESPONSE_LEN - at);
+                        g.resp[at..at + n].copy_from_slice(&bytes[..n]);
+                        g.resp_at += n;
+                    }
+                    Err(e) => {
+                        debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+                        break 'run e.raw_os_error();
+                    }
                 }
-                Ok(bytes) => {
-                    let n = bytes.len().min(DATA_RESPONSE_LEN - resp_at);
-                    resp[resp_at..resp_at + n].copy_from_slice(&bytes[..n]);
-                    resp_at += n;
+                if g.resp_at == DATA_RESPONSE_LEN {
+                    g.resp_at = 0;
+                    Some(g.resp)
+                } else {
+                    None
                 }
-                Err(e) => {
-                    debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
-                    break 'run e.raw_os_error();
-                }
+            };
+            if let Some(head) = head
+                && let Err(native) = on_response(&mut io, &head, &sh, &cx)
+            {
+                break 'run native;
             }
-            if resp_at == DATA_RESPONSE_LEN {
-                resp_at = 0;
-                if let Err(native) = on_response(&mut io, &resp, &sh, &cx) {
-                    break 'run native;
-                }
-            }
-            if let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at) {
+            if let Err(e) = arm(&mut io, &sh, &cx) {
                 debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
                 break 'run None;
             }
         }
-        if !met
-            && !io.armed()
-            && let Err(e) = io.arm_recv(DATA_RESPONSE_LEN - resp_at)
-        {
+        if io.take_hangup() {
+            let g = sh.lock();
+            // With chunks in flight the armed receive meets the end (a direct reader, if any,
+            // hands the reading back when it does).
+            if g.reader == Reader::Ring && g.proto.in_flight() == 0 && g.resp_at == 0 {
+                debug!(peer = %cx.peer, stream = cx.index, "peer closed the stream");
+                break 'run None;
+            }
+        }
+        if let Err(e) = arm(&mut io, &sh, &cx) {
             debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
             break 'run None;
         }
@@ -617,10 +996,15 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
             }
         }
         let Some(job) = job else {
-            let (in_flight, tail) = {
+            let (in_flight, tail, resp_at) = {
                 let mut g = sh.lock();
                 g.busy = false;
-                (g.proto.in_flight(), !g.tail.is_empty())
+                let payload = g.payload.is_some();
+                (
+                    g.proto.in_flight(),
+                    !g.tail.is_empty(),
+                    g.resp_at + usize::from(payload),
+                )
             };
             if !open && in_flight == 0 && resp_at == 0 && !tail {
                 cx.rise();
@@ -636,6 +1020,26 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
             continue;
         };
         cx.rise();
+        if cx.caller_receives {
+            // This chunk's response follows any a direct reader awaits: the thread reads both.
+            let took = {
+                let mut g = sh.lock();
+                let took = g.reader != Reader::Ring;
+                g.reader = Reader::Ring;
+                took
+            };
+            if took {
+                IoStats::add(&cx.stats.caller_handbacks, 1);
+            }
+            if let Err(native) = finish_payload(&mut io, &sh, &cx) {
+                job.not_posted(FailureKind::PeerLost);
+                break 'run native;
+            }
+            if let Err(e) = arm_recv(&mut io, &sh) {
+                debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
+                break 'run None;
+            }
+        }
         let res = post(&mut io, job, &sh, &cx);
         sh.lock().busy = false;
         if let Err(native) = res {
@@ -644,13 +1048,89 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
     };
     cx.dead.store(true, Ordering::Release);
     shutdown(&cx.socket);
-    sh.lock().proto.fail_all(broken);
+    {
+        let mut g = sh.lock();
+        if let Some((chunk, _)) = g.payload.take() {
+            chunk.lost(broken);
+        }
+        g.proto.fail_all(broken);
+    }
     // The other streams take what was dealt to this one; the last one to end fails it.
     for job in cx.queue.leave(cx.index) {
         job.not_posted(FailureKind::PeerLost);
     }
     // Until they are notified the kernel may still read the buffers of zero-copy sends.
     io.finish(crate::FINISH_GRACE);
+}
+
+/// Arms what the stream thread waits on besides new work: a receive of the next response
+/// header, unless [`SendPlan::caller_receives`] and no response is due to the thread (none in
+/// flight, or a direct reader reads it); idle, a hang-up poll instead, which bytes arriving do
+/// not end. (A direct reader meets the stream's end itself and hands the reading back.)
+fn arm(io: &mut SockIo<NotifHold>, sh: &StreamShared, cx: &StreamCtx) -> std::io::Result<()> {
+    if !cx.caller_receives {
+        return arm_recv(io, sh);
+    }
+    let (due, idle) = {
+        let g = sh.lock();
+        let ring = g.reader == Reader::Ring;
+        let pending = g.proto.in_flight() > 0 || g.resp_at > 0;
+        (ring && pending, ring && !pending)
+    };
+    if due {
+        arm_recv(io, sh)?;
+    }
+    if idle {
+        io.arm_hangup()?;
+    }
+    Ok(())
+}
+
+/// Receives the rest of a READ's payload a direct reader started, if the thread is the reader
+/// and one is left, into its chunk's memory (waiting on the ring). `Err`: the stream is broken.
+fn finish_payload(
+    io: &mut SockIo<NotifHold>,
+    sh: &StreamShared,
+    cx: &StreamCtx,
+) -> Result<(), Option<i32>> {
+    let left = {
+        let mut g = sh.lock();
+        if g.reader != Reader::Ring {
+            return Ok(());
+        }
+        g.payload.take()
+    };
+    let Some((chunk, done)) = left else {
+        return Ok(());
+    };
+    let len = chunk.payload_len() as usize;
+    let ptr = (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize + done) as *mut u8;
+    // SAFETY: the stream protocol checked the chunk's range against its region at post; the
+    // request owns the range until drained, keeps the region alive through the chunk's Arc,
+    // and no Rust reference to it exists; `done <= len`.
+    match unsafe { io.recv_exact(ptr, len - done) } {
+        Ok(()) => {
+            chunk.acked();
+            Ok(())
+        }
+        Err(e) => {
+            debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+            let native = e.raw_os_error();
+            chunk.lost(native);
+            Err(native)
+        }
+    }
+}
+
+/// Arms the receive of the next response header's rest, unless one is armed.
+fn arm_recv(io: &mut SockIo<NotifHold>, sh: &StreamShared) -> std::io::Result<()> {
+    if io.armed() {
+        return Ok(());
+    }
+    let mut g = sh.lock();
+    io.arm_recv(DATA_RESPONSE_LEN - g.resp_at)?;
+    g.recv_armed = true;
+    Ok(())
 }
 
 /// Sends what a submitter's send left over, if anything. `Err`: the stream is broken.

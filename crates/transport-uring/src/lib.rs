@@ -140,6 +140,20 @@ pub struct UringConfig {
     /// How many rings serve a server's data streams, each on one thread (0: one per CPU this
     /// process may run on): a served stream costs no thread.
     pub server_rings: usize,
+    /// A small WRITE or READ (at most 16 KiB) sent directly on an idle stream ([`UringChannel`]'s
+    /// fast path) from a task on a tokio runtime with I/O enabled has its response (and a READ's
+    /// payload) read by that task: it receives
+    /// without blocking whenever the runtime's reactor finds the socket readable, so the round
+    /// trip wakes no thread but the awaiting one (the stream's thread keeps only a hang-up poll
+    /// armed while idle). Off (the default): the stream's thread reads every response and
+    /// wakes the task. Counted in [`IoStats::caller_receives`] and
+    /// [`IoStats::caller_handbacks`].
+    ///
+    /// On, such a response is read only while its request is awaited (or once the stream's
+    /// thread takes a later request on that stream, which takes the reading over), where off
+    /// the request completes whether or not anything polls it; and the runtime's reactor must
+    /// be driven while the task waits.
+    pub caller_receives: bool,
 }
 
 /// Default [`UringConfig::max_threads`].
@@ -163,6 +177,7 @@ impl Default for UringConfig {
             max_threads: MAX_THREADS,
             handshake: HandshakeLimits::default(),
             server_rings: 0,
+            caller_receives: false,
         }
     }
 }
@@ -409,6 +424,7 @@ impl UringTransport {
                 pin,
                 loopback: addr.ip().is_loopback(),
                 vectored: peer.version >= ferry_core::wire::VECTORED_VERSION,
+                caller_receives: self.config.caller_receives,
             },
             self.stats.clone(),
         )

@@ -33,6 +33,7 @@ const UD_TIMEOUT: u64 = 4;
 const UD_WAKE: u64 = 5;
 const UD_ARMED: u64 = 6;
 const UD_CANCEL: u64 = 7;
+const UD_HANGUP: u64 = 8;
 /// Largest receive [`SockIo::arm_recv`] takes (it lands in the ring's own buffer).
 pub(crate) const ARMED_MAX: usize = 64;
 /// User data of zero-copy sends start here (each gets its own, for its notification).
@@ -69,6 +70,13 @@ pub struct IoStats {
     /// Of those, sends the kernel took only in part (a full socket): the stream's thread sent
     /// the rest before anything else.
     pub direct_tails: AtomicU64,
+    /// Responses to direct sends that the awaiting task read itself, through its runtime's
+    /// reactor (`UringConfig::caller_receives`), with no wake-up of the stream's thread.
+    pub caller_receives: AtomicU64,
+    /// Of the direct sends whose response the awaiting task was to read, those it handed back
+    /// to the stream's thread (another request took the stream, the future was dropped, the
+    /// stream ended).
+    pub caller_handbacks: AtomicU64,
     /// Past `UringConfig::max_threads`: peers a client's engine opened over the TCP data plane
     /// instead.
     pub handed_over: AtomicU64,
@@ -237,6 +245,8 @@ pub(crate) struct SockIo<H> {
     wake: Option<(RawFd, &'static mut [u8; 8], bool)>,
     /// The receive started by [`SockIo::arm_recv`].
     armed: Armed,
+    /// The hang-up poll of [`SockIo::arm_hangup`]: outstanding, and whether it fired.
+    hangup: (bool, bool),
     /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default).
     lowat: usize,
     /// The kernel refused a mark: receives wait for all their bytes with `MSG_WAITALL`.
@@ -338,6 +348,7 @@ impl<H> SockIo<H> {
                 outstanding: false,
                 done: None,
             },
+            hangup: (false, false),
             lowat: 1,
             lowat_refused: false,
             poisoned: false,
@@ -413,10 +424,17 @@ impl<H> SockIo<H> {
         let waiting = &mut self.waiting;
         let wake = &mut self.wake;
         let armed = &mut self.armed;
+        let hangup = &mut self.hangup;
         for c in self.ring.completion() {
             if c.user_data() == UD_ARMED {
                 armed.outstanding = false;
                 armed.done = Some(c.result());
+                continue;
+            }
+            if c.user_data() == UD_HANGUP {
+                // A poll ends by its event, or by an error (say, a cancelled request): either
+                // way the stream is worth looking at.
+                *hangup = (false, true);
                 continue;
             }
             if c.user_data() == UD_WAKE {
@@ -1017,6 +1035,29 @@ impl<H> SockIo<H> {
         self.armed.len = len;
         self.armed.outstanding = true;
         Ok(())
+    }
+
+    /// Starts a one-shot poll for the socket's hang-up or error (`POLLRDHUP`, `POLLHUP`,
+    /// `POLLERR`; not `POLLIN`, so bytes arriving do not end it and do not wake the ring's
+    /// thread) unless one is outstanding or fired and not yet taken. Its end is met by the next
+    /// wait on this ring and read with [`SockIo::take_hangup`]. It carries no buffer.
+    pub(crate) fn arm_hangup(&mut self) -> io::Result<()> {
+        if self.hangup.0 || self.hangup.1 {
+            return Ok(());
+        }
+        let mask = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
+        let e = on_fd!(self, PollAdd::new(mask)).user_data(UD_HANGUP);
+        // SAFETY: a poll carries no buffer.
+        if unsafe { self.ring.submission().push(&e) }.is_err() {
+            return Err(io::Error::other("io_uring submission queue full"));
+        }
+        self.hangup.0 = true;
+        Ok(())
+    }
+
+    /// Whether the hang-up poll ended since the last look (and forgets that it did).
+    pub(crate) fn take_hangup(&mut self) -> bool {
+        std::mem::take(&mut self.hangup.1)
     }
 
     /// Whether an armed receive is outstanding or completed and not yet taken.
