@@ -914,6 +914,10 @@ impl StreamCtx {
 /// thread to wake, and a response to a request a submitter sent itself wakes the thread.
 fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
     let mut open = true;
+    // Without `caller_receives` the thread is the only reader: it keeps the header it is
+    // receiving to itself, with no lock per response (the shared one is for direct readers).
+    let mut own = [0u8; DATA_RESPONSE_LEN];
+    let mut own_at = 0usize;
     let broken = 'run: loop {
         // A READ's payload a direct reader left (it handed the reading back).
         if cx.caller_receives
@@ -923,7 +927,27 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
         }
         // Responses that arrived meanwhile.
         while let Some(got) = io.take_armed() {
-            let head = {
+            let head = if !cx.caller_receives {
+                match got {
+                    Ok([]) => {
+                        debug!(peer = %cx.peer, stream = cx.index, "peer closed the stream");
+                        break 'run None;
+                    }
+                    Ok(bytes) => {
+                        let n = bytes.len().min(DATA_RESPONSE_LEN - own_at);
+                        own[own_at..own_at + n].copy_from_slice(&bytes[..n]);
+                        own_at += n;
+                    }
+                    Err(e) => {
+                        debug!(peer = %cx.peer, stream = cx.index, error = %e, "receive failed; stream closed");
+                        break 'run e.raw_os_error();
+                    }
+                }
+                (own_at == DATA_RESPONSE_LEN).then(|| {
+                    own_at = 0;
+                    own
+                })
+            } else {
                 let mut g = sh.lock();
                 g.recv_armed = false;
                 match got {
@@ -954,7 +978,7 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
             {
                 break 'run native;
             }
-            if let Err(e) = arm(&mut io, &sh, &cx) {
+            if let Err(e) = arm(&mut io, &sh, &cx, own_at) {
                 debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
                 break 'run None;
             }
@@ -968,7 +992,7 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
                 break 'run None;
             }
         }
-        if let Err(e) = arm(&mut io, &sh, &cx) {
+        if let Err(e) = arm(&mut io, &sh, &cx, own_at) {
             debug!(peer = %cx.peer, stream = cx.index, error = %e, "cannot arm a receive");
             break 'run None;
         }
@@ -1003,7 +1027,7 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
                 (
                     g.proto.in_flight(),
                     !g.tail.is_empty(),
-                    g.resp_at + usize::from(payload),
+                    g.resp_at + own_at + usize::from(payload),
                 )
             };
             if !open && in_flight == 0 && resp_at == 0 && !tail {
@@ -1067,9 +1091,19 @@ fn stream(mut io: SockIo<NotifHold>, cx: StreamCtx, sh: Arc<StreamShared>) {
 /// header, unless [`SendPlan::caller_receives`] and no response is due to the thread (none in
 /// flight, or a direct reader reads it); idle, a hang-up poll instead, which bytes arriving do
 /// not end. (A direct reader meets the stream's end itself and hands the reading back.)
-fn arm(io: &mut SockIo<NotifHold>, sh: &StreamShared, cx: &StreamCtx) -> std::io::Result<()> {
+fn arm(
+    io: &mut SockIo<NotifHold>,
+    sh: &StreamShared,
+    cx: &StreamCtx,
+    own_at: usize,
+) -> std::io::Result<()> {
     if !cx.caller_receives {
-        return arm_recv(io, sh);
+        // The thread's own header (`own_at` bytes of it so far); nothing shared to update.
+        return if io.armed() {
+            Ok(())
+        } else {
+            io.arm_recv(DATA_RESPONSE_LEN - own_at)
+        };
     }
     let (due, idle) = {
         let g = sh.lock();
