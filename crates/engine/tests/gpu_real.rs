@@ -1,6 +1,7 @@
 //! GPU tests against the real driver (`#[ignore]`d: `cargo xtask gpu-check` runs them on a
 //! machine with a GPU). Each prints `GPUCHECK key=value` lines that gpu-check collects. They fail
 //! when no driver or GPU is found, unless `FERRY_REQUIRE_GPU=0`.
+#![cfg(feature = "cuda")]
 
 use std::time::Instant;
 

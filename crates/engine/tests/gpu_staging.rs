@@ -1,6 +1,7 @@
 //! GPU memory over the TCP and io_uring data planes, against Ferry's fake CUDA driver (host
 //! memory behind the libcuda entry points; device addresses fault if dereferenced as host
 //! memory). The fake's failure switches are process-wide: the tests take one lock.
+#![cfg(feature = "cuda")]
 
 use ferry::cuda::{Cuda, GpuDirectSetting, GpuRoute};
 use ferry::{

@@ -3,6 +3,7 @@
 //! requests, in the same process. Per chunk, staging may cost what a one-op sub-request costs
 //! (its op, its ledger, the channel's future), less than a one-op request, and no buffer. One test in this file: the
 //! allocator's counters are process-wide.
+#![cfg(feature = "cuda")]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};

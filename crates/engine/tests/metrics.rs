@@ -9,7 +9,11 @@ use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine};
 use ferry_tests::{URING, require_or_skip};
 
 fn planes() -> Vec<DataPlane> {
-    match ferry::probe_kernel().unusable_reason() {
+    #[cfg(feature = "uring")]
+    let unusable = ferry::probe_kernel().unusable_reason();
+    #[cfg(not(feature = "uring"))]
+    let unusable = Some("built without the `uring` feature".to_owned());
+    match unusable {
         None => vec![DataPlane::Tcp, DataPlane::Uring],
         Some(why) => {
             require_or_skip(URING, format!("io_uring unusable here: {why}"));
