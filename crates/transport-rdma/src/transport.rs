@@ -512,7 +512,10 @@ impl RdmaTransport {
         if offered.is_empty() {
             return Err(RdmaError::Connect {
                 peer: who,
-                reason: "the peer offers no RDMA rail (it could not create queue pairs)".into(),
+                reason:
+                    "the peer offers no RDMA rail: none of its ports is ACTIVE, or it could not \
+                         create queue pairs (its log says which)"
+                        .into(),
             });
         }
         let limits = ServedLimits {
@@ -537,7 +540,8 @@ impl RdmaTransport {
         if n == 0 {
             return Err(RdmaError::Connect {
                 peer: who,
-                reason: "every local RDMA port is down".into(),
+                reason: "no local RDMA port is ACTIVE now (`ferry topology` shows each port's state)"
+                    .into(),
             });
         }
         let mut qps = Vec::with_capacity(offered.len());
