@@ -709,13 +709,17 @@ impl Pump {
 
     fn complete(&mut self, r: usize, c: Completion) {
         // The other rails that can take over this rail's lost chunks (only rail `r` changes
-        // below).
-        let healthy: Vec<bool> = self
-            .rails
-            .iter()
-            .enumerate()
-            .map(|(j, x)| j != r && x.usable())
-            .collect();
+        // below). Nothing is replayed off a success on a healthy rail: no list is made then.
+        let may_replay = c.status != WC_SUCCESS || !self.rails[r].usable();
+        let healthy: Vec<bool> = if may_replay {
+            self.rails
+                .iter()
+                .enumerate()
+                .map(|(j, x)| j != r && x.usable())
+                .collect()
+        } else {
+            Vec::new()
+        };
         let replay_writes = self.limits.replay_writes;
         let rail = &mut self.rails[r];
         if !rail.outstanding.iter().any(|e| e.wr_id == c.wr_id) {

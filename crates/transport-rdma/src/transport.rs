@@ -540,8 +540,9 @@ impl RdmaTransport {
         if n == 0 {
             return Err(RdmaError::Connect {
                 peer: who,
-                reason: "no local RDMA port is ACTIVE now (`ferry topology` shows each port's state)"
-                    .into(),
+                reason:
+                    "no local RDMA port is ACTIVE now (`ferry topology` shows each port's state)"
+                        .into(),
             });
         }
         let mut qps = Vec::with_capacity(offered.len());
