@@ -156,10 +156,12 @@ fn request(
     ch.execute(ops, control)
 }
 
-/// 64-byte WRITEs at `at` until one's response was read by the task awaiting it (at most 100):
-/// the stream's thread, which such a round trip does not wake, then sleeps on its ring, so the
-/// next small request on the stream is sent directly. (Just after the channel opened the thread
-/// may still be looking at the queue, which makes a submitter deal its request instead.)
+/// 64-byte WRITEs at `at` until one's response was read by the task awaiting it (for at most
+/// 60 s): the stream's thread, which such a round trip does not wake, then sleeps on its ring,
+/// so the next small request on the stream is sent directly. (While the thread has not gone
+/// back to its wait, after the channel opened or after a response it read, a submitter deals
+/// its request instead; on a loaded machine that can last many round trips, so each try first
+/// lets the thread run.)
 async fn settle(
     ch: &Arc<dyn Channel>,
     t: &UringTransport,
@@ -167,14 +169,18 @@ async fn settle(
     tok: SegmentToken,
     at: u64,
 ) {
-    for _ in 0..100 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut tries = 0u32;
+    while std::time::Instant::now() < deadline {
         let o = write_at(ch, src, tok, at, 64).await;
         assert!(o.is_success(), "{o:?}");
+        tries += 1;
         if t.stats().caller_receives.load(Ordering::Relaxed) > 0 {
             return;
         }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
-    panic!("no response of 100 was read by the task awaiting it");
+    panic!("no response of {tries} in 60 s was read by the task awaiting it");
 }
 
 /// Round trips one at a time on an idle stream, WRITEs then READs: every response is read by
