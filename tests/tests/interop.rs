@@ -186,29 +186,15 @@ async fn channel_with(
     transport.open(peer).await.unwrap()
 }
 
-/// Each client stream runs one thread (and ring): the client transport's `threads` gauge counts
-/// them while the channel lives and falls back to zero once it is dropped. The server's gauge
-/// counts its rings, whatever it serves.
+/// The client's thread gauge counts its rings, however many streams and channels it runs: they
+/// start with the first channel, stay while the transport lives and end with it. With
+/// `caller_receives` each stream is a thread of its own, counted while its channel lives. The
+/// server's gauge counts its rings, whatever it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_thread_per_stream_counted_while_the_channel_lives() {
+async fn client_threads_are_its_rings_or_one_per_stream_for_caller_receives() {
     if !uring_usable() {
         return;
     }
-    let t = UringTransport::new(UringConfig {
-        streams: 3,
-        ..UringConfig::default()
-    })
-    .unwrap();
-    let server = UringConfig {
-        server_rings: 2,
-        ..t.config().clone()
-    };
-    let h = serve_uring(&Arc::new(Table::default()), server);
-    let addr = h.local_addr();
-    let offer = t.offer();
-    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
-        .await
-        .unwrap();
     let gauge = |s: &ferry_transport_uring::IoStats| s.threads.load(Ordering::Relaxed);
     let settle = |want: u64, what: &str, get: &dyn Fn() -> u64| {
         let end = std::time::Instant::now() + Duration::from_secs(10);
@@ -221,13 +207,46 @@ async fn one_thread_per_stream_counted_while_the_channel_lives() {
             std::thread::sleep(Duration::from_millis(10));
         }
     };
-    assert_eq!(gauge(h.stats()), 2);
-    let ch = t.open(peer).await.unwrap();
-    assert_eq!(gauge(t.stats()), 3);
-    assert_eq!(gauge(h.stats()), 2, "server with the channel open");
-    drop(ch);
-    settle(0, "client after the drop", &|| gauge(t.stats()));
-    assert_eq!(gauge(h.stats()), 2, "server after the drop");
+    for caller_receives in [false, true] {
+        let t = UringTransport::new(UringConfig {
+            streams: 3,
+            client_rings: 2,
+            caller_receives,
+            ..UringConfig::default()
+        })
+        .unwrap();
+        let server = UringConfig {
+            server_rings: 2,
+            ..t.config().clone()
+        };
+        let h = serve_uring(&Arc::new(Table::default()), server);
+        let addr = h.local_addr();
+        let offer = t.offer();
+        let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+            .await
+            .unwrap();
+        assert_eq!(gauge(h.stats()), 2);
+        assert_eq!(gauge(t.stats()), 0, "nothing before the first channel");
+        let ch = t.open(peer.clone()).await.unwrap();
+        let ch2 = t.open(peer).await.unwrap();
+        let (open, after) = if caller_receives { (6, 0) } else { (2, 2) };
+        assert_eq!(
+            gauge(t.stats()),
+            open,
+            "caller_receives {caller_receives}, two channels"
+        );
+        assert_eq!(
+            t.client_rings_running(),
+            if caller_receives { 0 } else { 2 }
+        );
+        assert_eq!(gauge(h.stats()), 2, "server with the channels open");
+        drop((ch, ch2));
+        settle(after, "client after the drop", &|| gauge(t.stats()));
+        assert_eq!(gauge(h.stats()), 2, "server after the drop");
+        let stats = t.stats_handle();
+        drop(t);
+        settle(0, "client after the transport's drop", &|| gauge(&stats));
+    }
 }
 
 const PAIRS: &[(Side, Side)] = &[

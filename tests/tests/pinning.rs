@@ -41,9 +41,9 @@ fn settle(comm: &str, what: &str, want: impl Fn(&[String]) -> bool) {
     }
 }
 
-/// The server's rings each run on a CPU of their own from its start; a two-stream loopback
-/// client's stream threads are pinned the same way, stream `i` on ring `i`'s CPU, so both ends of
-/// a flow share a core.
+/// The server's rings each run on a CPU of their own from its start; the client's rings are
+/// pinned the same way (a two-stream loopback client's stream `i` runs on its ring `i`, on the
+/// server's ring `i`'s CPU), so both ends of a flow share a core.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_loopback_streams_are_served_one_core_each() {
     if !uring_usable() {
@@ -84,6 +84,7 @@ async fn two_loopback_streams_are_served_one_core_each() {
     let ask = || vec![op(OpKind::Write, &buf, 0, SegmentToken(77), 0, 100)];
     let t = UringTransport::new(UringConfig {
         streams: 2,
+        client_rings: 2,
         ..UringConfig::default()
     })
     .unwrap();
@@ -97,12 +98,15 @@ async fn two_loopback_streams_are_served_one_core_each() {
         let o = run(&ch, ask()).await;
         assert!(o.failure.is_some(), "unknown segment: {o:?}");
     }
-    // "ferry-uring-s0", "...s1": the client's stream threads, on the rings' CPUs.
+    // "ferry-uring-c0", "...c1": the client's rings, on the server rings' CPUs.
     let mut want = rings.clone();
     want.sort();
-    settle("ferry-uring-s", "two client streams", |t| t == want);
+    settle("ferry-uring-c", "two client rings", |t| t == want);
     drop(ch);
-    settle("ferry-uring-s", "channel dropped", |t| t.is_empty());
+    // The client's rings stay with its transport, and end with it.
+    assert_eq!(threads_named("ferry-uring-c"), want);
+    drop(t);
+    settle("ferry-uring-c", "transport dropped", |t| t.is_empty());
     // The rings stay where they are.
     assert_eq!(threads_named("ferry-uring-rin"), rings);
 }

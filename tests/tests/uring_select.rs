@@ -257,15 +257,23 @@ async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()
 }
 
 /// Past the io_uring thread budget a client stays bounded and moves bytes the same: one whose
-/// stream threads reached `uring_max_threads` opens its next peer over the TCP data plane,
-/// counted in `describe().data_plane_io`. A listener runs its fixed set of rings however many
-/// streams it serves, whatever its own budget.
+/// stream threads (a thread per stream, with `caller_receives`) reached `uring_max_threads`
+/// opens its next peer over the TCP data plane, counted in `describe().data_plane_io`. On its
+/// rings (the default) a client opens every peer over io_uring, its threads its rings. A
+/// listener runs its fixed set of rings however many streams it serves, whatever its own budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Result<()> {
     if let Some(why) = ferry::probe_kernel().unusable_reason() {
         require_or_skip(URING, format!("io_uring unusable here: {why}"));
         return Ok(());
     }
+    for caller_receives in [true, false] {
+        budget(caller_receives).await?;
+    }
+    Ok(())
+}
+
+async fn budget(caller_receives: bool) -> Result<()> {
     let len = (3 << 20) + 4321;
     let serve = || -> Result<(TransferEngine, ferry::Registration)> {
         let e = TransferEngine::builder()
@@ -288,6 +296,8 @@ async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Resu
         .data_plane(DataPlane::Uring)
         .streams(2)
         .uring_max_threads(4)
+        .uring_client_rings(3)
+        .uring_caller_receives(caller_receives)
         .build()?;
     let src = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "src")?;
     let dst = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "dst")?;
@@ -297,7 +307,7 @@ async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Resu
         let peer = client
             .connect(server.local_addr().context("listen")?)
             .await?;
-        let want = if i < 2 {
+        let want = if i < 2 || !caller_receives {
             TransportKind::Uring
         } else {
             TransportKind::Tcp
@@ -323,10 +333,12 @@ async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Resu
         .describe()
         .data_plane_io
         .context("uring in describe")?;
-    assert!(
-        io.contains("threads 4 (at most 4; peers past it over tcp: 1)"),
-        "{io}"
-    );
+    let want = if caller_receives {
+        "threads 4 (at most 4; peers past it over tcp: 1)"
+    } else {
+        "threads 3 (at most 4; peers past it over tcp: 0)"
+    };
+    assert!(io.contains(want), "{io}");
     for (name, server) in [("a", &a), ("b", &b)] {
         let io = server
             .describe()

@@ -33,6 +33,9 @@ pub(crate) struct DataPlaneConfig {
     /// Whether a task awaiting a small io_uring WRITE reads its response itself.
     #[cfg(feature = "uring")]
     pub(crate) uring_caller_receives: bool,
+    /// How many rings drive the io_uring client streams (0: one per CPU).
+    #[cfg(feature = "uring")]
+    pub(crate) uring_client_rings: usize,
     /// What the listener allows a connection before its handshake is over.
     pub(crate) handshake: ferry_transport_tcp::HandshakeLimits,
 }
@@ -66,6 +69,8 @@ impl Default for DataPlaneConfig {
             uring_server_rings: uring.server_rings,
             #[cfg(feature = "uring")]
             uring_caller_receives: uring.caller_receives,
+            #[cfg(feature = "uring")]
+            uring_client_rings: uring.client_rings,
             handshake,
         }
     }
@@ -100,6 +105,7 @@ impl DataPlaneConfig {
             max_threads: self.uring_max_threads,
             server_rings: self.uring_server_rings,
             caller_receives: self.uring_caller_receives,
+            client_rings: self.uring_client_rings,
             handshake: self.handshake,
             ..UringConfig::default()
         }
@@ -126,6 +132,8 @@ mod tests {
             uring_server_rings: 17,
             #[cfg(feature = "uring")]
             uring_caller_receives: true,
+            #[cfg(feature = "uring")]
+            uring_client_rings: 19,
             handshake: ferry_transport_tcp::HandshakeLimits {
                 timeout: Duration::from_secs(3),
                 max_pending: 13,
@@ -161,6 +169,7 @@ mod tests {
             );
             assert_eq!(u.server_rings, 17);
             assert!(u.caller_receives);
+            assert_eq!(u.client_rings, 19);
             assert_eq!(
                 (u.connect_timeout, u.dead_peer_after, u.handshake),
                 (c.connect_timeout, c.dead_peer_after, c.handshake)

@@ -2,15 +2,18 @@
 //!
 //! - [`probe_kernel`] / [`UringProbe`]: which io_uring opcodes this kernel offers.
 //! - [`select`]: the engine's choice between io_uring and TCP, with the reason it can report.
-//! - [`UringTransport`]: the [`Transport`] that opens [`UringChannel`]s. Each data stream has
-//!   one thread with its own ring, which sends requests and keeps a receive for the next
-//!   response armed on the same ring (a response that arrives while it sends is reaped by the
-//!   send's own wait, with no second thread to wake); the socket is a fixed file, payloads
-//!   go out with SEND_ZC (from registered buffers where the kernel lets us register the region,
-//!   unregistered otherwise, e.g. under a small `RLIMIT_MEMLOCK`) or plain SEND, short sends are
-//!   resent in order, and a request is drained only once every zero-copy notification arrived.
-//!   A channel's chunks are dealt to its streams in turn; a stream with nothing in flight takes
-//!   the oldest chunk of another's queue, and a dying stream hands its queue on.
+//! - [`UringTransport`]: the [`Transport`] that opens [`UringChannel`]s. No client stream has a
+//!   thread: a fixed set of client rings ([`UringConfig::client_rings`], one per CPU by default,
+//!   started at the first connect), each on one thread, drives every stream of every channel as
+//!   a state machine with one send and one receive in flight (the next response's receive kept
+//!   armed, idle or not); sockets are fixed files, WRITE payloads go out with SEND_ZC (from
+//!   registered buffers where the kernel lets us register the region, unregistered otherwise,
+//!   e.g. under a small `RLIMIT_MEMLOCK`) or a copying send, what a socket takes or holds at
+//!   once moves with one non-blocking syscall, and a request is drained only once every
+//!   zero-copy notification arrived. A channel's chunks are dealt to its streams in turn; a
+//!   stream with nothing in flight takes the oldest chunk of another's queue, and a dying stream
+//!   hands its queue on. With [`UringConfig::caller_receives`] each stream runs on a thread with
+//!   its own ring instead.
 //! - [`UringServer`]: the serving side, same shape as the TCP transport's server and the same
 //!   bytes on the wire, so a uring peer and a TCP peer interoperate in both directions. It also
 //!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]): a
@@ -28,8 +31,8 @@
 //!   holds at once moves with one plain non-blocking syscall. File segments keep their paths
 //!   (O_DIRECT ring reads and writes, positioned I/O for other sources), a piece of at most
 //!   1 MiB at a time on the ring's thread.
-//! - A client's stream threads are bounded by [`UringConfig::max_threads`]: past it the engine
-//!   opens peers over the TCP data plane.
+//! - A client's stream threads (only with [`UringConfig::caller_receives`]) are bounded by
+//!   [`UringConfig::max_threads`]: past it the engine opens peers over the TCP data plane.
 //! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth
 //!   (positioned reads, `ferry_file`'s portable path, where the kernel refuses a ring).
 //!
@@ -39,8 +42,9 @@
 //! On loopback the kernel copies SEND_ZC payloads, which makes SEND_ZC slower than a plain SEND
 //! there (`docs/performance.md`), so `ZeroCopy::Auto` sends to loopback peers with SEND, and WRITE payloads to loopback peers go by `vmsplice` +
 //! `splice` (`UringConfig::splice_loopback`), which leaves the receiver's copy as the only one.
-//! The splice is a direct syscall on the stream's thread: io_uring always hands IORING_OP_SPLICE
-//! to an io-wq worker, and that hand-off cost more than the splice. `ZeroCopy::Always` keeps
+//! The splice is a direct syscall on the ring's (or the stream's) thread, the socket non-blocking
+//! for that call only: io_uring always hands IORING_OP_SPLICE to an io-wq worker, and that
+//! hand-off cost more than the splice. `ZeroCopy::Always` keeps
 //! SEND_ZC everywhere (the tests use it to check it).
 //!
 //! Receives are plain RECV straight into registered memory (multishot receive with provided
@@ -125,12 +129,14 @@ pub struct UringConfig {
     /// connection to a vanished peer is never noticed). A peer whose application stops reading
     /// for that long counts as dead too (the kernel applies the limit to zero-window probes).
     pub dead_peer_after: Option<Duration>,
-    /// Threads the client side of the data plane runs at most (client streams of this
-    /// transport): every client stream is a thread with its own ring. Past it, new peers are
-    /// opened over the TCP data plane instead (the engine does that). Counted in
-    /// [`IoStats::handed_over`]. A server runs its fixed set of rings ([`server_rings`]) however
-    /// many streams it serves.
+    /// Threads the client side of the data plane runs at most where it runs a thread per client
+    /// stream (with [`caller_receives`] only). Past it, new peers are opened over the TCP data
+    /// plane instead (the engine does that). Counted in [`IoStats::handed_over`]. Otherwise the
+    /// client runs its fixed set of rings ([`client_rings`]), and a server its own
+    /// ([`server_rings`]), however many streams they carry.
     ///
+    /// [`caller_receives`]: UringConfig::caller_receives
+    /// [`client_rings`]: UringConfig::client_rings
     /// [`server_rings`]: UringConfig::server_rings
     pub max_threads: usize,
     /// What the server allows a connection before its handshake is over: a deadline on the
@@ -144,9 +150,9 @@ pub struct UringConfig {
     /// fast path) from a task on a tokio runtime with I/O enabled has its response (and a READ's
     /// payload) read by that task: it receives
     /// without blocking whenever the runtime's reactor finds the socket readable, so the round
-    /// trip wakes no thread but the awaiting one (the stream's thread keeps only a hang-up poll
-    /// armed while idle). Off (the default): the stream's thread reads every response and
-    /// wakes the task. Counted in [`IoStats::caller_receives`] and
+    /// trip wakes no thread but the awaiting one (each client stream then runs on a thread of its
+    /// own, which keeps only a hang-up poll armed while idle). Off (the default): the stream's
+    /// client ring reads every response and wakes the task. Counted in [`IoStats::caller_receives`] and
     /// [`IoStats::caller_handbacks`].
     ///
     /// On, such a response is read only while its request is awaited (or once the stream's
@@ -154,6 +160,14 @@ pub struct UringConfig {
     /// the request completes whether or not anything polls it; and the runtime's reactor must
     /// be driven while the task waits.
     pub caller_receives: bool,
+    /// How many rings drive the client's data streams, each on one thread (0: one per CPU this
+    /// process may run on), started at the transport's first connect and shared by every
+    /// channel it opens: a client stream costs no thread. With [`caller_receives`] each client
+    /// stream runs on a thread of its own instead (bounded by [`max_threads`]).
+    ///
+    /// [`caller_receives`]: UringConfig::caller_receives
+    /// [`max_threads`]: UringConfig::max_threads
+    pub client_rings: usize,
 }
 
 /// Default [`UringConfig::max_threads`].
@@ -178,6 +192,7 @@ impl Default for UringConfig {
             handshake: HandshakeLimits::default(),
             server_rings: 0,
             caller_receives: false,
+            client_rings: 0,
         }
     }
 }
@@ -297,13 +312,15 @@ pub use ferry_net::{HandshakeLimits, HandshakeStats};
 pub struct UringTransport {
     config: UringConfig,
     stats: Arc<IoStats>,
+    /// The client rings, once the first connect started them (shared by the transport's clones).
+    rings: Arc<std::sync::Mutex<Option<Arc<client::ClientRings>>>>,
 }
 
 /// A share of a [`UringTransport`]'s thread budget, held for a channel being opened
 /// ([`UringTransport::reserve_streams`]); released on drop.
 #[derive(Debug)]
 pub struct StreamReservation {
-    _threads: ThreadCount,
+    _threads: Option<ThreadCount>,
 }
 
 impl UringTransport {
@@ -332,6 +349,7 @@ impl UringTransport {
         Ok(Self {
             config,
             stats: Arc::new(IoStats::default()),
+            rings: Arc::default(),
         })
     }
 
@@ -345,12 +363,24 @@ impl UringTransport {
         &self.stats
     }
 
+    /// The same counters, shared (readable after the transport is gone: its client rings end
+    /// with it and count themselves out).
+    pub fn stats_handle(&self) -> Arc<IoStats> {
+        self.stats.clone()
+    }
+
     /// Reserves this transport's thread budget for one more channel (a thread per configured
-    /// stream) if that keeps it within [`UringConfig::max_threads`]. Hold the reservation until
-    /// the channel is open (its stream threads count themselves once running), then drop it.
+    /// stream, with [`UringConfig::caller_receives`]; otherwise the streams run on the client
+    /// rings and nothing is reserved) if that keeps it within [`UringConfig::max_threads`]. Hold
+    /// the reservation until the channel is open (its stream threads count themselves once
+    /// running), then drop it.
     /// `None`: the budget is spent; the refusal is counted in [`IoStats::handed_over`] and the
     /// owner opens the peer over the TCP data plane instead.
     pub fn reserve_streams(&self) -> Option<StreamReservation> {
+        if !self.config.caller_receives {
+            // Its streams run on the client rings: no thread per stream to budget.
+            return Some(StreamReservation { _threads: None });
+        }
         let streams = self.config.streams as u64;
         let held = ThreadCount::reserve(
             &self.stats,
@@ -361,7 +391,9 @@ impl UringTransport {
         if held.is_none() {
             IoStats::add(&self.stats.handed_over, 1);
         }
-        held.map(|threads| StreamReservation { _threads: threads })
+        held.map(|threads| StreamReservation {
+            _threads: Some(threads),
+        })
     }
 
     /// One line for `engine.describe()`.
@@ -412,6 +444,11 @@ impl UringTransport {
         let splice =
             self.config.splice_loopback && self.config.kernel_splice && addr.ip().is_loopback();
         let pin = self.config.pin_loopback_streams && addr.ip().is_loopback() && n >= 2;
+        let rings = if self.config.caller_receives {
+            None
+        } else {
+            Some(self.client_rings()?)
+        };
         UringChannel::new(
             peer.addr,
             sockets,
@@ -426,8 +463,39 @@ impl UringTransport {
                 vectored: peer.version >= ferry_core::wire::VECTORED_VERSION,
                 caller_receives: self.config.caller_receives,
             },
+            rings.as_deref(),
             self.stats.clone(),
         )
+    }
+
+    /// The client rings, started on first use.
+    fn client_rings(&self) -> Result<Arc<client::ClientRings>, Error> {
+        let mut g = match self.rings.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(r) = g.as_ref() {
+            return Ok(r.clone());
+        }
+        let plan = client::RingPlan {
+            register: self.config.register_buffers,
+            zero_copy: self.config.zero_copy_enabled(),
+            pin: self.config.pin_loopback_streams,
+        };
+        let rings = Arc::new(
+            client::ClientRings::start(self.config.client_rings, plan, &self.stats)
+                .map_err(|e| Error::io("start the client rings of", "io_uring transport", e))?,
+        );
+        *g = Some(rings.clone());
+        Ok(rings)
+    }
+
+    /// How many client rings run (0 until the first connect).
+    pub fn client_rings_running(&self) -> usize {
+        match self.rings.lock() {
+            Ok(g) => g.as_ref().map_or(0, |r| r.len()),
+            Err(p) => p.into_inner().as_ref().map_or(0, |r| r.len()),
+        }
     }
 }
 
@@ -518,9 +586,11 @@ mod tests {
             config: super::UringConfig {
                 streams: 2,
                 max_threads: 4,
+                caller_receives: true,
                 ..super::UringConfig::default()
             },
             stats: Default::default(),
+            rings: Default::default(),
         };
         let first = t.reserve_streams().expect("2 of 4");
         let second = t.reserve_streams().expect("4 of 4");

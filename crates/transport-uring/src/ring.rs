@@ -1,4 +1,5 @@
-//! One io_uring ring driving one socket from one thread: ordered sends (short sends resent),
+//! One io_uring ring driving one socket from one thread (a client stream's own thread, with
+//! `UringConfig::caller_receives`): ordered sends (short sends resent),
 //! exact receives, SEND_ZC with its notifications, a fixed file and registered buffers.
 //!
 //! The ring is used synchronously: the owning thread submits the SQEs of one logical send or
@@ -61,8 +62,9 @@ pub struct IoStats {
     /// WRITE responses a server held back and sent as part of a later one
     /// (`DataRequest::ack_slack`; counted on the server's [`crate::UringServerHandle::stats`]).
     pub held_responses: AtomicU64,
-    /// I/O threads running now: one per client stream (each with its own ring), one per ring of
-    /// a server (handshakes run on the server's accept thread, which is not counted).
+    /// I/O threads running now: one per client ring (or, with `UringConfig::caller_receives`,
+    /// one per client stream, each with its own ring), one per ring of a server (handshakes run
+    /// on the server's accept thread, which is not counted).
     pub threads: AtomicU64,
     /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
     /// with no hand-over to the stream's thread.
@@ -89,9 +91,9 @@ impl IoStats {
 }
 
 /// Counts live I/O threads (one, or a reservation of several) in [`IoStats::threads`] while
-/// held. The data plane runs a thread per stream (client) and per served data stream, so fan-out
-/// to many peers costs that many threads (bounded by `UringConfig::max_threads` where the owner
-/// enforces it); past 256 it warns at each doubling.
+/// held: the client's and the server's rings, and with `UringConfig::caller_receives` a thread
+/// per client stream, so fan-out to many peers then costs that many threads (bounded by
+/// `UringConfig::max_threads` where the owner enforces it); past 256 it warns at each doubling.
 #[derive(Debug)]
 pub(crate) struct ThreadCount {
     stats: Arc<IoStats>,

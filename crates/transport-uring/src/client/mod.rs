@@ -1,0 +1,815 @@
+//! The client side: a channel of several data streams to one peer incarnation.
+//!
+//! Every stream runs on one of the transport's client rings ([`rings`]: a fixed set, one per CPU
+//! by default, [`UringConfig::client_rings`](crate::UringConfig::client_rings)), a state machine
+//! around [`ClientStream`] with no thread of its own: it takes chunks dealt to it, writes their
+//! requests and WRITE payloads in order (SEND_ZC from registered memory where the configuration
+//! sends zero-copy, vmsplice + splice to a loopback peer, a copying send otherwise) and keeps
+//! one receive for the next response armed, READ payloads landing straight in registered
+//! memory. Responses on a stream come back in request order, so the stream matches them with a
+//! FIFO of in-flight chunks (bounded by `depth`) and checks the sequence number. A request is
+//! drained once every chunk is resolved *and* every zero-copy notification of its sends arrived.
+//! With [`UringConfig::caller_receives`](crate::UringConfig::caller_receives) each stream runs
+//! on a thread of its own instead ([`thread`]), which a task awaiting a small request it sent
+//! directly relieves of the reading ([`CallerRead`]).
+//!
+//! A request of one small chunk submitted while a stream is idle skips the hand-over: the
+//! submitting thread posts it and writes it with one non-blocking `sendmsg`
+//! ([`UringChannel::send_direct`]); the stream's armed receive meets the response, and what part
+//! of the request the kernel did not take is sent first by the stream's driver.
+
+mod rings;
+mod state;
+mod thread;
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use ferry_core::dealer::{deal_ops, deal_ops_grouped};
+use ferry_core::queue::Wake;
+use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
+use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+use ferry_core::{
+    BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
+};
+use ferry_net::ChannelStreams;
+use tracing::debug;
+
+pub(crate) use rings::{ClientRings, RingPlan};
+use state::{
+    DIRECT_MAX, EventFd, Queue, Reader, ReqShared, SendState, StreamShared, StreamWake, shutdown,
+};
+
+use crate::ring::{IoStats, SockIo, ThreadCount};
+use crate::waiter::Countdown;
+
+/// How a channel's streams send payloads, and who drives them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SendPlan {
+    /// SEND_ZC (else SEND).
+    pub(crate) zero_copy: bool,
+    /// vmsplice + SPLICE for WRITE payloads (loopback peers).
+    pub(crate) splice: bool,
+    /// Registered buffers and fixed file.
+    pub(crate) register: bool,
+    /// Stream `i` on the `i`-th allowed CPU (loopback, several streams): its thread pinned
+    /// there, or on the client ring pinned there.
+    pub(crate) pin: bool,
+    /// The peer is on this host (loopback): no flight time to cover, so the server may hold back
+    /// responses for all but one chunk in flight, not just for half of them ([`AckPolicy`]).
+    pub(crate) loopback: bool,
+    /// The peer takes vectored requests (protocol version 3): runs of small ops are grouped.
+    pub(crate) vectored: bool,
+    /// The task awaiting a WRITE or READ it sent directly reads the response itself
+    /// (`UringConfig::caller_receives`).
+    pub(crate) caller_receives: bool,
+}
+
+/// A data channel to one peer, driven by io_uring.
+#[derive(Debug)]
+pub struct UringChannel {
+    peer: SocketAddr,
+    streams: ChannelStreams,
+    queue: Arc<Queue>,
+    /// Each stream's shared state, by stream index.
+    shared: Vec<Arc<StreamShared>>,
+    stats: Arc<IoStats>,
+    chunk: u64,
+    zero_copy: bool,
+    vectored: bool,
+    caller_receives: bool,
+}
+
+impl UringChannel {
+    /// A channel over `sockets` (each an attached data stream), its streams run on `rings`, or
+    /// each on a thread of its own where `rings` is `None` (which
+    /// [`SendPlan::caller_receives`] needs).
+    pub(crate) fn new(
+        peer: SocketAddr,
+        sockets: Vec<TcpStream>,
+        chunk: u64,
+        depth: usize,
+        plan: SendPlan,
+        rings: Option<&ClientRings>,
+        stats: Arc<IoStats>,
+    ) -> Result<Self, ferry_core::Error> {
+        let depth = depth.max(1);
+        // Each stream's ring is chosen first: its wake-up names it.
+        let places: Vec<usize> = match rings {
+            Some(r) => (0..sockets.len()).map(|i| r.place(i, plan.pin)).collect(),
+            None => Vec::new(),
+        };
+        let wakes = match rings {
+            Some(r) => places
+                .iter()
+                .map(|&at| Ok(StreamWake::Ring(r.wake_for(at))))
+                .collect::<std::io::Result<Vec<_>>>(),
+            None => (0..sockets.len())
+                .map(|_| EventFd::new().map(StreamWake::Thread))
+                .collect::<std::io::Result<Vec<_>>>(),
+        }
+        .map_err(|e| ferry_core::Error::io("create eventfd for", peer.to_string(), e))?;
+        let queue = Arc::new(Queue::new(wakes));
+        let mut streams = ChannelStreams::new();
+        let mut shared = Vec::new();
+        // On failure the streams started so far end (their sockets shut, the queue dropped).
+        let abandon = |streams: &ChannelStreams, queue: &Queue| {
+            streams.shutdown_all();
+            queue.close();
+        };
+        for (i, s) in sockets.into_iter().enumerate() {
+            // A duplicate descriptor stays with the channel handle, to shut the socket down from
+            // any thread.
+            let handle = match s.try_clone() {
+                Ok(h) => h,
+                Err(e) => {
+                    abandon(&streams, &queue);
+                    return Err(ferry_core::Error::io(
+                        "duplicate a stream socket of",
+                        peer.to_string(),
+                        e,
+                    ));
+                }
+            };
+            let socket = Arc::new(s);
+            let dead = Arc::new(AtomicBool::new(false));
+            let policy = if plan.loopback {
+                AckPolicy::Loopback
+            } else {
+                AckPolicy::Network
+            };
+            let sh = Arc::new(StreamShared {
+                state: Mutex::new(SendState {
+                    proto: ClientStream::new(depth, policy),
+                    busy: false,
+                    tail: Vec::new(),
+                    reader: Reader::Ring,
+                    readers: 0,
+                    resp: [0; DATA_RESPONSE_LEN],
+                    resp_at: 0,
+                    recv_armed: false,
+                    payload: None,
+                }),
+                socket: socket.clone(),
+                dead: dead.clone(),
+            });
+            shared.push(sh.clone());
+            let failed = match rings {
+                Some(r) => r
+                    .attach(
+                        places[i],
+                        rings::NewStream {
+                            sh,
+                            queue: queue.clone(),
+                            index: i,
+                            peer,
+                            zero_copy: plan.zero_copy,
+                            splice: plan.splice,
+                        },
+                    )
+                    .err()
+                    .map(|e| {
+                        ferry_core::Error::io(
+                            "attach a stream to a client ring for",
+                            peer.to_string(),
+                            e,
+                        )
+                    }),
+                None => spawn_thread(i, plan, sh, &queue, peer, &stats).err(),
+            };
+            streams.push(dead, handle);
+            if let Some(e) = failed {
+                abandon(&streams, &queue);
+                return Err(e);
+            }
+        }
+        Ok(Self {
+            peer,
+            streams,
+            queue,
+            shared,
+            stats,
+            chunk: chunk.max(1),
+            zero_copy: plan.zero_copy,
+            vectored: plan.vectored,
+            caller_receives: plan.caller_receives,
+        })
+    }
+
+    /// Sends a request of one small chunk from the calling thread, on a stream that is idle
+    /// (nothing in flight, its thread not sending, nothing queued on the channel): one
+    /// non-blocking `sendmsg` instead of a hand-over to the stream's thread, whose armed
+    /// receive then meets the response. What the kernel does not take at once is left for the
+    /// stream thread to send first. [`Direct::Dealt`]: nothing was done, deal the request.
+    ///
+    /// With [`SendPlan::caller_receives`], an idle stream's thread keeps no receive armed (only
+    /// a poll for the socket's hang-up), and a WRITE or a READ of at most [`DIRECT_MAX`] bytes
+    /// sent whole from a task on a tokio runtime makes that task the stream's reader
+    /// ([`CallerRead`]); any other direct send wakes the stream thread to arm its receive.
+    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
+        let [op] = ops else {
+            return Direct::Dealt;
+        };
+        let one_chunk = op.kind == OpKind::Checksum || op.len <= self.chunk;
+        let payload = if op.kind == OpKind::Write { op.len } else { 0 };
+        if !one_chunk || payload > (DIRECT_MAX - DATA_REQUEST_LEN) as u64 {
+            return Direct::Dealt;
+        }
+        // A READ's payload is read by the task only while it is small: a large one comes in
+        // many pieces, each a wake-up of the task, where the stream thread waits for it whole.
+        let caller = self.caller_receives
+            && (op.kind == OpKind::Write
+                || (op.kind == OpKind::Read && op.len <= DIRECT_MAX as u64))
+            && tokio::runtime::Handle::try_current().is_ok();
+        for (i, sh) in self.shared.iter().enumerate() {
+            // A stream whose lock is taken is busy; its thread holds it only briefly.
+            let Ok(mut g) = sh.state.try_lock() else {
+                continue;
+            };
+            if g.busy
+                || !g.tail.is_empty()
+                || g.proto.in_flight() > 0
+                || g.proto.is_broken()
+                || g.reader != Reader::Ring
+                || g.resp_at > 0
+                || g.payload.is_some()
+                || (self.caller_receives && g.recv_armed)
+                || sh.dead.load(Ordering::Acquire)
+            {
+                continue;
+            }
+            // Requests dealt earlier and not taken yet go first.
+            if self.queue.lock().queued() > 0 {
+                return Direct::Dealt;
+            }
+            control.with_ledger(|l| l.plan(0, 1));
+            req.parts.add(1);
+            let job = Work::One(Chunk {
+                req: req.clone(),
+                op: 0,
+                at: 0,
+                len: op.len,
+            });
+            let out = match g.proto.post(job) {
+                Post::Send(out) => out,
+                Post::Resolved => return Direct::Sent,
+                Post::Broken(job) => {
+                    // Not reached (checked above); hand it on like a leaving stream would.
+                    drop(g);
+                    if let Err(job) = self.queue.hand_on(job) {
+                        job.not_posted(FailureKind::PeerLost);
+                    }
+                    return Direct::Sent;
+                }
+            };
+            let body_len = if out.kind == OpKind::Write {
+                out.len
+            } else {
+                0
+            };
+            let body = (out.region.as_ptr() as usize + out.local_at as usize) as *const u8;
+            let iov = [
+                libc::iovec {
+                    iov_base: out.head.as_ptr() as *mut libc::c_void,
+                    iov_len: out.head.len(),
+                },
+                libc::iovec {
+                    iov_base: body as *mut libc::c_void,
+                    iov_len: body_len,
+                },
+            ];
+            // SAFETY: a zeroed msghdr is valid (no address, no control data); the iovecs point
+            // at `out.head` (alive for the call) and at the chunk's payload, whose range the
+            // stream protocol checked against the region `out.region` keeps alive.
+            let sent = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+                msg.msg_iovlen = if body_len > 0 { 2 } else { 1 };
+                libc::sendmsg(
+                    sh.socket.as_raw_fd(),
+                    &msg,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            let total = out.head.len() + body_len;
+            IoStats::add(&self.stats.direct_sends, 1);
+            let sent = if sent >= 0 {
+                sent as usize
+            } else {
+                let e = std::io::Error::last_os_error();
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) {
+                    // The stream thread's armed receive ends with the socket and fails what is
+                    // in flight, this chunk included.
+                    debug!(peer = %self.peer, stream = i, error = %e, "send failed; stream closed");
+                    shutdown(&sh.socket);
+                    drop(g);
+                    if self.caller_receives {
+                        // The stream thread arms its receive, which ends with the socket.
+                        self.wake_stream(i);
+                    }
+                    return Direct::Sent;
+                }
+                0
+            };
+            if sent < total {
+                IoStats::add(&self.stats.direct_tails, 1);
+                let mut tail = Vec::with_capacity(total - sent);
+                let head_rest = out.head.get(sent..).unwrap_or(&[]);
+                tail.extend_from_slice(head_rest);
+                let body_from = sent.saturating_sub(out.head.len());
+                // SAFETY: as for the send above; `body_from <= body_len`.
+                tail.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(body.add(body_from), body_len - body_from)
+                });
+                g.tail = tail;
+                drop(g);
+                self.wake_stream(i);
+                return Direct::Sent;
+            }
+            if caller {
+                g.readers += 1;
+                let token = g.readers;
+                g.reader = Reader::Caller(token);
+                return Direct::Caller(CallerRead {
+                    sh: sh.clone(),
+                    parts: req.parts.clone(),
+                    queue: self.queue.clone(),
+                    index: i,
+                    token,
+                    stats: self.stats.clone(),
+                    over: false,
+                });
+            }
+            drop(g);
+            if self.caller_receives {
+                // Its thread keeps no receive armed while idle: it arms one now.
+                self.wake_stream(i);
+            }
+            return Direct::Sent;
+        }
+        Direct::Dealt
+    }
+
+    /// Ends stream `i`'s thread's wait on its ring.
+    fn wake_stream(&self, i: usize) {
+        if let Some(t) = self.queue.taker(i) {
+            t.waker().wake();
+        }
+    }
+
+    /// Whether payloads go out with SEND_ZC.
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+
+    /// Number of data streams.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+}
+
+/// What [`UringChannel::send_direct`] did with a request.
+enum Direct {
+    /// Nothing: deal it to the streams.
+    Dealt,
+    /// Sent (or resolved, or failed with its stream); the stream thread meets the response.
+    Sent,
+    /// Sent whole; the awaiting task reads the response.
+    Caller(CallerRead),
+}
+
+/// What one receive of a direct reader found.
+enum Got {
+    /// The chunk is resolved.
+    Done,
+    /// Nothing to read yet.
+    Empty,
+    /// Some bytes of the header: read again.
+    More,
+    /// Not the reader any more (the stream thread took over: it meets the response).
+    Gone,
+    /// The stream ended or failed, or the response is not one op's: the stream thread is to
+    /// read (and so fail) it.
+    HandBack,
+}
+
+/// The task awaiting a WRITE or READ it sent directly, as its stream's reader (see [`Reader`]):
+/// it receives the response header (then a READ's payload, into place) without blocking, under
+/// the stream's lock, whenever its runtime's reactor finds the socket readable, and resolves
+/// the chunk through the stream protocol. It stops being the reader when the chunk is resolved,
+/// when the stream thread takes a new chunk (which takes the reading over, the header's bytes
+/// or the payload's so far included), and when it is dropped or meets the stream's end, an error
+/// or a response that is not one op's (it then hands the reading back and wakes the stream
+/// thread). Either way the request completes through its countdown.
+struct CallerRead {
+    sh: Arc<StreamShared>,
+    /// The request's countdown.
+    parts: Arc<Countdown>,
+    queue: Arc<Queue>,
+    index: usize,
+    token: u64,
+    stats: Arc<IoStats>,
+    /// No longer the reader.
+    over: bool,
+}
+
+/// What a non-blocking receive's return value `n` means to a direct reader: bytes received
+/// (0: the stream's end), or what to do instead.
+fn received(n: isize) -> Result<usize, Got> {
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    let e = std::io::Error::last_os_error();
+    Err(match e.kind() {
+        std::io::ErrorKind::WouldBlock => Got::Empty,
+        std::io::ErrorKind::Interrupted => Got::More,
+        // The stream thread meets the end or the error too, and fails what is in flight.
+        _ => Got::HandBack,
+    })
+}
+
+/// The stream's socket as the reactor sees it; borrowed, never closed by it.
+struct SocketFd(std::os::fd::RawFd);
+
+impl AsRawFd for SocketFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0
+    }
+}
+
+impl CallerRead {
+    /// Reads the response (or stops being the reader); the caller then waits on the countdown.
+    async fn read(&mut self) {
+        let fd = self.sh.socket.as_raw_fd();
+        let interest = tokio::io::Interest::READABLE;
+        // The reactor must have I/O enabled: a runtime built without it panics here, which is
+        // caught and taken as "no reactor" (the stream thread reads).
+        let registered = std::panic::catch_unwind(|| {
+            // SAFETY: `fd` is the stream's socket, which `self.sh` keeps open (and the same
+            // description) for as long as this registration, which is dropped before `read`
+            // returns.
+            unsafe { tokio::io::unix::AsyncFd::register_with_interest(SocketFd(fd), interest) }
+        });
+        let afd = match registered {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => {
+                debug!(stream = self.index, error = %e, "cannot watch a stream socket; its thread reads");
+                self.hand_back();
+                return;
+            }
+            Err(_) => {
+                debug!(
+                    stream = self.index,
+                    "no reactor to watch a stream socket; its thread reads"
+                );
+                self.hand_back();
+                return;
+            }
+        };
+        // The chunk may be resolved by the stream thread instead (it took the reading over, or
+        // the stream ended): then the socket need never become readable again.
+        let mut resolved = std::pin::pin!(self.parts.clone().wait());
+        loop {
+            let ready = std::future::poll_fn(|cx| {
+                if resolved.as_mut().poll(cx).is_ready() {
+                    return std::task::Poll::Ready(None);
+                }
+                afd.poll_read_ready(cx).map(Some)
+            })
+            .await;
+            let mut ready = match ready {
+                Some(Ok(r)) => r,
+                None => {
+                    self.over = true;
+                    return;
+                }
+                Some(Err(e)) => {
+                    debug!(stream = self.index, error = %e, "reactor failed; the stream thread reads");
+                    self.hand_back();
+                    return;
+                }
+            };
+            loop {
+                match self.receive(fd) {
+                    Got::Done => {
+                        IoStats::add(&self.stats.caller_receives, 1);
+                        self.over = true;
+                        return;
+                    }
+                    Got::More => continue,
+                    Got::Empty => {
+                        ready.clear_ready();
+                        break;
+                    }
+                    Got::Gone => {
+                        self.over = true;
+                        return;
+                    }
+                    Got::HandBack => {
+                        self.hand_back();
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One non-blocking receive of the header's rest (or of a READ's payload), under the
+    /// stream's lock.
+    fn receive(&self, fd: std::os::fd::RawFd) -> Got {
+        let mut g = self.sh.lock();
+        if g.reader != Reader::Caller(self.token) {
+            return Got::Gone;
+        }
+        if let Some((chunk, done)) = g.payload.as_ref() {
+            let len = chunk.payload_len() as usize;
+            let ptr =
+                (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize + done) as *mut u8;
+            // SAFETY: the stream protocol checked the chunk's range against its region at post;
+            // the request owns the range until drained, keeps the region alive through the
+            // chunk's Arc, and no Rust reference to it exists; at most the `len - done` bytes
+            // not yet received are written.
+            let n = unsafe { libc::recv(fd, ptr.cast(), len - done, libc::MSG_DONTWAIT) };
+            return match received(n) {
+                Ok(0) => Got::HandBack,
+                Ok(n) => {
+                    let done = done + n;
+                    if done < len {
+                        if let Some(p) = g.payload.as_mut() {
+                            p.1 = done;
+                        }
+                        return Got::More;
+                    }
+                    if let Some((chunk, _)) = g.payload.take() {
+                        chunk.acked();
+                    }
+                    g.reader = Reader::Ring;
+                    Got::Done
+                }
+                Err(got) => got,
+            };
+        }
+        let at = g.resp_at;
+        let want = DATA_RESPONSE_LEN - at;
+        // SAFETY: receives at most `want` bytes into the header buffer from `at` on, which the
+        // lock held here keeps borrowed.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                g.resp.as_mut_ptr().add(at).cast(),
+                want,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        let n = match received(n) {
+            Ok(0) => return Got::HandBack,
+            Ok(n) => n,
+            Err(got) => return got,
+        };
+        g.resp_at += n;
+        if g.resp_at < DATA_RESPONSE_LEN {
+            return Got::More;
+        }
+        g.resp_at = 0;
+        let head = g.resp;
+        match g.proto.on_response(&head) {
+            Ok(Resolution::Done) => {
+                g.reader = Reader::Ring;
+                Got::Done
+            }
+            Ok(Resolution::Payload(chunk)) if chunk.payload_len() == 0 => {
+                chunk.acked();
+                g.reader = Reader::Ring;
+                Got::Done
+            }
+            Ok(Resolution::Payload(chunk)) => {
+                g.payload = Some((chunk, 0));
+                Got::More
+            }
+            resolved => {
+                // One op sent directly is never a vectored request: the peer broke the
+                // protocol. The stream is given up; its thread fails what is in flight.
+                match resolved {
+                    Ok(Resolution::Pieces(ps)) => ps.into_iter().for_each(|c| c.lost(None)),
+                    Ok(Resolution::Done | Resolution::Payload(_)) => {}
+                    Err(v) => {
+                        debug!(stream = self.index, error = %v, "bad response; stream closed")
+                    }
+                }
+                shutdown(&self.sh.socket);
+                Got::HandBack
+            }
+        }
+    }
+
+    /// Makes the stream thread the reader again (if this still is) and wakes it.
+    fn hand_back(&mut self) {
+        if self.over {
+            return;
+        }
+        self.over = true;
+        {
+            let mut g = self.sh.lock();
+            if g.reader != Reader::Caller(self.token) {
+                return;
+            }
+            g.reader = Reader::Ring;
+        }
+        IoStats::add(&self.stats.caller_handbacks, 1);
+        if let Some(t) = self.queue.taker(self.index) {
+            t.waker().wake();
+        }
+    }
+}
+
+impl Drop for CallerRead {
+    fn drop(&mut self) {
+        self.hand_back();
+    }
+}
+
+impl Channel for UringChannel {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Uring
+    }
+
+    fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
+        let closed = self.streams.is_closed();
+        let req = Arc::new(ReqShared {
+            ops: ops.clone(),
+            control: control.clone(),
+            parts: Arc::new(Countdown::new(1)),
+        });
+        // A small request to an idle stream is sent from here; otherwise chunks are dealt to
+        // the stream threads now; each thread checks the request's stop flag and failures again
+        // before it posts a chunk, and bounds what it has in flight.
+        let one = |op, at, len| {
+            req.parts.add(1);
+            Work::One(Chunk {
+                req: req.clone(),
+                op,
+                at,
+                len,
+            })
+        };
+        let wake = |set| self.queue.wake_all_in(set);
+        let direct = if closed {
+            Direct::Dealt
+        } else {
+            self.send_direct(&ops, &control, &req)
+        };
+        let dealt = matches!(direct, Direct::Dealt);
+        let caller = match direct {
+            Direct::Caller(c) => Some(c),
+            Direct::Dealt | Direct::Sent => None,
+        };
+        if dealt {
+            if self.vectored {
+                // Runs of small ops go out as vectored requests of up to one chunk's bytes.
+                deal_ops_grouped(
+                    self.queue.dealer(),
+                    &ops,
+                    &control,
+                    self.chunk,
+                    self.chunk,
+                    closed,
+                    one,
+                    |members| {
+                        req.parts.add(members.len());
+                        Work::Pieces(
+                            members
+                                .iter()
+                                .map(|&op| Chunk {
+                                    req: req.clone(),
+                                    op,
+                                    at: 0,
+                                    len: ops[op].len,
+                                })
+                                .collect(),
+                        )
+                    },
+                    Work::skipped,
+                    wake,
+                );
+            } else {
+                deal_ops(
+                    self.queue.dealer(),
+                    &ops,
+                    &control,
+                    self.chunk,
+                    closed,
+                    one,
+                    Work::skipped,
+                    wake,
+                );
+            }
+        }
+        let parts = req.parts.clone();
+        drop(req);
+        parts.done_one();
+        Box::pin(async move {
+            if let Some(mut c) = caller {
+                c.read().await;
+            }
+            parts.wait().await;
+            control.outcome(true)
+        })
+    }
+
+    fn is_alive(&self) -> bool {
+        self.streams.is_alive()
+    }
+
+    fn close(&self) {
+        self.streams.close();
+        debug!(peer = %self.peer, "channel closed");
+    }
+}
+
+impl Drop for UringChannel {
+    fn drop(&mut self) {
+        self.streams.shutdown_all();
+        self.queue.close();
+    }
+}
+
+/// Starts stream `i`'s own thread (with its own ring), once the ring is made.
+fn spawn_thread(
+    i: usize,
+    plan: SendPlan,
+    sh: Arc<StreamShared>,
+    queue: &Arc<Queue>,
+    peer: SocketAddr,
+    stats: &Arc<IoStats>,
+) -> Result<(), ferry_core::Error> {
+    let fd = sh.socket.as_raw_fd();
+    // The thread creates its own ring (single-issuer rings belong to their creator) and reports
+    // whether that worked before the channel is handed out.
+    let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(1);
+    let cx = thread::StreamCtx {
+        splice: plan.splice,
+        caller_receives: plan.caller_receives,
+        socket: sh.socket.clone(),
+        dead: sh.dead.clone(),
+        queue: queue.clone(),
+        peer,
+        index: i,
+        stats: stats.clone(),
+    };
+    let st = stats.clone();
+    let SendPlan {
+        zero_copy,
+        register,
+        pin,
+        ..
+    } = plan;
+    let spawned = std::thread::Builder::new()
+        .name(format!("ferry-uring-s{i}"))
+        .spawn(
+            move || match SockIo::new(fd, zero_copy, register, st.clone()) {
+                Ok(mut io) => {
+                    let _count = ThreadCount::new(&st, "client streams");
+                    if pin {
+                        crate::pin_stream_thread(i);
+                    }
+                    if let Some(t) = cx.queue.taker(i)
+                        && let StreamWake::Thread(e) = t.waker()
+                    {
+                        io.set_wake(e.0.as_raw_fd());
+                    }
+                    let _ = ready_tx.send(Ok(()));
+                    thread::stream(io, cx, sh)
+                }
+                Err(e) => {
+                    cx.dead.store(true, Ordering::Release);
+                    shutdown(&cx.socket);
+                    let _ = ready_tx.send(Err(e));
+                }
+            },
+        );
+    match spawned {
+        Err(e) => Err(ferry_core::Error::io(
+            "spawn ring thread for",
+            peer.to_string(),
+            e,
+        )),
+        Ok(_) => match ready_rx.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ferry_core::Error::io(
+                "create io_uring ring for",
+                peer.to_string(),
+                e,
+            )),
+            Err(_) => Err(ferry_core::Error::Unavailable {
+                library: "io_uring".into(),
+                reason: "a ring thread ended before reporting".into(),
+            }),
+        },
+    }
+}

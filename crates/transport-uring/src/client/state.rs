@@ -1,0 +1,269 @@
+//! What a client stream's driver (its thread, or the ring that runs it) shares with the threads
+//! that submit to it: the request being executed, the stream's protocol state and send side,
+//! and how the stream is woken.
+
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ferry_core::queue::{JobQueue, Wake};
+use ferry_core::stream::{Chunk, ChunkOwner, ClientStream, Work};
+use ferry_core::wire::DATA_RESPONSE_LEN;
+use ferry_core::{Op, RequestControl};
+
+use crate::waiter::Countdown;
+
+#[derive(Debug)]
+pub(crate) struct ReqShared {
+    pub(crate) ops: Arc<[Op]>,
+    pub(crate) control: Arc<RequestControl>,
+    /// Unresolved chunks and notifications, plus one held by the poster.
+    pub(crate) parts: Arc<Countdown>,
+}
+
+impl ChunkOwner for ReqShared {
+    fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    fn control(&self) -> &RequestControl {
+        &self.control
+    }
+
+    fn chunk_done(&self) {
+        self.parts.done_one();
+    }
+}
+
+pub(crate) type Job = Work<ReqShared>;
+
+/// Keeps a request un-drained until the zero-copy notification of one send.
+pub(crate) struct NotifHold(Arc<ReqShared>);
+
+impl NotifHold {
+    pub(crate) fn new(req: &Arc<ReqShared>) -> Self {
+        req.parts.add(1);
+        Self(req.clone())
+    }
+}
+
+impl Drop for NotifHold {
+    fn drop(&mut self) {
+        self.0.parts.done_one();
+    }
+}
+
+/// A stream thread's wake-up: an eventfd its ring reads, so that new work, a submitter's
+/// unsent tail or the channel's end ends the ring's wait.
+#[derive(Debug)]
+pub(crate) struct EventFd(pub(crate) OwnedFd);
+
+impl EventFd {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        // SAFETY: plain eventfd creation; the result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: eventfd returned a fresh descriptor that we now own.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+}
+
+impl EventFd {
+    /// Writes the eventfd (its reader's wait ends).
+    pub(crate) fn wake_now(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes from a local array to our own eventfd.
+        let _ = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+}
+
+impl Wake for EventFd {
+    fn wake(&self) {
+        self.wake_now();
+    }
+}
+
+/// How a stream is woken: its thread's eventfd, or its ring's notice.
+#[derive(Debug)]
+pub(crate) enum StreamWake {
+    /// The stream's own thread waits on its ring, which reads this eventfd.
+    Thread(EventFd),
+    /// The stream runs on one of the client's rings.
+    Ring(RingWake),
+}
+
+impl Wake for StreamWake {
+    fn wake(&self) {
+        match self {
+            StreamWake::Thread(e) => e.wake(),
+            StreamWake::Ring(r) => r.wake(),
+        }
+    }
+}
+
+pub(crate) type Queue = JobQueue<Job, StreamWake>;
+
+/// A client ring's mailbox: the streams woken since its thread last looked, and the eventfd
+/// whose read ends the ring's wait.
+#[derive(Debug)]
+pub(crate) struct RingInbox {
+    pub(crate) woken: Mutex<Vec<u64>>,
+    pub(crate) fd: EventFd,
+    /// The ring's thread is (about to be) waiting in the kernel: a wake-up must write the
+    /// eventfd. While it runs it looks at `woken` before it waits again.
+    pub(crate) asleep: AtomicBool,
+}
+
+impl RingInbox {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            woken: Mutex::new(Vec::new()),
+            fd: EventFd::new()?,
+            asleep: AtomicBool::new(false),
+        })
+    }
+
+    /// The streams woken since the last look (and forgets them).
+    pub(crate) fn take(&self, into: &mut Vec<u64>) {
+        let mut g = match self.woken.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        into.append(&mut g);
+    }
+
+    /// Whether a stream was woken since the last look.
+    pub(crate) fn any(&self) -> bool {
+        match self.woken.lock() {
+            Ok(g) => !g.is_empty(),
+            Err(p) => !p.into_inner().is_empty(),
+        }
+    }
+}
+
+/// Wakes one stream of a client ring: names it in the ring's inbox, and ends the ring's wait if
+/// it waits. A wake-up before the ring looks stays in the inbox until it does.
+#[derive(Debug)]
+pub(crate) struct RingWake {
+    pub(crate) inbox: Arc<RingInbox>,
+    /// The stream's name on its ring.
+    pub(crate) id: u64,
+}
+
+impl RingWake {
+    fn wake(&self) {
+        match self.inbox.woken.lock() {
+            Ok(mut g) => g.push(self.id),
+            Err(p) => p.into_inner().push(self.id),
+        }
+        if self.inbox.asleep.swap(false, Ordering::SeqCst) {
+            self.inbox.fd.wake();
+        }
+    }
+}
+
+/// Requests of one chunk whose header and payload together are at most this many bytes are
+/// sent by the submitting thread itself when a stream is idle ([`UringChannel::send_direct`]).
+pub(crate) const DIRECT_MAX: usize = 16 << 10;
+
+/// A stream's protocol state and its socket's send side, shared by the stream's thread and the
+/// threads that submit to an idle stream themselves. Whoever holds the lock and finds the send
+/// side free posts (assigns the sequence number) and writes the request in one go, so requests
+/// reach the socket in sequence order.
+#[derive(Debug)]
+pub(crate) struct StreamShared {
+    pub(crate) state: Mutex<SendState>,
+    pub(crate) socket: Arc<TcpStream>,
+    pub(crate) dead: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+pub(crate) struct SendState {
+    pub(crate) proto: ClientStream<ReqShared>,
+    /// The stream thread is taking or sending a chunk (or a tail): nobody else writes the
+    /// socket.
+    pub(crate) busy: bool,
+    /// Bytes of a submitter's send that the kernel did not take at once; the stream thread
+    /// sends them before anything else.
+    pub(crate) tail: Vec<u8>,
+    /// Who reads the socket's responses: the stream thread, or the task awaiting a request it
+    /// sent directly (that task's number). Only the reader receives, and only under this lock.
+    pub(crate) reader: Reader,
+    /// Numbers the direct readers.
+    pub(crate) readers: u64,
+    /// The response header read so far (`resp_at` bytes of it), by whichever reader.
+    pub(crate) resp: [u8; DATA_RESPONSE_LEN],
+    pub(crate) resp_at: usize,
+    /// The stream thread has a receive armed (or completed and not yet taken) on its ring: a
+    /// direct reader must not be made meanwhile.
+    pub(crate) recv_armed: bool,
+    /// A READ's payload a direct reader is receiving (the chunk, bytes received): whoever reads
+    /// next finishes it before the next header.
+    pub(crate) payload: Option<(Chunk<ReqShared>, usize)>,
+}
+
+/// Who reads a stream's responses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reader {
+    /// The stream thread, with a receive armed on its ring while chunks are in flight.
+    Ring,
+    /// The task that awaits the one chunk in flight (its number): it receives without blocking
+    /// when its runtime's reactor says the socket is readable, so no thread is woken but the
+    /// one that runs it.
+    Caller(u64),
+}
+
+impl StreamShared {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, SendState> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+}
+
+/// A data channel to one peer, driven by io_uring.
+pub(crate) fn shutdown(s: &TcpStream) {
+    let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use ferry_core::queue::Wake;
+
+    use super::EventFd;
+
+    /// Whether `w`'s eventfd was written (and resets it).
+    fn poked(w: &EventFd) -> bool {
+        let mut p = libc::pollfd {
+            fd: w.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polling one descriptor of ours, no wait.
+        let ready = unsafe { libc::poll(&mut p, 1, 0) } == 1;
+        if ready {
+            let mut b = [0u8; 8];
+            // SAFETY: reading 8 bytes into a local array from our own readable eventfd.
+            unsafe { libc::read(w.0.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
+        }
+        ready
+    }
+
+    /// A wake-up before the ring waits is kept (the eventfd's counter) until read, once however
+    /// many came (the queue's protocol: `ferry_core::queue`).
+    #[test]
+    fn a_wake_before_the_wait_is_kept_until_read() {
+        let w = EventFd::new().unwrap();
+        assert!(!poked(&w));
+        w.wake();
+        w.wake();
+        assert!(poked(&w));
+        assert!(!poked(&w));
+    }
+}
