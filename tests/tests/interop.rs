@@ -633,6 +633,101 @@ fn serve_writes(s: &mut std::net::TcpStream) -> Vec<DataRequest> {
     }
 }
 
+/// A loopback WRITE spliced into a socket whose peer does not read fills the socket: the client
+/// ring waits for room on the ring, never in the call, so another channel on the same ring
+/// completes its requests meanwhile; once the peer reads, the payload arrives whole and in order
+/// and the response completes the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spliced_write_into_a_full_socket_waits_on_the_ring_not_in_the_call() {
+    if !uring_usable() {
+        return;
+    }
+    let t = UringTransport::new(UringConfig {
+        streams: 1,
+        client_rings: 1,
+        chunk_size: 16 << 20,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    if !t.config().kernel_splice {
+        ferry_tests::require_or_skip(
+            ferry_tests::URING,
+            "the kernel lacks io_uring SPLICE, so loopback WRITEs are not spliced",
+        );
+        return;
+    }
+    let len = 16 << 20;
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (got_tx, got_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let (addr, h) = scripted_server(move |mut s| {
+        // Nothing is read until the client waits for room.
+        if go_rx.recv().is_err() {
+            return;
+        }
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        s.read_exact(&mut head).unwrap();
+        let r = DataRequest::decode(&head).unwrap();
+        let mut got = vec![0u8; r.len as usize];
+        s.read_exact(&mut got).unwrap();
+        respond(&mut s, r.seq, 0);
+        let _ = got_tx.send(got);
+    });
+    let slow = t.open(scripted_peer(addr, 1)).await.unwrap();
+    // A real server for a second channel on the same (only) client ring.
+    let f = start(Side::Rings(ZeroCopy::Auto));
+    let (tok, remote) = publish(
+        &f.table,
+        "x",
+        1 << 20,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    let offer = t.offer();
+    let fast_addr = f.addr;
+    let peer = tokio::task::spawn_blocking(move || peer_info(fast_addr, offer))
+        .await
+        .unwrap();
+    let fast = t.open(peer).await.unwrap();
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    fill(&src, 41);
+    let write = tokio::spawn({
+        let (slow, src) = (slow.clone(), src.clone());
+        async move {
+            run(
+                &slow,
+                vec![op(OpKind::Write, &src, 0, SegmentToken(9), 0, len as u64)],
+            )
+            .await
+        }
+    });
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    while t.stats().room_waits.load(Ordering::Relaxed) == 0 {
+        assert!(
+            std::time::Instant::now() < end,
+            "the spliced WRITE never found its socket full"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The ring is not held by the full socket: the other channel's requests complete.
+    let small = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+    fill(&small, 42);
+    for _ in 0..3 {
+        let o = tokio::time::timeout(
+            Duration::from_secs(30),
+            run(&fast, vec![op(OpKind::Write, &small, 0, tok, 0, 1 << 20)]),
+        )
+        .await
+        .expect("the ring is held by the full socket");
+        assert!(o.is_success(), "{o:?}");
+    }
+    assert!(bytes(&remote, 0, 1 << 20) == bytes(&small, 0, 1 << 20));
+    go_tx.send(()).unwrap();
+    let got = got_rx.recv().unwrap();
+    h.join().unwrap();
+    assert!(got == bytes(&src, 0, len), "the spliced payload differs");
+    let o = write.await.unwrap();
+    assert!(o.is_success() && o.drained, "{o:?}");
+}
+
 /// A stream that dies hands the chunks dealt to it but not yet sent to the channel's other
 /// streams, on both data planes: the chunk it lost fails its request as uncertain, and another
 /// request whose chunks waited behind it on that stream still completes, every chunk over the

@@ -98,15 +98,15 @@ async fn two_loopback_streams_are_served_one_core_each() {
         let o = run(&ch, ask()).await;
         assert!(o.failure.is_some(), "unknown segment: {o:?}");
     }
-    // "ferry-uring-c0", "...c1": the client's rings, on the server rings' CPUs.
+    // "ferry-uring-cr0", "...cr1": the client's rings, on the server rings' CPUs.
     let mut want = rings.clone();
     want.sort();
-    settle("ferry-uring-c", "two client rings", |t| t == want);
+    settle("ferry-uring-cr", "two client rings", |t| t == want);
     drop(ch);
     // The client's rings stay with its transport, and end with it.
-    assert_eq!(threads_named("ferry-uring-c"), want);
+    assert_eq!(threads_named("ferry-uring-cr"), want);
     drop(t);
-    settle("ferry-uring-c", "transport dropped", |t| t.is_empty());
+    settle("ferry-uring-cr", "transport dropped", |t| t.is_empty());
     // The rings stay where they are.
     assert_eq!(threads_named("ferry-uring-rin"), rings);
 }

@@ -69,9 +69,12 @@ pub struct IoStats {
     /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
     /// with no hand-over to the stream's thread.
     pub direct_sends: AtomicU64,
-    /// Of those, sends the kernel took only in part (a full socket): the stream's thread sent
+    /// Of those, sends the kernel took only in part (a full socket): the stream's driver sent
     /// the rest before anything else.
     pub direct_tails: AtomicU64,
+    /// Spliced sends of a client ring that found the socket full and waited on the ring for
+    /// room (a poll), not in the call.
+    pub room_waits: AtomicU64,
     /// Responses to direct sends that the awaiting task read itself, through its runtime's
     /// reactor (`UringConfig::caller_receives`), with no wake-up of the stream's thread.
     pub caller_receives: AtomicU64,

@@ -123,7 +123,7 @@ impl ClientRings {
             // The driver is made on its thread (its streams' operations point into memory that
             // never leaves it); the thread says whether the ring could be made.
             std::thread::Builder::new()
-                .name(format!("ferry-uring-c{i}"))
+                .name(format!("ferry-uring-cr{i}"))
                 .spawn(move || match Driver::new(plan, rx, b, s, st) {
                     Ok(mut d) => {
                         if plan.pin {
@@ -1297,6 +1297,7 @@ fn push_out(
                         ));
                         // SAFETY: a poll carries no buffer.
                         unsafe { push(ring, &e) }.map_err(|e| fail(c, e))?;
+                        IoStats::add(&c.stats.room_waits, 1);
                         c.send_inflight = Some(SendOp::Room);
                         return Ok(false);
                     }
