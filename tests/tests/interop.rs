@@ -186,12 +186,11 @@ async fn channel_with(
     transport.open(peer).await.unwrap()
 }
 
-/// The client's thread gauge counts its rings, however many streams and channels it runs: they
-/// start with the first channel, stay while the transport lives and end with it. With
-/// `caller_receives` each stream is a thread of its own, counted while its channel lives. The
-/// server's gauge counts its rings, whatever it serves.
+/// The client's thread gauge counts its rings, however many streams and channels it runs (with
+/// `caller_receives` too): they start with the first channel, stay while the transport lives
+/// and end with it. The server's gauge counts its rings, whatever it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_threads_are_its_rings_or_one_per_stream_for_caller_receives() {
+async fn client_threads_are_its_rings_however_many_streams() {
     if !uring_usable() {
         return;
     }
@@ -229,19 +228,15 @@ async fn client_threads_are_its_rings_or_one_per_stream_for_caller_receives() {
         assert_eq!(gauge(t.stats()), 0, "nothing before the first channel");
         let ch = t.open(peer.clone()).await.unwrap();
         let ch2 = t.open(peer).await.unwrap();
-        let (open, after) = if caller_receives { (6, 0) } else { (2, 2) };
         assert_eq!(
             gauge(t.stats()),
-            open,
+            2,
             "caller_receives {caller_receives}, two channels"
         );
-        assert_eq!(
-            t.client_rings_running(),
-            if caller_receives { 0 } else { 2 }
-        );
+        assert_eq!(t.client_rings_running(), 2);
         assert_eq!(gauge(h.stats()), 2, "server with the channels open");
         drop((ch, ch2));
-        settle(after, "client after the drop", &|| gauge(t.stats()));
+        settle(2, "client after the drop", &|| gauge(t.stats()));
         assert_eq!(gauge(h.stats()), 2, "server after the drop");
         let stats = t.stats_handle();
         drop(t);
@@ -726,6 +721,168 @@ async fn a_spliced_write_into_a_full_socket_waits_on_the_ring_not_in_the_call() 
     assert!(got == bytes(&src, 0, len), "the spliced payload differs");
     let o = write.await.unwrap();
     assert!(o.is_success() && o.drained, "{o:?}");
+}
+
+/// With SEND_ZC forced, a client ring sends WRITE payloads zero-copy from a registered region
+/// and from one too large to register (the unregistered fallback); the requests are drained
+/// only once every notification came, and the bytes arrive in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_copy_writes_are_let_go_and_fall_back_to_unregistered_buffers() {
+    if !uring_usable() {
+        return;
+    }
+    if !ferry_transport_uring::probe_kernel().supports("SEND_ZC") {
+        ferry_tests::require_or_skip(ferry_tests::URING, "the kernel lacks io_uring SEND_ZC");
+        return;
+    }
+    let (got_tx, got_rx) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
+    let (addr, h) = scripted_server(move |mut s| {
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            let mut head = [0u8; DATA_REQUEST_LEN];
+            s.read_exact(&mut head).unwrap();
+            let r = DataRequest::decode(&head).unwrap();
+            let mut payload = vec![0u8; r.len as usize];
+            s.read_exact(&mut payload).unwrap();
+            respond(&mut s, r.seq, 0);
+            got.push(payload);
+        }
+        let _ = got_tx.send(got);
+    });
+    let t = UringTransport::new(UringConfig {
+        streams: 1,
+        zero_copy: ZeroCopy::Always,
+        splice_loopback: false,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let ch = t.open(scripted_peer(addr, 1)).await.unwrap();
+    let small = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+    fill(&small, 7);
+    // Larger than the kernel registers in one buffer: sent unregistered. (Both WRITEs are
+    // larger than what a submitter sends directly, with a copy.)
+    let huge = Arc::new(MemoryRegion::alloc_zeroed((1 << 30) + (64 << 10), 4096).unwrap());
+    huge.write_at(1 << 30, &[9u8; 64 << 10]).unwrap();
+    let o = run(
+        &ch,
+        vec![op(OpKind::Write, &small, 0, SegmentToken(9), 0, 1 << 20)],
+    )
+    .await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    let o = run(
+        &ch,
+        vec![op(
+            OpKind::Write,
+            &huge,
+            1 << 30,
+            SegmentToken(9),
+            0,
+            64 << 10,
+        )],
+    )
+    .await;
+    assert!(o.is_success() && o.drained, "{o:?}");
+    let got = got_rx.recv().unwrap();
+    h.join().unwrap();
+    assert!(
+        got[0] == bytes(&small, 0, 1 << 20),
+        "the registered payload differs"
+    );
+    assert!(
+        got[1].iter().all(|&b| b == 9),
+        "the unregistered payload differs"
+    );
+    let s = t.stats();
+    let zc = s.zc_sends.load(Ordering::Relaxed);
+    assert!(zc >= 2, "{zc} zero-copy sends");
+    // Drained: every notification came.
+    assert_eq!(s.notifications.load(Ordering::Relaxed), zc);
+    assert_eq!(
+        s.fixed_sends.load(Ordering::Relaxed),
+        1,
+        "only the small region is registered"
+    );
+}
+
+/// A zero-copy WRITE the peer never takes (its window is full, it never reads) keeps its request
+/// un-drained after the stream ends, until the ring, after the grace, resets the connection (the
+/// peer sees a reset) and the kernel lets the pages go: then the request ends, lost and drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unacknowledged_zero_copy_writes_are_let_go_by_a_reset_after_the_grace() {
+    if !uring_usable() {
+        return;
+    }
+    if !ferry_transport_uring::probe_kernel().supports("SEND_ZC") {
+        ferry_tests::require_or_skip(ferry_tests::URING, "the kernel lacks io_uring SEND_ZC");
+        return;
+    }
+    // A tiny receive window (set on the listener, so the handshake advertises it).
+    let l = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    l.set_recv_buffer_size(4096).unwrap();
+    l.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    l.listen(1).unwrap();
+    let l: TcpListener = l.into();
+    let addr = l.local_addr().unwrap();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let mut s = accept_stream(&l);
+        // Nothing is read until the client's request has ended.
+        let _ = end_rx.recv();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = vec![0u8; 128 << 10];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return std::io::ErrorKind::UnexpectedEof,
+                Ok(_) => {}
+                Err(e) => return e.kind(),
+            }
+        }
+    });
+    let t = UringTransport::new(UringConfig {
+        streams: 1,
+        zero_copy: ZeroCopy::Always,
+        splice_loopback: false,
+        socket_buffer: Some(1 << 20),
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let ch = t.open(scripted_peer(addr, 1)).await.unwrap();
+    let src = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+    let write = tokio::spawn({
+        let (ch, src) = (ch.clone(), src.clone());
+        async move {
+            run(
+                &ch,
+                vec![op(OpKind::Write, &src, 0, SegmentToken(9), 0, 64 << 10)],
+            )
+            .await
+        }
+    });
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    while t.stats().zc_sends.load(Ordering::Relaxed) == 0 {
+        assert!(std::time::Instant::now() < end, "no zero-copy send");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(t.stats().notifications.load(Ordering::Relaxed), 0);
+    // The channel goes: its stream ends with the send unacknowledged.
+    let t0 = std::time::Instant::now();
+    ch.close();
+    drop(ch);
+    let o = tokio::time::timeout(Duration::from_secs(20), write)
+        .await
+        .expect("the request never ended: its hold was never released")
+        .unwrap();
+    let took = t0.elapsed();
+    assert!(
+        matches!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost)),
+        "{o:?}"
+    );
+    assert!(o.drained, "{o:?}");
+    assert_eq!(t.stats().notifications.load(Ordering::Relaxed), 1);
+    assert!(took >= Duration::from_millis(900), "no grace: {took:?}");
+    let _ = end_tx.send(());
+    assert_eq!(h.join().unwrap(), std::io::ErrorKind::ConnectionReset);
 }
 
 /// A stream that dies hands the chunks dealt to it but not yet sent to the channel's other

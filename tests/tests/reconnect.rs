@@ -558,7 +558,6 @@ async fn reconnect_storm(plane: Plane, clients: usize) -> Result<()> {
         let engine = TransferEngine::builder()
             .data_plane(plane.data_plane())
             .io_threads(Some(1))
-            .uring_max_threads(2)
             .reconnect(ReconnectPolicy {
                 attempts: 8,
                 backoff_base: Duration::from_millis(100),

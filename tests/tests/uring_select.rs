@@ -256,29 +256,26 @@ async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()
     Ok(())
 }
 
-/// Past the io_uring thread budget a client stays bounded and moves bytes the same: one whose
-/// stream threads (a thread per stream, with `caller_receives`) reached `uring_max_threads`
-/// opens its next peer over the TCP data plane, counted in `describe().data_plane_io`. On its
-/// rings (the default) a client opens every peer over io_uring, its threads its rings. A
-/// listener runs its fixed set of rings however many streams it serves, whatever its own budget.
+/// A client opens every peer over io_uring however many it opens, its threads its rings (no
+/// thread per stream, no budget to spill past), with or without `caller_receives`, and moves the
+/// same bytes. A listener runs its fixed set of rings however many streams it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_uring_thread_budget_peers_go_over_the_tcp_data_plane() -> Result<()> {
+async fn every_peer_goes_over_io_uring_on_the_client_rings() -> Result<()> {
     if let Some(why) = ferry::probe_kernel().unusable_reason() {
         require_or_skip(URING, format!("io_uring unusable here: {why}"));
         return Ok(());
     }
     for caller_receives in [true, false] {
-        budget(caller_receives).await?;
+        peers_on_rings(caller_receives).await?;
     }
     Ok(())
 }
 
-async fn budget(caller_receives: bool) -> Result<()> {
+async fn peers_on_rings(caller_receives: bool) -> Result<()> {
     let len = (3 << 20) + 4321;
     let serve = || -> Result<(TransferEngine, ferry::Registration)> {
         let e = TransferEngine::builder()
             .data_plane(DataPlane::Uring)
-            .uring_max_threads(1)
             .uring_server_rings(2)
             .listen("127.0.0.1:0".parse::<SocketAddr>()?)
             .build()?;
@@ -289,30 +286,23 @@ async fn budget(caller_receives: bool) -> Result<()> {
         )?;
         Ok((e, seg))
     };
-    // Each server's budget is one thread; a two-stream client's streams are served on its rings.
+    // A two-stream client's streams are served on each server's rings.
     let (a, _seg_a) = serve()?;
     let (b, _seg_b) = serve()?;
     let client = TransferEngine::builder()
         .data_plane(DataPlane::Uring)
         .streams(2)
-        .uring_max_threads(4)
         .uring_client_rings(3)
         .uring_caller_receives(caller_receives)
         .build()?;
     let src = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "src")?;
     let dst = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "dst")?;
     let mut peers = Vec::new();
-    // Two peers fill the client's budget of four stream threads; the third goes over TCP.
     for (i, server) in [&a, &b, &a].into_iter().enumerate() {
         let peer = client
             .connect(server.local_addr().context("listen")?)
             .await?;
-        let want = if i < 2 || !caller_receives {
-            TransportKind::Uring
-        } else {
-            TransportKind::Tcp
-        };
-        assert_eq!(peer.transport(), want, "peer {i}");
+        assert_eq!(peer.transport(), TransportKind::Uring, "peer {i}");
         let data: Vec<u8> = (0..len).map(|k| (k * 31 + i * 7 + 3) as u8).collect();
         src.region().write_at(0, &data)?;
         let seg = peer.segment("seg")?;
@@ -333,12 +323,7 @@ async fn budget(caller_receives: bool) -> Result<()> {
         .describe()
         .data_plane_io
         .context("uring in describe")?;
-    let want = if caller_receives {
-        "threads 4 (at most 4; peers past it over tcp: 1)"
-    } else {
-        "threads 3 (at most 4; peers past it over tcp: 0)"
-    };
-    assert!(io.contains(want), "{io}");
+    assert!(io.contains("threads 3 (client rings)"), "{io}");
     for (name, server) in [("a", &a), ("b", &b)] {
         let io = server
             .describe()

@@ -171,19 +171,6 @@ impl EngineBuilder {
         self
     }
 
-    /// Threads the io_uring data plane's client side runs at most (default 256) where it runs
-    /// one per client stream, which only [`uring_caller_receives`](Self::uring_caller_receives)
-    /// does. Past it, new peers are opened over the TCP data plane (same wire, a fixed set of
-    /// I/O threads; [`Peer::transport`](crate::Peer::transport) says `tcp`). Counted in
-    /// `describe().data_plane_io` ("peers past it over tcp"). Otherwise the client runs its
-    /// fixed set of rings ([`uring_client_rings`](Self::uring_client_rings)) however many peers
-    /// it opens, and the listener its own ([`uring_server_rings`](Self::uring_server_rings)).
-    #[cfg(feature = "uring")]
-    pub fn uring_max_threads(mut self, n: usize) -> Self {
-        self.data.uring_max_threads = n;
-        self
-    }
-
     /// How many rings serve the io_uring listener's data streams, each on one thread (default
     /// 0: one per CPU this process may run on). A served data stream costs no thread: the
     /// listener runs these however many peers it serves.
@@ -195,8 +182,7 @@ impl EngineBuilder {
 
     /// How many rings drive the io_uring data plane's client streams, each on one thread
     /// (default 0: one per CPU this process may run on), started at the first connect. A client
-    /// stream costs no thread: the engine runs these however many peers it opens (except with
-    /// [`uring_caller_receives`](Self::uring_caller_receives), a thread per stream).
+    /// stream costs no thread: the engine runs these however many peers it opens.
     #[cfg(feature = "uring")]
     pub fn uring_client_rings(mut self, n: usize) -> Self {
         self.data.uring_client_rings = n;
@@ -206,8 +192,7 @@ impl EngineBuilder {
     /// Whether the task that awaits a small io_uring WRITE or READ sent directly on an idle
     /// stream reads its response itself, through its tokio runtime's reactor, instead of being
     /// woken by the stream's thread (default off; `UringConfig::caller_receives` says what it
-    /// changes: such a response is read only while the request is awaited, and each client
-    /// stream then runs on a thread of its own, not on the client rings).
+    /// changes: such a response is read only while the request is awaited).
     #[cfg(feature = "uring")]
     pub fn uring_caller_receives(mut self, on: bool) -> Self {
         self.data.uring_caller_receives = on;

@@ -24,9 +24,6 @@ pub(crate) struct DataPlaneConfig {
     pub(crate) dead_peer_after: Option<Duration>,
     /// The TCP data plane's I/O threads (see `TcpConfig::io_threads`).
     pub(crate) io_threads: Option<usize>,
-    /// Threads the io_uring data plane runs at most on each side.
-    #[cfg(feature = "uring")]
-    pub(crate) uring_max_threads: usize,
     /// How many rings serve the io_uring listener's data streams (0: one per CPU).
     #[cfg(feature = "uring")]
     pub(crate) uring_server_rings: usize,
@@ -64,8 +61,6 @@ impl Default for DataPlaneConfig {
             dead_peer_after,
             io_threads,
             #[cfg(feature = "uring")]
-            uring_max_threads: uring.max_threads,
-            #[cfg(feature = "uring")]
             uring_server_rings: uring.server_rings,
             #[cfg(feature = "uring")]
             uring_caller_receives: uring.caller_receives,
@@ -102,7 +97,6 @@ impl DataPlaneConfig {
             socket_buffer: self.socket_buffer,
             connect_timeout: self.connect_timeout,
             dead_peer_after: self.dead_peer_after,
-            max_threads: self.uring_max_threads,
             server_rings: self.uring_server_rings,
             caller_receives: self.uring_caller_receives,
             client_rings: self.uring_client_rings,
@@ -126,8 +120,6 @@ mod tests {
             connect_timeout: Duration::from_secs(7),
             dead_peer_after: Some(Duration::from_secs(9)),
             io_threads: None,
-            #[cfg(feature = "uring")]
-            uring_max_threads: 11,
             #[cfg(feature = "uring")]
             uring_server_rings: 17,
             #[cfg(feature = "uring")]
@@ -158,14 +150,8 @@ mod tests {
         {
             let u = c.uring();
             assert_eq!(
-                (
-                    u.streams,
-                    u.chunk_size,
-                    u.depth,
-                    u.socket_buffer,
-                    u.max_threads
-                ),
-                (3, 4096, 5, None, 11)
+                (u.streams, u.chunk_size, u.depth, u.socket_buffer),
+                (3, 4096, 5, None)
             );
             assert_eq!(u.server_rings, 17);
             assert!(u.caller_receives);

@@ -242,9 +242,9 @@ pub struct Description {
     /// tcp: kernel lacks io_uring opcode(s) SEND)`; `None` when neither is enabled.
     pub data_plane: Option<String>,
     /// The io_uring data plane's settings and counters when it is in use, e.g. `uring: streams
-    /// 2, SEND_ZC on, registered buffers tried; threads 2 (at most 256; peers past it over
-    /// tcp: 0), zc sends 12, fixed 12, copy sends 0, notifications 12, short sends 0, register
-    /// failures 0` (the client side of this engine: `threads` counts its stream threads), then,
+    /// 2, SEND_ZC on, registered buffers tried; threads 2 (client rings), zc sends 12, fixed 12,
+    /// copy sends 0, notifications 12, short sends 0, register failures 0` (the client side of
+    /// this engine: `threads` counts its client rings, 0 before its first connect), then,
     /// for an io_uring listener, `; listener on 2 rings: threads 2, held responses 40`.
     pub data_plane_io: Option<String>,
     /// The listener's connections before their handshake is over, if it listens.

@@ -1,6 +1,5 @@
 //! Route choice: which transport carries the portable data plane (chosen once, at build), which
-//! transport each peer is opened over (at connect, within the io_uring thread budget), and the
-//! counters kept per route.
+//! transport each peer is opened over (at connect), and the counters kept per route.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -9,7 +8,7 @@ use ferry_core::wire::TransportOffer;
 use ferry_core::{Error, Transport, TransportKind};
 use ferry_transport_tcp::TcpTransport;
 #[cfg(feature = "uring")]
-use ferry_transport_uring::{Preference, StreamReservation, UringProbe, UringTransport};
+use ferry_transport_uring::{Preference, UringProbe, UringTransport};
 
 use crate::config::DataPlaneConfig;
 use crate::counters::{Latencies, RouteCounters};
@@ -125,30 +124,18 @@ pub(crate) fn open_data_plane(
     }
 }
 
-/// What holds a share of the io_uring thread budget while a channel opens.
-#[cfg(feature = "uring")]
-pub(crate) type Reservation = Option<StreamReservation>;
-/// What holds a share of the io_uring thread budget while a channel opens (nothing without it).
-#[cfg(not(feature = "uring"))]
-#[derive(Debug)]
-pub(crate) struct Reservation;
-
 /// The transport a peer is opened over, and the offer of the peer's it answers.
 pub(crate) struct Pick {
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) offer: TransportOffer,
-    /// Hold it until the channel is open (its stream threads then count themselves).
-    pub(crate) reservation: Reservation,
 }
 
 /// Picks the first of `ours` (in order of preference) that the peer at `addr` offers. Our
-/// io_uring channel speaks the TCP transport's wire, so it takes a TCP offer too; it is passed
-/// over once `uring` refuses to reserve threads for one more channel (the peer then goes over
-/// the TCP data plane). `NoRoute` when nothing matches.
+/// io_uring channel speaks the TCP transport's wire, so it takes a TCP offer too. `NoRoute` when
+/// nothing matches.
 pub(crate) fn pick(
     ours: &[Arc<dyn Transport>],
     offers: &[TransportOffer],
-    #[cfg(feature = "uring")] uring: Option<&UringTransport>,
     addr: SocketAddr,
 ) -> Result<Pick, Error> {
     let offered = |kind: TransportKind| {
@@ -164,24 +151,9 @@ pub(crate) fn pick(
                 .flatten()
         });
         let Some(offer) = offer else { continue };
-        #[cfg(feature = "uring")]
-        let reservation = match (kind, uring) {
-            (TransportKind::Uring, Some(u)) => match u.reserve_streams() {
-                Some(r) => Some(r),
-                None => {
-                    tracing::info!(%addr, max = u.config().max_threads,
-                        "io_uring thread budget reached: this peer goes over the TCP data plane");
-                    continue;
-                }
-            },
-            _ => None,
-        };
-        #[cfg(not(feature = "uring"))]
-        let reservation = Reservation;
         return Ok(Pick {
             transport: t.clone(),
             offer: offer.clone(),
-            reservation,
         });
     }
     Err(Error::NoRoute {

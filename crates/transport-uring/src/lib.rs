@@ -12,8 +12,7 @@
 //!   once moves with one non-blocking syscall, and a request is drained only once every
 //!   zero-copy notification arrived. A channel's chunks are dealt to its streams in turn; a
 //!   stream with nothing in flight takes the oldest chunk of another's queue, and a dying stream
-//!   hands its queue on. With [`UringConfig::caller_receives`] each stream runs on a thread with
-//!   its own ring instead.
+//!   hands its queue on.
 //! - [`UringServer`]: the serving side, same shape as the TCP transport's server and the same
 //!   bytes on the wire, so a uring peer and a TCP peer interoperate in both directions. It also
 //!   serves the file segments of its table ([`ferry_core::SegmentTable::file`]): a
@@ -31,8 +30,6 @@
 //!   holds at once moves with one plain non-blocking syscall. File segments keep their paths
 //!   (O_DIRECT ring reads and writes, positioned I/O for other sources), a piece of at most
 //!   1 MiB at a time on the ring's thread.
-//! - A client's stream threads (only with [`UringConfig::caller_receives`]) are bounded by
-//!   [`UringConfig::max_threads`]: past it the engine opens peers over the TCP data plane.
 //! - [`read_file_into`]: loads a file range into registered memory with bounded queue depth
 //!   (positioned reads, `ferry_file`'s portable path, where the kernel refuses a ring).
 //!
@@ -74,7 +71,6 @@ pub use error::UringError;
 pub use file_ring::read_file_into;
 pub use probe::{OpcodeSupport, UringProbe, probe_kernel};
 pub use ring::IoStats;
-use ring::ThreadCount;
 pub use server::{UringServer, UringServerHandle};
 pub use waiter::block_on;
 
@@ -129,16 +125,6 @@ pub struct UringConfig {
     /// connection to a vanished peer is never noticed). A peer whose application stops reading
     /// for that long counts as dead too (the kernel applies the limit to zero-window probes).
     pub dead_peer_after: Option<Duration>,
-    /// Threads the client side of the data plane runs at most where it runs a thread per client
-    /// stream (with [`caller_receives`] only). Past it, new peers are opened over the TCP data
-    /// plane instead (the engine does that). Counted in [`IoStats::handed_over`]. Otherwise the
-    /// client runs its fixed set of rings ([`client_rings`]), and a server its own
-    /// ([`server_rings`]), however many streams they carry.
-    ///
-    /// [`caller_receives`]: UringConfig::caller_receives
-    /// [`client_rings`]: UringConfig::client_rings
-    /// [`server_rings`]: UringConfig::server_rings
-    pub max_threads: usize,
     /// What the server allows a connection before its handshake is over: a deadline on the
     /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
     /// in their handshake share one thread.
@@ -150,9 +136,9 @@ pub struct UringConfig {
     /// fast path) from a task on a tokio runtime with I/O enabled has its response (and a READ's
     /// payload) read by that task: it receives
     /// without blocking whenever the runtime's reactor finds the socket readable, so the round
-    /// trip wakes no thread but the awaiting one (each client stream then runs on a thread of its
-    /// own, which keeps only a hang-up poll armed while idle). Off (the default): the stream's
-    /// client ring reads every response and wakes the task. Counted in [`IoStats::caller_receives`] and
+    /// trip wakes no thread but the awaiting one (the stream's client ring keeps only a hang-up
+    /// poll armed while the stream is idle). Off (the default): the stream's client ring reads
+    /// every response and wakes the task. Counted in [`IoStats::caller_receives`] and
     /// [`IoStats::caller_handbacks`].
     ///
     /// On, such a response is read only while its request is awaited (or once the stream's
@@ -162,16 +148,9 @@ pub struct UringConfig {
     pub caller_receives: bool,
     /// How many rings drive the client's data streams, each on one thread (0: one per CPU this
     /// process may run on), started at the transport's first connect and shared by every
-    /// channel it opens: a client stream costs no thread. With [`caller_receives`] each client
-    /// stream runs on a thread of its own instead (bounded by [`max_threads`]).
-    ///
-    /// [`caller_receives`]: UringConfig::caller_receives
-    /// [`max_threads`]: UringConfig::max_threads
+    /// channel it opens: a client stream costs no thread.
     pub client_rings: usize,
 }
-
-/// Default [`UringConfig::max_threads`].
-pub const MAX_THREADS: usize = 256;
 
 impl Default for UringConfig {
     fn default() -> Self {
@@ -188,7 +167,6 @@ impl Default for UringConfig {
             kernel_splice: false,
             pin_loopback_streams: true,
             dead_peer_after: Some(DEAD_PEER_AFTER),
-            max_threads: MAX_THREADS,
             handshake: HandshakeLimits::default(),
             server_rings: 0,
             caller_receives: false,
@@ -218,7 +196,8 @@ impl UringConfig {
 }
 
 /// How long an ending stream waits for the peer to acknowledge its zero-copy sends before it
-/// resets the connection to make the kernel let go of their pages (see `SockIo::finish`).
+/// resets the connection to make the kernel let go of their pages (a client ring's ended
+/// stream; a server ring waits as long when it stops).
 pub(crate) const FINISH_GRACE: Duration = Duration::from_secs(1);
 
 /// Pins the calling thread to the `index`-th CPU (modulo their count) of those it may run on now
@@ -316,13 +295,6 @@ pub struct UringTransport {
     rings: Arc<std::sync::Mutex<Option<Arc<client::ClientRings>>>>,
 }
 
-/// A share of a [`UringTransport`]'s thread budget, held for a channel being opened
-/// ([`UringTransport::reserve_streams`]); released on drop.
-#[derive(Debug)]
-pub struct StreamReservation {
-    _threads: Option<ThreadCount>,
-}
-
 impl UringTransport {
     /// Probes the kernel and builds a transport (streams clamped to 1..=64, chunk size to
     /// 1..=`MAX_CHUNK`). Fails with the probe's reason where io_uring cannot carry the data
@@ -369,39 +341,12 @@ impl UringTransport {
         self.stats.clone()
     }
 
-    /// Reserves this transport's thread budget for one more channel (a thread per configured
-    /// stream, with [`UringConfig::caller_receives`]; otherwise the streams run on the client
-    /// rings and nothing is reserved) if that keeps it within [`UringConfig::max_threads`]. Hold
-    /// the reservation until the channel is open (its stream threads count themselves once
-    /// running), then drop it.
-    /// `None`: the budget is spent; the refusal is counted in [`IoStats::handed_over`] and the
-    /// owner opens the peer over the TCP data plane instead.
-    pub fn reserve_streams(&self) -> Option<StreamReservation> {
-        if !self.config.caller_receives {
-            // Its streams run on the client rings: no thread per stream to budget.
-            return Some(StreamReservation { _threads: None });
-        }
-        let streams = self.config.streams as u64;
-        let held = ThreadCount::reserve(
-            &self.stats,
-            streams,
-            self.config.max_threads,
-            "reserved client streams",
-        );
-        if held.is_none() {
-            IoStats::add(&self.stats.handed_over, 1);
-        }
-        held.map(|threads| StreamReservation {
-            _threads: Some(threads),
-        })
-    }
-
     /// One line for `engine.describe()`.
     pub fn describe(&self) -> String {
         use std::sync::atomic::Ordering::Relaxed;
         let s = &self.stats;
         format!(
-            "uring: streams {}, SEND_ZC {}, registered buffers {}; threads {} (at most {}; peers past it over tcp: {}), zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
+            "uring: streams {}, SEND_ZC {}, registered buffers {}; threads {} (client rings), zc sends {}, fixed {}, copy sends {}, notifications {}, short sends {}, register failures {}",
             self.config.streams,
             if self.config.zero_copy_enabled() {
                 "on"
@@ -414,8 +359,6 @@ impl UringTransport {
                 "off"
             },
             s.threads.load(Relaxed),
-            self.config.max_threads,
-            s.handed_over.load(Relaxed),
             s.zc_sends.load(Relaxed),
             s.fixed_sends.load(Relaxed),
             s.copy_sends.load(Relaxed),
@@ -444,11 +387,7 @@ impl UringTransport {
         let splice =
             self.config.splice_loopback && self.config.kernel_splice && addr.ip().is_loopback();
         let pin = self.config.pin_loopback_streams && addr.ip().is_loopback() && n >= 2;
-        let rings = if self.config.caller_receives {
-            None
-        } else {
-            Some(self.client_rings()?)
-        };
+        let rings = self.client_rings()?;
         UringChannel::new(
             peer.addr,
             sockets,
@@ -457,13 +396,12 @@ impl UringTransport {
             client::SendPlan {
                 zero_copy: self.config.zero_copy_for(addr.ip()),
                 splice,
-                register: self.config.register_buffers,
                 pin,
                 loopback: addr.ip().is_loopback(),
                 vectored: peer.version >= ferry_core::wire::VECTORED_VERSION,
                 caller_receives: self.config.caller_receives,
             },
-            rings.as_deref(),
+            &rings,
             self.stats.clone(),
         )
     }
@@ -577,30 +515,5 @@ mod tests {
             .unwrap();
             assert_eq!(after, vec![before[index % before.len()]], "index {index}");
         }
-    }
-
-    #[test]
-    fn stream_reservations_stay_within_the_thread_budget_and_end_on_drop() {
-        use std::sync::atomic::Ordering::Relaxed;
-        let t = super::UringTransport {
-            config: super::UringConfig {
-                streams: 2,
-                max_threads: 4,
-                caller_receives: true,
-                ..super::UringConfig::default()
-            },
-            stats: Default::default(),
-            rings: Default::default(),
-        };
-        let first = t.reserve_streams().expect("2 of 4");
-        let second = t.reserve_streams().expect("4 of 4");
-        assert!(t.reserve_streams().is_none(), "6 of 4");
-        assert_eq!(t.stats().threads.load(Relaxed), 4);
-        assert_eq!(t.stats().handed_over.load(Relaxed), 1);
-        drop(first);
-        assert_eq!(t.stats().threads.load(Relaxed), 2);
-        let third = t.reserve_streams().expect("room again");
-        drop((second, third));
-        assert_eq!(t.stats().threads.load(Relaxed), 0);
     }
 }

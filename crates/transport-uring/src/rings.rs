@@ -402,7 +402,7 @@ impl Driver {
         };
         let fixed_files = ctx.config.register_buffers
             && ring.submitter().register_files_sparse(FIXED_FILES).is_ok();
-        let count = ThreadCount::new(&ctx.stats, "server rings");
+        let count = ThreadCount::new(&ctx.stats);
         let bufs = BufCache::new(
             &ring,
             ctx.config.register_buffers && ctx.config.zero_copy_enabled(),
@@ -940,8 +940,8 @@ fn head_now(c: &mut Conn) -> bool {
     n == DATA_REQUEST_LEN as isize
 }
 
-/// Sets the socket's receive low mark for `c`'s front step, as the serving threads do
-/// (`SockIo::recv_exact`): a payload receive of more than [`LOWAT`] wakes the ring once per
+/// Sets the socket's receive low mark for `c`'s front step, as the client rings do: a payload
+/// receive of more than [`LOWAT`] wakes the ring once per
 /// [`LOWAT`] (or the rest, for its tail), not once per segment; every other receive (a header
 /// next) needs the mark back at 1. A refused mark is not tried again on the socket.
 fn low_mark(c: &mut Conn) {

@@ -207,18 +207,8 @@ impl TransferEngine {
             .common(server.versions)
             .unwrap_or(1);
         check(&server)?;
-        let Pick {
-            transport,
-            offer,
-            // Held until the channel is open (the end of this function).
-            reservation: _reservation,
-        } = route::pick(
-            &self.inner.planes.transports,
-            &server.transports,
-            #[cfg(feature = "uring")]
-            self.inner.planes.uring.as_ref(),
-            addr,
-        )?;
+        let Pick { transport, offer } =
+            route::pick(&self.inner.planes.transports, &server.transports, addr)?;
         let info = PeerInfo {
             addr,
             local_id: self.inner.identity.id,

@@ -9,9 +9,8 @@
 //! memory. Responses on a stream come back in request order, so the stream matches them with a
 //! FIFO of in-flight chunks (bounded by `depth`) and checks the sequence number. A request is
 //! drained once every chunk is resolved *and* every zero-copy notification of its sends arrived.
-//! With [`UringConfig::caller_receives`](crate::UringConfig::caller_receives) each stream runs
-//! on a thread of its own instead ([`thread`]), which a task awaiting a small request it sent
-//! directly relieves of the reading ([`CallerRead`]).
+//! With [`UringConfig::caller_receives`](crate::UringConfig::caller_receives) a task awaiting a
+//! small request it sent directly relieves the ring of reading its response ([`CallerRead`]).
 //!
 //! A request of one small chunk submitted while a stream is idle skips the hand-over: the
 //! submitting thread posts it and writes it with one non-blocking `sendmsg`
@@ -20,12 +19,10 @@
 
 mod rings;
 mod state;
-mod thread;
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use ferry_core::dealer::{deal_ops, deal_ops_grouped};
@@ -39,11 +36,9 @@ use ferry_net::ChannelStreams;
 use tracing::debug;
 
 pub(crate) use rings::{ClientRings, RingPlan};
-use state::{
-    DIRECT_MAX, EventFd, Queue, Reader, ReqShared, SendState, StreamShared, StreamWake, shutdown,
-};
+use state::{DIRECT_MAX, Queue, Reader, ReqShared, SendState, StreamShared, shutdown};
 
-use crate::ring::{IoStats, SockIo, ThreadCount};
+use crate::ring::IoStats;
 use crate::waiter::Countdown;
 
 /// How a channel's streams send payloads, and who drives them.
@@ -53,8 +48,6 @@ pub(crate) struct SendPlan {
     pub(crate) zero_copy: bool,
     /// vmsplice + SPLICE for WRITE payloads (loopback peers).
     pub(crate) splice: bool,
-    /// Registered buffers and fixed file.
-    pub(crate) register: bool,
     /// Stream `i` on the `i`-th allowed CPU (loopback, several streams): its thread pinned
     /// there, or on the client ring pinned there.
     pub(crate) pin: bool,
@@ -84,34 +77,22 @@ pub struct UringChannel {
 }
 
 impl UringChannel {
-    /// A channel over `sockets` (each an attached data stream), its streams run on `rings`, or
-    /// each on a thread of its own where `rings` is `None` (which
-    /// [`SendPlan::caller_receives`] needs).
+    /// A channel over `sockets` (each an attached data stream), its streams run on `rings`.
     pub(crate) fn new(
         peer: SocketAddr,
         sockets: Vec<TcpStream>,
         chunk: u64,
         depth: usize,
         plan: SendPlan,
-        rings: Option<&ClientRings>,
+        rings: &ClientRings,
         stats: Arc<IoStats>,
     ) -> Result<Self, ferry_core::Error> {
         let depth = depth.max(1);
         // Each stream's ring is chosen first: its wake-up names it.
-        let places: Vec<usize> = match rings {
-            Some(r) => (0..sockets.len()).map(|i| r.place(i, plan.pin)).collect(),
-            None => Vec::new(),
-        };
-        let wakes = match rings {
-            Some(r) => places
-                .iter()
-                .map(|&at| Ok(StreamWake::Ring(r.wake_for(at))))
-                .collect::<std::io::Result<Vec<_>>>(),
-            None => (0..sockets.len())
-                .map(|_| EventFd::new().map(StreamWake::Thread))
-                .collect::<std::io::Result<Vec<_>>>(),
-        }
-        .map_err(|e| ferry_core::Error::io("create eventfd for", peer.to_string(), e))?;
+        let places: Vec<usize> = (0..sockets.len())
+            .map(|i| rings.place(i, plan.pin))
+            .collect();
+        let wakes = places.iter().map(|&at| rings.wake_for(at));
         let queue = Arc::new(Queue::new(wakes));
         let mut streams = ChannelStreams::new();
         let mut shared = Vec::new();
@@ -157,29 +138,27 @@ impl UringChannel {
                 dead: dead.clone(),
             });
             shared.push(sh.clone());
-            let failed = match rings {
-                Some(r) => r
-                    .attach(
-                        places[i],
-                        rings::NewStream {
-                            sh,
-                            queue: queue.clone(),
-                            index: i,
-                            peer,
-                            zero_copy: plan.zero_copy,
-                            splice: plan.splice,
-                        },
+            let failed = rings
+                .attach(
+                    places[i],
+                    rings::NewStream {
+                        sh,
+                        queue: queue.clone(),
+                        index: i,
+                        peer,
+                        zero_copy: plan.zero_copy,
+                        splice: plan.splice,
+                        caller_receives: plan.caller_receives,
+                    },
+                )
+                .err()
+                .map(|e| {
+                    ferry_core::Error::io(
+                        "attach a stream to a client ring for",
+                        peer.to_string(),
+                        e,
                     )
-                    .err()
-                    .map(|e| {
-                        ferry_core::Error::io(
-                            "attach a stream to a client ring for",
-                            peer.to_string(),
-                            e,
-                        )
-                    }),
-                None => spawn_thread(i, plan, sh, &queue, peer, &stats).err(),
-            };
+                });
             streams.push(dead, handle);
             if let Some(e) = failed {
                 abandon(&streams, &queue);
@@ -736,80 +715,5 @@ impl Drop for UringChannel {
     fn drop(&mut self) {
         self.streams.shutdown_all();
         self.queue.close();
-    }
-}
-
-/// Starts stream `i`'s own thread (with its own ring), once the ring is made.
-fn spawn_thread(
-    i: usize,
-    plan: SendPlan,
-    sh: Arc<StreamShared>,
-    queue: &Arc<Queue>,
-    peer: SocketAddr,
-    stats: &Arc<IoStats>,
-) -> Result<(), ferry_core::Error> {
-    let fd = sh.socket.as_raw_fd();
-    // The thread creates its own ring (single-issuer rings belong to their creator) and reports
-    // whether that worked before the channel is handed out.
-    let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(1);
-    let cx = thread::StreamCtx {
-        splice: plan.splice,
-        caller_receives: plan.caller_receives,
-        socket: sh.socket.clone(),
-        dead: sh.dead.clone(),
-        queue: queue.clone(),
-        peer,
-        index: i,
-        stats: stats.clone(),
-    };
-    let st = stats.clone();
-    let SendPlan {
-        zero_copy,
-        register,
-        pin,
-        ..
-    } = plan;
-    let spawned = std::thread::Builder::new()
-        .name(format!("ferry-uring-s{i}"))
-        .spawn(
-            move || match SockIo::new(fd, zero_copy, register, st.clone()) {
-                Ok(mut io) => {
-                    let _count = ThreadCount::new(&st, "client streams");
-                    if pin {
-                        crate::pin_stream_thread(i);
-                    }
-                    if let Some(t) = cx.queue.taker(i)
-                        && let StreamWake::Thread(e) = t.waker()
-                    {
-                        io.set_wake(e.0.as_raw_fd());
-                    }
-                    let _ = ready_tx.send(Ok(()));
-                    thread::stream(io, cx, sh)
-                }
-                Err(e) => {
-                    cx.dead.store(true, Ordering::Release);
-                    shutdown(&cx.socket);
-                    let _ = ready_tx.send(Err(e));
-                }
-            },
-        );
-    match spawned {
-        Err(e) => Err(ferry_core::Error::io(
-            "spawn ring thread for",
-            peer.to_string(),
-            e,
-        )),
-        Ok(_) => match ready_rx.recv() {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(ferry_core::Error::io(
-                "create io_uring ring for",
-                peer.to_string(),
-                e,
-            )),
-            Err(_) => Err(ferry_core::Error::Unavailable {
-                library: "io_uring".into(),
-                reason: "a ring thread ended before reporting".into(),
-            }),
-        },
     }
 }

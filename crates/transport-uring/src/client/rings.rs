@@ -41,7 +41,7 @@ use ferry_net::RECV_LOW_MARK as LOWAT;
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
-use super::state::{Queue, ReqShared, RingInbox, RingWake, StreamShared, StreamWake, shutdown};
+use super::state::{Queue, Reader, ReqShared, RingInbox, RingWake, StreamShared, shutdown};
 use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from};
 
 /// Submission entries per ring (more are submitted in several calls).
@@ -60,6 +60,7 @@ const K_SEND: u64 = 2;
 const K_ZC: u64 = 3;
 const K_POLL: u64 = 4;
 const K_WAKE: u64 = 5;
+const K_HANGUP: u64 = 6;
 
 fn ud(kind: u64, slot: usize, upper: u32) -> u64 {
     (u64::from(upper) << 32) | (kind << 24) | slot as u64
@@ -88,6 +89,9 @@ pub(crate) struct NewStream {
     pub(crate) zero_copy: bool,
     /// WRITE payloads go by vmsplice + splice (loopback peers).
     pub(crate) splice: bool,
+    /// A task awaiting a small request it sent directly may read its response
+    /// (`UringConfig::caller_receives`).
+    pub(crate) caller_receives: bool,
 }
 
 #[derive(Debug)]
@@ -306,6 +310,12 @@ struct Conn {
     fixed: Option<u32>,
     zero_copy: bool,
     splice: bool,
+    /// See [`NewStream::caller_receives`]: while the stream is idle (or a direct reader reads)
+    /// the ring keeps only a hang-up poll armed, no receive, and the response header's bytes
+    /// live in the shared state (`resp`), `head` being only where a ring receive lands.
+    caller_receives: bool,
+    /// The hang-up poll is in flight.
+    hangup_inflight: bool,
     /// The socket's file status flags (for the non-blocking splice).
     fl: i32,
     /// The channel still deals jobs.
@@ -333,7 +343,7 @@ struct Conn {
 
 impl Conn {
     fn busy(&self) -> bool {
-        self.recv_inflight || self.send_inflight.is_some()
+        self.recv_inflight || self.send_inflight.is_some() || self.hangup_inflight
     }
 }
 
@@ -371,6 +381,8 @@ struct Driver {
     ids: HashMap<u64, usize>,
     runnable: VecDeque<usize>,
     woken: Vec<u64>,
+    /// Completions of one reap (kept for its capacity).
+    reaped: Vec<(u64, i32, u32)>,
     bufs: BufCache,
     zc: HashMap<u32, Zc>,
     zc_next: u32,
@@ -415,7 +427,7 @@ impl Driver {
             libc::sigaddset(&mut set, libc::SIGPIPE);
             libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         }
-        let count = ThreadCount::new(&stats, "client rings");
+        let count = ThreadCount::new(&stats);
         Ok(Self {
             ring,
             rx,
@@ -430,6 +442,7 @@ impl Driver {
             ids: HashMap::new(),
             runnable: VecDeque::new(),
             woken: Vec::new(),
+            reaped: Vec::new(),
             bufs,
             zc: HashMap::new(),
             zc_next: 0,
@@ -614,8 +627,8 @@ impl Driver {
 
     fn add(&mut self, n: NewStream) {
         let id = match n.queue.taker(n.index).map(|t| t.waker()) {
-            Some(StreamWake::Ring(w)) => w.id,
-            _ => {
+            Some(w) => w.id,
+            None => {
                 warn!(peer = %n.peer, "a stream without a ring wake-up was handed to a ring");
                 n.sh.dead.store(true, Ordering::Release);
                 shutdown(&n.sh.socket);
@@ -660,6 +673,8 @@ impl Driver {
             fixed,
             zero_copy: n.zero_copy,
             splice: n.splice && fl >= 0,
+            caller_receives: n.caller_receives,
+            hangup_inflight: false,
             fl: fl.max(0),
             open: true,
             head: [0; DATA_RESPONSE_LEN],
@@ -707,7 +722,13 @@ impl Driver {
             inc.lost(native);
         }
         c.out = None;
-        c.sh.lock().proto.fail_all(native);
+        {
+            let mut g = c.sh.lock();
+            if let Some((chunk, _)) = g.payload.take() {
+                chunk.lost(native);
+            }
+            g.proto.fail_all(native);
+        }
         // The other streams take what was dealt to this one; the last one to end fails it.
         for job in c.queue.leave(c.index) {
             job.not_posted(FailureKind::PeerLost);
@@ -731,12 +752,14 @@ impl Driver {
     }
 
     fn reap(&mut self) {
-        let done: Vec<(u64, i32, u32)> = self
-            .ring
-            .completion()
-            .map(|c| (c.user_data(), c.result(), c.flags()))
-            .collect();
-        for (u, res, flags) in done {
+        let mut done = std::mem::take(&mut self.reaped);
+        done.clear();
+        done.extend(
+            self.ring
+                .completion()
+                .map(|c| (c.user_data(), c.result(), c.flags())),
+        );
+        for &(u, res, flags) in &done {
             let kind = (u >> 24) & 0xff;
             let mut slot = (u & 0xff_ffff) as usize;
             let mut generation = (u >> 32) as u32;
@@ -761,7 +784,7 @@ impl Driver {
                         self.zc.remove(&key);
                     }
                 }
-                K_RECV | K_SEND | K_POLL => {}
+                K_RECV | K_SEND | K_POLL | K_HANGUP => {}
                 _ => continue,
             }
             let Some(Some(c)) = self.conns.get_mut(slot) else {
@@ -774,8 +797,17 @@ impl Driver {
                 c.recv_inflight = false;
                 if c.ending.is_some() {
                     Ok(())
+                } else if c.caller_receives && c.incoming.is_none() {
+                    on_received_shared(c, res)
                 } else {
                     on_received(c, res)
+                }
+            } else if kind == K_HANGUP {
+                c.hangup_inflight = false;
+                if c.ending.is_some() {
+                    Ok(())
+                } else {
+                    on_hangup(c)
                 }
             } else {
                 let op = c.send_inflight.take();
@@ -791,6 +823,7 @@ impl Driver {
                 Err(native) => self.end(slot, native),
             }
         }
+        self.reaped = done;
     }
 
     /// Runs stream `i`: its receive side, then its send side, until each waits on the socket
@@ -805,14 +838,24 @@ impl Driver {
         if let Some(t) = c.queue.taker(c.index) {
             t.rise();
         }
-        let r = receive(&mut self.ring, c).and_then(|()| {
-            send(
+        let recv = if c.caller_receives {
+            receive_shared
+        } else {
+            receive
+        };
+        let r = recv(&mut self.ring, c).and_then(|()| {
+            let go = send(
                 &mut self.ring,
                 c,
                 &mut self.bufs,
                 &mut self.zc,
                 &mut self.zc_next,
-            )
+            )?;
+            // A chunk taken from a direct reader's stream took the reading over.
+            if go && c.caller_receives {
+                recv(&mut self.ring, c)?;
+            }
+            Ok(go)
         });
         match r {
             Ok(true) => {}
@@ -917,6 +960,119 @@ fn receive(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
     }
 }
 
+/// The receive side with `caller_receives`: who reads is in the shared state (the ring, or a
+/// task awaiting the one request it sent directly). While a direct reader reads, the ring
+/// arms nothing; while the stream is idle, only a hang-up poll (arriving bytes do not end it),
+/// so a response to a direct send wakes no ring. Otherwise it finishes a payload a direct
+/// reader left, then receives the header's rest (its bytes kept in the shared state).
+fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
+    loop {
+        if c.recv_inflight {
+            return Ok(());
+        }
+        if c.incoming.is_some() {
+            // A payload the ring receives: as without direct readers.
+            receive(ring, c)?;
+            if c.incoming.is_some() || c.recv_inflight {
+                return Ok(());
+            }
+            continue;
+        }
+        let mut g = c.sh.lock();
+        if g.reader != Reader::Ring {
+            // A direct reader meets the stream's end itself and hands the reading back.
+            return Ok(());
+        }
+        if let Some((chunk, done)) = g.payload.take() {
+            drop(g);
+            let len = chunk.payload_len() as usize;
+            let ptr = (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize) as *const u8;
+            c.incoming = Some(Incoming::One {
+                chunk,
+                part: (ptr, len),
+                done,
+            });
+            continue;
+        }
+        if g.proto.in_flight() == 0 && g.resp_at == 0 {
+            g.recv_armed = false;
+            drop(g);
+            if c.hangup_inflight {
+                return Ok(());
+            }
+            let mask = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
+            let e = on_fd!(c, PollAdd::new(mask)).user_data(ud(K_HANGUP, c.slot, c.generation));
+            // SAFETY: a poll carries no buffer.
+            unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
+            c.hangup_inflight = true;
+            return Ok(());
+        }
+        // The header's rest lands in `head` and is moved to the shared state when it comes.
+        let want = DATA_RESPONSE_LEN - g.resp_at;
+        g.recv_armed = true;
+        drop(g);
+        if c.lowat > 1 {
+            set_lowat(c, 1).map_err(|e| e.raw_os_error())?;
+        }
+        let e = on_fd!(
+            c,
+            Recv::new(c.head.as_mut_ptr(), want as u32).flags(libc::MSG_WAITALL)
+        )
+        .user_data(ud(K_RECV, c.slot, c.generation));
+        // SAFETY: the header buffer lives in the boxed `Conn`, freed only once no receive is
+        // in flight.
+        unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
+        c.recv_inflight = true;
+        return Ok(());
+    }
+}
+
+/// A header receive of [`receive_shared`] completed with `res`: its bytes join the shared
+/// header; a whole one is resolved under the same lock.
+fn on_received_shared(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
+    let mut g = c.sh.lock();
+    g.recv_armed = false;
+    if res == -libc::EINTR || res == -libc::EAGAIN {
+        return Ok(());
+    }
+    if res < 0 {
+        debug!(peer = %c.peer, stream = c.index, error = %io::Error::from_raw_os_error(-res), "receive failed; stream closed");
+        return Err(Some(-res));
+    }
+    if res == 0 {
+        debug!(peer = %c.peer, stream = c.index, "peer closed the stream");
+        return Err(None);
+    }
+    let at = g.resp_at;
+    let n = (res as usize).min(DATA_RESPONSE_LEN - at);
+    g.resp[at..at + n].copy_from_slice(&c.head[..n]);
+    g.resp_at += n;
+    if g.resp_at < DATA_RESPONSE_LEN {
+        return Ok(());
+    }
+    g.resp_at = 0;
+    let head = g.resp;
+    let resolved = g.proto.on_response(&head);
+    drop(g);
+    resolve(c, resolved)
+}
+
+/// The hang-up poll ended: with nothing due and the ring the reader, the peer closed an idle
+/// stream (anything else is met by whoever reads).
+fn on_hangup(c: &mut Conn) -> Result<(), Option<i32>> {
+    let g = c.sh.lock();
+    if g.reader == Reader::Ring
+        && g.proto.in_flight() == 0
+        && g.resp_at == 0
+        && g.payload.is_none()
+        && c.incoming.is_none()
+    {
+        debug!(peer = %c.peer, stream = c.index, "peer closed the stream");
+        return Err(None);
+    }
+    Ok(())
+}
+
 /// What a non-blocking call's return value means: bytes moved (`Some`), nothing now (`None`),
 /// or a broken stream (0 bytes from a receive: the peer closed it).
 fn received(n: isize) -> Result<Option<usize>, Option<i32>> {
@@ -943,6 +1099,15 @@ fn on_header_bytes(c: &mut Conn, n: usize) -> Result<(), Option<i32>> {
     c.head_at = 0;
     let head = c.head;
     let resolved = c.sh.lock().proto.on_response(&head);
+    resolve(c, resolved)
+}
+
+/// What the stream protocol made of a whole response header: a payload to receive next, or
+/// nothing. `Err`: the response broke the protocol.
+fn resolve(
+    c: &mut Conn,
+    resolved: Result<Resolution<ReqShared>, ferry_core::stream::Violation>,
+) -> Result<(), Option<i32>> {
     match resolved {
         Ok(Resolution::Done) => Ok(()),
         Ok(Resolution::Payload(chunk)) => {
@@ -1064,7 +1229,11 @@ fn send(
             let over = {
                 let mut g = c.sh.lock();
                 g.busy = false;
-                !c.open && g.proto.in_flight() == 0 && g.tail.is_empty()
+                !c.open
+                    && g.proto.in_flight() == 0
+                    && g.tail.is_empty()
+                    && g.resp_at == 0
+                    && g.payload.is_none()
             };
             if over && c.head_at == 0 && c.incoming.is_none() {
                 if let Some(t) = c.queue.taker(c.index) {
@@ -1080,6 +1249,18 @@ fn send(
         if c.sh.dead.load(Ordering::Acquire) {
             job.not_posted(FailureKind::PeerLost);
             continue;
+        }
+        if c.caller_receives {
+            // This chunk's response follows any a direct reader awaits: the ring reads both.
+            let took = {
+                let mut g = c.sh.lock();
+                let took = g.reader != Reader::Ring;
+                g.reader = Reader::Ring;
+                took
+            };
+            if took {
+                IoStats::add(&c.stats.caller_handbacks, 1);
+            }
         }
         let (posted, tail) = {
             let mut g = c.sh.lock();

@@ -54,8 +54,7 @@ impl Drop for NotifHold {
     }
 }
 
-/// A stream thread's wake-up: an eventfd its ring reads, so that new work, a submitter's
-/// unsent tail or the channel's end ends the ring's wait.
+/// An eventfd a ring reads, so that a write of it ends the ring's wait.
 #[derive(Debug)]
 pub(crate) struct EventFd(pub(crate) OwnedFd);
 
@@ -86,25 +85,7 @@ impl Wake for EventFd {
     }
 }
 
-/// How a stream is woken: its thread's eventfd, or its ring's notice.
-#[derive(Debug)]
-pub(crate) enum StreamWake {
-    /// The stream's own thread waits on its ring, which reads this eventfd.
-    Thread(EventFd),
-    /// The stream runs on one of the client's rings.
-    Ring(RingWake),
-}
-
-impl Wake for StreamWake {
-    fn wake(&self) {
-        match self {
-            StreamWake::Thread(e) => e.wake(),
-            StreamWake::Ring(r) => r.wake(),
-        }
-    }
-}
-
-pub(crate) type Queue = JobQueue<Job, StreamWake>;
+pub(crate) type Queue = JobQueue<Job, RingWake>;
 
 /// A client ring's mailbox: the streams woken since its thread last looked, and the eventfd
 /// whose read ends the ring's wait.
@@ -153,7 +134,7 @@ pub(crate) struct RingWake {
     pub(crate) id: u64,
 }
 
-impl RingWake {
+impl Wake for RingWake {
     fn wake(&self) {
         match self.inbox.woken.lock() {
             Ok(mut g) => g.push(self.id),
