@@ -38,7 +38,7 @@ pub(crate) struct DataPlaneConfig {
 }
 
 impl Default for DataPlaneConfig {
-    /// The TCP transport's defaults, and io_uring's default thread budget and serving rings.
+    /// The TCP transport's defaults, and io_uring's default rings.
     fn default() -> Self {
         #[cfg(feature = "uring")]
         let uring = UringConfig::default();

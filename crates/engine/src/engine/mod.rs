@@ -71,7 +71,7 @@ pub(crate) struct DataPlanes {
     pub(crate) data_plane: Option<(TransportKind, String)>,
     #[cfg(feature = "rdma")]
     pub(crate) rdma: Option<RdmaTransport>,
-    /// The io_uring data plane, when it was chosen (its thread budget and counters).
+    /// The io_uring data plane, when it was chosen (its rings and counters).
     #[cfg(feature = "uring")]
     pub(crate) uring: Option<UringTransport>,
 }

@@ -48,8 +48,8 @@ pub(crate) struct SendPlan {
     pub(crate) zero_copy: bool,
     /// vmsplice + SPLICE for WRITE payloads (loopback peers).
     pub(crate) splice: bool,
-    /// Stream `i` on the `i`-th allowed CPU (loopback, several streams): its thread pinned
-    /// there, or on the client ring pinned there.
+    /// Stream `i` on client ring `i` (loopback, several streams), pinned to the `i`-th allowed
+    /// CPU as the server's ring `i` is.
     pub(crate) pin: bool,
     /// The peer is on this host (loopback): no flight time to cover, so the server may hold back
     /// responses for all but one chunk in flight, not just for half of them ([`AckPolicy`]).
@@ -179,15 +179,15 @@ impl UringChannel {
     }
 
     /// Sends a request of one small chunk from the calling thread, on a stream that is idle
-    /// (nothing in flight, its thread not sending, nothing queued on the channel): one
-    /// non-blocking `sendmsg` instead of a hand-over to the stream's thread, whose armed
+    /// (nothing in flight, its ring not sending, nothing queued on the channel): one
+    /// non-blocking `sendmsg` instead of a hand-over to the stream's ring, whose armed
     /// receive then meets the response. What the kernel does not take at once is left for the
-    /// stream thread to send first. [`Direct::Dealt`]: nothing was done, deal the request.
+    /// stream's ring to send first. [`Direct::Dealt`]: nothing was done, deal the request.
     ///
-    /// With [`SendPlan::caller_receives`], an idle stream's thread keeps no receive armed (only
+    /// With [`SendPlan::caller_receives`], an idle stream's ring keeps no receive armed (only
     /// a poll for the socket's hang-up), and a WRITE or a READ of at most [`DIRECT_MAX`] bytes
     /// sent whole from a task on a tokio runtime makes that task the stream's reader
-    /// ([`CallerRead`]); any other direct send wakes the stream thread to arm its receive.
+    /// ([`CallerRead`]); any other direct send wakes the stream's ring to arm its receive.
     fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
         let [op] = ops else {
             return Direct::Dealt;
@@ -198,13 +198,13 @@ impl UringChannel {
             return Direct::Dealt;
         }
         // A READ's payload is read by the task only while it is small: a large one comes in
-        // many pieces, each a wake-up of the task, where the stream thread waits for it whole.
+        // many pieces, each a wake-up of the task, where the stream's ring waits for it whole.
         let caller = self.caller_receives
             && (op.kind == OpKind::Write
                 || (op.kind == OpKind::Read && op.len <= DIRECT_MAX as u64))
             && tokio::runtime::Handle::try_current().is_ok();
         for (i, sh) in self.shared.iter().enumerate() {
-            // A stream whose lock is taken is busy; its thread holds it only briefly.
+            // A stream whose lock is taken is busy; its ring holds it only briefly.
             let Ok(mut g) = sh.state.try_lock() else {
                 continue;
             };
@@ -283,13 +283,13 @@ impl UringChannel {
                     e.kind(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
                 ) {
-                    // The stream thread's armed receive ends with the socket and fails what is
+                    // The stream's ring's armed receive ends with the socket and fails what is
                     // in flight, this chunk included.
                     debug!(peer = %self.peer, stream = i, error = %e, "send failed; stream closed");
                     shutdown(&sh.socket);
                     drop(g);
                     if self.caller_receives {
-                        // The stream thread arms its receive, which ends with the socket.
+                        // The stream's ring arms its receive, which ends with the socket.
                         self.wake_stream(i);
                     }
                     return Direct::Sent;
@@ -327,7 +327,7 @@ impl UringChannel {
             }
             drop(g);
             if self.caller_receives {
-                // Its thread keeps no receive armed while idle: it arms one now.
+                // Its ring keeps no receive armed while idle: it arms one now.
                 self.wake_stream(i);
             }
             return Direct::Sent;
@@ -335,7 +335,7 @@ impl UringChannel {
         Direct::Dealt
     }
 
-    /// Ends stream `i`'s thread's wait on its ring.
+    /// Wakes stream `i` on its ring.
     fn wake_stream(&self, i: usize) {
         if let Some(t) = self.queue.taker(i) {
             t.waker().wake();
@@ -357,7 +357,7 @@ impl UringChannel {
 enum Direct {
     /// Nothing: deal it to the streams.
     Dealt,
-    /// Sent (or resolved, or failed with its stream); the stream thread meets the response.
+    /// Sent (or resolved, or failed with its stream); the stream's ring meets the response.
     Sent,
     /// Sent whole; the awaiting task reads the response.
     Caller(CallerRead),
@@ -371,9 +371,9 @@ enum Got {
     Empty,
     /// Some bytes of the header: read again.
     More,
-    /// Not the reader any more (the stream thread took over: it meets the response).
+    /// Not the reader any more (the stream's ring took over: it meets the response).
     Gone,
-    /// The stream ended or failed, or the response is not one op's: the stream thread is to
+    /// The stream ended or failed, or the response is not one op's: the stream's ring is to
     /// read (and so fail) it.
     HandBack,
 }
@@ -382,10 +382,10 @@ enum Got {
 /// it receives the response header (then a READ's payload, into place) without blocking, under
 /// the stream's lock, whenever its runtime's reactor finds the socket readable, and resolves
 /// the chunk through the stream protocol. It stops being the reader when the chunk is resolved,
-/// when the stream thread takes a new chunk (which takes the reading over, the header's bytes
+/// when the stream's ring takes a new chunk (which takes the reading over, the header's bytes
 /// or the payload's so far included), and when it is dropped or meets the stream's end, an error
-/// or a response that is not one op's (it then hands the reading back and wakes the stream
-/// thread). Either way the request completes through its countdown.
+/// or a response that is not one op's (it then hands the reading back and wakes the stream on
+/// its ring). Either way the request completes through its countdown.
 struct CallerRead {
     sh: Arc<StreamShared>,
     /// The request's countdown.
@@ -408,7 +408,7 @@ fn received(n: isize) -> Result<usize, Got> {
     Err(match e.kind() {
         std::io::ErrorKind::WouldBlock => Got::Empty,
         std::io::ErrorKind::Interrupted => Got::More,
-        // The stream thread meets the end or the error too, and fails what is in flight.
+        // The stream's ring meets the end or the error too, and fails what is in flight.
         _ => Got::HandBack,
     })
 }
@@ -428,7 +428,7 @@ impl CallerRead {
         let fd = self.sh.socket.as_raw_fd();
         let interest = tokio::io::Interest::READABLE;
         // The reactor must have I/O enabled: a runtime built without it panics here, which is
-        // caught and taken as "no reactor" (the stream thread reads).
+        // caught and taken as "no reactor" (the stream's ring reads).
         let registered = std::panic::catch_unwind(|| {
             // SAFETY: `fd` is the stream's socket, which `self.sh` keeps open (and the same
             // description) for as long as this registration, which is dropped before `read`
@@ -438,20 +438,20 @@ impl CallerRead {
         let afd = match registered {
             Ok(Ok(a)) => a,
             Ok(Err(e)) => {
-                debug!(stream = self.index, error = %e, "cannot watch a stream socket; its thread reads");
+                debug!(stream = self.index, error = %e, "cannot watch a stream socket; its ring reads");
                 self.hand_back();
                 return;
             }
             Err(_) => {
                 debug!(
                     stream = self.index,
-                    "no reactor to watch a stream socket; its thread reads"
+                    "no reactor to watch a stream socket; its ring reads"
                 );
                 self.hand_back();
                 return;
             }
         };
-        // The chunk may be resolved by the stream thread instead (it took the reading over, or
+        // The chunk may be resolved by the stream's ring instead (it took the reading over, or
         // the stream ended): then the socket need never become readable again.
         let mut resolved = std::pin::pin!(self.parts.clone().wait());
         loop {
@@ -469,7 +469,7 @@ impl CallerRead {
                     return;
                 }
                 Some(Err(e)) => {
-                    debug!(stream = self.index, error = %e, "reactor failed; the stream thread reads");
+                    debug!(stream = self.index, error = %e, "reactor failed; the stream's ring reads");
                     self.hand_back();
                     return;
                 }
@@ -573,7 +573,7 @@ impl CallerRead {
             }
             resolved => {
                 // One op sent directly is never a vectored request: the peer broke the
-                // protocol. The stream is given up; its thread fails what is in flight.
+                // protocol. The stream is given up; its ring fails what is in flight.
                 match resolved {
                     Ok(Resolution::Pieces(ps)) => ps.into_iter().for_each(|c| c.lost(None)),
                     Ok(Resolution::Done | Resolution::Payload(_)) => {}
@@ -587,7 +587,7 @@ impl CallerRead {
         }
     }
 
-    /// Makes the stream thread the reader again (if this still is) and wakes it.
+    /// Makes the stream's ring the reader again (if this still is) and wakes it.
     fn hand_back(&mut self) {
         if self.over {
             return;
@@ -626,7 +626,7 @@ impl Channel for UringChannel {
             parts: Arc::new(Countdown::new(1)),
         });
         // A small request to an idle stream is sent from here; otherwise chunks are dealt to
-        // the stream threads now; each thread checks the request's stop flag and failures again
+        // the streams now; each stream checks the request's stop flag and failures again
         // before it posts a chunk, and bounds what it has in flight.
         let one = |op, at, len| {
             req.parts.add(1);

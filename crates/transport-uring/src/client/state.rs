@@ -1,6 +1,5 @@
-//! What a client stream's driver (its thread, or the ring that runs it) shares with the threads
-//! that submit to it: the request being executed, the stream's protocol state and send side,
-//! and how the stream is woken.
+//! What a client stream's ring shares with the threads that submit to it: the request being
+//! executed, the stream's protocol state and send side, and how the stream is woken.
 
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -150,7 +149,7 @@ impl Wake for RingWake {
 /// sent by the submitting thread itself when a stream is idle ([`UringChannel::send_direct`]).
 pub(crate) const DIRECT_MAX: usize = 16 << 10;
 
-/// A stream's protocol state and its socket's send side, shared by the stream's thread and the
+/// A stream's protocol state and its socket's send side, shared by the stream's ring and the
 /// threads that submit to an idle stream themselves. Whoever holds the lock and finds the send
 /// side free posts (assigns the sequence number) and writes the request in one go, so requests
 /// reach the socket in sequence order.
@@ -164,13 +163,13 @@ pub(crate) struct StreamShared {
 #[derive(Debug)]
 pub(crate) struct SendState {
     pub(crate) proto: ClientStream<ReqShared>,
-    /// The stream thread is taking or sending a chunk (or a tail): nobody else writes the
+    /// The stream's ring is taking or sending a chunk (or a tail): nobody else writes the
     /// socket.
     pub(crate) busy: bool,
-    /// Bytes of a submitter's send that the kernel did not take at once; the stream thread
+    /// Bytes of a submitter's send that the kernel did not take at once; the stream's ring
     /// sends them before anything else.
     pub(crate) tail: Vec<u8>,
-    /// Who reads the socket's responses: the stream thread, or the task awaiting a request it
+    /// Who reads the socket's responses: the stream's ring, or the task awaiting a request it
     /// sent directly (that task's number). Only the reader receives, and only under this lock.
     pub(crate) reader: Reader,
     /// Numbers the direct readers.
@@ -178,7 +177,7 @@ pub(crate) struct SendState {
     /// The response header read so far (`resp_at` bytes of it), by whichever reader.
     pub(crate) resp: [u8; DATA_RESPONSE_LEN],
     pub(crate) resp_at: usize,
-    /// The stream thread has a receive armed (or completed and not yet taken) on its ring: a
+    /// The stream's ring has a receive armed (or completed and not yet taken) on its ring: a
     /// direct reader must not be made meanwhile.
     pub(crate) recv_armed: bool,
     /// A READ's payload a direct reader is receiving (the chunk, bytes received): whoever reads
@@ -189,7 +188,7 @@ pub(crate) struct SendState {
 /// Who reads a stream's responses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Reader {
-    /// The stream thread, with a receive armed on its ring while chunks are in flight.
+    /// The stream's ring, with a receive armed on its ring while chunks are in flight.
     Ring,
     /// The task that awaits the one chunk in flight (its number): it receives without blocking
     /// when its runtime's reactor says the socket is readable, so no thread is woken but the
