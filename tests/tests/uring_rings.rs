@@ -1,5 +1,6 @@
 //! The io_uring server on its fixed set of rings (`UringConfig::server_rings`): zero-copy READs,
-//! large WRITEs, checksums (`uring_rings_idle.rs`: many idle streams).
+//! large WRITEs, checksums (`uring_rings_idle.rs`: many idle streams); and the client's
+//! (`UringConfig::client_rings`): large READs (`uring_client_rings.rs`: many channels).
 
 mod common;
 
@@ -105,6 +106,51 @@ async fn ring_server_receives_large_writes_with_any_tail() {
             bytes(&remote, 0, n) == bytes(&src, 0, n),
             "{n} bytes differ"
         );
+    }
+}
+
+/// READ payloads larger than the receive low mark (256 KiB), with tails of every size below it,
+/// land whole on a client ring, one chunk and several in flight: a receive under a raised mark
+/// never waits for more than the rest of its payload, and the mark is back at 1 for the next
+/// header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ring_receives_large_reads_with_any_tail() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let server = serve_uring(&table, UringConfig::default());
+    let len = 4 << 20;
+    let (tok, remote) = publish(&table, "r", len, Access::REMOTE_READ);
+    fill(&remote, 11);
+    for chunk in [4 << 20, 1 << 20] {
+        let t = UringTransport::new(UringConfig {
+            chunk_size: chunk,
+            client_rings: 1,
+            ..UringConfig::default()
+        })
+        .unwrap();
+        let my_offer = t.offer();
+        let addr = server.local_addr();
+        let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+            .await
+            .unwrap();
+        let ch = t.open(peer).await.unwrap();
+        for n in [(256 << 10) + 1, (1 << 20) + 12345, (3 << 20) + 4097, len] {
+            let dst = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+            // A receive that waits for bytes that never come would hang the READ: fail instead.
+            let o = tokio::time::timeout(
+                Duration::from_secs(60),
+                run(&ch, vec![op(OpKind::Read, &dst, 0, tok, 0, n as u64)]),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("a {n}-byte READ never completed"));
+            assert!(o.is_success(), "{n} bytes: {o:?}");
+            assert!(
+                bytes(&dst, 0, n) == bytes(&remote, 0, n),
+                "{n} bytes differ (chunks of {chunk})"
+            );
+        }
     }
 }
 

@@ -1,11 +1,12 @@
 //! What the client's and the server's rings share: the transport's counters, the count of
 //! their threads, registered-buffer slots, and the iovecs of a message's rest.
 
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use ferry_core::MemoryRegion;
-use io_uring::IoUring;
+use io_uring::{IoUring, squeue};
 use tracing::debug;
 
 /// Fixed-buffer slots per ring.
@@ -183,4 +184,69 @@ pub(crate) fn iovecs_from(
             break;
         }
     }
+}
+
+/// Pushes one entry, submitting what is queued first if the queue is full.
+///
+/// # Safety
+/// Every pointer of `e` must stay valid until its completion is reaped.
+pub(crate) unsafe fn push(ring: &mut IoUring, e: &squeue::Entry) -> io::Result<()> {
+    loop {
+        // SAFETY: the caller's contract.
+        if unsafe { ring.submission().push(e) }.is_ok() {
+            return Ok(());
+        }
+        submit(ring, false)?;
+    }
+}
+
+/// Submits what is queued, waiting for one completion if `wait`.
+pub(crate) fn submit(ring: &mut IoUring, wait: bool) -> io::Result<()> {
+    loop {
+        let r = if wait {
+            ring.submit_and_wait(1)
+        } else {
+            ring.submit()
+        };
+        match r {
+            Ok(_) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            // A full completion queue or a transient shortage: reaping makes room.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Starts a ring's thread named `name`: `make` builds its driver there (a ring belongs to the
+/// thread that made it, and its operations point into memory that never leaves it), the thread
+/// pinned to the `pin`-th CPU this process may run on if asked, then `run` runs it. Returns once
+/// the driver was made, or with the error that kept it from being made.
+pub(crate) fn spawn_ring<D: 'static>(
+    name: String,
+    pin: Option<usize>,
+    make: impl FnOnce() -> io::Result<D> + Send + 'static,
+    run: impl FnOnce(D) + Send + 'static,
+) -> io::Result<()> {
+    let (made_tx, made_rx) = std::sync::mpsc::sync_channel(1);
+    let what = name.clone();
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || match make() {
+            Ok(d) => {
+                if let Some(i) = pin {
+                    crate::pin_stream_thread(i);
+                }
+                let _ = made_tx.send(Ok(()));
+                run(d);
+            }
+            Err(e) => {
+                let _ = made_tx.send(Err(e));
+            }
+        })?;
+    made_rx
+        .recv()
+        .map_err(|_| io::Error::other(format!("ring thread {what} ended at its start")))?
 }

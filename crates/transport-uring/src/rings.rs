@@ -34,7 +34,7 @@ use ferry_core::{MemoryRegion, OpKind, SegmentLease, SegmentToken};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
-use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from};
+use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, push, spawn_ring, submit};
 use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
 use ferry_net::RECV_LOW_MARK as LOWAT;
 
@@ -99,31 +99,15 @@ impl RingSet {
             // SAFETY: eventfd returned a fresh descriptor that we now own.
             let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
             let (tx, rx) = mpsc::channel();
-            let (made_tx, made_rx) = mpsc::sync_channel(1);
             let (c, w) = (ctx.clone(), wake.clone());
-            // The driver is made on its thread (its streams' steps hold raw pointers and never
-            // leave it); the thread says whether the ring could be made.
-            std::thread::Builder::new()
-                .name(format!("ferry-uring-ring{i}"))
-                .spawn(move || match Driver::new(c, rx, w) {
-                    Ok(mut d) if d.ctx.config.pin_loopback_streams => {
-                        // One ring per core: ring `i` on the `i`-th CPU, where a loopback
-                        // client's stream `i` runs too (see `RingSet::hand`).
-                        crate::pin_stream_thread(i);
-                        let _ = made_tx.send(Ok(()));
-                        d.run();
-                    }
-                    Ok(mut d) => {
-                        let _ = made_tx.send(Ok(()));
-                        d.run();
-                    }
-                    Err(e) => {
-                        let _ = made_tx.send(Err(e));
-                    }
-                })?;
-            made_rx
-                .recv()
-                .map_err(|_| io::Error::other("a server ring's thread ended at its start"))??;
+            // One ring per core when pinned: ring `i` on the `i`-th CPU, where a loopback
+            // client's stream `i` runs too (see `RingSet::hand`).
+            spawn_ring(
+                format!("ferry-uring-ring{i}"),
+                ctx.config.pin_loopback_streams.then_some(i),
+                move || Driver::new(c, rx, w),
+                |mut d| d.run(),
+            )?;
             lock(&ctx.live.ring_wakes).push(wake.clone());
             rings.push(RingHandle { tx, wake });
         }
@@ -874,40 +858,6 @@ impl Driver {
                 return Turn::End(Err(e));
             }
             c.steps.pop_front();
-        }
-    }
-}
-
-/// Pushes one entry, submitting what is queued first if the queue is full.
-///
-/// # Safety
-/// Every pointer of `e` must stay valid until its completion is reaped.
-unsafe fn push(ring: &mut IoUring, e: &squeue::Entry) -> io::Result<()> {
-    loop {
-        // SAFETY: the caller's contract.
-        if unsafe { ring.submission().push(e) }.is_ok() {
-            return Ok(());
-        }
-        submit(ring, false)?;
-    }
-}
-
-/// Submits what is queued, waiting for one completion if `wait`.
-fn submit(ring: &mut IoUring, wait: bool) -> io::Result<()> {
-    loop {
-        let r = if wait {
-            ring.submit_and_wait(1)
-        } else {
-            ring.submit()
-        };
-        match r {
-            Ok(_) => return Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-            // A full completion queue or a transient shortage: reaping makes room.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
-                return Ok(());
-            }
-            Err(e) => return Err(e),
         }
     }
 }

@@ -38,11 +38,11 @@ use ferry_core::stream::{Chunk, Outgoing, Post, Resolution};
 use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{FailureKind, MemoryRegion, OpKind};
 use ferry_net::RECV_LOW_MARK as LOWAT;
-use io_uring::{IoUring, cqueue, opcode, squeue, types};
+use io_uring::{IoUring, cqueue, opcode, types};
 use tracing::{debug, warn};
 
 use super::state::{Queue, Reader, ReqShared, RingInbox, RingWake, StreamShared, shutdown};
-use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from};
+use crate::ring::{BufCache, IoStats, ThreadCount, iovecs_from, push, spawn_ring, submit};
 
 /// Submission entries per ring (more are submitted in several calls).
 const SQ_ENTRIES: u32 = 256;
@@ -122,27 +122,13 @@ impl ClientRings {
             let inbox = Arc::new(RingInbox::new()?);
             let stop = Arc::new(AtomicBool::new(false));
             let (tx, rx) = mpsc::channel();
-            let (made_tx, made_rx) = mpsc::sync_channel(1);
             let (b, s, st) = (inbox.clone(), stop.clone(), stats.clone());
-            // The driver is made on its thread (its streams' operations point into memory that
-            // never leaves it); the thread says whether the ring could be made.
-            std::thread::Builder::new()
-                .name(format!("ferry-uring-cr{i}"))
-                .spawn(move || match Driver::new(plan, rx, b, s, st) {
-                    Ok(mut d) => {
-                        if plan.pin {
-                            crate::pin_stream_thread(i);
-                        }
-                        let _ = made_tx.send(Ok(()));
-                        d.run();
-                    }
-                    Err(e) => {
-                        let _ = made_tx.send(Err(e));
-                    }
-                })?;
-            made_rx
-                .recv()
-                .map_err(|_| io::Error::other("a client ring's thread ended at its start"))??;
+            spawn_ring(
+                format!("ferry-uring-cr{i}"),
+                plan.pin.then_some(i),
+                move || Driver::new(plan, rx, b, s, st),
+                |mut d| d.run(),
+            )?;
             rings.push(RingHandle { tx, inbox, stop });
         }
         Ok(Self {
@@ -925,20 +911,24 @@ fn receive(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
             }
             continue;
         }
-        // What the socket holds now moves with one call.
         iovecs_from(parts, done, &mut c.riov);
         c.rmsg.msg_iov = c.riov.as_mut_ptr();
         c.rmsg.msg_iovlen = c.riov.len() as _;
-        // SAFETY: the iovecs cover the chunks' checked local ranges, which their requests own
-        // until drained (the chunks keep the regions alive) and nothing else touches meanwhile.
-        let n = unsafe { libc::recvmsg(c.fd, &mut c.rmsg, libc::MSG_DONTWAIT) };
-        match received(n) {
-            Ok(Some(n)) => {
-                inc.advance(n);
-                continue;
+        if done == 0 {
+            // What the socket holds when the payload starts moves with one call; after a ring
+            // receive the socket holds less than the mark, so the ring waits for the rest.
+            // SAFETY: the iovecs cover the chunks' checked local ranges, which their requests
+            // own until drained (the chunks keep the regions alive) and nothing else touches
+            // meanwhile.
+            let n = unsafe { libc::recvmsg(c.fd, &mut c.rmsg, libc::MSG_DONTWAIT) };
+            match received(n) {
+                Ok(Some(n)) => {
+                    inc.advance(n);
+                    continue;
+                }
+                Ok(None) => {}
+                Err(native) => return Err(native),
             }
-            Ok(None) => {}
-            Err(native) => return Err(native),
         }
         // The rest through the ring: with the low mark raised for a large payload (one wake-up
         // per mark, not per segment) the receive completes with what is there.
@@ -1032,19 +1022,11 @@ fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
 fn on_received_shared(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
     let mut g = c.sh.lock();
     g.recv_armed = false;
-    if res == -libc::EINTR || res == -libc::EAGAIN {
+    let Some(n) = receive_result(c, res)? else {
         return Ok(());
-    }
-    if res < 0 {
-        debug!(peer = %c.peer, stream = c.index, error = %io::Error::from_raw_os_error(-res), "receive failed; stream closed");
-        return Err(Some(-res));
-    }
-    if res == 0 {
-        debug!(peer = %c.peer, stream = c.index, "peer closed the stream");
-        return Err(None);
-    }
+    };
     let at = g.resp_at;
-    let n = (res as usize).min(DATA_RESPONSE_LEN - at);
+    let n = n.min(DATA_RESPONSE_LEN - at);
     g.resp[at..at + n].copy_from_slice(&c.head[..n]);
     g.resp_at += n;
     if g.resp_at < DATA_RESPONSE_LEN {
@@ -1150,10 +1132,11 @@ fn resolve(
     }
 }
 
-/// A receive completed with `res`.
-fn on_received(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
+/// What a receive's completion `res` means: bytes received, nothing (interrupted: the
+/// receive is armed again), or a broken stream (the peer closed it, or an error).
+fn receive_result(c: &Conn, res: i32) -> Result<Option<usize>, Option<i32>> {
     if res == -libc::EINTR || res == -libc::EAGAIN {
-        return Ok(());
+        return Ok(None);
     }
     if res < 0 {
         debug!(peer = %c.peer, stream = c.index, error = %io::Error::from_raw_os_error(-res), "receive failed; stream closed");
@@ -1163,7 +1146,14 @@ fn on_received(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
         debug!(peer = %c.peer, stream = c.index, "peer closed the stream");
         return Err(None);
     }
-    let n = res as usize;
+    Ok(Some(res as usize))
+}
+
+/// A receive completed with `res`.
+fn on_received(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
+    let Some(n) = receive_result(c, res)? else {
+        return Ok(());
+    };
     match c.incoming.as_mut() {
         Some(inc) => {
             inc.advance(n);
@@ -1677,39 +1667,3 @@ fn reset(fd: RawFd) -> io::Result<()> {
     }
     Ok(())
 }
-
-/// Pushes one entry, submitting what is queued first if the queue is full.
-///
-/// # Safety
-/// Every pointer of `e` must stay valid until its completion is reaped.
-unsafe fn push(ring: &mut IoUring, e: &squeue::Entry) -> io::Result<()> {
-    loop {
-        // SAFETY: the caller's contract.
-        if unsafe { ring.submission().push(e) }.is_ok() {
-            return Ok(());
-        }
-        submit(ring, false)?;
-    }
-}
-
-/// Submits what is queued, waiting for one completion if `wait`.
-fn submit(ring: &mut IoUring, wait: bool) -> io::Result<()> {
-    loop {
-        let r = if wait {
-            ring.submit_and_wait(1)
-        } else {
-            ring.submit()
-        };
-        match r {
-            Ok(_) => return Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-            // A full completion queue or a transient shortage: reaping makes room.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
-                return Ok(());
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-const _: () = assert!(MAX_IOV >= 4);
