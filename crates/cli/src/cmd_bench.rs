@@ -90,7 +90,7 @@ pub(crate) struct BenchArgs {
     io_threads: IoThreads,
     /// io_uring data plane: the task awaiting a small WRITE or READ sent directly on an idle
     /// stream reads its response itself (through the runtime's reactor) instead of being woken
-    /// by the stream's thread.
+    /// by the stream's ring.
     #[arg(long)]
     uring_caller_receives: bool,
     /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an

@@ -56,6 +56,9 @@ pub struct IoStats {
     /// to the stream's thread (another request took the stream, the future was dropped, the
     /// stream ended).
     pub caller_handbacks: AtomicU64,
+    /// Of those, responses the stream's ring read instead because they waited unread for a
+    /// tick (the awaiting task was not polling): the request completes all the same.
+    pub caller_takeovers: AtomicU64,
 }
 
 impl IoStats {

@@ -315,6 +315,11 @@ impl UringChannel {
                 g.readers += 1;
                 let token = g.readers;
                 g.reader = Reader::Caller(token);
+                drop(g);
+                // Should the task not poll for its response, the ring reads it after a tick.
+                if let Some(t) = self.queue.taker(i) {
+                    t.waker().watch(token);
+                }
                 return Direct::Caller(CallerRead {
                     sh: sh.clone(),
                     parts: req.parts.clone(),

@@ -41,7 +41,9 @@ use ferry_net::RECV_LOW_MARK as LOWAT;
 use io_uring::{IoUring, cqueue, opcode, types};
 use tracing::{debug, warn};
 
-use super::state::{Queue, Reader, ReqShared, RingInbox, RingWake, StreamShared, shutdown};
+use super::state::{
+    Queue, READ_TICK, Reader, ReqShared, RingInbox, RingWake, StreamShared, shutdown,
+};
 use crate::ring::{BufCache, IoStats, ThreadCount, iovecs_from, push, spawn_ring, submit};
 
 /// Submission entries per ring (more are submitted in several calls).
@@ -372,6 +374,13 @@ struct Driver {
     bufs: BufCache,
     zc: HashMap<u32, Zc>,
     zc_next: u32,
+    /// Direct readers watched (stream name, reader token, seen at a tick before), and when the
+    /// next tick is due; when the list was last not empty.
+    watched: Vec<(u64, u64, bool)>,
+    next_tick: Instant,
+    /// When every stream last looked at its work (a safety net, once a second at most).
+    last_sweep: Instant,
+    last_watched: Instant,
     /// Ended streams' sockets with zero-copy sends outstanding: when to reset them, and whether
     /// they were.
     lingering: Vec<(Weak<TcpStream>, Instant, bool)>,
@@ -432,6 +441,10 @@ impl Driver {
             bufs,
             zc: HashMap::new(),
             zc_next: 0,
+            watched: Vec::new(),
+            next_tick: Instant::now(),
+            last_sweep: Instant::now(),
+            last_watched: Instant::now(),
             lingering: Vec::new(),
             stats,
             _count: count,
@@ -480,6 +493,7 @@ impl Driver {
                     self.runnable.push_back(i);
                 }
             }
+            self.tick();
             while let Some(i) = self.runnable.pop_front() {
                 self.advance(i);
             }
@@ -508,7 +522,9 @@ impl Driver {
                 submit(&mut self.ring, false)?;
                 false
             } else {
-                let t = if self.lingering.is_empty() {
+                let t = if self.inbox.ticking.load(Ordering::SeqCst) {
+                    self.next_tick.saturating_duration_since(Instant::now())
+                } else if self.lingering.is_empty() {
                     Duration::from_secs(1)
                 } else {
                     Duration::from_millis(50)
@@ -518,7 +534,8 @@ impl Driver {
                 r?
             };
             self.reap();
-            if timed_out {
+            if timed_out && self.last_sweep.elapsed() >= Duration::from_secs(1) {
+                self.last_sweep = Instant::now();
                 // A safety net: every stream looks at its work once a second when nothing else
                 // woke the ring.
                 let all = self
@@ -529,6 +546,82 @@ impl Driver {
                 self.runnable.extend(all);
             }
         }
+    }
+
+    /// Every [`READ_TICK`] while direct readers are about: a reader whose response has waited in
+    /// the socket since the last tick or longer (its task is not polling) is relieved, the ring
+    /// reading that response (so a request completes whether or not it is awaited). Ticks stop
+    /// after a second without direct readers (the next one starts them again).
+    fn tick(&mut self) {
+        let now = Instant::now();
+        let ticking = self.inbox.ticking.load(Ordering::SeqCst);
+        if ticking && now < self.next_tick {
+            return;
+        }
+        {
+            let mut g = match self.inbox.watch.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            self.watched
+                .extend(g.drain(..).map(|(id, token)| (id, token, false)));
+        }
+        if self.watched.is_empty() {
+            if ticking && now.duration_since(self.last_watched) > Duration::from_secs(1) {
+                self.inbox.ticking.store(false, Ordering::SeqCst);
+                // A reader pushed before the flag went down was not woken for: look again.
+                let more = match self.inbox.watch.lock() {
+                    Ok(g) => !g.is_empty(),
+                    Err(p) => !p.into_inner().is_empty(),
+                };
+                if more {
+                    self.inbox.ticking.store(true, Ordering::SeqCst);
+                }
+            }
+            self.next_tick = now + READ_TICK;
+            return;
+        }
+        self.inbox.ticking.store(true, Ordering::SeqCst);
+        self.last_watched = now;
+        self.next_tick = now + READ_TICK;
+        let mut watched = std::mem::take(&mut self.watched);
+        watched.retain_mut(|(id, token, seen)| {
+            let Some(&i) = self.ids.get(id) else {
+                return false;
+            };
+            let Some(Some(c)) = self.conns.get_mut(i) else {
+                return false;
+            };
+            let mut g = c.sh.lock();
+            if g.reader != Reader::Caller(*token) {
+                return false;
+            }
+            if !*seen {
+                *seen = true;
+                return true;
+            }
+            let mut b = [0u8; 1];
+            // SAFETY: peeks at most one byte into a local buffer.
+            let n = unsafe {
+                libc::recv(
+                    c.fd,
+                    b.as_mut_ptr().cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 {
+                // Nothing arrived yet: the reader waits for the peer, not the other way round.
+                return true;
+            }
+            // The response (or the stream's end) waited a tick unread: the ring reads it.
+            g.reader = Reader::Ring;
+            drop(g);
+            IoStats::add(&c.stats.caller_takeovers, 1);
+            self.runnable.push_back(i);
+            false
+        });
+        self.watched = watched;
     }
 
     /// Ends the eventfd's read before the ring goes (its buffer is the driver's).

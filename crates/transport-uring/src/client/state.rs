@@ -95,7 +95,18 @@ pub(crate) struct RingInbox {
     /// The ring's thread is (about to be) waiting in the kernel: a wake-up must write the
     /// eventfd. While it runs it looks at `woken` before it waits again.
     pub(crate) asleep: AtomicBool,
+    /// Direct readers to watch (a stream's name, the reader's token): the ring takes the reading
+    /// over from one whose response waits unread for a tick ([`READ_TICK`]).
+    pub(crate) watch: Mutex<Vec<(u64, u64)>>,
+    /// The ring looks at its watch list every tick (else it sleeps up to a second, and a new
+    /// direct reader wakes it).
+    pub(crate) ticking: AtomicBool,
 }
+
+/// How long a response to a direct send may wait unread in its socket before the stream's ring
+/// reads it instead of the awaiting task (which then need not be polled for the request to
+/// complete): between one and two of these.
+pub(crate) const READ_TICK: std::time::Duration = std::time::Duration::from_millis(2);
 
 impl RingInbox {
     pub(crate) fn new() -> std::io::Result<Self> {
@@ -103,6 +114,8 @@ impl RingInbox {
             woken: Mutex::new(Vec::new()),
             fd: EventFd::new()?,
             asleep: AtomicBool::new(false),
+            watch: Mutex::new(Vec::new()),
+            ticking: AtomicBool::new(false),
         })
     }
 
@@ -131,6 +144,21 @@ pub(crate) struct RingWake {
     pub(crate) inbox: Arc<RingInbox>,
     /// The stream's name on its ring.
     pub(crate) id: u64,
+}
+
+impl RingWake {
+    /// Has the ring watch the direct reader `token` of this stream (and starts its ticks if they
+    /// stopped: a wake-up, once per idle spell).
+    pub(crate) fn watch(&self, token: u64) {
+        match self.inbox.watch.lock() {
+            Ok(mut g) => g.push((self.id, token)),
+            Err(p) => p.into_inner().push((self.id, token)),
+        }
+        if !self.inbox.ticking.load(Ordering::SeqCst) {
+            self.inbox.asleep.store(false, Ordering::SeqCst);
+            self.inbox.fd.wake_now();
+        }
+    }
 }
 
 impl Wake for RingWake {
