@@ -134,17 +134,18 @@ pub struct UringConfig {
     pub server_rings: usize,
     /// A small WRITE or READ (at most 16 KiB) sent directly on an idle stream ([`UringChannel`]'s
     /// fast path) from a task on a tokio runtime with I/O enabled has its response (and a READ's
-    /// payload) read by that task: it receives
-    /// without blocking whenever the runtime's reactor finds the socket readable, so the round
-    /// trip wakes no thread but the awaiting one (the stream's client ring keeps only a hang-up
-    /// poll armed while the stream is idle). Off (the default): the stream's client ring reads
-    /// every response and wakes the task. Counted in [`IoStats::caller_receives`] and
-    /// [`IoStats::caller_handbacks`].
+    /// payload) read by that task: it receives without blocking whenever the runtime's reactor
+    /// finds the socket readable, so the round trip wakes no thread but the awaiting one (the
+    /// stream's client ring keeps only a hang-up poll armed while the stream is idle). Off (the
+    /// default): the stream's client ring reads every response and wakes the task. Counted in
+    /// [`IoStats::caller_receives`], [`IoStats::caller_handbacks`] and
+    /// [`IoStats::caller_takeovers`].
     ///
-    /// On, such a response is read only while its request is awaited (or once the stream's
-    /// thread takes a later request on that stream, which takes the reading over), where off
-    /// the request completes whether or not anything polls it; and the runtime's reactor must
-    /// be driven while the task waits.
+    /// On, a response that waits unread in its socket for a tick (2 to 4 ms: its request is not
+    /// being awaited, or its runtime's reactor is not driven) is read by the stream's ring
+    /// instead, as is one whose stream takes a later request, so every request completes whether
+    /// or not anything polls it; such a request completes that much later than with the switch
+    /// off. While direct readers are about each ring wakes once per tick to look.
     pub caller_receives: bool,
     /// How many rings drive the client's data streams, each on one thread (0: one per CPU this
     /// process may run on), started at the transport's first connect and shared by every
