@@ -149,6 +149,7 @@ impl UringChannel {
                         zero_copy: plan.zero_copy,
                         splice: plan.splice,
                         caller_receives: plan.caller_receives,
+                        pin: plan.pin,
                     },
                 )
                 .err()

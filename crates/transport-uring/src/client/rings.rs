@@ -75,8 +75,8 @@ pub(crate) struct RingPlan {
     pub(crate) register: bool,
     /// Some stream may send zero-copy: try registered buffers.
     pub(crate) zero_copy: bool,
-    /// Ring `i` on the `i`-th CPU this process may run on (a loopback stream `i` goes to ring
-    /// `i`, as the server's rings are pinned and place a loopback client's stream `i`).
+    /// Ring `i` pins itself to the `i`-th CPU this process may run on when a stream that asks
+    /// for it ([`NewStream::pin`]) is handed to it.
     pub(crate) pin: bool,
 }
 
@@ -94,6 +94,10 @@ pub(crate) struct NewStream {
     /// A task awaiting a small request it sent directly may read its response
     /// (`UringConfig::caller_receives`).
     pub(crate) caller_receives: bool,
+    /// Stream `i` of a loopback channel of several streams, on ring `i`: the ring pins itself
+    /// to the `i`-th CPU, where the server's ring `i` serving this stream runs too, so both ends
+    /// of a flow share a core (a one-stream channel's ring is left to the scheduler).
+    pub(crate) pin: bool,
 }
 
 #[derive(Debug)]
@@ -127,8 +131,8 @@ impl ClientRings {
             let (b, s, st) = (inbox.clone(), stop.clone(), stats.clone());
             spawn_ring(
                 format!("ferry-uring-cr{i}"),
-                plan.pin.then_some(i),
-                move || Driver::new(plan, rx, b, s, st),
+                None,
+                move || Driver::new(plan, i, rx, b, s, st),
                 |mut d| d.run(),
             )?;
             rings.push(RingHandle { tx, inbox, stop });
@@ -357,6 +361,10 @@ struct Zc {
 /// One ring and its thread's streams.
 struct Driver {
     ring: IoUring,
+    /// Its place in the set, and whether it may pin itself there ([`RingPlan::pin`]) and did.
+    index: usize,
+    pin: bool,
+    pinned: bool,
     rx: mpsc::Receiver<NewStream>,
     inbox: Arc<RingInbox>,
     stop: Arc<AtomicBool>,
@@ -391,6 +399,7 @@ struct Driver {
 impl Driver {
     fn new(
         plan: RingPlan,
+        index: usize,
         rx: mpsc::Receiver<NewStream>,
         inbox: Arc<RingInbox>,
         stop: Arc<AtomicBool>,
@@ -425,6 +434,9 @@ impl Driver {
         let count = ThreadCount::new(&stats);
         Ok(Self {
             ring,
+            index,
+            pin: plan.pin,
+            pinned: false,
             rx,
             inbox,
             stop,
@@ -705,6 +717,10 @@ impl Driver {
     }
 
     fn add(&mut self, n: NewStream) {
+        if n.pin && self.pin && !self.pinned {
+            crate::pin_stream_thread(self.index);
+            self.pinned = true;
+        }
         let id = match n.queue.taker(n.index).map(|t| t.waker()) {
             Some(w) => w.id,
             None => {
