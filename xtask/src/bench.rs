@@ -30,6 +30,7 @@ const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench register [--sizes 64MiB,1GiB] [--repeat N]
        cargo xtask bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
        cargo xtask bench idle [--plane tcp|uring|both] [--clients N] [--probes N]
+       cargo xtask bench fanout [--plane tcp|uring|both] [--peers N] [--streams N]
        cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES]
        [--skip-baseline] [--no-build]";
 
@@ -46,6 +47,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         Some("load") => crate::stress::load(&args[1..]),
         Some("idle") => crate::stress::idle(&args[1..]),
+        Some("fanout") => crate::stress::fanout(&args[1..]),
         Some("register") => register(&args[1..]),
         _ => {
             eprintln!("{USAGE}");

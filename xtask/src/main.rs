@@ -58,6 +58,9 @@ tasks:
   bench idle [--plane tcp|uring|both] [--clients N] [--probes N]
                          many idle clients on one server: its threads, memory and descriptors,
                          and a new peer's first 64 B round trip beside them
+  bench fanout [--plane tcp|uring|both] [--peers N] [--streams N]
+                         one client engine opening N peers of S streams each: its threads,
+                         memory and descriptors (the client side of a fan-out)
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--memory [--rounds R]] [--straggler RATE] [--stripes N] [--no-killed] [--bin PATH] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
   mutants [--file TEXT]... [--list]

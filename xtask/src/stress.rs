@@ -107,6 +107,11 @@ pub(crate) fn idle(args: &[String]) -> Result<()> {
     planes_of("idle", args)
 }
 
+/// `cargo xtask bench fanout`: one client opening many peers (`stress fanout`).
+pub(crate) fn fanout(args: &[String]) -> Result<()> {
+    planes_of("fanout", args)
+}
+
 /// Runs `stress MODE` once per data plane of `--plane` (both by default).
 fn planes_of(mode: &str, args: &[String]) -> Result<()> {
     let mut planes = vec!["tcp".to_owned(), "uring".to_owned()];

@@ -5,6 +5,7 @@
 //! stress load [--plane tcp|uring] [--peers N] [--stalled N] [--seconds S] [--rounds R]
 //! stress soak [--plane tcp|uring] [--seconds S] [--workers N]
 //! stress idle [--plane tcp|uring] [--clients N] [--probes N]
+//! stress fanout [--plane tcp|uring] [--peers N] [--streams N]
 //! stress serve --plane tcp|uring     (the server child all start; commands on stdin)
 //! ```
 //!
@@ -12,6 +13,7 @@
 //! descriptors and threads are its own ([`ferry_tests::Census`] of the child), and put the
 //! clients in this one, some of them behind a [`ferry_tests::proxy::FaultProxy`].
 
+mod fanout;
 mod idle;
 mod load;
 mod server;
@@ -88,9 +90,10 @@ fn main() -> Result<()> {
         Some("serve") => server::serve(&Args::parse(rest)?),
         Some("load") => load::run(&Args::parse(rest)?),
         Some("idle") => idle::run(&Args::parse(rest)?),
+        Some("fanout") => fanout::run(&Args::parse(rest)?),
         Some("soak") => soak::run(&Args::parse(rest)?),
         _ => bail!(
-            "usage: stress load|idle|soak|serve [options] (see benches/src/bin/stress/main.rs)"
+            "usage: stress load|idle|fanout|soak|serve [options] (see benches/src/bin/stress/main.rs)"
         ),
     }
 }
