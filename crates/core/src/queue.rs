@@ -55,6 +55,13 @@ impl<W: Wake> Taker<W> {
         &self.wake
     }
 
+    /// Whether the stream waits with nothing in flight, as it announced: a job dealt to any
+    /// stream may wake it, so a driver need not wake it again when its last chunk in flight
+    /// (sent past it, directly) resolves.
+    pub fn waits_idle(&self) -> bool {
+        self.starved.load(Ordering::SeqCst)
+    }
+
     /// The stream no longer waits (it woke, or it found a job after all).
     pub fn rise(&self) {
         self.waiting.store(false, Ordering::SeqCst);

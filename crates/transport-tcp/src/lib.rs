@@ -21,6 +21,7 @@ mod pool;
 mod server;
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use ferry_core::wire::TransportOffer;
@@ -94,6 +95,17 @@ impl Default for TcpConfig {
 pub struct TcpTransport {
     config: TcpConfig,
     pool: Arc<pool::IoPool>,
+    stats: Arc<TcpStats>,
+}
+
+/// Counters of one [`TcpTransport`], over every channel it opened.
+#[derive(Debug, Default)]
+pub struct TcpStats {
+    /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
+    /// with no hand-over to the stream's sender task.
+    pub direct_sends: AtomicU64,
+    /// Direct sends the kernel took only in part; the sender task sent the rest.
+    pub direct_tails: AtomicU64,
 }
 
 impl TcpTransport {
@@ -103,7 +115,16 @@ impl TcpTransport {
         config.chunk_size = config.chunk_size.clamp(1, ferry_core::wire::MAX_CHUNK);
         config.depth = config.depth.max(1);
         let pool = Arc::new(pool::IoPool::new(config.io_threads, "ferry-tcp-io"));
-        Self { config, pool }
+        Self {
+            config,
+            pool,
+            stats: Arc::default(),
+        }
+    }
+
+    /// The counters of every channel this transport opened.
+    pub fn stats(&self) -> &TcpStats {
+        &self.stats
     }
 
     /// Its settings.
@@ -142,6 +163,7 @@ impl TcpTransport {
             self.config.depth,
             peer.version >= ferry_core::wire::VECTORED_VERSION,
             &self.pool,
+            &self.stats,
         )
         .map_err(|e| Error::io("start the data streams of", peer.addr.to_string(), e))
     }
