@@ -19,7 +19,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use ferry_core::dealer::{deal_ops, deal_ops_grouped};
+use ferry_core::dealer::{deal_ops, deal_ops_grouped, direct_op};
 use ferry_core::queue::{JobQueue, Next, Wake};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
@@ -37,10 +37,6 @@ use crate::pool::IoPool;
 
 /// Payloads up to this size are staged with their header and sent in one call.
 const SMALL: usize = 16 << 10;
-
-/// Requests of one chunk whose header and payload together are at most this many bytes are
-/// sent by the submitting thread itself when a stream is idle ([`TcpChannel::send_direct`]).
-const DIRECT_MAX: usize = 16 << 10;
 
 /// One request being executed.
 #[derive(Debug)]
@@ -245,22 +241,17 @@ impl TcpChannel {
         })
     }
 
-    /// Sends a request of one small chunk from the calling thread, on a stream that is idle
-    /// (nothing in flight, its sender not taking or sending a chunk, nothing queued on the
-    /// channel): one non-blocking `sendmsg` instead of a hand-over to the stream's sender task;
+    /// Sends a request of one small chunk ([`direct_op`]) from the calling thread, on a stream
+    /// that is idle (nothing in flight, its sender not taking or sending a chunk, nothing queued
+    /// on the channel): one non-blocking `sendmsg` instead of a hand-over to the stream's sender task;
     /// the stream's receiver task, which waits on the socket idle or not, meets the response.
     /// What the kernel does not take at once is left for the sender task to send before
     /// anything else, so each socket carries its requests in sequence order. `false`: nothing
     /// was done, deal the request.
     fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> bool {
-        let [op] = ops else {
+        let Some(op) = direct_op(ops, self.chunk) else {
             return false;
         };
-        let one_chunk = op.kind == OpKind::Checksum || op.len <= self.chunk;
-        let payload = if op.kind == OpKind::Write { op.len } else { 0 };
-        if !one_chunk || payload > (DIRECT_MAX - DATA_REQUEST_LEN) as u64 {
-            return false;
-        }
         for (i, sp) in self.protos.iter().enumerate() {
             // A stream whose lock is taken is busy; its tasks hold it only briefly.
             let Ok(mut g) = sp.state.try_lock() else {
@@ -735,8 +726,8 @@ mod tests {
         RequestControl, SegmentToken,
     };
 
-    use super::DIRECT_MAX;
     use crate::{TcpConfig, TcpTransport};
+    use ferry_core::dealer::DIRECT_MAX;
 
     /// Accepts one data stream on `l`, answering its attach.
     fn accept_stream(l: &TcpListener) -> std::net::TcpStream {
