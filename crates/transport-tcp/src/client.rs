@@ -1053,4 +1053,74 @@ mod tests {
         let mem = server.join().unwrap();
         assert!(mem == bytes(&src, 0, len), "the peer's bytes differ");
     }
+
+    /// A peer that refuses a large WRITE as soon as it read its header, before it read the
+    /// payload: the request is over while the sender task is still writing the payload, and a
+    /// small request submitted then is not written past it (it waits for the send side), so
+    /// the peer finds it whole and in sequence after the refused payload.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_answered_while_its_payload_is_written_keeps_the_next_behind_it() {
+        // One chunk, more than both sockets' buffers hold (the kernel's maximum on loopback is
+        // a few MiB), so its payload cannot all be written before the peer reads it.
+        const BIG: usize = 32 << 20;
+        const SMALL: u64 = 64;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            let mut s = accept_stream(&l);
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            s.read_exact(&mut h).unwrap();
+            let r = DataRequest::decode(&h).unwrap();
+            assert_eq!((r.seq, r.len), (0, BIG as u64));
+            let mut b = [0u8; DATA_RESPONSE_LEN];
+            DataResponse {
+                seq: 0,
+                refused: Some(ferry_core::RemoteStatus::AccessDenied),
+                len: 0,
+                also_acks: 0,
+            }
+            .encode(&mut b);
+            s.write_all(&b).unwrap();
+            // The payload is read only once the client submitted the next request.
+            go_rx.recv().unwrap();
+            let mut payload = vec![0u8; BIG];
+            s.read_exact(&mut payload).unwrap();
+            let mut mem = vec![0u8; SMALL as usize];
+            let mut seq = 1;
+            let r = answer(&mut s, &mut mem, &mut seq).unwrap();
+            (payload, r.len, mem)
+        });
+        let t = TcpTransport::new(TcpConfig {
+            chunk_size: BIG as u64,
+            socket_buffer: Some(256 << 10),
+            io_threads: Some(1),
+            ..TcpConfig::default()
+        });
+        let ch = t.connect_channel(peer(addr)).await.unwrap();
+        let src = region(BIG, 11);
+        let o = tokio::time::timeout(
+            Duration::from_secs(20),
+            request(&ch, OpKind::Write, &src, 0, BIG as u64),
+        )
+        .await
+        .expect("the refusal did not end the request");
+        assert!(!o.is_success(), "{o:?}");
+        let next = request(&ch, OpKind::Write, &src, 0, SMALL);
+        go_tx.send(()).unwrap();
+        let o = tokio::time::timeout(Duration::from_secs(20), next)
+            .await
+            .expect("the next request hangs");
+        assert!(o.is_success() && o.drained, "{o:?}");
+        let (payload, len, mem) = server.join().unwrap();
+        assert!(
+            payload == bytes(&src, 0, BIG),
+            "the refused payload differs"
+        );
+        assert_eq!(len, SMALL);
+        assert!(
+            mem == bytes(&src, 0, SMALL as usize),
+            "the next request's bytes differ"
+        );
+    }
 }
