@@ -7,7 +7,9 @@
 //! - [`TcpTransport`]: the [`Transport`] that opens [`TcpChannel`]s: several streams per peer,
 //!   chunks dealt to them in turn (an idle stream takes others', a dying one hands its own on:
 //!   [`ferry_core::dealer`]), a bounded number in flight per stream, payloads sent from and
-//!   received into registered memory without an intermediate copy, Nagle off.
+//!   received into registered memory without an intermediate copy, Nagle off. A request of one
+//!   small chunk submitted while a stream is idle is written by the submitting thread itself
+//!   ([`ferry_core::dealer::direct_op`]; counted in [`TcpTransport::stats`]).
 //! - Data streams, on both sides, live on a bounded set of I/O threads with current-thread
 //!   runtimes ([`TcpConfig::io_threads`]), or on the caller's runtime where that is asked for.
 //! - [`handshake`]: the client side of the control handshake.
