@@ -121,6 +121,24 @@ pub fn deal_ops<J>(
     );
 }
 
+/// Requests whose one chunk, header and payload together, is at most this many bytes may be
+/// written by the submitting thread itself while a stream is idle ([`direct_op`]), instead of
+/// being dealt: one non-blocking send, no hand-over to the stream's thread or task.
+pub const DIRECT_MAX: usize = 16 << 10;
+
+/// The op of a request that may be sent directly ([`DIRECT_MAX`]): a request of one op that is
+/// one chunk (`chunk`: the channel's chunk size; a CHECKSUM is always one) whose request header
+/// and payload (a WRITE's bytes; a READ or CHECKSUM request carries none) fit in
+/// [`DIRECT_MAX`]. The driver still sends it only while a stream is idle.
+pub fn direct_op(ops: &[Op], chunk: u64) -> Option<&Op> {
+    let [op] = ops else {
+        return None;
+    };
+    let one_chunk = op.kind == OpKind::Checksum || op.len <= chunk;
+    let payload = if op.kind == OpKind::Write { op.len } else { 0 };
+    (one_chunk && payload <= (DIRECT_MAX - crate::wire::DATA_REQUEST_LEN) as u64).then_some(op)
+}
+
 /// Whether `op` may travel as a piece of a vectored request with the byte budget `budget`: a
 /// READ or WRITE of at most an eighth of the budget. Small ops gain from sharing a request;
 /// larger ones already amortise theirs, and keep their own acknowledgment (an op that shares a
@@ -316,7 +334,7 @@ impl StreamSet {
 mod tests {
     use std::sync::{Arc, Mutex};
 
-    use super::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+    use super::{DIRECT_MAX, Dealer, StreamSet, deal_ops, deal_ops_grouped, direct_op};
     use crate::ids::SegmentToken;
     use crate::memory::MemoryRegion;
     use crate::op::{Op, OpKind};
@@ -363,6 +381,36 @@ mod tests {
             |set| woken.push(set),
         );
         (made, back, woken)
+    }
+
+    /// Only a request of one op of one chunk whose request fits in `DIRECT_MAX` (payload
+    /// counted for a WRITE only) may be sent directly.
+    #[test]
+    fn direct_op_takes_one_small_chunk() {
+        let r = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+        let op = |kind, len| Op {
+            kind,
+            local: r.clone(),
+            local_offset: 0,
+            token: SegmentToken(1),
+            remote_offset: 0,
+            len,
+        };
+        let most = (DIRECT_MAX - crate::wire::DATA_REQUEST_LEN) as u64;
+        assert!(direct_op(&[op(OpKind::Write, most)], 1 << 20).is_some());
+        assert!(direct_op(&[op(OpKind::Write, most + 1)], 1 << 20).is_none());
+        assert!(direct_op(&[op(OpKind::Read, 1 << 20)], 1 << 20).is_some());
+        assert!(
+            direct_op(&[op(OpKind::Read, (1 << 20) + 1)], 1 << 20).is_none(),
+            "two chunks"
+        );
+        assert!(
+            direct_op(&[op(OpKind::Write, 64)], 32).is_none(),
+            "two chunks"
+        );
+        assert!(direct_op(&[op(OpKind::Checksum, 8 << 20)], 1 << 20).is_some());
+        assert!(direct_op(&[op(OpKind::Write, 64), op(OpKind::Write, 64)], 1 << 20).is_none());
+        assert!(direct_op(&[], 1 << 20).is_none());
     }
 
     /// Each op is planned and its chunks dealt in turn (the tail chunk short, an empty op one

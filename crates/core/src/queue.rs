@@ -55,6 +55,13 @@ impl<W: Wake> Taker<W> {
         &self.wake
     }
 
+    /// Whether the stream waits with nothing in flight, as it announced: a job dealt to any
+    /// stream may wake it, so a driver need not wake it again when its last chunk in flight
+    /// (sent past it, directly) resolves.
+    pub fn waits_idle(&self) -> bool {
+        self.starved.load(Ordering::SeqCst)
+    }
+
     /// The stream no longer waits (it woke, or it found a job after all).
     pub fn rise(&self) {
         self.waiting.store(false, Ordering::SeqCst);
@@ -246,6 +253,26 @@ mod tests {
         );
         q.close();
         assert_eq!((woken(&q, 0), woken(&q, 1), woken(&q, 2)), (1, 1, 1));
+    }
+
+    /// A stream waits idle only from a wait announced with nothing in flight until it rises
+    /// (a driver skips waking it again when a chunk sent past it resolves).
+    #[test]
+    fn waits_idle_follows_the_announced_wait() {
+        let q = queue(2);
+        let t = q.taker(0).unwrap();
+        assert!(!t.waits_idle(), "not waiting yet");
+        assert_eq!(q.next_or_wait(0, false), Next::Empty);
+        assert!(!t.waits_idle(), "waits with chunks in flight");
+        t.rise();
+        assert_eq!(q.next_or_wait(0, true), Next::Empty);
+        assert!(t.waits_idle());
+        assert!(!q.taker(1).unwrap().waits_idle(), "another stream's wait");
+        t.rise();
+        assert!(!t.waits_idle(), "risen");
+        q.hand_on(5).unwrap();
+        assert_eq!(q.next_or_wait(0, true), Next::Job(5));
+        assert!(!t.waits_idle(), "found a job: no wait");
     }
 
     /// The last look of [`JobQueue::next_or_wait`] finds a job dealt before it, and a job dealt

@@ -7,7 +7,9 @@
 //! - [`TcpTransport`]: the [`Transport`] that opens [`TcpChannel`]s: several streams per peer,
 //!   chunks dealt to them in turn (an idle stream takes others', a dying one hands its own on:
 //!   [`ferry_core::dealer`]), a bounded number in flight per stream, payloads sent from and
-//!   received into registered memory without an intermediate copy, Nagle off.
+//!   received into registered memory without an intermediate copy, Nagle off. A request of one
+//!   small chunk submitted while a stream is idle is written by the submitting thread itself
+//!   ([`ferry_core::dealer::direct_op`]; counted in [`TcpTransport::stats`]).
 //! - Data streams, on both sides, live on a bounded set of I/O threads with current-thread
 //!   runtimes ([`TcpConfig::io_threads`]), or on the caller's runtime where that is asked for.
 //! - [`handshake`]: the client side of the control handshake.
@@ -21,6 +23,7 @@ mod pool;
 mod server;
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use ferry_core::wire::TransportOffer;
@@ -94,6 +97,17 @@ impl Default for TcpConfig {
 pub struct TcpTransport {
     config: TcpConfig,
     pool: Arc<pool::IoPool>,
+    stats: Arc<TcpStats>,
+}
+
+/// Counters of one [`TcpTransport`], over every channel it opened.
+#[derive(Debug, Default)]
+pub struct TcpStats {
+    /// Requests of one small chunk that the submitting thread sent itself on an idle stream,
+    /// with no hand-over to the stream's sender task.
+    pub direct_sends: AtomicU64,
+    /// Direct sends the kernel took only in part; the sender task sent the rest.
+    pub direct_tails: AtomicU64,
 }
 
 impl TcpTransport {
@@ -103,7 +117,16 @@ impl TcpTransport {
         config.chunk_size = config.chunk_size.clamp(1, ferry_core::wire::MAX_CHUNK);
         config.depth = config.depth.max(1);
         let pool = Arc::new(pool::IoPool::new(config.io_threads, "ferry-tcp-io"));
-        Self { config, pool }
+        Self {
+            config,
+            pool,
+            stats: Arc::default(),
+        }
+    }
+
+    /// The counters of every channel this transport opened.
+    pub fn stats(&self) -> &TcpStats {
+        &self.stats
     }
 
     /// Its settings.
@@ -142,6 +165,7 @@ impl TcpTransport {
             self.config.depth,
             peer.version >= ferry_core::wire::VECTORED_VERSION,
             &self.pool,
+            &self.stats,
         )
         .map_err(|e| Error::io("start the data streams of", peer.addr.to_string(), e))
     }
