@@ -25,10 +25,10 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::dealer::{deal_ops, deal_ops_grouped};
+use ferry_core::dealer::{DIRECT_MAX, deal_ops, deal_ops_grouped, direct_op};
 use ferry_core::queue::Wake;
 use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
-use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
+use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
@@ -36,7 +36,7 @@ use ferry_net::ChannelStreams;
 use tracing::debug;
 
 pub(crate) use rings::{ClientRings, RingPlan};
-use state::{DIRECT_MAX, Queue, Reader, ReqShared, SendState, StreamShared, shutdown};
+use state::{Queue, Reader, ReqShared, SendState, StreamShared, shutdown};
 
 use crate::ring::IoStats;
 use crate::waiter::Countdown;
@@ -190,14 +190,9 @@ impl UringChannel {
     /// sent whole from a task on a tokio runtime makes that task the stream's reader
     /// ([`CallerRead`]); any other direct send wakes the stream's ring to arm its receive.
     fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
-        let [op] = ops else {
+        let Some(op) = direct_op(ops, self.chunk) else {
             return Direct::Dealt;
         };
-        let one_chunk = op.kind == OpKind::Checksum || op.len <= self.chunk;
-        let payload = if op.kind == OpKind::Write { op.len } else { 0 };
-        if !one_chunk || payload > (DIRECT_MAX - DATA_REQUEST_LEN) as u64 {
-            return Direct::Dealt;
-        }
         // A READ's payload is read by the task only while it is small: a large one comes in
         // many pieces, each a wake-up of the task, where the stream's ring waits for it whole.
         let caller = self.caller_receives

@@ -173,9 +173,6 @@ impl Wake for RingWake {
     }
 }
 
-/// Requests of one chunk whose header and payload together are at most this many bytes are
-/// sent by the submitting thread itself when a stream is idle ([`UringChannel::send_direct`]).
-pub(crate) const DIRECT_MAX: usize = 16 << 10;
 
 /// A stream's protocol state and its socket's send side, shared by the stream's ring and the
 /// threads that submit to an idle stream themselves. Whoever holds the lock and finds the send
