@@ -11,7 +11,8 @@
 //! Sockets are fixed files where the kernel lets the ring register them. A send or payload
 //! receive first moves what the socket takes or holds at once with one non-blocking syscall;
 //! the rest goes through the ring (SENDMSG / RECVMSG with `MSG_WAITALL`, straight from and into
-//! the segment). A memory READ's payload to a peer the configuration sends zero-copy to goes out
+//! the segment). A WRITE payload's receive that does not wait for all its bytes (that one, and
+//! the ring's under a raised `SO_RCVLOWAT`) also takes what is there of the next request header. A memory READ's payload to a peer the configuration sends zero-copy to goes out
 //! with SEND_ZC (from a registered buffer where the ring takes it), its lease held in the driver
 //! until the kernel's notification, however the stream ends; a request's last send carries the
 //! next header's receive in the same enter. File pieces run on the ring's thread (positioned or
@@ -772,9 +773,10 @@ impl Driver {
                         && c.armed.is_none();
                     let e = e.user_data(ud(i, c.generation));
                     c.inflight = true;
-                    // SAFETY: the entry points into the boxed `Conn` (iovecs, message, header) and at
-                    // memory its front step keeps alive (`Keep`, owned buffers); the step is
-                    // popped, and the `Conn` freed, only after the completion was reaped.
+                    // SAFETY: the entry points into the boxed `Conn` (iovecs, message, the next
+                    // header's buffer) and at memory its front step keeps alive (`Keep`, owned
+                    // buffers); the step is popped, and the `Conn` freed, only after the
+                    // completion was reaped.
                     if let Err(err) = unsafe { push(&mut self.ring, &e) } {
                         // Not queued (the ring refused a submit): nothing is in flight.
                         c.inflight = false;
