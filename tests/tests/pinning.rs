@@ -41,9 +41,10 @@ fn settle(comm: &str, what: &str, want: impl Fn(&[String]) -> bool) {
     }
 }
 
-/// The server's rings each run on a CPU of their own from its start; a two-stream loopback
-/// client's stream threads are pinned the same way, stream `i` on ring `i`'s CPU, so both ends of
-/// a flow share a core.
+/// The server's rings start unpinned and stay so for a one-stream loopback client (whose stream
+/// thread is not pinned either); once a loopback client's second stream attaches, each ring runs
+/// on a CPU of its own, and that client's stream threads are pinned the same way, stream `i` on
+/// ring `i`'s CPU, so both ends of a flow share a core.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_loopback_streams_are_served_one_core_each() {
     if !uring_usable() {
@@ -72,16 +73,36 @@ async fn two_loopback_streams_are_served_one_core_each() {
     let h = serve_uring(&Arc::new(Table::default()), config);
     assert_eq!(h.rings(), 2);
     // "ferry-uring-ring0", "...1" as the kernel keeps them (15 bytes).
-    let rings = threads_named("ferry-uring-rin");
-    assert_eq!(rings.len(), 2, "ring threads on {rings:?}");
-    assert!(
-        rings[0] != rings[1] && rings.iter().all(|c| c.parse::<usize>().is_ok()),
-        "ring threads on {rings:?}"
+    let unpinned = vec![allowed.clone(), allowed.clone()];
+    assert_eq!(
+        threads_named("ferry-uring-rin"),
+        unpinned,
+        "rings at the start"
     );
     let addr = h.local_addr();
     let buf = Arc::new(MemoryRegion::alloc_zeroed(4096, 64).unwrap());
     // A request to an unknown segment is refused, but its header is served like any other.
     let ask = || vec![op(OpKind::Write, &buf, 0, SegmentToken(77), 0, 100)];
+    // One stream: served (its attach handed to a ring before its request is answered), and
+    // nothing is pinned.
+    let one = UringTransport::new(UringConfig::default()).unwrap();
+    let offer = one.offer();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
+        .unwrap();
+    let ch1 = one.open(peer).await.unwrap();
+    let o = run(&ch1, ask()).await;
+    assert!(o.failure.is_some(), "unknown segment: {o:?}");
+    assert_eq!(threads_named("ferry-uring-s"), vec![allowed.clone()]);
+    assert_eq!(
+        threads_named("ferry-uring-rin"),
+        unpinned,
+        "one-stream client"
+    );
+    drop(ch1);
+    settle("ferry-uring-s", "one-stream channel dropped", |t| {
+        t.is_empty()
+    });
     let t = UringTransport::new(UringConfig {
         streams: 2,
         ..UringConfig::default()
@@ -97,9 +118,13 @@ async fn two_loopback_streams_are_served_one_core_each() {
         let o = run(&ch, ask()).await;
         assert!(o.failure.is_some(), "unknown segment: {o:?}");
     }
+    // Each ring on a CPU of its own, once the second stream attached.
+    settle("ferry-uring-rin", "two-stream client", |r| {
+        r.len() == 2 && r[0] != r[1] && r.iter().all(|c| c.parse::<usize>().is_ok())
+    });
+    let rings = threads_named("ferry-uring-rin");
     // "ferry-uring-s0", "...s1": the client's stream threads, on the rings' CPUs.
-    let mut want = rings.clone();
-    want.sort();
+    let want = rings.clone();
     settle("ferry-uring-s", "two client streams", |t| t == want);
     drop(ch);
     settle("ferry-uring-s", "channel dropped", |t| t.is_empty());

@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 
 use ferry_core::checksum::{FileCrc, RegionCrc};
@@ -74,6 +74,10 @@ struct RingHandle {
 pub(crate) struct RingSet {
     rings: Vec<RingHandle>,
     next: AtomicUsize,
+    /// Set once a loopback client's second stream (index 1 or more) is handed over: then each
+    /// ring pins itself to its CPU (`UringConfig::pin_loopback_streams`), as that client's
+    /// streams are pinned. A one-stream client's streams are not, and neither are the rings.
+    pin: Arc<AtomicBool>,
 }
 
 fn wake(fd: &OwnedFd) {
@@ -91,6 +95,7 @@ impl RingSet {
             n
         };
         let mut rings = Vec::with_capacity(n);
+        let pin = Arc::new(AtomicBool::new(false));
         for i in 0..n {
             // SAFETY: plain eventfd creation; the result is checked before use.
             let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -102,18 +107,12 @@ impl RingSet {
             let (tx, rx) = mpsc::channel();
             let (made_tx, made_rx) = mpsc::sync_channel(1);
             let (c, w) = (ctx.clone(), wake.clone());
+            let p = ctx.config.pin_loopback_streams.then(|| (i, pin.clone()));
             // The driver is made on its thread (its streams' steps hold raw pointers and never
             // leave it); the thread says whether the ring could be made.
             std::thread::Builder::new()
                 .name(format!("ferry-uring-ring{i}"))
-                .spawn(move || match Driver::new(c, rx, w) {
-                    Ok(mut d) if d.ctx.config.pin_loopback_streams => {
-                        // One ring per core: ring `i` on the `i`-th CPU, where a loopback
-                        // client's stream `i` runs too (see `RingSet::hand`).
-                        crate::pin_stream_thread(i);
-                        let _ = made_tx.send(Ok(()));
-                        d.run();
-                    }
+                .spawn(move || match Driver::new(c, rx, w, p) {
                     Ok(mut d) => {
                         let _ = made_tx.send(Ok(()));
                         d.run();
@@ -131,6 +130,7 @@ impl RingSet {
         Ok(Self {
             rings,
             next: AtomicUsize::new(0),
+            pin,
         })
     }
 
@@ -154,6 +154,12 @@ impl RingSet {
             Some(k) => usize::from(k),
             None => self.next.fetch_add(1, Ordering::Relaxed),
         } % self.rings.len();
+        if index.is_some_and(|k| k >= 1) && !self.pin.swap(true, Ordering::AcqRel) {
+            // Every ring pins itself at its next turn.
+            for r in &self.rings {
+                wake(&r.wake);
+            }
+        }
         let r = &self.rings[i];
         r.tx.send(NewStream {
             stream,
@@ -385,6 +391,8 @@ struct Driver {
     /// notification).
     zc: HashMap<u64, (usize, u32, SegmentLease)>,
     zc_next: u64,
+    /// This ring's place and the set's pin flag (`RingSet::pin`), until it pinned itself.
+    pin: Option<(usize, Arc<AtomicBool>)>,
     _count: ThreadCount,
 }
 
@@ -393,7 +401,12 @@ fn ud(index: usize, generation: u32) -> u64 {
 }
 
 impl Driver {
-    fn new(ctx: Arc<Ctx>, rx: mpsc::Receiver<NewStream>, wake: Arc<OwnedFd>) -> io::Result<Self> {
+    fn new(
+        ctx: Arc<Ctx>,
+        rx: mpsc::Receiver<NewStream>,
+        wake: Arc<OwnedFd>,
+        pin: Option<(usize, Arc<AtomicBool>)>,
+    ) -> io::Result<Self> {
         // Made and entered only by the ring's thread: single issuer, and task work deferred to
         // when it waits. Older kernels: a plain ring.
         let ring = match IoUring::builder()
@@ -430,6 +443,7 @@ impl Driver {
             bufs,
             zc: HashMap::new(),
             zc_next: 0,
+            pin,
             _count: count,
         })
     }
@@ -490,6 +504,14 @@ impl Driver {
         loop {
             if self.stopped() {
                 return Ok(());
+            }
+            if let Some((i, flag)) = &self.pin
+                && flag.load(Ordering::Acquire)
+            {
+                // One ring per core: ring `i` on the `i`-th CPU, where a loopback client's
+                // stream `i` runs too (see `RingSet::hand`).
+                crate::pin_stream_thread(*i);
+                self.pin = None;
             }
             while let Ok(n) = self.rx.try_recv() {
                 self.add(n);
