@@ -140,8 +140,9 @@ impl RingSet {
     }
 
     /// Hands `stream` (blocking mode; its attach accepted by `accept`, sent first) to a ring:
-    /// a loopback client's stream `index` to ring `index` (the rings are pinned one per CPU as
-    /// its streams are, so both ends of a stream share a core), any other to the next in turn.
+    /// a loopback client's stream `index` to ring `index` (once such a client's second stream
+    /// comes, the rings pin themselves one per CPU as its streams are, so both ends of a stream
+    /// share a core), any other to the next in turn.
     fn hand(
         &self,
         stream: TcpStream,
