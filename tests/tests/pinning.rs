@@ -41,8 +41,9 @@ fn settle(comm: &str, what: &str, want: impl Fn(&[String]) -> bool) {
     }
 }
 
-/// The server's rings each run on a CPU of their own from its start; the client's rings are
-/// pinned the same way (a two-stream loopback client's stream `i` runs on its ring `i`, on the
+/// The server's rings and the client's start unpinned and stay so for a one-stream loopback
+/// client; once a loopback client's second stream attaches, each server ring runs on a CPU of its
+/// own, and that client's rings are pinned the same way (its stream `i` on its ring `i`, on the
 /// server's ring `i`'s CPU), so both ends of a flow share a core.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_loopback_streams_are_served_one_core_each() {
@@ -72,16 +73,42 @@ async fn two_loopback_streams_are_served_one_core_each() {
     let h = serve_uring(&Arc::new(Table::default()), config);
     assert_eq!(h.rings(), 2);
     // "ferry-uring-ring0", "...1" as the kernel keeps them (15 bytes).
-    let rings = threads_named("ferry-uring-rin");
-    assert_eq!(rings.len(), 2, "ring threads on {rings:?}");
-    assert!(
-        rings[0] != rings[1] && rings.iter().all(|c| c.parse::<usize>().is_ok()),
-        "ring threads on {rings:?}"
+    let unpinned = vec![allowed.clone(), allowed.clone()];
+    assert_eq!(
+        threads_named("ferry-uring-rin"),
+        unpinned,
+        "rings at the start"
     );
     let addr = h.local_addr();
     let buf = Arc::new(MemoryRegion::alloc_zeroed(4096, 64).unwrap());
     // A request to an unknown segment is refused, but its header is served like any other.
     let ask = || vec![op(OpKind::Write, &buf, 0, SegmentToken(77), 0, 100)];
+    // One stream: served (its attach handed to a ring before its request is answered), and
+    // nothing is pinned.
+    let one = UringTransport::new(UringConfig::default()).unwrap();
+    let offer = one.offer();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, offer))
+        .await
+        .unwrap();
+    let ch1 = one.open(peer).await.unwrap();
+    let o = run(&ch1, ask()).await;
+    assert!(o.failure.is_some(), "unknown segment: {o:?}");
+    let one_rings = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(
+        threads_named("ferry-uring-cr"),
+        vec![allowed.clone(); one_rings],
+        "a one-stream client's rings"
+    );
+    assert_eq!(
+        threads_named("ferry-uring-rin"),
+        unpinned,
+        "one-stream client"
+    );
+    drop(ch1);
+    drop(one);
+    settle("ferry-uring-cr", "one-stream client dropped", |t| {
+        t.is_empty()
+    });
     let t = UringTransport::new(UringConfig {
         streams: 2,
         client_rings: 2,
@@ -98,9 +125,13 @@ async fn two_loopback_streams_are_served_one_core_each() {
         let o = run(&ch, ask()).await;
         assert!(o.failure.is_some(), "unknown segment: {o:?}");
     }
+    // Each server ring on a CPU of its own, once the second stream attached.
+    settle("ferry-uring-rin", "two-stream client", |r| {
+        r.len() == 2 && r[0] != r[1] && r.iter().all(|c| c.parse::<usize>().is_ok())
+    });
+    let rings = threads_named("ferry-uring-rin");
     // "ferry-uring-cr0", "...cr1": the client's rings, on the server rings' CPUs.
-    let mut want = rings.clone();
-    want.sort();
+    let want = rings.clone();
     settle("ferry-uring-cr", "two client rings", |t| t == want);
     drop(ch);
     // The client's rings stay with its transport, and end with it.

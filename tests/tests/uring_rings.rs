@@ -154,6 +154,57 @@ async fn client_ring_receives_large_reads_with_any_tail() {
     }
 }
 
+/// WRITE payloads whose next request header arrives split (the link delivers ~1 KiB pieces
+/// that cut headers anywhere): the payload's receive takes what is there of the next header,
+/// the rest comes later, and every chunk lands whole and in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_server_takes_split_headers_after_payloads() {
+    if !uring_usable() {
+        return;
+    }
+    let table = Arc::new(Table::default());
+    let server = serve_uring(&table, UringConfig::default());
+    let proxy = ferry_tests::proxy::FaultProxy::start(server.local_addr()).unwrap();
+    // 256-byte chunks (each its own WRITE request: 32 + 256 bytes, not a vectored piece), many
+    // in flight, so the trickle's pieces (rate / 20 = 1031 bytes, a prime: the cuts walk through
+    // every offset of a request) end inside some headers.
+    let chunks = 240usize;
+    let len = 256 * chunks;
+    let (tok, remote) = publish(&table, "w", len, Access::REMOTE_WRITE);
+    let t = UringTransport::new(UringConfig {
+        chunk_size: 256,
+        depth: 64,
+        ..UringConfig::default()
+    })
+    .unwrap();
+    let my_offer = t.offer();
+    let addr = proxy.addr();
+    let peer = tokio::task::spawn_blocking(move || peer_info(addr, my_offer))
+        .await
+        .unwrap();
+    let ch = t.open(peer).await.unwrap();
+    proxy.inject(
+        ferry_tests::proxy::Scope::All,
+        ferry_tests::proxy::Dir::ToTarget,
+        ferry_tests::proxy::Fault::Trickle {
+            bytes_per_sec: 20 * 1031,
+        },
+    );
+    let src = Arc::new(MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+    fill(&src, 7);
+    let o = tokio::time::timeout(
+        Duration::from_secs(120),
+        run(&ch, vec![op(OpKind::Write, &src, 0, tok, 0, len as u64)]),
+    )
+    .await
+    .expect("WRITEs through split headers never completed");
+    assert!(o.is_success(), "{o:?}");
+    assert!(
+        bytes(&remote, 0, len) == bytes(&src, 0, len),
+        "bytes differ"
+    );
+}
+
 /// CHECKSUM requests on the ring server: a memory range of many hashing pieces (one per turn
 /// of the ring) and a file range answer the CRC-32C of exactly their bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -113,10 +113,11 @@ pub struct UringConfig {
     /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
     pub kernel_splice: bool,
     /// To a loopback peer over two or more streams, pin the client's stream `i` thread to the
-    /// `i`-th CPU this thread may run on; the server pins its ring `i` to the `i`-th CPU and
-    /// serves a loopback client's stream `i` on ring `i` (modulo the rings), so both ends of one
-    /// flow share a core's caches instead of bouncing each chunk between cores
-    /// (`docs/performance.md`). Off: the scheduler places every thread.
+    /// `i`-th CPU this thread may run on; the server serves a loopback client's stream `i` on
+    /// ring `i` (modulo the rings) and, once such a client's second stream attached, pins its
+    /// ring `i` to the `i`-th CPU, so both ends of one flow share a core's caches instead of
+    /// bouncing each chunk between cores (`docs/performance.md`). Off: the scheduler places
+    /// every thread.
     pub pin_loopback_streams: bool,
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are

@@ -11,7 +11,8 @@
 //! Sockets are fixed files where the kernel lets the ring register them. A send or payload
 //! receive first moves what the socket takes or holds at once with one non-blocking syscall;
 //! the rest goes through the ring (SENDMSG / RECVMSG with `MSG_WAITALL`, straight from and into
-//! the segment). A memory READ's payload to a peer the configuration sends zero-copy to goes out
+//! the segment). A WRITE payload's receive that does not wait for all its bytes (that one, and
+//! the ring's under a raised `SO_RCVLOWAT`) also takes what is there of the next request header. A memory READ's payload to a peer the configuration sends zero-copy to goes out
 //! with SEND_ZC (from a registered buffer where the ring takes it), its lease held in the driver
 //! until the kernel's notification, however the stream ends; a request's last send carries the
 //! next header's receive in the same enter. File pieces run on the ring's thread (positioned or
@@ -24,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 
 use ferry_core::checksum::{FileCrc, RegionCrc};
@@ -73,6 +74,10 @@ struct RingHandle {
 pub(crate) struct RingSet {
     rings: Vec<RingHandle>,
     next: AtomicUsize,
+    /// Set once a loopback client's second stream (index 1 or more) is handed over: then each
+    /// ring pins itself to its CPU (`UringConfig::pin_loopback_streams`), as that client's
+    /// streams are pinned. A one-stream client's streams are not, and neither are the rings.
+    pin: Arc<AtomicBool>,
 }
 
 fn wake(fd: &OwnedFd) {
@@ -90,6 +95,7 @@ impl RingSet {
             n
         };
         let mut rings = Vec::with_capacity(n);
+        let pin = Arc::new(AtomicBool::new(false));
         for i in 0..n {
             // SAFETY: plain eventfd creation; the result is checked before use.
             let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -100,12 +106,12 @@ impl RingSet {
             let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
             let (tx, rx) = mpsc::channel();
             let (c, w) = (ctx.clone(), wake.clone());
-            // One ring per core when pinned: ring `i` on the `i`-th CPU, where a loopback
-            // client's stream `i` runs too (see `RingSet::hand`).
+            let p = ctx.config.pin_loopback_streams.then(|| (i, pin.clone()));
+            // Each ring pins itself once a loopback client's second stream came (`Driver::pin`).
             spawn_ring(
                 format!("ferry-uring-ring{i}"),
-                ctx.config.pin_loopback_streams.then_some(i),
-                move || Driver::new(c, rx, w),
+                None,
+                move || Driver::new(c, rx, w, p),
                 |mut d| d.run(),
             )?;
             lock(&ctx.live.ring_wakes).push(wake.clone());
@@ -114,6 +120,7 @@ impl RingSet {
         Ok(Self {
             rings,
             next: AtomicUsize::new(0),
+            pin,
         })
     }
 
@@ -123,8 +130,9 @@ impl RingSet {
     }
 
     /// Hands `stream` (blocking mode; its attach accepted by `accept`, sent first) to a ring:
-    /// a loopback client's stream `index` to ring `index` (the rings are pinned one per CPU as
-    /// its streams are, so both ends of a stream share a core), any other to the next in turn.
+    /// a loopback client's stream `index` to ring `index` (once such a client's second stream
+    /// comes, the rings pin themselves one per CPU as its streams are, so both ends of a stream
+    /// share a core), any other to the next in turn.
     fn hand(
         &self,
         stream: TcpStream,
@@ -137,6 +145,12 @@ impl RingSet {
             Some(k) => usize::from(k),
             None => self.next.fetch_add(1, Ordering::Relaxed),
         } % self.rings.len();
+        if index.is_some_and(|k| k >= 1) && !self.pin.swap(true, Ordering::AcqRel) {
+            // Every ring pins itself at its next turn.
+            for r in &self.rings {
+                wake(&r.wake);
+            }
+        }
         let r = &self.rings[i];
         r.tx.send(NewStream {
             stream,
@@ -205,10 +219,13 @@ enum Step {
         len: usize,
         done: usize,
     },
-    /// Receives exactly the bytes of `parts`; `done` came.
+    /// Receives exactly the bytes of `parts`; `done` came. With `head_too` (a WRITE's payload,
+    /// the last bytes of its request) a receive that need not wait for all of them also takes
+    /// what is there of the next request's header, into [`Conn::head`] (never waiting for it).
     Recv {
         parts: Vec<(*const u8, usize)>,
         done: usize,
+        head_too: bool,
         _keep: Keep,
     },
     /// Receives and drops `left` bytes.
@@ -301,8 +318,11 @@ struct Conn {
     /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default); 0: the kernel refused
     /// a mark, none is used on this socket.
     lowat: usize,
-    /// The next request's header, already received (`ready`).
+    /// The next request's header: `head_got` bytes of it received ahead of its turn (with a
+    /// WRITE's payload, or after it without waiting); all of it and taken as the next request:
+    /// `ready`.
     head: [u8; DATA_REQUEST_LEN],
+    head_got: usize,
     ready: bool,
     stage: Stage,
     /// The iovecs and message of the operation in flight.
@@ -362,6 +382,8 @@ struct Driver {
     /// notification).
     zc: HashMap<u64, (usize, u32, SegmentLease)>,
     zc_next: u64,
+    /// This ring's place and the set's pin flag (`RingSet::pin`), until it pinned itself.
+    pin: Option<(usize, Arc<AtomicBool>)>,
     _count: ThreadCount,
 }
 
@@ -370,7 +392,12 @@ fn ud(index: usize, generation: u32) -> u64 {
 }
 
 impl Driver {
-    fn new(ctx: Arc<Ctx>, rx: mpsc::Receiver<NewStream>, wake: Arc<OwnedFd>) -> io::Result<Self> {
+    fn new(
+        ctx: Arc<Ctx>,
+        rx: mpsc::Receiver<NewStream>,
+        wake: Arc<OwnedFd>,
+        pin: Option<(usize, Arc<AtomicBool>)>,
+    ) -> io::Result<Self> {
         // Made and entered only by the ring's thread: single issuer, and task work deferred to
         // when it waits. Older kernels: a plain ring.
         let ring = match IoUring::builder()
@@ -407,6 +434,7 @@ impl Driver {
             bufs,
             zc: HashMap::new(),
             zc_next: 0,
+            pin,
             _count: count,
         })
     }
@@ -467,6 +495,14 @@ impl Driver {
         loop {
             if self.stopped() {
                 return Ok(());
+            }
+            if let Some((i, flag)) = &self.pin
+                && flag.load(Ordering::Acquire)
+            {
+                // One ring per core: ring `i` on the `i`-th CPU, where a loopback client's
+                // stream `i` runs too (see `RingSet::hand`).
+                crate::pin_stream_thread(*i);
+                self.pin = None;
             }
             while let Ok(n) = self.rx.try_recv() {
                 self.add(n);
@@ -610,6 +646,7 @@ impl Driver {
             zero_copy: self.ctx.config.zero_copy_for(n.from.ip()),
             lowat: 1,
             head: [0; DATA_REQUEST_LEN],
+            head_got: 0,
             ready: false,
             stage: Stage { region: None },
             iov: Vec::new(),
@@ -749,9 +786,10 @@ impl Driver {
                         && c.armed.is_none();
                     let e = e.user_data(ud(i, c.generation));
                     c.inflight = true;
-                    // SAFETY: the entry points into the boxed `Conn` (iovecs, message) and at
-                    // memory its front step keeps alive (`Keep`, owned buffers); the step is
-                    // popped, and the `Conn` freed, only after the completion was reaped.
+                    // SAFETY: the entry points into the boxed `Conn` (iovecs, message, the next
+                    // header's buffer) and at memory its front step keeps alive (`Keep`, owned
+                    // buffers); the step is popped, and the `Conn` freed, only after the
+                    // completion was reaped.
                     if let Err(err) = unsafe { push(&mut self.ring, &e) } {
                         // Not queued (the ring refused a submit): nothing is in flight.
                         c.inflight = false;
@@ -820,15 +858,28 @@ impl Driver {
                 } => {
                     let (lease, token, seq, ack_slack) = (lease.clone(), *token, *seq, *ack_slack);
                     c.steps.pop_front();
-                    if c.proto.may_hold(ack_slack) && head_now(c) {
+                    let may_hold = c.proto.may_hold(ack_slack);
+                    // The next header, where part of it came with the payload or a held
+                    // answer could use it: the rest of it if the socket has it now.
+                    if (c.head_got > 0 || may_hold) && head_now(c) {
+                        c.head_got = 0;
                         c.ready = true;
-                        if c.proto.hold_for_next(&lease, token, seq, &c.head) {
+                        if may_hold && c.proto.hold_for_next(&lease, token, seq, &c.head) {
                             IoStats::add(&self.ctx.stats.held_responses, 1);
                             continue;
                         }
                     }
                     let answer = c.proto.answer_write(seq);
                     c.steps.push_front(Step::send_owned(answer.to_vec()));
+                    if c.head_got > 0 {
+                        // Part of the next header is in: the rest is received after the answer
+                        // (the payload was the request's last step, nothing else is queued).
+                        c.steps.push_back(Step::Head {
+                            buf: Box::new(c.head),
+                            got: c.head_got,
+                        });
+                        c.head_got = 0;
+                    }
                     continue;
                 }
                 Step::Crc { sum, seq, .. } => match sum.step() {
@@ -869,25 +920,56 @@ fn ring_for_files(ring: &mut Option<IoUring>) -> io::Result<&mut IoUring> {
     }
 }
 
-/// The next request header if all of it is in the socket now (never waits).
+/// Receives what the socket holds now of the rest of the next request header into `c.head`
+/// (one non-blocking syscall, none if all of it came with the payload): whether all of it is in.
+/// A part stays counted in `c.head_got`; an error or the peer's end is left to the next
+/// receive, which sees it again.
 fn head_now(c: &mut Conn) -> bool {
-    let fd = c.stream.as_raw_fd();
-    let flags = libc::MSG_DONTWAIT | libc::MSG_PEEK;
-    // SAFETY: receives at most `head.len()` bytes into the stream's own header buffer.
-    let n = unsafe { libc::recv(fd, c.head.as_mut_ptr().cast(), c.head.len(), flags) };
-    if n != DATA_REQUEST_LEN as isize {
-        return false;
+    if c.head_got < DATA_REQUEST_LEN {
+        let rest = &mut c.head[c.head_got..];
+        // SAFETY: receives at most `rest.len()` bytes into the stream's own header buffer.
+        let n = unsafe {
+            libc::recv(
+                c.stream.as_raw_fd(),
+                rest.as_mut_ptr().cast(),
+                rest.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n > 0 {
+            c.head_got += n as usize;
+        }
     }
-    // SAFETY: as above; the bytes are there (peeked), so this takes them without waiting.
-    let n = unsafe {
-        libc::recv(
-            fd,
-            c.head.as_mut_ptr().cast(),
-            c.head.len(),
-            libc::MSG_DONTWAIT,
-        )
-    };
-    n == DATA_REQUEST_LEN as isize
+    c.head_got >= DATA_REQUEST_LEN
+}
+
+/// Appends to `iov` (which covers all of a WRITE payload's `rest` bytes) the part of the next
+/// request header not received yet, so that the same receive takes what is there of it.
+fn with_head(
+    iov: &mut Vec<libc::iovec>,
+    rest: usize,
+    head: &mut [u8; DATA_REQUEST_LEN],
+    got: usize,
+) {
+    let covered: usize = iov.iter().map(|v| v.iov_len).sum();
+    if covered == rest && got < DATA_REQUEST_LEN && iov.len() < MAX_IOV {
+        iov.push(libc::iovec {
+            iov_base: head[got..].as_mut_ptr().cast(),
+            iov_len: DATA_REQUEST_LEN - got,
+        });
+    }
+}
+
+/// Counts `n` bytes received by a payload's receive that may have taken the next header too:
+/// those past the payload's rest are the header's.
+fn received(done: &mut usize, all: usize, head_got: &mut usize, n: usize) {
+    let rest = all.saturating_sub(*done);
+    if n > rest {
+        *head_got += n - rest;
+        *done = all;
+    } else {
+        *done += n;
+    }
 }
 
 /// Sets the socket's receive low mark for `c`'s front step, as the client rings do: a payload
@@ -942,10 +1024,21 @@ fn mark_one(c: &mut Conn) -> bool {
 /// now, without waiting: `true` once all of it moved.
 fn direct(c: &mut Conn) -> io::Result<bool> {
     let fd = c.stream.as_raw_fd();
-    let Conn { steps, iov, .. } = c;
-    let (send, parts, done) = match steps.front_mut() {
-        Some(Step::Send { parts, done, .. }) => (true, &*parts, done),
-        Some(Step::Recv { parts, done, .. }) => (false, &*parts, done),
+    let Conn {
+        steps,
+        iov,
+        head,
+        head_got,
+        ..
+    } = c;
+    let (send, parts, done, head_too) = match steps.front_mut() {
+        Some(Step::Send { parts, done, .. }) => (true, &*parts, done, false),
+        Some(Step::Recv {
+            parts,
+            done,
+            head_too,
+            ..
+        }) => (false, &*parts, done, *head_too),
         _ => return Ok(false),
     };
     let all = total(parts);
@@ -953,6 +1046,10 @@ fn direct(c: &mut Conn) -> io::Result<bool> {
         return Ok(true);
     }
     iovecs_from(parts, *done, iov);
+    if head_too {
+        // Never waits: what is there of the next header comes with the payload's rest.
+        with_head(iov, all - *done, head, *head_got);
+    }
     // SAFETY: a zeroed msghdr is valid (no name, no control).
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
@@ -985,7 +1082,7 @@ fn direct(c: &mut Conn) -> io::Result<bool> {
             )
         });
     }
-    *done += n as usize;
+    received(done, all, head_got, n as usize);
     Ok(*done >= all)
 }
 
@@ -998,6 +1095,8 @@ fn sock_op(c: &mut Conn) -> Option<squeue::Entry> {
         fixed,
         stream,
         lowat,
+        head,
+        head_got,
         ..
     } = c;
     let (send, flags) = match steps.front_mut()? {
@@ -1013,12 +1112,26 @@ fn sock_op(c: &mut Conn) -> Option<squeue::Entry> {
             iovecs_from(&[(head.as_ptr(), head.len())], *head_done, iov);
             (true, libc::MSG_WAITALL | libc::MSG_MORE)
         }
-        Step::Recv { parts, done, .. } => {
+        Step::Recv {
+            parts,
+            done,
+            head_too,
+            ..
+        } => {
             iovecs_from(parts, *done, iov);
             // With the low mark raised the receive completes with what is there (at least the
             // mark, or the rest), and the next one sets the mark for the rest: waiting for all
             // of it under a mark above the rest would never wake.
-            (false, if *lowat > 1 { 0 } else { libc::MSG_WAITALL })
+            if *lowat > 1 {
+                // It waits for no more than the mark (at most the payload's rest), so it may
+                // also take what is there of the next header.
+                if *head_too {
+                    with_head(iov, total(parts) - *done, head, *head_got);
+                }
+                (false, 0)
+            } else {
+                (false, libc::MSG_WAITALL)
+            }
         }
         Step::Discard { left, buf } => {
             let n = (*left).min(buf.len() as u64) as usize;
@@ -1109,8 +1222,9 @@ fn on_complete(c: &mut Conn, res: i32) -> io::Result<()> {
             if n == 0 {
                 return Err(eof("peer closed the stream in a payload"));
             }
-            *done += n;
-            *done >= total(parts)
+            let all = total(parts);
+            received(done, all, &mut c.head_got, n);
+            *done >= all
         }
         Some(Step::Discard { left, .. }) => {
             if n == 0 {
@@ -1181,6 +1295,7 @@ fn plan(c: &mut Conn, ctx: &Ctx, head: &[u8; DATA_REQUEST_LEN]) {
                 c.steps.push_back(Step::Recv {
                     parts: vec![(ptr, len)],
                     done: 0,
+                    head_too: true,
                     _keep: Keep {
                         _lease: Some(lease.clone()),
                         ..Keep::default()
@@ -1288,6 +1403,7 @@ fn plan(c: &mut Conn, ctx: &Ctx, head: &[u8; DATA_REQUEST_LEN]) {
                 c.steps.push_back(Step::Recv {
                     parts: vec![(stage.as_ptr() as *const u8, n)],
                     done: 0,
+                    head_too: false,
                     _keep: Keep {
                         _region: Some(stage.clone()),
                         ..Keep::default()
@@ -1416,6 +1532,7 @@ fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
                 Step::Recv {
                     parts: p,
                     done: 0,
+                    head_too: false,
                     _keep: k,
                 }
             } else {
@@ -1451,6 +1568,7 @@ fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
                         steps.push_back(Step::Recv {
                             parts: piece,
                             done: 0,
+                            head_too: false,
                             _keep: k,
                         });
                         steps.push_back(Step::FileWrite {

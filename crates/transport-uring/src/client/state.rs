@@ -173,7 +173,6 @@ impl Wake for RingWake {
     }
 }
 
-
 /// A stream's protocol state and its socket's send side, shared by the stream's ring and the
 /// threads that submit to an idle stream themselves. Whoever holds the lock and finds the send
 /// side free posts (assigns the sequence number) and writes the request in one go, so requests
