@@ -7,7 +7,7 @@
 //! socket calls around them.
 //!
 //! The only `unsafe` code is the socket-option calls of [`set_recv_low_mark`] and
-//! [`recv_low_mark`].
+//! [`recv_low_mark`], and the one `sendmsg` of [`send_now`].
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::io::{Read, Write};
@@ -294,6 +294,79 @@ pub fn write_frame(
         .map_err(|e| lost(peer, "handshake", e))
 }
 
+/// What [`send_now`] did with a request.
+#[derive(Debug)]
+pub enum SentNow {
+    /// The socket took all of it.
+    All,
+    /// The socket took part of it (or none): these are the bytes left, in order, for the
+    /// stream's driver to send before anything else.
+    Part(Vec<u8>),
+    /// The send failed (not for a full socket): the stream cannot go on.
+    Failed(std::io::Error),
+}
+
+/// Writes a request the stream protocol posted (its header, and a WRITE's payload straight from
+/// registered memory) with one non-blocking `sendmsg` on `socket`, from the submitting thread:
+/// the direct send of both data planes to an idle stream (`ferry_core::dealer::direct_op`). What
+/// the kernel does not take at once comes back, copied, as [`SentNow::Part`]. The caller holds
+/// the stream's send side, so nothing else writes the socket meanwhile.
+pub fn send_now<R>(socket: BorrowedFd<'_>, out: &ferry_core::stream::Outgoing<R>) -> SentNow {
+    let body_len = if out.kind == ferry_core::OpKind::Write {
+        out.len
+    } else {
+        0
+    };
+    let body = (out.region.as_ptr() as usize + out.local_at as usize) as *const u8;
+    let iov = [
+        libc::iovec {
+            iov_base: out.head.as_ptr() as *mut libc::c_void,
+            iov_len: out.head.len(),
+        },
+        libc::iovec {
+            iov_base: body as *mut libc::c_void,
+            iov_len: body_len,
+        },
+    ];
+    // SAFETY: a zeroed msghdr is valid (no address, no control data); the iovecs point at
+    // `out.head` and at the chunk's payload, whose range the stream protocol checked against
+    // the region `out.region` keeps alive for the call; the descriptor is borrowed open.
+    let sent = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = if body_len > 0 { 2 } else { 1 };
+        libc::sendmsg(
+            socket.as_raw_fd(),
+            &msg,
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+    let total = out.head.len() + body_len;
+    let sent = if sent >= 0 {
+        sent as usize
+    } else {
+        let e = std::io::Error::last_os_error();
+        if !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+        ) {
+            return SentNow::Failed(e);
+        }
+        0
+    };
+    if sent >= total {
+        return SentNow::All;
+    }
+    let mut tail = Vec::with_capacity(total - sent);
+    tail.extend_from_slice(out.head.get(sent..).unwrap_or(&[]));
+    let body_from = sent.saturating_sub(out.head.len());
+    // SAFETY: as for the send above; `body_from <= body_len`.
+    tail.extend_from_slice(unsafe {
+        std::slice::from_raw_parts(body.add(body_from), body_len - body_from)
+    });
+    SentNow::Part(tail)
+}
+
 /// The data streams of a client channel as its handle sees them: whether the channel was
 /// closed, whether each stream died, and a descriptor of each to shut it down from any thread.
 /// A channel is alive while it is not closed and one of its streams is.
@@ -357,6 +430,64 @@ impl ChannelStreams {
 mod tests {
     use super::*;
     use std::net::{TcpListener, TcpStream};
+
+    /// A posted WRITE of `len` payload bytes of `region` at 0 (header: `fill`).
+    fn posted(
+        region: &Arc<ferry_core::MemoryRegion>,
+        len: usize,
+        fill: u8,
+    ) -> ferry_core::stream::Outgoing<()> {
+        ferry_core::stream::Outgoing {
+            head: [fill; ferry_core::wire::DATA_REQUEST_LEN],
+            kind: ferry_core::OpKind::Write,
+            req: Arc::new(()),
+            region: region.clone(),
+            local_at: 0,
+            len,
+            table: Vec::new(),
+            scatter: Vec::new(),
+        }
+    }
+
+    /// `send_now` hands the socket what it takes and returns the rest in order: a small request
+    /// goes whole; one larger than a full socket takes comes back in part, and what the peer
+    /// got followed by the part is the request; a socket shut down fails the send.
+    #[test]
+    fn send_now_sends_what_the_socket_takes_and_returns_the_rest() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let len = 8 << 20;
+        let region = Arc::new(ferry_core::MemoryRegion::alloc_zeroed(len, 4096).unwrap());
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+        region.write_at(0, &data).unwrap();
+        let small = posted(&region, 100, 5);
+        assert!(matches!(send_now(a.as_fd(), &small), SentNow::All));
+        let mut got = vec![0u8; small.head.len() + 100];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got[..small.head.len()], &small.head);
+        assert_eq!(&got[small.head.len()..], &data[..100]);
+        // Nobody reads: 8 MiB does not fit in the two sockets' buffers.
+        let big = posted(&region, len, 6);
+        let SentNow::Part(rest) = send_now(a.as_fd(), &big) else {
+            panic!("8 MiB went into a socket nobody reads");
+        };
+        let want: Vec<u8> = big
+            .head
+            .iter()
+            .copied()
+            .chain(data.iter().copied())
+            .collect();
+        let mut took = vec![0u8; want.len() - rest.len()];
+        b.read_exact(&mut took).unwrap();
+        took.extend_from_slice(&rest);
+        assert!(
+            took == want,
+            "the bytes sent and the rest are not the request"
+        );
+        a.shutdown(std::net::Shutdown::Both).unwrap();
+        assert!(matches!(send_now(a.as_fd(), &small), SentNow::Failed(_)));
+    }
 
     /// The gate admits up to its cap, refuses (and counts) past it, and frees a place when a
     /// slot drops.

@@ -15,7 +15,7 @@
 //! the request the kernel did not take.
 
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -26,7 +26,7 @@ use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
-use ferry_net::ChannelStreams;
+use ferry_net::{ChannelStreams, SentNow};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tracing::debug;
@@ -287,70 +287,21 @@ impl TcpChannel {
                     return true;
                 }
             };
-            let body_len = if out.kind == OpKind::Write {
-                out.len
-            } else {
-                0
-            };
-            let body = out.region.as_ptr() as usize + out.local_at as usize;
-            let iov = [
-                libc::iovec {
-                    iov_base: out.head.as_ptr() as *mut libc::c_void,
-                    iov_len: out.head.len(),
-                },
-                libc::iovec {
-                    iov_base: body as *mut libc::c_void,
-                    iov_len: body_len,
-                },
-            ];
-            // SAFETY: a zeroed msghdr is valid (no address, no control data); the iovecs point
-            // at `out.head` (alive for the call) and at the chunk's payload, whose range the
-            // stream protocol checked against the region that `out.region` keeps alive; the
-            // descriptor is the stream's, open while `sp` lives.
-            let sent = unsafe {
-                let mut msg: libc::msghdr = std::mem::zeroed();
-                msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-                msg.msg_iovlen = if body_len > 0 { 2 } else { 1 };
-                libc::sendmsg(
-                    sp.socket.as_raw_fd(),
-                    &msg,
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
+            let sent = ferry_net::send_now(sp.socket.as_fd(), &out);
             self.stats.direct_sends.fetch_add(1, Ordering::Relaxed);
-            let total = out.head.len() + body_len;
-            let sent = if sent >= 0 {
-                sent as usize
-            } else {
-                let e = std::io::Error::last_os_error();
-                if !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ) {
+            let tail = match sent {
+                SentNow::All => None,
+                SentNow::Failed(e) => {
                     // The receiver task's wait ends with the socket and fails what is in
                     // flight, this chunk included.
                     debug!(peer = %self.peer, stream = i, error = %e, "send failed; stream closed");
                     let _ = sp.socket.shutdown(std::net::Shutdown::Both);
                     return true;
                 }
-                0
+                SentNow::Part(tail) => Some(tail),
             };
-            if sent < total {
+            if let Some(tail) = tail {
                 self.stats.direct_tails.fetch_add(1, Ordering::Relaxed);
-                let head_rest = out.head.get(sent..).unwrap_or(&[]);
-                let body_from = sent.saturating_sub(out.head.len());
-                let mut tail = vec![0u8; total - sent];
-                tail[..head_rest.len()].copy_from_slice(head_rest);
-                if let Err(e) = out.region.read_at(
-                    out.local_at + body_from as u64,
-                    &mut tail[head_rest.len()..],
-                ) {
-                    // Not reached (the range was checked at post): the stream cannot go on
-                    // with a request cut short; its receiver fails what is in flight.
-                    debug!(peer = %self.peer, stream = i, error = %e, "payload unreadable; stream closed");
-                    let _ = sp.socket.shutdown(std::net::Shutdown::Both);
-                    return true;
-                }
                 g.tail = tail;
                 drop(g);
                 // The sender waits for work, or for room (with a depth of one).

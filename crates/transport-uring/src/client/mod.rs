@@ -32,7 +32,7 @@ use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
-use ferry_net::ChannelStreams;
+use ferry_net::{ChannelStreams, SentNow};
 use tracing::debug;
 
 pub(crate) use rings::{ClientRings, RingPlan};
@@ -240,45 +240,13 @@ impl UringChannel {
                     return Direct::Sent;
                 }
             };
-            let body_len = if out.kind == OpKind::Write {
-                out.len
-            } else {
-                0
-            };
-            let body = (out.region.as_ptr() as usize + out.local_at as usize) as *const u8;
-            let iov = [
-                libc::iovec {
-                    iov_base: out.head.as_ptr() as *mut libc::c_void,
-                    iov_len: out.head.len(),
-                },
-                libc::iovec {
-                    iov_base: body as *mut libc::c_void,
-                    iov_len: body_len,
-                },
-            ];
-            // SAFETY: a zeroed msghdr is valid (no address, no control data); the iovecs point
-            // at `out.head` (alive for the call) and at the chunk's payload, whose range the
-            // stream protocol checked against the region `out.region` keeps alive.
-            let sent = unsafe {
-                let mut msg: libc::msghdr = std::mem::zeroed();
-                msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-                msg.msg_iovlen = if body_len > 0 { 2 } else { 1 };
-                libc::sendmsg(
-                    sh.socket.as_raw_fd(),
-                    &msg,
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
-            let total = out.head.len() + body_len;
+            // SAFETY: the stream's socket, which `sh` keeps open.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(sh.socket.as_raw_fd()) };
+            let sent = ferry_net::send_now(fd, &out);
             IoStats::add(&self.stats.direct_sends, 1);
-            let sent = if sent >= 0 {
-                sent as usize
-            } else {
-                let e = std::io::Error::last_os_error();
-                if !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ) {
+            match sent {
+                SentNow::All => {}
+                SentNow::Failed(e) => {
                     // The stream's ring's armed receive ends with the socket and fails what is
                     // in flight, this chunk included.
                     debug!(peer = %self.peer, stream = i, error = %e, "send failed; stream closed");
@@ -290,22 +258,13 @@ impl UringChannel {
                     }
                     return Direct::Sent;
                 }
-                0
-            };
-            if sent < total {
-                IoStats::add(&self.stats.direct_tails, 1);
-                let mut tail = Vec::with_capacity(total - sent);
-                let head_rest = out.head.get(sent..).unwrap_or(&[]);
-                tail.extend_from_slice(head_rest);
-                let body_from = sent.saturating_sub(out.head.len());
-                // SAFETY: as for the send above; `body_from <= body_len`.
-                tail.extend_from_slice(unsafe {
-                    std::slice::from_raw_parts(body.add(body_from), body_len - body_from)
-                });
-                g.tail = tail;
-                drop(g);
-                self.wake_stream(i);
-                return Direct::Sent;
+                SentNow::Part(tail) => {
+                    IoStats::add(&self.stats.direct_tails, 1);
+                    g.tail = tail;
+                    drop(g);
+                    self.wake_stream(i);
+                    return Direct::Sent;
+                }
             }
             if caller {
                 g.readers += 1;
