@@ -199,10 +199,31 @@ impl UringChannel {
             && (op.kind == OpKind::Write
                 || (op.kind == OpKind::Read && op.len <= DIRECT_MAX as u64))
             && tokio::runtime::Handle::try_current().is_ok();
-        for (i, sh) in self.shared.iter().enumerate() {
-            // A stream whose lock is taken is busy; its ring holds it only briefly.
-            let Ok(mut g) = sh.state.try_lock() else {
-                continue;
+        // Streams whose lock is taken are looked at last, waiting for it: the ring holds it only
+        // briefly (a response's bookkeeping, its tick), and such a stream may well be idle.
+        let mut locked = Vec::new();
+        let (mut k, mut l) = (0, 0);
+        loop {
+            let (i, wait) = if k < self.shared.len() {
+                k += 1;
+                (k - 1, false)
+            } else if l < locked.len() {
+                l += 1;
+                (locked[l - 1], true)
+            } else {
+                break;
+            };
+            let sh = &self.shared[i];
+            let mut g = if wait {
+                sh.lock()
+            } else {
+                match sh.state.try_lock() {
+                    Ok(g) => g,
+                    Err(_) => {
+                        locked.push(i);
+                        continue;
+                    }
+                }
             };
             if g.busy
                 || !g.tail.is_empty()

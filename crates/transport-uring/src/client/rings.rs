@@ -968,7 +968,7 @@ fn receive(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
         if c.recv_inflight {
             return Ok(());
         }
-        let Some(inc) = c.incoming.as_mut() else {
+        if c.incoming.is_none() {
             // The next header: the low mark must be back at 1 (a 16-byte header must wake us).
             if c.lowat > 1 {
                 set_lowat(c, 1).map_err(|e| e.raw_os_error())?;
@@ -1012,13 +1012,28 @@ fn receive(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
             unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
             c.recv_inflight = true;
             return Ok(());
+        }
+        receive_payload(ring, c)?;
+    }
+}
+
+/// Moves the payload being received (`c.incoming`) on: acknowledges it once whole; else what
+/// the socket holds at the payload's start moves with one call, and the rest through a ring
+/// receive (armed; `recv_inflight`).
+fn receive_payload(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
+    loop {
+        if c.recv_inflight {
+            return Ok(());
+        }
+        let Some(inc) = c.incoming.as_mut() else {
+            return Ok(());
         };
         let (parts, total, done) = inc.parts();
         if done >= total {
             if let Some(inc) = c.incoming.take() {
                 inc.acked();
             }
-            continue;
+            return Ok(());
         }
         iovecs_from(parts, done, &mut c.riov);
         c.rmsg.msg_iov = c.riov.as_mut_ptr();
@@ -1070,8 +1085,10 @@ fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
             return Ok(());
         }
         if c.incoming.is_some() {
-            // A payload the ring receives: as without direct readers.
-            receive(ring, c)?;
+            // A payload the ring receives, as without direct readers; meanwhile no submitter
+            // may make itself a reader (the chunk is no longer in flight).
+            c.sh.lock().recv_armed = true;
+            receive_payload(ring, c)?;
             if c.incoming.is_some() || c.recv_inflight {
                 return Ok(());
             }
@@ -1130,6 +1147,8 @@ fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
 /// header; a whole one is resolved under the same lock.
 fn on_received_shared(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
     let mut g = c.sh.lock();
+    // Until the ring arms its next receive, no receive of its is pending, unless a payload
+    // follows this header (below): then no submitter may make itself a reader meanwhile.
     g.recv_armed = false;
     let Some(n) = receive_result(c, res)? else {
         return Ok(());
@@ -1144,6 +1163,11 @@ fn on_received_shared(c: &mut Conn, res: i32) -> Result<(), Option<i32>> {
     g.resp_at = 0;
     let head = g.resp;
     let resolved = g.proto.on_response(&head);
+    g.recv_armed = match &resolved {
+        Ok(Resolution::Payload(chunk)) => chunk.payload_len() > 0,
+        Ok(Resolution::Pieces(_)) => true,
+        _ => false,
+    };
     drop(g);
     resolve(c, resolved)
 }
