@@ -253,3 +253,18 @@ pub(crate) fn spawn_ring<D: 'static>(
         .recv()
         .map_err(|_| io::Error::other(format!("ring thread {what} ended at its start")))?
 }
+
+/// A ring of `sq` submission and `cq` completion entries, made and entered only by the calling
+/// thread: single issuer, and task work deferred to when that thread waits (so none runs while
+/// it is in another system call). Older kernels: a plain ring.
+pub(crate) fn new_ring(sq: u32, cq: u32) -> io::Result<IoUring> {
+    match IoUring::builder()
+        .setup_cqsize(cq)
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(sq)
+    {
+        Ok(r) => Ok(r),
+        Err(_) => IoUring::builder().setup_cqsize(cq).build(sq),
+    }
+}

@@ -35,7 +35,9 @@ use ferry_core::{MemoryRegion, OpKind, SegmentLease, SegmentToken};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
-use crate::ring::{BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, push, spawn_ring, submit};
+use crate::ring::{
+    BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
+};
 use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
 use ferry_net::RECV_LOW_MARK as LOWAT;
 
@@ -398,19 +400,9 @@ impl Driver {
         wake: Arc<OwnedFd>,
         pin: Option<(usize, Arc<AtomicBool>)>,
     ) -> io::Result<Self> {
-        // Made and entered only by the ring's thread: single issuer, and task work deferred to
-        // when it waits. Older kernels: a plain ring.
-        let ring = match IoUring::builder()
-            .setup_cqsize(CQ_ENTRIES)
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            .build(SQ_ENTRIES)
-        {
-            Ok(r) => r,
-            Err(_) => IoUring::builder()
-                .setup_cqsize(CQ_ENTRIES)
-                .build(SQ_ENTRIES)?,
-        };
+        // Made and entered only by the ring's thread (no deferred task work runs while it is in
+        // another system call, a splice say).
+        let ring = new_ring(SQ_ENTRIES, CQ_ENTRIES)?;
         let fixed_files = ctx.config.register_buffers
             && ring.submitter().register_files_sparse(FIXED_FILES).is_ok();
         let count = ThreadCount::new(&ctx.stats);

@@ -44,7 +44,9 @@ use tracing::{debug, warn};
 use super::state::{
     Queue, READ_TICK, Reader, ReqShared, RingInbox, RingWake, StreamShared, shutdown,
 };
-use crate::ring::{BufCache, IoStats, ThreadCount, iovecs_from, push, spawn_ring, submit};
+use crate::ring::{
+    BufCache, IoStats, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
+};
 
 /// Submission entries per ring (more are submitted in several calls).
 const SQ_ENTRIES: u32 = 256;
@@ -405,20 +407,9 @@ impl Driver {
         stop: Arc<AtomicBool>,
         stats: Arc<IoStats>,
     ) -> io::Result<Self> {
-        // Made and entered only by the ring's thread: single issuer, and task work deferred to
-        // when it waits (no task work runs while its thread splices). Older kernels: a plain
-        // ring.
-        let ring = match IoUring::builder()
-            .setup_cqsize(CQ_ENTRIES)
-            .setup_single_issuer()
-            .setup_defer_taskrun()
-            .build(SQ_ENTRIES)
-        {
-            Ok(r) => r,
-            Err(_) => IoUring::builder()
-                .setup_cqsize(CQ_ENTRIES)
-                .build(SQ_ENTRIES)?,
-        };
+        // Made and entered only by the ring's thread (no deferred task work runs while it is in
+        // another system call, a splice say).
+        let ring = new_ring(SQ_ENTRIES, CQ_ENTRIES)?;
         let fixed_files =
             plan.register && ring.submitter().register_files_sparse(FIXED_FILES).is_ok();
         let bufs = BufCache::new(&ring, plan.register && plan.zero_copy);

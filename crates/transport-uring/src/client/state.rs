@@ -78,12 +78,6 @@ impl EventFd {
     }
 }
 
-impl Wake for EventFd {
-    fn wake(&self) {
-        self.wake_now();
-    }
-}
-
 pub(crate) type Queue = JobQueue<Job, RingWake>;
 
 /// A client ring's mailbox: the streams woken since its thread last looked, and the eventfd
@@ -168,7 +162,7 @@ impl Wake for RingWake {
             Err(p) => p.into_inner().push(self.id),
         }
         if self.inbox.asleep.swap(false, Ordering::SeqCst) {
-            self.inbox.fd.wake();
+            self.inbox.fd.wake_now();
         }
     }
 }
@@ -238,8 +232,6 @@ pub(crate) fn shutdown(s: &TcpStream) {
 mod tests {
     use std::os::fd::AsRawFd;
 
-    use ferry_core::queue::Wake;
-
     use super::EventFd;
 
     /// Whether `w`'s eventfd was written (and resets it).
@@ -265,8 +257,8 @@ mod tests {
     fn a_wake_before_the_wait_is_kept_until_read() {
         let w = EventFd::new().unwrap();
         assert!(!poked(&w));
-        w.wake();
-        w.wake();
+        w.wake_now();
+        w.wake_now();
         assert!(poked(&w));
         assert!(!poked(&w));
     }
