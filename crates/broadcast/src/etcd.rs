@@ -299,3 +299,113 @@ impl Discovery for Etcd {
         format!("etcd {}", self.endpoint)
     }
 }
+
+/// Plain keys in etcd, for records other than a broadcast's members (the Mooncake layer's
+/// endpoint records: docs/mooncake.md). A record put with [`put_leased`](Self::put_leased)
+/// lives while this client keeps its lease alive, so a process that dies takes its records
+/// with it within the lease's time.
+pub struct EtcdKv {
+    endpoint: String,
+    ttl: i64,
+    client: Mutex<Client>,
+    lease: Mutex<Option<(i64, JoinHandle<()>)>>,
+}
+
+impl std::fmt::Debug for EtcdKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdKv")
+            .field("endpoint", &self.endpoint)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdKv {
+    /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`); leased records
+    /// last `ttl` (at least one second) without renewal.
+    pub async fn connect(endpoint: &str, ttl: Duration) -> Result<Self, BroadcastError> {
+        let client =
+            tokio::time::timeout(Duration::from_secs(5), Client::connect([endpoint], None))
+                .await
+                .map_err(|_| err(format!("{endpoint}: connect timed out")))?
+                .map_err(|e| err(format!("{endpoint}: {e}")))?;
+        Ok(Self {
+            endpoint: endpoint.to_owned(),
+            ttl: ttl.as_secs().max(1) as i64,
+            client: Mutex::new(client),
+            lease: Mutex::new(None),
+        })
+    }
+
+    /// The lease this client's records are bound to, granted (and kept alive) on first use.
+    async fn lease(&self) -> Result<i64, BroadcastError> {
+        let mut held = self.lease.lock().await;
+        if let Some((id, task)) = held.as_ref()
+            && !task.is_finished()
+        {
+            return Ok(*id);
+        }
+        let mut client = self.client.lock().await.clone();
+        let lease = client.lease_grant(self.ttl, None).await.map_err(err)?.id();
+        let (mut keeper, mut stream) = client.lease_keep_alive(lease).await.map_err(err)?;
+        let every = Duration::from_millis((self.ttl as u64 * 1000 / 3).max(200));
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if keeper.keep_alive().await.is_err() {
+                    break;
+                }
+                if !matches!(stream.message().await, Ok(Some(_))) {
+                    break;
+                }
+            }
+            tracing::debug!(lease, "etcd lease keep-alive ended");
+        });
+        *held = Some((lease, task));
+        Ok(lease)
+    }
+
+    /// Stores `value` under `key`, bound to this client's lease.
+    pub async fn put_leased(&self, key: &str, value: Vec<u8>) -> Result<(), BroadcastError> {
+        let lease = self.lease().await?;
+        let mut client = self.client.lock().await.clone();
+        client
+            .put(key, value, Some(PutOptions::new().with_lease(lease)))
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    /// The value under `key`, if any.
+    pub async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, BroadcastError> {
+        let mut client = self.client.lock().await.clone();
+        let got = client.get(key, None).await.map_err(err)?;
+        Ok(got.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    /// Removes `key` (nothing if it is absent).
+    pub async fn delete(&self, key: &str) -> Result<(), BroadcastError> {
+        let mut client = self.client.lock().await.clone();
+        client.delete(key, None).await.map_err(err)?;
+        Ok(())
+    }
+
+    /// Ends the lease: every leased record of this client goes now.
+    pub async fn revoke(&self) -> Result<(), BroadcastError> {
+        let lease = self.lease.lock().await.take();
+        if let Some((lease, task)) = lease {
+            task.abort();
+            let mut client = self.client.lock().await.clone();
+            client.lease_revoke(lease).await.map_err(err)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for EtcdKv {
+    fn drop(&mut self) {
+        if let Some((_, t)) = self.lease.get_mut().take() {
+            t.abort();
+        }
+    }
+}

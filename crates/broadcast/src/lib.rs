@@ -42,7 +42,7 @@ pub mod stripes;
 pub use discovery::{Discovery, Embedded};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
-pub use etcd::Etcd;
+pub use etcd::{Etcd, EtcdKv};
 pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};

@@ -54,6 +54,21 @@ pub enum Error {
         /// The name asked for.
         name: String,
     },
+    /// A raw address range (memory named by its virtual address, as Mooncake's and NIXL's
+    /// APIs name it) lies inside no registration of that side: nothing was sent.
+    #[error("{side} address {addr:#x}+{len} at {peer}: {reason}")]
+    UnknownAddress {
+        /// `"local"` or `"remote"`.
+        side: &'static str,
+        /// The peer's address (or `"local"`).
+        peer: String,
+        /// The first byte asked for.
+        addr: u64,
+        /// How many bytes from it.
+        len: u64,
+        /// Why no registration holds it (none does, or the range passes one's end).
+        reason: String,
+    },
     /// A range falls outside a local region or a remote segment.
     #[error("{side} range out of bounds: {source}")]
     OutOfBounds {

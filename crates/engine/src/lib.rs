@@ -34,6 +34,7 @@ mod listener;
 pub mod metrics;
 mod peer;
 mod progress;
+pub mod raw;
 mod reconnect;
 mod request;
 mod route;

@@ -45,6 +45,7 @@ pub(crate) enum Kind {
     InvalidArgument,
     AuthenticationFailed,
     AuthKeyError,
+    UnknownAddress,
 }
 
 /// Which builtin a class derives from besides its Ferry parent.
@@ -216,6 +217,13 @@ const TABLE: &[(Kind, &str, Option<Kind>, Builtin, &str)] = &[
         "An authentication key file cannot be used (missing, unreadable, malformed); the message \
          names the file.",
     ),
+    (
+        Kind::UnknownAddress,
+        "UnknownAddress",
+        Some(Kind::FerryError),
+        Builtin::Lookup,
+        "A raw address range lies inside no registration of that side (Mooncake/NIXL layers).",
+    ),
 ];
 
 fn make_classes(py: Python<'_>) -> PyResult<Vec<Py<PyType>>> {
@@ -293,6 +301,7 @@ pub(crate) fn kind_of(e: &ferry::Error) -> Kind {
         E::Io { .. } => Kind::IoError,
         E::Authentication { .. } => Kind::AuthenticationFailed,
         E::AuthKey { .. } => Kind::AuthKeyError,
+        E::UnknownAddress { .. } => Kind::UnknownAddress,
         // `ferry::Error` is non-exhaustive: a kind added later is still a FerryError.
         _ => Kind::FerryError,
     }

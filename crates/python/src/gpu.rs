@@ -38,7 +38,7 @@ static UNNAMED: AtomicU64 = AtomicU64::new(0);
 /// A driver error as the Python exception of its kind: `Unavailable` without a driver,
 /// `OutOfBounds` for a range outside the memory, `InvalidRequest` (a `ValueError`) for a device
 /// ordinal the driver does not list or memory the driver does not place as device memory, `FerryError` for a failed driver call.
-fn cuda_err(py: Python<'_>, e: CudaError) -> PyErr {
+pub(crate) fn cuda_err(py: Python<'_>, e: CudaError) -> PyErr {
     let kind = match &e {
         CudaError::Unavailable { .. } => Kind::Unavailable,
         CudaError::OutOfBounds(_) => Kind::OutOfBounds,

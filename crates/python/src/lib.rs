@@ -22,6 +22,8 @@ mod buffer;
 mod engine;
 mod errors;
 mod gpu;
+mod kv;
+mod raw;
 mod request;
 mod runtime;
 
@@ -36,5 +38,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gpu::add_to(m)?;
     request::add_to(m)?;
     broadcast::add_to(m)?;
+    raw::add_to(m)?;
+    kv::add_to(m)?;
     Ok(())
 }

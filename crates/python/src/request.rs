@@ -641,6 +641,11 @@ fn describe(o: &Outcome) -> String {
     )
 }
 
+/// Raises `o`'s failure as `Outcome.raise_for_failure` does; nothing when it succeeded.
+pub(crate) fn raise_failure(py: Python<'_>, o: &PyOutcome) -> PyResult<()> {
+    o.raise_for_failure(py)
+}
+
 /// The outcome of a request: how many ops from the start completed and their bytes, the first
 /// failure if any, what failed WRITEs may have done to remote memory, and whether the local
 /// buffers are free again. Never reports a byte that was not acknowledged.

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ferry_core::wire::Hello;
-use ferry_core::{Error, PeerInfo, SegmentTable, TransportKind};
+use ferry_core::{Error, PeerInfo, SegmentDesc, SegmentTable, TransportKind};
 use tracing::Instrument;
 
 use super::{TransferEngine, resolve};
@@ -54,6 +54,36 @@ impl TransferEngine {
             .remove(&addr);
         tracing::info!(%addr, "re-resolving peer");
         self.connect(addr).await
+    }
+
+    /// What `peer` publishes to this engine now: a handshake with the same address that offers
+    /// no transport (so the peer opens nothing for it), checked to be answered by the same
+    /// incarnation (`StaleEpoch` otherwise). [`Peer::segments`] is the listing at connection
+    /// time; layers that name remote memory by address ([`crate::raw`]) call this when an
+    /// address lies in none of them, since the peer may have registered more since.
+    pub async fn list_segments(&self, peer: &Peer) -> Result<Vec<SegmentDesc>, Error> {
+        let inner = &peer.inner;
+        let hello = Hello {
+            transports: Vec::new(),
+            ..self.hello()
+        };
+        let span = tracing::debug_span!("list segments", addr = %inner.addr);
+        let (server, _) = ferry_transport_tcp::handshake_with(
+            inner.addr,
+            &hello,
+            self.inner.identity.keyring.as_ref(),
+            self.inner.peers.connect_timeout,
+        )
+        .instrument(span)
+        .await?;
+        if server.epoch != inner.epoch || server.peer_id != inner.id {
+            return Err(Error::StaleEpoch {
+                addr: inner.addr.to_string(),
+                known: inner.epoch,
+                found: server.epoch,
+            });
+        }
+        Ok(server.segments)
     }
 
     async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {

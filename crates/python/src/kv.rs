@@ -1,0 +1,96 @@
+//! `EtcdKv`: plain records in etcd through `ferry-broadcast`'s etcd client, for the Mooncake
+//! layer's `etcd://` metadata mode (its endpoint records, bound to a lease this process keeps
+//! alive). Every call blocks with the GIL released.
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+
+use crate::errors::{self, Kind};
+use crate::runtime;
+
+/// A connection to etcd for plain records: `EtcdKv("127.0.0.1:2379", ttl=10.0)`; `put` binds
+/// the record to this client's lease, kept alive while the object lives (a killed process's
+/// records go within `ttl` seconds); `get` returns bytes or None; `delete`; `close` revokes
+/// the lease. Errors are `FerryError`s naming the endpoint.
+#[pyclass(name = "EtcdKv", module = "ferry", frozen)]
+pub(crate) struct EtcdKv {
+    #[cfg(feature = "etcd")]
+    inner: ferry_broadcast::EtcdKv,
+}
+
+#[cfg(feature = "etcd")]
+fn kv_err(py: Python<'_>, e: ferry_broadcast::BroadcastError) -> PyErr {
+    errors::err(py, Kind::FerryError, e.to_string())
+}
+
+#[cfg(feature = "etcd")]
+#[pymethods]
+impl EtcdKv {
+    #[new]
+    #[pyo3(signature = (endpoint, ttl=10.0))]
+    fn new(py: Python<'_>, endpoint: &str, ttl: f64) -> PyResult<Self> {
+        let ttl = crate::request::seconds("ttl", Some(ttl))?.unwrap_or(Duration::from_secs(10));
+        let endpoint = if endpoint.contains("://") {
+            endpoint.to_owned()
+        } else {
+            format!("http://{endpoint}")
+        };
+        let rt = runtime::get(py)?;
+        let inner = py
+            .detach(|| rt.block_on(ferry_broadcast::EtcdKv::connect(&endpoint, ttl)))
+            .map_err(|e| kv_err(py, e))?;
+        Ok(Self { inner })
+    }
+
+    /// Stores `value` under `key`, bound to this client's lease.
+    fn put(&self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {
+        let rt = runtime::get(py)?;
+        py.detach(|| rt.block_on(self.inner.put_leased(key, value)))
+            .map_err(|e| kv_err(py, e))
+    }
+
+    /// The bytes under `key`, or None.
+    fn get(&self, py: Python<'_>, key: &str) -> PyResult<Option<Vec<u8>>> {
+        let rt = runtime::get(py)?;
+        py.detach(|| rt.block_on(self.inner.get(key)))
+            .map_err(|e| kv_err(py, e))
+    }
+
+    /// Removes `key` (nothing if absent).
+    fn delete(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        let rt = runtime::get(py)?;
+        py.detach(|| rt.block_on(self.inner.delete(key)))
+            .map_err(|e| kv_err(py, e))
+    }
+
+    /// Revokes the lease: every record this client put goes now.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let rt = runtime::get(py)?;
+        py.detach(|| rt.block_on(self.inner.revoke()))
+            .map_err(|e| kv_err(py, e))
+    }
+}
+
+#[cfg(not(feature = "etcd"))]
+#[pymethods]
+impl EtcdKv {
+    #[new]
+    #[pyo3(signature = (endpoint, ttl=10.0))]
+    fn new(py: Python<'_>, endpoint: &str, ttl: f64) -> PyResult<Self> {
+        let _ = ttl;
+        Err(errors::err(
+            py,
+            Kind::Unavailable,
+            format!(
+                "etcd {endpoint}: this build of the ferry package has no etcd client (the \
+                 ferry-python crate's `etcd` feature, on by default, was left out)"
+            ),
+        ))
+    }
+}
+
+/// Adds `EtcdKv` to the module.
+pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<EtcdKv>()
+}

@@ -1,0 +1,582 @@
+//! `RawEngine`: an `Engine` whose memory is named by raw virtual address, the layer under
+//! `ferry.mooncake` (and any other API that names memory the way Mooncake's `TransferEngine`
+//! and NIXL's agent do). It binds the facade's [`ferry::raw`]: registrations of raw pointers
+//! published under names that carry their address, peers whose listed registrations map an
+//! address to a segment and offset, and batches of `(local address, remote address, length)`
+//! that become one ordinary Ferry request.
+//!
+//! Taking raw pointers is the caller's contract, as in Mooncake: memory given to `register`
+//! must stay valid (and, for remote write, writable) until `unregister` and until every request
+//! using it ended. Everything else is checked before a byte moves: every local and remote
+//! range must lie whole inside one registration, lists must have equal lengths, lengths must
+//! not be zero.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use ferry::raw::{AddressMap, RawPeer, segment_name};
+use ferry::{Batch, LocalMemory, LocalRef, MemoryRegion, OpKind, Outcome, TransferEngine};
+use pyo3::prelude::*;
+
+use crate::engine::{Engine, parse_access};
+use crate::errors;
+use crate::request::{self, PyOutcome, Request, seconds};
+use crate::runtime;
+
+/// What keeps a raw registration published (dropping it unpublishes the range).
+enum Held {
+    Host(ferry::Registration),
+    Gpu(ferry::GpuRegistration),
+}
+
+impl Held {
+    /// The token peers address it by.
+    fn token(&self) -> ferry::SegmentToken {
+        match self {
+            Held::Host(r) => r.token(),
+            Held::Gpu(r) => r.token(),
+        }
+    }
+}
+
+/// A local raw registration.
+struct Local {
+    memory: LocalRef,
+    location: String,
+    /// How many `register` calls of exactly this range are outstanding (Mooncake lets a caller
+    /// register a buffer again; the last `unregister` unpublishes it).
+    count: usize,
+    held: Held,
+}
+
+/// An engine whose memory is named by raw address (see the module's docs).
+///
+/// `RawEngine(engine)` wraps an `Engine`; it serves (when the engine listens) and connects
+/// through it. Registrations made here are published under `raw@<hex address>/<location>`.
+#[pyclass(name = "RawEngine", module = "ferry", frozen)]
+pub(crate) struct RawEngine {
+    engine: TransferEngine,
+    local: RwLock<AddressMap<Local>>,
+    /// Connected peers by the address string callers name them with.
+    peers: Mutex<HashMap<String, Arc<RawPeer>>>,
+    /// Addresses whose incarnation was lost: the next connect adopts whatever serves there.
+    stale: Mutex<std::collections::HashSet<String>>,
+}
+
+fn location_is_gpu(location: &str) -> Option<u32> {
+    let rest = location
+        .strip_prefix("cuda:")
+        .or_else(|| location.strip_prefix("gpu:"))?;
+    rest.parse().ok()
+}
+
+#[pymethods]
+impl RawEngine {
+    #[new]
+    fn new(engine: &Bound<'_, Engine>) -> Self {
+        Self {
+            engine: engine.get().inner.clone(),
+            local: RwLock::new(AddressMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            stale: Mutex::new(Default::default()),
+        }
+    }
+
+    /// Registers `length` bytes at address `addr` in `location` (`"cpu:0"`, `"cuda:N"`; any
+    /// other string is host memory) with `access` for peers (default `"read+write"`), and
+    /// publishes it under `raw@<hex addr>/<location>`. Registering exactly the same range
+    /// again only counts it; a range that overlaps another registration is refused
+    /// (`InvalidArgument`). `cuda:N` memory goes through the CUDA driver (`Unavailable`
+    /// without one).
+    #[pyo3(signature = (addr, length, location="cpu:0", access="read+write"))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        location: &str,
+        access: &str,
+    ) -> PyResult<()> {
+        let access = parse_access(access)?;
+        {
+            let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
+            if let Ok((e, 0)) = map.lookup(addr, length)
+                && e.len == length
+            {
+                let base = e.base;
+                if let Some(e) = map.remove(base) {
+                    let mut value = e.value;
+                    value.count += 1;
+                    // Re-inserting what was just removed cannot overlap.
+                    let _ = map.insert(base, length, value);
+                }
+                return Ok(());
+            }
+            // Checked before anything native is made.
+            map.check_free(addr, length)
+                .map_err(|reason| errors::invalid_argument(format!("register: {reason}")))?;
+        }
+        let Some(ptr) = usize::try_from(addr)
+            .ok()
+            .and_then(|a| NonNull::new(a as *mut u8))
+        else {
+            return Err(errors::invalid_argument("register: address 0"));
+        };
+        let len = usize::try_from(length)
+            .map_err(|_| errors::invalid_argument(format!("register: length {length}")))?;
+        let rt = runtime::get(py)?;
+        let engine = &self.engine;
+        // "*" (Mooncake's "find out"): device memory where a driver says so, else host memory.
+        let gpu = match (location, location_is_gpu(location)) {
+            (_, Some(ordinal)) => {
+                let cuda = engine.cuda().map_err(|e| errors::to_py(py, e))?;
+                Some((cuda, Some(ordinal)))
+            }
+            ("*", None) => engine.cuda().ok().map(|c| (c, None)),
+            _ => None,
+        };
+        if let Some((cuda, ordinal)) = gpu {
+            // SAFETY: the caller's contract (Mooncake's): `addr..+length` is memory it keeps
+            // valid until it unregisters it and every request using it ended. The driver
+            // checks that the range lies inside one device allocation and says which GPU holds
+            // it (`wrap_located`), or refuses; Ferry hands the address only to the driver's
+            // copies and the NIC registration, never to host code.
+            let wrapped = py.detach(|| unsafe { cuda.wrap_located(addr, len, Box::new(())) });
+            match (wrapped, ordinal) {
+                (Ok(memory), _) => {
+                    let on = memory.location().ordinal;
+                    if ordinal.is_some_and(|o| o != on) {
+                        return Err(errors::invalid_argument(format!(
+                            "register: the driver places {addr:#x} on GPU {on}, not on {location}"
+                        )));
+                    }
+                    let location = format!("cuda:{on}");
+                    let name = segment_name(addr, &location);
+                    let memory = Arc::new(memory);
+                    let reg = py
+                        .detach(|| {
+                            let _enter = rt.enter();
+                            engine.register_gpu(memory, access, &name)
+                        })
+                        .map_err(|e| errors::to_py(py, e))?;
+                    return self.insert(addr, length, location, reg.local_ref(), Held::Gpu(reg));
+                }
+                (Err(e), Some(_)) => return Err(crate::gpu::cuda_err(py, e)),
+                // "*" and the driver does not know the address: host memory.
+                (Err(_), None) => {}
+            }
+        }
+        let location = if location == "*" { "cpu:0" } else { location };
+        // SAFETY: the caller's contract (Mooncake's): `addr..+length` is memory of this process
+        // that stays valid, and in place, until it unregisters it and every request using it
+        // ended; with remote-write access it is writable. Ferry makes no Rust reference into it
+        // that outlives a copy (`MemoryRegion`'s concurrency model).
+        let region = unsafe { MemoryRegion::from_raw_parts(ptr, len, Box::new(())) };
+        self.publish_host(py, addr, length, location, access, region)
+    }
+
+    /// Unregisters the registration whose base address is `addr` (once per `register` of it):
+    /// it is unpublished, and its memory is free once the requests using it ended. Raises
+    /// `UnknownAddress` when no registration starts at `addr`.
+    fn unregister(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
+        let gone = {
+            let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
+            let Some(e) = map.remove(addr) else {
+                return Err(errors::to_py(
+                    py,
+                    ferry::Error::UnknownAddress {
+                        side: "local",
+                        peer: "local".into(),
+                        addr,
+                        len: 0,
+                        reason: "no registration starts there".into(),
+                    },
+                ));
+            };
+            if e.value.count > 1 {
+                let mut value = e.value;
+                value.count -= 1;
+                let _ = map.insert(e.base, e.len, value);
+                None
+            } else {
+                Some(e)
+            }
+        };
+        // Dropping the handle unpublishes it; off the GIL, it may wait for native cleanup.
+        py.detach(|| drop(gone));
+        Ok(())
+    }
+
+    /// The local registrations: `(address, length, location, token)` in address order.
+    fn registrations(&self) -> Vec<(u64, u64, String, String)> {
+        let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
+        map.iter()
+            .map(|e| {
+                (
+                    e.base,
+                    e.len,
+                    e.value.location.clone(),
+                    e.value.held.token().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// Allocates `length` bytes of zeroed, page-aligned host memory owned by Ferry, registers
+    /// it like `register` (location `"cpu:0"`) and returns its address. The memory is freed
+    /// once it is unregistered and no request uses it any more, so a request still running
+    /// never touches freed memory.
+    #[pyo3(signature = (length, access="read+write"))]
+    fn allocate(&self, py: Python<'_>, length: u64, access: &str) -> PyResult<u64> {
+        let access = parse_access(access)?;
+        let len = usize::try_from(length)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                errors::invalid_argument(format!(
+                    "allocate: length must be at least 1, not {length}"
+                ))
+            })?;
+        let region = MemoryRegion::alloc_zeroed(len, ferry::PAGE_ALIGN).map_err(|e| {
+            errors::err(
+                py,
+                errors::Kind::ResourceExhausted,
+                format!("allocate {length} bytes: {e}"),
+            )
+        })?;
+        let addr = region.as_ptr() as u64;
+        self.publish_host(py, addr, length, "cpu:0", access, region)?;
+        Ok(addr)
+    }
+
+    /// Why GPU memory cannot be used here (the CUDA driver's loader error, naming libcuda), or
+    /// None when a driver is loaded.
+    fn cuda_unavailable(&self) -> Option<String> {
+        self.engine.cuda().err().map(|e| e.to_string())
+    }
+
+    /// The registrations peer `peer` (`"host:port"`) lists now: `(address, length, location)`
+    /// in address order. Connects first if need be; asks the peer afresh.
+    fn remote_registrations(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+    ) -> PyResult<Vec<(u64, u64, String)>> {
+        let rt = runtime::get(py)?;
+        let map = py
+            .detach(|| {
+                rt.block_on(async {
+                    let p = self.peer(peer).await?;
+                    p.refresh(&self.engine).await?;
+                    Ok::<_, ferry::Error>(p.registrations())
+                })
+            })
+            .map_err(|e| errors::to_py(py, e))?;
+        Ok(map
+            .iter()
+            .map(|e| (e.base, e.len, e.value.location.clone()))
+            .collect())
+    }
+
+    /// Connects to `peer` (`"host:port"`) unless connected; blocks with the GIL released.
+    fn connect(&self, py: Python<'_>, peer: &str) -> PyResult<()> {
+        let rt = runtime::get(py)?;
+        py.detach(|| rt.block_on(self.peer(peer)))
+            .map(drop)
+            .map_err(|e| errors::to_py(py, e))
+    }
+
+    /// Forgets the connection to `peer`, so that the next call connects afresh (adopting a
+    /// restarted incarnation).
+    fn forget(&self, peer: &str) {
+        self.peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(peer);
+        self.stale
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(peer.to_owned());
+    }
+
+    /// Moves `lengths[i]` bytes between local address `local[i]` and `peer`'s address
+    /// `remote[i]`, for every `i`, as one request (`op`: `"read"` or `"write"`), and returns its
+    /// `Outcome` once it ended *and* drained: nothing of it still moves. Blocks with the GIL
+    /// released. Every range is checked first (an address the peer's listing lacks is looked
+    /// up in a fresh listing once): `UnknownAddress`, `InvalidArgument` (unequal lists, no op)
+    /// are raised before anything moves. A failed request raises its `FerryError` subclass with
+    /// the `Outcome` as `outcome` (how many ops completed, what failed WRITEs may have done).
+    #[pyo3(signature = (peer, op, local, remote, lengths, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        op: &str,
+        local: Vec<u64>,
+        remote: Vec<u64>,
+        lengths: Vec<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyOutcome> {
+        let kind = op_kind(op)?;
+        check_lists(&local, &remote, &lengths)?;
+        let timeout = seconds("timeout", timeout)?;
+        let rt = runtime::get(py)?;
+        let run = || {
+            rt.block_on(async {
+                let batch = self
+                    .batch(peer, kind, &local, &remote, &lengths, timeout)
+                    .await?;
+                let handle = self.engine.submit(batch)?;
+                let drained = handle.drained();
+                handle.await;
+                Ok::<Outcome, ferry::Error>(drained.await)
+            })
+        };
+        let outcome = py.detach(run).map_err(|e| self.fail(py, peer, e))?;
+        self.settle(py, peer, outcome)
+    }
+
+    /// Like `transfer`, but returns at once with the running `Request` (its `wait`, `done`,
+    /// `cancel` and `wait_drained`). The checks are the same and raise here.
+    #[pyo3(signature = (peer, op, local, remote, lengths, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        op: &str,
+        local: Vec<u64>,
+        remote: Vec<u64>,
+        lengths: Vec<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Request> {
+        let kind = op_kind(op)?;
+        check_lists(&local, &remote, &lengths)?;
+        let timeout = seconds("timeout", timeout)?;
+        let rt = runtime::get(py)?;
+        let run = || {
+            rt.block_on(async {
+                let batch = self
+                    .batch(peer, kind, &local, &remote, &lengths, timeout)
+                    .await?;
+                let handle = self.engine.submit(batch)?;
+                Ok::<_, ferry::Error>(request::watch(handle))
+            })
+        };
+        let (watch, canceller) = py.detach(run).map_err(|e| self.fail(py, peer, e))?;
+        Ok(Request { watch, canceller })
+    }
+
+    fn __repr__(&self) -> String {
+        let n = self
+            .local
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len();
+        format!(
+            "<ferry.RawEngine peer_id={} registrations={n}>",
+            self.engine.peer_id()
+        )
+    }
+}
+
+fn op_kind(op: &str) -> PyResult<OpKind> {
+    match op {
+        "read" => Ok(OpKind::Read),
+        "write" => Ok(OpKind::Write),
+        other => Err(errors::invalid_argument(format!(
+            "op must be \"read\" or \"write\", not {other:?}"
+        ))),
+    }
+}
+
+fn check_lists(local: &[u64], remote: &[u64], lengths: &[u64]) -> PyResult<()> {
+    if local.len() != remote.len() || local.len() != lengths.len() {
+        return Err(errors::invalid_argument(format!(
+            "the lists of local addresses, remote addresses and lengths must have one entry per \
+             op; they have {}, {} and {}",
+            local.len(),
+            remote.len(),
+            lengths.len()
+        )));
+    }
+    if local.is_empty() {
+        return Err(errors::invalid_argument("a transfer needs at least one op"));
+    }
+    Ok(())
+}
+
+impl RawEngine {
+    /// Registers host `region` (at `addr`) and enters it in the local map.
+    fn publish_host(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        location: &str,
+        access: ferry::Access,
+        region: MemoryRegion,
+    ) -> PyResult<()> {
+        let rt = runtime::get(py)?;
+        let name = segment_name(addr, location);
+        let reg = py
+            .detach(|| {
+                let _enter = rt.enter();
+                self.engine.register(region, access, &name)
+            })
+            .map_err(|e| errors::to_py(py, e))?;
+        self.insert(
+            addr,
+            length,
+            location.to_owned(),
+            reg.local_ref(),
+            Held::Host(reg),
+        )
+    }
+
+    /// Enters a registration in the local map (a range registered meanwhile by another thread
+    /// is refused, and this registration dropped).
+    fn insert(
+        &self,
+        addr: u64,
+        length: u64,
+        location: String,
+        memory: LocalRef,
+        held: Held,
+    ) -> PyResult<()> {
+        let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
+        map.insert(
+            addr,
+            length,
+            Local {
+                memory,
+                location,
+                count: 1,
+                held,
+            },
+        )
+        .map_err(|reason| errors::invalid_argument(format!("register: {reason}")))
+    }
+
+    /// The connected peer named `peer`, connecting (or, after [`forget`](Self::forget),
+    /// re-resolving) if need be.
+    async fn peer(&self, peer: &str) -> Result<Arc<RawPeer>, ferry::Error> {
+        if let Some(p) = self
+            .peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(peer)
+        {
+            return Ok(p.clone());
+        }
+        let stale = self
+            .stale
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(peer);
+        let connected = if stale {
+            self.engine.reresolve(peer).await?
+        } else {
+            self.engine.connect(peer).await?
+        };
+        let p = Arc::new(RawPeer::new(connected));
+        Ok(self
+            .peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(peer.to_owned())
+            .or_insert(p)
+            .clone())
+    }
+
+    /// The batch of `kind` ops, every range resolved (nothing sent yet).
+    async fn batch(
+        &self,
+        peer: &str,
+        kind: OpKind,
+        local: &[u64],
+        remote: &[u64],
+        lengths: &[u64],
+        timeout: Option<std::time::Duration>,
+    ) -> Result<Batch, ferry::Error> {
+        let p = self.peer(peer).await?;
+        let mut remotes = Vec::with_capacity(remote.len());
+        for (&addr, &len) in remote.iter().zip(lengths) {
+            remotes.push(p.resolve(&self.engine, addr, len).await?);
+        }
+        let mut batch = Batch::new();
+        {
+            let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
+            for ((&addr, &len), (segment, roff)) in local.iter().zip(lengths).zip(&remotes) {
+                let (e, off) =
+                    map.lookup(addr, len)
+                        .map_err(|miss| ferry::Error::UnknownAddress {
+                            side: "local",
+                            peer: "local".into(),
+                            addr,
+                            len,
+                            reason: miss.to_string(),
+                        })?;
+                batch.push(kind, &e.value.memory, off, segment, *roff, len);
+            }
+        }
+        if let Some(t) = timeout {
+            batch = batch.timeout(t);
+        }
+        Ok(batch)
+    }
+
+    /// An error before or while submitting: a peer that could not be reached, or answered as
+    /// another incarnation, is connected afresh next time.
+    fn fail(&self, py: Python<'_>, peer: &str, e: ferry::Error) -> PyErr {
+        if matches!(
+            e,
+            ferry::Error::StaleEpoch { .. } | ferry::Error::PeerLost { .. }
+        ) {
+            self.forget(peer);
+        }
+        errors::to_py(py, e)
+    }
+
+    /// A drained outcome: returned when it succeeded, raised otherwise (a lost peer is
+    /// connected afresh next time).
+    fn settle(&self, py: Python<'_>, peer: &str, outcome: Outcome) -> PyResult<PyOutcome> {
+        if let Some(f) = outcome.failure
+            && matches!(
+                f.kind,
+                ferry::FailureKind::PeerLost
+                    | ferry::FailureKind::Remote(ferry::RemoteStatus::StaleEpoch)
+            )
+        {
+            self.forget(peer);
+        }
+        let o = PyOutcome(outcome);
+        request::raise_failure(py, &o)?;
+        Ok(o)
+    }
+}
+
+/// Adds `RawEngine` to the module.
+pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<RawEngine>()?;
+    m.add_function(pyo3::wrap_pyfunction!(topology_json, m)?)
+}
+
+/// Ferry's view of this machine's topology (sysfs and the verbs device list) as JSON: NICs
+/// with their NUMA nodes, GPUs, and the NICs assigned to each GPU (`ferry topology --json`).
+#[pyfunction]
+fn topology_json(py: Python<'_>) -> PyResult<String> {
+    py.detach(|| {
+        let listing = ferry::rdma_devices::enumerate_verbs_devices();
+        let verbs = ferry::topology::VerbsDevices {
+            names: listing.devices.into_iter().map(|d| d.name).collect(),
+            unavailable: listing.unavailable,
+        };
+        ferry::topology::Topology::discover("/sys", &verbs, &ferry::topology::Selector::default())
+            .and_then(|t| t.to_json())
+            .map_err(|e| e.to_string())
+    })
+    .map_err(|reason| errors::err(py, errors::Kind::Unavailable, format!("topology: {reason}")))
+}
