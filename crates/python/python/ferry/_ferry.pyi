@@ -30,6 +30,8 @@ __all__ = [
     "Peer",
     "PeerLost",
     "ProtocolMismatch",
+    "RawEngine",
+    "EtcdKv",
     "Registration",
     "RegistrationError",
     "RemoteSegment",
@@ -38,6 +40,7 @@ __all__ = [
     "StaleEpoch",
     "Timeout",
     "Unavailable",
+    "UnknownAddress",
     "UnknownSegment",
     "UnknownSegmentName",
     "Unquiesced",
@@ -47,6 +50,7 @@ __all__ = [
     "_join",
     "_publish",
     "doctor",
+    "topology_json",
 ]
 
 __version__: str
@@ -126,6 +130,9 @@ class AuthenticationFailed(HandshakeRefused):
 
 class AuthKeyError(FerryError):
     """An authentication key file cannot be used (missing, unreadable, malformed); the message names the file."""
+
+class UnknownAddress(FerryError, LookupError):
+    """A raw address range lies inside no registration of that side (Mooncake/NIXL layers)."""
 
 @final
 class Engine:
@@ -415,6 +422,54 @@ class Request:
     def cancel(self) -> None:
         """Ends the request logically; buffers stay in use until drained."""
     def __await__(self) -> Generator[Any, None, Outcome]: ...
+
+@final
+class RawEngine:
+    """An Engine whose memory is named by raw virtual address (the layer under ferry.mooncake)."""
+
+    def __new__(cls, engine: Engine) -> Self: ...
+    def register(
+        self, addr: int, length: int, location: str = "cpu:0", access: _AccessName = "read+write"
+    ) -> None: ...
+    def unregister(self, addr: int) -> None: ...
+    def registrations(self) -> list[tuple[int, int, str, str]]: ...
+    def allocate(self, length: int, access: _AccessName = "read+write") -> int: ...
+    def cuda_unavailable(self) -> str | None: ...
+    def remote_registrations(self, peer: str) -> list[tuple[int, int, str]]: ...
+    def connect(self, peer: str) -> None: ...
+    def forget(self, peer: str) -> None: ...
+    def transfer(
+        self,
+        peer: str,
+        op: Literal["read", "write"],
+        local: Sequence[int],
+        remote: Sequence[int],
+        lengths: Sequence[int],
+        timeout: float | None = None,
+    ) -> Outcome:
+        """One request of every (local, remote, length); returns once it ended and drained."""
+    def submit(
+        self,
+        peer: str,
+        op: Literal["read", "write"],
+        local: Sequence[int],
+        remote: Sequence[int],
+        lengths: Sequence[int],
+        timeout: float | None = None,
+    ) -> Request: ...
+
+@final
+class EtcdKv:
+    """Plain records in etcd, bound to a lease this object keeps alive."""
+
+    def __new__(cls, endpoint: str, ttl: float = 10.0) -> Self: ...
+    def put(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> bytes | None: ...
+    def delete(self, key: str) -> None: ...
+    def close(self) -> None: ...
+
+def topology_json() -> str:
+    """Ferry's topology of this machine as JSON (``ferry topology --json``)."""
 
 @final
 class Outcome:

@@ -26,7 +26,10 @@ from dataclasses import dataclass
 HTTP_TIMEOUT = 3.0
 
 
-class MetadataError(Exception):
+from ferry._ferry import FerryError
+
+
+class MetadataError(FerryError):
     """A metadata store could not be reached, or holds no record of that name."""
 
 
