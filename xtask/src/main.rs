@@ -8,6 +8,7 @@ mod bench_ab;
 mod bench_broadcast;
 mod bench_cpu;
 mod bench_latency;
+mod bench_mooncake;
 mod bench_small;
 mod bench_uring;
 mod bindgen;
@@ -50,6 +51,9 @@ tasks:
                          (default 100000; xtask/src/fuzz.rs)
   bench python [--total BYTES] [--repeat N]
                          1 MiB READs through the Python package against the Rust CLI, alternating
+  bench mooncake [--total BYTES] [--repeat N]
+                         the Mooncake API on Mooncake's own wheel and on Ferry's, alternating
+                         rounds: batch sync WRITE/READ of 32 blocks, and 4 KiB against Ferry's API
   bench register [--sizes 64MiB,1GiB] [--repeat N]
                          register's cost: first, a repeat of the same pages, per GiB, per rail count
   bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]

@@ -334,6 +334,14 @@ fn gbps(cmd: &mut Command, who: &str) -> Result<f64> {
     json_num(&text, "gb_per_s", 0).with_context(|| format!("no gb_per_s in {who}'s {text:?}"))
 }
 
+/// The bench environment's interpreter with Ferry's module built into it, optimized
+/// (`cargo xtask bench mooncake` runs Ferry's side there).
+pub(crate) fn bench_env() -> Result<PathBuf> {
+    let py = venv(true)?.context("no Python environment")?;
+    develop(&py, true)?;
+    Ok(py)
+}
+
 /// `cargo xtask bench python [--total BYTES] [--repeat N]`.
 pub(crate) fn bench(args: &[String]) -> Result<()> {
     const USAGE: &str = "usage: cargo xtask bench python [--total BYTES] [--repeat N]";
