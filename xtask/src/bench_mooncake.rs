@@ -18,7 +18,9 @@ use std::process::{Child, Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-use crate::util::{json_num, median_and_range, project_root, run as run_loud, total_and_repeat};
+use crate::util::{
+    json_num, json_str, median_and_range, project_root, run as run_loud, total_and_repeat,
+};
 
 /// The wheel compared against (the Mooncake release the compatibility layer follows).
 const MOONCAKE: &str = "mooncake-transfer-engine-non-cuda==0.3.13";
@@ -86,10 +88,10 @@ impl Target {
         let out = child.stdout.take().context("target has no stdout")?;
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line)?;
-        let v: serde_json::Value = serde_json::from_str(line.trim())
-            .with_context(|| format!("the {} target printed {line:?}", side.label))?;
-        let name = v["name"].as_str().context("no name")?.to_owned();
-        let buffer = v["buffer"].as_u64().context("no buffer")?;
+        let bad = || format!("the {} target printed {line:?}", side.label);
+        let name = json_str(&line, "name", 0).with_context(bad)?;
+        // Addresses are below 2^53, so the number is exact.
+        let buffer = json_num(&line, "buffer", 0).with_context(bad)? as u64;
         Ok(Self {
             child,
             name,
