@@ -1,6 +1,7 @@
 //! The `ferry` command: `doctor` (what this machine can do), `topology` (which NIC serves which
 //! GPU), `serve` (publish segments), `bench` (measure transfers), `publish` and `pull` (weight
-//! broadcast), `completions` (shell completion scripts).
+//! broadcast), `metadata-server` (Mooncake's HTTP metadata server), `completions` (shell
+//! completion scripts).
 //!
 //! Exit codes: 0 on success (`doctor` too, since it is a report, unless `--require` names what
 //! is missing), 1 when a command fails, 2 for bad arguments.
@@ -8,10 +9,12 @@
 mod cmd_bench;
 mod cmd_broadcast;
 mod cmd_doctor;
+mod cmd_metadata;
 mod cmd_serve;
 mod cmd_topology;
 mod failure;
 mod histogram;
+mod metadata;
 mod parse;
 mod version;
 
@@ -50,6 +53,10 @@ enum Command {
     /// Pull a broadcast (from the source's address, or etcd://HOST:PORT/NAME) into a directory
     /// (or memory only), verifying every chunk and relaying it to the members after this one.
     Pull(cmd_broadcast::PullArgs),
+    /// Serve Mooncake's HTTP metadata protocol (`GET`/`PUT`/`DELETE /metadata?key=K`, `GET
+    /// /health`): a drop-in for `mooncake_http_metadata_server`, for Mooncake transfer engines
+    /// given `http://HOST:PORT/metadata`. Keys live in memory until stopped (SIGINT, SIGTERM).
+    MetadataServer(cmd_metadata::MetadataServerArgs),
     /// Print a shell completion script: `ferry completions bash > /etc/bash_completion.d/ferry`,
     /// `ferry completions zsh > ~/.zfunc/_ferry`, `ferry completions fish >
     /// ~/.config/fish/completions/ferry.fish`.
@@ -97,6 +104,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => cmd_bench::run(args),
         Command::Publish(args) => cmd_broadcast::publish(args),
         Command::Pull(args) => cmd_broadcast::pull(args),
+        Command::MetadataServer(args) => cmd_metadata::run(args),
         Command::Completions { shell } => {
             // Into a buffer first: clap_complete panics on a write error (`| head`).
             let mut script = Vec::new();

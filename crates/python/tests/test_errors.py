@@ -12,6 +12,7 @@ KINDS = [
     "HandshakeRefused", "UnknownSegment", "UnknownSegmentName", "OutOfBounds", "AccessDenied",
     "Timeout", "Cancelled", "Unquiesced", "RegistrationError", "Malformed", "InvalidRequest",
     "NoRoute", "IoError", "InvalidArgument", "AuthenticationFailed", "AuthKeyError",
+    "UnknownAddress",
 ]
 
 
@@ -27,6 +28,7 @@ def test_hierarchy():
     assert issubclass(ferry.InvalidRequest, ValueError)
     assert issubclass(ferry.UnknownSegmentName, ferry.UnknownSegment)
     assert issubclass(ferry.UnknownSegment, LookupError)
+    assert issubclass(ferry.UnknownAddress, LookupError)
     assert issubclass(ferry.IoError, OSError)
     assert issubclass(ferry.InvalidArgument, ValueError)
     assert issubclass(ferry.AuthenticationFailed, ferry.HandshakeRefused)

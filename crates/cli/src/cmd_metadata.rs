@@ -1,0 +1,49 @@
+//! `ferry metadata-server`: serve Mooncake's HTTP metadata protocol until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result};
+
+use crate::metadata::{server, store::Store};
+use crate::parse;
+
+/// Arguments of `ferry metadata-server`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct MetadataServerArgs {
+    /// Address to listen on: HOST:PORT (`0.0.0.0:8080` for every interface, port 0 for any
+    /// free port). Anyone who can reach it reads and changes every key: keep it on a trusted
+    /// network, as Mooncake's own server.
+    #[arg(long, default_value = DEFAULT_LISTEN, value_parser = parse::listen_addr)]
+    listen: SocketAddr,
+}
+
+/// The address `metadata-server` listens on by default (Mooncake's server's port).
+pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// Runs `ferry metadata-server`.
+pub(crate) fn run(args: MetadataServerArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    rt.block_on(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        // Before the address is printed: whoever read it may stop us at once.
+        let mut interrupt = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+        let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding the metadata server's address {}", args.listen))?;
+        let addr = listener.local_addr().context("the listener's address")?;
+        tracing::info!(%addr, "metadata server listening");
+        println!("metadata server listening on {addr}");
+        let store = Arc::new(Mutex::new(Store::new()));
+        tokio::select! {
+            () = server::serve(listener, addr, store) => {}
+            _ = interrupt.recv() => tracing::info!("SIGINT: metadata server stopping"),
+            _ = terminate.recv() => tracing::info!("SIGTERM: metadata server stopping"),
+        }
+        Ok(())
+    })
+}
