@@ -202,6 +202,27 @@ impl Etcd {
     }
 }
 
+/// A lease of `ttl` seconds and the task that keeps it alive (renewing it every third of its
+/// time) until it is aborted or etcd stops answering.
+async fn leased(client: &mut Client, ttl: i64) -> Result<(i64, JoinHandle<()>), BroadcastError> {
+    let lease = client.lease_grant(ttl, None).await.map_err(err)?.id();
+    let (mut keeper, mut stream) = client.lease_keep_alive(lease).await.map_err(err)?;
+    let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
+    let task = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            if keeper.keep_alive().await.is_err() {
+                break;
+            }
+            if !matches!(stream.message().await, Ok(Some(_))) {
+                break;
+            }
+        }
+        tracing::debug!(lease, "etcd lease keep-alive ended");
+    });
+    Ok((lease, task))
+}
+
 /// Numbers a registration tries before it gives up (each taken by a member that joined
 /// meanwhile).
 const CLAIM_TRIES: usize = 4096;
@@ -229,21 +250,7 @@ impl Discovery for Etcd {
     ) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
         Box::pin(async move {
             let mut client = self.client.lock().await.clone();
-            let lease = client.lease_grant(self.ttl, None).await.map_err(err)?.id();
-            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await.map_err(err)?;
-            let every = Duration::from_millis((self.ttl as u64 * 1000 / 3).max(200));
-            let task = tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(every).await;
-                    if keeper.keep_alive().await.is_err() {
-                        break;
-                    }
-                    if !matches!(stream.message().await, Ok(Some(_))) {
-                        break;
-                    }
-                }
-                tracing::debug!(lease, "etcd lease keep-alive ended");
-            });
+            let (lease, task) = leased(&mut client, self.ttl).await?;
             if let Some((_, old)) = self.lease.lock().await.replace((lease, task)) {
                 old.abort();
             }
@@ -346,21 +353,7 @@ impl EtcdKv {
             return Ok(*id);
         }
         let mut client = self.client.lock().await.clone();
-        let lease = client.lease_grant(self.ttl, None).await.map_err(err)?.id();
-        let (mut keeper, mut stream) = client.lease_keep_alive(lease).await.map_err(err)?;
-        let every = Duration::from_millis((self.ttl as u64 * 1000 / 3).max(200));
-        let task = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                if keeper.keep_alive().await.is_err() {
-                    break;
-                }
-                if !matches!(stream.message().await, Ok(Some(_))) {
-                    break;
-                }
-            }
-            tracing::debug!(lease, "etcd lease keep-alive ended");
-        });
+        let (lease, task) = leased(&mut client, self.ttl).await?;
         *held = Some((lease, task));
         Ok(lease)
     }

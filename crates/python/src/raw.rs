@@ -319,22 +319,20 @@ impl RawEngine {
         lengths: Vec<u64>,
         timeout: Option<f64>,
     ) -> PyResult<PyOutcome> {
-        let kind = op_kind(op)?;
-        check_lists(&local, &remote, &lengths)?;
-        let timeout = seconds("timeout", timeout)?;
-        let rt = runtime::get(py)?;
-        let run = || {
-            rt.block_on(async {
-                let batch = self
-                    .batch(peer, kind, &local, &remote, &lengths, timeout)
-                    .await?;
-                let handle = self.engine.submit(batch)?;
+        let outcome = self.start(
+            py,
+            peer,
+            op,
+            &local,
+            &remote,
+            &lengths,
+            timeout,
+            |handle| async {
                 let drained = handle.drained();
                 handle.await;
-                Ok::<Outcome, ferry::Error>(drained.await)
-            })
-        };
-        let outcome = py.detach(run).map_err(|e| self.fail(py, peer, e))?;
+                drained.await
+            },
+        )?;
         self.settle(py, peer, outcome)
     }
 
@@ -352,20 +350,16 @@ impl RawEngine {
         lengths: Vec<u64>,
         timeout: Option<f64>,
     ) -> PyResult<Request> {
-        let kind = op_kind(op)?;
-        check_lists(&local, &remote, &lengths)?;
-        let timeout = seconds("timeout", timeout)?;
-        let rt = runtime::get(py)?;
-        let run = || {
-            rt.block_on(async {
-                let batch = self
-                    .batch(peer, kind, &local, &remote, &lengths, timeout)
-                    .await?;
-                let handle = self.engine.submit(batch)?;
-                Ok::<_, ferry::Error>(request::watch(handle))
-            })
-        };
-        let (watch, canceller) = py.detach(run).map_err(|e| self.fail(py, peer, e))?;
+        let (watch, canceller) = self.start(
+            py,
+            peer,
+            op,
+            &local,
+            &remote,
+            &lengths,
+            timeout,
+            |handle| async { request::watch(handle) },
+        )?;
         Ok(Request { watch, canceller })
     }
 
@@ -409,6 +403,41 @@ fn check_lists(local: &[u64], remote: &[u64], lengths: &[u64]) -> PyResult<()> {
 }
 
 impl RawEngine {
+    /// Checks the arguments, resolves every range, submits the request (all with the GIL
+    /// released, on the runtime) and hands its handle to `then`; an error before the submit
+    /// means nothing moved.
+    #[allow(clippy::too_many_arguments)]
+    fn start<T, F>(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        op: &str,
+        local: &[u64],
+        remote: &[u64],
+        lengths: &[u64],
+        timeout: Option<f64>,
+        then: impl FnOnce(ferry::RequestHandle) -> F + Send,
+    ) -> PyResult<T>
+    where
+        F: std::future::Future<Output = T>,
+        T: Send,
+    {
+        let kind = op_kind(op)?;
+        check_lists(local, remote, lengths)?;
+        let timeout = seconds("timeout", timeout)?;
+        let rt = runtime::get(py)?;
+        let run = || {
+            rt.block_on(async {
+                let batch = self
+                    .batch(peer, kind, local, remote, lengths, timeout)
+                    .await?;
+                let handle = self.engine.submit(batch)?;
+                Ok::<T, ferry::Error>(then(handle).await)
+            })
+        };
+        py.detach(run).map_err(|e| self.fail(py, peer, e))
+    }
+
     /// Registers host `region` (at `addr`) and enters it in the local map.
     fn publish_host(
         &self,
