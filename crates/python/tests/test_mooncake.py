@@ -439,3 +439,29 @@ def test_ferry_as_mooncake_in_the_environment_reaches_every_process(tmp_path):
     off = subprocess.run([sys.executable, "-c", "import sys, ferry; print('mooncake' in sys.modules)"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert off.stdout.strip() == "False"
+
+
+def test_cuda_memory_registers_and_moves_through_the_gpu_path(cuda_driver, tmp_path):
+    """``cuda:0`` and ``*`` registrations of device memory (Ferry's fake driver here), and the
+    ``*_on_cuda`` methods moving it to a peer's host memory and back."""
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    name = f"127.0.0.1:{b.get_rpc_port()}"
+    host = b.allocate_managed_buffer(1 << 20)
+    owner = ferry.Engine()
+    dev = owner.alloc_gpu(0, 1 << 20)  # device memory the test owns; its pointer is the API's
+    dev.copy_from(b"from the gpu" + bytes(100), 0)
+    assert a.register_memory(dev.ptr, 1 << 20, "cuda:0") == 0
+    assert a.transfer_write_on_cuda(name, dev.ptr, host, 12) == 0
+    assert b.read_bytes_from_buffer(host, 12) == b"from the gpu"
+    b.write_bytes_to_buffer(host, b"back to the gpu", 15)
+    assert a.batch_transfer_read_on_cuda(name, [dev.ptr + 64], [host], [15]) == 0
+    assert dev.to_bytes(offset=64, length=15) == b"back to the gpu"
+    assert a.unregister_memory(dev.ptr) == 0
+    assert a.register_memory(dev.ptr, 1 << 20) == 0  # "*": the driver says it is device memory
+    assert a.transfer_sync_write(name, dev.ptr, host, 12) == 0
+    assert a.unregister_memory(dev.ptr) == 0
+    assert a.register_memory(dev.ptr, 1 << 20, "cuda:7") < 0  # not where the driver places it
+    a.close()
+    b.close()
