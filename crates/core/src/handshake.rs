@@ -14,8 +14,8 @@ use crate::ids::Epoch;
 use crate::stream::ServerStream;
 use crate::transport::{HandshakeResponder, PeerInfo, PeerView, SegmentTable};
 use crate::wire::{
-    ControlFrame, ControlHeader, Hello, MAX_CONTROL_BODY, MAX_PREAUTH_BODY, Reject, RejectReason,
-    SUPPORTED_VERSIONS, StreamAttach, TransportOffer, WireError,
+    ControlFrame, ControlHeader, Hello, MAX_CONTROL_BODY, MAX_PREAUTH_BODY, Notify, Reject,
+    RejectReason, SUPPORTED_VERSIONS, StreamAttach, TransportOffer, WireError,
 };
 
 /// The server's answer to a peer's hello from `from` (authenticated as `peer`, if at all): our
@@ -146,6 +146,27 @@ impl ServerConversation {
         })))
     }
 
+    /// The answer to a notification from the peer (authenticated as `peer`, if at all):
+    /// `StaleEpoch` when it is meant for another incarnation, else what the responder says.
+    fn answer_notify(&self, n: &Notify, peer: Option<&str>) -> ControlFrame {
+        let epoch = self.responder.epoch();
+        if n.to_epoch != epoch {
+            return ControlFrame::Reject(Reject {
+                reason: RejectReason::StaleEpoch,
+                versions: SUPPORTED_VERSIONS,
+                epoch,
+                message: format!(
+                    "notification for epoch {} but this server has epoch {epoch}",
+                    n.to_epoch
+                ),
+            });
+        }
+        match self.responder.notify(n, self.from, peer) {
+            Ok(()) => ControlFrame::NotifyAck,
+            Err(r) => ControlFrame::Reject(r),
+        }
+    }
+
     /// The next step after the peer sent `frame`.
     pub fn on_frame(&mut self, frame: ControlFrame) -> ServerStep {
         let from = self.from;
@@ -166,6 +187,21 @@ impl ServerConversation {
                     }));
                 }
                 ServerStep::Close(answer_hello(&*self.responder, &hello, from, None))
+            }
+            (Conversation::Start, ControlFrame::Notify(n)) => {
+                if auth.is_some() {
+                    tracing::warn!(%from, peer = %n.peer_id,
+                        "plain notification refused: this server requires authentication");
+                    return ServerStep::Close(ControlFrame::Reject(Reject {
+                        reason: RejectReason::Refused,
+                        versions: SUPPORTED_VERSIONS,
+                        epoch: self.responder.epoch(),
+                        message: "authentication required: this server only takes \
+                                  notifications from peers that prove its key"
+                            .into(),
+                    }));
+                }
+                ServerStep::Close(self.answer_notify(&n, None))
             }
             (Conversation::Start, ControlFrame::StreamAttach(a)) => {
                 let answer = answer_attach(&a, self.responder.epoch());
@@ -229,6 +265,15 @@ impl ServerConversation {
                     ServerStep::Close(answer_hello(&*self.responder, &hello, from, Some(&name)))
                 }
             },
+            (Conversation::Proven(proven, client), ControlFrame::Notify(n)) => match proven {
+                Err(r) => self.refused(r.message),
+                Ok(_) if (n.peer_id, n.epoch) != client => self.refused(format!(
+                    "the notification names peer {} epoch {}, the authenticated one peer {} \
+                     epoch {}",
+                    n.peer_id, n.epoch, client.0, client.1
+                )),
+                Ok(name) => ServerStep::Close(self.answer_notify(&n, Some(&name))),
+            },
             (Conversation::Start, ControlFrame::AuthAttach(a)) => {
                 let answer = answer_attach(&a.attach, self.responder.epoch());
                 if !matches!(answer, ControlFrame::StreamAccept) {
@@ -253,9 +298,11 @@ impl ServerConversation {
             }
             (state, other) => {
                 let expected = match state {
-                    Conversation::Start => "hello, stream-attach, auth-hello or auth-attach",
+                    Conversation::Start => {
+                        "hello, stream-attach, notify, auth-hello or auth-attach"
+                    }
                     Conversation::Challenged(_) => "auth-proof",
-                    Conversation::Proven(..) => "hello",
+                    Conversation::Proven(..) => "hello or notify",
                     Conversation::Done => "nothing more",
                 };
                 ServerStep::Fail(unexpected(from, &other, expected))
@@ -357,6 +404,31 @@ pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Resul
             reason: r.message,
         }),
         other => Err(unexpected(peer, &other, "hello-ack")),
+    }
+}
+
+/// What the server's reply to a notification means: delivered, `StaleEpoch` (another
+/// incarnation serves there now), `Authentication`, `HandshakeRefused` (the inbox is full, or
+/// the server takes none), or `Malformed` for any other frame.
+pub fn notify_reply(peer: SocketAddr, known: Epoch, reply: ControlFrame) -> Result<(), Error> {
+    match reply {
+        ControlFrame::NotifyAck => Ok(()),
+        ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => Err(Error::StaleEpoch {
+            addr: peer.to_string(),
+            known,
+            found: r.epoch,
+        }),
+        ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
+            Err(Error::Authentication {
+                peer: peer.to_string(),
+                reason: r.message,
+            })
+        }
+        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
+            peer: peer.to_string(),
+            reason: r.message,
+        }),
+        other => Err(unexpected(peer, &other, "notify-ack")),
     }
 }
 
@@ -671,6 +743,109 @@ mod tests {
 
         fn client_hello() -> Hello {
             hello(1, 2)
+        }
+
+        fn notify(to_epoch: u64) -> ControlFrame {
+            ControlFrame::Notify(Notify {
+                peer_id: PeerId(1),
+                epoch: Epoch(2),
+                to_epoch: Epoch(to_epoch),
+                name: "agent".into(),
+                message: b"done".to_vec(),
+            })
+        }
+
+        /// A responder that takes notifications, recording the key name each came with.
+        fn inbox(
+            keys: Option<&str>,
+        ) -> (
+            Arc<dyn HandshakeResponder>,
+            Arc<std::sync::Mutex<Vec<Option<String>>>>,
+        ) {
+            let mut r = MockHandshakeResponder::new();
+            r.expect_peer_id().return_const(PeerId(3));
+            r.expect_epoch().return_const(Epoch(4));
+            let auth = keys.map(|k| Arc::new(ServerAuth::new(Keyring::parse(k).unwrap())));
+            r.expect_auth().returning(move || auth.clone());
+            r.expect_serve_stats().returning(|| None);
+            r.expect_respond().never();
+            let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let g = got.clone();
+            r.expect_notify().returning(move |n, _, peer| {
+                assert_eq!(n.message, b"done");
+                g.lock().unwrap().push(peer.map(str::to_owned));
+                Ok(())
+            });
+            (Arc::new(r), got)
+        }
+
+        #[test]
+        fn a_notification_is_delivered_once_for_this_incarnation_only() {
+            let (r, got) = inbox(None);
+            let step = talk(&r).on_frame(notify(4));
+            assert!(
+                matches!(step, ServerStep::Close(ControlFrame::NotifyAck)),
+                "{step:?}"
+            );
+            let step = talk(&r).on_frame(notify(5));
+            let ServerStep::Close(ControlFrame::Reject(rj)) = step else {
+                panic!("{step:?}")
+            };
+            assert_eq!(rj.reason, RejectReason::StaleEpoch);
+            assert!(matches!(
+                notify_reply(peer(), Epoch(5), ControlFrame::Reject(rj)),
+                Err(Error::StaleEpoch { .. })
+            ));
+            assert_eq!(*got.lock().unwrap(), vec![None]);
+        }
+
+        #[test]
+        fn a_keyed_server_takes_notifications_only_after_the_proof() {
+            let (r, got) = inbox(Some(ALICE));
+            // Plain: refused, nothing delivered.
+            let step = talk(&r).on_frame(notify(4));
+            assert!(
+                matches!(step, ServerStep::Close(ControlFrame::Reject(_))),
+                "{step:?}"
+            );
+            // After alice's proof: delivered under her name.
+            let mut server = talk(&r);
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+            );
+            let challenge = match server.on_frame(first) {
+                ServerStep::Reply(f) => f,
+                other => panic!("{other:?}"),
+            };
+            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+            assert!(matches!(server.on_frame(proof), ServerStep::Read));
+            let step = server.on_frame(notify(4));
+            assert!(
+                matches!(step, ServerStep::Close(ControlFrame::NotifyAck)),
+                "{step:?}"
+            );
+            // A proof by one peer does not carry another's notification.
+            let mut server = talk(&r);
+            let (first, client) = ClientAuth::start(
+                &Keyring::parse(ALICE).unwrap(),
+                PeerId(9),
+                Epoch(2),
+                [1; 32],
+            );
+            let challenge = match server.on_frame(first) {
+                ServerStep::Reply(f) => f,
+                other => panic!("{other:?}"),
+            };
+            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+            server.on_frame(proof);
+            assert!(matches!(
+                server.on_frame(notify(4)),
+                ServerStep::Close(ControlFrame::Reject(_))
+            ));
+            assert_eq!(*got.lock().unwrap(), vec![Some("alice".to_owned())]);
         }
 
         /// Runs the client's side of an authenticated handshake with `keys` against `server`:

@@ -285,6 +285,24 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
     fn serve_stats(&self) -> Option<Arc<ServeStats>> {
         None
     }
+
+    /// Takes a notification from `from` (authenticated as `peer`, if at all) into this
+    /// server's inbox, or refuses it (the default: this server takes none).
+    #[allow(clippy::needless_lifetimes)]
+    fn notify<'a>(
+        &self,
+        notify: &crate::wire::Notify,
+        from: SocketAddr,
+        peer: Option<&'a str>,
+    ) -> Result<(), Reject> {
+        let _ = (notify, from, peer);
+        Err(Reject {
+            reason: crate::wire::RejectReason::Refused,
+            versions: crate::wire::SUPPORTED_VERSIONS,
+            epoch: self.epoch(),
+            message: "this server takes no notifications".into(),
+        })
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

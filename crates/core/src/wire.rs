@@ -50,6 +50,12 @@ pub const MAX_RAILS: usize = 64;
 pub const MAX_KEYS: usize = 256;
 /// Largest refusal message, in bytes.
 pub const MAX_MESSAGE_LEN: usize = 4096;
+
+/// The largest message a [`Notify`] carries.
+pub const MAX_NOTIFY_LEN: usize = 64 << 10;
+
+/// The longest sender name a [`Notify`] carries.
+pub const MAX_NOTIFY_NAME: usize = 255;
 /// Largest payload of one data-plane chunk.
 pub const MAX_CHUNK: u64 = 64 << 20;
 /// Size of a data request header.
@@ -489,6 +495,25 @@ pub struct AuthAttach {
     pub mac: [u8; AUTH_MAC_LEN],
 }
 
+/// A short message to the server's engine, one per control connection (in place of a
+/// [`Hello`]; after the [`AuthProof`] on an authenticating connection): who sends it, the
+/// incarnation it is meant for, a name the sender chose (an agent's name, say) and the bytes.
+/// The server answers [`ControlFrame::NotifyAck`] once the message is in its engine's inbox,
+/// or a [`Reject`] (`StaleEpoch` for another incarnation, `Refused` when the inbox is full).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notify {
+    /// Sender's peer id.
+    pub peer_id: PeerId,
+    /// Sender's epoch.
+    pub epoch: Epoch,
+    /// The epoch of the server incarnation it is meant for.
+    pub to_epoch: Epoch,
+    /// The sender's name for itself (at most [`MAX_NOTIFY_NAME`] bytes).
+    pub name: String,
+    /// The message (at most [`MAX_NOTIFY_LEN`] bytes).
+    pub message: Vec<u8>,
+}
+
 /// A control frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -511,6 +536,10 @@ pub enum ControlFrame {
     AuthProof(AuthProof),
     /// Opens a data stream of an authenticated session.
     AuthAttach(AuthAttach),
+    /// A message for the server's engine.
+    Notify(Notify),
+    /// The message is in the server's inbox.
+    NotifyAck,
 }
 
 const K_HELLO: u8 = 1;
@@ -522,6 +551,8 @@ const K_AUTH_HELLO: u8 = 6;
 const K_AUTH_CHALLENGE: u8 = 7;
 const K_AUTH_PROOF: u8 = 8;
 const K_AUTH_ATTACH: u8 = 9;
+const K_NOTIFY: u8 = 10;
+const K_NOTIFY_ACK: u8 = 11;
 
 /// A decoded control frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -546,7 +577,7 @@ impl ControlHeader {
         let kind = r.u8("kind")?;
         let _flags = r.u8("flags")?;
         let body_len = r.u32("body length")?;
-        if !(K_HELLO..=K_AUTH_ATTACH).contains(&kind) {
+        if !(K_HELLO..=K_NOTIFY_ACK).contains(&kind) {
             return Err(WireError::UnknownCode {
                 field: "frame kind",
                 code: kind.into(),
@@ -730,6 +761,8 @@ impl ControlFrame {
             ControlFrame::AuthChallenge(_) => K_AUTH_CHALLENGE,
             ControlFrame::AuthProof(_) => K_AUTH_PROOF,
             ControlFrame::AuthAttach(_) => K_AUTH_ATTACH,
+            ControlFrame::Notify(_) => K_NOTIFY,
+            ControlFrame::NotifyAck => K_NOTIFY_ACK,
         }
     }
 
@@ -785,6 +818,18 @@ impl ControlFrame {
                 put_u64(out, a.counter);
                 out.extend_from_slice(&a.mac);
             }
+            ControlFrame::Notify(n) => {
+                limit("notify name", n.name.len(), MAX_NOTIFY_NAME)?;
+                limit("notify message", n.message.len(), MAX_NOTIFY_LEN)?;
+                out.extend_from_slice(&n.peer_id.0.to_le_bytes());
+                put_u64(out, n.epoch.0);
+                put_u64(out, n.to_epoch.0);
+                out.push(n.name.len() as u8);
+                out.extend_from_slice(n.name.as_bytes());
+                put_u32(out, n.message.len() as u32);
+                out.extend_from_slice(&n.message);
+            }
+            ControlFrame::NotifyAck => {}
         }
         let body_len = out.len() - start - CONTROL_HEADER_LEN;
         limit("control body", body_len, MAX_CONTROL_BODY as usize)?;
@@ -860,6 +905,23 @@ impl ControlFrame {
                 counter: r.u64("counter")?,
                 mac: r.array("mac")?,
             }),
+            K_NOTIFY => {
+                let peer_id = PeerId(r.u128("peer id")?);
+                let epoch = Epoch(r.u64("epoch")?);
+                let to_epoch = Epoch(r.u64("to epoch")?);
+                let len = r.u8("notify name length")?;
+                let name = r.string(len.into(), "notify name")?;
+                let len = r.u32("notify message length")?;
+                let len = r.count(len.into(), MAX_NOTIFY_LEN, 1, "notify message length")?;
+                ControlFrame::Notify(Notify {
+                    peer_id,
+                    epoch,
+                    to_epoch,
+                    name,
+                    message: r.take(len, "notify message")?.to_vec(),
+                })
+            }
+            K_NOTIFY_ACK => ControlFrame::NotifyAck,
             other => {
                 return Err(WireError::UnknownCode {
                     field: "frame kind",
@@ -897,6 +959,8 @@ fn kind_name(code: u8) -> &'static str {
         K_AUTH_CHALLENGE => "auth-challenge",
         K_AUTH_PROOF => "auth-proof",
         K_AUTH_ATTACH => "auth-attach",
+        K_NOTIFY => "notify",
+        K_NOTIFY_ACK => "notify-ack",
         _ => "unknown",
     }
 }
@@ -1670,6 +1734,23 @@ mod tests {
                         mac,
                     }
                 )),
+            (
+                any::<u128>(),
+                any::<u64>(),
+                any::<u64>(),
+                "[a-z0-9:._-]{0,40}",
+                proptest::collection::vec(any::<u8>(), 0..512)
+            )
+                .prop_map(|(id, epoch, to, name, message)| ControlFrame::Notify(
+                    Notify {
+                        peer_id: PeerId(id),
+                        epoch: Epoch(epoch),
+                        to_epoch: Epoch(to),
+                        name,
+                        message,
+                    }
+                )),
+            Just(ControlFrame::NotifyAck),
         ]
     }
 

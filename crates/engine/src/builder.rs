@@ -508,7 +508,9 @@ impl EngineBuilder {
         let (registry, shared_copies) = (Registry::host(self.budgets), None);
         let table = Arc::new(RegistryTable::new(registry.clone()));
         let serve_stats = Arc::new(ferry_core::transport::ServeStats::default());
+        let inbox = Arc::new(crate::inbox::Inbox::default());
         let responder = Arc::new(Responder {
+            inbox: inbox.clone(),
             stats: serve_stats.clone(),
             id,
             epoch,
@@ -572,6 +574,7 @@ impl EngineBuilder {
                 },
                 serving: Serving {
                     server,
+                    inbox,
                     stats: serve_stats,
                     metrics: metrics.map(|(listener, addr)| {
                         let weak = weak.clone();

@@ -30,6 +30,7 @@ mod engine;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 mod handles;
+pub mod inbox;
 mod listener;
 pub mod metrics;
 mod peer;
@@ -58,6 +59,7 @@ pub use ferry_transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
 pub use gpu::{GpuRegistration, GpuRegistrationDescription, Staging, StagingDescription};
 pub use handles::FileRegistration;
 pub use handles::{Registration, RemoteSegment};
+pub use inbox::Notification;
 pub use peer::Peer;
 pub use progress::MAX_BROADCASTS;
 pub use reconnect::ReconnectPolicy;

@@ -310,9 +310,36 @@ pub(crate) struct Responder {
     pub(crate) auth: Option<Arc<ferry_core::auth::ServerAuth>>,
     /// Where served streams count what they accept and refuse.
     pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
+    /// Where peers' notifications wait for the application.
+    pub(crate) inbox: Arc<crate::inbox::Inbox>,
 }
 
 impl HandshakeResponder for Responder {
+    fn notify(
+        &self,
+        notify: &ferry_core::wire::Notify,
+        from: SocketAddr,
+        peer: Option<&str>,
+    ) -> Result<(), Reject> {
+        let n = crate::inbox::Notification {
+            from: notify.peer_id,
+            epoch: notify.epoch,
+            name: notify.name.clone(),
+            key_name: peer.map(str::to_owned),
+            addr: from,
+            message: notify.message.clone(),
+        };
+        self.inbox.push(n).map_err(|message| {
+            tracing::warn!(%from, peer = %notify.peer_id, %message, "notification refused");
+            Reject {
+                reason: RejectReason::Refused,
+                versions: self.versions,
+                epoch: self.epoch,
+                message,
+            }
+        })
+    }
+
     fn peer_id(&self) -> PeerId {
         self.id
     }
@@ -405,6 +432,7 @@ mod tests {
             table: Arc::new(RegistryTable::new(Registry::host(Budgets::default()))),
             auth: None,
             stats: Default::default(),
+            inbox: Default::default(),
         }
     }
 

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use ferry_core::Error;
 use ferry_core::auth::{ClientAuth, Keyring, Session};
-use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, StreamAttach};
+use ferry_core::wire::{
+    CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, Notify, StreamAttach,
+};
 pub(crate) use ferry_net::lost;
 use ferry_net::tune;
 use tokio::net::TcpStream;
@@ -129,6 +131,49 @@ pub async fn handshake_with(
         .await
         .map_err(|_| Error::Timeout {
             what: "handshake",
+            after: timeout,
+        })?
+}
+
+/// Client side of a notification: sends `notify` to `addr` (authenticated with the first key
+/// of `keyring` where one is given, as [`handshake_with`]) and returns once the server has it
+/// in its inbox. The errors are [`ferry_core::handshake::notify_reply`]'s, a lost connection,
+/// and a timeout after `timeout`.
+pub async fn notify_with(
+    addr: SocketAddr,
+    notify: &Notify,
+    keyring: Option<&Keyring>,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let run = async {
+        let stream = connect(addr, timeout, None, None).await?;
+        let frame = ControlFrame::Notify(notify.clone());
+        let Some(keyring) = keyring else {
+            write_frame(&stream, addr, &frame).await?;
+            let reply = read_frame(&stream, addr).await?;
+            return ferry_core::handshake::notify_reply(addr, notify.to_epoch, reply);
+        };
+        let (first, client) = ClientAuth::start(
+            keyring,
+            notify.peer_id,
+            notify.epoch,
+            ferry_core::auth::nonce(),
+        );
+        write_frame(&stream, addr, &first).await?;
+        let reply = read_frame(&stream, addr).await?;
+        let (proof, _session) = client.on_reply(addr, reply)?;
+        let mut both = ferry_net::encode_frame(&proof)?;
+        both.extend_from_slice(&ferry_net::encode_frame(&frame)?);
+        send_buf(&stream, &both)
+            .await
+            .map_err(|e| lost(addr, "notification", e))?;
+        let reply = read_frame(&stream, addr).await?;
+        ferry_core::handshake::notify_reply(addr, notify.to_epoch, reply)
+    };
+    tokio::time::timeout(timeout, run)
+        .await
+        .map_err(|_| Error::Timeout {
+            what: "notification",
             after: timeout,
         })?
 }

@@ -86,6 +86,49 @@ impl TransferEngine {
         Ok(server.segments)
     }
 
+    /// Sends `message` to `peer`'s inbox under the name `name` (this engine's name for itself:
+    /// an agent's name, say), authenticated like a handshake, and returns once the peer holds it
+    /// (see [`crate::inbox`]). Call it after the transfer the message speaks of completed: it
+    /// then never arrives before that transfer's bytes. `StaleEpoch` when another incarnation
+    /// serves the peer's address now; `HandshakeRefused` when its inbox is full; a peer built
+    /// before notifications existed closes the connection (`PeerLost`). At most
+    /// [`MAX_NOTIFY_LEN`](ferry_core::wire::MAX_NOTIFY_LEN) bytes, a name of at most
+    /// [`MAX_NOTIFY_NAME`](ferry_core::wire::MAX_NOTIFY_NAME).
+    pub async fn notify(&self, peer: &Peer, name: &str, message: &[u8]) -> Result<(), Error> {
+        use ferry_core::wire::{MAX_NOTIFY_LEN, MAX_NOTIFY_NAME};
+        if message.len() > MAX_NOTIFY_LEN || name.len() > MAX_NOTIFY_NAME {
+            return Err(Error::InvalidRequest {
+                reason: format!(
+                    "a notification carries at most {MAX_NOTIFY_LEN} bytes and a name of at \
+                     most {MAX_NOTIFY_NAME} (this one: {} bytes, a name of {})",
+                    message.len(),
+                    name.len()
+                ),
+            });
+        }
+        let notify = ferry_core::wire::Notify {
+            peer_id: self.inner.identity.id,
+            epoch: self.inner.identity.epoch,
+            to_epoch: peer.inner.epoch,
+            name: name.to_owned(),
+            message: message.to_vec(),
+        };
+        let span = tracing::debug_span!("notify", addr = %peer.inner.addr, len = message.len());
+        ferry_transport_tcp::notify_with(
+            peer.inner.addr,
+            &notify,
+            self.inner.identity.keyring.as_ref(),
+            self.inner.peers.connect_timeout,
+        )
+        .instrument(span)
+        .await
+    }
+
+    /// The notifications peers sent this engine since the last call, oldest first.
+    pub fn take_notifications(&self) -> Vec<crate::inbox::Notification> {
+        self.inner.serving.inbox.take()
+    }
+
     async fn connect_inner(&self, addr: SocketAddr) -> Result<Peer, Error> {
         let known = |server: &Hello| {
             let mut known = self

@@ -90,6 +90,8 @@ pub(crate) struct Peers {
 /// Serving peers and scrapes.
 pub(crate) struct Serving {
     pub(crate) server: Option<Server>,
+    /// Notifications from peers, until the application takes them.
+    pub(crate) inbox: Arc<crate::inbox::Inbox>,
     /// What the listener's data streams accepted and refused.
     pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
     /// The HTTP listener serving metrics, if asked for.
