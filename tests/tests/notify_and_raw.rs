@@ -42,7 +42,9 @@ async fn notifications_arrive_in_order_with_their_sender() -> Result<()> {
     for plane in planes() {
         let server = engine(plane, true, None)?;
         let client = engine(plane, false, None)?;
-        let peer = client.connect(server.local_addr().expect("listens")).await?;
+        let peer = client
+            .connect(server.local_addr().expect("listens"))
+            .await?;
         for i in 0..5u8 {
             client.notify(&peer, "agent-a", &[i; 3]).await?;
         }
@@ -89,11 +91,7 @@ async fn a_keyed_engine_takes_notifications_only_from_key_holders() -> Result<()
                 .await
                 .is_err()
         );
-        let carol = engine(
-            plane,
-            false,
-            Some("carol 202122232425262728292a2b2c2d2e2f"),
-        )?;
+        let carol = engine(plane, false, Some("carol 202122232425262728292a2b2c2d2e2f"))?;
         assert!(
             carol
                 .connect(server.local_addr().expect("listens"))
@@ -116,7 +114,11 @@ async fn a_raw_address_registered_after_connecting_is_found_and_bounds_hold() ->
         let client = engine(plane, false, None)?;
         let local = client.register(MemoryRegion::alloc_zeroed(8192, 4096)?, Access::LOCAL, "l")?;
         local.region().write_at(0, b"raw address")?;
-        let raw = RawPeer::new(client.connect(server.local_addr().expect("listens")).await?);
+        let raw = RawPeer::new(
+            client
+                .connect(server.local_addr().expect("listens"))
+                .await?,
+        );
         assert_eq!(raw.registrations().len(), 1);
         // Registered after the handshake: not in the first listing, found by a fresh one.
         let late = MemoryRegion::alloc_zeroed(4096, 4096)?;
@@ -129,7 +131,9 @@ async fn a_raw_address_registered_after_connecting_is_found_and_bounds_hold() ->
         ));
         let (seg, off) = raw.resolve(&client, late_base + 16, 11).await?;
         assert_eq!(off, 16);
-        let outcome = client.submit(Batch::new().write(&local, 0, &seg, off, 11))?.await;
+        let outcome = client
+            .submit(Batch::new().write(&local, 0, &seg, off, 11))?
+            .await;
         assert!(outcome.is_success(), "{outcome:?}");
         let mut got = [0u8; 11];
         late_region.read_at(16, &mut got)?;

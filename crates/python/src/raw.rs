@@ -363,6 +363,31 @@ impl RawEngine {
         Ok(Request { watch, canceller })
     }
 
+    /// Sends `message` (bytes) to peer `peer`'s inbox under the name `name`, once; returns
+    /// once the peer holds it. Call it after the transfer it speaks of completed: it never
+    /// arrives before that transfer's bytes. Blocks with the GIL released.
+    fn notify(&self, py: Python<'_>, peer: &str, name: &str, message: Vec<u8>) -> PyResult<()> {
+        let rt = runtime::get(py)?;
+        py.detach(|| {
+            rt.block_on(async {
+                let p = self.peer(peer).await?;
+                self.engine.notify(p.peer(), name, &message).await
+            })
+        })
+        .map_err(|e| self.fail(py, peer, e))
+    }
+
+    /// The notifications peers sent this engine since the last call, oldest first:
+    /// `(name, message, peer_id, key_name)` each (`key_name`: the key the sender proved, or
+    /// None).
+    fn take_notifications(&self) -> Vec<(String, Vec<u8>, String, Option<String>)> {
+        self.engine
+            .take_notifications()
+            .into_iter()
+            .map(|n| (n.name, n.message, n.from.to_string(), n.key_name))
+            .collect()
+    }
+
     fn __repr__(&self) -> String {
         let n = self
             .local

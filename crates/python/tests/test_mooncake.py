@@ -348,10 +348,6 @@ def test_memory_registration_forms(pair):
 def test_the_rest_of_the_surface(pair):
     te, buf, peer = pair
     assert te.get_notifies() == []
-    assert te.transfer_sync(peer.name, buf, peer.buffer, 8, TransferOpcode.Write,
-                            TransferNotify("n", "m")) == -303
-    assert te.batch_transfer_sync(peer.name, [buf], [peer.buffer], [8], TransferOpcode.Write,
-                                  TransferNotify("n", "m")) == -303
     assert te.warmup_efa_segment(peer.name) == 0
     topo = json.loads(te.get_local_topology())
     assert topo and all(k.startswith(("cpu:", "cuda:")) for k in topo)
@@ -365,6 +361,34 @@ def test_the_rest_of_the_surface(pair):
     assert again.get_rpc_port() == -1
     assert again.transfer_sync_write(peer.name, 0, 0, 8) == -1
     assert again.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == -1
+
+
+def test_notifications_arrive_after_their_transfer_in_order():
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    name = f"127.0.0.1:{b.get_rpc_port()}"
+    src = a.allocate_managed_buffer(1 << 20)
+    dst = b.allocate_managed_buffer(1 << 20)
+    assert b.get_notifies() == []
+    for i in range(3):
+        a.write_bytes_to_buffer(src, bytes([65 + i]) * 4096, 4096)
+        assert a.transfer_sync(name, src, dst + i * 4096, 4096, TransferOpcode.Write,
+                               TransferNotify(f"block-{i}", f"written {i}")) == 0
+    assert a.batch_transfer_sync(name, [src], [dst], [16], TransferOpcode.Read,
+                                 TransferNotify("read", "done")) == 0
+    got = b.get_notifies()
+    assert [(n.name, n.msg) for n in got] == [
+        ("block-0", "written 0"), ("block-1", "written 1"), ("block-2", "written 2"), ("read", "done")]
+    # Each notification's transfer had landed before it was sent.
+    assert b.read_bytes_from_buffer(dst + 2 * 4096, 4) == b"CCCC"
+    assert b.get_notifies() == []
+    # A failed transfer sends no notification.
+    assert a.transfer_sync(name, src, dst + (1 << 20), 8, TransferOpcode.Write,
+                           TransferNotify("never", "sent")) == -1
+    assert b.get_notifies() == []
+    a.close()
+    b.close()
 
 
 def test_cuda_methods_without_a_driver_return_negative_and_name_libcuda(tmp_path):

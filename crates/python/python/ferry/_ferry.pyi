@@ -457,6 +457,10 @@ class RawEngine:
         lengths: Sequence[int],
         timeout: float | None = None,
     ) -> Request: ...
+    def notify(self, peer: str, name: str, message: bytes) -> None:
+        """Sends ``message`` to ``peer``'s inbox under ``name``; returns once it holds it."""
+    def take_notifications(self) -> list[tuple[str, bytes, str, str | None]]:
+        """``(name, message, peer_id, key_name)`` of each notification received, oldest first."""
 
 @final
 class EtcdKv:

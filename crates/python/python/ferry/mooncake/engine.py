@@ -485,30 +485,36 @@ class TransferEngine:
     def _opname(opcode: Any) -> str:
         return "read" if int(opcode) == int(TransferOpcode.Read) else "write"
 
-    def _no_notify(self, what: str, target: str, notify: Any) -> int:
-        return self._fail(
-            _ferry.Unavailable(
-                "notifications (TransferNotify) are not carried by Ferry's Mooncake layer; "
-                "nothing was sent (docs/mooncake.md)"),
-            what, peer=target, code=ERR_NOT_IMPLEMENTED,
-        )
+    def _notify(self, what: str, target: str, notify: Any) -> int:
+        """Sends ``notify`` (a ``TransferNotify``) to ``target`` after its transfer completed."""
+        try:
+            addr = self._addrs.get(target) or self._peer(target)
+            msg = notify.msg.encode() if isinstance(notify.msg, str) else bytes(notify.msg)
+            self._raw.notify(addr, str(notify.name), msg)
+            return 0
+        except (metadata.MetadataError, _ferry.FerryError) as e:
+            return self._fail(e, f"{what} (its notification, after the transfer completed)",
+                              peer=target, code=-1)
 
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                       length: int, opcode: Any, notify: Any = None, transport_hint: str = "") -> int:
-        """One READ or WRITE (``opcode``). A ``notify`` is refused before anything moves."""
-        if notify is not None:
-            return self._no_notify("transfer_sync", target_hostname, notify)
-        return self._sync("transfer_sync", self._opname(opcode), target_hostname, [buffer],
-                          [peer_buffer_address], [length])
+        """One READ or WRITE (``opcode``); a ``notify`` goes to the peer once it completed."""
+        rc = self._sync("transfer_sync", self._opname(opcode), target_hostname, [buffer],
+                        [peer_buffer_address], [length])
+        if rc != 0 or notify is None:
+            return rc
+        return self._notify("transfer_sync", target_hostname, notify)
 
     def batch_transfer_sync(self, target_hostname: str, buffers: list[int],
                             peer_buffer_addresses: list[int], lengths: list[int], opcode: Any,
                             notify: Any = None, transport_hint: str = "") -> int:
-        """A batch of READs or WRITEs (``opcode``). A ``notify`` is refused before anything moves."""
-        if notify is not None:
-            return self._no_notify("batch_transfer_sync", target_hostname, notify)
-        return self._sync("batch_transfer_sync", self._opname(opcode), target_hostname, buffers,
-                          peer_buffer_addresses, lengths)
+        """A batch of READs or WRITEs (``opcode``); a ``notify`` goes to the peer once it
+        completed."""
+        rc = self._sync("batch_transfer_sync", self._opname(opcode), target_hostname, buffers,
+                        peer_buffer_addresses, lengths)
+        if rc != 0 or notify is None:
+            return rc
+        return self._notify("batch_transfer_sync", target_hostname, notify)
 
     def _submit(self, what: str, op: str, target: str, buffers: list[int], peers: list[int],
                 lengths: list[int]) -> int:
@@ -645,8 +651,14 @@ class TransferEngine:
             return self._fail(e, "send_probe", peer=peer_server_name, code=self._code(e))
 
     def get_notifies(self) -> list[TransferNotify]:
-        """Notifications received: always empty on Ferry (none can be sent; docs/mooncake.md)."""
-        return []
+        """The notifications peers sent with their transfers since the last call, oldest first
+        (each arrived after its transfer's bytes)."""
+        if self._raw is None:
+            return []
+        out = []
+        for name, message, _peer, _key in self._raw.take_notifications():
+            out.append(TransferNotify(name, message.decode("utf-8", errors="replace")))
+        return out
 
     def warmup_efa_segment(self, segment_name: str) -> int:
         """EFA warm-up: nothing to do on Ferry; 0."""
