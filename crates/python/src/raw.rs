@@ -327,7 +327,7 @@ impl RawEngine {
             &remote,
             &lengths,
             timeout,
-            |handle| async {
+            |handle, _| async {
                 let drained = handle.drained();
                 handle.await;
                 drained.await
@@ -337,8 +337,10 @@ impl RawEngine {
     }
 
     /// Like `transfer`, but returns at once with the running `Request` (its `wait`, `done`,
-    /// `cancel` and `wait_drained`). The checks are the same and raise here.
-    #[pyo3(signature = (peer, op, local, remote, lengths, timeout=None))]
+    /// `cancel` and `wait_drained`). The checks are the same and raise here. With `notify`
+    /// (`(name, message)`), the message goes to the peer (`notify`) once every op completed,
+    /// and the request is done only then; its failure is the request's `after_error`.
+    #[pyo3(signature = (peer, op, local, remote, lengths, timeout=None, notify=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -349,7 +351,9 @@ impl RawEngine {
         remote: Vec<u64>,
         lengths: Vec<u64>,
         timeout: Option<f64>,
+        notify: Option<(String, Vec<u8>)>,
     ) -> PyResult<Request> {
+        let engine = self.engine.clone();
         let (watch, canceller) = self.start(
             py,
             peer,
@@ -358,7 +362,12 @@ impl RawEngine {
             &remote,
             &lengths,
             timeout,
-            |handle| async { request::watch(handle) },
+            |handle, p| {
+                let after = notify.map(|(name, message)| async move {
+                    engine.notify(p.peer(), &name, &message).await
+                });
+                async move { request::watch_then(handle, after) }
+            },
         )?;
         Ok(Request { watch, canceller })
     }
@@ -441,7 +450,7 @@ impl RawEngine {
         remote: &[u64],
         lengths: &[u64],
         timeout: Option<f64>,
-        then: impl FnOnce(ferry::RequestHandle) -> F + Send,
+        then: impl FnOnce(ferry::RequestHandle, Arc<RawPeer>) -> F + Send,
     ) -> PyResult<T>
     where
         F: std::future::Future<Output = T>,
@@ -453,11 +462,12 @@ impl RawEngine {
         let rt = runtime::get(py)?;
         let run = || {
             rt.block_on(async {
+                let p = self.peer(peer).await?;
                 let batch = self
-                    .batch(peer, kind, local, remote, lengths, timeout)
+                    .batch(&p, kind, local, remote, lengths, timeout)
                     .await?;
                 let handle = self.engine.submit(batch)?;
-                Ok::<T, ferry::Error>(then(handle).await)
+                Ok::<T, ferry::Error>(then(handle, p).await)
             })
         };
         py.detach(run).map_err(|e| self.fail(py, peer, e))
@@ -548,14 +558,13 @@ impl RawEngine {
     /// The batch of `kind` ops, every range resolved (nothing sent yet).
     async fn batch(
         &self,
-        peer: &str,
+        p: &RawPeer,
         kind: OpKind,
         local: &[u64],
         remote: &[u64],
         lengths: &[u64],
         timeout: Option<std::time::Duration>,
     ) -> Result<Batch, ferry::Error> {
-        let p = self.peer(peer).await?;
         let mut remotes = Vec::with_capacity(remote.len());
         for (&addr, &len) in remote.iter().zip(lengths) {
             remotes.push(p.resolve(&self.engine, addr, len).await?);

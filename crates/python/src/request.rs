@@ -28,6 +28,8 @@ struct State {
     drained: Option<Outcome>,
     /// The watching task ended without an outcome (a panic below): waiting raises.
     lost: bool,
+    /// Why the step run after the request completed (`watch_then`) failed, if it did.
+    after_error: Option<String>,
     /// asyncio futures to settle: (event loop, future, whether it waits for `drained`).
     waiters: Vec<(Py<PyAny>, Py<PyAny>, bool)>,
 }
@@ -133,6 +135,19 @@ impl Drop for LostGuard {
 
 /// Starts watching `handle` on the current runtime.
 pub(crate) fn watch(handle: ferry::RequestHandle) -> (Arc<Watch>, Canceller) {
+    watch_then(handle, None::<std::future::Ready<Result<(), ferry::Error>>>)
+}
+
+/// Like [`watch`], with `after` run once every op of the request completed (a notification
+/// to the peer, say), before the outcome is recorded: the request is done only once `after`
+/// is, and `after`'s error, if any, is kept as the request's `after_error`.
+pub(crate) fn watch_then<F>(
+    handle: ferry::RequestHandle,
+    after: Option<F>,
+) -> (Arc<Watch>, Canceller)
+where
+    F: std::future::Future<Output = Result<(), ferry::Error>> + Send + 'static,
+{
     let watch = Arc::new(Watch::default());
     let canceller = handle.canceller();
     let drained = handle.drained();
@@ -140,6 +155,12 @@ pub(crate) fn watch(handle: ferry::RequestHandle) -> (Arc<Watch>, Canceller) {
     tokio::spawn(async move {
         let mut guard = LostGuard(Some(w.clone()));
         let outcome = handle.await;
+        if let Some(after) = after
+            && outcome.is_success()
+            && let Err(e) = after.await
+        {
+            w.lock().after_error = Some(e.to_string());
+        }
         w.settle(Some(outcome), false);
         let done = drained.await;
         guard.0 = None;
@@ -555,6 +576,13 @@ impl Request {
     /// An asyncio future that resolves to the drained `Outcome` (call inside a running loop).
     fn drained<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.future(py, true)
+    }
+
+    /// Why the notification sent once the request completed failed (None: it was delivered,
+    /// or the request had none). Known once the request is done.
+    #[getter]
+    fn after_error(&self) -> Option<String> {
+        self.watch.lock().after_error.clone()
     }
 
     /// Whether the request has ended (its outcome is known).

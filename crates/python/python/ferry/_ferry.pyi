@@ -419,6 +419,9 @@ class Request:
     def drained(self) -> Future[Outcome]:
         """An asyncio future of the drained outcome."""
     def done(self) -> bool: ...
+    @property
+    def after_error(self) -> str | None:
+        """Why the notification sent once the request completed failed (None if it did not)."""
     def cancel(self) -> None:
         """Ends the request logically; buffers stay in use until drained."""
     def __await__(self) -> Generator[Any, None, Outcome]: ...
@@ -456,7 +459,9 @@ class RawEngine:
         remote: Sequence[int],
         lengths: Sequence[int],
         timeout: float | None = None,
-    ) -> Request: ...
+        notify: tuple[str, bytes] | None = None,
+    ) -> Request:
+        """Starts the request; with ``notify``, the message goes to the peer once it completed."""
     def notify(self, peer: str, name: str, message: bytes) -> None:
         """Sends ``message`` to ``peer``'s inbox under ``name``; returns once it holds it."""
     def take_notifications(self) -> list[tuple[str, bytes, str, str | None]]:
