@@ -279,6 +279,56 @@ impl RawEngine {
             .collect())
     }
 
+    /// Checks that every `(addrs[i], lengths[i])` lies whole in one registration of `peer`
+    /// (looked up in a fresh listing once where the last one lacks it), or of this engine
+    /// when `peer` is None; raises `UnknownAddress` naming the first that does not. Moves
+    /// nothing.
+    #[pyo3(signature = (peer, addrs, lengths))]
+    fn check(
+        &self,
+        py: Python<'_>,
+        peer: Option<&str>,
+        addrs: Vec<u64>,
+        lengths: Vec<u64>,
+    ) -> PyResult<()> {
+        if addrs.len() != lengths.len() {
+            return Err(errors::invalid_argument(format!(
+                "{} addresses but {} lengths",
+                addrs.len(),
+                lengths.len()
+            )));
+        }
+        let Some(peer) = peer else {
+            let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
+            for (&addr, &len) in addrs.iter().zip(&lengths) {
+                if let Err(miss) = map.lookup(addr, len) {
+                    return Err(errors::to_py(
+                        py,
+                        ferry::Error::UnknownAddress {
+                            side: "local",
+                            peer: "local".into(),
+                            addr,
+                            len,
+                            reason: miss.to_string(),
+                        },
+                    ));
+                }
+            }
+            return Ok(());
+        };
+        let rt = runtime::get(py)?;
+        py.detach(|| {
+            rt.block_on(async {
+                let p = self.peer(peer).await?;
+                for (&addr, &len) in addrs.iter().zip(&lengths) {
+                    p.resolve(&self.engine, addr, len).await?;
+                }
+                Ok::<(), ferry::Error>(())
+            })
+        })
+        .map_err(|e| self.fail(py, peer, e))
+    }
+
     /// Connects to `peer` (`"host:port"`) unless connected; blocks with the GIL released.
     fn connect(&self, py: Python<'_>, peer: &str) -> PyResult<()> {
         let rt = runtime::get(py)?;

@@ -443,13 +443,13 @@ def test_python_m_ferry_mooncake_runs_unchanged_mooncake_code(tmp_path):
 def test_ferry_as_mooncake_in_the_environment_reaches_every_process(tmp_path):
     import site
 
-    hooks = [Path(p) / "ferry_as_mooncake.pth" for p in site.getsitepackages()]
+    hooks = [Path(p) / "ferry_aliases.pth" for p in site.getsitepackages()]
     # The wheel installs the hook; an editable build (maturin develop) does not. `cargo xtask
     # ci` tests the installed wheel, so there (FERRY_REQUIRE_PYTHON=1) a missing hook fails.
     from conftest import require
 
     require(any(h.is_file() for h in hooks),
-            f"no ferry_as_mooncake.pth in {site.getsitepackages()} (an editable build has none; "
+            f"no ferry_aliases.pth in {site.getsitepackages()} (an editable build has none; "
             "the wheel installs it)")
     script = tmp_path / "uses_mooncake.py"
     script.write_text(SCRIPT)

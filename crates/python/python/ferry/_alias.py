@@ -47,7 +47,9 @@ class Alias(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
         if fullname in self.modules:
             t = self.modules[fullname]
-            return importlib.machinery.ModuleSpec(fullname, _Loader(t, self), is_package=t is None)
+            return importlib.machinery.ModuleSpec(
+                fullname, _Loader(t, self), is_package=t is None or fullname == self.package
+            )
         if fullname.startswith(self.package + "."):
             raise ImportError(
                 f"{fullname} is part of {self.package} that Ferry does not provide (Ferry serves "
@@ -71,3 +73,36 @@ class Alias(importlib.abc.MetaPathFinder):
         """Installs the alias when its variable is set (to anything but empty or 0)."""
         if os.environ.get(self.env, "").strip() not in ("", "0"):
             self.install()
+
+
+def run_main(alias: Alias, usage: str) -> int:
+    """``python -m ferry.<layer> SCRIPT [ARGS...]`` (or ``-m MODULE``): runs it as ``__main__``
+    with ``alias`` on, its variable set for the processes it starts."""
+    import runpy
+
+    args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(f"usage: {usage}", file=sys.stderr if not args else sys.stdout)
+        return 2 if not args else 0
+    os.environ[alias.env] = "1"
+    alias.install()
+    if args[0] == "-m":
+        if len(args) < 2:
+            print(f"usage: {usage}", file=sys.stderr)
+            return 2
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+        runpy.run_path(args[0], run_name="__main__")
+    return 0
+
+
+def from_env() -> None:
+    """The ``.pth`` hook: turns on each alias whose variable is set."""
+    from ferry.mooncake._alias import ALIAS as MOONCAKE
+    from ferry.nixl._aliasing import ALIAS as NIXL
+
+    for alias in (MOONCAKE, NIXL):
+        alias.from_env()

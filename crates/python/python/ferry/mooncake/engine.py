@@ -15,12 +15,12 @@ import itertools
 import json
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ferry import _ferry
+from ferry._hosts import bind_host
 from ferry.mooncake import metadata
 
 log = logging.getLogger("ferry.mooncake")
@@ -115,25 +115,6 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bind_host(host: str) -> str:
-    """Where to listen for an engine named ``host``: the host itself where it resolves to an
-    address of this machine's, else this machine's first address (as Mooncake does in the
-    metadata modes; ``MC_TCP_BIND_ADDRESS`` overrides both)."""
-    for candidate in (host, socket.gethostname()):
-        try:
-            infos = socket.getaddrinfo(candidate, None, type=socket.SOCK_STREAM)
-        except OSError:
-            continue
-        for family, _, _, _, sa in infos:
-            try:
-                with socket.socket(family, socket.SOCK_STREAM) as s:
-                    s.bind((sa[0], 0))
-                return sa[0]
-            except OSError:
-                continue
-    return "127.0.0.1"
-
-
 class _Batch:
     __slots__ = ("request", "peer", "op", "count", "bytes")
 
@@ -196,7 +177,7 @@ class TransferEngine:
             host, port = _split_host(local_hostname)
             if not host:
                 raise _ferry.InvalidArgument(f"local_hostname {local_hostname!r} names no host")
-            bind = os.environ.get("MC_TCP_BIND_ADDRESS") or _bind_host(host)
+            bind = os.environ.get("MC_TCP_BIND_ADDRESS") or bind_host(host)
             listen_port = port if (port is not None and _flag("MC_LEGACY_RPC_PORT_BINDING")) else 0
             transports = ["tcp"] if _flag("MC_FORCE_TCP") else None
             if device_name:
