@@ -1,0 +1,371 @@
+"""Conformance of ``ferry.nixl`` to NIXL 1.5's agent API (``nixl._api``): vLLM's NixlConnector
+call sequence between two processes, notifications ordered after their transfer's bytes,
+metadata by value, by address and through etcd, failures with NIXL's exceptions or "ERR",
+keyed agents, and both alias mechanisms. docs/nixl.md is the contract."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ferry
+from ferry.nixl import (
+    nixl_agent,
+    nixl_agent_config,
+    nixlInvalidParamError,
+    nixlMismatchError,
+    nixlNoTelemetryError,
+    nixlNotFoundError,
+    nixlRepostActiveError,
+)
+
+HERE = Path(__file__).resolve().parent
+SIZE = 1 << 20
+BLOCK = 16 << 10
+
+
+@pytest.fixture(autouse=True)
+def loopback(monkeypatch):
+    """Agents listen on loopback here (FERRY_BIND_ADDRESS), their peers too."""
+    monkeypatch.setenv("FERRY_BIND_ADDRESS", "127.0.0.1")
+
+
+def pattern(np, n: int, seed: int):
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+class Peer:
+    """A ``nixl_peer.py`` process."""
+
+    def __init__(self, name: str, size: int = SIZE, listen_port=None, env=None):
+        args = [sys.executable, str(HERE / "nixl_peer.py"), name, str(size)]
+        if listen_port is not None:
+            args.append(str(listen_port))
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})})
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"nixl peer exited: {self.proc.wait()}")
+        info = json.loads(line)
+        self.metadata = bytes.fromhex(info["metadata"])
+        self.buffer = info["buffer"]
+        self.port = info["port"]
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def peer(np):
+    p = Peer("prefill-0")
+    yield p
+    p.close()
+
+
+def blocks(base: int, n: int, dev: int = 0):
+    return [(base + i * BLOCK, BLOCK, dev) for i in range(n)]
+
+
+def test_vllm_connector_sequence_between_two_processes(np, peer):
+    """Agents, registration, metadata exchange, prepped lists, READ by index with a
+    notification, WRITE, telemetry, release and removal; both processes exit cleanly."""
+    agent = nixl_agent("decode-0", nixl_agent_config(num_threads=4, capture_telemetry=True))
+    kv = np.zeros(SIZE, dtype=np.uint8)
+    descs = agent.get_reg_descs([(kv.ctypes.data, SIZE, 0, "")], "DRAM")
+    agent.register_memory(descs, backends=["UCX"])
+    n = SIZE // BLOCK
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(blocks(kv.ctypes.data, n), "DRAM"))
+    name = agent.add_remote_agent(peer.metadata)
+    assert name == b"prefill-0"
+    remote = agent.prep_xfer_dlist(name, agent.get_xfer_descs(blocks(peer.buffer, n), "DRAM"))
+    assert peer.ask("fill 5") == "ok"
+    ids = np.arange(n, dtype=np.int64)
+    rev = ids[::-1].copy()
+    handle = agent.make_prepped_xfer("READ", local, ids, remote, rev, notif_msg=b"req-7:1")
+    assert agent.transfer(handle) in ("PROC", "DONE")
+    while (state := agent.check_xfer_state(handle)) == "PROC":
+        pass
+    assert state == "DONE"
+    want = pattern(np, SIZE, 5).reshape(n, BLOCK)[::-1].reshape(-1)
+    assert np.array_equal(kv, want)
+    tele = agent.get_xfer_telemetry(handle)
+    assert (tele.totalBytes, tele.descCount) == (SIZE, n) and tele.xferDuration >= 0
+    agent.release_xfer_handle(handle)
+    notifs = json.loads(peer.ask("notifs"))
+    assert notifs == {"decode-0": [b"req-7:1".hex()]}
+    # A WRITE of some blocks back, its notification arriving after the bytes.
+    kv[:] = pattern(np, SIZE, 6)
+    h = agent.make_prepped_xfer("WRITE", local, ids, remote, ids, notif_msg="written")
+    agent.transfer(h)
+    assert peer.ask("wait written 6") == "ok"
+    while agent.check_xfer_state(h) == "PROC":
+        pass
+    assert agent.check_xfer_state(h) == "DONE"
+    h.release()
+    # A standalone notification and initialize_xfer.
+    agent.send_notif(name, notif_msg=b"ping")
+    assert json.loads(peer.ask("notifs")) == {"decode-0": [b"ping".hex()]}
+    h = agent.initialize_xfer("READ", agent.get_xfer_descs(blocks(kv.ctypes.data, 2), "DRAM"),
+                              agent.get_xfer_descs(blocks(peer.buffer, 2), "DRAM"), name)
+    agent.transfer(h)
+    while agent.check_xfer_state(h) == "PROC":
+        pass
+    assert agent.check_xfer_state(h) == "DONE"
+    agent.release_xfer_handle(h)
+    agent.release_dlist_handle(local)
+    agent.release_dlist_handle(remote)
+    agent.release_dlist_handle(remote)  # twice: nothing, as NIXL
+    agent.remove_remote_agent(name)
+    agent.remove_remote_agent(name)
+    with pytest.raises(nixlNotFoundError):
+        agent.prep_xfer_dlist(name, blocks(peer.buffer, 1), "DRAM")
+    agent.deregister_memory(descs)
+    assert peer.close() == 0
+
+
+def test_bad_input_raises_nixls_exceptions_and_moves_nothing(np, peer):
+    agent = nixl_agent("decode-1", nixl_agent_config(capture_telemetry=False))
+    kv = np.zeros(SIZE, dtype=np.uint8)
+    reg = agent.register_memory([(kv.ctypes.data, SIZE, 0, "")], "DRAM")
+    name = agent.add_remote_agent(peer.metadata)
+    assert peer.ask("fill 9") == "ok"
+    with pytest.raises(nixlMismatchError):
+        agent.add_remote_agent(b"not metadata")
+    with pytest.raises(nixlNotFoundError):
+        agent.prep_xfer_dlist("unknown-agent", blocks(peer.buffer, 1), "DRAM")
+    with pytest.raises(nixlNotFoundError, match="passes the end"):
+        agent.prep_xfer_dlist(name, [(peer.buffer + SIZE - 8, 16, 0)], "DRAM")
+    with pytest.raises(nixlNotFoundError):
+        agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(0x1000, 16, 0)], "DRAM")
+    local = agent.prep_xfer_dlist("", blocks(kv.ctypes.data, 4), "DRAM")
+    remote = agent.prep_xfer_dlist(name, blocks(peer.buffer, 4), "DRAM")
+    for li, ri in (([0, 1], [0]), ([], []), ([9], [0]), ([-1], [0])):
+        with pytest.raises(nixlInvalidParamError):
+            agent.make_prepped_xfer("READ", local, li, remote, ri)
+    with pytest.raises(nixlInvalidParamError):
+        agent.make_prepped_xfer("READ", local, [0], local, [0])  # both local
+    with pytest.raises(KeyError):
+        agent.make_prepped_xfer("COPY", local, [0], remote, [0])
+    short = agent.prep_xfer_dlist("", [(kv.ctypes.data, 8, 0)], "DRAM")
+    with pytest.raises(nixlInvalidParamError, match="length mismatch"):
+        agent.make_prepped_xfer("READ", short, [0], remote, [0])
+    # A released handle used again.
+    h = agent.make_prepped_xfer("READ", local, [0], remote, [0])
+    agent.release_xfer_handle(h)
+    with pytest.raises(nixlInvalidParamError):
+        agent.check_xfer_state(h)
+    with pytest.raises(nixlInvalidParamError):
+        agent.transfer(h)
+    agent.release_dlist_handle(remote)
+    with pytest.raises(nixlInvalidParamError):
+        agent.make_prepped_xfer("READ", local, [0], remote, [0])
+    h = agent.make_prepped_xfer("READ", local, [0], agent.prep_xfer_dlist(name, blocks(peer.buffer, 1), "DRAM"), [0])
+    agent.transfer(h)
+    while agent.check_xfer_state(h) == "PROC":
+        pass
+    with pytest.raises(nixlNoTelemetryError):
+        agent.get_xfer_telemetry(h)
+    with pytest.raises(nixlNotFoundError):
+        agent.send_notif("unknown-agent", b"x")
+    with pytest.raises(nixlNotFoundError):
+        agent.deregister_memory(agent.get_reg_descs([(0x1000, 16, 0, "")], "DRAM"))
+    # Errors are FerryErrors too, with NIXL's status name first.
+    try:
+        agent.prep_xfer_dlist("unknown-agent", blocks(peer.buffer, 1), "DRAM")
+    except nixlNotFoundError as e:
+        assert isinstance(e, ferry.FerryError) and str(e).startswith("NIXL_ERR_NOT_FOUND")
+    # Nothing moved into the peer's buffer, nothing into ours but the one READ.
+    assert peer.ask("check 9") == "ok"
+    agent.deregister_memory(reg)
+
+
+def test_a_lost_peer_gives_err_and_says_what_may_have_landed(np):
+    import signal
+
+    p = Peer("prefill-lost", size=64 << 20)
+    agent = nixl_agent("decode-2")
+    kv = np.zeros(64 << 20, dtype=np.uint8)
+    agent.register_memory([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM")
+    name = agent.add_remote_agent(p.metadata)
+    local = agent.prep_xfer_dlist("", [(kv.ctypes.data + i * (1 << 20), 1 << 20, 0) for i in range(64)], "DRAM")
+    remote = agent.prep_xfer_dlist(name, [(p.buffer + i * (1 << 20), 1 << 20, 0) for i in range(64)], "DRAM")
+    p.proc.send_signal(signal.SIGSTOP)
+    h = agent.make_prepped_xfer("WRITE", local, list(range(64)), remote, list(range(64)), notif_msg=b"never")
+    assert agent.transfer(h) == "PROC"
+    p.proc.kill()
+    p.proc.wait()
+    while (state := agent.check_xfer_state(h)) == "PROC":
+        pass
+    assert state == "ERR"
+    why = agent.ferry_error(h)
+    assert "may have landed" in why or "uncertain" in why, why
+    agent.release_xfer_handle(h)
+
+
+def test_metadata_by_address_and_by_notification(np):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = Peer("listener", listen_port=port)
+    try:
+        assert target.port == port
+        agent = nixl_agent("fetcher", nixl_agent_config(enable_listen_thread=False))
+        assert not agent.check_remote_metadata("listener")
+        agent.fetch_remote_metadata("listener", "127.0.0.1", port)
+        assert agent.check_remote_metadata("listener")
+        assert agent.check_remote_metadata("listener", agent.get_xfer_descs(blocks(target.buffer, 1), "DRAM"))
+        assert not agent.check_remote_metadata("listener", agent.get_xfer_descs([(0x1000, 8, 0)], "DRAM"))
+        with pytest.raises(nixlNotFoundError):
+            agent.fetch_remote_metadata("someone-else", "127.0.0.1", port)
+        # send_local_metadata: the listener loads ours when it next looks.
+        agent.send_local_metadata("127.0.0.1", port)
+        kv = np.zeros(BLOCK, dtype=np.uint8)
+        agent.register_memory([(kv.ctypes.data, BLOCK, 0, "")], "DRAM")
+        agent.send_notif("listener", b"after-metadata")
+        assert json.loads(target.ask("notifs")) == {"fetcher": [b"after-metadata".hex()]}
+    finally:
+        target.close()
+
+
+def test_metadata_through_etcd(np, etcd_server, monkeypatch):
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", etcd_server.replace("etcd://", "http://"))
+    a, b = nixl_agent("etcd-a"), nixl_agent("etcd-b")
+    buf = np.zeros(BLOCK, dtype=np.uint8)
+    b.register_memory([(buf.ctypes.data, BLOCK, 0, "")], "DRAM")
+    b.send_local_metadata()
+    a.fetch_remote_metadata("etcd-b")
+    assert a.check_remote_metadata("etcd-b")
+    src = np.full(BLOCK, 7, dtype=np.uint8)
+    a.register_memory([(src.ctypes.data, BLOCK, 0, "")], "DRAM")
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, BLOCK, 0)], "DRAM"),
+                          a.get_xfer_descs([(buf.ctypes.data, BLOCK, 0)], "DRAM"), "etcd-b", b"etcd")
+    a.transfer(h)
+    while a.check_xfer_state(h) == "PROC":
+        pass
+    assert a.check_xfer_state(h) == "DONE" and (buf == 7).all()
+    assert b.check_remote_xfer_done("etcd-a", b"etc")
+    b.invalidate_local_metadata()
+    with pytest.raises(nixlNotFoundError):
+        a.fetch_remote_metadata("etcd-b")
+    a.release_xfer_handle(h)
+
+
+def test_a_keyed_agents_metadata_lets_no_stranger_in(np, tmp_path, monkeypatch):
+    key = tmp_path / "fleet.key"
+    key.write_text("fleet 000102030405060708090a0b0c0d0e0f\n")
+    key.chmod(0o600)
+    target = Peer("keyed", env={"FERRY_AUTH_KEY_FILE": str(key)})
+    try:
+        stranger = nixl_agent("stranger")
+        name = stranger.add_remote_agent(target.metadata)
+        with pytest.raises(nixlNotFoundError):
+            stranger.prep_xfer_dlist(name, blocks(target.buffer, 1), "DRAM")
+        monkeypatch.setenv("FERRY_AUTH_KEY_FILE", str(key))
+        friend = nixl_agent("friend")
+        kv = np.zeros(BLOCK, dtype=np.uint8)
+        friend.register_memory([(kv.ctypes.data, BLOCK, 0, "")], "DRAM")
+        name = friend.add_remote_agent(target.metadata)
+        h = friend.initialize_xfer("READ", friend.get_xfer_descs([(kv.ctypes.data, BLOCK, 0)], "DRAM"),
+                                   friend.get_xfer_descs([(target.buffer, BLOCK, 0)], "DRAM"), name)
+        friend.transfer(h)
+        while friend.check_xfer_state(h) == "PROC":
+            pass
+        assert friend.check_xfer_state(h) == "DONE"
+        friend.release_xfer_handle(h)
+    finally:
+        target.close()
+
+
+def test_the_rest_of_the_surface(np):
+    agent = nixl_agent("misc", instantiate_all=True)
+    assert "UCX" in agent.get_plugin_list()
+    assert agent.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
+    assert agent.get_plugin_mem_types("NOPE") == [] and agent.get_backend_params("NOPE") == {}
+    with pytest.raises(nixlNotFoundError):
+        agent.create_backend("NOPE_PLUGIN")
+    arr = np.zeros((2, 3), dtype=np.uint64)
+    arr[:, 1] = 8
+    assert len(agent.get_xfer_descs(arr, "DRAM")) == 2
+    assert agent.get_xfer_descs([(1, 2, 0, "x")], "DRAM") is None
+    assert agent.get_reg_descs([(1, 2, 0)], "DRAM") is None
+    d = agent.get_xfer_descs([(1, 2, 0)], "DRAM")
+    assert agent.deserialize_descs(agent.get_serialized_descs(d)) == d
+    buf = np.zeros(4 * BLOCK, dtype=np.uint8)
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    strided = np.array([[buf.ctypes.data, 16, 0, BLOCK, 4]], dtype=np.uint64)
+    h = agent.prep_xfer_dlist("", strided, "DRAM")
+    assert len(agent._dlists[h._handle].descs) == 4
+    # Loopback: a transfer to this agent itself.
+    h2 = agent.prep_xfer_dlist("misc", blocks(buf.ctypes.data, 2), "DRAM")
+    h1 = agent.prep_xfer_dlist("", blocks(buf.ctypes.data + 2 * BLOCK, 2), "DRAM")
+    buf[: 2 * BLOCK] = 3
+    x = agent.make_prepped_xfer("READ", h1, [0, 1], h2, [0, 1])
+    agent.transfer(x)
+    while agent.check_xfer_state(x) == "PROC":
+        pass
+    assert agent.check_xfer_state(x) == "DONE" and (buf[2 * BLOCK:] == 3).all()
+    with pytest.raises(nixlRepostActiveError):
+        y = agent.make_prepped_xfer("READ", h1, [0, 1], h2, [0, 1])
+        agent.transfer(y)
+        agent.transfer(y)
+    assert agent.estimate_xfer_cost(x)[2] == "UNKNOWN"
+    assert agent.query_xfer_backend(x) in agent.get_plugin_list()
+
+
+SCRIPT = """
+from nixl._api import nixl_agent, nixl_agent_config
+from nixl._bindings import nixlXferTelemetry, nixlNotFoundError
+from nixl.logging import get_logger
+import nixl
+a = nixl_agent("alias", nixl_agent_config(capture_telemetry=True))
+print("ferry" if nixl_agent.__module__.startswith("ferry.") else "other", hasattr(nixl, "nixl_agent"))
+"""
+
+
+def test_python_m_ferry_nixl_runs_unchanged_nixl_code(tmp_path):
+    script = tmp_path / "uses_nixl.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_AS_NIXL"}
+    out = subprocess.run([sys.executable, "-m", "ferry.nixl", str(script)], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ferry", "True"]
+    plain = subprocess.run([sys.executable, "-c", "import nixl._api"], capture_output=True,
+                           text=True, env=env, timeout=60)
+    assert plain.returncode != 0 and "No module named 'nixl'" in plain.stderr
+    refused = subprocess.run([sys.executable, "-m", "ferry.nixl", "-c"], capture_output=True,
+                             text=True, env=env, timeout=60)
+    assert refused.returncode != 0
+
+
+def test_ferry_as_nixl_in_the_environment_reaches_every_process(tmp_path):
+    import site
+
+    from conftest import require
+
+    hooks = [Path(p) / "ferry_aliases.pth" for p in site.getsitepackages()]
+    require(any(h.is_file() for h in hooks),
+            f"no ferry_aliases.pth in {site.getsitepackages()} (an editable build has none; "
+            "the wheel installs it)")
+    script = tmp_path / "uses_nixl.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env={**os.environ, "FERRY_AS_NIXL": "1"}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ferry", "True"]
