@@ -6,9 +6,9 @@
 mod bench;
 mod bench_ab;
 mod bench_broadcast;
+mod bench_compat;
 mod bench_cpu;
 mod bench_latency;
-mod bench_mooncake;
 mod bench_small;
 mod bench_uring;
 mod bindgen;
@@ -54,6 +54,9 @@ tasks:
   bench mooncake [--total BYTES] [--repeat N]
                          the Mooncake API on Mooncake's own wheel and on Ferry's, alternating
                          rounds: batch sync WRITE/READ of 32 blocks, and 4 KiB against Ferry's API
+  bench nixl [--total BYTES] [--repeat N]
+                         the NIXL API on NIXL's wheel (UCX over TCP, UCX's defaults) and on Ferry's:
+                         READ of 64 blocks of 64 KiB and 1 MiB by index, rounds in turn
   bench register [--sizes 64MiB,1GiB] [--repeat N]
                          register's cost: first, a repeat of the same pages, per GiB, per rail count
   bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
