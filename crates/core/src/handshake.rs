@@ -755,13 +755,11 @@ mod tests {
             })
         }
 
+        /// The key names the notifications a responder took came with, in order.
+        type Taken = Arc<std::sync::Mutex<Vec<Option<String>>>>;
+
         /// A responder that takes notifications, recording the key name each came with.
-        fn inbox(
-            keys: Option<&str>,
-        ) -> (
-            Arc<dyn HandshakeResponder>,
-            Arc<std::sync::Mutex<Vec<Option<String>>>>,
-        ) {
+        fn inbox(keys: Option<&str>) -> (Arc<dyn HandshakeResponder>, Taken) {
             let mut r = MockHandshakeResponder::new();
             r.expect_peer_id().return_const(PeerId(3));
             r.expect_epoch().return_const(Epoch(4));

@@ -367,3 +367,29 @@ def test_ferry_as_nixl_in_the_environment_reaches_every_process(tmp_path):
                          env={**os.environ, "FERRY_AS_NIXL": "1"}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ferry", "True"]
+
+
+def test_vram_registers_through_the_gpu_path(cuda_driver, np):
+    """VRAM descriptors (Ferry's fake driver here) register through the CUDA driver and move
+    to and from a peer agent's DRAM."""
+    owner = ferry.Engine()
+    dev = owner.alloc_gpu(0, 1 << 20)
+    dev.copy_from(b"vram bytes" + bytes(54), 0)
+    a, b = nixl_agent("gpu-side"), nixl_agent("host-side")
+    reg = a.register_memory([(dev.ptr, 1 << 20, 0, "")], "VRAM")
+    host = np.zeros(BLOCK, dtype=np.uint8)
+    b.register_memory([(host.ctypes.data, BLOCK, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("", [(dev.ptr, 64, 0)], "VRAM")
+    remote = a.prep_xfer_dlist(name, [(host.ctypes.data, 64, 0)], "DRAM")
+    h = a.make_prepped_xfer("WRITE", local, [0], remote, [0], notif_msg=b"gpu")
+    a.transfer(h)
+    while a.check_xfer_state(h) == "PROC":
+        pass
+    assert a.check_xfer_state(h) == "DONE"
+    assert bytes(host[:10]) == b"vram bytes"
+    assert b.get_new_notifs() == {"gpu-side": [b"gpu"]}
+    a.release_xfer_handle(h)
+    a.deregister_memory(reg)
+    with pytest.raises(nixlInvalidParamError, match="GPU 0, not on cuda:3"):
+        a.register_memory([(dev.ptr, 4096, 3, "")], "VRAM")
