@@ -19,6 +19,13 @@
 //! the proof is refused and closes the connection. A client given a keyring refuses a member
 //! that cannot prove the key.
 //!
+//! **Before the proof** (a keyless member: before the first request), a connection costs a
+//! stranger little, through the same gate as the data planes' listeners
+//! ([`ferry::HandshakeGate`], [`ferry::HandshakeLimits`]): at most `max_pending` such connections
+//! at once (one accepted past them is closed at once), all of it within `timeout` of the accept
+//! (else closed), and request lines of at most [`MAX_PREAUTH_REQUEST`] bytes on a keyed member.
+//! Accept errors (out of descriptors) back off instead of spinning.
+//!
 //! **Entries are their members'.** The tracker answers a `join` with a secret token of the
 //! new entry (32 random bytes); a heartbeat or a leave of that entry must carry it, and a join
 //! under an id already listed must too, so no one else can renew, move or remove it. Receivers
@@ -36,7 +43,7 @@ use tokio::sync::watch;
 
 use ferry::core_types::auth::{ClientAuth, PendingProof, ServerAuth, nonce};
 use ferry::core_types::wire::{AuthChallenge, AuthProof, ControlFrame};
-use ferry::{Epoch, Keyring, PeerId};
+use ferry::{Epoch, HandshakeGate, HandshakeLimits, HandshakeSlot, Keyring, PeerId};
 
 use crate::error::BroadcastError;
 use crate::layout::Extent;
@@ -47,6 +54,9 @@ use crate::plan::{Member, Role};
 const MAX_LINE: usize = MAX_MANIFEST_BYTES + (1 << 20);
 /// Longest request a control service reads: requests are small (a member's entry at most).
 pub(crate) const MAX_REQUEST: usize = 64 << 10;
+/// Longest request a keyed control service reads before the connection proved its key (the
+/// authentication requests are under 300 bytes).
+pub(crate) const MAX_PREAUTH_REQUEST: usize = 1024;
 /// Most members the embedded tracker lists (the source included); joins past it are refused.
 pub(crate) const MAX_MEMBERS: usize = 4096;
 
@@ -356,10 +366,21 @@ pub(crate) struct Service {
 }
 
 impl Service {
-    /// Serves the control protocol on `listener`. Must be called inside a tokio runtime.
+    /// Serves the control protocol on `listener`, with the data planes' default pre-proof
+    /// limits. Must be called inside a tokio runtime.
     pub(crate) fn start(listener: TcpListener, state: Arc<CtlState>) -> Self {
+        Self::start_with(listener, state, HandshakeLimits::default())
+    }
+
+    /// Serves the control protocol on `listener`, with `limits` before the proof.
+    pub(crate) fn start_with(
+        listener: TcpListener,
+        state: Arc<CtlState>,
+        limits: HandshakeLimits,
+    ) -> Self {
         let listener = Arc::new(Mutex::new(Some(listener)));
-        let task = tokio::spawn(serve(listener.clone(), state));
+        let gate = HandshakeGate::new(limits);
+        let task = tokio::spawn(serve(listener.clone(), state, gate));
         Self { listener, task }
     }
 }
@@ -380,8 +401,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-async fn serve(listener: Arc<Mutex<Option<TcpListener>>>, state: Arc<CtlState>) {
+async fn serve(
+    listener: Arc<Mutex<Option<TcpListener>>>,
+    state: Arc<CtlState>,
+    gate: Arc<HandshakeGate>,
+) {
     let mut conns = tokio::task::JoinSet::new();
+    let fresh = || ferry::core_types::backoff::Backoff::random(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX);
+    let mut backoff = fresh();
     let accept = || {
         std::future::poll_fn(|cx| match lock(&listener).as_ref() {
             Some(l) => l.poll_accept(cx).map(Some),
@@ -392,10 +419,29 @@ async fn serve(listener: Arc<Mutex<Option<TcpListener>>>, state: Arc<CtlState>) 
         tokio::select! {
             accepted = accept() => {
                 let Some(accepted) = accepted else { return };
-                let Ok((stream, from)) = accepted else { continue };
-                let state = state.clone();
+                let (stream, from) = match accepted {
+                    Ok(a) => {
+                        if backoff.attempts() > 0 {
+                            backoff = fresh();
+                        }
+                        a
+                    }
+                    Err(e) => {
+                        // Out of descriptors, say: wait before the next accept instead of
+                        // spinning on the same error.
+                        let wait = backoff.next_delay();
+                        tracing::warn!(error = %e, ?wait, "control service: accept failed");
+                        tokio::time::sleep(wait).await;
+                        continue;
+                    }
+                };
+                let Some(slot) = gate.admit() else {
+                    tracing::debug!(%from, "control connection refused: too many before their proof");
+                    continue;
+                };
+                let (state, gate) = (state.clone(), gate.clone());
                 conns.spawn(async move {
-                    if let Err(e) = serve_conn(stream, &state).await {
+                    if let Err(e) = serve_conn(stream, &state, slot, &gate).await {
                         tracing::debug!(%from, error = %e, "control connection ended");
                     }
                 });
@@ -498,20 +544,59 @@ fn authenticate(req: &Request, conn: &mut ConnAuth, state: &CtlState) -> Option<
     }
 }
 
-async fn serve_conn(stream: TcpStream, state: &CtlState) -> std::io::Result<()> {
+/// The first wait after an accept error, and the longest.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+async fn serve_conn(
+    stream: TcpStream,
+    state: &CtlState,
+    slot: HandshakeSlot,
+    gate: &HandshakeGate,
+) -> std::io::Result<()> {
     let _ = stream.set_nodelay(true);
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
-    let mut conn = if state.auth.is_some() {
+    let keyed = state.auth.is_some();
+    let mut conn = if keyed {
         ConnAuth::Unproven
     } else {
         ConnAuth::Open
     };
-    while let Some(line) = read_line(&mut r, MAX_REQUEST).await? {
+    // Until the proof (keyless: the first request), the connection holds its place at the gate
+    // and runs against its deadline.
+    let mut slot = Some(slot);
+    let deadline = tokio::time::Instant::now() + gate.limits().timeout;
+    loop {
+        let line = if slot.is_some() {
+            let limit = if keyed {
+                MAX_PREAUTH_REQUEST
+            } else {
+                MAX_REQUEST
+            };
+            match tokio::time::timeout_at(deadline, read_line(&mut r, limit)).await {
+                Ok(line) => line?,
+                Err(_) => {
+                    gate.note_timeout();
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no proof (or request) within the pre-authentication deadline",
+                    ));
+                }
+            }
+        } else {
+            read_line(&mut r, MAX_REQUEST).await?
+        };
+        let Some(line) = line else { break };
         let (reply, close) = match serde_json::from_slice::<Request>(&line) {
             Ok(req) => match authenticate(&req, &mut conn, state) {
                 Some(r) => r,
-                None => (answer(req, state).await, false),
+                None => {
+                    // Answerable: proven (or keyless), so past the gate. A long poll's answer
+                    // may take longer than the pre-proof deadline.
+                    slot = None;
+                    (answer(req, state).await, false)
+                }
             },
             Err(e) => (
                 Reply::Error {
@@ -522,9 +607,20 @@ async fn serve_conn(stream: TcpStream, state: &CtlState) -> std::io::Result<()> 
         };
         let mut out = serde_json::to_vec(&reply).map_err(std::io::Error::other)?;
         out.push(b'\n');
-        w.write_all(&out).await?;
+        let write = w.write_all(&out);
+        if slot.is_some() {
+            // A stranger that does not read its answer is held to the deadline too.
+            tokio::time::timeout_at(deadline, write)
+                .await
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        } else {
+            write.await?;
+        }
         if close {
             return Ok(());
+        }
+        if matches!(conn, ConnAuth::Proven | ConnAuth::Open) {
+            slot = None;
         }
     }
     Ok(())
@@ -982,5 +1078,220 @@ mod tests {
             serde_json::from_slice::<Request>(b"{\"op\":\"manifest\"}"),
             Ok(Request::Manifest { version: None })
         ));
+    }
+}
+
+/// The pre-proof gate of a keyed control service, over real loopback sockets: what a stranger
+/// can cost before proving a key, and that a wrong or skipped proof gets nothing.
+#[cfg(test)]
+mod gate_tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    const KEYS: &str = "alice 000102030405060708090a0b0c0d0e0f";
+
+    /// A source's control service with `KEYS` (a tracker, no manifest) under `limits`.
+    async fn service(limits: HandshakeLimits) -> (Service, String) {
+        service_with(limits, Some(KEYS)).await
+    }
+
+    /// The same with `keys` (or none).
+    async fn service_with(limits: HandshakeLimits, keys: Option<&str>) -> (Service, String) {
+        let (_tx, progress) = watch::channel(Progress::default());
+        let source = Member {
+            id: "src".into(),
+            epoch: 1,
+            source_epoch: 7,
+            data_addr: String::new(),
+            ctl_addr: String::new(),
+            role: Role::Source,
+            progress: 0,
+            done: false,
+            order: 0,
+            version: 1,
+            rate: 0,
+            number: None,
+        };
+        let state = Arc::new(CtlState {
+            source_epoch: 7,
+            manifests: Mutex::new(Vec::new()),
+            version: 1,
+            layout: None,
+            source_layouts: Mutex::new(HashMap::new()),
+            progress,
+            tracker: Some(Arc::new(Tracker::new(source, Duration::from_secs(60)))),
+            auth: keys.map(|k| {
+                (
+                    ServerAuth::new(Keyring::parse(k).unwrap()),
+                    PeerId(3),
+                    Epoch(4),
+                )
+            }),
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        (Service::start_with(listener, state, limits), addr)
+    }
+
+    fn limits(timeout: Duration, max_pending: usize) -> HandshakeLimits {
+        HandshakeLimits {
+            timeout,
+            max_pending,
+        }
+    }
+
+    /// Sends `line` and reads the answer line (`None`: the service closed the connection).
+    async fn ask(s: &mut TcpStream, line: &str) -> Option<String> {
+        s.write_all(format!("{line}\n").as_bytes()).await.ok()?;
+        let mut got = Vec::new();
+        let mut b = [0u8; 1];
+        loop {
+            match s.read(&mut b).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) if b[0] == b'\n' => return Some(String::from_utf8_lossy(&got).into_owned()),
+                Ok(_) => got.push(b[0]),
+            }
+        }
+    }
+
+    /// Whether the service closed `s` (reads to the end; bounded so a bug fails, not hangs).
+    async fn closed(s: &mut TcpStream) -> bool {
+        let mut rest = Vec::new();
+        matches!(
+            tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut rest)).await,
+            Ok(Ok(_)) | Ok(Err(_))
+        )
+    }
+
+    /// The client's first step with `KEYS` as JSON, and the client state to answer with.
+    fn hello() -> (String, ClientAuth) {
+        let keys = Keyring::parse(KEYS).unwrap();
+        let (first, client) = ClientAuth::start(&keys, PeerId(1), Epoch(2), nonce());
+        let ControlFrame::AuthHello(h) = first else {
+            panic!("no hello")
+        };
+        let req = Request::AuthHello {
+            name: h.name,
+            peer_id: format!("{:032x}", h.peer_id.0),
+            epoch: h.epoch.0,
+            nonce: Digest(h.nonce),
+        };
+        (serde_json::to_string(&req).unwrap(), client)
+    }
+
+    #[tokio::test]
+    async fn a_wrong_proof_gets_nothing_and_closes_the_connection() {
+        let (_svc, addr) = service(HandshakeLimits::default()).await;
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        let (hello, _client) = hello();
+        let challenge = ask(&mut s, &hello).await.unwrap();
+        assert!(challenge.contains("auth_challenge"), "{challenge}");
+        let bad = serde_json::to_string(&Request::AuthProof {
+            mac: Digest([7; 32]),
+        })
+        .unwrap();
+        let answer = ask(&mut s, &bad).await.unwrap();
+        assert!(answer.contains("error"), "{answer}");
+        assert!(closed(&mut s).await);
+    }
+
+    #[tokio::test]
+    async fn a_skipped_proof_gets_nothing() {
+        let (_svc, addr) = service(HandshakeLimits::default()).await;
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        let (hello, _client) = hello();
+        assert!(
+            ask(&mut s, &hello)
+                .await
+                .unwrap()
+                .contains("auth_challenge")
+        );
+        let answer = ask(&mut s, r#"{"op":"members"}"#).await.unwrap();
+        assert!(
+            answer.contains("error") && !answer.contains("src"),
+            "{answer}"
+        );
+        assert!(closed(&mut s).await);
+        // Nor is anything answered without even a hello.
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        let answer = ask(&mut s, r#"{"op":"members"}"#).await.unwrap();
+        assert!(answer.contains("unauthenticated"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn before_the_proof_lines_are_short_and_time_is_bounded() {
+        let (_svc, addr) = service(limits(Duration::from_millis(300), 16)).await;
+        // A line over the pre-proof limit (the proven limit is 64 KiB): closed unanswered.
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        let long = format!(
+            "{{\"op\":\"members\",\"x\":\"{}\"}}",
+            "a".repeat(2 * MAX_PREAUTH_REQUEST)
+        );
+        assert_eq!(ask(&mut s, &long).await, None);
+        // Silence: closed at the deadline.
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        assert!(closed(&mut s).await);
+        // A challenged connection that never proves: closed at the deadline too.
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        let (hello, _client) = hello();
+        assert!(
+            ask(&mut s, &hello)
+                .await
+                .unwrap()
+                .contains("auth_challenge")
+        );
+        assert!(closed(&mut s).await);
+    }
+
+    #[tokio::test]
+    async fn past_the_cap_a_connection_is_closed_at_once_and_a_proven_one_stays() {
+        // A deadline no test waits for: a closed connection below was refused, not timed out.
+        let (_svc, addr) = service(limits(Duration::from_secs(600), 2)).await;
+        let _a = TcpStream::connect(&addr).await.unwrap();
+        let _b = TcpStream::connect(&addr).await.unwrap();
+        let mut c = TcpStream::connect(&addr).await.unwrap();
+        assert!(closed(&mut c).await);
+        drop((_a, _b));
+        // Places free again once those are gone; a client that proves its key is served, and
+        // a proven connection no longer counts against the cap.
+        let keys = Keyring::parse(KEYS).unwrap();
+        let connect = async {
+            loop {
+                match CtlClient::connect_keyed(&addr, Duration::from_secs(5), Some(&keys)).await {
+                    Ok(c) => break c,
+                    // The service may not have seen the two close yet: wait for that, not a
+                    // time (bounded below, so a service that never frees them fails the test).
+                    Err(_) => tokio::task::yield_now().await,
+                }
+            }
+        };
+        let mut client = tokio::time::timeout(Duration::from_secs(20), connect)
+            .await
+            .expect("a client proving its key got in once the places were free");
+        let _d = TcpStream::connect(&addr).await.unwrap();
+        let _e = TcpStream::connect(&addr).await.unwrap();
+        let members = client
+            .call(&Request::Members, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(matches!(members, Reply::Members { .. }), "{members:?}");
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_outlasts_the_deadline_is_still_given() {
+        // Keyless: the first request passes the gate, so its long poll may take longer than
+        // the pre-proof deadline.
+        let (_svc, addr) = service_with(limits(Duration::from_millis(100), 4), None).await;
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        let answer = ask(&mut s, r#"{"op":"progress","after":0,"wait_ms":600}"#)
+            .await
+            .expect("answered");
+        assert!(answer.contains("progress"), "{answer}");
+        assert!(
+            ask(&mut s, r#"{"op":"members"}"#)
+                .await
+                .unwrap()
+                .contains("members")
+        );
     }
 }

@@ -63,6 +63,10 @@ pub use inbox::Notification;
 pub use peer::Peer;
 pub use progress::MAX_BROADCASTS;
 pub use reconnect::ReconnectPolicy;
+/// The pre-authentication gate of a listener (`ferry-net`): a cap on connections that have not
+/// proven a key yet and a deadline for the proof, shared by the data planes' listeners and the
+/// layers above the facade that open listeners of their own (the broadcast control services).
+pub use ferry_transport_tcp::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;
 
