@@ -52,6 +52,10 @@ pub use ferry_core::auth::Keyring;
 /// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
 #[cfg(feature = "cuda")]
 pub use ferry_cuda as cuda;
+/// The pre-authentication gate of a listener (`ferry-net`): a cap on connections that have not
+/// proven a key yet and a deadline for the proof, shared by the data planes' listeners and the
+/// layers above the facade that open listeners of their own (the broadcast control services).
+pub use ferry_transport_tcp::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
 /// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
 #[cfg(feature = "uring")]
 pub use ferry_transport_uring::{OpcodeSupport, UringProbe, probe_kernel};
@@ -63,10 +67,6 @@ pub use inbox::Notification;
 pub use peer::Peer;
 pub use progress::MAX_BROADCASTS;
 pub use reconnect::ReconnectPolicy;
-/// The pre-authentication gate of a listener (`ferry-net`): a cap on connections that have not
-/// proven a key yet and a deadline for the proof, shared by the data planes' listeners and the
-/// layers above the facade that open listeners of their own (the broadcast control services).
-pub use ferry_transport_tcp::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
 pub use request::{Batch, Canceller, LocalMemory, LocalRef, RequestHandle};
 pub use route::DataPlane;
 

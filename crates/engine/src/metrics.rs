@@ -34,10 +34,51 @@ pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CON
 
 /// Longest request head read (request line and headers).
 const MAX_HEAD: usize = 8192;
-/// How long a connection may take to send its request head.
-const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may take to send its request head (a scraper sends it at once).
+const READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a connection may take to read its answer.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Scrapes answered at once; connections past it are closed at once.
 const MAX_CONNECTIONS: usize = 16;
+/// Scrapes answered at once from one source address, so that one host's idle connections
+/// cannot hold every place.
+const MAX_PER_SOURCE: usize = 4;
+
+/// Connections open per source address; a [`SourcePlace`] holds one.
+type Sources = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+
+/// One connection's place among its source's.
+struct SourcePlace(Sources, std::net::IpAddr);
+
+impl SourcePlace {
+    /// A place for a connection from `ip`, or `None` when [`MAX_PER_SOURCE`] are open.
+    fn take(sources: &Sources, ip: std::net::IpAddr) -> Option<Self> {
+        let mut m = sources
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = m.entry(ip).or_insert(0);
+        if *n >= MAX_PER_SOURCE {
+            return None;
+        }
+        *n += 1;
+        Some(Self(sources.clone(), ip))
+    }
+}
+
+impl Drop for SourcePlace {
+    fn drop(&mut self) {
+        let mut m = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
+        }
+    }
+}
 
 /// The HTTP listener serving an engine's metrics; dropping it stops serving.
 #[derive(Debug)]
@@ -77,6 +118,7 @@ impl MetricsServer {
         describe: Describe,
     ) -> Self {
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let sources: Sources = Default::default();
         let task = tokio::spawn(async move {
             loop {
                 let (stream, from) = match listener.accept().await {
@@ -88,6 +130,10 @@ impl MetricsServer {
                         continue;
                     }
                 };
+                let Some(place) = SourcePlace::take(&sources, from.ip()) else {
+                    tracing::debug!(%addr, %from, "metrics: too many scrapes at once from one source; closed");
+                    continue;
+                };
                 let Ok(slot) = slots.clone().try_acquire_owned() else {
                     tracing::debug!(%addr, %from, "metrics: too many scrapes at once; closed");
                     continue;
@@ -97,7 +143,7 @@ impl MetricsServer {
                     if let Err(e) = answer(stream, &*describe).await {
                         tracing::debug!(%addr, %from, error = %e, "metrics scrape failed");
                     }
-                    drop(slot);
+                    drop((slot, place));
                 });
             }
         });
@@ -175,8 +221,13 @@ async fn answer(
         body.len()
     );
     out.push_str(&body);
-    stream.write_all(out.as_bytes()).await?;
-    stream.shutdown().await
+    let write = async {
+        stream.write_all(out.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    tokio::time::timeout(WRITE_TIMEOUT, write)
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
 }
 
 /// The Prometheus text (version 0.0.4) of `d`.

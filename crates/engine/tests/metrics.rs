@@ -281,3 +281,42 @@ async fn mixed_batches_and_refusals_are_counted_by_kind() -> Result<()> {
     );
     Ok(())
 }
+
+/// A stranger cannot keep scrapes out: one source holds at most four connections at once (a
+/// fifth is closed unanswered), an idle connection is answered 400 and closed within the head
+/// deadline (2 s), and a scrape then gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_from_one_source_cannot_hold_the_endpoint() -> Result<()> {
+    let engine = TransferEngine::builder()
+        .metrics("127.0.0.1:0".parse()?)
+        .build()?;
+    let metrics = engine.metrics_addr().context("serves metrics")?;
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let idle: Vec<TcpStream> = (0..4)
+            .map(|_| TcpStream::connect(metrics))
+            .collect::<std::io::Result<_>>()?;
+        // Bounded, so that a server that never closes fails the test instead of hanging it.
+        let bound = Some(std::time::Duration::from_secs(20));
+        let mut fifth = TcpStream::connect(metrics)?;
+        fifth.set_read_timeout(bound)?;
+        let mut got = Vec::new();
+        fifth.read_to_end(&mut got)?;
+        assert!(
+            got.is_empty(),
+            "the fifth was answered: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        for mut s in idle {
+            s.set_read_timeout(bound)?;
+            let mut answer = String::new();
+            s.read_to_string(&mut answer)?;
+            assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+        }
+        let (status, _, body) = get(metrics, "/metrics")?;
+        assert_eq!(status, "HTTP/1.1 200 OK");
+        assert!(body.contains("ferry_"), "{body}");
+        Ok(())
+    })
+    .await??;
+    Ok(())
+}
