@@ -797,6 +797,20 @@ mod tests {
             assert_eq!(*got.lock().unwrap(), vec![None]);
         }
 
+        /// A conversation in which peer `id` (epoch 2) proved alice's key.
+        fn proven(r: &Arc<dyn HandshakeResponder>, id: PeerId) -> ServerConversation {
+            let mut server = talk(r);
+            let keys = Keyring::parse(ALICE).unwrap();
+            let (first, client) = ClientAuth::start(&keys, id, Epoch(2), [1; 32]);
+            let challenge = match server.on_frame(first) {
+                ServerStep::Reply(f) => f,
+                other => panic!("{other:?}"),
+            };
+            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+            assert!(matches!(server.on_frame(proof), ServerStep::Read));
+            server
+        }
+
         #[test]
         fn a_keyed_server_takes_notifications_only_after_the_proof() {
             let (r, got) = inbox(Some(ALICE));
@@ -807,38 +821,14 @@ mod tests {
                 "{step:?}"
             );
             // After alice's proof: delivered under her name.
-            let mut server = talk(&r);
-            let (first, client) = ClientAuth::start(
-                &Keyring::parse(ALICE).unwrap(),
-                PeerId(1),
-                Epoch(2),
-                [1; 32],
-            );
-            let challenge = match server.on_frame(first) {
-                ServerStep::Reply(f) => f,
-                other => panic!("{other:?}"),
-            };
-            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
-            assert!(matches!(server.on_frame(proof), ServerStep::Read));
+            let mut server = proven(&r, PeerId(1));
             let step = server.on_frame(notify(4));
             assert!(
                 matches!(step, ServerStep::Close(ControlFrame::NotifyAck)),
                 "{step:?}"
             );
             // A proof by one peer does not carry another's notification.
-            let mut server = talk(&r);
-            let (first, client) = ClientAuth::start(
-                &Keyring::parse(ALICE).unwrap(),
-                PeerId(9),
-                Epoch(2),
-                [1; 32],
-            );
-            let challenge = match server.on_frame(first) {
-                ServerStep::Reply(f) => f,
-                other => panic!("{other:?}"),
-            };
-            let (proof, _) = client.on_reply(peer(), challenge).unwrap();
-            server.on_frame(proof);
+            let mut server = proven(&r, PeerId(9));
             assert!(matches!(
                 server.on_frame(notify(4)),
                 ServerStep::Close(ControlFrame::Reject(_))
