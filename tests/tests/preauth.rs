@@ -3,7 +3,8 @@
 //! `FERRY_REQUIRE_URING=1` fails them instead): a frame larger than authentication needs is
 //! refused from its header, connections past the cap of pending handshakes are closed at once
 //! and counted, idle connections cost no thread each, a client that trickles its hello is closed
-//! at the handshake deadline, and a client that proved its key moves bytes all the while.
+//! at the handshake deadline, a client that proved its key moves bytes all the while, and a key
+//! holder that arrives while strangers hold every place gets in once they reach the deadline.
 //!
 //! One test function runs it all: it counts this process's threads, which other tests running
 //! beside it in the same binary would disturb.
@@ -228,6 +229,31 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
     trickle
         .join()
         .map_err(|_| anyhow::anyhow!("trickle panicked"))?;
+
+    // A key holder arriving while strangers hold every place gets in: refused at first, it
+    // tries again until the strangers reach their deadline and the places free. (A deadline
+    // long enough that the key holder's first try surely meets the full cap.)
+    let (engine, _reg) = server(plane, Duration::from_secs(3))?;
+    let addr = engine.local_addr().context("listening")?;
+    let flood: Vec<TcpStream> = (0..CAP)
+        .map(|_| TcpStream::connect(addr))
+        .collect::<std::io::Result<_>>()?;
+    wait_for("the flood to hold every place", || {
+        Ok(handshakes(&engine)?.pending == CAP as u64)
+    })?;
+    let refused_before = handshakes(&engine)?.refused;
+    let late = TransferEngine::builder()
+        .data_plane(plane)
+        .auth_keyring(Keyring::parse(ALICE)?)
+        .connect_timeout(PATIENCE)
+        .build()?;
+    let peer = late.connect(addr).await?;
+    ensure!(
+        handshakes(&engine)?.refused > refused_before,
+        "{plane:?}: the key holder was never refused, so this tested nothing"
+    );
+    moves_bytes(&late, &peer, 0x33).await?;
+    drop(flood);
     Ok(())
 }
 

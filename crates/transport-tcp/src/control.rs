@@ -95,7 +95,7 @@ pub async fn handshake_with(
     keyring: Option<&Keyring>,
     timeout: Duration,
 ) -> Result<(Hello, Option<Arc<Session>>), Error> {
-    let run = async {
+    let run = || async {
         let stream = connect(addr, timeout, None, None).await?;
         let Some(keyring) = keyring else {
             write_frame(&stream, addr, &ControlFrame::Hello(hello.clone())).await?;
@@ -127,13 +127,50 @@ pub async fn handshake_with(
         session.check_server(addr, server.peer_id, server.epoch)?;
         Ok((server, Some(Arc::new(session))))
     };
-    tokio::time::timeout(timeout, run)
-        .await
-        .map_err(|_| Error::Timeout {
-            what: "handshake",
-            after: timeout,
-        })?
+    retrying(addr, timeout, "handshake", run).await
 }
+
+/// Runs `attempt` (one connection and its handshake) until it ends otherwise than by the
+/// server closing the connection before answering, or `timeout` passes. A server at its cap
+/// of connections before their proof closes the newest at once, and its places free as the
+/// others end or reach their deadline: under a flood of strangers, a client retries, with
+/// jittered backoff, instead of failing at the first refusal. Any other error ends it at once.
+async fn retrying<T, F, Fut>(
+    addr: SocketAddr,
+    timeout: Duration,
+    what: &'static str,
+    mut attempt: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut backoff = ferry_core::backoff::Backoff::random(RETRY_FIRST, RETRY_MAX);
+    loop {
+        match tokio::time::timeout_at(deadline, attempt()).await {
+            Err(_) => {
+                return Err(Error::Timeout {
+                    what,
+                    after: timeout,
+                });
+            }
+            Ok(Err(e @ Error::PeerLost { .. })) => {
+                let wait = backoff.next_delay();
+                if tokio::time::Instant::now() + wait >= deadline {
+                    return Err(e);
+                }
+                tracing::debug!(%addr, ?wait, error = %e, "{what} closed before an answer; retrying");
+                tokio::time::sleep(wait).await;
+            }
+            Ok(other) => return other,
+        }
+    }
+}
+
+/// The first wait before a handshake is tried again, and the longest.
+const RETRY_FIRST: Duration = Duration::from_millis(20);
+const RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// Client side of a notification: sends `notify` to `addr` (authenticated with the first key
 /// of `keyring` where one is given, as [`handshake_with`]) and returns once the server has it
@@ -145,7 +182,7 @@ pub async fn notify_with(
     keyring: Option<&Keyring>,
     timeout: Duration,
 ) -> Result<(), Error> {
-    let run = async {
+    let run = || async {
         let stream = connect(addr, timeout, None, None).await?;
         let frame = ControlFrame::Notify(notify.clone());
         let Some(keyring) = keyring else {
@@ -170,12 +207,7 @@ pub async fn notify_with(
         let reply = read_frame(&stream, addr).await?;
         ferry_core::handshake::notify_reply(addr, notify.to_epoch, reply)
     };
-    tokio::time::timeout(timeout, run)
-        .await
-        .map_err(|_| Error::Timeout {
-            what: "notification",
-            after: timeout,
-        })?
+    retrying(addr, timeout, "notification", run).await
 }
 
 /// Opens one data stream and attaches it (with `frame`: the attach, or its authenticated form)
