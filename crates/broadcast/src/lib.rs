@@ -47,6 +47,7 @@ pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
 pub use receiver::{
-    DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
+    DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, TensorKind,
+    Timeline, unix_now,
 };
 pub use source::{Source, SourceOptions};

@@ -14,8 +14,9 @@
 //!   before anything is allocated ([`BroadcastError::ManifestDigest`]), so every chunk hash,
 //!   and so every byte, is bound to the source whoever relays it; a manifest declaring more
 //!   than [`ReceiverOptions::max_bytes`] is refused there too;
-//! - destinations are matched with the published tensors by name and size before anything is
-//!   registered, listed or moved ([`BroadcastError::Mismatch`]);
+//! - destinations are matched with the published tensors by name and size (and dtype and
+//!   shape, where [`Destinations::kinds`] says them), one published tensor to a destination,
+//!   before anything is registered, listed or moved ([`BroadcastError::Mismatch`]);
 //! - it takes chunks only from the source and from receivers of its own version, and gives up
 //!   a parent that answers for another version;
 //! - in place, a pull that fails after its first READ is [`BroadcastError::Torn`]; staged, the
@@ -1793,6 +1794,19 @@ pub struct Destinations {
     /// from this byte offset in it (a tensor-parallel rank's rows of a row-major tensor). The
     /// rest of the tensor travels into scratch memory, verified and relayed.
     pub shards: HashMap<String, u64>,
+    /// What a destination holds, where the caller knows it (Python's arrays do): its dtype and
+    /// shape are checked against the published entry's before anything moves (the shape not
+    /// for shards). A side that does not say is not compared.
+    pub kinds: HashMap<String, TensorKind>,
+}
+
+/// A tensor's dtype (safetensors' names: `F32`, `BF16`, ...) and shape, each where known.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorKind {
+    /// The dtype.
+    pub dtype: Option<String>,
+    /// The shape.
+    pub shape: Option<Vec<u64>>,
 }
 
 /// Matches the manifest's entries with `d` by name and size: `(entry, index in into)` for each
@@ -1834,13 +1848,39 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
         }
     }
     let mut matched = Vec::new();
-    let mut used = vec![false; d.into.len()];
+    let mut used: Vec<Option<&str>> = vec![None; d.into.len()];
     let mut extra = Vec::new();
     for (e, entry) in m.entries.iter().enumerate() {
         let local = d.rename.get(&entry.name).unwrap_or(&entry.name);
         match index.get(local.as_str()) {
             Some(&i) => {
-                used[i] = true;
+                if let Some(first) = used[i].replace(entry.name.as_str()) {
+                    problems.push(format!(
+                        "destination {local:?} would take two published tensors, {first:?} and \
+                         {:?}",
+                        entry.name
+                    ));
+                    continue;
+                }
+                if let Some(k) = d.kinds.get(local) {
+                    if let (Some(want), Some(got)) = (&entry.dtype, &k.dtype)
+                        && want != got
+                    {
+                        problems.push(format!(
+                            "tensor {local:?}: published as {want}, destination is {got}"
+                        ));
+                        continue;
+                    }
+                    if let (Some(want), Some(got), false) =
+                        (&entry.shape, &k.shape, d.shards.contains_key(local))
+                        && want != got
+                    {
+                        problems.push(format!(
+                            "tensor {local:?}: published with shape {want:?}, destination has {got:?}"
+                        ));
+                        continue;
+                    }
+                }
                 let have = d.into[i].1.len();
                 match d.shards.get(local) {
                     None if have != entry.len => problems.push(format!(
@@ -1867,7 +1907,7 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
         .into
         .iter()
         .zip(&used)
-        .filter(|(_, u)| !**u)
+        .filter(|(_, u)| u.is_none())
         .map(|((n, _), _)| n.as_str())
         .collect();
     if !missing.is_empty() {
@@ -1972,6 +2012,41 @@ mod tests {
             match_tensors(&m, &d),
             Err(BroadcastError::Mismatch { problems, .. }) if problems[0].contains("twice")
         ));
+        // Two published tensors renamed into one destination: refused, not written twice.
+        let m = manifest(&[("a", 0, 100), ("b", 100, 100)]);
+        let d = Destinations {
+            into: vec![("x".into(), at(0, 100))],
+            rename: [("a".into(), "x".into()), ("b".into(), "x".into())].into(),
+            ..Default::default()
+        };
+        assert!(matches!(
+            match_tensors(&m, &d),
+            Err(BroadcastError::Mismatch { problems, .. }) if problems.iter().any(|p| p.contains("two published"))
+        ));
+        // The same bytes under another dtype or shape: refused where the destination says.
+        let mut m = manifest(&[("a", 0, 16)]);
+        m.entries[0].dtype = Some("BF16".into());
+        m.entries[0].shape = Some(vec![8]);
+        let kind = |dtype: &str, shape: Vec<u64>| TensorKind {
+            dtype: Some(dtype.into()),
+            shape: Some(shape),
+        };
+        let with = |k: TensorKind| Destinations {
+            into: vec![("a".into(), at(0, 16))],
+            kinds: [("a".into(), k)].into(),
+            ..Default::default()
+        };
+        let refused = |d: &Destinations, what: &str| {
+            matches!(match_tensors(&m, d),
+                Err(BroadcastError::Mismatch { problems, .. }) if problems[0].contains(what))
+        };
+        assert!(refused(
+            &with(kind("F32", vec![4])),
+            "published as BF16, destination is F32"
+        ));
+        assert!(refused(&with(kind("BF16", vec![2, 4])), "shape"));
+        assert!(match_tensors(&m, &with(kind("BF16", vec![8]))).is_ok());
+        assert!(match_tensors(&m, &with(TensorKind::default())).is_ok());
         // Staging must match `into` name for name and size.
         let m = manifest(&[("a", 0, 100)]);
         let d = Destinations {

@@ -422,6 +422,9 @@ impl Puller {
 /// A list of destinations as the Python module passes them: name, registration, offset, length.
 type PyDest<'py> = (String, Bound<'py, PyAny>, u64, u64);
 
+/// A destination array's dtype and shape as the Python module passes them (each where known).
+type PyKind = (Option<String>, Option<Vec<u64>>);
+
 fn dests(list: Vec<PyDest<'_>>) -> PyResult<Vec<(String, Slice)>> {
     list.into_iter()
         .map(|(name, reg, off, len)| Ok((name, slice(&reg, off, len)?)))
@@ -438,7 +441,7 @@ fn keyring(py: Python<'_>, path: Option<std::path::PathBuf>) -> PyResult<Option<
 /// Joins the broadcast whose publisher's control service is at `source` (or which is listed
 /// in etcd: `etcd://HOST:PORT/NAME`) to pull it into `into` (and `staging`), on `engine`.
 #[pyfunction]
-#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest, auth_key_file=None, expect_manifest=None))]
+#[pyo3(signature = (engine, source, into, name, version, staging, rename, subset, relay, shards, verify_at_rest, auth_key_file=None, expect_manifest=None, kinds=None))]
 #[allow(clippy::too_many_arguments)]
 fn _join(
     py: Python<'_>,
@@ -455,6 +458,7 @@ fn _join(
     verify_at_rest: bool,
     auth_key_file: Option<std::path::PathBuf>,
     expect_manifest: Option<String>,
+    kinds: Option<HashMap<String, PyKind>>,
 ) -> PyResult<Puller> {
     let expect_manifest = expect_manifest
         .map(|h| {
@@ -472,6 +476,11 @@ fn _join(
         rename,
         subset,
         shards,
+        kinds: kinds
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(n, (dtype, shape))| (n, ferry_broadcast::TensorKind { dtype, shape }))
+            .collect(),
     };
     let tracker_keys = keys.clone();
     let opts = ReceiverOptions {

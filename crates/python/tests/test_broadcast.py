@@ -128,6 +128,18 @@ def test_mismatch_is_one_error_before_any_byte_moves(np):
         shard = {"embed": np.zeros((rows, 64), np.float32)}
         pull(r, pub.addr, shard, subset=True, shards={"embed": rows * 64 * 4}, relay=False)
         assert np.array_equal(shard["embed"], w["embed"][rows:])
+        # The same bytes as another dtype, or another shape, are refused before anything moves.
+        as_ints = {"embed": np.zeros(w["embed"].shape, np.int32)}
+        with pytest.raises(TensorMismatch, match="published as F32, destination is I32"):
+            pull(r, pub.addr, as_ints, subset=True, relay=False)
+        flat = {"embed": np.zeros(w["embed"].size, np.float32)}
+        with pytest.raises(TensorMismatch, match="shape"):
+            pull(r, pub.addr, flat, subset=True, relay=False)
+        assert not as_ints["embed"].any() and not flat["embed"].any()
+        # Two published tensors renamed into one destination: refused.
+        one = {"x": np.zeros_like(w["head"])}
+        with pytest.raises(TensorMismatch, match="two published tensors"):
+            pull(r, pub.addr, one, rename={"head": "x", "norm": "x"}, subset=True, relay=False)
 
 
 def test_staged_pull_leaves_live_tensors_until_commit(np):

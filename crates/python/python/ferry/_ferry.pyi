@@ -579,4 +579,5 @@ def _join(
     verify_at_rest: bool,
     auth_key_file: str | os.PathLike[str] | None = None,
     expect_manifest: str | None = None,
+    kinds: dict[str, tuple[str | None, list[int] | None]] | None = None,
 ) -> _Puller: ...

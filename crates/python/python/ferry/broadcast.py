@@ -186,6 +186,10 @@ class _Placed:
     def dests(self) -> list[tuple]:
         return [(n, r, o, l) for (n, r, o, l, _, _) in self.list]
 
+    def kinds(self) -> dict[str, tuple]:
+        """Each array's dtype and shape, where it has them: checked against the manifest."""
+        return {n: (d, s) for (n, _, _, _, d, s) in self.list if d is not None or s is not None}
+
     def close(self) -> None:
         for r in self.regs:
             r.close()
@@ -418,6 +422,7 @@ def pull(
             verify_at_rest,
             auth_key_file,
             expect_manifest,
+            placed[0].kinds(),
         )
     except BaseException:
         for p in placed:
