@@ -313,9 +313,11 @@ impl Puller {
         progress: Option<Py<PyAny>>,
         linger: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
+        // Checked before the receiver is taken: a bad value leaves the pull as it was.
+        let timeout = crate::request::seconds("timeout", timeout)?;
+        let linger = crate::request::seconds("linger", Some(linger))?.unwrap_or_default();
         let mut r = self.take()?;
         let rt = runtime::get(py)?;
-        let timeout = timeout.map(Duration::from_secs_f64);
         let mut watch = r.progress();
         let name = r.manifest().name.clone();
         let report = |last: &mut (u64, u64), s: &ferry_broadcast::Snapshot| {
@@ -360,8 +362,8 @@ impl Puller {
                     let s = watch.borrow_and_update().clone();
                     report(&mut last, &s);
                 }
-                if matches!(res, Some(Ok(_))) && linger > 0.0 {
-                    r.linger(Duration::from_secs_f64(linger)).await;
+                if matches!(res, Some(Ok(_))) && !linger.is_zero() {
+                    r.linger(linger).await;
                 }
                 (res, r)
             })

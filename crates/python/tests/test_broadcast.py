@@ -136,6 +136,13 @@ def test_mismatch_is_one_error_before_any_byte_moves(np):
         with pytest.raises(TensorMismatch, match="shape"):
             pull(r, pub.addr, flat, subset=True, relay=False)
         assert not as_ints["embed"].any() and not flat["embed"].any()
+        # Bad numbers are a ValueError, never a panic, and the engine pulls at once after.
+        for bad in (-1, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="timeout"):
+                pull(r, pub.addr, sub, rename={"head": "lm_head"}, subset=True, timeout=bad)
+        with pytest.raises(ValueError, match="linger"):
+            pull(r, pub.addr, sub, rename={"head": "lm_head"}, subset=True, linger=-1)
+        pull(r, pub.addr, sub, rename={"head": "lm_head"}, subset=True, relay=False)
         # Two published tensors renamed into one destination: refused.
         one = {"x": np.zeros_like(w["head"])}
         with pytest.raises(TensorMismatch, match="two published tensors"):

@@ -399,6 +399,10 @@ def pull(
     the GIL released."""
     if mode not in ("in_place", "staged"):
         raise ValueError(f'mode must be "in_place" or "staged", not {mode!r}')
+    for what, seconds in (("timeout", timeout), ("linger", linger)):
+        # `not (0 <= x < 1e9)` is also true of NaN.
+        if seconds is not None and not (0 <= seconds < 1e9):
+            raise ValueError(f"{what} must be a number of seconds from 0 to 1e9, not {seconds!r}")
     if (mode == "staged") != (staging is not None):
         raise ValueError('staging is given exactly when mode="staged"')
     tag = _unique(f"ferry.pull.{name or 'any'}")
