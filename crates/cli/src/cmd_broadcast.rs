@@ -130,6 +130,24 @@ pub(crate) struct PullArgs {
 
 /// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
 /// means unset), else none.
+/// Whether stdout's reader went away (`ferry publish ... | head -1`).
+static STDOUT_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Prints a line on stdout while someone reads it. A reader that went away stops the printing
+/// (logged once), never the publisher: `println!` would panic on the broken pipe.
+fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+    if STDOUT_GONE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
+        STDOUT_GONE.store(true, Ordering::Relaxed);
+        tracing::warn!(error = %e, "stdout is gone; serving on without printing");
+    }
+}
+
 fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {
     let path = file.cloned().or_else(|| {
         std::env::var_os(ferry::AUTH_KEY_FILE_ENV)
@@ -274,7 +292,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             Source::start(manifest, &files, opts, discovery).await?
         };
         let m = src.manifest();
-        println!(
+        say(format_args!(
             "publishing {:?} version {} (epoch {}): {} files, {} bytes in {} chunks, {} entries",
             m.name,
             m.version,
@@ -283,14 +301,14 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             m.total_bytes(),
             m.chunks.len(),
             m.entries.len()
-        );
-        println!(
+        ));
+        say(format_args!(
             "control {} data {}; receivers: ferry pull {} --into DIR --expect-manifest {}",
             src.ctl_addr(),
             src.data_addr().map(|a| a.to_string()).unwrap_or_default(),
             src.ctl_addr(),
             m.digest()
-        );
+        ));
         let stop = async {
             match args.serve_for {
                 Some(d) => tokio::time::sleep(d).await,
@@ -321,7 +339,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
                         None => Ok(src.publish_files(version, &files, Some(args.chunk_size))?),
                     });
                     match published {
-                        Ok(m) => println!(
+                        Ok(m) => say(format_args!(
                             "publishing {:?} version {version}: {} files, {} bytes in {} chunks \
                              (versions served: {:?}); manifest {}",
                             m.name,
@@ -330,7 +348,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
                             m.chunks.len(),
                             src.versions(),
                             m.digest()
-                        ),
+                        )),
                         Err(e) => {
                             version -= 1;
                             eprintln!("ferry publish: version {} not published: {e}", version + 1);

@@ -177,3 +177,34 @@ fn from_memory_serves_what_it_read_and_an_in_memory_pull_writes_nothing() -> Res
     }
     Ok(())
 }
+
+/// `ferry publish ... | head -1`: a stdout whose reader is gone stops the printing, never the
+/// publisher. The pipe's read end is closed before the publisher starts, so its first line
+/// already meets the broken pipe.
+#[test]
+fn a_closed_stdout_does_not_stop_the_publisher() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("w.bin");
+    std::fs::write(&file, vec![7u8; 100_000])?;
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("publish")
+        .arg(&file)
+        .args([
+            "--name",
+            "w",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ])
+        .args(["--serve-for", "1s"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    Ok(())
+}
