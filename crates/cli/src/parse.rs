@@ -3,7 +3,8 @@
 //! before anything starts, and clap's message names the flag
 //! (`invalid value '0' for '--depth <DEPTH>': must be at least 1`).
 //!
-//! - Sizes: `4096`, `64KiB`, `1MiB`, `1.5GB`, `10k` (binary: k, KiB, m, MiB, g, GiB, t, TiB;
+//! - Sizes: `4096`, `64KiB`, `1MiB`, `1.5GB`, `10k` (binary: k, Ki, KiB, m, Mi, MiB, g, Gi, GiB,
+//!   t, Ti, TiB;
 //!   decimal: KB, MB, GB, TB). More than 1 EiB, or a fraction of a byte, is refused.
 //! - Durations: `10s`, `1.5s`, `500ms`, `2m`, `1h`; a bare number is seconds.
 //! - Counts: whole numbers.
@@ -31,10 +32,10 @@ pub(crate) fn size(s: &str) -> Result<u64> {
     let (num, unit) = t.split_at(split);
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
+        "k" | "ki" | "kib" => 1 << 10,
+        "m" | "mi" | "mib" => 1 << 20,
+        "g" | "gi" | "gib" => 1 << 30,
+        "t" | "ti" | "tib" => 1 << 40,
         "kb" => 1_000,
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
@@ -250,6 +251,10 @@ mod tests {
         assert_eq!(size("1GB").unwrap(), 1_000_000_000);
         assert_eq!(size("1.1GB").unwrap(), 1_100_000_000);
         assert_eq!(size("1.5k").unwrap(), 1536);
+        // Kubernetes' and `numfmt`'s spelling too.
+        assert_eq!(size("5Mi").unwrap(), 5 << 20);
+        assert_eq!(size("5M").unwrap(), size("5Mi").unwrap());
+        assert_eq!(size("2Gi").unwrap(), 2 << 30);
         for (bad, why) in [
             ("12 parsecs", "unknown size unit"),
             ("MiB", "no number"),
