@@ -203,6 +203,13 @@ pub(crate) fn listen_addr(s: &str) -> Result<std::net::SocketAddr> {
     if let Ok(a) = s.parse() {
         return Ok(a);
     }
+    let t = s.trim();
+    if let Ok(port) = t.strip_prefix(':').unwrap_or(t).parse::<u16>() {
+        bail!(
+            "{t:?} is a port without a host: give HOST:PORT, 127.0.0.1:{port} (this host only) \
+             or 0.0.0.0:{port} (every interface)"
+        );
+    }
     if !has_port(s) {
         bail!("no port: give HOST:PORT (e.g. 0.0.0.0:7400, or localhost:0 for any free port)");
     }
@@ -328,6 +335,14 @@ mod tests {
         assert!(listen_addr("localhost:0").unwrap().ip().is_loopback());
         let e = listen_addr("localhost").unwrap_err().to_string();
         assert!(e.contains("no port"), "{e}");
+        // A bare port is named as one, with the two addresses it may have meant.
+        for bare in ["9400", ":9400"] {
+            let e = listen_addr(bare).unwrap_err().to_string();
+            assert!(
+                e.contains("a port without a host") && e.contains("127.0.0.1:9400"),
+                "{e}"
+            );
+        }
         assert!(has_port("[::1]:7400") && !has_port("::1") && !has_port("host:"));
     }
 
