@@ -17,7 +17,12 @@ use anyhow::{Context, Result, bail};
 use crate::util::project_root;
 
 /// The crates whose modules must not import in a loop, relative to the project root.
-pub(crate) const CRATES: &[&str] = &["crates/engine/src", "crates/core/src"];
+pub(crate) const CRATES: &[&str] = &[
+    "crates/engine/src",
+    "crates/core/src",
+    "crates/python/src",
+    "crates/broadcast/src",
+];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let edges = match args {
@@ -499,6 +504,18 @@ mod tests {
     #[test]
     fn the_engine_has_no_module_loop() {
         let loops = loops_of("crates/engine/src");
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_python_binding_has_no_module_loop() {
+        let loops = loops_of("crates/python/src");
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn broadcast_has_no_module_loop() {
+        let loops = loops_of("crates/broadcast/src");
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 }

@@ -212,7 +212,7 @@ pub enum ManifestError {
     },
 }
 
-fn invalid(msg: impl Into<String>) -> ManifestError {
+pub(crate) fn invalid(msg: impl Into<String>) -> ManifestError {
     ManifestError::Invalid(msg.into())
 }
 
@@ -437,88 +437,6 @@ impl Manifest {
 }
 
 impl Manifest {
-    /// Builds a manifest for tensors served from memory: one segment per registration named
-    /// by the tensors' slices (in order of first appearance; the whole registration, so bytes
-    /// of it that no tensor names travel too), one entry per tensor (its dtype and shape, the
-    /// segment and offset of its slice), and the chunks' CRC-32C read from the memory now.
-    /// Refused: two tensors of the same name, two registrations of one name.
-    pub fn from_tensors(
-        name: &str,
-        version: u64,
-        tensors: &[crate::layout::Tensor],
-        chunk_size: u64,
-    ) -> Result<Self, ManifestError> {
-        let mut m = Manifest {
-            name: name.to_owned(),
-            version,
-            chunk_size,
-            segments: Vec::new(),
-            entries: Vec::new(),
-            chunks: Vec::new(),
-        };
-        let (lo, hi) = CHUNK_SIZE_RANGE;
-        if !(lo..=hi).contains(&chunk_size) {
-            return Err(invalid(format!(
-                "chunk size {chunk_size} outside {lo}..={hi}"
-            )));
-        }
-        let mut wholes: Vec<crate::layout::Slice> = Vec::new();
-        let mut seen = HashSet::new();
-        for t in tensors {
-            if !seen.insert(t.name.as_str()) {
-                return Err(invalid(format!("tensor {:?} appears twice", t.name)));
-            }
-            let seg = t.slice.segment();
-            let si = match m.segments.iter().position(|s| s.name == seg) {
-                Some(i) => i,
-                None => {
-                    let whole = t.slice.whole_registration();
-                    m.segments.push(Segment {
-                        name: seg.to_owned(),
-                        len: whole.len(),
-                    });
-                    wholes.push(whole);
-                    m.segments.len() - 1
-                }
-            };
-            if wholes[si].len() != t.slice.whole_registration().len() {
-                return Err(invalid(format!(
-                    "two registrations are named {seg:?} (tensor {:?})",
-                    t.name
-                )));
-            }
-            m.entries.push(Entry {
-                name: t.name.clone(),
-                len: t.slice.len(),
-                dtype: t.dtype.clone(),
-                shape: t.shape.clone(),
-                segment: u32::try_from(si).map_err(|_| invalid("too many registrations"))?,
-                offset: t.slice.offset(),
-            });
-        }
-        for (si, whole) in wholes.iter().enumerate() {
-            let mut at = 0u64;
-            while at < whole.len() {
-                let n = (whole.len() - at).min(chunk_size);
-                let unreadable =
-                    |e| invalid(format!("reading registration {:?}: {e}", whole.segment()));
-                let (crc, _) = whole.crc_append(0, at, n).map_err(unreadable)?;
-                let mut h = blake3::Hasher::new();
-                whole.blake3_update(&mut h, at, n).map_err(unreadable)?;
-                m.chunks.push(Chunk {
-                    segment: si as u32,
-                    offset: at,
-                    len: n,
-                    crc32c: crc,
-                    blake3: h.finalize().into(),
-                });
-                at += n;
-            }
-        }
-        m.validate()?;
-        Ok(m)
-    }
-
     /// The entry named `name`, if any.
     pub fn entry(&self, name: &str) -> Option<&Entry> {
         self.entries.iter().find(|e| e.name == name)

@@ -21,8 +21,9 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::engine::{Engine, Registration};
+use crate::engine::Engine;
 use crate::gpu::GpuRegistration;
+use crate::handles::Registration;
 use crate::runtime;
 
 /// `BroadcastError` as the Python exception `ferry.broadcast` defines for its kind.

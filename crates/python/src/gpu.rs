@@ -27,9 +27,8 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::engine::{access_name, parse_access};
+use crate::args::{access_name, non_negative, parse_access};
 use crate::errors::{self, Kind};
-use crate::request::non_negative;
 use crate::runtime;
 
 /// Names GPU registrations that were given none.

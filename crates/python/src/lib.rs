@@ -17,11 +17,13 @@
 //! object with `__cuda_array_interface__`) give a `GpuRegistration`, which read/write/Batch take
 //! wherever they take a `Registration` (see `gpu`).
 
+mod args;
 mod broadcast;
 mod buffer;
 mod engine;
 mod errors;
 mod gpu;
+mod handles;
 mod kv;
 mod raw;
 mod request;

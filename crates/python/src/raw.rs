@@ -19,7 +19,8 @@ use ferry::raw::{AddressMap, RawPeer, segment_name};
 use ferry::{Batch, LocalMemory, LocalRef, MemoryRegion, OpKind, Outcome, TransferEngine};
 use pyo3::prelude::*;
 
-use crate::engine::{Engine, parse_access};
+use crate::args::parse_access;
+use crate::engine::Engine;
 use crate::errors;
 use crate::request::{self, PyOutcome, Request, seconds};
 use crate::runtime;

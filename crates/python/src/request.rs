@@ -15,9 +15,10 @@ use pyo3::prelude::*;
 
 use ferry::LocalMemory;
 
-use crate::engine::{Registration, RemoteSegment};
+pub(crate) use crate::args::{non_negative, seconds};
 use crate::errors::{self, Kind};
 use crate::gpu::GpuRegistration;
+use crate::handles::{Registration, RemoteSegment};
 
 /// What the watch of a request knows.
 #[derive(Default)]
@@ -167,22 +168,6 @@ where
         w.settle(Some(done), true);
     });
     (watch, canceller)
-}
-
-/// Seconds (a non-negative number) as a `Duration`; `what` names the argument in errors.
-pub(crate) fn seconds(what: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
-    match v {
-        None => Ok(None),
-        Some(s) if (0.0..1e9).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(errors::invalid_argument(format!(
-            "{what} must be a number of seconds from 0 to 1e9, not {s}"
-        ))),
-    }
-}
-
-/// A non-negative offset or length; `what` names the argument in errors.
-pub(crate) fn non_negative(what: &str, v: i64) -> PyResult<u64> {
-    u64::try_from(v).map_err(|_| errors::invalid_argument(format!("{what} must be >= 0, not {v}")))
 }
 
 /// The local side of an op: host memory (`Registration`) or device memory (`GpuRegistration`).
