@@ -411,8 +411,38 @@ pub fn hello_reply(peer: SocketAddr, ours: &Hello, reply: ControlFrame) -> Resul
 /// incarnation serves there now), `Authentication`, `HandshakeRefused` (the inbox is full, or
 /// the server takes none), or `Malformed` for any other frame.
 pub fn notify_reply(peer: SocketAddr, known: Epoch, reply: ControlFrame) -> Result<(), Error> {
+    accepted(peer, known, reply, "notify-ack", |f| {
+        matches!(f, ControlFrame::NotifyAck)
+    })
+}
+
+/// What the server's reply to a data-stream `attach` means: accepted, `StaleEpoch` (the server
+/// is another incarnation than the one the stream was meant for), `HandshakeRefused`, or
+/// `Malformed` for any other frame.
+pub fn attach_reply(
+    peer: SocketAddr,
+    attach: &StreamAttach,
+    reply: ControlFrame,
+) -> Result<(), Error> {
+    accepted(peer, attach.server_epoch, reply, "stream-accept", |f| {
+        matches!(f, ControlFrame::StreamAccept)
+    })
+}
+
+/// `reply` to a request meant for incarnation `known`: `Ok` when `is_accept` takes it, else
+/// what its refusal says (`StaleEpoch`, `Authentication`, `HandshakeRefused`), or `Malformed`
+/// naming the `expected` frame.
+fn accepted(
+    peer: SocketAddr,
+    known: Epoch,
+    reply: ControlFrame,
+    expected: &'static str,
+    is_accept: impl Fn(&ControlFrame) -> bool,
+) -> Result<(), Error> {
+    if is_accept(&reply) {
+        return Ok(());
+    }
     match reply {
-        ControlFrame::NotifyAck => Ok(()),
         ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => Err(Error::StaleEpoch {
             addr: peer.to_string(),
             known,
@@ -428,36 +458,7 @@ pub fn notify_reply(peer: SocketAddr, known: Epoch, reply: ControlFrame) -> Resu
             peer: peer.to_string(),
             reason: r.message,
         }),
-        other => Err(unexpected(peer, &other, "notify-ack")),
-    }
-}
-
-/// What the server's reply to a data-stream `attach` means: accepted, `StaleEpoch` (the server
-/// is another incarnation than the one the stream was meant for), `HandshakeRefused`, or
-/// `Malformed` for any other frame.
-pub fn attach_reply(
-    peer: SocketAddr,
-    attach: &StreamAttach,
-    reply: ControlFrame,
-) -> Result<(), Error> {
-    match reply {
-        ControlFrame::StreamAccept => Ok(()),
-        ControlFrame::Reject(r) if r.reason == RejectReason::StaleEpoch => Err(Error::StaleEpoch {
-            addr: peer.to_string(),
-            known: attach.server_epoch,
-            found: r.epoch,
-        }),
-        ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
-            Err(Error::Authentication {
-                peer: peer.to_string(),
-                reason: r.message,
-            })
-        }
-        ControlFrame::Reject(r) => Err(Error::HandshakeRefused {
-            peer: peer.to_string(),
-            reason: r.message,
-        }),
-        other => Err(unexpected(peer, &other, "stream-accept")),
+        other => Err(unexpected(peer, &other, expected)),
     }
 }
 
