@@ -148,6 +148,21 @@ fn say(line: std::fmt::Arguments<'_>) {
     }
 }
 
+/// `--into DIR`, checked before anything is pulled: made if missing, and a file can be created
+/// in it (and is removed again), so a bad directory fails at once rather than after the pull.
+fn writable_dir(dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--into {}: cannot make the directory", dir.display()))?;
+    let probe = dir.join(format!(".ferry-probe.{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .with_context(|| format!("--into {}: cannot write there", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {
     let path = file.cloned().or_else(|| {
         std::env::var_os(ferry::AUTH_KEY_FILE_ENV)
@@ -432,6 +447,9 @@ fn pull_inner(
     last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
     started: f64,
 ) -> Result<()> {
+    if let Some(dir) = &args.into {
+        writable_dir(dir)?;
+    }
     let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     runtime()?.block_on(async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =

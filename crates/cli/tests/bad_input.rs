@@ -222,3 +222,33 @@ fn serve_listens_on_a_host_name_and_says_what_a_missing_port_means() {
     let addr: std::net::SocketAddr = addr.parse().expect("an address");
     assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
 }
+
+#[test]
+fn a_pull_into_a_directory_it_cannot_write_fails_before_it_starts() {
+    // No publisher listens on port 9: a refusal naming the directory, not the connection,
+    // shows the directory was checked first.
+    let out = ferry()
+        .args([
+            "pull",
+            "127.0.0.1:9",
+            "--into",
+            "/proc/ferry-cannot-be-made",
+        ])
+        .output()
+        .expect("run ferry");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--into /proc/ferry-cannot-be-made"), "{err}");
+    assert!(!err.contains("refused"), "{err}");
+    // A directory that does not exist yet is made, and nothing is left in it.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().join("new");
+    let out = ferry()
+        .args(["pull", "127.0.0.1:9", "--into"])
+        .arg(&dir)
+        .output()
+        .expect("run ferry");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(dir.is_dir());
+    assert_eq!(std::fs::read_dir(&dir).expect("read dir").count(), 0);
+}
