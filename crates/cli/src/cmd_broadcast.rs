@@ -148,19 +148,33 @@ fn say(line: std::fmt::Arguments<'_>) {
     }
 }
 
-/// `--into DIR`, checked before anything is pulled: made if missing, and a file can be created
-/// in it (and is removed again), so a bad directory fails at once rather than after the pull.
+/// `--into DIR`, checked before anything is pulled: it can be made (if missing) and a file can
+/// be created in it. What the check made is removed again, so a pull refused later leaves
+/// nothing behind; a bad directory fails at once rather than after the pull.
 fn writable_dir(dir: &std::path::Path) -> Result<()> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("--into {}: cannot make the directory", dir.display()))?;
-    let probe = dir.join(format!(".ferry-probe.{}", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-        .with_context(|| format!("--into {}: cannot write there", dir.display()))?;
-    let _ = std::fs::remove_file(&probe);
-    Ok(())
+    // The first missing ancestor (or DIR itself): what the check makes, and removes.
+    let made = dir
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+        .last()
+        .map(std::path::Path::to_path_buf);
+    let check = || -> Result<()> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--into {}: cannot make the directory", dir.display()))?;
+        let probe = dir.join(format!(".ferry-probe.{}", std::process::id()));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)
+            .with_context(|| format!("--into {}: cannot write there", dir.display()))?;
+        let _ = std::fs::remove_file(&probe);
+        Ok(())
+    };
+    let checked = check();
+    if let Some(made) = made {
+        let _ = std::fs::remove_dir_all(made);
+    }
+    checked
 }
 
 fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {

@@ -240,15 +240,15 @@ fn a_pull_into_a_directory_it_cannot_write_fails_before_it_starts() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("--into /proc/ferry-cannot-be-made"), "{err}");
     assert!(!err.contains("refused"), "{err}");
-    // A directory that does not exist yet is made, and nothing is left in it.
+    // A directory that does not exist yet is checked by making it, and removed again: a pull
+    // that fails leaves nothing behind.
     let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path().join("new");
+    let dir = tmp.path().join("new").join("deeper");
     let out = ferry()
         .args(["pull", "127.0.0.1:9", "--into"])
         .arg(&dir)
         .output()
         .expect("run ferry");
     assert_eq!(out.status.code(), Some(1));
-    assert!(dir.is_dir());
-    assert_eq!(std::fs::read_dir(&dir).expect("read dir").count(), 0);
+    assert_eq!(std::fs::read_dir(tmp.path()).expect("read dir").count(), 0);
 }
