@@ -64,6 +64,15 @@ pub enum Miss {
     },
 }
 
+impl Miss {
+    /// Whether a later listing of the peer may hold the range (it may have registered the
+    /// memory since): a range outside or past every registration, not an empty or overflowing
+    /// one.
+    pub fn may_be_listed_later(&self) -> bool {
+        matches!(self, Miss::Outside | Miss::PastEnd { .. })
+    }
+}
+
 impl std::fmt::Display for Miss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -175,6 +184,11 @@ impl<T> AddressMap<T> {
         self.by_base.get(&base)
     }
 
+    /// The entry whose base is `base`, to change its value (its range stays).
+    pub fn get_mut(&mut self, base: u64) -> Option<&mut Entry<T>> {
+        self.by_base.get_mut(&base)
+    }
+
     /// The entries in address order.
     pub fn iter(&self) -> impl Iterator<Item = &Entry<T>> {
         self.by_base.values()
@@ -268,13 +282,41 @@ impl RawPeer {
         addr: u64,
         len: u64,
     ) -> Result<(RemoteSegment, u64), Error> {
-        match self.lookup(addr, len) {
-            Ok(found) => Ok(found),
-            Err(Error::UnknownAddress { .. }) if len != 0 && addr.checked_add(len).is_some() => {
-                self.refresh(engine).await?;
-                self.lookup(addr, len)
-            }
-            Err(e) => Err(e),
+        let map = self.holding(engine, &[addr], &[len]).await?;
+        let (e, offset) = map
+            .lookup(addr, len)
+            .map_err(|miss| self.unknown(addr, len, &miss))?;
+        Ok((e.value.segment.clone(), offset))
+    }
+
+    /// A listing that holds every range `addrs[i]..+lens[i]`: the last one, or, where it lacks
+    /// one, a fresh one (asked for once, as [`resolve`](Self::resolve) does). A batch looks its
+    /// ranges up in it by reference, with one lock and no copy per range. The error names the
+    /// first range no listing holds.
+    pub async fn holding(
+        &self,
+        engine: &TransferEngine,
+        addrs: &[u64],
+        lens: &[u64],
+    ) -> Result<Arc<AddressMap<RemoteRaw>>, Error> {
+        let first_miss = |map: &AddressMap<RemoteRaw>| {
+            addrs
+                .iter()
+                .zip(lens)
+                .find_map(|(&a, &l)| map.lookup(a, l).err().map(|m| (a, l, m)))
+        };
+        let map = self.registrations();
+        let Some((addr, len, miss)) = first_miss(&map) else {
+            return Ok(map);
+        };
+        if !miss.may_be_listed_later() {
+            return Err(self.unknown(addr, len, &miss));
+        }
+        self.refresh(engine).await?;
+        let map = self.registrations();
+        match first_miss(&map) {
+            None => Ok(map),
+            Some((addr, len, miss)) => Err(self.unknown(addr, len, &miss)),
         }
     }
 
@@ -287,7 +329,8 @@ impl RawPeer {
         Ok(())
     }
 
-    fn unknown(&self, addr: u64, len: u64, miss: &Miss) -> Error {
+    /// The error for a remote range no listing of this peer holds.
+    pub fn unknown(&self, addr: u64, len: u64, miss: &Miss) -> Error {
         Error::UnknownAddress {
             side: "remote",
             peer: self.peer.addr().to_string(),

@@ -102,16 +102,10 @@ impl RawEngine {
         let access = parse_access(access)?;
         {
             let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
-            if let Ok((e, 0)) = map.lookup(addr, length)
+            if let Some(e) = map.get_mut(addr)
                 && e.len == length
             {
-                let base = e.base;
-                if let Some(e) = map.remove(base) {
-                    let mut value = e.value;
-                    value.count += 1;
-                    // Re-inserting what was just removed cannot overlap.
-                    let _ = map.insert(base, length, value);
-                }
+                e.value.count += 1;
                 return Ok(());
             }
             // Checked before anything native is made.
@@ -183,25 +177,16 @@ impl RawEngine {
     fn unregister(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
         let gone = {
             let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
-            let Some(e) = map.remove(addr) else {
-                return Err(errors::to_py(
-                    py,
-                    ferry::Error::UnknownAddress {
-                        side: "local",
-                        peer: "local".into(),
-                        addr,
-                        len: 0,
-                        reason: "no registration starts there".into(),
-                    },
-                ));
-            };
-            if e.value.count > 1 {
-                let mut value = e.value;
-                value.count -= 1;
-                let _ = map.insert(e.base, e.len, value);
-                None
-            } else {
-                Some(e)
+            match map.get_mut(addr) {
+                None => {
+                    let reason = "no registration starts there";
+                    return Err(errors::to_py(py, local_unknown(addr, 0, reason)));
+                }
+                Some(e) if e.value.count > 1 => {
+                    e.value.count -= 1;
+                    None
+                }
+                Some(_) => map.remove(addr),
             }
         };
         // Dropping the handle unpublishes it; off the GIL, it may wait for native cleanup.
@@ -303,16 +288,7 @@ impl RawEngine {
             let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
             for (&addr, &len) in addrs.iter().zip(&lengths) {
                 if let Err(miss) = map.lookup(addr, len) {
-                    return Err(errors::to_py(
-                        py,
-                        ferry::Error::UnknownAddress {
-                            side: "local",
-                            peer: "local".into(),
-                            addr,
-                            len,
-                            reason: miss.to_string(),
-                        },
-                    ));
+                    return Err(errors::to_py(py, local_unknown(addr, len, miss)));
                 }
             }
             return Ok(());
@@ -321,10 +297,7 @@ impl RawEngine {
         py.detach(|| {
             rt.block_on(async {
                 let p = self.peer(peer).await?;
-                for (&addr, &len) in addrs.iter().zip(&lengths) {
-                    p.resolve(&self.engine, addr, len).await?;
-                }
-                Ok::<(), ferry::Error>(())
+                p.holding(&self.engine, &addrs, &lengths).await.map(drop)
             })
         })
         .map_err(|e| self.fail(py, peer, e))
@@ -458,6 +431,17 @@ impl RawEngine {
             "<ferry.RawEngine peer_id={} registrations={n}>",
             self.engine.peer_id()
         )
+    }
+}
+
+/// A local range in no registration of this engine (nothing was sent).
+fn local_unknown(addr: u64, len: u64, reason: impl std::fmt::Display) -> ferry::Error {
+    ferry::Error::UnknownAddress {
+        side: "local",
+        peer: "this engine".into(),
+        addr,
+        len,
+        reason: reason.to_string(),
     }
 }
 
@@ -616,26 +600,21 @@ impl RawEngine {
         lengths: &[u64],
         timeout: Option<std::time::Duration>,
     ) -> Result<Batch, ferry::Error> {
-        let mut remotes = Vec::with_capacity(remote.len());
-        for (&addr, &len) in remote.iter().zip(lengths) {
-            remotes.push(p.resolve(&self.engine, addr, len).await?);
-        }
+        // One snapshot of the peer's registrations holds every remote range; each is looked up
+        // by reference, and its segment copied once, into the batch, as Ferry's own API does.
+        let remotes = p.holding(&self.engine, remote, lengths).await?;
         let mut batch = Batch::new();
-        {
-            let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
-            for ((&addr, &len), (segment, roff)) in local.iter().zip(lengths).zip(&remotes) {
-                let (e, off) =
-                    map.lookup(addr, len)
-                        .map_err(|miss| ferry::Error::UnknownAddress {
-                            side: "local",
-                            peer: "local".into(),
-                            addr,
-                            len,
-                            reason: miss.to_string(),
-                        })?;
-                batch.push(kind, &e.value.memory, off, segment, *roff, len);
-            }
+        let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
+        for ((&addr, &raddr), &len) in local.iter().zip(remote).zip(lengths) {
+            let (e, off) = map
+                .lookup(addr, len)
+                .map_err(|miss| local_unknown(addr, len, miss))?;
+            let (r, roff) = remotes
+                .lookup(raddr, len)
+                .map_err(|miss| p.unknown(raddr, len, &miss))?;
+            batch.push(kind, &e.value.memory, off, &r.value.segment, roff, len);
         }
+        drop(map);
         if let Some(t) = timeout {
             batch = batch.timeout(t);
         }

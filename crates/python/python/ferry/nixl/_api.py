@@ -22,6 +22,7 @@ from ferry import _ferry
 from ferry._hosts import bind_host, join
 from ferry.nixl import _bindings as nixlBind
 from ferry.nixl._bindings import (
+    nixlBackendError,
     nixlInvalidParamError,
     nixlMismatchError,
     nixlNoTelemetryError,
@@ -223,10 +224,8 @@ class nixl_agent:
         self._dlists: dict[int, _Dlist] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._ids = iter(range(1, 1 << 62))
-        self._regs: dict[tuple[int, int], int] = {}
         self._pending: dict[str, list[bytes]] = {}
         self.notifs: dict[str, list[bytes]] = {}
-        self._leaked_xfer_handles: list[int] = []
         self.plugin_list = list(PLUGINS)
         self.backends: dict[str, nixl_backend_handle] = {}
         self.backend_mems: dict[str, list[str]] = {}
@@ -476,7 +475,7 @@ class nixl_agent:
         try:
             self._raw.connect(r.addr)
         except _ferry.FerryError as e:
-            _raise(nixlBackendError_, f"makeConnection to {r.name} at {r.addr}: {e}", e)
+            _raise(nixlBackendError, f"makeConnection to {r.name} at {r.addr}: {e}", e)
 
     def _kv(self) -> Any:
         if self._etcd is None:
@@ -487,7 +486,7 @@ class nixl_agent:
             try:
                 self._etcd = _ferry.EtcdKv(endpoints.split(",")[0].strip())
             except _ferry.FerryError as e:
-                _raise(nixlBackendError_, f"etcd {endpoints}: {e}", e)
+                _raise(nixlBackendError, f"etcd {endpoints}: {e}", e)
         return self._etcd
 
     @staticmethod
@@ -505,7 +504,7 @@ class nixl_agent:
         try:
             self._raw.notify(join(ip_addr, port), self.name, _MD_NOTIF + md)
         except _ferry.FerryError as e:
-            _raise(nixlBackendError_, f"sendLocalMD to {ip_addr}:{port}: {e}", e)
+            _raise(nixlBackendError, f"sendLocalMD to {ip_addr}:{port}: {e}", e)
 
     def send_partial_agent_metadata(self, descs: Any, inc_conn_info: bool = False,
                                     backends: list[str] = [], ip_addr: str = "",
@@ -530,7 +529,7 @@ class nixl_agent:
         try:
             names = [s for s in self._peer_segments(addr) if s.startswith(_NAME_SEGMENT)]
         except _ferry.FerryError as e:
-            _raise(nixlBackendError_, f"fetchRemoteMD from {addr}: {e}", e)
+            _raise(nixlBackendError, f"fetchRemoteMD from {addr}: {e}", e)
         if f"{_NAME_SEGMENT}{remote_agent}" not in names:
             _raise(nixlNotFoundError, f"fetchRemoteMD: the agent at {addr} is {names}, not {remote_agent!r}")
         peer = self._engine.connect(addr)
@@ -547,7 +546,7 @@ class nixl_agent:
         try:
             self._raw.notify(join(ip_addr, port), self.name, _MD_INVALIDATE)
         except _ferry.FerryError as e:
-            _raise(nixlBackendError_, f"invalidateLocalMD to {ip_addr}:{port}: {e}", e)
+            _raise(nixlBackendError, f"invalidateLocalMD to {ip_addr}:{port}: {e}", e)
 
     # ----- transfers ---------------------------------------------------------------------
 
@@ -812,7 +811,5 @@ class nixl_agent:
         try:
             self._raw.notify(r.addr, self.name, msg)
         except _ferry.FerryError as e:
-            _raise(nixlBackendError_, f"genNotif to {r.name} at {r.addr}: {e}", e)
+            _raise(nixlBackendError, f"genNotif to {r.name} at {r.addr}: {e}", e)
 
-
-nixlBackendError_ = nixlBind.nixlBackendError
