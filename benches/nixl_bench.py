@@ -3,7 +3,8 @@
 since it only imports ``nixl._api``.
 
     nixl_bench.py target                          # registers a buffer; prints {"metadata", "buffer"}
-    nixl_bench.py run METADATA_HEX BUFFER BLOCK [--blocks 64] [--bytes N]
+    nixl_bench.py run METADATA_HEX BUFFER BLOCK [--blocks 64] [--bytes N] [--op READ|WRITE]
+    nixl_bench.py memcpy BLOCK [--blocks 64] [--bytes N]   # one core's memcpy of the same blocks
 
 Results are the stdout lines that start with ``BENCH `` (NIXL logs to stdout too). ``run`` prepares the local and remote lists of ``--blocks`` blocks once, makes one READ of all
 of them by index (the KV-cache pattern of vLLM's NixlConnector), then posts it and polls
@@ -50,7 +51,7 @@ def run(args) -> None:
     local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.ctypes.data + i * block, block, 0) for i in range(n)], "DRAM")
     remote = agent.prep_xfer_dlist(name, [(args.buffer + i * block, block, 0) for i in range(n)], "DRAM")
     ids = np.arange(n, dtype=np.int64)
-    handle = agent.make_prepped_xfer("READ", local, ids, remote, ids)
+    handle = agent.make_prepped_xfer(args.op, local, ids, remote, ids)
 
     def once() -> None:
         state = agent.transfer(handle)
@@ -66,11 +67,28 @@ def run(args) -> None:
     for _ in range(rounds):
         once()
     dt = time.perf_counter() - t0
-    if not (buf[:per] == 1).all():
+    if args.op == "READ" and not (buf[:per] == 1).all():
         sys.exit("the READ did not bring the target's bytes")
     print("BENCH " + json.dumps({"block": block, "blocks": n, "bytes": rounds * per, "seconds": dt,
                       "gbps": rounds * per / dt / 1e9}), flush=True)
     done()
+
+
+def memcpy(args) -> None:
+    """The same blocks copied by this process, one core (numpy's copy is a memcpy)."""
+    n, block = args.blocks, args.block
+    src = np.ones(SPAN, dtype=np.uint8)
+    dst = np.zeros(SPAN, dtype=np.uint8)
+    per = n * block
+    rounds = max(1, args.bytes // per)
+    np.copyto(dst[:per], src[:per])  # warm-up: faults the pages in
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for i in range(n):
+            np.copyto(dst[i * block:(i + 1) * block], src[i * block:(i + 1) * block])
+    dt = time.perf_counter() - t0
+    print("BENCH " + json.dumps({"block": block, "blocks": n, "bytes": rounds * per, "seconds": dt,
+                      "gbps": rounds * per / dt / 1e9}), flush=True)
 
 
 def main() -> None:
@@ -83,9 +101,16 @@ def main() -> None:
     r.add_argument("block", type=int)
     r.add_argument("--blocks", type=int, default=64)
     r.add_argument("--bytes", type=int, default=1 << 30)
+    r.add_argument("--op", choices=["READ", "WRITE"], default="READ")
+    m = sub.add_parser("memcpy")
+    m.add_argument("block", type=int)
+    m.add_argument("--blocks", type=int, default=64)
+    m.add_argument("--bytes", type=int, default=1 << 30)
     args = p.parse_args()
     if args.cmd == "target":
         target()
+    elif args.cmd == "memcpy":
+        memcpy(args)
     else:
         run(args)
 

@@ -70,6 +70,13 @@ impl Side {
             .envs(self.env.iter().copied());
         c
     }
+
+    /// The interpreter on the script alone: no prefix, no environment of the side.
+    fn command_plain(&self) -> Command {
+        let mut c = Command::new(&self.python);
+        c.arg(project_root().join(self.script));
+        c
+    }
 }
 
 /// The result line of a workload's output: the first that starts with `BENCH ` (NIXL logs to
@@ -292,7 +299,11 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
             python: ferry_py,
             prefix: vec!["-m", "ferry.nixl"],
             script,
-            env: vec![("FERRY_BIND_ADDRESS", "127.0.0.1")],
+            // The network plane, as UCX over TCP is: same-host copies are `bench same-host`'s.
+            env: vec![
+                ("FERRY_BIND_ADDRESS", "127.0.0.1"),
+                ("FERRY_SAME_HOST", "off"),
+            ],
         },
     ];
     let blocks: [u64; 2] = [64 << 10, 1 << 20];
@@ -355,8 +366,155 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
         );
     }
     println!(
-        "targets: at least 3x UCX over TCP at 64 KiB; against UCX's same-host copies, 1.2x once \
-         Ferry has a same-host path (issue 37)"
+        "targets: at least 3x UCX over TCP at 64 KiB (Ferry's network plane here; its same-host \
+         copies against UCX's are `cargo xtask bench same-host`)"
+    );
+    Ok(())
+}
+
+/// `cargo xtask bench same-host`: two processes on this host through NIXL's agent API (the
+/// same script on both wheels), READ and WRITE of 1 MiB blocks (64 per transfer) and 64 KiB
+/// blocks (16 per transfer: depth 16), in alternating rounds: Ferry's same-host plane, Ferry's
+/// network plane (`FERRY_SAME_HOST=off`: io_uring where the kernel has it), NIXL's UCX with its
+/// default transports, and one core's memcpy of the same blocks.
+pub(crate) fn same_host(args: &[String]) -> Result<()> {
+    const USAGE: &str = "usage: cargo xtask bench same-host [--total BYTES] [--repeat N]";
+    let (total, repeat) = total_and_repeat(args, 1u64 << 30, 3, USAGE)?;
+    let nixl = throwaway_venv("nixl-venv", &NIXL, true)?;
+    run_loud(Command::new(&nixl).args([
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "numpy",
+    ]))?;
+    let ferry_py = crate::python::bench_env()?;
+    let script = "benches/nixl_bench.py";
+    let bind = ("FERRY_BIND_ADDRESS", "127.0.0.1");
+    let sides = [
+        Side {
+            label: "ferry-local",
+            python: ferry_py.clone(),
+            prefix: vec!["-m", "ferry.nixl"],
+            script,
+            env: vec![bind],
+        },
+        Side {
+            label: "ferry-net",
+            python: ferry_py.clone(),
+            prefix: vec!["-m", "ferry.nixl"],
+            script,
+            env: vec![bind, ("FERRY_SAME_HOST", "off")],
+        },
+        Side {
+            label: "ucx",
+            python: nixl,
+            prefix: vec![],
+            script,
+            env: vec![],
+        },
+    ];
+    let cases: [(&str, u64, u32); 4] = [
+        ("READ", 1 << 20, 64),
+        ("WRITE", 1 << 20, 64),
+        ("READ", 64 << 10, 16),
+        ("WRITE", 64 << 10, 16),
+    ];
+    println!(
+        "Same host, two processes, NIXL's agent API ({} against Ferry's wheel), {total} bytes \
+         per run, {repeat} rounds, the order of the sides turning each round; GB/s = 10^9 B/s",
+        NIXL.join(" ")
+    );
+    // rates[case][side], side 3 = memcpy
+    let mut rates = vec![vec![Vec::new(); sides.len() + 1]; cases.len()];
+    for round in 1..=repeat {
+        let mut order: Vec<usize> = (0..=sides.len()).collect();
+        let turn = round % order.len();
+        order.rotate_left(turn);
+        for &s in &order {
+            if s == sides.len() {
+                for (c, (_, block, blocks)) in cases.iter().enumerate() {
+                    // NIXL's venv: it has numpy, and the script's import of `nixl` resolves.
+                    let out = sides[2]
+                        .command_plain()
+                        .args([
+                            "memcpy",
+                            &block.to_string(),
+                            "--blocks",
+                            &blocks.to_string(),
+                        ])
+                        .args(["--bytes", &total.to_string()])
+                        .output()
+                        .context("running the memcpy case")?;
+                    let line = result_line(&String::from_utf8_lossy(&out.stdout)).to_owned();
+                    let gbps = json_num(&line, "gbps", 0)
+                        .with_context(|| format!("no gbps in {line:?}"))?;
+                    rates[c][s].push(gbps);
+                }
+                println!("round {round} memcpy done");
+                continue;
+            }
+            let side = &sides[s];
+            let t = Target::start(side, "metadata")?;
+            for (c, (op, block, blocks)) in cases.iter().enumerate() {
+                let line = initiator(
+                    side,
+                    &t,
+                    &[
+                        "run".into(),
+                        block.to_string(),
+                        "--blocks".into(),
+                        blocks.to_string(),
+                        "--bytes".into(),
+                        total.to_string(),
+                        "--op".into(),
+                        (*op).into(),
+                    ],
+                )?;
+                let gbps =
+                    json_num(&line, "gbps", 0).with_context(|| format!("no gbps in {line:?}"))?;
+                println!(
+                    "round {round} {:<12} {op:<5} {blocks:>2} x {:>5} KiB {gbps:>7.3} GB/s",
+                    side.label,
+                    block >> 10
+                );
+                rates[c][s].push(gbps);
+            }
+        }
+    }
+    println!(
+        "\n{:<20} {:>20} {:>20} {:>20} {:>20} {:>18} {:>18}",
+        "case",
+        "ferry-local GB/s",
+        "ferry-net GB/s",
+        "ucx GB/s",
+        "memcpy GB/s",
+        "local/memcpy",
+        "local/ucx"
+    );
+    for (c, (op, block, blocks)) in cases.iter().enumerate() {
+        let ratio = |other: usize| -> Vec<f64> {
+            rates[c][0]
+                .iter()
+                .zip(&rates[c][other])
+                .map(|(f, o)| f / o)
+                .collect()
+        };
+        println!(
+            "{:<20} {:>20} {:>20} {:>20} {:>20} {:>18} {:>18}",
+            format!("{op} {blocks} x {} KiB", block >> 10),
+            median_and_range(&rates[c][0]),
+            median_and_range(&rates[c][1]),
+            median_and_range(&rates[c][2]),
+            median_and_range(&rates[c][3]),
+            median_and_range(&ratio(3)),
+            median_and_range(&ratio(2)),
+        );
+    }
+    println!(
+        "targets: 1 MiB at least 0.6x memcpy and 1.2x UCX; 64 KiB (depth 16) at least 0.4x \
+         memcpy and 1.2x UCX"
     );
     Ok(())
 }

@@ -28,10 +28,11 @@ pub(crate) struct BenchArgs {
     /// publishes `bench`.
     #[arg(long, default_value = "bench")]
     segment: String,
-    /// Transport: tcp, uring (io_uring, an error where the kernel cannot), rdma, or auto (the
-    /// engine's choice: io_uring where the kernel supports it, TCP otherwise). The report's
-    /// `transport` says what ran.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring", "rdma"])]
+    /// Transport: tcp, uring (io_uring, an error where the kernel cannot), rdma, local (the
+    /// same-host plane: process-to-process copies, an error where it is not taken), or auto (the
+    /// engine's choice: the same-host plane for a peer on this host, else io_uring where the
+    /// kernel supports it, TCP otherwise). The report's `transport` says what ran.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring", "rdma", "local"])]
     transport: String,
     /// RDMA devices and ports to use, in NCCL_IB_HCA syntax (`mlx5_0,mlx5_1:1`, `^mlx5_2`,
     /// `=rxe1`); default: every usable port.
@@ -210,6 +211,7 @@ impl LoopbackServer {
     ) -> Result<Self> {
         let (auth_key_file, allow_open_key_file) = auth;
         let kinds = kinds.to_vec();
+        let same_host = kinds.contains(&TransportKind::Local);
         let (streams, socket_buffer, io_threads) = tcp;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -226,6 +228,7 @@ impl LoopbackServer {
                         let mut server = TransferEngine::builder()
                             .listen("127.0.0.1:0".parse()?)
                             .transports(&kinds)
+                            .same_host(same_host)
                             .data_plane(plane)
                             .streams(streams)
                             .socket_buffer(socket_buffer)
@@ -458,7 +461,10 @@ async fn verify_gpu(
 
 async fn bench(args: &BenchArgs, progress: &Arc<Progress>) -> Result<Report> {
     let (kinds, plane) = match args.transport.as_str() {
-        "auto" => (vec![TransportKind::Tcp], DataPlane::Auto),
+        "auto" | "local" => (
+            vec![TransportKind::Local, TransportKind::Tcp],
+            DataPlane::Auto,
+        ),
         "tcp" => (vec![TransportKind::Tcp], DataPlane::Tcp),
         "uring" => (vec![TransportKind::Tcp], DataPlane::Uring),
         "rdma" => (vec![TransportKind::Rdma], DataPlane::Tcp),
@@ -522,6 +528,7 @@ async fn bench(args: &BenchArgs, progress: &Arc<Progress>) -> Result<Report> {
     };
     let mut builder = TransferEngine::builder()
         .transports(&kinds)
+        .same_host(kinds.contains(&TransportKind::Local))
         .data_plane(plane)
         .streams(streams)
         .depth(depth.max(2))
@@ -569,6 +576,15 @@ async fn measure(
         .connect(addr)
         .await
         .with_context(|| format!("connecting to {addr}"))?;
+    if args.transport == "local" && peer.transport() != ferry::TransportKind::Local {
+        let why = engine
+            .describe()
+            .routes
+            .iter()
+            .find_map(|r| r.same_host.clone())
+            .unwrap_or_else(|| "no reason recorded".into());
+        bail!("--transport local: the same-host plane was not taken to {addr}: {why}");
+    }
     let remote = peer.segment(&args.segment).map_err(|source| {
         let mut published: Vec<String> = peer.segments().iter().map(|s| s.name.clone()).collect();
         published.sort();

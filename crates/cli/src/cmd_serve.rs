@@ -218,6 +218,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             .streams(args.streams)
             .io_threads(args.io_threads.0)
             .dead_peer_after(args.dead_peer_after.0)
+            // An explicit network plane is served alone; `auto` adds the same-host plane.
+            .same_host(args.transport == "auto")
             .data_plane(plane);
         if let Some(f) = &args.auth_key_file {
             builder = builder.auth_key_file(f);

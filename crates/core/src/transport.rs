@@ -36,15 +36,18 @@ pub enum TransportKind {
     Uring,
     /// RDMA reliable-connected queue pairs.
     Rdma,
+    /// The same-host plane: process-to-process copies on one host.
+    Local,
 }
 
 impl TransportKind {
-    /// The name users type (`tcp`, `uring`, `rdma`).
+    /// The name users type (`tcp`, `uring`, `rdma`, `local`).
     pub fn name(self) -> &'static str {
         match self {
             TransportKind::Tcp => "tcp",
             TransportKind::Uring => "uring",
             TransportKind::Rdma => "rdma",
+            TransportKind::Local => "local",
         }
     }
 
@@ -54,6 +57,7 @@ impl TransportKind {
             TransportOffer::Tcp { .. } => Some(TransportKind::Tcp),
             TransportOffer::Uring { .. } => Some(TransportKind::Uring),
             TransportOffer::Rdma { .. } => Some(TransportKind::Rdma),
+            TransportOffer::Local { .. } => Some(TransportKind::Local),
             _ => None,
         }
     }

@@ -265,6 +265,21 @@ pub enum TransportOffer {
         /// The rails.
         rails: Vec<RdmaEndpoint>,
     },
+    /// The same-host plane (`ferry-transport-local`): the serving side copies between its
+    /// published memory and the client's buffers directly, process to process. A client offers
+    /// it with its boot id and pid (and no socket); a server answers only a client of its own
+    /// boot id, naming the Unix socket its streams attach to.
+    Local {
+        /// The offering host's boot id (`/proc/sys/kernel/random/boot_id`, as 16 bytes).
+        boot_id: [u8; 16],
+        /// The offering process's id (checked against the socket's credentials).
+        pid: u32,
+        /// Data streams the peer accepts per connection (a client: 0).
+        streams: u16,
+        /// The abstract Unix socket name the server's streams attach to (empty in a client's
+        /// offer), at most [`MAX_LOCAL_SOCKET`] bytes.
+        socket: String,
+    },
     /// A transport this build does not know (kept so it can be relayed or reported).
     Unknown {
         /// The transport code.
@@ -299,6 +314,11 @@ const RDMA_ENDPOINT_LEN: usize = 2 + 1 + 1 + 2 + 16 + 4 + 4;
 const T_TCP: u16 = 1;
 const T_URING: u16 = 2;
 const T_RDMA: u16 = 3;
+const T_LOCAL: u16 = 4;
+
+/// The longest abstract socket name a [`TransportOffer::Local`] may carry (a Unix socket path
+/// holds 108 bytes, one of them the leading zero of an abstract name).
+pub const MAX_LOCAL_SOCKET: usize = 107;
 
 impl TransportOffer {
     /// The wire code of this transport.
@@ -307,6 +327,7 @@ impl TransportOffer {
             TransportOffer::Tcp { .. } => T_TCP,
             TransportOffer::Uring { .. } => T_URING,
             TransportOffer::Rdma { .. } => T_RDMA,
+            TransportOffer::Local { .. } => T_LOCAL,
             TransportOffer::Unknown { code, .. } => *code,
         }
     }
@@ -337,6 +358,21 @@ impl TransportOffer {
                     out.extend_from_slice(&r.qpn.to_le_bytes());
                     out.extend_from_slice(&r.psn.to_le_bytes());
                 }
+            }
+            TransportOffer::Local {
+                boot_id,
+                pid,
+                streams,
+                socket,
+            } => {
+                out.extend_from_slice(boot_id);
+                out.extend_from_slice(&pid.to_le_bytes());
+                out.extend_from_slice(&streams.to_le_bytes());
+                // At most MAX_LOCAL_SOCKET bytes by contract; a longer name is cut so the frame
+                // still decodes (the server that made it checked it at bind).
+                let name = &socket.as_bytes()[..socket.len().min(MAX_LOCAL_SOCKET)];
+                out.push(name.len() as u8);
+                out.extend_from_slice(name);
             }
             TransportOffer::Unknown { body, .. } => out.extend_from_slice(body),
         }
@@ -370,6 +406,26 @@ impl TransportOffer {
                     });
                 }
                 TransportOffer::Rdma { rails }
+            }
+            T_LOCAL => {
+                let boot_id = r.array("local boot id")?;
+                let pid = r.u32("local pid")?;
+                let streams = r.u16("local streams")?;
+                let len = usize::from(r.u8("local socket length")?);
+                if len > MAX_LOCAL_SOCKET {
+                    return Err(WireError::TooLarge {
+                        field: "local socket name",
+                        value: len as u64,
+                        limit: MAX_LOCAL_SOCKET as u64,
+                    });
+                }
+                let socket = r.string(len, "local socket name")?;
+                TransportOffer::Local {
+                    boot_id,
+                    pid,
+                    streams,
+                    socket,
+                }
             }
             other => {
                 return Ok(TransportOffer::Unknown {
@@ -1623,6 +1679,18 @@ mod tests {
                     })
                     .collect()
             }),
+            (
+                any::<[u8; 16]>(),
+                any::<u32>(),
+                any::<u16>(),
+                "[a-z0-9/-]{0,107}"
+            )
+                .prop_map(|(boot_id, pid, streams, socket)| TransportOffer::Local {
+                    boot_id,
+                    pid,
+                    streams,
+                    socket,
+                }),
             (100u16.., proptest::collection::vec(any::<u8>(), 0..16))
                 .prop_map(|(code, body)| TransportOffer::Unknown { code, body }),
         ]

@@ -43,6 +43,7 @@ pub struct EngineBuilder {
     auth: AuthSetting,
     allow_open_key_file: bool,
     metrics: Option<SocketAddr>,
+    same_host: bool,
 }
 
 /// Where the engine's authentication keys come from.
@@ -65,6 +66,18 @@ pub const AUTH_KEY_FILE_ENV: &str = "FERRY_AUTH_KEY_FILE";
 /// The environment variable that, set to `1`, lets [`EngineBuilder::build`] read a key file that
 /// group or others may access (see [`EngineBuilder::allow_open_key_file`]).
 pub const ALLOW_OPEN_KEY_FILE_ENV: &str = "FERRY_ALLOW_OPEN_KEY_FILE";
+
+/// The environment variable that, set to `off` (or `0`, `false`), turns the same-host plane off
+/// for every engine of the process (see [`EngineBuilder::same_host`]).
+pub const SAME_HOST_ENV: &str = "FERRY_SAME_HOST";
+
+/// Whether [`SAME_HOST_ENV`] leaves the same-host plane on.
+fn same_host_env_on() -> bool {
+    !matches!(
+        std::env::var(SAME_HOST_ENV).as_deref().map(str::trim),
+        Ok("off" | "0" | "false" | "no")
+    )
+}
 
 /// Reads the keyring file at `path` (lines of `name hexkey`, see [`ferry_core::auth::Keyring`]).
 /// A file whose mode grants group or others any access is refused unless `allow_open` (then a
@@ -130,11 +143,22 @@ impl Default for EngineBuilder {
             auth: AuthSetting::FromEnv,
             allow_open_key_file: false,
             metrics: None,
+            same_host: true,
         }
     }
 }
 
 impl EngineBuilder {
+    /// Whether peers on this host are served and reached by the same-host plane
+    /// (`ferry-transport-local`: process-to-process copies, chosen in the handshake, falling back
+    /// to the network planes when refused). Default on, with the portable data plane; `false`,
+    /// or `FERRY_SAME_HOST=off` in the environment, turns it off. Listing
+    /// [`TransportKind::Local`] in [`transports`](Self::transports) asks for it too.
+    pub fn same_host(mut self, on: bool) -> Self {
+        self.same_host = on;
+        self
+    }
+
     /// Serves published segments on `addr` (port 0: any free port). Without it the engine only
     /// connects out.
     pub fn listen(mut self, addr: SocketAddr) -> Self {
@@ -466,7 +490,7 @@ impl EngineBuilder {
                     transports.push(Arc::new(plane.tcp.clone()));
                     data_plane = Some(plane);
                 }
-                TransportKind::Tcp | TransportKind::Uring => {}
+                TransportKind::Tcp | TransportKind::Uring | TransportKind::Local => {}
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma if rdma.is_none() => {
                     let config = self.rdma.clone().unwrap_or_default();
@@ -487,6 +511,15 @@ impl EngineBuilder {
                     }
                 }
             }
+        }
+        // The same-host plane, before every built-in transport: a peer on this host is reached
+        // by copies, whatever else both ends offer.
+        let local = (self.same_host
+            && same_host_env_on()
+            && (data_plane.is_some() || self.kinds.contains(&TransportKind::Local)))
+        .then(|| ferry_transport_local::LocalTransport::new(self.data.local()));
+        if let Some(l) = &local {
+            transports.insert(self.extra.len(), Arc::new(l.clone()));
         }
         if transports.is_empty() {
             return Err(Error::InvalidRequest {
@@ -537,8 +570,20 @@ impl EngineBuilder {
                 #[cfg(feature = "uring")]
                 uring.as_ref(),
                 table.clone(),
-                responder,
+                responder.clone(),
             )?),
+        };
+        // Served beside the listener; a socket that cannot be made leaves peers the network.
+        let local_server = match (&server, &local) {
+            (Some(_), Some(l)) => match l.serve(table.clone(), responder) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    tracing::warn!(error = %e, "same-host plane not served; peers on this host \
+                        use the network planes");
+                    None
+                }
+            },
+            _ => None,
         };
         let metrics = self.metrics.map(MetricsServer::bind).transpose()?;
         tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()),
@@ -564,6 +609,7 @@ impl EngineBuilder {
                     rdma,
                     #[cfg(feature = "uring")]
                     uring,
+                    local,
                 },
                 peers: Peers {
                     known: Default::default(),
@@ -574,6 +620,7 @@ impl EngineBuilder {
                 },
                 serving: Serving {
                     server,
+                    local: local_server,
                     inbox,
                     stats: serve_stats,
                     metrics: metrics.map(|(listener, addr)| {

@@ -145,12 +145,17 @@ pub fn probe_with(opts: &ProbeOptions, devices: &dyn DeviceEnumerator) -> Capabi
     if cfg!(feature = "rdma") && !summary.rdma_devices.is_empty() {
         summary.transports.push(TransportKind::Rdma.name());
     }
+    let same_host = same_host_check();
+    if same_host.status == Status::Ok {
+        summary.transports.push(TransportKind::Local.name());
+    }
     let mut checks = vec![
         build_features(),
         libibverbs_check(),
         devices_check(&listing),
         topology_check(opts, &listing),
         uring,
+        same_host,
     ];
     checks.extend(cuda_checks(opts));
     #[cfg(feature = "cuda")]
@@ -254,6 +259,29 @@ fn uring_check() -> (Check, Vec<&'static str>) {
         }
     };
     (check, opcodes)
+}
+
+/// The `same-host` row: whether peers on this host can be reached by process-to-process
+/// copies (a boot id, the copy system call allowed, and what Yama lets a client grant).
+fn same_host_check() -> Check {
+    let p = ferry_transport_local::probe();
+    let summary = p.summary();
+    match (&p.boot_id, &p.copies, p.yama_scope) {
+        (Err(_), _, _) | (_, Err(_), _) => Check::new(
+            "same-host",
+            Status::Unavailable,
+            summary,
+            "peers on this host use the network planes (loopback TCP or io_uring); a container \
+             runtime's seccomp profile may refuse process_vm_readv",
+        ),
+        (Ok(_), Ok(()), Some(s)) if s >= 2 => Check::new(
+            "same-host",
+            Status::Unavailable,
+            summary,
+            "set kernel.yama.ptrace_scope to 1 or 0, or serve with CAP_SYS_PTRACE",
+        ),
+        _ => Check::new("same-host", Status::Ok, summary, ""),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

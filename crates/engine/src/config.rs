@@ -73,6 +73,16 @@ impl Default for DataPlaneConfig {
 
 impl DataPlaneConfig {
     /// The TCP transport's (and its server's) configuration.
+    /// The same-host plane's settings: the connect timeout and handshake limits shared with
+    /// the network planes, its own streams, depth and chunk size.
+    pub(crate) fn local(&self) -> ferry_transport_local::LocalConfig {
+        ferry_transport_local::LocalConfig {
+            connect_timeout: self.connect_timeout,
+            handshake: self.handshake,
+            ..Default::default()
+        }
+    }
+
     pub(crate) fn tcp(&self) -> TcpConfig {
         TcpConfig {
             streams: self.streams,

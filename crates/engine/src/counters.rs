@@ -160,6 +160,8 @@ pub(crate) struct RouteCounters {
     failures: [AtomicU64; FAILURES.len()],
     /// The engine's latency histograms (shared by every route).
     latencies: Arc<Latencies>,
+    /// Why the same-host plane was not taken on this route.
+    same_host: std::sync::Mutex<Option<String>>,
 }
 
 impl RouteCounters {
@@ -238,6 +240,19 @@ impl RouteCounters {
             reconnect_failures: self.reconnect_failures.load(Ordering::Relaxed),
             traffic,
             failures,
+            same_host: self
+                .same_host
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
         }
+    }
+
+    /// Records why the same-host plane was not taken on this route (at connect).
+    pub(crate) fn same_host_not_taken(&self, why: String) {
+        *self
+            .same_host
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
     }
 }

@@ -194,6 +194,10 @@ pub struct RouteDescription {
     /// Failed requests by the kind of their first failure (`timeout`, `cancelled`,
     /// `peer_lost`, `local`, `remote_<status>`; kinds with none left out).
     pub failures: Vec<(String, u64)>,
+    /// Why the same-host plane was not taken on this route, where this engine has it on: the
+    /// peer did not offer it (another host, or it serves none), or opening it failed (and
+    /// why). `None` when it was taken, or is off here.
+    pub same_host: Option<String>,
 }
 
 /// A published segment, as described locally.
@@ -238,6 +242,9 @@ pub struct Description {
     pub listen: Option<String>,
     /// Transports built in and enabled.
     pub transports: Vec<String>,
+    /// The same-host plane: `on` with its socket, or off and why (`FERRY_SAME_HOST`, no boot
+    /// id, no listener to serve it beside), and what this host allows (Yama, the copy probe).
+    pub same_host: String,
     /// The portable data plane (`uring` or `tcp`) and why it was chosen, e.g. `tcp (fell back to
     /// tcp: kernel lacks io_uring opcode(s) SEND)`; `None` when neither is enabled.
     pub data_plane: Option<String>,
@@ -296,6 +303,7 @@ impl std::fmt::Display for Description {
         if let Some(d) = &self.data_plane {
             writeln!(f, "data plane: {d}")?;
         }
+        writeln!(f, "same host: {}", self.same_host)?;
         if let Some(io) = &self.data_plane_io {
             writeln!(f, "{io}")?;
         }
@@ -356,6 +364,9 @@ impl std::fmt::Display for Description {
                 r.reconnect_attempts,
                 r.reconnect_failures
             )?;
+            if let Some(why) = &r.same_host {
+                writeln!(f, "  same host not taken: {why}")?;
+            }
         }
         #[cfg(feature = "cuda")]
         for g in &self.gpu_registrations {

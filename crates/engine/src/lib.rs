@@ -41,7 +41,9 @@ mod request;
 mod route;
 mod serve;
 
-pub use builder::{ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, load_keyring};
+pub use builder::{
+    ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, SAME_HOST_ENV, load_keyring,
+};
 pub use describe::{
     BroadcastDescription, CacheDescription, ContextDescription, Description, HandshakeDescription,
     LatencyDescription, RailDescription, RouteDescription, SegmentDescription, ServedDescription,

@@ -130,13 +130,14 @@ pub(crate) struct Pick {
     pub(crate) offer: TransportOffer,
 }
 
-/// Picks the first of `ours` (in order of preference) that the peer at `addr` offers. Our
-/// io_uring channel speaks the TCP transport's wire, so it takes a TCP offer too. `NoRoute` when
-/// nothing matches.
+/// Picks the first of `ours` (in order of preference), other than `skip`, that the peer at
+/// `addr` offers. Our io_uring channel speaks the TCP transport's wire, so it takes a TCP offer
+/// too. `NoRoute` when nothing matches.
 pub(crate) fn pick(
     ours: &[Arc<dyn Transport>],
     offers: &[TransportOffer],
     addr: SocketAddr,
+    skip: Option<TransportKind>,
 ) -> Result<Pick, Error> {
     let offered = |kind: TransportKind| {
         offers
@@ -145,6 +146,9 @@ pub(crate) fn pick(
     };
     for t in ours {
         let kind = t.kind();
+        if Some(kind) == skip {
+            continue;
+        }
         let offer = offered(kind).or_else(|| {
             (kind == TransportKind::Uring)
                 .then(|| offered(TransportKind::Tcp))

@@ -399,6 +399,10 @@ impl HandshakeResponder for Responder {
             };
             match t.accept(&info) {
                 Ok(o) => transports.push(o),
+                // A same-host offer from another host is no fault of anyone's.
+                Err(e @ ferry_core::Error::NoRoute { .. }) => {
+                    tracing::debug!(%from, transport = %t.kind(), error = %e, "not served");
+                }
                 Err(e) => tracing::warn!(%from, transport = %t.kind(), error = %e, "cannot serve"),
             }
         }

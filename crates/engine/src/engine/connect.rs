@@ -151,12 +151,15 @@ impl TransferEngine {
                 }
             }
         };
-        let (server, version, channel) = self.open_channel(addr, known).await?;
+        let (server, version, channel, why_not_local) = self.open_channel(addr, known).await?;
         let counters = self
             .inner
             .peers
             .routes
             .counters(addr.to_string(), channel.kind());
+        if let Some(why) = why_not_local {
+            counters.same_host_not_taken(why);
+        }
         tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
             segments = server.segments.len(), "connected");
         let rails = channel.kind() == TransportKind::Rdma;
@@ -204,7 +207,7 @@ impl TransferEngine {
             }
         };
         let span = tracing::info_span!("reconnect", addr = %peer.addr);
-        let (_, _, channel) = self.open_channel(peer.addr, same).instrument(span).await?;
+        let (_, _, channel, _) = self.open_channel(peer.addr, same).instrument(span).await?;
         Ok(channel)
     }
 
@@ -259,12 +262,15 @@ impl TransferEngine {
     }
 
     /// Handshake with `addr`, `check` of its answer, then the data path over the first transport
-    /// both ends offer: the peer's hello, the protocol version spoken, the channel.
+    /// both ends offer: the peer's hello, the protocol version spoken, the channel, and why the
+    /// same-host plane was not taken (where this engine has it). A same-host plane that the
+    /// peer answered but that cannot be opened (the copy probe refused, the socket unreachable)
+    /// gives way to the next transport both ends offer.
     async fn open_channel(
         &self,
         addr: SocketAddr,
         check: impl FnOnce(&Hello) -> Result<(), Error>,
-    ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>), Error> {
+    ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>, Option<String>), Error> {
         let hello = self.hello();
         let (server, session) = ferry_transport_tcp::handshake_with(
             addr,
@@ -281,8 +287,8 @@ impl TransferEngine {
             .common(server.versions)
             .unwrap_or(1);
         check(&server)?;
-        let Pick { transport, offer } =
-            route::pick(&self.inner.planes.transports, &server.transports, addr)?;
+        let ours = &self.inner.planes.transports;
+        let Pick { transport, offer } = route::pick(ours, &server.transports, addr, None)?;
         let info = PeerInfo {
             addr,
             local_id: self.inner.identity.id,
@@ -295,7 +301,23 @@ impl TransferEngine {
             key_name: None,
             version,
         };
-        let channel = transport.open(info).await?;
-        Ok((server, version, channel))
+        if transport.kind() != TransportKind::Local {
+            let why = self.inner.planes.local.as_ref().map(|_| {
+                "the peer did not offer it (another host, or it serves no same-host socket)"
+                    .to_owned()
+            });
+            let channel = transport.open(info).await?;
+            return Ok((server, version, channel, why));
+        }
+        let refused = match transport.open(info.clone()).await {
+            Ok(channel) => return Ok((server, version, channel, None)),
+            Err(e) => e,
+        };
+        tracing::info!(%addr, error = %refused,
+            "same-host plane refused; this peer is reached over the network planes");
+        let Pick { transport, offer } =
+            route::pick(ours, &server.transports, addr, Some(TransportKind::Local))?;
+        let channel = transport.open(PeerInfo { offer, ..info }).await?;
+        Ok((server, version, channel, Some(refused.to_string())))
     }
 }

@@ -74,6 +74,8 @@ pub(crate) struct DataPlanes {
     /// The io_uring data plane, when it was chosen (its rings and counters).
     #[cfg(feature = "uring")]
     pub(crate) uring: Option<UringTransport>,
+    /// The same-host plane, when it is on.
+    pub(crate) local: Option<ferry_transport_local::LocalTransport>,
 }
 
 /// Connecting to peers and running requests on them.
@@ -90,6 +92,8 @@ pub(crate) struct Peers {
 /// Serving peers and scrapes.
 pub(crate) struct Serving {
     pub(crate) server: Option<Server>,
+    /// The same-host plane's server, beside the listener.
+    pub(crate) local: Option<Arc<ferry_transport_local::LocalServerHandle>>,
     /// Notifications from peers, until the application takes them.
     pub(crate) inbox: Arc<crate::inbox::Inbox>,
     /// What the listener's data streams accepted and refused.
@@ -497,6 +501,7 @@ impl TransferEngine {
                 .data_plane
                 .as_ref()
                 .map(|(k, why)| format!("{k} ({why})")),
+            same_host: self.same_host_line(),
             #[cfg(feature = "uring")]
             data_plane_io: self.inner.planes.uring.as_ref().map(|t| {
                 let mut line = t.describe();
@@ -629,9 +634,32 @@ impl TransferEngine {
         self.inner.published.registry.retry_unquiesced()
     }
 
+    /// The same-host plane in one line (see [`Description::same_host`](crate::Description::same_host)).
+    fn same_host_line(&self) -> String {
+        let Some(_) = &self.inner.planes.local else {
+            return format!(
+                "off (EngineBuilder::same_host(false), {}=off, or no portable data plane)",
+                crate::builder::SAME_HOST_ENV
+            );
+        };
+        let probe = ferry_transport_local::probe();
+        match &self.inner.serving.local {
+            Some(s) if s.is_serving() => format!(
+                "{}; serving on @{} ({} streams now)",
+                probe.summary(),
+                s.name(),
+                s.streams()
+            ),
+            _ => format!("{}; client only (no listener)", probe.summary()),
+        }
+    }
+
     /// Stops serving: the listener closes and accepted connections are dropped.
     pub fn shutdown(&self) {
         if let Some(s) = &self.inner.serving.server {
+            s.shutdown();
+        }
+        if let Some(s) = &self.inner.serving.local {
             s.shutdown();
         }
     }

@@ -1,0 +1,463 @@
+//! The client side: a channel of a few streams over the server's abstract Unix socket, each
+//! driven by the core stream protocol ([`ClientStream`]). Chunks are posted by whichever thread
+//! has them (the submitter, or the stream's reader after a response made room); each stream's
+//! reader thread resolves responses.
+
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
+use ferry_core::outcome::FailureKind;
+use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Outgoing, Post, Resolution};
+use ferry_core::wire::{DATA_RESPONSE_LEN, TransportOffer, VECTORED_VERSION};
+use ferry_core::{
+    BoxFuture, Channel, Error, Op, OpKind, Outcome, PeerInfo, RequestControl, TransportKind,
+};
+use tokio::sync::Notify;
+use tracing::debug;
+
+use crate::host;
+use crate::wire::{ADDR_LEN, PROBE_OK, local_code};
+
+/// One request as the streams see it.
+struct Req {
+    ops: Arc<[Op]>,
+    control: Arc<RequestControl>,
+    outstanding: AtomicUsize,
+    done: Notify,
+}
+
+impl ChunkOwner for Req {
+    fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    fn control(&self) -> &RequestControl {
+        &self.control
+    }
+
+    fn chunk_done(&self) {
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+}
+
+type Job = ferry_core::stream::Work<Req>;
+
+/// Opens the streams of a channel to `peer`, whose offer names its socket and pid: each stream
+/// is connected, its server checked to be the handshake's process (`SO_PEERCRED`), granted the
+/// right to copy to and from this process where Yama asks, attached, and probed.
+pub(crate) fn connect(
+    peer: &PeerInfo,
+    streams: usize,
+    depth: usize,
+    chunk: u64,
+    timeout: Duration,
+) -> Result<LocalChannel, Error> {
+    let TransportOffer::Local {
+        pid,
+        streams: offered,
+        socket,
+        ..
+    } = &peer.offer
+    else {
+        return Err(Error::NoRoute {
+            peer: peer.addr.to_string(),
+            reason: "the peer offers no same-host plane".into(),
+        });
+    };
+    let n = streams.min(usize::from(*offered).max(1));
+    let mut socks = Vec::with_capacity(n);
+    for i in 0..n {
+        socks.push(attach(peer, *pid, socket, i as u16, timeout)?);
+    }
+    Ok(LocalChannel::new(
+        peer.addr,
+        socks,
+        depth,
+        chunk,
+        peer.version >= VECTORED_VERSION,
+    ))
+}
+
+fn unavailable(reason: String) -> Error {
+    Error::Unavailable {
+        library: "same-host plane".into(),
+        reason,
+    }
+}
+
+fn attach(
+    peer: &PeerInfo,
+    pid: u32,
+    socket: &str,
+    index: u16,
+    timeout: Duration,
+) -> Result<UnixStream, Error> {
+    let addr = UnixAddr::from_abstract_name(socket.as_bytes())
+        .map_err(|e| unavailable(format!("socket name {socket:?}: {e}")))?;
+    let sock = UnixStream::connect_addr(&addr).map_err(|e| {
+        unavailable(format!(
+            "the peer's socket @{socket} is not reachable from here (another network \
+             namespace?): {e}"
+        ))
+    })?;
+    let io = |e: io::Error| ferry_net::lost(peer.addr, "attaching a same-host stream", e);
+    sock.set_read_timeout(Some(timeout)).map_err(io)?;
+    sock.set_write_timeout(Some(timeout)).map_err(io)?;
+    let (owner, _) = host::peer_credentials(&sock).map_err(io)?;
+    if owner != pid {
+        return Err(unavailable(format!(
+            "the socket @{socket} belongs to pid {owner}, but the peer's handshake named pid \
+             {pid} (another pid namespace, or not the peer)"
+        )));
+    }
+    host::allow_tracer(pid).map_err(unavailable)?;
+    let attach = stream_attach(peer, index, local_code());
+    let mut w = &sock;
+    ferry_net::write_frame(&mut w, peer.addr, &attach_frame(peer, attach))?;
+    let mut r = &sock;
+    let reply = ferry_net::read_frame(&mut r, peer.addr)?;
+    attach_reply(peer.addr, &attach, reply)?;
+    // The probe: the server reads these eight bytes of ours and sends them back.
+    let canary = Box::new(rand::random::<u64>() | 1);
+    let at = (&raw const *canary) as usize as u64;
+    w.write_all(&at.to_le_bytes()).map_err(io)?;
+    let mut answer = [0u8; 9];
+    r.read_exact(&mut answer).map_err(io)?;
+    if answer[0] != PROBE_OK {
+        let errno = i32::from_le_bytes([answer[1], answer[2], answer[3], answer[4]]);
+        return Err(unavailable(format!(
+            "the peer (pid {pid}) may not copy to and from this process: {} (Yama \
+             ptrace_scope: {}; the copies need the same user, or CAP_SYS_PTRACE)",
+            io::Error::from_raw_os_error(errno),
+            host::yama_scope().map_or("none".into(), |s| s.to_string()),
+        )));
+    }
+    if answer[1..] != canary.to_le_bytes() {
+        return Err(unavailable(format!(
+            "the peer (pid {pid}) answered the probe with bytes other than ours"
+        )));
+    }
+    sock.set_read_timeout(None).map_err(io)?;
+    sock.set_write_timeout(None).map_err(io)?;
+    Ok(sock)
+}
+
+/// A channel of the same-host plane to one peer incarnation.
+#[derive(Debug)]
+pub struct LocalChannel {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    peer: SocketAddr,
+    dealer: Mutex<Dealer<Job>>,
+    streams: Vec<Side>,
+    chunk: u64,
+    vectored: bool,
+    closed: AtomicBool,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalChannel")
+            .field("peer", &self.peer)
+            .field("streams", &self.streams.len())
+            .finish()
+    }
+}
+
+struct Side {
+    sock: UnixStream,
+    proto: Mutex<ClientStream<Req>>,
+    alive: AtomicBool,
+}
+
+impl LocalChannel {
+    fn new(
+        peer: SocketAddr,
+        socks: Vec<UnixStream>,
+        depth: usize,
+        chunk: u64,
+        vectored: bool,
+    ) -> Self {
+        let n = socks.len();
+        let shared = Arc::new(Shared {
+            peer,
+            dealer: Mutex::new(Dealer::new(n)),
+            streams: socks
+                .into_iter()
+                .map(|sock| Side {
+                    sock,
+                    proto: Mutex::new(ClientStream::new(depth, AckPolicy::Immediate)),
+                    alive: AtomicBool::new(true),
+                })
+                .collect(),
+            chunk,
+            vectored,
+            closed: AtomicBool::new(false),
+        });
+        for i in 0..n {
+            let s = shared.clone();
+            let started = std::thread::Builder::new()
+                .name("ferry-local-rx".into())
+                .spawn(move || s.read_responses(i));
+            if let Err(e) = started {
+                debug!(error = %e, "cannot start a same-host reader; the stream is given up");
+                shared.stream_ended(i, None);
+            }
+        }
+        Self { shared }
+    }
+
+    /// Streams of the channel.
+    pub fn streams(&self) -> usize {
+        self.shared.streams.len()
+    }
+}
+
+impl Shared {
+    fn lock_dealer(&self) -> std::sync::MutexGuard<'_, Dealer<Job>> {
+        self.dealer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Posts what stream `i` may take while it has room.
+    fn pump(&self, i: usize) {
+        let side = &self.streams[i];
+        let mut proto = side.proto.lock().unwrap_or_else(PoisonError::into_inner);
+        while proto.has_room() {
+            let idle = proto.in_flight() == 0;
+            let Some(job) = self.lock_dealer().take(i, idle) else {
+                return;
+            };
+            match proto.post(job) {
+                Post::Send(out) => {
+                    if let Err(e) = send(&side.sock, &out) {
+                        debug!(peer = %self.peer, error = %e, "same-host stream failed to send");
+                        proto.fail_all(e.raw_os_error());
+                        let _ = side.sock.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                }
+                Post::Resolved => {}
+                Post::Broken(work) => {
+                    if let Err(work) = self.lock_dealer().deal(work) {
+                        work.not_posted(FailureKind::PeerLost);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    fn pump_all(&self, set: StreamSet) {
+        for i in 0..self.streams.len() {
+            if set.contains(i) {
+                self.pump(i);
+            }
+        }
+    }
+
+    /// The reader of stream `i`: resolves each response, then posts what it made room for.
+    fn read_responses(self: Arc<Self>, i: usize) {
+        let side = &self.streams[i];
+        let mut head = [0u8; DATA_RESPONSE_LEN];
+        let mut r = &side.sock;
+        let native = loop {
+            if let Err(e) = r.read_exact(&mut head) {
+                break (e.kind() != io::ErrorKind::UnexpectedEof)
+                    .then(|| e.raw_os_error())
+                    .flatten();
+            }
+            let mut proto = side.proto.lock().unwrap_or_else(PoisonError::into_inner);
+            match proto.on_response(&head) {
+                Ok(Resolution::Done) => {}
+                Ok(Resolution::Payload(chunk)) => {
+                    if let Err(e) = land(&mut r, chunk) {
+                        break e.raw_os_error();
+                    }
+                }
+                Ok(Resolution::Pieces(pieces)) => pieces.into_iter().for_each(Chunk::acked),
+                Err(v) => {
+                    debug!(peer = %self.peer, violation = %v, "same-host stream broke the protocol");
+                    break None;
+                }
+            }
+            drop(proto);
+            self.pump(i);
+        };
+        self.stream_ended(i, native);
+    }
+
+    /// Stream `i` is over: what it had in flight is lost, what was dealt to it goes to the
+    /// others (or is never posted when none is left).
+    fn stream_ended(&self, i: usize, native: Option<i32>) {
+        let side = &self.streams[i];
+        side.alive.store(false, Ordering::Release);
+        let _ = side.sock.shutdown(std::net::Shutdown::Both);
+        side.proto
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .fail_all(native);
+        let mut woken = StreamSet::default();
+        let orphans = self.lock_dealer().leave(i, &mut woken);
+        for job in orphans {
+            job.not_posted(FailureKind::PeerLost);
+        }
+        self.pump_all(woken);
+    }
+}
+
+/// Resolves an accepted READ (its bytes are in place already) or CHECKSUM (its four bytes
+/// follow the header; they land in local memory).
+fn land(r: &mut impl Read, chunk: Chunk<Req>) -> io::Result<()> {
+    if chunk.op().kind != OpKind::Checksum {
+        chunk.acked();
+        return Ok(());
+    }
+    let mut crc = [0u8; ferry_core::op::CHECKSUM_LEN];
+    if let Err(e) = r.read_exact(&mut crc) {
+        chunk.lost(e.raw_os_error());
+        return Err(e);
+    }
+    match chunk.op().local.write_at(chunk.local_at(), &crc) {
+        Ok(()) => chunk.acked(),
+        Err(_) => chunk.not_posted(FailureKind::Local),
+    }
+    Ok(())
+}
+
+/// Writes a posted request: its header, a vectored request's piece table, and the address
+/// block.
+fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(out.head.len() + out.table.len() + ADDR_LEN * 4);
+    buf.extend_from_slice(&out.head);
+    buf.extend_from_slice(&out.table);
+    if out.scatter.is_empty() {
+        let at = out.region.as_ptr() as u64 + out.local_at;
+        buf.extend_from_slice(&at.to_le_bytes());
+    } else {
+        for range in &out.scatter {
+            let at = range.region.as_ptr() as u64 + range.at;
+            buf.extend_from_slice(&at.to_le_bytes());
+        }
+    }
+    let mut w = sock;
+    w.write_all(&buf)
+}
+
+impl Channel for LocalChannel {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Local
+    }
+
+    fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
+        let shared = &self.shared;
+        let req = Arc::new(Req {
+            ops: ops.clone(),
+            control: control.clone(),
+            // The poster's own count, released once everything is dealt.
+            outstanding: AtomicUsize::new(1),
+            done: Notify::new(),
+        });
+        let closed = shared.closed.load(Ordering::Acquire)
+            || !shared
+                .streams
+                .iter()
+                .any(|s| s.alive.load(Ordering::Acquire));
+        let one = |op, at, len| {
+            req.outstanding.fetch_add(1, Ordering::AcqRel);
+            Job::One(Chunk {
+                req: req.clone(),
+                op,
+                at,
+                len,
+            })
+        };
+        let undealt = |job: Job| {
+            req.outstanding.fetch_sub(job.chunks(), Ordering::AcqRel);
+        };
+        let wake = |set| shared.pump_all(set);
+        if shared.vectored {
+            deal_ops_grouped(
+                &shared.dealer,
+                &ops,
+                &control,
+                shared.chunk,
+                shared.chunk,
+                closed,
+                one,
+                |members| {
+                    req.outstanding.fetch_add(members.len(), Ordering::AcqRel);
+                    Job::Pieces(
+                        members
+                            .iter()
+                            .map(|&op| Chunk {
+                                req: req.clone(),
+                                op,
+                                at: 0,
+                                len: ops[op].len,
+                            })
+                            .collect(),
+                    )
+                },
+                undealt,
+                wake,
+            );
+        } else {
+            deal_ops(
+                &shared.dealer,
+                &ops,
+                &control,
+                shared.chunk,
+                closed,
+                one,
+                undealt,
+                wake,
+            );
+        }
+        let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
+        Box::pin(async move {
+            if !last {
+                req.done.notified().await;
+            }
+            control.outcome(true)
+        })
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.shared.closed.load(Ordering::Acquire)
+            && self
+                .shared
+                .streams
+                .iter()
+                .any(|s| s.alive.load(Ordering::Acquire))
+    }
+
+    fn close(&self) {
+        if self.shared.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.shared.lock_dealer().close();
+        // Only our sending half: the server answers what it has, then ends the stream, and the
+        // readers resolve everything in flight before they go (a copy into our memory may still
+        // run until then, so `drained` waits for it).
+        for s in &self.shared.streams {
+            let _ = s.sock.shutdown(std::net::Shutdown::Write);
+        }
+    }
+}
+
+impl Drop for LocalChannel {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

@@ -1,0 +1,272 @@
+//! Ferry's same-host data plane: when both ends of a channel run on one host, the side that owns
+//! the published memory copies straight between it and the client's buffers, process to
+//! process (`process_vm_readv`/`process_vm_writev`: one copy, no socket payload), after the same
+//! checks as on every plane.
+//!
+//! - *Same host* means the same boot id (in the handshake offers) **and** a reachable abstract
+//!   Unix socket whose owner is the pid the handshake named (`SO_PEERCRED`), never an address
+//!   guess. A server answers a client's [`TransportOffer::Local`] only when the boot ids match.
+//! - *Who copies.* Only the server, and only between the segment range its stream protocol
+//!   ([`ferry_core::stream::ServerStream`]) checked, per peer, and the client's own buffers: the
+//!   client names addresses in its own address space, so a client can make the server touch
+//!   nothing of the server's that was not published to it. The client grants the server the
+//!   right to copy (Yama `ptrace_scope` 1: `PR_SET_PTRACER` for that pid), never the reverse.
+//! - *Proof before use.* Each stream is probed at attach: the server must read eight bytes of
+//!   the client's memory and send them back. A refused probe (another user, Yama 2 or 3, a
+//!   container without the right) fails [`Transport::open`] with `Unavailable` and its reason;
+//!   the engine then opens the network planes instead.
+//! - *Failures.* A server that dies mid-copy ends the stream: chunks in flight are `PeerLost`
+//!   (a WRITE's effect uncertain), as on TCP. A client that dies mid-copy makes the copy fail
+//!   (`ESRCH`) and the server drops the stream. `drained` holds only once the server has ended
+//!   every stream, so no copy into a buffer outlives its request.
+//!
+//! The protocol on the socket is in [`wire`].
+
+mod client;
+mod host;
+mod server;
+pub mod wire;
+
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use ferry_core::wire::TransportOffer;
+use ferry_core::{
+    BoxFuture, Channel, Error, HandshakeResponder, PeerInfo, SegmentTable, Transport, TransportKind,
+};
+use ferry_net::HandshakeLimits;
+
+pub use client::LocalChannel;
+pub use server::{LocalServer, LocalServerHandle};
+
+/// Settings of the same-host plane.
+#[derive(Clone, Debug)]
+pub struct LocalConfig {
+    /// Streams per channel (each a socket and a serving thread on the peer; 1 to 16). Copies
+    /// of one stream run one after another, so streams are how a channel uses several cores.
+    pub streams: usize,
+    /// Chunks in flight per stream.
+    pub depth: usize,
+    /// Largest chunk an op is split into (at most `MAX_CHUNK`).
+    pub chunk_size: u64,
+    /// Limit for attaching a stream (connect, attach, probe).
+    pub connect_timeout: Duration,
+    /// What the server allows a connection before it attached.
+    pub handshake: HandshakeLimits,
+    /// Streams a server serves at once, over all its peers.
+    pub max_streams: usize,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            streams: 2,
+            depth: 16,
+            chunk_size: 4 << 20,
+            connect_timeout: Duration::from_secs(10),
+            handshake: HandshakeLimits::default(),
+            max_streams: 256,
+        }
+    }
+}
+
+/// What this process can say about the same-host plane before any peer is met (for `doctor`
+/// and `describe`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalProbe {
+    /// The boot id, or why it could not be read.
+    pub boot_id: Result<[u8; 16], String>,
+    /// Yama's `ptrace_scope`, if Yama is built in.
+    pub yama_scope: Option<u8>,
+    /// Whether a copy with this very process works (the system call is allowed here: seccomp
+    /// profiles of some container runtimes refuse it), or the kernel's reason.
+    pub copies: Result<(), String>,
+}
+
+impl LocalProbe {
+    /// One line for humans: what the plane needs and whether this host has it.
+    pub fn summary(&self) -> String {
+        match (&self.boot_id, &self.copies) {
+            (Err(e), _) => format!("off: no boot id ({e})"),
+            (_, Err(e)) => format!("off: process_vm_readv refused here ({e})"),
+            (Ok(_), Ok(())) => match self.yama_scope {
+                None | Some(0) => "on: process-to-process copies (same user)".into(),
+                Some(1) => "on: process-to-process copies (Yama ptrace_scope 1: each client \
+                            names its one same-host server)"
+                    .into(),
+                Some(s) => format!(
+                    "limited: Yama ptrace_scope {s} allows the copies only to a server with \
+                     CAP_SYS_PTRACE; others take the network planes"
+                ),
+            },
+        }
+    }
+}
+
+/// Probes this host for the same-host plane (reads two files, copies eight bytes with itself).
+pub fn probe() -> LocalProbe {
+    let copies = {
+        let src = 0x5eed_u64.to_le_bytes();
+        let mut dst = [0u8; 8];
+        let ours = [host::Span {
+            addr: dst.as_mut_ptr() as usize,
+            len: 8,
+        }];
+        let theirs = [host::Span {
+            addr: src.as_ptr() as usize,
+            len: 8,
+        }];
+        // SAFETY: `dst` is a local array, writable and unreferenced during the copy.
+        match unsafe { host::copy(std::process::id(), host::Direction::In, &ours, &theirs) } {
+            Ok(()) if dst == src => Ok(()),
+            Ok(()) => Err("the copy moved other bytes".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    LocalProbe {
+        boot_id: host::boot_id().map_err(|e| e.to_string()),
+        yama_scope: host::yama_scope(),
+        copies,
+    }
+}
+
+/// The same-host [`Transport`]: offers this host's boot id and pid, answers clients of the same
+/// host with its server's socket, and opens [`LocalChannel`]s.
+#[derive(Debug, Clone)]
+pub struct LocalTransport {
+    config: LocalConfig,
+    boot_id: Option<[u8; 16]>,
+    /// The server [`serve`](Self::serve) started: held by whoever called it (the engine), so
+    /// that the server, whose responder holds this transport, is not kept alive by it.
+    server: Arc<Mutex<Weak<LocalServerHandle>>>,
+}
+
+impl LocalTransport {
+    /// A transport with `config` (streams clamped to 1..=16, chunk size to 1..=`MAX_CHUNK`).
+    /// Without a readable boot id it offers nothing a peer answers.
+    pub fn new(mut config: LocalConfig) -> Self {
+        config.streams = config.streams.clamp(1, 16);
+        config.depth = config.depth.max(1);
+        config.chunk_size = config.chunk_size.clamp(1, ferry_core::wire::MAX_CHUNK);
+        let boot_id = match host::boot_id() {
+            Ok(id) => Some(id),
+            Err(e) => {
+                tracing::info!(error = %e, "no boot id: the same-host plane is off");
+                None
+            }
+        };
+        Self {
+            config,
+            boot_id,
+            server: Arc::default(),
+        }
+    }
+
+    /// Its settings.
+    pub fn config(&self) -> &LocalConfig {
+        &self.config
+    }
+
+    /// Starts serving `table` on a fresh abstract socket, answered in handshakes from now on
+    /// while the returned handle lives and serves. Serving twice returns the first server.
+    pub fn serve(
+        &self,
+        table: Arc<dyn SegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+    ) -> Result<Arc<LocalServerHandle>, Error> {
+        let mut slot = self.server.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = slot.upgrade() {
+            return Ok(s);
+        }
+        let handle = Arc::new(LocalServer::bind()?.serve(
+            table,
+            responder,
+            self.config.handshake,
+            self.config.max_streams,
+        )?);
+        tracing::debug!(socket = %handle.name(), "same-host plane serving");
+        *slot = Arc::downgrade(&handle);
+        Ok(handle)
+    }
+
+    /// The server started by [`serve`](Self::serve), while it serves.
+    pub fn server(&self) -> Option<Arc<LocalServerHandle>> {
+        self.server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .upgrade()
+            .filter(|s| s.is_serving())
+    }
+
+    /// Opens a channel (blocking: connects, attaches and probes each stream).
+    pub fn connect_channel(&self, peer: &PeerInfo) -> Result<LocalChannel, Error> {
+        client::connect(
+            peer,
+            self.config.streams,
+            self.config.depth,
+            self.config.chunk_size,
+            self.config.connect_timeout,
+        )
+    }
+
+    fn no_route(peer: &PeerInfo, reason: &str) -> Error {
+        Error::NoRoute {
+            peer: peer.addr.to_string(),
+            reason: format!("same-host plane: {reason}"),
+        }
+    }
+}
+
+impl Transport for LocalTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Local
+    }
+
+    fn offer(&self) -> TransportOffer {
+        TransportOffer::Local {
+            boot_id: self.boot_id.unwrap_or([0; 16]),
+            pid: std::process::id(),
+            streams: 0,
+            socket: String::new(),
+        }
+    }
+
+    fn accept(&self, peer: &PeerInfo) -> Result<TransportOffer, Error> {
+        let TransportOffer::Local { boot_id, .. } = &peer.offer else {
+            return Err(Self::no_route(peer, "not a same-host offer"));
+        };
+        let Some(ours) = self.boot_id else {
+            return Err(Self::no_route(peer, "this host's boot id is unknown"));
+        };
+        if *boot_id != ours {
+            return Err(Self::no_route(peer, "the peer runs on another host"));
+        }
+        let Some(server) = self.server() else {
+            return Err(Self::no_route(
+                peer,
+                "this engine serves no same-host socket",
+            ));
+        };
+        Ok(TransportOffer::Local {
+            boot_id: ours,
+            pid: std::process::id(),
+            streams: self.config.streams as u16,
+            socket: server.name().to_owned(),
+        })
+    }
+
+    fn open(&self, peer: PeerInfo) -> BoxFuture<'static, Result<Arc<dyn Channel>, Error>> {
+        let this = self.clone();
+        Box::pin(async move {
+            let opened = tokio::task::spawn_blocking(move || this.connect_channel(&peer)).await;
+            match opened {
+                Ok(Ok(ch)) => Ok(Arc::new(ch) as Arc<dyn Channel>),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(Error::Unavailable {
+                    library: "same-host plane".into(),
+                    reason: format!("the attaching task failed: {e}"),
+                }),
+            }
+        })
+    }
+}

@@ -1,0 +1,650 @@
+//! The serving side: an abstract Unix socket whose connections attach data streams (nothing
+//! else), each served on a thread of its own that copies between the published memory and the
+//! client's buffers.
+
+use std::io::{self, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use ferry_core::checksum::crc32c_file;
+use ferry_core::handshake::{ServerConversation, ServerStep};
+use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, MAX_CHUNK, MAX_PIECES, Reject, RejectReason, SUPPORTED_VERSIONS,
+};
+use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
+use ferry_net::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
+use tracing::{debug, warn};
+
+use crate::host::{self, Direction, Span};
+use crate::wire::{ADDR_LEN, PROBE_FAILED, PROBE_OK, local_code};
+
+/// The address the handshake machinery is told a local stream comes from (Unix sockets have
+/// none; logs name the client's pid beside it).
+pub(crate) const UNIX_PEER: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+    std::net::Ipv4Addr::LOCALHOST,
+    0,
+));
+
+/// A bound abstract socket, not serving yet.
+#[derive(Debug)]
+pub struct LocalServer {
+    listener: UnixListener,
+    name: String,
+}
+
+impl LocalServer {
+    /// Binds a fresh abstract socket (`ferry-local-` and 16 random hex digits): abstract names
+    /// vanish with the process and are reachable only inside its network namespace.
+    pub fn bind() -> Result<Self, Error> {
+        let name = format!("ferry-local-{:016x}", rand::random::<u64>());
+        let addr = UnixAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::io("name the same-host socket", name.clone(), e))?;
+        let listener = UnixListener::bind_addr(&addr)
+            .map_err(|e| Error::io("bind the same-host socket", name.clone(), e))?;
+        Ok(Self { listener, name })
+    }
+
+    /// The abstract name it is bound to.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Starts serving `table` with the identity and policy of `responder`, on a thread that
+    /// accepts and a thread per connection. A connection must attach (one `StreamAttach`, or
+    /// its authenticated form, for the same-host plane) within `limits.timeout`, at most
+    /// `limits.max_pending` attach at once (one past that is closed at once), and at most
+    /// `max_streams` streams are served at once (one past that is refused).
+    pub fn serve(
+        self,
+        table: Arc<dyn SegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+        limits: HandshakeLimits,
+        max_streams: usize,
+    ) -> Result<LocalServerHandle, Error> {
+        let shared = Arc::new(Shared {
+            gate: HandshakeGate::new(limits),
+            table,
+            responder,
+            max_streams,
+            streams: AtomicUsize::new(0),
+            stopped: AtomicBool::new(false),
+            open: Mutex::new(Vec::new()),
+        });
+        let listener = Arc::new(self.listener);
+        let accept = {
+            let shared = shared.clone();
+            let listener = listener.clone();
+            std::thread::Builder::new()
+                .name("ferry-local-accept".into())
+                .spawn(move || accept_loop(&listener, &shared))
+                .map_err(|e| Error::io("start the same-host accept thread", self.name.clone(), e))?
+        };
+        Ok(LocalServerHandle {
+            name: self.name,
+            shared,
+            _listener: listener,
+            accept: Mutex::new(Some(accept)),
+        })
+    }
+}
+
+/// A running same-host server; dropping it (or [`shutdown`](Self::shutdown)) stops accepting
+/// and ends every stream it serves.
+#[derive(Debug)]
+pub struct LocalServerHandle {
+    name: String,
+    shared: Arc<Shared>,
+    /// Held so that the socket (and its name) lives as long as the handle.
+    _listener: Arc<UnixListener>,
+    accept: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl LocalServerHandle {
+    /// The abstract socket name clients attach to.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connections attaching now, and those closed past the cap or the deadline.
+    pub fn handshakes(&self) -> HandshakeStats {
+        self.shared.gate.stats()
+    }
+
+    /// Whether it still serves (not shut down).
+    pub fn is_serving(&self) -> bool {
+        !self.shared.stopped.load(Ordering::Acquire)
+    }
+
+    /// Streams served now.
+    pub fn streams(&self) -> usize {
+        self.shared.streams.load(Ordering::Acquire)
+    }
+
+    /// Stops accepting and shuts every served stream down (their clients see the end of the
+    /// stream once the copy in progress, if any, is over).
+    pub fn shutdown(&self) {
+        if self.shared.stopped.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Wakes the accept thread, which sees the flag and ends (the socket is ours until the
+        // handle drops, so the name cannot be another's).
+        if let Ok(addr) = UnixAddr::from_abstract_name(self.name.as_bytes()) {
+            let _ = UnixStream::connect_addr(&addr);
+        }
+        let accept = self
+            .accept
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(t) = accept {
+            let _ = t.join();
+        }
+        for s in self
+            .shared
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for LocalServerHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    gate: Arc<HandshakeGate>,
+    table: Arc<dyn SegmentTable>,
+    responder: Arc<dyn HandshakeResponder>,
+    max_streams: usize,
+    streams: AtomicUsize,
+    stopped: AtomicBool,
+    /// A clone of every served connection's socket, to shut them down with the server.
+    open: Mutex<Vec<UnixStream>>,
+}
+
+fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
+    let mut backoff = Duration::from_millis(1);
+    loop {
+        let accepted = listener.accept();
+        if shared.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        let sock = match accepted {
+            Ok((sock, _)) => {
+                backoff = Duration::from_millis(1);
+                sock
+            }
+            Err(e) => {
+                // EMFILE and friends: wait instead of spinning, longer each time.
+                warn!(error = %e, "same-host accept failed");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+                continue;
+            }
+        };
+        let Some(slot) = shared.gate.admit() else {
+            debug!("too many same-host connections attaching; closed at once");
+            continue;
+        };
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-local-serve".into())
+            .spawn(move || serve_conn(sock, slot, &shared));
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot start a same-host serving thread");
+        }
+    }
+}
+
+/// Reads through a deadline: each read may wait only for what is left of it.
+struct Deadline<'a> {
+    sock: &'a UnixStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::from(io::ErrorKind::TimedOut));
+        }
+        self.sock.set_read_timeout(Some(left))?;
+        (&*self.sock).read(buf)
+    }
+}
+
+fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
+    let pid = match host::peer_credentials(&sock) {
+        Ok((pid, _)) if pid != 0 => pid,
+        Ok(_) => {
+            debug!("same-host client outside this pid namespace; closed");
+            return;
+        }
+        Err(e) => {
+            debug!(error = %e, "no credentials for a same-host client; closed");
+            return;
+        }
+    };
+    let limits = shared.gate.limits();
+    let proto = match attach(&sock, pid, shared, limits.timeout) {
+        Ok(Some(p)) => p,
+        Ok(None) => return,
+        Err(e) => {
+            if let Error::Timeout { .. } = e {
+                shared.gate.note_timeout();
+            }
+            debug!(pid, error = %e, "same-host attach failed");
+            return;
+        }
+    };
+    drop(slot);
+    let _ = sock.set_read_timeout(None);
+    let count = shared.streams.fetch_add(1, Ordering::AcqRel) + 1;
+    let _counted = Counted(&shared.streams);
+    if count > shared.max_streams {
+        debug!(
+            pid,
+            max = shared.max_streams,
+            "too many same-host streams; refused"
+        );
+        return;
+    }
+    if let Ok(clone) = sock.try_clone() {
+        shared
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(clone);
+    }
+    if shared.stopped.load(Ordering::Acquire) {
+        return;
+    }
+    let span = tracing::debug_span!("serve same-host stream", pid);
+    let _e = span.enter();
+    match serve_data(&sock, pid, proto) {
+        Ok(()) => debug!("same-host stream ended"),
+        Err(e) => debug!(error = %e, "same-host stream failed"),
+    }
+    let _ = sock.shutdown(std::net::Shutdown::Both);
+}
+
+struct Counted<'a>(&'a AtomicUsize);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The attach of one stream, within `timeout` of the accept: the frame (checked by the
+/// handshake's conversation), the acceptance, and the probe that proves this process may copy
+/// to and from the client's memory. `None`: refused (and answered).
+fn attach(
+    sock: &UnixStream,
+    pid: u32,
+    shared: &Shared,
+    timeout: Duration,
+) -> Result<Option<ServerStream>, Error> {
+    let until = Instant::now() + timeout;
+    let mut reader = Deadline { sock, until };
+    let frame = match ferry_net::read_frame(&mut reader, UNIX_PEER) {
+        Ok(f) => f,
+        Err(Error::PeerLost {
+            source: Some(e), ..
+        }) if matches!(
+            e.kind(),
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+        ) =>
+        {
+            return Err(Error::Timeout {
+                what: "a same-host stream's attach",
+                after: timeout,
+            });
+        }
+        Err(e) => return Err(e),
+    };
+    let transport = match &frame {
+        ControlFrame::StreamAttach(a) => a.transport,
+        ControlFrame::AuthAttach(a) => a.attach.transport,
+        other => {
+            debug!(
+                pid,
+                frame = other.name(),
+                "same-host socket takes only attaches"
+            );
+            return Ok(None);
+        }
+    };
+    let mut out = sock;
+    if transport != local_code() {
+        let _ = ferry_net::write_frame(
+            &mut out,
+            UNIX_PEER,
+            &refusal(shared, "this socket serves the same-host plane only"),
+        );
+        return Ok(None);
+    }
+    let mut talk =
+        ServerConversation::new(shared.responder.clone(), shared.table.clone(), UNIX_PEER);
+    let proto = match talk.on_frame(frame) {
+        ServerStep::Stream { stream, .. } => stream,
+        ServerStep::Close(f) | ServerStep::Reply(f) => {
+            let _ = ferry_net::write_frame(&mut out, UNIX_PEER, &f);
+            return Ok(None);
+        }
+        ServerStep::Fail(e) => return Err(e),
+        _ => return Ok(None),
+    };
+    if shared.streams.load(Ordering::Acquire) >= shared.max_streams {
+        let _ = ferry_net::write_frame(
+            &mut out,
+            UNIX_PEER,
+            &refusal(shared, "too many same-host streams are served now"),
+        );
+        return Ok(None);
+    }
+    ferry_net::write_frame(&mut out, UNIX_PEER, &ControlFrame::StreamAccept)?;
+    // The probe: the client names eight bytes of its memory; we read them and send them back.
+    let mut addr = [0u8; ADDR_LEN];
+    reader
+        .read_exact(&mut addr)
+        .map_err(|e| ferry_net::lost(UNIX_PEER, "same-host probe", e))?;
+    let mut value = [0u8; 8];
+    let ours = [Span {
+        addr: value.as_mut_ptr() as usize,
+        len: value.len(),
+    }];
+    let theirs = [Span {
+        addr: u64::from_le_bytes(addr) as usize,
+        len: value.len(),
+    }];
+    // SAFETY: `value` is a local array, writable, not referenced during the copy.
+    let copied = unsafe { host::copy(pid, Direction::In, &ours, &theirs) };
+    let mut answer = [0u8; 9];
+    match copied {
+        Ok(()) => {
+            answer[0] = PROBE_OK;
+            answer[1..].copy_from_slice(&value);
+        }
+        Err(e) => {
+            debug!(pid, error = %e, "same-host probe copy refused");
+            answer[0] = PROBE_FAILED;
+            answer[1..5].copy_from_slice(&e.raw_os_error().unwrap_or(0).to_le_bytes());
+        }
+    }
+    out.write_all(&answer)
+        .map_err(|e| ferry_net::lost(UNIX_PEER, "same-host probe", e))?;
+    Ok((answer[0] == PROBE_OK).then_some(proto))
+}
+
+fn refusal(shared: &Shared, message: &str) -> ControlFrame {
+    ControlFrame::Reject(Reject {
+        reason: RejectReason::Refused,
+        versions: SUPPORTED_VERSIONS,
+        epoch: shared.responder.epoch(),
+        message: message.into(),
+    })
+}
+
+/// Serves requests until the client closes the stream, as the stream protocol decides: every
+/// request is checked (token, access, bounds) before any byte of a segment is touched; each is
+/// followed by the client's address block (one address, or one per piece), and the copy goes
+/// between the checked segment range and those addresses in the client process. Answers are
+/// written once no further request is waiting, so a burst is answered in one write.
+fn serve_data(sock: &UnixStream, pid: u32, mut proto: ServerStream) -> io::Result<()> {
+    let mut rd = BufReader::with_capacity(64 << 10, sock);
+    let mut out: Vec<u8> = Vec::with_capacity(4 << 10);
+    let mut stage: Vec<u8> = Vec::new();
+    let mut table: Vec<u8> = Vec::new();
+    let mut head = [0u8; DATA_REQUEST_LEN];
+    loop {
+        flush_unless_buffered(&rd, DATA_REQUEST_LEN + ADDR_LEN, sock, &mut out)?;
+        match rd.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                (&*sock).write_all(&out)?;
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+        match proto.on_request(&head) {
+            Action::WriteMemory {
+                lease,
+                at,
+                len,
+                seq,
+                ..
+            } => {
+                let theirs = read_addr(&mut rd, len)?;
+                let ours = Span {
+                    addr: lease.region.as_ptr() as usize + at as usize,
+                    len,
+                };
+                // SAFETY: the stream protocol checked `at..at+len` against the region, which
+                // the lease keeps alive; no Rust reference into it exists.
+                unsafe { host::copy(pid, Direction::In, &[ours], &[theirs])? };
+                out.extend_from_slice(&proto.answer_write(seq));
+            }
+            Action::ReadMemory {
+                lease,
+                at,
+                len,
+                response,
+            } => {
+                let theirs = read_addr(&mut rd, len)?;
+                let ours = Span {
+                    addr: lease.region.as_ptr() as usize + at as usize,
+                    len,
+                };
+                // SAFETY: checked as above; the copy only reads the range.
+                unsafe { host::copy(pid, Direction::Out, &[ours], &[theirs])? };
+                out.extend_from_slice(&response);
+            }
+            Action::ReadFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
+                let theirs = read_addr(&mut rd, len)?;
+                stage.resize(len, 0);
+                file.read_exact_at(at, &mut stage)?;
+                let ours = Span {
+                    addr: stage.as_ptr() as usize,
+                    len,
+                };
+                // SAFETY: `stage` is ours and only read by the copy.
+                unsafe { host::copy(pid, Direction::Out, &[ours], &[theirs])? };
+                out.extend_from_slice(&response);
+            }
+            Action::WriteFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
+                let theirs = read_addr(&mut rd, len)?;
+                stage.resize(len, 0);
+                let ours = Span {
+                    addr: stage.as_mut_ptr() as usize,
+                    len,
+                };
+                // SAFETY: `stage` is ours, writable, not referenced during the copy.
+                unsafe { host::copy(pid, Direction::In, &[ours], &[theirs])? };
+                file.write_all_at(at, &stage)?;
+                out.extend_from_slice(&response);
+            }
+            Action::ChecksumMemory { sum, seq, .. } => {
+                read_addr(&mut rd, 0)?;
+                out.extend_from_slice(&checksum_response(seq, sum.finish()));
+            }
+            Action::ChecksumFile { file, at, len, seq } => {
+                read_addr(&mut rd, 0)?;
+                let crc = crc32c_file(&*file, at, len)?;
+                out.extend_from_slice(&checksum_response(seq, crc));
+            }
+            Action::Refuse { response, .. } => {
+                read_addr(&mut rd, 0)?;
+                out.extend_from_slice(&response);
+            }
+            Action::Table { req } => {
+                if req.pieces > MAX_PIECES {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "too many pieces",
+                    ));
+                }
+                table.resize(req.table_len(), 0);
+                flush_unless_buffered(
+                    &rd,
+                    table.len() + req.pieces as usize * ADDR_LEN,
+                    sock,
+                    &mut out,
+                )?;
+                rd.read_exact(&mut table)?;
+                let mut addrs = vec![0u8; req.pieces as usize * ADDR_LEN];
+                rd.read_exact(&mut addrs)?;
+                let action = proto.on_table(&req, &table);
+                if !serve_vectored(pid, action, &addrs, &mut stage, &mut out)? {
+                    (&*sock).write_all(&out)?;
+                    return Ok(());
+                }
+            }
+            Action::Vectored { .. } => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "pieces without a table",
+                ));
+            }
+            Action::Close { response, error } => {
+                out.extend_from_slice(&response);
+                (&*sock).write_all(&out)?;
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    error.to_string(),
+                ));
+            }
+        }
+    }
+}
+
+/// Writes the answers queued in `out` unless `need` bytes of requests are already buffered: a
+/// read that could wait for the client never leaves answers behind.
+fn flush_unless_buffered(
+    rd: &BufReader<&UnixStream>,
+    need: usize,
+    sock: &UnixStream,
+    out: &mut Vec<u8>,
+) -> io::Result<()> {
+    if rd.buffer().len() < need && !out.is_empty() {
+        (&*sock).write_all(out)?;
+        out.clear();
+    }
+    Ok(())
+}
+
+/// Performs a vectored request's accepted pieces against the client's addresses, in order
+/// (memory pieces in one copy call, file pieces through `stage`), and queues its response.
+/// `false` when the stream must close after the response.
+fn serve_vectored(
+    pid: u32,
+    action: Action,
+    addrs: &[u8],
+    stage: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> io::Result<bool> {
+    let (kind, targets, response) = match action {
+        Action::Vectored {
+            kind,
+            targets,
+            response,
+            ..
+        } => (kind, targets, response),
+        Action::Close { response, .. } => {
+            out.extend_from_slice(&response);
+            return Ok(false);
+        }
+        _ => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a piece table answered with neither pieces nor a close",
+            ));
+        }
+    };
+    let dir = match kind {
+        OpKind::Write => Direction::In,
+        OpKind::Read | OpKind::Checksum => Direction::Out,
+    };
+    let mut ours = Vec::with_capacity(targets.len());
+    let mut theirs = Vec::with_capacity(targets.len());
+    for (i, t) in targets.iter().enumerate() {
+        let at = i * ADDR_LEN;
+        let raw: [u8; ADDR_LEN] = addrs[at..at + ADDR_LEN]
+            .try_into()
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+        let addr = u64::from_le_bytes(raw) as usize;
+        match t {
+            Target::Memory { lease, at, len } => {
+                ours.push(Span {
+                    addr: lease.region.as_ptr() as usize + *at as usize,
+                    len: *len,
+                });
+                theirs.push(Span { addr, len: *len });
+            }
+            Target::File { file, at, len } => {
+                // Memory pieces before it move first, so that order is kept.
+                // SAFETY: the ranges were checked by the stream protocol; leases live in
+                // `targets` for the call.
+                unsafe { host::copy(pid, dir, &ours, &theirs)? };
+                ours.clear();
+                theirs.clear();
+                stage.resize(*len, 0);
+                let one = [Span {
+                    addr: stage.as_mut_ptr() as usize,
+                    len: *len,
+                }];
+                let there = [Span { addr, len: *len }];
+                if dir == Direction::In {
+                    // SAFETY: `stage` is ours, writable, unreferenced during the copy.
+                    unsafe { host::copy(pid, dir, &one, &there)? };
+                    file.write_all_at(*at, stage)?;
+                } else {
+                    file.read_exact_at(*at, stage)?;
+                    // SAFETY: `stage` is ours and only read.
+                    unsafe { host::copy(pid, dir, &one, &there)? };
+                }
+            }
+        }
+    }
+    // SAFETY: as above.
+    unsafe { host::copy(pid, dir, &ours, &theirs)? };
+    drop(targets);
+    out.extend_from_slice(&response);
+    Ok(true)
+}
+
+/// Reads the address block of a single request: one address; `len` bytes there are the
+/// client's range for the copy.
+fn read_addr(rd: &mut impl Read, len: usize) -> io::Result<Span> {
+    let mut raw = [0u8; ADDR_LEN];
+    rd.read_exact(&mut raw)?;
+    if len > MAX_CHUNK as usize {
+        return Err(io::Error::from(io::ErrorKind::InvalidData));
+    }
+    Ok(Span {
+        addr: u64::from_le_bytes(raw) as usize,
+        len,
+    })
+}
