@@ -64,6 +64,7 @@ impl Server {
     ) -> Result<Self> {
         let mut b = tune(
             TransferEngine::builder()
+                .same_host(false)
                 .listen("127.0.0.1:0".parse()?)
                 .data_plane(plane)
                 .streams(2)
@@ -104,6 +105,7 @@ impl Server {
 
 fn client(plane: DataPlane, keys: Option<&str>) -> Result<TransferEngine> {
     let b = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane)
         .streams(2)
         .no_auth();
@@ -523,6 +525,7 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let missing = dir.path().join("missing.keys");
     let e = TransferEngine::builder()
+        .same_host(false)
         .auth_key_file(&missing)
         .build()
         .err()
@@ -536,6 +539,7 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600))?;
     let e = TransferEngine::builder()
+        .same_host(false)
         .auth_key_file(&short)
         .build()
         .err()
@@ -547,6 +551,7 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     );
     assert!(!text.contains("0001020304050607"), "{text}");
     let e = TransferEngine::builder()
+        .same_host(false)
         .auth_key("alice", b"short")
         .build()
         .err()
@@ -558,6 +563,7 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     std::fs::write(&open, format!("{ALICE}\n"))?;
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644))?;
     let e = TransferEngine::builder()
+        .same_host(false)
         .auth_key_file(&open)
         .build()
         .err()
@@ -572,11 +578,15 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     );
     assert!(!text.contains("0a0b0c0d"), "{text}");
     TransferEngine::builder()
+        .same_host(false)
         .auth_key_file(&open)
         .allow_open_key_file(true)
         .build()?;
     // Publishing to named peers needs keys.
-    let engine = TransferEngine::builder().no_auth().build()?;
+    let engine = TransferEngine::builder()
+        .same_host(false)
+        .no_auth()
+        .build()?;
     let r = MemoryRegion::alloc_zeroed(4096, 4096)?;
     assert!(matches!(
         engine.register_to(r, Access::REMOTE_READ, "x", &["bob"]),

@@ -30,6 +30,7 @@ fn planes() -> Vec<DataPlane> {
 
 fn engine(plane: DataPlane, listen: bool) -> Result<TransferEngine> {
     let b = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane)
         .io_threads(Some(1))
         .no_auth();

@@ -113,7 +113,10 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn engine(plane: DataPlane, listen: bool) -> Result<TransferEngine> {
-    let mut b = TransferEngine::builder().data_plane(plane).streams(2);
+    let mut b = TransferEngine::builder()
+        .same_host(false)
+        .data_plane(plane)
+        .streams(2);
     if listen {
         b = b.listen("127.0.0.1:0".parse()?);
     }

@@ -27,7 +27,10 @@ fn planes() -> Vec<DataPlane> {
 }
 
 fn engine(plane: DataPlane, listen: bool, keys: Option<&str>) -> Result<TransferEngine> {
-    let mut b = TransferEngine::builder().data_plane(plane).no_auth();
+    let mut b = TransferEngine::builder()
+        .same_host(false)
+        .data_plane(plane)
+        .no_auth();
     if listen {
         b = b.listen("127.0.0.1:0".parse()?);
     }

@@ -42,6 +42,7 @@ fn planes() -> Vec<DataPlane> {
 
 fn server(plane: DataPlane, timeout: Duration) -> Result<(TransferEngine, ferry::Registration)> {
     let engine = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .data_plane(plane)
         .auth_keyring(Keyring::parse(ALICE)?)
@@ -145,6 +146,7 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
     let (engine, _reg) = server(plane, Duration::from_secs(30))?;
     let addr: SocketAddr = engine.local_addr().context("listening")?;
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane)
         .auth_keyring(Keyring::parse(ALICE)?)
         .build()?;
@@ -243,6 +245,7 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
     })?;
     let refused_before = handshakes(&engine)?.refused;
     let late = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane)
         .auth_keyring(Keyring::parse(ALICE)?)
         .connect_timeout(PATIENCE)

@@ -90,6 +90,7 @@ fn bytes(reg: &Registration, at: u64, len: u64) -> Result<Vec<u8>> {
 /// A server engine serving `src` (readable and writable) on `listen`.
 fn server(plane: Plane, listen: SocketAddr, src: &[u8]) -> Result<(TransferEngine, Registration)> {
     let engine = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane.data_plane())
         .listen(listen)
         .build()?;
@@ -127,6 +128,7 @@ async fn rig_with(
     let (server, src) = server(plane, "127.0.0.1:0".parse()?, &data)?;
     let proxy = FaultProxy::start(server.local_addr().context("listen")?)?;
     let mut client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane.data_plane())
         .reconnect(policy);
     if let Some(fake) = gpu {
@@ -556,6 +558,7 @@ async fn reconnect_storm(plane: Plane, clients: usize) -> Result<()> {
     let mut rigs = Vec::new();
     for _ in 0..clients {
         let engine = TransferEngine::builder()
+            .same_host(false)
             .data_plane(plane.data_plane())
             .io_threads(Some(1))
             .reconnect(ReconnectPolicy {

@@ -45,6 +45,7 @@ fn child_server() -> Result<()> {
             .unwrap_or_else(|_| "127.0.0.1:0".into())
             .parse()?;
         let mut b = TransferEngine::builder()
+            .same_host(false)
             .listen(listen)
             .streams(4)
             .data_plane(env_data_plane()?);
@@ -320,6 +321,7 @@ fn bytes(r: &MemoryRegion, at: u64, len: u64) -> Result<Vec<u8>> {
 
 fn client(plane: DataPlane) -> Result<TransferEngine> {
     Ok(TransferEngine::builder()
+        .same_host(false)
         .streams(2)
         .data_plane(plane)
         .build()?)
@@ -577,6 +579,7 @@ impl AcrossLink {
             ],
         )?;
         let engine = TransferEngine::builder()
+            .same_host(false)
             .streams(2)
             .data_plane(plane)
             .dead_peer_after(Some(dead))
@@ -950,7 +953,10 @@ async fn uring_peer_killed_mid_write_in_every_pairing() -> Result<()> {
 
 async fn killed_mid_write(client_plane: DataPlane, server: DataPlane) -> Result<()> {
     let mut child = ChildProc::spawn("trap", &[("FERRY_TEST_DATA_PLANE", plane_env(server))])?;
-    let engine = TransferEngine::builder().data_plane(client_plane).build()?;
+    let engine = TransferEngine::builder()
+        .same_host(false)
+        .data_plane(client_plane)
+        .build()?;
     let peer = engine.connect(child.addr).await?;
     let src = engine.register(
         MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
@@ -975,6 +981,7 @@ async fn timeout_and_cancel_end_the_request_but_drained_waits() -> Result<()> {
     for cancel in [false, true] {
         let mut child = ChildProc::spawn("trap", &[])?;
         let engine = TransferEngine::builder()
+            .same_host(false)
             .data_plane(DataPlane::Tcp)
             .build()?;
         let peer = engine.connect(child.addr).await?;

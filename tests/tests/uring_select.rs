@@ -42,6 +42,7 @@ fn probe_complete() -> UringProbe {
 #[test]
 fn auto_falls_back_to_tcp_with_the_missing_opcode_in_describe() -> Result<()> {
     let engine = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Auto)
         .uring_probe(probe_without_send())
         .build()?;
@@ -72,8 +73,12 @@ fn auto_falls_back_to_tcp_with_the_missing_opcode_in_describe() -> Result<()> {
 #[test]
 fn forcing_uring_on_a_kernel_without_send_is_an_error_naming_it() -> Result<()> {
     for b in [
-        TransferEngine::builder().data_plane(DataPlane::Uring),
-        TransferEngine::builder().transports(&[TransportKind::Uring]),
+        TransferEngine::builder()
+            .same_host(false)
+            .data_plane(DataPlane::Uring),
+        TransferEngine::builder()
+            .same_host(false)
+            .transports(&[TransportKind::Uring]),
     ] {
         match b.uring_probe(probe_without_send()).build() {
             Err(Error::Unavailable { library, reason }) => {
@@ -89,6 +94,7 @@ fn forcing_uring_on_a_kernel_without_send_is_an_error_naming_it() -> Result<()> 
 #[test]
 fn auto_picks_uring_where_the_probe_allows_and_tcp_can_be_forced() -> Result<()> {
     let engine = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Auto)
         .uring_probe(probe_complete())
         .build()?;
@@ -99,6 +105,7 @@ fn auto_picks_uring_where_the_probe_allows_and_tcp_can_be_forced() -> Result<()>
         "{dp}"
     );
     let engine = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .uring_probe(probe_complete())
         .build()?;
@@ -130,6 +137,7 @@ async fn file_segment_published_read_and_unpublished_in_process() -> Result<()> 
         return Ok(());
     }
     let server = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Uring)
         .listen("127.0.0.1:0".parse::<SocketAddr>()?)
         .build()?;
@@ -142,6 +150,7 @@ async fn file_segment_published_read_and_unpublished_in_process() -> Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_segments_are_served_over_tcp_where_io_uring_is_refused() -> Result<()> {
     let server = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Auto)
         .uring_probe(probe_without_send())
         .listen("127.0.0.1:0".parse::<SocketAddr>()?)
@@ -166,7 +175,7 @@ async fn file_segment_round_trip(server: TransferEngine, seed: u64) -> Result<()
             .any(|s| s.name == "shard")
     );
     let addr = server.local_addr().context("listen")?;
-    let client = TransferEngine::builder().build()?;
+    let client = TransferEngine::builder().same_host(false).build()?;
     let peer = client.connect(addr).await?;
     let seg = peer.segment("shard")?;
     assert_eq!((seg.len(), seg.access()), (len as u64, Access::REMOTE_READ));
@@ -275,6 +284,7 @@ async fn peers_on_rings(caller_receives: bool) -> Result<()> {
     let len = (3 << 20) + 4321;
     let serve = || -> Result<(TransferEngine, ferry::Registration)> {
         let e = TransferEngine::builder()
+            .same_host(false)
             .data_plane(DataPlane::Uring)
             .uring_server_rings(2)
             .listen("127.0.0.1:0".parse::<SocketAddr>()?)
@@ -290,6 +300,7 @@ async fn peers_on_rings(caller_receives: bool) -> Result<()> {
     let (a, _seg_a) = serve()?;
     let (b, _seg_b) = serve()?;
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Uring)
         .streams(2)
         .uring_client_rings(3)

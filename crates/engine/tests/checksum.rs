@@ -38,6 +38,7 @@ async fn checksums_match_local_bytes_on_both_data_planes_in_every_pairing() -> R
     file.flush()?;
     for server_plane in planes() {
         let server = TransferEngine::builder()
+            .same_host(false)
             .data_plane(server_plane)
             .listen("127.0.0.1:0".parse()?)
             .build()?;
@@ -49,7 +50,10 @@ async fn checksums_match_local_bytes_on_both_data_planes_in_every_pairing() -> R
         let _f = server.publish_file_named(file.path(), Access::REMOTE_READ, "file")?;
         let addr = server.local_addr().expect("listens");
         for client_plane in planes() {
-            let client = TransferEngine::builder().data_plane(client_plane).build()?;
+            let client = TransferEngine::builder()
+                .same_host(false)
+                .data_plane(client_plane)
+                .build()?;
             let peer = client.connect(addr).await?;
             assert_eq!(peer.protocol_version(), ferry::SUPPORTED_VERSIONS.max);
             let seg = peer.segment("mem")?;
@@ -89,6 +93,7 @@ async fn checksums_match_local_bytes_on_both_data_planes_in_every_pairing() -> R
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_one_peer_is_never_sent_a_checksum() -> Result<()> {
     let server = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .protocol_versions(VersionRange { min: 1, max: 1 })
         .listen("127.0.0.1:0".parse()?)
@@ -99,6 +104,7 @@ async fn a_version_one_peer_is_never_sent_a_checksum() -> Result<()> {
         "m",
     )?;
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .build()?;
     let peer = client

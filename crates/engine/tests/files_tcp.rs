@@ -19,6 +19,7 @@ async fn a_tcp_engine_serves_and_loads_file_segments() -> Result<()> {
     std::fs::write(&path, &data)?;
 
     let server = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .listen("127.0.0.1:0".parse::<SocketAddr>()?)
         .build()?;
@@ -35,6 +36,7 @@ async fn a_tcp_engine_serves_and_loads_file_segments() -> Result<()> {
     );
 
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .build()?;
     assert_eq!(client.data_plane(), Some(TransportKind::Tcp));

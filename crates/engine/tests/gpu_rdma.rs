@@ -91,6 +91,7 @@ fn engine(
     listen: bool,
 ) -> Result<TransferEngine> {
     let mut b = TransferEngine::builder()
+        .same_host(false)
         .rdma(RdmaConfig::with_rails(vec![rail]).chunk_size(256 << 10))
         .cuda(Cuda::open(fake.path().as_os_str())?)
         .gpu_direct_registration(setting)
@@ -283,6 +284,7 @@ async fn with_route_off_gpu_memory_is_staged_over_rdma() -> Result<()> {
     let empty = tempfile::tempdir()?;
     const LEN: usize = (1 << 20) + 513;
     let server = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .rdma(RdmaConfig::with_rails(vec![s]).chunk_size(256 << 10))
         .build()?;

@@ -88,6 +88,7 @@ fn real_gpu_round_trip_over_both_planes() {
             let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
             let mk = |listen: bool| {
                 let mut b = TransferEngine::builder()
+                    .same_host(false)
                     .data_plane(plane)
                     .cuda(cuda.clone());
                 if listen {
@@ -139,6 +140,7 @@ fn real_file_load() {
     let len = 512 << 20;
     std::fs::write(&path, pattern(len)).unwrap();
     let e = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .cuda(cuda)
         .build()
@@ -176,6 +178,7 @@ fn real_gpu_over_rdma() {
     }
     let mk = |listen: bool| {
         let mut b = TransferEngine::builder()
+            .same_host(false)
             .rdma(ferry::RdmaConfig::default())
             .cuda(cuda.clone());
         if listen {

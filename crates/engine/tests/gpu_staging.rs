@@ -46,6 +46,7 @@ fn engine_with_lanes(
 ) -> TransferEngine {
     let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
     let mut b = TransferEngine::builder()
+        .same_host(false)
         .data_plane(plane)
         .cuda(cuda)
         .staging_buffers(lanes, BUF)
@@ -464,6 +465,7 @@ async fn staging_never_refuses_gpu_ops_before_anything_moves() {
     let server = engine(fake, DataPlane::Tcp, true);
     let h = host_reg(&server, 4096, Access::REMOTE_WRITE, "h");
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .cuda(Cuda::open(fake.path().as_os_str()).unwrap())
         .staging(Staging::Never)
@@ -489,6 +491,7 @@ fn route_choice_in_an_engine_without_rdma() {
     fake.reset();
     for setting in GpuDirectSetting::ALL {
         let e = TransferEngine::builder()
+            .same_host(false)
             .data_plane(DataPlane::Tcp)
             .cuda(Cuda::open(fake.path().as_os_str()).unwrap())
             .gpu_direct_registration(setting)
@@ -517,6 +520,7 @@ fn without_libcuda_gpu_calls_are_unavailable() {
         return;
     }
     let e = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .build()
         .unwrap();

@@ -95,6 +95,7 @@ async fn a_staged_chunk_allocates_less_than_a_one_op_request() {
     let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
     let engine = |listen: bool| {
         let mut b = TransferEngine::builder()
+            .same_host(false)
             .data_plane(DataPlane::Tcp)
             .cuda(Cuda::open(fake.path().as_os_str()).unwrap())
             .staging_buffers(LANES, CHUNK);

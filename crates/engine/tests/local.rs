@@ -8,6 +8,7 @@ use ferry::{Access, Batch, Budgets, DataPlane, Error, MemoryRegion, TransferEngi
 fn listening_needs_a_runtime_and_says_so() {
     // The tokio TCP listener needs a runtime (the io_uring server runs its own threads).
     let r = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .listen("127.0.0.1:0".parse().unwrap())
         .build();
@@ -20,6 +21,7 @@ fn listening_needs_a_runtime_and_says_so() {
 #[test]
 fn budgets_refuse_with_resource_exhausted_and_keep_what_is_published() -> Result<()> {
     let engine = TransferEngine::builder()
+        .same_host(false)
         .budgets(Budgets {
             max_copies: 100,
             max_bytes: 3 << 20,
@@ -69,6 +71,7 @@ fn budgets_refuse_with_resource_exhausted_and_keep_what_is_published() -> Result
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_are_validated_before_anything_moves() -> Result<()> {
     let server = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .build()?;
     let _seg = server.register(
@@ -77,7 +80,7 @@ async fn batches_are_validated_before_anything_moves() -> Result<()> {
         "seg",
     )?;
     let addr = server.local_addr().unwrap();
-    let client = TransferEngine::builder().build()?;
+    let client = TransferEngine::builder().same_host(false).build()?;
     let p1 = client.connect(addr).await?;
     let p2 = client.connect(addr).await?;
     assert_eq!(p1.epoch(), server.epoch());
@@ -108,7 +111,7 @@ async fn batches_are_validated_before_anything_moves() -> Result<()> {
 
 #[test]
 fn a_published_name_is_unique_per_engine() -> Result<()> {
-    let engine = TransferEngine::builder().build()?;
+    let engine = TransferEngine::builder().same_host(false).build()?;
     let mem = || MemoryRegion::alloc_zeroed(4096, 4096);
     let first = engine.register(mem()?, Access::REMOTE_READ, "dup")?;
     let refused = |r: Result<(), Error>, what: &str| match r {

@@ -54,6 +54,7 @@ async fn a_scrape_shows_what_the_transfers_moved() -> Result<()> {
     const LEN: usize = 3 << 20;
     for plane in planes() {
         let server = TransferEngine::builder()
+            .same_host(false)
             .data_plane(plane)
             .listen("127.0.0.1:0".parse()?)
             .metrics("127.0.0.1:0".parse()?)
@@ -65,6 +66,7 @@ async fn a_scrape_shows_what_the_transfers_moved() -> Result<()> {
         )?;
         let metrics = server.metrics_addr().context("metrics served")?;
         let client = TransferEngine::builder()
+            .same_host(false)
             .data_plane(plane)
             .metrics("127.0.0.1:0".parse()?)
             .build()?;
@@ -170,6 +172,7 @@ async fn an_address_in_use_fails_the_build_naming_it() -> Result<()> {
     let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = taken.local_addr()?;
     let e = TransferEngine::builder()
+        .same_host(false)
         .metrics(addr)
         .build()
         .expect_err("the address is taken");
@@ -183,6 +186,7 @@ async fn an_address_in_use_fails_the_build_naming_it() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_batches_and_refusals_are_counted_by_kind() -> Result<()> {
     let server = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .listen("127.0.0.1:0".parse()?)
         .build()?;
@@ -197,6 +201,7 @@ async fn mixed_batches_and_refusals_are_counted_by_kind() -> Result<()> {
         "gone",
     )?;
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .build()?;
     let addr = server.local_addr().context("listens")?;
@@ -288,6 +293,7 @@ async fn mixed_batches_and_refusals_are_counted_by_kind() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_from_one_source_cannot_hold_the_endpoint() -> Result<()> {
     let engine = TransferEngine::builder()
+        .same_host(false)
         .metrics("127.0.0.1:0".parse()?)
         .build()?;
     let metrics = engine.metrics_addr().context("serves metrics")?;

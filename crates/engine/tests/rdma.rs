@@ -58,6 +58,7 @@ fn described_rail(client: &TransferEngine, name: &str) -> Option<ferry::RailDesc
 async fn engine_moves_bytes_over_rdma_and_counts_them_per_rail() -> Result<()> {
     let Some((s, c)) = rails() else { return Ok(()) };
     let server = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .rdma(RdmaConfig::with_rails(vec![s]).chunk_size(256 << 10))
         .build()?;
@@ -72,6 +73,7 @@ async fn engine_moves_bytes_over_rdma_and_counts_them_per_rail() -> Result<()> {
     let addr = server.local_addr().context("no listener")?;
 
     let client = TransferEngine::builder()
+        .same_host(false)
         .rdma(RdmaConfig::with_rails(vec![c]).chunk_size(256 << 10))
         .build()?;
     let src = client.register(
@@ -134,6 +136,7 @@ async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
     };
     let spec = |k: usize| RailSpec::new(DEVICES[k], 1, flap.gids[k]);
     let server = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .rdma(RdmaConfig::with_rails(vec![s, spec(1)]).chunk_size(64 << 10))
         .build()?;
@@ -146,6 +149,7 @@ async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
     )?;
     let addr = server.local_addr().context("no listener")?;
     let client = TransferEngine::builder()
+        .same_host(false)
         .rdma(RdmaConfig::with_rails(vec![c, spec(0)]).chunk_size(64 << 10))
         .build()?;
     let dst = client.register(MemoryRegion::from_vec(vec![0; LEN]), Access::LOCAL, "dst")?;
@@ -244,6 +248,7 @@ async fn a_single_rail_peer_whose_port_flaps_mid_read_reconnects_and_the_read_co
         replay_writes: false,
     };
     let server = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .rdma(RdmaConfig::with_rails(vec![spec(1)]).chunk_size(64 << 10))
         .build()?;
@@ -256,6 +261,7 @@ async fn a_single_rail_peer_whose_port_flaps_mid_read_reconnects_and_the_read_co
     )?;
     let addr = server.local_addr().context("no listener")?;
     let client = TransferEngine::builder()
+        .same_host(false)
         .rdma(RdmaConfig::with_rails(vec![spec(0)]).chunk_size(64 << 10))
         .reconnect(policy)
         .build()?;

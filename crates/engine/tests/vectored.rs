@@ -28,6 +28,7 @@ async fn small_op_batches_with_version_2_and_3_peers_both_ways() -> Result<()> {
     for plane in planes() {
         for (server_v, client_v, common) in [(all, all, 3u16), (V2, all, 2), (all, V2, 2)] {
             let server = TransferEngine::builder()
+                .same_host(false)
                 .data_plane(plane)
                 .protocol_versions(server_v)
                 .listen("127.0.0.1:0".parse()?)
@@ -36,6 +37,7 @@ async fn small_op_batches_with_version_2_and_3_peers_both_ways() -> Result<()> {
             let remote =
                 server.register(remote_mem, Access::REMOTE_READ | Access::REMOTE_WRITE, "kv")?;
             let client = TransferEngine::builder()
+                .same_host(false)
                 .data_plane(plane)
                 .protocol_versions(client_v)
                 .build()?;

@@ -648,3 +648,166 @@ fn read_addr(rd: &mut impl Read, len: usize) -> io::Result<Span> {
         len,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::wire::{Hello, StreamAttach};
+    use ferry_core::{Epoch, PeerId, SegmentDesc, SegmentLease, SegmentToken};
+
+    #[derive(Debug)]
+    struct Responder(Epoch);
+
+    impl HandshakeResponder for Responder {
+        fn peer_id(&self) -> PeerId {
+            PeerId(7)
+        }
+        fn epoch(&self) -> Epoch {
+            self.0
+        }
+        fn respond<'a>(
+            &self,
+            _: &Hello,
+            _: SocketAddr,
+            _: Option<&'a str>,
+        ) -> Result<Hello, Reject> {
+            panic!("a same-host socket never answers a hello")
+        }
+    }
+
+    #[derive(Debug)]
+    struct Nothing;
+
+    impl SegmentTable for Nothing {
+        fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
+            None
+        }
+        fn published(&self) -> Vec<SegmentDesc> {
+            Vec::new()
+        }
+    }
+
+    fn server(timeout: Duration, max_pending: usize) -> (LocalServerHandle, Epoch) {
+        let epoch = Epoch::fresh();
+        let h = LocalServer::bind()
+            .unwrap()
+            .serve(
+                Arc::new(Nothing),
+                Arc::new(Responder(epoch)),
+                HandshakeLimits {
+                    timeout,
+                    max_pending,
+                },
+                4,
+            )
+            .unwrap();
+        (h, epoch)
+    }
+
+    fn connect(h: &LocalServerHandle) -> UnixStream {
+        let addr = UnixAddr::from_abstract_name(h.name().as_bytes()).unwrap();
+        UnixStream::connect_addr(&addr).unwrap()
+    }
+
+    fn attach(epoch: Epoch, transport: u16) -> ControlFrame {
+        ControlFrame::StreamAttach(StreamAttach {
+            peer_id: PeerId(1),
+            epoch: Epoch::fresh(),
+            server_epoch: epoch,
+            transport,
+            stream_index: 0,
+        })
+    }
+
+    /// Reads until the server closes the connection: what it sent before.
+    fn rest(mut s: UnixStream) -> Vec<u8> {
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        out
+    }
+
+    #[test]
+    fn a_connection_that_never_attaches_is_closed_at_the_deadline_and_counted() {
+        let (h, _) = server(Duration::from_millis(200), 8);
+        let s = connect(&h);
+        assert!(rest(s).is_empty());
+        assert_eq!(h.handshakes().timed_out, 1);
+        assert_eq!(h.streams(), 0);
+    }
+
+    #[test]
+    fn past_the_pending_cap_a_connection_is_closed_at_once() {
+        let (h, _) = server(Duration::from_secs(30), 1);
+        let _holding = connect(&h);
+        // The first holds the one place (the gate admits in accept order).
+        let second = connect(&h);
+        assert!(rest(second).is_empty());
+        assert_eq!(h.handshakes().refused, 1);
+    }
+
+    #[test]
+    fn only_an_attach_for_this_plane_is_taken() {
+        let (h, epoch) = server(Duration::from_secs(30), 8);
+        // A hello: closed with no answer.
+        let mut s = connect(&h);
+        let hello = ControlFrame::Hello(Hello {
+            versions: SUPPORTED_VERSIONS,
+            peer_id: PeerId(1),
+            epoch: Epoch::fresh(),
+            transports: Vec::new(),
+            segments: Vec::new(),
+        });
+        ferry_net::write_frame(&mut s, UNIX_PEER, &hello).unwrap();
+        assert!(rest(s).is_empty());
+        // An attach for the TCP plane: refused.
+        let mut s = connect(&h);
+        ferry_net::write_frame(&mut s, UNIX_PEER, &attach(epoch, 1)).unwrap();
+        let reply = ferry_net::read_frame(&mut s, UNIX_PEER).unwrap();
+        assert!(matches!(reply, ControlFrame::Reject(_)), "{reply:?}");
+        // An attach meant for another incarnation: refused as stale.
+        let mut s = connect(&h);
+        ferry_net::write_frame(&mut s, UNIX_PEER, &attach(Epoch::fresh(), local_code())).unwrap();
+        match ferry_net::read_frame(&mut s, UNIX_PEER).unwrap() {
+            ControlFrame::Reject(r) => assert_eq!(r.reason, RejectReason::StaleEpoch),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(h.streams(), 0);
+    }
+
+    #[test]
+    fn an_attached_stream_is_probed_then_served_and_refuses_what_the_table_lacks() {
+        let (h, epoch) = server(Duration::from_secs(30), 8);
+        let mut s = connect(&h);
+        ferry_net::write_frame(&mut s, UNIX_PEER, &attach(epoch, local_code())).unwrap();
+        let reply = ferry_net::read_frame(&mut s, UNIX_PEER).unwrap();
+        assert!(matches!(reply, ControlFrame::StreamAccept), "{reply:?}");
+        let canary = Box::new(0x1234_5678_9abc_def1_u64);
+        let at = (&raw const *canary) as usize as u64;
+        s.write_all(&at.to_le_bytes()).unwrap();
+        let mut answer = [0u8; 9];
+        s.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], PROBE_OK);
+        assert_eq!(answer[1..], canary.to_le_bytes());
+        // A READ of a token the table does not know: refused, nothing copied.
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        ferry_core::wire::DataRequest {
+            kind: OpKind::Read,
+            seq: 0,
+            token: SegmentToken(99),
+            offset: 0,
+            len: 8,
+            ack_slack: 0,
+        }
+        .encode(&mut head);
+        let mut target = Box::new(0u64);
+        let at = (&raw mut *target) as usize as u64;
+        s.write_all(&head).unwrap();
+        s.write_all(&at.to_le_bytes()).unwrap();
+        let mut resp = [0u8; ferry_core::wire::DATA_RESPONSE_LEN];
+        s.read_exact(&mut resp).unwrap();
+        let r = ferry_core::wire::DataResponse::decode(&resp).unwrap();
+        assert_eq!(r.refused, Some(ferry_core::RemoteStatus::UnknownSegment));
+        assert_eq!(*target, 0);
+        drop(s);
+    }
+}
