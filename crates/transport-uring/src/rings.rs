@@ -35,9 +35,11 @@ use ferry_core::{MemoryRegion, OpKind, SegmentLease, SegmentToken};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
+use crate::ring::user_data::{self, Decoded};
 use crate::ring::{
     BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
 };
+use crate::file_ring::FileRing;
 use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
 use ferry_net::RECV_LOW_MARK as LOWAT;
 
@@ -47,10 +49,13 @@ const SQ_ENTRIES: u32 = 1024;
 const CQ_ENTRIES: u32 = 8192;
 /// Fixed-file slots per ring: streams past them use their plain descriptor.
 const FIXED_FILES: u32 = 1 << 14;
-/// User data of the wake eventfd's read.
-const UD_WAKE: u64 = u64::MAX;
-/// User data of a no-op that ends a wait at once.
-const UD_NOP: u64 = u64::MAX - 1;
+/// Kinds of operations in their user data (`ring::user_data`): a stream's socket operation
+/// (its front step's), a header receive armed beside a send, the wake eventfd's read, a no-op
+/// that ends a wait at once.
+const K_STEP: u8 = 1;
+const K_ARMED: u8 = 2;
+const K_WAKE: u8 = 3;
+const K_NOP: u8 = 4;
 /// Bytes a refused WRITE's payload is dropped through, per receive.
 const DISCARD_BUF: usize = 64 << 10;
 
@@ -348,11 +353,6 @@ impl Conn {
     }
 }
 
-/// User data bit of an armed header receive.
-const ARMED_BIT: u64 = 1 << 31;
-/// User data bit of a zero-copy send (the rest: its key in `Driver::zc`).
-const ZC_BIT: u64 = 1 << 62;
-
 /// What a stream's turn ended with.
 enum Turn {
     /// An operation is in flight (or the stream waits for its next turn).
@@ -376,7 +376,7 @@ struct Driver {
     generations: Vec<u32>,
     free: Vec<usize>,
     runnable: VecDeque<usize>,
-    file_ring: Option<IoUring>,
+    file_ring: FileRing,
     /// Registered buffers for zero-copy sends.
     bufs: BufCache,
     /// Zero-copy sends not yet let go by the kernel, by key: the stream and generation that
@@ -387,10 +387,6 @@ struct Driver {
     /// This ring's place and the set's pin flag (`RingSet::pin`), until it pinned itself.
     pin: Option<(usize, Arc<AtomicBool>)>,
     _count: ThreadCount,
-}
-
-fn ud(index: usize, generation: u32) -> u64 {
-    (u64::from(generation) << 32) | index as u64
 }
 
 impl Driver {
@@ -422,7 +418,7 @@ impl Driver {
             generations: Vec::new(),
             free: Vec::new(),
             runnable: VecDeque::new(),
-            file_ring: None,
+            file_ring: FileRing::default(),
             bufs,
             zc: HashMap::new(),
             zc_next: 0,
@@ -506,7 +502,7 @@ impl Driver {
                     8,
                 )
                 .build()
-                .user_data(UD_WAKE);
+                .user_data(user_data::op(K_WAKE, 0, 0));
                 // SAFETY: the buffer is boxed in the driver, which outlives the read (`run`
                 // waits for it, or leaks the buffer).
                 unsafe { push(&mut self.ring, &e) }?;
@@ -524,7 +520,7 @@ impl Driver {
                 // A stream has more to do (a checksum): do not sleep, but still run the ring's
                 // deferred task work (other streams' receives), which only a wait runs; a no-op
                 // completes at once and ends the wait.
-                let nop = opcode::Nop::new().build().user_data(UD_NOP);
+                let nop = opcode::Nop::new().build().user_data(user_data::op(K_NOP, 0, 0));
                 // SAFETY: a no-op carries no buffer.
                 unsafe { push(&mut self.ring, &nop) }?;
             }
@@ -541,30 +537,32 @@ impl Driver {
             .map(|c| (c.user_data(), c.result(), c.flags()))
             .collect();
         for (u, res, flags) in done {
-            if u == UD_WAKE {
-                self.wake_armed = false;
-                continue;
-            }
-            if u == UD_NOP {
-                continue;
-            }
-            let (i, g) = if u & ZC_BIT != 0 {
-                let key = u & !ZC_BIT;
-                if cqueue::notif(flags) {
-                    IoStats::add(&self.ctx.stats.notifications, 1);
-                    self.zc.remove(&key);
+            let (armed, i, g) = match user_data::decode(u) {
+                Decoded::Op { kind: K_WAKE, .. } => {
+                    self.wake_armed = false;
                     continue;
                 }
-                let Some(&(i, g, _)) = self.zc.get(&key) else {
-                    continue;
-                };
-                if !cqueue::more(flags) {
-                    // No notification will come for this one.
-                    self.zc.remove(&key);
+                Decoded::Op {
+                    kind: kind @ (K_STEP | K_ARMED),
+                    slot,
+                    generation,
+                } => (kind == K_ARMED, slot, generation),
+                Decoded::Op { .. } => continue,
+                Decoded::Zc(key) => {
+                    if cqueue::notif(flags) {
+                        IoStats::add(&self.ctx.stats.notifications, 1);
+                        self.zc.remove(&key);
+                        continue;
+                    }
+                    let Some(&(i, g, _)) = self.zc.get(&key) else {
+                        continue;
+                    };
+                    if !cqueue::more(flags) {
+                        // No notification will come for this one.
+                        self.zc.remove(&key);
+                    }
+                    (false, i, g)
                 }
-                (i, g)
-            } else {
-                ((u & (ARMED_BIT - 1)) as usize, (u >> 32) as u32)
             };
             let Some(Some(c)) = self.conns.get_mut(i) else {
                 continue;
@@ -572,7 +570,7 @@ impl Driver {
             if c.generation != g {
                 continue;
             }
-            let r = if u & ARMED_BIT != 0 {
+            let r = if armed {
                 match c.armed.as_mut() {
                     Some(a) if a.res.is_none() => a.res = Some(res),
                     _ => continue,
@@ -599,6 +597,11 @@ impl Driver {
     }
 
     fn add(&mut self, n: NewStream) {
+        if self.free.is_empty() && self.conns.len() >= user_data::MAX_SLOTS {
+            // Its operations could not be named: closed (dropped) instead.
+            warn!(from = %n.from, "a server ring serves as many streams as it can name; stream closed");
+            return;
+        }
         let stream = Arc::new(n.stream);
         let live_id = self.ctx.live.next.fetch_add(1, Ordering::Relaxed);
         lock(&self.ctx.live.conns).insert(live_id, stream.clone());
@@ -613,7 +616,7 @@ impl Driver {
                 self.conns.len() - 1
             }
         };
-        self.generations[i] = self.generations[i].wrapping_add(1);
+        self.generations[i] = user_data::next_generation(self.generations[i]);
         let fixed = (self.fixed_files && i < FIXED_FILES as usize)
             .then(|| {
                 self.ring
@@ -743,7 +746,7 @@ impl Driver {
                     // SAFETY: the range was checked against the region by the stream protocol;
                     // the lease held in `zc` keeps the region alive (and its registration in
                     // use) until the kernel's notification that it let go of the pages.
-                    if let Err(err) = unsafe { push(&mut self.ring, &e.user_data(ZC_BIT | key)) } {
+                    if let Err(err) = unsafe { push(&mut self.ring, &e.user_data(user_data::zc(key))) } {
                         c.inflight = false;
                         self.zc.remove(&key);
                         return Turn::End(Err(err));
@@ -776,7 +779,7 @@ impl Driver {
                         && matches!(c.steps.front(), Some(Step::Send { .. }))
                         && !c.ready
                         && c.armed.is_none();
-                    let e = e.user_data(ud(i, c.generation));
+                    let e = e.user_data(user_data::op(K_STEP, i, c.generation));
                     c.inflight = true;
                     // SAFETY: the entry points into the boxed `Conn` (iovecs, message, the next
                     // header's buffer) and at memory its front step keeps alive (`Keep`, owned
@@ -809,7 +812,7 @@ impl Driver {
                             .flags(flags)
                             .build(),
                         }
-                        .user_data(ud(i, c.generation) | ARMED_BIT);
+                        .user_data(user_data::op(K_ARMED, i, c.generation));
                         // SAFETY: the buffer is boxed in `c.armed` (set before the completion
                         // can be reaped, on this thread), which is kept until it completes.
                         if unsafe { push(&mut self.ring, &e) }.is_ok() {
@@ -824,11 +827,7 @@ impl Driver {
                     len,
                     stage,
                 } => {
-                    let ring = match ring_for_files(&mut self.file_ring) {
-                        Ok(r) => r,
-                        Err(e) => return Turn::End(Err(e)),
-                    };
-                    file.read_piece(ring, stage, *len, *at)
+                    file.read_piece(&mut self.file_ring, stage, *len, *at)
                 }
                 Step::FileWrite {
                     file,
@@ -836,11 +835,7 @@ impl Driver {
                     len,
                     stage,
                 } => {
-                    let ring = match ring_for_files(&mut self.file_ring) {
-                        Ok(r) => r,
-                        Err(e) => return Turn::End(Err(e)),
-                    };
-                    file.write_piece(ring, stage, *len, *at)
+                    file.write_piece(&mut self.file_ring, stage, *len, *at)
                 }
                 Step::Answer {
                     lease,
@@ -902,13 +897,6 @@ impl Driver {
             }
             c.steps.pop_front();
         }
-    }
-}
-
-fn ring_for_files(ring: &mut Option<IoUring>) -> io::Result<&mut IoUring> {
-    match ring {
-        Some(r) => Ok(r),
-        None => Ok(ring.insert(IoUring::new(4)?)),
     }
 }
 

@@ -14,11 +14,10 @@ use ferry_core::wire::StreamAttach;
 use ferry_core::{Error, FileSource, HandshakeResponder, MemoryRegion, SegmentTable};
 use ferry_file::{DIRECT_ALIGN, FileSegment};
 use ferry_net::{HandshakeGate, HandshakeStats};
-use io_uring::IoUring;
 use tracing::debug;
 
 use crate::UringConfig;
-use crate::file_ring::file_io;
+use crate::file_ring::FileRing;
 use crate::ring::IoStats;
 
 /// A bound listener, not serving yet.
@@ -259,7 +258,7 @@ impl FileIo {
     /// Reads exactly `n` bytes at file offset `at` into the start of `buf`.
     pub(crate) fn read_piece(
         &self,
-        ring: &mut IoUring,
+        ring: &mut FileRing,
         buf: &MemoryRegion,
         n: usize,
         at: u64,
@@ -269,7 +268,7 @@ impl FileIo {
                 let (fd, _direct) = f.read_fd(at, n as u64, buf.as_ptr() as usize);
                 // SAFETY: the staging region holds at least `n` bytes and is used only by this
                 // stream's thread, which waits for the read here.
-                let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), n, at) }?;
+                let got = unsafe { ring.io(fd, false, buf.as_ptr(), n, at) }?;
                 if got < n {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
@@ -291,7 +290,7 @@ impl FileIo {
     /// Writes the first `n` bytes of `buf` at file offset `at`.
     pub(crate) fn write_piece(
         &self,
-        ring: &mut IoUring,
+        ring: &mut FileRing,
         buf: &MemoryRegion,
         n: usize,
         at: u64,
@@ -300,7 +299,7 @@ impl FileIo {
             FileIo::Segment(f) => {
                 // SAFETY: the staging region holds the `n` bytes just received and is used only
                 // by this stream's thread, which waits for the write here.
-                let put = unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), n, at) }?;
+                let put = unsafe { ring.io(f.write_fd(), true, buf.as_ptr(), n, at) }?;
                 if put < n {
                     return Err(std::io::Error::other(format!(
                         "short write to file {}",
