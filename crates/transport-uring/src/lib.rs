@@ -57,6 +57,8 @@ pub mod probe;
 mod ring;
 mod rings;
 mod server;
+#[cfg(test)]
+mod testing;
 mod waiter;
 
 use std::sync::Arc;

@@ -64,7 +64,10 @@ impl Live {
 pub struct UringServerHandle {
     addr: SocketAddr,
     live: Arc<Live>,
-    listener_fd: i32,
+    /// The listener, shared with the accept thread, so that the shutdown below reaches this
+    /// socket and no other, whenever that thread ended; taken by the first shutdown (the
+    /// descriptor closes once the accept thread let go of it too).
+    listener: Mutex<Option<Arc<TcpListener>>>,
     stats: Arc<IoStats>,
     gate: Arc<HandshakeGate>,
     rings: usize,
@@ -99,9 +102,11 @@ impl UringServerHandle {
     /// Stops serving: the listener closes and every accepted connection is shut down.
     pub fn shutdown(&self) {
         if !self.live.stopped.swap(true, Ordering::AcqRel) {
-            // SAFETY: shutting down a socket we own (the listener thread keeps it open until it
-            // sees `stopped`); this only wakes the blocked accept().
-            unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+            if let Some(listener) = lock(&self.listener).take() {
+                // SAFETY: the descriptor is the listener's: the `Arc` held here keeps it open
+                // for the call. This stops its listening and wakes the accept thread's poll.
+                unsafe { libc::shutdown(listener.as_raw_fd(), libc::SHUT_RDWR) };
+            }
             self.live.shutdown_all();
         }
     }
@@ -158,7 +163,6 @@ impl UringServer {
         let addr = self.addr;
         let live = Arc::new(Live::default());
         let stats = Arc::new(IoStats::default());
-        let listener_fd = self.listener.as_raw_fd();
         let ctx = Arc::new(Ctx {
             table,
             responder,
@@ -171,21 +175,22 @@ impl UringServer {
             .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
         let rings = set.len();
         let _ = ctx.rings.set(set);
-        let listener = self.listener;
+        let listener = Arc::new(self.listener);
         // The accept thread polls it with the connections in their handshake.
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("make non-blocking the listener on", addr.to_string(), e))?;
+        let accepting = listener.clone();
         let gate = HandshakeGate::new(ctx.config.handshake);
         let gate_run = gate.clone();
         std::thread::Builder::new()
             .name("ferry-uring-accept".into())
-            .spawn(move || crate::handshakes::run(listener, ctx, gate_run))
+            .spawn(move || crate::handshakes::run(accepting, ctx, gate_run))
             .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
         Ok(UringServerHandle {
             addr,
             live,
-            listener_fd,
+            listener: Mutex::new(Some(listener)),
             stats,
             gate,
             rings,
@@ -315,6 +320,88 @@ impl FileIo {
                     .map_err(|e| std::io::Error::other(format!("staging buffer: {e}")))?;
                 f.write_all_at(at, piece)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::net::TcpListener;
+    use std::os::fd::AsRawFd;
+    use std::sync::{Arc, Mutex, mpsc};
+    use std::time::Duration;
+
+    use super::UringServer;
+    use crate::UringConfig;
+    use crate::testing::{NoSegments, Responder, hello};
+
+    /// Sends on its channel when the thread that holds it ends.
+    struct OnExit(mpsc::Sender<()>);
+
+    impl Drop for OnExit {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+
+    thread_local! {
+        static EXIT: RefCell<Option<OnExit>> = const { RefCell::new(None) };
+    }
+
+    /// The handle's shutdown reaches its own listener only: after the accept thread ended (a
+    /// responder that panics takes it down), a socket that then took the listener's descriptor
+    /// number is left alone.
+    #[test]
+    fn shutdown_never_touches_a_descriptor_the_accept_thread_let_go() {
+        if io_uring::IoUring::new(4).is_err() {
+            ferry_tests::require_or_skip(ferry_tests::URING, "the kernel refuses io_uring rings");
+            return;
+        }
+        let (exit_tx, exit_rx) = mpsc::channel();
+        let exit_tx = Mutex::new(exit_tx);
+        let responder = Responder::new(move || {
+            let tx = exit_tx.lock().unwrap().clone();
+            EXIT.with(|e| *e.borrow_mut() = Some(OnExit(tx)));
+            panic!("a responder that fails (this test's own panic)");
+        });
+        let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener_fd = server.listener.as_raw_fd();
+        let handle = server
+            .serve(
+                Arc::new(NoSegments),
+                responder,
+                UringConfig {
+                    server_rings: 1,
+                    ..UringConfig::default()
+                },
+            )
+            .unwrap();
+        let addr = handle.local_addr();
+        // The hello reaches the responder, whose panic ends the accept thread.
+        let answer = crate::control::handshake(addr, &hello(), Duration::from_secs(10));
+        assert!(answer.is_err(), "{answer:?}");
+        exit_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the accept thread ended");
+        // New sockets take the lowest free descriptors: up to the listener's number.
+        let mut fresh = Vec::new();
+        while fresh.len() < 4096 {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let fd = l.as_raw_fd();
+            fresh.push(l);
+            if fd >= listener_fd {
+                break;
+            }
+        }
+        handle.shutdown();
+        for l in &fresh {
+            let to = l.local_addr().unwrap();
+            assert!(
+                std::net::TcpStream::connect_timeout(&to, Duration::from_secs(10)).is_ok(),
+                "the socket at descriptor {} (the listener's was {listener_fd}) was shut down",
+                l.as_raw_fd()
+            );
         }
     }
 }
