@@ -324,10 +324,7 @@ mod tests {
                 let mut sa: libc::sigaction = std::mem::zeroed();
                 sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
                 libc::sigemptyset(&mut sa.sa_mask);
-                assert_eq!(
-                    libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()),
-                    0
-                );
+                assert_eq!(libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()), 0);
             }
         });
     }

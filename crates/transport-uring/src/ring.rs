@@ -305,7 +305,11 @@ pub(crate) mod user_data {
         /// A zero-copy send, by key.
         Zc(u64),
         /// An operation of `kind` of the stream in `slot` at `generation`.
-        Op { kind: u8, slot: usize, generation: u32 },
+        Op {
+            kind: u8,
+            slot: usize,
+            generation: u32,
+        },
     }
 
     /// The user data of operation `kind` (not 0) of the stream in `slot` (below [`MAX_SLOTS`])

@@ -35,11 +35,11 @@ use ferry_core::{MemoryRegion, OpKind, SegmentLease, SegmentToken};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
+use crate::file_ring::FileRing;
 use crate::ring::user_data::{self, Decoded};
 use crate::ring::{
     BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
 };
-use crate::file_ring::FileRing;
 use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
 use ferry_net::RECV_LOW_MARK as LOWAT;
 
@@ -353,11 +353,30 @@ impl Conn {
     }
 }
 
+/// What one stream may do in a ring turn before every other runnable stream had its turn:
+/// steps worth this many bytes (sends and receives done at once, file pieces), each step
+/// counted as at least [`STEP_COST`] (so that many small ones, a pipeline of requests whose
+/// bytes are all there, are bounded too).
+const TURN_BUDGET: usize = 2 << 20;
+/// The least a step costs of [`TURN_BUDGET`].
+const STEP_COST: usize = 64 << 10;
+
+/// The bytes a step moves on the ring's thread, as [`TURN_BUDGET`] counts them.
+fn step_bytes(step: &Step) -> usize {
+    match step {
+        Step::Send { parts, done, .. } | Step::Recv { parts, done, .. } => {
+            total(parts).saturating_sub(*done)
+        }
+        Step::FileRead { len, .. } | Step::FileWrite { len, .. } => *len,
+        _ => 0,
+    }
+}
+
 /// What a stream's turn ended with.
 enum Turn {
     /// An operation is in flight (or the stream waits for its next turn).
     Wait,
-    /// Run it again next turn (a checksum piece done).
+    /// Run it again next turn (a checksum piece done, its turn's budget spent).
     Yield,
     /// The stream is over (cleanly or not).
     End(io::Result<()>),
@@ -508,26 +527,35 @@ impl Driver {
                 unsafe { push(&mut self.ring, &e) }?;
                 self.wake_armed = true;
             }
-            let mut yielded = Vec::new();
-            while let Some(i) = self.runnable.pop_front() {
-                match self.advance(i) {
-                    Turn::Wait => {}
-                    Turn::Yield => yielded.push(i),
-                    Turn::End(r) => self.end(i, r),
-                }
-            }
-            if !yielded.is_empty() {
-                // A stream has more to do (a checksum): do not sleep, but still run the ring's
-                // deferred task work (other streams' receives), which only a wait runs; a no-op
-                // completes at once and ends the wait.
-                let nop = opcode::Nop::new().build().user_data(user_data::op(K_NOP, 0, 0));
-                // SAFETY: a no-op carries no buffer.
-                unsafe { push(&mut self.ring, &nop) }?;
-            }
-            self.runnable.extend(yielded);
+            self.run_streams()?;
             submit(&mut self.ring, true)?;
             self.reap();
         }
+    }
+
+    /// Gives every runnable stream its turn, each within [`TURN_BUDGET`]: one that has more to
+    /// do runs again at the next turn.
+    fn run_streams(&mut self) -> io::Result<()> {
+        let mut yielded = Vec::new();
+        while let Some(i) = self.runnable.pop_front() {
+            match self.advance(i) {
+                Turn::Wait => {}
+                Turn::Yield => yielded.push(i),
+                Turn::End(r) => self.end(i, r),
+            }
+        }
+        if !yielded.is_empty() {
+            // A stream has more to do (a checksum, its budget spent): do not sleep, but still
+            // run the ring's deferred task work (other streams' receives), which only a wait
+            // runs; a no-op completes at once and ends the wait.
+            let nop = opcode::Nop::new()
+                .build()
+                .user_data(user_data::op(K_NOP, 0, 0));
+            // SAFETY: a no-op carries no buffer.
+            unsafe { push(&mut self.ring, &nop) }?;
+        }
+        self.runnable.extend(yielded);
+        Ok(())
     }
 
     fn reap(&mut self) {
@@ -689,7 +717,13 @@ impl Driver {
         if stopped {
             return Turn::End(Ok(()));
         }
+        let mut spent = 0usize;
         loop {
+            if spent >= TURN_BUDGET {
+                // The others' turn: this stream goes on at the next.
+                return Turn::Yield;
+            }
+            spent += c.steps.front().map_or(0, step_bytes).max(STEP_COST);
             let Some(step) = c.steps.front_mut() else {
                 if c.ready {
                     c.ready = false;
@@ -746,7 +780,9 @@ impl Driver {
                     // SAFETY: the range was checked against the region by the stream protocol;
                     // the lease held in `zc` keeps the region alive (and its registration in
                     // use) until the kernel's notification that it let go of the pages.
-                    if let Err(err) = unsafe { push(&mut self.ring, &e.user_data(user_data::zc(key))) } {
+                    if let Err(err) =
+                        unsafe { push(&mut self.ring, &e.user_data(user_data::zc(key))) }
+                    {
                         c.inflight = false;
                         self.zc.remove(&key);
                         return Turn::End(Err(err));
@@ -826,17 +862,13 @@ impl Driver {
                     at,
                     len,
                     stage,
-                } => {
-                    file.read_piece(&mut self.file_ring, stage, *len, *at)
-                }
+                } => file.read_piece(&mut self.file_ring, stage, *len, *at),
                 Step::FileWrite {
                     file,
                     at,
                     len,
                     stage,
-                } => {
-                    file.write_piece(&mut self.file_ring, stage, *len, *at)
-                }
+                } => file.write_piece(&mut self.file_ring, stage, *len, *at),
                 Step::Answer {
                     lease,
                     token,
@@ -1587,5 +1619,109 @@ fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
     }
     while let Some(s) = steps.pop_back() {
         c.steps.push_front(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::{Arc, mpsc};
+
+    use ferry_core::stream::ServerStream;
+
+    use super::{Driver, NewStream, STEP_COST, Step, TURN_BUDGET};
+    use crate::UringConfig;
+    use crate::ring::IoStats;
+    use crate::server::{Ctx, Live};
+    use crate::testing::{NoSegments, Responder};
+
+    /// A connected loopback pair: (the ring's end, the peer's).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (ours, _) = l.accept().unwrap();
+        (ours, peer)
+    }
+
+    /// A stream with many steps that all complete at once (small sends the socket takes) has
+    /// them spread over several turns: the stream after it is served in the first.
+    #[test]
+    fn one_stream_cannot_take_a_whole_turn() {
+        if io_uring::IoUring::new(4).is_err() {
+            ferry_tests::require_or_skip(ferry_tests::URING, "the kernel refuses io_uring rings");
+            return;
+        }
+        let table = Arc::new(NoSegments);
+        let ctx = Arc::new(Ctx::new(
+            table.clone(),
+            Responder::new(|| {}),
+            UringConfig::default(),
+            Arc::new(IoStats::default()),
+            Arc::new(Live::default()),
+        ));
+        let (_tx, rx) = mpsc::channel();
+        // SAFETY: plain eventfd creation; checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we now own.
+        let wake =
+            Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        let mut d = Driver::new(ctx, rx, wake, None).unwrap();
+        let mut peers = Vec::new();
+        for _ in 0..2 {
+            let (ours, peer) = pair();
+            let from = peer.local_addr().unwrap();
+            d.add(NewStream {
+                stream: ours,
+                from,
+                proto: ServerStream::new(table.clone()),
+                accept: b"A".to_vec(),
+            });
+            peers.push(peer);
+        }
+        // Stream 0: twice its turn's budget of small sends, all of which the socket takes.
+        let sends = 2 * TURN_BUDGET / STEP_COST;
+        let piece = 1024;
+        for k in 0..sends {
+            let c = d.conns[0].as_mut().unwrap();
+            c.steps.push_back(Step::send_owned(vec![k as u8; piece]));
+        }
+        d.run_streams().unwrap();
+        let queued = |d: &Driver, i: usize| {
+            d.conns[i]
+                .as_ref()
+                .unwrap()
+                .steps
+                .iter()
+                .filter(|s| matches!(s, Step::Send { .. }))
+                .count()
+        };
+        assert!(
+            queued(&d, 0) > 0,
+            "stream 0 sent all its {sends} sends in one turn"
+        );
+        assert_eq!(
+            queued(&d, 1),
+            0,
+            "stream 1 was not served in the first turn"
+        );
+        // The rest goes in later turns, in order.
+        for _ in 0..sends {
+            if queued(&d, 0) == 0 {
+                break;
+            }
+            d.run_streams().unwrap();
+        }
+        assert_eq!(queued(&d, 0), 0, "stream 0's sends never finished");
+        let mut got = vec![0u8; 1 + sends * piece];
+        peers[0].read_exact(&mut got).unwrap();
+        assert_eq!(got[0], b'A');
+        for (k, chunk) in got[1..].chunks(piece).enumerate() {
+            assert!(chunk.iter().all(|&b| b == k as u8), "send {k} out of order");
+        }
+        let mut accept = [0u8; 1];
+        peers[1].read_exact(&mut accept).unwrap();
+        assert_eq!(&accept, b"A");
     }
 }

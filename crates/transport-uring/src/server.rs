@@ -129,6 +129,26 @@ pub(crate) struct Ctx {
     rings: std::sync::OnceLock<crate::rings::RingSet>,
 }
 
+impl Ctx {
+    /// A context whose rings are not started yet.
+    pub(crate) fn new(
+        table: Arc<dyn SegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+        config: UringConfig,
+        stats: Arc<IoStats>,
+        live: Arc<Live>,
+    ) -> Self {
+        Self {
+            table,
+            responder,
+            config,
+            stats,
+            live,
+            rings: std::sync::OnceLock::new(),
+        }
+    }
+}
+
 impl UringServer {
     /// Binds `addr` (port 0: any; `SO_REUSEADDR` as std sets it).
     pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
@@ -163,14 +183,13 @@ impl UringServer {
         let addr = self.addr;
         let live = Arc::new(Live::default());
         let stats = Arc::new(IoStats::default());
-        let ctx = Arc::new(Ctx {
+        let ctx = Arc::new(Ctx::new(
             table,
             responder,
             config,
-            stats: stats.clone(),
-            live: live.clone(),
-            rings: std::sync::OnceLock::new(),
-        });
+            stats.clone(),
+            live.clone(),
+        ));
         let set = crate::rings::RingSet::start(ctx.config.server_rings, &ctx)
             .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
         let rings = set.len();
