@@ -226,6 +226,9 @@ pub(crate) fn attached(
     proto: ServerStream,
     ctx: &Arc<Ctx>,
 ) {
+    if ctx.config.unpaced_loopback && from.ip().is_loopback() {
+        crate::unpace(&stream);
+    }
     match ctx.rings.get() {
         Some(rings) => crate::rings::attached(
             rings,
