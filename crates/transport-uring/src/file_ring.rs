@@ -391,17 +391,13 @@ mod tests {
         wait_for("the read's wait", || in_enter(tid));
         let before = SIGNALS.load(Ordering::SeqCst);
         // SAFETY: the thread is alive (it is joined below), and SIGUSR2 has a handler.
-        assert_eq!(
-            unsafe { libc::pthread_kill(reader.as_pthread_t(), libc::SIGUSR2) },
-            0
-        );
+        let sent = unsafe { libc::pthread_kill(reader.as_pthread_t(), libc::SIGUSR2) };
+        assert_eq!(sent, 0);
         wait_for("the signal", || SIGNALS.load(Ordering::SeqCst) > before);
         wait_for("the wait after the signal", || in_enter(tid));
         // SAFETY: writes 8 bytes from a local to the pipe we own.
-        assert_eq!(
-            unsafe { libc::write(w.as_raw_fd(), b"12345678".as_ptr().cast(), 8) },
-            8
-        );
+        let wrote = unsafe { libc::write(w.as_raw_fd(), b"12345678".as_ptr().cast(), 8) };
+        assert_eq!(wrote, 8);
         let (got, bytes, (sq, cq)) = reader.join().unwrap();
         assert_eq!(got, Ok(8));
         assert_eq!(bytes, b"12345678");

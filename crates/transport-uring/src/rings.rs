@@ -777,12 +777,11 @@ impl Driver {
                         IoStats::add(&self.ctx.stats.fixed_sends, 1);
                     }
                     c.inflight = true;
+                    let e = e.user_data(user_data::zc(key));
                     // SAFETY: the range was checked against the region by the stream protocol;
                     // the lease held in `zc` keeps the region alive (and its registration in
                     // use) until the kernel's notification that it let go of the pages.
-                    if let Err(err) =
-                        unsafe { push(&mut self.ring, &e.user_data(user_data::zc(key))) }
-                    {
+                    if let Err(err) = unsafe { push(&mut self.ring, &e) } {
                         c.inflight = false;
                         self.zc.remove(&key);
                         return Turn::End(Err(err));
