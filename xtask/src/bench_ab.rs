@@ -166,8 +166,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if two_process {
         for c in &cases {
             for (ours, bin) in [(true, &current), (false, &baseline)] {
-                if !servers.contains_key(&(ours, c.transport)) {
-                    servers.insert((ours, c.transport), Served::start(bin, c.transport)?);
+                if let std::collections::hash_map::Entry::Vacant(e) =
+                    servers.entry((ours, c.transport))
+                {
+                    e.insert(Served::start(bin, c.transport)?);
                 }
             }
         }
