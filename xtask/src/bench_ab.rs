@@ -11,8 +11,8 @@
 //! faster.
 //!
 //! With `--two-process` each build serves from its own `ferry serve --transport T` child process
-//! instead (one per build and data plane, up for the whole run, publishing its default 64 MiB
-//! `bench` segment) and `ferry bench 127.0.0.1:PORT` is the client: the same cases across two
+//! instead (one per build and data plane, up for the whole run, publishing a 64 MiB `bench`
+//! segment) and `ferry bench 127.0.0.1:PORT` is the client: the same cases across two
 //! processes.
 //!
 //! Options: `--baseline BIN` (required: the `ferry` of the build to compare against, e.g.
@@ -247,6 +247,8 @@ impl Served {
                 "--transport",
                 transport,
             ])
+            // Named, since builds before the default segment (4fbd163) publish none by default.
+            .args(["--segment", "bench=64MiB"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
