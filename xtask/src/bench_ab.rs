@@ -239,7 +239,7 @@ impl Served {
             .context("finding a free port")?
             .port();
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let child = Command::new(bin)
+        let mut child = Command::new(bin)
             .args([
                 "serve",
                 "--listen",
@@ -249,11 +249,23 @@ impl Served {
             ])
             // Named, since builds before the default segment (4fbd163) publish none by default.
             .args(["--segment", "bench=64MiB"])
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {} serve", bin.display()))?;
+        let out = child.stdout.take().context("serve's stdout")?;
         let served = Self { child, addr };
+        // `listening on` comes once its segments are published (a bare listening port may not
+        // serve the segment yet); the rest of its output is drained so that it never blocks.
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.starts_with("listening on") => break,
+                Some(Ok(_)) => {}
+                _ => bail!("{} serve ended before it listened", bin.display()),
+            }
+        }
+        std::thread::spawn(move || lines.for_each(drop));
         let end = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
             if Instant::now() > end {
