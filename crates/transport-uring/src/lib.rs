@@ -44,6 +44,10 @@
 //! hand-off cost more than the splice. `ZeroCopy::Always` keeps
 //! SEND_ZC everywhere (the tests use it to check it).
 //!
+//! A loopback peer's data streams do not run a pacing congestion control (BBR leaves for cubic,
+//! `UringConfig::unpaced_loopback`): the kernel would otherwise pace them with a timer per burst,
+//! armed on the sending ring's thread, for a link that is not there.
+//!
 //! Receives are plain RECV straight into registered memory (multishot receive with provided
 //! buffers would add a copy out of the provided buffers, so it is not used for payloads).
 #![deny(unsafe_op_in_unsafe_fn)]
