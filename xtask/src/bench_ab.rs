@@ -10,12 +10,23 @@
 //! median and range of the per-round ratios, oriented so that above 1 means this tree is
 //! faster.
 //!
-//! Options: `--baseline BIN` (required: e.g. `target/release/ferry` of a worktree at the old
-//! commit), `--total BYTES` per bulk run (default 2GiB), `--ops N` per latency run (default
-//! 20000), `--repeat N` rounds (default 5), `--only TEXT` (only the cases whose label contains
-//! it, e.g. `--only "2 stream"`).
+//! With `--two-process` each build serves from its own `ferry serve --transport T` child process
+//! instead (one per build and data plane, up for the whole run, publishing a 64 MiB `bench`
+//! segment) and `ferry bench 127.0.0.1:PORT` is the client: the same cases across two
+//! processes.
+//!
+//! Options: `--baseline BIN` (required: the `ferry` of the build to compare against, e.g.
+//! `target/release/ferry` of a worktree at main, or at 4fbd163 for the io_uring rows, whose
+//! `ferry bench` takes the same flags), `--total BYTES` per bulk run (default 2GiB), `--ops N`
+//! per latency run (default 20000), `--repeat N` rounds (default 5), `--only TEXT` (only the
+//! cases whose label contains it, e.g. `--only "uring, 1 stream, 1 MiB read"`),
+//! `--two-process`, `--no-build` (use this tree's `target/release/ferry` as it is).
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
@@ -25,13 +36,21 @@ use crate::util::{cargo, ferry_bench_json_of, median, median_and_range, run as r
 /// larger is better (a rate) or smaller (a latency).
 struct Case {
     label: String,
+    transport: &'static str,
     args: Vec<String>,
     key: &'static str,
     higher_is_better: bool,
 }
 
 /// A `ferry bench` case on `transport`: `op`s of `size` bytes, `total` bytes, and `extra` flags.
-fn case(label: String, transport: &str, op: &str, size: &str, total: u64, extra: &[&str]) -> Case {
+fn case(
+    label: String,
+    transport: &'static str,
+    op: &str,
+    size: &str,
+    total: u64,
+    extra: &[&str],
+) -> Case {
     let mut args: Vec<String> = ["--transport", transport, "--op", op, "--op-size", size]
         .map(String::from)
         .to_vec();
@@ -39,6 +58,7 @@ fn case(label: String, transport: &str, op: &str, size: &str, total: u64, extra:
     args.extend(["--total".to_owned(), total.to_string()]);
     Case {
         label,
+        transport,
         args,
         key: "gb_per_s",
         higher_is_better: true,
@@ -97,6 +117,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut ops = 20_000usize;
     let mut repeat = 5usize;
     let mut only: Option<String> = None;
+    let mut two_process = false;
+    let mut build = true;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| -> Result<String> {
@@ -115,8 +137,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                     .max(1)
             }
             "--only" => only = Some(value("--only")?),
+            "--two-process" => two_process = true,
+            "--no-build" => build = false,
             other => bail!(
-                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N, --only TEXT)"
+                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N, --only TEXT, --two-process, --no-build)"
             ),
         }
     }
@@ -126,7 +150,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !baseline.is_file() {
         bail!("the baseline {} is not a file", baseline.display());
     }
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+    if build {
+        run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+    }
     let current = crate::util::release_bin("ferry");
     let cases: Vec<Case> = cases(total, ops)
         .into_iter()
@@ -135,6 +161,28 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if cases.is_empty() {
         bail!("no case matches --only {only:?}");
     }
+    // With --two-process: each build's server per data plane, up for the whole run.
+    let mut servers: HashMap<(bool, &str), Served> = HashMap::new();
+    if two_process {
+        for c in &cases {
+            for (ours, bin) in [(true, &current), (false, &baseline)] {
+                if let std::collections::hash_map::Entry::Vacant(e) =
+                    servers.entry((ours, c.transport))
+                {
+                    e.insert(Served::start(bin, c.transport)?);
+                }
+            }
+        }
+    }
+    let measure = |bin: &Path, ours: bool, c: &Case| -> Result<f64> {
+        let mut args: Vec<String> = Vec::new();
+        if let Some(s) = servers.get(&(ours, c.transport)) {
+            args.push(s.addr.to_string());
+        }
+        args.extend(c.args.iter().cloned());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        ferry_bench_json_of(bin, &args, c.key)
+    };
     // ratios[c]: per-round ratio (above 1: this tree is better); medians of each side.
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut ours: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
@@ -142,13 +190,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     for round in 0..repeat {
         eprintln!("bench ab: round {} of {repeat}", round + 1);
         for (i, c) in cases.iter().enumerate() {
-            let args: Vec<&str> = c.args.iter().map(String::as_str).collect();
             let (a, b) = if round % 2 == 0 {
-                let b = ferry_bench_json_of(&baseline, &args, c.key)?;
-                (ferry_bench_json_of(&current, &args, c.key)?, b)
+                let b = measure(&baseline, false, c)?;
+                (measure(&current, true, c)?, b)
             } else {
-                let a = ferry_bench_json_of(&current, &args, c.key)?;
-                (a, ferry_bench_json_of(&baseline, &args, c.key)?)
+                let a = measure(&current, true, c)?;
+                (a, measure(&baseline, false, c)?)
             };
             ours[i].push(a);
             theirs[i].push(b);
@@ -168,6 +215,74 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             median_and_range(&ratios[i]),
         );
     }
-    println!("(ratios above 1: this tree is faster; latency rows compare p50 round trips)");
+    println!(
+        "(ratios above 1: this tree is faster; latency rows compare p50 round trips; {})",
+        if two_process {
+            "two processes: each build's `ferry serve` and `ferry bench` on loopback"
+        } else {
+            "in-process loopback: each `ferry bench` runs its own server"
+        }
+    );
     Ok(())
+}
+
+/// One build's `ferry serve --transport T` on a free loopback port, killed when dropped.
+struct Served {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Served {
+    fn start(bin: &Path, transport: &str) -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .context("finding a free port")?
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let mut child = Command::new(bin)
+            .args([
+                "serve",
+                "--listen",
+                &addr.to_string(),
+                "--transport",
+                transport,
+            ])
+            // Named, since builds before the default segment (4fbd163) publish none by default.
+            .args(["--segment", "bench=64MiB"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {} serve", bin.display()))?;
+        let out = child.stdout.take().context("serve's stdout")?;
+        let served = Self { child, addr };
+        // `listening on` comes once its segments are published (a bare listening port may not
+        // serve the segment yet); the rest of its output is drained so that it never blocks.
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+        loop {
+            match lines.next() {
+                Some(Ok(l)) if l.starts_with("listening on") => break,
+                Some(Ok(_)) => {}
+                _ => bail!("{} serve ended before it listened", bin.display()),
+            }
+        }
+        std::thread::spawn(move || lines.for_each(drop));
+        let end = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            if Instant::now() > end {
+                bail!(
+                    "{} serve is not listening on {addr} after 10 s",
+                    bin.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(served)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -40,7 +40,7 @@ tasks:
   bench small [--repeat N] [--ops N] [--total BYTES] [--blocks N] [--block BYTES] [--no-mooncake]
                          small ops: 64 B round trip vs a TCP ping-pong, 64 KiB ops vs iperf3,
                          a scattered KV-cache batch vs one op of its bytes, Mooncake's TCP batch
-  bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
+  bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT] [--two-process] [--no-build]
                          this tree's ferry bench against another build, alternating rounds
   fresh-machine [--full] [--rebuild-base]
                          a bare Debian 12 root (debootstrap): .ci/packages, then clippy, all tests

@@ -199,8 +199,8 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Accepts connections on `listener` (non-blocking) and runs their handshakes until the server
 /// stops; an attached data stream goes to [`attached`] (one of the server's rings). The
-/// listener stays open until then: the server's handle shuts it down by its descriptor.
-pub(crate) fn run(listener: TcpListener, ctx: Arc<Ctx>, gate: Arc<HandshakeGate>) {
+/// listener is shared with the server's handle, which shuts it down to stop the server.
+pub(crate) fn run(listener: Arc<TcpListener>, ctx: Arc<Ctx>, gate: Arc<HandshakeGate>) {
     let timeout = gate.limits().timeout;
     let mut conns: Vec<Conn> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();

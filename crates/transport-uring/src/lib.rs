@@ -44,6 +44,10 @@
 //! hand-off cost more than the splice. `ZeroCopy::Always` keeps
 //! SEND_ZC everywhere (the tests use it to check it).
 //!
+//! A loopback peer's data streams do not run a pacing congestion control (BBR leaves for cubic,
+//! `UringConfig::unpaced_loopback`): the kernel would otherwise pace them with a timer per burst,
+//! armed on the sending ring's thread, for a link that is not there.
+//!
 //! Receives are plain RECV straight into registered memory (multishot receive with provided
 //! buffers would add a copy out of the provided buffers, so it is not used for payloads).
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -57,6 +61,8 @@ pub mod probe;
 mod ring;
 mod rings;
 mod server;
+#[cfg(test)]
+mod testing;
 mod waiter;
 
 use std::sync::Arc;
@@ -119,6 +125,13 @@ pub struct UringConfig {
     /// bouncing each chunk between cores (`docs/performance.md`). Off: the scheduler places
     /// every thread.
     pub pin_loopback_streams: bool,
+    /// To a loopback peer, a data stream whose congestion control paces its sends (BBR, the
+    /// kernel's choice on many hosts) switches to one that does not (cubic, else reno), on both
+    /// ends. Without a pacing qdisc the kernel paces such a socket itself with a timer per burst
+    /// (`tcp_pace_kick`), armed from the acknowledgements the sending ring processes: on
+    /// loopback, where there is no link to pace for, that made a serving ring the bottleneck of
+    /// a one-stream 1 MiB READ (`docs/performance.md`). Off: the system's default everywhere.
+    pub unpaced_loopback: bool,
     /// How long sent data may go unacknowledged (and an idle connection unanswered by
     /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
     /// then reported lost and the kernel drops its references to their pages, so `drained`
@@ -168,6 +181,7 @@ impl Default for UringConfig {
             splice_loopback: true,
             kernel_splice: false,
             pin_loopback_streams: true,
+            unpaced_loopback: true,
             dead_peer_after: Some(DEAD_PEER_AFTER),
             handshake: HandshakeLimits::default(),
             server_rings: 0,
@@ -227,6 +241,45 @@ pub(crate) fn pin_stream_thread(index: usize) {
             tracing::debug!(error = %std::io::Error::last_os_error(), cpu, "sched_setaffinity");
         }
     }
+}
+
+/// Switches `socket` from a congestion control that paces its sends (any BBR) to one that does
+/// not (cubic, else reno; see [`UringConfig::unpaced_loopback`]): whether it did. Best effort: a
+/// socket the kernel will not switch keeps its own (logged).
+pub(crate) fn unpace(socket: &impl std::os::fd::AsRawFd) -> bool {
+    let fd = socket.as_raw_fd();
+    let mut name = [0u8; 16];
+    let mut len = name.len() as libc::socklen_t;
+    // SAFETY: reads at most `len` bytes of the socket's option into a local buffer.
+    let got = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if got != 0 || !name.starts_with(b"bbr") {
+        return false;
+    }
+    for cc in [&b"cubic"[..], b"reno"] {
+        // SAFETY: passes a local byte string of its own length to the socket's option.
+        let set = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_CONGESTION,
+                cc.as_ptr().cast(),
+                cc.len() as libc::socklen_t,
+            )
+        };
+        if set == 0 {
+            return true;
+        }
+    }
+    tracing::debug!(error = %std::io::Error::last_os_error(), "TCP_CONGESTION: the stream stays paced");
+    false
 }
 
 /// What the user asked for.
@@ -386,6 +439,11 @@ impl UringTransport {
                 self.config.dead_peer_after,
             )?);
         }
+        if self.config.unpaced_loopback && addr.ip().is_loopback() {
+            for s in &sockets {
+                unpace(s);
+            }
+        }
         let splice =
             self.config.splice_loopback && self.config.kernel_splice && addr.ip().is_loopback();
         let pin = self.config.pin_loopback_streams && addr.ip().is_loopback() && n >= 2;
@@ -495,6 +553,43 @@ mod tests {
             (0..libc::CPU_SETSIZE as usize)
                 .filter(|&c| libc::CPU_ISSET(c, &set))
                 .collect()
+        }
+    }
+
+    /// A loopback socket under BBR leaves it for a congestion control that does not pace; one
+    /// under another keeps it.
+    #[test]
+    fn unpace_leaves_bbr_only() {
+        fn congestion(s: &std::net::TcpStream) -> String {
+            use std::os::fd::AsRawFd;
+            let mut name = [0u8; 16];
+            let mut len = name.len() as libc::socklen_t;
+            // SAFETY: reads at most `len` bytes of the option into a local buffer.
+            let got = unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_CONGESTION,
+                    name.as_mut_ptr().cast(),
+                    &mut len,
+                )
+            };
+            assert_eq!(got, 0);
+            String::from_utf8_lossy(&name[..len as usize])
+                .trim_end_matches('\0')
+                .to_owned()
+        }
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let before = congestion(&s);
+        let switched = super::unpace(&s);
+        let after = congestion(&s);
+        if before.starts_with("bbr") {
+            assert!(switched, "{before} kept");
+            assert!(!after.starts_with("bbr"), "{after}");
+        } else {
+            assert!(!switched);
+            assert_eq!(after, before);
         }
     }
 

@@ -35,6 +35,8 @@ use ferry_core::{MemoryRegion, OpKind, SegmentLease, SegmentToken};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use tracing::{debug, warn};
 
+use crate::file_ring::FileRing;
+use crate::ring::user_data::{self, Decoded};
 use crate::ring::{
     BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
 };
@@ -47,10 +49,13 @@ const SQ_ENTRIES: u32 = 1024;
 const CQ_ENTRIES: u32 = 8192;
 /// Fixed-file slots per ring: streams past them use their plain descriptor.
 const FIXED_FILES: u32 = 1 << 14;
-/// User data of the wake eventfd's read.
-const UD_WAKE: u64 = u64::MAX;
-/// User data of a no-op that ends a wait at once.
-const UD_NOP: u64 = u64::MAX - 1;
+/// Kinds of operations in their user data (`ring::user_data`): a stream's socket operation
+/// (its front step's), a header receive armed beside a send, the wake eventfd's read, a no-op
+/// that ends a wait at once.
+const K_STEP: u8 = 1;
+const K_ARMED: u8 = 2;
+const K_WAKE: u8 = 3;
+const K_NOP: u8 = 4;
 /// Bytes a refused WRITE's payload is dropped through, per receive.
 const DISCARD_BUF: usize = 64 << 10;
 
@@ -348,16 +353,30 @@ impl Conn {
     }
 }
 
-/// User data bit of an armed header receive.
-const ARMED_BIT: u64 = 1 << 31;
-/// User data bit of a zero-copy send (the rest: its key in `Driver::zc`).
-const ZC_BIT: u64 = 1 << 62;
+/// What one stream may do in a ring turn before every other runnable stream had its turn:
+/// steps worth this many bytes (sends and receives done at once, file pieces), each step
+/// counted as at least [`STEP_COST`] (so that many small ones, a pipeline of requests whose
+/// bytes are all there, are bounded too).
+const TURN_BUDGET: usize = 2 << 20;
+/// The least a step costs of [`TURN_BUDGET`].
+const STEP_COST: usize = 64 << 10;
+
+/// The bytes a step moves on the ring's thread, as [`TURN_BUDGET`] counts them.
+fn step_bytes(step: &Step) -> usize {
+    match step {
+        Step::Send { parts, done, .. } | Step::Recv { parts, done, .. } => {
+            total(parts).saturating_sub(*done)
+        }
+        Step::FileRead { len, .. } | Step::FileWrite { len, .. } => *len,
+        _ => 0,
+    }
+}
 
 /// What a stream's turn ended with.
 enum Turn {
     /// An operation is in flight (or the stream waits for its next turn).
     Wait,
-    /// Run it again next turn (a checksum piece done).
+    /// Run it again next turn (a checksum piece done, its turn's budget spent).
     Yield,
     /// The stream is over (cleanly or not).
     End(io::Result<()>),
@@ -376,7 +395,7 @@ struct Driver {
     generations: Vec<u32>,
     free: Vec<usize>,
     runnable: VecDeque<usize>,
-    file_ring: Option<IoUring>,
+    file_ring: FileRing,
     /// Registered buffers for zero-copy sends.
     bufs: BufCache,
     /// Zero-copy sends not yet let go by the kernel, by key: the stream and generation that
@@ -387,10 +406,6 @@ struct Driver {
     /// This ring's place and the set's pin flag (`RingSet::pin`), until it pinned itself.
     pin: Option<(usize, Arc<AtomicBool>)>,
     _count: ThreadCount,
-}
-
-fn ud(index: usize, generation: u32) -> u64 {
-    (u64::from(generation) << 32) | index as u64
 }
 
 impl Driver {
@@ -422,7 +437,7 @@ impl Driver {
             generations: Vec::new(),
             free: Vec::new(),
             runnable: VecDeque::new(),
-            file_ring: None,
+            file_ring: FileRing::default(),
             bufs,
             zc: HashMap::new(),
             zc_next: 0,
@@ -506,32 +521,41 @@ impl Driver {
                     8,
                 )
                 .build()
-                .user_data(UD_WAKE);
+                .user_data(user_data::op(K_WAKE, 0, 0));
                 // SAFETY: the buffer is boxed in the driver, which outlives the read (`run`
                 // waits for it, or leaks the buffer).
                 unsafe { push(&mut self.ring, &e) }?;
                 self.wake_armed = true;
             }
-            let mut yielded = Vec::new();
-            while let Some(i) = self.runnable.pop_front() {
-                match self.advance(i) {
-                    Turn::Wait => {}
-                    Turn::Yield => yielded.push(i),
-                    Turn::End(r) => self.end(i, r),
-                }
-            }
-            if !yielded.is_empty() {
-                // A stream has more to do (a checksum): do not sleep, but still run the ring's
-                // deferred task work (other streams' receives), which only a wait runs; a no-op
-                // completes at once and ends the wait.
-                let nop = opcode::Nop::new().build().user_data(UD_NOP);
-                // SAFETY: a no-op carries no buffer.
-                unsafe { push(&mut self.ring, &nop) }?;
-            }
-            self.runnable.extend(yielded);
+            self.run_streams()?;
             submit(&mut self.ring, true)?;
             self.reap();
         }
+    }
+
+    /// Gives every runnable stream its turn, each within [`TURN_BUDGET`]: one that has more to
+    /// do runs again at the next turn.
+    fn run_streams(&mut self) -> io::Result<()> {
+        let mut yielded = Vec::new();
+        while let Some(i) = self.runnable.pop_front() {
+            match self.advance(i) {
+                Turn::Wait => {}
+                Turn::Yield => yielded.push(i),
+                Turn::End(r) => self.end(i, r),
+            }
+        }
+        if !yielded.is_empty() {
+            // A stream has more to do (a checksum, its budget spent): do not sleep, but still
+            // run the ring's deferred task work (other streams' receives), which only a wait
+            // runs; a no-op completes at once and ends the wait.
+            let nop = opcode::Nop::new()
+                .build()
+                .user_data(user_data::op(K_NOP, 0, 0));
+            // SAFETY: a no-op carries no buffer.
+            unsafe { push(&mut self.ring, &nop) }?;
+        }
+        self.runnable.extend(yielded);
+        Ok(())
     }
 
     fn reap(&mut self) {
@@ -541,30 +565,32 @@ impl Driver {
             .map(|c| (c.user_data(), c.result(), c.flags()))
             .collect();
         for (u, res, flags) in done {
-            if u == UD_WAKE {
-                self.wake_armed = false;
-                continue;
-            }
-            if u == UD_NOP {
-                continue;
-            }
-            let (i, g) = if u & ZC_BIT != 0 {
-                let key = u & !ZC_BIT;
-                if cqueue::notif(flags) {
-                    IoStats::add(&self.ctx.stats.notifications, 1);
-                    self.zc.remove(&key);
+            let (armed, i, g) = match user_data::decode(u) {
+                Decoded::Op { kind: K_WAKE, .. } => {
+                    self.wake_armed = false;
                     continue;
                 }
-                let Some(&(i, g, _)) = self.zc.get(&key) else {
-                    continue;
-                };
-                if !cqueue::more(flags) {
-                    // No notification will come for this one.
-                    self.zc.remove(&key);
+                Decoded::Op {
+                    kind: kind @ (K_STEP | K_ARMED),
+                    slot,
+                    generation,
+                } => (kind == K_ARMED, slot, generation),
+                Decoded::Op { .. } => continue,
+                Decoded::Zc(key) => {
+                    if cqueue::notif(flags) {
+                        IoStats::add(&self.ctx.stats.notifications, 1);
+                        self.zc.remove(&key);
+                        continue;
+                    }
+                    let Some(&(i, g, _)) = self.zc.get(&key) else {
+                        continue;
+                    };
+                    if !cqueue::more(flags) {
+                        // No notification will come for this one.
+                        self.zc.remove(&key);
+                    }
+                    (false, i, g)
                 }
-                (i, g)
-            } else {
-                ((u & (ARMED_BIT - 1)) as usize, (u >> 32) as u32)
             };
             let Some(Some(c)) = self.conns.get_mut(i) else {
                 continue;
@@ -572,7 +598,7 @@ impl Driver {
             if c.generation != g {
                 continue;
             }
-            let r = if u & ARMED_BIT != 0 {
+            let r = if armed {
                 match c.armed.as_mut() {
                     Some(a) if a.res.is_none() => a.res = Some(res),
                     _ => continue,
@@ -599,6 +625,11 @@ impl Driver {
     }
 
     fn add(&mut self, n: NewStream) {
+        if self.free.is_empty() && self.conns.len() >= user_data::MAX_SLOTS {
+            // Its operations could not be named: closed (dropped) instead.
+            warn!(from = %n.from, "a server ring serves as many streams as it can name; stream closed");
+            return;
+        }
         let stream = Arc::new(n.stream);
         let live_id = self.ctx.live.next.fetch_add(1, Ordering::Relaxed);
         lock(&self.ctx.live.conns).insert(live_id, stream.clone());
@@ -613,7 +644,7 @@ impl Driver {
                 self.conns.len() - 1
             }
         };
-        self.generations[i] = self.generations[i].wrapping_add(1);
+        self.generations[i] = user_data::next_generation(self.generations[i]);
         let fixed = (self.fixed_files && i < FIXED_FILES as usize)
             .then(|| {
                 self.ring
@@ -686,7 +717,13 @@ impl Driver {
         if stopped {
             return Turn::End(Ok(()));
         }
+        let mut spent = 0usize;
         loop {
+            if spent >= TURN_BUDGET {
+                // The others' turn: this stream goes on at the next.
+                return Turn::Yield;
+            }
+            spent += c.steps.front().map_or(0, step_bytes).max(STEP_COST);
             let Some(step) = c.steps.front_mut() else {
                 if c.ready {
                     c.ready = false;
@@ -740,10 +777,11 @@ impl Driver {
                         IoStats::add(&self.ctx.stats.fixed_sends, 1);
                     }
                     c.inflight = true;
+                    let e = e.user_data(user_data::zc(key));
                     // SAFETY: the range was checked against the region by the stream protocol;
                     // the lease held in `zc` keeps the region alive (and its registration in
                     // use) until the kernel's notification that it let go of the pages.
-                    if let Err(err) = unsafe { push(&mut self.ring, &e.user_data(ZC_BIT | key)) } {
+                    if let Err(err) = unsafe { push(&mut self.ring, &e) } {
                         c.inflight = false;
                         self.zc.remove(&key);
                         return Turn::End(Err(err));
@@ -776,7 +814,7 @@ impl Driver {
                         && matches!(c.steps.front(), Some(Step::Send { .. }))
                         && !c.ready
                         && c.armed.is_none();
-                    let e = e.user_data(ud(i, c.generation));
+                    let e = e.user_data(user_data::op(K_STEP, i, c.generation));
                     c.inflight = true;
                     // SAFETY: the entry points into the boxed `Conn` (iovecs, message, the next
                     // header's buffer) and at memory its front step keeps alive (`Keep`, owned
@@ -809,7 +847,7 @@ impl Driver {
                             .flags(flags)
                             .build(),
                         }
-                        .user_data(ud(i, c.generation) | ARMED_BIT);
+                        .user_data(user_data::op(K_ARMED, i, c.generation));
                         // SAFETY: the buffer is boxed in `c.armed` (set before the completion
                         // can be reaped, on this thread), which is kept until it completes.
                         if unsafe { push(&mut self.ring, &e) }.is_ok() {
@@ -823,25 +861,13 @@ impl Driver {
                     at,
                     len,
                     stage,
-                } => {
-                    let ring = match ring_for_files(&mut self.file_ring) {
-                        Ok(r) => r,
-                        Err(e) => return Turn::End(Err(e)),
-                    };
-                    file.read_piece(ring, stage, *len, *at)
-                }
+                } => file.read_piece(&mut self.file_ring, stage, *len, *at),
                 Step::FileWrite {
                     file,
                     at,
                     len,
                     stage,
-                } => {
-                    let ring = match ring_for_files(&mut self.file_ring) {
-                        Ok(r) => r,
-                        Err(e) => return Turn::End(Err(e)),
-                    };
-                    file.write_piece(ring, stage, *len, *at)
-                }
+                } => file.write_piece(&mut self.file_ring, stage, *len, *at),
                 Step::Answer {
                     lease,
                     token,
@@ -902,13 +928,6 @@ impl Driver {
             }
             c.steps.pop_front();
         }
-    }
-}
-
-fn ring_for_files(ring: &mut Option<IoUring>) -> io::Result<&mut IoUring> {
-    match ring {
-        Some(r) => Ok(r),
-        None => Ok(ring.insert(IoUring::new(4)?)),
     }
 }
 
@@ -1599,5 +1618,109 @@ fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
     }
     while let Some(s) = steps.pop_back() {
         c.steps.push_front(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::{Arc, mpsc};
+
+    use ferry_core::stream::ServerStream;
+
+    use super::{Driver, NewStream, STEP_COST, Step, TURN_BUDGET};
+    use crate::UringConfig;
+    use crate::ring::IoStats;
+    use crate::server::{Ctx, Live};
+    use crate::testing::{NoSegments, Responder};
+
+    /// A connected loopback pair: (the ring's end, the peer's).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (ours, _) = l.accept().unwrap();
+        (ours, peer)
+    }
+
+    /// A stream with many steps that all complete at once (small sends the socket takes) has
+    /// them spread over several turns: the stream after it is served in the first.
+    #[test]
+    fn one_stream_cannot_take_a_whole_turn() {
+        if io_uring::IoUring::new(4).is_err() {
+            ferry_tests::require_or_skip(ferry_tests::URING, "the kernel refuses io_uring rings");
+            return;
+        }
+        let table = Arc::new(NoSegments);
+        let ctx = Arc::new(Ctx::new(
+            table.clone(),
+            Responder::new(|| {}),
+            UringConfig::default(),
+            Arc::new(IoStats::default()),
+            Arc::new(Live::default()),
+        ));
+        let (_tx, rx) = mpsc::channel();
+        // SAFETY: plain eventfd creation; checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we now own.
+        let wake =
+            Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        let mut d = Driver::new(ctx, rx, wake, None).unwrap();
+        let mut peers = Vec::new();
+        for _ in 0..2 {
+            let (ours, peer) = pair();
+            let from = peer.local_addr().unwrap();
+            d.add(NewStream {
+                stream: ours,
+                from,
+                proto: ServerStream::new(table.clone()),
+                accept: b"A".to_vec(),
+            });
+            peers.push(peer);
+        }
+        // Stream 0: twice its turn's budget of small sends, all of which the socket takes.
+        let sends = 2 * TURN_BUDGET / STEP_COST;
+        let piece = 1024;
+        for k in 0..sends {
+            let c = d.conns[0].as_mut().unwrap();
+            c.steps.push_back(Step::send_owned(vec![k as u8; piece]));
+        }
+        d.run_streams().unwrap();
+        let queued = |d: &Driver, i: usize| {
+            d.conns[i]
+                .as_ref()
+                .unwrap()
+                .steps
+                .iter()
+                .filter(|s| matches!(s, Step::Send { .. }))
+                .count()
+        };
+        assert!(
+            queued(&d, 0) > 0,
+            "stream 0 sent all its {sends} sends in one turn"
+        );
+        assert_eq!(
+            queued(&d, 1),
+            0,
+            "stream 1 was not served in the first turn"
+        );
+        // The rest goes in later turns, in order.
+        for _ in 0..sends {
+            if queued(&d, 0) == 0 {
+                break;
+            }
+            d.run_streams().unwrap();
+        }
+        assert_eq!(queued(&d, 0), 0, "stream 0's sends never finished");
+        let mut got = vec![0u8; 1 + sends * piece];
+        peers[0].read_exact(&mut got).unwrap();
+        assert_eq!(got[0], b'A');
+        for (k, chunk) in got[1..].chunks(piece).enumerate() {
+            assert!(chunk.iter().all(|&b| b == k as u8), "send {k} out of order");
+        }
+        let mut accept = [0u8; 1];
+        peers[1].read_exact(&mut accept).unwrap();
+        assert_eq!(&accept, b"A");
     }
 }

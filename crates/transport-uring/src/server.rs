@@ -14,11 +14,10 @@ use ferry_core::wire::StreamAttach;
 use ferry_core::{Error, FileSource, HandshakeResponder, MemoryRegion, SegmentTable};
 use ferry_file::{DIRECT_ALIGN, FileSegment};
 use ferry_net::{HandshakeGate, HandshakeStats};
-use io_uring::IoUring;
 use tracing::debug;
 
 use crate::UringConfig;
-use crate::file_ring::file_io;
+use crate::file_ring::FileRing;
 use crate::ring::IoStats;
 
 /// A bound listener, not serving yet.
@@ -65,7 +64,10 @@ impl Live {
 pub struct UringServerHandle {
     addr: SocketAddr,
     live: Arc<Live>,
-    listener_fd: i32,
+    /// The listener, shared with the accept thread, so that the shutdown below reaches this
+    /// socket and no other, whenever that thread ended; taken by the first shutdown (the
+    /// descriptor closes once the accept thread let go of it too).
+    listener: Mutex<Option<Arc<TcpListener>>>,
     stats: Arc<IoStats>,
     gate: Arc<HandshakeGate>,
     rings: usize,
@@ -100,9 +102,11 @@ impl UringServerHandle {
     /// Stops serving: the listener closes and every accepted connection is shut down.
     pub fn shutdown(&self) {
         if !self.live.stopped.swap(true, Ordering::AcqRel) {
-            // SAFETY: shutting down a socket we own (the listener thread keeps it open until it
-            // sees `stopped`); this only wakes the blocked accept().
-            unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+            if let Some(listener) = lock(&self.listener).take() {
+                // SAFETY: the descriptor is the listener's: the `Arc` held here keeps it open
+                // for the call. This stops its listening and wakes the accept thread's poll.
+                unsafe { libc::shutdown(listener.as_raw_fd(), libc::SHUT_RDWR) };
+            }
             self.live.shutdown_all();
         }
     }
@@ -123,6 +127,26 @@ pub(crate) struct Ctx {
     pub(crate) live: Arc<Live>,
     /// The fixed set of rings that serves every data stream.
     rings: std::sync::OnceLock<crate::rings::RingSet>,
+}
+
+impl Ctx {
+    /// A context whose rings are not started yet.
+    pub(crate) fn new(
+        table: Arc<dyn SegmentTable>,
+        responder: Arc<dyn HandshakeResponder>,
+        config: UringConfig,
+        stats: Arc<IoStats>,
+        live: Arc<Live>,
+    ) -> Self {
+        Self {
+            table,
+            responder,
+            config,
+            stats,
+            live,
+            rings: std::sync::OnceLock::new(),
+        }
+    }
 }
 
 impl UringServer {
@@ -159,34 +183,33 @@ impl UringServer {
         let addr = self.addr;
         let live = Arc::new(Live::default());
         let stats = Arc::new(IoStats::default());
-        let listener_fd = self.listener.as_raw_fd();
-        let ctx = Arc::new(Ctx {
+        let ctx = Arc::new(Ctx::new(
             table,
             responder,
             config,
-            stats: stats.clone(),
-            live: live.clone(),
-            rings: std::sync::OnceLock::new(),
-        });
+            stats.clone(),
+            live.clone(),
+        ));
         let set = crate::rings::RingSet::start(ctx.config.server_rings, &ctx)
             .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
         let rings = set.len();
         let _ = ctx.rings.set(set);
-        let listener = self.listener;
+        let listener = Arc::new(self.listener);
         // The accept thread polls it with the connections in their handshake.
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("make non-blocking the listener on", addr.to_string(), e))?;
+        let accepting = listener.clone();
         let gate = HandshakeGate::new(ctx.config.handshake);
         let gate_run = gate.clone();
         std::thread::Builder::new()
             .name("ferry-uring-accept".into())
-            .spawn(move || crate::handshakes::run(listener, ctx, gate_run))
+            .spawn(move || crate::handshakes::run(accepting, ctx, gate_run))
             .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
         Ok(UringServerHandle {
             addr,
             live,
-            listener_fd,
+            listener: Mutex::new(Some(listener)),
             stats,
             gate,
             rings,
@@ -203,6 +226,9 @@ pub(crate) fn attached(
     proto: ServerStream,
     ctx: &Arc<Ctx>,
 ) {
+    if ctx.config.unpaced_loopback && from.ip().is_loopback() {
+        crate::unpace(&stream);
+    }
     match ctx.rings.get() {
         Some(rings) => crate::rings::attached(
             rings,
@@ -259,7 +285,7 @@ impl FileIo {
     /// Reads exactly `n` bytes at file offset `at` into the start of `buf`.
     pub(crate) fn read_piece(
         &self,
-        ring: &mut IoUring,
+        ring: &mut FileRing,
         buf: &MemoryRegion,
         n: usize,
         at: u64,
@@ -269,7 +295,7 @@ impl FileIo {
                 let (fd, _direct) = f.read_fd(at, n as u64, buf.as_ptr() as usize);
                 // SAFETY: the staging region holds at least `n` bytes and is used only by this
                 // stream's thread, which waits for the read here.
-                let got = unsafe { file_io(ring, fd, false, buf.as_ptr(), n, at) }?;
+                let got = unsafe { ring.io(fd, false, buf.as_ptr(), n, at) }?;
                 if got < n {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
@@ -291,7 +317,7 @@ impl FileIo {
     /// Writes the first `n` bytes of `buf` at file offset `at`.
     pub(crate) fn write_piece(
         &self,
-        ring: &mut IoUring,
+        ring: &mut FileRing,
         buf: &MemoryRegion,
         n: usize,
         at: u64,
@@ -300,7 +326,7 @@ impl FileIo {
             FileIo::Segment(f) => {
                 // SAFETY: the staging region holds the `n` bytes just received and is used only
                 // by this stream's thread, which waits for the write here.
-                let put = unsafe { file_io(ring, f.write_fd(), true, buf.as_ptr(), n, at) }?;
+                let put = unsafe { ring.io(f.write_fd(), true, buf.as_ptr(), n, at) }?;
                 if put < n {
                     return Err(std::io::Error::other(format!(
                         "short write to file {}",
@@ -316,6 +342,88 @@ impl FileIo {
                     .map_err(|e| std::io::Error::other(format!("staging buffer: {e}")))?;
                 f.write_all_at(at, piece)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::net::TcpListener;
+    use std::os::fd::AsRawFd;
+    use std::sync::{Arc, Mutex, mpsc};
+    use std::time::Duration;
+
+    use super::UringServer;
+    use crate::UringConfig;
+    use crate::testing::{NoSegments, Responder, hello};
+
+    /// Sends on its channel when the thread that holds it ends.
+    struct OnExit(mpsc::Sender<()>);
+
+    impl Drop for OnExit {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+
+    thread_local! {
+        static EXIT: RefCell<Option<OnExit>> = const { RefCell::new(None) };
+    }
+
+    /// The handle's shutdown reaches its own listener only: after the accept thread ended (a
+    /// responder that panics takes it down), a socket that then took the listener's descriptor
+    /// number is left alone.
+    #[test]
+    fn shutdown_never_touches_a_descriptor_the_accept_thread_let_go() {
+        if io_uring::IoUring::new(4).is_err() {
+            ferry_tests::require_or_skip(ferry_tests::URING, "the kernel refuses io_uring rings");
+            return;
+        }
+        let (exit_tx, exit_rx) = mpsc::channel();
+        let exit_tx = Mutex::new(exit_tx);
+        let responder = Responder::new(move || {
+            let tx = exit_tx.lock().unwrap().clone();
+            EXIT.with(|e| *e.borrow_mut() = Some(OnExit(tx)));
+            panic!("a responder that fails (this test's own panic)");
+        });
+        let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener_fd = server.listener.as_raw_fd();
+        let handle = server
+            .serve(
+                Arc::new(NoSegments),
+                responder,
+                UringConfig {
+                    server_rings: 1,
+                    ..UringConfig::default()
+                },
+            )
+            .unwrap();
+        let addr = handle.local_addr();
+        // The hello reaches the responder, whose panic ends the accept thread.
+        let answer = crate::control::handshake(addr, &hello(), Duration::from_secs(10));
+        assert!(answer.is_err(), "{answer:?}");
+        exit_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the accept thread ended");
+        // New sockets take the lowest free descriptors: up to the listener's number.
+        let mut fresh = Vec::new();
+        while fresh.len() < 4096 {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let fd = l.as_raw_fd();
+            fresh.push(l);
+            if fd >= listener_fd {
+                break;
+            }
+        }
+        handle.shutdown();
+        for l in &fresh {
+            let to = l.local_addr().unwrap();
+            assert!(
+                std::net::TcpStream::connect_timeout(&to, Duration::from_secs(10)).is_ok(),
+                "the socket at descriptor {} (the listener's was {listener_fd}) was shut down",
+                l.as_raw_fd()
+            );
         }
     }
 }

@@ -44,6 +44,7 @@ use tracing::{debug, warn};
 use super::state::{
     Queue, READ_TICK, Reader, ReqShared, RingInbox, RingWake, StreamShared, shutdown,
 };
+use crate::ring::user_data::{self, Decoded, MAX_SLOTS};
 use crate::ring::{
     BufCache, IoStats, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
 };
@@ -54,20 +55,16 @@ const SQ_ENTRIES: u32 = 256;
 const CQ_ENTRIES: u32 = 4096;
 /// Fixed-file slots per ring: streams past them use their plain descriptor.
 const FIXED_FILES: u32 = 1 << 12;
-/// Slots per ring the user data can name (24 bits).
-const MAX_SLOTS: usize = 1 << 24;
+/// What an operation's user data says it is (its kind in `ring::user_data`; a zero-copy send is
+/// named by its key alone).
+const K_RECV: u8 = 1;
+const K_SEND: u8 = 2;
+const K_POLL: u8 = 4;
+const K_WAKE: u8 = 5;
+const K_HANGUP: u8 = 6;
 
-/// What an operation's user data says it is (bits 24..32; the slot in bits 0..24, the slot's
-/// generation, or a zero-copy send's key, in bits 32..64).
-const K_RECV: u64 = 1;
-const K_SEND: u64 = 2;
-const K_ZC: u64 = 3;
-const K_POLL: u64 = 4;
-const K_WAKE: u64 = 5;
-const K_HANGUP: u64 = 6;
-
-fn ud(kind: u64, slot: usize, upper: u32) -> u64 {
-    (u64::from(upper) << 32) | (kind << 24) | slot as u64
+fn ud(kind: u8, slot: usize, generation: u32) -> u64 {
+    user_data::op(kind, slot, generation)
 }
 
 /// The transport's settings a ring needs.
@@ -382,8 +379,8 @@ struct Driver {
     /// Completions of one reap (kept for its capacity).
     reaped: Vec<(u64, i32, u32)>,
     bufs: BufCache,
-    zc: HashMap<u32, Zc>,
-    zc_next: u32,
+    zc: HashMap<u64, Zc>,
+    zc_next: u64,
     /// Direct readers watched (stream name, reader token, seen at a tick before), and when the
     /// next tick is due; when the list was last not empty.
     watched: Vec<(u64, u64, bool)>,
@@ -735,7 +732,7 @@ impl Driver {
                 return;
             }
         };
-        self.generations[i] = self.generations[i].wrapping_add(1);
+        self.generations[i] = user_data::next_generation(self.generations[i]);
         let fd = n.sh.socket.as_raw_fd();
         let fixed = (self.fixed_files && i < FIXED_FILES as usize)
             .then(|| {
@@ -846,16 +843,18 @@ impl Driver {
                 .map(|c| (c.user_data(), c.result(), c.flags())),
         );
         for &(u, res, flags) in &done {
-            let kind = (u >> 24) & 0xff;
-            let mut slot = (u & 0xff_ffff) as usize;
-            let mut generation = (u >> 32) as u32;
-            match kind {
-                K_WAKE => {
+            let (kind, slot, generation) = match user_data::decode(u) {
+                Decoded::Op { kind: K_WAKE, .. } => {
                     self.wake_armed = false;
                     continue;
                 }
-                K_ZC => {
-                    let key = generation;
+                Decoded::Op {
+                    kind: kind @ (K_RECV | K_SEND | K_POLL | K_HANGUP),
+                    slot,
+                    generation,
+                } => (kind, slot, generation),
+                Decoded::Op { .. } => continue,
+                Decoded::Zc(key) => {
                     if cqueue::notif(flags) {
                         IoStats::add(&self.stats.notifications, 1);
                         self.zc.remove(&key);
@@ -864,15 +863,14 @@ impl Driver {
                     let Some(z) = self.zc.get(&key) else {
                         continue;
                     };
-                    (slot, generation) = (z.slot, z.generation);
+                    let named = (K_SEND, z.slot, z.generation);
                     if !cqueue::more(flags) {
                         // No notification will come for this one.
                         self.zc.remove(&key);
                     }
+                    named
                 }
-                K_RECV | K_SEND | K_POLL | K_HANGUP => {}
-                _ => continue,
-            }
+            };
             let Some(Some(c)) = self.conns.get_mut(slot) else {
                 continue;
             };
@@ -1294,8 +1292,8 @@ fn send(
     ring: &mut IoUring,
     c: &mut Conn,
     bufs: &mut BufCache,
-    zc: &mut HashMap<u32, Zc>,
-    zc_next: &mut u32,
+    zc: &mut HashMap<u64, Zc>,
+    zc_next: &mut u64,
 ) -> Result<bool, Option<i32>> {
     loop {
         if c.send_inflight.is_some() {
@@ -1459,8 +1457,8 @@ fn push_out(
     ring: &mut IoUring,
     c: &mut Conn,
     bufs: &mut BufCache,
-    zc: &mut HashMap<u32, Zc>,
-    zc_next: &mut u32,
+    zc: &mut HashMap<u64, Zc>,
+    zc_next: &mut u64,
 ) -> Result<bool, Option<i32>> {
     let fail = |c: &Conn, e: io::Error| {
         debug!(peer = %c.peer, stream = c.index, error = %e, "send failed; stream closed");
@@ -1536,7 +1534,7 @@ fn push_out(
                 let at = unsafe { ptr.add(*done) };
                 let index = bufs.index(ring, region, &c.stats);
                 let key = *zc_next;
-                *zc_next = zc_next.wrapping_add(1);
+                *zc_next += 1;
                 // The hold is in place before the send can complete, so the request cannot be
                 // seen as drained in between.
                 zc.insert(
@@ -1554,7 +1552,7 @@ fn push_out(
                         .buf_index(index)
                         .flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL)
                 )
-                .user_data(ud(K_ZC, c.slot, key));
+                .user_data(user_data::zc(key));
                 IoStats::add(&c.stats.zc_sends, 1);
                 if index.is_some() {
                     IoStats::add(&c.stats.fixed_sends, 1);
