@@ -20,9 +20,13 @@ fn bench_json(args: &[&str]) -> Result<serde_json::Value> {
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-/// What `--transport auto` runs here: io_uring where the kernel can carry it, else TCP.
+/// What `--transport auto` runs here to a peer on this host: the same-host plane where this host
+/// allows it, else io_uring where the kernel can carry it, else TCP.
 fn auto_transport() -> &'static str {
-    if ferry::probe_kernel().usable() {
+    let same_host = ferry::probe_same_host();
+    if same_host.boot_id.is_ok() && same_host.copies.is_ok() {
+        "local"
+    } else if ferry::probe_kernel().usable() {
         "uring"
     } else {
         "tcp"

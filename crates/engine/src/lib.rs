@@ -41,6 +41,9 @@ mod request;
 mod route;
 mod serve;
 
+/// The same-host plane's probe of this host (boot id, Yama, the copy system call), as `ferry
+/// doctor`'s `same-host` row reads it.
+pub use ferry_transport_local::{LocalProbe, probe as probe_same_host};
 pub use builder::{
     ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, SAME_HOST_ENV, load_keyring,
 };
