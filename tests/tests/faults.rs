@@ -71,11 +71,17 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The data plane named `name`, or `None` (the reason printed) where it cannot run here.
+/// Whether the case running now (cases run one at a time, [`serial`]) is the same-host plane's:
+/// its engines take process-to-process copies, with TCP beside them.
+static SAME_HOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The data plane named `name` (`local`: the same-host plane, TCP beside it), or `None` (the
+/// reason printed) where it cannot run here.
 #[track_caller]
 fn plane(name: &str) -> Option<DataPlane> {
+    SAME_HOST.store(name == "local", std::sync::atomic::Ordering::SeqCst);
     match name {
-        "tcp" => Some(DataPlane::Tcp),
+        "tcp" | "local" => Some(DataPlane::Tcp),
         _ => match ferry::probe_kernel().unusable_reason() {
             Some(why) => {
                 require_or_skip(URING, format!("io_uring unusable here: {why}"));
@@ -93,7 +99,12 @@ fn census() -> Result<Census> {
     let names = thread_names();
     let harness = names
         .iter()
-        .filter(|n| n.starts_with("tcp::") || n.starts_with("uring::") || *n == "fault_child")
+        .filter(|n| {
+            n.starts_with("tcp::")
+                || n.starts_with("uring::")
+                || n.starts_with("local::")
+                || *n == "fault_child"
+        })
         .count();
     c.threads = (names.len() - harness) as u64;
     Ok(c)
@@ -114,7 +125,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 fn engine(plane: DataPlane, listen: bool) -> Result<TransferEngine> {
     let mut b = TransferEngine::builder()
-        .same_host(false)
+        .same_host(SAME_HOST.load(std::sync::atomic::Ordering::SeqCst))
         .data_plane(plane)
         .streams(2);
     if listen {
@@ -479,7 +490,7 @@ fn fault_child() -> Result<()> {
     let Ok(kind) = std::env::var("FERRY_FAULT_CHILD") else {
         return Ok(());
     };
-    let plane = DataPlane::parse(&std::env::var("FERRY_FAULT_PLANE")?).context("plane")?;
+    let plane = plane(&std::env::var("FERRY_FAULT_PLANE")?).context("plane")?;
     let rt = runtime()?;
     let _in_rt = rt.enter();
     rt.block_on(async {
@@ -547,6 +558,11 @@ fn server_killed(plane_name: &str) -> Result<()> {
     let addr: SocketAddr = addr.parse()?;
     let client = engine(plane, false)?;
     let peer = rt.block_on(client.connect(addr))?;
+    ensure!(
+        (plane_name == "local") == (peer.transport() == ferry::TransportKind::Local),
+        "the {plane_name} case runs over {}",
+        peer.transport()
+    );
     let big = peer.segment("big")?;
     let local = client.register(region(BIG_OPS * BIG_OP, SRC, 0, true)?, Access::LOCAL, "l")?;
     let mut batch = Batch::new().timeout(DEADLINE);
@@ -692,4 +708,20 @@ cases! {
     trickle => |p| proxied(p, "trickle at 64 KiB/s", Fault::Trickle { bytes_per_sec: 64 << 10 }, false);
     server_process_killed => server_killed;
     client_process_killed => client_killed;
+}
+
+/// The process cases on the same-host plane (the link faults need a proxy in the path, which
+/// process-to-process copies do not take).
+mod local {
+    use super::*;
+
+    #[test]
+    fn server_process_killed() -> Result<()> {
+        server_killed("local")
+    }
+
+    #[test]
+    fn client_process_killed() -> Result<()> {
+        client_killed("local")
+    }
 }
