@@ -42,10 +42,11 @@ tasks:
                          a scattered KV-cache batch vs one op of its bytes, Mooncake's TCP batch
   bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT]
                          this tree's ferry bench against another build, alternating rounds
-  fresh-machine [--full] [--rebuild-base]
+  fresh-machine [--full] [--rebuild-base] [--mounts-only]
                          a bare Debian 12 root (debootstrap): .ci/packages, then clippy, all tests
                          and the etcd feature inside it; run before changing native dependencies
-                         or .ci/ (xtask/src/fresh_machine.rs)
+                         or .ci/ (xtask/src/fresh_machine.rs). Its mounts live in its own
+                         namespace; --mounts-only makes them on an empty root and waits
   wheel                  the Python package as an abi3 wheel (release, maturin) in <target>/wheels
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
