@@ -312,8 +312,8 @@ fn step(args: &[&OsStr], target: PathBuf) -> MountStep {
 /// The mounts that make `root` a machine, in order: the root a mount point of its own, `/proc`,
 /// the host's `/sys`, a private `/dev` (a tmpfs; its nodes are made by [`populate_dev`]) with
 /// a new `devpts` and a `/dev/shm`, the toolchain read-only at its own path, and, when
-/// `registry` is given, the host's cargo registry as the lower layer of an overlay whose upper
-/// and work directories are `upper_work`.
+/// `registry` is given as `(lower, upper, work)`, the host's cargo registry (`lower`) as the
+/// lower layer of an overlay with those upper and work directories.
 fn mount_plan(
     root: &Path,
     sysroot: &Path,

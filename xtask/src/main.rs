@@ -22,6 +22,7 @@ mod mutants;
 mod python;
 mod soft_roce;
 mod stress;
+mod tidy;
 mod util;
 
 use anyhow::{Result, bail};
@@ -30,7 +31,7 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [args]
 
 tasks:
-  ci [--step NAME]       fmt check, clippy -D warnings, all tests, docs with warnings denied,
+  ci [--step NAME]       fmt check, tidy, clippy -D warnings, all tests, docs with warnings denied,
                          the Python package's pytest suite, soft-RoCE
   bench tcp [--total BYTES] [--repeat N]
                          ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
@@ -79,6 +80,9 @@ tasks:
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
   module-loops [--edges] fails on an import loop between the top-level modules of crates/engine
                          or crates/core, naming it (also a test: xtask/src/module_loops.rs)
+  tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
+                         and types in README.md and docs/*.md, a layout row per crate in
+                         docs/architecture.md (also a test: xtask/src/tidy.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]
                          on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
@@ -101,6 +105,7 @@ fn main() -> Result<()> {
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "module-loops" => module_loops::run(&rest),
+        "tidy" => tidy::run(&rest),
         "fuzz" => fuzz::run(&rest),
         "wheel" => python::wheel(&rest),
         "fresh-machine" => fresh_machine::run_task(&rest),
