@@ -78,8 +78,9 @@ tasks:
   soak [--minutes N | --seconds N] [--plane tcp|uring] [--workers N]
                          a mixed workload through proxy faults, every byte checked; fails if
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
-  module-loops [--edges] fails on an import loop between the top-level modules of crates/engine
-                         or crates/core, naming it (also a test: xtask/src/module_loops.rs)
+  module-loops [--edges] fails on an import loop between the top-level modules of a crate (every
+                         crate but net, transport-uring and transport-rdma), naming it (also a
+                         test per crate: xtask/src/module_loops.rs)
   tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
                          and types in README.md and docs/*.md, a layout row per crate in
                          docs/architecture.md (also a test: xtask/src/tidy.rs)
