@@ -8,7 +8,9 @@
 //! `name(…)`, or a CamelCase type name, whose every identifier must occur as a word in the
 //! sources (Rust, Python, C, scripts, manifests), or as a file or folder name there (test binaries
 //! and modules). Anything else in backticks (commands, values, prose, dotted Python calls, names
-//! of a single word) is not checked, and nor is a fenced code block. Names that are rightly
+//! of a single word) is not checked, and nor is a fenced code block. A section another doc names
+//! (`decisions.md, "io_uring on loopback"`, `[x](performance.md#soak-issue-17)`) must be a heading
+//! of that doc: by the start of its title, or by its anchor. Names that are rightly
 //! absent (a peer's API, a file of another repository, a name `decisions.md` records as removed)
 //! are listed in [`ALLOWED`] with the reason. Also a test, so `cargo test -p xtask` fails on
 //! drift.
@@ -150,6 +152,35 @@ pub(crate) fn check(root: &Path) -> Result<(usize, Vec<String>)> {
             };
             if let Some(why) = missing {
                 problems.push(format!("{rel}:{line}: `{token}`: {why}"));
+            }
+        }
+    }
+    for doc in &docs {
+        let rel = doc
+            .strip_prefix(root)
+            .unwrap_or(doc)
+            .to_string_lossy()
+            .into_owned();
+        let text = fs::read_to_string(doc).with_context(|| format!("reading {rel}"))?;
+        for (line, target, title) in section_refs(&text) {
+            let Some(target_doc) = doc_named(root, doc, &target) else {
+                continue;
+            };
+            let Ok(target_text) = fs::read_to_string(&target_doc) else {
+                continue;
+            };
+            checked += 1;
+            let heads = headings(&target_text);
+            let found = match &title {
+                Ref::Title(t) => heads.iter().any(|h| h.starts_with(t.as_str())),
+                Ref::Anchor(a) => heads.iter().any(|h| slug(h) == *a),
+            };
+            if !found {
+                let what = match title {
+                    Ref::Title(t) => format!("no section \"{t}\""),
+                    Ref::Anchor(a) => format!("no heading for #{a}"),
+                };
+                problems.push(format!("{rel}:{line}: {target}: {what}"));
             }
         }
     }
@@ -332,6 +363,119 @@ fn source_words(root: &Path) -> Result<BTreeSet<String>> {
     Ok(words)
 }
 
+/// How a doc names a section of another (or itself).
+#[derive(Debug, PartialEq, Eq)]
+enum Ref {
+    /// By the start of its title, in quotes: `decisions.md, "io_uring on loopback"`.
+    Title(String),
+    /// By a link's anchor: `[x](performance.md#soak-issue-17)`, `[x](#soak-issue-17)`.
+    Anchor(String),
+}
+
+/// The sections a Markdown text names, as `(line, doc, section)`: a `NAME.md` followed (after a
+/// closing backtick or bracket, a comma or an opening parenthesis) by a quoted title, and every
+/// link with an anchor. A doc of `""` is the text itself.
+fn section_refs(text: &str) -> Vec<(usize, String, Ref)> {
+    let mut out = Vec::new();
+    let line_of = |at: usize| text[..at].matches('\n').count() + 1;
+    for (at, _) in text.match_indices(".md") {
+        let start = text[..at]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || "_-/".contains(c)))
+            .map_or(0, |i| i + 1);
+        let name = &text[start..at + 3];
+        if name.len() <= 3 {
+            continue;
+        }
+        let rest = &text[at + 3..];
+        let rest = rest.trim_start_matches(['`', ']', ')']);
+        // A link's target: `](performance.md)` then the title.
+        let rest = match rest.strip_prefix('(') {
+            Some(r) if r.starts_with(name) => r[name.len()..].trim_start_matches(')'),
+            _ => rest,
+        };
+        let rest = rest
+            .strip_prefix(',')
+            .or_else(|| rest.strip_prefix(" ("))
+            .unwrap_or("");
+        let Some(quoted) = rest.trim_start().strip_prefix('"') else {
+            continue;
+        };
+        let Some(end) = quoted.find('"') else {
+            continue;
+        };
+        let title = quoted[..end]
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        if !title.is_empty() && !title.contains('`') {
+            out.push((line_of(at), name.to_owned(), Ref::Title(title)));
+        }
+    }
+    for (at, _) in text.match_indices("](") {
+        let target = &text[at + 2..];
+        let Some(end) = target.find(')') else {
+            continue;
+        };
+        let target = &target[..end];
+        if let Some((doc, anchor)) = target.split_once('#')
+            && (doc.is_empty() || doc.ends_with(".md"))
+            && !doc.contains("://")
+        {
+            out.push((line_of(at), doc.to_owned(), Ref::Anchor(anchor.to_owned())));
+        }
+    }
+    out
+}
+
+/// The doc a reference in `from` names: itself for `""`, else the path from the root, beside
+/// `from`, or in `docs/`; `None` for a doc the tree does not hold (another project's).
+fn doc_named(root: &Path, from: &Path, name: &str) -> Option<PathBuf> {
+    if name.is_empty() {
+        return Some(from.to_path_buf());
+    }
+    let beside = from.parent().map(|d| d.join(name));
+    [
+        Some(root.join(name)),
+        beside,
+        Some(root.join("docs").join(name)),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|p| p.is_file())
+}
+
+/// The headings of a Markdown text outside fenced blocks, without their `#`s and backticks.
+fn headings(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if !fenced && let Some(h) = line.strip_prefix('#') {
+            let h = h.trim_start_matches('#');
+            if h.starts_with(' ') {
+                out.push(h.trim().replace('`', ""));
+            }
+        }
+    }
+    out
+}
+
+/// A heading's anchor as GitHub makes it: lower case, spaces to `-`, every other character but
+/// letters, digits, `-` and `_` dropped.
+fn slug(heading: &str) -> String {
+    heading
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c.to_ascii_lowercase()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn add_words(text: &str, words: &mut BTreeSet<String>) {
     for w in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
         if is_ident(w) {
@@ -458,6 +602,43 @@ mod tests {
     }
 
     #[test]
+    fn sections_named_by_title_or_anchor_are_found() {
+        let text = "see `docs/perf.md`, \"One job\nqueue\" and decisions.md (\"io_uring on\") \
+                    and [p](perf.md), \"The API\" and [s](#soak-issue-17) and \
+                    [x](https://h/a.md#z) and `x.md` alone";
+        let refs = section_refs(text);
+        assert_eq!(
+            refs,
+            vec![
+                (
+                    1,
+                    "docs/perf.md".to_owned(),
+                    Ref::Title("One job queue".into())
+                ),
+                (
+                    2,
+                    "decisions.md".to_owned(),
+                    Ref::Title("io_uring on".into())
+                ),
+                (2, "perf.md".to_owned(), Ref::Title("The API".into())),
+                (2, "".to_owned(), Ref::Anchor("soak-issue-17".into())),
+            ]
+        );
+        assert_eq!(
+            headings("# A\n```\n# not\n```\n## Small ops (issue 18): `bench`\n#no\n"),
+            vec!["A".to_owned(), "Small ops (issue 18): bench".to_owned()]
+        );
+        assert_eq!(
+            slug("Where the io_uring server's CPU goes"),
+            "where-the-io_uring-servers-cpu-goes"
+        );
+        assert_eq!(
+            slug("Small ops (issue 18): cargo xtask bench small"),
+            "small-ops-issue-18-cargo-xtask-bench-small"
+        );
+    }
+
+    #[test]
     fn manifests_and_layout_rows() {
         let m = "[package]\nname = \"ferry-net\"\n[dependencies]\nname = \"no\"\n";
         assert_eq!(package_name(m).as_deref(), Some("ferry-net"));
@@ -496,18 +677,21 @@ mod tests {
         w(
             "docs/a.md",
             "`SocketTuning`, `tune_socket()`, `src/lib.rs`, `net/src/lib.rs`, \
-             `crates/net/Cargo.toml`\n\n`GoneType` and `gone_fn()` and `crates/net/src/gone.rs`\n",
+             `crates/net/Cargo.toml`\n\n`GoneType` and `gone_fn()` and `crates/net/src/gone.rs`\n\
+             architecture.md, \"1. Layout\"; architecture.md, \"2. Gone\"; [g](#nowhere)\n",
         );
         w("README.md", "`net::SocketTuning`\n");
         let (checked, problems) = check(&dir).unwrap();
         let _ = fs::remove_dir_all(&dir);
-        assert_eq!(checked, 9);
+        assert_eq!(checked, 12);
         assert_eq!(
             problems,
             vec![
                 "docs/a.md:3: `GoneType`: GoneType found nowhere in the sources".to_owned(),
                 "docs/a.md:3: `gone_fn()`: gone_fn found nowhere in the sources".to_owned(),
                 "docs/a.md:3: `crates/net/src/gone.rs`: no such path".to_owned(),
+                "docs/a.md:4: architecture.md: no section \"2. Gone\"".to_owned(),
+                "docs/a.md:4: : no heading for #nowhere".to_owned(),
                 "docs/architecture.md: the layout (section 1) has no row `  file/  ferry-file` \
                  for crates/file"
                     .to_owned(),
