@@ -731,6 +731,155 @@ mod tests {
     use super::*;
     use ferry_core::{Outcome, RemoteEffect, TransportKind};
 
+    /// A description with every family filled, and two peers, latency classes, rails and
+    /// broadcasts, renders to the committed exposition byte for byte (`metrics_golden.prom`
+    /// beside this file): a change to any family's name, help, type, labels or order shows as a
+    /// diff there. The staging families are in it, so it runs with the `cuda` feature.
+    #[cfg(feature = "cuda")]
+    #[tokio::test]
+    async fn the_whole_exposition_is_as_committed() {
+        use crate::describe::{
+            CacheDescription, ContextDescription, HandshakeDescription, LatencyDescription,
+            RouteDescription, ServedDescription, StagingDescription, TrafficDescription,
+        };
+        let engine = crate::TransferEngine::builder().build().unwrap();
+        let mut d = engine.describe();
+        let traffic = |op: &str, route: &str, ops, bytes| TrafficDescription {
+            op: op.into(),
+            route: route.into(),
+            ops,
+            bytes,
+        };
+        let route = |peer: &str, transport: &str, n: u64| RouteDescription {
+            peer: peer.into(),
+            transport: transport.into(),
+            requests: n,
+            ops: 2 * n,
+            bytes: 4096 * n,
+            errors: 1,
+            replays: n + 1,
+            replayed_bytes: 100 * n,
+            reconnects: 1,
+            reconnect_attempts: 3,
+            reconnect_failures: 2,
+            traffic: vec![
+                traffic("read", "direct", n, 4096 * n),
+                traffic("write", "staged", 1, 512),
+            ],
+            failures: vec![("peer_lost".into(), 1), ("timeout".into(), n)],
+        };
+        d.peer_id = "00ff".into();
+        d.epoch = "0a0b".into();
+        d.data_plane = Some("tcp".into());
+        d.routes = vec![
+            route("10.0.0.1:7400", "tcp", 3),
+            route("10.0.0.2:7400", "uring", 5),
+            route("10.0.0.1:7400", "rdma", 7),
+        ];
+        d.latency = vec![
+            LatencyDescription {
+                op: "read".into(),
+                size: "4KiB".into(),
+                count: 4,
+                sum_ns: 123_456,
+                buckets: (0..=LATENCY_BOUNDS_US.len() as u64)
+                    .map(|i| i.min(4))
+                    .collect(),
+            },
+            LatencyDescription {
+                op: "mixed".into(),
+                size: "1MiB".into(),
+                count: 1,
+                sum_ns: 2_000_000_000,
+                buckets: (0..=LATENCY_BOUNDS_US.len() as u64)
+                    .map(|i| u64::from(i > 15))
+                    .collect(),
+            },
+        ];
+        d.served = Some(ServedDescription {
+            accepted: vec![
+                traffic("read", "direct", 9, 9000),
+                traffic("write", "direct", 2, 20),
+            ],
+            refused: vec![("unknown_segment".into(), 4)],
+        });
+        d.handshakes = Some(HandshakeDescription {
+            pending: 2,
+            refused: 5,
+            timed_out: 6,
+            max_pending: 64,
+            timeout_ms: 5000,
+        });
+        d.registrations = 3;
+        d.registered_bytes = 1 << 20;
+        d.unquiesced = 1;
+        d.contexts = vec![
+            ContextDescription {
+                name: "host".into(),
+                copies: 2,
+                bytes: 8192,
+                fenced: false,
+            },
+            ContextDescription {
+                name: "mlx5_0:1".into(),
+                copies: 4,
+                bytes: 16384,
+                fenced: true,
+            },
+        ];
+        d.registration_cache = Some(CacheDescription {
+            hits: 7,
+            misses: 8,
+            entries: 2,
+        });
+        d.rails = vec![crate::RailDescription {
+            rail: "mlx5_0:1".into(),
+            bytes: 10,
+            work_requests: 2,
+            errors: 1,
+            flushed: 3,
+            unproven: 4,
+            replayed: 5,
+            replayed_bytes: 6,
+            torn_down: 1,
+            rebuilds: 1,
+            down: 2,
+        }];
+        d.broadcasts = vec![crate::BroadcastDescription {
+            role: "source".into(),
+            name: "weights".into(),
+            version: 3,
+            bytes: 100,
+            total_bytes: 200,
+            refetched: 1,
+            peers: 4,
+            done: true,
+        }];
+        d.staging = Some(StagingDescription {
+            policy: "auto".into(),
+            gpu_direct_registration: "no".into(),
+            buffers: 4,
+            buffer_size: 1 << 20,
+            buffers_in_use: 1,
+            staged_bytes: 4096,
+            copies: 2,
+            copy_wait_us: 10,
+            copy_failures: 1,
+            last_file_path: None,
+        });
+        let text = render(&d);
+        let golden = include_str!("metrics_golden.prom");
+        if text != golden {
+            let out = std::env::temp_dir().join("ferry-metrics-golden.prom");
+            let _ = std::fs::write(&out, &text);
+            panic!(
+                "the exposition differs from crates/engine/src/metrics_golden.prom; this \
+                 rendering is in {} (diff them; copy it over if the change is meant)",
+                out.display()
+            );
+        }
+    }
+
     /// Past `MAX_PEER_LABELS` peers, the later ones are summed under `peer="other"`: the
     /// series stay bounded and no byte is lost from the sum.
     #[tokio::test]
