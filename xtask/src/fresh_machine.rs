@@ -27,8 +27,8 @@
 //! re-runs itself under `unshare --mount --propagation private --pid --fork --kill-child` before
 //! it mounts anything (and the re-run refuses to mount unless it is PID 1 of a new PID namespace
 //! with a mount namespace of its own, in which no mount propagates). The host never sees the
-//! root's mounts; when the task ends, however it ends (a failed step, Ctrl-C, `kill -9` of any
-//! process of it), the kernel kills everything in its PID namespace and the mount namespace and
+//! root's mounts; when the task ends, however it ends (a failed step, Ctrl-C, `kill -9` of the
+//! task), the kernel kills everything in its PID namespace, and the mount namespace and
 //! its mounts go with it. `/dev` inside is a tmpfs of its own with copies of the few device nodes
 //! a build and the tests use and a new `devpts` instance, never a bind of the host's `/dev`, so
 //! even a remove through it reaches no host device. The cache path is made canonical (a relative
