@@ -82,8 +82,9 @@ tasks:
                          crate but net, transport-uring and transport-rdma), naming it (also a
                          test per crate: xtask/src/module_loops.rs)
   tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
-                         and types in README.md and docs/*.md, a layout row per crate in
-                         docs/architecture.md (also a test: xtask/src/tidy.rs)
+                         and types in README.md and docs/*.md, the sections docs cite, names in
+                         code comments, a layout row per crate in docs/architecture.md (also a
+                         test: xtask/src/tidy.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]
                          on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host

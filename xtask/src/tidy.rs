@@ -10,7 +10,9 @@
 //! and modules). Anything else in backticks (commands, values, prose, dotted Python calls, names
 //! of a single word) is not checked, and nor is a fenced code block. A section another doc names
 //! (`decisions.md, "io_uring on loopback"`, `[x](performance.md#soak-issue-17)`) must be a heading
-//! of that doc: by the start of its title, or by its anchor. Names that are rightly
+//! of that doc: by the start of its title, or by its anchor. And a snake_case name a Rust comment
+//! puts in backticks (a function, a test, a field) must occur in the code, comments left out, so a
+//! comment does not go on citing what was renamed or removed. Names that are rightly
 //! absent (a peer's API, a file of another repository, a name `decisions.md` records as removed)
 //! are listed in [`ALLOWED`] with the reason. Also a test, so `cargo test -p xtask` fails on
 //! drift.
@@ -77,6 +79,28 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     ),
 ];
 
+/// Snake_case names Rust comments may put in backticks although no code of the tree holds them:
+/// `(name, why)`.
+const COMMENT_ALLOWED: &[(&str, &str)] = &[
+    ("io_uring_enter", "the kernel's system call"),
+    ("tcp_disconnect", "the kernel's function"),
+    ("ibv_post_recv", "rdma-core's static inline, ported by hand"),
+    (
+        "ibv_req_notify_cq",
+        "rdma-core's static inline, ported by hand",
+    ),
+    ("curl_easy_escape", "libcurl's function"),
+    ("gnu_dev_major", "glibc's function"),
+    ("gnu_dev_minor", "glibc's function"),
+    ("mooncake_http_metadata_server", "Mooncake's program"),
+    ("log_d", "a formula (the logarithm base d)"),
+    (
+        "serve_vectored",
+        "stale, gone with the thread-per-stream server: crates/transport-uring/src/rings.rs's \
+         `plan_table` comment should name what serves a piece table now (its owner fixes it)",
+    ),
+];
+
 /// Extensions a backticked path must end in to be checked as a file of the tree.
 const FILE_EXTENSIONS: &[&str] = &[
     "rs", "md", "toml", "py", "pyi", "sh", "yml", "yaml", "json", "c", "h", "txt", "lock",
@@ -112,7 +136,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 /// How many backticked names and paths the docs of the tree at `root` claim, and every problem
 /// found, one line each (`doc:line: ...`).
 pub(crate) fn check(root: &Path) -> Result<(usize, Vec<String>)> {
-    let words = source_words(root)?;
+    let sources = read_sources(root)?;
+    let words = &sources.words;
     let mut docs = vec![root.join("README.md")];
     let mut in_docs: Vec<PathBuf> = fs::read_dir(root.join("docs"))
         .context("reading docs/")?
@@ -182,6 +207,14 @@ pub(crate) fn check(root: &Path) -> Result<(usize, Vec<String>)> {
                 };
                 problems.push(format!("{rel}:{line}: {target}: {what}"));
             }
+        }
+    }
+    for (file, line, name) in &sources.comment_names {
+        checked += 1;
+        if !sources.code_words.contains(name) && !COMMENT_ALLOWED.iter().any(|(n, _)| n == name) {
+            problems.push(format!(
+                "{file}:{line}: a comment names `{name}`, found nowhere in the code"
+            ));
         }
     }
     let architecture = fs::read_to_string(root.join("docs/architecture.md"))
@@ -324,14 +357,25 @@ fn path_exists(root: &Path, path: &str) -> bool {
     })
 }
 
-/// Every identifier in the sources, and every source file's stem and folder name.
-fn source_words(root: &Path) -> Result<BTreeSet<String>> {
-    let mut words = BTreeSet::new();
+/// What the sources hold, as the checks read them.
+#[derive(Debug, Default)]
+struct Sources {
+    /// Every identifier in the sources, comments included, and every source file's stem and
+    /// folder name.
+    words: BTreeSet<String>,
+    /// The same without the words that only Rust comments hold.
+    code_words: BTreeSet<String>,
+    /// The snake_case names Rust comments put in backticks: `(file, line, name)`.
+    comment_names: Vec<(String, usize, String)>,
+}
+
+/// Reads the sources under [`SOURCE_DIRS`] (and the root manifest).
+fn read_sources(root: &Path) -> Result<Sources> {
+    let mut src = Sources::default();
+    let manifest = fs::read_to_string(root.join("Cargo.toml")).context("reading Cargo.toml")?;
+    add_words(&manifest, &mut src.words);
+    add_words(&manifest, &mut src.code_words);
     let mut stack: Vec<PathBuf> = SOURCE_DIRS.iter().map(|d| root.join(d)).collect();
-    add_words(
-        &fs::read_to_string(root.join("Cargo.toml")).context("reading Cargo.toml")?,
-        &mut words,
-    );
     while let Some(dir) = stack.pop() {
         let Ok(entries) = fs::read_dir(&dir) else {
             continue;
@@ -342,7 +386,8 @@ fn source_words(root: &Path) -> Result<BTreeSet<String>> {
             let Ok(kind) = e.file_type() else { continue };
             if kind.is_dir() {
                 if !matches!(name.as_str(), "target" | ".git" | "__pycache__" | ".venv") {
-                    words.insert(name);
+                    src.words.insert(name.clone());
+                    src.code_words.insert(name);
                     stack.push(path);
                 }
                 continue;
@@ -353,14 +398,48 @@ fn source_words(root: &Path) -> Result<BTreeSet<String>> {
                 continue;
             }
             if let Some(stem) = path.file_stem().and_then(|s| s.to_str()) {
-                words.insert(stem.to_owned());
+                src.words.insert(stem.to_owned());
+                src.code_words.insert(stem.to_owned());
             }
-            if let Ok(text) = fs::read_to_string(&path) {
-                add_words(&text, &mut words);
+            let Ok(text) = fs::read_to_string(&path) else {
+                continue;
+            };
+            add_words(&text, &mut src.words);
+            if ext != "rs" {
+                add_words(&text, &mut src.code_words);
+                continue;
+            }
+            let rel = path
+                .strip_prefix(root)
+                .unwrap_or(&path)
+                .to_string_lossy()
+                .into_owned();
+            for (i, line) in text.lines().enumerate() {
+                let (code, comment) = match line.find("//") {
+                    Some(at) => (&line[..at], &line[at..]),
+                    None => (line, ""),
+                };
+                add_words(code, &mut src.code_words);
+                for (_, span) in backticked(comment) {
+                    if is_snake_name(&span) {
+                        src.comment_names.push((rel.clone(), i + 1, span));
+                    }
+                }
             }
         }
     }
-    Ok(words)
+    Ok(src)
+}
+
+/// A snake_case name with an underscore inside, as functions, tests and fields are named (not a
+/// prefix such as `fuzz_`).
+fn is_snake_name(s: &str) -> bool {
+    is_ident(s)
+        && s.trim_end_matches('_').contains('_')
+        && !s.ends_with('_')
+        && s.starts_with(|c: char| c.is_ascii_lowercase())
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
 }
 
 /// How a doc names a section of another (or itself).
@@ -664,7 +743,8 @@ mod tests {
         w("crates/net/Cargo.toml", "[package]\nname = \"ferry-net\"\n");
         w(
             "crates/net/src/lib.rs",
-            "pub struct SocketTuning;\nfn tune_socket() {}\n",
+            "pub struct SocketTuning;\nfn tune_socket() {}\n\
+             // `tune_socket` and `fuzz_` and `Not_snake` are fine; `gone_helper` is not\n",
         );
         w(
             "crates/file/Cargo.toml",
@@ -683,7 +763,7 @@ mod tests {
         w("README.md", "`net::SocketTuning`\n");
         let (checked, problems) = check(&dir).unwrap();
         let _ = fs::remove_dir_all(&dir);
-        assert_eq!(checked, 12);
+        assert_eq!(checked, 14);
         assert_eq!(
             problems,
             vec![
@@ -692,6 +772,9 @@ mod tests {
                 "docs/a.md:3: `crates/net/src/gone.rs`: no such path".to_owned(),
                 "docs/a.md:4: architecture.md: no section \"2. Gone\"".to_owned(),
                 "docs/a.md:4: : no heading for #nowhere".to_owned(),
+                "crates/net/src/lib.rs:3: a comment names `gone_helper`, found nowhere in the \
+                 code"
+                    .to_owned(),
                 "docs/architecture.md: the layout (section 1) has no row `  file/  ferry-file` \
                  for crates/file"
                     .to_owned(),
