@@ -536,8 +536,14 @@ fn checkout_files() -> Result<Vec<u8>> {
     }
     // A file deleted in the work tree but still in the index is not part of the checkout.
     let root = project_root();
-    // The repository itself too, as a clone has it: tests and build scripts may ask git.
-    let mut kept = b".git\0".to_vec();
+    // The repository itself too, as a clone has it: tests and build scripts may ask git. A
+    // linked worktree's `.git` is a file naming a directory outside the checkout: the copy gets
+    // a clone instead ([`copy_checkout`]).
+    let mut kept = if root.join(".git").is_dir() {
+        b".git\0".to_vec()
+    } else {
+        Vec::new()
+    };
     for p in out.stdout.split(|b| *b == 0).filter(|p| !p.is_empty()) {
         let rel = Path::new(std::str::from_utf8(p).context("a non-UTF-8 path in the checkout")?);
         if root.join(rel).symlink_metadata().is_ok() {
@@ -576,7 +582,27 @@ fn copy_checkout(dest: &Path) -> Result<()> {
         bail!("unpacking the checkout into {} failed", dest.display());
     }
     std::fs::remove_file(&list_file).ok();
+    if !project_root().join(".git").is_dir() {
+        clone_repository(dest)?;
+    }
     Ok(())
+}
+
+/// Gives the copy at `dest` a repository of its own, for a checkout that is a linked worktree
+/// (its `.git` names a directory the root does not hold): a clone of this one, at this
+/// checkout's `HEAD`, with its index made from it; the copied files stay as they are.
+fn clone_repository(dest: &Path) -> Result<()> {
+    let tmp = dest.join(".git-clone");
+    run(Command::new("git")
+        .args(["clone", "--quiet", "--no-checkout", "--no-local"])
+        .arg(project_root())
+        .arg(&tmp))?;
+    std::fs::rename(tmp.join(".git"), dest.join(".git")).context("moving the clone's .git")?;
+    std::fs::remove_dir_all(&tmp).context("removing the clone's folder")?;
+    run(Command::new("git")
+        .arg("-C")
+        .arg(dest)
+        .args(["reset", "-q"]))
 }
 
 /// The script run inside the root (bash, as root, in the checkout's copy).
@@ -859,12 +885,36 @@ mod tests {
     }
 
     #[test]
+    fn the_copy_is_a_repository_at_this_head_whether_or_not_this_is_a_worktree() {
+        let dest = std::env::temp_dir().join(format!("ferry-fresh-copy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dest);
+        copy_checkout(&dest).unwrap();
+        let git = |dir: &Path, args: &[&str]| {
+            let out = Command::new("git")
+                .arg("-C")
+                .arg(dir)
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "git {args:?} in {}", dir.display());
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        let head = git(&dest, &["rev-parse", "HEAD"]);
+        let files = git(&dest, &["ls-files"]);
+        let _ = std::fs::remove_dir_all(&dest);
+        assert_eq!(head, git(&project_root(), &["rev-parse", "HEAD"]));
+        assert!(files.lines().any(|l| l == "Cargo.lock"), "{files}");
+    }
+
+    #[test]
     fn the_checkout_lists_files_that_exist() {
         let list = checkout_files().unwrap();
         let names: Vec<&[u8]> = list.split(|b| *b == 0).filter(|p| !p.is_empty()).collect();
         assert!(names.iter().any(|n| *n == b".ci/packages"));
         assert!(names.iter().any(|n| *n == b"Cargo.lock"));
-        assert!(names.iter().any(|n| *n == b".git"));
+        // `.git` itself where it is the repository, not where it names a linked worktree's.
+        let git_dir = project_root().join(".git").is_dir();
+        assert_eq!(names.iter().any(|n| *n == b".git"), git_dir);
         assert!(!names.iter().any(|n| n.starts_with(b"target/")));
     }
 }
