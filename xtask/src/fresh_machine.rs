@@ -25,8 +25,8 @@
 //!
 //! Every mount is made in the task's own mount namespace, so none can outlive it: the task
 //! re-runs itself under `unshare --mount --propagation private --pid --fork --kill-child` before
-//! it mounts anything (and the re-run refuses to mount unless it is PID 1 of a new PID namespace
-//! with a mount namespace of its own, in which no mount propagates). The host never sees the
+//! it mounts anything (and the re-run refuses to mount unless it is in a PID and a mount
+//! namespace of its own, in which no mount propagates). The host never sees the
 //! root's mounts; when the task ends, however it ends (a failed step, Ctrl-C, `kill -9` of the
 //! task), the kernel kills everything in its PID namespace, and the mount namespace and
 //! its mounts go with it. `/dev` inside is a tmpfs of its own with copies of the few device nodes
@@ -265,21 +265,33 @@ fn remove_tree(path: &Path) -> Result<()> {
         .arg(&path))
 }
 
-/// This process's mount namespace, as `/proc/self/ns/mnt` names it (`mnt:[4026531841]`).
-fn mount_namespace() -> Result<String> {
-    let link = std::fs::read_link("/proc/self/ns/mnt").context("reading /proc/self/ns/mnt")?;
-    Ok(link.to_string_lossy().into_owned())
+/// This process's mount and PID namespaces, as `/proc/self/ns` names them:
+/// `mnt:[4026531841],pid:[4026531836]`.
+fn namespaces() -> Result<String> {
+    let mut names = Vec::new();
+    for ns in ["mnt", "pid"] {
+        let path = format!("/proc/self/ns/{ns}");
+        let link = std::fs::read_link(&path).with_context(|| format!("reading {path}"))?;
+        names.push(link.to_string_lossy().into_owned());
+    }
+    Ok(names.join(","))
 }
 
-/// Fails unless this process runs where a mount cannot reach the host: PID 1 of its own PID
-/// namespace (so the kernel kills everything in it when it ends), in a mount namespace other
-/// than `started_in`, the one the task was started in, with no mount that propagates.
+/// Fails unless this process runs where a mount cannot reach the host: in a PID namespace
+/// (so the kernel kills everything in it when its first process ends) and a mount namespace
+/// both other than those of `started_in` ([`namespaces`] of the task as started), with no
+/// mount that propagates.
 fn ensure_own_namespace(started_in: &str) -> Result<()> {
-    if std::process::id() != 1 {
-        bail!("fresh-machine: {INSIDE} is only for the task's own re-run under unshare");
-    }
-    if mount_namespace()? == started_in {
-        bail!("fresh-machine: not in a mount namespace of its own; refusing to mount");
+    let ours = namespaces()?;
+    let shared_ns: Vec<&str> = ours
+        .split(',')
+        .filter(|n| started_in.split(',').any(|s| s == *n))
+        .collect();
+    if !shared_ns.is_empty() {
+        bail!(
+            "fresh-machine: still in the namespace(s) it started in ({}); refusing to mount",
+            shared_ns.join(", ")
+        );
     }
     let shared: Vec<String> = read_mountinfo()?
         .iter()
@@ -648,10 +660,13 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
     }
     let dir = cache_dir()?;
     let exe = std::env::current_exe().context("finding xtask's own binary")?;
-    let ns = mount_namespace()?;
-    // --kill-child: unshare's death (Ctrl-C, a kill) SIGKILLs its child, the new PID
-    // namespace's first process, and with it every process of the namespace. unshare takes this
-    // process's place (exec), so a kill of the pid the caller knows reaches it.
+    let ns = namespaces()?;
+    // The new PID namespace's first process is a shell that runs the task and exits with it: the
+    // task is not that namespace's init, which would ignore Ctrl-C's SIGINT (an init takes only
+    // the signals it handles), so Ctrl-C ends it as any foreground job. When the first process
+    // ends, the kernel kills everything else in the namespace. --kill-child: unshare's own
+    // death (`kill -9`) SIGKILLs that first process. unshare takes this process's place (exec),
+    // so the pid the caller knows is unshare's; it blocks SIGINT and SIGTERM while it waits.
     let mut cmd = Command::new("unshare");
     cmd.args([
         "--mount",
@@ -661,6 +676,9 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
         "--fork",
         "--kill-child",
         "--",
+        "/bin/sh",
+        "-c",
+        "\"$0\" \"$@\"; exit $?",
     ])
     .arg(exe)
     .arg("fresh-machine")
@@ -672,8 +690,8 @@ pub(crate) fn run_task(args: &[String]) -> Result<()> {
     Err(err).context("running unshare")
 }
 
-/// The task proper, as PID 1 of its own PID and mount namespaces (`started_in`: the mount
-/// namespace the task was started in).
+/// The task proper, in its own PID and mount namespaces (`started_in`: [`namespaces`] of the
+/// task as started).
 fn inside(opts: &Options, started_in: &str) -> Result<()> {
     ensure_own_namespace(started_in)?;
     let t = Instant::now();

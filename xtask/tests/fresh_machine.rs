@@ -91,7 +91,10 @@ fn interrupted_run_leaves_nothing(signal: &str, whole_group: bool) {
     let real = scratch.0.join("real");
     std::fs::create_dir_all(&real).unwrap();
     std::os::unix::fs::symlink("real", scratch.0.join("link")).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_xtask"))
+    // Through `env --default-signal=INT`: a shell's foreground job takes SIGINT at its default,
+    // where this test may run with it ignored (a background job of a script inherits that).
+    let mut child = Command::new("env")
+        .args(["--default-signal=INT", env!("CARGO_BIN_EXE_xtask")])
         .args(["fresh-machine", "--mounts-only"])
         .current_dir(&scratch.0)
         // Relative, through a symlink: the mounts are listed under `real`.
