@@ -120,7 +120,7 @@ async fn concurrent_submitters(caller_receives: bool) {
     assert!(direct > 0, "no request was sent by its submitter");
     // With the switch on, how many responses the awaiting tasks read themselves depends on
     // how the tasks interleave (the stream thread takes the reading over whenever it takes a
-    // dealt request); `small_writes_on_an_idle_stream_are_completed_by_the_awaiting_task`
+    // dealt request); `small_requests_on_an_idle_stream_are_completed_by_the_awaiting_task`
     // counts them where nothing competes.
     if !caller_receives {
         let caller = t.stats().caller_receives.load(Ordering::Relaxed);

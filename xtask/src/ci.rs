@@ -1,5 +1,5 @@
 //! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
-//! `cargo xtask ci --step NAME` runs one step alone (`fmt`, `clippy`, `test`, `doctest`,
+//! `cargo xtask ci --step NAME` runs one step alone (`fmt`, `tidy`, `clippy`, `test`, `doctest`,
 //! `doc`, `soak`, `python`, `soft-roce`).
 //!
 //! `cargo xtask ci --repeat N` runs the whole test suite (`cargo test --workspace --all-targets
@@ -16,6 +16,8 @@ const STEPS: &[Step] = &[
     ("fmt", || {
         util::run(cargo().args(["fmt", "--all", "--", "--check"]))
     }),
+    // The docs against the tree: no build, under a second.
+    ("tidy", || crate::tidy::run(&[])),
     ("clippy", || {
         util::run(cargo().args([
             "clippy",

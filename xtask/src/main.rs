@@ -22,6 +22,7 @@ mod mutants;
 mod python;
 mod soft_roce;
 mod stress;
+mod tidy;
 mod util;
 
 use anyhow::{Result, bail};
@@ -30,7 +31,7 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [args]
 
 tasks:
-  ci [--step NAME]       fmt check, clippy -D warnings, all tests, docs with warnings denied,
+  ci [--step NAME]       fmt check, tidy, clippy -D warnings, all tests, docs with warnings denied,
                          the Python package's pytest suite, soft-RoCE
   bench tcp [--total BYTES] [--repeat N]
                          ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
@@ -42,10 +43,11 @@ tasks:
                          a scattered KV-cache batch vs one op of its bytes, Mooncake's TCP batch
   bench ab --baseline BIN [--total BYTES] [--ops N] [--repeat N] [--only TEXT] [--two-process] [--no-build]
                          this tree's ferry bench against another build, alternating rounds
-  fresh-machine [--full] [--rebuild-base]
+  fresh-machine [--full] [--rebuild-base] [--mounts-only]
                          a bare Debian 12 root (debootstrap): .ci/packages, then clippy, all tests
                          and the etcd feature inside it; run before changing native dependencies
-                         or .ci/ (xtask/src/fresh_machine.rs)
+                         or .ci/ (xtask/src/fresh_machine.rs). Its mounts live in its own
+                         namespace; --mounts-only makes them on an empty root and waits
   wheel                  the Python package as an abi3 wheel (release, maturin) in <target>/wheels
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
@@ -76,8 +78,13 @@ tasks:
   soak [--minutes N | --seconds N] [--plane tcp|uring] [--workers N]
                          a mixed workload through proxy faults, every byte checked; fails if
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
-  module-loops [--edges] fails on an import loop between the top-level modules of crates/engine
-                         or crates/core, naming it (also a test: xtask/src/module_loops.rs)
+  module-loops [--edges] fails on an import loop between the top-level modules of a crate (every
+                         crate but net, transport-uring and transport-rdma), naming it (also a
+                         test per crate: xtask/src/module_loops.rs)
+  tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
+                         and types in README.md and docs/*.md, the sections docs cite, names in
+                         code comments, a layout row per crate in docs/architecture.md (also a
+                         test: xtask/src/tidy.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]
                          on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host
@@ -100,6 +107,7 @@ fn main() -> Result<()> {
         "soft-roce" => soft_roce::run(&rest),
         "bindgen" => bindgen::run(&rest),
         "module-loops" => module_loops::run(&rest),
+        "tidy" => tidy::run(&rest),
         "fuzz" => fuzz::run(&rest),
         "wheel" => python::wheel(&rest),
         "fresh-machine" => fresh_machine::run_task(&rest),

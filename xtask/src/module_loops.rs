@@ -16,12 +16,21 @@ use anyhow::{Context, Result, bail};
 
 use crate::util::project_root;
 
-/// The crates whose modules must not import in a loop, relative to the project root.
+/// The crates whose modules must not import in a loop, relative to the project root: every crate
+/// with modules but `transport-uring` and `transport-rdma`, whose loops are still being cut
+/// (`net` is one file).
 pub(crate) const CRATES: &[&str] = &[
     "crates/engine/src",
     "crates/core/src",
     "crates/python/src",
     "crates/broadcast/src",
+    "crates/cli/src",
+    "crates/cuda/src",
+    "crates/file/src",
+    "crates/registry/src",
+    "crates/topology/src",
+    "crates/transport-tcp/src",
+    "crates/verbs-sys/src",
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -88,6 +97,7 @@ impl Graph {
         let tests = test_only_files(sources);
         let lib = sources
             .get(Path::new("lib.rs"))
+            .or_else(|| sources.get(Path::new("main.rs")))
             .map(|t| code_of(t))
             .unwrap_or_default();
         let reexports = reexports(&lib, &graph.modules);
@@ -268,7 +278,8 @@ fn top_module(rel: &Path) -> Option<String> {
     let first = rel.components().next()?.as_os_str().to_str()?.to_string();
     if rel.components().count() == 1 {
         let stem = first.strip_suffix(".rs").unwrap_or(&first).to_string();
-        (stem != "lib").then_some(stem)
+        // The crate root, a library's or a binary's.
+        (stem != "lib" && stem != "main").then_some(stem)
     } else {
         Some(first)
     }
@@ -489,33 +500,77 @@ mod tests {
         assert_eq!(g.edges.len(), 1);
     }
 
-    fn loops_of(dir: &str) -> Vec<String> {
+    /// The loops of the crate in `dir`, which must have at least `modules` top-level modules
+    /// (so a path gone wrong reads as a failure, not as a crate without loops).
+    fn loops_of(dir: &str, modules: usize) -> Vec<String> {
         let g = Graph::read(&project_root().join(dir)).expect("read");
-        assert!(g.modules.len() > 5, "{dir}: too few modules read");
+        assert!(g.modules.len() >= modules, "{dir}: too few modules read");
         g.loops()
     }
 
     #[test]
     fn the_core_has_no_module_loop() {
-        let loops = loops_of("crates/core/src");
+        let loops = loops_of("crates/core/src", 6);
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 
     #[test]
     fn the_engine_has_no_module_loop() {
-        let loops = loops_of("crates/engine/src");
+        let loops = loops_of("crates/engine/src", 6);
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 
     #[test]
     fn the_python_binding_has_no_module_loop() {
-        let loops = loops_of("crates/python/src");
+        let loops = loops_of("crates/python/src", 6);
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 
     #[test]
     fn broadcast_has_no_module_loop() {
-        let loops = loops_of("crates/broadcast/src");
+        let loops = loops_of("crates/broadcast/src", 6);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_cli_has_no_module_loop() {
+        let loops = loops_of("crates/cli/src", 6);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn cuda_has_no_module_loop() {
+        let loops = loops_of("crates/cuda/src", 4);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn file_has_no_module_loop() {
+        let loops = loops_of("crates/file/src", 2);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_registry_has_no_module_loop() {
+        let loops = loops_of("crates/registry/src", 4);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn topology_has_no_module_loop() {
+        let loops = loops_of("crates/topology/src", 6);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_tcp_transport_has_no_module_loop() {
+        let loops = loops_of("crates/transport-tcp/src", 5);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn verbs_sys_has_no_module_loop() {
+        let loops = loops_of("crates/verbs-sys/src", 5);
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 }

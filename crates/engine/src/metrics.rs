@@ -18,7 +18,7 @@ use std::time::Duration;
 use ferry_core::Error;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
-use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::MetricType::{self, Counter, Gauge};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
@@ -317,419 +317,602 @@ fn labels<const N: usize>(pairs: [(&'static str, &str); N]) -> Labels {
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> std::fmt::Result {
         let d = &self.0;
-        use MetricType::{Counter, Gauge};
-        let mut info = Family::new(
-            "ferry_engine_info",
-            "The engine's identity (value 1): peer id, epoch (new at each start), data plane.",
-            Gauge,
-        );
-        info.add(
-            labels([
-                ("peer_id", &d.peer_id),
-                ("epoch", &d.epoch),
-                ("data_plane", d.data_plane.as_deref().unwrap_or("none")),
-            ]),
-            1,
-        );
-        info.encode(&mut enc)?;
+        encode_info(d, &mut enc)?;
+        encode_client(d, &mut enc)?;
+        encode_latency(d, &mut enc)?;
+        encode_served(d, &mut enc)?;
+        encode_registrations(d, &mut enc)?;
+        encode_rails(d, &mut enc)?;
+        encode_broadcasts(d, &mut enc)?;
+        #[cfg(feature = "cuda")]
+        encode_staging(d, &mut enc)?;
+        Ok(())
+    }
+}
 
-        // Client side: per route, peers capped.
-        let mut peers: Vec<&str> = Vec::new();
-        for r in &d.routes {
-            if !peers.contains(&r.peer.as_str()) {
-                peers.push(&r.peer);
-            }
+/// The engine's identity.
+fn encode_info(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    let mut info = Family::new(
+        "ferry_engine_info",
+        "The engine's identity (value 1): peer id, epoch (new at each start), data plane.",
+        Gauge,
+    );
+    info.add(
+        labels([
+            ("peer_id", &d.peer_id),
+            ("epoch", &d.epoch),
+            ("data_plane", d.data_plane.as_deref().unwrap_or("none")),
+        ]),
+        1,
+    );
+    info.encode(enc)?;
+    Ok(())
+}
+
+/// The client side: per route, peers capped at `MAX_PEER_LABELS` (the rest as `other`).
+fn encode_client(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    let mut peers: Vec<&str> = Vec::new();
+    for r in &d.routes {
+        if !peers.contains(&r.peer.as_str()) {
+            peers.push(&r.peer);
         }
-        let peer_label = |p: &str| -> String {
-            match peers.iter().position(|x| *x == p) {
-                Some(i) if i < MAX_PEER_LABELS => p.to_owned(),
-                _ => "other".to_owned(),
-            }
-        };
+    }
+    let peer_label = |p: &str| -> String {
+        match peers.iter().position(|x| *x == p) {
+            Some(i) if i < MAX_PEER_LABELS => p.to_owned(),
+            _ => "other".to_owned(),
+        }
+    };
+    let mut bytes = Family::new(
+        "ferry_bytes",
+        "Bytes of ops this engine completed (acknowledged) as a client, by peer, transport, \
+         op kind and route (direct, or staged through pinned host buffers).",
+        Counter,
+    );
+    let mut ops = Family::new(
+        "ferry_ops",
+        "Ops this engine completed (acknowledged) as a client, by peer, transport, op kind \
+         and route.",
+        Counter,
+    );
+    let mut requests = Family::new(
+        "ferry_requests",
+        "Requests finished, by peer and transport.",
+        Counter,
+    );
+    let mut failures = Family::new(
+        "ferry_request_failures",
+        "Requests that ended with a failure, by the kind of their first failure.",
+        Counter,
+    );
+    let mut replays = Family::new(
+        "ferry_replays",
+        "Ops run again after a lost connection (whole ops).",
+        Counter,
+    );
+    let mut replayed_bytes = Family::new(
+        "ferry_replayed_bytes",
+        "Bytes of the ops run again after a lost connection.",
+        Counter,
+    );
+    let mut reconnects = Family::new(
+        "ferry_reconnects",
+        "Channels reopened to the same peer incarnation.",
+        Counter,
+    );
+    let mut reconnect_attempts = Family::new(
+        "ferry_reconnect_attempts",
+        "Reconnect attempts, successful or not.",
+        Counter,
+    );
+    let mut reconnect_failures = Family::new(
+        "ferry_reconnect_failures",
+        "Reconnects given up (attempts ran out, or the peer restarted).",
+        Counter,
+    );
+    for r in &d.routes {
+        let peer = peer_label(&r.peer);
+        let route = || labels([("peer", &peer), ("transport", &r.transport)]);
+        for t in &r.traffic {
+            let l = labels([
+                ("peer", &peer),
+                ("transport", &r.transport),
+                ("op", &t.op),
+                ("route", &t.route),
+            ]);
+            bytes.add(l.clone(), t.bytes);
+            ops.add(l, t.ops);
+        }
+        requests.add(route(), r.requests);
+        for (kind, n) in &r.failures {
+            failures.add(
+                labels([("peer", &peer), ("transport", &r.transport), ("kind", kind)]),
+                *n,
+            );
+        }
+        replays.add(route(), r.replays);
+        replayed_bytes.add(route(), r.replayed_bytes);
+        reconnects.add(route(), r.reconnects);
+        reconnect_attempts.add(route(), r.reconnect_attempts);
+        reconnect_failures.add(route(), r.reconnect_failures);
+    }
+    for f in [
+        &bytes,
+        &ops,
+        &requests,
+        &failures,
+        &replays,
+        &replayed_bytes,
+        &reconnects,
+        &reconnect_attempts,
+        &reconnect_failures,
+    ] {
+        f.encode(enc)?;
+    }
+    Ok(())
+}
+
+/// The latency histograms, by op kind and size class.
+fn encode_latency(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    if !d.latency.is_empty() {
+        let mut m = enc.encode_descriptor(
+            "ferry_request_duration_seconds",
+            "Request latency from submission to the logical outcome, by op kind (or mixed) \
+             and size class (the request's bytes: at most 4KiB, 64KiB, 1MiB, 16MiB, or inf).",
+            None,
+            MetricType::Histogram,
+        )?;
+        for l in &d.latency {
+            let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
+                .iter()
+                .zip(&l.buckets)
+                .map(|(b, n)| (*b as f64 / 1e6, *n))
+                .collect();
+            buckets.push((f64::INFINITY, l.buckets.last().copied().unwrap_or(0)));
+            let h = Hist {
+                sum: l.sum_ns as f64 / 1e9,
+                count: l.count,
+                buckets,
+            };
+            let set = labels([("op", &l.op), ("size", &l.size)]);
+            h.encode(m.encode_family(&set)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// The server side: what the listener accepted and refused, and its handshakes.
+fn encode_served(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    if let Some(s) = &d.served {
         let mut bytes = Family::new(
-            "ferry_bytes",
-            "Bytes of ops this engine completed (acknowledged) as a client, by peer, transport, \
-             op kind and route (direct, or staged through pinned host buffers).",
+            "ferry_served_bytes",
+            "Bytes of ops this engine's listener accepted, by op kind (counted when \
+             checked, before they move).",
             Counter,
         );
         let mut ops = Family::new(
-            "ferry_ops",
-            "Ops this engine completed (acknowledged) as a client, by peer, transport, op kind \
-             and route.",
+            "ferry_served_ops",
+            "Ops this engine's listener accepted, by op kind.",
             Counter,
         );
-        let mut requests = Family::new(
-            "ferry_requests",
-            "Requests finished, by peer and transport.",
+        let mut refused = Family::new(
+            "ferry_served_refusals",
+            "Requests this engine's listener refused, by status.",
             Counter,
         );
-        let mut failures = Family::new(
-            "ferry_request_failures",
-            "Requests that ended with a failure, by the kind of their first failure.",
-            Counter,
-        );
-        let mut replays = Family::new(
-            "ferry_replays",
-            "Ops run again after a lost connection (whole ops).",
-            Counter,
-        );
-        let mut replayed_bytes = Family::new(
-            "ferry_replayed_bytes",
-            "Bytes of the ops run again after a lost connection.",
-            Counter,
-        );
-        let mut reconnects = Family::new(
-            "ferry_reconnects",
-            "Channels reopened to the same peer incarnation.",
-            Counter,
-        );
-        let mut reconnect_attempts = Family::new(
-            "ferry_reconnect_attempts",
-            "Reconnect attempts, successful or not.",
-            Counter,
-        );
-        let mut reconnect_failures = Family::new(
-            "ferry_reconnect_failures",
-            "Reconnects given up (attempts ran out, or the peer restarted).",
-            Counter,
-        );
-        for r in &d.routes {
-            let peer = peer_label(&r.peer);
-            let route = || labels([("peer", &peer), ("transport", &r.transport)]);
-            for t in &r.traffic {
-                let l = labels([
-                    ("peer", &peer),
-                    ("transport", &r.transport),
-                    ("op", &t.op),
-                    ("route", &t.route),
-                ]);
-                bytes.add(l.clone(), t.bytes);
-                ops.add(l, t.ops);
-            }
-            requests.add(route(), r.requests);
-            for (kind, n) in &r.failures {
-                failures.add(
-                    labels([("peer", &peer), ("transport", &r.transport), ("kind", kind)]),
-                    *n,
-                );
-            }
-            replays.add(route(), r.replays);
-            replayed_bytes.add(route(), r.replayed_bytes);
-            reconnects.add(route(), r.reconnects);
-            reconnect_attempts.add(route(), r.reconnect_attempts);
-            reconnect_failures.add(route(), r.reconnect_failures);
+        for t in &s.accepted {
+            bytes.add(labels([("op", &t.op)]), t.bytes);
+            ops.add(labels([("op", &t.op)]), t.ops);
         }
-        for f in [
-            &bytes,
-            &ops,
-            &requests,
-            &failures,
-            &replays,
-            &replayed_bytes,
-            &reconnects,
-            &reconnect_attempts,
-            &reconnect_failures,
-        ] {
-            f.encode(&mut enc)?;
+        for (status, n) in &s.refused {
+            refused.add(labels([("status", status)]), *n);
         }
-
-        // Latency histograms.
-        if !d.latency.is_empty() {
-            let mut m = enc.encode_descriptor(
-                "ferry_request_duration_seconds",
-                "Request latency from submission to the logical outcome, by op kind (or mixed) \
-                 and size class (the request's bytes: at most 4KiB, 64KiB, 1MiB, 16MiB, or inf).",
-                None,
-                MetricType::Histogram,
-            )?;
-            for l in &d.latency {
-                let mut buckets: Vec<(f64, u64)> = LATENCY_BOUNDS_US
-                    .iter()
-                    .zip(&l.buckets)
-                    .map(|(b, n)| (*b as f64 / 1e6, *n))
-                    .collect();
-                buckets.push((f64::INFINITY, l.buckets.last().copied().unwrap_or(0)));
-                let h = Hist {
-                    sum: l.sum_ns as f64 / 1e9,
-                    count: l.count,
-                    buckets,
-                };
-                let set = labels([("op", &l.op), ("size", &l.size)]);
-                h.encode(m.encode_family(&set)?)?;
-            }
-        }
-
-        // Server side.
-        if let Some(s) = &d.served {
-            let mut bytes = Family::new(
-                "ferry_served_bytes",
-                "Bytes of ops this engine's listener accepted, by op kind (counted when \
-                 checked, before they move).",
-                Counter,
-            );
-            let mut ops = Family::new(
-                "ferry_served_ops",
-                "Ops this engine's listener accepted, by op kind.",
-                Counter,
-            );
-            let mut refused = Family::new(
-                "ferry_served_refusals",
-                "Requests this engine's listener refused, by status.",
-                Counter,
-            );
-            for t in &s.accepted {
-                bytes.add(labels([("op", &t.op)]), t.bytes);
-                ops.add(labels([("op", &t.op)]), t.ops);
-            }
-            for (status, n) in &s.refused {
-                refused.add(labels([("status", status)]), *n);
-            }
-            bytes.encode(&mut enc)?;
-            ops.encode(&mut enc)?;
-            refused.encode(&mut enc)?;
-        }
-        if let Some(h) = &d.handshakes {
-            Family::new(
-                "ferry_handshakes_pending",
-                "Connections in their handshake now (before authentication).",
-                Gauge,
-            )
-            .add(Labels::new(), h.pending)
-            .encode(&mut enc)?;
-            Family::new(
-                "ferry_handshakes_max_pending",
-                "The cap on connections in their handshake at once.",
-                Gauge,
-            )
-            .add(Labels::new(), h.max_pending)
-            .encode(&mut enc)?;
-            Family::new(
-                "ferry_handshake_refusals",
-                "Connections closed before their handshake ended: past the cap on pending \
-                 handshakes (reason=cap) or at the handshake deadline (reason=timeout).",
-                Counter,
-            )
-            .add(labels([("reason", "cap")]), h.refused)
-            .add(labels([("reason", "timeout")]), h.timed_out)
-            .encode(&mut enc)?;
-        }
-
-        // Registrations.
-        Family::new("ferry_registrations", "Live registrations.", Gauge)
-            .add(Labels::new(), d.registrations)
-            .encode(&mut enc)?;
-        Family::new(
-            "ferry_registered_bytes",
-            "Bytes charged to the registration budget.",
-            Gauge,
-        )
-        .add(Labels::new(), d.registered_bytes)
-        .encode(&mut enc)?;
-        Family::new(
-            "ferry_registrations_unquiesced",
-            "Registrations held because a native destroy failed.",
-            Gauge,
-        )
-        .add(Labels::new(), d.unquiesced)
-        .encode(&mut enc)?;
-        let mut copies = Family::new(
-            "ferry_device_registrations",
-            "Native registration copies (RDMA: memory regions) per registration context \
-             (device:port, or host).",
-            Gauge,
-        );
-        let mut copy_bytes = Family::new(
-            "ferry_device_registered_bytes",
-            "Bytes the native registration copies of each context cover.",
-            Gauge,
-        );
-        for c in &d.contexts {
-            copies.add(labels([("device", &c.name)]), c.copies);
-            copy_bytes.add(labels([("device", &c.name)]), c.bytes);
-        }
-        copies.encode(&mut enc)?;
-        copy_bytes.encode(&mut enc)?;
-        if let Some(c) = &d.registration_cache {
-            Family::new(
-                "ferry_registration_cache_hits",
-                "Native registration copies served by an existing copy of the same pages.",
-                Counter,
-            )
-            .add(Labels::new(), c.hits)
-            .encode(&mut enc)?;
-            Family::new(
-                "ferry_registration_cache_misses",
-                "Native registration copies made.",
-                Counter,
-            )
-            .add(Labels::new(), c.misses)
-            .encode(&mut enc)?;
-        }
-        Family::new(
-            "ferry_published_segments",
-            "Segments published (memory and files).",
-            Gauge,
-        )
-        .add(Labels::new(), d.published.len() as u64)
-        .encode(&mut enc)?;
-
-        // RDMA rails.
-        let rail_families: [RailFamily; 9] = [
-            (
-                "ferry_rail_bytes",
-                "Bytes acknowledged per RDMA rail.",
-                |r| r.bytes,
-            ),
-            (
-                "ferry_rail_work_requests",
-                "Work requests acknowledged per RDMA rail.",
-                |r| r.work_requests,
-            ),
-            (
-                "ferry_rail_errors",
-                "Error completions per RDMA rail.",
-                |r| r.errors,
-            ),
-            (
-                "ferry_rail_flushed",
-                "Flushed work requests per RDMA rail.",
-                |r| r.flushed,
-            ),
-            (
-                "ferry_rail_unproven",
-                "Unsignalled work requests before an error completion on this RDMA rail, replayed rather than counted acknowledged.",
-                |r| r.unproven,
-            ),
-            (
-                "ferry_rail_replays",
-                "Chunks of a failed rail this rail re-posted.",
-                |r| r.replayed,
-            ),
-            (
-                "ferry_rail_replayed_bytes",
-                "Bytes of the chunks this rail re-posted for a failed rail.",
-                |r| r.replayed_bytes,
-            ),
-            (
-                "ferry_rail_teardowns",
-                "Failed queue pairs of this RDMA rail destroyed once flushed.",
-                |r| r.torn_down,
-            ),
-            (
-                "ferry_rail_rebuilds",
-                "Times this RDMA rail rejoined a channel on a fresh queue pair after its port came back.",
-                |r| r.rebuilds,
-            ),
-        ];
-        for (name, help, get) in rail_families {
-            let mut f = Family::new(name, help, Counter);
-            for r in &d.rails {
-                f.add(labels([("rail", &r.rail)]), get(r));
-            }
-            f.encode(&mut enc)?;
-        }
-        let mut down = Family::new(
-            "ferry_rail_down",
-            "Channels on which this RDMA rail is down now (failed, not yet rebuilt).",
-            Gauge,
-        );
-        for r in &d.rails {
-            down.add(labels([("rail", &r.rail)]), r.down);
-        }
-        down.encode(&mut enc)?;
-
-        // Broadcasts, by role, name and version (at most `MAX_BROADCASTS` of them).
-        type BroadcastFamily = (
-            &'static str,
-            &'static str,
-            MetricType,
-            fn(&crate::BroadcastDescription) -> u64,
-        );
-        let broadcast_families: [BroadcastFamily; 5] = [
-            (
-                "ferry_broadcast_bytes",
-                "Bytes of a broadcast version verified (a receiver) or published (a source).",
-                Gauge,
-                |b| b.bytes,
-            ),
-            (
-                "ferry_broadcast_size_bytes",
-                "Payload bytes of a broadcast version.",
-                Gauge,
-                |b| b.total_bytes,
-            ),
-            (
-                "ferry_broadcast_refetched_chunks",
-                "Chunks of a broadcast version fetched again after a failed check.",
-                Counter,
-                |b| b.refetched,
-            ),
-            (
-                "ferry_broadcast_members",
-                "Members of a broadcast version listed.",
-                Gauge,
-                |b| b.peers,
-            ),
-            (
-                "ferry_broadcast_done",
-                "1 once every chunk of a broadcast version is verified (a receiver) or the source \
-                 stopped.",
-                Gauge,
-                |b| u64::from(b.done),
-            ),
-        ];
-        for (name, help, ty, get) in broadcast_families {
-            let mut f = Family::new(name, help, ty);
-            for b in &d.broadcasts {
-                let version = b.version.to_string();
-                f.add(
-                    labels([("role", &b.role), ("name", &b.name), ("version", &version)]),
-                    get(b),
-                );
-            }
-            f.encode(&mut enc)?;
-        }
-
-        // Staging of GPU memory.
-        #[cfg(feature = "cuda")]
-        if let Some(s) = &d.staging {
-            Family::new(
-                "ferry_staged_bytes",
-                "Bytes of GPU memory staged through pinned host buffers.",
-                Counter,
-            )
-            .add(Labels::new(), s.staged_bytes)
-            .encode(&mut enc)?;
-            Family::new(
-                "ferry_staging_copies",
-                "Copies between GPU memory and the staging buffers.",
-                Counter,
-            )
-            .add(Labels::new(), s.copies)
-            .encode(&mut enc)?;
-            Family::new(
-                "ferry_staging_copy_failures",
-                "Failed copies between GPU memory and the staging buffers.",
-                Counter,
-            )
-            .add(Labels::new(), s.copy_failures)
-            .encode(&mut enc)?;
-            Family::new(
-                "ferry_staging_buffers_in_use",
-                "Staging buffers in use now.",
-                Gauge,
-            )
-            .add(Labels::new(), s.buffers_in_use as u64)
-            .encode(&mut enc)?;
-        }
-        Ok(())
+        bytes.encode(enc)?;
+        ops.encode(enc)?;
+        refused.encode(enc)?;
     }
+    if let Some(h) = &d.handshakes {
+        Family::new(
+            "ferry_handshakes_pending",
+            "Connections in their handshake now (before authentication).",
+            Gauge,
+        )
+        .add(Labels::new(), h.pending)
+        .encode(enc)?;
+        Family::new(
+            "ferry_handshakes_max_pending",
+            "The cap on connections in their handshake at once.",
+            Gauge,
+        )
+        .add(Labels::new(), h.max_pending)
+        .encode(enc)?;
+        Family::new(
+            "ferry_handshake_refusals",
+            "Connections closed before their handshake ended: past the cap on pending \
+             handshakes (reason=cap) or at the handshake deadline (reason=timeout).",
+            Counter,
+        )
+        .add(labels([("reason", "cap")]), h.refused)
+        .add(labels([("reason", "timeout")]), h.timed_out)
+        .encode(enc)?;
+    }
+    Ok(())
+}
+
+/// Registrations, their native copies per context, the registration cache, published segments.
+fn encode_registrations(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    Family::new("ferry_registrations", "Live registrations.", Gauge)
+        .add(Labels::new(), d.registrations)
+        .encode(enc)?;
+    Family::new(
+        "ferry_registered_bytes",
+        "Bytes charged to the registration budget.",
+        Gauge,
+    )
+    .add(Labels::new(), d.registered_bytes)
+    .encode(enc)?;
+    Family::new(
+        "ferry_registrations_unquiesced",
+        "Registrations held because a native destroy failed.",
+        Gauge,
+    )
+    .add(Labels::new(), d.unquiesced)
+    .encode(enc)?;
+    let mut copies = Family::new(
+        "ferry_device_registrations",
+        "Native registration copies (RDMA: memory regions) per registration context \
+         (device:port, or host).",
+        Gauge,
+    );
+    let mut copy_bytes = Family::new(
+        "ferry_device_registered_bytes",
+        "Bytes the native registration copies of each context cover.",
+        Gauge,
+    );
+    for c in &d.contexts {
+        copies.add(labels([("device", &c.name)]), c.copies);
+        copy_bytes.add(labels([("device", &c.name)]), c.bytes);
+    }
+    copies.encode(enc)?;
+    copy_bytes.encode(enc)?;
+    if let Some(c) = &d.registration_cache {
+        Family::new(
+            "ferry_registration_cache_hits",
+            "Native registration copies served by an existing copy of the same pages.",
+            Counter,
+        )
+        .add(Labels::new(), c.hits)
+        .encode(enc)?;
+        Family::new(
+            "ferry_registration_cache_misses",
+            "Native registration copies made.",
+            Counter,
+        )
+        .add(Labels::new(), c.misses)
+        .encode(enc)?;
+    }
+    Family::new(
+        "ferry_published_segments",
+        "Segments published (memory and files).",
+        Gauge,
+    )
+    .add(Labels::new(), d.published.len() as u64)
+    .encode(enc)?;
+    Ok(())
+}
+
+/// RDMA rails.
+fn encode_rails(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    let rail_families: [RailFamily; 9] = [
+        (
+            "ferry_rail_bytes",
+            "Bytes acknowledged per RDMA rail.",
+            |r| r.bytes,
+        ),
+        (
+            "ferry_rail_work_requests",
+            "Work requests acknowledged per RDMA rail.",
+            |r| r.work_requests,
+        ),
+        (
+            "ferry_rail_errors",
+            "Error completions per RDMA rail.",
+            |r| r.errors,
+        ),
+        (
+            "ferry_rail_flushed",
+            "Flushed work requests per RDMA rail.",
+            |r| r.flushed,
+        ),
+        (
+            "ferry_rail_unproven",
+            "Unsignalled work requests before an error completion on this RDMA rail, replayed rather than counted acknowledged.",
+            |r| r.unproven,
+        ),
+        (
+            "ferry_rail_replays",
+            "Chunks of a failed rail this rail re-posted.",
+            |r| r.replayed,
+        ),
+        (
+            "ferry_rail_replayed_bytes",
+            "Bytes of the chunks this rail re-posted for a failed rail.",
+            |r| r.replayed_bytes,
+        ),
+        (
+            "ferry_rail_teardowns",
+            "Failed queue pairs of this RDMA rail destroyed once flushed.",
+            |r| r.torn_down,
+        ),
+        (
+            "ferry_rail_rebuilds",
+            "Times this RDMA rail rejoined a channel on a fresh queue pair after its port came back.",
+            |r| r.rebuilds,
+        ),
+    ];
+    for (name, help, get) in rail_families {
+        let mut f = Family::new(name, help, Counter);
+        for r in &d.rails {
+            f.add(labels([("rail", &r.rail)]), get(r));
+        }
+        f.encode(enc)?;
+    }
+    let mut down = Family::new(
+        "ferry_rail_down",
+        "Channels on which this RDMA rail is down now (failed, not yet rebuilt).",
+        Gauge,
+    );
+    for r in &d.rails {
+        down.add(labels([("rail", &r.rail)]), r.down);
+    }
+    down.encode(enc)?;
+    Ok(())
+}
+
+/// Broadcasts, by role, name and version (at most `MAX_BROADCASTS` of them).
+fn encode_broadcasts(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    type BroadcastFamily = (
+        &'static str,
+        &'static str,
+        MetricType,
+        fn(&crate::BroadcastDescription) -> u64,
+    );
+    let broadcast_families: [BroadcastFamily; 5] = [
+        (
+            "ferry_broadcast_bytes",
+            "Bytes of a broadcast version verified (a receiver) or published (a source).",
+            Gauge,
+            |b| b.bytes,
+        ),
+        (
+            "ferry_broadcast_size_bytes",
+            "Payload bytes of a broadcast version.",
+            Gauge,
+            |b| b.total_bytes,
+        ),
+        (
+            "ferry_broadcast_refetched_chunks",
+            "Chunks of a broadcast version fetched again after a failed check.",
+            Counter,
+            |b| b.refetched,
+        ),
+        (
+            "ferry_broadcast_members",
+            "Members of a broadcast version listed.",
+            Gauge,
+            |b| b.peers,
+        ),
+        (
+            "ferry_broadcast_done",
+            "1 once every chunk of a broadcast version is verified (a receiver) or the source \
+             stopped.",
+            Gauge,
+            |b| u64::from(b.done),
+        ),
+    ];
+    for (name, help, ty, get) in broadcast_families {
+        let mut f = Family::new(name, help, ty);
+        for b in &d.broadcasts {
+            let version = b.version.to_string();
+            f.add(
+                labels([("role", &b.role), ("name", &b.name), ("version", &version)]),
+                get(b),
+            );
+        }
+        f.encode(enc)?;
+    }
+    Ok(())
+}
+
+/// Staging of GPU memory.
+#[cfg(feature = "cuda")]
+fn encode_staging(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    if let Some(s) = &d.staging {
+        Family::new(
+            "ferry_staged_bytes",
+            "Bytes of GPU memory staged through pinned host buffers.",
+            Counter,
+        )
+        .add(Labels::new(), s.staged_bytes)
+        .encode(enc)?;
+        Family::new(
+            "ferry_staging_copies",
+            "Copies between GPU memory and the staging buffers.",
+            Counter,
+        )
+        .add(Labels::new(), s.copies)
+        .encode(enc)?;
+        Family::new(
+            "ferry_staging_copy_failures",
+            "Failed copies between GPU memory and the staging buffers.",
+            Counter,
+        )
+        .add(Labels::new(), s.copy_failures)
+        .encode(enc)?;
+        Family::new(
+            "ferry_staging_buffers_in_use",
+            "Staging buffers in use now.",
+            Gauge,
+        )
+        .add(Labels::new(), s.buffers_in_use as u64)
+        .encode(enc)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use ferry_core::{Outcome, RemoteEffect, TransportKind};
+
+    /// A description with every family filled, and two peers, latency classes, rails and
+    /// broadcasts, renders to the committed exposition byte for byte (`metrics_golden.prom`
+    /// beside this file): a change to any family's name, help, type, labels or order shows as a
+    /// diff there. The staging families are in it, so it runs with the `cuda` feature.
+    #[cfg(feature = "cuda")]
+    #[tokio::test]
+    async fn the_whole_exposition_is_as_committed() {
+        use crate::describe::{
+            CacheDescription, ContextDescription, HandshakeDescription, LatencyDescription,
+            RouteDescription, ServedDescription, StagingDescription, TrafficDescription,
+        };
+        let engine = crate::TransferEngine::builder().build().unwrap();
+        let mut d = engine.describe();
+        let traffic = |op: &str, route: &str, ops, bytes| TrafficDescription {
+            op: op.into(),
+            route: route.into(),
+            ops,
+            bytes,
+        };
+        let route = |peer: &str, transport: &str, n: u64| RouteDescription {
+            peer: peer.into(),
+            transport: transport.into(),
+            requests: n,
+            ops: 2 * n,
+            bytes: 4096 * n,
+            errors: 1,
+            replays: n + 1,
+            replayed_bytes: 100 * n,
+            reconnects: 1,
+            reconnect_attempts: 3,
+            reconnect_failures: 2,
+            traffic: vec![
+                traffic("read", "direct", n, 4096 * n),
+                traffic("write", "staged", 1, 512),
+            ],
+            failures: vec![("peer_lost".into(), 1), ("timeout".into(), n)],
+        };
+        d.peer_id = "00ff".into();
+        d.epoch = "0a0b".into();
+        d.data_plane = Some("tcp".into());
+        d.routes = vec![
+            route("10.0.0.1:7400", "tcp", 3),
+            route("10.0.0.2:7400", "uring", 5),
+            route("10.0.0.1:7400", "rdma", 7),
+        ];
+        d.latency = vec![
+            LatencyDescription {
+                op: "read".into(),
+                size: "4KiB".into(),
+                count: 4,
+                sum_ns: 123_456,
+                buckets: (0..=LATENCY_BOUNDS_US.len() as u64)
+                    .map(|i| i.min(4))
+                    .collect(),
+            },
+            LatencyDescription {
+                op: "mixed".into(),
+                size: "1MiB".into(),
+                count: 1,
+                sum_ns: 2_000_000_000,
+                buckets: (0..=LATENCY_BOUNDS_US.len() as u64)
+                    .map(|i| u64::from(i > 15))
+                    .collect(),
+            },
+        ];
+        d.served = Some(ServedDescription {
+            accepted: vec![
+                traffic("read", "direct", 9, 9000),
+                traffic("write", "direct", 2, 20),
+            ],
+            refused: vec![("unknown_segment".into(), 4)],
+        });
+        d.handshakes = Some(HandshakeDescription {
+            pending: 2,
+            refused: 5,
+            timed_out: 6,
+            max_pending: 64,
+            timeout_ms: 5000,
+        });
+        d.registrations = 3;
+        d.registered_bytes = 1 << 20;
+        d.unquiesced = 1;
+        d.contexts = vec![
+            ContextDescription {
+                name: "host".into(),
+                copies: 2,
+                bytes: 8192,
+                fenced: false,
+            },
+            ContextDescription {
+                name: "mlx5_0:1".into(),
+                copies: 4,
+                bytes: 16384,
+                fenced: true,
+            },
+        ];
+        d.registration_cache = Some(CacheDescription {
+            hits: 7,
+            misses: 8,
+            entries: 2,
+        });
+        d.rails = vec![crate::RailDescription {
+            rail: "mlx5_0:1".into(),
+            bytes: 10,
+            work_requests: 2,
+            errors: 1,
+            flushed: 3,
+            unproven: 4,
+            replayed: 5,
+            replayed_bytes: 6,
+            torn_down: 1,
+            rebuilds: 1,
+            down: 2,
+        }];
+        d.broadcasts = vec![crate::BroadcastDescription {
+            role: "source".into(),
+            name: "weights".into(),
+            version: 3,
+            bytes: 100,
+            total_bytes: 200,
+            refetched: 1,
+            peers: 4,
+            done: true,
+        }];
+        d.staging = Some(StagingDescription {
+            policy: "auto".into(),
+            gpu_direct_registration: "no".into(),
+            buffers: 4,
+            buffer_size: 1 << 20,
+            buffers_in_use: 1,
+            staged_bytes: 4096,
+            copies: 2,
+            copy_wait_us: 10,
+            copy_failures: 1,
+            last_file_path: None,
+        });
+        let text = render(&d);
+        let golden = include_str!("metrics_golden.prom");
+        if text != golden {
+            let out = std::env::temp_dir().join("ferry-metrics-golden.prom");
+            let _ = std::fs::write(&out, &text);
+            panic!(
+                "the exposition differs from crates/engine/src/metrics_golden.prom; this \
+                 rendering is in {} (diff them; copy it over if the change is meant)",
+                out.display()
+            );
+        }
+    }
 
     /// Past `MAX_PEER_LABELS` peers, the later ones are summed under `peer="other"`: the
     /// series stay bounded and no byte is lost from the sum.
