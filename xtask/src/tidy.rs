@@ -95,9 +95,8 @@ const COMMENT_ALLOWED: &[(&str, &str)] = &[
     ("mooncake_http_metadata_server", "Mooncake's program"),
     ("log_d", "a formula (the logarithm base d)"),
     (
-        "serve_vectored",
-        "stale, gone with the thread-per-stream server: crates/transport-uring/src/rings.rs's \
-         `plan_table` comment should name what serves a piece table now (its owner fixes it)",
+        "tcp_pace_kick",
+        "the kernel's function (TCP pacing's timer)",
     ),
 ];
 

@@ -67,9 +67,7 @@ pub const AUTH_KEY_FILE_ENV: &str = "FERRY_AUTH_KEY_FILE";
 /// group or others may access (see [`EngineBuilder::allow_open_key_file`]).
 pub const ALLOW_OPEN_KEY_FILE_ENV: &str = "FERRY_ALLOW_OPEN_KEY_FILE";
 
-/// The environment variable that, set to `off` (or `0`, `false`), turns the same-host plane off
-/// for every engine of the process (see [`EngineBuilder::same_host`]).
-pub const SAME_HOST_ENV: &str = "FERRY_SAME_HOST";
+pub use crate::config::SAME_HOST_ENV;
 
 /// Whether [`SAME_HOST_ENV`] leaves the same-host plane on.
 fn same_host_env_on() -> bool {

@@ -7,6 +7,10 @@ use ferry_transport_tcp::TcpConfig;
 #[cfg(feature = "uring")]
 use ferry_transport_uring::UringConfig;
 
+/// The environment variable that, set to `off` (or `0`, `false`, `no`), turns the same-host plane
+/// off for every engine of the process (see `EngineBuilder::same_host`).
+pub const SAME_HOST_ENV: &str = "FERRY_SAME_HOST";
+
 /// What the builder sets for the portable data plane, whichever transport carries it.
 #[derive(Clone, Debug)]
 pub(crate) struct DataPlaneConfig {

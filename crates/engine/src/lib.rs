@@ -41,9 +41,6 @@ mod request;
 mod route;
 mod serve;
 
-/// The same-host plane's probe of this host (boot id, Yama, the copy system call), as `ferry
-/// doctor`'s `same-host` row reads it.
-pub use ferry_transport_local::{LocalProbe, probe as probe_same_host};
 pub use builder::{
     ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, SAME_HOST_ENV, load_keyring,
 };
@@ -57,6 +54,9 @@ pub use ferry_core::auth::Keyring;
 /// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
 #[cfg(feature = "cuda")]
 pub use ferry_cuda as cuda;
+/// The same-host plane's probe of this host (boot id, Yama, the copy system call), as `ferry
+/// doctor`'s `same-host` row reads it.
+pub use ferry_transport_local::{LocalProbe, probe as probe_same_host};
 /// The pre-authentication gate of a listener (`ferry-net`): a cap on connections that have not
 /// proven a key yet and a deadline for the proof, shared by the data planes' listeners and the
 /// layers above the facade that open listeners of their own (the broadcast control services).

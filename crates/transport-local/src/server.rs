@@ -2,11 +2,12 @@
 //! else), each served on a thread of its own that copies between the published memory and the
 //! client's buffers.
 
+use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -73,7 +74,8 @@ impl LocalServer {
             max_streams,
             streams: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
-            open: Mutex::new(Vec::new()),
+            open: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
         });
         let listener = Arc::new(self.listener);
         let accept = {
@@ -144,12 +146,12 @@ impl LocalServerHandle {
         if let Some(t) = accept {
             let _ = t.join();
         }
-        for s in self
+        for (_, s) in self
             .shared
             .open
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .drain(..)
+            .drain()
         {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
@@ -170,8 +172,10 @@ struct Shared {
     max_streams: usize,
     streams: AtomicUsize,
     stopped: AtomicBool,
-    /// A clone of every served connection's socket, to shut them down with the server.
-    open: Mutex<Vec<UnixStream>>,
+    /// A clone of every served stream's socket, to shut them down with the server (each
+    /// removed when its stream ends, so a closed stream holds no descriptor).
+    open: Mutex<HashMap<u64, UnixStream>>,
+    next_id: AtomicU64,
 }
 
 fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
@@ -261,13 +265,15 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         );
         return;
     }
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     if let Ok(clone) = sock.try_clone() {
         shared
             .open
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(clone);
+            .insert(id, clone);
     }
+    let _listed = Listed(shared, id);
     if shared.stopped.load(Ordering::Acquire) {
         return;
     }
@@ -278,6 +284,19 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         Err(e) => debug!(error = %e, "same-host stream failed"),
     }
     let _ = sock.shutdown(std::net::Shutdown::Both);
+}
+
+/// Takes a served stream's socket clone out of the server's list when the stream ends.
+struct Listed<'a>(&'a Shared, u64);
+
+impl Drop for Listed<'_> {
+    fn drop(&mut self) {
+        self.0
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.1);
+    }
 }
 
 struct Counted<'a>(&'a AtomicUsize);

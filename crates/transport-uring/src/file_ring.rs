@@ -1,4 +1,4 @@
-//! The io_uring accelerator of file segments: [`file_io`], one positioned read or write on a
+//! The io_uring accelerator of file segments: [`FileRing::io`], one positioned read or write on a
 //! stream's ring (the server moves a [`FileSegment`]'s pieces with it, O_DIRECT where alignment
 //! allows), and [`read_file_into`], which loads a file range with a bounded queue depth of ring
 //! reads. The segments themselves, and the portable positioned-read path this falls back to,

@@ -639,7 +639,7 @@ impl TransferEngine {
         let Some(_) = &self.inner.planes.local else {
             return format!(
                 "off (EngineBuilder::same_host(false), {}=off, or no portable data plane)",
-                crate::builder::SAME_HOST_ENV
+                crate::config::SAME_HOST_ENV
             );
         };
         let probe = ferry_transport_local::probe();
