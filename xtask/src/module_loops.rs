@@ -22,6 +22,7 @@ pub(crate) const CRATES: &[&str] = &[
     "crates/core/src",
     "crates/python/src",
     "crates/broadcast/src",
+    "crates/transport-rdma/src",
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -516,6 +517,12 @@ mod tests {
     #[test]
     fn broadcast_has_no_module_loop() {
         let loops = loops_of("crates/broadcast/src");
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_rdma_transport_has_no_module_loop() {
+        let loops = loops_of("crates/transport-rdma/src");
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 }

@@ -33,18 +33,26 @@
 //! `RdmaTransport::inject_rail_failure`, which the guest tests use to break one rail mid-request.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod admission;
 mod backend;
+mod channel;
 mod config;
 mod error;
+mod heal;
 mod native;
 mod pump;
 mod qp;
+mod rails;
+mod served;
+mod shared;
 mod transport;
 mod verbs;
+mod worker;
 
 pub use backend::RdmaBackend;
+pub use channel::RdmaChannel;
 pub use config::{RailSpec, RdmaConfig};
 pub use error::RdmaError;
 pub use pump::RailCounters;
 pub use qp::QpTiming;
-pub use transport::{RailStats, RdmaChannel, RdmaTransport};
+pub use transport::{RailStats, RdmaTransport};
