@@ -2,6 +2,7 @@
 //! loop, and the answers.
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -122,7 +123,7 @@ async fn serve(
                         continue;
                     }
                 };
-                let Some(slot) = gate.admit() else {
+                let Some(slot) = gate.admit_evicting(stream.as_fd(), from.ip()) else {
                     tracing::debug!(%from, "control connection refused: too many before their proof");
                     continue;
                 };
