@@ -41,19 +41,13 @@ fn raise_fd_limit(need: u64) -> Result<()> {
         rlim_max: 0,
     };
     // SAFETY: `lim` is a valid rlimit for getrlimit to fill.
-    ensure!(
-        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0,
-        "getrlimit: {}",
-        std::io::Error::last_os_error()
-    );
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    ensure!(got == 0, "getrlimit: {}", std::io::Error::last_os_error());
     if lim.rlim_cur < need {
         lim.rlim_cur = need.min(lim.rlim_max);
         // SAFETY: `lim` is a valid rlimit within the hard limit.
-        ensure!(
-            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0,
-            "setrlimit: {}",
-            std::io::Error::last_os_error()
-        );
+        let set = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+        ensure!(set == 0, "setrlimit: {}", std::io::Error::last_os_error());
     }
     ensure!(
         lim.rlim_cur >= need,

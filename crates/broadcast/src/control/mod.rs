@@ -22,8 +22,9 @@
 //! **Before the proof** (a keyless member: before the first request), a connection costs a
 //! stranger little, through the same gate as the data planes' listeners
 //! ([`ferry::HandshakeGate`], [`ferry::HandshakeLimits`]): at most `max_pending` such connections
-//! at once (one accepted past them is closed at once), all of it within `timeout` of the accept
-//! (else closed), and request lines of at most [`MAX_PREAUTH_REQUEST`] bytes on a keyed member.
+//! at once (past them the oldest of the source address holding the most is closed to make
+//! room), all of it within `timeout` of the accept (else closed), and request lines of at most
+//! `MAX_PREAUTH_REQUEST` (1 KiB) on a keyed member, `MAX_REQUEST` (64 KiB) once proven.
 //! Accept errors (out of descriptors) back off instead of spinning.
 //!
 //! **Entries are their members'.** The tracker answers a `join` with a secret token of the
