@@ -26,12 +26,15 @@ const LEN: usize = 64 << 10;
 const CAP: usize = 32;
 /// The flood's first burst of idle connections.
 const BURST: usize = 1500;
-/// Idle connections the flood keeps open at most (older ones it closes itself).
-const KEEP: usize = 3000;
+/// Idle connections a flood opens in all (and holds open to its end).
+const TOTAL: usize = 4000;
 /// Key holders that must all get in during a flood.
 const RUNS: usize = 10;
 /// Limit on waiting for an event that must come (a failure past it, never a pace).
 const PATIENCE: Duration = Duration::from_secs(60);
+/// A key holder's connect timeout: well under the listener's handshake deadline, so that only
+/// a place made for it (never a flood connection's deadline) lets it in.
+const KEY_HOLDER_PATIENCE: Duration = Duration::from_secs(20);
 
 /// Raises this process's soft limit on descriptors to what the floods need (the hard limit
 /// allowing), or fails saying why.
@@ -58,7 +61,7 @@ fn raise_fd_limit(need: u64) -> Result<()> {
 }
 
 /// A flood of idle connections to `addr` from `from` on its own thread: `burst` at once, then
-/// one every `pace` until `stop`, keeping the newest [`KEEP`] open. Counts what it opened.
+/// one every `pace` until [`TOTAL`], all held open until `stop`. Counts what it opened.
 fn flood(
     addr: SocketAddr,
     from: IpAddr,
@@ -68,7 +71,7 @@ fn flood(
     opened: Arc<AtomicUsize>,
 ) -> std::thread::JoinHandle<Result<()>> {
     std::thread::spawn(move || -> Result<()> {
-        let mut held = std::collections::VecDeque::new();
+        let mut held = Vec::with_capacity(TOTAL);
         let open = || -> Result<TcpStream> {
             let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
             s.bind(&SocketAddr::new(from, 0).into())
@@ -76,19 +79,19 @@ fn flood(
             s.connect(&addr.into())?;
             Ok(s.into())
         };
-        let mut n = 0;
-        while !stop.load(Ordering::Relaxed) {
-            held.push_back(open()?);
-            if held.len() > KEEP {
-                held.pop_front();
-            }
-            n += 1;
+        while !stop.load(Ordering::Relaxed) && held.len() < TOTAL {
+            held.push(open()?);
             opened.fetch_add(1, Ordering::Relaxed);
-            if n >= burst {
+            if held.len() >= burst {
                 // The flood's pace after its burst.
                 std::thread::sleep(pace);
             }
         }
+        // Held open, idle, until the test ends.
+        while !stop.load(Ordering::Relaxed) {
+            std::thread::park_timeout(Duration::from_millis(50));
+        }
+        drop(held);
         Ok(())
     })
 }
@@ -135,7 +138,7 @@ async fn key_holder_moves_bytes(addr: SocketAddr, fill: u8) -> Result<()> {
     let client = TransferEngine::builder()
         .data_plane(DataPlane::Tcp)
         .auth_keyring(Keyring::parse(ALICE)?)
-        .connect_timeout(PATIENCE)
+        .connect_timeout(KEY_HOLDER_PATIENCE)
         .build()?;
     let peer = client.connect(addr).await.context("connect")?;
     let open = peer.segment("open")?;
@@ -171,8 +174,9 @@ async fn key_holders_during_a_flood(from: IpAddr, burst: usize, pace: Duration) 
     // The burst has filled every place and pushed the rest out before any key holder comes.
     let full = (burst - CAP) as u64;
     let res = async {
-        wait_for("the burst to be evicted past the cap", || {
-            Ok(handshakes(&engine)?.evicted >= full)
+        wait_for("the burst to be closed past the cap", || {
+            let h = handshakes(&engine)?;
+            Ok(h.refused + h.evicted >= full)
         })?;
         for run in 0..RUNS {
             key_holder_moves_bytes(addr, run as u8 + 1)
@@ -201,7 +205,7 @@ async fn key_holders_during_a_flood(from: IpAddr, burst: usize, pace: Duration) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_holder_gets_in_ten_times_out_of_ten_during_a_flood() -> Result<()> {
-    raise_fd_limit((KEEP + 1024) as u64)?;
+    raise_fd_limit((TOTAL + 1024) as u64)?;
     // From another address, at full pace after the burst of 1,500.
     key_holders_during_a_flood([127, 0, 0, 2].into(), BURST, Duration::from_millis(1))
         .await
@@ -226,7 +230,7 @@ fn scrape(addr: SocketAddr) -> Result<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_against_the_metrics_endpoint_leaves_scrapes_answered() -> Result<()> {
-    raise_fd_limit((KEEP + 1024) as u64)?;
+    raise_fd_limit((TOTAL + 1024) as u64)?;
     let (engine, _reg) = server(true)?;
     let metrics = engine.metrics_addr().context("serves metrics")?;
     for from in [[127, 0, 0, 2], [127, 0, 0, 1]] {

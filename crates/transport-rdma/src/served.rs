@@ -195,7 +195,13 @@ impl<Q: Probe> ServedTable<Q> {
             probing: None,
             dead: false,
         });
-        if let Some(i) = self.sets.iter().position(|s| s.peer == peer) {
+        // The incarnation's set under the same name: another name claiming the incarnation (peer
+        // ids are not secret) gets a set of its own, charged to it, and touches nothing of this.
+        if let Some(i) = self
+            .sets
+            .iter()
+            .position(|s| s.peer == peer && s.name.as_deref() == name)
+        {
             let limits = self.limits;
             let set = &mut self.sets[i];
             for e in entries {
@@ -645,7 +651,15 @@ mod tests {
             Err(Refused::Stale { newer: Epoch(12) })
         );
         assert!(new.iter().chain(&other).all(|h| !h.destroyed()));
-        assert_eq!(t.release(id, Some(Epoch(12))), 1);
+        // Eve claiming bob's incarnation gets a set of her own (her older epoch's goes): bob's
+        // rails are untouched even past the per-rail bound.
+        for _ in 0..2 * LIMITS.per_rail {
+            let (qps, _) = fakes.rails(&[0]);
+            t.admit((id, Epoch(12)), Some("eve"), qps, now)
+                .expect("eve's own set");
+        }
+        assert!(new.iter().all(|h| !h.destroyed()) && other[0].destroyed());
+        assert_eq!(t.release(id, Some(Epoch(12))), 2, "bob's and eve's");
         assert!(new.iter().all(Handle::destroyed));
     }
 
