@@ -280,20 +280,25 @@ impl<Q: Probe> ServedTable<Q> {
                 drop(self.sets.remove(i));
                 continue;
             }
-            // The oldest unproven set of whichever name holds the most, unless that is the
-            // name asking.
+            // The oldest unproven set of whichever name (or the unauthenticated peers) holds the
+            // most sets among those that may give way: never the asking name's own (the
+            // unauthenticated peers do push one another out).
             let held =
                 |n: Option<&str>| self.sets.iter().filter(|s| s.name.as_deref() == n).count();
+            let eligible = |s: &Set<Q>| {
+                s.health(now, &limits) == Health::Unproven
+                    && (name.is_none() || s.name.as_deref() != name)
+            };
             let most = self
                 .sets
                 .iter()
+                .filter(|s| eligible(s))
                 .map(|s| held(s.name.as_deref()))
-                .max()
-                .unwrap_or(0);
-            let victim = self.sets.iter().position(|s| {
-                s.health(now, &limits) == Health::Unproven
-                    && held(s.name.as_deref()) == most
-                    && (s.name.as_deref() != name || name.is_none())
+                .max();
+            let victim = most.and_then(|most| {
+                self.sets
+                    .iter()
+                    .position(|s| eligible(s) && held(s.name.as_deref()) == most)
             });
             match victim {
                 Some(i) => drop(self.sets.remove(i)),
@@ -607,6 +612,28 @@ mod tests {
         );
         assert!(!bob[0].destroyed() && !carol[0].destroyed());
         assert_eq!(t.sets(), limits.total);
+        // A name holding the most sets (proven) still gets room from the unauthenticated
+        // peers' unproven ones, never from its own.
+        let mut t2 = ServedTable::new(ServedLimits { total: 6, ..LIMITS });
+        let mut carols = Vec::new();
+        for n in 0..4u128 {
+            let (qps, h) = fakes.rails(&[0]);
+            t2.admit(inc(200 + n), Some("carol"), qps, now)
+                .expect("carol");
+            carols.extend(h);
+        }
+        let later = prove(&mut t2, now);
+        for n in 0..2u128 {
+            let (qps, _) = fakes.rails(&[0]);
+            t2.admit(inc(300 + n), None, qps, later)
+                .expect("a stranger");
+        }
+        let (qps, _) = fakes.rails(&[0]);
+        assert_eq!(
+            t2.admit(inc(250), Some("carol"), qps, later),
+            Ok(Admitted::NewSet)
+        );
+        assert!(carols.iter().all(|h| !h.destroyed()));
         // Every set proven: nothing gives way.
         let now = prove(&mut t, now);
         let (qps, dave) = fakes.rails(&[0]);
