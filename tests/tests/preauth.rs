@@ -2,7 +2,8 @@
 //! planes (the io_uring cases skip, saying why, where the kernel refuses io_uring;
 //! `FERRY_REQUIRE_URING=1` fails them instead): a frame larger than authentication needs is
 //! refused from its header, connections past the cap of pending handshakes are closed at once
-//! and counted, idle connections cost no thread each, a client that trickles its hello is closed
+//! and counted (the newest refused, or the oldest evicted where the gate evicts), idle
+//! connections cost no thread each, a client that trickles its hello is closed
 //! at the handshake deadline, a client that proved its key moves bytes all the while, and a key
 //! holder that arrives while strangers hold every place gets in once they reach the deadline.
 //!
@@ -166,23 +167,26 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
         "{plane:?}: {frame:?}"
     );
 
-    // A flood of idle connections: the first CAP wait in their handshake, the rest are closed
+    // A flood of idle connections: CAP of them wait in their handshake, the others are closed
     // at once; no connection costs a thread; the authenticated client moves bytes meanwhile.
     wait_for("the probe's connection to end", || {
         Ok(handshakes(&engine)?.pending == 0)
     })?;
     let before = threads()?;
-    let refused_before = handshakes(&engine)?.refused;
+    // Closed past the cap: the newest at once (a gate that refuses) or the oldest pending
+    // (one that evicts, as the TCP listener's does); either way, one per connection past it.
+    let closed = |h: &ferry::HandshakeDescription| h.refused + h.evicted;
+    let closed_before = closed(&handshakes(&engine)?);
     let flood: Vec<TcpStream> = (0..FLOOD)
         .map(|_| TcpStream::connect(addr))
         .collect::<std::io::Result<_>>()?;
     let excess = (FLOOD - CAP) as u64;
-    wait_for("the excess connections to be refused", || {
-        Ok(handshakes(&engine)?.refused - refused_before >= excess)
+    wait_for("the excess connections to be closed", || {
+        Ok(closed(&handshakes(&engine)?) - closed_before >= excess)
     })?;
     let h = handshakes(&engine)?;
     ensure!(
-        h.pending == CAP as u64 && h.refused - refused_before == excess,
+        h.pending == CAP as u64 && closed(&h) - closed_before == excess,
         "{plane:?}: {h:?}"
     );
     let during = threads()?;
@@ -232,8 +236,9 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
         .join()
         .map_err(|_| anyhow::anyhow!("trickle panicked"))?;
 
-    // A key holder arriving while strangers hold every place gets in: refused at first, it
-    // tries again until the strangers reach their deadline and the places free. (A deadline
+    // A key holder arriving while strangers hold every place gets in: where the gate evicts,
+    // at once (the oldest stranger makes room); where it refuses, it tries again until the
+    // strangers reach their deadline and the places free. (A deadline
     // long enough that the key holder's first try surely meets the full cap.)
     let (engine, _reg) = server(plane, Duration::from_secs(3))?;
     let addr = engine.local_addr().context("listening")?;
@@ -243,7 +248,7 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
     wait_for("the flood to hold every place", || {
         Ok(handshakes(&engine)?.pending == CAP as u64)
     })?;
-    let refused_before = handshakes(&engine)?.refused;
+    let closed_before = closed(&handshakes(&engine)?);
     let late = TransferEngine::builder()
         .same_host(false)
         .data_plane(plane)
@@ -252,8 +257,8 @@ async fn on_plane(plane: DataPlane) -> Result<()> {
         .build()?;
     let peer = late.connect(addr).await?;
     ensure!(
-        handshakes(&engine)?.refused > refused_before,
-        "{plane:?}: the key holder was never refused, so this tested nothing"
+        closed(&handshakes(&engine)?) > closed_before,
+        "{plane:?}: the key holder was never refused nor made room for, so this tested nothing"
     );
     moves_bytes(&late, &peer, 0x33).await?;
     drop(flood);

@@ -224,6 +224,9 @@ pub struct HandshakeDescription {
     pub refused: u64,
     /// Connections closed because their handshake outlasted `timeout_ms`.
     pub timed_out: u64,
+    /// Connections in their handshake closed to make room for a newer one: past the cap, the
+    /// oldest of the source address holding the most goes.
+    pub evicted: u64,
     /// The cap on connections in their handshake at once.
     pub max_pending: u64,
     /// The deadline of a handshake, in milliseconds from the accept.
@@ -310,9 +313,9 @@ impl std::fmt::Display for Description {
         if let Some(h) = &self.handshakes {
             writeln!(
                 f,
-                "handshakes: {} pending (at most {}), {} closed past the cap, {} closed at the \
-                 {} ms deadline",
-                h.pending, h.max_pending, h.refused, h.timed_out, h.timeout_ms
+                "handshakes: {} pending (at most {}), {} closed past the cap, {} evicted for \
+                 newer ones, {} closed at the {} ms deadline",
+                h.pending, h.max_pending, h.refused, h.evicted, h.timed_out, h.timeout_ms
             )?;
         }
         if let Some(s) = &self.served {

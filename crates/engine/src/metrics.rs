@@ -12,10 +12,12 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::Error;
+use ferry_transport_tcp::{HandshakeGate, HandshakeLimits};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType::{self, Counter, Gauge};
@@ -38,47 +40,10 @@ const MAX_HEAD: usize = 8192;
 const READ_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a connection may take to read its answer.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Scrapes answered at once; connections past it are closed at once.
+/// Scrapes answered at once; past it, the oldest connection of the source address holding the
+/// most is closed to make room (a [`HandshakeGate`] that evicts), so idle connections cannot
+/// keep a scrape out.
 const MAX_CONNECTIONS: usize = 16;
-/// Scrapes answered at once from one source address, so that one host's idle connections
-/// cannot hold every place.
-const MAX_PER_SOURCE: usize = 4;
-
-/// Connections open per source address; a [`SourcePlace`] holds one.
-type Sources = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
-
-/// One connection's place among its source's.
-struct SourcePlace(Sources, std::net::IpAddr);
-
-impl SourcePlace {
-    /// A place for a connection from `ip`, or `None` when [`MAX_PER_SOURCE`] are open.
-    fn take(sources: &Sources, ip: std::net::IpAddr) -> Option<Self> {
-        let mut m = sources
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let n = m.entry(ip).or_insert(0);
-        if *n >= MAX_PER_SOURCE {
-            return None;
-        }
-        *n += 1;
-        Some(Self(sources.clone(), ip))
-    }
-}
-
-impl Drop for SourcePlace {
-    fn drop(&mut self) {
-        let mut m = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(n) = m.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.1);
-            }
-        }
-    }
-}
 
 /// The HTTP listener serving an engine's metrics; dropping it stops serving.
 #[derive(Debug)]
@@ -117,8 +82,10 @@ impl MetricsServer {
         addr: SocketAddr,
         describe: Describe,
     ) -> Self {
-        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        let sources: Sources = Default::default();
+        let gate = HandshakeGate::new(HandshakeLimits {
+            timeout: READ_TIMEOUT,
+            max_pending: MAX_CONNECTIONS,
+        });
         let task = tokio::spawn(async move {
             loop {
                 let (stream, from) = match listener.accept().await {
@@ -130,11 +97,7 @@ impl MetricsServer {
                         continue;
                     }
                 };
-                let Some(place) = SourcePlace::take(&sources, from.ip()) else {
-                    tracing::debug!(%addr, %from, "metrics: too many scrapes at once from one source; closed");
-                    continue;
-                };
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                let Some(slot) = gate.admit_evicting(stream.as_fd(), from.ip()) else {
                     tracing::debug!(%addr, %from, "metrics: too many scrapes at once; closed");
                     continue;
                 };
@@ -143,7 +106,7 @@ impl MetricsServer {
                     if let Err(e) = answer(stream, &*describe).await {
                         tracing::debug!(%addr, %from, error = %e, "metrics scrape failed");
                     }
-                    drop((slot, place));
+                    drop(slot);
                 });
             }
         });
@@ -529,10 +492,12 @@ fn encode_served(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::
         Family::new(
             "ferry_handshake_refusals",
             "Connections closed before their handshake ended: past the cap on pending \
-             handshakes (reason=cap) or at the handshake deadline (reason=timeout).",
+             handshakes (reason=cap), to make room for a newer one past it \
+             (reason=evicted), or at the handshake deadline (reason=timeout).",
             Counter,
         )
         .add(labels([("reason", "cap")]), h.refused)
+        .add(labels([("reason", "evicted")]), h.evicted)
         .add(labels([("reason", "timeout")]), h.timed_out)
         .encode(enc)?;
     }
@@ -801,6 +766,7 @@ mod tests {
                 traffic("write", "staged", 1, 512),
             ],
             failures: vec![("peer_lost".into(), 1), ("timeout".into(), n)],
+            same_host: None,
         };
         d.peer_id = "00ff".into();
         d.epoch = "0a0b".into();
@@ -840,6 +806,7 @@ mod tests {
         d.handshakes = Some(HandshakeDescription {
             pending: 2,
             refused: 5,
+            evicted: 7,
             timed_out: 6,
             max_pending: 64,
             timeout_ms: 5000,

@@ -10,11 +10,12 @@
 //! [`recv_low_mark`], and the one `sendmsg` of [`send_now`].
 #![deny(unsafe_op_in_unsafe_fn)]
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_core::Error;
@@ -64,17 +65,37 @@ pub struct HandshakeStats {
     pub refused: u64,
     /// Connections closed because their handshake outlasted [`HandshakeLimits::timeout`].
     pub timed_out: u64,
+    /// Connections in their handshake closed to make room for a newer one
+    /// ([`HandshakeGate::admit_evicting`]).
+    pub evicted: u64,
 }
 
-/// A server's connections in their handshake: each is admitted while fewer than
-/// [`HandshakeLimits::max_pending`] are, and holds its [`HandshakeSlot`] until its handshake is
-/// over. Shared by the accept loop and the connections of one listener.
+/// A server's connections in their handshake: at most [`HandshakeLimits::max_pending`] at once,
+/// each holding its [`HandshakeSlot`] until its handshake is over. Shared by the accept loop and
+/// the connections of one listener.
+///
+/// Past the cap, [`admit`](Self::admit) refuses the newcomer, while
+/// [`admit_evicting`](Self::admit_evicting) makes room for it: it shuts down the oldest pending
+/// connection of the source address that holds the most, so a flood of idle connections (which
+/// arrives first and sits) cannot keep a peer that is about to prove itself out, and one
+/// source's flood gives way before another source's connection does. The decision is
+/// [`HandshakeGate::victim`]'s, without I/O.
 #[derive(Debug)]
 pub struct HandshakeGate {
     limits: HandshakeLimits,
     pending: AtomicU64,
     refused: AtomicU64,
     timed_out: AtomicU64,
+    evicted: AtomicU64,
+    /// The connections admitted by `admit_evicting`, oldest first.
+    watched: Mutex<Watched>,
+}
+
+#[derive(Debug, Default)]
+struct Watched {
+    next: u64,
+    /// (slot id, source address, a duplicate of the socket to shut down on eviction)
+    conns: VecDeque<(u64, IpAddr, OwnedFd)>,
 }
 
 impl HandshakeGate {
@@ -85,6 +106,8 @@ impl HandshakeGate {
             pending: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             timed_out: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            watched: Mutex::default(),
         })
     }
 
@@ -93,22 +116,81 @@ impl HandshakeGate {
         self.limits
     }
 
-    /// Admits one more connection to its handshake, or counts it refused (`None`: close it at
-    /// once) when [`HandshakeLimits::max_pending`] are pending.
-    pub fn admit(self: &Arc<Self>) -> Option<HandshakeSlot> {
+    /// Takes a place if one is free.
+    fn take_place(&self) -> bool {
         let max = self.limits.max_pending as u64;
-        let admitted = self
-            .pending
+        self.pending
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
-            .is_ok();
-        if admitted {
-            Some(HandshakeSlot(self.clone()))
+            .is_ok()
+    }
+
+    /// Admits one more connection to its handshake, or counts it refused (`None`: close it at
+    /// once) when [`HandshakeLimits::max_pending`] are pending.
+    pub fn admit(self: &Arc<Self>) -> Option<HandshakeSlot> {
+        if self.take_place() {
+            Some(HandshakeSlot {
+                gate: self.clone(),
+                id: None,
+            })
         } else {
             self.refused.fetch_add(1, Ordering::Relaxed);
             None
         }
+    }
+
+    /// Admits `socket`, a connection from `from`, to its handshake. When
+    /// [`HandshakeLimits::max_pending`] are pending, the oldest connection of the source
+    /// holding the most of those admitted this way is shut down (both directions: its reads
+    /// end at once, whatever waits on them) and its place goes to `socket`; it is counted
+    /// `evicted`. `None` (counted refused: close it at once) only when none of the pending
+    /// connections was admitted this way. The gate keeps a duplicate of the socket's
+    /// descriptor until the slot drops.
+    pub fn admit_evicting(
+        self: &Arc<Self>,
+        socket: BorrowedFd<'_>,
+        from: IpAddr,
+    ) -> Option<HandshakeSlot> {
+        let mut watched = self.watched.lock().unwrap_or_else(PoisonError::into_inner);
+        let Ok(dup) = socket.try_clone_to_owned() else {
+            // Out of descriptors: this one cannot be watched, so it is admitted as `admit` does.
+            drop(watched);
+            return self.admit();
+        };
+        if !self.take_place() {
+            let sources: Vec<IpAddr> = watched.conns.iter().map(|(_, ip, _)| *ip).collect();
+            let Some(i) = Self::victim(&sources) else {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            let Some((_, ip, fd)) = watched.conns.remove(i) else {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            // Its place passes to the newcomer: the evicted slot no longer frees one.
+            if let Err(e) = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Both) {
+                tracing::debug!(from = %ip, error = %e, "shutting down an evicted connection");
+            }
+            self.evicted.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(evicted = %ip, %from,
+                "oldest connection in its handshake closed to admit a newer one");
+        }
+        let id = watched.next;
+        watched.next += 1;
+        watched.conns.push_back((id, from, dup));
+        Some(HandshakeSlot {
+            gate: self.clone(),
+            id: Some(id),
+        })
+    }
+
+    /// Which pending connection (by its source address, oldest first) makes room for a new
+    /// one: the oldest of the source that holds the most. `None` when there is none.
+    pub fn victim(sources: &[IpAddr]) -> Option<usize> {
+        let held = |ip: &IpAddr| sources.iter().filter(|s| *s == ip).count();
+        let most = sources.iter().map(held).max()?;
+        sources.iter().position(|ip| held(ip) == most)
     }
 
     /// Counts a connection closed at the handshake deadline.
@@ -122,18 +204,49 @@ impl HandshakeGate {
             pending: self.pending.load(Ordering::Acquire),
             refused: self.refused.load(Ordering::Relaxed),
             timed_out: self.timed_out.load(Ordering::Relaxed),
+            evicted: self.evicted.load(Ordering::Relaxed),
         }
     }
 }
 
 /// One connection's place among a gate's pending handshakes; dropping it (the handshake is
-/// over, or the connection closed) frees the place.
+/// over, or the connection closed) frees the place, unless the connection was evicted (its
+/// place went to the connection that evicted it).
 #[derive(Debug)]
-pub struct HandshakeSlot(Arc<HandshakeGate>);
+pub struct HandshakeSlot {
+    gate: Arc<HandshakeGate>,
+    /// Its id among the watched connections (`admit_evicting`).
+    id: Option<u64>,
+}
+
+impl HandshakeSlot {
+    /// Whether the gate shut this connection down to make room for a newer one.
+    pub fn evicted(&self) -> bool {
+        let Some(id) = self.id else { return false };
+        let watched = self
+            .gate
+            .watched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        !watched.conns.iter().any(|(i, _, _)| *i == id)
+    }
+}
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        self.0.pending.fetch_sub(1, Ordering::AcqRel);
+        let Some(id) = self.id else {
+            self.gate.pending.fetch_sub(1, Ordering::AcqRel);
+            return;
+        };
+        let mut watched = self
+            .gate
+            .watched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = watched.conns.iter().position(|(i, _, _)| *i == id) {
+            watched.conns.remove(i);
+            self.gate.pending.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -506,12 +619,87 @@ mod tests {
             HandshakeStats {
                 pending: 2,
                 refused: 1,
-                timed_out: 1
+                timed_out: 1,
+                evicted: 0,
             }
         );
         drop(a);
         assert!(gate.admit().is_some());
         assert_eq!(gate.stats().pending, 1);
+    }
+
+    /// Past the cap, `admit_evicting` shuts down the oldest connection of the source holding
+    /// the most and hands its place to the newcomer: the evicted one's reads end at once, its
+    /// slot frees nothing when it drops, and the count stays at the cap.
+    #[test]
+    fn the_handshake_gate_evicts_the_oldest_of_the_largest_source() {
+        use std::io::Read;
+        let gate = HandshakeGate::new(HandshakeLimits {
+            timeout: HANDSHAKE_TIMEOUT,
+            max_pending: 3,
+        });
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (flood, other): (IpAddr, IpAddr) = ([10, 0, 0, 1].into(), [10, 0, 0, 2].into());
+        let conn = |from: IpAddr| {
+            let client = std::net::TcpStream::connect(addr).unwrap();
+            let (server, _) = listener.accept().unwrap();
+            let slot = gate.admit_evicting(server.as_fd(), from);
+            (client, server, slot)
+        };
+        let (mut c_other, _s0, other_slot) = conn(other);
+        let (mut c1, _s1, slot1) = conn(flood);
+        let (_c2, _s2, _slot2) = conn(flood);
+        assert_eq!(gate.stats().pending, 3);
+        // Full: the flood's oldest goes, not the other source's (older still).
+        let (_c3, _s3, slot3) = conn(flood);
+        assert!(slot3.is_some());
+        let slot1 = slot1.unwrap();
+        assert!(slot1.evicted() && !other_slot.as_ref().unwrap().evicted());
+        let mut b = [0u8; 1];
+        assert_eq!(
+            c1.read(&mut b).unwrap(),
+            0,
+            "the evicted connection is shut down"
+        );
+        c_other
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        assert!(
+            c_other.read(&mut b).is_err(),
+            "the other source's is still open"
+        );
+        assert_eq!(
+            gate.stats(),
+            HandshakeStats {
+                pending: 3,
+                refused: 0,
+                timed_out: 0,
+                evicted: 1,
+            }
+        );
+        drop(slot1);
+        assert_eq!(gate.stats().pending, 3, "an evicted slot frees no place");
+        drop(other_slot);
+        assert_eq!(gate.stats().pending, 2);
+        // Slots of `admit` cannot be evicted: a gate full of them refuses.
+        let plain = HandshakeGate::new(HandshakeLimits {
+            timeout: HANDSHAKE_TIMEOUT,
+            max_pending: 1,
+        });
+        let _held = plain.admit().unwrap();
+        let (_c, s, _) = conn(flood);
+        assert!(plain.admit_evicting(s.as_fd(), flood).is_none());
+        assert_eq!(plain.stats().refused, 1);
+    }
+
+    #[test]
+    fn the_victim_is_the_oldest_of_the_source_holding_the_most() {
+        let (a, b): (IpAddr, IpAddr) = ([10, 0, 0, 1].into(), [10, 0, 0, 2].into());
+        assert_eq!(HandshakeGate::victim(&[]), None);
+        assert_eq!(HandshakeGate::victim(&[b, a, a]), Some(1));
+        assert_eq!(HandshakeGate::victim(&[a, b]), Some(0));
+        assert_eq!(HandshakeGate::victim(&[b, b, a, a, b]), Some(0));
     }
 
     /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and

@@ -7,7 +7,6 @@
 //! dma-buf with `ibv_reg_dmabuf_mr` addressed by the device address, so peers address both
 //! kinds the same way (the segment's base is the device address).
 
-use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -18,32 +17,7 @@ use ferry_core::{Access, DeviceNative, DevicePlacement, MemoryRegion, Placement}
 use ferry_registry::{ContextId, ContextInfo, NativeError, NativeHandle, RegistrationBackend};
 use ferry_verbs_sys::{VerbsError, ffi};
 
-use crate::native::Mr;
-use crate::transport::Shared;
-
-/// Native registrations made through [`RdmaBackend`], by handle id.
-#[derive(Default)]
-pub(crate) struct MrTable {
-    by_id: HashMap<u64, Registered>,
-}
-
-struct Registered {
-    context: u32,
-    addr: u64,
-    len: u64,
-    mr: Mr,
-}
-
-impl MrTable {
-    /// The lkey of an MR on `context` covering `addr..addr+len`.
-    pub(crate) fn lkey(&self, context: u32, addr: u64, len: u64) -> Option<u32> {
-        let end = addr.checked_add(len)?;
-        self.by_id
-            .values()
-            .find(|r| r.context == context && r.addr <= addr && end <= r.addr + r.len)
-            .map(|r| r.mr.lkey())
-    }
-}
+use crate::shared::{Registered, Shared};
 
 /// The registry's view of the RDMA transport: one context per rail (in rail order, named
 /// `device:port`), one `ibv_reg_mr` per copy. The local copy gets `LOCAL_WRITE`; the remote copy

@@ -111,16 +111,20 @@ pub struct RdmaConfig {
     /// How long a failed queue pair may take to flush (default 30 s); past it, its outstanding
     /// work is lost and its requests resolve with `drained: false`.
     pub flush_timeout: Duration,
-    /// Queue-pair sets kept for peers this side serves (default 256). Beyond it, the oldest set
-    /// of the key name (or of the unauthenticated peers) that holds the most sets is destroyed,
-    /// so that one name's flood of hellos takes its own sets, not other peers'.
+    /// Queue-pair sets kept for peers this side serves (default 256), one per peer incarnation
+    /// (a heal or reconnect of that incarnation joins its set). Sets whose peer is gone (their
+    /// probes fail or go unanswered) are released; past the limit, idle sets go, then the
+    /// unproven sets (no probe answered yet) of the key name (or of the unauthenticated peers)
+    /// that holds the most. A set proven in use is never released to make room: the newcomer
+    /// is refused instead.
     pub max_served: usize,
-    /// Queue-pair sets kept per authenticated key name (default 32): beyond it that name's oldest
-    /// set is destroyed. Peers that proved no key are bounded by `max_served` alone.
+    /// Queue-pair sets kept per authenticated key name (default 32): past it, the name's idle
+    /// sets go; its sets in use or being opened never do (the newcomer is refused). Peers that
+    /// proved no key are bounded by `max_served` alone.
     pub max_served_per_name: usize,
     /// Queue pairs kept per authenticated key name, over all its sets (default 128): a hello
-    /// offering more rails than this is refused, and beyond it that name's oldest sets are
-    /// destroyed.
+    /// offering more rails than this is refused, and a new set past it is admitted as one past
+    /// `max_served_per_name` is.
     pub max_qps_per_name: usize,
     /// Whether the unacknowledged WRITE chunks of a rail that failed may be replayed on another
     /// rail of the channel (default `false`: they stay `Uncertain` and the request fails).

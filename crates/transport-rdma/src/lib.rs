@@ -25,26 +25,43 @@
 //!   are down, the handshake driver carries them to the same peer incarnation, and
 //!   `Channel::heal` connects them (refusing another epoch) and swaps them in
 //!   ([`RailStats::torn_down`], [`RailStats::rebuilds`], [`RailStats::down`]).
+//! - Served queue pairs (the serving side's, which no request of ours uses): one set per peer
+//!   incarnation (`served`, a table without I/O). A heal or reconnect of that incarnation joins
+//!   its set (at most 4 queue pairs per peer rail); a newer epoch of the same peer releases the
+//!   older one's; a sweeper thread probes each queue pair (a zero-length RDMA WRITE every 5 s)
+//!   and releases the ones whose probe fails or stays unanswered 30 s. Past
+//!   [`RdmaConfig::max_served`] or the per-name limits only dead, idle or unproven sets give
+//!   way; a set proven in use never does (the newcomer is refused).
 //! - Native handles never panic in `Drop`: a failed destroy is kept and reported by
 //!   [`RdmaTransport::check`] as `Unquiesced`, and through the registry for MRs.
 //!
 //! `unsafe` code lives only in `native` (the owning handles) and `backend` (handing registered
-//! memory to `ibv_reg_mr`). Features: `__fault-injection` (test-only) adds
+//! memory to `ibv_reg_mr`). Modules, each importing only those below it: `transport` (the
+//! [`Transport`](ferry_core::Transport)), `admission` (offer, accept, open), `channel` (with
+//! `heal` and `worker`), `shared`, `served`, `rails`, `pump`, `qp`, `native`, `verbs`. Features: `__fault-injection` (test-only) adds
 //! `RdmaTransport::inject_rail_failure`, which the guest tests use to break one rail mid-request.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod admission;
 mod backend;
+mod channel;
 mod config;
 mod error;
+mod heal;
 mod native;
 mod pump;
 mod qp;
+mod rails;
+mod served;
+mod shared;
 mod transport;
 mod verbs;
+mod worker;
 
 pub use backend::RdmaBackend;
+pub use channel::RdmaChannel;
 pub use config::{RailSpec, RdmaConfig};
 pub use error::RdmaError;
 pub use pump::RailCounters;
 pub use qp::QpTiming;
-pub use transport::{RailStats, RdmaChannel, RdmaTransport};
+pub use transport::{RailStats, RdmaTransport};

@@ -406,18 +406,6 @@ impl RcQp {
             pd: pd.clone(),
         })
     }
-
-    /// The QP's current state (`ibv_qp_state`).
-    pub(crate) fn state(&self) -> Result<u32, VerbsError> {
-        // SAFETY: live QP.
-        let (attr, _) = unsafe {
-            self.pd
-                .device
-                .verbs
-                .query_qp(self.qp, ffi::IBV_QP_STATE as c_int)
-        }?;
-        Ok(attr.qp_state)
-    }
 }
 
 fn verbs_io(e: VerbsError) -> io::Error {
@@ -528,8 +516,12 @@ impl QpVerbs for RcQp {
         for (w, sge) in wrs.iter().zip(sges.iter_mut()) {
             let mut wr: ffi::ibv_send_wr = zeroed();
             wr.wr_id = w.wr_id;
-            wr.sg_list = sge;
-            wr.num_sge = 1;
+            // A zero-length work request (a probe) names no memory: no SGE, since some
+            // providers read an SGE of length 0 as 2 GiB.
+            if w.len > 0 {
+                wr.sg_list = sge;
+                wr.num_sge = 1;
+            }
             wr.opcode = match w.kind {
                 WrKind::Write => ffi::IBV_WR_RDMA_WRITE,
                 WrKind::Read => ffi::IBV_WR_RDMA_READ,

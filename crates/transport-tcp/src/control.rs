@@ -132,9 +132,11 @@ pub async fn handshake_with(
 
 /// Runs `attempt` (one connection and its handshake) until it ends otherwise than by the
 /// server closing the connection before answering, or `timeout` passes. A server at its cap
-/// of connections before their proof closes the newest at once, and its places free as the
-/// others end or reach their deadline: under a flood of strangers, a client retries, with
-/// jittered backoff, instead of failing at the first refusal. Any other error ends it at once.
+/// of connections before their proof makes room by closing its oldest (or, with a gate that
+/// does not evict, the newest at once), and its places free as the others end or reach their
+/// deadline: under a flood of strangers, a client retries, with jittered backoff (20 ms
+/// doubling to 500 ms), instead of failing at the first refusal. Any other error ends it at
+/// once.
 async fn retrying<T, F, Fut>(
     addr: SocketAddr,
     timeout: Duration,
@@ -220,17 +222,14 @@ pub(crate) async fn attach(
     buffer: Option<usize>,
     dead_peer: Option<Duration>,
 ) -> Result<TcpStream, Error> {
-    let run = async {
+    // A server at its cap of connections before their handshake closes one before answering
+    // (the newest, or the oldest when it evicts): tried again like a handshake.
+    let run = || async {
         let stream = connect(addr, timeout, buffer, dead_peer).await?;
         write_frame(&stream, addr, &frame).await?;
         let reply = read_frame(&stream, addr).await?;
         ferry_core::handshake::attach_reply(addr, &attach, reply)?;
         Ok(stream)
     };
-    tokio::time::timeout(timeout, run)
-        .await
-        .map_err(|_| Error::Timeout {
-            what: "data stream attach",
-            after: timeout,
-        })?
+    retrying(addr, timeout, "data stream attach", run).await
 }

@@ -1,7 +1,9 @@
 //! The serving side: accepts control connections (handshake) and data streams on one listener.
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
@@ -20,6 +22,9 @@ use crate::io::{
 };
 use crate::pool::{AbortOnDrop, IoPool};
 
+/// The first wait after an accept error, and the longest.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
 const SMALL: usize = 16 << 10;
 
@@ -125,11 +130,18 @@ impl TcpServer {
         let gate_kept = gate.clone();
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
+            let fresh = || ferry_core::backoff::Backoff::random(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX);
+            let mut backoff = fresh();
             loop {
                 while conns.try_join_next().is_some() {}
                 match listener.accept().await {
                     Ok((stream, from)) => {
-                        let Some(slot) = gate.admit() else {
+                        if backoff.attempts() > 0 {
+                            backoff = fresh();
+                        }
+                        // Past the cap, the oldest pending connection of the busiest source
+                        // makes room: a flood that arrived first cannot keep a peer out.
+                        let Some(slot) = gate.admit_evicting(stream.as_fd(), from.ip()) else {
                             debug!(%from, "too many connections in their handshake; closed at once");
                             drop(stream);
                             continue;
@@ -153,8 +165,11 @@ impl TcpServer {
                         });
                     }
                     Err(e) => {
-                        warn!(%addr, error = %e, "accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        // Out of descriptors, say: wait longer each time instead of spinning
+                        // on the same error.
+                        let wait = backoff.next_delay();
+                        warn!(%addr, error = %e, ?wait, "accept failed");
+                        tokio::time::sleep(wait).await;
                     }
                 }
             }

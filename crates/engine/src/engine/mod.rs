@@ -525,6 +525,7 @@ impl TransferEngine {
                     pending: stats.pending,
                     refused: stats.refused,
                     timed_out: stats.timed_out,
+                    evicted: stats.evicted,
                     max_pending: limits.max_pending as u64,
                     timeout_ms: u64::try_from(limits.timeout.as_millis()).unwrap_or(u64::MAX),
                 }
