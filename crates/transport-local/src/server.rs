@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -198,7 +199,11 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
                 continue;
             }
         };
-        let Some(slot) = shared.gate.admit() else {
+        // Past the cap the oldest attaching connection of the user holding the most makes
+        // room (a same-host connection's source is its user: `SO_PEERCRED`).
+        let uid = host::peer_credentials(&sock).map_or(u32::MAX, |(_, uid)| uid);
+        let source = std::net::IpAddr::V4(std::net::Ipv4Addr::from(uid));
+        let Some(slot) = shared.gate.admit_evicting(sock.as_fd(), source) else {
             debug!("too many same-host connections attaching; closed at once");
             continue;
         };
@@ -755,13 +760,16 @@ mod tests {
     }
 
     #[test]
-    fn past_the_pending_cap_a_connection_is_closed_at_once() {
-        let (h, _) = server(Duration::from_secs(30), 1);
-        let _holding = connect(&h);
-        // The first holds the one place (the gate admits in accept order).
-        let second = connect(&h);
-        assert!(rest(second).is_empty());
-        assert_eq!(h.handshakes().refused, 1);
+    fn past_the_pending_cap_the_oldest_attaching_connection_makes_room() {
+        let (h, epoch) = server(Duration::from_secs(30), 1);
+        let first = connect(&h);
+        // The gate admits in accept order: the second evicts the first, which sees its end.
+        let mut second = connect(&h);
+        assert!(rest(first).is_empty());
+        assert_eq!(h.handshakes().evicted, 1);
+        ferry_net::write_frame(&mut second, UNIX_PEER, &attach(epoch, local_code())).unwrap();
+        let reply = ferry_net::read_frame(&mut second, UNIX_PEER).unwrap();
+        assert!(matches!(reply, ControlFrame::StreamAccept), "{reply:?}");
     }
 
     #[test]
