@@ -9,7 +9,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{parse_access, seconds, to_plain};
+use crate::args::{non_negative, parse_access, seconds, to_plain};
 use crate::buffer;
 use crate::errors;
 use crate::gpu::{self, GpuRegistration};
@@ -69,17 +69,24 @@ impl Engine {
         listen: Option<&str>,
         transports: Option<Vec<String>>,
         data_plane: &str,
-        streams: Option<usize>,
-        depth: Option<usize>,
-        chunk_size: Option<u64>,
-        socket_buffer: Option<usize>,
-        io_threads: Option<usize>,
+        streams: Option<i64>,
+        depth: Option<i64>,
+        chunk_size: Option<i64>,
+        socket_buffer: Option<i64>,
+        io_threads: Option<i64>,
         request_timeout: Option<f64>,
         connect_timeout: Option<f64>,
         dead_peer_after: Option<f64>,
         auth_key_file: Option<std::path::PathBuf>,
         metrics: Option<&str>,
     ) -> PyResult<Self> {
+        // Python ints as counts and sizes: a negative one is a ValueError naming the argument.
+        let whole = |what: &str, v: Option<i64>| v.map(|v| non_negative(what, v)).transpose();
+        let streams = whole("streams", streams)?.map(|n| n as usize);
+        let depth = whole("depth", depth)?.map(|n| n as usize);
+        let chunk_size = whole("chunk_size", chunk_size)?;
+        let socket_buffer = whole("socket_buffer", socket_buffer)?.map(|n| n as usize);
+        let io_threads = whole("io_threads", io_threads)?.map(|n| n as usize);
         let mut b = TransferEngine::builder();
         if let Some(addr) = listen {
             b = b.listen(host_port("listen", addr, "127.0.0.1:0")?);
@@ -166,12 +173,11 @@ impl Engine {
             b = b.metrics(host_port("metrics", addr, "127.0.0.1:9400")?);
         }
         let rt = runtime::get(py)?;
-        let inner = py
-            .detach(|| {
-                let _enter = rt.enter();
-                b.build()
-            })
-            .map_err(|e| errors::to_py(py, e))?;
+        let inner = runtime::detach(py, || {
+            let _enter = rt.enter();
+            b.build()
+        })?
+        .map_err(|e| errors::to_py(py, e))?;
         Ok(Self { inner })
     }
 
@@ -237,10 +243,11 @@ impl Engine {
         let name =
             name.unwrap_or_else(|| format!("buffer-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
         let len = exported.region.len() as u64;
-        let reg = self
-            .inner
-            .register(exported.region, access, &name)
-            .map_err(|e| errors::to_py(py, e))?;
+        let reg = runtime::guard(py, || {
+            self.inner
+                .register(exported.region, access, &name)
+                .map_err(|e| errors::to_py(py, e))
+        })?;
         Ok(Registration {
             name,
             len,
@@ -352,8 +359,7 @@ impl Engine {
         }
         let name = name.unwrap_or_else(|| path.display().to_string());
         let inner = &self.inner;
-        let reg = py
-            .detach(|| inner.publish_file_named(&path, access, &name))
+        let reg = runtime::detach(py, || inner.publish_file_named(&path, access, &name))?
             .map_err(|e| errors::to_py(py, e))?;
         Ok(FileRegistration {
             name: reg.name().to_owned(),
@@ -369,22 +375,16 @@ impl Engine {
     /// epoch than the one this engine met there first, `ProtocolMismatch`, `Timeout`,
     /// `IoError` (refused, unreachable) or `NoRoute`.
     fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
-        let rt = runtime::get(py)?;
         let inner = &self.inner;
-        let peer = py
-            .detach(|| rt.block_on(inner.connect(addr)))
-            .map_err(|e| errors::to_py(py, e))?;
+        let peer = runtime::block_on(py, || inner.connect(addr))?.map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
     }
 
     /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
     /// serves it now (descriptors of the old one stay refused).
     fn reresolve(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
-        let rt = runtime::get(py)?;
         let inner = &self.inner;
-        let peer = py
-            .detach(|| rt.block_on(inner.reresolve(addr)))
-            .map_err(|e| errors::to_py(py, e))?;
+        let peer = runtime::block_on(py, || inner.reresolve(addr))?.map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
     }
 
@@ -454,7 +454,8 @@ impl Engine {
     /// What the engine is and has done, as a dict: identity, listener, transports, data plane,
     /// registrations, published segments, per-route and per-rail counters.
     fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        to_plain(py, &self.inner.describe())
+        let d = runtime::guard(py, || Ok(self.inner.describe()))?;
+        to_plain(py, &d)
     }
 
     /// Surfaces native cleanup that failed earlier (an `Unquiesced` registration); returns None
@@ -498,13 +499,15 @@ impl Engine {
     ) -> PyResult<Request> {
         let batch = to_batch(py, ops, timeout)?;
         let rt = runtime::get(py)?;
-        let _enter = rt.enter();
-        let handle = self
-            .inner
-            .submit(batch)
-            .map_err(|e| request::segment_error(py, e, ops))?;
-        let (watch, canceller) = request::watch(handle);
-        Ok(Request { watch, canceller })
+        runtime::guard(py, || {
+            let _enter = rt.enter();
+            let handle = self
+                .inner
+                .submit(batch)
+                .map_err(|e| request::segment_error(py, e, ops))?;
+            let (watch, canceller) = request::watch(handle);
+            Ok(Request { watch, canceller })
+        })
     }
 }
 
@@ -514,8 +517,9 @@ impl Engine {
 /// probing.
 #[pyfunction]
 pub(crate) fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    let caps =
-        py.detach(|| ferry::capabilities::probe(&ferry::capabilities::ProbeOptions::default()));
+    let caps = runtime::detach(py, || {
+        ferry::capabilities::probe(&ferry::capabilities::ProbeOptions::default())
+    })?;
     to_plain(py, &caps)
 }
 

@@ -208,11 +208,10 @@ fn registration(
 ) -> PyResult<GpuRegistration> {
     let rt = runtime::get(py)?;
     let memory = Arc::new(memory);
-    let reg = py
-        .detach(|| {
+    let reg = runtime::detach(py, || {
             let _enter = rt.enter();
             engine.register_gpu(memory.clone(), access, &name)
-        })
+        })?
         .map_err(|e| errors::to_py(py, e))?;
     let route = reg.route();
     Ok(GpuRegistration {
@@ -251,8 +250,7 @@ pub(crate) fn alloc(
         })?;
     let name = name.unwrap_or_else(|| format!("gpu-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
     let cuda = engine.cuda().map_err(|e| errors::to_py(py, e))?;
-    let memory = py
-        .detach(|| cuda.device(ordinal).and_then(|d| d.alloc(size)))
+    let memory = runtime::detach(py, || cuda.device(ordinal).and_then(|d| d.alloc(size)))?
         .map_err(|e| cuda_err(py, e))?;
     registration(py, engine, memory, access, name, false)
 }
@@ -288,8 +286,7 @@ pub(crate) fn wrap(
     // which GPU holds it and that the range lies inside one device allocation
     // (`wrap_located`). Ferry only hands the address to the driver's copies and, on a
     // GPUDirect route, to the NIC registration; never to host code.
-    let memory = py
-        .detach(|| unsafe { cuda.wrap_located(cai.ptr, cai.len, owner) })
+    let memory = runtime::detach(py, || unsafe { cuda.wrap_located(cai.ptr, cai.len, owner) })?
         .map_err(|e| cuda_err(py, e))?;
     if let Some(c) = claimed
         && c != memory.location().ordinal
@@ -345,8 +342,7 @@ pub(crate) fn read_file<'py>(
             format!("GPU registration {:?} is closed", dst.name),
         )
     })?;
-    let load = py
-        .detach(|| engine.read_file_into_gpu(reg, offset, &path, file_offset, len))
+    let load = runtime::detach(py, || engine.read_file_into_gpu(reg, offset, &path, file_offset, len))?
         .map_err(|e| errors::to_py(py, e))?;
     drop(guard);
     let d = PyDict::new(py);
@@ -505,7 +501,7 @@ impl GpuRegistration {
         // The address crosses into the detached closure as an integer.
         let addr = buf.buf_ptr() as usize;
         let memory = &self.memory;
-        let res = py.detach(move || {
+        let res = runtime::detach(py, move || {
             let slice: &[u8] = if len == 0 {
                 &[]
             } else {
@@ -518,7 +514,7 @@ impl GpuRegistration {
             memory.copy_from_host(offset, slice)
         });
         buf.release(py);
-        res.map_err(|e| cuda_err(py, e))
+        res?.map_err(|e| cuda_err(py, e))
     }
 
     /// The bytes of the memory from `offset` (`length=None`: to the end), copied out by the
@@ -537,11 +533,10 @@ impl GpuRegistration {
         };
         self.bounds(py, offset, len)?;
         let memory = &self.memory;
-        let out = py
-            .detach(|| {
+        let out = runtime::detach(py, || {
                 let mut out = vec![0u8; len as usize];
                 memory.copy_to_host(offset, &mut out).map(|()| out)
-            })
+            })?
             .map_err(|e| cuda_err(py, e))?;
         Ok(PyBytes::new(py, &out))
     }

@@ -454,7 +454,7 @@ impl Request {
         }
         let deadline = limit.map(|t| Instant::now() + t);
         // Wait in slices so that Ctrl-C (a pending signal) interrupts a long wait.
-        const SLICE: Duration = Duration::from_millis(100);
+        const SLICE: Duration = crate::runtime::SIGNAL_POLL;
         loop {
             let watch = &self.watch;
             let got = py.detach(|| {
@@ -482,7 +482,11 @@ impl Request {
                 (None, true) => return Err(lost_error(py)),
                 (None, false) => {}
             }
-            py.check_signals()?;
+            if let Err(e) = py.check_signals() {
+                // Ctrl-C (or another signal handler's exception): the request ends too.
+                self.canceller.cancel();
+                return Err(e);
+            }
             if let (Some(d), Some(t)) = (deadline, limit)
                 && Instant::now() >= d
             {
