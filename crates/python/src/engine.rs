@@ -376,7 +376,8 @@ impl Engine {
     /// `IoError` (refused, unreachable) or `NoRoute`.
     fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
         let inner = &self.inner;
-        let peer = runtime::block_on(py, || inner.connect(addr))?.map_err(|e| errors::to_py(py, e))?;
+        let peer =
+            runtime::block_on(py, || inner.connect(addr))?.map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
     }
 
@@ -384,7 +385,8 @@ impl Engine {
     /// serves it now (descriptors of the old one stay refused).
     fn reresolve(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
         let inner = &self.inner;
-        let peer = runtime::block_on(py, || inner.reresolve(addr))?.map_err(|e| errors::to_py(py, e))?;
+        let peer =
+            runtime::block_on(py, || inner.reresolve(addr))?.map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
     }
 

@@ -209,10 +209,10 @@ fn registration(
     let rt = runtime::get(py)?;
     let memory = Arc::new(memory);
     let reg = runtime::detach(py, || {
-            let _enter = rt.enter();
-            engine.register_gpu(memory.clone(), access, &name)
-        })?
-        .map_err(|e| errors::to_py(py, e))?;
+        let _enter = rt.enter();
+        engine.register_gpu(memory.clone(), access, &name)
+    })?
+    .map_err(|e| errors::to_py(py, e))?;
     let route = reg.route();
     Ok(GpuRegistration {
         len: memory.len() as u64,
@@ -342,8 +342,10 @@ pub(crate) fn read_file<'py>(
             format!("GPU registration {:?} is closed", dst.name),
         )
     })?;
-    let load = runtime::detach(py, || engine.read_file_into_gpu(reg, offset, &path, file_offset, len))?
-        .map_err(|e| errors::to_py(py, e))?;
+    let load = runtime::detach(py, || {
+        engine.read_file_into_gpu(reg, offset, &path, file_offset, len)
+    })?
+    .map_err(|e| errors::to_py(py, e))?;
     drop(guard);
     let d = PyDict::new(py);
     d.set_item("bytes", load.bytes)?;
@@ -534,10 +536,10 @@ impl GpuRegistration {
         self.bounds(py, offset, len)?;
         let memory = &self.memory;
         let out = runtime::detach(py, || {
-                let mut out = vec![0u8; len as usize];
-                memory.copy_to_host(offset, &mut out).map(|()| out)
-            })?
-            .map_err(|e| cuda_err(py, e))?;
+            let mut out = vec![0u8; len as usize];
+            memory.copy_to_host(offset, &mut out).map(|()| out)
+        })?
+        .map_err(|e| cuda_err(py, e))?;
         Ok(PyBytes::new(py, &out))
     }
 

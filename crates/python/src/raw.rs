@@ -137,7 +137,8 @@ impl RawEngine {
             // checks that the range lies inside one device allocation and says which GPU holds
             // it (`wrap_located`), or refuses; Ferry hands the address only to the driver's
             // copies and the NIC registration, never to host code.
-            let wrapped = runtime::detach(py, || unsafe { cuda.wrap_located(addr, len, Box::new(())) })?;
+            let wrapped =
+                runtime::detach(py, || unsafe { cuda.wrap_located(addr, len, Box::new(())) })?;
             match (wrapped, ordinal) {
                 (Ok(memory), _) => {
                     let on = memory.location().ordinal;
