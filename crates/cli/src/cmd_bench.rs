@@ -614,10 +614,12 @@ async fn measure(
     (depth, streams): (usize, usize),
     progress: &Arc<Progress>,
 ) -> Result<Report> {
-    let peer = engine
-        .connect(addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
+    let peer = tokio::select! {
+        peer = engine.connect(addr) => peer.with_context(|| format!("connecting to {addr}"))?,
+        what = crate::probe::not_ferry(addr, crate::probe::LATE) => {
+            return Err(crate::failure::NotFerry { addr: addr.to_owned(), what }.into());
+        }
+    };
     let remote = peer.segment(&args.segment).map_err(|source| {
         let mut published: Vec<String> = peer.segments().iter().map(|s| s.name.clone()).collect();
         published.sort();

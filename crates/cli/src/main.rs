@@ -18,6 +18,7 @@ mod histogram;
 mod metadata;
 mod out;
 mod parse;
+mod probe;
 mod stop;
 mod version;
 

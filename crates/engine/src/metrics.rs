@@ -176,6 +176,13 @@ async fn answer(
             if head.windows(4).any(|w| w == b"\r\n\r\n") {
                 return Ok(true);
             }
+            // A first line that is no HTTP request line (another protocol's client, a Ferry
+            // control request sent here by mistake) is answered at once, not at the deadline.
+            if let Some(eol) = head.iter().position(|b| *b == b'\n')
+                && !head[..eol].windows(5).any(|w| w == b"HTTP/")
+            {
+                return Ok(false);
+            }
             if head.len() > MAX_HEAD {
                 return Ok(false);
             }
