@@ -391,8 +391,9 @@ impl Engine {
     }
 
     /// Starts a READ of `remote[remote_offset:+length]` into `local[local_offset:+length]` and
-    /// returns its `Request` (`length=None`: the rest of `local`, clipped to the rest of
-    /// `remote`). `timeout` (seconds) ends it logically once it passes. Bad arguments raise
+    /// returns its `Request` (`length=None`: the rest of `remote`, which `local` must have room
+    /// for, else `OutOfBounds`). `timeout` (seconds) ends it logically once it passes (`None`:
+    /// the engine's `request_timeout`; `0`: already passed). Bad arguments raise
     /// before anything moves: `TypeError` (wrong types, a read-only `local`), `ValueError`
     /// (negative numbers), `OutOfBounds`, `AccessDenied`.
     #[pyo3(signature = (local, remote, *, local_offset=0, remote_offset=0, length=None, timeout=None))]

@@ -224,3 +224,29 @@ def test_an_exception_in_progress_stops_the_pull_and_is_raised(np):
         out = {"w": np.zeros_like(w["w"])}
         s = pull(engine, pub.addr, out, relay=False)
         assert s.bytes == w["w"].nbytes and np.array_equal(out["w"], w["w"])
+
+
+def test_one_timeout_convention_zero_is_now(np, peer_process):
+    """``timeout=0`` has passed already, for a read and for a pull; ``None`` waits as long
+    as it takes (the engine's ``request_timeout`` for a read, none by default)."""
+    engine = ferry.Engine()
+    peer = engine.connect(peer_process.addr)
+    reg = engine.register(np.zeros(1 << 20, np.uint32))
+    peer_process.stop()
+    try:
+        o = engine.read(reg, peer.segment("src"), timeout=0).wait(timeout=10, check=False)
+        assert o.failure is not None and o.failure.kind == "timeout", o
+        req = engine.read(reg, peer.segment("src"))
+        with pytest.raises(TimeoutError):
+            req.wait(timeout=0)
+        req.cancel()
+    finally:
+        peer_process.resume()
+    trainer = ferry.Engine(listen="127.0.0.1:0", data_plane="tcp")
+    w = {"w": np.arange(1 << 16, dtype=np.uint32)}
+    with Publisher(trainer, w, name="policy") as pub:
+        receiver = ferry.Engine(listen="127.0.0.1:0", data_plane="tcp")
+        with pytest.raises(ferry.broadcast.PullTimeout):
+            pull(receiver, pub.addr, {"w": np.zeros_like(w["w"])}, timeout=0, relay=False)
+        s = pull(receiver, pub.addr, {"w": np.zeros_like(w["w"])}, timeout=None, relay=False)
+        assert s.bytes == w["w"].nbytes
