@@ -387,7 +387,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     } else {
         say(format_args!(
             "{} {} {} B ops over {}: {:.3} GB/s, {:.0} ops/s, p50 {:.0} us, p99 {:.0} us \
-             ({} bytes in {:.3} s, {} streams, depth {})",
+             ({} bytes in {:.3} s, {} stream{}, depth {})",
             report.transport,
             report.op,
             report.op_bytes,
@@ -399,6 +399,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             report.total_bytes,
             report.seconds,
             report.streams,
+            if report.streams == 1 { "" } else { "s" },
             report.depth
         ));
         if let Some(v) = &report.verified {

@@ -1,12 +1,14 @@
 """describe(), doctor(), handles' properties, the bench and the example."""
 
 import json
+import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import ferry
+import ferry.broadcast
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -104,6 +106,33 @@ def test_python_bench_checks_its_numbers():
     out = _ferry_module("bench", "--duration", "300ms", "--op-size", "64KiB", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["seconds"] >= 0.3
+
+
+def test_python_bench_fails_as_the_cli_does():
+    # Numbers wrong together: refused as `ferry bench` refuses them, exit 1.
+    out = _ferry_module("bench", "--total", "1")
+    assert out.returncode == 1, out.stderr
+    assert "--total 1 is less than one request" in out.stderr, out.stderr
+    # A connection error: one line, no traceback; under --json one object too.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    addr = "127.0.0.1:%d" % s.getsockname()[1]
+    s.close()
+    out = _ferry_module("bench", addr, "--json")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("ferry: "), out.stderr
+    assert json.loads(out.stdout)["error"]["kind"] == "connection_refused", out.stdout
+    # One stream is "1 stream".
+    out = _ferry_module("bench", "--total", "1MiB")
+    assert out.returncode == 0 and "1 stream," in out.stdout, out.stdout
+
+
+def test_an_engine_that_does_not_listen_is_named_in_the_users_words(np):
+    engine = ferry.Engine()
+    with pytest.raises(ferry.InvalidArgument, match=r"ferry.Engine\(listen="):
+        ferry.broadcast.Publisher(engine, {"w": np.zeros(4)}, name="x")
+    with pytest.raises(ferry.InvalidArgument, match="relay=False"):
+        ferry.broadcast.pull(engine, "127.0.0.1:1", {"w": np.zeros(4)})
 
 
 def test_weight_update_example(np):

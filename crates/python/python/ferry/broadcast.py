@@ -241,6 +241,11 @@ class Publisher:
     ):
         _whole("version", version, 0)
         _whole("keep_versions", keep_versions, 1)
+        if engine.listen_addr is None:
+            raise InvalidArgument(
+                'the engine does not listen, so receivers cannot reach it: make it with '
+                'ferry.Engine(listen="HOST:PORT") ("127.0.0.1:0": any free port)'
+            )
         if chunk_size is not None:
             _whole("chunk_size", chunk_size, 1)
         if listen is None:
@@ -431,6 +436,11 @@ def pull(
         raise InvalidArgument("linger must be a number of seconds from 0 to 1e9, not None")
     if version is not None:
         _whole("version", version, 0)
+    if relay and engine.listen_addr is None:
+        raise InvalidArgument(
+            'the engine does not listen, so it cannot relay to other receivers: make it with '
+            'ferry.Engine(listen="HOST:PORT"), or pass relay=False'
+        )
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable, not {type(progress).__name__}")
     if (mode == "staged") != (staging is not None):
