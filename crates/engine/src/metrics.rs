@@ -327,14 +327,21 @@ impl Collector for Snapshot {
         use MetricType::{Counter, Gauge};
         let mut info = Family::new(
             "ferry_engine_info",
-            "The engine's identity (value 1): peer id, epoch (new at each start), data plane.",
+            "The engine's identity (value 1): peer id, epoch (new at each start), data plane \
+             (uring, tcp or none).",
             Gauge,
         );
+        // The plane's name only: `describe()` adds why it was chosen, free text no label takes.
+        let plane = d
+            .data_plane
+            .as_deref()
+            .and_then(|p| p.split_whitespace().next())
+            .unwrap_or("none");
         info.add(
             labels([
                 ("peer_id", &d.peer_id),
                 ("epoch", &d.epoch),
-                ("data_plane", d.data_plane.as_deref().unwrap_or("none")),
+                ("data_plane", plane),
             ]),
             1,
         );
@@ -445,7 +452,8 @@ impl Collector for Snapshot {
             let mut m = enc.encode_descriptor(
                 "ferry_request_duration_seconds",
                 "Request latency from submission to the logical outcome, by op kind (or mixed) \
-                 and size class (the request's bytes: at most 4KiB, 64KiB, 1MiB, 16MiB, or inf).",
+                 and size class (the range of the request's bytes: 0-4KiB, 4KiB-64KiB, \
+                 64KiB-1MiB, 1MiB-16MiB, 16MiB+).",
                 None,
                 MetricType::Histogram,
             )?;
@@ -774,7 +782,7 @@ mod tests {
             .expect("an other series");
         assert!(other.ends_with(&format!(" {}", 100 * extra)), "{other}");
         let count = format!(
-            "ferry_request_duration_seconds_count{{op=\"read\",size=\"4KiB\"}} {}",
+            "ferry_request_duration_seconds_count{{op=\"read\",size=\"0-4KiB\"}} {}",
             MAX_PEER_LABELS + extra
         );
         assert!(text.contains(&count), "{text}");
