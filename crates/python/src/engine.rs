@@ -1,7 +1,6 @@
 //! `Engine`: registers memory and files, connects to peers, moves bytes. The handles it gives
 //! out are in `handles`; every call that can block (connecting, probing) releases the GIL.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ferry::{Access, DataPlane, OpKind, TransferEngine, TransportKind};
@@ -13,7 +12,7 @@ use crate::args::{non_negative, parse_access, seconds, to_plain};
 use crate::buffer;
 use crate::errors;
 use crate::gpu::{self, GpuRegistration};
-use crate::handles::{FileRegistration, Peer, Registration, RemoteSegment};
+use crate::handles::{FileRegistration, Keeper, Peer, Registration, RemoteSegment};
 use crate::request::{self, Batch, Request, make_op, to_batch};
 use crate::runtime;
 
@@ -55,6 +54,8 @@ fn host_port(what: &str, addr: &str, example: &str) -> PyResult<std::net::Socket
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
+    /// Every registration it made, published until closed or this engine is.
+    keeper: Keeper,
 }
 
 #[pymethods]
@@ -178,7 +179,10 @@ impl Engine {
             b.build()
         })?
         .map_err(|e| errors::to_py(py, e))?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            keeper: Keeper::default(),
+        })
     }
 
     /// The address it serves on (`"127.0.0.1:41234"`), or None when it does not listen.
@@ -248,22 +252,24 @@ impl Engine {
                 .register(exported.region, access, &name)
                 .map_err(|e| errors::to_py(py, e))
         })?;
-        Ok(Registration {
+        let r = Registration {
             name,
             len,
             readonly: exported.readonly,
             access,
             token: reg.token().to_string(),
-            inner: Mutex::new(Some(reg)),
-        })
+            inner: crate::handles::held(reg),
+        };
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Allocates `size` bytes on GPU `device` (an ordinal) and registers them under `name` with
     /// `access` for peers (as `register`), returning a `GpuRegistration`: the local side of
     /// `read`/`write`/`Batch` ops like a `Registration` (staged through pinned host buffers over
     /// TCP and io_uring, GPUDirect over RDMA where a route exists), published to peers when
-    /// `access` grants them anything. The memory is freed once the registration object and every
-    /// request using it are gone.
+    /// `access` grants them anything. The memory is freed once it is closed (or this engine
+    /// is) and the registration object and every request using it are gone.
     ///
     /// The CUDA driver is loaded on the engine's first GPU call: the system's `libcuda.so.1`, or
     /// the file the environment variable `FERRY_LIBCUDA` names then. Raises `Unavailable` (with
@@ -279,14 +285,17 @@ impl Engine {
         name: Option<String>,
         access: &str,
     ) -> PyResult<GpuRegistration> {
-        gpu::alloc(py, &self.inner, device, size, name, access)
+        let r = gpu::alloc(py, &self.inner, device, size, name, access)?;
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Registers device memory someone else owns, without copying it: `obj` is any object with
     /// `__cuda_array_interface__` (a PyTorch CUDA tensor, a CuPy array, a Numba device array),
     /// contiguous (strides None or C order), of `product(shape) * itemsize` bytes. Arguments as
-    /// for `alloc_gpu`. The registration keeps `obj` alive (and so its memory) until the
-    /// registration object and every request using it are gone.
+    /// for `alloc_gpu`. The registration keeps `obj` alive (and so its memory) until it is
+    /// closed (or this engine is) and the registration object and every request using it are
+    /// gone.
     ///
     /// The driver says which GPU holds the memory (`cuPointerGetAttribute`) and that the range
     /// lies inside one device allocation; `device` when given (else `obj.device.index`,
@@ -308,7 +317,9 @@ impl Engine {
         access: &str,
         device: Option<i64>,
     ) -> PyResult<GpuRegistration> {
-        gpu::wrap(py, &self.inner, obj, name, access, device)
+        let r = gpu::wrap(py, &self.inner, obj, name, access, device)?;
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Loads `length` bytes of the file at `path` from `file_offset` into the GPU registration
@@ -361,12 +372,14 @@ impl Engine {
         let inner = &self.inner;
         let reg = runtime::detach(py, || inner.publish_file_named(&path, access, &name))?
             .map_err(|e| errors::to_py(py, e))?;
-        Ok(FileRegistration {
+        let r = FileRegistration {
             name: reg.name().to_owned(),
             len: reg.len(),
             token: reg.token().to_string(),
-            inner: Mutex::new(Some(reg)),
-        })
+            inner: crate::handles::held(reg),
+        };
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Connects to the engine serving `addr` (`"host:port"`): handshake, then the data path
@@ -467,9 +480,12 @@ impl Engine {
         self.inner.check().map_err(|e| errors::to_py(py, e))
     }
 
-    /// Stops serving: the listener closes and accepted connections are dropped.
-    fn shutdown(&self) {
+    /// Stops serving: the listener closes, accepted connections are dropped and every
+    /// registration it made is closed (unpublished; memory is released once no request uses it).
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         self.inner.shutdown();
+        let keeper = &self.keeper;
+        runtime::detach(py, || keeper.close_all())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -477,8 +493,8 @@ impl Engine {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
-        self.inner.shutdown();
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.shutdown(py)
     }
 
     fn __repr__(&self) -> String {

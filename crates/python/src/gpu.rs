@@ -18,7 +18,7 @@
 //! with the loader's reason.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
 
 use ferry::cuda::{CudaError, DeviceMemory};
 use ferry::{Access, TransferEngine};
@@ -226,7 +226,7 @@ fn registration(
         access,
         readonly,
         memory,
-        inner: Mutex::new(Some(reg)),
+        inner: crate::handles::held(reg),
     })
 }
 
@@ -358,8 +358,9 @@ pub(crate) fn read_file<'py>(
 /// staged through pinned host buffers over TCP and io_uring (GPUDirect over RDMA where a route
 /// exists). With remote access it is published to peers under its name.
 ///
-/// `close()` unpublishes it. The memory itself stays valid while this object (or a request
-/// using it) lives, so views taken through `__cuda_array_interface__` stay valid too: memory
+/// `close()` (or its engine's shutdown) unpublishes it; dropping this object does not (the
+/// engine keeps it). The memory itself stays valid while this object (or a request using it)
+/// lives, so views taken through `__cuda_array_interface__` stay valid too: memory
 /// from `alloc_gpu` is freed, and the object given to `register_gpu` released, only then.
 #[pyclass(name = "GpuRegistration", module = "ferry", frozen)]
 pub(crate) struct GpuRegistration {
@@ -374,7 +375,7 @@ pub(crate) struct GpuRegistration {
     route: String,
     why: String,
     memory: Arc<DeviceMemory>,
-    pub(crate) inner: Mutex<Option<ferry::GpuRegistration>>,
+    pub(crate) inner: crate::handles::Held<ferry::GpuRegistration>,
 }
 
 impl GpuRegistration {

@@ -158,3 +158,24 @@ def test_metrics_are_served_over_http():
     assert ferry.Engine().metrics_addr is None
     with pytest.raises(ferry.InvalidArgument, match="metrics must be HOST:PORT"):
         ferry.Engine(metrics="no-port")
+
+
+def test_a_registration_stays_published_until_closed_or_its_engine_is():
+    import gc
+
+    server = ferry.Engine(listen="127.0.0.1:0")
+    data = bytes(range(256)) * 16
+    server.register(bytearray(data), name="kept", access="read")  # the handle is dropped
+    with server.register(bytearray(4096), name="scoped", access="read"):
+        pass
+    gc.collect()
+    client = ferry.Engine()
+    peer = client.connect(server.listen_addr)
+    assert [s["name"] for s in peer.segments] == ["kept"]
+    buf = bytearray(len(data))
+    client.read(client.register(buf), peer.segment("kept")).wait(timeout=30)
+    assert bytes(buf) == data
+    # Shut down, the engine unpublishes what it kept.
+    with ferry.Engine(listen="127.0.0.1:0") as other:
+        reg = other.register(bytearray(64), name="x", access="read")
+    assert reg.closed

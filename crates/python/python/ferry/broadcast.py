@@ -241,13 +241,13 @@ class Publisher:
     ):
         _whole("version", version, 0)
         _whole("keep_versions", keep_versions, 1)
+        if chunk_size is not None:
+            _whole("chunk_size", chunk_size, 1)
         if engine.listen_addr is None:
             raise InvalidArgument(
                 'the engine does not listen, so receivers cannot reach it: make it with '
                 'ferry.Engine(listen="HOST:PORT") ("127.0.0.1:0": any free port)'
             )
-        if chunk_size is not None:
-            _whole("chunk_size", chunk_size, 1)
         if listen is None:
             ip = (engine.listen_addr or "127.0.0.1:0").rsplit(":", 1)[0]
             listen = f"{ip}:0"
