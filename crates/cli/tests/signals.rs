@@ -270,3 +270,89 @@ fn publish_stopped_says_what_it_served() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn pull_progress_lines_say_bytes_rate_and_peers() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("w.bin");
+    std::fs::write(&file, vec![5u8; 4 << 20])?;
+    let mut publisher = ferry()
+        .args([
+            "publish",
+            "--name",
+            "w",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(publisher.stdout.take().context("stdout")?);
+    let lines = until(&mut out, "receivers: ferry pull")?;
+    let result = (|| -> Result<()> {
+        let ctl = lines
+            .last()
+            .and_then(|l| l.strip_prefix("control "))
+            .and_then(|l| l.split_whitespace().next())
+            .context("no control address")?;
+        let pulled = ferry()
+            .args(["pull", ctl, "--in-memory", "--no-relay", "--linger", "0"])
+            .args(["--progress", "lines", "--progress-every", "1ms"])
+            .output()?;
+        let err = String::from_utf8_lossy(&pulled.stderr);
+        assert!(pulled.status.success(), "{err}");
+        let progress: Vec<&str> = err
+            .lines()
+            .filter(|l| l.starts_with("ferry pull: "))
+            .collect();
+        assert!(!progress.is_empty(), "no progress lines in {err:?}");
+        assert!(
+            progress.iter().all(|l| l.contains(" of 4.19 MB (")
+                && l.contains("B/s, ")
+                && l.contains(" peers")),
+            "{progress:?}"
+        );
+        Ok(())
+    })();
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+    result
+}
+
+#[test]
+fn serve_without_rdma_says_so_in_one_calm_line() -> Result<()> {
+    let mut child = ferry()
+        .args(["serve", "--listen", "127.0.0.1:0", "--segment", "s=1MiB"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let lines = until(&mut out, "listening on")?;
+    signal(&child, "INT")?;
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .context("stderr")?
+        .read_to_string(&mut err)?;
+    let (code, _) = finish(child, out)?;
+    assert_eq!(code, 130);
+    let transports = lines
+        .iter()
+        .find(|l| l.starts_with("transports: "))
+        .context("transports")?;
+    if transports.contains("rdma") {
+        eprintln!("this machine serves RDMA: nothing to say about its absence");
+        return Ok(());
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l == "RDMA: none here (`ferry doctor` says why)"),
+        "{lines:?}"
+    );
+    assert!(!err.contains("RDMA not served"), "{err}");
+    Ok(())
+}

@@ -122,9 +122,9 @@ def test_python_bench_fails_as_the_cli_does():
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.startswith("ferry: "), out.stderr
     assert json.loads(out.stdout)["error"]["kind"] == "connection_refused", out.stdout
-    # One stream is "1 stream".
-    out = _ferry_module("bench", "--total", "1MiB")
-    assert out.returncode == 0 and "1 stream," in out.stdout, out.stdout
+    # One stream is "1 stream"; IEC units as the CLI takes them (Kubernetes' `Mi` too).
+    out = _ferry_module("bench", "--total", "1Mi", "--op-size", "64Ki")
+    assert out.returncode == 0 and "1 stream," in out.stdout, out.stderr
 
 
 def test_an_engine_that_does_not_listen_is_named_in_the_users_words(np):
