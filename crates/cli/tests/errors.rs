@@ -356,3 +356,45 @@ fn serve_refuses_a_directory_or_an_unreadable_file_at_start() {
         );
     }
 }
+
+#[test]
+fn bench_against_a_publishers_control_port_names_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("w.bin");
+    std::fs::write(&file, vec![1u8; 4096]).expect("write");
+    let mut publisher = ferry()
+        .args([
+            "publish",
+            "--name",
+            "w",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn publish");
+    let out = BufReader::new(publisher.stdout.take().expect("stdout"));
+    let ctl = out
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| {
+            l.strip_prefix("control ")
+                .and_then(|r| r.split_whitespace().next())
+                .map(str::to_owned)
+        })
+        .expect("publish printed its control address");
+    let out = ferry()
+        .args(["bench", &ctl, "--json"])
+        .output()
+        .expect("run bench");
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+    let v = json_failure(&out);
+    assert_eq!(v["error"]["kind"], "not_ferry", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("a `ferry publish` control port"), "{msg}");
+}
