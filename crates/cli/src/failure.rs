@@ -290,6 +290,7 @@ fn not_ferry_hint(magic: &[u8; 4]) -> String {
         [0x16, 0x03, ..] => "a TLS server (it answered with a TLS handshake record)",
         [0x15, 0x03, ..] => "a TLS server (it answered with a TLS alert)",
         b"SSH-" => "an SSH server",
+        b"{\"re" => "a `ferry publish` control port (`ferry pull ADDR` reads it)",
         _ => "not a Ferry peer (Ferry's frames open with \"FRRY\")",
     };
     format!("the peer is {what}, not `ferry serve`: check the port (ferry serve's default is 7400)")
@@ -317,5 +318,6 @@ mod tests {
         assert!(not_ferry_hint(b"HTTP").contains("HTTP server"));
         assert!(not_ferry_hint(&[0x16, 0x03, 0x01, 0x00]).contains("TLS"));
         assert!(not_ferry_hint(b"abcd").contains("not a Ferry peer"));
+        assert!(not_ferry_hint(b"{\"re").contains("`ferry publish` control port"));
     }
 }
