@@ -91,7 +91,9 @@ where
             rt.block_on(async {
                 let fut = make();
                 tokio::pin!(fut);
-                let mut tick = tokio::time::interval(SIGNAL_POLL);
+                // The first look after one period: a short call never takes the GIL back.
+                let first = tokio::time::Instant::now() + SIGNAL_POLL;
+                let mut tick = tokio::time::interval_at(first, SIGNAL_POLL);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tokio::select! {

@@ -250,3 +250,23 @@ def test_one_timeout_convention_zero_is_now(np, peer_process):
             pull(receiver, pub.addr, {"w": np.zeros_like(w["w"])}, timeout=0, relay=False)
         s = pull(receiver, pub.addr, {"w": np.zeros_like(w["w"])}, timeout=None, relay=False)
         assert s.bytes == w["w"].nbytes
+
+
+def test_ctrl_c_interrupts_a_raw_transfer_to_a_stopped_peer_and_cancels_it():
+    from ferry.mooncake import TransferEngine
+    from test_mooncake import Peer
+
+    peer = Peer("127.0.0.1", "P2PHANDSHAKE", size=8 << 20)
+    te = TransferEngine()
+    try:
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        buf = te.allocate_managed_buffer(8 << 20)
+        assert te.transfer_sync_write(peer.name, buf, peer.buffer, 8) == 0  # connected
+        peer.proc.send_signal(signal.SIGSTOP)
+        # `transfer_sync_write` waits in RawEngine.transfer for a peer that cannot answer.
+        with sigint_inside("transfer"):
+            te.transfer_sync_write(peer.name, buf, peer.buffer, 8 << 20)
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+        peer.kill()
+        te.close()
