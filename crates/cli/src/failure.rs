@@ -132,7 +132,7 @@ pub(crate) fn report(
     if json {
         let mut obj = facts;
         obj.insert("error".into(), f.to_json());
-        println!("{}", serde_json::Value::Object(obj));
+        crate::out::say(format_args!("{}", serde_json::Value::Object(obj)));
     }
     f.print();
     if let Some(d) = done {
