@@ -50,7 +50,7 @@ fn host_port(what: &str, addr: &str, example: &str) -> PyResult<std::net::Socket
 /// (lines of `name hexkey`): peers must then prove a key of it, and this engine proves its first
 /// key when it connects (without it, the file named by `FERRY_AUTH_KEY_FILE`, if set).
 /// `metrics="127.0.0.1:9400"` serves Prometheus metrics over HTTP there (`GET /metrics`; port
-/// 0: any free port, see `metrics_addr`).
+/// 0: any free port, see `metrics_addr`; a bare port, `"9400"`, is 127.0.0.1's).
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
@@ -171,7 +171,12 @@ impl Engine {
             b = b.auth_key_file(path);
         }
         if let Some(addr) = metrics {
-            b = b.metrics(host_port("metrics", addr, "127.0.0.1:9400")?);
+            // A bare port (`"9400"`) is this host's, as `ferry serve --metrics 9400` takes it.
+            let bare = addr.trim().trim_start_matches(':').parse::<u16>().ok();
+            b = b.metrics(match bare {
+                Some(port) => std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                None => host_port("metrics", addr, "127.0.0.1:9400")?,
+            });
         }
         let rt = runtime::get(py)?;
         let inner = runtime::detach(py, || {

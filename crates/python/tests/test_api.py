@@ -179,3 +179,8 @@ def test_a_registration_stays_published_until_closed_or_its_engine_is():
     with ferry.Engine(listen="127.0.0.1:0") as other:
         reg = other.register(bytearray(64), name="x", access="read")
     assert reg.closed
+
+
+def test_metrics_on_a_bare_port_is_this_hosts():
+    engine = ferry.Engine(metrics="0")
+    assert engine.metrics_addr.startswith("127.0.0.1:"), engine.metrics_addr
