@@ -769,7 +769,7 @@ async fn measure(
                 Some(res) => lat.merge(&res.context("bench worker")??),
                 None => break,
             },
-            _ = tick.tick() => meter.update(moved.bytes.load(Ordering::Relaxed), None),
+            _ = tick.tick() => meter.update(moved.bytes.load(Ordering::Relaxed), None, None),
         }
     }
     let seconds = start.elapsed().as_secs_f64();

@@ -136,8 +136,6 @@ pub(crate) struct PullArgs {
     allow_open_key_file: bool,
 }
 
-/// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
-/// means unset), else none.
 /// `--into DIR`, checked before anything is pulled: it can be made (if missing) and a file can
 /// be created in it. What the check made is removed again, so a pull refused later leaves
 /// nothing behind; a bad directory fails at once rather than after the pull.
@@ -167,6 +165,8 @@ fn writable_dir(dir: &std::path::Path) -> Result<()> {
     checked
 }
 
+/// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
+/// means unset), else none.
 fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {
     let path = file.cloned().or_else(|| {
         std::env::var_os(ferry::AUTH_KEY_FILE_ENV)
@@ -544,7 +544,8 @@ fn pull_inner(
         // The last snapshot is kept for the report of a failure or a stop.
         let keep = |meter: &mut Meter| {
             let s = rx.borrow().clone();
-            meter.update(s.bytes, Some(s.peers));
+            let note = format!("from {}, {} re-fetched", s.parent, s.refetched);
+            meter.update(s.bytes, Some(s.peers), Some(&note));
             *last
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(s);

@@ -166,8 +166,10 @@ impl Meter {
             ),
         };
         line.push_str(&format!(", {}", rate(speed)));
-        if let Some(p) = peers {
-            line.push_str(&format!(", {p} peers"));
+        match peers {
+            Some(1) => line.push_str(", 1 peer"),
+            Some(p) => line.push_str(&format!(", {p} peers")),
+            None => {}
         }
         let eta = match self.goal {
             Goal::Bytes(total) if moved > 0 => {
@@ -182,16 +184,28 @@ impl Meter {
         line
     }
 
-    /// Shows `moved` bytes (and `peers`) if a line or a redraw is due.
-    pub(crate) fn update(&mut self, moved: u64, peers: Option<usize>) {
-        let line = self.line(moved, peers);
+    /// Shows `moved` bytes (and `peers`, and a `note` such as where a pull fetches from) if a
+    /// line or a redraw is due.
+    pub(crate) fn update(&mut self, moved: u64, peers: Option<usize>, note: Option<&str>) {
+        let mut line = self.line(moved, peers);
+        if let Some(n) = note {
+            line.push_str(&format!("; {n}"));
+        }
         match &mut self.shown {
             Shown::Bar(b) => match self.goal {
                 Goal::Bytes(_) => {
                     b.set_position(moved);
-                    if let Some(p) = peers {
-                        b.set_message(format!("{p} peers"));
-                    }
+                    let peers = peers.map(|p| match p {
+                        1 => "1 peer".to_owned(),
+                        p => format!("{p} peers"),
+                    });
+                    let msg = match (peers, note) {
+                        (Some(p), Some(n)) => format!("{p}; {n}"),
+                        (Some(p), None) => p,
+                        (None, Some(n)) => n.to_owned(),
+                        (None, None) => String::new(),
+                    };
+                    b.set_message(msg);
                 }
                 Goal::Time(d) => {
                     b.set_position(self.start.elapsed().min(d).as_millis() as u64);
