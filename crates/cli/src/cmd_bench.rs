@@ -1,14 +1,15 @@
 //! `ferry bench`: measure READ or WRITE throughput and op latency against a peer, or on loopback
 //! against a server this process starts itself.
 
-use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::failure::{RequestFailed, UnknownSegment};
 use crate::histogram::Histogram;
+use crate::out::{Goal, Meter, ProgressMode, say};
 use crate::parse::{self, DeadPeer, IoThreads, SocketBuffer};
+use crate::stop::{Signal, Stopped};
 use anyhow::{Context, Result, bail};
 use ferry::{Access, Batch, DataPlane, MemoryRegion, TransferEngine, TransportKind};
 
@@ -102,6 +103,13 @@ pub(crate) struct BenchArgs {
     /// Print one JSON object instead of the human summary.
     #[arg(long)]
     json: bool,
+    /// Progress while it runs: `auto` (a bar on a terminal, else lines), `bar`, `lines` (one
+    /// line on stderr every `--progress-every`: bytes, rate, ETA) or `none`.
+    #[arg(long, value_enum, default_value = "auto", hide_possible_values = true)]
+    progress: ProgressMode,
+    /// With progress lines: one every this long (at most 10s).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::out::progress_every)]
+    progress_every: Duration,
     /// After the run, move each of the first buffers once more and compare the CRC-32C the
     /// peer computes over its side (a CHECKSUM request, protocol version 2) with the local
     /// bytes' (`verified_bytes` in the report); a mismatch fails the bench. Host buffers only
@@ -320,8 +328,20 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     let progress = Arc::new(Progress::default());
-    let report = match rt.block_on(bench(&args, &progress)) {
-        Ok(r) => r,
+    let started = Instant::now();
+    let ran = rt.block_on(async {
+        let stop = crate::stop::listen()?;
+        tokio::select! {
+            r = bench(&args, &progress) => r.map(Ok),
+            signal = stop => Ok(Err(signal)),
+        }
+    });
+    let report = match ran {
+        Ok(Ok(r)) => r,
+        Ok(Err(signal)) => {
+            drop(rt);
+            return Err(stopped(&args, &progress, started.elapsed(), signal));
+        }
         Err(e) => {
             let facts = progress.facts();
             let l = |k: &str| facts.get(k).cloned().unwrap_or_default();
@@ -366,11 +386,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             "replays": r.replays,
             "reconnects": r.reconnects,
         });
-        println!("{obj}");
+        say(format_args!("{obj}"));
     } else {
-        println!(
+        say(format_args!(
             "{} {} {} B ops over {}: {:.3} GB/s, {:.0} ops/s, p50 {:.0} us, p99 {:.0} us \
-             ({} bytes in {:.3} s, {} streams, depth {})",
+             ({} bytes in {:.3} s, {} stream{}, depth {})",
             report.transport,
             report.op,
             report.op_bytes,
@@ -382,22 +402,52 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             report.total_bytes,
             report.seconds,
             report.streams,
+            if report.streams == 1 { "" } else { "s" },
             report.depth
-        );
+        ));
         if let Some(v) = &report.verified {
-            println!("{v}");
+            say(format_args!("{v}"));
         }
         if let Some(v) = report.verified_bytes {
-            println!("verified {v} bytes: the peer's CRC-32C matches ours");
+            say(format_args!(
+                "verified {v} bytes: the peer's CRC-32C matches ours"
+            ));
         }
         if report.replays > 0 || report.reconnects > 0 {
-            println!(
+            say(format_args!(
                 "lost connections: {} reconnects, {} ops replayed",
                 report.reconnects, report.replays
-            );
+            ));
         }
     }
     Ok(())
+}
+
+/// A run `signal` stopped after `took`: prints what moved (one JSON object under `--json`) and
+/// returns [`Stopped`].
+fn stopped(args: &BenchArgs, progress: &Progress, took: Duration, signal: Signal) -> anyhow::Error {
+    let moved = progress.bytes.load(Ordering::Relaxed);
+    let secs = took.as_secs_f64();
+    if args.json {
+        let mut obj = progress.facts();
+        obj.insert("stopped_by".into(), signal.name().into());
+        obj.insert("seconds".into(), secs.into());
+        obj.insert(
+            "gb_per_s".into(),
+            (moved as f64 / secs.max(1e-9) / 1e9).into(),
+        );
+        say(format_args!("{}", serde_json::Value::Object(obj)));
+    } else {
+        say(format_args!(
+            "stopped by {}: {} bytes ({}) moved in {} ops over {secs:.3} s ({:.3} GB/s)",
+            signal.name(),
+            moved,
+            crate::out::bytes(moved),
+            progress.ops.load(Ordering::Relaxed),
+            moved as f64 / secs.max(1e-9) / 1e9
+        ));
+    }
+    Stopped(signal).into()
 }
 
 /// FNV-1a over `b` (the verification checksum).
@@ -572,10 +622,12 @@ async fn measure(
     (depth, streams): (usize, usize),
     progress: &Arc<Progress>,
 ) -> Result<Report> {
-    let peer = engine
-        .connect(addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
+    let peer = tokio::select! {
+        peer = engine.connect(addr) => peer.with_context(|| format!("connecting to {addr}"))?,
+        what = crate::probe::not_ferry(addr, crate::probe::LATE) => {
+            return Err(crate::failure::NotFerry { addr: addr.to_owned(), what }.into());
+        }
+    };
     if args.transport == "local" && peer.transport() != ferry::TransportKind::Local {
         let why = engine
             .describe()
@@ -656,21 +708,12 @@ async fn measure(
     let claimed = Arc::new(AtomicU64::new(0));
     let moved = progress.clone();
 
-    let bar = if std::io::stderr().is_terminal() && !args.json {
-        let bar = match total {
-            Some(t) => indicatif::ProgressBar::new(t),
-            None => indicatif::ProgressBar::new_spinner(),
-        };
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        Some(bar)
-    } else {
-        None
+    let goal = match (total, deadline) {
+        (Some(t), _) => Goal::Bytes(ops_budget.map_or(t, |b| b * args.op_size)),
+        (None, Some(d)) => Goal::Time(d),
+        (None, None) => Goal::Bytes(0),
     };
+    let mut meter = Meter::new(args.progress, args.progress_every, args.json, "bench", goal);
 
     let start = Instant::now();
     let mut workers = tokio::task::JoinSet::<Result<Histogram>>::new();
@@ -734,26 +777,19 @@ async fn measure(
             Ok(lat)
         });
     }
-    let ticker = bar.clone().map(|bar| {
-        let moved = moved.clone();
-        tokio::spawn(async move {
-            loop {
-                bar.set_position(moved.bytes.load(Ordering::Relaxed));
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    });
     let mut lat = Histogram::default();
-    while let Some(res) = workers.join_next().await {
-        lat.merge(&res.context("bench worker")??);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            res = workers.join_next() => match res {
+                Some(res) => lat.merge(&res.context("bench worker")??),
+                None => break,
+            },
+            _ = tick.tick() => meter.update(moved.bytes.load(Ordering::Relaxed), None, None),
+        }
     }
     let seconds = start.elapsed().as_secs_f64();
-    if let Some(t) = ticker {
-        t.abort();
-    }
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
+    meter.finish();
     let total_bytes = moved.bytes.load(Ordering::Relaxed);
     let verified = match args.gpu {
         Some(n) => Some(verify_gpu(engine, n, &remote, args.op_size).await?),

@@ -1,6 +1,5 @@
 //! `ferry publish` and `ferry pull`: weight broadcast (`ferry-broadcast`).
 
-use std::io::IsTerminal;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,7 +11,9 @@ use ferry_broadcast::{
     Discovery, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions,
 };
 
+use crate::out::{Goal, Meter, ProgressMode, say};
 use crate::parse;
+use crate::stop::Stopped;
 
 /// Arguments of `ferry publish`. On SIGHUP it reads the files again and publishes them as the
 /// next version, without restarting (the version before stays served while it is among the
@@ -91,9 +92,16 @@ pub(crate) struct PullArgs {
     #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse::positive_duration)]
     stall_after: Duration,
     /// After finishing, keep serving while other receivers of the version are unfinished, at
-    /// most this long (`60s`; `0` not at all).
-    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse::duration)]
+    /// most this long (`30s`, as Python's `pull`; `0` not at all).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse::duration)]
     linger: Duration,
+    /// Progress while it pulls: `auto` (a bar on a terminal, else lines), `bar`, `lines` (one
+    /// line on stderr every `--progress-every`: bytes, rate, peers, ETA) or `none`.
+    #[arg(long, value_enum, default_value = "auto", hide_possible_values = true)]
+    progress: ProgressMode,
+    /// With progress lines: one every this long (at most 10s).
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::out::progress_every)]
+    progress_every: Duration,
     /// Fetch from the source only, never from other receivers (a point-to-point pull: the
     /// baseline the relayed pull is measured against).
     #[arg(long)]
@@ -128,26 +136,6 @@ pub(crate) struct PullArgs {
     allow_open_key_file: bool,
 }
 
-/// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
-/// means unset), else none.
-/// Whether stdout's reader went away (`ferry publish ... | head -1`).
-static STDOUT_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Prints a line on stdout while someone reads it. A reader that went away stops the printing
-/// (logged once), never the publisher: `println!` would panic on the broken pipe.
-fn say(line: std::fmt::Arguments<'_>) {
-    use std::io::Write;
-    use std::sync::atomic::Ordering;
-    if STDOUT_GONE.load(Ordering::Relaxed) {
-        return;
-    }
-    let mut out = std::io::stdout().lock();
-    if let Err(e) = writeln!(out, "{line}").and_then(|()| out.flush()) {
-        STDOUT_GONE.store(true, Ordering::Relaxed);
-        tracing::warn!(error = %e, "stdout is gone; serving on without printing");
-    }
-}
-
 /// `--into DIR`, checked before anything is pulled: it can be made (if missing) and a file can
 /// be created in it. What the check made is removed again, so a pull refused later leaves
 /// nothing behind; a bad directory fails at once rather than after the pull.
@@ -177,6 +165,8 @@ fn writable_dir(dir: &std::path::Path) -> Result<()> {
     checked
 }
 
+/// The broadcast's keyring: `--auth-key-file`, else the file FERRY_AUTH_KEY_FILE names (empty
+/// means unset), else none.
 fn keys(file: Option<&PathBuf>, allow_open: bool) -> Result<Option<ferry::Keyring>> {
     let path = file.cloned().or_else(|| {
         std::env::var_os(ferry::AUTH_KEY_FILE_ENV)
@@ -280,6 +270,7 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
     let files = expand_files(&args.files)?;
     let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     runtime()?.block_on(async {
+        let signal = crate::stop::listen()?;
         let discovery = match &args.etcd {
             Some(url) => Some(etcd(url, &args.name).await?),
             None => None,
@@ -340,19 +331,20 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
         ));
         let stop = async {
             match args.serve_for {
-                Some(d) => tokio::time::sleep(d).await,
-                None => {
-                    let _ = tokio::signal::ctrl_c().await;
-                }
+                Some(d) => tokio::select! {
+                    () = tokio::time::sleep(d) => None,
+                    s = signal => Some(s),
+                },
+                None => Some(signal.await),
             }
         };
         tokio::pin!(stop);
         let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("listening for SIGHUP")?;
         let mut version = args.weights_version;
-        loop {
+        let stopped_by = loop {
             tokio::select! {
-                () = &mut stop => break,
+                s = &mut stop => break s,
                 Some(()) = hangup.recv() => {
                     version += 1;
                     // Reads every file once, to checksum it (and, from memory, into memory).
@@ -385,13 +377,29 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
                     }
                 }
             }
-        }
+        };
+        let served = src
+            .engine()
+            .describe()
+            .served
+            .map_or(0, |s| s.accepted.iter().map(|t| t.bytes).sum::<u64>());
+        let members = src.members().len();
         src.stop().await;
         if let Some((engine, kept)) = in_memory {
             drop(kept);
             engine.shutdown();
         }
-        Ok(())
+        match stopped_by {
+            None => Ok(()),
+            Some(signal) => {
+                say(format_args!(
+                    "stopped by {}: served {served} bytes ({}); {members} members",
+                    signal.name(),
+                    crate::out::bytes(served)
+                ));
+                Err(Stopped(signal).into())
+            }
+        }
     })
 }
 
@@ -446,6 +454,19 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
             "refetched_chunks".into(),
             snap.as_ref().map_or(0, |s| s.refetched).into(),
         );
+        if let Some(Stopped(signal)) = e.downcast_ref::<Stopped>() {
+            facts.insert("stopped_by".into(), signal.name().into());
+            if args.json {
+                say(format_args!("{}", serde_json::Value::Object(facts)));
+            } else {
+                let (b, t) = snap.as_ref().map_or((0, 0), |s| (s.bytes, s.total));
+                say(format_args!(
+                    "stopped by {}: {b} of {t} bytes pulled",
+                    signal.name()
+                ));
+            }
+            return e;
+        }
         let done = snap.as_ref().map(|s| {
             format!(
                 "before failing: {} of {} bytes pulled, {} chunks re-fetched",
@@ -465,7 +486,9 @@ fn pull_inner(
         writable_dir(dir)?;
     }
     let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
-    runtime()?.block_on(async {
+    let rt = runtime()?;
+    let stop = rt.block_on(async { crate::stop::listen() })?;
+    let pulled = async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
             match args.from.strip_prefix("etcd://") {
                 Some(rest) => {
@@ -515,41 +538,31 @@ fn pull_inner(
             },
         )
         .await?;
-        let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
-            let bar = indicatif::ProgressBar::new(r.manifest().total_bytes());
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} \
-                     {binary_bytes_per_sec} ETA {eta} {msg}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            bar
-        });
-        let ticker = bar.clone().map(|bar| {
-            let mut rx = r.progress();
-            tokio::spawn(async move {
-                while rx.changed().await.is_ok() {
-                    let s = rx.borrow_and_update().clone();
-                    bar.set_position(s.bytes);
-                    bar.set_message(format!(
-                        "peers {} from {} re-fetched {}",
-                        s.peers, s.parent, s.refetched
-                    ));
+        let goal = Goal::Bytes(r.manifest().total_bytes());
+        let mut meter = Meter::new(args.progress, args.progress_every, args.json, "pull", goal);
+        let rx = r.progress();
+        // The last snapshot is kept for the report of a failure or a stop.
+        let keep = |meter: &mut Meter| {
+            let s = rx.borrow().clone();
+            let note = format!("from {}, {} re-fetched", s.parent, s.refetched);
+            meter.update(s.bytes, Some(s.peers), Some(&note));
+            *last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(s);
+        };
+        let summary = {
+            let run = r.run();
+            tokio::pin!(run);
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tokio::select! {
+                    res = &mut run => break res,
+                    _ = tick.tick() => keep(&mut meter),
                 }
-            })
-        });
-        let summary = r.run().await;
-        *last
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) =
-            Some(r.progress().borrow().clone());
-        if let Some(t) = ticker {
-            t.abort();
-        }
-        if let Some(b) = &bar {
-            b.finish_and_clear();
-        }
+            }
+        };
+        keep(&mut meter);
+        meter.finish();
         let mut summary = summary?;
         summary.timeline.process_start = Some(started);
         let written = match &args.into {
@@ -560,9 +573,9 @@ fn pull_inner(
             None => "kept in memory only (--in-memory)".to_owned(),
         };
         if args.json {
-            println!("{}", serde_json::to_string(&summary)?);
+            say(format_args!("{}", serde_json::to_string(&summary)?));
         } else {
-            println!(
+            say(format_args!(
                 "{:?} v{}: {} bytes in {:.3} s ({:.3} GB/s), verified; {} chunks re-fetched; \
                  {} bytes from the source, {} from relays; {}",
                 summary.name,
@@ -574,10 +587,16 @@ fn pull_inner(
                 summary.bytes_from_source,
                 summary.bytes_from_relays,
                 written
-            );
+            ));
         }
         r.linger(args.linger).await;
         r.leave().await;
         Ok(())
+    };
+    rt.block_on(async {
+        tokio::select! {
+            r = pulled => r,
+            signal = stop => Err(Stopped(signal).into()),
+        }
     })
 }

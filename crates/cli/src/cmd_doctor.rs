@@ -15,7 +15,8 @@ use crate::version;
 pub(crate) enum Need {
     /// The TCP data plane (always there).
     Tcp,
-    /// The io_uring data plane.
+    /// The io_uring data plane (also `io_uring`, `io-uring`).
+    #[value(alias = "io_uring", alias = "io-uring")]
     Uring,
     /// RDMA: built in, libibverbs loads and lists a device.
     Rdma,
@@ -52,10 +53,17 @@ pub(crate) struct DoctorArgs {
     /// Root of the sysfs tree to inspect.
     #[arg(long, value_name = "DIR", default_value = "/sys")]
     sysfs_root: PathBuf,
-    /// Exit 1 unless each of these works here (comma-separated: tcp, uring, rdma, gpu); the
-    /// report is printed either way.
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    /// Exit 1 unless each of these works here (comma-separated: tcp, uring or io_uring, rdma,
+    /// gpu); the report is printed either way.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = need)]
     require: Vec<Need>,
+}
+
+/// One `--require` entry: a name of [`Need`] (or an alias), spaces around it allowed
+/// (`--require "tcp, uring"`).
+fn need(s: &str) -> anyhow::Result<Need> {
+    <Need as clap::ValueEnum>::from_str(s.trim(), true)
+        .map_err(|_| anyhow::anyhow!("{:?} is none of tcp, uring (io_uring), rdma, gpu", s.trim()))
 }
 
 /// The first line: what is usable here, what is not, and the command to try next.

@@ -37,7 +37,7 @@ pub(crate) fn run(args: MetadataServerArgs) -> Result<()> {
             .with_context(|| format!("binding the metadata server's address {}", args.listen))?;
         let addr = listener.local_addr().context("the listener's address")?;
         tracing::info!(%addr, "metadata server listening");
-        println!("metadata server listening on {addr}");
+        crate::out::say(format_args!("metadata server listening on {addr}"));
         let store = Arc::new(Mutex::new(Store::new()));
         tokio::select! {
             () = server::serve(listener, addr, store) => {}

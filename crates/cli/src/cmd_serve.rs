@@ -6,7 +6,9 @@ use anyhow::{Context, Result, bail};
 use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
 
 use crate::cmd_bench::rdma_config;
+use crate::out::say;
 use crate::parse::{self, DeadPeer, IoThreads};
+use crate::stop::Stopped;
 
 /// Arguments of `ferry serve`.
 #[derive(clap::Args, Debug)]
@@ -75,10 +77,14 @@ pub(crate) struct ServeArgs {
     #[arg(long = "publish-to", value_name = "NAME=PEER[,PEER]")]
     publish_to: Vec<String>,
     /// Serve Prometheus metrics over HTTP on ADDR: HOST:PORT (`GET /metrics`, e.g.
-    /// 127.0.0.1:9400; port 0 picks a free one, printed at start). Anyone who can reach ADDR
-    /// reads them: keep it on loopback or a management network.
-    #[arg(long, value_name = "ADDR", value_parser = parse::listen_addr)]
+    /// 127.0.0.1:9400; port 0 picks a free one, printed at start), or a bare PORT for
+    /// 127.0.0.1:PORT. Anyone who can reach ADDR reads them: keep it on loopback or a
+    /// management network.
+    #[arg(long, value_name = "ADDR", value_parser = parse::metrics_addr)]
     metrics: Option<SocketAddr>,
+    /// When stopped (SIGINT, SIGTERM), print what was served as one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The address `serve` listens on by default (its port is the one a HOST alone means).
@@ -111,6 +117,11 @@ fn check_specs(args: &ServeArgs) -> Result<()> {
         if flag == "--segment" && gpu_segment(spec)?.is_none() && !what.starts_with('@') {
             parse::nonzero_size(what).with_context(|| format!("--segment {spec:?}"))?;
         }
+        match (flag, what.strip_prefix('@')) {
+            ("--segment", Some(path)) => readable_file(flag, spec, path)?,
+            ("--segment", None) => {}
+            _ => readable_file(flag, spec, what)?,
+        }
         if let Some(first) = seen.insert(name, format!("{flag} {spec}")) {
             bail!(
                 "{flag} {spec}: the name {name:?} is already given ({first}); segment names are \
@@ -132,6 +143,23 @@ fn check_specs(args: &ServeArgs) -> Result<()> {
             bail!("--publish-to {name}: no --segment or --file of that name");
         }
     }
+    Ok(())
+}
+
+/// Refuses, before anything starts, a `PATH` of `spec` that is not a regular file this process
+/// can read (a directory, a missing or unreadable file): serving it could only fail later.
+fn readable_file(flag: &str, spec: &str, path: &str) -> Result<()> {
+    let meta = std::fs::metadata(path).with_context(|| format!("{flag} {spec:?}: {path}"))?;
+    if meta.is_dir() {
+        bail!(
+            "{flag} {spec:?}: {path} is a directory; a segment is one file (`ferry publish DIR` \
+             broadcasts a directory's files)"
+        );
+    }
+    if !meta.is_file() {
+        bail!("{flag} {spec:?}: {path} is not a regular file");
+    }
+    std::fs::File::open(path).with_context(|| format!("{flag} {spec:?}: cannot read {path}"))?;
     Ok(())
 }
 
@@ -206,6 +234,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     rt.block_on(async move {
+        // From the start: a signal while starting stops the server once it is up.
+        let stop = crate::stop::listen()?;
         let plane = match args.transport.as_str() {
             "tcp" => DataPlane::Tcp,
             "uring" => DataPlane::Uring,
@@ -239,6 +269,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 .build()
             {
                 Ok(engine) => engine,
+                // No RDMA on this machine: the common case, said in one calm line.
+                Err(ferry::Error::Unavailable { .. }) => {
+                    say(format_args!("RDMA: none here (`ferry doctor` says why)"));
+                    builder.build()?
+                }
+                // Not about RDMA (a key file, the listen address): the same without RDMA
+                // fails the same way, and says so.
+                Err(e @ (ferry::Error::AuthKey { .. } | ferry::Error::Io { .. })) => {
+                    return Err(e.into());
+                }
                 Err(e) => {
                     eprintln!("ferry serve: RDMA not served: {e}");
                     builder.build()?
@@ -246,12 +286,15 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             },
         };
         let description = engine.describe();
-        println!("transports: {}", description.transports.join(", "));
+        say(format_args!(
+            "transports: {}",
+            description.transports.join(", ")
+        ));
         if let Some(dp) = &description.data_plane {
-            println!("data plane: {dp}");
+            say(format_args!("data plane: {dp}"));
         }
         if let Some(m) = engine.metrics_addr() {
-            println!("metrics on http://{m}/metrics");
+            say(format_args!("metrics on http://{m}/metrics"));
         }
         let mut held = Vec::new();
         let mut gpu_held = Vec::new();
@@ -261,10 +304,10 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             && args.writable_files.is_empty()
         {
             default_segment = [format!("{}={}", DEFAULT_SEGMENT.0, DEFAULT_SEGMENT.1)];
-            println!(
+            say(format_args!(
                 "no --segment or --file given: publishing {} for `ferry bench`",
                 default_segment[0]
-            );
+            ));
             &default_segment[..]
         } else {
             &args.segments[..]
@@ -294,13 +337,13 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 } else {
                     format!("; NICs {}", nics.join(", "))
                 };
-                println!(
+                say(format_args!(
                     "segment {name}: {size} bytes on GPU {} ({}), {access}; route {} ({}){nics}",
                     loc.ordinal,
                     loc.pci_bus_id,
                     reg.route().route,
                     reg.route().why
-                );
+                ));
                 gpu_held.push(reg);
                 continue;
             }
@@ -314,14 +357,14 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                             .register_to(region, access, &name, &peers)
                             .with_context(|| format!("--publish-to {name}"))?,
                     );
-                    println!(
+                    say(format_args!(
                         "segment {name}: {len} bytes, {access}, to {}",
                         peers.join(",")
-                    );
+                    ));
                 }
                 None => {
                     held.push(engine.register(region, access, &name)?);
-                    println!("segment {name}: {len} bytes, {access}");
+                    say(format_args!("segment {name}: {len} bytes, {access}"));
                 }
             }
         }
@@ -348,20 +391,53 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 None => engine.publish_file_named(path, access, name),
             }
             .with_context(|| format!("{flag} {spec:?}"))?;
-            println!(
+            say(format_args!(
                 "file segment {name}: {} bytes of {path}, {access}",
                 file.len()
-            );
+            ));
             files.push(file);
         }
         let addr = engine.local_addr().context("the engine has no listener")?;
-        println!("listening on {addr}");
-        std::future::pending::<()>().await;
+        say(format_args!("listening on {addr}"));
+        let signal = stop.await;
+        engine.shutdown();
         drop(files);
         drop(held);
         drop(gpu_held);
-        Ok(())
+        served(&engine.describe(), args.json, signal);
+        Err(Stopped(signal).into())
     })
+}
+
+/// What a server `signal` stopped served: one line (one JSON object under `--json`) with the
+/// requests and bytes accepted from peers and the requests refused.
+fn served(d: &ferry::Description, json: bool, signal: crate::stop::Signal) {
+    let (mut ops, mut bytes) = (0u64, 0u64);
+    let mut refused = 0u64;
+    if let Some(s) = &d.served {
+        for t in &s.accepted {
+            ops += t.ops;
+            bytes += t.bytes;
+        }
+        refused = s.refused.iter().map(|(_, n)| n).sum();
+    }
+    if json {
+        say(format_args!(
+            "{}",
+            serde_json::json!({
+                "stopped_by": signal.name(),
+                "ops_served": ops,
+                "bytes_served": bytes,
+                "refused": refused,
+            })
+        ));
+    } else {
+        say(format_args!(
+            "stopped by {}: served {ops} ops, {bytes} bytes ({}); refused {refused}",
+            signal.name(),
+            crate::out::bytes(bytes)
+        ));
+    }
 }
 
 /// `NAME=SIZE@gpuN`: the name, the size and the GPU ordinal; `None` for other specs.

@@ -43,6 +43,16 @@ fn published_list(names: &[String]) -> String {
     }
 }
 
+/// The peer's port is another service's (see `probe`).
+#[derive(Debug, thiserror::Error)]
+#[error("{addr} is {what}, not a Ferry peer")]
+pub(crate) struct NotFerry {
+    /// The address dialled.
+    pub(crate) addr: String,
+    /// What answered there.
+    pub(crate) what: String,
+}
+
 /// A request of a run failed (its outcome's failure).
 #[derive(Debug, thiserror::Error)]
 #[error("request {request} failed: {} (op {})", .failure.kind, .failure.op_index)]
@@ -122,7 +132,7 @@ pub(crate) fn report(
     if json {
         let mut obj = facts;
         obj.insert("error".into(), f.to_json());
-        println!("{}", serde_json::Value::Object(obj));
+        crate::out::say(format_args!("{}", serde_json::Value::Object(obj)));
     }
     f.print();
     if let Some(d) = done {
@@ -164,6 +174,16 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
                 ferry::FailureKind::Remote(_) => ("refused_by_peer", None),
                 _ => ("request_failed", None),
             };
+        }
+        if cause.downcast_ref::<NotFerry>().is_some() {
+            return (
+                "not_ferry",
+                Some(
+                    "check the port: `ferry serve` listens on 7400 unless its --listen says \
+                     otherwise (its --metrics port serves HTTP)"
+                        .into(),
+                ),
+            );
         }
         if let Some(w) = cause.downcast_ref::<WireError>()
             && let WireError::BadMagic(m) = w
@@ -238,8 +258,27 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
         }
     }
     // Some layers keep an I/O error as text only (the broadcast's control errors).
-    if chain_once(e).contains("Connection refused") {
+    let text = chain_once(e);
+    if text.contains("Connection refused") {
         return ("connection_refused", Some(server.refused_hint()));
+    }
+    if text.contains("not a `ferry publish` control port") {
+        return ("not_ferry", None);
+    }
+    if server == Server::Publish
+        && text.contains("control service at")
+        && (text.contains("Connection reset") || text.contains("connection closed"))
+    {
+        return (
+            "not_ferry",
+            Some(
+                "the port closed the connection at the first request: is it a `ferry publish` \
+                 control port? (a Ferry engine's port, `ferry serve`'s or the publisher's data \
+                 port, does that; pull from the address `ferry publish` prints after `control`, \
+                 7500 unless --listen says otherwise)"
+                    .into(),
+            ),
+        );
     }
     ("error", None)
 }
@@ -251,6 +290,7 @@ fn not_ferry_hint(magic: &[u8; 4]) -> String {
         [0x16, 0x03, ..] => "a TLS server (it answered with a TLS handshake record)",
         [0x15, 0x03, ..] => "a TLS server (it answered with a TLS alert)",
         b"SSH-" => "an SSH server",
+        b"{\"re" => "a `ferry publish` control port (`ferry pull ADDR` reads it)",
         _ => "not a Ferry peer (Ferry's frames open with \"FRRY\")",
     };
     format!("the peer is {what}, not `ferry serve`: check the port (ferry serve's default is 7400)")
@@ -278,5 +318,6 @@ mod tests {
         assert!(not_ferry_hint(b"HTTP").contains("HTTP server"));
         assert!(not_ferry_hint(&[0x16, 0x03, 0x01, 0x00]).contains("TLS"));
         assert!(not_ferry_hint(b"abcd").contains("not a Ferry peer"));
+        assert!(not_ferry_hint(b"{\"re").contains("`ferry publish` control port"));
     }
 }

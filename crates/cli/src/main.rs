@@ -4,7 +4,8 @@
 //! completion scripts).
 //!
 //! Exit codes: 0 on success (`doctor` too, since it is a report, unless `--require` names what
-//! is missing), 1 when a command fails, 2 for bad arguments.
+//! is missing), 1 when a command fails, 2 for bad arguments, 130 when SIGINT (Ctrl-C) and 143
+//! when SIGTERM stopped `bench`, `pull`, `publish` or `serve` (each prints what it did first).
 
 mod cmd_bench;
 mod cmd_broadcast;
@@ -15,7 +16,10 @@ mod cmd_topology;
 mod failure;
 mod histogram;
 mod metadata;
+mod out;
 mod parse;
+mod probe;
+mod stop;
 mod version;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -120,6 +124,13 @@ fn main() -> std::process::ExitCode {
         {
             // The reader went away (`ferry doctor | head`): not an error of ours.
             std::process::ExitCode::SUCCESS
+        }
+        Err(e) if e.downcast_ref::<stop::Stopped>().is_some() => {
+            // The command printed what it did; the status says which signal stopped it.
+            let code = e
+                .downcast_ref::<stop::Stopped>()
+                .map_or(1, |s| s.0.exit_code());
+            std::process::ExitCode::from(code)
         }
         Err(e) if e.downcast_ref::<failure::Reported>().is_some() => {
             std::process::ExitCode::FAILURE

@@ -219,6 +219,17 @@ pub(crate) fn listen_addr(s: &str) -> Result<std::net::SocketAddr> {
         .with_context(|| format!("{s:?} resolves to no address"))
 }
 
+/// `--metrics`: HOST:PORT as [`listen_addr`] takes it, or a bare port (`9400`, `:9400`), which
+/// means this host only (127.0.0.1): metrics are for a local scraper unless a host says
+/// otherwise.
+pub(crate) fn metrics_addr(s: &str) -> Result<std::net::SocketAddr> {
+    let t = s.trim();
+    match t.strip_prefix(':').unwrap_or(t).parse::<u16>() {
+        Ok(port) => Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port))),
+        Err(_) => listen_addr(s),
+    }
+}
+
 /// A peer's address: HOST:PORT (the host a name or an IP), resolved when connecting.
 pub(crate) fn peer_addr(s: &str) -> Result<String> {
     if !has_port(s) {
@@ -344,6 +355,12 @@ mod tests {
             );
         }
         assert!(has_port("[::1]:7400") && !has_port("::1") && !has_port("host:"));
+        // `--metrics 9400` is this host's port 9400.
+        for bare in ["9400", ":9400"] {
+            assert_eq!(metrics_addr(bare).unwrap().to_string(), "127.0.0.1:9400");
+        }
+        assert_eq!(metrics_addr("0.0.0.0:9400").unwrap().port(), 9400);
+        assert!(metrics_addr("localhost").is_err());
     }
 
     #[test]

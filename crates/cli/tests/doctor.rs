@@ -233,8 +233,9 @@ fn require_exits_1_naming_what_is_missing() {
     .filter(|(_, present)| !present)
     .map(|(n, _)| n)
     .collect();
+    // `io_uring` is `uring`, and spaces after the commas are fine.
     let out = ferry()
-        .args(["doctor", "--require", "tcp,uring,rdma,gpu"])
+        .args(["doctor", "--require", "tcp, io_uring, rdma,gpu"])
         .output()
         .expect("run ferry doctor");
     if missing.is_empty() {

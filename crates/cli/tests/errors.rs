@@ -241,3 +241,162 @@ fn no_colour_on_a_redirected_stderr() {
         "ANSI escapes in a redirected stderr: {err:?}"
     );
 }
+
+/// An HTTP server as they are: it answers once the request's `end` came (`"\r\n\r\n"` for a
+/// request head, `"\n"` for a request line), and never speaks first.
+fn http_server(end: &'static [u8]) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 512];
+                while !got.windows(end.len()).any(|w| w == end) {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = c.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n");
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn bench_against_an_http_server_says_so_long_before_the_handshake_deadline() {
+    let addr = http_server(b"\r\n\r\n");
+    let started = std::time::Instant::now();
+    let out = ferry()
+        .args(["bench", &addr, "--json"])
+        .output()
+        .expect("run bench");
+    let took = started.elapsed();
+    let v = json_failure(&out);
+    assert_eq!(v["error"]["kind"], "not_ferry", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("an HTTP server"),
+        "{v}"
+    );
+    assert!(v["error"]["hint"].as_str().unwrap().contains("7400"), "{v}");
+    // Not the handshake's deadline (10 s): the port was asked what it is.
+    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+}
+
+#[test]
+fn pull_names_the_port_it_reached_when_it_is_no_control_port() {
+    // An HTTP server answers the control request's line.
+    let addr = http_server(b"\n");
+    let out = ferry()
+        .args(["pull", &addr, "--in-memory", "--json"])
+        .output()
+        .expect("run pull");
+    let v = json_failure(&out);
+    assert_eq!(v["error"]["kind"], "not_ferry", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("an HTTP server answered, not a `ferry publish` control port"),
+        "{msg}"
+    );
+    // A Ferry engine's port (`ferry serve`'s) closes the connection at the first request.
+    let serve = Serve::start(&[]);
+    let out = ferry()
+        .args(["pull", &serve.addr, "--in-memory", "--json"])
+        .output()
+        .expect("run pull");
+    let v = json_failure(&out);
+    assert_eq!(v["error"]["kind"], "not_ferry", "{v}");
+    assert!(
+        v["error"]["hint"]
+            .as_str()
+            .unwrap()
+            .contains("after `control`"),
+        "{v}"
+    );
+}
+
+#[test]
+fn serve_refuses_a_directory_or_an_unreadable_file_at_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path().display().to_string();
+    let missing = dir.path().join("missing").display().to_string();
+    for (args, want) in [
+        (
+            vec!["--file".to_owned(), format!("f={d}")],
+            "is a directory",
+        ),
+        (
+            vec!["--file-rw".to_owned(), format!("f={d}")],
+            "is a directory",
+        ),
+        (
+            vec!["--segment".to_owned(), format!("s=@{d}")],
+            "is a directory",
+        ),
+        (
+            vec!["--file".to_owned(), format!("f={missing}")],
+            "No such file",
+        ),
+    ] {
+        let out = ferry()
+            .args(["serve", "--listen", "127.0.0.1:0", "--transport", "tcp"])
+            .args(&args)
+            .output()
+            .expect("run serve");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && err.contains(&args[0]),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn bench_against_a_publishers_control_port_names_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("w.bin");
+    std::fs::write(&file, vec![1u8; 4096]).expect("write");
+    let mut publisher = ferry()
+        .args([
+            "publish",
+            "--name",
+            "w",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn publish");
+    let out = BufReader::new(publisher.stdout.take().expect("stdout"));
+    let ctl = out
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| {
+            l.strip_prefix("control ")
+                .and_then(|r| r.split_whitespace().next())
+                .map(str::to_owned)
+        })
+        .expect("publish printed its control address");
+    let out = ferry()
+        .args(["bench", &ctl, "--json"])
+        .output()
+        .expect("run bench");
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+    let v = json_failure(&out);
+    assert_eq!(v["error"]["kind"], "not_ferry", "{v}");
+    // Named by the probe (the message) or by the JSON line it answered the hello with (the
+    // hint), whichever came first.
+    let said = format!("{} {}", v["error"]["message"], v["error"]["hint"]);
+    assert!(said.contains("a `ferry publish` control port"), "{said}");
+}

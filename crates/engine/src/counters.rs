@@ -65,13 +65,13 @@ impl Shape {
 }
 
 /// Request latency classes by the request's bytes: at most each bound (and more than the one
-/// before), the label names the bound.
+/// before); the label names the range, so that an 8 MiB request reads `1MiB-16MiB`.
 pub(crate) const SIZE_CLASSES: [(u64, &str); 5] = [
-    (4 << 10, "4KiB"),
-    (64 << 10, "64KiB"),
-    (1 << 20, "1MiB"),
-    (16 << 20, "16MiB"),
-    (u64::MAX, "inf"),
+    (4 << 10, "0-4KiB"),
+    (64 << 10, "4KiB-64KiB"),
+    (1 << 20, "64KiB-1MiB"),
+    (16 << 20, "1MiB-16MiB"),
+    (u64::MAX, "16MiB+"),
 ];
 
 /// The op label of a request's latency: its ops' kind, or `mixed`.

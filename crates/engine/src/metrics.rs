@@ -139,6 +139,13 @@ async fn answer(
             if head.windows(4).any(|w| w == b"\r\n\r\n") {
                 return Ok(true);
             }
+            // A first line that is no HTTP request line (another protocol's client, a Ferry
+            // control request sent here by mistake) is answered at once, not at the deadline.
+            if let Some(eol) = head.iter().position(|b| *b == b'\n')
+                && !head[..eol].windows(5).any(|w| w == b"HTTP/")
+            {
+                return Ok(false);
+            }
             if head.len() > MAX_HEAD {
                 return Ok(false);
             }
@@ -297,14 +304,21 @@ impl Collector for Snapshot {
 fn encode_info(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
     let mut info = Family::new(
         "ferry_engine_info",
-        "The engine's identity (value 1): peer id, epoch (new at each start), data plane.",
+        "The engine's identity (value 1): peer id, epoch (new at each start), data plane \
+         (uring, tcp or none).",
         Gauge,
     );
+    // The plane's name only: `describe()` adds why it was chosen, free text no label takes.
+    let plane = d
+        .data_plane
+        .as_deref()
+        .and_then(|p| p.split_whitespace().next())
+        .unwrap_or("none");
     info.add(
         labels([
             ("peer_id", &d.peer_id),
             ("epoch", &d.epoch),
-            ("data_plane", d.data_plane.as_deref().unwrap_or("none")),
+            ("data_plane", plane),
         ]),
         1,
     );
@@ -421,7 +435,8 @@ fn encode_latency(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::fmt:
         let mut m = enc.encode_descriptor(
             "ferry_request_duration_seconds",
             "Request latency from submission to the logical outcome, by op kind (or mixed) \
-             and size class (the request's bytes: at most 4KiB, 64KiB, 1MiB, 16MiB, or inf).",
+             and size class (the range of the request's bytes: 0-4KiB, 4KiB-64KiB, \
+             64KiB-1MiB, 1MiB-16MiB, 16MiB+).",
             None,
             MetricType::Histogram,
         )?;
@@ -917,7 +932,7 @@ mod tests {
             .expect("an other series");
         assert!(other.ends_with(&format!(" {}", 100 * extra)), "{other}");
         let count = format!(
-            "ferry_request_duration_seconds_count{{op=\"read\",size=\"4KiB\"}} {}",
+            "ferry_request_duration_seconds_count{{op=\"read\",size=\"0-4KiB\"}} {}",
             MAX_PEER_LABELS + extra
         );
         assert!(text.contains(&count), "{text}");

@@ -136,19 +136,30 @@ async fn a_scrape_shows_what_the_transfers_moved() -> Result<()> {
         assert_eq!(
             sample(
                 &client_text,
-                "ferry_request_duration_seconds_count{op=\"read\",size=\"16MiB\"}"
+                "ferry_request_duration_seconds_count{op=\"read\",size=\"1MiB-16MiB\"}"
             ),
             Some(2.0),
             "{client_text}"
         );
+        // The data plane's name alone labels the engine's identity, not free text.
+        let info = client_text
+            .lines()
+            .find(|l| l.starts_with("ferry_engine_info{"))
+            .expect("ferry_engine_info");
+        let plane = info
+            .split("data_plane=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .expect("a data_plane label");
+        assert!(["uring", "tcp", "none"].contains(&plane), "{info}");
         assert_eq!(
             sample(
                 &client_text,
-                "ferry_request_duration_seconds_bucket{le=\"+Inf\",op=\"write\",size=\"4KiB\"}"
+                "ferry_request_duration_seconds_bucket{le=\"+Inf\",op=\"write\",size=\"0-4KiB\"}"
             )
             .or_else(|| sample(
                 &client_text,
-                "ferry_request_duration_seconds_bucket{op=\"write\",size=\"4KiB\",le=\"+Inf\"}"
+                "ferry_request_duration_seconds_bucket{op=\"write\",size=\"0-4KiB\",le=\"+Inf\"}"
             )),
             Some(1.0),
             "{client_text}"
@@ -265,7 +276,7 @@ async fn mixed_batches_and_refusals_are_counted_by_kind() -> Result<()> {
     assert_eq!(
         sample(
             &text,
-            "ferry_request_duration_seconds_count{op=\"mixed\",size=\"64KiB\"}"
+            "ferry_request_duration_seconds_count{op=\"mixed\",size=\"4KiB-64KiB\"}"
         ),
         Some(1.0),
         "{text}"

@@ -197,7 +197,7 @@ impl Publisher {
         let src = g
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("the publisher is closed"))?;
-        py.detach(|| src.publish(version, &ts, None))
+        runtime::detach(py, || src.publish(version, &ts, None))?
             .map(|_| ())
             .map_err(|e| to_py(py, e))
     }
@@ -210,8 +210,7 @@ impl Publisher {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(src) = src {
-            let rt = runtime::get(py)?;
-            py.detach(|| rt.block_on(src.stop()));
+            runtime::block_on(py, || src.stop())?;
         }
         Ok(())
     }
@@ -254,19 +253,15 @@ fn _publish(
         keys: keyring(py, auth_key_file)?,
         ..Default::default()
     };
-    let rt = runtime::get(py)?;
     let chunk = chunk_size.unwrap_or(ferry_broadcast::manifest::DEFAULT_CHUNK_SIZE);
-    let src = py
-        .detach(|| {
-            rt.block_on(async {
-                let disc = match &etcd_at {
-                    Some(endpoint) => Some(etcd(endpoint, name).await?),
-                    None => None,
-                };
-                Source::start_tensors(&engine.inner, name, version, &ts, chunk, opts, disc).await
-            })
-        })
-        .map_err(|e| to_py(py, e))?;
+    let src = runtime::block_on(py, || async {
+        let disc = match &etcd_at {
+            Some(endpoint) => Some(etcd(endpoint, name).await?),
+            None => None,
+        };
+        Source::start_tensors(&engine.inner, name, version, &ts, chunk, opts, disc).await
+    })?
+    .map_err(|e| to_py(py, e))?;
     let addr = src.ctl_addr().to_string();
     Ok(Publisher {
         inner: Mutex::new(Some(src)),
@@ -304,8 +299,10 @@ impl Puller {
     }
 
     /// Pulls every chunk (GIL released), calling `progress(bytes, total)` as bytes are
-    /// verified (last with `bytes == total` on success); then, with `linger` seconds, keeps relaying while other receivers are
-    /// unfinished. Returns the summary as a dict. `timeout` (seconds) bounds the pull.
+    /// verified (last with `bytes == total` on success); then, with `linger` seconds, keeps
+    /// relaying while other receivers are unfinished. Returns the summary as a dict. `timeout`
+    /// (seconds) bounds the pull. An exception `progress` raises, and Ctrl-C (or any exception
+    /// a signal handler raises), stops the pull and is raised here.
     #[pyo3(signature = (timeout=None, progress=None, linger=0.0))]
     fn run<'py>(
         &self,
@@ -318,58 +315,62 @@ impl Puller {
         let timeout = crate::request::seconds("timeout", timeout)?;
         let linger = crate::request::seconds("linger", Some(linger))?.unwrap_or_default();
         let mut r = self.take()?;
-        let rt = runtime::get(py)?;
         let mut watch = r.progress();
         let name = r.manifest().name.clone();
-        let report = |last: &mut (u64, u64), s: &ferry_broadcast::Snapshot| {
-            if let Some(p) = &progress
-                && *last != (s.bytes, s.total)
-            {
-                *last = (s.bytes, s.total);
-                Python::attach(|py| {
-                    if let Err(e) = p.call1(py, (s.bytes, s.total)) {
-                        e.write_unraisable(py, None);
-                    }
-                });
+        // Calls `progress` when the snapshot moved; its exception ends the pull.
+        let report = |last: &mut (u64, u64), s: &ferry_broadcast::Snapshot| -> PyResult<()> {
+            match &progress {
+                Some(p) if *last != (s.bytes, s.total) => {
+                    *last = (s.bytes, s.total);
+                    Python::attach(|py| p.call1(py, (s.bytes, s.total)).map(drop))
+                }
+                _ => Ok(()),
             }
         };
-        let result = py.detach(|| {
-            rt.block_on(async {
-                let mut last = (u64::MAX, u64::MAX);
-                let res = {
-                    let run = r.run();
-                    tokio::pin!(run);
-                    let deadline = async {
-                        match timeout {
-                            Some(t) => tokio::time::sleep(t).await,
-                            None => std::future::pending().await,
-                        }
-                    };
-                    tokio::pin!(deadline);
-                    loop {
-                        tokio::select! {
-                            res = &mut run => break Some(res),
-                            () = &mut deadline => break None,
-                            Ok(()) = watch.changed(), if progress.is_some() => {
-                                let s = watch.borrow_and_update().clone();
-                                report(&mut last, &s);
-                            }
-                        }
+        let ran = runtime::block_on(py, || async {
+            let mut last = (u64::MAX, u64::MAX);
+            let res = {
+                let run = r.run();
+                tokio::pin!(run);
+                let deadline = async {
+                    match timeout {
+                        Some(t) => tokio::time::sleep(t).await,
+                        None => std::future::pending().await,
                     }
                 };
-                if matches!(res, Some(Ok(_))) {
-                    // The last snapshot (every byte) even when the pull ended before the
-                    // watch was polled again.
-                    let s = watch.borrow_and_update().clone();
-                    report(&mut last, &s);
+                tokio::pin!(deadline);
+                loop {
+                    tokio::select! {
+                        res = &mut run => break Some(res),
+                        () = &mut deadline => break None,
+                        Ok(()) = watch.changed(), if progress.is_some() => {
+                            let s = watch.borrow_and_update().clone();
+                            report(&mut last, &s)?;
+                        }
+                    }
                 }
-                if matches!(res, Some(Ok(_))) && !linger.is_zero() {
+            };
+            if matches!(res, Some(Ok(_))) {
+                // The last snapshot (every byte) even when the pull ended before the watch
+                // was polled again.
+                let s = watch.borrow_and_update().clone();
+                report(&mut last, &s)?;
+                if !linger.is_zero() {
                     r.linger(linger).await;
                 }
-                (res, r)
-            })
-        });
-        let (res, r) = result;
+            }
+            Ok::<_, PyErr>(res)
+        })
+        .and_then(|ran| ran);
+        // Interrupted or stopped by the callback: the pull's future was dropped, which
+        // stopped it; the receiver is put back for `close`.
+        let res = match ran {
+            Ok(res) => res,
+            Err(e) => {
+                self.put(r);
+                return Err(e);
+            }
+        };
         let res = res.unwrap_or_else(|| {
             Err(r.failed(BroadcastError::TimedOut {
                 name,
@@ -398,7 +399,7 @@ impl Puller {
         let r = g
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("this pull was closed"))?;
-        py.detach(|| r.commit()).map_err(|e| to_py(py, e))
+        runtime::detach(py, || r.commit())?.map_err(|e| to_py(py, e))
     }
 
     /// Bytes the CPU copied so far: hashing host memory, and commits (counted, not timed).
@@ -407,16 +408,24 @@ impl Puller {
         g.as_ref().map_or(0, Receiver::bytes_copied)
     }
 
-    /// Leaves the member list and stops serving.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
+    /// Leaves the member list and stops serving. With `timeout` (seconds), gives the source
+    /// that long to take the leave (an interrupted pull's source may not answer); it then
+    /// learns from the missed heartbeats.
+    #[pyo3(signature = (timeout=None))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = crate::request::seconds("timeout", timeout)?;
         let r = self
             .inner
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(r) = r {
-            let rt = runtime::get(py)?;
-            py.detach(|| rt.block_on(r.leave()));
+            runtime::block_on(py, || async {
+                match timeout {
+                    Some(t) => drop(tokio::time::timeout(t, r.leave()).await),
+                    None => r.leave().await,
+                }
+            })?;
         }
         Ok(())
     }
@@ -514,21 +523,17 @@ fn _join(
     } else {
         (SourceAt::Addr(addr(source)?), name)
     };
-    let rt = runtime::get(py)?;
-    let r = py
-        .detach(|| {
-            rt.block_on(async {
-                let disc: Arc<dyn Discovery> = match &at {
-                    SourceAt::Etcd { endpoint, name } => etcd(endpoint, name).await?,
-                    SourceAt::Addr(a) => match tracker_keys {
-                        Some(k) => Arc::new(Embedded::with_keys(*a, k)),
-                        None => Arc::new(Embedded::new(*a)),
-                    },
-                };
-                Receiver::join_into(&engine.inner, disc, name.as_deref(), d, opts).await
-            })
-        })
-        .map_err(|e| to_py(py, e))?;
+    let r = runtime::block_on(py, || async {
+        let disc: Arc<dyn Discovery> = match &at {
+            SourceAt::Etcd { endpoint, name } => etcd(endpoint, name).await?,
+            SourceAt::Addr(a) => match tracker_keys {
+                Some(k) => Arc::new(Embedded::with_keys(*a, k)),
+                None => Arc::new(Embedded::new(*a)),
+            },
+        };
+        Receiver::join_into(&engine.inner, disc, name.as_deref(), d, opts).await
+    })?
+    .map_err(|e| to_py(py, e))?;
     Ok(Puller {
         version: r.version(),
         inner: Mutex::new(Some(r)),

@@ -1,7 +1,6 @@
 //! `Engine`: registers memory and files, connects to peers, moves bytes. The handles it gives
 //! out are in `handles`; every call that can block (connecting, probing) releases the GIL.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ferry::{Access, DataPlane, OpKind, TransferEngine, TransportKind};
@@ -9,11 +8,11 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{parse_access, seconds, to_plain};
+use crate::args::{non_negative, parse_access, seconds, to_plain};
 use crate::buffer;
 use crate::errors;
 use crate::gpu::{self, GpuRegistration};
-use crate::handles::{FileRegistration, Peer, Registration, RemoteSegment};
+use crate::handles::{FileRegistration, Keeper, Peer, Registration, RemoteSegment};
 use crate::request::{self, Batch, Request, make_op, to_batch};
 use crate::runtime;
 
@@ -51,10 +50,12 @@ fn host_port(what: &str, addr: &str, example: &str) -> PyResult<std::net::Socket
 /// (lines of `name hexkey`): peers must then prove a key of it, and this engine proves its first
 /// key when it connects (without it, the file named by `FERRY_AUTH_KEY_FILE`, if set).
 /// `metrics="127.0.0.1:9400"` serves Prometheus metrics over HTTP there (`GET /metrics`; port
-/// 0: any free port, see `metrics_addr`).
+/// 0: any free port, see `metrics_addr`; a bare port, `"9400"`, is 127.0.0.1's).
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
+    /// Every registration it made, published until closed or this engine is.
+    keeper: Keeper,
 }
 
 #[pymethods]
@@ -69,17 +70,24 @@ impl Engine {
         listen: Option<&str>,
         transports: Option<Vec<String>>,
         data_plane: &str,
-        streams: Option<usize>,
-        depth: Option<usize>,
-        chunk_size: Option<u64>,
-        socket_buffer: Option<usize>,
-        io_threads: Option<usize>,
+        streams: Option<i64>,
+        depth: Option<i64>,
+        chunk_size: Option<i64>,
+        socket_buffer: Option<i64>,
+        io_threads: Option<i64>,
         request_timeout: Option<f64>,
         connect_timeout: Option<f64>,
         dead_peer_after: Option<f64>,
         auth_key_file: Option<std::path::PathBuf>,
         metrics: Option<&str>,
     ) -> PyResult<Self> {
+        // Python ints as counts and sizes: a negative one is a ValueError naming the argument.
+        let whole = |what: &str, v: Option<i64>| v.map(|v| non_negative(what, v)).transpose();
+        let streams = whole("streams", streams)?.map(|n| n as usize);
+        let depth = whole("depth", depth)?.map(|n| n as usize);
+        let chunk_size = whole("chunk_size", chunk_size)?;
+        let socket_buffer = whole("socket_buffer", socket_buffer)?.map(|n| n as usize);
+        let io_threads = whole("io_threads", io_threads)?.map(|n| n as usize);
         let mut b = TransferEngine::builder();
         if let Some(addr) = listen {
             b = b.listen(host_port("listen", addr, "127.0.0.1:0")?);
@@ -163,16 +171,23 @@ impl Engine {
             b = b.auth_key_file(path);
         }
         if let Some(addr) = metrics {
-            b = b.metrics(host_port("metrics", addr, "127.0.0.1:9400")?);
+            // A bare port (`"9400"`) is this host's, as `ferry serve --metrics 9400` takes it.
+            let bare = addr.trim().trim_start_matches(':').parse::<u16>().ok();
+            b = b.metrics(match bare {
+                Some(port) => std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                None => host_port("metrics", addr, "127.0.0.1:9400")?,
+            });
         }
         let rt = runtime::get(py)?;
-        let inner = py
-            .detach(|| {
-                let _enter = rt.enter();
-                b.build()
-            })
-            .map_err(|e| errors::to_py(py, e))?;
-        Ok(Self { inner })
+        let inner = runtime::detach(py, || {
+            let _enter = rt.enter();
+            b.build()
+        })?
+        .map_err(|e| errors::to_py(py, e))?;
+        Ok(Self {
+            inner,
+            keeper: Keeper::default(),
+        })
     }
 
     /// The address it serves on (`"127.0.0.1:41234"`), or None when it does not listen.
@@ -237,26 +252,29 @@ impl Engine {
         let name =
             name.unwrap_or_else(|| format!("buffer-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
         let len = exported.region.len() as u64;
-        let reg = self
-            .inner
-            .register(exported.region, access, &name)
-            .map_err(|e| errors::to_py(py, e))?;
-        Ok(Registration {
+        let reg = runtime::guard(py, || {
+            self.inner
+                .register(exported.region, access, &name)
+                .map_err(|e| errors::to_py(py, e))
+        })?;
+        let r = Registration {
             name,
             len,
             readonly: exported.readonly,
             access,
             token: reg.token().to_string(),
-            inner: Mutex::new(Some(reg)),
-        })
+            inner: crate::handles::held(reg),
+        };
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Allocates `size` bytes on GPU `device` (an ordinal) and registers them under `name` with
     /// `access` for peers (as `register`), returning a `GpuRegistration`: the local side of
     /// `read`/`write`/`Batch` ops like a `Registration` (staged through pinned host buffers over
     /// TCP and io_uring, GPUDirect over RDMA where a route exists), published to peers when
-    /// `access` grants them anything. The memory is freed once the registration object and every
-    /// request using it are gone.
+    /// `access` grants them anything. The memory is freed once it is closed (or this engine
+    /// is) and the registration object and every request using it are gone.
     ///
     /// The CUDA driver is loaded on the engine's first GPU call: the system's `libcuda.so.1`, or
     /// the file the environment variable `FERRY_LIBCUDA` names then. Raises `Unavailable` (with
@@ -272,14 +290,17 @@ impl Engine {
         name: Option<String>,
         access: &str,
     ) -> PyResult<GpuRegistration> {
-        gpu::alloc(py, &self.inner, device, size, name, access)
+        let r = gpu::alloc(py, &self.inner, device, size, name, access)?;
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Registers device memory someone else owns, without copying it: `obj` is any object with
     /// `__cuda_array_interface__` (a PyTorch CUDA tensor, a CuPy array, a Numba device array),
     /// contiguous (strides None or C order), of `product(shape) * itemsize` bytes. Arguments as
-    /// for `alloc_gpu`. The registration keeps `obj` alive (and so its memory) until the
-    /// registration object and every request using it are gone.
+    /// for `alloc_gpu`. The registration keeps `obj` alive (and so its memory) until it is
+    /// closed (or this engine is) and the registration object and every request using it are
+    /// gone.
     ///
     /// The driver says which GPU holds the memory (`cuPointerGetAttribute`) and that the range
     /// lies inside one device allocation; `device` when given (else `obj.device.index`,
@@ -301,7 +322,9 @@ impl Engine {
         access: &str,
         device: Option<i64>,
     ) -> PyResult<GpuRegistration> {
-        gpu::wrap(py, &self.inner, obj, name, access, device)
+        let r = gpu::wrap(py, &self.inner, obj, name, access, device)?;
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Loads `length` bytes of the file at `path` from `file_offset` into the GPU registration
@@ -352,15 +375,16 @@ impl Engine {
         }
         let name = name.unwrap_or_else(|| path.display().to_string());
         let inner = &self.inner;
-        let reg = py
-            .detach(|| inner.publish_file_named(&path, access, &name))
+        let reg = runtime::detach(py, || inner.publish_file_named(&path, access, &name))?
             .map_err(|e| errors::to_py(py, e))?;
-        Ok(FileRegistration {
+        let r = FileRegistration {
             name: reg.name().to_owned(),
             len: reg.len(),
             token: reg.token().to_string(),
-            inner: Mutex::new(Some(reg)),
-        })
+            inner: crate::handles::held(reg),
+        };
+        self.keeper.keep(&r.inner);
+        Ok(r)
     }
 
     /// Connects to the engine serving `addr` (`"host:port"`): handshake, then the data path
@@ -369,28 +393,25 @@ impl Engine {
     /// epoch than the one this engine met there first, `ProtocolMismatch`, `Timeout`,
     /// `IoError` (refused, unreachable) or `NoRoute`.
     fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
-        let rt = runtime::get(py)?;
         let inner = &self.inner;
-        let peer = py
-            .detach(|| rt.block_on(inner.connect(addr)))
-            .map_err(|e| errors::to_py(py, e))?;
+        let peer =
+            runtime::block_on(py, || inner.connect(addr))?.map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
     }
 
     /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
     /// serves it now (descriptors of the old one stay refused).
     fn reresolve(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
-        let rt = runtime::get(py)?;
         let inner = &self.inner;
-        let peer = py
-            .detach(|| rt.block_on(inner.reresolve(addr)))
-            .map_err(|e| errors::to_py(py, e))?;
+        let peer =
+            runtime::block_on(py, || inner.reresolve(addr))?.map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
     }
 
     /// Starts a READ of `remote[remote_offset:+length]` into `local[local_offset:+length]` and
-    /// returns its `Request` (`length=None`: the rest of `local`, clipped to the rest of
-    /// `remote`). `timeout` (seconds) ends it logically once it passes. Bad arguments raise
+    /// returns its `Request` (`length=None`: the rest of `remote`, which `local` must have room
+    /// for, else `OutOfBounds`). `timeout` (seconds) ends it logically once it passes (`None`:
+    /// the engine's `request_timeout`; `0`: already passed). Bad arguments raise
     /// before anything moves: `TypeError` (wrong types, a read-only `local`), `ValueError`
     /// (negative numbers), `OutOfBounds`, `AccessDenied`.
     #[pyo3(signature = (local, remote, *, local_offset=0, remote_offset=0, length=None, timeout=None))]
@@ -454,7 +475,8 @@ impl Engine {
     /// What the engine is and has done, as a dict: identity, listener, transports, data plane,
     /// registrations, published segments, per-route and per-rail counters.
     fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        to_plain(py, &self.inner.describe())
+        let d = runtime::guard(py, || Ok(self.inner.describe()))?;
+        to_plain(py, &d)
     }
 
     /// Surfaces native cleanup that failed earlier (an `Unquiesced` registration); returns None
@@ -463,9 +485,12 @@ impl Engine {
         self.inner.check().map_err(|e| errors::to_py(py, e))
     }
 
-    /// Stops serving: the listener closes and accepted connections are dropped.
-    fn shutdown(&self) {
+    /// Stops serving: the listener closes, accepted connections are dropped and every
+    /// registration it made is closed (unpublished; memory is released once no request uses it).
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         self.inner.shutdown();
+        let keeper = &self.keeper;
+        runtime::detach(py, || keeper.close_all())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -473,8 +498,8 @@ impl Engine {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) {
-        self.inner.shutdown();
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.shutdown(py)
     }
 
     fn __repr__(&self) -> String {
@@ -498,13 +523,15 @@ impl Engine {
     ) -> PyResult<Request> {
         let batch = to_batch(py, ops, timeout)?;
         let rt = runtime::get(py)?;
-        let _enter = rt.enter();
-        let handle = self
-            .inner
-            .submit(batch)
-            .map_err(|e| request::segment_error(py, e, ops))?;
-        let (watch, canceller) = request::watch(handle);
-        Ok(Request { watch, canceller })
+        runtime::guard(py, || {
+            let _enter = rt.enter();
+            let handle = self
+                .inner
+                .submit(batch)
+                .map_err(|e| request::segment_error(py, e, ops))?;
+            let (watch, canceller) = request::watch(handle);
+            Ok(Request { watch, canceller })
+        })
     }
 }
 
@@ -514,8 +541,9 @@ impl Engine {
 /// probing.
 #[pyfunction]
 pub(crate) fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    let caps =
-        py.detach(|| ferry::capabilities::probe(&ferry::capabilities::ProbeOptions::default()));
+    let caps = runtime::detach(py, || {
+        ferry::capabilities::probe(&ferry::capabilities::ProbeOptions::default())
+    })?;
     to_plain(py, &caps)
 }
 

@@ -18,7 +18,7 @@
 //! with the loader's reason.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
 
 use ferry::cuda::{CudaError, DeviceMemory};
 use ferry::{Access, TransferEngine};
@@ -208,12 +208,11 @@ fn registration(
 ) -> PyResult<GpuRegistration> {
     let rt = runtime::get(py)?;
     let memory = Arc::new(memory);
-    let reg = py
-        .detach(|| {
-            let _enter = rt.enter();
-            engine.register_gpu(memory.clone(), access, &name)
-        })
-        .map_err(|e| errors::to_py(py, e))?;
+    let reg = runtime::detach(py, || {
+        let _enter = rt.enter();
+        engine.register_gpu(memory.clone(), access, &name)
+    })?
+    .map_err(|e| errors::to_py(py, e))?;
     let route = reg.route();
     Ok(GpuRegistration {
         len: memory.len() as u64,
@@ -227,7 +226,7 @@ fn registration(
         access,
         readonly,
         memory,
-        inner: Mutex::new(Some(reg)),
+        inner: crate::handles::held(reg),
     })
 }
 
@@ -251,8 +250,7 @@ pub(crate) fn alloc(
         })?;
     let name = name.unwrap_or_else(|| format!("gpu-{}", UNNAMED.fetch_add(1, Ordering::Relaxed)));
     let cuda = engine.cuda().map_err(|e| errors::to_py(py, e))?;
-    let memory = py
-        .detach(|| cuda.device(ordinal).and_then(|d| d.alloc(size)))
+    let memory = runtime::detach(py, || cuda.device(ordinal).and_then(|d| d.alloc(size)))?
         .map_err(|e| cuda_err(py, e))?;
     registration(py, engine, memory, access, name, false)
 }
@@ -288,8 +286,7 @@ pub(crate) fn wrap(
     // which GPU holds it and that the range lies inside one device allocation
     // (`wrap_located`). Ferry only hands the address to the driver's copies and, on a
     // GPUDirect route, to the NIC registration; never to host code.
-    let memory = py
-        .detach(|| unsafe { cuda.wrap_located(cai.ptr, cai.len, owner) })
+    let memory = runtime::detach(py, || unsafe { cuda.wrap_located(cai.ptr, cai.len, owner) })?
         .map_err(|e| cuda_err(py, e))?;
     if let Some(c) = claimed
         && c != memory.location().ordinal
@@ -345,9 +342,10 @@ pub(crate) fn read_file<'py>(
             format!("GPU registration {:?} is closed", dst.name),
         )
     })?;
-    let load = py
-        .detach(|| engine.read_file_into_gpu(reg, offset, &path, file_offset, len))
-        .map_err(|e| errors::to_py(py, e))?;
+    let load = runtime::detach(py, || {
+        engine.read_file_into_gpu(reg, offset, &path, file_offset, len)
+    })?
+    .map_err(|e| errors::to_py(py, e))?;
     drop(guard);
     let d = PyDict::new(py);
     d.set_item("bytes", load.bytes)?;
@@ -360,8 +358,9 @@ pub(crate) fn read_file<'py>(
 /// staged through pinned host buffers over TCP and io_uring (GPUDirect over RDMA where a route
 /// exists). With remote access it is published to peers under its name.
 ///
-/// `close()` unpublishes it. The memory itself stays valid while this object (or a request
-/// using it) lives, so views taken through `__cuda_array_interface__` stay valid too: memory
+/// `close()` (or its engine's shutdown) unpublishes it; dropping this object does not (the
+/// engine keeps it). The memory itself stays valid while this object (or a request using it)
+/// lives, so views taken through `__cuda_array_interface__` stay valid too: memory
 /// from `alloc_gpu` is freed, and the object given to `register_gpu` released, only then.
 #[pyclass(name = "GpuRegistration", module = "ferry", frozen)]
 pub(crate) struct GpuRegistration {
@@ -376,7 +375,7 @@ pub(crate) struct GpuRegistration {
     route: String,
     why: String,
     memory: Arc<DeviceMemory>,
-    pub(crate) inner: Mutex<Option<ferry::GpuRegistration>>,
+    pub(crate) inner: crate::handles::Held<ferry::GpuRegistration>,
 }
 
 impl GpuRegistration {
@@ -505,7 +504,7 @@ impl GpuRegistration {
         // The address crosses into the detached closure as an integer.
         let addr = buf.buf_ptr() as usize;
         let memory = &self.memory;
-        let res = py.detach(move || {
+        let res = runtime::detach(py, move || {
             let slice: &[u8] = if len == 0 {
                 &[]
             } else {
@@ -518,7 +517,7 @@ impl GpuRegistration {
             memory.copy_from_host(offset, slice)
         });
         buf.release(py);
-        res.map_err(|e| cuda_err(py, e))
+        res?.map_err(|e| cuda_err(py, e))
     }
 
     /// The bytes of the memory from `offset` (`length=None`: to the end), copied out by the
@@ -537,12 +536,11 @@ impl GpuRegistration {
         };
         self.bounds(py, offset, len)?;
         let memory = &self.memory;
-        let out = py
-            .detach(|| {
-                let mut out = vec![0u8; len as usize];
-                memory.copy_to_host(offset, &mut out).map(|()| out)
-            })
-            .map_err(|e| cuda_err(py, e))?;
+        let out = runtime::detach(py, || {
+            let mut out = vec![0u8; len as usize];
+            memory.copy_to_host(offset, &mut out).map(|()| out)
+        })?
+        .map_err(|e| cuda_err(py, e))?;
         Ok(PyBytes::new(py, &out))
     }
 

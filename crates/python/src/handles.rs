@@ -1,7 +1,7 @@
 //! The handles an `Engine` gives out: `Registration`, `FileRegistration`, `Peer` and
 //! `RemoteSegment`, each wrapping the facade's type of the same role.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use ferry::Access;
 use pyo3::prelude::*;
@@ -10,8 +10,63 @@ use pyo3::types::{PyDict, PyList};
 use crate::args::access_name;
 use crate::errors;
 
-/// Registered memory: a buffer-protocol object published under a name. `close()` (or leaving
-/// a `with` block) unpublishes it; the memory stays in use until requests using it drained.
+/// A registration as its Python object and its engine's [`Keeper`] share it: `None` once
+/// closed.
+pub(crate) type Held<T> = Arc<Mutex<Option<T>>>;
+
+/// A new [`Held`] of `value`.
+pub(crate) fn held<T>(value: T) -> Held<T> {
+    Arc::new(Mutex::new(Some(value)))
+}
+
+/// One registration an engine keeps.
+trait Kept: Send + Sync {
+    fn is_closed(&self) -> bool;
+    fn close(&self);
+}
+
+impl<T: Send> Kept for Mutex<Option<T>> {
+    fn is_closed(&self) -> bool {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    fn close(&self) {
+        let gone = self.lock().unwrap_or_else(PoisonError::into_inner).take();
+        drop(gone);
+    }
+}
+
+/// What an engine keeps published: every registration it made stays published (and its memory
+/// held) until it is closed or the engine is shut down or gone, whether or not Python still
+/// holds its handle; dropping a handle unpublishes nothing.
+#[derive(Default)]
+pub(crate) struct Keeper {
+    held: Mutex<Vec<Arc<dyn Kept>>>,
+}
+
+impl Keeper {
+    /// Keeps `h` (and forgets the ones closed meanwhile).
+    pub(crate) fn keep<T: Send + 'static>(&self, h: &Held<T>) {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        held.retain(|k| !k.is_closed());
+        held.push(h.clone());
+    }
+
+    /// Closes every registration kept (the engine is shutting down).
+    pub(crate) fn close_all(&self) {
+        let all = std::mem::take(&mut *self.held.lock().unwrap_or_else(PoisonError::into_inner));
+        for k in all {
+            k.close();
+        }
+    }
+}
+
+/// Registered memory: a buffer-protocol object published under a name. It stays published
+/// until `close()` (or the end of a `with` block) or until its engine is shut down or gone:
+/// the engine keeps it, so dropping this object unpublishes nothing. The memory stays in use
+/// until requests using it drained.
 #[pyclass(name = "Registration", module = "ferry", frozen)]
 pub(crate) struct Registration {
     pub(crate) name: String,
@@ -19,7 +74,7 @@ pub(crate) struct Registration {
     pub(crate) readonly: bool,
     pub(crate) access: Access,
     pub(crate) token: String,
-    pub(crate) inner: Mutex<Option<ferry::Registration>>,
+    pub(crate) inner: Held<ferry::Registration>,
 }
 
 #[pymethods]
@@ -98,13 +153,14 @@ impl Registration {
     }
 }
 
-/// A published file segment. `close()` unpublishes it; reads already running finish.
+/// A published file segment. `close()` (or its engine's shutdown) unpublishes it; reads
+/// already running finish. Dropping this object unpublishes nothing: the engine keeps it.
 #[pyclass(name = "FileRegistration", module = "ferry", frozen)]
 pub(crate) struct FileRegistration {
     pub(crate) name: String,
     pub(crate) len: u64,
     pub(crate) token: String,
-    pub(crate) inner: Mutex<Option<ferry::FileRegistration>>,
+    pub(crate) inner: Held<ferry::FileRegistration>,
 }
 
 #[pymethods]

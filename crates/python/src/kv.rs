@@ -36,39 +36,29 @@ impl EtcdKv {
         } else {
             format!("http://{endpoint}")
         };
-        let rt = runtime::get(py)?;
-        let inner = py
-            .detach(|| rt.block_on(ferry_broadcast::EtcdKv::connect(&endpoint, ttl)))
+        let inner = runtime::block_on(py, || ferry_broadcast::EtcdKv::connect(&endpoint, ttl))?
             .map_err(|e| kv_err(py, e))?;
         Ok(Self { inner })
     }
 
     /// Stores `value` under `key`, bound to this client's lease.
     fn put(&self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {
-        let rt = runtime::get(py)?;
-        py.detach(|| rt.block_on(self.inner.put_leased(key, value)))
-            .map_err(|e| kv_err(py, e))
+        runtime::block_on(py, || self.inner.put_leased(key, value))?.map_err(|e| kv_err(py, e))
     }
 
     /// The bytes under `key`, or None.
     fn get(&self, py: Python<'_>, key: &str) -> PyResult<Option<Vec<u8>>> {
-        let rt = runtime::get(py)?;
-        py.detach(|| rt.block_on(self.inner.get(key)))
-            .map_err(|e| kv_err(py, e))
+        runtime::block_on(py, || self.inner.get(key))?.map_err(|e| kv_err(py, e))
     }
 
     /// Removes `key` (nothing if absent).
     fn delete(&self, py: Python<'_>, key: &str) -> PyResult<()> {
-        let rt = runtime::get(py)?;
-        py.detach(|| rt.block_on(self.inner.delete(key)))
-            .map_err(|e| kv_err(py, e))
+        runtime::block_on(py, || self.inner.delete(key))?.map_err(|e| kv_err(py, e))
     }
 
     /// Revokes the lease: every record this client put goes now.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let rt = runtime::get(py)?;
-        py.detach(|| rt.block_on(self.inner.revoke()))
-            .map_err(|e| kv_err(py, e))
+        runtime::block_on(py, || self.inner.revoke())?.map_err(|e| kv_err(py, e))
     }
 }
 

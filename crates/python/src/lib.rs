@@ -6,10 +6,13 @@
 //! `register` takes any buffer-protocol object without copying it, `connect` gives a `Peer`,
 //! `read`/`write`/`submit` give a `Request` whose `wait()` releases the GIL and which asyncio
 //! can await). Ferry's errors become `FerryError` subclasses with Rust's message; bad arguments
-//! raise `TypeError`/`ValueError` before anything moves. No Rust panic crosses into Python as an
-//! abort: PyO3 turns a panic in a call into a `pyo3_runtime.PanicException`, and a panic on the
-//! runtime ends a request's watch with a `FerryError` instead of leaving its waiters hanging.
-//! No runtime worker thread ever waits for the GIL (see `request` and `buffer`).
+//! raise `TypeError`/`ValueError` before anything moves. No Rust panic crosses into Python: every
+//! call that reaches the engine runs under one of `runtime`'s shields, which turn a panic into a
+//! `FerryError` (the engine stays usable), and a panic on the runtime ends a request's watch
+//! with a `FerryError` instead of leaving its waiters hanging. Every blocking wait releases the
+//! GIL and lets Python handle signals at least every 50 ms: Ctrl-C raises `KeyboardInterrupt`
+//! and cancels what was waited for. No runtime worker thread ever waits for the GIL (see
+//! `request` and `buffer`).
 //!
 //! It depends on the facade (GPU memory through the facade's `ferry::cuda` re-export) and on
 //! `ferry-broadcast`, whose tensor publisher and in-place receiver `broadcast` binds for the
@@ -42,5 +45,6 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     broadcast::add_to(m)?;
     raw::add_to(m)?;
     kv::add_to(m)?;
+    m.add_function(wrap_pyfunction!(runtime::_panic_for_tests, m)?)?;
     Ok(())
 }

@@ -137,7 +137,8 @@ impl RawEngine {
             // checks that the range lies inside one device allocation and says which GPU holds
             // it (`wrap_located`), or refuses; Ferry hands the address only to the driver's
             // copies and the NIC registration, never to host code.
-            let wrapped = py.detach(|| unsafe { cuda.wrap_located(addr, len, Box::new(())) });
+            let wrapped =
+                runtime::detach(py, || unsafe { cuda.wrap_located(addr, len, Box::new(())) })?;
             match (wrapped, ordinal) {
                 (Ok(memory), _) => {
                     let on = memory.location().ordinal;
@@ -149,12 +150,11 @@ impl RawEngine {
                     let location = format!("cuda:{on}");
                     let name = segment_name(addr, &location);
                     let memory = Arc::new(memory);
-                    let reg = py
-                        .detach(|| {
-                            let _enter = rt.enter();
-                            engine.register_gpu(memory, access, &name)
-                        })
-                        .map_err(|e| errors::to_py(py, e))?;
+                    let reg = runtime::detach(py, || {
+                        let _enter = rt.enter();
+                        engine.register_gpu(memory, access, &name)
+                    })?
+                    .map_err(|e| errors::to_py(py, e))?;
                     return self.insert(addr, length, location, reg.local_ref(), Held::Gpu(reg));
                 }
                 (Err(e), Some(_)) => return Err(crate::gpu::cuda_err(py, e)),
@@ -190,7 +190,7 @@ impl RawEngine {
             }
         };
         // Dropping the handle unpublishes it; off the GIL, it may wait for native cleanup.
-        py.detach(|| drop(gone));
+        runtime::detach(py, || drop(gone))?;
         Ok(())
     }
 
@@ -249,16 +249,12 @@ impl RawEngine {
         py: Python<'_>,
         peer: &str,
     ) -> PyResult<Vec<(u64, u64, String)>> {
-        let rt = runtime::get(py)?;
-        let map = py
-            .detach(|| {
-                rt.block_on(async {
-                    let p = self.peer(peer).await?;
-                    p.refresh(&self.engine).await?;
-                    Ok::<_, ferry::Error>(p.registrations())
-                })
-            })
-            .map_err(|e| errors::to_py(py, e))?;
+        let map = runtime::block_on(py, || async {
+            let p = self.peer(peer).await?;
+            p.refresh(&self.engine).await?;
+            Ok::<_, ferry::Error>(p.registrations())
+        })?
+        .map_err(|e| errors::to_py(py, e))?;
         Ok(map
             .iter()
             .map(|e| (e.base, e.len, e.value.location.clone()))
@@ -293,20 +289,16 @@ impl RawEngine {
             }
             return Ok(());
         };
-        let rt = runtime::get(py)?;
-        py.detach(|| {
-            rt.block_on(async {
-                let p = self.peer(peer).await?;
-                p.holding(&self.engine, &addrs, &lengths).await.map(drop)
-            })
-        })
+        runtime::block_on(py, || async {
+            let p = self.peer(peer).await?;
+            p.holding(&self.engine, &addrs, &lengths).await.map(drop)
+        })?
         .map_err(|e| self.fail(py, peer, e))
     }
 
     /// Connects to `peer` (`"host:port"`) unless connected; blocks with the GIL released.
     fn connect(&self, py: Python<'_>, peer: &str) -> PyResult<()> {
-        let rt = runtime::get(py)?;
-        py.detach(|| rt.block_on(self.peer(peer)))
+        runtime::block_on(py, || self.peer(peer))?
             .map(drop)
             .map_err(|e| errors::to_py(py, e))
     }
@@ -352,9 +344,13 @@ impl RawEngine {
             &lengths,
             timeout,
             |handle, _| async {
+                // Interrupted (Ctrl-C), this future is dropped: the request is cancelled then.
+                let cancel = CancelOnDrop(Some(handle.canceller()));
                 let drained = handle.drained();
                 handle.await;
-                drained.await
+                let outcome = drained.await;
+                cancel.disarm();
+                outcome
             },
         )?;
         self.settle(py, peer, outcome)
@@ -400,13 +396,10 @@ impl RawEngine {
     /// once the peer holds it. Call it after the transfer it speaks of completed: it never
     /// arrives before that transfer's bytes. Blocks with the GIL released.
     fn notify(&self, py: Python<'_>, peer: &str, name: &str, message: Vec<u8>) -> PyResult<()> {
-        let rt = runtime::get(py)?;
-        py.detach(|| {
-            rt.block_on(async {
-                let p = self.peer(peer).await?;
-                self.engine.notify(p.peer(), name, &message).await
-            })
-        })
+        runtime::block_on(py, || async {
+            let p = self.peer(peer).await?;
+            self.engine.notify(p.peer(), name, &message).await
+        })?
         .map_err(|e| self.fail(py, peer, e))
     }
 
@@ -431,6 +424,24 @@ impl RawEngine {
             "<ferry.RawEngine peer_id={} registrations={n}>",
             self.engine.peer_id()
         )
+    }
+}
+
+/// Cancels a request when dropped before [`disarm`](Self::disarm): a wait for it that was
+/// interrupted ends the request too.
+struct CancelOnDrop(Option<ferry::Canceller>);
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.cancel();
+        }
     }
 }
 
@@ -494,18 +505,15 @@ impl RawEngine {
         let kind = op_kind(op)?;
         check_lists(local, remote, lengths)?;
         let timeout = seconds("timeout", timeout)?;
-        let rt = runtime::get(py)?;
-        let run = || {
-            rt.block_on(async {
-                let p = self.peer(peer).await?;
-                let batch = self
-                    .batch(&p, kind, local, remote, lengths, timeout)
-                    .await?;
-                let handle = self.engine.submit(batch)?;
-                Ok::<T, ferry::Error>(then(handle, p).await)
-            })
-        };
-        py.detach(run).map_err(|e| self.fail(py, peer, e))
+        runtime::block_on(py, || async {
+            let p = self.peer(peer).await?;
+            let batch = self
+                .batch(&p, kind, local, remote, lengths, timeout)
+                .await?;
+            let handle = self.engine.submit(batch)?;
+            Ok::<T, ferry::Error>(then(handle, p).await)
+        })?
+        .map_err(|e| self.fail(py, peer, e))
     }
 
     /// Registers host `region` (at `addr`) and enters it in the local map.
@@ -520,12 +528,11 @@ impl RawEngine {
     ) -> PyResult<()> {
         let rt = runtime::get(py)?;
         let name = segment_name(addr, location);
-        let reg = py
-            .detach(|| {
-                let _enter = rt.enter();
-                self.engine.register(region, access, &name)
-            })
-            .map_err(|e| errors::to_py(py, e))?;
+        let reg = runtime::detach(py, || {
+            let _enter = rt.enter();
+            self.engine.register(region, access, &name)
+        })?
+        .map_err(|e| errors::to_py(py, e))?;
         self.insert(
             addr,
             length,
@@ -661,7 +668,7 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// with their NUMA nodes, GPUs, and the NICs assigned to each GPU (`ferry topology --json`).
 #[pyfunction]
 fn topology_json(py: Python<'_>) -> PyResult<String> {
-    py.detach(|| {
+    runtime::detach(py, || {
         let listing = ferry::rdma_devices::enumerate_verbs_devices();
         let verbs = ferry::topology::VerbsDevices {
             names: listing.devices.into_iter().map(|d| d.name).collect(),
@@ -670,6 +677,6 @@ fn topology_json(py: Python<'_>) -> PyResult<String> {
         ferry::topology::Topology::discover("/sys", &verbs, &ferry::topology::Selector::default())
             .and_then(|t| t.to_json())
             .map_err(|e| e.to_string())
-    })
+    })?
     .map_err(|reason| errors::err(py, errors::Kind::Unavailable, format!("topology: {reason}")))
 }

@@ -239,7 +239,7 @@ pub(crate) fn make_op(
     }
     let len = match length {
         Some(l) => non_negative("length", l)?,
-        // The rest of the local registration, clipped to the rest of the remote segment.
+        // The rest of the source; the destination must hold all of it.
         None => {
             let local_rest = reg_len.checked_sub(local_offset).ok_or_else(|| {
                 errors::err(
@@ -263,7 +263,29 @@ pub(crate) fn make_op(
                     ),
                 )
             })?;
-            local_rest.min(remote_rest)
+            let segment = remote.get().segment.name().to_owned();
+            let (source, dest) = match kind {
+                OpKind::Read => (
+                    (remote_rest, format!("segment {segment:?}")),
+                    (local_rest, format!("registration {name:?}")),
+                ),
+                _ => (
+                    (local_rest, format!("registration {name:?}")),
+                    (remote_rest, format!("segment {segment:?}")),
+                ),
+            };
+            if dest.0 < source.0 {
+                return Err(errors::err(
+                    remote.py(),
+                    Kind::OutOfBounds,
+                    format!(
+                        "the destination, {}, has {} bytes from its offset, fewer than the {} \
+                         bytes of {} from its offset: give length= to move only part",
+                        dest.1, dest.0, source.0, source.1
+                    ),
+                ));
+            }
+            source.0
         }
     };
     Ok(PyOp {
@@ -349,8 +371,9 @@ pub(crate) fn to_batch(
 /// An ordered batch of READs and WRITEs to one peer, submitted as one request with
 /// `Engine.submit(batch)`.
 ///
-/// Offsets and lengths are in bytes. `length=None` moves the rest of the local registration
-/// from `local_offset` on, clipped to the rest of the remote segment. `timeout` (seconds) ends
+/// Offsets and lengths are in bytes. `length=None` moves the rest of the source (the remote
+/// segment for a READ, the local registration for a WRITE) from its offset on; a destination
+/// with less room is `OutOfBounds` (give `length` to move only part). `timeout` (seconds) ends
 /// the request logically once it passes: its outcome then fails with kind `timeout`.
 #[pyclass(name = "Batch", module = "ferry")]
 pub(crate) struct Batch {
@@ -454,7 +477,7 @@ impl Request {
         }
         let deadline = limit.map(|t| Instant::now() + t);
         // Wait in slices so that Ctrl-C (a pending signal) interrupts a long wait.
-        const SLICE: Duration = Duration::from_millis(100);
+        const SLICE: Duration = crate::runtime::SIGNAL_POLL;
         loop {
             let watch = &self.watch;
             let got = py.detach(|| {
@@ -482,7 +505,11 @@ impl Request {
                 (None, true) => return Err(lost_error(py)),
                 (None, false) => {}
             }
-            py.check_signals()?;
+            if let Err(e) = py.check_signals() {
+                // Ctrl-C (or another signal handler's exception): the request ends too.
+                self.canceller.cancel();
+                return Err(e);
+            }
             if let (Some(d), Some(t)) = (deadline, limit)
                 && Instant::now() >= d
             {

@@ -1,12 +1,14 @@
 """describe(), doctor(), handles' properties, the bench and the example."""
 
 import json
+import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import ferry
+import ferry.broadcast
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -106,6 +108,33 @@ def test_python_bench_checks_its_numbers():
     assert json.loads(out.stdout)["seconds"] >= 0.3
 
 
+def test_python_bench_fails_as_the_cli_does():
+    # Numbers wrong together: refused as `ferry bench` refuses them, exit 1.
+    out = _ferry_module("bench", "--total", "1")
+    assert out.returncode == 1, out.stderr
+    assert "--total 1 is less than one request" in out.stderr, out.stderr
+    # A connection error: one line, no traceback; under --json one object too.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    addr = "127.0.0.1:%d" % s.getsockname()[1]
+    s.close()
+    out = _ferry_module("bench", addr, "--json")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("ferry: "), out.stderr
+    assert json.loads(out.stdout)["error"]["kind"] == "connection_refused", out.stdout
+    # One stream is "1 stream"; IEC units as the CLI takes them (Kubernetes' `Mi` too).
+    out = _ferry_module("bench", "--total", "1Mi", "--op-size", "64Ki")
+    assert out.returncode == 0 and "1 stream," in out.stdout, out.stderr
+
+
+def test_an_engine_that_does_not_listen_is_named_in_the_users_words(np):
+    engine = ferry.Engine()
+    with pytest.raises(ferry.InvalidArgument, match=r"ferry.Engine\(listen="):
+        ferry.broadcast.Publisher(engine, {"w": np.zeros(4)}, name="x")
+    with pytest.raises(ferry.InvalidArgument, match="relay=False"):
+        ferry.broadcast.pull(engine, "127.0.0.1:1", {"w": np.zeros(4)})
+
+
 def test_weight_update_example(np):
     example = ROOT / "examples" / "python" / "weight_update.py"
     out = subprocess.run(
@@ -129,3 +158,29 @@ def test_metrics_are_served_over_http():
     assert ferry.Engine().metrics_addr is None
     with pytest.raises(ferry.InvalidArgument, match="metrics must be HOST:PORT"):
         ferry.Engine(metrics="no-port")
+
+
+def test_a_registration_stays_published_until_closed_or_its_engine_is():
+    import gc
+
+    server = ferry.Engine(listen="127.0.0.1:0")
+    data = bytes(range(256)) * 16
+    server.register(bytearray(data), name="kept", access="read")  # the handle is dropped
+    with server.register(bytearray(4096), name="scoped", access="read"):
+        pass
+    gc.collect()
+    client = ferry.Engine()
+    peer = client.connect(server.listen_addr)
+    assert [s["name"] for s in peer.segments] == ["kept"]
+    buf = bytearray(len(data))
+    client.read(client.register(buf), peer.segment("kept")).wait(timeout=30)
+    assert bytes(buf) == data
+    # Shut down, the engine unpublishes what it kept.
+    with ferry.Engine(listen="127.0.0.1:0") as other:
+        reg = other.register(bytearray(64), name="x", access="read")
+    assert reg.closed
+
+
+def test_metrics_on_a_bare_port_is_this_hosts():
+    engine = ferry.Engine(metrics="0")
+    assert engine.metrics_addr.startswith("127.0.0.1:"), engine.metrics_addr

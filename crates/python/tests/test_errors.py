@@ -170,7 +170,7 @@ def test_bad_op_arguments(loopback):
         client.submit(ferry.Batch())
     reg.close()
     with pytest.raises(ferry.InvalidRequest, match="closed"):
-        client.read(reg, seg)
+        client.read(reg, seg, length=16)
 
 
 def test_bad_engine_arguments():
@@ -198,3 +198,21 @@ def test_errors_keep_rusts_message_and_are_catchable_as_ferry_error(loopback):
         assert str(e).startswith("peer 127.0.0.1:") and '"missing"' in str(e)
     else:
         raise AssertionError("no error")
+
+
+def test_a_short_destination_is_an_error_unless_a_length_is_given(loopback):
+    _, client, peer, buf = loopback
+    seg = peer.segment("seg")  # 64 KiB
+    small = client.register(bytearray(1024))
+    with pytest.raises(ferry.OutOfBounds, match="give length="):
+        client.read(small, seg)
+    big = client.register(bytearray(128 << 10))
+    with pytest.raises(ferry.OutOfBounds, match="give length="):
+        client.write(big, seg)
+    with pytest.raises(ferry.OutOfBounds, match="give length="):
+        ferry.Batch().read(small, seg)
+    # With a length, part of it; without one, the whole source where the destination holds it.
+    buf[:4] = b"wxyz"
+    assert client.read(small, seg, length=1024).wait().completed_bytes == 1024
+    assert client.read(big, seg).wait().completed_bytes == 64 << 10
+    assert client.write(small, seg).wait().completed_bytes == 1024

@@ -689,12 +689,7 @@ mod tests {
         fn epoch(&self) -> Epoch {
             self.0
         }
-        fn respond<'a>(
-            &self,
-            _: &Hello,
-            _: SocketAddr,
-            _: Option<&'a str>,
-        ) -> Result<Hello, Reject> {
+        fn respond(&self, _: &Hello, _: SocketAddr, _: Option<&str>) -> Result<Hello, Reject> {
             panic!("a same-host socket never answers a hello")
         }
     }

@@ -140,8 +140,8 @@ impl CtlClient {
             .map_err(|_| err(format!("no answer within {timeout:?}")))?
             .map_err(|e| err(e.to_string()))?
             .ok_or_else(|| err("connection closed".into()))?;
-        let reply: Reply =
-            serde_json::from_slice(&answer).map_err(|e| err(format!("bad answer: {e}")))?;
+        let reply: Reply = serde_json::from_slice(&answer)
+            .map_err(|e| err(format!("{} ({e})", not_control(&answer))))?;
         match reply {
             Reply::Error { message } => Err(err(message)),
             Reply::Manifest {
@@ -156,5 +156,20 @@ impl CtlClient {
             },
             r => Ok(r),
         }
+    }
+}
+
+/// What answered a control request with something that is not a control reply, in words a
+/// user can act on: the port is another service's.
+pub(crate) fn not_control(answer: &[u8]) -> &'static str {
+    let html = answer.trim_ascii_start().first() == Some(&b'<');
+    if answer.starts_with(b"HTTP/") || html {
+        "an HTTP server answered, not a `ferry publish` control port (Ferry's metrics port \
+         answers HTTP too; the control port is 7500 unless --listen says otherwise)"
+    } else if answer.starts_with(b"FRRY") {
+        "a Ferry engine's data port answered, not a `ferry publish` control port (pull from \
+         the address `ferry publish` prints after `control`; 7500 unless --listen says otherwise)"
+    } else {
+        "not a `ferry publish` control port (bad answer)"
     }
 }

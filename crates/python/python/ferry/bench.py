@@ -19,8 +19,9 @@ from collections import deque
 import ferry
 
 _UNITS = {
-    "": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+    "": 1, "b": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mi": 1 << 20,
+    "mib": 1 << 20, "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "ti": 1 << 40,
+    "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
 _MAX_SIZE = 1 << 60
@@ -112,10 +113,23 @@ def _percentile(sorted_us: list[float], q: float) -> float:
     return sorted_us[min(len(sorted_us) - 1, int(q * len(sorted_us)))]
 
 
+class _Refused(Exception):
+    """Arguments that are wrong together (the CLI refuses them the same way, exit 1)."""
+
+
+def _streams(n: int) -> str:
+    return f"{n} stream" if n == 1 else f"{n} streams"
+
+
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark described by ``args``; returns the report as a dict."""
     if args.op_size <= 0:
         raise SystemExit("--op-size must be at least 1 byte")
+    if args.total is not None and args.total < args.op_size:
+        raise _Refused(
+            f"--total {args.total} is less than one request: --op-size {args.op_size} = "
+            f"{args.op_size} bytes"
+        )
     depth, streams = args.depth, args.streams
     socket_buffer = 0 if args.socket_buffer == "auto" else parse_size(args.socket_buffer)
     settings = dict(
@@ -207,7 +221,18 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """``python -m ferry bench [options]``; returns the exit status."""
     args = _parser().parse_args(argv)
-    r = run(args)
+    try:
+        r = run(args)
+    except (ferry.FerryError, _Refused) as e:
+        # As `ferry bench` says it: one line (one JSON object under --json), no traceback.
+        kind = "connection_refused" if "Connection refused" in str(e) else "error"
+        if args.json:
+            print(json.dumps({"error": {"kind": kind, "message": str(e), "hint": None}}))
+        print(f"ferry: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ferry: stopped by SIGINT", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(r))
     else:
@@ -215,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['transport']} {r['op']} {r['op_bytes']} B ops over {r['peer']} (python): "
             f"{r['gb_per_s']:.3f} GB/s, {r['ops_per_s']:.0f} ops/s, p50 {r['p50_us']:.0f} us, "
             f"p99 {r['p99_us']:.0f} us ({r['total_bytes']} bytes in {r['seconds']:.3f} s, "
-            f"{r['streams']} streams, depth {r['depth']})"
+            f"{_streams(r['streams'])}, depth {r['depth']})"
         )
     return 0
 

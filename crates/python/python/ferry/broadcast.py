@@ -49,6 +49,7 @@ from ferry._ferry import (
     Engine,
     FerryError,
     GpuRegistration,
+    InvalidArgument,
     Registration,
     _join,
     _publish,
@@ -145,6 +146,24 @@ def _mark(objs: Any, state: int | Torn) -> None:
             pass
 
 
+def _whole(what: str, value: Any, minimum: int) -> int:
+    """``value`` as an int of at least ``minimum``; ``InvalidArgument`` (a ``ValueError``)
+    naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} must be a whole number, not {value!r}")
+    if value < minimum:
+        raise InvalidArgument(f"{what} must be at least {minimum}, not {value}")
+    return value
+
+
+def _seconds(what: str, value: Any) -> None:
+    """Refuses anything but None or a number of seconds from 0 to 1e9 (NaN too)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < 1e9):
+        raise InvalidArgument(f"{what} must be a number of seconds from 0 to 1e9, not {value!r}")
+
+
 def _unique(prefix: str) -> str:
     return f"{prefix}.{uuid.uuid4().hex[:12]}"
 
@@ -220,13 +239,22 @@ class Publisher:
         keep_versions: int = 2,
         auth_key_file: str | None = None,
     ):
+        _whole("version", version, 0)
+        _whole("keep_versions", keep_versions, 1)
+        if chunk_size is not None:
+            _whole("chunk_size", chunk_size, 1)
+        if engine.listen_addr is None:
+            raise InvalidArgument(
+                'the engine does not listen, so receivers cannot reach it: make it with '
+                'ferry.Engine(listen="HOST:PORT") ("127.0.0.1:0": any free port)'
+            )
         if listen is None:
             ip = (engine.listen_addr or "127.0.0.1:0").rsplit(":", 1)[0]
             listen = f"{ip}:0"
         self.name = name
         self._discovery = discovery
         self._engine = engine
-        self._keep = max(1, keep_versions)
+        self._keep = keep_versions
         self._placed: dict[int, _Placed] = {}
         placed = _Placed(engine, tensors, _unique(f"ferry.bcast.{name}.v{version}"), writable=False)
         try:
@@ -275,6 +303,7 @@ class Publisher:
     def publish(self, tensors: Mapping[str, Any], version: int) -> None:
         """Publishes ``version`` (above the newest) from ``tensors``; the oldest version beyond
         ``keep_versions`` is dropped and its registrations closed."""
+        _whole("version", version, 0)
         placed = _Placed(self._engine, tensors, _unique(f"ferry.bcast.{self.name}.v{version}"), writable=False)
         try:
             self._native.publish(version, placed.list)
@@ -391,18 +420,29 @@ def pull(
     tensor-parallel rank's rows). ``verify_at_rest=False`` skips the second checksum pass over
     every chunk before the pull reports done (each chunk is still verified as it lands): one
     CRC-32C read of the payload less. With ``relay`` the pull keeps serving
-    later receivers for up to ``linger`` seconds after it completes. ``progress(bytes, total)``
-    is called as chunks are verified. ``auth_key_file`` (the publisher's keyring file; give
+    later receivers for up to ``linger`` seconds after it completes (the CLI's ``--linger``
+    default too). ``progress(bytes, total)`` is called as chunks are verified; an exception it
+    raises stops the pull and is raised here. ``timeout=None`` waits as long as the pull
+    takes. Ctrl-C stops the pull with ``KeyboardInterrupt`` within a fraction of a second. ``auth_key_file`` (the publisher's keyring file; give
     ``engine`` the same) authenticates every control request and chunk, as ``ferry pull
     --auth-key-file`` does; ``expect_manifest`` (``Publisher.digest``, 64 hex digits) refuses
     any other manifest before anything is written, as ``--expect-manifest`` does. Blocks with
     the GIL released."""
     if mode not in ("in_place", "staged"):
         raise ValueError(f'mode must be "in_place" or "staged", not {mode!r}')
-    for what, seconds in (("timeout", timeout), ("linger", linger)):
-        # `not (0 <= x < 1e9)` is also true of NaN.
-        if seconds is not None and not (0 <= seconds < 1e9):
-            raise ValueError(f"{what} must be a number of seconds from 0 to 1e9, not {seconds!r}")
+    _seconds("timeout", timeout)
+    _seconds("linger", linger)
+    if linger is None:
+        raise InvalidArgument("linger must be a number of seconds from 0 to 1e9, not None")
+    if version is not None:
+        _whole("version", version, 0)
+    if relay and engine.listen_addr is None:
+        raise InvalidArgument(
+            'the engine does not listen, so it cannot relay to other receivers: make it with '
+            'ferry.Engine(listen="HOST:PORT"), or pass relay=False'
+        )
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable, not {type(progress).__name__}")
     if (mode == "staged") != (staging is not None):
         raise ValueError('staging is given exactly when mode="staged"')
     tag = _unique(f"ferry.pull.{name or 'any'}")
@@ -441,8 +481,9 @@ def pull(
         for p in placed:
             p.close()
         raise
-    except BaseException:
-        native.close()
+    except BaseException as e:
+        # Interrupted: the source may be the reason; it is not waited for long.
+        native.close(0.5 if isinstance(e, KeyboardInterrupt) else None)
         for p in placed:
             p.close()
         raise
