@@ -51,6 +51,9 @@ fn host_port(what: &str, addr: &str, example: &str) -> PyResult<std::net::Socket
 /// key when it connects (without it, the file named by `FERRY_AUTH_KEY_FILE`, if set).
 /// `metrics="127.0.0.1:9400"` serves Prometheus metrics over HTTP there (`GET /metrics`; port
 /// 0: any free port, see `metrics_addr`; a bare port, `"9400"`, is 127.0.0.1's).
+/// `same_host=False` turns the same-host plane off (on by default: a peer on this host is
+/// reached by process-to-process copies, see `describe()["same_host"]`; `FERRY_SAME_HOST=off`
+/// does the same for every engine).
 #[pyclass(name = "Engine", module = "ferry", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: TransferEngine,
@@ -63,7 +66,8 @@ impl Engine {
     #[new]
     #[pyo3(signature = (listen=None, *, transports=None, data_plane="auto", streams=None,
         depth=None, chunk_size=None, socket_buffer=None, io_threads=None, request_timeout=None,
-        connect_timeout=None, dead_peer_after=None, auth_key_file=None, metrics=None))]
+        connect_timeout=None, dead_peer_after=None, auth_key_file=None, metrics=None,
+        same_host=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -80,6 +84,7 @@ impl Engine {
         dead_peer_after: Option<f64>,
         auth_key_file: Option<std::path::PathBuf>,
         metrics: Option<&str>,
+        same_host: bool,
     ) -> PyResult<Self> {
         // Python ints as counts and sizes: a negative one is a ValueError naming the argument.
         let whole = |what: &str, v: Option<i64>| v.map(|v| non_negative(what, v)).transpose();
@@ -88,7 +93,7 @@ impl Engine {
         let chunk_size = whole("chunk_size", chunk_size)?;
         let socket_buffer = whole("socket_buffer", socket_buffer)?.map(|n| n as usize);
         let io_threads = whole("io_threads", io_threads)?.map(|n| n as usize);
-        let mut b = TransferEngine::builder();
+        let mut b = TransferEngine::builder().same_host(same_host);
         if let Some(addr) = listen {
             b = b.listen(host_port("listen", addr, "127.0.0.1:0")?);
         }

@@ -184,3 +184,29 @@ def test_a_registration_stays_published_until_closed_or_its_engine_is():
 def test_metrics_on_a_bare_port_is_this_hosts():
     engine = ferry.Engine(metrics="0")
     assert engine.metrics_addr.startswith("127.0.0.1:"), engine.metrics_addr
+
+
+def test_a_peer_on_this_host_is_reached_by_copies_unless_turned_off():
+    data = bytes(range(256)) * 4096
+    for same_host, expected in ((True, "local"), (False, None)):
+        server = ferry.Engine(listen="127.0.0.1:0", same_host=same_host)
+        seg = server.register(bytearray(data), name="w", access="read")
+        client = ferry.Engine()
+        peer = client.connect(server.listen_addr)
+        buf = bytearray(len(data))
+        client.read(client.register(buf), peer.segment("w")).wait(timeout=30)
+        assert bytes(buf) == data
+        d = client.describe()
+        (route,) = d["routes"]
+        if expected:
+            assert route["transport"] == expected, route
+            assert route["same_host"] is None
+            assert server.describe()["same_host"].startswith(("on", "limited"))
+        else:
+            assert route["transport"] in ("uring", "tcp"), route
+            assert "did not offer" in route["same_host"]
+            assert server.describe()["same_host"].startswith("off")
+        seg.close()
+        server.shutdown()
+    rows = {c["name"]: c for c in ferry.doctor()["checks"]}
+    assert rows["same-host"]["status"] == "ok", rows["same-host"]

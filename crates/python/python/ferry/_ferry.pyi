@@ -163,6 +163,7 @@ class Engine:
         dead_peer_after: float | None = None,
         auth_key_file: str | os.PathLike[str] | None = None,
         metrics: str | None = None,
+        same_host: bool = True,
     ) -> Self: ...
     @property
     def listen_addr(self) -> str | None:
