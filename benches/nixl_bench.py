@@ -45,7 +45,8 @@ def run(args) -> None:
     n, block = args.blocks, args.block
     if n * block > SPAN:
         sys.exit(f"{n} blocks of {block} bytes do not fit in {SPAN} bytes")
-    buf = np.zeros(SPAN, dtype=np.uint8)
+    # A WRITE sends the target's own value, so that a READ after it still checks its bytes.
+    buf = (np.ones if args.op == "WRITE" else np.zeros)(SPAN, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, SPAN, 0, "")], "DRAM")
     name = agent.add_remote_agent(bytes.fromhex(args.metadata))
     local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.ctypes.data + i * block, block, 0) for i in range(n)], "DRAM")
