@@ -50,4 +50,4 @@ pub use receiver::{
     DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, TensorKind,
     Timeline, unix_now,
 };
-pub use source::{Source, SourceOptions};
+pub use source::{Source, SourceEvent, SourceOptions};

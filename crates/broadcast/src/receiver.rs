@@ -267,6 +267,14 @@ struct Holder {
     done: bool,
     advanced: Instant,
     poll: JoinHandle<()>,
+    /// Which attachment this is (a holder given up and attached again is a new one): fetches
+    /// report it, so that one started from an earlier attachment is not counted against this.
+    generation: u64,
+    /// Fetches from it not finished yet.
+    in_flight: usize,
+    /// When it last sent something: a fetch from it finished (verified or not), or it was
+    /// attached, or a fetch was started while none was in flight.
+    heard: Instant,
 }
 
 impl Holder {
@@ -293,6 +301,200 @@ impl Holder {
         // A hostile holder may send any list: only its length is bounded by the reply's.
         self.stripes = stripes;
         self.done = done;
+    }
+}
+
+impl Holder {
+    /// Who it is, for messages: its role, id and data address.
+    fn describe(&self) -> String {
+        describe(&self.member)
+    }
+}
+
+/// A member, for messages: `the source 127.0.0.1:7501 (id ...)`, `relay 10.0.0.3:7501 (id ...)`.
+fn describe(m: &Member) -> String {
+    match m.role {
+        Role::Source => format!("the source {} (id {})", m.data_addr, m.id),
+        Role::Receiver => format!("relay {} (id {})", m.data_addr, m.id),
+    }
+}
+
+/// Why a holder was given up.
+#[derive(Clone, Debug)]
+enum GiveUp {
+    /// A READ from it failed.
+    ReadFailed(String),
+    /// Its control service stopped answering progress.
+    PollFailed(String),
+    /// It sent nothing for this long while chunks were requested from it (`in_flight` of
+    /// them), or while this receiver waited on its advertisement (`0`).
+    Stalled { after: Duration, in_flight: usize },
+    /// It dropped off the member list (its lease expired).
+    Unlisted,
+    /// It served this chunk with bytes whose hash does not match.
+    Corrupt(usize),
+    /// It answers for another version (it moved on).
+    OtherVersion(u64),
+    /// It holds chunks of another source epoch.
+    OtherEpoch(u64),
+    /// It could not be attached.
+    Attach(String),
+}
+
+impl std::fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GiveUp::ReadFailed(r) => write!(f, "failed a READ ({r})"),
+            GiveUp::PollFailed(r) => write!(f, "stopped answering ({r})"),
+            GiveUp::Stalled {
+                after,
+                in_flight: 0,
+            } => write!(
+                f,
+                "advertised nothing new for {:.1} s while this receiver waited on it",
+                after.as_secs_f64()
+            ),
+            GiveUp::Stalled { after, in_flight } => write!(
+                f,
+                "sent nothing for {:.1} s while {in_flight} chunks were requested from it",
+                after.as_secs_f64()
+            ),
+            GiveUp::Unlisted => write!(f, "dropped off the member list"),
+            GiveUp::Corrupt(c) => {
+                write!(f, "served chunk {c} with bytes whose hash does not match")
+            }
+            GiveUp::OtherVersion(v) => write!(f, "moved on to version {v}"),
+            GiveUp::OtherEpoch(e) => write!(f, "holds chunks of another source epoch ({e})"),
+            GiveUp::Attach(r) => write!(f, "could not be attached ({r})"),
+        }
+    }
+}
+
+/// The holders a pull fetches from, the stripes' assignments to them, and those given up: the
+/// one place a holder is given up ([`give_up`](Self::give_up)).
+struct Roster {
+    /// Every holder attached (the parents of the stripes, and the source for re-fetches).
+    holders: HashMap<String, Holder>,
+    /// Per stripe: the holder it is fetched from.
+    assigned: Vec<Option<String>>,
+    /// Members given up (never attached again in this pull), the source included.
+    avoid: HashSet<String>,
+    /// Whether the plan must be made again.
+    replan: bool,
+    /// Stripe parents given up.
+    parents_given_up: u64,
+    /// When a stripe parent was first given up.
+    first_given_up: Option<f64>,
+    /// The last holder given up, and why.
+    last: Option<(String, GiveUp)>,
+    /// The source, when it was given up, and why.
+    source_given_up: Option<(String, GiveUp)>,
+    /// Attachments so far (each holder's [`Holder::generation`]).
+    generations: u64,
+}
+
+impl Roster {
+    fn new(stripes: usize) -> Self {
+        Self {
+            holders: HashMap::new(),
+            assigned: vec![None; stripes],
+            avoid: HashSet::new(),
+            replan: true,
+            parents_given_up: 0,
+            first_given_up: None,
+            last: None,
+            source_given_up: None,
+            generations: 0,
+        }
+    }
+
+    /// Whether `id` is the parent of a stripe.
+    fn is_parent(&self, id: &str) -> bool {
+        self.assigned.iter().any(|a| a.as_deref() == Some(id))
+    }
+
+    /// Gives up holder `id` for `why`, once (a holder no longer attached is left as it is):
+    /// its data path is closed, so its fetches in flight fail at once and none lands later; it
+    /// is never attached again in this pull (the source neither: a pull whose other holders
+    /// cannot serve what is missing then fails, naming it); the plan is made again. Returns
+    /// whether it was attached.
+    fn give_up(&mut self, id: &str, why: GiveUp) -> bool {
+        let Some(h) = self.holders.remove(id) else {
+            return false;
+        };
+        h.peer.close();
+        let who = h.describe();
+        tracing::warn!(holder = %who, reason = %why, "giving up holder");
+        self.avoid.insert(id.to_owned());
+        if self.is_parent(id) {
+            self.parents_given_up += 1;
+            self.first_given_up.get_or_insert_with(unix_now);
+        }
+        if h.member.role == Role::Source {
+            self.source_given_up = Some((who.clone(), why.clone()));
+        }
+        self.last = Some((who, why));
+        self.replan = true;
+        true
+    }
+
+    /// The holders to give up now: those the pull waits on that sent nothing for
+    /// `stall_after` (chunks requested from them, or, for a stripe's parent, no new chunk
+    /// advertised while this receiver needs one), and parents no longer listed.
+    fn stalled(
+        &self,
+        have: &Have,
+        members: &[Member],
+        stall_after: Duration,
+    ) -> Vec<(String, GiveUp)> {
+        let d = self.assigned.len();
+        let mut out = Vec::new();
+        for (id, h) in &self.holders {
+            if h.in_flight > 0 && h.heard.elapsed() > stall_after {
+                out.push((
+                    id.clone(),
+                    GiveUp::Stalled {
+                        after: h.heard.elapsed(),
+                        in_flight: h.in_flight,
+                    },
+                ));
+                continue;
+            }
+            // An empty list is one never read: no one is taken for unlisted by it.
+            let listed = members.is_empty() || members.iter().any(|m| m.id == *id);
+            if h.member.role == Role::Source {
+                if !listed {
+                    out.push((id.clone(), GiveUp::Unlisted));
+                }
+                continue;
+            }
+            let stripes: Vec<usize> = (0..d)
+                .filter(|&s| self.assigned[s].as_deref() == Some(id.as_str()))
+                .collect();
+            if stripes.is_empty() {
+                continue;
+            }
+            if !listed {
+                out.push((id.clone(), GiveUp::Unlisted));
+                continue;
+            }
+            let waiting = !h.done
+                && h.in_flight == 0
+                && stripes.iter().any(|&s| !have.stripe_done(s))
+                && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
+            // Since it last advertised more, or last sent a chunk, whichever is later.
+            let quiet = h.advanced.max(h.heard).elapsed();
+            if waiting && quiet > stall_after {
+                out.push((
+                    id.clone(),
+                    GiveUp::Stalled {
+                        after: quiet,
+                        in_flight: 0,
+                    },
+                ));
+            }
+        }
+        out
     }
 }
 
@@ -332,13 +534,85 @@ enum PollMsg {
     },
 }
 
+/// What the discovery task ([`watch_discovery`]) reports.
+enum Listed {
+    /// The member list, read at a heartbeat (`beat`) or, early in the pull, between them.
+    Members { list: Vec<Member>, beat: bool },
+    /// The source epoch the backend answered a heartbeat with.
+    SourceEpoch(u64),
+}
+
+/// Aborts a task when dropped (whichever way the pull ends).
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews this member's entry (the latest `me`) every `heartbeat` and reads the member list
+/// after each renewal, and, for the first [`EARLY`] of a relayed pull, every [`EARLY_RELIST`]
+/// besides. Runs beside the pull, so a backend that does not answer (a stopped source keeps
+/// the embedded list: each call waits out its timeout) never holds up fetching or the checks
+/// that give up stalled holders. A renewal or listing that fails is skipped: the holders'
+/// epochs still guard against mixing, and the list stays the last one read.
+fn watch_discovery(
+    discovery: Arc<dyn Discovery>,
+    me: watch::Receiver<Member>,
+    heartbeat: Duration,
+    relay: bool,
+) -> (JoinHandle<()>, mpsc::UnboundedReceiver<Listed>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = tokio::spawn(async move {
+        let start = Instant::now();
+        let mut next_beat = start + heartbeat;
+        loop {
+            let now = Instant::now();
+            let wake = if relay && now.duration_since(start) < EARLY {
+                next_beat.min(now + EARLY_RELIST.min(heartbeat))
+            } else {
+                next_beat
+            };
+            tokio::time::sleep_until(wake.into()).await;
+            let beat = Instant::now() >= next_beat;
+            if beat {
+                next_beat = Instant::now() + heartbeat;
+                let m = me.borrow().clone();
+                match discovery.update(&m).await {
+                    Ok(Some(found)) => {
+                        if tx.send(Listed::SourceEpoch(found)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+                }
+            }
+            match discovery.members().await {
+                Ok(list) => {
+                    if tx.send(Listed::Members { list, beat }).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "listing members failed"),
+            }
+        }
+    });
+    (task, rx)
+}
+
 /// What a fetch task reports.
 struct Fetched {
     chunk: usize,
     from: String,
+    /// The holder's [`Holder::generation`] when the fetch started.
+    generation: u64,
     from_source: bool,
     /// `Ok(true)`: verified; `Ok(false)`: BLAKE3 mismatch; `Err`: the READ failed.
     result: Result<bool, String>,
+    /// Pulling into files: the verified chunk could not be written to its file.
+    write_failed: Option<std::io::Error>,
 }
 
 /// A receiver that joined a broadcast: its engine and buffers are set up and registered, its
@@ -375,6 +649,73 @@ pub struct Receiver {
     snapshot_tx: watch::Sender<Snapshot>,
     /// Held for its drop: the control listener closes with the member.
     _ctl: control::Service,
+    /// A pull into a directory ([`join_to_dir`](Self::join_to_dir)): where the chunks go.
+    files: Option<Landing>,
+}
+
+/// A pull into a directory: each segment lands, chunk by chunk as verified, in a temporary file
+/// beside its final name, served from there to this member's children, and renamed into
+/// place by [`Receiver::write_to`]. Chunks are READ into a fixed window of landing slots (one
+/// per chunk in flight), verified there, and written to their file; so the memory a pull
+/// holds is the window, whatever the payload.
+struct Landing {
+    dir: std::path::PathBuf,
+    segs: Vec<LandingFile>,
+    /// One chunk-sized slot per chunk in flight.
+    slots: Vec<Slice>,
+    /// The slots free now (a fetch takes one, and gives it back when its chunk is written or
+    /// failed).
+    free: Arc<std::sync::Mutex<Vec<usize>>>,
+    /// Whether the files were renamed into place (else they are removed on drop).
+    renamed: std::sync::atomic::AtomicBool,
+}
+
+/// One segment's temporary file.
+struct LandingFile {
+    file: Arc<std::fs::File>,
+    tmp: std::path::PathBuf,
+    /// Its registration, served to children (`None`: an empty segment).
+    _reg: Option<ferry::FileRegistration>,
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        if !self.renamed.load(Ordering::Relaxed) {
+            for f in &self.segs {
+                let _ = std::fs::remove_file(&f.tmp);
+            }
+        }
+    }
+}
+
+/// Makes `dir` if missing and checks it has room for `bytes` more: the blocks `statvfs` says
+/// are free to this user.
+fn room_for(dir: &Path, bytes: u64) -> Result<(), BroadcastError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| BroadcastError::io(format!("making {}", dir.display()), e))?;
+    let st = rustix::fs::statvfs(dir).map_err(|e| {
+        BroadcastError::io(
+            format!("statvfs {}", dir.display()),
+            std::io::Error::from(e),
+        )
+    })?;
+    let free = st.f_bavail.saturating_mul(st.f_frsize);
+    if free < bytes {
+        return Err(BroadcastError::io(
+            format!("pulling into {}", dir.display()),
+            std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                format!("the payload needs {bytes} bytes, the filesystem has {free} free"),
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The temporary name a file is written under until it is complete: hidden, and named for
+/// this process, so a failed pull never leaves a file that looks complete.
+fn partial_name(dir: &Path, name: &str) -> std::path::PathBuf {
+    dir.join(format!(".{name}.ferry-partial.{}", std::process::id()))
 }
 
 impl std::fmt::Debug for Receiver {
@@ -531,6 +872,7 @@ struct Joined {
     staged: Option<Vec<(String, Slice, Slice)>>,
     tensors: Vec<String>,
     timeline: Timeline,
+    files: Option<Landing>,
 }
 
 impl Receiver {
@@ -582,6 +924,106 @@ impl Receiver {
             staged: None,
             tensors: Vec::new(),
             timeline,
+            files: None,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    /// Joins the broadcast `name` to pull it into the directory `dir`, each segment into the
+    /// file of its name (as [`join`](Self::join) then [`write_to`](Self::write_to) would, but
+    /// never holding the payload in memory). Before anything is allocated or listed, `dir` is
+    /// made if missing and must have room for the payload (`statvfs`: the blocks free to
+    /// this user). Each segment is written, chunk by chunk as it is verified, into a hidden
+    /// temporary file beside its name (`.NAME.ferry-partial.PID`, the payload's length from
+    /// the start), which children read relayed chunks from; [`write_to`](Self::write_to)`(dir)`
+    /// renames them into place once the pull is complete, and a receiver dropped before that
+    /// removes them. Memory: [`ReceiverOptions::window`] chunk-sized landing slots (and as many
+    /// copies of a chunk being written), whatever the payload's size.
+    pub async fn join_to_dir(
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        dir: &Path,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
+        room_for(dir, manifest.total_bytes())?;
+        let ip = opts.listen_ip.unwrap_or(local_ip);
+        let mut builder = TransferEngine::builder()
+            .data_plane(opts.data_plane)
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
+        let mut landing = Landing {
+            dir: dir.to_owned(),
+            segs: Vec::with_capacity(manifest.segments.len()),
+            slots: Vec::new(),
+            free: Arc::default(),
+            renamed: std::sync::atomic::AtomicBool::new(false),
+        };
+        // Nothing of this pull is left behind if it fails: the files made so far are removed
+        // when `landing` drops.
+        for seg in &manifest.segments {
+            let tmp = partial_name(dir, &seg.name);
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| BroadcastError::io(format!("creating {}", tmp.display()), e))?;
+            let file = Arc::new(file);
+            landing.segs.push(LandingFile {
+                file: file.clone(),
+                tmp: tmp.clone(),
+                _reg: None,
+            });
+            file.set_len(seg.len)
+                .map_err(|e| BroadcastError::io(format!("sizing {}", tmp.display()), e))?;
+            if seg.len > 0 {
+                let reg = engine.publish_file_named(&tmp, Access::REMOTE_READ, &seg.name)?;
+                if let Some(last) = landing.segs.last_mut() {
+                    last._reg = Some(reg);
+                }
+            }
+        }
+        let chunk = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0);
+        let slots = opts.window.max(1) as u64;
+        let mut own = Vec::new();
+        if chunk > 0 {
+            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
+            let reg_name = format!("{}.v{}.landing.{k}", manifest.name, manifest.version);
+            let reg = alloc(&engine, slots * chunk, &reg_name)?;
+            let whole = Slice::whole(&reg, &reg_name);
+            landing.slots = (0..slots).map(|i| whole.sub(i * chunk, chunk)).collect();
+            *landing
+                .free
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                (0..slots as usize).rev().collect();
+            own.push(reg);
+        }
+        let layout = vec![Vec::new(); manifest.segments.len()];
+        let j = Joined {
+            engine,
+            owns_engine: true,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged: None,
+            tensors: Vec::new(),
+            timeline,
+            files: Some(landing),
         };
         Self::start(j, discovery, opts).await
     }
@@ -704,6 +1146,7 @@ impl Receiver {
             staged,
             tensors,
             timeline,
+            files: None,
         };
         Self::start(j, discovery, opts).await
     }
@@ -725,6 +1168,7 @@ impl Receiver {
             staged,
             tensors,
             mut timeline,
+            files,
         } = j;
         let ranges = layout
             .iter()
@@ -742,7 +1186,12 @@ impl Receiver {
             manifests: std::sync::Mutex::new(Vec::new()),
             source_layouts: std::sync::Mutex::new(Default::default()),
             version: manifest.version,
-            layout: Some(layout::to_wire(&layout)),
+            // A pull into files serves each segment whole from its file, under its own name.
+            layout: Some(if files.is_some() {
+                layout::identity(&manifest)
+            } else {
+                layout::to_wire(&layout)
+            }),
             progress,
             tracker: None,
             auth: opts.keys.clone().map(|k| {
@@ -811,6 +1260,7 @@ impl Receiver {
             progress_tx,
             snapshot_tx,
             _ctl: ctl,
+            files,
         })
     }
 
@@ -833,6 +1283,11 @@ impl Receiver {
     pub fn segment_bytes(&self, i: usize) -> Option<Vec<u8>> {
         let seg = self.manifest.segments.get(i)?;
         let mut v = vec![0u8; usize::try_from(seg.len).ok()?];
+        if let Some(l) = &self.files {
+            use std::os::unix::fs::FileExt;
+            l.segs.get(i)?.file.read_exact_at(&mut v, 0).ok()?;
+            return Some(v);
+        }
         for (at, slice) in &self.layout[i] {
             let dst = v.get_mut(*at as usize..(*at + slice.len()) as usize)?;
             slice.read(0, dst).ok()?;
@@ -893,7 +1348,14 @@ impl Receiver {
     /// file it points to. Segment names are plain file names (checked with the manifest). The
     /// bytes are copied out of where they landed 1 MiB at a time (never a copy of a whole
     /// segment in memory).
+    ///
+    /// Pulling into files ([`join_to_dir`](Self::join_to_dir)), only once the pull completed:
+    /// into its own directory, each temporary file is flushed to disk and renamed into place
+    /// (it goes on being served to children from there); into another, copied the same way.
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
+        if let Some(l) = &self.files {
+            return self.rename_into(l, dir);
+        }
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
         for (i, seg) in self.manifest.segments.iter().enumerate() {
@@ -917,6 +1379,44 @@ impl Receiver {
         Ok(())
     }
 
+    /// Pulling into files, after a complete pull: each temporary file flushed and renamed into
+    /// `dir` (its own directory), or copied there beside its name and renamed.
+    fn rename_into(&self, l: &Landing, dir: &Path) -> Result<(), BroadcastError> {
+        if !self.pulled {
+            return Err(BroadcastError::io(
+                format!("writing {}", dir.display()),
+                std::io::Error::other("the pull has not completed: its files stay temporary"),
+            ));
+        }
+        let same = std::fs::canonicalize(dir).ok() == std::fs::canonicalize(&l.dir).ok();
+        if !same {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
+        }
+        for (seg, f) in self.manifest.segments.iter().zip(&l.segs) {
+            let path = dir.join(&seg.name);
+            let done = if same {
+                f.file
+                    .sync_data()
+                    .and_then(|()| std::fs::rename(&f.tmp, &path))
+            } else {
+                let tmp = partial_name(dir, &seg.name);
+                let copied = std::fs::copy(&f.tmp, &tmp)
+                    .and_then(|_| std::fs::File::open(&tmp)?.sync_data())
+                    .and_then(|()| std::fs::rename(&tmp, &path));
+                if copied.is_err() {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+                copied
+            };
+            done.map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+        }
+        if same {
+            l.renamed.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Writes segment `i`, extent by extent in offset order, 1 MiB at a time.
     fn write_segment(&self, i: usize, file: std::fs::File) -> std::io::Result<()> {
         use std::io::Write;
@@ -936,13 +1436,10 @@ impl Receiver {
         out.flush()
     }
 
-    /// Renews this member's entry: its progress, and its download rate since `first_request`
-    /// (once a second has passed: before, too few chunks to tell a straggler).
-    async fn heartbeat(
-        &mut self,
-        have: &Have,
-        first_request: Option<Instant>,
-    ) -> Result<(), BroadcastError> {
+    /// This member's entry as it stands: its progress, and its download rate since
+    /// `first_request` (once a second has passed: before, too few chunks to tell a straggler).
+    /// Handed to the discovery task ([`watch_discovery`]), which renews it.
+    fn beat(&mut self, have: &Have, first_request: Option<Instant>, me: &watch::Sender<Member>) {
         self.member.progress = have.count();
         if let Some(t) = first_request
             && !self.member.done
@@ -952,19 +1449,27 @@ impl Receiver {
             self.member.rate = (bytes as f64 / t.elapsed().as_secs_f64()) as u64;
         }
         self.member.done = have.is_done();
+        let _ = me.send(self.member.clone());
+    }
+
+    /// Renews this member's entry now (the pull's end: its last progress, done).
+    async fn heartbeat_now(&self) -> Result<(), BroadcastError> {
         match self.discovery.update(&self.member).await {
-            Ok(Some(found)) if found != self.source_epoch => Err(BroadcastError::SourceRestarted {
-                name: self.manifest.name.clone(),
-                had: self.source_epoch,
-                found,
-            }),
+            Ok(Some(found)) if found != self.source_epoch => Err(self.restarted(found)),
             Ok(_) => Ok(()),
             Err(e) => {
-                // The backend may be down for a while (a source that died): keep fetching
-                // from the relays; the holders' epochs still guard against mixing.
                 tracing::debug!(error = %e, "heartbeat failed");
                 Ok(())
             }
+        }
+    }
+
+    /// The error of a source found at epoch `found`.
+    fn restarted(&self, found: u64) -> BroadcastError {
+        BroadcastError::SourceRestarted {
+            name: self.manifest.name.clone(),
+            had: self.source_epoch,
+            found,
         }
     }
 
@@ -1147,6 +1652,9 @@ impl Receiver {
             done: m.role == Role::Source,
             advanced: Instant::now(),
             poll,
+            generation: 0,
+            in_flight: 0,
+            heard: Instant::now(),
         })
     }
 
@@ -1165,26 +1673,78 @@ impl Receiver {
     }
 
     /// Starts the READs of chunk `i` from `h` (one per piece where `h`'s extents and this
-    /// receiver's meet) into where it lands here, then its verification over those pieces.
-    fn fetch(&self, set: &mut JoinSet<Fetched>, h: &Holder, i: usize) {
+    /// receiver's meet) into where it lands here, then its verification over those pieces;
+    /// pulling into files, into a free landing slot, verified there and written to its file.
+    /// Returns whether it started (a pull into files with no slot free starts nothing).
+    fn fetch(&self, set: &mut JoinSet<Fetched>, h: &mut Holder, i: usize) -> bool {
         let c = self.manifest.chunks[i];
         let seg = c.segment as usize;
+        // Pulling into files: the chunk lands in a slot of its own.
+        let slot = match &self.files {
+            None => None,
+            Some(l) => match l
+                .free
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .pop()
+            {
+                Some(k) => Some((
+                    k,
+                    l.slots[k].clone(),
+                    l.free.clone(),
+                    l.segs[seg].file.clone(),
+                )),
+                None => return false,
+            },
+        };
+        if h.in_flight == 0 {
+            // The holder's silence is counted from the first chunk asked of it.
+            h.heard = Instant::now();
+        }
+        h.in_flight += 1;
+        let generation = h.generation;
         let mut batch = Batch::new();
         let mut covered = 0;
-        for (li, ri, at, n) in layout::pieces(&self.ranges[seg], &h.ranges[seg], c.offset, c.len) {
-            let (lstart, slice) = &self.layout[seg][li];
-            let (rstart, roff, remote) = &h.segs[seg][ri];
-            batch.push(
-                ferry::OpKind::Read,
-                slice.memory(),
-                slice.offset() + (at - lstart),
-                remote,
-                roff + (at - rstart),
-                n,
-            );
-            covered += n;
+        match &slot {
+            None => {
+                for (li, ri, at, n) in
+                    layout::pieces(&self.ranges[seg], &h.ranges[seg], c.offset, c.len)
+                {
+                    let (lstart, slice) = &self.layout[seg][li];
+                    let (rstart, roff, remote) = &h.segs[seg][ri];
+                    batch.push(
+                        ferry::OpKind::Read,
+                        slice.memory(),
+                        slice.offset() + (at - lstart),
+                        remote,
+                        roff + (at - rstart),
+                        n,
+                    );
+                    covered += n;
+                }
+            }
+            Some((_, slice, _, _)) => {
+                for (_, ri, at, n) in
+                    layout::pieces(&[(c.offset, c.len)], &h.ranges[seg], c.offset, c.len)
+                {
+                    let (rstart, roff, remote) = &h.segs[seg][ri];
+                    batch.push(
+                        ferry::OpKind::Read,
+                        slice.memory(),
+                        slice.offset() + (at - c.offset),
+                        remote,
+                        roff + (at - rstart),
+                        n,
+                    );
+                    covered += n;
+                }
+            }
         }
-        let pieces = self.local_pieces(i);
+        let pieces = if slot.is_some() {
+            Vec::new()
+        } else {
+            self.local_pieces(i)
+        };
         let copied = self.copied.clone();
         let from = h.member.id.clone();
         let from_source = h.member.role == Role::Source;
@@ -1198,25 +1758,43 @@ impl Receiver {
             ))
         };
         set.spawn(async move {
+            let mut write_failed = None;
             let result = match submitted {
                 Err(e) => Err(e),
                 Ok(handle) => {
                     // Wait for the buffers to be free, not just the logical outcome: a chunk
                     // given up on must not land later over one fetched elsewhere.
                     let outcome = handle.drained().await;
-                    match outcome.failure {
-                        Some(f) => Err(format!("READ failed: {}", f.kind)),
-                        None => Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3)),
+                    match (outcome.failure, &slot) {
+                        (Some(f), _) => Err(format!("READ failed: {}", f.kind)),
+                        (None, None) => {
+                            Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3))
+                        }
+                        (None, Some((_, slice, _, file))) => match land(slice, &c, file, &copied) {
+                            Ok(v) => Ok(v),
+                            Err(e) => {
+                                write_failed = Some(e);
+                                Ok(false)
+                            }
+                        },
                     }
                 }
             };
+            if let Some((k, _, free, _)) = slot {
+                free.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(k);
+            }
             Fetched {
                 chunk: i,
                 from,
+                generation,
                 from_source,
                 result,
+                write_failed,
             }
         });
+        true
     }
 
     /// Updates the snapshot, then what the control service advertises (in that order: an
@@ -1307,21 +1885,27 @@ impl Receiver {
         };
         let (poll_tx, mut poll_rx) = mpsc::unbounded_channel();
         let mut members = self.discovery.members().await.unwrap_or_default();
-        let mut avoid: HashSet<String> = HashSet::new();
-        // Every holder attached (the parents of the stripes, and the source for re-fetches).
-        let mut holders: HashMap<String, Holder> = HashMap::new();
-        // Per stripe: the holder it is fetched from.
-        let mut assigned: Vec<Option<String>> = vec![None; d];
-        let mut replan = true;
+        let mut roster = Roster::new(d);
+        // Why the stripes have no holder, when none could be attached.
         let mut last = String::from("no holder listed");
+        // Since when no stripe has a holder.
+        let mut orphaned: Option<Instant> = None;
         let mut rr = 0usize;
         let mut first_request: Option<Instant> = None;
         let mut bad_tries: HashMap<usize, u32> = HashMap::new();
         let mut set: JoinSet<Fetched> = JoinSet::new();
+        // Discovery runs beside the pull: a backend that stops answering (a stopped source
+        // keeps the embedded list) never holds up fetching or the stall checks.
+        let (me_tx, me_rx) = watch::channel(self.member.clone());
+        let (listed, mut listed_rx) = watch_discovery(
+            self.discovery.clone(),
+            me_rx,
+            self.opts.heartbeat,
+            self.opts.relay,
+        );
+        let listing = AbortOnDrop(listed);
         let mut tick = tokio::time::interval(self.opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut relist = tokio::time::interval(EARLY_RELIST.min(self.opts.heartbeat));
-        relist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut paused_until: Option<Instant> = None;
         let mut held: Option<Arc<tokio::sync::Notify>> = None;
         let mut final_check_done = false;
@@ -1333,9 +1917,20 @@ impl Receiver {
                     break;
                 }
                 final_check_done = true;
+                let mut buf = Vec::new();
                 for (i, c) in self.manifest.chunks.iter().enumerate() {
-                    let ok = crc_of(&self.local_pieces(i), &self.copied)
-                        .is_ok_and(|crc| crc == c.crc32c);
+                    let crc = match &self.files {
+                        None => crc_of(&self.local_pieces(i), &self.copied).ok(),
+                        Some(l) => crc_of_file(
+                            &l.segs[c.segment as usize].file,
+                            c.offset,
+                            c.len,
+                            &mut buf,
+                            &self.copied,
+                        )
+                        .ok(),
+                    };
+                    let ok = crc == Some(c.crc32c);
                     if !ok {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
@@ -1350,34 +1945,21 @@ impl Receiver {
                     break;
                 }
             }
-            if replan {
-                replan = false;
-                self.replan(
-                    &members,
-                    &mut avoid,
-                    &mut holders,
-                    &mut assigned,
-                    &mut sum,
-                    &mut last,
-                    &poll_tx,
-                )
-                .await?;
+            if roster.replan {
+                roster.replan = false;
+                self.replan(&members, &mut roster, &mut sum, &mut last, &poll_tx)
+                    .await?;
             }
-            if assigned.iter().all(Option::is_none) {
-                // Wait for the list to change (a source that comes back, a new member); a
-                // source that came back with another epoch ends the pull.
-                tokio::time::sleep(self.opts.heartbeat).await;
-                self.heartbeat(&have, first_request).await?;
-                if started.elapsed() > self.opts.stall_after * 10 {
-                    return Err(BroadcastError::NoHolder {
-                        name: self.manifest.name.clone(),
-                        chunk: have.next_to_fetch(n as u64).unwrap_or(0),
-                        reason: last,
-                    });
+            if roster.assigned.iter().all(Option::is_none) && set.is_empty() {
+                let since = *orphaned.get_or_insert_with(Instant::now);
+                let source_out = roster.source_given_up.is_some();
+                // The source was given up (it stalled, died, or cannot be attached) and no
+                // one else serves what is missing: nothing will come; say who and what.
+                if source_out || since.elapsed() > self.opts.stall_after * 10 {
+                    return Err(self.stopped(&roster, &have, verified_bytes, last));
                 }
-                members = self.discovery.members().await.unwrap_or(members);
-                replan = true;
-                continue;
+            } else {
+                orphaned = None;
             }
             let paused = paused_until.is_some_and(|t| Instant::now() < t) || held.is_some();
             if !paused {
@@ -1386,14 +1968,21 @@ impl Receiver {
                 while set.len() < self.opts.window.max(1) && idle < d {
                     let s = rr % d;
                     rr = rr.wrapping_add(1);
-                    let next = assigned[s]
+                    let Some(h) = roster.assigned[s]
                         .as_ref()
-                        .and_then(|id| holders.get(id))
-                        .and_then(|h| have.next_in_stripe(s, |c| h.holds(c)).map(|i| (h, i)));
-                    match next {
-                        Some((h, i)) => {
+                        .and_then(|id| roster.holders.get_mut(id))
+                    else {
+                        idle += 1;
+                        continue;
+                    };
+                    match have.next_in_stripe(s, |c| h.holds(c)) {
+                        Some(i) => {
                             idle = 0;
-                            self.fetch(&mut set, h, i);
+                            if !self.fetch(&mut set, h, i) {
+                                // No landing slot free (a pull into files): next time.
+                                have.released(i);
+                                break;
+                            }
                             first_request.get_or_insert_with(Instant::now);
                             self.timeline.first_request.get_or_insert_with(unix_now);
                         }
@@ -1410,7 +1999,20 @@ impl Receiver {
                 }
                 Some(joined) = set.join_next() => {
                     let Ok(f) = joined else { continue };
+                    if let Some(h) = roster.holders.get_mut(&f.from)
+                        && h.generation == f.generation
+                    {
+                        h.in_flight = h.in_flight.saturating_sub(1);
+                        h.heard = Instant::now();
+                    }
                     let c = self.manifest.chunks[f.chunk];
+                    if let Some(e) = f.write_failed {
+                        let file = self.files.as_ref().map(|l| l.segs[c.segment as usize].tmp.display().to_string());
+                        return Err(BroadcastError::io(
+                            format!("writing chunk {} to {}", f.chunk, file.unwrap_or_default()),
+                            e,
+                        ));
+                    }
                     match f.result {
                         Ok(true) => {
                             if f.from_source {
@@ -1459,20 +2061,11 @@ impl Receiver {
                             if !f.from_source {
                                 // A relay served bytes that are not the source's: report it
                                 // and take nothing more from it.
-                                tracing::warn!(holder = %f.from, chunk = f.chunk,
-                                    "relay served a chunk whose hash does not match; giving it up");
                                 if !sum.corrupt_holders.contains(&f.from) {
                                     sum.corrupt_holders.push(f.from.clone());
                                 }
-                                avoid.insert(f.from.clone());
-                                if let Some(h) = holders.remove(&f.from) {
-                                    h.peer.close();
-                                    if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
-                                        sum.parents_given_up += 1;
-                                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                                    }
-                                }
-                                replan = true;
+                                roster.avoid.insert(f.from.clone());
+                                roster.give_up(&f.from, GiveUp::Corrupt(f.chunk));
                             }
                             if *tries > 3 {
                                 return Err(BroadcastError::NoHolder {
@@ -1483,135 +2076,78 @@ impl Receiver {
                             }
                             // The source holds every chunk: fetch it from there (keeping the
                             // chunk marked in flight meanwhile).
-                            let src = members
-                                .iter()
-                                .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch)
-                                .cloned();
+                            let src = self.source_in(&members, &roster);
                             if let Some(s) = &src
-                                && !holders.contains_key(&s.id)
+                                && !roster.holders.contains_key(&s.id)
                             {
-                                match self.attach(s, &poll_tx).await {
-                                    Ok(h) => {
-                                        sum.holders.push(h.member.id.clone());
-                                        holders.insert(s.id.clone(), h);
-                                    }
-                                    Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                                    Err(e) => tracing::info!(error = %e, "cannot attach to the source"),
-                                }
+                                self.attach_to(s, &mut roster, &mut sum, &mut last, &poll_tx).await?;
                             }
-                            match src.and_then(|s| holders.get(&s.id)) {
-                                Some(h) => self.fetch(&mut set, h, f.chunk),
-                                None => have.released(f.chunk),
+                            let again = src
+                                .and_then(|s| roster.holders.get_mut(&s.id))
+                                .is_some_and(|h| self.fetch(&mut set, h, f.chunk));
+                            if !again {
+                                have.released(f.chunk);
                             }
                         }
                         Err(reason) => {
                             have.released(f.chunk);
-                            if let Some(h) = holders.remove(&f.from) {
-                                tracing::info!(holder = %f.from, %reason, "giving up holder");
-                                h.peer.close();
-                                if h.member.role != Role::Source {
-                                    avoid.insert(f.from.clone());
-                                }
-                                if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
-                                    sum.parents_given_up += 1;
-                                    self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                                }
-                                replan = true;
+                            if roster.holders.get(&f.from).is_some_and(|h| h.generation == f.generation) {
+                                roster.give_up(&f.from, GiveUp::ReadFailed(reason));
                             }
                         }
                     }
-                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&roster.assigned, &roster.holders));
                 }
-                _ = relist.tick(), if started.elapsed() < EARLY && self.opts.relay => {
-                    if let Ok(m) = self.discovery.members().await
-                        && m.len() != members.len()
-                    {
-                        members = m;
-                        replan = true;
+                Some(l) = listed_rx.recv() => match l {
+                    Listed::SourceEpoch(found) if found != self.source_epoch => {
+                        return Err(self.restarted(found));
                     }
-                }
+                    Listed::SourceEpoch(_) => {}
+                    Listed::Members { list, beat } => {
+                        // Early relists replan only when someone joined or left; each
+                        // heartbeat's list (its rates) always does.
+                        if beat || list.len() != members.len() {
+                            roster.replan = true;
+                        }
+                        members = list;
+                    }
+                },
                 Some(msg) = poll_rx.recv() => match msg {
                     PollMsg::Progress { id, source_epoch, prefix, done, version, count, stripes } => {
-                        let Some(p) = holders.get_mut(&id) else { continue };
-                        let gone = if p.member.role != Role::Source && version != self.manifest.version {
+                        let Some(p) = roster.holders.get_mut(&id) else { continue };
+                        if p.member.role != Role::Source && version != self.manifest.version {
                             // It moved on to another version: its memory no longer holds ours.
-                            tracing::info!(holder = %id, version, "holder of another version; giving it up");
-                            true
+                            roster.give_up(&id, GiveUp::OtherVersion(version));
                         } else if source_epoch != self.source_epoch {
                             if p.member.role == Role::Source {
-                                return Err(BroadcastError::SourceRestarted {
-                                    name: self.manifest.name.clone(),
-                                    had: self.source_epoch,
-                                    found: source_epoch,
-                                });
+                                return Err(self.restarted(source_epoch));
                             }
-                            tracing::info!(holder = %id, source_epoch, "holder of another source epoch; giving it up");
-                            true
+                            roster.give_up(&id, GiveUp::OtherEpoch(source_epoch));
                         } else {
                             p.update(prefix, count, stripes, done);
-                            false
-                        };
-                        if gone {
-                            avoid.insert(id.clone());
-                            if let Some(p) = holders.remove(&id) { p.peer.close(); }
-                            if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
-                                sum.parents_given_up += 1;
-                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                            }
-                            replan = true;
                         }
                     }
                     PollMsg::Failed { id, reason } => {
-                        if holders.get(&id).is_some_and(|p| p.member.role != Role::Source) {
-                            tracing::info!(holder = %id, %reason, "holder stopped answering; giving it up");
-                            if let Some(p) = holders.remove(&id) { p.peer.close(); }
-                            if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
-                                sum.parents_given_up += 1;
-                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                            }
-                            avoid.insert(id);
-                            replan = true;
+                        if roster.holders.get(&id).is_some_and(|p| p.member.role != Role::Source) {
+                            roster.give_up(&id, GiveUp::PollFailed(reason));
                         }
                     }
                 },
                 _ = tick.tick() => {
-                    self.heartbeat(&have, first_request).await?;
-                    if let Ok(m) = self.discovery.members().await {
-                        members = m;
+                    self.beat(&have, first_request, &me_tx);
+                    // A holder that sent nothing for `stall_after` while the pull waits on it,
+                    // the source as much as a relay, and a parent gone from the list (its
+                    // lease expired) are given up.
+                    for (id, why) in roster.stalled(&have, &members, self.opts.stall_after) {
+                        roster.give_up(&id, why);
                     }
-                    // A parent gone from the list (its lease expired), or one we wait on that
-                    // does not advance, is given up.
-                    let mut give_up = Vec::new();
-                    for (id, p) in &holders {
-                        if p.member.role == Role::Source {
-                            continue;
-                        }
-                        let stripes: Vec<usize> =
-                            (0..d).filter(|&s| assigned[s].as_deref() == Some(id.as_str())).collect();
-                        if stripes.is_empty() {
-                            continue;
-                        }
-                        let listed = members.iter().any(|m| m.id == *id);
-                        let waiting = !p.done
-                            && stripes.iter().any(|&s| !have.stripe_done(s))
-                            && !stripes.iter().any(|&s| have.wants_from(s, |c| p.holds(c)));
-                        let stalled = waiting && p.advanced.elapsed() > self.opts.stall_after;
-                        if stalled || !listed {
-                            tracing::info!(holder = %id, stalled, "giving up parent");
-                            give_up.push(id.clone());
-                        }
-                    }
-                    for id in give_up {
-                        if let Some(p) = holders.remove(&id) { p.peer.close(); }
-                        avoid.insert(id);
-                        sum.parents_given_up += 1;
-                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                    }
-                    // The list and the rates in it change the plan.
-                    replan = true;
-                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&roster.assigned, &roster.holders));
                 }
             }
+        }
+        sum.parents_given_up = roster.parents_given_up;
+        if let Some(t) = roster.first_given_up {
+            self.timeline.parent_given_up.get_or_insert(t);
         }
         sum.seconds = started.elapsed().as_secs_f64();
         self.timeline.done = Some(unix_now());
@@ -1625,36 +2161,118 @@ impl Receiver {
             members.len(),
             "",
         );
-        self.heartbeat(&have, first_request).await?;
+        self.beat(&have, first_request, &me_tx);
+        drop(listing);
+        self.heartbeat_now().await?;
         tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
             from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
         Ok(sum)
     }
 
-    /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on `members`:
-    /// attaches the ones not attached yet (one that cannot be attached is avoided, unless it
-    /// is the source, and the plan is made again without it), drops the relays no stripe is
+    /// The error of a pull that cannot go on: the source (or the last holder) given up, and
+    /// what was verified; or, when none was given up, why no holder could be attached.
+    fn stopped(&self, roster: &Roster, have: &Have, bytes: u64, last: String) -> BroadcastError {
+        match roster.source_given_up.as_ref().or(roster.last.as_ref()) {
+            Some((holder, why)) => BroadcastError::Stalled {
+                name: self.manifest.name.clone(),
+                version: self.manifest.version,
+                holder: holder.clone(),
+                reason: why.to_string(),
+                verified: have.count(),
+                chunks: have.len() as u64,
+                bytes,
+                total: self.manifest.total_bytes(),
+            },
+            None => BroadcastError::NoHolder {
+                name: self.manifest.name.clone(),
+                chunk: (0..have.len()).find(|&i| !have.has(i)).unwrap_or(0),
+                reason: last,
+            },
+        }
+    }
+
+    /// The source of this pull's epoch as listed, unless it was given up.
+    fn source_in(&self, members: &[Member], roster: &Roster) -> Option<Member> {
+        members
+            .iter()
+            .find(|m| {
+                m.role == Role::Source
+                    && m.source_epoch == self.source_epoch
+                    && !roster.avoid.contains(&m.id)
+            })
+            .cloned()
+    }
+
+    /// Attaches `m` (within `stall_after` and 2 s more: a member that does not answer its
+    /// handshake is not waited on longer than one that stalls). One that cannot be attached is
+    /// given up: `last` says why. Errs only with [`BroadcastError::SourceRestarted`].
+    async fn attach_to(
+        &self,
+        m: &Member,
+        roster: &mut Roster,
+        sum: &mut Summary,
+        last: &mut String,
+        polls: &mpsc::UnboundedSender<PollMsg>,
+    ) -> Result<bool, BroadcastError> {
+        let limit = self.opts.stall_after + Duration::from_secs(2);
+        let attached = match tokio::time::timeout(limit, self.attach(m, polls)).await {
+            Ok(r) => r,
+            Err(_) => Err(control_err(
+                &m.data_addr,
+                format!("did not answer within {:.1} s", limit.as_secs_f64()),
+            )),
+        };
+        match attached {
+            Ok(mut h) => {
+                roster.generations += 1;
+                h.generation = roster.generations;
+                sum.holders.push(h.member.id.clone());
+                roster.holders.insert(m.id.clone(), h);
+                Ok(true)
+            }
+            Err(e @ BroadcastError::SourceRestarted { .. }) => Err(e),
+            Err(e) => {
+                tracing::warn!(holder = %describe(m), error = %e, "cannot attach");
+                *last = format!("{}: {e}", describe(m));
+                roster.avoid.insert(m.id.clone());
+                let why = GiveUp::Attach(e.to_string());
+                if m.role == Role::Source {
+                    roster.source_given_up = Some((describe(m), why.clone()));
+                }
+                roster.last = Some((describe(m), why));
+                Ok(false)
+            }
+        }
+    }
+
+    /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on `members`, less
+    /// those given up: attaches the ones not attached yet (one that cannot be attached is
+    /// given up, and the plan is made again without it), drops the relays no stripe is
     /// fetched from any more (the source is kept for re-fetches).
-    #[allow(clippy::too_many_arguments)]
     async fn replan(
         &self,
         members: &[Member],
-        avoid: &mut HashSet<String>,
-        holders: &mut HashMap<String, Holder>,
-        assigned: &mut [Option<String>],
+        roster: &mut Roster,
         sum: &mut Summary,
         last: &mut String,
         polls: &mpsc::UnboundedSender<PollMsg>,
     ) -> Result<(), BroadcastError> {
-        let d = assigned.len();
-        'plan: loop {
+        let d = roster.assigned.len();
+        loop {
+            // A source given up is not listed to the plan: the stripes it would serve have
+            // no holder (stripe_holders keeps relays given up at the edge itself).
+            let listed: Vec<Member> = members
+                .iter()
+                .filter(|m| m.role != Role::Source || !roster.avoid.contains(&m.id))
+                .cloned()
+                .collect();
             let want: Vec<Option<Member>> = if self.opts.relay {
                 stripe_holders(
-                    members,
+                    &listed,
                     &self.member.id,
                     self.source_epoch,
                     self.manifest.version,
-                    avoid,
+                    &roster.avoid,
                     d,
                     self.opts.straggler,
                 )
@@ -1662,43 +2280,40 @@ impl Receiver {
                 .map(|m| m.cloned())
                 .collect()
             } else {
-                let src = members
-                    .iter()
-                    .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch);
-                vec![src.cloned(); d]
+                vec![self.source_in(members, roster); d]
             };
+            let mut again = false;
             for (s, w) in want.into_iter().enumerate() {
                 let Some(m) = w else {
-                    assigned[s] = None;
+                    roster.assigned[s] = None;
                     continue;
                 };
-                if !holders.contains_key(&m.id) {
-                    match self.attach(&m, polls).await {
-                        Ok(h) => {
-                            sum.holders.push(h.member.id.clone());
-                            holders.insert(m.id.clone(), h);
-                        }
-                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                        Err(e) => {
-                            tracing::info!(holder = %m.id, error = %e, "cannot attach");
-                            *last = e.to_string();
-                            assigned[s] = None;
-                            if m.role != Role::Source {
-                                avoid.insert(m.id.clone());
-                                continue 'plan;
-                            }
-                            continue;
-                        }
-                    }
+                if roster.avoid.contains(&m.id) {
+                    roster.assigned[s] = None;
+                    continue;
                 }
-                if assigned[s].as_deref() != Some(m.id.as_str()) {
+                if !roster.holders.contains_key(&m.id)
+                    && !self.attach_to(&m, roster, sum, last, polls).await?
+                {
+                    roster.assigned[s] = None;
+                    // A relay that cannot be attached moves to the edge: plan again.
+                    again = m.role != Role::Source;
+                    if again {
+                        break;
+                    }
+                    continue;
+                }
+                if roster.assigned[s].as_deref() != Some(m.id.as_str()) {
                     tracing::debug!(stripe = s, holder = %m.id, "stripe parent");
                 }
-                assigned[s] = Some(m.id);
+                roster.assigned[s] = Some(m.id);
             }
-            break;
+            if !again {
+                break;
+            }
         }
-        holders.retain(|id, h| {
+        let assigned = roster.assigned.clone();
+        roster.holders.retain(|id, h| {
             h.member.role == Role::Source || assigned.iter().any(|a| a.as_deref() == Some(id))
         });
         Ok(())
@@ -1749,6 +2364,52 @@ fn blake3_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result<Digest,
         }
     }
     Ok(h.finalize().into())
+}
+
+/// Pulling into files: chunk `c`, landed in `slot`, copied out (counted in `copied`), verified
+/// against its BLAKE3 and, if it matches, written to `file` at its offset. `Ok(false)`: a
+/// mismatch (nothing written); `Err`: the write failed.
+fn land(
+    slot: &Slice,
+    c: &crate::manifest::Chunk,
+    file: &std::fs::File,
+    copied: &AtomicU64,
+) -> std::io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; c.len as usize];
+    slot.read(0, &mut buf).map_err(std::io::Error::other)?;
+    if slot.is_host() {
+        copied.fetch_add(c.len, Ordering::Relaxed);
+    }
+    if Digest::from(blake3::hash(&buf)) != c.blake3 {
+        return Ok(false);
+    }
+    file.write_all_at(&buf, c.offset)?;
+    Ok(true)
+}
+
+/// Pulling into files: the CRC-32C of `len` bytes of `file` from `at`, read in pieces of at
+/// most 1 MiB into `buf` (counted in `copied`).
+fn crc_of_file(
+    file: &std::fs::File,
+    at: u64,
+    len: u64,
+    buf: &mut Vec<u8>,
+    copied: &AtomicU64,
+) -> std::io::Result<u32> {
+    use std::os::unix::fs::FileExt;
+    const PIECE: u64 = 1 << 20;
+    let mut crc = 0;
+    let mut done = 0;
+    while done < len {
+        let n = PIECE.min(len - done);
+        buf.resize(n as usize, 0);
+        file.read_exact_at(buf, at + done)?;
+        crc = ferry::checksum::crc32c_append(crc, buf);
+        done += n;
+    }
+    copied.fetch_add(len, Ordering::Relaxed);
+    Ok(crc)
 }
 
 /// CRC-32C of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host

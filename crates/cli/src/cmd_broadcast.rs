@@ -16,8 +16,10 @@ use crate::parse;
 
 /// Arguments of `ferry publish`. On SIGHUP it reads the files again and publishes them as the
 /// next version, without restarting (the version before stays served while it is among the
-/// two newest, as long as its files are unchanged: write the next checkpoint in place and
-/// pulls of the old version fail verification instead of mixing).
+/// two newest, as long as its files are unchanged: a version whose files changed on disk,
+/// overwritten in place, is withdrawn with a warning; replace files by renaming to keep the
+/// version before served). It prints a line when a receiver joins, finishes or leaves
+/// unfinished.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
     /// The files to publish (a `.safetensors` file is listed tensor by tensor); a directory
@@ -71,7 +73,10 @@ pub(crate) struct PublishArgs {
 pub(crate) struct PullArgs {
     /// The source's control address (HOST:PORT), or `etcd://HOST:PORT/NAME`.
     from: String,
-    /// Directory the files are written to (as published).
+    /// Directory the files are written to (as published): checked first (it can be made and
+    /// written, and has room for the payload), then each chunk is written as it is verified
+    /// into a hidden temporary file, renamed into place when the pull completes (memory: a
+    /// window of chunks, whatever the payload).
     #[arg(long, required_unless_present = "in_memory")]
     into: Option<PathBuf>,
     /// Keep the pull in memory and write no file (every chunk is still verified; a check of a
@@ -350,9 +355,11 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
         let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("listening for SIGHUP")?;
         let mut version = args.weights_version;
+        let mut events = src.subscribe();
         loop {
             tokio::select! {
                 () = &mut stop => break,
+                Ok(e) = events.recv() => say(format_args!("{e}")),
                 Some(()) = hangup.recv() => {
                     version += 1;
                     // Reads every file once, to checksum it (and, from memory, into memory).
@@ -498,23 +505,24 @@ fn pull_inner(
                 }
             };
         // The embedded source names the broadcast in its manifest.
-        let mut r = Receiver::join(
-            discovery,
-            name.as_deref(),
-            ReceiverOptions {
-                listen_ip: args.listen,
-                data_plane: plane(&args.transport),
-                window: args.window,
-                stall_after: args.stall_after,
-                relay: !args.no_relay,
-                stripes: args.stripes,
-                version: args.weights_version,
-                expect_manifest: args.expect_manifest,
-                keys,
-                ..Default::default()
-            },
-        )
-        .await?;
+        let opts = ReceiverOptions {
+            listen_ip: args.listen,
+            data_plane: plane(&args.transport),
+            window: args.window,
+            stall_after: args.stall_after,
+            relay: !args.no_relay,
+            stripes: args.stripes,
+            version: args.weights_version,
+            expect_manifest: args.expect_manifest,
+            keys,
+            ..Default::default()
+        };
+        // Into a directory, the chunks are written to (temporary) files as they are verified:
+        // the payload is never held in memory.
+        let mut r = match &args.into {
+            Some(dir) => Receiver::join_to_dir(discovery, name.as_deref(), dir, opts).await?,
+            None => Receiver::join(discovery, name.as_deref(), opts).await?,
+        };
         let bar = (!args.json && std::io::stderr().is_terminal()).then(|| {
             let bar = indicatif::ProgressBar::new(r.manifest().total_bytes());
             bar.set_style(
