@@ -651,6 +651,8 @@ pub struct Receiver {
     _ctl: control::Service,
     /// A pull into a directory ([`join_to_dir`](Self::join_to_dir)): where the chunks go.
     files: Option<Landing>,
+    /// When the completed pull was reported done to discovery.
+    reported_done: Option<Instant>,
 }
 
 /// A pull into a directory: each segment lands, chunk by chunk as verified, in a temporary file
@@ -823,6 +825,9 @@ async fn manifest_from_source(
     }
     Ok((manifest, source_epoch, source_ip, ctl.local_addr().ip()))
 }
+
+/// How long a finished receiver stays listed, done, at least ([`Receiver::leave`]).
+const FINISHED_LISTED: Duration = Duration::from_millis(250);
 
 /// How often [`Receiver::linger`] rereads the member list at most.
 const LINGER_CHECK: Duration = Duration::from_millis(100);
@@ -1261,6 +1266,7 @@ impl Receiver {
             snapshot_tx,
             _ctl: ctl,
             files,
+            reported_done: None,
         })
     }
 
@@ -2164,6 +2170,7 @@ impl Receiver {
         self.beat(&have, first_request, &me_tx);
         drop(listing);
         self.heartbeat_now().await?;
+        self.reported_done = Some(Instant::now());
         tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
             from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
         Ok(sum)
@@ -2346,8 +2353,14 @@ impl Receiver {
         }
     }
 
-    /// Leaves the member list and stops serving.
+    /// Leaves the member list and stops serving. A receiver that completed its pull stays
+    /// listed, done, until [`FINISHED_LISTED`] after it reported done (serving meanwhile), so
+    /// that the source, which looks at its list every 100 ms, sees it finished rather than
+    /// gone unfinished.
     pub async fn leave(self) {
+        if let Some(t) = self.reported_done {
+            tokio::time::sleep_until((t + FINISHED_LISTED).into()).await;
+        }
         let _ = self.discovery.deregister(&self.member.id).await;
         drop(self);
     }

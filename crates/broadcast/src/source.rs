@@ -140,8 +140,8 @@ pub enum SourceEvent {
         /// The version it pulled.
         version: u64,
     },
-    /// A receiver left the list before finishing: it failed, was interrupted, or its lease
-    /// ran out (it stopped heartbeating).
+    /// A receiver left the list unfinished: it failed, gave up, was interrupted, or stopped
+    /// heartbeating (its lease ran out).
     Failed {
         /// Its id.
         id: String,
@@ -184,7 +184,8 @@ impl std::fmt::Display for SourceEvent {
             } => write!(
                 f,
                 "receiver {addr} (id {id}) left before finishing version {version} ({progress} \
-                 chunks verified): it failed, was interrupted or stopped heartbeating"
+                 chunks verified at its last report): it failed, gave up, was interrupted or \
+                 stopped heartbeating"
             ),
             SourceEvent::Withdrawn {
                 version,
@@ -200,7 +201,7 @@ impl std::fmt::Display for SourceEvent {
 }
 
 /// How often the watcher reads the member list and the files' stamps.
-const WATCH_EVERY: Duration = Duration::from_millis(250);
+const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 impl Source {
     /// Publishes `files` (the manifest's segments, in order; each must still have the length
@@ -700,7 +701,9 @@ fn withdraw_changed(
 }
 
 /// The source's watcher: every [`WATCH_EVERY`], the receivers the tracker lists against the
-/// last list (joined, finished, left unfinished), and the kept versions' files.
+/// last list (joined, finished, left unfinished), and the kept versions' files. A receiver
+/// that finished stays listed, done, for a while before it leaves
+/// ([`Receiver::leave`](crate::Receiver::leave)), so it is seen finished.
 async fn watch(
     tracker: Arc<Tracker>,
     files: Arc<std::sync::Mutex<Vec<(u64, Vec<Published>)>>>,
@@ -736,14 +739,15 @@ async fn watch(
             }
         }
         for (id, m) in &known {
-            if !now.contains_key(id) && !m.done {
-                said.push(SourceEvent::Failed {
-                    id: id.clone(),
-                    addr: m.data_addr.clone(),
-                    version: m.version,
-                    progress: m.progress,
-                });
+            if now.contains_key(id) || m.done {
+                continue;
             }
+            said.push(SourceEvent::Failed {
+                id: id.clone(),
+                addr: m.data_addr.clone(),
+                version: m.version,
+                progress: m.progress,
+            });
         }
         for e in said {
             match e {
