@@ -1406,10 +1406,20 @@ impl Receiver {
                     .sync_data()
                     .and_then(|()| std::fs::rename(&f.tmp, &path))
             } else {
+                // From the file held open (renamed or not), never through a symlink there.
                 let tmp = partial_name(dir, &seg.name);
-                let copied = std::fs::copy(&f.tmp, &tmp)
-                    .and_then(|_| std::fs::File::open(&tmp)?.sync_data())
-                    .and_then(|()| std::fs::rename(&tmp, &path));
+                let copied = (|| {
+                    use std::io::Seek;
+                    let mut from = f.file.try_clone()?;
+                    from.seek(std::io::SeekFrom::Start(0))?;
+                    let mut to = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(&tmp)?;
+                    std::io::copy(&mut from, &mut to)?;
+                    to.sync_data()?;
+                    std::fs::rename(&tmp, &path)
+                })();
                 if copied.is_err() {
                     let _ = std::fs::remove_file(&tmp);
                 }
