@@ -72,7 +72,7 @@ pub struct Source {
     /// Whether it publishes files (else tensors of the caller's engine).
     from_files: bool,
     /// The file segments of each version kept, with what each file was when published.
-    files: Arc<std::sync::Mutex<Vec<(u64, Vec<Published>)>>>,
+    files: Arc<KeptFiles>,
     /// The newest version published (served, or withdrawn): the next must be above it.
     newest: std::sync::Mutex<Manifest>,
     /// What happened to receivers and versions, for whoever follows ([`subscribe`](Self::subscribe)).
@@ -90,6 +90,9 @@ pub struct Source {
     _ctl: control::Service,
     keepalive: Option<JoinHandle<()>>,
 }
+
+/// The file segments of each version kept, with what each file was when published.
+type KeptFiles = std::sync::Mutex<Vec<(u64, Vec<Published>)>>;
 
 /// A published file, and what it was when published: a version is served only while each of
 /// its files has the length and modification time it had then.
@@ -654,7 +657,7 @@ fn published(regs: Vec<FileRegistration>) -> Result<Vec<Published>, BroadcastErr
 /// segments go, with one warning naming the file and the change. Before a receiver reads
 /// other bytes under its chunk hashes, which it would take for corruption.
 fn withdraw_changed(
-    files: &std::sync::Mutex<Vec<(u64, Vec<Published>)>>,
+    files: &KeptFiles,
     state: &CtlState,
     events: &tokio::sync::broadcast::Sender<SourceEvent>,
 ) {
@@ -706,7 +709,7 @@ fn withdraw_changed(
 /// ([`Receiver::leave`](crate::Receiver::leave)), so it is seen finished.
 async fn watch(
     tracker: Arc<Tracker>,
-    files: Arc<std::sync::Mutex<Vec<(u64, Vec<Published>)>>>,
+    files: Arc<KeptFiles>,
     state: Arc<CtlState>,
     events: tokio::sync::broadcast::Sender<SourceEvent>,
 ) {
