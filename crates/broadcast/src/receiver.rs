@@ -354,6 +354,14 @@ impl std::fmt::Display for GiveUp {
                 "advertised nothing new for {:.1} s while this receiver waited on it",
                 after.as_secs_f64()
             ),
+            GiveUp::Stalled {
+                after,
+                in_flight: 1,
+            } => write!(
+                f,
+                "sent nothing for {:.1} s while a chunk was requested from it",
+                after.as_secs_f64()
+            ),
             GiveUp::Stalled { after, in_flight } => write!(
                 f,
                 "sent nothing for {:.1} s while {in_flight} chunks were requested from it",
