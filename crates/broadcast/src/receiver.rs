@@ -834,6 +834,9 @@ async fn manifest_from_source(
     Ok((manifest, source_epoch, source_ip, ctl.local_addr().ip()))
 }
 
+/// How long [`Receiver::leave`] waits for discovery to answer.
+const LEAVE_WITHIN: Duration = Duration::from_secs(1);
+
 /// How long a finished receiver stays listed, done, at least ([`Receiver::leave`]).
 const FINISHED_LISTED: Duration = Duration::from_millis(250);
 
@@ -2307,9 +2310,28 @@ impl Receiver {
             } else {
                 vec![self.source_in(members, roster); d]
             };
+            // The source given up (relaying): a stripe it would serve goes to the receiver of this version
+            // that holds the most (done first), which advertises what it has of every stripe;
+            // one that does not advance is given up in turn, and then the next.
+            let fallback = (self.opts.relay && roster.source_given_up.is_some())
+                .then(|| {
+                    listed
+                        .iter()
+                        .filter(|m| {
+                            m.role == Role::Receiver
+                                && m.id != self.member.id
+                                && m.source_epoch == self.source_epoch
+                                && m.version == self.manifest.version
+                                && !m.data_addr.is_empty()
+                                && !roster.avoid.contains(&m.id)
+                        })
+                        .max_by_key(|m| (m.done, m.progress))
+                        .cloned()
+                })
+                .flatten();
             let mut again = false;
             for (s, w) in want.into_iter().enumerate() {
-                let Some(m) = w else {
+                let Some(m) = w.or_else(|| fallback.clone()) else {
                     roster.assigned[s] = None;
                     continue;
                 };
@@ -2372,14 +2394,19 @@ impl Receiver {
     }
 
     /// Leaves the member list and stops serving. A receiver that completed its pull stays
-    /// listed, done, until [`FINISHED_LISTED`] after it reported done (serving meanwhile), so
+    /// listed, done, until 250 ms after it reported done (serving meanwhile), so
     /// that the source, which looks at its list every 100 ms, sees it finished rather than
-    /// gone unfinished.
+    /// gone unfinished. Discovery is given 1 s to answer (a stopped source's
+    /// tracker would hold the caller for its whole timeout); unanswered, the entry's lease runs
+    /// out instead.
     pub async fn leave(self) {
         if let Some(t) = self.reported_done {
             tokio::time::sleep_until((t + FINISHED_LISTED).into()).await;
         }
-        let _ = self.discovery.deregister(&self.member.id).await;
+        let gone = self.discovery.deregister(&self.member.id);
+        if tokio::time::timeout(LEAVE_WITHIN, gone).await.is_err() {
+            tracing::info!(member = %self.member.id, "discovery did not answer the leave; the entry's lease runs out instead");
+        }
         drop(self);
     }
 }

@@ -76,16 +76,12 @@ fn stalled_publisher_child() {
     });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_source_is_given_up_within_the_stall_window() {
+/// Starts the publisher of `dir` in a child process; returns it and its control address.
+fn publisher(dir: &std::path::Path) -> (Publisher, std::net::SocketAddr) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let dir = tempfile::tempdir().unwrap();
-    let chunks = 32u64;
-    let bytes: Vec<u8> = (0..chunks * CHUNK).map(|i| (i * 31 % 251) as u8).collect();
-    std::fs::write(dir.path().join("w.bin"), &bytes).unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -94,7 +90,7 @@ async fn a_stopped_source_is_given_up_within_the_stall_window() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(CHILD_DIR, dir.path())
+        .env(CHILD_DIR, dir)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -111,6 +107,16 @@ async fn a_stopped_source_is_given_up_within_the_stall_window() {
             break a.trim().parse().unwrap();
         }
     };
+    (publisher, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_source_is_given_up_within_the_stall_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let chunks = 32u64;
+    let bytes: Vec<u8> = (0..chunks * CHUNK).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(dir.path().join("w.bin"), &bytes).unwrap();
+    let (publisher, addr) = publisher(dir.path());
 
     // The pull verifies four chunks, then waits while the test stops the publisher.
     let hold = Arc::new(tokio::sync::Notify::new());
@@ -160,5 +166,52 @@ async fn a_stopped_source_is_given_up_within_the_stall_window() {
         took < stall_after + Duration::from_secs(10),
         "the pull ended {took:?} after the source stopped: {msg}"
     );
+    drop(publisher);
+}
+
+/// With a receiver that holds everything, a pull whose source stops goes on from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_whose_source_stops_goes_on_from_a_receiver_that_holds_the_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let chunks = 32u64;
+    let bytes: Vec<u8> = (0..chunks * CHUNK).map(|i| (i * 37 % 241) as u8).collect();
+    std::fs::write(dir.path().join("w.bin"), &bytes).unwrap();
+    let (publisher, addr) = publisher(dir.path());
+    let disc = Arc::new(Embedded::new(addr));
+    let opts = || ReceiverOptions {
+        data_plane: DataPlane::Tcp,
+        stall_after: Duration::from_secs(2),
+        heartbeat: Duration::from_millis(100),
+        straggler: 0.0,
+        ..Default::default()
+    };
+    // The first receiver pulls everything and stays (serving) while the test runs.
+    let mut first = Receiver::join(disc.clone(), Some("w"), opts())
+        .await
+        .unwrap();
+    first.run().await.unwrap();
+    // The second fetches a stripe from the source (and one from the first), holds after four
+    // chunks while the test stops the source, then goes on.
+    let hold = Arc::new(tokio::sync::Notify::new());
+    let mut o = opts();
+    o.window = 4;
+    o.hold_after = Some((4, hold.clone()));
+    let mut second = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
+    let mut progress = second.progress();
+    let run = tokio::spawn(async move {
+        let s = second.run().await;
+        (second, s)
+    });
+    progress.wait_for(|s| s.chunks >= 4).await.unwrap();
+    publisher.signal("-STOP");
+    hold.notify_one();
+    let (second, s) = run.await.unwrap();
+    let s = s.unwrap();
+    assert_eq!(second.segment_bytes(0).unwrap(), bytes);
+    assert!(s.bytes_from_relays > 0, "{s:?}");
+    // The stopped source, a stripe's parent, was given up; the first receiver took its stripe.
+    assert!(s.parents_given_up >= 1, "{s:?}");
+    assert!(s.bytes_from_source < chunks * CHUNK, "{s:?}");
+    drop(first);
     drop(publisher);
 }
