@@ -92,7 +92,9 @@ pub(crate) struct PullArgs {
     /// Chunks in flight.
     #[arg(long, default_value = "8", value_parser = parse::count)]
     window: usize,
-    /// Give up a parent whose progress stalls this long (`3s`, `500ms`).
+    /// Give up a holder, the source too, that sends nothing this long while chunks are asked
+    /// of it, or a parent that advertises nothing new (`3s`, `500ms`); the pull goes on from
+    /// others, or fails naming it.
     #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse::positive_duration)]
     stall_after: Duration,
     /// After finishing, keep serving while other receivers of the version are unfinished, at
