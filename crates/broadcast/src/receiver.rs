@@ -661,6 +661,9 @@ pub struct Receiver {
     files: Option<Landing>,
     /// When the completed pull was reported done to discovery.
     reported_done: Option<Instant>,
+    /// The source as listed when the manifest was fetched (the plan's source until a list
+    /// is read).
+    source: Member,
 }
 
 /// A pull into a directory: each segment lands, chunk by chunk as verified, in a temporary file
@@ -767,7 +770,7 @@ async fn manifest_from_source(
     discovery: &Arc<dyn Discovery>,
     wanted: Option<&str>,
     opts: &ReceiverOptions,
-) -> Result<(Manifest, u64, IpAddr, IpAddr), BroadcastError> {
+) -> Result<(Manifest, u64, IpAddr, IpAddr, Member), BroadcastError> {
     let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
@@ -831,7 +834,13 @@ async fn manifest_from_source(
             ),
         ));
     }
-    Ok((manifest, source_epoch, source_ip, ctl.local_addr().ip()))
+    Ok((
+        manifest,
+        source_epoch,
+        source_ip,
+        ctl.local_addr().ip(),
+        source,
+    ))
 }
 
 /// How long [`Receiver::leave`] waits for discovery to answer.
@@ -889,6 +898,7 @@ struct Joined {
     tensors: Vec<String>,
     timeline: Timeline,
     files: Option<Landing>,
+    source: Member,
 }
 
 impl Receiver {
@@ -902,7 +912,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip) =
+        let (manifest, source_epoch, source_ip, local_ip, source) =
             manifest_from_source(&discovery, name, &opts).await?;
         let timeline = Timeline {
             join_start: Some(join_start),
@@ -941,6 +951,7 @@ impl Receiver {
             tensors: Vec::new(),
             timeline,
             files: None,
+            source,
         };
         Self::start(j, discovery, opts).await
     }
@@ -962,7 +973,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip) =
+        let (manifest, source_epoch, source_ip, local_ip, source) =
             manifest_from_source(&discovery, name, &opts).await?;
         let timeline = Timeline {
             join_start: Some(join_start),
@@ -1040,6 +1051,7 @@ impl Receiver {
             tensors: Vec::new(),
             timeline,
             files: Some(landing),
+            source,
         };
         Self::start(j, discovery, opts).await
     }
@@ -1065,7 +1077,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip) =
+        let (manifest, source_epoch, source_ip, local_ip, source) =
             manifest_from_source(&discovery, name, &opts).await?;
         let timeline = Timeline {
             join_start: Some(join_start),
@@ -1163,6 +1175,7 @@ impl Receiver {
             tensors,
             timeline,
             files: None,
+            source,
         };
         Self::start(j, discovery, opts).await
     }
@@ -1185,6 +1198,7 @@ impl Receiver {
             tensors,
             mut timeline,
             files,
+            source,
         } = j;
         let ranges = layout
             .iter()
@@ -1278,6 +1292,7 @@ impl Receiver {
             _ctl: ctl,
             files,
             reported_done: None,
+            source,
         })
     }
 
@@ -1911,7 +1926,12 @@ impl Receiver {
             ..Default::default()
         };
         let (poll_tx, mut poll_rx) = mpsc::unbounded_channel();
-        let mut members = self.discovery.members().await.unwrap_or_default();
+        // A list that cannot be read now (a source that stopped since it answered the
+        // manifest) leaves the source found then: it is attached, and given up if it stalls.
+        let mut members = match self.discovery.members().await {
+            Ok(m) if !m.is_empty() => m,
+            _ => vec![self.source.clone()],
+        };
         let mut roster = Roster::new(d);
         // Why the stripes have no holder, when none could be attached.
         let mut last = String::from("no holder listed");
