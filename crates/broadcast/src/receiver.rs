@@ -253,12 +253,34 @@ pub struct Snapshot {
 
 /// A member that holds chunks and that this receiver fetches from.
 struct Holder {
-    member: Member,
+    /// What it advertised and how it answers: what the decisions read (no I/O).
+    seen: Seen,
     peer: Peer,
     /// Per segment: `(offset in the segment, offset in the remote segment, remote segment)`.
     segs: Vec<Vec<(u64, u64, RemoteSegment)>>,
     /// `segs` as `(offset in the segment, length)`.
     ranges: Vec<Vec<(u64, u64)>>,
+    poll: JoinHandle<()>,
+}
+
+impl std::ops::Deref for Holder {
+    type Target = Seen;
+    fn deref(&self) -> &Seen {
+        &self.seen
+    }
+}
+
+impl std::ops::DerefMut for Holder {
+    fn deref_mut(&mut self) -> &mut Seen {
+        &mut self.seen
+    }
+}
+
+/// A holder as this receiver has seen it: what it advertised, the fetches asked of it, when it
+/// last sent something. No I/O: [`stalled`] decides from it alone.
+#[derive(Clone, Debug)]
+struct Seen {
+    member: Member,
     prefix: u64,
     /// Chunks it verified.
     count: u64,
@@ -266,7 +288,6 @@ struct Holder {
     stripes: Vec<u64>,
     done: bool,
     advanced: Instant,
-    poll: JoinHandle<()>,
     /// Which attachment this is (a holder given up and attached again is a new one): fetches
     /// report it, so that one started from an earlier attachment is not counted against this.
     generation: u64,
@@ -277,7 +298,24 @@ struct Holder {
     heard: Instant,
 }
 
-impl Holder {
+impl Seen {
+    /// `m` as attached at `now`, of a manifest of `chunks` chunks: the source holds every chunk,
+    /// a receiver none until it says.
+    fn new(m: Member, chunks: u64, now: Instant) -> Self {
+        let source = m.role == Role::Source;
+        Self {
+            member: m,
+            prefix: if source { chunks } else { 0 },
+            count: 0,
+            stripes: Vec::new(),
+            done: source,
+            advanced: now,
+            generation: 0,
+            in_flight: 0,
+            heard: now,
+        }
+    }
+
     /// Whether it advertised chunk `c` (as verified).
     fn holds(&self, c: usize) -> bool {
         let c = c as u64;
@@ -446,64 +484,85 @@ impl Roster {
         true
     }
 
-    /// The holders to give up now: those the pull waits on that sent nothing for
-    /// `stall_after` (chunks requested from them, or, for a stripe's parent, no new chunk
-    /// advertised while this receiver needs one), and parents no longer listed.
+    /// The holders to give up now ([`stalled`]).
     fn stalled(
         &self,
         have: &Have,
         members: &[Member],
         stall_after: Duration,
     ) -> Vec<(String, GiveUp)> {
-        let d = self.assigned.len();
-        let mut out = Vec::new();
-        for (id, h) in &self.holders {
-            if h.in_flight > 0 && h.heard.elapsed() > stall_after {
-                out.push((
-                    id.clone(),
-                    GiveUp::Stalled {
-                        after: h.heard.elapsed(),
-                        in_flight: h.in_flight,
-                    },
-                ));
-                continue;
-            }
-            // An empty list is one never read: no one is taken for unlisted by it.
-            let listed = members.is_empty() || members.iter().any(|m| m.id == *id);
-            if h.member.role == Role::Source {
-                if !listed {
-                    out.push((id.clone(), GiveUp::Unlisted));
-                }
-                continue;
-            }
-            let stripes: Vec<usize> = (0..d)
-                .filter(|&s| self.assigned[s].as_deref() == Some(id.as_str()))
-                .collect();
-            if stripes.is_empty() {
-                continue;
-            }
-            if !listed {
-                out.push((id.clone(), GiveUp::Unlisted));
-                continue;
-            }
-            let waiting = !h.done
-                && h.in_flight == 0
-                && stripes.iter().any(|&s| !have.stripe_done(s))
-                && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
-            // Since it last advertised more, or last sent a chunk, whichever is later.
-            let quiet = h.advanced.max(h.heard).elapsed();
-            if waiting && quiet > stall_after {
-                out.push((
-                    id.clone(),
-                    GiveUp::Stalled {
-                        after: quiet,
-                        in_flight: 0,
-                    },
-                ));
-            }
-        }
-        out
+        stalled(
+            self.holders.iter().map(|(id, h)| (id.as_str(), &h.seen)),
+            &self.assigned,
+            have,
+            members,
+            stall_after,
+            Instant::now(),
+        )
     }
+}
+
+/// The holders to give up at `now`: those the pull waits on that sent nothing for
+/// `stall_after` (chunks requested from them, or, for a stripe's parent (`assigned`), no new
+/// chunk advertised while this receiver needs one), and parents no longer listed (the source
+/// too, when it drops off a list that was read).
+fn stalled<'a>(
+    holders: impl Iterator<Item = (&'a str, &'a Seen)>,
+    assigned: &[Option<String>],
+    have: &Have,
+    members: &[Member],
+    stall_after: Duration,
+    now: Instant,
+) -> Vec<(String, GiveUp)> {
+    let d = assigned.len();
+    let mut out = Vec::new();
+    for (id, h) in holders {
+        let silent = now.saturating_duration_since(h.heard);
+        if h.in_flight > 0 && silent > stall_after {
+            out.push((
+                id.to_owned(),
+                GiveUp::Stalled {
+                    after: silent,
+                    in_flight: h.in_flight,
+                },
+            ));
+            continue;
+        }
+        // An empty list is one never read: no one is taken for unlisted by it.
+        let listed = members.is_empty() || members.iter().any(|m| m.id == id);
+        if h.member.role == Role::Source {
+            if !listed {
+                out.push((id.to_owned(), GiveUp::Unlisted));
+            }
+            continue;
+        }
+        let stripes: Vec<usize> = (0..d)
+            .filter(|&s| assigned[s].as_deref() == Some(id))
+            .collect();
+        if stripes.is_empty() {
+            continue;
+        }
+        if !listed {
+            out.push((id.to_owned(), GiveUp::Unlisted));
+            continue;
+        }
+        let waiting = !h.done
+            && h.in_flight == 0
+            && stripes.iter().any(|&s| !have.stripe_done(s))
+            && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
+        // Since it last advertised more, or last sent a chunk, whichever is later.
+        let quiet = now.saturating_duration_since(h.advanced.max(h.heard));
+        if waiting && quiet > stall_after {
+            out.push((
+                id.to_owned(),
+                GiveUp::Stalled {
+                    after: quiet,
+                    in_flight: 0,
+                },
+            ));
+        }
+    }
+    out
 }
 
 /// The data addresses of the stripes' parents, each once, for [`Snapshot::parent`].
@@ -1680,23 +1739,11 @@ impl Receiver {
         });
         tracing::info!(holder = %m.id, %data_addr, role = ?m.role, "attached");
         Ok(Holder {
-            member: m.clone(),
+            seen: Seen::new(m.clone(), self.manifest.chunks.len() as u64, Instant::now()),
             peer,
             segs,
             ranges,
-            prefix: if m.role == Role::Source {
-                self.manifest.chunks.len() as u64
-            } else {
-                0
-            },
-            count: 0,
-            stripes: Vec::new(),
-            done: m.role == Role::Source,
-            advanced: Instant::now(),
             poll,
-            generation: 0,
-            in_flight: 0,
-            heard: Instant::now(),
         })
     }
 
@@ -2667,6 +2714,81 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
 mod tests {
     use super::*;
     use crate::manifest::{Chunk, Entry, Segment};
+
+    fn member(id: &str, role: Role) -> Member {
+        Member {
+            id: id.into(),
+            epoch: 1,
+            source_epoch: 1,
+            data_addr: format!("10.0.0.1:{}", id.len()),
+            ctl_addr: String::new(),
+            role,
+            progress: 0,
+            done: false,
+            order: 0,
+            version: 3,
+            rate: 0,
+            number: None,
+        }
+    }
+
+    #[test]
+    fn a_holder_that_sends_nothing_for_stall_after_is_given_up_whatever_its_role() {
+        let t0 = Instant::now();
+        let at = |s: f64| t0 + Duration::from_secs_f64(s);
+        let stall = Duration::from_secs(3);
+        let have = Have::striped(16, 2);
+        let members = vec![
+            member("src", Role::Source),
+            member("a", Role::Receiver),
+            member("b", Role::Receiver),
+        ];
+        let mut src = Seen::new(members[0].clone(), 16, t0);
+        src.in_flight = 8;
+        let mut a = Seen::new(members[1].clone(), 16, t0);
+        a.update(4, 4, Vec::new(), false);
+        let run = |holders: &[(&str, &Seen)], assigned: &[Option<String>], list: &[Member], s| {
+            stalled(holders.iter().copied(), assigned, &have, list, stall, at(s))
+        };
+        let assigned = vec![Some("src".to_owned()), Some("a".to_owned())];
+        let both = [("src", &src), ("a", &a)];
+        assert!(run(&both, &assigned, &members, 2.9).is_empty());
+        // Past the window: the source, whose chunks are in flight; the relay, which still has
+        // chunks to give, is kept.
+        let out = run(&both, &assigned, &members, 3.5);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].0, "src");
+        assert_eq!(
+            out[0].1.to_string(),
+            "sent nothing for 3.5 s while 8 chunks were requested from it"
+        );
+        // A chunk from it restarts its silence.
+        src.heard = at(3.0);
+        assert!(run(&[("src", &src)], &assigned, &members, 3.5).is_empty());
+        // Nothing asked of it: the source is never waited on.
+        src.in_flight = 0;
+        assert!(run(&[("src", &src)], &assigned, &members, 60.0).is_empty());
+        // A parent with nothing this receiver wants that advertises nothing new.
+        let b = Seen::new(members[2].clone(), 16, t0);
+        let assigned = vec![Some("src".to_owned()), Some("b".to_owned())];
+        assert!(run(&[("b", &b)], &assigned, &members, 2.0).is_empty());
+        let out = run(&[("b", &b)], &assigned, &members, 3.5);
+        assert!(
+            matches!(out[..], [(ref id, GiveUp::Stalled { in_flight: 0, .. })] if id == "b"),
+            "{out:?}"
+        );
+        assert!(out[0].1.to_string().starts_with("advertised nothing new"));
+        // A holder that is no stripe's parent is not waited on.
+        let unassigned = vec![Some("src".to_owned()), None];
+        assert!(run(&[("b", &b)], &unassigned, &members, 3.5).is_empty());
+        // A parent off the list is given up at once; the list never read takes no one off.
+        let out = run(&[("b", &b)], &assigned, &members[..2], 0.1);
+        assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
+        assert!(run(&[("b", &b)], &assigned, &[], 0.1).is_empty());
+        // The source off a list that was read (its lease ran out in etcd).
+        let out = run(&[("src", &src)], &assigned, &members[1..], 0.1);
+        assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
+    }
 
     fn manifest(entries: &[(&str, u64, u64)]) -> Manifest {
         Manifest {
