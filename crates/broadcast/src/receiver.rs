@@ -924,6 +924,16 @@ static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 /// Allocates and registers `len` zeroed bytes of host memory on `engine` as `name`; a
 /// failed allocation is an error, never an abort.
 fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, BroadcastError> {
+    alloc_for(engine, len, name, Access::REMOTE_READ)
+}
+
+/// [`alloc`] with `access` (landing slots hold unverified bytes: served to no one).
+fn alloc_for(
+    engine: &TransferEngine,
+    len: u64,
+    name: &str,
+    access: Access,
+) -> Result<Registration, BroadcastError> {
     let n = usize::try_from(len).map_err(|_| {
         BroadcastError::io(
             format!("segment {name:?}"),
@@ -940,7 +950,7 @@ fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, 
             std::io::Error::other(e.to_string()),
         )
     })?;
-    Ok(engine.register(region, Access::REMOTE_READ, name)?)
+    Ok(engine.register(region, access, name)?)
 }
 
 /// What joining sets up, before the control service starts.
@@ -1086,7 +1096,7 @@ impl Receiver {
         if chunk > 0 {
             let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
             let reg_name = format!("{}.v{}.landing.{k}", manifest.name, manifest.version);
-            let reg = alloc(&engine, slots * chunk, &reg_name)?;
+            let reg = alloc_for(&engine, slots * chunk, &reg_name, Access::LOCAL)?;
             let whole = Slice::whole(&reg, &reg_name);
             landing.slots = (0..slots).map(|i| whole.sub(i * chunk, chunk)).collect();
             *landing
