@@ -31,6 +31,7 @@ pub mod discovery;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod landing;
 pub mod layout;
 pub mod manifest;
 pub mod plan;
