@@ -94,6 +94,32 @@ pub enum BroadcastError {
         /// Why the last one was given up on.
         reason: String,
     },
+    /// The pull cannot go on: the holder named (the source, or the last relay that could serve
+    /// the chunks still missing) was given up, and no other holder has them. What was verified
+    /// is kept where it landed.
+    #[error(
+        "pull of {name:?} version {version} stopped: {holder} {reason}, and no other holder \
+         has the chunks still missing; {verified} of {chunks} chunks verified ({bytes} of \
+         {total} bytes)"
+    )]
+    Stalled {
+        /// The broadcast.
+        name: String,
+        /// The version.
+        version: u64,
+        /// The holder given up: its role, id and data address.
+        holder: String,
+        /// Why it was given up ("sent nothing for 3.0 s while 8 chunks were requested from it").
+        reason: String,
+        /// Chunks verified.
+        verified: u64,
+        /// Chunks in the manifest.
+        chunks: u64,
+        /// Bytes verified.
+        bytes: u64,
+        /// Payload bytes.
+        total: u64,
+    },
     /// The published tensors and the receiver's destinations do not match; nothing moved.
     #[error("{name:?} version {version}: the published tensors do not match the destinations: {}", problems.join("; "))]
     Mismatch {

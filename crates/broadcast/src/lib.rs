@@ -13,10 +13,13 @@
 //! - [`layout`]: where a member holds each segment ([`Slice`]s of its registrations, host or
 //!   GPU), and the pieces a chunk moves in.
 //! - [`Source`] and [`Receiver`]: the roles. A source publishes files or named [`Tensor`]s of
-//!   the caller's engine (no copy), several versions side by side; a receiver pulls into
-//!   buffers of its own or into the caller's [`Destinations`], in place or staged. Receivers fetch chunks by Ferry READs from their
-//!   parents (one per stripe), verify them, and serve them to their children; dead, stalled or corrupting
-//!   holders are routed around, and a restarted source (new epoch) is refused.
+//!   the caller's engine (no copy), several versions side by side, and withdraws a version
+//!   whose files changed on disk; a receiver pulls into buffers of its own, into the caller's
+//!   [`Destinations`] (in place or staged), or into files of a directory as chunks are
+//!   verified ([`Receiver::join_to_dir`]: memory of a window of chunks). Receivers fetch
+//!   chunks by Ferry READs from their parents (one per stripe), verify them, and serve them to
+//!   their children; dead, stalled or corrupting holders are routed around (the source too: a
+//!   pull that cannot go on fails naming it), and a restarted source (new epoch) is refused.
 //! - [`discovery`]: the membership list behind one trait, [`Embedded`]
 //!   (the source keeps it) or `Etcd` (feature `etcd`, which needs `protoc` at build time).
 //!
@@ -31,6 +34,7 @@ pub mod discovery;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod landing;
 pub mod layout;
 pub mod manifest;
 pub mod plan;
@@ -50,4 +54,4 @@ pub use receiver::{
     DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, TensorKind,
     Timeline, unix_now,
 };
-pub use source::{Source, SourceOptions};
+pub use source::{Source, SourceEvent, SourceOptions};

@@ -54,6 +54,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
+use crate::landing::{Landing, LandingFile, crc_of_file, land, partial_name, room_for};
 use crate::layout::{self, LocalExtents, Slice};
 use crate::manifest::{Digest, MAX_TOTAL_BYTES, Manifest};
 use crate::plan::{Have, Member, Role, stripe_holders};
@@ -253,12 +254,34 @@ pub struct Snapshot {
 
 /// A member that holds chunks and that this receiver fetches from.
 struct Holder {
-    member: Member,
+    /// What it advertised and how it answers: what the decisions read (no I/O).
+    seen: Seen,
     peer: Peer,
     /// Per segment: `(offset in the segment, offset in the remote segment, remote segment)`.
     segs: Vec<Vec<(u64, u64, RemoteSegment)>>,
     /// `segs` as `(offset in the segment, length)`.
     ranges: Vec<Vec<(u64, u64)>>,
+    poll: JoinHandle<()>,
+}
+
+impl std::ops::Deref for Holder {
+    type Target = Seen;
+    fn deref(&self) -> &Seen {
+        &self.seen
+    }
+}
+
+impl std::ops::DerefMut for Holder {
+    fn deref_mut(&mut self) -> &mut Seen {
+        &mut self.seen
+    }
+}
+
+/// A holder as this receiver has seen it: what it advertised, the fetches asked of it, when it
+/// last sent something. No I/O: [`stalled`] decides from it alone.
+#[derive(Clone, Debug)]
+struct Seen {
+    member: Member,
     prefix: u64,
     /// Chunks it verified.
     count: u64,
@@ -266,10 +289,34 @@ struct Holder {
     stripes: Vec<u64>,
     done: bool,
     advanced: Instant,
-    poll: JoinHandle<()>,
+    /// Which attachment this is (a holder given up and attached again is a new one): fetches
+    /// report it, so that one started from an earlier attachment is not counted against this.
+    generation: u64,
+    /// Fetches from it not finished yet.
+    in_flight: usize,
+    /// When it last sent something: a fetch from it finished (verified or not), or it was
+    /// attached, or a fetch was started while none was in flight.
+    heard: Instant,
 }
 
-impl Holder {
+impl Seen {
+    /// `m` as attached at `now`, of a manifest of `chunks` chunks: the source holds every chunk,
+    /// a receiver none until it says.
+    fn new(m: Member, chunks: u64, now: Instant) -> Self {
+        let source = m.role == Role::Source;
+        Self {
+            member: m,
+            prefix: if source { chunks } else { 0 },
+            count: 0,
+            stripes: Vec::new(),
+            done: source,
+            advanced: now,
+            generation: 0,
+            in_flight: 0,
+            heard: now,
+        }
+    }
+
     /// Whether it advertised chunk `c` (as verified).
     fn holds(&self, c: usize) -> bool {
         let c = c as u64;
@@ -294,6 +341,229 @@ impl Holder {
         self.stripes = stripes;
         self.done = done;
     }
+}
+
+impl Holder {
+    /// Who it is, for messages: its role, id and data address.
+    fn describe(&self) -> String {
+        describe(&self.member)
+    }
+}
+
+/// A member, for messages: `the source 127.0.0.1:7501 (id ...)`, `relay 10.0.0.3:7501 (id ...)`.
+fn describe(m: &Member) -> String {
+    match m.role {
+        Role::Source => format!("the source {} (id {})", m.data_addr, m.id),
+        Role::Receiver => format!("relay {} (id {})", m.data_addr, m.id),
+    }
+}
+
+/// Why a holder was given up.
+#[derive(Clone, Debug)]
+enum GiveUp {
+    /// A READ from it failed.
+    ReadFailed(String),
+    /// Its control service stopped answering progress.
+    PollFailed(String),
+    /// It sent nothing for this long while chunks were requested from it (`in_flight` of
+    /// them), or while this receiver waited on its advertisement (`0`).
+    Stalled { after: Duration, in_flight: usize },
+    /// It dropped off the member list (its lease expired).
+    Unlisted,
+    /// It served this chunk with bytes whose hash does not match.
+    Corrupt(usize),
+    /// It answers for another version (it moved on).
+    OtherVersion(u64),
+    /// It holds chunks of another source epoch.
+    OtherEpoch(u64),
+    /// It could not be attached.
+    Attach(String),
+}
+
+impl std::fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GiveUp::ReadFailed(r) => write!(f, "failed a READ ({r})"),
+            GiveUp::PollFailed(r) => write!(f, "stopped answering ({r})"),
+            GiveUp::Stalled {
+                after,
+                in_flight: 0,
+            } => write!(
+                f,
+                "advertised nothing new for {:.1} s while this receiver waited on it",
+                after.as_secs_f64()
+            ),
+            GiveUp::Stalled {
+                after,
+                in_flight: 1,
+            } => write!(
+                f,
+                "sent nothing for {:.1} s while a chunk was requested from it",
+                after.as_secs_f64()
+            ),
+            GiveUp::Stalled { after, in_flight } => write!(
+                f,
+                "sent nothing for {:.1} s while {in_flight} chunks were requested from it",
+                after.as_secs_f64()
+            ),
+            GiveUp::Unlisted => write!(f, "dropped off the member list"),
+            GiveUp::Corrupt(c) => {
+                write!(f, "served chunk {c} with bytes whose hash does not match")
+            }
+            GiveUp::OtherVersion(v) => write!(f, "moved on to version {v}"),
+            GiveUp::OtherEpoch(e) => write!(f, "holds chunks of another source epoch ({e})"),
+            GiveUp::Attach(r) => write!(f, "could not be attached ({r})"),
+        }
+    }
+}
+
+/// The holders a pull fetches from, the stripes' assignments to them, and those given up: the
+/// one place a holder is given up ([`give_up`](Self::give_up)).
+struct Roster {
+    /// Every holder attached (the parents of the stripes, and the source for re-fetches).
+    holders: HashMap<String, Holder>,
+    /// Per stripe: the holder it is fetched from.
+    assigned: Vec<Option<String>>,
+    /// Members given up (never attached again in this pull), the source included.
+    avoid: HashSet<String>,
+    /// Whether the plan must be made again.
+    replan: bool,
+    /// Stripe parents given up.
+    parents_given_up: u64,
+    /// When a stripe parent was first given up.
+    first_given_up: Option<f64>,
+    /// The last holder given up, and why.
+    last: Option<(String, GiveUp)>,
+    /// The source, when it was given up, and why.
+    source_given_up: Option<(String, GiveUp)>,
+    /// Attachments so far (each holder's [`Holder::generation`]).
+    generations: u64,
+}
+
+impl Roster {
+    fn new(stripes: usize) -> Self {
+        Self {
+            holders: HashMap::new(),
+            assigned: vec![None; stripes],
+            avoid: HashSet::new(),
+            replan: true,
+            parents_given_up: 0,
+            first_given_up: None,
+            last: None,
+            source_given_up: None,
+            generations: 0,
+        }
+    }
+
+    /// Whether `id` is the parent of a stripe.
+    fn is_parent(&self, id: &str) -> bool {
+        self.assigned.iter().any(|a| a.as_deref() == Some(id))
+    }
+
+    /// Gives up holder `id` for `why`, once (a holder no longer attached is left as it is):
+    /// its data path is closed, so its fetches in flight fail at once and none lands later; it
+    /// is never attached again in this pull (the source neither: a pull whose other holders
+    /// cannot serve what is missing then fails, naming it); the plan is made again. Returns
+    /// whether it was attached.
+    fn give_up(&mut self, id: &str, why: GiveUp) -> bool {
+        let Some(h) = self.holders.remove(id) else {
+            return false;
+        };
+        h.peer.close();
+        let who = h.describe();
+        tracing::warn!(holder = %who, reason = %why, "giving up holder");
+        self.avoid.insert(id.to_owned());
+        if self.is_parent(id) {
+            self.parents_given_up += 1;
+            self.first_given_up.get_or_insert_with(unix_now);
+        }
+        if h.member.role == Role::Source {
+            self.source_given_up = Some((who.clone(), why.clone()));
+        }
+        self.last = Some((who, why));
+        self.replan = true;
+        true
+    }
+
+    /// The holders to give up now ([`stalled`]).
+    fn stalled(
+        &self,
+        have: &Have,
+        members: &[Member],
+        stall_after: Duration,
+    ) -> Vec<(String, GiveUp)> {
+        stalled(
+            self.holders.iter().map(|(id, h)| (id.as_str(), &h.seen)),
+            &self.assigned,
+            have,
+            members,
+            stall_after,
+            Instant::now(),
+        )
+    }
+}
+
+/// The holders to give up at `now`: those the pull waits on that sent nothing for
+/// `stall_after` (chunks requested from them, or, for a stripe's parent (`assigned`), no new
+/// chunk advertised while this receiver needs one), and parents no longer listed (the source
+/// too, when it drops off a list that was read).
+fn stalled<'a>(
+    holders: impl Iterator<Item = (&'a str, &'a Seen)>,
+    assigned: &[Option<String>],
+    have: &Have,
+    members: &[Member],
+    stall_after: Duration,
+    now: Instant,
+) -> Vec<(String, GiveUp)> {
+    let d = assigned.len();
+    let mut out = Vec::new();
+    for (id, h) in holders {
+        let silent = now.saturating_duration_since(h.heard);
+        if h.in_flight > 0 && silent > stall_after {
+            out.push((
+                id.to_owned(),
+                GiveUp::Stalled {
+                    after: silent,
+                    in_flight: h.in_flight,
+                },
+            ));
+            continue;
+        }
+        // An empty list is one never read: no one is taken for unlisted by it.
+        let listed = members.is_empty() || members.iter().any(|m| m.id == id);
+        if h.member.role == Role::Source {
+            if !listed {
+                out.push((id.to_owned(), GiveUp::Unlisted));
+            }
+            continue;
+        }
+        let stripes: Vec<usize> = (0..d)
+            .filter(|&s| assigned[s].as_deref() == Some(id))
+            .collect();
+        if stripes.is_empty() {
+            continue;
+        }
+        if !listed {
+            out.push((id.to_owned(), GiveUp::Unlisted));
+            continue;
+        }
+        let waiting = !h.done
+            && h.in_flight == 0
+            && stripes.iter().any(|&s| !have.stripe_done(s))
+            && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
+        // Since it last advertised more, or last sent a chunk, whichever is later.
+        let quiet = now.saturating_duration_since(h.advanced.max(h.heard));
+        if waiting && quiet > stall_after {
+            out.push((
+                id.to_owned(),
+                GiveUp::Stalled {
+                    after: quiet,
+                    in_flight: 0,
+                },
+            ));
+        }
+    }
+    out
 }
 
 /// The data addresses of the stripes' parents, each once, for [`Snapshot::parent`].
@@ -332,13 +602,85 @@ enum PollMsg {
     },
 }
 
+/// What the discovery task ([`watch_discovery`]) reports.
+enum Listed {
+    /// The member list, read at a heartbeat (`beat`) or, early in the pull, between them.
+    Members { list: Vec<Member>, beat: bool },
+    /// The source epoch the backend answered a heartbeat with.
+    SourceEpoch(u64),
+}
+
+/// Aborts a task when dropped (whichever way the pull ends).
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews this member's entry (the latest `me`) every `heartbeat` and reads the member list
+/// after each renewal, and, for the first [`EARLY`] of a relayed pull, every [`EARLY_RELIST`]
+/// besides. Runs beside the pull, so a backend that does not answer (a stopped source keeps
+/// the embedded list: each call waits out its timeout) never holds up fetching or the checks
+/// that give up stalled holders. A renewal or listing that fails is skipped: the holders'
+/// epochs still guard against mixing, and the list stays the last one read.
+fn watch_discovery(
+    discovery: Arc<dyn Discovery>,
+    me: watch::Receiver<Member>,
+    heartbeat: Duration,
+    relay: bool,
+) -> (JoinHandle<()>, mpsc::UnboundedReceiver<Listed>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = tokio::spawn(async move {
+        let start = Instant::now();
+        let mut next_beat = start + heartbeat;
+        loop {
+            let now = Instant::now();
+            let wake = if relay && now.duration_since(start) < EARLY {
+                next_beat.min(now + EARLY_RELIST.min(heartbeat))
+            } else {
+                next_beat
+            };
+            tokio::time::sleep_until(wake.into()).await;
+            let beat = Instant::now() >= next_beat;
+            if beat {
+                next_beat = Instant::now() + heartbeat;
+                let m = me.borrow().clone();
+                match discovery.update(&m).await {
+                    Ok(Some(found)) => {
+                        if tx.send(Listed::SourceEpoch(found)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+                }
+            }
+            match discovery.members().await {
+                Ok(list) => {
+                    if tx.send(Listed::Members { list, beat }).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "listing members failed"),
+            }
+        }
+    });
+    (task, rx)
+}
+
 /// What a fetch task reports.
 struct Fetched {
     chunk: usize,
     from: String,
+    /// The holder's [`Holder::generation`] when the fetch started.
+    generation: u64,
     from_source: bool,
     /// `Ok(true)`: verified; `Ok(false)`: BLAKE3 mismatch; `Err`: the READ failed.
     result: Result<bool, String>,
+    /// Pulling into files: the verified chunk could not be written to its file.
+    write_failed: Option<std::io::Error>,
 }
 
 /// A receiver that joined a broadcast: its engine and buffers are set up and registered, its
@@ -375,6 +717,13 @@ pub struct Receiver {
     snapshot_tx: watch::Sender<Snapshot>,
     /// Held for its drop: the control listener closes with the member.
     _ctl: control::Service,
+    /// A pull into a directory ([`join_to_dir`](Self::join_to_dir)): where the chunks go.
+    files: Option<Landing>,
+    /// When the completed pull was reported done to discovery.
+    reported_done: Option<Instant>,
+    /// The source as listed when the manifest was fetched (the plan's source until a list
+    /// is read).
+    source: Member,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -416,7 +765,7 @@ async fn manifest_from_source(
     discovery: &Arc<dyn Discovery>,
     wanted: Option<&str>,
     opts: &ReceiverOptions,
-) -> Result<(Manifest, u64, IpAddr, IpAddr), BroadcastError> {
+) -> Result<(Manifest, u64, IpAddr, IpAddr, Member), BroadcastError> {
     let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
@@ -480,8 +829,20 @@ async fn manifest_from_source(
             ),
         ));
     }
-    Ok((manifest, source_epoch, source_ip, ctl.local_addr().ip()))
+    Ok((
+        manifest,
+        source_epoch,
+        source_ip,
+        ctl.local_addr().ip(),
+        source,
+    ))
 }
+
+/// How long [`Receiver::leave`] waits for discovery to answer.
+const LEAVE_WITHIN: Duration = Duration::from_secs(1);
+
+/// How long a finished receiver stays listed, done, at least ([`Receiver::leave`]).
+const FINISHED_LISTED: Duration = Duration::from_millis(250);
 
 /// How often [`Receiver::linger`] rereads the member list at most.
 const LINGER_CHECK: Duration = Duration::from_millis(100);
@@ -499,6 +860,16 @@ static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 /// Allocates and registers `len` zeroed bytes of host memory on `engine` as `name`; a
 /// failed allocation is an error, never an abort.
 fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, BroadcastError> {
+    alloc_for(engine, len, name, Access::REMOTE_READ)
+}
+
+/// [`alloc`] with `access` (landing slots hold unverified bytes: served to no one).
+fn alloc_for(
+    engine: &TransferEngine,
+    len: u64,
+    name: &str,
+    access: Access,
+) -> Result<Registration, BroadcastError> {
     let n = usize::try_from(len).map_err(|_| {
         BroadcastError::io(
             format!("segment {name:?}"),
@@ -515,7 +886,7 @@ fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, 
             std::io::Error::other(e.to_string()),
         )
     })?;
-    Ok(engine.register(region, Access::REMOTE_READ, name)?)
+    Ok(engine.register(region, access, name)?)
 }
 
 /// What joining sets up, before the control service starts.
@@ -531,6 +902,8 @@ struct Joined {
     staged: Option<Vec<(String, Slice, Slice)>>,
     tensors: Vec<String>,
     timeline: Timeline,
+    files: Option<Landing>,
+    source: Member,
 }
 
 impl Receiver {
@@ -544,7 +917,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip) =
+        let (manifest, source_epoch, source_ip, local_ip, source) =
             manifest_from_source(&discovery, name, &opts).await?;
         let timeline = Timeline {
             join_start: Some(join_start),
@@ -582,6 +955,108 @@ impl Receiver {
             staged: None,
             tensors: Vec::new(),
             timeline,
+            files: None,
+            source,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    /// Joins the broadcast `name` to pull it into the directory `dir`, each segment into the
+    /// file of its name (as [`join`](Self::join) then [`write_to`](Self::write_to) would, but
+    /// never holding the payload in memory). Before anything is allocated or listed, `dir` is
+    /// made if missing and must have room for the payload (`statvfs`: the blocks free to
+    /// this user). Each segment is written, chunk by chunk as it is verified, into a hidden
+    /// temporary file beside its name (`.NAME.ferry-partial.PID`, the payload's length from
+    /// the start), which children read relayed chunks from; [`write_to`](Self::write_to)`(dir)`
+    /// renames them into place once the pull is complete, and a receiver dropped before that
+    /// removes them. Memory: [`ReceiverOptions::window`] chunk-sized landing slots (and as many
+    /// copies of a chunk being written), whatever the payload's size.
+    pub async fn join_to_dir(
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        dir: &Path,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip, source) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
+        room_for(dir, manifest.total_bytes())?;
+        let ip = opts.listen_ip.unwrap_or(local_ip);
+        let mut builder = TransferEngine::builder()
+            .data_plane(opts.data_plane)
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
+        let mut landing = Landing {
+            dir: dir.to_owned(),
+            segs: Vec::with_capacity(manifest.segments.len()),
+            slots: Vec::new(),
+            free: Arc::default(),
+            renamed: std::sync::atomic::AtomicBool::new(false),
+        };
+        // Nothing of this pull is left behind if it fails: the files made so far are removed
+        // when `landing` drops.
+        for seg in &manifest.segments {
+            let tmp = partial_name(dir, &seg.name);
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| BroadcastError::io(format!("creating {}", tmp.display()), e))?;
+            let file = Arc::new(file);
+            landing.segs.push(LandingFile {
+                file: file.clone(),
+                tmp: tmp.clone(),
+                reg: None,
+            });
+            file.set_len(seg.len)
+                .map_err(|e| BroadcastError::io(format!("sizing {}", tmp.display()), e))?;
+            if seg.len > 0 {
+                let reg = engine.publish_file_named(&tmp, Access::REMOTE_READ, &seg.name)?;
+                if let Some(last) = landing.segs.last_mut() {
+                    last.reg = Some(reg);
+                }
+            }
+        }
+        let chunk = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0);
+        let slots = opts.window.max(1) as u64;
+        let mut own = Vec::new();
+        if chunk > 0 {
+            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
+            let reg_name = format!("{}.v{}.landing.{k}", manifest.name, manifest.version);
+            let reg = alloc_for(&engine, slots * chunk, &reg_name, Access::LOCAL)?;
+            let whole = Slice::whole(&reg, &reg_name);
+            landing.slots = (0..slots).map(|i| whole.sub(i * chunk, chunk)).collect();
+            *landing
+                .free
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                (0..slots as usize).rev().collect();
+            own.push(reg);
+        }
+        let layout = vec![Vec::new(); manifest.segments.len()];
+        let j = Joined {
+            engine,
+            owns_engine: true,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged: None,
+            tensors: Vec::new(),
+            timeline,
+            files: Some(landing),
+            source,
         };
         Self::start(j, discovery, opts).await
     }
@@ -607,7 +1082,7 @@ impl Receiver {
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
         let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip) =
+        let (manifest, source_epoch, source_ip, local_ip, source) =
             manifest_from_source(&discovery, name, &opts).await?;
         let timeline = Timeline {
             join_start: Some(join_start),
@@ -704,6 +1179,8 @@ impl Receiver {
             staged,
             tensors,
             timeline,
+            files: None,
+            source,
         };
         Self::start(j, discovery, opts).await
     }
@@ -725,6 +1202,8 @@ impl Receiver {
             staged,
             tensors,
             mut timeline,
+            files,
+            source,
         } = j;
         let ranges = layout
             .iter()
@@ -742,7 +1221,12 @@ impl Receiver {
             manifests: std::sync::Mutex::new(Vec::new()),
             source_layouts: std::sync::Mutex::new(Default::default()),
             version: manifest.version,
-            layout: Some(layout::to_wire(&layout)),
+            // A pull into files serves each segment whole from its file, under its own name.
+            layout: Some(if files.is_some() {
+                layout::identity(&manifest)
+            } else {
+                layout::to_wire(&layout)
+            }),
             progress,
             tracker: None,
             auth: opts.keys.clone().map(|k| {
@@ -811,6 +1295,9 @@ impl Receiver {
             progress_tx,
             snapshot_tx,
             _ctl: ctl,
+            files,
+            reported_done: None,
+            source,
         })
     }
 
@@ -833,6 +1320,11 @@ impl Receiver {
     pub fn segment_bytes(&self, i: usize) -> Option<Vec<u8>> {
         let seg = self.manifest.segments.get(i)?;
         let mut v = vec![0u8; usize::try_from(seg.len).ok()?];
+        if let Some(l) = &self.files {
+            use std::os::unix::fs::FileExt;
+            l.segs.get(i)?.file.read_exact_at(&mut v, 0).ok()?;
+            return Some(v);
+        }
         for (at, slice) in &self.layout[i] {
             let dst = v.get_mut(*at as usize..(*at + slice.len()) as usize)?;
             slice.read(0, dst).ok()?;
@@ -893,7 +1385,14 @@ impl Receiver {
     /// file it points to. Segment names are plain file names (checked with the manifest). The
     /// bytes are copied out of where they landed 1 MiB at a time (never a copy of a whole
     /// segment in memory).
+    ///
+    /// Pulling into files ([`join_to_dir`](Self::join_to_dir)), only once the pull completed:
+    /// into its own directory, each temporary file is flushed to disk and renamed into place
+    /// (it goes on being served to children from there); into another, copied the same way.
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
+        if let Some(l) = &self.files {
+            return self.rename_into(l, dir);
+        }
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
         for (i, seg) in self.manifest.segments.iter().enumerate() {
@@ -917,6 +1416,54 @@ impl Receiver {
         Ok(())
     }
 
+    /// Pulling into files, after a complete pull: each temporary file flushed and renamed into
+    /// `dir` (its own directory), or copied there beside its name and renamed.
+    fn rename_into(&self, l: &Landing, dir: &Path) -> Result<(), BroadcastError> {
+        if !self.pulled {
+            return Err(BroadcastError::io(
+                format!("writing {}", dir.display()),
+                std::io::Error::other("the pull has not completed: its files stay temporary"),
+            ));
+        }
+        let same = std::fs::canonicalize(dir).ok() == std::fs::canonicalize(&l.dir).ok();
+        if !same {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
+        }
+        for (seg, f) in self.manifest.segments.iter().zip(&l.segs) {
+            let path = dir.join(&seg.name);
+            let done = if same {
+                f.file
+                    .sync_data()
+                    .and_then(|()| std::fs::rename(&f.tmp, &path))
+            } else {
+                // From the file held open (renamed or not), never through a symlink there.
+                let tmp = partial_name(dir, &seg.name);
+                let copied = (|| {
+                    use std::io::Seek;
+                    let mut from = f.file.try_clone()?;
+                    from.seek(std::io::SeekFrom::Start(0))?;
+                    let mut to = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(&tmp)?;
+                    std::io::copy(&mut from, &mut to)?;
+                    to.sync_data()?;
+                    std::fs::rename(&tmp, &path)
+                })();
+                if copied.is_err() {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+                copied
+            };
+            done.map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+        }
+        if same {
+            l.renamed.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Writes segment `i`, extent by extent in offset order, 1 MiB at a time.
     fn write_segment(&self, i: usize, file: std::fs::File) -> std::io::Result<()> {
         use std::io::Write;
@@ -936,13 +1483,10 @@ impl Receiver {
         out.flush()
     }
 
-    /// Renews this member's entry: its progress, and its download rate since `first_request`
-    /// (once a second has passed: before, too few chunks to tell a straggler).
-    async fn heartbeat(
-        &mut self,
-        have: &Have,
-        first_request: Option<Instant>,
-    ) -> Result<(), BroadcastError> {
+    /// This member's entry as it stands: its progress, and its download rate since
+    /// `first_request` (once a second has passed: before, too few chunks to tell a straggler).
+    /// Handed to the discovery task ([`watch_discovery`]), which renews it.
+    fn beat(&mut self, have: &Have, first_request: Option<Instant>, me: &watch::Sender<Member>) {
         self.member.progress = have.count();
         if let Some(t) = first_request
             && !self.member.done
@@ -952,19 +1496,27 @@ impl Receiver {
             self.member.rate = (bytes as f64 / t.elapsed().as_secs_f64()) as u64;
         }
         self.member.done = have.is_done();
+        let _ = me.send(self.member.clone());
+    }
+
+    /// Renews this member's entry now (the pull's end: its last progress, done).
+    async fn heartbeat_now(&self) -> Result<(), BroadcastError> {
         match self.discovery.update(&self.member).await {
-            Ok(Some(found)) if found != self.source_epoch => Err(BroadcastError::SourceRestarted {
-                name: self.manifest.name.clone(),
-                had: self.source_epoch,
-                found,
-            }),
+            Ok(Some(found)) if found != self.source_epoch => Err(self.restarted(found)),
             Ok(_) => Ok(()),
             Err(e) => {
-                // The backend may be down for a while (a source that died): keep fetching
-                // from the relays; the holders' epochs still guard against mixing.
                 tracing::debug!(error = %e, "heartbeat failed");
                 Ok(())
             }
+        }
+    }
+
+    /// The error of a source found at epoch `found`.
+    fn restarted(&self, found: u64) -> BroadcastError {
+        BroadcastError::SourceRestarted {
+            name: self.manifest.name.clone(),
+            had: self.source_epoch,
+            found,
         }
     }
 
@@ -1133,19 +1685,10 @@ impl Receiver {
         });
         tracing::info!(holder = %m.id, %data_addr, role = ?m.role, "attached");
         Ok(Holder {
-            member: m.clone(),
+            seen: Seen::new(m.clone(), self.manifest.chunks.len() as u64, Instant::now()),
             peer,
             segs,
             ranges,
-            prefix: if m.role == Role::Source {
-                self.manifest.chunks.len() as u64
-            } else {
-                0
-            },
-            count: 0,
-            stripes: Vec::new(),
-            done: m.role == Role::Source,
-            advanced: Instant::now(),
             poll,
         })
     }
@@ -1165,26 +1708,78 @@ impl Receiver {
     }
 
     /// Starts the READs of chunk `i` from `h` (one per piece where `h`'s extents and this
-    /// receiver's meet) into where it lands here, then its verification over those pieces.
-    fn fetch(&self, set: &mut JoinSet<Fetched>, h: &Holder, i: usize) {
+    /// receiver's meet) into where it lands here, then its verification over those pieces;
+    /// pulling into files, into a free landing slot, verified there and written to its file.
+    /// Returns whether it started (a pull into files with no slot free starts nothing).
+    fn fetch(&self, set: &mut JoinSet<Fetched>, h: &mut Holder, i: usize) -> bool {
         let c = self.manifest.chunks[i];
         let seg = c.segment as usize;
+        // Pulling into files: the chunk lands in a slot of its own.
+        let slot = match &self.files {
+            None => None,
+            Some(l) => match l
+                .free
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .pop()
+            {
+                Some(k) => Some((
+                    k,
+                    l.slots[k].clone(),
+                    l.free.clone(),
+                    l.segs[seg].file.clone(),
+                )),
+                None => return false,
+            },
+        };
+        if h.in_flight == 0 {
+            // The holder's silence is counted from the first chunk asked of it.
+            h.heard = Instant::now();
+        }
+        h.in_flight += 1;
+        let generation = h.generation;
         let mut batch = Batch::new();
         let mut covered = 0;
-        for (li, ri, at, n) in layout::pieces(&self.ranges[seg], &h.ranges[seg], c.offset, c.len) {
-            let (lstart, slice) = &self.layout[seg][li];
-            let (rstart, roff, remote) = &h.segs[seg][ri];
-            batch.push(
-                ferry::OpKind::Read,
-                slice.memory(),
-                slice.offset() + (at - lstart),
-                remote,
-                roff + (at - rstart),
-                n,
-            );
-            covered += n;
+        match &slot {
+            None => {
+                for (li, ri, at, n) in
+                    layout::pieces(&self.ranges[seg], &h.ranges[seg], c.offset, c.len)
+                {
+                    let (lstart, slice) = &self.layout[seg][li];
+                    let (rstart, roff, remote) = &h.segs[seg][ri];
+                    batch.push(
+                        ferry::OpKind::Read,
+                        slice.memory(),
+                        slice.offset() + (at - lstart),
+                        remote,
+                        roff + (at - rstart),
+                        n,
+                    );
+                    covered += n;
+                }
+            }
+            Some((_, slice, _, _)) => {
+                for (_, ri, at, n) in
+                    layout::pieces(&[(c.offset, c.len)], &h.ranges[seg], c.offset, c.len)
+                {
+                    let (rstart, roff, remote) = &h.segs[seg][ri];
+                    batch.push(
+                        ferry::OpKind::Read,
+                        slice.memory(),
+                        slice.offset() + (at - c.offset),
+                        remote,
+                        roff + (at - rstart),
+                        n,
+                    );
+                    covered += n;
+                }
+            }
         }
-        let pieces = self.local_pieces(i);
+        let pieces = if slot.is_some() {
+            Vec::new()
+        } else {
+            self.local_pieces(i)
+        };
         let copied = self.copied.clone();
         let from = h.member.id.clone();
         let from_source = h.member.role == Role::Source;
@@ -1198,25 +1793,43 @@ impl Receiver {
             ))
         };
         set.spawn(async move {
+            let mut write_failed = None;
             let result = match submitted {
                 Err(e) => Err(e),
                 Ok(handle) => {
                     // Wait for the buffers to be free, not just the logical outcome: a chunk
                     // given up on must not land later over one fetched elsewhere.
                     let outcome = handle.drained().await;
-                    match outcome.failure {
-                        Some(f) => Err(format!("READ failed: {}", f.kind)),
-                        None => Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3)),
+                    match (outcome.failure, &slot) {
+                        (Some(f), _) => Err(format!("READ failed: {}", f.kind)),
+                        (None, None) => {
+                            Ok(blake3_of(&pieces, &copied).is_ok_and(|h| h == c.blake3))
+                        }
+                        (None, Some((_, slice, _, file))) => match land(slice, &c, file, &copied) {
+                            Ok(v) => Ok(v),
+                            Err(e) => {
+                                write_failed = Some(e);
+                                Ok(false)
+                            }
+                        },
                     }
                 }
             };
+            if let Some((k, _, free, _)) = slot {
+                free.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(k);
+            }
             Fetched {
                 chunk: i,
                 from,
+                generation,
                 from_source,
                 result,
+                write_failed,
             }
         });
+        true
     }
 
     /// Updates the snapshot, then what the control service advertises (in that order: an
@@ -1306,22 +1919,33 @@ impl Receiver {
             ..Default::default()
         };
         let (poll_tx, mut poll_rx) = mpsc::unbounded_channel();
-        let mut members = self.discovery.members().await.unwrap_or_default();
-        let mut avoid: HashSet<String> = HashSet::new();
-        // Every holder attached (the parents of the stripes, and the source for re-fetches).
-        let mut holders: HashMap<String, Holder> = HashMap::new();
-        // Per stripe: the holder it is fetched from.
-        let mut assigned: Vec<Option<String>> = vec![None; d];
-        let mut replan = true;
+        // A list that cannot be read now (a source that stopped since it answered the
+        // manifest) leaves the source found then: it is attached, and given up if it stalls.
+        let mut members = match self.discovery.members().await {
+            Ok(m) if !m.is_empty() => m,
+            _ => vec![self.source.clone()],
+        };
+        let mut roster = Roster::new(d);
+        // Why the stripes have no holder, when none could be attached.
         let mut last = String::from("no holder listed");
+        // Since when no stripe has a holder.
+        let mut orphaned: Option<Instant> = None;
         let mut rr = 0usize;
         let mut first_request: Option<Instant> = None;
         let mut bad_tries: HashMap<usize, u32> = HashMap::new();
         let mut set: JoinSet<Fetched> = JoinSet::new();
+        // Discovery runs beside the pull: a backend that stops answering (a stopped source
+        // keeps the embedded list) never holds up fetching or the stall checks.
+        let (me_tx, me_rx) = watch::channel(self.member.clone());
+        let (listed, mut listed_rx) = watch_discovery(
+            self.discovery.clone(),
+            me_rx,
+            self.opts.heartbeat,
+            self.opts.relay,
+        );
+        let listing = AbortOnDrop(listed);
         let mut tick = tokio::time::interval(self.opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut relist = tokio::time::interval(EARLY_RELIST.min(self.opts.heartbeat));
-        relist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut paused_until: Option<Instant> = None;
         let mut held: Option<Arc<tokio::sync::Notify>> = None;
         let mut final_check_done = false;
@@ -1333,9 +1957,20 @@ impl Receiver {
                     break;
                 }
                 final_check_done = true;
+                let mut buf = Vec::new();
                 for (i, c) in self.manifest.chunks.iter().enumerate() {
-                    let ok = crc_of(&self.local_pieces(i), &self.copied)
-                        .is_ok_and(|crc| crc == c.crc32c);
+                    let crc = match &self.files {
+                        None => crc_of(&self.local_pieces(i), &self.copied).ok(),
+                        Some(l) => crc_of_file(
+                            &l.segs[c.segment as usize].file,
+                            c.offset,
+                            c.len,
+                            &mut buf,
+                            &self.copied,
+                        )
+                        .ok(),
+                    };
+                    let ok = crc == Some(c.crc32c);
                     if !ok {
                         tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
                         sum.refetched_chunks += 1;
@@ -1350,34 +1985,21 @@ impl Receiver {
                     break;
                 }
             }
-            if replan {
-                replan = false;
-                self.replan(
-                    &members,
-                    &mut avoid,
-                    &mut holders,
-                    &mut assigned,
-                    &mut sum,
-                    &mut last,
-                    &poll_tx,
-                )
-                .await?;
+            if roster.replan {
+                roster.replan = false;
+                self.replan(&members, &mut roster, &mut sum, &mut last, &poll_tx)
+                    .await?;
             }
-            if assigned.iter().all(Option::is_none) {
-                // Wait for the list to change (a source that comes back, a new member); a
-                // source that came back with another epoch ends the pull.
-                tokio::time::sleep(self.opts.heartbeat).await;
-                self.heartbeat(&have, first_request).await?;
-                if started.elapsed() > self.opts.stall_after * 10 {
-                    return Err(BroadcastError::NoHolder {
-                        name: self.manifest.name.clone(),
-                        chunk: have.next_to_fetch(n as u64).unwrap_or(0),
-                        reason: last,
-                    });
+            if roster.assigned.iter().all(Option::is_none) && set.is_empty() {
+                let since = *orphaned.get_or_insert_with(Instant::now);
+                let source_out = roster.source_given_up.is_some();
+                // The source was given up (it stalled, died, or cannot be attached) and no
+                // one else serves what is missing: nothing will come; say who and what.
+                if source_out || since.elapsed() > self.opts.stall_after * 10 {
+                    return Err(self.stopped(&roster, &have, verified_bytes, last));
                 }
-                members = self.discovery.members().await.unwrap_or(members);
-                replan = true;
-                continue;
+            } else {
+                orphaned = None;
             }
             let paused = paused_until.is_some_and(|t| Instant::now() < t) || held.is_some();
             if !paused {
@@ -1386,14 +2008,21 @@ impl Receiver {
                 while set.len() < self.opts.window.max(1) && idle < d {
                     let s = rr % d;
                     rr = rr.wrapping_add(1);
-                    let next = assigned[s]
+                    let Some(h) = roster.assigned[s]
                         .as_ref()
-                        .and_then(|id| holders.get(id))
-                        .and_then(|h| have.next_in_stripe(s, |c| h.holds(c)).map(|i| (h, i)));
-                    match next {
-                        Some((h, i)) => {
+                        .and_then(|id| roster.holders.get_mut(id))
+                    else {
+                        idle += 1;
+                        continue;
+                    };
+                    match have.next_in_stripe(s, |c| h.holds(c)) {
+                        Some(i) => {
                             idle = 0;
-                            self.fetch(&mut set, h, i);
+                            if !self.fetch(&mut set, h, i) {
+                                // No landing slot free (a pull into files): next time.
+                                have.released(i);
+                                break;
+                            }
                             first_request.get_or_insert_with(Instant::now);
                             self.timeline.first_request.get_or_insert_with(unix_now);
                         }
@@ -1410,7 +2039,20 @@ impl Receiver {
                 }
                 Some(joined) = set.join_next() => {
                     let Ok(f) = joined else { continue };
+                    if let Some(h) = roster.holders.get_mut(&f.from)
+                        && h.generation == f.generation
+                    {
+                        h.in_flight = h.in_flight.saturating_sub(1);
+                        h.heard = Instant::now();
+                    }
                     let c = self.manifest.chunks[f.chunk];
+                    if let Some(e) = f.write_failed {
+                        let file = self.files.as_ref().map(|l| l.segs[c.segment as usize].tmp.display().to_string());
+                        return Err(BroadcastError::io(
+                            format!("writing chunk {} to {}", f.chunk, file.unwrap_or_default()),
+                            e,
+                        ));
+                    }
                     match f.result {
                         Ok(true) => {
                             if f.from_source {
@@ -1459,20 +2101,11 @@ impl Receiver {
                             if !f.from_source {
                                 // A relay served bytes that are not the source's: report it
                                 // and take nothing more from it.
-                                tracing::warn!(holder = %f.from, chunk = f.chunk,
-                                    "relay served a chunk whose hash does not match; giving it up");
                                 if !sum.corrupt_holders.contains(&f.from) {
                                     sum.corrupt_holders.push(f.from.clone());
                                 }
-                                avoid.insert(f.from.clone());
-                                if let Some(h) = holders.remove(&f.from) {
-                                    h.peer.close();
-                                    if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
-                                        sum.parents_given_up += 1;
-                                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                                    }
-                                }
-                                replan = true;
+                                roster.avoid.insert(f.from.clone());
+                                roster.give_up(&f.from, GiveUp::Corrupt(f.chunk));
                             }
                             if *tries > 3 {
                                 return Err(BroadcastError::NoHolder {
@@ -1483,135 +2116,78 @@ impl Receiver {
                             }
                             // The source holds every chunk: fetch it from there (keeping the
                             // chunk marked in flight meanwhile).
-                            let src = members
-                                .iter()
-                                .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch)
-                                .cloned();
+                            let src = self.source_in(&members, &roster);
                             if let Some(s) = &src
-                                && !holders.contains_key(&s.id)
+                                && !roster.holders.contains_key(&s.id)
                             {
-                                match self.attach(s, &poll_tx).await {
-                                    Ok(h) => {
-                                        sum.holders.push(h.member.id.clone());
-                                        holders.insert(s.id.clone(), h);
-                                    }
-                                    Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                                    Err(e) => tracing::info!(error = %e, "cannot attach to the source"),
-                                }
+                                self.attach_to(s, &mut roster, &mut sum, &mut last, &poll_tx).await?;
                             }
-                            match src.and_then(|s| holders.get(&s.id)) {
-                                Some(h) => self.fetch(&mut set, h, f.chunk),
-                                None => have.released(f.chunk),
+                            let again = src
+                                .and_then(|s| roster.holders.get_mut(&s.id))
+                                .is_some_and(|h| self.fetch(&mut set, h, f.chunk));
+                            if !again {
+                                have.released(f.chunk);
                             }
                         }
                         Err(reason) => {
                             have.released(f.chunk);
-                            if let Some(h) = holders.remove(&f.from) {
-                                tracing::info!(holder = %f.from, %reason, "giving up holder");
-                                h.peer.close();
-                                if h.member.role != Role::Source {
-                                    avoid.insert(f.from.clone());
-                                }
-                                if assigned.iter().any(|a| a.as_deref() == Some(f.from.as_str())) {
-                                    sum.parents_given_up += 1;
-                                    self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                                }
-                                replan = true;
+                            if roster.holders.get(&f.from).is_some_and(|h| h.generation == f.generation) {
+                                roster.give_up(&f.from, GiveUp::ReadFailed(reason));
                             }
                         }
                     }
-                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&roster.assigned, &roster.holders));
                 }
-                _ = relist.tick(), if started.elapsed() < EARLY && self.opts.relay => {
-                    if let Ok(m) = self.discovery.members().await
-                        && m.len() != members.len()
-                    {
-                        members = m;
-                        replan = true;
+                Some(l) = listed_rx.recv() => match l {
+                    Listed::SourceEpoch(found) if found != self.source_epoch => {
+                        return Err(self.restarted(found));
                     }
-                }
+                    Listed::SourceEpoch(_) => {}
+                    Listed::Members { list, beat } => {
+                        // Early relists replan only when someone joined or left; each
+                        // heartbeat's list (its rates) always does.
+                        if beat || list.len() != members.len() {
+                            roster.replan = true;
+                        }
+                        members = list;
+                    }
+                },
                 Some(msg) = poll_rx.recv() => match msg {
                     PollMsg::Progress { id, source_epoch, prefix, done, version, count, stripes } => {
-                        let Some(p) = holders.get_mut(&id) else { continue };
-                        let gone = if p.member.role != Role::Source && version != self.manifest.version {
+                        let Some(p) = roster.holders.get_mut(&id) else { continue };
+                        if p.member.role != Role::Source && version != self.manifest.version {
                             // It moved on to another version: its memory no longer holds ours.
-                            tracing::info!(holder = %id, version, "holder of another version; giving it up");
-                            true
+                            roster.give_up(&id, GiveUp::OtherVersion(version));
                         } else if source_epoch != self.source_epoch {
                             if p.member.role == Role::Source {
-                                return Err(BroadcastError::SourceRestarted {
-                                    name: self.manifest.name.clone(),
-                                    had: self.source_epoch,
-                                    found: source_epoch,
-                                });
+                                return Err(self.restarted(source_epoch));
                             }
-                            tracing::info!(holder = %id, source_epoch, "holder of another source epoch; giving it up");
-                            true
+                            roster.give_up(&id, GiveUp::OtherEpoch(source_epoch));
                         } else {
                             p.update(prefix, count, stripes, done);
-                            false
-                        };
-                        if gone {
-                            avoid.insert(id.clone());
-                            if let Some(p) = holders.remove(&id) { p.peer.close(); }
-                            if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
-                                sum.parents_given_up += 1;
-                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                            }
-                            replan = true;
                         }
                     }
                     PollMsg::Failed { id, reason } => {
-                        if holders.get(&id).is_some_and(|p| p.member.role != Role::Source) {
-                            tracing::info!(holder = %id, %reason, "holder stopped answering; giving it up");
-                            if let Some(p) = holders.remove(&id) { p.peer.close(); }
-                            if assigned.iter().any(|a| a.as_deref() == Some(id.as_str())) {
-                                sum.parents_given_up += 1;
-                                self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                            }
-                            avoid.insert(id);
-                            replan = true;
+                        if roster.holders.get(&id).is_some_and(|p| p.member.role != Role::Source) {
+                            roster.give_up(&id, GiveUp::PollFailed(reason));
                         }
                     }
                 },
                 _ = tick.tick() => {
-                    self.heartbeat(&have, first_request).await?;
-                    if let Ok(m) = self.discovery.members().await {
-                        members = m;
+                    self.beat(&have, first_request, &me_tx);
+                    // A holder that sent nothing for `stall_after` while the pull waits on it,
+                    // the source as much as a relay, and a parent gone from the list (its
+                    // lease expired) are given up.
+                    for (id, why) in roster.stalled(&have, &members, self.opts.stall_after) {
+                        roster.give_up(&id, why);
                     }
-                    // A parent gone from the list (its lease expired), or one we wait on that
-                    // does not advance, is given up.
-                    let mut give_up = Vec::new();
-                    for (id, p) in &holders {
-                        if p.member.role == Role::Source {
-                            continue;
-                        }
-                        let stripes: Vec<usize> =
-                            (0..d).filter(|&s| assigned[s].as_deref() == Some(id.as_str())).collect();
-                        if stripes.is_empty() {
-                            continue;
-                        }
-                        let listed = members.iter().any(|m| m.id == *id);
-                        let waiting = !p.done
-                            && stripes.iter().any(|&s| !have.stripe_done(s))
-                            && !stripes.iter().any(|&s| have.wants_from(s, |c| p.holds(c)));
-                        let stalled = waiting && p.advanced.elapsed() > self.opts.stall_after;
-                        if stalled || !listed {
-                            tracing::info!(holder = %id, stalled, "giving up parent");
-                            give_up.push(id.clone());
-                        }
-                    }
-                    for id in give_up {
-                        if let Some(p) = holders.remove(&id) { p.peer.close(); }
-                        avoid.insert(id);
-                        sum.parents_given_up += 1;
-                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
-                    }
-                    // The list and the rates in it change the plan.
-                    replan = true;
-                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&assigned, &holders));
+                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&roster.assigned, &roster.holders));
                 }
             }
+        }
+        sum.parents_given_up = roster.parents_given_up;
+        if let Some(t) = roster.first_given_up {
+            self.timeline.parent_given_up.get_or_insert(t);
         }
         sum.seconds = started.elapsed().as_secs_f64();
         self.timeline.done = Some(unix_now());
@@ -1625,36 +2201,119 @@ impl Receiver {
             members.len(),
             "",
         );
-        self.heartbeat(&have, first_request).await?;
+        self.beat(&have, first_request, &me_tx);
+        drop(listing);
+        self.heartbeat_now().await?;
+        self.reported_done = Some(Instant::now());
         tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
             from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
         Ok(sum)
     }
 
-    /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on `members`:
-    /// attaches the ones not attached yet (one that cannot be attached is avoided, unless it
-    /// is the source, and the plan is made again without it), drops the relays no stripe is
+    /// The error of a pull that cannot go on: the source (or the last holder) given up, and
+    /// what was verified; or, when none was given up, why no holder could be attached.
+    fn stopped(&self, roster: &Roster, have: &Have, bytes: u64, last: String) -> BroadcastError {
+        match roster.source_given_up.as_ref().or(roster.last.as_ref()) {
+            Some((holder, why)) => BroadcastError::Stalled {
+                name: self.manifest.name.clone(),
+                version: self.manifest.version,
+                holder: holder.clone(),
+                reason: why.to_string(),
+                verified: have.count(),
+                chunks: have.len() as u64,
+                bytes,
+                total: self.manifest.total_bytes(),
+            },
+            None => BroadcastError::NoHolder {
+                name: self.manifest.name.clone(),
+                chunk: (0..have.len()).find(|&i| !have.has(i)).unwrap_or(0),
+                reason: last,
+            },
+        }
+    }
+
+    /// The source of this pull's epoch as listed, unless it was given up.
+    fn source_in(&self, members: &[Member], roster: &Roster) -> Option<Member> {
+        members
+            .iter()
+            .find(|m| {
+                m.role == Role::Source
+                    && m.source_epoch == self.source_epoch
+                    && !roster.avoid.contains(&m.id)
+            })
+            .cloned()
+    }
+
+    /// Attaches `m` (within `stall_after` and 2 s more: a member that does not answer its
+    /// handshake is not waited on longer than one that stalls). One that cannot be attached is
+    /// given up: `last` says why. Errs only with [`BroadcastError::SourceRestarted`].
+    async fn attach_to(
+        &self,
+        m: &Member,
+        roster: &mut Roster,
+        sum: &mut Summary,
+        last: &mut String,
+        polls: &mpsc::UnboundedSender<PollMsg>,
+    ) -> Result<bool, BroadcastError> {
+        let limit = self.opts.stall_after + Duration::from_secs(2);
+        let attached = match tokio::time::timeout(limit, self.attach(m, polls)).await {
+            Ok(r) => r,
+            Err(_) => Err(control_err(
+                &m.data_addr,
+                format!("did not answer within {:.1} s", limit.as_secs_f64()),
+            )),
+        };
+        match attached {
+            Ok(mut h) => {
+                roster.generations += 1;
+                h.generation = roster.generations;
+                sum.holders.push(h.member.id.clone());
+                roster.holders.insert(m.id.clone(), h);
+                Ok(true)
+            }
+            Err(e @ BroadcastError::SourceRestarted { .. }) => Err(e),
+            Err(e) => {
+                tracing::warn!(holder = %describe(m), error = %e, "cannot attach");
+                *last = format!("{}: {e}", describe(m));
+                roster.avoid.insert(m.id.clone());
+                let why = GiveUp::Attach(e.to_string());
+                if m.role == Role::Source {
+                    roster.source_given_up = Some((describe(m), why.clone()));
+                }
+                roster.last = Some((describe(m), why));
+                Ok(false)
+            }
+        }
+    }
+
+    /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on `members`, less
+    /// those given up: attaches the ones not attached yet (one that cannot be attached is
+    /// given up, and the plan is made again without it), drops the relays no stripe is
     /// fetched from any more (the source is kept for re-fetches).
-    #[allow(clippy::too_many_arguments)]
     async fn replan(
         &self,
         members: &[Member],
-        avoid: &mut HashSet<String>,
-        holders: &mut HashMap<String, Holder>,
-        assigned: &mut [Option<String>],
+        roster: &mut Roster,
         sum: &mut Summary,
         last: &mut String,
         polls: &mpsc::UnboundedSender<PollMsg>,
     ) -> Result<(), BroadcastError> {
-        let d = assigned.len();
-        'plan: loop {
+        let d = roster.assigned.len();
+        loop {
+            // A source given up is not listed to the plan: the stripes it would serve have
+            // no holder (stripe_holders keeps relays given up at the edge itself).
+            let listed: Vec<Member> = members
+                .iter()
+                .filter(|m| m.role != Role::Source || !roster.avoid.contains(&m.id))
+                .cloned()
+                .collect();
             let want: Vec<Option<Member>> = if self.opts.relay {
                 stripe_holders(
-                    members,
+                    &listed,
                     &self.member.id,
                     self.source_epoch,
                     self.manifest.version,
-                    avoid,
+                    &roster.avoid,
                     d,
                     self.opts.straggler,
                 )
@@ -1662,43 +2321,59 @@ impl Receiver {
                 .map(|m| m.cloned())
                 .collect()
             } else {
-                let src = members
-                    .iter()
-                    .find(|m| m.role == Role::Source && m.source_epoch == self.source_epoch);
-                vec![src.cloned(); d]
+                vec![self.source_in(members, roster); d]
             };
+            // The source given up (relaying): a stripe it would serve goes to the receiver of this version
+            // that holds the most (done first), which advertises what it has of every stripe;
+            // one that does not advance is given up in turn, and then the next.
+            let fallback = (self.opts.relay && roster.source_given_up.is_some())
+                .then(|| {
+                    listed
+                        .iter()
+                        .filter(|m| {
+                            m.role == Role::Receiver
+                                && m.id != self.member.id
+                                && m.source_epoch == self.source_epoch
+                                && m.version == self.manifest.version
+                                && !m.data_addr.is_empty()
+                                && !roster.avoid.contains(&m.id)
+                        })
+                        .max_by_key(|m| (m.done, m.progress))
+                        .cloned()
+                })
+                .flatten();
+            let mut again = false;
             for (s, w) in want.into_iter().enumerate() {
-                let Some(m) = w else {
-                    assigned[s] = None;
+                let Some(m) = w.or_else(|| fallback.clone()) else {
+                    roster.assigned[s] = None;
                     continue;
                 };
-                if !holders.contains_key(&m.id) {
-                    match self.attach(&m, polls).await {
-                        Ok(h) => {
-                            sum.holders.push(h.member.id.clone());
-                            holders.insert(m.id.clone(), h);
-                        }
-                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                        Err(e) => {
-                            tracing::info!(holder = %m.id, error = %e, "cannot attach");
-                            *last = e.to_string();
-                            assigned[s] = None;
-                            if m.role != Role::Source {
-                                avoid.insert(m.id.clone());
-                                continue 'plan;
-                            }
-                            continue;
-                        }
-                    }
+                if roster.avoid.contains(&m.id) {
+                    roster.assigned[s] = None;
+                    continue;
                 }
-                if assigned[s].as_deref() != Some(m.id.as_str()) {
+                if !roster.holders.contains_key(&m.id)
+                    && !self.attach_to(&m, roster, sum, last, polls).await?
+                {
+                    roster.assigned[s] = None;
+                    // A relay that cannot be attached moves to the edge: plan again.
+                    again = m.role != Role::Source;
+                    if again {
+                        break;
+                    }
+                    continue;
+                }
+                if roster.assigned[s].as_deref() != Some(m.id.as_str()) {
                     tracing::debug!(stripe = s, holder = %m.id, "stripe parent");
                 }
-                assigned[s] = Some(m.id);
+                roster.assigned[s] = Some(m.id);
             }
-            break;
+            if !again {
+                break;
+            }
         }
-        holders.retain(|id, h| {
+        let assigned = roster.assigned.clone();
+        roster.holders.retain(|id, h| {
             h.member.role == Role::Source || assigned.iter().any(|a| a.as_deref() == Some(id))
         });
         Ok(())
@@ -1731,9 +2406,20 @@ impl Receiver {
         }
     }
 
-    /// Leaves the member list and stops serving.
+    /// Leaves the member list and stops serving. A receiver that completed its pull stays
+    /// listed, done, until 250 ms after it reported done (serving meanwhile), so
+    /// that the source, which looks at its list every 100 ms, sees it finished rather than
+    /// gone unfinished. Discovery is given 1 s to answer (a stopped source's
+    /// tracker would hold the caller for its whole timeout); unanswered, the entry's lease runs
+    /// out instead.
     pub async fn leave(self) {
-        let _ = self.discovery.deregister(&self.member.id).await;
+        if let Some(t) = self.reported_done {
+            tokio::time::sleep_until((t + FINISHED_LISTED).into()).await;
+        }
+        let gone = self.discovery.deregister(&self.member.id);
+        if tokio::time::timeout(LEAVE_WITHIN, gone).await.is_err() {
+            tracing::info!(member = %self.member.id, "discovery did not answer the leave; the entry's lease runs out instead");
+        }
         drop(self);
     }
 }
@@ -1928,6 +2614,81 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
 mod tests {
     use super::*;
     use crate::manifest::{Chunk, Entry, Segment};
+
+    fn member(id: &str, role: Role) -> Member {
+        Member {
+            id: id.into(),
+            epoch: 1,
+            source_epoch: 1,
+            data_addr: format!("10.0.0.1:{}", id.len()),
+            ctl_addr: String::new(),
+            role,
+            progress: 0,
+            done: false,
+            order: 0,
+            version: 3,
+            rate: 0,
+            number: None,
+        }
+    }
+
+    #[test]
+    fn a_holder_that_sends_nothing_for_stall_after_is_given_up_whatever_its_role() {
+        let t0 = Instant::now();
+        let at = |s: f64| t0 + Duration::from_secs_f64(s);
+        let stall = Duration::from_secs(3);
+        let have = Have::striped(16, 2);
+        let members = vec![
+            member("src", Role::Source),
+            member("a", Role::Receiver),
+            member("b", Role::Receiver),
+        ];
+        let mut src = Seen::new(members[0].clone(), 16, t0);
+        src.in_flight = 8;
+        let mut a = Seen::new(members[1].clone(), 16, t0);
+        a.update(4, 4, Vec::new(), false);
+        let run = |holders: &[(&str, &Seen)], assigned: &[Option<String>], list: &[Member], s| {
+            stalled(holders.iter().copied(), assigned, &have, list, stall, at(s))
+        };
+        let assigned = vec![Some("src".to_owned()), Some("a".to_owned())];
+        let both = [("src", &src), ("a", &a)];
+        assert!(run(&both, &assigned, &members, 2.9).is_empty());
+        // Past the window: the source, whose chunks are in flight; the relay, which still has
+        // chunks to give, is kept.
+        let out = run(&both, &assigned, &members, 3.5);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].0, "src");
+        assert_eq!(
+            out[0].1.to_string(),
+            "sent nothing for 3.5 s while 8 chunks were requested from it"
+        );
+        // A chunk from it restarts its silence.
+        src.heard = at(3.0);
+        assert!(run(&[("src", &src)], &assigned, &members, 3.5).is_empty());
+        // Nothing asked of it: the source is never waited on.
+        src.in_flight = 0;
+        assert!(run(&[("src", &src)], &assigned, &members, 60.0).is_empty());
+        // A parent with nothing this receiver wants that advertises nothing new.
+        let b = Seen::new(members[2].clone(), 16, t0);
+        let assigned = vec![Some("src".to_owned()), Some("b".to_owned())];
+        assert!(run(&[("b", &b)], &assigned, &members, 2.0).is_empty());
+        let out = run(&[("b", &b)], &assigned, &members, 3.5);
+        assert!(
+            matches!(out[..], [(ref id, GiveUp::Stalled { in_flight: 0, .. })] if id == "b"),
+            "{out:?}"
+        );
+        assert!(out[0].1.to_string().starts_with("advertised nothing new"));
+        // A holder that is no stripe's parent is not waited on.
+        let unassigned = vec![Some("src".to_owned()), None];
+        assert!(run(&[("b", &b)], &unassigned, &members, 3.5).is_empty());
+        // A parent off the list is given up at once; the list never read takes no one off.
+        let out = run(&[("b", &b)], &assigned, &members[..2], 0.1);
+        assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
+        assert!(run(&[("b", &b)], &assigned, &[], 0.1).is_empty());
+        // The source off a list that was read (its lease ran out in etcd).
+        let out = run(&[("src", &src)], &assigned, &members[1..], 0.1);
+        assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
+    }
 
     fn manifest(entries: &[(&str, u64, u64)]) -> Manifest {
         Manifest {

@@ -8,7 +8,11 @@
 //! keeps the newest [`SourceOptions::keep_versions`] manifests and serves each from the memory
 //! it was built from, so v stays servable as long as the caller leaves v's registrations
 //! unchanged (v+1 in other registrations). A receiver asks for a version by number, and
-//! every chunk it takes is checked against that version's CRC-32C.
+//! every chunk it takes is checked against that version's BLAKE3. A source of files withdraws
+//! a version whose files changed on disk (see [`Source::publish_files`]).
+//!
+//! A watcher follows the embedded tracker's list and reports receivers joining, finishing and
+//! leaving unfinished ([`SourceEvent`], [`Source::subscribe`]; logged too).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -67,8 +71,15 @@ pub struct Source {
     owns_engine: bool,
     /// Whether it publishes files (else tensors of the caller's engine).
     from_files: bool,
-    /// The file segments of each version kept.
-    files: std::sync::Mutex<Vec<(u64, Vec<FileRegistration>)>>,
+    /// The file segments of each version kept, with what each file was when published.
+    files: Arc<KeptFiles>,
+    /// The newest version published (served, or withdrawn): the next must be above it.
+    newest: std::sync::Mutex<Manifest>,
+    /// What happened to receivers and versions, for whoever follows ([`subscribe`](Self::subscribe)).
+    events: tokio::sync::broadcast::Sender<SourceEvent>,
+    /// Follows the members (joined, finished, left) and, for a source of files, whether the
+    /// kept versions' files changed on disk.
+    watcher: JoinHandle<()>,
     state: Arc<CtlState>,
     keep_versions: usize,
     ctl_addr: SocketAddr,
@@ -79,6 +90,121 @@ pub struct Source {
     _ctl: control::Service,
     keepalive: Option<JoinHandle<()>>,
 }
+
+/// The file segments of each version kept, with what each file was when published.
+type KeptFiles = std::sync::Mutex<Vec<(u64, Vec<Published>)>>;
+
+/// A published file, and what it was when published: a version is served only while each of
+/// its files has the length and modification time it had then.
+#[derive(Debug)]
+struct Published {
+    reg: FileRegistration,
+    stamp: Stamp,
+}
+
+/// A file's length and modification time, read from the descriptor served (so a file replaced
+/// by a rename, whose old inode the source still serves, has not changed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl Stamp {
+    fn of(reg: &FileRegistration) -> std::io::Result<Self> {
+        let fd = reg.file().write_fd().try_clone_to_owned()?;
+        let meta = std::fs::File::from(fd).metadata()?;
+        Ok(Self {
+            len: meta.len(),
+            modified: meta.modified().ok(),
+        })
+    }
+}
+
+/// What a source reports to whoever follows it ([`Source::subscribe`]); each is logged too.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SourceEvent {
+    /// A receiver joined (listed by the embedded tracker).
+    Joined {
+        /// Its id.
+        id: String,
+        /// Its data address.
+        addr: String,
+        /// The version it pulls.
+        version: u64,
+    },
+    /// A receiver verified every chunk.
+    Finished {
+        /// Its id.
+        id: String,
+        /// Its data address.
+        addr: String,
+        /// The version it pulled.
+        version: u64,
+    },
+    /// A receiver left the list unfinished: it failed, gave up, was interrupted, or stopped
+    /// heartbeating (its lease ran out).
+    Failed {
+        /// Its id.
+        id: String,
+        /// Its data address.
+        addr: String,
+        /// The version it pulled.
+        version: u64,
+        /// Chunks it had verified.
+        progress: u64,
+    },
+    /// A version was withdrawn because a file of it changed on disk since it was published:
+    /// pulls of it would fail verification, so it is no longer offered.
+    Withdrawn {
+        /// The version.
+        version: u64,
+        /// The file that changed.
+        file: String,
+        /// What changed.
+        change: String,
+    },
+}
+
+impl std::fmt::Display for SourceEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SourceEvent::Joined { id, addr, version } => {
+                write!(
+                    f,
+                    "receiver {addr} (id {id}) joined, pulling version {version}"
+                )
+            }
+            SourceEvent::Finished { id, addr, version } => {
+                write!(f, "receiver {addr} (id {id}) finished version {version}")
+            }
+            SourceEvent::Failed {
+                id,
+                addr,
+                version,
+                progress,
+            } => write!(
+                f,
+                "receiver {addr} (id {id}) left before finishing version {version} ({progress} \
+                 chunks verified at its last report): it failed, gave up, was interrupted or \
+                 stopped heartbeating"
+            ),
+            SourceEvent::Withdrawn {
+                version,
+                file,
+                change,
+            } => write!(
+                f,
+                "version {version} withdrawn: {file} changed on disk since it was published \
+                 ({change}); pulls of it would fail verification"
+            ),
+        }
+    }
+}
+
+/// How often the watcher reads the member list and the files' stamps.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 impl Source {
     /// Publishes `files` (the manifest's segments, in order; each must still have the length
@@ -178,6 +304,7 @@ impl Source {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         ms.push(m.clone());
         drop(ms);
+        *lock(&self.newest) = m.clone();
         self.prune();
         self.report(&m, false);
         tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
@@ -188,9 +315,13 @@ impl Source {
     /// Publishes `files` as version `version` of the same broadcast (a source of files), and
     /// returns its manifest (read from the files now: blocking). Each file is served under a
     /// name of that version, so the segments of the versions kept do not collide; the source
-    /// tells receivers where each version's segments are. A version whose files were
-    /// overwritten in place is no longer servable (its chunks fail verification): a pull of it
-    /// fails rather than mix. Refused: a version not above the newest, a source of tensors.
+    /// tells receivers where each version's segments are. A kept version whose files changed
+    /// on disk since it was published (overwritten in place: their length or modification
+    /// time, read from the descriptor served) is withdrawn first, with one warning and a
+    /// [`SourceEvent::Withdrawn`], as the source's watcher also does every 250 ms: its chunks
+    /// would fail verification at every receiver. A file replaced by a rename leaves the
+    /// version served (the source still holds the old file). Refused: a version not above the
+    /// newest published, a source of tensors.
     pub fn publish_files(
         &self,
         version: u64,
@@ -198,6 +329,9 @@ impl Source {
         chunk_size: Option<u64>,
     ) -> Result<Manifest, BroadcastError> {
         let newest = self.next_version_of(true, version)?;
+        // The versions kept whose files were overwritten in place go first: the new version
+        // is most often just that.
+        withdraw_changed(&self.files, &self.state, &self.events);
         let m = Manifest::build(
             &newest.name,
             version,
@@ -221,9 +355,10 @@ impl Source {
                 }
             })
             .collect();
-        lock(&self.files).push((version, regs));
+        lock(&self.files).push((version, published(regs)?));
         lock(&self.state.source_layouts).insert(version, layout);
         lock(&self.state.manifests).push(m.clone());
+        *lock(&self.newest) = m.clone();
         self.prune();
         self.report(&m, false);
         tracing::info!(name = %m.name, version, bytes = m.total_bytes(),
@@ -234,7 +369,7 @@ impl Source {
     /// The newest manifest, if `version` may follow it from a source of files (`files`) or of
     /// tensors: the source's kind must match, and the version must be above the newest.
     fn next_version_of(&self, files: bool, version: u64) -> Result<Manifest, BroadcastError> {
-        let newest = self.manifest();
+        let newest = lock(&self.newest).clone();
         if self.from_files != files {
             let (kind, call) = if self.from_files {
                 ("files", "publish_files")
@@ -381,12 +516,26 @@ impl Source {
         }
         tracing::info!(name = %manifest.name, version = manifest.version, %ctl_addr, %data_addr,
             epoch = source_epoch, bytes = manifest.total_bytes(), "source publishing");
+        let files = Arc::new(std::sync::Mutex::new(vec![(
+            manifest.version,
+            published(regs)?,
+        )]));
+        let (events, _) = tokio::sync::broadcast::channel(1024);
+        let watcher = tokio::spawn(watch(
+            tracker.clone(),
+            files.clone(),
+            state.clone(),
+            events.clone(),
+        ));
         let source = Self {
             engine,
             owns_engine,
             // Sources of files run an engine of their own; sources of tensors, the caller's.
             from_files: owns_engine,
-            files: std::sync::Mutex::new(vec![(manifest.version, regs)]),
+            files,
+            newest: std::sync::Mutex::new(manifest.clone()),
+            events,
+            watcher,
             state,
             keep_versions: opts.keep_versions.max(1),
             ctl_addr,
@@ -431,21 +580,24 @@ impl Source {
     }
 
     /// The manifest of the newest version published.
+    /// When every version kept was withdrawn (its files changed on disk), the newest published.
     pub fn manifest(&self) -> Manifest {
-        let ms = self
-            .state
-            .manifests
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Never empty: a source starts with one version and keeps at least one.
-        ms.last()
+        lock(&self.state.manifests)
+            .last()
             .cloned()
-            .expect("a source keeps at least one version")
+            .unwrap_or_else(|| lock(&self.newest).clone())
     }
 
     /// The engine serving the files (its `describe()` has the counters).
     pub fn engine(&self) -> &TransferEngine {
         &self.engine
+    }
+
+    /// Follows what happens to the broadcast from now on: receivers joining, finishing and
+    /// leaving unfinished, and versions withdrawn because their files changed on disk (each is
+    /// logged too: joins and finishes at info, the rest as warnings).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<SourceEvent> {
+        self.events.subscribe()
     }
 
     /// The members the embedded tracker lists now (the source first).
@@ -467,6 +619,7 @@ impl Drop for Source {
         if let Some(k) = &self.keepalive {
             k.abort();
         }
+        self.watcher.abort();
         let kept: Vec<Manifest> = lock(&self.state.manifests).clone();
         for m in &kept {
             self.report(m, true);
@@ -485,4 +638,127 @@ fn versioned(segment: &str, version: u64) -> String {
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `regs` with their stamps now.
+fn published(regs: Vec<FileRegistration>) -> Result<Vec<Published>, BroadcastError> {
+    regs.into_iter()
+        .map(|reg| {
+            let stamp = Stamp::of(&reg).map_err(|e| {
+                BroadcastError::io(format!("reading {}", reg.file().path().display()), e)
+            })?;
+            Ok(Published { reg, stamp })
+        })
+        .collect()
+}
+
+/// Withdraws every kept version one of whose files changed on disk since it was published (its
+/// length or modification time, read from the descriptor served): its manifest, layout and file
+/// segments go, with one warning naming the file and the change. Before a receiver reads
+/// other bytes under its chunk hashes, which it would take for corruption.
+fn withdraw_changed(
+    files: &KeptFiles,
+    state: &CtlState,
+    events: &tokio::sync::broadcast::Sender<SourceEvent>,
+) {
+    let mut changed = Vec::new();
+    for (version, regs) in lock(files).iter() {
+        for p in regs {
+            let now = Stamp::of(&p.reg);
+            if now.as_ref().is_ok_and(|n| *n == p.stamp) {
+                continue;
+            }
+            let change = match now {
+                Err(e) => format!("cannot be read: {e}"),
+                Ok(n) if n.len != p.stamp.len => {
+                    format!("{} bytes when published, {} now", p.stamp.len, n.len)
+                }
+                Ok(_) => "modified since".to_owned(),
+            };
+            changed.push(SourceEvent::Withdrawn {
+                version: *version,
+                file: p.reg.file().path().display().to_string(),
+                change,
+            });
+            break;
+        }
+    }
+    if changed.is_empty() {
+        return;
+    }
+    let gone: Vec<u64> = changed
+        .iter()
+        .filter_map(|e| match e {
+            SourceEvent::Withdrawn { version, .. } => Some(*version),
+            _ => None,
+        })
+        .collect();
+    lock(&state.manifests).retain(|m| !gone.contains(&m.version));
+    lock(&state.source_layouts).retain(|v, _| !gone.contains(v));
+    lock(files).retain(|(v, _)| !gone.contains(v));
+    let served: Vec<u64> = lock(&state.manifests).iter().map(|m| m.version).collect();
+    for e in changed {
+        tracing::warn!(versions_served = ?served, "{e}");
+        let _ = events.send(e);
+    }
+}
+
+/// The source's watcher: every [`WATCH_EVERY`], the receivers the tracker lists against the
+/// last list (joined, finished, left unfinished), and the kept versions' files. A receiver
+/// that finished stays listed, done, for a while before it leaves
+/// ([`Receiver::leave`](crate::Receiver::leave)), so it is seen finished.
+async fn watch(
+    tracker: Arc<Tracker>,
+    files: Arc<KeptFiles>,
+    state: Arc<CtlState>,
+    events: tokio::sync::broadcast::Sender<SourceEvent>,
+) {
+    let mut known: std::collections::HashMap<String, Member> = Default::default();
+    loop {
+        tokio::time::sleep(WATCH_EVERY).await;
+        withdraw_changed(&files, &state, &events);
+        let now: std::collections::HashMap<String, Member> = tracker
+            .members(Instant::now())
+            .into_iter()
+            .filter(|m| m.role == Role::Receiver)
+            .map(|m| (m.id.clone(), m))
+            .collect();
+        let mut said = Vec::new();
+        for (id, m) in &now {
+            let before = known.get(id);
+            if before.is_none() {
+                said.push(SourceEvent::Joined {
+                    id: id.clone(),
+                    addr: m.data_addr.clone(),
+                    version: m.version,
+                });
+            }
+            if m.done && !before.is_some_and(|b| b.done) {
+                said.push(SourceEvent::Finished {
+                    id: id.clone(),
+                    addr: m.data_addr.clone(),
+                    version: m.version,
+                });
+            }
+        }
+        for (id, m) in &known {
+            if now.contains_key(id) || m.done {
+                continue;
+            }
+            said.push(SourceEvent::Failed {
+                id: id.clone(),
+                addr: m.data_addr.clone(),
+                version: m.version,
+                progress: m.progress,
+            });
+        }
+        for e in said {
+            match e {
+                SourceEvent::Failed { .. } => tracing::warn!("{e}"),
+                _ => tracing::info!("{e}"),
+            }
+            let _ = events.send(e);
+        }
+        known = now;
+    }
 }

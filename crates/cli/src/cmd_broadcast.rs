@@ -17,8 +17,10 @@ use crate::stop::Stopped;
 
 /// Arguments of `ferry publish`. On SIGHUP it reads the files again and publishes them as the
 /// next version, without restarting (the version before stays served while it is among the
-/// two newest, as long as its files are unchanged: write the next checkpoint in place and
-/// pulls of the old version fail verification instead of mixing).
+/// two newest, as long as its files are unchanged: a version whose files changed on disk,
+/// overwritten in place, is withdrawn with a warning; replace files by renaming to keep the
+/// version before served). It prints a line when a receiver joins, finishes or leaves
+/// unfinished.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PublishArgs {
     /// The files to publish (a `.safetensors` file is listed tensor by tensor); a directory
@@ -72,7 +74,10 @@ pub(crate) struct PublishArgs {
 pub(crate) struct PullArgs {
     /// The source's control address (HOST:PORT), or `etcd://HOST:PORT/NAME`.
     from: String,
-    /// Directory the files are written to (as published).
+    /// Directory the files are written to (as published): checked first (it can be made and
+    /// written, and has room for the payload), then each chunk is written as it is verified
+    /// into a hidden temporary file, renamed into place when the pull completes (memory: a
+    /// window of chunks, whatever the payload).
     #[arg(long, required_unless_present = "in_memory")]
     into: Option<PathBuf>,
     /// Keep the pull in memory and write no file (every chunk is still verified; a check of a
@@ -88,7 +93,9 @@ pub(crate) struct PullArgs {
     /// Chunks in flight.
     #[arg(long, default_value = "8", value_parser = parse::count)]
     window: usize,
-    /// Give up a parent whose progress stalls this long (`3s`, `500ms`).
+    /// Give up a holder, the source too, that sends nothing this long while chunks are asked
+    /// of it, or a parent that advertises nothing new (`3s`, `500ms`); the pull goes on from
+    /// others, or fails naming it.
     #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = parse::positive_duration)]
     stall_after: Duration,
     /// After finishing, keep serving while other receivers of the version are unfinished, at
@@ -342,9 +349,11 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
         let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("listening for SIGHUP")?;
         let mut version = args.weights_version;
+        let mut events = src.subscribe();
         let stopped_by = loop {
             tokio::select! {
                 s = &mut stop => break s,
+                Ok(e) = events.recv() => say(format_args!("{e}")),
                 Some(()) = hangup.recv() => {
                     version += 1;
                     // Reads every file once, to checksum it (and, from memory, into memory).
@@ -521,23 +530,24 @@ fn pull_inner(
                 }
             };
         // The embedded source names the broadcast in its manifest.
-        let mut r = Receiver::join(
-            discovery,
-            name.as_deref(),
-            ReceiverOptions {
-                listen_ip: args.listen,
-                data_plane: plane(&args.transport),
-                window: args.window,
-                stall_after: args.stall_after,
-                relay: !args.no_relay,
-                stripes: args.stripes,
-                version: args.weights_version,
-                expect_manifest: args.expect_manifest,
-                keys,
-                ..Default::default()
-            },
-        )
-        .await?;
+        let opts = ReceiverOptions {
+            listen_ip: args.listen,
+            data_plane: plane(&args.transport),
+            window: args.window,
+            stall_after: args.stall_after,
+            relay: !args.no_relay,
+            stripes: args.stripes,
+            version: args.weights_version,
+            expect_manifest: args.expect_manifest,
+            keys,
+            ..Default::default()
+        };
+        // Into a directory, the chunks are written to (temporary) files as they are verified:
+        // the payload is never held in memory.
+        let mut r = match &args.into {
+            Some(dir) => Receiver::join_to_dir(discovery, name.as_deref(), dir, opts).await?,
+            None => Receiver::join(discovery, name.as_deref(), opts).await?,
+        };
         let goal = Goal::Bytes(r.manifest().total_bytes());
         let mut meter = Meter::new(args.progress, args.progress_every, args.json, "pull", goal);
         let rx = r.progress();

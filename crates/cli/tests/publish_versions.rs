@@ -74,22 +74,55 @@ fn sighup_publishes_the_next_version_and_pull_takes_the_one_asked_for() -> Resul
     assert_eq!(s["version"], 1, "{s}");
     assert_eq!(std::fs::read(got.join("w.bin"))?, v1);
 
-    // The next checkpoint, then SIGHUP: the same process publishes version 2.
+    // The next checkpoint written beside and renamed over the name (the old file stays
+    // whole), then SIGHUP: the same process publishes version 2 and still serves version 1.
     let v2: Vec<u8> = (0..200_000u32).map(|i| (i % 239) as u8).collect();
-    std::fs::write(&file, &v2)?;
-    let status = Command::new("kill")
-        .args(["-HUP", &p.0.id().to_string()])
-        .status()?;
-    assert!(status.success());
+    let next = dir.path().join("w.bin.next");
+    std::fs::write(&next, &v2)?;
+    std::fs::rename(&next, &file)?;
+    let hup = || -> Result<()> {
+        let status = Command::new("kill")
+            .args(["-HUP", &p.0.id().to_string()])
+            .status()?;
+        assert!(status.success());
+        Ok(())
+    };
+    hup()?;
     let line = line_with(&mut out, "version 2")?;
     assert!(line.contains("versions served: [1, 2]"), "{line}");
     let got = dir.path().join("v2");
     let s = pull(&addr, &got, "2")?;
     assert_eq!(s["version"], 2, "{s}");
     assert_eq!(std::fs::read(got.join("w.bin"))?, v2);
+    let got = dir.path().join("v1-again");
+    pull(&addr, &got, "1")?;
+    assert_eq!(std::fs::read(got.join("w.bin"))?, v1);
     // A version it does not publish is refused, naming the versions it keeps.
     let err = pull(&addr, &dir.path().join("v9"), "9").unwrap_err();
     assert!(err.to_string().contains("[1, 2]"), "{err}");
+
+    // The next checkpoint written over the file in place: version 2's bytes are gone, so
+    // version 2 is withdrawn, with one line saying why, before anyone pulls it; SIGHUP then
+    // publishes version 3.
+    let v3: Vec<u8> = (0..250_000u32).map(|i| (i % 233) as u8).collect();
+    std::fs::write(&file, &v3)?;
+    let line = line_with(&mut out, "withdrawn")?;
+    assert!(
+        line.contains("version 2 withdrawn") && line.contains("w.bin changed on disk"),
+        "{line}"
+    );
+    let err = pull(&addr, &dir.path().join("v2-gone"), "2").unwrap_err();
+    assert!(err.to_string().contains("[1]"), "{err}");
+    assert!(
+        !dir.path().join("v2-gone/w.bin").exists(),
+        "a refused pull writes nothing"
+    );
+    hup()?;
+    let line = line_with(&mut out, "version 3")?;
+    assert!(line.contains("versions served: [1, 3]"), "{line}");
+    let got = dir.path().join("v3");
+    pull(&addr, &got, "3")?;
+    assert_eq!(std::fs::read(got.join("w.bin"))?, v3);
     Ok(())
 }
 
