@@ -6,6 +6,8 @@ use std::io::ErrorKind;
 
 use ferry::core_types::wire::WireError;
 
+use crate::parse::NO_PORT_HINT;
+
 /// A failure as the user sees it.
 #[derive(Debug)]
 pub(crate) struct Failure {
@@ -62,10 +64,6 @@ pub(crate) struct RequestFailed {
     /// The outcome's failure.
     pub(crate) failure: ferry::Failure,
 }
-
-/// The address has no port (`bench HOST`).
-pub(crate) const NO_PORT_HINT: &str =
-    "give HOST:PORT; `ferry serve` listens on port 7400 unless its --listen says otherwise";
 
 /// What the command talks to: what a refused connection asks about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

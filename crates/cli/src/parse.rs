@@ -13,6 +13,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
+/// The address has no port (`bench HOST`).
+pub(crate) const NO_PORT_HINT: &str =
+    "give HOST:PORT; `ferry serve` listens on port 7400 unless its --listen says otherwise";
+
 /// The largest size any flag takes (1 EiB): anything above is a typo, not a buffer.
 pub(crate) const MAX_SIZE: u64 = 1 << 60;
 /// The largest duration any flag takes (one year).
@@ -233,7 +237,7 @@ pub(crate) fn metrics_addr(s: &str) -> Result<std::net::SocketAddr> {
 /// A peer's address: HOST:PORT (the host a name or an IP), resolved when connecting.
 pub(crate) fn peer_addr(s: &str) -> Result<String> {
     if !has_port(s) {
-        bail!("no port: {}", crate::failure::NO_PORT_HINT);
+        bail!("no port: {NO_PORT_HINT}");
     }
     Ok(s.to_owned())
 }
