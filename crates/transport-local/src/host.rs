@@ -117,6 +117,41 @@ pub(crate) fn peer_credentials(sock: &UnixStream) -> io::Result<(u32, u32)> {
     Ok((u32::try_from(cred.pid).unwrap_or(0), cred.uid))
 }
 
+/// A process held by a pid file descriptor (`pidfd_open`): it names that process, never a later
+/// one that reuses its pid, so a server can tell that the client it attached has exited before
+/// it copies to or from the pid again.
+#[derive(Debug)]
+pub(crate) struct Pidfd(std::os::fd::OwnedFd);
+
+impl Pidfd {
+    /// Holds process `pid` (Linux 5.3 and later; an older kernel's `ENOSYS` is an error).
+    pub(crate) fn open(pid: u32) -> io::Result<Self> {
+        let pid = libc::pid_t::try_from(pid)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
+        // SAFETY: pidfd_open takes a pid and flags by value and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a descriptor the kernel just made for us; nothing else owns it.
+        Ok(Self(unsafe {
+            std::os::fd::FromRawFd::from_raw_fd(fd as std::os::fd::RawFd)
+        }))
+    }
+
+    /// Whether the process has exited (its pid may name another process from now on).
+    pub(crate) fn exited(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, a zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n != 0
+    }
+}
+
 /// A range of this process's memory: `len` bytes at `addr`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Span {
@@ -311,6 +346,16 @@ mod tests {
         // SAFETY: as above.
         let e = unsafe { copy(std::process::id(), Direction::Out, &short, &theirs) }.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn a_pidfd_tells_when_its_process_exited() {
+        let me = Pidfd::open(std::process::id()).unwrap();
+        assert!(!me.exited());
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let held = Pidfd::open(child.id()).unwrap();
+        child.wait().unwrap();
+        assert!(held.exited());
     }
 
     #[test]

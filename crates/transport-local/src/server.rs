@@ -246,6 +246,15 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
             return;
         }
     };
+    // Held from here on: a client that exits is noticed before its pid is copied to again
+    // (another process may reuse it).
+    let client = match host::Pidfd::open(pid) {
+        Ok(p) => p,
+        Err(e) => {
+            debug!(pid, error = %e, "cannot hold the same-host client's process; closed");
+            return;
+        }
+    };
     let limits = shared.gate.limits();
     let proto = match attach(&sock, pid, shared, limits.timeout) {
         Ok(Some(p)) => p,
@@ -284,7 +293,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
     }
     let span = tracing::debug_span!("serve same-host stream", pid);
     let _e = span.enter();
-    match serve_data(&sock, pid, proto) {
+    match serve_data(&sock, pid, &client, proto) {
         Ok(()) => debug!("same-host stream ended"),
         Err(e) => debug!(error = %e, "same-host stream failed"),
     }
@@ -427,7 +436,12 @@ fn refusal(shared: &Shared, message: &str) -> ControlFrame {
 /// followed by the client's address block (one address, or one per piece), and the copy goes
 /// between the checked segment range and those addresses in the client process. Answers are
 /// written once no further request is waiting, so a burst is answered in one write.
-fn serve_data(sock: &UnixStream, pid: u32, mut proto: ServerStream) -> io::Result<()> {
+fn serve_data(
+    sock: &UnixStream,
+    pid: u32,
+    client: &host::Pidfd,
+    mut proto: ServerStream,
+) -> io::Result<()> {
     let mut rd = BufReader::with_capacity(64 << 10, sock);
     let mut out: Vec<u8> = Vec::with_capacity(4 << 10);
     let mut stage: Vec<u8> = Vec::new();
@@ -442,6 +456,9 @@ fn serve_data(sock: &UnixStream, pid: u32, mut proto: ServerStream) -> io::Resul
                 return Ok(());
             }
             Err(e) => return Err(e),
+        }
+        if client.exited() {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
         match proto.on_request(&head) {
             Action::WriteMemory {
@@ -761,10 +778,11 @@ mod tests {
         // The gate admits in accept order: the second evicts the first, which sees its end.
         let mut second = connect(&h);
         assert!(rest(first).is_empty());
-        assert_eq!(h.handshakes().evicted, 1);
         ferry_net::write_frame(&mut second, UNIX_PEER, &attach(epoch, local_code())).unwrap();
         let reply = ferry_net::read_frame(&mut second, UNIX_PEER).unwrap();
         assert!(matches!(reply, ControlFrame::StreamAccept), "{reply:?}");
+        // Counted by the time the second was admitted, which its answer follows.
+        assert_eq!(h.handshakes().evicted, 1);
     }
 
     #[test]
