@@ -40,7 +40,7 @@ use crate::ring::user_data::{self, Decoded};
 use crate::ring::{
     BufCache, IoStats, MAX_IOV, ThreadCount, iovecs_from, new_ring, push, spawn_ring, submit,
 };
-use crate::server::{Ctx, FILE_PIECE, FileIo, Stage, lock};
+use super::{Ctx, FILE_PIECE, FileIo, Stage, lock};
 use ferry_net::RECV_LOW_MARK as LOWAT;
 
 /// Submission entries per ring (more are submitted in several calls).
@@ -1631,7 +1631,7 @@ mod tests {
     use super::{Driver, NewStream, STEP_COST, Step, TURN_BUDGET};
     use crate::UringConfig;
     use crate::ring::IoStats;
-    use crate::server::{Ctx, Live};
+    use super::{Ctx, Live};
     use crate::testing::{NoSegments, Responder};
 
     /// A connected loopback pair: (the ring's end, the peer's).

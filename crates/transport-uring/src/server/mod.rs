@@ -3,6 +3,9 @@
 //! checked for token, access and bounds before any byte of a segment (memory or file) is
 //! touched.
 
+mod handshakes;
+mod rings;
+
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -126,7 +129,7 @@ pub(crate) struct Ctx {
     pub(crate) stats: Arc<IoStats>,
     pub(crate) live: Arc<Live>,
     /// The fixed set of rings that serves every data stream.
-    rings: std::sync::OnceLock<crate::rings::RingSet>,
+    rings: std::sync::OnceLock<rings::RingSet>,
 }
 
 impl Ctx {
@@ -190,7 +193,7 @@ impl UringServer {
             stats.clone(),
             live.clone(),
         ));
-        let set = crate::rings::RingSet::start(ctx.config.server_rings, &ctx)
+        let set = rings::RingSet::start(ctx.config.server_rings, &ctx)
             .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
         let rings = set.len();
         let _ = ctx.rings.set(set);
@@ -204,7 +207,7 @@ impl UringServer {
         let gate_run = gate.clone();
         std::thread::Builder::new()
             .name("ferry-uring-accept".into())
-            .spawn(move || crate::handshakes::run(accepting, ctx, gate_run))
+            .spawn(move || handshakes::run(accepting, ctx, gate_run))
             .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
         Ok(UringServerHandle {
             addr,
@@ -230,7 +233,7 @@ pub(crate) fn attached(
         crate::unpace(&stream);
     }
     match ctx.rings.get() {
-        Some(rings) => crate::rings::attached(
+        Some(rings) => rings::attached(
             rings,
             stream,
             from,

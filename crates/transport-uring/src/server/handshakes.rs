@@ -23,7 +23,7 @@ use ferry_net::{HandshakeGate, HandshakeSlot};
 use tracing::{debug, warn};
 
 use crate::control::tune;
-use crate::server::{Ctx, attached};
+use super::{Ctx, attached};
 
 /// Where a connection's next frame stands.
 enum Input {
