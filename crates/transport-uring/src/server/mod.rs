@@ -1,64 +1,45 @@
 //! The serving side: one listener thread for control connections (handshake) and data streams;
-//! every data stream is served by one of a fixed set of rings (`rings.rs`). Every request is
-//! checked for token, access and bounds before any byte of a segment (memory or file) is
-//! touched.
+//! every data stream is served by one of a fixed set of rings. Every request is checked for
+//! token, access and bounds before any byte of a segment (memory or file) is touched.
+//!
+//! Its modules, each importing only those below it:
+//! - this one: [`UringServer`] and its handle, which start the rest;
+//! - `handshakes`: the accept thread, every connection's handshake, an attached stream handed on;
+//! - `rings`: the set of rings, and a stream's hand-over to one;
+//! - `driver`: one ring's thread and its streams' turns;
+//! - `sockio`: a stream's socket operations and their completions;
+//! - `plan`: the steps a request becomes;
+//! - `conn`: one stream as its ring holds it (its steps and their memory);
+//! - `files` (file segments piece by piece) and `shared` (what the threads share).
 
+mod conn;
+mod driver;
+mod files;
 mod handshakes;
+mod plan;
 mod rings;
+mod shared;
+mod sockio;
 
-use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use ferry_core::stream::ServerStream;
-use ferry_core::wire::StreamAttach;
-use ferry_core::{Error, FileSource, HandshakeResponder, MemoryRegion, SegmentTable};
-use ferry_file::{DIRECT_ALIGN, FileSegment};
+use ferry_core::{Error, HandshakeResponder, SegmentTable};
 use ferry_net::{HandshakeGate, HandshakeStats};
-use tracing::debug;
 
 use crate::UringConfig;
-use crate::file_ring::FileRing;
 use crate::ring::IoStats;
+use handshakes::Acceptor;
+use rings::RingSet;
+use shared::{Ctx, Live, lock};
 
 /// A bound listener, not serving yet.
 #[derive(Debug)]
 pub struct UringServer {
     listener: TcpListener,
     addr: SocketAddr,
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct Live {
-    pub(crate) stopped: AtomicBool,
-    pub(crate) conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
-    pub(crate) next: AtomicU64,
-    /// The eventfds that wake the server's rings, so that they see `stopped`.
-    pub(crate) ring_wakes: Mutex<Vec<Arc<std::os::fd::OwnedFd>>>,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
-
-impl Live {
-    fn shutdown_all(&self) {
-        let conns = lock(&self.conns);
-        for c in conns.values() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
-        drop(conns);
-        for w in lock(&self.ring_wakes).iter() {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a local to an eventfd the ring set keeps open.
-            unsafe { libc::write(w.as_raw_fd(), (&one as *const u64).cast(), 8) };
-        }
-    }
 }
 
 /// A running server; dropping it (or [`UringServerHandle::shutdown`]) stops the listener and
@@ -121,37 +102,6 @@ impl Drop for UringServerHandle {
     }
 }
 
-/// What the server's threads share.
-pub(crate) struct Ctx {
-    pub(crate) table: Arc<dyn SegmentTable>,
-    pub(crate) responder: Arc<dyn HandshakeResponder>,
-    pub(crate) config: UringConfig,
-    pub(crate) stats: Arc<IoStats>,
-    pub(crate) live: Arc<Live>,
-    /// The fixed set of rings that serves every data stream.
-    rings: std::sync::OnceLock<rings::RingSet>,
-}
-
-impl Ctx {
-    /// A context whose rings are not started yet.
-    pub(crate) fn new(
-        table: Arc<dyn SegmentTable>,
-        responder: Arc<dyn HandshakeResponder>,
-        config: UringConfig,
-        stats: Arc<IoStats>,
-        live: Arc<Live>,
-    ) -> Self {
-        Self {
-            table,
-            responder,
-            config,
-            stats,
-            live,
-            rings: std::sync::OnceLock::new(),
-        }
-    }
-}
-
 impl UringServer {
     /// Binds `addr` (port 0: any; `SO_REUSEADDR` as std sets it).
     pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
@@ -186,17 +136,14 @@ impl UringServer {
         let addr = self.addr;
         let live = Arc::new(Live::default());
         let stats = Arc::new(IoStats::default());
-        let ctx = Arc::new(Ctx::new(
-            table,
-            responder,
+        let ctx = Arc::new(Ctx {
             config,
-            stats.clone(),
-            live.clone(),
-        ));
-        let set = rings::RingSet::start(ctx.config.server_rings, &ctx)
+            stats: stats.clone(),
+            live: live.clone(),
+        });
+        let set = RingSet::start(ctx.config.server_rings, &ctx)
             .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
         let rings = set.len();
-        let _ = ctx.rings.set(set);
         let listener = Arc::new(self.listener);
         // The accept thread polls it with the connections in their handshake.
         listener
@@ -205,9 +152,15 @@ impl UringServer {
         let accepting = listener.clone();
         let gate = HandshakeGate::new(ctx.config.handshake);
         let gate_run = gate.clone();
+        let acceptor = Acceptor {
+            table,
+            responder,
+            ctx,
+            rings: set,
+        };
         std::thread::Builder::new()
             .name("ferry-uring-accept".into())
-            .spawn(move || handshakes::run(accepting, ctx, gate_run))
+            .spawn(move || handshakes::run(accepting, acceptor, gate_run))
             .map_err(|e| Error::io("spawn accept thread for", addr.to_string(), e))?;
         Ok(UringServerHandle {
             addr,
@@ -217,135 +170,6 @@ impl UringServer {
             gate,
             rings,
         })
-    }
-}
-
-/// Serves a data stream whose handshake just ended (the attach accepted, its `proto` bound to
-/// what the peer may see) on one of the server's rings, which answers the attach first.
-pub(crate) fn attached(
-    stream: TcpStream,
-    from: SocketAddr,
-    attach: StreamAttach,
-    proto: ServerStream,
-    ctx: &Arc<Ctx>,
-) {
-    if ctx.config.unpaced_loopback && from.ip().is_loopback() {
-        crate::unpace(&stream);
-    }
-    match ctx.rings.get() {
-        Some(rings) => rings::attached(
-            rings,
-            stream,
-            from,
-            attach.stream_index,
-            proto,
-            ctx.config.pin_loopback_streams,
-        ),
-        None => debug!(%from, "the server's rings are not started; stream closed"),
-    }
-}
-
-/// File segments move through a staging buffer of at most this much per stream (a multiple of
-/// `DIRECT_ALIGN`, so aligned chunks stay aligned piece by piece).
-pub(crate) const FILE_PIECE: usize = 1 << 20;
-
-/// A staging buffer for file segments, page-aligned for O_DIRECT.
-pub(crate) struct Stage {
-    pub(crate) region: Option<Arc<MemoryRegion>>,
-}
-
-impl Stage {
-    pub(crate) fn get(&mut self, len: usize) -> std::io::Result<&Arc<MemoryRegion>> {
-        let need = (len as u64).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-        if self.region.as_ref().is_none_or(|r| (r.len() as u64) < need) {
-            let r =
-                MemoryRegion::alloc_zeroed(need.max(DIRECT_ALIGN) as usize, DIRECT_ALIGN as usize)
-                    .map_err(|e| std::io::Error::other(e.to_string()))?;
-            self.region = Some(Arc::new(r));
-        }
-        self.region
-            .as_ref()
-            .ok_or_else(|| std::io::Error::other("staging buffer"))
-    }
-}
-
-/// A published file as this server moves it: a [`FileSegment`] through the stream's file ring
-/// (O_DIRECT where alignment allows), any other [`FileSource`] through its own positioned I/O.
-pub(crate) enum FileIo {
-    Segment(Arc<FileSegment>),
-    Source(Arc<dyn FileSource>),
-}
-
-impl FileIo {
-    pub(crate) fn new(source: Arc<dyn FileSource>) -> Self {
-        let any: Arc<dyn std::any::Any + Send + Sync> = source.clone();
-        match any.downcast::<FileSegment>() {
-            Ok(seg) => FileIo::Segment(seg),
-            Err(_) => FileIo::Source(source),
-        }
-    }
-
-    /// Reads exactly `n` bytes at file offset `at` into the start of `buf`.
-    pub(crate) fn read_piece(
-        &self,
-        ring: &mut FileRing,
-        buf: &MemoryRegion,
-        n: usize,
-        at: u64,
-    ) -> std::io::Result<()> {
-        match self {
-            FileIo::Segment(f) => {
-                let (fd, _direct) = f.read_fd(at, n as u64, buf.as_ptr() as usize);
-                // SAFETY: the staging region holds at least `n` bytes and is used only by this
-                // stream's thread, which waits for the read here.
-                let got = unsafe { ring.io(fd, false, buf.as_ptr(), n, at) }?;
-                if got < n {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("file {} shrank under a READ", f.path().display()),
-                    ));
-                }
-                Ok(())
-            }
-            FileIo::Source(f) => {
-                // SAFETY: the staging region is this stream thread's alone, and no other view
-                // of it is alive during the call; read straight into it, no bounce buffer.
-                let piece = unsafe { buf.slice_mut(0, n) }
-                    .map_err(|e| std::io::Error::other(format!("staging buffer: {e}")))?;
-                f.read_exact_at(at, piece)
-            }
-        }
-    }
-
-    /// Writes the first `n` bytes of `buf` at file offset `at`.
-    pub(crate) fn write_piece(
-        &self,
-        ring: &mut FileRing,
-        buf: &MemoryRegion,
-        n: usize,
-        at: u64,
-    ) -> std::io::Result<()> {
-        match self {
-            FileIo::Segment(f) => {
-                // SAFETY: the staging region holds the `n` bytes just received and is used only
-                // by this stream's thread, which waits for the write here.
-                let put = unsafe { ring.io(f.write_fd(), true, buf.as_ptr(), n, at) }?;
-                if put < n {
-                    return Err(std::io::Error::other(format!(
-                        "short write to file {}",
-                        f.path().display()
-                    )));
-                }
-                Ok(())
-            }
-            FileIo::Source(f) => {
-                // SAFETY: the staging region is this stream thread's alone and nothing writes
-                // it during the call; write straight from it, no bounce buffer.
-                let piece = unsafe { buf.slice(0, n) }
-                    .map_err(|e| std::io::Error::other(format!("staging buffer: {e}")))?;
-                f.write_all_at(at, piece)
-            }
-        }
     }
 }
 
