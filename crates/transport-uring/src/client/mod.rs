@@ -17,7 +17,10 @@
 //! ([`UringChannel::send_direct`]); the stream's armed receive meets the response, and what part
 //! of the request the kernel did not take is sent first by the stream's driver.
 
+mod conn;
+mod recv;
 mod rings;
+mod send;
 mod state;
 
 use std::net::{SocketAddr, TcpStream};

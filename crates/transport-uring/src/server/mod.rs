@@ -120,13 +120,13 @@ impl UringServer {
 
     /// Starts serving `table` with the identity and policy of `responder` (same shape as the TCP
     /// transport's `TcpServer::serve`): its memory segments, and its file segments
-    /// ([`SegmentTable::file`]; a [`FileSegment`] with io_uring reads and writes, O_DIRECT where a
-    /// request's alignment allows, any other source with its positioned reads and writes).
-    /// Needs no async runtime. One thread accepts connections and runs their handshakes
-    /// (within `config.handshake`: a deadline on each, a cap on how many at once; counted in
-    /// [`UringServerHandle::handshakes`]); each attached data stream gets a place on one of the
-    /// server's fixed set of rings ([`UringConfig::server_rings`], started here: an error if a
-    /// ring cannot be made), none a thread of its own.
+    /// ([`SegmentTable::file`]; a [`FileSegment`](ferry_file::FileSegment) with io_uring reads and
+    /// writes, O_DIRECT where a request's alignment allows, any other source with its positioned
+    /// reads and writes). Needs no async runtime. One thread accepts connections and runs their
+    /// handshakes (within `config.handshake`: a deadline on each, a cap on how many at once;
+    /// counted in [`UringServerHandle::handshakes`]); each attached data stream gets a place on one
+    /// of the server's fixed set of rings ([`UringConfig::server_rings`], started here: an error if
+    /// a ring cannot be made), none a thread of its own.
     pub fn serve(
         self,
         table: Arc<dyn SegmentTable>,

@@ -1,23 +1,25 @@
-//! The serving side's event loop: a fixed set of rings ([`UringConfig::server_rings`]), each on
-//! one thread, drives every attached data stream the server has; a stream costs no thread.
+//! The serving side's event loop: a fixed set of rings ([`UringConfig::server_rings`]), each on one
+//! thread, drives every attached data stream the server has; a stream costs no thread.
 //!
-//! The accept thread hands a stream whose handshake ended to one ring (in turn). Each stream is
-//! a state machine around [`ServerStream`]: a queue of steps (send these bytes, receive into
-//! these ranges, drop this many bytes, a file piece, a checksum piece), at most one socket
-//! operation of it in flight at a time, so a stream's bytes stay in order while the ring runs
-//! every other stream's. An idle stream is one armed receive of its next request header.
-//! Everything a ring's streams queued in one turn goes to the kernel with one `io_uring_enter`.
+//! The accept thread hands a stream whose handshake ended to one ring (in turn). Each stream is a
+//! state machine around [`ServerStream`]: a queue of steps (send these bytes, receive into these
+//! ranges, drop this many bytes, a file piece, a checksum piece), at most one socket operation of
+//! it in flight at a time, so a stream's bytes stay in order while the ring runs every other
+//! stream's. An idle stream is one armed receive of its next request header. Everything a ring's
+//! streams queued in one turn goes to the kernel with one `io_uring_enter`.
 //!
-//! Sockets are fixed files where the kernel lets the ring register them. A send or payload
-//! receive first moves what the socket takes or holds at once with one non-blocking syscall;
-//! the rest goes through the ring (SENDMSG / RECVMSG with `MSG_WAITALL`, straight from and into
-//! the segment). A WRITE payload's receive that does not wait for all its bytes (that one, and
-//! the ring's under a raised `SO_RCVLOWAT`) also takes what is there of the next request header. A memory READ's payload to a peer the configuration sends zero-copy to goes out
-//! with SEND_ZC (from a registered buffer where the ring takes it), its lease held in the driver
-//! until the kernel's notification, however the stream ends; a request's last send carries the
-//! next header's receive in the same enter. File pieces run on the ring's thread (positioned or
-//! O_DIRECT ring I/O of at most one piece, 1 MiB); a checksum runs one piece per turn
-//! ([`RegionCrc::step`] of memory, [`FileCrc::step`] of a file: one positioned read).
+//! Sockets are fixed files where the kernel lets the ring register them. A send or payload receive
+//! first moves what the socket takes or holds at once with one non-blocking syscall; the rest goes
+//! through the ring (SENDMSG / RECVMSG with `MSG_WAITALL`, straight from and into the segment). A
+//! WRITE payload's receive that does not wait for all its bytes (that one, and the ring's under a
+//! raised `SO_RCVLOWAT`) also takes what is there of the next request header. A memory READ's
+//! payload to a peer the configuration sends zero-copy to goes out with SEND_ZC (from a registered
+//! buffer where the ring takes it), its lease held in the driver until the kernel's notification,
+//! however the stream ends; a request's last send carries the next header's receive in the same
+//! enter. File pieces run on the ring's thread (positioned or O_DIRECT ring I/O of at most one
+//! piece, 1 MiB); a checksum runs one piece per turn
+//! ([`RegionCrc::step`](ferry_core::checksum::RegionCrc::step) of memory,
+//! [`FileCrc::step`](ferry_core::checksum::FileCrc::step) of a file: one positioned read).
 //!
 //! [`UringConfig::server_rings`]: crate::UringConfig::server_rings
 
