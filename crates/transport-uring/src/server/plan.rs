@@ -244,9 +244,8 @@ pub(super) fn stage_for(c: &mut Conn, n: usize) -> Option<Arc<MemoryRegion>> {
     }
 }
 
-/// Queues a vectored request's pieces, its piece table received (runs of memory pieces as one
-/// vectored receive or send, file pieces through the staging buffer), as the serving threads'
-/// `serve_vectored` does.
+/// Queues a vectored request's pieces, its piece table received: runs of memory pieces as one
+/// vectored receive or send, file pieces through the staging buffer.
 pub(super) fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
     let (kind, targets, discard, response) = match c.proto.on_table(req, bytes) {
         Action::Vectored {
