@@ -10,7 +10,7 @@ use io_uring::IoUring;
 use tracing::debug;
 
 use super::conn::{Conn, Incoming, K_HANGUP, K_RECV, on_fd, set_lowat, ud};
-use super::state::{Reader, ReqShared};
+use super::state::ReqShared;
 use crate::ring::{iovecs_from, push};
 
 /// Keeps the receive side going: resolves what came, then arms the next receive (a header's
@@ -140,7 +140,7 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
         if c.incoming.is_some() {
             // A payload the ring receives, as without direct readers; meanwhile no submitter
             // may make itself a reader (the chunk is no longer in flight).
-            c.sh.lock().recv_armed = true;
+            c.sh.lock().owners.ring_armed(true);
             receive_payload(ring, c)?;
             if c.incoming.is_some() || c.recv_inflight {
                 return Ok(());
@@ -148,11 +148,11 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
             continue;
         }
         let mut g = c.sh.lock();
-        if g.reader != Reader::Ring {
+        if !g.owners.ring_is_reader() {
             // A direct reader meets the stream's end itself and hands the reading back.
             return Ok(());
         }
-        if let Some((chunk, done)) = g.payload.take() {
+        if let Some((chunk, done)) = g.owners.take_payload() {
             drop(g);
             let len = chunk.payload_len() as usize;
             let ptr = (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize) as *const u8;
@@ -163,8 +163,8 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
             });
             continue;
         }
-        if g.proto.in_flight() == 0 && g.resp_at == 0 {
-            g.recv_armed = false;
+        if g.proto.in_flight() == 0 && !g.owners.header_begun() {
+            g.owners.ring_armed(false);
             drop(g);
             if c.hangup_inflight {
                 return Ok(());
@@ -177,8 +177,8 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
             return Ok(());
         }
         // The header's rest lands in `head` and is moved to the shared state when it comes.
-        let want = DATA_RESPONSE_LEN - g.resp_at;
-        g.recv_armed = true;
+        let want = g.owners.header_rest().len();
+        g.owners.ring_armed(true);
         drop(g);
         if c.lowat > 1 {
             set_lowat(c, 1).map_err(|e| e.raw_os_error())?;
@@ -202,25 +202,22 @@ pub(super) fn on_received_shared(c: &mut Conn, res: i32) -> Result<(), Option<i3
     let mut g = c.sh.lock();
     // Until the ring arms its next receive, no receive of its is pending, unless a payload
     // follows this header (below): then no submitter may make itself a reader meanwhile.
-    g.recv_armed = false;
+    g.owners.ring_armed(false);
     let Some(n) = receive_result(c, res)? else {
         return Ok(());
     };
-    let at = g.resp_at;
-    let n = n.min(DATA_RESPONSE_LEN - at);
-    g.resp[at..at + n].copy_from_slice(&c.head[..n]);
-    g.resp_at += n;
-    if g.resp_at < DATA_RESPONSE_LEN {
+    let rest = g.owners.header_rest();
+    let n = n.min(rest.len());
+    rest[..n].copy_from_slice(&c.head[..n]);
+    let Some(head) = g.owners.header_read(n) else {
         return Ok(());
-    }
-    g.resp_at = 0;
-    let head = g.resp;
+    };
     let resolved = g.proto.on_response(&head);
-    g.recv_armed = match &resolved {
+    g.owners.ring_armed(match &resolved {
         Ok(Resolution::Payload(chunk)) => chunk.payload_len() > 0,
         Ok(Resolution::Pieces(_)) => true,
         _ => false,
-    };
+    });
     drop(g);
     resolve(c, resolved)
 }
@@ -229,10 +226,9 @@ pub(super) fn on_received_shared(c: &mut Conn, res: i32) -> Result<(), Option<i3
 /// stream (anything else is met by whoever reads).
 pub(super) fn on_hangup(c: &mut Conn) -> Result<(), Option<i32>> {
     let g = c.sh.lock();
-    if g.reader == Reader::Ring
+    if g.owners.ring_is_reader()
         && g.proto.in_flight() == 0
-        && g.resp_at == 0
-        && g.payload.is_none()
+        && !g.owners.mid_response()
         && c.incoming.is_none()
     {
         debug!(peer = %c.peer, stream = c.index, "peer closed the stream");

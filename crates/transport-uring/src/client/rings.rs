@@ -41,7 +41,7 @@ use tracing::{debug, warn};
 use super::conn::{Conn, K_HANGUP, K_POLL, K_RECV, K_SEND, K_WAKE, Zc, ud};
 use super::recv::{on_hangup, on_received, on_received_shared, receive, receive_shared};
 use super::send::{on_sent, reset, send};
-use super::state::{Queue, READ_TICK, Reader, RingInbox, RingWake, StreamShared, shutdown};
+use super::state::{Queue, READ_TICK, RingInbox, RingWake, StreamShared, shutdown};
 use crate::ring::user_data::{self, Decoded, MAX_SLOTS};
 use crate::ring::{BufCache, IoStats, ThreadCount, new_ring, push, spawn_ring, submit};
 
@@ -407,7 +407,7 @@ impl Driver {
                 return false;
             };
             let mut g = c.sh.lock();
-            if g.reader != Reader::Caller(*token) {
+            if !g.owners.reads(*token) {
                 return false;
             }
             if !*seen {
@@ -429,7 +429,7 @@ impl Driver {
                 return true;
             }
             // The response (or the stream's end) waited a tick unread: the ring reads it.
-            g.reader = Reader::Ring;
+            g.owners.ring_reads();
             drop(g);
             IoStats::add(&c.stats.caller_takeovers, 1);
             self.runnable.push_back(i);
@@ -621,7 +621,7 @@ impl Driver {
         c.out = None;
         {
             let mut g = c.sh.lock();
-            if let Some((chunk, _)) = g.payload.take() {
+            if let Some((chunk, _)) = g.owners.take_payload() {
                 chunk.lost(native);
             }
             g.proto.fail_all(native);

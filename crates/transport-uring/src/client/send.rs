@@ -13,7 +13,7 @@ use io_uring::IoUring;
 use tracing::debug;
 
 use super::conn::{Body, Conn, K_POLL, K_SEND, Keep, Out, SendOp, Zc, on_fd, ud};
-use super::state::{Reader, ReqShared};
+use super::state::ReqShared;
 use crate::ring::user_data;
 use crate::ring::{BufCache, IoStats, iovecs_from, push};
 
@@ -41,9 +41,7 @@ pub(super) fn send(
         // (`busy`) before the look, so that a submitter cannot send past a chunk taken here.
         let (room, in_flight) = {
             let mut g = c.sh.lock();
-            if !g.tail.is_empty() {
-                g.busy = true;
-                let tail = std::mem::take(&mut g.tail);
+            if let Some(tail) = g.owners.ring_takes_tail() {
                 drop(g);
                 let parts = vec![(tail.as_ptr(), tail.len())];
                 c.out = Some(Out {
@@ -56,7 +54,7 @@ pub(super) fn send(
                 continue;
             }
             let room = c.open && g.proto.has_room();
-            g.busy = room;
+            g.owners.ring_sending(room);
             (room, g.proto.in_flight())
         };
         let mut job = None;
@@ -72,12 +70,11 @@ pub(super) fn send(
         let Some(job) = job else {
             let over = {
                 let mut g = c.sh.lock();
-                g.busy = false;
+                g.owners.ring_sending(false);
                 !c.open
                     && g.proto.in_flight() == 0
-                    && g.tail.is_empty()
-                    && g.resp_at == 0
-                    && g.payload.is_none()
+                    && !g.owners.has_tail()
+                    && !g.owners.mid_response()
             };
             if over && c.head_at == 0 && c.incoming.is_none() {
                 if let Some(t) = c.queue.taker(c.index) {
@@ -96,19 +93,14 @@ pub(super) fn send(
         }
         if c.caller_receives {
             // This chunk's response follows any a direct reader awaits: the ring reads both.
-            let took = {
-                let mut g = c.sh.lock();
-                let took = g.reader != Reader::Ring;
-                g.reader = Reader::Ring;
-                took
-            };
+            let took = c.sh.lock().owners.ring_reads();
             if took {
                 IoStats::add(&c.stats.caller_handbacks, 1);
             }
         }
         let (posted, tail) = {
             let mut g = c.sh.lock();
-            (g.proto.post(job), std::mem::take(&mut g.tail))
+            (g.proto.post(job), g.owners.take_tail())
         };
         let out = match posted {
             Post::Send(out) => Box::new(out),
