@@ -79,8 +79,9 @@ tasks:
                          a mixed workload through proxy faults, every byte checked; fails if
                          memory, descriptors or threads grow past warm-up (default 10 minutes)
   module-loops [--edges] fails on an import loop between the top-level modules of a crate (every
-                         crate but net, transport-uring and transport-rdma), naming it (also a
-                         test per crate: xtask/src/module_loops.rs)
+                         crate but net, one file) or between the modules of a module
+                         folder (transport-uring's server/ and client/), naming it (also a test
+                         per crate: xtask/src/module_loops.rs)
   tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
                          and types in README.md and docs/*.md, the sections docs cite, names in
                          code comments, a layout row per crate in docs/architecture.md (also a

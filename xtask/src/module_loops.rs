@@ -7,6 +7,10 @@
 //! naming each module of it and the names that tie one to the next. It reads tokens, not
 //! meaning: a path in a string literal would count, and a `#[cfg(test)] mod tests` at the end of
 //! a file is left out with everything after it.
+//!
+//! A module folder in [`FOLDERS`] is checked the same way, as if it were a crate of its own: its
+//! `mod.rs` is the root, `crate::FOLDER::NAME` and (from its top files) `super::NAME` name its
+//! modules, and any other `crate::` path leaves it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -17,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use crate::util::project_root;
 
 /// The crates whose modules must not import in a loop, relative to the project root: every crate
-/// with modules but `transport-uring`, whose loops are still being cut (`net` is one file).
+/// with modules (`net` is one file).
 pub(crate) const CRATES: &[&str] = &[
     "crates/engine/src",
     "crates/core/src",
@@ -32,6 +36,14 @@ pub(crate) const CRATES: &[&str] = &[
     "crates/verbs-sys/src",
     "crates/transport-rdma/src",
     "crates/transport-local/src",
+    "crates/transport-uring/src",
+];
+
+/// Module folders whose own modules must not import in a loop either: (the folder relative to
+/// the project root, its module path in its crate).
+pub(crate) const FOLDERS: &[(&str, &str)] = &[
+    ("crates/transport-uring/src/server", "server"),
+    ("crates/transport-uring/src/client", "client"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -42,8 +54,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     let root = project_root();
     let mut failed = false;
-    for dir in CRATES {
-        let graph = Graph::read(&root.join(dir))?;
+    let units = CRATES
+        .iter()
+        .map(|dir| (*dir, None))
+        .chain(FOLDERS.iter().map(|(dir, module)| (*dir, Some(*module))));
+    for (dir, module) in units {
+        let graph = match module {
+            None => Graph::read(&root.join(dir))?,
+            Some(module) => Graph::read_folder(&root.join(dir), module)?,
+        };
         if edges {
             for (from, tos) in &graph.edges {
                 for (to, names) in tos {
@@ -76,15 +95,30 @@ pub(crate) struct Graph {
 impl Graph {
     /// Reads the crate whose `lib.rs` stands in `src`.
     pub(crate) fn read(src: &Path) -> Result<Graph> {
-        let mut files = Vec::new();
-        collect(src, &mut files)?;
-        let mut sources = BTreeMap::new();
-        for file in &files {
-            let rel = file.strip_prefix(src).expect("under src");
-            let text = fs::read_to_string(file).with_context(|| format!("{}", file.display()))?;
-            sources.insert(rel.to_path_buf(), text);
-        }
-        Ok(Graph::from_sources(&sources))
+        Ok(Graph::from_sources(&sources_in(src)?))
+    }
+
+    /// Reads the module folder `dir` (with its `mod.rs`), the crate's module `module`.
+    pub(crate) fn read_folder(dir: &Path, module: &str) -> Result<Graph> {
+        Ok(Graph::from_folder_sources(&sources_in(dir)?, module))
+    }
+
+    /// The graph of module folder `module` given as `path relative to the folder -> text`:
+    /// `crate::module::` paths become the folder's `crate::` paths, any other `crate::` path one
+    /// that names none of its modules.
+    pub(crate) fn from_folder_sources(sources: &BTreeMap<PathBuf, String>, module: &str) -> Graph {
+        let own = format!("crate::{module}::");
+        let sources = sources
+            .iter()
+            .map(|(rel, text)| {
+                let text = text
+                    .replace(&own, "\u{1}")
+                    .replace("crate::", "outside::")
+                    .replace('\u{1}', "crate::");
+                (rel.clone(), text)
+            })
+            .collect();
+        Graph::from_sources(&sources)
     }
 
     /// The graph of a crate given as `path relative to src -> text`.
@@ -99,6 +133,7 @@ impl Graph {
         let lib = sources
             .get(Path::new("lib.rs"))
             .or_else(|| sources.get(Path::new("main.rs")))
+            .or_else(|| sources.get(Path::new("mod.rs")))
             .map(|t| code_of(t))
             .unwrap_or_default();
         let reexports = reexports(&lib, &graph.modules);
@@ -262,6 +297,19 @@ impl Graph {
     }
 }
 
+/// The `.rs` files under `src`, as `path relative to src -> text`.
+fn sources_in(src: &Path) -> Result<BTreeMap<PathBuf, String>> {
+    let mut files = Vec::new();
+    collect(src, &mut files)?;
+    let mut sources = BTreeMap::new();
+    for file in &files {
+        let rel = file.strip_prefix(src).expect("under src");
+        let text = fs::read_to_string(file).with_context(|| format!("{}", file.display()))?;
+        sources.insert(rel.to_path_buf(), text);
+    }
+    Ok(sources)
+}
+
 fn collect(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     for entry in fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
         let path = entry?.path();
@@ -279,8 +327,8 @@ fn top_module(rel: &Path) -> Option<String> {
     let first = rel.components().next()?.as_os_str().to_str()?.to_string();
     if rel.components().count() == 1 {
         let stem = first.strip_suffix(".rs").unwrap_or(&first).to_string();
-        // The crate root, a library's or a binary's.
-        (stem != "lib" && stem != "main").then_some(stem)
+        // The crate root, a library's or a binary's (or a module folder's).
+        (stem != "lib" && stem != "main" && stem != "mod").then_some(stem)
     } else {
         Some(first)
     }
@@ -501,6 +549,37 @@ mod tests {
         assert_eq!(g.edges.len(), 1);
     }
 
+    #[test]
+    fn a_module_folder_is_read_as_a_crate_of_its_own() {
+        let files: BTreeMap<PathBuf, String> = [
+            (
+                "mod.rs",
+                "mod a; mod b; mod c; use crate::other::X; pub(crate) use c::Cee;",
+            ),
+            ("a.rs", "use super::b::Bee; use crate::other::Y;"),
+            ("b.rs", "use crate::server::Cee;"),
+            (
+                "c.rs",
+                "use crate::a::Outside; fn f() { crate::server::a::go() }",
+            ),
+        ]
+        .iter()
+        .map(|(p, t)| (PathBuf::from(p), t.to_string()))
+        .collect();
+        let g = Graph::from_folder_sources(&files, "server");
+        assert_eq!(
+            g.modules.iter().cloned().collect::<Vec<_>>(),
+            ["a", "b", "c"],
+            "mod.rs is the folder's root"
+        );
+        let loops = g.loops();
+        assert_eq!(loops.len(), 1, "{loops:?}");
+        assert_eq!(
+            loops[0], "  loop among {a, b, c}: a -> (Bee) b -> (Cee) c -> (go) a",
+            "`crate::a` outside the folder is no edge; `crate::server::a` is"
+        );
+    }
+
     /// The loops of the crate in `dir`, which must have at least `modules` top-level modules
     /// (so a path gone wrong reads as a failure, not as a crate without loops).
     fn loops_of(dir: &str, modules: usize) -> Vec<String> {
@@ -582,8 +661,30 @@ mod tests {
     }
 
     #[test]
+    fn the_io_uring_transport_has_no_module_loop() {
+        let loops = loops_of("crates/transport-uring/src", 8);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
     fn the_same_host_transport_has_no_module_loop() {
         let loops = loops_of("crates/transport-local/src", 4);
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_io_uring_server_has_no_module_loop() {
+        let g = Graph::read_folder(&project_root().join(FOLDERS[0].0), FOLDERS[0].1).expect("read");
+        assert!(g.modules.len() >= 8, "too few modules read");
+        let loops = g.loops();
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_io_uring_client_has_no_module_loop() {
+        let g = Graph::read_folder(&project_root().join(FOLDERS[1].0), FOLDERS[1].1).expect("read");
+        assert!(g.modules.len() >= 5, "too few modules read");
+        let loops = g.loops();
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
     }
 }

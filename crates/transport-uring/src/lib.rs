@@ -56,10 +56,8 @@ mod client;
 mod control;
 mod error;
 mod file_ring;
-mod handshakes;
 pub mod probe;
 mod ring;
-mod rings;
 mod server;
 #[cfg(test)]
 mod testing;

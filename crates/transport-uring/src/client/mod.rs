@@ -17,7 +17,11 @@
 //! ([`UringChannel::send_direct`]); the stream's armed receive meets the response, and what part
 //! of the request the kernel did not take is sent first by the stream's driver.
 
+mod conn;
+mod owners;
+mod recv;
 mod rings;
+mod send;
 mod state;
 
 use std::net::{SocketAddr, TcpStream};
@@ -28,15 +32,15 @@ use std::sync::{Arc, Mutex};
 use ferry_core::dealer::{DIRECT_MAX, deal_ops, deal_ops_grouped, direct_op};
 use ferry_core::queue::Wake;
 use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
-use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
 };
 use ferry_net::{ChannelStreams, SentNow};
 use tracing::debug;
 
+use owners::Owners;
 pub(crate) use rings::{ClientRings, RingPlan};
-use state::{Queue, Reader, ReqShared, SendState, StreamShared, shutdown};
+use state::{Queue, ReqShared, SendState, StreamShared, shutdown};
 
 use crate::ring::IoStats;
 use crate::waiter::Countdown;
@@ -125,14 +129,7 @@ impl UringChannel {
             let sh = Arc::new(StreamShared {
                 state: Mutex::new(SendState {
                     proto: ClientStream::new(depth, policy),
-                    busy: false,
-                    tail: Vec::new(),
-                    reader: Reader::Ring,
-                    readers: 0,
-                    resp: [0; DATA_RESPONSE_LEN],
-                    resp_at: 0,
-                    recv_armed: false,
-                    payload: None,
+                    owners: Owners::default(),
                 }),
                 socket: socket.clone(),
                 dead: dead.clone(),
@@ -225,14 +222,9 @@ impl UringChannel {
                     }
                 }
             };
-            if g.busy
-                || !g.tail.is_empty()
+            if !g.owners.may_send_directly(self.caller_receives)
                 || g.proto.in_flight() > 0
                 || g.proto.is_broken()
-                || g.reader != Reader::Ring
-                || g.resp_at > 0
-                || g.payload.is_some()
-                || (self.caller_receives && g.recv_armed)
                 || sh.dead.load(Ordering::Acquire)
             {
                 continue;
@@ -281,16 +273,14 @@ impl UringChannel {
                 }
                 SentNow::Part(tail) => {
                     IoStats::add(&self.stats.direct_tails, 1);
-                    g.tail = tail;
+                    g.owners.leave_tail(tail);
                     drop(g);
                     self.wake_stream(i);
                     return Direct::Sent;
                 }
             }
             if caller {
-                g.readers += 1;
-                let token = g.readers;
-                g.reader = Reader::Caller(token);
+                let token = g.owners.caller_reads();
                 drop(g);
                 // Should the task not poll for its response, the ring reads it after a tick.
                 if let Some(t) = self.queue.taker(i) {
@@ -359,7 +349,7 @@ enum Got {
     HandBack,
 }
 
-/// The task awaiting a WRITE or READ it sent directly, as its stream's reader (see [`Reader`]):
+/// The task awaiting a WRITE or READ it sent directly, as its stream's reader (see [`Reader`](owners::Reader)):
 /// it receives the response header (then a READ's payload, into place) without blocking, under
 /// the stream's lock, whenever its runtime's reactor finds the socket readable, and resolves
 /// the chunk through the stream protocol. It stops being the reader when the chunk is resolved,
@@ -484,10 +474,10 @@ impl CallerRead {
     /// stream's lock.
     fn receive(&self, fd: std::os::fd::RawFd) -> Got {
         let mut g = self.sh.lock();
-        if g.reader != Reader::Caller(self.token) {
+        if !g.owners.reads(self.token) {
             return Got::Gone;
         }
-        if let Some((chunk, done)) = g.payload.as_ref() {
+        if let Some((chunk, done)) = g.owners.payload() {
             let len = chunk.payload_len() as usize;
             let ptr =
                 (chunk.op().local.as_ptr() as usize + chunk.local_at() as usize + done) as *mut u8;
@@ -501,55 +491,42 @@ impl CallerRead {
                 Ok(n) => {
                     let done = done + n;
                     if done < len {
-                        if let Some(p) = g.payload.as_mut() {
-                            p.1 = done;
-                        }
+                        g.owners.payload_at(done);
                         return Got::More;
                     }
-                    if let Some((chunk, _)) = g.payload.take() {
+                    if let Some((chunk, _)) = g.owners.take_payload() {
                         chunk.acked();
                     }
-                    g.reader = Reader::Ring;
+                    g.owners.ring_reads();
                     Got::Done
                 }
                 Err(got) => got,
             };
         }
-        let at = g.resp_at;
-        let want = DATA_RESPONSE_LEN - at;
-        // SAFETY: receives at most `want` bytes into the header buffer from `at` on, which the
-        // lock held here keeps borrowed.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                g.resp.as_mut_ptr().add(at).cast(),
-                want,
-                libc::MSG_DONTWAIT,
-            )
-        };
+        let rest = g.owners.header_rest();
+        // SAFETY: receives at most the header's missing bytes into its rest, which the lock
+        // held here keeps borrowed.
+        let n = unsafe { libc::recv(fd, rest.as_mut_ptr().cast(), rest.len(), libc::MSG_DONTWAIT) };
         let n = match received(n) {
             Ok(0) => return Got::HandBack,
             Ok(n) => n,
             Err(got) => return got,
         };
-        g.resp_at += n;
-        if g.resp_at < DATA_RESPONSE_LEN {
+        let Some(head) = g.owners.header_read(n) else {
             return Got::More;
-        }
-        g.resp_at = 0;
-        let head = g.resp;
+        };
         match g.proto.on_response(&head) {
             Ok(Resolution::Done) => {
-                g.reader = Reader::Ring;
+                g.owners.ring_reads();
                 Got::Done
             }
             Ok(Resolution::Payload(chunk)) if chunk.payload_len() == 0 => {
                 chunk.acked();
-                g.reader = Reader::Ring;
+                g.owners.ring_reads();
                 Got::Done
             }
             Ok(Resolution::Payload(chunk)) => {
-                g.payload = Some((chunk, 0));
+                g.owners.payload_comes(chunk);
                 Got::More
             }
             resolved => {
@@ -574,12 +551,8 @@ impl CallerRead {
             return;
         }
         self.over = true;
-        {
-            let mut g = self.sh.lock();
-            if g.reader != Reader::Caller(self.token) {
-                return;
-            }
-            g.reader = Reader::Ring;
+        if !self.sh.lock().owners.give_back(self.token) {
+            return;
         }
         IoStats::add(&self.stats.caller_handbacks, 1);
         if let Some(t) = self.queue.taker(self.index) {

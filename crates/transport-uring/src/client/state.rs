@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 
 use ferry_core::queue::{JobQueue, Wake};
 use ferry_core::stream::{Chunk, ChunkOwner, ClientStream, Work};
-use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_core::{Op, RequestControl};
 
+use super::owners::Owners;
 use crate::waiter::Countdown;
 
 #[derive(Debug)]
@@ -181,37 +181,8 @@ pub(crate) struct StreamShared {
 #[derive(Debug)]
 pub(crate) struct SendState {
     pub(crate) proto: ClientStream<ReqShared>,
-    /// The stream's ring is taking or sending a chunk (or a tail): nobody else writes the
-    /// socket.
-    pub(crate) busy: bool,
-    /// Bytes of a submitter's send that the kernel did not take at once; the stream's ring
-    /// sends them before anything else.
-    pub(crate) tail: Vec<u8>,
-    /// Who reads the socket's responses: the stream's ring, or the task awaiting a request it
-    /// sent directly (that task's number). Only the reader receives, and only under this lock.
-    pub(crate) reader: Reader,
-    /// Numbers the direct readers.
-    pub(crate) readers: u64,
-    /// The response header read so far (`resp_at` bytes of it), by whichever reader.
-    pub(crate) resp: [u8; DATA_RESPONSE_LEN],
-    pub(crate) resp_at: usize,
-    /// The stream's ring has a receive armed (or completed and not yet taken) on its ring: a
-    /// direct reader must not be made meanwhile.
-    pub(crate) recv_armed: bool,
-    /// A READ's payload a direct reader is receiving (the chunk, bytes received): whoever reads
-    /// next finishes it before the next header.
-    pub(crate) payload: Option<(Chunk<ReqShared>, usize)>,
-}
-
-/// Who reads a stream's responses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Reader {
-    /// The stream's ring, with a receive armed on its ring while chunks are in flight.
-    Ring,
-    /// The task that awaits the one chunk in flight (its number): it receives without blocking
-    /// when its runtime's reactor says the socket is readable, so no thread is woken but the
-    /// one that runs it.
-    Caller(u64),
+    /// Who may write and read the socket now, and what a reader left for the next.
+    pub(crate) owners: Owners<Chunk<ReqShared>>,
 }
 
 impl StreamShared {

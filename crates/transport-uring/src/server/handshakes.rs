@@ -22,8 +22,20 @@ use ferry_core::wire::{CONTROL_HEADER_LEN, ControlHeader, StreamAttach};
 use ferry_net::{HandshakeGate, HandshakeSlot};
 use tracing::{debug, warn};
 
+/// What the accept thread serves with: the table and responder every conversation answers
+/// from, the server's shared state, and the rings its attached streams go to.
+pub(super) struct Acceptor {
+    pub(super) table: Arc<dyn SegmentTable>,
+    pub(super) responder: Arc<dyn HandshakeResponder>,
+    pub(super) ctx: Arc<Ctx>,
+    pub(super) rings: RingSet,
+}
+
+use ferry_core::{HandshakeResponder, SegmentTable};
+
+use super::rings::RingSet;
+use super::shared::Ctx;
 use crate::control::tune;
-use crate::server::{Ctx, attached};
 
 /// Where a connection's next frame stands.
 enum Input {
@@ -198,9 +210,10 @@ impl Conn {
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Accepts connections on `listener` (non-blocking) and runs their handshakes until the server
-/// stops; an attached data stream goes to [`attached`] (one of the server's rings). The
-/// listener is shared with the server's handle, which shuts it down to stop the server.
-pub(crate) fn run(listener: Arc<TcpListener>, ctx: Arc<Ctx>, gate: Arc<HandshakeGate>) {
+/// stops; an attached data stream goes to one of the server's rings ([`RingSet::attached`]).
+/// The listener is shared with the server's handle, which shuts it down to stop the server.
+pub(super) fn run(listener: Arc<TcpListener>, acceptor: Acceptor, gate: Arc<HandshakeGate>) {
+    let ctx = &acceptor.ctx;
     let timeout = gate.limits().timeout;
     let mut conns: Vec<Conn> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
@@ -280,12 +293,14 @@ pub(crate) fn run(listener: Arc<TcpListener>, ctx: Arc<Ctx>, gate: Arc<Handshake
                     let c = conns.swap_remove(i);
                     // The handshake is over: its place among the pending ones is free.
                     drop(c.slot);
-                    attached(c.stream, c.from, attach, proto, &ctx);
+                    acceptor
+                        .rings
+                        .attached(c.stream, c.from, attach, proto, &ctx.config);
                 }
             }
         }
         if fds[0].revents != 0 {
-            accept_all(&listener, &ctx, &gate, &mut conns, timeout);
+            accept_all(&listener, &acceptor, &gate, &mut conns, timeout);
         }
     }
 }
@@ -294,11 +309,12 @@ pub(crate) fn run(listener: Arc<TcpListener>, ctx: Arc<Ctx>, gate: Arc<Handshake
 /// past the gate's cap is closed at once.
 fn accept_all(
     listener: &TcpListener,
-    ctx: &Ctx,
+    acceptor: &Acceptor,
     gate: &Arc<HandshakeGate>,
     conns: &mut Vec<Conn>,
     timeout: Duration,
 ) {
+    let ctx = &acceptor.ctx;
     loop {
         match listener.accept() {
             Ok((stream, from)) => {
@@ -321,7 +337,11 @@ fn accept_all(
                 conns.push(Conn {
                     stream,
                     from,
-                    talk: ServerConversation::new(ctx.responder.clone(), ctx.table.clone(), from),
+                    talk: ServerConversation::new(
+                        acceptor.responder.clone(),
+                        acceptor.table.clone(),
+                        from,
+                    ),
                     deadline: Instant::now() + timeout,
                     input: Input::header(),
                     out: Vec::new(),

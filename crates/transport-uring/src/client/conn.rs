@@ -1,0 +1,234 @@
+//! One client stream as its ring holds it: its receive side (the response header or payload
+//! coming in), its send side (a request going out, what keeps its memory alive), and the
+//! operations it has in flight.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{OwnedFd, RawFd};
+use std::sync::Arc;
+
+use ferry_core::MemoryRegion;
+use ferry_core::stream::{Chunk, Outgoing};
+use ferry_core::wire::DATA_RESPONSE_LEN;
+
+use super::state::{NotifHold, Queue, ReqShared, StreamShared};
+use tracing::debug;
+
+use crate::ring::IoStats;
+use crate::ring::user_data;
+
+/// What an operation's user data says it is (its kind in `ring::user_data`; a zero-copy send is
+/// named by its key alone).
+pub(super) const K_RECV: u8 = 1;
+pub(super) const K_SEND: u8 = 2;
+pub(super) const K_POLL: u8 = 4;
+pub(super) const K_WAKE: u8 = 5;
+pub(super) const K_HANGUP: u8 = 6;
+
+pub(super) fn ud(kind: u8, slot: usize, generation: u32) -> u64 {
+    user_data::op(kind, slot, generation)
+}
+
+/// What keeps the memory a send points at alive until it completed.
+pub(super) enum Keep {
+    /// A request the stream posted (header, piece table, the regions of its payload), and
+    /// bytes a submitter left unsent before it, if any.
+    Posted(
+        #[allow(dead_code)] Box<Outgoing<ReqShared>>,
+        #[allow(dead_code)] Option<Vec<u8>>,
+    ),
+    /// Bytes a submitter's send left over.
+    Bytes(#[allow(dead_code)] Vec<u8>),
+}
+
+/// What follows a send's copied bytes.
+pub(super) enum Body {
+    None,
+    /// SEND_ZC of `len` bytes at `ptr` in `region`, `done` sent; each send holds the request
+    /// un-drained until its notification.
+    Zc {
+        ptr: *const u8,
+        len: usize,
+        done: usize,
+        region: Arc<MemoryRegion>,
+        req: Arc<ReqShared>,
+    },
+    /// vmsplice + splice of `len` bytes at `ptr`: `done` moved to the socket, `piped` in the
+    /// pipe and not yet moved.
+    Splice {
+        ptr: *const u8,
+        len: usize,
+        done: usize,
+        piped: usize,
+    },
+}
+
+/// One request (or a submitter's leftover bytes) being sent.
+pub(super) struct Out {
+    /// Copied bytes, back to back; `done` of them went.
+    pub(super) parts: Vec<(*const u8, usize)>,
+    pub(super) done: usize,
+    pub(super) total: usize,
+    pub(super) body: Body,
+    pub(super) _keep: Keep,
+}
+
+/// A response's payload being received.
+pub(super) enum Incoming {
+    /// A READ's (or a checksum's) payload, into its chunk's memory.
+    One {
+        chunk: Chunk<ReqShared>,
+        part: (*const u8, usize),
+        done: usize,
+    },
+    /// A vectored READ's payload, into its pieces' memory in order.
+    Pieces {
+        pieces: Vec<Chunk<ReqShared>>,
+        parts: Vec<(*const u8, usize)>,
+        total: usize,
+        done: usize,
+    },
+}
+
+impl Incoming {
+    pub(super) fn parts(&self) -> (&[(*const u8, usize)], usize, usize) {
+        match self {
+            Incoming::One { part, done, .. } => (std::slice::from_ref(part), part.1, *done),
+            Incoming::Pieces {
+                parts, total, done, ..
+            } => (parts, *total, *done),
+        }
+    }
+
+    pub(super) fn advance(&mut self, n: usize) {
+        match self {
+            Incoming::One { done, .. } | Incoming::Pieces { done, .. } => *done += n,
+        }
+    }
+
+    pub(super) fn acked(self) {
+        match self {
+            Incoming::One { chunk, .. } => chunk.acked(),
+            Incoming::Pieces { pieces, .. } => pieces.into_iter().for_each(Chunk::acked),
+        }
+    }
+
+    pub(super) fn lost(self, native: Option<i32>) {
+        match self {
+            Incoming::One { chunk, .. } => chunk.lost(native),
+            Incoming::Pieces { pieces, .. } => pieces.into_iter().for_each(|c| c.lost(native)),
+        }
+    }
+}
+
+/// Which send-side operation is in flight.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum SendOp {
+    Copy,
+    Zc,
+    /// A poll for room in the socket (a splice that found it full).
+    Room,
+}
+
+/// One client stream on a ring. Boxed: the ring's operations point into it.
+pub(super) struct Conn {
+    pub(super) id: u64,
+    /// Its place on the ring (in its operations' user data).
+    pub(super) slot: usize,
+    pub(super) sh: Arc<StreamShared>,
+    pub(super) queue: Arc<Queue>,
+    pub(super) index: usize,
+    pub(super) peer: SocketAddr,
+    pub(super) fd: RawFd,
+    /// Its fixed-file slot, if registered.
+    pub(super) fixed: Option<u32>,
+    pub(super) zero_copy: bool,
+    pub(super) splice: bool,
+    /// See `NewStream::caller_receives`: while the stream is idle (or a direct reader reads)
+    /// the ring keeps only a hang-up poll armed, no receive, and the response header's bytes
+    /// live in the shared state (`resp`), `head` being only where a ring receive lands.
+    pub(super) caller_receives: bool,
+    /// The hang-up poll is in flight.
+    pub(super) hangup_inflight: bool,
+    /// The socket's file status flags (for the non-blocking splice).
+    pub(super) fl: i32,
+    /// The channel still deals jobs.
+    pub(super) open: bool,
+    /// The response header being received (`head_at` bytes of it).
+    pub(super) head: [u8; DATA_RESPONSE_LEN],
+    pub(super) head_at: usize,
+    pub(super) incoming: Option<Incoming>,
+    pub(super) recv_inflight: bool,
+    /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default); 0: refused, none used.
+    pub(super) lowat: usize,
+    pub(super) riov: Vec<libc::iovec>,
+    pub(super) rmsg: libc::msghdr,
+    pub(super) out: Option<Out>,
+    pub(super) send_inflight: Option<SendOp>,
+    pub(super) siov: Vec<libc::iovec>,
+    pub(super) smsg: libc::msghdr,
+    /// Pipe for spliced sends (read end, write end, capacity), made on first use.
+    pub(super) pipe: Option<(OwnedFd, OwnedFd, usize)>,
+    pub(super) generation: u32,
+    /// Ending, with the native error that broke it (if any): waits for its operations in flight.
+    pub(super) ending: Option<Option<i32>>,
+    pub(super) stats: Arc<IoStats>,
+}
+
+impl Conn {
+    pub(super) fn busy(&self) -> bool {
+        self.recv_inflight || self.send_inflight.is_some() || self.hangup_inflight
+    }
+}
+
+/// The ring operation `$op` on stream `$c`'s socket: its fixed-file slot where it has one, its
+/// descriptor otherwise.
+macro_rules! on_fd {
+    ($c:expr, $op:ident :: new ( $($arg:expr),* ) $(. $m:ident ( $($a:expr),* ))* ) => {
+        match $c.fixed {
+            Some(slot) => io_uring::opcode::$op::new(io_uring::types::Fixed(slot), $($arg),*) $(. $m($($a),*))* .build(),
+            None => io_uring::opcode::$op::new(io_uring::types::Fd($c.fd), $($arg),*) $(. $m($($a),*))* .build(),
+        }
+    };
+}
+pub(super) use on_fd;
+
+/// A zero-copy send the kernel has not let go of.
+pub(super) struct Zc {
+    pub(super) generation: u32,
+    pub(super) slot: usize,
+    /// Keeps its request un-drained (and the region alive) until the notification.
+    pub(super) _hold: NotifHold,
+    /// Its socket, to reset should the peer never acknowledge.
+    pub(super) socket: Arc<TcpStream>,
+}
+
+/// Sets the socket's `SO_RCVLOWAT` to `v`. If the kernel refuses, marks are not used on this
+/// socket again (`lowat` 0), and a raised one is brought back to 1 first.
+pub(super) fn set_lowat(c: &mut Conn, v: usize) -> io::Result<()> {
+    if c.lowat == v {
+        return Ok(());
+    }
+    // SAFETY: the descriptor of the stream's socket, which `c` keeps open.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(c.fd) };
+    match ferry_net::set_recv_low_mark(fd, v) {
+        Ok(()) => {
+            c.lowat = v;
+            Ok(())
+        }
+        Err(e) => {
+            debug!(error = %e, "SO_RCVLOWAT refused; receiving without it");
+            if c.lowat > 1 {
+                // Still raised: a header would wait for the old mark.
+                ferry_net::set_recv_low_mark(fd, 1).map_err(|e2| {
+                    io::Error::new(
+                        e2.kind(),
+                        format!("cannot lower the socket's SO_RCVLOWAT back to 1: {e2}"),
+                    )
+                })?;
+            }
+            c.lowat = 0;
+            Err(e)
+        }
+    }
+}
