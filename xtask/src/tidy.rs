@@ -98,6 +98,10 @@ const COMMENT_ALLOWED: &[(&str, &str)] = &[
         "tcp_pace_kick",
         "the kernel's function (TCP pacing's timer)",
     ),
+    (
+        "pidfd_open",
+        "the Linux system call (made through `SYS_pidfd_open`)",
+    ),
 ];
 
 /// Extensions a backticked path must end in to be checked as a file of the tree.
