@@ -261,8 +261,11 @@ pub struct Description {
     pub handshakes: Option<HandshakeDescription>,
     /// Live registrations.
     pub registrations: u64,
-    /// Bytes charged to the registration budget.
+    /// Bytes of the live registrations, each range once.
     pub registered_bytes: u64,
+    /// Bytes charged to the registration budget: each native copy of a range charges its
+    /// length (an RDMA registration on two rails, twice).
+    pub budget_bytes: u64,
     /// Registrations held because a native destroy failed (see
     /// [`TransferEngine::retry_unquiesced`](crate::TransferEngine::retry_unquiesced)).
     pub unquiesced: u64,
@@ -332,8 +335,8 @@ impl std::fmt::Display for Description {
         }
         writeln!(
             f,
-            "registrations: {} ({} bytes)",
-            self.registrations, self.registered_bytes
+            "registrations: {} ({} bytes; {} charged to the budget)",
+            self.registrations, self.registered_bytes, self.budget_bytes
         )?;
         if self.unquiesced > 0 || !self.fenced_contexts.is_empty() {
             writeln!(

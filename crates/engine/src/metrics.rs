@@ -526,10 +526,17 @@ fn encode_registrations(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std
         .encode(enc)?;
     Family::new(
         "ferry_registered_bytes",
-        "Bytes charged to the registration budget.",
+        "Bytes of live registrations, each range once.",
         Gauge,
     )
     .add(Labels::new(), d.registered_bytes)
+    .encode(enc)?;
+    Family::new(
+        "ferry_registration_budget_bytes",
+        "Bytes charged to the registration budget (each native copy charges its range).",
+        Gauge,
+    )
+    .add(Labels::new(), d.budget_bytes)
     .encode(enc)?;
     Family::new(
         "ferry_registrations_unquiesced",
@@ -828,6 +835,7 @@ mod tests {
         });
         d.registrations = 3;
         d.registered_bytes = 1 << 20;
+        d.budget_bytes = 2 << 20;
         d.unquiesced = 1;
         d.contexts = vec![
             ContextDescription {

@@ -343,3 +343,26 @@ async fn idle_connections_past_the_cap_give_way_to_a_scrape() -> Result<()> {
     .await??;
     Ok(())
 }
+
+/// `ferry_registered_bytes` counts each registration's range once: a 3 MiB segment and a 1 MiB
+/// local buffer are 4 MiB, whatever copies the budget charges.
+#[test]
+fn registered_bytes_count_each_range_once() -> Result<()> {
+    let engine = TransferEngine::builder().same_host(false).build()?;
+    let _seg = engine.register(
+        MemoryRegion::alloc_zeroed(3 << 20, 4096)?,
+        Access::REMOTE_READ,
+        "seg",
+    )?;
+    let local = engine.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::LOCAL,
+        "l",
+    )?;
+    let d = engine.describe();
+    assert_eq!(d.registered_bytes, 4 << 20, "{d}");
+    assert!(d.budget_bytes >= d.registered_bytes, "{d}");
+    drop(local);
+    assert_eq!(engine.describe().registered_bytes, 3 << 20);
+    Ok(())
+}

@@ -130,8 +130,10 @@ pub struct RegistryCounters {
     pub retiring: u64,
     /// Native copies charged (existing, being made, or held by unquiesced registrations).
     pub copies: u64,
-    /// Bytes charged.
+    /// Bytes charged (each native copy charges its range's length).
     pub bytes: u64,
+    /// Bytes of the live registrations, each range once, however many copies it has.
+    pub view_bytes: u64,
     /// The budgets.
     pub budgets: Budgets,
     /// Per-context native copies, in context order.
@@ -185,6 +187,8 @@ struct Accounts {
     held_copies: u64,
     held_bytes: u64,
     registrations: u64,
+    /// Bytes of the live registrations, each range once.
+    view_bytes: u64,
     retiring: u64,
     exhausted: u64,
     register_failures: u64,
@@ -470,6 +474,7 @@ impl Registry {
             let mut acc = shared.accounts();
             acc.add_copies(&contexts, &made, len);
             acc.registrations += 1;
+            acc.view_bytes = acc.view_bytes.saturating_add(len);
         }
         let mut map = shared
             .published
@@ -570,6 +575,7 @@ impl Registry {
             retiring: acc.retiring,
             copies: acc.held_copies,
             bytes: acc.held_bytes,
+            view_bytes: acc.view_bytes,
             budgets: self.shared.budgets,
             per_context: acc.per_context.values().cloned().collect(),
             unquiesced: acc.unquiesced.len() as u64,
@@ -729,6 +735,7 @@ impl Segment {
         acc.release_charge(destroyed.len() as u64, self.len);
         acc.remove_copies(&destroyed, self.len);
         acc.registrations = acc.registrations.saturating_sub(1);
+        acc.view_bytes = acc.view_bytes.saturating_sub(self.len);
         acc.retiring = acc.retiring.saturating_sub(1);
         match failure {
             None => {

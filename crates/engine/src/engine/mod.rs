@@ -554,7 +554,8 @@ impl TransferEngine {
             }),
             metrics: self.metrics_addr().map(|a| a.to_string()),
             registrations: counters.registrations,
-            registered_bytes: counters.bytes,
+            registered_bytes: counters.view_bytes,
+            budget_bytes: counters.bytes,
             unquiesced: counters.unquiesced,
             fenced_contexts: counters
                 .per_context
