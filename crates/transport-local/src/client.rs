@@ -8,8 +8,13 @@ use std::net::SocketAddr;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
+
+/// How long a closed channel waits for the server to answer what it holds and end its streams
+/// before it hangs up on both directions: a server that is stopped (or stalled) does not hold
+/// the channel's requests past it.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
 use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
@@ -164,6 +169,9 @@ struct Shared {
     chunk: u64,
     vectored: bool,
     closed: AtomicBool,
+    /// Streams ended, and its change announced (for the close's grace).
+    ended: Mutex<usize>,
+    ended_cv: Condvar,
 }
 
 impl std::fmt::Debug for Shared {
@@ -204,6 +212,8 @@ impl LocalChannel {
             chunk,
             vectored,
             closed: AtomicBool::new(false),
+            ended: Mutex::new(0),
+            ended_cv: Condvar::new(),
         });
         for i in 0..n {
             let s = shared.clone();
@@ -301,7 +311,9 @@ impl Shared {
     /// others (or is never posted when none is left).
     fn stream_ended(&self, i: usize, native: Option<i32>) {
         let side = &self.streams[i];
-        side.alive.store(false, Ordering::Release);
+        if !side.alive.swap(false, Ordering::AcqRel) {
+            return;
+        }
         let _ = side.sock.shutdown(std::net::Shutdown::Both);
         side.proto
             .lock()
@@ -313,6 +325,26 @@ impl Shared {
             job.not_posted(FailureKind::PeerLost);
         }
         self.pump_all(woken);
+        *self.ended.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        self.ended_cv.notify_all();
+    }
+
+    /// After a close: waits up to [`CLOSE_GRACE`] for every stream to end, then hangs up on
+    /// those left, whose chunks in flight then end as lost. The server checks for the hang-up
+    /// before each copy, so it copies nothing more for them.
+    fn hang_up_after_grace(&self) {
+        let n = self.streams.len();
+        let ended = self.ended.lock().unwrap_or_else(PoisonError::into_inner);
+        let (ended, _) = self
+            .ended_cv
+            .wait_timeout_while(ended, CLOSE_GRACE, |e| *e < n)
+            .unwrap_or_else(PoisonError::into_inner);
+        if *ended < n {
+            debug!(peer = %self.peer, "same-host streams not ended after the close's grace; hung up");
+            for s in &self.streams {
+                let _ = s.sock.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 }
 
@@ -449,9 +481,19 @@ impl Channel for LocalChannel {
         self.shared.lock_dealer().close();
         // Only our sending half: the server answers what it has, then ends the stream, and the
         // readers resolve everything in flight before they go (a copy into our memory may still
-        // run until then, so `drained` waits for it).
+        // run until then, so `drained` waits for it). A server that does not within the grace
+        // is hung up on.
         for s in &self.shared.streams {
             let _ = s.sock.shutdown(std::net::Shutdown::Write);
+        }
+        let shared = self.shared.clone();
+        let watch = std::thread::Builder::new()
+            .name("ferry-local-close".into())
+            .spawn(move || shared.hang_up_after_grace());
+        if watch.is_err() {
+            for s in &self.shared.streams {
+                let _ = s.sock.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 }

@@ -152,6 +152,19 @@ impl Pidfd {
     }
 }
 
+/// Whether the other end of `sock` hung up both ways (closed it, exited, or shut down reading
+/// and writing): `POLLHUP`. A peer that only shut its sending half is not hung up.
+pub(crate) fn hung_up(sock: &UnixStream) -> bool {
+    let mut p = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, a zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// A range of this process's memory: `len` bytes at `addr`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Span {
@@ -356,6 +369,19 @@ mod tests {
         let held = Pidfd::open(child.id()).unwrap();
         child.wait().unwrap();
         assert!(held.exited());
+    }
+
+    #[test]
+    fn a_hang_up_is_both_directions_not_half() {
+        let (a, b) = UnixStream::pair().unwrap();
+        assert!(!hung_up(&a));
+        b.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(!hung_up(&a), "a half close is not a hang-up");
+        b.shutdown(std::net::Shutdown::Both).unwrap();
+        assert!(hung_up(&a));
+        let (c, d) = UnixStream::pair().unwrap();
+        drop(d);
+        assert!(hung_up(&c));
     }
 
     #[test]

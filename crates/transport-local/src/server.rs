@@ -460,6 +460,10 @@ fn serve_data(
         if client.exited() {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
+        if host::hung_up(sock) {
+            // The client gave the stream up both ways (or is gone): nothing more is copied.
+            return Err(io::Error::from_raw_os_error(libc::ECONNRESET));
+        }
         match proto.on_request(&head) {
             Action::WriteMemory {
                 lease,
