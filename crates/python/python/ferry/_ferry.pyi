@@ -48,6 +48,7 @@ __all__ = [
     "_Puller",
     "__version__",
     "_join",
+    "_panic_for_tests",
     "_publish",
     "doctor",
     "topology_json",
