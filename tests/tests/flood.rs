@@ -8,8 +8,8 @@
 //! the flood's), and one from the key holder's own address, paced, whose victims are the oldest
 //! (the key holder's connection is the newest while it proves its key).
 //!
-//! The io_uring listener is not covered here: its gate refuses the newest (`HandshakeGate::admit`)
-//! until it calls `admit_evicting`.
+//! The io_uring listener is covered by the same flood from another address. Both ends keep to
+//! the network planes (`same_host(false)`): the gate on the TCP listener is what is tested.
 
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -96,10 +96,11 @@ fn flood(
     })
 }
 
-fn server(metrics: bool) -> Result<(TransferEngine, ferry::Registration)> {
+fn server(metrics: bool, plane: DataPlane) -> Result<(TransferEngine, ferry::Registration)> {
     let mut b = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
-        .data_plane(DataPlane::Tcp)
+        .data_plane(plane)
         .auth_keyring(Keyring::parse(ALICE)?)
         // No flood connection reaches its deadline during the test: only eviction frees a place.
         .handshake_timeout(PATIENCE)
@@ -136,6 +137,7 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> Result<bool>) -> Result<()> {
 /// A fresh key holder connects to `addr` and moves a WRITE then a READ of the whole segment.
 async fn key_holder_moves_bytes(addr: SocketAddr, fill: u8) -> Result<()> {
     let client = TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .auth_keyring(Keyring::parse(ALICE)?)
         .connect_timeout(KEY_HOLDER_PATIENCE)
@@ -165,8 +167,13 @@ async fn key_holder_moves_bytes(addr: SocketAddr, fill: u8) -> Result<()> {
 }
 
 /// Runs [`RUNS`] key holders one after another while a flood from `from` goes on.
-async fn key_holders_during_a_flood(from: IpAddr, burst: usize, pace: Duration) -> Result<()> {
-    let (engine, _reg) = server(false)?;
+async fn key_holders_during_a_flood(
+    plane: DataPlane,
+    from: IpAddr,
+    burst: usize,
+    pace: Duration,
+) -> Result<()> {
+    let (engine, _reg) = server(false, plane)?;
     let addr = engine.local_addr().context("listening")?;
     let stop = Arc::new(AtomicBool::new(false));
     let opened = Arc::new(AtomicUsize::new(0));
@@ -207,13 +214,42 @@ async fn key_holders_during_a_flood(from: IpAddr, burst: usize, pace: Duration) 
 async fn a_key_holder_gets_in_ten_times_out_of_ten_during_a_flood() -> Result<()> {
     raise_fd_limit((TOTAL + 1024) as u64)?;
     // From another address, at full pace after the burst of 1,500.
-    key_holders_during_a_flood([127, 0, 0, 2].into(), BURST, Duration::from_millis(1))
-        .await
-        .context("flood from 127.0.0.2")?;
+    key_holders_during_a_flood(
+        DataPlane::Tcp,
+        [127, 0, 0, 2].into(),
+        BURST,
+        Duration::from_millis(1),
+    )
+    .await
+    .context("flood from 127.0.0.2")?;
     // From the key holder's own address: its connection is the newest while it proves its key.
-    key_holders_during_a_flood([127, 0, 0, 1].into(), BURST, Duration::from_millis(5))
-        .await
-        .context("flood from 127.0.0.1")?;
+    key_holders_during_a_flood(
+        DataPlane::Tcp,
+        [127, 0, 0, 1].into(),
+        BURST,
+        Duration::from_millis(5),
+    )
+    .await
+    .context("flood from 127.0.0.1")?;
+    Ok(())
+}
+
+/// The io_uring listener's gate evicts as the TCP listener's does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_holder_gets_into_the_io_uring_listener_during_a_flood() -> Result<()> {
+    if let Some(why) = ferry::probe_kernel().unusable_reason() {
+        ferry_tests::require_or_skip(ferry_tests::URING, format!("io_uring unusable here: {why}"));
+        return Ok(());
+    }
+    raise_fd_limit((TOTAL + 1024) as u64)?;
+    key_holders_during_a_flood(
+        DataPlane::Uring,
+        [127, 0, 0, 2].into(),
+        BURST,
+        Duration::from_millis(1),
+    )
+    .await
+    .context("flood from 127.0.0.2 against io_uring")?;
     Ok(())
 }
 
@@ -231,7 +267,7 @@ fn scrape(addr: SocketAddr) -> Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_against_the_metrics_endpoint_leaves_scrapes_answered() -> Result<()> {
     raise_fd_limit((TOTAL + 1024) as u64)?;
-    let (engine, _reg) = server(true)?;
+    let (engine, _reg) = server(true, DataPlane::Tcp)?;
     let metrics = engine.metrics_addr().context("serves metrics")?;
     for from in [[127, 0, 0, 2], [127, 0, 0, 1]] {
         let stop = Arc::new(AtomicBool::new(false));

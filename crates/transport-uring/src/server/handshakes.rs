@@ -11,7 +11,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -305,8 +305,9 @@ pub(super) fn run(listener: Arc<TcpListener>, acceptor: Acceptor, gate: Arc<Hand
     }
 }
 
-/// Takes every connection waiting on the listener: admitted ones start their handshake, one
-/// past the gate's cap is closed at once.
+/// Takes every connection waiting on the listener: admitted ones start their handshake; past the
+/// gate's cap the oldest pending connection of the source holding the most is shut down to make
+/// room (its handshake then ends as a closed connection), as on every listener.
 fn accept_all(
     listener: &TcpListener,
     acceptor: &Acceptor,
@@ -321,7 +322,7 @@ fn accept_all(
                 if ctx.live.stopped.load(Ordering::Acquire) {
                     return;
                 }
-                let Some(slot) = gate.admit() else {
+                let Some(slot) = gate.admit_evicting(stream.as_fd(), from.ip()) else {
                     debug!(%from, "too many connections in their handshake; closed at once");
                     continue;
                 };
