@@ -264,10 +264,9 @@ pub(crate) fn mooncake(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask bench nixl`.
-pub(crate) fn nixl(args: &[String]) -> Result<()> {
-    const USAGE: &str = "usage: cargo xtask bench nixl [--total BYTES] [--repeat N]";
-    let (total, repeat) = total_and_repeat(args, 1u64 << 30, 5, USAGE)?;
+/// NIXL's wheel (no CUDA dependencies, numpy beside it) in its throwaway venv, and the Python
+/// with Ferry's wheel: the two interpreters of the NIXL API benches.
+fn nixl_and_ferry() -> Result<(PathBuf, PathBuf)> {
     let nixl = throwaway_venv("nixl-venv", &NIXL, true)?;
     run_loud(Command::new(&nixl).args([
         "-m",
@@ -277,7 +276,14 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
         "--disable-pip-version-check",
         "numpy",
     ]))?;
-    let ferry_py = crate::python::bench_env()?;
+    Ok((nixl, crate::python::bench_env()?))
+}
+
+/// `cargo xtask bench nixl`.
+pub(crate) fn nixl(args: &[String]) -> Result<()> {
+    const USAGE: &str = "usage: cargo xtask bench nixl [--total BYTES] [--repeat N]";
+    let (total, repeat) = total_and_repeat(args, 1u64 << 30, 5, USAGE)?;
+    let (nixl, ferry_py) = nixl_and_ferry()?;
     let script = "benches/nixl_bench.py";
     let sides = [
         Side {
@@ -380,16 +386,7 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
 pub(crate) fn same_host(args: &[String]) -> Result<()> {
     const USAGE: &str = "usage: cargo xtask bench same-host [--total BYTES] [--repeat N]";
     let (total, repeat) = total_and_repeat(args, 1u64 << 30, 3, USAGE)?;
-    let nixl = throwaway_venv("nixl-venv", &NIXL, true)?;
-    run_loud(Command::new(&nixl).args([
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-        "numpy",
-    ]))?;
-    let ferry_py = crate::python::bench_env()?;
+    let (nixl, ferry_py) = nixl_and_ferry()?;
     let script = "benches/nixl_bench.py";
     let bind = ("FERRY_BIND_ADDRESS", "127.0.0.1");
     let sides = [
