@@ -32,6 +32,7 @@ pub(crate) fn run(args: &Args) -> Result<()> {
         .enable_all()
         .build()?;
     let engine = TransferEngine::builder()
+        .same_host(false)
         .data_plane(data_plane)
         .streams(streams)
         .build()?;

@@ -162,6 +162,7 @@ async fn first_round_trips(addr: SocketAddr, plane: &str, probes: usize) -> Resu
     let mut times = Vec::with_capacity(probes);
     for _ in 0..probes {
         let engine = TransferEngine::builder()
+            .same_host(false)
             .data_plane(plane)
             .streams(1)
             .build()?;

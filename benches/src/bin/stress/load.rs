@@ -32,6 +32,7 @@ type Sample = (usize, u32, bool, bool);
 /// few hundred of them share this process's two workers).
 pub(crate) fn client() -> Result<TransferEngine> {
     Ok(TransferEngine::builder()
+        .same_host(false)
         .data_plane(DataPlane::Tcp)
         .streams(1)
         .io_threads(None)

@@ -29,6 +29,7 @@ pub(crate) fn serve(args: &Args) -> Result<()> {
         .build()?;
     let _in_rt = rt.enter();
     let engine = TransferEngine::builder()
+        .same_host(false)
         .listen("127.0.0.1:0".parse()?)
         .data_plane(plane)
         .build()?;

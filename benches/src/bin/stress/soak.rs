@@ -294,6 +294,7 @@ async fn worker(
     let timeout = Duration::from_secs(5);
     while !stop.load(Ordering::Relaxed) {
         let engine = TransferEngine::builder()
+            .same_host(false)
             .data_plane(data_plane)
             .streams(2)
             .build()?;
