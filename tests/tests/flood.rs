@@ -134,11 +134,12 @@ fn wait_for(what: &str, mut cond: impl FnMut() -> Result<bool>) -> Result<()> {
     Ok(())
 }
 
-/// A fresh key holder connects to `addr` and moves a WRITE then a READ of the whole segment.
-async fn key_holder_moves_bytes(addr: SocketAddr, fill: u8) -> Result<()> {
+/// A fresh key holder on `plane` connects to `addr` and moves a WRITE then a READ of the whole
+/// segment.
+async fn key_holder_moves_bytes(addr: SocketAddr, plane: DataPlane, fill: u8) -> Result<()> {
     let client = TransferEngine::builder()
         .same_host(false)
-        .data_plane(DataPlane::Tcp)
+        .data_plane(plane)
         .auth_keyring(Keyring::parse(ALICE)?)
         .connect_timeout(KEY_HOLDER_PATIENCE)
         .build()?;
@@ -186,7 +187,8 @@ async fn key_holders_during_a_flood(
             Ok(h.refused + h.evicted >= full)
         })?;
         for run in 0..RUNS {
-            key_holder_moves_bytes(addr, run as u8 + 1)
+            // The client speaks the listener's plane: both retry an attach closed unanswered.
+            key_holder_moves_bytes(addr, plane, run as u8 + 1)
                 .await
                 .with_context(|| format!("key holder {} of {RUNS}", run + 1))?;
         }
