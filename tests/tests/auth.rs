@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use ferry::core_types::auth::{ClientAuth, Keyring};
 use ferry::core_types::wire::{
     AuthAttach, ControlFrame, DATA_REQUEST_LEN, DataRequest, Hello, SUPPORTED_VERSIONS,
@@ -469,6 +469,13 @@ async fn scattered(
 /// both planes, no byte is read or written; bob's own scattered batches succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scattered_batches_cannot_reach_a_segment_published_to_others() -> Result<()> {
+    fn served_tables(engine: &TransferEngine) -> Result<u64> {
+        Ok(engine
+            .describe()
+            .served
+            .context("a listener counts")?
+            .tables)
+    }
     for plane in planes() {
         let server = Server::start(plane, Some(&format!("{ALICE}\n{BOB}")))?;
         let secret = server.secret.as_ref().context("no secret")?;
@@ -482,7 +489,14 @@ async fn scattered_batches_cannot_reach_a_segment_published_to_others() -> Resul
             access: Access::REMOTE_READ | Access::REMOTE_WRITE,
             remote_keys: vec![],
         });
+        let tables_before = served_tables(&server.engine)?;
         let (read, got, write) = scattered(&alice, &forged).await?;
+        // The refusals came piece by piece, through piece tables (a READ's and a WRITE's), not
+        // as single ops: the test stays one of vectored requests.
+        ensure!(
+            served_tables(&server.engine)? >= tables_before + 2,
+            "{plane:?}: the scattered batches sent no piece table"
+        );
         let unknown = Some(FailureKind::Remote(RemoteStatus::UnknownSegment));
         assert_eq!(
             read.failure.as_ref().map(|f| f.kind),

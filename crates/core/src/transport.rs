@@ -357,6 +357,7 @@ pub struct ServeStats {
     ops: [AtomicU64; 3],
     bytes: [AtomicU64; 3],
     refused: [AtomicU64; 5],
+    tables: AtomicU64,
 }
 
 /// A snapshot of [`ServeStats`].
@@ -368,6 +369,8 @@ pub struct ServeCounts {
     /// Requests (or vectored pieces) refused, by status, in the order of
     /// [`ServeStats::STATUSES`].
     pub refused: [(RemoteStatus, u64); 5],
+    /// Vectored requests whose piece table arrived (accepted or refused, piece by piece).
+    pub tables: u64,
 }
 
 impl ServeStats {
@@ -397,6 +400,11 @@ impl ServeStats {
         self.bytes[i].fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Counts one vectored request's piece table.
+    pub fn table(&self) {
+        self.tables.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts one refusal.
     pub fn refused(&self, status: RemoteStatus) {
         let i = match status {
@@ -423,6 +431,7 @@ impl ServeStats {
             refused: std::array::from_fn(|i| {
                 (Self::STATUSES[i], self.refused[i].load(Ordering::Relaxed))
             }),
+            tables: self.tables.load(Ordering::Relaxed),
         }
     }
 }

@@ -109,6 +109,9 @@ pub struct ServedDescription {
     /// Requests refused, by status (`unknown_segment`, `out_of_bounds`, `access_denied`,
     /// `stale_epoch`, `malformed`).
     pub refused: Vec<(String, u64)>,
+    /// Vectored requests whose piece table arrived (their pieces are counted above, each as an
+    /// op or a refusal).
+    pub tables: u64,
 }
 
 impl ServedDescription {
@@ -129,6 +132,7 @@ impl ServedDescription {
                 .iter()
                 .map(|(s, n)| (status_label(*s).to_owned(), *n))
                 .collect(),
+            tables: counts.tables,
         }
     }
 }

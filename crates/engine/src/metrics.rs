@@ -824,6 +824,7 @@ mod tests {
                 traffic("write", "direct", 2, 20),
             ],
             refused: vec![("unknown_segment".into(), 4)],
+            tables: 3,
         });
         d.handshakes = Some(HandshakeDescription {
             pending: 2,

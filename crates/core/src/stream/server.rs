@@ -529,8 +529,9 @@ fn count(stats: &ServeStats, action: &Action) {
         Action::ChecksumFile { len, .. } => stats.accepted(OpKind::Checksum, 1, *len),
         Action::Refuse { status, .. } => stats.refused(*status),
         Action::Close { .. } => stats.refused(RemoteStatus::Malformed),
-        // Counted by `on_table`, piece by piece.
-        Action::Table { .. } | Action::Vectored { .. } => {}
+        // The table once here; its pieces by `on_table`, piece by piece.
+        Action::Table { .. } => stats.table(),
+        Action::Vectored { .. } => {}
     }
 }
 
