@@ -19,6 +19,11 @@ import ferry.broadcast
 from ferry.broadcast import Publisher, pull
 
 # How soon after the signal the call must have raised.
+# A process started with SIGINT ignored (a background job of a non-interactive shell) never
+# raises KeyboardInterrupt. These tests send SIGINT to themselves, so they take Python's own
+# handler whatever they were started with.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 PROMPT = 1.0
 
 
@@ -246,8 +251,11 @@ def test_one_timeout_convention_zero_is_now(np, peer_process):
     w = {"w": np.arange(1 << 16, dtype=np.uint32)}
     with Publisher(trainer, w, name="policy") as pub:
         receiver = ferry.Engine(listen="127.0.0.1:0", data_plane="tcp")
-        with pytest.raises(ferry.broadcast.PullTimeout):
+        # The deadline has passed at once; where bytes landed before it was seen (the same-host
+        # plane is quick), the destination is reported torn, for the same reason.
+        with pytest.raises((ferry.broadcast.PullTimeout, ferry.broadcast.TornError)) as e:
             pull(receiver, pub.addr, {"w": np.zeros_like(w["w"])}, timeout=0, relay=False)
+        assert isinstance(e.value, ferry.broadcast.PullTimeout) or "within 0.0 s" in str(e.value)
         s = pull(receiver, pub.addr, {"w": np.zeros_like(w["w"])}, timeout=None, relay=False)
         assert s.bytes == w["w"].nbytes
 
