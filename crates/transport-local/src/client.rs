@@ -20,7 +20,7 @@ use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
 use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
 use ferry_core::outcome::FailureKind;
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Outgoing, Post, Resolution};
-use ferry_core::wire::{DATA_RESPONSE_LEN, TransportOffer, VECTORED_VERSION};
+use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, TransportOffer, VECTORED_VERSION};
 use ferry_core::{
     BoxFuture, Channel, Error, Op, OpKind, Outcome, PeerInfo, RequestControl, TransportKind,
 };
@@ -370,19 +370,23 @@ fn land(r: &mut impl Read, chunk: Chunk<Req>) -> io::Result<()> {
 /// Writes a posted request: its header, a vectored request's piece table, and the address
 /// block.
 fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
-    let mut buf = Vec::with_capacity(out.head.len() + out.table.len() + ADDR_LEN * 4);
+    let mut w = sock;
+    if out.scatter.is_empty() {
+        // One chunk: the header and its address from the stack, one write.
+        let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
+        one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
+        let at = out.region.as_ptr() as u64 + out.local_at;
+        one[DATA_REQUEST_LEN..].copy_from_slice(&at.to_le_bytes());
+        return w.write_all(&one);
+    }
+    let mut buf =
+        Vec::with_capacity(out.head.len() + out.table.len() + ADDR_LEN * out.scatter.len());
     buf.extend_from_slice(&out.head);
     buf.extend_from_slice(&out.table);
-    if out.scatter.is_empty() {
-        let at = out.region.as_ptr() as u64 + out.local_at;
+    for range in &out.scatter {
+        let at = range.region.as_ptr() as u64 + range.at;
         buf.extend_from_slice(&at.to_le_bytes());
-    } else {
-        for range in &out.scatter {
-            let at = range.region.as_ptr() as u64 + range.at;
-            buf.extend_from_slice(&at.to_le_bytes());
-        }
     }
-    let mut w = sock;
     w.write_all(&buf)
 }
 

@@ -446,6 +446,7 @@ fn serve_data(
     let mut out: Vec<u8> = Vec::with_capacity(4 << 10);
     let mut stage: Vec<u8> = Vec::new();
     let mut table: Vec<u8> = Vec::new();
+    let mut addrs: Vec<u8> = Vec::new();
     let mut head = [0u8; DATA_REQUEST_LEN];
     loop {
         flush_unless_buffered(&rd, DATA_REQUEST_LEN + ADDR_LEN, sock, &mut out)?;
@@ -559,7 +560,7 @@ fn serve_data(
                     &mut out,
                 )?;
                 rd.read_exact(&mut table)?;
-                let mut addrs = vec![0u8; req.pieces as usize * ADDR_LEN];
+                addrs.resize(req.pieces as usize * ADDR_LEN, 0);
                 rd.read_exact(&mut addrs)?;
                 let action = proto.on_table(&req, &table);
                 if !serve_vectored(pid, action, &addrs, &mut stage, &mut out)? {
