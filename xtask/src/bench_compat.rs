@@ -163,7 +163,13 @@ pub(crate) fn mooncake(args: &[String]) -> Result<()> {
     let (total, repeat) = total_and_repeat(args, 1u64 << 30, 5, USAGE)?;
     let mooncake = throwaway_venv("mooncake-venv", &[MOONCAKE], false)?;
     let ferry_py = crate::python::bench_env()?;
-    let env = vec![("MC_FORCE_TCP", "1"), ("MC_LOG_LEVEL", "WARNING")];
+    // TCP on both sides: Mooncake forced to it, Ferry kept off its same-host plane (which it
+    // would take between two processes of one host; `bench same-host` measures that).
+    let env = vec![
+        ("MC_FORCE_TCP", "1"),
+        ("MC_LOG_LEVEL", "WARNING"),
+        ("FERRY_SAME_HOST", "off"),
+    ];
     let script = "benches/mooncake_bench.py";
     let sides = [
         Side {
