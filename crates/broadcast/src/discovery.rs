@@ -10,6 +10,14 @@
 //!
 //! Either way the list is what [`plan::stripe_holders`](crate::plan::stripe_holders) derives
 //! each member's parents from.
+//!
+//! **Whom the list vouches for** ([`Discovery::listing`]). The embedded list is the source's
+//! own, at the address the caller named ([`Listing::Named`]). Anyone who can write etcd lists
+//! members there, a source among them ([`Listing::Open`]): a receiver takes a manifest from a
+//! source such a list names only if it is bound to the publisher some other way, by the
+//! broadcast's keys or by its digest given out of band ([`require_bound`]), and it checks that
+//! each member's data plane is served by the peer incarnation (id and epoch) its record names
+//! ([`check_incarnation`]): a record pointing at someone else's server is refused.
 
 use std::fmt;
 use std::future::Future;
@@ -19,7 +27,7 @@ use std::time::Duration;
 
 use tokio::sync::Mutex;
 
-use ferry::Keyring;
+use ferry::{Epoch, Keyring, PeerId};
 
 use crate::control::{CtlClient, Hex32, Reply, Request};
 use crate::error::BroadcastError;
@@ -46,6 +54,92 @@ pub trait Discovery: Send + Sync + fmt::Debug + 'static {
 
     /// The backend, for messages (`embedded ADDR`, `etcd URL`).
     fn describe(&self) -> String;
+
+    /// Whom the members it lists are vouched for by. Default [`Listing::Open`]: a backend
+    /// that does not say is trusted no further than etcd.
+    fn listing(&self) -> Listing {
+        Listing::Open
+    }
+}
+
+/// Who writes a discovery backend's member list, and so how far a receiver may trust the
+/// source it lists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Listing {
+    /// The list is the source's own, at the address the caller named ([`Embedded`]): the
+    /// source is whoever serves that address.
+    Named,
+    /// Whoever can write the backend lists members, a source among them (etcd): the source
+    /// listed proves nothing until its manifest is bound ([`require_bound`]).
+    Open,
+}
+
+/// Refuses, before anything is read or allocated, a pull from a source an [`Listing::Open`]
+/// list names unless its manifest is bound to the publisher: `keyed` (the broadcast's keys:
+/// the source's control service must prove one before it answers the manifest) or
+/// `expected` (the manifest's digest, given out of band). `backend` names the list in the
+/// error ([`Discovery::describe`]). [`Receiver::join`](crate::Receiver::join) and its
+/// siblings apply it; a caller that builds the backend may apply it first, before
+/// connecting to it.
+pub fn require_bound(
+    listing: Listing,
+    backend: &str,
+    keyed: bool,
+    expected: bool,
+) -> Result<(), BroadcastError> {
+    match listing {
+        Listing::Open if !keyed && !expected => Err(BroadcastError::UnboundSource {
+            discovery: backend.to_owned(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The source record among `listed` that names the incarnation whose control service at
+/// `ctl_addr` answered `source_epoch`: a source's record names its epoch both as its own
+/// and as its source epoch. None listed (a stale record of a source restarted on the same
+/// address, or a record listing another's control service): [`BroadcastError::WrongPeer`].
+pub fn answered_by(
+    listed: &[Member],
+    ctl_addr: &str,
+    source_epoch: u64,
+) -> Result<Member, BroadcastError> {
+    listed
+        .iter()
+        .find(|m| {
+            m.role == crate::plan::Role::Source
+                && m.ctl_addr == ctl_addr
+                && m.source_epoch == source_epoch
+                && m.epoch == source_epoch
+        })
+        .cloned()
+        .ok_or_else(|| BroadcastError::WrongPeer {
+            addr: ctl_addr.to_owned(),
+            named: listed
+                .iter()
+                .find(|m| m.role == crate::plan::Role::Source && m.ctl_addr == ctl_addr)
+                .map_or_else(
+                    || "a source".to_owned(),
+                    |m| format!("source peer {} epoch {}", m.id, m.source_epoch),
+                ),
+            found: format!("a control service of source epoch {source_epoch}"),
+        })
+}
+
+/// Checks that the data plane `m` names is served by the incarnation its record names:
+/// the handshake there answered peer `id` and epoch `epoch` (proven by the broadcast's key
+/// where the engines are keyed). A record pointing at someone else's server is refused
+/// ([`BroadcastError::WrongPeer`]).
+pub fn check_incarnation(m: &Member, id: PeerId, epoch: Epoch) -> Result<(), BroadcastError> {
+    if id.to_string() == m.id && epoch.0 == m.epoch {
+        return Ok(());
+    }
+    Err(BroadcastError::WrongPeer {
+        addr: m.data_addr.clone(),
+        named: format!("peer {} epoch {}", m.id, m.epoch),
+        found: format!("peer {id} epoch {}", epoch.0),
+    })
 }
 
 /// The embedded default: the source at `addr` keeps the list.
@@ -190,5 +284,73 @@ impl Discovery for Embedded {
 
     fn describe(&self) -> String {
         format!("embedded {}", self.addr)
+    }
+
+    fn listing(&self) -> Listing {
+        Listing::Named
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Role;
+
+    fn member(id: &str, epoch: u64, role: Role) -> Member {
+        Member {
+            id: id.into(),
+            epoch,
+            source_epoch: epoch,
+            data_addr: "127.0.0.1:1".into(),
+            ctl_addr: "127.0.0.1:2".into(),
+            role,
+            progress: 0,
+            done: false,
+            order: 0,
+            version: 1,
+            rate: 0,
+            number: None,
+        }
+    }
+
+    #[test]
+    fn an_open_list_needs_keys_or_a_digest_and_a_named_one_does_not() {
+        let refused = require_bound(Listing::Open, "etcd http://e:2379", false, false);
+        let msg = refused.expect_err("unbound").to_string();
+        for named in ["etcd http://e:2379", "--expect-manifest", "--auth-key-file"] {
+            assert!(msg.contains(named), "{named:?} not in: {msg}");
+        }
+        assert!(require_bound(Listing::Open, "etcd", true, false).is_ok());
+        assert!(require_bound(Listing::Open, "etcd", false, true).is_ok());
+        assert!(require_bound(Listing::Named, "embedded", false, false).is_ok());
+    }
+
+    #[test]
+    fn a_record_is_taken_only_for_the_incarnation_it_names() {
+        let id = PeerId(0xabc);
+        let m = member(&id.to_string(), 7, Role::Receiver);
+        assert!(check_incarnation(&m, id, Epoch(7)).is_ok());
+        for (other, epoch) in [(PeerId(0xabd), 7), (id, 8)] {
+            let e = check_incarnation(&m, other, Epoch(epoch)).expect_err("another peer");
+            assert!(matches!(e, BroadcastError::WrongPeer { .. }), "{e}");
+            assert!(e.to_string().contains(&format!("epoch {epoch}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_source_record_taken_names_the_epoch_its_control_service_answered() {
+        let stale = member("old", 5, Role::Source);
+        let now = member("new", 6, Role::Source);
+        let mut elsewhere = member("far", 6, Role::Source);
+        elsewhere.ctl_addr = "127.0.0.1:3".into();
+        let listed = [stale.clone(), elsewhere, now.clone()];
+        assert_eq!(answered_by(&listed, "127.0.0.1:2", 6).unwrap(), now);
+        assert_eq!(answered_by(&listed, "127.0.0.1:2", 5).unwrap(), stale);
+        let e = answered_by(&listed, "127.0.0.1:2", 9).expect_err("no record names epoch 9");
+        assert!(matches!(e, BroadcastError::WrongPeer { .. }), "{e}");
+        // A record whose own epoch is not its source epoch names no source incarnation.
+        let mut odd = member("odd", 6, Role::Source);
+        odd.epoch = 4;
+        assert!(answered_by(&[odd], "127.0.0.1:2", 6).is_err());
     }
 }

@@ -68,6 +68,34 @@ pub enum BroadcastError {
         /// The manifest's.
         found: crate::manifest::Digest,
     },
+    /// The discovery backend lists whatever anyone who can write it lists
+    /// ([`Listing::Open`](crate::discovery::Listing::Open)), and nothing binds the manifest
+    /// of the source it names to the publisher: neither keys nor an expected digest were given.
+    #[error(
+        "{discovery} lists whatever anyone who can write it lists, so the source it names \
+         proves nothing: refusing to take its manifest unbound. Give the broadcast's keys \
+         (--auth-key-file, Python's auth_key_file, ReceiverOptions::keys) or the manifest's \
+         digest the publisher printed (--expect-manifest, expect_manifest, \
+         ReceiverOptions::expect_manifest)"
+    )]
+    UnboundSource {
+        /// The backend ([`Discovery::describe`](crate::Discovery::describe)).
+        discovery: String,
+    },
+    /// A member's data plane is served by another peer incarnation than its record names (a
+    /// record pointing at someone else's server, or a stale one).
+    #[error(
+        "the member record naming {named} lists {addr}, but {found} answers there: refusing \
+         it"
+    )]
+    WrongPeer {
+        /// The address the record lists (its data plane, or the source's control service).
+        addr: String,
+        /// The peer and epoch the record names.
+        named: String,
+        /// What answered there.
+        found: String,
+    },
     /// No source is listed for the broadcast.
     #[error("no source publishes {name:?} (discovery: {discovery})")]
     NoSource {

@@ -1,17 +1,26 @@
 //! etcd discovery (feature `etcd`): members under `/ferry/broadcast/<name>/members/<id>`, each
 //! key bound to the member's lease, the list kept current by a watch on the prefix.
+//!
+//! Whoever can write the prefix lists members, a source among them: the list is
+//! [`Listing::Open`], so a receiver takes a manifest from the source it names only when the
+//! manifest is bound to the publisher by keys or a digest given out of band
+//! ([`require_bound`](crate::discovery::require_bound)), and checks that each member's data
+//! plane is served by the peer its record names. What is read is bounded: at most
+//! [`MAX_MEMBERS`] records (the first listed, by create revision), each at most
+//! [`MAX_MEMBER_BYTES`]; the rest are ignored, counted ([`Etcd::ignored`]) and warned of.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex as StdMutex, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
+    TxnOp, WatchOptions,
 };
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
-use crate::discovery::{BoxFuture, Discovery};
+use crate::discovery::{BoxFuture, Discovery, Listing};
 use crate::error::BroadcastError;
 use crate::plan::Member;
 
@@ -22,8 +31,8 @@ pub struct Etcd {
     ttl: i64,
     client: Mutex<Client>,
     lease: Mutex<Option<(i64, JoinHandle<()>)>>,
-    /// key -> (create revision, member), kept by the watch task.
-    cache: Arc<StdMutex<HashMap<String, (i64, Member)>>>,
+    /// The members listed, kept by the watch task.
+    cache: Arc<StdMutex<Listed>>,
     watch: StdMutex<Option<JoinHandle<()>>>,
     /// The number this member claimed at registration ([`Member::number`]), written into
     /// every put of its entry.
@@ -47,14 +56,101 @@ fn err(reason: impl std::fmt::Display) -> BroadcastError {
     }
 }
 
+/// Most member records one [`Etcd`] holds (as many as the embedded tracker lists): records
+/// past it are ignored (and counted) until listed ones leave.
+pub const MAX_MEMBERS: usize = 4096;
+
+/// Longest member record read, in bytes of JSON (a record is about 300): a longer one is
+/// ignored (and counted) unparsed.
+pub const MAX_MEMBER_BYTES: usize = 4096;
+
+/// The member records read from etcd, at most `cap`, and how many were ignored: what the
+/// watch keeps (no I/O).
+#[derive(Debug)]
+struct Listed {
+    /// key -> (create revision, member).
+    members: HashMap<String, (i64, Member)>,
+    cap: usize,
+    ignored: u64,
+}
+
+impl Listed {
+    fn new(cap: usize) -> Self {
+        Self {
+            members: HashMap::new(),
+            cap,
+            ignored: 0,
+        }
+    }
+
+    /// Takes the record `value` put under `key` (created at revision `rev`): replaces the
+    /// record listed under `key`, or lists a new one while fewer than `cap` are. A record
+    /// past the cap, longer than [`MAX_MEMBER_BYTES`], not a member, or naming an id other
+    /// than its key's last part is ignored and counted.
+    fn put(&mut self, key: &[u8], rev: i64, value: &[u8]) {
+        let key = String::from_utf8_lossy(key);
+        let listed = self.members.contains_key(key.as_ref());
+        let why = if value.len() > MAX_MEMBER_BYTES {
+            Some("longer than the most a member record may be")
+        } else if !listed && self.members.len() >= self.cap {
+            Some("past the most members listed")
+        } else {
+            match serde_json::from_slice::<Member>(value) {
+                // A record is its member's own key: no record can list itself as another.
+                Ok(m) if key.rsplit('/').next() == Some(m.id.as_str()) => {
+                    self.members.insert(key.to_string(), (rev, m));
+                    None
+                }
+                Ok(_) => Some("a record under another member's key"),
+                Err(_) => Some("not a member record"),
+            }
+        };
+        if let Some(why) = why {
+            // An ignored update of a listed key leaves no stale record behind.
+            self.members.remove(key.as_ref());
+            self.ignore(1, why, &key);
+        }
+    }
+
+    fn delete(&mut self, key: &[u8]) {
+        self.members.remove(String::from_utf8_lossy(key).as_ref());
+    }
+
+    /// Counts `n` records ignored, with a warning at the first and at every power of two.
+    fn ignore(&mut self, n: u64, why: &str, key: &str) {
+        let before = self.ignored;
+        self.ignored = self.ignored.saturating_add(n);
+        if before == 0 || before.checked_ilog2() != self.ignored.checked_ilog2() {
+            tracing::warn!(
+                key,
+                reason = why,
+                cap = self.cap,
+                ignored = self.ignored,
+                "etcd member record ignored"
+            );
+        }
+    }
+}
+
 impl Etcd {
     /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`) for the
     /// broadcast `name`; members' leases last `ttl` (at least one second) without renewal.
-    /// Starts the watch that keeps the member list.
+    /// Starts the watch that keeps the member list, at most [`MAX_MEMBERS`] records.
     pub async fn connect(
         endpoint: &str,
         name: &str,
         ttl: Duration,
+    ) -> Result<Self, BroadcastError> {
+        Self::connect_capped(endpoint, name, ttl, MAX_MEMBERS).await
+    }
+
+    /// [`connect`](Self::connect), holding at most `max_members` records (1 to
+    /// [`MAX_MEMBERS`]).
+    pub async fn connect_capped(
+        endpoint: &str,
+        name: &str,
+        ttl: Duration,
+        max_members: usize,
     ) -> Result<Self, BroadcastError> {
         let client =
             tokio::time::timeout(Duration::from_secs(5), Client::connect([endpoint], None))
@@ -67,7 +163,9 @@ impl Etcd {
             ttl: ttl.as_secs().max(1) as i64,
             client: Mutex::new(client),
             lease: Mutex::new(None),
-            cache: Arc::new(StdMutex::new(HashMap::new())),
+            cache: Arc::new(StdMutex::new(Listed::new(
+                max_members.clamp(1, MAX_MEMBERS),
+            ))),
             watch: StdMutex::new(None),
             number: StdMutex::new(None),
         };
@@ -75,24 +173,44 @@ impl Etcd {
         Ok(this)
     }
 
+    /// Member records ignored so far: past the cap, too long, or not member records.
+    pub fn ignored(&self) -> u64 {
+        self.cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .ignored
+    }
+
     /// Loads the list, then follows changes from the revision it was read at.
     async fn start_watch(&self) -> Result<(), BroadcastError> {
         let mut client = self.client.lock().await.clone();
+        let cap = self
+            .cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .cap;
+        // The first `cap` records by create revision (the members that came first); the
+        // count says how many more there are.
+        let first = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(i64::try_from(cap).unwrap_or(i64::MAX));
         let got = client
-            .get(self.prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .get(self.prefix.as_str(), Some(first))
             .await
             .map_err(err)?;
         let revision = got.header().map_or(0, |h| h.revision());
         {
             let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-            cache.clear();
+            cache.members.clear();
             for kv in got.kvs() {
-                if let Ok(m) = serde_json::from_slice::<Member>(kv.value()) {
-                    cache.insert(
-                        String::from_utf8_lossy(kv.key()).into_owned(),
-                        (kv.create_revision(), m),
-                    );
-                }
+                cache.put(kv.key(), kv.create_revision(), kv.value());
+            }
+            let more = u64::try_from(got.count())
+                .unwrap_or(0)
+                .saturating_sub(got.kvs().len() as u64);
+            if more > 0 {
+                cache.ignore(more, "past the most members listed", &self.prefix);
             }
         }
         let mut stream = client
@@ -112,16 +230,9 @@ impl Etcd {
                 let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
                 for ev in resp.events() {
                     let Some(kv) = ev.kv() else { continue };
-                    let key = String::from_utf8_lossy(kv.key()).into_owned();
                     match ev.event_type() {
-                        EventType::Put => {
-                            if let Ok(m) = serde_json::from_slice::<Member>(kv.value()) {
-                                cache.insert(key, (kv.create_revision(), m));
-                            }
-                        }
-                        EventType::Delete => {
-                            cache.remove(&key);
-                        }
+                        EventType::Put => cache.put(kv.key(), kv.create_revision(), kv.value()),
+                        EventType::Delete => cache.delete(kv.key()),
                     }
                 }
             }
@@ -176,6 +287,7 @@ impl Etcd {
         let listed = {
             let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
             cache
+                .members
                 .values()
                 .filter(|(_, m)| m.source_epoch == me.source_epoch && m.version == me.version)
                 .filter_map(|(_, m)| m.number)
@@ -274,6 +386,7 @@ impl Discovery for Etcd {
         Box::pin(async move {
             let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
             let mut v: Vec<Member> = cache
+                .members
                 .values()
                 .map(|(rev, m)| {
                     let mut m = m.clone();
@@ -303,7 +416,22 @@ impl Discovery for Etcd {
     }
 
     fn describe(&self) -> String {
-        format!("etcd {}", self.endpoint)
+        match self.ignored() {
+            0 => format!("etcd {}", self.endpoint),
+            n => format!(
+                "etcd {} ({n} member records ignored: past the {} listed at most, too long, or \
+                 not member records)",
+                self.endpoint,
+                self.cache
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .cap
+            ),
+        }
+    }
+
+    fn listing(&self) -> Listing {
+        Listing::Open
     }
 }
 
@@ -400,5 +528,67 @@ impl Drop for EtcdKv {
         if let Some((_, t)) = self.lease.get_mut().take() {
             t.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Role;
+
+    fn record(id: &str) -> Vec<u8> {
+        serde_json::to_vec(&Member {
+            id: id.into(),
+            epoch: 1,
+            source_epoch: 1,
+            data_addr: "127.0.0.1:1".into(),
+            ctl_addr: "127.0.0.1:2".into(),
+            role: Role::Receiver,
+            progress: 0,
+            done: false,
+            order: 0,
+            version: 0,
+            rate: 0,
+            number: None,
+        })
+        .unwrap()
+    }
+
+    fn key(id: &str) -> Vec<u8> {
+        format!("/ferry/broadcast/b/members/{id}").into_bytes()
+    }
+
+    #[test]
+    fn records_past_the_cap_are_ignored_and_counted_and_a_listed_one_is_updated() {
+        let mut l = Listed::new(3);
+        for i in 0..10 {
+            let id = format!("m{i}");
+            l.put(&key(&id), i, &record(&id));
+        }
+        assert_eq!(l.members.len(), 3);
+        assert_eq!(l.ignored, 7);
+        // A listed member's update is taken at the cap.
+        l.put(&key("m0"), 0, &record("m0"));
+        assert_eq!((l.members.len(), l.ignored), (3, 7));
+        // A member that leaves makes room for the next one put.
+        l.delete(&key("m1"));
+        l.put(&key("m9"), 9, &record("m9"));
+        assert!(l.members.contains_key("/ferry/broadcast/b/members/m9"));
+        assert_eq!((l.members.len(), l.ignored), (3, 7));
+    }
+
+    #[test]
+    fn long_foreign_or_garbled_records_are_ignored_and_drop_what_their_key_listed() {
+        let mut l = Listed::new(MAX_MEMBERS);
+        l.put(&key("a"), 1, &record("a"));
+        l.put(&key("b"), 2, &vec![b' '; MAX_MEMBER_BYTES + 1]);
+        l.put(&key("c"), 3, &record("a"));
+        l.put(&key("d"), 4, b"{not json");
+        assert_eq!(l.members.len(), 1);
+        assert_eq!(l.ignored, 3);
+        // An update of a listed key that is refused leaves nothing stale listed under it.
+        l.put(&key("a"), 1, b"garbage");
+        assert!(l.members.is_empty());
+        assert_eq!(l.ignored, 4);
     }
 }

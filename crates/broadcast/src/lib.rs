@@ -43,10 +43,10 @@ pub mod sim;
 mod source;
 pub mod stripes;
 
-pub use discovery::{Discovery, Embedded};
+pub use discovery::{Discovery, Embedded, Listing};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
-pub use etcd::{Etcd, EtcdKv};
+pub use etcd::{Etcd, EtcdKv, MAX_MEMBER_BYTES, MAX_MEMBERS};
 pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};

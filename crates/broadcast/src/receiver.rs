@@ -65,7 +65,9 @@ pub struct ReceiverOptions {
     /// The IP its Ferry listener and control service listen on (any free ports). `None`: the
     /// IP it reaches the source from, which the other members can reach too.
     pub listen_ip: Option<IpAddr>,
-    /// Which data plane carries the chunks.
+    /// Which data plane carries the chunks: `Tcp` or `Uring` alone; `Auto` also reaches and
+    /// serves members on this host by the same-host plane. (With
+    /// [`join_into`](Receiver::join_into) the caller's engine decides.)
     pub data_plane: DataPlane,
     /// Chunks in flight, over all stripes.
     pub window: usize,
@@ -769,10 +771,11 @@ async fn manifest_from_source(
     let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
-    let source = discovery
-        .members()
-        .await?
-        .into_iter()
+    let bound = (opts.keys.is_some(), opts.expect_manifest.is_some());
+    crate::discovery::require_bound(discovery.listing(), &discovery.describe(), bound.0, bound.1)?;
+    let listed = discovery.members().await?;
+    let source = listed
+        .iter()
         .find(|m| m.role == Role::Source)
         .ok_or_else(|| BroadcastError::NoSource {
             name: name.to_owned(),
@@ -790,6 +793,9 @@ async fn manifest_from_source(
         } => (manifest, source_epoch),
         _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
     };
+    // The record taken names the incarnation that answered (not a stale record of a source
+    // restarted on the same address, nor one listing another's control service).
+    let source = crate::discovery::answered_by(&listed, &source.ctl_addr, source_epoch)?;
     if let Some(expected) = opts.expect_manifest {
         let found = manifest.digest();
         if found != expected {
@@ -927,6 +933,8 @@ impl Receiver {
         let ip = opts.listen_ip.unwrap_or(local_ip);
         let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
+            // An explicit network plane is used alone; `Auto` adds the same-host plane.
+            .same_host(opts.data_plane == DataPlane::Auto)
             .listen(SocketAddr::new(ip, 0));
         if let Some(k) = &opts.keys {
             builder = builder.auth_keyring(k.clone());
@@ -989,6 +997,8 @@ impl Receiver {
         let ip = opts.listen_ip.unwrap_or(local_ip);
         let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
+            // An explicit network plane is used alone; `Auto` adds the same-host plane.
+            .same_host(opts.data_plane == DataPlane::Auto)
             .listen(SocketAddr::new(ip, 0));
         if let Some(k) = &opts.keys {
             builder = builder.auth_keyring(k.clone());
@@ -1311,6 +1321,12 @@ impl Receiver {
         &self.member
     }
 
+    /// The engine it pulls and relays on (its own, or the caller's with
+    /// [`join_into`](Self::join_into)).
+    pub fn engine(&self) -> &TransferEngine {
+        &self.engine
+    }
+
     /// Follows the pull's progress.
     pub fn progress(&self) -> watch::Receiver<Snapshot> {
         self.snapshot_tx.subscribe()
@@ -1546,6 +1562,7 @@ impl Receiver {
                 found: peer.epoch().0,
             });
         }
+        crate::discovery::check_incarnation(m, peer.id(), peer.epoch())?;
         let keys = self.opts.keys.as_ref();
         let mut ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
         let version = self.manifest.version;

@@ -37,7 +37,9 @@ pub struct SourceOptions {
     /// Where the control service listens (the address receivers are given). Its IP should be
     /// one receivers reach; the Ferry listener takes the same IP and any free port.
     pub listen: SocketAddr,
-    /// Which data plane serves the files.
+    /// Which data plane serves the files: `Tcp` or `Uring` alone; `Auto` also serves peers on
+    /// this host by the same-host plane. (With [`Source::start_tensors`] the caller's engine
+    /// decides.)
     pub data_plane: DataPlane,
     /// How long a member stays listed by the embedded tracker without a heartbeat.
     pub lease: Duration,
@@ -233,6 +235,8 @@ impl Source {
             .map_err(|e| BroadcastError::io("control listener address", e))?;
         let mut builder = TransferEngine::builder()
             .data_plane(opts.data_plane)
+            // An explicit network plane is served alone; `Auto` adds the same-host plane.
+            .same_host(opts.data_plane == DataPlane::Auto)
             .listen(SocketAddr::new(ctl_addr.ip(), 0));
         if let Some(k) = &opts.keys {
             builder = builder.auth_keyring(k.clone());
