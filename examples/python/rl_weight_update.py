@@ -18,7 +18,9 @@ With ``--etcd`` the processes meet in a real etcd instead of being handed the tr
 address: the trainer publishes with ``discovery="etcd://HOST:PORT"`` and the inference
 processes pull ``etcd://HOST:PORT/policy``. ``--etcd`` alone starts a throwaway etcd on
 loopback ports (the ``etcd`` binary, Debian's ``etcd-server``); ``--etcd etcd://HOST:PORT``
-uses a running one.
+uses a running one. Anyone who can write etcd could list a trainer there, so every pull is
+bound to the trainer by the manifest digest it prints with each version
+(``expect_manifest=``; a keyring, ``auth_key_file=``, would do as well).
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def trainer(path: str, etcd: str | None) -> None:
     pub = Publisher(engine, weights, name=NAME, version=1, chunk_size=1 << 20, discovery=etcd)
     # With etcd the receivers are given the etcd address and find the trainer there.
     source = pub.etcd_source or pub.addr
-    print(json.dumps({"addr": source, "version": 1, "hashes": digest(weights)}), flush=True)
+    # The manifest's digest binds each pull to this trainer (from etcd, a pull needs it).
+    print(json.dumps({"addr": source, "version": 1, "hashes": digest(weights), "manifest": pub.digest}), flush=True)
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "quit":
@@ -130,7 +133,7 @@ def trainer(path: str, etcd: str | None) -> None:
         rng = np.random.default_rng(msg["version"])
         weights = {k: v + rng.standard_normal(v.shape, dtype=np.float32) * 0.01 for k, v in weights.items()}
         pub.publish(weights, msg["version"])
-        print(json.dumps({"version": msg["version"], "hashes": digest(weights)}), flush=True)
+        print(json.dumps({"version": msg["version"], "hashes": digest(weights), "manifest": pub.digest}), flush=True)
     pub.close()
 
 
@@ -146,7 +149,17 @@ def inference(path: str, mode: str) -> None:
         if msg["op"] == "quit":
             break
         t = time.perf_counter()
-        s = pull(engine, msg["addr"], live, name=NAME, version=msg["version"], mode=mode, staging=staging, timeout=120)
+        s = pull(
+            engine,
+            msg["addr"],
+            live,
+            name=NAME,
+            version=msg["version"],
+            mode=mode,
+            staging=staging,
+            timeout=120,
+            expect_manifest=msg["manifest"],
+        )
         pulled = time.perf_counter() - t
         commit = s.commit() if mode == "staged" else 0.0
         versions = {held(v) for v in live.values()}
@@ -213,9 +226,10 @@ def run(args: argparse.Namespace, etcd: str | None, save_file) -> None:
             for rnd in range(1, args.rounds + 1):
                 version = rnd + 1
                 send(t, {"op": "publish", "version": version})
-                want = recv(t)["hashes"]
+                published = recv(t)
+                want = published["hashes"]
                 for w in workers:
-                    send(w, {"op": "pull", "addr": addr, "version": version})
+                    send(w, {"op": "pull", "addr": addr, "version": version, "manifest": published["manifest"]})
                 got = [recv(w) for w in workers]
                 seconds = max(g["seconds"] for g in got)
                 wall = max(g["wall"] for g in got)

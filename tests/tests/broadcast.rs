@@ -588,6 +588,7 @@ mod etcd {
         rt.block_on(async {
             let ttl = Duration::from_secs(2);
             let m = Manifest::build("e", 1, std::slice::from_ref(&file), CHUNK)?;
+            let digest = m.digest();
             let sd: Arc<dyn Discovery> = Arc::new(Etcd::connect(&etcd.url, "e", ttl).await?);
             let src = Source::start(
                 m,
@@ -613,6 +614,8 @@ mod etcd {
                 let opts = ReceiverOptions {
                     data_plane: DataPlane::Tcp,
                     heartbeat: Duration::from_millis(200),
+                    // What etcd lists proves nothing: the manifest is bound by its digest.
+                    expect_manifest: Some(digest),
                     ..Default::default()
                 };
                 let mut r = Receiver::join(d, Some("e"), opts).await?;
@@ -633,5 +636,168 @@ mod etcd {
             src.stop().await;
             Ok(())
         })
+    }
+
+    /// Waits until `d` lists `n` sources.
+    async fn sources_listed(d: &Etcd, n: usize) -> Result<Vec<Member>> {
+        let t0 = Instant::now();
+        loop {
+            let ms = d.members().await?;
+            if ms.iter().filter(|m| m.role == Role::Source).count() >= n {
+                return Ok(ms);
+            }
+            if t0.elapsed() > Duration::from_secs(15) {
+                bail!("{n} sources not listed within 15 s: {ms:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The finding of issue 40: whoever can write etcd lists a source of their own first. A
+    /// receiver without keys or an expected digest is refused before it reads the list
+    /// (before: it took the impostor's manifest and pulled its bytes); with the publisher's
+    /// digest, the impostor's manifest is refused.
+    #[test]
+    fn an_impostor_source_listed_first_in_etcd_is_never_pulled_from() -> Result<()> {
+        let Some(etcd) = start_etcd()? else {
+            return Ok(());
+        };
+        let dir = tempfile::tempdir()?;
+        let (real, fake) = (dir.path().join("real"), dir.path().join("fake"));
+        std::fs::create_dir_all(&real)?;
+        std::fs::create_dir_all(&fake)?;
+        let (real_file, fake_file) = (real.join("w.bin"), fake.join("w.bin"));
+        std::fs::write(&real_file, payload(1 << 20, 5))?;
+        std::fs::write(&fake_file, payload(1 << 20, 6))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let ttl = Duration::from_secs(3);
+            let start = |file: PathBuf| {
+                let url = etcd.url.clone();
+                async move {
+                    let m = Manifest::build("i", 1, std::slice::from_ref(&file), CHUNK)?;
+                    let d: Arc<dyn Discovery> = Arc::new(Etcd::connect(&url, "i", ttl).await?);
+                    let opts = SourceOptions {
+                        data_plane: DataPlane::Tcp,
+                        ..Default::default()
+                    };
+                    anyhow::Ok(Source::start(m, &[file], opts, Some(d)).await?)
+                }
+            };
+            // The impostor lists itself first.
+            let impostor = start(fake_file).await?;
+            let watcher = Etcd::connect(&etcd.url, "i", ttl).await?;
+            sources_listed(&watcher, 1).await?;
+            let publisher = start(real_file).await?;
+            let listed = sources_listed(&watcher, 2).await?;
+            assert_eq!(listed[0].ctl_addr, impostor.ctl_addr().to_string());
+            let join = |expect_manifest| {
+                let url = etcd.url.clone();
+                async move {
+                    // Connecting reads the list: both sources are in it.
+                    let d: Arc<dyn Discovery> = Arc::new(Etcd::connect(&url, "i", ttl).await?);
+                    let opts = ReceiverOptions {
+                        data_plane: DataPlane::Tcp,
+                        expect_manifest,
+                        ..Default::default()
+                    };
+                    anyhow::Ok(Receiver::join(d, Some("i"), opts).await)
+                }
+            };
+            match join(None).await? {
+                Err(e @ ferry_broadcast::BroadcastError::UnboundSource { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("--expect-manifest"), "{msg}");
+                    assert!(msg.contains(&etcd.url), "{msg}");
+                }
+                Err(e) => bail!("refused for another reason: {e}"),
+                Ok(_) => bail!("joined through a source etcd lists, unbound"),
+            }
+            match join(Some(publisher.manifest().digest())).await? {
+                Err(ferry_broadcast::BroadcastError::ManifestDigest { source_addr, .. }) => {
+                    assert_eq!(source_addr, impostor.ctl_addr().to_string());
+                }
+                Err(e) => bail!("refused for another reason: {e}"),
+                Ok(_) => bail!("joined the impostor's broadcast"),
+            }
+            let served = impostor
+                .engine()
+                .describe()
+                .served
+                .map_or(0, |s| s.accepted.iter().map(|t| t.bytes).sum::<u64>());
+            assert_eq!(served, 0, "the impostor served chunks");
+            // Nothing joined: each source lists only itself.
+            assert_eq!(watcher.members().await?.len(), 2);
+            impostor.stop().await;
+            publisher.stop().await;
+            Ok(())
+        })
+    }
+
+    fn record(id: &str) -> Vec<u8> {
+        serde_json::to_vec(&member(id)).expect("a member serializes")
+    }
+
+    /// The member records read from etcd are capped: past the cap (records listed before the
+    /// list is read, and records put after) they are ignored and counted, the first by create
+    /// revision kept; a record too long, or under another member's key, is ignored too; a
+    /// listed member that leaves makes room.
+    #[test]
+    fn etcd_member_records_past_the_cap_are_ignored_and_counted() -> Result<()> {
+        let Some(etcd) = start_etcd()? else {
+            return Ok(());
+        };
+        let rt = tokio::runtime::Runtime::new()?;
+        rt.block_on(async {
+            let ttl = Duration::from_secs(5);
+            let kv = ferry_broadcast::EtcdKv::connect(&etcd.url, ttl).await?;
+            let key = |id: &str| format!("/ferry/broadcast/c/members/{id}");
+            for i in 0..6 {
+                kv.put_leased(&key(&format!("m{i}")), record(&format!("m{i}")))
+                    .await?;
+            }
+            let d = Etcd::connect_capped(&etcd.url, "c", ttl, 4).await?;
+            let ids = |ms: Vec<Member>| ms.into_iter().map(|m| m.id).collect::<Vec<_>>();
+            assert_eq!(ids(d.members().await?), ["m0", "m1", "m2", "m3"]);
+            assert_eq!(d.ignored(), 2);
+            assert!(
+                d.describe().contains("2 member records ignored"),
+                "{}",
+                d.describe()
+            );
+            // Put after the list was read: through the watch.
+            kv.put_leased(&key("late"), record("late")).await?;
+            kv.put_leased(
+                &key("m9"),
+                vec![b' '; ferry_broadcast::MAX_MEMBER_BYTES + 1],
+            )
+            .await?;
+            kv.put_leased(&key("thief"), record("m0")).await?;
+            wait_until(|| d.ignored() == 5, "three more ignored").await?;
+            assert_eq!(d.members().await?.len(), 4);
+            // A listed member leaves: the next put takes its place.
+            kv.delete(&key("m1")).await?;
+            kv.put_leased(&key("late"), record("late")).await?;
+            wait_for(&d, "the late member listed", |m| {
+                m.iter().any(|m| m.id == "late")
+            })
+            .await?;
+            assert_eq!(ids(d.members().await?), ["m0", "m2", "m3", "late"]);
+            Ok(())
+        })
+    }
+
+    async fn wait_until(f: impl Fn() -> bool, what: &str) -> Result<()> {
+        let t0 = Instant::now();
+        while !f() {
+            if t0.elapsed() > Duration::from_secs(15) {
+                bail!("etcd: {what} did not happen within 15 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     }
 }

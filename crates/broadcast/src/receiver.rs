@@ -771,8 +771,12 @@ async fn manifest_from_source(
     let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
-    let bound = (opts.keys.is_some(), opts.expect_manifest.is_some());
-    crate::discovery::require_bound(discovery.listing(), &discovery.describe(), bound.0, bound.1)?;
+    crate::discovery::require_bound(
+        discovery.listing(),
+        &discovery.describe(),
+        opts.keys.is_some(),
+        opts.expect_manifest.is_some(),
+    )?;
     let listed = discovery.members().await?;
     let source = listed
         .iter()

@@ -51,7 +51,8 @@ pub(crate) struct PublishArgs {
     /// a directory writes each as FILE.vN (the memory's registration).
     #[arg(long)]
     from_memory: bool,
-    /// Data plane: auto, tcp or uring.
+    /// Data plane: auto (peers on this host by the same-host plane, others by io_uring where
+    /// the kernel can, else TCP), or tcp or uring alone.
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
     /// Stop after this long (`90s`, `10m`; default: until interrupted).
@@ -72,7 +73,9 @@ pub(crate) struct PublishArgs {
 /// Arguments of `ferry pull`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PullArgs {
-    /// The source's control address (HOST:PORT), or `etcd://HOST:PORT/NAME`.
+    /// The source's control address (HOST:PORT), or `etcd://HOST:PORT/NAME`. From etcd, where
+    /// anyone who can write etcd may list a source, give `--auth-key-file` or
+    /// `--expect-manifest` too: without either the pull is refused.
     from: String,
     /// Directory the files are written to (as published): checked first (it can be made and
     /// written, and has room for the payload), then each chunk is written as it is verified
@@ -87,7 +90,8 @@ pub(crate) struct PullArgs {
     /// IP to serve relayed chunks on [default: the one this host reaches the source from].
     #[arg(long)]
     listen: Option<IpAddr>,
-    /// Data plane: auto, tcp or uring.
+    /// Data plane: auto (peers on this host by the same-host plane, others by io_uring where
+    /// the kernel can, else TCP), or tcp or uring alone.
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcp", "uring"])]
     transport: String,
     /// Chunks in flight.
@@ -294,6 +298,8 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
         let src = if args.from_memory {
             let mut builder = ferry::TransferEngine::builder()
                 .data_plane(opts.data_plane)
+                // An explicit network plane is served alone; `auto` adds the same-host plane.
+                .same_host(args.transport == "auto")
                 .listen(SocketAddr::new(args.listen.ip(), 0));
             if let Some(k) = &keys {
                 builder = builder.auth_keyring(k.clone());
@@ -336,6 +342,14 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             src.ctl_addr(),
             m.digest()
         ));
+        if let Some(url) = &args.etcd {
+            let host = url.trim_start_matches("http://").trim_end_matches('/');
+            say(format_args!(
+                "or, through etcd: ferry pull etcd://{host}/{} --into DIR --expect-manifest {}",
+                m.name,
+                m.digest()
+            ));
+        }
         let stop = async {
             match args.serve_for {
                 Some(d) => tokio::select! {
@@ -504,6 +518,13 @@ fn pull_inner(
                     let Some((host, name)) = rest.split_once('/') else {
                         bail!("etcd://HOST:PORT/NAME, not {:?}", args.from);
                     };
+                    // Refused before etcd is asked anything: what etcd lists proves nothing.
+                    ferry_broadcast::discovery::require_bound(
+                        ferry_broadcast::Listing::Open,
+                        &format!("etcd http://{host}"),
+                        keys.is_some(),
+                        args.expect_manifest.is_some(),
+                    )?;
                     (
                         etcd(&format!("http://{host}"), name).await?,
                         Some(name.to_owned()),

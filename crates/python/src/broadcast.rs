@@ -5,8 +5,9 @@
 //! each blocking call releases the GIL and runs on the module's runtime.
 //!
 //! Errors: a `BroadcastError` becomes the exception class of `ferry.broadcast` named after its
-//! kind (`TensorMismatch`, `TornError`, else `BroadcastError`), all `FerryError` subclasses,
-//! with `name`, `version` and, where they apply, `problems` or `tensors` set.
+//! kind (`TensorMismatch`, `TornError`, `PullTimeout`, `PullStalled`, else `BroadcastError`),
+//! all `FerryError` subclasses, with `name`, `version` and, where they apply, `problems`,
+//! `tensors` (and the cause as `__cause__`) or `holder`, `verified` and `chunks` set.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -28,13 +29,19 @@ use crate::runtime;
 
 /// `BroadcastError` as the Python exception `ferry.broadcast` defines for its kind.
 fn to_py(py: Python<'_>, e: BroadcastError) -> PyErr {
+    exception(py, &e)
+}
+
+/// [`to_py`] of a borrowed error (a torn pull's cause becomes its exception's `__cause__`).
+fn exception(py: Python<'_>, e: &BroadcastError) -> PyErr {
     let make = || -> PyResult<PyErr> {
         let m = py.import("ferry.broadcast")?;
-        let (class, name, version) = match &e {
+        let (class, name, version) = match e {
             BroadcastError::Mismatch { name, version, .. } => ("TensorMismatch", name, *version),
             BroadcastError::Torn { name, version, .. } => ("TornError", name, *version),
             BroadcastError::Commit { name, version, .. } => ("BroadcastError", name, *version),
             BroadcastError::TimedOut { name, version, .. } => ("PullTimeout", name, *version),
+            BroadcastError::Stalled { name, version, .. } => ("PullStalled", name, *version),
             _ => ("BroadcastError", &String::new(), 0),
         };
         let exc = m.getattr(class)?.call1((e.to_string(),))?;
@@ -42,11 +49,26 @@ fn to_py(py: Python<'_>, e: BroadcastError) -> PyErr {
             exc.setattr("name", name)?;
             exc.setattr("version", version)?;
         }
-        match &e {
+        match e {
             BroadcastError::Mismatch { problems, .. } => {
                 exc.setattr("problems", problems.clone())?
             }
-            BroadcastError::Torn { tensors, .. } => exc.setattr("tensors", tensors.clone())?,
+            BroadcastError::Torn { tensors, cause, .. } => {
+                exc.setattr("tensors", tensors.clone())?;
+                // Why it tore, as its own exception (`PullStalled`, say).
+                let cause = exception(py, cause);
+                exc.setattr("__cause__", cause.value(py))?;
+            }
+            BroadcastError::Stalled {
+                holder,
+                verified,
+                chunks,
+                ..
+            } => {
+                exc.setattr("holder", holder)?;
+                exc.setattr("verified", verified)?;
+                exc.setattr("chunks", chunks)?;
+            }
             _ => {}
         }
         Ok(PyErr::from_value(exc))

@@ -265,9 +265,14 @@ def test_publisher_and_receivers_meet_in_a_real_etcd(np, etcd_server):
         lives = [empty_like(np, w1) for _ in receivers]
         out: dict = {}
 
+        # What etcd lists proves nothing: unbound, a pull is refused naming what binds it.
+        with pytest.raises(BroadcastError, match="--expect-manifest"):
+            pull(engine(), source, empty_like(np, w1), timeout=10)
+        digest = pub.digest
+
         def run(i):
             try:
-                out[i] = pull(receivers[i], source, lives[i], timeout=60)
+                out[i] = pull(receivers[i], source, lives[i], timeout=60, expect_manifest=digest)
             except BaseException as e:  # reported below
                 out[i] = e
 
@@ -282,13 +287,13 @@ def test_publisher_and_receivers_meet_in_a_real_etcd(np, etcd_server):
             assert all(np.array_equal(lives[i][k], w1[k]) for k in w1), i
         w2 = weights(np, 22)
         pub.publish(w2, 2)
-        s = pull(receivers[0], source, lives[0], version=2, relay=False, timeout=60)
+        s = pull(receivers[0], source, lives[0], version=2, relay=False, timeout=60, expect_manifest=pub.digest)
         assert s.version == 2 and all(np.array_equal(lives[0][k], w2[k]) for k in w2)
         with pytest.raises(ValueError, match="names the broadcast"):
-            pull(receivers[1], source, lives[1], name="other")
+            pull(receivers[1], source, lives[1], name="other", expect_manifest=digest)
     # Nobody is listed once the publisher closed.
     with pytest.raises(BroadcastError, match="policy"):
-        pull(engine(), source, empty_like(np, w1), timeout=10)
+        pull(engine(), source, empty_like(np, w1), timeout=10, expect_manifest=digest)
 
 
 def test_etcd_addresses_are_checked(np):

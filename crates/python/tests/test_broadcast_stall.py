@@ -12,7 +12,7 @@ import time
 import pytest
 
 import ferry
-from ferry.broadcast import BroadcastError, pull
+from ferry.broadcast import BroadcastError, PullStalled, pull
 
 PUBLISHER = textwrap.dedent(
     """
@@ -56,6 +56,11 @@ def test_a_pull_from_a_stopped_publisher_raises_within_the_stall_window(np):
         took = time.monotonic() - stopped[0]
         msg = str(e.value)
         assert "the source" in msg and "chunks verified" in msg, msg
+        # In place the pull is torn; why is a PullStalled naming the source.
+        stalled = e.value if isinstance(e.value, PullStalled) else e.value.__cause__
+        assert isinstance(stalled, PullStalled), repr(e.value)
+        assert stalled.holder.startswith("the source"), stalled.holder
+        assert stalled.chunks == 1024 and 0 < stalled.verified < 1024, (stalled.verified, stalled.chunks)
         # Given up within the stall window (3 s) and 10 s more, not the transport's 30 s.
         assert took < 13, f"raised {took:.1f} s after the publisher stopped: {msg}"
     finally:

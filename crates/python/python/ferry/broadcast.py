@@ -58,6 +58,7 @@ from ferry._ferry import (
 __all__ = [
     "BroadcastError",
     "Publisher",
+    "PullStalled",
     "PullSummary",
     "PullTimeout",
     "TensorMismatch",
@@ -86,6 +87,17 @@ class TensorMismatch(BroadcastError, ValueError):
 class PullTimeout(BroadcastError, TimeoutError):
     """A pull did not complete within its ``timeout`` (nothing was written, or the pull was
     staged: an in-place pull cut short after its first byte is a ``TornError``)."""
+
+
+class PullStalled(BroadcastError):
+    """A pull cannot go on: ``holder`` (the source, or the last relay that could serve the chunks
+    still missing) was given up (it stalled, died or was refused) and no other holder has them;
+    ``verified`` of ``chunks`` chunks were verified. An in-place pull cut short so is a
+    ``TornError`` whose ``__cause__`` is this."""
+
+    holder: str = ""
+    verified: int = 0
+    chunks: int = 0
 
 
 class TornError(BroadcastError):
@@ -289,7 +301,7 @@ class Publisher:
     @property
     def etcd_source(self) -> str | None:
         """With etcd discovery, the source receivers may pull from instead of ``addr``:
-        ``etcd://HOST:PORT/NAME``; else None."""
+        ``etcd://HOST:PORT/NAME`` (with ``expect_manifest=digest``, or keys); else None."""
         if self._discovery is None:
             return None
         host = self._discovery.removeprefix("etcd://").split("/", 1)[0]
@@ -411,7 +423,8 @@ def pull(
 ) -> PullSummary:
     """Pulls version ``version`` (None: the newest) of the broadcast at ``source`` (a
     ``Publisher.addr``, or ``etcd://HOST:PORT/NAME`` where a publisher with etcd discovery is
-    listed; the other receivers are found there too) into ``into`` (name to array, GPU array or registration of ``engine``,
+    listed; the other receivers are found there too; from etcd, which anyone who can write it
+    fills, give ``expect_manifest`` or ``auth_key_file``, else the pull is refused) into ``into`` (name to array, GPU array or registration of ``engine``,
     which must listen to relay). ``mode="in_place"`` writes the live tensors;
     ``mode="staged"`` writes ``staging`` (same names and sizes) and ``commit()`` on the summary
     copies it into ``into``. ``rename`` maps published names to the names in ``into``;
