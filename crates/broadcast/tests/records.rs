@@ -11,7 +11,7 @@ use std::time::Duration;
 use ferry::DataPlane;
 use ferry_broadcast::discovery::BoxFuture;
 use ferry_broadcast::{
-    BroadcastError, Discovery, Embedded, Manifest, Member, Receiver, ReceiverOptions, Role, Source,
+    BroadcastError, Discovery, Embedded, Manifest, Member, Receiver, ReceiverOptions, Source,
     SourceOptions,
 };
 

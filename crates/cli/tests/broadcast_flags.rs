@@ -74,6 +74,7 @@ fn publish(src: &Path, transport: &str, log: &Path) -> (Child, String, String) {
         }
     }
     let _ = publish.kill();
+    let _ = publish.wait();
     panic!("publish printed no pull command");
 }
 
