@@ -38,6 +38,7 @@ mod landing;
 pub mod layout;
 pub mod manifest;
 pub mod plan;
+mod pull;
 mod receiver;
 pub mod sim;
 mod source;
@@ -50,6 +51,9 @@ pub use etcd::{Etcd, EtcdKv};
 pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
+#[cfg(feature = "__test-hooks")]
+#[doc(hidden)]
+pub use receiver::TestHooks;
 pub use receiver::{
     DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, TensorKind,
     Timeline, unix_now,

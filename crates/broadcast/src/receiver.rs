@@ -36,7 +36,7 @@
 //!   source itself shows another epoch (it restarted) the pull fails with
 //!   [`BroadcastError::SourceRestarted`] instead of mixing chunks of two versions.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -57,7 +57,8 @@ use crate::error::BroadcastError;
 use crate::landing::{Landing, LandingFile, crc_of_file, land, partial_name, room_for};
 use crate::layout::{self, LocalExtents, Slice};
 use crate::manifest::{Digest, MAX_TOTAL_BYTES, Manifest};
-use crate::plan::{Have, Member, Role, stripe_holders};
+use crate::plan::{Have, Member, Role};
+use crate::pull::{Command, Config as PullConfig, Event, Outcome, Pull};
 
 /// How a receiver runs.
 #[derive(Clone, Debug)]
@@ -113,23 +114,6 @@ pub struct ReceiverOptions {
     /// the caller's engine must be keyed by the caller. Give the [`Embedded`](crate::Embedded)
     /// discovery the same keys ([`Embedded::with_keys`](crate::Embedded::with_keys)).
     pub keys: Option<ferry::Keyring>,
-    /// Tests only: after verifying this chunk, flip one byte of it in the buffer the others
-    /// read from (a relay that corrupts what it serves). Its own final check finds it again.
-    #[doc(hidden)]
-    pub corrupt_after_verify: Option<usize>,
-    /// Tests only: stop fetching (but keep serving and heartbeating) after this many chunks
-    /// are verified, for this long (a stalled relay).
-    #[doc(hidden)]
-    pub pause_after: Option<(u64, Duration)>,
-    /// Tests only: stop fetching (but keep serving and heartbeating) after this many chunks
-    /// are verified, until this is notified (a pull held halfway while the test acts).
-    #[doc(hidden)]
-    pub hold_after: Option<(u64, Arc<tokio::sync::Notify>)>,
-    /// Tests only: once every chunk is verified, keep serving what it holds, as it is, and
-    /// run the at-rest check only after this is notified (a corrupting relay stays corrupt
-    /// until the test has seen another receiver catch it).
-    #[doc(hidden)]
-    pub hold_final_check: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl Default for ReceiverOptions {
@@ -148,12 +132,47 @@ impl Default for ReceiverOptions {
             expect_manifest: None,
             max_bytes: None,
             keys: None,
-            corrupt_after_verify: None,
-            pause_after: None,
-            hold_after: None,
-            hold_final_check: None,
         }
     }
+}
+
+/// Faults and holds the tests inject into a pull (feature `__test-hooks`:
+/// [`Receiver::set_test_hooks`]); the driver turns each into what its [`Pull`] is told.
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(not(feature = "__test-hooks"), allow(unreachable_pub, dead_code))]
+pub struct TestHooks {
+    /// After verifying this chunk, flip one byte of it in the buffer the others read from (a
+    /// relay that corrupts what it serves). Its own check at rest finds it again.
+    pub corrupt_after_verify: Option<usize>,
+    /// Stop fetching (but keep serving and heartbeating) after this many chunks are verified,
+    /// until this is notified (a pull held halfway, or a stalled relay if it never is).
+    pub hold_after: Option<(u64, Arc<tokio::sync::Notify>)>,
+    /// Once every chunk is verified, keep serving what it holds, as it is, and run the check at
+    /// rest only after this is notified (a corrupting relay stays corrupt until the test has
+    /// seen another receiver catch it).
+    pub hold_final_check: Option<Arc<tokio::sync::Notify>>,
+}
+
+/// Waits for `n` to be notified (never, if `None`).
+async fn notified(n: &Option<Arc<tokio::sync::Notify>>) {
+    match n {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What the driver holds beside its [`Pull`] while a pull runs.
+struct Drive {
+    /// The data paths of the holders attached, by id.
+    links: HashMap<String, Link>,
+    /// The fetches in flight.
+    set: JoinSet<Fetched>,
+    /// When the first chunk was requested.
+    first_request: Option<Instant>,
+    /// This member's entry, renewed by the discovery task.
+    me_tx: watch::Sender<Member>,
+    /// Where the holders' progress pollers report.
+    polls: mpsc::UnboundedSender<Event>,
 }
 
 /// [`ReceiverOptions::stripes`] unless set.
@@ -252,11 +271,11 @@ pub struct Snapshot {
     pub done: bool,
 }
 
-/// A member that holds chunks and that this receiver fetches from.
-struct Holder {
-    /// What it advertised and how it answers: what the decisions read (no I/O).
-    seen: Seen,
+/// An attached holder's data path: what fetches read from. What it advertised and every
+/// decision about it are [`Pull`]'s.
+struct Link {
     peer: Peer,
+    from_source: bool,
     /// Per segment: `(offset in the segment, offset in the remote segment, remote segment)`.
     segs: Vec<Vec<(u64, u64, RemoteSegment)>>,
     /// `segs` as `(offset in the segment, length)`.
@@ -264,342 +283,10 @@ struct Holder {
     poll: JoinHandle<()>,
 }
 
-impl std::ops::Deref for Holder {
-    type Target = Seen;
-    fn deref(&self) -> &Seen {
-        &self.seen
-    }
-}
-
-impl std::ops::DerefMut for Holder {
-    fn deref_mut(&mut self) -> &mut Seen {
-        &mut self.seen
-    }
-}
-
-/// A holder as this receiver has seen it: what it advertised, the fetches asked of it, when it
-/// last sent something. No I/O: [`stalled`] decides from it alone.
-#[derive(Clone, Debug)]
-struct Seen {
-    member: Member,
-    prefix: u64,
-    /// Chunks it verified.
-    count: u64,
-    /// Per stripe of its own, its verified prefix (empty: it advertises only `prefix`).
-    stripes: Vec<u64>,
-    done: bool,
-    advanced: Instant,
-    /// Which attachment this is (a holder given up and attached again is a new one): fetches
-    /// report it, so that one started from an earlier attachment is not counted against this.
-    generation: u64,
-    /// Fetches from it not finished yet.
-    in_flight: usize,
-    /// When it last sent something: a fetch from it finished (verified or not), or it was
-    /// attached, or a fetch was started while none was in flight.
-    heard: Instant,
-}
-
-impl Seen {
-    /// `m` as attached at `now`, of a manifest of `chunks` chunks: the source holds every chunk,
-    /// a receiver none until it says.
-    fn new(m: Member, chunks: u64, now: Instant) -> Self {
-        let source = m.role == Role::Source;
-        Self {
-            member: m,
-            prefix: if source { chunks } else { 0 },
-            count: 0,
-            stripes: Vec::new(),
-            done: source,
-            advanced: now,
-            generation: 0,
-            in_flight: 0,
-            heard: now,
-        }
-    }
-
-    /// Whether it advertised chunk `c` (as verified).
-    fn holds(&self, c: usize) -> bool {
-        let c = c as u64;
-        let d = self.stripes.len() as u64;
-        self.done || c < self.prefix || (d > 0 && c / d < self.stripes[(c % d) as usize])
-    }
-
-    /// Takes its new advertisement; it advanced if it verified more or advertises more.
-    fn update(&mut self, prefix: u64, count: u64, stripes: Vec<u64>, done: bool) {
-        let more = stripes.len() == self.stripes.len()
-            && stripes.iter().zip(&self.stripes).any(|(a, b)| a > b);
-        if prefix > self.prefix
-            || count > self.count
-            || more
-            || (self.stripes.is_empty() && !stripes.is_empty())
-        {
-            self.advanced = Instant::now();
-        }
-        self.prefix = self.prefix.max(prefix);
-        self.count = count;
-        // A hostile holder may send any list: only its length is bounded by the reply's.
-        self.stripes = stripes;
-        self.done = done;
-    }
-}
-
-impl Holder {
-    /// Who it is, for messages: its role, id and data address.
-    fn describe(&self) -> String {
-        describe(&self.member)
-    }
-}
-
-/// A member, for messages: `the source 127.0.0.1:7501 (id ...)`, `relay 10.0.0.3:7501 (id ...)`.
-fn describe(m: &Member) -> String {
-    match m.role {
-        Role::Source => format!("the source {} (id {})", m.data_addr, m.id),
-        Role::Receiver => format!("relay {} (id {})", m.data_addr, m.id),
-    }
-}
-
-/// Why a holder was given up.
-#[derive(Clone, Debug)]
-enum GiveUp {
-    /// A READ from it failed.
-    ReadFailed(String),
-    /// Its control service stopped answering progress.
-    PollFailed(String),
-    /// It sent nothing for this long while chunks were requested from it (`in_flight` of
-    /// them), or while this receiver waited on its advertisement (`0`).
-    Stalled { after: Duration, in_flight: usize },
-    /// It dropped off the member list (its lease expired).
-    Unlisted,
-    /// It served this chunk with bytes whose hash does not match.
-    Corrupt(usize),
-    /// It answers for another version (it moved on).
-    OtherVersion(u64),
-    /// It holds chunks of another source epoch.
-    OtherEpoch(u64),
-    /// It could not be attached.
-    Attach(String),
-}
-
-impl std::fmt::Display for GiveUp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            GiveUp::ReadFailed(r) => write!(f, "failed a READ ({r})"),
-            GiveUp::PollFailed(r) => write!(f, "stopped answering ({r})"),
-            GiveUp::Stalled {
-                after,
-                in_flight: 0,
-            } => write!(
-                f,
-                "advertised nothing new for {:.1} s while this receiver waited on it",
-                after.as_secs_f64()
-            ),
-            GiveUp::Stalled {
-                after,
-                in_flight: 1,
-            } => write!(
-                f,
-                "sent nothing for {:.1} s while a chunk was requested from it",
-                after.as_secs_f64()
-            ),
-            GiveUp::Stalled { after, in_flight } => write!(
-                f,
-                "sent nothing for {:.1} s while {in_flight} chunks were requested from it",
-                after.as_secs_f64()
-            ),
-            GiveUp::Unlisted => write!(f, "dropped off the member list"),
-            GiveUp::Corrupt(c) => {
-                write!(f, "served chunk {c} with bytes whose hash does not match")
-            }
-            GiveUp::OtherVersion(v) => write!(f, "moved on to version {v}"),
-            GiveUp::OtherEpoch(e) => write!(f, "holds chunks of another source epoch ({e})"),
-            GiveUp::Attach(r) => write!(f, "could not be attached ({r})"),
-        }
-    }
-}
-
-/// The holders a pull fetches from, the stripes' assignments to them, and those given up: the
-/// one place a holder is given up ([`give_up`](Self::give_up)).
-struct Roster {
-    /// Every holder attached (the parents of the stripes, and the source for re-fetches).
-    holders: HashMap<String, Holder>,
-    /// Per stripe: the holder it is fetched from.
-    assigned: Vec<Option<String>>,
-    /// Members given up (never attached again in this pull), the source included.
-    avoid: HashSet<String>,
-    /// Whether the plan must be made again.
-    replan: bool,
-    /// Stripe parents given up.
-    parents_given_up: u64,
-    /// When a stripe parent was first given up.
-    first_given_up: Option<f64>,
-    /// The last holder given up, and why.
-    last: Option<(String, GiveUp)>,
-    /// The source, when it was given up, and why.
-    source_given_up: Option<(String, GiveUp)>,
-    /// Attachments so far (each holder's [`Holder::generation`]).
-    generations: u64,
-}
-
-impl Roster {
-    fn new(stripes: usize) -> Self {
-        Self {
-            holders: HashMap::new(),
-            assigned: vec![None; stripes],
-            avoid: HashSet::new(),
-            replan: true,
-            parents_given_up: 0,
-            first_given_up: None,
-            last: None,
-            source_given_up: None,
-            generations: 0,
-        }
-    }
-
-    /// Whether `id` is the parent of a stripe.
-    fn is_parent(&self, id: &str) -> bool {
-        self.assigned.iter().any(|a| a.as_deref() == Some(id))
-    }
-
-    /// Gives up holder `id` for `why`, once (a holder no longer attached is left as it is):
-    /// its data path is closed, so its fetches in flight fail at once and none lands later; it
-    /// is never attached again in this pull (the source neither: a pull whose other holders
-    /// cannot serve what is missing then fails, naming it); the plan is made again. Returns
-    /// whether it was attached.
-    fn give_up(&mut self, id: &str, why: GiveUp) -> bool {
-        let Some(h) = self.holders.remove(id) else {
-            return false;
-        };
-        h.peer.close();
-        let who = h.describe();
-        tracing::warn!(holder = %who, reason = %why, "giving up holder");
-        self.avoid.insert(id.to_owned());
-        if self.is_parent(id) {
-            self.parents_given_up += 1;
-            self.first_given_up.get_or_insert_with(unix_now);
-        }
-        if h.member.role == Role::Source {
-            self.source_given_up = Some((who.clone(), why.clone()));
-        }
-        self.last = Some((who, why));
-        self.replan = true;
-        true
-    }
-
-    /// The holders to give up now ([`stalled`]).
-    fn stalled(
-        &self,
-        have: &Have,
-        members: &[Member],
-        stall_after: Duration,
-    ) -> Vec<(String, GiveUp)> {
-        stalled(
-            self.holders.iter().map(|(id, h)| (id.as_str(), &h.seen)),
-            &self.assigned,
-            have,
-            members,
-            stall_after,
-            Instant::now(),
-        )
-    }
-}
-
-/// The holders to give up at `now`: those the pull waits on that sent nothing for
-/// `stall_after` (chunks requested from them, or, for a stripe's parent (`assigned`), no new
-/// chunk advertised while this receiver needs one), and parents no longer listed (the source
-/// too, when it drops off a list that was read).
-fn stalled<'a>(
-    holders: impl Iterator<Item = (&'a str, &'a Seen)>,
-    assigned: &[Option<String>],
-    have: &Have,
-    members: &[Member],
-    stall_after: Duration,
-    now: Instant,
-) -> Vec<(String, GiveUp)> {
-    let d = assigned.len();
-    let mut out = Vec::new();
-    for (id, h) in holders {
-        let silent = now.saturating_duration_since(h.heard);
-        if h.in_flight > 0 && silent > stall_after {
-            out.push((
-                id.to_owned(),
-                GiveUp::Stalled {
-                    after: silent,
-                    in_flight: h.in_flight,
-                },
-            ));
-            continue;
-        }
-        // An empty list is one never read: no one is taken for unlisted by it.
-        let listed = members.is_empty() || members.iter().any(|m| m.id == id);
-        if h.member.role == Role::Source {
-            if !listed {
-                out.push((id.to_owned(), GiveUp::Unlisted));
-            }
-            continue;
-        }
-        let stripes: Vec<usize> = (0..d)
-            .filter(|&s| assigned[s].as_deref() == Some(id))
-            .collect();
-        if stripes.is_empty() {
-            continue;
-        }
-        if !listed {
-            out.push((id.to_owned(), GiveUp::Unlisted));
-            continue;
-        }
-        let waiting = !h.done
-            && h.in_flight == 0
-            && stripes.iter().any(|&s| !have.stripe_done(s))
-            && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
-        // Since it last advertised more, or last sent a chunk, whichever is later.
-        let quiet = now.saturating_duration_since(h.advanced.max(h.heard));
-        if waiting && quiet > stall_after {
-            out.push((
-                id.to_owned(),
-                GiveUp::Stalled {
-                    after: quiet,
-                    in_flight: 0,
-                },
-            ));
-        }
-    }
-    out
-}
-
-/// The data addresses of the stripes' parents, each once, for [`Snapshot::parent`].
-fn parents_of(assigned: &[Option<String>], holders: &HashMap<String, Holder>) -> String {
-    let mut v: Vec<&str> = Vec::new();
-    for id in assigned.iter().flatten() {
-        if let Some(h) = holders.get(id)
-            && !v.contains(&h.member.data_addr.as_str())
-        {
-            v.push(&h.member.data_addr);
-        }
-    }
-    v.join(",")
-}
-
-impl Drop for Holder {
+impl Drop for Link {
     fn drop(&mut self) {
         self.poll.abort();
     }
-}
-
-/// What the parent's progress poller reports.
-enum PollMsg {
-    Progress {
-        id: String,
-        source_epoch: u64,
-        prefix: u64,
-        done: bool,
-        version: u64,
-        count: u64,
-        stripes: Vec<u64>,
-    },
-    Failed {
-        id: String,
-        reason: String,
-    },
 }
 
 /// What the discovery task ([`watch_discovery`]) reports.
@@ -674,7 +361,7 @@ fn watch_discovery(
 struct Fetched {
     chunk: usize,
     from: String,
-    /// The holder's [`Holder::generation`] when the fetch started.
+    /// The holder's attachment the fetch was asked of ([`Command::Fetch`]).
     generation: u64,
     from_source: bool,
     /// `Ok(true)`: verified; `Ok(false)`: BLAKE3 mismatch; `Err`: the READ failed.
@@ -721,6 +408,8 @@ pub struct Receiver {
     files: Option<Landing>,
     /// When the completed pull was reported done to discovery.
     reported_done: Option<Instant>,
+    /// What the tests inject (none, unless feature `__test-hooks`).
+    hooks: TestHooks,
     /// The source as listed when the manifest was fetched (the plan's source until a list
     /// is read).
     source: Member,
@@ -1297,8 +986,15 @@ impl Receiver {
             _ctl: ctl,
             files,
             reported_done: None,
+            hooks: TestHooks::default(),
             source,
         })
+    }
+
+    /// Tests only: the faults and holds [`run`](Self::run) injects.
+    #[cfg(feature = "__test-hooks")]
+    pub fn set_test_hooks(&mut self, hooks: TestHooks) {
+        self.hooks = hooks;
     }
 
     /// The manifest being pulled.
@@ -1524,8 +1220,8 @@ impl Receiver {
     async fn attach(
         &self,
         m: &Member,
-        polls: &mpsc::UnboundedSender<PollMsg>,
-    ) -> Result<Holder, BroadcastError> {
+        polls: &mpsc::UnboundedSender<Event>,
+    ) -> Result<Link, BroadcastError> {
         let data_addr = reachable(&m.data_addr, self.source_ip);
         let ctl_addr = reachable(&m.ctl_addr, self.source_ip);
         let peer = match self.engine.connect(data_addr.as_str()).await {
@@ -1653,7 +1349,7 @@ impl Receiver {
                     }) => {
                         after = prefix;
                         after_count = count;
-                        let msg = PollMsg::Progress {
+                        let msg = Event::Progress {
                             id: id.clone(),
                             source_epoch,
                             prefix,
@@ -1667,14 +1363,14 @@ impl Receiver {
                         }
                     }
                     Ok(_) => {
-                        let _ = tx.send(PollMsg::Failed {
+                        let _ = tx.send(Event::PollFailed {
                             id,
                             reason: "answered progress with something else".into(),
                         });
                         return;
                     }
                     Err(e) => {
-                        let _ = tx.send(PollMsg::Failed {
+                        let _ = tx.send(Event::PollFailed {
                             id,
                             reason: e.to_string(),
                         });
@@ -1684,9 +1380,9 @@ impl Receiver {
             }
         });
         tracing::info!(holder = %m.id, %data_addr, role = ?m.role, "attached");
-        Ok(Holder {
-            seen: Seen::new(m.clone(), self.manifest.chunks.len() as u64, Instant::now()),
+        Ok(Link {
             peer,
+            from_source: m.role == Role::Source,
             segs,
             ranges,
             poll,
@@ -1711,7 +1407,14 @@ impl Receiver {
     /// receiver's meet) into where it lands here, then its verification over those pieces;
     /// pulling into files, into a free landing slot, verified there and written to its file.
     /// Returns whether it started (a pull into files with no slot free starts nothing).
-    fn fetch(&self, set: &mut JoinSet<Fetched>, h: &mut Holder, i: usize) -> bool {
+    fn fetch(
+        &self,
+        set: &mut JoinSet<Fetched>,
+        h: &Link,
+        from: &str,
+        generation: u64,
+        i: usize,
+    ) -> bool {
         let c = self.manifest.chunks[i];
         let seg = c.segment as usize;
         // Pulling into files: the chunk lands in a slot of its own.
@@ -1732,12 +1435,6 @@ impl Receiver {
                 None => return false,
             },
         };
-        if h.in_flight == 0 {
-            // The holder's silence is counted from the first chunk asked of it.
-            h.heard = Instant::now();
-        }
-        h.in_flight += 1;
-        let generation = h.generation;
         let mut batch = Batch::new();
         let mut covered = 0;
         match &slot {
@@ -1781,8 +1478,8 @@ impl Receiver {
             self.local_pieces(i)
         };
         let copied = self.copied.clone();
-        let from = h.member.id.clone();
-        let from_source = h.member.role == Role::Source;
+        let from = from.to_owned();
+        let from_source = h.from_source;
         let submitted = if covered == c.len {
             self.touched.store(true, Ordering::Relaxed);
             self.engine.submit(batch).map_err(|e| e.to_string())
@@ -1899,41 +1596,39 @@ impl Receiver {
         }
     }
 
-    async fn run_inner(&mut self) -> Result<Summary, BroadcastError> {
-        let started = Instant::now();
-        let n = self.manifest.chunks.len();
-        let d = if self.opts.relay {
-            self.opts.stripes.max(1)
-        } else {
-            1
-        };
-        let mut have = Have::striped(n, d);
-        // Bytes of the chunks `have` holds verified, kept beside it (not summed per update).
-        let mut verified_bytes = 0u64;
-        let mut sum = Summary {
+    /// The pull's settings, as its decisions ([`Pull`]) take them.
+    fn pull_config(&self) -> PullConfig {
+        PullConfig {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
             source_epoch: self.source_epoch,
-            bytes: self.manifest.total_bytes(),
-            chunks: n as u64,
-            ..Default::default()
-        };
-        let (poll_tx, mut poll_rx) = mpsc::unbounded_channel();
+            me: self.member.id.clone(),
+            chunk_lens: self.manifest.chunks.iter().map(|c| c.len).collect(),
+            stripes: if self.opts.relay {
+                self.opts.stripes.max(1)
+            } else {
+                1
+            },
+            window: self.opts.window.max(1),
+            relay: self.opts.relay,
+            straggler: self.opts.straggler,
+            stall_after: self.opts.stall_after,
+            verify_at_rest: self.opts.verify_at_rest,
+        }
+    }
+
+    /// Drives a [`Pull`]: carries its commands out ([`drain`](Self::drain)) and feeds it what
+    /// happened (fetches finished, the member list, holders' progress, the clock).
+    async fn run_inner(&mut self) -> Result<Summary, BroadcastError> {
+        let started = Instant::now();
+        let (polls, mut poll_rx) = mpsc::unbounded_channel();
         // A list that cannot be read now (a source that stopped since it answered the
         // manifest) leaves the source found then: it is attached, and given up if it stalls.
-        let mut members = match self.discovery.members().await {
+        let members = match self.discovery.members().await {
             Ok(m) if !m.is_empty() => m,
             _ => vec![self.source.clone()],
         };
-        let mut roster = Roster::new(d);
-        // Why the stripes have no holder, when none could be attached.
-        let mut last = String::from("no holder listed");
-        // Since when no stripe has a holder.
-        let mut orphaned: Option<Instant> = None;
-        let mut rr = 0usize;
-        let mut first_request: Option<Instant> = None;
-        let mut bad_tries: HashMap<usize, u32> = HashMap::new();
-        let mut set: JoinSet<Fetched> = JoinSet::new();
+        let mut pull = Pull::new(self.pull_config(), members);
         // Discovery runs beside the pull: a backend that stops answering (a stopped source
         // keeps the embedded list) never holds up fetching or the stall checks.
         let (me_tx, me_rx) = watch::channel(self.member.clone());
@@ -1946,262 +1641,95 @@ impl Receiver {
         let listing = AbortOnDrop(listed);
         let mut tick = tokio::time::interval(self.opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut paused_until: Option<Instant> = None;
+        let mut d = Drive {
+            links: HashMap::new(),
+            set: JoinSet::new(),
+            first_request: None,
+            me_tx,
+            polls,
+        };
+        let mut hooks = self.hooks.clone();
+        if hooks.hold_final_check.is_some() {
+            pull.handle(Instant::now(), Event::HoldCheck)?;
+        }
         let mut held: Option<Arc<tokio::sync::Notify>> = None;
-        let mut final_check_done = false;
-        let mut corrupted = false;
-        let mut hold = self.opts.hold_final_check.clone();
-        loop {
-            if have.is_done() && set.is_empty() && hold.is_none() {
-                if final_check_done || !self.opts.verify_at_rest {
-                    break;
+        while !self.drain(&mut pull, &mut d).await? {
+            let ev = tokio::select! {
+                () = notified(&hooks.hold_final_check), if hooks.hold_final_check.is_some() => {
+                    hooks.hold_final_check = None;
+                    Event::ReleaseCheck
                 }
-                final_check_done = true;
-                let mut buf = Vec::new();
-                for (i, c) in self.manifest.chunks.iter().enumerate() {
-                    let crc = match &self.files {
-                        None => crc_of(&self.local_pieces(i), &self.copied).ok(),
-                        Some(l) => crc_of_file(
-                            &l.segs[c.segment as usize].file,
-                            c.offset,
-                            c.len,
-                            &mut buf,
-                            &self.copied,
-                        )
-                        .ok(),
-                    };
-                    let ok = crc == Some(c.crc32c);
-                    if !ok {
-                        tracing::warn!(chunk = i, "chunk corrupt at rest; fetching it again");
-                        sum.refetched_chunks += 1;
-                        sum.at_rest_mismatches += 1;
-                        if have.has(i) {
-                            verified_bytes -= c.len;
-                        }
-                        have.lost(i);
-                    }
-                }
-                if have.is_done() {
-                    break;
-                }
-            }
-            if roster.replan {
-                roster.replan = false;
-                self.replan(&members, &mut roster, &mut sum, &mut last, &poll_tx)
-                    .await?;
-            }
-            if roster.assigned.iter().all(Option::is_none) && set.is_empty() {
-                let since = *orphaned.get_or_insert_with(Instant::now);
-                let source_out = roster.source_given_up.is_some();
-                // The source was given up (it stalled, died, or cannot be attached) and no
-                // one else serves what is missing: nothing will come; say who and what.
-                if source_out || since.elapsed() > self.opts.stall_after * 10 {
-                    return Err(self.stopped(&roster, &have, verified_bytes, last));
-                }
-            } else {
-                orphaned = None;
-            }
-            let paused = paused_until.is_some_and(|t| Instant::now() < t) || held.is_some();
-            if !paused {
-                // The window, dealt over the stripes in turn.
-                let mut idle = 0;
-                while set.len() < self.opts.window.max(1) && idle < d {
-                    let s = rr % d;
-                    rr = rr.wrapping_add(1);
-                    let Some(h) = roster.assigned[s]
-                        .as_ref()
-                        .and_then(|id| roster.holders.get_mut(id))
-                    else {
-                        idle += 1;
-                        continue;
-                    };
-                    match have.next_in_stripe(s, |c| h.holds(c)) {
-                        Some(i) => {
-                            idle = 0;
-                            if !self.fetch(&mut set, h, i) {
-                                // No landing slot free (a pull into files): next time.
-                                have.released(i);
-                                break;
-                            }
-                            first_request.get_or_insert_with(Instant::now);
-                            self.timeline.first_request.get_or_insert_with(unix_now);
-                        }
-                        None => idle += 1,
-                    }
-                }
-            }
-            tokio::select! {
-                () = async { if let Some(h) = &hold { h.notified().await } }, if hold.is_some() && have.is_done() => {
-                    hold = None;
-                }
-                () = async { if let Some(h) = &held { h.notified().await } }, if held.is_some() => {
+                () = notified(&held), if held.is_some() => {
                     held = None;
+                    Event::ResumeFetches
                 }
-                Some(joined) = set.join_next() => {
+                Some(joined) = d.set.join_next() => {
                     let Ok(f) = joined else { continue };
-                    if let Some(h) = roster.holders.get_mut(&f.from)
-                        && h.generation == f.generation
-                    {
-                        h.in_flight = h.in_flight.saturating_sub(1);
-                        h.heard = Instant::now();
-                    }
-                    let c = self.manifest.chunks[f.chunk];
-                    if let Some(e) = f.write_failed {
-                        let file = self.files.as_ref().map(|l| l.segs[c.segment as usize].tmp.display().to_string());
-                        return Err(BroadcastError::io(
-                            format!("writing chunk {} to {}", f.chunk, file.unwrap_or_default()),
-                            e,
-                        ));
-                    }
-                    match f.result {
-                        Ok(true) => {
-                            if f.from_source {
-                                sum.bytes_from_source += c.len;
-                            } else {
-                                sum.bytes_from_relays += c.len;
-                            }
-                            if have.verified(f.chunk) {
-                                verified_bytes += c.len;
-                            }
-                            let now = unix_now();
-                            self.timeline.first_verified.get_or_insert(now);
-                            self.timeline.last_verified = Some(now);
-                            if self.opts.corrupt_after_verify == Some(f.chunk) && !corrupted {
-                                corrupted = true;
-                                if let Some((slice, at, _)) = self.local_pieces(f.chunk).first() {
-                                    let mut b = [0u8; 1];
-                                    let _ = slice.read(*at, &mut b);
-                                    let _ = slice.write(*at, &[b[0] ^ 0xff]);
-                                }
-                                tracing::warn!(chunk = f.chunk, "test hook: corrupted a verified chunk");
-                            }
-                            if let Some((after, pause)) = self.opts.pause_after
-                                && have.count() == after
-                            {
-                                paused_until = Some(Instant::now() + pause);
-                            }
-                            if let Some((after, hold)) = &self.opts.hold_after
-                                && have.count() == *after
-                            {
-                                held = Some(hold.clone());
-                            }
-                        }
-                        Ok(false) => {
-                            if f.from_source {
-                                sum.bytes_from_source += c.len;
-                            } else {
-                                sum.bytes_from_relays += c.len;
-                            }
-                            sum.refetched_chunks += 1;
-                            sum.fetch_mismatches += 1;
-                            let tries = bad_tries.entry(f.chunk).or_default();
-                            *tries += 1;
-                            tracing::warn!(chunk = f.chunk, from = %f.from, tries = *tries,
-                                "BLAKE3 mismatch; fetching the chunk from another holder");
-                            if !f.from_source {
-                                // A relay served bytes that are not the source's: report it
-                                // and take nothing more from it.
-                                if !sum.corrupt_holders.contains(&f.from) {
-                                    sum.corrupt_holders.push(f.from.clone());
-                                }
-                                roster.avoid.insert(f.from.clone());
-                                roster.give_up(&f.from, GiveUp::Corrupt(f.chunk));
-                            }
-                            if *tries > 3 {
-                                return Err(BroadcastError::NoHolder {
-                                    name: self.manifest.name.clone(),
-                                    chunk: f.chunk,
-                                    reason: "checksum mismatch from every holder tried".into(),
-                                });
-                            }
-                            // The source holds every chunk: fetch it from there (keeping the
-                            // chunk marked in flight meanwhile).
-                            let src = self.source_in(&members, &roster);
-                            if let Some(s) = &src
-                                && !roster.holders.contains_key(&s.id)
-                            {
-                                self.attach_to(s, &mut roster, &mut sum, &mut last, &poll_tx).await?;
-                            }
-                            let again = src
-                                .and_then(|s| roster.holders.get_mut(&s.id))
-                                .is_some_and(|h| self.fetch(&mut set, h, f.chunk));
-                            if !again {
-                                have.released(f.chunk);
-                            }
-                        }
-                        Err(reason) => {
-                            have.released(f.chunk);
-                            if roster.holders.get(&f.from).is_some_and(|h| h.generation == f.generation) {
-                                roster.give_up(&f.from, GiveUp::ReadFailed(reason));
-                            }
-                        }
-                    }
-                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&roster.assigned, &roster.holders));
+                    self.fetched_event(f)?
                 }
                 Some(l) = listed_rx.recv() => match l {
-                    Listed::SourceEpoch(found) if found != self.source_epoch => {
-                        return Err(self.restarted(found));
-                    }
-                    Listed::SourceEpoch(_) => {}
-                    Listed::Members { list, beat } => {
-                        // Early relists replan only when someone joined or left; each
-                        // heartbeat's list (its rates) always does.
-                        if beat || list.len() != members.len() {
-                            roster.replan = true;
-                        }
-                        members = list;
-                    }
+                    Listed::SourceEpoch(found) => Event::SourceEpoch(found),
+                    Listed::Members { list, beat } => Event::Members { list, beat },
                 },
-                Some(msg) = poll_rx.recv() => match msg {
-                    PollMsg::Progress { id, source_epoch, prefix, done, version, count, stripes } => {
-                        let Some(p) = roster.holders.get_mut(&id) else { continue };
-                        if p.member.role != Role::Source && version != self.manifest.version {
-                            // It moved on to another version: its memory no longer holds ours.
-                            roster.give_up(&id, GiveUp::OtherVersion(version));
-                        } else if source_epoch != self.source_epoch {
-                            if p.member.role == Role::Source {
-                                return Err(self.restarted(source_epoch));
-                            }
-                            roster.give_up(&id, GiveUp::OtherEpoch(source_epoch));
-                        } else {
-                            p.update(prefix, count, stripes, done);
-                        }
-                    }
-                    PollMsg::Failed { id, reason } => {
-                        if roster.holders.get(&id).is_some_and(|p| p.member.role != Role::Source) {
-                            roster.give_up(&id, GiveUp::PollFailed(reason));
-                        }
-                    }
-                },
-                _ = tick.tick() => {
-                    self.beat(&have, first_request, &me_tx);
-                    // A holder that sent nothing for `stall_after` while the pull waits on it,
-                    // the source as much as a relay, and a parent gone from the list (its
-                    // lease expired) are given up.
-                    for (id, why) in roster.stalled(&have, &members, self.opts.stall_after) {
-                        roster.give_up(&id, why);
-                    }
-                    self.publish(&have, verified_bytes, sum.refetched_chunks, members.len(), &parents_of(&roster.assigned, &roster.holders));
+                Some(ev) = poll_rx.recv() => ev,
+                _ = tick.tick() => Event::Tick,
+            };
+            let verified = match &ev {
+                Event::Fetched {
+                    chunk,
+                    outcome: Outcome::Verified,
+                    ..
+                } => Some(*chunk),
+                _ => None,
+            };
+            pull.handle(Instant::now(), ev)?;
+            if let Some(chunk) = verified {
+                let now = unix_now();
+                self.timeline.first_verified.get_or_insert(now);
+                self.timeline.last_verified = Some(now);
+                // Tests only: what the hooks inject, before anything more is published.
+                if hooks.corrupt_after_verify == Some(chunk) {
+                    hooks.corrupt_after_verify = None;
+                    self.corrupt(chunk);
+                }
+                if let Some((after, release)) = &hooks.hold_after
+                    && pull.have().count() == *after
+                {
+                    held = Some(release.clone());
+                    pull.handle(Instant::now(), Event::HoldFetches)?;
                 }
             }
         }
-        sum.parents_given_up = roster.parents_given_up;
-        if let Some(t) = roster.first_given_up {
-            self.timeline.parent_given_up.get_or_insert(t);
-        }
+        let t = pull.tally();
+        let mut sum = Summary {
+            name: self.manifest.name.clone(),
+            version: self.manifest.version,
+            source_epoch: self.source_epoch,
+            bytes: self.manifest.total_bytes(),
+            chunks: self.manifest.chunks.len() as u64,
+            refetched_chunks: t.refetched,
+            fetch_mismatches: t.fetch_mismatches,
+            at_rest_mismatches: t.at_rest_mismatches,
+            corrupt_holders: t.corrupt_holders.clone(),
+            bytes_from_source: t.bytes_from_source,
+            bytes_from_relays: t.bytes_from_relays,
+            parents_given_up: t.parents_given_up,
+            holders: t.holders.clone(),
+            ..Default::default()
+        };
         sum.seconds = started.elapsed().as_secs_f64();
         self.timeline.done = Some(unix_now());
         sum.timeline = self.timeline.clone();
         sum.bytes_copied = self.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(
-            &have,
-            verified_bytes,
+            pull.have(),
+            pull.verified_bytes(),
             sum.refetched_chunks,
-            members.len(),
+            pull.peers(),
             "",
         );
-        self.beat(&have, first_request, &me_tx);
+        self.beat(pull.have(), d.first_request, &d.me_tx);
         drop(listing);
         self.heartbeat_now().await?;
         self.reported_done = Some(Instant::now());
@@ -2210,173 +1738,147 @@ impl Receiver {
         Ok(sum)
     }
 
-    /// The error of a pull that cannot go on: the source (or the last holder) given up, and
-    /// what was verified; or, when none was given up, why no holder could be attached.
-    fn stopped(&self, roster: &Roster, have: &Have, bytes: u64, last: String) -> BroadcastError {
-        match roster.source_given_up.as_ref().or(roster.last.as_ref()) {
-            Some((holder, why)) => BroadcastError::Stalled {
-                name: self.manifest.name.clone(),
-                version: self.manifest.version,
-                holder: holder.clone(),
-                reason: why.to_string(),
-                verified: have.count(),
-                chunks: have.len() as u64,
-                bytes,
-                total: self.manifest.total_bytes(),
-            },
-            None => BroadcastError::NoHolder {
-                name: self.manifest.name.clone(),
-                chunk: (0..have.len()).find(|&i| !have.has(i)).unwrap_or(0),
-                reason: last,
-            },
+    /// What a finished fetch task tells the pull; a chunk that could not be written to its
+    /// file ends the pull.
+    fn fetched_event(&self, f: Fetched) -> Result<Event, BroadcastError> {
+        if let Some(e) = f.write_failed {
+            let c = self.manifest.chunks[f.chunk];
+            let file = self
+                .files
+                .as_ref()
+                .map(|l| l.segs[c.segment as usize].tmp.display().to_string());
+            return Err(BroadcastError::io(
+                format!("writing chunk {} to {}", f.chunk, file.unwrap_or_default()),
+                e,
+            ));
         }
+        Ok(Event::Fetched {
+            chunk: f.chunk,
+            from: f.from,
+            generation: f.generation,
+            from_source: f.from_source,
+            outcome: match f.result {
+                Ok(true) => Outcome::Verified,
+                Ok(false) => Outcome::Mismatch,
+                Err(reason) => Outcome::ReadFailed(reason),
+            },
+        })
     }
 
-    /// The source of this pull's epoch as listed, unless it was given up.
-    fn source_in(&self, members: &[Member], roster: &Roster) -> Option<Member> {
-        members
-            .iter()
-            .find(|m| {
-                m.role == Role::Source
-                    && m.source_epoch == self.source_epoch
-                    && !roster.avoid.contains(&m.id)
-            })
-            .cloned()
+    /// Tests only ([`TestHooks::corrupt_after_verify`]): flips one byte of verified chunk `i`
+    /// where it lies (a relay that corrupts what it serves).
+    fn corrupt(&self, i: usize) {
+        if let Some((slice, at, _)) = self.local_pieces(i).first() {
+            let mut b = [0u8; 1];
+            let _ = slice.read(*at, &mut b);
+            let _ = slice.write(*at, &[b[0] ^ 0xff]);
+        }
+        tracing::warn!(chunk = i, "test hook: corrupted a verified chunk");
+    }
+
+    /// Carries out the pull's commands until it has none; an attachment and the check at rest
+    /// are answered before the next. Returns whether the pull is done.
+    async fn drain(&mut self, pull: &mut Pull, d: &mut Drive) -> Result<bool, BroadcastError> {
+        while let Some(cmd) = pull.poll(Instant::now())? {
+            match cmd {
+                Command::Done => return Ok(true),
+                Command::Attach(m) => {
+                    let ev = match self.attach_within(&m, &d.polls).await {
+                        Ok(link) => {
+                            d.links.insert(m.id.clone(), link);
+                            Event::Attached
+                        }
+                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
+                        Err(e) => Event::AttachFailed(e.to_string()),
+                    };
+                    pull.handle(Instant::now(), ev)?;
+                }
+                Command::Fetch {
+                    chunk,
+                    holder,
+                    generation,
+                } => {
+                    let link = d.links.get(&holder);
+                    if link.is_some_and(|l| self.fetch(&mut d.set, l, &holder, generation, chunk)) {
+                        d.first_request.get_or_insert_with(Instant::now);
+                        self.timeline.first_request.get_or_insert_with(unix_now);
+                    } else {
+                        // No landing slot free (a pull into files): next time.
+                        let ev = Event::NotStarted {
+                            chunk,
+                            from: holder,
+                            generation,
+                        };
+                        pull.handle(Instant::now(), ev)?;
+                    }
+                }
+                Command::GiveUp { id, parent, .. } => {
+                    // Its chunks in flight fail at once, so none lands later.
+                    if let Some(link) = d.links.remove(&id) {
+                        link.peer.close();
+                    }
+                    if parent {
+                        self.timeline.parent_given_up.get_or_insert_with(unix_now);
+                    }
+                }
+                Command::Detach(id) => {
+                    d.links.remove(&id);
+                }
+                Command::CheckAtRest => {
+                    let bad = self.check_at_rest();
+                    pull.handle(Instant::now(), Event::AtRest { bad })?;
+                }
+                Command::Heartbeat => self.beat(pull.have(), d.first_request, &d.me_tx),
+                Command::Publish => self.publish(
+                    pull.have(),
+                    pull.verified_bytes(),
+                    pull.tally().refetched,
+                    pull.peers(),
+                    &pull.parents(),
+                ),
+            }
+        }
+        Ok(false)
+    }
+
+    /// The chunks whose CRC-32C at rest is not the manifest's.
+    fn check_at_rest(&self) -> Vec<usize> {
+        let mut buf = Vec::new();
+        let mut bad = Vec::new();
+        for (i, c) in self.manifest.chunks.iter().enumerate() {
+            let crc = match &self.files {
+                None => crc_of(&self.local_pieces(i), &self.copied).ok(),
+                Some(l) => crc_of_file(
+                    &l.segs[c.segment as usize].file,
+                    c.offset,
+                    c.len,
+                    &mut buf,
+                    &self.copied,
+                )
+                .ok(),
+            };
+            if crc != Some(c.crc32c) {
+                bad.push(i);
+            }
+        }
+        bad
     }
 
     /// Attaches `m` (within `stall_after` and 2 s more: a member that does not answer its
-    /// handshake is not waited on longer than one that stalls). One that cannot be attached is
-    /// given up: `last` says why. Errs only with [`BroadcastError::SourceRestarted`].
-    async fn attach_to(
+    /// handshake is not waited on longer than one that stalls).
+    async fn attach_within(
         &self,
         m: &Member,
-        roster: &mut Roster,
-        sum: &mut Summary,
-        last: &mut String,
-        polls: &mpsc::UnboundedSender<PollMsg>,
-    ) -> Result<bool, BroadcastError> {
+        polls: &mpsc::UnboundedSender<Event>,
+    ) -> Result<Link, BroadcastError> {
         let limit = self.opts.stall_after + Duration::from_secs(2);
-        let attached = match tokio::time::timeout(limit, self.attach(m, polls)).await {
+        match tokio::time::timeout(limit, self.attach(m, polls)).await {
             Ok(r) => r,
             Err(_) => Err(control_err(
                 &m.data_addr,
                 format!("did not answer within {:.1} s", limit.as_secs_f64()),
             )),
-        };
-        match attached {
-            Ok(mut h) => {
-                roster.generations += 1;
-                h.generation = roster.generations;
-                sum.holders.push(h.member.id.clone());
-                roster.holders.insert(m.id.clone(), h);
-                Ok(true)
-            }
-            Err(e @ BroadcastError::SourceRestarted { .. }) => Err(e),
-            Err(e) => {
-                tracing::warn!(holder = %describe(m), error = %e, "cannot attach");
-                *last = format!("{}: {e}", describe(m));
-                roster.avoid.insert(m.id.clone());
-                let why = GiveUp::Attach(e.to_string());
-                if m.role == Role::Source {
-                    roster.source_given_up = Some((describe(m), why.clone()));
-                }
-                roster.last = Some((describe(m), why));
-                Ok(false)
-            }
         }
-    }
-
-    /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on `members`, less
-    /// those given up: attaches the ones not attached yet (one that cannot be attached is
-    /// given up, and the plan is made again without it), drops the relays no stripe is
-    /// fetched from any more (the source is kept for re-fetches).
-    async fn replan(
-        &self,
-        members: &[Member],
-        roster: &mut Roster,
-        sum: &mut Summary,
-        last: &mut String,
-        polls: &mpsc::UnboundedSender<PollMsg>,
-    ) -> Result<(), BroadcastError> {
-        let d = roster.assigned.len();
-        loop {
-            // A source given up is not listed to the plan: the stripes it would serve have
-            // no holder (stripe_holders keeps relays given up at the edge itself).
-            let listed: Vec<Member> = members
-                .iter()
-                .filter(|m| m.role != Role::Source || !roster.avoid.contains(&m.id))
-                .cloned()
-                .collect();
-            let want: Vec<Option<Member>> = if self.opts.relay {
-                stripe_holders(
-                    &listed,
-                    &self.member.id,
-                    self.source_epoch,
-                    self.manifest.version,
-                    &roster.avoid,
-                    d,
-                    self.opts.straggler,
-                )
-                .into_iter()
-                .map(|m| m.cloned())
-                .collect()
-            } else {
-                vec![self.source_in(members, roster); d]
-            };
-            // The source given up (relaying): a stripe it would serve goes to the receiver of this version
-            // that holds the most (done first), which advertises what it has of every stripe;
-            // one that does not advance is given up in turn, and then the next.
-            let fallback = (self.opts.relay && roster.source_given_up.is_some())
-                .then(|| {
-                    listed
-                        .iter()
-                        .filter(|m| {
-                            m.role == Role::Receiver
-                                && m.id != self.member.id
-                                && m.source_epoch == self.source_epoch
-                                && m.version == self.manifest.version
-                                && !m.data_addr.is_empty()
-                                && !roster.avoid.contains(&m.id)
-                        })
-                        .max_by_key(|m| (m.done, m.progress))
-                        .cloned()
-                })
-                .flatten();
-            let mut again = false;
-            for (s, w) in want.into_iter().enumerate() {
-                let Some(m) = w.or_else(|| fallback.clone()) else {
-                    roster.assigned[s] = None;
-                    continue;
-                };
-                if roster.avoid.contains(&m.id) {
-                    roster.assigned[s] = None;
-                    continue;
-                }
-                if !roster.holders.contains_key(&m.id)
-                    && !self.attach_to(&m, roster, sum, last, polls).await?
-                {
-                    roster.assigned[s] = None;
-                    // A relay that cannot be attached moves to the edge: plan again.
-                    again = m.role != Role::Source;
-                    if again {
-                        break;
-                    }
-                    continue;
-                }
-                if roster.assigned[s].as_deref() != Some(m.id.as_str()) {
-                    tracing::debug!(stripe = s, holder = %m.id, "stripe parent");
-                }
-                roster.assigned[s] = Some(m.id);
-            }
-            if !again {
-                break;
-            }
-        }
-        let assigned = roster.assigned.clone();
-        roster.holders.retain(|id, h| {
-            h.member.role == Role::Source || assigned.iter().any(|a| a.as_deref() == Some(id))
-        });
-        Ok(())
     }
 
     /// Keeps serving (and heartbeating) after [`run`](Self::run) while another receiver of
@@ -2614,81 +2116,6 @@ fn match_tensors(m: &Manifest, d: &Destinations) -> Result<Vec<(usize, usize)>, 
 mod tests {
     use super::*;
     use crate::manifest::{Chunk, Entry, Segment};
-
-    fn member(id: &str, role: Role) -> Member {
-        Member {
-            id: id.into(),
-            epoch: 1,
-            source_epoch: 1,
-            data_addr: format!("10.0.0.1:{}", id.len()),
-            ctl_addr: String::new(),
-            role,
-            progress: 0,
-            done: false,
-            order: 0,
-            version: 3,
-            rate: 0,
-            number: None,
-        }
-    }
-
-    #[test]
-    fn a_holder_that_sends_nothing_for_stall_after_is_given_up_whatever_its_role() {
-        let t0 = Instant::now();
-        let at = |s: f64| t0 + Duration::from_secs_f64(s);
-        let stall = Duration::from_secs(3);
-        let have = Have::striped(16, 2);
-        let members = vec![
-            member("src", Role::Source),
-            member("a", Role::Receiver),
-            member("b", Role::Receiver),
-        ];
-        let mut src = Seen::new(members[0].clone(), 16, t0);
-        src.in_flight = 8;
-        let mut a = Seen::new(members[1].clone(), 16, t0);
-        a.update(4, 4, Vec::new(), false);
-        let run = |holders: &[(&str, &Seen)], assigned: &[Option<String>], list: &[Member], s| {
-            stalled(holders.iter().copied(), assigned, &have, list, stall, at(s))
-        };
-        let assigned = vec![Some("src".to_owned()), Some("a".to_owned())];
-        let both = [("src", &src), ("a", &a)];
-        assert!(run(&both, &assigned, &members, 2.9).is_empty());
-        // Past the window: the source, whose chunks are in flight; the relay, which still has
-        // chunks to give, is kept.
-        let out = run(&both, &assigned, &members, 3.5);
-        assert_eq!(out.len(), 1, "{out:?}");
-        assert_eq!(out[0].0, "src");
-        assert_eq!(
-            out[0].1.to_string(),
-            "sent nothing for 3.5 s while 8 chunks were requested from it"
-        );
-        // A chunk from it restarts its silence.
-        src.heard = at(3.0);
-        assert!(run(&[("src", &src)], &assigned, &members, 3.5).is_empty());
-        // Nothing asked of it: the source is never waited on.
-        src.in_flight = 0;
-        assert!(run(&[("src", &src)], &assigned, &members, 60.0).is_empty());
-        // A parent with nothing this receiver wants that advertises nothing new.
-        let b = Seen::new(members[2].clone(), 16, t0);
-        let assigned = vec![Some("src".to_owned()), Some("b".to_owned())];
-        assert!(run(&[("b", &b)], &assigned, &members, 2.0).is_empty());
-        let out = run(&[("b", &b)], &assigned, &members, 3.5);
-        assert!(
-            matches!(out[..], [(ref id, GiveUp::Stalled { in_flight: 0, .. })] if id == "b"),
-            "{out:?}"
-        );
-        assert!(out[0].1.to_string().starts_with("advertised nothing new"));
-        // A holder that is no stripe's parent is not waited on.
-        let unassigned = vec![Some("src".to_owned()), None];
-        assert!(run(&[("b", &b)], &unassigned, &members, 3.5).is_empty());
-        // A parent off the list is given up at once; the list never read takes no one off.
-        let out = run(&[("b", &b)], &assigned, &members[..2], 0.1);
-        assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
-        assert!(run(&[("b", &b)], &assigned, &[], 0.1).is_empty());
-        // The source off a list that was read (its lease ran out in etcd).
-        let out = run(&[("src", &src)], &assigned, &members[1..], 0.1);
-        assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
-    }
 
     fn manifest(entries: &[(&str, u64, u64)]) -> Manifest {
         Manifest {
