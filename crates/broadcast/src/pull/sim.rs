@@ -165,6 +165,8 @@ struct Sim<'a> {
     checked: bool,
     fetches: BTreeMap<String, u64>,
     left: HashSet<String>,
+    /// Members whose attachment failed.
+    refused: HashSet<String>,
 }
 
 impl<'a> Sim<'a> {
@@ -184,6 +186,7 @@ impl<'a> Sim<'a> {
             checked: false,
             fetches: BTreeMap::new(),
             left: HashSet::new(),
+            refused: HashSet::new(),
         }
     }
 
@@ -348,13 +351,16 @@ impl<'a> Sim<'a> {
     /// Carries out the pull's commands as a driver would, checking each. Returns whether the
     /// pull is done.
     fn drain(&mut self) -> Result<bool, BroadcastError> {
+        let mut n = 0u32;
         while let Some(cmd) = self.pull.poll(self.now())? {
+            n += 1;
+            assert!(n < 100_000, "the pull asks without end: {cmd:?}");
             match cmd {
                 Command::Done => return Ok(true),
                 Command::Attach(m) => {
                     assert!(
-                        !self.given_up.contains(&m.id),
-                        "{} attached again after it was given up",
+                        !self.given_up.contains(&m.id) && !self.refused.contains(&m.id),
+                        "{} attached again after it was given up or refused",
                         m.id
                     );
                     assert!(
@@ -368,6 +374,7 @@ impl<'a> Sim<'a> {
                         _ => m.id == "src" && self.source_dead(),
                     };
                     if fails {
+                        self.refused.insert(m.id.clone());
                         self.handle(Event::AttachFailed("refused".into()))?;
                     } else {
                         self.generations += 1;

@@ -200,6 +200,8 @@ fn a_source_that_cannot_be_attached_ends_a_pull_no_one_else_serves_naming_it() {
         }
         other => panic!("{other:?}"),
     }
+    // At once: nothing will come, there is nothing to wait for.
+    assert_eq!(e.ticks, 0);
 }
 
 #[test]
@@ -480,4 +482,28 @@ proptest! {
             prop_assert_eq!(t.at_rest_mismatches, if f.verify_at_rest { f.bad_at_rest.len() as u64 } else { 0 });
         }
     }
+}
+
+#[test]
+fn a_fetch_that_could_not_start_is_asked_again_once_another_finishes() {
+    let now = Instant::now();
+    let mut p = source_only(3, 2);
+    let f = drive(&mut p, now);
+    assert_eq!(f.iter().map(|f| f.0).collect::<Vec<_>>(), [0, 1]);
+    let (c, from, generation) = f[1].clone();
+    p.handle(
+        now,
+        Event::NotStarted {
+            chunk: c,
+            from,
+            generation,
+        },
+    )
+    .unwrap();
+    // No slot free: nothing more until a fetch finishes.
+    assert!(drive(&mut p, now).is_empty());
+    let (c0, _, g) = f[0].clone();
+    p.handle(now, fetched(c0, g, Outcome::Verified)).unwrap();
+    let again: Vec<usize> = drive(&mut p, now).iter().map(|f| f.0).collect();
+    assert_eq!(again, [1, 2]);
 }
