@@ -891,8 +891,8 @@ impl Pull {
 
     /// Takes a holder for every stripe from the plan ([`stripe_holders`]) on the list, less
     /// those given up: asks to attach the first one not attached yet (returns `false`: the plan
-    /// is made again once it answers), drops the relays no stripe is fetched from any more (the
-    /// source is kept for re-fetches).
+    /// is made again once it answers), drops the relays no stripe is fetched from any more and
+    /// none has a fetch in flight (the source is kept for re-fetches).
     fn plan(&mut self) -> bool {
         let d = self.assigned.len();
         // A source given up is not listed to the plan: the stripes it would serve have no
@@ -962,7 +962,10 @@ impl Pull {
             .holders
             .iter()
             .filter(|(id, h)| {
+                // One with fetches in flight is kept until they end (or it is given up as
+                // stalled): dropped, a silent holder's fetches would hold their chunks forever.
                 h.member.role != Role::Source
+                    && h.in_flight == 0
                     && !self
                         .assigned
                         .iter()
