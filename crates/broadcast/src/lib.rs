@@ -30,10 +30,12 @@
 #![forbid(unsafe_code)]
 
 mod control;
+mod destinations;
 pub mod discovery;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod hashing;
 mod landing;
 pub mod layout;
 pub mod manifest;
@@ -44,6 +46,7 @@ pub mod sim;
 mod source;
 pub mod stripes;
 
+pub use destinations::{Destinations, TensorKind};
 pub use discovery::{Discovery, Embedded};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
@@ -55,7 +58,6 @@ pub use plan::{Member, Role};
 #[doc(hidden)]
 pub use receiver::TestHooks;
 pub use receiver::{
-    DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, TensorKind,
-    Timeline, unix_now,
+    DEFAULT_STRIPES, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
 };
 pub use source::{Source, SourceEvent, SourceOptions};
