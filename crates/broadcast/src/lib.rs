@@ -12,6 +12,8 @@
 //!   simulation of links on which the chain and the striped plan are compared.
 //! - [`layout`]: where a member holds each segment ([`Slice`]s of its registrations, host or
 //!   GPU), and the pieces a chunk moves in.
+//! - `pull`: a receiver's decisions as a state machine with no I/O (events in, commands out),
+//!   which [`Receiver`] drives, tested on a simulated fleet and by proptest.
 //! - [`Source`] and [`Receiver`]: the roles. A source publishes files or named [`Tensor`]s of
 //!   the caller's engine (no copy), several versions side by side, and withdraws a version
 //!   whose files changed on disk; a receiver pulls into buffers of its own, into the caller's

@@ -4,6 +4,10 @@
 //! into the caller's destinations ([`Receiver::join_into`]: in place, or staged and then
 //! committed), and serves from wherever the chunks landed ([`layout`](crate::layout)).
 //!
+//! What it decides (which holder to fetch each chunk from, when to give one up, re-fetch,
+//! replan) is [`Pull`](crate::pull::Pull)'s, a state machine with no I/O; this module is its
+//! driver ([`drive`]): it joins ([`join`]), attaches holders and fetches from them ([`link`]).
+//!
 //! Contract:
 //! - a chunk is fetched by Ferry READs straight into where it lands here (one per piece where
 //!   the holder's layout and this receiver's meet), then verified over those pieces against the
