@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use ferry::DataPlane;
-use ferry_broadcast::{Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions};
+use ferry_broadcast::{
+    Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions, TestHooks,
+};
 use ferry_tests::Fleet;
 
 const CHUNK: u64 = 256 << 10;
@@ -77,7 +79,6 @@ fn child_broadcast() -> Result<()> {
             data_plane: DataPlane::Tcp,
             stall_after: Duration::from_secs(2),
             heartbeat: Duration::from_millis(200),
-            corrupt_after_verify: env("FERRY_BC_CORRUPT").and_then(|c| c.parse().ok()),
             // The plans these tests reason about: four stripes, fixed by join order (no
             // receiver is taken for a straggler because a loaded machine slowed it).
             stripes: 4,
@@ -91,6 +92,10 @@ fn child_broadcast() -> Result<()> {
                 return Ok(());
             }
         };
+        r.set_test_hooks(TestHooks {
+            corrupt_after_verify: env("FERRY_BC_CORRUPT").and_then(|c| c.parse().ok()),
+            ..Default::default()
+        });
         println!("JOINED {}", r.member().id);
         match r.run().await {
             Ok(s) => {

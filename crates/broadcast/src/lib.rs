@@ -12,6 +12,8 @@
 //!   simulation of links on which the chain and the striped plan are compared.
 //! - [`layout`]: where a member holds each segment ([`Slice`]s of its registrations, host or
 //!   GPU), and the pieces a chunk moves in.
+//! - `pull`: a receiver's decisions as a state machine with no I/O (events in, commands out),
+//!   which [`Receiver`] drives, tested on a simulated fleet and by proptest.
 //! - [`Source`] and [`Receiver`]: the roles. A source publishes files or named [`Tensor`]s of
 //!   the caller's engine (no copy), several versions side by side, and withdraws a version
 //!   whose files changed on disk; a receiver pulls into buffers of its own, into the caller's
@@ -30,19 +32,23 @@
 #![forbid(unsafe_code)]
 
 mod control;
+mod destinations;
 pub mod discovery;
 mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod hashing;
 mod landing;
 pub mod layout;
 pub mod manifest;
 pub mod plan;
+mod pull;
 mod receiver;
 pub mod sim;
 mod source;
 pub mod stripes;
 
+pub use destinations::{Destinations, TensorKind};
 pub use discovery::{Discovery, Embedded, Listing};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
@@ -50,8 +56,10 @@ pub use etcd::{Etcd, EtcdKv, MAX_MEMBER_BYTES, MAX_MEMBERS};
 pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};
+#[cfg(feature = "__test-hooks")]
+#[doc(hidden)]
+pub use receiver::TestHooks;
 pub use receiver::{
-    DEFAULT_STRIPES, Destinations, Receiver, ReceiverOptions, Snapshot, Summary, TensorKind,
-    Timeline, unix_now,
+    DEFAULT_STRIPES, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
 };
 pub use source::{Source, SourceEvent, SourceOptions};

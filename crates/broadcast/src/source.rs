@@ -727,35 +727,7 @@ async fn watch(
             .filter(|m| m.role == Role::Receiver)
             .map(|m| (m.id.clone(), m))
             .collect();
-        let mut said = Vec::new();
-        for (id, m) in &now {
-            let before = known.get(id);
-            if before.is_none() {
-                said.push(SourceEvent::Joined {
-                    id: id.clone(),
-                    addr: m.data_addr.clone(),
-                    version: m.version,
-                });
-            }
-            if m.done && !before.is_some_and(|b| b.done) {
-                said.push(SourceEvent::Finished {
-                    id: id.clone(),
-                    addr: m.data_addr.clone(),
-                    version: m.version,
-                });
-            }
-        }
-        for (id, m) in &known {
-            if now.contains_key(id) || m.done {
-                continue;
-            }
-            said.push(SourceEvent::Failed {
-                id: id.clone(),
-                addr: m.data_addr.clone(),
-                version: m.version,
-                progress: m.progress,
-            });
-        }
+        let said = membership_events(&known, &now);
         for e in said {
             match e {
                 SourceEvent::Failed { .. } => tracing::warn!("{e}"),
@@ -764,5 +736,109 @@ async fn watch(
             let _ = events.send(e);
         }
         known = now;
+    }
+}
+
+/// What changed between the receivers listed before (`known`) and now (`now`), by id: each that
+/// joined, each that finished, and each that left unfinished (one that left done was seen
+/// finished). No I/O: the watcher reports what it returns.
+fn membership_events(
+    known: &std::collections::HashMap<String, Member>,
+    now: &std::collections::HashMap<String, Member>,
+) -> Vec<SourceEvent> {
+    let mut said = Vec::new();
+    for (id, m) in now {
+        let before = known.get(id);
+        if before.is_none() {
+            said.push(SourceEvent::Joined {
+                id: id.clone(),
+                addr: m.data_addr.clone(),
+                version: m.version,
+            });
+        }
+        if m.done && !before.is_some_and(|b| b.done) {
+            said.push(SourceEvent::Finished {
+                id: id.clone(),
+                addr: m.data_addr.clone(),
+                version: m.version,
+            });
+        }
+    }
+    for (id, m) in known {
+        if now.contains_key(id) || m.done {
+            continue;
+        }
+        said.push(SourceEvent::Failed {
+            id: id.clone(),
+            addr: m.data_addr.clone(),
+            version: m.version,
+            progress: m.progress,
+        });
+    }
+    said
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn receiver(id: &str, done: bool, progress: u64) -> (String, Member) {
+        let m = Member {
+            id: id.into(),
+            epoch: 1,
+            source_epoch: 1,
+            data_addr: format!("10.0.0.1:{}", id.len()),
+            ctl_addr: String::new(),
+            role: Role::Receiver,
+            progress,
+            done,
+            order: 0,
+            version: 2,
+            rate: 0,
+            number: None,
+        };
+        (id.to_owned(), m)
+    }
+
+    #[test]
+    fn the_watcher_reports_joins_finishes_and_members_gone_unfinished_once() {
+        let known: std::collections::HashMap<_, _> = [
+            receiver("stays", false, 1),
+            receiver("finishes", false, 3),
+            receiver("dies", false, 4),
+            receiver("left_done", true, 8),
+        ]
+        .into();
+        let now: std::collections::HashMap<_, _> = [
+            receiver("stays", false, 2),
+            receiver("finishes", true, 8),
+            receiver("new", false, 0),
+            receiver("new_done", true, 8),
+        ]
+        .into();
+        let mut said = membership_events(&known, &now);
+        said.sort_by_key(|e| format!("{e:?}"));
+        let kinds: Vec<String> = said
+            .iter()
+            .map(|e| match e {
+                SourceEvent::Joined { id, .. } => format!("joined {id}"),
+                SourceEvent::Finished { id, .. } => format!("finished {id}"),
+                SourceEvent::Failed { id, progress, .. } => format!("failed {id} at {progress}"),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        let mut want = vec![
+            "failed dies at 4",
+            "finished finishes",
+            "finished new_done",
+            "joined new",
+            "joined new_done",
+        ];
+        let mut kinds = kinds;
+        kinds.sort();
+        want.sort();
+        assert_eq!(kinds, want);
+        // Nothing changed: nothing said.
+        assert!(membership_events(&now, &now).is_empty());
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ferry::DataPlane;
 use ferry_broadcast::{
-    BroadcastError, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions,
+    BroadcastError, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions, TestHooks,
 };
 
 const CHUNK: u64 = 256 << 10;
@@ -145,10 +145,13 @@ async fn a_failed_or_dropped_pull_into_a_directory_leaves_nothing() {
     let hold = Arc::new(tokio::sync::Notify::new());
     let mut o = opts();
     o.stall_after = Duration::from_secs(2);
-    o.hold_after = Some((3, hold.clone()));
     let mut r = Receiver::join_to_dir(disc.clone(), Some("w"), &into, o)
         .await
         .unwrap();
+    r.set_test_hooks(TestHooks {
+        hold_after: Some((3, hold.clone())),
+        ..Default::default()
+    });
     let mut progress = r.progress();
     let run = tokio::spawn(async move {
         let s = r.run().await;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use ferry::DataPlane;
 use ferry_broadcast::{
     BroadcastError, Digest, Embedded, Manifest, ManifestError, Receiver, ReceiverOptions, Source,
-    SourceOptions,
+    SourceOptions, TestHooks,
 };
 
 fn payload(len: usize, seed: u32) -> Vec<u8> {
@@ -83,11 +83,15 @@ async fn three_with_a_corrupting_first(
         // longer than the default, and a child that gave up its corrupting parent as stalled
         // would never read the corruption this test is about.
         o.stall_after = Duration::from_secs(60);
+        let mut r = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
         if k == 0 {
-            o.corrupt_after_verify = Some(corrupt);
-            o.hold_final_check = Some(release.clone());
+            r.set_test_hooks(TestHooks {
+                corrupt_after_verify: Some(corrupt),
+                hold_final_check: Some(release.clone()),
+                ..Default::default()
+            });
         }
-        rs.push(Receiver::join(disc.clone(), Some("w"), o).await.unwrap());
+        rs.push(r);
     }
     let first_id = rs[0].member().id.clone();
     let mut tasks = Vec::new();
@@ -189,11 +193,14 @@ async fn a_restarted_source_is_refused_with_a_clear_error() {
     let addr = src.ctl_addr();
     let disc = Arc::new(Embedded::new(addr));
     let mut o = opts();
-    // Fetch a few chunks, then fetch nothing more until the source has restarted (the pause
-    // outlasts the test: the restart ends the pull, not the pause).
-    o.pause_after = Some((3, Duration::from_secs(3600)));
+    // Fetch a few chunks, then fetch nothing more until the source has restarted (the hold is
+    // never released: the restart ends the pull).
     o.window = 1;
     let mut r = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
+    r.set_test_hooks(TestHooks {
+        hold_after: Some((3, Arc::new(tokio::sync::Notify::new()))),
+        ..Default::default()
+    });
     let mut progress = r.progress();
     let run = tokio::spawn(async move { r.run().await });
     progress
@@ -278,9 +285,12 @@ async fn never_advertises_unverified(stripes: usize) {
     let mut o = opts();
     o.window = 1;
     o.stripes = stripes;
-    o.hold_after = Some((k, release.clone()));
     o.stall_after = Duration::from_secs(60);
     let mut relay = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
+    relay.set_test_hooks(TestHooks {
+        hold_after: Some((k, release.clone())),
+        ..Default::default()
+    });
     let relay_ctl = relay.member().ctl_addr.clone();
     let mut relay_progress = relay.progress();
     let mut o = opts();

@@ -11,7 +11,7 @@ use std::time::Duration;
 use ferry::{Access, DataPlane, MemoryRegion, Registration, TransferEngine};
 use ferry_broadcast::{
     BroadcastError, Destinations, Embedded, Receiver, ReceiverOptions, Slice, Source,
-    SourceOptions, Tensor,
+    SourceOptions, Tensor, TestHooks,
 };
 use tokio::sync::Notify;
 
@@ -294,7 +294,6 @@ async fn a_pull_in_place_cut_by_a_dead_source_is_torn() {
     let hold = Arc::new(Notify::new());
     let mut o = opts();
     o.window = 1;
-    o.hold_after = Some((2, hold.clone()));
     let dests = Destinations {
         into: l.dests.clone(),
         ..Default::default()
@@ -302,6 +301,10 @@ async fn a_pull_in_place_cut_by_a_dead_source_is_torn() {
     let mut r = Receiver::join_into(&e, disc, Some("w"), dests, o)
         .await
         .unwrap();
+    r.set_test_hooks(TestHooks {
+        hold_after: Some((2, hold.clone())),
+        ..Default::default()
+    });
     let progress = r.progress();
     let run = tokio::spawn(async move { r.run().await });
     let mut progress = progress;
@@ -424,8 +427,11 @@ async fn staged_versions_commit_when_asked_and_a_failed_one_leaves_the_live_tens
     let hold = Arc::new(Notify::new());
     let mut o = opts();
     o.window = 1;
-    o.hold_after = Some((2, hold.clone()));
     let mut r = staged(o).await.unwrap();
+    r.set_test_hooks(TestHooks {
+        hold_after: Some((2, hold.clone())),
+        ..Default::default()
+    });
     let mut progress = r.progress();
     let run = tokio::spawn(async move {
         let res = r.run().await;
@@ -459,7 +465,6 @@ async fn a_receiver_of_the_next_version_never_takes_chunks_from_one_still_pullin
     let hold = Arc::new(Notify::new());
     let mut o = opts();
     o.window = 1;
-    o.hold_after = Some((2, hold.clone()));
     let mut a = Receiver::join_into(
         &ea,
         disc.clone(),
@@ -472,6 +477,10 @@ async fn a_receiver_of_the_next_version_never_takes_chunks_from_one_still_pullin
     )
     .await
     .unwrap();
+    a.set_test_hooks(TestHooks {
+        hold_after: Some((2, hold.clone())),
+        ..Default::default()
+    });
     let a_id = a.member().id.clone();
     let mut pa = a.progress();
     let ta = tokio::spawn(async move {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use ferry::DataPlane;
 use ferry_broadcast::{
-    BroadcastError, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions,
+    BroadcastError, Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions, TestHooks,
 };
 
 /// Set for the child: the directory whose files it publishes.
@@ -126,12 +126,15 @@ async fn a_stopped_source_is_given_up_within_the_stall_window() {
         stall_after,
         heartbeat: Duration::from_millis(100),
         window: 4,
-        hold_after: Some((4, hold.clone())),
         ..Default::default()
     };
     let mut r = Receiver::join(Arc::new(Embedded::new(addr)), Some("w"), opts)
         .await
         .unwrap();
+    r.set_test_hooks(TestHooks {
+        hold_after: Some((4, hold.clone())),
+        ..Default::default()
+    });
     let mut progress = r.progress();
     let run = tokio::spawn(async move { r.run().await });
     progress.wait_for(|s| s.chunks >= 4).await.unwrap();
@@ -195,8 +198,11 @@ async fn a_pull_whose_source_stops_goes_on_from_a_receiver_that_holds_the_chunks
     let hold = Arc::new(tokio::sync::Notify::new());
     let mut o = opts();
     o.window = 4;
-    o.hold_after = Some((4, hold.clone()));
     let mut second = Receiver::join(disc.clone(), Some("w"), o).await.unwrap();
+    second.set_test_hooks(TestHooks {
+        hold_after: Some((4, hold.clone())),
+        ..Default::default()
+    });
     let mut progress = second.progress();
     let run = tokio::spawn(async move {
         let s = second.run().await;

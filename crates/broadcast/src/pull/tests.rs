@@ -1,0 +1,509 @@
+//! The pull's rules, event by event, with no sockets.
+
+use super::*;
+use crate::error::BroadcastError;
+
+fn member(id: &str, role: Role) -> Member {
+    Member {
+        id: id.into(),
+        epoch: 1,
+        source_epoch: 1,
+        data_addr: format!("10.0.0.1:{}", id.len()),
+        ctl_addr: String::new(),
+        role,
+        progress: 0,
+        done: false,
+        order: 0,
+        version: 3,
+        rate: 0,
+        number: None,
+    }
+}
+
+#[test]
+fn a_holder_that_sends_nothing_for_stall_after_is_given_up_whatever_its_role() {
+    let t0 = Instant::now();
+    let at = |s: f64| t0 + Duration::from_secs_f64(s);
+    let stall = Duration::from_secs(3);
+    let have = Have::striped(16, 2);
+    let members = vec![
+        member("src", Role::Source),
+        member("a", Role::Receiver),
+        member("b", Role::Receiver),
+    ];
+    let mut src = Seen::new(members[0].clone(), 16, t0);
+    src.in_flight = 8;
+    let mut a = Seen::new(members[1].clone(), 16, t0);
+    a.update(4, 4, Vec::new(), false, t0);
+    let run = |holders: &[(&str, &Seen)], assigned: &[Option<String>], list: &[Member], s| {
+        stalled(holders.iter().copied(), assigned, &have, list, stall, at(s))
+    };
+    let assigned = vec![Some("src".to_owned()), Some("a".to_owned())];
+    let both = [("src", &src), ("a", &a)];
+    assert!(run(&both, &assigned, &members, 2.9).is_empty());
+    // Past the window: the source, whose chunks are in flight; the relay, which still has
+    // chunks to give, is kept.
+    let out = run(&both, &assigned, &members, 3.5);
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out[0].0, "src");
+    assert_eq!(
+        out[0].1.to_string(),
+        "sent nothing for 3.5 s while 8 chunks were requested from it"
+    );
+    // A chunk from it restarts its silence.
+    src.heard = at(3.0);
+    assert!(run(&[("src", &src)], &assigned, &members, 3.5).is_empty());
+    // Nothing asked of it: the source is never waited on.
+    src.in_flight = 0;
+    assert!(run(&[("src", &src)], &assigned, &members, 60.0).is_empty());
+    // A parent with nothing this receiver wants that advertises nothing new.
+    let b = Seen::new(members[2].clone(), 16, t0);
+    let assigned = vec![Some("src".to_owned()), Some("b".to_owned())];
+    assert!(run(&[("b", &b)], &assigned, &members, 2.0).is_empty());
+    let out = run(&[("b", &b)], &assigned, &members, 3.5);
+    assert!(
+        matches!(out[..], [(ref id, GiveUp::Stalled { in_flight: 0, .. })] if id == "b"),
+        "{out:?}"
+    );
+    assert!(out[0].1.to_string().starts_with("advertised nothing new"));
+    // A holder that is no stripe's parent is not waited on.
+    let unassigned = vec![Some("src".to_owned()), None];
+    assert!(run(&[("b", &b)], &unassigned, &members, 3.5).is_empty());
+    // A parent off the list is given up at once; the list never read takes no one off.
+    let out = run(&[("b", &b)], &assigned, &members[..2], 0.1);
+    assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
+    assert!(run(&[("b", &b)], &assigned, &[], 0.1).is_empty());
+    // The source off a list that was read (its lease ran out in etcd).
+    let out = run(&[("src", &src)], &assigned, &members[1..], 0.1);
+    assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
+}
+
+use super::sim::{Fleet, Kind, STALL, TICK};
+use proptest::prelude::*;
+
+fn fleet(relays: Vec<Kind>) -> Fleet {
+    Fleet {
+        chunks: 24,
+        stripes: 2,
+        window: 4,
+        relay: true,
+        verify_at_rest: true,
+        source_dies: None,
+        relays,
+        bad_at_rest: Vec::new(),
+    }
+}
+
+const GOOD: Kind = Kind::Good { per_chunk: 1 };
+
+#[test]
+fn a_fleet_of_good_relays_completes_without_giving_anyone_up() {
+    let e = fleet(vec![GOOD, GOOD, GOOD]).run();
+    e.result.unwrap();
+    assert!(e.given_up.is_empty(), "{:?}", e.given_up);
+    let t = e.pull.tally();
+    assert_eq!(t.refetched, 0);
+    assert!(t.bytes_from_relays > 0, "nothing came from the relays");
+    assert_eq!(t.bytes_from_source + t.bytes_from_relays, 24 * 1000);
+}
+
+#[test]
+fn from_the_source_only_no_relay_is_attached() {
+    let mut f = fleet(vec![GOOD, GOOD]);
+    f.relay = false;
+    let e = f.run();
+    e.result.unwrap();
+    assert_eq!(e.fetches.keys().collect::<Vec<_>>(), ["src"]);
+    assert_eq!(e.pull.tally().holders, ["src"]);
+}
+
+#[test]
+fn a_corrupting_relay_is_given_up_once_and_its_chunk_fetched_from_the_source() {
+    let mut f = fleet(vec![Kind::Corrupt]);
+    f.stripes = 1;
+    let e = f.run();
+    e.result.unwrap();
+    assert_eq!(e.given_up, ["r0"]);
+    let t = e.pull.tally();
+    assert_eq!(t.corrupt_holders, ["r0"]);
+    assert_eq!(t.fetch_mismatches, 1);
+    assert_eq!(t.refetched, 1);
+    assert_eq!(t.parents_given_up, 1);
+}
+
+#[test]
+fn a_dead_relay_and_one_that_stops_answering_are_given_up() {
+    for k in [Kind::Dead, Kind::PollFails] {
+        let mut f = fleet(vec![k]);
+        f.stripes = 1;
+        let e = f.run();
+        e.result.unwrap();
+        assert_eq!(e.given_up, ["r0"], "{k:?}");
+        assert_eq!(e.pull.tally().corrupt_holders.len(), 0);
+        assert_eq!(e.pull.tally().parents_given_up, 1);
+    }
+}
+
+#[test]
+fn a_silent_relay_is_given_up_after_stall_after_and_not_before() {
+    let mut f = fleet(vec![Kind::Silent]);
+    f.stripes = 1;
+    let e = f.run();
+    e.result.unwrap();
+    assert_eq!(e.given_up, ["r0"]);
+    let stall = (STALL.as_millis() / TICK.as_millis()) as u32;
+    assert!(e.ticks > stall, "done in {} ticks", e.ticks);
+    assert!(e.ticks < 3 * stall, "waited {} ticks", e.ticks);
+}
+
+#[test]
+fn relays_of_another_epoch_or_version_or_that_cannot_be_attached_are_given_up() {
+    for k in [Kind::OtherEpoch, Kind::OtherVersion, Kind::Unattachable] {
+        let mut f = fleet(vec![k]);
+        f.stripes = 1;
+        let e = f.run();
+        e.result.unwrap();
+        assert_eq!(e.pull.tally().refetched, 0, "{k:?}");
+        assert!(!e.fetches.contains_key("r0"), "{k:?}: fetched from it");
+        assert_eq!(e.pull.avoid.iter().collect::<Vec<_>>(), ["r0"], "{k:?}");
+    }
+    let mut f = fleet(vec![Kind::OtherEpoch]);
+    f.stripes = 1;
+    let e = f.run();
+    match &e.pull.last {
+        Some((who, GiveUp::OtherEpoch(8))) => assert!(who.starts_with("relay")),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_parent_that_leaves_the_list_is_given_up() {
+    let mut f = fleet(vec![Kind::Leaves { at: 3 }]);
+    f.stripes = 1;
+    let e = f.run();
+    e.result.unwrap();
+    assert_eq!(e.given_up, ["r0"]);
+    assert!(matches!(e.pull.last, Some((_, GiveUp::Unlisted))));
+}
+
+#[test]
+fn a_source_that_cannot_be_attached_ends_a_pull_no_one_else_serves_naming_it() {
+    let mut f = fleet(Vec::new());
+    f.source_dies = Some(0);
+    let e = f.run();
+    match e.result {
+        Err(BroadcastError::Stalled {
+            holder, verified, ..
+        }) => {
+            assert!(holder.starts_with("the source"), "{holder}");
+            assert_eq!(verified, 0);
+        }
+        other => panic!("{other:?}"),
+    }
+    // At once: nothing will come, there is nothing to wait for.
+    assert_eq!(e.ticks, 0);
+}
+
+#[test]
+fn a_source_that_stops_mid_pull_is_given_up_as_stalled() {
+    let mut f = fleet(Vec::new());
+    f.window = 1;
+    f.source_dies = Some(5);
+    let e = f.run();
+    match e.result {
+        Err(BroadcastError::Stalled {
+            holder,
+            reason,
+            verified,
+            ..
+        }) => {
+            assert!(holder.starts_with("the source"), "{holder}");
+            assert!(reason.starts_with("sent nothing"), "{reason}");
+            assert!(verified > 0 && verified < 24, "{verified}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.given_up, ["src"]);
+}
+
+#[test]
+fn with_the_source_gone_a_relay_that_holds_everything_serves_the_rest() {
+    let mut f = fleet(vec![GOOD]);
+    f.stripes = 1;
+    f.relay = true;
+    f.source_dies = Some(2);
+    // Its stripe comes from the relay: the source is not needed.
+    let e = f.run();
+    e.result.unwrap();
+}
+
+#[test]
+fn the_check_at_rest_fetches_what_changed_again_once() {
+    let mut f = fleet(vec![GOOD]);
+    f.bad_at_rest = vec![2, 5];
+    let e = f.run();
+    e.result.unwrap();
+    let t = e.pull.tally();
+    assert_eq!(t.at_rest_mismatches, 2);
+    assert_eq!(t.refetched, 2);
+    assert_eq!(e.pull.verified_bytes(), 24 * 1000);
+    // Without the check, nothing is fetched again.
+    f.verify_at_rest = false;
+    let e = f.run();
+    e.result.unwrap();
+    assert_eq!(e.pull.tally().at_rest_mismatches, 0);
+}
+
+/// Answers the pull's commands by hand: attaches whatever it asks, returns the fetches.
+fn drive(p: &mut Pull, now: Instant) -> Vec<(usize, String, u64)> {
+    let mut fetches = Vec::new();
+    while let Some(c) = p.poll(now).unwrap() {
+        match c {
+            Command::Attach(_) => p.handle(now, Event::Attached).unwrap(),
+            Command::Fetch {
+                chunk,
+                holder,
+                generation,
+            } => fetches.push((chunk, holder, generation)),
+            _ => {}
+        }
+    }
+    fetches
+}
+
+fn source_only(chunks: usize, window: usize) -> Pull {
+    let f = Fleet {
+        chunks,
+        stripes: 1,
+        window,
+        relay: false,
+        verify_at_rest: false,
+        source_dies: None,
+        relays: Vec::new(),
+        bad_at_rest: Vec::new(),
+    };
+    let mut cfg = f.config();
+    cfg.source_epoch = 1;
+    Pull::new(cfg, vec![member("src", Role::Source)])
+}
+
+fn fetched(chunk: usize, generation: u64, outcome: Outcome) -> Event {
+    Event::Fetched {
+        chunk,
+        from: "src".into(),
+        generation,
+        from_source: true,
+        outcome,
+    }
+}
+
+#[test]
+fn the_source_answering_for_another_epoch_ends_the_pull() {
+    let now = Instant::now();
+    let mut p = source_only(4, 2);
+    assert_eq!(drive(&mut p, now).len(), 2);
+    let progress = |epoch| Event::Progress {
+        id: "src".into(),
+        source_epoch: epoch,
+        prefix: 4,
+        done: true,
+        version: 3,
+        count: 4,
+        stripes: Vec::new(),
+    };
+    p.handle(now, progress(1)).unwrap();
+    assert!(matches!(
+        p.handle(now, progress(2)),
+        Err(BroadcastError::SourceRestarted {
+            had: 1,
+            found: 2,
+            ..
+        })
+    ));
+    assert!(p.handle(now, Event::SourceEpoch(1)).is_ok());
+    assert!(matches!(
+        p.handle(now, Event::SourceEpoch(9)),
+        Err(BroadcastError::SourceRestarted { found: 9, .. })
+    ));
+}
+
+#[test]
+fn a_chunk_the_source_serves_wrong_four_times_ends_the_pull() {
+    let now = Instant::now();
+    let mut p = source_only(1, 1);
+    let mut f = drive(&mut p, now);
+    for tries in 1..=4 {
+        let (chunk, _, g) = f.pop().unwrap();
+        let r = p.handle(now, fetched(chunk, g, Outcome::Mismatch));
+        if tries <= 3 {
+            r.unwrap();
+            f = drive(&mut p, now);
+            assert_eq!(f.len(), 1, "fetched again from the source");
+        } else {
+            assert!(matches!(r, Err(BroadcastError::NoHolder { chunk: 0, .. })));
+        }
+    }
+    assert!(
+        p.tally().corrupt_holders.is_empty(),
+        "the source is not a relay"
+    );
+}
+
+#[test]
+fn a_held_pull_starts_no_fetch_and_a_held_check_keeps_it_from_done() {
+    let now = Instant::now();
+    let mut p = source_only(2, 1);
+    p.handle(now, Event::HoldFetches).unwrap();
+    assert!(drive(&mut p, now).is_empty());
+    p.handle(now, Event::ResumeFetches).unwrap();
+    p.handle(now, Event::HoldCheck).unwrap();
+    for _ in 0..2 {
+        let (c, _, g) = drive(&mut p, now).pop().unwrap();
+        p.handle(now, fetched(c, g, Outcome::Verified)).unwrap();
+    }
+    assert!(p.have().is_done());
+    while let Some(c) = p.poll(now).unwrap() {
+        assert_ne!(c, Command::Done);
+    }
+    p.handle(now, Event::ReleaseCheck).unwrap();
+    assert_eq!(p.poll(now).unwrap(), Some(Command::Done));
+}
+
+#[test]
+fn a_read_failed_from_an_earlier_attachment_gives_up_no_one() {
+    let now = Instant::now();
+    let mut p = source_only(2, 2);
+    let f = drive(&mut p, now);
+    assert_eq!(f.len(), 2);
+    let (c, _, g) = f[0].clone();
+    let stale = Event::Fetched {
+        chunk: c,
+        from: "src".into(),
+        generation: g + 1,
+        from_source: true,
+        outcome: Outcome::ReadFailed("reset".into()),
+    };
+    p.handle(now, stale).unwrap();
+    assert!(
+        p.holders.contains_key("src"),
+        "given up for another attachment's READ"
+    );
+    let (c, _, g) = f[1].clone();
+    p.handle(now, fetched(c, g, Outcome::ReadFailed("reset".into())))
+        .unwrap();
+    assert!(!p.holders.contains_key("src"));
+    let gave: Vec<Command> = std::iter::from_fn(|| p.poll(now).ok().flatten()).collect();
+    assert_eq!(
+        gave.iter()
+            .filter(|c| matches!(c, Command::GiveUp { .. }))
+            .count(),
+        1
+    );
+    // A second failure of the same holder gives up nothing more.
+    p.handle(now, fetched(c, g, Outcome::ReadFailed("reset".into())))
+        .unwrap_or(());
+    let again: Vec<Command> = std::iter::from_fn(|| p.poll(now).ok().flatten()).collect();
+    assert!(
+        !again.iter().any(|c| matches!(c, Command::GiveUp { .. })),
+        "{again:?}"
+    );
+}
+
+fn kind() -> impl Strategy<Value = Kind> {
+    prop_oneof![
+        4 => (1u32..5).prop_map(|per_chunk| Kind::Good { per_chunk }),
+        1 => Just(Kind::Dead),
+        1 => Just(Kind::Silent),
+        1 => Just(Kind::Corrupt),
+        1 => Just(Kind::OtherEpoch),
+        1 => Just(Kind::OtherVersion),
+        1 => Just(Kind::Unattachable),
+        1 => (1u32..40).prop_map(|at| Kind::Leaves { at }),
+        1 => Just(Kind::PollFails),
+    ]
+}
+
+fn any_fleet() -> impl Strategy<Value = Fleet> {
+    (
+        1usize..40,
+        1usize..4,
+        1usize..9,
+        any::<bool>(),
+        any::<bool>(),
+        proptest::option::weighted(0.25, 0u32..60),
+        proptest::collection::vec(kind(), 0..6),
+        proptest::collection::vec(0usize..40, 0..3),
+    )
+        .prop_map(
+            |(chunks, stripes, window, relay, verify_at_rest, source_dies, relays, bad)| Fleet {
+                chunks,
+                stripes,
+                window,
+                relay,
+                verify_at_rest,
+                source_dies,
+                relays,
+                bad_at_rest: bad.into_iter().filter(|&c| c < chunks).collect(),
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// On any fleet the rules hold at every step (the simulation checks them: fetches only
+    /// from holders attached that advertised the chunk, within the window; each holder given
+    /// up once and never attached again; done only with every chunk verified and nothing in
+    /// flight), a pull whose source stays up completes, a good relay is never given up, and
+    /// only a corrupting relay is reported corrupt.
+    #[test]
+    fn any_fleet_keeps_the_rules(f in any_fleet()) {
+        let e = f.run();
+        if f.source_dies.is_none() {
+            prop_assert!(e.result.is_ok(), "{:?}", e.result);
+        } else if let Err(err) = &e.result {
+            prop_assert!(
+                matches!(err, BroadcastError::Stalled { .. } | BroadcastError::NoHolder { .. }),
+                "{err}"
+            );
+        }
+        for id in &e.given_up {
+            let k = id.strip_prefix('r').and_then(|i| i.parse::<usize>().ok()).map(|i| f.relays[i]);
+            prop_assert!(!matches!(k, Some(Kind::Good { .. })), "good relay {} given up", id);
+            prop_assert!(id != "src" || f.source_dies.is_some(), "a live source given up");
+        }
+        for id in &e.pull.tally().corrupt_holders {
+            let i: usize = id[1..].parse().unwrap();
+            prop_assert_eq!(f.relays[i], Kind::Corrupt);
+        }
+        if e.result.is_ok() {
+            let t = e.pull.tally();
+            prop_assert_eq!(e.pull.verified_bytes(), f.chunks as u64 * 1000);
+            prop_assert_eq!(t.at_rest_mismatches, if f.verify_at_rest { f.bad_at_rest.len() as u64 } else { 0 });
+        }
+    }
+}
+
+#[test]
+fn a_fetch_that_could_not_start_is_asked_again_once_another_finishes() {
+    let now = Instant::now();
+    let mut p = source_only(3, 2);
+    let f = drive(&mut p, now);
+    assert_eq!(f.iter().map(|f| f.0).collect::<Vec<_>>(), [0, 1]);
+    let (c, from, generation) = f[1].clone();
+    p.handle(
+        now,
+        Event::NotStarted {
+            chunk: c,
+            from,
+            generation,
+        },
+    )
+    .unwrap();
+    // No slot free: nothing more until a fetch finishes.
+    assert!(drive(&mut p, now).is_empty());
+    let (c0, _, g) = f[0].clone();
+    p.handle(now, fetched(c0, g, Outcome::Verified)).unwrap();
+    let again: Vec<usize> = drive(&mut p, now).iter().map(|f| f.0).collect();
+    assert_eq!(again, [1, 2]);
+}

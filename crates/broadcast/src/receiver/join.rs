@@ -1,0 +1,580 @@
+//! Joining a broadcast: the manifest from the source, where each segment lands (buffers of
+//! the receiver's own, the caller's destinations, or files), the control service, the listing.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use ferry::{Access, DataPlane, MemoryRegion, Registration, TransferEngine};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
+use crate::discovery::Discovery;
+use crate::error::BroadcastError;
+use crate::landing::{Landing, LandingFile, partial_name, room_for};
+use crate::layout::{self, LocalExtents, Slice};
+use crate::manifest::{MAX_TOTAL_BYTES, Manifest};
+use crate::plan::{Member, Role};
+
+use super::{Receiver, ReceiverOptions, Snapshot, TestHooks, Timeline, unix_now};
+use crate::destinations::{Destinations, match_tensors};
+
+pub(super) fn control_err(addr: &str, reason: impl Into<String>) -> BroadcastError {
+    BroadcastError::Control {
+        addr: addr.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// An address with an unspecified IP (a member that listens on all interfaces) made reachable
+/// with `ip`.
+pub(super) fn reachable(addr: &str, ip: IpAddr) -> String {
+    match addr.parse::<SocketAddr>() {
+        Ok(a) if a.ip().is_unspecified() => SocketAddr::new(ip, a.port()).to_string(),
+        _ => addr.to_owned(),
+    }
+}
+
+/// Finds the source of `name` through `discovery` and fetches the manifest of `version`
+/// (`None`: the newest). Returns it, the source epoch, the source's IP and this end's IP.
+async fn manifest_from_source(
+    discovery: &Arc<dyn Discovery>,
+    wanted: Option<&str>,
+    opts: &ReceiverOptions,
+) -> Result<(Manifest, u64, IpAddr, IpAddr, Member), BroadcastError> {
+    let version = opts.version;
+    let name = wanted.unwrap_or("(any)");
+    let timeout = Duration::from_secs(5);
+    crate::discovery::require_bound(
+        discovery.listing(),
+        &discovery.describe(),
+        opts.keys.is_some(),
+        opts.expect_manifest.is_some(),
+    )?;
+    let listed = discovery.members().await?;
+    let source = listed
+        .iter()
+        .find(|m| m.role == Role::Source)
+        .ok_or_else(|| BroadcastError::NoSource {
+            name: name.to_owned(),
+            discovery: discovery.describe(),
+        })?;
+    let mut ctl = CtlClient::connect_keyed(&source.ctl_addr, timeout, opts.keys.as_ref()).await?;
+    let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
+        Ok(a) if !a.ip().is_unspecified() => a.ip(),
+        _ => ctl.local_addr().ip(),
+    };
+    let (manifest, source_epoch) = match ctl.call(&Request::Manifest { version }, timeout).await? {
+        Reply::Manifest {
+            manifest,
+            source_epoch,
+        } => (manifest, source_epoch),
+        _ => return Err(control_err(&source.ctl_addr, "answered with no manifest")),
+    };
+    // The record taken names the incarnation that answered (not a stale record of a source
+    // restarted on the same address, nor one listing another's control service).
+    let source = crate::discovery::answered_by(&listed, &source.ctl_addr, source_epoch)?;
+    if let Some(expected) = opts.expect_manifest {
+        let found = manifest.digest();
+        if found != expected {
+            return Err(BroadcastError::ManifestDigest {
+                source_addr: source.ctl_addr.clone(),
+                expected,
+                found,
+            });
+        }
+    }
+    let limit = opts
+        .max_bytes
+        .unwrap_or(MAX_TOTAL_BYTES)
+        .min(MAX_TOTAL_BYTES);
+    if manifest.total_bytes() > limit {
+        return Err(BroadcastError::ManifestFrom {
+            addr: source.ctl_addr.clone(),
+            source: crate::manifest::ManifestError::TooManyBytes {
+                declared: manifest.total_bytes(),
+                limit,
+            },
+        });
+    }
+    if wanted.is_some_and(|n| n != manifest.name) {
+        return Err(control_err(
+            &source.ctl_addr,
+            format!("publishes {:?}, not {name:?}", manifest.name),
+        ));
+    }
+    if version.is_some_and(|v| v != manifest.version) {
+        return Err(control_err(
+            &source.ctl_addr,
+            format!(
+                "answered version {} of {name:?} for version {}",
+                manifest.version,
+                version.unwrap_or_default()
+            ),
+        ));
+    }
+    Ok((
+        manifest,
+        source_epoch,
+        source_ip,
+        ctl.local_addr().ip(),
+        source,
+    ))
+}
+
+/// Registration names of scratch buffers are unique within the process.
+static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Allocates and registers `len` zeroed bytes of host memory on `engine` as `name`; a
+/// failed allocation is an error, never an abort.
+fn alloc(engine: &TransferEngine, len: u64, name: &str) -> Result<Registration, BroadcastError> {
+    alloc_for(engine, len, name, Access::REMOTE_READ)
+}
+
+/// [`alloc`] with `access` (landing slots hold unverified bytes: served to no one).
+fn alloc_for(
+    engine: &TransferEngine,
+    len: u64,
+    name: &str,
+    access: Access,
+) -> Result<Registration, BroadcastError> {
+    let n = usize::try_from(len).map_err(|_| {
+        BroadcastError::io(
+            format!("segment {name:?}"),
+            std::io::Error::other("longer than this machine's address space"),
+        )
+    })?;
+    // Aligned to 16, not to a page: the allocator then takes zeroed memory from the kernel
+    // (calloc, fresh pages) instead of writing zeros over every page first, which cost each
+    // receiver a pass over its whole payload before joining (0.1 to 1.5 s per 128 MiB with
+    // several receivers starting on one machine: the timeline's manifest-to-joined step).
+    let region = MemoryRegion::alloc_zeroed(n, 16).map_err(|e| {
+        BroadcastError::io(
+            format!("allocating {len} bytes for {name:?}"),
+            std::io::Error::other(e.to_string()),
+        )
+    })?;
+    Ok(engine.register(region, access, name)?)
+}
+
+/// What joining sets up, before the control service starts.
+struct Joined {
+    engine: TransferEngine,
+    owns_engine: bool,
+    manifest: Manifest,
+    source_epoch: u64,
+    source_ip: IpAddr,
+    ip: IpAddr,
+    layout: Vec<LocalExtents>,
+    own: Vec<Registration>,
+    staged: Option<Vec<(String, Slice, Slice)>>,
+    tensors: Vec<String>,
+    timeline: Timeline,
+    files: Option<Landing>,
+    source: Member,
+}
+
+impl Receiver {
+    /// Joins the broadcast `name` (`None`: whatever the source listed publishes) through
+    /// `discovery`: finds its source, fetches the manifest (of [`ReceiverOptions::version`]),
+    /// allocates and registers one buffer per segment on an engine of its own, starts its
+    /// control service and lists itself.
+    pub async fn join(
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip, source) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
+        let ip = opts.listen_ip.unwrap_or(local_ip);
+        let mut builder = TransferEngine::builder()
+            .data_plane(opts.data_plane)
+            // An explicit network plane is used alone; `Auto` adds the same-host plane.
+            .same_host(opts.data_plane == DataPlane::Auto)
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
+        let mut own = Vec::with_capacity(manifest.segments.len());
+        let mut layout = Vec::with_capacity(manifest.segments.len());
+        for seg in &manifest.segments {
+            let reg = alloc(&engine, seg.len, &seg.name)?;
+            layout.push(if seg.len == 0 {
+                Vec::new()
+            } else {
+                vec![(0, Slice::whole(&reg, &seg.name))]
+            });
+            own.push(reg);
+        }
+        let j = Joined {
+            engine,
+            owns_engine: true,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged: None,
+            tensors: Vec::new(),
+            timeline,
+            files: None,
+            source,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    /// Joins the broadcast `name` to pull it into the directory `dir`, each segment into the
+    /// file of its name (as [`join`](Self::join) then [`write_to`](Self::write_to) would, but
+    /// never holding the payload in memory). Before anything is allocated or listed, `dir` is
+    /// made if missing and must have room for the payload (`statvfs`: the blocks free to
+    /// this user). Each segment is written, chunk by chunk as it is verified, into a hidden
+    /// temporary file beside its name (`.NAME.ferry-partial.PID`, the payload's length from
+    /// the start), which children read relayed chunks from; [`write_to`](Self::write_to)`(dir)`
+    /// renames them into place once the pull is complete, and a receiver dropped before that
+    /// removes them. Memory: [`ReceiverOptions::window`] chunk-sized landing slots (and as many
+    /// copies of a chunk being written), whatever the payload's size.
+    pub async fn join_to_dir(
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        dir: &Path,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip, source) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
+        room_for(dir, manifest.total_bytes())?;
+        let ip = opts.listen_ip.unwrap_or(local_ip);
+        let mut builder = TransferEngine::builder()
+            .data_plane(opts.data_plane)
+            // An explicit network plane is used alone; `Auto` adds the same-host plane.
+            .same_host(opts.data_plane == DataPlane::Auto)
+            .listen(SocketAddr::new(ip, 0));
+        if let Some(k) = &opts.keys {
+            builder = builder.auth_keyring(k.clone());
+        }
+        let engine = builder.build()?;
+        let mut landing = Landing {
+            dir: dir.to_owned(),
+            segs: Vec::with_capacity(manifest.segments.len()),
+            slots: Vec::new(),
+            free: Arc::default(),
+            renamed: std::sync::atomic::AtomicBool::new(false),
+        };
+        // Nothing of this pull is left behind if it fails: the files made so far are removed
+        // when `landing` drops.
+        for seg in &manifest.segments {
+            let tmp = partial_name(dir, &seg.name);
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(|e| BroadcastError::io(format!("creating {}", tmp.display()), e))?;
+            let file = Arc::new(file);
+            landing.segs.push(LandingFile {
+                file: file.clone(),
+                tmp: tmp.clone(),
+                reg: None,
+            });
+            file.set_len(seg.len)
+                .map_err(|e| BroadcastError::io(format!("sizing {}", tmp.display()), e))?;
+            if seg.len > 0 {
+                let reg = engine.publish_file_named(&tmp, Access::REMOTE_READ, &seg.name)?;
+                if let Some(last) = landing.segs.last_mut() {
+                    last.reg = Some(reg);
+                }
+            }
+        }
+        let chunk = manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0);
+        let slots = opts.window.max(1) as u64;
+        let mut own = Vec::new();
+        if chunk > 0 {
+            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
+            let reg_name = format!("{}.v{}.landing.{k}", manifest.name, manifest.version);
+            let reg = alloc_for(&engine, slots * chunk, &reg_name, Access::LOCAL)?;
+            let whole = Slice::whole(&reg, &reg_name);
+            landing.slots = (0..slots).map(|i| whole.sub(i * chunk, chunk)).collect();
+            *landing
+                .free
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                (0..slots as usize).rev().collect();
+            own.push(reg);
+        }
+        let layout = vec![Vec::new(); manifest.segments.len()];
+        let j = Joined {
+            engine,
+            owns_engine: true,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged: None,
+            tensors: Vec::new(),
+            timeline,
+            files: Some(landing),
+            source,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    /// Joins the broadcast `name` to pull it into `dests`: slices of registrations of
+    /// `engine` (the caller's; it must listen for this receiver to relay, and it is not shut
+    /// down with the receiver). Before any byte moves, every published tensor is matched by
+    /// name (after [`Destinations::rename`]) and size with a destination; a missing, extra
+    /// (unless [`Destinations::subset`]) or differently sized tensor is one
+    /// [`BroadcastError::Mismatch`] listing them all. Bytes no destination takes (a
+    /// `.safetensors` header, a tensor left out) land in a scratch buffer of this receiver's.
+    /// Chunks are relayed onward from where they landed.
+    ///
+    /// In place ([`Destinations::staging`] `None`) the pull writes the live tensors: a pull that
+    /// fails after its first READ is [`BroadcastError::Torn`]. Staged, it writes the staging
+    /// slices, and [`commit`](Self::commit) copies them into the live ones; a failed pull
+    /// leaves the live tensors untouched.
+    pub async fn join_into(
+        engine: &TransferEngine,
+        discovery: Arc<dyn Discovery>,
+        name: Option<&str>,
+        dests: Destinations,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let join_start = unix_now();
+        let (manifest, source_epoch, source_ip, local_ip, source) =
+            manifest_from_source(&discovery, name, &opts).await?;
+        let timeline = Timeline {
+            join_start: Some(join_start),
+            manifest: Some(unix_now()),
+            ..Default::default()
+        };
+        let matched = match_tensors(&manifest, &dests)?;
+        // Where each tensor of `into` lands: itself, or its staging (matched by name above).
+        let target: Vec<Slice> = match &dests.staging {
+            None => dests.into.iter().map(|(_, s)| s.clone()).collect(),
+            Some(st) => {
+                let by_name: HashMap<&str, &Slice> =
+                    st.iter().map(|(n, s)| (n.as_str(), s)).collect();
+                dests
+                    .into
+                    .iter()
+                    .map(|(n, s)| by_name.get(n.as_str()).map_or(s, |st| *st).clone())
+                    .collect()
+            }
+        };
+        // Per segment: the taken entries, in offset order, where they land.
+        let mut taken: Vec<Vec<(u64, Slice)>> = vec![Vec::new(); manifest.segments.len()];
+        for &(e, d) in &matched {
+            let entry = &manifest.entries[e];
+            let shard = dests.shards.get(&dests.into[d].0).copied().unwrap_or(0);
+            if !target[d].is_empty() {
+                taken[entry.segment as usize].push((entry.offset + shard, target[d].clone()));
+            }
+        }
+        for (si, t) in taken.iter_mut().enumerate() {
+            t.sort_by_key(|(at, _)| *at);
+            if let Some(w) = t.windows(2).find(|w| w[0].0 + w[0].1.len() > w[1].0) {
+                return Err(BroadcastError::Mismatch {
+                    name: manifest.name.clone(),
+                    version: manifest.version,
+                    problems: vec![format!(
+                        "tensors at {} and {} of segment {:?} overlap: they cannot both be received in place",
+                        w[0].0, w[1].0, manifest.segments[si].name
+                    )],
+                });
+            }
+        }
+        let (gap_total, gaps) = layout::gaps(&manifest, &taken);
+        let mut own = Vec::new();
+        let scratch = if gap_total > 0 {
+            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
+            let reg_name = format!("{}.v{}.scratch.{k}", manifest.name, manifest.version);
+            let reg = alloc(engine, gap_total, &reg_name)?;
+            let whole = Slice::whole(&reg, &reg_name);
+            own.push(reg);
+            Some(whole)
+        } else {
+            None
+        };
+        let mut layout = Vec::with_capacity(manifest.segments.len());
+        let mut packed = 0u64;
+        for (t, g) in taken.into_iter().zip(gaps) {
+            let mut ext: LocalExtents = t;
+            if let Some(scratch) = &scratch {
+                for (at, len) in g {
+                    ext.push((at, scratch.sub(packed, len)));
+                    packed += len;
+                }
+            }
+            ext.sort_by_key(|(at, _)| *at);
+            layout.push(ext);
+        }
+        let tensors: Vec<String> = matched
+            .iter()
+            .map(|&(_, d)| dests.into[d].0.clone())
+            .collect();
+        let staged = dests.staging.as_ref().map(|_| {
+            matched
+                .iter()
+                .map(|&(_, d)| {
+                    let (n, live) = &dests.into[d];
+                    (n.clone(), target[d].clone(), live.clone())
+                })
+                .collect()
+        });
+        let ip = match engine.local_addr() {
+            Some(a) if !a.ip().is_unspecified() => a.ip(),
+            _ => opts.listen_ip.unwrap_or(local_ip),
+        };
+        let j = Joined {
+            engine: engine.clone(),
+            owns_engine: false,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged,
+            tensors,
+            timeline,
+            files: None,
+            source,
+        };
+        Self::start(j, discovery, opts).await
+    }
+
+    async fn start(
+        j: Joined,
+        discovery: Arc<dyn Discovery>,
+        opts: ReceiverOptions,
+    ) -> Result<Self, BroadcastError> {
+        let Joined {
+            engine,
+            owns_engine,
+            manifest,
+            source_epoch,
+            source_ip,
+            ip,
+            layout,
+            own,
+            staged,
+            tensors,
+            mut timeline,
+            files,
+            source,
+        } = j;
+        let ranges = layout
+            .iter()
+            .map(|seg| seg.iter().map(|(at, s)| (*at, s.len())).collect())
+            .collect();
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .await
+            .map_err(|e| BroadcastError::io(format!("control listener on {ip}"), e))?;
+        let ctl_addr = listener
+            .local_addr()
+            .map_err(|e| BroadcastError::io("control listener address", e))?;
+        let (progress_tx, progress) = watch::channel(Progress::default());
+        let state = Arc::new(CtlState {
+            source_epoch,
+            manifests: std::sync::Mutex::new(Vec::new()),
+            source_layouts: std::sync::Mutex::new(Default::default()),
+            version: manifest.version,
+            // A pull into files serves each segment whole from its file, under its own name.
+            layout: Some(if files.is_some() {
+                layout::identity(&manifest)
+            } else {
+                layout::to_wire(&layout)
+            }),
+            progress,
+            tracker: None,
+            auth: opts.keys.clone().map(|k| {
+                (
+                    ferry::core_types::auth::ServerAuth::new(k),
+                    engine.peer_id(),
+                    engine.epoch(),
+                )
+            }),
+        });
+        let ctl = control::Service::start(listener, state);
+        let data_addr = engine
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let member = Member {
+            id: engine.peer_id().to_string(),
+            epoch: engine.epoch().0,
+            source_epoch,
+            data_addr: data_addr.clone(),
+            ctl_addr: ctl_addr.to_string(),
+            role: Role::Receiver,
+            progress: 0,
+            done: manifest.chunks.is_empty(),
+            order: 0,
+            version: manifest.version,
+            rate: 0,
+            number: None,
+        };
+        if let Some(found) = discovery.register(&member).await?
+            && found != source_epoch
+        {
+            return Err(BroadcastError::SourceRestarted {
+                name: manifest.name.clone(),
+                had: source_epoch,
+                found,
+            });
+        }
+        timeline.joined = Some(unix_now());
+        let total = manifest.total_bytes();
+        let (snapshot_tx, _) = watch::channel(Snapshot {
+            total,
+            ..Default::default()
+        });
+        let name = manifest.name.clone();
+        tracing::info!(name, version = manifest.version, id = %member.id, %data_addr, %ctl_addr, source_epoch,
+            chunks = manifest.chunks.len(), bytes = total, staged = staged.is_some(), "receiver joined");
+        Ok(Self {
+            engine,
+            owns_engine,
+            discovery,
+            manifest,
+            source_epoch,
+            source_ip,
+            layout,
+            ranges,
+            _own: own,
+            staged,
+            tensors,
+            touched: std::sync::atomic::AtomicBool::new(false),
+            copied: Arc::new(AtomicU64::new(0)),
+            pulled: false,
+            timeline,
+            member,
+            opts,
+            progress_tx,
+            snapshot_tx,
+            _ctl: ctl,
+            files,
+            reported_done: None,
+            hooks: TestHooks::default(),
+            source,
+        })
+    }
+}
