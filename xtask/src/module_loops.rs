@@ -44,6 +44,7 @@ pub(crate) const CRATES: &[&str] = &[
 pub(crate) const FOLDERS: &[(&str, &str)] = &[
     ("crates/transport-uring/src/server", "server"),
     ("crates/transport-uring/src/client", "client"),
+    ("crates/core/src/wire", "wire"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {

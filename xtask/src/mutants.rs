@@ -20,7 +20,7 @@ use crate::util::{cargo, have, project_root, run as run_loud};
 const SCOPE: &[(&str, &str, &[&str])] = &[
     (
         "ferry-engine-core",
-        "crates/core/src/wire.rs",
+        "crates/core/src/wire/*.rs",
         &["ferry-engine-core"],
     ),
     (
