@@ -61,7 +61,7 @@ const SCOPE: &[(&str, &str, &[&str])] = &[
     ),
     (
         "ferry-transport-uring",
-        "crates/transport-uring/src/server.rs",
+        "crates/transport-uring/src/server/*.rs",
         &["ferry-transport-uring", "ferry-tests"],
     ),
 ];
