@@ -20,6 +20,7 @@ mod iperf3;
 mod module_loops;
 mod mutants;
 mod python;
+mod sizes;
 mod soft_roce;
 mod stress;
 mod tidy;
@@ -84,8 +85,9 @@ tasks:
                          per crate: xtask/src/module_loops.rs)
   tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
                          and types in README.md and docs/*.md, the sections docs cite, names in
-                         code comments, a layout row per crate in docs/architecture.md (also a
-                         test: xtask/src/tidy.rs)
+                         code comments, a layout row per crate in docs/architecture.md; no library
+                         source file over 1,200 lines before its tests, no fn over 150 lines
+                         (also tests: xtask/src/tidy.rs, xtask/src/sizes.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]
                          on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host

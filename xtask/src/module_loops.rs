@@ -44,6 +44,7 @@ pub(crate) const CRATES: &[&str] = &[
 pub(crate) const FOLDERS: &[(&str, &str)] = &[
     ("crates/transport-uring/src/server", "server"),
     ("crates/transport-uring/src/client", "client"),
+    ("crates/core/src/wire", "wire"),
 ];
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -298,7 +299,7 @@ impl Graph {
 }
 
 /// The `.rs` files under `src`, as `path relative to src -> text`.
-fn sources_in(src: &Path) -> Result<BTreeMap<PathBuf, String>> {
+pub(crate) fn sources_in(src: &Path) -> Result<BTreeMap<PathBuf, String>> {
     let mut files = Vec::new();
     collect(src, &mut files)?;
     let mut sources = BTreeMap::new();
@@ -335,7 +336,7 @@ fn top_module(rel: &Path) -> Option<String> {
 }
 
 /// The files (and folders) of the modules declared `#[cfg(test)] mod NAME;`.
-fn test_only_files(sources: &BTreeMap<PathBuf, String>) -> Vec<PathBuf> {
+pub(crate) fn test_only_files(sources: &BTreeMap<PathBuf, String>) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for (rel, text) in sources {
         let dir = match rel.file_name().and_then(|n| n.to_str()) {

@@ -20,7 +20,7 @@ use crate::util::{cargo, have, project_root, run as run_loud};
 const SCOPE: &[(&str, &str, &[&str])] = &[
     (
         "ferry-engine-core",
-        "crates/core/src/wire.rs",
+        "crates/core/src/wire/*.rs",
         &["ferry-engine-core"],
     ),
     (
@@ -61,7 +61,7 @@ const SCOPE: &[(&str, &str, &[&str])] = &[
     ),
     (
         "ferry-transport-uring",
-        "crates/transport-uring/src/server.rs",
+        "crates/transport-uring/src/server/*.rs",
         &["ferry-transport-uring", "ferry-tests"],
     ),
 ];

@@ -1,4 +1,5 @@
-//! `cargo xtask tidy`: the docs name what the tree holds.
+//! `cargo xtask tidy`: the docs name what the tree holds, and the sources keep to the house's
+//! size limits ([`crate::sizes`]).
 //!
 //! Every name `README.md` and `docs/*.md` put in backticks that looks like one of ours must be
 //! found in the tree, and every crate under `crates/` must have its row in the layout of
@@ -122,18 +123,35 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!("usage: cargo xtask tidy");
     }
     let (checked, problems) = check(&project_root())?;
-    if problems.is_empty() {
+    let (files, sizes) = crate::sizes::check(&project_root())?;
+    if problems.is_empty() && sizes.is_empty() {
         eprintln!("tidy: the docs name only what the tree holds ({checked} names and paths)");
+        eprintln!(
+            "tidy: {files} library source files within {} lines before their tests, their \
+             functions within {} lines",
+            crate::sizes::MAX_FILE_LINES,
+            crate::sizes::MAX_FN_LINES
+        );
         return Ok(());
     }
-    for p in &problems {
+    for p in problems.iter().chain(&sizes) {
         eprintln!("{p}");
     }
-    bail!(
-        "tidy: {} problem(s); fix the doc, or, for a name rightly absent, add it to ALLOWED in \
-         xtask/src/tidy.rs with the reason",
-        problems.len()
-    )
+    if !problems.is_empty() {
+        eprintln!(
+            "tidy: {} doc problem(s); fix the doc, or, for a name rightly absent, add it to \
+             ALLOWED in xtask/src/tidy.rs with the reason",
+            problems.len()
+        );
+    }
+    if !sizes.is_empty() {
+        eprintln!(
+            "tidy: {} size problem(s); split the file or function along its concerns, or, for a \
+             table of constants, add it to ALLOWED in xtask/src/sizes.rs with the reason",
+            sizes.len()
+        );
+    }
+    bail!("tidy: {} problem(s)", problems.len() + sizes.len())
 }
 
 /// How many backticked names and paths the docs of the tree at `root` claim, and every problem

@@ -622,6 +622,125 @@ async fn measure(
     (depth, streams): (usize, usize),
     progress: &Arc<Progress>,
 ) -> Result<Report> {
+    let (peer, remote) = connect_peer(args, engine, addr).await?;
+    let slots_in_remote = (remote.len() / args.op_size).max(1);
+    let batch = args.batch as u64;
+    // Local buffers cycle through no more memory than the remote segment, for READs and WRITEs
+    // alike (iperf3 reuses one `-l` buffer on each side): with a 1 MiB segment both ends stay
+    // cache-warm, as they do for iperf3. Concurrent READs may land in the same local slot; the
+    // bench never looks at the bytes, and no Rust reference to registered memory exists.
+    let local_slots = if args.scatter {
+        slots_in_remote
+    } else {
+        slots_in_remote.min(depth as u64 * batch)
+    };
+    let (local, host_region) = local_buffer(args, engine, local_slots, depth)?;
+    let total = match (args.total, args.duration) {
+        (Some(t), _) => Some(t),
+        (None, Some(_)) => None,
+        (None, None) => Some(4 << 30),
+    };
+    let deadline = args.duration;
+    let ops_budget = total.map(|t| t.div_ceil(args.op_size).max(batch));
+    let claimed = Arc::new(AtomicU64::new(0));
+    let moved = progress.clone();
+
+    let goal = match (total, deadline) {
+        (Some(t), _) => Goal::Bytes(ops_budget.map_or(t, |b| b * args.op_size)),
+        (None, Some(d)) => Goal::Time(d),
+        (None, None) => Goal::Bytes(0),
+    };
+    let mut meter = Meter::new(args.progress, args.progress_every, args.json, "bench", goal);
+
+    let start = Instant::now();
+    let mut workers = tokio::task::JoinSet::<Result<Histogram>>::new();
+    for _ in 0..depth {
+        workers.spawn(
+            Worker {
+                engine: engine.clone(),
+                local: local.clone(),
+                remote: remote.clone(),
+                claimed: claimed.clone(),
+                moved: moved.clone(),
+                start,
+                op_size: args.op_size,
+                batch,
+                scatter: args.scatter,
+                is_read: args.op == "read",
+                local_slots,
+                slots_in_remote,
+                ops_budget,
+                deadline,
+            }
+            .run(),
+        );
+    }
+    let mut lat = Histogram::default();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            res = workers.join_next() => match res {
+                Some(res) => lat.merge(&res.context("bench worker")??),
+                None => break,
+            },
+            _ = tick.tick() => meter.update(moved.bytes.load(Ordering::Relaxed), None, None),
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    meter.finish();
+    let total_bytes = moved.bytes.load(Ordering::Relaxed);
+    let verified = match args.gpu {
+        Some(n) => Some(verify_gpu(engine, n, &remote, args.op_size).await?),
+        None => None,
+    };
+    let verified_bytes = if args.verify {
+        let slots = slots_in_remote.min(local_slots);
+        Some(
+            verify_slots(
+                args,
+                engine,
+                &peer,
+                (&local, host_region.as_ref()),
+                &remote,
+                slots,
+            )
+            .await?,
+        )
+    } else {
+        None
+    };
+    Ok(Report {
+        verified,
+        verified_bytes,
+        replays: 0,
+        reconnects: 0,
+        transport: peer.transport().name().to_owned(),
+        op: args.op.clone(),
+        op_bytes: args.op_size,
+        total_bytes,
+        seconds,
+        gb_per_s: total_bytes as f64 / seconds / 1e9,
+        ops_per_s: lat.len() as f64 / seconds,
+        p50_us: lat.percentile(0.50),
+        p99_us: lat.percentile(0.99),
+        streams,
+        depth,
+        peer: args.peer.clone().unwrap_or_else(|| "loopback".into()),
+    })
+}
+
+/// The bench's local buffer: memory the workers' ops use from or into.
+type LocalBuffer = Arc<dyn ferry::LocalMemory + Send + Sync>;
+
+/// Connects to `addr` (a listener that answers but is not Ferry is said so) and finds the
+/// bench's segment there. Fails when `--transport local` did not get the same-host plane (with
+/// the reason the engine recorded), when the segment is not published (listing those that
+/// are), or when it is smaller than one op.
+async fn connect_peer(
+    args: &BenchArgs,
+    engine: &TransferEngine,
+    addr: &str,
+) -> Result<(ferry::Peer, ferry::RemoteSegment)> {
     let peer = tokio::select! {
         peer = engine.connect(addr) => peer.with_context(|| format!("connecting to {addr}"))?,
         what = crate::probe::not_ferry(addr, crate::probe::LATE) => {
@@ -650,18 +769,19 @@ async fn measure(
             args.op_size
         );
     }
-    let slots_in_remote = (remote.len() / args.op_size).max(1);
-    let batch = args.batch as u64;
-    let is_read = args.op == "read";
-    // Local buffers cycle through no more memory than the remote segment, for READs and WRITEs
-    // alike (iperf3 reuses one `-l` buffer on each side): with a 1 MiB segment both ends stay
-    // cache-warm, as they do for iperf3. Concurrent READs may land in the same local slot; the
-    // bench never looks at the bytes, and no Rust reference to registered memory exists.
-    let local_slots = if args.scatter {
-        slots_in_remote
-    } else {
-        slots_in_remote.min(depth as u64 * batch)
-    };
+    Ok((peer, remote))
+}
+
+/// Allocates and registers the local buffer of `local_slots` ops: GPU memory with `--gpu`,
+/// else host memory (checked to fit first; returned a second time, as a region, for
+/// `--verify`), filled with pseudo-random bytes either way.
+fn local_buffer(
+    args: &BenchArgs,
+    engine: &TransferEngine,
+    local_slots: u64,
+    depth: usize,
+) -> Result<(LocalBuffer, Option<Arc<MemoryRegion>>)> {
+    let batch = args.batch;
     let local_len = args.op_size.saturating_mul(local_slots);
     let local_flags = format!(
         "--op-size {} × {local_slots} slots (--depth {depth} × --batch {batch}{})",
@@ -677,15 +797,13 @@ async fn measure(
     }
     let local_len = usize::try_from(local_len)
         .with_context(|| format!("the local buffer of {local_len} bytes ({local_flags})"))?;
-    // The host buffer, for `--verify` (which conflicts with `--gpu`).
-    let mut host_region = None;
-    let local: Arc<dyn ferry::LocalMemory + Send + Sync> = match args.gpu {
+    Ok(match args.gpu {
         Some(n) => {
             let reg = engine
                 .alloc_gpu(n, local_len, Access::LOCAL, "bench-local")
                 .with_context(|| format!("--gpu {n}"))?;
             reg.memory().copy_from_host(0, &pseudo_random(local_len))?;
-            Arc::new(reg)
+            (Arc::new(reg), None)
         }
         None => {
             let local_mem = MemoryRegion::alloc_zeroed(local_len, ferry::PAGE_ALIGN)
@@ -694,159 +812,144 @@ async fn measure(
             // written is the kernel's shared zero page, which no real payload is.
             local_mem.write_at(0, &pseudo_random(local_mem.len()))?;
             let reg = engine.register(local_mem, Access::LOCAL, "bench-local")?;
-            host_region = Some(reg.region().clone());
-            Arc::new(reg)
+            let region = reg.region().clone();
+            (Arc::new(reg), Some(region))
         }
-    };
-    let total = match (args.total, args.duration) {
-        (Some(t), _) => Some(t),
-        (None, Some(_)) => None,
-        (None, None) => Some(4 << 30),
-    };
-    let deadline = args.duration;
-    let ops_budget = total.map(|t| t.div_ceil(args.op_size).max(batch));
-    let claimed = Arc::new(AtomicU64::new(0));
-    let moved = progress.clone();
-
-    let goal = match (total, deadline) {
-        (Some(t), _) => Goal::Bytes(ops_budget.map_or(t, |b| b * args.op_size)),
-        (None, Some(d)) => Goal::Time(d),
-        (None, None) => Goal::Bytes(0),
-    };
-    let mut meter = Meter::new(args.progress, args.progress_every, args.json, "bench", goal);
-
-    let start = Instant::now();
-    let mut workers = tokio::task::JoinSet::<Result<Histogram>>::new();
-    for _ in 0..depth {
-        let engine = engine.clone();
-        let local = local.clone();
-        let remote = remote.clone();
-        let claimed = claimed.clone();
-        let moved = moved.clone();
-        let op_size = args.op_size;
-        let scatter = args.scatter;
-        workers.spawn(async move {
-            let mut lat = Histogram::default();
-            let mut rng = 0x2545_f491_4f6c_dd1du64 ^ (start.elapsed().as_nanos() as u64);
-            loop {
-                let n = claimed.fetch_add(batch, Ordering::Relaxed);
-                if ops_budget.is_some_and(|b| n + batch > b)
-                    || deadline.is_some_and(|d| start.elapsed() >= d)
-                {
-                    break;
-                }
-                let mut ops = Batch::new();
-                for k in n..n + batch {
-                    let (local_off, remote_off) = if scatter {
-                        let l = xorshift(&mut rng) % local_slots;
-                        (
-                            l * op_size,
-                            (xorshift(&mut rng) % slots_in_remote) * op_size,
-                        )
-                    } else {
-                        ((k % local_slots) * op_size, (k % slots_in_remote) * op_size)
-                    };
-                    ops = if is_read {
-                        ops.read(&local, local_off, &remote, remote_off, op_size)
-                    } else {
-                        ops.write(&local, local_off, &remote, remote_off, op_size)
-                    };
-                }
-                let t0 = Instant::now();
-                let outcome = engine.submit(ops)?.await;
-                if let Some(f) = outcome.failure {
-                    moved
-                        .bytes
-                        .fetch_add(outcome.completed_bytes, Ordering::Relaxed);
-                    moved
-                        .ops
-                        .fetch_add(outcome.completed_ops as u64, Ordering::Relaxed);
-                    if outcome.remote_effect == ferry::RemoteEffect::Uncertain {
-                        moved.uncertain_writes.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return Err(RequestFailed {
-                        request: n,
-                        failure: f,
-                    }
-                    .into());
-                }
-                lat.record(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
-                moved.bytes.fetch_add(op_size * batch, Ordering::Relaxed);
-                moved.ops.fetch_add(batch, Ordering::Relaxed);
-            }
-            Ok(lat)
-        });
-    }
-    let mut lat = Histogram::default();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            res = workers.join_next() => match res {
-                Some(res) => lat.merge(&res.context("bench worker")??),
-                None => break,
-            },
-            _ = tick.tick() => meter.update(moved.bytes.load(Ordering::Relaxed), None, None),
-        }
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    meter.finish();
-    let total_bytes = moved.bytes.load(Ordering::Relaxed);
-    let verified = match args.gpu {
-        Some(n) => Some(verify_gpu(engine, n, &remote, args.op_size).await?),
-        None => None,
-    };
-    let verified_bytes = if args.verify {
-        let mut checked = 0u64;
-        for k in 0..slots_in_remote.min(local_slots) {
-            let off = k * args.op_size;
-            let batch = if is_read {
-                Batch::new().read(&local, off, &remote, off, args.op_size)
-            } else {
-                Batch::new().write(&local, off, &remote, off, args.op_size)
-            };
-            let outcome = engine.submit(batch)?.await;
-            if let Some(f) = outcome.failure {
-                bail!("verification op {k} failed: {}", f.kind);
-            }
-            let theirs = peer
-                .checksum(&remote, off, args.op_size)
-                .await
-                .context("asking the peer for a checksum")?;
-            let region = host_region
-                .as_ref()
-                .context("--verify needs a host buffer")?;
-            let ours = ferry::checksum::crc32c_region(region, off, args.op_size)?;
-            if theirs != ours {
-                bail!(
-                    "verification failed: {} bytes at {off}: the peer's CRC-32C is {theirs:#010x}, \
-                     ours {ours:#010x}",
-                    args.op_size
-                );
-            }
-            checked += args.op_size;
-        }
-        Some(checked)
-    } else {
-        None
-    };
-    Ok(Report {
-        verified,
-        verified_bytes,
-        replays: 0,
-        reconnects: 0,
-        transport: peer.transport().name().to_owned(),
-        op: args.op.clone(),
-        op_bytes: args.op_size,
-        total_bytes,
-        seconds,
-        gb_per_s: total_bytes as f64 / seconds / 1e9,
-        ops_per_s: lat.len() as f64 / seconds,
-        p50_us: lat.percentile(0.50),
-        p99_us: lat.percentile(0.99),
-        streams,
-        depth,
-        peer: args.peer.clone().unwrap_or_else(|| "loopback".into()),
     })
+}
+
+/// One bench worker: claims `batch` ops at a time from the shared count until the op budget is
+/// spent or the deadline passes, submits them as one batch, and counts what moved in `moved`.
+struct Worker {
+    engine: TransferEngine,
+    local: LocalBuffer,
+    remote: ferry::RemoteSegment,
+    claimed: Arc<AtomicU64>,
+    moved: Arc<Progress>,
+    start: Instant,
+    op_size: u64,
+    batch: u64,
+    /// Random slots on both sides, else slot `k` of each.
+    scatter: bool,
+    is_read: bool,
+    local_slots: u64,
+    slots_in_remote: u64,
+    ops_budget: Option<u64>,
+    deadline: Option<Duration>,
+}
+
+impl Worker {
+    /// Runs to the end of the budget or the deadline: the latencies of its batches, or the
+    /// first failed batch as [`RequestFailed`] (its completed part counted first).
+    async fn run(self) -> Result<Histogram> {
+        let Worker {
+            engine,
+            local,
+            remote,
+            claimed,
+            moved,
+            start,
+            op_size,
+            batch,
+            scatter,
+            is_read,
+            local_slots,
+            slots_in_remote,
+            ops_budget,
+            deadline,
+        } = self;
+        let mut lat = Histogram::default();
+        let mut rng = 0x2545_f491_4f6c_dd1du64 ^ (start.elapsed().as_nanos() as u64);
+        loop {
+            let n = claimed.fetch_add(batch, Ordering::Relaxed);
+            if ops_budget.is_some_and(|b| n + batch > b)
+                || deadline.is_some_and(|d| start.elapsed() >= d)
+            {
+                break;
+            }
+            let mut ops = Batch::new();
+            for k in n..n + batch {
+                let (local_off, remote_off) = if scatter {
+                    let l = xorshift(&mut rng) % local_slots;
+                    (
+                        l * op_size,
+                        (xorshift(&mut rng) % slots_in_remote) * op_size,
+                    )
+                } else {
+                    ((k % local_slots) * op_size, (k % slots_in_remote) * op_size)
+                };
+                ops = if is_read {
+                    ops.read(&local, local_off, &remote, remote_off, op_size)
+                } else {
+                    ops.write(&local, local_off, &remote, remote_off, op_size)
+                };
+            }
+            let t0 = Instant::now();
+            let outcome = engine.submit(ops)?.await;
+            if let Some(f) = outcome.failure {
+                moved
+                    .bytes
+                    .fetch_add(outcome.completed_bytes, Ordering::Relaxed);
+                moved
+                    .ops
+                    .fetch_add(outcome.completed_ops as u64, Ordering::Relaxed);
+                if outcome.remote_effect == ferry::RemoteEffect::Uncertain {
+                    moved.uncertain_writes.fetch_add(1, Ordering::Relaxed);
+                }
+                return Err(RequestFailed {
+                    request: n,
+                    failure: f,
+                }
+                .into());
+            }
+            lat.record(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+            moved.bytes.fetch_add(op_size * batch, Ordering::Relaxed);
+            moved.ops.fetch_add(batch, Ordering::Relaxed);
+        }
+        Ok(lat)
+    }
+}
+
+/// `--verify`: moves each of the first `slots` ops once more, alone, and compares the peer's
+/// CRC-32C of the remote range with ours of the local one (the host buffer: `--verify`
+/// conflicts with `--gpu`). The bytes checked, or the first op that failed or differed.
+async fn verify_slots(
+    args: &BenchArgs,
+    engine: &TransferEngine,
+    peer: &ferry::Peer,
+    (local, host_region): (&LocalBuffer, Option<&Arc<MemoryRegion>>),
+    remote: &ferry::RemoteSegment,
+    slots: u64,
+) -> Result<u64> {
+    let is_read = args.op == "read";
+    let mut checked = 0u64;
+    for k in 0..slots {
+        let off = k * args.op_size;
+        let batch = if is_read {
+            Batch::new().read(local, off, remote, off, args.op_size)
+        } else {
+            Batch::new().write(local, off, remote, off, args.op_size)
+        };
+        let outcome = engine.submit(batch)?.await;
+        if let Some(f) = outcome.failure {
+            bail!("verification op {k} failed: {}", f.kind);
+        }
+        let theirs = peer
+            .checksum(remote, off, args.op_size)
+            .await
+            .context("asking the peer for a checksum")?;
+        let region = host_region.context("--verify needs a host buffer")?;
+        let ours = ferry::checksum::crc32c_region(region, off, args.op_size)?;
+        if theirs != ours {
+            bail!(
+                "verification failed: {} bytes at {off}: the peer's CRC-32C is {theirs:#010x}, \
+                 ours {ours:#010x}",
+                args.op_size
+            );
+        }
+        checked += args.op_size;
+    }
+    Ok(checked)
 }
 
 /// The next xorshift64 number of `state` (not zero).

@@ -1,9 +1,13 @@
 //! `ferry serve`: publish named segments and serve them until stopped.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result, bail};
-use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
+use ferry::{
+    Access, DataPlane, FileRegistration, GpuRegistration, MemoryRegion, Registration,
+    TransferEngine,
+};
 
 use crate::cmd_bench::rdma_config;
 use crate::out::say;
@@ -95,7 +99,7 @@ pub(crate) const DEFAULT_SEGMENT: (&str, &str) = ("bench", "64MiB");
 /// Checks what can be checked before anything starts: every spec parses, no name is given
 /// twice, every `--publish-to` names a segment and has keys to name peers by.
 fn check_specs(args: &ServeArgs) -> Result<()> {
-    let mut seen: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+    let mut seen: HashMap<&str, String> = HashMap::new();
     let specs = args
         .segments
         .iter()
@@ -164,8 +168,8 @@ fn readable_file(flag: &str, spec: &str, path: &str) -> Result<()> {
 }
 
 /// `--publish-to` specs as segment name → key names.
-fn audiences(specs: &[String]) -> Result<std::collections::HashMap<String, Vec<String>>> {
-    let mut out = std::collections::HashMap::new();
+fn audiences(specs: &[String]) -> Result<Audiences> {
+    let mut out = HashMap::new();
     for spec in specs {
         let (name, peers) = spec
             .split_once('=')
@@ -236,55 +240,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     rt.block_on(async move {
         // From the start: a signal while starting stops the server once it is up.
         let stop = crate::stop::listen()?;
-        let plane = match args.transport.as_str() {
-            "tcp" => DataPlane::Tcp,
-            "uring" => DataPlane::Uring,
-            _ => DataPlane::Auto,
-        };
         check_specs(&args)?;
         let audiences = audiences(&args.publish_to)?;
-        let mut builder = TransferEngine::builder()
-            .listen(args.listen)
-            .streams(args.streams)
-            .io_threads(args.io_threads.0)
-            .dead_peer_after(args.dead_peer_after.0)
-            // An explicit network plane is served alone; `auto` adds the same-host plane.
-            .same_host(args.transport == "auto")
-            .data_plane(plane);
-        if let Some(f) = &args.auth_key_file {
-            builder = builder.auth_key_file(f);
-        }
-        builder = builder.allow_open_key_file(args.allow_open_key_file);
-        if let Some(addr) = args.metrics {
-            builder = builder.metrics(addr);
-        }
-        let engine = match args.transport.as_str() {
-            "tcp" | "uring" => builder.build()?,
-            "rdma" => builder
-                .rdma(rdma_config(args.rdma_hca.as_deref())?)
-                .build()?,
-            _ => match builder
-                .clone()
-                .rdma(rdma_config(args.rdma_hca.as_deref())?)
-                .build()
-            {
-                Ok(engine) => engine,
-                // No RDMA on this machine: the common case, said in one calm line.
-                Err(ferry::Error::Unavailable { .. }) => {
-                    say(format_args!("RDMA: none here (`ferry doctor` says why)"));
-                    builder.build()?
-                }
-                // Not about RDMA (a key file, the listen address): the same without RDMA
-                // fails the same way, and says so.
-                Err(e @ (ferry::Error::AuthKey { .. } | ferry::Error::Io { .. })) => {
-                    return Err(e.into());
-                }
-                Err(e) => {
-                    eprintln!("ferry serve: RDMA not served: {e}");
-                    builder.build()?
-                }
-            },
-        };
+        let engine = build_engine(&args)?;
         let description = engine.describe();
         say(format_args!(
             "transports: {}",
@@ -296,107 +254,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         if let Some(m) = engine.metrics_addr() {
             say(format_args!("metrics on http://{m}/metrics"));
         }
-        let mut held = Vec::new();
-        let mut gpu_held = Vec::new();
-        let default_segment;
-        let segments = if args.segments.is_empty()
-            && args.files.is_empty()
-            && args.writable_files.is_empty()
-        {
-            default_segment = [format!("{}={}", DEFAULT_SEGMENT.0, DEFAULT_SEGMENT.1)];
-            say(format_args!(
-                "no --segment or --file given: publishing {} for `ferry bench`",
-                default_segment[0]
-            ));
-            &default_segment[..]
-        } else {
-            &args.segments[..]
-        };
-        for spec in segments {
-            if let Some((name, size, ordinal)) = gpu_segment(spec)? {
-                if audiences.contains_key(&name) {
-                    bail!("--publish-to {name}: GPU segments are published to every peer");
-                }
-                let access = if args.read_only {
-                    Access::REMOTE_READ
-                } else {
-                    Access::REMOTE_READ | Access::REMOTE_WRITE
-                };
-                let reg = engine
-                    .alloc_gpu(ordinal, size as usize, access, &name)
-                    .with_context(|| format!("--segment {spec:?}"))?;
-                let pattern = MemoryRegion::alloc_zeroed(size as usize, ferry::PAGE_ALIGN)?;
-                fill_pattern(&pattern)?;
-                let mut bytes = vec![0u8; size as usize];
-                pattern.read_at(0, &mut bytes)?;
-                reg.memory().copy_from_host(0, &bytes)?;
-                let loc = reg.memory().location();
-                let nics = reg.nics();
-                let nics = if nics.is_empty() {
-                    String::new()
-                } else {
-                    format!("; NICs {}", nics.join(", "))
-                };
-                say(format_args!(
-                    "segment {name}: {size} bytes on GPU {} ({}), {access}; route {} ({}){nics}",
-                    loc.ordinal,
-                    loc.pci_bus_id,
-                    reg.route().route,
-                    reg.route().why
-                ));
-                gpu_held.push(reg);
-                continue;
-            }
-            let (name, region, access) = load_segment(spec, args.read_only)?;
-            let len = region.len();
-            match audiences.get(&name) {
-                Some(peers) => {
-                    let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
-                    held.push(
-                        engine
-                            .register_to(region, access, &name, &peers)
-                            .with_context(|| format!("--publish-to {name}"))?,
-                    );
-                    say(format_args!(
-                        "segment {name}: {len} bytes, {access}, to {}",
-                        peers.join(",")
-                    ));
-                }
-                None => {
-                    held.push(engine.register(region, access, &name)?);
-                    say(format_args!("segment {name}: {len} bytes, {access}"));
-                }
-            }
-        }
-        let mut files = Vec::new();
-        let specs = args
-            .files
-            .iter()
-            .map(|s| ("--file", s, Access::REMOTE_READ))
-            .chain(
-                args.writable_files
-                    .iter()
-                    .map(|s| ("--file-rw", s, Access::REMOTE_READ | Access::REMOTE_WRITE)),
-            );
-        for (flag, spec, access) in specs {
-            let (name, path) = spec
-                .split_once('=')
-                .filter(|(n, p)| !n.is_empty() && !p.is_empty())
-                .with_context(|| format!("{flag} {spec:?}: expected NAME=PATH"))?;
-            let file = match audiences.get(name) {
-                Some(peers) => {
-                    let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
-                    engine.publish_file_to(path, access, name, &peers)
-                }
-                None => engine.publish_file_named(path, access, name),
-            }
-            .with_context(|| format!("{flag} {spec:?}"))?;
-            say(format_args!(
-                "file segment {name}: {} bytes of {path}, {access}",
-                file.len()
-            ));
-            files.push(file);
-        }
+        let (held, gpu_held) = publish_segments(&engine, &args, &audiences)?;
+        let files = publish_files(&engine, &args, &audiences)?;
         let addr = engine.local_addr().context("the engine has no listener")?;
         say(format_args!("listening on {addr}"));
         let signal = stop.await;
@@ -407,6 +266,203 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         served(&engine.describe(), args.json, signal);
         Err(Stopped(signal).into())
     })
+}
+
+/// Who each `--publish-to` segment is published to, by segment name.
+type Audiences = HashMap<String, Vec<String>>;
+
+/// The engine `args` ask for: the chosen data plane (`auto` adds the same-host plane), the key
+/// file and metrics endpoint, and RDMA when `--transport rdma` (an error when unavailable) or
+/// `auto` (left out, said in one line, when the machine has none or it fails; an error that is
+/// not about RDMA, such as a key file or the listen address, fails the whole start).
+fn build_engine(args: &ServeArgs) -> Result<TransferEngine> {
+    let plane = match args.transport.as_str() {
+        "tcp" => DataPlane::Tcp,
+        "uring" => DataPlane::Uring,
+        _ => DataPlane::Auto,
+    };
+    let mut builder = TransferEngine::builder()
+        .listen(args.listen)
+        .streams(args.streams)
+        .io_threads(args.io_threads.0)
+        .dead_peer_after(args.dead_peer_after.0)
+        // An explicit network plane is served alone; `auto` adds the same-host plane.
+        .same_host(args.transport == "auto")
+        .data_plane(plane);
+    if let Some(f) = &args.auth_key_file {
+        builder = builder.auth_key_file(f);
+    }
+    builder = builder.allow_open_key_file(args.allow_open_key_file);
+    if let Some(addr) = args.metrics {
+        builder = builder.metrics(addr);
+    }
+    Ok(match args.transport.as_str() {
+        "tcp" | "uring" => builder.build()?,
+        "rdma" => builder
+            .rdma(rdma_config(args.rdma_hca.as_deref())?)
+            .build()?,
+        _ => match builder
+            .clone()
+            .rdma(rdma_config(args.rdma_hca.as_deref())?)
+            .build()
+        {
+            Ok(engine) => engine,
+            // No RDMA on this machine: the common case, said in one calm line.
+            Err(ferry::Error::Unavailable { .. }) => {
+                say(format_args!("RDMA: none here (`ferry doctor` says why)"));
+                builder.build()?
+            }
+            // Not about RDMA (a key file, the listen address): the same without RDMA
+            // fails the same way, and says so.
+            Err(e @ (ferry::Error::AuthKey { .. } | ferry::Error::Io { .. })) => {
+                return Err(e.into());
+            }
+            Err(e) => {
+                eprintln!("ferry serve: RDMA not served: {e}");
+                builder.build()?
+            }
+        },
+    })
+}
+
+/// Publishes every `--segment` (or, with no `--segment`, `--file` nor `--file-rw`, the default
+/// segment `ferry bench` uses), each to its `--publish-to` audience or to every peer, and says
+/// each in one line. The registrations are held by the caller until it stops serving.
+fn publish_segments(
+    engine: &TransferEngine,
+    args: &ServeArgs,
+    audiences: &Audiences,
+) -> Result<(Vec<Registration>, Vec<GpuRegistration>)> {
+    let mut held = Vec::new();
+    let mut gpu_held = Vec::new();
+    let default_segment;
+    let segments =
+        if args.segments.is_empty() && args.files.is_empty() && args.writable_files.is_empty() {
+            default_segment = [format!("{}={}", DEFAULT_SEGMENT.0, DEFAULT_SEGMENT.1)];
+            say(format_args!(
+                "no --segment or --file given: publishing {} for `ferry bench`",
+                default_segment[0]
+            ));
+            &default_segment[..]
+        } else {
+            &args.segments[..]
+        };
+    for spec in segments {
+        if let Some((name, size, ordinal)) = gpu_segment(spec)? {
+            if audiences.contains_key(&name) {
+                bail!("--publish-to {name}: GPU segments are published to every peer");
+            }
+            gpu_held.push(publish_gpu_segment(
+                engine,
+                spec,
+                &name,
+                size,
+                ordinal,
+                args.read_only,
+            )?);
+            continue;
+        }
+        let (name, region, access) = load_segment(spec, args.read_only)?;
+        let len = region.len();
+        match audiences.get(&name) {
+            Some(peers) => {
+                let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
+                held.push(
+                    engine
+                        .register_to(region, access, &name, &peers)
+                        .with_context(|| format!("--publish-to {name}"))?,
+                );
+                say(format_args!(
+                    "segment {name}: {len} bytes, {access}, to {}",
+                    peers.join(",")
+                ));
+            }
+            None => {
+                held.push(engine.register(region, access, &name)?);
+                say(format_args!("segment {name}: {len} bytes, {access}"));
+            }
+        }
+    }
+    Ok((held, gpu_held))
+}
+
+/// Allocates `--segment spec` (`name`, `size` bytes on GPU `ordinal`), fills it with the
+/// generated pattern and says where it lives and how it is routed.
+fn publish_gpu_segment(
+    engine: &TransferEngine,
+    spec: &str,
+    name: &str,
+    size: u64,
+    ordinal: u32,
+    read_only: bool,
+) -> Result<GpuRegistration> {
+    let access = if read_only {
+        Access::REMOTE_READ
+    } else {
+        Access::REMOTE_READ | Access::REMOTE_WRITE
+    };
+    let reg = engine
+        .alloc_gpu(ordinal, size as usize, access, name)
+        .with_context(|| format!("--segment {spec:?}"))?;
+    let pattern = MemoryRegion::alloc_zeroed(size as usize, ferry::PAGE_ALIGN)?;
+    fill_pattern(&pattern)?;
+    let mut bytes = vec![0u8; size as usize];
+    pattern.read_at(0, &mut bytes)?;
+    reg.memory().copy_from_host(0, &bytes)?;
+    let loc = reg.memory().location();
+    let nics = reg.nics();
+    let nics = if nics.is_empty() {
+        String::new()
+    } else {
+        format!("; NICs {}", nics.join(", "))
+    };
+    say(format_args!(
+        "segment {name}: {size} bytes on GPU {} ({}), {access}; route {} ({}){nics}",
+        loc.ordinal,
+        loc.pci_bus_id,
+        reg.route().route,
+        reg.route().why
+    ));
+    Ok(reg)
+}
+
+/// Publishes every `--file` (read-only) and `--file-rw` (read and write) NAME=PATH, each to its
+/// `--publish-to` audience or to every peer, and says each in one line.
+fn publish_files(
+    engine: &TransferEngine,
+    args: &ServeArgs,
+    audiences: &Audiences,
+) -> Result<Vec<FileRegistration>> {
+    let mut files = Vec::new();
+    let specs = args
+        .files
+        .iter()
+        .map(|s| ("--file", s, Access::REMOTE_READ))
+        .chain(
+            args.writable_files
+                .iter()
+                .map(|s| ("--file-rw", s, Access::REMOTE_READ | Access::REMOTE_WRITE)),
+        );
+    for (flag, spec, access) in specs {
+        let (name, path) = spec
+            .split_once('=')
+            .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+            .with_context(|| format!("{flag} {spec:?}: expected NAME=PATH"))?;
+        let file = match audiences.get(name) {
+            Some(peers) => {
+                let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
+                engine.publish_file_to(path, access, name, &peers)
+            }
+            None => engine.publish_file_named(path, access, name),
+        }
+        .with_context(|| format!("{flag} {spec:?}"))?;
+        say(format_args!(
+            "file segment {name}: {} bytes of {path}, {access}",
+            file.len()
+        ));
+        files.push(file);
+    }
+    Ok(files)
 }
 
 /// What a server `signal` stopped served: one line (one JSON object under `--json`) with the

@@ -9,10 +9,11 @@
 //! `docs/performance.md`.
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::op::{Op, OpKind};
 use crate::outcome::{FailureKind, RequestControl};
+use crate::stream::{Chunk, ChunkOwner, Work};
 use crate::wire::{MAX_CHUNK, MAX_PIECES};
 
 /// The chunks of one channel not yet taken by its streams, one queue per stream.
@@ -119,6 +120,75 @@ pub fn deal_ops<J>(
     deal(
         dealer, ops, control, chunk, closed, job, None, undealt, wake,
     );
+}
+
+/// Deals the ops of request `req` (its [`ChunkOwner::ops`], planned in its
+/// [`ChunkOwner::control`]) to a channel's streams as [`Work`]: with a `group` budget (a peer of
+/// protocol version 3), runs of small ops as vectored requests of at most that many bytes
+/// ([`deal_ops_grouped`]), other ops in chunks of at most `chunk` bytes ([`deal_ops`]).
+/// `count(n)` is called before each job of `n` chunks is made: the request's count of chunks
+/// still to resolve. A job no stream was left to take is resolved at once ([`Work::skipped`]:
+/// [`ChunkOwner::chunk_done`] once per chunk), so every counted chunk is resolved exactly once;
+/// the caller holds a count of its own while this runs, so none of these is the last. `wake`
+/// gets the streams each op's jobs went to, as [`deal_ops`] says; `closed` too.
+pub fn deal_request<R: ChunkOwner>(
+    dealer: &Mutex<Dealer<Work<R>>>,
+    req: &Arc<R>,
+    chunk: u64,
+    group: Option<u64>,
+    closed: bool,
+    count: impl Fn(usize),
+    wake: impl FnMut(StreamSet),
+) {
+    let ops = req.ops();
+    let control = req.control();
+    let one = |op, at, len| {
+        count(1);
+        Work::One(Chunk {
+            req: req.clone(),
+            op,
+            at,
+            len,
+        })
+    };
+    if let Some(budget) = group {
+        deal_ops_grouped(
+            dealer,
+            ops,
+            control,
+            chunk,
+            budget,
+            closed,
+            one,
+            |members| {
+                count(members.len());
+                Work::Pieces(
+                    members
+                        .iter()
+                        .map(|&op| Chunk {
+                            req: req.clone(),
+                            op,
+                            at: 0,
+                            len: ops[op].len,
+                        })
+                        .collect(),
+                )
+            },
+            Work::skipped,
+            wake,
+        );
+    } else {
+        deal_ops(
+            dealer,
+            ops,
+            control,
+            chunk,
+            closed,
+            one,
+            Work::skipped,
+            wake,
+        );
+    }
 }
 
 /// Requests whose one chunk, header and payload together, is at most this many bytes may be
@@ -598,5 +668,84 @@ mod tests {
         assert!(super::is_piece(&ops[0], 1600));
         assert!(!super::is_piece(&ops[10], 1600));
         assert!(!super::is_piece(&ops[14], 1600));
+    }
+
+    /// A request that counts its chunks still to resolve, as the transports' requests do.
+    struct Counted {
+        ops: Arc<[Op]>,
+        control: RequestControl,
+        left: std::sync::atomic::AtomicUsize,
+    }
+
+    impl crate::stream::ChunkOwner for Counted {
+        fn ops(&self) -> &[Op] {
+            &self.ops
+        }
+        fn control(&self) -> &RequestControl {
+            &self.control
+        }
+        fn chunk_done(&self) {
+            self.left
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+                .checked_sub(1)
+                .expect("a chunk resolved twice");
+        }
+    }
+
+    fn counted(ops: Vec<Op>) -> Arc<Counted> {
+        let ops: Arc<[Op]> = ops.into();
+        Arc::new(Counted {
+            control: RequestControl::new(&ops),
+            ops,
+            // The caller's own count.
+            left: 1.into(),
+        })
+    }
+
+    fn left(req: &Counted) -> usize {
+        req.left.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// `deal_request` counts every chunk it deals (one per chunk, one per piece of a vectored
+    /// job) and resolves at once, exactly once, what no stream was left to take: the count is
+    /// back to the caller's own, and the op is `PeerLost`.
+    #[test]
+    fn deal_request_counts_each_chunk_and_resolves_what_no_stream_takes() {
+        use super::deal_request;
+        let count = |req: &Arc<Counted>| {
+            let req = req.clone();
+            move |n| {
+                req.left.fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+            }
+        };
+        // Chunks of 1000: three for the first op, one for the second.
+        let req = counted(writes(&[2500, 10]));
+        let dealer = Mutex::new(Dealer::new(2));
+        deal_request(&dealer, &req, 1000, None, false, count(&req), |_| {});
+        assert_eq!(left(&req), 1 + 4);
+        assert_eq!(dealer.lock().unwrap().queued(), 4);
+        // Grouped: the three small WRITEs are one job of three pieces, the large one chunked.
+        let req = counted(writes(&[10, 20, 30, 2500]));
+        let dealer = Mutex::new(Dealer::new(1));
+        deal_request(&dealer, &req, 1000, Some(1000), false, count(&req), |_| {});
+        assert_eq!(left(&req), 1 + 3 + 3);
+        assert_eq!(dealer.lock().unwrap().queued(), 1 + 3);
+        // No stream left: the job made is counted and resolved once, the op is lost.
+        for group in [None, Some(1000)] {
+            let req = counted(writes(&[10, 20]));
+            let dealer = Mutex::new(Dealer::new(1));
+            dealer.lock().unwrap().leave(0, &mut StreamSet::default());
+            deal_request(&dealer, &req, 1000, group, false, count(&req), |_| {});
+            assert_eq!(
+                left(&req),
+                1,
+                "group {group:?}: the count is the caller's again"
+            );
+            let o = req.control.outcome(true);
+            assert_eq!(
+                o.failure.map(|f| (f.op_index, f.kind)),
+                Some((0, FailureKind::PeerLost))
+            );
+        }
     }
 }

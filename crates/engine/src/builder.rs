@@ -447,9 +447,113 @@ impl EngineBuilder {
     /// Builds the engine. With [`listen`](Self::listen) it must run inside a tokio runtime (the
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
+        let keyring = self.keyring()?;
+        let opened = self.open_transports()?;
+        let id = PeerId::random();
+        let epoch = Epoch::fresh();
+        #[cfg(feature = "rdma")]
+        let shared_copies = opened
+            .rdma
+            .as_ref()
+            .map(|t| Arc::new(ferry_registry::SharedCopies::new(Arc::new(t.backend()))));
+        #[cfg(feature = "rdma")]
+        let registry = match &shared_copies {
+            Some(cache) => Registry::new(cache.clone(), self.budgets),
+            None => Registry::host(self.budgets),
+        };
+        #[cfg(not(feature = "rdma"))]
+        let (registry, shared_copies) = (Registry::host(self.budgets), None);
+        let table = Arc::new(RegistryTable::new(registry.clone()));
+        let serve_stats = Arc::new(ferry_core::transport::ServeStats::default());
+        let inbox = Arc::new(crate::inbox::Inbox::default());
+        let responder = Arc::new(Responder {
+            inbox: inbox.clone(),
+            stats: serve_stats.clone(),
+            id,
+            epoch,
+            versions: self.versions,
+            transports: opened.transports.clone(),
+            table: table.clone(),
+            auth: keyring.clone().map(|k| Arc::new(ServerAuth::new(k))),
+        });
+        if let Some(addr) = self.listen
+            && keyring.is_none()
+            && !addr.ip().is_loopback()
+        {
+            tracing::warn!(%addr, "serving without authentication on an address other than \
+                loopback: anyone who can reach it can list the published segments and read or \
+                write them (give a key file: --auth-key-file, FERRY_AUTH_KEY_FILE)");
+        }
+        #[cfg(feature = "uring")]
+        let uring = opened.data_plane.as_ref().and_then(|p| p.uring.clone());
+        let (server, local_server) = self.serve(
+            &opened,
+            #[cfg(feature = "uring")]
+            uring.as_ref(),
+            &table,
+            responder,
+        )?;
+        let metrics = self.metrics.map(MetricsServer::bind).transpose()?;
+        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()),
+            metrics = ?metrics.as_ref().map(|(_, a)| a),
+            auth = ?keyring.as_ref().map(|k| k.names().collect::<Vec<_>>()), "engine built");
+        Ok(TransferEngine {
+            inner: Arc::new_cyclic(|weak| Inner {
+                identity: Identity {
+                    id,
+                    epoch,
+                    versions: self.versions,
+                    keyring,
+                },
+                published: Published {
+                    registry,
+                    table,
+                    shared_copies,
+                },
+                planes: DataPlanes {
+                    transports: opened.transports,
+                    data_plane: opened.data_plane.map(|p| (p.kind, p.reason)),
+                    #[cfg(feature = "rdma")]
+                    rdma: opened.rdma,
+                    #[cfg(feature = "uring")]
+                    uring,
+                    local: opened.local,
+                },
+                peers: Peers {
+                    known: Default::default(),
+                    routes: Default::default(),
+                    request_timeout: self.request_timeout,
+                    connect_timeout: self.data.connect_timeout,
+                    reconnect: self.reconnect,
+                },
+                serving: Serving {
+                    server,
+                    local: local_server,
+                    inbox,
+                    stats: serve_stats,
+                    metrics: metrics.map(|(listener, addr)| {
+                        let weak = weak.clone();
+                        let describe: crate::metrics::Describe = Arc::new(move || {
+                            weak.upgrade()
+                                .map(|inner| TransferEngine { inner }.describe())
+                        });
+                        MetricsServer::start(listener, addr, describe)
+                    }),
+                },
+                broadcasts: Default::default(),
+                #[cfg(feature = "cuda")]
+                gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
+            }),
+        })
+    }
+
+    /// The keyring the engine authenticates with: none when authentication is off (or left to
+    /// an unset [`AUTH_KEY_FILE_ENV`]), else the key file's (checked for open permissions unless
+    /// allowed) or the keys given; [`Error::AuthKey`] when it cannot be had.
+    fn keyring(&self) -> Result<Option<Keyring>, Error> {
         let allow_open = self.allow_open_key_file
             || std::env::var_os(ALLOW_OPEN_KEY_FILE_ENV).is_some_and(|v| v == "1");
-        let keyring = match &self.auth {
+        Ok(match &self.auth {
             AuthSetting::Off => None,
             AuthSetting::FromEnv => match std::env::var_os(AUTH_KEY_FILE_ENV) {
                 Some(path) if !path.is_empty() => {
@@ -466,7 +570,14 @@ impl EngineBuilder {
                     source: None,
                 });
             }
-        };
+        })
+    }
+
+    /// Opens the configured transports, in preference order: the added ones, then the
+    /// same-host plane (when on and a portable plane or `Local` is asked for), RDMA, and the
+    /// portable data plane (io_uring before TCP). [`Error::Unavailable`] for a kind this build
+    /// lacks and nobody added; [`Error::InvalidRequest`] when nothing is configured.
+    fn open_transports(&self) -> Result<OpenedTransports, Error> {
         let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
         #[cfg(feature = "rdma")]
         let mut rdma: Option<RdmaTransport> = None;
@@ -524,55 +635,43 @@ impl EngineBuilder {
                 reason: "no transport configured".into(),
             });
         }
-        let id = PeerId::random();
-        let epoch = Epoch::fresh();
-        #[cfg(feature = "rdma")]
-        let shared_copies = rdma
-            .as_ref()
-            .map(|t| Arc::new(ferry_registry::SharedCopies::new(Arc::new(t.backend()))));
-        #[cfg(feature = "rdma")]
-        let registry = match &shared_copies {
-            Some(cache) => Registry::new(cache.clone(), self.budgets),
-            None => Registry::host(self.budgets),
-        };
-        #[cfg(not(feature = "rdma"))]
-        let (registry, shared_copies) = (Registry::host(self.budgets), None);
-        let table = Arc::new(RegistryTable::new(registry.clone()));
-        let serve_stats = Arc::new(ferry_core::transport::ServeStats::default());
-        let inbox = Arc::new(crate::inbox::Inbox::default());
-        let responder = Arc::new(Responder {
-            inbox: inbox.clone(),
-            stats: serve_stats.clone(),
-            id,
-            epoch,
-            versions: self.versions,
-            transports: transports.clone(),
-            table: table.clone(),
-            auth: keyring.clone().map(|k| Arc::new(ServerAuth::new(k))),
-        });
-        if let Some(addr) = self.listen
-            && keyring.is_none()
-            && !addr.ip().is_loopback()
-        {
-            tracing::warn!(%addr, "serving without authentication on an address other than \
-                loopback: anyone who can reach it can list the published segments and read or \
-                write them (give a key file: --auth-key-file, FERRY_AUTH_KEY_FILE)");
-        }
-        #[cfg(feature = "uring")]
-        let uring = data_plane.as_ref().and_then(|p| p.uring.clone());
+        Ok(OpenedTransports {
+            transports,
+            data_plane,
+            #[cfg(feature = "rdma")]
+            rdma,
+            local,
+        })
+    }
+
+    /// With [`listen`](Self::listen): starts the listener (an error when it cannot bind) and,
+    /// beside it, the same-host plane's server, which a socket that cannot be made leaves out
+    /// (peers then use the network planes). Without: neither.
+    fn serve(
+        &self,
+        opened: &OpenedTransports,
+        #[cfg(feature = "uring")] uring: Option<&ferry_transport_uring::UringTransport>,
+        table: &Arc<RegistryTable>,
+        responder: Arc<Responder>,
+    ) -> Result<
+        (
+            Option<Server>,
+            Option<Arc<ferry_transport_local::LocalServerHandle>>,
+        ),
+        Error,
+    > {
         let server = match self.listen {
             None => None,
             Some(addr) => Some(Server::start(
                 addr,
                 &self.data,
                 #[cfg(feature = "uring")]
-                uring.as_ref(),
+                uring,
                 table.clone(),
                 responder.clone(),
             )?),
         };
-        // Served beside the listener; a socket that cannot be made leaves peers the network.
-        let local_server = match (&server, &local) {
+        let local_server = match (&server, &opened.local) {
             (Some(_), Some(l)) => match l.serve(table.clone(), responder) {
                 Ok(h) => Some(h),
                 Err(e) => {
@@ -583,59 +682,18 @@ impl EngineBuilder {
             },
             _ => None,
         };
-        let metrics = self.metrics.map(MetricsServer::bind).transpose()?;
-        tracing::info!(peer = %id, %epoch, listen = ?server.as_ref().map(|s| s.local_addr()),
-            metrics = ?metrics.as_ref().map(|(_, a)| a),
-            auth = ?keyring.as_ref().map(|k| k.names().collect::<Vec<_>>()), "engine built");
-        Ok(TransferEngine {
-            inner: Arc::new_cyclic(|weak| Inner {
-                identity: Identity {
-                    id,
-                    epoch,
-                    versions: self.versions,
-                    keyring,
-                },
-                published: Published {
-                    registry,
-                    table,
-                    shared_copies,
-                },
-                planes: DataPlanes {
-                    transports,
-                    data_plane: data_plane.map(|p| (p.kind, p.reason)),
-                    #[cfg(feature = "rdma")]
-                    rdma,
-                    #[cfg(feature = "uring")]
-                    uring,
-                    local,
-                },
-                peers: Peers {
-                    known: Default::default(),
-                    routes: Default::default(),
-                    request_timeout: self.request_timeout,
-                    connect_timeout: self.data.connect_timeout,
-                    reconnect: self.reconnect,
-                },
-                serving: Serving {
-                    server,
-                    local: local_server,
-                    inbox,
-                    stats: serve_stats,
-                    metrics: metrics.map(|(listener, addr)| {
-                        let weak = weak.clone();
-                        let describe: crate::metrics::Describe = Arc::new(move || {
-                            weak.upgrade()
-                                .map(|inner| TransferEngine { inner }.describe())
-                        });
-                        MetricsServer::start(listener, addr, describe)
-                    }),
-                },
-                broadcasts: Default::default(),
-                #[cfg(feature = "cuda")]
-                gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
-            }),
-        })
+        Ok((server, local_server))
     }
+}
+
+/// The transports [`EngineBuilder::build`] opened, in preference order, and the planes among
+/// them that the engine keeps by name.
+struct OpenedTransports {
+    transports: Vec<Arc<dyn Transport>>,
+    data_plane: Option<PortablePlane>,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaTransport>,
+    local: Option<ferry_transport_local::LocalTransport>,
 }
 
 impl TransferEngine {

@@ -16,7 +16,7 @@ use std::time::Duration;
 /// the channel's requests past it.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
-use ferry_core::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use ferry_core::dealer::{Dealer, StreamSet, deal_request};
 use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
 use ferry_core::outcome::FailureKind;
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Outgoing, Post, Resolution};
@@ -409,57 +409,17 @@ impl Channel for LocalChannel {
                 .streams
                 .iter()
                 .any(|s| s.alive.load(Ordering::Acquire));
-        let one = |op, at, len| {
-            req.outstanding.fetch_add(1, Ordering::AcqRel);
-            Job::One(Chunk {
-                req: req.clone(),
-                op,
-                at,
-                len,
-            })
-        };
-        let undealt = |job: Job| {
-            req.outstanding.fetch_sub(job.chunks(), Ordering::AcqRel);
-        };
-        let wake = |set| shared.pump_all(set);
-        if shared.vectored {
-            deal_ops_grouped(
-                &shared.dealer,
-                &ops,
-                &control,
-                shared.chunk,
-                shared.chunk,
-                closed,
-                one,
-                |members| {
-                    req.outstanding.fetch_add(members.len(), Ordering::AcqRel);
-                    Job::Pieces(
-                        members
-                            .iter()
-                            .map(|&op| Chunk {
-                                req: req.clone(),
-                                op,
-                                at: 0,
-                                len: ops[op].len,
-                            })
-                            .collect(),
-                    )
-                },
-                undealt,
-                wake,
-            );
-        } else {
-            deal_ops(
-                &shared.dealer,
-                &ops,
-                &control,
-                shared.chunk,
-                closed,
-                one,
-                undealt,
-                wake,
-            );
-        }
+        deal_request(
+            &shared.dealer,
+            &req,
+            shared.chunk,
+            shared.vectored.then_some(shared.chunk),
+            closed,
+            |n| {
+                req.outstanding.fetch_add(n, Ordering::AcqRel);
+            },
+            |set| shared.pump_all(set),
+        );
         let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
         Box::pin(async move {
             if !last {

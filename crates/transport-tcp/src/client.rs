@@ -19,7 +19,7 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use ferry_core::dealer::{deal_ops, deal_ops_grouped, direct_op};
+use ferry_core::dealer::{deal_request, direct_op};
 use ferry_core::queue::{JobQueue, Next, Wake};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
@@ -332,60 +332,20 @@ impl Channel for TcpChannel {
         let closed = self.streams.is_closed();
         // Dealt now, before the future is first polled; each sender checks the request's stop
         // flag and failures again before it posts a chunk, and bounds what it has in flight.
-        let one = |op, at, len| {
-            req.outstanding.fetch_add(1, Ordering::AcqRel);
-            Work::One(Chunk {
-                req: req.clone(),
-                op,
-                at,
-                len,
-            })
-        };
-        let undealt = |job: Job| {
-            req.outstanding.fetch_sub(job.chunks(), Ordering::AcqRel);
-        };
-        let wake = |set| queue.wake_all_in(set);
-        // A small request to an idle stream is sent from here; otherwise chunks are dealt.
+        // A small request to an idle stream is sent from here; otherwise chunks are dealt (runs
+        // of small ops as vectored requests of up to one chunk's bytes).
         if closed || !self.send_direct(&ops, &control, &req) {
-            if self.vectored {
-                // Runs of small ops go out as vectored requests of up to one chunk's bytes.
-                deal_ops_grouped(
-                    queue.dealer(),
-                    &ops,
-                    &control,
-                    self.chunk,
-                    self.chunk,
-                    closed,
-                    one,
-                    |members| {
-                        req.outstanding.fetch_add(members.len(), Ordering::AcqRel);
-                        Work::Pieces(
-                            members
-                                .iter()
-                                .map(|&op| Chunk {
-                                    req: req.clone(),
-                                    op,
-                                    at: 0,
-                                    len: ops[op].len,
-                                })
-                                .collect(),
-                        )
-                    },
-                    undealt,
-                    wake,
-                );
-            } else {
-                deal_ops(
-                    queue.dealer(),
-                    &ops,
-                    &control,
-                    self.chunk,
-                    closed,
-                    one,
-                    undealt,
-                    wake,
-                );
-            }
+            deal_request(
+                queue.dealer(),
+                &req,
+                self.chunk,
+                self.vectored.then_some(self.chunk),
+                closed,
+                |n| {
+                    req.outstanding.fetch_add(n, Ordering::AcqRel);
+                },
+                |set| queue.wake_all_in(set),
+            );
         }
         // The poster's own count; `notify_one` stores a permit, so the last chunk's
         // notification is not lost if it comes before the future waits.

@@ -15,7 +15,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
-use crate::dealer::{Dealer, StreamSet, deal_ops, deal_ops_grouped};
+use crate::dealer::{Dealer, StreamSet, deal_request};
 use crate::ids::{Access, SegmentToken};
 use crate::memory::MemoryRegion;
 use crate::op::{Op, OpKind, SegmentDesc};
@@ -248,86 +248,7 @@ impl Link {
                     {
                         self.s2c.extend(r);
                     }
-                    self.srx = match action {
-                        Action::WriteMemory {
-                            lease,
-                            token,
-                            at,
-                            len,
-                            seq,
-                            ack_slack,
-                        } => ServerRx::Write {
-                            lease,
-                            token,
-                            at,
-                            len,
-                            got: 0,
-                            seq,
-                            ack_slack,
-                        },
-                        Action::ReadMemory {
-                            lease,
-                            at,
-                            len,
-                            response,
-                        } => {
-                            let mut body = vec![0u8; len];
-                            lease.region.read_at(at, &mut body).unwrap();
-                            self.s2c.extend(response);
-                            self.s2c.extend(body);
-                            ServerRx::Head
-                        }
-                        Action::ReadFile {
-                            file,
-                            at,
-                            len,
-                            response,
-                        } => {
-                            let mut body = vec![0u8; len];
-                            file.read_exact_at(at, &mut body).unwrap();
-                            self.s2c.extend(response);
-                            self.s2c.extend(body);
-                            ServerRx::Head
-                        }
-                        Action::WriteFile {
-                            file,
-                            at,
-                            len,
-                            response,
-                        } => ServerRx::WriteFile {
-                            file,
-                            at,
-                            buf: Vec::with_capacity(len),
-                            len,
-                            response,
-                        },
-                        Action::Refuse {
-                            discard, response, ..
-                        } => ServerRx::Discard {
-                            left: discard,
-                            response,
-                        },
-                        Action::Close { response, .. } => {
-                            self.s2c.extend(response);
-                            ServerRx::Closed
-                        }
-                        Action::ChecksumMemory { sum, seq, .. } => {
-                            self.s2c.extend(super::checksum_response(seq, sum.finish()));
-                            ServerRx::Head
-                        }
-                        Action::ChecksumFile { file, at, len, seq } => {
-                            let crc = crate::checksum::crc32c_file(&*file, at, len).unwrap();
-                            self.s2c.extend(super::checksum_response(seq, crc));
-                            ServerRx::Head
-                        }
-                        Action::Table { req } => ServerRx::Table {
-                            req,
-                            buf: Vec::with_capacity(req.table_len()),
-                        },
-                        Action::Vectored { .. } => {
-                            panic!("a vectored action before its table")
-                        }
-                    };
+                    self.srx = self.begin(action);
                 }
                 ServerRx::Table { req, buf } => {
                     let n = (req.table_len() - buf.len()).min(self.s_in.len());
@@ -336,42 +257,8 @@ impl Link {
                         return;
                     }
                     let (req, buf) = (*req, std::mem::take(buf));
-                    self.srx = match self.server.on_table(&req, &buf) {
-                        Action::Vectored {
-                            kind: OpKind::Write,
-                            targets,
-                            discard,
-                            response,
-                        } => ServerRx::Pieces {
-                            targets: targets.into(),
-                            got: 0,
-                            discard,
-                            response,
-                        },
-                        Action::Vectored {
-                            targets, response, ..
-                        } => {
-                            self.s2c.extend(response);
-                            for t in targets {
-                                let mut body = vec![0u8; t.len()];
-                                match t {
-                                    Target::Memory { lease, at, .. } => {
-                                        lease.region.read_at(at, &mut body).unwrap()
-                                    }
-                                    Target::File { file, at, .. } => {
-                                        file.read_exact_at(at, &mut body).unwrap()
-                                    }
-                                }
-                                self.s2c.extend(body);
-                            }
-                            ServerRx::Head
-                        }
-                        Action::Close { response, .. } => {
-                            self.s2c.extend(response);
-                            ServerRx::Closed
-                        }
-                        other => panic!("not an answer to a piece table: {other:?}"),
-                    };
+                    let action = self.server.on_table(&req, &buf);
+                    self.srx = self.answer_table(action);
                 }
                 ServerRx::Pieces {
                     targets,
@@ -462,6 +349,130 @@ impl Link {
                     self.srx = ServerRx::Head;
                 }
             }
+        }
+    }
+
+    /// What the server does with the action a request header asked for: a READ or CHECKSUM is
+    /// answered at once, the rest is received next.
+    fn begin(&mut self, action: Action) -> ServerRx {
+        match action {
+            Action::WriteMemory {
+                lease,
+                token,
+                at,
+                len,
+                seq,
+                ack_slack,
+            } => ServerRx::Write {
+                lease,
+                token,
+                at,
+                len,
+                got: 0,
+                seq,
+                ack_slack,
+            },
+            Action::ReadMemory {
+                lease,
+                at,
+                len,
+                response,
+            } => {
+                let mut body = vec![0u8; len];
+                lease.region.read_at(at, &mut body).unwrap();
+                self.s2c.extend(response);
+                self.s2c.extend(body);
+                ServerRx::Head
+            }
+            Action::ReadFile {
+                file,
+                at,
+                len,
+                response,
+            } => {
+                let mut body = vec![0u8; len];
+                file.read_exact_at(at, &mut body).unwrap();
+                self.s2c.extend(response);
+                self.s2c.extend(body);
+                ServerRx::Head
+            }
+            Action::WriteFile {
+                file,
+                at,
+                len,
+                response,
+            } => ServerRx::WriteFile {
+                file,
+                at,
+                buf: Vec::with_capacity(len),
+                len,
+                response,
+            },
+            Action::Refuse {
+                discard, response, ..
+            } => ServerRx::Discard {
+                left: discard,
+                response,
+            },
+            Action::Close { response, .. } => {
+                self.s2c.extend(response);
+                ServerRx::Closed
+            }
+            Action::ChecksumMemory { sum, seq, .. } => {
+                self.s2c.extend(super::checksum_response(seq, sum.finish()));
+                ServerRx::Head
+            }
+            Action::ChecksumFile { file, at, len, seq } => {
+                let crc = crate::checksum::crc32c_file(&*file, at, len).unwrap();
+                self.s2c.extend(super::checksum_response(seq, crc));
+                ServerRx::Head
+            }
+            Action::Table { req } => ServerRx::Table {
+                req,
+                buf: Vec::with_capacity(req.table_len()),
+            },
+            Action::Vectored { .. } => {
+                panic!("a vectored action before its table")
+            }
+        }
+    }
+
+    /// What the server does with its answer to a piece table: a vectored WRITE's payload is
+    /// received next, a vectored READ is answered at once.
+    fn answer_table(&mut self, action: Action) -> ServerRx {
+        match action {
+            Action::Vectored {
+                kind: OpKind::Write,
+                targets,
+                discard,
+                response,
+            } => ServerRx::Pieces {
+                targets: targets.into(),
+                got: 0,
+                discard,
+                response,
+            },
+            Action::Vectored {
+                targets, response, ..
+            } => {
+                self.s2c.extend(response);
+                for t in targets {
+                    let mut body = vec![0u8; t.len()];
+                    match t {
+                        Target::Memory { lease, at, .. } => {
+                            lease.region.read_at(at, &mut body).unwrap()
+                        }
+                        Target::File { file, at, .. } => file.read_exact_at(at, &mut body).unwrap(),
+                    }
+                    self.s2c.extend(body);
+                }
+                ServerRx::Head
+            }
+            Action::Close { response, .. } => {
+                self.s2c.extend(response);
+                ServerRx::Closed
+            }
+            other => panic!("not an answer to a piece table: {other:?}"),
         }
     }
 
@@ -643,53 +654,70 @@ fn fill(rng: &mut StdRng, len: usize) -> Vec<u8> {
     (0..len).map(|_| rng.r#gen()).collect()
 }
 
-/// Runs `case` to the end and checks every property the module docs name.
-fn run(case: &Case) -> Run {
-    let mut rng = StdRng::seed_from_u64(case.seed);
-    let n = case.ops.len() as u64;
-    let size = (SLOT * n) as usize;
-    let rw = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
-    let ro = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
-    let file = Arc::new(MemFile {
-        data: Mutex::new(fill(&mut rng, size)),
-        access: Access::REMOTE_READ | Access::REMOTE_WRITE,
-    });
-    let lease = |region: &Arc<MemoryRegion>, access| SegmentLease {
-        region: region.clone(),
-        base: 0,
-        len: size as u64,
-        access,
-        guard: None,
-    };
-    let mut table = SimTable::default();
-    table
-        .memory
-        .insert(RW, lease(&rw, Access::REMOTE_READ | Access::REMOTE_WRITE));
-    table.memory.insert(RO, lease(&ro, Access::REMOTE_READ));
-    table.files.insert(FILE, file.clone());
-    let table = Arc::new(table);
-    let remote_before = |spec: &OpSpec| -> Vec<u8> {
+/// The server's published memory and file, as a run starts: a read-write and a read-only
+/// region and a file of `size` bytes each (random bytes), in a table under [`RW`], [`RO`] and
+/// [`FILE`].
+struct World {
+    size: usize,
+    rw: Arc<MemoryRegion>,
+    ro: Arc<MemoryRegion>,
+    file: Arc<MemFile>,
+    table: Arc<SimTable>,
+}
+
+impl World {
+    fn new(rng: &mut StdRng, size: usize) -> Self {
+        let rw = Arc::new(MemoryRegion::from_vec(fill(rng, size)));
+        let ro = Arc::new(MemoryRegion::from_vec(fill(rng, size)));
+        let file = Arc::new(MemFile {
+            data: Mutex::new(fill(rng, size)),
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+        });
+        let lease = |region: &Arc<MemoryRegion>, access| SegmentLease {
+            region: region.clone(),
+            base: 0,
+            len: size as u64,
+            access,
+            guard: None,
+        };
+        let mut table = SimTable::default();
+        table
+            .memory
+            .insert(RW, lease(&rw, Access::REMOTE_READ | Access::REMOTE_WRITE));
+        table.memory.insert(RO, lease(&ro, Access::REMOTE_READ));
+        table.files.insert(FILE, file.clone());
+        Self {
+            size,
+            rw,
+            ro,
+            file,
+            table: Arc::new(table),
+        }
+    }
+
+    /// The whole remote segment `spec` names, as it is now (the read-write one for an unknown
+    /// segment).
+    fn remote(&self, spec: &OpSpec) -> Vec<u8> {
         match spec.target {
-            7 => file.data.lock().unwrap().clone(),
+            7 => self.file.data.lock().unwrap().clone(),
             6 => {
-                let mut v = vec![0; size];
-                ro.read_at(0, &mut v).unwrap();
+                let mut v = vec![0; self.size];
+                self.ro.read_at(0, &mut v).unwrap();
                 v
             }
             _ => {
-                let mut v = vec![0; size];
-                rw.read_at(0, &mut v).unwrap();
+                let mut v = vec![0; self.size];
+                self.rw.read_at(0, &mut v).unwrap();
                 v
             }
         }
-    };
-    let before: Vec<Vec<u8>> = case.ops.iter().map(remote_before).collect();
-    let local = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
-    let mut local_before = vec![0; size];
-    local.read_at(0, &mut local_before).unwrap();
-    // Each op has its own slot, locally and remotely, so ops never overlap.
-    let ops: Arc<[Op]> = case
-        .ops
+    }
+}
+
+/// The ops of `case` over `local`: each op has its own slot, locally and remotely, so ops never
+/// overlap; an out-of-bounds op runs past the end of its segment of `size` bytes.
+fn ops_of(case: &Case, local: &Arc<MemoryRegion>, size: usize) -> Arc<[Op]> {
+    case.ops
         .iter()
         .enumerate()
         .map(|(i, s)| Op {
@@ -709,62 +737,63 @@ fn run(case: &Case) -> Run {
             },
             len: if s.out_of_bounds { s.len.max(2) } else { s.len },
         })
-        .collect();
+        .collect()
+}
+
+/// Runs `case` to the end and checks every property the module docs name.
+fn run(case: &Case) -> Run {
+    let mut rng = StdRng::seed_from_u64(case.seed);
+    let size = (SLOT * case.ops.len() as u64) as usize;
+    let world = World::new(&mut rng, size);
+    let before: Vec<Vec<u8>> = case.ops.iter().map(|s| world.remote(s)).collect();
+    let local = Arc::new(MemoryRegion::from_vec(fill(&mut rng, size)));
+    let mut local_before = vec![0; size];
+    local.read_at(0, &mut local_before).unwrap();
+    let ops = ops_of(case, &local, size);
     let req = Arc::new(SimReq {
         ops: ops.clone(),
         control: RequestControl::new(&ops),
         left: AtomicUsize::new(0),
     });
     let dealer = Mutex::new(Dealer::new(case.streams));
-    let one = |op, at, len| {
-        req.left.fetch_add(1, Ordering::SeqCst);
-        Work::One(Chunk {
-            req: req.clone(),
-            op,
-            at,
-            len,
-        })
-    };
-    match case.vectored {
-        None => deal_ops(
-            &dealer,
-            &ops,
-            &req.control,
-            case.chunk,
-            false,
-            one,
-            Work::skipped,
-            |_| {},
-        ),
-        Some(budget) => deal_ops_grouped(
-            &dealer,
-            &ops,
-            &req.control,
-            case.chunk,
-            budget,
-            false,
-            one,
-            |members| {
-                req.left.fetch_add(members.len(), Ordering::SeqCst);
-                Work::Pieces(
-                    members
-                        .iter()
-                        .map(|&op| Chunk {
-                            req: req.clone(),
-                            op,
-                            at: 0,
-                            len: ops[op].len,
-                        })
-                        .collect(),
-                )
-            },
-            Work::skipped,
-            |_| {},
-        ),
-    }
+    deal_request(
+        &dealer,
+        &req,
+        case.chunk,
+        case.vectored,
+        false,
+        |n| {
+            req.left.fetch_add(n, Ordering::SeqCst);
+        },
+        |_| {},
+    );
     let mut links: Vec<Link> = (0..case.streams)
-        .map(|_| Link::new(case.depth, case.policy, table.clone()))
+        .map(|_| Link::new(case.depth, case.policy, world.table.clone()))
         .collect();
+    let cut_happened = drive(case, &mut rng, &mut links, &dealer);
+    dealer.lock().unwrap().close();
+    assert_eq!(
+        req.left.load(Ordering::SeqCst),
+        0,
+        "every chunk is resolved exactly once"
+    );
+    let outcome = req.control.outcome(true);
+    check_bytes(case, &world, &ops, &before, &local_before, &outcome);
+    Run {
+        outcome,
+        cut_happened,
+    }
+}
+
+/// Steps `links` in random order (a driver posting, bytes delivered and consumed either way)
+/// until nothing is queued or in flight, losing the stream `case.cut` names at its step;
+/// whether a stream was lost.
+fn drive(
+    case: &Case,
+    rng: &mut StdRng,
+    links: &mut [Link],
+    dealer: &Mutex<Dealer<Work<SimReq>>>,
+) -> bool {
     let mut cut_happened = false;
     let mut step = 0usize;
     loop {
@@ -806,11 +835,11 @@ fn run(case: &Case) -> Run {
                 }
             }
             1 => {
-                deliver(&mut rng, &mut link.c2s, &mut link.s_in, case.split);
+                deliver(rng, &mut link.c2s, &mut link.s_in, case.split);
                 link.serve();
             }
             2 => {
-                deliver(&mut rng, &mut link.s2c, &mut link.c_in, case.split);
+                deliver(rng, &mut link.s2c, &mut link.c_in, case.split);
                 link.receive();
             }
             _ => {}
@@ -823,23 +852,29 @@ fn run(case: &Case) -> Run {
             break;
         }
     }
-    dealer.lock().unwrap().close();
-    assert_eq!(
-        req.left.load(Ordering::SeqCst),
-        0,
-        "every chunk is resolved exactly once"
-    );
-    let outcome = req.control.outcome(true);
+    cut_happened
+}
 
-    // The completed prefix moved its bytes.
-    let remote_now = |spec: &OpSpec| -> Vec<u8> { remote_before(spec) };
+/// Checks what `outcome` says against the bytes: the completed prefix moved its bytes (a
+/// CHECKSUM's digest landed in its slot, nothing else of it changed); a WRITE from the failed
+/// op on changed no remote byte when the outcome says no remote effect; a WRITE never changed
+/// local bytes. `before`: each op's remote segment before the run; `local_before`: the local
+/// buffer before it.
+fn check_bytes(
+    case: &Case,
+    world: &World,
+    ops: &[Op],
+    before: &[Vec<u8>],
+    local_before: &[u8],
+    outcome: &Outcome,
+) {
     for (i, (spec, op)) in case.ops.iter().zip(ops.iter()).enumerate() {
         let slot = i * SLOT as usize;
         let r = op.remote_offset as usize;
         let len = op.len as usize;
         let mut l = vec![0; len];
-        local.read_at(slot as u64, &mut l).unwrap();
-        let remote = remote_now(spec);
+        op.local.read_at(slot as u64, &mut l).unwrap();
+        let remote = world.remote(spec);
         if i < outcome.completed_ops && spec.kind == OpKind::Checksum {
             // The digest of the remote range landed in the first bytes of the slot, and nothing
             // else of the slot changed.
@@ -851,7 +886,7 @@ fn run(case: &Case) -> Run {
                 "op {i}: digest"
             );
             let mut whole = vec![0; SLOT as usize];
-            local.read_at(slot as u64, &mut whole).unwrap();
+            op.local.read_at(slot as u64, &mut whole).unwrap();
             assert_eq!(whole[..n], crc.to_le_bytes(), "op {i}: digest");
             assert_eq!(whole[n..], local_before[slot + n..slot + SLOT as usize]);
         } else if i < outcome.completed_ops {
@@ -874,10 +909,6 @@ fn run(case: &Case) -> Run {
         if spec.kind == OpKind::Write {
             assert_eq!(l, &local_before[slot..slot + len]);
         }
-    }
-    Run {
-        outcome,
-        cut_happened,
     }
 }
 

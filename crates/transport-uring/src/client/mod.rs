@@ -29,7 +29,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::dealer::{DIRECT_MAX, deal_ops, deal_ops_grouped, direct_op};
+use ferry_core::dealer::{DIRECT_MAX, deal_request, direct_op};
 use ferry_core::queue::Wake;
 use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
 use ferry_core::{
@@ -582,16 +582,6 @@ impl Channel for UringChannel {
         // A small request to an idle stream is sent from here; otherwise chunks are dealt to
         // the streams now; each stream checks the request's stop flag and failures again
         // before it posts a chunk, and bounds what it has in flight.
-        let one = |op, at, len| {
-            req.parts.add(1);
-            Work::One(Chunk {
-                req: req.clone(),
-                op,
-                at,
-                len,
-            })
-        };
-        let wake = |set| self.queue.wake_all_in(set);
         let direct = if closed {
             Direct::Dealt
         } else {
@@ -603,45 +593,16 @@ impl Channel for UringChannel {
             Direct::Dealt | Direct::Sent => None,
         };
         if dealt {
-            if self.vectored {
-                // Runs of small ops go out as vectored requests of up to one chunk's bytes.
-                deal_ops_grouped(
-                    self.queue.dealer(),
-                    &ops,
-                    &control,
-                    self.chunk,
-                    self.chunk,
-                    closed,
-                    one,
-                    |members| {
-                        req.parts.add(members.len());
-                        Work::Pieces(
-                            members
-                                .iter()
-                                .map(|&op| Chunk {
-                                    req: req.clone(),
-                                    op,
-                                    at: 0,
-                                    len: ops[op].len,
-                                })
-                                .collect(),
-                        )
-                    },
-                    Work::skipped,
-                    wake,
-                );
-            } else {
-                deal_ops(
-                    self.queue.dealer(),
-                    &ops,
-                    &control,
-                    self.chunk,
-                    closed,
-                    one,
-                    Work::skipped,
-                    wake,
-                );
-            }
+            // Runs of small ops go out as vectored requests of up to one chunk's bytes.
+            deal_request(
+                self.queue.dealer(),
+                &req,
+                self.chunk,
+                self.vectored.then_some(self.chunk),
+                closed,
+                |n| req.parts.add(n),
+                |set| self.queue.wake_all_in(set),
+            );
         }
         let parts = req.parts.clone();
         drop(req);
