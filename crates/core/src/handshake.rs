@@ -111,12 +111,12 @@ impl ServerConversation {
     }
 
     /// A place for one more data stream under `key` (the proven key name; `None` without keys)
-    /// below the responder's [`StreamCap`](crate::stream::StreamCap), or the refusal to send
+    /// below the responder's [`StreamCap`](crate::stream_cap::StreamCap), or the refusal to send
     /// ([`RejectReason::TooManyStreams`]) when it holds the cap's worth.
     fn admit_stream(
         &mut self,
         key: Option<Arc<str>>,
-    ) -> Result<Option<crate::stream::StreamPermit>, Box<ServerStep>> {
+    ) -> Result<Option<crate::stream_cap::StreamPermit>, Box<ServerStep>> {
         let Some(cap) = self.responder.stream_cap() else {
             return Ok(None);
         };
@@ -1230,7 +1230,7 @@ mod tests {
         /// A responder like [`responder`] whose streams are capped at `cap` per key name.
         fn capped(
             keys: Option<&str>,
-            cap: &Arc<crate::stream::StreamCap>,
+            cap: &Arc<crate::stream_cap::StreamCap>,
         ) -> Arc<dyn HandshakeResponder> {
             let mut r = MockHandshakeResponder::new();
             r.expect_peer_id().return_const(PeerId(3));
@@ -1250,7 +1250,7 @@ mod tests {
         /// Without keys, every peer counts as one name. A refused proof takes no place.
         #[test]
         fn streams_past_the_cap_of_their_key_name_are_refused_and_named() {
-            let cap = crate::stream::StreamCap::new(2);
+            let cap = crate::stream_cap::StreamCap::new(2);
             let r = capped(Some(&format!("{ALICE}\n{BOB}")), &cap);
             let (_, alice) = authenticate(ALICE, &mut talk(&r)).unwrap();
             let (_, bob) = authenticate(BOB, &mut talk(&r)).unwrap();
@@ -1295,7 +1295,7 @@ mod tests {
             held.pop();
             assert!(matches!(attach_as(&alice, 3), ServerStep::Stream { .. }));
 
-            let cap = crate::stream::StreamCap::new(1);
+            let cap = crate::stream_cap::StreamCap::new(1);
             let r = capped(None, &cap);
             let step = talk(&r).on_frame(ControlFrame::StreamAttach(attach()));
             let ServerStep::Stream { stream, .. } = step else {

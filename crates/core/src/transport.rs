@@ -292,7 +292,7 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
 
     /// The cap on data streams attached at once per key name, shared by every listener this
     /// responder answers for (`None`, the default: no cap).
-    fn stream_cap(&self) -> Option<Arc<crate::stream::StreamCap>> {
+    fn stream_cap(&self) -> Option<Arc<crate::stream_cap::StreamCap>> {
         None
     }
 

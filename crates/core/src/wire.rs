@@ -483,7 +483,7 @@ pub enum RejectReason {
     /// is answered with [`RejectReason::Refused`], which any peer understands).
     Unauthenticated,
     /// A data stream refused because its key name (or, without keys, every peer) holds as many
-    /// streams attached as the server allows ([`StreamCap`](crate::stream::StreamCap)).
+    /// streams attached as the server allows ([`StreamCap`](crate::stream_cap::StreamCap)).
     TooManyStreams,
 }
 

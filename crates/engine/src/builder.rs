@@ -143,7 +143,7 @@ impl Default for EngineBuilder {
             allow_open_key_file: false,
             metrics: None,
             same_host: true,
-            max_streams_per_key: ferry_core::stream::DEFAULT_STREAMS_PER_KEY,
+            max_streams_per_key: ferry_core::stream_cap::DEFAULT_STREAMS_PER_KEY,
         }
     }
 }
@@ -561,7 +561,7 @@ impl EngineBuilder {
             transports: transports.clone(),
             table: table.clone(),
             auth: keyring.clone().map(|k| Arc::new(ServerAuth::new(k))),
-            stream_cap: ferry_core::stream::StreamCap::new(self.max_streams_per_key),
+            stream_cap: ferry_core::stream_cap::StreamCap::new(self.max_streams_per_key),
         });
         if let Some(addr) = self.listen
             && keyring.is_none()

@@ -313,7 +313,7 @@ pub(crate) struct Responder {
     /// Where peers' notifications wait for the application.
     pub(crate) inbox: Arc<crate::inbox::Inbox>,
     /// Data streams attached per key name, capped.
-    pub(crate) stream_cap: Arc<ferry_core::stream::StreamCap>,
+    pub(crate) stream_cap: Arc<ferry_core::stream_cap::StreamCap>,
 }
 
 impl HandshakeResponder for Responder {
@@ -358,7 +358,7 @@ impl HandshakeResponder for Responder {
         Some(self.stats.clone())
     }
 
-    fn stream_cap(&self) -> Option<Arc<ferry_core::stream::StreamCap>> {
+    fn stream_cap(&self) -> Option<Arc<ferry_core::stream_cap::StreamCap>> {
         Some(self.stream_cap.clone())
     }
 
@@ -443,7 +443,7 @@ mod tests {
             auth: None,
             stats: Default::default(),
             inbox: Default::default(),
-            stream_cap: ferry_core::stream::StreamCap::new(1),
+            stream_cap: ferry_core::stream_cap::StreamCap::new(1),
         }
     }
 

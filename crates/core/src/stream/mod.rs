@@ -8,8 +8,8 @@
 //!   validation of responses, and what a broken stream fails or hands on.
 //! - [`ServerStream`]: one served stream's decode, resolution against the [`SegmentTable`](crate::SegmentTable),
 //!   access and bounds checks, refusals, and when a WRITE's response may be held back.
-//! - [`StreamCap`]: how many streams one key name may hold attached to a server at once; a
-//!   served stream holds its [`StreamPermit`].
+//! - A served stream holds its place under its key name's cap
+//!   ([`StreamPermit`](crate::stream_cap::StreamPermit)).
 //! - [`Chunk`] and [`ChunkOwner`]: a chunk of a request and how its resolution is recorded in the
 //!   request's ledger, the same for every driver.
 //!
@@ -34,13 +34,11 @@
 //! The simulated pair in this module's tests joins client and server endpoints in memory, with
 //! arbitrary splits of the byte streams, streams served in random order and streams lost midway.
 
-mod cap;
 mod client;
 mod server;
 #[cfg(test)]
 mod sim;
 
-pub use cap::{CapReached, DEFAULT_STREAMS_PER_KEY, StreamCap, StreamPermit};
 pub use client::{
     AckPolicy, Chunk, ChunkOwner, ClientStream, LocalRange, Outgoing, Post, Resolution, Violation,
     Work,

@@ -241,7 +241,7 @@ pub struct ServerStream {
     last_held: u32,
     carried: Option<(SegmentLease, u64)>,
     stats: Option<Arc<ServeStats>>,
-    _permit: Option<super::StreamPermit>,
+    _permit: Option<crate::stream_cap::StreamPermit>,
 }
 
 impl ServerStream {
@@ -258,7 +258,7 @@ impl ServerStream {
     }
 
     /// The same stream, holding its place under its key name's cap for its life.
-    pub fn holding(mut self, permit: Option<super::StreamPermit>) -> Self {
+    pub fn holding(mut self, permit: Option<crate::stream_cap::StreamPermit>) -> Self {
         self._permit = permit;
         self
     }
