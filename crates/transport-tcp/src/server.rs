@@ -305,8 +305,8 @@ enum Flow {
 /// ([`ServerStream`]) decides: every request is checked (token, access, bounds) before any byte
 /// of the segment is touched; a refused WRITE's payload is read into a scratch buffer and
 /// dropped; a malformed header is answered and closes the stream. This server holds no response
-/// back. While the stream is idle (no request waiting on its socket) it holds no staging: its
-/// buffers go back to the I/O thread's spares ([`Stages::release`]).
+/// back. While the stream is idle (no request waiting on its socket) it holds no file staging:
+/// its file buffers go back to the I/O thread's spares ([`Stages::release`]).
 async fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
@@ -578,7 +578,8 @@ async fn send_pieces(
 
 /// A stream's staging: the small-READ buffer, the scratch for refused payloads, the piece-table
 /// buffer and the two file buffers. Each is taken on first use; [`release`](Self::release) gives
-/// them up while the stream is idle, so an idle stream holds no staging.
+/// up all but the small-READ buffer (16 KiB, kept so that a loop of small READs allocates
+/// nothing) while the stream is idle.
 #[derive(Debug, Default)]
 struct Stages {
     small: Vec<u8>,
@@ -604,20 +605,16 @@ impl Stages {
         &mut self.scratch
     }
 
-    /// Whether any buffer is held.
+    /// Whether any buffer [`release`](Self::release) gives up is held.
     fn holds_any(&self) -> bool {
-        self.small.capacity() > 0
-            || self.scratch.capacity() > 0
-            || self.table.capacity() > 0
-            || self.file.holds_any()
+        self.scratch.capacity() > 0 || self.table.capacity() > 0 || self.file.holds_any()
     }
 
-    /// Frees the small buffers and hands the file buffers to the thread's spares.
+    /// Frees the scratch and table buffers and hands the file buffers to the thread's spares.
     fn release(&mut self) {
         if !self.holds_any() {
             return;
         }
-        self.small = Vec::new();
         self.scratch = Vec::new();
         self.table = Vec::new();
         self.file.release();
@@ -811,7 +808,7 @@ mod tests {
         SPARE.with_borrow(Vec::len)
     }
 
-    /// A stream that served file READs and then waits for its next request holds no staging:
+    /// A stream that served file READs and then waits for its next request holds no file staging:
     /// its two file buffers went back to the thread's spares (where the next file op, of any
     /// stream on the thread, takes them again), and the spares stay bounded however many
     /// streams give buffers back.
