@@ -626,7 +626,7 @@ impl<R: ChunkOwner> ClientStream<R> {
         }
         for _ in 0..held {
             if let Some(f) = self.fly.pop_front() {
-                self.settle(f.seq, f.unsent, vec![(f.chunk, None)]);
+                self.settle_one(f.seq, f.unsent, f.chunk, None);
             }
         }
         let Some(f) = self.fly.pop_front() else {
@@ -634,7 +634,7 @@ impl<R: ChunkOwner> ClientStream<R> {
         };
         match resp.refused {
             None if payload => return Ok(Resolution::Payload(f.chunk)),
-            status => self.settle(f.seq, f.unsent, vec![(f.chunk, status)]),
+            status => self.settle_one(f.seq, f.unsent, f.chunk, status),
         }
         Ok(Resolution::Done)
     }
@@ -703,6 +703,24 @@ impl<R: ChunkOwner> ClientStream<R> {
             }
             .resolve();
             Ok(Resolution::Pieces(all))
+        }
+    }
+
+    /// [`settle`](Self::settle) for one chunk, with no allocation unless it must wait.
+    fn settle_one(
+        &mut self,
+        seq: u32,
+        unsent: bool,
+        chunk: Chunk<R>,
+        status: Option<RemoteStatus>,
+    ) {
+        match (unsent, status) {
+            (true, _) => self.answered.push_back(Answered {
+                seq,
+                chunks: vec![(chunk, status)],
+            }),
+            (false, None) => chunk.acked(),
+            (false, Some(s)) => chunk.refused(s),
         }
     }
 
