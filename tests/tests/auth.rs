@@ -608,3 +608,74 @@ fn bad_key_files_are_refused_when_building() -> Result<()> {
     ));
     Ok(())
 }
+
+/// Data streams are capped per key name (`max_streams_per_key`), on every plane the listener
+/// serves (TCP, io_uring; the same-host plane, whose streams count under the same cap): a
+/// second client of alice's, past the cap her first one's streams fill, is refused at its
+/// attach with `TooManyStreams`; bob, another key name, still connects and moves bytes; and
+/// alice's first channel goes on working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_the_cap_of_a_key_name_are_refused_on_every_plane() -> Result<()> {
+    let mut cases: Vec<(DataPlane, bool)> = planes().into_iter().map(|p| (p, false)).collect();
+    cases.push((DataPlane::Tcp, true));
+    for (plane, same_host) in cases {
+        let server = Server::start_with(plane, Some(&format!("{ALICE}\n{BOB}")), |b| {
+            b.same_host(same_host).max_streams_per_key(2)
+        })?;
+        let connect = |keys: &str| -> Result<TransferEngine> {
+            Ok(TransferEngine::builder()
+                .same_host(same_host)
+                .data_plane(plane)
+                .streams(2)
+                .no_auth()
+                .auth_keyring(keyring(keys))
+                .build()?)
+        };
+        let alice = connect(ALICE)?;
+        let alice_peer = alice.connect(server.addr()).await?;
+        let dst_alice = local(&alice, 0)?;
+        let o = alice
+            .submit(Batch::new().read(&dst_alice, 0, &alice_peer.segment("open")?, 0, LEN as u64))?
+            .await;
+        ensure!(o.is_success(), "{plane:?} same_host={same_host}: {o:?}");
+        if same_host {
+            ensure!(
+                alice
+                    .describe()
+                    .routes
+                    .iter()
+                    .any(|r| r.transport == "local"),
+                "alice is not on the same-host plane: {:?}",
+                alice.describe().routes
+            );
+        }
+        let again = connect(ALICE)?;
+        match again.connect(server.addr()).await {
+            Err(Error::TooManyStreams { reason, .. }) => ensure!(
+                reason.contains("\"alice\""),
+                "{plane:?} same_host={same_host}: the refusal names no key: {reason}"
+            ),
+            other => {
+                bail!("{plane:?} same_host={same_host}: alice's streams past the cap: {other:?}")
+            }
+        }
+        let bob = connect(BOB)?;
+        let bob_peer = bob.connect(server.addr()).await?;
+        let dst = local(&bob, 0)?;
+        let o = bob
+            .submit(Batch::new().read(&dst, 0, &bob_peer.segment("open")?, 0, LEN as u64))?
+            .await;
+        ensure!(
+            o.is_success(),
+            "{plane:?} same_host={same_host}: bob: {o:?}"
+        );
+        let o = alice
+            .submit(Batch::new().read(&dst_alice, 0, &alice_peer.segment("open")?, 0, LEN as u64))?
+            .await;
+        ensure!(
+            o.is_success(),
+            "{plane:?} same_host={same_host}: alice after: {o:?}"
+        );
+    }
+    Ok(())
+}

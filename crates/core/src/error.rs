@@ -165,6 +165,16 @@ pub enum Error {
         /// The peer's reason.
         reason: String,
     },
+    /// The peer refused a data stream: our key name (or, on a server without keys, all its
+    /// peers) holds as many streams attached to it as it allows (its `max_streams_per_key`).
+    /// Close channels to it, or use fewer streams per channel.
+    #[error("peer {peer} refused a data stream, too many are attached: {reason}")]
+    TooManyStreams {
+        /// The peer's address.
+        peer: String,
+        /// The peer's reason.
+        reason: String,
+    },
     /// Authentication with the peer failed: it refused our key (a different key under our
     /// key's name, a name it does not know, a stream proof it does not accept), it could not
     /// prove it holds our key, or one side has a key and the other none.

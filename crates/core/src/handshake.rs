@@ -110,6 +110,31 @@ impl ServerConversation {
         }))
     }
 
+    /// A place for one more data stream under `key` (the proven key name; `None` without keys)
+    /// below the responder's [`StreamCap`](crate::stream_cap::StreamCap), or the refusal to send
+    /// ([`RejectReason::TooManyStreams`]) when it holds the cap's worth.
+    fn admit_stream(
+        &mut self,
+        key: Option<Arc<str>>,
+    ) -> Result<Option<crate::stream_cap::StreamPermit>, Box<ServerStep>> {
+        let Some(cap) = self.responder.stream_cap() else {
+            return Ok(None);
+        };
+        match cap.admit(key) {
+            Ok(permit) => Ok(Some(permit)),
+            Err(full) => {
+                self.state = Conversation::Done;
+                tracing::warn!(from = %self.from, error = %full, "data stream refused");
+                Err(Box::new(ServerStep::Close(ControlFrame::Reject(Reject {
+                    reason: RejectReason::TooManyStreams,
+                    versions: SUPPORTED_VERSIONS,
+                    epoch: self.responder.epoch(),
+                    message: format!("{full} ({} per key name)", cap.per_key()),
+                }))))
+            }
+        }
+    }
+
     /// The largest body the peer's next frame may have: [`MAX_PREAUTH_BODY`] on a server that
     /// requires authentication until the peer has proven its key, [`MAX_CONTROL_BODY`] after
     /// (its hello) and on a server without keys (which serves whoever connects).
@@ -213,10 +238,15 @@ impl ServerConversation {
                         "data stream refused: this server requires an authenticated session".into(),
                     );
                 }
+                let permit = match self.admit_stream(None) {
+                    Ok(p) => p,
+                    Err(step) => return *step,
+                };
                 ServerStep::Stream {
                     attach: a,
                     stream: ServerStream::new(self.table.clone())
-                        .counting(self.responder.serve_stats()),
+                        .counting(self.responder.serve_stats())
+                        .holding(permit),
                 }
             }
             (Conversation::Start, ControlFrame::AuthHello(h)) => {
@@ -284,16 +314,19 @@ impl ServerConversation {
                         "data stream refused: this server has no authentication key".into(),
                     );
                 };
-                match auth.check_attach(&a, self.responder.epoch()) {
-                    Ok(name) => ServerStep::Stream {
-                        attach: a.attach,
-                        stream: ServerStream::new(Arc::new(PeerView::new(
-                            self.table.clone(),
-                            name,
-                        )))
-                        .counting(self.responder.serve_stats()),
-                    },
-                    Err(r) => self.refused(r.message),
+                let name = match auth.check_attach(&a, self.responder.epoch()) {
+                    Ok(name) => name,
+                    Err(r) => return self.refused(r.message),
+                };
+                let permit = match self.admit_stream(Some(name.clone())) {
+                    Ok(p) => p,
+                    Err(step) => return *step,
+                };
+                ServerStep::Stream {
+                    attach: a.attach,
+                    stream: ServerStream::new(Arc::new(PeerView::new(self.table.clone(), name)))
+                        .counting(self.responder.serve_stats())
+                        .holding(permit),
                 }
             }
             (state, other) => {
@@ -450,6 +483,12 @@ fn accepted(
         }),
         ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
             Err(Error::Authentication {
+                peer: peer.to_string(),
+                reason: r.message,
+            })
+        }
+        ControlFrame::Reject(r) if r.reason == RejectReason::TooManyStreams => {
+            Err(Error::TooManyStreams {
                 peer: peer.to_string(),
                 reason: r.message,
             })
@@ -723,6 +762,7 @@ mod tests {
             let auth = keys.map(|k| Arc::new(ServerAuth::new(Keyring::parse(k).unwrap())));
             r.expect_auth().returning(move || auth.clone());
             r.expect_serve_stats().returning(|| None);
+            r.expect_stream_cap().returning(|| None);
             if answers {
                 r.expect_respond().returning(|h, _, peer| {
                     Ok(Hello {
@@ -767,6 +807,7 @@ mod tests {
             let auth = keys.map(|k| Arc::new(ServerAuth::new(Keyring::parse(k).unwrap())));
             r.expect_auth().returning(move || auth.clone());
             r.expect_serve_stats().returning(|| None);
+            r.expect_stream_cap().returning(|| None);
             r.expect_respond().never();
             let got = Arc::new(std::sync::Mutex::new(Vec::new()));
             let g = got.clone();
@@ -1184,6 +1225,92 @@ mod tests {
             // And once only.
             let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(good)));
             assert!(attach_reply(peer(), &attach(), answer).is_err());
+        }
+
+        /// A responder like [`responder`] whose streams are capped at `cap` per key name.
+        fn capped(
+            keys: Option<&str>,
+            cap: &Arc<crate::stream_cap::StreamCap>,
+        ) -> Arc<dyn HandshakeResponder> {
+            let mut r = MockHandshakeResponder::new();
+            r.expect_peer_id().return_const(PeerId(3));
+            r.expect_epoch().return_const(Epoch(4));
+            let auth = keys.map(|k| Arc::new(ServerAuth::new(Keyring::parse(k).unwrap())));
+            r.expect_auth().returning(move || auth.clone());
+            r.expect_serve_stats().returning(|| None);
+            let cap = cap.clone();
+            r.expect_stream_cap().returning(move || Some(cap.clone()));
+            r.expect_respond().returning(|h, _, _| Ok(h.clone()));
+            Arc::new(r)
+        }
+
+        /// An attached stream's proven key name counts against the cap: past it, the next
+        /// attach of that name (a valid proof) is refused with `TooManyStreams`, which the
+        /// client names; another name still attaches; a stream that ends frees its place.
+        /// Without keys, every peer counts as one name. A refused proof takes no place.
+        #[test]
+        fn streams_past_the_cap_of_their_key_name_are_refused_and_named() {
+            let cap = crate::stream_cap::StreamCap::new(2);
+            let r = capped(Some(&format!("{ALICE}\n{BOB}")), &cap);
+            let (_, alice) = authenticate(ALICE, &mut talk(&r)).unwrap();
+            let (_, bob) = authenticate(BOB, &mut talk(&r)).unwrap();
+            let attach_as = |session: &crate::auth::Session, index: u16| {
+                talk(&r).on_frame(session.attach(StreamAttach {
+                    stream_index: index,
+                    ..attach()
+                }))
+            };
+            let mut held = Vec::new();
+            for i in 0..2 {
+                let step = attach_as(&alice, i);
+                let ServerStep::Stream { stream, .. } = step else {
+                    panic!("alice's stream {i} refused: {step:?}")
+                };
+                held.push(stream);
+            }
+            let answer = closed_with(attach_as(&alice, 2));
+            let e = attach_reply(peer(), &attach(), answer).unwrap_err();
+            assert!(
+                matches!(&e, Error::TooManyStreams { reason, .. } if reason.contains("\"alice\"")),
+                "{e}"
+            );
+            // A forged proof is refused as before, and takes no place.
+            let ControlFrame::AuthAttach(good) = bob.attach(attach()) else {
+                panic!()
+            };
+            let forged = AuthAttach {
+                mac: [9; 32],
+                ..good
+            };
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::AuthAttach(forged)));
+            assert!(matches!(
+                attach_reply(peer(), &attach(), answer),
+                Err(Error::Authentication { .. })
+            ));
+            assert_eq!(cap.held(Some("bob")), 0);
+            assert!(matches!(
+                talk(&r).on_frame(ControlFrame::AuthAttach(good)),
+                ServerStep::Stream { .. }
+            ));
+            held.pop();
+            assert!(matches!(attach_as(&alice, 3), ServerStep::Stream { .. }));
+
+            let cap = crate::stream_cap::StreamCap::new(1);
+            let r = capped(None, &cap);
+            let step = talk(&r).on_frame(ControlFrame::StreamAttach(attach()));
+            let ServerStep::Stream { stream, .. } = step else {
+                panic!("{step:?}")
+            };
+            let answer = closed_with(talk(&r).on_frame(ControlFrame::StreamAttach(attach())));
+            assert!(matches!(
+                attach_reply(peer(), &attach(), answer),
+                Err(Error::TooManyStreams { .. })
+            ));
+            drop(stream);
+            assert!(matches!(
+                talk(&r).on_frame(ControlFrame::StreamAttach(attach())),
+                ServerStep::Stream { .. }
+            ));
         }
 
         #[test]

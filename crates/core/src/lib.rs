@@ -20,6 +20,7 @@ pub mod op;
 pub mod outcome;
 pub mod queue;
 pub mod stream;
+pub mod stream_cap;
 pub mod transport;
 pub mod wire;
 

@@ -290,6 +290,12 @@ pub trait HandshakeResponder: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// The cap on data streams attached at once per key name, shared by every listener this
+    /// responder answers for (`None`, the default: no cap).
+    fn stream_cap(&self) -> Option<Arc<crate::stream_cap::StreamCap>> {
+        None
+    }
+
     /// Takes a notification from `from` (authenticated as `peer`, if at all) into this
     /// server's inbox, or refuses it (the default: this server takes none).
     #[allow(clippy::needless_lifetimes)]

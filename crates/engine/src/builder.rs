@@ -44,6 +44,7 @@ pub struct EngineBuilder {
     allow_open_key_file: bool,
     metrics: Option<SocketAddr>,
     same_host: bool,
+    max_streams_per_key: usize,
 }
 
 /// Where the engine's authentication keys come from.
@@ -142,6 +143,7 @@ impl Default for EngineBuilder {
             allow_open_key_file: false,
             metrics: None,
             same_host: true,
+            max_streams_per_key: ferry_core::stream_cap::DEFAULT_STREAMS_PER_KEY,
         }
     }
 }
@@ -362,6 +364,16 @@ impl EngineBuilder {
         self
     }
 
+    /// How many data streams one key name may hold attached to this engine's listeners at
+    /// once, all planes together (default 1024; without keys, all peers together): one more is
+    /// refused at its attach, and the client's connect fails with
+    /// [`Error::TooManyStreams`](crate::Error::TooManyStreams). Each peer's channel holds its
+    /// `streams` of them.
+    pub fn max_streams_per_key(mut self, n: usize) -> Self {
+        self.max_streams_per_key = n;
+        self
+    }
+
     /// How long a TCP or io_uring data stream may go without its sent data acknowledged (or,
     /// idle, without answers to keepalive probes) before the peer is taken for dead: the
     /// stream closes, its chunks in flight are reported lost (an uncertain WRITE), and
@@ -475,6 +487,7 @@ impl EngineBuilder {
             transports: opened.transports.clone(),
             table: table.clone(),
             auth: keyring.clone().map(|k| Arc::new(ServerAuth::new(k))),
+            stream_cap: ferry_core::stream_cap::StreamCap::new(self.max_streams_per_key),
         });
         if let Some(addr) = self.listen
             && keyring.is_none()

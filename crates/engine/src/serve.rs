@@ -312,6 +312,8 @@ pub(crate) struct Responder {
     pub(crate) stats: Arc<ferry_core::transport::ServeStats>,
     /// Where peers' notifications wait for the application.
     pub(crate) inbox: Arc<crate::inbox::Inbox>,
+    /// Data streams attached per key name, capped.
+    pub(crate) stream_cap: Arc<ferry_core::stream_cap::StreamCap>,
 }
 
 impl HandshakeResponder for Responder {
@@ -354,6 +356,10 @@ impl HandshakeResponder for Responder {
 
     fn serve_stats(&self) -> Option<Arc<ferry_core::transport::ServeStats>> {
         Some(self.stats.clone())
+    }
+
+    fn stream_cap(&self) -> Option<Arc<ferry_core::stream_cap::StreamCap>> {
+        Some(self.stream_cap.clone())
     }
 
     fn respond(
@@ -437,6 +443,7 @@ mod tests {
             auth: None,
             stats: Default::default(),
             inbox: Default::default(),
+            stream_cap: ferry_core::stream_cap::StreamCap::new(1),
         }
     }
 

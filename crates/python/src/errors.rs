@@ -295,7 +295,7 @@ pub(crate) fn kind_of(e: &ferry::Error) -> Kind {
         E::Unquiesced { .. } => Kind::Unquiesced,
         E::Register { .. } => Kind::RegistrationError,
         E::Malformed { .. } => Kind::Malformed,
-        E::HandshakeRefused { .. } => Kind::HandshakeRefused,
+        E::HandshakeRefused { .. } | E::TooManyStreams { .. } => Kind::HandshakeRefused,
         E::InvalidRequest { .. } => Kind::InvalidRequest,
         E::NoRoute { .. } => Kind::NoRoute,
         E::Io { .. } => Kind::IoError,

@@ -256,6 +256,9 @@ impl Shared {
                         let _ = side.sock.shutdown(std::net::Shutdown::Both);
                         return;
                     }
+                    // No payload crosses the socket: the server copies it out of our memory
+                    // before it answers (the copy is its own), so its answer stands alone.
+                    proto.sent(out.seq);
                 }
                 Post::Resolved => {}
                 Post::Broken(work) => {

@@ -289,6 +289,10 @@ impl TcpChannel {
             };
             let sent = ferry_net::send_now(sp.socket.as_fd(), &out);
             self.stats.direct_sends.fetch_add(1, Ordering::Relaxed);
+            if !matches!(sent, SentNow::Failed(_)) {
+                // Sent, or its rest copied into the tail: the payload has left the buffer.
+                g.proto.sent(out.seq);
+            }
             let tail = match sent {
                 SentNow::All => None,
                 SentNow::Failed(e) => {
@@ -515,7 +519,14 @@ async fn sender(
         } else {
             crate::io::send_buf(&socket, &out.head).await
         };
-        proto.lock().busy = false;
+        {
+            let mut g = proto.lock();
+            g.busy = false;
+            if res.is_ok() {
+                // A WRITE's answer counts only from here: its payload has left the buffer.
+                g.proto.sent(out.seq);
+            }
+        }
         if let Err(e) = res {
             debug!(%peer, stream = index, error = %e, "send failed; stream closed");
             dead.store(true, Ordering::Release);
@@ -830,6 +841,56 @@ mod tests {
         assert!(mem == bytes(&src, 0, 2 * OP), "the peer's bytes differ");
     }
 
+    /// A peer that answers a WRITE before reading its payload, then closes the stream with the
+    /// payload unread: the answer does not make the WRITE complete (its payload never all
+    /// left), so the request fails `PeerLost` with an uncertain remote effect, and is drained
+    /// only once the sender let go of the payload. Taking the answer at its word would report
+    /// success while the payload was still being read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_answered_before_its_payload_is_read_is_not_complete() {
+        const OP: usize = 8 << 20;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let mut s = accept_stream(&l);
+            let mut h = [0u8; DATA_REQUEST_LEN];
+            s.read_exact(&mut h).unwrap();
+            let r = DataRequest::decode(&h).unwrap();
+            assert_eq!(r.kind, OpKind::Write);
+            let mut b = [0u8; DATA_RESPONSE_LEN];
+            DataResponse {
+                seq: r.seq,
+                refused: None,
+                len: 0,
+                also_acks: 0,
+            }
+            .encode(&mut b);
+            s.write_all(&b).unwrap();
+            // Closed with the payload unread (a reset).
+        });
+        let t = TcpTransport::new(TcpConfig {
+            depth: 1,
+            socket_buffer: Some(1),
+            io_threads: Some(1),
+            ..TcpConfig::default()
+        });
+        let ch = t.connect_channel(peer(addr)).await.unwrap();
+        let src = region(OP, 5);
+        let o = request(&ch, OpKind::Write, &src, 0, OP as u64).await;
+        server.join().unwrap();
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(ferry_core::FailureKind::PeerLost),
+            "{o:?}"
+        );
+        assert_eq!(
+            o.remote_effect,
+            ferry_core::RemoteEffect::Uncertain,
+            "{o:?}"
+        );
+        assert!(o.drained, "{o:?}");
+    }
+
     /// The peer closes the stream instead of answering a request sent directly, and then a
     /// request is sent on the closed stream: both fail (neither hangs) and the channel is seen
     /// dead.
@@ -966,9 +1027,10 @@ mod tests {
     }
 
     /// A peer that refuses a large WRITE as soon as it read its header, before it read the
-    /// payload: the request is over while the sender task is still writing the payload, and a
-    /// small request submitted then is not written past it (it waits for the send side), so
-    /// the peer finds it whole and in sequence after the refused payload.
+    /// payload: the request is over only once the sender task has written the payload (its
+    /// refusal then stands), and a small request submitted meanwhile is not written past it (it
+    /// waits for the send side), so the peer finds it whole and in sequence after the refused
+    /// payload.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_answered_while_its_payload_is_written_keeps_the_next_behind_it() {
         // One chunk, more than both sockets' buffers hold (the kernel's maximum on loopback is
@@ -1010,15 +1072,21 @@ mod tests {
         });
         let ch = t.connect_channel(peer(addr)).await.unwrap();
         let src = region(BIG, 11);
-        let o = tokio::time::timeout(
-            Duration::from_secs(20),
-            request(&ch, OpKind::Write, &src, 0, BIG as u64),
-        )
-        .await
-        .expect("the refusal did not end the request");
-        assert!(!o.is_success(), "{o:?}");
+        let first = request(&ch, OpKind::Write, &src, 0, BIG as u64);
         let next = request(&ch, OpKind::Write, &src, 0, SMALL);
         go_tx.send(()).unwrap();
+        // The refusal ends the request once its payload has left the buffer (not before).
+        let o = tokio::time::timeout(Duration::from_secs(20), first)
+            .await
+            .expect("the refusal did not end the request");
+        assert_eq!(
+            o.failure.map(|f| f.kind),
+            Some(ferry_core::FailureKind::Remote(
+                ferry_core::RemoteStatus::AccessDenied
+            )),
+            "{o:?}"
+        );
+        assert!(o.drained, "{o:?}");
         let o = tokio::time::timeout(Duration::from_secs(20), next)
             .await
             .expect("the next request hangs");

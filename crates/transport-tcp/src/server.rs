@@ -3,11 +3,15 @@
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
+use ferry_core::checksum::FileCrc;
 use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::{Action, ServerStream, Target, checksum_response};
-use ferry_core::wire::{ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach};
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach, VectoredRequest,
+};
 use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
 use ferry_net::{HandshakeGate, HandshakeSlot, HandshakeStats, tune};
 use tokio::net::{TcpListener, TcpStream};
@@ -291,176 +295,222 @@ async fn serve_conn(
     }
 }
 
+/// Whether a stream goes on after a request.
+enum Flow {
+    Next,
+    Close,
+}
+
 /// Serves chunks on one data stream until the client closes it, as the stream protocol
 /// ([`ServerStream`]) decides: every request is checked (token, access, bounds) before any byte
 /// of the segment is touched; a refused WRITE's payload is read into a scratch buffer and
 /// dropped; a malformed header is answered and closes the stream. This server holds no response
-/// back.
+/// back. While the stream is idle (no request waiting on its socket) it holds no file staging:
+/// its file buffers go back to the I/O thread's spares ([`Stages::release`]).
 async fn serve_data(
     stream: &TcpStream,
     from: SocketAddr,
     mut proto: ServerStream,
 ) -> std::io::Result<()> {
     let mut head = [0u8; DATA_REQUEST_LEN];
-    let mut stage = vec![0u8; DATA_RESPONSE_LEN + SMALL];
-    let mut scratch: Vec<u8> = Vec::new();
-    let mut file_stage = FileStage::default();
-    let mut table_stage: Vec<u8> = Vec::new();
+    let mut stages = Stages::default();
     loop {
-        match recv_buf(stream, &mut head).await {
+        let got = {
+            // A header not all there at the first try: the stream is idle until it comes.
+            let mut recv = std::pin::pin!(recv_buf(stream, &mut head));
+            match poll_once(recv.as_mut()).await {
+                Poll::Ready(got) => got,
+                Poll::Pending => {
+                    stages.release();
+                    recv.await
+                }
+            }
+        };
+        match got {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         }
-        match proto.on_request(&head) {
-            Action::WriteMemory {
-                lease,
-                at,
-                len,
-                seq,
-                ..
-            } => {
-                let dst = RawRange {
-                    addr: lease.region.as_ptr() as usize + at as usize,
-                    len,
-                };
-                // SAFETY: the stream protocol checked `at..at+len` against the region, which the
-                // lease keeps alive until the chunk is done; no Rust reference into it exists
-                // (raw recv).
-                unsafe { recv_exact(stream, dst).await? };
-                send_buf(stream, &proto.answer_write(seq)).await?;
-            }
-            Action::ReadMemory {
-                lease,
-                at,
-                len,
-                response,
-            } => {
-                if len <= SMALL {
-                    stage[..DATA_RESPONSE_LEN].copy_from_slice(&response);
-                    let body = &mut stage[DATA_RESPONSE_LEN..DATA_RESPONSE_LEN + len];
-                    lease
-                        .region
-                        .read_at(at, body)
-                        .map_err(|e| std::io::Error::other(e.to_string()))?;
-                    send_buf(stream, &stage[..DATA_RESPONSE_LEN + len]).await?;
-                } else {
-                    let src = RawRange {
-                        addr: lease.region.as_ptr() as usize + at as usize,
-                        len,
-                    };
-                    // SAFETY: the stream protocol checked the range against the region, which
-                    // the lease keeps alive for the send; it is only read, through raw pointers.
-                    unsafe { send_all(stream, &response, src).await? };
-                }
-            }
-            Action::ReadFile {
-                file,
-                at,
-                len,
-                response,
-            } => {
-                // Positioned reads block: off this stream's I/O thread, pipelined through the
-                // stream's two file buffers. A file that shrank under the READ closes the stream.
-                send_file(stream, &response[..], &file, at, len, &mut file_stage).await?;
-            }
-            Action::WriteFile {
-                file,
-                at,
-                len,
-                response,
-            } => {
-                recv_file(stream, &file, at, len, &mut file_stage).await?;
-                send_buf(stream, &response).await?;
-            }
-            Action::Refuse {
-                kind,
-                token,
-                status,
-                discard,
-                response,
-            } => {
-                debug!(%from, %token, %kind, %status, "refused chunk");
-                if discard > 0 {
-                    if scratch.is_empty() {
-                        scratch = vec![0u8; 64 << 10];
-                    }
-                    discard_payload(stream, discard, &mut scratch).await?;
-                }
-                send_buf(stream, &response).await?;
-            }
-            Action::ChecksumMemory {
-                lease,
-                mut sum,
-                seq,
-            } => {
-                // A piece at a time: the I/O thread serves its other streams in between.
-                let crc = loop {
-                    match sum.step() {
-                        Some(crc) => break crc,
-                        None => tokio::task::yield_now().await,
-                    }
-                };
-                drop(lease);
-                send_buf(stream, &checksum_response(seq, crc)).await?;
-            }
-            Action::ChecksumFile { file, at, len, seq } => {
-                // Positioned reads block: off this stream's I/O thread.
-                let crc = tokio::task::spawn_blocking(move || {
-                    ferry_core::checksum::crc32c_file(&*file, at, len)
-                })
-                .await
-                .map_err(std::io::Error::other)??;
-                send_buf(stream, &checksum_response(seq, crc)).await?;
-            }
-            Action::Close { error, response } => {
-                // The payload length cannot be trusted: answer and close the stream.
-                warn!(%from, %error, "malformed data request; closing stream");
-                send_buf(stream, &response).await?;
-                return Ok(());
-            }
-            Action::Table { req } => {
-                let mut bytes = std::mem::take(&mut table_stage);
-                bytes.resize(req.table_len(), 0);
-                recv_buf(stream, &mut bytes).await?;
-                let action = proto.on_table(&req, &bytes);
-                table_stage = bytes;
-                match action {
-                    Action::Vectored {
-                        kind,
-                        targets,
-                        discard,
-                        response,
-                    } => {
-                        if kind == OpKind::Write {
-                            receive_pieces(stream, &targets, &mut file_stage).await?;
-                            if discard > 0 {
-                                if scratch.is_empty() {
-                                    scratch = vec![0u8; 64 << 10];
-                                }
-                                discard_payload(stream, discard, &mut scratch).await?;
-                            }
-                            send_buf(stream, &response).await?;
-                        } else {
-                            send_pieces(stream, &response, &targets, &mut file_stage).await?;
-                        }
-                    }
-                    Action::Close { error, response } => {
-                        warn!(%from, %error, "malformed piece table; closing stream");
-                        send_buf(stream, &response).await?;
-                        return Ok(());
-                    }
-                    other => {
-                        warn!(%from, ?other, "unexpected answer to a piece table; closing stream");
-                        return Ok(());
-                    }
-                }
-            }
-            Action::Vectored { .. } => {
-                warn!(%from, "a vectored action without its table; closing stream");
-                return Ok(());
+        let action = proto.on_request(&head);
+        if let Flow::Close = serve_action(stream, from, &mut proto, action, &mut stages).await? {
+            return Ok(());
+        }
+    }
+}
+
+/// Polls `f` once.
+async fn poll_once<F: std::future::Future>(mut f: std::pin::Pin<&mut F>) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx))).await
+}
+
+/// Performs one request's action: moves its bytes and sends its response.
+async fn serve_action(
+    stream: &TcpStream,
+    from: SocketAddr,
+    proto: &mut ServerStream,
+    action: Action,
+    stages: &mut Stages,
+) -> std::io::Result<Flow> {
+    match action {
+        Action::WriteMemory {
+            lease,
+            at,
+            len,
+            seq,
+            ..
+        } => {
+            // SAFETY: the stream protocol checked `at..at+len` against the region, which the
+            // lease keeps alive until the chunk is done; no Rust reference into it exists (raw
+            // recv).
+            unsafe { recv_exact(stream, raw(&lease, at, len)).await? };
+            send_buf(stream, &proto.answer_write(seq)).await?;
+        }
+        Action::ReadMemory {
+            lease,
+            at,
+            len,
+            response,
+        } => {
+            if len <= SMALL {
+                let stage = stages.small();
+                stage[..DATA_RESPONSE_LEN].copy_from_slice(&response);
+                let body = &mut stage[DATA_RESPONSE_LEN..DATA_RESPONSE_LEN + len];
+                lease
+                    .region
+                    .read_at(at, body)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                send_buf(stream, &stage[..DATA_RESPONSE_LEN + len]).await?;
+            } else {
+                // SAFETY: the stream protocol checked the range against the region, which the
+                // lease keeps alive for the send; it is only read, through raw pointers.
+                unsafe { send_all(stream, &response, raw(&lease, at, len)).await? };
             }
         }
+        Action::ReadFile {
+            file,
+            at,
+            len,
+            response,
+        } => {
+            // Positioned reads block: off this stream's I/O thread, pipelined through the
+            // stream's two file buffers. A file that shrank under the READ closes the stream.
+            send_file(stream, &response[..], &file, at, len, &mut stages.file).await?;
+        }
+        Action::WriteFile {
+            file,
+            at,
+            len,
+            response,
+        } => {
+            recv_file(stream, &file, at, len, &mut stages.file).await?;
+            send_buf(stream, &response).await?;
+        }
+        Action::Refuse {
+            kind,
+            token,
+            status,
+            discard,
+            response,
+        } => {
+            debug!(%from, %token, %kind, %status, "refused chunk");
+            if discard > 0 {
+                discard_payload(stream, discard, stages.scratch()).await?;
+            }
+            send_buf(stream, &response).await?;
+        }
+        Action::ChecksumMemory {
+            lease,
+            mut sum,
+            seq,
+        } => {
+            // A piece at a time: the I/O thread serves its other streams in between.
+            let crc = loop {
+                match sum.step() {
+                    Some(crc) => break crc,
+                    None => tokio::task::yield_now().await,
+                }
+            };
+            drop(lease);
+            send_buf(stream, &checksum_response(seq, crc)).await?;
+        }
+        Action::ChecksumFile { file, at, len, seq } => {
+            let crc = checksum_file(FileCrc::new(file, at, len)).await?;
+            send_buf(stream, &checksum_response(seq, crc)).await?;
+        }
+        Action::Close { error, response } => {
+            // The payload length cannot be trusted: answer and close the stream.
+            warn!(%from, %error, "malformed data request; closing stream");
+            send_buf(stream, &response).await?;
+            return Ok(Flow::Close);
+        }
+        Action::Table { req } => return serve_table(stream, from, proto, &req, stages).await,
+        Action::Vectored { .. } => {
+            warn!(%from, "a vectored action without its table; closing stream");
+            return Ok(Flow::Close);
+        }
+    }
+    Ok(Flow::Next)
+}
+
+/// Reads a vectored request's piece table, then moves the pieces the stream protocol accepts
+/// and sends the response.
+async fn serve_table(
+    stream: &TcpStream,
+    from: SocketAddr,
+    proto: &mut ServerStream,
+    req: &VectoredRequest,
+    stages: &mut Stages,
+) -> std::io::Result<Flow> {
+    let mut bytes = std::mem::take(&mut stages.table);
+    bytes.resize(req.table_len(), 0);
+    recv_buf(stream, &mut bytes).await?;
+    let action = proto.on_table(req, &bytes);
+    stages.table = bytes;
+    match action {
+        Action::Vectored {
+            kind,
+            targets,
+            discard,
+            response,
+        } => {
+            if kind == OpKind::Write {
+                receive_pieces(stream, &targets, &mut stages.file).await?;
+                if discard > 0 {
+                    discard_payload(stream, discard, stages.scratch()).await?;
+                }
+                send_buf(stream, &response).await?;
+            } else {
+                send_pieces(stream, &response, &targets, &mut stages.file).await?;
+            }
+            Ok(Flow::Next)
+        }
+        Action::Close { error, response } => {
+            warn!(%from, %error, "malformed piece table; closing stream");
+            send_buf(stream, &response).await?;
+            Ok(Flow::Close)
+        }
+        other => {
+            warn!(%from, ?other, "unexpected answer to a piece table; closing stream");
+            Ok(Flow::Close)
+        }
+    }
+}
+
+/// The CRC-32C of a file range, one piece ([`FileCrc::step`], one positioned read) per trip to
+/// the blocking pool: between pieces no blocking thread is held, so other streams' file I/O
+/// queued behind it runs (on a bounded pool the checksum takes turns with it).
+async fn checksum_file(mut sum: FileCrc) -> std::io::Result<u32> {
+    loop {
+        let (back, step) = tokio::task::spawn_blocking(move || {
+            let step = sum.step();
+            (sum, step)
+        })
+        .await
+        .map_err(std::io::Error::other)?;
+        if let Some(crc) = step? {
+            return Ok(crc);
+        }
+        sum = back;
     }
 }
 
@@ -526,7 +576,66 @@ async fn send_pieces(
     unsafe { send_vectored(stream, &parts).await }
 }
 
-/// A stream's two buffers for file pieces (empty until the first file op, then reused).
+/// A stream's staging: the small-READ buffer, the scratch for refused payloads, the piece-table
+/// buffer and the two file buffers. Each is taken on first use; [`release`](Self::release) gives
+/// up all but the small-READ buffer (16 KiB, kept so that a loop of small READs allocates
+/// nothing) while the stream is idle.
+#[derive(Debug, Default)]
+struct Stages {
+    small: Vec<u8>,
+    scratch: Vec<u8>,
+    table: Vec<u8>,
+    file: FileStage,
+}
+
+impl Stages {
+    /// The small-READ buffer: a response header and up to [`SMALL`] bytes.
+    fn small(&mut self) -> &mut [u8] {
+        if self.small.is_empty() {
+            self.small = vec![0u8; DATA_RESPONSE_LEN + SMALL];
+        }
+        &mut self.small
+    }
+
+    /// The scratch a refused WRITE's payload is read into.
+    fn scratch(&mut self) -> &mut [u8] {
+        if self.scratch.is_empty() {
+            self.scratch = vec![0u8; SCRATCH];
+        }
+        &mut self.scratch
+    }
+
+    /// Whether any buffer [`release`](Self::release) gives up is held.
+    fn holds_any(&self) -> bool {
+        self.scratch.capacity() > 0 || self.table.capacity() > 0 || self.file.holds_any()
+    }
+
+    /// Frees the scratch and table buffers and hands the file buffers to the thread's spares.
+    fn release(&mut self) {
+        if !self.holds_any() {
+            return;
+        }
+        self.scratch = Vec::new();
+        self.table = Vec::new();
+        self.file.release();
+    }
+}
+
+/// Bytes of the scratch a refused WRITE's payload is read into.
+const SCRATCH: usize = 64 << 10;
+
+/// File buffers kept per thread for the streams served there, taken when a stream's file op
+/// needs one and given back when that stream goes idle; beyond this many, given-back buffers
+/// are freed. So memory held for file staging is bounded by the streams moving file bytes at
+/// once, not by the streams attached.
+const SPARE_FILE_BUFFERS: usize = 4;
+
+thread_local! {
+    static SPARE: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A stream's two buffers for file pieces (taken from the thread's spares, or made, on a file
+/// op's first piece; handed back when the stream goes idle).
 #[derive(Debug, Default)]
 struct FileStage {
     spare: [Vec<u8>; 2],
@@ -536,7 +645,9 @@ impl FileStage {
     fn take(&mut self, n: usize) -> Vec<u8> {
         let mut b = match self.spare.iter_mut().find(|b| b.capacity() > 0) {
             Some(b) => std::mem::take(b),
-            None => Vec::with_capacity(READ_PIECE.max(WRITE_PIECE)),
+            None => SPARE
+                .with_borrow_mut(Vec::pop)
+                .unwrap_or_else(|| Vec::with_capacity(READ_PIECE.max(WRITE_PIECE))),
         };
         b.resize(n, 0);
         b
@@ -546,6 +657,22 @@ impl FileStage {
         if let Some(slot) = self.spare.iter_mut().find(|s| s.capacity() == 0) {
             *slot = b;
         }
+    }
+
+    fn holds_any(&self) -> bool {
+        self.spare.iter().any(|b| b.capacity() > 0)
+    }
+
+    /// Hands both buffers to the thread's spares (those past [`SPARE_FILE_BUFFERS`] are freed).
+    fn release(&mut self) {
+        SPARE.with_borrow_mut(|spare| {
+            for b in &mut self.spare {
+                let b = std::mem::take(b);
+                if b.capacity() > 0 && spare.len() < SPARE_FILE_BUFFERS {
+                    spare.push(b);
+                }
+            }
+        });
     }
 }
 
@@ -631,4 +758,111 @@ async fn recv_file(
         r?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::wire::DataRequest;
+    use ferry_core::{FileSource, RemoteStatus, SegmentDesc, SegmentLease, SegmentToken};
+
+    const FILE: SegmentToken = SegmentToken(9);
+
+    /// A file of `len` bytes of 7s, in memory.
+    #[derive(Debug)]
+    struct Sevens(u64);
+
+    impl FileSource for Sevens {
+        fn check(&self, _: OpKind, offset: u64, len: u64) -> Result<u64, RemoteStatus> {
+            match offset.checked_add(len) {
+                Some(end) if end <= self.0 => Ok(offset),
+                _ => Err(RemoteStatus::OutOfBounds),
+            }
+        }
+        fn read_exact_at(&self, _: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            buf.fill(7);
+            Ok(())
+        }
+        fn write_all_at(&self, _: u64, _: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Publishes one file, [`FILE`].
+    #[derive(Debug)]
+    struct OneFile(Arc<Sevens>);
+
+    impl SegmentTable for OneFile {
+        fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
+            None
+        }
+        fn published(&self) -> Vec<SegmentDesc> {
+            Vec::new()
+        }
+        fn file(&self, token: SegmentToken) -> Option<Arc<dyn FileSource>> {
+            (token == FILE).then(|| self.0.clone() as Arc<dyn FileSource>)
+        }
+    }
+
+    fn spares() -> usize {
+        SPARE.with_borrow(Vec::len)
+    }
+
+    /// A stream that served file READs and then waits for its next request holds no file staging:
+    /// its two file buffers went back to the thread's spares (where the next file op, of any
+    /// stream on the thread, takes them again), and the spares stay bounded however many
+    /// streams give buffers back.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_idle_stream_gives_its_file_staging_back() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (served, from) = listener.accept().await.unwrap();
+        let proto = ServerStream::new(Arc::new(OneFile(Arc::new(Sevens(4 << 20)))));
+        // On this thread (a current-thread runtime): its spares are the test's to see.
+        let server = tokio::spawn(async move { serve_data(&served, from, proto).await });
+        assert_eq!(spares(), 0);
+        for seq in 0..2u32 {
+            let len = 3 << 20;
+            let mut head = [0u8; DATA_REQUEST_LEN];
+            DataRequest {
+                kind: OpKind::Read,
+                seq,
+                token: FILE,
+                offset: 0,
+                len,
+                ack_slack: 0,
+            }
+            .encode(&mut head);
+            send_buf(&client, &head).await.unwrap();
+            let mut back = vec![0u8; DATA_RESPONSE_LEN + len as usize];
+            recv_buf(&client, &mut back).await.unwrap();
+            assert!(back[DATA_RESPONSE_LEN..].iter().all(|b| *b == 7));
+            // The event: the server is back waiting for a request, its buffers given back.
+            let mut turns = 0;
+            while spares() < 2 {
+                turns += 1;
+                assert!(turns < 1000, "the idle stream kept its file buffers");
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(
+                spares(),
+                2,
+                "the next READ took them again, and gave them back"
+            );
+        }
+        // Past the bound, given-back buffers are freed.
+        for _ in 0..3 {
+            let mut stage = FileStage::default();
+            let a = stage.take(READ_PIECE);
+            let b = Vec::with_capacity(READ_PIECE);
+            stage.give(a);
+            stage.give(b);
+            stage.release();
+        }
+        assert_eq!(spares(), SPARE_FILE_BUFFERS);
+        drop(client);
+        server.await.unwrap().unwrap();
+    }
 }

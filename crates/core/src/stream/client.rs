@@ -191,6 +191,9 @@ impl AckPolicy {
 pub struct Outgoing<R> {
     /// The encoded request header.
     pub head: [u8; DATA_REQUEST_LEN],
+    /// Its sequence number: a WRITE's driver reports with it when the payload has left local
+    /// memory ([`ClientStream::sent`]).
+    pub seq: u32,
     /// READ, WRITE or CHECKSUM (only a WRITE sends bytes after the header).
     pub kind: OpKind,
     /// The request (to keep it alive, e.g. until a zero-copy notification).
@@ -322,18 +325,48 @@ struct InFlight<R> {
     vectored: bool,
     seq: u32,
     kind: OpKind,
+    /// A WRITE whose payload the driver has not reported sent yet ([`ClientStream::sent`]).
+    unsent: bool,
+}
+
+/// A WRITE answered before its driver reported its payload sent: its chunks and what the
+/// answer said of each (`None`: acknowledged), resolved once the payload has left local memory.
+#[derive(Debug)]
+struct Answered<R> {
+    seq: u32,
+    chunks: Vec<(Chunk<R>, Option<RemoteStatus>)>,
+}
+
+impl<R: ChunkOwner> Answered<R> {
+    fn resolve(self) {
+        for (c, status) in self.chunks {
+            match status {
+                None => c.acked(),
+                Some(s) => c.refused(s),
+            }
+        }
+    }
 }
 
 /// The client state of one data stream. Responses come back in request order, so the chunks in
-/// flight are a FIFO matched by sequence number. No I/O: the driver sends what [`post`] returns
-/// and feeds each response header to [`on_response`].
+/// flight are a FIFO matched by sequence number. No I/O: the driver sends what [`post`] returns,
+/// reports each WRITE's payload gone from local memory ([`sent`]) and feeds each response
+/// header to [`on_response`].
+///
+/// A WRITE's chunks resolve (and so may let its request be `drained`) only once both its
+/// answer came and its payload has left local memory: a peer that answers a WRITE before reading
+/// its payload (which a well-behaved server never does) cannot make the request look drained
+/// while the driver still reads its buffer; the answer waits for [`sent`].
 ///
 /// [`post`]: ClientStream::post
+/// [`sent`]: ClientStream::sent
 /// [`on_response`]: ClientStream::on_response
 #[derive(Debug)]
 pub struct ClientStream<R> {
     next_seq: u32,
     fly: VecDeque<InFlight<R>>,
+    /// WRITEs answered before their payload was reported sent, oldest first.
+    answered: VecDeque<Answered<R>>,
     depth: usize,
     policy: AckPolicy,
     broken: bool,
@@ -346,6 +379,7 @@ impl<R: ChunkOwner> ClientStream<R> {
         Self {
             next_seq: 0,
             fly: VecDeque::with_capacity(depth),
+            answered: VecDeque::new(),
             depth,
             policy,
             broken: false,
@@ -420,6 +454,7 @@ impl<R: ChunkOwner> ClientStream<R> {
         .encode(&mut head);
         let out = Outgoing {
             head,
+            seq,
             kind,
             req: chunk.req.clone(),
             region: op.local.clone(),
@@ -435,6 +470,7 @@ impl<R: ChunkOwner> ClientStream<R> {
             vectored: false,
             seq,
             kind,
+            unsent: kind == OpKind::Write,
         });
         Post::Send(out)
     }
@@ -518,6 +554,7 @@ impl<R: ChunkOwner> ClientStream<R> {
         };
         let out = Outgoing {
             head,
+            seq,
             kind,
             req,
             region: chunk.op().local.clone(),
@@ -532,6 +569,7 @@ impl<R: ChunkOwner> ClientStream<R> {
             vectored: true,
             seq,
             kind,
+            unsent: kind == OpKind::Write,
         });
         Post::Send(out)
     }
@@ -586,16 +624,17 @@ impl<R: ChunkOwner> ClientStream<R> {
                 expected: front.chunk.payload_len(),
             });
         }
-        for f in self.fly.drain(..held) {
-            f.chunk.acked();
+        for _ in 0..held {
+            if let Some(f) = self.fly.pop_front() {
+                self.settle_one(f.seq, f.unsent, f.chunk, None);
+            }
         }
         let Some(f) = self.fly.pop_front() else {
             return Err(Violation::Unsolicited { seq: resp.seq });
         };
         match resp.refused {
-            Some(status) => f.chunk.refused(status),
             None if payload => return Ok(Resolution::Payload(f.chunk)),
-            None => f.chunk.acked(),
+            status => self.settle_one(f.seq, f.unsent, f.chunk, status),
         }
         Ok(Resolution::Done)
     }
@@ -648,23 +687,82 @@ impl<R: ChunkOwner> ClientStream<R> {
         all.push(f.chunk);
         all.extend(f.more);
         let rest = all.split_off(done);
-        if let Some(status) = resp.refused {
-            for c in rest {
-                c.refused(status);
-            }
-        }
+        let refused: Vec<_> = match resp.refused {
+            Some(status) => rest.into_iter().map(|c| (c, Some(status))).collect(),
+            None => Vec::new(),
+        };
         if f.kind == OpKind::Write || all.is_empty() {
-            all.into_iter().for_each(Chunk::acked);
+            let mut chunks: Vec<_> = all.into_iter().map(|c| (c, None)).collect();
+            chunks.extend(refused);
+            self.settle(f.seq, f.unsent, chunks);
             Ok(Resolution::Done)
         } else {
+            Answered {
+                seq: f.seq,
+                chunks: refused,
+            }
+            .resolve();
             Ok(Resolution::Pieces(all))
         }
     }
 
+    /// [`settle`](Self::settle) for one chunk, with no allocation unless it must wait.
+    fn settle_one(
+        &mut self,
+        seq: u32,
+        unsent: bool,
+        chunk: Chunk<R>,
+        status: Option<RemoteStatus>,
+    ) {
+        match (unsent, status) {
+            (true, _) => self.answered.push_back(Answered {
+                seq,
+                chunks: vec![(chunk, status)],
+            }),
+            (false, None) => chunk.acked(),
+            (false, Some(s)) => chunk.refused(s),
+        }
+    }
+
+    /// Resolves answered chunks now, or, for a WRITE whose payload is not reported sent yet,
+    /// once it is ([`sent`](Self::sent)).
+    fn settle(&mut self, seq: u32, unsent: bool, chunks: Vec<(Chunk<R>, Option<RemoteStatus>)>) {
+        let answered = Answered { seq, chunks };
+        if unsent {
+            self.answered.push_back(answered);
+        } else {
+            answered.resolve();
+        }
+    }
+
+    /// The payload of the WRITE posted as `seq` has left local memory (sent, or copied out): its
+    /// buffer is no longer read. Its chunks resolve now if its answer already came. A READ's or
+    /// CHECKSUM's `seq` changes nothing.
+    pub fn sent(&mut self, seq: u32) {
+        if let Some(f) = self.fly.iter_mut().find(|f| f.seq == seq) {
+            f.unsent = false;
+        } else if let Some(i) = self.answered.iter().position(|a| a.seq == seq)
+            && let Some(a) = self.answered.remove(i)
+        {
+            a.resolve();
+        }
+    }
+
+    /// WRITEs answered before their payload was reported sent (their chunks unresolved).
+    pub fn answered_unsent(&self) -> usize {
+        self.answered.len()
+    }
+
     /// The stream is broken: every chunk in flight fails as lost (`native`: the error that broke
-    /// it), and later [`post`](Self::post)s hand their chunks back.
+    /// it), and later [`post`](Self::post)s hand their chunks back. A WRITE answered before its
+    /// payload was all sent is lost too: its payload never all went, so its answer says nothing.
     pub fn fail_all(&mut self, native: Option<i32>) {
         self.broken = true;
+        for a in self.answered.drain(..) {
+            for (c, _) in a.chunks {
+                c.lost(native);
+            }
+        }
         for f in self.fly.drain(..) {
             f.chunk.lost(native);
             for c in f.more {

@@ -8,6 +8,8 @@
 //!   validation of responses, and what a broken stream fails or hands on.
 //! - [`ServerStream`]: one served stream's decode, resolution against the [`SegmentTable`](crate::SegmentTable),
 //!   access and bounds checks, refusals, and when a WRITE's response may be held back.
+//! - A served stream holds its place under its key name's cap
+//!   ([`StreamPermit`](crate::stream_cap::StreamPermit)).
 //! - [`Chunk`] and [`ChunkOwner`]: a chunk of a request and how its resolution is recorded in the
 //!   request's ledger, the same for every driver.
 //!

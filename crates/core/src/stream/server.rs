@@ -241,6 +241,7 @@ pub struct ServerStream {
     last_held: u32,
     carried: Option<(SegmentLease, u64)>,
     stats: Option<Arc<ServeStats>>,
+    _permit: Option<crate::stream_cap::StreamPermit>,
 }
 
 impl ServerStream {
@@ -252,7 +253,14 @@ impl ServerStream {
             last_held: 0,
             carried: None,
             stats: None,
+            _permit: None,
         }
+    }
+
+    /// The same stream, holding its place under its key name's cap for its life.
+    pub fn holding(mut self, permit: Option<crate::stream_cap::StreamPermit>) -> Self {
+        self._permit = permit;
+        self
     }
 
     /// The same stream, counting what it accepts and refuses in `stats` (shared by the streams

@@ -225,6 +225,8 @@ impl Link {
                     out.region.read_at(out.local_at, &mut body).unwrap();
                     self.c2s.extend(body);
                 }
+                // Copied out: the payload has left local memory.
+                self.client.sent(out.seq);
                 None
             }
             Post::Resolved => None,
@@ -1198,6 +1200,91 @@ fn responses_that_break_the_protocol_are_violations() {
         Err(Violation::BadHeldAcks { .. })
     ));
     s.fail_all(None);
+    assert_eq!(req.left.load(Ordering::SeqCst), 0);
+}
+
+/// A WRITE answered before its driver reported its payload sent (a peer that answers before
+/// reading the payload) is not resolved, so its request cannot be `drained` while the payload
+/// may still be read: its chunks resolve as the answer said once the payload is sent (one chunk,
+/// held-back acknowledgements, a vectored WRITE), or as lost if the stream breaks first. READs
+/// are answered as always.
+#[test]
+fn a_write_answered_before_its_payload_left_resolves_only_once_sent() {
+    let (req, _) = one_op(OpKind::Write, 64);
+    let mut s = ClientStream::new(8, AckPolicy::Loopback);
+    let mut seqs = Vec::new();
+    for k in 0..3 {
+        let Post::Send(out) = s.post(chunk(&req, k * 16, 16)) else {
+            panic!("not sent")
+        };
+        seqs.push(out.seq);
+    }
+    s.sent(seqs[0]);
+    // Seq 1 with seq 0 held back: 0 was sent, 1 not yet.
+    assert!(matches!(
+        s.on_response(&response(1, 1)),
+        Ok(Resolution::Done)
+    ));
+    assert_eq!(
+        req.left.load(Ordering::SeqCst),
+        3 - 1,
+        "only the sent one resolved"
+    );
+    assert_eq!((s.in_flight(), s.answered_unsent()), (1, 1));
+    s.sent(seqs[1]);
+    assert_eq!(req.left.load(Ordering::SeqCst), 1);
+    assert_eq!(s.answered_unsent(), 0);
+    // The last one answered before it is sent, then the stream breaks: lost, not acknowledged.
+    assert!(matches!(
+        s.on_response(&response(2, 0)),
+        Ok(Resolution::Done)
+    ));
+    assert_eq!(req.left.load(Ordering::SeqCst), 1);
+    s.fail_all(None);
+    assert_eq!(req.left.load(Ordering::SeqCst), 0);
+    let o = req.control.outcome(true);
+    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+    assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+
+    // A vectored WRITE, refused at its second piece before its payload went: nothing resolves
+    // until it is sent, then the first piece is acknowledged and the rest refused.
+    let (req, ops) = many_ops(OpKind::Write, 3, 16);
+    let mut s = ClientStream::new(8, AckPolicy::Loopback);
+    let pieces: Vec<_> = (0..3).map(|i| piece(&req, &ops, i)).collect();
+    let Post::Send(out) = s.post(Work::Pieces(pieces)) else {
+        panic!("not sent")
+    };
+    let mut h = [0u8; DATA_RESPONSE_LEN];
+    crate::wire::VectoredResponse {
+        seq: out.seq,
+        refused: Some(RemoteStatus::AccessDenied),
+        done: 1,
+        len: 0,
+    }
+    .encode(&mut h);
+    assert!(matches!(s.on_response(&h), Ok(Resolution::Done)));
+    assert_eq!(req.left.load(Ordering::SeqCst), 3);
+    s.sent(out.seq);
+    assert_eq!(req.left.load(Ordering::SeqCst), 0);
+    let o = req.control.outcome(true);
+    assert_eq!(
+        o.failure.map(|f| f.kind),
+        Some(FailureKind::Remote(RemoteStatus::AccessDenied))
+    );
+
+    // A READ needs no report.
+    let (req, _) = one_op(OpKind::Read, 16);
+    let mut s = ClientStream::new(8, AckPolicy::Immediate);
+    assert!(matches!(s.post(chunk(&req, 0, 16)), Post::Send(_)));
+    let mut h = [0u8; DATA_RESPONSE_LEN];
+    crate::wire::DataResponse {
+        seq: 0,
+        refused: Some(RemoteStatus::OutOfBounds),
+        len: 0,
+        also_acks: 0,
+    }
+    .encode(&mut h);
+    assert!(matches!(s.on_response(&h), Ok(Resolution::Done)));
     assert_eq!(req.left.load(Ordering::SeqCst), 0);
 }
 

@@ -56,6 +56,9 @@ pub enum RejectReason {
     /// in answer to the authentication frames (a plain [`Hello`] to a server that requires a key
     /// is answered with [`RejectReason::Refused`], which any peer understands).
     Unauthenticated,
+    /// A data stream refused because its key name (or, without keys, every peer) holds as many
+    /// streams attached as the server allows ([`StreamCap`](crate::stream_cap::StreamCap)).
+    TooManyStreams,
 }
 
 /// The first frame of a data stream: which peer and incarnation it belongs to.
@@ -383,6 +386,7 @@ impl ControlFrame {
                     RejectReason::StaleEpoch => 2,
                     RejectReason::Refused => 3,
                     RejectReason::Unauthenticated => 4,
+                    RejectReason::TooManyStreams => 5,
                 });
                 put_u16(out, rj.versions.min);
                 put_u16(out, rj.versions.max);
@@ -452,6 +456,7 @@ impl ControlFrame {
                     2 => RejectReason::StaleEpoch,
                     3 => RejectReason::Refused,
                     4 => RejectReason::Unauthenticated,
+                    5 => RejectReason::TooManyStreams,
                     c => {
                         return Err(WireError::UnknownCode {
                             field: "reject reason",

@@ -65,6 +65,10 @@ pub(super) enum Body {
 
 /// One request (or a submitter's leftover bytes) being sent.
 pub(super) struct Out {
+    /// A WRITE's sequence number: reported sent ([`ClientStream::sent`]) once all of it went.
+    ///
+    /// [`ClientStream::sent`]: ferry_core::stream::ClientStream::sent
+    pub(super) write_seq: Option<u32>,
     /// Copied bytes, back to back; `done` of them went.
     pub(super) parts: Vec<(*const u8, usize)>,
     pub(super) done: usize,

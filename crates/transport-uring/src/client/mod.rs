@@ -257,6 +257,10 @@ impl UringChannel {
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(sh.socket.as_raw_fd()) };
             let sent = ferry_net::send_now(fd, &out);
             IoStats::add(&self.stats.direct_sends, 1);
+            if !matches!(sent, SentNow::Failed(_)) {
+                // Sent, or its rest copied into the tail: the payload has left the buffer.
+                g.proto.sent(out.seq);
+            }
             match sent {
                 SentNow::All => {}
                 SentNow::Failed(e) => {

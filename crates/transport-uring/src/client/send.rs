@@ -35,7 +35,12 @@ pub(super) fn send(
             if !push_out(ring, c, bufs, zc, zc_next)? {
                 return Ok(true);
             }
-            c.out = None;
+            if let Some(seq) = c.out.take().and_then(|o| o.write_seq) {
+                // A WRITE's answer counts only from here: its payload has left local memory
+                // (copied into the socket, spliced, or handed to SEND_ZC, whose notification
+                // the request waits for besides).
+                c.sh.lock().proto.sent(seq);
+            }
         }
         // What a submitter left unsent goes out before anything else; the send side is claimed
         // (`busy`) before the look, so that a submitter cannot send past a chunk taken here.
@@ -45,6 +50,7 @@ pub(super) fn send(
                 drop(g);
                 let parts = vec![(tail.as_ptr(), tail.len())];
                 c.out = Some(Out {
+                    write_seq: None,
                     total: tail.len(),
                     parts,
                     done: 0,
@@ -166,6 +172,7 @@ fn plan_out(c: &Conn, out: Box<Outgoing<ReqShared>>, tail: Vec<u8>) -> Out {
     }
     let total = parts.iter().map(|p| p.1).sum();
     Out {
+        write_seq: is_write.then_some(out.seq),
         parts,
         done: 0,
         total,

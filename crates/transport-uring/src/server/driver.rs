@@ -542,8 +542,12 @@ impl Driver {
 }
 
 /// `c` has no step queued: plans the request whose header is in, takes the header's armed
-/// receive as its own step, or queues the header's receive. `Some`: the turn ends so.
+/// receive as its own step, or queues the header's receive (then the stream is idle and gives
+/// its file staging back). `Some`: the turn ends so.
 fn next_request(c: &mut Conn, ctx: &Ctx) -> Option<Turn> {
+    if !c.ready && c.armed.as_ref().is_none_or(|a| a.res.is_none()) {
+        c.stage.release();
+    }
     if c.ready {
         c.ready = false;
         let head = c.head;
