@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use ferry_core::{MemoryRegion, check_range};
+use ferry_core::{DeviceNative, DevicePlacement, MemoryRegion, Placement, check_range};
 
 use crate::CudaError;
 use crate::device::{CopyStream, Device, DeviceMemory};
@@ -111,6 +111,52 @@ impl DeviceMemory {
             offset,
             len: self.len() as u64,
         })
+    }
+}
+
+impl DeviceMemory {
+    /// This memory as a [`MemoryRegion`] placed on its device with its CUDA IPC grant
+    /// ([`DeviceNative::CudaIpc`]): what the same-host plane's client sends in place of a host
+    /// address. The region keeps this memory alive; its host accessors refuse it.
+    pub fn ipc_region(self: &Arc<Self>) -> Result<MemoryRegion, CudaError> {
+        let r = self.ipc_ref()?;
+        let placement = DevicePlacement {
+            ordinal: self.location().ordinal,
+            pci_bus_id: self.location().pci_bus_id.clone(),
+            native: DeviceNative::CudaIpc {
+                handle: r.handle.0,
+                offset: r.offset,
+            },
+        };
+        // SAFETY: `ptr..ptr+len` is this device allocation (or part of one), kept alive by the
+        // region's keepalive (this `Arc<DeviceMemory>`); the region is only given to the
+        // same-host plane, which copies it by the driver (documented on `DeviceNative::CudaIpc`).
+        Ok(unsafe {
+            MemoryRegion::device(
+                self.device_ptr(),
+                self.len(),
+                placement,
+                Box::new(self.clone()),
+            )
+        })
+    }
+}
+
+impl IpcRef {
+    /// `at..at+len` of `region` as a grant, when the region is a CUDA IPC one
+    /// ([`DeviceMemory::ipc_region`]); `None` for any other region.
+    pub fn of_region(region: &MemoryRegion, at: u64, len: u64) -> Option<IpcRef> {
+        match region.placement() {
+            Placement::Device(DevicePlacement {
+                native: DeviceNative::CudaIpc { handle, offset },
+                ..
+            }) => Some(IpcRef {
+                handle: IpcMemHandle(*handle),
+                offset: offset + at,
+                len,
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -349,6 +395,27 @@ impl CopyStream {
         let r = self.enqueue(|d, s| unsafe {
             d.copy_htod_async(dst.ptr(), src.as_ptr().add(src_offset as usize), dst.len, s)
         });
+        self.finish(r)
+    }
+
+    /// Copies `src` into `dst` (host to another process's device memory), on this stream.
+    pub fn copy_host_to_imported(&self, src: &[u8], dst: &Imported) -> Result<(), CudaError> {
+        self.imported_ok(dst)?;
+        check_range(0, dst.len as u64, src.len() as u64).map_err(CudaError::OutOfBounds)?;
+        // SAFETY: `src` is borrowed for the whole call, which waits for the copy; `dst` as in
+        // `copy_to_imported`.
+        let r =
+            self.enqueue(|d, s| unsafe { d.copy_htod_async(dst.ptr(), src.as_ptr(), dst.len, s) });
+        self.finish(r)
+    }
+
+    /// Copies `src` (another process's device memory) into `dst`, on this stream.
+    pub fn copy_imported_to_host(&self, src: &Imported, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.imported_ok(src)?;
+        check_range(0, src.len as u64, dst.len() as u64).map_err(CudaError::OutOfBounds)?;
+        // SAFETY: `dst` is exclusively borrowed for the whole call, which waits for the copy.
+        let r = self
+            .enqueue(|d, s| unsafe { d.copy_dtoh_async(dst.as_mut_ptr(), src.ptr(), src.len, s) });
         self.finish(r)
     }
 

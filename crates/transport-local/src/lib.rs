@@ -20,9 +20,21 @@
 //!   (`ESRCH`) and the server drops the stream. `drained` holds only once the server has ended
 //!   every stream, so no copy into a buffer outlives its request.
 //!
+//! - *GPU buffers* (feature `cuda`): where both ends have the CUDA driver's IPC entry points, a
+//!   client's GPU buffer is granted by CUDA IPC (the handle of its allocation) in place of an
+//!   address, and the server copies with the driver, device to device where its segment is GPU
+//!   memory: no host bounce. A stream that cannot (an older server, no driver or no IPC on
+//!   either side, or a build without CUDA) is attached without it, and the engine stages GPU
+//!   buffers through host memory as on TCP; [`LocalChannel::gpu_route`] says which.
+//!
 //! The protocol on the socket is in [`wire`].
 
 mod client;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(not(feature = "cuda"))]
+#[path = "nogpu.rs"]
+mod gpu;
 mod host;
 mod server;
 pub mod wire;
@@ -36,7 +48,7 @@ use ferry_core::{
 };
 use ferry_net::HandshakeLimits;
 
-pub use client::LocalChannel;
+pub use client::{GpuRoute, LocalChannel};
 pub use server::{LocalServer, LocalServerHandle};
 
 /// Settings of the same-host plane.
@@ -55,6 +67,10 @@ pub struct LocalConfig {
     pub handshake: HandshakeLimits,
     /// Streams a server serves at once, over all its peers.
     pub max_streams: usize,
+    /// The CUDA driver GPU buffers are granted and copied with by CUDA IPC (when it has the
+    /// entry points and a GPU); `None`: GPU buffers take the host stage.
+    #[cfg(feature = "cuda")]
+    pub cuda: Option<ferry_cuda::Cuda>,
 }
 
 impl Default for LocalConfig {
@@ -66,6 +82,8 @@ impl Default for LocalConfig {
             connect_timeout: Duration::from_secs(10),
             handshake: HandshakeLimits::default(),
             max_streams: 256,
+            #[cfg(feature = "cuda")]
+            cuda: None,
         }
     }
 }
@@ -178,7 +196,10 @@ impl LocalTransport {
         if let Some(s) = slot.upgrade() {
             return Ok(s);
         }
-        let handle = Arc::new(LocalServer::bind()?.serve(
+        let bound = LocalServer::bind()?;
+        #[cfg(feature = "cuda")]
+        let bound = bound.with_cuda(self.config.cuda.as_ref());
+        let handle = Arc::new(bound.serve(
             table,
             responder,
             self.config.handshake,
@@ -200,12 +221,17 @@ impl LocalTransport {
 
     /// Opens a channel (blocking: connects, attaches and probes each stream).
     pub fn connect_channel(&self, peer: &PeerInfo) -> Result<LocalChannel, Error> {
+        #[cfg(feature = "cuda")]
+        let ipc = gpu::client_offers(self.config.cuda.as_ref());
+        #[cfg(not(feature = "cuda"))]
+        let ipc = gpu::client_offers();
         client::connect(
             peer,
             self.config.streams,
             self.config.depth,
             self.config.chunk_size,
             self.config.connect_timeout,
+            ipc,
         )
     }
 
