@@ -23,6 +23,7 @@ use ferry_core::{FileSource, MemoryRegion};
 use ferry_cuda::ipc::IPC_REF_LEN as REF_LEN;
 use ferry_cuda::{CopyStream, Cuda, CudaError, DeviceSegment, IpcImports, IpcRef};
 
+use crate::CudaSource;
 use crate::wire::IPC_REF_LEN;
 
 const _: () = assert!(
@@ -30,36 +31,41 @@ const _: () = assert!(
     "the wire's grant is ferry-cuda's IpcRef"
 );
 
-/// What the server has for CUDA IPC: a driver that exports it, or why not.
+/// Where the server finds the CUDA driver for CUDA IPC streams (asked at each attach).
 #[derive(Clone, Debug)]
-pub(crate) struct ServerGpu(Result<Cuda, String>);
+pub(crate) struct ServerGpu(Option<CudaSource>);
+
+/// `cuda` if it can serve CUDA IPC, else why not.
+fn usable(cuda: Option<&Cuda>) -> Result<Cuda, String> {
+    match cuda {
+        None => Err("no CUDA driver loaded in this engine".into()),
+        Some(c) if !c.has_ipc() => Err(format!(
+            "the CUDA driver {} has no CUDA IPC entry points",
+            c.library()
+        )),
+        Some(c) if c.devices().is_empty() => Err("the CUDA driver lists no GPU".into()),
+        Some(c) => Ok(c.clone()),
+    }
+}
 
 impl ServerGpu {
     /// From the transport's settings.
-    pub(crate) fn new(cuda: Option<&Cuda>) -> Self {
-        Self(match cuda {
-            None => Err("this engine has no CUDA driver".into()),
-            Some(c) if !c.has_ipc() => Err(format!(
-                "the CUDA driver {} has no CUDA IPC entry points",
-                c.library()
-            )),
-            Some(c) if c.devices().is_empty() => Err("the CUDA driver lists no GPU".into()),
-            Some(c) => Ok(c.clone()),
-        })
+    pub(crate) fn new(cuda: Option<CudaSource>) -> Self {
+        Self(cuda)
     }
 
     /// A stream's CUDA IPC state, or why this server takes no CUDA IPC stream.
     pub(crate) fn served(&self) -> Result<Served, String> {
-        self.0.clone().map(|cuda| Served {
+        usable(self.0.as_ref().and_then(CudaSource::get).as_ref()).map(|cuda| Served {
             cuda,
             lanes: Vec::new(),
         })
     }
 }
 
-/// The client side's route for GPU buffers, as `describe()` tells it.
+/// Whether a client with `cuda` asks for CUDA IPC streams, or why not.
 pub(crate) fn client_offers(cuda: Option<&Cuda>) -> Result<(), String> {
-    ServerGpu::new(cuda).0.map(|_| ())
+    usable(cuda).map(|_| ())
 }
 
 /// One device's opened handles and copy stream.

@@ -67,10 +67,43 @@ pub struct LocalConfig {
     pub handshake: HandshakeLimits,
     /// Streams a server serves at once, over all its peers.
     pub max_streams: usize,
-    /// The CUDA driver GPU buffers are granted and copied with by CUDA IPC (when it has the
-    /// entry points and a GPU); `None`: GPU buffers take the host stage.
+    /// Where the CUDA driver GPU buffers are granted and copied with by CUDA IPC comes from
+    /// (asked at each attach; used when it has the entry points and a GPU); `None`: GPU
+    /// buffers take the host stage.
     #[cfg(feature = "cuda")]
-    pub cuda: Option<ferry_cuda::Cuda>,
+    pub cuda: Option<CudaSource>,
+}
+
+/// Where the same-host plane finds the CUDA driver, asked when a stream attaches: a fixed one,
+/// or whatever the engine has loaded by then (an engine that never touched GPU memory offers no
+/// CUDA IPC, and loads no driver for the plane's sake).
+#[cfg(feature = "cuda")]
+#[derive(Clone)]
+pub struct CudaSource(Arc<dyn Fn() -> Option<ferry_cuda::Cuda> + Send + Sync>);
+
+#[cfg(feature = "cuda")]
+impl CudaSource {
+    /// Always `cuda`.
+    pub fn fixed(cuda: ferry_cuda::Cuda) -> Self {
+        Self(Arc::new(move || Some(cuda.clone())))
+    }
+
+    /// Whatever `f` returns when asked.
+    pub fn new(f: impl Fn() -> Option<ferry_cuda::Cuda> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// The driver now, if any.
+    pub fn get(&self) -> Option<ferry_cuda::Cuda> {
+        (self.0)()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for CudaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CudaSource")
+    }
 }
 
 impl Default for LocalConfig {
@@ -198,7 +231,7 @@ impl LocalTransport {
         }
         let bound = LocalServer::bind()?;
         #[cfg(feature = "cuda")]
-        let bound = bound.with_cuda(self.config.cuda.as_ref());
+        let bound = bound.with_cuda(self.config.cuda.clone());
         let handle = Arc::new(bound.serve(
             table,
             responder,
@@ -222,7 +255,7 @@ impl LocalTransport {
     /// Opens a channel (blocking: connects, attaches and probes each stream).
     pub fn connect_channel(&self, peer: &PeerInfo) -> Result<LocalChannel, Error> {
         #[cfg(feature = "cuda")]
-        let ipc = gpu::client_offers(self.config.cuda.as_ref());
+        let ipc = gpu::client_offers(self.config.cuda.as_ref().and_then(CudaSource::get).as_ref());
         #[cfg(not(feature = "cuda"))]
         let ipc = gpu::client_offers();
         client::connect(

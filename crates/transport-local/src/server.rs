@@ -66,7 +66,7 @@ impl LocalServer {
     /// GPU buffers are then copied with the driver, device to device where the segment is GPU
     /// memory ([`crate::wire`]). Without it every CUDA IPC attach is refused.
     #[cfg(feature = "cuda")]
-    pub fn with_cuda(mut self, cuda: Option<&ferry_cuda::Cuda>) -> Self {
+    pub fn with_cuda(mut self, cuda: Option<crate::CudaSource>) -> Self {
         self.gpu = ServerGpu::new(cuda);
         self
     }

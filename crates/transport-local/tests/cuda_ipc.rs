@@ -16,7 +16,7 @@ use ferry_core::{
 };
 use ferry_cuda::{Cuda, DeviceSegment};
 use ferry_tests::{FakeVariant, fake_cuda};
-use ferry_transport_local::{GpuRoute, LocalConfig, LocalServerHandle, LocalTransport};
+use ferry_transport_local::{CudaSource, GpuRoute, LocalConfig, LocalServerHandle, LocalTransport};
 
 const LEN: usize = 1 << 20;
 const HOST: SegmentToken = SegmentToken(1);
@@ -104,7 +104,7 @@ fn serve(cuda: Option<Cuda>) -> Served {
     });
     let epoch = Epoch::fresh();
     let transport = LocalTransport::new(LocalConfig {
-        cuda,
+        cuda: cuda.map(CudaSource::fixed),
         ..LocalConfig::default()
     });
     let handle = transport
@@ -134,7 +134,7 @@ fn client_child() {
     let mem = Arc::new(cuda.device(0).unwrap().alloc(LEN).unwrap());
     let region = Arc::new(mem.ipc_region().unwrap());
     let transport = LocalTransport::new(LocalConfig {
-        cuda: Some(cuda),
+        cuda: Some(CudaSource::fixed(cuda)),
         ..LocalConfig::default()
     });
     let peer = PeerInfo {
@@ -349,7 +349,7 @@ fn the_same_process_takes_the_host_stage() {
     let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
     let s = serve(Some(cuda.clone()));
     let transport = LocalTransport::new(LocalConfig {
-        cuda: Some(cuda),
+        cuda: Some(CudaSource::fixed(cuda)),
         ..LocalConfig::default()
     });
     let peer = PeerInfo {
