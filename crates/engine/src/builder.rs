@@ -510,12 +510,24 @@ impl EngineBuilder {
                 }
             }
         }
+        #[cfg(feature = "cuda")]
+        let gpu_state = Arc::new(crate::gpu::GpuState::new(self.gpu));
         // The same-host plane, before every built-in transport: a peer on this host is reached
-        // by copies, whatever else both ends offer.
+        // by copies, whatever else both ends offer. GPU buffers move on it by CUDA IPC once
+        // this engine has its CUDA driver (it never loads one for the plane's sake).
         let local = (self.same_host
             && same_host_env_on()
             && (data_plane.is_some() || self.kinds.contains(&TransportKind::Local)))
-        .then(|| ferry_transport_local::LocalTransport::new(self.data.local()));
+        .then(|| {
+            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+            let mut config = self.data.local();
+            #[cfg(feature = "cuda")]
+            {
+                let gpu = gpu_state.clone();
+                config.cuda = Some(ferry_transport_local::CudaSource::new(move || gpu.loaded()));
+            }
+            ferry_transport_local::LocalTransport::new(config)
+        });
         if let Some(l) = &local {
             transports.insert(self.extra.len(), Arc::new(l.clone()));
         }
@@ -632,7 +644,7 @@ impl EngineBuilder {
                 },
                 broadcasts: Default::default(),
                 #[cfg(feature = "cuda")]
-                gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
+                gpu: Some(gpu_state),
             }),
         })
     }

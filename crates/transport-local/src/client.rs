@@ -581,6 +581,14 @@ impl Channel for LocalChannel {
         })
     }
 
+    fn takes_cuda_ipc(&self) -> bool {
+        self.shared.gpu == GpuRoute::CudaIpc
+    }
+
+    fn gpu_route(&self) -> Option<String> {
+        Some(self.shared.gpu.to_string())
+    }
+
     fn is_alive(&self) -> bool {
         !self.shared.closed.load(Ordering::Acquire)
             && self
