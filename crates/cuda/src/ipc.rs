@@ -333,6 +333,23 @@ impl IpcImports {
 }
 
 impl CopyStream {
+    /// `mem` is on this stream's GPU (a device-to-device copy runs on the GPU that owns it).
+    fn on_this_gpu(&self, mem: &DeviceMemory) -> Result<(), CudaError> {
+        if mem.location().ordinal == self.device().location().ordinal {
+            Ok(())
+        } else {
+            Err(CudaError::Unavailable {
+                library: self.device().cuda().library().to_owned(),
+                reason: format!(
+                    "memory of GPU {} is copied to an opened IPC handle on a stream of its own \
+                     GPU, not GPU {}",
+                    mem.location().ordinal,
+                    self.device().location().ordinal
+                ),
+            })
+        }
+    }
+
     fn imported_ok(&self, dst: &Imported) -> Result<(), CudaError> {
         if self.device().same_context(&dst.opened.device) {
             Ok(())
@@ -354,6 +371,7 @@ impl CopyStream {
         dst: &Imported,
     ) -> Result<(), CudaError> {
         self.imported_ok(dst)?;
+        self.on_this_gpu(mem)?;
         let src = mem.bounds(offset, dst.len)?;
         // SAFETY: `src` was bounds-checked in `mem`, which outlives the call; `dst` lies in the
         // opened allocation (checked by `resolve`), held open by `dst`; synchronized below.
@@ -370,6 +388,7 @@ impl CopyStream {
         src: &Imported,
     ) -> Result<(), CudaError> {
         self.imported_ok(src)?;
+        self.on_this_gpu(mem)?;
         let dst = mem.bounds(offset, src.len)?;
         // SAFETY: as for `copy_to_imported`, the other way.
         let r = self.enqueue(|d, s| unsafe { d.copy_dtod_async(dst, src.ptr(), src.len, s) });
