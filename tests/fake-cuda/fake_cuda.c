@@ -26,7 +26,19 @@
  *
  * The dma-buf export hands out an fd of /dev/null: not a dma-buf, so ibv_reg_dmabuf_mr on it is
  * refused by any NIC (rdma_rxe refuses dma-buf MRs before it looks at the fd).
+ *
+ * CUDA IPC (cuIpcGetMemHandle, cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle) works between
+ * processes for real: device memory is an anonymous mapping, and exporting an allocation (only
+ * its base, as the driver wants) moves its bytes into a memfd mapped shared at the same address.
+ * The 64-byte handle names the exporter's pid, that memfd's fd number, the allocation's size and
+ * a serial that is also the memfd's name; opening it maps /proc/<pid>/fd/<fd> after checking the
+ * name and size, so a forged or stale handle is CUDA_ERROR_INVALID_HANDLE (400), never a mapping
+ * of something else. Like the real driver it refuses a handle of the calling process
+ * (CUDA_ERROR_INVALID_CONTEXT) unless ferry_fake_cuda_ipc_same_process(1) allows it (tests of
+ * two ends in one process); opening a handle twice in a process counts a reference and returns
+ * the same pointer; ferry_fake_cuda_live_ipc_imports() counts opened handles not closed.
  */
+#define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -34,6 +46,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -58,6 +72,7 @@ typedef unsigned long long CUdeviceptr;
 #define ERR_NO_DEVICE 100
 #define ERR_INVALID_DEVICE 101
 #define ERR_INVALID_CONTEXT 201
+#define ERR_INVALID_HANDLE 400
 #define ERR_UNKNOWN 999
 
 int ferry_fake_cuda = 1;
@@ -68,7 +83,8 @@ static int devices = 1;
 static char fail_call[64];
 static long fail_after = -1;
 static long fail_seen;
-static long live_device, live_host, retained, copies, live_streams;
+static long live_device, live_host, retained, copies, live_streams, live_imports;
+static int ipc_same_process;
 /* Copies on a stream: their delay, how many run now and the most at once, how many began, the
  * ordinal of the one to hold (-1: none) and whether it waits now. */
 static long copy_delay_us, in_flight, max_in_flight, async_begun;
@@ -183,6 +199,15 @@ long ferry_fake_cuda_live_host_allocs(void) { return live_host; }
 long ferry_fake_cuda_retained_contexts(void) { return retained; }
 long ferry_fake_cuda_copies(void) { return copies; }
 long ferry_fake_cuda_live_streams(void) { return live_streams; }
+long ferry_fake_cuda_live_ipc_imports(void) { return locked_read(&live_imports); }
+
+/* Whether cuIpcOpenMemHandle_v2 opens a handle this very process exported (the real driver
+ * refuses it; tests of two ends in one process allow it). Not cleared by reset. */
+void ferry_fake_cuda_ipc_same_process(long allow) {
+    pthread_mutex_lock(&lock);
+    ipc_same_process = allow != 0;
+    pthread_mutex_unlock(&lock);
+}
 
 /* Sets the device count (as FERRY_FAKE_CUDA_DEVICES does at cuInit) for drivers opened from now. */
 void ferry_fake_cuda_set_devices(int n) {
@@ -265,26 +290,59 @@ CUresult cuCtxSetCurrent(void *ctx) {
     return 0;
 }
 
-/* Live device allocations, for cuPointerGetAttribute (a fixed table: the tests make few). */
+/* Live device allocations, for cuPointerGetAttribute and IPC (a fixed table: the tests make
+ * few). `mapped` is the mapping's length (whole pages); `memfd` is the memfd behind an exported
+ * allocation (-1 until exported); `imported` counts the opens of an IPC handle mapped here. */
 #define MAX_ALLOCS 4096
-static struct { CUdeviceptr start; size_t size; int dev; } allocs[MAX_ALLOCS];
+static struct {
+    CUdeviceptr start;
+    size_t size, mapped;
+    int dev, memfd;
+    unsigned long long serial;
+    long imported;
+} allocs[MAX_ALLOCS];
+static unsigned long long next_serial = 1;
+
+static size_t page_round(size_t n) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + page - 1) / page * page;
+}
+
+/* The free slot for a new allocation, under the lock; -1 when the table is full. */
+static int free_slot(void) {
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].start == 0) return i;
+    return -1;
+}
+
+/* The slot of the allocation starting at p, under the lock; -1 if none. */
+static int slot_of(CUdeviceptr p) {
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].start && allocs[i].start == p) return i;
+    return -1;
+}
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (failing("cuMemAlloc_v2")) return ERR_OUT_OF_MEMORY;
-    void *h = NULL;
-    if (posix_memalign(&h, 4096, n ? n : 1) != 0) return ERR_OUT_OF_MEMORY;
-    memset(h, 0, n ? n : 1);
-    *p = (CUdeviceptr)(uintptr_t)h | TAG;
+    size_t size = n ? n : 1, mapped = page_round(size);
+    void *h = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (h == MAP_FAILED) return ERR_OUT_OF_MEMORY;
     pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        if (allocs[i].start == 0) {
-            allocs[i].start = *p;
-            allocs[i].size = n ? n : 1;
-            allocs[i].dev = current;
-            break;
-        }
+    int i = free_slot();
+    if (i < 0) {
+        pthread_mutex_unlock(&lock);
+        munmap(h, mapped);
+        return ERR_OUT_OF_MEMORY;
     }
+    *p = (CUdeviceptr)(uintptr_t)h | TAG;
+    allocs[i].start = *p;
+    allocs[i].size = size;
+    allocs[i].mapped = mapped;
+    allocs[i].dev = current;
+    allocs[i].memfd = -1;
+    allocs[i].serial = 0;
+    allocs[i].imported = 0;
     live_device++;
     pthread_mutex_unlock(&lock);
     return 0;
@@ -293,12 +351,19 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 CUresult cuMemFree_v2(CUdeviceptr p) {
     if (!IS_DEV(p)) return ERR_INVALID_VALUE;
     pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        if (allocs[i].start == p) { allocs[i].start = 0; break; }
+    int i = slot_of(p);
+    if (i < 0 || allocs[i].imported) {
+        /* Not an allocation of cuMemAlloc (an opened IPC handle is closed, never freed). */
+        pthread_mutex_unlock(&lock);
+        return ERR_INVALID_VALUE;
     }
+    size_t mapped = allocs[i].mapped;
+    int memfd = allocs[i].memfd;
+    allocs[i].start = 0;
     live_device--;
     pthread_mutex_unlock(&lock);
-    free((void *)(uintptr_t)(p & ~TAG));
+    munmap((void *)(uintptr_t)(p & ~TAG), mapped);
+    if (memfd >= 0) close(memfd);
     return 0;
 }
 
@@ -475,6 +540,152 @@ CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, in
 }
 #endif
 
+/* The handle's layout (64 bytes, CUipcMemHandle): "FERRYIPC", the exporter's pid, its memfd's fd
+ * number, the allocation's size, its serial (the memfd is named after it), the device. */
+typedef struct { char reserved[64]; } CUipcMemHandle;
+struct fake_handle {
+    char magic[8];
+    int pid, fd;
+    unsigned long long size, serial;
+    int dev;
+};
+static const char MAGIC[8] = {'F', 'E', 'R', 'R', 'Y', 'I', 'P', 'C'};
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
+    if (!handle || !IS_DEV(p)) return ERR_INVALID_VALUE;
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (failing("cuIpcGetMemHandle")) return ERR_UNKNOWN;
+    pthread_mutex_lock(&lock);
+    int i = slot_of(p);
+    /* Only the base of an allocation made here (the driver's rule too). */
+    if (i < 0 || allocs[i].imported) { pthread_mutex_unlock(&lock); return ERR_INVALID_VALUE; }
+    if (allocs[i].memfd < 0) {
+        unsigned long long serial = next_serial++ ^ ((unsigned long long)getpid() << 32);
+        char name[64];
+        snprintf(name, sizeof name, "ferry-fake-cuda-ipc-%llx", serial);
+        int fd = memfd_create(name, MFD_CLOEXEC);
+        void *at = (void *)(uintptr_t)(p & ~TAG);
+        if (fd < 0 || ftruncate(fd, (off_t)allocs[i].mapped) != 0 ||
+            pwrite(fd, at, allocs[i].mapped, 0) != (ssize_t)allocs[i].mapped ||
+            mmap(at, allocs[i].mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) !=
+                at) {
+            if (fd >= 0) close(fd);
+            pthread_mutex_unlock(&lock);
+            return ERR_UNKNOWN;
+        }
+        allocs[i].memfd = fd;
+        allocs[i].serial = serial;
+    }
+    struct fake_handle h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, MAGIC, sizeof MAGIC);
+    h.pid = (int)getpid();
+    h.fd = allocs[i].memfd;
+    h.size = allocs[i].size;
+    h.serial = allocs[i].serial;
+    h.dev = allocs[i].dev;
+    pthread_mutex_unlock(&lock);
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle->reserved, &h, sizeof h);
+    return 0;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle handle, unsigned flags) {
+    if (!p || flags != 1) return ERR_INVALID_VALUE;
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (failing("cuIpcOpenMemHandle_v2")) return ERR_UNKNOWN;
+    struct fake_handle h;
+    memcpy(&h, handle.reserved, sizeof h);
+    if (memcmp(h.magic, MAGIC, sizeof MAGIC) != 0 || h.size == 0) return ERR_INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    int same = ipc_same_process;
+    /* Opened before in this process: one more reference, the same pointer. */
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].start && allocs[i].imported && allocs[i].serial == h.serial) {
+            allocs[i].imported++;
+            live_imports++;
+            *p = allocs[i].start;
+            pthread_mutex_unlock(&lock);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    if (h.pid == (int)getpid() && !same) return ERR_INVALID_CONTEXT;
+    char path[64], link[128], want[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n < 0) return ERR_INVALID_HANDLE;
+    link[n] = 0;
+    snprintf(want, sizeof want, "/memfd:ferry-fake-cuda-ipc-%llx ", h.serial);
+    if (strncmp(link, want, strlen(want)) != 0) return ERR_INVALID_HANDLE;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return ERR_INVALID_HANDLE;
+    struct stat st;
+    size_t mapped = page_round((size_t)h.size);
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != mapped) { close(fd); return ERR_INVALID_HANDLE; }
+    void *at = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (at == MAP_FAILED) return ERR_UNKNOWN;
+    pthread_mutex_lock(&lock);
+    int i = free_slot();
+    if (i < 0) { pthread_mutex_unlock(&lock); munmap(at, mapped); return ERR_OUT_OF_MEMORY; }
+    allocs[i].start = (CUdeviceptr)(uintptr_t)at | TAG;
+    allocs[i].size = (size_t)h.size;
+    allocs[i].mapped = mapped;
+    allocs[i].dev = current;
+    allocs[i].memfd = -1;
+    allocs[i].serial = h.serial;
+    allocs[i].imported = 1;
+    live_imports++;
+    *p = allocs[i].start;
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    if (!IS_DEV(p)) return ERR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    int i = slot_of(p);
+    if (i < 0 || !allocs[i].imported) { pthread_mutex_unlock(&lock); return ERR_INVALID_VALUE; }
+    live_imports--;
+    if (--allocs[i].imported > 0) { pthread_mutex_unlock(&lock); return 0; }
+    size_t mapped = allocs[i].mapped;
+    allocs[i].start = 0;
+    pthread_mutex_unlock(&lock);
+    munmap((void *)(uintptr_t)(p & ~TAG), mapped);
+    return 0;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    if (failing("cuMemGetAddressRange_v2")) return ERR_UNKNOWN;
+    pthread_mutex_lock(&lock);
+    int found = -1;
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].start && p >= allocs[i].start && p < allocs[i].start + allocs[i].size) {
+            found = i;
+            break;
+        }
+    }
+    if (found >= 0) {
+        if (base) *base = allocs[found].start;
+        if (size) *size = allocs[found].size;
+    }
+    pthread_mutex_unlock(&lock);
+    return found >= 0 ? 0 : ERR_INVALID_VALUE;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) {
+    if (current < 0) return ERR_INVALID_CONTEXT;
+    if (!stream_ok(s) || !IS_DEV(dst) || !IS_DEV(src)) return ERR_INVALID_VALUE;
+    if (failing("cuMemcpyDtoDAsync_v2")) return ERR_UNKNOWN;
+    async_begin();
+    double t0 = now_s();
+    memmove((void *)(uintptr_t)(dst & ~TAG), (const void *)(uintptr_t)(src & ~TAG), n);
+    copy_engine_time(n, t0);
+    async_end();
+    return 0;
+}
+
 CUresult cuGetErrorName(CUresult e, const char **s) {
     switch (e) {
     case 0: *s = "CUDA_SUCCESS"; return 0;
@@ -483,6 +694,7 @@ CUresult cuGetErrorName(CUresult e, const char **s) {
     case ERR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; return 0;
     case ERR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; return 0;
     case ERR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; return 0;
+    case ERR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; return 0;
     case ERR_UNKNOWN: *s = "CUDA_ERROR_UNKNOWN"; return 0;
     default: return ERR_INVALID_VALUE;
     }

@@ -178,6 +178,18 @@ impl FakeCuda {
     pub fn live_streams(&self) -> i64 {
         self.counter(b"ferry_fake_cuda_live_streams\0")
     }
+
+    /// CUDA IPC handles opened in this process and not closed (each open counts).
+    pub fn live_ipc_imports(&self) -> i64 {
+        self.counter(b"ferry_fake_cuda_live_ipc_imports\0")
+    }
+
+    /// Whether `cuIpcOpenMemHandle_v2` opens a handle this process exported (the real driver
+    /// refuses it, as the fake does by default): for tests of both ends in one process.
+    /// [`reset`](Self::reset) leaves it.
+    pub fn ipc_same_process(&self, allow: bool) {
+        self.switch(b"ferry_fake_cuda_ipc_same_process\0", i64::from(allow));
+    }
 }
 
 /// Compiles the fake of `variant` into `dir/libcuda.so.1` with `cc`, and returns that path.

@@ -4,7 +4,9 @@
 //! round trip over TCP and io_uring, a file loaded into GPU memory saying GDS or compat),
 //! loopback `ferry bench --gpu 0` over TCP and io_uring beside host-to-host runs, GPU memory
 //! registered with the RDMA NICs (GPUDirect, route `auto`) and moved over loopback RDMA when a
-//! verbs device is present (one `rdma: none: ...` line saying why when there is none), one table
+//! verbs device is present (one `rdma: none: ...` line saying why when there is none), GPU memory
+//! to GPU memory between two processes on the same-host plane by CUDA IPC (a `same-host cuda
+//! ipc: unavailable: ...` line saying why where the plane does not take it), one table
 //! of GB/s, and that table as JSON in DIR/gpu-check.json. Without a GPU it fails at once, saying
 //! what is missing. A data plane the machine cannot run (io_uring under gVisor) is a row that says
 //! why, not a failure.
@@ -195,6 +197,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     // The file test writes 512 MiB: into scratch space, never into the folder that comes back.
     let scratch = std::env::temp_dir().join("ferry-gpu-check");
     std::fs::create_dir_all(&scratch)?;
+    if allow_fake {
+        // The fake's device memory is host memory: the CUDA IPC check moves less of it.
+        tests.env("FERRY_GPU_CHECK_IPC_MIB", "64");
+    }
     let tests = tests
         .args(["--ignored", "--nocapture", "--test-threads", "1"])
         .env("FERRY_REQUIRE_GPU", "1")
@@ -297,6 +303,19 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     writeln!(table, "rdma: {}", fact("rdma"))?;
     writeln!(
         table,
+        "{:<34} {:>10}",
+        "same-host gpu-to-gpu WRITE (CUDA IPC)",
+        fact("same_host_ipc_write_gbps")
+    )?;
+    writeln!(
+        table,
+        "{:<34} {:>10}",
+        "same-host gpu-to-gpu READ (CUDA IPC)",
+        fact("same_host_ipc_read_gbps")
+    )?;
+    writeln!(table, "same-host cuda ipc: {}", fact("same_host_ipc"))?;
+    writeln!(
+        table,
         "rdma route: {}; NICs: {}",
         fact("rdma_route"),
         fact("rdma_nics")
@@ -328,7 +347,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let _ = write!(
         json,
-        "}},\"raw_h2d_gbps\":\"{}\",\"raw_d2h_gbps\":\"{}\",\"lane_h2d_gbps\":\"{}\",\"lane_d2h_gbps\":\"{}\",\"file_gbps\":\"{}\",\"file_path\":{:?},\"rdma\":{:?},\"rdma_route\":{:?},\"rdma_write_gbps\":\"{}\",\"ratio_tcp\":{},\"ratio_uring\":{}}}",
+        "}},\"raw_h2d_gbps\":\"{}\",\"raw_d2h_gbps\":\"{}\",\"lane_h2d_gbps\":\"{}\",\"lane_d2h_gbps\":\"{}\",\"file_gbps\":\"{}\",\"file_path\":{:?},\"rdma\":{:?},\"rdma_route\":{:?},\"rdma_write_gbps\":\"{}\",\"same_host_ipc\":{:?},\"same_host_ipc_write_gbps\":\"{}\",\"same_host_ipc_read_gbps\":\"{}\",\"ratio_tcp\":{},\"ratio_uring\":{}}}",
         fact("raw_h2d_gbps"),
         fact("raw_d2h_gbps"),
         fact("lane_h2d_gbps"),
@@ -338,6 +357,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         fact("rdma"),
         fact("rdma_route"),
         fact("rdma_write_gbps"),
+        fact("same_host_ipc"),
+        fact("same_host_ipc_write_gbps"),
+        fact("same_host_ipc_read_gbps"),
         ratio("tcp"),
         ratio("uring")
     );

@@ -56,9 +56,11 @@ pub enum Placement {
     /// Host memory: Ferry reads and writes it by address (every transport may use it).
     #[default]
     Host,
-    /// GPU memory registered for GPUDirect RDMA: only a NIC reaches it (by DMA); it has no
-    /// host-addressable bytes, so the host copies here refuse it and only the RDMA transport
-    /// is ever given it (the facade routes device memory elsewhere through staging).
+    /// GPU memory registered for GPUDirect RDMA, or granted by CUDA IPC: only a NIC (by DMA) or
+    /// the same-host plane's server (by the driver's copies) reaches it; it has no
+    /// host-addressable bytes, so the host copies here refuse it and only the transport its
+    /// [`DeviceNative`] names is ever given it (the facade routes device memory elsewhere through
+    /// staging).
     Device(DevicePlacement),
 }
 
@@ -85,6 +87,15 @@ pub enum DeviceNative {
         /// The dma-buf (from `cuMemGetHandleForAddressRange`); kept open while the region lives.
         fd: std::sync::Arc<std::os::fd::OwnedFd>,
         /// The region's offset in the dma-buf.
+        offset: u64,
+    },
+    /// CUDA IPC (same host, another process): the region is `offset..offset+len` of the device
+    /// allocation whose `cuIpcGetMemHandle` handle this is. Only the same-host plane is given
+    /// it (its server opens the handle and copies device to device); no NIC registers it.
+    CudaIpc {
+        /// The allocation's CUDA IPC handle (`CUipcMemHandle`, 64 bytes).
+        handle: [u8; 64],
+        /// The region's offset in that allocation.
         offset: u64,
     },
 }
@@ -163,7 +174,8 @@ impl MemoryRegion {
     /// # Safety
     /// `addr..addr+len` must be one device allocation (or part of one) on the device `placement`
     /// names, live and unmoved for as long as `keepalive` is alive; the region must only be
-    /// handed to a transport that reaches it by DMA (the RDMA transport), never one that
+    /// handed to a transport that reaches it by DMA (the RDMA transport) or, for
+    /// [`DeviceNative::CudaIpc`], by the driver (the same-host plane), never one that
     /// dereferences `as_ptr()` on the host.
     pub unsafe fn device(
         addr: u64,

@@ -160,6 +160,20 @@ pub trait Channel: Send + Sync + fmt::Debug + 'static {
             ),
         })
     }
+
+    /// Whether an op's local region may be device memory granted by CUDA IPC
+    /// ([`DeviceNative::CudaIpc`](crate::DeviceNative::CudaIpc)): the same-host plane's channels
+    /// that attached with CUDA IPC. Every other channel is given host memory (or, over RDMA,
+    /// GPUDirect regions) only.
+    fn takes_cuda_ipc(&self) -> bool {
+        false
+    }
+
+    /// How this channel moves GPU buffers, where its plane has a choice (the same-host plane:
+    /// `cuda-ipc`, or `host stage (<why>)`); `None` elsewhere.
+    fn gpu_route(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A published segment, resolved for serving one chunk. Holding the lease keeps the registration

@@ -166,6 +166,11 @@ impl Cuda {
         Ok(unsafe { device.wrap(ptr, len, owner) })
     }
 
+    /// Whether the driver exports the CUDA IPC entry points ([`crate::ipc`]).
+    pub fn has_ipc(&self) -> bool {
+        self.inner.driver.has_ipc()
+    }
+
     /// The library loaded.
     pub fn library(&self) -> &str {
         self.inner.driver.library()
@@ -236,7 +241,7 @@ impl Cuda {
         }
     }
 
-    fn record(&self, e: CudaError) {
+    pub(crate) fn record(&self, e: CudaError) {
         tracing::warn!(error = %e, "CUDA cleanup failed");
         self.inner
             .deferred
@@ -276,15 +281,20 @@ impl Device {
         &self.cuda
     }
 
-    fn driver(&self) -> &dyn Driver {
+    pub(crate) fn driver(&self) -> &dyn Driver {
         &*self.cuda.inner.driver
     }
 
     /// Makes this device's primary context current on the calling thread (every copy does).
-    fn make_current(&self) -> Result<(), CudaError> {
+    pub(crate) fn make_current(&self) -> Result<(), CudaError> {
         self.driver()
             .set_current(self.ctx)
             .map_err(|e| e.on_device(self.info.location.ordinal))
+    }
+
+    /// Whether `other` is this device of the same loaded driver (one context).
+    pub(crate) fn same_context(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.cuda.inner, &other.cuda.inner) && self.ctx == other.ctx
     }
 
     /// Allocates `len` bytes of device memory, freed when the last handle drops.
@@ -410,7 +420,7 @@ impl DeviceMemory {
         self.device.location()
     }
 
-    fn bounds(&self, offset: u64, len: usize) -> Result<DevicePtr, CudaError> {
+    pub(crate) fn bounds(&self, offset: u64, len: usize) -> Result<DevicePtr, CudaError> {
         check_range(offset, len as u64, self.len as u64).map_err(CudaError::OutOfBounds)?;
         Ok(self.ptr + offset)
     }
@@ -570,11 +580,20 @@ impl CopyStream {
     }
 
     fn same_device(&self, mem: &DeviceMemory) -> bool {
-        Arc::ptr_eq(&self.device.cuda.inner, &mem.device.cuda.inner)
-            && self.device.ctx == mem.device.ctx
+        self.device.same_context(&mem.device)
     }
 
-    fn finish(&self, r: Result<(), CudaError>) -> Result<(), CudaError> {
+    /// Makes the stream's context current and enqueues `f`'s copy on the stream (the caller
+    /// then [`finish`](Self::finish)es).
+    pub(crate) fn enqueue(
+        &self,
+        f: impl FnOnce(&dyn Driver, StreamHandle) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        self.device.make_current()?;
+        f(self.device.driver(), self.handle)
+    }
+
+    pub(crate) fn finish(&self, r: Result<(), CudaError>) -> Result<(), CudaError> {
         // A failed enqueue still synchronizes, so that nothing of an earlier copy is in flight
         // when the caller reuses its buffer.
         let synced = self.device.driver().stream_synchronize(self.handle);

@@ -60,6 +60,30 @@ pub const ATTR_DMA_BUF_SUPPORTED: c_int = 124;
 /// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`.
 const HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
 
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: an opened handle of another device's memory enables
+/// peer access when first needed.
+const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+/// Bytes of a CUDA IPC memory handle (`CU_IPC_HANDLE_SIZE`).
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// A CUDA IPC memory handle (`CUipcMemHandle`): names one device allocation (by its base) of the
+/// process that exported it, for another process to open. Opaque bytes; only the driver that
+/// made it gives them a meaning, and it refuses ones it did not make.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcMemHandle(pub [u8; IPC_HANDLE_LEN]);
+
+impl fmt::Debug for IpcMemHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcMemHandle(")?;
+        for b in &self.0[..16] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "..)")
+    }
+}
+
 /// The driver entry points Ferry uses. Object safe, so that tests can put a driver backed by
 /// host memory behind it; the production implementation is [`LibCuda`].
 ///
@@ -153,6 +177,33 @@ pub trait Driver: Send + Sync + fmt::Debug + 'static {
     /// `cuMemGetHandleForAddressRange(.., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`: a dma-buf
     /// file descriptor for `ptr..ptr+len` (`Unavailable` when the export is missing).
     fn dmabuf_export(&self, ptr: DevicePtr, len: usize) -> Result<OwnedFd, CudaError>;
+    /// Whether the CUDA IPC entry points (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`,
+    /// `cuIpcCloseMemHandle`, `cuMemGetAddressRange_v2`, `cuMemcpyDtoDAsync_v2`) are all
+    /// exported.
+    fn has_ipc(&self) -> bool;
+    /// `cuMemGetAddressRange_v2`: the base and size of the allocation holding `ptr`.
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64), CudaError>;
+    /// `cuIpcGetMemHandle`: a handle of the allocation whose base is `base` (the driver refuses
+    /// an address inside one).
+    fn ipc_get_handle(&self, base: DevicePtr) -> Result<IpcMemHandle, CudaError>;
+    /// `cuIpcOpenMemHandle_v2(.., CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)`: maps another process's
+    /// allocation into the current context; the base address it got here. Each open is
+    /// closed once by [`ipc_close_handle`](Self::ipc_close_handle).
+    fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr, CudaError>;
+    /// `cuIpcCloseMemHandle`: unmaps what [`ipc_open_handle`](Self::ipc_open_handle) returned.
+    fn ipc_close_handle(&self, base: DevicePtr) -> Result<(), CudaError>;
+    /// `cuMemcpyDtoDAsync_v2`: enqueues a device-to-device copy on `stream`.
+    ///
+    /// # Safety
+    /// Both ranges lie in live device allocations (or opened IPC handles) and stay so, untouched
+    /// by anything else, until `stream` is synchronized.
+    unsafe fn copy_dtod_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), CudaError>;
 }
 
 type FnInit = unsafe extern "C" fn(c_uint) -> c_int;
@@ -177,6 +228,21 @@ type FnDtoHAsync = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, *mut c_vo
 type FnPointerAttr = unsafe extern "C" fn(*mut c_void, c_int, DevicePtr) -> c_int;
 type FnGetHandle = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, c_int, c_ulonglong) -> c_int;
 type FnErrorName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
+type FnAddressRange = unsafe extern "C" fn(*mut DevicePtr, *mut usize, DevicePtr) -> c_int;
+type FnIpcGet = unsafe extern "C" fn(*mut IpcMemHandle, DevicePtr) -> c_int;
+type FnIpcOpen = unsafe extern "C" fn(*mut DevicePtr, IpcMemHandle, c_uint) -> c_int;
+type FnIpcClose = unsafe extern "C" fn(DevicePtr) -> c_int;
+type FnDtoDAsync = unsafe extern "C" fn(DevicePtr, DevicePtr, usize, *mut c_void) -> c_int;
+
+/// The CUDA IPC entry points, all or none.
+#[derive(Clone, Copy)]
+struct IpcFns {
+    address_range: FnAddressRange,
+    get: FnIpcGet,
+    open: FnIpcOpen,
+    close: FnIpcClose,
+    dtod_async: FnDtoDAsync,
+}
 
 /// The resolved entry points. Plain function pointers: valid while `LibCuda::_lib` lives.
 struct Fns {
@@ -205,6 +271,7 @@ struct Fns {
     pointer_attr: FnPointerAttr,
     get_handle: Option<FnGetHandle>,
     error_name: Option<FnErrorName>,
+    ipc: Option<IpcFns>,
 }
 
 /// The CUDA driver loaded from a shared library (the system's `libcuda.so.1`, or a path).
@@ -222,6 +289,7 @@ impl fmt::Debug for LibCuda {
             .field("library", &self.name)
             .field("fake", &self.fake)
             .field("dmabuf_export", &self.f.get_handle.is_some())
+            .field("ipc", &self.f.ipc.is_some())
             .finish()
     }
 }
@@ -280,6 +348,19 @@ impl LibCuda {
             pointer_attr: req!("cuPointerGetAttribute"),
             get_handle: opt!("cuMemGetHandleForAddressRange"),
             error_name: opt!("cuGetErrorName"),
+            // cuda.h maps cuIpcOpenMemHandle to its `_v2` since CUDA 11; older drivers export
+            // only the first (same signature).
+            ipc: (|| {
+                let open: Option<FnIpcOpen> =
+                    opt!("cuIpcOpenMemHandle_v2").or_else(|| opt!("cuIpcOpenMemHandle"));
+                Some(IpcFns {
+                    address_range: opt!("cuMemGetAddressRange_v2")?,
+                    get: opt!("cuIpcGetMemHandle")?,
+                    open: open?,
+                    close: opt!("cuIpcCloseMemHandle")?,
+                    dtod_async: opt!("cuMemcpyDtoDAsync_v2")?,
+                })
+            })(),
         };
         let fake = crate::has_symbol(&lib, b"ferry_fake_cuda\0");
         if fake {
@@ -310,6 +391,18 @@ impl LibCuda {
             call,
             code,
             name: name.unwrap_or_default(),
+        })
+    }
+
+    /// The IPC entry points, or `Unavailable` naming what `call` needed.
+    fn ipc(&self, call: &str) -> Result<IpcFns, CudaError> {
+        self.f.ipc.ok_or_else(|| CudaError::Unavailable {
+            library: self.name.clone(),
+            reason: format!(
+                "{call}: the driver lacks a CUDA IPC entry point (cuIpcGetMemHandle, \
+                 cuIpcOpenMemHandle, cuIpcCloseMemHandle, cuMemGetAddressRange_v2 or \
+                 cuMemcpyDtoDAsync_v2)"
+            ),
         })
     }
 
@@ -560,5 +653,57 @@ impl Driver for LibCuda {
         }
         // SAFETY: on success the driver handed us a new dma-buf fd that nothing else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn has_ipc(&self) -> bool {
+        self.f.ipc.is_some()
+    }
+
+    fn address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64), CudaError> {
+        let f = self.ipc("cuMemGetAddressRange_v2")?;
+        let mut base: DevicePtr = 0;
+        let mut size: usize = 0;
+        // SAFETY: both out-pointers refer to live locals of the types cuda.h names
+        // (CUdeviceptr, size_t) that the call only writes.
+        let rc = unsafe { (f.address_range)(&mut base, &mut size, ptr) };
+        self.check("cuMemGetAddressRange_v2", rc)
+            .map(|_| (base, size as u64))
+    }
+
+    fn ipc_get_handle(&self, base: DevicePtr) -> Result<IpcMemHandle, CudaError> {
+        let f = self.ipc("cuIpcGetMemHandle")?;
+        let mut h = IpcMemHandle([0; IPC_HANDLE_LEN]);
+        // SAFETY: `h` is a live, writable CUipcMemHandle (64 bytes, repr(C)) the call fills.
+        let rc = unsafe { (f.get)(&mut h, base) };
+        self.check("cuIpcGetMemHandle", rc).map(|_| h)
+    }
+
+    fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr, CudaError> {
+        let f = self.ipc("cuIpcOpenMemHandle_v2")?;
+        let mut p: DevicePtr = 0;
+        // SAFETY: the handle goes by value as the C struct (repr(C), 64 bytes); the call writes
+        // one CUdeviceptr into `p`. A handle the driver did not make is refused by it.
+        let rc = unsafe { (f.open)(&mut p, *handle, IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
+        self.check("cuIpcOpenMemHandle_v2", rc).map(|_| p)
+    }
+
+    fn ipc_close_handle(&self, base: DevicePtr) -> Result<(), CudaError> {
+        let f = self.ipc("cuIpcCloseMemHandle")?;
+        // SAFETY: the caller closes a pointer `ipc_open_handle` returned, once per open.
+        let rc = unsafe { (f.close)(base) };
+        self.check("cuIpcCloseMemHandle", rc)
+    }
+
+    unsafe fn copy_dtod_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<(), CudaError> {
+        let f = self.ipc("cuMemcpyDtoDAsync_v2")?;
+        // SAFETY: the caller guarantees both ranges until the stream is synchronized.
+        let rc = unsafe { (f.dtod_async)(dst, src, len, stream.0 as *mut c_void) };
+        self.check("cuMemcpyDtoDAsync_v2", rc)
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! It also drives the driver for GPU memory ([`Cuda`], [`Device`], [`DeviceMemory`],
 //! [`PinnedBuffer`], [`DeviceSegment`]), decides the GPUDirect RDMA route ([`route`]) and loads
-//! files into device memory ([`cufile`]). The driver is reached through a narrow trait,
+//! files into device memory ([`cufile`]), and lets two processes on one host copy device memory
+//! device to device by CUDA IPC ([`ipc`]). The driver is reached through a narrow trait,
 //! [`driver::Driver`], implemented by a table of entry points loaded with libloading (see
 //! [`driver`] for why not cudarc).
 //!
@@ -21,12 +22,14 @@
 pub mod cufile;
 mod device;
 pub mod driver;
+pub mod ipc;
 pub mod route;
 
 pub use cufile::{FileLoad, FilePath};
 pub use device::{
     CopyStream, Cuda, Device, DeviceInfo, DeviceLocation, DeviceMemory, DeviceSegment, PinnedBuffer,
 };
+pub use ipc::{Imported, IpcImports, IpcRef};
 pub use route::{GpuDirectSetting, GpuRoute, RouteChoice, RouteError, RouteFacts};
 
 use std::ffi::{OsStr, OsString, c_int};

@@ -460,7 +460,12 @@ impl EngineBuilder {
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
         let keyring = self.keyring()?;
-        let opened = self.open_transports()?;
+        #[cfg(feature = "cuda")]
+        let gpu_state = Arc::new(crate::gpu::GpuState::new(self.gpu));
+        let opened = self.open_transports(
+            #[cfg(feature = "cuda")]
+            &gpu_state,
+        )?;
         let id = PeerId::random();
         let epoch = Epoch::fresh();
         #[cfg(feature = "rdma")]
@@ -555,7 +560,7 @@ impl EngineBuilder {
                 },
                 broadcasts: Default::default(),
                 #[cfg(feature = "cuda")]
-                gpu: Some(Arc::new(crate::gpu::GpuState::new(self.gpu))),
+                gpu: Some(gpu_state),
             }),
         })
     }
@@ -590,7 +595,10 @@ impl EngineBuilder {
     /// same-host plane (when on and a portable plane or `Local` is asked for), RDMA, and the
     /// portable data plane (io_uring before TCP). [`Error::Unavailable`] for a kind this build
     /// lacks and nobody added; [`Error::InvalidRequest`] when nothing is configured.
-    fn open_transports(&self) -> Result<OpenedTransports, Error> {
+    fn open_transports(
+        &self,
+        #[cfg(feature = "cuda")] gpu_state: &Arc<crate::gpu::GpuState>,
+    ) -> Result<OpenedTransports, Error> {
         let mut transports: Vec<Arc<dyn Transport>> = self.extra.clone();
         #[cfg(feature = "rdma")]
         let mut rdma: Option<RdmaTransport> = None;
@@ -635,11 +643,21 @@ impl EngineBuilder {
             }
         }
         // The same-host plane, before every built-in transport: a peer on this host is reached
-        // by copies, whatever else both ends offer.
+        // by copies, whatever else both ends offer. GPU buffers move on it by CUDA IPC once
+        // this engine has its CUDA driver (it never loads one for the plane's sake).
         let local = (self.same_host
             && same_host_env_on()
             && (data_plane.is_some() || self.kinds.contains(&TransportKind::Local)))
-        .then(|| ferry_transport_local::LocalTransport::new(self.data.local()));
+        .then(|| {
+            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+            let mut config = self.data.local();
+            #[cfg(feature = "cuda")]
+            {
+                let gpu = gpu_state.clone();
+                config.cuda = Some(ferry_transport_local::CudaSource::new(move || gpu.loaded()));
+            }
+            ferry_transport_local::LocalTransport::new(config)
+        });
         if let Some(l) = &local {
             transports.insert(self.extra.len(), Arc::new(l.clone()));
         }

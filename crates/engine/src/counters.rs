@@ -162,6 +162,8 @@ pub(crate) struct RouteCounters {
     latencies: Arc<Latencies>,
     /// Why the same-host plane was not taken on this route.
     same_host: std::sync::Mutex<Option<String>>,
+    /// How the channel moves GPU buffers, where its plane has a choice (at connect).
+    gpu: std::sync::Mutex<Option<String>>,
 }
 
 impl RouteCounters {
@@ -245,7 +247,20 @@ impl RouteCounters {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .clone(),
+            gpu: self
+                .gpu
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
         }
+    }
+
+    /// Records how the route's channel moves GPU buffers (at connect).
+    pub(crate) fn gpu_route(&self, route: Option<String>) {
+        *self
+            .gpu
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = route;
     }
 
     /// Records why the same-host plane was not taken on this route (at connect).

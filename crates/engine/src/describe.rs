@@ -202,6 +202,11 @@ pub struct RouteDescription {
     /// peer did not offer it (another host, or it serves none), or opening it failed (and
     /// why). `None` when it was taken, or is off here.
     pub same_host: Option<String>,
+    /// How GPU buffers move on the route where its plane has a choice: the same-host plane's
+    /// `cuda-ipc` (granted by CUDA IPC, copied device to device by the peer), or
+    /// `host stage (<why not>)`. `None` on the other planes (TCP and io_uring stage GPU
+    /// buffers; RDMA takes GPUDirect registrations).
+    pub gpu: Option<String>,
 }
 
 /// A published segment, as described locally.
@@ -376,6 +381,9 @@ impl std::fmt::Display for Description {
             )?;
             if let Some(why) = &r.same_host {
                 writeln!(f, "  same host not taken: {why}")?;
+            }
+            if let Some(gpu) = &r.gpu {
+                writeln!(f, "  gpu buffers: {gpu}")?;
             }
         }
         #[cfg(feature = "cuda")]

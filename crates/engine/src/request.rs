@@ -23,6 +23,7 @@ pub(crate) enum Local {
     Device(
         Arc<ferry_cuda::DeviceMemory>,
         Option<Arc<ferry_core::MemoryRegion>>,
+        Option<Arc<ferry_core::MemoryRegion>>,
     ),
 }
 
@@ -31,7 +32,7 @@ impl Local {
         match self {
             Local::Host(r) => r.len() as u64,
             #[cfg(feature = "cuda")]
-            Local::Device(m, _) => m.len() as u64,
+            Local::Device(m, ..) => m.len() as u64,
         }
     }
 }
@@ -72,7 +73,7 @@ impl LocalRef {
     pub fn device(&self) -> Option<&Arc<ferry_cuda::DeviceMemory>> {
         match &self.0 {
             Local::Host(_) => None,
-            Local::Device(m, _) => Some(m),
+            Local::Device(m, ..) => Some(m),
         }
     }
 }
@@ -246,13 +247,20 @@ impl Batch {
             p.remote.desc.check(p.kind, p.remote_offset, p.len)?;
         }
         // Device memory goes to the transport as its GPUDirect region when the peer is reached
-        // over RDMA and every device op has one; otherwise the whole batch is staged.
+        // over RDMA and every device op has one, or as its CUDA IPC region when the peer is
+        // reached by the same-host plane with CUDA IPC and every device op has one; otherwise
+        // the whole batch is staged.
         #[cfg(feature = "cuda")]
-        let direct = peer.channel().kind() == ferry_core::TransportKind::Rdma
-            && self.ops.iter().all(|p| match &p.local {
-                Local::Device(_, d) => d.is_some(),
-                Local::Host(_) => true,
-            });
+        let (direct, by_ipc) = {
+            let channel = peer.channel();
+            let rdma = channel.kind() == ferry_core::TransportKind::Rdma;
+            let ipc =
+                channel.kind() == ferry_core::TransportKind::Local && channel.takes_cuda_ipc();
+            let all = |which: fn(&Local) -> bool| self.ops.iter().all(|p| which(&p.local));
+            let by_ipc = ipc && all(|l| !matches!(l, Local::Device(_, _, None)));
+            let direct = by_ipc || (rdma && all(|l| !matches!(l, Local::Device(_, None, _))));
+            (direct, by_ipc)
+        };
         #[cfg(feature = "cuda")]
         if !direct
             && self
@@ -280,9 +288,11 @@ impl Batch {
             let region = match &p.local {
                 Local::Host(region) => region,
                 #[cfg(feature = "cuda")]
-                Local::Device(_, Some(region)) => region,
+                Local::Device(_, _, Some(region)) if by_ipc => region,
                 #[cfg(feature = "cuda")]
-                Local::Device(_, None) => unreachable!("device ops without a region are staged"),
+                Local::Device(_, Some(region), _) if !by_ipc => region,
+                #[cfg(feature = "cuda")]
+                Local::Device(..) => unreachable!("device ops without a region are staged"),
             };
             ops.push(Op {
                 kind: p.kind,

@@ -234,3 +234,184 @@ fn real_gpu_over_rdma() {
         println!("GPUCHECK rdma_write_gbps={:.3}", len as f64 / secs / 1e9);
     });
 }
+
+/// The server of [`same_host_gpu_to_gpu_by_cuda_ipc`], run as a child process (this binary
+/// again; a no-op otherwise): publishes `ipc_len()` bytes of GPU memory, prints its address and, on each
+/// line of stdin, a checksum of that memory; ends with stdin.
+#[test]
+#[ignore = "needs a GPU (cargo xtask gpu-check)"]
+fn same_host_ipc_server_child() {
+    if std::env::var_os("FERRY_GPU_CHECK_IPC_CHILD").is_none() {
+        return;
+    }
+    let cuda = Cuda::load().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let _guard = rt.enter();
+    let server = TransferEngine::builder()
+        .same_host(true)
+        .data_plane(DataPlane::Tcp)
+        .cuda(cuda)
+        .listen("127.0.0.1:0".parse().unwrap())
+        .build()
+        .unwrap();
+    let g = server
+        .alloc_gpu(
+            0,
+            ipc_len(),
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+            "g",
+        )
+        .unwrap();
+    println!("\nADDR {}", server.local_addr().unwrap());
+    let mut line = String::new();
+    while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
+        let mut now = vec![0u8; ipc_len()];
+        g.memory().copy_to_host(0, &mut now).unwrap();
+        println!("\nSUM {}", checksum(&now));
+        line.clear();
+    }
+}
+
+/// Bytes of each op of the CUDA IPC check: 1 GiB, or `FERRY_GPU_CHECK_IPC_MIB` MiB (a dry run
+/// against the fake driver, whose device memory is host memory, takes less).
+fn ipc_len() -> usize {
+    std::env::var("FERRY_GPU_CHECK_IPC_MIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(1 << 30, |m| m << 20)
+}
+
+fn checksum(b: &[u8]) -> u64 {
+    b.chunks(8).fold(0u64, |h, c| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        h.rotate_left(5) ^ u64::from_le_bytes(w)
+    })
+}
+
+/// Same host, two processes: GPU memory to GPU memory over the same-host plane, granted by CUDA
+/// IPC and copied device to device by the server (`GPUCHECK same_host_ipc_*`). Where the plane
+/// does not take CUDA IPC here (the route says why) it prints that as the row and passes; wrong
+/// bytes fail.
+#[test]
+#[ignore = "needs a GPU (cargo xtask gpu-check)"]
+fn same_host_gpu_to_gpu_by_cuda_ipc() {
+    use std::io::{BufRead, BufReader, Write};
+
+    let Some(cuda) = cuda_or_skip() else { return };
+    let unavailable = |why: &str| {
+        let why = why.replace('\n', " ");
+        println!("GPUCHECK same_host_ipc=unavailable: {why}");
+    };
+    if !cuda.has_ipc() {
+        return unavailable("the driver has no CUDA IPC entry points");
+    }
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "same_host_ipc_server_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FERRY_GPU_CHECK_IPC_CHILD", "1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return unavailable(&format!("cannot start the server process: {e}")),
+    };
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut next = |tag: &str| -> Option<String> {
+        loop {
+            let mut l = String::new();
+            if out.read_line(&mut l).ok()? == 0 {
+                return None;
+            }
+            if let Some(rest) = l.trim().strip_prefix(tag) {
+                return Some(rest.trim().to_owned());
+            }
+        }
+    };
+    let Some(addr) = next("ADDR ").and_then(|a| a.parse::<std::net::SocketAddr>().ok()) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return unavailable("the server process ended before serving");
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let result = rt.block_on(async {
+        let client = TransferEngine::builder()
+            .same_host(true)
+            .data_plane(DataPlane::Tcp)
+            .cuda(cuda.clone())
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mine = client
+            .alloc_gpu(0, ipc_len(), Access::LOCAL, "mine")
+            .map_err(|e| e.to_string())?;
+        let data = pattern(ipc_len());
+        mine.memory().copy_from_host(0, &data).unwrap();
+        let peer = client.connect(addr).await.map_err(|e| e.to_string())?;
+        let seg = peer.segment("g").map_err(|e| e.to_string())?;
+        let d = client.describe();
+        let route = d
+            .routes
+            .first()
+            .map(|r| (r.transport.clone(), r.gpu.clone()));
+        match &route {
+            Some((t, Some(g))) if t == "local" && g == "cuda-ipc" => {}
+            other => {
+                return Err(format!(
+                    "the route is {other:?}, not the same-host plane with cuda-ipc"
+                ));
+            }
+        }
+        let reps = 8;
+        let mut rates = Vec::new();
+        for kind in ["write", "read"] {
+            let t = Instant::now();
+            for _ in 0..reps {
+                let batch = if kind == "write" {
+                    Batch::new().write(&mine, 0, &seg, 0, ipc_len() as u64)
+                } else {
+                    Batch::new().read(&mine, 0, &seg, 0, ipc_len() as u64)
+                };
+                let o = client.submit(batch).map_err(|e| e.to_string())?.await;
+                assert!(o.is_success(), "{kind}: {o:?}");
+            }
+            rates.push((
+                kind,
+                (reps * ipc_len()) as f64 / t.elapsed().as_secs_f64() / 1e9,
+            ));
+        }
+        let staged = client.describe().staging.map_or(0, |s| s.staged_bytes);
+        Ok::<_, String>((rates, staged, checksum(&data)))
+    });
+    let (rates, staged, sum) = match result {
+        Ok(r) => r,
+        Err(why) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return unavailable(&why);
+        }
+    };
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "sum").unwrap();
+    let theirs = next("SUM ");
+    drop(stdin);
+    let _ = child.wait();
+    assert_eq!(
+        theirs.as_deref(),
+        Some(sum.to_string().as_str()),
+        "the server's GPU memory holds other bytes than were written"
+    );
+    assert_eq!(staged, 0, "nothing may go through the staging pool");
+    for (kind, gbps) in rates {
+        println!("GPUCHECK same_host_ipc_{kind}_gbps={gbps:.3}");
+    }
+    println!(
+        "GPUCHECK same_host_ipc=ok checksum-verified, two processes, {} MiB ops, nothing staged",
+        ipc_len() >> 20
+    );
+}

@@ -20,7 +20,10 @@ use ferry_core::dealer::{Dealer, StreamSet, deal_request};
 use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
 use ferry_core::outcome::FailureKind;
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Outgoing, Post, Resolution};
-use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN, TransportOffer, VECTORED_VERSION};
+use ferry_core::wire::{
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, RejectReason, TransportOffer,
+    VECTORED_VERSION,
+};
 use ferry_core::{
     BoxFuture, Channel, Error, Op, OpKind, Outcome, PeerInfo, RequestControl, TransportKind,
 };
@@ -28,7 +31,31 @@ use tokio::sync::Notify;
 use tracing::debug;
 
 use crate::host;
-use crate::wire::{ADDR_LEN, PROBE_OK, local_code};
+use crate::wire::{ADDR_LEN, CUDA_IPC_CODE, IPC_MARK, IPC_REF_LEN, PROBE_OK, local_code};
+
+/// How a channel moves GPU buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuRoute {
+    /// Granted by CUDA IPC and copied by the server with the driver (no host bounce).
+    CudaIpc,
+    /// Not on this channel (why): the engine stages GPU buffers through host memory.
+    HostStage(String),
+}
+
+impl std::fmt::Display for GpuRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuRoute::CudaIpc => f.write_str("cuda-ipc"),
+            GpuRoute::HostStage(why) => write!(f, "host stage ({why})"),
+        }
+    }
+}
+
+/// One stream's attach: ready, or a CUDA IPC attach the server refused (its message).
+enum Attached {
+    Ready(UnixStream),
+    IpcRefused(String),
+}
 
 /// One request as the streams see it.
 struct Req {
@@ -58,13 +85,16 @@ type Job = ferry_core::stream::Work<Req>;
 
 /// Opens the streams of a channel to `peer`, whose offer names its socket and pid: each stream
 /// is connected, its server checked to be the handshake's process (`SO_PEERCRED`), granted the
-/// right to copy to and from this process where Yama asks, attached, and probed.
+/// right to copy to and from this process where Yama asks, attached, and probed. With `ipc`
+/// `Ok` the first stream attaches as a CUDA IPC stream; a server that refuses it gets every
+/// stream attached without (and the channel's GPU buffers take the host stage).
 pub(crate) fn connect(
     peer: &PeerInfo,
     streams: usize,
     depth: usize,
     chunk: u64,
     timeout: Duration,
+    ipc: Result<(), String>,
 ) -> Result<LocalChannel, Error> {
     let TransportOffer::Local {
         pid,
@@ -80,8 +110,32 @@ pub(crate) fn connect(
     };
     let n = streams.min(usize::from(*offered).max(1));
     let mut socks = Vec::with_capacity(n);
+    let mut gpu = match ipc {
+        // The driver refuses a process's own IPC handles.
+        Ok(()) if *pid == std::process::id() => {
+            GpuRoute::HostStage("the peer is this process (CUDA IPC is between processes)".into())
+        }
+        Ok(()) => GpuRoute::CudaIpc,
+        Err(why) => GpuRoute::HostStage(why),
+    };
     for i in 0..n {
-        socks.push(attach(peer, *pid, socket, i as u16, timeout)?);
+        let code = if gpu == GpuRoute::CudaIpc {
+            CUDA_IPC_CODE
+        } else {
+            local_code()
+        };
+        let sock = match attach(peer, *pid, socket, i as u16, timeout, code)? {
+            Attached::Ready(s) => s,
+            Attached::IpcRefused(why) => {
+                debug!(peer = %peer.addr, why, "the peer takes no CUDA IPC; GPU buffers are staged");
+                gpu = GpuRoute::HostStage(format!("the peer refused CUDA IPC: {why}"));
+                match attach(peer, *pid, socket, i as u16, timeout, local_code())? {
+                    Attached::Ready(s) => s,
+                    Attached::IpcRefused(why) => return Err(unavailable(why)),
+                }
+            }
+        };
+        socks.push(sock);
     }
     Ok(LocalChannel::new(
         peer.addr,
@@ -89,6 +143,7 @@ pub(crate) fn connect(
         depth,
         chunk,
         peer.version >= VECTORED_VERSION,
+        gpu,
     ))
 }
 
@@ -105,7 +160,8 @@ fn attach(
     socket: &str,
     index: u16,
     timeout: Duration,
-) -> Result<UnixStream, Error> {
+    code: u16,
+) -> Result<Attached, Error> {
     let addr = UnixAddr::from_abstract_name(socket.as_bytes())
         .map_err(|e| unavailable(format!("socket name {socket:?}: {e}")))?;
     let sock = UnixStream::connect_addr(&addr).map_err(|e| {
@@ -125,11 +181,17 @@ fn attach(
         )));
     }
     host::allow_tracer(pid).map_err(unavailable)?;
-    let attach = stream_attach(peer, index, local_code());
+    let attach = stream_attach(peer, index, code);
     let mut w = &sock;
     ferry_net::write_frame(&mut w, peer.addr, &attach_frame(peer, attach))?;
     let mut r = &sock;
     let reply = ferry_net::read_frame(&mut r, peer.addr)?;
+    if code == CUDA_IPC_CODE
+        && let ControlFrame::Reject(refused) = &reply
+        && refused.reason == RejectReason::Refused
+    {
+        return Ok(Attached::IpcRefused(refused.message.clone()));
+    }
     attach_reply(peer.addr, &attach, reply)?;
     // The probe: the server reads these eight bytes of ours and sends them back.
     let canary = Box::new(rand::random::<u64>() | 1);
@@ -153,7 +215,7 @@ fn attach(
     }
     sock.set_read_timeout(None).map_err(io)?;
     sock.set_write_timeout(None).map_err(io)?;
-    Ok(sock)
+    Ok(Attached::Ready(sock))
 }
 
 /// A channel of the same-host plane to one peer incarnation.
@@ -168,6 +230,7 @@ struct Shared {
     streams: Vec<Side>,
     chunk: u64,
     vectored: bool,
+    gpu: GpuRoute,
     closed: AtomicBool,
     /// Streams ended, and its change announced (for the close's grace).
     ended: Mutex<usize>,
@@ -196,6 +259,7 @@ impl LocalChannel {
         depth: usize,
         chunk: u64,
         vectored: bool,
+        gpu: GpuRoute,
     ) -> Self {
         let n = socks.len();
         let shared = Arc::new(Shared {
@@ -211,6 +275,7 @@ impl LocalChannel {
                 .collect(),
             chunk,
             vectored,
+            gpu,
             closed: AtomicBool::new(false),
             ended: Mutex::new(0),
             ended_cv: Condvar::new(),
@@ -231,6 +296,12 @@ impl LocalChannel {
     /// Streams of the channel.
     pub fn streams(&self) -> usize {
         self.shared.streams.len()
+    }
+
+    /// How the channel moves GPU buffers: by CUDA IPC (a region made by
+    /// `DeviceMemory::ipc_region` may be an op's local region), or not (the host stage, why).
+    pub fn gpu_route(&self) -> &GpuRoute {
+        &self.shared.gpu
     }
 }
 
@@ -371,10 +442,19 @@ fn land(r: &mut impl Read, chunk: Chunk<Req>) -> io::Result<()> {
 }
 
 /// Writes a posted request: its header, a vectored request's piece table, and the address
-/// block.
+/// block (a GPU buffer's entry is a marked address and its CUDA IPC grant).
 fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
     let mut w = sock;
     if out.scatter.is_empty() {
+        let len = out.len as u64;
+        if let Some(grant) = crate::gpu::grant_of(&out.region, out.local_at, len) {
+            let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN + IPC_REF_LEN];
+            one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
+            one[DATA_REQUEST_LEN..DATA_REQUEST_LEN + ADDR_LEN]
+                .copy_from_slice(&IPC_MARK.to_le_bytes());
+            one[DATA_REQUEST_LEN + ADDR_LEN..].copy_from_slice(&grant);
+            return w.write_all(&one);
+        }
         // One chunk: the header and its address from the stack, one write.
         let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
         one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
@@ -387,6 +467,11 @@ fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
     buf.extend_from_slice(&out.head);
     buf.extend_from_slice(&out.table);
     for range in &out.scatter {
+        if let Some(grant) = crate::gpu::grant_of(&range.region, range.at, range.len as u64) {
+            buf.extend_from_slice(&IPC_MARK.to_le_bytes());
+            buf.extend_from_slice(&grant);
+            continue;
+        }
         let at = range.region.as_ptr() as u64 + range.at;
         buf.extend_from_slice(&at.to_le_bytes());
     }
@@ -412,6 +497,33 @@ impl Channel for LocalChannel {
                 .streams
                 .iter()
                 .any(|s| s.alive.load(Ordering::Acquire));
+        // Device memory reaches this plane only as a CUDA IPC grant, on a channel that has
+        // CUDA IPC; any other is this side's mistake, failed before anything is posted.
+        let ipc = shared.gpu == GpuRoute::CudaIpc;
+        if let Some(bad) = ops.iter().position(|op| {
+            let granted = ipc && crate::gpu::grant_of(&op.local, op.local_offset, op.len).is_some();
+            !op.local.is_host() && !granted
+        }) {
+            debug!(peer = %shared.peer, op = bad, gpu = %shared.gpu,
+                "device memory this channel cannot grant; the request fails");
+            for (op, o) in ops.iter().enumerate() {
+                req.outstanding.fetch_add(1, Ordering::AcqRel);
+                Chunk {
+                    req: req.clone(),
+                    op,
+                    at: 0,
+                    len: o.len,
+                }
+                .not_posted(FailureKind::Local);
+            }
+            let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
+            return Box::pin(async move {
+                if !last {
+                    req.done.notified().await;
+                }
+                control.outcome(true)
+            });
+        }
         deal_request(
             &shared.dealer,
             &req,
@@ -430,6 +542,14 @@ impl Channel for LocalChannel {
             }
             control.outcome(true)
         })
+    }
+
+    fn takes_cuda_ipc(&self) -> bool {
+        self.shared.gpu == GpuRoute::CudaIpc
+    }
+
+    fn gpu_route(&self) -> Option<String> {
+        Some(self.shared.gpu.to_string())
     }
 
     fn is_alive(&self) -> bool {

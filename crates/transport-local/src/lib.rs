@@ -20,9 +20,21 @@
 //!   (`ESRCH`) and the server drops the stream. `drained` holds only once the server has ended
 //!   every stream, so no copy into a buffer outlives its request.
 //!
+//! - *GPU buffers* (feature `cuda`): where both ends have the CUDA driver's IPC entry points, a
+//!   client's GPU buffer is granted by CUDA IPC (the handle of its allocation) in place of an
+//!   address, and the server copies with the driver, device to device where its segment is GPU
+//!   memory: no host bounce. A stream that cannot (an older server, no driver or no IPC on
+//!   either side, or a build without CUDA) is attached without it, and the engine stages GPU
+//!   buffers through host memory as on TCP; [`LocalChannel::gpu_route`] says which.
+//!
 //! The protocol on the socket is in [`wire`].
 
 mod client;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(not(feature = "cuda"))]
+#[path = "nogpu.rs"]
+mod gpu;
 mod host;
 mod server;
 pub mod wire;
@@ -36,7 +48,7 @@ use ferry_core::{
 };
 use ferry_net::HandshakeLimits;
 
-pub use client::LocalChannel;
+pub use client::{GpuRoute, LocalChannel};
 pub use server::{LocalServer, LocalServerHandle};
 
 /// Settings of the same-host plane.
@@ -55,6 +67,43 @@ pub struct LocalConfig {
     pub handshake: HandshakeLimits,
     /// Streams a server serves at once, over all its peers.
     pub max_streams: usize,
+    /// Where the CUDA driver GPU buffers are granted and copied with by CUDA IPC comes from
+    /// (asked at each attach; used when it has the entry points and a GPU); `None`: GPU
+    /// buffers take the host stage.
+    #[cfg(feature = "cuda")]
+    pub cuda: Option<CudaSource>,
+}
+
+/// Where the same-host plane finds the CUDA driver, asked when a stream attaches: a fixed one,
+/// or whatever the engine has loaded by then (an engine that never touched GPU memory offers no
+/// CUDA IPC, and loads no driver for the plane's sake).
+#[cfg(feature = "cuda")]
+#[derive(Clone)]
+pub struct CudaSource(Arc<dyn Fn() -> Option<ferry_cuda::Cuda> + Send + Sync>);
+
+#[cfg(feature = "cuda")]
+impl CudaSource {
+    /// Always `cuda`.
+    pub fn fixed(cuda: ferry_cuda::Cuda) -> Self {
+        Self(Arc::new(move || Some(cuda.clone())))
+    }
+
+    /// Whatever `f` returns when asked.
+    pub fn new(f: impl Fn() -> Option<ferry_cuda::Cuda> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// The driver now, if any.
+    pub fn get(&self) -> Option<ferry_cuda::Cuda> {
+        (self.0)()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for CudaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CudaSource")
+    }
 }
 
 impl Default for LocalConfig {
@@ -66,6 +115,8 @@ impl Default for LocalConfig {
             connect_timeout: Duration::from_secs(10),
             handshake: HandshakeLimits::default(),
             max_streams: 256,
+            #[cfg(feature = "cuda")]
+            cuda: None,
         }
     }
 }
@@ -178,7 +229,10 @@ impl LocalTransport {
         if let Some(s) = slot.upgrade() {
             return Ok(s);
         }
-        let handle = Arc::new(LocalServer::bind()?.serve(
+        let bound = LocalServer::bind()?;
+        #[cfg(feature = "cuda")]
+        let bound = bound.with_cuda(self.config.cuda.clone());
+        let handle = Arc::new(bound.serve(
             table,
             responder,
             self.config.handshake,
@@ -200,12 +254,17 @@ impl LocalTransport {
 
     /// Opens a channel (blocking: connects, attaches and probes each stream).
     pub fn connect_channel(&self, peer: &PeerInfo) -> Result<LocalChannel, Error> {
+        #[cfg(feature = "cuda")]
+        let ipc = gpu::client_offers(self.config.cuda.as_ref().and_then(CudaSource::get).as_ref());
+        #[cfg(not(feature = "cuda"))]
+        let ipc = gpu::client_offers();
         client::connect(
             peer,
             self.config.streams,
             self.config.depth,
             self.config.chunk_size,
             self.config.connect_timeout,
+            ipc,
         )
     }
 

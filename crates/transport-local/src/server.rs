@@ -22,8 +22,11 @@ use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
 use ferry_net::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
 use tracing::{debug, warn};
 
+use crate::gpu::{Served, ServerGpu};
 use crate::host::{self, Direction, Span};
-use crate::wire::{ADDR_LEN, PROBE_FAILED, PROBE_OK, local_code};
+use crate::wire::{
+    ADDR_LEN, CUDA_IPC_CODE, IPC_MARK, IPC_REF_LEN, PROBE_FAILED, PROBE_OK, local_code,
+};
 
 /// The address the handshake machinery is told a local stream comes from (Unix sockets have
 /// none; logs name the client's pid beside it).
@@ -37,6 +40,7 @@ pub(crate) const UNIX_PEER: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::
 pub struct LocalServer {
     listener: UnixListener,
     name: String,
+    gpu: ServerGpu,
 }
 
 impl LocalServer {
@@ -48,7 +52,23 @@ impl LocalServer {
             .map_err(|e| Error::io("name the same-host socket", name.clone(), e))?;
         let listener = UnixListener::bind_addr(&addr)
             .map_err(|e| Error::io("bind the same-host socket", name.clone(), e))?;
-        Ok(Self { listener, name })
+        Ok(Self {
+            listener,
+            name,
+            #[cfg(feature = "cuda")]
+            gpu: ServerGpu::new(None),
+            #[cfg(not(feature = "cuda"))]
+            gpu: ServerGpu,
+        })
+    }
+
+    /// Takes CUDA IPC streams with `cuda` (when it has the entry points and a GPU): clients'
+    /// GPU buffers are then copied with the driver, device to device where the segment is GPU
+    /// memory ([`crate::wire`]). Without it every CUDA IPC attach is refused.
+    #[cfg(feature = "cuda")]
+    pub fn with_cuda(mut self, cuda: Option<crate::CudaSource>) -> Self {
+        self.gpu = ServerGpu::new(cuda);
+        self
     }
 
     /// The abstract name it is bound to.
@@ -73,6 +93,7 @@ impl LocalServer {
             table,
             responder,
             max_streams,
+            gpu: self.gpu,
             streams: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
             open: Mutex::new(HashMap::new()),
@@ -171,6 +192,7 @@ struct Shared {
     table: Arc<dyn SegmentTable>,
     responder: Arc<dyn HandshakeResponder>,
     max_streams: usize,
+    gpu: ServerGpu,
     streams: AtomicUsize,
     stopped: AtomicBool,
     /// A clone of every served stream's socket, to shut them down with the server (each
@@ -256,7 +278,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         }
     };
     let limits = shared.gate.limits();
-    let proto = match attach(&sock, pid, shared, limits.timeout) {
+    let (proto, gpu) = match attach(&sock, pid, shared, limits.timeout) {
         Ok(Some(p)) => p,
         Ok(None) => return,
         Err(e) => {
@@ -293,7 +315,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
     }
     let span = tracing::debug_span!("serve same-host stream", pid);
     let _e = span.enter();
-    match serve_data(&sock, pid, &client, proto) {
+    match serve_data(&sock, pid, &client, proto, gpu) {
         Ok(()) => debug!("same-host stream ended"),
         Err(e) => debug!(error = %e, "same-host stream failed"),
     }
@@ -323,13 +345,14 @@ impl Drop for Counted<'_> {
 
 /// The attach of one stream, within `timeout` of the accept: the frame (checked by the
 /// handshake's conversation), the acceptance, and the probe that proves this process may copy
-/// to and from the client's memory. `None`: refused (and answered).
+/// to and from the client's memory; with the stream's CUDA IPC state when it attached as a CUDA
+/// IPC stream. `None`: refused (and answered).
 fn attach(
     sock: &UnixStream,
     pid: u32,
     shared: &Shared,
     timeout: Duration,
-) -> Result<Option<ServerStream>, Error> {
+) -> Result<Option<(ServerStream, Option<Served>)>, Error> {
     let until = Instant::now() + timeout;
     let mut reader = Deadline { sock, until };
     let frame = match ferry_net::read_frame(&mut reader, UNIX_PEER) {
@@ -361,14 +384,29 @@ fn attach(
         }
     };
     let mut out = sock;
-    if transport != local_code() {
+    let gpu = if transport == CUDA_IPC_CODE {
+        match shared.gpu.served() {
+            Ok(g) => Some(g),
+            Err(why) => {
+                debug!(pid, why, "a CUDA IPC stream refused");
+                let _ = ferry_net::write_frame(
+                    &mut out,
+                    UNIX_PEER,
+                    &refusal(shared, &format!("no CUDA IPC here: {why}")),
+                );
+                return Ok(None);
+            }
+        }
+    } else if transport == local_code() {
+        None
+    } else {
         let _ = ferry_net::write_frame(
             &mut out,
             UNIX_PEER,
             &refusal(shared, "this socket serves the same-host plane only"),
         );
         return Ok(None);
-    }
+    };
     let mut talk =
         ServerConversation::new(shared.responder.clone(), shared.table.clone(), UNIX_PEER);
     let proto = match talk.on_frame(frame) {
@@ -419,7 +457,7 @@ fn attach(
     }
     out.write_all(&answer)
         .map_err(|e| ferry_net::lost(UNIX_PEER, "same-host probe", e))?;
-    Ok((answer[0] == PROBE_OK).then_some(proto))
+    Ok((answer[0] == PROBE_OK).then_some((proto, gpu)))
 }
 
 fn refusal(shared: &Shared, message: &str) -> ControlFrame {
@@ -441,12 +479,14 @@ fn serve_data(
     pid: u32,
     client: &host::Pidfd,
     mut proto: ServerStream,
+    mut gpu: Option<Served>,
 ) -> io::Result<()> {
     let mut rd = BufReader::with_capacity(64 << 10, sock);
     let mut out: Vec<u8> = Vec::with_capacity(4 << 10);
     let mut stage: Vec<u8> = Vec::new();
     let mut table: Vec<u8> = Vec::new();
-    let mut addrs: Vec<u8> = Vec::new();
+    let mut entries: Vec<Entry> = Vec::new();
+    let ipc = gpu.is_some();
     let mut head = [0u8; DATA_REQUEST_LEN];
     loop {
         flush_unless_buffered(&rd, DATA_REQUEST_LEN + ADDR_LEN, sock, &mut out)?;
@@ -473,7 +513,14 @@ fn serve_data(
                 seq,
                 ..
             } => {
-                let theirs = read_addr(&mut rd, len)?;
+                let theirs = match read_entry(&mut rd, len, ipc)? {
+                    Entry::Addr(span) => span,
+                    Entry::Ipc(grant) => {
+                        served(&mut gpu)?.write_region(&grant, &lease.region, at, len)?;
+                        out.extend_from_slice(&proto.answer_write(seq));
+                        continue;
+                    }
+                };
                 let ours = Span {
                     addr: lease.region.as_ptr() as usize + at as usize,
                     len,
@@ -489,7 +536,14 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = read_addr(&mut rd, len)?;
+                let theirs = match read_entry(&mut rd, len, ipc)? {
+                    Entry::Addr(span) => span,
+                    Entry::Ipc(grant) => {
+                        served(&mut gpu)?.read_region(&grant, &lease.region, at, len)?;
+                        out.extend_from_slice(&response);
+                        continue;
+                    }
+                };
                 let ours = Span {
                     addr: lease.region.as_ptr() as usize + at as usize,
                     len,
@@ -504,7 +558,14 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = read_addr(&mut rd, len)?;
+                let theirs = match read_entry(&mut rd, len, ipc)? {
+                    Entry::Addr(span) => span,
+                    Entry::Ipc(grant) => {
+                        served(&mut gpu)?.read_file(&grant, &file, at, len, &mut stage)?;
+                        out.extend_from_slice(&response);
+                        continue;
+                    }
+                };
                 stage.resize(len, 0);
                 file.read_exact_at(at, &mut stage)?;
                 let ours = Span {
@@ -521,7 +582,14 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = read_addr(&mut rd, len)?;
+                let theirs = match read_entry(&mut rd, len, ipc)? {
+                    Entry::Addr(span) => span,
+                    Entry::Ipc(grant) => {
+                        served(&mut gpu)?.write_file(&grant, &file, at, len, &mut stage)?;
+                        out.extend_from_slice(&response);
+                        continue;
+                    }
+                };
                 stage.resize(len, 0);
                 let ours = Span {
                     addr: stage.as_mut_ptr() as usize,
@@ -533,16 +601,16 @@ fn serve_data(
                 out.extend_from_slice(&response);
             }
             Action::ChecksumMemory { sum, seq, .. } => {
-                read_addr(&mut rd, 0)?;
+                read_entry(&mut rd, 0, ipc)?;
                 out.extend_from_slice(&checksum_response(seq, sum.finish()));
             }
             Action::ChecksumFile { file, at, len, seq } => {
-                read_addr(&mut rd, 0)?;
+                read_entry(&mut rd, 0, ipc)?;
                 let crc = crc32c_file(&*file, at, len)?;
                 out.extend_from_slice(&checksum_response(seq, crc));
             }
             Action::Refuse { response, .. } => {
-                read_addr(&mut rd, 0)?;
+                read_entry(&mut rd, 0, ipc)?;
                 out.extend_from_slice(&response);
             }
             Action::Table { req } => {
@@ -560,10 +628,12 @@ fn serve_data(
                     &mut out,
                 )?;
                 rd.read_exact(&mut table)?;
-                addrs.resize(req.pieces as usize * ADDR_LEN, 0);
-                rd.read_exact(&mut addrs)?;
+                entries.clear();
+                for _ in 0..req.pieces {
+                    entries.push(read_entry(&mut rd, 0, ipc)?);
+                }
                 let action = proto.on_table(&req, &table);
-                if !serve_vectored(pid, action, &addrs, &mut stage, &mut out)? {
+                if !serve_vectored(pid, action, &entries, &mut gpu, &mut stage, &mut out)? {
                     (&*sock).write_all(&out)?;
                     return Ok(());
                 }
@@ -607,7 +677,8 @@ fn flush_unless_buffered(
 fn serve_vectored(
     pid: u32,
     action: Action,
-    addrs: &[u8],
+    entries: &[Entry],
+    gpu: &mut Option<Served>,
     stage: &mut Vec<u8>,
     out: &mut Vec<u8>,
 ) -> io::Result<bool> {
@@ -633,14 +704,42 @@ fn serve_vectored(
         OpKind::Write => Direction::In,
         OpKind::Read | OpKind::Checksum => Direction::Out,
     };
+    if entries.len() != targets.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "an address block of another length than the pieces",
+        ));
+    }
     let mut ours = Vec::with_capacity(targets.len());
     let mut theirs = Vec::with_capacity(targets.len());
-    for (i, t) in targets.iter().enumerate() {
-        let at = i * ADDR_LEN;
-        let raw: [u8; ADDR_LEN] = addrs[at..at + ADDR_LEN]
-            .try_into()
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-        let addr = u64::from_le_bytes(raw) as usize;
+    for (t, entry) in targets.iter().zip(entries) {
+        let addr = match entry {
+            Entry::Addr(span) => span.addr,
+            Entry::Ipc(grant) => {
+                // Memory pieces before it move first, so that order is kept.
+                // SAFETY: the ranges were checked by the stream protocol; leases live in
+                // `targets` for the call.
+                unsafe { host::copy(pid, dir, &ours, &theirs)? };
+                ours.clear();
+                theirs.clear();
+                let g = served(gpu)?;
+                match (t, dir) {
+                    (Target::Memory { lease, at, len }, Direction::In) => {
+                        g.write_region(grant, &lease.region, *at, *len)?
+                    }
+                    (Target::Memory { lease, at, len }, Direction::Out) => {
+                        g.read_region(grant, &lease.region, *at, *len)?
+                    }
+                    (Target::File { file, at, len }, Direction::In) => {
+                        g.write_file(grant, file, *at, *len, stage)?
+                    }
+                    (Target::File { file, at, len }, Direction::Out) => {
+                        g.read_file(grant, file, *at, *len, stage)?
+                    }
+                }
+                continue;
+            }
+        };
         match t {
             Target::Memory { lease, at, len } => {
                 ours.push(Span {
@@ -681,17 +780,42 @@ fn serve_vectored(
     Ok(true)
 }
 
-/// Reads the address block of a single request: one address; `len` bytes there are the
-/// client's range for the copy.
-fn read_addr(rd: &mut impl Read, len: usize) -> io::Result<Span> {
+/// One entry of an address block.
+enum Entry {
+    /// An address in the client's memory: `len` bytes there are its range for the copy.
+    Addr(Span),
+    /// A CUDA IPC grant (CUDA IPC streams only), as it came.
+    Ipc([u8; IPC_REF_LEN]),
+}
+
+/// Reads one entry of an address block (`len`: the request's length; pieces of a vectored
+/// request take theirs from the table): an address, or on a CUDA IPC stream (`ipc`) a marked
+/// address and its grant.
+fn read_entry(rd: &mut impl Read, len: usize, ipc: bool) -> io::Result<Entry> {
     let mut raw = [0u8; ADDR_LEN];
     rd.read_exact(&mut raw)?;
     if len > MAX_CHUNK as usize {
         return Err(io::Error::from(io::ErrorKind::InvalidData));
     }
-    Ok(Span {
-        addr: u64::from_le_bytes(raw) as usize,
+    let addr = u64::from_le_bytes(raw);
+    if ipc && addr & IPC_MARK != 0 {
+        let mut grant = [0u8; IPC_REF_LEN];
+        rd.read_exact(&mut grant)?;
+        return Ok(Entry::Ipc(grant));
+    }
+    Ok(Entry::Addr(Span {
+        addr: addr as usize,
         len,
+    }))
+}
+
+/// The stream's CUDA IPC state (a grant comes only on a CUDA IPC stream, which has it).
+fn served(gpu: &mut Option<Served>) -> io::Result<&mut Served> {
+    gpu.as_mut().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a CUDA IPC grant on a stream without CUDA IPC",
+        )
     })
 }
 

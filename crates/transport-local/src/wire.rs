@@ -15,6 +15,18 @@
 //! ([`PROBE_OK`] and the eight bytes it read there, or [`PROBE_FAILED`] and the kernel's errno,
 //! little-endian, in the next four). A stream is used only after the client found its own bytes
 //! in the answer.
+//!
+//! *CUDA IPC streams.* A client that can grant GPU buffers by CUDA IPC attaches with the
+//! transport code [`CUDA_IPC_CODE`] instead of the plane's own. A server that cannot open CUDA
+//! IPC handles (no driver, no IPC entry points, a build without CUDA), and every server older
+//! than this protocol, refuses that attach with a `Reject`; the client then attaches with the
+//! plane's code and its GPU buffers take the host stage. On a CUDA IPC stream an address whose
+//! top bit is set ([`IPC_MARK`]) is followed by a *grant* of [`IPC_REF_LEN`] bytes: the 64-byte
+//! `CUipcMemHandle` of the client's allocation, then the buffer's offset in that allocation and
+//! its length (little-endian u64 each); the server copies with the driver between the opened
+//! handle and the checked segment range. No user-space address has that bit set, so an address
+//! is never mistaken for a grant; on a stream attached with the plane's own code the bit means
+//! nothing (the copy to such an address fails and ends the stream).
 
 use ferry_core::wire::TransportOffer;
 
@@ -26,6 +38,16 @@ pub const PROBE_OK: u8 = 1;
 /// The probe copy failed; the errno follows.
 pub const PROBE_FAILED: u8 = 2;
 
+/// The transport code a stream that may carry CUDA IPC grants attaches with (the plane's code,
+/// 4, with 0x100 set).
+pub const CUDA_IPC_CODE: u16 = 0x0104;
+
+/// The top bit of an address: a grant of [`IPC_REF_LEN`] bytes follows (CUDA IPC streams only).
+pub const IPC_MARK: u64 = 1 << 63;
+
+/// Bytes of a CUDA IPC grant: the handle (64), the offset (8), the length (8).
+pub const IPC_REF_LEN: usize = 64 + 16;
+
 /// The transport code of the same-host plane on the wire (what its streams attach with).
 pub fn local_code() -> u16 {
     TransportOffer::Local {
@@ -35,4 +57,28 @@ pub fn local_code() -> u16 {
         socket: String::new(),
     }
     .code()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cuda_ipc_code_is_no_other_plane_s() {
+        assert_ne!(CUDA_IPC_CODE, local_code());
+        for offer in [
+            TransportOffer::Tcp {
+                streams: 0,
+                port: 0,
+            },
+            TransportOffer::Uring {
+                streams: 0,
+                port: 0,
+                zero_copy: false,
+            },
+            TransportOffer::Rdma { rails: Vec::new() },
+        ] {
+            assert_ne!(offer.code(), CUDA_IPC_CODE);
+        }
+    }
 }

@@ -115,6 +115,19 @@ impl RegistrationBackend for RdmaBackend {
                 .map_err(|e| native(&rail.name, "ibv_reg_dmabuf_mr", e))?;
                 (mr, "dmabuf")
             }
+            Placement::Device(DevicePlacement {
+                native: DeviceNative::CudaIpc { .. },
+                ..
+            }) => {
+                return Err(NativeError::new(
+                    &rail.name,
+                    "ibv_reg_mr",
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        "a CUDA IPC region is for the same-host plane only, never a NIC",
+                    ),
+                ));
+            }
             // peermem: `ibv_reg_mr` on the device address; the peer-memory client in the kernel
             // resolves it to the GPU's pages.
             Placement::Device(_) => {

@@ -160,6 +160,7 @@ impl TransferEngine {
         if let Some(why) = why_not_local {
             counters.same_host_not_taken(why);
         }
+        counters.gpu_route(channel.gpu_route());
         tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
             segments = server.segments.len(), "connected");
         let rails = channel.kind() == TransportKind::Rdma;

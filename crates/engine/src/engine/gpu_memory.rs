@@ -145,6 +145,20 @@ impl crate::TransferEngine {
             .unwrap_or_else(PoisonError::into_inner)
             .push((token, desc));
         tracing::info!(%token, route = %route.route, why = %route.why, "GPU memory registered");
+        // Granted by CUDA IPC to same-host peers whose channel takes it (none where the driver
+        // cannot export this memory: the plane stages it then).
+        let ipc = if memory.device().cuda().has_ipc() {
+            match memory.ipc_region() {
+                Ok(r) => Some(Arc::new(r)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no CUDA IPC handle for this GPU memory; \
+                        same-host peers' ops on it are staged");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(GpuRegistration {
             memory,
             token,
@@ -152,6 +166,7 @@ impl crate::TransferEngine {
             access,
             route,
             direct,
+            ipc,
             table: self.inner.published.table.clone(),
             gpu: state.clone(),
         })

@@ -56,7 +56,7 @@ pub(crate) fn prepare(
     let device = ops
         .iter()
         .find_map(|o| match &o.local {
-            StagedLocal::Device(m, _) => Some(m.device().clone()),
+            StagedLocal::Device(m, ..) => Some(m.device().clone()),
             StagedLocal::Host(_) => None,
         })
         .ok_or_else(|| Error::InvalidRequest {
@@ -194,7 +194,7 @@ async fn run_piece(p: &Pipeline, piece: Piece) {
             record(control, piece.op, &o);
             return;
         }
-        StagedLocal::Device(m, _) => m,
+        StagedLocal::Device(m, ..) => m,
     };
     let Some(mut guard) = p.pool.take().await else {
         control.with_ledger(|l| l.not_posted(piece.op, FailureKind::Local, None));

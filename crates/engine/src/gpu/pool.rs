@@ -58,6 +58,11 @@ impl GpuState {
         }
     }
 
+    /// The driver, if the builder gave one or it was loaded already (loads nothing).
+    pub(crate) fn loaded(&self) -> Option<Cuda> {
+        self.cuda.get().and_then(|c| c.as_ref().ok().cloned())
+    }
+
     /// The driver: the one the builder was given, or the system's, loaded once.
     pub(crate) fn cuda(&self) -> Result<Cuda, Error> {
         self.cuda

@@ -21,6 +21,9 @@ pub struct GpuRegistration {
     /// The GPUDirect RDMA registration (route `dmabuf` or `peermem`): the device region and its
     /// registry entry (the MRs on the NICs nearest the GPU, published with their remote keys).
     pub(crate) direct: Option<Direct>,
+    /// The memory as a CUDA IPC region (where the driver exports it): what a same-host peer's
+    /// plane is given when its channel takes CUDA IPC.
+    pub(crate) ipc: Option<Arc<MemoryRegion>>,
     pub(crate) table: Arc<RegistryTable>,
     pub(crate) gpu: Arc<GpuState>,
 }
@@ -123,6 +126,7 @@ impl crate::request::LocalMemory for GpuRegistration {
         crate::request::LocalRef(crate::request::Local::Device(
             self.memory.clone(),
             self.direct.as_ref().map(|d| d.region.clone()),
+            self.ipc.clone(),
         ))
     }
 }

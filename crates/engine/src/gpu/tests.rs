@@ -94,6 +94,7 @@ impl crate::request::LocalMemory for Dev {
         crate::request::LocalRef(crate::request::Local::Device(
             self.0.clone(),
             self.1.clone(),
+            None,
         ))
     }
 }
