@@ -461,7 +461,7 @@ impl EngineBuilder {
     pub fn build(self) -> Result<TransferEngine, Error> {
         let keyring = self.keyring()?;
         #[cfg(feature = "cuda")]
-        let gpu_state = Arc::new(crate::gpu::GpuState::new(self.gpu));
+        let gpu_state = Arc::new(crate::gpu::GpuState::new(self.gpu.clone()));
         let opened = self.open_transports(
             #[cfg(feature = "cuda")]
             &gpu_state,

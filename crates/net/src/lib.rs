@@ -552,6 +552,7 @@ mod tests {
     ) -> ferry_core::stream::Outgoing<()> {
         ferry_core::stream::Outgoing {
             head: [fill; ferry_core::wire::DATA_REQUEST_LEN],
+            seq: 0,
             kind: ferry_core::OpKind::Write,
             req: Arc::new(()),
             region: region.clone(),

@@ -513,21 +513,8 @@ fn serve_data(
                 seq,
                 ..
             } => {
-                let theirs = match read_entry(&mut rd, len, ipc)? {
-                    Entry::Addr(span) => span,
-                    Entry::Ipc(grant) => {
-                        served(&mut gpu)?.write_region(&grant, &lease.region, at, len)?;
-                        out.extend_from_slice(&proto.answer_write(seq));
-                        continue;
-                    }
-                };
-                let ours = Span {
-                    addr: lease.region.as_ptr() as usize + at as usize,
-                    len,
-                };
-                // SAFETY: the stream protocol checked `at..at+len` against the region, which
-                // the lease keeps alive; no Rust reference into it exists.
-                unsafe { host::copy(pid, Direction::In, &[ours], &[theirs])? };
+                let theirs = read_entry(&mut rd, len, ipc)?;
+                copy_memory(pid, Direction::In, theirs, &lease.region, at, len, &mut gpu)?;
                 out.extend_from_slice(&proto.answer_write(seq));
             }
             Action::ReadMemory {
@@ -536,20 +523,16 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = match read_entry(&mut rd, len, ipc)? {
-                    Entry::Addr(span) => span,
-                    Entry::Ipc(grant) => {
-                        served(&mut gpu)?.read_region(&grant, &lease.region, at, len)?;
-                        out.extend_from_slice(&response);
-                        continue;
-                    }
-                };
-                let ours = Span {
-                    addr: lease.region.as_ptr() as usize + at as usize,
+                let theirs = read_entry(&mut rd, len, ipc)?;
+                copy_memory(
+                    pid,
+                    Direction::Out,
+                    theirs,
+                    &lease.region,
+                    at,
                     len,
-                };
-                // SAFETY: checked as above; the copy only reads the range.
-                unsafe { host::copy(pid, Direction::Out, &[ours], &[theirs])? };
+                    &mut gpu,
+                )?;
                 out.extend_from_slice(&response);
             }
             Action::ReadFile {
@@ -614,26 +597,8 @@ fn serve_data(
                 out.extend_from_slice(&response);
             }
             Action::Table { req } => {
-                if req.pieces > MAX_PIECES {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "too many pieces",
-                    ));
-                }
-                table.resize(req.table_len(), 0);
-                flush_unless_buffered(
-                    &rd,
-                    table.len() + req.pieces as usize * ADDR_LEN,
-                    sock,
-                    &mut out,
-                )?;
-                rd.read_exact(&mut table)?;
-                entries.clear();
-                for _ in 0..req.pieces {
-                    entries.push(read_entry(&mut rd, 0, ipc)?);
-                }
-                let action = proto.on_table(&req, &table);
-                if !serve_vectored(pid, action, &entries, &mut gpu, &mut stage, &mut out)? {
+                let bufs = (&mut table, &mut entries, &mut stage, &mut out);
+                if !serve_table(&mut rd, sock, pid, &mut proto, &req, ipc, &mut gpu, bufs)? {
                     (&*sock).write_all(&out)?;
                     return Ok(());
                 }
@@ -654,6 +619,68 @@ fn serve_data(
             }
         }
     }
+}
+
+/// One memory request's copy between the checked range `at..at+len` of `region` and the
+/// client's entry: a plain address by a cross-process copy (`In`: the client's bytes into
+/// `region`), a CUDA IPC grant by the driver.
+fn copy_memory(
+    pid: u32,
+    dir: Direction,
+    theirs: Entry,
+    region: &ferry_core::MemoryRegion,
+    at: u64,
+    len: usize,
+    gpu: &mut Option<Served>,
+) -> io::Result<()> {
+    let theirs = match theirs {
+        Entry::Addr(span) => span,
+        Entry::Ipc(grant) => {
+            let g = served(gpu)?;
+            return match dir {
+                Direction::In => g.write_region(&grant, region, at, len),
+                Direction::Out => g.read_region(&grant, region, at, len),
+            };
+        }
+    };
+    let ours = Span {
+        addr: region.as_ptr() as usize + at as usize,
+        len,
+    };
+    // SAFETY: the stream protocol checked `at..at+len` against the region, which the caller's
+    // lease keeps alive; no Rust reference into it exists; a READ (`Out`) only reads it.
+    unsafe { host::copy(pid, dir, &[ours], &[theirs]) }
+}
+
+/// A vectored request: its piece table and address block read (answers queued so far
+/// written first unless both are buffered), checked, and served. `false` when the stream must
+/// close after the answers in `out`.
+#[allow(clippy::too_many_arguments)]
+fn serve_table(
+    rd: &mut BufReader<&UnixStream>,
+    sock: &UnixStream,
+    pid: u32,
+    proto: &mut ServerStream,
+    req: &ferry_core::wire::VectoredRequest,
+    ipc: bool,
+    gpu: &mut Option<Served>,
+    (table, entries, stage, out): (&mut Vec<u8>, &mut Vec<Entry>, &mut Vec<u8>, &mut Vec<u8>),
+) -> io::Result<bool> {
+    if req.pieces > MAX_PIECES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "too many pieces",
+        ));
+    }
+    table.resize(req.table_len(), 0);
+    flush_unless_buffered(rd, table.len() + req.pieces as usize * ADDR_LEN, sock, out)?;
+    rd.read_exact(table)?;
+    entries.clear();
+    for _ in 0..req.pieces {
+        entries.push(read_entry(rd, 0, ipc)?);
+    }
+    let action = proto.on_table(req, table);
+    serve_vectored(pid, action, entries, gpu, stage, out)
 }
 
 /// Writes the answers queued in `out` unless `need` bytes of requests are already buffered: a
