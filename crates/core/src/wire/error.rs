@@ -12,7 +12,7 @@ pub enum WireError {
         /// Bytes missing.
         needed: usize,
     },
-    /// The frame does not start with [`MAGIC`].
+    /// The frame does not start with [`MAGIC`](super::MAGIC).
     #[error("bad magic {0:02x?}")]
     BadMagic([u8; 4]),
     /// A length or count exceeds its limit.

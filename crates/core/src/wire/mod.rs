@@ -35,7 +35,7 @@ pub use offer::{MAX_LOCAL_SOCKET, RdmaEndpoint, TransportOffer};
 /// Magic bytes that open every control frame.
 pub const MAGIC: [u8; 4] = *b"FRRY";
 /// The protocol versions this build speaks. Version 2 adds the CHECKSUM data request
-/// ([`OpKind::Checksum`]); frames and the other data requests are unchanged, so a version-1 peer
+/// ([`OpKind::Checksum`](crate::OpKind::Checksum)); frames and the other data requests are unchanged, so a version-1 peer
 /// is spoken to in version 1 and is never sent a CHECKSUM (the facade refuses it locally).
 /// Version 3 adds vectored requests ([`VectoredRequest`]); an older peer gets one request per
 /// chunk, as before.
