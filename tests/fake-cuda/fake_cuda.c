@@ -28,8 +28,11 @@
  * refused by any NIC (rdma_rxe refuses dma-buf MRs before it looks at the fd).
  *
  * CUDA IPC (cuIpcGetMemHandle, cuIpcOpenMemHandle_v2, cuIpcCloseMemHandle) works between
- * processes for real: device memory is an anonymous mapping, and exporting an allocation (only
- * its base, as the driver wants) moves its bytes into a memfd mapped shared at the same address.
+ * processes for real: device memory is a memfd mapped shared from the start, so exporting an
+ * allocation (only its base, as the driver wants) never moves it (a NIC's registration of it, as
+ * on the peermem route, stays on the pages the process sees). Where no memfd can be made (the
+ * descriptor limit) the allocation is anonymous memory that cuIpcGetMemHandle refuses to export
+ * (CUDA_ERROR_OUT_OF_MEMORY), never moves.
  * The 64-byte handle names the exporter's pid, that memfd's fd number, the allocation's size and
  * a serial that is also the memfd's name; opening it maps /proc/<pid>/fd/<fd> after checking the
  * name and size, so a forged or stale handle is CUDA_ERROR_INVALID_HANDLE (400), never a mapping
@@ -291,7 +294,7 @@ CUresult cuCtxSetCurrent(void *ctx) {
 }
 
 /* Live device allocations, for cuPointerGetAttribute and IPC (a fixed table: the tests make
- * few). `mapped` is the mapping's length (whole pages); `memfd` is the memfd behind an exported
+ * few). `mapped` is the mapping's length (whole pages); `memfd` is the memfd behind an
  * allocation (-1 until exported); `imported` counts the opens of an IPC handle mapped here. */
 #define MAX_ALLOCS 4096
 static struct {
@@ -326,13 +329,25 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     if (current < 0) return ERR_INVALID_CONTEXT;
     if (failing("cuMemAlloc_v2")) return ERR_OUT_OF_MEMORY;
     size_t size = n ? n : 1, mapped = page_round(size);
-    void *h = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* A memfd from the start (see the header): exporting it later never moves the memory. */
+    pthread_mutex_lock(&lock);
+    unsigned long long serial = next_serial++ ^ ((unsigned long long)getpid() << 32);
+    pthread_mutex_unlock(&lock);
+    char name[64];
+    snprintf(name, sizeof name, "ferry-fake-cuda-ipc-%llx", serial);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    void *h = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, (off_t)mapped) == 0)
+        h = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED && fd >= 0) { close(fd); fd = -1; }
+    if (fd < 0) h = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (h == MAP_FAILED) return ERR_OUT_OF_MEMORY;
     pthread_mutex_lock(&lock);
     int i = free_slot();
     if (i < 0) {
         pthread_mutex_unlock(&lock);
         munmap(h, mapped);
+        if (fd >= 0) close(fd);
         return ERR_OUT_OF_MEMORY;
     }
     *p = (CUdeviceptr)(uintptr_t)h | TAG;
@@ -340,8 +355,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     allocs[i].size = size;
     allocs[i].mapped = mapped;
     allocs[i].dev = current;
-    allocs[i].memfd = -1;
-    allocs[i].serial = 0;
+    allocs[i].memfd = fd;
+    allocs[i].serial = fd >= 0 ? serial : 0;
     allocs[i].imported = 0;
     live_device++;
     pthread_mutex_unlock(&lock);
@@ -559,23 +574,8 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr p) {
     int i = slot_of(p);
     /* Only the base of an allocation made here (the driver's rule too). */
     if (i < 0 || allocs[i].imported) { pthread_mutex_unlock(&lock); return ERR_INVALID_VALUE; }
-    if (allocs[i].memfd < 0) {
-        unsigned long long serial = next_serial++ ^ ((unsigned long long)getpid() << 32);
-        char name[64];
-        snprintf(name, sizeof name, "ferry-fake-cuda-ipc-%llx", serial);
-        int fd = memfd_create(name, MFD_CLOEXEC);
-        void *at = (void *)(uintptr_t)(p & ~TAG);
-        if (fd < 0 || ftruncate(fd, (off_t)allocs[i].mapped) != 0 ||
-            pwrite(fd, at, allocs[i].mapped, 0) != (ssize_t)allocs[i].mapped ||
-            mmap(at, allocs[i].mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) !=
-                at) {
-            if (fd >= 0) close(fd);
-            pthread_mutex_unlock(&lock);
-            return ERR_UNKNOWN;
-        }
-        allocs[i].memfd = fd;
-        allocs[i].serial = serial;
-    }
+    /* Anonymous memory (no memfd could be made at allocation): not exportable, never moved. */
+    if (allocs[i].memfd < 0) { pthread_mutex_unlock(&lock); return ERR_OUT_OF_MEMORY; }
     struct fake_handle h;
     memset(&h, 0, sizeof h);
     memcpy(h.magic, MAGIC, sizeof MAGIC);

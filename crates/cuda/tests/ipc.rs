@@ -156,6 +156,48 @@ fn forged_and_own_handles_are_refused() {
     fake.ipc_same_process(false);
 }
 
+/// The line of `/proc/self/maps` that holds `addr`: the mapping, its offset, device, inode and
+/// backing (what says whether the pages behind an address are still the same object).
+fn mapping_of(addr: u64) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .find(|l| {
+            let range = l.split(' ').next().unwrap_or("");
+            let (a, b) = range.split_once('-').unwrap_or(("", ""));
+            let (a, b) = (
+                u64::from_str_radix(a, 16).unwrap_or(u64::MAX),
+                u64::from_str_radix(b, 16).unwrap_or(0),
+            );
+            a <= addr && addr < b
+        })
+        .unwrap_or_else(|| panic!("no mapping holds {addr:#x}"))
+        .to_owned()
+}
+
+/// Exporting device memory never moves it: a NIC registered on its pages before the export (the
+/// peermem route registers at allocation, the engine exports right after) must still see the
+/// pages the process copies to. The fake with host pointers, where a device address is the
+/// host address of its pages, shows the mapping unchanged across `cuIpcGetMemHandle`.
+#[test]
+fn exporting_device_memory_leaves_it_where_it_is() {
+    let _g = lock();
+    let Some(fake) = fake_cuda(FakeVariant::HostPointers) else {
+        return;
+    };
+    fake.reset();
+    let cuda = Cuda::open(fake.path().as_os_str()).unwrap();
+    let dev = cuda.device(0).unwrap();
+    let mem = dev.alloc(3 * 4096 + 5).unwrap();
+    let before = mapping_of(mem.device_ptr());
+    let r = mem.ipc_ref().unwrap();
+    assert_eq!((r.offset, r.len), (0, 3 * 4096 + 5));
+    assert_eq!(
+        mapping_of(mem.device_ptr()),
+        before,
+        "the export replaced the pages behind the allocation"
+    );
+}
+
 #[test]
 fn a_driver_without_ipc_is_unavailable() {
     let _g = lock();
