@@ -210,10 +210,23 @@ async fn engine_heals_a_rail_whose_port_flaps_mid_read() -> Result<()> {
         after.bytes > healed.bytes,
         "the healed rail carried nothing: {after:?}"
     );
-    ensure!(after.rebuilds == 1 && after.torn_down == 1, "{after:?}");
+    // Every queue pair torn down was rebuilt and the rail is up. CI once saw the fresh queue
+    // pair fail again soon after the port came back (flushed, with no error completion of its
+    // own) and healed a second time, the READ still whole: a heal too, so more than one is
+    // allowed, each teardown matched by a rebuild.
+    ensure!(
+        after.rebuilds >= 1 && after.rebuilds == after.torn_down && after.down == 0,
+        "{after:?}"
+    );
+    if after.rebuilds > 1 {
+        eprintln!("the rail was healed {} times", after.rebuilds);
+    }
     ensure!(peer.is_alive());
     let text = client.describe().to_string();
-    ensure!(text.contains("1 rebuilt"), "{text}");
+    ensure!(
+        text.contains(&format!("{} rebuilt", after.rebuilds)),
+        "{text}"
+    );
     drop((peer, dst, client, _seg, server));
     drop(flap);
     Ok(())
