@@ -62,19 +62,26 @@ struct Side {
     env: Vec<(&'static str, &'static str)>,
 }
 
+/// The environment every workload process runs with: numpy's OpenBLAS keeps one thread per
+/// core spinning after its first call, which the workloads never make use of and which takes
+/// CPU from whichever side runs (seen in a profile of `bench same-host`).
+const QUIET_NUMPY: (&str, &str) = ("OPENBLAS_NUM_THREADS", "1");
+
 impl Side {
     fn command(&self) -> Command {
         let mut c = Command::new(&self.python);
         c.args(&self.prefix)
             .arg(project_root().join(self.script))
+            .env(QUIET_NUMPY.0, QUIET_NUMPY.1)
             .envs(self.env.iter().copied());
         c
     }
 
-    /// The interpreter on the script alone: no prefix, no environment of the side.
+    /// The interpreter on the script alone: no prefix, no environment of the side but numpy's.
     fn command_plain(&self) -> Command {
         let mut c = Command::new(&self.python);
-        c.arg(project_root().join(self.script));
+        c.arg(project_root().join(self.script))
+            .env(QUIET_NUMPY.0, QUIET_NUMPY.1);
         c
     }
 }

@@ -40,11 +40,52 @@ struct State {
 pub(crate) struct Watch {
     state: Mutex<State>,
     cond: Condvar,
+    /// The request's drained future, which `Request.done()` polls itself (requests with no
+    /// step after them): a caller that polls sees the end as soon as the transport resolved
+    /// it, not once a runtime worker has been woken to run the watching task.
+    direct: Mutex<Option<Direct>>,
+}
+
+/// A future of the request's own outcome, polled in the caller's thread.
+struct Direct {
+    fut: std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>,
+    runtime: tokio::runtime::Handle,
 }
 
 impl Watch {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Polls the request's drained future once in this thread (never waiting: another thread
+    /// polling it already is left to it) and records the outcome if the transport has resolved
+    /// the request. Whether the request is done now. The watching task still runs and records
+    /// the same outcome (settling twice keeps the first logical one).
+    fn poll_direct(&self) -> bool {
+        let Ok(mut slot) = self.direct.try_lock() else {
+            return false;
+        };
+        let Some(d) = slot.as_mut() else {
+            return false;
+        };
+        let polled = {
+            // Timers and the reactor of the engine's runtime, as in its own tasks.
+            let _enter = d.runtime.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            d.fut.as_mut().poll(&mut cx)
+        };
+        let std::task::Poll::Ready(o) = polled else {
+            return false;
+        };
+        let runtime = d.runtime.clone();
+        *slot = None;
+        drop(slot);
+        // Under the runtime: settling may hand asyncio futures to its blocking pool. The
+        // drained outcome is also the logical one unless the task recorded one first (a
+        // timeout, a cancel), which it keeps.
+        let _enter = runtime.enter();
+        self.settle(Some(o), true);
+        true
     }
 
     /// Records the logical outcome (`drained == false`) or the drained one, wakes the waiters
@@ -152,6 +193,12 @@ where
     let watch = Arc::new(Watch::default());
     let canceller = handle.canceller();
     let drained = handle.drained();
+    if after.is_none() {
+        *watch.direct.lock().unwrap_or_else(PoisonError::into_inner) = Some(Direct {
+            fut: Box::pin(handle.drained()),
+            runtime: tokio::runtime::Handle::current(),
+        });
+    }
     let w = watch.clone();
     tokio::spawn(async move {
         let mut guard = LostGuard(Some(w.clone()));
@@ -599,8 +646,13 @@ impl Request {
 
     /// Whether the request has ended (its outcome is known).
     fn done(&self) -> bool {
-        let st = self.watch.lock();
-        st.outcome.is_some() || st.lost
+        {
+            let st = self.watch.lock();
+            if st.outcome.is_some() || st.lost {
+                return true;
+            }
+        }
+        self.watch.poll_direct()
     }
 
     /// Ends the request logically: no further chunk is posted and it resolves with a

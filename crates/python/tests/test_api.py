@@ -4,6 +4,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -211,3 +212,29 @@ def test_a_peer_on_this_host_is_reached_by_copies_unless_turned_off():
         server.shutdown()
     rows = {c["name"]: c for c in ferry.doctor()["checks"]}
     assert rows["same-host"]["status"] == "ok", rows["same-host"]
+
+
+def test_done_polled_in_a_loop_sees_each_request_end_with_its_outcome():
+    """`done()` resolves a request itself when polled, without waiting for the task that
+    watches it: every request polled to its end has its bytes in place at once, and the
+    outcomes `wait` and `wait_drained` give afterwards are that same end."""
+    data = bytes(range(256)) * 256
+    server = ferry.Engine(listen="127.0.0.1:0")
+    seg = server.register(bytearray(data), name="w", access="read")
+    client = ferry.Engine()
+    peer = client.connect(server.listen_addr)
+    buf = bytearray(len(data))
+    reg = client.register(buf)
+    for _ in range(200):
+        buf[:] = bytes(len(data))
+        req = client.read(reg, peer.segment("w"))
+        deadline = time.monotonic() + 30
+        while not req.done():
+            assert time.monotonic() < deadline, "the request never ended"
+        assert bytes(buf) == data
+        logical = req.wait(timeout=30)
+        drained = req.wait_drained(timeout=30)
+        assert logical.ok and drained.ok and drained.drained
+        assert logical.completed_bytes == drained.completed_bytes == len(data)
+    seg.close()
+    server.shutdown()
