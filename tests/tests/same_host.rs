@@ -155,6 +155,63 @@ async fn a_peer_on_this_host_is_reached_by_copies_and_every_byte_lands() -> Resu
     Ok(())
 }
 
+/// CHECKSUMs on this host: the one answer with bytes after its header (the four of the CRC),
+/// whichever of the stream's reader or a polling task receives them, split or whole. Many in
+/// flight at once on both streams, between READs, each equals the CRC-32C of the served
+/// bytes, and the READs land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksums_on_this_host_match_the_served_bytes() -> Result<()> {
+    let server = engine(true, None)?;
+    let len = 4 << 20;
+    let data = pattern(len, 3);
+    let _reg = server.register(
+        MemoryRegion::from_vec(data.clone()),
+        Access::REMOTE_READ,
+        "w",
+    )?;
+    let client = engine(false, None)?;
+    let peer = client
+        .connect(server.local_addr().context("listens")?)
+        .await?;
+    assert_eq!(peer.transport(), TransportKind::Local);
+    let seg = peer.segment("w")?;
+    let local = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "l")?;
+    let mut sums = tokio::task::JoinSet::new();
+    for i in 0..64usize {
+        let (at, n) = (i * 4099 % (len / 2), 1 + i * 7919 % (len / 2));
+        let (peer, seg) = (peer.clone(), seg.clone());
+        sums.spawn(async move { (at, n, peer.checksum(&seg, at as u64, n as u64).await) });
+    }
+    let mut reads = Vec::new();
+    for k in 0..8usize {
+        let at = (k * (len / 8)) as u64;
+        let b = Batch::new().read(&local, at, &seg, at, (len / 8) as u64);
+        reads.push(client.submit(b)?);
+    }
+    for r in reads {
+        let o = r.await;
+        assert!(o.is_success(), "{o:?}");
+    }
+    let mut got = vec![0u8; len];
+    local.region().read_at(0, &mut got)?;
+    assert!(
+        got == data,
+        "the READs between the checksums brought other bytes"
+    );
+    let mut checked = 0;
+    while let Some(r) = sums.join_next().await {
+        let (at, n, crc) = r?;
+        assert_eq!(
+            crc?,
+            ferry::checksum::crc32c(&data[at..at + n]),
+            "{n} bytes at {at}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 64);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_server_copies_only_what_it_published_to_the_peer() -> Result<()> {
     let both = format!("{ALICE}\n{BOB}");

@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 /// How long a closed channel waits for the server to answer what it holds and end its streams
@@ -27,7 +28,6 @@ use ferry_core::wire::{
 use ferry_core::{
     BoxFuture, Channel, Error, Op, OpKind, Outcome, PeerInfo, RequestControl, TransportKind,
 };
-use tokio::sync::Notify;
 use tracing::debug;
 
 use crate::host;
@@ -62,7 +62,12 @@ struct Req {
     ops: Arc<[Op]>,
     control: Arc<RequestControl>,
     outstanding: AtomicUsize,
-    done: Notify,
+    /// The task to wake when the last chunk resolves.
+    waker: Mutex<Option<Waker>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl ChunkOwner for Req {
@@ -75,8 +80,10 @@ impl ChunkOwner for Req {
     }
 
     fn chunk_done(&self) {
-        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.done.notify_one();
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1
+            && let Some(w) = lock(&self.waker).take()
+        {
+            w.wake();
         }
     }
 }
@@ -250,7 +257,26 @@ struct Side {
     sock: UnixStream,
     proto: Mutex<ClientStream<Req>>,
     alive: AtomicBool,
+    /// What was received and not yet resolved: taken by the stream's reader thread, or by a
+    /// task polling a request of the channel (which then resolves responses without waiting
+    /// for the reader to be woken).
+    rx: Mutex<Rx>,
 }
+
+/// The receiving side of one stream.
+#[derive(Default)]
+struct Rx {
+    /// Bytes received, resolved up to `at`.
+    buf: Vec<u8>,
+    at: usize,
+    /// A CHECKSUM whose response header is resolved and whose four bytes have not all come.
+    crc: Option<Chunk<Req>>,
+    /// The stream's end, once seen (the native error, if any), for the reader to act on.
+    end: Option<Option<i32>>,
+}
+
+/// How much a stream's receive buffer asks of the socket at a time.
+const RX_READ: usize = 4 << 10;
 
 impl LocalChannel {
     fn new(
@@ -271,6 +297,7 @@ impl LocalChannel {
                     sock,
                     proto: Mutex::new(ClientStream::new(depth, AckPolicy::Immediate)),
                     alive: AtomicBool::new(true),
+                    rx: Mutex::default(),
                 })
                 .collect(),
             chunk,
@@ -350,35 +377,126 @@ impl Shared {
         }
     }
 
-    /// The reader of stream `i`: resolves each response, then posts what it made room for.
+    /// The reader of stream `i`: waits for responses, resolves them (unless a polling task
+    /// took them first), then posts what they made room for; ends the stream at its end.
     fn read_responses(self: Arc<Self>, i: usize) {
         let side = &self.streams[i];
-        let mut head = [0u8; DATA_RESPONSE_LEN];
-        let mut r = &side.sock;
         let native = loop {
-            if let Err(e) = r.read_exact(&mut head) {
-                break (e.kind() != io::ErrorKind::UnexpectedEof)
-                    .then(|| e.raw_os_error())
-                    .flatten();
+            if let Err(e) = host::wait_readable(&side.sock) {
+                break e.raw_os_error();
             }
-            let mut proto = side.proto.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut rx = lock(&side.rx);
+            let resolved = self.drain(i, &mut rx);
+            if let Some(native) = rx.end {
+                if let Some(chunk) = rx.crc.take() {
+                    chunk.lost(native);
+                }
+                break native;
+            }
+            drop(rx);
+            if resolved {
+                self.pump(i);
+            }
+        };
+        self.stream_ended(i, native);
+    }
+
+    /// Resolves, without waiting, whatever responses the streams have received (each stream
+    /// whose receiving side is free now): what a task polling one of the channel's requests
+    /// does, so that it sees its chunks resolved as soon as their answers came.
+    fn progress(&self) {
+        for (i, side) in self.streams.iter().enumerate() {
+            if !side.alive.load(Ordering::Acquire) {
+                continue;
+            }
+            let Ok(mut rx) = side.rx.try_lock() else {
+                continue;
+            };
+            let resolved = self.drain(i, &mut rx);
+            drop(rx);
+            if resolved {
+                self.pump(i);
+            }
+        }
+    }
+
+    /// Receives what stream `i` holds now and resolves every whole response in it; records the
+    /// stream's end (for its reader) when it has come. Whether anything was resolved.
+    fn drain(&self, i: usize, rx: &mut Rx) -> bool {
+        let sock = &self.streams[i].sock;
+        let mut resolved = false;
+        while rx.end.is_none() {
+            match self.resolve_buffered(i, rx) {
+                Ok(n) => resolved |= n,
+                Err(()) => {
+                    rx.end = Some(None);
+                    break;
+                }
+            }
+            if rx.at == rx.buf.len() {
+                rx.buf.clear();
+                rx.at = 0;
+            }
+            let filled = rx.buf.len();
+            rx.buf.resize(filled + RX_READ, 0);
+            let got = host::recv_now(sock, &mut rx.buf[filled..]);
+            rx.buf.truncate(filled + *got.as_ref().unwrap_or(&0));
+            match got {
+                Ok(0) => rx.end = Some(None),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => rx.end = Some(e.raw_os_error()),
+            }
+        }
+        resolved
+    }
+
+    /// Resolves the whole responses in `rx`'s buffer; `Err` when the server broke the
+    /// protocol (the stream must end).
+    fn resolve_buffered(&self, i: usize, rx: &mut Rx) -> Result<bool, ()> {
+        use ferry_core::op::CHECKSUM_LEN;
+        let mut resolved = false;
+        loop {
+            let avail = &rx.buf[rx.at..];
+            if let Some(chunk) = rx.crc.take() {
+                if avail.len() < CHECKSUM_LEN {
+                    rx.crc = Some(chunk);
+                    return Ok(resolved);
+                }
+                match chunk
+                    .op()
+                    .local
+                    .write_at(chunk.local_at(), &avail[..CHECKSUM_LEN])
+                {
+                    Ok(()) => chunk.acked(),
+                    Err(_) => chunk.not_posted(FailureKind::Local),
+                }
+                rx.at += CHECKSUM_LEN;
+                resolved = true;
+                continue;
+            }
+            let Some(head) = avail.first_chunk::<DATA_RESPONSE_LEN>() else {
+                return Ok(resolved);
+            };
+            let head = *head;
+            rx.at += DATA_RESPONSE_LEN;
+            resolved = true;
+            let mut proto = lock(&self.streams[i].proto);
             match proto.on_response(&head) {
                 Ok(Resolution::Done) => {}
-                Ok(Resolution::Payload(chunk)) => {
-                    if let Err(e) = land(&mut r, chunk) {
-                        break e.raw_os_error();
-                    }
+                // An accepted READ's bytes are in place already; a CHECKSUM's four follow.
+                Ok(Resolution::Payload(chunk)) if chunk.op().kind == OpKind::Checksum => {
+                    rx.crc = Some(chunk);
                 }
+                Ok(Resolution::Payload(chunk)) => chunk.acked(),
                 Ok(Resolution::Pieces(pieces)) => pieces.into_iter().for_each(Chunk::acked),
                 Err(v) => {
                     debug!(peer = %self.peer, violation = %v, "same-host stream broke the protocol");
-                    break None;
+                    return Err(());
                 }
             }
-            drop(proto);
-            self.pump(i);
-        };
-        self.stream_ended(i, native);
+        }
     }
 
     /// Stream `i` is over: what it had in flight is lost, what was dealt to it goes to the
@@ -422,25 +540,6 @@ impl Shared {
     }
 }
 
-/// Resolves an accepted READ (its bytes are in place already) or CHECKSUM (its four bytes
-/// follow the header; they land in local memory).
-fn land(r: &mut impl Read, chunk: Chunk<Req>) -> io::Result<()> {
-    if chunk.op().kind != OpKind::Checksum {
-        chunk.acked();
-        return Ok(());
-    }
-    let mut crc = [0u8; ferry_core::op::CHECKSUM_LEN];
-    if let Err(e) = r.read_exact(&mut crc) {
-        chunk.lost(e.raw_os_error());
-        return Err(e);
-    }
-    match chunk.op().local.write_at(chunk.local_at(), &crc) {
-        Ok(()) => chunk.acked(),
-        Err(_) => chunk.not_posted(FailureKind::Local),
-    }
-    Ok(())
-}
-
 /// Writes a posted request: its header, a vectored request's piece table, and the address
 /// block (a GPU buffer's entry is a marked address and its CUDA IPC grant).
 fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
@@ -478,6 +577,34 @@ fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
     w.write_all(&buf)
 }
 
+/// The future of a request: ready once every chunk resolved. Each poll first resolves the
+/// responses the channel's streams hold (`progress`), so a task that polls sees its request
+/// end without waiting for a reader thread to be scheduled.
+fn finish(shared: Option<Arc<Shared>>, req: Arc<Req>) -> BoxFuture<'static, Outcome> {
+    Box::pin(std::future::poll_fn(move |cx| {
+        if req.outstanding.load(Ordering::Acquire) != 0
+            && let Some(shared) = &shared
+        {
+            shared.progress();
+        }
+        if req.outstanding.load(Ordering::Acquire) == 0 {
+            return Poll::Ready(req.control.outcome(true));
+        }
+        {
+            let mut w = lock(&req.waker);
+            match w.as_ref() {
+                Some(old) if old.will_wake(cx.waker()) => {}
+                _ => *w = Some(cx.waker().clone()),
+            }
+        }
+        // The last chunk may have resolved before the waker was in place.
+        if req.outstanding.load(Ordering::Acquire) == 0 {
+            return Poll::Ready(req.control.outcome(true));
+        }
+        Poll::Pending
+    }))
+}
+
 impl Channel for LocalChannel {
     fn kind(&self) -> TransportKind {
         TransportKind::Local
@@ -490,7 +617,7 @@ impl Channel for LocalChannel {
             control: control.clone(),
             // The poster's own count, released once everything is dealt.
             outstanding: AtomicUsize::new(1),
-            done: Notify::new(),
+            waker: Mutex::new(None),
         });
         let closed = shared.closed.load(Ordering::Acquire)
             || !shared
@@ -516,13 +643,8 @@ impl Channel for LocalChannel {
                 }
                 .not_posted(FailureKind::Local);
             }
-            let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
-            return Box::pin(async move {
-                if !last {
-                    req.done.notified().await;
-                }
-                control.outcome(true)
-            });
+            req.outstanding.fetch_sub(1, Ordering::AcqRel);
+            return finish(None, req);
         }
         deal_request(
             &shared.dealer,
@@ -535,13 +657,8 @@ impl Channel for LocalChannel {
             },
             |set| shared.pump_all(set),
         );
-        let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
-        Box::pin(async move {
-            if !last {
-                req.done.notified().await;
-            }
-            control.outcome(true)
-        })
+        req.outstanding.fetch_sub(1, Ordering::AcqRel);
+        finish(Some(shared.clone()), req)
     }
 
     fn takes_cuda_ipc(&self) -> bool {

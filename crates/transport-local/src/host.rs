@@ -165,6 +165,45 @@ pub(crate) fn hung_up(sock: &UnixStream) -> bool {
     n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
 
+/// Receives what `sock` holds into `buf` without waiting: `Ok(0)` at the end of the stream,
+/// `WouldBlock` when nothing is there now. The socket itself stays blocking (its sends wait).
+pub(crate) fn recv_now(sock: &UnixStream, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the call.
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Waits until `sock` has something to read, its end, or an error (`POLLIN`, `POLLHUP`,
+/// `POLLERR`); interrupted waits are retried.
+pub(crate) fn wait_readable(sock: &UnixStream) -> io::Result<()> {
+    let mut p = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd, no timeout.
+        let n = unsafe { libc::poll(&mut p, 1, -1) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// A range of this process's memory: `len` bytes at `addr`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Span {
