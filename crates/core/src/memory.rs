@@ -118,15 +118,45 @@ unsafe impl Sync for MemoryRegion {}
 /// Default alignment of regions allocated by Ferry: a page, so they suit O_DIRECT and NIC DMA.
 pub const PAGE_ALIGN: usize = 4096;
 
+/// The size of a transparent huge page on x86-64 and most arm64 kernels: the unit
+/// [`MemoryRegion::alloc_zeroed`] advises.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// Advises the whole huge pages inside `ptr..ptr+len` as transparent huge pages (Linux).
+fn advise_huge_pages(ptr: NonNull<u8>, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let start = (ptr.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let end = (ptr.as_ptr() as usize + len) & !(HUGE_PAGE - 1);
+        if end > start {
+            // SAFETY: `start..end` lies inside the allocation just made, which nothing else
+            // references yet; MADV_HUGEPAGE changes no byte of it, only how it is backed.
+            let rc = unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
+            };
+            if rc != 0 {
+                tracing::debug!(error = %std::io::Error::last_os_error(),
+                    "MADV_HUGEPAGE refused; the region keeps small pages");
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
 impl MemoryRegion {
     /// Allocates `len` zeroed bytes aligned to `align` (a power of two). A zero-length region is
-    /// allowed and has a dangling, well-aligned address.
+    /// allowed and has a dangling, well-aligned address. On Linux the whole huge pages inside a
+    /// region of at least [`HUGE_PAGE`] bytes are advised as transparent huge pages
+    /// (`MADV_HUGEPAGE`, a hint the kernel may ignore): the kernel's cross-process copies (the
+    /// same-host plane) and NIC registrations then pin one page where there were 512.
     pub fn alloc_zeroed(len: usize, align: usize) -> Result<Self, AllocError> {
         let err = AllocError { len, align };
         let layout = Layout::from_size_align(len.max(1), align.max(1)).map_err(|_| err)?;
         // SAFETY: `layout` has a nonzero size (len.max(1)) and a valid power-of-two alignment.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(err)?;
+        advise_huge_pages(ptr, len);
         Ok(Self {
             ptr,
             len,
@@ -419,6 +449,44 @@ impl fmt::Debug for MemoryRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `VmFlags` of the mapping of this process that holds `addr` (`/proc/self/smaps`).
+    #[cfg(target_os = "linux")]
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split(' ').next().unwrap_or("");
+            if let Some((a, b)) = range.split_once('-')
+                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            {
+                inside = a <= addr && addr < b;
+            } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.trim().to_owned();
+            }
+        }
+        panic!("no mapping holds {addr:#x}")
+    }
+
+    /// A region of several huge pages has those inside it advised as transparent huge pages
+    /// (the mapping's `hg` flag); a small one is left as it is.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_large_region_is_advised_as_huge_pages() {
+        let thp = "/sys/kernel/mm/transparent_hugepage/enabled";
+        if !std::path::Path::new(thp).exists() {
+            assert!(
+                std::env::var_os("FERRY_REQUIRE_SYSFS").is_none(),
+                "{thp} is missing (FERRY_REQUIRE_SYSFS is set)"
+            );
+            eprintln!("skipped: {thp} is missing (a kernel without transparent huge pages)");
+            return;
+        }
+        let r = MemoryRegion::alloc_zeroed(8 * HUGE_PAGE, PAGE_ALIGN).unwrap();
+        let inner = (r.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let flags = vm_flags(inner);
+        assert!(flags.split(' ').any(|f| f == "hg"), "VmFlags: {flags}");
+    }
 
     #[test]
     fn a_device_region_has_no_host_bytes() {
