@@ -413,8 +413,13 @@ impl Shared {
                 continue;
             };
             let resolved = self.drain(i, &mut rx);
+            let ended = rx.end.is_some();
             drop(rx);
-            if resolved {
+            if ended {
+                // The reader may wait on a socket that will never be readable again (the
+                // server broke the protocol and went quiet): wake it to end the stream.
+                let _ = side.sock.shutdown(std::net::Shutdown::Both);
+            } else if resolved {
                 self.pump(i);
             }
         }
@@ -705,5 +710,52 @@ impl Channel for LocalChannel {
 impl Drop for LocalChannel {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{MemoryRegion, SegmentToken};
+
+    /// A server that answers with bytes the protocol has no meaning for, then goes quiet with
+    /// the socket open: the request ends (lost, its stream given up) instead of waiting for an
+    /// answer that never comes, whichever of the reader thread or the polling task read the
+    /// bad answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_answering_nonsense_ends_the_request() {
+        for _ in 0..20 {
+            let (ours, mut theirs) = UnixStream::pair().unwrap();
+            let ch = LocalChannel::new(
+                "127.0.0.1:1".parse().unwrap(),
+                vec![ours],
+                4,
+                1 << 20,
+                true,
+                GpuRoute::HostStage("test".into()),
+            );
+            let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+            let ops: Arc<[Op]> = vec![Op {
+                kind: OpKind::Read,
+                local,
+                local_offset: 0,
+                token: SegmentToken(1),
+                remote_offset: 0,
+                len: 4096,
+            }]
+            .into();
+            let control = Arc::new(RequestControl::new(&ops));
+            let fut = ch.execute(ops, control);
+            let mut req = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
+            theirs.read_exact(&mut req).unwrap();
+            theirs.write_all(&[0xff; DATA_RESPONSE_LEN]).unwrap();
+            let o = tokio::time::timeout(Duration::from_secs(30), fut)
+                .await
+                .expect("the request waited on a server that broke the protocol");
+            let f = o.failure.expect("a nonsense answer is no success");
+            assert_eq!(f.kind, FailureKind::PeerLost, "{o:?}");
+            assert!(!ch.is_alive());
+            drop(theirs);
+        }
     }
 }
