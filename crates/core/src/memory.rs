@@ -154,9 +154,13 @@ impl MemoryRegion {
         let err = AllocError { len, align };
         let layout = Layout::from_size_align(len.max(1), align.max(1)).map_err(|_| err)?;
         // SAFETY: `layout` has a nonzero size (len.max(1)) and a valid power-of-two alignment.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let raw = unsafe { std::alloc::alloc(layout) };
         let ptr = NonNull::new(raw).ok_or(err)?;
+        // Advised before the zeroing touches the pages, so that fresh memory faults in as huge
+        // pages (the allocator's own zeroing would fault it in as small ones first).
         advise_huge_pages(ptr, len);
+        // SAFETY: `raw` is valid for writes of `layout.size()` bytes, unshared.
+        unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
         Ok(Self {
             ptr,
             len,
