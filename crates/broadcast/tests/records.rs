@@ -201,3 +201,76 @@ async fn an_explicit_data_plane_leaves_the_same_host_plane_off() {
         assert_eq!(route.transport, "tcp", "{route:?}");
     }
 }
+
+/// A list that holds, before the source's own records, the records of another source (a
+/// stranger's, or one left by an earlier publisher), as anyone who may write an open list can
+/// arrange.
+#[derive(Debug)]
+struct Prepended {
+    inner: Embedded,
+    first: Vec<Member>,
+}
+
+impl Discovery for Prepended {
+    fn register<'a>(
+        &'a self,
+        me: &'a Member,
+    ) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
+        self.inner.register(me)
+    }
+
+    fn update<'a>(&'a self, me: &'a Member) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
+        self.inner.update(me)
+    }
+
+    fn members(&self) -> BoxFuture<'_, Result<Vec<Member>, BroadcastError>> {
+        Box::pin(async move {
+            let mut v = self.first.clone();
+            v.extend(self.inner.members().await?);
+            Ok(v)
+        })
+    }
+
+    fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BroadcastError>> {
+        self.inner.deregister(id)
+    }
+
+    fn describe(&self) -> String {
+        format!("prepended {}", self.inner.describe())
+    }
+}
+
+/// A source record listed before the wanted source's, whose source answers another manifest
+/// than the one expected, is passed over: the pull takes the next source record and lands the
+/// wanted bytes; with only that record listed, its refusal (the digest) is the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_source_record_gives_way_to_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, want) = file(dir.path());
+    let src = source(&path, DataPlane::Tcp).await;
+    let other_dir = tempfile::tempdir().unwrap();
+    let other_path = other_dir.path().join("w.bin");
+    std::fs::write(&other_path, payload(1 << 20, 99)).unwrap();
+    let decoy = source(&other_path, DataPlane::Tcp).await;
+    assert_ne!(decoy.manifest().digest(), src.manifest().digest());
+    let mut o = opts();
+    o.expect_manifest = Some(src.manifest().digest());
+
+    let only_decoy = Arc::new(Prepended {
+        inner: Embedded::new(decoy.ctl_addr()),
+        first: Vec::new(),
+    });
+    match Receiver::join(only_decoy, Some("w"), o.clone()).await {
+        Err(BroadcastError::ManifestDigest { .. }) => {}
+        other => panic!("expected the decoy's digest refused, got {other:?}"),
+    }
+
+    let disc = Arc::new(Prepended {
+        inner: Embedded::new(src.ctl_addr()),
+        first: decoy.members(),
+    });
+    let mut r = Receiver::join(disc, Some("w"), o).await.unwrap();
+    r.run().await.unwrap();
+    assert_eq!(r.segment_bytes(0).unwrap(), want);
+    assert_eq!(served_bytes(&decoy), 0, "the decoy served bytes");
+}

@@ -39,16 +39,19 @@ pub(super) fn reachable(addr: &str, ip: IpAddr) -> String {
     }
 }
 
+/// What a source answered a joining receiver: the manifest, the source epoch, the source's IP,
+/// this end's IP and the source's record.
+type Answered = (Manifest, u64, IpAddr, IpAddr, Member);
+
 /// Finds the source of `name` through `discovery` and fetches the manifest of `version`
-/// (`None`: the newest). Returns it, the source epoch, the source's IP and this end's IP.
+/// (`None`: the newest). Every source record listed is tried in turn until one answers as
+/// asked (a list anyone may write can hold a record of a stranger, or a stale one, before the
+/// source's own); when none does, the last one's refusal is the error.
 async fn manifest_from_source(
     discovery: &Arc<dyn Discovery>,
     wanted: Option<&str>,
     opts: &ReceiverOptions,
-) -> Result<(Manifest, u64, IpAddr, IpAddr, Member), BroadcastError> {
-    let version = opts.version;
-    let name = wanted.unwrap_or("(any)");
-    let timeout = Duration::from_secs(5);
+) -> Result<Answered, BroadcastError> {
     crate::discovery::require_bound(
         discovery.listing(),
         &discovery.describe(),
@@ -56,13 +59,35 @@ async fn manifest_from_source(
         opts.expect_manifest.is_some(),
     )?;
     let listed = discovery.members().await?;
-    let source = listed
-        .iter()
-        .find(|m| m.role == Role::Source)
-        .ok_or_else(|| BroadcastError::NoSource {
-            name: name.to_owned(),
-            discovery: discovery.describe(),
-        })?;
+    let mut refused = None;
+    for source in listed.iter().filter(|m| m.role == Role::Source) {
+        match manifest_from(source, &listed, wanted, opts).await {
+            Ok(answered) => return Ok(answered),
+            Err(e) => {
+                tracing::warn!(source = %source.ctl_addr, error = %e,
+                    "a listed source did not answer as asked; trying the next");
+                refused = Some(e);
+            }
+        }
+    }
+    Err(refused.unwrap_or_else(|| BroadcastError::NoSource {
+        name: wanted.unwrap_or("(any)").to_owned(),
+        discovery: discovery.describe(),
+    }))
+}
+
+/// Fetches the manifest from the source `source` names (one record of `listed`) and checks it
+/// answers as asked: its incarnation listed, the expected digest, a size within the limit, the
+/// name and version wanted.
+async fn manifest_from(
+    source: &Member,
+    listed: &[Member],
+    wanted: Option<&str>,
+    opts: &ReceiverOptions,
+) -> Result<Answered, BroadcastError> {
+    let version = opts.version;
+    let name = wanted.unwrap_or("(any)");
+    let timeout = Duration::from_secs(5);
     let mut ctl = CtlClient::connect_keyed(&source.ctl_addr, timeout, opts.keys.as_ref()).await?;
     let source_ip = match source.ctl_addr.parse::<SocketAddr>() {
         Ok(a) if !a.ip().is_unspecified() => a.ip(),
@@ -77,7 +102,7 @@ async fn manifest_from_source(
     };
     // The record taken names the incarnation that answered (not a stale record of a source
     // restarted on the same address, nor one listing another's control service).
-    let source = crate::discovery::answered_by(&listed, &source.ctl_addr, source_epoch)?;
+    let source = crate::discovery::answered_by(listed, &source.ctl_addr, source_epoch)?;
     if let Some(expected) = opts.expect_manifest {
         let found = manifest.digest();
         if found != expected {
