@@ -31,6 +31,16 @@ fn engine(listen: bool, keys: Option<&str>) -> Result<TransferEngine> {
     Ok(b.build()?)
 }
 
+/// A client engine connected to `server`, on the same-host plane.
+async fn client_of(server: &TransferEngine) -> Result<(TransferEngine, ferry::Peer)> {
+    let client = engine(false, None)?;
+    let peer = client
+        .connect(server.local_addr().context("listens")?)
+        .await?;
+    assert_eq!(peer.transport(), TransportKind::Local);
+    Ok((client, peer))
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -49,11 +59,7 @@ async fn a_peer_on_this_host_is_reached_by_copies_and_every_byte_lands() -> Resu
         Access::REMOTE_READ,
         "ro",
     )?;
-    let client = engine(false, None)?;
-    let peer = client
-        .connect(server.local_addr().context("listens")?)
-        .await?;
-    assert_eq!(peer.transport(), TransportKind::Local);
+    let (client, peer) = client_of(&server).await?;
     let seg = peer.segment("weights")?;
 
     // A READ of several chunks, at an odd offset.
@@ -169,11 +175,7 @@ async fn checksums_on_this_host_match_the_served_bytes() -> Result<()> {
         Access::REMOTE_READ,
         "w",
     )?;
-    let client = engine(false, None)?;
-    let peer = client
-        .connect(server.local_addr().context("listens")?)
-        .await?;
-    assert_eq!(peer.transport(), TransportKind::Local);
+    let (client, peer) = client_of(&server).await?;
     let seg = peer.segment("w")?;
     let local = client.register(MemoryRegion::alloc_zeroed(len, 4096)?, Access::LOCAL, "l")?;
     let mut sums = tokio::task::JoinSet::new();

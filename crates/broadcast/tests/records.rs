@@ -58,12 +58,26 @@ async fn source(path: &PathBuf, plane: DataPlane) -> Source {
 
 /// The embedded list of a source, as a backend that does not say whom it vouches for (so, as
 /// open as etcd), with the data address of the member `rewrite.0` rewritten to `rewrite.1`
-/// where given: a record pointing at someone else's server. Counts the reads of the list.
+/// where given (a record pointing at someone else's server), and the records `first` listed
+/// before its own (another source's: a stranger's, or one left by an earlier publisher, as
+/// anyone who may write an open list can arrange). Counts the reads of the list.
 #[derive(Debug)]
 struct Rewritten {
     inner: Embedded,
     rewrite: Option<(String, String)>,
+    first: Vec<Member>,
     reads: AtomicU64,
+}
+
+impl Rewritten {
+    fn new(inner: Embedded) -> Self {
+        Self {
+            inner,
+            rewrite: None,
+            first: Vec::new(),
+            reads: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Discovery for Rewritten {
@@ -81,7 +95,8 @@ impl Discovery for Rewritten {
     fn members(&self) -> BoxFuture<'_, Result<Vec<Member>, BroadcastError>> {
         Box::pin(async move {
             self.reads.fetch_add(1, Ordering::Relaxed);
-            let mut v = self.inner.members().await?;
+            let mut v = self.first.clone();
+            v.extend(self.inner.members().await?);
             if let Some((id, addr)) = &self.rewrite {
                 for m in v.iter_mut().filter(|m| m.id == *id) {
                     m.data_addr = addr.clone();
@@ -114,11 +129,7 @@ async fn an_open_list_without_keys_or_a_digest_is_refused_before_it_is_read() {
     let dir = tempfile::tempdir().unwrap();
     let (path, want) = file(dir.path());
     let src = source(&path, DataPlane::Tcp).await;
-    let disc = Arc::new(Rewritten {
-        inner: Embedded::new(src.ctl_addr()),
-        rewrite: None,
-        reads: AtomicU64::new(0),
-    });
+    let disc = Arc::new(Rewritten::new(Embedded::new(src.ctl_addr())));
     match Receiver::join(disc.clone(), Some("w"), opts()).await {
         Err(e @ BroadcastError::UnboundSource { .. }) => {
             let msg = e.to_string();
@@ -163,12 +174,11 @@ async fn a_record_pointing_at_another_server_is_refused_and_that_server_serves_n
     first.run().await.unwrap();
     let from_source = served_bytes(&src);
     let disc = Arc::new(Rewritten {
-        inner: Embedded::new(src.ctl_addr()),
         rewrite: Some((
             first.member().id.clone(),
             mirror.data_addr().unwrap().to_string(),
         )),
-        reads: AtomicU64::new(0),
+        ..Rewritten::new(Embedded::new(src.ctl_addr()))
     });
     let mut second = Receiver::join(disc, Some("w"), chain()).await.unwrap();
     let sum = second.run().await.unwrap();
@@ -202,44 +212,6 @@ async fn an_explicit_data_plane_leaves_the_same_host_plane_off() {
     }
 }
 
-/// A list that holds, before the source's own records, the records of another source (a
-/// stranger's, or one left by an earlier publisher), as anyone who may write an open list can
-/// arrange.
-#[derive(Debug)]
-struct Prepended {
-    inner: Embedded,
-    first: Vec<Member>,
-}
-
-impl Discovery for Prepended {
-    fn register<'a>(
-        &'a self,
-        me: &'a Member,
-    ) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
-        self.inner.register(me)
-    }
-
-    fn update<'a>(&'a self, me: &'a Member) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
-        self.inner.update(me)
-    }
-
-    fn members(&self) -> BoxFuture<'_, Result<Vec<Member>, BroadcastError>> {
-        Box::pin(async move {
-            let mut v = self.first.clone();
-            v.extend(self.inner.members().await?);
-            Ok(v)
-        })
-    }
-
-    fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BroadcastError>> {
-        self.inner.deregister(id)
-    }
-
-    fn describe(&self) -> String {
-        format!("prepended {}", self.inner.describe())
-    }
-}
-
 /// A source record listed before the wanted source's, whose source answers another manifest
 /// than the one expected, is passed over: the pull takes the next source record and lands the
 /// wanted bytes; with only that record listed, its refusal (the digest) is the error.
@@ -256,18 +228,15 @@ async fn a_refused_source_record_gives_way_to_the_next_one() {
     let mut o = opts();
     o.expect_manifest = Some(src.manifest().digest());
 
-    let only_decoy = Arc::new(Prepended {
-        inner: Embedded::new(decoy.ctl_addr()),
-        first: Vec::new(),
-    });
+    let only_decoy = Arc::new(Rewritten::new(Embedded::new(decoy.ctl_addr())));
     match Receiver::join(only_decoy, Some("w"), o.clone()).await {
         Err(BroadcastError::ManifestDigest { .. }) => {}
         other => panic!("expected the decoy's digest refused, got {other:?}"),
     }
 
-    let disc = Arc::new(Prepended {
-        inner: Embedded::new(src.ctl_addr()),
+    let disc = Arc::new(Rewritten {
         first: decoy.members(),
+        ..Rewritten::new(Embedded::new(src.ctl_addr()))
     });
     let mut r = Receiver::join(disc, Some("w"), o).await.unwrap();
     r.run().await.unwrap();
