@@ -644,7 +644,9 @@ impl Request {
         self.watch.lock().after_error.clone()
     }
 
-    /// Whether the request has ended (its outcome is known).
+    /// Whether the request has ended (its outcome is known). Never waits: a request its
+    /// transport has finished is resolved right here, in the caller's thread, so a loop that
+    /// polls `done()` sees the end as soon as it happens.
     fn done(&self) -> bool {
         {
             let st = self.watch.lock();
