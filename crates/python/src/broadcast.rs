@@ -354,8 +354,13 @@ impl Puller {
             let res = {
                 let run = r.run();
                 tokio::pin!(run);
+                // A zero timeout has passed already: it wins before the pull is polled at all
+                // (a timer of zero would fire only at the runtime's next tick, after a quick
+                // pull could have ended). Otherwise a deadline due in the same poll as the
+                // pull's end wins too: a pull is never late yet reported whole.
                 let deadline = async {
                     match timeout {
+                        Some(t) if t.is_zero() => {}
                         Some(t) => tokio::time::sleep(t).await,
                         None => std::future::pending().await,
                     }
@@ -363,8 +368,9 @@ impl Puller {
                 tokio::pin!(deadline);
                 loop {
                     tokio::select! {
-                        res = &mut run => break Some(res),
+                        biased;
                         () = &mut deadline => break None,
+                        res = &mut run => break Some(res),
                         Ok(()) = watch.changed(), if progress.is_some() => {
                             let s = watch.borrow_and_update().clone();
                             report(&mut last, &s)?;
