@@ -438,8 +438,10 @@ impl Shared {
                     break;
                 }
             }
-            if rx.at == rx.buf.len() {
-                rx.buf.clear();
+            // What is left is a part of one answer at most: moved to the front, so that the
+            // buffer never grows past one read and that part.
+            if rx.at > 0 {
+                rx.buf.drain(..rx.at);
                 rx.at = 0;
             }
             let filled = rx.buf.len();
