@@ -68,14 +68,21 @@ impl Watch {
         let Some(d) = slot.as_mut() else {
             return false;
         };
-        let polled = {
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // Timers and the reactor of the engine's runtime, as in its own tasks.
             let _enter = d.runtime.enter();
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             d.fut.as_mut().poll(&mut cx)
-        };
-        let std::task::Poll::Ready(o) = polled else {
-            return false;
+        }));
+        let o = match polled {
+            Ok(std::task::Poll::Ready(o)) => o,
+            Ok(std::task::Poll::Pending) => return false,
+            Err(_) => {
+                // A panic below stays out of Python: the watching task is left to end the
+                // request (or to mark it lost).
+                *slot = None;
+                return false;
+            }
         };
         let runtime = d.runtime.clone();
         *slot = None;
@@ -644,8 +651,8 @@ impl Request {
         self.watch.lock().after_error.clone()
     }
 
-    /// Whether the request has ended (its outcome is known). Never waits: a request its
-    /// transport has finished is resolved right here, in the caller's thread, so a loop that
+    /// Whether the request has ended (its outcome is known). Never waits for the transport: a
+    /// request it has finished is resolved right here, in the caller's thread, so a loop that
     /// polls `done()` sees the end as soon as it happens.
     fn done(&self) -> bool {
         {
