@@ -266,17 +266,20 @@ struct Side {
 /// The receiving side of one stream.
 #[derive(Default)]
 struct Rx {
-    /// Bytes received, resolved up to `at`.
+    /// Bytes received (`RX_BUF` of them, allocated at the first receive): `at..len` are not
+    /// resolved yet.
     buf: Vec<u8>,
     at: usize,
+    len: usize,
     /// A CHECKSUM whose response header is resolved and whose four bytes have not all come.
     crc: Option<Chunk<Req>>,
     /// The stream's end, once seen (the native error, if any), for the reader to act on.
     end: Option<Option<i32>>,
 }
 
-/// How much a stream's receive buffer asks of the socket at a time.
-const RX_READ: usize = 4 << 10;
+/// A stream's receive buffer: what one receive asks of the socket, at most (the part of an
+/// answer left from the one before, under 32 bytes, stays in front of it).
+const RX_BUF: usize = 4 << 10;
 
 impl LocalChannel {
     fn new(
@@ -430,6 +433,9 @@ impl Shared {
     fn drain(&self, i: usize, rx: &mut Rx) -> bool {
         let sock = &self.streams[i].sock;
         let mut resolved = false;
+        if rx.buf.is_empty() {
+            rx.buf = vec![0; RX_BUF];
+        }
         while rx.end.is_none() {
             match self.resolve_buffered(i, rx) {
                 Ok(n) => resolved |= n,
@@ -438,19 +444,16 @@ impl Shared {
                     break;
                 }
             }
-            // What is left is a part of one answer at most: moved to the front, so that the
-            // buffer never grows past one read and that part.
+            // What is left is a part of one answer at most: moved to the front.
             if rx.at > 0 {
-                rx.buf.drain(..rx.at);
+                rx.buf.copy_within(rx.at..rx.len, 0);
+                rx.len -= rx.at;
                 rx.at = 0;
             }
-            let filled = rx.buf.len();
-            rx.buf.resize(filled + RX_READ, 0);
-            let got = host::recv_now(sock, &mut rx.buf[filled..]);
-            rx.buf.truncate(filled + *got.as_ref().unwrap_or(&0));
-            match got {
+            let at = rx.len;
+            match host::recv_now(sock, &mut rx.buf[at..]) {
                 Ok(0) => rx.end = Some(None),
-                Ok(_) => {}
+                Ok(n) => rx.len += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => rx.end = Some(e.raw_os_error()),
@@ -465,7 +468,7 @@ impl Shared {
         use ferry_core::op::CHECKSUM_LEN;
         let mut resolved = false;
         loop {
-            let avail = &rx.buf[rx.at..];
+            let avail = &rx.buf[rx.at..rx.len];
             if let Some(chunk) = rx.crc.take() {
                 if avail.len() < CHECKSUM_LEN {
                     rx.crc = Some(chunk);
