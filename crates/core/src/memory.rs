@@ -473,7 +473,7 @@ mod tests {
     }
 
     /// A region of several huge pages has those inside it advised as transparent huge pages
-    /// (the mapping's `hg` flag); a small one is left as it is.
+    /// (the mapping's `hg` flag).
     #[test]
     #[cfg(target_os = "linux")]
     fn a_large_region_is_advised_as_huge_pages() {
