@@ -90,9 +90,10 @@ impl TransferEngine {
     /// an agent's name, say), authenticated like a handshake, and returns once the peer holds it
     /// (see [`crate::inbox`]). Call it after the transfer the message speaks of completed: it
     /// then never arrives before that transfer's bytes. `StaleEpoch` when another incarnation
-    /// serves the peer's address now; `HandshakeRefused` when its inbox is full; a peer built
-    /// before notifications existed closes the connection (`PeerLost`, once the retries a
-    /// connection closed before its answer gets have run out at the connect timeout). At most
+    /// serves the peer's address now; `HandshakeRefused` when its inbox, or this sender's share
+    /// of it, is full; a peer built before notifications existed closes the connection
+    /// (`PeerLost`, once the retries a connection closed before its answer gets have run out at
+    /// the connect timeout). At most
     /// [`MAX_NOTIFY_LEN`](ferry_core::wire::MAX_NOTIFY_LEN) bytes, a name of at most
     /// [`MAX_NOTIFY_NAME`](ferry_core::wire::MAX_NOTIFY_NAME).
     pub async fn notify(&self, peer: &Peer, name: &str, message: &[u8]) -> Result<(), Error> {
