@@ -183,7 +183,9 @@ pub(crate) fn accept(shared: &Shared, peer: &PeerInfo) -> Result<Vec<RdmaEndpoin
                     format!("this side serves {sets} queue-pair sets, its limit, none of them idle")
                 }
                 Refused::Stale { newer } => {
-                    format!("a newer start of this peer (epoch {newer}) holds queue pairs here")
+                    format!(
+                        "a newer start of this peer (epoch {newer}) holds proven queue pairs here"
+                    )
                 }
             };
             tracing::warn!(peer = %who, %reason, "RDMA queue pairs refused");

@@ -28,7 +28,8 @@
 //! - Served queue pairs (the serving side's, which no request of ours uses): one set per peer
 //!   incarnation (`served`, a table without I/O). A heal or reconnect of that incarnation joins
 //!   its set (at most 4 queue pairs per peer rail); a newer epoch of the same peer releases the
-//!   older one's; a sweeper thread probes each queue pair (a zero-length RDMA WRITE every 5 s)
+//!   older one's once the newer set is proven (a probe of it answered: a hello merely naming a
+//!   later epoch releases nothing); a sweeper thread probes each queue pair (a zero-length RDMA WRITE every 5 s)
 //!   and releases the ones whose probe fails or stays unanswered 30 s. Past
 //!   [`RdmaConfig::max_served`] or the per-name limits only dead, idle or unproven sets give
 //!   way; a set proven in use never does (the newcomer is refused).

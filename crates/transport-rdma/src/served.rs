@@ -9,10 +9,14 @@
 //!   rail of the peer, a set keeps at most [`ServedLimits::per_rail`] queue pairs (one per
 //!   channel the incarnation holds); past it the rail's dead queue pair goes first, then its
 //!   unproven one, then its oldest: the other rails are never touched.
-//! - A set is released when its incarnation is gone: an offer from a newer epoch of the same
-//!   peer id (and key name) releases the older epochs' sets, and a queue pair whose probe fails
-//!   or stays unanswered past [`ServedLimits::dead_after`] is released at the next
-//!   [`sweep`](ServedTable::sweep) (its set with it once it holds none).
+//! - A set is released when its incarnation is gone: once a newer epoch of the same peer id
+//!   (and key name) has a set that is proven (a probe of it answered), the older epochs' sets
+//!   are released at the next [`sweep`](ServedTable::sweep) and their offers refused as stale;
+//!   and a queue pair whose probe fails or stays unanswered past [`ServedLimits::dead_after`]
+//!   is released at the next sweep (its set with it once it holds none). An offer naming a
+//!   newer epoch releases nothing by itself: peer ids are public, and without keys (or under
+//!   one fleet key) anyone may claim another's id with a later epoch; only a peer that connects
+//!   the queue pairs offered to it proves the newer start.
 //! - Admitting a new set past a limit releases what is not a proven channel: dead sets first
 //!   (the sweep's work), then idle ones (not proven for a while), and past the total the
 //!   unproven sets (never answered a probe yet) of whichever name (or the unauthenticated
@@ -75,7 +79,8 @@ pub(crate) enum Refused {
     NameFull { sets: usize, qps: usize },
     /// Every set is proven, or unproven and of a name holding fewer than the most.
     Full { sets: usize },
-    /// A newer epoch of the same peer id holds a set: this offer is from a start that is gone.
+    /// A newer epoch of the same peer id holds a proven set: this offer is from a start that is
+    /// gone.
     Stale { newer: Epoch },
 }
 
@@ -123,6 +128,12 @@ struct Set<Q> {
 }
 
 impl<Q> Set<Q> {
+    /// Whether a probe of one of its (live) queue pairs was ever answered: its incarnation
+    /// connected them.
+    fn proven_once(&self) -> bool {
+        self.qps.iter().any(|e| !e.dead && e.proven.is_some())
+    }
+
     /// The best health of its queue pairs (a set with one proven rail is a live channel).
     fn health(&self, now: Instant, limits: &ServedLimits) -> Health {
         self.qps
@@ -175,18 +186,22 @@ impl<Q: Probe> ServedTable<Q> {
         qps: Vec<(u16, Q)>,
         now: Instant,
     ) -> Result<Admitted, Refused> {
+        // A newer start of the same peer, proven: this start is gone. An unproven one may be
+        // anyone's claim; the older start keeps its set and its heals until the newer proves.
         if let Some(newer) = self
             .sets
             .iter()
-            .filter(|s| s.peer.0 == peer.0 && s.name.as_deref() == name && s.peer.1 > peer.1)
+            .filter(|s| {
+                s.peer.0 == peer.0
+                    && s.name.as_deref() == name
+                    && s.peer.1 > peer.1
+                    && s.proven_once()
+            })
             .map(|s| s.peer.1)
             .max()
         {
             return Err(Refused::Stale { newer });
         }
-        // A newer start of the same peer: its older starts are gone.
-        self.sets
-            .retain(|s| !(s.peer.0 == peer.0 && s.name.as_deref() == name && s.peer.1 != peer.1));
         let entries = qps.into_iter().map(|(rail, qp)| Entry {
             rail,
             qp,
@@ -242,6 +257,22 @@ impl<Q: Probe> ServedTable<Q> {
         }
         let before = self.sets.len();
         self.sets.retain(|s| !s.qps.is_empty());
+        // A newer start proven: the older starts of the same peer id (and name) are gone.
+        let proven: Vec<(PeerId, Option<String>, Epoch)> = self
+            .sets
+            .iter()
+            .filter(|s| s.proven_once())
+            .map(|s| (s.peer.0, s.name.clone(), s.peer.1))
+            .collect();
+        self.sets.retain(|s| {
+            let superseded = proven
+                .iter()
+                .any(|(id, name, epoch)| *id == s.peer.0 && *name == s.name && *epoch > s.peer.1);
+            if superseded {
+                qps += s.qps.len();
+            }
+            !superseded
+        });
         (qps, before - self.sets.len())
     }
 
@@ -648,8 +679,9 @@ mod tests {
         assert!(!bob[0].destroyed() && !carol[0].destroyed());
     }
 
-    /// A newer epoch of the same peer releases the older epoch's set; an offer from the older
-    /// one afterwards is stale. Another name's peer with the same id touches nothing.
+    /// A newer epoch of the same peer releases the older epoch's set once the newer set is
+    /// proven; an offer from the older one afterwards is stale. Another name's peer with the
+    /// same id touches nothing.
     #[test]
     fn a_new_epoch_releases_the_old_incarnation() {
         let fakes = Fakes::default();
@@ -662,6 +694,7 @@ mod tests {
         let (qps, other) = fakes.rails(&[0]);
         t.admit((id, Epoch(11)), Some("eve"), qps, now)
             .expect("eve");
+        let now = prove(&mut t, now);
         assert!(
             old.iter().all(|h| !h.destroyed()),
             "another name cannot release bob's"
@@ -671,6 +704,11 @@ mod tests {
             t.admit((id, Epoch(12)), Some("bob"), qps, now),
             Ok(Admitted::NewSet)
         );
+        assert!(
+            old.iter().all(|h| !h.destroyed()),
+            "not before it is proven"
+        );
+        let now = prove(&mut t, now);
         assert!(old.iter().all(Handle::destroyed));
         let (qps, _) = fakes.rails(&[0]);
         assert_eq!(
@@ -678,16 +716,81 @@ mod tests {
             Err(Refused::Stale { newer: Epoch(12) })
         );
         assert!(new.iter().chain(&other).all(|h| !h.destroyed()));
-        // Eve claiming bob's incarnation gets a set of her own (her older epoch's goes): bob's
-        // rails are untouched even past the per-rail bound.
+        // Eve claiming bob's incarnation gets a set of her own (her older epoch's goes once it
+        // is proven): bob's rails are untouched even past the per-rail bound.
         for _ in 0..2 * LIMITS.per_rail {
             let (qps, _) = fakes.rails(&[0]);
             t.admit((id, Epoch(12)), Some("eve"), qps, now)
                 .expect("eve's own set");
         }
+        prove(&mut t, now);
         assert!(new.iter().all(|h| !h.destroyed()) && other[0].destroyed());
         assert_eq!(t.release(id, Some(Epoch(12))), 2, "bob's and eve's");
         assert!(new.iter().all(Handle::destroyed));
+    }
+
+    /// Keyless (or under one fleet key) anyone may send a hello naming a victim's public peer
+    /// id with a later epoch. Its offer releases none of the victim's proven queue pairs, nor
+    /// makes the victim's heals stale; when its queue pairs are never connected (its probes
+    /// fail or stay unanswered) it is released and the victim's set stays. A real restart
+    /// that proves its set then releases the old one.
+    #[test]
+    fn a_claimed_later_epoch_releases_nothing_until_its_set_is_proven() {
+        for name in [None, Some("fleet")] {
+            let fakes = Fakes::default();
+            let mut t = ServedTable::new(LIMITS);
+            let now = Instant::now();
+            let id = PeerId(7);
+            let (qps, victim) = fakes.rails(&[0, 1]);
+            t.admit((id, Epoch(10)), name, qps, now).expect("victim");
+            let now = prove(&mut t, now);
+            assert_eq!(t.health_of((id, Epoch(10)), now), Some(Health::Proven));
+
+            // The forger's offer: admitted (it may be a real restart), releasing nothing.
+            let (qps, forged) = fakes.rails(&[0, 1]);
+            assert_eq!(
+                t.admit((id, Epoch(11)), name, qps, now),
+                Ok(Admitted::NewSet)
+            );
+            assert!(
+                victim.iter().all(|h| !h.destroyed()),
+                "{name:?}: a claimed later epoch released the victim's proven queue pairs"
+            );
+            // The victim's heal still joins its own set.
+            let (qp, heal) = fakes.qp();
+            assert_eq!(
+                t.admit((id, Epoch(10)), name, vec![(1, qp)], now),
+                Ok(Admitted::Joined),
+                "{name:?}"
+            );
+            // The forger never connects the queue pairs it was offered: its probes fail.
+            forged.iter().for_each(Handle::peer_gone);
+            let now = prove(&mut t, now);
+            assert!(forged.iter().all(Handle::destroyed), "{name:?}");
+            assert_eq!(t.health_of((id, Epoch(11)), now), None);
+            assert!(
+                victim.iter().chain([&heal]).all(|h| !h.destroyed()),
+                "{name:?}"
+            );
+            assert_eq!(t.health_of((id, Epoch(10)), now), Some(Health::Proven));
+
+            // A real restart (it connects its queue pairs): proven, then the old start goes.
+            let (qps, restart) = fakes.rails(&[0, 1]);
+            t.admit((id, Epoch(12)), name, qps, now).expect("restart");
+            let now = prove(&mut t, now);
+            assert!(
+                victim.iter().chain([&heal]).all(Handle::destroyed),
+                "{name:?}"
+            );
+            assert!(restart.iter().all(|h| !h.destroyed()), "{name:?}");
+            assert_eq!((t.sets(), t.qps()), (1, 2), "{name:?}");
+            let (qps, _) = fakes.rails(&[0]);
+            assert_eq!(
+                t.admit((id, Epoch(10)), name, qps, now),
+                Err(Refused::Stale { newer: Epoch(12) }),
+                "{name:?}"
+            );
+        }
     }
 
     /// A probe never answered counts as failed once the dead-peer timeout passed; a set whose
