@@ -404,14 +404,31 @@ impl RawEngine {
     }
 
     /// The notifications peers sent this engine since the last call, oldest first:
-    /// `(name, message, peer_id, key_name)` each (`key_name`: the key the sender proved, or
-    /// None).
-    fn take_notifications(&self) -> Vec<(String, Vec<u8>, String, Option<String>)> {
+    /// `(name, message, peer_id, key_name, epoch)` each. `name` is what the sender called
+    /// itself (never proven); `key_name` is the key the sender proved (None without keys), and
+    /// `peer_id` and `epoch` the incarnation it named in its handshake (bound to that key's
+    /// proof where keys are in use, only claimed without).
+    #[allow(clippy::type_complexity)]
+    fn take_notifications(&self) -> Vec<(String, Vec<u8>, String, Option<String>, String)> {
         self.engine
             .take_notifications()
             .into_iter()
-            .map(|n| (n.name, n.message, n.from.to_string(), n.key_name))
+            .map(|n| {
+                (
+                    n.name,
+                    n.message,
+                    n.from.to_string(),
+                    n.key_name,
+                    n.epoch.to_string(),
+                )
+            })
             .collect()
+    }
+
+    /// The names of the keys this engine accepts (its keyring's, the one it proves first);
+    /// empty without keys. A name with a key of its own is proven only by that key.
+    fn key_names(&self) -> Vec<String> {
+        self.engine.key_names()
     }
 
     fn __repr__(&self) -> String {

@@ -391,6 +391,96 @@ def test_notifications_arrive_after_their_transfer_in_order():
     b.close()
 
 
+def keyrings(tmp_path, names):
+    """Per-peer keyrings: for each name, a file holding every name's key, its own first (the
+    key an engine proves); key names are the engines' names."""
+    keys = {n: bytes([i + 1]) * 16 for i, n in enumerate(names)}
+    files = {}
+    for n in names:
+        f = tmp_path / f"{n}.key"
+        f.write_text("".join(f"{m} {keys[m].hex()}\n" for m in [n] + [m for m in names if m != n]))
+        f.chmod(0o600)
+        files[n] = str(f)
+    return files
+
+
+def engine_as(name, meta, monkeypatch, key_file=None):
+    """A TransferEngine in this process named ``name``, proving ``key_file``'s first key."""
+    if key_file is None:
+        monkeypatch.delenv("FERRY_AUTH_KEY_FILE", raising=False)
+    else:
+        monkeypatch.setenv("FERRY_AUTH_KEY_FILE", key_file)
+    te = TransferEngine()
+    assert te.initialize(name, meta, "tcp", "") == 0, te.last_error()
+    return te
+
+
+@pytest.mark.parametrize("keys", ["keyless", "per-peer-keyrings"])
+def test_a_third_engine_naming_another_changes_no_completion(http_metadata, tmp_path, monkeypatch,
+                                                             caplog, keys):
+    """Issue 46: a third engine (keyless, or holding a key of its own) whose notifications
+    name ``prefill`` files nothing under that name at decode, before and after prefill spoke;
+    prefill's own are taken. Each forgery is dropped with a WARNING on ``ferry.mooncake``.
+    Keyless, prefill's metadata record binds the name once decode looked it up; with per-peer
+    keyrings prefill's key does, so decode looks nothing up."""
+    meta = http_metadata[0]
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    files = (keyrings(tmp_path, ["decode", "prefill", "mallory"]) if keys != "keyless"
+             else {"decode": None, "prefill": None, "mallory": None})
+    decode = engine_as("decode", meta, monkeypatch, files["decode"])
+    prefill = engine_as("prefill", meta, monkeypatch, files["prefill"])
+    mallory = engine_as("mallory", meta, monkeypatch, files["mallory"])
+    dst = decode.allocate_managed_buffer(1 << 16)
+    src_p, src_m = prefill.allocate_managed_buffer(4096), mallory.allocate_managed_buffer(4096)
+    if keys == "keyless":
+        # decode knows prefill through its metadata record (its incarnation speaks for the name).
+        assert decode.send_probe("prefill") == 0
+    caplog.set_level(logging.WARNING, logger="ferry.mooncake")
+    caplog.clear()
+
+    # The forged completion comes with a transfer that moved (into decode's memory: anyone may
+    # write there, keyless); the notification returns once decode's engine holds it.
+    assert mallory.transfer_sync("decode", src_m, dst, 16, TransferOpcode.Write,
+                                 TransferNotify("prefill", "kv-done:req-1")) == 0
+    assert decode.get_notifies() == []
+    dropped = [r.getMessage() for r in caplog.records
+               if r.name == "ferry.mooncake" and r.levelno == logging.WARNING]
+    assert len(dropped) == 1 and "dropped a notification naming 'prefill'" in dropped[0], dropped
+
+    # prefill's own is taken, and a forgery after it is still dropped.
+    assert prefill.transfer_sync("decode", src_p, dst, 16, TransferOpcode.Write,
+                                 TransferNotify("prefill", "kv-done:req-1")) == 0
+    assert mallory.transfer_sync("decode", src_m, dst, 16, TransferOpcode.Write,
+                                 TransferNotify("prefill", "kv-done:req-2")) == 0
+    got = decode.get_notifies()
+    assert [(n.name, n.msg) for n in got] == [("prefill", "kv-done:req-1")]
+    # mallory's notifications under its own name are taken.
+    assert mallory.transfer_sync("decode", src_m, dst, 16, TransferOpcode.Write,
+                                 TransferNotify("mallory", "hello")) == 0
+    assert [(n.name, n.msg) for n in decode.get_notifies()] == [("mallory", "hello")]
+    for te in (decode, prefill, mallory):
+        te.close()
+
+
+def test_keyless_off_loopback_warns_on_the_ferry_mooncake_logger(monkeypatch, tmp_path, caplog):
+    """S4: an engine listening off loopback without keys says so on ``ferry.mooncake``; on
+    loopback, or with keys, it does not."""
+    caplog.set_level(logging.WARNING, logger="ferry.mooncake")
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "0.0.0.0")
+    engines = [engine_as("127.0.0.1", "P2PHANDSHAKE", monkeypatch)]
+    warned = [r for r in caplog.records if r.name == "ferry.mooncake" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "without authentication keys" in warned[0].getMessage()
+    assert "FERRY_AUTH_KEY_FILE" in warned[0].getMessage()
+    caplog.clear()
+    engines.append(engine_as("127.0.0.1", "P2PHANDSHAKE", monkeypatch,
+                             keyrings(tmp_path, ["keyed"])["keyed"]))
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    engines.append(engine_as("127.0.0.1", "P2PHANDSHAKE", monkeypatch))
+    assert not [r for r in caplog.records if "without authentication keys" in r.getMessage()]
+    for te in engines:
+        te.close()
+
+
 def test_cuda_methods_without_a_driver_return_negative_and_name_libcuda(tmp_path):
     script = tmp_path / "nocuda.py"
     script.write_text(

@@ -4,6 +4,7 @@ metadata by value, by address and through etcd, failures with NIXL's exceptions 
 keyed agents, and both alias mechanisms. docs/nixl.md is the contract."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -290,6 +291,127 @@ def test_a_keyed_agents_metadata_lets_no_stranger_in(np, tmp_path, monkeypatch):
         friend.release_xfer_handle(h)
     finally:
         target.close()
+
+
+def keyrings(tmp_path, names):
+    """Per-peer keyrings: for each name, a file holding every name's key, its own first (the
+    key an engine proves is its first); key names are the agents' names."""
+    keys = {n: bytes([i + 1]) * 16 for i, n in enumerate(names)}
+    files = {}
+    for n in names:
+        f = tmp_path / f"{n}.key"
+        f.write_text("".join(f"{m} {keys[m].hex()}\n" for m in [n] + [m for m in names if m != n]))
+        f.chmod(0o600)
+        files[n] = str(f)
+    return files
+
+
+def agent_as(name, monkeypatch, key_file=None, **conf):
+    """A NIXL agent in this process, proving ``key_file``'s first key (None: keyless)."""
+    if key_file is None:
+        monkeypatch.delenv("FERRY_AUTH_KEY_FILE", raising=False)
+    else:
+        monkeypatch.setenv("FERRY_AUTH_KEY_FILE", key_file)
+    return nixl_agent(name, nixl_agent_config(enable_listen_thread=True, listen_port=0, **conf))
+
+
+def port_of(agent):
+    return int(agent._addr.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("keys", ["keyless", "per-peer-keyrings"])
+def test_a_third_agent_naming_another_changes_no_completion_metadata_or_address(
+        np, tmp_path, monkeypatch, caplog, keys):
+    """Issue 46: a third agent (keyless, or holding a key of its own) that calls itself
+    ``prefill`` forges no completion, loads no metadata and invalidates nothing of prefill at
+    decode: decode's next READ from prefill still returns prefill's bytes; prefill's own
+    notification is taken. Each forgery is dropped with a WARNING on ``ferry.nixl``. Keyless,
+    prefill's loaded metadata binds the name; with per-peer keyrings prefill's key does, so
+    the forgeries come before decode loaded anything of prefill."""
+    files = (keyrings(tmp_path, ["decode", "prefill", "mallory"]) if keys != "keyless"
+             else {"decode": None, "prefill": None, "mallory": None})
+    decode = agent_as("decode", monkeypatch, files["decode"])
+    prefill = agent_as("prefill", monkeypatch, files["prefill"])
+    # The third agent, with its own engine (and key), names itself "prefill".
+    impostor = agent_as("prefill", monkeypatch, files["mallory"])
+    kv = np.zeros(BLOCK, dtype=np.uint8)
+    decode.register_memory([(kv.ctypes.data, BLOCK, 0, "")], "DRAM")
+    real = np.full(BLOCK, 0x11, dtype=np.uint8)
+    prefill.register_memory([(real.ctypes.data, BLOCK, 0, "")], "DRAM")
+    fake = np.full(BLOCK, 0xEE, dtype=np.uint8)
+    impostor.register_memory([(fake.ctypes.data, BLOCK, 0, "")], "DRAM")
+    if keys == "keyless":
+        assert decode.add_remote_agent(prefill.get_agent_metadata()) == b"prefill"
+    impostor.add_remote_agent(decode.get_agent_metadata())
+    caplog.set_level(logging.WARNING, logger="ferry.nixl")
+    caplog.clear()
+
+    # A forged completion, forged metadata pointing "prefill" at the impostor, a forged
+    # invalidation: each returns once decode's engine holds it.
+    impostor.send_notif("decode", b"kv-done:req-1")
+    impostor.send_local_metadata("127.0.0.1", port_of(decode))
+    impostor.invalidate_local_metadata("127.0.0.1", port_of(decode))
+    assert not decode.check_remote_xfer_done("prefill", b"kv-done")
+    assert decode.get_new_notifs() == {}
+    if keys != "keyless":
+        assert not decode.check_remote_metadata("prefill")
+        assert decode.add_remote_agent(prefill.get_agent_metadata()) == b"prefill"
+    assert decode.check_remote_metadata("prefill", decode.get_xfer_descs([(real.ctypes.data, BLOCK, 0)], "DRAM"))
+    assert not decode.check_remote_metadata("prefill", decode.get_xfer_descs([(fake.ctypes.data, BLOCK, 0)], "DRAM"))
+    dropped = [r.getMessage() for r in caplog.records
+               if r.name == "ferry.nixl" and r.levelno == logging.WARNING and "dropped" in r.getMessage()]
+    assert len(dropped) == 3, dropped
+    assert all("'prefill'" in m for m in dropped), dropped
+
+    # decode's next READ from prefill returns prefill's bytes.
+    h = decode.initialize_xfer("READ", decode.get_xfer_descs([(kv.ctypes.data, BLOCK, 0)], "DRAM"),
+                               decode.get_xfer_descs([(real.ctypes.data, BLOCK, 0)], "DRAM"), "prefill")
+    decode.transfer(h)
+    while decode.check_xfer_state(h) == "PROC":
+        pass
+    assert decode.check_xfer_state(h) == "DONE"
+    assert (kv == 0x11).all()
+    decode.release_xfer_handle(h)
+
+    # The real prefill's completion is taken, filed under its name.
+    prefill.add_remote_agent(decode.get_agent_metadata())
+    prefill.send_notif("decode", b"kv-done:req-1")
+    assert decode.check_remote_xfer_done("prefill", b"kv-done")
+
+
+def test_notifications_from_an_agent_whose_metadata_was_not_loaded_bind_its_name(np, monkeypatch, caplog):
+    """A receiver that never loaded the sender's metadata (vLLM's prefill side) files the
+    first speaker's notifications under its name, and drops another incarnation's later."""
+    target = agent_as("target", monkeypatch)
+    first, second = agent_as("sender", monkeypatch), agent_as("sender", monkeypatch)
+    for a in (first, second):
+        a.add_remote_agent(target.get_agent_metadata())
+    caplog.set_level(logging.WARNING, logger="ferry.nixl")
+    first.send_notif("target", b"one")
+    second.send_notif("target", b"forged")
+    first.send_notif("target", b"two")
+    assert target.get_new_notifs() == {"sender": [b"one", b"two"]}
+    assert any("dropped a notification naming agent 'sender'" in r.getMessage() for r in caplog.records)
+    # Once the application forgets the name, the next speaker binds it.
+    target.remove_remote_agent("sender")
+    second.send_notif("target", b"three")
+    assert target.get_new_notifs() == {"sender": [b"three"]}
+
+
+def test_keyless_off_loopback_warns_on_the_ferry_nixl_logger(monkeypatch, tmp_path, caplog):
+    """S4: an agent listening off loopback without keys says so where its user looks (Python
+    logging, ``ferry.nixl``); on loopback, or with keys, it does not."""
+    caplog.set_level(logging.WARNING, logger="ferry.nixl")
+    monkeypatch.setenv("FERRY_BIND_ADDRESS", "0.0.0.0")
+    agent_as("open", monkeypatch)
+    warned = [r for r in caplog.records if r.name == "ferry.nixl" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "without authentication keys" in warned[0].getMessage()
+    assert "FERRY_AUTH_KEY_FILE" in warned[0].getMessage()
+    caplog.clear()
+    agent_as("keyed", monkeypatch, keyrings(tmp_path, ["keyed"])["keyed"])
+    monkeypatch.setenv("FERRY_BIND_ADDRESS", "127.0.0.1")
+    agent_as("local", monkeypatch)
+    assert not [r for r in caplog.records if "without authentication keys" in r.getMessage()]
 
 
 def test_the_rest_of_the_surface(np):

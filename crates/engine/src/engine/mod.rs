@@ -149,6 +149,18 @@ impl TransferEngine {
         self.inner.identity.epoch
     }
 
+    /// The names of the keys this engine accepts (its keyring's, in file order; the first is
+    /// the one it proves); empty when it runs without keys. Layers that file peers' messages
+    /// by name use it to tell which names have a key of their own.
+    pub fn key_names(&self) -> Vec<String> {
+        self.inner
+            .identity
+            .keyring
+            .as_ref()
+            .map(|k| k.names().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
     /// The address it serves on, if it listens.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.inner.serving.server.as_ref().map(|s| s.local_addr())

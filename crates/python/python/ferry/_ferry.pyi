@@ -468,8 +468,12 @@ class RawEngine:
         """Starts the request; with ``notify``, the message goes to the peer once it completed."""
     def notify(self, peer: str, name: str, message: bytes) -> None:
         """Sends ``message`` to ``peer``'s inbox under ``name``; returns once it holds it."""
-    def take_notifications(self) -> list[tuple[str, bytes, str, str | None]]:
-        """``(name, message, peer_id, key_name)`` of each notification received, oldest first."""
+    def take_notifications(self) -> list[tuple[str, bytes, str, str | None, str]]:
+        """``(name, message, peer_id, key_name, epoch)`` of each notification received, oldest
+        first: ``name`` as the sender claimed it, ``key_name`` the key it proved (None without
+        keys), ``peer_id`` and ``epoch`` the incarnation its handshake named."""
+    def key_names(self) -> list[str]:
+        """The names of the keys this engine accepts (its keyring's); empty without keys."""
 
 @final
 class EtcdKv:

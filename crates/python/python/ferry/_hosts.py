@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
 
 
@@ -28,3 +30,28 @@ def bind_host(host: str) -> str:
 def join(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` (``host:port``, ``[v6]:port`` or a bare host) is a loopback address."""
+    host = addr.rsplit(":", 1)[0] if addr.count(":") == 1 or addr.startswith("[") else addr
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(log: logging.Logger, what: str, listen: str | None, keyed: bool) -> None:
+    """Logs a WARNING on ``log`` when ``what`` listens on ``listen``, off loopback, without
+    keys: the compat layers' users read Python logging, not Ferry's ``tracing`` events."""
+    if keyed or listen is None or is_loopback(listen):
+        return
+    log.warning(
+        "%s listens on %s without authentication keys: any peer that reaches it can read and "
+        "write every registration and send notifications under any name. Set "
+        "FERRY_AUTH_KEY_FILE to a keyring (docs/security.md) before deploying.",
+        what, listen,
+    )

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ferry import _ferry
-from ferry._hosts import bind_host
+from ferry._hosts import bind_host, warn_if_open
+from ferry._senders import Bindings, Sender
 from ferry.mooncake import metadata
 
 log = logging.getLogger("ferry.mooncake")
@@ -141,6 +142,7 @@ class TransferEngine:
         self._key: str | None = None
         self._mode: metadata.Mode | None = None
         self._addrs: dict[str, str] = {}
+        self._senders = Bindings()
         self._order: list[int] = []
         self._batches: dict[int, _Batch] = {}
         self._ids = itertools.count(1)
@@ -187,6 +189,7 @@ class TransferEngine:
                 )
             engine = _ferry.Engine(listen=_join(bind, listen_port), transports=transports)
             raw = _ferry.RawEngine(engine)
+            senders = Bindings(raw.key_names())
             listen = engine.listen_addr
             lport = int(listen.rsplit(":", 1)[1])
             store = metadata.open_store(mode)
@@ -201,10 +204,13 @@ class TransferEngine:
         except (metadata.MetadataError, _ferry.FerryError, OSError, ValueError) as e:
             return self._fail(e, "initialize", peer=metadata_server, code=-1)
         self._engine, self._raw, self._store, self._mode, self._name = engine, raw, store, mode, name
+        senders.bind(name, engine.peer_id, engine.epoch)
+        self._senders = senders
         self._rpc_port = lport
         self._addrs[name] = _join(bind, lport)
         log.info("initialized %s (metadata %s, listening on %s, data plane %s)",
                  name, mode.kind, listen, engine.data_plane)
+        warn_if_open(log, f"Mooncake engine {name!r}", listen, senders.keyed)
         return 0
 
     def get_rpc_port(self) -> int:
@@ -284,7 +290,11 @@ class TransferEngine:
             value = self._store.get(metadata.key_of(name))
             if value is None:
                 raise metadata.MetadataError(f"no engine named {name!r} in the metadata store")
-            addr = metadata.address_in(value, name)
+            rec = metadata.record_in(value, name)
+            addr = rec.addr
+            # The record's incarnation speaks for the name in notifications from now on.
+            with self._lock:
+                self._senders.bind(name, rec.peer_id, rec.epoch)
         self._addrs[name] = addr
         return addr
 
@@ -633,11 +643,20 @@ class TransferEngine:
 
     def get_notifies(self) -> list[TransferNotify]:
         """The notifications peers sent with their transfers since the last call, oldest first
-        (each arrived after its transfer's bytes)."""
+        (each arrived after its transfer's bytes). Only those from the engine their name
+        speaks for (``ferry._senders``): the incarnation its metadata record names (or that
+        first used the name), or a key named after it. The rest are dropped with a WARNING on
+        ``ferry.mooncake``."""
         if self._raw is None:
             return []
         out = []
-        for name, message, _peer, _key in self._raw.take_notifications():
+        for name, message, peer_id, key, epoch in self._raw.take_notifications():
+            sender = Sender(peer_id, epoch, key)
+            with self._lock:
+                why = self._senders.check(name, sender)
+            if why is not None:
+                log.warning("dropped a notification naming %r from %s: %s", name, sender, why)
+                continue
             out.append(TransferNotify(name, message.decode("utf-8", errors="replace")))
         return out
 

@@ -8,7 +8,8 @@
   Ferry's etcd client; records are bound to a lease this process keeps alive.
 
 Each engine keeps one record under ``mooncake/[<MC_METADATA_CLUSTER_ID>/]ferry/<name>``: a JSON
-object with the address Ferry listens on, its peer id and epoch. Mooncake's own keys (``ram/``,
+object with the address Ferry listens on, its peer id and epoch. The peer id and epoch are the
+incarnation that speaks for ``name`` in notifications (``ferry._senders``). Mooncake's own keys (``ram/``,
 ``rpc_meta/``) are left alone, so a Mooncake engine and a Ferry engine can share one server
 without reading each other's records.
 """
@@ -175,13 +176,25 @@ def record(addr: str, peer_id: str, epoch: str, name: str) -> bytes:
     ).encode()
 
 
-def address_in(value: bytes, name: str) -> str:
-    """The listening address a record holds (MetadataError if it holds none)."""
+@dataclass(frozen=True)
+class Record:
+    """What an engine's record says: where it listens and which incarnation it is (the one
+    that speaks for its name in notifications)."""
+
+    addr: str
+    peer_id: str
+    epoch: str
+
+
+def record_in(value: bytes, name: str) -> Record:
+    """The record ``value`` of engine ``name`` (MetadataError if it is not Ferry's)."""
     try:
         rec = json.loads(value)
-        addr = rec["ferry_addr"]
+        addr, peer_id, epoch = rec["ferry_addr"], rec["peer_id"], rec["epoch"]
     except (ValueError, KeyError, TypeError) as e:
         raise MetadataError(f"the metadata record of {name!r} is not Ferry's: {e}") from e
     if not isinstance(addr, str) or ":" not in addr:
         raise MetadataError(f"the metadata record of {name!r} names no address: {addr!r}")
-    return addr
+    if not isinstance(peer_id, str) or not isinstance(epoch, str):
+        raise MetadataError(f"the metadata record of {name!r} names no incarnation")
+    return Record(addr, peer_id, epoch)

@@ -19,7 +19,8 @@ import time
 from typing import Any, Optional, Union
 
 from ferry import _ferry
-from ferry._hosts import bind_host, join
+from ferry._hosts import bind_host, join, warn_if_open
+from ferry._senders import Bindings, Sender
 from ferry.nixl import _bindings as nixlBind
 from ferry.nixl._bindings import (
     nixlBackendError,
@@ -193,7 +194,12 @@ class nixl_agent:
     The agent's Ferry engine listens on ``FERRY_BIND_ADDRESS`` (default: this machine's first
     address), on ``listen_port`` with ``enable_listen_thread`` and on a free port otherwise;
     ``get_agent_metadata`` carries that address. ``FERRY_AUTH_KEY_FILE`` keys the peers: then
-    an agent's metadata alone lets no stranger read or write its memory.
+    an agent's metadata alone lets no stranger read or write its memory. Without it, the agent
+    warns (logger ``ferry.nixl``) when it listens off loopback.
+
+    Notifications, metadata and invalidations are taken from the agent they name only
+    (``ferry._senders``): from the incarnation recorded for that name, or from a key named
+    after it; others are dropped with a warning on ``ferry.nixl``.
     """
 
     def __init__(
@@ -221,6 +227,8 @@ class nixl_agent:
             self._name_buf, name=f"{_NAME_SEGMENT}{agent_name}", access="read")
         self._lock = threading.RLock()
         self._remotes: dict[str, _Remote] = {}
+        self._senders = Bindings(self._raw.key_names())
+        self._senders.bind(agent_name, self._engine.peer_id, self._engine.epoch)
         self._dlists: dict[int, _Dlist] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._ids = iter(range(1, 1 << 62))
@@ -244,6 +252,8 @@ class nixl_agent:
         self.nixl_ops = {"WRITE": nixlBind.NIXL_WRITE, "READ": nixlBind.NIXL_READ}
         logger.info("Initialized NIXL agent %s on Ferry, listening on %s (data plane %s)",
                     agent_name, self._addr, self._engine.data_plane)
+        warn_if_open(logger, f"NIXL agent {agent_name!r}", self._engine.listen_addr,
+                     self._senders.keyed)
 
     def __del__(self) -> None:
         try:
@@ -419,19 +429,29 @@ class nixl_agent:
         """The same as ``get_agent_metadata``: a peer checks descriptors against the listing."""
         return self.get_agent_metadata()
 
-    def _load(self, metadata: bytes) -> str:
+    @staticmethod
+    def _parse(metadata: bytes) -> _Remote:
         if not isinstance(metadata, (bytes, bytearray)) or not metadata.startswith(_MD_MAGIC):
             _raise(nixlMismatchError, "loadRemoteMD: not the metadata of a Ferry NIXL agent")
         try:
             md = json.loads(bytes(metadata[len(_MD_MAGIC):]))
-            r = _Remote(str(md["name"]), str(md["addr"]), str(md["peer_id"]), str(md["epoch"]))
+            return _Remote(str(md["name"]), str(md["addr"]), str(md["peer_id"]), str(md["epoch"]))
         except (ValueError, KeyError, TypeError) as e:
             _raise(nixlMismatchError, f"loadRemoteMD: malformed metadata: {e}", e)
+        raise AssertionError("unreachable")
+
+    def _load(self, metadata: bytes) -> str:
+        """Loads metadata the application vouches for (``add_remote_agent``, etcd, a fetch by
+        address): its incarnation is the one that speaks for its name from now on."""
+        return self._record(self._parse(metadata))
+
+    def _record(self, r: _Remote) -> str:
         with self._lock:
             old = self._remotes.get(r.name)
             if old is not None and (old.addr != r.addr or old.epoch != r.epoch):
                 self._raw.forget(old.addr)
             self._remotes[r.name] = r
+            self._senders.bind(r.name, r.peer_id, r.epoch)
         return r.name
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
@@ -439,9 +459,13 @@ class nixl_agent:
         return self._load(metadata).encode()
 
     def remove_remote_agent(self, agent: Union[str, bytes]) -> None:
-        """Forgets the remote agent: later calls naming it fail with ``nixlNotFoundError``."""
+        """Forgets the remote agent: later calls naming it fail with ``nixlNotFoundError``, and
+        the next agent to speak under its name (or to load metadata for it) is taken as it."""
+        name = _text(agent)
         with self._lock:
-            r = self._remotes.pop(_text(agent), None)
+            r = self._remotes.pop(name, None)
+            if name != self.name:
+                self._senders.unbind(name)
         if r is not None:
             self._raw.forget(r.addr)
 
@@ -766,21 +790,43 @@ class nixl_agent:
     # ----- notifications -------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Takes what arrived: metadata and invalidations are applied, notifications kept."""
-        for name, msg, _peer, _key in self._raw.take_notifications():
+        """Takes what arrived: metadata and invalidations are applied, notifications kept, each
+        only from the agent it names (``_take``); the rest is dropped with a warning."""
+        for name, msg, peer_id, key, epoch in self._raw.take_notifications():
+            sender = Sender(peer_id, epoch, key)
             if msg.startswith(_MD_NOTIF):
                 try:
-                    self._load(msg[len(_MD_NOTIF):])
+                    r = self._parse(msg[len(_MD_NOTIF):])
                 except nixlMismatchError:
-                    pass
+                    continue
+                # Metadata speaks of its sender alone: its name and incarnation.
+                if (r.name, r.peer_id, r.epoch) != (name, sender.peer_id, sender.epoch):
+                    self._drop(name, sender, "metadata",
+                               f"it describes {r.name!r} as peer {r.peer_id} epoch {r.epoch}")
+                elif self._take(name, sender, "metadata"):
+                    self._record(r)
             elif msg == _MD_INVALIDATE:
-                self.remove_remote_agent(name)
-            else:
+                if self._take(name, sender, "an invalidation"):
+                    self.remove_remote_agent(name)
+            elif self._take(name, sender, "a notification"):
                 with self._lock:
                     self._pending.setdefault(name, []).append(msg)
 
+    def _take(self, name: str, sender: Sender, what: str) -> bool:
+        """Whether ``sender`` speaks for agent ``name`` (``ferry._senders``); logged if not."""
+        with self._lock:
+            why = self._senders.check(name, sender)
+        if why is not None:
+            self._drop(name, sender, what, why)
+        return why is None
+
+    @staticmethod
+    def _drop(name: str, sender: Sender, what: str, why: str) -> None:
+        logger.warning("dropped %s naming agent %r from %s: %s", what, name, sender, why)
+
     def get_new_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:
-        """The notifications that arrived since the last call, by sending agent."""
+        """The notifications that arrived since the last call, by sending agent (only those
+        from the agent they name: see the class's docs)."""
         self._drain()
         with self._lock:
             out, self._pending = self._pending, {}
