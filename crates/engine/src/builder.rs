@@ -78,6 +78,12 @@ fn same_host_env_on() -> bool {
     )
 }
 
+/// Whether [`SAME_HOST_ENV`] is `privileged`: serve the plane even where a serving thread
+/// cannot drop `CAP_SYS_PTRACE`.
+fn same_host_env_privileged() -> bool {
+    std::env::var(SAME_HOST_ENV).is_ok_and(|v| v.trim() == "privileged")
+}
+
 /// Reads the keyring file at `path` (lines of `name hexkey`, see [`ferry_core::auth::Keyring`]).
 /// A file whose mode grants group or others any access is refused unless `allow_open` (then a
 /// warning is logged). Errors name the file and never show a key's bytes.
@@ -152,7 +158,9 @@ impl EngineBuilder {
     /// Whether peers on this host are served and reached by the same-host plane
     /// (`ferry-transport-local`: process-to-process copies, chosen in the handshake, falling back
     /// to the network planes when refused). Default on, with the portable data plane; `false`,
-    /// or `FERRY_SAME_HOST=off` in the environment, turns it off. Listing
+    /// or `FERRY_SAME_HOST=off` in the environment, turns it off (`FERRY_SAME_HOST=privileged`
+    /// serves it even where a serving thread cannot drop `CAP_SYS_PTRACE`: see
+    /// docs/security.md). Listing
     /// [`TransportKind::Local`] in [`transports`](Self::transports) asks for it too.
     pub fn same_host(mut self, on: bool) -> Self {
         self.same_host = on;
@@ -649,8 +657,8 @@ impl EngineBuilder {
             && same_host_env_on()
             && (data_plane.is_some() || self.kinds.contains(&TransportKind::Local)))
         .then(|| {
-            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
             let mut config = self.data.local();
+            config.allow_privileged = same_host_env_privileged();
             #[cfg(feature = "cuda")]
             {
                 let gpu = gpu_state.clone();

@@ -262,7 +262,8 @@ fn uring_check() -> (Check, Vec<&'static str>) {
 }
 
 /// The `same-host` row: whether peers on this host can be reached by process-to-process
-/// copies (a boot id, the copy system call allowed, and what Yama lets a client grant).
+/// copies (a boot id, the copy system call allowed, what Yama lets a client grant, and serving
+/// threads that can drop `CAP_SYS_PTRACE`).
 fn same_host_check() -> Check {
     let p = ferry_transport_local::probe();
     let summary = p.summary();
@@ -278,7 +279,15 @@ fn same_host_check() -> Check {
             "same-host",
             Status::Unavailable,
             summary,
-            "set kernel.yama.ptrace_scope to 1 or 0, or serve with CAP_SYS_PTRACE",
+            "set kernel.yama.ptrace_scope to 1 or 0 (serving threads drop CAP_SYS_PTRACE, so \
+             scope 2 allows no copy)",
+        ),
+        _ if p.serving.is_err() => Check::new(
+            "same-host",
+            Status::Unavailable,
+            summary,
+            "allow capset (a seccomp profile may refuse it), run without CAP_SYS_PTRACE, or \
+             set FERRY_SAME_HOST=privileged to serve anyway",
         ),
         _ => Check::new("same-host", Status::Ok, summary, ""),
     }

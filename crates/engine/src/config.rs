@@ -8,7 +8,8 @@ use ferry_transport_tcp::TcpConfig;
 use ferry_transport_uring::UringConfig;
 
 /// The environment variable that, set to `off` (or `0`, `false`, `no`), turns the same-host plane
-/// off for every engine of the process (see `EngineBuilder::same_host`).
+/// off for every engine of the process (see `EngineBuilder::same_host`); set to `privileged`, it
+/// serves the plane even where a serving thread cannot drop `CAP_SYS_PTRACE`.
 pub const SAME_HOST_ENV: &str = "FERRY_SAME_HOST";
 
 /// What the builder sets for the portable data plane, whichever transport carries it.

@@ -117,6 +117,8 @@ pub(crate) fn connect(
     };
     let n = streams.min(usize::from(*offered).max(1));
     let mut socks = Vec::with_capacity(n);
+    // Held by the channel: the server may copy to and from this process while it lives.
+    let grant = host::allow_tracer(*pid).map_err(unavailable)?;
     let mut gpu = match ipc {
         // The driver refuses a process's own IPC handles.
         Ok(()) if *pid == std::process::id() => {
@@ -151,6 +153,7 @@ pub(crate) fn connect(
         chunk,
         peer.version >= VECTORED_VERSION,
         gpu,
+        grant,
     ))
 }
 
@@ -187,7 +190,6 @@ fn attach(
              {pid} (another pid namespace, or not the peer)"
         )));
     }
-    host::allow_tracer(pid).map_err(unavailable)?;
     let attach = stream_attach(peer, index, code);
     let mut w = &sock;
     ferry_net::write_frame(&mut w, peer.addr, &attach_frame(peer, attach))?;
@@ -239,6 +241,8 @@ struct Shared {
     vectored: bool,
     gpu: GpuRoute,
     closed: AtomicBool,
+    /// Yama's grant to the server (where Yama asks for one), revoked with the last channel.
+    _grant: host::TracerGrant,
     /// Streams ended, and its change announced (for the close's grace).
     ended: Mutex<usize>,
     ended_cv: Condvar,
@@ -289,6 +293,7 @@ impl LocalChannel {
         chunk: u64,
         vectored: bool,
         gpu: GpuRoute,
+        grant: host::TracerGrant,
     ) -> Self {
         let n = socks.len();
         let shared = Arc::new(Shared {
@@ -307,6 +312,7 @@ impl LocalChannel {
             vectored,
             gpu,
             closed: AtomicBool::new(false),
+            _grant: grant,
             ended: Mutex::new(0),
             ended_cv: Condvar::new(),
         });
@@ -721,7 +727,88 @@ impl Drop for LocalChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{MemoryRegion, SegmentToken};
+    use ferry_core::{Epoch, MemoryRegion, PeerId, SegmentToken};
+    use std::os::unix::net::UnixListener;
+
+    /// A listener on a fresh abstract name, and a peer whose handshake named `pid` and it.
+    fn fake_server(pid: u32) -> (UnixListener, PeerInfo) {
+        let name = format!("ferry-local-test-{:016x}", rand::random::<u64>());
+        let addr = UnixAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let listener = UnixListener::bind_addr(&addr).unwrap();
+        let peer = PeerInfo {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            local_id: PeerId(1),
+            local_epoch: Epoch::fresh(),
+            remote_id: PeerId(2),
+            remote_epoch: Epoch::fresh(),
+            offer: TransportOffer::Local {
+                boot_id: [0; 16],
+                pid,
+                streams: 1,
+                socket: name,
+            },
+            segments: Vec::new(),
+            session: None,
+            key_name: None,
+            version: VECTORED_VERSION,
+        };
+        (listener, peer)
+    }
+
+    fn refusal(r: Result<LocalChannel, Error>) -> String {
+        match r {
+            Err(Error::Unavailable { reason, .. }) => reason,
+            Err(other) => panic!("not refused as unavailable: {other}"),
+            Ok(_) => panic!("the channel was opened"),
+        }
+    }
+
+    #[test]
+    fn a_socket_owned_by_another_pid_than_the_handshake_named_is_refused() {
+        // The handshake named pid 1; the socket is this process's.
+        let (_listener, peer) = fake_server(1);
+        let why = refusal(connect(
+            &peer,
+            1,
+            1,
+            1 << 20,
+            Duration::from_secs(5),
+            Err("no".into()),
+        ));
+        assert!(why.contains("belongs to pid"), "{why}");
+    }
+
+    #[test]
+    fn a_probe_echoed_with_other_bytes_than_ours_is_refused() {
+        let (listener, peer) = fake_server(std::process::id());
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let _attach = ferry_net::read_frame(&mut s, "127.0.0.1:1".parse().unwrap()).unwrap();
+            ferry_net::write_frame(
+                &mut s,
+                "127.0.0.1:1".parse().unwrap(),
+                &ControlFrame::StreamAccept,
+            )
+            .unwrap();
+            let mut at = [0u8; ADDR_LEN];
+            s.read_exact(&mut at).unwrap();
+            // "Read" fine, but the bytes are not the client's canary.
+            let mut answer = [0u8; 9];
+            answer[0] = PROBE_OK;
+            s.write_all(&answer).unwrap();
+            s
+        });
+        let why = refusal(connect(
+            &peer,
+            1,
+            1,
+            1 << 20,
+            Duration::from_secs(5),
+            Err("no".into()),
+        ));
+        assert!(why.contains("other than ours"), "{why}");
+        drop(server.join().unwrap());
+    }
 
     /// A server that answers with bytes the protocol has no meaning for, then goes quiet with
     /// the socket open: the request ends (lost, its stream given up) instead of waiting for an
@@ -738,6 +825,7 @@ mod tests {
                 1 << 20,
                 true,
                 GpuRoute::HostStage("test".into()),
+                host::TracerGrant::none(),
             );
             let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
             let ops: Arc<[Op]> = vec![Op {

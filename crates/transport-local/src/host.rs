@@ -40,29 +40,75 @@ pub(crate) fn yama_scope() -> Option<u8> {
         .and_then(|s| s.trim().parse().ok())
 }
 
-/// The process this one named as its tracer (`PR_SET_PTRACER`), if it named one.
-static TRACER: Mutex<Option<u32>> = Mutex::new(None);
+/// The tracer this process named (`PR_SET_PTRACER`), and how many live grants hold it.
+static TRACER: Mutex<Grants> = Mutex::new(Grants::new());
 
-/// Lets process `pid` copy into and out of this process's memory where Yama asks for a named
-/// tracer (scope 1): `PR_SET_PTRACER`. Yama keeps one named tracer per process, so a second
-/// live same-host server is refused (its channel takes the network planes) rather than taking
-/// the grant from the first. Nothing to do at scope 0 or without Yama; at scope 2 or 3 only
-/// privilege helps, and the copy probe at attach tells.
-pub(crate) fn allow_tracer(pid: u32) -> Result<(), String> {
-    if yama_scope() != Some(1) {
-        return Ok(());
+/// The bookkeeping of Yama's one named tracer: which pid holds it and how many channels still
+/// need it. No I/O: [`allow_tracer`] and [`TracerGrant`]'s drop act on what it decides.
+#[derive(Debug, PartialEq, Eq)]
+struct Grants {
+    named: Option<(u32, usize)>,
+}
+
+/// What a grant asks of the kernel.
+#[derive(Debug, PartialEq, Eq)]
+enum Prctl {
+    /// Name this pid (`PR_SET_PTRACER, pid`).
+    Name(u32),
+    /// Name nobody (`PR_SET_PTRACER, 0`): the last grant is gone.
+    Revoke,
+    /// Nothing to ask: the pid is named already, or another grant still holds it.
+    Nothing,
+}
+
+impl Grants {
+    const fn new() -> Self {
+        Self { named: None }
     }
-    let mut named = TRACER.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(other) = *named
-        && other != pid
-        && alive(other)
-    {
-        return Err(format!(
-            "Yama (ptrace_scope 1) lets a process name one tracer, and this one already named \
-             pid {other}, another same-host peer"
-        ));
+
+    /// A channel to `pid` wants the grant. Refused while another live pid holds it (`alive`
+    /// says whether a pid still runs: a dead holder's grant is taken over).
+    fn acquire(&mut self, pid: u32, alive: impl Fn(u32) -> bool) -> Result<Prctl, u32> {
+        match self.named {
+            Some((held, n)) if held == pid => {
+                self.named = Some((pid, n + 1));
+                Ok(Prctl::Nothing)
+            }
+            Some((other, _)) if alive(other) => Err(other),
+            _ => {
+                self.named = Some((pid, 1));
+                Ok(Prctl::Name(pid))
+            }
+        }
     }
-    // SAFETY: PR_SET_PTRACER takes a pid by value; no memory is passed.
+
+    /// The prctl failed: the grant was not made.
+    fn undo(&mut self, pid: u32) {
+        if let Some((held, n)) = self.named
+            && held == pid
+        {
+            self.named = (n > 1).then_some((pid, n - 1));
+        }
+    }
+
+    /// A channel to `pid` ended.
+    fn release(&mut self, pid: u32) -> Prctl {
+        match self.named {
+            Some((held, n)) if held == pid && n > 1 => {
+                self.named = Some((pid, n - 1));
+                Prctl::Nothing
+            }
+            Some((held, _)) if held == pid => {
+                self.named = None;
+                Prctl::Revoke
+            }
+            _ => Prctl::Nothing,
+        }
+    }
+}
+
+fn set_ptracer(pid: u32) -> io::Result<()> {
+    // SAFETY: PR_SET_PTRACER takes a pid by value (0: nobody); no memory is passed.
     let rc = unsafe {
         libc::prctl(
             libc::PR_SET_PTRACER,
@@ -73,13 +119,62 @@ pub(crate) fn allow_tracer(pid: u32) -> Result<(), String> {
         )
     };
     if rc != 0 {
-        return Err(format!(
-            "prctl(PR_SET_PTRACER, {pid}): {}",
-            io::Error::last_os_error()
-        ));
+        return Err(io::Error::last_os_error());
     }
-    *named = Some(pid);
     Ok(())
+}
+
+/// Yama's grant to one same-host server, held by a channel to it: while any channel to that
+/// pid lives, the pid may copy to and from this process; when the last one ends the grant is
+/// revoked (`PR_SET_PTRACER, 0`). Where Yama asks for no named tracer it holds nothing.
+#[derive(Debug)]
+pub(crate) struct TracerGrant(Option<u32>);
+
+impl TracerGrant {
+    /// A grant that holds nothing (for tests of a channel over a socket pair).
+    #[cfg(test)]
+    pub(crate) fn none() -> Self {
+        Self(None)
+    }
+}
+
+impl Drop for TracerGrant {
+    fn drop(&mut self) {
+        let Some(pid) = self.0 else { return };
+        let mut grants = TRACER.lock().unwrap_or_else(PoisonError::into_inner);
+        if grants.release(pid) == Prctl::Revoke
+            && let Err(e) = set_ptracer(0)
+        {
+            tracing::warn!(pid, error = %e, "cannot revoke the same-host server's Yama grant");
+        }
+    }
+}
+
+/// Lets process `pid` copy into and out of this process's memory where Yama asks for a named
+/// tracer (scope 1): `PR_SET_PTRACER`, for as long as the returned grant (or another to the
+/// same pid) lives. Yama keeps one named tracer per process, so a second live same-host server
+/// is refused (its channel takes the network planes) rather than taking the grant from the
+/// first. Nothing to do at scope 0 or without Yama; at scope 2 or 3 only privilege helps, and
+/// the copy probe at attach tells.
+pub(crate) fn allow_tracer(pid: u32) -> Result<TracerGrant, String> {
+    if yama_scope() != Some(1) {
+        return Ok(TracerGrant(None));
+    }
+    let mut grants = TRACER.lock().unwrap_or_else(PoisonError::into_inner);
+    match grants.acquire(pid, alive) {
+        Err(other) => Err(format!(
+            "Yama (ptrace_scope 1) lets a process name one tracer, and this one already named \
+             pid {other}, another same-host peer"
+        )),
+        Ok(Prctl::Name(pid)) => match set_ptracer(pid) {
+            Ok(()) => Ok(TracerGrant(Some(pid))),
+            Err(e) => {
+                grants.undo(pid);
+                Err(format!("prctl(PR_SET_PTRACER, {pid}): {e}"))
+            }
+        },
+        Ok(_) => Ok(TracerGrant(Some(pid))),
+    }
 }
 
 fn alive(pid: u32) -> bool {
@@ -152,6 +247,137 @@ impl Pidfd {
     }
 }
 
+/// `CAP_SYS_PTRACE`'s bit in a capability set.
+const CAP_SYS_PTRACE: u32 = 19;
+/// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// The calling thread's capability sets (`capget` with pid 0: this thread, not the process).
+fn thread_caps() -> io::Result<[CapData; 2]> {
+    let mut head = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: `head` and two `CapData` words (version 3's size) are valid for the kernel's
+    // writes for the call.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &raw mut head, data.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(data)
+}
+
+/// Whether the calling thread has `CAP_SYS_PTRACE` in its effective set: the right to copy to
+/// and from any process, whatever its user or dumpability.
+pub(crate) fn ptrace_capable() -> io::Result<bool> {
+    Ok(thread_caps()?[0].effective & (1 << CAP_SYS_PTRACE) != 0)
+}
+
+/// Clears `CAP_SYS_PTRACE` from the calling thread's effective set (capabilities are per thread
+/// in the kernel: the process's other threads keep theirs). From then on the kernel lets this
+/// thread copy to and from a process only where the thread's real user owns it (all its user
+/// ids), it is dumpable (not running a set-user-id program, say) and Yama agrees: no more than
+/// that process's own user may. The permitted set is kept, so the kernel's check that a
+/// tracer's permitted capabilities cover its target's still passes for a privileged client.
+/// An error: the kernel refused (a seccomp filter, say), and the thread still has it.
+pub(crate) fn drop_ptrace_capability() -> io::Result<()> {
+    let mut data = thread_caps()?;
+    if data[0].effective & (1 << CAP_SYS_PTRACE) == 0 {
+        return Ok(());
+    }
+    data[0].effective &= !(1 << CAP_SYS_PTRACE);
+    let mut head = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    // SAFETY: `head` and two `CapData` words are valid for the kernel's reads for the call.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &raw mut head, data.as_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if ptrace_capable()? {
+        return Err(io::Error::other(
+            "CAP_SYS_PTRACE still effective after capset",
+        ));
+    }
+    Ok(())
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process that connected the socket.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process at the other end of `sock`, held by a pidfd: the kernel's own (`SO_PEERPIDFD`,
+/// taken at connect, so it can name no later process) where it has one, else one opened by the
+/// pid `SO_PEERCRED` recorded (`pid`), which names a later process only if the client exited
+/// and its pid was reused between its connect and this call.
+pub(crate) fn peer_pidfd(sock: &UnixStream, pid: u32) -> io::Result<Pidfd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` and `len` are valid for writes of the sizes passed; the socket is open.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&raw mut fd).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 && fd >= 0 {
+        // SAFETY: the kernel just made `fd` for us; nothing else owns it.
+        return Ok(Pidfd(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }));
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENOPROTOOPT) | Some(libc::EINVAL) => Pidfd::open(pid),
+        _ => Err(e),
+    }
+}
+
+/// The address space a process had when it was opened (`/proc/PID/mem`, which holds that
+/// memory map, not the pid): once the process execs a program or exits, that map is gone and
+/// the handle says so, even if the pid now runs something else. Opening it takes the same right
+/// as a copy (the kernel's ptrace check), so it is opened by a serving thread that dropped
+/// [`CAP_SYS_PTRACE`](drop_ptrace_capability).
+#[derive(Debug)]
+pub(crate) struct AddressSpace(std::fs::File);
+
+impl AddressSpace {
+    /// Holds the address space process `pid` runs in now.
+    pub(crate) fn open(pid: u32) -> io::Result<Self> {
+        std::fs::File::open(format!("/proc/{pid}/mem")).map(Self)
+    }
+
+    /// Reads `buf.len()` bytes at `addr` of the held address space (fewer at its end; an error
+    /// where nothing there is mapped or the space is gone).
+    pub(crate) fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+        std::os::unix::fs::FileExt::read_at(&self.0, buf, addr)
+    }
+
+    /// Whether the held address space is gone (the process exec'd or exited): one read at
+    /// address 0, never mapped, which the kernel refuses (`EIO`) while the space lives and
+    /// answers with nothing once no process uses it.
+    pub(crate) fn gone(&self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.read(0, &mut b), Ok(0))
+    }
+}
+
 /// Whether the other end of `sock` hung up both ways (closed it, exited, or shut down reading
 /// and writing): `POLLHUP`. A peer that only shut its sending half is not hung up.
 pub(crate) fn hung_up(sock: &UnixStream) -> bool {
@@ -163,6 +389,18 @@ pub(crate) fn hung_up(sock: &UnixStream) -> bool {
     // SAFETY: one valid pollfd, a zero timeout.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Whether `sock` has something to read now (or its end, or an error), without waiting.
+pub(crate) fn readable_now(sock: &UnixStream) -> bool {
+    let mut p = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, a zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n != 0
 }
 
 /// Receives what `sock` holds into `buf` without waiting: `Ok(0)` at the end of the stream,
@@ -408,6 +646,77 @@ mod tests {
         let held = Pidfd::open(child.id()).unwrap();
         child.wait().unwrap();
         assert!(held.exited());
+    }
+
+    #[test]
+    fn yamas_grant_is_named_once_shared_by_channels_and_revoked_with_the_last() {
+        let mut g = Grants::new();
+        let alive = |_| true;
+        assert_eq!(g.acquire(40, alive), Ok(Prctl::Name(40)));
+        assert_eq!(g.acquire(40, alive), Ok(Prctl::Nothing));
+        // Another live server is refused; the grant stays the first's.
+        assert_eq!(g.acquire(41, alive), Err(40));
+        assert_eq!(g.release(40), Prctl::Nothing);
+        assert_eq!(
+            g.release(40),
+            Prctl::Revoke,
+            "the last channel revokes the grant"
+        );
+        assert_eq!(g, Grants::new());
+        // A dead holder's grant is taken over; a failed prctl leaves nothing named.
+        assert_eq!(g.acquire(42, alive), Ok(Prctl::Name(42)));
+        assert_eq!(g.acquire(43, |p| p != 42), Ok(Prctl::Name(43)));
+        g.undo(43);
+        assert_eq!(g, Grants::new());
+        assert_eq!(g.release(43), Prctl::Nothing);
+    }
+
+    #[test]
+    fn a_thread_drops_ptrace_for_itself_only() {
+        let before = ptrace_capable().unwrap();
+        let dropped = std::thread::spawn(|| {
+            drop_ptrace_capability().unwrap();
+            ptrace_capable().unwrap()
+        })
+        .join()
+        .unwrap();
+        assert!(!dropped, "the serving thread still has CAP_SYS_PTRACE");
+        assert_eq!(
+            ptrace_capable().unwrap(),
+            before,
+            "another thread's set changed"
+        );
+    }
+
+    /// A child that execs `cat` on a line of input: the address space held before is gone once
+    /// `cat` runs (the pid is the same), and a held space is gone once its process exits.
+    #[test]
+    fn a_held_address_space_is_gone_once_its_process_execs_or_exits() {
+        use std::io::{BufRead, Write};
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("sh")
+            .args(["-c", "read x; exec cat"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let space = AddressSpace::open(child.id()).unwrap();
+        assert!(!space.gone());
+        let mut stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        stdin.write_all(b"exec\nping\n").unwrap();
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line, "ping\n", "cat runs");
+        assert!(
+            space.gone(),
+            "the space of the program before the exec is still there"
+        );
+        let now = AddressSpace::open(child.id()).unwrap();
+        assert!(!now.gone());
+        drop(stdin);
+        child.wait().unwrap();
+        assert!(now.gone());
     }
 
     #[test]

@@ -67,6 +67,10 @@ pub struct LocalConfig {
     pub handshake: HandshakeLimits,
     /// Streams a server serves at once, over all its peers.
     pub max_streams: usize,
+    /// Serve even where a serving thread cannot drop `CAP_SYS_PTRACE` (then its copies reach
+    /// any process a client names, whatever its user or dumpability). Off by default: such a
+    /// server is not started and peers take the network planes.
+    pub allow_privileged: bool,
     /// Where the CUDA driver GPU buffers are granted and copied with by CUDA IPC comes from
     /// (asked at each attach; used when it has the entry points and a GPU); `None`: GPU
     /// buffers take the host stage.
@@ -115,6 +119,7 @@ impl Default for LocalConfig {
             connect_timeout: Duration::from_secs(10),
             handshake: HandshakeLimits::default(),
             max_streams: 256,
+            allow_privileged: false,
             #[cfg(feature = "cuda")]
             cuda: None,
         }
@@ -132,14 +137,17 @@ pub struct LocalProbe {
     /// Whether a copy with this very process works (the system call is allowed here: seccomp
     /// profiles of some container runtimes refuse it), or the kernel's reason.
     pub copies: Result<(), String>,
+    /// Whether a serving thread runs without `CAP_SYS_PTRACE` (`true`: this process had it
+    /// and a thread drops it; `false`: it never had it), or why one cannot drop it.
+    pub serving: Result<bool, String>,
 }
 
 impl LocalProbe {
     /// One line for humans: what the plane needs and whether this host has it.
     pub fn summary(&self) -> String {
-        match (&self.boot_id, &self.copies) {
-            (Err(e), _) => format!("off: no boot id ({e})"),
-            (_, Err(e)) => format!("off: process_vm_readv refused here ({e})"),
+        let line = match (&self.boot_id, &self.copies) {
+            (Err(e), _) => return format!("off: no boot id ({e})"),
+            (_, Err(e)) => return format!("off: process_vm_readv refused here ({e})"),
             (Ok(_), Ok(())) => match self.yama_scope {
                 None | Some(0) => "on: process-to-process copies (same user)".into(),
                 Some(1) => "on: process-to-process copies (Yama ptrace_scope 1: each client \
@@ -147,11 +155,46 @@ impl LocalProbe {
                     .into(),
                 Some(s) => format!(
                     "limited: Yama ptrace_scope {s} allows the copies only to a server with \
-                     CAP_SYS_PTRACE; others take the network planes"
+                     CAP_SYS_PTRACE, which serving threads drop; peers take the network planes"
                 ),
             },
+        };
+        match &self.serving {
+            Ok(false) => line,
+            Ok(true) => format!(
+                "{line}; serving threads drop CAP_SYS_PTRACE (a client is copied to with the \
+                 right its own user has)"
+            ),
+            Err(e) => format!(
+                "{line}; not served here: a serving thread cannot drop CAP_SYS_PTRACE ({e}), \
+                 set FERRY_SAME_HOST=privileged to serve anyway"
+            ),
         }
     }
+
+    /// Whether this process serves the plane with `allow_privileged` as set (a process that
+    /// cannot drop `CAP_SYS_PTRACE` serves only where allowed).
+    pub fn serves(&self, allow_privileged: bool) -> Result<(), String> {
+        match &self.serving {
+            Err(e) if !allow_privileged => Err(privileged_refusal(e)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Whether a fresh thread of this process serves without `CAP_SYS_PTRACE`: `true` where it had
+/// the capability and dropped it.
+fn serving_probe() -> Result<bool, String> {
+    let t = std::thread::Builder::new()
+        .name("ferry-local-probe".into())
+        .spawn(|| {
+            let had = host::ptrace_capable().map_err(|e| format!("capget: {e}"))?;
+            host::drop_ptrace_capability().map_err(|e| e.to_string())?;
+            Ok(had)
+        })
+        .map_err(|e| format!("cannot start a thread: {e}"))?;
+    t.join()
+        .unwrap_or_else(|_| Err("the probing thread panicked".into()))
 }
 
 /// Probes this host for the same-host plane (reads two files, copies eight bytes with itself).
@@ -178,6 +221,7 @@ pub fn probe() -> LocalProbe {
         boot_id: host::boot_id().map_err(|e| e.to_string()),
         yama_scope: host::yama_scope(),
         copies,
+        serving: serving_probe(),
     }
 }
 
@@ -229,7 +273,8 @@ impl LocalTransport {
         if let Some(s) = slot.upgrade() {
             return Ok(s);
         }
-        let bound = LocalServer::bind()?;
+        serving_probe_result(self.config.allow_privileged)?;
+        let bound = LocalServer::bind()?.privileged(self.config.allow_privileged);
         #[cfg(feature = "cuda")]
         let bound = bound.with_cuda(self.config.cuda.clone());
         let handle = Arc::new(bound.serve(
@@ -274,6 +319,24 @@ impl LocalTransport {
             reason: format!("same-host plane: {reason}"),
         }
     }
+}
+
+/// Refuses to serve where a serving thread would keep `CAP_SYS_PTRACE`, unless allowed.
+fn serving_probe_result(allow_privileged: bool) -> Result<(), Error> {
+    match serving_probe() {
+        Err(e) if !allow_privileged => Err(Error::Unavailable {
+            library: "same-host plane".into(),
+            reason: privileged_refusal(&e),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn privileged_refusal(why: &str) -> String {
+    format!(
+        "a serving thread cannot drop CAP_SYS_PTRACE ({why}); set FERRY_SAME_HOST=privileged \
+         to serve anyway"
+    )
 }
 
 impl Transport for LocalTransport {

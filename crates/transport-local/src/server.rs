@@ -41,6 +41,7 @@ pub struct LocalServer {
     listener: UnixListener,
     name: String,
     gpu: ServerGpu,
+    privileged: bool,
 }
 
 impl LocalServer {
@@ -59,7 +60,17 @@ impl LocalServer {
             gpu: ServerGpu::new(None),
             #[cfg(not(feature = "cuda"))]
             gpu: ServerGpu,
+            privileged: false,
         })
+    }
+
+    /// Serves even where a serving thread cannot drop `CAP_SYS_PTRACE` (`allow`): its copies
+    /// then reach any process a client names, whatever its user or dumpability, so a client
+    /// that execs a set-user-id program could have the server write into it. Off by default:
+    /// such a thread refuses its connection.
+    pub fn privileged(mut self, allow: bool) -> Self {
+        self.privileged = allow;
+        self
     }
 
     /// Takes CUDA IPC streams with `cuda` (when it has the entry points and a GPU): clients'
@@ -94,7 +105,9 @@ impl LocalServer {
             responder,
             max_streams,
             gpu: self.gpu,
+            privileged: self.privileged,
             streams: AtomicUsize::new(0),
+            staged: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
             open: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
@@ -149,6 +162,11 @@ impl LocalServerHandle {
         self.shared.streams.load(Ordering::Acquire)
     }
 
+    /// Bytes of file staging its streams hold now (an idle stream holds none).
+    pub fn staging_bytes(&self) -> usize {
+        self.shared.staged.load(Ordering::Acquire)
+    }
+
     /// Stops accepting and shuts every served stream down (their clients see the end of the
     /// stream once the copy in progress, if any, is over).
     pub fn shutdown(&self) {
@@ -193,7 +211,11 @@ struct Shared {
     responder: Arc<dyn HandshakeResponder>,
     max_streams: usize,
     gpu: ServerGpu,
+    /// Whether a serving thread that cannot drop `CAP_SYS_PTRACE` serves anyway.
+    privileged: bool,
     streams: AtomicUsize,
+    /// Bytes of file staging its streams hold now.
+    staged: AtomicUsize,
     stopped: AtomicBool,
     /// A clone of every served stream's socket, to shut them down with the server (each
     /// removed when its stream ends, so a closed stream holds no descriptor).
@@ -257,6 +279,15 @@ impl Read for Deadline<'_> {
 }
 
 fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
+    // Before anything of the client is touched: this thread's copies run with no more right
+    // than the client's own user has over its process (the kernel checks it at every copy).
+    if let Err(e) = host::drop_ptrace_capability() {
+        if !shared.privileged {
+            warn!(error = %e, "a same-host serving thread cannot drop CAP_SYS_PTRACE; closed");
+            return;
+        }
+        debug!(error = %e, "serving with CAP_SYS_PTRACE (allowed)");
+    }
     let pid = match host::peer_credentials(&sock) {
         Ok((pid, _)) if pid != 0 => pid,
         Ok(_) => {
@@ -270,7 +301,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
     };
     // Held from here on: a client that exits is noticed before its pid is copied to again
     // (another process may reuse it).
-    let client = match host::Pidfd::open(pid) {
+    let client = match host::peer_pidfd(&sock, pid) {
         Ok(p) => p,
         Err(e) => {
             debug!(pid, error = %e, "cannot hold the same-host client's process; closed");
@@ -278,7 +309,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         }
     };
     let limits = shared.gate.limits();
-    let (proto, gpu) = match attach(&sock, pid, shared, limits.timeout) {
+    let (proto, gpu, space) = match attach(&sock, pid, &client, shared, limits.timeout) {
         Ok(Some(p)) => p,
         Ok(None) => return,
         Err(e) => {
@@ -315,7 +346,12 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
     }
     let span = tracing::debug_span!("serve same-host stream", pid);
     let _e = span.enter();
-    match serve_data(&sock, pid, &client, proto, gpu) {
+    let held = Held {
+        pid,
+        process: &client,
+        space: &space,
+    };
+    match serve_data(&sock, &held, &shared.staged, proto, gpu) {
         Ok(()) => debug!("same-host stream ended"),
         Err(e) => debug!(error = %e, "same-host stream failed"),
     }
@@ -344,15 +380,16 @@ impl Drop for Counted<'_> {
 }
 
 /// The attach of one stream, within `timeout` of the accept: the frame (checked by the
-/// handshake's conversation), the acceptance, and the probe that proves this process may copy
+/// handshake's conversation), the acceptance, and the probe that proves this thread may copy
 /// to and from the client's memory; with the stream's CUDA IPC state when it attached as a CUDA
-/// IPC stream. `None`: refused (and answered).
+/// IPC stream, and the client's address space held. `None`: refused (and answered).
 fn attach(
     sock: &UnixStream,
     pid: u32,
+    client: &host::Pidfd,
     shared: &Shared,
     timeout: Duration,
-) -> Result<Option<(ServerStream, Option<Served>)>, Error> {
+) -> Result<Option<(ServerStream, Option<Served>, host::AddressSpace)>, Error> {
     let until = Instant::now() + timeout;
     let mut reader = Deadline { sock, until };
     let frame = match ferry_net::read_frame(&mut reader, UNIX_PEER) {
@@ -442,22 +479,66 @@ fn attach(
         len: value.len(),
     }];
     // SAFETY: `value` is a local array, writable, not referenced during the copy.
-    let copied = unsafe { host::copy(pid, Direction::In, &ours, &theirs) };
+    let copied = unsafe { host::copy(pid, Direction::In, &ours, &theirs) }
+        .and_then(|()| hold_space(pid, client, theirs[0].addr as u64, value));
     let mut answer = [0u8; 9];
-    match copied {
-        Ok(()) => {
+    let space = match copied {
+        Ok(space) => {
             answer[0] = PROBE_OK;
             answer[1..].copy_from_slice(&value);
+            Some(space)
         }
         Err(e) => {
-            debug!(pid, error = %e, "same-host probe copy refused");
+            debug!(pid, error = %e, "same-host probe refused");
             answer[0] = PROBE_FAILED;
             answer[1..5].copy_from_slice(&e.raw_os_error().unwrap_or(0).to_le_bytes());
+            None
         }
-    }
+    };
     out.write_all(&answer)
         .map_err(|e| ferry_net::lost(UNIX_PEER, "same-host probe", e))?;
-    Ok((answer[0] == PROBE_OK).then_some((proto, gpu)))
+    Ok(space.map(|space| (proto, gpu, space)))
+}
+
+/// Holds the address space the probe's copy reached: opened by pid, then proven to be the
+/// connecting process's (its pidfd still running, so the pid named it when it was opened) and
+/// the space the copies reach (the probe's eight bytes read through it are the ones copied).
+fn hold_space(
+    pid: u32,
+    client: &host::Pidfd,
+    at: u64,
+    copied: [u8; 8],
+) -> io::Result<host::AddressSpace> {
+    let space = host::AddressSpace::open(pid)?;
+    if client.exited() {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    let mut seen = [0u8; 8];
+    if space.read(at, &mut seen)? != seen.len() || seen != copied {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the probe's bytes read through /proc differ from those copied (another pid \
+             namespace's /proc?)",
+        ));
+    }
+    Ok(space)
+}
+
+/// The client a stream serves, as proven at its attach: copies go to `pid` only while it is
+/// still that process (`process`) running in that address space (`space`).
+struct Held<'a> {
+    pid: u32,
+    process: &'a host::Pidfd,
+    space: &'a host::AddressSpace,
+}
+
+impl Held<'_> {
+    /// Whether the client is still the process, and the program, that attached: a client
+    /// that exited or exec'd (a set-user-id program, say) is never copied to again, whoever
+    /// holds the stream's socket now.
+    fn still_attached(&self) -> bool {
+        !self.process.exited() && !self.space.gone()
+    }
 }
 
 fn refusal(shared: &Shared, message: &str) -> ControlFrame {
@@ -476,20 +557,23 @@ fn refusal(shared: &Shared, message: &str) -> ControlFrame {
 /// written once no further request is waiting, so a burst is answered in one write.
 fn serve_data(
     sock: &UnixStream,
-    pid: u32,
-    client: &host::Pidfd,
+    held: &Held<'_>,
+    staged: &AtomicUsize,
     mut proto: ServerStream,
     mut gpu: Option<Served>,
 ) -> io::Result<()> {
+    let pid = held.pid;
     let mut rd = BufReader::with_capacity(64 << 10, sock);
     let mut out: Vec<u8> = Vec::with_capacity(4 << 10);
-    let mut stage: Vec<u8> = Vec::new();
+    let mut staging = Staging::new(staged);
     let mut table: Vec<u8> = Vec::new();
     let mut entries: Vec<Entry> = Vec::new();
     let ipc = gpu.is_some();
     let mut head = [0u8; DATA_REQUEST_LEN];
     loop {
         flush_unless_buffered(&rd, DATA_REQUEST_LEN + ADDR_LEN, sock, &mut out)?;
+        // Idle (no request waiting, here or on the socket): the file staging is given back.
+        staging.settle(|| rd.buffer().is_empty() && !host::readable_now(sock));
         match rd.read_exact(&mut head) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
@@ -498,7 +582,7 @@ fn serve_data(
             }
             Err(e) => return Err(e),
         }
-        if client.exited() {
+        if !held.still_attached() {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
         if host::hung_up(sock) {
@@ -544,18 +628,18 @@ fn serve_data(
                 let theirs = match read_entry(&mut rd, len, ipc)? {
                     Entry::Addr(span) => span,
                     Entry::Ipc(grant) => {
-                        served(&mut gpu)?.read_file(&grant, &file, at, len, &mut stage)?;
+                        served(&mut gpu)?.read_file(&grant, &file, at, len, &mut staging.buf)?;
                         out.extend_from_slice(&response);
                         continue;
                     }
                 };
-                stage.resize(len, 0);
-                file.read_exact_at(at, &mut stage)?;
+                staging.buf.resize(len, 0);
+                file.read_exact_at(at, &mut staging.buf)?;
                 let ours = Span {
-                    addr: stage.as_ptr() as usize,
+                    addr: staging.buf.as_ptr() as usize,
                     len,
                 };
-                // SAFETY: `stage` is ours and only read by the copy.
+                // SAFETY: `staging.buf` is ours and only read by the copy.
                 unsafe { host::copy(pid, Direction::Out, &[ours], &[theirs])? };
                 out.extend_from_slice(&response);
             }
@@ -568,19 +652,19 @@ fn serve_data(
                 let theirs = match read_entry(&mut rd, len, ipc)? {
                     Entry::Addr(span) => span,
                     Entry::Ipc(grant) => {
-                        served(&mut gpu)?.write_file(&grant, &file, at, len, &mut stage)?;
+                        served(&mut gpu)?.write_file(&grant, &file, at, len, &mut staging.buf)?;
                         out.extend_from_slice(&response);
                         continue;
                     }
                 };
-                stage.resize(len, 0);
+                staging.buf.resize(len, 0);
                 let ours = Span {
-                    addr: stage.as_mut_ptr() as usize,
+                    addr: staging.buf.as_mut_ptr() as usize,
                     len,
                 };
-                // SAFETY: `stage` is ours, writable, not referenced during the copy.
+                // SAFETY: `staging.buf` is ours, writable, not referenced during the copy.
                 unsafe { host::copy(pid, Direction::In, &[ours], &[theirs])? };
-                file.write_all_at(at, &stage)?;
+                file.write_all_at(at, &staging.buf)?;
                 out.extend_from_slice(&response);
             }
             Action::ChecksumMemory { sum, seq, .. } => {
@@ -597,7 +681,7 @@ fn serve_data(
                 out.extend_from_slice(&response);
             }
             Action::Table { req } => {
-                let bufs = (&mut table, &mut entries, &mut stage, &mut out);
+                let bufs = (&mut table, &mut entries, &mut staging.buf, &mut out);
                 if !serve_table(&mut rd, sock, pid, &mut proto, &req, ipc, &mut gpu, bufs)? {
                     (&*sock).write_all(&out)?;
                     return Ok(());
@@ -618,6 +702,45 @@ fn serve_data(
                 ));
             }
         }
+    }
+}
+
+/// A stream's file staging (a file op's bytes pass through it), counted in its server's total
+/// and given back whenever the stream goes idle.
+struct Staging<'a> {
+    buf: Vec<u8>,
+    counted: usize,
+    total: &'a AtomicUsize,
+}
+
+impl<'a> Staging<'a> {
+    fn new(total: &'a AtomicUsize) -> Self {
+        Self {
+            buf: Vec::new(),
+            counted: 0,
+            total,
+        }
+    }
+
+    /// Counts what the buffer holds now; gives it back if the stream is `idle` (asked only
+    /// while it holds something).
+    fn settle(&mut self, idle: impl FnOnce() -> bool) {
+        if self.buf.capacity() > 0 && idle() {
+            self.buf = Vec::new();
+        }
+        let now = self.buf.capacity();
+        if now > self.counted {
+            self.total.fetch_add(now - self.counted, Ordering::AcqRel);
+        } else {
+            self.total.fetch_sub(self.counted - now, Ordering::AcqRel);
+        }
+        self.counted = now;
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.counted, Ordering::AcqRel);
     }
 }
 
@@ -880,6 +1003,14 @@ mod tests {
     }
 
     fn server(timeout: Duration, max_pending: usize) -> (LocalServerHandle, Epoch) {
+        server_of(timeout, max_pending, 4)
+    }
+
+    fn server_of(
+        timeout: Duration,
+        max_pending: usize,
+        max_streams: usize,
+    ) -> (LocalServerHandle, Epoch) {
         let epoch = Epoch::fresh();
         let h = LocalServer::bind()
             .unwrap()
@@ -890,10 +1021,81 @@ mod tests {
                     timeout,
                     max_pending,
                 },
-                4,
+                max_streams,
             )
             .unwrap();
         (h, epoch)
+    }
+
+    /// Attaches a stream of this process and answers the probe with `canary`'s address:
+    /// what the server answered (its first byte `PROBE_OK` or `PROBE_FAILED`).
+    fn attach_probed(h: &LocalServerHandle, epoch: Epoch, canary: u64) -> (UnixStream, [u8; 9]) {
+        let mut s = connect(h);
+        ferry_net::write_frame(&mut s, UNIX_PEER, &attach(epoch, local_code())).unwrap();
+        let reply = ferry_net::read_frame(&mut s, UNIX_PEER).unwrap();
+        assert!(matches!(reply, ControlFrame::StreamAccept), "{reply:?}");
+        s.write_all(&canary.to_le_bytes()).unwrap();
+        let mut answer = [0u8; 9];
+        s.read_exact(&mut answer).unwrap();
+        (s, answer)
+    }
+
+    /// A READ of 8 bytes of an unknown token into `at`: a served stream answers it (refused).
+    fn unknown_read(s: &mut UnixStream, at: u64) {
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        ferry_core::wire::DataRequest {
+            kind: OpKind::Read,
+            seq: 0,
+            token: SegmentToken(99),
+            offset: 0,
+            len: 8,
+            ack_slack: 0,
+        }
+        .encode(&mut head);
+        // A server that closed the stream refuses it (the write may fail): the caller reads.
+        let _ = s.write_all(&head);
+        let _ = s.write_all(&at.to_le_bytes());
+    }
+
+    #[test]
+    fn past_the_stream_cap_an_attach_is_refused_with_the_reason() {
+        let (h, epoch) = server_of(Duration::from_secs(30), 8, 1);
+        let canary = Box::new(0x0bad_cafe_u64);
+        let (_first, answer) = attach_probed(&h, epoch, (&raw const *canary) as u64);
+        assert_eq!(answer[0], PROBE_OK);
+        // Served by the time its probe was answered... and counted once its thread moves on:
+        // the count is the server's, read after a request on the first stream was answered.
+        let mut first = _first;
+        let mut target = Box::new(0u64);
+        unknown_read(&mut first, (&raw mut *target) as u64);
+        let mut resp = [0u8; ferry_core::wire::DATA_RESPONSE_LEN];
+        first.read_exact(&mut resp).unwrap();
+        assert_eq!(h.streams(), 1);
+        let mut second = connect(&h);
+        ferry_net::write_frame(&mut second, UNIX_PEER, &attach(epoch, local_code())).unwrap();
+        match ferry_net::read_frame(&mut second, UNIX_PEER).unwrap() {
+            ControlFrame::Reject(r) => {
+                assert_eq!(r.reason, RejectReason::Refused);
+                assert!(r.message.contains("too many"), "{}", r.message);
+            }
+            other => panic!("the stream past the cap was not refused: {other:?}"),
+        }
+        assert!(rest(second).is_empty());
+    }
+
+    #[test]
+    fn a_stream_whose_probe_fails_is_never_served() {
+        let (h, epoch) = server(Duration::from_secs(30), 8);
+        // Nothing is mapped at address 8: the probe's copy fails.
+        let (mut s, answer) = attach_probed(&h, epoch, 8);
+        assert_eq!(answer[0], PROBE_FAILED);
+        let mut target = Box::new(0u64);
+        unknown_read(&mut s, (&raw mut *target) as u64);
+        assert!(
+            rest(s).is_empty(),
+            "a stream whose probe failed answered a request"
+        );
+        assert_eq!(h.streams(), 0);
     }
 
     fn connect(h: &LocalServerHandle) -> UnixStream {
