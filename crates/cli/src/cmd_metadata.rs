@@ -5,15 +5,16 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 
-use crate::metadata::{server, store::Store};
+use crate::metadata::{server, store};
 use crate::parse;
 
 /// Arguments of `ferry metadata-server`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct MetadataServerArgs {
     /// Address to listen on: HOST:PORT (`0.0.0.0:8080` for every interface, port 0 for any
-    /// free port). Anyone who can reach it reads and changes every key: keep it on a trusted
-    /// network, as Mooncake's own server.
+    /// free port). Anyone who can reach it reads every key and changes every record not owned
+    /// (Ferry's engines own theirs with a `Ferry-Owner-Token`; Mooncake's do not): keep it on a
+    /// trusted network, as Mooncake's own server. It warns when listening off loopback.
     #[arg(long, default_value = DEFAULT_LISTEN, value_parser = parse::listen_addr)]
     listen: SocketAddr,
 }
@@ -37,10 +38,16 @@ pub(crate) fn run(args: MetadataServerArgs) -> Result<()> {
             .with_context(|| format!("binding the metadata server's address {}", args.listen))?;
         let addr = listener.local_addr().context("the listener's address")?;
         tracing::info!(%addr, "metadata server listening");
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "metadata server listening on an address other than \
+                loopback, without authentication: anyone who can reach it reads every record, \
+                and replaces or deletes every record stored without a Ferry-Owner-Token \
+                (Mooncake's engines' records); keep it on a trusted network");
+        }
         crate::out::say(format_args!("metadata server listening on {addr}"));
-        let store = Arc::new(Mutex::new(Store::new()));
+        let store = Arc::new(Mutex::new(store::Store::new(store::Limits::default())));
         tokio::select! {
-            () = server::serve(listener, addr, store) => {}
+            () = server::serve(listener, addr, store, server::Limits::default()) => {}
             _ = interrupt.recv() => tracing::info!("SIGINT: metadata server stopping"),
             _ = terminate.recv() => tracing::info!("SIGTERM: metadata server stopping"),
         }

@@ -6,19 +6,25 @@
 //! ends, empty lines before the request line skipped), a body framed by `Content-Length` (none
 //! without it), `Expect: 100-continue` (answered before the body is read), requests pipelined
 //! or one after another on a kept-alive connection (HTTP/1.1 unless `Connection: close`;
-//! HTTP/1.0 closes after each answer).
+//! HTTP/1.0 closes after each answer). Of the other headers only [`OWNER_TOKEN`] is read.
 //!
 //! What it refuses, answering once and closing: a malformed head (400), a head past
 //! [`MAX_HEAD`] (431), a body past [`MAX_BODY`] (413, before any of it is read), any
 //! `Transfer-Encoding` (501: no Mooncake client sends chunked bodies), a version other than
-//! 1.0 or 1.1 (505), a request begun but not finished when the driver's deadline passes (408).
+//! 1.0 or 1.1 (505), two different [`OWNER_TOKEN`]s (400), a request begun but not finished
+//! when the driver's deadline passes (408).
 
 use std::sync::Arc;
 
 /// The longest request head (request line, header lines and the empty line ending them).
 pub(crate) const MAX_HEAD: usize = 16 << 10;
-/// The largest request body.
-pub(crate) const MAX_BODY: usize = 64 << 20;
+/// The largest request body, and so the largest record: Mooncake's records (segment
+/// descriptors, RPC addresses) and Ferry's are KiB; a body past it is refused before it is read.
+pub(crate) const MAX_BODY: usize = 4 << 20;
+
+/// The header that carries a record's owner token (`Ferry-Owner-Token: SECRET`): see
+/// [`super::store`].
+pub(crate) const OWNER_TOKEN: &str = "ferry-owner-token";
 
 /// `HTTP/1.1 100 Continue`: what a client sending `Expect: 100-continue` waits for.
 pub(crate) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
@@ -94,6 +100,7 @@ fn reason(status: u16) -> &'static str {
         100 => "Continue",
         200 => "OK",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -101,6 +108,7 @@ fn reason(status: u16) -> &'static str {
         431 => "Request Header Fields Too Large",
         501 => "Not Implemented",
         505 => "HTTP Version Not Supported",
+        507 => "Insufficient Storage",
         _ => "",
     }
 }
@@ -116,6 +124,8 @@ pub(crate) struct Request {
     pub(crate) body: Vec<u8>,
     /// Whether the connection stays open after the answer.
     pub(crate) keep_alive: bool,
+    /// The [`OWNER_TOKEN`] header's value (trimmed), if sent.
+    pub(crate) owner_token: Option<Vec<u8>>,
 }
 
 impl Request {
@@ -146,6 +156,7 @@ struct Head {
     keep_alive: bool,
     content_length: usize,
     expect_continue: bool,
+    owner_token: Option<Vec<u8>>,
 }
 
 /// One connection's requests, from the bytes read to complete requests. Bytes past a request
@@ -191,7 +202,10 @@ impl Conn {
                 Ok(Some((head, consumed))) => {
                     self.buf.drain(..consumed);
                     if head.content_length > MAX_BODY {
-                        return Next::Reject(Response::text(413, "request body too large\n"));
+                        return Next::Reject(Response::text(
+                            413,
+                            "request body too large: a record is at most 4 MiB\n",
+                        ));
                     }
                     self.body_of = Some((head, false));
                 }
@@ -212,6 +226,7 @@ impl Conn {
                 target: head.target,
                 body,
                 keep_alive: head.keep_alive,
+                owner_token: head.owner_token,
             });
         }
         if head.expect_continue && !*continued {
@@ -280,6 +295,7 @@ fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, Response> {
     let mut content_length: Option<u64> = None;
     let mut close = !http11;
     let mut expect_continue = false;
+    let mut owner_token: Option<&[u8]> = None;
     for field in fields {
         if field.starts_with(b" ") || field.starts_with(b"\t") {
             return Err(bad("folded header lines are not accepted\n"));
@@ -322,6 +338,11 @@ fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, Response> {
             }
         } else if name.eq_ignore_ascii_case(b"expect") {
             expect_continue = http11 && value.eq_ignore_ascii_case(b"100-continue");
+        } else if name.eq_ignore_ascii_case(OWNER_TOKEN.as_bytes()) {
+            if owner_token.is_some_and(|first| first != value) {
+                return Err(bad("conflicting Ferry-Owner-Token headers\n"));
+            }
+            owner_token = Some(value);
         }
     }
     let content_length = usize::try_from(content_length.unwrap_or(0)).unwrap_or(usize::MAX);
@@ -334,6 +355,7 @@ fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, Response> {
             keep_alive: !close,
             content_length,
             expect_continue,
+            owner_token: owner_token.map(<[u8]>::to_vec),
         },
         end,
     )))
@@ -349,6 +371,7 @@ mod tests {
             target: target.into(),
             body: body.to_vec(),
             keep_alive,
+            owner_token: None,
         })
     }
 
@@ -507,6 +530,23 @@ mod tests {
         // The same Content-Length twice is one.
         let mut c = fed(b"PUT /a HTTP/1.1\r\nContent-Length: 1\r\ncontent-length:  1 \r\n\r\nq");
         assert_eq!(c.poll(), request("PUT", "/a", b"q", true));
+    }
+
+    #[test]
+    fn the_owner_token_header_is_read_once() {
+        let mut c =
+            fed(b"PUT /a HTTP/1.1\r\nferry-OWNER-token:  s3cret \r\nContent-Length: 1\r\n\r\nz");
+        let Next::Request(r) = c.poll() else {
+            panic!("a request")
+        };
+        assert_eq!(r.owner_token.as_deref(), Some(&b"s3cret"[..]));
+        // The same value twice is one; two values are refused.
+        let raw = b"DELETE /a HTTP/1.1\r\nFerry-Owner-Token: x\r\nFerry-Owner-Token: x\r\n\r\n";
+        assert!(
+            matches!(fed(raw).poll(), Next::Request(r) if r.owner_token.as_deref() == Some(b"x"))
+        );
+        let raw = b"DELETE /a HTTP/1.1\r\nFerry-Owner-Token: x\r\nFerry-Owner-Token: y\r\n\r\n";
+        assert_eq!(status(fed(raw).poll()), 400);
     }
 
     #[test]
