@@ -29,10 +29,19 @@ def pattern(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+class _Records(dict):
+    """The fake metadata server's records, and the ``Ferry-Owner-Token`` each PUT and DELETE
+    carried: ``tokens`` lists (method, key, token)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = []
+
+
 class _Metadata(BaseHTTPRequestHandler):
     """Mooncake's HTTP metadata protocol, for the tests: ``/metadata?key=K``."""
 
-    store: dict = {}
+    store: _Records = _Records()
 
     def log_message(self, *args):  # quiet
         pass
@@ -64,12 +73,14 @@ class _Metadata(BaseHTTPRequestHandler):
     def do_PUT(self):
         key = self._key()
         if key is not None:
+            self.store.tokens.append(("PUT", key, self.headers.get("Ferry-Owner-Token")))
             self.store[key] = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self._reply(200, b"metadata updated")
 
     def do_DELETE(self):
         key = self._key()
         if key is not None:
+            self.store.tokens.append(("DELETE", key, self.headers.get("Ferry-Owner-Token")))
             self.store.pop(key, None)
             self._reply(200, b"metadata deleted")
 
@@ -77,7 +88,7 @@ class _Metadata(BaseHTTPRequestHandler):
 @pytest.fixture
 def http_metadata():
     """An HTTP metadata server on loopback; yields (url, its store)."""
-    store: dict = {}
+    store = _Records()
     handler = type("Handler", (_Metadata,), {"store": store})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -200,6 +211,10 @@ def test_the_metadata_modes_keep_a_record_and_take_it_away(http_metadata):
     assert rec["ferry_addr"].endswith(f":{te.get_rpc_port()}") and rec["protocol"] == "ferry"
     te.close()
     assert "mooncake/ferry/node-a:9000" not in store
+    # Both carried one owner token (`ferry metadata-server` then refuses anyone else's).
+    calls = [(m, t) for m, k, t in store.tokens if k == "mooncake/ferry/node-a:9000"]
+    assert [m for m, _ in calls] == ["PUT", "DELETE"]
+    assert calls[0][1] == calls[1][1] and len(calls[0][1]) >= 16
 
 
 def test_initialize_ext_and_a_bare_host_port_are_etcd(etcd_server):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,6 +26,10 @@ from dataclasses import dataclass
 
 #: How long one HTTP metadata call may take, in seconds (Mooncake's client allows 3 s).
 HTTP_TIMEOUT = 3.0
+
+#: Ferry's addition to the HTTP protocol: ``ferry metadata-server`` lets only a PUT or DELETE
+#: carrying the token a record was first PUT with change it (other servers ignore the header).
+OWNER_TOKEN_HEADER = "Ferry-Owner-Token"
 
 
 from ferry._ferry import FerryError
@@ -92,23 +97,35 @@ class Store:
 
 
 class HttpStore(Store):
-    """Mooncake's HTTP metadata protocol at ``url`` (``http://HOST:PORT/metadata``)."""
+    """Mooncake's HTTP metadata protocol at ``url`` (``http://HOST:PORT/metadata``). Its PUTs
+    and DELETEs carry an owner token: ``FERRY_METADATA_TOKEN`` (16 to 256 visible ASCII
+    characters; it lets a restarted engine take its record back), else one drawn per store."""
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.token = os.environ.get("FERRY_METADATA_TOKEN") or secrets.token_urlsafe(32)
 
     def _call(self, method: str, key: str, body: bytes | None = None) -> bytes | None:
         url = f"{self.url}?key={urllib.parse.quote(key, safe='')}"
         req = urllib.request.Request(url, data=body, method=method)
         if body is not None:
             req.add_header("Content-Type", "application/json")
+        if method in ("PUT", "DELETE"):
+            req.add_header(OWNER_TOKEN_HEADER, self.token)
         try:
             with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:
                 return resp.read()
         except urllib.error.HTTPError as e:
             if e.code == 404 and method in ("GET", "DELETE"):
                 return None
-            raise MetadataError(f"{method} {url}: HTTP {e.code} {e.reason}") from e
+            said = e.read(256).decode("utf-8", "replace").strip()
+            hint = (
+                " (the name is another engine's, or an earlier run's: FERRY_METADATA_TOKEN "
+                "keeps a token across restarts)"
+                if e.code == 403
+                else ""
+            )
+            raise MetadataError(f"{method} {url}: HTTP {e.code} {e.reason}: {said}{hint}") from e
         except (urllib.error.URLError, OSError) as e:
             raise MetadataError(f"{method} {url}: {e}") from e
 
