@@ -490,6 +490,43 @@ fn a_size_flood_is_refused_and_memory_stays_bounded() -> Result<()> {
     Ok(())
 }
 
+/// Listening off loopback warns on stderr (the log), before the address is printed; on
+/// loopback it does not.
+#[test]
+fn listening_off_loopback_warns() -> Result<()> {
+    for (listen, warns) in [("0.0.0.0:0", true), ("127.0.0.1:0", false)] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["metadata-server", "--listen", listen])
+            .env("NO_COLOR", "1")
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawn ferry metadata-server")?;
+        let mut stdout = BufReader::new(child.stdout.take().context("stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        assert!(
+            line.starts_with("metadata server listening on "),
+            "{line:?}"
+        );
+        child.kill()?;
+        child.wait()?;
+        let mut log = String::new();
+        child
+            .stderr
+            .take()
+            .context("stderr")?
+            .read_to_string(&mut log)?;
+        assert_eq!(
+            log.contains("metadata server listening on an address other than loopback"),
+            warns,
+            "{listen}: {log:?}"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn sigterm_stops_it_cleanly() -> Result<()> {
     let mut server = Server::start()?;
