@@ -193,6 +193,10 @@ impl Embedded {
 
     async fn call(&self, req: Request) -> Result<Reply, BroadcastError> {
         let mut conn = self.conn.lock().await;
+        if conn.as_ref().is_some_and(CtlClient::stale) {
+            // The source closes a connection idle past its timeout.
+            *conn = None;
+        }
         if conn.is_none() {
             *conn = Some(
                 CtlClient::connect_keyed(&self.addr.to_string(), self.timeout, self.keys.as_ref())

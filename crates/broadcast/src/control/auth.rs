@@ -1,5 +1,7 @@
 //! The challenge-response steps of one control connection, and every request before the proof.
 
+use std::sync::Arc;
+
 use ferry::core_types::auth::{PendingProof, ServerAuth, nonce};
 use ferry::core_types::wire::{AuthProof, ControlFrame};
 use ferry::{Epoch, PeerId};
@@ -21,7 +23,7 @@ pub(crate) enum ConnAuth {
     /// Keyed: challenge sent, proof awaited.
     Challenged(PendingProof),
     /// Keyed: the key of this name was proven.
-    Proven,
+    Proven(Arc<str>),
 }
 
 fn refused(message: String) -> (Reply, bool) {
@@ -87,7 +89,7 @@ pub(crate) fn authenticate(
             match server.verify(pending, &AuthProof { mac: mac.0 }) {
                 Ok(name) => {
                     tracing::debug!(key = %name, "control connection authenticated");
-                    *conn = ConnAuth::Proven;
+                    *conn = ConnAuth::Proven(name);
                     Some((Reply::Ok { source_epoch }, false))
                 }
                 Err(r) => Some(refused(r.message)),
@@ -96,8 +98,8 @@ pub(crate) fn authenticate(
         (Request::AuthHello { .. } | Request::AuthProof { .. }, _) => {
             Some(refused("authentication out of order".into()))
         }
-        (_, ConnAuth::Proven) => {
-            *conn = ConnAuth::Proven;
+        (_, ConnAuth::Proven(name)) => {
+            *conn = ConnAuth::Proven(name);
             None
         }
         (_, _) => Some(refused(

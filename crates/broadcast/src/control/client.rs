@@ -1,7 +1,7 @@
 //! A connection to a member's control service, keyed or not.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -14,6 +14,7 @@ use crate::error::BroadcastError;
 use crate::manifest::Digest;
 
 use super::messages::{MAX_LINE, Reply, Request, read_line};
+use super::proven::ProvenLimits;
 
 /// One connection to a member's control service.
 #[derive(Debug)]
@@ -22,6 +23,8 @@ pub(crate) struct CtlClient {
     r: BufReader<tokio::net::tcp::OwnedReadHalf>,
     w: tokio::net::tcp::OwnedWriteHalf,
     local: SocketAddr,
+    /// When its last answer came (or it connected).
+    last: Instant,
 }
 
 impl CtlClient {
@@ -110,7 +113,14 @@ impl CtlClient {
             r: BufReader::new(r),
             w,
             local,
+            last: Instant::now(),
         })
+    }
+
+    /// Whether it has been idle for half the idle timeout a member closes proven connections
+    /// at (by default): better opened again than found closed by the next request.
+    pub(crate) fn stale(&self) -> bool {
+        self.last.elapsed() >= ProvenLimits::default().idle / 2
     }
 
     /// This end's address (the address the member sees us from).
@@ -140,6 +150,7 @@ impl CtlClient {
             .map_err(|_| err(format!("no answer within {timeout:?}")))?
             .map_err(|e| err(e.to_string()))?
             .ok_or_else(|| err("connection closed".into()))?;
+        self.last = Instant::now();
         let reply: Reply = serde_json::from_slice(&answer)
             .map_err(|e| err(format!("{} ({e})", not_control(&answer))))?;
         match reply {

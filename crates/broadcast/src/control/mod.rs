@@ -27,6 +27,14 @@
 //! `MAX_PREAUTH_REQUEST` (1 KiB) on a keyed member, `MAX_REQUEST` (64 KiB) once proven.
 //! Accept errors (out of descriptors) back off instead of spinning.
 //!
+//! **After the proof** (keyless: once the first request is answered), a connection is charged
+//! to the key name it proved (keyless: to its source address), through [`proven`]: at most 256
+//! such connections per key and 1024 in all, past which the least recently active of the key's
+//! connections waiting for a request (past the total: of the key holding the most) is closed to
+//! make room, or the newcomer refused where all of them are being answered; and a connection
+//! waiting longer than 60 s for its next request is closed. So connections that each sent one
+//! request and went idle cannot hold the member's descriptors.
+//!
 //! **Entries are their members'.** The tracker answers a `join` with a secret token of the
 //! new entry (32 random bytes); a heartbeat or a leave of that entry must carry it, and a join
 //! under an id already listed must too, so no one else can renew, move or remove it. Receivers
@@ -34,11 +42,13 @@
 //!
 //! The parts, each importing only those listed before it: [`messages`] (the requests, answers
 //! and line limits), [`tracker`] (the embedded discovery's list), [`auth`] (the
-//! challenge-response steps of one connection), [`server`] (the service) and [`client`].
+//! challenge-response steps of one connection), [`proven`] (the proven connections per key),
+//! [`server`] (the service) and [`client`].
 
 mod auth;
 mod client;
 mod messages;
+mod proven;
 mod server;
 mod tracker;
 

@@ -1,5 +1,6 @@
 //! The control service: the accept loop behind the pre-authentication gate, each connection's
-//! loop, and the answers.
+//! loop (charged to the proven connections' table once proven, and closed when idle), and the
+//! answers.
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use ferry::{HandshakeGate, HandshakeLimits, HandshakeSlot};
 
@@ -17,7 +18,11 @@ use crate::manifest::{Digest, Manifest};
 
 use super::auth::{ConnAuth, MemberAuth, authenticate};
 use super::messages::{MAX_PREAUTH_REQUEST, MAX_REQUEST, Progress, Reply, Request, read_line};
+use super::proven::{ConnKey, ProvenLimits, ProvenTable};
 use super::tracker::Tracker;
+
+/// The proven connections of one service; each handle wakes its connection to close.
+type Proven = Mutex<ProvenTable<Arc<Notify>>>;
 
 /// Longest wait of one progress poll.
 const MAX_WAIT: Duration = Duration::from_secs(10);
@@ -55,20 +60,28 @@ pub(crate) struct Service {
 
 impl Service {
     /// Serves the control protocol on `listener`, with the data planes' default pre-proof
-    /// limits. Must be called inside a tokio runtime.
+    /// limits and the default ones after. Must be called inside a tokio runtime.
     pub(crate) fn start(listener: TcpListener, state: Arc<CtlState>) -> Self {
-        Self::start_with(listener, state, HandshakeLimits::default())
+        Self::start_with(
+            listener,
+            state,
+            HandshakeLimits::default(),
+            ProvenLimits::default(),
+        )
     }
 
-    /// Serves the control protocol on `listener`, with `limits` before the proof.
+    /// Serves the control protocol on `listener`, with `limits` before the proof and `proven`
+    /// after it.
     pub(crate) fn start_with(
         listener: TcpListener,
         state: Arc<CtlState>,
         limits: HandshakeLimits,
+        proven: ProvenLimits,
     ) -> Self {
         let listener = Arc::new(Mutex::new(Some(listener)));
         let gate = HandshakeGate::new(limits);
-        let task = tokio::spawn(serve(listener.clone(), state, gate));
+        let proven = Arc::new(Mutex::new(ProvenTable::new(proven)));
+        let task = tokio::spawn(serve(listener.clone(), state, gate, proven));
         Self { listener, task }
     }
 }
@@ -93,6 +106,7 @@ async fn serve(
     listener: Arc<Mutex<Option<TcpListener>>>,
     state: Arc<CtlState>,
     gate: Arc<HandshakeGate>,
+    proven: Arc<Proven>,
 ) {
     let mut conns = tokio::task::JoinSet::new();
     let fresh = || ferry::core_types::backoff::Backoff::random(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX);
@@ -127,9 +141,10 @@ async fn serve(
                     tracing::debug!(%from, "control connection refused: too many before their proof");
                     continue;
                 };
-                let (state, gate) = (state.clone(), gate.clone());
+                let (state, gate, proven) = (state.clone(), gate.clone(), proven.clone());
                 conns.spawn(async move {
-                    if let Err(e) = serve_conn(stream, &state, slot, &gate).await {
+                    let conn = Conn { from: from.ip(), slot, gate: &gate, proven: &proven };
+                    if let Err(e) = serve_conn(stream, &state, conn).await {
                         tracing::debug!(%from, error = %e, "control connection ended");
                     }
                 });
@@ -143,12 +158,59 @@ async fn serve(
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-async fn serve_conn(
-    stream: TcpStream,
-    state: &CtlState,
+/// What one connection is served under: where it came from, its place at the gate until its
+/// proof, and the table it joins once proven.
+struct Conn<'a> {
+    from: std::net::IpAddr,
     slot: HandshakeSlot,
-    gate: &HandshakeGate,
-) -> std::io::Result<()> {
+    gate: &'a HandshakeGate,
+    proven: &'a Proven,
+}
+
+/// A connection's place in the proven table, given back when it ends.
+struct Charged<'a> {
+    proven: &'a Proven,
+    id: u64,
+    /// Woken when the table takes it out to make room.
+    evicted: Arc<Notify>,
+}
+
+impl Drop for Charged<'_> {
+    fn drop(&mut self) {
+        lock(self.proven).remove(self.id);
+    }
+}
+
+/// Charges a connection just proven to `key`, closing the connections that give way; `Err` (the
+/// refusal, in words) when it is not kept.
+fn charge<'a>(proven: &'a Proven, key: ConnKey) -> Result<Charged<'a>, String> {
+    let evicted = Arc::new(Notify::new());
+    let (id, out) = lock(proven)
+        .admit(key.clone(), evicted.clone(), Instant::now())
+        .map_err(|r| r.to_string())?;
+    if !out.is_empty() {
+        tracing::debug!(
+            ?key,
+            closed = out.len(),
+            "control connections closed to make room"
+        );
+    }
+    // A permit is kept for a connection not waiting at this moment: it closes at its next wait.
+    out.iter().for_each(|n| n.notify_one());
+    Ok(Charged {
+        proven,
+        id,
+        evicted,
+    })
+}
+
+async fn serve_conn(stream: TcpStream, state: &CtlState, c: Conn<'_>) -> std::io::Result<()> {
+    let Conn {
+        from,
+        slot,
+        gate,
+        proven,
+    } = c;
     let _ = stream.set_nodelay(true);
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
@@ -159,11 +221,27 @@ async fn serve_conn(
         ConnAuth::Open
     };
     // Until the proof (keyless: the first request), the connection holds its place at the gate
-    // and runs against its deadline.
+    // and runs against its deadline; after it, its place in the proven table, and each wait for
+    // a request against the idle timeout.
     let mut slot = Some(slot);
+    let mut charged: Option<Charged<'_>> = None;
+    let idle = lock(proven).limits().idle;
     let deadline = tokio::time::Instant::now() + gate.limits().timeout;
     loop {
-        let line = if slot.is_some() {
+        let line = if let Some(ch) = &charged {
+            tokio::select! {
+                line = read_line(&mut r, MAX_REQUEST) => line?,
+                () = tokio::time::sleep(idle) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "idle past the timeout of proven connections",
+                    ));
+                }
+                () = ch.evicted.notified() => {
+                    return Err(std::io::Error::other("closed to make room"));
+                }
+            }
+        } else if slot.is_some() {
             let limit = if keyed {
                 MAX_PREAUTH_REQUEST
             } else {
@@ -183,6 +261,12 @@ async fn serve_conn(
             read_line(&mut r, MAX_REQUEST).await?
         };
         let Some(line) = line else { break };
+        if let Some(ch) = &charged
+            && !lock(proven).busy(ch.id, Instant::now())
+        {
+            // Taken out to make room between its request and this check: unanswered.
+            return Err(std::io::Error::other("closed to make room"));
+        }
         let (reply, close) = match serde_json::from_slice::<Request>(&line) {
             Ok(req) => match authenticate(&req, &mut conn, state.auth.as_ref(), state.source_epoch)
             {
@@ -191,7 +275,10 @@ async fn serve_conn(
                     // Answerable: proven (or keyless), so past the gate. A long poll's answer
                     // may take longer than the pre-proof deadline.
                     slot = None;
-                    (answer(req, state).await, false)
+                    match charged_now(&mut charged, &conn, from, proven) {
+                        Ok(()) => (answer(req, state).await, false),
+                        Err(message) => (Reply::Error { message }, true),
+                    }
                 }
             },
             Err(e) => (
@@ -201,24 +288,69 @@ async fn serve_conn(
                 true,
             ),
         };
+        // A proof just verified: charged before it is answered.
+        let (reply, close) = match (&conn, close) {
+            (ConnAuth::Proven(_), false) => match charged_now(&mut charged, &conn, from, proven) {
+                Ok(()) => (reply, false),
+                Err(message) => (Reply::Error { message }, true),
+            },
+            _ => (reply, close),
+        };
         let mut out = serde_json::to_vec(&reply).map_err(std::io::Error::other)?;
         out.push(b'\n');
+        if let Some(ch) = &charged {
+            // Answered: from here it waits on its peer (to read the answer, then to ask again),
+            // and may give way to a newcomer.
+            lock(proven).waiting(ch.id, Instant::now());
+        }
         let write = w.write_all(&out);
+        let unread = || std::io::Error::new(std::io::ErrorKind::TimedOut, "answer not read");
         if slot.is_some() {
             // A stranger that does not read its answer is held to the deadline too.
             tokio::time::timeout_at(deadline, write)
                 .await
-                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+                .map_err(|_| unread())??;
+        } else if let Some(ch) = &charged {
+            // So is a proven peer, to the idle timeout; and it may be closed to make room.
+            tokio::select! {
+                done = write => done?,
+                () = tokio::time::sleep(idle) => return Err(unread()),
+                () = ch.evicted.notified() => {
+                    return Err(std::io::Error::other("closed to make room"));
+                }
+            }
         } else {
-            write.await?;
+            tokio::time::timeout(idle, write)
+                .await
+                .map_err(|_| unread())??;
         }
         if close {
             return Ok(());
         }
-        if matches!(conn, ConnAuth::Proven | ConnAuth::Open) {
+        if matches!(conn, ConnAuth::Proven(_) | ConnAuth::Open) {
             slot = None;
         }
     }
+    Ok(())
+}
+
+/// Charges the connection to its key once it is proven (keyless: at its first answerable
+/// request), if not yet.
+fn charged_now<'a>(
+    charged: &mut Option<Charged<'a>>,
+    conn: &ConnAuth,
+    from: std::net::IpAddr,
+    proven: &'a Proven,
+) -> Result<(), String> {
+    if charged.is_some() {
+        return Ok(());
+    }
+    let key = match conn {
+        ConnAuth::Proven(name) => ConnKey::Name(name.to_string()),
+        ConnAuth::Open => ConnKey::Source(from),
+        ConnAuth::Unproven | ConnAuth::Challenged(_) => return Ok(()),
+    };
+    *charged = Some(charge(proven, key)?);
     Ok(())
 }
 

@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::messages::{MAX_PREAUTH_REQUEST, MAX_REQUEST};
+use super::proven::ProvenLimits;
 use super::*;
 use crate::manifest::Digest;
 use crate::plan::{Member, Role};
@@ -26,6 +27,15 @@ async fn service(limits: HandshakeLimits) -> (Service, String) {
 
 /// The same with `keys` (or none).
 async fn service_with(limits: HandshakeLimits, keys: Option<&str>) -> (Service, String) {
+    service_proven(limits, ProvenLimits::default(), keys).await
+}
+
+/// The same with `proven` after the proof.
+async fn service_proven(
+    limits: HandshakeLimits,
+    proven: ProvenLimits,
+    keys: Option<&str>,
+) -> (Service, String) {
     let (_tx, progress) = watch::channel(Progress::default());
     let source = Member {
         id: "src".into(),
@@ -59,7 +69,7 @@ async fn service_with(limits: HandshakeLimits, keys: Option<&str>) -> (Service, 
     });
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    (Service::start_with(listener, state, limits), addr)
+    (Service::start_with(listener, state, limits, proven), addr)
 }
 
 fn limits(timeout: Duration, max_pending: usize) -> HandshakeLimits {
@@ -364,4 +374,96 @@ async fn request_lines_are_capped_at_1_kib_before_the_proof_and_64_kib_after() {
     let answer = ask(&mut s, &members_line(MAX_REQUEST - 8)).await.unwrap();
     assert!(answer.contains("src"), "{answer}");
     assert_eq!(ask(&mut s, &members_line(MAX_REQUEST + 1024)).await, None);
+}
+
+/// A connection to `addr` from the loopback address `from`.
+async fn connect_from(addr: &str, from: [u8; 4]) -> TcpStream {
+    let s = tokio::net::TcpSocket::new_v4().unwrap();
+    s.bind(std::net::SocketAddr::from((from, 0))).unwrap();
+    s.connect(addr.parse().unwrap()).await.unwrap()
+}
+
+/// After the proof (keyless: once its first request is answered) a connection is closed when it
+/// waits longer than the idle timeout for its next request; the time its answer takes (a long
+/// poll longer than the timeout) does not count, and a key holder proven long ago is answered
+/// as long as it keeps asking.
+#[tokio::test]
+async fn a_proven_connection_idle_past_the_timeout_is_closed() {
+    let proven = ProvenLimits {
+        idle: Duration::from_millis(300),
+        ..ProvenLimits::default()
+    };
+    for keys in [None, Some(KEYS)] {
+        let (_svc, addr) = service_proven(HandshakeLimits::default(), proven, keys).await;
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        if keys.is_some() {
+            prove(&mut s).await;
+        }
+        let answer = ask(&mut s, r#"{"op":"progress","after":0,"wait_ms":900}"#)
+            .await
+            .expect("a long poll past the idle timeout is answered");
+        assert!(answer.contains("progress"), "{keys:?}: {answer}");
+        let answer = ask(&mut s, r#"{"op":"members"}"#).await.expect("answered");
+        assert!(answer.contains("src"), "{keys:?}: {answer}");
+        // Then silence: closed at the idle timeout (`closed` waits far longer).
+        let t0 = std::time::Instant::now();
+        assert!(
+            closed(&mut s).await,
+            "{keys:?}: an idle proven connection stays open"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "{keys:?}");
+    }
+}
+
+/// Proven connections are capped per key (keyless: per source address): past the cap the
+/// key's connection that has waited longest for its peer is closed to make room, another
+/// source's are untouched, and past the total the source holding the most gives way.
+#[tokio::test]
+async fn past_the_cap_the_idlest_proven_connection_of_the_key_makes_room() {
+    let proven = ProvenLimits {
+        per_key: 2,
+        total: 3,
+        ..ProvenLimits::default()
+    };
+    let (_svc, addr) = service_proven(HandshakeLimits::default(), proven, None).await;
+    let members = r#"{"op":"members"}"#;
+    let mut other = connect_from(&addr, [127, 0, 0, 2]).await;
+    assert!(ask(&mut other, members).await.unwrap().contains("src"));
+    let mut a = connect_from(&addr, [127, 0, 0, 1]).await;
+    let mut b = connect_from(&addr, [127, 0, 0, 1]).await;
+    for s in [&mut a, &mut b] {
+        assert!(ask(s, members).await.unwrap().contains("src"));
+    }
+    // `a` asks again: `b` has waited longest of the source's.
+    assert!(ask(&mut a, members).await.unwrap().contains("src"));
+    let mut c = connect_from(&addr, [127, 0, 0, 1]).await;
+    assert!(ask(&mut c, members).await.unwrap().contains("src"));
+    assert!(closed(&mut b).await, "the idlest of the source made room");
+    for s in [&mut a, &mut c, &mut other] {
+        assert!(ask(s, members).await.unwrap().contains("src"));
+    }
+    // The total (3) reached: a third source's newcomer takes from the source holding the most
+    // (127.0.0.1, whose idlest is now `a`), not from 127.0.0.2.
+    let mut d = connect_from(&addr, [127, 0, 0, 3]).await;
+    assert!(ask(&mut d, members).await.unwrap().contains("src"));
+    assert!(
+        closed(&mut a).await,
+        "the busiest source's idlest made room"
+    );
+    for s in [&mut c, &mut other, &mut d] {
+        assert!(ask(s, members).await.unwrap().contains("src"));
+    }
+
+    // Keyed: charged to the key name proven, whatever the address.
+    let (_svc, addr) = service_proven(HandshakeLimits::default(), proven, Some(KEYS)).await;
+    let mut x = connect_from(&addr, [127, 0, 0, 1]).await;
+    let mut y = connect_from(&addr, [127, 0, 0, 2]).await;
+    prove(&mut x).await;
+    prove(&mut y).await;
+    let mut z = connect_from(&addr, [127, 0, 0, 3]).await;
+    prove(&mut z).await;
+    assert!(closed(&mut x).await, "the key's idlest made room");
+    for s in [&mut y, &mut z] {
+        assert!(ask(s, members).await.unwrap().contains("src"));
+    }
 }
