@@ -40,6 +40,6 @@ pub use fleet::Fleet;
 pub use netns::Netns;
 pub use proxy::{Dir, Fault, FaultProxy, ProxyCounters, RuleId, Scope};
 pub use require::{
-    CPUS, ETCD, IBVERBS, NETNS, PROMETHEUS, RDMA, SYSFS, TOOLS, URING, require_or_skip,
+    CPUS, ETCD, IBVERBS, NETNS, PROMETHEUS, RDMA, ROOT, SYSFS, TOOLS, URING, require_or_skip,
     require_unless_allowed, required,
 };

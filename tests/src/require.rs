@@ -9,6 +9,9 @@ use std::fmt::Display;
 /// io_uring with the opcodes the data plane needs, and the optional ones the tests cover (SEND_ZC,
 /// SPLICE): a kernel that refuses it (seccomp, `kernel.io_uring_disabled`) or predates them.
 pub const URING: &str = "FERRY_REQUIRE_URING";
+/// Root (uid 0, with its capabilities): tests of what a privileged process may and may not do,
+/// such as a same-host server whose client execs a set-user-id program.
+pub const ROOT: &str = "FERRY_REQUIRE_ROOT";
 /// Network namespaces and veth links (`ip netns`; root).
 pub const NETNS: &str = "FERRY_REQUIRE_NETNS";
 /// `libibverbs.so.1` loadable (the rdma-core user space, no device needed).

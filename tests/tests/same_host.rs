@@ -161,6 +161,105 @@ async fn a_peer_on_this_host_is_reached_by_copies_and_every_byte_lands() -> Resu
     Ok(())
 }
 
+/// A piece refused in the middle of a vectored batch (out of bounds, by a forged descriptor the
+/// client cannot check), WRITEs then READs: the outcome completes exactly the ops before it,
+/// whose bytes moved, fails at it with the server's refusal, no later op's bytes move, and the
+/// stream survives for the next batch, as on the network planes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_piece_refused_mid_batch_completes_exactly_the_pieces_before_it() -> Result<()> {
+    let server = engine(true, None)?;
+    let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let remote = Arc::new(MemoryRegion::from_vec(pattern(1 << 20, 5)));
+    let _reg = server.register(remote.clone(), rw, "rw")?;
+    let (client, peer) = client_of(&server).await?;
+    let seg = peer.segment("rw")?;
+    let mut desc = peer
+        .segments()
+        .iter()
+        .find(|d| d.name == "rw")
+        .context("listed")?
+        .clone();
+    desc.len += 1 << 20;
+    let forged = peer.segment_from_descriptor(desc);
+    let src = client.register(
+        MemoryRegion::from_vec(pattern(1 << 20, 6)),
+        Access::LOCAL,
+        "src",
+    )?;
+    let dst = client.register(
+        MemoryRegion::alloc_zeroed(1 << 20, 4096)?,
+        Access::LOCAL,
+        "dst",
+    )?;
+    for write in [true, false] {
+        let before = {
+            let mut b = vec![0u8; 1 << 20];
+            remote.read_at(0, &mut b)?;
+            b
+        };
+        let mut dst_before = vec![0u8; 1 << 20];
+        dst.region().read_at(0, &mut dst_before)?;
+        let mut b = Batch::new();
+        for i in 0..12u64 {
+            let (s, at) = if i == 7 {
+                (&forged, (1 << 20) - 10)
+            } else {
+                (&seg, i * 8192)
+            };
+            let len = if i == 7 { 100 } else { 3000 + i };
+            b = if write {
+                b.write(&src, i * 8192, s, at, len)
+            } else {
+                b.read(&dst, i * 8192, s, at, len)
+            };
+        }
+        let o = client.submit(b)?.await;
+        let tag = if write { "WRITE" } else { "READ" };
+        assert_eq!(o.completed_ops, 7, "{tag}: {o:?}");
+        let f = o.failure.as_ref().context("a failure")?;
+        assert_eq!(
+            (f.op_index, f.kind),
+            (7, FailureKind::Remote(RemoteStatus::OutOfBounds)),
+            "{tag}: {o:?}"
+        );
+        assert!(o.drained, "{tag}: {o:?}");
+        let mut after = vec![0u8; 1 << 20];
+        remote.read_at(0, &mut after)?;
+        let mut dst_after = vec![0u8; 1 << 20];
+        dst.region().read_at(0, &mut dst_after)?;
+        let src_bytes = pattern(1 << 20, 6);
+        for i in (0..12usize).filter(|i| *i != 7) {
+            let (at, n) = (i * 8192, 3000 + i);
+            if write {
+                let want = if i < 7 {
+                    &src_bytes[at..at + n]
+                } else {
+                    &before[at..at + n]
+                };
+                assert_eq!(&after[at..at + n], want, "{tag}: op {i}");
+            } else {
+                let want = if i < 7 {
+                    &after[at..at + n]
+                } else {
+                    &dst_before[at..at + n]
+                };
+                assert_eq!(&dst_after[at..at + n], want, "{tag}: op {i}");
+            }
+        }
+        // The stream survives: the next batch succeeds on the same plane.
+        let o = client
+            .submit(
+                Batch::new()
+                    .write(&src, 0, &seg, 0, 4096)
+                    .write(&src, 0, &seg, 8192, 4096),
+            )?
+            .await;
+        assert!(o.is_success(), "{tag}: the next batch {o:?}");
+        assert_eq!(peer.transport(), TransportKind::Local);
+    }
+    Ok(())
+}
+
 /// CHECKSUMs on this host: the one answer with bytes after its header (the four of the CRC),
 /// whichever of the stream's reader or a polling task receives them, split or whole. Many in
 /// flight at once on both streams, between READs, each equals the CRC-32C of the served

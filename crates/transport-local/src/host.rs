@@ -296,11 +296,25 @@ pub(crate) fn ptrace_capable() -> io::Result<bool> {
 /// tracer's permitted capabilities cover its target's still passes for a privileged client.
 /// An error: the kernel refused (a seccomp filter, say), and the thread still has it.
 pub(crate) fn drop_ptrace_capability() -> io::Result<()> {
+    set_ptrace_effective(false)
+}
+
+/// Sets `CAP_SYS_PTRACE` in the calling thread's effective set (`on`: raised, where the
+/// permitted set has it; off: cleared), and checks the kernel did.
+fn set_ptrace_effective(on: bool) -> io::Result<()> {
     let mut data = thread_caps()?;
-    if data[0].effective & (1 << CAP_SYS_PTRACE) == 0 {
+    let bit = 1 << CAP_SYS_PTRACE;
+    let want = if on && data[0].permitted & bit != 0 {
+        data[0].effective | bit
+    } else if on {
+        return Ok(());
+    } else {
+        data[0].effective & !bit
+    };
+    if want == data[0].effective {
         return Ok(());
     }
-    data[0].effective &= !(1 << CAP_SYS_PTRACE);
+    data[0].effective = want;
     let mut head = CapHeader {
         version: CAP_VERSION_3,
         pid: 0,
@@ -310,10 +324,8 @@ pub(crate) fn drop_ptrace_capability() -> io::Result<()> {
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    if ptrace_capable()? {
-        return Err(io::Error::other(
-            "CAP_SYS_PTRACE still effective after capset",
-        ));
+    if ptrace_capable()? != on {
+        return Err(io::Error::other("capset left CAP_SYS_PTRACE as it was"));
     }
     Ok(())
 }
@@ -351,16 +363,24 @@ pub(crate) fn peer_pidfd(sock: &UnixStream, pid: u32) -> io::Result<Pidfd> {
 
 /// The address space a process had when it was opened (`/proc/PID/mem`, which holds that
 /// memory map, not the pid): once the process execs a program or exits, that map is gone and
-/// the handle says so, even if the pid now runs something else. Opening it takes the same right
-/// as a copy (the kernel's ptrace check), so it is opened by a serving thread that dropped
-/// [`CAP_SYS_PTRACE`](drop_ptrace_capability).
+/// the handle says so, even if the pid now runs something else. It is a witness, never a way
+/// to copy: the copies go by pid, with the serving thread's own right.
 #[derive(Debug)]
 pub(crate) struct AddressSpace(std::fs::File);
 
 impl AddressSpace {
-    /// Holds the address space process `pid` runs in now.
+    /// Holds the address space process `pid` runs in now. Opening it takes the kernel's check
+    /// with the thread's effective capabilities (a privileged client's permitted set must be
+    /// covered by them), so a serving thread that dropped `CAP_SYS_PTRACE` raises it again for
+    /// the open alone, where it may, and drops it before it returns (an error if it cannot).
     pub(crate) fn open(pid: u32) -> io::Result<Self> {
-        std::fs::File::open(format!("/proc/{pid}/mem")).map(Self)
+        let raised = ptrace_capable()?;
+        set_ptrace_effective(true)?;
+        let opened = std::fs::File::open(format!("/proc/{pid}/mem")).map(Self);
+        if !raised {
+            drop_ptrace_capability()?;
+        }
+        opened
     }
 
     /// Reads `buf.len()` bytes at `addr` of the held address space (fewer at its end; an error

@@ -854,10 +854,12 @@ fn serve_vectored(
         OpKind::Write => Direction::In,
         OpKind::Read | OpKind::Checksum => Direction::Out,
     };
-    if entries.len() != targets.len() {
+    // The pieces accepted are the first ones (up to a refused piece): each takes its address
+    // from the block's entry at its place; the entries after a refusal are not used.
+    if entries.len() < targets.len() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "an address block of another length than the pieces",
+            "an address block shorter than the pieces accepted",
         ));
     }
     let mut ours = Vec::with_capacity(targets.len());
@@ -1083,6 +1085,83 @@ mod tests {
         assert!(rest(second).is_empty());
     }
 
+    /// A file of 7s, in memory, published as token 5.
+    #[derive(Debug)]
+    struct Sevens;
+
+    impl ferry_core::FileSource for Sevens {
+        fn check(&self, _: OpKind, offset: u64, _: u64) -> Result<u64, ferry_core::RemoteStatus> {
+            Ok(offset)
+        }
+        fn read_exact_at(&self, _: u64, buf: &mut [u8]) -> io::Result<()> {
+            buf.fill(7);
+            Ok(())
+        }
+        fn write_all_at(&self, _: u64, _: &[u8]) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[derive(Debug)]
+    struct OneFile;
+
+    impl SegmentTable for OneFile {
+        fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
+            None
+        }
+        fn published(&self) -> Vec<SegmentDesc> {
+            Vec::new()
+        }
+        fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
+            (token == SegmentToken(5)).then(|| Arc::new(Sevens) as Arc<dyn ferry_core::FileSource>)
+        }
+    }
+
+    #[test]
+    fn an_idle_stream_gives_its_file_staging_back() {
+        let epoch = Epoch::fresh();
+        let h = LocalServer::bind()
+            .unwrap()
+            .serve(
+                Arc::new(OneFile),
+                Arc::new(Responder(epoch)),
+                HandshakeLimits::default(),
+                4,
+            )
+            .unwrap();
+        let canary = Box::new(0x5eed_u64);
+        let (mut s, answer) = attach_probed(&h, epoch, (&raw const *canary) as u64);
+        assert_eq!(answer[0], PROBE_OK);
+        let mut target = vec![0u8; 1 << 20];
+        let mut head = [0u8; DATA_REQUEST_LEN];
+        ferry_core::wire::DataRequest {
+            kind: OpKind::Read,
+            seq: 0,
+            token: SegmentToken(5),
+            offset: 0,
+            len: 1 << 20,
+            ack_slack: 0,
+        }
+        .encode(&mut head);
+        s.write_all(&head).unwrap();
+        s.write_all(&(target.as_mut_ptr() as u64).to_le_bytes())
+            .unwrap();
+        let mut resp = [0u8; ferry_core::wire::DATA_RESPONSE_LEN];
+        s.read_exact(&mut resp).unwrap();
+        assert!(target.iter().all(|b| *b == 7));
+        // The server gives the staging back before it waits for the next request: wait for
+        // that (the stream is idle from now on), within a generous bound.
+        let until = Instant::now() + Duration::from_secs(20);
+        while h.staging_bytes() != 0 {
+            assert!(
+                Instant::now() < until,
+                "the idle stream kept {} bytes",
+                h.staging_bytes()
+            );
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn a_stream_whose_probe_fails_is_never_served() {
         let (h, epoch) = server(Duration::from_secs(30), 8);
@@ -1091,6 +1170,8 @@ mod tests {
         assert_eq!(answer[0], PROBE_FAILED);
         let mut target = Box::new(0u64);
         unknown_read(&mut s, (&raw mut *target) as u64);
+        // Nothing more comes from us: a served stream would answer, then end.
+        let _ = s.shutdown(std::net::Shutdown::Write);
         assert!(
             rest(s).is_empty(),
             "a stream whose probe failed answered a request"
