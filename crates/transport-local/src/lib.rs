@@ -10,7 +10,14 @@
 //!   ([`ferry_core::stream::ServerStream`]) checked, per peer, and the client's own buffers: the
 //!   client names addresses in its own address space, so a client can make the server touch
 //!   nothing of the server's that was not published to it. The client grants the server the
-//!   right to copy (Yama `ptrace_scope` 1: `PR_SET_PTRACER` for that pid), never the reverse.
+//!   right to copy (Yama `ptrace_scope` 1: `PR_SET_PTRACER` for that pid, while a channel to it
+//!   lives), never the reverse.
+//! - *No more right than the client's.* Serving threads drop `CAP_SYS_PTRACE`, so the kernel
+//!   checks each copy as the client's own user tracing the client (another user's process and
+//!   a non-dumpable one are refused); a process that cannot drop it serves only with
+//!   [`LocalConfig::allow_privileged`]. A client that exited or exec'd another program is never
+//!   copied to again: the server holds the connecting process (`SO_PEERPIDFD`) and the address
+//!   space the probe reached, and checks both before each request.
 //! - *Proof before use.* Each stream is probed at attach: the server must read eight bytes of
 //!   the client's memory and send them back. A refused probe (another user, Yama 2 or 3, a
 //!   container without the right) fails [`Transport::open`] with `Unavailable` and its reason;
