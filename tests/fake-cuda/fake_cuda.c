@@ -34,8 +34,9 @@
  * descriptor limit) the allocation is anonymous memory that cuIpcGetMemHandle refuses to export
  * (CUDA_ERROR_OUT_OF_MEMORY), never moves.
  * The 64-byte handle names the exporter's pid, that memfd's fd number, the allocation's size and
- * a serial that is also the memfd's name; opening it maps /proc/<pid>/fd/<fd> after checking the
- * name and size, so a forged or stale handle is CUDA_ERROR_INVALID_HANDLE (400), never a mapping
+ * a serial that is also the memfd's name; opening it takes that memfd with pidfd_getfd (so the
+ * opener needs the right to trace the exporter, as for the driver's descriptor-based handles)
+ * and maps it after checking the name and size, so a forged or stale handle is CUDA_ERROR_INVALID_HANDLE (400), never a mapping
  * of something else. Like the real driver it refuses a handle of the calling process
  * (CUDA_ERROR_INVALID_CONTEXT) unless ferry_fake_cuda_ipc_same_process(1) allows it (tests of
  * two ends in one process); opening a handle twice in a process counts a reference and returns
@@ -51,7 +52,15 @@
 #include <time.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -611,15 +620,20 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle handle, unsigned f
     }
     pthread_mutex_unlock(&lock);
     if (h.pid == (int)getpid() && !same) return ERR_INVALID_CONTEXT;
+    /* The exporter's memfd, taken with pidfd_getfd: the kernel checks that this thread may
+     * trace the exporter (ptrace attach, real credentials), as for a descriptor-based handle. */
+    int pidfd = (int)syscall(SYS_pidfd_open, h.pid, 0);
+    if (pidfd < 0) return ERR_INVALID_HANDLE;
+    int fd = (int)syscall(SYS_pidfd_getfd, pidfd, h.fd, 0);
+    close(pidfd);
+    if (fd < 0) return ERR_INVALID_HANDLE;
     char path[64], link[128], want[64];
-    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
     ssize_t n = readlink(path, link, sizeof link - 1);
-    if (n < 0) return ERR_INVALID_HANDLE;
+    if (n < 0) { close(fd); return ERR_INVALID_HANDLE; }
     link[n] = 0;
     snprintf(want, sizeof want, "/memfd:ferry-fake-cuda-ipc-%llx ", h.serial);
-    if (strncmp(link, want, strlen(want)) != 0) return ERR_INVALID_HANDLE;
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) return ERR_INVALID_HANDLE;
+    if (strncmp(link, want, strlen(want)) != 0) { close(fd); return ERR_INVALID_HANDLE; }
     struct stat st;
     size_t mapped = page_round((size_t)h.size);
     if (fstat(fd, &st) != 0 || (size_t)st.st_size != mapped) { close(fd); return ERR_INVALID_HANDLE; }
