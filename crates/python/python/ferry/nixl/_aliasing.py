@@ -1,5 +1,5 @@
-"""``import nixl``, ``nixl._api``, ``nixl._bindings`` and ``nixl.logging`` giving Ferry's modules
-(see ``ferry._alias``)."""
+"""``import nixl``, ``nixl._api``, ``nixl._bindings``, ``nixl._utils`` and ``nixl.logging``
+giving Ferry's modules (see ``ferry._alias``)."""
 
 from ferry._alias import Alias
 
@@ -12,6 +12,7 @@ ALIAS = Alias(
         "nixl": "ferry.nixl",
         "nixl._api": "ferry.nixl._api",
         "nixl._bindings": "ferry.nixl._bindings",
+        "nixl._utils": "ferry.nixl._utils",
         "nixl.logging": "ferry.nixl.logging",
     },
     ENV,

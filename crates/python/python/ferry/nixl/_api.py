@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import pickle
 import sys
@@ -37,7 +38,9 @@ logger = logging.getLogger("ferry.nixl")
 DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
 
 #: The backends NIXL users name that Ferry serves (it picks its own transport for each).
-PLUGINS = ["UCX", "LIBFABRIC", "UCCL", "MOONCAKE", "GPUNETIO"]
+PLUGINS = ["UCX", "LIBFABRIC", "UCCL", "MOONCAKE", "GPUNETIO", "POSIX"]
+#: Backends that answer ``query_memory`` about files and move nothing (NIXL's POSIX plugin).
+_FILE_PLUGINS = {"POSIX"}
 
 #: What ``get_agent_metadata`` returns starts with this (then JSON).
 _MD_MAGIC = b"FERRY-NIXL-MD/1\n"
@@ -56,6 +59,23 @@ def _is_torch_tensor(obj: object) -> bool:
 
 def _text(name: Union[str, bytes]) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _us(seconds: float) -> int:
+    """Seconds as whole microseconds, rounded up (a duration that passed is never 0)."""
+    return math.ceil(seconds * 1e6)
+
+
+def _file_info(path: Any) -> Optional[dict[str, str]]:
+    """NIXL's POSIX ``queryMem`` answer for one file: its size, mode and mtime, or None."""
+    name = path.decode() if isinstance(path, bytes) else str(path)
+    if not name:
+        return None
+    try:
+        st = os.stat(name)
+    except OSError:
+        return None
+    return {"size": str(st.st_size), "mode": str(st.st_mode), "mtime": str(int(st.st_mtime))}
 
 
 def _raise(cls: type, reason: str, cause: Optional[BaseException] = None) -> None:
@@ -213,6 +233,18 @@ class nixl_agent:
             logger.warning("Ignoring instantiate_all based on the provided config in agent creation.")
         if not nixl_conf:
             nixl_conf = nixl_agent_config()
+        # NIXL makes its C++ agent from a nixlAgentConfig here (an empty name is ValueError);
+        # Ferry's nixlAgent serves its calls through this object.
+        sync = nixl_conf.sync_mode or (
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if nixl_conf.enable_listen
+            else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE)
+        self.agent = nixlBind._adopting()
+        if self.agent is None:
+            with nixlBind._building(self):
+                self.agent = nixlBind.nixlAgent(agent_name, nixlBind.nixlAgentConfig(
+                    nixl_conf.enable_pthread, nixl_conf.enable_listen, nixl_conf.port, sync.value,
+                    1, 0, 100000, nixl_conf.capture_telemetry))
+        self._telemetry = nixlBind._telemetry_enabled(nixl_conf.capture_telemetry)
         self.name = agent_name
         self.config = nixl_conf
         host = os.environ.get("FERRY_BIND_ADDRESS") or bind_host("")
@@ -271,7 +303,7 @@ class nixl_agent:
         if backend not in self.plugin_list:
             logger.warning("Plugin %s is not available to get its supported mem types.", backend)
             return []
-        return ["DRAM_SEG", "VRAM_SEG"]
+        return ["FILE_SEG"] if backend in _FILE_PLUGINS else ["DRAM_SEG", "VRAM_SEG"]
 
     def get_plugin_params(self, backend: str) -> dict[str, str]:
         if backend not in self.plugin_list:
@@ -296,18 +328,19 @@ class nixl_agent:
         if backend not in self.plugin_list:
             _raise(nixlNotFoundError, f"createBackend: Ferry serves {self.plugin_list}, not {backend!r}")
         self.backends[backend] = len(self.backends) + 1
-        self.backend_mems[backend] = ["DRAM_SEG", "VRAM_SEG"]
+        self.backend_mems[backend] = self.get_plugin_mem_types(backend)
         self.backend_options[backend] = dict(initParams)
 
     # ----- descriptors -----------------------------------------------------------------
 
     @staticmethod
-    def _tensor_rows(descs: Any) -> tuple[str, list[tuple[int, int, int]]]:
+    def _tensor_rows(descs: Any) -> Optional[tuple[str, list[tuple[int, int, int]]]]:
         tensors = [descs] if _is_torch_tensor(descs) else list(descs)
         rows = []
         for t in tensors:
             if not t.is_contiguous():
-                raise ValueError("Please use a list of contiguous Tensors")
+                logger.error("Please use a list of contiguous Tensors")
+                return None
             dev = t.get_device()
             rows.append((t.data_ptr(), t.numel() * t.element_size(), max(dev, 0)))
         mem = "DRAM" if tensors[0].get_device() == -1 else "VRAM"
@@ -318,7 +351,10 @@ class nixl_agent:
             return descs
         if _is_torch_tensor(descs) or (isinstance(descs, (list, tuple)) and descs
                                        and _is_torch_tensor(descs[0])):
-            mem, rows = self._tensor_rows(descs)
+            found = self._tensor_rows(descs)
+            if found is None:
+                return None
+            mem, rows = found
             if width == 4:
                 rows = [r + ("",) for r in rows]
             return cls(self.nixl_mems[mem], rows)
@@ -412,8 +448,10 @@ class nixl_agent:
         if backend not in self.backends:
             raise ValueError(
                 f"Backend '{backend}' not found. Available backends: {list(self.backends.keys())}")
-        _raise(nixlNotSupportedError, "queryMem: memory queries are for storage backends")
-        return []
+        if backend not in _FILE_PLUGINS:
+            _raise(nixlNotSupportedError, "queryMem: memory queries are for storage backends")
+        descs = self.get_reg_descs(reg_list, mem_type)
+        return [_file_info(d[3]) for d in descs]
 
     # ----- metadata ----------------------------------------------------------------------
 
@@ -645,6 +683,7 @@ class nixl_agent:
         """A transfer request of the descriptors at ``local_indices`` and ``remote_indices`` of
         two prepared lists (their lengths pairwise equal), with a notification sent to the
         remote agent once the transfer completed (``notif_msg``)."""
+        self.nixl_ops[operation]  # KeyError for an unknown operation, before anything else
         for b in backends:
             self.backends[b]
         ls, rs = self._dlist_of(local_xfer_side), self._dlist_of(remote_xfer_side)
@@ -668,6 +707,7 @@ class nixl_agent:
                         remote_descs: nixlBind.nixlXferDList, remote_agent: str,
                         notif_msg: Union[bytes, str] = b"", backends: list[str] = []) -> nixl_xfer_handle:
         """A transfer request of two descriptor lists (checked like ``prep_xfer_dlist``)."""
+        self.nixl_ops[operation]  # KeyError for an unknown operation, before anything else
         for b in backends:
             self.backends[b]
         name = _text(remote_agent)
@@ -717,9 +757,9 @@ class nixl_agent:
             logger.error("postXferReq towards %s (%s): %s", x.remote, addr, e)
             return "ERR"
         x.posted_at = t0
-        x.started_us = int(time.time() * 1e6)
+        x.started_us = _us(t0)
         x.ended_us = 0
-        x.post_us = int((time.perf_counter() - t0) * 1e6)
+        x.post_us = _us(time.perf_counter() - t0)
         return self._state(x)
 
     def _state(self, x: _Xfer) -> str:
@@ -728,7 +768,7 @@ class nixl_agent:
         if not x.request.done():
             return "PROC"
         if not x.ended_us:
-            x.ended_us = int((time.perf_counter() - x.posted_at) * 1e6)
+            x.ended_us = _us(time.perf_counter() - x.posted_at)
         outcome = x.request.wait(check=False)
         if outcome.ok and x.request.after_error is None:
             return "DONE"
@@ -750,12 +790,17 @@ class nixl_agent:
         return x.error
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
+        """The transfer's telemetry (``nixlXferTelemetry``) when the agent keeps it:
+        ``NIXL_TELEMETRY_ENABLE`` when set, else ``capture_telemetry`` (decided when the agent
+        was made); ``nixlNoTelemetryError`` otherwise."""
         x = self._xfer(handle, "getXferTelemetry")
-        if not self.config.capture_telemetry:
-            _raise(nixlNoTelemetryError, "getXferTelemetry: telemetry is not enabled (capture_telemetry)")
+        if not self._telemetry:
+            _raise(nixlNoTelemetryError,
+                   "getXferTelemetry: telemetry is not enabled (capture_telemetry, NIXL_TELEMETRY_ENABLE)")
         self._state(x)
         return nixlBind.nixlXferTelemetry(x.started_us, x.post_us, x.ended_us,
-                                          sum(x.lengths), len(x.lengths))
+                                          sum(x.lengths), len(x.lengths),
+                                          self.query_xfer_backend(handle))
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
         x = self._xfer(req_handle, "estimateXferCost")
