@@ -17,6 +17,18 @@
 //! 3. client → server: [`AuthProof`] (`HMAC(K, "client" | T)`), then the ordinary [`Hello`](crate::wire::Hello);
 //! 4. server → client: `HelloAck` with the segments published to that name, or a refusal.
 //!
+//! **Server identity.** The key proves only "holds the key": under per-peer keyrings every
+//! server holding a client's key passes step 2. A client that names the server it expects
+//! ([`ClientAuth::start_expecting`] with a [`ServerIdentity`]) opens with
+//! [`ControlFrame::AuthHelloIdentified`] instead; a server with an [`IdentityKey`]
+//! ([`ServerAuth::with_identity`]) answers with a [`SignedChallenge`]: the same challenge, its
+//! public identity and an Ed25519 signature over `"ferry-identity-1" | T | identity`. The
+//! client refuses ([`Error::ServerIdentity`]) a server that proves no identity or another
+//! one. Without an expected identity the handshake is the one above, byte for byte. (The
+//! session key still derives from the shared key: an expected identity stops a key holder
+//! from answering in another's place, not one that relays the real server's handshake and
+//! then serves the data streams itself; see `docs/security.md`.)
+//!
 //! Each side checks the other's MAC in constant time over a transcript holding its own fresh
 //! nonce, so an old transcript replays nowhere, and the direction labels keep one side's proof
 //! from being reflected as the other's. Both sides then hold the session key
@@ -44,10 +56,11 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::Error;
+use crate::identity::{IdentityKey, ServerIdentity};
 use crate::ids::{Epoch, PeerId};
 use crate::wire::{
     AUTH_MAC_LEN, AUTH_NONCE_LEN, AuthAttach, AuthChallenge, AuthHello, AuthProof, ControlFrame,
-    MAX_AUTH_NAME, Reject, RejectReason, SUPPORTED_VERSIONS, StreamAttach,
+    MAX_AUTH_NAME, Reject, RejectReason, SUPPORTED_VERSIONS, SignedChallenge, StreamAttach,
 };
 
 /// Shortest key accepted, in bytes of secret.
@@ -62,6 +75,7 @@ pub const MAX_SESSIONS_PER_NAME: usize = 1024;
 pub const MAX_ATTACHES_PER_SESSION: usize = 4096;
 
 const LABEL: &[u8] = b"ferry-auth-1";
+const IDENTITY_LABEL: &[u8] = b"ferry-identity-1";
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -250,20 +264,36 @@ struct Transcript<'a> {
 }
 
 impl Transcript<'_> {
+    /// The fields, as both MACs and the identity signature cover them.
+    fn fields(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(1 + self.name.len() + 2 * (16 + 8 + AUTH_NONCE_LEN));
+        out.push(self.name.len() as u8);
+        out.extend_from_slice(self.name.as_bytes());
+        out.extend_from_slice(&self.client.0.0.to_le_bytes());
+        out.extend_from_slice(&self.client.1.0.to_le_bytes());
+        out.extend_from_slice(self.client_nonce);
+        out.extend_from_slice(&self.server.0.0.to_le_bytes());
+        out.extend_from_slice(&self.server.1.0.to_le_bytes());
+        out.extend_from_slice(self.server_nonce);
+        out
+    }
+
     fn hmac(&self, key: &Key, direction: &[u8]) -> HmacSha256 {
         let mut m = key.mac();
         m.update(LABEL);
         m.update(&[direction.len() as u8]);
         m.update(direction);
-        m.update(&[self.name.len() as u8]);
-        m.update(self.name.as_bytes());
-        m.update(&self.client.0.0.to_le_bytes());
-        m.update(&self.client.1.0.to_le_bytes());
-        m.update(self.client_nonce);
-        m.update(&self.server.0.0.to_le_bytes());
-        m.update(&self.server.1.0.to_le_bytes());
-        m.update(self.server_nonce);
+        m.update(&self.fields());
         m
+    }
+
+    /// What a server's identity signs: its own label, the transcript and the identity itself
+    /// (so a signature is never taken for another key's).
+    fn signed(&self, identity: &ServerIdentity) -> Vec<u8> {
+        let mut out = IDENTITY_LABEL.to_vec();
+        out.extend_from_slice(&self.fields());
+        out.extend_from_slice(&identity.to_bytes());
+        out
     }
 
     fn mac(&self, key: &Key, direction: &[u8]) -> [u8; AUTH_MAC_LEN] {
@@ -316,6 +346,7 @@ pub struct ClientAuth {
     key: Key,
     id: (PeerId, Epoch),
     nonce: [u8; AUTH_NONCE_LEN],
+    expect: Option<ServerIdentity>,
 }
 
 impl ClientAuth {
@@ -327,13 +358,30 @@ impl ClientAuth {
         epoch: Epoch,
         nonce: [u8; AUTH_NONCE_LEN],
     ) -> (ControlFrame, Self) {
+        Self::start_expecting(keyring, id, epoch, nonce, None)
+    }
+
+    /// As [`start`](Self::start), and where `expect` names a server identity, the server must
+    /// also prove it (its answer signed with that identity's key): the frame sent is then
+    /// [`ControlFrame::AuthHelloIdentified`]. `None` is exactly [`start`](Self::start).
+    pub fn start_expecting(
+        keyring: &Keyring,
+        id: PeerId,
+        epoch: Epoch,
+        nonce: [u8; AUTH_NONCE_LEN],
+        expect: Option<ServerIdentity>,
+    ) -> (ControlFrame, Self) {
         let (name, key) = keyring.own();
-        let frame = ControlFrame::AuthHello(AuthHello {
+        let hello = AuthHello {
             name: name.to_owned(),
             peer_id: id,
             epoch,
             nonce,
-        });
+        };
+        let frame = match expect {
+            None => ControlFrame::AuthHello(hello),
+            Some(_) => ControlFrame::AuthHelloIdentified(hello),
+        };
         (
             frame,
             Self {
@@ -341,6 +389,7 @@ impl ClientAuth {
                 key: key.clone(),
                 id: (id, epoch),
                 nonce,
+                expect,
             },
         )
     }
@@ -353,8 +402,9 @@ impl ClientAuth {
         peer: SocketAddr,
         reply: ControlFrame,
     ) -> Result<(ControlFrame, Session), Error> {
-        let c = match reply {
-            ControlFrame::AuthChallenge(c) => c,
+        let (c, signed) = match reply {
+            ControlFrame::AuthChallenge(c) => (c, None),
+            ControlFrame::SignedChallenge(s) if self.expect.is_some() => (s.challenge, Some(s)),
             ControlFrame::Reject(r) if r.reason == RejectReason::Unauthenticated => {
                 return Err(Error::Authentication {
                     peer: peer.to_string(),
@@ -393,6 +443,9 @@ impl ClientAuth {
                 ),
             });
         }
+        if let Some(expected) = self.expect {
+            check_identity(peer, &t, &expected, signed.as_ref())?;
+        }
         let proof = ControlFrame::AuthProof(AuthProof {
             mac: t.mac(&self.key, b"client"),
         });
@@ -405,6 +458,39 @@ impl ClientAuth {
         };
         Ok((proof, session))
     }
+}
+
+/// Checks that the server proved `expected` over transcript `t`: its answer signed, by that
+/// identity, over this very transcript (which holds the client's fresh nonce).
+fn check_identity(
+    peer: SocketAddr,
+    t: &Transcript<'_>,
+    expected: &ServerIdentity,
+    signed: Option<&SignedChallenge>,
+) -> Result<(), Error> {
+    let refused = |reason: String| Error::ServerIdentity {
+        addr: peer.to_string(),
+        expected: expected.to_string(),
+        reason: format!(
+            "the server (peer {} epoch {}) {reason}",
+            t.server.0, t.server.1
+        ),
+    };
+    let Some(s) = signed else {
+        return Err(refused(
+            "proved no identity (it has none, or predates server identities)".into(),
+        ));
+    };
+    let found = ServerIdentity::from_bytes(s.identity);
+    if found != *expected {
+        return Err(refused(format!("proved identity {found}")));
+    }
+    if !expected.verifies(&t.signed(expected), &s.signature) {
+        return Err(refused(
+            "named the expected identity but its signature does not verify".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// An authenticated session, client side: attaches its data streams.
@@ -543,6 +629,7 @@ impl Sessions {
 #[derive(Debug)]
 pub struct ServerAuth {
     keyring: Keyring,
+    identity: Option<IdentityKey>,
     sessions: Mutex<Sessions>,
 }
 
@@ -551,8 +638,23 @@ impl ServerAuth {
     pub fn new(keyring: Keyring) -> Self {
         Self {
             keyring,
+            identity: None,
             sessions: Mutex::new(Sessions::default()),
         }
+    }
+
+    /// The same server, which proves `identity` to clients that ask
+    /// ([`ControlFrame::AuthHelloIdentified`]).
+    pub fn with_identity(self, identity: IdentityKey) -> Self {
+        Self {
+            identity: Some(identity),
+            ..self
+        }
+    }
+
+    /// The public identity this server proves, if it has one.
+    pub fn identity(&self) -> Option<ServerIdentity> {
+        self.identity.as_ref().map(IdentityKey::public)
     }
 
     /// The sessions remembered now.
@@ -572,6 +674,31 @@ impl ServerAuth {
         epoch: Epoch,
         nonce: [u8; AUTH_NONCE_LEN],
     ) -> Result<(ControlFrame, PendingProof), Reject> {
+        self.challenge_as(hello, id, epoch, nonce, false)
+    }
+
+    /// Answers an [`AuthHello`] that came as [`ControlFrame::AuthHelloIdentified`]: as
+    /// [`challenge`](Self::challenge), signed with this server's identity where it has one (a
+    /// [`ControlFrame::SignedChallenge`]); without one the plain challenge, which the client
+    /// refuses.
+    pub fn challenge_identified(
+        &self,
+        hello: &AuthHello,
+        id: PeerId,
+        epoch: Epoch,
+        nonce: [u8; AUTH_NONCE_LEN],
+    ) -> Result<(ControlFrame, PendingProof), Reject> {
+        self.challenge_as(hello, id, epoch, nonce, true)
+    }
+
+    fn challenge_as(
+        &self,
+        hello: &AuthHello,
+        id: PeerId,
+        epoch: Epoch,
+        nonce: [u8; AUTH_NONCE_LEN],
+        identified: bool,
+    ) -> Result<(ControlFrame, PendingProof), Reject> {
         let Some(key) = self.keyring.get(&hello.name) else {
             return Err(refuse(
                 epoch,
@@ -588,12 +715,23 @@ impl ServerAuth {
             server: (id, epoch),
             server_nonce: &nonce,
         };
-        let frame = ControlFrame::AuthChallenge(AuthChallenge {
+        let challenge = AuthChallenge {
             peer_id: id,
             epoch,
             nonce,
             mac: t.mac(key, b"server"),
-        });
+        };
+        let frame = match self.identity.as_ref().filter(|_| identified) {
+            None => ControlFrame::AuthChallenge(challenge),
+            Some(identity) => {
+                let public = identity.public();
+                ControlFrame::SignedChallenge(SignedChallenge {
+                    challenge,
+                    identity: public.to_bytes(),
+                    signature: identity.sign(&t.signed(&public)),
+                })
+            }
+        };
         Ok((
             frame,
             PendingProof {
@@ -1111,6 +1249,160 @@ mod tests {
             panic!()
         };
         assert_eq!(&*server.check_attach(&a, Epoch(4)).unwrap(), "alice");
+    }
+
+    /// Runs a handshake in which the client expects `expect` (or nothing) of `server`.
+    fn pair_expecting(
+        client: &Keyring,
+        server: &ServerAuth,
+        expect: Option<ServerIdentity>,
+    ) -> Result<(Session, Arc<str>), Error> {
+        let (first, c) = ClientAuth::start_expecting(client, PeerId(1), Epoch(2), nonce(), expect);
+        let challenge = match (&first, expect) {
+            (ControlFrame::AuthHello(h), None) => server.challenge(h, PeerId(3), Epoch(4), nonce()),
+            (ControlFrame::AuthHelloIdentified(h), Some(_)) => {
+                server.challenge_identified(h, PeerId(3), Epoch(4), nonce())
+            }
+            _ => panic!("{first:?} for {expect:?}"),
+        };
+        let (challenge, pending) = challenge.map_err(|r| Error::Authentication {
+            peer: addr().to_string(),
+            reason: r.message,
+        })?;
+        let (proof, session) = c.on_reply(addr(), challenge)?;
+        let ControlFrame::AuthProof(p) = proof else {
+            panic!("{proof:?}")
+        };
+        let name = server
+            .verify(pending, &p)
+            .map_err(|r| Error::Authentication {
+                peer: addr().to_string(),
+                reason: r.message,
+            })?;
+        Ok((session, name))
+    }
+
+    /// Two servers hold alice's key; only one holds the identity alice expects. The other one
+    /// passes the key's proof and is refused for its identity; a server with no identity, or
+    /// one that replays the right server's signature, is refused too; the right one passes.
+    #[test]
+    fn a_key_holder_without_the_expected_identity_is_refused() {
+        let (a_key, b_key) = (
+            IdentityKey::from_seed(&[0xa; 32]),
+            IdentityKey::from_seed(&[0xb; 32]),
+        );
+        let expected = a_key.public();
+        let server_a = ServerAuth::new(ring(ALICE)).with_identity(a_key);
+        let server_b = ServerAuth::new(ring(ALICE)).with_identity(b_key.clone());
+        let server_none = ServerAuth::new(ring(ALICE));
+        assert_eq!(server_a.identity(), Some(expected));
+        let (_, name) = pair_expecting(&ring(ALICE), &server_a, Some(expected)).unwrap();
+        assert_eq!(&*name, "alice");
+        assert_eq!(server_a.session_count(), 1);
+        for (server, why) in [
+            (&server_b, b_key.public().to_string()),
+            (&server_none, "proved no identity".to_owned()),
+        ] {
+            let e = pair_expecting(&ring(ALICE), server, Some(expected)).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                matches!(&e, Error::ServerIdentity { addr, expected: x, reason }
+                    if addr == "127.0.0.1:7" && *x == expected.to_string()
+                        && reason.contains(&why) && reason.contains("peer")),
+                "{text}"
+            );
+            assert_eq!(server.session_count(), 0, "{text}");
+        }
+        // B names A's identity and copies a signature A made for another transcript.
+        let (first, _) =
+            ClientAuth::start_expecting(&ring(ALICE), PeerId(1), Epoch(2), [1; 32], Some(expected));
+        let ControlFrame::AuthHelloIdentified(h) = first else {
+            panic!()
+        };
+        let (a_answer, _) = server_a
+            .challenge_identified(&h, PeerId(3), Epoch(4), [2; 32])
+            .unwrap();
+        let ControlFrame::SignedChallenge(a_signed) = a_answer else {
+            panic!("{a_answer:?}")
+        };
+        let (b_answer, _) = server_b
+            .challenge_identified(&h, PeerId(3), Epoch(4), [3; 32])
+            .unwrap();
+        let ControlFrame::SignedChallenge(b_signed) = b_answer else {
+            panic!()
+        };
+        let forged = SignedChallenge {
+            identity: a_signed.identity,
+            signature: a_signed.signature,
+            ..b_signed
+        };
+        let (_, c) =
+            ClientAuth::start_expecting(&ring(ALICE), PeerId(1), Epoch(2), [1; 32], Some(expected));
+        let e = c
+            .on_reply(addr(), ControlFrame::SignedChallenge(forged))
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::ServerIdentity { reason, .. } if reason.contains("does not verify")),
+            "{e}"
+        );
+        // A's own answer, tampered anywhere, is refused; untouched, it passes.
+        let tamper: [fn(&mut SignedChallenge); 3] = [
+            |s| s.signature[0] ^= 1,
+            |s| s.identity[0] ^= 1,
+            |s| s.challenge.epoch.0 ^= 1,
+        ];
+        for (i, t) in tamper.iter().enumerate() {
+            let mut s = a_signed;
+            t(&mut s);
+            let (_, c) = ClientAuth::start_expecting(
+                &ring(ALICE),
+                PeerId(1),
+                Epoch(2),
+                [1; 32],
+                Some(expected),
+            );
+            assert!(
+                c.on_reply(addr(), ControlFrame::SignedChallenge(s))
+                    .is_err(),
+                "tamper {i}"
+            );
+        }
+        let (_, c) =
+            ClientAuth::start_expecting(&ring(ALICE), PeerId(1), Epoch(2), [1; 32], Some(expected));
+        assert!(
+            c.on_reply(addr(), ControlFrame::SignedChallenge(a_signed))
+                .is_ok()
+        );
+    }
+
+    /// Without an expected identity the handshake is the old one, byte for byte: a plain
+    /// `AuthHello`, a plain challenge even from a server with an identity, and a signed answer
+    /// it did not ask for is not taken.
+    #[test]
+    fn without_an_expected_identity_the_handshake_is_unchanged() {
+        let identity = IdentityKey::from_seed(&[0xa; 32]);
+        let plain = ServerAuth::new(ring(ALICE));
+        let with = ServerAuth::new(ring(ALICE)).with_identity(identity.clone());
+        let (old, _) = ClientAuth::start(&ring(ALICE), PeerId(1), Epoch(2), [1; 32]);
+        let (new, _) =
+            ClientAuth::start_expecting(&ring(ALICE), PeerId(1), Epoch(2), [1; 32], None);
+        assert_eq!(old, new);
+        let ControlFrame::AuthHello(h) = &old else {
+            panic!()
+        };
+        let (a, _) = plain.challenge(h, PeerId(3), Epoch(4), [2; 32]).unwrap();
+        let (b, _) = with.challenge(h, PeerId(3), Epoch(4), [2; 32]).unwrap();
+        assert_eq!(a, b);
+        assert!(matches!(a, ControlFrame::AuthChallenge(_)));
+        for server in [&plain, &with] {
+            assert!(pair_expecting(&ring(ALICE), server, None).is_ok());
+        }
+        let (signed, _) = with
+            .challenge_identified(h, PeerId(3), Epoch(4), [2; 32])
+            .unwrap();
+        let (_, c) = ClientAuth::start(&ring(ALICE), PeerId(1), Epoch(2), [1; 32]);
+        let e = c.on_reply(addr(), signed).unwrap_err();
+        assert!(matches!(e, Error::Malformed { .. }), "{e}");
     }
 
     /// Counters are accepted once each, below the session's limit, in any order.

@@ -185,6 +185,21 @@ pub enum Error {
         /// What failed (never a key's bytes).
         reason: String,
     },
+    /// The server at `addr` is not the one the client named: it could not prove the expected
+    /// server identity (it signed with another, or proved none). It may hold the client's key
+    /// (under per-peer keyrings every server holding it does); it is not the server expected,
+    /// so nothing was sent to it past the handshake.
+    #[error(
+        "the server at {addr} is not {expected} (the server identity expected there): {reason}"
+    )]
+    ServerIdentity {
+        /// The address connected to.
+        addr: String,
+        /// The identity expected (an Ed25519 public key, hex).
+        expected: String,
+        /// The peer id the server claimed, and what it proved instead.
+        reason: String,
+    },
     /// An authentication key (file) could not be used: unreadable, or not a valid keyring.
     #[error("authentication key {source_name}: {reason}")]
     AuthKey {

@@ -192,6 +192,41 @@ impl ServerConversation {
         }
     }
 
+    /// The answer to an [`AuthHello`](crate::wire::AuthHello) (`identified`: sent as
+    /// `AuthHelloIdentified`, so signed with the server's identity where it has one).
+    fn challenge(
+        &mut self,
+        auth: Option<Arc<crate::auth::ServerAuth>>,
+        h: &crate::wire::AuthHello,
+        identified: bool,
+    ) -> ServerStep {
+        let Some(auth) = auth else {
+            return self.refused(
+                "this server has no authentication key and serves any peer: connect without a \
+                 key"
+                .into(),
+            );
+        };
+        let challenge = if identified {
+            crate::auth::ServerAuth::challenge_identified
+        } else {
+            crate::auth::ServerAuth::challenge
+        };
+        match challenge(
+            &auth,
+            h,
+            self.responder.peer_id(),
+            self.responder.epoch(),
+            crate::auth::nonce(),
+        ) {
+            Ok((challenge, pending)) => {
+                self.state = Conversation::Challenged(pending);
+                ServerStep::Reply(challenge)
+            }
+            Err(r) => self.refused(r.message),
+        }
+    }
+
     /// The next step after the peer sent `frame`.
     pub fn on_frame(&mut self, frame: ControlFrame) -> ServerStep {
         let from = self.from;
@@ -249,26 +284,9 @@ impl ServerConversation {
                         .holding(permit),
                 }
             }
-            (Conversation::Start, ControlFrame::AuthHello(h)) => {
-                let Some(auth) = auth else {
-                    return self.refused(
-                        "this server has no authentication key and serves any peer: connect \
-                         without a key"
-                            .into(),
-                    );
-                };
-                match auth.challenge(
-                    &h,
-                    self.responder.peer_id(),
-                    self.responder.epoch(),
-                    crate::auth::nonce(),
-                ) {
-                    Ok((challenge, pending)) => {
-                        self.state = Conversation::Challenged(pending);
-                        ServerStep::Reply(challenge)
-                    }
-                    Err(r) => self.refused(r.message),
-                }
+            (Conversation::Start, ControlFrame::AuthHello(h)) => self.challenge(auth, &h, false),
+            (Conversation::Start, ControlFrame::AuthHelloIdentified(h)) => {
+                self.challenge(auth, &h, true)
             }
             (Conversation::Challenged(pending), ControlFrame::AuthProof(p)) => {
                 let client = pending.client();
@@ -973,6 +991,61 @@ mod tests {
                 ServerStep::Close(f) => f,
                 other => panic!("expected a close, got {other:?}"),
             }
+        }
+
+        /// The conversation signs its challenge for a client that names the server it expects
+        /// (and only for it), and that client goes on to the hello; a keyless server refuses
+        /// it as it refuses any authenticating client.
+        #[test]
+        fn an_identified_hello_is_answered_with_the_servers_identity() {
+            use crate::identity::IdentityKey;
+            let identity = IdentityKey::from_seed(&[5; 32]);
+            let mut r = MockHandshakeResponder::new();
+            r.expect_peer_id().return_const(PeerId(3));
+            r.expect_epoch().return_const(Epoch(4));
+            let auth = Arc::new(
+                ServerAuth::new(Keyring::parse(ALICE).unwrap()).with_identity(identity.clone()),
+            );
+            r.expect_auth().returning(move || Some(auth.clone()));
+            r.expect_serve_stats().returning(|| None);
+            r.expect_stream_cap().returning(|| None);
+            r.expect_respond().returning(|h, _, _| {
+                Ok(Hello {
+                    peer_id: PeerId(3),
+                    epoch: Epoch(4),
+                    ..h.clone()
+                })
+            });
+            let r: Arc<dyn HandshakeResponder> = Arc::new(r);
+            let keys = Keyring::parse(ALICE).unwrap();
+            let ours = client_hello();
+            for expect in [Some(identity.public()), None] {
+                let mut server = talk(&r);
+                let (first, client) =
+                    ClientAuth::start_expecting(&keys, ours.peer_id, ours.epoch, [1; 32], expect);
+                let ServerStep::Reply(challenge) = server.on_frame(first) else {
+                    panic!()
+                };
+                assert_eq!(
+                    matches!(challenge, ControlFrame::SignedChallenge(_)),
+                    expect.is_some()
+                );
+                let (proof, _) = client.on_reply(peer(), challenge).unwrap();
+                assert!(matches!(server.on_frame(proof), ServerStep::Read));
+                let answer = closed_with(server.on_frame(ControlFrame::Hello(ours.clone())));
+                assert!(matches!(answer, ControlFrame::HelloAck(_)), "{answer:?}");
+            }
+            let keyless = responder(None, false);
+            let (first, client) = ClientAuth::start_expecting(
+                &keys,
+                ours.peer_id,
+                ours.epoch,
+                [1; 32],
+                Some(identity.public()),
+            );
+            let answer = closed_with(talk(&keyless).on_frame(first));
+            let e = client.on_reply(peer(), answer).unwrap_err();
+            assert!(matches!(e, Error::Authentication { .. }), "{e}");
         }
 
         #[test]

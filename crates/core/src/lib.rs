@@ -14,6 +14,7 @@ pub mod checksum;
 pub mod dealer;
 pub mod error;
 pub mod handshake;
+pub mod identity;
 pub mod ids;
 pub mod memory;
 pub mod op;

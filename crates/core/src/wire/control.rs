@@ -8,9 +8,9 @@ use super::codec::{Reader, put_u16, put_u32, put_u64};
 use super::error::{EncodeError, WireError, limit};
 use super::offer::TransportOffer;
 use super::{
-    AUTH_MAC_LEN, AUTH_NONCE_LEN, CONTROL_HEADER_LEN, MAGIC, MAX_AUTH_NAME, MAX_CONTROL_BODY,
-    MAX_KEYS, MAX_MESSAGE_LEN, MAX_NAME_LEN, MAX_NOTIFY_LEN, MAX_NOTIFY_NAME, MAX_SEGMENTS,
-    MAX_TRANSPORTS, VersionRange,
+    AUTH_MAC_LEN, AUTH_NONCE_LEN, CONTROL_HEADER_LEN, IDENTITY_LEN, MAGIC, MAX_AUTH_NAME,
+    MAX_CONTROL_BODY, MAX_KEYS, MAX_MESSAGE_LEN, MAX_NAME_LEN, MAX_NOTIFY_LEN, MAX_NOTIFY_NAME,
+    MAX_SEGMENTS, MAX_TRANSPORTS, SIGNATURE_LEN, VersionRange,
 };
 
 /// The handshake one side sends: who it is, what it speaks, offers and publishes.
@@ -105,6 +105,21 @@ pub struct AuthChallenge {
     pub mac: [u8; AUTH_MAC_LEN],
 }
 
+/// The server's answer to an [`AuthHello`] sent as [`ControlFrame::AuthHelloIdentified`] (a
+/// client that names the server it expects): the challenge, the server's public identity (an
+/// Ed25519 key) and its signature over the handshake's transcript (see
+/// [`crate::identity`]). Sent only to a client that asked for it, so a client that did not
+/// never sees one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SignedChallenge {
+    /// The challenge, as an unsigned one.
+    pub challenge: AuthChallenge,
+    /// The server's public identity.
+    pub identity: [u8; IDENTITY_LEN],
+    /// Its signature over the transcript (both nonces, both ids and epochs, the key name).
+    pub signature: [u8; SIGNATURE_LEN],
+}
+
 /// The client's proof that it holds the key (a MAC over the same transcript, another label).
 /// A [`Hello`] follows it on the same connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,6 +188,12 @@ pub enum ControlFrame {
     Notify(Notify),
     /// The message is in the server's inbox.
     NotifyAck,
+    /// Opens an authenticated handshake and asks the server to prove its identity too (a
+    /// client that expects a given server): the body of an [`AuthHello`]. A server with an
+    /// identity answers [`ControlFrame::SignedChallenge`], one without a plain challenge.
+    AuthHelloIdentified(AuthHello),
+    /// The server's challenge, signed with its identity.
+    SignedChallenge(SignedChallenge),
 }
 
 pub(super) const K_HELLO: u8 = 1;
@@ -186,6 +207,8 @@ const K_AUTH_PROOF: u8 = 8;
 const K_AUTH_ATTACH: u8 = 9;
 const K_NOTIFY: u8 = 10;
 const K_NOTIFY_ACK: u8 = 11;
+const K_AUTH_HELLO_IDENTIFIED: u8 = 12;
+const K_SIGNED_CHALLENGE: u8 = 13;
 
 /// A decoded control frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -210,7 +233,7 @@ impl ControlHeader {
         let kind = r.u8("kind")?;
         let _flags = r.u8("flags")?;
         let body_len = r.u32("body length")?;
-        if !(K_HELLO..=K_NOTIFY_ACK).contains(&kind) {
+        if !(K_HELLO..=K_SIGNED_CHALLENGE).contains(&kind) {
             return Err(WireError::UnknownCode {
                 field: "frame kind",
                 code: kind.into(),
@@ -348,6 +371,37 @@ impl StreamAttach {
     }
 }
 
+impl AuthHello {
+    fn decode_body(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let len = r.u8("key name length")?;
+        let len = r.count(len.into(), MAX_AUTH_NAME, 1, "key name length")?;
+        Ok(Self {
+            name: r.string(len, "key name")?,
+            peer_id: PeerId(r.u128("peer id")?),
+            epoch: Epoch(r.u64("epoch")?),
+            nonce: r.array("nonce")?,
+        })
+    }
+}
+
+impl AuthChallenge {
+    fn encode_body(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.peer_id.0.to_le_bytes());
+        put_u64(out, self.epoch.0);
+        out.extend_from_slice(&self.nonce);
+        out.extend_from_slice(&self.mac);
+    }
+
+    fn decode_body(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        Ok(Self {
+            peer_id: PeerId(r.u128("peer id")?),
+            epoch: Epoch(r.u64("epoch")?),
+            nonce: r.array("nonce")?,
+            mac: r.array("mac")?,
+        })
+    }
+}
+
 impl ControlFrame {
     fn kind_code(&self) -> u8 {
         match self {
@@ -362,6 +416,8 @@ impl ControlFrame {
             ControlFrame::AuthAttach(_) => K_AUTH_ATTACH,
             ControlFrame::Notify(_) => K_NOTIFY,
             ControlFrame::NotifyAck => K_NOTIFY_ACK,
+            ControlFrame::AuthHelloIdentified(_) => K_AUTH_HELLO_IDENTIFIED,
+            ControlFrame::SignedChallenge(_) => K_SIGNED_CHALLENGE,
         }
     }
 
@@ -397,7 +453,7 @@ impl ControlFrame {
             }
             ControlFrame::StreamAttach(a) => a.encode_body(out),
             ControlFrame::StreamAccept => {}
-            ControlFrame::AuthHello(h) => {
+            ControlFrame::AuthHello(h) | ControlFrame::AuthHelloIdentified(h) => {
                 limit("key name", h.name.len(), MAX_AUTH_NAME)?;
                 out.push(h.name.len() as u8);
                 out.extend_from_slice(h.name.as_bytes());
@@ -405,11 +461,11 @@ impl ControlFrame {
                 put_u64(out, h.epoch.0);
                 out.extend_from_slice(&h.nonce);
             }
-            ControlFrame::AuthChallenge(c) => {
-                out.extend_from_slice(&c.peer_id.0.to_le_bytes());
-                put_u64(out, c.epoch.0);
-                out.extend_from_slice(&c.nonce);
-                out.extend_from_slice(&c.mac);
+            ControlFrame::AuthChallenge(c) => c.encode_body(out),
+            ControlFrame::SignedChallenge(s) => {
+                s.challenge.encode_body(out);
+                out.extend_from_slice(&s.identity);
+                out.extend_from_slice(&s.signature);
             }
             ControlFrame::AuthProof(p) => out.extend_from_slice(&p.mac),
             ControlFrame::AuthAttach(a) => {
@@ -481,21 +537,15 @@ impl ControlFrame {
             }
             K_ATTACH => ControlFrame::StreamAttach(StreamAttach::decode_body(&mut r)?),
             K_ACCEPT => ControlFrame::StreamAccept,
-            K_AUTH_HELLO => {
-                let len = r.u8("key name length")?;
-                let len = r.count(len.into(), MAX_AUTH_NAME, 1, "key name length")?;
-                ControlFrame::AuthHello(AuthHello {
-                    name: r.string(len, "key name")?,
-                    peer_id: PeerId(r.u128("peer id")?),
-                    epoch: Epoch(r.u64("epoch")?),
-                    nonce: r.array("nonce")?,
-                })
+            K_AUTH_HELLO => ControlFrame::AuthHello(AuthHello::decode_body(&mut r)?),
+            K_AUTH_HELLO_IDENTIFIED => {
+                ControlFrame::AuthHelloIdentified(AuthHello::decode_body(&mut r)?)
             }
-            K_AUTH_CHALLENGE => ControlFrame::AuthChallenge(AuthChallenge {
-                peer_id: PeerId(r.u128("peer id")?),
-                epoch: Epoch(r.u64("epoch")?),
-                nonce: r.array("nonce")?,
-                mac: r.array("mac")?,
+            K_AUTH_CHALLENGE => ControlFrame::AuthChallenge(AuthChallenge::decode_body(&mut r)?),
+            K_SIGNED_CHALLENGE => ControlFrame::SignedChallenge(SignedChallenge {
+                challenge: AuthChallenge::decode_body(&mut r)?,
+                identity: r.array("identity")?,
+                signature: r.array("signature")?,
             }),
             K_AUTH_PROOF => ControlFrame::AuthProof(AuthProof {
                 mac: r.array("mac")?,
@@ -562,6 +612,8 @@ fn kind_name(code: u8) -> &'static str {
         K_AUTH_ATTACH => "auth-attach",
         K_NOTIFY => "notify",
         K_NOTIFY_ACK => "notify-ack",
+        K_AUTH_HELLO_IDENTIFIED => "auth-hello-identified",
+        K_SIGNED_CHALLENGE => "signed-challenge",
         _ => "unknown",
     }
 }

@@ -23,7 +23,7 @@ mod offer;
 
 pub use control::{
     AuthAttach, AuthChallenge, AuthHello, AuthProof, ControlFrame, ControlHeader, Hello, Notify,
-    Reject, RejectReason, StreamAttach,
+    Reject, RejectReason, SignedChallenge, StreamAttach,
 };
 pub use data::{
     DataRequest, DataResponse, Piece, RequestHead, ResponseHead, VectoredRequest, VectoredResponse,
@@ -84,6 +84,14 @@ pub const DATA_RESPONSE_LEN: usize = 16;
 pub const AUTH_NONCE_LEN: usize = 32;
 /// Size of an authentication MAC (HMAC-SHA256).
 pub const AUTH_MAC_LEN: usize = 32;
+/// Size of a server's public identity (an Ed25519 public key). The identity frames
+/// ([`ControlFrame::AuthHelloIdentified`], [`ControlFrame::SignedChallenge`]) are new kinds,
+/// sent only by a client that names the server it expects and only in answer to one: peers
+/// that never do speak exactly as before, and a server older than them refuses the unknown
+/// kind (it cannot prove an identity), so the protocol version range is unchanged.
+pub const IDENTITY_LEN: usize = 32;
+/// Size of a server's signature over a handshake transcript (Ed25519).
+pub const SIGNATURE_LEN: usize = 64;
 /// Largest key name an authenticating peer may claim, in bytes.
 pub const MAX_AUTH_NAME: usize = 64;
 
@@ -513,6 +521,33 @@ mod tests {
                     }
                 )),
             Just(ControlFrame::NotifyAck),
+            ("[A-Za-z0-9._@:-]{1,64}", any::<u128>(), any::<[u8; 32]>()).prop_map(
+                |(name, id, nonce)| ControlFrame::AuthHelloIdentified(AuthHello {
+                    name,
+                    peer_id: PeerId(id),
+                    epoch: Epoch(7),
+                    nonce,
+                })
+            ),
+            (
+                any::<u128>(),
+                any::<[u8; 32]>(),
+                any::<[u8; 32]>(),
+                any::<[u8; 32]>(),
+                any::<[u8; 32]>()
+            )
+                .prop_map(|(id, nonce, mac, identity, half)| {
+                    ControlFrame::SignedChallenge(SignedChallenge {
+                        challenge: AuthChallenge {
+                            peer_id: PeerId(id),
+                            epoch: Epoch(9),
+                            nonce,
+                            mac,
+                        },
+                        identity,
+                        signature: [half, mac].concat().try_into().unwrap(),
+                    })
+                }),
         ]
     }
 
