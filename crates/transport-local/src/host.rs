@@ -398,17 +398,44 @@ impl AddressSpace {
     }
 }
 
-/// Whether the other end of `sock` hung up both ways (closed it, exited, or shut down reading
-/// and writing): `POLLHUP`. A peer that only shut its sending half is not hung up.
-pub(crate) fn hung_up(sock: &UnixStream) -> bool {
-    let mut p = libc::pollfd {
-        fd: sock.as_raw_fd(),
-        events: 0,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, a zero timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
+/// What one look at a served stream's socket and its client's pidfd says (one `poll` of both).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Liveness {
+    /// Both as they were.
+    Live,
+    /// The client process exited (its pid may name another process from now on).
+    Exited,
+    /// The other end of the socket hung up both ways (closed it, exited, or shut down reading
+    /// and writing: `POLLHUP`); a peer that only shut its sending half has not.
+    HungUp,
+}
+
+/// Looks at `sock` and `client` at once, without waiting, in one system call.
+pub(crate) fn liveness(sock: &UnixStream, client: &Pidfd) -> Liveness {
+    let mut p = [
+        libc::pollfd {
+            fd: client.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: 0,
+            revents: 0,
+        },
+    ];
+    // SAFETY: two valid pollfds, a zero timeout.
+    let n = unsafe { libc::poll(p.as_mut_ptr(), 2, 0) };
+    if n <= 0 {
+        return Liveness::Live;
+    }
+    if p[0].revents != 0 {
+        Liveness::Exited
+    } else if p[1].revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+        Liveness::HungUp
+    } else {
+        Liveness::Live
+    }
 }
 
 /// Whether `sock` has something to read now (or its end, or an error), without waiting.
@@ -742,14 +769,20 @@ mod tests {
     #[test]
     fn a_hang_up_is_both_directions_not_half() {
         let (a, b) = UnixStream::pair().unwrap();
-        assert!(!hung_up(&a));
+        let me = Pidfd::open(std::process::id()).unwrap();
+        assert_eq!(liveness(&a, &me), Liveness::Live);
         b.shutdown(std::net::Shutdown::Write).unwrap();
-        assert!(!hung_up(&a), "a half close is not a hang-up");
-        b.shutdown(std::net::Shutdown::Both).unwrap();
-        assert!(hung_up(&a));
-        let (c, d) = UnixStream::pair().unwrap();
-        drop(d);
-        assert!(hung_up(&c));
+        assert_eq!(
+            liveness(&a, &me),
+            Liveness::Live,
+            "a half close is not a hang-up"
+        );
+        drop(b);
+        assert_eq!(liveness(&a, &me), Liveness::HungUp);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let held = Pidfd::open(child.id()).unwrap();
+        child.wait().unwrap();
+        assert_eq!(liveness(&a, &held), Liveness::Exited);
     }
 
     #[test]

@@ -525,20 +525,13 @@ fn hold_space(
 }
 
 /// The client a stream serves, as proven at its attach: copies go to `pid` only while it is
-/// still that process (`process`) running in that address space (`space`).
+/// still that process (`process`) running in that address space (`space`), both checked before
+/// each request: a client that exited or exec'd (a set-user-id program, say) is never copied
+/// to again, whoever holds the stream's socket now.
 struct Held<'a> {
     pid: u32,
     process: &'a host::Pidfd,
     space: &'a host::AddressSpace,
-}
-
-impl Held<'_> {
-    /// Whether the client is still the process, and the program, that attached: a client
-    /// that exited or exec'd (a set-user-id program, say) is never copied to again, whoever
-    /// holds the stream's socket now.
-    fn still_attached(&self) -> bool {
-        !self.process.exited() && !self.space.gone()
-    }
 }
 
 fn refusal(shared: &Shared, message: &str) -> ControlFrame {
@@ -582,12 +575,16 @@ fn serve_data(
             }
             Err(e) => return Err(e),
         }
-        if !held.still_attached() {
-            return Err(io::Error::from_raw_os_error(libc::ESRCH));
-        }
-        if host::hung_up(sock) {
+        match host::liveness(sock, held.process) {
+            host::Liveness::Live => {}
+            host::Liveness::Exited => return Err(io::Error::from_raw_os_error(libc::ESRCH)),
             // The client gave the stream up both ways (or is gone): nothing more is copied.
-            return Err(io::Error::from_raw_os_error(libc::ECONNRESET));
+            host::Liveness::HungUp => {
+                return Err(io::Error::from_raw_os_error(libc::ECONNRESET));
+            }
+        }
+        if held.space.gone() {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
         match proto.on_request(&head) {
             Action::WriteMemory {
