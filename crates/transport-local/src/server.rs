@@ -534,6 +534,23 @@ struct Held<'a> {
     space: &'a host::AddressSpace,
 }
 
+impl Held<'_> {
+    /// Before a request: the client still the process and the program that attached, and the
+    /// stream not given up (`ESRCH`: it exited or exec'd; `ECONNRESET`: it hung up both ways,
+    /// so nothing more is copied).
+    fn check(&self, sock: &UnixStream) -> io::Result<()> {
+        match host::liveness(sock, self.process) {
+            host::Liveness::Live => {}
+            host::Liveness::Exited => return Err(io::Error::from_raw_os_error(libc::ESRCH)),
+            host::Liveness::HungUp => return Err(io::Error::from_raw_os_error(libc::ECONNRESET)),
+        }
+        if self.space.gone() {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(())
+    }
+}
+
 fn refusal(shared: &Shared, message: &str) -> ControlFrame {
     ControlFrame::Reject(Reject {
         reason: RejectReason::Refused,
@@ -575,17 +592,7 @@ fn serve_data(
             }
             Err(e) => return Err(e),
         }
-        match host::liveness(sock, held.process) {
-            host::Liveness::Live => {}
-            host::Liveness::Exited => return Err(io::Error::from_raw_os_error(libc::ESRCH)),
-            // The client gave the stream up both ways (or is gone): nothing more is copied.
-            host::Liveness::HungUp => {
-                return Err(io::Error::from_raw_os_error(libc::ECONNRESET));
-            }
-        }
-        if held.space.gone() {
-            return Err(io::Error::from_raw_os_error(libc::ESRCH));
-        }
+        held.check(sock)?;
         match proto.on_request(&head) {
             Action::WriteMemory {
                 lease,
