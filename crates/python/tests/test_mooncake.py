@@ -402,6 +402,12 @@ def test_notifications_arrive_after_their_transfer_in_order():
     assert a.transfer_sync(name, src, dst + (1 << 20), 8, TransferOpcode.Write,
                            TransferNotify("never", "sent")) == -1
     assert b.get_notifies() == []
+    # Nor does a failed batch (one op of it past the peer's buffer), which returns -1.
+    assert a.batch_transfer_sync(name, [src, src], [dst, dst + (1 << 20)], [8, 8],
+                                 TransferOpcode.Write, TransferNotify("never", "batch")) == -1
+    assert a.batch_transfer_sync(name, [src], [dst + (1 << 20)], [8], TransferOpcode.Read,
+                                 TransferNotify("never", "read")) == -1
+    assert b.get_notifies() == []
     a.close()
     b.close()
 

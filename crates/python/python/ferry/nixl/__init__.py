@@ -15,6 +15,7 @@ Every call, what Ferry does and where it differs: docs/nixl.md.
 """
 
 from ferry.nixl._aliasing import install, installed
+from ferry.nixl._bindings import *  # noqa: F401,F403  (first: _api's names below win, as in NIXL)
 from ferry.nixl._api import (
     DEFAULT_COMM_PORT,
     nixl_agent,
@@ -24,7 +25,6 @@ from ferry.nixl._api import (
     nixl_thread_sync_t,
     nixl_xfer_handle,
 )
-from ferry.nixl._bindings import *  # noqa: F401,F403  (NIXL's package exposes them all)
 from ferry.nixl.logging import get_logger
 
 __all__ = [
