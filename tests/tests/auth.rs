@@ -679,3 +679,82 @@ async fn streams_past_the_cap_of_a_key_name_are_refused_on_every_plane() -> Resu
     }
     Ok(())
 }
+
+/// A client that names the server it expects (issue 46, S3). Two servers hold alice's key;
+/// alice pairs an address with server A's identity. At server B's address (a redirected
+/// record) B proves alice's key but not A's identity: refused with `ServerIdentity` naming the
+/// address and the identity expected, and nothing of B's is read or written; the address stays
+/// paired (a later plain connect to it is refused too). At A's address the bytes move. A client
+/// that names nothing connects to B as before. Keyless, an expected identity is refused
+/// before anything is sent. The identity comes from a key file (refused when group or others
+/// may read it) and `describe()` shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_holder_cannot_answer_for_the_server_a_client_names() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let key = ferry::IdentityKey::generate();
+    let file = dir.path().join("identity.key");
+    std::fs::write(&file, format!("# server A\n{}\n", key.to_file_text()))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644))?;
+    let e = Server::start_with(DataPlane::Tcp, Some(ALICE), |b| b.identity_key_file(&file))
+        .err()
+        .context("built with an identity key file others may read")?;
+    let text = format!("{e:#}");
+    assert!(
+        text.contains("identity.key") && text.contains("644"),
+        "{text}"
+    );
+    assert!(!text.contains(&key.to_file_text()[..16]), "{text}");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))?;
+    for plane in planes() {
+        let a = Server::start_with(plane, Some(ALICE), |b| b.identity_key_file(&file))?;
+        let b = Server::start(plane, Some(ALICE))?;
+        let expected = a.engine.server_identity();
+        assert_eq!(expected, key.public());
+        assert_eq!(a.engine.describe().server_identity, expected.to_string());
+        assert_ne!(b.engine.server_identity(), expected);
+
+        let alice = client(plane, Some(ALICE))?;
+        let e = alice
+            .connect_expecting(b.addr(), expected)
+            .await
+            .err()
+            .context("server B answered for server A")?;
+        assert!(
+            matches!(&e, Error::ServerIdentity { addr, expected: x, reason }
+                if *addr == b.addr().to_string() && *x == expected.to_string()
+                    && reason.contains(&b.engine.server_identity().to_string())),
+            "{plane:?}: {e}"
+        );
+        let e = alice
+            .connect(b.addr())
+            .await
+            .err()
+            .context("the pairing was forgotten")?;
+        assert!(matches!(e, Error::ServerIdentity { .. }), "{plane:?}: {e}");
+        assert!(b.untouched(&b.open)?, "{plane:?}: server B's bytes changed");
+
+        let peer = alice.connect_expecting(a.addr(), expected).await?;
+        let back = local(&alice, 0)?;
+        let o = alice
+            .submit(Batch::new().read(&back, 0, &peer.segment("open")?, 0, LEN as u64))?
+            .await;
+        assert!(o.is_success(), "{plane:?}: {o:?}");
+        let mut got = vec![0u8; LEN];
+        back.region().read_at(0, &mut got)?;
+        assert!(got.iter().all(|&b| b == 0x5a), "{plane:?}: wrong bytes");
+        alice.notify(&peer, "alice", b"done").await?;
+
+        // Naming nothing, the handshake is the one it was: any holder of the key answers.
+        let plain = client(plane, Some(ALICE))?;
+        plain.connect(b.addr()).await?;
+        let keyless = client(plane, None)?;
+        let e = keyless
+            .connect_expecting(a.addr(), expected)
+            .await
+            .err()
+            .context("a keyless client was told an identity was proven")?;
+        assert!(matches!(e, Error::InvalidRequest { .. }), "{plane:?}: {e}");
+    }
+    Ok(())
+}

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::auth::{KeyError, Keyring, ServerAuth};
+use ferry_core::identity::IdentityKey;
 use ferry_core::wire::{SUPPORTED_VERSIONS, VersionRange};
 use ferry_core::{Epoch, Error, PeerId, Transport, TransportKind};
 use ferry_registry::{Budgets, Registry};
@@ -42,9 +43,21 @@ pub struct EngineBuilder {
     gpu: crate::gpu::GpuConfig,
     auth: AuthSetting,
     allow_open_key_file: bool,
+    identity: IdentitySetting,
     metrics: Option<SocketAddr>,
     same_host: bool,
     max_streams_per_key: usize,
+}
+
+/// Where the engine's server identity (its signing key) comes from.
+#[derive(Debug, Clone)]
+enum IdentitySetting {
+    /// The file named by `FERRY_IDENTITY_KEY_FILE`, if set; else a fresh key for this process.
+    FromEnv,
+    /// An identity key file.
+    File(std::path::PathBuf),
+    /// A key given in code.
+    Key(IdentityKey),
 }
 
 /// Where the engine's authentication keys come from.
@@ -68,6 +81,11 @@ pub const AUTH_KEY_FILE_ENV: &str = "FERRY_AUTH_KEY_FILE";
 /// group or others may access (see [`EngineBuilder::allow_open_key_file`]).
 pub const ALLOW_OPEN_KEY_FILE_ENV: &str = "FERRY_ALLOW_OPEN_KEY_FILE";
 
+/// The environment variable naming the engine's identity key file (its signing key: 64 hex
+/// digits), read by [`EngineBuilder::build`] when none was given in code; unset, each process
+/// generates its own (see [`EngineBuilder::identity_key_file`]).
+pub const IDENTITY_KEY_FILE_ENV: &str = "FERRY_IDENTITY_KEY_FILE";
+
 pub use crate::config::SAME_HOST_ENV;
 
 /// Whether [`SAME_HOST_ENV`] leaves the same-host plane on.
@@ -88,6 +106,28 @@ fn same_host_env_privileged() -> bool {
 /// A file whose mode grants group or others any access is refused unless `allow_open` (then a
 /// warning is logged). Errors name the file and never show a key's bytes.
 pub fn load_keyring(path: &std::path::Path, allow_open: bool) -> Result<Keyring, Error> {
+    let text = read_key_file(path, allow_open)?;
+    Keyring::parse(&text).map_err(|e| Error::AuthKey {
+        source_name: path.display().to_string(),
+        reason: e.to_string(),
+        source: None,
+    })
+}
+
+/// Reads the identity key file at `path` (the signing key's 32-byte seed as 64 hex digits, see
+/// [`IdentityKey::parse`]), refused like a keyring file when group or others may access it
+/// unless `allow_open`. Errors name the file and never show the key's digits.
+pub fn load_identity_key(path: &std::path::Path, allow_open: bool) -> Result<IdentityKey, Error> {
+    let text = read_key_file(path, allow_open)?;
+    IdentityKey::parse(&text).map_err(|e| Error::AuthKey {
+        source_name: path.display().to_string(),
+        reason: e.to_string(),
+        source: None,
+    })
+}
+
+/// A key file's text, once its mode is checked (see [`load_keyring`]).
+fn read_key_file(path: &std::path::Path, allow_open: bool) -> Result<String, Error> {
     use std::io::Read;
     let shown = path.display().to_string();
     let unreadable = |e: std::io::Error| Error::AuthKey {
@@ -120,11 +160,7 @@ pub fn load_keyring(path: &std::path::Path, allow_open: bool) -> Result<Keyring,
     }
     let mut text = String::new();
     file.read_to_string(&mut text).map_err(unreadable)?;
-    Keyring::parse(&text).map_err(|e| Error::AuthKey {
-        source_name: shown,
-        reason: e.to_string(),
-        source: None,
-    })
+    Ok(text)
 }
 
 impl Default for EngineBuilder {
@@ -147,6 +183,7 @@ impl Default for EngineBuilder {
             gpu: Default::default(),
             auth: AuthSetting::FromEnv,
             allow_open_key_file: false,
+            identity: IdentitySetting::FromEnv,
             metrics: None,
             same_host: true,
             max_streams_per_key: ferry_core::stream_cap::DEFAULT_STREAMS_PER_KEY,
@@ -261,6 +298,25 @@ impl EngineBuilder {
     /// Authenticates peers with `keyring` (see [`auth_key_file`](Self::auth_key_file)).
     pub fn auth_keyring(mut self, keyring: Keyring) -> Self {
         self.auth = AuthSetting::Keys(Ok(keyring));
+        self
+    }
+
+    /// Proves the server identity whose signing key is in the file at `path` (64 hex digits: the
+    /// Ed25519 key's 32-byte seed; read by [`build`](Self::build), refused like a keyring file
+    /// when group or others may access it). A client that names this engine's public identity
+    /// ([`TransferEngine::connect_expecting`]) is answered only by it, whoever else holds its
+    /// key. Without one given in code, `build` reads the file named by
+    /// `FERRY_IDENTITY_KEY_FILE`, if set, else generates a key for this process (its public
+    /// identity: [`TransferEngine::server_identity`], `describe()`). The identity is proven in
+    /// authenticated handshakes only.
+    pub fn identity_key_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.identity = IdentitySetting::File(path.into());
+        self
+    }
+
+    /// Proves the server identity of `key` (see [`identity_key_file`](Self::identity_key_file)).
+    pub fn identity_key(mut self, key: IdentityKey) -> Self {
+        self.identity = IdentitySetting::Key(key);
         self
     }
 
@@ -468,6 +524,7 @@ impl EngineBuilder {
     /// listener is bound here, and served on that runtime).
     pub fn build(self) -> Result<TransferEngine, Error> {
         let keyring = self.keyring()?;
+        let signing = self.signing_key()?;
         #[cfg(feature = "cuda")]
         let gpu_state = Arc::new(crate::gpu::GpuState::new(self.gpu.clone()));
         let opened = self.open_transports(
@@ -499,7 +556,9 @@ impl EngineBuilder {
             versions: self.versions,
             transports: opened.transports.clone(),
             table: table.clone(),
-            auth: keyring.clone().map(|k| Arc::new(ServerAuth::new(k))),
+            auth: keyring
+                .clone()
+                .map(|k| Arc::new(ServerAuth::new(k).with_identity(signing.clone()))),
             stream_cap: ferry_core::stream_cap::StreamCap::new(self.max_streams_per_key),
         });
         if let Some(addr) = self.listen
@@ -530,6 +589,7 @@ impl EngineBuilder {
                     epoch,
                     versions: self.versions,
                     keyring,
+                    signing,
                 },
                 published: Published {
                     registry,
@@ -547,6 +607,7 @@ impl EngineBuilder {
                 },
                 peers: Peers {
                     known: Default::default(),
+                    expected: Default::default(),
                     routes: Default::default(),
                     request_timeout: self.request_timeout,
                     connect_timeout: self.data.connect_timeout,
@@ -570,6 +631,22 @@ impl EngineBuilder {
                 #[cfg(feature = "cuda")]
                 gpu: Some(gpu_state),
             }),
+        })
+    }
+
+    /// The engine's signing key: the one given, else `FERRY_IDENTITY_KEY_FILE`'s, else fresh.
+    fn signing_key(&self) -> Result<IdentityKey, Error> {
+        let allow_open = self.allow_open_key_file
+            || std::env::var_os(ALLOW_OPEN_KEY_FILE_ENV).is_some_and(|v| v == "1");
+        Ok(match &self.identity {
+            IdentitySetting::Key(k) => k.clone(),
+            IdentitySetting::File(path) => load_identity_key(path, allow_open)?,
+            IdentitySetting::FromEnv => match std::env::var_os(IDENTITY_KEY_FILE_ENV) {
+                Some(path) if !path.is_empty() => {
+                    load_identity_key(std::path::Path::new(&path), allow_open)?
+                }
+                _ => IdentityKey::generate(),
+            },
         })
     }
 

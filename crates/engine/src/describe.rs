@@ -250,6 +250,10 @@ pub struct Description {
     pub peer_id: String,
     /// Epoch (hex).
     pub epoch: String,
+    /// The server identity this engine proves to clients that name it (an Ed25519 public key,
+    /// hex; see [`TransferEngine::connect_expecting`](crate::TransferEngine::connect_expecting)):
+    /// from `FERRY_IDENTITY_KEY_FILE` or the builder, else generated for this process.
+    pub server_identity: String,
     /// The address served, if any.
     pub listen: Option<String>,
     /// Transports built in and enabled.

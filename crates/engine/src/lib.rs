@@ -42,7 +42,8 @@ mod route;
 mod serve;
 
 pub use builder::{
-    ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, SAME_HOST_ENV, load_keyring,
+    ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, IDENTITY_KEY_FILE_ENV,
+    SAME_HOST_ENV, load_identity_key, load_keyring,
 };
 pub use describe::{
     BroadcastDescription, CacheDescription, ContextDescription, Description, HandshakeDescription,
@@ -51,6 +52,7 @@ pub use describe::{
 };
 pub use engine::TransferEngine;
 pub use ferry_core::auth::Keyring;
+pub use ferry_core::identity::{IdentityError, IdentityKey, ServerIdentity};
 /// GPU memory (`ferry-cuda`): the driver, devices, device memory, routes and file loads.
 #[cfg(feature = "cuda")]
 pub use ferry_cuda as cuda;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use ferry_core::Error;
 use ferry_core::auth::{ClientAuth, Keyring, Session};
+use ferry_core::identity::ServerIdentity;
 use ferry_core::wire::{
     CONTROL_HEADER_LEN, ControlFrame, ControlHeader, Hello, Notify, StreamAttach,
 };
@@ -95,6 +96,21 @@ pub async fn handshake_with(
     keyring: Option<&Keyring>,
     timeout: Duration,
 ) -> Result<(Hello, Option<Arc<Session>>), Error> {
+    handshake_expecting(addr, hello, keyring, None, timeout).await
+}
+
+/// As [`handshake_with`], and where `expect` names a server identity, the server must prove it
+/// too (see [`ferry_core::identity`]): [`Error::ServerIdentity`] when it proves another or
+/// none. An identity is proven only in an authenticated handshake: without a keyring an
+/// expected identity is [`Error::InvalidRequest`], before anything is sent.
+pub async fn handshake_expecting(
+    addr: SocketAddr,
+    hello: &Hello,
+    keyring: Option<&Keyring>,
+    expect: Option<ServerIdentity>,
+    timeout: Duration,
+) -> Result<(Hello, Option<Arc<Session>>), Error> {
+    needs_keys(addr, keyring, expect)?;
     let run = || async {
         let stream = connect(addr, timeout, None, None).await?;
         let Some(keyring) = keyring else {
@@ -105,11 +121,12 @@ pub async fn handshake_with(
                 None,
             ));
         };
-        let (first, client) = ClientAuth::start(
+        let (first, client) = ClientAuth::start_expecting(
             keyring,
             hello.peer_id,
             hello.epoch,
             ferry_core::auth::nonce(),
+            expect,
         );
         write_frame(&stream, addr, &first).await?;
         let reply = read_frame(&stream, addr).await?;
@@ -128,6 +145,25 @@ pub async fn handshake_with(
         Ok((server, Some(Arc::new(session))))
     };
     retrying(addr, timeout, "handshake", run).await
+}
+
+/// An expected server identity without keys: refused before connecting (it is proven only in
+/// an authenticated handshake).
+fn needs_keys(
+    addr: SocketAddr,
+    keyring: Option<&Keyring>,
+    expect: Option<ServerIdentity>,
+) -> Result<(), Error> {
+    match (keyring, expect) {
+        (None, Some(expected)) => Err(Error::InvalidRequest {
+            reason: format!(
+                "the server at {addr} is expected to be {expected}, and a server identity is \
+                 proven only in an authenticated handshake: give this engine a key file \
+                 (EngineBuilder::auth_key_file, FERRY_AUTH_KEY_FILE)"
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Runs `attempt` (one connection and its handshake) until it ends otherwise than by the
@@ -184,6 +220,19 @@ pub async fn notify_with(
     keyring: Option<&Keyring>,
     timeout: Duration,
 ) -> Result<(), Error> {
+    notify_expecting(addr, notify, keyring, None, timeout).await
+}
+
+/// As [`notify_with`], to the server identity `expect` where one is named (as
+/// [`handshake_expecting`]): the message is sent only once the server proved it.
+pub async fn notify_expecting(
+    addr: SocketAddr,
+    notify: &Notify,
+    keyring: Option<&Keyring>,
+    expect: Option<ServerIdentity>,
+    timeout: Duration,
+) -> Result<(), Error> {
+    needs_keys(addr, keyring, expect)?;
     let run = || async {
         let stream = connect(addr, timeout, None, None).await?;
         let frame = ControlFrame::Notify(notify.clone());
@@ -192,11 +241,12 @@ pub async fn notify_with(
             let reply = read_frame(&stream, addr).await?;
             return ferry_core::handshake::notify_reply(addr, notify.to_epoch, reply);
         };
-        let (first, client) = ClientAuth::start(
+        let (first, client) = ClientAuth::start_expecting(
             keyring,
             notify.peer_id,
             notify.epoch,
             ferry_core::auth::nonce(),
+            expect,
         );
         write_frame(&stream, addr, &first).await?;
         let reply = read_frame(&stream, addr).await?;

@@ -30,7 +30,7 @@ use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::TcpChannel;
-pub use control::{handshake, handshake_with, notify_with};
+pub use control::{handshake, handshake_expecting, handshake_with, notify_expecting, notify_with};
 pub use server::{ServerHandle, TcpServer};
 
 #[doc(no_inline)]

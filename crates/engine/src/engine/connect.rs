@@ -42,6 +42,57 @@ impl TransferEngine {
         self.connect_inner(addr).instrument(span).await
     }
 
+    /// Connects to the engine serving `addr` as [`connect`](Self::connect) does, and pairs the
+    /// address with the server identity `identity`: this handshake and every later one with
+    /// `addr` (reconnects, heals, listings, notifications, plain `connect`s) must be answered
+    /// by the holder of that identity's signing key, or fail with [`Error::ServerIdentity`]
+    /// naming the address, before anything but the handshake is sent. So a server that holds
+    /// this engine's key but is not the one named (under per-peer keyrings, any server that
+    /// holds it) cannot stand in for it at a redirected address. A later call for the same
+    /// address replaces the pairing. The identity is proven in authenticated handshakes only:
+    /// without keys this is [`Error::InvalidRequest`].
+    pub async fn connect_expecting(
+        &self,
+        addr: impl ToSocketAddrs,
+        identity: ferry_core::identity::ServerIdentity,
+    ) -> Result<Peer, Error> {
+        let addr = resolve(addr)?;
+        if self.inner.identity.keyring.is_none() {
+            return Err(Error::InvalidRequest {
+                reason: format!(
+                    "the server at {addr} is expected to be {identity}, and a server identity \
+                     is proven only in an authenticated handshake: give this engine a key file \
+                     (EngineBuilder::auth_key_file, FERRY_AUTH_KEY_FILE)"
+                ),
+            });
+        }
+        self.inner
+            .peers
+            .expected
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(addr, identity);
+        let span = tracing::info_span!("connect", %addr, expect = %identity);
+        self.connect_inner(addr).instrument(span).await
+    }
+
+    /// The public identity this engine proves as a server (to clients that name it, in
+    /// authenticated handshakes): from its identity key file, else generated for this process.
+    pub fn server_identity(&self) -> ferry_core::identity::ServerIdentity {
+        self.inner.identity.signing.public()
+    }
+
+    /// The server identity `addr` must prove, if the application named one.
+    fn expected(&self, addr: SocketAddr) -> Option<ferry_core::identity::ServerIdentity> {
+        self.inner
+            .peers
+            .expected
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&addr)
+            .copied()
+    }
+
     /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
     /// serves it now. Descriptors of the old incarnation stay refused.
     pub async fn reresolve(&self, addr: impl ToSocketAddrs) -> Result<Peer, Error> {
@@ -68,10 +119,11 @@ impl TransferEngine {
             ..self.hello()
         };
         let span = tracing::debug_span!("list segments", addr = %inner.addr);
-        let (server, _) = ferry_transport_tcp::handshake_with(
+        let (server, _) = ferry_transport_tcp::handshake_expecting(
             inner.addr,
             &hello,
             self.inner.identity.keyring.as_ref(),
+            self.expected(inner.addr),
             self.inner.peers.connect_timeout,
         )
         .instrument(span)
@@ -116,10 +168,11 @@ impl TransferEngine {
             message: message.to_vec(),
         };
         let span = tracing::debug_span!("notify", addr = %peer.inner.addr, len = message.len());
-        ferry_transport_tcp::notify_with(
+        ferry_transport_tcp::notify_expecting(
             peer.inner.addr,
             &notify,
             self.inner.identity.keyring.as_ref(),
+            self.expected(peer.inner.addr),
             self.inner.peers.connect_timeout,
         )
         .instrument(span)
@@ -230,10 +283,11 @@ impl TransferEngine {
             transports: vec![offer],
             segments: self.inner.published.table.published_to(None),
         };
-        let (server, session) = ferry_transport_tcp::handshake_with(
+        let (server, session) = ferry_transport_tcp::handshake_expecting(
             peer.addr,
             &hello,
             self.inner.identity.keyring.as_ref(),
+            self.expected(peer.addr),
             self.inner.peers.connect_timeout,
         )
         .instrument(span)
@@ -274,10 +328,11 @@ impl TransferEngine {
         check: impl FnOnce(&Hello) -> Result<(), Error>,
     ) -> Result<(Hello, u16, Arc<dyn ferry_core::Channel>, Option<String>), Error> {
         let hello = self.hello();
-        let (server, session) = ferry_transport_tcp::handshake_with(
+        let (server, session) = ferry_transport_tcp::handshake_expecting(
             addr,
             &hello,
             self.inner.identity.keyring.as_ref(),
+            self.expected(addr),
             self.inner.peers.connect_timeout,
         )
         .await?;

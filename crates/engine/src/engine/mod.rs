@@ -52,6 +52,8 @@ pub(crate) struct Identity {
     pub(crate) versions: VersionRange,
     /// The keys this engine proves (client: the first) and accepts (server), if authenticated.
     pub(crate) keyring: Option<ferry_core::auth::Keyring>,
+    /// The key this engine proves its server identity with (to clients that name it).
+    pub(crate) signing: ferry_core::identity::IdentityKey,
 }
 
 /// What the engine registers and publishes.
@@ -82,6 +84,9 @@ pub(crate) struct DataPlanes {
 pub(crate) struct Peers {
     /// The epoch each address had when we first met it: a different one is refused (StaleEpoch).
     pub(crate) known: Mutex<HashMap<SocketAddr, (PeerId, Epoch)>>,
+    /// The server identity each address must prove, as the application named it
+    /// ([`TransferEngine::connect_expecting`]): every later handshake with it checks it.
+    pub(crate) expected: Mutex<HashMap<SocketAddr, ferry_core::identity::ServerIdentity>>,
     pub(crate) routes: Routes,
     pub(crate) request_timeout: Option<Duration>,
     pub(crate) connect_timeout: Duration,
@@ -499,6 +504,7 @@ impl TransferEngine {
         Description {
             peer_id: self.inner.identity.id.to_string(),
             epoch: self.inner.identity.epoch.to_string(),
+            server_identity: self.inner.identity.signing.public().to_string(),
             listen: self.local_addr().map(|a| a.to_string()),
             transports: self
                 .inner
