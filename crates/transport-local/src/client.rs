@@ -260,6 +260,11 @@ impl std::fmt::Debug for Shared {
 struct Side {
     sock: UnixStream,
     proto: Mutex<ClientStream<Req>>,
+    /// Request bytes the socket would not take without waiting (a server that does not read:
+    /// stalled, stopped), sent before any later request: by the next pump, which every answer
+    /// and every submit runs. Touched only with `proto` locked. A caller's thread never waits
+    /// on the socket, so a frozen server cannot hold it past its deadline.
+    outbox: Mutex<Vec<u8>>,
     alive: AtomicBool,
     /// What was received and not yet resolved: taken by the stream's reader thread, or by a
     /// task polling a request of the channel (which then resolves responses without waiting
@@ -304,6 +309,7 @@ impl LocalChannel {
                 .map(|sock| Side {
                     sock,
                     proto: Mutex::new(ClientStream::new(depth, AckPolicy::Immediate)),
+                    outbox: Mutex::default(),
                     alive: AtomicBool::new(true),
                     rx: Mutex::default(),
                 })
@@ -350,6 +356,12 @@ impl Shared {
     fn pump(&self, i: usize) {
         let side = &self.streams[i];
         let mut proto = side.proto.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Err(e) = flush(side) {
+            debug!(peer = %self.peer, error = %e, "same-host stream failed to send");
+            proto.fail_all(e.raw_os_error());
+            let _ = side.sock.shutdown(std::net::Shutdown::Both);
+            return;
+        }
         while proto.has_room() {
             let idle = proto.in_flight() == 0;
             let Some(job) = self.lock_dealer().take(i, idle) else {
@@ -357,7 +369,7 @@ impl Shared {
             };
             match proto.post(job) {
                 Post::Send(out) => {
-                    if let Err(e) = send(&side.sock, &out) {
+                    if let Err(e) = send(side, &out) {
                         debug!(peer = %self.peer, error = %e, "same-host stream failed to send");
                         proto.fail_all(e.raw_os_error());
                         let _ = side.sock.shutdown(std::net::Shutdown::Both);
@@ -557,9 +569,10 @@ impl Shared {
 }
 
 /// Writes a posted request: its header, a vectored request's piece table, and the address
-/// block (a GPU buffer's entry is a marked address and its CUDA IPC grant).
-fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
-    let mut w = sock;
+/// block (a GPU buffer's entry is a marked address and its CUDA IPC grant). Never waits: what
+/// the socket does not take now goes to the stream's outbox, after whatever is there.
+fn send(side: &Side, out: &Outgoing<Req>) -> io::Result<()> {
+    let mut outbox = lock(&side.outbox);
     if out.scatter.is_empty() {
         let len = out.len as u64;
         if let Some(grant) = crate::gpu::grant_of(&out.region, out.local_at, len) {
@@ -568,14 +581,14 @@ fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
             one[DATA_REQUEST_LEN..DATA_REQUEST_LEN + ADDR_LEN]
                 .copy_from_slice(&IPC_MARK.to_le_bytes());
             one[DATA_REQUEST_LEN + ADDR_LEN..].copy_from_slice(&grant);
-            return w.write_all(&one);
+            return send_or_keep(&side.sock, &mut outbox, &one);
         }
         // One chunk: the header and its address from the stack, one write.
         let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
         one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
         let at = out.region.as_ptr() as u64 + out.local_at;
         one[DATA_REQUEST_LEN..].copy_from_slice(&at.to_le_bytes());
-        return w.write_all(&one);
+        return send_or_keep(&side.sock, &mut outbox, &one);
     }
     let mut buf =
         Vec::with_capacity(out.head.len() + out.table.len() + ADDR_LEN * out.scatter.len());
@@ -590,7 +603,49 @@ fn send(sock: &UnixStream, out: &Outgoing<Req>) -> io::Result<()> {
         let at = range.region.as_ptr() as u64 + range.at;
         buf.extend_from_slice(&at.to_le_bytes());
     }
-    w.write_all(&buf)
+    send_or_keep(&side.sock, &mut outbox, &buf)
+}
+
+/// Sends `bytes` now as far as the socket takes them (all of them after the `outbox`, if it
+/// holds any), keeping the rest in the outbox.
+fn send_or_keep(sock: &UnixStream, outbox: &mut Vec<u8>, bytes: &[u8]) -> io::Result<()> {
+    if !outbox.is_empty() {
+        outbox.extend_from_slice(bytes);
+        return send_kept(sock, outbox);
+    }
+    let n = send_all_now(sock, bytes)?;
+    outbox.extend_from_slice(&bytes[n..]);
+    Ok(())
+}
+
+/// Sends what the outbox holds, as far as the socket takes it now.
+fn send_kept(sock: &UnixStream, outbox: &mut Vec<u8>) -> io::Result<()> {
+    let n = send_all_now(sock, outbox)?;
+    outbox.drain(..n);
+    Ok(())
+}
+
+/// Sends the stream's outbox as far as the socket takes it now (the caller holds its `proto`).
+fn flush(side: &Side) -> io::Result<()> {
+    let mut outbox = lock(&side.outbox);
+    if outbox.is_empty() {
+        return Ok(());
+    }
+    send_kept(&side.sock, &mut outbox)
+}
+
+/// Sends as much of `bytes` as the socket takes without waiting: how much.
+fn send_all_now(sock: &UnixStream, bytes: &[u8]) -> io::Result<usize> {
+    let mut done = 0;
+    while done < bytes.len() {
+        match host::send_now(sock, &bytes[done..]) {
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
 }
 
 /// The future of a request: ready once every chunk resolved. Each poll first resolves the
@@ -761,6 +816,67 @@ mod tests {
             Err(other) => panic!("not refused as unavailable: {other}"),
             Ok(_) => panic!("the channel was opened"),
         }
+    }
+
+    /// A server that reads nothing (stopped, say) while the requests outgrow the socket's
+    /// buffer: the submitting thread is never held (the rest waits in the stream's outbox),
+    /// and the request ends once the stream does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_that_reads_nothing_never_holds_the_submitter() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let small: libc::c_int = 4096;
+        // SAFETY: a valid socket and an int option of its size.
+        let rc = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&ours),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&raw const small).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        let ch = LocalChannel::new(
+            "127.0.0.1:1".parse().unwrap(),
+            vec![ours],
+            16,
+            1 << 20,
+            true,
+            GpuRoute::HostStage("test".into()),
+            host::TracerGrant::none(),
+        );
+        let local = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
+        // 8,192 ops of 64 bytes: piece tables of about 300 KiB in all.
+        let ops: Arc<[Op]> = (0..8192u64)
+            .map(|i| Op {
+                kind: OpKind::Read,
+                local: local.clone(),
+                local_offset: i * 64,
+                token: SegmentToken(1),
+                remote_offset: i * 64,
+                len: 64,
+            })
+            .collect::<Vec<_>>()
+            .into();
+        let control = Arc::new(RequestControl::new(&ops));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let submitter = std::thread::spawn(move || {
+            let fut = ch.execute(ops, control);
+            tx.send(()).unwrap();
+            (ch, fut)
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("the submitter waited on a server that reads nothing");
+        let (ch, fut) = submitter.join().unwrap();
+        assert!(
+            !lock(&ch.shared.streams[0].outbox).is_empty(),
+            "the socket took it all: the test sent too little"
+        );
+        drop(theirs);
+        let o = tokio::time::timeout(Duration::from_secs(30), fut)
+            .await
+            .expect("the request outlived its stream");
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
     }
 
     #[test]

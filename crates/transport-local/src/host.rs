@@ -468,6 +468,24 @@ pub(crate) fn recv_now(sock: &UnixStream, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// Sends what `sock` takes of `buf` now, without waiting (`WouldBlock` when it takes nothing)
+/// and without `SIGPIPE` (a closed peer is `EPIPE`). The socket itself stays blocking.
+pub(crate) fn send_now(sock: &UnixStream, buf: &[u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for reads of `buf.len()` bytes for the call.
+    let n = unsafe {
+        libc::send(
+            sock.as_raw_fd(),
+            buf.as_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 /// Waits until `sock` has something to read, its end, or an error (`POLLIN`, `POLLHUP`,
 /// `POLLERR`); interrupted waits are retried.
 pub(crate) fn wait_readable(sock: &UnixStream) -> io::Result<()> {
