@@ -81,8 +81,10 @@ def small(args) -> None:
         src = bytearray(4096)
         reg = eng.register(src)
         peer = eng.connect(args.name)
+        # The target's one registration (``raw#<id>/<location>``: its name carries no
+        # address), which holds ``args.buffer``.
         seg = next(peer.segment(s["name"]) for s in peer.segments
-                   if s["name"].startswith(f"raw@{args.buffer:x}/"))
+                   if s["name"].startswith("raw#"))
         eng.write(reg, seg, length=4096).wait()
         t0 = time.perf_counter()
         for _ in range(args.ops):

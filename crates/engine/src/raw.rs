@@ -4,46 +4,134 @@
 //! Those APIs register `(address, length, location)` and address remote memory by the raw
 //! virtual address the peer registered. Ferry names memory by segment and offset, so:
 //!
-//! - a registration made through this layer is published under a name that carries its base
-//!   address and location ([`segment_name`]: `raw@<hex base>/<location>`), and the peer's
-//!   listing (the handshake's, or [`TransferEngine::list_segments`] later) tells an initiator
-//!   every base, length and location;
+//! - a registration made through this layer is published under an opaque name that carries
+//!   an id and its location, never its address ([`segment_name`]: `raw#<id>/<location>`), so
+//!   a listing (the handshake's, [`TransferEngine::list_segments`], `ferry ls`) tells no one
+//!   where the memory lies;
+//! - the addresses go in a small index segment the publisher keeps beside them
+//!   ([`index_name`]: `raw-index#<generation>`; [`encode_index`]), published to the same peers
+//!   as the registrations: a peer the registrations are not published to neither lists nor
+//!   reads it. A new index replaces the old one on every change (the highest generation
+//!   listed is the current one);
 //! - [`AddressMap`] maps an address range to the one entry that holds it whole, with no I/O, for
 //!   the local side (the caller's registrations) and the remote side alike;
-//! - [`RawPeer`] is a connected peer with its map of remote registrations; an address it does
-//!   not hold is looked up again in a fresh listing once ([`RawPeer::resolve`]) before it is
-//!   refused with [`Error::UnknownAddress`]. Nothing is sent for a refused range.
+//! - [`RawPeer`] is a connected peer with its map of remote registrations, made from a listing
+//!   and a READ of its index; an address it does not hold is looked up again in a fresh listing
+//!   once ([`RawPeer::resolve`]) before it is refused with [`Error::UnknownAddress`]. Nothing is
+//!   sent for a refused range.
 //!
 //! What moves is an ordinary [`Batch`](crate::Batch) of the resolved segments and offsets: this
-//! layer adds no copy and no step to the data path.
+//! layer adds no copy and no step to the data path (the index is read when the map is
+//! refreshed, not per transfer).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use ferry_core::{Error, SegmentDesc};
+use ferry_core::{Access, Error, FailureKind, MemoryRegion, SegmentDesc};
 
 use crate::engine::TransferEngine;
 use crate::handles::RemoteSegment;
 use crate::peer::Peer;
+use crate::request::Batch;
 
 /// The prefix of the segment names this layer publishes.
-pub const SEGMENT_PREFIX: &str = "raw@";
+pub const SEGMENT_PREFIX: &str = "raw#";
 
-/// The segment name of raw memory at `base` in `location` (`"cpu:0"`, `"cuda:1"`; Mooncake's
-/// location strings): `raw@7f12a4000000/cpu:0`.
-pub fn segment_name(base: u64, location: &str) -> String {
-    format!("{SEGMENT_PREFIX}{base:x}/{location}")
+/// The prefix of the name of the index segment that maps ids to addresses.
+pub const INDEX_PREFIX: &str = "raw-index#";
+
+/// An index longer than this (a header and one entry per segment a listing can hold) is
+/// refused unread.
+pub const MAX_INDEX_LEN: u64 = (INDEX_HEADER + INDEX_ENTRY * ferry_core::wire::MAX_SEGMENTS) as u64;
+
+const INDEX_MAGIC: &[u8; 8] = b"FERRYRI1";
+const INDEX_HEADER: usize = 12;
+const INDEX_ENTRY: usize = 24;
+
+/// A fresh id for a registration of this layer: unique in this process, and saying nothing
+/// about where the memory lies.
+pub fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The base address and location a [`segment_name`] carries, or `None` for any other name.
+/// The segment name of the raw registration `id` in `location` (`"cpu:0"`, `"cuda:1"`;
+/// Mooncake's location strings): `raw#7/cpu:0`.
+pub fn segment_name(id: u64, location: &str) -> String {
+    format!("{SEGMENT_PREFIX}{id}/{location}")
+}
+
+/// The id and location a [`segment_name`] carries, or `None` for any other name.
 pub fn parse_segment_name(name: &str) -> Option<(u64, &str)> {
     let rest = name.strip_prefix(SEGMENT_PREFIX)?;
-    let (hex, location) = rest.split_once('/')?;
-    if hex.is_empty() || hex.len() > 16 {
+    let (id, location) = rest.split_once('/')?;
+    Some((parse_decimal(id)?, location))
+}
+
+/// The name of the index segment of generation `generation`: `raw-index#3`.
+pub fn index_name(generation: u64) -> String {
+    format!("{INDEX_PREFIX}{generation}")
+}
+
+/// The generation an [`index_name`] carries, or `None` for any other name.
+pub fn parse_index_name(name: &str) -> Option<u64> {
+    parse_decimal(name.strip_prefix(INDEX_PREFIX)?)
+}
+
+fn parse_decimal(s: &str) -> Option<u64> {
+    if s.is_empty() || s.len() > 20 || !s.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    let base = u64::from_str_radix(hex, 16).ok()?;
-    Some((base, location))
+    s.parse().ok()
+}
+
+/// One registration in an index: its id, base address and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexEntry {
+    /// The id its [`segment_name`] carries.
+    pub id: u64,
+    /// Its first address.
+    pub base: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+/// The bytes of an index segment: a magic, a count, then `(id, base, len)` per entry, all
+/// little-endian.
+pub fn encode_index(entries: &[IndexEntry]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(INDEX_HEADER + INDEX_ENTRY * entries.len());
+    out.extend_from_slice(INDEX_MAGIC);
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for e in entries {
+        out.extend_from_slice(&e.id.to_le_bytes());
+        out.extend_from_slice(&e.base.to_le_bytes());
+        out.extend_from_slice(&e.len.to_le_bytes());
+    }
+    out
+}
+
+/// The entries of an index segment's bytes; the reason when they are not one.
+pub fn decode_index(bytes: &[u8]) -> Result<Vec<IndexEntry>, String> {
+    let (head, body) = bytes
+        .split_at_checked(INDEX_HEADER)
+        .ok_or("shorter than its header")?;
+    if &head[..8] != INDEX_MAGIC {
+        return Err("not a raw registrations' index (bad magic)".into());
+    }
+    let count = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+    if body.len() != count.saturating_mul(INDEX_ENTRY) {
+        return Err(format!("{count} entries announced in {} bytes", body.len()));
+    }
+    let word = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+    Ok(body
+        .chunks_exact(INDEX_ENTRY)
+        .map(|c| IndexEntry {
+            id: word(c, 0),
+            base: word(c, 8),
+            len: word(c, 16),
+        })
+        .collect())
 }
 
 /// Why an address range has no entry.
@@ -214,22 +302,85 @@ pub struct RemoteRaw {
     pub location: String,
 }
 
-/// The raw registrations of a listing, by address (other segments are left out; two that
-/// overlap, which no Ferry peer lists, keep the first).
-fn map_of(peer: &Peer, listing: Vec<SegmentDesc>) -> AddressMap<RemoteRaw> {
+/// The raw registrations of a listing, by address: each `raw#` segment the index maps to a
+/// base of its length (other segments are left out; two that overlap, which no Ferry peer
+/// lists, keep the first).
+fn map_of(peer: &Peer, listing: Vec<SegmentDesc>, index: &[IndexEntry]) -> AddressMap<RemoteRaw> {
+    let by_id: HashMap<u64, &IndexEntry> = index.iter().map(|e| (e.id, e)).collect();
     let mut map = AddressMap::new();
     for desc in listing {
-        let Some((base, location)) = parse_segment_name(&desc.name) else {
+        let Some((id, location)) = parse_segment_name(&desc.name) else {
             continue;
         };
+        // Listed before the index that maps it was published, or after one that no longer
+        // does (unregistered meanwhile): not mapped until a later listing.
+        let Some(entry) = by_id.get(&id).filter(|e| e.len == desc.len) else {
+            continue;
+        };
+        let (base, len) = (entry.base, entry.len);
         let location = location.to_owned();
-        let len = desc.len;
         let segment = peer.segment_from_descriptor(desc);
         if let Err(reason) = map.insert(base, len, RemoteRaw { segment, location }) {
             tracing::warn!(peer = %peer.addr(), %reason, "listing names overlapping raw registrations");
         }
     }
     map
+}
+
+/// The current index of a listing: the one of the highest generation.
+fn current_index(listing: &[SegmentDesc]) -> Option<&SegmentDesc> {
+    listing
+        .iter()
+        .filter_map(|d| parse_index_name(&d.name).map(|g| (g, d)))
+        .max_by_key(|(g, _)| *g)
+        .map(|(_, d)| d)
+}
+
+/// Reads the index segment `desc` of `peer` into memory of this engine (a local, unpublished
+/// registration) and decodes it.
+async fn read_index(
+    engine: &TransferEngine,
+    peer: &Peer,
+    desc: &SegmentDesc,
+) -> Result<Vec<IndexEntry>, Error> {
+    let malformed = |reason: String| Error::Unavailable {
+        library: "raw registrations' index".into(),
+        reason: format!("{}: {reason}", peer.addr()),
+    };
+    if desc.len > MAX_INDEX_LEN {
+        return Err(malformed(format!(
+            "an index of {} bytes (at most {MAX_INDEX_LEN})",
+            desc.len
+        )));
+    }
+    if desc.len == 0 {
+        return Ok(Vec::new());
+    }
+    let region = Arc::new(MemoryRegion::from_vec(vec![0; desc.len as usize]));
+    let scratch = format!("raw-index-read#{}", next_id());
+    let local = engine.register(region.clone(), Access::LOCAL, &scratch)?;
+    let segment = peer.segment_from_descriptor(desc.clone());
+    let handle = engine.submit(Batch::new().read(&local, 0, &segment, 0, desc.len))?;
+    let drained = handle.drained();
+    handle.await;
+    let outcome = drained.await;
+    drop(local);
+    match outcome.failure.map(|f| f.kind) {
+        None => {}
+        Some(FailureKind::PeerLost) => {
+            return Err(Error::PeerLost {
+                peer: peer.addr().to_string(),
+                during: "reading its raw registrations' index",
+                source: None,
+            });
+        }
+        Some(kind) => return Err(malformed(format!("reading it: {kind}"))),
+    }
+    let mut bytes = vec![0; desc.len as usize];
+    region
+        .read_at(0, &mut bytes)
+        .map_err(|e| malformed(e.to_string()))?;
+    decode_index(&bytes).map_err(malformed)
 }
 
 /// A connected peer whose memory is named by raw address.
@@ -240,12 +391,13 @@ pub struct RawPeer {
 }
 
 impl RawPeer {
-    /// The peer, with its registrations as its handshake listed them.
+    /// The peer, with no registration mapped yet: the handshake's listing names no address,
+    /// so the first lookup that misses ([`holding`](Self::holding)) or a
+    /// [`refresh`](Self::refresh) reads the peer's index.
     pub fn new(peer: Peer) -> Self {
-        let map = map_of(&peer, peer.segments().to_vec());
         Self {
             peer,
-            map: RwLock::new(Arc::new(map)),
+            map: RwLock::new(Arc::new(AddressMap::new())),
         }
     }
 
@@ -320,10 +472,23 @@ impl RawPeer {
         }
     }
 
-    /// Replaces the map with the peer's listing now.
+    /// Replaces the map with the peer's listing and index now. An index replaced between the
+    /// listing and its READ (the peer registered or unregistered meanwhile) is listed again
+    /// once.
     pub async fn refresh(&self, engine: &TransferEngine) -> Result<(), Error> {
-        let listing = engine.list_segments(&self.peer).await?;
-        let map = map_of(&self.peer, listing);
+        let mut retried = false;
+        let (listing, index) = loop {
+            let listing = engine.list_segments(&self.peer).await?;
+            let Some(desc) = current_index(&listing) else {
+                break (listing, Vec::new());
+            };
+            match read_index(engine, &self.peer, desc).await {
+                Ok(index) => break (listing, index),
+                Err(Error::Unavailable { .. }) if !retried => retried = true,
+                Err(e) => return Err(e),
+            }
+        };
+        let map = map_of(&self.peer, listing, &index);
         tracing::debug!(peer = %self.peer.addr(), registrations = map.len(), "raw registrations listed");
         *self.map.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(map);
         Ok(())
@@ -346,22 +511,76 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_carry_base_and_location_and_nothing_else_parses() {
-        let n = segment_name(0x7f12_a400_0000, "cuda:1");
-        assert_eq!(n, "raw@7f12a4000000/cuda:1");
-        assert_eq!(parse_segment_name(&n), Some((0x7f12_a400_0000, "cuda:1")));
-        assert_eq!(parse_segment_name("raw@0/cpu:0"), Some((0, "cpu:0")));
+    fn names_carry_an_id_and_a_location_never_an_address() {
+        let n = segment_name(7, "cuda:1");
+        assert_eq!(n, "raw#7/cuda:1");
+        assert_eq!(parse_segment_name(&n), Some((7, "cuda:1")));
+        assert_eq!(parse_segment_name("raw#0/cpu:0"), Some((0, "cpu:0")));
         for bad in [
             "weights",
-            "raw@",
-            "raw@/cpu:0",
-            "raw@xyz/cpu:0",
-            "raw@12",
-            "raw@11112222333344445/cpu",
-            "RAW@10/cpu",
+            "raw#",
+            "raw#/cpu:0",
+            "raw#7f/cpu:0",
+            "raw#+1/cpu:0",
+            "raw#12",
+            "raw#123456789012345678901/cpu",
+            "raw@7f12a4000000/cpu:0",
+            "RAW#10/cpu",
         ] {
             assert_eq!(parse_segment_name(bad), None, "{bad}");
         }
+        assert_eq!(index_name(3), "raw-index#3");
+        assert_eq!(parse_index_name("raw-index#3"), Some(3));
+        for bad in ["raw-index#", "raw-index#x", "raw#3/cpu:0", "raw-index#-1"] {
+            assert_eq!(parse_index_name(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_index_round_trips_and_anything_else_is_refused() {
+        let entries = [
+            IndexEntry {
+                id: 1,
+                base: 0x7f12_a400_0000,
+                len: 4096,
+            },
+            IndexEntry {
+                id: u64::MAX,
+                base: 0,
+                len: 1,
+            },
+        ];
+        let bytes = encode_index(&entries);
+        assert_eq!(bytes.len(), INDEX_HEADER + 2 * INDEX_ENTRY);
+        assert_eq!(decode_index(&bytes).unwrap(), entries);
+        assert_eq!(decode_index(&encode_index(&[])).unwrap(), []);
+        assert!(decode_index(&bytes[..bytes.len() - 1]).is_err());
+        assert!(decode_index(&bytes[..4]).is_err());
+        let mut bad = bytes.clone();
+        bad[0] ^= 1;
+        assert!(decode_index(&bad).unwrap_err().contains("magic"));
+        let mut bad = bytes;
+        bad[8] = 3;
+        assert!(decode_index(&bad).unwrap_err().contains("3 entries"));
+    }
+
+    #[test]
+    fn the_current_index_is_the_highest_generation_listed() {
+        let desc = |name: &str| SegmentDesc {
+            name: name.into(),
+            token: ferry_core::SegmentToken(1),
+            len: 12,
+            access: Access::REMOTE_READ,
+            remote_keys: Vec::new(),
+        };
+        let listing = [
+            desc("raw-index#9"),
+            desc("raw#1/cpu:0"),
+            desc("raw-index#10"),
+            desc("weights"),
+        ];
+        assert_eq!(current_index(&listing).unwrap().name, "raw-index#10");
+        assert!(current_index(&listing[1..2]).is_none());
     }
 
     fn map() -> AddressMap<&'static str> {

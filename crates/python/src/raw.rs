@@ -1,9 +1,10 @@
 //! `RawEngine`: an `Engine` whose memory is named by raw virtual address, the layer under
 //! `ferry.mooncake` (and any other API that names memory the way Mooncake's `TransferEngine`
 //! and NIXL's agent do). It binds the facade's [`ferry::raw`]: registrations of raw pointers
-//! published under names that carry their address, peers whose listed registrations map an
-//! address to a segment and offset, and batches of `(local address, remote address, length)`
-//! that become one ordinary Ferry request.
+//! published under opaque names (`raw#<id>/<location>`), their addresses in an index segment
+//! published to the same peers, peers whose listed registrations and index map an address to
+//! a segment and offset, and batches of `(local address, remote address, length)` that become
+//! one ordinary Ferry request.
 //!
 //! Taking raw pointers is the caller's contract, as in Mooncake: memory given to `register`
 //! must stay valid (and, for remote write, writable) until `unregister` and until every request
@@ -15,7 +16,9 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use ferry::raw::{AddressMap, RawPeer, segment_name};
+use ferry::raw::{
+    AddressMap, IndexEntry, RawPeer, encode_index, index_name, next_id, segment_name,
+};
 use ferry::{Batch, LocalMemory, LocalRef, MemoryRegion, OpKind, Outcome, TransferEngine};
 use pyo3::prelude::*;
 
@@ -43,6 +46,10 @@ impl Held {
 
 /// A local raw registration.
 struct Local {
+    /// The id its segment name carries (and the index maps to its address).
+    id: u64,
+    /// Whether peers may touch it (only those are in the index).
+    published: bool,
     memory: LocalRef,
     location: String,
     /// How many `register` calls of exactly this range are outstanding (Mooncake lets a caller
@@ -54,11 +61,18 @@ struct Local {
 /// An engine whose memory is named by raw address (see the module's docs).
 ///
 /// `RawEngine(engine)` wraps an `Engine`; it serves (when the engine listens) and connects
-/// through it. Registrations made here are published under `raw@<hex address>/<location>`.
+/// through it. Registrations made here are published under `raw#<id>/<location>` (no address),
+/// and their addresses in the index segment `raw-index#<generation>`, both to every peer, or,
+/// with `publish_to` (key names), only to the peers proving one of them.
 #[pyclass(name = "RawEngine", module = "ferry", frozen)]
 pub(crate) struct RawEngine {
     engine: TransferEngine,
+    /// The key names registrations and the index are published to; None: every peer.
+    publish_to: Option<Vec<String>>,
     local: RwLock<AddressMap<Local>>,
+    /// The published index of the registrations' addresses; replaced on every change, under
+    /// this lock.
+    index: Mutex<Option<ferry::Registration>>,
     /// Connected peers by the address string callers name them with.
     peers: Mutex<HashMap<String, Arc<RawPeer>>>,
     /// Addresses whose incarnation was lost: the next connect adopts whatever serves there.
@@ -75,18 +89,27 @@ fn location_is_gpu(location: &str) -> Option<u32> {
 #[pymethods]
 impl RawEngine {
     #[new]
-    fn new(engine: &Bound<'_, Engine>) -> Self {
-        Self {
+    #[pyo3(signature = (engine, publish_to=None))]
+    fn new(engine: &Bound<'_, Engine>, publish_to: Option<Vec<String>>) -> PyResult<Self> {
+        if publish_to.as_ref().is_some_and(Vec::is_empty) {
+            return Err(errors::invalid_argument(
+                "publish_to names no peer (None publishes to every peer)",
+            ));
+        }
+        Ok(Self {
             engine: engine.get().inner.clone(),
+            publish_to,
             local: RwLock::new(AddressMap::new()),
+            index: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
             stale: Mutex::new(Default::default()),
-        }
+        })
     }
 
     /// Registers `length` bytes at address `addr` in `location` (`"cpu:0"`, `"cuda:N"`; any
     /// other string is host memory) with `access` for peers (default `"read+write"`), and
-    /// publishes it under `raw@<hex addr>/<location>`. Registering exactly the same range
+    /// publishes it under `raw#<id>/<location>`, its address in the index. Registering exactly
+    /// the same range
     /// again only counts it; a range that overlaps another registration is refused
     /// (`InvalidArgument`). `cuda:N` memory goes through the CUDA driver (`Unavailable`
     /// without one).
@@ -148,14 +171,26 @@ impl RawEngine {
                         )));
                     }
                     let location = format!("cuda:{on}");
-                    let name = segment_name(addr, &location);
+                    let id = next_id();
+                    let name = segment_name(id, &location);
                     let memory = Arc::new(memory);
                     let reg = runtime::detach(py, || {
                         let _enter = rt.enter();
-                        engine.register_gpu(memory, access, &name)
+                        match self.audience() {
+                            Some(peers) => engine.register_gpu_to(memory, access, &name, &peers),
+                            None => engine.register_gpu(memory, access, &name),
+                        }
                     })?
                     .map_err(|e| errors::to_py(py, e))?;
-                    return self.insert(addr, length, location, reg.local_ref(), Held::Gpu(reg));
+                    let local = Local {
+                        id,
+                        published: access.is_remote(),
+                        memory: reg.local_ref(),
+                        location,
+                        count: 1,
+                        held: Held::Gpu(reg),
+                    };
+                    return self.insert(py, addr, length, local);
                 }
                 (Err(e), Some(_)) => return Err(crate::gpu::cuda_err(py, e)),
                 // "*" and the driver does not know the address: host memory.
@@ -189,6 +224,12 @@ impl RawEngine {
                 Some(_) => map.remove(addr),
             }
         };
+        if gone.is_some() {
+            // Out of the index first: no peer maps an address to it from now on. An index that
+            // could not be replaced keeps its entry, which maps nothing: peers map only the
+            // segments listed, and this one is unpublished below.
+            let _ = self.republish(py);
+        }
         // Dropping the handle unpublishes it; off the GIL, it may wait for native cleanup.
         runtime::detach(py, || drop(gone))?;
         Ok(())
@@ -544,43 +585,89 @@ impl RawEngine {
         region: MemoryRegion,
     ) -> PyResult<()> {
         let rt = runtime::get(py)?;
-        let name = segment_name(addr, location);
+        let id = next_id();
+        let name = segment_name(id, location);
         let reg = runtime::detach(py, || {
             let _enter = rt.enter();
-            self.engine.register(region, access, &name)
+            match self.audience() {
+                Some(peers) => self.engine.register_to(region, access, &name, &peers),
+                None => self.engine.register(region, access, &name),
+            }
         })?
         .map_err(|e| errors::to_py(py, e))?;
-        self.insert(
-            addr,
-            length,
-            location.to_owned(),
-            reg.local_ref(),
-            Held::Host(reg),
-        )
+        let local = Local {
+            id,
+            published: access.is_remote(),
+            memory: reg.local_ref(),
+            location: location.to_owned(),
+            count: 1,
+            held: Held::Host(reg),
+        };
+        self.insert(py, addr, length, local)
     }
 
-    /// Enters a registration in the local map (a range registered meanwhile by another thread
-    /// is refused, and this registration dropped).
-    fn insert(
-        &self,
-        addr: u64,
-        length: u64,
-        location: String,
-        memory: LocalRef,
-        held: Held,
-    ) -> PyResult<()> {
-        let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
-        map.insert(
-            addr,
-            length,
-            Local {
-                memory,
-                location,
-                count: 1,
-                held,
-            },
-        )
-        .map_err(|reason| errors::invalid_argument(format!("register: {reason}")))
+    /// The key names to publish to (None: every peer).
+    fn audience(&self) -> Option<Vec<&str>> {
+        self.publish_to
+            .as_ref()
+            .map(|names| names.iter().map(String::as_str).collect())
+    }
+
+    /// Enters a registration in the local map and its address in a new index (a range
+    /// registered meanwhile by another thread is refused, and this registration dropped; so
+    /// is one whose index could not be published).
+    fn insert(&self, py: Python<'_>, addr: u64, length: u64, local: Local) -> PyResult<()> {
+        {
+            let mut map = self.local.write().unwrap_or_else(PoisonError::into_inner);
+            map.insert(addr, length, local)
+                .map_err(|reason| errors::invalid_argument(format!("register: {reason}")))?;
+        }
+        if let Err(e) = self.republish(py) {
+            let gone = self
+                .local
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(addr);
+            runtime::detach(py, || drop(gone))?;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Publishes the index of the published registrations as they are now, to the same peers
+    /// as they are, in place of the last one (a new generation first, then the old one goes).
+    fn republish(&self, py: Python<'_>) -> PyResult<()> {
+        let mut index = self.index.lock().unwrap_or_else(PoisonError::into_inner);
+        let entries: Vec<IndexEntry> = {
+            let map = self.local.read().unwrap_or_else(PoisonError::into_inner);
+            map.iter()
+                .filter(|e| e.value.published)
+                .map(|e| IndexEntry {
+                    id: e.value.id,
+                    base: e.base,
+                    len: e.len,
+                })
+                .collect()
+        };
+        let old = if entries.is_empty() {
+            index.take()
+        } else {
+            let rt = runtime::get(py)?;
+            let region = MemoryRegion::from_vec(encode_index(&entries));
+            let name = index_name(next_id());
+            let access = ferry::Access::REMOTE_READ;
+            let reg = runtime::detach(py, || {
+                let _enter = rt.enter();
+                match self.audience() {
+                    Some(peers) => self.engine.register_to(region, access, &name, &peers),
+                    None => self.engine.register(region, access, &name),
+                }
+            })?
+            .map_err(|e| errors::to_py(py, e))?;
+            index.replace(reg)
+        };
+        runtime::detach(py, || drop(old))?;
+        Ok(())
     }
 
     /// The connected peer named `peer`, connecting (or, after [`forget`](Self::forget),

@@ -68,6 +68,25 @@ impl crate::TransferEngine {
             })
     }
 
+    /// Like [`register_gpu`](Self::register_gpu), but published only to the peers that prove
+    /// one of the key names in `peers`, as [`register_to`](Self::register_to) publishes host
+    /// memory: no other peer lists it, and on TCP and io_uring an op naming its token is refused
+    /// as an unknown segment. The same refusals as `register_to` (no keys, no name).
+    pub fn register_gpu_to(
+        &self,
+        memory: impl Into<Arc<DeviceMemory>>,
+        access: Access,
+        name: &str,
+        peers: &[&str],
+    ) -> Result<GpuRegistration, Error> {
+        let audience = self.audience(peers)?;
+        let memory = memory.into();
+        self.inner.published.table.publish_restricted(audience, || {
+            let reg = self.register_gpu(memory, access, name)?;
+            Ok((reg.token(), reg))
+        })
+    }
+
     fn register_gpu_unchecked(
         &self,
         memory: Arc<DeviceMemory>,

@@ -215,7 +215,7 @@ impl TransferEngine {
         })
     }
 
-    fn audience(&self, peers: &[&str]) -> Result<Arc<[String]>, Error> {
+    pub(crate) fn audience(&self, peers: &[&str]) -> Result<Arc<[String]>, Error> {
         let Some(keyring) = &self.inner.identity.keyring else {
             return Err(Error::InvalidRequest {
                 reason: "publishing to named peers needs authentication keys \

@@ -430,9 +430,12 @@ class Request:
 
 @final
 class RawEngine:
-    """An Engine whose memory is named by raw virtual address (the layer under ferry.mooncake)."""
+    """An Engine whose memory is named by raw virtual address (the layer under ferry.mooncake
+    and ferry.nixl). Registrations are listed under opaque names (``raw#<id>/<location>``);
+    their addresses go in an index segment published to the same peers: every peer, or with
+    ``publish_to`` only those proving one of its key names."""
 
-    def __new__(cls, engine: Engine) -> Self: ...
+    def __new__(cls, engine: Engine, publish_to: Sequence[str] | None = None) -> Self: ...
     def register(
         self, addr: int, length: int, location: str = "cpu:0", access: _AccessName = "read+write"
     ) -> None: ...

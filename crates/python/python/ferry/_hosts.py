@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
 
 
@@ -55,3 +56,12 @@ def warn_if_open(log: logging.Logger, what: str, listen: str | None, keyed: bool
         "FERRY_AUTH_KEY_FILE to a keyring (docs/security.md) before deploying.",
         what, listen,
     )
+
+
+def publish_to() -> list[str] | None:
+    """The key names ``FERRY_PUBLISH_TO`` lists (comma-separated): a compat layer's
+    registrations, and the index of their addresses, are published to the peers proving one of
+    them only (it needs ``FERRY_AUTH_KEY_FILE``). None when unset: every peer that may connect
+    lists them."""
+    names = [n.strip() for n in os.environ.get("FERRY_PUBLISH_TO", "").split(",") if n.strip()]
+    return names or None

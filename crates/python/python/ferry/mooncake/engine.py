@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ferry import _ferry
-from ferry._hosts import bind_host, warn_if_open
+from ferry._hosts import bind_host, publish_to, warn_if_open
 from ferry._senders import Bindings, Sender
 from ferry.mooncake import metadata
 
@@ -188,7 +188,7 @@ class TransferEngine:
                     "apply); the name is recorded only", device_name,
                 )
             engine = _ferry.Engine(listen=_join(bind, listen_port), transports=transports)
-            raw = _ferry.RawEngine(engine)
+            raw = _ferry.RawEngine(engine, publish_to())
             senders = Bindings(raw.key_names())
             listen = engine.listen_addr
             lport = int(listen.rsplit(":", 1)[1])

@@ -20,7 +20,7 @@ import time
 from typing import Any, Optional, Union
 
 from ferry import _ferry
-from ferry._hosts import bind_host, join, warn_if_open
+from ferry._hosts import bind_host, join, publish_to, warn_if_open
 from ferry._senders import Bindings, Sender
 from ferry.nixl import _bindings as nixlBind
 from ferry.nixl._bindings import (
@@ -250,7 +250,7 @@ class nixl_agent:
         host = os.environ.get("FERRY_BIND_ADDRESS") or bind_host("")
         port = nixl_conf.port if nixl_conf.enable_listen else 0
         self._engine = _ferry.Engine(listen=join(host, port))
-        self._raw = _ferry.RawEngine(self._engine)
+        self._raw = _ferry.RawEngine(self._engine, publish_to())
         self._addr = join(host, int(self._engine.listen_addr.rsplit(":", 1)[1]))
         # A 1-byte segment whose name tells a peer's listing who this agent is
         # (fetch_remote_metadata by address).
