@@ -219,6 +219,14 @@ impl Engine {
         self.inner.epoch().to_string()
     }
 
+    /// The server identity this engine proves to clients that name it (an Ed25519 public key,
+    /// 64 hex digits): from `FERRY_IDENTITY_KEY_FILE`, else generated for this process. Put it
+    /// in the records peers connect by (`connect(addr, server_identity=...)`).
+    #[getter]
+    fn server_identity(&self) -> String {
+        self.inner.server_identity().to_string()
+    }
+
     /// The portable data plane it chose (`"uring"` or `"tcp"`), or None.
     #[getter]
     fn data_plane(&self) -> Option<&'static str> {
@@ -396,12 +404,34 @@ impl Engine {
     /// over the first transport both ends offer. Blocks with the GIL released (at most the
     /// engine's `connect_timeout`). Raises `StaleEpoch` when the address now has another
     /// epoch than the one this engine met there first, `ProtocolMismatch`, `Timeout`,
-    /// `IoError` (refused, unreachable) or `NoRoute`.
-    fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<Peer> {
+    /// `IoError` (refused, unreachable) or `NoRoute`. With `server_identity` (the server's
+    /// `server_identity`, 64 hex digits) the address is paired with it, as `expect_server`
+    /// does, and a server that does not prove it raises `AuthenticationFailed` naming the
+    /// address, whatever keys it holds.
+    #[pyo3(signature = (addr, server_identity=None))]
+    fn connect(&self, py: Python<'_>, addr: &str, server_identity: Option<&str>) -> PyResult<Peer> {
         let inner = &self.inner;
-        let peer =
-            runtime::block_on(py, || inner.connect(addr))?.map_err(|e| errors::to_py(py, e))?;
+        let expect = server_identity.map(parse_identity).transpose()?;
+        let peer = runtime::block_on(py, || async {
+            match expect {
+                Some(identity) => inner.connect_expecting(addr, identity).await,
+                None => inner.connect(addr).await,
+            }
+        })?
+        .map_err(|e| errors::to_py(py, e))?;
         Ok(Peer { inner: peer })
+    }
+
+    /// Pairs `addr` with the server identity `server_identity` (64 hex digits) without
+    /// connecting: every handshake with it from now on, this engine's and a `RawEngine`'s on
+    /// it, must prove it, else `AuthenticationFailed` naming the address. Needs keys
+    /// (`InvalidRequest` without).
+    fn expect_server(&self, py: Python<'_>, addr: &str, server_identity: &str) -> PyResult<()> {
+        let identity = parse_identity(server_identity)?;
+        self.inner
+            .expect_server(addr, identity)
+            .map(drop)
+            .map_err(|e| errors::to_py(py, e))
     }
 
     /// Forgets the epoch known for `addr` and connects afresh, adopting whatever incarnation
@@ -561,4 +591,10 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RemoteSegment>()?;
     m.add_function(pyo3::wrap_pyfunction!(doctor, m)?)?;
     Ok(())
+}
+
+/// A server identity given as text (64 hex digits), or `InvalidArgument` naming it.
+fn parse_identity(text: &str) -> PyResult<ferry::ServerIdentity> {
+    text.parse()
+        .map_err(|e: ferry::IdentityError| errors::invalid_argument(e.to_string()))
 }

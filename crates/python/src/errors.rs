@@ -299,7 +299,7 @@ pub(crate) fn kind_of(e: &ferry::Error) -> Kind {
         E::InvalidRequest { .. } => Kind::InvalidRequest,
         E::NoRoute { .. } => Kind::NoRoute,
         E::Io { .. } => Kind::IoError,
-        E::Authentication { .. } => Kind::AuthenticationFailed,
+        E::Authentication { .. } | E::ServerIdentity { .. } => Kind::AuthenticationFailed,
         E::AuthKey { .. } => Kind::AuthKeyError,
         E::UnknownAddress { .. } => Kind::UnknownAddress,
         // `ferry::Error` is non-exhaustive: a kind added later is still a FerryError.

@@ -56,6 +56,21 @@ impl TransferEngine {
         addr: impl ToSocketAddrs,
         identity: ferry_core::identity::ServerIdentity,
     ) -> Result<Peer, Error> {
+        let addr = self.expect_server(addr, identity)?;
+        let span = tracing::info_span!("connect", %addr, expect = %identity);
+        self.connect_inner(addr).instrument(span).await
+    }
+
+    /// Pairs `addr` with the server identity `identity` without connecting: every handshake
+    /// with it from now on (the next [`connect`](Self::connect), and layers that connect by
+    /// address, such as [`crate::raw`]'s) must prove it, as for
+    /// [`connect_expecting`](Self::connect_expecting). The address resolved; without keys,
+    /// [`Error::InvalidRequest`] (an identity is proven in authenticated handshakes only).
+    pub fn expect_server(
+        &self,
+        addr: impl ToSocketAddrs,
+        identity: ferry_core::identity::ServerIdentity,
+    ) -> Result<SocketAddr, Error> {
         let addr = resolve(addr)?;
         if self.inner.identity.keyring.is_none() {
             return Err(Error::InvalidRequest {
@@ -72,8 +87,7 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(addr, identity);
-        let span = tracing::info_span!("connect", %addr, expect = %identity);
-        self.connect_inner(addr).instrument(span).await
+        Ok(addr)
     }
 
     /// The public identity this engine proves as a server (to clients that name it, in

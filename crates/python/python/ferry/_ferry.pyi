@@ -179,6 +179,10 @@ class Engine:
     def epoch(self) -> str:
         """Its epoch (hex), chosen at start and never reused."""
     @property
+    def server_identity(self) -> str:
+        """The server identity it proves to clients that name it (64 hex digits):
+        ``FERRY_IDENTITY_KEY_FILE``'s, else generated for this process."""
+    @property
     def data_plane(self) -> Literal["uring", "tcp"] | None:
         """The portable data plane it chose."""
     def register(
@@ -239,8 +243,13 @@ class Engine:
         access: _AccessName = "read",
     ) -> FileRegistration:
         """Publishes the file at ``path`` as the segment ``name`` (default: the path)."""
-    def connect(self, addr: str) -> Peer:
-        """Connects to the engine serving ``addr``; blocks with the GIL released."""
+    def connect(self, addr: str, server_identity: str | None = None) -> Peer:
+        """Connects to the engine serving ``addr``; blocks with the GIL released. With
+        ``server_identity`` the address must prove it (``expect_server``), else
+        ``AuthenticationFailed`` naming the address."""
+    def expect_server(self, addr: str, server_identity: str) -> None:
+        """Pairs ``addr`` with ``server_identity``: every later handshake with it (this
+        engine's, a ``RawEngine``'s on it) must prove it. Needs keys."""
     def reresolve(self, addr: str) -> Peer:
         """Forgets the epoch known for ``addr`` and connects afresh."""
     def read(
