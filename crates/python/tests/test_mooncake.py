@@ -483,6 +483,41 @@ def test_a_third_engine_naming_another_changes_no_completion(http_metadata, tmp_
         te.close()
 
 
+def test_a_redirected_record_pointing_at_another_key_holder_is_refused(http_metadata, tmp_path,
+                                                                      monkeypatch):
+    """Issue 46, S3: with per-peer keyrings mallory holds decode's key, so its engine passes
+    decode's handshake. prefill's record, rewritten to send decode to mallory's address, still
+    names prefill's server identity: decode refuses mallory there (AuthenticationFailed naming
+    the address and the identity, Mooncake's handshake code) and reads nothing from it. The
+    record put back, decode reaches prefill."""
+    from ferry.mooncake import metadata
+    from ferry.mooncake.engine import ERR_REJECT_HANDSHAKE
+
+    meta, store = http_metadata
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    files = keyrings(tmp_path, ["decode", "prefill", "mallory"])
+    decode = engine_as("decode", meta, monkeypatch, files["decode"])
+    prefill = engine_as("prefill", meta, monkeypatch, files["prefill"])
+    mallory = engine_as("mallory", meta, monkeypatch, files["mallory"])
+    key = metadata.key_of("prefill")
+    real = store[key]
+    rec = json.loads(real)
+    assert rec["server_identity"] == prefill._engine.server_identity
+    redirected = dict(rec, ferry_addr=json.loads(store[metadata.key_of("mallory")])["ferry_addr"])
+    store[key] = json.dumps(redirected).encode()
+
+    assert decode.send_probe("prefill") == ERR_REJECT_HANDSHAKE
+    e = decode.last_error()
+    assert isinstance(e, ferry.AuthenticationFailed), repr(e)
+    assert redirected["ferry_addr"] in str(e) and rec["server_identity"] in str(e), str(e)
+    assert mallory._engine.server_identity in str(e), str(e)
+
+    store[key] = real
+    assert decode.send_probe("prefill") == 0, decode.last_error()
+    for te in (decode, prefill, mallory):
+        te.close()
+
+
 def test_keyless_off_loopback_warns_on_the_ferry_mooncake_logger(monkeypatch, tmp_path, caplog):
     """S4: an engine listening off loopback without keys says so on ``ferry.mooncake``; on
     loopback, or with keys, it does not."""

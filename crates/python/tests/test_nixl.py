@@ -17,6 +17,7 @@ import pytest
 import ferry
 from ferry.nixl import (
     nixl_agent,
+    nixlBackendError,
     nixl_agent_config,
     nixlInvalidParamError,
     nixlMismatchError,
@@ -379,6 +380,50 @@ def test_a_third_agent_naming_another_changes_no_completion_metadata_or_address(
     prefill.add_remote_agent(decode.get_agent_metadata())
     prefill.send_notif("decode", b"kv-done:req-1")
     assert decode.check_remote_xfer_done("prefill", b"kv-done")
+
+
+def test_redirected_metadata_pointing_at_another_key_holder_is_refused(np, tmp_path, monkeypatch):
+    """Issue 46, S3: with per-peer keyrings mallory holds decode's key, so its engine passes
+    decode's handshake. prefill's metadata, rewritten to send decode to mallory's address,
+    still names prefill's server identity: decode refuses mallory there (nixlBackendError
+    naming the address and the identity) and no READ of it returns mallory's bytes. prefill's
+    own metadata loaded, decode reads prefill's bytes."""
+    files = keyrings(tmp_path, ["decode", "prefill", "mallory"])
+    decode = agent_as("decode", monkeypatch, files["decode"])
+    prefill = agent_as("prefill", monkeypatch, files["prefill"])
+    mallory = agent_as("mallory", monkeypatch, files["mallory"])
+    kv = np.zeros(BLOCK, dtype=np.uint8)
+    decode.register_memory([(kv.ctypes.data, BLOCK, 0, "")], "DRAM")
+    real = np.full(BLOCK, 0x11, dtype=np.uint8)
+    prefill.register_memory([(real.ctypes.data, BLOCK, 0, "")], "DRAM")
+    fake = np.full(BLOCK, 0xEE, dtype=np.uint8)
+    mallory.register_memory([(fake.ctypes.data, BLOCK, 0, "")], "DRAM")
+    md = prefill.get_agent_metadata()
+    magic, body = md[:md.index(b"{")], json.loads(md[md.index(b"{"):])
+    assert body["server_identity"] == prefill._engine.server_identity
+    redirected = dict(body, addr=mallory._addr)
+    assert decode.add_remote_agent(magic + json.dumps(redirected).encode()) == b"prefill"
+
+    with pytest.raises(nixlBackendError) as e:
+        decode.make_connection("prefill")
+    assert mallory._addr in str(e.value) and body["server_identity"] in str(e.value), str(e.value)
+    # Nor does a transfer reach it: refused when it is created (its descriptors are checked
+    # against a listing only the expected server may give).
+    with pytest.raises(nixlNotFoundError):
+        decode.initialize_xfer("READ", decode.get_xfer_descs([(kv.ctypes.data, BLOCK, 0)], "DRAM"),
+                               decode.get_xfer_descs([(fake.ctypes.data, BLOCK, 0)], "DRAM"), "prefill")
+    assert not (kv == 0xEE).any(), "mallory's bytes were read as prefill's"
+
+    assert decode.add_remote_agent(md) == b"prefill"
+    decode.make_connection("prefill")
+    h = decode.initialize_xfer("READ", decode.get_xfer_descs([(kv.ctypes.data, BLOCK, 0)], "DRAM"),
+                               decode.get_xfer_descs([(real.ctypes.data, BLOCK, 0)], "DRAM"), "prefill")
+    decode.transfer(h)
+    while decode.check_xfer_state(h) == "PROC":
+        pass
+    assert decode.check_xfer_state(h) == "DONE"
+    assert (kv == 0x11).all()
+    decode.release_xfer_handle(h)
 
 
 def test_notifications_from_an_agent_whose_metadata_was_not_loaded_bind_its_name(np, monkeypatch, caplog):

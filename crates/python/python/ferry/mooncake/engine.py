@@ -199,7 +199,8 @@ class TransferEngine:
                 name = local_hostname
                 key = metadata.key_of(name)
                 assert store is not None
-                store.put(key, metadata.record(_join(bind, lport), engine.peer_id, engine.epoch, name))
+                store.put(key, metadata.record(_join(bind, lport), engine.peer_id, engine.epoch, name,
+                                               engine.server_identity))
                 self._key = key
         except (metadata.MetadataError, _ferry.FerryError, OSError, ValueError) as e:
             return self._fail(e, "initialize", peer=metadata_server, code=-1)
@@ -292,6 +293,10 @@ class TransferEngine:
                 raise metadata.MetadataError(f"no engine named {name!r} in the metadata store")
             rec = metadata.record_in(value, name)
             addr = rec.addr
+            if rec.server_identity is not None and self._senders.keyed:
+                # Keyed, the address must prove the identity the record names: another holder
+                # of our key there (a redirected record) is refused (AuthenticationFailed).
+                self._engine.expect_server(addr, rec.server_identity)
             # The record's incarnation speaks for the name in notifications from now on.
             with self._lock:
                 self._senders.bind(name, rec.peer_id, rec.epoch)

@@ -8,8 +8,11 @@
   Ferry's etcd client; records are bound to a lease this process keeps alive.
 
 Each engine keeps one record under ``mooncake/[<MC_METADATA_CLUSTER_ID>/]ferry/<name>``: a JSON
-object with the address Ferry listens on, its peer id and epoch. The peer id and epoch are the
-incarnation that speaks for ``name`` in notifications (``ferry._senders``). Mooncake's own keys (``ram/``,
+object with the address Ferry listens on, its peer id and epoch, and its server identity. The
+peer id and epoch are the incarnation that speaks for ``name`` in notifications
+(``ferry._senders``). The server identity (``Engine.server_identity``) is what a keyed peer
+expects the address to prove (``Engine.expect_server``): a server that holds the peer's key
+but is not the one the record names is refused there (a redirected record reaches nothing). Mooncake's own keys (``ram/``,
 ``rpc_meta/``) are left alone, so a Mooncake engine and a Ferry engine can share one server
 without reading each other's records.
 """
@@ -185,12 +188,14 @@ def open_store(mode: Mode) -> Store | None:
     return None
 
 
-def record(addr: str, peer_id: str, epoch: str, name: str) -> bytes:
-    """The JSON record of an engine named ``name`` listening on ``addr``."""
-    return json.dumps(
-        {"name": name, "protocol": "ferry", "ferry_addr": addr, "peer_id": peer_id, "epoch": epoch},
-        sort_keys=True,
-    ).encode()
+def record(addr: str, peer_id: str, epoch: str, name: str,
+           server_identity: str | None = None) -> bytes:
+    """The JSON record of an engine named ``name`` listening on ``addr`` (proving
+    ``server_identity`` there, where given)."""
+    rec = {"name": name, "protocol": "ferry", "ferry_addr": addr, "peer_id": peer_id, "epoch": epoch}
+    if server_identity is not None:
+        rec["server_identity"] = server_identity
+    return json.dumps(rec, sort_keys=True).encode()
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,8 @@ class Record:
     addr: str
     peer_id: str
     epoch: str
+    #: The server identity the address must prove (None in a record written before them).
+    server_identity: str | None = None
 
 
 def record_in(value: bytes, name: str) -> Record:
@@ -214,4 +221,7 @@ def record_in(value: bytes, name: str) -> Record:
         raise MetadataError(f"the metadata record of {name!r} names no address: {addr!r}")
     if not isinstance(peer_id, str) or not isinstance(epoch, str):
         raise MetadataError(f"the metadata record of {name!r} names no incarnation")
-    return Record(addr, peer_id, epoch)
+    identity = rec.get("server_identity")
+    if identity is not None and not isinstance(identity, str):
+        raise MetadataError(f"the metadata record of {name!r} names no server identity: {identity!r}")
+    return Record(addr, peer_id, epoch, identity)

@@ -172,12 +172,15 @@ nixl_backend_handle = int
 
 
 class _Remote:
-    """A remote agent: its name and where its Ferry engine listens."""
+    """A remote agent: its name, where its Ferry engine listens, and the server identity it
+    proves there (None: metadata that names none)."""
 
-    __slots__ = ("name", "addr", "peer_id", "epoch")
+    __slots__ = ("name", "addr", "peer_id", "epoch", "identity")
 
-    def __init__(self, name: str, addr: str, peer_id: str, epoch: str):
+    def __init__(self, name: str, addr: str, peer_id: str, epoch: str,
+                 identity: Optional[str] = None):
         self.name, self.addr, self.peer_id, self.epoch = name, addr, peer_id, epoch
+        self.identity = identity
 
 
 class _Dlist:
@@ -459,7 +462,7 @@ class nixl_agent:
         """What a peer needs to reach this agent: its name and where it listens (its
         registrations come from the peer's handshake listing, fresh)."""
         md = {"name": self.name, "addr": self._addr, "peer_id": self._engine.peer_id,
-              "epoch": self._engine.epoch}
+              "epoch": self._engine.epoch, "server_identity": self._engine.server_identity}
         return _MD_MAGIC + json.dumps(md, sort_keys=True).encode()
 
     def get_partial_agent_metadata(self, descs: Any, inc_conn_info: bool = False,
@@ -473,7 +476,9 @@ class nixl_agent:
             _raise(nixlMismatchError, "loadRemoteMD: not the metadata of a Ferry NIXL agent")
         try:
             md = json.loads(bytes(metadata[len(_MD_MAGIC):]))
-            return _Remote(str(md["name"]), str(md["addr"]), str(md["peer_id"]), str(md["epoch"]))
+            identity = md.get("server_identity")
+            return _Remote(str(md["name"]), str(md["addr"]), str(md["peer_id"]), str(md["epoch"]),
+                           None if identity is None else str(identity))
         except (ValueError, KeyError, TypeError) as e:
             _raise(nixlMismatchError, f"loadRemoteMD: malformed metadata: {e}", e)
         raise AssertionError("unreachable")
@@ -484,6 +489,13 @@ class nixl_agent:
         return self._record(self._parse(metadata))
 
     def _record(self, r: _Remote) -> str:
+        if r.identity is not None and self._senders.keyed:
+            # Keyed, the address must prove the identity the metadata names: another holder of
+            # this agent's key there (redirected metadata) is refused at the handshake.
+            try:
+                self._engine.expect_server(r.addr, r.identity)
+            except _ferry.FerryError as e:
+                _raise(nixlMismatchError, f"loadRemoteMD: {r.name}'s server identity: {e}", e)
         with self._lock:
             old = self._remotes.get(r.name)
             if old is not None and (old.addr != r.addr or old.epoch != r.epoch):
