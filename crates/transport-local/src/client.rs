@@ -13,9 +13,15 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 /// How long a closed channel waits for the server to answer what it holds and end its streams
-/// before it hangs up on both directions: a server that is stopped (or stalled) does not hold
-/// the channel's requests past it.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// before it revokes the server's copies and gives the streams up: a server that is stopped
+/// (or stalled) does not hold the channel's requests past it.
+const CLOSE_GRACE: Duration = Duration::from_millis(400);
+
+/// After the revocation, how long a channel waits at most for the server to end its streams or
+/// to be seen stopped, before it gives the streams up anyway (a copy the server's thread was
+/// inside when the revocation came ends within this, unless the kernel waits on this
+/// process's own memory).
+const SETTLE: Duration = Duration::from_millis(200);
 
 use ferry_core::dealer::{Dealer, StreamSet, deal_request};
 use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
@@ -28,7 +34,7 @@ use ferry_core::wire::{
 use ferry_core::{
     BoxFuture, Channel, Error, Op, OpKind, Outcome, PeerInfo, RequestControl, TransportKind,
 };
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::host;
 use crate::wire::{ADDR_LEN, CUDA_IPC_CODE, IPC_MARK, IPC_REF_LEN, PROBE_OK, local_code};
@@ -153,7 +159,7 @@ pub(crate) fn connect(
         chunk,
         peer.version >= VECTORED_VERSION,
         gpu,
-        grant,
+        (*pid, grant),
     ))
 }
 
@@ -241,6 +247,8 @@ struct Shared {
     vectored: bool,
     gpu: GpuRoute,
     closed: AtomicBool,
+    /// The server's process.
+    server_pid: u32,
     /// Yama's grant to the server (where Yama asks for one), revoked with the last channel.
     _grant: host::TracerGrant,
     /// Streams ended, and its change announced (for the close's grace).
@@ -298,7 +306,7 @@ impl LocalChannel {
         chunk: u64,
         vectored: bool,
         gpu: GpuRoute,
-        grant: host::TracerGrant,
+        (server_pid, grant): (u32, host::TracerGrant),
     ) -> Self {
         let n = socks.len();
         let shared = Arc::new(Shared {
@@ -318,6 +326,7 @@ impl LocalChannel {
             vectored,
             gpu,
             closed: AtomicBool::new(false),
+            server_pid,
             _grant: grant,
             ended: Mutex::new(0),
             ended_cv: Condvar::new(),
@@ -530,11 +539,19 @@ impl Shared {
     /// Stream `i` is over: what it had in flight is lost, what was dealt to it goes to the
     /// others (or is never posted when none is left).
     fn stream_ended(&self, i: usize, native: Option<i32>) {
+        self.end_stream(i, native, true);
+    }
+
+    /// Ends stream `i` for its requests; `hang_up`: shuts its socket both ways too (else the
+    /// socket stays open, to see when the server ends its side).
+    fn end_stream(&self, i: usize, native: Option<i32>, hang_up: bool) {
         let side = &self.streams[i];
         if !side.alive.swap(false, Ordering::AcqRel) {
             return;
         }
-        let _ = side.sock.shutdown(std::net::Shutdown::Both);
+        if hang_up {
+            let _ = side.sock.shutdown(std::net::Shutdown::Both);
+        }
         side.proto
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -549,22 +566,78 @@ impl Shared {
         self.ended_cv.notify_all();
     }
 
-    /// After a close: waits up to [`CLOSE_GRACE`] for every stream to end, then hangs up on
-    /// those left, whose chunks in flight then end as lost. The server checks for the hang-up
-    /// before each copy, so it copies nothing more for them.
-    fn hang_up_after_grace(&self) {
+    /// Whether every stream ended within `wait`.
+    fn all_ended_within(&self, wait: Duration) -> bool {
         let n = self.streams.len();
         let ended = self.ended.lock().unwrap_or_else(PoisonError::into_inner);
         let (ended, _) = self
             .ended_cv
-            .wait_timeout_while(ended, CLOSE_GRACE, |e| *e < n)
+            .wait_timeout_while(ended, wait, |e| *e < n)
             .unwrap_or_else(PoisonError::into_inner);
-        if *ended < n {
+        *ended >= n
+    }
+
+    /// After a close: waits up to [`CLOSE_GRACE`] for every stream to end. A server that has not
+    /// ended them by then (stopped, stalled) may still have a copy to make into this process's
+    /// memory, after the requests end and their buffers are the caller's again: so copies into
+    /// this process are revoked first ([`host::revoke_copies`]), then, once the server ended its
+    /// streams or is seen stopped (within [`SETTLE`]), the streams are given up and their chunks
+    /// end as lost. The revocation lasts until the server has ended every stream (its side of
+    /// each socket closed: it ran again, or it is gone). Where it cannot be made, and on a CUDA
+    /// IPC channel (the driver's copies ignore it), the streams are hung up on both ways, which
+    /// the server checks before each request.
+    fn end_after_grace(&self) {
+        if self.all_ended_within(CLOSE_GRACE) {
+            return;
+        }
+        if self.gpu == GpuRoute::CudaIpc {
+            // The driver's copies into GPU buffers ignore the revocation: hung up on, the
+            // server copies nothing for a request it has not checked yet.
             debug!(peer = %self.peer, "same-host streams not ended after the close's grace; hung up");
             for s in &self.streams {
                 let _ = s.sock.shutdown(std::net::Shutdown::Both);
             }
+            return;
         }
+        let revoked = match host::revoke_copies() {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(peer = %self.peer, error = %e, "cannot revoke copies into this process; \
+                    the same-host streams are hung up on (a stopped server may still copy when it \
+                    runs again)");
+                for s in &self.streams {
+                    let _ = s.sock.shutdown(std::net::Shutdown::Both);
+                }
+                return;
+            }
+        };
+        let until = std::time::Instant::now() + SETTLE;
+        let settled = loop {
+            if self.all_ended_within(Duration::from_millis(5)) {
+                break true;
+            }
+            if host::process_stopped(self.server_pid) {
+                break true;
+            }
+            if std::time::Instant::now() >= until {
+                break false;
+            }
+        };
+        if !settled {
+            warn!(peer = %self.peer, pid = self.server_pid, "a same-host server neither ended its \
+                streams nor stopped after copies were revoked; a copy it began before may still \
+                be finishing");
+        }
+        warn!(peer = %self.peer, pid = self.server_pid, "a same-host server held its streams past \
+            the close's grace: copies into this process are revoked (it is not dumpable) until \
+            the server ends them");
+        for i in 0..self.streams.len() {
+            self.end_stream(i, None, false);
+        }
+        let socks: Vec<&UnixStream> = self.streams.iter().map(|s| &s.sock).collect();
+        host::wait_all_hung_up(&socks);
+        drop(revoked);
+        debug!(peer = %self.peer, "the same-host server ended its streams; the revocation ended");
     }
 }
 
@@ -764,7 +837,7 @@ impl Channel for LocalChannel {
         let shared = self.shared.clone();
         let watch = std::thread::Builder::new()
             .name("ferry-local-close".into())
-            .spawn(move || shared.hang_up_after_grace());
+            .spawn(move || shared.end_after_grace());
         if watch.is_err() {
             for s in &self.shared.streams {
                 let _ = s.sock.shutdown(std::net::Shutdown::Both);
@@ -843,7 +916,7 @@ mod tests {
             1 << 20,
             true,
             GpuRoute::HostStage("test".into()),
-            host::TracerGrant::none(),
+            (std::process::id(), host::TracerGrant::none()),
         );
         let local = Arc::new(MemoryRegion::alloc_zeroed(1 << 20, 4096).unwrap());
         // 8,192 ops of 64 bytes: piece tables of about 300 KiB in all.
@@ -941,7 +1014,7 @@ mod tests {
                 1 << 20,
                 true,
                 GpuRoute::HostStage("test".into()),
-                host::TracerGrant::none(),
+                (std::process::id(), host::TracerGrant::none()),
             );
             let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
             let ops: Arc<[Op]> = vec![Op {

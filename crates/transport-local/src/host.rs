@@ -247,6 +247,92 @@ impl Pidfd {
     }
 }
 
+/// Copies into this process revoked, and what to restore when the last revocation ends.
+struct Quarantine {
+    held: usize,
+    /// `PR_GET_DUMPABLE` before the first revocation.
+    was: libc::c_int,
+}
+
+static QUARANTINE: Mutex<Quarantine> = Mutex::new(Quarantine { held: 0, was: 1 });
+
+/// While it lives, no process without `CAP_SYS_PTRACE` may copy into or out of this one: the
+/// process is not dumpable (`PR_SET_DUMPABLE` 0), which the kernel checks at the start of every
+/// cross-process copy, whoever asks. Same-host servers copy without that capability, so a
+/// server that was stopped (or stalled) with a copy still to make cannot make it after the
+/// revocation: it is refused (`EPERM`). It is the whole process's: while any revocation lives,
+/// every same-host server is refused (their streams end, and new channels take the network
+/// planes), and no debugger or core dump reaches the process. The last one to end restores the
+/// process's dumpability as it was.
+#[derive(Debug)]
+pub(crate) struct Revoked(());
+
+/// Revokes copies into this process until the returned guard (and every other) is dropped.
+pub(crate) fn revoke_copies() -> io::Result<Revoked> {
+    let mut q = QUARANTINE.lock().unwrap_or_else(PoisonError::into_inner);
+    if q.held == 0 {
+        // SAFETY: PR_GET_DUMPABLE takes no pointer.
+        let was = unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) };
+        if was < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: PR_SET_DUMPABLE takes a value.
+        if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        q.was = was;
+    }
+    q.held += 1;
+    Ok(Revoked(()))
+}
+
+impl Drop for Revoked {
+    fn drop(&mut self) {
+        let mut q = QUARANTINE.lock().unwrap_or_else(PoisonError::into_inner);
+        q.held -= 1;
+        if q.held == 0 {
+            let was = q.was as libc::c_ulong;
+            // SAFETY: PR_SET_DUMPABLE takes a value.
+            if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, was, 0, 0, 0) } != 0 {
+                tracing::warn!(error = %io::Error::last_os_error(),
+                    "cannot make the process dumpable again after a same-host revocation");
+            }
+        }
+    }
+}
+
+/// Revocations of copies into this process now (see [`Revoked`]).
+pub(crate) fn revocations() -> usize {
+    QUARANTINE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .held
+}
+
+/// Whether every thread of process `pid` is stopped (`T`, `t`: a stop signal, a tracer), or
+/// the process is gone: a stopped thread is inside no system call's copy (a stop takes effect
+/// on the way back to user space), so it copies nothing until it runs again.
+pub(crate) fn process_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    let mut any = false;
+    for t in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        any = true;
+        // `pid (comm) S ...`: the state follows the last `)`, the name may hold any byte.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.trim_start().chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return false;
+        }
+    }
+    any || std::fs::metadata(format!("/proc/{pid}")).is_err()
+}
+
 /// `CAP_SYS_PTRACE`'s bit in a capability set.
 const CAP_SYS_PTRACE: u32 = 19;
 /// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
@@ -484,6 +570,30 @@ pub(crate) fn send_now(sock: &UnixStream, buf: &[u8]) -> io::Result<usize> {
         return Err(io::Error::last_os_error());
     }
     Ok(n as usize)
+}
+
+/// Waits, as long as it takes, until the other end of every socket of `socks` has closed or
+/// shut down both ways (`POLLHUP`); interrupted waits are retried.
+pub(crate) fn wait_all_hung_up(socks: &[&UnixStream]) {
+    let mut left: Vec<libc::pollfd> = socks
+        .iter()
+        .map(|s| libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: 0,
+            revents: 0,
+        })
+        .collect();
+    while !left.is_empty() {
+        // SAFETY: `left` holds `left.len()` valid pollfds; no timeout.
+        let n = unsafe { libc::poll(left.as_mut_ptr(), left.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        left.retain(|p| p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) == 0);
+    }
 }
 
 /// Waits until `sock` has something to read, its end, or an error (`POLLIN`, `POLLHUP`,
@@ -801,6 +911,47 @@ mod tests {
         let held = Pidfd::open(child.id()).unwrap();
         child.wait().unwrap();
         assert_eq!(liveness(&a, &held), Liveness::Exited);
+    }
+
+    #[test]
+    fn a_revocation_makes_the_process_undumpable_until_the_last_one_ends() {
+        let dumpable = || {
+            // SAFETY: PR_GET_DUMPABLE takes no pointer.
+            unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) }
+        };
+        let before = dumpable();
+        let a = revoke_copies().unwrap();
+        let b = revoke_copies().unwrap();
+        assert_eq!(dumpable(), 0);
+        drop(a);
+        assert_eq!(dumpable(), 0, "another revocation still lives");
+        drop(b);
+        assert_eq!(dumpable(), before);
+    }
+
+    #[test]
+    fn a_stopped_process_is_seen_stopped_and_a_running_one_is_not() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        assert!(!process_stopped(pid));
+        // SAFETY: kill with a valid signal number.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
+        // The stop is the event: waitpid with WUNTRACED returns once the child stopped.
+        let mut status = 0;
+        // SAFETY: `status` is valid for the write.
+        let r = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WUNTRACED) };
+        assert_eq!(r, pid as libc::pid_t);
+        assert!(libc::WIFSTOPPED(status));
+        assert!(process_stopped(pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            process_stopped(pid),
+            "a process that is gone copies nothing"
+        );
     }
 
     #[test]

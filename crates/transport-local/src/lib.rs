@@ -25,7 +25,9 @@
 //! - *Failures.* A server that dies mid-copy ends the stream: chunks in flight are `PeerLost`
 //!   (a WRITE's effect uncertain), as on TCP. A client that dies mid-copy makes the copy fail
 //!   (`ESRCH`) and the server drops the stream. `drained` holds only once the server has ended
-//!   every stream, so no copy into a buffer outlives its request.
+//!   every stream, or, for a server that holds them past a close's grace (stopped), once copies
+//!   into this process are revoked (it is not dumpable until that server ends its streams) and
+//!   the server is seen stopped: so no copy into a buffer outlives its request.
 //!
 //! - *GPU buffers* (feature `cuda`): where both ends have the CUDA driver's IPC entry points, a
 //!   client's GPU buffer is granted by CUDA IPC (the handle of its allocation) in place of an
@@ -147,6 +149,9 @@ pub struct LocalProbe {
     /// Whether a serving thread runs without `CAP_SYS_PTRACE` (`true`: this process had it
     /// and a thread drops it; `false`: it never had it), or why one cannot drop it.
     pub serving: Result<bool, String>,
+    /// Channels whose server held its streams past a close, for which copies into this
+    /// process are revoked now (the process is not dumpable until each server ends them).
+    pub revoked: usize,
 }
 
 impl LocalProbe {
@@ -165,6 +170,15 @@ impl LocalProbe {
                      CAP_SYS_PTRACE, which serving threads drop; peers take the network planes"
                 ),
             },
+        };
+        let line = if self.revoked > 0 {
+            format!(
+                "{line}; copies into this process revoked now ({} same-host server(s) held \
+                 their streams past a close: not dumpable until they end them)",
+                self.revoked
+            )
+        } else {
+            line
         };
         match &self.serving {
             Ok(false) => line,
@@ -229,6 +243,7 @@ pub fn probe() -> LocalProbe {
         yama_scope: host::yama_scope(),
         copies,
         serving: serving_probe(),
+        revoked: host::revocations(),
     }
 }
 
