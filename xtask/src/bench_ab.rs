@@ -3,7 +3,9 @@
 //!
 //! Both binaries run `ferry bench` (each its own in-process loopback server) with the same
 //! arguments, one right after the other in each round, the order swapped every round so neither
-//! always runs on a warmer machine. Cases: the TCP and io_uring data planes, one and two
+//! always runs on a warmer machine. Cases: the TCP and io_uring data planes and the same-host
+//! plane (`local`; with `--two-process` served by `ferry serve` of the engine's choice, which
+//! serves it beside its data plane), one and two
 //! streams, 1 MiB READs and WRITEs (rate, GB/s), 64 KiB READs and WRITEs at depth 16 on one
 //! stream (a quarter of `--total` each), and a 64-byte WRITE round trip with one op in flight
 //! (p50, microseconds) on each data plane. The table shows each side's median and the
@@ -67,7 +69,7 @@ fn case(
 
 fn cases(total: u64, ops: usize) -> Vec<Case> {
     let mut v = Vec::new();
-    for transport in ["tcp", "uring"] {
+    for transport in ["tcp", "uring", "local"] {
         for streams in [1, 2] {
             for op in ["read", "write"] {
                 let label = format!("{transport}, {streams} stream(s), 1 MiB {op}s (GB/s)");
@@ -245,7 +247,12 @@ impl Served {
                 "--listen",
                 &addr.to_string(),
                 "--transport",
-                transport,
+                // The same-host plane is served beside the engine's data plane.
+                if transport == "local" {
+                    "auto"
+                } else {
+                    transport
+                },
             ])
             // Named, since builds before the default segment (4fbd163) publish none by default.
             .args(["--segment", "bench=64MiB"])
