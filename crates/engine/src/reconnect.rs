@@ -228,7 +228,7 @@ pub(crate) fn run(
     let (generation, channel) = peer.link();
     // Posted now, not when the future is first polled.
     let first = channel.execute(ops.clone(), control.clone());
-    run_on(peer, ops, control, deadline, generation, first)
+    run_on(peer, ops, control, deadline, generation, channel, first)
 }
 
 /// The rest of [`run`]: waits for the first attempt, then recovers and replays.
@@ -238,9 +238,10 @@ async fn run_on(
     control: Arc<RequestControl>,
     deadline: Option<Instant>,
     mut generation: u64,
+    channel: Arc<dyn Channel>,
     first: BoxFuture<'static, Outcome>,
 ) -> Outcome {
-    let mut outcome = until(first, &control, deadline).await;
+    let mut outcome = until(first, &channel, ops.len(), &control, deadline).await;
     let policy = peer.policy;
     let mut fruitless = 0u32;
     // Spaces replays that completed nothing (a channel whose streams are still dying).
@@ -287,7 +288,7 @@ async fn run_on(
         let before = outcome.completed_ops;
         control.with_ledger(|l| l.rearm(&plan.ops));
         let sub: Arc<[Op]> = plan.ops.iter().map(|&i| ops[i].clone()).collect();
-        execute_until(&channel, sub, &control, deadline).await;
+        execute_until(&channel, sub, ops.len(), &control, deadline).await;
         control.with_ledger(|l| l.end_replay());
         outcome = control.outcome(true);
         if outcome.completed_ops > before {
@@ -299,33 +300,83 @@ async fn run_on(
 }
 
 /// Runs `ops` on `channel`; at `deadline` the request is stopped (a timeout: nothing more is
-/// posted), and what was posted still resolves before this returns.
+/// posted), and what was posted still resolves before this returns (see [`until`]).
 async fn execute_until(
     channel: &Arc<dyn Channel>,
     ops: Arc<[Op]>,
+    request_ops: usize,
     control: &Arc<RequestControl>,
     deadline: Option<Instant>,
 ) -> Outcome {
-    until(channel.execute(ops, control.clone()), control, deadline).await
+    until(
+        channel.execute(ops, control.clone()),
+        channel,
+        request_ops,
+        control,
+        deadline,
+    )
+    .await
 }
 
-/// Waits for `run`, stopping the request as a timeout at `deadline` (the run still drains).
+/// How long the chunks still in flight when a request is stopped (its deadline, a cancel) get
+/// to resolve on their own before [`until`] closes the channel under them.
+pub(crate) const QUIESCE_GRACE: Duration = Duration::from_millis(250);
+/// How often a running request looks whether its owner stopped it (a cancel).
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// Waits for `run` (an attempt of a request of `request_ops` ops on `channel`), stopping the
+/// request as a timeout at `deadline`. Once the request is stopped (at its deadline, or by a
+/// cancel, seen within [`STOP_POLL`]), what it has in flight gets [`QUIESCE_GRACE`] to resolve;
+/// past it the channel is closed, which ends every chunk in flight on it: a transport resolves
+/// a chunk only once it can no longer touch the chunk's buffer (on TCP and io_uring, the
+/// streams are shut down both ways, so no further byte of a READ is received into the caller's
+/// memory and no further byte of a WRITE is sent). So a frozen peer holds a stopped request
+/// for the grace, not until the kernel gives the connection up. The ops the close ended keep
+/// the stop as their failure (`Timeout`, `Cancelled`), not `PeerLost`; their counts stay, so a
+/// WRITE's remote effect says whether its bytes may have landed. The channel's other requests
+/// are lost with it (and replayed as the policy allows); the next request reconnects.
 async fn until(
     run: BoxFuture<'static, Outcome>,
+    channel: &Arc<dyn Channel>,
+    request_ops: usize,
     control: &Arc<RequestControl>,
     deadline: Option<Instant>,
 ) -> Outcome {
-    let Some(deadline) = deadline else {
-        return run.await;
-    };
     tokio::pin!(run);
-    tokio::select! {
-        o = &mut run => o,
-        _ = tokio::time::sleep_until(deadline) => {
-            control.stop(FailureKind::Timeout);
-            run.await
+    let mut poll = tokio::time::interval_at(Instant::now() + STOP_POLL, STOP_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let late = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(late);
+    loop {
+        tokio::select! {
+            o = &mut run => return o,
+            _ = &mut late => {
+                control.stop(FailureKind::Timeout);
+                break;
+            }
+            _ = poll.tick() => {
+                if control.stopped().is_some() {
+                    break;
+                }
+            }
         }
     }
+    if let Ok(o) = tokio::time::timeout(QUIESCE_GRACE, &mut run).await {
+        return o;
+    }
+    let why = control.stopped().unwrap_or(FailureKind::Timeout);
+    tracing::info!(kind = %channel.kind(), stopped = %why,
+        "a stopped request still has chunks in flight past the grace: closing its channel");
+    channel.close();
+    run.await;
+    let all: Vec<usize> = (0..request_ops).collect();
+    control.with_ledger(|l| l.give_up(&all, why, None));
+    control.outcome(true)
 }
 
 /// Whether the request is over: stopped by its owner, or past its deadline (then stopped here
@@ -529,6 +580,150 @@ mod tests {
         );
         drop(p);
         watch.await.expect("the watch ended cleanly");
+    }
+
+    /// A channel whose peer is frozen: what it is given resolves only once it is closed (each
+    /// op then lost, as a transport fails what was in flight on a stream shut down), and the
+    /// WRITEs were posted (their bytes may have landed).
+    #[derive(Debug, Default)]
+    struct Frozen {
+        closed: Arc<tokio::sync::Notify>,
+        closes: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Channel for Frozen {
+        fn kind(&self) -> ferry_core::TransportKind {
+            ferry_core::TransportKind::Tcp
+        }
+
+        fn execute(
+            &self,
+            ops: Arc<[Op]>,
+            control: Arc<RequestControl>,
+        ) -> BoxFuture<'static, Outcome> {
+            control.with_ledger(|l| {
+                for i in 0..ops.len() {
+                    l.plan(i, 1);
+                    l.posted(i);
+                }
+            });
+            let closed = self.closed.clone();
+            Box::pin(async move {
+                closed.notified().await;
+                control.with_ledger(|l| {
+                    for i in 0..ops.len() {
+                        l.lost(i, FailureKind::PeerLost, None);
+                    }
+                });
+                control.outcome(true)
+            })
+        }
+
+        fn is_alive(&self) -> bool {
+            self.closes.load(Ordering::Acquire) == 0
+        }
+
+        fn close(&self) {
+            self.closes.fetch_add(1, Ordering::AcqRel);
+            self.closed.notify_one();
+        }
+    }
+
+    fn writes(n: usize) -> Vec<Op> {
+        let region = Arc::new(ferry_core::MemoryRegion::from_vec(vec![0; 64]));
+        (0..n)
+            .map(|i| Op {
+                kind: ferry_core::OpKind::Write,
+                local: region.clone(),
+                local_offset: 0,
+                token: ferry_core::SegmentToken(1),
+                remote_offset: i as u64 * 8,
+                len: 8,
+            })
+            .collect()
+    }
+
+    /// A frozen peer holds a request past its deadline only for the grace: the channel is
+    /// closed then, the request drains, and it ends as a `Timeout` whose WRITEs may have
+    /// landed, not as the `PeerLost` of the close.
+    #[tokio::test(start_paused = true)]
+    async fn a_frozen_peer_is_closed_under_a_request_at_its_deadline_plus_the_grace() {
+        let frozen = Arc::new(Frozen::default());
+        let p = Arc::new(PeerInner::for_test(
+            frozen.clone(),
+            Vec::new(),
+            Arc::new(RouteCounters::default()),
+        ));
+        let ops = writes(3);
+        let control = Arc::new(RequestControl::new(&ops));
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs(5);
+        let o = tokio::time::timeout(
+            Duration::from_secs(60),
+            run(p, ops.into(), control, Some(deadline)),
+        )
+        .await
+        .expect("the frozen peer held the request past its deadline");
+        assert_eq!(t0.elapsed(), Duration::from_secs(5) + QUIESCE_GRACE);
+        assert_eq!(frozen.closes.load(Ordering::Acquire), 1);
+        assert!(o.drained);
+        assert_eq!(o.completed_ops, 0);
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::Timeout));
+        assert_eq!(o.remote_effect, ferry_core::RemoteEffect::Uncertain);
+    }
+
+    /// A cancel of a request without a deadline is seen within the poll, and the frozen
+    /// channel is closed after the grace: the request ends `Cancelled` and drained.
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_request_on_a_frozen_peer_ends_after_the_grace() {
+        let frozen = Arc::new(Frozen::default());
+        let p = Arc::new(PeerInner::for_test(
+            frozen.clone(),
+            Vec::new(),
+            Arc::new(RouteCounters::default()),
+        ));
+        let ops = writes(2);
+        let control = Arc::new(RequestControl::new(&ops));
+        let c = control.clone();
+        let t0 = Instant::now();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            c.stop(FailureKind::Cancelled);
+        });
+        let o = tokio::time::timeout(Duration::from_secs(60), run(p, ops.into(), control, None))
+            .await
+            .expect("the frozen peer held the cancelled request");
+        assert!(t0.elapsed() <= Duration::from_secs(1) + STOP_POLL + QUIESCE_GRACE);
+        assert_eq!(frozen.closes.load(Ordering::Acquire), 1);
+        assert!(o.drained);
+        assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::Cancelled));
+    }
+
+    /// A request that ends within the grace after its deadline keeps its channel.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_resolves_within_the_grace_keeps_its_channel() {
+        let frozen = Arc::new(Frozen::default());
+        let p = Arc::new(PeerInner::for_test(
+            frozen.clone(),
+            Vec::new(),
+            Arc::new(RouteCounters::default()),
+        ));
+        let ops = writes(1);
+        let control = Arc::new(RequestControl::new(&ops));
+        let wake = frozen.closed.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2) + QUIESCE_GRACE / 2).await;
+            wake.notify_one();
+        });
+        let o = run(
+            p,
+            ops.into(),
+            control,
+            Some(Instant::now() + Duration::from_secs(2)),
+        )
+        .await;
+        assert_eq!(frozen.closes.load(Ordering::Acquire), 0);
+        assert!(o.drained);
     }
 
     /// A closed peer is watched no more, though it is still held.

@@ -14,12 +14,15 @@ import enum
 import itertools
 import json
 import logging
+import operator
 import os
+import re
 import threading
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ferry import _ferry
+from ferry import _failures, _ferry
 from ferry._hosts import bind_host, publish_to, warn_if_open
 from ferry._senders import Bindings, Sender
 from ferry.mooncake import metadata
@@ -116,6 +119,31 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _metadata_hint(server: str, e: metadata.MetadataError) -> metadata.MetadataError:
+    """``e`` as one sentence with a hint where the cause is a usual mistake: an HTTP URL whose
+    path is not ``/metadata``, or an etcd nobody answers at (in place of the gRPC client's
+    dump)."""
+    try:
+        mode = metadata.parse(server)
+    except metadata.MetadataError:
+        return e
+    text = str(e)
+    if mode.kind == "http":
+        path = urllib.parse.urlparse(mode.where).path
+        if path.rstrip("/") != "/metadata":
+            return metadata.MetadataError(
+                f"{text.splitlines()[0][:300]}; hint: Mooncake's HTTP metadata server answers at "
+                f"http://HOST:PORT/metadata, and this URL's path is {path or '/'!r}")
+        return e
+    if mode.kind == "etcd" and ("grpc" in text or "tonic" in text or "connect" in text.lower()):
+        said = re.search(r'message: "([^"]+)" \}', text) or re.search(r'message: "([^"]+)"', text)
+        reason = said.group(1) if said else text.splitlines()[0][:200]
+        return metadata.MetadataError(
+            f"cannot reach etcd at {mode.where}: {reason}; hint: start etcd there, or pass "
+            "P2PHANDSHAKE or an http://HOST:PORT/metadata server")
+    return e
+
+
 class _Batch:
     __slots__ = ("request", "peer", "op", "count", "bytes")
 
@@ -149,6 +177,7 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._timeout = _timeout_env()
         self._last_error: BaseException | None = None
+        self._closed = False
 
     # ----- set-up -------------------------------------------------------------------------
 
@@ -181,13 +210,14 @@ class TransferEngine:
                 raise _ferry.InvalidArgument(f"local_hostname {local_hostname!r} names no host")
             bind = os.environ.get("MC_TCP_BIND_ADDRESS") or bind_host(host)
             listen_port = port if (port is not None and _flag("MC_LEGACY_RPC_PORT_BINDING")) else 0
-            transports = ["tcp"] if _flag("MC_FORCE_TCP") else None
-            if device_name:
-                log.info(
-                    "device_name %r: Ferry chooses RDMA NICs by topology (FERRY's RDMA filters "
-                    "apply); the name is recorded only", device_name,
-                )
-            engine = _ferry.Engine(listen=_join(bind, listen_port), transports=transports)
+            force_tcp = _flag("MC_FORCE_TCP")
+            transports = ["tcp"] if force_tcp else None
+            # MC_FORCE_TCP: TCP sockets (not io_uring, not RDMA), even towards an engine on this
+            # host (Mooncake's TCP transport goes through the network stack whatever the host).
+            engine = _ferry.Engine(listen=_join(bind, listen_port), transports=transports,
+                                   data_plane="tcp" if force_tcp else "auto",
+                                   same_host=not force_tcp)
+            self._warn_protocol(protocol, device_name, engine, force_tcp)
             raw = _ferry.RawEngine(engine, publish_to())
             senders = Bindings(raw.key_names())
             listen = engine.listen_addr
@@ -202,7 +232,10 @@ class TransferEngine:
                 store.put(key, metadata.record(_join(bind, lport), engine.peer_id, engine.epoch, name,
                                                engine.server_identity))
                 self._key = key
-        except (metadata.MetadataError, _ferry.FerryError, OSError, ValueError) as e:
+        except metadata.MetadataError as e:
+            return self._fail(_metadata_hint(metadata_server, e), "initialize",
+                              peer=metadata_server, code=-1)
+        except (_ferry.FerryError, OSError, ValueError) as e:
             return self._fail(e, "initialize", peer=metadata_server, code=-1)
         self._engine, self._raw, self._store, self._mode, self._name = engine, raw, store, mode, name
         senders.bind(name, engine.peer_id, engine.epoch)
@@ -213,6 +246,37 @@ class TransferEngine:
                  name, mode.kind, listen, engine.data_plane)
         warn_if_open(log, f"Mooncake engine {name!r}", listen, senders.keyed)
         return 0
+
+    @staticmethod
+    def _warn_protocol(protocol: str, device_name: str, engine: Any, force_tcp: bool) -> None:
+        """A protocol or device this machine cannot give is said at WARNING, once, at
+        ``initialize`` (Ferry runs on the plane it has: no failure, no silent fallback)."""
+        plane = str(engine.data_plane)
+        proto = (protocol or "").strip().lower()
+        if proto == "rdma" and "rdma" not in plane.lower():
+            log.warning(
+                'protocol "rdma" asked, but %s: Ferry moves bytes over %s',
+                "MC_FORCE_TCP is set" if force_tcp else "this machine has no usable RDMA device",
+                plane,
+            )
+        if not device_name:
+            return
+        wanted = [d.strip() for d in device_name.split(",") if d.strip()]
+        try:
+            usable = {n["name"] for n in json.loads(_ferry.topology_json()).get("nics", [])
+                      if n.get("usable")}
+        except (_ferry.FerryError, ValueError):
+            usable = set()
+        missing = [d for d in wanted if d not in usable]
+        if missing:
+            log.warning(
+                "device_name %r: no usable RDMA device named %s on this machine (usable: %s); "
+                "Ferry chooses RDMA NICs by topology and moves bytes over %s",
+                device_name, ", ".join(missing), ", ".join(sorted(usable)) or "none", plane,
+            )
+        else:
+            log.info("device_name %r: Ferry chooses RDMA NICs by topology (FERRY's RDMA filters "
+                     "apply); the name is recorded only", device_name)
 
     def get_rpc_port(self) -> int:
         """The port Ferry listens on (peers in P2P mode name this engine ``host:port``)."""
@@ -231,6 +295,7 @@ class TransferEngine:
             log.warning("removing the metadata record of %s: %s", self._name, e)
         self._engine.shutdown()
         self._engine = None
+        self._closed = True
 
     def __del__(self) -> None:
         try:
@@ -260,15 +325,14 @@ class TransferEngine:
             where = f" address {first}" + (f" (+{len(addrs) - 1} more)" if len(addrs) > 1 else "")
         if lengths:
             where += f" length {sum(lengths)}" + (f" in {len(lengths)} ops" if len(lengths) > 1 else "")
-        outcome = getattr(e, "outcome", None)
-        effect = ""
-        if outcome is not None and outcome.remote_effect != "none":
-            effect = f"; WRITEs from op {outcome.completed_ops} on may have landed ({outcome.remote_effect})"
-        log.error("%s %sfailed:%s %s: %s%s", what, f"to {peer} " if peer else "", where,
-                  type(e).__name__, e, effect)
+        log.error("%s %sfailed:%s %s", what, f"to {peer} " if peer else "", where,
+                  _failures.sentence(e))
         return code
 
     def _ready(self) -> None:
+        if self._closed:
+            raise _ferry.InvalidArgument("the TransferEngine is closed (close() was called): "
+                                         "make a new one and initialize it")
         if self._engine is None:
             raise _ferry.InvalidArgument("the TransferEngine is not initialized (call initialize)")
 
@@ -440,9 +504,48 @@ class TransferEngine:
         # Mooncake's: MC_TRANSFER_TIMEOUT plus one nanosecond per byte.
         return self._timeout + sum(lengths) * 1e-9
 
+    @staticmethod
+    def _check_args(target: Any, buffers: Any, peers: Any,
+                    lengths: Any) -> tuple[list[int], list[int], list[int]]:
+        """Mooncake's argument types, checked before anything else: a ``str`` target and lists
+        of ints (anything with ``__index__``, NumPy's included), returned as lists of ints;
+        ``InvalidArgument`` (-1) naming the argument otherwise, never an internal exception."""
+        if not isinstance(target, str):
+            raise _ferry.InvalidArgument(
+                f"target_hostname must be a str (the peer's name), not {type(target).__name__}"
+                + (" (decode it first)" if isinstance(target, (bytes, bytearray)) else ""))
+        out = []
+        for name, values in (("buffers", buffers), ("peer_buffer_addresses", peers),
+                             ("lengths", lengths)):
+            if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__"):
+                raise _ferry.InvalidArgument(
+                    f"{name} must be a list of ints, not {type(values).__name__}")
+            ints = []
+            for i, v in enumerate(values):
+                try:
+                    n = operator.index(v)
+                except TypeError:
+                    raise _ferry.InvalidArgument(
+                        f"{name}[{i}] must be an int, not {type(v).__name__}") from None
+                if n < 0:
+                    raise _ferry.InvalidArgument(f"{name}[{i}] is negative ({n})")
+                ints.append(n)
+            out.append(ints)
+        for i, n in enumerate(out[2]):
+            if n == 0:
+                raise _ferry.InvalidArgument(
+                    f"lengths[{i}] is 0: a transfer moves at least one byte")
+        return out[0], out[1], out[2]
+
     def _sync(self, what: str, op: str, target: str, buffers: list[int],
               peers: list[int], lengths: list[int]) -> int:
         try:
+            buffers, peers, lengths = self._check_args(target, buffers, peers, lengths)
+        except _ferry.InvalidArgument as e:
+            return self._fail(e, what, peer=target if isinstance(target, str) else repr(target),
+                              code=ERR_INVALID_ARGUMENT)
+        try:
+            self._ready()
             addr = self._addrs.get(target) or self._peer(target)
             self._raw.transfer(addr, op, buffers, peers, lengths, self._deadline(lengths))
             return 0
@@ -515,6 +618,12 @@ class TransferEngine:
     def _submit(self, what: str, op: str, target: str, buffers: list[int], peers: list[int],
                 lengths: list[int]) -> int:
         try:
+            buffers, peers, lengths = self._check_args(target, buffers, peers, lengths)
+        except _ferry.InvalidArgument as e:
+            self._fail(e, what, peer=target if isinstance(target, str) else repr(target))
+            return 0
+        try:
+            self._ready()
             addr = self._addrs.get(target) or self._peer(target)
             req = self._raw.submit(addr, op, buffers, peers, lengths, self._deadline(lengths))
         except (metadata.MetadataError, _ferry.FerryError, OverflowError, TypeError) as e:

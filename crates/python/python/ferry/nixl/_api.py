@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Optional, Union
 
-from ferry import _ferry
+from ferry import _failures, _ferry
 from ferry._hosts import bind_host, join, publish_to, warn_if_open
 from ferry._senders import Bindings, Sender
 from ferry.nixl import _bindings as nixlBind
@@ -785,7 +785,7 @@ class nixl_agent:
         if outcome.ok and x.request.after_error is None:
             return "DONE"
         if x.error is None:
-            x.error = (x.request.after_error and f"the notification failed: {x.request.after_error}") or repr(outcome)
+            x.error = (x.request.after_error and f"the notification failed: {x.request.after_error}") or _failures.of_outcome(outcome)
             logger.error("transfer towards %s failed: %s", x.remote, x.error)
         return "ERR"
 
