@@ -1048,17 +1048,22 @@ mod tests {
 
     /// A READ of 8 bytes of an unknown token into `at`: a served stream answers it (refused).
     fn unknown_read(s: &mut UnixStream, at: u64) {
+        read_request(s, SegmentToken(99), 8, at);
+    }
+
+    /// Sends a READ of `len` bytes at offset 0 of `token` into `at`. A server that closed the
+    /// stream refuses it (the write may fail): the caller reads what came.
+    fn read_request(s: &mut UnixStream, token: SegmentToken, len: u32, at: u64) {
         let mut head = [0u8; DATA_REQUEST_LEN];
         ferry_core::wire::DataRequest {
             kind: OpKind::Read,
             seq: 0,
-            token: SegmentToken(99),
+            token,
             offset: 0,
-            len: 8,
+            len: len as _,
             ack_slack: 0,
         }
         .encode(&mut head);
-        // A server that closed the stream refuses it (the write may fail): the caller reads.
         let _ = s.write_all(&head);
         let _ = s.write_all(&at.to_le_bytes());
     }
@@ -1137,19 +1142,7 @@ mod tests {
         let (mut s, answer) = attach_probed(&h, epoch, (&raw const *canary) as u64);
         assert_eq!(answer[0], PROBE_OK);
         let mut target = vec![0u8; 1 << 20];
-        let mut head = [0u8; DATA_REQUEST_LEN];
-        ferry_core::wire::DataRequest {
-            kind: OpKind::Read,
-            seq: 0,
-            token: SegmentToken(5),
-            offset: 0,
-            len: 1 << 20,
-            ack_slack: 0,
-        }
-        .encode(&mut head);
-        s.write_all(&head).unwrap();
-        s.write_all(&(target.as_mut_ptr() as u64).to_le_bytes())
-            .unwrap();
+        read_request(&mut s, SegmentToken(5), 1 << 20, target.as_mut_ptr() as u64);
         let mut resp = [0u8; ferry_core::wire::DATA_RESPONSE_LEN];
         s.read_exact(&mut resp).unwrap();
         assert!(target.iter().all(|b| *b == 7));
@@ -1272,20 +1265,8 @@ mod tests {
         assert_eq!(answer[0], PROBE_OK);
         assert_eq!(answer[1..], canary.to_le_bytes());
         // A READ of a token the table does not know: refused, nothing copied.
-        let mut head = [0u8; DATA_REQUEST_LEN];
-        ferry_core::wire::DataRequest {
-            kind: OpKind::Read,
-            seq: 0,
-            token: SegmentToken(99),
-            offset: 0,
-            len: 8,
-            ack_slack: 0,
-        }
-        .encode(&mut head);
         let mut target = Box::new(0u64);
-        let at = (&raw mut *target) as usize as u64;
-        s.write_all(&head).unwrap();
-        s.write_all(&at.to_le_bytes()).unwrap();
+        unknown_read(&mut s, (&raw mut *target) as usize as u64);
         let mut resp = [0u8; ferry_core::wire::DATA_RESPONSE_LEN];
         s.read_exact(&mut resp).unwrap();
         let r = ferry_core::wire::DataResponse::decode(&resp).unwrap();

@@ -4,15 +4,18 @@
 //! GPU memory. Bytes land GPU to GPU, host to GPU and GPU to host; a client that dies has its
 //! handles closed; a server without CUDA IPC is refused cleanly and the channel says why.
 
+mod common;
+use common::Responder;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ferry_core::wire::{Hello, Reject, SUPPORTED_VERSIONS, TransportOffer};
+use ferry_core::wire::{SUPPORTED_VERSIONS, TransportOffer};
 use ferry_core::{
-    Access, Channel, Epoch, FileSource, HandshakeResponder, MemoryRegion, Op, OpKind, PeerId,
-    PeerInfo, RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    Access, Channel, Epoch, FileSource, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
+    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
 };
 use ferry_cuda::{Cuda, DeviceSegment};
 use ferry_tests::{FakeVariant, fake_cuda};
@@ -32,26 +35,6 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| ((i * 7 + i / 251) as u8).wrapping_add(seed))
         .collect()
-}
-
-#[derive(Debug)]
-struct Responder(Epoch);
-
-impl HandshakeResponder for Responder {
-    fn peer_id(&self) -> PeerId {
-        PeerId(7)
-    }
-    fn epoch(&self) -> Epoch {
-        self.0
-    }
-    fn respond(
-        &self,
-        _: &Hello,
-        _: std::net::SocketAddr,
-        _: Option<&str>,
-    ) -> Result<Hello, Reject> {
-        panic!("a same-host socket never answers a hello")
-    }
 }
 
 /// A host segment (token 1) and a GPU segment (token 2), both readable and writable.

@@ -10,6 +10,9 @@
 //! The tests speak the plane's protocol themselves and aim each copy at the lowest bytes of the
 //! client's stack, which no program reaches.
 
+mod common;
+use common::Responder;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -19,11 +22,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::wire::{
-    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, Hello, Reject, StreamAttach,
+    ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, DataRequest, StreamAttach,
 };
 use ferry_core::{
-    Access, Epoch, HandshakeResponder, MemoryRegion, OpKind, PeerId, SegmentDesc, SegmentLease,
-    SegmentTable, SegmentToken,
+    Access, Epoch, MemoryRegion, OpKind, PeerId, SegmentDesc, SegmentLease, SegmentTable,
+    SegmentToken,
 };
 use ferry_net::HandshakeLimits;
 use ferry_tests::{ROOT, require_or_skip};
@@ -36,26 +39,6 @@ const PEER: std::net::SocketAddr = std::net::SocketAddr::V4(std::net::SocketAddr
     std::net::Ipv4Addr::LOCALHOST,
     0,
 ));
-
-#[derive(Debug)]
-struct Responder(Epoch);
-
-impl HandshakeResponder for Responder {
-    fn peer_id(&self) -> PeerId {
-        PeerId(7)
-    }
-    fn epoch(&self) -> Epoch {
-        self.0
-    }
-    fn respond(
-        &self,
-        _: &Hello,
-        _: std::net::SocketAddr,
-        _: Option<&str>,
-    ) -> Result<Hello, Reject> {
-        panic!("a same-host socket never answers a hello")
-    }
-}
 
 /// One readable and writable segment of 4 KiB, filled with [`MARK`].
 #[derive(Debug)]

@@ -7,15 +7,18 @@
 //! Alone in its binary: the revocation is the whole process's. The server is this binary run
 //! again (`FERRY_TEST_CHILD=local-frozen-server`).
 
+mod common;
+use common::Responder;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_core::wire::{Hello, Reject, TransportOffer, VECTORED_VERSION};
+use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
 use ferry_core::{
-    Access, Channel, Epoch, HandshakeResponder, MemoryRegion, Op, OpKind, PeerId, PeerInfo,
-    RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
+    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
 };
 use ferry_net::HandshakeLimits;
 use ferry_transport_local::{LocalConfig, LocalServer, LocalTransport};
@@ -43,26 +46,6 @@ impl ferry_core::FileSource for StopOnce {
     }
     fn write_all_at(&self, _: u64, _: &[u8]) -> std::io::Result<()> {
         Ok(())
-    }
-}
-
-#[derive(Debug)]
-struct Responder(Epoch);
-
-impl HandshakeResponder for Responder {
-    fn peer_id(&self) -> PeerId {
-        PeerId(7)
-    }
-    fn epoch(&self) -> Epoch {
-        self.0
-    }
-    fn respond(
-        &self,
-        _: &Hello,
-        _: std::net::SocketAddr,
-        _: Option<&str>,
-    ) -> Result<Hello, Reject> {
-        panic!("a same-host socket never answers a hello")
     }
 }
 
