@@ -120,3 +120,139 @@ pub(crate) fn crc_of_file(
     copied.fetch_add(len, Ordering::Relaxed);
     Ok(crc)
 }
+
+/// The journal of a commit into a directory, `.ferry-commit.PID`: one line per file, the hidden
+/// name it was written under and its final name (tab-separated). Its appearance is the commit
+/// point (see [`commit`]).
+const JOURNAL: &str = ".ferry-commit.";
+/// Marks the hidden files of a pull: `.NAME.ferry-partial.PID`.
+const PARTIAL: &str = ".ferry-partial.";
+
+/// The test hook `FERRY_PULL_STOP_AT`: the process dies (abort: no destructor runs, as under
+/// `SIGKILL`) at the named step of a commit: `synced` (every file complete and flushed, no
+/// journal), `journal` (the journal written), `rename:N` (after the Nth rename), `renamed`
+/// (every file renamed, the journal not removed yet). Tests kill a pull at each step this way,
+/// not by timing.
+fn stop_at(step: &str) {
+    if std::env::var("FERRY_PULL_STOP_AT").is_ok_and(|s| s == step) {
+        eprintln!("FERRY_PULL_STOP_AT={step}: dying here");
+        std::process::abort();
+    }
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Commits a pull into `dir` in one step: `files` (hidden name, final name; each complete and
+/// flushed) become their final names. The journal is written (to a hidden name, flushed,
+/// renamed: the commit point) before the first rename and removed after the last. Killed
+/// before the journal appears, the directory is untouched (hidden files aside, which the next
+/// pull into it removes); killed after, the next pull into it finishes the renames first
+/// ([`recover`]). A reader that sees no `.ferry-commit.*` file sees a whole directory.
+pub(crate) fn commit(dir: &Path, files: &[(String, String)]) -> std::io::Result<()> {
+    use std::io::Write;
+    stop_at("synced");
+    let journal = dir.join(format!("{JOURNAL}{}", std::process::id()));
+    let staged = dir.join(format!(".{JOURNAL}{}{PARTIAL}", std::process::id()));
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&staged)?;
+        for (tmp, name) in files {
+            writeln!(f, "{tmp}\t{name}")?;
+        }
+        f.sync_all()?;
+    }
+    std::fs::rename(&staged, &journal)?;
+    sync_dir(dir)?;
+    stop_at("journal");
+    for (i, (tmp, name)) in files.iter().enumerate() {
+        std::fs::rename(dir.join(tmp), dir.join(name))?;
+        stop_at(&format!("rename:{}", i + 1));
+    }
+    sync_dir(dir)?;
+    stop_at("renamed");
+    std::fs::remove_file(&journal)?;
+    sync_dir(dir)
+}
+
+/// Whether process `pid` runs (on this host's `/proc`).
+fn alive(pid: &str) -> bool {
+    pid.parse::<u32>()
+        .is_ok_and(|p| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists())
+}
+
+/// What a killed pull left in `dir`, set right: the commits it had journaled are finished (their
+/// remaining renames done, the journal removed), and its hidden files are removed. Pulls still
+/// running (their process alive) are left alone. Returns how many files were renamed and
+/// removed. A missing `dir` has nothing to recover.
+pub(crate) fn recover(dir: &Path) -> std::io::Result<(usize, usize)> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((0, 0)),
+        Err(e) => return Err(e),
+    };
+    let names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    let (mut renamed, mut removed) = (0, 0);
+    for n in &names {
+        let Some(pid) = n.strip_prefix(JOURNAL) else {
+            continue;
+        };
+        if alive(pid) {
+            continue;
+        }
+        let text = std::fs::read_to_string(dir.join(n))?;
+        for line in text.lines() {
+            let Some((tmp, name)) = line.split_once('\t') else {
+                continue;
+            };
+            // Plain names only, as the manifest's segment names are.
+            if [tmp, name]
+                .iter()
+                .any(|s| s.is_empty() || s.contains('/') || *s == "..")
+            {
+                continue;
+            }
+            if dir.join(tmp).exists() {
+                std::fs::rename(dir.join(tmp), dir.join(name))?;
+                renamed += 1;
+            }
+        }
+        sync_dir(dir)?;
+        std::fs::remove_file(dir.join(n))?;
+        tracing::info!(dir = %dir.display(), renamed, "finished the commit of a killed pull");
+    }
+    for n in &names {
+        let Some(rest) = n.strip_prefix('.') else {
+            continue;
+        };
+        let Some((_, pid)) = rest.rsplit_once(PARTIAL) else {
+            continue;
+        };
+        // `.NAME.ferry-partial.PID` and a journal being written, `..ferry-commit.PID.ferry-partial.`.
+        let pid = if pid.is_empty() {
+            rest.rsplit_once(PARTIAL)
+                .and_then(|(head, _)| head.strip_prefix(JOURNAL))
+                .unwrap_or("")
+        } else {
+            pid
+        };
+        if alive(pid) {
+            continue;
+        }
+        match std::fs::remove_file(dir.join(n)) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if removed > 0 {
+        tracing::info!(dir = %dir.display(), removed, "removed the hidden files of killed pulls");
+    }
+    Ok((renamed, removed))
+}

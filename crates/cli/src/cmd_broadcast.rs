@@ -511,6 +511,9 @@ fn pull_inner(
     let keys = keys(args.auth_key_file.as_ref(), args.allow_open_key_file)?;
     let rt = runtime()?;
     let stop = rt.block_on(async { crate::stop::listen() })?;
+    // Set once the summary is printed: the pull succeeded, and a signal after it (while it
+    // lingers or leaves) ends the command with that success, not as a stop.
+    let finished = std::sync::atomic::AtomicBool::new(false);
     let pulled = async {
         let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
             match args.from.strip_prefix("etcd://") {
@@ -620,6 +623,7 @@ fn pull_inner(
                 written
             ));
         }
+        finished.store(true, std::sync::atomic::Ordering::Release);
         r.linger(args.linger).await;
         r.leave().await;
         Ok(())
@@ -627,7 +631,13 @@ fn pull_inner(
     rt.block_on(async {
         tokio::select! {
             r = pulled => r,
-            signal = stop => Err(Stopped(signal).into()),
+            signal = stop => {
+                if finished.load(std::sync::atomic::Ordering::Acquire) {
+                    Ok(())
+                } else {
+                    Err(Stopped(signal).into())
+                }
+            }
         }
     })
 }

@@ -284,6 +284,9 @@ impl Receiver {
             manifest: Some(unix_now()),
             ..Default::default()
         };
+        // A pull killed in this directory before: its commit finished, its hidden files gone
+        // (they would count against the room, and nothing else removes them).
+        super::recover_dir(dir)?;
         room_for(dir, manifest.total_bytes())?;
         let ip = opts.listen_ip.unwrap_or(local_ip);
         let mut builder = TransferEngine::builder()

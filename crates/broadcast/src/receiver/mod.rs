@@ -53,7 +53,7 @@ use tokio::sync::watch;
 use crate::control::{self, Progress};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
-use crate::landing::{Landing, partial_name};
+use crate::landing::{self, Landing, partial_name};
 use crate::layout::{self, LocalExtents, Slice};
 use crate::manifest::{Digest, Manifest};
 use crate::plan::{Member, Role};
@@ -425,35 +425,50 @@ impl Receiver {
     /// Pulling into files ([`join_to_dir`](Self::join_to_dir)), only once the pull completed:
     /// into its own directory, each temporary file is flushed to disk and renamed into place
     /// (it goes on being served to children from there); into another, copied the same way.
+    ///
+    /// The renames are one commit: every file is complete and flushed under its hidden name
+    /// first, then a journal (`.ferry-commit.PID`) is written, the files renamed, and the
+    /// journal removed. A process killed before the journal leaves the directory untouched
+    /// (its hidden files aside); one killed after leaves the journal, and the next pull into
+    /// the directory finishes the renames before anything else, and removes every hidden file
+    /// of a killed pull. A reader that sees no `.ferry-commit.*` file sees a whole directory.
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
         if let Some(l) = &self.files {
             return self.rename_into(l, dir);
         }
         std::fs::create_dir_all(dir)
             .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
+        recover_dir(dir)?;
+        let mut staged = Vec::with_capacity(self.manifest.segments.len());
+        let mut written = Ok(());
         for (i, seg) in self.manifest.segments.iter().enumerate() {
-            let path = dir.join(&seg.name);
-            let tmp = dir.join(format!(
-                ".{}.ferry-partial.{}",
-                seg.name,
-                std::process::id()
-            ));
-            let written = std::fs::OpenOptions::new()
+            let tmp = partial_name(dir, &seg.name);
+            staged.push(tmp.clone());
+            written = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .open(&tmp)
-                .and_then(|f| self.write_segment(i, f))
-                .and_then(|()| std::fs::rename(&tmp, &path));
-            if let Err(e) = written {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(BroadcastError::io(format!("writing {}", path.display()), e));
+                .and_then(|f| self.write_segment(i, f));
+            if written.is_err() {
+                break;
             }
+        }
+        let written = written.and_then(|()| landing::commit(dir, &pairs(&self.manifest, &staged)));
+        if let Err(e) = written {
+            for tmp in &staged {
+                let _ = std::fs::remove_file(tmp);
+            }
+            return Err(BroadcastError::io(
+                format!("writing into {}", dir.display()),
+                e,
+            ));
         }
         Ok(())
     }
 
     /// Pulling into files, after a complete pull: each temporary file flushed and renamed into
-    /// `dir` (its own directory), or copied there beside its name and renamed.
+    /// `dir` (its own directory), or copied there beside its name and renamed; one commit
+    /// ([`write_to`](Self::write_to)).
     fn rename_into(&self, l: &Landing, dir: &Path) -> Result<(), BroadcastError> {
         if !self.pulled {
             return Err(BroadcastError::io(
@@ -465,17 +480,19 @@ impl Receiver {
         if !same {
             std::fs::create_dir_all(dir)
                 .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
+            recover_dir(dir)?;
         }
+        let mut staged = Vec::with_capacity(l.segs.len());
+        let mut done = Ok(());
         for (seg, f) in self.manifest.segments.iter().zip(&l.segs) {
-            let path = dir.join(&seg.name);
-            let done = if same {
-                f.file
-                    .sync_data()
-                    .and_then(|()| std::fs::rename(&f.tmp, &path))
+            if same {
+                staged.push(f.tmp.clone());
+                done = f.file.sync_data();
             } else {
                 // From the file held open (renamed or not), never through a symlink there.
                 let tmp = partial_name(dir, &seg.name);
-                let copied = (|| {
+                staged.push(tmp.clone());
+                done = (|| {
                     use std::io::Seek;
                     let mut from = f.file.try_clone()?;
                     from.seek(std::io::SeekFrom::Start(0))?;
@@ -484,15 +501,24 @@ impl Receiver {
                         .create_new(true)
                         .open(&tmp)?;
                     std::io::copy(&mut from, &mut to)?;
-                    to.sync_data()?;
-                    std::fs::rename(&tmp, &path)
+                    to.sync_data()
                 })();
-                if copied.is_err() {
-                    let _ = std::fs::remove_file(&tmp);
+            }
+            if done.is_err() {
+                break;
+            }
+        }
+        let done = done.and_then(|()| landing::commit(dir, &pairs(&self.manifest, &staged)));
+        if let Err(e) = done {
+            if !same {
+                for tmp in &staged {
+                    let _ = std::fs::remove_file(tmp);
                 }
-                copied
-            };
-            done.map_err(|e| BroadcastError::io(format!("writing {}", path.display()), e))?;
+            }
+            return Err(BroadcastError::io(
+                format!("writing into {}", dir.display()),
+                e,
+            ));
         }
         if same {
             l.renamed.store(true, Ordering::Relaxed);
@@ -600,4 +626,31 @@ impl Receiver {
         }
         drop(self);
     }
+}
+
+/// The (hidden name, final name) pairs of a commit: each staged file's name in its directory
+/// and its segment's name.
+fn pairs(manifest: &Manifest, staged: &[std::path::PathBuf]) -> Vec<(String, String)> {
+    manifest
+        .segments
+        .iter()
+        .zip(staged)
+        .map(|(seg, tmp)| {
+            let hidden = tmp
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (hidden, seg.name.clone())
+        })
+        .collect()
+}
+
+/// Finishes what killed pulls left in `dir` ([`landing::recover`]).
+pub(crate) fn recover_dir(dir: &Path) -> Result<(), BroadcastError> {
+    landing::recover(dir).map(|_| ()).map_err(|e| {
+        BroadcastError::io(
+            format!("recovering {} from a killed pull", dir.display()),
+            e,
+        )
+    })
 }
