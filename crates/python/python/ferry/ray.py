@@ -1,0 +1,612 @@
+"""Ray Direct Transport on Ferry: the ``FERRY`` tensor transport (docs/ray.md).
+
+Register it once in the driver, before the actors are made (and, harmlessly, again in each
+actor's ``__init__``), then name it where Ray takes a tensor transport::
+
+    import ray, torch, ferry.ray
+
+    ray.init()
+    ferry.ray.register()
+
+    @ray.remote
+    class Trainer:
+        @ray.method(tensor_transport="FERRY")
+        def weights(self) -> torch.Tensor:
+            return self.w
+
+    ref = trainer.weights.remote()        # the tensor stays in the trainer
+    worker.load.remote(ref)               # the worker reads it from the trainer's memory
+
+The transport is one-sided: the receiving actor reads the source's memory with an ordinary
+Ferry request, on the fastest plane the two processes share (same-host copies on one host,
+RDMA, io_uring or TCP across hosts). Each process that takes part has one Ferry engine,
+listening on the Ray node's address (``FERRY_BIND_ADDRESS`` overrides it) and keyed by
+``FERRY_AUTH_KEY_FILE`` when that is set (pass it to the actors in ``runtime_env``).
+
+How Ray's ``TensorTransportManager`` contract maps onto Ferry:
+
+- ``extract_tensor_transport_metadata`` (source): each tensor's whole storage is registered
+  once (a cache keyed by the storage, shared by overlapping views and by every object holding
+  it) and published for reading; the metadata names the engine's address, its incarnation,
+  and each tensor's segment, offset and length.
+- ``fetch_multiple_tensors`` / ``wait_fetch_complete`` (receiver): one request of READs, one
+  per tensor, straight into the receiving tensors (Ray's ``target_buffers`` when given, so
+  there is no extra copy).
+- ``abort_transport`` cancels the object's request and returns once it drained: no byte of it
+  can still move.
+- ``garbage_collect`` (source) releases the object's hold on each storage; the last one
+  unpublishes it. A request still reading it keeps the memory alive until it ended.
+- Errors are ``ray.exceptions.RayDirectTransportError`` naming the object, both actors, the
+  source's address and Ferry's reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import ray
+from ray.experimental.rdt.tensor_transport_manager import (
+    CommunicatorMetadata,
+    FetchRequest,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+
+import ferry
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "TRANSPORT",
+    "FerryCommunicatorMetadata",
+    "FerryTensorTransport",
+    "FerryTransportMetadata",
+    "register",
+]
+
+logger = logging.getLogger("ferry.ray")
+
+#: The name Ray programs give the transport (``tensor_transport="FERRY"``; Ray upper-cases it).
+TRANSPORT = "FERRY"
+
+_register_lock = threading.Lock()
+
+
+def register() -> None:
+    """Registers the ``FERRY`` tensor transport with Ray in this process (torch tensors on
+    ``cpu`` and ``cuda``). Idempotent: call it in the driver before making the actors that use
+    it, and again wherever convenient (an actor's ``__init__``); a second call does nothing.
+    Ray copies the registrations of the driver into each actor it makes afterwards."""
+    import torch
+    from ray.experimental.rdt import util
+
+    with _register_lock:
+        info = util.transport_manager_info.get(TRANSPORT)
+        if info is not None:
+            if info.transport_manager_class is not FerryTensorTransport:
+                raise ValueError(
+                    f"the tensor transport {TRANSPORT} is already registered with "
+                    f"{info.transport_manager_class.__qualname__}, not Ferry's"
+                )
+            return
+        util.register_tensor_transport(
+            TRANSPORT, ["cpu", "cuda"], FerryTensorTransport, torch.Tensor
+        )
+
+
+@dataclass
+class FerryCommunicatorMetadata(CommunicatorMetadata):
+    """Nothing: a one-sided read needs no rendezvous (the tensor metadata names the source)."""
+
+
+@dataclass
+class FerryTransportMetadata(TensorTransportMetadata):
+    """Where an object's tensors lie: the source engine and, per tensor, ``(segment, offset,
+    nbytes)`` (``segment`` None for an empty tensor).
+
+    Args:
+        addr: The address the source's engine listens on.
+        peer_id: The source engine's peer id (hex), to tell a restarted process at the address.
+        epoch: The source engine's epoch (hex).
+        server_identity: The identity the source proves to clients that expect it (with keys).
+        source: Who made the object (actor id and name, or the driver), for error messages.
+        segments: Per tensor, the segment holding it, its offset in it, and its length.
+    """
+
+    addr: Optional[str] = None
+    peer_id: Optional[str] = None
+    epoch: Optional[str] = None
+    server_identity: Optional[str] = None
+    source: Optional[str] = None
+    segments: list = field(default_factory=list)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+@dataclass
+class _Held:
+    """A published storage: its registration and how many objects hold it."""
+
+    registration: Any
+    name: str
+    objects: int
+
+
+@dataclass
+class FerryFetchRequest(FetchRequest):
+    """A fetch in flight: its Ferry request, the receive buffers' registrations, and where it
+    reads from. Dropping it unwaited cancels the request and waits for it to drain."""
+
+    request: Any = None
+    registrations: list = field(default_factory=list)
+    addr: Optional[str] = None
+    source: Optional[str] = None
+    transport: Any = None
+    finished: bool = False
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.request is not None and not self.request.done():
+            self.request.cancel()
+        if self.request is not None:
+            try:
+                self.request.wait_drained()
+            except Exception:  # the request's end was already reported, or will be
+                pass
+        for reg in self.registrations:
+            reg.close()
+        self.registrations = []
+        if self.transport is not None:
+            self.transport._forget_inflight(self.obj_id, self)
+
+    def __del__(self) -> None:
+        try:
+            self._finish()
+        except Exception:
+            pass
+
+
+def _who() -> str:
+    """This process as error messages name it: the actor (id and name) or the driver."""
+    try:
+        ctx = ray.get_runtime_context()
+        actor_id = ctx.get_actor_id()
+    except Exception:
+        return f"process {os.getpid()}"
+    if actor_id is None:
+        return f"the driver (pid {os.getpid()})"
+    name = None
+    try:
+        name = ctx.get_actor_name()
+    except Exception:
+        pass
+    return f"actor {actor_id}" + (f" ({name!r})" if name else "")
+
+
+def _listen_address() -> str:
+    """Where this process's engine listens: ``FERRY_BIND_ADDRESS`` (a host, or host:port),
+    else the Ray node's address, any free port."""
+    bind = os.environ.get("FERRY_BIND_ADDRESS")
+    if bind:
+        return bind if ":" in bind.rsplit("]", 1)[-1] else f"{bind}:0"
+    host = ray.util.get_node_ip_address()
+    return f"[{host}]:0" if ":" in host else f"{host}:0"
+
+
+def _byte_view(t: "torch.Tensor") -> "torch.Tensor":
+    """``t``'s bytes as a flat uint8 tensor over the same memory (``t`` contiguous)."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _storage_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    """The whole storage under ``t`` as a flat uint8 tensor over the same memory."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class FerryTensorTransport(TensorTransportManager):
+    """Ray's ``TensorTransportManager`` on Ferry (the module's docs). Ray makes one per process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._engine: Optional[ferry.Engine] = None
+        self._engine_error: Optional[BaseException] = None
+        self._names = itertools.count()
+        # Published storages by (device, storage address), and the storages each object holds.
+        self._storages: dict[tuple[str, int], _Held] = {}
+        self._objects: dict[str, list[tuple[str, int, int]]] = {}
+        # Connected sources by address.
+        self._peers: dict[str, Any] = {}
+        # Fetches in flight by object id, aborts that came before their fetch, and objects
+        # whose fetch ended (an abort after the end is a no-op).
+        self._inflight: dict[str, list[FerryFetchRequest]] = {}
+        self._aborted: set[str] = set()
+        self._ended: OrderedDict[str, None] = OrderedDict()
+
+    # -- the engine -------------------------------------------------------------------------
+
+    def engine(self) -> ferry.Engine:
+        """This process's engine, made on first use (the module's docs say where it listens)."""
+        with self._lock:
+            if self._engine is None:
+                self._engine = ferry.Engine(listen=_listen_address())
+                logger.info(
+                    "Ferry engine for Ray's %s transport listens on %s (%s)",
+                    TRANSPORT,
+                    self._engine.listen_addr,
+                    _who(),
+                )
+            return self._engine
+
+    def registered_storages(self) -> int:
+        """How many storages this process has published for objects (tests, diagnostics)."""
+        with self._lock:
+            return len(self._storages)
+
+    def inflight(self) -> int:
+        """How many fetches are in flight in this process (tests, diagnostics)."""
+        with self._lock:
+            return sum(len(v) for v in self._inflight.values())
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def tensor_transport_backend(self) -> str:
+        return TRANSPORT
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return True
+
+    def actor_has_tensor_transport(self, actor: "ray.actor.ActorHandle") -> bool:
+        def __ray_actor_has_ferry_transport__(self: Any) -> bool:
+            from ferry.ray import _available_in_process
+
+            return _available_in_process()
+
+        return ray.get(
+            actor.__ray_call__.options(concurrency_group="_ray_system").remote(
+                __ray_actor_has_ferry_transport__
+            )
+        )
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: str, rdt_object: list[Any]
+    ) -> FerryTransportMetadata:
+        import torch
+
+        if not rdt_object:
+            return FerryTransportMetadata(tensor_meta=[], tensor_device=None)
+        device_type = rdt_object[0].device.type
+        for i, t in enumerate(rdt_object):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"{TRANSPORT} moves torch tensors; item {i} of object {obj_id} is "
+                    f"{type(t).__name__}"
+                )
+            if t.device.type != device_type:
+                raise ValueError(
+                    f"all tensors of an RDT object must be on one device type; object "
+                    f"{obj_id} has {device_type} and {t.device.type}"
+                )
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"all tensors of an RDT object must be contiguous; item {i} of object "
+                    f"{obj_id} is not"
+                )
+        if device_type == "cuda":
+            # Ferry's copies run on its own streams: the producer's work must be done.
+            for dev in {t.device for t in rdt_object}:
+                torch.cuda.synchronize(dev)
+        engine = self.engine()
+        segments: list[Optional[tuple[str, int, int]]] = []
+        keys: list[tuple[str, int, int]] = []
+        with self._lock:
+            try:
+                for t in rdt_object:
+                    nbytes = t.numel() * t.element_size()
+                    if nbytes == 0:
+                        segments.append(None)
+                        continue
+                    storage = t.untyped_storage()
+                    # Keyed by length too: a storage resized in place is published anew.
+                    key = (str(t.device), storage.data_ptr(), storage.nbytes())
+                    held = self._storages.get(key)
+                    if held is None:
+                        name = f"ray/{os.getpid()}/{next(self._names)}"
+                        whole = _storage_bytes(t)
+                        if t.is_cuda:
+                            reg = engine.register_gpu(whole, name=name, access="read")
+                        else:
+                            reg = engine.register(whole.numpy(), name=name, access="read")
+                        held = _Held(reg, name, 0)
+                        self._storages[key] = held
+                    held.objects += 1
+                    keys.append(key)
+                    offset = t.data_ptr() - storage.data_ptr()
+                    segments.append((held.name, offset, nbytes))
+            except BaseException:
+                self._release(keys)
+                raise
+            self._objects.setdefault(obj_id, []).extend(keys)
+        return FerryTransportMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
+            tensor_device=device_type,
+            addr=engine.listen_addr,
+            peer_id=engine.peer_id,
+            epoch=engine.epoch,
+            server_identity=engine.server_identity,
+            source=_who(),
+            segments=segments,
+        )
+
+    def get_communicator_metadata(
+        self,
+        src_actor: "ray.actor.ActorHandle",
+        dst_actor: "ray.actor.ActorHandle",
+        backend: Optional[str] = None,
+    ) -> FerryCommunicatorMetadata:
+        return FerryCommunicatorMetadata()
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: Optional[list[Any]] = None,
+    ) -> list[Any]:
+        fetch = self.fetch_multiple_tensors(
+            obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
+        )
+        return self.wait_fetch_complete(fetch)
+
+    def fetch_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: Optional[list[Any]] = None,
+    ) -> FerryFetchRequest:
+        import torch
+
+        meta = tensor_transport_metadata
+        assert isinstance(meta, FerryTransportMetadata), type(meta)
+        source = meta.source or "the source"
+        with self._lock:
+            if obj_id in self._aborted:
+                self._aborted.discard(obj_id)
+                raise self._error(obj_id, meta, "the transfer was aborted before it started")
+        if target_buffers:
+            tensors = list(target_buffers)
+            if len(tensors) != len(meta.tensor_meta):
+                raise ValueError(
+                    f"object {obj_id} from {source} has {len(meta.tensor_meta)} tensors, "
+                    f"but {len(tensors)} target buffers were given"
+                )
+            for i, t in enumerate(tensors):
+                if not t.is_contiguous():
+                    raise ValueError(f"target buffer {i} of object {obj_id} is not contiguous")
+        else:
+            tensors = [
+                torch.empty(shape, dtype=dtype, device=meta.tensor_device or "cpu")
+                for shape, dtype in meta.tensor_meta
+            ]
+        fetch = FerryFetchRequest(
+            obj_id=obj_id, tensors=tensors, addr=meta.addr, source=source, transport=self
+        )
+        if not any(meta.segments):
+            fetch.finished = True
+            return fetch
+        try:
+            engine = self.engine()
+            peer = self._peer(meta)
+            batch = ferry.Batch()
+            for i, (t, seg) in enumerate(zip(tensors, meta.segments)):
+                if seg is None:
+                    continue
+                name, offset, nbytes = seg
+                if t.numel() * t.element_size() != nbytes:
+                    raise ValueError(
+                        f"target buffer {i} holds {t.numel() * t.element_size()} bytes, "
+                        f"item {i} of object {obj_id} {nbytes}"
+                    )
+                view = _byte_view(t)
+                if t.is_cuda:
+                    reg = engine.register_gpu(view)
+                else:
+                    reg = engine.register(view.numpy())
+                fetch.registrations.append(reg)
+                batch.read(reg, peer.segment(name), 0, offset, nbytes)
+            with self._lock:
+                if obj_id in self._aborted:
+                    self._aborted.discard(obj_id)
+                    raise RuntimeError("the transfer was aborted before it started")
+                fetch.request = engine.submit(batch)
+                self._inflight.setdefault(obj_id, []).append(fetch)
+        except Exception as e:
+            fetch._finish()
+            self._drop_peer(meta.addr)
+            raise self._error(obj_id, meta, _reason(e)) from e
+        return fetch
+
+    def wait_fetch_complete(
+        self, fetch_request: FetchRequest, timeout: float = -1
+    ) -> list[Any]:
+        fetch = fetch_request
+        assert isinstance(fetch, FerryFetchRequest), type(fetch)
+        if fetch.request is None:
+            return fetch.tensors
+        try:
+            outcome = fetch.request.wait(timeout=None if timeout < 0 else timeout, check=False)
+        except TimeoutError:
+            raise TimeoutError(
+                f"{TRANSPORT} transfer of object {fetch.obj_id} from {fetch.source} at "
+                f"{fetch.addr} not done after {timeout}s"
+            ) from None
+        fetch._finish()
+        if not outcome.ok:
+            failure = outcome.failure
+            reason = f"{failure.kind}: {failure.message}" if failure else "failed"
+            if failure is not None and failure.kind != "cancelled":
+                self._drop_peer(fetch.addr)
+            raise self._error_at(fetch.obj_id, fetch.source, fetch.addr, reason)
+        return fetch.tensors
+
+    def send_multiple_tensors(
+        self,
+        tensors: list[Any],
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+    ) -> None:
+        raise NotImplementedError(
+            f"{TRANSPORT} is one-sided: the receiver reads, and Ray never calls send"
+        )
+
+    def garbage_collect(
+        self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
+    ) -> None:
+        with self._lock:
+            keys = self._objects.pop(obj_id, None)
+            if keys:
+                self._release(keys)
+
+    def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
+        """Cancels the object's fetch in this process and returns once it drained (no byte of
+        it can still move); a fetch not started yet fails when it starts."""
+        with self._lock:
+            fetches = list(self._inflight.get(obj_id, ()))
+            if not fetches and obj_id not in self._ended:
+                self._aborted.add(obj_id)
+        for fetch in fetches:
+            if fetch.request is not None:
+                fetch.request.cancel()
+                fetch.request.wait_drained()
+        if fetches:
+            logger.info("aborted the %s fetch of object %s (%s)", TRANSPORT, obj_id, _who())
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _release(self, keys: list[tuple[str, int, int]]) -> None:
+        """Drops one hold of each storage; the last unpublishes it (under the lock)."""
+        for key in keys:
+            held = self._storages.get(key)
+            if held is None:
+                continue
+            held.objects -= 1
+            if held.objects <= 0:
+                del self._storages[key]
+                held.registration.close()
+
+    def _forget_inflight(self, obj_id: str, fetch: FerryFetchRequest) -> None:
+        with self._lock:
+            fetches = self._inflight.get(obj_id)
+            if fetches and fetch in fetches:
+                fetches.remove(fetch)
+                if not fetches:
+                    del self._inflight[obj_id]
+            self._ended[obj_id] = None
+            while len(self._ended) > 4096:
+                self._ended.popitem(last=False)
+
+    def _peer(self, meta: FerryTransportMetadata) -> Any:
+        """The connection to the source, whose listing holds every segment ``meta`` names:
+        the cached one, else a fresh one (the listing is the one of connection time)."""
+        names = [s[0] for s in meta.segments if s is not None]
+        with self._lock:
+            peer = self._peers.get(meta.addr)
+        if (
+            peer is not None
+            and peer.is_alive()
+            and peer.epoch == meta.epoch
+            and all(self._lists(peer, n) for n in names)
+        ):
+            return peer
+        engine = self.engine()
+        keyed = bool(os.environ.get("FERRY_AUTH_KEY_FILE"))
+        identity = meta.server_identity if keyed else None
+        try:
+            peer = engine.connect(meta.addr, server_identity=identity)
+        except ferry.StaleEpoch:
+            # Another incarnation met at this address before: the metadata names this one.
+            peer = engine.reresolve(meta.addr)
+        if peer.epoch != meta.epoch:
+            raise RuntimeError(
+                f"the engine at {meta.addr} is another incarnation (epoch {peer.epoch}, the "
+                f"object's source had {meta.epoch}): the source process has ended"
+            )
+        with self._lock:
+            self._peers[meta.addr] = peer
+        return peer
+
+    @staticmethod
+    def _lists(peer: Any, name: str) -> bool:
+        try:
+            peer.segment(name)
+        except ferry.UnknownSegmentName:
+            return False
+        return True
+
+    def _drop_peer(self, addr: Optional[str]) -> None:
+        with self._lock:
+            self._peers.pop(addr, None)
+
+    def _error(self, obj_id: str, meta: FerryTransportMetadata, reason: str) -> Exception:
+        return self._error_at(obj_id, meta.source or "the source", meta.addr, reason)
+
+    @staticmethod
+    def _error_at(obj_id: str, source: Optional[str], addr: Optional[str], reason: str) -> Exception:
+        from ray.exceptions import RayDirectTransportError
+
+        return RayDirectTransportError(
+            f"The {TRANSPORT} transfer of object {obj_id} from {source} (Ferry engine at "
+            f"{addr}) to {_who()} failed: {reason}. The source actor may have died during "
+            f"the transfer."
+        )
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _available_in_process() -> bool:
+    """Whether this process can take part: Ferry's transport is registered and its engine
+    starts."""
+    try:
+        register()
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+
+        manager = get_tensor_transport_manager(TRANSPORT)
+        assert isinstance(manager, FerryTensorTransport)
+        manager.engine()
+        return True
+    except Exception:
+        logger.warning("Ferry's %s transport is unavailable here", TRANSPORT, exc_info=True)
+        return False
+
+
+def manager() -> FerryTensorTransport:
+    """This process's transport (the one Ray made), registering it first if need be."""
+    register()
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    m = get_tensor_transport_manager(TRANSPORT)
+    assert isinstance(m, FerryTensorTransport)
+    return m
+
