@@ -586,9 +586,10 @@ def finish(agent, handle):
 
 
 def test_nixl_utils_allocates_fills_and_verifies():
-    from ferry.nixl import _aliasing, _utils
+    from ferry._alias import NIXL
+    from ferry.nixl import _utils
 
-    assert _aliasing.ALIAS.modules["nixl._utils"] == "ferry.nixl._utils"
+    assert NIXL.modules["nixl._utils"] == "ferry.nixl._utils"
     a, b = _utils.malloc_passthru(100), _utils.malloc_passthru(100)
     try:
         assert a and b and a % 4096 == 0 and b % 4096 == 0

@@ -4,6 +4,9 @@
 A finder at the front of ``sys.meta_path`` answers for exactly the names of an alias; other
 submodules of the aliased package are refused with an ``ImportError`` saying so. Nothing is
 imported until the program imports the aliased name.
+
+Both aliases (``MOONCAKE``, ``NIXL``) are declared here, as names only: the layers import this
+module, and it imports none of them, so the ``.pth`` hook (``from_env``) loads nothing else.
 """
 
 from __future__ import annotations
@@ -99,10 +102,31 @@ def run_main(alias: Alias, usage: str) -> int:
     return 0
 
 
+#: ``import mooncake`` and ``import mooncake.engine`` giving ``ferry.mooncake``.
+MOONCAKE = Alias(
+    "mooncake",
+    {"mooncake": None, "mooncake.engine": "ferry.mooncake.engine"},
+    "FERRY_AS_MOONCAKE",
+    "ferry.mooncake",
+)
+
+#: ``import nixl``, ``nixl._api``, ``nixl._bindings``, ``nixl._utils`` and ``nixl.logging``
+#: giving ``ferry.nixl``.
+NIXL = Alias(
+    "nixl",
+    {
+        "nixl": "ferry.nixl",
+        "nixl._api": "ferry.nixl._api",
+        "nixl._bindings": "ferry.nixl._bindings",
+        "nixl._utils": "ferry.nixl._utils",
+        "nixl.logging": "ferry.nixl.logging",
+    },
+    "FERRY_AS_NIXL",
+    "ferry.nixl",
+)
+
+
 def from_env() -> None:
     """The ``.pth`` hook: turns on each alias whose variable is set."""
-    from ferry.mooncake._alias import ALIAS as MOONCAKE
-    from ferry.nixl._aliasing import ALIAS as NIXL
-
     for alias in (MOONCAKE, NIXL):
         alias.from_env()

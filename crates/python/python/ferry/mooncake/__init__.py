@@ -24,7 +24,7 @@ from ferry.mooncake.engine import (
     TransferOpcode,
     Write,
 )
-from ferry.mooncake._alias import install, installed
+from ferry._alias import MOONCAKE as _ALIAS
 
 __all__ = [
     "BatchState",
@@ -37,3 +37,14 @@ __all__ = [
     "install",
     "installed",
 ]
+
+
+def install() -> None:
+    """Makes ``mooncake`` and ``mooncake.engine`` resolve to Ferry in this process (a
+    ``mooncake`` imported before stays what it is)."""
+    _ALIAS.install()
+
+
+def installed() -> bool:
+    """Whether the alias is on in this process."""
+    return _ALIAS.installed()

@@ -4,8 +4,7 @@ processes it starts do the same. ``-m MODULE`` runs a module instead of a script
 
 import sys
 
-from ferry._alias import run_main
-from ferry.mooncake._alias import ALIAS
+from ferry._alias import MOONCAKE, run_main
 
 if __name__ == "__main__":
-    sys.exit(run_main(ALIAS, "python -m ferry.mooncake SCRIPT [ARGS...] | -m MODULE [ARGS...]"))
+    sys.exit(run_main(MOONCAKE, "python -m ferry.mooncake SCRIPT [ARGS...] | -m MODULE [ARGS...]"))

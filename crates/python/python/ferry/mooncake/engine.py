@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ferry import _failures, _ferry
-from ferry._hosts import bind_host, publish_to, warn_if_open
+from ferry._hosts import bind_host, join, publish_to, warn_if_open
 from ferry._senders import Bindings, Sender
 from ferry.mooncake import metadata
 
@@ -113,10 +113,6 @@ def _split_host(hostname: str) -> tuple[str, int | None]:
         host, _, port = h.partition(":")
         return host, int(port) if port.isdigit() else None
     return h, None
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _metadata_hint(server: str, e: metadata.MetadataError) -> metadata.MetadataError:
@@ -214,7 +210,7 @@ class TransferEngine:
             transports = ["tcp"] if force_tcp else None
             # MC_FORCE_TCP: TCP sockets (not io_uring, not RDMA), even towards an engine on this
             # host (Mooncake's TCP transport goes through the network stack whatever the host).
-            engine = _ferry.Engine(listen=_join(bind, listen_port), transports=transports,
+            engine = _ferry.Engine(listen=join(bind, listen_port), transports=transports,
                                    data_plane="tcp" if force_tcp else "auto",
                                    same_host=not force_tcp)
             self._warn_protocol(protocol, device_name, engine, force_tcp)
@@ -224,12 +220,12 @@ class TransferEngine:
             lport = int(listen.rsplit(":", 1)[1])
             store = metadata.open_store(mode)
             if mode.kind == "p2p":
-                name = _join(host, lport)
+                name = join(host, lport)
             else:
                 name = local_hostname
                 key = metadata.key_of(name)
                 assert store is not None
-                store.put(key, metadata.record(_join(bind, lport), engine.peer_id, engine.epoch, name,
+                store.put(key, metadata.record(join(bind, lport), engine.peer_id, engine.epoch, name,
                                                engine.server_identity))
                 self._key = key
         except metadata.MetadataError as e:
@@ -241,7 +237,7 @@ class TransferEngine:
         senders.bind(name, engine.peer_id, engine.epoch)
         self._senders = senders
         self._rpc_port = lport
-        self._addrs[name] = _join(bind, lport)
+        self._addrs[name] = join(bind, lport)
         log.info("initialized %s (metadata %s, listening on %s, data plane %s)",
                  name, mode.kind, listen, engine.data_plane)
         warn_if_open(log, f"Mooncake engine {name!r}", listen, senders.keyed)
@@ -349,7 +345,7 @@ class TransferEngine:
                 raise metadata.MetadataError(
                     f"{name!r} is not a peer name of P2P mode (host:port, the port its get_rpc_port() gives)"
                 )
-            addr = _join(host, port)
+            addr = join(host, port)
         else:
             assert self._store is not None
             value = self._store.get(metadata.key_of(name))

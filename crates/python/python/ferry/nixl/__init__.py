@@ -14,7 +14,7 @@ Without any of them nothing changes, and a real NIXL installed beside Ferry stil
 Every call, what Ferry does and where it differs: docs/nixl.md.
 """
 
-from ferry.nixl._aliasing import install, installed
+from ferry._alias import NIXL as _ALIAS
 from ferry.nixl._bindings import *  # noqa: F401,F403  (first: _api's names below win, as in NIXL)
 from ferry.nixl._api import (
     DEFAULT_COMM_PORT,
@@ -39,3 +39,13 @@ __all__ = [
     "nixl_thread_sync_t",
     "nixl_xfer_handle",
 ]
+
+
+def install() -> None:
+    """Makes ``nixl`` and its modules the connector imports resolve to Ferry in this process."""
+    _ALIAS.install()
+
+
+def installed() -> bool:
+    """Whether the alias is on in this process."""
+    return _ALIAS.installed()

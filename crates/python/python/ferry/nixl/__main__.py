@@ -4,8 +4,7 @@ MODULE`` runs a module instead of a script."""
 
 import sys
 
-from ferry._alias import run_main
-from ferry.nixl._aliasing import ALIAS
+from ferry._alias import NIXL, run_main
 
 if __name__ == "__main__":
-    sys.exit(run_main(ALIAS, "python -m ferry.nixl SCRIPT [ARGS...] | -m MODULE [ARGS...]"))
+    sys.exit(run_main(NIXL, "python -m ferry.nixl SCRIPT [ARGS...] | -m MODULE [ARGS...]"))
