@@ -81,7 +81,7 @@ pub(crate) struct PullArgs {
     /// written, and has room for the payload), then each chunk is written as it is verified
     /// into a hidden temporary file, renamed into place when the pull completes (memory: a
     /// window of chunks, whatever the payload).
-    #[arg(long, required_unless_present = "in_memory")]
+    #[arg(long)]
     into: Option<PathBuf>,
     /// Keep the pull in memory and write no file (every chunk is still verified; a check of a
     /// source, or a benchmark of the transfer alone).
@@ -416,9 +416,10 @@ pub(crate) fn publish(args: PublishArgs) -> Result<()> {
             None => Ok(()),
             Some(signal) => {
                 say(format_args!(
-                    "stopped by {}: served {served} bytes ({}); {members} members",
+                    "stopped by {}: served {served} bytes ({}); {members} member{}",
                     signal.name(),
-                    crate::out::bytes(served)
+                    crate::out::bytes(served),
+                    if members == 1 { "" } else { "s" }
                 ));
                 Err(Stopped(signal).into())
             }
@@ -461,6 +462,16 @@ fn load_into_memory(
 }
 
 pub(crate) fn pull(args: PullArgs) -> Result<()> {
+    if args.into.is_none() && !args.in_memory {
+        use clap::CommandFactory;
+        crate::Cli::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "say where the pull goes: --into DIR (write its files there) or --in-memory \
+                 (keep it in memory only: a check of a source, or a benchmark)",
+            )
+            .exit();
+    }
     let started = ferry_broadcast::unix_now();
     let last = std::sync::Mutex::new(None::<ferry_broadcast::Snapshot>);
     let result = pull_inner(&args, &last, started);

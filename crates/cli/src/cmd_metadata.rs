@@ -29,10 +29,8 @@ pub(crate) fn run(args: MetadataServerArgs) -> Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     rt.block_on(async move {
-        use tokio::signal::unix::{SignalKind, signal};
         // Before the address is printed: whoever read it may stop us at once.
-        let mut interrupt = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
-        let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        let stop = crate::stop::listen()?;
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding the metadata server's address {}", args.listen))?;
@@ -46,11 +44,25 @@ pub(crate) fn run(args: MetadataServerArgs) -> Result<()> {
         }
         crate::out::say(format_args!("metadata server listening on {addr}"));
         let store = Arc::new(Mutex::new(store::Store::new(store::Limits::default())));
-        tokio::select! {
-            () = server::serve(listener, addr, store, server::Limits::default()) => {}
-            _ = interrupt.recv() => tracing::info!("SIGINT: metadata server stopping"),
-            _ = terminate.recv() => tracing::info!("SIGTERM: metadata server stopping"),
-        }
-        Ok(())
+        let signal = tokio::select! {
+            () = server::serve(listener, addr, store.clone(), server::Limits::default()) => {
+                return Ok(());
+            }
+            signal = stop => signal,
+        };
+        // As every other command stopped by a signal: what it did, and 128 + the signal.
+        let (records, bytes) = {
+            let s = store
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            (s.len(), s.bytes())
+        };
+        crate::out::say(format_args!(
+            "stopped by {}: metadata server on {addr} held {records} record{} ({})",
+            signal.name(),
+            if records == 1 { "" } else { "s" },
+            crate::out::bytes(bytes as u64)
+        ));
+        Err(crate::stop::Stopped(signal).into())
     })
 }

@@ -441,7 +441,7 @@ impl std::fmt::Display for Description {
         for b in &self.broadcasts {
             writeln!(
                 f,
-                "broadcast {} v{} ({}): {} of {} bytes{}, {} refetched chunks, {} members",
+                "broadcast {} v{} ({}): {} of {} bytes{}, {} refetched chunks, {} member{}",
                 b.name,
                 b.version,
                 b.role,
@@ -449,7 +449,8 @@ impl std::fmt::Display for Description {
                 b.total_bytes,
                 if b.done { ", done" } else { "" },
                 b.refetched,
-                b.peers
+                b.peers,
+                if b.peers == 1 { "" } else { "s" }
             )?;
         }
         Ok(())

@@ -687,7 +687,20 @@ impl TransferEngine {
 
 fn resolve(addr: impl ToSocketAddrs) -> Result<SocketAddr, Error> {
     addr.to_socket_addrs()
-        .map_err(|e| Error::io("resolve", "peer address", e))?
+        .map_err(|e| {
+            // The standard library's word for "127.0.0.1" (a host without its port).
+            if e.kind() == std::io::ErrorKind::InvalidInput
+                && e.to_string() == "invalid socket address"
+            {
+                Error::InvalidRequest {
+                    reason: "the peer address is not HOST:PORT: is its port missing? (a Ferry \
+                             engine listens where its listen_addr says, e.g. 127.0.0.1:7300)"
+                        .into(),
+                }
+            } else {
+                Error::io("resolve", "peer address", e)
+            }
+        })?
         .next()
         .ok_or_else(|| Error::InvalidRequest {
             reason: "the peer address resolves to nothing".into(),

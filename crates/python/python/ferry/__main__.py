@@ -38,5 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _run() -> int:
+    """``main``, with a reader that closed the pipe early (``python -m ferry doctor | head``)
+    ending the output quietly, as a command-line tool's does."""
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        import os
+
+        # Python's own flush at exit would meet the closed pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())
