@@ -550,6 +550,7 @@ mod tests {
             version: 0,
             rate: 0,
             number: None,
+            identity: None,
         })
         .unwrap()
     }

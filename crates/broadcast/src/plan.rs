@@ -70,6 +70,12 @@ pub struct Member {
     /// numbered (an older member, the source), and the plan falls back to join order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub number: Option<u64>,
+    /// The server identity its engine proves in keyed handshakes (64 hex digits, its public
+    /// key): a keyed member connecting to its data address names it, so another key holder at
+    /// that address cannot stand in for it. `None`: an older member (its incarnation is checked
+    /// as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// Whom `me` fetches each of `d` stripes from (`None`: no holder listed): the receivers of
@@ -317,6 +323,7 @@ mod tests {
             version: 1,
             rate: 0,
             number: None,
+            identity: None,
         }
     }
 

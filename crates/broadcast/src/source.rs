@@ -480,6 +480,7 @@ impl Source {
             version: manifest.version,
             rate: 0,
             number: None,
+            identity: Some(engine.server_identity().to_string()),
         };
         let tracker = Arc::new(Tracker::new(member.clone(), opts.lease));
         let (_tx, progress) = watch::channel(Progress {
@@ -796,6 +797,7 @@ mod tests {
             version: 2,
             rate: 0,
             number: None,
+            identity: None,
         };
         (id.to_owned(), m)
     }

@@ -65,6 +65,8 @@ async fn source(path: &PathBuf, plane: DataPlane) -> Source {
 struct Rewritten {
     inner: Embedded,
     rewrite: Option<(String, String)>,
+    /// The member whose record's server identity is replaced, and the identity put there.
+    identity: Option<(String, String)>,
     first: Vec<Member>,
     reads: AtomicU64,
 }
@@ -74,6 +76,7 @@ impl Rewritten {
         Self {
             inner,
             rewrite: None,
+            identity: None,
             first: Vec::new(),
             reads: AtomicU64::new(0),
         }
@@ -100,6 +103,11 @@ impl Discovery for Rewritten {
             if let Some((id, addr)) = &self.rewrite {
                 for m in v.iter_mut().filter(|m| m.id == *id) {
                     m.data_addr = addr.clone();
+                }
+            }
+            if let Some((id, identity)) = &self.identity {
+                for m in v.iter_mut().filter(|m| m.id == *id) {
+                    m.identity = Some(identity.clone());
                 }
             }
             Ok(v)
@@ -189,6 +197,82 @@ async fn a_record_pointing_at_another_server_is_refused_and_that_server_serves_n
     assert!(served_bytes(&src) >= from_source + want.len() as u64);
     first.leave().await;
     second.leave().await;
+}
+
+/// Keyed, a member record names the server identity its engine proves (issue 46, S3): a
+/// record whose identity is another's (the source's) gets its relay refused at the handshake,
+/// though the server there holds the broadcast's key and is the incarnation the record names;
+/// the chunks come from the source, and that relay serves nothing. Untouched, the same chain
+/// reads from the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_record_naming_another_server_identity_is_refused_at_the_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, want) = file(dir.path());
+    let key = || ferry::Keyring::parse("w 000102030405060708090a0b0c0d0e0f").unwrap();
+    let m = Manifest::build("w", 1, std::slice::from_ref(&path), 256 << 10).unwrap();
+    let src = Source::start(
+        m,
+        std::slice::from_ref(&path),
+        SourceOptions {
+            data_plane: DataPlane::Tcp,
+            keys: Some(key()),
+            ..Default::default()
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let chain = || ReceiverOptions {
+        stripes: 1,
+        straggler: 0.0,
+        keys: Some(key()),
+        ..opts()
+    };
+    let mut first = Receiver::join(
+        Arc::new(Embedded::with_keys(src.ctl_addr(), key())),
+        Some("w"),
+        chain(),
+    )
+    .await
+    .unwrap();
+    first.run().await.unwrap();
+    let relay_served = |r: &Receiver| {
+        r.engine()
+            .describe()
+            .served
+            .map_or(0, |s| s.accepted.iter().map(|t| t.bytes).sum::<u64>())
+    };
+    assert_eq!(
+        first.member().identity,
+        Some(first.engine().server_identity().to_string())
+    );
+    let disc = Arc::new(Rewritten {
+        identity: Some((
+            first.member().id.clone(),
+            src.engine().server_identity().to_string(),
+        )),
+        ..Rewritten::new(Embedded::with_keys(src.ctl_addr(), key()))
+    });
+    let mut second = Receiver::join(disc, Some("w"), chain()).await.unwrap();
+    let sum = second.run().await.unwrap();
+    assert_eq!(second.segment_bytes(0).unwrap(), want);
+    assert!(!sum.holders.contains(&first.member().id), "{sum:?}");
+    assert_eq!(sum.bytes_from_relays, 0, "{sum:?}");
+    assert_eq!(relay_served(&first), 0, "the relay served chunks");
+    // The record as it is: the next receiver reads from the relay.
+    let mut third = Receiver::join(
+        Arc::new(Embedded::with_keys(src.ctl_addr(), key())),
+        Some("w"),
+        chain(),
+    )
+    .await
+    .unwrap();
+    let sum = third.run().await.unwrap();
+    assert_eq!(third.segment_bytes(0).unwrap(), want);
+    assert!(sum.bytes_from_relays > 0, "{sum:?}");
+    first.leave().await;
+    second.leave().await;
+    third.leave().await;
 }
 
 /// `DataPlane::Tcp` (as `--transport tcp`): the source's and the receiver's engines have no

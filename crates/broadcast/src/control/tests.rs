@@ -50,6 +50,7 @@ async fn service_proven(
         version: 1,
         rate: 0,
         number: None,
+        identity: None,
     };
     let state = Arc::new(CtlState {
         source_epoch: 7,

@@ -187,6 +187,7 @@ mod tests {
             version: 1,
             rate: 0,
             number: None,
+            identity: None,
         }
     }
 

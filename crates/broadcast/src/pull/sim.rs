@@ -85,6 +85,7 @@ pub(super) fn member(id: &str, role: Role, order: u64) -> Member {
         version: VERSION,
         rate: 0,
         number: None,
+        identity: None,
     }
 }
 

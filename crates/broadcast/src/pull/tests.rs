@@ -17,6 +17,7 @@ fn member(id: &str, role: Role) -> Member {
         version: 3,
         rate: 0,
         number: None,
+        identity: None,
     }
 }
 

@@ -559,6 +559,7 @@ impl Receiver {
             version: manifest.version,
             rate: 0,
             number: None,
+            identity: Some(engine.server_identity().to_string()),
         };
         if let Some(found) = discovery.register(&member).await?
             && found != source_epoch

@@ -52,6 +52,29 @@ pub(super) struct Fetched {
 }
 
 impl Receiver {
+    /// The handshake with `m`'s data plane at `data_addr`: keyed, naming the server identity
+    /// `m`'s record lists (so another key holder answering there is refused); keyless, or for a
+    /// record without one, a plain connect (its incarnation is checked after).
+    async fn connect_holder(
+        &self,
+        m: &Member,
+        data_addr: &str,
+    ) -> Result<ferry::Peer, ferry::Error> {
+        match (&self.opts.keys, &m.identity) {
+            (Some(_), Some(hex)) => {
+                let identity: ferry::ServerIdentity =
+                    hex.parse().map_err(|e| ferry::Error::InvalidRequest {
+                        reason: format!(
+                            "member {}'s record lists a bad server identity: {e}",
+                            m.id
+                        ),
+                    })?;
+                self.engine.connect_expecting(data_addr, identity).await
+            }
+            _ => self.engine.connect(data_addr).await,
+        }
+    }
+
     /// Connects to `m` as a holder and starts following its progress.
     pub(super) async fn attach(
         &self,
@@ -60,7 +83,7 @@ impl Receiver {
     ) -> Result<Link, BroadcastError> {
         let data_addr = reachable(&m.data_addr, self.source_ip);
         let ctl_addr = reachable(&m.ctl_addr, self.source_ip);
-        let peer = match self.engine.connect(data_addr.as_str()).await {
+        let peer = match self.connect_holder(m, &data_addr).await {
             Ok(p) => p,
             Err(ferry::Error::StaleEpoch { found, .. }) if m.role == Role::Source => {
                 return Err(BroadcastError::SourceRestarted {
