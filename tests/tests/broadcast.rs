@@ -427,6 +427,7 @@ mod etcd {
             version: 0,
             rate: 0,
             number: None,
+            identity: None,
         }
     }
 
