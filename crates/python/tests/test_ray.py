@@ -1,0 +1,335 @@
+"""Ray's ``FERRY`` tensor transport (ferry.ray) against the real Ray: two actors on one host,
+Ray's node and every Ferry engine on 127.0.0.1.
+
+Needs Ray (2.60) and torch in the environment (``target/nixl-suite-venv`` has both; docs/ray.md).
+Without them the module skips with the reason, or fails under ``FERRY_REQUIRE_RAY=1``.
+"""
+
+import hashlib
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+try:
+    import ray
+    import torch
+    from ray.experimental.rdt.tensor_transport_manager import TensorTransportManager
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("FERRY_REQUIRE_RAY") == "1":
+        raise
+    pytest.skip(
+        f"Ray and torch are needed for ferry.ray ({e}); set FERRY_REQUIRE_RAY=1 to make this "
+        "a failure",
+        allow_module_level=True,
+    )
+
+import ferry.ray
+
+# Before any class names the transport in @ray.method (Ray checks the name there).
+ferry.ray.register()
+
+WAIT = 60.0  # seconds any awaited event may take before the test fails
+
+
+def _env() -> dict:
+    return {
+        # Ray turns 127.0.0.1 into the machine's address unless clusters are off
+        # (ray._private.services.get_node_ip_address): this keeps Ray on loopback.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "FERRY_BIND_ADDRESS": "127.0.0.1",
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray._private import ray_constants
+
+    for k, v in _env().items():
+        os.environ[k] = v  # for Ray's processes
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import in this one
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=16,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": _env()},
+    )
+    # Ray's workers cannot import this test module: its actor classes travel by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ferry.ray.register()
+    ferry.ray.register()  # idempotent
+    assert ray._private.worker.global_worker.node_ip_address == "127.0.0.1"
+    yield
+    ray.shutdown()
+
+
+def made(ref):
+    """Waits until the source made the object and its metadata reached this owner: only then
+    may the ref be passed inside a list (Ray borrows it)."""
+    ray.wait([ref], timeout=WAIT)
+    rdt = ray._private.worker.global_worker.rdt_manager
+    assert rdt.wait_for_tensor_transport_metadata(ref.hex(), WAIT) is not None
+    return ref
+
+
+def tensor(n: int, seed: int, dtype=None) -> "torch.Tensor":
+    t = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return t if dtype is None else t.to(dtype)
+
+
+def digest(t: "torch.Tensor") -> str:
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Source:
+    def __init__(self):
+        ferry.ray.register()  # again in the actor: harmless
+        self.base = tensor(1 << 20, 7)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def addr(self) -> str:
+        return ferry.ray.manager().engine().listen_addr
+
+    @ray.method(tensor_transport="FERRY")
+    def make(self, n: int, seed: int):
+        return tensor(n, seed)
+
+    @ray.method(tensor_transport="FERRY")
+    def mixed(self):
+        return {
+            "f32": tensor(1000, 1).reshape(10, 100),
+            "bf16": tensor(4097, 2, torch.bfloat16),
+            "i64": torch.arange(333, dtype=torch.int64),
+            "empty": torch.empty(0),
+        }
+
+    @ray.method(tensor_transport="FERRY")
+    def view(self, start: int, stop: int):
+        # Views of one storage: one registration, held by every object that uses it.
+        return self.base[start:stop]
+
+    @ray.method(tensor_transport="FERRY")
+    def big(self):
+        return self.base
+
+    def registered(self) -> int:
+        return ferry.ray.manager().registered_storages()
+
+    def wait_registered(self, n: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        m = ferry.ray.manager()
+        while m.registered_storages() != n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return m.registered_storages()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Reader:
+    def __init__(self):
+        ferry.ray.register()
+        self.gets: dict = {}
+        self.targets: dict = {}
+
+    def digest(self, t) -> str:
+        return digest(t)
+
+    def digests(self, d) -> dict:
+        return {k: (digest(v), tuple(v.shape), str(v.dtype)) for k, v in d.items()}
+
+    def get_into(self, refs, shape, key: str = "t", fill: float = -1.0):
+        """ray.get of ``refs[0]`` into a preallocated tensor: Ray's target buffers."""
+        buf = torch.full(shape, fill)
+        self.targets[key] = buf
+        ray.experimental.set_target_for_ref(refs[0], [buf])
+        out = ray.get(refs[0])
+        return out.data_ptr() == buf.data_ptr(), digest(buf)
+
+    def start_get(self, refs, key: str, shape=None, fill: float = -1.0) -> None:
+        """Starts ``ray.get(refs[0])`` in a thread (into a target buffer when ``shape``)."""
+        if shape is not None:
+            buf = torch.full(shape, fill)
+            self.targets[key] = buf
+            ray.experimental.set_target_for_ref(refs[0], [buf])
+        box: dict = {}
+
+        def run():
+            try:
+                box["value"] = digest(ray.get(refs[0]))
+            except BaseException as e:  # reported by join
+                box["error"] = (type(e).__name__, str(e))
+
+        th = threading.Thread(target=run, daemon=True)
+        self.gets[key] = (th, box)
+        th.start()
+
+    def wait_inflight(self, n: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        m = ferry.ray.manager()
+        while m.inflight() < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return m.inflight()
+
+    def abort(self, obj_id: str) -> float:
+        t0 = time.monotonic()
+        ferry.ray.manager().abort_transport(obj_id, ferry.ray.FerryCommunicatorMetadata())
+        return time.monotonic() - t0
+
+    def join(self, key: str, timeout: float):
+        th, box = self.gets.pop(key)
+        th.join(timeout)
+        if th.is_alive():
+            return ("running",)
+        if "error" in box:
+            return ("error",) + box["error"]
+        return ("ok", box["value"])
+
+    def target_changed(self, key: str, fill: float = -1.0) -> int:
+        """How many elements of the target buffer ``key`` differ from its fill."""
+        return int((self.targets[key] != fill).sum())
+
+    def inflight(self) -> int:
+        return ferry.ray.manager().inflight()
+
+
+def test_the_contract_is_ferrys():
+    m = ferry.ray.FerryTensorTransport()
+    assert isinstance(m, TensorTransportManager)
+    assert m.tensor_transport_backend() == "FERRY"
+    assert m.is_one_sided() and m.can_abort_transport()
+
+
+def test_register_is_idempotent_and_refuses_another_class(cluster):
+    from ray.experimental.rdt import util
+
+    ferry.ray.register()
+    assert util.transport_manager_info["FERRY"].transport_manager_class is (
+        ferry.ray.FerryTensorTransport
+    )
+
+
+def test_actor_to_actor_moves_every_byte(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    for seed, n in [(1, 1), (2, (1 << 20) + 3), (3, 5 << 20)]:
+        assert ray.get(dst.digest.remote(src.make.remote(n, seed)), timeout=WAIT) == digest(
+            tensor(n, seed)
+        )
+    got = ray.get(dst.digests.remote(src.mixed.remote()), timeout=WAIT)
+    want = {
+        "f32": tensor(1000, 1).reshape(10, 100),
+        "bf16": tensor(4097, 2, torch.bfloat16),
+        "i64": torch.arange(333, dtype=torch.int64),
+        "empty": torch.empty(0),
+    }
+    assert got == {k: (digest(v), tuple(v.shape), str(v.dtype)) for k, v in want.items()}
+    # The read went over Ferry, on the same-host plane, not Ray's object store.
+    addr = ray.get(src.addr.remote())
+    assert addr.startswith("127.0.0.1:")
+
+
+def test_driver_put_is_read_by_an_actor(cluster):
+    dst = Reader.remote()
+    t = tensor(123457, 9)
+    ref = ray.put(t, _tensor_transport="ferry")
+    assert ray.get(dst.digest.remote(ref), timeout=WAIT) == digest(t)
+
+
+def test_target_buffers_are_read_into_in_place(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    n = 3 << 20
+    same, got = ray.get(dst.get_into.remote([made(src.make.remote(n, 11))], (n,)), timeout=WAIT)
+    assert same, "the tensor Ray returned is not the target buffer"
+    assert got == digest(tensor(n, 11))
+
+
+def test_garbage_collect_releases_the_registration_with_the_last_object(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    assert ray.get(src.registered.remote()) == 0
+    base = tensor(1 << 20, 7)
+    a = src.view.remote(0, 1000)
+    b = src.view.remote(500, 5000)  # overlaps a: the same storage
+    assert ray.get(dst.digest.remote(a), timeout=WAIT) == digest(base[0:1000])
+    assert ray.get(dst.digest.remote(b), timeout=WAIT) == digest(base[500:5000])
+    assert ray.get(src.registered.remote()) == 1
+    del a
+    # b still holds the storage: it stays registered, and readable.
+    assert ray.get(dst.digest.remote(b), timeout=WAIT) == digest(base[500:5000])
+    assert ray.get(src.registered.remote()) == 1
+    del b
+    assert ray.get(src.wait_registered.remote(0, WAIT)) == 0
+    # A new object of the same storage registers it again.
+    c = src.view.remote(10, 20)
+    assert ray.get(dst.digest.remote(c), timeout=WAIT) == digest(base[10:20])
+    assert ray.get(src.registered.remote()) == 1
+
+
+def test_abort_returns_once_nothing_can_move(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    base = tensor(1 << 20, 7)
+    # A first read connects the reader to the source and lists the storage, which stays
+    # published while `first` lives.
+    first = src.big.remote()
+    assert ray.get(dst.digest.remote(first), timeout=WAIT) == digest(base)
+    ref = made(src.big.remote())  # the same storage: no new listing needed
+    pid = ray.get(src.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ray.get(dst.start_get.remote([ref], "a", (1 << 20,)), timeout=WAIT)
+        assert ray.get(dst.wait_inflight.remote(1, WAIT)) == 1
+        took = ray.get(dst.abort.remote(ref.hex()), timeout=WAIT)
+        assert took < 5.0
+        result = ray.get(dst.join.remote("a", WAIT))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert result[0] == "error" and result[1] == "RayDirectTransportError", result
+    assert ref.hex() in result[2] and "cancelled" in result[2], result[2]
+    assert ray.get(dst.inflight.remote()) == 0
+    # The source runs again; the aborted read moved no byte, and none moves now.
+    assert ray.get(src.pid.remote(), timeout=WAIT) == pid
+    assert ray.get(dst.digest.remote(src.make.remote(1000, 5)), timeout=WAIT) == digest(
+        tensor(1000, 5)
+    )
+    assert ray.get(dst.target_changed.remote("a")) == 0
+    # The next transfer of the same object works.
+    assert ray.get(dst.digest.remote(src.big.remote()), timeout=WAIT) == digest(base)
+
+
+def test_a_killed_source_is_rays_error_and_the_next_transfer_works(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    base = tensor(1 << 20, 7)
+    first = src.big.remote()  # keeps the storage published (and listed to the reader)
+    assert ray.get(dst.digest.remote(first), timeout=WAIT) == digest(base)
+    src_actor_id = src._actor_id.hex()
+
+    # Killed during the read: the reader's read fails with Ray's error, naming the object,
+    # the source actor and Ferry's reason.
+    ref = made(src.big.remote())
+    pid = ray.get(src.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    ray.get(dst.start_get.remote([ref], "k"), timeout=WAIT)
+    assert ray.get(dst.wait_inflight.remote(1, WAIT)) == 1
+    os.kill(pid, signal.SIGKILL)
+    result = ray.get(dst.join.remote("k", WAIT))
+    assert result[0] == "error" and result[1] == "RayDirectTransportError", result
+    assert ref.hex() in result[2] and src_actor_id in result[2], result[2]
+    assert "may have died" in result[2], result[2]
+
+    # Killed before the read: Ray's error.
+    src2 = Source.remote()
+    ref2 = made(src2.make.remote(1000, 3))
+    ray.kill(src2)
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(dst.digest.remote(ref2), timeout=WAIT)
+
+    # The reader's next transfer, from a live source, works.
+    src3 = Source.remote()
+    assert ray.get(dst.digest.remote(src3.make.remote(4096, 8)), timeout=WAIT) == digest(
+        tensor(4096, 8)
+    )
+    assert ray.get(dst.inflight.remote()) == 0
