@@ -350,6 +350,20 @@ impl Ledger {
         }
     }
 
+    /// A stopped request whose channel the engine closed to end it (its deadline or a cancel
+    /// passed with chunks still in flight): every op not complete whose failure is none or the
+    /// `PeerLost` the close caused takes `kind` (`Timeout`, `Cancelled`) instead; a failure
+    /// recorded for another reason (a refusal, a local error) stays. Counts stay, so a WRITE's
+    /// remote effect stays what it was.
+    pub fn closed_under_stop(&mut self, kind: FailureKind) {
+        for e in &mut self.ops {
+            if !Self::complete(e) && matches!(e.failure, None | Some((FailureKind::PeerLost, _))) {
+                e.failure = Some((kind, None));
+                self.any_failure = true;
+            }
+        }
+    }
+
     fn complete(e: &OpEntry) -> bool {
         e.failure.is_none() && e.total.is_some_and(|t| e.acked >= t)
     }
@@ -526,6 +540,42 @@ mod tests {
                 len: 10,
             })
             .collect()
+    }
+
+    /// A request the engine closed its channel under at its deadline: the ops the close lost
+    /// (and those never resolved) take the stop's kind, a refusal stays, and a WRITE posted and
+    /// not acknowledged stays in doubt.
+    #[test]
+    fn a_close_under_a_stop_keeps_the_stop_and_other_failures() {
+        let ops = ops(&[OpKind::Read, OpKind::Write, OpKind::Read]);
+        let c = RequestControl::new(&ops);
+        c.stop(FailureKind::Timeout);
+        c.with_ledger(|l| {
+            l.plan(0, 1);
+            l.posted(0);
+            l.acked(0);
+            l.plan(1, 1);
+            l.posted(1);
+            l.lost(1, FailureKind::PeerLost, Some(104));
+            l.plan(2, 1);
+            l.posted(2);
+            l.refused(2, RemoteStatus::OutOfBounds);
+            l.closed_under_stop(FailureKind::Timeout);
+        });
+        let o = c.outcome(true);
+        assert_eq!(o.completed_ops, 1);
+        let f = o.failure.expect("failed");
+        assert_eq!(
+            (f.op_index, f.kind, f.native_status),
+            (1, FailureKind::Timeout, None)
+        );
+        assert_eq!(o.remote_effect, RemoteEffect::Uncertain);
+        c.with_ledger(|l| {
+            assert_eq!(
+                l.ops[2].failure,
+                Some((FailureKind::Remote(RemoteStatus::OutOfBounds), None))
+            );
+        });
     }
 
     #[test]

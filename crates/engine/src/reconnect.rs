@@ -241,7 +241,7 @@ async fn run_on(
     channel: Arc<dyn Channel>,
     first: BoxFuture<'static, Outcome>,
 ) -> Outcome {
-    let mut outcome = until(first, &channel, ops.len(), &control, deadline).await;
+    let mut outcome = until(first, &channel, &control, deadline).await;
     let policy = peer.policy;
     let mut fruitless = 0u32;
     // Spaces replays that completed nothing (a channel whose streams are still dying).
@@ -288,7 +288,7 @@ async fn run_on(
         let before = outcome.completed_ops;
         control.with_ledger(|l| l.rearm(&plan.ops));
         let sub: Arc<[Op]> = plan.ops.iter().map(|&i| ops[i].clone()).collect();
-        execute_until(&channel, sub, ops.len(), &control, deadline).await;
+        execute_until(&channel, sub, &control, deadline).await;
         control.with_ledger(|l| l.end_replay());
         outcome = control.outcome(true);
         if outcome.completed_ops > before {
@@ -304,14 +304,12 @@ async fn run_on(
 async fn execute_until(
     channel: &Arc<dyn Channel>,
     ops: Arc<[Op]>,
-    request_ops: usize,
     control: &Arc<RequestControl>,
     deadline: Option<Instant>,
 ) -> Outcome {
     until(
         channel.execute(ops, control.clone()),
         channel,
-        request_ops,
         control,
         deadline,
     )
@@ -324,7 +322,7 @@ pub(crate) const QUIESCE_GRACE: Duration = Duration::from_millis(250);
 /// How often a running request looks whether its owner stopped it (a cancel).
 const STOP_POLL: Duration = Duration::from_millis(100);
 
-/// Waits for `run` (an attempt of a request of `request_ops` ops on `channel`), stopping the
+/// Waits for `run` (an attempt of a request on `channel`), stopping the
 /// request as a timeout at `deadline`. Once the request is stopped (at its deadline, or by a
 /// cancel, seen within [`STOP_POLL`]), what it has in flight gets [`QUIESCE_GRACE`] to resolve;
 /// past it the channel is closed, which ends every chunk in flight on it: a transport resolves
@@ -338,7 +336,6 @@ const STOP_POLL: Duration = Duration::from_millis(100);
 async fn until(
     run: BoxFuture<'static, Outcome>,
     channel: &Arc<dyn Channel>,
-    request_ops: usize,
     control: &Arc<RequestControl>,
     deadline: Option<Instant>,
 ) -> Outcome {
@@ -374,8 +371,7 @@ async fn until(
         "a stopped request still has chunks in flight past the grace: closing its channel");
     channel.close();
     run.await;
-    let all: Vec<usize> = (0..request_ops).collect();
-    control.with_ledger(|l| l.give_up(&all, why, None));
+    control.with_ledger(|l| l.closed_under_stop(why));
     control.outcome(true)
 }
 
