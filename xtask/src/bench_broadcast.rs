@@ -335,77 +335,93 @@ fn run_once(
     })
 }
 
-/// Runs the benchmark (see the module docs).
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    let mut n = 8usize;
-    let mut len = 256u64 << 20;
-    let mut rate = "200mbit".to_string();
-    let mut baseline = true;
-    let mut build = true;
-    let mut chunk = "1MiB".to_string();
-    let mut memory = false;
-    let mut rounds = 3usize;
-    let mut straggler: Option<String> = None;
-    let mut bin_arg: Option<PathBuf> = None;
-    let mut stripes: Option<String> = None;
-    let mut killed_run = true;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--receivers" => n = it.next().context("--receivers N")?.parse()?,
-            "--size" => len = size(it.next().context("--size BYTES")?)?,
-            "--rate" => rate = it.next().context("--rate RATE")?.clone(),
-            "--skip-baseline" => baseline = false,
-            "--no-build" => build = false,
-            "--chunk-size" => chunk = it.next().context("--chunk-size BYTES")?.clone(),
-            "--straggler" => straggler = Some(it.next().context("--straggler RATE")?.clone()),
-            "--bin" => {
-                bin_arg = Some(it.next().context("--bin PATH")?.into());
-                build = false;
+/// What `bench broadcast` was asked for (see the module docs).
+struct Args {
+    n: usize,
+    len: u64,
+    rate: String,
+    baseline: bool,
+    build: bool,
+    chunk: String,
+    memory: bool,
+    rounds: usize,
+    straggler: Option<String>,
+    bin: Option<PathBuf>,
+    stripes: Option<String>,
+    killed_run: bool,
+}
+
+impl Args {
+    fn parse(args: &[String]) -> Result<Args> {
+        let mut a = Args {
+            n: 8,
+            len: 256 << 20,
+            rate: "200mbit".to_string(),
+            baseline: true,
+            build: true,
+            chunk: "1MiB".to_string(),
+            memory: false,
+            rounds: 3,
+            straggler: None,
+            bin: None,
+            stripes: None,
+            killed_run: true,
+        };
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            match arg.as_str() {
+                "--receivers" => a.n = it.next().context("--receivers N")?.parse()?,
+                "--size" => a.len = size(it.next().context("--size BYTES")?)?,
+                "--rate" => a.rate = it.next().context("--rate RATE")?.clone(),
+                "--skip-baseline" => a.baseline = false,
+                "--no-build" => a.build = false,
+                "--chunk-size" => a.chunk = it.next().context("--chunk-size BYTES")?.clone(),
+                "--straggler" => a.straggler = Some(it.next().context("--straggler RATE")?.clone()),
+                "--bin" => {
+                    a.bin = Some(it.next().context("--bin PATH")?.into());
+                    a.build = false;
+                }
+                "--stripes" => a.stripes = Some(it.next().context("--stripes N")?.clone()),
+                "--no-killed" => a.killed_run = false,
+                "--memory" => a.memory = true,
+                "--rounds" => a.rounds = it.next().context("--rounds R")?.parse()?,
+                other => bail!("bench broadcast: unknown option {other:?}"),
             }
-            "--stripes" => stripes = Some(it.next().context("--stripes N")?.clone()),
-            "--no-killed" => killed_run = false,
-            "--memory" => memory = true,
-            "--rounds" => rounds = it.next().context("--rounds R")?.parse()?,
-            other => bail!("bench broadcast: unknown option {other:?}"),
         }
-    }
-    if n == 0 {
-        bail!("--receivers must be at least 1");
-    }
-    if rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
-    if build {
-        run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
-    }
-    let bin = bin_arg.unwrap_or_else(|| crate::util::release_bin("ferry"));
-    // Per process: two benches at once (two worktrees) must not write, or remove, each
-    // other's files.
-    let work: PathBuf =
-        std::env::temp_dir().join(format!("ferry-bench-broadcast.{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let file = work.join("payload.bin");
-    payload(&file, len)?;
-    let fleet = Fleet::make(n + 1, Some(&rate))
-        .context("making the namespaces (root, ip and tc needed)")?;
-    let ideal = len as f64 / rate_bytes(&rate)?;
-    println!(
-        "broadcast: 1 source + {n} receivers, {} MiB payload in {chunk} chunks, {}, links \
-         {rate} each way (TBF), ideal {ideal:.2} s",
-        len >> 20,
-        if memory {
-            "memory to memory"
-        } else {
-            "file to file"
+        if a.n == 0 {
+            bail!("--receivers must be at least 1");
         }
-    );
-    let how = How {
-        chunk,
-        memory,
-        stripes,
-    };
-    let report = |what: &str, o: &Outcome| {
+        if a.rounds == 0 {
+            bail!("--rounds must be at least 1");
+        }
+        Ok(a)
+    }
+}
+
+/// What every run of one benchmark shares: the fleet, the binary, the payload and its ideal time.
+struct Bench<'a> {
+    fleet: &'a Fleet,
+    bin: &'a Path,
+    file: &'a Path,
+    work: &'a Path,
+    how: How,
+    /// Receivers.
+    n: usize,
+    /// The payload's length.
+    len: u64,
+    /// The payload's time at the link rate, in seconds.
+    ideal: f64,
+}
+
+impl Bench<'_> {
+    /// One run (see [`run_once`]) with `how`.
+    fn once(&self, relay: bool, kill: Option<(usize, Duration)>, how: &How) -> Result<Outcome> {
+        run_once(self.fleet, self.bin, self.file, self.work, relay, kill, how)
+    }
+
+    /// One line for run `what`.
+    fn report(&self, what: &str, o: &Outcome) {
+        let (ideal, len) = (self.ideal, self.len);
         println!(
             "{what:<28} {:>7.2} s  efficiency {:.2} (verified in memory: {:.2} s, {:.2})  \
              source egress {:.2}x payload  completed {}/{} verified {}  re-fetched {}  \
@@ -416,25 +432,28 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             ideal / o.verified_seconds.max(1e-9),
             o.egress as f64 / len as f64,
             o.completed,
-            n,
+            self.n,
             o.verified,
             o.refetched,
             o.from_relays / (1u64 << 20) as f64
         );
-    };
-    if memory {
-        // The reference: file to file, relayed, in rounds alternating with memory to memory.
+    }
+
+    /// `rounds` rounds of file to file (the reference, relayed) alternating with memory to
+    /// memory, and the median ratio of their efficiencies.
+    fn memory_rounds(&self, rounds: usize) -> Result<()> {
+        let ideal = self.ideal;
         let files = How {
-            chunk: how.chunk.clone(),
+            chunk: self.how.chunk.clone(),
             memory: false,
-            stripes: how.stripes.clone(),
+            stripes: self.how.stripes.clone(),
         };
         let mut ratios = Vec::new();
         for round in 1..=rounds {
-            let f = run_once(&fleet, &bin, &file, &work, true, None, &files)?;
-            report(&format!("round {round}: file to file"), &f);
-            let m = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
-            report(&format!("round {round}: memory to memory"), &m);
+            let f = self.once(true, None, &files)?;
+            self.report(&format!("round {round}: file to file"), &f);
+            let m = self.once(true, None, &self.how)?;
+            self.report(&format!("round {round}: memory to memory"), &m);
             // Both at the time every chunk was verified in memory (a file receiver's writing
             // comes after, on this one machine's disk).
             let (ef, em) = (
@@ -458,24 +477,18 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             ratios[0],
             ratios[ratios.len() - 1]
         );
-    } else {
-        let relayed = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
-        report("relayed", &relayed);
-        print_timeline(&relayed.summaries);
+        Ok(())
     }
-    if baseline {
-        let direct = run_once(&fleet, &bin, &file, &work, false, None, &how)?;
-        report("relaying off", &direct);
-    }
-    if let Some(slow) = &straggler
-        && n > 1
-    {
-        // The middle receiver's link slowed; the others' time is what the plan should protect.
+
+    /// A relayed run with the middle receiver's link slowed to `slow` (then back to `rate`):
+    /// the others' time is what the plan should protect.
+    fn straggler(&self, slow: &str, rate: &str) -> Result<()> {
+        let (n, ideal) = (self.n, self.ideal);
         let host = n.div_ceil(2);
-        fleet.reshape(host, slow)?;
-        let o = run_once(&fleet, &bin, &file, &work, true, None, &how)?;
-        fleet.reshape(host, &rate)?;
-        report(&format!("relayed, receiver {host} at {slow}"), &o);
+        self.fleet.reshape(host, slow)?;
+        let o = self.once(true, None, &self.how)?;
+        self.fleet.reshape(host, rate)?;
+        self.report(&format!("relayed, receiver {host} at {slow}"), &o);
         let start = o
             .summaries
             .iter()
@@ -494,23 +507,87 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             ideal / others.max(1e-9)
         );
         print_timeline(&o.summaries);
+        Ok(())
     }
-    // With one receiver there is no other to route around a killed one.
-    if n > 1 && killed_run {
-        let victim = n.div_ceil(2);
-        let killed = run_once(
-            &fleet,
-            &bin,
-            &file,
-            &work,
-            true,
-            Some((victim, Duration::from_secs_f64(ideal / 2.0))),
-            &how,
-        )?;
-        report(&format!("relayed, receiver {victim} killed"), &killed);
+
+    /// A relayed run with the middle receiver killed halfway through the ideal time.
+    fn killed(&self) -> Result<()> {
+        let victim = self.n.div_ceil(2);
+        let kill = Some((victim, Duration::from_secs_f64(self.ideal / 2.0)));
+        let killed = self.once(true, kill, &self.how)?;
+        self.report(&format!("relayed, receiver {victim} killed"), &killed);
         // Where the time went: when each survivor gave up a parent (the victim, or one that
         // stalled meanwhile), against the kill.
         print_timeline(&killed.summaries);
+        Ok(())
+    }
+}
+
+/// Runs the benchmark (see the module docs).
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let args = Args::parse(args)?;
+    let (n, len, rate) = (args.n, args.len, &args.rate);
+    if args.build {
+        run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+    }
+    let bin = args
+        .bin
+        .clone()
+        .unwrap_or_else(|| crate::util::release_bin("ferry"));
+    // Per process: two benches at once (two worktrees) must not write, or remove, each
+    // other's files.
+    let work: PathBuf =
+        std::env::temp_dir().join(format!("ferry-bench-broadcast.{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let file = work.join("payload.bin");
+    payload(&file, len)?;
+    let fleet =
+        Fleet::make(n + 1, Some(rate)).context("making the namespaces (root, ip and tc needed)")?;
+    let ideal = len as f64 / rate_bytes(rate)?;
+    println!(
+        "broadcast: 1 source + {n} receivers, {} MiB payload in {} chunks, {}, links \
+         {rate} each way (TBF), ideal {ideal:.2} s",
+        len >> 20,
+        args.chunk,
+        if args.memory {
+            "memory to memory"
+        } else {
+            "file to file"
+        }
+    );
+    let bench = Bench {
+        fleet: &fleet,
+        bin: &bin,
+        file: &file,
+        work: &work,
+        how: How {
+            chunk: args.chunk.clone(),
+            memory: args.memory,
+            stripes: args.stripes.clone(),
+        },
+        n,
+        len,
+        ideal,
+    };
+    if args.memory {
+        bench.memory_rounds(args.rounds)?;
+    } else {
+        let relayed = bench.once(true, None, &bench.how)?;
+        bench.report("relayed", &relayed);
+        print_timeline(&relayed.summaries);
+    }
+    if args.baseline {
+        let direct = bench.once(false, None, &bench.how)?;
+        bench.report("relaying off", &direct);
+    }
+    if let Some(slow) = &args.straggler
+        && n > 1
+    {
+        bench.straggler(slow, rate)?;
+    }
+    // With one receiver there is no other to route around a killed one.
+    if n > 1 && args.killed_run {
+        bench.killed()?;
     }
     drop(fleet);
     let _ = std::fs::remove_dir_all(&work);

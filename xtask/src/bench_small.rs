@@ -263,15 +263,6 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let o = parse(args)?;
     ensure_tool("iperf3", "iperf3")?;
     run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
-    let total = o.total.to_string();
-    let batch_bytes = o.blocks * o.block;
-    let (blocks, block, whole) = (
-        o.blocks.to_string(),
-        o.block.to_string(),
-        batch_bytes.to_string(),
-    );
-    // At least two requests per KV run.
-    let kv_total = o.total.max(2 * batch_bytes).to_string();
     let mut planes = vec!["tcp"];
     match ferry_gbps(&["--transport", "uring", "--total", "1MiB"]) {
         Ok(_) => planes.push("uring"),
@@ -288,64 +279,105 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     } else {
         None
     };
-
-    let mut rtt = Row::new(
-        "64 B round trip, auto (p50)".into(),
-        "TCP ping-pong",
-        "us",
-        Some(1.2),
-    );
-    let mut small: Vec<Row> = ["read", "write"]
-        .iter()
-        .map(|op| {
-            Row::new(
-                format!("64 KiB {op}s, depth 16, auto"),
-                "iperf3 1M",
-                "GB/s",
-                Some(0.8),
-            )
-        })
-        .collect();
-    let mut kv: Vec<(&str, &str, Row)> = Vec::new();
-    for plane in &planes {
-        for op in ["read", "write"] {
-            kv.push((
-                plane,
-                op,
-                Row::new(
-                    format!(
-                        "{} x {} KiB scattered {op}s, {plane}",
-                        o.blocks,
-                        o.block >> 10
-                    ),
-                    "one op",
-                    "GB/s",
-                    Some(0.8),
-                ),
-            ));
-        }
-    }
-    let mut moon_rows: Vec<(&str, Row)> = ["read", "write"]
-        .iter()
-        .map(|op| {
-            (
-                *op,
-                Row::new(
-                    format!("Mooncake tcp, {} x {} KiB {op}s", o.blocks, o.block >> 10),
-                    "ferry tcp batch",
-                    "GB/s",
-                    None,
-                ),
-            )
-        })
-        .collect();
-
+    let mut table = Table::new(&o, &planes);
     for round in 0..o.repeat {
         eprintln!("== bench small: round {} of {}", round + 1, o.repeat);
+        table.round(&o, moon.as_ref())?;
+    }
+    table.print(&o, moon.is_some());
+    Ok(())
+}
+
+/// The rows of one bench, filled a round at a time.
+struct Table {
+    /// 64 B round trips against the TCP ping-pong.
+    rtt: Row,
+    /// 64 KiB reads and writes against iperf3.
+    small: Vec<Row>,
+    /// `(plane, op, row)`: the scattered KV batches against one op of their bytes.
+    kv: Vec<(&'static str, &'static str, Row)>,
+    /// `(op, row)`: Mooncake's batches against Ferry's tcp batch.
+    moon: Vec<(&'static str, Row)>,
+}
+
+impl Table {
+    /// The rows for `o`, with KV rows for each of `planes`.
+    fn new(o: &Opts, planes: &[&'static str]) -> Table {
+        let rtt = Row::new(
+            "64 B round trip, auto (p50)".into(),
+            "TCP ping-pong",
+            "us",
+            Some(1.2),
+        );
+        let small = ["read", "write"]
+            .iter()
+            .map(|op| {
+                Row::new(
+                    format!("64 KiB {op}s, depth 16, auto"),
+                    "iperf3 1M",
+                    "GB/s",
+                    Some(0.8),
+                )
+            })
+            .collect();
+        let mut kv = Vec::new();
+        for plane in planes {
+            for op in ["read", "write"] {
+                kv.push((
+                    *plane,
+                    op,
+                    Row::new(
+                        format!(
+                            "{} x {} KiB scattered {op}s, {plane}",
+                            o.blocks,
+                            o.block >> 10
+                        ),
+                        "one op",
+                        "GB/s",
+                        Some(0.8),
+                    ),
+                ));
+            }
+        }
+        let moon = ["read", "write"]
+            .iter()
+            .map(|op| {
+                (
+                    *op,
+                    Row::new(
+                        format!("Mooncake tcp, {} x {} KiB {op}s", o.blocks, o.block >> 10),
+                        "ferry tcp batch",
+                        "GB/s",
+                        None,
+                    ),
+                )
+            })
+            .collect();
+        Table {
+            rtt,
+            small,
+            kv,
+            moon,
+        }
+    }
+
+    /// One round: each row's reference just before its Ferry case (Mooncake's after Ferry's
+    /// tcp batch, its reference).
+    fn round(&mut self, o: &Opts, moon: Option<&(PathBuf, MooncakeTarget)>) -> Result<()> {
+        let total = o.total.to_string();
+        let batch_bytes = o.blocks * o.block;
+        let (blocks, block, whole) = (
+            o.blocks.to_string(),
+            o.block.to_string(),
+            batch_bytes.to_string(),
+        );
+        // At least two requests per KV run.
+        let kv_total = o.total.max(2 * batch_bytes).to_string();
         let p = crate::bench_latency::ping_pong(o.ops)?;
-        rtt.pairs
+        self.rtt
+            .pairs
             .push((p, crate::bench_latency::ferry(o.ops, &[])?));
-        for (row, op) in small.iter_mut().zip(["read", "write"]) {
+        for (row, op) in self.small.iter_mut().zip(["read", "write"]) {
             let i = iperf3(o.total)?;
             let f = ferry_gbps(&[
                 "--op",
@@ -360,7 +392,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             row.pairs.push((i, f));
         }
         let mut tcp_batch = [0.0f64; 2];
-        for (plane, op, row) in &mut kv {
+        for (plane, op, row) in &mut self.kv {
             let common = [
                 "--transport",
                 plane,
@@ -386,35 +418,38 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             row.pairs.push((one, scattered));
         }
-        if let Some((bin, target)) = &moon {
-            for (i, (op, row)) in moon_rows.iter_mut().enumerate() {
+        if let Some((bin, target)) = moon {
+            for (i, (op, row)) in self.moon.iter_mut().enumerate() {
                 row.pairs
-                    .push((tcp_batch[i], mooncake(bin, target, op, &o)?));
+                    .push((tcp_batch[i], mooncake(bin, target, op, o)?));
+            }
+        }
+        Ok(())
+    }
+
+    /// The table, with the Mooncake rows where `moon` ran.
+    fn print(&self, o: &Opts, moon: bool) {
+        println!(
+            "loopback, {} rounds; figures are medians, ratios the median [range] of each round's \
+             ratio to the reference run just before it; GB/s = 10^9 B/s",
+            o.repeat
+        );
+        println!(
+            "{:<44} {:>9} {:>9} {:>4} {:>20}",
+            "case", "ferry", "reference", "", "ratio"
+        );
+        self.rtt.print();
+        for r in &self.small {
+            r.print();
+        }
+        for (_, _, r) in &self.kv {
+            r.print();
+        }
+        if moon {
+            println!("(Mooncake rows: 'ferry' is Mooncake, the reference Ferry's tcp batch)");
+            for (_, r) in &self.moon {
+                r.print();
             }
         }
     }
-
-    println!(
-        "loopback, {} rounds; figures are medians, ratios the median [range] of each round's \
-         ratio to the reference run just before it; GB/s = 10^9 B/s",
-        o.repeat
-    );
-    println!(
-        "{:<44} {:>9} {:>9} {:>4} {:>20}",
-        "case", "ferry", "reference", "", "ratio"
-    );
-    rtt.print();
-    for r in &small {
-        r.print();
-    }
-    for (_, _, r) in &kv {
-        r.print();
-    }
-    if moon.is_some() {
-        println!("(Mooncake rows: 'ferry' is Mooncake, the reference Ferry's tcp batch)");
-        for (_, r) in &moon_rows {
-            r.print();
-        }
-    }
-    Ok(())
 }

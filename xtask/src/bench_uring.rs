@@ -189,6 +189,9 @@ impl Drop for Remove {
     }
 }
 
+/// One row of the table: the case, Ferry's GB/s, the reference's GB/s, and the per-round ratios.
+type Row = (String, f64, f64, Vec<f64>);
+
 /// Entry point: `cargo xtask bench uring [--total BYTES] [--file-size BYTES] [--dir DIR]`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut total = 4u64 << 30;
@@ -210,70 +213,95 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     ensure_tool("fio", "fio")?;
     let bin = bench_bin()?;
 
-    // (case, ferry GB/s, reference GB/s, per-round ratios)
-    let mut rows: Vec<(String, f64, f64, Vec<f64>)> = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     let mut details = Vec::new();
     let repeat = repeat.max(1);
     for streams in [1usize, 2] {
-        let (mut refs, mut hots, mut colds) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut hot_ratios, mut cold_ratios) = (Vec::new(), Vec::new());
-        let (mut one_refs, mut one_ratios) = (Vec::new(), Vec::new());
-        for round in 1..=repeat {
-            eprintln!("net, {streams} stream(s): round {round}/{repeat}");
-            let one_before = if streams > 1 {
-                Some(iperf3_one_process(streams, total)?)
-            } else {
-                None
-            };
-            let before = iperf3(streams, total)?;
-            let (hot, d1) = ferry_net(streams, total, "1MiB")?;
-            let (cold, d2) = ferry_net(streams, total, "256MiB")?;
-            let after = iperf3(streams, total)?;
-            if let Some(b) = one_before {
-                let one = (b + iperf3_one_process(streams, total)?) / 2.0;
-                one_refs.push(one);
-                one_ratios.push(hot / one);
-                details.push(format!(
-                    "{streams} stream(s), round {round}: iperf3 -Z -P {streams} (one process) \
-                     {one:.2} GB/s"
-                ));
-            }
-            let reference = (before + after) / 2.0;
-            refs.push(reference);
-            hots.push(hot);
-            colds.push(cold);
-            hot_ratios.push(hot / reference);
-            cold_ratios.push(cold / reference);
-            details.push(d1);
-            details.push(d2);
-            details.push(format!(
-                "{streams} stream(s), round {round}: iperf3 -Z {before:.2} and {after:.2}, \
-                 ferry 1 MiB {hot:.2}, 256 MiB {cold:.2} GB/s"
-            ));
-        }
-        let reference = median(&refs);
-        rows.push((
-            format!("net {streams} stream(s), 1 MiB segment"),
-            median(&hots),
-            reference,
-            hot_ratios,
-        ));
-        rows.push((
-            format!("net {streams} stream(s), 256 MiB segment"),
-            median(&colds),
-            reference,
-            cold_ratios,
-        ));
-        if !one_refs.is_empty() {
-            rows.push((
-                format!("net {streams} streams, 1 MiB, vs iperf3 -P {streams} (1 proc)"),
-                median(&hots),
-                median(&one_refs),
-                one_ratios,
-            ));
-        }
+        net_rows(streams, total, repeat, &mut rows, &mut details)?;
     }
+    file_rows(&bin, &dir, file_size, &mut rows, &mut details)?;
+    print_table(&rows, &details);
+    Ok(())
+}
 
+/// `repeat` rounds of Ferry over loopback with `streams` streams (1 MiB and 256 MiB segments)
+/// between iperf3 runs (and, for several streams, iperf3 in one process): their rows.
+fn net_rows(
+    streams: usize,
+    total: u64,
+    repeat: usize,
+    rows: &mut Vec<Row>,
+    details: &mut Vec<String>,
+) -> Result<()> {
+    let (mut refs, mut hots, mut colds) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut hot_ratios, mut cold_ratios) = (Vec::new(), Vec::new());
+    let (mut one_refs, mut one_ratios) = (Vec::new(), Vec::new());
+    for round in 1..=repeat {
+        eprintln!("net, {streams} stream(s): round {round}/{repeat}");
+        let one_before = if streams > 1 {
+            Some(iperf3_one_process(streams, total)?)
+        } else {
+            None
+        };
+        let before = iperf3(streams, total)?;
+        let (hot, d1) = ferry_net(streams, total, "1MiB")?;
+        let (cold, d2) = ferry_net(streams, total, "256MiB")?;
+        let after = iperf3(streams, total)?;
+        if let Some(b) = one_before {
+            let one = (b + iperf3_one_process(streams, total)?) / 2.0;
+            one_refs.push(one);
+            one_ratios.push(hot / one);
+            details.push(format!(
+                "{streams} stream(s), round {round}: iperf3 -Z -P {streams} (one process) \
+                 {one:.2} GB/s"
+            ));
+        }
+        let reference = (before + after) / 2.0;
+        refs.push(reference);
+        hots.push(hot);
+        colds.push(cold);
+        hot_ratios.push(hot / reference);
+        cold_ratios.push(cold / reference);
+        details.push(d1);
+        details.push(d2);
+        details.push(format!(
+            "{streams} stream(s), round {round}: iperf3 -Z {before:.2} and {after:.2}, \
+             ferry 1 MiB {hot:.2}, 256 MiB {cold:.2} GB/s"
+        ));
+    }
+    let reference = median(&refs);
+    rows.push((
+        format!("net {streams} stream(s), 1 MiB segment"),
+        median(&hots),
+        reference,
+        hot_ratios,
+    ));
+    rows.push((
+        format!("net {streams} stream(s), 256 MiB segment"),
+        median(&colds),
+        reference,
+        cold_ratios,
+    ));
+    if !one_refs.is_empty() {
+        rows.push((
+            format!("net {streams} streams, 1 MiB, vs iperf3 -P {streams} (1 proc)"),
+            median(&hots),
+            median(&one_refs),
+            one_ratios,
+        ));
+    }
+    Ok(())
+}
+
+/// Ferry's file reads (`read_file_into`, and a file segment READ over loopback) against fio's
+/// before and after them: their rows.
+fn file_rows(
+    bin: &Path,
+    dir: &Path,
+    file_size: u64,
+    rows: &mut Vec<Row>,
+    details: &mut Vec<String>,
+) -> Result<()> {
     let path = dir.join(format!("ferry-bench-uring-{}.bin", std::process::id()));
     let _cleanup = Remove(path.clone());
     eprintln!("writing {} bytes to {}", file_size, path.display());
@@ -281,7 +309,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     // fio runs before and after Ferry (a virtual disk's host cache can favour whoever reads
     // second); the better of the two is the reference.
     let fio_before = fio(&path, file_size)?;
-    let file_out = output(Command::new(&bin).args([
+    let file_out = output(Command::new(bin).args([
         "file",
         "--path",
         &path.display().to_string(),
@@ -316,9 +344,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         fio,
         vec![remote / fio],
     ));
+    Ok(())
+}
 
+/// The details, then the table of rows with the targets.
+fn print_table(rows: &[Row], details: &[String]) {
     println!();
-    for d in &details {
+    for d in details {
         println!("{d}");
     }
     println!();
@@ -326,7 +358,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "{:<46} {:>10} {:>12} {:>7}",
         "case", "ferry GB/s", "ref GB/s", "ratio (median of rounds [range])"
     );
-    for (name, ferry, reference, ratios) in &rows {
+    for (name, ferry, reference, ratios) in rows {
         let refname = if name.starts_with("net") {
             "ip3"
         } else {
@@ -350,5 +382,4 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     println!();
     println!("targets: network >= 1.0x iperf3 -Z (one process per stream); file READ >= 0.9x fio");
-    Ok(())
 }

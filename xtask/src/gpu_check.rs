@@ -179,7 +179,24 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!("gpu-check needs an NVIDIA GPU and its driver: {why}");
     }
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let (ferry, mut tests) = match &prebuilt {
+    let (ferry, facts) = doctor_and_driver_tests(prebuilt.as_deref(), allow_fake)?;
+    let (rows, failed) = bench_rows(&ferry)?;
+    let table = table_of(allow_fake, &facts, &rows, &failed)?;
+    print!("{table}");
+    let json = json_of(allow_fake, &facts, &rows, &failed);
+    let path = out.join("gpu-check.json");
+    std::fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// Builds `ferry` and the real-driver tests (or takes them from the `prebuilt` bundle), prints
+/// `ferry doctor`'s report and runs the tests: the `ferry` binary, and the facts they printed.
+fn doctor_and_driver_tests(
+    prebuilt: Option<&std::path::Path>,
+    allow_fake: bool,
+) -> Result<(PathBuf, Vec<(String, String)>)> {
+    let (ferry, mut tests) = match prebuilt {
         Some(dir) => (dir.join("ferry"), Command::new(dir.join("gpu_real"))),
         None => {
             crate::util::run(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
@@ -213,18 +230,30 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !tests.status.success() {
         bail!("the real-driver GPU tests failed");
     }
-    let facts = facts_of(&text);
-    let fact = |k: &str| {
-        facts
-            .iter()
-            .find(|(key, _)| key == k)
-            .map(|(_, v)| v.clone())
-            .unwrap_or_else(|| "n/a".into())
-    };
+    Ok((ferry, facts_of(&text)))
+}
 
+/// A fact the real-driver tests printed, or `n/a`.
+fn fact(facts: &[(String, String)], k: &str) -> String {
+    facts
+        .iter()
+        .find(|(key, _)| key == k)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| "n/a".into())
+}
+
+/// `(row, GB/s)`: the `ferry bench` rows measured.
+type Rows = Vec<(String, f64)>;
+
+/// `(row, why)`: the `ferry bench` rows the kernel refused.
+type NotRun = Vec<(String, String)>;
+
+/// Loopback `ferry bench` host-to-host and staged gpu-to-gpu over TCP and io_uring: the GB/s
+/// rows, and the io_uring rows the kernel refused with the reason.
+fn bench_rows(ferry: &std::path::Path) -> Result<(Rows, NotRun)> {
     let total = "8GiB";
-    let mut rows: Vec<(String, f64)> = Vec::new();
-    let mut failed: Vec<(String, String)> = Vec::new();
+    let mut rows = Rows::new();
+    let mut failed = NotRun::new();
     for transport in ["tcp", "uring"] {
         for (label, gpu) in [("host-to-host", false), ("gpu-to-gpu (staged)", true)] {
             let mut a = vec![
@@ -239,7 +268,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             if gpu {
                 a.extend(["--gpu", "0"]);
             }
-            match ferry_bench_json_of(&ferry, &a, "gb_per_s") {
+            match ferry_bench_json_of(ferry, &a, "gb_per_s") {
                 Ok(gbps) => rows.push((format!("{transport} {label}"), gbps)),
                 // io_uring where the kernel refuses it (gVisor): a row saying why.
                 Err(e) if transport == "uring" => {
@@ -252,15 +281,39 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
         }
     }
+    Ok((rows, failed))
+}
+
+/// The staged gpu-to-gpu rate over the host-to-host rate on transport `t` (0 without both).
+fn ratio(rows: &[(String, f64)], t: &str) -> f64 {
+    let h = rows.iter().find(|(k, _)| k == &format!("{t} host-to-host"));
+    let g = rows
+        .iter()
+        .find(|(k, _)| k == &format!("{t} gpu-to-gpu (staged)"));
+    match (h, g) {
+        (Some((_, h)), Some((_, g))) if *h > 0.0 => g / h,
+        _ => 0.0,
+    }
+}
+
+/// The table of GB/s and facts, as printed.
+fn table_of(
+    allow_fake: bool,
+    facts: &[(String, String)],
+    rows: &[(String, f64)],
+    failed: &[(String, String)],
+) -> Result<String> {
+    let fact = |k: &str| fact(facts, k);
+    let ratio = |t: &str| ratio(rows, t);
     let mut table = String::new();
     if allow_fake {
         writeln!(table, "FAKE DRIVER (dry run): no figure below is a GPU's")?;
     }
     writeln!(table, "{:<34} {:>10}", "what", "GB/s")?;
-    for (k, v) in &rows {
+    for (k, v) in rows {
         writeln!(table, "{k:<34} {v:>10.3}")?;
     }
-    for (k, why) in &failed {
+    for (k, why) in failed {
         writeln!(table, "{k:<34} {:>10}  ({why})", "not run")?;
     }
     writeln!(
@@ -320,23 +373,24 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         fact("rdma_route"),
         fact("rdma_nics")
     )?;
-    let ratio = |t: &str| {
-        let h = rows.iter().find(|(k, _)| k == &format!("{t} host-to-host"));
-        let g = rows
-            .iter()
-            .find(|(k, _)| k == &format!("{t} gpu-to-gpu (staged)"));
-        match (h, g) {
-            (Some((_, h)), Some((_, g))) if *h > 0.0 => g / h,
-            _ => 0.0,
-        }
-    };
     writeln!(
         table,
         "gpu/host ratio: tcp {:.2}, uring {:.2} (target: tcp at least 0.80)",
         ratio("tcp"),
         ratio("uring")
     )?;
-    print!("{table}");
+    Ok(table)
+}
+
+/// The same as JSON, for DIR/gpu-check.json.
+fn json_of(
+    allow_fake: bool,
+    facts: &[(String, String)],
+    rows: &[(String, f64)],
+    failed: &[(String, String)],
+) -> String {
+    let fact = |k: &str| fact(facts, k);
+    let ratio = |t: &str| ratio(rows, t);
     let mut json = format!("{{\"fake\":{allow_fake},\"not_run\":{{");
     for (i, (k, why)) in failed.iter().enumerate() {
         let _ = write!(json, "{}\"{k}\":{why:?}", if i > 0 { "," } else { "" });
@@ -363,10 +417,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         ratio("tcp"),
         ratio("uring")
     );
-    let path = out.join("gpu-check.json");
-    std::fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
-    println!("wrote {}", path.display());
-    Ok(())
+    json
 }
 
 #[cfg(test)]

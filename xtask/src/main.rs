@@ -13,6 +13,7 @@ mod bench_small;
 mod bench_uring;
 mod bindgen;
 mod ci;
+mod contracts;
 mod fresh_machine;
 mod fuzz;
 mod gpu_check;
@@ -86,8 +87,9 @@ tasks:
   tidy                   the docs name only what the tree holds: backticked paths, Rust paths, calls
                          and types in README.md and docs/*.md, the sections docs cite, names in
                          code comments, a layout row per crate in docs/architecture.md; no library
-                         source file over 1,200 lines before its tests, no fn over 150 lines
-                         (also tests: xtask/src/tidy.rs, xtask/src/sizes.rs)
+                         source file (crates/*/src, xtask/src) over 1,200 lines before its
+                         tests, no fn over 150 lines, each opening with its //! contract (also
+                         tests: xtask/src/tidy.rs, xtask/src/sizes.rs, xtask/src/contracts.rs)
   bindgen [--check]      regenerate (or compare) crates/verbs-sys/src/sys/ from infiniband/verbs.h
   gpu-check --out DIR [--allow-fake]
                          on a GPU machine: release build, doctor, real-driver GPU tests, GPU vs host

@@ -1,9 +1,10 @@
 //! The house's size limits, checked by `cargo xtask tidy`: no library source file over
 //! [`MAX_FILE_LINES`] lines before its tests, no function over [`MAX_FN_LINES`] lines.
 //!
-//! The library sources are the `.rs` files under each `crates/*/src`, less the generated
-//! bindings ([`GENERATED`]) and the files of test-only modules (a `#[cfg(test)] mod NAME;`
-//! names one: its file, and its folder if it has one; as `cargo xtask module-loops` reads them). A file's library part ends where its
+//! The library sources ([`library_sources`]) are the `.rs` files under each `crates/*/src` and
+//! under `xtask/src`, less the generated bindings ([`GENERATED`]) and the files of test-only
+//! modules (a `#[cfg(test)] mod NAME;` names one: its file, and its folder if it has one; as
+//! `cargo xtask module-loops` reads them). A file's library part ends where its
 //! inline test module starts: the first `#[cfg(test)]` whose item is a `mod NAME {`. A function
 //! is found by indentation, as rustfmt lays code out: a line that declares an `fn` opens it, the
 //! first line after it that ends in `{` opens its body, and the next line that is only `}` at the
@@ -31,41 +32,56 @@ const GENERATED: &[&str] = &["crates/verbs-sys/src/sys"];
 /// An entry that no longer excuses anything is itself a problem, so the list stays true.
 const ALLOWED: &[(&str, &str, &str)] = &[];
 
-/// How many files were checked under `root`, and every file or function over its limit that
-/// [`ALLOWED`] does not excuse, one line each (`path:line: ...`).
-pub(crate) fn check(root: &Path) -> Result<(usize, Vec<String>)> {
-    let mut crates: Vec<PathBuf> = fs::read_dir(root.join("crates"))
+/// The source folders under `root` whose files are library sources: each crate's `src/`, and
+/// xtask's (a binary, but code the house keeps to the same rules).
+fn source_dirs(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut dirs: Vec<PathBuf> = fs::read_dir(root.join("crates"))
         .context("reading crates/")?
         .map(|e| e.map(|e| e.path().join("src")))
         .collect::<Result<_, _>>()?;
-    crates.sort();
-    let mut problems = Vec::new();
-    let mut checked = 0;
-    let mut used = vec![false; ALLOWED.len()];
-    for src in crates.iter().filter(|s| s.is_dir()) {
-        let sources = sources_in(src)?;
+    dirs.sort();
+    dirs.push(root.join("xtask/src"));
+    dirs.retain(|d| d.is_dir());
+    Ok(dirs)
+}
+
+/// Every library source under `root`: its path relative to the root (with `/`), and its text.
+pub(crate) fn library_sources(root: &Path) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for src in source_dirs(root)? {
+        let sources = sources_in(&src)?;
         let tests = test_only_files(&sources);
-        for (rel, text) in &sources {
-            let path = src.strip_prefix(root).unwrap_or(src).join(rel);
+        for (rel, text) in sources {
+            let path = src.strip_prefix(root).unwrap_or(&src).join(&rel);
             if tests.iter().any(|t| rel.starts_with(t))
                 || GENERATED.iter().any(|g| path.starts_with(g))
             {
                 continue;
             }
-            checked += 1;
-            let shown = path.to_string_lossy().replace('\\', "/");
-            for p in problems_in(text, MAX_FILE_LINES, MAX_FN_LINES) {
-                let allowed = ALLOWED.iter().position(|(file, name, _)| {
-                    *file == shown
-                        && match &p {
-                            Problem::File { .. } => name.is_empty(),
-                            Problem::Fn { name: f, .. } => f == name,
-                        }
-                });
-                match allowed {
-                    Some(i) => used[i] = true,
-                    None => problems.push(format!("{shown}:{p}")),
-                }
+            out.push((path.to_string_lossy().replace('\\', "/"), text));
+        }
+    }
+    Ok(out)
+}
+
+/// How many files were checked under `root`, and every file or function over its limit that
+/// [`ALLOWED`] does not excuse, one line each (`path:line: ...`).
+pub(crate) fn check(root: &Path) -> Result<(usize, Vec<String>)> {
+    let sources = library_sources(root)?;
+    let mut problems = Vec::new();
+    let mut used = vec![false; ALLOWED.len()];
+    for (shown, text) in &sources {
+        for p in problems_in(text, MAX_FILE_LINES, MAX_FN_LINES) {
+            let allowed = ALLOWED.iter().position(|(file, name, _)| {
+                file == shown
+                    && match &p {
+                        Problem::File { .. } => name.is_empty(),
+                        Problem::Fn { name: f, .. } => f == name,
+                    }
+            });
+            match allowed {
+                Some(i) => used[i] = true,
+                None => problems.push(format!("{shown}:{p}")),
             }
         }
     }
@@ -78,7 +94,7 @@ pub(crate) fn check(root: &Path) -> Result<(usize, Vec<String>)> {
             ));
         }
     }
-    Ok((checked, problems))
+    Ok((sources.len(), problems))
 }
 
 /// A file or function over its limit.

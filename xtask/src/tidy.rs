@@ -1,5 +1,5 @@
 //! `cargo xtask tidy`: the docs name what the tree holds, and the sources keep to the house's
-//! size limits ([`crate::sizes`]).
+//! size limits ([`crate::sizes`]) and open with their `//!` contracts ([`crate::contracts`]).
 //!
 //! Every name `README.md` and `docs/*.md` put in backticks that looks like one of ours must be
 //! found in the tree, and every crate under `crates/` must have its row in the layout of
@@ -124,17 +124,18 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let (checked, problems) = check(&project_root())?;
     let (files, sizes) = crate::sizes::check(&project_root())?;
-    if problems.is_empty() && sizes.is_empty() {
+    let (_, contracts) = crate::contracts::check(&project_root())?;
+    if problems.is_empty() && sizes.is_empty() && contracts.is_empty() {
         eprintln!("tidy: the docs name only what the tree holds ({checked} names and paths)");
         eprintln!(
             "tidy: {files} library source files within {} lines before their tests, their \
-             functions within {} lines",
+             functions within {} lines, each opening with its `//!` contract",
             crate::sizes::MAX_FILE_LINES,
             crate::sizes::MAX_FN_LINES
         );
         return Ok(());
     }
-    for p in problems.iter().chain(&sizes) {
+    for p in problems.iter().chain(&sizes).chain(&contracts) {
         eprintln!("{p}");
     }
     if !problems.is_empty() {
@@ -151,7 +152,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             sizes.len()
         );
     }
-    bail!("tidy: {} problem(s)", problems.len() + sizes.len())
+    if !contracts.is_empty() {
+        eprintln!(
+            "tidy: {} file(s) without their `//!` contract on the first line",
+            contracts.len()
+        );
+    }
+    bail!(
+        "tidy: {} problem(s)",
+        problems.len() + sizes.len() + contracts.len()
+    )
 }
 
 /// How many backticked names and paths the docs of the tree at `root` claim, and every problem
