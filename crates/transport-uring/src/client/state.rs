@@ -194,7 +194,11 @@ impl StreamShared {
     }
 }
 
-/// A data channel to one peer, driven by io_uring.
+/// Gives up a stream's socket from any thread: shuts down both directions, ignoring the result
+/// (the peer may have closed it already). A receive on the socket then ends and its operations
+/// in flight fail, so the stream's ring ends the stream: it fails what was in flight and hands
+/// what was dealt to it to the channel's other streams. The descriptor stays open until the last
+/// `Arc<TcpStream>` goes, so its number is not reused while the ring still refers to it.
 pub(crate) fn shutdown(s: &TcpStream) {
     let _ = s.shutdown(std::net::Shutdown::Both);
 }
