@@ -51,6 +51,8 @@ fn publish(src: &Path) -> (Child, String) {
             return (publish, ctl);
         }
     }
+    let _ = publish.kill();
+    let _ = publish.wait();
     panic!("publish printed no pull command");
 }
 
