@@ -53,6 +53,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod client;
+mod config;
 mod control;
 mod error;
 mod file_ring;
@@ -61,15 +62,16 @@ mod ring;
 mod server;
 #[cfg(test)]
 mod testing;
+mod tune;
 mod waiter;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use ferry_core::wire::TransportOffer;
 use ferry_core::{BoxFuture, Channel, Error, PeerInfo, Transport, TransportKind};
 
 pub use client::UringChannel;
+pub use config::{UringConfig, ZeroCopy};
 pub use control::handshake;
 pub use error::UringError;
 pub use file_ring::read_file_into;
@@ -77,208 +79,6 @@ pub use probe::{OpcodeSupport, UringProbe, probe_kernel};
 pub use ring::IoStats;
 pub use server::{UringServer, UringServerHandle};
 pub use waiter::block_on;
-
-/// Whether payload sends use SEND_ZC.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ZeroCopy {
-    /// SEND_ZC where the kernel offers it, SEND otherwise.
-    #[default]
-    Auto,
-    /// Always SEND_ZC; a kernel without it is an error.
-    Always,
-    /// Always plain SEND.
-    Never,
-}
-
-/// Settings of the io_uring data plane.
-#[derive(Clone, Debug)]
-pub struct UringConfig {
-    /// Data streams per peer (1 to 64).
-    pub streams: usize,
-    /// Largest chunk an op is split into.
-    pub chunk_size: u64,
-    /// Chunks in flight per stream.
-    pub depth: usize,
-    /// Socket buffer size to request (where the kernel's maximum allows). `None`: autotuning.
-    pub socket_buffer: Option<usize>,
-    /// Limit for connecting and attaching a stream (and for a new connection's first frame).
-    pub connect_timeout: Duration,
-    /// SEND_ZC policy.
-    pub zero_copy: ZeroCopy,
-    /// Try to register buffers and the socket as fixed resources (falls back silently, counted
-    /// in [`IoStats::register_failures`]).
-    pub register_buffers: bool,
-    /// Whether the kernel offers SEND_ZC (from the probe; set by [`UringTransport::new`]).
-    pub kernel_send_zc: bool,
-    /// To a loopback peer, send WRITE payloads by page reference (`vmsplice` + `splice`)
-    /// instead of SEND_ZC, which the kernel copies on loopback: the peer's receive is then the
-    /// only copy. The request is drained once the peer acknowledged the payload.
-    pub splice_loopback: bool,
-    /// Whether the kernel offers IORING_OP_SPLICE (from the probe).
-    pub kernel_splice: bool,
-    /// To a loopback peer over two or more streams, pin the client's stream `i` thread to the
-    /// `i`-th CPU this thread may run on; the server serves a loopback client's stream `i` on
-    /// ring `i` (modulo the rings) and, once such a client's second stream attached, pins its
-    /// ring `i` to the `i`-th CPU, so both ends of one flow share a core's caches instead of
-    /// bouncing each chunk between cores (`docs/performance.md`). Off: the scheduler places
-    /// every thread.
-    pub pin_loopback_streams: bool,
-    /// To a loopback peer, a data stream whose congestion control paces its sends (BBR, the
-    /// kernel's choice on many hosts) switches to one that does not (cubic, else reno), on both
-    /// ends. Without a pacing qdisc the kernel paces such a socket itself with a timer per burst
-    /// (`tcp_pace_kick`), armed from the acknowledgements the sending ring processes: on
-    /// loopback, where there is no link to pace for, that made a serving ring the bottleneck of
-    /// a one-stream 1 MiB READ (`docs/performance.md`). Off: the system's default everywhere.
-    pub unpaced_loopback: bool,
-    /// How long sent data may go unacknowledged (and an idle connection unanswered by
-    /// keepalive probes) before a data stream is given up as dead: its chunks in flight are
-    /// then reported lost and the kernel drops its references to their pages, so `drained`
-    /// resolves. `None`: the kernel's defaults (about 15 minutes of retransmissions; an idle
-    /// connection to a vanished peer is never noticed). A peer whose application stops reading
-    /// for that long counts as dead too (the kernel applies the limit to zero-window probes).
-    pub dead_peer_after: Option<Duration>,
-    /// What the server allows a connection before its handshake is over: a deadline on the
-    /// whole handshake and a cap on connections in it (see [`HandshakeLimits`]). Connections
-    /// in their handshake share one thread.
-    pub handshake: HandshakeLimits,
-    /// How many rings serve a server's data streams, each on one thread (0: one per CPU this
-    /// process may run on): a served stream costs no thread.
-    pub server_rings: usize,
-    /// A small WRITE or READ (at most 16 KiB) sent directly on an idle stream ([`UringChannel`]'s
-    /// fast path) from a task on a tokio runtime with I/O enabled has its response (and a READ's
-    /// payload) read by that task: it receives without blocking whenever the runtime's reactor
-    /// finds the socket readable, so the round trip wakes no thread but the awaiting one (the
-    /// stream's client ring keeps only a hang-up poll armed while the stream is idle). Off (the
-    /// default): the stream's client ring reads every response and wakes the task. Counted in
-    /// [`IoStats::caller_receives`], [`IoStats::caller_handbacks`] and
-    /// [`IoStats::caller_takeovers`].
-    ///
-    /// On, a response that waits unread in its socket for a tick (2 to 4 ms: its request is not
-    /// being awaited, or its runtime's reactor is not driven) is read by the stream's ring
-    /// instead, as is one whose stream takes a later request, so every request completes whether
-    /// or not anything polls it; such a request completes that much later than with the switch
-    /// off. While direct readers are about each ring wakes once per tick to look.
-    pub caller_receives: bool,
-    /// How many rings drive the client's data streams, each on one thread (0: one per CPU this
-    /// process may run on), started at the transport's first connect and shared by every
-    /// channel it opens: a client stream costs no thread.
-    pub client_rings: usize,
-}
-
-impl Default for UringConfig {
-    fn default() -> Self {
-        Self {
-            streams: 1,
-            chunk_size: 1 << 20,
-            depth: 8,
-            socket_buffer: Some(4 << 20),
-            connect_timeout: Duration::from_secs(10),
-            zero_copy: ZeroCopy::Auto,
-            register_buffers: true,
-            kernel_send_zc: false,
-            splice_loopback: true,
-            kernel_splice: false,
-            pin_loopback_streams: true,
-            unpaced_loopback: true,
-            dead_peer_after: Some(DEAD_PEER_AFTER),
-            handshake: HandshakeLimits::default(),
-            server_rings: 0,
-            caller_receives: false,
-            client_rings: 0,
-        }
-    }
-}
-
-impl UringConfig {
-    /// Whether payloads to `peer` go out with SEND_ZC: `Auto` leaves loopback peers to copying
-    /// sends, since the kernel copies SEND_ZC on loopback anyway; `Always` uses it everywhere.
-    pub fn zero_copy_for(&self, peer: std::net::IpAddr) -> bool {
-        match self.zero_copy {
-            ZeroCopy::Auto => self.kernel_send_zc && !peer.is_loopback(),
-            _ => self.zero_copy_enabled(),
-        }
-    }
-
-    /// Whether payloads go out with SEND_ZC under this configuration (to a non-loopback peer).
-    pub fn zero_copy_enabled(&self) -> bool {
-        match self.zero_copy {
-            ZeroCopy::Always => true,
-            ZeroCopy::Never => false,
-            ZeroCopy::Auto => self.kernel_send_zc,
-        }
-    }
-}
-
-/// How long an ending stream waits for the peer to acknowledge its zero-copy sends before it
-/// resets the connection to make the kernel let go of their pages (a client ring's ended
-/// stream; a server ring waits as long when it stops).
-pub(crate) const FINISH_GRACE: Duration = Duration::from_secs(1);
-
-/// Pins the calling thread to the `index`-th CPU (modulo their count) of those it may run on now
-/// (see [`UringConfig::pin_loopback_streams`]). Best effort: a failure is logged and ignored.
-pub(crate) fn pin_stream_thread(index: usize) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls below only read and write this
-    // local set and the calling thread's (pid 0) affinity.
-    unsafe {
-        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
-            tracing::debug!(error = %std::io::Error::last_os_error(), "sched_getaffinity");
-            return;
-        }
-        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| libc::CPU_ISSET(c, &allowed))
-            .collect();
-        if cpus.len() < 2 {
-            return;
-        }
-        let cpu = cpus[index % cpus.len()];
-        let mut one: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut one);
-        if libc::sched_setaffinity(0, size, &one) != 0 {
-            tracing::debug!(error = %std::io::Error::last_os_error(), cpu, "sched_setaffinity");
-        }
-    }
-}
-
-/// Switches `socket` from a congestion control that paces its sends (any BBR) to one that does
-/// not (cubic, else reno; see [`UringConfig::unpaced_loopback`]): whether it did. Best effort: a
-/// socket the kernel will not switch keeps its own (logged).
-pub(crate) fn unpace(socket: &impl std::os::fd::AsRawFd) -> bool {
-    let fd = socket.as_raw_fd();
-    let mut name = [0u8; 16];
-    let mut len = name.len() as libc::socklen_t;
-    // SAFETY: reads at most `len` bytes of the socket's option into a local buffer.
-    let got = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_CONGESTION,
-            name.as_mut_ptr().cast(),
-            &mut len,
-        )
-    };
-    if got != 0 || !name.starts_with(b"bbr") {
-        return false;
-    }
-    for cc in [&b"cubic"[..], b"reno"] {
-        // SAFETY: passes a local byte string of its own length to the socket's option.
-        let set = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_CONGESTION,
-                cc.as_ptr().cast(),
-                cc.len() as libc::socklen_t,
-            )
-        };
-        if set == 0 {
-            return true;
-        }
-    }
-    tracing::debug!(error = %std::io::Error::last_os_error(), "TCP_CONGESTION: the stream stays paced");
-    false
-}
 
 /// What the user asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -439,7 +239,7 @@ impl UringTransport {
         }
         if self.config.unpaced_loopback && addr.ip().is_loopback() {
             for s in &sockets {
-                unpace(s);
+                tune::unpace(s);
             }
         }
         let splice =
@@ -535,80 +335,5 @@ impl Transport for UringTransport {
                 }),
             }
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    fn allowed() -> Vec<usize> {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set, filled by the kernel for this thread.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            assert_eq!(
-                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set),
-                0
-            );
-            (0..libc::CPU_SETSIZE as usize)
-                .filter(|&c| libc::CPU_ISSET(c, &set))
-                .collect()
-        }
-    }
-
-    /// A loopback socket under BBR leaves it for a congestion control that does not pace; one
-    /// under another keeps it.
-    #[test]
-    fn unpace_leaves_bbr_only() {
-        fn congestion(s: &std::net::TcpStream) -> String {
-            use std::os::fd::AsRawFd;
-            let mut name = [0u8; 16];
-            let mut len = name.len() as libc::socklen_t;
-            // SAFETY: reads at most `len` bytes of the option into a local buffer.
-            let got = unsafe {
-                libc::getsockopt(
-                    s.as_raw_fd(),
-                    libc::IPPROTO_TCP,
-                    libc::TCP_CONGESTION,
-                    name.as_mut_ptr().cast(),
-                    &mut len,
-                )
-            };
-            assert_eq!(got, 0);
-            String::from_utf8_lossy(&name[..len as usize])
-                .trim_end_matches('\0')
-                .to_owned()
-        }
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let before = congestion(&s);
-        let switched = super::unpace(&s);
-        let after = congestion(&s);
-        if before.starts_with("bbr") {
-            assert!(switched, "{before} kept");
-            assert!(!after.starts_with("bbr"), "{after}");
-        } else {
-            assert!(!switched);
-            assert_eq!(after, before);
-        }
-    }
-
-    #[test]
-    fn a_pinned_stream_thread_runs_on_the_indexed_allowed_cpu() {
-        let before = allowed();
-        if before.len() < 2 {
-            ferry_tests::require_or_skip(
-                ferry_tests::CPUS,
-                format!("this process may run on {} CPU(s)", before.len()),
-            );
-            return;
-        }
-        for index in [0, 1, before.len() + 1] {
-            let after = std::thread::spawn(move || {
-                super::pin_stream_thread(index);
-                allowed()
-            })
-            .join()
-            .unwrap();
-            assert_eq!(after, vec![before[index % before.len()]], "index {index}");
-        }
     }
 }

@@ -240,7 +240,7 @@ pub(crate) fn spawn_ring<D: 'static>(
         .spawn(move || match make() {
             Ok(d) => {
                 if let Some(i) = pin {
-                    crate::pin_stream_thread(i);
+                    crate::tune::pin_stream_thread(i);
                 }
                 let _ = made_tx.send(Ok(()));
                 run(d);

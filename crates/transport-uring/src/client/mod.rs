@@ -1,7 +1,7 @@
 //! The client side: a channel of several data streams to one peer incarnation.
 //!
 //! Every stream runs on one of the transport's client rings ([`rings`]: a fixed set, one per CPU
-//! by default, [`UringConfig::client_rings`](crate::UringConfig::client_rings)), a state machine
+//! by default, [`UringConfig::client_rings`](crate::config::UringConfig::client_rings)), a state machine
 //! around [`ClientStream`] with no thread of its own: it takes chunks dealt to it, writes their
 //! requests and WRITE payloads in order (SEND_ZC from registered memory where the configuration
 //! sends zero-copy, vmsplice + splice to a loopback peer, a copying send otherwise) and keeps
@@ -9,7 +9,7 @@
 //! memory. Responses on a stream come back in request order, so the stream matches them with a
 //! FIFO of in-flight chunks (bounded by `depth`) and checks the sequence number. A request is
 //! drained once every chunk is resolved *and* every zero-copy notification of its sends arrived.
-//! With [`UringConfig::caller_receives`](crate::UringConfig::caller_receives) a task awaiting a
+//! With [`UringConfig::caller_receives`](crate::config::UringConfig::caller_receives) a task awaiting a
 //! small request it sent directly relieves the ring of reading its response ([`CallerRead`]).
 //!
 //! A request of one small chunk submitted while a stream is idle skips the hand-over: the

@@ -15,7 +15,7 @@
 //! WRITE payloads to a peer the configuration sends zero-copy to go out with SEND_ZC (from a
 //! registered buffer where the ring takes it), each send holding its request un-drained until the
 //! kernel's notification, however the stream ends; a stream that ends with notifications
-//! outstanding has its connection reset after [`FINISH_GRACE`](crate::FINISH_GRACE) so the
+//! outstanding has its connection reset after [`FINISH_GRACE`](crate::config::FINISH_GRACE) so the
 //! kernel lets go. To a loopback peer they go by `vmsplice` + `splice(2)` on the ring's thread,
 //! with the socket made non-blocking for the call only (a full socket waits on a poll on the
 //! ring, never in the call).
@@ -23,7 +23,7 @@
 //! A stream is woken (a chunk dealt to it, bytes a submitter left unsent) through its ring's
 //! inbox ([`RingWake`]), which writes the ring's eventfd only while the ring's thread waits.
 //!
-//! [`UringConfig::client_rings`]: crate::UringConfig::client_rings
+//! [`UringConfig::client_rings`]: crate::config::UringConfig::client_rings
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -272,7 +272,7 @@ impl Driver {
                 self.end(i, e.raw_os_error().or(Some(libc::EIO)));
             }
             // Wait for what is in flight (each socket is shut down), as far as the ring lets us.
-            let deadline = Instant::now() + crate::FINISH_GRACE;
+            let deadline = Instant::now() + crate::config::FINISH_GRACE;
             while self.conns.iter().flatten().any(|c| c.busy()) && Instant::now() < deadline {
                 if self.wait(Some(Duration::from_millis(10))).is_err() {
                     break;
@@ -512,7 +512,7 @@ impl Driver {
                     }
                     *was_reset = true;
                 }
-                *at = now + crate::FINISH_GRACE * 10;
+                *at = now + crate::config::FINISH_GRACE * 10;
             }
             true
         });
@@ -520,7 +520,7 @@ impl Driver {
 
     fn add(&mut self, n: NewStream) {
         if n.pin && self.pin && !self.pinned {
-            crate::pin_stream_thread(self.index);
+            crate::tune::pin_stream_thread(self.index);
             self.pinned = true;
         }
         let id = match n.queue.taker(n.index).map(|t| t.waker()) {
@@ -637,7 +637,7 @@ impl Driver {
         {
             self.lingering.push((
                 Arc::downgrade(&c.sh.socket),
-                Instant::now() + crate::FINISH_GRACE,
+                Instant::now() + crate::config::FINISH_GRACE,
                 false,
             ));
         }

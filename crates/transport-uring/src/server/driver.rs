@@ -153,7 +153,7 @@ impl Driver {
         for c in self.conns.iter().flatten() {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
-        let grace = std::time::Instant::now() + crate::FINISH_GRACE;
+        let grace = std::time::Instant::now() + crate::config::FINISH_GRACE;
         if res.is_ok() {
             while self.conns.iter().flatten().any(|c| c.busy())
                 || self.wake_armed
@@ -201,7 +201,7 @@ impl Driver {
             {
                 // One ring per core: ring `i` on the `i`-th CPU, where a loopback client's
                 // stream `i` runs too (see `RingSet::hand`).
-                crate::pin_stream_thread(*i);
+                crate::tune::pin_stream_thread(*i);
                 self.pin = None;
             }
             while let Ok(n) = self.rx.try_recv() {
@@ -665,7 +665,7 @@ mod tests {
     use ferry_core::stream::ServerStream;
 
     use super::{Driver, NewStream, STEP_COST, Step, TURN_BUDGET};
-    use crate::UringConfig;
+    use crate::config::UringConfig;
     use crate::ring::IoStats;
     use crate::server::shared::{Ctx, Live};
     use crate::testing::NoSegments;

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use ferry_core::{Error, HandshakeResponder, SegmentTable};
 use ferry_net::{HandshakeGate, HandshakeStats};
 
-use crate::UringConfig;
+use crate::config::UringConfig;
 use crate::ring::IoStats;
 use handshakes::Acceptor;
 use rings::RingSet;
@@ -182,7 +182,7 @@ mod tests {
     use std::time::Duration;
 
     use super::UringServer;
-    use crate::UringConfig;
+    use crate::config::UringConfig;
     use crate::testing::{NoSegments, Responder, hello};
 
     /// Sends on its channel when the thread that holds it ends.

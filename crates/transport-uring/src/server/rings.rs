@@ -21,7 +21,7 @@
 //! ([`RegionCrc::step`](ferry_core::checksum::RegionCrc::step) of memory,
 //! [`FileCrc::step`](ferry_core::checksum::FileCrc::step) of a file: one positioned read).
 //!
-//! [`UringConfig::server_rings`]: crate::UringConfig::server_rings
+//! [`UringConfig::server_rings`]: crate::config::UringConfig::server_rings
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
@@ -35,7 +35,7 @@ use tracing::{debug, warn};
 
 use super::driver::{Driver, NewStream};
 use super::shared::{Ctx, lock, wake};
-use crate::UringConfig;
+use crate::config::UringConfig;
 use crate::ring::spawn_ring;
 
 /// One ring as the accept thread and the server's handle see it.
@@ -112,7 +112,7 @@ impl RingSet {
         config: &UringConfig,
     ) {
         if config.unpaced_loopback && from.ip().is_loopback() {
-            crate::unpace(&stream);
+            crate::tune::unpace(&stream);
         }
         let accept = match ferry_net::encode_frame(&ferry_core::wire::ControlFrame::StreamAccept) {
             Ok(b) => b,

@@ -7,7 +7,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
-use crate::UringConfig;
+use crate::config::UringConfig;
 use crate::ring::IoStats;
 
 #[derive(Debug, Default)]
