@@ -257,6 +257,12 @@ class FerryTensorTransport(TensorTransportManager):
         with self._lock:
             return len(self._storages)
 
+    def transports(self) -> dict[str, str]:
+        """The plane each connected source is reached on, by address: ``"local"`` (same-host
+        copies), ``"uring"``, ``"tcp"`` or ``"rdma"`` (tests, diagnostics)."""
+        with self._lock:
+            return {addr: peer.transport for addr, peer in self._peers.items()}
+
     def inflight(self) -> int:
         """How many fetches are in flight in this process (tests, diagnostics)."""
         with self._lock:
