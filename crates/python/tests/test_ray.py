@@ -119,6 +119,12 @@ class Source:
     def big(self):
         return self.base
 
+    def pin(self, on: bool) -> None:
+        if on:
+            ferry.ray.register_memory(self.base)
+        else:
+            ferry.ray.deregister_memory(self.base)
+
     def registered(self) -> int:
         return ferry.ray.manager().registered_storages()
 
@@ -267,6 +273,20 @@ def test_garbage_collect_releases_the_registration_with_the_last_object(cluster)
     c = src.view.remote(10, 20)
     assert ray.get(dst.digest.remote(c), timeout=WAIT) == digest(base[10:20])
     assert ray.get(src.registered.remote()) == 1
+
+
+def test_register_memory_keeps_a_storage_published_past_its_objects(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    ray.get(src.pin.remote(True))
+    assert ray.get(src.registered.remote()) == 1
+    a = src.view.remote(0, 100)
+    assert ray.get(dst.digest.remote(a), timeout=WAIT) == digest(tensor(1 << 20, 7)[0:100])
+    del a
+    b = src.view.remote(100, 200)
+    assert ray.get(dst.digest.remote(b), timeout=WAIT) == digest(tensor(1 << 20, 7)[100:200])
+    del b
+    ray.get(src.pin.remote(False))
+    assert ray.get(src.wait_registered.remote(0, WAIT)) == 0
 
 
 def test_abort_returns_once_nothing_can_move(cluster):

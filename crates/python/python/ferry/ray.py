@@ -68,7 +68,10 @@ __all__ = [
     "FerryCommunicatorMetadata",
     "FerryTensorTransport",
     "FerryTransportMetadata",
+    "deregister_memory",
+    "manager",
     "register",
+    "register_memory",
 ]
 
 logger = logging.getLogger("ferry.ray")
@@ -331,21 +334,9 @@ class FerryTensorTransport(TensorTransportManager):
                     if nbytes == 0:
                         segments.append(None)
                         continue
-                    storage = t.untyped_storage()
-                    # Keyed by length too: a storage resized in place is published anew.
-                    key = (str(t.device), storage.data_ptr(), storage.nbytes())
-                    held = self._storages.get(key)
-                    if held is None:
-                        name = f"ray/{os.getpid()}/{next(self._names)}"
-                        whole = _storage_bytes(t)
-                        if t.is_cuda:
-                            reg = engine.register_gpu(whole, name=name, access="read")
-                        else:
-                            reg = engine.register(whole.numpy(), name=name, access="read")
-                        held = _Held(reg, name, 0)
-                        self._storages[key] = held
-                    held.objects += 1
+                    key, held = self._hold(engine, t)
                     keys.append(key)
+                    storage = t.untyped_storage()
                     offset = t.data_ptr() - storage.data_ptr()
                     segments.append((held.name, offset, nbytes))
             except BaseException:
@@ -509,6 +500,42 @@ class FerryTensorTransport(TensorTransportManager):
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def register_memory(self, tensor: "torch.Tensor") -> None:
+        """Publishes ``tensor``'s storage and holds it until ``deregister_memory``: objects of
+        it then reuse the registration (and readers their connection's listing of it) instead
+        of publishing it anew after the last one went. The counterpart of Ray's
+        ``register_nixl_memory``."""
+        if tensor.numel() * tensor.element_size() == 0:
+            return
+        with self._lock:
+            self._hold(self.engine(), tensor)
+
+    def deregister_memory(self, tensor: "torch.Tensor") -> None:
+        """Drops the hold ``register_memory`` took; the storage stays published while objects
+        still hold it."""
+        storage = tensor.untyped_storage()
+        with self._lock:
+            self._release([(str(tensor.device), storage.data_ptr(), storage.nbytes())])
+
+    def _hold(self, engine: ferry.Engine, t: "torch.Tensor") -> tuple:
+        """Takes one hold of ``t``'s storage, publishing it first if nobody holds it (under
+        the lock). Keyed by device, address and length: a storage resized in place is
+        published anew."""
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr(), storage.nbytes())
+        held = self._storages.get(key)
+        if held is None:
+            name = f"ray/{os.getpid()}/{next(self._names)}"
+            whole = _storage_bytes(t)
+            if t.is_cuda:
+                reg = engine.register_gpu(whole, name=name, access="read")
+            else:
+                reg = engine.register(whole.numpy(), name=name, access="read")
+            held = _Held(reg, name, 0)
+            self._storages[key] = held
+        held.objects += 1
+        return key, held
+
     def _release(self, keys: list[tuple[str, int, int]]) -> None:
         """Drops one hold of each storage; the last unpublishes it (under the lock)."""
         for key in keys:
@@ -585,6 +612,18 @@ class FerryTensorTransport(TensorTransportManager):
             f"{addr}) to {_who()} failed: {reason}. The source actor may have died during "
             f"the transfer."
         )
+
+
+def register_memory(tensor: "torch.Tensor") -> None:
+    """Keeps ``tensor``'s storage published for the life of this process (until
+    ``deregister_memory``), so that objects returning it again and again (weights) reuse one
+    registration: ``FerryTensorTransport.register_memory`` of this process's transport."""
+    manager().register_memory(tensor)
+
+
+def deregister_memory(tensor: "torch.Tensor") -> None:
+    """Drops the hold of ``register_memory``."""
+    manager().deregister_memory(tensor)
 
 
 def _reason(e: BaseException) -> str:
