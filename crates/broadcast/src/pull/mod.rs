@@ -1,5 +1,5 @@
 //! A receiver's decisions, with no I/O: [`Pull`] takes [`Event`]s in (a chunk fetched, a
-//! holder's progress, a poll that failed, the member list, a tick of the clock) and hands
+//! holder's progress, a poll that failed, the member list, the time it asked to be woken at) and hands
 //! [`Command`]s out (attach a holder, fetch a chunk from it, give a holder up, check the chunks
 //! at rest, heartbeat, publish the progress). The receiver ([`Receiver`](crate::Receiver)) is
 //! its driver: it carries the commands out over sockets and feeds back what came of them.
@@ -17,7 +17,12 @@
 //! - a holder of another source epoch or version is given up; the source found at another
 //!   epoch ends the pull ([`BroadcastError::SourceRestarted`]);
 //! - [`Command::Done`] comes once every chunk is verified (and, with
-//!   [`Config::verify_at_rest`], checked at rest once), with nothing in flight.
+//!   [`Config::verify_at_rest`], checked at rest once), with nothing in flight;
+//! - [`Pull::next_wake`] names when the pull next needs [`Event::Wake`]: the heartbeat
+//!   ([`Config::heartbeat`]), the moment a holder it waits on counts as stalled, a parent gone
+//!   from the list (at once), the end of its patience with no holder. A driver that sends
+//!   [`Event::Wake`] then (and asks again after every event) misses no deadline, and wakes for
+//!   nothing else.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -53,6 +58,9 @@ pub(crate) struct Config {
     pub(crate) straggler: f64,
     /// How long a holder the pull waits on may send nothing.
     pub(crate) stall_after: Duration,
+    /// How often this member's entry is renewed and its progress published
+    /// ([`Command::Heartbeat`], [`Command::Publish`]).
+    pub(crate) heartbeat: Duration,
     /// Whether every chunk is checked once more at rest before the pull is done.
     pub(crate) verify_at_rest: bool,
 }
@@ -106,18 +114,10 @@ pub(crate) enum Event {
     Members { list: Vec<Member>, beat: bool },
     /// The source epoch discovery answered a heartbeat with.
     SourceEpoch(u64),
-    /// The heartbeat's clock.
-    Tick,
+    /// The time [`Pull::next_wake`] named came (a wake at any other time is harmless).
+    Wake,
     /// The check at rest ([`Command::CheckAtRest`]) found these chunks changed.
     AtRest { bad: Vec<usize> },
-    /// Start no fetch until [`Event::ResumeFetches`] (tests: a relay held halfway).
-    HoldFetches,
-    /// Fetch again.
-    ResumeFetches,
-    /// Keep the check at rest back until [`Event::ReleaseCheck`] (tests).
-    HoldCheck,
-    /// Run the check at rest when the pull is ready for it.
-    ReleaseCheck,
 }
 
 /// What the pull asks of the driver.
@@ -284,6 +284,62 @@ impl Seen {
     }
 }
 
+/// Why the pull watches a holder, and from when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Watch {
+    /// Chunks are requested from it (`in_flight`), and it last sent something at `since`;
+    /// `unlisted`: it is also a parent (or the source) no longer listed.
+    Silent {
+        since: Instant,
+        in_flight: usize,
+        unlisted: bool,
+    },
+    /// It is a stripe's parent (or the source) no longer listed: given up at once.
+    Unlisted,
+    /// A stripe's parent this receiver waits on for a chunk it has not advertised yet, quiet
+    /// since `since`.
+    Waiting { since: Instant },
+}
+
+/// What the pull watches holder `id` for (`None`: nothing; it is given up at no time while
+/// things stay as they are). [`stalled`] and [`Pull::next_wake`] both read it.
+fn watch(
+    id: &str,
+    h: &Seen,
+    assigned: &[Option<String>],
+    have: &Have,
+    members: &[Member],
+) -> Option<Watch> {
+    // An empty list is one never read: no one is taken for unlisted by it.
+    let listed = members.is_empty() || members.iter().any(|m| m.id == id);
+    let source = h.member.role == Role::Source;
+    let stripes: Vec<usize> = (0..assigned.len())
+        .filter(|&s| !source && assigned[s].as_deref() == Some(id))
+        .collect();
+    // Only the source and the stripes' parents are held to the list.
+    let unlisted = !listed && (source || !stripes.is_empty());
+    if h.in_flight > 0 {
+        return Some(Watch::Silent {
+            since: h.heard,
+            in_flight: h.in_flight,
+            unlisted,
+        });
+    }
+    if unlisted {
+        return Some(Watch::Unlisted);
+    }
+    if source || stripes.is_empty() {
+        return None;
+    }
+    let waiting = !h.done
+        && stripes.iter().any(|&s| !have.stripe_done(s))
+        && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
+    // Since it last advertised more, or last sent a chunk, whichever is later.
+    waiting.then(|| Watch::Waiting {
+        since: h.advanced.max(h.heard),
+    })
+}
+
 /// The holders to give up at `now`: those the pull waits on that sent nothing for
 /// `stall_after` (chunks requested from them, or, for a stripe's parent (`assigned`), no new
 /// chunk advertised while this receiver needs one), and parents no longer listed (the source
@@ -296,52 +352,26 @@ pub(crate) fn stalled<'a>(
     stall_after: Duration,
     now: Instant,
 ) -> Vec<(String, GiveUp)> {
-    let d = assigned.len();
     let mut out = Vec::new();
     for (id, h) in holders {
-        let silent = now.saturating_duration_since(h.heard);
-        if h.in_flight > 0 && silent > stall_after {
-            out.push((
-                id.to_owned(),
-                GiveUp::Stalled {
-                    after: silent,
-                    in_flight: h.in_flight,
-                },
-            ));
-            continue;
-        }
-        // An empty list is one never read: no one is taken for unlisted by it.
-        let listed = members.is_empty() || members.iter().any(|m| m.id == id);
-        if h.member.role == Role::Source {
-            if !listed {
+        let (since, in_flight, unlisted) = match watch(id, h, assigned, have, members) {
+            None => continue,
+            Some(Watch::Unlisted) => {
                 out.push((id.to_owned(), GiveUp::Unlisted));
+                continue;
             }
-            continue;
-        }
-        let stripes: Vec<usize> = (0..d)
-            .filter(|&s| assigned[s].as_deref() == Some(id))
-            .collect();
-        if stripes.is_empty() {
-            continue;
-        }
-        if !listed {
+            Some(Watch::Silent {
+                since,
+                in_flight,
+                unlisted,
+            }) => (since, in_flight, unlisted),
+            Some(Watch::Waiting { since }) => (since, 0, false),
+        };
+        let after = now.saturating_duration_since(since);
+        if after >= stall_after {
+            out.push((id.to_owned(), GiveUp::Stalled { after, in_flight }));
+        } else if unlisted {
             out.push((id.to_owned(), GiveUp::Unlisted));
-            continue;
-        }
-        let waiting = !h.done
-            && h.in_flight == 0
-            && stripes.iter().any(|&s| !have.stripe_done(s))
-            && !stripes.iter().any(|&s| have.wants_from(s, |c| h.holds(c)));
-        // Since it last advertised more, or last sent a chunk, whichever is later.
-        let quiet = now.saturating_duration_since(h.advanced.max(h.heard));
-        if waiting && quiet > stall_after {
-            out.push((
-                id.to_owned(),
-                GiveUp::Stalled {
-                    after: quiet,
-                    in_flight: 0,
-                },
-            ));
         }
     }
     out
@@ -395,6 +425,10 @@ pub(crate) struct Pull {
     refetch: Vec<usize>,
     /// Since when no stripe has a holder.
     orphaned: Option<Instant>,
+    /// When the next heartbeat is due.
+    next_beat: Instant,
+    /// When the member list was last taken (a parent missing from it is given up at once).
+    listed_at: Instant,
     /// Fetches out ([`Command::Fetch`] without its [`Event::Fetched`] yet).
     in_flight: usize,
     /// The next stripe the window deals a chunk to.
@@ -416,9 +450,10 @@ pub(crate) struct Pull {
 }
 
 impl Pull {
-    /// A pull of `cfg` on the member list `members` (the source found at join, if none was
-    /// read); its first command attaches the plan's holders.
-    pub(crate) fn new(cfg: Config, members: Vec<Member>) -> Self {
+    /// A pull of `cfg`, started at `now`, on the member list `members` (the source found at
+    /// join, if none was read); its first command attaches the plan's holders, and its first
+    /// heartbeat is due at once.
+    pub(crate) fn new(cfg: Config, members: Vec<Member>, now: Instant) -> Self {
         let d = cfg.stripes.max(1);
         Self {
             have: Have::striped(cfg.chunk_lens.len(), d),
@@ -436,6 +471,8 @@ impl Pull {
             attaching: None,
             refetch: Vec::new(),
             orphaned: None,
+            next_beat: now,
+            listed_at: now,
             in_flight: 0,
             rr: 0,
             bad_tries: HashMap::new(),
@@ -482,6 +519,42 @@ impl Pull {
             }
         }
         v.join(",")
+    }
+
+    /// When the pull next needs [`Event::Wake`]: the earliest of the next heartbeat, the
+    /// moment a holder it watches counts as stalled, a parent gone from the list (the time the
+    /// list was taken: at once) and, with no stripe's holder, the end of its patience. `None`
+    /// once it is done. An instant already past means now; the answer changes only with an
+    /// event, so ask again after each.
+    pub(crate) fn next_wake(&self) -> Option<Instant> {
+        if self.finished {
+            return None;
+        }
+        let stall = self.cfg.stall_after;
+        let holders = self.holders.iter().filter_map(|(id, h)| {
+            match watch(id, h, &self.assigned, &self.have, &self.members)? {
+                Watch::Unlisted | Watch::Silent { unlisted: true, .. } => Some(self.listed_at),
+                Watch::Silent { since, .. } | Watch::Waiting { since } => Some(since + stall),
+            }
+        });
+        // What step() checks of an orphaned pull, when it checks it.
+        let orphaned = self
+            .orphaned
+            .filter(|_| self.attaching.is_none() && !self.checking)
+            .map(|since| since + stall * 10);
+        holders.chain(orphaned).chain([self.next_beat]).min()
+    }
+
+    /// Tests: while `held`, the pull starts no fetch (a relay held halfway).
+    pub(crate) fn hold_fetches(&mut self, held: bool) {
+        self.held = held;
+        self.dirty = true;
+    }
+
+    /// Tests: while `held`, the pull keeps its check at rest (and so its end) back.
+    pub(crate) fn hold_check(&mut self, held: bool) {
+        self.hold_check = held;
+        self.dirty = true;
     }
 
     /// The next command, or `None` until the next event.
@@ -555,13 +628,18 @@ impl Pull {
                     self.replan = true;
                 }
                 self.members = list;
+                self.listed_at = now;
             }
             Event::SourceEpoch(found) if found != self.cfg.source_epoch => {
                 return Err(self.restarted(found));
             }
             Event::SourceEpoch(_) => {}
-            Event::Tick => {
-                self.out.push_back(Command::Heartbeat);
+            Event::Wake => {
+                let beat = now >= self.next_beat;
+                if beat {
+                    self.next_beat = now + self.cfg.heartbeat;
+                    self.out.push_back(Command::Heartbeat);
+                }
                 // A holder that sent nothing for `stall_after` while the pull waits on it, the
                 // source as much as a relay, and a parent gone from the list are given up.
                 let out = stalled(
@@ -575,7 +653,9 @@ impl Pull {
                 for (id, why) in out {
                     self.give_up(&id, why);
                 }
-                self.out.push_back(Command::Publish);
+                if beat {
+                    self.out.push_back(Command::Publish);
+                }
             }
             Event::AtRest { bad } => {
                 self.checking = false;
@@ -592,10 +672,6 @@ impl Pull {
                     self.have.lost(i);
                 }
             }
-            Event::HoldFetches => self.held = true,
-            Event::ResumeFetches => self.held = false,
-            Event::HoldCheck => self.hold_check = true,
-            Event::ReleaseCheck => self.hold_check = false,
         }
         Ok(())
     }
@@ -851,7 +927,7 @@ impl Pull {
             // The source was given up (it stalled, died, or cannot be attached) and no one
             // else serves what is missing: nothing will come; say who and what.
             if self.source_given_up.is_some()
-                || now.saturating_duration_since(since) > self.cfg.stall_after * 10
+                || now.saturating_duration_since(since) >= self.cfg.stall_after * 10
             {
                 return Err(self.stopped());
             }

@@ -102,6 +102,7 @@ impl Fleet {
             relay: self.relay,
             straggler: 0.0,
             stall_after: STALL,
+            heartbeat: TICK,
             verify_at_rest: self.verify_at_rest,
         }
     }
@@ -172,10 +173,11 @@ struct Sim<'a> {
 
 impl<'a> Sim<'a> {
     fn new(fleet: &'a Fleet) -> Self {
+        let t0 = Instant::now();
         Self {
             fleet,
-            pull: Pull::new(fleet.config(), fleet.members()),
-            t0: Instant::now(),
+            pull: Pull::new(fleet.config(), fleet.members(), t0),
+            t0,
             tick: 0,
             queue: BinaryHeap::new(),
             seq: 0,
@@ -243,7 +245,7 @@ impl<'a> Sim<'a> {
             }
             self.tick += 1;
             self.progress()?;
-            self.handle(Event::Tick)?;
+            self.handle(Event::Wake)?;
         }
     }
 

@@ -272,7 +272,7 @@ fn drive(p: &mut Pull, now: Instant) -> Vec<(usize, String, u64)> {
     fetches
 }
 
-fn source_only(chunks: usize, window: usize) -> Pull {
+fn source_only_config(chunks: usize, window: usize) -> Config {
     let f = Fleet {
         chunks,
         stripes: 1,
@@ -285,7 +285,15 @@ fn source_only(chunks: usize, window: usize) -> Pull {
     };
     let mut cfg = f.config();
     cfg.source_epoch = 1;
-    Pull::new(cfg, vec![member("src", Role::Source)])
+    cfg
+}
+
+fn source_only(chunks: usize, window: usize) -> Pull {
+    Pull::new(
+        source_only_config(chunks, window),
+        vec![member("src", Role::Source)],
+        Instant::now(),
+    )
 }
 
 fn fetched(chunk: usize, generation: u64, outcome: Outcome) -> Event {
@@ -350,14 +358,76 @@ fn a_chunk_the_source_serves_wrong_four_times_ends_the_pull() {
     );
 }
 
+/// The pull names when it needs waking: its first heartbeat at once, then the moment the
+/// holder it waits on counts as stalled (moved by every chunk that holder sends). A wake just
+/// before that changes nothing; a wake at it gives the holder up.
+#[test]
+fn next_wake_names_the_heartbeat_and_the_stall_deadline_and_a_wake_then_acts() {
+    let t0 = Instant::now();
+    let mut cfg = source_only_config(4, 2);
+    cfg.heartbeat = cfg.stall_after * 10;
+    let stall = cfg.stall_after;
+    let mut p = Pull::new(cfg, vec![member("src", Role::Source)], t0);
+    assert_eq!(
+        p.next_wake(),
+        Some(t0),
+        "the first heartbeat is due at once"
+    );
+    p.handle(t0, Event::Wake).unwrap();
+    let mut commands = Vec::new();
+    while let Some(c) = p.poll(t0).unwrap() {
+        if matches!(c, Command::Attach(_)) {
+            p.handle(t0, Event::Attached).unwrap();
+        }
+        commands.push(c);
+    }
+    assert!(
+        commands.contains(&Command::Heartbeat) && commands.contains(&Command::Publish),
+        "{commands:?}"
+    );
+    let fetches: Vec<(usize, u64)> = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Fetch {
+                chunk, generation, ..
+            } => Some((*chunk, *generation)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(fetches.len(), 2, "{commands:?}");
+    assert_eq!(p.next_wake(), Some(t0 + stall), "two chunks asked at t0");
+    let t1 = t0 + stall / 2;
+    let (chunk, generation) = fetches[0];
+    p.handle(t1, fetched(chunk, generation, Outcome::Verified))
+        .unwrap();
+    assert_eq!(drive(&mut p, t1).len(), 1, "the window refilled");
+    assert_eq!(p.next_wake(), Some(t1 + stall), "a chunk came at t1");
+    // A wake before the deadline (no heartbeat due either) gives no one up.
+    p.handle(t1 + stall - Duration::from_millis(1), Event::Wake)
+        .unwrap();
+    assert_eq!(p.poll(t1 + stall).unwrap(), None);
+    p.handle(t1 + stall, Event::Wake).unwrap();
+    match p.poll(t1 + stall).unwrap() {
+        Some(Command::GiveUp {
+            id,
+            why: GiveUp::Stalled { after, in_flight },
+            ..
+        }) => {
+            assert_eq!(id, "src");
+            assert_eq!((after, in_flight), (stall, 2));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn a_held_pull_starts_no_fetch_and_a_held_check_keeps_it_from_done() {
     let now = Instant::now();
     let mut p = source_only(2, 1);
-    p.handle(now, Event::HoldFetches).unwrap();
+    p.hold_fetches(true);
     assert!(drive(&mut p, now).is_empty());
-    p.handle(now, Event::ResumeFetches).unwrap();
-    p.handle(now, Event::HoldCheck).unwrap();
+    p.hold_fetches(false);
+    p.hold_check(true);
     for _ in 0..2 {
         let (c, _, g) = drive(&mut p, now).pop().unwrap();
         p.handle(now, fetched(c, g, Outcome::Verified)).unwrap();
@@ -366,7 +436,7 @@ fn a_held_pull_starts_no_fetch_and_a_held_check_keeps_it_from_done() {
     while let Some(c) = p.poll(now).unwrap() {
         assert_ne!(c, Command::Done);
     }
-    p.handle(now, Event::ReleaseCheck).unwrap();
+    p.hold_check(false);
     assert_eq!(p.poll(now).unwrap(), Some(Command::Done));
 }
 

@@ -28,6 +28,14 @@ async fn notified(n: &Option<Arc<tokio::sync::Notify>>) {
     }
 }
 
+/// Resolves at `at` ([`Pull::next_wake`]); never, for `None`.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// What the driver holds beside its [`Pull`] while a pull runs.
 pub(super) struct Drive {
     /// The data paths of the holders attached, by id.
@@ -214,12 +222,14 @@ impl Receiver {
             relay: self.opts.relay,
             straggler: self.opts.straggler,
             stall_after: self.opts.stall_after,
+            heartbeat: self.opts.heartbeat,
             verify_at_rest: self.opts.verify_at_rest,
         }
     }
 
     /// Drives a [`Pull`]: carries its commands out ([`drain`](Self::drain)) and feeds it what
-    /// happened (fetches finished, the member list, holders' progress, the clock).
+    /// happened (fetches finished, the member list, holders' progress, and the time it asked
+    /// to be woken at: [`Pull::next_wake`]).
     pub(super) async fn run_inner(&mut self) -> Result<Summary, BroadcastError> {
         let started = Instant::now();
         let (polls, mut poll_rx) = mpsc::unbounded_channel();
@@ -229,7 +239,7 @@ impl Receiver {
             Ok(m) if !m.is_empty() => m,
             _ => vec![self.source.clone()],
         };
-        let mut pull = Pull::new(self.pull_config(), members);
+        let mut pull = Pull::new(self.pull_config(), members, Instant::now());
         // Discovery runs beside the pull: a backend that stops answering (a stopped source
         // keeps the embedded list) never holds up fetching or the stall checks.
         let (me_tx, me_rx) = watch::channel(self.member.clone());
@@ -240,8 +250,6 @@ impl Receiver {
             self.opts.relay,
         );
         let listing = AbortOnDrop(listed);
-        let mut tick = tokio::time::interval(self.opts.heartbeat);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut d = Drive {
             links: HashMap::new(),
             set: JoinSet::new(),
@@ -251,18 +259,21 @@ impl Receiver {
         };
         let mut hooks = self.hooks.clone();
         if hooks.hold_final_check.is_some() {
-            pull.handle(Instant::now(), Event::HoldCheck)?;
+            pull.hold_check(true);
         }
         let mut held: Option<Arc<tokio::sync::Notify>> = None;
         while !self.drain(&mut pull, &mut d).await? {
+            let wake = pull.next_wake();
             let ev = tokio::select! {
                 () = notified(&hooks.hold_final_check), if hooks.hold_final_check.is_some() => {
                     hooks.hold_final_check = None;
-                    Event::ReleaseCheck
+                    pull.hold_check(false);
+                    continue;
                 }
                 () = notified(&held), if held.is_some() => {
                     held = None;
-                    Event::ResumeFetches
+                    pull.hold_fetches(false);
+                    continue;
                 }
                 Some(joined) = d.set.join_next() => {
                     let Ok(f) = joined else { continue };
@@ -273,7 +284,7 @@ impl Receiver {
                     Listed::Members { list, beat } => Event::Members { list, beat },
                 },
                 Some(ev) = poll_rx.recv() => ev,
-                _ = tick.tick() => Event::Tick,
+                () = sleep_until(wake) => Event::Wake,
             };
             let verified = match &ev {
                 Event::Fetched {
@@ -297,7 +308,7 @@ impl Receiver {
                     && pull.have().count() == *after
                 {
                     held = Some(release.clone());
-                    pull.handle(Instant::now(), Event::HoldFetches)?;
+                    pull.hold_fetches(true);
                 }
             }
         }
