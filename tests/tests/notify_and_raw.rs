@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 use ferry::core_types::auth::Keyring;
-use ferry::raw::{RawPeer, segment_name};
+use ferry::raw::{IndexEntry, RawPeer, encode_index, index_name, next_id, segment_name};
 use ferry::{Access, Batch, DataPlane, Error, MemoryRegion, TransferEngine};
 use ferry_tests::{URING, require_or_skip};
 
@@ -113,7 +113,22 @@ async fn a_raw_address_registered_after_connecting_is_found_and_bounds_hold() ->
         let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
         let first = MemoryRegion::alloc_zeroed(8192, 4096)?;
         let first_base = first.as_ptr() as u64;
-        let _r1 = server.register(first, rw, &segment_name(first_base, "cpu:0"))?;
+        // Published as the raw layer does: an opaque name, and the address in an index.
+        let first_id = next_id();
+        let _r1 = server.register(first, rw, &segment_name(first_id, "cpu:0"))?;
+        let mut entries = vec![IndexEntry {
+            id: first_id,
+            base: first_base,
+            len: 8192,
+        }];
+        let index = |entries: &[IndexEntry]| {
+            server.register(
+                MemoryRegion::from_vec(encode_index(entries)),
+                Access::REMOTE_READ,
+                &index_name(next_id()),
+            )
+        };
+        let _i1 = index(&entries)?;
         let client = engine(plane, false, None)?;
         let local = client.register(MemoryRegion::alloc_zeroed(8192, 4096)?, Access::LOCAL, "l")?;
         local.region().write_at(0, b"raw address")?;
@@ -122,12 +137,20 @@ async fn a_raw_address_registered_after_connecting_is_found_and_bounds_hold() ->
                 .connect(server.local_addr().expect("listens"))
                 .await?,
         );
+        raw.refresh(&client).await?;
         assert_eq!(raw.registrations().len(), 1);
         // Registered after the handshake: not in the first listing, found by a fresh one.
         let late = MemoryRegion::alloc_zeroed(4096, 4096)?;
         let late_base = late.as_ptr() as u64;
         let late_region = std::sync::Arc::new(late);
-        let _r2 = server.register(late_region.clone(), rw, &segment_name(late_base, "cpu:0"))?;
+        let late_id = next_id();
+        let _r2 = server.register(late_region.clone(), rw, &segment_name(late_id, "cpu:0"))?;
+        entries.push(IndexEntry {
+            id: late_id,
+            base: late_base,
+            len: 4096,
+        });
+        let _i2 = index(&entries)?;
         assert!(matches!(
             raw.lookup(late_base + 16, 11),
             Err(Error::UnknownAddress { .. })
