@@ -1,4 +1,5 @@
-"""Small things of issue 51 from Python: an address without its port says so, and
+"""Small things of issue 51 from Python: an address without its port says so, a layer runner
+given no such script says so, and
 ``python -m ferry doctor | head`` ends quietly."""
 
 import subprocess
@@ -23,3 +24,12 @@ def test_doctor_into_a_closed_pipe_ends_without_a_traceback():
                        capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "{", p.stdout
     assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("layer", ["mooncake", "nixl"])
+def test_a_layer_runner_given_no_such_script_says_so_without_a_traceback(tmp_path, layer):
+    p = subprocess.run([sys.executable, "-m", f"ferry.{layer}", str(tmp_path / "nosuch.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert f"python -m ferry.{layer}: no such script" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr

@@ -96,6 +96,10 @@ def run_main(alias: Alias, usage: str) -> int:
         sys.argv = args[1:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
+        if not os.path.isfile(args[0]):
+            prog = usage.split(" SCRIPT")[0]
+            print(f"{prog}: no such script: {args[0]}", file=sys.stderr)
+            return 2
         sys.argv = args
         sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
         runpy.run_path(args[0], run_name="__main__")
