@@ -353,3 +353,26 @@ def test_a_killed_source_is_rays_error_and_the_next_transfer_works(cluster):
         tensor(4096, 8)
     )
     assert ray.get(dst.inflight.remote()) == 0
+
+
+def test_a_key_file_reaches_the_actors_and_a_stranger_reads_nothing(cluster, tmp_path):
+    key_file = tmp_path / "ray.key"
+    key_file.write_text("ray-fleet 000102030405060708090a0b0c0d0e0f\n")
+    key_file.chmod(0o600)
+    keyed = {"runtime_env": {"env_vars": {**_env(), "FERRY_AUTH_KEY_FILE": str(key_file)}}}
+    src, dst = Source.options(**keyed).remote(), Reader.options(**keyed).remote()
+    ref = src.make.remote(10_000, 21)
+    assert ray.get(dst.digest.remote(ref), timeout=WAIT) == digest(tensor(10_000, 21))
+    # The source's engine serves key holders only: a keyless engine is refused...
+    addr = ray.get(src.addr.remote())
+    with pytest.raises(ferry.HandshakeRefused):
+        ferry.Engine().connect(addr)
+    # ...and so is a keyless actor's read, with Ray's error naming the object.
+    stranger = Reader.remote()
+    ref2 = made(src.make.remote(10_000, 22))
+    result = ray.get(stranger.start_get.remote([ref2], "s"), timeout=WAIT)
+    result = ray.get(stranger.join.remote("s", WAIT))
+    assert result[0] == "error" and result[1] == "RayDirectTransportError", result
+    assert ref2.hex() in result[2] and "authentication" in result[2].lower(), result[2]
+    # The key holder still reads it.
+    assert ray.get(dst.digest.remote(ref2), timeout=WAIT) == digest(tensor(10_000, 22))
