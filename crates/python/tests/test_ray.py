@@ -376,3 +376,55 @@ def test_a_key_file_reaches_the_actors_and_a_stranger_reads_nothing(cluster, tmp
     assert ref2.hex() in result[2] and "authentication" in result[2].lower(), result[2]
     # The key holder still reads it.
     assert ray.get(dst.digest.remote(ref2), timeout=WAIT) == digest(tensor(10_000, 22))
+
+
+@ray.remote(enable_tensor_transport=True)
+class NixlSource:
+    """A source on Ray's own NIXL transport (run with FERRY_AS_NIXL=1: its nixl is Ferry's)."""
+
+    def __init__(self):
+        self.base = tensor(1 << 20, 7)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def nixl_module(self) -> str:
+        import nixl._api
+
+        return nixl._api.__file__
+
+    @ray.method(tensor_transport="NIXL")
+    def make(self, n: int, seed: int):
+        return tensor(n, seed)
+
+    @ray.method(tensor_transport="NIXL")
+    def big(self):
+        return self.base
+
+
+def test_rays_nixl_transport_runs_on_ferry_as_nixl(cluster):
+    """Ray's NIXL transport, unchanged, with FERRY_AS_NIXL=1 in the actors: bytes, agent reuse
+    after garbage collection, a source killed during a read (Ray's error text) and the next
+    transfer."""
+    opts = {"runtime_env": {"env_vars": {**_env(), "FERRY_AS_NIXL": "1"}}}
+    src, dst = NixlSource.options(**opts).remote(), Reader.options(**opts).remote()
+    assert "/ferry/nixl/" in ray.get(src.nixl_module.remote(), timeout=WAIT)
+    # Each object is collected before the next: Ray deregisters its memory, bumps the agent's
+    # metadata version, and the reader reloads the agent.
+    for i in range(3):
+        n = 4096 + 1000 * i
+        assert ray.get(dst.digest.remote(src.make.remote(n, 40 + i)), timeout=WAIT) == digest(
+            tensor(n, 40 + i)
+        )
+    ref = made(src.big.remote())
+    pid = ray.get(src.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    ray.get(dst.start_get.remote([ref], "n"), timeout=WAIT)
+    os.kill(pid, signal.SIGKILL)
+    result = ray.get(dst.join.remote("n", WAIT))
+    assert result[0] == "error" and result[1] == "RayDirectTransportError", result
+    assert "The source actor may have died" in result[2], result[2]
+    src2 = NixlSource.options(**opts).remote()
+    assert ray.get(dst.digest.remote(src2.make.remote(5000, 50)), timeout=WAIT) == digest(
+        tensor(5000, 50)
+    )
