@@ -234,9 +234,12 @@ def test_actor_to_actor_moves_every_byte(cluster):
         "empty": torch.empty(0),
     }
     assert got == {k: (digest(v), tuple(v.shape), str(v.dtype)) for k, v in want.items()}
-    # The read went over Ferry, on the same-host plane, not Ray's object store.
+    # The driver reads too (ray.get of the actor's object).
+    assert digest(ray.get(src.make.remote(77777, 4), timeout=WAIT)) == digest(tensor(77777, 4))
+    # The source's engine listens on Ray's node address, loopback here.
     addr = ray.get(src.addr.remote())
     assert addr.startswith("127.0.0.1:")
+    assert ferry.ray.manager().transports().get(addr) == "local"
 
 
 def test_driver_put_is_read_by_an_actor(cluster):
