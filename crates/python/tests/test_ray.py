@@ -242,6 +242,14 @@ def test_actor_to_actor_moves_every_byte(cluster):
     assert ferry.ray.manager().transports().get(addr) == "local"
 
 
+def test_one_object_read_by_several_actors_at_once(cluster):
+    src = Source.remote()
+    readers = [Reader.remote() for _ in range(3)]
+    ref = src.make.remote(1 << 20, 13)
+    got = ray.get([r.digest.remote(ref) for r in readers], timeout=WAIT)
+    assert got == [digest(tensor(1 << 20, 13))] * 3
+
+
 def test_driver_put_is_read_by_an_actor(cluster):
     dst = Reader.remote()
     t = tensor(123457, 9)

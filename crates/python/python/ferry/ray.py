@@ -155,6 +155,10 @@ class FerryFetchRequest(FetchRequest):
     transport: Any = None
     finished: bool = False
 
+    # By identity: the generated comparison would compare tensors element by element.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
     def _finish(self) -> None:
         if self.finished:
             return
