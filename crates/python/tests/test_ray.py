@@ -76,6 +76,18 @@ def made(ref):
     return ref
 
 
+def wait_gone(pid: int) -> None:
+    """Waits until process ``pid`` (of this host) has ended."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still runs {WAIT}s after it was killed")
+
+
 def tensor(n: int, seed: int, dtype=None) -> "torch.Tensor":
     t = torch.randn(n, generator=torch.Generator().manual_seed(seed))
     return t if dtype is None else t.to(dtype)
@@ -211,7 +223,7 @@ def test_the_contract_is_ferrys():
     assert m.is_one_sided() and m.can_abort_transport()
 
 
-def test_register_is_idempotent_and_refuses_another_class(cluster):
+def test_register_is_idempotent(cluster):
     from ray.experimental.rdt import util
 
     ferry.ray.register()
@@ -351,12 +363,17 @@ def test_a_killed_source_is_rays_error_and_the_next_transfer_works(cluster):
     assert ref.hex() in result[2] and src_actor_id in result[2], result[2]
     assert "may have died" in result[2], result[2]
 
-    # Killed before the read: Ray's error.
+    # Killed before the read: the same error (the connect is refused).
     src2 = Source.remote()
     ref2 = made(src2.make.remote(1000, 3))
+    pid2 = ray.get(src2.pid.remote())
     ray.kill(src2)
-    with pytest.raises(ray.exceptions.RayError):
+    wait_gone(pid2)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(src2.pid.remote(), timeout=WAIT)
+    with pytest.raises(ray.exceptions.RayDirectTransportError) as e:
         ray.get(dst.digest.remote(ref2), timeout=WAIT)
+    assert ref2.hex() in str(e.value) and "may have died" in str(e.value), str(e.value)
 
     # The reader's next transfer, from a live source, works.
     src3 = Source.remote()
