@@ -191,25 +191,27 @@ impl Embedded {
         self.addr
     }
 
+    /// One request and its answer on the kept connection (made afresh when there is none, or
+    /// it is idle past half the source's timeout). The connection is taken out for the call and
+    /// put back only after a whole answer: a call that fails (a restarted source listens again)
+    /// or whose future is dropped midway leaves none behind, so an answer still on its way is
+    /// never read as the next call's.
     async fn call(&self, req: Request) -> Result<Reply, BroadcastError> {
-        let mut conn = self.conn.lock().await;
-        if conn.as_ref().is_some_and(CtlClient::stale) {
+        let mut slot = self.conn.lock().await;
+        if slot.as_ref().is_some_and(CtlClient::stale) {
             // The source closes a connection idle past its timeout.
-            *conn = None;
+            *slot = None;
         }
-        if conn.is_none() {
-            *conn = Some(
+        let mut c = match slot.take() {
+            Some(c) => c,
+            None => {
                 CtlClient::connect_keyed(&self.addr.to_string(), self.timeout, self.keys.as_ref())
-                    .await?,
-            );
-        }
-        let Some(c) = conn.as_mut() else {
-            return Err(self.err("no connection"));
+                    .await?
+            }
         };
         let r = c.call(&req, self.timeout).await;
-        if r.is_err() {
-            // Reconnect next time (a restarted source listens again).
-            *conn = None;
+        if r.is_ok() {
+            *slot = Some(c);
         }
         r
     }
@@ -299,6 +301,54 @@ impl Discovery for Embedded {
 mod tests {
     use super::*;
     use crate::plan::Role;
+
+    /// A heartbeat whose future is dropped before its answer came (a caller's select, a
+    /// timeout) leaves no connection whose next read is that answer: the list asked next is
+    /// answered as a list.
+    #[tokio::test]
+    async fn a_call_dropped_midway_leaves_no_answer_for_the_next_one() {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let release = std::sync::Arc::new(tokio::sync::Notify::new());
+        let held = release.clone();
+        // Each connection: every request line is answered, a heartbeat only once released.
+        tokio::spawn(async move {
+            loop {
+                let (sock, _) = listener.accept().await.unwrap();
+                let held = held.clone();
+                tokio::spawn(async move {
+                    let (r, mut w) = sock.into_split();
+                    let mut lines = tokio::io::BufReader::new(r).lines();
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        let answer = if line.contains("\"heartbeat\"") {
+                            held.notified().await;
+                            r#"{"reply":"ok","source_epoch":1}"#
+                        } else {
+                            r#"{"reply":"members","source_epoch":1,"members":[]}"#
+                        };
+                        if w.write_all(format!("{answer}\n").as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let d = Embedded::new(addr);
+        let me = member("a", 1, Role::Receiver);
+        let cut = tokio::time::timeout(Duration::from_millis(100), d.update(&me)).await;
+        assert!(
+            cut.is_err(),
+            "the heartbeat was answered before it was released"
+        );
+        // Its answer now goes out on the connection the dropped call used.
+        release.notify_one();
+        let members = d
+            .members()
+            .await
+            .expect("the list, not the heartbeat's answer");
+        assert!(members.is_empty());
+    }
 
     fn member(id: &str, epoch: u64, role: Role) -> Member {
         Member {
