@@ -20,7 +20,7 @@
 //!   once ([`RawPeer::resolve`]) before it is refused with [`Error::UnknownAddress`]. Nothing is
 //!   sent for a refused range.
 //!
-//! What moves is an ordinary [`Batch`](crate::Batch) of the resolved segments and offsets: this
+//! What moves is an ordinary [`Batch`] of the resolved segments and offsets: this
 //! layer adds no copy and no step to the data path (the index is read when the map is
 //! refreshed, not per transfer).
 
