@@ -846,6 +846,31 @@ mod tests {
         assert_eq!(g.release(43), Prctl::Nothing);
     }
 
+    /// Opening a client's address space raises `CAP_SYS_PTRACE` for the open alone: the
+    /// serving thread that had dropped it has dropped it again after.
+    #[test]
+    fn opening_an_address_space_leaves_the_capability_dropped() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let after = std::thread::spawn(move || {
+            drop_ptrace_capability().unwrap();
+            let space = AddressSpace::open(pid).unwrap();
+            assert!(!space.gone());
+            ptrace_capable().unwrap()
+        })
+        .join()
+        .unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            !after,
+            "the serving thread kept CAP_SYS_PTRACE after the open"
+        );
+    }
+
     #[test]
     fn a_thread_drops_ptrace_for_itself_only() {
         let before = ptrace_capable().unwrap();
