@@ -18,7 +18,7 @@ Paths, in one Ray session, in alternating order from round to round:
 Each path: one warm-up, then ``--transfers`` timed ones; the table gives the median per round.
 Run with the environment that has Ray and torch::
 
-    target/nixl-suite-venv/bin/python crates/python/benches/bench_ray.py [--mib 256] [--rounds 2]
+    target/frameworks-venv/bin/python crates/python/benches/bench_ray.py [--mib 256] [--rounds 2]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Ray's ``FERRY`` tensor transport (ferry.ray) against the real Ray: two actors on one host,
 Ray's node and every Ferry engine on 127.0.0.1.
 
-Needs Ray (2.60) and torch in the environment (``target/nixl-suite-venv`` has both; docs/ray.md).
+Needs Ray (2.60) and torch in the environment (``target/frameworks-venv`` has both; docs/ray.md).
 Without them the module skips with the reason, or fails under ``FERRY_REQUIRE_RAY=1``.
 """
 
