@@ -1,6 +1,6 @@
 //! `cargo xtask ci`: the whole gate, in the order a failure is cheapest to find.
 //! `cargo xtask ci --step NAME` runs one step alone (`fmt`, `tidy`, `clippy`, `test`, `doctest`,
-//! `doc`, `soak`, `python`, `soft-roce`).
+//! `doc`, `soak`, `python`, `frameworks`, `soft-roce`).
 //!
 //! `cargo xtask ci --repeat N` runs the whole test suite (`cargo test --workspace --all-targets
 //! --no-fail-fast`) N times in a row, whatever fails, and ends with each test that failed and
@@ -47,6 +47,7 @@ const STEPS: &[Step] = &[
     }),
     ("soak", crate::stress::from_ci),
     ("python", crate::python::from_ci),
+    ("frameworks", crate::frameworks::from_ci),
     ("soft-roce", crate::soft_roce::from_ci),
 ];
 

@@ -14,6 +14,7 @@ mod bench_uring;
 mod bindgen;
 mod ci;
 mod contracts;
+mod frameworks;
 mod fresh_machine;
 mod fuzz;
 mod gpu_check;
@@ -34,7 +35,7 @@ usage: cargo xtask <task> [args]
 
 tasks:
   ci [--step NAME]       fmt check, tidy, clippy -D warnings, all tests, docs with warnings denied,
-                         the Python package's pytest suite, soft-RoCE
+                         the Python package's pytest suite, the frameworks, soft-RoCE
   bench tcp [--total BYTES] [--repeat N]
                          ferry bench (TCP) against iperf3 on loopback, 1 and 2 streams, with ratios
   bench uring [...]      the io_uring transport against iperf3 -Z and fio (xtask/src/bench_uring.rs)
@@ -50,6 +51,10 @@ tasks:
                          and the etcd feature inside it; run before changing native dependencies
                          or .ci/ (xtask/src/fresh_machine.rs). Its mounts live in its own
                          namespace; --mounts-only makes them on an empty root and waits
+  frameworks [--only NAME] [--provision]
+                         Ray, verl and vLLM from the package index in cached venvs
+                         (<target>/frameworks-venv, <target>/vllm-venv), and Ferry's tests
+                         against them with their FERRY_REQUIRE_* set (xtask/src/frameworks.rs)
   wheel                  the Python package as an abi3 wheel (release, maturin) in <target>/wheels
   fuzz [--cases N]       the property tests of every parser of outside input, N cases each
                          (default 100000; xtask/src/fuzz.rs)
@@ -115,6 +120,7 @@ fn main() -> Result<()> {
         "tidy" => tidy::run(&rest),
         "fuzz" => fuzz::run(&rest),
         "wheel" => python::wheel(&rest),
+        "frameworks" => frameworks::run(&rest),
         "fresh-machine" => fresh_machine::run_task(&rest),
         "mutants" => mutants::run(&rest),
         "faults" => stress::faults(&rest),

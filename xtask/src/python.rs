@@ -161,6 +161,26 @@ fn build_wheel(py: &Path) -> Result<PathBuf> {
     }
 }
 
+/// The wheel in [`wheels_dir`] (what the `python` step just built), built now if there is none:
+/// the package the frameworks step installs into its environments.
+pub(crate) fn wheel_for_tests() -> Result<PathBuf> {
+    let dir = wheels_dir();
+    let mut wheels: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+                .collect()
+        })
+        .unwrap_or_default();
+    if wheels.len() == 1 {
+        let wheel = wheels.remove(0);
+        eprintln!("python: using the built wheel {}", wheel.display());
+        return Ok(wheel);
+    }
+    let py = venv(true)?.context("no Python environment")?;
+    build_wheel(&py)
+}
+
 /// PATH with the environment's `bin` first.
 fn venv_path(bin: &Path) -> Result<std::ffi::OsString> {
     Ok(std::env::join_paths(

@@ -1,0 +1,237 @@
+//! `cargo xtask frameworks` and `cargo xtask ci`'s `frameworks` step: Ferry against the
+//! frameworks that name it (Ray, verl, vLLM), installed from the package index into cached
+//! virtual environments.
+//!
+//! Each environment in [`ENVIRONMENTS`] lives in `<target>/<name>` and is made once with the
+//! interpreter named by `FERRY_PYTHON` (default `python3`); its pip installs run again only when
+//! their arguments change (the arguments are kept in the environment's `.ferry-provisioned`), so
+//! a cached environment costs a second. The wheel the `python` step built (`<target>/wheels`,
+//! built here if absent) is installed into each without dependencies, replacing any copy there,
+//! and the environment's test files from `crates/python/tests` run against it under pytest with
+//! the environment's `FERRY_REQUIRE_*` variables set, so a test that would skip for a missing
+//! framework fails instead.
+//!
+//! An environment that cannot be made (no interpreter, no venv module, pip failing: no network)
+//! is skipped with the reason, unless `FERRY_REQUIRE_PYTHON=1`, as in the `python` step; a test
+//! that fails always fails the step. `cargo xtask frameworks --only NAME` provisions and tests
+//! one environment; `--provision` installs without testing (what a developer runs before
+//! `target/<name>/bin/python -m pytest ...` by hand).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::util::{project_root, run as run_loud, target_dir};
+
+/// One cached environment: its directory name, its pip installs (in order), the test files it
+/// runs (`crates/python/tests` glob patterns) and the facility variables set for them.
+struct Environment {
+    name: &'static str,
+    installs: &'static [&'static [&'static str]],
+    tests: &'static [&'static str],
+    require: &'static [&'static str],
+}
+
+/// The environments. torch from the index is the CUDA build; it runs on a machine without a GPU.
+const ENVIRONMENTS: &[Environment] = &[
+    Environment {
+        name: "frameworks-venv",
+        installs: &[&["torch", "ray[default]==2.60.*", "pytest", "numpy"]],
+        tests: &["test_ray*.py", "test_verl*.py"],
+        require: &["FERRY_REQUIRE_RAY", "FERRY_REQUIRE_VERL"],
+    },
+    Environment {
+        name: "vllm-venv",
+        installs: &[&["vllm==0.33.*", "pytest"]],
+        tests: &["test_vllm*.py"],
+        require: &["FERRY_REQUIRE_VLLM"],
+    },
+];
+
+/// `python` arguments that install quietly with pip.
+const PIP_INSTALL: [&str; 5] = ["-m", "pip", "install", "-q", "--disable-pip-version-check"];
+
+const USAGE: &str = "usage: cargo xtask frameworks [--only NAME] [--provision]";
+
+/// `cargo xtask frameworks [--only NAME] [--provision]`.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut only = None;
+    let mut provision_only = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--only" => only = Some(it.next().context(USAGE)?.clone()),
+            "--provision" => provision_only = true,
+            _ => bail!("{USAGE}"),
+        }
+    }
+    if let Some(name) = &only
+        && !ENVIRONMENTS
+            .iter()
+            .any(|e| e.name == name || e.name == format!("{name}-venv"))
+    {
+        bail!(
+            "no environment {name:?}; environments: {}",
+            ENVIRONMENTS
+                .iter()
+                .map(|e| e.name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    for env in ENVIRONMENTS {
+        if only
+            .as_ref()
+            .is_some_and(|n| env.name != n && env.name != format!("{n}-venv"))
+        {
+            continue;
+        }
+        let Some(py) = provision(env)? else { continue };
+        if !provision_only {
+            test(env, &py)?;
+        }
+    }
+    Ok(())
+}
+
+/// `cargo xtask ci`'s step: every environment, provisioned and tested.
+pub(crate) fn from_ci() -> Result<()> {
+    run(&[])
+}
+
+/// Whether `FERRY_REQUIRE_PYTHON=1`.
+fn required() -> bool {
+    std::env::var("FERRY_REQUIRE_PYTHON").is_ok_and(|v| v == "1")
+}
+
+/// The environment's interpreter, made and installed if need be; `None` (with a skip line) when
+/// that fails and Python is not required.
+fn provision(env: &Environment) -> Result<Option<PathBuf>> {
+    match try_provision(env) {
+        Ok(py) => Ok(Some(py)),
+        Err(e) if !required() => {
+            eprintln!(
+                "frameworks: SKIPPED {}: {e:#} (set FERRY_REQUIRE_PYTHON=1 to make this a failure)",
+                env.name
+            );
+            Ok(None)
+        }
+        Err(e) => Err(e.context(format!(
+            "provisioning {} (FERRY_REQUIRE_PYTHON=1 says this machine can)",
+            env.name
+        ))),
+    }
+}
+
+fn try_provision(env: &Environment) -> Result<PathBuf> {
+    let dir = target_dir().join(env.name);
+    let py = dir.join("bin/python");
+    if !py.is_file() {
+        let base = std::env::var("FERRY_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+        run_loud(Command::new(&base).args(["-m", "venv"]).arg(&dir))
+            .with_context(|| format!("`{base} -m venv` (install python3-venv)"))?;
+    }
+    let marker = dir.join(".ferry-provisioned");
+    let wanted = provision_record(env);
+    let have = std::fs::read_to_string(&marker).unwrap_or_default();
+    if have != wanted {
+        for install in env.installs {
+            run_loud(Command::new(&py).args(PIP_INSTALL).args(*install))
+                .with_context(|| format!("pip install {}", install.join(" ")))?;
+        }
+        std::fs::write(&marker, &wanted)
+            .with_context(|| format!("writing {}", marker.display()))?;
+    } else {
+        eprintln!(
+            "frameworks: {} is provisioned ({})",
+            env.name,
+            marker.display()
+        );
+    }
+    Ok(py)
+}
+
+/// What the marker holds: one line per pip install, in order.
+fn provision_record(env: &Environment) -> String {
+    env.installs.iter().map(|i| i.join(" ") + "\n").collect()
+}
+
+/// Installs the wheel and runs the environment's test files with its facilities required.
+fn test(env: &Environment, py: &Path) -> Result<()> {
+    let wheel = crate::python::wheel_for_tests()?;
+    run_loud(
+        Command::new(py)
+            .args(PIP_INSTALL)
+            .args(["--force-reinstall", "--no-deps"])
+            .arg(&wheel),
+    )?;
+    let files = test_files(env)?;
+    if files.is_empty() {
+        eprintln!("frameworks: {} has no test files yet", env.name);
+        return Ok(());
+    }
+    let mut cmd = Command::new(py);
+    cmd.current_dir(project_root())
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .args(&files)
+        .env("RUST_BACKTRACE", "1");
+    for var in env.require {
+        cmd.env(var, "1");
+    }
+    run_loud(&mut cmd).with_context(|| format!("the {} tests", env.name))
+}
+
+/// The files of `crates/python/tests` that match the environment's patterns (`prefix*.py`).
+fn test_files(env: &Environment) -> Result<Vec<String>> {
+    let dir = project_root().join("crates/python/tests");
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+        let name = e?.file_name().to_string_lossy().into_owned();
+        if env.tests.iter().any(|p| matches(p, &name)) {
+            files.push(format!("crates/python/tests/{name}"));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// `pattern` is `PREFIX*SUFFIX` or a plain name.
+fn matches(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        Some((pre, suf)) => {
+            name.len() >= pre.len() + suf.len() && name.starts_with(pre) && name.ends_with(suf)
+        }
+        None => pattern == name,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_match_prefix_and_suffix() {
+        assert!(matches("test_ray*.py", "test_ray.py"));
+        assert!(matches("test_ray*.py", "test_ray_cluster.py"));
+        assert!(!matches("test_ray*.py", "test_rayx.pyc"));
+        assert!(!matches("test_ray*.py", "test_verl.py"));
+        assert!(matches("conftest.py", "conftest.py"));
+    }
+
+    #[test]
+    fn the_record_changes_with_the_installs() {
+        let a = Environment {
+            name: "a",
+            installs: &[&["x==1"]],
+            tests: &[],
+            require: &[],
+        };
+        let b = Environment {
+            installs: &[&["x==2"]],
+            ..a
+        };
+        assert_ne!(provision_record(&a), provision_record(&b));
+        assert_eq!(provision_record(&a), "x==1\n");
+    }
+}
