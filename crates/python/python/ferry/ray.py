@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -65,7 +66,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRANSPORT",
+    "TRANSPORT_NUMPY",
+    "TRANSPORT_RELAY",
     "FerryCommunicatorMetadata",
+    "FerryNumpyTransport",
+    "FerryRelayTransport",
     "FerryTensorTransport",
     "FerryTransportMetadata",
     "deregister_memory",
@@ -78,30 +83,51 @@ logger = logging.getLogger("ferry.ray")
 
 #: The name Ray programs give the transport (``tensor_transport="FERRY"``; Ray upper-cases it).
 TRANSPORT = "FERRY"
+#: The name for ``numpy.ndarray`` objects (``tensor_transport="FERRY_NUMPY"``).
+TRANSPORT_NUMPY = "FERRY_NUMPY"
+#: The name for torch tensors read by many actors (``tensor_transport="FERRY_RELAY"``): each
+#: object is a Ferry broadcast, and readers relay verified chunks to one another.
+TRANSPORT_RELAY = "FERRY_RELAY"
+#: How long a ``FERRY_RELAY`` reader keeps relaying after it has every byte, at most (seconds;
+#: it stops as soon as every reader it knows of has finished).
+RELAY_LINGER = 30.0
 
 _register_lock = threading.Lock()
 
 
 def register() -> None:
-    """Registers the ``FERRY`` tensor transport with Ray in this process (torch tensors on
-    ``cpu`` and ``cuda``). Idempotent: call it in the driver before making the actors that use
-    it, and again wherever convenient (an actor's ``__init__``); a second call does nothing.
-    Ray copies the registrations of the driver into each actor it makes afterwards."""
-    import torch
+    """Registers Ferry's tensor transports with Ray in this process: ``FERRY`` for
+    ``torch.Tensor`` (``cpu`` and ``cuda``; when torch imports) and ``FERRY_NUMPY`` for
+    ``numpy.ndarray`` (``cpu``), and ``FERRY_RELAY`` for torch tensors that many actors read
+    (readers relay to one another). Ray gives each transport name one data type, hence several
+    names; all share this process's engine, connections and registrations. Idempotent: call it in the
+    driver before making the actors that use it, and again wherever convenient (an actor's
+    ``__init__``); a second call does nothing. Ray copies the registrations of the driver into
+    each actor it makes afterwards."""
+    import numpy
     from ray.experimental.rdt import util
 
+    try:
+        import torch
+    except ImportError:  # numpy-only: FERRY_NUMPY alone
+        torch = None
+    wanted = [(TRANSPORT_NUMPY, ["cpu"], FerryNumpyTransport, numpy.ndarray)]
+    if torch is not None:
+        wanted[:0] = [
+            (TRANSPORT, ["cpu", "cuda"], FerryTensorTransport, torch.Tensor),
+            (TRANSPORT_RELAY, ["cpu", "cuda"], FerryRelayTransport, torch.Tensor),
+        ]
     with _register_lock:
-        info = util.transport_manager_info.get(TRANSPORT)
-        if info is not None:
-            if info.transport_manager_class is not FerryTensorTransport:
-                raise ValueError(
-                    f"the tensor transport {TRANSPORT} is already registered with "
-                    f"{info.transport_manager_class.__qualname__}, not Ferry's"
-                )
-            return
-        util.register_tensor_transport(
-            TRANSPORT, ["cpu", "cuda"], FerryTensorTransport, torch.Tensor
-        )
+        for name, devices, cls, data_type in wanted:
+            info = util.transport_manager_info.get(name)
+            if info is not None:
+                if info.transport_manager_class is not cls:
+                    raise ValueError(
+                        f"the tensor transport {name} is already registered with "
+                        f"{info.transport_manager_class.__qualname__}, not Ferry's"
+                    )
+                continue
+            util.register_tensor_transport(name, devices, cls, data_type)
 
 
 @dataclass
@@ -121,6 +147,9 @@ class FerryTransportMetadata(TensorTransportMetadata):
         server_identity: The identity the source proves to clients that expect it (with keys).
         source: Who made the object (actor id and name, or the driver), for error messages.
         segments: Per tensor, the segment holding it, its offset in it, and its length.
+        kinds: Per tensor, ``"torch"`` or ``"numpy"`` (what the receiver makes).
+        relay: ``FERRY_RELAY`` only: the object's broadcast, as (control address, broadcast
+            name, manifest digest); its tensors are named ``t<i>`` by their index.
     """
 
     addr: Optional[str] = None
@@ -129,6 +158,8 @@ class FerryTransportMetadata(TensorTransportMetadata):
     server_identity: Optional[str] = None
     source: Optional[str] = None
     segments: list = field(default_factory=list)
+    kinds: list = field(default_factory=list)
+    relay: Optional[tuple] = None
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
@@ -154,6 +185,7 @@ class FerryFetchRequest(FetchRequest):
     source: Optional[str] = None
     transport: Any = None
     finished: bool = False
+    relay: Any = None
 
     # By identity: the generated comparison would compare tensors element by element.
     __eq__ = object.__eq__
@@ -210,28 +242,110 @@ def _listen_address() -> str:
     return f"[{host}]:0" if ":" in host else f"{host}:0"
 
 
-def _byte_view(t: "torch.Tensor") -> "torch.Tensor":
-    """``t``'s bytes as a flat uint8 tensor over the same memory (``t`` contiguous)."""
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_numpy(x: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def _kind(x: Any) -> str:
+    """``"torch"`` or ``"numpy"``; TypeError for anything else."""
+    if _is_torch(x):
+        return "torch"
+    if _is_numpy(x):
+        return "numpy"
+    raise TypeError(f"{TRANSPORT} moves torch tensors and numpy arrays, not {type(x).__name__}")
+
+
+def _device_type(x: Any) -> str:
+    return x.device.type if _is_torch(x) else "cpu"
+
+
+def _nbytes(x: Any) -> int:
+    return x.numel() * x.element_size() if _is_torch(x) else int(x.nbytes)
+
+
+def _contiguous(x: Any) -> bool:
+    return x.is_contiguous() if _is_torch(x) else bool(x.flags.c_contiguous)
+
+
+def _data_ptr(x: Any) -> int:
+    return x.data_ptr() if _is_torch(x) else int(x.ctypes.data)
+
+
+def _byte_view(t: Any) -> Any:
+    """``t``'s bytes as a flat uint8 tensor (or array) over the same memory (``t`` contiguous)."""
+    if _is_numpy(t):
+        import numpy as np
+
+        return t.reshape(-1).view(np.uint8)
     import torch
 
     flat = t.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def _storage_bytes(t: "torch.Tensor") -> "torch.Tensor":
-    """The whole storage under ``t`` as a flat uint8 tensor over the same memory."""
+def _numpy_root(a: Any) -> Any:
+    """The outermost array whose memory holds ``a`` (its ``base`` chain): views of one array
+    share that array's registration. ``a`` itself when the root does not cover it as one
+    contiguous range."""
+    import numpy as np
+
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    lo, hi = int(a.ctypes.data), int(a.ctypes.data) + int(a.nbytes)
+    rlo = int(root.ctypes.data)
+    if root is not a and root.flags.c_contiguous and rlo <= lo and hi <= rlo + int(root.nbytes):
+        return root
+    return a
+
+
+def _storage(t: Any) -> tuple[tuple[str, int, int], Any]:
+    """The cache key of the memory under ``t`` (device, address, length) and that whole memory
+    as a flat uint8 tensor or array: a torch tensor's storage, a numpy array's root."""
+    if _is_numpy(t):
+        root = _numpy_root(t)
+        return ("cpu", int(root.ctypes.data), int(root.nbytes)), _byte_view(root)
     import torch
 
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    storage = t.untyped_storage()
+    key = (str(t.device), storage.data_ptr(), storage.nbytes())
+    return key, torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+
+
+class _State:
+    """What every Ferry transport of a process shares (Ray makes one manager per transport
+    name): the engine, the published storages, the connected sources, the fetches."""
+
+    def __init__(self) -> None:
+        self.engine: Optional[ferry.Engine] = None
+
+
+_shared: dict[str, Any] = {}
+_shared_lock = threading.Lock()
 
 
 class FerryTensorTransport(TensorTransportManager):
-    """Ray's ``TensorTransportManager`` on Ferry (the module's docs). Ray makes one per process."""
+    """Ray's ``TensorTransportManager`` on Ferry (the module's docs), for ``torch.Tensor``
+    (``FERRY``). Ray makes one per transport name and process; every instance in a process
+    shares one state (one engine, one registration cache)."""
 
     def __init__(self) -> None:
+        with _shared_lock:
+            if not _shared:
+                self._init_state()
+                _shared.update(self.__dict__)
+            else:
+                self.__dict__.update(_shared)
+
+    def _init_state(self) -> None:
         self._lock = threading.RLock()
-        self._engine: Optional[ferry.Engine] = None
-        self._engine_error: Optional[BaseException] = None
+        self._box = _State()
         self._names = itertools.count()
         # Published storages by (device, storage address), and the storages each object holds.
         self._storages: dict[tuple[str, int], _Held] = {}
@@ -243,21 +357,25 @@ class FerryTensorTransport(TensorTransportManager):
         self._inflight: dict[str, list[FerryFetchRequest]] = {}
         self._aborted: set[str] = set()
         self._ended: OrderedDict[str, None] = OrderedDict()
+        # FERRY_RELAY: each object's broadcast (source), and the pulls of this process
+        # (receiver) by object id, newest last.
+        self._publishers: dict[str, Any] = {}
+        self._pulls: OrderedDict[str, "_RelayPull"] = OrderedDict()
 
     # -- the engine -------------------------------------------------------------------------
 
     def engine(self) -> ferry.Engine:
         """This process's engine, made on first use (the module's docs say where it listens)."""
         with self._lock:
-            if self._engine is None:
-                self._engine = ferry.Engine(listen=_listen_address())
+            if self._box.engine is None:
+                self._box.engine = ferry.Engine(listen=_listen_address())
                 logger.info(
                     "Ferry engine for Ray's %s transport listens on %s (%s)",
                     TRANSPORT,
-                    self._engine.listen_addr,
+                    self._box.engine.listen_addr,
                     _who(),
                 )
-            return self._engine
+            return self._box.engine
 
     def registered_storages(self) -> int:
         """How many storages this process has published for objects (tests, diagnostics)."""
@@ -269,6 +387,16 @@ class FerryTensorTransport(TensorTransportManager):
         copies), ``"uring"``, ``"tcp"`` or ``"rdma"`` (tests, diagnostics)."""
         with self._lock:
             return {addr: peer.transport for addr, peer in self._peers.items()}
+
+    def relay_summary(self, obj_id: str, timeout: float) -> Optional[dict]:
+        """What this process's pull of ``obj_id`` took from the source and from relays, once
+        it stopped relaying (waits up to ``timeout`` seconds for that); None if there was no
+        such pull or it failed (``FERRY_RELAY``; tests, diagnostics)."""
+        with self._lock:
+            pull = self._pulls.get(obj_id)
+        if pull is None or not pull.ended.wait(timeout):
+            return None
+        return pull.summary
 
     def inflight(self) -> int:
         """How many fetches are in flight in this process (tests, diagnostics)."""
@@ -303,28 +431,29 @@ class FerryTensorTransport(TensorTransportManager):
     def extract_tensor_transport_metadata(
         self, obj_id: str, rdt_object: list[Any]
     ) -> FerryTransportMetadata:
-        import torch
-
         if not rdt_object:
             return FerryTransportMetadata(tensor_meta=[], tensor_device=None)
-        device_type = rdt_object[0].device.type
+        kinds = []
         for i, t in enumerate(rdt_object):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"{TRANSPORT} moves torch tensors; item {i} of object {obj_id} is "
-                    f"{type(t).__name__}"
-                )
-            if t.device.type != device_type:
+            try:
+                kinds.append(_kind(t))
+            except TypeError as e:
+                raise TypeError(f"item {i} of object {obj_id}: {e}") from None
+        device_type = _device_type(rdt_object[0])
+        for i, t in enumerate(rdt_object):
+            if _device_type(t) != device_type:
                 raise ValueError(
                     f"all tensors of an RDT object must be on one device type; object "
-                    f"{obj_id} has {device_type} and {t.device.type}"
+                    f"{obj_id} has {device_type} and {_device_type(t)}"
                 )
-            if not t.is_contiguous():
+            if not _contiguous(t):
                 raise ValueError(
                     f"all tensors of an RDT object must be contiguous; item {i} of object "
                     f"{obj_id} is not"
                 )
         if device_type == "cuda":
+            import torch
+
             # Ferry's copies run on its own streams: the producer's work must be done.
             for dev in {t.device for t in rdt_object}:
                 torch.cuda.synchronize(dev)
@@ -334,15 +463,13 @@ class FerryTensorTransport(TensorTransportManager):
         with self._lock:
             try:
                 for t in rdt_object:
-                    nbytes = t.numel() * t.element_size()
+                    nbytes = _nbytes(t)
                     if nbytes == 0:
                         segments.append(None)
                         continue
                     key, held = self._hold(engine, t)
                     keys.append(key)
-                    storage = t.untyped_storage()
-                    offset = t.data_ptr() - storage.data_ptr()
-                    segments.append((held.name, offset, nbytes))
+                    segments.append((held.name, _data_ptr(t) - key[1], nbytes))
             except BaseException:
                 self._release(keys)
                 raise
@@ -350,6 +477,7 @@ class FerryTensorTransport(TensorTransportManager):
         return FerryTransportMetadata(
             tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
             tensor_device=device_type,
+            kinds=kinds,
             addr=engine.listen_addr,
             peer_id=engine.peer_id,
             epoch=engine.epoch,
@@ -385,8 +513,6 @@ class FerryTensorTransport(TensorTransportManager):
         communicator_metadata: CommunicatorMetadata,
         target_buffers: Optional[list[Any]] = None,
     ) -> FerryFetchRequest:
-        import torch
-
         meta = tensor_transport_metadata
         assert isinstance(meta, FerryTransportMetadata), type(meta)
         source = meta.source or "the source"
@@ -402,13 +528,10 @@ class FerryTensorTransport(TensorTransportManager):
                     f"but {len(tensors)} target buffers were given"
                 )
             for i, t in enumerate(tensors):
-                if not t.is_contiguous():
+                if not _contiguous(t):
                     raise ValueError(f"target buffer {i} of object {obj_id} is not contiguous")
         else:
-            tensors = [
-                torch.empty(shape, dtype=dtype, device=meta.tensor_device or "cpu")
-                for shape, dtype in meta.tensor_meta
-            ]
+            tensors = _empty_like_meta(meta)
         fetch = FerryFetchRequest(
             obj_id=obj_id, tensors=tensors, addr=meta.addr, source=source, transport=self
         )
@@ -423,13 +546,15 @@ class FerryTensorTransport(TensorTransportManager):
                 if seg is None:
                     continue
                 name, offset, nbytes = seg
-                if t.numel() * t.element_size() != nbytes:
+                if _nbytes(t) != nbytes:
                     raise ValueError(
-                        f"target buffer {i} holds {t.numel() * t.element_size()} bytes, "
+                        f"target buffer {i} holds {_nbytes(t)} bytes, "
                         f"item {i} of object {obj_id} {nbytes}"
                     )
                 view = _byte_view(t)
-                if t.is_cuda:
+                if _is_numpy(view):
+                    reg = engine.register(view)
+                elif view.is_cuda:
                     reg = engine.register_gpu(view)
                 else:
                     reg = engine.register(view.numpy())
@@ -452,6 +577,8 @@ class FerryTensorTransport(TensorTransportManager):
     ) -> list[Any]:
         fetch = fetch_request
         assert isinstance(fetch, FerryFetchRequest), type(fetch)
+        if fetch.relay is not None:
+            return self._wait_relay(fetch, timeout)
         if fetch.request is None:
             return fetch.tensors
         try:
@@ -499,6 +626,8 @@ class FerryTensorTransport(TensorTransportManager):
             if fetch.request is not None:
                 fetch.request.cancel()
                 fetch.request.wait_drained()
+            if fetch.relay is not None:
+                fetch.relay.stop()
         if fetches:
             logger.info("aborted the %s fetch of object %s (%s)", TRANSPORT, obj_id, _who())
 
@@ -509,7 +638,8 @@ class FerryTensorTransport(TensorTransportManager):
         it then reuse the registration (and readers their connection's listing of it) instead
         of publishing it anew after the last one went. The counterpart of Ray's
         ``register_nixl_memory``."""
-        if tensor.numel() * tensor.element_size() == 0:
+        _kind(tensor)
+        if _nbytes(tensor) == 0:
             return
         with self._lock:
             self._hold(self.engine(), tensor)
@@ -517,21 +647,25 @@ class FerryTensorTransport(TensorTransportManager):
     def deregister_memory(self, tensor: "torch.Tensor") -> None:
         """Drops the hold ``register_memory`` took; the storage stays published while objects
         still hold it."""
-        storage = tensor.untyped_storage()
+        _kind(tensor)
+        if _nbytes(tensor) == 0:
+            return
+        key, _ = _storage(tensor)
         with self._lock:
-            self._release([(str(tensor.device), storage.data_ptr(), storage.nbytes())])
+            self._release([key])
 
     def _hold(self, engine: ferry.Engine, t: "torch.Tensor") -> tuple:
-        """Takes one hold of ``t``'s storage, publishing it first if nobody holds it (under
-        the lock). Keyed by device, address and length: a storage resized in place is
-        published anew."""
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr(), storage.nbytes())
+        """Takes one hold of ``t``'s storage (a numpy array's: its root array's memory),
+        publishing it first if nobody holds it (under the lock). Keyed by device, address and
+        length: a storage resized in place is published anew, and a numpy array and a torch
+        tensor over the same memory share one registration."""
+        key, whole = _storage(t)
         held = self._storages.get(key)
         if held is None:
-            name = f"ray/{os.getpid()}/{next(self._names)}"
-            whole = _storage_bytes(t)
-            if t.is_cuda:
+            name = f"ray.{os.getpid()}.{next(self._names)}"
+            if _is_numpy(whole):
+                reg = engine.register(whole, name=name, access="read")
+            elif whole.is_cuda:
                 reg = engine.register_gpu(whole, name=name, access="read")
             else:
                 reg = engine.register(whole.numpy(), name=name, access="read")
@@ -618,6 +752,212 @@ class FerryTensorTransport(TensorTransportManager):
         )
 
 
+class FerryNumpyTransport(FerryTensorTransport):
+    """The same transport for ``numpy.ndarray`` objects (``FERRY_NUMPY``): Ray gives each
+    transport name one data type. It shares the process's state with ``FERRY``."""
+
+    def tensor_transport_backend(self) -> str:
+        return TRANSPORT_NUMPY
+
+
+class _RelayPull:
+    """One ``FERRY_RELAY`` object pulled in a thread (``ferry.broadcast.pull``, relaying on):
+    ``done`` is set once every byte is verified, or the pull failed (``error``); the thread then
+    goes on relaying to the object's other readers while any is unfinished, up to
+    ``RELAY_LINGER`` seconds, and sets ``ended`` with ``summary`` (bytes from the source, from
+    relays). ``stop()`` ends the pull at its next chunk and returns once it ended: its buffers
+    are then closed, so no byte of it can still move."""
+
+    def __init__(self, engine: ferry.Engine, relay: tuple, into: dict[str, Any]) -> None:
+        self.done = threading.Event()
+        self.ended = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.summary: Optional[dict] = None
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, relay, into), name="ferry-ray-relay", daemon=True
+        )
+        self._thread.start()
+
+    def _progress(self, got: int, total: int) -> None:
+        if self._stopping:
+            raise _Aborted("the transfer was aborted")
+        if got >= total:
+            self.done.set()
+
+    def _run(self, engine: ferry.Engine, relay: tuple, into: dict[str, Any]) -> None:
+        from ferry.broadcast import pull
+
+        addr, name, digest = relay
+        try:
+            s = pull(
+                engine,
+                addr,
+                into,
+                name=name,
+                relay=True,
+                linger=RELAY_LINGER,
+                expect_manifest=digest,
+                auth_key_file=os.environ.get("FERRY_AUTH_KEY_FILE") or None,
+                progress=self._progress,
+                # Each chunk is verified as it lands; the second pass at rest would read the
+                # payload again after the receiver already has it.
+                verify_at_rest=False,
+            )
+            self.summary = {
+                "bytes": s.bytes,
+                "from_source": s.from_source,
+                "from_relays": s.from_relays,
+                "seconds": s.seconds,
+            }
+        except BaseException as e:  # reported by wait_fetch_complete
+            if not self.done.is_set():
+                self.error = e
+            else:
+                logger.warning("a %s reader stopped relaying: %s", TRANSPORT_RELAY, _reason(e))
+        finally:
+            self.done.set()
+            self.ended.set()
+
+    def stop(self) -> None:
+        if self.done.is_set():
+            return
+        self._stopping = True
+        self.ended.wait()
+
+
+class _Aborted(Exception):
+    """A ``FERRY_RELAY`` pull stopped by ``abort_transport``."""
+
+
+class FerryRelayTransport(FerryTensorTransport):
+    """``FERRY_RELAY``: the same transport, each object published as a Ferry broadcast
+    (``ferry.broadcast``): N actors reading one object relay verified chunks to one another,
+    so the source sends about one copy, not N. Costs over ``FERRY``: the source hashes the
+    payload once per object (its manifest), each reader copies each byte once more as it
+    verifies it, and a reader's thread keeps relaying after its ``ray.get`` returned while
+    other readers of the object are unfinished (up to ``RELAY_LINGER``). docs/ray.md."""
+
+    def tensor_transport_backend(self) -> str:
+        return TRANSPORT_RELAY
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: str, rdt_object: list[Any]
+    ) -> FerryTransportMetadata:
+        from ferry.broadcast import Publisher
+
+        meta = super().extract_tensor_transport_metadata(obj_id, rdt_object)
+        if not any(meta.segments):
+            return meta
+        with self._lock:
+            by_name = {h.name: h for h in self._storages.values()}
+            tensors = {
+                f"t{i}": (by_name[seg[0]].registration, seg[1], seg[2])
+                for i, seg in enumerate(meta.segments)
+                if seg is not None
+            }
+        name = f"ray.{obj_id}"
+        try:
+            pub = Publisher(
+                self.engine(),
+                tensors,
+                name=name,
+                auth_key_file=os.environ.get("FERRY_AUTH_KEY_FILE") or None,
+            )
+        except BaseException:
+            super().garbage_collect(obj_id, meta, rdt_object)
+            raise
+        with self._lock:
+            old = self._publishers.pop(obj_id, None)
+            self._publishers[obj_id] = pub
+        if old is not None:
+            old.close()
+        meta.relay = (pub.addr, name, pub.digest)
+        return meta
+
+    def fetch_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: Optional[list[Any]] = None,
+    ) -> FerryFetchRequest:
+        meta = tensor_transport_metadata
+        assert isinstance(meta, FerryTransportMetadata), type(meta)
+        if meta.relay is None:
+            return super().fetch_multiple_tensors(
+                obj_id, meta, communicator_metadata, target_buffers
+            )
+        source = meta.source or "the source"
+        with self._lock:
+            if obj_id in self._aborted:
+                self._aborted.discard(obj_id)
+                raise self._error(obj_id, meta, "the transfer was aborted before it started")
+        tensors = list(target_buffers) if target_buffers else _empty_like_meta(meta)
+        into: dict[str, Any] = {}
+        for i, (t, seg) in enumerate(zip(tensors, meta.segments)):
+            if seg is None:
+                continue
+            if not _contiguous(t) or _nbytes(t) != seg[2]:
+                raise ValueError(
+                    f"target buffer {i} of object {obj_id} is not contiguous or holds "
+                    f"{_nbytes(t)} bytes, not {seg[2]}"
+                )
+            view = _byte_view(t)
+            into[f"t{i}"] = view if _is_numpy(view) or view.is_cuda else view.numpy()
+        fetch = FerryFetchRequest(
+            obj_id=obj_id, tensors=tensors, addr=meta.relay[0], source=source, transport=self
+        )
+        try:
+            fetch.relay = _RelayPull(self.engine(), meta.relay, into)
+        except Exception as e:
+            raise self._error(obj_id, meta, _reason(e)) from e
+        with self._lock:
+            self._inflight.setdefault(obj_id, []).append(fetch)
+            self._pulls[obj_id] = fetch.relay
+            while len(self._pulls) > 256:
+                self._pulls.popitem(last=False)
+        return fetch
+
+    def _wait_relay(self, fetch: FerryFetchRequest, timeout: float) -> list[Any]:
+        if not fetch.relay.done.wait(None if timeout < 0 else timeout):
+            raise TimeoutError(
+                f"{TRANSPORT_RELAY} transfer of object {fetch.obj_id} from {fetch.source} "
+                f"(broadcast at {fetch.addr}) not done after {timeout}s"
+            )
+        fetch._finish()
+        if fetch.relay.error is not None:
+            raise self._error_at(
+                fetch.obj_id, fetch.source, fetch.addr, _reason(fetch.relay.error)
+            )
+        return fetch.tensors
+
+    def garbage_collect(
+        self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
+    ) -> None:
+        with self._lock:
+            pub = self._publishers.pop(obj_id, None)
+        if pub is not None:
+            pub.close()
+        super().garbage_collect(obj_id, tensor_transport_meta, tensors)
+
+
+def _empty_like_meta(meta: FerryTransportMetadata) -> list[Any]:
+    """Fresh receiving tensors (or arrays) of the object's shapes, dtypes and kinds."""
+    kinds = meta.kinds or ["torch"] * len(meta.tensor_meta)
+    out = []
+    for (shape, dtype), kind in zip(meta.tensor_meta, kinds):
+        if kind == "numpy":
+            import numpy as np
+
+            out.append(np.empty(shape, dtype=dtype))
+        else:
+            import torch
+
+            out.append(torch.empty(shape, dtype=dtype, device=meta.tensor_device or "cpu"))
+    return out
+
+
 def register_memory(tensor: "torch.Tensor") -> None:
     """Keeps ``tensor``'s storage published for the life of this process (until
     ``deregister_memory``), so that objects returning it again and again (weights) reuse one
@@ -638,12 +978,7 @@ def _available_in_process() -> bool:
     """Whether this process can take part: Ferry's transport is registered and its engine
     starts."""
     try:
-        register()
-        from ray.experimental.rdt.util import get_tensor_transport_manager
-
-        manager = get_tensor_transport_manager(TRANSPORT)
-        assert isinstance(manager, FerryTensorTransport)
-        manager.engine()
+        manager().engine()
         return True
     except Exception:
         logger.warning("Ferry's %s transport is unavailable here", TRANSPORT, exc_info=True)
@@ -651,11 +986,13 @@ def _available_in_process() -> bool:
 
 
 def manager() -> FerryTensorTransport:
-    """This process's transport (the one Ray made), registering it first if need be."""
+    """This process's transport (the one Ray made), registering it first if need be. Every
+    Ferry transport of the process shares its state, so any one serves."""
     register()
-    from ray.experimental.rdt.util import get_tensor_transport_manager
+    from ray.experimental.rdt.util import get_tensor_transport_manager, transport_manager_info
 
-    m = get_tensor_transport_manager(TRANSPORT)
+    name = TRANSPORT if TRANSPORT in transport_manager_info else TRANSPORT_NUMPY
+    m = get_tensor_transport_manager(name)
     assert isinstance(m, FerryTensorTransport)
     return m
 
