@@ -303,6 +303,9 @@ pub struct Description {
     /// The broadcasts this engine takes part in, as they last reported themselves
     /// ([`TransferEngine::report_broadcast`](crate::TransferEngine::report_broadcast)).
     pub broadcasts: Vec<BroadcastDescription>,
+    /// The transfer agents of compatibility layers in this process (NIXL's), as they recorded
+    /// themselves ([`crate::agent_telemetry`]): process-wide, the same on every engine.
+    pub agents: Vec<crate::AgentDescription>,
     /// GPU registrations: device, PCI bus id, the GPUDirect route and why.
     #[cfg(feature = "cuda")]
     pub gpu_registrations: Vec<GpuRegistrationDescription>,

@@ -22,6 +22,7 @@
 //! requests on it replayed (WRITEs only if allowed): see [`ReconnectPolicy`].
 #![forbid(unsafe_code)]
 
+pub mod agent_telemetry;
 mod builder;
 mod config;
 mod counters;
@@ -41,6 +42,7 @@ mod request;
 mod route;
 mod serve;
 
+pub use agent_telemetry::{AgentDescription, AgentTelemetry};
 pub use builder::{
     ALLOW_OPEN_KEY_FILE_ENV, AUTH_KEY_FILE_ENV, EngineBuilder, IDENTITY_KEY_FILE_ENV,
     SAME_HOST_ENV, load_identity_key, load_keyring,

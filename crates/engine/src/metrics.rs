@@ -9,6 +9,10 @@
 //! Label cardinality is bounded: peers are labelled by address, the first
 //! [`MAX_PEER_LABELS`] of them (in the order the engine first met them); later ones are summed
 //! under `peer="other"`. Latency histograms are engine-wide, by op kind and size class.
+//!
+//! The telemetry of compatibility layers' agents in this process ([`crate::agent_telemetry`])
+//! is served beside the engine's own series, under NIXL's exporter names (`agent_*`, labelled
+//! by `hostname` and `agent_name`): one exposition, two naming schemes.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -28,6 +32,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::describe::{Description, LATENCY_BOUNDS_US};
 
+mod agents;
+
 /// Peers labelled by their own address; the rest are summed under `peer="other"`.
 pub const MAX_PEER_LABELS: usize = 64;
 
@@ -45,6 +51,18 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// keep a scrape out.
 const MAX_CONNECTIONS: usize = 16;
 
+/// The addresses metrics are served on in this process (see [`endpoints`]).
+static ENDPOINTS: std::sync::Mutex<Vec<SocketAddr>> = std::sync::Mutex::new(Vec::new());
+
+/// The addresses the engines of this process serve their metrics on now, oldest first: a
+/// layer that would open an endpoint of its own serves its series on these instead.
+pub fn endpoints() -> Vec<SocketAddr> {
+    ENDPOINTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
 /// The HTTP listener serving an engine's metrics; dropping it stops serving.
 #[derive(Debug)]
 pub(crate) struct MetricsServer {
@@ -55,6 +73,12 @@ pub(crate) struct MetricsServer {
 impl Drop for MetricsServer {
     fn drop(&mut self) {
         self.task.abort();
+        let mut live = ENDPOINTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(i) = live.iter().position(|a| *a == self.addr) {
+            live.remove(i);
+        }
     }
 }
 
@@ -111,6 +135,10 @@ impl MetricsServer {
             }
         });
         tracing::info!(%addr, "serving metrics");
+        ENDPOINTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(addr);
         Self { addr, task }
     }
 
@@ -296,6 +324,7 @@ impl Collector for Snapshot {
         encode_broadcasts(d, &mut enc)?;
         #[cfg(feature = "cuda")]
         encode_staging(d, &mut enc)?;
+        agents::encode(d, &mut enc)?;
         Ok(())
     }
 }
@@ -893,6 +922,27 @@ mod tests {
             copy_failures: 1,
             last_file_path: None,
         });
+        // A compatibility layer's agent (NIXL's names), set here: other tests make agents.
+        d.agents = vec![crate::AgentDescription {
+            agent: "prefill-0".into(),
+            hostname: "node-1".into(),
+            tx_bytes: 4096,
+            rx_bytes: 512,
+            tx_requests: 2,
+            rx_requests: 1,
+            tx_last_bytes: 1024,
+            rx_last_bytes: 512,
+            registered_bytes: 1 << 20,
+            registered_last_bytes: 1 << 20,
+            xfer_time_us: 130,
+            xfer_last_us: 100,
+            post_time_us: 9,
+            post_last_us: 3,
+            bounds_us: vec![10, 100],
+            xfer_buckets: vec![0, 3, 0],
+            post_buckets: vec![3, 0, 0],
+            ..Default::default()
+        }];
         let text = render(&d);
         let golden = include_str!("metrics_golden.prom");
         if text != golden {

@@ -31,6 +31,7 @@ mod kv;
 mod raw;
 mod request;
 mod runtime;
+mod telemetry;
 
 use pyo3::prelude::*;
 
@@ -45,6 +46,7 @@ fn _ferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     broadcast::add_to(m)?;
     raw::add_to(m)?;
     kv::add_to(m)?;
+    telemetry::add_to(m)?;
     m.add_function(wrap_pyfunction!(runtime::_panic_for_tests, m)?)?;
     Ok(())
 }

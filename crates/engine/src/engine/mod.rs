@@ -585,6 +585,7 @@ impl TransferEngine {
             routes,
             rails: self.rails(),
             broadcasts: self.inner.broadcasts.snapshot(),
+            agents: crate::agent_telemetry::snapshot(),
             #[cfg(feature = "cuda")]
             gpu_registrations: self.inner.gpu.as_ref().map_or_else(Vec::new, |g| {
                 g.registrations

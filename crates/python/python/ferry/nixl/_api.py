@@ -23,6 +23,7 @@ from ferry import _failures, _ferry
 from ferry._hosts import bind_host, join, publish_to, warn_if_open
 from ferry._senders import Bindings, Sender
 from ferry.nixl import _bindings as nixlBind
+from ferry.nixl import _telemetry
 from ferry.nixl._bindings import (
     nixlBackendError,
     nixlInvalidParamError,
@@ -195,13 +196,14 @@ class _Dlist:
 class _Xfer:
     """A transfer request and, once posted, its running Ferry request."""
 
-    __slots__ = ("op", "remote", "local", "remote_addrs", "lengths", "notif", "request",
-                 "posted_at", "started_us", "post_us", "ended_us", "error")
+    __slots__ = ("op", "remote", "local", "remote_addrs", "lengths", "nbytes", "notif", "backend",
+                 "request", "posted_at", "started_us", "post_us", "ended_us", "error")
 
     def __init__(self, op: str, remote: str, local: list[int], remote_addrs: list[int],
-                 lengths: list[int], notif: bytes):
-        self.op, self.remote, self.local = op, remote, local
+                 lengths: list[int], notif: bytes, backend: str):
+        self.op, self.remote, self.local, self.backend = op, remote, local, backend
         self.remote_addrs, self.lengths, self.notif = remote_addrs, lengths, notif
+        self.nbytes = sum(lengths)
         self.request: Any = None
         self.posted_at = 0.0
         self.started_us = 0
@@ -248,11 +250,13 @@ class nixl_agent:
                     nixl_conf.enable_pthread, nixl_conf.enable_listen, nixl_conf.port, sync.value,
                     1, 0, 100000, nixl_conf.capture_telemetry))
         self._telemetry = nixlBind._telemetry_enabled(nixl_conf.capture_telemetry)
+        # NIXL's Prometheus exporter (ferry.nixl._telemetry): None without it.
+        self._tm, metrics = _telemetry.exporter(agent_name, self._telemetry)
         self.name = agent_name
         self.config = nixl_conf
         host = os.environ.get("FERRY_BIND_ADDRESS") or bind_host("")
         port = nixl_conf.port if nixl_conf.enable_listen else 0
-        self._engine = _ferry.Engine(listen=join(host, port))
+        self._engine = _telemetry.make_engine(join(host, port), metrics, agent_name)
         self._raw = _ferry.RawEngine(self._engine, publish_to())
         self._addr = join(host, int(self._engine.listen_addr.rsplit(":", 1)[1]))
         # A 1-byte segment whose name tells a peer's listing who this agent is
@@ -435,6 +439,8 @@ class nixl_agent:
                 self._raw.unregister(a)
             cls = nixlNotSupportedError if isinstance(e, _ferry.Unavailable) else nixlInvalidParamError
             _raise(cls, f"registerMem: {e}", e)
+        if self._tm is not None and done:
+            self._tm.registered(sum(d[1] for d in descs))
         return descs
 
     def deregister_memory(self, dereg_list: nixlBind.nixlRegDList, backends: list[str] = []) -> None:
@@ -446,6 +452,8 @@ class nixl_agent:
                 self._raw.unregister(addr)
             except _ferry.FerryError as e:
                 _raise(nixlNotFoundError, f"deregisterMem: {e}", e)
+        if self._tm is not None and len(dereg_list):
+            self._tm.deregistered(sum(d[1] for d in dereg_list))
 
     def query_memory(self, reg_list: Any, backend: str, mem_type: Optional[str] = None) -> list:
         if backend not in self.backends:
@@ -662,10 +670,22 @@ class nixl_agent:
             self._dlists[h] = _Dlist(None if owner is None else name, descs.getType(), rows)
         return nixl_prepped_dlist_handle(self, h)
 
+    def _backend_for(self, backends: list[str], what: str) -> str:
+        """The backend NIXL would pick for a transfer of memory: the first of ``backends`` (the
+        call's), else of the agent's own in the order they were made, that moves memory (not
+        POSIX, which serves files); ``nixlNotFoundError`` without one, as NIXL."""
+        for b in backends or self.backends:
+            if b not in _FILE_PLUGINS:
+                return b
+        _raise(nixlNotFoundError, f"{what}: no specified or potential backend can move memory "
+               f"(the agent's backends: {list(self.backends)}; create_backend('UCX'))")
+        return ""
+
     def _new_xfer(self, operation: str, local: list[tuple], remote: list[tuple], remote_agent: str,
-                  notif_msg: Union[bytes, str]) -> nixl_xfer_handle:
+                  notif_msg: Union[bytes, str], backends: list[str]) -> nixl_xfer_handle:
         op = operation
         self.nixl_ops[op]  # KeyError for an unknown operation, as NIXL
+        backend = self._backend_for(backends, "createXferReq")
         if len(local) != len(remote) or not local:
             _raise(nixlInvalidParamError,
                    f"makeXferReq: different number of descriptors for local ({len(local)}), "
@@ -676,7 +696,7 @@ class nixl_agent:
                        f"makeXferReq: length mismatch at index {i}: local {l[1]}, remote {r[1]}")
         notif = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg)
         x = _Xfer(op.lower(), remote_agent, [l[0] for l in local], [r[0] for r in remote],
-                  [l[1] for l in local], notif)
+                  [l[1] for l in local], notif, backend)
         with self._lock:
             h = next(self._ids)
             self._xfers[h] = x
@@ -713,7 +733,7 @@ class nixl_agent:
                     _raise(nixlInvalidParamError,
                            f"makeXferReq: {side} index out of range at index {k} with value {i}")
         return self._new_xfer(operation, [ls.descs[i] for i in li], [rs.descs[i] for i in ri],
-                              rs.agent or "", notif_msg)
+                              rs.agent or "", notif_msg, backends)
 
     def initialize_xfer(self, operation: str, local_descs: nixlBind.nixlXferDList,
                         remote_descs: nixlBind.nixlXferDList, remote_agent: str,
@@ -733,7 +753,7 @@ class nixl_agent:
             self._raw.check(owner, [d[0] for d in remote], [d[1] for d in remote])
         except _ferry.FerryError as e:
             _raise(nixlNotFoundError, f"createXferReq towards {name!r}: {e}", e)
-        return self._new_xfer(operation, local, remote, name, notif_msg)
+        return self._new_xfer(operation, local, remote, name, notif_msg, backends)
 
     def _xfer(self, handle: nixl_xfer_handle, what: str) -> _Xfer:
         x = self._xfers.get(handle._handle) if not handle._released else None
@@ -779,10 +799,13 @@ class nixl_agent:
             return "ERR"
         if not x.request.done():
             return "PROC"
-        if not x.ended_us:
+        first = not x.ended_us
+        if first:
             x.ended_us = _us(time.perf_counter() - x.posted_at)
         outcome = x.request.wait(check=False)
         if outcome.ok and x.request.after_error is None:
+            if first and self._tm is not None:
+                self._tm.transfer(x.op == "write", x.nbytes, x.ended_us, x.post_us)
             return "DONE"
         if x.error is None:
             x.error = (x.request.after_error and f"the notification failed: {x.request.after_error}") or _failures.of_outcome(outcome)
@@ -811,16 +834,18 @@ class nixl_agent:
                    "getXferTelemetry: telemetry is not enabled (capture_telemetry, NIXL_TELEMETRY_ENABLE)")
         self._state(x)
         return nixlBind.nixlXferTelemetry(x.started_us, x.post_us, x.ended_us,
-                                          sum(x.lengths), len(x.lengths),
-                                          self.query_xfer_backend(handle))
+                                          x.nbytes, len(x.lengths),
+                                          x.backend)
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
         x = self._xfer(req_handle, "estimateXferCost")
         return sum(x.lengths) // 1000, 0, "UNKNOWN"
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
-        self._xfer(handle, "queryXferBackend")
-        return next(iter(self.backends), "UCX")
+        """The backend chosen when the transfer was made, as NIXL chooses it: the first of the
+        call's ``backends``, else of the agent's, that moves memory (Ferry's transport moves
+        the bytes whatever the name)."""
+        return self._xfer(handle, "queryXferBackend").backend
 
     def _release_xfer(self, h: int) -> None:
         with self._lock:

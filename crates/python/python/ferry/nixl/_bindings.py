@@ -198,6 +198,9 @@ class nixlRegDList(_DList):
 
     width = 4
 
+    def trim(self) -> None:
+        """NIXL frees the list's spare capacity; a Python list keeps none to give back."""
+
 
 class nixlRemoteDList(_DList):
     """Remote descriptors: ``(address, length, device ID, agent name)``."""
@@ -407,6 +410,18 @@ class nixlAgent:
 
     def sendLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         self._a().send_local_metadata(ip_addr, port or DEFAULT_COMM_PORT)
+
+    def sendLocalPartialMD(self, descs: Any, inc_conn_info: bool = False, backends: list[int] = [],
+                           ip_addr: str = "", port: int = 0, label: str = "") -> None:
+        self._a().send_partial_agent_metadata(descs, inc_conn_info, self._names(backends),
+                                              ip_addr, port or DEFAULT_COMM_PORT, label)
+
+    def prepMemView(self, dlist: Any, backends: list[int] = []) -> int:
+        """``nixlNotSupportedError``: Ferry has no UCX GPU device API."""
+        return self._a().prep_mem_view(dlist, backends=self._names(backends))
+
+    def releaseMemView(self, mvh: int) -> None:
+        self._a().release_mem_view(mvh)
 
     def fetchRemoteMD(self, remote_name: str, ip_addr: str = "", port: int = 0,
                       label: str = "") -> None:
