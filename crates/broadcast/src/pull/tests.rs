@@ -578,3 +578,104 @@ fn a_fetch_that_could_not_start_is_asked_again_once_another_finishes() {
     let again: Vec<usize> = drive(&mut p, now).iter().map(|f| f.0).collect();
     assert_eq!(again, [1, 2]);
 }
+
+/// A holder's silence runs from the first chunk asked of it while nothing else was: asking it
+/// for more chunks while it stays silent must not start the clock again, else a stalled holder
+/// the window keeps feeding (here: slots freed by the source's chunks) is never given up.
+#[test]
+fn a_silent_holder_asked_for_more_is_given_up_from_its_first_chunk_asked_not_its_last() {
+    use super::sim::member as listed;
+    let t0 = Instant::now();
+    let f = Fleet {
+        chunks: 16,
+        stripes: 2,
+        window: 4,
+        relay: true,
+        verify_at_rest: false,
+        source_dies: None,
+        relays: vec![Kind::Silent],
+        bad_at_rest: Vec::new(),
+    };
+    let cfg = f.config();
+    let (stall, epoch, version) = (cfg.stall_after, cfg.source_epoch, cfg.version);
+    let members = vec![
+        listed("src", Role::Source, 0),
+        listed("r0", Role::Receiver, 1),
+        listed("me", Role::Receiver, 1000),
+    ];
+    let mut p = Pull::new(cfg, members, t0);
+    let advertise = |p: &mut Pull, now| {
+        p.handle(
+            now,
+            Event::Progress {
+                id: "r0".into(),
+                source_epoch: epoch,
+                prefix: 16,
+                done: true,
+                version,
+                count: 16,
+                stripes: Vec::new(),
+            },
+        )
+        .unwrap();
+    };
+    // Attach both holders and learn that r0 holds everything; the window fills at once.
+    let mut asked = drive(&mut p, t0);
+    advertise(&mut p, t0);
+    asked.extend(drive(&mut p, t0));
+    let from_r0 = |a: &[(usize, String, u64)]| a.iter().filter(|f| f.1 == "r0").count();
+    // The source serves its chunks one by one, every tenth of the stall time; the slots they
+    // free go to r0's stripe too, and r0 never answers.
+    let mut first_to_r0 = (from_r0(&asked) > 0).then_some(t0);
+    let mut later_to_r0 = 0;
+    let mut step = 1;
+    while let Some(i) = asked.iter().position(|f| f.1 == "src") {
+        let now = t0 + stall * step / 10;
+        if first_to_r0.is_some_and(|first| now >= first + stall) {
+            break;
+        }
+        step += 1;
+        let (chunk, _, generation) = asked.remove(i);
+        p.handle(now, fetched(chunk, generation, Outcome::Verified))
+            .unwrap();
+        let more = drive(&mut p, now);
+        if from_r0(&more) > 0 {
+            if first_to_r0.is_none() {
+                first_to_r0 = Some(now);
+            } else {
+                later_to_r0 += from_r0(&more);
+            }
+        }
+        asked.extend(more);
+    }
+    let first = first_to_r0.expect("r0 was never asked: the test would not test");
+    assert!(
+        later_to_r0 > 0,
+        "r0 was asked nothing after its first chunk: the test would not test"
+    );
+    // At its first chunk's deadline it is given up, whatever it was asked since.
+    let deadline = first + stall;
+    let before = deadline - Duration::from_millis(1);
+    p.handle(before, Event::Wake).unwrap();
+    while let Some(c) = p.poll(before).unwrap() {
+        assert!(
+            !matches!(c, Command::GiveUp { .. }),
+            "given up early: {c:?}"
+        );
+    }
+    p.handle(deadline, Event::Wake).unwrap();
+    let mut gave_up = None;
+    while let Some(c) = p.poll(deadline).unwrap() {
+        if let Command::GiveUp { id, why, .. } = c {
+            gave_up = Some((id, why));
+            break;
+        }
+    }
+    match gave_up {
+        Some((id, GiveUp::Stalled { after, .. })) => {
+            assert_eq!(id, "r0");
+            assert_eq!(after, stall);
+        }
+        other => panic!("r0 not given up at its deadline: {other:?}"),
+    }
+}
