@@ -29,7 +29,12 @@
 //! `--chunk-size BYTES` (1MiB, the manifest's), `--skip-baseline` (no relaying-off run), `--no-build` (use the `target/release/ferry` there
 //! is), `--bin PATH` (run that `ferry` binary instead: another build, for before/after rounds),
 //! `--stripes N` (passed to every `ferry pull`: the relay plan's stripes; 1 is the chain),
-//! `--no-killed` (no run with a receiver killed). Needs root, `ip` and `tc`.
+//! `--no-killed` (no run with a receiver killed), `--no-files` (with `--memory`: rounds of the
+//! memory-to-memory run alone). Needs root, `ip` and `tc`.
+//!
+//! Every run also reports the CPU time (user and system, all threads, from `/proc/PID/stat`)
+//! of each receiver, read after all finished while they still serve, and of the source: on a
+//! shared machine CPU per byte relayed steers better than wall-clock time.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -107,6 +112,23 @@ struct Outcome {
     from_relays: f64,
     /// Each surviving receiver's host and JSON summary.
     summaries: Vec<(usize, String)>,
+    /// CPU seconds (user, system; all threads) of each surviving receiver, read before it
+    /// was stopped, by host.
+    cpu: Vec<(usize, f64, f64)>,
+    /// The source's CPU seconds.
+    source_cpu: f64,
+}
+
+/// The CPU seconds (user, system; every thread) process `pid` has used: fields 14 and 15 of
+/// `/proc/PID/stat`, in `USER_HZ` (100 on Linux) ticks; `None` where unreadable.
+fn cpu_seconds(pid: u32) -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let user = f.get(11)?.parse::<u64>().ok()?;
+    let sys = f.get(12)?.parse::<u64>().ok()?;
+    Some((user as f64 / 100.0, sys as f64 / 100.0))
 }
 
 /// The steps of `ferry pull --json`'s `timeline`, in order.
@@ -317,6 +339,13 @@ fn run_once(
             verified += 1;
         }
     }
+    // Every survivor lingers (serving) after its summary: its CPU is read while it still runs.
+    let cpu: Vec<(usize, f64, f64)> = receivers
+        .iter()
+        .filter(|(i, _, _)| done.contains_key(i))
+        .filter_map(|(i, c, _)| cpu_seconds(c.id()).map(|(u, s)| (*i, u, s)))
+        .collect();
+    let source_cpu = cpu_seconds(source.id()).map_or(f64::NAN, |(u, s)| u + s);
     for (_, mut c, _) in receivers {
         let _ = c.kill();
         let _ = c.wait();
@@ -332,6 +361,8 @@ fn run_once(
         refetched,
         from_relays,
         summaries,
+        cpu,
+        source_cpu,
     })
 }
 
@@ -349,6 +380,8 @@ struct Args {
     bin: Option<PathBuf>,
     stripes: Option<String>,
     killed_run: bool,
+    /// With `--memory`: no file-to-file run in each round.
+    files: bool,
 }
 
 impl Args {
@@ -366,6 +399,7 @@ impl Args {
             bin: None,
             stripes: None,
             killed_run: true,
+            files: true,
         };
         let mut it = args.iter();
         while let Some(arg) = it.next() {
@@ -384,6 +418,7 @@ impl Args {
                 "--stripes" => a.stripes = Some(it.next().context("--stripes N")?.clone()),
                 "--no-killed" => a.killed_run = false,
                 "--memory" => a.memory = true,
+                "--no-files" => a.files = false,
                 "--rounds" => a.rounds = it.next().context("--rounds R")?.parse()?,
                 other => bail!("bench broadcast: unknown option {other:?}"),
             }
@@ -411,6 +446,8 @@ struct Bench<'a> {
     len: u64,
     /// The payload's time at the link rate, in seconds.
     ideal: f64,
+    /// With `memory`: a file-to-file run in each round beside the memory-to-memory one.
+    files: bool,
 }
 
 impl Bench<'_> {
@@ -437,6 +474,20 @@ impl Bench<'_> {
             o.refetched,
             o.from_relays / (1u64 << 20) as f64
         );
+        let mib = len as f64 / (1u64 << 20) as f64;
+        let k = o.cpu.len().max(1) as f64;
+        let user = o.cpu.iter().map(|c| c.1).sum::<f64>() / k;
+        let sys = o.cpu.iter().map(|c| c.2).sum::<f64>() / k;
+        let max = o.cpu.iter().map(|c| c.1 + c.2).fold(0.0, f64::max);
+        println!(
+            "  CPU: receivers mean {:.2} s (user {user:.2}, system {sys:.2}; {:.2} ms per MiB \
+             received), max {max:.2} s; source {:.2} s ({:.2} ms per MiB of payload); all {:.2} s",
+            user + sys,
+            (user + sys) * 1e3 / mib,
+            o.source_cpu,
+            o.source_cpu * 1e3 / mib,
+            o.source_cpu + (user + sys) * k
+        );
     }
 
     /// `rounds` rounds of file to file (the reference, relayed) alternating with memory to
@@ -450,6 +501,14 @@ impl Bench<'_> {
         };
         let mut ratios = Vec::new();
         for round in 1..=rounds {
+            if !self.files {
+                let m = self.once(true, None, &self.how)?;
+                self.report(&format!("round {round}: memory to memory"), &m);
+                if round == rounds {
+                    print_timeline(&m.summaries);
+                }
+                continue;
+            }
             let f = self.once(true, None, &files)?;
             self.report(&format!("round {round}: file to file"), &f);
             let m = self.once(true, None, &self.how)?;
@@ -469,6 +528,9 @@ impl Bench<'_> {
             if round == rounds {
                 print_timeline(&m.summaries);
             }
+        }
+        if ratios.is_empty() {
+            return Ok(());
         }
         ratios.sort_by(f64::total_cmp);
         println!(
@@ -568,6 +630,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         n,
         len,
         ideal,
+        files: args.files,
     };
     if args.memory {
         bench.memory_rounds(args.rounds)?;
