@@ -85,16 +85,17 @@ pub(crate) fn land(
     copied: &AtomicU64,
 ) -> std::io::Result<bool> {
     use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; c.len as usize];
-    slot.read(0, &mut buf).map_err(std::io::Error::other)?;
-    if slot.is_host() {
-        copied.fetch_add(c.len, Ordering::Relaxed);
-    }
-    if Digest::from(blake3::hash(&buf)) != c.blake3 {
-        return Ok(false);
-    }
-    file.write_all_at(&buf, c.offset)?;
-    Ok(true)
+    crate::layout::with_scratch(c.len as usize, |buf| {
+        slot.read(0, buf).map_err(std::io::Error::other)?;
+        if slot.is_host() {
+            copied.fetch_add(c.len, Ordering::Relaxed);
+        }
+        if Digest::from(blake3::hash(buf)) != c.blake3 {
+            return Ok(false);
+        }
+        file.write_all_at(buf, c.offset)?;
+        Ok(true)
+    })
 }
 
 /// Pulling into files: the CRC-32C of `len` bytes of `file` from `at`, read in pieces of at

@@ -239,20 +239,43 @@ impl Slice {
     /// Copies `len` bytes at `at` out in pieces of at most 1 MiB and hands each to `f`.
     fn for_each_piece(&self, at: u64, len: u64, mut f: impl FnMut(&[u8])) -> Result<(), String> {
         self.bounds(at, len)?;
-        let mut buf = vec![0u8; PIECE.min(len) as usize];
-        let mut done = 0;
-        while done < len {
-            let n = PIECE.min(len - done) as usize;
-            self.read(at + done, &mut buf[..n])?;
-            f(&buf[..n]);
-            done += n as u64;
-        }
-        Ok(())
+        with_scratch(PIECE.min(len) as usize, |buf| {
+            let mut done = 0;
+            while done < len {
+                let n = PIECE.min(len - done) as usize;
+                self.read(at + done, &mut buf[..n])?;
+                f(&buf[..n]);
+                done += n as u64;
+            }
+            Ok(())
+        })
     }
 }
 
 /// Largest piece copied at once.
 const PIECE: u64 = 1 << 20;
+
+thread_local! {
+    /// This thread's buffer for [`with_scratch`]: kept, so that the chunks a receiver hashes
+    /// (one per chunk, per hop) cost no allocation and no zeroing each.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` over a buffer of `len` bytes (their contents unspecified: whatever the thread's
+/// last use left) that `f` must fill before it reads. The thread's buffer is grown once (zeroed
+/// then) and reused, so a thread holds as much as the largest `len` it was asked for (a chunk:
+/// at most 1 MiB for hashing, a chunk for landing). A nested call gets a buffer of its own.
+pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < len {
+                buf.resize(len, 0);
+            }
+            f(&mut buf[..len])
+        }
+        Err(_) => f(&mut vec![0u8; len]),
+    })
+}
 
 /// Bytes one thread copies at a time in [`copy_all`] (a commit's piece).
 pub const COPY_PIECE: u64 = 8 << 20;

@@ -173,17 +173,30 @@ fn alloc_for(
             std::io::Error::other("longer than this machine's address space"),
         )
     })?;
-    // Aligned to 16, not to a page: the allocator then takes zeroed memory from the kernel
-    // (calloc, fresh pages) instead of writing zeros over every page first, which cost each
-    // receiver a pass over its whole payload before joining (0.1 to 1.5 s per 128 MiB with
-    // several receivers starting on one machine: the timeline's manifest-to-joined step).
-    let region = MemoryRegion::alloc_zeroed(n, 16).map_err(|e| {
+    Ok(engine.register(lazily_zeroed(n, name)?, access, name)?)
+}
+
+/// `n` zeroed bytes the kernel zeroes page by page as they are first written (`calloc`: fresh
+/// pages, small ones), not up front: the pull's receives fault them in as the chunks land, so
+/// no pass over the whole payload (and no compaction for huge pages) comes before joining.
+/// [`MemoryRegion::alloc_zeroed`] writes zeros over huge pages first, which cost each receiver
+/// of `cargo xtask bench broadcast` about 0.3 s of CPU per 256 MiB before its first chunk
+/// (zeroing, faults, compaction; eight receivers on one machine at once: more), and serves no
+/// purpose here: every byte is overwritten by a verified chunk before it is served.
+///
+/// A refused allocation is an error, never an abort: the size is first reserved fallibly
+/// (`try_reserve_exact`, released at once), and only then taken zeroed. Past that, as for any
+/// allocation under overcommit, a page the kernel cannot find later is the OOM killer's.
+fn lazily_zeroed(n: usize, name: &str) -> Result<MemoryRegion, BroadcastError> {
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(n).map_err(|e| {
         BroadcastError::io(
-            format!("allocating {len} bytes for {name:?}"),
+            format!("allocating {n} bytes for {name:?}"),
             std::io::Error::other(e.to_string()),
         )
     })?;
-    Ok(engine.register(region, access, name)?)
+    drop(probe);
+    Ok(MemoryRegion::from_vec(vec![0u8; n]))
 }
 
 /// What joining sets up, before the control service starts.
@@ -605,5 +618,52 @@ impl Receiver {
             hooks: TestHooks::default(),
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lazily_zeroed;
+
+    /// Resident bytes of the mappings of this process that meet `addr..addr + len`
+    /// (`/proc/self/smaps`; advice such as `MADV_HUGEPAGE` splits one allocation into several).
+    fn resident(addr: usize, len: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("reading smaps");
+        let (mut inside, mut total, mut seen) = (false, 0, false);
+        for line in smaps.lines() {
+            let head = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = head.split_once('-')
+                && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            {
+                inside = a < addr + len && addr < b;
+                seen |= inside;
+            } else if inside && let Some(kb) = line.strip_prefix("Rss:") {
+                let kb = kb.trim().trim_end_matches("kB").trim();
+                total += kb.parse::<u64>().expect("Rss in kB") << 10;
+            }
+        }
+        assert!(seen, "no mapping holds {addr:#x}");
+        total
+    }
+
+    #[test]
+    fn a_receivers_buffer_is_not_written_before_its_chunks_land() {
+        // 64 MiB: past the allocator's mmap threshold, so the buffer is a mapping of its own.
+        let len = 64 << 20;
+        let region = lazily_zeroed(len, "w").unwrap();
+        let rss = resident(region.as_ptr() as usize, len);
+        assert!(
+            rss < 8 << 20,
+            "{rss} of {len} bytes resident right after allocating: zeroed up front"
+        );
+        let mut b = [0xffu8; 4096];
+        region.read_at(len as u64 - 4096, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "fresh bytes read as zeros");
+    }
+
+    #[test]
+    fn a_buffer_the_machine_cannot_hold_is_an_error_not_an_abort() {
+        let err = lazily_zeroed(usize::MAX / 2, "w").map(|_| ()).unwrap_err();
+        assert!(err.to_string().contains("\"w\""), "{err}");
     }
 }
