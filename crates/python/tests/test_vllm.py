@@ -310,13 +310,16 @@ def test_the_plugin_registers_ferry_in_both_factories_and_imports_it_only_when_u
     ]
 
 
-@pytest.mark.parametrize("mode", ["in_place", "staged"])
+@pytest.mark.parametrize("mode", ["in_place", "staged", "checkpoint"])
 def test_four_receivers_take_version_1_then_version_2(receivers, mode):
+    """Checkpoint mode hands the verified tensors to the model's ``load_weights`` (vLLM's
+    layerwise reload, which needs a real vLLM model's layers, is off for this toy model)."""
     from ferry.vllm import FanoutClient
 
     rs = receivers(4)
     assert {c.engine_class for c in rs.values()} == {"ferry.vllm.FerryWeightTransferEngine"}
-    model, t = trainer(FanoutClient(rs), mode=mode)
+    extra = {"layerwise_reload": False} if mode == "checkpoint" else {}
+    model, t = trainer(FanoutClient(rs), mode=mode, **extra)
     try:
         for version in (1, 2):
             if version == 2:
@@ -327,6 +330,8 @@ def test_four_receivers_take_version_1_then_version_2(receivers, mode):
             want = digests(model)
             assert t.version == version
             assert t.outcomes == {n: "ok" for n in rs}
+            # Published from the parameters' own memory, no copy.
+            assert [x.data_ptr() for x in t._held[version]] == [p.data_ptr() for _, p in model.named_parameters()]
             for n, c in rs.items():
                 assert c.last["version"] == version
                 assert c.ask("digests") == want, f"{n} holds other bytes than version {version}"
@@ -398,7 +403,7 @@ def test_a_mismatched_parameter_is_refused_before_any_byte_lands(receivers):
 
     rs = receivers(3, mismatch={1})
     before = rs["r1"].ask("digests")
-    model, t = trainer(FanoutClient(rs))
+    model, t = trainer(FanoutClient(rs), mode="in_place")
     try:
         with pytest.raises(ReceiversFailed) as e:
             t.send_weights()
@@ -422,7 +427,7 @@ def test_a_keyed_update_reaches_keyed_receivers_and_refuses_a_keyless_one(receiv
     key.chmod(0o600)
     rs = receivers(3)
     keyless = rs.pop("r2")
-    model, t = trainer(FanoutClient(rs), auth_key_file=str(key))
+    model, t = trainer(FanoutClient(rs), mode="in_place", auth_key_file=str(key))
     try:
         t.send_weights()
         want = digests(model)
@@ -437,7 +442,7 @@ def test_a_keyed_update_reaches_keyed_receivers_and_refuses_a_keyless_one(receiv
             "shapes": [list(s) for _, _, s in spec],
         }
         before = keyless.ask("digests")
-        keyless.init_weight_transfer_engine({"timeout": 20, "linger": 0})
+        keyless.init_weight_transfer_engine({"mode": "in_place", "timeout": 20, "linger": 0})
         keyless.start_weight_update()
         with pytest.raises(RuntimeError, match="BroadcastError|FerryError|Auth|refused|key"):
             keyless.update_weights(update)

@@ -17,7 +17,38 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["as_broadcast", "dtype_name", "mismatches", "torch_dtype"]
+__all__ = ["ParameterMismatch", "ReceiversFailed", "as_broadcast", "dtype_name", "mismatches", "torch_dtype"]
+
+
+class ParameterMismatch(ValueError):
+    """A receiver's parameters differ from the ones an update sends (``problems``, one line
+    each, as ``mismatches`` writes them); nothing was registered or moved."""
+
+    def __init__(self, version: int, problems: list[str]):
+        self.version = version
+        self.problems = list(problems)
+        super().__init__(
+            f"the update to version {version} was refused before any byte moved: " + "; ".join(self.problems)
+        )
+
+
+class ReceiversFailed(RuntimeError):
+    """Some receivers failed an update (``failed``: receiver name to what it raised, or why);
+    the others (``succeeded``) went on and finished it. ``what`` names the update."""
+
+    def __init__(self, failed: Mapping[str, Any], succeeded: Iterable[str], what: str, version: int = 0):
+        self.failed = dict(failed)
+        self.succeeded = list(succeeded)
+        self.what = what
+        self.version = version
+
+        def why(e: Any) -> str:
+            return f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else str(e)
+
+        named = "; ".join(f"{n} ({why(e)})" for n, e in self.failed.items())
+        super().__init__(
+            f"{what}: {len(self.failed)} receiver(s) failed: {named}; {len(self.succeeded)} finished it"
+        )
 
 # Torch dtypes the broadcast's manifest names (ferry.broadcast's NumPy names).
 _NAMES = (

@@ -36,9 +36,10 @@ digest the trainer sent, in the mode the init info names:
 - ``"staged"``: into staging tensors beside the parameters, which the worker relays from until
   ``finish_weight_update`` copies them into the parameters. A failed pull leaves the model on
   its old version.
-- ``"checkpoint"``: into fresh tensors of the shapes the update names, handed once verified to
-  the model's own ``load_weights`` (vLLM's checkpoint format: fused and renamed parameters),
-  inside vLLM's layerwise reload where ``layerwise_reload`` (the default) is set.
+- ``"checkpoint"`` (the default): into fresh tensors of the shapes the update names, in host
+  memory (``staging_device``), handed once verified to the model's own ``load_weights`` (vLLM's
+  checkpoint format: fused, renamed and sharded parameters), inside vLLM's layerwise reload
+  where ``layerwise_reload`` (the default) is set.
 
 Keys: ``auth_key_file`` in ``FerryTrainerInitInfo`` (the trainer's keyring) and
 ``worker_auth_key_file`` (the path of the same keyring on the workers; default: the same path)
@@ -66,7 +67,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import ferry
-from ferry._rl import as_broadcast, dtype_name, mismatches, torch_dtype
+from ferry._rl import ParameterMismatch, ReceiversFailed, as_broadcast, dtype_name, mismatches, torch_dtype
 from ferry.broadcast import Publisher, PullSummary, pull
 from ferry.vllm_plugin import BACKEND
 
@@ -85,35 +86,6 @@ __all__ = [
 MODES = ("in_place", "staged", "checkpoint")
 
 
-class ParameterMismatch(ValueError):
-    """An update names parameters the model does not have, or has with another dtype or shape
-    (``problems``, one line each); nothing was registered or moved."""
-
-    def __init__(self, version: int, problems: list[str]):
-        self.version = version
-        self.problems = problems
-        super().__init__(
-            f"weight update to version {version} refused before any byte moved: " + "; ".join(problems)
-        )
-
-
-class ReceiversFailed(RuntimeError):
-    """Some receivers failed a weight update (``failed``: receiver name to the exception it
-    raised, at ``stage``); the others (``succeeded``) went on and finished it."""
-
-    def __init__(self, failed: Mapping[str, BaseException], succeeded: list[str], stage: str, version: int = 0):
-        self.failed = dict(failed)
-        self.succeeded = list(succeeded)
-        self.stage = stage
-        self.version = version
-        named = ", ".join(f"{n} ({type(e).__name__}: {e})" for n, e in self.failed.items())
-        super().__init__(
-            f"{len(self.failed)} receiver(s) failed the weight update"
-            + (f" to version {version}" if version else "")
-            + f" at {stage}: {named}; {len(self.succeeded)} finished it"
-        )
-
-
 @dataclass
 class FerryWeightTransferInitInfo(WeightTransferInitInfo):
     """What a worker is told once (``init_weight_transfer_engine``); the trainer builds it
@@ -121,8 +93,11 @@ class FerryWeightTransferInitInfo(WeightTransferInitInfo):
 
     name: str = "policy"
     """The broadcast's name (the trainer's ``FerryTrainerInitInfo.name``)."""
-    mode: str = "in_place"
+    mode: str = "checkpoint"
     """``"in_place"``, ``"staged"`` or ``"checkpoint"`` (the module's docs)."""
+    staging_device: str = "cpu"
+    """``"checkpoint"`` mode: where the version is staged before ``load_weights`` (host memory
+    by default; ``"model"``: the model's device)."""
     auth_key_file: str | None = None
     """The keyring file on the worker (the trainer's keys); None: no key (or
     ``FERRY_AUTH_KEY_FILE``)."""
@@ -176,8 +151,10 @@ class FerryTrainerInitInfo(TrainerInitInfo):
     """The broadcast's name."""
     listen: str = "127.0.0.1:0"
     """Where the trainer's engine listens (``HOST:PORT``): an address the workers reach."""
-    mode: str = "in_place"
+    mode: str = "checkpoint"
     """How workers apply a version (``FerryWeightTransferInitInfo.mode``)."""
+    staging_device: str = "cpu"
+    """``FerryWeightTransferInitInfo.staging_device``."""
     auth_key_file: str | None = None
     """The trainer's keyring file: control requests and chunks are authenticated."""
     worker_auth_key_file: str | None = None
@@ -199,6 +176,7 @@ class FerryTrainerInitInfo(TrainerInitInfo):
         return FerryWeightTransferInitInfo(
             name=self.name,
             mode=self.mode,
+            staging_device=self.staging_device,
             auth_key_file=key,
             listen=self.worker_listen,
             timeout=self.timeout,
@@ -275,7 +253,8 @@ class FerryWeightTransferEngine(WeightTransferEngine[FerryWeightTransferInitInfo
         if not self._meta:
             raise ValueError("the update names no parameters and no earlier update named any")
         if info.mode == "checkpoint":
-            targets = {n: torch.empty(s, dtype=torch_dtype(d), device=self.device) for n, d, s in self._meta}
+            where = self.device if info.staging_device == "model" else torch.device(info.staging_device)
+            targets = {n: torch.empty(s, dtype=torch_dtype(d), device=where) for n, d, s in self._meta}
         else:
             params = dict(self.model.named_parameters())
             problems = mismatches(self._meta, params)
@@ -472,7 +451,7 @@ class FerryTrainerWeightTransferEngine(TrainerWeightTransferEngine[FerryTrainerI
         for stage, call in (
             ("start_weight_update", lambda: self.client.start_weight_update()),
             ("update_weights", lambda: self.client.update_weights(update)),
-            ("finish_weight_update", lambda: self.client.finish_weight_update()),
+            ("finish_weight_update", lambda: self.client.finish_weight_update(str(version))),
         ):
             try:
                 call()
@@ -484,7 +463,7 @@ class FerryTrainerWeightTransferEngine(TrainerWeightTransferEngine[FerryTrainerI
         self.outcomes = {n: ("ok" if n not in failed else f"{type(failed[n]).__name__}: {failed[n]}") for n in names}
         if failed:
             ok = [n for n in names if n not in failed]
-            raise ReceiversFailed(failed, ok, "the update round", version)
+            raise ReceiversFailed(failed, ok, f"the weight update to version {version}", version)
 
     def shutdown(self) -> None:
         """Stops publishing and the engine."""
@@ -498,8 +477,8 @@ class FerryTrainerWeightTransferEngine(TrainerWeightTransferEngine[FerryTrainerI
 
 
 class FanoutClient:
-    """A ``VLLMWeightSyncClient`` over several named ones (one per vLLM instance: a Ray actor,
-    an HTTP server), called at once. A receiver that fails a call is left out of the rest of
+    """A ``VLLMWeightSyncClient`` over several named ones (one per vLLM instance: vLLM's
+    ``HTTPVLLMWeightSyncClient`` or ``RayVLLMWeightSyncClient`` for each), called at once. A receiver that fails a call is left out of the rest of
     the round (until the next ``start_weight_update``); the call raises ``ReceiversFailed``
     naming it only after the others returned."""
 
