@@ -9,6 +9,7 @@ mod bench_broadcast;
 mod bench_compat;
 mod bench_cpu;
 mod bench_latency;
+mod bench_rl;
 mod bench_small;
 mod bench_uring;
 mod bindgen;
@@ -79,6 +80,9 @@ tasks:
                          memory and descriptors (the client side of a fan-out)
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--memory [--rounds R]] [--straggler RATE] [--stripes N] [--no-killed] [--bin PATH] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
+  bench rl [--no-build] [--mib N] [--bucket-mib N] [--receivers N] [--rounds N] [--modes A,B]
+                         RL weight sync, 1 trainer to N receivers on one host: ferry.verl against
+                         one receiver alone and a ferry.mooncake chain (xtask/src/bench_rl.rs)
   mutants [--file TEXT]... [--list]
                          cargo-mutants over the code that checks outside input (xtask/src/mutants.rs)
   faults [--check]       the fault suite (tests/tests/faults.rs); writes its table into docs/faults.md
