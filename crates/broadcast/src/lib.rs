@@ -48,6 +48,7 @@ pub mod sim;
 mod source;
 pub mod stripes;
 
+pub use control::Departure;
 pub use destinations::{Destinations, TensorKind};
 pub use discovery::{Discovery, Embedded, Listing};
 pub use error::BroadcastError;
@@ -60,6 +61,6 @@ pub use plan::{Member, Role};
 #[doc(hidden)]
 pub use receiver::TestHooks;
 pub use receiver::{
-    DEFAULT_STRIPES, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
+    DEFAULT_STRIPES, LeaveHandle, Receiver, ReceiverOptions, Snapshot, Summary, Timeline, unix_now,
 };
 pub use source::{Source, SourceEvent, SourceOptions};

@@ -11,8 +11,9 @@
 //! every chunk it takes is checked against that version's BLAKE3. A source of files withdraws
 //! a version whose files changed on disk (see [`Source::publish_files`]).
 //!
-//! A watcher follows the embedded tracker's list and reports receivers joining, finishing and
-//! leaving unfinished ([`SourceEvent`], [`Source::subscribe`]; logged too).
+//! A watcher follows the embedded tracker's list and reports receivers joining, finishing,
+//! coming off the list unfinished (a leave, or a lease run out) and coming back
+//! ([`SourceEvent`], [`Source::subscribe`]; logged while no one subscribes).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,7 +25,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::control::{self, CtlState, Progress, Tracker};
+use crate::control::{self, CtlState, Departure, Progress, Tracker};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
 use crate::layout::Tensor;
@@ -123,7 +124,7 @@ impl Stamp {
     }
 }
 
-/// What a source reports to whoever follows it ([`Source::subscribe`]); each is logged too.
+/// What a source reports to whoever follows it ([`Source::subscribe`]); logged while no one does.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum SourceEvent {
@@ -145,8 +146,9 @@ pub enum SourceEvent {
         /// The version it pulled.
         version: u64,
     },
-    /// A receiver left the list unfinished: it failed, gave up, was interrupted, or stopped
-    /// heartbeating (its lease ran out).
+    /// A receiver came off the list unfinished: it left (its pull failed or was interrupted),
+    /// or no heartbeat came within its lease (killed, stopped, cut off). Either way it is out
+    /// of every member's plan from the next list read.
     Failed {
         /// Its id.
         id: String,
@@ -156,6 +158,20 @@ pub enum SourceEvent {
         version: u64,
         /// Chunks it had verified.
         progress: u64,
+        /// How it came off the list.
+        how: Departure,
+    },
+    /// A receiver whose lease had run out heartbeated again (it was stopped and resumed, or
+    /// cut off and reconnected): it is listed again, under the same entry.
+    Returned {
+        /// Its id.
+        id: String,
+        /// Its data address.
+        addr: String,
+        /// The version it pulls.
+        version: u64,
+        /// How long it was off the list.
+        after: Duration,
     },
     /// A version was withdrawn because a file of it changed on disk since it was published:
     /// pulls of it would fail verification, so it is no longer offered.
@@ -186,11 +202,34 @@ impl std::fmt::Display for SourceEvent {
                 addr,
                 version,
                 progress,
+                how: Departure::Left,
             } => write!(
                 f,
                 "receiver {addr} (id {id}) left before finishing version {version} ({progress} \
-                 chunks verified at its last report): it failed, gave up, was interrupted or \
-                 stopped heartbeating"
+                 chunks verified): its pull was interrupted or failed"
+            ),
+            SourceEvent::Failed {
+                id,
+                addr,
+                version,
+                progress,
+                ..
+            } => write!(
+                f,
+                "receiver {addr} (id {id}) went silent before finishing version {version} \
+                 ({progress} chunks verified at its last report): no heartbeat within its \
+                 lease, so it is out of the plan (listed again if it comes back)"
+            ),
+            SourceEvent::Returned {
+                id,
+                addr,
+                version,
+                after,
+            } => write!(
+                f,
+                "receiver {addr} (id {id}) is back after {:.1} s off the list, pulling version \
+                 {version}",
+                after.as_secs_f64()
             ),
             SourceEvent::Withdrawn {
                 version,
@@ -598,9 +637,11 @@ impl Source {
         &self.engine
     }
 
-    /// Follows what happens to the broadcast from now on: receivers joining, finishing and
-    /// leaving unfinished, and versions withdrawn because their files changed on disk (each is
-    /// logged too: joins and finishes at info, the rest as warnings).
+    /// Follows what happens to the broadcast from now on: receivers joining, finishing, coming
+    /// off the list unfinished (left, or silent past their lease) and coming back, and versions
+    /// withdrawn because their files changed on disk. While no one follows, each is logged
+    /// instead (joins, returns and finishes at info, the rest as warnings); while someone
+    /// does, reporting them is theirs (`ferry publish` prints each once).
     pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<SourceEvent> {
         self.events.subscribe()
     }
@@ -703,80 +744,149 @@ fn withdraw_changed(
     lock(files).retain(|(v, _)| !gone.contains(v));
     let served: Vec<u64> = lock(&state.manifests).iter().map(|m| m.version).collect();
     for e in changed {
-        tracing::warn!(versions_served = ?served, "{e}");
+        // Logged only where no one follows the events (they report it themselves).
+        if events.receiver_count() == 0 {
+            tracing::warn!(versions_served = ?served, "{e}");
+        }
         let _ = events.send(e);
     }
 }
 
-/// The source's watcher: every [`WATCH_EVERY`], the receivers the tracker lists against the
-/// last list (joined, finished, left unfinished), and the kept versions' files. A receiver
-/// that finished stays listed, done, for a while before it leaves
-/// ([`Receiver::leave`](crate::Receiver::leave)), so it is seen finished.
+/// The source's watcher: every [`WATCH_EVERY`], the receivers the tracker lists and those that
+/// came off it since ([`Membership`]), and the kept versions' files. Each event goes to the
+/// subscribers; while there are none, it is logged instead (so a program that prints them, as
+/// `ferry publish` does, shows each once).
 async fn watch(
     tracker: Arc<Tracker>,
     files: Arc<KeptFiles>,
     state: Arc<CtlState>,
     events: tokio::sync::broadcast::Sender<SourceEvent>,
 ) {
-    let mut known: std::collections::HashMap<String, Member> = Default::default();
+    let mut membership = Membership::default();
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         withdraw_changed(&files, &state, &events);
-        let now: std::collections::HashMap<String, Member> = tracker
-            .members(Instant::now())
+        let now = Instant::now();
+        let listed = tracker.members(now);
+        let departed = tracker.departures(now);
+        for e in membership.step(listed, departed, now) {
+            if events.receiver_count() == 0 {
+                match e {
+                    SourceEvent::Failed { .. } => tracing::warn!("{e}"),
+                    _ => tracing::info!("{e}"),
+                }
+            }
+            let _ = events.send(e);
+        }
+    }
+}
+
+/// Most receivers [`Membership`] remembers as gone silent (to say when one comes back).
+const MAX_LAPSED: usize = 4096;
+
+/// What the watcher knows of the receivers between two looks: those listed, and those whose
+/// lease ran out (and when), so that one that heartbeats again is said to be back rather than
+/// to have joined. No I/O: [`step`](Self::step) returns what changed.
+#[derive(Debug, Default)]
+struct Membership {
+    known: std::collections::HashMap<String, Member>,
+    lapsed: std::collections::HashMap<String, Instant>,
+}
+
+impl Membership {
+    /// What changed at `now`, given the receivers listed (`listed`; the source is ignored) and
+    /// those that came off the list since the last step (`departed`, as the tracker last
+    /// listed each, and how): each that joined or came back, each that finished (seen done
+    /// while listed or when it left), and each that came off unfinished, once.
+    fn step(
+        &mut self,
+        listed: Vec<Member>,
+        departed: Vec<(Member, Departure)>,
+        now: Instant,
+    ) -> Vec<SourceEvent> {
+        let listed: std::collections::HashMap<String, Member> = listed
             .into_iter()
             .filter(|m| m.role == Role::Receiver)
             .map(|m| (m.id.clone(), m))
             .collect();
-        let said = membership_events(&known, &now);
-        for e in said {
-            match e {
-                SourceEvent::Failed { .. } => tracing::warn!("{e}"),
-                _ => tracing::info!("{e}"),
+        let mut said = Vec::new();
+        let mut known = std::mem::take(&mut self.known);
+        // Those that came off the list: seen finished, or gone unfinished.
+        for (m, how) in departed {
+            if m.role != Role::Receiver || listed.contains_key(&m.id) {
+                continue; // back already (a lease renewed between two looks): nothing changed
             }
-            let _ = events.send(e);
+            let before = known.remove(&m.id);
+            if before.is_none() {
+                said.push(joined(&m));
+            }
+            if m.done {
+                if !before.is_some_and(|b| b.done) {
+                    said.push(finished(&m));
+                }
+                continue;
+            }
+            if how == Departure::Lapsed {
+                if self.lapsed.len() >= MAX_LAPSED {
+                    self.lapsed.clear();
+                }
+                self.lapsed.insert(m.id.clone(), now);
+            }
+            said.push(gone(m, how));
         }
-        known = now;
+        // Listed before and not now, with no departure recorded (not expected): gone silent.
+        for (id, m) in &known {
+            if !listed.contains_key(id) && !m.done {
+                said.push(gone(m.clone(), Departure::Lapsed));
+            }
+        }
+        for (id, m) in &listed {
+            match known.get(id) {
+                None => match self.lapsed.remove(id) {
+                    Some(at) => said.push(SourceEvent::Returned {
+                        id: id.clone(),
+                        addr: m.data_addr.clone(),
+                        version: m.version,
+                        after: now.saturating_duration_since(at),
+                    }),
+                    None => said.push(joined(m)),
+                },
+                Some(b) if m.done && !b.done => said.push(finished(m)),
+                Some(_) => {}
+            }
+            if m.done && !known.contains_key(id) {
+                said.push(finished(m));
+            }
+        }
+        self.known = listed;
+        said
     }
 }
 
-/// What changed between the receivers listed before (`known`) and now (`now`), by id: each that
-/// joined, each that finished, and each that left unfinished (one that left done was seen
-/// finished). No I/O: the watcher reports what it returns.
-fn membership_events(
-    known: &std::collections::HashMap<String, Member>,
-    now: &std::collections::HashMap<String, Member>,
-) -> Vec<SourceEvent> {
-    let mut said = Vec::new();
-    for (id, m) in now {
-        let before = known.get(id);
-        if before.is_none() {
-            said.push(SourceEvent::Joined {
-                id: id.clone(),
-                addr: m.data_addr.clone(),
-                version: m.version,
-            });
-        }
-        if m.done && !before.is_some_and(|b| b.done) {
-            said.push(SourceEvent::Finished {
-                id: id.clone(),
-                addr: m.data_addr.clone(),
-                version: m.version,
-            });
-        }
+fn joined(m: &Member) -> SourceEvent {
+    SourceEvent::Joined {
+        id: m.id.clone(),
+        addr: m.data_addr.clone(),
+        version: m.version,
     }
-    for (id, m) in known {
-        if now.contains_key(id) || m.done {
-            continue;
-        }
-        said.push(SourceEvent::Failed {
-            id: id.clone(),
-            addr: m.data_addr.clone(),
-            version: m.version,
-            progress: m.progress,
-        });
+}
+
+fn finished(m: &Member) -> SourceEvent {
+    SourceEvent::Finished {
+        id: m.id.clone(),
+        addr: m.data_addr.clone(),
+        version: m.version,
     }
-    said
+}
+
+fn gone(m: Member, how: Departure) -> SourceEvent {
+    SourceEvent::Failed {
+        id: m.id,
+        addr: m.data_addr,
+        version: m.version,
+        progress: m.progress,
+        how,
+    }
 }
 
 #[cfg(test)]
@@ -802,45 +912,95 @@ mod tests {
         (id.to_owned(), m)
     }
 
-    #[test]
-    fn the_watcher_reports_joins_finishes_and_members_gone_unfinished_once() {
-        let known: std::collections::HashMap<_, _> = [
-            receiver("stays", false, 1),
-            receiver("finishes", false, 3),
-            receiver("dies", false, 4),
-            receiver("left_done", true, 8),
-        ]
-        .into();
-        let now: std::collections::HashMap<_, _> = [
-            receiver("stays", false, 2),
-            receiver("finishes", true, 8),
-            receiver("new", false, 0),
-            receiver("new_done", true, 8),
-        ]
-        .into();
-        let mut said = membership_events(&known, &now);
-        said.sort_by_key(|e| format!("{e:?}"));
-        let kinds: Vec<String> = said
+    fn said(events: &[SourceEvent]) -> Vec<String> {
+        let mut v: Vec<String> = events
             .iter()
             .map(|e| match e {
                 SourceEvent::Joined { id, .. } => format!("joined {id}"),
                 SourceEvent::Finished { id, .. } => format!("finished {id}"),
-                SourceEvent::Failed { id, progress, .. } => format!("failed {id} at {progress}"),
+                SourceEvent::Failed {
+                    id, progress, how, ..
+                } => format!("{how:?} {id} at {progress}"),
+                SourceEvent::Returned { id, .. } => format!("back {id}"),
                 other => format!("{other:?}"),
             })
             .collect();
-        let mut want = vec![
-            "failed dies at 4",
-            "finished finishes",
-            "finished new_done",
-            "joined new",
-            "joined new_done",
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn the_watcher_reports_joins_finishes_and_members_gone_unfinished_once() {
+        let t0 = Instant::now();
+        let mut w = Membership::default();
+        let first = [
+            receiver("stays", false, 1),
+            receiver("finishes", false, 3),
+            receiver("dies", false, 4),
+            receiver("quits", false, 5),
+            receiver("left_done", true, 8),
         ];
-        let mut kinds = kinds;
-        kinds.sort();
-        want.sort();
-        assert_eq!(kinds, want);
+        w.step(first.iter().map(|(_, m)| m.clone()).collect(), vec![], t0);
+        let listed = [
+            receiver("stays", false, 2),
+            receiver("finishes", true, 8),
+            receiver("new", false, 0),
+        ];
+        let departed = vec![
+            (receiver("dies", false, 4).1, Departure::Lapsed),
+            (receiver("quits", false, 6).1, Departure::Left),
+            (receiver("left_done", true, 8).1, Departure::Left),
+            // Joined and finished between two looks: both said.
+            (receiver("new_done", true, 8).1, Departure::Left),
+        ];
+        let events = w.step(
+            listed.iter().map(|(_, m)| m.clone()).collect(),
+            departed,
+            t0,
+        );
+        assert_eq!(
+            said(&events),
+            [
+                "Lapsed dies at 4",
+                "Left quits at 6",
+                "finished finishes",
+                "finished new_done",
+                "joined new",
+                "joined new_done",
+            ]
+        );
         // Nothing changed: nothing said.
-        assert!(membership_events(&now, &now).is_empty());
+        let again = w.step(listed.iter().map(|(_, m)| m.clone()).collect(), vec![], t0);
+        assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn a_receiver_stopped_past_its_lease_and_resumed_is_silent_then_back_never_joined_twice() {
+        let t0 = Instant::now();
+        let mut w = Membership::default();
+        let a = receiver("a", false, 3).1;
+        assert_eq!(said(&w.step(vec![a.clone()], vec![], t0)), ["joined a"]);
+        // Stopped (SIGSTOP): its lease runs out.
+        let gone = w.step(vec![], vec![(a.clone(), Departure::Lapsed)], t0);
+        assert_eq!(said(&gone), ["Lapsed a at 3"]);
+        assert!(gone[0].to_string().contains("went silent"), "{}", gone[0]);
+        // Resumed: its heartbeat lists it again.
+        let back = w.step(vec![a.clone()], vec![], t0 + Duration::from_secs(5));
+        assert_eq!(said(&back), ["back a"]);
+        assert!(
+            back[0].to_string().contains("is back after 5.0 s"),
+            "{}",
+            back[0]
+        );
+        // It finishes, and leaves done.
+        let mut done = a.clone();
+        done.done = true;
+        let end = w.step(vec![], vec![(done, Departure::Left)], t0);
+        assert_eq!(said(&end), ["finished a"]);
+        // A lease that ran out and was renewed between two looks says nothing.
+        let b = receiver("b", false, 1).1;
+        w.step(vec![b.clone()], vec![], t0);
+        let blip = w.step(vec![b.clone()], vec![(b, Departure::Lapsed)], t0);
+        assert!(blip.is_empty(), "{blip:?}");
     }
 }

@@ -511,6 +511,52 @@ pub(crate) fn pull(args: PullArgs) -> Result<()> {
     })
 }
 
+/// Where `ferry pull` finds the broadcast: etcd (`etcd://HOST:PORT/NAME`, refused unless keys or
+/// an expected digest bind the source it lists) or the source's control address (the embedded
+/// discovery), and the broadcast's name where the address does not imply it.
+async fn discovery_of(
+    args: &PullArgs,
+    keys: Option<&ferry::Keyring>,
+) -> Result<(Arc<dyn Discovery>, Option<String>)> {
+    Ok(match args.from.strip_prefix("etcd://") {
+        Some(rest) => {
+            let Some((host, name)) = rest.split_once('/') else {
+                bail!("etcd://HOST:PORT/NAME, not {:?}", args.from);
+            };
+            // Refused before etcd is asked anything: what etcd lists proves nothing.
+            ferry_broadcast::discovery::require_bound(
+                ferry_broadcast::Listing::Open,
+                &format!("etcd http://{host}"),
+                keys.is_some(),
+                args.expect_manifest.is_some(),
+            )?;
+            (
+                etcd(&format!("http://{host}"), name).await?,
+                Some(name.to_owned()),
+            )
+        }
+        None => {
+            if !parse::has_port(&args.from) {
+                bail!(
+                    "{:?} has no port: give HOST:PORT, as `ferry publish` prints it \
+                     (its control port is 7500 unless --listen says otherwise)",
+                    args.from
+                );
+            }
+            let addr: SocketAddr = tokio::net::lookup_host(&args.from)
+                .await
+                .with_context(|| format!("resolving {}", args.from))?
+                .next()
+                .with_context(|| format!("{} resolves to nothing", args.from))?;
+            let d = match keys {
+                Some(k) => Embedded::with_keys(addr, k.clone()),
+                None => Embedded::new(addr),
+            };
+            (Arc::new(d), None)
+        }
+    })
+}
+
 fn pull_inner(
     args: &PullArgs,
     last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
@@ -525,45 +571,12 @@ fn pull_inner(
     // Set once the summary is printed: the pull succeeded, and a signal after it (while it
     // lingers or leaves) ends the command with that success, not as a stop.
     let finished = std::sync::atomic::AtomicBool::new(false);
+    // The receiver's way off the member list: a pull stopped by a signal leaves it at once, so
+    // that the publisher and the other receivers drop it from their plans now, not when its
+    // lease runs out (they would try to attach it meanwhile, and count it as a peer).
+    let leave = std::sync::Mutex::new(None::<ferry_broadcast::LeaveHandle>);
     let pulled = async {
-        let (discovery, name): (Arc<dyn Discovery>, Option<String>) =
-            match args.from.strip_prefix("etcd://") {
-                Some(rest) => {
-                    let Some((host, name)) = rest.split_once('/') else {
-                        bail!("etcd://HOST:PORT/NAME, not {:?}", args.from);
-                    };
-                    // Refused before etcd is asked anything: what etcd lists proves nothing.
-                    ferry_broadcast::discovery::require_bound(
-                        ferry_broadcast::Listing::Open,
-                        &format!("etcd http://{host}"),
-                        keys.is_some(),
-                        args.expect_manifest.is_some(),
-                    )?;
-                    (
-                        etcd(&format!("http://{host}"), name).await?,
-                        Some(name.to_owned()),
-                    )
-                }
-                None => {
-                    if !parse::has_port(&args.from) {
-                        bail!(
-                            "{:?} has no port: give HOST:PORT, as `ferry publish` prints it \
-                             (its control port is 7500 unless --listen says otherwise)",
-                            args.from
-                        );
-                    }
-                    let addr: SocketAddr = tokio::net::lookup_host(&args.from)
-                        .await
-                        .with_context(|| format!("resolving {}", args.from))?
-                        .next()
-                        .with_context(|| format!("{} resolves to nothing", args.from))?;
-                    let d = match &keys {
-                        Some(k) => Embedded::with_keys(addr, k.clone()),
-                        None => Embedded::new(addr),
-                    };
-                    (Arc::new(d), None)
-                }
-            };
+        let (discovery, name) = discovery_of(args, keys.as_ref()).await?;
         // The embedded source names the broadcast in its manifest.
         let opts = ReceiverOptions {
             listen_ip: args.listen,
@@ -583,6 +596,9 @@ fn pull_inner(
             Some(dir) => Receiver::join_to_dir(discovery, name.as_deref(), dir, opts).await?,
             None => Receiver::join(discovery, name.as_deref(), opts).await?,
         };
+        *leave
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(r.leave_handle());
         let goal = Goal::Bytes(r.manifest().total_bytes());
         let mut meter = Meter::new(args.progress, args.progress_every, args.json, "pull", goal);
         let rx = r.progress();
@@ -640,15 +656,22 @@ fn pull_inner(
         Ok(())
     };
     rt.block_on(async {
-        tokio::select! {
-            r = pulled => r,
-            signal = stop => {
-                if finished.load(std::sync::atomic::Ordering::Acquire) {
-                    Ok(())
-                } else {
-                    Err(Stopped(signal).into())
-                }
-            }
+        let signal = tokio::select! {
+            r = pulled => return r,
+            signal = stop => signal,
+        };
+        // The pull is dropped (its receiver stopped serving); its entry goes too.
+        let handle = leave
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(h) = handle {
+            h.leave().await;
+        }
+        if finished.load(std::sync::atomic::Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(Stopped(signal).into())
         }
     })
 }

@@ -55,6 +55,7 @@ mod tracker;
 pub(crate) use client::CtlClient;
 pub(crate) use messages::{Hex32, Progress, Reply, Request};
 pub(crate) use server::{CtlState, Service};
+pub use tracker::Departure;
 pub(crate) use tracker::Tracker;
 
 #[cfg(test)]

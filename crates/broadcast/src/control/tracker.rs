@@ -11,6 +11,21 @@ use crate::plan::{Member, Role};
 /// Most members the embedded tracker lists (the source included); joins past it are refused.
 pub(crate) const MAX_MEMBERS: usize = 4096;
 
+/// Most departures kept for [`Tracker::departures`] between two reads (the oldest go first).
+const MAX_DEPARTED: usize = 4096;
+
+/// How a member came off the list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Departure {
+    /// It said so: a `leave` carrying its entry's token (a pull that finished, failed or was
+    /// interrupted).
+    Left,
+    /// No heartbeat came within its lease (a process killed, stopped or cut off); a heartbeat
+    /// carrying its token lists it again.
+    Lapsed,
+}
+
 /// The embedded discovery's membership list, kept by the source: a member is listed while its
 /// heartbeats arrive within the lease.
 #[derive(Debug)]
@@ -26,6 +41,33 @@ struct TrackerInner {
     numbers: HashMap<u64, u64>,
     /// Each entry, when its lease ends (never, for the source) and its token.
     members: HashMap<String, (Member, Option<Instant>, [u8; 32])>,
+    /// The entries that came off the list since [`Tracker::departures`] last took them: each
+    /// as it was last listed, and how it went.
+    departed: Vec<(Member, Departure)>,
+}
+
+impl TrackerInner {
+    /// Drops the entries whose lease ended by `now`, each recorded as [`Departure::Lapsed`].
+    fn expire(&mut self, now: Instant) {
+        let lapsed: Vec<String> = self
+            .members
+            .iter()
+            .filter(|(_, (_, expires, _))| expires.is_some_and(|e| e <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lapsed {
+            if let Some((m, _, _)) = self.members.remove(&id) {
+                self.depart(m, Departure::Lapsed);
+            }
+        }
+    }
+
+    fn depart(&mut self, m: Member, how: Departure) {
+        if self.departed.len() >= MAX_DEPARTED {
+            self.departed.remove(0);
+        }
+        self.departed.push((m, how));
+    }
 }
 
 /// The next number of `version` in `numbers` (from 0), now dealt.
@@ -102,8 +144,7 @@ impl Tracker {
             ));
         }
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        g.members
-            .retain(|_, (_, expires, _)| expires.is_none_or(|e| e > now));
+        g.expire(now);
         let g = &mut *g;
         let (order, number, token) = match g.members.get(&m.id) {
             Some((old, _, t)) => {
@@ -149,7 +190,9 @@ impl Tracker {
         match g.members.get(id) {
             None => Ok(()),
             Some((_, _, t)) if token.is_some_and(|given| same_token(&given, t)) => {
-                g.members.remove(id);
+                if let Some((m, _, _)) = g.members.remove(id) {
+                    g.depart(m, Departure::Left);
+                }
                 Ok(())
             }
             Some(_) => Err(format!(
@@ -161,11 +204,19 @@ impl Tracker {
     /// The members whose lease has not expired at `now`, in join order.
     pub(crate) fn members(&self, now: Instant) -> Vec<Member> {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        g.members
-            .retain(|_, (_, expires, _)| expires.is_none_or(|e| e > now));
+        g.expire(now);
         let mut v: Vec<Member> = g.members.values().map(|(m, _, _)| m.clone()).collect();
         v.sort_by_key(|m| m.order);
         v
+    }
+
+    /// The members that came off the list since the last call, in the order they went, each as
+    /// it was last listed (so one that left done is known to have finished), and how: a leave,
+    /// or a lease that ran out by `now`.
+    pub(crate) fn departures(&self, now: Instant) -> Vec<(Member, Departure)> {
+        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        g.expire(now);
+        std::mem::take(&mut g.departed)
     }
 }
 
@@ -289,5 +340,34 @@ mod tests {
         }
         assert_eq!(t.members(t0).len(), MAX_MEMBERS);
         assert!(t.join(member("late", Role::Receiver), None, t0).is_err());
+    }
+
+    #[test]
+    fn departures_say_who_left_and_whose_lease_ran_out_each_once() {
+        let t0 = Instant::now();
+        let t = Tracker::new(member("s", Role::Source), Duration::from_secs(2));
+        let ta = t.join(member("a", Role::Receiver), None, t0).unwrap();
+        let mut b = member("b", Role::Receiver);
+        let tb = t.join(b.clone(), None, t0).unwrap();
+        b.progress = 7;
+        t.heartbeat(b.clone(), Some(tb), t0).unwrap();
+        t.leave("a", Some(ta)).unwrap();
+        let later = t0 + Duration::from_millis(2500);
+        let gone: Vec<(String, u64, Departure)> = t
+            .departures(later)
+            .into_iter()
+            .map(|(m, how)| (m.id, m.progress, how))
+            .collect();
+        assert_eq!(
+            gone,
+            [
+                ("a".into(), 0, Departure::Left),
+                ("b".into(), 7, Departure::Lapsed)
+            ]
+        );
+        assert!(t.departures(later).is_empty());
+        // b heartbeats again: listed again, under its token.
+        t.heartbeat(b, Some(tb), later).unwrap();
+        assert_eq!(t.members(later).len(), 2);
     }
 }

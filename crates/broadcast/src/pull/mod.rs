@@ -498,9 +498,14 @@ impl Pull {
         self.verified_bytes
     }
 
-    /// Members listed.
+    /// The other members listed that this pull has not given up on (the source included):
+    /// those it may fetch from. A member that left, or whose lease ran out, is not listed; one
+    /// still listed but given up (dead, stalled, unattachable) is not counted either.
     pub(crate) fn peers(&self) -> usize {
-        self.members.len()
+        self.members
+            .iter()
+            .filter(|m| m.id != self.cfg.me && !self.avoid.contains(&m.id))
+            .count()
     }
 
     /// What the pull counted.

@@ -579,6 +579,30 @@ fn a_fetch_that_could_not_start_is_asked_again_once_another_finishes() {
     assert_eq!(again, [1, 2]);
 }
 
+#[test]
+fn peers_are_the_members_it_may_fetch_from_not_itself_nor_those_gone_or_given_up() {
+    let listed = ["src", "r0", "me"].map(|id| {
+        let role = if id == "src" {
+            Role::Source
+        } else {
+            Role::Receiver
+        };
+        member(id, role)
+    });
+    for k in [Kind::Unattachable, Kind::Leaves { at: 3 }] {
+        let mut f = fleet(vec![k]);
+        f.stripes = 1;
+        let before = Pull::new(f.config(), listed.to_vec(), Instant::now());
+        // The source and r0; not this receiver.
+        assert_eq!(before.peers(), 2, "{k:?}");
+        let e = f.run();
+        e.result.unwrap();
+        // r0 could not be attached (given up, though listed), or left the list: the source
+        // remains.
+        assert_eq!(e.pull.peers(), 1, "{k:?}");
+    }
+}
+
 /// A holder's silence runs from the first chunk asked of it while nothing else was: asking it
 /// for more chunks while it stays silent must not start the clock again, else a stalled holder
 /// the window keeps feeding (here: slots freed by the source's chunks) is never given up.

@@ -245,7 +245,8 @@ pub struct Snapshot {
     pub total: u64,
     /// Chunks re-fetched after a checksum mismatch.
     pub refetched: u64,
-    /// Members listed.
+    /// The other members listed (the source included) that this pull has not given up on:
+    /// those it may fetch from.
     pub peers: usize,
     /// The data addresses of the stripes' current parents, each once, comma-separated.
     pub parent: String,
@@ -620,11 +621,47 @@ impl Receiver {
         if let Some(t) = self.reported_done {
             tokio::time::sleep_until((t + FINISHED_LISTED).into()).await;
         }
-        let gone = self.discovery.deregister(&self.member.id);
-        if tokio::time::timeout(LEAVE_WITHIN, gone).await.is_err() {
-            tracing::info!(member = %self.member.id, "discovery did not answer the leave; the entry's lease runs out instead");
-        }
+        self.leave_handle().leave().await;
         drop(self);
+    }
+
+    /// A way off the member list that outlives the receiver: for a caller that may abandon
+    /// the pull (drop [`run`](Self::run)'s future and the receiver, as `ferry pull` does when
+    /// interrupted) and should still leave the list at once, rather than stay listed (and
+    /// planned as a parent by the other members) until its lease runs out.
+    pub fn leave_handle(&self) -> LeaveHandle {
+        LeaveHandle {
+            discovery: self.discovery.clone(),
+            id: self.member.id.clone(),
+        }
+    }
+}
+
+/// Takes a receiver off the member list ([`Receiver::leave_handle`]).
+#[derive(Clone)]
+pub struct LeaveHandle {
+    discovery: Arc<dyn Discovery>,
+    id: String,
+}
+
+impl std::fmt::Debug for LeaveHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaveHandle")
+            .field("member", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaveHandle {
+    /// Deregisters the member, giving discovery 1 s to answer (a stopped source's tracker
+    /// would hold the caller for its whole timeout); unanswered, the entry's lease runs out
+    /// instead. The source says at once that it left unfinished, and the other members drop
+    /// it from their plans at their next list. Leaving twice is harmless.
+    pub async fn leave(&self) {
+        let gone = self.discovery.deregister(&self.id);
+        if tokio::time::timeout(LEAVE_WITHIN, gone).await.is_err() {
+            tracing::info!(member = %self.id, "discovery did not answer the leave; the entry's lease runs out instead");
+        }
     }
 }
 
