@@ -45,7 +45,10 @@ mod gpu;
 #[path = "nogpu.rs"]
 mod gpu;
 mod host;
+mod pipe;
+mod ring;
 mod server;
+mod shm;
 pub mod wire;
 
 use std::sync::{Arc, Mutex, PoisonError, Weak};
