@@ -37,7 +37,13 @@ use ferry_core::{
 use tracing::{debug, warn};
 
 use crate::host;
-use crate::wire::{ADDR_LEN, CUDA_IPC_CODE, IPC_MARK, IPC_REF_LEN, PROBE_OK, local_code};
+use crate::pipe::{self, Link, Tx};
+use crate::ring::{ANSWERS, REQUESTS, SHM_LEN};
+use crate::shm::{Shm, recv_fd};
+use crate::wire::{
+    ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, IPC_MARK, IPC_REF_LEN, PROBE_OK, RING_BIT,
+    RING_DECLINED, RING_OFFER, RING_TAKEN, inline, local_code,
+};
 
 /// How a channel moves GPU buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,10 +63,14 @@ impl std::fmt::Display for GpuRoute {
     }
 }
 
-/// One stream's attach: ready, or a CUDA IPC attach the server refused (its message).
+/// A stream's ring ends: requests written, answers read.
+type Ends = (Tx, pipe::Rx);
+
+/// One stream's attach: ready (on its ring, if it took one), or an attach with CUDA IPC or
+/// the ring that the server refused (its message).
 enum Attached {
-    Ready(UnixStream),
-    IpcRefused(String),
+    Ready(UnixStream, Option<Ends>),
+    Refused(String),
 }
 
 /// One request as the streams see it.
@@ -108,6 +118,7 @@ pub(crate) fn connect(
     chunk: u64,
     timeout: Duration,
     ipc: Result<(), String>,
+    ring: bool,
 ) -> Result<LocalChannel, Error> {
     let TransportOffer::Local {
         pid,
@@ -133,21 +144,26 @@ pub(crate) fn connect(
         Ok(()) => GpuRoute::CudaIpc,
         Err(why) => GpuRoute::HostStage(why),
     };
+    // What the server takes is learned on the first stream: a refusal with the ring asked
+    // for is tried again without it (an older server), then without CUDA IPC.
+    let mut with_ring = ring;
     for i in 0..n {
-        let code = if gpu == GpuRoute::CudaIpc {
-            CUDA_IPC_CODE
-        } else {
-            local_code()
-        };
-        let sock = match attach(peer, *pid, socket, i as u16, timeout, code)? {
-            Attached::Ready(s) => s,
-            Attached::IpcRefused(why) => {
-                debug!(peer = %peer.addr, why, "the peer takes no CUDA IPC; GPU buffers are staged");
-                gpu = GpuRoute::HostStage(format!("the peer refused CUDA IPC: {why}"));
-                match attach(peer, *pid, socket, i as u16, timeout, local_code())? {
-                    Attached::Ready(s) => s,
-                    Attached::IpcRefused(why) => return Err(unavailable(why)),
+        let sock = loop {
+            let ipc = gpu == GpuRoute::CudaIpc;
+            let code = if ipc { CUDA_IPC_CODE } else { local_code() };
+            let code = if with_ring { code | RING_BIT } else { code };
+            match attach(peer, *pid, socket, i as u16, timeout, code)? {
+                Attached::Ready(s, ends) => break (s, ends),
+                Attached::Refused(why) if with_ring => {
+                    debug!(peer = %peer.addr, why, "refused with the ring; attaching without");
+                    with_ring = false;
                 }
+                Attached::Refused(why) if ipc => {
+                    debug!(peer = %peer.addr, why, "the peer takes no CUDA IPC; GPU buffers are staged");
+                    gpu = GpuRoute::HostStage(format!("the peer refused CUDA IPC: {why}"));
+                    with_ring = ring;
+                }
+                Attached::Refused(why) => return Err(unavailable(why)),
             }
         };
         socks.push(sock);
@@ -201,11 +217,11 @@ fn attach(
     ferry_net::write_frame(&mut w, peer.addr, &attach_frame(peer, attach))?;
     let mut r = &sock;
     let reply = ferry_net::read_frame(&mut r, peer.addr)?;
-    if code == CUDA_IPC_CODE
+    if code != local_code()
         && let ControlFrame::Reject(refused) = &reply
         && refused.reason == RejectReason::Refused
     {
-        return Ok(Attached::IpcRefused(refused.message.clone()));
+        return Ok(Attached::Refused(refused.message.clone()));
     }
     attach_reply(peer.addr, &attach, reply)?;
     // The probe: the server reads these eight bytes of ours and sends them back.
@@ -228,9 +244,37 @@ fn attach(
             "the peer (pid {pid}) answered the probe with bytes other than ours"
         )));
     }
+    let ends = if code & RING_BIT != 0 {
+        take_ring(&sock).map_err(io)?
+    } else {
+        None
+    };
     sock.set_read_timeout(None).map_err(io)?;
     sock.set_write_timeout(None).map_err(io)?;
-    Ok(Attached::Ready(sock))
+    Ok(Attached::Ready(sock, ends))
+}
+
+/// Reads the server's ring offer and maps the ring where it can (else the stream stays on the
+/// socket), answering which.
+fn take_ring(sock: &UnixStream) -> io::Result<Option<Ends>> {
+    let (byte, fd) = recv_fd(sock)?;
+    let mapped = match (byte, fd) {
+        (RING_OFFER, Some(fd)) => match Shm::adopt(&fd, SHM_LEN) {
+            Ok(shm) => Some(shm),
+            Err(e) => {
+                debug!(error = %e, "the same-host ring offered is not usable; on the socket");
+                None
+            }
+        },
+        _ => None,
+    };
+    let mut w = sock;
+    let Some(shm) = mapped else {
+        w.write_all(&[RING_DECLINED])?;
+        return Ok(None);
+    };
+    w.write_all(&[RING_TAKEN])?;
+    Link::start(shm, sock, REQUESTS, ANSWERS).map(Some)
 }
 
 /// A channel of the same-host plane to one peer incarnation.
@@ -267,6 +311,9 @@ impl std::fmt::Debug for Shared {
 
 struct Side {
     sock: UnixStream,
+    /// The stream's ring, when it took one: requests and answers go through it, and the
+    /// socket carries only the hang-up.
+    ring: Option<Ends>,
     proto: Mutex<ClientStream<Req>>,
     /// Request bytes the socket would not take without waiting (a server that does not read:
     /// stalled, stopped), sent before any later request: by the next pump, which every answer
@@ -288,20 +335,61 @@ struct Rx {
     buf: Vec<u8>,
     at: usize,
     len: usize,
-    /// A CHECKSUM whose response header is resolved and whose four bytes have not all come.
-    crc: Option<Chunk<Req>>,
+    /// A chunk whose response header is resolved and whose bytes have not all come (a
+    /// CHECKSUM's four, an inline READ's payload on a ring stream): the chunk, its bytes, and
+    /// how many of them were received.
+    pending: Option<(Chunk<Req>, usize, usize)>,
     /// The stream's end, once seen (the native error, if any), for the reader to act on.
     end: Option<Option<i32>>,
 }
 
-/// A stream's receive buffer: what one receive asks of the socket, at most (the part of an
-/// answer left from the one before, under 32 bytes, stays in front of it).
-const RX_BUF: usize = 4 << 10;
+/// A stream's receive buffer: what one receive asks of the socket, at most (the part of a
+/// response header left from the one before, under 32 bytes, stays in front of it).
+const RX_BUF: usize = 16 << 10;
+
+impl Side {
+    /// Writes what the socket or ring takes of `bytes` now, without waiting: how much.
+    fn send_now(&self, bytes: &[u8]) -> io::Result<usize> {
+        match &self.ring {
+            Some((tx, _)) => tx.send_now(bytes),
+            None => send_all_now(&self.sock, bytes),
+        }
+    }
+
+    /// Receives what is there into `buf` without waiting (`Ok(0)` at the end, `WouldBlock`).
+    fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.ring {
+            Some((_, rx)) => rx.recv_now(buf),
+            None => host::recv_now(&self.sock, buf),
+        }
+    }
+
+    /// Waits until an answer or the end is there.
+    fn wait_readable(&self) -> io::Result<()> {
+        match &self.ring {
+            Some((_, rx)) => {
+                rx.wait();
+                Ok(())
+            }
+            None => host::wait_readable(&self.sock),
+        }
+    }
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        // The ring's watcher holds a clone of the socket: without this the server would never
+        // see the stream end.
+        if self.ring.is_some() {
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
 
 impl LocalChannel {
     fn new(
         peer: SocketAddr,
-        socks: Vec<UnixStream>,
+        socks: Vec<(UnixStream, Option<Ends>)>,
         depth: usize,
         chunk: u64,
         vectored: bool,
@@ -314,8 +402,9 @@ impl LocalChannel {
             dealer: Mutex::new(Dealer::new(n)),
             streams: socks
                 .into_iter()
-                .map(|sock| Side {
+                .map(|(sock, ring)| Side {
                     sock,
+                    ring,
                     proto: Mutex::new(ClientStream::new(depth, AckPolicy::Immediate)),
                     outbox: Mutex::default(),
                     alive: AtomicBool::new(true),
@@ -412,13 +501,13 @@ impl Shared {
     fn read_responses(self: Arc<Self>, i: usize) {
         let side = &self.streams[i];
         let native = loop {
-            if let Err(e) = host::wait_readable(&side.sock) {
+            if let Err(e) = side.wait_readable() {
                 break e.raw_os_error();
             }
             let mut rx = lock(&side.rx);
             let resolved = self.drain(i, &mut rx);
             if let Some(native) = rx.end {
-                if let Some(chunk) = rx.crc.take() {
+                if let Some((chunk, ..)) = rx.pending.take() {
                     chunk.lost(native);
                 }
                 break native;
@@ -458,7 +547,7 @@ impl Shared {
     /// Receives what stream `i` holds now and resolves every whole response in it; records the
     /// stream's end (for its reader) when it has come. Whether anything was resolved.
     fn drain(&self, i: usize, rx: &mut Rx) -> bool {
-        let sock = &self.streams[i].sock;
+        let side = &self.streams[i];
         let mut resolved = false;
         if rx.buf.is_empty() {
             rx.buf = vec![0; RX_BUF];
@@ -478,7 +567,7 @@ impl Shared {
                 rx.at = 0;
             }
             let at = rx.len;
-            match host::recv_now(sock, &mut rx.buf[at..]) {
+            match side.recv_now(&mut rx.buf[at..]) {
                 Ok(0) => rx.end = Some(None),
                 Ok(n) => rx.len += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -494,22 +583,25 @@ impl Shared {
     fn resolve_buffered(&self, i: usize, rx: &mut Rx) -> Result<bool, ()> {
         use ferry_core::op::CHECKSUM_LEN;
         let mut resolved = false;
+        let ring = self.streams[i].ring.is_some();
         loop {
             let avail = &rx.buf[rx.at..rx.len];
-            if let Some(chunk) = rx.crc.take() {
-                if avail.len() < CHECKSUM_LEN {
-                    rx.crc = Some(chunk);
-                    return Ok(resolved);
-                }
-                match chunk
+            if let Some((chunk, need, got)) = rx.pending.take() {
+                // As much as came, in place; the chunk resolves with its last byte.
+                let n = avail.len().min(need - got);
+                let landed = chunk
                     .op()
                     .local
-                    .write_at(chunk.local_at(), &avail[..CHECKSUM_LEN])
-                {
-                    Ok(()) => chunk.acked(),
+                    .write_at(chunk.local_at() + got as u64, &avail[..n]);
+                rx.at += n;
+                match landed {
                     Err(_) => chunk.not_posted(FailureKind::Local),
+                    Ok(()) if got + n == need => chunk.acked(),
+                    Ok(()) => {
+                        rx.pending = Some((chunk, need, got + n));
+                        return Ok(resolved);
+                    }
                 }
-                rx.at += CHECKSUM_LEN;
                 resolved = true;
                 continue;
             }
@@ -522,9 +614,21 @@ impl Shared {
             let mut proto = lock(&self.streams[i].proto);
             match proto.on_response(&head) {
                 Ok(Resolution::Done) => {}
-                // An accepted READ's bytes are in place already; a CHECKSUM's four follow.
+                // An accepted READ's bytes are in place already (or follow, inline on a ring
+                // stream); a CHECKSUM's four follow.
                 Ok(Resolution::Payload(chunk)) if chunk.op().kind == OpKind::Checksum => {
-                    rx.crc = Some(chunk);
+                    rx.pending = Some((chunk, CHECKSUM_LEN, 0));
+                }
+                Ok(Resolution::Payload(chunk))
+                    if inline(
+                        ring,
+                        chunk.op().kind,
+                        chunk.payload_len(),
+                        chunk.op().local.is_host(),
+                    ) =>
+                {
+                    let need = chunk.payload_len() as usize;
+                    rx.pending = Some((chunk, need, 0));
                 }
                 Ok(Resolution::Payload(chunk)) => chunk.acked(),
                 Ok(Resolution::Pieces(pieces)) => pieces.into_iter().for_each(Chunk::acked),
@@ -648,20 +752,23 @@ fn send(side: &Side, out: &Outgoing<Req>) -> io::Result<()> {
     let mut outbox = lock(&side.outbox);
     if out.scatter.is_empty() {
         let len = out.len as u64;
+        if inline(side.ring.is_some(), out.kind, len, out.region.is_host()) {
+            return send_inline(side, &mut outbox, out);
+        }
         if let Some(grant) = crate::gpu::grant_of(&out.region, out.local_at, len) {
             let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN + IPC_REF_LEN];
             one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
             one[DATA_REQUEST_LEN..DATA_REQUEST_LEN + ADDR_LEN]
                 .copy_from_slice(&IPC_MARK.to_le_bytes());
             one[DATA_REQUEST_LEN + ADDR_LEN..].copy_from_slice(&grant);
-            return send_or_keep(&side.sock, &mut outbox, &one);
+            return send_or_keep(side, &mut outbox, &one);
         }
         // One chunk: the header and its address from the stack, one write.
         let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
         one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
         let at = out.region.as_ptr() as u64 + out.local_at;
         one[DATA_REQUEST_LEN..].copy_from_slice(&at.to_le_bytes());
-        return send_or_keep(&side.sock, &mut outbox, &one);
+        return send_or_keep(side, &mut outbox, &one);
     }
     let mut buf =
         Vec::with_capacity(out.head.len() + out.table.len() + ADDR_LEN * out.scatter.len());
@@ -676,24 +783,24 @@ fn send(side: &Side, out: &Outgoing<Req>) -> io::Result<()> {
         let at = range.region.as_ptr() as u64 + range.at;
         buf.extend_from_slice(&at.to_le_bytes());
     }
-    send_or_keep(&side.sock, &mut outbox, &buf)
+    send_or_keep(side, &mut outbox, &buf)
 }
 
 /// Sends `bytes` now as far as the socket takes them (all of them after the `outbox`, if it
 /// holds any), keeping the rest in the outbox.
-fn send_or_keep(sock: &UnixStream, outbox: &mut Vec<u8>, bytes: &[u8]) -> io::Result<()> {
+fn send_or_keep(side: &Side, outbox: &mut Vec<u8>, bytes: &[u8]) -> io::Result<()> {
     if !outbox.is_empty() {
         outbox.extend_from_slice(bytes);
-        return send_kept(sock, outbox);
+        return send_kept(side, outbox);
     }
-    let n = send_all_now(sock, bytes)?;
+    let n = side.send_now(bytes)?;
     outbox.extend_from_slice(&bytes[n..]);
     Ok(())
 }
 
 /// Sends what the outbox holds, as far as the socket takes it now.
-fn send_kept(sock: &UnixStream, outbox: &mut Vec<u8>) -> io::Result<()> {
-    let n = send_all_now(sock, outbox)?;
+fn send_kept(side: &Side, outbox: &mut Vec<u8>) -> io::Result<()> {
+    let n = side.send_now(outbox)?;
     outbox.drain(..n);
     Ok(())
 }
@@ -704,7 +811,23 @@ fn flush(side: &Side) -> io::Result<()> {
     if outbox.is_empty() {
         return Ok(());
     }
-    send_kept(&side.sock, &mut outbox)
+    send_kept(side, &mut outbox)
+}
+
+/// Writes a chunk whose bytes go inline through the ring: its header, the marked entry, and a
+/// WRITE's payload, copied out of the caller's buffer now (one write into the ring; what does
+/// not fit waits in the outbox).
+fn send_inline(side: &Side, outbox: &mut Vec<u8>, out: &Outgoing<Req>) -> io::Result<()> {
+    let follows = if out.kind == OpKind::Write { out.len } else { 0 };
+    let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN + crate::wire::INLINE_MAX];
+    let end = DATA_REQUEST_LEN + ADDR_LEN + follows;
+    one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
+    one[DATA_REQUEST_LEN..DATA_REQUEST_LEN + ADDR_LEN]
+        .copy_from_slice(&(INLINE_MARK | follows as u64).to_le_bytes());
+    out.region
+        .read_at(out.local_at, &mut one[DATA_REQUEST_LEN + ADDR_LEN..end])
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a chunk outside its region"))?;
+    send_or_keep(side, outbox, &one[..end])
 }
 
 /// Sends as much of `bytes` as the socket takes without waiting: how much.
@@ -911,7 +1034,7 @@ mod tests {
         assert_eq!(rc, 0);
         let ch = LocalChannel::new(
             "127.0.0.1:1".parse().unwrap(),
-            vec![ours],
+            vec![(ours, None)],
             16,
             1 << 20,
             true,
@@ -963,6 +1086,7 @@ mod tests {
             1 << 20,
             Duration::from_secs(5),
             Err("no".into()),
+            true,
         ));
         assert!(why.contains("belongs to pid"), "{why}");
     }
@@ -994,6 +1118,7 @@ mod tests {
             1 << 20,
             Duration::from_secs(5),
             Err("no".into()),
+            true,
         ));
         assert!(why.contains("other than ours"), "{why}");
         drop(server.join().unwrap());
@@ -1009,7 +1134,7 @@ mod tests {
             let (ours, mut theirs) = UnixStream::pair().unwrap();
             let ch = LocalChannel::new(
                 "127.0.0.1:1".parse().unwrap(),
-                vec![ours],
+                vec![(ours, None)],
                 4,
                 1 << 20,
                 true,

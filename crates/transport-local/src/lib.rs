@@ -83,6 +83,11 @@ pub struct LocalConfig {
     /// any process a client names, whatever its user or dumpability). Off by default: such a
     /// server is not started and peers take the network planes.
     pub allow_privileged: bool,
+    /// Offer each stream the request/answer ring in shared memory (`crate::pipe`): requests
+    /// and answers without a system call while both sides are busy, small ops' bytes inline.
+    /// On by default; [`RING_ENV`]`=off` in the environment turns it off (the streams then
+    /// stay on their sockets, as with a server older than the ring).
+    pub ring: bool,
     /// Where the CUDA driver GPU buffers are granted and copied with by CUDA IPC comes from
     /// (asked at each attach; used when it has the entry points and a GPU); `None`: GPU
     /// buffers take the host stage.
@@ -132,10 +137,22 @@ impl Default for LocalConfig {
             handshake: HandshakeLimits::default(),
             max_streams: 256,
             allow_privileged: false,
+            ring: ring_from_env(),
             #[cfg(feature = "cuda")]
             cuda: None,
         }
     }
+}
+
+/// The environment variable that, set to `off` (or `0`, `false`, `no`), keeps the same-host
+/// plane's streams on their sockets (no request/answer ring): [`LocalConfig::ring`]'s default.
+pub const RING_ENV: &str = "FERRY_SAME_HOST_RING";
+
+fn ring_from_env() -> bool {
+    !matches!(
+        std::env::var(RING_ENV).as_deref().map(str::trim),
+        Ok("off" | "0" | "false" | "no")
+    )
 }
 
 /// What this process can say about the same-host plane before any peer is met (for `doctor`
@@ -335,6 +352,7 @@ impl LocalTransport {
             self.config.chunk_size,
             self.config.connect_timeout,
             ipc,
+            self.config.ring,
         )
     }
 

@@ -24,8 +24,12 @@ use tracing::{debug, warn};
 
 use crate::gpu::{Served, ServerGpu};
 use crate::host::{self, Direction, Span};
+use crate::pipe::{Link, Rx, Tx};
+use crate::ring::{ANSWERS, REQUESTS, SHM_LEN};
+use crate::shm::{Shm, send_fd};
 use crate::wire::{
-    ADDR_LEN, CUDA_IPC_CODE, IPC_MARK, IPC_REF_LEN, PROBE_FAILED, PROBE_OK, local_code,
+    ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, INLINE_MAX, IPC_MARK, IPC_REF_LEN, PROBE_FAILED,
+    PROBE_OK, RING_BIT, RING_NONE, RING_OFFER, RING_TAKEN, local_code,
 };
 
 /// The address the handshake machinery is told a local stream comes from (Unix sockets have
@@ -309,7 +313,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         }
     };
     let limits = shared.gate.limits();
-    let (proto, gpu, space) = match attach(&sock, pid, &client, shared, limits.timeout) {
+    let (proto, gpu, space, ring) = match attach(&sock, pid, &client, shared, limits.timeout) {
         Ok(Some(p)) => p,
         Ok(None) => return,
         Err(e) => {
@@ -351,7 +355,20 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         process: &client,
         space: &space,
     };
-    match serve_data(&sock, &held, &shared.staged, proto, gpu) {
+    let ends = match ring.map(|shm| Link::start(shm, &sock, ANSWERS, REQUESTS)) {
+        None => None,
+        Some(Ok(ends)) => Some(ends),
+        Some(Err(e)) => {
+            debug!(error = %e, "cannot watch a same-host ring stream; closed");
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+    };
+    let conn = match &ends {
+        Some((tx, rx)) => Conn::Ring(tx, rx),
+        None => Conn::Sock(&sock),
+    };
+    match serve_data(&sock, conn, &held, &shared.staged, proto, gpu) {
         Ok(()) => debug!("same-host stream ended"),
         Err(e) => debug!(error = %e, "same-host stream failed"),
     }
@@ -389,7 +406,7 @@ fn attach(
     client: &host::Pidfd,
     shared: &Shared,
     timeout: Duration,
-) -> Result<Option<(ServerStream, Option<Served>, host::AddressSpace)>, Error> {
+) -> Result<Option<Attachment>, Error> {
     let until = Instant::now() + timeout;
     let mut reader = Deadline { sock, until };
     let frame = match ferry_net::read_frame(&mut reader, UNIX_PEER) {
@@ -408,7 +425,7 @@ fn attach(
         }
         Err(e) => return Err(e),
     };
-    let transport = match &frame {
+    let code = match &frame {
         ControlFrame::StreamAttach(a) => a.transport,
         ControlFrame::AuthAttach(a) => a.attach.transport,
         other => {
@@ -420,6 +437,7 @@ fn attach(
             return Ok(None);
         }
     };
+    let (transport, ring) = (code & !RING_BIT, code & RING_BIT != 0);
     let mut out = sock;
     let gpu = if transport == CUDA_IPC_CODE {
         match shared.gpu.served() {
@@ -497,7 +515,75 @@ fn attach(
     };
     out.write_all(&answer)
         .map_err(|e| ferry_net::lost(UNIX_PEER, "same-host probe", e))?;
-    Ok(space.map(|space| (proto, gpu, space)))
+    let Some(space) = space else {
+        return Ok(None);
+    };
+    let ring = if ring {
+        offer_ring(sock, &mut reader)
+            .map_err(|e| ferry_net::lost(UNIX_PEER, "same-host ring offer", e))?
+    } else {
+        None
+    };
+    Ok(Some((proto, gpu, space, ring)))
+}
+
+/// What an attach leaves a served stream: its protocol, its CUDA IPC state, the client's
+/// address space held, and the ring when the client took it.
+type Attachment = (ServerStream, Option<Served>, host::AddressSpace, Option<Shm>);
+
+/// Offers a fresh ring (its memfd over the socket) and reads whether the client took it.
+fn offer_ring(sock: &UnixStream, reader: &mut Deadline<'_>) -> io::Result<Option<Shm>> {
+    let made = Shm::create(SHM_LEN);
+    match &made {
+        Ok((_, fd)) => send_fd(sock, RING_OFFER, Some(fd))?,
+        Err(e) => {
+            debug!(error = %e, "no ring for a same-host stream; it stays on the socket");
+            send_fd(sock, RING_NONE, None)?
+        }
+    }
+    let mut taken = [0u8; 1];
+    reader.read_exact(&mut taken)?;
+    Ok(match made {
+        Ok((shm, _fd)) if taken[0] == RING_TAKEN => Some(shm),
+        _ => None,
+    })
+}
+
+/// What a served stream reads requests from and writes answers to: its socket, or its ring.
+#[derive(Clone, Copy)]
+enum Conn<'a> {
+    Sock(&'a UnixStream),
+    Ring(&'a Tx, &'a Rx),
+}
+
+impl Conn<'_> {
+    fn write_all(self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Conn::Sock(s) => (&*s).write_all(bytes),
+            Conn::Ring(tx, _) => tx.write_all(bytes),
+        }
+    }
+
+    /// Whether a request (or the end) is there to read now.
+    fn readable_now(self) -> bool {
+        match self {
+            Conn::Sock(s) => host::readable_now(s),
+            Conn::Ring(_, rx) => rx.ready(),
+        }
+    }
+
+    fn ring(self) -> bool {
+        matches!(self, Conn::Ring(..))
+    }
+}
+
+impl Read for Conn<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match *self {
+            Conn::Sock(s) => (&*s).read(buf),
+            Conn::Ring(_, rx) => rx.read(buf),
+        }
+    }
 }
 
 /// Holds the address space the probe's copy reached: opened by pid, then proven to be the
@@ -565,15 +651,22 @@ fn refusal(shared: &Shared, message: &str) -> ControlFrame {
 /// followed by the client's address block (one address, or one per piece), and the copy goes
 /// between the checked segment range and those addresses in the client process. Answers are
 /// written once no further request is waiting, so a burst is answered in one write.
+///
+/// On a ring stream (`conn`) the client's liveness (`held`) is checked before each request
+/// that copies to or from its memory: an inline op's bytes go through the ring only, so it
+/// needs none (and makes no system call).
 fn serve_data(
     sock: &UnixStream,
+    conn: Conn<'_>,
     held: &Held<'_>,
     staged: &AtomicUsize,
     mut proto: ServerStream,
     mut gpu: Option<Served>,
 ) -> io::Result<()> {
     let pid = held.pid;
-    let mut rd = BufReader::with_capacity(64 << 10, sock);
+    let ring = conn.ring();
+    let mut rd = BufReader::with_capacity(64 << 10, conn);
+    let mut inline = [0u8; INLINE_MAX];
     let mut out: Vec<u8> = Vec::with_capacity(4 << 10);
     let mut staging = Staging::new(staged);
     let mut table: Vec<u8> = Vec::new();
@@ -581,18 +674,20 @@ fn serve_data(
     let ipc = gpu.is_some();
     let mut head = [0u8; DATA_REQUEST_LEN];
     loop {
-        flush_unless_buffered(&rd, DATA_REQUEST_LEN + ADDR_LEN, sock, &mut out)?;
+        flush_unless_buffered(&rd, DATA_REQUEST_LEN + ADDR_LEN, conn, &mut out)?;
         // Idle (no request waiting, here or on the socket): the file staging is given back.
-        staging.settle(|| rd.buffer().is_empty() && !host::readable_now(sock));
+        staging.settle(|| rd.buffer().is_empty() && !conn.readable_now());
         match rd.read_exact(&mut head) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                (&*sock).write_all(&out)?;
+                conn.write_all(&out)?;
                 return Ok(());
             }
             Err(e) => return Err(e),
         }
-        held.check(sock)?;
+        if !ring {
+            held.check(sock)?;
+        }
         match proto.on_request(&head) {
             Action::WriteMemory {
                 lease,
@@ -601,7 +696,17 @@ fn serve_data(
                 seq,
                 ..
             } => {
-                let theirs = read_entry(&mut rd, len, ipc)?;
+                let theirs = read_entry(&mut rd, len, ipc, ring)?;
+                if let Entry::Inline(n) = theirs {
+                    let bytes = inline_bytes(&mut inline, n, len)?;
+                    rd.read_exact(bytes)?;
+                    write_region(&lease.region, at, bytes)?;
+                    out.extend_from_slice(&proto.answer_write(seq));
+                    continue;
+                }
+                if ring {
+                    held.check(sock)?;
+                }
                 copy_memory(pid, Direction::In, theirs, &lease.region, at, len, &mut gpu)?;
                 out.extend_from_slice(&proto.answer_write(seq));
             }
@@ -611,7 +716,20 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = read_entry(&mut rd, len, ipc)?;
+                let theirs = read_entry(&mut rd, len, ipc, ring)?;
+                if let Entry::Inline(n) = theirs {
+                    let bytes = inline_bytes(&mut inline, n + len, len)?;
+                    lease
+                        .region
+                        .read_at(at, bytes)
+                        .map_err(|_| invalid("an inline READ outside its segment"))?;
+                    out.extend_from_slice(&response);
+                    out.extend_from_slice(bytes);
+                    continue;
+                }
+                if ring {
+                    held.check(sock)?;
+                }
                 copy_memory(
                     pid,
                     Direction::Out,
@@ -629,7 +747,11 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = match read_entry(&mut rd, len, ipc)? {
+                if ring {
+                    held.check(sock)?;
+                }
+                let theirs = match read_entry(&mut rd, len, ipc, ring)? {
+                    Entry::Inline(_) => return Err(invalid("an inline entry for a file")),
                     Entry::Addr(span) => span,
                     Entry::Ipc(grant) => {
                         served(&mut gpu)?.read_file(&grant, &file, at, len, &mut staging.buf)?;
@@ -653,7 +775,11 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = match read_entry(&mut rd, len, ipc)? {
+                if ring {
+                    held.check(sock)?;
+                }
+                let theirs = match read_entry(&mut rd, len, ipc, ring)? {
+                    Entry::Inline(_) => return Err(invalid("an inline entry for a file")),
                     Entry::Addr(span) => span,
                     Entry::Ipc(grant) => {
                         served(&mut gpu)?.write_file(&grant, &file, at, len, &mut staging.buf)?;
@@ -672,22 +798,25 @@ fn serve_data(
                 out.extend_from_slice(&response);
             }
             Action::ChecksumMemory { sum, seq, .. } => {
-                read_entry(&mut rd, 0, ipc)?;
+                skip_entry(&mut rd, ipc, ring, &mut inline)?;
                 out.extend_from_slice(&checksum_response(seq, sum.finish()));
             }
             Action::ChecksumFile { file, at, len, seq } => {
-                read_entry(&mut rd, 0, ipc)?;
+                skip_entry(&mut rd, ipc, ring, &mut inline)?;
                 let crc = crc32c_file(&*file, at, len)?;
                 out.extend_from_slice(&checksum_response(seq, crc));
             }
             Action::Refuse { response, .. } => {
-                read_entry(&mut rd, 0, ipc)?;
+                skip_entry(&mut rd, ipc, ring, &mut inline)?;
                 out.extend_from_slice(&response);
             }
             Action::Table { req } => {
+                if ring {
+                    held.check(sock)?;
+                }
                 let bufs = (&mut table, &mut entries, &mut staging.buf, &mut out);
-                if !serve_table(&mut rd, sock, pid, &mut proto, &req, ipc, &mut gpu, bufs)? {
-                    (&*sock).write_all(&out)?;
+                if !serve_table(&mut rd, conn, pid, &mut proto, &req, ipc, &mut gpu, bufs)? {
+                    conn.write_all(&out)?;
                     return Ok(());
                 }
             }
@@ -699,7 +828,7 @@ fn serve_data(
             }
             Action::Close { response, error } => {
                 out.extend_from_slice(&response);
-                (&*sock).write_all(&out)?;
+                conn.write_all(&out)?;
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     error.to_string(),
@@ -762,6 +891,7 @@ fn copy_memory(
 ) -> io::Result<()> {
     let theirs = match theirs {
         Entry::Addr(span) => span,
+        Entry::Inline(_) => return Err(invalid("an inline entry where an address belongs")),
         Entry::Ipc(grant) => {
             let g = served(gpu)?;
             return match dir {
@@ -784,8 +914,8 @@ fn copy_memory(
 /// close after the answers in `out`.
 #[allow(clippy::too_many_arguments)]
 fn serve_table(
-    rd: &mut BufReader<&UnixStream>,
-    sock: &UnixStream,
+    rd: &mut BufReader<Conn<'_>>,
+    conn: Conn<'_>,
     pid: u32,
     proto: &mut ServerStream,
     req: &ferry_core::wire::VectoredRequest,
@@ -800,11 +930,12 @@ fn serve_table(
         ));
     }
     table.resize(req.table_len(), 0);
-    flush_unless_buffered(rd, table.len() + req.pieces as usize * ADDR_LEN, sock, out)?;
+    flush_unless_buffered(rd, table.len() + req.pieces as usize * ADDR_LEN, conn, out)?;
     rd.read_exact(table)?;
     entries.clear();
     for _ in 0..req.pieces {
-        entries.push(read_entry(rd, 0, ipc)?);
+        // Pieces are never inline: the mark is only an address here (whose copy fails).
+        entries.push(read_entry(rd, 0, ipc, false)?);
     }
     let action = proto.on_table(req, table);
     serve_vectored(pid, action, entries, gpu, stage, out)
@@ -813,13 +944,13 @@ fn serve_table(
 /// Writes the answers queued in `out` unless `need` bytes of requests are already buffered: a
 /// read that could wait for the client never leaves answers behind.
 fn flush_unless_buffered(
-    rd: &BufReader<&UnixStream>,
+    rd: &BufReader<Conn<'_>>,
     need: usize,
-    sock: &UnixStream,
+    conn: Conn<'_>,
     out: &mut Vec<u8>,
 ) -> io::Result<()> {
     if rd.buffer().len() < need && !out.is_empty() {
-        (&*sock).write_all(out)?;
+        conn.write_all(out)?;
         out.clear();
     }
     Ok(())
@@ -871,6 +1002,7 @@ fn serve_vectored(
     for (t, entry) in targets.iter().zip(entries) {
         let addr = match entry {
             Entry::Addr(span) => span.addr,
+            Entry::Inline(_) => return Err(invalid("an inline entry for a piece")),
             Entry::Ipc(grant) => {
                 // Memory pieces before it move first, so that order is kept.
                 // SAFETY: the ranges were checked by the stream protocol; leases live in
@@ -942,12 +1074,48 @@ enum Entry {
     Addr(Span),
     /// A CUDA IPC grant (CUDA IPC streams only), as it came.
     Ipc([u8; IPC_REF_LEN]),
+    /// No address (ring streams only): this many bytes follow the entry in the ring.
+    Inline(usize),
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_owned())
+}
+
+/// The first `len` bytes of `buf` for an inline op whose entry said `follows` bytes come
+/// (`len` for a WRITE; a READ passes `len` more, so `follows` must be 0).
+fn inline_bytes(buf: &mut [u8; INLINE_MAX], follows: usize, len: usize) -> io::Result<&mut [u8]> {
+    if follows != len || len > INLINE_MAX {
+        return Err(invalid("an inline entry whose length is not its op's"));
+    }
+    Ok(&mut buf[..len])
+}
+
+/// Copies an inline WRITE's bytes into the checked range at `at` of `region`.
+fn write_region(region: &ferry_core::MemoryRegion, at: u64, bytes: &[u8]) -> io::Result<()> {
+    region
+        .write_at(at, bytes)
+        .map_err(|_| invalid("an inline WRITE outside its segment"))
+}
+
+/// Reads the entry of a request that copies nothing (refused, or a checksum), and on a ring
+/// stream the inline bytes that follow it.
+fn skip_entry(
+    rd: &mut impl Read,
+    ipc: bool,
+    ring: bool,
+    buf: &mut [u8; INLINE_MAX],
+) -> io::Result<()> {
+    if let Entry::Inline(n) = read_entry(rd, 0, ipc, ring)? {
+        rd.read_exact(&mut buf[..n])?;
+    }
+    Ok(())
 }
 
 /// Reads one entry of an address block (`len`: the request's length; pieces of a vectored
 /// request take theirs from the table): an address, or on a CUDA IPC stream (`ipc`) a marked
 /// address and its grant.
-fn read_entry(rd: &mut impl Read, len: usize, ipc: bool) -> io::Result<Entry> {
+fn read_entry(rd: &mut impl Read, len: usize, ipc: bool, ring: bool) -> io::Result<Entry> {
     let mut raw = [0u8; ADDR_LEN];
     rd.read_exact(&mut raw)?;
     if len > MAX_CHUNK as usize {
@@ -958,6 +1126,13 @@ fn read_entry(rd: &mut impl Read, len: usize, ipc: bool) -> io::Result<Entry> {
         let mut grant = [0u8; IPC_REF_LEN];
         rd.read_exact(&mut grant)?;
         return Ok(Entry::Ipc(grant));
+    }
+    if ring && addr & (IPC_MARK | INLINE_MARK) == INLINE_MARK {
+        let follows = (addr & u64::from(u32::MAX)) as usize;
+        if follows > INLINE_MAX {
+            return Err(invalid("more inline bytes than an op may move"));
+        }
+        return Ok(Entry::Inline(follows));
     }
     Ok(Entry::Addr(Span {
         addr: addr as usize,

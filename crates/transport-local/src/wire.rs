@@ -27,6 +27,22 @@
 //! handle and the checked segment range. No user-space address has that bit set, so an address
 //! is never mistaken for a grant; on a stream attached with the plane's own code the bit means
 //! nothing (the copy to such an address fails and ends the stream).
+//!
+//! *The ring.* A client that can take the request/answer ring attaches with [`RING_BIT`] set in
+//! its transport code (on the plane's code or on [`CUDA_IPC_CODE`]); a server older than the
+//! ring refuses that code with a `Reject` and the client attaches without it. After a probe
+//! that worked, the server sends one byte on the socket: [`RING_OFFER`] with the ring's memfd
+//! attached (`SCM_RIGHTS`, sealed against resizing, `crate::ring::SHM_LEN` bytes), or
+//! [`RING_NONE`] (it could not make one); the client answers one byte, [`RING_TAKEN`] (it mapped
+//! it) or [`RING_DECLINED`]. On a stream that took the ring, every byte the stream protocol
+//! would have sent on the socket goes through the ring instead (requests one way, answers the
+//! other), and the socket carries nothing more: either side shuts it down to end the stream,
+//! as before. A ring stream may also carry an op's bytes *inline*: an address block entry
+//! with [`INLINE_MARK`] set (and not [`IPC_MARK`]) names no address; its low 32 bits are the
+//! bytes that follow it in the ring (a WRITE's payload, at most [`INLINE_MAX`]; 0 for a READ,
+//! whose accepted response is then followed by its payload in the ring). The server copies
+//! inline bytes between the ring and the checked segment range, and never touches the
+//! client's memory for them.
 
 use ferry_core::wire::TransportOffer;
 
@@ -47,6 +63,34 @@ pub const IPC_MARK: u64 = 1 << 63;
 
 /// Bytes of a CUDA IPC grant: the handle (64), the offset (8), the length (8).
 pub const IPC_REF_LEN: usize = 64 + 16;
+
+/// Set in an attach's transport code: the client takes the request/answer ring.
+pub const RING_BIT: u16 = 0x0200;
+
+/// The server's byte after the probe: the ring's memfd is attached.
+pub const RING_OFFER: u8 = 1;
+/// The server's byte after the probe: no ring (the stream stays on the socket).
+pub const RING_NONE: u8 = 2;
+/// The client's answer: it mapped the ring; the stream runs on it from now on.
+pub const RING_TAKEN: u8 = 1;
+/// The client's answer: it did not map the ring; the stream stays on the socket.
+pub const RING_DECLINED: u8 = 2;
+
+/// Bit 62 of an address block entry on a ring stream: no address, the op's bytes go through
+/// the ring (the low 32 bits: bytes following the entry).
+pub const INLINE_MARK: u64 = 1 << 62;
+
+/// The most bytes an op moves inline.
+pub const INLINE_MAX: usize = 8 << 10;
+
+/// Whether a client sends a chunk of `len` bytes inline on a ring stream (READs and WRITEs of
+/// host memory, one chunk, at most [`INLINE_MAX`]): the rule both sides of a ring stream read
+/// a response by.
+pub fn inline(ring: bool, kind: ferry_core::OpKind, len: u64, host: bool) -> bool {
+    ring && host
+        && len <= INLINE_MAX as u64
+        && matches!(kind, ferry_core::OpKind::Read | ferry_core::OpKind::Write)
+}
 
 /// The transport code of the same-host plane on the wire (what its streams attach with).
 pub fn local_code() -> u16 {

@@ -3,7 +3,8 @@
 //! this process, neither the READ it had checked before it stopped (its file source stops the
 //! server between the check and the copy) nor the READs it had not read yet: the channel
 //! revoked copies into this process (it is not dumpable) before it gave the streams up, until
-//! the server ended them.
+//! the server ended them. The channel runs on the request/answer ring (the default), and small
+//! READs whose bytes would come inline through it land nothing either.
 //! Alone in its binary: the revocation is the whole process's. The server is this binary run
 //! again (`FERRY_TEST_CHILD=local-frozen-server`).
 
@@ -178,6 +179,21 @@ async fn a_stopped_server_copies_nothing_after_a_close_gave_its_requests_up() {
         .into();
     let control = Arc::new(RequestControl::new(&ops));
     let fut = ch.execute(ops, control);
+    // And small READs, whose bytes come inline through the ring (no copy into this process
+    // by the server at all): the client must not land a late one either.
+    let small = Arc::new(MemoryRegion::alloc_zeroed(64 << 10, 4096).unwrap());
+    let inline_ops: Arc<[Op]> = (0..16u64)
+        .map(|i| Op {
+            kind: OpKind::Read,
+            local: small.clone(),
+            local_offset: i * 4096,
+            token: TOKEN,
+            remote_offset: i * 4096,
+            len: 4096,
+        })
+        .collect::<Vec<_>>()
+        .into();
+    let inline_fut = ch.execute(inline_ops.clone(), Arc::new(RequestControl::new(&inline_ops)));
     let t0 = Instant::now();
     ch.close();
     let o = tokio::time::timeout(Duration::from_secs(60), fut)
@@ -193,6 +209,10 @@ async fn a_stopped_server_copies_nothing_after_a_close_gave_its_requests_up() {
     );
     assert!(o.failure.is_some(), "{o:?}");
     assert_eq!(o.completed_ops, 0, "{o:?}");
+    let i = tokio::time::timeout(Duration::from_secs(60), inline_fut)
+        .await
+        .expect("a stopped server held the closed channel's small READs");
+    assert_eq!(i.completed_ops, 0, "{i:?}");
     let mut got = vec![0u8; LEN];
     local.read_at(0, &mut got).unwrap();
     assert!(
@@ -213,6 +233,10 @@ async fn a_stopped_server_copies_nothing_after_a_close_gave_its_requests_up() {
     local.read_at(0, &mut got).unwrap();
     let landed = got.iter().filter(|b| **b != 0).count();
     assert_eq!(landed, 0, "{landed} bytes landed after the requests ended");
+    let mut got = vec![0u8; 64 << 10];
+    small.read_at(0, &mut got).unwrap();
+    let landed = got.iter().filter(|b| **b != 0).count();
+    assert_eq!(landed, 0, "{landed} inline bytes landed after the requests ended");
     // SAFETY: PR_GET_DUMPABLE takes no pointer.
     assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) }, 1);
 }
