@@ -438,6 +438,11 @@ impl LocalChannel {
         self.shared.streams.len()
     }
 
+    /// How many of its streams run on the request/answer ring (the rest on their sockets).
+    pub fn ring_streams(&self) -> usize {
+        self.shared.streams.iter().filter(|s| s.ring.is_some()).count()
+    }
+
     /// How the channel moves GPU buffers: by CUDA IPC (a region made by
     /// `DeviceMemory::ipc_region` may be an op's local region), or not (the host stage, why).
     pub fn gpu_route(&self) -> &GpuRoute {

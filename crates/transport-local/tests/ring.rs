@@ -1,0 +1,157 @@
+//! The request/answer ring end to end, in one process: a served segment read and written in
+//! ops of every size around the inline limit, on ring streams and on socket streams alike,
+//! every byte checked; refused ops (inline bytes skipped by the server) leave the stream
+//! serving.
+
+mod common;
+use common::Responder;
+
+use std::sync::Arc;
+
+use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
+use ferry_core::{
+    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
+    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+};
+use ferry_net::HandshakeLimits;
+use ferry_transport_local::wire::INLINE_MAX;
+use ferry_transport_local::{LocalConfig, LocalServer, LocalServerHandle, LocalTransport};
+
+const LEN: usize = 1 << 20;
+const TOKEN: SegmentToken = SegmentToken(1);
+
+#[derive(Debug)]
+struct Table(Arc<MemoryRegion>);
+
+impl SegmentTable for Table {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        (token == TOKEN).then(|| SegmentLease {
+            region: self.0.clone(),
+            base: 0,
+            len: LEN as u64,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            guard: None,
+        })
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        Vec::new()
+    }
+}
+
+fn serve(segment: Arc<MemoryRegion>) -> (LocalServerHandle, PeerInfo) {
+    let epoch = Epoch::fresh();
+    let h = LocalServer::bind()
+        .unwrap()
+        .serve(
+            Arc::new(Table(segment)),
+            Arc::new(Responder(epoch)),
+            HandshakeLimits::default(),
+            16,
+        )
+        .unwrap();
+    let peer = PeerInfo {
+        addr: "127.0.0.1:1".parse().unwrap(),
+        local_id: PeerId(1),
+        local_epoch: Epoch::fresh(),
+        remote_id: PeerId(7),
+        remote_epoch: epoch,
+        offer: TransportOffer::Local {
+            boot_id: [0; 16],
+            pid: std::process::id(),
+            streams: 2,
+            socket: h.name().to_owned(),
+        },
+        segments: Vec::new(),
+        session: None,
+        key_name: None,
+        version: VECTORED_VERSION,
+    };
+    (h, peer)
+}
+
+fn op(kind: OpKind, local: &Arc<MemoryRegion>, at: u64, len: u64) -> Op {
+    Op {
+        kind,
+        local: local.clone(),
+        local_offset: at,
+        token: TOKEN,
+        remote_offset: at,
+        len,
+    }
+}
+
+async fn run(ch: &dyn Channel, ops: Vec<Op>) -> ferry_core::Outcome {
+    let ops: Arc<[Op]> = ops.into();
+    ch.execute(ops.clone(), Arc::new(RequestControl::new(&ops)))
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_size_around_the_inline_limit_moves_its_bytes_on_the_ring_and_off_it() {
+    for ring in [true, false] {
+        let segment = Arc::new(MemoryRegion::from_vec(
+            (0..LEN).map(|i| (i % 253) as u8).collect(),
+        ));
+        let (_h, peer) = serve(segment.clone());
+        let transport = LocalTransport::new(LocalConfig {
+            ring,
+            ..LocalConfig::default()
+        });
+        let ch = transport.connect_channel(&peer).unwrap();
+        assert_eq!(ch.ring_streams(), if ring { 2 } else { 0 });
+        let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
+        let sizes = [1u64, 7, 64, 4096, INLINE_MAX as u64 - 1, INLINE_MAX as u64, INLINE_MAX as u64 + 1, 64 << 10];
+        // READs, one at a time and all at once, at offsets that differ per size.
+        let mut at = 0u64;
+        let mut all = Vec::new();
+        for &len in &sizes {
+            let o = run(&ch, vec![op(OpKind::Read, &local, at, len)]).await;
+            assert!(o.failure.is_none(), "READ {len}: {o:?}");
+            all.push(op(OpKind::Read, &local, at + (128 << 10), len));
+            at += len + 13;
+        }
+        let o = run(&ch, all).await;
+        assert!(o.failure.is_none(), "{o:?}");
+        let mut got = vec![0u8; LEN];
+        local.read_at(0, &mut got).unwrap();
+        let mut seg = vec![0u8; LEN];
+        segment.read_at(0, &mut seg).unwrap();
+        let mut at = 0usize;
+        for &len in &sizes {
+            for base in [at, at + (128 << 10)] {
+                let r = base..base + len as usize;
+                assert!(got[r.clone()] == seg[r], "ring {ring}: READ of {len} at {base}");
+            }
+            at += len as usize + 13;
+        }
+        // WRITEs of other bytes into the second half of the segment.
+        let base = (LEN / 2) as u64;
+        local.write_at(0, &vec![0xee; LEN / 2]).unwrap();
+        let mut at = 0u64;
+        for &len in &sizes {
+            let o = run(&ch, vec![op(OpKind::Write, &local, at, len)])
+                .await;
+            assert!(o.failure.is_none(), "WRITE {len}: {o:?}");
+            at += len + 13;
+        }
+        let _ = base;
+        segment.read_at(0, &mut seg).unwrap();
+        let mut at = 0usize;
+        for &len in &sizes {
+            assert!(
+                seg[at..at + len as usize].iter().all(|b| *b == 0xee),
+                "ring {ring}: WRITE of {len} at {at}"
+            );
+            at += len as usize + 13;
+        }
+        // A refused small WRITE (past the segment's end): its inline bytes are skipped and
+        // the stream keeps serving.
+        let mut bad = op(OpKind::Write, &local, 0, 64);
+        bad.remote_offset = LEN as u64 - 8;
+        let o = run(&ch, vec![bad]).await;
+        assert!(o.failure.is_some(), "a WRITE past the end was not refused");
+        let o = run(&ch, vec![op(OpKind::Read, &local, 0, 64)]).await;
+        assert!(o.failure.is_none(), "after a refusal: {o:?}");
+        assert!(ch.is_alive());
+    }
+}
