@@ -41,8 +41,8 @@ use crate::pipe::{self, Link, Tx};
 use crate::ring::{ANSWERS, REQUESTS, SHM_LEN};
 use crate::shm::{Shm, recv_fd};
 use crate::wire::{
-    ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, IPC_MARK, IPC_REF_LEN, PROBE_OK, RING_BIT,
-    RING_DECLINED, RING_OFFER, RING_TAKEN, inline, local_code,
+    ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, IPC_MARK, IPC_REF_LEN, PROBE_OK, RING_BIT, RING_DECLINED,
+    RING_OFFER, RING_TAKEN, inline, local_code,
 };
 
 /// How a channel moves GPU buffers.
@@ -440,7 +440,11 @@ impl LocalChannel {
 
     /// How many of its streams run on the request/answer ring (the rest on their sockets).
     pub fn ring_streams(&self) -> usize {
-        self.shared.streams.iter().filter(|s| s.ring.is_some()).count()
+        self.shared
+            .streams
+            .iter()
+            .filter(|s| s.ring.is_some())
+            .count()
     }
 
     /// How the channel moves GPU buffers: by CUDA IPC (a region made by
@@ -823,7 +827,11 @@ fn flush(side: &Side) -> io::Result<()> {
 /// WRITE's payload, copied out of the caller's buffer now (one write into the ring; what does
 /// not fit waits in the outbox).
 fn send_inline(side: &Side, outbox: &mut Vec<u8>, out: &Outgoing<Req>) -> io::Result<()> {
-    let follows = if out.kind == OpKind::Write { out.len } else { 0 };
+    let follows = if out.kind == OpKind::Write {
+        out.len
+    } else {
+        0
+    };
     let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN + crate::wire::INLINE_MAX];
     let end = DATA_REQUEST_LEN + ADDR_LEN + follows;
     one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);

@@ -143,7 +143,7 @@ fn wait(shm: &Shm, word: usize, budget_ns: u64, ready: impl Fn() -> bool) -> boo
         }
         std::hint::spin_loop();
         i = i.wrapping_add(1);
-        if i % 64 == 0 && start.elapsed() >= budget {
+        if i.is_multiple_of(64) && start.elapsed() >= budget {
             break;
         }
     }
@@ -235,7 +235,11 @@ pub(crate) struct Rx {
 impl Rx {
     /// Whether a read would not wait: bytes are there (or garbage is), or the end came.
     pub(crate) fn ready(&self) -> bool {
-        let head = self.link.shm.u64_at(self.ring.head()).load(Ordering::Acquire);
+        let head = self
+            .link
+            .shm
+            .u64_at(self.ring.head())
+            .load(Ordering::Acquire);
         head != self.tail.load(Ordering::Relaxed) || self.link.eof.load(Ordering::Acquire)
     }
 
@@ -276,7 +280,11 @@ impl Rx {
             self.ready()
         });
         let mut s = Spin::from_ns(budget);
-        if slept { s.miss() } else { s.hit() }
+        if slept {
+            s.miss()
+        } else {
+            s.hit()
+        }
         self.spin.store(s.budget_ns(), Ordering::Relaxed);
     }
 
@@ -368,7 +376,8 @@ mod tests {
         let ((ctx, crx), (_stx, _srx), _socks) = pair();
         // The "server" scribbles: an answers head far past the tail, a requests tail ahead.
         let shm = &crx.link.shm;
-        shm.u64_at(ANSWERS.head()).store(u64::MAX / 3, Ordering::Release);
+        shm.u64_at(ANSWERS.head())
+            .store(u64::MAX / 3, Ordering::Release);
         shm.u64_at(REQUESTS.tail()).store(12345, Ordering::Release);
         let e = crx.recv_now(&mut [0u8; 64]).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);

@@ -529,7 +529,12 @@ fn attach(
 
 /// What an attach leaves a served stream: its protocol, its CUDA IPC state, the client's
 /// address space held, and the ring when the client took it.
-type Attachment = (ServerStream, Option<Served>, host::AddressSpace, Option<Shm>);
+type Attachment = (
+    ServerStream,
+    Option<Served>,
+    host::AddressSpace,
+    Option<Shm>,
+);
 
 /// Offers a fresh ring (its memfd over the socket) and reads whether the client took it.
 fn offer_ring(sock: &UnixStream, reader: &mut Deadline<'_>) -> io::Result<Option<Shm>> {

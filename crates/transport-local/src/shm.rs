@@ -107,7 +107,7 @@ impl Shm {
 
     fn check(&self, off: usize, len: usize, align: usize) {
         assert!(
-            off.checked_add(len).is_some_and(|end| end <= self.len) && off % align == 0,
+            off.checked_add(len).is_some_and(|end| end <= self.len) && off.is_multiple_of(align),
             "a ring access at {off}+{len} outside its mapping of {}",
             self.len
         );

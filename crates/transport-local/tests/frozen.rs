@@ -193,7 +193,10 @@ async fn a_stopped_server_copies_nothing_after_a_close_gave_its_requests_up() {
         })
         .collect::<Vec<_>>()
         .into();
-    let inline_fut = ch.execute(inline_ops.clone(), Arc::new(RequestControl::new(&inline_ops)));
+    let inline_fut = ch.execute(
+        inline_ops.clone(),
+        Arc::new(RequestControl::new(&inline_ops)),
+    );
     let t0 = Instant::now();
     ch.close();
     let o = tokio::time::timeout(Duration::from_secs(60), fut)
@@ -236,7 +239,10 @@ async fn a_stopped_server_copies_nothing_after_a_close_gave_its_requests_up() {
     let mut got = vec![0u8; 64 << 10];
     small.read_at(0, &mut got).unwrap();
     let landed = got.iter().filter(|b| **b != 0).count();
-    assert_eq!(landed, 0, "{landed} inline bytes landed after the requests ended");
+    assert_eq!(
+        landed, 0,
+        "{landed} inline bytes landed after the requests ended"
+    );
     // SAFETY: PR_GET_DUMPABLE takes no pointer.
     assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) }, 1);
 }

@@ -100,7 +100,16 @@ async fn every_op_size_around_the_inline_limit_moves_its_bytes_on_the_ring_and_o
         let ch = transport.connect_channel(&peer).unwrap();
         assert_eq!(ch.ring_streams(), if ring { 2 } else { 0 });
         let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
-        let sizes = [1u64, 7, 64, 4096, INLINE_MAX as u64 - 1, INLINE_MAX as u64, INLINE_MAX as u64 + 1, 64 << 10];
+        let sizes = [
+            1u64,
+            7,
+            64,
+            4096,
+            INLINE_MAX as u64 - 1,
+            INLINE_MAX as u64,
+            INLINE_MAX as u64 + 1,
+            64 << 10,
+        ];
         // READs, one at a time and all at once, at offsets that differ per size.
         let mut at = 0u64;
         let mut all = Vec::new();
@@ -120,7 +129,10 @@ async fn every_op_size_around_the_inline_limit_moves_its_bytes_on_the_ring_and_o
         for &len in &sizes {
             for base in [at, at + (128 << 10)] {
                 let r = base..base + len as usize;
-                assert!(got[r.clone()] == seg[r], "ring {ring}: READ of {len} at {base}");
+                assert!(
+                    got[r.clone()] == seg[r],
+                    "ring {ring}: READ of {len} at {base}"
+                );
             }
             at += len as usize + 13;
         }
@@ -129,8 +141,7 @@ async fn every_op_size_around_the_inline_limit_moves_its_bytes_on_the_ring_and_o
         local.write_at(0, &vec![0xee; LEN / 2]).unwrap();
         let mut at = 0u64;
         for &len in &sizes {
-            let o = run(&ch, vec![op(OpKind::Write, &local, at, len)])
-                .await;
+            let o = run(&ch, vec![op(OpKind::Write, &local, at, len)]).await;
             assert!(o.failure.is_none(), "WRITE {len}: {o:?}");
             at += len + 13;
         }
