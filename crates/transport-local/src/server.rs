@@ -365,7 +365,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         }
     };
     let conn = match &ends {
-        Some((tx, rx)) => Conn::Ring(tx, rx),
+        Some((tx, rx)) => Conn::Ring(&sock, tx, rx),
         None => Conn::Sock(&sock),
     };
     match serve_data(&sock, conn, &held, &shared.staged, proto, gpu) {
@@ -558,14 +558,14 @@ fn offer_ring(sock: &UnixStream, reader: &mut Deadline<'_>) -> io::Result<Option
 #[derive(Clone, Copy)]
 enum Conn<'a> {
     Sock(&'a UnixStream),
-    Ring(&'a Tx, &'a Rx),
+    Ring(&'a UnixStream, &'a Tx, &'a Rx),
 }
 
-impl Conn<'_> {
+impl<'a> Conn<'a> {
     fn write_all(self, bytes: &[u8]) -> io::Result<()> {
         match self {
             Conn::Sock(s) => (&*s).write_all(bytes),
-            Conn::Ring(tx, _) => tx.write_all(bytes),
+            Conn::Ring(_, tx, _) => tx.write_all(bytes),
         }
     }
 
@@ -573,12 +573,19 @@ impl Conn<'_> {
     fn readable_now(self) -> bool {
         match self {
             Conn::Sock(s) => host::readable_now(s),
-            Conn::Ring(_, rx) => rx.ready(),
+            Conn::Ring(_, _, rx) => rx.ready(),
         }
     }
 
     fn ring(self) -> bool {
         matches!(self, Conn::Ring(..))
+    }
+
+    /// The stream's socket.
+    fn sock(self) -> &'a UnixStream {
+        match self {
+            Conn::Sock(s) | Conn::Ring(s, ..) => s,
+        }
     }
 }
 
@@ -586,7 +593,7 @@ impl Read for Conn<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match *self {
             Conn::Sock(s) => (&*s).read(buf),
-            Conn::Ring(_, rx) => rx.read(buf),
+            Conn::Ring(_, _, rx) => rx.read(buf),
         }
     }
 }
@@ -690,10 +697,16 @@ fn serve_data(
             }
             Err(e) => return Err(e),
         }
-        if !ring {
+        let action = proto.on_request(&head);
+        // The client checked: on a ring stream before copies only (memory ops: `serve_memory`).
+        let copies = matches!(
+            action,
+            Action::ReadFile { .. } | Action::WriteFile { .. } | Action::Table { .. }
+        );
+        if !ring || copies {
             held.check(sock)?;
         }
-        match proto.on_request(&head) {
+        match action {
             Action::WriteMemory {
                 lease,
                 at,
@@ -701,19 +714,10 @@ fn serve_data(
                 seq,
                 ..
             } => {
-                let theirs = read_entry(&mut rd, len, ipc, ring)?;
-                if let Entry::Inline(n) = theirs {
-                    let bytes = inline_bytes(&mut inline, n, len)?;
-                    rd.read_exact(bytes)?;
-                    write_region(&lease.region, at, bytes)?;
-                    out.extend_from_slice(&proto.answer_write(seq));
-                    continue;
-                }
-                if ring {
-                    held.check(sock)?;
-                }
-                copy_memory(pid, Direction::In, theirs, &lease.region, at, len, &mut gpu)?;
-                out.extend_from_slice(&proto.answer_write(seq));
+                let answer = proto.answer_write(seq);
+                let op = (Direction::In, &*lease.region, at, len);
+                serve_memory(&mut rd, held, op, (ipc, ring), &mut gpu, &mut inline)?;
+                out.extend_from_slice(&answer);
             }
             Action::ReadMemory {
                 lease,
@@ -721,30 +725,10 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = read_entry(&mut rd, len, ipc, ring)?;
-                if let Entry::Inline(n) = theirs {
-                    let bytes = inline_bytes(&mut inline, n + len, len)?;
-                    lease
-                        .region
-                        .read_at(at, bytes)
-                        .map_err(|_| invalid("an inline READ outside its segment"))?;
-                    out.extend_from_slice(&response);
-                    out.extend_from_slice(bytes);
-                    continue;
-                }
-                if ring {
-                    held.check(sock)?;
-                }
-                copy_memory(
-                    pid,
-                    Direction::Out,
-                    theirs,
-                    &lease.region,
-                    at,
-                    len,
-                    &mut gpu,
-                )?;
+                let op = (Direction::Out, &*lease.region, at, len);
+                let moved = serve_memory(&mut rd, held, op, (ipc, ring), &mut gpu, &mut inline)?;
                 out.extend_from_slice(&response);
+                out.extend_from_slice(moved);
             }
             Action::ReadFile {
                 file,
@@ -752,9 +736,6 @@ fn serve_data(
                 len,
                 response,
             } => {
-                if ring {
-                    held.check(sock)?;
-                }
                 let theirs = match read_entry(&mut rd, len, ipc, ring)? {
                     Entry::Inline(_) => return Err(invalid("an inline entry for a file")),
                     Entry::Addr(span) => span,
@@ -780,9 +761,6 @@ fn serve_data(
                 len,
                 response,
             } => {
-                if ring {
-                    held.check(sock)?;
-                }
                 let theirs = match read_entry(&mut rd, len, ipc, ring)? {
                     Entry::Inline(_) => return Err(invalid("an inline entry for a file")),
                     Entry::Addr(span) => span,
@@ -816,9 +794,6 @@ fn serve_data(
                 out.extend_from_slice(&response);
             }
             Action::Table { req } => {
-                if ring {
-                    held.check(sock)?;
-                }
                 let bufs = (&mut table, &mut entries, &mut staging.buf, &mut out);
                 if !serve_table(&mut rd, conn, pid, &mut proto, &req, ipc, &mut gpu, bufs)? {
                     conn.write_all(&out)?;
@@ -841,6 +816,40 @@ fn serve_data(
             }
         }
     }
+}
+
+/// One READ (`Out`) or WRITE (`In`) of the checked range `at..at+len` of `region`: its entry
+/// read, then its bytes moved inline through the ring (a WRITE's read from it; a READ's
+/// returned, to follow the response) or copied to or from the client's memory, after the check
+/// that the client is still the process and program that attached (on a ring stream; a socket
+/// stream checked it before the request). What the answer carries after its response.
+fn serve_memory<'b>(
+    rd: &mut BufReader<Conn<'_>>,
+    held: &Held<'_>,
+    (dir, region, at, len): (Direction, &ferry_core::MemoryRegion, u64, usize),
+    (ipc, ring): (bool, bool),
+    gpu: &mut Option<Served>,
+    inline: &'b mut [u8; INLINE_MAX],
+) -> io::Result<&'b [u8]> {
+    let theirs = read_entry(rd, len, ipc, ring)?;
+    if let Entry::Inline(n) = theirs {
+        if dir == Direction::In {
+            let bytes = inline_bytes(inline, n, len)?;
+            rd.read_exact(bytes)?;
+            write_region(region, at, bytes)?;
+            return Ok(&[]);
+        }
+        let bytes = inline_bytes(inline, n + len, len)?;
+        region
+            .read_at(at, bytes)
+            .map_err(|_| invalid("an inline READ outside its segment"))?;
+        return Ok(bytes);
+    }
+    if ring {
+        held.check(rd.get_ref().sock())?;
+    }
+    copy_memory(held.pid, dir, theirs, region, at, len, gpu)?;
+    Ok(&[])
 }
 
 /// A stream's file staging (a file op's bytes pass through it), counted in its server's total
