@@ -65,7 +65,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 import ferry
 from ferry import _ferry
 from ferry import broadcast
-from ferry._rl import as_broadcast, dtype_name, mismatches, torch_dtype
+from ferry._rl import ParameterMismatch, ReceiversFailed, as_broadcast, dtype_name, mismatches, torch_dtype
 
 __all__ = [
     "BACKEND",
@@ -85,31 +85,6 @@ _PART = 60 << 10
 # Buckets served at once (the publisher's keep_versions): bucket k is published once every
 # live receiver has bucket k - 2.
 _KEEP = 2
-
-
-class ParameterMismatch(ValueError):
-    """A receiver's destinations differ from what the source sent (``problems``, one line
-    each: a name missing, another dtype, another shape); nothing was written."""
-
-    def __init__(self, version: int, problems: list[str]):
-        self.version = version
-        self.problems = problems
-        super().__init__(f"bucket version {version}: " + "; ".join(problems))
-
-
-class ReceiversFailed(RuntimeError):
-    """Some receivers did not get the update (``failed``: receiver to why); every other
-    receiver (``succeeded``) got all of it, verified."""
-
-    def __init__(self, failed: Mapping[str, str], succeeded: list[str], step: int | None):
-        self.failed = dict(failed)
-        self.succeeded = list(succeeded)
-        self.step = step
-        names = "; ".join(f"{r}: {why}" for r, why in self.failed.items())
-        super().__init__(
-            f"weight update (step {step}): {len(self.failed)} receiver(s) failed ({names}); "
-            f"{len(self.succeeded)} got every bucket"
-        )
 
 
 @dataclass(frozen=True)
@@ -348,7 +323,7 @@ class FerryCheckpointEngine(CheckpointEngine):
         seconds = time.perf_counter() - start
         failed = {r: why for r, why in self.outcomes.items() if why != "ok"}
         if failed and self.raise_on_failed_receivers:
-            raise ReceiversFailed(failed, ok, global_steps)
+            raise ReceiversFailed(failed, ok, f"weight update (step {global_steps})", self._version)
         return {
             "ferry/bytes": total,
             "ferry/seconds": seconds,
