@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 
 use crate::host;
 use crate::pipe::{self, Link, Tx};
-use crate::ring::{ANSWERS, REQUESTS, SHM_LEN};
+use crate::ring::{ANSWERS, REQUESTS, SHM_LEN, Spin};
 use crate::shm::{Shm, recv_fd};
 use crate::wire::{
     ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, IPC_MARK, IPC_REF_LEN, PROBE_OK, RING_BIT, RING_DECLINED,
@@ -291,6 +291,10 @@ struct Shared {
     vectored: bool,
     gpu: GpuRoute,
     closed: AtomicBool,
+    /// Whether small requests' tasks spin for their answers (some stream is on the ring).
+    spins: bool,
+    /// How long they spin now, in nanoseconds (adapted: [`Spin`]).
+    spin: std::sync::atomic::AtomicU64,
     /// The server's process.
     server_pid: u32,
     /// Yama's grant to the server (where Yama asks for one), revoked with the last channel.
@@ -397,7 +401,10 @@ impl LocalChannel {
         (server_pid, grant): (u32, host::TracerGrant),
     ) -> Self {
         let n = socks.len();
+        let spins = socks.iter().any(|(_, ring)| ring.is_some());
         let shared = Arc::new(Shared {
+            spins,
+            spin: std::sync::atomic::AtomicU64::new(Spin::new().budget_ns()),
             peer,
             dealer: Mutex::new(Dealer::new(n)),
             streams: socks
@@ -454,7 +461,36 @@ impl LocalChannel {
     }
 }
 
+/// The most ops a request may have for its task to spin for its answers.
+const SPIN_OPS: usize = 16;
+
 impl Shared {
+    /// Spins (resolving answers as they come) until `req` resolved or the channel's spin ran
+    /// out; adapts the spin to which.
+    fn spin_for(&self, req: &Req) {
+        let budget = self.spin.load(Ordering::Relaxed);
+        let until = std::time::Instant::now() + Duration::from_nanos(budget);
+        let mut i = 0u32;
+        let hit = loop {
+            if req.outstanding.load(Ordering::Acquire) == 0 {
+                break true;
+            }
+            self.progress();
+            std::hint::spin_loop();
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(16) && std::time::Instant::now() >= until {
+                break false;
+            }
+        };
+        let mut s = Spin::from_ns(budget);
+        if hit {
+            s.hit()
+        } else {
+            s.miss()
+        }
+        self.spin.store(s.budget_ns(), Ordering::Relaxed);
+    }
+
     fn lock_dealer(&self) -> std::sync::MutexGuard<'_, Dealer<Job>> {
         self.dealer.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -860,12 +896,21 @@ fn send_all_now(sock: &UnixStream, bytes: &[u8]) -> io::Result<usize> {
 /// The future of a request: ready once every chunk resolved. Each poll first resolves the
 /// responses the channel's streams hold (`progress`), so a task that polls sees its request
 /// end without waiting for a reader thread to be scheduled.
-fn finish(shared: Option<Arc<Shared>>, req: Arc<Req>) -> BoxFuture<'static, Outcome> {
+///
+/// A small request (`spin`: every op inline-sized, a few of them) on a channel with ring
+/// streams is spun for first, for as long as the channel's adaptive [`Spin`] says, resolving
+/// answers as they come: a busy server answers within it, and the task then sees its request
+/// end with no thread woken and no system call. Past the spin, it waits for the reader.
+fn finish(shared: Option<Arc<Shared>>, req: Arc<Req>, spin: bool) -> BoxFuture<'static, Outcome> {
+    let mut first = spin;
     Box::pin(std::future::poll_fn(move |cx| {
         if req.outstanding.load(Ordering::Acquire) != 0
             && let Some(shared) = &shared
         {
             shared.progress();
+            if std::mem::take(&mut first) {
+                shared.spin_for(&req);
+            }
         }
         if req.outstanding.load(Ordering::Acquire) == 0 {
             return Poll::Ready(req.control.outcome(true));
@@ -924,7 +969,7 @@ impl Channel for LocalChannel {
                 .not_posted(FailureKind::Local);
             }
             req.outstanding.fetch_sub(1, Ordering::AcqRel);
-            return finish(None, req);
+            return finish(None, req, false);
         }
         deal_request(
             &shared.dealer,
@@ -938,7 +983,12 @@ impl Channel for LocalChannel {
             |set| shared.pump_all(set),
         );
         req.outstanding.fetch_sub(1, Ordering::AcqRel);
-        finish(Some(shared.clone()), req)
+        let spin = shared.spins
+            && ops.len() <= SPIN_OPS
+            && ops
+                .iter()
+                .all(|op| op.len <= crate::wire::INLINE_MAX as u64);
+        finish(Some(shared.clone()), req, spin)
     }
 
     fn takes_cuda_ipc(&self) -> bool {
