@@ -391,6 +391,13 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Bytes a run of `bench same-host` moves: `total`, or for a transfer under 64 KiB 20,000
+/// transfers' worth (the small rows).
+fn bytes_per_run(block: u64, blocks: u32, total: u64) -> String {
+    let per = block * u64::from(blocks);
+    if per < 64 << 10 { per * 20_000 } else { total }.to_string()
+}
+
 /// `cargo xtask bench same-host`: two processes on this host through NIXL's agent API (the
 /// same script on both wheels), READ and WRITE of 1 MiB blocks (64 per transfer) and 64 KiB
 /// blocks (16 per transfer: depth 16), in alternating rounds: Ferry's same-host plane, Ferry's
@@ -435,13 +442,7 @@ pub(crate) fn same_host(args: &[String]) -> Result<()> {
         ("WRITE", 64, 1),
         ("WRITE", 4 << 10, 1),
     ];
-    let bytes_of = |block: u64, blocks: u32| {
-        if block * u64::from(blocks) < 64 << 10 {
-            (block * u64::from(blocks) * 20_000).to_string()
-        } else {
-            total.to_string()
-        }
-    };
+    let bytes_of = |block, blocks| bytes_per_run(block, blocks, total);
     println!(
         "Same host, two processes, NIXL's agent API ({} against Ferry's wheel), {total} bytes \
          per run, {repeat} rounds, the order of the sides turning each round; GB/s = 10^9 B/s",
