@@ -319,6 +319,10 @@ def test_version_2_after_version_1_to_four_receivers(rollout, rollout_dtype):
         assert sent["ferry/receivers_ok"] == N and sent["ferry/buckets"] > 1
         assert set(r.trainer.outcomes.values()) == {"ok"}
     assert len(want) >= 100
+    # An update with no weights at all ends on every receiver with nothing.
+    sent, answers = r.update({}, 3)
+    assert sent["ferry/buckets"] == 0 and sent["ferry/receivers_ok"] == N, sent
+    assert all(a[0] == "ok" and a[1] == {} for a in answers.values()), answers
     if rollout_dtype is None:
         assert {d for d, _, _ in want.values()} >= {"torch.bfloat16", "torch.float32"}
 

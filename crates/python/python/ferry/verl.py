@@ -203,6 +203,8 @@ class FerryCheckpointEngine(CheckpointEngine):
         self._raw: Any = None
         self._publisher: broadcast.Publisher | None = None
         self._version = 0  # the newest broadcast version this source published
+        self._update = 0  # this source's updates so far (send_weights calls)
+        self._done_update = 0  # the newest update a receiver ended (its leftovers are dropped)
         self._parts: dict[int, dict[int, bytes]] = {}  # a receiver's bucket parts by version
         self._into: dict[str, torch.Tensor] | None = None
 
@@ -299,6 +301,7 @@ class FerryCheckpointEngine(CheckpointEngine):
         if self.rank != 0 or not self.is_master:
             raise RuntimeError("only the master actor worker (rank 0) sends weights")
         start = time.perf_counter()
+        self._update += 1
         live = {f"rank {r} ({addr})": addr for r, addr, _ in plan.receivers}
         self.outcomes = {}
         acked: dict[int, set[str]] = {}
@@ -358,9 +361,30 @@ class FerryCheckpointEngine(CheckpointEngine):
         start: float,
     ) -> None:
         """Publishes ``bucket`` as the next version (after every live receiver has the one it
-        replaces) and tells each live receiver what it holds."""
+        replaces) and tells each live receiver what it holds. An empty bucket (no weights at
+        all) is only told: the receivers end the update with nothing."""
         if len(sent) >= _KEEP:
             await self._wait_acks(sent[-_KEEP:-_KEEP + 1], live, acked, start)
+        if bucket:
+            await self._publish(bucket)
+            sent.append(self._version)
+            acked[self._version] = set()
+        assert self._publisher is not None or not bucket
+        desc = {
+            "update": self._update,
+            "step": step,
+            "bucket": index,
+            "version": self._version if bucket else 0,
+            "name": self.name,
+            "source": self._publisher.addr if bucket and self._publisher else "",
+            "digest": self._publisher.digest if bucket and self._publisher else "",
+            "last": last,
+            "tensors": [[n, dtype_name(t.dtype), list(t.shape)] for n, t in bucket.items()],
+        }
+        await self._tell(desc, live)
+
+    async def _publish(self, bucket: dict[str, torch.Tensor]) -> None:
+        """Publishes ``bucket`` as the next version (the publisher starts with the first)."""
         self._version += 1
         version = self._version
         views = {n: as_broadcast(t, name=n) for n, t in bucket.items()}
@@ -377,18 +401,12 @@ class FerryCheckpointEngine(CheckpointEngine):
             )
         else:
             await asyncio.to_thread(self._publisher.publish, views, version)
-        sent.append(version)
-        acked[version] = set()
-        desc = {
-            "step": step,
-            "bucket": index,
-            "version": version,
-            "name": self.name,
-            "source": self._publisher.addr,
-            "digest": self._publisher.digest,
-            "last": last,
-            "tensors": [[n, dtype_name(t.dtype), list(t.shape)] for n, t in bucket.items()],
-        }
+
+    async def _tell(self, desc: dict[str, Any], live: dict[str, str]) -> None:
+        """Sends ``desc`` (a bucket's description) to every receiver not yet failed, in parts
+        that fit a notification; one that cannot be reached is failed (``outcomes``)."""
+        assert self._raw is not None
+        version = desc["version"]
         blob = zlib.compress(json.dumps(desc).encode())
         parts = [blob[i : i + _PART] for i in range(0, len(blob), _PART)] or [b""]
         for who, addr in list(live.items()):
@@ -461,19 +479,26 @@ class FerryCheckpointEngine(CheckpointEngine):
             raise RuntimeError("only rollout workers (rank 1..N) receive weights")
         start = time.perf_counter()
         self.summaries = []
-        while True:
-            desc = await self._next_bucket(plan, start)
-            version = int(desc["version"])
-            try:
-                tensors = await self._pull_bucket(desc, start)
-            except BaseException as e:
-                await asyncio.to_thread(self._ack, plan, version, e)
-                raise
-            await asyncio.to_thread(self._ack, plan, version, None)
-            for item in tensors.items():
-                yield item
-            if desc.get("last"):
-                return
+        current = self._done_update
+        try:
+            while True:
+                desc = await self._next_bucket(plan, start)
+                current = max(current, int(desc.get("update", 0)))
+                version = int(desc["version"])
+                if desc["tensors"]:
+                    try:
+                        tensors = await self._pull_bucket(desc, start)
+                    except BaseException as e:
+                        await asyncio.to_thread(self._ack, plan, version, e)
+                        raise
+                    await asyncio.to_thread(self._ack, plan, version, None)
+                    for item in tensors.items():
+                        yield item
+                if desc.get("last"):
+                    return
+        finally:
+            # What is left of this update (a failed one's later buckets) is dropped as it comes.
+            self._done_update = current
 
     async def _next_bucket(self, plan: RelayPlan, start: float) -> dict[str, Any]:
         """The next bucket description the source sent (parts joined), oldest first."""
@@ -494,8 +519,9 @@ class FerryCheckpointEngine(CheckpointEngine):
                 n = int(parts.get("n", 0))  # type: ignore[arg-type]
                 if n and all(i in parts for i in range(n)):
                     del self._parts[version]
-                    blob = b"".join(parts[i] for i in range(n))
-                    return json.loads(zlib.decompress(blob))
+                    desc = json.loads(zlib.decompress(b"".join(parts[i] for i in range(n))))
+                    if int(desc.get("update", 0)) > self._done_update:
+                        return desc
             if self.timeout is not None and time.perf_counter() - start > self.timeout:
                 raise TimeoutError(f"no weights from the source {plan.source_addr} within {self.timeout} s")
             await asyncio.sleep(pause)
