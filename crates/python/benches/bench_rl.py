@@ -11,8 +11,9 @@ lands on all of them alike):
 - ``chain``: a point-to-point chain over ``ferry.mooncake`` as verl's mooncake engine moves
   weights: rank i reads each bucket from rank i-1 once rank i-1 has it (RDMA-style reads into
   buffers registered beforehand, no verification), pipelined by bucket;
-- ``vllm``: ``ferry.vllm``, where ``vllm_round`` below is filled in (the hook for the vLLM
-  adapter; until then the row says it is missing).
+- ``vllm``: ``ferry.vllm`` to N receivers through vLLM's own weight-transfer engines, in place
+  (``bench_rl_vllm.py``, run in vLLM's environment ``target/vllm-venv``; without it the row
+  says it is missing).
 
 Every receiver and chain rank is a process of its own; the trainer is this one. The payload is
 ``--mib`` MiB of bf16 weights in tensors of ``--tensor-mib`` MiB; buckets are ``--bucket-mib``
@@ -230,11 +231,33 @@ class Chain:
         return took
 
 
+_VLLM: dict = {}
+
+
 def vllm_round(args, n: int, step: int) -> float | None:
     """The hook for ``ferry.vllm``: one update of the same payload through vLLM's trainer and
     worker weight-transfer engines to ``n`` receivers, its time in seconds (as
-    ``verl_round``). None: the row is reported as missing."""
-    return None
+    ``verl_round``), by ``bench_rl_vllm.py`` in vLLM's environment (``target/vllm-venv``,
+    started once). None: the row is reported as missing (no such environment)."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    py = here.parents[2] / "target" / "vllm-venv" / "bin" / "python"
+    if not py.is_file():
+        return None
+    if n not in _VLLM:
+        cmd = [str(py), str(here / "bench_rl_vllm.py"), "serve", str(args.mib), str(args.tensor_mib), str(n)]
+        p = _VLLM[n] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if not p.stdout.readline():
+            raise RuntimeError(f"bench_rl_vllm.py exited: {p.wait()}")
+    p = _VLLM[n]
+    p.stdin.write("round\n")
+    p.stdin.flush()
+    line = p.stdout.readline()
+    if not line:
+        raise RuntimeError(f"bench_rl_vllm.py exited: {p.wait()}")
+    return json.loads(line)["seconds"]
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -294,6 +317,8 @@ def main() -> None:
     finally:
         fleet.close()
         trainer.shutdown()
+        for p in _VLLM.values():
+            p.kill()
     med = {m: statistics.median(v) for m, v in times.items() if v}
     print(f"\n| row | N | median s | GB/s (per receiver) | of ideal | x chain |")
     print("|---|---|---|---|---|---|")
