@@ -36,7 +36,8 @@ const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench fanout [--plane tcp|uring|both] [--peers N] [--streams N]
        cargo xtask bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES]
        [--skip-baseline] [--no-build]
-       cargo xtask bench rl [--no-build] [options of bench_rl.py]";
+       cargo xtask bench rl [--no-build] [options of bench_rl.py]
+       cargo xtask bench ray [--no-build] [options of bench_ray.py]";
 
 /// Dispatches `cargo xtask bench <what>`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -53,6 +54,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("same-host") => crate::bench_compat::same_host(&args[1..]),
         Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         Some("rl") => crate::bench_rl::run(&args[1..]),
+        Some("ray") => crate::bench_ray::run(&args[1..]),
         Some("load") => crate::stress::load(&args[1..]),
         Some("idle") => crate::stress::idle(&args[1..]),
         Some("fanout") => crate::stress::fanout(&args[1..]),

@@ -9,6 +9,7 @@ mod bench_broadcast;
 mod bench_compat;
 mod bench_cpu;
 mod bench_latency;
+mod bench_ray;
 mod bench_rl;
 mod bench_small;
 mod bench_uring;
@@ -80,6 +81,9 @@ tasks:
                          memory and descriptors (the client side of a fan-out)
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--memory [--rounds R]] [--straggler RATE] [--stripes N] [--no-killed] [--bin PATH] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
+  bench ray [--no-build] [--mib N] [--parts N] [--rounds N] [--modes A,B] [--readers N]
+                         Ray's tensor transports (object store, NIXL real and on Ferry, FERRY,
+                         FERRY_RELAY) on one host, alternating rounds (xtask/src/bench_ray.rs)
   bench rl [--no-build] [--mib N] [--bucket-mib N] [--receivers N] [--rounds N] [--modes A,B]
                          RL weight sync, 1 trainer to N receivers on one host: ferry.verl against
                          one receiver alone and a ferry.mooncake chain (xtask/src/bench_rl.rs)
