@@ -361,7 +361,9 @@ def test_a_killed_source_is_rays_error_and_the_next_transfer_works(cluster):
     result = ray.get(dst.join.remote("k", WAIT))
     assert result[0] == "error" and result[1] == "RayDirectTransportError", result
     assert ref.hex() in result[2] and src_actor_id in result[2], result[2]
-    assert "may have died" in result[2], result[2]
+    # ...the receiving actor, and Ferry's reason after "failed:".
+    assert dst._actor_id.hex() in result[2], result[2]
+    assert "failed: " in result[2] and "may have died" in result[2], result[2]
 
     # Killed before the read: the same error (the connect is refused).
     src2 = Source.remote()

@@ -150,10 +150,12 @@ class RayNode:
     group: ``ray stop`` would stop every Ray on the machine)."""
 
     def __init__(self, ns: str, args: list[str], env: dict, temp_dir: str):
-        ray_bin = str(Path(sys.executable).parent / "ray")
+        # Ray's CLI through this interpreter: the `ray` script's first line may name another
+        # environment (one made elsewhere and moved keeps its scripts' old interpreter path).
+        ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, ray_bin, "start", "--block", "--temp-dir", temp_dir, *args],
+            ["ip", "netns", "exec", ns, *ray_cli, "start", "--block", "--temp-dir", temp_dir, *args],
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
