@@ -20,6 +20,22 @@ pub const DEFAULT_BOUNDS_US: [u64; 18] = [
     500_000, 1_000_000, 5_000_000, 10_000_000,
 ];
 
+/// The statuses of the errors an agent counts, as NIXL's exporter labels them (`status`).
+pub const ERROR_STATUSES: [&str; 12] = [
+    "not_posted",
+    "invalid_param",
+    "backend",
+    "not_found",
+    "mismatch",
+    "not_allowed",
+    "repost_active",
+    "unknown",
+    "not_supported",
+    "remote_disconnect",
+    "canceled",
+    "no_telemetry",
+];
+
 /// The live agents of this process (dead entries are pruned as agents come and go).
 static AGENTS: Mutex<Vec<Weak<Counters>>> = Mutex::new(Vec::new());
 
@@ -31,6 +47,8 @@ struct Counters {
     bounds_us: Vec<u64>,
     /// Indexed by the `Slot`s below.
     values: [AtomicU64; SLOTS],
+    /// Errors by status, in the order of [`ERROR_STATUSES`].
+    errors: [AtomicU64; 12],
     /// Transfer times per bucket (not cumulative), one past the last bound.
     xfer_buckets: Vec<AtomicU64>,
     /// Post times per bucket, as `xfer_buckets`.
@@ -98,6 +116,7 @@ impl AgentTelemetry {
             hostname: hostname.to_owned(),
             bounds_us: bounds_us.to_vec(),
             values: Default::default(),
+            errors: Default::default(),
             xfer_buckets: buckets(),
             post_buckets: buckets(),
         });
@@ -136,6 +155,16 @@ impl AgentTelemetry {
     pub fn deregistered(&self, bytes: u64) {
         self.counters.values[DEREGISTERED].fetch_add(bytes, Relaxed);
         self.counters.values[DEREGISTERED_LAST].store(bytes, Relaxed);
+    }
+
+    /// One error the agent's API returned, by its status (one of [`ERROR_STATUSES`]); false,
+    /// and nothing counted, for another status.
+    pub fn error(&self, status: &str) -> bool {
+        let Some(i) = ERROR_STATUSES.iter().position(|s| *s == status) else {
+            return false;
+        };
+        self.counters.errors[i].fetch_add(1, Relaxed);
+        true
     }
 
     /// What this agent has recorded so far.
@@ -181,6 +210,7 @@ impl Counters {
             bounds_us: self.bounds_us.clone(),
             xfer_buckets: counts(&self.xfer_buckets),
             post_buckets: counts(&self.post_buckets),
+            errors: counts(&self.errors),
         }
     }
 }
@@ -238,6 +268,8 @@ pub struct AgentDescription {
     pub xfer_buckets: Vec<u64>,
     /// Requests per post-time bucket, as `xfer_buckets`.
     pub post_buckets: Vec<u64>,
+    /// Errors by status, in the order of [`ERROR_STATUSES`] (empty: none counted).
+    pub errors: Vec<u64>,
 }
 
 #[cfg(test)]
@@ -256,7 +288,11 @@ mod tests {
         t.registered(1 << 20);
         t.registered(8);
         t.deregistered(8);
+        assert!(t.error("not_found") && t.error("not_found") && t.error("backend"));
+        assert!(!t.error("no_such_status"));
         let d = t.describe();
+        assert_eq!(d.errors[3], 2);
+        assert_eq!(d.errors.iter().sum::<u64>(), 3);
         assert_eq!(
             (d.tx_bytes, d.tx_requests, d.tx_last_bytes),
             (5120, 2, 1024)

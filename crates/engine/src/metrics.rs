@@ -941,6 +941,7 @@ mod tests {
             bounds_us: vec![10, 100],
             xfer_buckets: vec![0, 3, 0],
             post_buckets: vec![3, 0, 0],
+            errors: vec![0, 0, 1, 2],
             ..Default::default()
         }];
         let text = render(&d);

@@ -46,6 +46,12 @@ impl AgentTelemetry {
         self.inner.deregistered(nbytes);
     }
 
+    /// One error of the agent's API by NIXL's status label (`not_found`, `backend`, ...);
+    /// False, and nothing counted, for another label.
+    fn error(&self, status: &str) -> bool {
+        self.inner.error(status)
+    }
+
     /// What was recorded, as a dict of the `AgentDescription` fields.
     fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let d = self.inner.describe();

@@ -22,7 +22,7 @@ import pytest
 
 import ferry
 from ferry import _ferry
-from ferry.nixl import nixl_agent, nixl_agent_config, nixlNotFoundError
+from ferry.nixl import nixl_agent, nixl_agent_config, nixlInvalidParamError, nixlNotFoundError
 
 HOST = socket.gethostname()
 
@@ -119,6 +119,26 @@ def test_nixl_series_are_served_under_nixls_names_beside_ferrys(np, exporter):
     del b
     gc.collect()
     assert f'agent_name="{name}"' not in scrape(f"127.0.0.1:{exporter}")
+
+
+def test_the_transfer_calls_errors_are_counted_by_status(np, exporter):
+    a, b, abuf, bbuf = two_agents(np)
+    with pytest.raises(nixlNotFoundError):
+        a.prep_xfer_dlist("nobody", [(abuf.ctypes.data, 8, 0)], "DRAM")
+    local = a.prep_xfer_dlist("", [(abuf.ctypes.data, 8, 0)], "DRAM")
+    remote = a.prep_xfer_dlist(b.name, [(bbuf.ctypes.data, 8, 0)], "DRAM")
+    for _ in range(2):
+        with pytest.raises(nixlInvalidParamError):
+            a.make_prepped_xfer("WRITE", local, [0], remote, [5])
+    a.remove_remote_agent(b.name)
+    h = a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    assert a.transfer(h) == "ERR"  # its remote agent is gone
+    text = scrape(f"127.0.0.1:{exporter}")
+    statuses = dict(re.findall(
+        rf'agent_errors_total{{[^}}]*agent_name="{a.name}",status="(\w+)"}} (\d+)', text))
+    assert len(statuses) == 12, text
+    assert statuses.pop("not_found") == "1" and statuses.pop("invalid_param") == "2"
+    assert statuses.pop("backend") == "1" and set(statuses.values()) == {"0"}, statuses
 
 
 def test_ferrys_metrics_endpoint_serves_them_and_no_second_server_opens(np, exporter):

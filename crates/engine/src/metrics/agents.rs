@@ -116,6 +116,19 @@ pub(super) fn encode(d: &Description, enc: &mut DescriptorEncoder<'_>) -> std::f
         }
         f.encode(enc)?;
     }
+    let mut errors = Family::new("agent_errors", "Cumulative error count by status", Counter);
+    for a in &d.agents {
+        let statuses = crate::agent_telemetry::ERROR_STATUSES.iter();
+        for (status, n) in statuses.zip(a.errors.iter().chain(std::iter::repeat(&0))) {
+            let l = [
+                ("hostname", &*a.hostname),
+                ("agent_name", &a.agent),
+                ("status", status),
+            ];
+            errors.add(labels(l), *n);
+        }
+    }
+    errors.encode(enc)?;
     type Buckets = fn(&crate::AgentDescription) -> (&[u64], u64);
     let histograms: [(&'static str, &'static str, Buckets); 2] = [
         (

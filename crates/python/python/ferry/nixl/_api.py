@@ -632,6 +632,7 @@ class nixl_agent:
 
     # ----- transfers ---------------------------------------------------------------------
 
+    @_telemetry.counted
     def prep_xfer_dlist(self, agent_name: Union[str, bytes], xfer_list: Any,
                         mem_type: Optional[str] = None,
                         backends: list[str] = []) -> nixl_prepped_dlist_handle:
@@ -708,6 +709,7 @@ class nixl_agent:
             _raise(nixlInvalidParamError, f"makeXferReq: {handle!r} was released or is not this agent's")
         return d  # type: ignore[return-value]
 
+    @_telemetry.counted
     def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
                           local_indices: Any, remote_xfer_side: nixl_prepped_dlist_handle,
                           remote_indices: Any, notif_msg: Union[bytes, str] = b"",
@@ -735,6 +737,7 @@ class nixl_agent:
         return self._new_xfer(operation, [ls.descs[i] for i in li], [rs.descs[i] for i in ri],
                               rs.agent or "", notif_msg, backends)
 
+    @_telemetry.counted
     def initialize_xfer(self, operation: str, local_descs: nixlBind.nixlXferDList,
                         remote_descs: nixlBind.nixlXferDList, remote_agent: str,
                         notif_msg: Union[bytes, str] = b"", backends: list[str] = []) -> nixl_xfer_handle:
@@ -761,6 +764,7 @@ class nixl_agent:
             _raise(nixlInvalidParamError, f"{what}: {handle!r} was released or is not this agent's")
         return x  # type: ignore[return-value]
 
+    @_telemetry.counted
     def transfer(self, handle: nixl_xfer_handle, notif_msg: Union[bytes, str] = b"") -> str:
         """Posts the transfer: ``"PROC"`` while it runs, ``"DONE"``, or ``"ERR"`` (logged, and
         ``get_xfer_telemetry``/``ferry_error`` say why). A notification goes to the remote
@@ -775,6 +779,7 @@ class nixl_agent:
         addr = self._addr if x.remote == self.name else (remote.addr if remote else None)
         if addr is None:
             x.error = f"remote agent {x.remote!r} was removed"
+            _telemetry.error(self._tm, "backend")
             logger.error("postXferReq: %s", x.error)
             return "ERR"
         t0 = time.perf_counter()
@@ -787,6 +792,7 @@ class nixl_agent:
             x.error = str(e)
             x.request = None
             logger.error("postXferReq towards %s (%s): %s", x.remote, addr, e)
+            _telemetry.error(self._tm, "backend")
             return "ERR"
         x.posted_at = t0
         x.started_us = _us(t0)
@@ -810,8 +816,10 @@ class nixl_agent:
         if x.error is None:
             x.error = (x.request.after_error and f"the notification failed: {x.request.after_error}") or _failures.of_outcome(outcome)
             logger.error("transfer towards %s failed: %s", x.remote, x.error)
+            _telemetry.error(self._tm, "backend")
         return "ERR"
 
+    @_telemetry.counted
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"DONE"`` (every byte landed and the notification, if any, was delivered),
         ``"PROC"`` or ``"ERR"``."""

@@ -15,12 +15,14 @@ of the process serves them, so when one is already on (any Ferry engine here sta
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from ferry import _ferry
+from ferry.nixl._bindings import _NixlError
 
 logger = logging.getLogger("ferry.nixl")
 
@@ -98,6 +100,31 @@ def exporter(agent_name: str, enabled: bool) -> tuple[Optional[Any], Optional[st
                     agent_name, ", ".join(live))
         return tm, None
     return tm, f"{'127.0.0.1' if local else '0.0.0.0'}:{port}"
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def error(tm: Optional[Any], status: str) -> None:
+    """Counts one error of the agent's API (``agent_errors_total{status}``), if it exports."""
+    if tm is not None:
+        tm.error(status)
+
+
+def counted(method: F) -> F:
+    """An agent method whose NIXL exceptions are counted by their status, as NIXL counts the
+    errors its transfer calls return (``prepXferDlist``, ``makeXferReq``, ``createXferReq``,
+    ``postXferReq``, ``getXferStatus``)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except _NixlError as e:
+            error(self._tm, e.status[len("NIXL_ERR_"):].lower())
+            raise
+
+    return call  # type: ignore[return-value]
 
 
 def make_engine(listen: str, metrics: Optional[str], agent_name: str) -> Any:
