@@ -10,6 +10,7 @@ from typing_extensions import Buffer, Self
 
 __all__ = [
     "AccessDenied",
+    "AgentTelemetry",
     "AuthKeyError",
     "AuthenticationFailed",
     "Batch",
@@ -51,6 +52,7 @@ __all__ = [
     "_panic_for_tests",
     "_publish",
     "doctor",
+    "metrics_endpoints",
     "topology_json",
 ]
 
