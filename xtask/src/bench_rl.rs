@@ -8,10 +8,11 @@
 //! python` does; the frameworks environment imports that in-place build). The rows: `ferry.verl`
 //! to one receiver alone (ideal), `ferry.verl` to N, a point-to-point chain over
 //! `ferry.mooncake` (rank i reads from rank i-1, as verl's mooncake engine does), and
-//! `ferry.vllm` once the script's `vllm_round` hook is filled in. Targets (issue 48): at N = 4
-//! at least 0.85 of ideal and at least 2x the chain. Every other argument goes to the script
-//! (`--mib` (1024), `--tensor-mib`, `--bucket-mib` (2048, verl's default), `--receivers`,
-//! `--rounds`, `--modes`, `--json`).
+//! `ferry.vllm` to N through vLLM's own engines (`bench_rl_vllm.py`, which the script starts
+//! once in `<target>/vllm-venv`; without that environment the row says it is missing).
+//! Targets (issue 48): at N = 4 at least 0.85 of ideal and at least 2x the chain. Every other
+//! argument goes to the script (`--mib` (1024), `--tensor-mib`, `--bucket-mib` (2048, verl's
+//! default), `--receivers`, `--rounds`, `--modes`, `--json`).
 
 use std::path::PathBuf;
 use std::process::Command;

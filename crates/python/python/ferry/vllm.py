@@ -48,6 +48,7 @@ make every control request and chunk authenticated; a worker without the key is 
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -323,8 +324,6 @@ class FerryWeightTransferEngine(WeightTransferEngine[FerryWeightTransferInitInfo
     def _engine_for(self, source: str) -> ferry.Engine:
         if self._engine is None:
             info = self._info()
-            import os
-
             listen = info.listen or os.environ.get("FERRY_BIND_ADDRESS") or _listen_towards(source)
             if ":" not in listen.rsplit("]", 1)[-1]:
                 listen = f"{listen}:0"
