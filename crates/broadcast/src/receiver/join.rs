@@ -180,9 +180,9 @@ fn alloc_for(
 /// pages, small ones), not up front: the pull's receives fault them in as the chunks land, so
 /// no pass over the whole payload (and no compaction for huge pages) comes before joining.
 /// [`MemoryRegion::alloc_zeroed`] writes zeros over huge pages first, which cost each receiver
-/// of `cargo xtask bench broadcast` about 0.3 s of CPU per 256 MiB before its first chunk
-/// (zeroing, faults, compaction; eight receivers on one machine at once: more), and serves no
-/// purpose here: every byte is overwritten by a verified chunk before it is served.
+/// of `cargo xtask bench broadcast` about 0.4 s of CPU per 256 MiB before its first chunk
+/// (zeroing, faults, huge-page compaction; eight receivers on one machine: 12 to 24 s from
+/// manifest to joined), for nothing here: a chunk overwrites its bytes before it is advertised.
 ///
 /// A refused allocation is an error, never an abort: the size is first reserved fallibly
 /// (`try_reserve_exact`, released at once), and only then taken zeroed. Past that, as for any
