@@ -252,6 +252,8 @@ class nixl_agent:
         self._telemetry = nixlBind._telemetry_enabled(nixl_conf.capture_telemetry)
         # NIXL's Prometheus exporter (ferry.nixl._telemetry): None without it.
         self._tm, metrics = _telemetry.exporter(agent_name, self._telemetry)
+        if self._tm is not None:  # its transfer calls count their errors; no cost otherwise
+            self.__class__ = _telemetry.counting(type(self))
         self.name = agent_name
         self.config = nixl_conf
         host = os.environ.get("FERRY_BIND_ADDRESS") or bind_host("")
@@ -632,7 +634,6 @@ class nixl_agent:
 
     # ----- transfers ---------------------------------------------------------------------
 
-    @_telemetry.counted
     def prep_xfer_dlist(self, agent_name: Union[str, bytes], xfer_list: Any,
                         mem_type: Optional[str] = None,
                         backends: list[str] = []) -> nixl_prepped_dlist_handle:
@@ -709,7 +710,6 @@ class nixl_agent:
             _raise(nixlInvalidParamError, f"makeXferReq: {handle!r} was released or is not this agent's")
         return d  # type: ignore[return-value]
 
-    @_telemetry.counted
     def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
                           local_indices: Any, remote_xfer_side: nixl_prepped_dlist_handle,
                           remote_indices: Any, notif_msg: Union[bytes, str] = b"",
@@ -737,7 +737,6 @@ class nixl_agent:
         return self._new_xfer(operation, [ls.descs[i] for i in li], [rs.descs[i] for i in ri],
                               rs.agent or "", notif_msg, backends)
 
-    @_telemetry.counted
     def initialize_xfer(self, operation: str, local_descs: nixlBind.nixlXferDList,
                         remote_descs: nixlBind.nixlXferDList, remote_agent: str,
                         notif_msg: Union[bytes, str] = b"", backends: list[str] = []) -> nixl_xfer_handle:
@@ -764,7 +763,6 @@ class nixl_agent:
             _raise(nixlInvalidParamError, f"{what}: {handle!r} was released or is not this agent's")
         return x  # type: ignore[return-value]
 
-    @_telemetry.counted
     def transfer(self, handle: nixl_xfer_handle, notif_msg: Union[bytes, str] = b"") -> str:
         """Posts the transfer: ``"PROC"`` while it runs, ``"DONE"``, or ``"ERR"`` (logged, and
         ``get_xfer_telemetry``/``ferry_error`` say why). A notification goes to the remote
@@ -819,7 +817,6 @@ class nixl_agent:
             _telemetry.error(self._tm, "backend")
         return "ERR"
 
-    @_telemetry.counted
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"DONE"`` (every byte landed and the notification, if any, was delivered),
         ``"PROC"`` or ``"ERR"``."""

@@ -112,9 +112,8 @@ def error(tm: Optional[Any], status: str) -> None:
 
 
 def counted(method: F) -> F:
-    """An agent method whose NIXL exceptions are counted by their status, as NIXL counts the
-    errors its transfer calls return (``prepXferDlist``, ``makeXferReq``, ``createXferReq``,
-    ``postXferReq``, ``getXferStatus``)."""
+    """``method`` with its NIXL exceptions counted by their status, as NIXL counts the errors
+    its transfer calls return."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -125,6 +124,23 @@ def counted(method: F) -> F:
             raise
 
     return call  # type: ignore[return-value]
+
+
+#: The transfer calls whose errors NIXL counts (``prepXferDlist``, ``makeXferReq``,
+#: ``createXferReq``, ``postXferReq``, ``getXferStatus``).
+COUNTED = ("prep_xfer_dlist", "make_prepped_xfer", "initialize_xfer", "transfer",
+           "check_xfer_state")
+_COUNTING: dict[type, type] = {}
+
+
+def counting(cls: type) -> type:
+    """``cls`` (``nixl_agent`` or a subclass) with its transfer calls ``counted``: the class of
+    an agent that exports, so that an agent that does not pays no wrapper on its hot calls."""
+    if cls not in _COUNTING:
+        wrapped = {name: counted(getattr(cls, name)) for name in COUNTED}
+        _COUNTING[cls] = type(cls.__name__, (cls,), {**wrapped, "__module__": cls.__module__,
+                                                      "__qualname__": cls.__qualname__})
+    return _COUNTING[cls]
 
 
 def make_engine(listen: str, metrics: Optional[str], agent_name: str) -> Any:
