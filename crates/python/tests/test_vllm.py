@@ -310,6 +310,47 @@ def test_the_plugin_registers_ferry_in_both_factories_and_imports_it_only_when_u
     ]
 
 
+class Recorder:
+    """A client that only records what it was asked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append(name)
+
+
+def test_a_non_sender_rank_only_iterates_the_source_and_bad_infos_are_refused(vllm_env):
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from ferry.vllm import FerryTrainerInitInfo, FerryWeightTransferInitInfo, FerryWeightTransferUpdateInfo
+
+    class Counted(ModuleSource):
+        passes = 0
+
+        @cached_property
+        def metadata(self):
+            return ModuleSource.metadata.func(self)
+
+        def iter_full(self):
+            Counted.passes += 1
+            yield from super().iter_full()
+
+    client = Recorder()
+    model = Model(model_spec(), seed=1)
+    t = WeightTransferTrainerFactory.trainer_init(FerryTrainerInitInfo(rank=1), client=client, source=Counted(model))
+    t.send_weights()
+    assert (client.calls, Counted.passes, t.version) == ([], 1, 0), "rank 1 runs the collectives only"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        FerryWeightTransferInitInfo(mode="sideways")
+    with pytest.raises(ValueError, match="as long as one another"):
+        FerryWeightTransferUpdateInfo(version=1, manifest="", source="", names=["a"], dtype_names=[], shapes=[])
+    with pytest.raises(ValueError, match="whole number"):
+        FerryWeightTransferUpdateInfo(version=-1, manifest="", source="")
+
+
 @pytest.mark.parametrize("mode", ["in_place", "staged", "checkpoint"])
 def test_four_receivers_take_version_1_then_version_2(receivers, mode):
     """Checkpoint mode hands the verified tensors to the model's ``load_weights`` (vLLM's
