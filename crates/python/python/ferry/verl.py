@@ -36,7 +36,9 @@ The contract of ``verl/checkpoint_engine/base.py``, method by method, as verl's
 - ``receive_weights(global_steps)`` (async generator, the receivers): pulls each bucket as it
   is published, every chunk checked against the manifest whose digest the source sent, and
   yields ``(name, tensor)`` for each of its tensors once the whole bucket is verified. Without
-  destinations the tensors are fresh (on ``device``); with ``set_destinations(tensors)`` (the
+  destinations the tensors are the engine's receive buffers (on ``device``; the previous
+  update's where a tensor kept its dtype and shape, so valid until the next update, as the
+  buckets verl's nccl and mooncake engines yield from); with ``set_destinations(tensors)`` (the
   live model's parameters, by name) the pull writes them in place, and a name, dtype or shape
   that differs from what was sent is refused (``ParameterMismatch``, every problem listed)
   before any byte lands.
@@ -158,6 +160,10 @@ class FerryCheckpointEngine(CheckpointEngine):
         verify_at_rest: receivers check every chunk again before a bucket counts as done.
         raise_on_failed_receivers: ``send_weights`` raises ``ReceiversFailed`` (else it only
             reports them in ``outcomes`` and its metrics).
+        reuse_buffers: a receiver without destinations pulls each update into the buffers of
+            the previous one where a tensor kept its dtype and shape (no fresh memory to fault
+            in); what ``receive_weights`` yields is then valid until the next update, as the
+            buckets verl's nccl and mooncake engines yield from. False: fresh tensors each time.
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class FerryCheckpointEngine(CheckpointEngine):
         verify_at_rest: bool = True,
         chunk_size: int | None = None,
         raise_on_failed_receivers: bool = True,
+        reuse_buffers: bool = True,
     ) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive number of bytes, not {bucket_size!r}")
@@ -194,6 +201,7 @@ class FerryCheckpointEngine(CheckpointEngine):
         self.verify_at_rest = verify_at_rest
         self.chunk_size = chunk_size
         self.raise_on_failed_receivers = raise_on_failed_receivers
+        self.reuse_buffers = reuse_buffers
         self.rank: int | None = None
         self.world_size: int | None = None
         self.plan: RelayPlan | None = None
@@ -207,6 +215,9 @@ class FerryCheckpointEngine(CheckpointEngine):
         self._done_update = 0  # the newest update a receiver ended (its leftovers are dropped)
         self._parts: dict[int, dict[int, bytes]] = {}  # a receiver's bucket parts by version
         self._into: dict[str, torch.Tensor] | None = None
+        # A receiver's buffers by (name, dtype, shape, device), kept for the next update.
+        self._pool: dict[tuple, torch.Tensor] = {}
+        self._used: set[tuple] = set()
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -277,6 +288,7 @@ class FerryCheckpointEngine(CheckpointEngine):
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        self._pool.clear()
         if self._engine is not None:
             self._engine.shutdown()
         self._engine = self._raw = None
@@ -499,6 +511,9 @@ class FerryCheckpointEngine(CheckpointEngine):
         finally:
             # What is left of this update (a failed one's later buckets) is dropped as it comes.
             self._done_update = current
+            # Buffers of tensors this update did not carry are let go.
+            self._pool = {k: t for k, t in self._pool.items() if k in self._used}
+            self._used = set()
 
     async def _next_bucket(self, plan: RelayPlan, start: float) -> dict[str, Any]:
         """The next bucket description the source sent (parts joined), oldest first."""
@@ -537,7 +552,7 @@ class FerryCheckpointEngine(CheckpointEngine):
             into = {n: self._into[n] for n, _, _ in wanted}
         else:
             device = "cpu" if self.device == "cpu" or not torch.cuda.is_available() else self.device
-            into = {n: torch.empty(s, dtype=torch_dtype(d), device=device) for n, d, s in wanted}
+            into = {n: self._buffer(n, d, s, device) for n, d, s in wanted}
         left = None if self.timeout is None else max(self.timeout - (time.perf_counter() - start), 0.0)
         summary = await asyncio.to_thread(
             broadcast.pull,
@@ -554,6 +569,18 @@ class FerryCheckpointEngine(CheckpointEngine):
         )
         self.summaries.append(summary)
         return into
+
+    def _buffer(self, name: str, dtype: str, shape: list[int], device: str) -> torch.Tensor:
+        """A receive buffer for tensor ``name``: the previous update's where it had the same
+        dtype and shape (``reuse_buffers``), else a new one."""
+        key = (name, dtype, tuple(shape), device)
+        self._used.add(key)
+        t = self._pool.get(key) if self.reuse_buffers else None
+        if t is None:
+            t = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+            if self.reuse_buffers:
+                self._pool[key] = t
+        return t
 
     def _ack(self, plan: RelayPlan, version: int, error: BaseException | None) -> None:
         """Tells the source how this receiver's pull of ``version`` ended."""
