@@ -8,6 +8,7 @@ make one); skips without it, and fails instead under ``FERRY_REQUIRE_LMCACHE=1``
 
 import gc
 import importlib
+import importlib.util
 import os
 import socket
 
@@ -18,7 +19,11 @@ import ferry.nixl
 
 def _lmcache():
     try:
-        ferry.nixl.install()  # the nixl channel imports nixl._api: Ferry's, here
+        if importlib.util.find_spec("lmcache") is None:
+            raise ImportError("no module named 'lmcache'")
+        # Only now (LMCache is here) the alias, which stays on for this process: the nixl
+        # channel imports nixl._api, Ferry's here.
+        ferry.nixl.install()
         from lmcache.v1.distributed import transfer_channel  # noqa: F401
         from lmcache.v1.distributed.internal_api import L1MemoryDesc
         from lmcache.v1.distributed.transfer_channel import factory
