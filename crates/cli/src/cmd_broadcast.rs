@@ -557,6 +557,19 @@ async fn discovery_of(
     })
 }
 
+/// Where a pull fetches from and what it re-fetched, for its progress line (`None` before the
+/// first parent is attached and nothing was re-fetched).
+fn pull_note(s: &ferry_broadcast::Snapshot) -> Option<String> {
+    let mut parts = Vec::new();
+    if !s.parent.is_empty() {
+        parts.push(format!("from {}", s.parent));
+    }
+    if s.refetched > 0 {
+        parts.push(format!("{} re-fetched", s.refetched));
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
 fn pull_inner(
     args: &PullArgs,
     last: &std::sync::Mutex<Option<ferry_broadcast::Snapshot>>,
@@ -605,8 +618,8 @@ fn pull_inner(
         // The last snapshot is kept for the report of a failure or a stop.
         let keep = |meter: &mut Meter| {
             let s = rx.borrow().clone();
-            let note = format!("from {}, {} re-fetched", s.parent, s.refetched);
-            meter.update(s.bytes, Some(s.peers), Some(&note));
+            meter.stalled_on(s.stalled.clone());
+            meter.update(s.bytes, Some(s.peers), pull_note(&s).as_deref());
             *last
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(s);

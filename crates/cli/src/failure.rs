@@ -5,6 +5,7 @@
 use std::io::ErrorKind;
 
 use ferry::core_types::wire::WireError;
+use ferry_broadcast::BroadcastError;
 
 use crate::parse::NO_PORT_HINT;
 
@@ -12,11 +13,13 @@ use crate::parse::NO_PORT_HINT;
 #[derive(Debug)]
 pub(crate) struct Failure {
     /// A word a script can branch on: `connection_refused`, `not_ferry`, `unknown_segment`,
-    /// `timeout`, `peer_lost`, `auth`, `bad_address`, `error`.
+    /// `timeout`, `peer_lost`, `auth`, `bad_address`, a broadcast's own (`stalled`,
+    /// `source_restarted`, `manifest_mismatch`, `bad_manifest`, `unbound_source`, `wrong_peer`,
+    /// `no_source`, `discovery`, `io`), and `error` for the rest.
     pub(crate) kind: &'static str,
     /// The error chain, each cause once.
     pub(crate) message: String,
-    /// What to do about it, where something is known.
+    /// What to do about it: where nothing specific is known, how to learn more.
     pub(crate) hint: Option<String>,
 }
 
@@ -156,8 +159,88 @@ pub(crate) fn chain_once(e: &anyhow::Error) -> String {
     msg
 }
 
+/// What a failed command says when nothing more specific is known.
+const GENERIC_HINT: &str = "run it again with -v (or RUST_LOG=debug) for the log of what it \
+                            tried; `ferry doctor` shows what this machine can use";
+
 fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>) {
+    let (kind, hint) = classify_known(e, server);
+    (kind, Some(hint.unwrap_or_else(|| GENERIC_HINT.to_owned())))
+}
+
+/// A broadcast's own failures: a kind each, and what to do.
+fn broadcast(e: &BroadcastError) -> Option<(&'static str, String)> {
+    Some(match e {
+        BroadcastError::Stalled { holder, .. } => (
+            "stalled",
+            format!(
+                "{} stopped sending (stopped, frozen or cut off): check that {} still runs and                  is reachable, then pull again; --stall-after sets how long a silent holder is                  waited for",
+                holder.split(" (id ").next().unwrap_or(holder),
+                if holder.starts_with("the source") {
+                    "`ferry publish`"
+                } else {
+                    "it"
+                }
+            ),
+        ),
+        BroadcastError::NoHolder { .. } => (
+            "stalled",
+            "every holder of a chunk was given up, the source too: check that `ferry publish`              still runs and is reachable, then pull again"
+                .to_owned(),
+        ),
+        BroadcastError::SourceRestarted { .. } => (
+            "source_restarted",
+            "the publisher restarted mid-pull: pull again to fetch what it publishes now".to_owned(),
+        ),
+        BroadcastError::ManifestDigest { .. } => (
+            "manifest_mismatch",
+            "check --expect-manifest against the digest `ferry publish` printed for this              version (and --weights-version)"
+                .to_owned(),
+        ),
+        BroadcastError::ManifestFrom { .. } | BroadcastError::Manifest(_) => (
+            "bad_manifest",
+            "the publisher's manifest was refused: check the publisher's version of ferry, and              --max-bytes where a pull is capped"
+                .to_owned(),
+        ),
+        BroadcastError::UnboundSource { .. } => (
+            "unbound_source",
+            "give --auth-key-file (the broadcast's keys) or --expect-manifest (the digest              `ferry publish` printed)"
+                .to_owned(),
+        ),
+        BroadcastError::WrongPeer { .. } => (
+            "wrong_peer",
+            "a member record names another process than the one answering there (stale or              forged): check what else writes the discovery backend"
+                .to_owned(),
+        ),
+        BroadcastError::NoSource { .. } => (
+            "no_source",
+            "is `ferry publish --name NAME --etcd URL` running, under that name and etcd?"
+                .to_owned(),
+        ),
+        BroadcastError::Discovery { .. } => (
+            "discovery",
+            "check that the discovery backend (the publisher's control port, or etcd) runs and              is reachable"
+                .to_owned(),
+        ),
+        BroadcastError::TimedOut { .. } => (
+            "timeout",
+            "the pull did not complete in the time given: give it longer".to_owned(),
+        ),
+        BroadcastError::Io { .. } => (
+            "io",
+            "check the directory: its filesystem's free space and permissions".to_owned(),
+        ),
+        _ => return None,
+    })
+}
+
+fn classify_known(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>) {
     for cause in e.chain() {
+        if let Some(b) = cause.downcast_ref::<BroadcastError>()
+            && let Some((kind, hint)) = broadcast(b)
+        {
+            return (kind, Some(hint));
+        }
         if let Some(r) = cause.downcast_ref::<RequestFailed>() {
             return match r.failure.kind {
                 ferry::FailureKind::PeerLost => (
@@ -168,8 +251,18 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
                             .into(),
                     ),
                 ),
-                ferry::FailureKind::Timeout => ("timeout", None),
-                ferry::FailureKind::Remote(_) => ("refused_by_peer", None),
+                ferry::FailureKind::Timeout => (
+                    "timeout",
+                    Some(
+                        "the peer did not answer in time: check its load and the link, or give \
+                         the request longer"
+                            .into(),
+                    ),
+                ),
+                ferry::FailureKind::Remote(_) => (
+                    "refused_by_peer",
+                    Some("the peer refused the request: its log says why (run it with -v)".into()),
+                ),
                 _ => ("request_failed", None),
             };
         }
@@ -221,7 +314,16 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
                         ),
                     );
                 }
-                ferry::Error::Timeout { .. } => return ("timeout", None),
+                ferry::Error::Timeout { .. } => {
+                    return (
+                        "timeout",
+                        Some(
+                            "the peer did not answer in time: is it running, reachable, and not \
+                             stopped?"
+                                .into(),
+                        ),
+                    );
+                }
                 ferry::Error::Unavailable { .. } => {
                     return (
                         "unavailable",
@@ -249,19 +351,46 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
                     );
                 }
                 ferry::Error::Authentication { .. } | ferry::Error::AuthKey { .. } => {
-                    return ("auth", None);
+                    return (
+                        "auth",
+                        Some(
+                            "both sides need a key of the same name and value: check \
+                             --auth-key-file (or FERRY_AUTH_KEY_FILE) on each"
+                                .into(),
+                        ),
+                    );
                 }
                 _ => {}
             }
         }
     }
-    // Some layers keep an I/O error as text only (the broadcast's control errors).
+    by_text(e, server)
+}
+
+/// What the error's text says, for layers that keep an I/O error as text only.
+fn by_text(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>) {
     let text = chain_once(e);
     if text.contains("Connection refused") {
         return ("connection_refused", Some(server.refused_hint()));
     }
     if text.contains("not a `ferry publish` control port") {
-        return ("not_ferry", None);
+        return (
+            "not_ferry",
+            Some(
+                "pull from the address `ferry publish` prints after `control` (7500 unless its \
+                 --listen says otherwise)"
+                    .into(),
+            ),
+        );
+    }
+    if text.contains("has no port") {
+        let hint = match server {
+            Server::Serve => NO_PORT_HINT.to_owned(),
+            Server::Publish => "give HOST:PORT as `ferry publish` prints it after `control` \
+                                (7500 unless its --listen says otherwise)"
+                .to_owned(),
+        };
+        return ("bad_address", Some(hint));
     }
     if server == Server::Publish
         && text.contains("control service at")
@@ -317,5 +446,33 @@ mod tests {
         assert!(not_ferry_hint(&[0x16, 0x03, 0x01, 0x00]).contains("TLS"));
         assert!(not_ferry_hint(b"abcd").contains("not a Ferry peer"));
         assert!(not_ferry_hint(b"{\"re").contains("`ferry publish` control port"));
+    }
+
+    #[test]
+    fn a_stalled_source_is_its_own_kind_with_a_hint_and_every_failure_has_one() {
+        let stalled = ferry_broadcast::BroadcastError::Stalled {
+            name: "w".into(),
+            version: 1,
+            holder: "the source 127.0.0.1:7501 (id abc)".into(),
+            reason: "sent nothing for 3.0 s while a chunk was requested from it".into(),
+            verified: 3,
+            chunks: 10,
+            bytes: 3,
+            total: 10,
+        };
+        let f = Failure::of(&anyhow::Error::new(stalled), Server::Publish);
+        assert_eq!(f.kind, "stalled");
+        let hint = f.hint.unwrap_or_default();
+        assert!(
+            hint.starts_with("the source 127.0.0.1:7501 stopped sending")
+                && hint.contains("`ferry publish`"),
+            "{hint}"
+        );
+        let f = Failure::of(
+            &anyhow::anyhow!("something nobody foresaw"),
+            Server::Publish,
+        );
+        assert_eq!(f.kind, "error");
+        assert!(f.hint.is_some_and(|h| h.contains("-v")));
     }
 }

@@ -1,6 +1,7 @@
 //! `ferry pull` from a publisher stopped with SIGSTOP in the middle of the pull (its kernel still
 //! accepts and acknowledges, nothing comes back) ends within `--stall-after` and 10 s more,
-//! naming the source and what was verified; and `--into` a directory that cannot be made fails
+//! naming the source and what was verified (its progress line names the source as stalled
+//! before that; the failure is kind `stalled`, with a hint); and `--into` a directory that cannot be made fails
 //! before anything is pulled, leaving nothing behind.
 
 use std::io::{BufRead, BufReader};
@@ -88,7 +89,8 @@ fn a_pull_from_a_stopped_publisher_ends_within_the_stall_window_naming_it() -> R
             "--transport",
             "tcp",
         ])
-        .args(["--window", "1", "--stall-after", "3s"])
+        .args(["--window", "1", "--stall-after", "3s", "--json"])
+        .args(["--progress", "lines", "--progress-every", "200ms"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
@@ -110,6 +112,24 @@ fn a_pull_from_a_stopped_publisher_ends_within_the_stall_window_naming_it() -> R
     assert!(
         took < stall_after + Duration::from_secs(10),
         "the pull ended {took:?} after the publisher stopped: {err}"
+    );
+    // Before it is given up, the progress line names it as stalled; the failure has its own
+    // kind and a hint, on stderr and in the JSON object.
+    assert!(
+        err.lines().any(|l| l.starts_with("ferry pull: ")
+            && l.contains(&format!("waiting on the source {data}, silent "))),
+        "{err}"
+    );
+    assert!(err.lines().any(|l| l.starts_with("hint: ")), "{err}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value =
+        serde_json::from_str(out.trim()).with_context(|| format!("one JSON object: {out}"))?;
+    assert_eq!(v["error"]["kind"], "stalled", "{v}");
+    assert!(
+        v["error"]["hint"]
+            .as_str()
+            .is_some_and(|h| h.contains("stopped sending")),
+        "{v}"
     );
     Ok(())
 }

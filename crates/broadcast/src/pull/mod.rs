@@ -508,6 +508,33 @@ impl Pull {
             .count()
     }
 
+    /// The holder this pull waits on that has been quiet the longest (`the source ADDR`,
+    /// `relay ADDR`), and for how long, once that is at least a second (half of
+    /// [`Config::stall_after`], if less): what a progress display names as stalled before the
+    /// holder is given up (the same clock as [`stalled`]).
+    pub(crate) fn waiting_on(&self, now: Instant) -> Option<(String, Duration)> {
+        let floor = (self.cfg.stall_after / 2).min(Duration::from_secs(1));
+        self.holders
+            .iter()
+            .filter_map(
+                |(id, h)| match watch(id, h, &self.assigned, &self.have, &self.members)? {
+                    Watch::Silent { since, .. } | Watch::Waiting { since } => {
+                        Some((h, now.saturating_duration_since(since)))
+                    }
+                    Watch::Unlisted => None,
+                },
+            )
+            .filter(|(_, quiet)| *quiet >= floor)
+            .max_by_key(|(_, quiet)| *quiet)
+            .map(|(h, quiet)| {
+                let who = match h.member.role {
+                    Role::Source => format!("the source {}", h.member.data_addr),
+                    Role::Receiver => format!("relay {}", h.member.data_addr),
+                };
+                (who, quiet)
+            })
+    }
+
     /// What the pull counted.
     pub(crate) fn tally(&self) -> &Tally {
         &self.tally

@@ -703,3 +703,28 @@ fn a_silent_holder_asked_for_more_is_given_up_from_its_first_chunk_asked_not_its
         other => panic!("r0 not given up at its deadline: {other:?}"),
     }
 }
+
+#[test]
+fn a_holder_quiet_past_half_its_stall_window_is_named_before_it_is_given_up() {
+    let t0 = Instant::now();
+    let cfg = source_only_config(4, 1);
+    let stall = cfg.stall_after;
+    let mut p = Pull::new(cfg, vec![member("src", Role::Source)], t0);
+    let fetches = drive(&mut p, t0);
+    assert_eq!(fetches.len(), 1);
+    assert_eq!(
+        p.waiting_on(t0 + stall / 4),
+        None,
+        "quiet, but not for long"
+    );
+    let (who, quiet) = p.waiting_on(t0 + stall * 3 / 4).expect("named");
+    assert_eq!(who, "the source 10.0.0.1:3");
+    assert_eq!(quiet, stall * 3 / 4);
+    // A chunk comes: the source is not waited on any more.
+    let (chunk, _, generation) = fetches[0];
+    let t1 = t0 + stall * 3 / 4;
+    p.handle(t1, fetched(chunk, generation, Outcome::Verified))
+        .unwrap();
+    drive(&mut p, t1);
+    assert_eq!(p.waiting_on(t1 + stall / 4), None);
+}

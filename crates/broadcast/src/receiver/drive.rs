@@ -178,6 +178,7 @@ impl Receiver {
         refetched: u64,
         peers: usize,
         parent: &str,
+        stalled: Option<(String, Duration)>,
     ) {
         self.snapshot_tx.send_modify(|s| {
             s.bytes = bytes;
@@ -185,6 +186,7 @@ impl Receiver {
             s.refetched = refetched;
             s.peers = peers;
             s.parent = parent.to_owned();
+            s.stalled = stalled;
             s.done = have.is_done();
         });
         self.engine.report_broadcast(ferry::BroadcastDescription {
@@ -340,6 +342,7 @@ impl Receiver {
             sum.refetched_chunks,
             pull.peers(),
             "",
+            None,
         );
         self.beat(pull.have(), d.first_request, &d.me_tx);
         drop(listing);
@@ -451,6 +454,7 @@ impl Receiver {
                     pull.tally().refetched,
                     pull.peers(),
                     &pull.parents(),
+                    pull.waiting_on(Instant::now()),
                 ),
             }
         }

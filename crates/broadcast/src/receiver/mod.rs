@@ -248,8 +248,13 @@ pub struct Snapshot {
     /// The other members listed (the source included) that this pull has not given up on:
     /// those it may fetch from.
     pub peers: usize,
-    /// The data addresses of the stripes' current parents, each once, comma-separated.
+    /// The data addresses of the stripes' current parents, each once, comma-separated (empty
+    /// before the first is attached, and once done).
     pub parent: String,
+    /// The holder the pull waits on that has sent nothing for at least a second (`the source
+    /// ADDR`, `relay ADDR`) and for how long: a stall, named before the holder is given up
+    /// (at [`ReceiverOptions::stall_after`]). `None` while chunks come.
+    pub stalled: Option<(String, Duration)>,
     /// Whether every chunk is verified.
     pub done: bool,
 }
