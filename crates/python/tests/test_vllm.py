@@ -2,9 +2,10 @@
 a trainer (this process) and receiver processes, each engine made by vLLM's own factories
 after vLLM loaded the ``ferry`` plugin from the wheel's entry point.
 
-The entry point is read from ``crates/python/pyproject.toml`` into a ``dist-info`` directory on
-the path (the package is in place, not installed), so vLLM's ``load_general_plugins`` finds it
-as it would in the wheel. Each receiver stands for a vLLM worker: a CPU model of about 100
+Where the wheel is installed (CI's frameworks step), vLLM's ``load_general_plugins`` finds
+its entry point; where the package is in place (a ``.pth`` file), the entry point is read from
+``crates/python/pyproject.toml`` into a ``dist-info`` directory on the path, as an install
+would write it. Each receiver stands for a vLLM worker: a CPU model of about 100
 named parameters (bf16 and fp32) and the engine ``WeightTransferEngineFactory`` made for it,
 driven over a pipe as vLLM's worker RPCs drive it.
 
@@ -234,14 +235,21 @@ class WorkerClient:
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory):
     """vLLM's general plugins loaded here from the entry point; the environment for receivers."""
+    from importlib.metadata import entry_points
+
     from vllm.plugins import load_general_plugins
 
+    env = dict(os.environ)
+    env.setdefault("FERRY_BIND_ADDRESS", "127.0.0.1")
+    installed = any(ep.value == "ferry.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
+    if installed:  # the wheel (CI's frameworks step installs it): its own entry point
+        load_general_plugins()
+        yield env
+        return
     root = plugin_path(tmp_path_factory.mktemp("ferry-vllm-plugin"))
     sys.path.insert(0, str(root))
     load_general_plugins()
-    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("FERRY_BIND_ADDRESS", "127.0.0.1")
     yield env
     sys.path.remove(str(root))
 
