@@ -242,6 +242,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         let stop = crate::stop::listen()?;
         check_specs(&args)?;
         let audiences = audiences(&args.publish_to)?;
+        // The address first (`ferry serve | head -1`), once every segment is published: what
+        // is said while starting follows it.
+        let starting = crate::out::Held::start();
         let engine = build_engine(&args)?;
         let description = engine.describe();
         say(format_args!(
@@ -257,7 +260,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         let (held, gpu_held) = publish_segments(&engine, &args, &audiences)?;
         let files = publish_files(&engine, &args, &audiences)?;
         let addr = engine.local_addr().context("the engine has no listener")?;
+        let started = starting.release();
         say(format_args!("listening on {addr}"));
+        for line in &started {
+            say(format_args!("{line}"));
+        }
+        say(format_args!("serving until stopped (SIGINT, SIGTERM)"));
         let signal = stop.await;
         engine.shutdown();
         drop(files);

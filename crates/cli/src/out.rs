@@ -11,9 +11,56 @@ use std::time::{Duration, Instant};
 /// Whether stdout's reader went away (`ferry serve | head -1`).
 static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
 
+/// Lines [`say`] keeps back while a [`Held`] lives (`None`: printed at once).
+static HELD: std::sync::Mutex<Option<Vec<String>>> = std::sync::Mutex::new(None);
+
+/// While it lives, [`say`] keeps its lines back; [`release`](Self::release) hands them over
+/// (to print after a line that must come first: `ferry serve`'s address), and a drop prints
+/// them (a start that failed half way still says what it did).
+pub(crate) struct Held(());
+
+impl Held {
+    pub(crate) fn start() -> Self {
+        *HELD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Vec::new());
+        Self(())
+    }
+
+    /// Stops keeping lines back; returns those kept.
+    pub(crate) fn release(self) -> Vec<String> {
+        let kept = HELD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        std::mem::forget(self);
+        kept.unwrap_or_default()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let kept = HELD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        for line in kept.unwrap_or_default() {
+            say(format_args!("{line}"));
+        }
+    }
+}
+
 /// Prints a line on stdout while someone reads it. A reader that went away stops the printing
 /// (logged once), never the command: `println!` would panic on the broken pipe.
 pub(crate) fn say(line: std::fmt::Arguments<'_>) {
+    if let Some(kept) = HELD
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .as_mut()
+    {
+        kept.push(line.to_string());
+        return;
+    }
     if STDOUT_GONE.load(Ordering::Relaxed) {
         return;
     }

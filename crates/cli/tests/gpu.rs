@@ -140,6 +140,9 @@ fn serve_publishes_a_segment_in_gpu_memory() -> Result<()> {
         }
         if let Some(a) = line.strip_prefix("listening on ") {
             addr = Some(a.to_owned());
+        }
+        // The address comes first, what was said while starting after it.
+        if line.starts_with("serving until stopped") {
             break;
         }
     }

@@ -98,6 +98,9 @@ fn prometheus_scrapes_serve_while_a_bench_runs() -> Result<()> {
         }
         if let Some(a) = line.strip_prefix("listening on ") {
             data = Some(a.trim().to_owned());
+        }
+        // The address comes first, what was said while starting after it.
+        if line.starts_with("serving until stopped") {
             break;
         }
     }

@@ -329,7 +329,9 @@ fn serve_without_rdma_says_so_in_one_calm_line() -> Result<()> {
         .stderr(Stdio::piped())
         .spawn()?;
     let mut out = BufReader::new(child.stdout.take().context("stdout")?);
-    let lines = until(&mut out, "listening on")?;
+    let lines = until(&mut out, "serving until stopped")?;
+    // The address first (`ferry serve | head -1`), then what was said while starting.
+    assert!(lines[0].starts_with("listening on 127.0.0.1:"), "{lines:?}");
     signal(&child, "INT")?;
     let mut err = String::new();
     child
