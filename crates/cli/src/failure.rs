@@ -174,7 +174,9 @@ fn broadcast(e: &BroadcastError) -> Option<(&'static str, String)> {
         BroadcastError::Stalled { holder, .. } => (
             "stalled",
             format!(
-                "{} stopped sending (stopped, frozen or cut off): check that {} still runs and                  is reachable, then pull again; --stall-after sets how long a silent holder is                  waited for",
+                "{} stopped sending (stopped, frozen or cut off): check that {} still runs and \
+                 is reachable, then pull again; --stall-after sets how long a silent holder is \
+                 waited for",
                 holder.split(" (id ").next().unwrap_or(holder),
                 if holder.starts_with("the source") {
                     "`ferry publish`"
@@ -185,31 +187,38 @@ fn broadcast(e: &BroadcastError) -> Option<(&'static str, String)> {
         ),
         BroadcastError::NoHolder { .. } => (
             "stalled",
-            "every holder of a chunk was given up, the source too: check that `ferry publish`              still runs and is reachable, then pull again"
+            "every holder of a chunk was given up, the source too: check that `ferry publish` \
+             still runs and is reachable, then pull again"
                 .to_owned(),
         ),
         BroadcastError::SourceRestarted { .. } => (
             "source_restarted",
-            "the publisher restarted mid-pull: pull again to fetch what it publishes now".to_owned(),
+            "the publisher restarted mid-pull: pull again to fetch what it publishes \
+             now"
+            .to_owned(),
         ),
         BroadcastError::ManifestDigest { .. } => (
             "manifest_mismatch",
-            "check --expect-manifest against the digest `ferry publish` printed for this              version (and --weights-version)"
+            "check --expect-manifest against the digest `ferry publish` printed for this version \
+             (and --weights-version)"
                 .to_owned(),
         ),
         BroadcastError::ManifestFrom { .. } | BroadcastError::Manifest(_) => (
             "bad_manifest",
-            "the publisher's manifest was refused: check the publisher's version of ferry, and              --max-bytes where a pull is capped"
+            "the publisher's manifest was refused: check the publisher's version of ferry, and \
+             --max-bytes where a pull is capped"
                 .to_owned(),
         ),
         BroadcastError::UnboundSource { .. } => (
             "unbound_source",
-            "give --auth-key-file (the broadcast's keys) or --expect-manifest (the digest              `ferry publish` printed)"
+            "give --auth-key-file (the broadcast's keys) or --expect-manifest (the digest `ferry \
+             publish` printed)"
                 .to_owned(),
         ),
         BroadcastError::WrongPeer { .. } => (
             "wrong_peer",
-            "a member record names another process than the one answering there (stale or              forged): check what else writes the discovery backend"
+            "a member record names another process than the one answering there (stale or \
+             forged): check what else writes the discovery backend"
                 .to_owned(),
         ),
         BroadcastError::NoSource { .. } => (
@@ -219,7 +228,8 @@ fn broadcast(e: &BroadcastError) -> Option<(&'static str, String)> {
         ),
         BroadcastError::Discovery { .. } => (
             "discovery",
-            "check that the discovery backend (the publisher's control port, or etcd) runs and              is reachable"
+            "check that the discovery backend (the publisher's control port, or etcd) runs and \
+             is reachable"
                 .to_owned(),
         ),
         BroadcastError::TimedOut { .. } => (
@@ -463,6 +473,7 @@ mod tests {
         let f = Failure::of(&anyhow::Error::new(stalled), Server::Publish);
         assert_eq!(f.kind, "stalled");
         let hint = f.hint.unwrap_or_default();
+        assert!(!hint.contains("  "), "{hint}");
         assert!(
             hint.starts_with("the source 127.0.0.1:7501 stopped sending")
                 && hint.contains("`ferry publish`"),
