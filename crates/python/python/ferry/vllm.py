@@ -157,7 +157,8 @@ class FerryTrainerInitInfo(TrainerInitInfo):
     staging_device: str = "cpu"
     """``FerryWeightTransferInitInfo.staging_device``."""
     auth_key_file: str | None = None
-    """The trainer's keyring file: control requests and chunks are authenticated."""
+    """The trainer's keyring file: control requests and chunks are authenticated. None:
+    ``FERRY_AUTH_KEY_FILE`` where set."""
     worker_auth_key_file: str | None = None
     """The same keyring's path on the workers; None: ``auth_key_file``."""
     chunk_size: int | None = None
@@ -184,6 +185,12 @@ class FerryTrainerInitInfo(TrainerInitInfo):
             linger=self.linger,
             layerwise_reload=self.layerwise_reload,
         )
+
+
+def _key(path: str | None) -> str | None:
+    """The keyring file: ``path``, else ``FERRY_AUTH_KEY_FILE`` where set and not empty (as the
+    engine reads it), for the broadcast's control requests as much as the engine's."""
+    return path or os.environ.get("FERRY_AUTH_KEY_FILE") or None
 
 
 def _listen_towards(source: str) -> str:
@@ -269,7 +276,7 @@ class FerryWeightTransferEngine(WeightTransferEngine[FerryWeightTransferInitInfo
             version=update_info.version,
             timeout=info.timeout,
             progress=self.progress,
-            auth_key_file=info.auth_key_file,
+            auth_key_file=_key(info.auth_key_file),
             expect_manifest=update_info.manifest,
         )
         if info.mode == "staged":
@@ -327,7 +334,7 @@ class FerryWeightTransferEngine(WeightTransferEngine[FerryWeightTransferInitInfo
             listen = info.listen or os.environ.get("FERRY_BIND_ADDRESS") or _listen_towards(source)
             if ":" not in listen.rsplit("]", 1)[-1]:
                 listen = f"{listen}:0"
-            self._engine = ferry.Engine(listen=listen, auth_key_file=info.auth_key_file)
+            self._engine = ferry.Engine(listen=listen, auth_key_file=_key(info.auth_key_file))
         return self._engine
 
 
@@ -380,7 +387,7 @@ class FerryTrainerWeightTransferEngine(TrainerWeightTransferEngine[FerryTrainerI
                 )
         engine = cls(client=client, source=source, init_info=init_info, is_sender=init_info.is_sender, rank=init_info.rank)
         if engine.is_sender:
-            engine._engine = ferry.Engine(listen=init_info.listen, auth_key_file=init_info.auth_key_file)
+            engine._engine = ferry.Engine(listen=init_info.listen, auth_key_file=_key(init_info.auth_key_file))
             client.init_weight_transfer_engine(asdict(init_info.worker_init()))
         return engine
 
@@ -405,7 +412,7 @@ class FerryTrainerWeightTransferEngine(TrainerWeightTransferEngine[FerryTrainerI
                 version=version,
                 chunk_size=info.chunk_size,
                 keep_versions=1,
-                auth_key_file=info.auth_key_file,
+                auth_key_file=_key(info.auth_key_file),
             )
         else:
             self._publisher.publish(views, version)
