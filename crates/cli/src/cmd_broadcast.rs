@@ -669,11 +669,13 @@ fn pull_inner(
         Ok(())
     };
     rt.block_on(async {
-        let signal = tokio::select! {
-            r = pulled => return r,
-            signal = stop => signal,
+        let ended = tokio::select! {
+            r = pulled => Ok(r),
+            signal = stop => Err(signal),
         };
-        // The pull is dropped (its receiver stopped serving); its entry goes too.
+        // The pull is dropped (its receiver stopped serving): its entry goes too, whether it
+        // failed or was stopped (a pull that completed left already; leaving twice is
+        // harmless).
         let handle = leave
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -681,10 +683,10 @@ fn pull_inner(
         if let Some(h) = handle {
             h.leave().await;
         }
-        if finished.load(std::sync::atomic::Ordering::Acquire) {
-            Ok(())
-        } else {
-            Err(Stopped(signal).into())
+        match ended {
+            Ok(r) => r,
+            Err(_) if finished.load(std::sync::atomic::Ordering::Acquire) => Ok(()),
+            Err(signal) => Err(Stopped(signal).into()),
         }
     })
 }

@@ -1,7 +1,9 @@
 //! Membership as `ferry publish` and `ferry pull` show it (issue 51): a pull stopped by a signal
 //! leaves the list at once, so the publisher says so within moments (not when its lease runs
-//! out) and the next pull neither tries to attach it nor counts it as a peer; and the publisher
-//! prints each receiver event once (not a log line and a plain line of the same text).
+//! out) and the next pull neither tries to attach it nor counts it as a peer; the publisher
+//! prints each receiver event once (not a log line and a plain line of the same text); and a
+//! pull stopped (SIGSTOP) past its lease and resumed is silent, then back, then finishes: never
+//! joined twice, and it does not blame its source for the time it did not run.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -155,5 +157,50 @@ fn an_interrupted_pull_leaves_at_once_and_the_publisher_says_so_once() -> Result
         2,
         "stdout {printed}\nstderr {logged}"
     );
+    Ok(())
+}
+
+#[test]
+fn a_pull_stopped_past_its_lease_and_resumed_is_silent_then_back_never_joined_twice() -> Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("big.bin");
+    std::fs::File::create(&file)?.set_len(64 << 20)?;
+    let mut child = ferry()
+        .arg("publish")
+        .arg(&file)
+        .args(["--name", "resumed", "--listen", "127.0.0.1:0"])
+        .args(["--transport", "tcp", "--chunk-size", "64KiB"])
+        .args(["--serve-for", "30"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let _publisher = Publisher(child);
+    let mut printed = String::new();
+    let control = line_with(&mut out, "control ", &mut printed)?;
+    let addr = control
+        .split_whitespace()
+        .nth(1)
+        .context("the control address")?
+        .to_owned();
+    let pull = ferry()
+        .args(["pull", &addr, "--in-memory", "--linger", "0"])
+        .args(["--transport", "tcp", "--window", "1", "--progress", "none"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pull = Publisher(pull);
+    line_with(&mut out, "joined", &mut printed)?;
+    signal(&pull.0, "STOP")?;
+    // Its 3 s lease runs out: silent, out of the plan.
+    line_with(&mut out, "went silent", &mut printed)?;
+    signal(&pull.0, "CONT")?;
+    // Resumed, it heartbeats again and goes on: its source is not to blame for the time it
+    // did not run.
+    line_with(&mut out, "is back after", &mut printed)?;
+    let end = line_with(&mut out, "finish", &mut printed)?;
+    assert!(end.contains("finished version 1"), "{printed}");
+    assert_eq!(printed.matches("joined").count(), 1, "{printed}");
     Ok(())
 }

@@ -577,6 +577,21 @@ impl Pull {
         holders.chain(orphaned).chain([self.next_beat]).min()
     }
 
+    /// The process itself did not run for `gap` (stopped with SIGSTOP and resumed, or
+    /// starved), as its driver saw by a wake that came that late: no holder is blamed for it.
+    /// Every clock of silence the pull keeps (each holder's, and an orphaned pull's patience)
+    /// moves forward by `gap`.
+    pub(crate) fn paused(&mut self, gap: Duration) {
+        for h in self.holders.values_mut() {
+            h.heard += gap;
+            h.advanced += gap;
+        }
+        if let Some(since) = &mut self.orphaned {
+            *since += gap;
+        }
+        self.dirty = true;
+    }
+
     /// Tests: while `held`, the pull starts no fetch (a relay held halfway).
     pub(crate) fn hold_fetches(&mut self, held: bool) {
         self.held = held;

@@ -728,3 +728,26 @@ fn a_holder_quiet_past_half_its_stall_window_is_named_before_it_is_given_up() {
     drive(&mut p, t1);
     assert_eq!(p.waiting_on(t1 + stall / 4), None);
 }
+
+#[test]
+fn a_pull_whose_own_process_was_stopped_blames_no_holder_for_the_gap() {
+    let t0 = Instant::now();
+    let cfg = source_only_config(4, 1);
+    let stall = cfg.stall_after;
+    let mut p = Pull::new(cfg, vec![member("src", Role::Source)], t0);
+    assert_eq!(drive(&mut p, t0).len(), 1);
+    // Stopped for five stall windows, then woken that late: the gap is the pull's own.
+    let late = t0 + stall * 5;
+    p.paused(stall * 5);
+    p.handle(late, Event::Wake).unwrap();
+    while let Some(c) = p.poll(late).unwrap() {
+        assert!(!matches!(c, Command::GiveUp { .. }), "{c:?}");
+    }
+    // The source still sends nothing for a whole window after: given up then.
+    p.handle(late + stall, Event::Wake).unwrap();
+    let mut gave_up = false;
+    while let Some(c) = p.poll(late + stall).unwrap() {
+        gave_up |= matches!(c, Command::GiveUp { .. });
+    }
+    assert!(gave_up);
+}

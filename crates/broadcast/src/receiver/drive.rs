@@ -126,6 +126,10 @@ const EARLY: Duration = Duration::from_secs(2);
 
 const EARLY_RELIST: Duration = Duration::from_millis(50);
 
+/// A wake this late means the receiver's own process did not run (SIGSTOP, then SIGCONT):
+/// its holders' silence meanwhile is not theirs ([`Pull::paused`]).
+const PAUSED: Duration = Duration::from_secs(1);
+
 impl Receiver {
     /// This member's entry as it stands: its progress, and its download rate since
     /// `first_request` (once a second has passed: before, too few chunks to tell a straggler).
@@ -286,7 +290,17 @@ impl Receiver {
                     Listed::Members { list, beat } => Event::Members { list, beat },
                 },
                 Some(ev) = poll_rx.recv() => ev,
-                () = sleep_until(wake) => Event::Wake,
+                () = sleep_until(wake) => {
+                    // Woken this late: this process did not run meanwhile (stopped and
+                    // resumed), and its holders are not to blame for the silence.
+                    if let Some(at) = wake {
+                        let late = Instant::now().saturating_duration_since(at);
+                        if late >= PAUSED {
+                            pull.paused(late);
+                        }
+                    }
+                    Event::Wake
+                }
             };
             let verified = match &ev {
                 Event::Fetched {
