@@ -70,6 +70,7 @@ impl Link {
                 ring: rx,
                 tail: AtomicU64::new(0),
                 spin: AtomicU64::new(Spin::new().budget_ns()),
+                max_spin: Spin::MAX_NS,
             },
         ))
     }
@@ -230,9 +231,18 @@ pub(crate) struct Rx {
     tail: AtomicU64,
     /// How long [`wait`](Self::wait) spins now, in nanoseconds.
     spin: AtomicU64,
+    /// The longest it spins.
+    max_spin: u64,
 }
 
 impl Rx {
+    /// The same end, spinning at most `ns` before it sleeps (a thread that shares its cores
+    /// with the copies it waits for should not hold one long).
+    pub(crate) fn with_max_spin(mut self, ns: u64) -> Self {
+        self.max_spin = ns;
+        self
+    }
+
     /// Whether a read would not wait: bytes are there (or garbage is), or the end came.
     pub(crate) fn ready(&self) -> bool {
         let head = self
@@ -275,7 +285,7 @@ impl Rx {
 
     /// Waits until a read would not wait: spins (adaptively), then sleeps on the futex.
     pub(crate) fn wait(&self) {
-        let budget = self.spin.load(Ordering::Relaxed);
+        let budget = self.spin.load(Ordering::Relaxed).min(self.max_spin);
         let slept = wait(&self.link.shm, self.ring.reader_sleep(), budget, || {
             self.ready()
         });
