@@ -11,6 +11,7 @@ use ferry_core::wire::{DATA_REQUEST_LEN, VectoredRequest};
 use ferry_core::{MemoryRegion, SegmentLease, SegmentToken};
 
 use super::files::{FileIo, Stage};
+use super::shared::Ctx;
 
 /// Bytes a refused WRITE's payload is dropped through, per receive.
 pub(super) const DISCARD_BUF: usize = 64 << 10;
@@ -64,18 +65,21 @@ pub(super) enum Step {
         bytes: Vec<u8>,
         got: usize,
     },
-    /// Reads `len` bytes of a file at `at` into the start of `stage` (on the ring's thread).
+    /// Reads `len` bytes of a file at `at` into the start of `stage` (a ring operation on a
+    /// segment's descriptor; another source's on the ring's thread); `done` came.
     FileRead {
         file: Arc<FileIo>,
         at: u64,
         len: usize,
+        done: usize,
         stage: Arc<MemoryRegion>,
     },
-    /// Writes the first `len` bytes of `stage` to a file at `at` (on the ring's thread).
+    /// Writes the first `len` bytes of `stage` to a file at `at` (as a read does); `done` went.
     FileWrite {
         file: Arc<FileIo>,
         at: u64,
         len: usize,
+        done: usize,
         stage: Arc<MemoryRegion>,
     },
     /// An accepted WRITE's payload is in: answer it or hold the answer back.
@@ -121,21 +125,20 @@ impl Step {
 
 /// One data stream on a ring. Boxed: the ring's operations point into it.
 pub(super) struct Conn {
+    pub(super) ctx: Arc<Ctx>,
     pub(super) stream: Arc<TcpStream>,
     pub(super) from: SocketAddr,
     /// Its place in the server's connections (so a shutdown reaches it).
     pub(super) live_id: u64,
-    /// Its fixed-file slot, if registered.
+    /// Its fixed-file slot, if registered (as its ring host says at each turn).
     pub(super) fixed: Option<u32>,
     pub(super) proto: ServerStream,
     pub(super) steps: VecDeque<Step>,
-    /// A socket operation of the front step is in flight.
+    /// An operation of the front step is in flight.
     pub(super) inflight: bool,
     /// The next request header's receive, submitted with the request's last send (one enter
     /// for both) while the stream is otherwise idle; at most one receive is in flight.
     pub(super) armed: Option<Armed>,
-    /// Ended, waiting for its operations in flight before it is freed.
-    pub(super) dead: bool,
     /// READ payloads go out with SEND_ZC (`UringConfig::zero_copy_for` this peer).
     pub(super) zero_copy: bool,
     /// The socket's `SO_RCVLOWAT` as last set (1: the kernel's default); 0: the kernel refused
@@ -151,8 +154,6 @@ pub(super) struct Conn {
     /// The iovecs and message of the operation in flight.
     pub(super) iov: Vec<libc::iovec>,
     pub(super) msg: libc::msghdr,
-    /// Bumped per slot reuse, so a completion never reaches a later stream in the same slot.
-    pub(super) generation: u32,
 }
 
 /// A header receive armed beside a send.
@@ -160,13 +161,6 @@ pub(super) struct Armed {
     pub(super) buf: Box<[u8; DATA_REQUEST_LEN]>,
     /// Its completion's result, once reaped.
     pub(super) res: Option<i32>,
-}
-
-impl Conn {
-    /// Whether the kernel may still use memory of this stream.
-    pub(super) fn busy(&self) -> bool {
-        self.inflight || self.armed.as_ref().is_some_and(|a| a.res.is_none())
-    }
 }
 
 /// The bytes of `parts` in all.

@@ -5,21 +5,23 @@
 //! Its modules, each importing only those below it:
 //! - this one: [`UringServer`] and its handle, which start the rest;
 //! - `handshakes`: the accept thread, every connection's handshake, an attached stream handed on;
-//! - `rings`: the set of rings, and a stream's hand-over to one;
-//! - `driver`: one ring's thread and its streams' turns;
+//! - `rings`: the set of rings, a stream's hand-over to one, and each ring's thread (a
+//!   [`Host`](crate::ring::host::Host) of server streams);
+//! - `stream`: a stream as its ring host runs it (its turn, its operations' completions, its
+//!   end);
 //! - `sockio`: a stream's socket operations and their completions;
 //! - `plan`: the steps a request becomes;
 //! - `conn`: one stream as its ring holds it (its steps and their memory);
 //! - `files` (file segments piece by piece) and `shared` (what the threads share).
 
 mod conn;
-mod driver;
 mod files;
 mod handshakes;
 mod plan;
 mod rings;
 mod shared;
 mod sockio;
+mod stream;
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;

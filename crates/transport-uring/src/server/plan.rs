@@ -173,6 +173,7 @@ fn plan_read_file(
             file: f.clone(),
             at: at + done as u64,
             len: n,
+            done: 0,
             stage: stage.clone(),
         });
         let bytes = if first { response.to_vec() } else { Vec::new() };
@@ -224,6 +225,7 @@ fn plan_write_file(
             file: f.clone(),
             at: at + done as u64,
             len: n,
+            done: 0,
             stage,
         });
         done += n;
@@ -338,6 +340,7 @@ pub(super) fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
                             file: io.0,
                             at: io.1,
                             len: io.2,
+                            done: 0,
                             stage: io.3,
                         });
                     } else {
@@ -345,6 +348,7 @@ pub(super) fn plan_table(c: &mut Conn, req: &VectoredRequest, bytes: &[u8]) {
                             file: io.0,
                             at: io.1,
                             len: io.2,
+                            done: 0,
                             stage: io.3,
                         });
                         steps.push_back(Step::Send {

@@ -25,24 +25,43 @@
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, mpsc};
 
 use ferry_core::stream::ServerStream;
 use ferry_core::wire::StreamAttach;
 use tracing::{debug, warn};
 
-use super::driver::{Driver, NewStream};
-use super::shared::{Ctx, lock, wake};
+use super::conn::Conn;
+use super::shared::{Ctx, lock};
 use crate::config::UringConfig;
-use crate::ring::spawn_ring;
+use crate::ring::host::Host;
+use crate::ring::inbox::Inbox;
+use crate::ring::kernel::{RingSize, Uring};
+use crate::ring::{ThreadCount, spawn_ring};
+
+/// A server ring's size: submission entries (more are submitted in several calls), completion
+/// entries (the kernel keeps an overflow beyond them), fixed-file slots (streams past them use
+/// their plain descriptor).
+const SIZE: RingSize = RingSize {
+    sq: 1024,
+    cq: 8192,
+    files: 1 << 14,
+};
+
+/// A stream handed from the accept thread to a ring.
+pub(super) struct NewStream {
+    pub(super) stream: TcpStream,
+    pub(super) from: SocketAddr,
+    pub(super) proto: ServerStream,
+    /// The encoded `StreamAccept`, the stream's first bytes.
+    pub(super) accept: Vec<u8>,
+}
 
 /// One ring as the accept thread and the server's handle see it.
 #[derive(Debug)]
 struct RingHandle {
-    tx: mpsc::Sender<NewStream>,
-    wake: Arc<OwnedFd>,
+    inbox: Arc<Inbox<NewStream>>,
 }
 
 /// The server's fixed set of rings; dropping it does not stop them (the server's `stopped`
@@ -68,25 +87,29 @@ impl RingSet {
         let mut rings = Vec::with_capacity(n);
         let pin = Arc::new(AtomicBool::new(false));
         for i in 0..n {
-            // SAFETY: plain eventfd creation; the result is checked before use.
-            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-            if fd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: eventfd returned a fresh descriptor that we now own.
-            let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
-            let (tx, rx) = mpsc::channel();
-            let (c, w) = (ctx.clone(), wake.clone());
+            let inbox = Arc::new(Inbox::new()?);
+            let (c, b) = (ctx.clone(), inbox.clone());
             let p = ctx.config.pin_loopback_streams.then(|| (i, pin.clone()));
-            // Each ring pins itself once a loopback client's second stream came (`Driver::pin`).
+            // Each ring pins itself once a loopback client's second stream came (`RingSet::pin`).
             spawn_ring(
                 format!("ferry-uring-ring{i}"),
                 None,
-                move || Driver::new(c, rx, w, p),
-                |mut d| d.run(),
+                move || {
+                    let zc = c.config.zero_copy_enabled();
+                    let ring = Uring::new(SIZE, c.config.register_buffers, zc)?;
+                    let host = Host::new(ring, b.fd.clone(), c.stats.clone());
+                    Ok(Ring {
+                        _count: ThreadCount::new(&c.stats),
+                        ctx: c,
+                        inbox: b,
+                        host,
+                        pin: p,
+                    })
+                },
+                Ring::run,
             )?;
-            lock(&ctx.live.ring_wakes).push(wake.clone());
-            rings.push(RingHandle { tx, wake });
+            lock(&ctx.live.ring_wakes).push(inbox.fd.clone());
+            rings.push(RingHandle { inbox });
         }
         Ok(Self {
             rings,
@@ -152,18 +175,88 @@ impl RingSet {
         if index.is_some_and(|k| k >= 1) && !self.pin.swap(true, Ordering::AcqRel) {
             // Every ring pins itself at its next turn.
             for r in &self.rings {
-                wake(&r.wake);
+                r.inbox.wake_now();
             }
         }
         let r = &self.rings[i];
-        r.tx.send(NewStream {
+        if Arc::strong_count(&r.inbox) == 1 {
+            // Its thread has gone.
+            return Err(());
+        }
+        r.inbox.hand(NewStream {
             stream,
             from,
             proto,
             accept,
-        })
-        .map_err(|_| ())?;
-        wake(&r.wake);
+        });
         Ok(())
+    }
+}
+
+/// One server ring's thread: its host and what it runs with.
+struct Ring {
+    ctx: Arc<Ctx>,
+    inbox: Arc<Inbox<NewStream>>,
+    host: Host<Conn, Uring>,
+    /// This ring's place and the set's pin flag (`RingSet::pin`), until it pinned itself.
+    pin: Option<(usize, Arc<AtomicBool>)>,
+    _count: ThreadCount,
+}
+
+impl Ring {
+    /// Runs turns until the server stops (or the ring fails), then the host's shutdown.
+    fn run(mut self) {
+        let mut news = Vec::new();
+        loop {
+            if self.ctx.live.stopped.load(Ordering::Acquire) {
+                break;
+            }
+            if let Some((i, flag)) = &self.pin
+                && flag.load(Ordering::Acquire)
+            {
+                // One ring per core: ring `i` on the `i`-th CPU, where a loopback client's
+                // stream `i` runs too (see `RingSet::hand`).
+                crate::tune::pin_stream_thread(*i);
+                self.pin = None;
+            }
+            self.inbox.take_news(&mut news);
+            for n in news.drain(..) {
+                self.add(n);
+            }
+            if let Err(e) = self.host.turn(&self.inbox, None) {
+                warn!(error = %e, "a server ring failed; its streams end");
+                break;
+            }
+        }
+        self.host.shutdown();
+    }
+
+    /// Takes a stream handed over into the host (its socket where a shutdown reaches it).
+    fn add(&mut self, n: NewStream) {
+        let NewStream {
+            stream,
+            from,
+            proto,
+            accept,
+        } = n;
+        let stream = Arc::new(stream);
+        let live_id = self.ctx.live.next.fetch_add(1, Ordering::Relaxed);
+        lock(&self.ctx.live.conns).insert(live_id, stream.clone());
+        if self.ctx.live.stopped.load(Ordering::Acquire) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        let conn = Box::new(Conn::new(
+            self.ctx.clone(),
+            from,
+            proto,
+            accept,
+            stream,
+            live_id,
+        ));
+        if self.host.add(conn).is_err() {
+            // Its operations could not be named: closed (dropped) instead.
+            warn!(%from, "a server ring serves as many streams as it can name; stream closed");
+            lock(&self.ctx.live.conns).remove(&live_id);
+        }
     }
 }

@@ -3,12 +3,12 @@
 
 use std::collections::HashMap;
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use crate::config::UringConfig;
 use crate::ring::IoStats;
+use crate::ring::inbox::EventFd;
 
 #[derive(Debug, Default)]
 pub(super) struct Live {
@@ -16,7 +16,7 @@ pub(super) struct Live {
     pub(super) conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
     pub(super) next: AtomicU64,
     /// The eventfds that wake the server's rings, so that they see `stopped`.
-    pub(super) ring_wakes: Mutex<Vec<Arc<std::os::fd::OwnedFd>>>,
+    pub(super) ring_wakes: Mutex<Vec<Arc<EventFd>>>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -35,16 +35,9 @@ impl Live {
         }
         drop(conns);
         for w in lock(&self.ring_wakes).iter() {
-            wake(w);
+            w.wake_now();
         }
     }
-}
-
-/// Wakes the ring that reads the eventfd `fd`.
-pub(super) fn wake(fd: &OwnedFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a local to an eventfd that `fd` keeps open.
-    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
 /// What every ring of the server runs with.

@@ -1,5 +1,6 @@
 //! A served stream's socket operations: what moves at once with one non-blocking syscall, the
-//! ring operation of the front step for the rest, its completion, and the receive low mark.
+//! ring operation of the front step for the rest, its completion (a file piece's too), and the
+//! receive low mark.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -347,6 +348,27 @@ pub(super) fn on_complete(c: &mut Conn, res: i32) -> io::Result<()> {
             }
             *got += n;
             *got >= bytes.len()
+        }
+        Some(Step::FileRead {
+            file, len, done, ..
+        }) => {
+            if n == 0 {
+                return Err(eof(&format!("file {} shrank under a READ", file.name())));
+            }
+            *done += n;
+            *done >= *len
+        }
+        Some(Step::FileWrite {
+            file, len, done, ..
+        }) => {
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    format!("short write to file {}", file.name()),
+                ));
+            }
+            *done += n;
+            *done >= *len
         }
         _ => return Err(io::Error::other("a completion for a step without one")),
     };
