@@ -3,7 +3,7 @@
 //! operations it has in flight.
 
 use std::io;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::fd::{OwnedFd, RawFd};
 use std::sync::Arc;
 
@@ -11,22 +11,33 @@ use ferry_core::MemoryRegion;
 use ferry_core::stream::{Chunk, Outgoing};
 use ferry_core::wire::DATA_RESPONSE_LEN;
 
-use super::state::{NotifHold, Queue, ReqShared, StreamShared};
+use super::state::{Queue, ReqShared, StreamShared};
 use tracing::debug;
 
 use crate::ring::IoStats;
-use crate::ring::user_data;
+use crate::ring::host::OpKind;
 
-/// What an operation's user data says it is (its kind in `ring::user_data`; a zero-copy send is
-/// named by its key alone).
-pub(super) const K_RECV: u8 = 1;
-pub(super) const K_SEND: u8 = 2;
-pub(super) const K_POLL: u8 = 4;
-pub(super) const K_WAKE: u8 = 5;
-pub(super) const K_HANGUP: u8 = 6;
+/// A client stream's kinds of ring operation: a receive (header or payload), a send (copied, or
+/// a zero-copy send's completion), a poll for room in a full socket, the hang-up poll of an idle
+/// stream with a direct reader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Op {
+    Recv = 1,
+    Send = 2,
+    Poll = 4,
+    Hangup = 6,
+}
 
-pub(super) fn ud(kind: u8, slot: usize, generation: u32) -> u64 {
-    user_data::op(kind, slot, generation)
+impl OpKind for Op {
+    fn kind(self) -> u8 {
+        self as u8
+    }
+
+    fn of(kind: u8) -> Option<Self> {
+        [Op::Recv, Op::Send, Op::Poll, Op::Hangup]
+            .into_iter()
+            .find(|op| *op as u8 == kind)
+    }
 }
 
 /// What keeps the memory a send points at alive until it completed.
@@ -137,14 +148,12 @@ pub(super) enum SendOp {
 /// One client stream on a ring. Boxed: the ring's operations point into it.
 pub(super) struct Conn {
     pub(super) id: u64,
-    /// Its place on the ring (in its operations' user data).
-    pub(super) slot: usize,
     pub(super) sh: Arc<StreamShared>,
     pub(super) queue: Arc<Queue>,
     pub(super) index: usize,
     pub(super) peer: SocketAddr,
     pub(super) fd: RawFd,
-    /// Its fixed-file slot, if registered.
+    /// Its fixed-file slot, if registered (as its ring host says at each turn).
     pub(super) fixed: Option<u32>,
     pub(super) zero_copy: bool,
     pub(super) splice: bool,
@@ -173,16 +182,7 @@ pub(super) struct Conn {
     pub(super) smsg: libc::msghdr,
     /// Pipe for spliced sends (read end, write end, capacity), made on first use.
     pub(super) pipe: Option<(OwnedFd, OwnedFd, usize)>,
-    pub(super) generation: u32,
-    /// Ending, with the native error that broke it (if any): waits for its operations in flight.
-    pub(super) ending: Option<Option<i32>>,
     pub(super) stats: Arc<IoStats>,
-}
-
-impl Conn {
-    pub(super) fn busy(&self) -> bool {
-        self.recv_inflight || self.send_inflight.is_some() || self.hangup_inflight
-    }
 }
 
 /// The ring operation `$op` on stream `$c`'s socket: its fixed-file slot where it has one, its
@@ -196,16 +196,6 @@ macro_rules! on_fd {
     };
 }
 pub(super) use on_fd;
-
-/// A zero-copy send the kernel has not let go of.
-pub(super) struct Zc {
-    pub(super) generation: u32,
-    pub(super) slot: usize,
-    /// Keeps its request un-drained (and the region alive) until the notification.
-    pub(super) _hold: NotifHold,
-    /// Its socket, to reset should the peer never acknowledge.
-    pub(super) socket: Arc<TcpStream>,
-}
 
 /// Sets the socket's `SO_RCVLOWAT` to `v`. If the kernel refuses, marks are not used on this
 /// socket again (`lowat` 0), and a raised one is brought back to 1 first.

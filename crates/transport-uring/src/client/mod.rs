@@ -23,6 +23,7 @@ mod recv;
 mod rings;
 mod send;
 mod state;
+mod stream;
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;

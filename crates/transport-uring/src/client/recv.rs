@@ -6,17 +6,17 @@ use std::io;
 use ferry_core::stream::Resolution;
 use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_net::RECV_LOW_MARK as LOWAT;
-use io_uring::IoUring;
 use tracing::debug;
 
-use super::conn::{Conn, Incoming, K_HANGUP, K_RECV, on_fd, set_lowat, ud};
-use super::state::ReqShared;
-use crate::ring::{iovecs_from, push};
+use super::conn::{Conn, Incoming, Op, on_fd, set_lowat};
+use super::state::{NotifHold, ReqShared};
+use crate::ring::host::Io;
+use crate::ring::iovecs_from;
 
 /// Keeps the receive side going: resolves what came, then arms the next receive (a header's
 /// rest, or a payload's, after moving what the socket holds now). `Err`: the stream is broken
 /// (with the native error, if any).
-pub(super) fn receive(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
+pub(super) fn receive(io: &mut Io<'_, NotifHold>, c: &mut Conn) -> Result<(), Option<i32>> {
     loop {
         if c.recv_inflight {
             return Ok(());
@@ -58,22 +58,21 @@ pub(super) fn receive(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32
                     (DATA_RESPONSE_LEN - at) as u32
                 )
                 .flags(libc::MSG_WAITALL)
-            )
-            .user_data(ud(K_RECV, c.slot, c.generation));
+            );
             // SAFETY: the header buffer lives in the boxed `Conn`, freed only once no receive
             // is in flight.
-            unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
+            unsafe { io.push(Op::Recv, e) }.map_err(|e| e.raw_os_error())?;
             c.recv_inflight = true;
             return Ok(());
         }
-        receive_payload(ring, c)?;
+        receive_payload(io, c)?;
     }
 }
 
 /// Moves the payload being received (`c.incoming`) on: acknowledges it once whole; else what
 /// the socket holds at the payload's start moves with one call, and the rest through a ring
 /// receive (armed; `recv_inflight`).
-fn receive_payload(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
+fn receive_payload(io: &mut Io<'_, NotifHold>, c: &mut Conn) -> Result<(), Option<i32>> {
     loop {
         if c.recv_inflight {
             return Ok(());
@@ -115,13 +114,9 @@ fn receive_payload(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> 
             flags = 0;
         }
         let msg: *mut libc::msghdr = &mut c.rmsg;
-        let e = on_fd!(c, RecvMsg::new(msg).flags(flags as u32)).user_data(ud(
-            K_RECV,
-            c.slot,
-            c.generation,
-        ));
+        let e = on_fd!(c, RecvMsg::new(msg).flags(flags as u32));
         // SAFETY: the message and iovecs live in the boxed `Conn`; the ranges as above.
-        unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
+        unsafe { io.push(Op::Recv, e) }.map_err(|e| e.raw_os_error())?;
         c.recv_inflight = true;
         return Ok(());
     }
@@ -132,7 +127,7 @@ fn receive_payload(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> 
 /// arms nothing; while the stream is idle, only a hang-up poll (arriving bytes do not end it),
 /// so a response to a direct send wakes no ring. Otherwise it finishes a payload a direct
 /// reader left, then receives the header's rest (its bytes kept in the shared state).
-pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Option<i32>> {
+pub(super) fn receive_shared(io: &mut Io<'_, NotifHold>, c: &mut Conn) -> Result<(), Option<i32>> {
     loop {
         if c.recv_inflight {
             return Ok(());
@@ -141,7 +136,7 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
             // A payload the ring receives, as without direct readers; meanwhile no submitter
             // may make itself a reader (the chunk is no longer in flight).
             c.sh.lock().owners.ring_armed(true);
-            receive_payload(ring, c)?;
+            receive_payload(io, c)?;
             if c.incoming.is_some() || c.recv_inflight {
                 return Ok(());
             }
@@ -170,9 +165,9 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
                 return Ok(());
             }
             let mask = (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) as u32;
-            let e = on_fd!(c, PollAdd::new(mask)).user_data(ud(K_HANGUP, c.slot, c.generation));
+            let e = on_fd!(c, PollAdd::new(mask));
             // SAFETY: a poll carries no buffer.
-            unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
+            unsafe { io.push(Op::Hangup, e) }.map_err(|e| e.raw_os_error())?;
             c.hangup_inflight = true;
             return Ok(());
         }
@@ -186,11 +181,10 @@ pub(super) fn receive_shared(ring: &mut IoUring, c: &mut Conn) -> Result<(), Opt
         let e = on_fd!(
             c,
             Recv::new(c.head.as_mut_ptr(), want as u32).flags(libc::MSG_WAITALL)
-        )
-        .user_data(ud(K_RECV, c.slot, c.generation));
+        );
         // SAFETY: the header buffer lives in the boxed `Conn`, freed only once no receive is
         // in flight.
-        unsafe { push(ring, &e) }.map_err(|e| e.raw_os_error())?;
+        unsafe { io.push(Op::Recv, e) }.map_err(|e| e.raw_os_error())?;
         c.recv_inflight = true;
         return Ok(());
     }

@@ -25,32 +25,31 @@
 //!
 //! [`UringConfig::client_rings`]: crate::config::UringConfig::client_rings
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak, mpsc};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use ferry_core::FailureKind;
 use ferry_core::wire::DATA_RESPONSE_LEN;
-use io_uring::{IoUring, cqueue, opcode, types};
-use tracing::{debug, warn};
+use tracing::warn;
 
-use super::conn::{Conn, K_HANGUP, K_POLL, K_RECV, K_SEND, K_WAKE, Zc, ud};
-use super::recv::{on_hangup, on_received, on_received_shared, receive, receive_shared};
-use super::send::{on_sent, reset, send};
+use super::conn::Conn;
 use super::state::{Queue, READ_TICK, RingInbox, RingWake, StreamShared, shutdown};
-use crate::ring::user_data::{self, Decoded, MAX_SLOTS};
-use crate::ring::{BufCache, IoStats, ThreadCount, new_ring, push, spawn_ring, submit};
+use crate::ring::host::Host;
+use crate::ring::kernel::{RingSize, Uring};
+use crate::ring::{IoStats, ThreadCount, spawn_ring};
 
-/// Submission entries per ring (more are submitted in several calls).
-const SQ_ENTRIES: u32 = 256;
-/// Completion entries per ring (the kernel keeps an overflow beyond them).
-const CQ_ENTRIES: u32 = 4096;
-/// Fixed-file slots per ring: streams past them use their plain descriptor.
-const FIXED_FILES: u32 = 1 << 12;
+/// A client ring's size: submission entries (more are submitted in several calls), completion
+/// entries (the kernel keeps an overflow beyond them), fixed-file slots (streams past them use
+/// their plain descriptor).
+const SIZE: RingSize = RingSize {
+    sq: 256,
+    cq: 4096,
+    files: 1 << 12,
+};
 
 /// The transport's settings a ring needs.
 #[derive(Clone, Copy, Debug)]
@@ -116,8 +115,8 @@ impl ClientRings {
             spawn_ring(
                 format!("ferry-uring-cr{i}"),
                 None,
-                move || Driver::new(plan, i, rx, b, s, st),
-                |mut d| d.run(),
+                move || Ring::new(plan, i, rx, b, s, st),
+                Ring::run,
             )?;
             rings.push(RingHandle { tx, inbox, stop });
         }
@@ -157,7 +156,7 @@ impl ClientRings {
         let r = &self.rings[at];
         r.tx.send(stream)
             .map_err(|_| io::Error::other("the client ring has stopped"))?;
-        r.inbox.fd.wake_now();
+        r.inbox.inbox.wake_now();
         Ok(())
     }
 }
@@ -166,14 +165,15 @@ impl Drop for ClientRings {
     fn drop(&mut self) {
         for r in &self.rings {
             r.stop.store(true, Ordering::Release);
-            r.inbox.fd.wake_now();
+            r.inbox.inbox.wake_now();
         }
     }
 }
 
-/// One ring and its thread's streams.
-struct Driver {
-    ring: IoUring,
+/// One client ring's thread: its host, and what the client's wing keeps beside it (the names
+/// its streams are woken by, the direct readers it watches).
+struct Ring {
+    host: Host<Conn, Uring>,
     /// Its place in the set, and whether it may pin itself there ([`RingPlan::pin`]) and did.
     index: usize,
     pin: bool,
@@ -181,20 +181,10 @@ struct Driver {
     rx: mpsc::Receiver<NewStream>,
     inbox: Arc<RingInbox>,
     stop: Arc<AtomicBool>,
-    wake_buf: Box<[u8; 8]>,
-    wake_armed: bool,
-    fixed_files: bool,
-    conns: Vec<Option<Box<Conn>>>,
-    generations: Vec<u32>,
-    free: Vec<usize>,
+    /// Streams by the name their wake-ups carry: its slot (checked against the stream there,
+    /// so a name outliving its stream wakes nobody).
     ids: HashMap<u64, usize>,
-    runnable: VecDeque<usize>,
     woken: Vec<u64>,
-    /// Completions of one reap (kept for its capacity).
-    reaped: Vec<(u64, i32, u32)>,
-    bufs: BufCache,
-    zc: HashMap<u64, Zc>,
-    zc_next: u64,
     /// Direct readers watched (stream name, reader token, seen at a tick before), and when the
     /// next tick is due; when the list was last not empty.
     watched: Vec<(u64, u64, bool)>,
@@ -202,14 +192,11 @@ struct Driver {
     /// When every stream last looked at its work (a safety net, once a second at most).
     last_sweep: Instant,
     last_watched: Instant,
-    /// Ended streams' sockets with zero-copy sends outstanding: when to reset them, and whether
-    /// they were.
-    lingering: Vec<(Weak<TcpStream>, Instant, bool)>,
     stats: Arc<IoStats>,
     _count: ThreadCount,
 }
 
-impl Driver {
+impl Ring {
     fn new(
         plan: RingPlan,
         index: usize,
@@ -220,10 +207,7 @@ impl Driver {
     ) -> io::Result<Self> {
         // Made and entered only by the ring's thread (no deferred task work runs while it is in
         // another system call, a splice say).
-        let ring = new_ring(SQ_ENTRIES, CQ_ENTRIES)?;
-        let fixed_files =
-            plan.register && ring.submitter().register_files_sparse(FIXED_FILES).is_ok();
-        let bufs = BufCache::new(&ring, plan.register && plan.zero_copy);
+        let ring = Uring::new(SIZE, plan.register, plan.zero_copy)?;
         // splice(2) has no MSG_NOSIGNAL: a peer gone mid-splice would raise SIGPIPE at the
         // process. The ring's thread blocks it (the splice reports EPIPE).
         // SAFETY: plain signal-mask calls on a local set, for the calling thread only.
@@ -233,67 +217,34 @@ impl Driver {
             libc::sigaddset(&mut set, libc::SIGPIPE);
             libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         }
-        let count = ThreadCount::new(&stats);
         Ok(Self {
-            ring,
+            host: Host::new(ring, inbox.inbox.fd.clone(), stats.clone()),
             index,
             pin: plan.pin,
             pinned: false,
             rx,
             inbox,
             stop,
-            wake_buf: Box::new([0; 8]),
-            wake_armed: false,
-            fixed_files,
-            conns: Vec::new(),
-            generations: Vec::new(),
-            free: Vec::new(),
             ids: HashMap::new(),
-            runnable: VecDeque::new(),
             woken: Vec::new(),
-            reaped: Vec::new(),
-            bufs,
-            zc: HashMap::new(),
-            zc_next: 0,
             watched: Vec::new(),
             next_tick: Instant::now(),
             last_sweep: Instant::now(),
             last_watched: Instant::now(),
-            lingering: Vec::new(),
+            _count: ThreadCount::new(&stats),
             stats,
-            _count: count,
         })
     }
 
-    fn run(&mut self) {
+    /// Runs turns until the set stopped and its last stream and zero-copy send are gone (or the
+    /// ring fails: its streams end with its error), then the host's shutdown.
+    fn run(mut self) {
         if let Err(e) = self.turns() {
             warn!(error = %e, "a client ring failed; its streams end");
-            for i in 0..self.conns.len() {
-                self.end(i, e.raw_os_error().or(Some(libc::EIO)));
-            }
-            // Wait for what is in flight (each socket is shut down), as far as the ring lets us.
-            let deadline = Instant::now() + crate::config::FINISH_GRACE;
-            while self.conns.iter().flatten().any(|c| c.busy()) && Instant::now() < deadline {
-                if self.wait(Some(Duration::from_millis(10))).is_err() {
-                    break;
-                }
-                self.reap();
-            }
-            if self.conns.iter().flatten().any(|c| c.busy()) || self.wake_armed {
-                // The kernel may still write into them: never free them.
-                std::mem::forget(std::mem::take(&mut self.conns));
-                std::mem::forget(std::mem::take(&mut self.wake_buf));
-            }
-            // Zero-copy sends the kernel did not let go of: their buffers stay alive for good.
-            std::mem::forget(std::mem::take(&mut self.zc));
+            let native = e.raw_os_error().or(Some(libc::EIO));
+            self.host.end_all(|| native);
         }
-    }
-
-    /// Whether the ring may end: stopped, with no stream and no zero-copy send left.
-    fn done(&self) -> bool {
-        self.stop.load(Ordering::Acquire)
-            && self.conns.iter().all(Option::is_none)
-            && self.zc.is_empty()
+        self.host.shutdown();
     }
 
     fn turns(&mut self) -> io::Result<()> {
@@ -301,64 +252,39 @@ impl Driver {
             while let Ok(n) = self.rx.try_recv() {
                 self.add(n);
             }
-            self.inbox.take(&mut self.woken);
-            for id in self.woken.drain(..) {
-                if let Some(&i) = self.ids.get(&id) {
-                    self.runnable.push_back(i);
-                }
+            self.inbox.inbox.take_woken(&mut self.woken);
+            for id in std::mem::take(&mut self.woken) {
+                self.wake(id);
             }
             self.tick();
-            while let Some(i) = self.runnable.pop_front() {
-                self.advance(i);
+            if self.stop.load(Ordering::Acquire) && self.host.is_empty() {
+                return Ok(());
             }
-            self.linger();
-            if self.done() {
-                return self.drain_wake();
-            }
-            if !self.wake_armed {
-                let e = opcode::Read::new(
-                    types::Fd(self.inbox.fd.0.as_raw_fd()),
-                    self.wake_buf.as_mut_ptr(),
-                    8,
-                )
-                .build()
-                .user_data(ud(K_WAKE, 0, 0));
-                // SAFETY: the buffer is boxed in the driver, which outlives the read (the ring
-                // waits for it before it ends, or leaks the buffer).
-                unsafe { push(&mut self.ring, &e) }?;
-                self.wake_armed = true;
-            }
-            // Wait, unless a wake-up came meanwhile (the inbox is looked at after the flag is
-            // up, so a waker that saw it down left its stream there for this look).
-            self.inbox.asleep.store(true, Ordering::SeqCst);
-            let timed_out = if self.inbox.any() {
-                self.inbox.asleep.store(false, Ordering::SeqCst);
-                submit(&mut self.ring, false)?;
-                false
+            let t = if self.inbox.ticking.load(Ordering::SeqCst) {
+                self.next_tick.saturating_duration_since(Instant::now())
             } else {
-                let t = if self.inbox.ticking.load(Ordering::SeqCst) {
-                    self.next_tick.saturating_duration_since(Instant::now())
-                } else if self.lingering.is_empty() {
-                    Duration::from_secs(1)
-                } else {
-                    Duration::from_millis(50)
-                };
-                let r = self.wait(Some(t));
-                self.inbox.asleep.store(false, Ordering::SeqCst);
-                r?
+                Duration::from_secs(1)
             };
-            self.reap();
+            let timed_out = self.host.turn(&self.inbox.inbox, Some(t))?;
             if timed_out && self.last_sweep.elapsed() >= Duration::from_secs(1) {
                 self.last_sweep = Instant::now();
                 // A safety net: every stream looks at its work once a second when nothing else
                 // woke the ring.
-                let all = self
-                    .conns
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, c)| c.as_ref().map(|_| i));
-                self.runnable.extend(all);
+                self.host.wake_all();
             }
+        }
+    }
+
+    /// Runs the stream woken by name `id` at the next turn (a name whose stream ended wakes
+    /// nobody, and is forgotten).
+    fn wake(&mut self, id: u64) {
+        let Some(&i) = self.ids.get(&id) else {
+            return;
+        };
+        if self.host.stream_mut(i).is_some_and(|c| c.id == id) {
+            self.host.wake(i);
+        } else {
+            self.ids.remove(&id);
         }
     }
 
@@ -403,7 +329,7 @@ impl Driver {
             let Some(&i) = self.ids.get(id) else {
                 return false;
             };
-            let Some(Some(c)) = self.conns.get_mut(i) else {
+            let Some(c) = self.host.stream_mut(i).filter(|c| c.id == *id) else {
                 return false;
             };
             let mut g = c.sh.lock();
@@ -432,90 +358,10 @@ impl Driver {
             g.owners.ring_reads();
             drop(g);
             IoStats::add(&c.stats.caller_takeovers, 1);
-            self.runnable.push_back(i);
+            self.host.wake(i);
             false
         });
         self.watched = watched;
-    }
-
-    /// Ends the eventfd's read before the ring goes (its buffer is the driver's).
-    fn drain_wake(&mut self) -> io::Result<()> {
-        while self.wake_armed {
-            self.inbox.fd.wake_now();
-            self.wait(Some(Duration::from_millis(100)))?;
-            self.reap();
-        }
-        Ok(())
-    }
-
-    /// Submits what is queued and waits for a completion, or for `timeout`: whether it timed
-    /// out.
-    fn wait(&mut self, timeout: Option<Duration>) -> io::Result<bool> {
-        let Some(t) = timeout.filter(|_| self.ring.params().is_feature_ext_arg()) else {
-            submit(&mut self.ring, true)?;
-            return Ok(false);
-        };
-        let ts = types::Timespec::new()
-            .sec(t.as_secs())
-            .nsec(t.subsec_nanos());
-        let args = types::SubmitArgs::new().timespec(&ts);
-        match self.ring.submitter().submit_with_args(1, &args) {
-            Ok(_) => Ok(false),
-            Err(e) if e.raw_os_error() == Some(libc::ETIME) => Ok(true),
-            // Interrupted, a full completion queue or a transient shortage: reaping goes on.
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
-                ) =>
-            {
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Resets the connections of ended streams whose zero-copy sends the peer has not
-    /// acknowledged within the grace (which purges the socket's queues, so the kernel lets go);
-    /// forgets those with none left.
-    fn linger(&mut self) {
-        if self.lingering.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        let zc = &self.zc;
-        self.lingering.retain_mut(|(weak, at, was_reset)| {
-            let Some(socket) = weak.upgrade() else {
-                return false;
-            };
-            let held = zc
-                .values()
-                .filter(|z| Arc::ptr_eq(&z.socket, &socket))
-                .count();
-            if held == 0 {
-                return false;
-            }
-            if now >= *at {
-                if *was_reset {
-                    warn!(
-                        pending = held,
-                        "zero-copy sends still held by the kernel after the connection was \
-                         reset; their requests stay un-drained until it lets go"
-                    );
-                } else {
-                    debug!(
-                        pending = held,
-                        "zero-copy sends unacknowledged after the grace; resetting the connection"
-                    );
-                    if let Err(e) = reset(socket.as_raw_fd()) {
-                        warn!(error = %e, "cannot reset the connection");
-                    }
-                    *was_reset = true;
-                }
-                *at = now + crate::config::FINISH_GRACE * 10;
-            }
-            true
-        });
     }
 
     fn add(&mut self, n: NewStream) {
@@ -532,42 +378,17 @@ impl Driver {
                 return;
             }
         };
-        let i = match self.free.pop() {
-            Some(i) => i,
-            None if self.conns.len() < MAX_SLOTS => {
-                self.conns.push(None);
-                self.generations.push(0);
-                self.conns.len() - 1
-            }
-            None => {
-                warn!(peer = %n.peer, "a client ring is full; stream closed");
-                n.sh.dead.store(true, Ordering::Release);
-                shutdown(&n.sh.socket);
-                return;
-            }
-        };
-        self.generations[i] = user_data::next_generation(self.generations[i]);
         let fd = n.sh.socket.as_raw_fd();
-        let fixed = (self.fixed_files && i < FIXED_FILES as usize)
-            .then(|| {
-                self.ring
-                    .submitter()
-                    .register_files_update(i as u32, &[fd])
-                    .ok()
-                    .map(|_| i as u32)
-            })
-            .flatten();
         // SAFETY: F_GETFL on the stream's socket, which `n.sh` keeps open.
         let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        self.conns[i] = Some(Box::new(Conn {
+        let conn = Box::new(Conn {
             id,
-            slot: i,
             sh: n.sh,
             queue: n.queue,
             index: n.index,
             peer: n.peer,
             fd,
-            fixed,
+            fixed: None,
             zero_copy: n.zero_copy,
             splice: n.splice && fl >= 0,
             caller_receives: n.caller_receives,
@@ -588,177 +409,19 @@ impl Driver {
             // SAFETY: as above.
             smsg: unsafe { std::mem::zeroed() },
             pipe: None,
-            generation: self.generations[i],
-            ending: None,
             stats: self.stats.clone(),
-        }));
-        self.ids.insert(id, i);
-        self.runnable.push_back(i);
-    }
-
-    /// Stream `i` ends (with the native error that broke it, if any): its socket is shut down
-    /// at once; once the kernel is done with its operations in flight (the shutdown ends them)
-    /// what it had in flight fails and what was dealt to it goes to the channel's other streams.
-    fn end(&mut self, i: usize, native: Option<i32>) {
-        let Some(c) = self.conns.get_mut(i).and_then(|c| c.as_mut()) else {
-            return;
-        };
-        if c.ending.is_none() {
-            c.ending = Some(native);
-            c.sh.dead.store(true, Ordering::Release);
-            shutdown(&c.sh.socket);
-        }
-        if c.busy() {
-            return;
-        }
-        let Some(mut c) = self.conns[i].take() else {
-            return;
-        };
-        let native = c.ending.flatten();
-        if let Some(inc) = c.incoming.take() {
-            inc.lost(native);
-        }
-        c.out = None;
-        {
-            let mut g = c.sh.lock();
-            if let Some((chunk, _)) = g.owners.take_payload() {
-                chunk.lost(native);
-            }
-            g.proto.fail_all(native);
-        }
-        // The other streams take what was dealt to this one; the last one to end fails it.
-        for job in c.queue.leave(c.index) {
-            job.not_posted(FailureKind::PeerLost);
-        }
-        if self
-            .zc
-            .values()
-            .any(|z| z.slot == i && z.generation == c.generation)
-        {
-            self.lingering.push((
-                Arc::downgrade(&c.sh.socket),
-                Instant::now() + crate::config::FINISH_GRACE,
-                false,
-            ));
-        }
-        if let Some(slot) = c.fixed {
-            let _ = self.ring.submitter().register_files_update(slot, &[-1]);
-        }
-        self.ids.remove(&c.id);
-        self.free.push(i);
-    }
-
-    fn reap(&mut self) {
-        let mut done = std::mem::take(&mut self.reaped);
-        done.clear();
-        done.extend(
-            self.ring
-                .completion()
-                .map(|c| (c.user_data(), c.result(), c.flags())),
-        );
-        for &(u, res, flags) in &done {
-            let (kind, slot, generation) = match user_data::decode(u) {
-                Decoded::Op { kind: K_WAKE, .. } => {
-                    self.wake_armed = false;
-                    continue;
-                }
-                Decoded::Op {
-                    kind: kind @ (K_RECV | K_SEND | K_POLL | K_HANGUP),
-                    slot,
-                    generation,
-                } => (kind, slot, generation),
-                Decoded::Op { .. } => continue,
-                Decoded::Zc(key) => {
-                    if cqueue::notif(flags) {
-                        IoStats::add(&self.stats.notifications, 1);
-                        self.zc.remove(&key);
-                        continue;
-                    }
-                    let Some(z) = self.zc.get(&key) else {
-                        continue;
-                    };
-                    let named = (K_SEND, z.slot, z.generation);
-                    if !cqueue::more(flags) {
-                        // No notification will come for this one.
-                        self.zc.remove(&key);
-                    }
-                    named
-                }
-            };
-            let Some(Some(c)) = self.conns.get_mut(slot) else {
-                continue;
-            };
-            if c.generation != generation {
-                continue;
-            }
-            let r = if kind == K_RECV {
-                c.recv_inflight = false;
-                if c.ending.is_some() {
-                    Ok(())
-                } else if c.caller_receives && c.incoming.is_none() {
-                    on_received_shared(c, res)
-                } else {
-                    on_received(c, res)
-                }
-            } else if kind == K_HANGUP {
-                c.hangup_inflight = false;
-                if c.ending.is_some() {
-                    Ok(())
-                } else {
-                    on_hangup(c)
-                }
-            } else {
-                let op = c.send_inflight.take();
-                if c.ending.is_some() {
-                    Ok(())
-                } else {
-                    on_sent(c, op, res)
-                }
-            };
-            match r {
-                Ok(()) if c.ending.is_some() => self.end(slot, None),
-                Ok(()) => self.runnable.push_back(slot),
-                Err(native) => self.end(slot, native),
-            }
-        }
-        self.reaped = done;
-    }
-
-    /// Runs stream `i`: its receive side, then its send side, until each waits on the socket
-    /// (or, the send side, for work).
-    fn advance(&mut self, i: usize) {
-        let Some(Some(c)) = self.conns.get_mut(i) else {
-            return;
-        };
-        if c.ending.is_some() {
-            return self.end(i, None);
-        }
-        if let Some(t) = c.queue.taker(c.index) {
-            t.rise();
-        }
-        let recv = if c.caller_receives {
-            receive_shared
-        } else {
-            receive
-        };
-        let r = recv(&mut self.ring, c).and_then(|()| {
-            let go = send(
-                &mut self.ring,
-                c,
-                &mut self.bufs,
-                &mut self.zc,
-                &mut self.zc_next,
-            )?;
-            // A chunk taken from a direct reader's stream took the reading over.
-            if go && c.caller_receives {
-                recv(&mut self.ring, c)?;
-            }
-            Ok(go)
         });
-        match r {
-            Ok(true) => {}
-            Ok(false) => self.end(i, None),
-            Err(native) => self.end(i, native),
+        match self.host.add(conn) {
+            Ok(i) => {
+                // A name of the slot's last stream is stale now.
+                self.ids.retain(|_, at| *at != i);
+                self.ids.insert(id, i);
+            }
+            Err(c) => {
+                warn!(peer = %c.peer, "a client ring is full; stream closed");
+                c.sh.dead.store(true, Ordering::Release);
+                shutdown(&c.sh.socket);
+            }
         }
     }
 }

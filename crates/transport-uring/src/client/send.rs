@@ -1,7 +1,6 @@
 //! A client stream's send side on its ring: requests and their WRITE payloads in order (a copying
 //! send, SEND_ZC, or vmsplice + splice to a loopback peer), and their completions.
 
-use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
@@ -9,30 +8,23 @@ use std::sync::atomic::Ordering;
 use ferry_core::queue::Next;
 use ferry_core::stream::{Outgoing, Post};
 use ferry_core::{FailureKind, OpKind};
-use io_uring::IoUring;
 use tracing::debug;
 
-use super::conn::{Body, Conn, K_POLL, K_SEND, Keep, Out, SendOp, Zc, on_fd, ud};
-use super::state::ReqShared;
-use crate::ring::user_data;
-use crate::ring::{BufCache, IoStats, iovecs_from, push};
+use super::conn::{Body, Conn, Keep, Op, Out, SendOp, on_fd};
+use super::state::{NotifHold, ReqShared};
+use crate::ring::host::Io;
+use crate::ring::{IoStats, iovecs_from};
 
 /// Keeps the send side going: finishes the send under way, then what a submitter left unsent,
 /// then new chunks while fewer than `depth` are in flight. `Ok(false)`: the stream is over (the
 /// channel is gone and nothing is left to do); `Err`: broken.
-pub(super) fn send(
-    ring: &mut IoUring,
-    c: &mut Conn,
-    bufs: &mut BufCache,
-    zc: &mut HashMap<u64, Zc>,
-    zc_next: &mut u64,
-) -> Result<bool, Option<i32>> {
+pub(super) fn send(io: &mut Io<'_, NotifHold>, c: &mut Conn) -> Result<bool, Option<i32>> {
     loop {
         if c.send_inflight.is_some() {
             return Ok(true);
         }
         if c.out.is_some() {
-            if !push_out(ring, c, bufs, zc, zc_next)? {
+            if !push_out(io, c)? {
                 return Ok(true);
             }
             if let Some(seq) = c.out.take().and_then(|o| o.write_seq) {
@@ -184,13 +176,7 @@ fn plan_out(c: &Conn, out: Box<Outgoing<ReqShared>>, tail: Vec<u8>) -> Out {
 /// Moves `c.out` on: its copied bytes (what the socket takes now with one call, the rest by a
 /// SENDMSG on the ring), then its body. `Ok(true)`: all of it went; `Ok(false)`: an operation
 /// is in flight.
-fn push_out(
-    ring: &mut IoUring,
-    c: &mut Conn,
-    bufs: &mut BufCache,
-    zc: &mut HashMap<u64, Zc>,
-    zc_next: &mut u64,
-) -> Result<bool, Option<i32>> {
+fn push_out(io: &mut Io<'_, NotifHold>, c: &mut Conn) -> Result<bool, Option<i32>> {
     let fail = |c: &Conn, e: io::Error| {
         debug!(peer = %c.peer, stream = c.index, error = %e, "send failed; stream closed");
         e.raw_os_error()
@@ -237,14 +223,10 @@ fn push_out(
             // The rest through the ring, all of it before the completion.
             let flags = (libc::MSG_WAITALL | libc::MSG_NOSIGNAL | more) as u32;
             let msg: *const libc::msghdr = &c.smsg;
-            let e = on_fd!(c, SendMsg::new(msg).flags(flags)).user_data(ud(
-                K_SEND,
-                c.slot,
-                c.generation,
-            ));
+            let e = on_fd!(c, SendMsg::new(msg).flags(flags));
             // SAFETY: as for the call above; the send (and so its memory) is kept until the
             // completion was reaped.
-            unsafe { push(ring, &e) }.map_err(|e| fail(c, e))?;
+            unsafe { io.push(Op::Send, e) }.map_err(|e| fail(c, e))?;
             c.send_inflight = Some(SendOp::Copy);
             return Ok(false);
         }
@@ -263,37 +245,23 @@ fn push_out(
                 let n = (*len - *done).min(u32::MAX as usize & !4095) as u32;
                 // SAFETY: `done < len`, inside the checked range.
                 let at = unsafe { ptr.add(*done) };
-                let index = bufs.index(ring, region, &c.stats);
-                let key = *zc_next;
-                *zc_next += 1;
+                let index = io.buf_index(region);
                 // The hold is in place before the send can complete, so the request cannot be
-                // seen as drained in between.
-                zc.insert(
-                    key,
-                    Zc {
-                        generation: c.generation,
-                        slot: c.slot,
-                        _hold: super::state::NotifHold::new(req),
-                        socket: c.sh.socket.clone(),
-                    },
-                );
+                // seen as drained in between (the host keeps it until the notification).
+                let hold = super::state::NotifHold::new(req);
                 let e = on_fd!(
                     c,
                     SendZc::new(at, n)
                         .buf_index(index)
                         .flags(libc::MSG_WAITALL | libc::MSG_NOSIGNAL)
-                )
-                .user_data(user_data::zc(key));
+                );
                 IoStats::add(&c.stats.zc_sends, 1);
                 if index.is_some() {
                     IoStats::add(&c.stats.fixed_sends, 1);
                 }
-                // SAFETY: the range was checked against the region at post; the hold in `zc`
-                // keeps the request, and so the region, alive until the kernel's notification.
-                if let Err(e) = unsafe { push(ring, &e) } {
-                    zc.remove(&key);
-                    return Err(fail(c, e));
-                }
+                // SAFETY: the range was checked against the region at post; the hold the host
+                // keeps holds the request, and so the region, until the kernel's notification.
+                unsafe { io.push_zc(e, hold) }.map_err(|e| fail(c, e))?;
                 c.send_inflight = Some(SendOp::Zc);
                 return Ok(false);
             }
@@ -314,13 +282,9 @@ fn push_out(
                     Ok(true) => return Ok(true),
                     Ok(false) => {
                         // The socket is full: wait for room on the ring.
-                        let e = on_fd!(c, PollAdd::new(libc::POLLOUT as u32)).user_data(ud(
-                            K_POLL,
-                            c.slot,
-                            c.generation,
-                        ));
+                        let e = on_fd!(c, PollAdd::new(libc::POLLOUT as u32));
                         // SAFETY: a poll carries no buffer.
-                        unsafe { push(ring, &e) }.map_err(|e| fail(c, e))?;
+                        unsafe { io.push(Op::Poll, e) }.map_err(|e| fail(c, e))?;
                         IoStats::add(&c.stats.room_waits, 1);
                         c.send_inflight = Some(SendOp::Room);
                         return Ok(false);
@@ -468,25 +432,6 @@ pub(super) fn on_sent(c: &mut Conn, op: Option<SendOp>, res: i32) -> Result<(), 
             }
         }
         SendOp::Room => {}
-    }
-    Ok(())
-}
-
-/// Aborts a connection: a reset to the peer, and the socket's send and retransmit queues purged
-/// (`connect` to an `AF_UNSPEC` address, which Linux turns into `tcp_disconnect`).
-pub(super) fn reset(fd: RawFd) -> io::Result<()> {
-    // SAFETY: a zeroed sockaddr is a valid AF_UNSPEC (0) address; connect only reads
-    // `size_of::<sockaddr>()` bytes of it, and `fd` is a socket its caller keeps open.
-    let rc = unsafe {
-        let addr: libc::sockaddr = std::mem::zeroed();
-        libc::connect(
-            fd,
-            &addr,
-            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

@@ -2,7 +2,6 @@
 //! executed, the stream's protocol state and send side, and how the stream is woken.
 
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -11,6 +10,7 @@ use ferry_core::stream::{Chunk, ChunkOwner, ClientStream, Work};
 use ferry_core::{Op, RequestControl};
 
 use super::owners::Owners;
+use crate::ring::inbox::Inbox;
 use crate::waiter::Countdown;
 
 #[derive(Debug)]
@@ -53,42 +53,13 @@ impl Drop for NotifHold {
     }
 }
 
-/// An eventfd a ring reads, so that a write of it ends the ring's wait.
-#[derive(Debug)]
-pub(crate) struct EventFd(pub(crate) OwnedFd);
-
-impl EventFd {
-    pub(crate) fn new() -> std::io::Result<Self> {
-        // SAFETY: plain eventfd creation; the result is checked before use.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: eventfd returned a fresh descriptor that we now own.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-}
-
-impl EventFd {
-    /// Writes the eventfd (its reader's wait ends).
-    pub(crate) fn wake_now(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writing 8 bytes from a local array to our own eventfd.
-        let _ = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), 8) };
-    }
-}
-
 pub(crate) type Queue = JobQueue<Job, RingWake>;
 
-/// A client ring's mailbox: the streams woken since its thread last looked, and the eventfd
-/// whose read ends the ring's wait.
+/// A client ring's mailbox: the host's [`Inbox`] (the streams woken since its thread last looked,
+/// and the eventfd whose read ends the ring's wait), and the direct readers to watch.
 #[derive(Debug)]
 pub(crate) struct RingInbox {
-    pub(crate) woken: Mutex<Vec<u64>>,
-    pub(crate) fd: EventFd,
-    /// The ring's thread is (about to be) waiting in the kernel: a wake-up must write the
-    /// eventfd. While it runs it looks at `woken` before it waits again.
-    pub(crate) asleep: AtomicBool,
+    pub(crate) inbox: Inbox<()>,
     /// Direct readers to watch (a stream's name, the reader's token): the ring takes the reading
     /// over from one whose response waits unread for a tick ([`READ_TICK`]).
     pub(crate) watch: Mutex<Vec<(u64, u64)>>,
@@ -105,29 +76,10 @@ pub(crate) const READ_TICK: std::time::Duration = std::time::Duration::from_mill
 impl RingInbox {
     pub(crate) fn new() -> std::io::Result<Self> {
         Ok(Self {
-            woken: Mutex::new(Vec::new()),
-            fd: EventFd::new()?,
-            asleep: AtomicBool::new(false),
+            inbox: Inbox::new()?,
             watch: Mutex::new(Vec::new()),
             ticking: AtomicBool::new(false),
         })
-    }
-
-    /// The streams woken since the last look (and forgets them).
-    pub(crate) fn take(&self, into: &mut Vec<u64>) {
-        let mut g = match self.woken.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        into.append(&mut g);
-    }
-
-    /// Whether a stream was woken since the last look.
-    pub(crate) fn any(&self) -> bool {
-        match self.woken.lock() {
-            Ok(g) => !g.is_empty(),
-            Err(p) => !p.into_inner().is_empty(),
-        }
     }
 }
 
@@ -149,21 +101,14 @@ impl RingWake {
             Err(p) => p.into_inner().push((self.id, token)),
         }
         if !self.inbox.ticking.load(Ordering::SeqCst) {
-            self.inbox.asleep.store(false, Ordering::SeqCst);
-            self.inbox.fd.wake_now();
+            self.inbox.inbox.wake_now();
         }
     }
 }
 
 impl Wake for RingWake {
     fn wake(&self) {
-        match self.inbox.woken.lock() {
-            Ok(mut g) => g.push(self.id),
-            Err(p) => p.into_inner().push(self.id),
-        }
-        if self.inbox.asleep.swap(false, Ordering::SeqCst) {
-            self.inbox.fd.wake_now();
-        }
+        self.inbox.inbox.wake(self.id);
     }
 }
 
@@ -201,40 +146,4 @@ impl StreamShared {
 /// `Arc<TcpStream>` goes, so its number is not reused while the ring still refers to it.
 pub(crate) fn shutdown(s: &TcpStream) {
     let _ = s.shutdown(std::net::Shutdown::Both);
-}
-
-#[cfg(test)]
-mod tests {
-    use std::os::fd::AsRawFd;
-
-    use super::EventFd;
-
-    /// Whether `w`'s eventfd was written (and resets it).
-    fn poked(w: &EventFd) -> bool {
-        let mut p = libc::pollfd {
-            fd: w.0.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: polling one descriptor of ours, no wait.
-        let ready = unsafe { libc::poll(&mut p, 1, 0) } == 1;
-        if ready {
-            let mut b = [0u8; 8];
-            // SAFETY: reading 8 bytes into a local array from our own readable eventfd.
-            unsafe { libc::read(w.0.as_raw_fd(), b.as_mut_ptr().cast(), 8) };
-        }
-        ready
-    }
-
-    /// A wake-up before the ring waits is kept (the eventfd's counter) until read, once however
-    /// many came (the queue's protocol: `ferry_core::queue`).
-    #[test]
-    fn a_wake_before_the_wait_is_kept_until_read() {
-        let w = EventFd::new().unwrap();
-        assert!(!poked(&w));
-        w.wake_now();
-        w.wake_now();
-        assert!(poked(&w));
-        assert!(!poked(&w));
-    }
 }

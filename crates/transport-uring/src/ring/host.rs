@@ -265,15 +265,23 @@ impl<S: Stream, R: Ring> Host<S, R> {
         &mut self.ring
     }
 
-    // Until the client's streams run on the host too, only tests use it.
-    #[cfg(test)]
     /// The stream in `slot`, if one is there.
     pub(crate) fn stream_mut(&mut self, slot: usize) -> Option<&mut S> {
         self.slots.get_mut(slot)?.stream.as_deref_mut()
     }
 
-    // Until the client's streams run on the host too, only tests use it.
-    #[cfg(test)]
+    /// Runs the stream in `slot` at the next turn.
+    pub(crate) fn wake(&mut self, slot: usize) {
+        self.runnable.push_back(slot);
+    }
+
+    /// Runs every stream at the next turn.
+    pub(crate) fn wake_all(&mut self) {
+        let all = self.slots.iter().enumerate();
+        let live = all.filter_map(|(i, s)| s.stream.as_ref().map(|_| i));
+        self.runnable.extend(live);
+    }
+
     /// Whether it has no stream, and no zero-copy send held.
     pub(crate) fn is_empty(&self) -> bool {
         self.slots.iter().all(|s| s.stream.is_none()) && self.zc.held.is_empty()
@@ -516,6 +524,13 @@ impl<S: Stream, R: Ring> Host<S, R> {
             }
             true
         });
+    }
+
+    /// Ends every stream with the error `why` gives.
+    pub(crate) fn end_all(&mut self, why: impl Fn() -> S::Error) {
+        for i in 0..self.slots.len() {
+            self.end(i, Some(why()));
+        }
     }
 
     /// The one shutdown: every stream ends (its socket shut down), then the ring waits for what

@@ -73,8 +73,6 @@ impl<N> Inbox<N> {
         self.poke();
     }
 
-    // Until the client's streams run on the host too, only tests use it.
-    #[cfg(test)]
     /// Has the ring run stream `id` (the ring's own name for it) at its next turn.
     pub(crate) fn wake(&self, id: u64) {
         lock(&self.woken).push(id);
@@ -99,8 +97,6 @@ impl<N> Inbox<N> {
         into.append(&mut lock(&self.news));
     }
 
-    // Until the client's streams run on the host too, only tests use it.
-    #[cfg(test)]
     /// The streams woken since the last look (and forgets them).
     pub(crate) fn take_woken(&self, into: &mut Vec<u64>) {
         into.append(&mut lock(&self.woken));
