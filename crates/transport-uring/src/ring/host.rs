@@ -293,8 +293,10 @@ impl<S: Stream, R: Ring> Host<S, R> {
     }
 
     /// One turn: arms the wake read, runs the runnable streams, submits what they queued and,
-    /// unless a stream yielded or `inbox` holds something, waits for a completion (at most
-    /// `timeout`), then hands the completions to their streams. Whether the wait timed out.
+    /// unless a stream yielded (then a no-op ends the wait at once, so the ring's deferred task
+    /// work still runs) or `inbox` holds something (then it only submits), waits for a
+    /// completion (at most `timeout`), then hands the completions to their streams. Whether the
+    /// wait timed out.
     pub(crate) fn turn<N>(
         &mut self,
         inbox: &Inbox<N>,
@@ -303,16 +305,20 @@ impl<S: Stream, R: Ring> Host<S, R> {
         self.arm_wake()?;
         let yielded = self.run_streams()?;
         self.linger();
-        let timed_out = if yielded || !inbox.may_sleep() {
-            // Something is to be done at once: do not sleep, but still run the ring's deferred
-            // task work (other streams' receives), which only a wait runs; a no-op completes at
-            // once and ends the wait.
+        let timed_out = if yielded {
+            // A stream has more to do: do not sleep, but still run the ring's deferred task
+            // work (other streams' receives), which only a wait runs; a no-op completes at once
+            // and ends the wait.
             let nop = opcode::Nop::new()
                 .build()
                 .user_data(user_data::op(K_NOP, 0, 0));
             // SAFETY: a no-op carries no buffer.
             unsafe { self.ring.push(&nop) }?;
             self.ring.enter(true, None)?;
+            false
+        } else if !inbox.may_sleep() {
+            // Something was left in the inbox meanwhile: submit, and look at it at once.
+            self.ring.enter(false, None)?;
             false
         } else {
             let t = if self.lingering.is_empty() {
