@@ -44,6 +44,7 @@ pub(crate) const CRATES: &[&str] = &[
 pub(crate) const FOLDERS: &[(&str, &str)] = &[
     ("crates/transport-uring/src/server", "server"),
     ("crates/transport-uring/src/client", "client"),
+    ("crates/transport-uring/src/ring", "ring"),
     ("crates/core/src/wire", "wire"),
 ];
 
@@ -684,6 +685,14 @@ mod tests {
     #[test]
     fn the_io_uring_client_has_no_module_loop() {
         let g = Graph::read_folder(&project_root().join(FOLDERS[1].0), FOLDERS[1].1).expect("read");
+        assert!(g.modules.len() >= 5, "too few modules read");
+        let loops = g.loops();
+        assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+    }
+
+    #[test]
+    fn the_io_uring_ring_host_has_no_module_loop() {
+        let g = Graph::read_folder(&project_root().join(FOLDERS[2].0), FOLDERS[2].1).expect("read");
         assert!(g.modules.len() >= 5, "too few modules read");
         let loops = g.loops();
         assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
