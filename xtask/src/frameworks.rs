@@ -2,8 +2,9 @@
 //! frameworks that name it (Ray, verl, vLLM), installed from the package index into cached
 //! virtual environments.
 //!
-//! Each environment in [`ENVIRONMENTS`] lives in `<target>/<name>` and is made once with the
-//! interpreter named by `FERRY_PYTHON` (default `python3`); its pip installs run again only when
+//! Each environment in [`ENVIRONMENTS`] is `<target>/<name>`, a link into a cache outside the
+//! checkout (`FERRY_VENV_CACHE`, default `~/.cache/ferry/venvs`; see [`env_dir`]), made once with
+//! the interpreter named by `FERRY_PYTHON` (default `python3`); its pip installs run again only when
 //! their arguments change (the arguments are kept in the environment's `.ferry-provisioned`), so
 //! a cached environment costs a second. The wheel the `python` step built (`<target>/wheels`,
 //! built here if absent) is installed into each without dependencies, replacing any copy there,
@@ -37,12 +38,53 @@ struct Environment {
 const ENVIRONMENTS: &[Environment] = &[
     Environment {
         name: "frameworks-venv",
-        installs: &[&["torch", "ray[default]==2.60.*", "pytest", "numpy"]],
-        tests: &["test_ray*.py", "test_verl*.py"],
-        require: &["FERRY_REQUIRE_RAY", "FERRY_REQUIRE_VERL"],
+        // verl without its dependencies (a full install downgrades `packaging` and brings
+        // wandb, datasets and more), then what `verl.checkpoint_engine` imports, pinned as
+        // verl pins them. LMCache the same way (its own pins would replace NumPy and protobuf):
+        // its P2P transfer channels import without a GPU.
+        installs: &[
+            &["torch", "ray[default]==2.60.*", "pytest", "numpy"],
+            &["--no-deps", "verl==0.9.1"],
+            &[
+                "tensordict>=0.8,<=0.10.0,!=0.9.0",
+                "transformers>=5.5.3,<5.11,!=5.6.0",
+                "omegaconf>=2.2,<2.4",
+                "codetiming",
+                "orjson",
+                "uvicorn",
+                "fastapi",
+            ],
+            &[
+                "--no-deps",
+                "lmcache==0.5.6",
+                "sortedcontainers",
+                "prometheus_client",
+                "py-cpuinfo",
+                "psutil",
+                "aiohttp",
+                "multidict",
+                "yarl",
+                "propcache",
+                "aiosignal",
+                "frozenlist",
+                "aiohappyeyeballs",
+                "cachetools",
+                "msgspec",
+                "pyzmq",
+                "numba",
+                "llvmlite",
+            ],
+        ],
+        tests: &["test_ray*.py", "test_verl*.py", "test_nixl_lmcache.py"],
+        require: &[
+            "FERRY_REQUIRE_RAY",
+            "FERRY_REQUIRE_VERL",
+            "FERRY_REQUIRE_LMCACHE",
+        ],
     },
     Environment {
         name: "vllm-venv",
+        // vLLM pins its torch (2.14), hence an environment of its own.
         installs: &[&["vllm==0.33.*", "pytest"]],
         tests: &["test_vllm*.py"],
         require: &["FERRY_REQUIRE_VLLM"],
@@ -124,8 +166,37 @@ fn provision(env: &Environment) -> Result<Option<PathBuf>> {
     }
 }
 
+/// Where an environment lives: `<target>/<name>` when that exists (a directory, or the link this
+/// step leaves), else `<cache>/<name>`, linked from `<target>/<name>`, where the cache is
+/// `FERRY_VENV_CACHE` or `~/.cache/ferry/venvs`: outside the checkout, so a clean clone on the
+/// same machine finds the environments made before and does not download them again.
+fn env_dir(name: &str) -> Result<PathBuf> {
+    let local = target_dir().join(name);
+    if local.exists() {
+        // The link's target: scripts the environment writes name its real path, which a later
+        // clone's link leaves valid.
+        return std::fs::canonicalize(&local)
+            .with_context(|| format!("resolving {}", local.display()));
+    }
+    let cache = match std::env::var_os("FERRY_VENV_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
+            .join(".cache/ferry/venvs"),
+    };
+    let dir = cache.join(name);
+    std::fs::create_dir_all(&cache).with_context(|| format!("making {}", cache.display()))?;
+    if let Some(parent) = local.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    // A dangling link from an earlier cache is replaced.
+    let _ = std::fs::remove_file(&local);
+    std::os::unix::fs::symlink(&dir, &local)
+        .with_context(|| format!("linking {} to {}", local.display(), dir.display()))?;
+    Ok(dir)
+}
+
 fn try_provision(env: &Environment) -> Result<PathBuf> {
-    let dir = target_dir().join(env.name);
+    let dir = env_dir(env.name)?;
     let py = dir.join("bin/python");
     if !py.is_file() {
         let base = std::env::var("FERRY_PYTHON").unwrap_or_else(|_| "python3".to_owned());
