@@ -737,7 +737,14 @@ fn serve_data(
                 response,
             } => {
                 let theirs = match read_entry(&mut rd, len, ipc, ring)? {
-                    Entry::Inline(_) => return Err(invalid("an inline entry for a file")),
+                    Entry::Inline(n) => {
+                        // A small READ of a file: its bytes follow the response on the ring.
+                        let bytes = inline_bytes(&mut inline, n + len, len)?;
+                        file.read_exact_at(at, bytes)?;
+                        out.extend_from_slice(&response);
+                        out.extend_from_slice(bytes);
+                        continue;
+                    }
                     Entry::Addr(span) => span,
                     Entry::Ipc(grant) => {
                         served(&mut gpu)?.read_file(&grant, &file, at, len, &mut staging.buf)?;
@@ -762,7 +769,14 @@ fn serve_data(
                 response,
             } => {
                 let theirs = match read_entry(&mut rd, len, ipc, ring)? {
-                    Entry::Inline(_) => return Err(invalid("an inline entry for a file")),
+                    Entry::Inline(n) => {
+                        // A small WRITE to a file: its bytes came after the entry on the ring.
+                        let bytes = inline_bytes(&mut inline, n, len)?;
+                        rd.read_exact(bytes)?;
+                        file.write_all_at(at, bytes)?;
+                        out.extend_from_slice(&response);
+                        continue;
+                    }
                     Entry::Addr(span) => span,
                     Entry::Ipc(grant) => {
                         served(&mut gpu)?.write_file(&grant, &file, at, len, &mut staging.buf)?;

@@ -166,3 +166,93 @@ async fn every_op_size_around_the_inline_limit_moves_its_bytes_on_the_ring_and_o
         assert!(ch.is_alive());
     }
 }
+
+/// A file segment held in memory: what a published file is to the server (positioned reads and
+/// writes behind a bounds check).
+#[derive(Debug)]
+struct FileBytes(std::sync::Mutex<Vec<u8>>);
+
+impl ferry_core::FileSource for FileBytes {
+    fn check(&self, _: OpKind, offset: u64, len: u64) -> Result<u64, ferry_core::RemoteStatus> {
+        let size = self.0.lock().unwrap().len() as u64;
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(offset),
+            _ => Err(ferry_core::RemoteStatus::OutOfBounds),
+        }
+    }
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let bytes = self.0.lock().unwrap();
+        buf.copy_from_slice(&bytes[at as usize..at as usize + buf.len()]);
+        Ok(())
+    }
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()> {
+        let mut bytes = self.0.lock().unwrap();
+        bytes[at as usize..at as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct Files(Arc<FileBytes>);
+
+impl SegmentTable for Files {
+    fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
+        None
+    }
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
+        (token == TOKEN).then(|| self.0.clone() as Arc<dyn ferry_core::FileSource>)
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        Vec::new()
+    }
+}
+
+/// Small READs and WRITEs of a published file go inline on a ring stream, as memory's do (a
+/// pull of a published directory reads files in pieces of every size).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_segment_is_read_and_written_in_small_ops_on_the_ring() {
+    let file = Arc::new(FileBytes(std::sync::Mutex::new(
+        (0..LEN).map(|i| (i % 251) as u8).collect(),
+    )));
+    let epoch = Epoch::fresh();
+    let h = LocalServer::bind()
+        .unwrap()
+        .serve(
+            Arc::new(Files(file.clone())),
+            Arc::new(Responder(epoch)),
+            HandshakeLimits::default(),
+            16,
+        )
+        .unwrap();
+    let (_memory, mut peer) = serve(Arc::new(MemoryRegion::from_vec(vec![0; 8])));
+    peer.remote_epoch = epoch;
+    peer.offer = TransportOffer::Local {
+        boot_id: [0; 16],
+        pid: std::process::id(),
+        streams: 2,
+        socket: h.name().to_owned(),
+    };
+    let transport = LocalTransport::new(LocalConfig::default());
+    let ch = transport.connect_channel(&peer).unwrap();
+    assert_eq!(ch.ring_streams(), 2, "the test needs ring streams");
+    let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
+    for len in [1u64, 64, INLINE_MAX as u64, INLINE_MAX as u64 + 1] {
+        let o = run(&ch, vec![op(OpKind::Read, &local, 1000, len)]).await;
+        assert!(o.failure.is_none(), "a file READ of {len}: {o:?}");
+        let mut got = vec![0u8; len as usize];
+        local.read_at(1000, &mut got).unwrap();
+        let want = &file.0.lock().unwrap()[1000..1000 + len as usize];
+        assert!(got == want, "a file READ of {len} moved other bytes");
+    }
+    local.write_at(0, &vec![0xab; LEN / 2]).unwrap();
+    for len in [1u64, 64, INLINE_MAX as u64] {
+        let o = run(&ch, vec![op(OpKind::Write, &local, 5000, len)]).await;
+        assert!(o.failure.is_none(), "a file WRITE of {len}: {o:?}");
+        let bytes = file.0.lock().unwrap();
+        assert!(
+            bytes[5000..5000 + len as usize].iter().all(|b| *b == 0xab),
+            "a file WRITE of {len} did not land"
+        );
+    }
+    assert!(ch.is_alive());
+}
