@@ -171,13 +171,17 @@ fn classify(e: &anyhow::Error, server: Server) -> (&'static str, Option<String>)
 /// A broadcast's own failures: a kind each, and what to do.
 fn broadcast(e: &BroadcastError) -> Option<(&'static str, String)> {
     Some(match e {
-        BroadcastError::Stalled { holder, .. } => (
+        BroadcastError::Stalled { holder, reason, .. } => (
             "stalled",
             format!(
-                "{} stopped sending (stopped, frozen or cut off): check that {} still runs and \
-                 is reachable, then pull again; --stall-after sets how long a silent holder is \
-                 waited for",
+                "{} {}: check that {} still runs and is reachable, then pull again; \
+                 --stall-after sets how long a silent holder is waited for",
                 holder.split(" (id ").next().unwrap_or(holder),
+                if reason.starts_with("sent nothing") || reason.starts_with("advertised nothing") {
+                    "stopped sending (stopped, frozen or cut off)"
+                } else {
+                    "went away (its process ended, or the link broke)"
+                },
                 if holder.starts_with("the source") {
                     "`ferry publish`"
                 } else {
