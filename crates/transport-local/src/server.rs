@@ -736,31 +736,11 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = match read_entry(&mut rd, len, ipc, ring)? {
-                    Entry::Inline(n) => {
-                        // A small READ of a file: its bytes follow the response on the ring.
-                        let bytes = inline_bytes(&mut inline, n + len, len)?;
-                        file.read_exact_at(at, bytes)?;
-                        out.extend_from_slice(&response);
-                        out.extend_from_slice(bytes);
-                        continue;
-                    }
-                    Entry::Addr(span) => span,
-                    Entry::Ipc(grant) => {
-                        served(&mut gpu)?.read_file(&grant, &file, at, len, &mut staging.buf)?;
-                        out.extend_from_slice(&response);
-                        continue;
-                    }
-                };
-                staging.buf.resize(len, 0);
-                file.read_exact_at(at, &mut staging.buf)?;
-                let ours = Span {
-                    addr: staging.buf.as_ptr() as usize,
-                    len,
-                };
-                // SAFETY: `staging.buf` is ours and only read by the copy.
-                unsafe { host::copy(pid, Direction::Out, &[ours], &[theirs])? };
+                let op = (Direction::Out, &file, at, len);
+                let bufs = (&mut staging.buf, &mut inline);
+                let moved = serve_file(&mut rd, pid, op, (ipc, ring), &mut gpu, bufs)?;
                 out.extend_from_slice(&response);
+                out.extend_from_slice(moved);
             }
             Action::WriteFile {
                 file,
@@ -768,30 +748,9 @@ fn serve_data(
                 len,
                 response,
             } => {
-                let theirs = match read_entry(&mut rd, len, ipc, ring)? {
-                    Entry::Inline(n) => {
-                        // A small WRITE to a file: its bytes came after the entry on the ring.
-                        let bytes = inline_bytes(&mut inline, n, len)?;
-                        rd.read_exact(bytes)?;
-                        file.write_all_at(at, bytes)?;
-                        out.extend_from_slice(&response);
-                        continue;
-                    }
-                    Entry::Addr(span) => span,
-                    Entry::Ipc(grant) => {
-                        served(&mut gpu)?.write_file(&grant, &file, at, len, &mut staging.buf)?;
-                        out.extend_from_slice(&response);
-                        continue;
-                    }
-                };
-                staging.buf.resize(len, 0);
-                let ours = Span {
-                    addr: staging.buf.as_mut_ptr() as usize,
-                    len,
-                };
-                // SAFETY: `staging.buf` is ours, writable, not referenced during the copy.
-                unsafe { host::copy(pid, Direction::In, &[ours], &[theirs])? };
-                file.write_all_at(at, &staging.buf)?;
+                let op = (Direction::In, &file, at, len);
+                let bufs = (&mut staging.buf, &mut inline);
+                serve_file(&mut rd, pid, op, (ipc, ring), &mut gpu, bufs)?;
                 out.extend_from_slice(&response);
             }
             Action::ChecksumMemory { sum, seq, .. } => {
@@ -863,6 +822,58 @@ fn serve_memory<'b>(
         held.check(rd.get_ref().sock())?;
     }
     copy_memory(held.pid, dir, theirs, region, at, len, gpu)?;
+    Ok(&[])
+}
+
+/// One READ (`Out`) or WRITE (`In`) of `len` bytes at `at` of a published file (its range
+/// checked): its entry read, then its bytes moved inline through the ring (a small op on a ring
+/// stream; a READ's returned, to follow the response), to or from a CUDA IPC grant, or through
+/// `staging` to or from the client's memory (the client checked before the request). What the
+/// answer carries after its response.
+fn serve_file<'b>(
+    rd: &mut BufReader<Conn<'_>>,
+    pid: u32,
+    (dir, file, at, len): (Direction, &Arc<dyn ferry_core::FileSource>, u64, usize),
+    (ipc, ring): (bool, bool),
+    gpu: &mut Option<Served>,
+    (staging, inline): (&mut Vec<u8>, &'b mut [u8; INLINE_MAX]),
+) -> io::Result<&'b [u8]> {
+    let theirs = match read_entry(rd, len, ipc, ring)? {
+        Entry::Inline(n) if dir == Direction::In => {
+            let bytes = inline_bytes(inline, n, len)?;
+            rd.read_exact(bytes)?;
+            file.write_all_at(at, bytes)?;
+            return Ok(&[]);
+        }
+        Entry::Inline(n) => {
+            let bytes = inline_bytes(inline, n + len, len)?;
+            file.read_exact_at(at, bytes)?;
+            return Ok(bytes);
+        }
+        Entry::Addr(span) => span,
+        Entry::Ipc(grant) => {
+            let served = served(gpu)?;
+            match dir {
+                Direction::Out => served.read_file(&grant, file, at, len, staging)?,
+                Direction::In => served.write_file(&grant, file, at, len, staging)?,
+            }
+            return Ok(&[]);
+        }
+    };
+    staging.resize(len, 0);
+    if dir == Direction::Out {
+        file.read_exact_at(at, staging)?;
+    }
+    let ours = Span {
+        addr: staging.as_mut_ptr() as usize,
+        len,
+    };
+    // SAFETY: `staging` is ours, `len` bytes long, writable, and not referenced elsewhere
+    // during the copy.
+    unsafe { host::copy(pid, dir, &[ours], &[theirs])? };
+    if dir == Direction::In {
+        file.write_all_at(at, staging)?;
+    }
     Ok(&[])
 }
 
