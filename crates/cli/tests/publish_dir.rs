@@ -107,5 +107,8 @@ fn a_directory_inside_a_directory_is_refused_once() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is a directory inside"), "{err}");
     assert_eq!(err.matches("is a directory").count(), 1, "said once: {err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    // One line saying it, and the hint every failure ends with.
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(lines[1].starts_with("hint: "), "{err}");
 }
