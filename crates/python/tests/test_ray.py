@@ -158,6 +158,17 @@ class Reader:
     def digest(self, t) -> str:
         return digest(t)
 
+    def keep(self, t) -> int:
+        """Keeps the received tensor ``t`` (its buffer stays in use); returns its address."""
+        self.kept = getattr(self, "kept", []) + [t]
+        return t.data_ptr()
+
+    def kept_digests(self) -> list:
+        return [digest(t) for t in self.kept]
+
+    def address(self, t) -> int:
+        return t.data_ptr()
+
     def digests(self, d) -> dict:
         return {k: (digest(v), tuple(v.shape), str(v.dtype)) for k, v in d.items()}
 
@@ -260,6 +271,41 @@ def test_one_object_read_by_several_actors_at_once(cluster):
     ref = src.make.remote(1 << 20, 13)
     got = ray.get([r.digest.remote(ref) for r in readers], timeout=WAIT)
     assert got == [digest(tensor(1 << 20, 13))] * 3
+
+
+def test_the_receive_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
+    pool = ferry.ray._RecvPool()
+    a = pool.take(4 << 20)
+    first = a.ctypes.data
+    held = torch.from_numpy(a).view(torch.float32)[10:20]  # a view over part of it
+    del a
+    b = pool.take(4 << 20)
+    assert b.ctypes.data != first, "a buffer a view still refers to was handed out again"
+    del held
+    assert pool.take(4 << 20).ctypes.data == first, "a free buffer was not reused"
+    assert pool.take(1000).nbytes == 1000  # small: not pooled, still the right size
+    del b
+
+
+def test_received_tensors_the_reader_keeps_are_never_overwritten(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    n = 2 << 20  # 8 MiB: from the receive pool
+    kept = [ray.get(dst.keep.remote(src.make.remote(n, seed)), timeout=WAIT) for seed in (21, 22)]
+    assert kept[0] != kept[1], "a kept tensor's buffer was handed to the next object"
+    assert ray.get(dst.kept_digests.remote(), timeout=WAIT) == [
+        digest(tensor(n, 21)),
+        digest(tensor(n, 22)),
+    ]
+    # A tensor the reader dropped gives its buffer back: the next object of its size reuses it.
+    a = ray.get(dst.address.remote(src.make.remote(n, 23)), timeout=WAIT)
+    assert ray.get(dst.address.remote(src.make.remote(n, 24)), timeout=WAIT) == a
+    assert ray.get(dst.digest.remote(src.make.remote(n, 25)), timeout=WAIT) == digest(
+        tensor(n, 25)
+    )
+    assert ray.get(dst.kept_digests.remote(), timeout=WAIT) == [
+        digest(tensor(n, 21)),
+        digest(tensor(n, 22)),
+    ]
 
 
 def test_driver_put_is_read_by_an_actor(cluster):

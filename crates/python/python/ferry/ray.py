@@ -31,7 +31,8 @@ How Ray's ``TensorTransportManager`` contract maps onto Ferry:
   and each tensor's segment, offset and length.
 - ``fetch_multiple_tensors`` / ``wait_fetch_complete`` (receiver): one request of READs, one
   per tensor, straight into the receiving tensors (Ray's ``target_buffers`` when given, so
-  there is no extra copy).
+  there is no extra copy; else, on the CPU, buffers of a receive pool reused once free, which
+  saves fresh memory's first touch: ``_RecvPool``).
 - ``abort_transport`` cancels the object's request and returns once it drained: no byte of it
   can still move.
 - ``garbage_collect`` (source) releases the object's hold on each storage; the last one
@@ -552,13 +553,16 @@ class FerryTensorTransport(TensorTransportManager):
                         f"item {i} of object {obj_id} {nbytes}"
                     )
                 view = _byte_view(t)
-                if _is_numpy(view):
-                    reg = engine.register(view)
-                elif view.is_cuda:
-                    reg = engine.register_gpu(view)
-                else:
-                    reg = engine.register(view.numpy())
-                fetch.registrations.append(reg)
+                # A pooled receive buffer keeps its registration (closed by the pool only).
+                reg = None if target_buffers else _POOL.registration(engine, view)
+                if reg is None:
+                    if _is_numpy(view):
+                        reg = engine.register(view)
+                    elif view.is_cuda:
+                        reg = engine.register_gpu(view)
+                    else:
+                        reg = engine.register(view.numpy())
+                    fetch.registrations.append(reg)
                 batch.read(reg, peer.segment(name), 0, offset, nbytes)
             with self._lock:
                 if obj_id in self._aborted:
@@ -942,19 +946,102 @@ class FerryRelayTransport(FerryTensorTransport):
         super().garbage_collect(obj_id, tensor_transport_meta, tensors)
 
 
+class _Pooled:
+    __slots__ = ("root", "reg", "engine", "extra")
+
+    def __init__(self, root: Any) -> None:
+        self.root = root  # a flat uint8 numpy array, the buffer's owner
+        self.reg: Any = None  # its write registration with ``engine``, kept while pooled
+        self.engine: Any = None
+        self.extra = 0  # references to ``root`` that ``reg`` holds
+
+
+class _RecvPool:
+    """Receive buffers of CPU objects fetched without target buffers, reused once free.
+
+    A fresh buffer costs its first touch: on this project's VMs the kernel faults and zeroes
+    each 4 KiB page during the copy, which makes a read into fresh memory about 4x slower
+    than into touched memory (docs/ray.md), and registering it costs a few ms more. A buffer
+    handed out stays in the pool; it is handed out again only when nothing but the pool (and
+    its registration) refers to its root array: every tensor, view or array over it holds a
+    reference to that root, so a buffer still in use is never reused. Buffers under
+    ``MIN_BYTES`` are not pooled, and the pool keeps at most ``MAX_BYTES`` (what it holds
+    stays allocated for the life of the process)."""
+
+    MIN_BYTES = 1 << 20
+    MAX_BYTES = 1 << 30
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[_Pooled] = []
+        self._bytes = 0
+
+    def take(self, nbytes: int) -> Any:
+        """A flat uint8 array of ``nbytes``: a free pooled one, a new pooled one, or (pool
+        full, or small) a plain one."""
+        import numpy as np
+
+        if nbytes < self.MIN_BYTES:
+            return np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            for e in self._entries:
+                # The entry's reference, getrefcount's argument, and the registration's.
+                if e.root.nbytes == nbytes and sys.getrefcount(e.root) == 2 + e.extra:
+                    return e.root
+            root = np.empty(nbytes, dtype=np.uint8)
+            if self._bytes + nbytes <= self.MAX_BYTES:
+                self._entries.append(_Pooled(root))
+                self._bytes += nbytes
+            return root
+
+    def registration(self, engine: ferry.Engine, view: Any) -> Any:
+        """The kept write registration of the pooled buffer ``view`` covers whole (a uint8
+        tensor or array), registering it on first use; None when ``view`` is not one."""
+        ptr, nbytes = _data_ptr(view), _nbytes(view)
+        with self._lock:
+            for e in self._entries:
+                if int(e.root.ctypes.data) != ptr or e.root.nbytes != nbytes:
+                    continue
+                if e.reg is None or e.engine is not engine:
+                    if e.reg is not None:
+                        e.reg.close()
+                        e.reg = None
+                    before = sys.getrefcount(e.root)
+                    e.reg = engine.register(e.root)
+                    e.engine = engine
+                    e.extra = sys.getrefcount(e.root) - before
+                return e.reg
+        return None
+
+
+_POOL = _RecvPool()
+
+
 def _empty_like_meta(meta: FerryTransportMetadata) -> list[Any]:
-    """Fresh receiving tensors (or arrays) of the object's shapes, dtypes and kinds."""
+    """Receiving tensors (or arrays) of the object's shapes, dtypes and kinds: CPU ones over
+    buffers from the receive pool (``_RecvPool``), others fresh."""
+    import numpy as np
+
     kinds = meta.kinds or ["torch"] * len(meta.tensor_meta)
+    device = meta.tensor_device or "cpu"
     out = []
     for (shape, dtype), kind in zip(meta.tensor_meta, kinds):
         if kind == "numpy":
-            import numpy as np
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            out.append(_POOL.take(count * dt.itemsize).view(dt).reshape(shape))
+            continue
+        import torch
 
-            out.append(np.empty(shape, dtype=dtype))
-        else:
-            import torch
-
-            out.append(torch.empty(shape, dtype=dtype, device=meta.tensor_device or "cpu"))
+        if device != "cpu":
+            out.append(torch.empty(shape, dtype=dtype, device=device))
+            continue
+        count = 1
+        for d in shape:
+            count *= int(d)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        flat = torch.from_numpy(_POOL.take(count * itemsize))
+        out.append(flat.view(dtype).view(shape) if count else torch.empty(shape, dtype=dtype))
     return out
 
 
