@@ -1004,7 +1004,10 @@ class _RecvPool:
                     continue
                 if e.reg is None or e.engine is not engine:
                     if e.reg is not None:
-                        e.reg.close()
+                        try:
+                            e.reg.close()
+                        except Exception:  # its engine is gone, and the registration with it
+                            pass
                         e.reg = None
                     before = sys.getrefcount(e.root)
                     e.reg = engine.register(e.root)
