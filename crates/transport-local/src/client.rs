@@ -875,11 +875,16 @@ fn send_inline(side: &Side, outbox: &mut Vec<u8>, out: &Outgoing<Req>) -> io::Re
     } else {
         0
     };
+    let mut head = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
+    head[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
+    head[DATA_REQUEST_LEN..].copy_from_slice(&(INLINE_MARK | follows as u64).to_le_bytes());
+    if follows == 0 {
+        // A READ: nothing follows its entry, so no payload buffer to zero per op.
+        return send_or_keep(side, outbox, &head);
+    }
     let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN + crate::wire::INLINE_MAX];
     let end = DATA_REQUEST_LEN + ADDR_LEN + follows;
-    one[..DATA_REQUEST_LEN].copy_from_slice(&out.head);
-    one[DATA_REQUEST_LEN..DATA_REQUEST_LEN + ADDR_LEN]
-        .copy_from_slice(&(INLINE_MARK | follows as u64).to_le_bytes());
+    one[..head.len()].copy_from_slice(&head);
     out.region
         .read_at(out.local_at, &mut one[DATA_REQUEST_LEN + ADDR_LEN..end])
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a chunk outside its region"))?;
