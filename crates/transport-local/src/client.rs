@@ -245,7 +245,7 @@ fn attach(
         )));
     }
     let ends = if code & RING_BIT != 0 {
-        take_ring(&sock).map_err(io)?
+        take_ring(peer.addr, &sock).map_err(io)?
     } else {
         None
     };
@@ -262,13 +262,13 @@ const READER_SPIN_NS: u64 = 5_000;
 
 /// Reads the server's ring offer and maps the ring where it can (else the stream stays on the
 /// socket), answering which.
-fn take_ring(sock: &UnixStream) -> io::Result<Option<Ends>> {
+fn take_ring(peer: SocketAddr, sock: &UnixStream) -> io::Result<Option<Ends>> {
     let (byte, fd) = recv_fd(sock)?;
     let mapped = match (byte, fd) {
         (RING_OFFER, Some(fd)) => match Shm::adopt(&fd, SHM_LEN) {
             Ok(shm) => Some(shm),
             Err(e) => {
-                debug!(error = %e, "the same-host ring offered is not usable; on the socket");
+                debug!(%peer, error = %e, "the same-host ring offered is not usable; on the socket");
                 None
             }
         },
@@ -624,7 +624,10 @@ impl Shared {
                 Ok(n) => rx.len += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => rx.end = Some(e.raw_os_error()),
+                Err(e) => {
+                    debug!(peer = %self.peer, error = %e, "same-host stream failed to receive");
+                    rx.end = Some(e.raw_os_error());
+                }
             }
         }
         resolved
