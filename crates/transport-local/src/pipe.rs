@@ -91,6 +91,8 @@ impl Link {
                 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
+                // The socket failed: nothing more comes either (a reader only looks at `eof`).
+                self.eof.store(true, Ordering::SeqCst);
                 self.gone.store(true, Ordering::SeqCst);
             }
             if p.revents & (libc::POLLIN | libc::POLLRDHUP) != 0 {
