@@ -517,10 +517,7 @@ class FerryTensorTransport(TensorTransportManager):
         meta = tensor_transport_metadata
         assert isinstance(meta, FerryTransportMetadata), type(meta)
         source = meta.source or "the source"
-        with self._lock:
-            if obj_id in self._aborted:
-                self._aborted.discard(obj_id)
-                raise self._error(obj_id, meta, "the transfer was aborted before it started")
+        self._raise_if_aborted(obj_id, meta)
         if target_buffers:
             tensors = list(target_buffers)
             if len(tensors) != len(meta.tensor_meta):
@@ -575,6 +572,13 @@ class FerryTensorTransport(TensorTransportManager):
             self._drop_peer(meta.addr)
             raise self._error(obj_id, meta, _reason(e)) from e
         return fetch
+
+    def _raise_if_aborted(self, obj_id: str, meta: FerryTransportMetadata) -> None:
+        """Raises (once) when ``abort_transport`` named ``obj_id`` before its fetch began."""
+        with self._lock:
+            if obj_id in self._aborted:
+                self._aborted.discard(obj_id)
+                raise self._error(obj_id, meta, "the transfer was aborted before it started")
 
     def wait_fetch_complete(
         self, fetch_request: FetchRequest, timeout: float = -1
@@ -893,10 +897,7 @@ class FerryRelayTransport(FerryTensorTransport):
                 obj_id, meta, communicator_metadata, target_buffers
             )
         source = meta.source or "the source"
-        with self._lock:
-            if obj_id in self._aborted:
-                self._aborted.discard(obj_id)
-                raise self._error(obj_id, meta, "the transfer was aborted before it started")
+        self._raise_if_aborted(obj_id, meta)
         tensors = list(target_buffers) if target_buffers else _empty_like_meta(meta)
         into: dict[str, Any] = {}
         for i, (t, seg) in enumerate(zip(tensors, meta.segments)):
@@ -1042,9 +1043,11 @@ def _empty_like_meta(meta: FerryTransportMetadata) -> list[Any]:
         count = 1
         for d in shape:
             count *= int(d)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        flat = torch.from_numpy(_POOL.take(count * itemsize))
-        out.append(flat.view(dtype).view(shape) if count else torch.empty(shape, dtype=dtype))
+        if not count:
+            out.append(torch.empty(shape, dtype=dtype))
+            continue
+        flat = torch.from_numpy(_POOL.take(count * dtype.itemsize))
+        out.append(flat.view(dtype).view(shape))
     return out
 
 
