@@ -32,6 +32,8 @@ struct Environment {
     installs: &'static [&'static [&'static str]],
     tests: &'static [&'static str],
     require: &'static [&'static str],
+    /// Free space its installation needs (GiB): the installed size and pip's unpacking beside it.
+    needs_gib: u64,
 }
 
 /// The environments. torch from the index is the CUDA build; it runs on a machine without a GPU.
@@ -81,6 +83,7 @@ const ENVIRONMENTS: &[Environment] = &[
             "FERRY_REQUIRE_VERL",
             "FERRY_REQUIRE_LMCACHE",
         ],
+        needs_gib: 9,
     },
     Environment {
         name: "vllm-venv",
@@ -88,11 +91,19 @@ const ENVIRONMENTS: &[Environment] = &[
         installs: &[&["vllm==0.33.*", "pytest"]],
         tests: &["test_vllm*.py"],
         require: &["FERRY_REQUIRE_VLLM"],
+        needs_gib: 13,
     },
 ];
 
-/// `python` arguments that install quietly with pip.
-const PIP_INSTALL: [&str; 5] = ["-m", "pip", "install", "-q", "--disable-pip-version-check"];
+/// `python` arguments that install quietly with pip, keeping no second copy of the downloads.
+const PIP_INSTALL: [&str; 6] = [
+    "-m",
+    "pip",
+    "install",
+    "-q",
+    "--disable-pip-version-check",
+    "--no-cache-dir",
+];
 
 const USAGE: &str = "usage: cargo xtask frameworks [--only NAME] [--provision]";
 
@@ -207,6 +218,7 @@ fn try_provision(env: &Environment) -> Result<PathBuf> {
     let wanted = provision_record(env);
     let have = std::fs::read_to_string(&marker).unwrap_or_default();
     if have != wanted {
+        check_free_space(env, &dir)?;
         for install in env.installs {
             run_loud(Command::new(&py).args(PIP_INSTALL).args(*install))
                 .with_context(|| format!("pip install {}", install.join(" ")))?;
@@ -221,6 +233,40 @@ fn try_provision(env: &Environment) -> Result<PathBuf> {
         );
     }
     Ok(py)
+}
+
+/// Fails before pip starts when the disk holding `dir` has less free space than `env` needs, so
+/// a full disk is named as such rather than as a pip error halfway through a download.
+fn check_free_space(env: &Environment, dir: &Path) -> Result<()> {
+    let out = Command::new("df")
+        .args(["-B1", "--output=avail"])
+        .arg(dir)
+        .output()
+        .context("running df")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(free) = text
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse::<u64>().ok())
+    else {
+        eprintln!(
+            "frameworks: could not read free space for {} from df",
+            dir.display()
+        );
+        return Ok(());
+    };
+    let free_gib = free >> 30;
+    if free_gib < env.needs_gib {
+        bail!(
+            "provisioning {} needs about {} GiB free on the disk of {}; {} GiB are free \
+             (free space, or point FERRY_VENV_CACHE at a larger disk)",
+            env.name,
+            env.needs_gib,
+            dir.display(),
+            free_gib
+        );
+    }
+    Ok(())
 }
 
 /// What the marker holds: one line per pip install, in order.
