@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -47,6 +48,38 @@ def _ip(*args: str) -> None:
     out = subprocess.run(["ip", *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {out.stderr.strip()}")
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """The processes in network namespace ``ns`` (``ip netns pids``); none once it is gone."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()] if out.returncode == 0 else []
+
+
+def end_namespace_processes(namespaces: list[str], timeout: float = 30.0) -> list[int]:
+    """Kills (SIGKILL, by id) every process in ``namespaces`` (only processes this run started
+    live there: Ray's nodes, their workers, the drivers) until none is left or ``timeout`` ran
+    out; returns the ids still there. ``ray stop`` is not used: it stops every Ray process on
+    the machine, namespaces or not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [pid for ns in namespaces for pid in namespace_pids(ns)]
+        if not left or time.monotonic() > deadline:
+            return left
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)  # poll: a killed process leaves the namespace asynchronously
+
+
+def _close_namespaces(made: list[str]) -> None:
+    left = end_namespace_processes(made)
+    for ns in made:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    if left:
+        raise RuntimeError(f"processes {left} outlived SIGKILL in namespaces {made}")
 
 
 class TwoNamespaces:
@@ -78,10 +111,72 @@ class TwoNamespaces:
             self.close()
             raise
 
+    def names(self) -> list[str]:
+        return list(self.made)
+
     def close(self) -> None:
-        for ns in self.made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        self.made = []
+        """Ends every process left in the namespaces, then deletes them."""
+        made, self.made = self.made, []
+        _close_namespaces(made)
+
+
+class Fleet:
+    """Hosts ``0..hosts-1``, each in a namespace of its own, joined by a bridge in a hub
+    namespace, each host's link shaped by TBF in both directions to ``rate`` (tc units) when
+    given: the layout of tests/src/fleet.rs (``cargo xtask bench broadcast``'s fleet) and
+    ``shared/tools/netns/fleet.sh``, its names and commands the same, for Python. Addresses
+    198.19.H.(i+1)/24, H from the process id."""
+
+    def __init__(self, hosts: int, rate: Optional[str] = None) -> None:
+        pid = os.getpid()
+        self.prefix = f"frf{pid & 0xFFFFF:x}"
+        self.net = (pid * 7 + 1) % 250
+        self.made: list[str] = []
+        self.hosts = hosts
+        hub = f"{self.prefix}-hub"
+        try:
+            for ns in [hub] + [self.name(i) for i in range(hosts)]:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                _ip("netns", "add", ns)
+                self.made.append(ns)
+            _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", hub, "link", "set", "br0", "up")
+            for i in range(hosts):
+                ns, h, p = self.name(i), f"h{i}", f"p{i}"
+                _ip("link", "add", h, "netns", ns, "type", "veth", "peer", "name", p, "netns", hub)
+                _ip("-n", hub, "link", "set", p, "master", "br0", "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", h)
+                _ip("-n", ns, "link", "set", h, "up")
+                if rate:
+                    for space, dev in ((ns, h), (hub, p)):
+                        _ip("netns", "exec", space, "tc", "qdisc", "add", "dev", dev, "root",
+                            "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
+        except Exception:
+            self.close()
+            raise
+
+    def name(self, i: int) -> str:
+        return f"{self.prefix}-{i}"
+
+    def addr(self, i: int) -> str:
+        return f"198.19.{self.net}.{i + 1}"
+
+    def names(self) -> list[str]:
+        return list(self.made)
+
+    def tx_bytes(self, i: int) -> int:
+        """Bytes host ``i`` has sent on its link."""
+        out = subprocess.run(
+            ["ip", "netns", "exec", self.name(i), "cat", f"/sys/class/net/h{i}/statistics/tx_bytes"],
+            capture_output=True, text=True, check=True,
+        )
+        return int(out.stdout)
+
+    def close(self) -> None:
+        """Ends every process left in the fleet's namespaces, then deletes them."""
+        made, self.made = self.made, []
+        _close_namespaces(made)
 
 
 DRIVER = r'''
