@@ -80,6 +80,11 @@ struct Req {
     outstanding: AtomicUsize,
     /// The task to wake when the last chunk resolves.
     waker: Mutex<Option<Waker>>,
+    /// Whether it is counted in its channel's `watching` (its answers are the readers' to
+    /// resolve), until its last chunk resolves.
+    watched: AtomicBool,
+    /// The channel's count of such requests.
+    watching: Arc<AtomicUsize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -96,9 +101,13 @@ impl ChunkOwner for Req {
     }
 
     fn chunk_done(&self) {
-        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1
-            && let Some(w) = lock(&self.waker).take()
-        {
+        if self.outstanding.fetch_sub(1, Ordering::SeqCst) != 1 {
+            return;
+        }
+        if self.watched.swap(false, Ordering::SeqCst) {
+            self.watching.fetch_sub(1, Ordering::SeqCst);
+        }
+        if let Some(w) = lock(&self.waker).take() {
             w.wake();
         }
     }
@@ -300,6 +309,9 @@ struct Shared {
     closed: AtomicBool,
     /// Whether small requests' tasks spin for their answers (some stream is on the ring).
     spins: bool,
+    /// Requests with chunks outstanding that no task spins for: while there is none, the ring
+    /// streams' readers stay parked ([`pipe::Rx::park_while`]) and an answer wakes no thread.
+    watching: Arc<AtomicUsize>,
     /// How long they spin now, in nanoseconds (adapted: [`Spin`]).
     spin: std::sync::atomic::AtomicU64,
     /// The server's process.
@@ -331,6 +343,9 @@ struct Side {
     /// and every submit runs. Touched only with `proto` locked. A caller's thread never waits
     /// on the socket, so a frozen server cannot hold it past its deadline.
     outbox: Mutex<Vec<u8>>,
+    /// An inline WRITE's header and bytes, put together (kept, so that no op zeroes a buffer
+    /// of [`INLINE_MAX`](crate::wire::INLINE_MAX) bytes). Touched only with `proto` locked.
+    scratch: Mutex<Vec<u8>>,
     alive: AtomicBool,
     /// What was received and not yet resolved: taken by the stream's reader thread, or by a
     /// task polling a request of the channel (which then resolves responses without waiting
@@ -412,6 +427,7 @@ impl LocalChannel {
         let shared = Arc::new(Shared {
             spins,
             spin: std::sync::atomic::AtomicU64::new(Spin::new().budget_ns()),
+            watching: Arc::default(),
             peer,
             dealer: Mutex::new(Dealer::new(n)),
             streams: socks
@@ -421,6 +437,7 @@ impl LocalChannel {
                     ring,
                     proto: Mutex::new(ClientStream::new(depth, AckPolicy::Immediate)),
                     outbox: Mutex::default(),
+                    scratch: Mutex::default(),
                     alive: AtomicBool::new(true),
                     rx: Mutex::default(),
                 })
@@ -479,7 +496,7 @@ impl Shared {
         let until = std::time::Instant::now() + Duration::from_nanos(budget);
         let mut i = 0u32;
         let hit = loop {
-            if req.outstanding.load(Ordering::Acquire) == 0 {
+            if req.outstanding.load(Ordering::SeqCst) == 0 {
                 break true;
             }
             self.progress();
@@ -493,9 +510,30 @@ impl Shared {
         if hit {
             s.hit()
         } else {
-            s.miss()
+            s.miss();
+            self.watch(req);
         }
         self.spin.store(s.budget_ns(), Ordering::Relaxed);
+    }
+
+    /// No task spins for `req`'s answers (any more): counts it in `watching` until its last
+    /// chunk resolves, and arms the ring streams' readers, so that the next answer wakes them
+    /// (at once where answers are there already).
+    fn watch(&self, req: &Req) {
+        self.watching.fetch_add(1, Ordering::SeqCst);
+        req.watched.store(true, Ordering::SeqCst);
+        // Its last chunk may have resolved before it was marked: uncounted again.
+        if req.outstanding.load(Ordering::SeqCst) == 0 {
+            if req.watched.swap(false, Ordering::SeqCst) {
+                self.watching.fetch_sub(1, Ordering::SeqCst);
+            }
+            return;
+        }
+        for side in &self.streams {
+            if let Some((_, rx)) = &side.ring {
+                rx.arm();
+            }
+        }
     }
 
     fn lock_dealer(&self) -> std::sync::MutexGuard<'_, Dealer<Job>> {
@@ -553,6 +591,11 @@ impl Shared {
     fn read_responses(self: Arc<Self>, i: usize) {
         let side = &self.streams[i];
         let native = loop {
+            if let Some((_, rx)) = &side.ring {
+                // While every request in flight has a task spinning for its answers, they
+                // resolve them: this thread is not woken per answer.
+                rx.park_while(|| self.watching.load(Ordering::SeqCst) == 0);
+            }
             if let Err(e) = side.wait_readable() {
                 break e.raw_os_error();
             }
@@ -885,13 +928,15 @@ fn send_inline(side: &Side, outbox: &mut Vec<u8>, out: &Outgoing<Req>) -> io::Re
         // A READ: nothing follows its entry, so no payload buffer to zero per op.
         return send_or_keep(side, outbox, &head);
     }
-    let mut one = [0u8; DATA_REQUEST_LEN + ADDR_LEN + crate::wire::INLINE_MAX];
-    let end = DATA_REQUEST_LEN + ADDR_LEN + follows;
+    let mut one = lock(&side.scratch);
+    // Zeroed only past its last length (not at all for ops of one size); every byte sent is
+    // written over first.
+    one.resize(head.len() + follows, 0);
     one[..head.len()].copy_from_slice(&head);
     out.region
-        .read_at(out.local_at, &mut one[DATA_REQUEST_LEN + ADDR_LEN..end])
+        .read_at(out.local_at, &mut one[head.len()..])
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a chunk outside its region"))?;
-    send_or_keep(side, outbox, &one[..end])
+    send_or_keep(side, outbox, &one)
 }
 
 /// Sends as much of `bytes` as the socket takes without waiting: how much.
@@ -958,6 +1003,8 @@ impl Channel for LocalChannel {
             // The poster's own count, released once everything is dealt.
             outstanding: AtomicUsize::new(1),
             waker: Mutex::new(None),
+            watched: AtomicBool::new(false),
+            watching: shared.watching.clone(),
         });
         let closed = shared.closed.load(Ordering::Acquire)
             || !shared
@@ -983,8 +1030,18 @@ impl Channel for LocalChannel {
                 }
                 .not_posted(FailureKind::Local);
             }
-            req.outstanding.fetch_sub(1, Ordering::AcqRel);
+            // The poster's count.
+            req.chunk_done();
             return finish(None, req, false);
+        }
+        let spin = shared.spins
+            && ops.len() <= SPIN_OPS
+            && ops
+                .iter()
+                .all(|op| op.len <= crate::wire::INLINE_MAX as u64);
+        if !spin {
+            // Its answers are the readers' from the start (armed before anything is posted).
+            shared.watch(&req);
         }
         deal_request(
             &shared.dealer,
@@ -997,12 +1054,8 @@ impl Channel for LocalChannel {
             },
             |set| shared.pump_all(set),
         );
-        req.outstanding.fetch_sub(1, Ordering::AcqRel);
-        let spin = shared.spins
-            && ops.len() <= SPIN_OPS
-            && ops
-                .iter()
-                .all(|op| op.len <= crate::wire::INLINE_MAX as u64);
+        // The poster's count (and the request unwatched if everything resolved meanwhile).
+        req.chunk_done();
         finish(Some(shared.clone()), req, spin)
     }
 

@@ -300,6 +300,38 @@ impl Rx {
         self.spin.store(s.budget_ns(), Ordering::Relaxed);
     }
 
+    /// Parks this end's reader while `idle()` says no answer needs it (the tasks awaiting
+    /// them spin and read them themselves) and the end has not come: it sleeps on its futex
+    /// word left clear, so the peer's writes make no system call and wake nothing. Returns
+    /// once `idle()` is false or the end came (the watcher wakes it), and looks again every
+    /// [`BACKSTOP`]. Whoever makes `idle()` false then calls [`arm`](Self::arm).
+    pub(crate) fn park_while(&self, idle: impl Fn() -> bool) {
+        let w = self.link.shm.u32_at(self.ring.reader_sleep());
+        loop {
+            if !idle() || self.link.eof.load(Ordering::SeqCst) {
+                return;
+            }
+            if w.load(Ordering::SeqCst) != 0 {
+                // A wake asked for by an arm whose need has ended since: withdrawn, so that
+                // the peer's next write does not wake this thread (then `idle()` looked at
+                // again: an arm after it set the word after making `idle()` false).
+                w.store(0, Ordering::SeqCst);
+                continue;
+            }
+            futex_wait(w, 0, BACKSTOP);
+        }
+    }
+
+    /// Asks the peer's next write to wake this end's reader, parked or not (after making the
+    /// reader's `idle()` false); wakes it at once when bytes or the end are there already.
+    pub(crate) fn arm(&self) {
+        let w = self.link.shm.u32_at(self.ring.reader_sleep());
+        w.store(1, Ordering::SeqCst);
+        if self.ready() && w.swap(0, Ordering::SeqCst) != 0 {
+            futex_wake(w);
+        }
+    }
+
     /// Reads at least one byte into `buf`, waiting for it: `Ok(0)` only at the end.
     pub(crate) fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
@@ -381,6 +413,78 @@ mod tests {
             assert!(Instant::now() < until, "the hang-up was never seen");
             std::thread::yield_now();
         }
+    }
+
+    /// Waits (at most 20 s) until `cond`.
+    fn until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn a_parked_reader_costs_the_writer_no_wake_until_it_is_armed() {
+        let ((_ctx, crx), (stx, _srx), _socks) = pair();
+        let crx = Arc::new(crx);
+        let word = || {
+            crx.link
+                .shm
+                .u32_at(ANSWERS.reader_sleep())
+                .load(Ordering::SeqCst)
+        };
+        // An arm left from before (its request resolved since): the parked reader withdraws it.
+        let needed = Arc::new(AtomicBool::new(false));
+        crx.arm();
+        assert_eq!(word(), 1);
+        let parked = {
+            let (crx, needed) = (crx.clone(), needed.clone());
+            std::thread::spawn(move || crx.park_while(|| !needed.load(Ordering::SeqCst)))
+        };
+        until("the stale arm withdrawn", || word() == 0);
+        // Answers while it is parked: no futex call on the writer's side.
+        let before = crate::shm::WAKES.with(|w| w.get());
+        for _ in 0..100 {
+            assert_eq!(stx.send_now(b"answer").unwrap(), 6);
+        }
+        assert_eq!(crate::shm::WAKES.with(|w| w.get()), before);
+        assert!(!parked.is_finished());
+        // Needed again, with answers already there: the arm wakes it at once.
+        needed.store(true, Ordering::SeqCst);
+        crx.arm();
+        until("the armed reader back", || parked.is_finished());
+        parked.join().unwrap();
+    }
+
+    #[test]
+    fn an_armed_reader_is_woken_by_the_next_write_and_a_parked_one_by_the_end() {
+        let ((_ctx, crx), (stx, _srx), (_c, s)) = pair();
+        let crx = Arc::new(crx);
+        let needed = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (crx, needed) = (crx.clone(), needed.clone());
+            std::thread::spawn(move || {
+                crx.park_while(|| !needed.load(Ordering::SeqCst));
+                // Armed and nothing there yet: it waits for the write.
+                let mut buf = [0u8; 8];
+                let n = crx.read(&mut buf).unwrap();
+                buf[..n].to_vec()
+            })
+        };
+        needed.store(true, Ordering::SeqCst);
+        crx.arm();
+        stx.write_all(b"late").unwrap();
+        assert_eq!(reader.join().unwrap(), b"late");
+        // Parked for good, until the peer shuts its sending half.
+        needed.store(false, Ordering::SeqCst);
+        let parked = {
+            let crx = crx.clone();
+            std::thread::spawn(move || crx.park_while(|| true))
+        };
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        until("the end seen by the parked reader", || parked.is_finished());
+        parked.join().unwrap();
     }
 
     #[test]

@@ -173,8 +173,16 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The `futex_wake` calls this thread made (tests count what a path costs).
+    pub(crate) static WAKES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Wakes whoever sleeps on `word` (in either process).
 pub(crate) fn futex_wake(word: &AtomicU32) {
+    #[cfg(test)]
+    WAKES.with(|w| w.set(w.get() + 1));
     // SAFETY: FUTEX_WAKE on a valid aligned word; it touches no memory.
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
 }
