@@ -1,0 +1,150 @@
+//! A ring stream's reader thread while tasks spin for their own answers (issue 50): small
+//! requests awaited one after another on a ring channel resolve on the awaiting task, and the
+//! stream's reader thread stays parked, not woken per answer; a request no task spins for (a
+//! bulk one) still wakes it and resolves. Alone in its file: the reader threads counted are
+//! this test's only.
+
+mod common;
+use common::Responder;
+
+use std::sync::Arc;
+
+use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
+use ferry_core::{
+    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
+    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+};
+use ferry_net::HandshakeLimits;
+use ferry_transport_local::{LocalConfig, LocalServer, LocalTransport};
+
+const LEN: usize = 1 << 20;
+const TOKEN: SegmentToken = SegmentToken(1);
+
+#[derive(Debug)]
+struct Table(Arc<MemoryRegion>);
+
+impl SegmentTable for Table {
+    fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        (token == TOKEN).then(|| SegmentLease {
+            region: self.0.clone(),
+            base: 0,
+            len: LEN as u64,
+            access: Access::REMOTE_READ | Access::REMOTE_WRITE,
+            guard: None,
+        })
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        Vec::new()
+    }
+}
+
+/// Context switches so far of this process's threads named `name`.
+fn switches_of(name: &str) -> u64 {
+    let mut total = 0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = t.unwrap().path();
+        let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
+            continue;
+        };
+        if comm.trim_end() != name {
+            continue;
+        }
+        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+        for line in status.lines() {
+            if let Some(v) = line
+                .strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                total += v.trim().parse::<u64>().unwrap();
+            }
+        }
+    }
+    total
+}
+
+fn op(kind: OpKind, local: &Arc<MemoryRegion>, len: u64) -> Arc<[Op]> {
+    vec![Op {
+        kind,
+        local: local.clone(),
+        local_offset: 0,
+        token: TOKEN,
+        remote_offset: 0,
+        len,
+    }]
+    .into()
+}
+
+#[test]
+fn answers_that_tasks_spin_for_wake_no_reader_thread() {
+    let segment = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
+    let epoch = Epoch::fresh();
+    let h = LocalServer::bind()
+        .unwrap()
+        .serve(
+            Arc::new(Table(segment.clone())),
+            Arc::new(Responder(epoch)),
+            HandshakeLimits::default(),
+            16,
+        )
+        .unwrap();
+    let peer = PeerInfo {
+        addr: "127.0.0.1:1".parse().unwrap(),
+        local_id: PeerId(1),
+        local_epoch: Epoch::fresh(),
+        remote_id: PeerId(7),
+        remote_epoch: epoch,
+        offer: TransportOffer::Local {
+            boot_id: [0; 16],
+            pid: std::process::id(),
+            streams: 1,
+            socket: h.name().to_owned(),
+        },
+        segments: Vec::new(),
+        session: None,
+        key_name: None,
+        version: VECTORED_VERSION,
+    };
+    let transport = LocalTransport::new(LocalConfig {
+        streams: 1,
+        ring: true,
+        ..LocalConfig::default()
+    });
+    let ch = transport.connect_channel(&peer).unwrap();
+    assert_eq!(ch.ring_streams(), 1);
+    let local = Arc::new(MemoryRegion::from_vec(vec![0x5a; LEN]));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let run = |ops: &Arc<[Op]>| {
+        let o = rt.block_on(ch.execute(ops.clone(), Arc::new(RequestControl::new(ops))));
+        assert!(o.failure.is_none(), "{o:?}");
+    };
+    let small = op(OpKind::Write, &local, 64);
+    for _ in 0..500 {
+        run(&small);
+    }
+    let n = 4000u64;
+    let before = switches_of("ferry-local-rx");
+    for _ in 0..n {
+        run(&small);
+    }
+    let woken = switches_of("ferry-local-rx") - before;
+    println!("reader thread switches: {woken} over {n} small round trips");
+    // A task's spin may run out (its server thread preempted on a busy machine), and then the
+    // reader is armed and woken: rare, not once per round trip as without the parking.
+    assert!(
+        woken * 4 < n,
+        "the reader thread was woken {woken} times over {n} round trips"
+    );
+    // A bulk request: no task spins for it, the reader resolves it.
+    let bulk = op(OpKind::Read, &local, 256 << 10);
+    for _ in 0..20 {
+        run(&bulk);
+        run(&small);
+    }
+    // The READs brought the segment's bytes: the WRITEs' 64 at its start, zeroes after them.
+    let mut got = [0u8; 128];
+    local.read_at(0, &mut got).unwrap();
+    assert_eq!(got[..64], [0x5a; 64][..]);
+    assert_eq!(got[64..], [0u8; 64][..]);
+}
