@@ -270,12 +270,56 @@ async fn small_requests_on_an_idle_stream_are_completed_by_the_awaiting_task() {
     // Off, the stream's thread reads every response.
     let off = UringConfig {
         streams: 1,
+        caller_receives: false,
         ..UringConfig::default()
     };
     let (ch, t, tok, _remote, _server) = setup(off.clone(), off, OP as usize).await;
     let o = write_at(&ch, &src, tok, 0, OP).await;
     assert!(o.is_success(), "{o:?}");
     assert_eq!(t.stats().caller_receives.load(Ordering::Relaxed), 0);
+}
+
+/// The default (`caller_receives` on) on a runtime built without I/O: the first direct
+/// request finds it out (the reactor's registration panics, caught and not printed) and hands
+/// its response to the stream's ring; the runtime is remembered, so later requests are read by
+/// the ring from the start, not handed back one by one. Every request completes.
+#[test]
+fn a_runtime_without_io_has_its_responses_read_by_the_ring() {
+    if !uring_usable() {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        const N: u64 = 20;
+        const OP: u64 = 64;
+        let config = UringConfig {
+            streams: 1,
+            ..UringConfig::default()
+        };
+        assert!(config.caller_receives, "on by default");
+        let (ch, t, tok, remote, _server) = setup(config.clone(), config, (N * OP) as usize).await;
+        let src = Arc::new(MemoryRegion::alloc_zeroed((N * OP) as usize, 4096).unwrap());
+        fill(&src, 3);
+        for i in 0..N {
+            let o = write_at(&ch, &src, tok, i * OP, OP).await;
+            assert!(o.is_success() && o.drained, "write {i}: {o:?}");
+        }
+        let s = t.stats();
+        assert_eq!(s.caller_receives.load(Ordering::Relaxed), 0);
+        // Requests sent directly (the stream idle, its ring back in its wait), each of which
+        // would have been handed back had the runtime not been remembered.
+        let direct = s.direct_sends.load(Ordering::Relaxed);
+        let handed = s.caller_handbacks.load(Ordering::Relaxed);
+        assert!(direct >= 2, "{direct} of {N} sent directly");
+        assert!(
+            handed <= 1,
+            "{handed} of {direct} sent directly handed back"
+        );
+        assert!(bytes(&remote, 0, (N * OP) as usize) == bytes(&src, 0, (N * OP) as usize));
+    });
 }
 
 /// A direct WRITE (then READ) whose future is not polled while a later request on the same

@@ -4,8 +4,8 @@
 //! this process, each blocked in `recv` on its end of a loopback connection (Nagle off), bouncing
 //! 64 bytes. Ferry is `ferry bench --op-size 64 --depth 1` (WRITEs, one op in flight, its own
 //! loopback server), with the TCP streams on I/O threads (`--io-threads auto`, the default) and on
-//! the caller's runtime (`caller`), and over io_uring (the stream thread reading every response,
-//! and with `--uring-caller-receives` the awaiting task reading its own). The table shows median
+//! the caller's runtime (`caller`), and over io_uring (the stream's ring reading every response,
+//! `--uring-caller-receives false`, and the awaiting task reading its own, the default). The table shows median
 //! (p50) round trips over `--repeat` rounds and their ratio to the ping-pong's p50.
 //! docs/architecture.md's target is 1.2x.
 //!
@@ -280,10 +280,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     ];
     match ferry(200, &["--transport", "uring"]) {
         Ok(_) => {
-            cases.push(("ferry uring", vec!["--transport", "uring"], vec![]));
+            cases.push((
+                "ferry uring, ring receives",
+                vec!["--transport", "uring", "--uring-caller-receives", "false"],
+                vec![],
+            ));
             cases.push((
                 "ferry uring, caller receives",
-                vec!["--transport", "uring", "--uring-caller-receives"],
+                vec!["--transport", "uring", "--uring-caller-receives", "true"],
                 vec![],
             ));
         }

@@ -92,8 +92,8 @@ pub(crate) struct BenchArgs {
     io_threads: IoThreads,
     /// io_uring data plane: the task awaiting a small WRITE or READ sent directly on an idle
     /// stream reads its response itself (through the runtime's reactor) instead of being woken
-    /// by the stream's ring.
-    #[arg(long)]
+    /// by the stream's ring (`false`: the ring reads every response).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     uring_caller_receives: bool,
     /// Give a TCP or io_uring data stream up when its sent data goes unacknowledged (or an
     /// idle one's keepalive probes go unanswered) this long (1s to a day), or `off` for the

@@ -260,8 +260,8 @@ impl EngineBuilder {
 
     /// Whether the task that awaits a small io_uring WRITE or READ sent directly on an idle
     /// stream reads its response itself, through its tokio runtime's reactor, instead of being
-    /// woken by the stream's thread (default off; `UringConfig::caller_receives` says what it
-    /// changes: such a response is read only while the request is awaited).
+    /// woken by the stream's ring (default on; `UringConfig::caller_receives` says what it
+    /// changes: a response its task leaves unread for a tick is read by the ring).
     #[cfg(feature = "uring")]
     pub fn uring_caller_receives(mut self, on: bool) -> Self {
         self.data.uring_caller_receives = on;

@@ -78,8 +78,10 @@ pub struct UringConfig {
     /// I/O enabled has its response (and a READ's payload) read by that task: it receives
     /// without blocking whenever the runtime's reactor finds the socket readable, so the round
     /// trip wakes no thread but the awaiting one (the stream's client ring keeps only a hang-up
-    /// poll armed while the stream is idle). Off (the default): the stream's client ring reads
-    /// every response and wakes the task. Counted in
+    /// poll armed while the stream is idle). On by default; off, the stream's client ring reads
+    /// every response and wakes the task. A runtime built without I/O is found out at its
+    /// first such request, quietly (no panic printed), and its tasks' requests are read by the
+    /// rings from then on. Counted in
     /// [`IoStats::caller_receives`](crate::IoStats::caller_receives),
     /// [`IoStats::caller_handbacks`](crate::IoStats::caller_handbacks) and
     /// [`IoStats::caller_takeovers`](crate::IoStats::caller_takeovers).
@@ -114,7 +116,7 @@ impl Default for UringConfig {
             dead_peer_after: Some(DEAD_PEER_AFTER),
             handshake: HandshakeLimits::default(),
             server_rings: 0,
-            caller_receives: false,
+            caller_receives: true,
             client_rings: 0,
         }
     }

@@ -19,6 +19,7 @@
 
 mod conn;
 mod owners;
+mod reactor;
 mod recv;
 mod rings;
 mod send;
@@ -196,7 +197,7 @@ impl UringChannel {
         let caller = self.caller_receives
             && (op.kind == OpKind::Write
                 || (op.kind == OpKind::Read && op.len <= DIRECT_MAX as u64))
-            && tokio::runtime::Handle::try_current().is_ok();
+            && reactor::may_watch();
         // Streams whose lock is taken are looked at last, waiting for it: the ring holds it only
         // briefly (a response's bookkeeping, its tick), and such a stream may well be idle.
         let mut locked = Vec::new();
@@ -404,21 +405,22 @@ impl CallerRead {
         let fd = self.sh.socket.as_raw_fd();
         let interest = tokio::io::Interest::READABLE;
         // The reactor must have I/O enabled: a runtime built without it panics here, which is
-        // caught and taken as "no reactor" (the stream's ring reads).
-        let registered = std::panic::catch_unwind(|| {
+        // caught quietly and taken as "no reactor" (the stream's ring reads; the runtime's
+        // later requests are read by their rings from the start).
+        let registered = reactor::quietly(|| {
             // SAFETY: `fd` is the stream's socket, which `self.sh` keeps open (and the same
             // description) for as long as this registration, which is dropped before `read`
             // returns.
             unsafe { tokio::io::unix::AsyncFd::register_with_interest(SocketFd(fd), interest) }
         });
         let afd = match registered {
-            Ok(Ok(a)) => a,
-            Ok(Err(e)) => {
+            Some(Ok(a)) => a,
+            Some(Err(e)) => {
                 debug!(stream = self.index, error = %e, "cannot watch a stream socket; its ring reads");
                 self.hand_back();
                 return;
             }
-            Err(_) => {
+            None => {
                 debug!(
                     stream = self.index,
                     "no reactor to watch a stream socket; its ring reads"
