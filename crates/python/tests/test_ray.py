@@ -123,6 +123,11 @@ class Source:
         }
 
     @ray.method(tensor_transport="FERRY")
+    def parts(self, n: int, seed: int, k: int):
+        # k tensors of their own storages in one object, one of another dtype.
+        return [tensor(n, seed + i, torch.bfloat16 if i == 1 else None) for i in range(k)]
+
+    @ray.method(tensor_transport="FERRY")
     def view(self, start: int, stop: int):
         # Views of one storage: one registration, held by every object that uses it.
         return self.base[start:stop]
@@ -165,6 +170,18 @@ class Reader:
 
     def kept_digests(self) -> list:
         return [digest(t) for t in self.kept]
+
+    def keep_one(self, ts, i: int) -> list:
+        """Keeps item ``i`` of the received list ``ts``; returns every item's (address, bytes,
+        digest)."""
+        self.kept = getattr(self, "kept", []) + [ts[i]]
+        return [(t.data_ptr(), t.numel() * t.element_size(), digest(t)) for t in ts]
+
+    def spans(self, ts) -> list:
+        return [(t.data_ptr(), t.numel() * t.element_size(), digest(t)) for t in ts]
+
+    def drop_kept(self) -> None:
+        self.kept = []
 
     def address(self, t) -> int:
         return t.data_ptr()
@@ -306,6 +323,30 @@ def test_received_tensors_the_reader_keeps_are_never_overwritten(cluster):
         digest(tensor(n, 21)),
         digest(tensor(n, 22)),
     ]
+
+
+def test_an_object_of_many_tensors_arrives_in_one_pooled_buffer_never_reused_while_kept(cluster):
+    src, dst = Source.remote(), Reader.remote()
+    n, k = (1 << 20) + 3, 4  # 4 MiB and odd sizes: offsets in the buffer are aligned up
+    want = lambda seed: [digest(tensor(n, seed + i, torch.bfloat16 if i == 1 else None))  # noqa: E731
+                         for i in range(k)]
+    first = ray.get(dst.keep_one.remote(src.parts.remote(n, 30, k), 2), timeout=WAIT)
+    assert [d for _, _, d in first] == want(30)
+    # One buffer: the object's tensors lie one after another, none overlapping.
+    spans = sorted((a, a + b) for a, b, _ in first)
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:])), spans
+    assert spans[-1][1] - spans[0][0] < sum(b for _, b, _ in first) + 64 * k, spans
+    # Item 2 is kept: the next object of the same shapes must not land in that buffer.
+    second = ray.get(dst.spans.remote(src.parts.remote(n, 40, k)), timeout=WAIT)
+    assert [d for _, _, d in second] == want(40)
+    lo, hi = spans[0][0], spans[-1][1]
+    assert all(a + b <= lo or a >= hi for a, b, _ in second), "a kept tensor's buffer was reused"
+    assert ray.get(dst.kept_digests.remote(), timeout=WAIT) == [want(30)[2]]
+    # Once nothing refers to it, the buffer is handed out again.
+    ray.get(dst.drop_kept.remote())
+    third = ray.get(dst.spans.remote(src.parts.remote(n, 50, k)), timeout=WAIT)
+    assert [d for _, _, d in third] == want(50)
+    assert third[0][0] in (first[0][0], second[0][0]), "a free buffer was not reused"
 
 
 def test_driver_put_is_read_by_an_actor(cluster):

@@ -528,8 +528,9 @@ class FerryTensorTransport(TensorTransportManager):
             for i, t in enumerate(tensors):
                 if not _contiguous(t):
                     raise ValueError(f"target buffer {i} of object {obj_id} is not contiguous")
+            root = None
         else:
-            tensors = _empty_like_meta(meta)
+            tensors, root = _empty_like_meta(meta)
         fetch = FerryFetchRequest(
             obj_id=obj_id, tensors=tensors, addr=meta.addr, source=source, transport=self
         )
@@ -540,6 +541,15 @@ class FerryTensorTransport(TensorTransportManager):
             engine = self.engine()
             peer = self._peer(meta)
             batch = ferry.Batch()
+            # The object's one receive buffer: one registration for all its CPU tensors, kept
+            # by the pool when pooled (closed by the pool only).
+            root_reg = None
+            if root is not None:
+                root_reg = _POOL.registration(engine, root)
+                if root_reg is None:
+                    root_reg = engine.register(root)
+                    fetch.registrations.append(root_reg)
+                base = _data_ptr(root)
             for i, (t, seg) in enumerate(zip(tensors, meta.segments)):
                 if seg is None:
                     continue
@@ -550,17 +560,19 @@ class FerryTensorTransport(TensorTransportManager):
                         f"item {i} of object {obj_id} {nbytes}"
                     )
                 view = _byte_view(t)
-                # A pooled receive buffer keeps its registration (closed by the pool only).
-                reg = None if target_buffers else _POOL.registration(engine, view)
-                if reg is None:
-                    if _is_numpy(view):
-                        reg = engine.register(view)
-                    elif view.is_cuda:
-                        reg = engine.register_gpu(view)
-                    else:
-                        reg = engine.register(view.numpy())
+                local = 0
+                if root_reg is not None and (_is_numpy(view) or not view.is_cuda):
+                    reg, local = root_reg, _data_ptr(view) - base
+                elif _is_numpy(view):
+                    reg = engine.register(view)
                     fetch.registrations.append(reg)
-                batch.read(reg, peer.segment(name), 0, offset, nbytes)
+                elif view.is_cuda:
+                    reg = engine.register_gpu(view)
+                    fetch.registrations.append(reg)
+                else:
+                    reg = engine.register(view.numpy())
+                    fetch.registrations.append(reg)
+                batch.read(reg, peer.segment(name), local, offset, nbytes)
             with self._lock:
                 if obj_id in self._aborted:
                     self._aborted.discard(obj_id)
@@ -898,7 +910,7 @@ class FerryRelayTransport(FerryTensorTransport):
             )
         source = meta.source or "the source"
         self._raise_if_aborted(obj_id, meta)
-        tensors = list(target_buffers) if target_buffers else _empty_like_meta(meta)
+        tensors = list(target_buffers) if target_buffers else _empty_like_meta(meta)[0]
         into: dict[str, Any] = {}
         for i, (t, seg) in enumerate(zip(tensors, meta.segments)):
             if seg is None:
@@ -948,33 +960,37 @@ class FerryRelayTransport(FerryTensorTransport):
 
 
 class _Pooled:
-    __slots__ = ("root", "reg", "engine", "extra")
+    __slots__ = ("root", "ptr", "reg", "engine", "extra")
 
     def __init__(self, root: Any) -> None:
         self.root = root  # a flat uint8 numpy array, the buffer's owner
+        self.ptr = int(root.ctypes.data)
         self.reg: Any = None  # its write registration with ``engine``, kept while pooled
         self.engine: Any = None
         self.extra = 0  # references to ``root`` that ``reg`` holds
 
 
 class _RecvPool:
-    """Receive buffers of CPU objects fetched without target buffers, reused once free.
+    """Receive buffers of CPU objects fetched without target buffers, reused once free: one
+    buffer per object, its tensors laid out in it one after another (``_empty_like_meta``), so
+    an object of many tensors costs one buffer, one registration and one lookup, not one each.
 
     A fresh buffer costs its first touch: on this project's VMs the kernel faults and zeroes
     each 4 KiB page during the copy, which makes a read into fresh memory about 4x slower
     than into touched memory (docs/ray.md), and registering it costs a few ms more. A buffer
     handed out stays in the pool; it is handed out again only when nothing but the pool (and
     its registration) refers to its root array: every tensor, view or array over it holds a
-    reference to that root, so a buffer still in use is never reused. Buffers under
-    ``MIN_BYTES`` are not pooled, and the pool keeps at most ``MAX_BYTES`` (what it holds
-    stays allocated for the life of the process)."""
+    reference to that root, so a buffer still in use (any tensor of its object kept) is never
+    reused. Buffers under ``MIN_BYTES`` are not pooled, and the pool keeps at most
+    ``MAX_BYTES`` (what it holds stays allocated for the life of the process)."""
 
     MIN_BYTES = 1 << 20
     MAX_BYTES = 1 << 30
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: list[_Pooled] = []
+        self._by_size: dict[int, list[_Pooled]] = {}
+        self._by_ptr: dict[int, _Pooled] = {}
         self._bytes = 0
 
     def take(self, nbytes: int) -> Any:
@@ -985,70 +1001,85 @@ class _RecvPool:
         if nbytes < self.MIN_BYTES:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
-            for e in self._entries:
+            for e in self._by_size.get(nbytes, ()):
                 # The entry's reference, getrefcount's argument, and the registration's.
-                if e.root.nbytes == nbytes and sys.getrefcount(e.root) == 2 + e.extra:
+                if sys.getrefcount(e.root) == 2 + e.extra:
                     return e.root
             root = np.empty(nbytes, dtype=np.uint8)
             if self._bytes + nbytes <= self.MAX_BYTES:
-                self._entries.append(_Pooled(root))
+                e = _Pooled(root)
+                self._by_size.setdefault(nbytes, []).append(e)
+                self._by_ptr[e.ptr] = e
                 self._bytes += nbytes
             return root
 
-    def registration(self, engine: ferry.Engine, view: Any) -> Any:
-        """The kept write registration of the pooled buffer ``view`` covers whole (a uint8
-        tensor or array), registering it on first use; None when ``view`` is not one."""
-        ptr, nbytes = _data_ptr(view), _nbytes(view)
+    def registration(self, engine: ferry.Engine, root: Any) -> Any:
+        """The kept write registration of the pooled buffer ``root`` (an array ``take``
+        returned), registering it on first use; None when ``root`` is not pooled."""
         with self._lock:
-            for e in self._entries:
-                if int(e.root.ctypes.data) != ptr or e.root.nbytes != nbytes:
-                    continue
-                if e.reg is None or e.engine is not engine:
-                    if e.reg is not None:
-                        try:
-                            e.reg.close()
-                        except Exception:  # its engine is gone, and the registration with it
-                            pass
-                        e.reg = None
-                    before = sys.getrefcount(e.root)
-                    e.reg = engine.register(e.root)
-                    e.engine = engine
-                    e.extra = sys.getrefcount(e.root) - before
-                return e.reg
-        return None
+            e = self._by_ptr.get(_data_ptr(root))
+            if e is None or e.root.nbytes != _nbytes(root):
+                return None
+            if e.reg is None or e.engine is not engine:
+                if e.reg is not None:
+                    try:
+                        e.reg.close()
+                    except Exception:  # its engine is gone, and the registration with it
+                        pass
+                    e.reg = None
+                before = sys.getrefcount(e.root)
+                e.reg = engine.register(e.root)
+                e.engine = engine
+                e.extra = sys.getrefcount(e.root) - before
+            return e.reg
 
 
 _POOL = _RecvPool()
+_ALIGN = 64  # each tensor's offset in an object's receive buffer: aligned for every dtype
 
 
-def _empty_like_meta(meta: FerryTransportMetadata) -> list[Any]:
-    """Receiving tensors (or arrays) of the object's shapes, dtypes and kinds: CPU ones over
-    buffers from the receive pool (``_RecvPool``), others fresh."""
+def _empty_like_meta(meta: FerryTransportMetadata) -> tuple[list[Any], Any]:
+    """Receiving tensors (or arrays) of the object's shapes, dtypes and kinds, and the one
+    buffer the CPU ones lie in (a flat uint8 array from the receive pool, ``_RecvPool``; None
+    when there is none): the object's tensors one after another, each at an offset aligned to
+    ``_ALIGN``. Tensors on another device are fresh, one each."""
     import numpy as np
 
     kinds = meta.kinds or ["torch"] * len(meta.tensor_meta)
     device = meta.tensor_device or "cpu"
-    out = []
+    layout: list[Optional[tuple[int, int]]] = []  # (offset, bytes) in the buffer, per tensor
+    total = 0
     for (shape, dtype), kind in zip(meta.tensor_meta, kinds):
-        if kind == "numpy":
-            dt = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            out.append(_POOL.take(count * dt.itemsize).view(dt).reshape(shape))
-            continue
-        import torch
-
-        if device != "cpu":
-            out.append(torch.empty(shape, dtype=dtype, device=device))
-            continue
         count = 1
         for d in shape:
             count *= int(d)
-        if not count:
-            out.append(torch.empty(shape, dtype=dtype))
+        size = np.dtype(dtype).itemsize if kind == "numpy" else dtype.itemsize
+        if not count or (kind != "numpy" and device != "cpu"):
+            layout.append(None)
             continue
-        flat = torch.from_numpy(_POOL.take(count * dtype.itemsize))
-        out.append(flat.view(dtype).view(shape))
-    return out
+        off = -(-total // _ALIGN) * _ALIGN
+        layout.append((off, count * size))
+        total = off + count * size
+    root = _POOL.take(total) if total else None
+    flat = None
+    out = []
+    for (shape, dtype), kind, place in zip(meta.tensor_meta, kinds, layout):
+        if kind == "numpy":
+            dt = np.dtype(dtype)
+            if place is None:
+                out.append(np.empty(shape, dtype=dt))
+            else:
+                out.append(root[place[0] : place[0] + place[1]].view(dt).reshape(shape))
+            continue
+        import torch
+
+        if place is None:
+            out.append(torch.empty(shape, dtype=dtype, device=device))
+            continue
+        if flat is None:
+            flat = torch.from_numpy(root)
+        out.append(flat[place[0] : place[0] + place[1]].view(dtype).view(shape))
+    return out, root
 
 
 def register_memory(tensor: "torch.Tensor") -> None:
