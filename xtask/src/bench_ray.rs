@@ -12,7 +12,13 @@
 //! transport under `FERRY_AS_NIXL=1`, `FERRY` (per object, a held storage, into a target
 //! buffer), memcpy, and one object read by 4 actors on `FERRY` and on `FERRY_RELAY`. Every
 //! other argument goes to the script (`--mib`, `--parts`, `--transfers`, `--rounds`, `--modes`,
-//! `--readers`, `--json`).
+//! `--readers`, `--json`, `--limit`); `--cluster` runs two Ray nodes in two network namespaces
+//! against iperf3, `--fleet` one object read by `--readers` actors on as many nodes, each in a
+//! namespace behind a link shaped to `--rate` (200 Mbit/s), against one reader alone.
+//!
+//! Every exit path of the script (a failure, a signal, its own `--limit`) stops the Ray
+//! processes it started and checks that none is left: its local session's by id, its
+//! namespaces' all (never `ray stop`, which stops every Ray on the machine).
 
 use std::path::PathBuf;
 use std::process::Command;

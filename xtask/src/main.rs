@@ -81,9 +81,11 @@ tasks:
                          memory and descriptors (the client side of a fan-out)
   bench broadcast [--receivers N] [--size BYTES] [--rate TC_RATE] [--chunk-size BYTES] [--skip-baseline] [--memory [--rounds R]] [--straggler RATE] [--stripes N] [--no-killed] [--bin PATH] [--no-build]
                          ferry publish/pull: 1 source, N receivers in shaped network namespaces
-  bench ray [--no-build] [--mib N] [--parts N] [--rounds N] [--modes A,B] [--readers N]
+  bench ray [--no-build] [--mib N] [--parts N] [--rounds N] [--modes A,B] [--readers N] [--limit S] [--cluster | --fleet [--rate TC_RATE]]
                          Ray's tensor transports (object store, NIXL real and on Ferry, FERRY,
-                         FERRY_RELAY) on one host, alternating rounds (xtask/src/bench_ray.rs)
+                         FERRY_RELAY) on one host, alternating rounds; --cluster: two nodes in
+                         namespaces; --fleet: one object, N readers on N shaped nodes
+                         (xtask/src/bench_ray.rs)
   bench rl [--no-build] [--mib N] [--bucket-mib N] [--receivers N] [--rounds N] [--modes A,B]
                          RL weight sync, 1 trainer to N receivers on one host: ferry.verl against
                          one receiver alone and a ferry.mooncake chain (xtask/src/bench_rl.rs)
