@@ -1,6 +1,6 @@
 //! Hashing chunks where they landed: BLAKE3 when they are fetched, CRC-32C at rest.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::layout::Slice;
 use crate::manifest::Digest;
@@ -31,4 +31,129 @@ pub(crate) fn crc_of(pieces: &[(Slice, u64, u64)], copied: &AtomicU64) -> Result
         copied.fetch_add(cpu, Ordering::Relaxed);
     }
     Ok(crc)
+}
+
+/// A chunk to checksum: `(index of its registration in the caller's list, offset, length)`.
+pub(crate) type ChunkAt = (usize, u64, u64);
+
+/// A chunk's CRC-32C and BLAKE3.
+pub(crate) type Sums = (u32, Digest);
+
+/// The CRC-32C and BLAKE3 of each of `chunks` (of the registrations `wholes`), in the order
+/// given, computed on `threads` threads at most, each taking the next chunk no thread has taken
+/// (so a slow chunk holds up only its own thread). Host memory only is spread over threads:
+/// with a GPU registration among `wholes` it runs on the caller's thread, as the driver's
+/// copies out did before. The first error is returned (the others stop at their next chunk).
+pub(crate) fn chunk_sums(
+    wholes: &[Slice],
+    chunks: &[ChunkAt],
+    threads: usize,
+) -> Result<Vec<Sums>, String> {
+    let one = |&(w, at, n): &ChunkAt| -> Result<Sums, String> {
+        let whole = wholes
+            .get(w)
+            .ok_or_else(|| format!("chunk of registration {w}: no such registration"))?;
+        let named = |e: String| format!("registration {:?}: {e}", whole.segment());
+        let (crc, _) = whole.crc_append(0, at, n).map_err(named)?;
+        let mut h = blake3::Hasher::new();
+        whole.blake3_update(&mut h, at, n).map_err(named)?;
+        Ok((crc, h.finalize().into()))
+    };
+    let threads = if wholes.iter().all(Slice::is_host) {
+        threads.clamp(1, chunks.len().max(1))
+    } else {
+        1
+    };
+    if threads == 1 {
+        return chunks.iter().map(one).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let work = || -> Result<Vec<(usize, Sums)>, String> {
+        let mut mine = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(c) = chunks.get(i) else { break };
+            match one(c) {
+                Ok(sums) => mine.push((i, sums)),
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(mine)
+    };
+    let mut out = vec![(0, Digest::default()); chunks.len()];
+    let mut seen = 0usize;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(work)).collect();
+        for h in handles {
+            let mine = h
+                .join()
+                .map_err(|_| "a thread checksumming chunks panicked".to_string())??;
+            seen += mine.len();
+            for (i, sums) in mine {
+                out[i] = sums;
+            }
+        }
+        Ok::<(), String>(())
+    })?;
+    if seen != chunks.len() {
+        return Err(format!("{seen} of {} chunks checksummed", chunks.len()));
+    }
+    Ok(out)
+}
+
+/// Threads [`chunk_sums`] runs on when a source builds a manifest: the CPUs this process may
+/// run on, at most 8 (BLAKE3 of a chunk already uses the CPU's vector width).
+pub(crate) fn manifest_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
+
+    #[test]
+    fn chunk_sums_on_several_threads_are_each_chunks_own_in_order() {
+        let e = TransferEngine::builder()
+            .data_plane(DataPlane::Tcp)
+            .build()
+            .unwrap();
+        let a: Vec<u8> = (0..300_001u32).map(|i| (i * 31 + i / 7) as u8).collect();
+        let b: Vec<u8> = (0..70_000u32).map(|i| (i * 13 + 5) as u8).collect();
+        let reg = |v: &[u8], name: &str| {
+            let r = e
+                .register(
+                    MemoryRegion::from_vec(v.to_vec()),
+                    Access::REMOTE_READ,
+                    name,
+                )
+                .unwrap();
+            Slice::whole(&r, name)
+        };
+        let wholes = [reg(&a, "a"), reg(&b, "b")];
+        let mut chunks = Vec::new();
+        let mut want = Vec::new();
+        for (w, bytes) in [(0usize, &a), (1, &b)] {
+            for (i, c) in bytes.chunks(4096 * 3 + 1).enumerate() {
+                chunks.push((w, (i * (4096 * 3 + 1)) as u64, c.len() as u64));
+                want.push((ferry::checksum::crc32c(c), Digest::of(c)));
+            }
+        }
+        for threads in [1, 2, 5, 64] {
+            assert_eq!(
+                chunk_sums(&wholes, &chunks, threads).unwrap(),
+                want,
+                "{threads} threads"
+            );
+        }
+        let past_the_end = [(1usize, 69_000u64, 4096u64)];
+        let err = chunk_sums(&wholes, &past_the_end, 2).unwrap_err();
+        assert!(err.contains("\"b\""), "{err}");
+        assert!(chunk_sums(&wholes, &[(2, 0, 1)], 2).is_err());
+        assert!(chunk_sums(&wholes, &[], 4).unwrap().is_empty());
+    }
 }

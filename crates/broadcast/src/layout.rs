@@ -515,7 +515,9 @@ impl Manifest {
     /// Builds a manifest for tensors served from memory: one segment per registration named
     /// by the tensors' slices (in order of first appearance; the whole registration, so bytes
     /// of it that no tensor names travel too), one entry per tensor (its dtype and shape, the
-    /// segment and offset of its slice), and the chunks' CRC-32C read from the memory now.
+    /// segment and offset of its slice), and the chunks' CRC-32C and BLAKE3 read from the
+    /// memory now, host memory on up to as many threads as CPUs (8 at most; the caller's own
+    /// thread for GPU memory).
     /// Refused: two tensors of the same name, two registrations of one name.
     pub fn from_tensors(
         name: &str,
@@ -571,24 +573,25 @@ impl Manifest {
                 offset: t.slice.offset(),
             });
         }
+        let mut at_of = Vec::new();
         for (si, whole) in wholes.iter().enumerate() {
             let mut at = 0u64;
             while at < whole.len() {
                 let n = (whole.len() - at).min(chunk_size);
-                let unreadable =
-                    |e| invalid(format!("reading registration {:?}: {e}", whole.segment()));
-                let (crc, _) = whole.crc_append(0, at, n).map_err(unreadable)?;
-                let mut h = blake3::Hasher::new();
-                whole.blake3_update(&mut h, at, n).map_err(unreadable)?;
-                m.chunks.push(Chunk {
-                    segment: si as u32,
-                    offset: at,
-                    len: n,
-                    crc32c: crc,
-                    blake3: h.finalize().into(),
-                });
+                at_of.push((si, at, n));
                 at += n;
             }
+        }
+        let sums = crate::hashing::chunk_sums(&wholes, &at_of, crate::hashing::manifest_threads())
+            .map_err(|e| invalid(format!("reading the tensors' registrations: {e}")))?;
+        for (&(si, offset, len), (crc32c, blake3)) in at_of.iter().zip(sums) {
+            m.chunks.push(Chunk {
+                segment: si as u32,
+                offset,
+                len,
+                crc32c,
+                blake3,
+            });
         }
         m.validate()?;
         Ok(m)
