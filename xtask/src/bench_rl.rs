@@ -5,7 +5,10 @@
 //! It runs `crates/python/benches/bench_rl.py` with the frameworks environment's interpreter
 //! (`<target>/frameworks-venv`: verl 0.9.1, torch; docs/rl.md says how to install verl there),
 //! after building Ferry's module optimized (`maturin develop --release`, as `cargo xtask bench
-//! python` does; the frameworks environment imports that in-place build). The rows: `ferry.verl`
+//! python` does) and putting that in-place build (`crates/python/python`) first on `PYTHONPATH`,
+//! for the script, its receivers and the vLLM row: the frameworks environments hold an installed
+//! wheel that would shadow it (CI's), which measured whatever that wheel was. `--no-build` with
+//! `PYTHONPATH` set keeps it, for a before/after round of another build. The rows: `ferry.verl`
 //! to one receiver alone (ideal), `ferry.verl` to N, a point-to-point chain over
 //! `ferry.mooncake` (rank i reads from rank i-1, as verl's mooncake engine does), and
 //! `ferry.vllm` to N through vLLM's own engines (`bench_rl_vllm.py`, which the script starts
@@ -42,9 +45,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         crate::python::bench_env()?;
     }
     let root = project_root();
+    let tree = root.join("crates/python/python");
+    let path = match std::env::var_os("PYTHONPATH") {
+        Some(p) if !build => p,
+        _ => tree.into_os_string(),
+    };
     run_loud(
         Command::new(&py)
             .current_dir(&root)
+            .env("PYTHONPATH", path)
             .arg(root.join("crates/python/benches/bench_rl.py"))
             .args(rest),
     )
