@@ -8,12 +8,16 @@
 //! plane is served by the peer its record names. What is read is bounded: at most
 //! [`MAX_MEMBERS`] records (the first listed, by create revision), each at most
 //! [`MAX_MEMBER_BYTES`]; the rest are ignored, counted ([`Etcd::ignored`]) and warned of.
+//!
+//! The connection and the member's lease are the metadata room's (`ferry_metadata`: the one
+//! etcd client, also under the Python layers' records); what is here is the member list.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex as StdMutex, PoisonError};
 use std::time::Duration;
 
-use etcd_client::{
+use ferry_metadata::Lease;
+use ferry_metadata::etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
     TxnOp, WatchOptions,
 };
@@ -28,9 +32,9 @@ use crate::plan::Member;
 pub struct Etcd {
     endpoint: String,
     prefix: String,
-    ttl: i64,
+    ttl: Duration,
     client: Mutex<Client>,
-    lease: Mutex<Option<(i64, JoinHandle<()>)>>,
+    lease: Mutex<Option<Lease>>,
     /// The members listed, kept by the watch task.
     cache: Arc<StdMutex<Listed>>,
     watch: StdMutex<Option<JoinHandle<()>>>,
@@ -152,15 +156,11 @@ impl Etcd {
         ttl: Duration,
         max_members: usize,
     ) -> Result<Self, BroadcastError> {
-        let client =
-            tokio::time::timeout(Duration::from_secs(5), Client::connect([endpoint], None))
-                .await
-                .map_err(|_| err(format!("{endpoint}: connect timed out")))?
-                .map_err(|e| err(format!("{endpoint}: {e}")))?;
+        let client = ferry_metadata::connect(endpoint).await.map_err(err)?;
         let this = Self {
             endpoint: endpoint.to_owned(),
             prefix: format!("/ferry/broadcast/{name}/members/"),
-            ttl: ttl.as_secs().max(1) as i64,
+            ttl,
             client: Mutex::new(client),
             lease: Mutex::new(None),
             cache: Arc::new(StdMutex::new(Listed::new(
@@ -250,7 +250,7 @@ impl Etcd {
     }
 
     async fn put(&self, me: &Member) -> Result<(), BroadcastError> {
-        let lease = self.lease.lock().await.as_ref().map(|(id, _)| *id);
+        let lease = self.lease.lock().await.as_ref().map(Lease::id);
         let Some(lease) = lease else {
             return Err(err("not registered"));
         };
@@ -314,27 +314,6 @@ impl Etcd {
     }
 }
 
-/// A lease of `ttl` seconds and the task that keeps it alive (renewing it every third of its
-/// time) until it is aborted or etcd stops answering.
-async fn leased(client: &mut Client, ttl: i64) -> Result<(i64, JoinHandle<()>), BroadcastError> {
-    let lease = client.lease_grant(ttl, None).await.map_err(err)?.id();
-    let (mut keeper, mut stream) = client.lease_keep_alive(lease).await.map_err(err)?;
-    let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
-    let task = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(every).await;
-            if keeper.keep_alive().await.is_err() {
-                break;
-            }
-            if !matches!(stream.message().await, Ok(Some(_))) {
-                break;
-            }
-        }
-        tracing::debug!(lease, "etcd lease keep-alive ended");
-    });
-    Ok((lease, task))
-}
-
 /// Numbers a registration tries before it gives up (each taken by a member that joined
 /// meanwhile).
 const CLAIM_TRIES: usize = 4096;
@@ -349,9 +328,6 @@ impl Drop for Etcd {
         {
             t.abort();
         }
-        if let Some((_, t)) = self.lease.get_mut().take() {
-            t.abort();
-        }
     }
 }
 
@@ -362,12 +338,14 @@ impl Discovery for Etcd {
     ) -> BoxFuture<'a, Result<Option<u64>, BroadcastError>> {
         Box::pin(async move {
             let mut client = self.client.lock().await.clone();
-            let (lease, task) = leased(&mut client, self.ttl).await?;
-            if let Some((_, old)) = self.lease.lock().await.replace((lease, task)) {
-                old.abort();
-            }
+            let lease = Lease::grant(&mut client, &self.endpoint, self.ttl)
+                .await
+                .map_err(err)?;
+            let id = lease.id();
+            // The lease replaced (a second registration) stops being kept alive.
+            drop(self.lease.lock().await.replace(lease));
             if me.role == crate::plan::Role::Receiver {
-                let k = self.claim(&mut client, me, lease).await?;
+                let k = self.claim(&mut client, me, id).await?;
                 *self.number.lock().unwrap_or_else(PoisonError::into_inner) = Some(k);
             }
             self.put(me).await?;
@@ -407,9 +385,8 @@ impl Discovery for Etcd {
                 .delete(format!("{}{id}", self.prefix), None)
                 .await
                 .map_err(err)?;
-            if let Some((lease, task)) = lease {
-                task.abort();
-                let _ = client.lease_revoke(lease).await;
+            if let Some(lease) = lease {
+                let _ = lease.revoke(&mut client, &self.endpoint).await;
             }
             Ok(())
         })
@@ -432,102 +409,6 @@ impl Discovery for Etcd {
 
     fn listing(&self) -> Listing {
         Listing::Open
-    }
-}
-
-/// Plain keys in etcd, for records other than a broadcast's members (the Mooncake layer's
-/// endpoint records: docs/mooncake.md). A record put with [`put_leased`](Self::put_leased)
-/// lives while this client keeps its lease alive, so a process that dies takes its records
-/// with it within the lease's time.
-pub struct EtcdKv {
-    endpoint: String,
-    ttl: i64,
-    client: Mutex<Client>,
-    lease: Mutex<Option<(i64, JoinHandle<()>)>>,
-}
-
-impl std::fmt::Debug for EtcdKv {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdKv")
-            .field("endpoint", &self.endpoint)
-            .field("ttl", &self.ttl)
-            .finish_non_exhaustive()
-    }
-}
-
-impl EtcdKv {
-    /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`); leased records
-    /// last `ttl` (at least one second) without renewal.
-    pub async fn connect(endpoint: &str, ttl: Duration) -> Result<Self, BroadcastError> {
-        let client =
-            tokio::time::timeout(Duration::from_secs(5), Client::connect([endpoint], None))
-                .await
-                .map_err(|_| err(format!("{endpoint}: connect timed out")))?
-                .map_err(|e| err(format!("{endpoint}: {e}")))?;
-        Ok(Self {
-            endpoint: endpoint.to_owned(),
-            ttl: ttl.as_secs().max(1) as i64,
-            client: Mutex::new(client),
-            lease: Mutex::new(None),
-        })
-    }
-
-    /// The lease this client's records are bound to, granted (and kept alive) on first use.
-    async fn lease(&self) -> Result<i64, BroadcastError> {
-        let mut held = self.lease.lock().await;
-        if let Some((id, task)) = held.as_ref()
-            && !task.is_finished()
-        {
-            return Ok(*id);
-        }
-        let mut client = self.client.lock().await.clone();
-        let (lease, task) = leased(&mut client, self.ttl).await?;
-        *held = Some((lease, task));
-        Ok(lease)
-    }
-
-    /// Stores `value` under `key`, bound to this client's lease.
-    pub async fn put_leased(&self, key: &str, value: Vec<u8>) -> Result<(), BroadcastError> {
-        let lease = self.lease().await?;
-        let mut client = self.client.lock().await.clone();
-        client
-            .put(key, value, Some(PutOptions::new().with_lease(lease)))
-            .await
-            .map_err(err)?;
-        Ok(())
-    }
-
-    /// The value under `key`, if any.
-    pub async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, BroadcastError> {
-        let mut client = self.client.lock().await.clone();
-        let got = client.get(key, None).await.map_err(err)?;
-        Ok(got.kvs().first().map(|kv| kv.value().to_vec()))
-    }
-
-    /// Removes `key` (nothing if it is absent).
-    pub async fn delete(&self, key: &str) -> Result<(), BroadcastError> {
-        let mut client = self.client.lock().await.clone();
-        client.delete(key, None).await.map_err(err)?;
-        Ok(())
-    }
-
-    /// Ends the lease: every leased record of this client goes now.
-    pub async fn revoke(&self) -> Result<(), BroadcastError> {
-        let lease = self.lease.lock().await.take();
-        if let Some((lease, task)) = lease {
-            task.abort();
-            let mut client = self.client.lock().await.clone();
-            client.lease_revoke(lease).await.map_err(err)?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for EtcdKv {
-    fn drop(&mut self) {
-        if let Some((_, t)) = self.lease.get_mut().take() {
-            t.abort();
-        }
     }
 }
 

@@ -53,7 +53,10 @@ pub use destinations::{Destinations, TensorKind};
 pub use discovery::{Discovery, Embedded, Listing};
 pub use error::BroadcastError;
 #[cfg(feature = "etcd")]
-pub use etcd::{Etcd, EtcdKv, MAX_MEMBER_BYTES, MAX_MEMBERS};
+pub use etcd::{Etcd, MAX_MEMBER_BYTES, MAX_MEMBERS};
+/// Plain records in etcd: the metadata room's (`ferry_metadata::EtcdKv`), named here as before.
+#[cfg(feature = "etcd")]
+pub use ferry_metadata::EtcdKv;
 pub use layout::{Slice, Tensor};
 pub use manifest::{Digest, Manifest, ManifestError};
 pub use plan::{Member, Role};

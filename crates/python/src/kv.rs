@@ -1,6 +1,8 @@
-//! `EtcdKv`: plain records in etcd through `ferry-broadcast`'s etcd client, for the Mooncake
-//! layer's `etcd://` metadata mode (its endpoint records, bound to a lease this process keeps
-//! alive). Every call blocks with the GIL released.
+//! `EtcdKv`: plain records in etcd through the metadata room (`ferry_metadata::EtcdKv`, the
+//! one etcd client, also under broadcast discovery), for the Mooncake layer's `etcd://`
+//! metadata mode (its endpoint records) and the NIXL layer's `NIXL_ETCD_ENDPOINTS` (agents'
+//! metadata), each bound to a lease this process keeps alive. Every call blocks with the GIL
+//! released.
 
 use std::time::Duration;
 
@@ -16,11 +18,11 @@ use crate::runtime;
 #[pyclass(name = "EtcdKv", module = "ferry", frozen)]
 pub(crate) struct EtcdKv {
     #[cfg(feature = "etcd")]
-    inner: ferry_broadcast::EtcdKv,
+    inner: ferry_metadata::EtcdKv,
 }
 
 #[cfg(feature = "etcd")]
-fn kv_err(py: Python<'_>, e: ferry_broadcast::BroadcastError) -> PyErr {
+fn kv_err(py: Python<'_>, e: ferry_metadata::MetadataError) -> PyErr {
     errors::err(py, Kind::FerryError, e.to_string())
 }
 
@@ -31,12 +33,7 @@ impl EtcdKv {
     #[pyo3(signature = (endpoint, ttl=10.0))]
     fn new(py: Python<'_>, endpoint: &str, ttl: f64) -> PyResult<Self> {
         let ttl = crate::request::seconds("ttl", Some(ttl))?.unwrap_or(Duration::from_secs(10));
-        let endpoint = if endpoint.contains("://") {
-            endpoint.to_owned()
-        } else {
-            format!("http://{endpoint}")
-        };
-        let inner = runtime::block_on(py, || ferry_broadcast::EtcdKv::connect(&endpoint, ttl))?
+        let inner = runtime::block_on(py, || ferry_metadata::EtcdKv::connect(endpoint, ttl))?
             .map_err(|e| kv_err(py, e))?;
         Ok(Self { inner })
     }
