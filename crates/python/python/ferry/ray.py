@@ -306,17 +306,24 @@ def _numpy_root(a: Any) -> Any:
     return a
 
 
-def _storage(t: Any) -> tuple[tuple[str, int, int], Any]:
-    """The cache key of the memory under ``t`` (device, address, length) and that whole memory
-    as a flat uint8 tensor or array: a torch tensor's storage, a numpy array's root."""
+def _storage_key(t: Any) -> tuple[str, int, int]:
+    """The cache key of the memory under ``t``: device, address and length of a torch
+    tensor's storage, or of a numpy array's root."""
     if _is_numpy(t):
         root = _numpy_root(t)
-        return ("cpu", int(root.ctypes.data), int(root.nbytes)), _byte_view(root)
+        return ("cpu", int(root.ctypes.data), int(root.nbytes))
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr(), storage.nbytes())
+
+
+def _storage_whole(t: Any) -> Any:
+    """The whole memory under ``t`` (what ``_storage_key`` names) as a flat uint8 tensor or
+    array: made only to publish it, on a cache miss."""
+    if _is_numpy(t):
+        return _byte_view(_numpy_root(t))
     import torch
 
-    storage = t.untyped_storage()
-    key = (str(t.device), storage.data_ptr(), storage.nbytes())
-    return key, torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 class _State:
@@ -559,11 +566,12 @@ class FerryTensorTransport(TensorTransportManager):
                         f"target buffer {i} holds {_nbytes(t)} bytes, "
                         f"item {i} of object {obj_id} {nbytes}"
                     )
+                if root_reg is not None and _device_type(t) == "cpu":
+                    # In the object's buffer (every CPU tensor of it lies there).
+                    batch.read(root_reg, peer.segment(name), _data_ptr(t) - base, offset, nbytes)
+                    continue
                 view = _byte_view(t)
-                local = 0
-                if root_reg is not None and (_is_numpy(view) or not view.is_cuda):
-                    reg, local = root_reg, _data_ptr(view) - base
-                elif _is_numpy(view):
+                if _is_numpy(view):
                     reg = engine.register(view)
                     fetch.registrations.append(reg)
                 elif view.is_cuda:
@@ -572,7 +580,7 @@ class FerryTensorTransport(TensorTransportManager):
                 else:
                     reg = engine.register(view.numpy())
                     fetch.registrations.append(reg)
-                batch.read(reg, peer.segment(name), local, offset, nbytes)
+                batch.read(reg, peer.segment(name), 0, offset, nbytes)
             with self._lock:
                 if obj_id in self._aborted:
                     self._aborted.discard(obj_id)
@@ -670,7 +678,7 @@ class FerryTensorTransport(TensorTransportManager):
         _kind(tensor)
         if _nbytes(tensor) == 0:
             return
-        key, _ = _storage(tensor)
+        key = _storage_key(tensor)
         with self._lock:
             self._release([key])
 
@@ -679,9 +687,10 @@ class FerryTensorTransport(TensorTransportManager):
         publishing it first if nobody holds it (under the lock). Keyed by device, address and
         length: a storage resized in place is published anew, and a numpy array and a torch
         tensor over the same memory share one registration."""
-        key, whole = _storage(t)
+        key = _storage_key(t)
         held = self._storages.get(key)
         if held is None:
+            whole = _storage_whole(t)
             name = f"ray.{os.getpid()}.{next(self._names)}"
             if _is_numpy(whole):
                 reg = engine.register(whole, name=name, access="read")
