@@ -1,7 +1,9 @@
 //! The client side: a channel of a few streams over the server's abstract Unix socket, each
 //! driven by the core stream protocol ([`ClientStream`]). Chunks are posted by whichever thread
 //! has them (the submitter, or the stream's reader after a response made room); each stream's
-//! reader thread resolves responses.
+//! reader thread resolves responses, except on a ring stream while every request in flight has
+//! a task spinning for its answers (small ones): those tasks resolve them, and the reader stays
+//! parked (`watching`, [`pipe::Rx::park_while`]), so a round trip wakes no thread.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -578,6 +580,21 @@ impl Shared {
         }
     }
 
+    /// Pumps the first live ring stream, which takes the job just dealt to another stream
+    /// when it has nothing in flight: small requests one at a time keep to one stream, so one
+    /// server thread serves them (spinning, while they come), and the others' sleep instead of
+    /// spinning for every other request beside it (three spinners on two cores preempt each
+    /// other: a spin that runs out wakes threads).
+    fn pump_small_first(&self) {
+        if let Some(i) = self
+            .streams
+            .iter()
+            .position(|s| s.ring.is_some() && s.alive.load(Ordering::Acquire))
+        {
+            self.pump(i);
+        }
+    }
+
     fn pump_all(&self, set: StreamSet) {
         for i in 0..self.streams.len() {
             if set.contains(i) {
@@ -1052,7 +1069,12 @@ impl Channel for LocalChannel {
             |n| {
                 req.outstanding.fetch_add(n, Ordering::AcqRel);
             },
-            |set| shared.pump_all(set),
+            |set| {
+                if spin {
+                    shared.pump_small_first();
+                }
+                shared.pump_all(set)
+            },
         );
         // The poster's count (and the request unwatched if everything resolved meanwhile).
         req.chunk_done();

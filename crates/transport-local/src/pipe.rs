@@ -7,6 +7,10 @@
 //!   while ([`Spin`], adapted to how often the bytes came during the spin), then sleeps on its
 //!   futex word, which the other side's next write (or read, for a writer waiting for room)
 //!   clears and wakes: only then is there a system call.
+//! - *A parked reader.* A reader whose answers other threads read for it (tasks spinning for
+//!   their own) parks on its futex word left clear ([`Rx::park_while`]): the writer's wake
+//!   finds nothing to do, so an answer makes no system call; [`Rx::arm`] sets the word when the
+//!   reader is needed again, and the end of the stream wakes it as any sleeper.
 //! - *Hang-ups at once.* The stream's socket stays open beside the ring and carries nothing more;
 //!   a watcher thread per stream sleeps in `poll` on it, and when the peer shuts its sending
 //!   half (`eof`: nothing more will be written into the ring) or hangs up both ways or dies
