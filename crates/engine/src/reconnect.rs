@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use ferry_core::backoff::Backoff;
 use std::future::Future;
+use std::task::Poll;
 
 use ferry_core::{
     BoxFuture, Channel, Epoch, Error, FailureKind, Op, Outcome, PeerId, RemoteStatus,
@@ -340,6 +341,13 @@ async fn until(
     deadline: Option<Instant>,
 ) -> Outcome {
     tokio::pin!(run);
+    // An attempt that ends at its first poll (a small request whose task spun for its answers)
+    // registers no timer: one registered where the runtime's timer sleeps with none unparks it
+    // (a system call, a thread woken) per request.
+    let first = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
+    if let Poll::Ready(o) = first {
+        return o;
+    }
     let mut poll = tokio::time::interval_at(Instant::now() + STOP_POLL, STOP_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let late = async {
