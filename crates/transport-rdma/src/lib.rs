@@ -63,6 +63,6 @@ pub use backend::RdmaBackend;
 pub use channel::RdmaChannel;
 pub use config::{RailSpec, RdmaConfig};
 pub use error::RdmaError;
-pub use pump::RailCounters;
+pub use pump::{RailCounters, RailStats};
 pub use qp::QpTiming;
-pub use transport::{RailStats, RdmaTransport};
+pub use transport::RdmaTransport;

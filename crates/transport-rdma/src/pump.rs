@@ -60,36 +60,67 @@ pub(crate) struct Keys {
 /// Per op: the keys for each rail (`None`: that rail cannot carry it), or why no rail can.
 pub(crate) type OpKeys = Result<Vec<Option<Keys>>, FailureKind>;
 
-/// Counters of one rail, readable while the channel runs.
-#[derive(Debug, Default)]
-pub struct RailCounters {
+/// Declares the counters of a rail once: [`RailCounters`] (atomics, written by the channel's
+/// worker as it runs) and [`RailStats`] (plain numbers, a channel's or a transport's sum of them,
+/// with the rail's name), and the sum of one into the other, field by field from the one list.
+macro_rules! rail_counters {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// Counters of one rail, readable while the channel runs.
+        #[derive(Debug, Default)]
+        pub struct RailCounters {
+            $($(#[$doc])* pub $name: AtomicU64,)*
+            /// Whether the rail is down now: failed, and not yet rebuilt.
+            pub down: AtomicBool,
+            /// Test-only: move this rail's queue pair to ERR at the next step that finds work
+            /// outstanding on it, behind the data path's back (as a failing link would).
+            #[cfg(feature = "__fault-injection")]
+            pub(crate) inject_failure: std::sync::atomic::AtomicBool,
+        }
+
+        /// Counters of one rail of one channel, or summed over a transport's channels
+        /// ([`RdmaTransport::rail_stats`](crate::RdmaTransport::rail_stats)).
+        #[derive(Clone, Debug, PartialEq, Eq, Default)]
+        #[non_exhaustive]
+        pub struct RailStats {
+            /// `device:port` of the local rail.
+            pub rail: String,
+            $($(#[$doc])* pub $name: u64,)*
+            /// Channels on which this rail is down now (failed, not yet rebuilt).
+            pub down: u64,
+        }
+
+        impl RailStats {
+            /// Adds what `k` counted so far (a channel whose rail is down counts one).
+            pub(crate) fn add(&mut self, k: &RailCounters) {
+                $(self.$name += k.$name.load(std::sync::atomic::Ordering::Relaxed);)*
+                self.down += u64::from(k.down.load(std::sync::atomic::Ordering::Relaxed));
+            }
+        }
+    };
+}
+
+rail_counters! {
     /// Bytes acknowledged.
-    pub bytes: AtomicU64,
+    bytes,
     /// Work requests acknowledged.
-    pub work_requests: AtomicU64,
+    work_requests,
     /// Work requests posted.
-    pub posted: AtomicU64,
+    posted,
     /// Error completions (flushes not counted).
-    pub errors: AtomicU64,
+    errors,
     /// Flushed work requests.
-    pub flushed: AtomicU64,
-    /// Unsignalled work requests before an error completion, replayed rather than counted
-    /// acknowledged on the ordering rule alone.
-    pub unproven: AtomicU64,
-    /// Chunks of a failed rail re-posted on this rail (replays it carried).
-    pub replayed: AtomicU64,
+    flushed,
+    /// Unsignalled work requests before an error completion, replayed on another rail rather
+    /// than counted acknowledged on the ordering rule alone.
+    unproven,
+    /// Chunks of a failed rail that this rail re-posted (replays it carried).
+    replayed,
     /// Bytes of those replayed chunks.
-    pub replayed_bytes: AtomicU64,
+    replayed_bytes,
     /// Failed queue pairs of this rail destroyed once flushed (never reused).
-    pub torn_down: AtomicU64,
-    /// Fresh queue pairs this rail rejoined its channel on after a failure.
-    pub rebuilds: AtomicU64,
-    /// Whether the rail is down now: failed, and not yet rebuilt.
-    pub down: AtomicBool,
-    /// Test-only: move this rail's queue pair to ERR at the next step that finds work
-    /// outstanding on it, behind the data path's back (as a failing link would).
-    #[cfg(feature = "__fault-injection")]
-    pub(crate) inject_failure: std::sync::atomic::AtomicBool,
+    torn_down,
+    /// Times this rail rejoined a channel on a fresh queue pair after a failure.
+    rebuilds,
 }
 
 /// Limits of the data path.

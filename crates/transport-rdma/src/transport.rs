@@ -17,43 +17,13 @@ use crate::backend::RdmaBackend;
 use crate::config::RdmaConfig;
 use crate::error::{RdmaError, error_chain};
 use crate::native::Faults;
+use crate::pump::RailStats;
 use crate::rails::open_rail;
 use crate::served::ServedTable;
 use crate::shared::Shared;
 
 /// How often the sweeper reads probe answers, posts due probes and releases dead sets.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-
-/// Counters of one rail of one channel.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct RailStats {
-    /// `device:port` of the local rail.
-    pub rail: String,
-    /// Bytes acknowledged.
-    pub bytes: u64,
-    /// Work requests acknowledged.
-    pub work_requests: u64,
-    /// Work requests posted.
-    pub posted: u64,
-    /// Error completions.
-    pub errors: u64,
-    /// Flushed work requests.
-    pub flushed: u64,
-    /// Unsignalled work requests before an error completion, replayed on another rail rather
-    /// than counted acknowledged on the ordering rule alone.
-    pub unproven: u64,
-    /// Chunks of a failed rail that this rail re-posted (replays it carried).
-    pub replayed: u64,
-    /// Bytes of those replayed chunks.
-    pub replayed_bytes: u64,
-    /// Failed queue pairs of this rail destroyed once flushed (never reused).
-    pub torn_down: u64,
-    /// Times this rail rejoined a channel on a fresh queue pair after a failure.
-    pub rebuilds: u64,
-    /// Channels on which this rail is down now (failed, not yet rebuilt).
-    pub down: u64,
-}
 
 /// RDMA reliable-connected queue pairs over the selected rails. Cheap to clone.
 #[derive(Clone)]
@@ -144,17 +114,7 @@ impl RdmaTransport {
         for c in chans.iter().filter_map(Weak::upgrade) {
             for (name, k) in &c.rails {
                 if let Some(s) = out.iter_mut().find(|s| &s.rail == name) {
-                    s.bytes += k.bytes.load(Ordering::Relaxed);
-                    s.work_requests += k.work_requests.load(Ordering::Relaxed);
-                    s.posted += k.posted.load(Ordering::Relaxed);
-                    s.errors += k.errors.load(Ordering::Relaxed);
-                    s.flushed += k.flushed.load(Ordering::Relaxed);
-                    s.unproven += k.unproven.load(Ordering::Relaxed);
-                    s.replayed += k.replayed.load(Ordering::Relaxed);
-                    s.replayed_bytes += k.replayed_bytes.load(Ordering::Relaxed);
-                    s.torn_down += k.torn_down.load(Ordering::Relaxed);
-                    s.rebuilds += k.rebuilds.load(Ordering::Relaxed);
-                    s.down += u64::from(k.down.load(Ordering::Relaxed));
+                    s.add(k);
                 }
             }
         }
