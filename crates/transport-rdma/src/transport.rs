@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -141,7 +141,8 @@ impl RdmaTransport {
         for c in chans.iter().filter_map(Weak::upgrade) {
             for (n, k) in &c.rails {
                 if n == name {
-                    k.inject_failure.store(true, Ordering::Release);
+                    k.inject_failure
+                        .store(true, std::sync::atomic::Ordering::Release);
                     marked += 1;
                 }
             }
