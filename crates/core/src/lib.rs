@@ -20,6 +20,7 @@ pub mod memory;
 pub mod op;
 pub mod outcome;
 pub mod queue;
+pub mod share;
 pub mod stream;
 pub mod stream_cap;
 pub mod transport;
@@ -29,7 +30,7 @@ pub use error::{Error, Result};
 pub use ids::{Access, Epoch, PeerId, SegmentToken};
 pub use memory::{
     AllocError, DeviceNative, DevicePlacement, MemoryRegion, OutOfBounds, PAGE_ALIGN, Placement,
-    check_range,
+    SHARED_HEADER, SHARED_REVOKED_AT, SharedMemory, check_range, shared_header_at,
 };
 pub use op::{Op, OpKind, RemoteKey, SegmentDesc};
 pub use outcome::{

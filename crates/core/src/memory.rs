@@ -47,6 +47,8 @@ enum Owner {
     Aligned(Layout),
     /// Memory someone else owns; dropping the box releases it (or does nothing for `'static`).
     External(#[allow(dead_code)] Box<dyn Any + Send + Sync>),
+    /// A memfd mapped here ([`MemoryRegion::alloc_shareable`]); revoked and unmapped on drop.
+    Memfd(SharedMemory),
 }
 
 /// Where a region's bytes live.
@@ -167,6 +169,30 @@ impl MemoryRegion {
             placement: Placement::Host,
             owner: Owner::Aligned(layout),
         })
+    }
+
+    /// Allocates `len` zeroed bytes in a memfd of its own (page-aligned, sealed against shrinking
+    /// and growing), which a same-host peer may be granted for one-sided copies (see
+    /// [`crate::share`] for who and how); [`shared`](Self::shared) is its share state. The
+    /// memfd is never reused: when the region is dropped (its registration ended and no request
+    /// holds it), sharing is revoked (the revoked word at [`SHARED_REVOKED_AT`] set, then the
+    /// bytes discarded) before the mapping goes.
+    pub fn alloc_shareable(len: usize) -> Result<Self, std::io::Error> {
+        let shared = SharedMemory::create(len)?;
+        Ok(Self {
+            ptr: shared.map,
+            len,
+            placement: Placement::Host,
+            owner: Owner::Memfd(shared),
+        })
+    }
+
+    /// The memfd the region lives in, when it was allocated shareable.
+    pub fn shared(&self) -> Option<&SharedMemory> {
+        match &self.owner {
+            Owner::Memfd(s) => Some(s),
+            _ => None,
+        }
     }
 
     /// Takes ownership of a vector's bytes (its heap buffer never moves while the region lives).
@@ -437,6 +463,202 @@ impl Drop for MemoryRegion {
             // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is freed exactly once here.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
         }
+    }
+}
+
+/// Bytes of a shareable memfd past its region's (rounded up to a page): the header page, where
+/// the word at [`SHARED_REVOKED_AT`] says whether sharing is revoked.
+pub const SHARED_HEADER: usize = 4096;
+
+/// Offset, in a shareable memfd, of the header page: just past the region's bytes rounded up to
+/// a page (the region starts at offset 0). Its first `u32` is the revoked word: 0 while the
+/// registration lives, 1 from its revocation on.
+pub fn shared_header_at(len: usize) -> usize {
+    len.max(1).next_multiple_of(SHARED_HEADER)
+}
+
+/// The revoked word's offset in the header page.
+pub const SHARED_REVOKED_AT: usize = 0;
+
+/// The memfd of a region allocated shareable ([`MemoryRegion::alloc_shareable`]): its
+/// descriptor (for the same-host plane to grant), its mapping here, and its share state
+/// ([`crate::share::ShareState`], behind a lock: grants are made by serving threads, the
+/// revocation by the region's drop).
+pub struct SharedMemory {
+    fd: std::os::fd::OwnedFd,
+    map: NonNull<u8>,
+    /// Bytes mapped: the region's rounded up to a page, and the header page.
+    map_len: usize,
+    state: std::sync::Mutex<crate::share::ShareState>,
+}
+
+impl SharedMemory {
+    fn create(len: usize) -> std::io::Result<Self> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let header = shared_header_at(len);
+        let map_len = header + SHARED_HEADER;
+        // SAFETY: a valid C string and flags; returns a new descriptor or -1.
+        let raw = unsafe {
+            libc::memfd_create(
+                c"ferry-shared".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the kernel just made `raw` for us; nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = libc::off_t::try_from(map_len)
+            .map_err(|_| std::io::Error::other("a shareable region too large"))?;
+        // SAFETY: a valid descriptor and a length.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        // SAFETY: fcntl on a valid descriptor with an int argument.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh shared mapping of the whole memfd (sealed at `map_len` bytes, so no
+        // access inside it can fault); no address hint, so nothing of ours is replaced.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let map = NonNull::new(ptr.cast::<u8>()).ok_or_else(std::io::Error::last_os_error)?;
+        advise_huge_pages(map, header);
+        Ok(Self {
+            fd,
+            map,
+            map_len,
+            state: std::sync::Mutex::new(crate::share::ShareState::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, crate::share::ShareState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The memfd (its length: [`len`](Self::len)).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
+    /// Bytes of the memfd: the region's rounded up to a page, then [`SHARED_HEADER`].
+    pub fn len(&self) -> usize {
+        self.map_len
+    }
+
+    /// Never true (a memfd has at least its header page); for symmetry with `len`.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The share state now.
+    pub fn state(&self) -> crate::share::ShareState {
+        *self.lock()
+    }
+
+    /// Decides whether a peer whose view resolves the segment (`visible`) with `access` is
+    /// granted this memfd ([`crate::share::ShareState::decide`]), applies the seal that grant
+    /// needs and records it; the caller then sends [`fd`](Self::fd). A seal the kernel refuses
+    /// (a kernel before 5.1 has no `F_SEAL_FUTURE_WRITE`) refuses the grant as not shareable.
+    pub fn grant(
+        &self,
+        visible: bool,
+        access: crate::Access,
+    ) -> Result<crate::share::Grant, crate::share::ShareRefusal> {
+        use crate::share::{Seal, ShareRefusal};
+        use std::os::fd::AsRawFd;
+        let mut state = self.lock();
+        let (grant, seal) = state.decide(visible, access)?;
+        let seals = match seal {
+            Seal::Already => 0,
+            Seal::FutureWrite => libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL,
+            Seal::Close => libc::F_SEAL_SEAL,
+        };
+        // SAFETY: fcntl on a valid descriptor with an int argument.
+        if seals != 0 && unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0
+        {
+            tracing::debug!(error = %std::io::Error::last_os_error(),
+                "cannot seal a shareable memfd; it is not granted");
+            return Err(ShareRefusal::NotShareable);
+        }
+        state.granted(grant);
+        Ok(grant)
+    }
+
+    /// Ends sharing: the revoked word set (a peer sees it before or after its copy and fails
+    /// it), then the bytes discarded as the state says (punched out, else zeroed here), so no
+    /// late access of a peer reads them. The size never changes: a late access never faults.
+    fn revoke(&self) {
+        use crate::share::Discard;
+        use std::os::fd::AsRawFd;
+        let discard = self.lock().revoke();
+        let header = self.map_len - SHARED_HEADER;
+        // SAFETY: the header page lies inside the mapping (`header + SHARED_HEADER == map_len`),
+        // 4-aligned; an atomic may alias memory another process reads or writes.
+        let word = unsafe {
+            &*self
+                .map
+                .as_ptr()
+                .add(header + SHARED_REVOKED_AT)
+                .cast::<std::sync::atomic::AtomicU32>()
+        };
+        word.store(1, std::sync::atomic::Ordering::SeqCst);
+        let zero = match discard {
+            Discard::Nothing => false,
+            Discard::Zero => true,
+            Discard::Punch => {
+                // SAFETY: fallocate on a valid descriptor; the range lies inside the memfd.
+                let rc = unsafe {
+                    libc::fallocate(
+                        self.fd.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        0,
+                        header as libc::off_t,
+                    )
+                };
+                rc != 0
+            }
+        };
+        if zero {
+            // SAFETY: `map..map+header` is the region's part of the mapping, which is ours and
+            // writable until unmapped below; no Rust reference into it exists (the region that
+            // handed out addresses is being dropped).
+            unsafe { std::ptr::write_bytes(self.map.as_ptr(), 0, header) };
+        }
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        self.revoke();
+        // SAFETY: the mapping made in `create`, of this length; the region that pointed into it
+        // is being dropped, so nothing of ours uses it after this.
+        unsafe { libc::munmap(self.map.as_ptr().cast(), self.map_len) };
+    }
+}
+
+impl fmt::Debug for SharedMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedMemory")
+            .field("len", &self.map_len)
+            .field("state", &self.state())
+            .finish()
     }
 }
 

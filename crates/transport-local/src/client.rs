@@ -41,10 +41,11 @@ use tracing::{debug, warn};
 use crate::host;
 use crate::pipe::{self, Link, Tx};
 use crate::ring::{ANSWERS, REQUESTS, SHM_LEN, Spin};
+use crate::shares::Shares;
 use crate::shm::{Shm, recv_fd};
 use crate::wire::{
     ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, IPC_MARK, IPC_REF_LEN, PROBE_OK, RING_BIT, RING_DECLINED,
-    RING_OFFER, RING_TAKEN, inline, local_code,
+    RING_OFFER, RING_TAKEN, SHARE_CODE, inline, local_code,
 };
 
 /// How a channel moves GPU buffers.
@@ -129,7 +130,7 @@ pub(crate) fn connect(
     chunk: u64,
     timeout: Duration,
     ipc: Result<(), String>,
-    ring: bool,
+    (ring, share): (bool, bool),
 ) -> Result<LocalChannel, Error> {
     let TransportOffer::Local {
         pid,
@@ -179,7 +180,20 @@ pub(crate) fn connect(
         };
         socks.push(sock);
     }
-    Ok(LocalChannel::new(
+    let shares = share
+        .then(|| match attach(peer, *pid, socket, n as u16, timeout, SHARE_CODE) {
+            Ok(Attached::Ready(s, _)) => Some(Arc::new(Shares::new(s))),
+            Ok(Attached::Refused(why)) => {
+                debug!(peer = %peer.addr, why, "no share stream: the owner copies everything");
+                None
+            }
+            Err(e) => {
+                debug!(peer = %peer.addr, error = %e, "no share stream: the owner copies everything");
+                None
+            }
+        })
+        .flatten();
+    let mut ch = LocalChannel::new(
         peer.addr,
         socks,
         depth,
@@ -187,7 +201,9 @@ pub(crate) fn connect(
         peer.version >= VECTORED_VERSION,
         gpu,
         (*pid, grant),
-    ))
+    );
+    ch.shares = shares;
+    Ok(ch)
 }
 
 fn unavailable(reason: String) -> Error {
@@ -299,6 +315,8 @@ fn take_ring(peer: SocketAddr, sock: &UnixStream) -> io::Result<Option<Ends>> {
 #[derive(Debug)]
 pub struct LocalChannel {
     shared: Arc<Shared>,
+    /// The share stream and what it mapped (`crate::shares`), when the server has one.
+    shares: Option<Arc<Shares>>,
 }
 
 struct Shared {
@@ -463,7 +481,29 @@ impl LocalChannel {
                 shared.stream_ended(i, None);
             }
         }
-        Self { shared }
+        Self {
+            shared,
+            shares: None,
+        }
+    }
+
+    /// Asks the server for the shared memory of the segment under `token` now (blocking) and
+    /// maps it, unless mapped or refused before: how it is mapped, or why not; `None`: the
+    /// server has no share stream (older, or shared registrations off on either side). Ops on
+    /// a mapped segment move one-sidedly from then on (a token an op names is asked for by
+    /// itself, on a thread of its own; this is for callers that want the mapping first).
+    pub fn map_shared(
+        &self,
+        token: ferry_core::SegmentToken,
+    ) -> Option<Result<ferry_core::share::Grant, ferry_core::share::ShareRefusal>> {
+        self.shares.as_ref().map(|s| s.map(token))
+    }
+
+    /// Segments mapped now, and ops moved one-sidedly so far (`None`: no share stream).
+    pub fn shared_use(&self) -> Option<(usize, u64)> {
+        self.shares
+            .as_ref()
+            .map(|s| (s.mapped(), s.one_sided_ops()))
     }
 
     /// Streams of the channel.
@@ -1014,6 +1054,15 @@ impl Channel for LocalChannel {
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
         let shared = &self.shared;
+        // One-sided where every op can be (mapped shared registrations): no stream is used.
+        if let Some(done) = self
+            .shares
+            .as_ref()
+            .filter(|_| !shared.closed.load(Ordering::Acquire))
+            .and_then(|s| s.execute(&ops, &control))
+        {
+            return done;
+        }
         let req = Arc::new(Req {
             ops: ops.clone(),
             control: control.clone(),
@@ -1109,6 +1158,9 @@ impl Channel for LocalChannel {
         // is hung up on.
         for s in &self.shared.streams {
             let _ = s.sock.shutdown(std::net::Shutdown::Write);
+        }
+        if let Some(s) = &self.shares {
+            s.close();
         }
         let shared = self.shared.clone();
         let watch = std::thread::Builder::new()
@@ -1239,7 +1291,7 @@ mod tests {
             1 << 20,
             Duration::from_secs(5),
             Err("no".into()),
-            true,
+            (true, false),
         ));
         assert!(why.contains("belongs to pid"), "{why}");
     }
@@ -1271,7 +1323,7 @@ mod tests {
             1 << 20,
             Duration::from_secs(5),
             Err("no".into()),
-            true,
+            (true, false),
         ));
         assert!(why.contains("other than ours"), "{why}");
         drop(server.join().unwrap());

@@ -48,6 +48,7 @@ mod host;
 mod pipe;
 mod ring;
 mod server;
+mod shares;
 mod shm;
 pub mod wire;
 
@@ -88,6 +89,11 @@ pub struct LocalConfig {
     /// On by default; [`RING_ENV`]`=off` in the environment turns it off (the streams then
     /// stay on their sockets, as with a server older than the ring).
     pub ring: bool,
+    /// Ask for the memory of the peer's shared registrations (memory its engine allocated in a
+    /// memfd) on a share stream, map what is granted, and move ops on it one-sidedly
+    /// (`crate::shares`); also serve such asks. On by default; [`SHARED_ENV`]`=off` turns it
+    /// off (every copy is then the owner's).
+    pub shared: bool,
     /// Where the CUDA driver GPU buffers are granted and copied with by CUDA IPC comes from
     /// (asked at each attach; used when it has the entry points and a GPU); `None`: GPU
     /// buffers take the host stage.
@@ -138,6 +144,7 @@ impl Default for LocalConfig {
             max_streams: 256,
             allow_privileged: false,
             ring: ring_from_env(),
+            shared: on_unless_off(SHARED_ENV),
             #[cfg(feature = "cuda")]
             cuda: None,
         }
@@ -148,9 +155,18 @@ impl Default for LocalConfig {
 /// plane's streams on their sockets (no request/answer ring): [`LocalConfig::ring`]'s default.
 pub const RING_ENV: &str = "FERRY_SAME_HOST_RING";
 
+/// The environment variable that, set to `off` (or `0`, `false`, `no`), keeps the same-host
+/// plane from mapping peers' shared registrations (every copy the owner's):
+/// [`LocalConfig::shared`]'s default.
+pub const SHARED_ENV: &str = "FERRY_SAME_HOST_SHARED";
+
 fn ring_from_env() -> bool {
+    on_unless_off(RING_ENV)
+}
+
+fn on_unless_off(var: &str) -> bool {
     !matches!(
-        std::env::var(RING_ENV).as_deref().map(str::trim),
+        std::env::var(var).as_deref().map(str::trim),
         Ok("off" | "0" | "false" | "no")
     )
 }
@@ -352,7 +368,7 @@ impl LocalTransport {
             self.config.chunk_size,
             self.config.connect_timeout,
             ipc,
-            self.config.ring,
+            (self.config.ring, self.config.shared),
         )
     }
 

@@ -29,7 +29,7 @@ use crate::ring::{ANSWERS, REQUESTS, SHM_LEN};
 use crate::shm::{Shm, send_fd};
 use crate::wire::{
     ADDR_LEN, CUDA_IPC_CODE, INLINE_MARK, INLINE_MAX, IPC_MARK, IPC_REF_LEN, PROBE_FAILED,
-    PROBE_OK, RING_BIT, RING_NONE, RING_OFFER, RING_TAKEN, local_code,
+    PROBE_OK, RING_BIT, RING_NONE, RING_OFFER, RING_TAKEN, SHARE_CODE, local_code,
 };
 
 /// The address the handshake machinery is told a local stream comes from (Unix sockets have
@@ -313,7 +313,8 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         }
     };
     let limits = shared.gate.limits();
-    let (proto, gpu, space, ring) = match attach(&sock, pid, &client, shared, limits.timeout) {
+    let (proto, gpu, space, ring, share) = match attach(&sock, pid, &client, shared, limits.timeout)
+    {
         Ok(Some(p)) => p,
         Ok(None) => return,
         Err(e) => {
@@ -364,6 +365,14 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
             return;
         }
     };
+    if share {
+        match crate::shares::serve(&sock, &proto, || held.check(&sock)) {
+            Ok(()) => debug!("same-host share stream ended"),
+            Err(e) => debug!(error = %e, "same-host share stream failed"),
+        }
+        let _ = sock.shutdown(std::net::Shutdown::Both);
+        return;
+    }
     let conn = match &ends {
         Some((tx, rx)) => Conn::Ring(&sock, tx, rx),
         None => Conn::Sock(&sock),
@@ -438,6 +447,7 @@ fn attach(
         }
     };
     let (transport, ring) = (code & !RING_BIT, code & RING_BIT != 0);
+    let share = code == SHARE_CODE;
     let mut out = sock;
     let gpu = if transport == CUDA_IPC_CODE {
         match shared.gpu.served() {
@@ -452,7 +462,7 @@ fn attach(
                 return Ok(None);
             }
         }
-    } else if transport == local_code() {
+    } else if transport == local_code() || share {
         None
     } else {
         let _ = ferry_net::write_frame(
@@ -524,16 +534,18 @@ fn attach(
     } else {
         None
     };
-    Ok(Some((proto, gpu, space, ring)))
+    Ok(Some((proto, gpu, space, ring, share)))
 }
 
 /// What an attach leaves a served stream: its protocol, its CUDA IPC state, the client's
-/// address space held, and the ring when the client took it.
+/// address space held, the ring when the client took it, and whether it is a share stream
+/// (`crate::shares`).
 type Attachment = (
     ServerStream,
     Option<Served>,
     host::AddressSpace,
     Option<Shm>,
+    bool,
 );
 
 /// Offers a fresh ring (its memfd over the socket) and reads whether the client took it.

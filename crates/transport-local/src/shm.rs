@@ -1,6 +1,7 @@
 //! The ring's raw shared memory, and nothing else that is unsafe about it: a sealed memfd
 //! mapped by both sides, bounds-checked copies in and out of it, its atomics, the futex calls on
-//! them, and passing its descriptor over the stream's socket (`SCM_RIGHTS`).
+//! them, and passing its descriptor over the stream's socket (`SCM_RIGHTS`). Also a peer's
+//! shared registration mapped here ([`Mapped`]: the one-sided copies' memory).
 //!
 //! The other process maps the same pages and may write anything at any time: every access here
 //! is checked against the mapping's length (an out-of-range request panics: it is this side's
@@ -189,6 +190,19 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
 
 /// Sends one byte over `sock`, with `fd` attached when given (`SCM_RIGHTS`).
 pub(crate) fn send_fd(sock: &UnixStream, byte: u8, fd: Option<&OwnedFd>) -> io::Result<()> {
+    send_raw_fd(sock, byte, fd.map(|f| f.as_raw_fd()))
+}
+
+/// As [`send_fd`], for a descriptor borrowed from its owner (a shared registration's memfd).
+pub(crate) fn send_borrowed_fd(
+    sock: &UnixStream,
+    byte: u8,
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> io::Result<()> {
+    send_raw_fd(sock, byte, Some(fd.as_raw_fd()))
+}
+
+fn send_raw_fd(sock: &UnixStream, byte: u8, fd: Option<libc::c_int>) -> io::Result<()> {
     let mut data = [byte];
     let mut iov = libc::iovec {
         iov_base: data.as_mut_ptr().cast(),
@@ -211,9 +225,7 @@ pub(crate) fn send_fd(sock: &UnixStream, byte: u8, fd: Option<&OwnedFd>) -> io::
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-            libc::CMSG_DATA(c)
-                .cast::<libc::c_int>()
-                .write_unaligned(fd.as_raw_fd());
+            libc::CMSG_DATA(c).cast::<libc::c_int>().write_unaligned(fd);
         }
     }
     // SAFETY: `msg` points at live buffers for the call.
@@ -274,6 +286,180 @@ pub(crate) fn recv_fd(sock: &UnixStream) -> io::Result<(u8, Option<OwnedFd>)> {
         ));
     }
     Ok((data[0], got.pop()))
+}
+
+/// A peer's shared registration mapped here: its memfd (sealed against resizing, checked at
+/// [`adopt`](Self::adopt), so no access inside the mapping can fault whatever the owner does),
+/// read-only or read-write as granted. Copies go between it and this process's own registered
+/// memory, and check the owner's revoked word before and after: a copy that may have raced the
+/// revocation reports it, whatever its bytes.
+#[derive(Debug)]
+pub(crate) struct Mapped {
+    ptr: *mut u8,
+    /// Bytes mapped (the whole memfd).
+    len: usize,
+    /// Where the header page starts (the region's bytes end before it).
+    header: usize,
+    writable: bool,
+}
+
+// SAFETY: the mapping is plain shared memory, reached only through raw copies and an atomic
+// (no references to its bytes are handed out), so any thread may use it.
+unsafe impl Send for Mapped {}
+// SAFETY: as above.
+unsafe impl Sync for Mapped {}
+
+/// A one-sided copy found the registration revoked (before or after it copied).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Revoked;
+
+impl Mapped {
+    /// Maps the memfd of a region of `region_len` bytes a peer granted, after checking that it
+    /// is sealed against shrinking and growing and has exactly the layout of one
+    /// (`ferry_core::shared_header_at`, then the header page). Read-only: `PROT_READ` only.
+    pub(crate) fn adopt(fd: &OwnedFd, region_len: usize, writable: bool) -> io::Result<Self> {
+        let resizing = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        // SAFETY: fcntl on a valid descriptor, no argument.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & resizing != resizing {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a shared registration's memfd is not sealed against resizing",
+            ));
+        }
+        let header = ferry_core::shared_header_at(region_len);
+        let len = header + ferry_core::SHARED_HEADER;
+        // SAFETY: `st` is plain data, valid for the kernel's write.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid descriptor and a valid stat buffer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if st.st_size as u64 != len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "a shared registration's memfd has {} bytes, not {len}",
+                    st.st_size
+                ),
+            ));
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh shared mapping of the whole memfd (sealed at `len` bytes); no address
+        // hint, so nothing of ours is replaced.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+            header,
+            writable,
+        })
+    }
+
+    /// Whether it was mapped writable.
+    pub(crate) fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Whether the owner revoked it.
+    pub(crate) fn revoked(&self) -> bool {
+        // SAFETY: the header page lies inside the mapping (`header + SHARED_HEADER == len`),
+        // 4-aligned (page-aligned offset), readable; an atomic may alias memory another process
+        // writes.
+        let word = unsafe {
+            &*self
+                .ptr
+                .add(self.header + ferry_core::SHARED_REVOKED_AT)
+                .cast::<AtomicU32>()
+        };
+        word.load(std::sync::atomic::Ordering::Acquire) != 0
+    }
+
+    /// Checks `off..off+n` against the region's bytes of the mapping, and `at..at+n` against
+    /// `local` (host memory only).
+    fn check(&self, off: usize, n: usize, local: &ferry_core::MemoryRegion, at: u64) -> bool {
+        local.is_host()
+            && local.check(at, n as u64).is_ok()
+            && off.checked_add(n).is_some_and(|end| end <= self.header)
+    }
+
+    /// Copies `n` bytes at `off` of the mapped region into `local` at `at` (a READ), after and
+    /// before checking that the owner has not revoked it. Out-of-range arguments are this
+    /// side's bug: they panic before anything is copied.
+    pub(crate) fn copy_out(
+        &self,
+        off: usize,
+        local: &ferry_core::MemoryRegion,
+        at: u64,
+        n: usize,
+    ) -> Result<(), Revoked> {
+        assert!(
+            self.check(off, n, local, at),
+            "a one-sided READ out of range"
+        );
+        if self.revoked() {
+            return Err(Revoked);
+        }
+        // SAFETY: the source lies inside the mapping's region bytes and the destination inside
+        // `local`'s host bytes (both checked above); a mapping is no Rust allocation, so the two
+        // never overlap; raw copies only (the module's and `MemoryRegion`'s concurrency model).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(off), local.as_ptr().add(at as usize), n)
+        };
+        // The bytes copied are read before the word is looked at again.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        if self.revoked() { Err(Revoked) } else { Ok(()) }
+    }
+
+    /// Copies `n` bytes of `local` at `at` into the mapped region at `off` (a WRITE), as
+    /// [`copy_out`](Self::copy_out) checks. A read-only mapping panics (this side's bug).
+    pub(crate) fn copy_in(
+        &self,
+        off: usize,
+        local: &ferry_core::MemoryRegion,
+        at: u64,
+        n: usize,
+    ) -> Result<(), Revoked> {
+        assert!(self.writable, "a one-sided WRITE into a read-only mapping");
+        assert!(
+            self.check(off, n, local, at),
+            "a one-sided WRITE out of range"
+        );
+        if self.revoked() {
+            return Err(Revoked);
+        }
+        // SAFETY: the destination lies inside the mapping's region bytes, mapped writable, and
+        // the source inside `local`'s host bytes (both checked above); no overlap (see
+        // `copy_out`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(local.as_ptr().add(at as usize), self.ptr.add(off), n)
+        };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.revoked() { Err(Revoked) } else { Ok(()) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `adopt`, of this length; no reference into it exists.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
 }
 
 #[cfg(test)]

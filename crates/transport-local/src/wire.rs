@@ -43,6 +43,19 @@
 //! whose accepted response is then followed by its payload in the ring). The server copies
 //! inline bytes between the ring and the checked segment range, and never touches the
 //! client's memory for them.
+//!
+//! *Share streams.* A client that can map shared registrations attaches one more connection
+//! with the transport code [`SHARE_CODE`] (a server older than shared registrations refuses it
+//! with a `Reject`, and the channel never maps one). After its probe it carries no data
+//! requests, only *share requests*: the eight little-endian bytes of a segment's token. The
+//! server resolves the token through the peer's view, as for a request, and answers one byte:
+//! [`SHARE_GRANTED`] with the registration's memfd attached (`SCM_RIGHTS`), followed by
+//! [`SHARE_GRANT_LEN`] bytes (the grant, [`SHARE_READ_ONLY`] or [`SHARE_READ_WRITE`]; the
+//! segment's offset in the region, its length, and the region's length, little-endian u64
+//! each), or [`SHARE_REFUSED`] followed by one byte, the refusal's code
+//! (`ferry_core::share::ShareRefusal::code`). The memfd holds the region's bytes from offset
+//! 0, rounded up to a page, then a header page whose first `u32` is the revoked word
+//! (`ferry_core::SHARED_REVOKED_AT`).
 
 use ferry_core::wire::TransportOffer;
 
@@ -83,6 +96,20 @@ pub const INLINE_MARK: u64 = 1 << 62;
 /// The most bytes an op moves inline.
 pub const INLINE_MAX: usize = 8 << 10;
 
+/// The transport code a share stream attaches with (the plane's code, 4, with 0x400 set).
+pub const SHARE_CODE: u16 = 0x0404;
+
+/// A share request's answer: granted, the memfd attached, [`SHARE_GRANT_LEN`] bytes follow.
+pub const SHARE_GRANTED: u8 = 1;
+/// A share request's answer: refused, the refusal's code follows.
+pub const SHARE_REFUSED: u8 = 2;
+/// Bytes after [`SHARE_GRANTED`]: the grant, then three little-endian u64.
+pub const SHARE_GRANT_LEN: usize = 1 + 24;
+/// A grant: mapped read-only (the memfd is sealed against writes).
+pub const SHARE_READ_ONLY: u8 = 1;
+/// A grant: mapped read-write.
+pub const SHARE_READ_WRITE: u8 = 2;
+
 /// Whether a client sends a chunk of `len` bytes inline on a ring stream (READs and WRITEs of
 /// host memory, one chunk, at most [`INLINE_MAX`]): the rule both sides of a ring stream read
 /// a response by.
@@ -110,6 +137,8 @@ mod tests {
     #[test]
     fn the_cuda_ipc_code_is_no_other_plane_s() {
         assert_ne!(CUDA_IPC_CODE, local_code());
+        assert_ne!(SHARE_CODE, local_code());
+        assert_ne!(SHARE_CODE & !RING_BIT, CUDA_IPC_CODE);
         for offer in [
             TransportOffer::Tcp {
                 streams: 0,

@@ -270,6 +270,13 @@ impl ServerStream {
         self
     }
 
+    /// The segment under `token` as this stream's peer sees it (`None`: unknown, retired, or
+    /// not published to this peer), for a driver that hands the peer something other than a
+    /// copy: the same-host plane's shared registrations ([`crate::share`]).
+    pub fn resolve(&self, token: SegmentToken) -> Option<SegmentLease> {
+        self.table.resolve(token)
+    }
+
     /// Responses held back now.
     pub fn held(&self) -> u16 {
         self.held
