@@ -209,6 +209,17 @@ pub struct RouteDescription {
     pub gpu: Option<String>,
 }
 
+/// How a shareable registration's memfd is handed out now (see
+/// [`SegmentDescription::shared`]).
+pub(crate) fn shared_state(s: &ferry_core::share::ShareState) -> String {
+    use ferry_core::share::ShareMode;
+    match s.mode() {
+        ShareMode::Unshared => "memfd, not granted".into(),
+        ShareMode::ReadOnly => format!("memfd, read-only, {} grants", s.grants()),
+        ShareMode::ReadWrite => format!("memfd, read-write, {} grants", s.grants()),
+    }
+}
+
 /// A published segment, as described locally.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
@@ -221,6 +232,11 @@ pub struct SegmentDescription {
     pub len: u64,
     /// Peers' access (`read`, `write`, `read+write`).
     pub access: String,
+    /// Whether its memory is shared with same-host peers for one-sided copies (memory Ferry
+    /// allocated in a memfd: `ferry_core::share`), and how: `memfd, not granted`, `memfd,
+    /// read-only, N grants`, `memfd, read-write, N grants`; `None`: the owner copies (the
+    /// user's memory, a file).
+    pub shared: Option<String>,
 }
 
 /// The listener's connections before their handshake is over: the limits and what they did.
@@ -363,11 +379,15 @@ impl std::fmt::Display for Description {
             )?;
         }
         for s in &self.published {
-            writeln!(
+            write!(
                 f,
                 "published {} token {} len {} access {}",
                 s.name, s.token, s.len, s.access
             )?;
+            match &s.shared {
+                Some(how) => writeln!(f, " shared ({how})")?,
+                None => writeln!(f)?,
+            }
         }
         for r in &self.routes {
             writeln!(

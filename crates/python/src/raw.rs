@@ -265,13 +265,19 @@ impl RawEngine {
                     "allocate: length must be at least 1, not {length}"
                 ))
             })?;
-        let region = MemoryRegion::alloc_zeroed(len, ferry::PAGE_ALIGN).map_err(|e| {
-            errors::err(
-                py,
-                errors::Kind::ResourceExhausted,
-                format!("allocate {length} bytes: {e}"),
-            )
-        })?;
+        // In a memfd of its own, which same-host peers with the right may map and copy with
+        // one-sidedly (docs/architecture.md 4.2); plain memory where no memfd can be made.
+        let region = match MemoryRegion::alloc_shareable(len) {
+            Ok(r) => r,
+            // No memfd here (no memfd_create, sealing refused): plain memory, not shareable.
+            Err(_) => MemoryRegion::alloc_zeroed(len, ferry::PAGE_ALIGN).map_err(|e| {
+                errors::err(
+                    py,
+                    errors::Kind::ResourceExhausted,
+                    format!("allocate {length} bytes: {e}"),
+                )
+            })?,
+        };
         let addr = region.as_ptr() as u64;
         self.publish_host(py, addr, length, "cpu:0", access, region)?;
         Ok(addr)

@@ -366,12 +366,7 @@ fn serve_conn(sock: UnixStream, slot: HandshakeSlot, shared: &Shared) {
         }
     };
     if share {
-        match crate::shares::serve(&sock, &proto, || held.check(&sock)) {
-            Ok(()) => debug!("same-host share stream ended"),
-            Err(e) => debug!(error = %e, "same-host share stream failed"),
-        }
-        let _ = sock.shutdown(std::net::Shutdown::Both);
-        return;
+        return crate::shares::serve(&sock, &proto, || held.check(&sock));
     }
     let conn = match &ends {
         Some((tx, rx)) => Conn::Ring(&sock, tx, rx),

@@ -40,8 +40,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Serves a share stream until the client ends it: each token resolved through `proto`'s view,
 /// granted or refused. `check` runs before each answer (the client still the process that
-/// attached; an error ends the stream).
-pub(crate) fn serve(
+/// attached; an error ends the stream). The socket is shut down at the end.
+pub(crate) fn serve(sock: &UnixStream, proto: &ServerStream, check: impl Fn() -> io::Result<()>) {
+    match serve_requests(sock, proto, check) {
+        Ok(()) => debug!("same-host share stream ended"),
+        Err(e) => debug!(error = %e, "same-host share stream failed"),
+    }
+    let _ = sock.shutdown(std::net::Shutdown::Both);
+}
+
+fn serve_requests(
     sock: &UnixStream,
     proto: &ServerStream,
     check: impl Fn() -> io::Result<()>,

@@ -485,6 +485,10 @@ impl TransferEngine {
                 token: l.token().to_string(),
                 len: l.len(),
                 access: l.access().to_string(),
+                shared: l
+                    .region()
+                    .shared()
+                    .map(|m| crate::describe::shared_state(&m.state())),
             })
             .chain(
                 self.inner
@@ -497,6 +501,7 @@ impl TransferEngine {
                         token: d.token.to_string(),
                         len: d.len,
                         access: d.access.to_string(),
+                        shared: None,
                     }),
             )
             .collect();
