@@ -36,6 +36,15 @@
 //!   either side, or a build without CUDA) is attached without it, and the engine stages GPU
 //!   buffers through host memory as on TCP; [`LocalChannel::gpu_route`] says which.
 //!
+//! - *Shared registrations* (memory the peer's engine allocated in a memfd,
+//!   `ferry_core::MemoryRegion::alloc_shareable`): a channel asks for a token's memory on a
+//!   share stream; the owner grants it only where the peer's view holds it and its access allows
+//!   reading (read-only grants on a memfd sealed against writes), and the channel then moves
+//!   host READs and WRITEs inside it with `memcpy` in the submitting thread, one-sidedly. When
+//!   the memory is freed the owner sets the memfd's revoked word and discards its bytes (the size
+//!   never changes, so nothing faults); a copy that saw the word fails (`UnknownSegment`).
+//!   [`LocalConfig::shared`] turns it off.
+//!
 //! The protocol on the socket is in [`wire`].
 
 mod client;
