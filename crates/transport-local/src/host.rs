@@ -484,6 +484,30 @@ impl AddressSpace {
     }
 }
 
+/// Holds the address space the probe's copy reached: opened by pid, then proven to be the
+/// connecting process's (its pidfd still running, so the pid named it when it was opened) and
+/// the space the copies reach (the probe's eight bytes read through it are the ones copied).
+pub(crate) fn hold_space(
+    pid: u32,
+    client: &Pidfd,
+    at: u64,
+    copied: [u8; 8],
+) -> io::Result<AddressSpace> {
+    let space = AddressSpace::open(pid)?;
+    if client.exited() {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    let mut seen = [0u8; 8];
+    if space.read(at, &mut seen)? != seen.len() || seen != copied {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the probe's bytes read through /proc differ from those copied (another pid \
+             namespace's /proc?)",
+        ));
+    }
+    Ok(space)
+}
+
 /// What one look at a served stream's socket and its client's pidfd says (one `poll` of both).
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Liveness {

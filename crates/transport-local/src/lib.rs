@@ -341,7 +341,9 @@ impl LocalTransport {
             return Ok(s);
         }
         serving_probe_result(self.config.allow_privileged)?;
-        let bound = LocalServer::bind()?.privileged(self.config.allow_privileged);
+        let bound = LocalServer::bind()?
+            .privileged(self.config.allow_privileged)
+            .sharing(self.config.shared);
         #[cfg(feature = "cuda")]
         let bound = bound.with_cuda(self.config.cuda.clone());
         let handle = Arc::new(bound.serve(

@@ -46,6 +46,7 @@ pub struct LocalServer {
     name: String,
     gpu: ServerGpu,
     privileged: bool,
+    sharing: bool,
 }
 
 impl LocalServer {
@@ -65,7 +66,15 @@ impl LocalServer {
             #[cfg(not(feature = "cuda"))]
             gpu: ServerGpu,
             privileged: false,
+            sharing: true,
         })
+    }
+
+    /// Serves share streams (`crate::shares`: peers map shared registrations), or refuses
+    /// them (`false`: every copy is the owner's). On by default.
+    pub fn sharing(mut self, on: bool) -> Self {
+        self.sharing = on;
+        self
     }
 
     /// Serves even where a serving thread cannot drop `CAP_SYS_PTRACE` (`allow`): its copies
@@ -110,6 +119,7 @@ impl LocalServer {
             max_streams,
             gpu: self.gpu,
             privileged: self.privileged,
+            sharing: self.sharing,
             streams: AtomicUsize::new(0),
             staged: AtomicUsize::new(0),
             stopped: AtomicBool::new(false),
@@ -217,6 +227,8 @@ struct Shared {
     gpu: ServerGpu,
     /// Whether a serving thread that cannot drop `CAP_SYS_PTRACE` serves anyway.
     privileged: bool,
+    /// Whether share streams are served.
+    sharing: bool,
     streams: AtomicUsize,
     /// Bytes of file staging its streams hold now.
     staged: AtomicUsize,
@@ -442,7 +454,7 @@ fn attach(
         }
     };
     let (transport, ring) = (code & !RING_BIT, code & RING_BIT != 0);
-    let share = code == SHARE_CODE;
+    let share = code == SHARE_CODE && shared.sharing;
     let mut out = sock;
     let gpu = if transport == CUDA_IPC_CODE {
         match shared.gpu.served() {
@@ -503,7 +515,7 @@ fn attach(
     }];
     // SAFETY: `value` is a local array, writable, not referenced during the copy.
     let copied = unsafe { host::copy(pid, Direction::In, &ours, &theirs) }
-        .and_then(|()| hold_space(pid, client, theirs[0].addr as u64, value));
+        .and_then(|()| host::hold_space(pid, client, theirs[0].addr as u64, value));
     let mut answer = [0u8; 9];
     let space = match copied {
         Ok(space) => {
@@ -603,30 +615,6 @@ impl Read for Conn<'_> {
             Conn::Ring(_, _, rx) => rx.read(buf),
         }
     }
-}
-
-/// Holds the address space the probe's copy reached: opened by pid, then proven to be the
-/// connecting process's (its pidfd still running, so the pid named it when it was opened) and
-/// the space the copies reach (the probe's eight bytes read through it are the ones copied).
-fn hold_space(
-    pid: u32,
-    client: &host::Pidfd,
-    at: u64,
-    copied: [u8; 8],
-) -> io::Result<host::AddressSpace> {
-    let space = host::AddressSpace::open(pid)?;
-    if client.exited() {
-        return Err(io::Error::from_raw_os_error(libc::ESRCH));
-    }
-    let mut seen = [0u8; 8];
-    if space.read(at, &mut seen)? != seen.len() || seen != copied {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "the probe's bytes read through /proc differ from those copied (another pid \
-             namespace's /proc?)",
-        ));
-    }
-    Ok(space)
 }
 
 /// The client a stream serves, as proven at its attach: copies go to `pid` only while it is

@@ -14,7 +14,9 @@
 //! first time is asked for on a thread of its own while its ops go the owner's way, so a
 //! request never waits for a grant. A revoked registration (its owner's revoked word set)
 //! fails the ops that see it, `UnknownSegment` as the owner would answer, and its mapping is
-//! dropped.
+//! dropped. A request is moved one-sidedly only while the owner's end of the share stream is
+//! open (one `poll` per request): an owner that died or shut its server down is copied with
+//! no more, and its requests fail as on the streams.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -29,7 +31,7 @@ use ferry_core::{BoxFuture, Op, OpKind, Outcome, RemoteStatus, RequestControl};
 use ferry_core::{SegmentLease, SegmentToken};
 use tracing::debug;
 
-use crate::shm::{Mapped, recv_fd, send_borrowed_fd, send_fd};
+use crate::shm::{Mapped, recv_fd, send_fd};
 use crate::wire::{
     SHARE_GRANT_LEN, SHARE_GRANTED, SHARE_READ_ONLY, SHARE_READ_WRITE, SHARE_REFUSED,
 };
@@ -62,9 +64,17 @@ fn serve_requests(
             Err(e) => return Err(e),
         }
         check()?;
-        let lease = proto.resolve(SegmentToken(u64::from_le_bytes(token)));
-        match grant(lease.as_ref()) {
-            Ok((grant, lease)) => answer_grant(sock, grant, lease)?,
+        // The lease is let go before the answer: once the client has it, the server holds
+        // nothing of the registration (its end is not delayed by a grant).
+        let granted = {
+            let lease = proto.resolve(SegmentToken(u64::from_le_bytes(token)));
+            grant(lease.as_ref()).and_then(|(grant, lease)| describe(grant, lease))
+        };
+        match granted {
+            Ok((fd, details)) => {
+                send_fd(sock, SHARE_GRANTED, Some(&fd))?;
+                (&*sock).write_all(&details)?;
+            }
             Err(refusal) => {
                 debug!(%refusal, "a shared registration refused");
                 (&*sock).write_all(&[SHARE_REFUSED, refusal.code()])?;
@@ -84,9 +94,15 @@ fn grant(lease: Option<&SegmentLease>) -> Result<(Grant, &SegmentLease), ShareRe
     Ok((shared.grant(true, lease.access)?, lease))
 }
 
-fn answer_grant(sock: &UnixStream, grant: Grant, lease: &SegmentLease) -> io::Result<()> {
+/// A granted memfd's descriptor to send (a read-only grant's reopened read-only too: the seal
+/// is what holds, since a descriptor can be reopened; this only keeps it from adding seals or
+/// resizing) and the grant's details.
+fn describe(
+    grant: Grant,
+    lease: &SegmentLease,
+) -> Result<(OwnedFd, [u8; SHARE_GRANT_LEN]), ShareRefusal> {
     let Some(shared) = lease.region.shared() else {
-        return Err(io::Error::other("a granted region without its memfd"));
+        return Err(ShareRefusal::NotShareable);
     };
     let mut details = [0u8; SHARE_GRANT_LEN];
     details[0] = match grant {
@@ -96,8 +112,6 @@ fn answer_grant(sock: &UnixStream, grant: Grant, lease: &SegmentLease) -> io::Re
     details[1..9].copy_from_slice(&lease.base.to_le_bytes());
     details[9..17].copy_from_slice(&lease.len.to_le_bytes());
     details[17..25].copy_from_slice(&(lease.region.len() as u64).to_le_bytes());
-    // A read-only grant's descriptor is opened read-only too (the seal is what holds: a
-    // descriptor can be reopened; this only keeps it from adding seals or resizing).
     let reopened = match grant {
         Grant::ReadOnly => {
             std::fs::File::open(format!("/proc/self/fd/{}", shared.fd().as_raw_fd()))
@@ -106,11 +120,14 @@ fn answer_grant(sock: &UnixStream, grant: Grant, lease: &SegmentLease) -> io::Re
         }
         Grant::ReadWrite => None,
     };
-    match &reopened {
-        Some(fd) => send_fd(sock, SHARE_GRANTED, Some(fd))?,
-        None => send_borrowed_fd(sock, SHARE_GRANTED, shared.fd())?,
-    }
-    (&*sock).write_all(&details)
+    let fd = match reopened {
+        Some(fd) => fd,
+        None => shared.fd().try_clone_to_owned().map_err(|e| {
+            debug!(error = %e, "cannot duplicate a shareable memfd; not granted");
+            ShareRefusal::NotShareable
+        })?,
+    };
+    Ok((fd, details))
 }
 
 /// A segment a channel mapped: the mapping and where the segment lies in it.
@@ -237,6 +254,12 @@ impl Shares {
         control: &Arc<RequestControl>,
     ) -> Option<BoxFuture<'static, Outcome>> {
         let segs = self.segments(ops)?;
+        // The owner still there: a process that died closed its end of the share stream. Looked
+        // at once per request, so that no copy succeeds on the memory of an owner known gone
+        // (an answer to an ask in flight makes it readable too: the owner copies that request).
+        if self.closer.as_ref().is_none_or(crate::host::readable_now) {
+            return None;
+        }
         if let Some(why) = control.stopped() {
             control.with_ledger(|l| {
                 for i in 0..ops.len() {

@@ -193,15 +193,6 @@ pub(crate) fn send_fd(sock: &UnixStream, byte: u8, fd: Option<&OwnedFd>) -> io::
     send_raw_fd(sock, byte, fd.map(|f| f.as_raw_fd()))
 }
 
-/// As [`send_fd`], for a descriptor borrowed from its owner (a shared registration's memfd).
-pub(crate) fn send_borrowed_fd(
-    sock: &UnixStream,
-    byte: u8,
-    fd: std::os::fd::BorrowedFd<'_>,
-) -> io::Result<()> {
-    send_raw_fd(sock, byte, Some(fd.as_raw_fd()))
-}
-
 fn send_raw_fd(sock: &UnixStream, byte: u8, fd: Option<libc::c_int>) -> io::Result<()> {
     let mut data = [byte];
     let mut iov = libc::iovec {

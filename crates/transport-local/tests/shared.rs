@@ -173,6 +173,33 @@ async fn a_granted_registration_is_read_and_written_one_sidedly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_stopped_serving_is_copied_with_no_more() {
+    let table = Arc::new(Table::default());
+    let region = shareable(0x12);
+    table.add(
+        RW,
+        &region,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        true,
+    );
+    let (h, peer) = serve(table.clone());
+    let ch = LocalTransport::new(LocalConfig::default())
+        .connect_channel(&peer)
+        .unwrap();
+    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
+    let o = run(&ch, vec![op(OpKind::Write, &local, RW, 4096)]).await;
+    assert!(o.is_success(), "{o:?}");
+    assert_eq!(one_sided(&ch), 1);
+    // The server shuts its sockets (as a process that dies has them shut) before it returns:
+    // from then on nothing is one-sided (the request takes the streams, whose own ending is
+    // theirs to see).
+    h.shutdown();
+    let _ = run(&ch, vec![op(OpKind::Write, &local, RW, 4096)]).await;
+    assert_eq!(one_sided(&ch), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_without_the_right_never_gets_the_memfd_and_the_owner_copies() {
     let table = Arc::new(Table::default());
     let hidden = shareable(0x33);
@@ -221,6 +248,30 @@ async fn a_peer_without_the_right_never_gets_the_memfd_and_the_owner_copies() {
     .connect_channel(&peer)
     .unwrap();
     assert_eq!(off.map_shared(USER), None);
+    // A server with them off refuses the share stream: the channel maps nothing.
+    let epoch = Epoch::fresh();
+    let h = LocalServer::bind()
+        .unwrap()
+        .sharing(false)
+        .serve(
+            table,
+            Arc::new(Responder(epoch)),
+            HandshakeLimits::default(),
+            16,
+        )
+        .unwrap();
+    let mut refusing = peer.clone();
+    refusing.remote_epoch = epoch;
+    refusing.offer = TransportOffer::Local {
+        boot_id: [0; 16],
+        pid: std::process::id(),
+        streams: 2,
+        socket: h.name().to_owned(),
+    };
+    let ch = LocalTransport::new(LocalConfig::default())
+        .connect_channel(&refusing)
+        .unwrap();
+    assert_eq!(ch.map_shared(HIDDEN), None);
 }
 
 /// The `/proc/self/maps` line of the mapping of a memfd named `ferry-shared` with `perms`.
