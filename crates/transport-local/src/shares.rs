@@ -9,8 +9,10 @@
 //!
 //! *Using* ([`Shares`]): a channel maps what it is granted, once per token, and then moves a
 //! request all of whose ops are host READs and WRITEs of mapped segments (inside their bounds,
-//! a WRITE only on a read-write grant) with `memcpy` in the submitting thread: one-sided, the
-//! owner's threads never woken. Anything else takes the owner's copies. A token seen for the
+//! a WRITE only on a read-write grant), of at most a chunk in all (the channel's chunk size,
+//! 4 MiB by default: a larger one is copied faster by the owner's streams side by side than by
+//! one thread), with `memcpy` in the submitting thread: one-sided, the owner's threads never
+//! woken. Anything else takes the owner's copies. A token seen for the
 //! first time is asked for on a thread of its own while its ops go the owner's way, so a
 //! request never waits for a grant. A revoked registration (its owner's revoked word set)
 //! fails the ops that see it, `UnknownSegment` as the owner would answer, and its mapping is
