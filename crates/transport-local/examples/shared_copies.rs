@@ -77,6 +77,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `"median [min-max]"` of the rounds.
+fn spread(v: &[f64]) -> String {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    format!("{:.2} [{:.2}-{:.2}]", v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// Per round, `a / b`.
+fn ratios(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(x, y)| x / y).collect()
+}
+
 /// GB/s of requests of `blocks` ops of `block` bytes, waited one after another, `bytes` in all.
 fn rate(
     ch: &LocalChannel,
@@ -240,18 +252,25 @@ fn main() {
         }
     }
     for (c, (name, _, (block, blocks))) in cases.iter().enumerate() {
-        let [a, b, o, m] = rates[c].clone().map(median);
+        let [a, b, o, m] = &rates[c];
         println!(
-            "{{\"case\":\"{name} {blocks} x {} KiB\",\"one_sided_gbps\":{a:.2},\"owner_plain_gbps\":{b:.2},\"owner_memfd_gbps\":{o:.2},\"memcpy_gbps\":{m:.2},\"one_sided_per_memcpy\":{:.2},\"one_sided_per_owner_plain\":{:.2}}}",
+            "{{\"case\":\"{name} {blocks} x {} KiB\",\"one_sided_gbps\":\"{}\",\"owner_plain_gbps\":\"{}\",\"owner_memfd_gbps\":\"{}\",\"memcpy_gbps\":\"{}\",\"one_sided_per_memcpy\":\"{}\",\"one_sided_per_owner_plain\":\"{}\"}}",
             block >> 10,
-            a / m,
-            a / b
+            spread(a),
+            spread(b),
+            spread(o),
+            spread(m),
+            spread(&ratios(a, m)),
+            spread(&ratios(a, b)),
         );
     }
-    let [a, b, o] = lat.map(median);
+    let [a, b, o] = &lat;
     println!(
-        "{{\"case\":\"WRITE 1 x 4 KiB, awaited\",\"one_sided_p50_us\":{a:.2},\"owner_plain_p50_us\":{b:.2},\"owner_memfd_p50_us\":{o:.2},\"owner_plain_per_one_sided\":{:.2},\"one_sided_ops\":{}}}",
-        b / a,
+        "{{\"case\":\"WRITE 1 x 4 KiB, awaited\",\"one_sided_p50_us\":\"{}\",\"owner_plain_p50_us\":\"{}\",\"owner_memfd_p50_us\":\"{}\",\"owner_plain_per_one_sided\":\"{}\",\"one_sided_ops\":{}}}",
+        spread(a),
+        spread(b),
+        spread(o),
+        spread(&ratios(b, a)),
         one.shared_use().map_or(0, |u| u.1)
     );
 }
