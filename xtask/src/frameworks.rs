@@ -343,6 +343,7 @@ mod tests {
             installs: &[&["x==1"]],
             tests: &[],
             require: &[],
+            needs_gib: 0,
         };
         let b = Environment {
             installs: &[&["x==2"]],
@@ -350,5 +351,25 @@ mod tests {
         };
         assert_ne!(provision_record(&a), provision_record(&b));
         assert_eq!(provision_record(&a), "x==1\n");
+    }
+
+    #[test]
+    fn a_disk_too_small_is_named_before_pip_runs() {
+        let small = Environment {
+            name: "small",
+            installs: &[],
+            tests: &[],
+            require: &[],
+            needs_gib: 0,
+        };
+        let huge = Environment {
+            name: "huge",
+            needs_gib: 1 << 40,
+            ..small
+        };
+        let dir = std::env::temp_dir();
+        assert!(check_free_space(&small, &dir).is_ok());
+        let err = format!("{:#}", check_free_space(&huge, &dir).unwrap_err());
+        assert!(err.contains("provisioning huge needs about"), "{err}");
     }
 }
