@@ -20,7 +20,12 @@
 //! columns say `-`. The issue 50 target: the same-host ring's hot p50 at most 1.0x the hot
 //! ping-pong's, with no wake-up and no system call per round trip.
 //!
-//! Options: `--ops N` (round trips per run, default 20000), `--repeat N` (default 3).
+//! Options: `--ops N` (round trips per run, default 20000), `--repeat N` (default 3),
+//! `--baseline FERRY` (another build's `ferry` binary: its same-host rows too, ring and socket,
+//! measured in the same rounds, for an A/B of a change to the plane), `--ferry FERRY` (the
+//! binary of the other rows, not built; default: this tree's release build, built first). The
+//! Ferry rows run in turn
+//! and in the reverse order every other round, so no row always runs first.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -146,12 +151,16 @@ pub(crate) fn ping_pong_cost(ops: usize) -> Result<Cost> {
     })
 }
 
-/// `ferry bench` of 64-byte WRITEs, one in flight, with `extra` flags and `env`, under
-/// `perf stat` where it works: its cost.
-pub(crate) fn ferry_cost(ops: usize, extra: &[&str], env: &[(&str, &str)]) -> Result<Cost> {
+/// `ferry bench` (the binary `bin`) of 64-byte WRITEs, one in flight, with `extra` flags and
+/// `env`, under `perf stat` where it works: its cost.
+pub(crate) fn ferry_cost(
+    bin: &std::path::Path,
+    ops: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Result<Cost> {
     let total = (ops * 64).to_string();
     let counts = std::env::temp_dir().join(format!("ferry-latency-{}.perf", std::process::id()));
-    let bin = release_bin("ferry");
     let perf = Command::new("perf")
         .args([
             "stat",
@@ -174,10 +183,10 @@ pub(crate) fn ferry_cost(ops: usize, extra: &[&str], env: &[(&str, &str)]) -> Re
         ])
         .arg(&counts)
         .arg("--")
-        .arg(&bin);
+        .arg(bin);
         c
     } else {
-        Command::new(&bin)
+        Command::new(bin)
     };
     cmd.args([
         "bench",
@@ -245,6 +254,8 @@ pub(crate) fn ferry(ops: usize, extra: &[&str]) -> Result<f64> {
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut ops = 20_000usize;
     let mut repeat = 3usize;
+    let mut baseline: Option<std::path::PathBuf> = None;
+    let mut current: Option<std::path::PathBuf> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut num = |name: &str| -> Result<usize> {
@@ -256,10 +267,30 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         match a.as_str() {
             "--ops" => ops = num("--ops")?.max(100),
             "--repeat" => repeat = num("--repeat")?.max(1),
-            other => bail!("unknown option {other} (bench latency takes --ops N, --repeat N)"),
+            "--baseline" | "--ferry" => {
+                let b = it
+                    .next()
+                    .with_context(|| format!("{a} needs a ferry binary"))?;
+                let b = Some(std::fs::canonicalize(b).with_context(|| b.clone())?);
+                if a == "--ferry" {
+                    current = b;
+                } else {
+                    baseline = b;
+                }
+            }
+            other => bail!(
+                "unknown option {other} (bench latency takes --ops N, --repeat N, \
+                 --baseline FERRY, --ferry FERRY)"
+            ),
         }
     }
-    run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+    let current = match current {
+        Some(bin) => bin,
+        None => {
+            run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+            release_bin("ferry")
+        }
+    };
     let mut cases: Vec<Case> = vec![
         (
             "ferry same-host, ring",
@@ -293,6 +324,19 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         }
         Err(e) => println!("the uring row is left out: {e:#}"),
     }
+    // Which binary each row runs: this tree's, and the baseline's same-host rows after them.
+    let mut bins = vec![current.clone(); cases.len()];
+    if let Some(base) = &baseline {
+        for k in 0..2 {
+            let (_, extra, env) = cases[k].clone();
+            let name = [
+                "ferry same-host, ring (baseline)",
+                "ferry same-host, socket (baseline)",
+            ][k];
+            cases.push((name, extra, env));
+            bins.push(base.clone());
+        }
+    }
     // [mode][case + 1]: case 0 is the ping-pong; mode 0 idle, 1 hot.
     let mut costs: Vec<Vec<Vec<Cost>>> = vec![vec![Vec::new(); cases.len() + 1]; 2];
     for round in 0..repeat {
@@ -301,8 +345,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             let mode = (round + step) % 2;
             let _hot = if mode == 1 { Some(Hot::start()?) } else { None };
             costs[mode][0].push(ping_pong_cost(ops)?);
-            for (i, (_, extra, env)) in cases.iter().enumerate() {
-                costs[mode][i + 1].push(ferry_cost(ops, extra, env)?);
+            let turn: Vec<usize> = if round % 2 == 0 {
+                (0..cases.len()).collect()
+            } else {
+                (0..cases.len()).rev().collect()
+            };
+            for i in turn {
+                let (_, extra, env) = &cases[i];
+                costs[mode][i + 1].push(ferry_cost(&bins[i], ops, extra, env)?);
             }
         }
     }
@@ -325,7 +375,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let base = median(&costs[mode][0].iter().map(|c| c.p50).collect::<Vec<_>>());
         println!("\n{name}");
         println!(
-            "{:<30} {:>9} {:>9} {:>7} {:>10} {:>10}",
+            "{:<36} {:>9} {:>9} {:>7} {:>10} {:>10}",
             "case", "p50 us", "p99 us", "ratio", "wakeups/rt", "syscalls/rt"
         );
         let names = std::iter::once("bare TCP ping-pong").chain(cases.iter().map(|c| c.0));
@@ -333,7 +383,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             let p = median(&v.iter().map(|c| c.p50).collect::<Vec<_>>());
             let q = median(&v.iter().map(|c| c.p99).collect::<Vec<_>>());
             println!(
-                "{name:<30} {p:>9.1} {q:>9.1} {:>6.2}x {:>10} {:>10}",
+                "{name:<36} {p:>9.1} {q:>9.1} {:>6.2}x {:>10} {:>10}",
                 p / base,
                 field(v, |c| c.wakeups),
                 field(v, |c| c.syscalls),
