@@ -22,6 +22,11 @@ the last receiver holds every byte (verl: ``receive_weights`` ended; chain: the 
 last read). Efficiency is ideal / time; "x chain" is chain / time. Each receiver's first and
 last bytes of every tensor are checked after the round (outside the timing); ``ferry.verl``'s
 receivers also verify every chunk against the manifest (BLAKE3), which the chain does not.
+The ``ideal`` and ``verl`` rows also print the CPU seconds (all threads, ``time.process_time``)
+of the trainer's process (from its start until every receiver answered: publishing, the
+manifest's checksums, serving) and of each receiver's (until its own pull ended: relaying
+after that is not counted), against the CPU-seconds the round's wall time offered: on a host
+with fewer cores than processes, the steering figure.
 """
 
 from __future__ import annotations
@@ -88,11 +93,12 @@ def worker_main(conn, rank: int, sems, bucket: int) -> None:
                     got[name] = _sample(t)
                 return got
 
+            cpu = time.process_time()
             try:
                 got = asyncio.run(go())
-                conn.send(("ok", got))
+                conn.send(("ok", got, time.process_time() - cpu))
             except Exception as e:  # the bench reports it
-                conn.send(("err", f"{type(e).__name__}: {e}"))
+                conn.send(("err", f"{type(e).__name__}: {e}", 0.0))
             engine.finalize()
         elif cmd == "chain_init":
             from ferry.mooncake import TransferEngine
@@ -158,8 +164,10 @@ class Fleet:
 # -- rows --------------------------------------------------------------------------------------
 
 
-def verl_round(fleet: Fleet, trainer, weights: dict, n: int, step: int) -> float:
-    """One ``ferry.verl`` update to the first ``n`` workers, as verl's manager drives it."""
+def verl_round(fleet: Fleet, trainer, weights: dict, n: int, step: int) -> tuple[float, list[float]]:
+    """One ``ferry.verl`` update to the first ``n`` workers, as verl's manager drives it: its
+    seconds, and the CPU seconds (all threads) the trainer's process and each receiver's spent
+    in it (the trainer's: from its start until every receiver answered)."""
     meta = [trainer.prepare()]
     for i in range(n):
         fleet.ask(i, "prepare")
@@ -170,20 +178,21 @@ def verl_round(fleet: Fleet, trainer, weights: dict, n: int, step: int) -> float
         fleet.ask(i, "init", {k: v[i] for k, v in rollout.items()})
     for i in range(n):
         assert fleet.get(i) == "ok"
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i in range(n):
         fleet.ask(i, "recv", step)
     asyncio.run(trainer.send_weights(iter(weights.items()), global_steps=step))
     answers = [fleet.get(i) for i in range(n)]
-    took = time.perf_counter() - t0
+    took, cpu = time.perf_counter() - t0, [time.process_time() - cpu0]
     trainer.finalize()
     want = {name: _sample(t) for name, t in weights.items()}
-    for i, (status, got) in enumerate(answers):
+    for i, (status, got, spent) in enumerate(answers):
         if status != "ok":
             raise RuntimeError(f"receiver {i + 1}: {got}")
         if got != want:
             raise RuntimeError(f"receiver {i + 1} holds other bytes")
-    return took
+        cpu.append(spent)
+    return took, cpu
 
 
 class Chain:
@@ -294,15 +303,17 @@ def main() -> None:
     )
     chain = Chain(fleet, weights, n, bucket) if "chain" in modes else None
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[list[float]]] = {m: [] for m in modes}
     step = 0
     try:
         for r in range(args.rounds):
             for m in modes:
                 step += 1
+                cpu: list[float] = []
                 if m == "ideal":
-                    t = verl_round(fleet, trainer, weights, 1, step)
+                    t, cpu = verl_round(fleet, trainer, weights, 1, step)
                 elif m == "verl":
-                    t = verl_round(fleet, trainer, weights, n, step)
+                    t, cpu = verl_round(fleet, trainer, weights, n, step)
                 elif m == "chain":
                     assert chain is not None
                     t = chain.round()
@@ -313,7 +324,12 @@ def main() -> None:
                 else:
                     raise SystemExit(f"no mode {m!r}")
                 times[m].append(t)
-                print(f"  round {r + 1} {m:<6} {t:7.3f} s  {size / t / 1e9:6.2f} GB/s", flush=True)
+                cpus[m].append(cpu)
+                said = ""
+                if cpu:
+                    said = f"  CPU s: trainer {cpu[0]:.2f}, receivers " + " ".join(f"{c:.2f}" for c in cpu[1:])
+                    said += f" (sum {sum(cpu):.2f} for {t * (os.cpu_count() or 1):.2f} CPU-s of wall time)"
+                print(f"  round {r + 1} {m:<6} {t:7.3f} s  {size / t / 1e9:6.2f} GB/s{said}", flush=True)
     finally:
         fleet.close()
         trainer.shutdown()
@@ -332,7 +348,7 @@ def main() -> None:
         print(f"| {m} | {k} | {med[m]:.3f} | {size / med[m] / 1e9:.2f} | {of_ideal:.2f} | {x_chain:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes": size, "receivers": n, "rounds": times, "median": med}, f, indent=1)
+            json.dump({"bytes": size, "receivers": n, "rounds": times, "cpu": cpus, "median": med}, f, indent=1)
 
 
 if __name__ == "__main__":
