@@ -461,16 +461,8 @@ impl Engine {
         length: Option<i64>,
         timeout: Option<f64>,
     ) -> PyResult<Request> {
-        let timeout = seconds("timeout", timeout)?;
-        let op = make_op(
-            OpKind::Read,
-            local,
-            remote,
-            local_offset,
-            remote_offset,
-            length,
-        )?;
-        self.start(py, &[op], timeout)
+        let at = (local_offset, remote_offset, length);
+        self.one_op(py, OpKind::Read, local, remote, at, timeout)
     }
 
     /// Starts a WRITE of `local[local_offset:+length]` into `remote[remote_offset:+length]` and
@@ -487,16 +479,8 @@ impl Engine {
         length: Option<i64>,
         timeout: Option<f64>,
     ) -> PyResult<Request> {
-        let timeout = seconds("timeout", timeout)?;
-        let op = make_op(
-            OpKind::Write,
-            local,
-            remote,
-            local_offset,
-            remote_offset,
-            length,
-        )?;
-        self.start(py, &[op], timeout)
+        let at = (local_offset, remote_offset, length);
+        self.one_op(py, OpKind::Write, local, remote, at, timeout)
     }
 
     /// Submits a `Batch` as one request: every op is checked against its local registration
@@ -550,6 +534,22 @@ impl Engine {
 }
 
 impl Engine {
+    /// `read` and `write`: one op of `kind` at `(local_offset, remote_offset, length)`, the
+    /// timeout checked first.
+    fn one_op(
+        &self,
+        py: Python<'_>,
+        kind: OpKind,
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, RemoteSegment>,
+        (local_offset, remote_offset, length): (i64, i64, Option<i64>),
+        timeout: Option<f64>,
+    ) -> PyResult<Request> {
+        let timeout = seconds("timeout", timeout)?;
+        let op = make_op(kind, local, remote, local_offset, remote_offset, length)?;
+        self.start(py, &[op], timeout)
+    }
+
     fn start(
         &self,
         py: Python<'_>,
