@@ -332,6 +332,8 @@ struct Shared {
     /// Requests with chunks outstanding that no task spins for: while there is none, the ring
     /// streams' readers stay parked ([`pipe::Rx::park_while`]) and an answer wakes no thread.
     watching: Arc<AtomicUsize>,
+    /// How many requests armed the readers (see [`LocalChannel::readers_armed`]).
+    armed: std::sync::atomic::AtomicU64,
     /// How long they spin now, in nanoseconds (adapted: [`Spin`]).
     spin: std::sync::atomic::AtomicU64,
     /// The server's process.
@@ -448,6 +450,7 @@ impl LocalChannel {
             spins,
             spin: std::sync::atomic::AtomicU64::new(Spin::new().budget_ns()),
             watching: Arc::default(),
+            armed: Default::default(),
             peer,
             dealer: Mutex::new(Dealer::new(n)),
             streams: socks
@@ -520,6 +523,13 @@ impl LocalChannel {
             .count()
     }
 
+    /// How many requests so far armed the ring streams' readers (a request no task spins for,
+    /// or a small one whose task's spin ran out): a reader thread is woken for an answer only
+    /// after such an arm, so on a ring channel this bounds the readers' wake-ups.
+    pub fn readers_armed(&self) -> u64 {
+        self.shared.armed.load(Ordering::Relaxed)
+    }
+
     /// How the channel moves GPU buffers: by CUDA IPC (a region made by
     /// `DeviceMemory::ipc_region` may be an op's local region), or not (the host stage, why).
     pub fn gpu_route(&self) -> &GpuRoute {
@@ -570,6 +580,9 @@ impl Shared {
                 self.watching.fetch_sub(1, Ordering::SeqCst);
             }
             return;
+        }
+        if self.spins {
+            self.armed.fetch_add(1, Ordering::Relaxed);
         }
         for side in &self.streams {
             if let Some((_, rx)) = &side.ring {
