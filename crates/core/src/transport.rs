@@ -174,6 +174,12 @@ pub trait Channel: Send + Sync + fmt::Debug + 'static {
     fn gpu_route(&self) -> Option<String> {
         None
     }
+
+    /// What this channel moves one-sidedly, where its plane can (the same-host plane's shared
+    /// registrations: what it mapped and the ops it moved so); `None` elsewhere.
+    fn one_sided(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A published segment, resolved for serving one chunk. Holding the lease keeps the registration

@@ -164,6 +164,8 @@ pub(crate) struct RouteCounters {
     same_host: std::sync::Mutex<Option<String>>,
     /// How the channel moves GPU buffers, where its plane has a choice (at connect).
     gpu: std::sync::Mutex<Option<String>>,
+    /// The channel opened at connect, asked what it moves one-sidedly when described.
+    channel: std::sync::Mutex<Option<std::sync::Weak<dyn ferry_core::Channel>>>,
 }
 
 impl RouteCounters {
@@ -252,6 +254,13 @@ impl RouteCounters {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .clone(),
+            one_sided: self
+                .channel
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_ref()
+                .and_then(std::sync::Weak::upgrade)
+                .and_then(|c| c.one_sided()),
         }
     }
 
@@ -261,6 +270,14 @@ impl RouteCounters {
             .gpu
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = route;
+    }
+
+    /// Records the channel opened at connect (held weakly: asked what it moves one-sidedly).
+    pub(crate) fn channel(&self, channel: &Arc<dyn ferry_core::Channel>) {
+        *self
+            .channel
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::downgrade(channel));
     }
 
     /// Records why the same-host plane was not taken on this route (at connect).

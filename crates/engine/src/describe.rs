@@ -207,6 +207,12 @@ pub struct RouteDescription {
     /// `host stage (<why not>)`. `None` on the other planes (TCP and io_uring stage GPU
     /// buffers; RDMA takes GPUDirect registrations).
     pub gpu: Option<String>,
+    /// What the route's channel (the one opened at connect) moves one-sidedly: on the
+    /// same-host plane, the peer's shared registrations it mapped and the ops it moved by
+    /// `memcpy` (`crate::describe` of the peer says which of its registrations are shared);
+    /// `None` on other planes, or where the peer shares none (an older one, or shared
+    /// registrations off).
+    pub one_sided: Option<String>,
 }
 
 /// How a shareable registration's memfd is handed out now (see
@@ -411,6 +417,9 @@ impl std::fmt::Display for Description {
             }
             if let Some(gpu) = &r.gpu {
                 writeln!(f, "  gpu buffers: {gpu}")?;
+            }
+            if let Some(one) = &r.one_sided {
+                writeln!(f, "  one-sided: {one}")?;
             }
         }
         #[cfg(feature = "cuda")]

@@ -819,6 +819,7 @@ mod tests {
             failures: vec![("peer_lost".into(), 1), ("timeout".into(), n)],
             same_host: None,
             gpu: None,
+            one_sided: None,
         };
         d.peer_id = "00ff".into();
         d.epoch = "0a0b".into();

@@ -52,6 +52,10 @@ def test_allocated_memory_is_shared_with_the_peer_it_is_published_to_and_no_othe
         ctypes.memset(dst, 0, SIZE)
         araw.transfer(addr, "read", [dst], [managed], [SIZE])
         assert ctypes.string_at(dst, SIZE) == b"\x77" * SIZE
+        # Alice's route says what it mapped and moved one-sidedly.
+        (route,) = alice.describe()["routes"]
+        assert route["one_sided"].startswith("1 shared registration(s) mapped"), route
+        assert int(route["one_sided"].split(", ")[1].split()[0]) >= 2, route
         # Bob, not published to, moves nothing, and the memfd went to no one else.
         bdst = braw.allocate(SIZE)
         with pytest.raises(ferry.UnknownAddress):

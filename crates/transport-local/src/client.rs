@@ -1154,6 +1154,12 @@ impl Channel for LocalChannel {
         Some(self.shared.gpu.to_string())
     }
 
+    fn one_sided(&self) -> Option<String> {
+        self.shared_use().map(|(mapped, ops)| {
+            format!("{mapped} shared registration(s) mapped, {ops} ops moved one-sidedly")
+        })
+    }
+
     fn is_alive(&self) -> bool {
         !self.shared.closed.load(Ordering::Acquire)
             && self

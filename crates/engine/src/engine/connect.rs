@@ -229,6 +229,7 @@ impl TransferEngine {
             counters.same_host_not_taken(why);
         }
         counters.gpu_route(channel.gpu_route());
+        counters.channel(&channel);
         tracing::info!(peer = %server.peer_id, epoch = %server.epoch, transport = %channel.kind(),
             segments = server.segments.len(), "connected");
         let rails = channel.kind() == TransportKind::Rdma;
