@@ -22,7 +22,9 @@
 //! `ferry bench` takes the same flags), `--total BYTES` per bulk run (default 2GiB), `--ops N`
 //! per latency run (default 20000), `--repeat N` rounds (default 5), `--only TEXT` (only the
 //! cases whose label contains it, e.g. `--only "uring, 1 stream, 1 MiB read"`),
-//! `--two-process`, `--no-build` (use this tree's `target/release/ferry` as it is).
+//! `--two-process`, `--no-build` (use this tree's `target/release/ferry` as it is), `--ferry BIN`
+//! (measure this binary as the tree's side, not built: a copy kept apart from a target
+//! directory other builds write to).
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
@@ -115,6 +117,7 @@ fn cases(total: u64, ops: usize) -> Vec<Case> {
 /// Runs the comparison.
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut baseline: Option<PathBuf> = None;
+    let mut current: Option<PathBuf> = None;
     let mut total = 2u64 << 30;
     let mut ops = 20_000usize;
     let mut repeat = 5usize;
@@ -141,8 +144,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--only" => only = Some(value("--only")?),
             "--two-process" => two_process = true,
             "--no-build" => build = false,
+            "--ferry" => current = Some(PathBuf::from(value("--ferry")?)),
             other => bail!(
-                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N, --only TEXT, --two-process, --no-build)"
+                "unknown option {other} (bench ab takes --baseline BIN, --total BYTES, --ops N, --repeat N, --only TEXT, --two-process, --no-build, --ferry BIN)"
             ),
         }
     }
@@ -152,10 +156,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !baseline.is_file() {
         bail!("the baseline {} is not a file", baseline.display());
     }
-    if build {
-        run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
-    }
-    let current = crate::util::release_bin("ferry");
+    let current = match current {
+        Some(bin) => bin,
+        None => {
+            if build {
+                run_loud(cargo().args(["build", "--release", "-p", "ferry-engine-cli"]))?;
+            }
+            crate::util::release_bin("ferry")
+        }
+    };
     let cases: Vec<Case> = cases(total, ops)
         .into_iter()
         .filter(|c| only.as_ref().is_none_or(|o| c.label.contains(o.as_str())))
