@@ -124,7 +124,9 @@ pub(crate) enum Event {
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Command {
     /// Attach this member as a holder; answer [`Event::Attached`] or
-    /// [`Event::AttachFailed`] before anything else.
+    /// [`Event::AttachFailed`] when the attachment ends. Other events may come meanwhile (the
+    /// fetches in flight, the holders' progress, the list, wakes); the pull issues no other
+    /// command until the answer, and never a second attachment.
     Attach(Member),
     /// Fetch `chunk` from holder `holder` (attached), reporting `generation` back.
     Fetch {
@@ -821,9 +823,19 @@ impl Pull {
         // The source holds every chunk: fetch it from there (the chunk stays marked in flight
         // meanwhile).
         match self.source_in() {
+            // Another member is being attached (this event came meanwhile): the chunk goes
+            // back to be dealt again once that attachment is answered.
+            Some(s)
+                if !self.holders.contains_key(&s.id)
+                    && self.attaching.as_ref().is_some_and(|a| a.id != s.id) =>
+            {
+                self.have.released(chunk);
+            }
             Some(s) if !self.holders.contains_key(&s.id) => {
                 self.refetch.push(chunk);
-                self.attach(s);
+                if self.attaching.is_none() {
+                    self.attach(s);
+                }
             }
             Some(s) => {
                 if !self.fetch_from(now, &s.id, chunk) {
@@ -835,8 +847,10 @@ impl Pull {
         Ok(())
     }
 
-    /// Asks the driver to attach `m`; nothing else is decided until it answers.
+    /// Asks the driver to attach `m`; nothing else is decided until it answers. Only with no
+    /// attachment pending.
     fn attach(&mut self, m: Member) {
+        debug_assert!(self.attaching.is_none(), "a second attachment");
         self.out.push_back(Command::Attach(m.clone()));
         self.attaching = Some(m);
     }

@@ -751,3 +751,40 @@ fn a_pull_whose_own_process_was_stopped_blames_no_holder_for_the_gap() {
     }
     assert!(gave_up);
 }
+
+/// An attachment runs beside the pull: events that come before its answer (a wake, the list,
+/// a fetch's end) issue no command, in particular no second attachment; a chunk the source
+/// must serve again while another member is being attached goes back to be dealt, and is dealt
+/// once the answer comes.
+#[test]
+fn events_while_an_attachment_runs_issue_no_second_attachment() {
+    let now = Instant::now();
+    let mut p = source_only(4, 2);
+    let fetches = drive(&mut p, now);
+    assert_eq!(fetches.len(), 2);
+    // The source is no longer attached (as if given up and listed again) and another member's
+    // attachment is running when chunk 0's bytes turn out wrong.
+    p.holders.remove("src");
+    p.attaching = Some(member("b", Role::Receiver));
+    p.handle(now, fetched(0, fetches[0].2, Outcome::Mismatch))
+        .unwrap();
+    p.handle(now, Event::Wake).unwrap();
+    let mut out = Vec::new();
+    while let Some(c) = p.poll(now).unwrap() {
+        out.push(c);
+    }
+    assert!(
+        out.iter()
+            .all(|c| matches!(c, Command::Publish | Command::Heartbeat)),
+        "{out:?}"
+    );
+    assert_eq!(p.attaching.as_ref().map(|m| m.id.as_str()), Some("b"));
+    assert!(p.refetch.is_empty(), "dealt again, not kept for b");
+    // The answer: the pull goes on, and chunk 0 is asked for again (from the source).
+    p.handle(now, Event::AttachFailed("test".into())).unwrap();
+    let again = drive(&mut p, now);
+    assert!(
+        again.iter().any(|(c, h, _)| *c == 0 && h == "src"),
+        "{again:?}"
+    );
+}

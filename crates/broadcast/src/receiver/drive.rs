@@ -16,7 +16,7 @@ use crate::landing::crc_of_file;
 use crate::plan::{Have, Member};
 use crate::pull::{Command, Config as PullConfig, Event, Outcome, Pull};
 
-use super::link::{Fetched, Link};
+use super::link::{Attacher, Fetched, Link};
 use super::{Receiver, Summary, unix_now};
 use crate::hashing::crc_of;
 
@@ -48,6 +48,33 @@ pub(super) struct Drive {
     me_tx: watch::Sender<Member>,
     /// Where the holders' progress pollers report.
     polls: mpsc::UnboundedSender<Event>,
+    /// What an attachment needs.
+    attacher: Attacher,
+    /// The attachment running ([`Command::Attach`]; at most one), answered when it ends.
+    attaching: Option<JoinHandle<Attachment>>,
+}
+
+/// An attachment's end: the member, and its data path or why not.
+type Attachment = (Member, Result<Link, BroadcastError>);
+
+impl Drop for Drive {
+    fn drop(&mut self) {
+        if let Some(a) = &self.attaching {
+            a.abort();
+        }
+    }
+}
+
+/// Resolves when the attachment running ends (never, with none), which it then clears.
+async fn attachment(
+    running: &mut Option<JoinHandle<Attachment>>,
+) -> Result<Attachment, tokio::task::JoinError> {
+    let ended = match running.as_mut() {
+        Some(task) => task.await,
+        None => std::future::pending().await,
+    };
+    *running = None;
+    ended
 }
 
 /// What the discovery task ([`watch_discovery`]) reports.
@@ -262,6 +289,8 @@ impl Receiver {
             first_request: None,
             me_tx,
             polls,
+            attacher: self.attacher(),
+            attaching: None,
         };
         let mut hooks = self.hooks.clone();
         if hooks.hold_final_check.is_some() {
@@ -290,6 +319,15 @@ impl Receiver {
                     Listed::Members { list, beat } => Event::Members { list, beat },
                 },
                 Some(ev) = poll_rx.recv() => ev,
+                ended = attachment(&mut d.attaching) => match ended {
+                    Ok((m, Ok(link))) => {
+                        d.links.insert(m.id.clone(), link);
+                        Event::Attached
+                    }
+                    Ok((_, Err(e @ BroadcastError::SourceRestarted { .. }))) => return Err(e),
+                    Ok((_, Err(e))) => Event::AttachFailed(e.to_string()),
+                    Err(e) => Event::AttachFailed(format!("the attachment's task failed: {e}")),
+                },
                 () = sleep_until(wake) => {
                     // Woken this late: this process did not run meanwhile (stopped and
                     // resumed), and its holders are not to blame for the silence.
@@ -405,8 +443,9 @@ impl Receiver {
         tracing::warn!(chunk = i, "test hook: corrupted a verified chunk");
     }
 
-    /// Carries out the pull's commands until it has none; an attachment and the check at rest
-    /// are answered before the next. Returns whether the pull is done.
+    /// Carries out the pull's commands until it has none; the check at rest is answered
+    /// before the next, an attachment when it ends (an event of [`run_inner`](Self::run_inner)'s
+    /// loop). Returns whether the pull is done.
     pub(super) async fn drain(
         &mut self,
         pull: &mut Pull,
@@ -416,15 +455,12 @@ impl Receiver {
             match cmd {
                 Command::Done => return Ok(true),
                 Command::Attach(m) => {
-                    let ev = match self.attach_within(&m, &d.polls).await {
-                        Ok(link) => {
-                            d.links.insert(m.id.clone(), link);
-                            Event::Attached
-                        }
-                        Err(e @ BroadcastError::SourceRestarted { .. }) => return Err(e),
-                        Err(e) => Event::AttachFailed(e.to_string()),
-                    };
-                    pull.handle(Instant::now(), ev)?;
+                    // Runs beside the pull; its end is an event (`attachment`).
+                    let (a, polls) = (d.attacher.clone(), d.polls.clone());
+                    d.attaching = Some(tokio::spawn(async move {
+                        let r = a.attach_within(&m, &polls).await;
+                        (m, r)
+                    }));
                 }
                 Command::Fetch {
                     chunk,

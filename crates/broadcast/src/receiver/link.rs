@@ -2,6 +2,8 @@
 //! and the fetch of a chunk from it (READs, then the BLAKE3 of what landed).
 
 use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -13,6 +15,7 @@ use crate::control::{CtlClient, Reply, Request};
 use crate::error::BroadcastError;
 use crate::landing::land;
 use crate::layout::{self, Slice};
+use crate::manifest::Manifest;
 use crate::plan::{Member, Role};
 use crate::pull::Event;
 
@@ -51,7 +54,34 @@ pub(super) struct Fetched {
     pub(super) write_failed: Option<std::io::Error>,
 }
 
+/// What attaching a holder needs, owned, so that an attachment runs as a task beside the pull
+/// and ends as an event, as a fetch does, rather than inside the command loop (up to
+/// `stall_after` and 2 s for a member that does not answer).
+#[derive(Clone)]
+pub(super) struct Attacher {
+    engine: ferry::TransferEngine,
+    keys: Option<ferry::Keyring>,
+    manifest: Arc<Manifest>,
+    source_ip: IpAddr,
+    source_epoch: u64,
+    stall_after: Duration,
+}
+
 impl Receiver {
+    /// What attaching a holder needs, for this pull.
+    pub(super) fn attacher(&self) -> Attacher {
+        Attacher {
+            engine: self.engine.clone(),
+            keys: self.opts.keys.clone(),
+            manifest: Arc::new(self.manifest.clone()),
+            source_ip: self.source_ip,
+            source_epoch: self.source_epoch,
+            stall_after: self.opts.stall_after,
+        }
+    }
+}
+
+impl Attacher {
     /// The handshake with `m`'s data plane at `data_addr`: keyed, naming the server identity
     /// `m`'s record lists (so another key holder answering there is refused); keyless, or for a
     /// record without one, a plain connect (its incarnation is checked after).
@@ -60,7 +90,7 @@ impl Receiver {
         m: &Member,
         data_addr: &str,
     ) -> Result<ferry::Peer, ferry::Error> {
-        match (&self.opts.keys, &m.identity) {
+        match (&self.keys, &m.identity) {
             (Some(_), Some(hex)) => {
                 let identity: ferry::ServerIdentity =
                     hex.parse().map_err(|e| ferry::Error::InvalidRequest {
@@ -102,7 +132,7 @@ impl Receiver {
             });
         }
         crate::discovery::check_incarnation(m, peer.id(), peer.epoch())?;
-        let keys = self.opts.keys.as_ref();
+        let keys = self.keys.as_ref();
         let mut ctl = CtlClient::connect_keyed(&ctl_addr, Duration::from_secs(3), keys).await?;
         let version = self.manifest.version;
         let wire = if m.role == Role::Source {
@@ -185,7 +215,7 @@ impl Receiver {
             segs.push(v);
             ranges.push(r);
         }
-        let poll = follow_progress(ctl, m.id.clone(), polls.clone(), self.opts.stall_after);
+        let poll = follow_progress(ctl, m.id.clone(), polls.clone(), self.stall_after);
         tracing::info!(holder = %m.id, %data_addr, role = ?m.role, "attached");
         Ok(Link {
             peer,
@@ -203,7 +233,7 @@ impl Receiver {
         m: &Member,
         polls: &mpsc::UnboundedSender<Event>,
     ) -> Result<Link, BroadcastError> {
-        let limit = self.opts.stall_after + Duration::from_secs(2);
+        let limit = self.stall_after + Duration::from_secs(2);
         match tokio::time::timeout(limit, self.attach(m, polls)).await {
             Ok(r) => r,
             Err(_) => Err(control_err(
@@ -212,7 +242,9 @@ impl Receiver {
             )),
         }
     }
+}
 
+impl Receiver {
     /// The pieces of chunk `i` as held here: `(slice, offset in it, length)`, in order.
     pub(super) fn local_pieces(&self, i: usize) -> Vec<(Slice, u64, u64)> {
         let c = self.manifest.chunks[i];
