@@ -2,7 +2,8 @@
 //! requests awaited one after another on a ring channel resolve on the awaiting task, and the
 //! stream's reader thread stays parked, woken only after a request armed it (its task's spin
 //! ran out: on a busy machine, often), not per answer; a request no task spins for (a bulk
-//! one) still wakes it and resolves. Alone in its file: the reader threads counted are
+//! one) still wakes it and resolves. On a channel of two ring streams, such requests keep to
+//! one stream, so one server thread serves them and the other sleeps. Alone in its file: the reader threads counted are
 //! this test's only.
 
 mod common;
@@ -58,6 +59,27 @@ fn voluntary_switches_of(name: &str) -> u64 {
         }
     }
     total
+}
+
+/// Time on a CPU so far (ns) of each of this process's threads whose name starts with
+/// `prefix`, by thread id.
+fn cpu_ns_of(prefix: &str) -> std::collections::BTreeMap<u64, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = t.unwrap().path();
+        let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
+            continue;
+        };
+        if !comm.starts_with(prefix) {
+            continue;
+        }
+        let tid: u64 = dir.file_name().unwrap().to_str().unwrap().parse().unwrap();
+        let stat = std::fs::read_to_string(dir.join("schedstat")).unwrap_or_default();
+        if let Some(ns) = stat.split_whitespace().next().and_then(|v| v.parse().ok()) {
+            out.insert(tid, ns);
+        }
+    }
+    out
 }
 
 fn op(kind: OpKind, local: &Arc<MemoryRegion>, len: u64) -> Arc<[Op]> {
@@ -156,4 +178,46 @@ fn answers_that_tasks_spin_for_wake_no_reader_thread() {
     local.read_at(0, &mut got).unwrap();
     assert_eq!(got[..64], [0x5a; 64][..]);
     assert_eq!(got[64..], [0u8; 64][..]);
+    // Small requests one at a time on a channel of two ring streams keep to one of them: one
+    // server thread serves (and spins for) them, the other sleeps (dealt in turn, both would
+    // spin beside the task: three spinners on two cores).
+    let known = cpu_ns_of("ferry-local-ser");
+    let mut peer2 = peer.clone();
+    if let TransportOffer::Local { streams, .. } = &mut peer2.offer {
+        *streams = 2;
+    }
+    let transport2 = LocalTransport::new(LocalConfig {
+        streams: 2,
+        ring: true,
+        ..LocalConfig::default()
+    });
+    let ch2 = transport2.connect_channel(&peer2).unwrap();
+    assert_eq!(ch2.ring_streams(), 2);
+    let run2 = |ops: &Arc<[Op]>| {
+        let o = rt.block_on(ch2.execute(ops.clone(), Arc::new(RequestControl::new(ops))));
+        assert!(o.failure.is_none(), "{o:?}");
+    };
+    let theirs = || {
+        let mut m = cpu_ns_of("ferry-local-ser");
+        m.retain(|tid, _| !known.contains_key(tid));
+        m
+    };
+    for _ in 0..200 {
+        run2(&small);
+    }
+    let before = theirs();
+    for _ in 0..n {
+        run2(&small);
+    }
+    let mut spent: Vec<u64> = theirs()
+        .iter()
+        .map(|(tid, ns)| ns - before.get(tid).copied().unwrap_or(0))
+        .collect();
+    spent.sort_unstable_by(|a, b| b.cmp(a));
+    println!("the new server threads' CPU time over {n} small round trips: {spent:?} ns");
+    assert!(spent.len() >= 2, "{spent:?}");
+    assert!(
+        spent[1] * 4 < spent[0],
+        "two server threads served the small requests: {spent:?} ns"
+    );
 }
