@@ -459,3 +459,41 @@ async fn a_manifest_declaring_2_pow_48_bytes_is_refused_before_allocation() {
         other => panic!("expected TooManyBytes, got {other:?}"),
     }
 }
+
+/// A receiver that finished leaves at once where the embedded tracker records departures (it
+/// waited 250 ms after done, which every Python pull paid), and its source still sees it
+/// finished, not gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_receiver_leaves_at_once_and_is_seen_finished() {
+    use ferry_broadcast::SourceEvent;
+    let dir = tempfile::tempdir().unwrap();
+    let (paths, want) = files(dir.path());
+    let src = source(&paths).await;
+    let mut events = src.subscribe();
+    let disc = Arc::new(Embedded::new(src.ctl_addr()));
+    let mut r = Receiver::join(disc, Some("w"), opts()).await.unwrap();
+    let sum = r.run().await.unwrap();
+    // Timed from the moment the pull reported done (the bytes are other tests' business).
+    let done = std::time::Instant::now();
+    r.leave().await;
+    let took = done.elapsed();
+    let total: usize = want.iter().map(Vec::len).sum();
+    assert_eq!(sum.bytes, total as u64);
+    assert!(
+        took < Duration::from_millis(250),
+        "leaving took {took:?}: it waited as for a backend without departure records"
+    );
+    let seen = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match events.recv().await {
+                Ok(SourceEvent::Finished { .. }) => return "finished",
+                Ok(SourceEvent::Failed { .. }) => return "failed",
+                Ok(_) => {}
+                Err(e) => panic!("the source's events ended: {e}"),
+            }
+        }
+    })
+    .await
+    .expect("the source said nothing of the receiver within 10 s");
+    assert_eq!(seen, "finished");
+}
