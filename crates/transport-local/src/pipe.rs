@@ -331,6 +331,9 @@ impl Rx {
     pub(crate) fn arm(&self) {
         let w = self.link.shm.u32_at(self.ring.reader_sleep());
         w.store(1, Ordering::SeqCst);
+        // The word set before the ring is looked at, as the writer publishes its bytes before
+        // it looks at the word (its fence in `wake`): one of the two sees the other.
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.ready() && w.swap(0, Ordering::SeqCst) != 0 {
             futex_wake(w);
         }
