@@ -462,3 +462,25 @@ impl Transport for LocalTransport {
         })
     }
 }
+
+/// A channel's shared registrations, as its users see them.
+impl LocalChannel {
+    /// Asks the server for the shared memory of the segment under `token` now (blocking) and
+    /// maps it, unless mapped or refused before: how it is mapped, or why not; `None`: the
+    /// server has no share stream (older, or shared registrations off on either side). Ops on
+    /// a mapped segment move one-sidedly from then on (a token an op names is asked for by
+    /// itself, on a thread of its own; this is for callers that want the mapping first).
+    pub fn map_shared(
+        &self,
+        token: ferry_core::SegmentToken,
+    ) -> Option<Result<ferry_core::share::Grant, ferry_core::share::ShareRefusal>> {
+        self.shares.as_ref().map(|s| s.map(token))
+    }
+
+    /// Segments mapped now, and ops moved one-sidedly so far (`None`: no share stream).
+    pub fn shared_use(&self) -> Option<(usize, u64)> {
+        self.shares
+            .as_ref()
+            .map(|s| (s.mapped(), s.one_sided_ops()))
+    }
+}
