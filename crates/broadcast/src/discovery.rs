@@ -55,15 +55,6 @@ pub trait Discovery: Send + Sync + fmt::Debug + 'static {
     /// The backend, for messages (`embedded ADDR`, `etcd URL`).
     fn describe(&self) -> String;
 
-    /// Whether the source learns how each member came off the list, with its entry as last
-    /// listed (the embedded tracker's departure records), so that a member that finished may
-    /// leave at once and still be seen finished. Default `false`: the source sees only the list
-    /// (etcd), and a finished member stays listed, done, a moment before it leaves
-    /// ([`Receiver::leave`](crate::Receiver::leave)).
-    fn records_departures(&self) -> bool {
-        false
-    }
-
     /// Whom the members it lists are vouched for by. Default [`Listing::Open`]: a backend
     /// that does not say is trusted no further than etcd.
     fn listing(&self) -> Listing {
@@ -299,10 +290,6 @@ impl Discovery for Embedded {
 
     fn describe(&self) -> String {
         format!("embedded {}", self.addr)
-    }
-
-    fn records_departures(&self) -> bool {
-        true
     }
 
     fn listing(&self) -> Listing {

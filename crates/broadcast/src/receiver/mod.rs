@@ -324,8 +324,7 @@ impl Drop for Receiver {
 /// How long [`Receiver::leave`] waits for discovery to answer.
 const LEAVE_WITHIN: Duration = Duration::from_secs(1);
 
-/// How long a finished receiver stays listed, done, at least, where discovery records no
-/// departures ([`Receiver::leave`]): every update paid it before a Python pull returned.
+/// How long a finished receiver stays listed, done, at least ([`Receiver::leave`]).
 const FINISHED_LISTED: Duration = Duration::from_millis(250);
 
 /// How often [`Receiver::linger`] rereads the member list at most.
@@ -617,18 +616,14 @@ impl Receiver {
         }
     }
 
-    /// Leaves the member list and stops serving. A receiver that completed its pull leaves at
-    /// once where discovery records departures ([`Discovery::records_departures`]: the
-    /// embedded tracker, whose source sees it left done); elsewhere (etcd) it stays listed,
-    /// done, until 250 ms after it reported done (serving meanwhile), so that the source,
-    /// which looks at its list every 100 ms, sees it finished rather than gone unfinished.
-    /// Discovery is given 1 s to answer (a stopped source's
+    /// Leaves the member list and stops serving. A receiver that completed its pull stays
+    /// listed, done, until 250 ms after it reported done (serving meanwhile), so
+    /// that the source, which looks at its list every 100 ms, sees it finished rather than
+    /// gone unfinished. Discovery is given 1 s to answer (a stopped source's
     /// tracker would hold the caller for its whole timeout); unanswered, the entry's lease runs
     /// out instead.
     pub async fn leave(self) {
-        if let Some(t) = self.reported_done
-            && !self.discovery.records_departures()
-        {
+        if let Some(t) = self.reported_done {
             tokio::time::sleep_until((t + FINISHED_LISTED).into()).await;
         }
         self.leave_handle().leave().await;
