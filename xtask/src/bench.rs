@@ -29,7 +29,7 @@ const USAGE: &str = "usage: cargo xtask bench tcp [--total BYTES] [--repeat N]
        cargo xtask bench python [--total BYTES] [--repeat N]
        cargo xtask bench mooncake [--total BYTES] [--repeat N]
        cargo xtask bench nixl [--total BYTES] [--repeat N]
-       cargo xtask bench same-host [--total BYTES] [--repeat N]
+       cargo xtask bench same-host [--total BYTES] [--repeat N] [--python PY --ferry-path DIR --nixl-site DIR] [--baseline-path DIR] [--shared] [--no-net]
        cargo xtask bench register [--sizes 64MiB,1GiB] [--repeat N]
        cargo xtask bench load [--plane tcp|uring|both] [--peers N] [--stalled N] [--seconds S] [--rounds R]
        cargo xtask bench idle [--plane tcp|uring|both] [--clients N] [--probes N]
@@ -51,7 +51,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some("python") => crate::python::bench(&args[1..]),
         Some("mooncake") => crate::bench_compat::mooncake(&args[1..]),
         Some("nixl") => crate::bench_compat::nixl(&args[1..]),
-        Some("same-host") => crate::bench_compat::same_host(&args[1..]),
+        Some("same-host") => crate::bench_same_host::run(&args[1..]),
         Some("broadcast") => crate::bench_broadcast::run(&args[1..]),
         Some("rl") => crate::bench_rl::run(&args[1..]),
         Some("ray") => crate::bench_ray::run(&args[1..]),

@@ -33,7 +33,7 @@ use crate::util::{
 const MOONCAKE: &str = "mooncake-transfer-engine-non-cuda==0.3.13";
 
 /// The NIXL wheels compared against (installed `--no-deps`: their CUDA dependencies are 5 GB).
-const NIXL: [&str; 2] = ["nixl-cu12==1.5.1", "nixl==1.5.1"];
+pub(crate) const NIXL: [&str; 2] = ["nixl-cu12==1.5.1", "nixl==1.5.1"];
 
 /// A throwaway environment `<target>/<name>` with `packages` installed (`--no-deps` when
 /// `no_deps`), made once; its interpreter.
@@ -53,13 +53,16 @@ fn throwaway_venv(name: &str, packages: &[&str], no_deps: bool) -> Result<PathBu
 }
 
 /// One side of a comparison: how to start its Python on the workload script.
-struct Side {
-    label: &'static str,
-    python: PathBuf,
+pub(crate) struct Side {
+    pub(crate) label: &'static str,
+    pub(crate) python: PathBuf,
     /// Arguments before the script (`-m ferry.mooncake` for Ferry).
-    prefix: Vec<&'static str>,
-    script: &'static str,
-    env: Vec<(&'static str, &'static str)>,
+    pub(crate) prefix: Vec<&'static str>,
+    pub(crate) script: &'static str,
+    pub(crate) env: Vec<(&'static str, &'static str)>,
+    /// Put before the interpreter's own packages (`PYTHONPATH`): a Ferry package built
+    /// elsewhere, or the real NIXL wheel's `site-packages`.
+    pub(crate) path: Option<PathBuf>,
 }
 
 /// The environment every workload process runs with: numpy's OpenBLAS keeps one thread per
@@ -74,21 +77,27 @@ impl Side {
             .arg(project_root().join(self.script))
             .env(QUIET_NUMPY.0, QUIET_NUMPY.1)
             .envs(self.env.iter().copied());
+        if let Some(p) = &self.path {
+            c.env("PYTHONPATH", p);
+        }
         c
     }
 
     /// The interpreter on the script alone: no prefix, no environment of the side but numpy's.
-    fn command_plain(&self) -> Command {
+    pub(crate) fn command_plain(&self) -> Command {
         let mut c = Command::new(&self.python);
         c.arg(project_root().join(self.script))
             .env(QUIET_NUMPY.0, QUIET_NUMPY.1);
+        if let Some(p) = &self.path {
+            c.env("PYTHONPATH", p);
+        }
         c
     }
 }
 
 /// The result line of a workload's output: the first that starts with `BENCH ` (NIXL logs to
 /// stdout too), or the first line.
-fn result_line(out: &str) -> &str {
+pub(crate) fn result_line(out: &str) -> &str {
     out.lines()
         .find_map(|l| l.strip_prefix("BENCH "))
         .or_else(|| out.lines().next())
@@ -97,14 +106,14 @@ fn result_line(out: &str) -> &str {
 }
 
 /// A target process, killed on drop: its name (Mooncake) or metadata (NIXL) and buffer.
-struct Target {
+pub(crate) struct Target {
     child: Child,
     name: String,
     buffer: u64,
 }
 
 impl Target {
-    fn start(side: &Side, key: &str) -> Result<Self> {
+    pub(crate) fn start(side: &Side, key: &str) -> Result<Self> {
         let mut child = side
             .command()
             .arg("target")
@@ -145,7 +154,7 @@ impl Drop for Target {
 }
 
 /// Runs `side`'s initiator with `args` against `t`; its JSON line.
-fn initiator(side: &Side, t: &Target, args: &[String]) -> Result<String> {
+pub(crate) fn initiator(side: &Side, t: &Target, args: &[String]) -> Result<String> {
     let out = side
         .command()
         .args(args.iter().take(1))
@@ -185,6 +194,7 @@ pub(crate) fn mooncake(args: &[String]) -> Result<()> {
             prefix: vec![],
             script,
             env: env.clone(),
+            path: None,
         },
         Side {
             label: "ferry",
@@ -192,6 +202,7 @@ pub(crate) fn mooncake(args: &[String]) -> Result<()> {
             prefix: vec!["-m", "ferry.mooncake"],
             script,
             env,
+            path: None,
         },
     ];
     let cases: [(&str, u64); 4] = [
@@ -279,7 +290,7 @@ pub(crate) fn mooncake(args: &[String]) -> Result<()> {
 
 /// NIXL's wheel (no CUDA dependencies, numpy beside it) in its throwaway venv, and the Python
 /// with Ferry's wheel: the two interpreters of the NIXL API benches.
-fn nixl_and_ferry() -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn nixl_and_ferry() -> Result<(PathBuf, PathBuf)> {
     let nixl = throwaway_venv("nixl-venv", &NIXL, true)?;
     run_loud(Command::new(&nixl).args([
         "-m",
@@ -305,6 +316,7 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
             prefix: vec![],
             script,
             env: vec![("UCX_TLS", "tcp")],
+            path: None,
         },
         Side {
             label: "ucx",
@@ -312,6 +324,7 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
             prefix: vec![],
             script,
             env: vec![],
+            path: None,
         },
         Side {
             label: "ferry",
@@ -323,6 +336,7 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
                 ("FERRY_BIND_ADDRESS", "127.0.0.1"),
                 ("FERRY_SAME_HOST", "off"),
             ],
+            path: None,
         },
     ];
     let blocks: [u64; 2] = [64 << 10, 1 << 20];
@@ -387,164 +401,6 @@ pub(crate) fn nixl(args: &[String]) -> Result<()> {
     println!(
         "targets: at least 3x UCX over TCP at 64 KiB (Ferry's network plane here; its same-host \
          copies against UCX's are `cargo xtask bench same-host`)"
-    );
-    Ok(())
-}
-
-/// Bytes a run of `bench same-host` moves: `total`, or for a transfer under 64 KiB 20,000
-/// transfers' worth (the small rows).
-fn bytes_per_run(block: u64, blocks: u32, total: u64) -> String {
-    let per = block * u64::from(blocks);
-    if per < 64 << 10 { per * 20_000 } else { total }.to_string()
-}
-
-/// `cargo xtask bench same-host`: two processes on this host through NIXL's agent API (the
-/// same script on both wheels), READ and WRITE of 1 MiB blocks (64 per transfer) and 64 KiB
-/// blocks (16 per transfer: depth 16), in alternating rounds: Ferry's same-host plane, Ferry's
-/// network plane (`FERRY_SAME_HOST=off`: io_uring where the kernel has it), NIXL's UCX with its
-/// default transports, and one core's memcpy of the same blocks.
-pub(crate) fn same_host(args: &[String]) -> Result<()> {
-    const USAGE: &str = "usage: cargo xtask bench same-host [--total BYTES] [--repeat N]";
-    let (total, repeat) = total_and_repeat(args, 1u64 << 30, 3, USAGE)?;
-    let (nixl, ferry_py) = nixl_and_ferry()?;
-    let script = "benches/nixl_bench.py";
-    let bind = ("FERRY_BIND_ADDRESS", "127.0.0.1");
-    let sides = [
-        Side {
-            label: "ferry-local",
-            python: ferry_py.clone(),
-            prefix: vec!["-m", "ferry.nixl"],
-            script,
-            env: vec![bind],
-        },
-        Side {
-            label: "ferry-net",
-            python: ferry_py.clone(),
-            prefix: vec!["-m", "ferry.nixl"],
-            script,
-            env: vec![bind, ("FERRY_SAME_HOST", "off")],
-        },
-        Side {
-            label: "ucx",
-            python: nixl,
-            prefix: vec![],
-            script,
-            env: vec![],
-        },
-    ];
-    // The small rows (issue 50): a 64-byte round trip and a 4 KiB single op, 20,000 transfers
-    // each whatever `--total` says.
-    let cases: [(&str, u64, u32); 6] = [
-        ("READ", 1 << 20, 64),
-        ("WRITE", 1 << 20, 64),
-        ("READ", 64 << 10, 16),
-        ("WRITE", 64 << 10, 16),
-        ("WRITE", 64, 1),
-        ("WRITE", 4 << 10, 1),
-    ];
-    let bytes_of = |block, blocks| bytes_per_run(block, blocks, total);
-    println!(
-        "Same host, two processes, NIXL's agent API ({} against Ferry's wheel), {total} bytes \
-         per run, {repeat} rounds, the order of the sides turning each round; GB/s = 10^9 B/s",
-        NIXL.join(" ")
-    );
-    // rates[case][side], side 3 = memcpy
-    let mut rates = vec![vec![Vec::new(); sides.len() + 1]; cases.len()];
-    for round in 1..=repeat {
-        let mut order: Vec<usize> = (0..=sides.len()).collect();
-        let turn = round % order.len();
-        order.rotate_left(turn);
-        for &s in &order {
-            if s == sides.len() {
-                for (c, (_, block, blocks)) in cases.iter().enumerate() {
-                    // NIXL's venv: it has numpy, and the script's import of `nixl` resolves.
-                    let out = sides[2]
-                        .command_plain()
-                        .args([
-                            "memcpy",
-                            &block.to_string(),
-                            "--blocks",
-                            &blocks.to_string(),
-                        ])
-                        .args(["--bytes", &bytes_of(*block, *blocks)])
-                        .output()
-                        .context("running the memcpy case")?;
-                    let line = result_line(&String::from_utf8_lossy(&out.stdout)).to_owned();
-                    let gbps = json_num(&line, "gbps", 0)
-                        .with_context(|| format!("no gbps in {line:?}"))?;
-                    rates[c][s].push(gbps);
-                }
-                println!("round {round} memcpy done");
-                continue;
-            }
-            let side = &sides[s];
-            let t = Target::start(side, "metadata")?;
-            for (c, (op, block, blocks)) in cases.iter().enumerate() {
-                let line = initiator(
-                    side,
-                    &t,
-                    &[
-                        "run".into(),
-                        block.to_string(),
-                        "--blocks".into(),
-                        blocks.to_string(),
-                        "--bytes".into(),
-                        bytes_of(*block, *blocks),
-                        "--op".into(),
-                        (*op).into(),
-                    ],
-                )?;
-                let gbps =
-                    json_num(&line, "gbps", 0).with_context(|| format!("no gbps in {line:?}"))?;
-                println!(
-                    "round {round} {:<12} {op:<5} {blocks:>2} x {:>7} B {gbps:>7.3} GB/s, {:.1} us \
-                     per transfer",
-                    side.label,
-                    block,
-                    (block * u64::from(*blocks)) as f64 / gbps / 1e3
-                );
-                rates[c][s].push(gbps);
-            }
-        }
-    }
-    println!(
-        "\n{:<20} {:>20} {:>20} {:>20} {:>20} {:>18} {:>18}",
-        "case",
-        "ferry-local GB/s",
-        "ferry-net GB/s",
-        "ucx GB/s",
-        "memcpy GB/s",
-        "local/memcpy",
-        "local/ucx"
-    );
-    for (c, (op, block, blocks)) in cases.iter().enumerate() {
-        let ratio = |other: usize| -> Vec<f64> {
-            rates[c][0]
-                .iter()
-                .zip(&rates[c][other])
-                .map(|(f, o)| f / o)
-                .collect()
-        };
-        let name = if *block < 1024 {
-            format!("{op} {blocks} x {block} B")
-        } else {
-            format!("{op} {blocks} x {} KiB", block >> 10)
-        };
-        println!(
-            "{:<20} {:>20} {:>20} {:>20} {:>20} {:>18} {:>18}",
-            name,
-            median_and_range(&rates[c][0]),
-            median_and_range(&rates[c][1]),
-            median_and_range(&rates[c][2]),
-            median_and_range(&rates[c][3]),
-            median_and_range(&ratio(3)),
-            median_and_range(&ratio(2)),
-        );
-    }
-    println!(
-        "targets: 1 MiB at least 0.9x memcpy; 64 KiB (depth 16) at least 0.6x memcpy and 1.2x \
-         UCX; the 64 B and 4 KiB rows (one transfer at a time: GB/s x 10^3 / bytes = transfers \
-         per ms) ahead of UCX, the 4 KiB one 1.5x the socket path's (issue 50)"
     );
     Ok(())
 }

@@ -11,6 +11,7 @@ mod bench_cpu;
 mod bench_latency;
 mod bench_ray;
 mod bench_rl;
+mod bench_same_host;
 mod bench_small;
 mod bench_uring;
 mod bindgen;
