@@ -1,9 +1,14 @@
-//! Hashing chunks where they landed: BLAKE3 when they are fetched, CRC-32C at rest.
+//! Hashing chunks: a source's manifest built from its tensors (their chunks checksummed on
+//! threads), BLAKE3 when chunks are fetched, CRC-32C at rest.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use crate::layout::Slice;
-use crate::manifest::Digest;
+use std::collections::HashSet;
+
+use crate::layout::{Slice, Tensor};
+use crate::manifest::{
+    CHUNK_SIZE_RANGE, Chunk, Digest, Entry, Manifest, ManifestError, Segment, invalid,
+};
 
 /// BLAKE3 of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
 /// memory the CPU copied out to hash them to `copied`.
@@ -109,6 +114,95 @@ pub(crate) fn chunk_sums(
 /// run on, at most 8 (BLAKE3 of a chunk already uses the CPU's vector width).
 pub(crate) fn manifest_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+// Manifests of tensors served from memory are built here, beside the chunks' checksums, so
+// that neither `manifest` nor `layout` needs this module.
+impl Manifest {
+    /// Builds a manifest for tensors served from memory: one segment per registration named
+    /// by the tensors' slices (in order of first appearance; the whole registration, so bytes
+    /// of it that no tensor names travel too), one entry per tensor (its dtype and shape, the
+    /// segment and offset of its slice), and the chunks' CRC-32C and BLAKE3 read from the
+    /// memory now, host memory on up to as many threads as CPUs (8 at most; the caller's own
+    /// thread for GPU memory).
+    /// Refused: two tensors of the same name, two registrations of one name.
+    pub fn from_tensors(
+        name: &str,
+        version: u64,
+        tensors: &[Tensor],
+        chunk_size: u64,
+    ) -> Result<Self, ManifestError> {
+        let mut m = Manifest {
+            name: name.to_owned(),
+            version,
+            chunk_size,
+            segments: Vec::new(),
+            entries: Vec::new(),
+            chunks: Vec::new(),
+        };
+        let (lo, hi) = CHUNK_SIZE_RANGE;
+        if !(lo..=hi).contains(&chunk_size) {
+            return Err(invalid(format!(
+                "chunk size {chunk_size} outside {lo}..={hi}"
+            )));
+        }
+        let mut wholes: Vec<Slice> = Vec::new();
+        let mut seen = HashSet::new();
+        for t in tensors {
+            if !seen.insert(t.name.as_str()) {
+                return Err(invalid(format!("tensor {:?} appears twice", t.name)));
+            }
+            let seg = t.slice.segment();
+            let si = match m.segments.iter().position(|s| s.name == seg) {
+                Some(i) => i,
+                None => {
+                    let whole = t.slice.whole_registration();
+                    m.segments.push(Segment {
+                        name: seg.to_owned(),
+                        len: whole.len(),
+                    });
+                    wholes.push(whole);
+                    m.segments.len() - 1
+                }
+            };
+            if wholes[si].len() != t.slice.whole_registration().len() {
+                return Err(invalid(format!(
+                    "two registrations are named {seg:?} (tensor {:?})",
+                    t.name
+                )));
+            }
+            m.entries.push(Entry {
+                name: t.name.clone(),
+                len: t.slice.len(),
+                dtype: t.dtype.clone(),
+                shape: t.shape.clone(),
+                segment: u32::try_from(si).map_err(|_| invalid("too many registrations"))?,
+                offset: t.slice.offset(),
+            });
+        }
+        let mut at_of = Vec::new();
+        for (si, whole) in wholes.iter().enumerate() {
+            let mut at = 0u64;
+            while at < whole.len() {
+                let n = (whole.len() - at).min(chunk_size);
+                at_of.push((si, at, n));
+                at += n;
+            }
+        }
+        let sums = chunk_sums(&wholes, &at_of, manifest_threads())
+            .map_err(|e| invalid(format!("reading the tensors' registrations: {e}")))?;
+        for (&(si, offset, len), (crc32c, blake3)) in at_of.iter().zip(sums) {
+            m.chunks.push(Chunk {
+                segment: si as u32,
+                offset,
+                len,
+                crc32c,
+                blake3,
+            });
+        }
+        m.validate()?;
+        Ok(m)
+    }
 }
 
 #[cfg(test)]

@@ -17,12 +17,7 @@
 use ferry::{LocalMemory, LocalRef};
 use serde::{Deserialize, Serialize};
 
-use std::collections::HashSet;
-
-use crate::manifest::{
-    CHUNK_SIZE_RANGE, Chunk, Entry, MAX_ENTRIES, MAX_SEGMENTS, Manifest, ManifestError, Segment,
-    invalid,
-};
+use crate::manifest::{MAX_ENTRIES, MAX_SEGMENTS, Manifest};
 
 /// Most extents a layout from a peer may have (every entry, and a gap before and after each).
 pub const MAX_EXTENTS: usize = 2 * MAX_ENTRIES + MAX_SEGMENTS;
@@ -507,95 +502,6 @@ pub(crate) fn gaps(m: &Manifest, taken: &[Vec<(u64, Slice)>]) -> (u64, Vec<Vec<(
         out.push(g);
     }
     (total, out)
-}
-
-// Manifests of tensors served from memory are built here, where tensors and slices live, so
-// that `manifest` needs nothing of this module.
-impl Manifest {
-    /// Builds a manifest for tensors served from memory: one segment per registration named
-    /// by the tensors' slices (in order of first appearance; the whole registration, so bytes
-    /// of it that no tensor names travel too), one entry per tensor (its dtype and shape, the
-    /// segment and offset of its slice), and the chunks' CRC-32C and BLAKE3 read from the
-    /// memory now, host memory on up to as many threads as CPUs (8 at most; the caller's own
-    /// thread for GPU memory).
-    /// Refused: two tensors of the same name, two registrations of one name.
-    pub fn from_tensors(
-        name: &str,
-        version: u64,
-        tensors: &[Tensor],
-        chunk_size: u64,
-    ) -> Result<Self, ManifestError> {
-        let mut m = Manifest {
-            name: name.to_owned(),
-            version,
-            chunk_size,
-            segments: Vec::new(),
-            entries: Vec::new(),
-            chunks: Vec::new(),
-        };
-        let (lo, hi) = CHUNK_SIZE_RANGE;
-        if !(lo..=hi).contains(&chunk_size) {
-            return Err(invalid(format!(
-                "chunk size {chunk_size} outside {lo}..={hi}"
-            )));
-        }
-        let mut wholes: Vec<Slice> = Vec::new();
-        let mut seen = HashSet::new();
-        for t in tensors {
-            if !seen.insert(t.name.as_str()) {
-                return Err(invalid(format!("tensor {:?} appears twice", t.name)));
-            }
-            let seg = t.slice.segment();
-            let si = match m.segments.iter().position(|s| s.name == seg) {
-                Some(i) => i,
-                None => {
-                    let whole = t.slice.whole_registration();
-                    m.segments.push(Segment {
-                        name: seg.to_owned(),
-                        len: whole.len(),
-                    });
-                    wholes.push(whole);
-                    m.segments.len() - 1
-                }
-            };
-            if wholes[si].len() != t.slice.whole_registration().len() {
-                return Err(invalid(format!(
-                    "two registrations are named {seg:?} (tensor {:?})",
-                    t.name
-                )));
-            }
-            m.entries.push(Entry {
-                name: t.name.clone(),
-                len: t.slice.len(),
-                dtype: t.dtype.clone(),
-                shape: t.shape.clone(),
-                segment: u32::try_from(si).map_err(|_| invalid("too many registrations"))?,
-                offset: t.slice.offset(),
-            });
-        }
-        let mut at_of = Vec::new();
-        for (si, whole) in wholes.iter().enumerate() {
-            let mut at = 0u64;
-            while at < whole.len() {
-                let n = (whole.len() - at).min(chunk_size);
-                at_of.push((si, at, n));
-                at += n;
-            }
-        }
-        let sums = crate::hashing::chunk_sums(&wholes, &at_of, crate::hashing::manifest_threads())
-            .map_err(|e| invalid(format!("reading the tensors' registrations: {e}")))?;
-        for (&(si, offset, len), (crc32c, blake3)) in at_of.iter().zip(sums) {
-            m.chunks.push(Chunk {
-                segment: si as u32,
-                offset,
-                len,
-                crc32c,
-                blake3,
-            });
-        }
-        m.validate()?;
-        Ok(m)
-    }
 }
 
 #[cfg(test)]
