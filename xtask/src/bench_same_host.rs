@@ -248,7 +248,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Prints each side's median [range] per case, then per-round ratios of the Ferry sides against
+/// Prints each side's median [range] per case (GB/s; us per transfer for the small rows), then
+/// per-round rate ratios (above 1: faster) of the Ferry sides against
 /// memcpy, UCX and (where measured) the baseline.
 fn table(sides: &[Side], rates: &[Vec<Vec<f64>>]) {
     let memcpy = sides.len();
@@ -267,9 +268,18 @@ fn table(sides: &[Side], rates: &[Vec<Vec<f64>>]) {
     }
     println!(" {:>20}", "memcpy");
     for (c, case) in CASES.iter().enumerate() {
-        print!("{:<20}", name(*case));
+        let (_, block, blocks) = *case;
+        let per = block * u64::from(blocks);
+        // A small transfer's rate is a time per transfer: shown as one, in us.
+        let small = per < 64 << 10;
+        print!("{:<20}", name(*case) + if small { ", us" } else { "" });
         for side in rates {
-            print!(" {:>20}", median_and_range(&side[c]));
+            let v: Vec<f64> = if small {
+                side[c].iter().map(|g| per as f64 / g / 1e3).collect()
+            } else {
+                side[c].clone()
+            };
+            print!(" {:>20}", median_and_range(&v));
         }
         println!();
     }
