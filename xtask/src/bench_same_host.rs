@@ -248,7 +248,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Prints each side's median [range] per case (GB/s; us per transfer for the small rows), then
+/// Prints each side's median `[range]` per case (GB/s; us per transfer for the small rows), then
 /// per-round rate ratios (above 1: faster) of the Ferry sides against
 /// memcpy, UCX and (where measured) the baseline.
 fn table(sides: &[Side], rates: &[Vec<Vec<f64>>]) {
