@@ -9,17 +9,16 @@
 //! again (`FERRY_TEST_CHILD=local-frozen-server`).
 
 mod common;
-use common::Responder;
+use common::{Responder, peer_at};
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
 use ferry_core::{
-    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
-    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    Access, Channel, Epoch, MemoryRegion, Op, OpKind, RequestControl, SegmentDesc, SegmentLease,
+    SegmentTable, SegmentToken,
 };
 use ferry_net::HandshakeLimits;
 use ferry_transport_local::{LocalConfig, LocalServer, LocalTransport};
@@ -130,23 +129,7 @@ async fn a_stopped_server_copies_nothing_after_a_close_gave_its_requests_up() {
             break (name.to_owned(), Epoch(epoch.parse().unwrap()));
         }
     };
-    let peer = PeerInfo {
-        addr: "127.0.0.1:1".parse().unwrap(),
-        local_id: PeerId(1),
-        local_epoch: Epoch::fresh(),
-        remote_id: PeerId(7),
-        remote_epoch: epoch,
-        offer: TransportOffer::Local {
-            boot_id: [0; 16],
-            pid,
-            streams: 2,
-            socket,
-        },
-        segments: Vec::new(),
-        session: None,
-        key_name: None,
-        version: VECTORED_VERSION,
-    };
+    let peer = peer_at(&socket, pid, epoch, 2);
     let transport = LocalTransport::new(LocalConfig::default());
     let ch = transport.connect_channel(&peer).unwrap();
 

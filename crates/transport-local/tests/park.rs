@@ -7,17 +7,16 @@
 //! this test's only.
 
 mod common;
-use common::Responder;
+use common::serve_table;
 
 use std::sync::Arc;
 
-use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
+use ferry_core::wire::TransportOffer;
 use ferry_core::{
-    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
-    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    Access, Channel, MemoryRegion, Op, OpKind, RequestControl, SegmentDesc, SegmentLease,
+    SegmentTable, SegmentToken,
 };
-use ferry_net::HandshakeLimits;
-use ferry_transport_local::{LocalConfig, LocalServer, LocalTransport};
+use ferry_transport_local::{LocalConfig, LocalTransport};
 
 const LEN: usize = 1 << 20;
 const TOKEN: SegmentToken = SegmentToken(1);
@@ -97,33 +96,7 @@ fn op(kind: OpKind, local: &Arc<MemoryRegion>, len: u64) -> Arc<[Op]> {
 #[test]
 fn answers_that_tasks_spin_for_wake_no_reader_thread() {
     let segment = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
-    let epoch = Epoch::fresh();
-    let h = LocalServer::bind()
-        .unwrap()
-        .serve(
-            Arc::new(Table(segment.clone())),
-            Arc::new(Responder(epoch)),
-            HandshakeLimits::default(),
-            16,
-        )
-        .unwrap();
-    let peer = PeerInfo {
-        addr: "127.0.0.1:1".parse().unwrap(),
-        local_id: PeerId(1),
-        local_epoch: Epoch::fresh(),
-        remote_id: PeerId(7),
-        remote_epoch: epoch,
-        offer: TransportOffer::Local {
-            boot_id: [0; 16],
-            pid: std::process::id(),
-            streams: 1,
-            socket: h.name().to_owned(),
-        },
-        segments: Vec::new(),
-        session: None,
-        key_name: None,
-        version: VECTORED_VERSION,
-    };
+    let (_h, peer) = serve_table(Arc::new(Table(segment.clone())), 1);
     let transport = LocalTransport::new(LocalConfig {
         streams: 1,
         ring: true,

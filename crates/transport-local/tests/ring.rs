@@ -4,14 +4,14 @@
 //! serving.
 
 mod common;
-use common::Responder;
+use common::{Responder, serve_table};
 
 use std::sync::Arc;
 
-use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
+use ferry_core::wire::TransportOffer;
 use ferry_core::{
-    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerId, PeerInfo, RequestControl,
-    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    Access, Channel, Epoch, MemoryRegion, Op, OpKind, PeerInfo, RequestControl, SegmentDesc,
+    SegmentLease, SegmentTable, SegmentToken,
 };
 use ferry_net::HandshakeLimits;
 use ferry_transport_local::wire::INLINE_MAX;
@@ -39,34 +39,7 @@ impl SegmentTable for Table {
 }
 
 fn serve(segment: Arc<MemoryRegion>) -> (LocalServerHandle, PeerInfo) {
-    let epoch = Epoch::fresh();
-    let h = LocalServer::bind()
-        .unwrap()
-        .serve(
-            Arc::new(Table(segment)),
-            Arc::new(Responder(epoch)),
-            HandshakeLimits::default(),
-            16,
-        )
-        .unwrap();
-    let peer = PeerInfo {
-        addr: "127.0.0.1:1".parse().unwrap(),
-        local_id: PeerId(1),
-        local_epoch: Epoch::fresh(),
-        remote_id: PeerId(7),
-        remote_epoch: epoch,
-        offer: TransportOffer::Local {
-            boot_id: [0; 16],
-            pid: std::process::id(),
-            streams: 2,
-            socket: h.name().to_owned(),
-        },
-        segments: Vec::new(),
-        session: None,
-        key_name: None,
-        version: VECTORED_VERSION,
-    };
-    (h, peer)
+    serve_table(Arc::new(Table(segment)), 2)
 }
 
 fn op(kind: OpKind, local: &Arc<MemoryRegion>, at: u64, len: u64) -> Op {

@@ -4,7 +4,7 @@
 //! whose memory is freed cannot be read one-sidedly afterwards, nor through the descriptor.
 
 mod common;
-use common::Responder;
+use common::{Responder, serve_table};
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -12,10 +12,10 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
 use ferry_core::share::{Grant, ShareMode, ShareRefusal};
-use ferry_core::wire::{TransportOffer, VECTORED_VERSION};
+use ferry_core::wire::TransportOffer;
 use ferry_core::{
-    Access, Channel, Epoch, FailureKind, MemoryRegion, Op, OpKind, PeerId, PeerInfo,
-    RequestControl, SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
+    Access, Channel, Epoch, FailureKind, MemoryRegion, Op, OpKind, PeerInfo, RequestControl,
+    SegmentDesc, SegmentLease, SegmentTable, SegmentToken,
 };
 use ferry_net::HandshakeLimits;
 use ferry_transport_local::{LocalConfig, LocalServer, LocalServerHandle, LocalTransport};
@@ -70,34 +70,7 @@ impl Table {
 }
 
 fn serve(table: Arc<Table>) -> (LocalServerHandle, PeerInfo) {
-    let epoch = Epoch::fresh();
-    let h = LocalServer::bind()
-        .unwrap()
-        .serve(
-            table,
-            Arc::new(Responder(epoch)),
-            HandshakeLimits::default(),
-            16,
-        )
-        .unwrap();
-    let peer = PeerInfo {
-        addr: "127.0.0.1:1".parse().unwrap(),
-        local_id: PeerId(1),
-        local_epoch: Epoch::fresh(),
-        remote_id: PeerId(7),
-        remote_epoch: epoch,
-        offer: TransportOffer::Local {
-            boot_id: [0; 16],
-            pid: std::process::id(),
-            streams: 2,
-            socket: h.name().to_owned(),
-        },
-        segments: Vec::new(),
-        session: None,
-        key_name: None,
-        version: VECTORED_VERSION,
-    };
-    (h, peer)
+    serve_table(table, 2)
 }
 
 fn shareable(fill: u8) -> Arc<MemoryRegion> {
