@@ -10,6 +10,7 @@
 
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, Once, PoisonError};
 
 use tokio::runtime::{Handle, Id};
@@ -20,6 +21,10 @@ const REMEMBERED: usize = 16;
 
 /// Runtimes found without I/O, oldest first.
 static WITHOUT_IO: Mutex<Vec<Id>> = Mutex::new(Vec::new());
+
+/// Whether any runtime was ever found without I/O: until one is, [`may_watch`] takes no lock
+/// (it runs once per direct request).
+static ANY_WITHOUT_IO: AtomicBool = AtomicBool::new(false);
 
 /// The quiet hook is installed (once per process).
 static HOOK: Once = Once::new();
@@ -33,7 +38,7 @@ thread_local! {
 /// runtime, and it was not found without I/O.
 pub(crate) fn may_watch() -> bool {
     match Handle::try_current() {
-        Ok(h) => !without_io().contains(&h.id()),
+        Ok(h) => !ANY_WITHOUT_IO.load(Ordering::Acquire) || !without_io().contains(&h.id()),
         Err(_) => false,
     }
 }
@@ -64,6 +69,7 @@ pub(crate) fn quietly<R>(register: impl FnOnce() -> R) -> Option<R> {
                         w.remove(0);
                     }
                     w.push(h.id());
+                    ANY_WITHOUT_IO.store(true, Ordering::Release);
                 }
             }
             None
