@@ -128,6 +128,18 @@ impl CtlClient {
         self.local
     }
 
+    /// Resolves when the member ends the connection, nothing being asked of it: `Ok` when it
+    /// closed it, `Err` when it failed or sent what was not asked for. Cancel-safe (it only
+    /// waits for the connection to become readable, consuming nothing).
+    pub(crate) async fn closed(&mut self) -> std::io::Result<()> {
+        use tokio::io::AsyncBufReadExt;
+        if self.r.fill_buf().await?.is_empty() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other("it sent what was not asked for"))
+        }
+    }
+
     /// Sends `req` and reads the answer within `timeout`; an `error` answer is an error.
     pub(crate) async fn call(
         &mut self,

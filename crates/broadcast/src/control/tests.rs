@@ -468,3 +468,38 @@ async fn past_the_cap_the_idlest_proven_connection_of_the_key_makes_room() {
         assert!(ask(s, members).await.unwrap().contains("src"));
     }
 }
+
+/// A client holding a connection with nothing asked sees the member close it the moment its
+/// service stops ([`CtlClient::closed`]: how a receiver learns a finished holder left), and
+/// not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_connection_ends_when_the_members_service_stops_and_not_before() {
+    let (svc, addr) = service_with(HandshakeLimits::default(), None).await;
+    let mut c = CtlClient::connect(&addr, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let req = Request::Progress {
+        after: 0,
+        wait_ms: 0,
+        after_count: Some(0),
+    };
+    assert!(matches!(
+        c.call(&req, Duration::from_secs(5)).await.unwrap(),
+        Reply::Progress { .. }
+    ));
+    // Served and idle: not closed (polled once, it is pending).
+    let mut held = std::pin::pin!(c.closed());
+    let pending =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(held.as_mut().poll(cx).is_pending()))
+            .await;
+    assert!(
+        pending,
+        "the connection ended while its member still served"
+    );
+    drop(svc);
+    let ended = tokio::time::timeout(Duration::from_secs(10), held).await;
+    assert!(
+        matches!(ended, Ok(Ok(()))),
+        "the member's service stopped and the connection did not end: {ended:?}"
+    );
+}

@@ -16,6 +16,13 @@
 //!   fetched again from the source, three times at most;
 //! - a holder of another source epoch or version is given up; the source found at another
 //!   epoch ends the pull ([`BroadcastError::SourceRestarted`]);
+//! - a holder that left (its control connection closed, [`Event::Left`], or it is no longer
+//!   on a list that was read) is given up as soon as that is known, whether or not it is still
+//!   a stripe's parent: its fetches in flight fail ([`Command::GiveUp`] closes its data path)
+//!   and go to the holders of the plan made again, never waiting [`Config::stall_after`];
+//! - what the driver reports of the member being attached before its [`Event::Attached`] (its
+//!   poller may answer first: a finished holder answers once, at once) is kept and taken in
+//!   when it is attached, never dropped;
 //! - [`Command::Done`] comes once every chunk is verified (and, with
 //!   [`Config::verify_at_rest`], checked at rest once), with nothing in flight;
 //! - [`Pull::next_wake`] names when the pull next needs [`Event::Wake`]: the heartbeat
@@ -110,6 +117,9 @@ pub(crate) enum Event {
     },
     /// A holder's control service stopped answering progress.
     PollFailed { id: String, reason: String },
+    /// A finished holder's control connection, kept open once it was done, closed: it left
+    /// the broadcast (`reason`: how the connection ended).
+    Left { id: String, reason: String },
     /// The member list, read at a heartbeat (`beat`) or between them.
     Members { list: Vec<Member>, beat: bool },
     /// The source epoch discovery answered a heartbeat with.
@@ -125,8 +135,9 @@ pub(crate) enum Event {
 pub(crate) enum Command {
     /// Attach this member as a holder; answer [`Event::Attached`] or
     /// [`Event::AttachFailed`] when the attachment ends. Other events may come meanwhile (the
-    /// fetches in flight, the holders' progress, the list, wakes); the pull issues no other
-    /// command until the answer, and never a second attachment.
+    /// fetches in flight, the holders' progress, this member's own progress included, the
+    /// list, wakes); the pull issues no other command until the answer, and never a second
+    /// attachment.
     Attach(Member),
     /// Fetch `chunk` from holder `holder` (attached), reporting `generation` back.
     Fetch {
@@ -163,8 +174,10 @@ pub(crate) enum GiveUp {
     /// It sent nothing for this long while chunks were requested from it (`in_flight` of
     /// them), or while this receiver waited on its advertisement (`0`).
     Stalled { after: Duration, in_flight: usize },
-    /// It dropped off the member list (its lease expired).
+    /// It dropped off the member list (it left, or its lease expired).
     Unlisted,
+    /// It left the broadcast: its control connection closed once it was done.
+    Left(String),
     /// It served this chunk with bytes whose hash does not match.
     Corrupt(usize),
     /// It answers for another version (it moved on).
@@ -202,6 +215,7 @@ impl std::fmt::Display for GiveUp {
                 after.as_secs_f64()
             ),
             GiveUp::Unlisted => write!(f, "dropped off the member list"),
+            GiveUp::Left(r) => write!(f, "left the broadcast ({r})"),
             GiveUp::Corrupt(c) => {
                 write!(f, "served chunk {c} with bytes whose hash does not match")
             }
@@ -290,13 +304,14 @@ impl Seen {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Watch {
     /// Chunks are requested from it (`in_flight`), and it last sent something at `since`;
-    /// `unlisted`: it is also a parent (or the source) no longer listed.
+    /// `unlisted`: it is also no longer listed (it left: given up at once).
     Silent {
         since: Instant,
         in_flight: usize,
         unlisted: bool,
     },
-    /// It is a stripe's parent (or the source) no longer listed: given up at once.
+    /// It is a stripe's parent (or the source) no longer listed, nothing in flight from it:
+    /// given up at once.
     Unlisted,
     /// A stripe's parent this receiver waits on for a chunk it has not advertised yet, quiet
     /// since `since`.
@@ -318,8 +333,10 @@ fn watch(
     let stripes: Vec<usize> = (0..assigned.len())
         .filter(|&s| !source && assigned[s].as_deref() == Some(id))
         .collect();
-    // Only the source and the stripes' parents are held to the list.
-    let unlisted = !listed && (source || !stripes.is_empty());
+    // The source, the stripes' parents and any holder with chunks in flight are held to the
+    // list: one that left is given up at once, parent or not (a relay the plan made again
+    // without it, whose fetches are still out, would otherwise be waited on for stall_after).
+    let unlisted = !listed && (source || !stripes.is_empty() || h.in_flight > 0);
     if h.in_flight > 0 {
         return Some(Watch::Silent {
             since: h.heard,
@@ -344,8 +361,8 @@ fn watch(
 
 /// The holders to give up at `now`: those the pull waits on that sent nothing for
 /// `stall_after` (chunks requested from them, or, for a stripe's parent (`assigned`), no new
-/// chunk advertised while this receiver needs one), and parents no longer listed (the source
-/// too, when it drops off a list that was read).
+/// chunk advertised while this receiver needs one), and parents and holders with chunks in
+/// flight no longer listed (the source too, when it drops off a list that was read).
 pub(crate) fn stalled<'a>(
     holders: impl Iterator<Item = (&'a str, &'a Seen)>,
     assigned: &[Option<String>],
@@ -392,6 +409,10 @@ pub(crate) struct Tally {
     pub(crate) corrupt_holders: Vec<String>,
     /// Stripe parents given up.
     pub(crate) parents_given_up: u64,
+    /// Holders given up for their silence ([`GiveUp::Stalled`]).
+    pub(crate) stalled: u64,
+    /// Holders given up because they left ([`GiveUp::Left`], [`GiveUp::Unlisted`]).
+    pub(crate) left: u64,
     /// Holders attached, in order.
     pub(crate) holders: Vec<String>,
 }
@@ -423,6 +444,9 @@ pub(crate) struct Pull {
     generations: u64,
     /// The member being attached ([`Command::Attach`] out, its answer not in yet).
     attaching: Option<Member>,
+    /// What the driver reported of the member being attached before it was: taken in, in
+    /// order, once it is ([`Event::Attached`]); dropped if it cannot be.
+    early: Vec<Event>,
     /// Chunks to fetch again from the source once it is attached.
     refetch: Vec<usize>,
     /// Since when no stripe has a holder.
@@ -471,6 +495,7 @@ impl Pull {
             no_holder: String::from("no holder listed"),
             generations: 0,
             attaching: None,
+            early: Vec::new(),
             refetch: Vec::new(),
             orphaned: None,
             next_beat: now,
@@ -635,7 +660,7 @@ impl Pull {
                 self.have.released(chunk);
                 self.no_slot = true;
             }
-            Event::Attached => self.attached(now),
+            Event::Attached => self.attached(now)?,
             Event::AttachFailed(reason) => self.attach_failed(reason),
             Event::Progress {
                 id,
@@ -646,6 +671,19 @@ impl Pull {
                 count,
                 stripes,
             } => {
+                if self.is_attaching(&id) {
+                    // Its poller answered before the attachment's end came in.
+                    self.early.push(Event::Progress {
+                        id,
+                        source_epoch,
+                        prefix,
+                        done,
+                        version,
+                        count,
+                        stripes,
+                    });
+                    return Ok(());
+                }
                 let Some(p) = self.holders.get_mut(&id) else {
                     return Ok(());
                 };
@@ -661,13 +699,20 @@ impl Pull {
                     p.update(prefix, count, stripes, done, now);
                 }
             }
+            Event::PollFailed { id, reason } if self.is_attaching(&id) => {
+                self.early.push(Event::PollFailed { id, reason });
+            }
             Event::PollFailed { id, reason } => {
-                if self
-                    .holders
-                    .get(&id)
-                    .is_some_and(|p| p.member.role != Role::Source)
-                {
+                if self.is_relay(&id) {
                     self.give_up(&id, GiveUp::PollFailed(reason));
+                }
+            }
+            Event::Left { id, reason } if self.is_attaching(&id) => {
+                self.early.push(Event::Left { id, reason });
+            }
+            Event::Left { id, reason } => {
+                if self.is_relay(&id) {
+                    self.give_up(&id, GiveUp::Left(reason));
                 }
             }
             Event::Members { list, beat } => {
@@ -723,6 +768,19 @@ impl Pull {
             }
         }
         Ok(())
+    }
+
+    /// Whether `id` is the member being attached, its answer not in yet.
+    fn is_attaching(&self, id: &str) -> bool {
+        self.attaching.as_ref().is_some_and(|m| m.id == id)
+    }
+
+    /// Whether `id` is an attached holder other than the source (whose control connection
+    /// closing or failing is left to its READs, its epoch and the list).
+    fn is_relay(&self, id: &str) -> bool {
+        self.holders
+            .get(id)
+            .is_some_and(|p| p.member.role != Role::Source)
     }
 
     /// A fetch from `from` (attachment `generation`) finished at `now`.
@@ -855,9 +913,9 @@ impl Pull {
         self.attaching = Some(m);
     }
 
-    fn attached(&mut self, now: Instant) {
+    fn attached(&mut self, now: Instant) -> Result<(), BroadcastError> {
         let Some(m) = self.attaching.take() else {
-            return;
+            return Ok(());
         };
         self.generations += 1;
         let mut seen = Seen::new(m.clone(), self.cfg.chunk_lens.len() as u64, now);
@@ -869,6 +927,12 @@ impl Pull {
                 self.have.released(chunk);
             }
         }
+        // What its poller said meanwhile (a finished holder says it once: dropped, the pull
+        // would wait on it for stall_after).
+        for ev in std::mem::take(&mut self.early) {
+            self.handle(now, ev)?;
+        }
+        Ok(())
     }
 
     /// The member being attached could not be: it is never tried again in this pull.
@@ -876,6 +940,7 @@ impl Pull {
         let Some(m) = self.attaching.take() else {
             return;
         };
+        self.early.clear();
         let who = describe(&m);
         tracing::warn!(holder = %who, error = %reason, "cannot attach");
         self.no_holder = format!("{who}: {reason}");
@@ -906,6 +971,11 @@ impl Pull {
         let parent = self.assigned.iter().any(|a| a.as_deref() == Some(id));
         if parent {
             self.tally.parents_given_up += 1;
+        }
+        match why {
+            GiveUp::Stalled { .. } => self.tally.stalled += 1,
+            GiveUp::Left(_) | GiveUp::Unlisted => self.tally.left += 1,
+            _ => {}
         }
         if h.member.role == Role::Source {
             self.source_given_up = Some((who.clone(), why.clone()));

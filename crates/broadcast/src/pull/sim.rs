@@ -1,6 +1,7 @@
 //! A simulated fleet that drives a [`Pull`] on a simulated clock, with no sockets: a source
 //! and relays of scripted behaviour (good, dead, silent, corrupting, of another epoch or
-//! version, unattachable, leaving the list), each command answered as the driver would, and
+//! version, unattachable, leaving the list, finished before it is attached, leaving after it
+//! finished), each command answered as the driver would, and
 //! the module's contract checked at every step. The proptest in `tests.rs` runs it on random
 //! fleets.
 
@@ -33,6 +34,22 @@ pub(super) enum Kind {
     Leaves { at: u32 },
     /// Its progress poll fails at once.
     PollFails,
+    /// Finished before it is attached: its poller answers once (done), and before the
+    /// attachment's end comes in (as the driver's may), then never again.
+    Finished,
+    /// Finished before it is attached (as [`Kind::Finished`]), serves a chunk a tick, and
+    /// leaves at tick `at`: its READs from then on never finish (until it is given up), and
+    /// the pull learns it left `by` its control connection closing or its list.
+    FinishedLeaves { at: u32, by: Leaving },
+}
+
+/// How a pull learns that a holder left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Leaving {
+    /// Its control connection closes ([`Event::Left`]).
+    Link,
+    /// The member list no longer names it.
+    List,
 }
 
 /// The fleet: the source (good, or dying at a tick: every READ from it fails from then and it
@@ -58,6 +75,8 @@ pub(super) struct Ended {
     pub(super) pull: Pull,
     /// Ids given up, in order.
     pub(super) given_up: Vec<String>,
+    /// Why each was given up, and at which tick, in the same order.
+    pub(super) why: Vec<(super::GiveUp, u32)>,
     /// Ticks the pull took.
     pub(super) ticks: u32,
     /// Fetches asked, per holder id.
@@ -160,6 +179,7 @@ struct Sim<'a> {
     attached: BTreeMap<String, u64>,
     generations: u64,
     given_up: Vec<String>,
+    why: Vec<(super::GiveUp, u32)>,
     /// What each holder advertised to the pull: `(prefix, done)`.
     advertised: BTreeMap<String, (u64, bool)>,
     /// Fetches asked and not answered, per holder: the window's count.
@@ -184,6 +204,7 @@ impl<'a> Sim<'a> {
             attached: BTreeMap::new(),
             generations: 0,
             given_up: Vec::new(),
+            why: Vec::new(),
             advertised: BTreeMap::new(),
             out: 0,
             checked: false,
@@ -212,6 +233,7 @@ impl<'a> Sim<'a> {
             result,
             pull: self.pull,
             given_up: self.given_up,
+            why: self.why,
             ticks: self.tick,
             fetches: self.fetches,
         }
@@ -258,8 +280,10 @@ impl<'a> Sim<'a> {
     ) -> Result<(), BroadcastError> {
         let from_source = holder == "src";
         let closed = self.given_up.contains(&holder);
-        if from_source && self.source_dead() && !closed {
-            // A stopped source answers nothing: its READs hang until it is given up.
+        let gone = (from_source && self.source_dead()) || self.left.contains(&holder);
+        if gone && !closed {
+            // A stopped source, or a holder that left, answers nothing: its READs hang until
+            // it is given up.
             self.queue.push(Reverse((
                 u32::MAX,
                 self.seq,
@@ -296,13 +320,30 @@ impl<'a> Sim<'a> {
     /// Each attached relay's long poll answers (and the member list, when a relay leaves).
     fn progress(&mut self) -> Result<(), BroadcastError> {
         let mut list_changed = false;
+        let mut closed = Vec::new();
         for (i, &k) in self.fleet.relays.iter().enumerate() {
-            if let Kind::Leaves { at } = k
-                && self.tick == at
-            {
-                self.left.insert(format!("r{i}"));
-                list_changed = true;
+            let id = format!("r{i}");
+            match k {
+                Kind::Leaves { at } if self.tick == at => {
+                    self.left.insert(id);
+                    list_changed = true;
+                }
+                Kind::FinishedLeaves { at, by } if self.tick == at => {
+                    self.left.insert(id.clone());
+                    match by {
+                        Leaving::List => list_changed = true,
+                        Leaving::Link if self.attached.contains_key(&id) => closed.push(id),
+                        Leaving::Link => {}
+                    }
+                }
+                _ => {}
             }
+        }
+        for id in closed {
+            self.handle(Event::Left {
+                id,
+                reason: "its control connection closed".into(),
+            })?;
         }
         if list_changed {
             let list = self
@@ -321,6 +362,10 @@ impl<'a> Sim<'a> {
             let Some(k) = self.fleet.kind(&id) else {
                 continue;
             };
+            if matches!(k, Kind::Finished | Kind::FinishedLeaves { .. }) {
+                // Its poller said it once, when it was attached.
+                continue;
+            }
             let prefix = self.fleet.prefix(k, self.tick);
             let done = prefix == self.fleet.chunks as u64;
             let (source_epoch, version) = match k {
@@ -372,14 +417,29 @@ impl<'a> Sim<'a> {
                         m.id
                     );
                     assert_ne!(m.id, "me", "attached itself");
-                    let fails = match self.fleet.kind(&m.id) {
+                    let kind = self.fleet.kind(&m.id);
+                    let fails = match kind {
                         Some(Kind::Unattachable) => true,
-                        _ => m.id == "src" && self.source_dead(),
+                        _ => (m.id == "src" && self.source_dead()) || self.left.contains(&m.id),
                     };
                     if fails {
                         self.refused.insert(m.id.clone());
                         self.handle(Event::AttachFailed("refused".into()))?;
                     } else {
+                        if matches!(kind, Some(Kind::Finished | Kind::FinishedLeaves { .. })) {
+                            // Its poller's one answer, before the attachment's end.
+                            let n = self.fleet.chunks as u64;
+                            self.advertised.insert(m.id.clone(), (n, true));
+                            self.handle(Event::Progress {
+                                id: m.id.clone(),
+                                source_epoch: EPOCH,
+                                prefix: n,
+                                done: true,
+                                version: VERSION,
+                                count: n,
+                                stripes: Vec::new(),
+                            })?;
+                        }
                         self.generations += 1;
                         self.attached.insert(m.id.clone(), self.generations);
                         self.handle(Event::Attached)?;
@@ -390,8 +450,9 @@ impl<'a> Sim<'a> {
                     holder,
                     generation,
                 } => self.fetch(chunk, holder, generation),
-                Command::GiveUp { id, .. } => {
+                Command::GiveUp { id, why, .. } => {
                     assert!(!self.given_up.contains(&id), "{id} given up twice");
+                    self.why.push((why, self.tick));
                     assert!(
                         self.attached.remove(&id).is_some(),
                         "{id} given up while not attached"

@@ -79,7 +79,7 @@ fn a_holder_that_sends_nothing_for_stall_after_is_given_up_whatever_its_role() {
     assert!(matches!(out[..], [(_, GiveUp::Unlisted)]), "{out:?}");
 }
 
-use super::sim::{Fleet, Kind, STALL, TICK};
+use super::sim::{Fleet, Kind, Leaving, STALL, TICK};
 use proptest::prelude::*;
 
 fn fleet(relays: Vec<Kind>) -> Fleet {
@@ -185,6 +185,102 @@ fn a_parent_that_leaves_the_list_is_given_up() {
     e.result.unwrap();
     assert_eq!(e.given_up, ["r0"]);
     assert!(matches!(e.pull.last, Some((_, GiveUp::Unlisted))));
+}
+
+/// A relay finished before this receiver attached it answers its progress once, and the
+/// driver may hand that answer in before the attachment's end: kept, not dropped, so the
+/// pull fetches from it at once rather than waiting on it for `stall_after` (the 3 s updates
+/// of issue 48 when finished receivers left at once).
+#[test]
+fn a_finished_relays_one_answer_before_its_attachment_ends_is_kept() {
+    for stripes in [1, 2] {
+        let mut f = fleet(vec![Kind::Finished]);
+        f.stripes = stripes;
+        let e = f.run();
+        e.result.unwrap();
+        assert!(e.given_up.is_empty(), "{:?}: {:?}", e.given_up, e.why);
+        let t = e.pull.tally();
+        assert_eq!((t.stalled, t.left), (0, 0));
+        assert!(
+            t.bytes_from_relays > 0,
+            "nothing came from the finished relay"
+        );
+        assert!(
+            e.ticks * TICK < STALL,
+            "{} ticks: it waited on the finished relay",
+            e.ticks
+        );
+    }
+}
+
+/// A finished relay that leaves while chunks are asked of it (its READs then never finish) is
+/// given up as soon as the pull learns it left, by its control connection closing or by the
+/// list, parent or not; its chunks go to the plan made again (here the source): no stall.
+#[test]
+fn a_holder_that_leaves_mid_plan_is_given_up_at_once_and_its_chunks_replanned() {
+    for by in [Leaving::Link, Leaving::List] {
+        for stripes in [1, 2] {
+            let mut f = fleet(vec![Kind::FinishedLeaves { at: 2, by }]);
+            f.stripes = stripes;
+            f.chunks = 48;
+            let e = f.run();
+            e.result.unwrap();
+            assert_eq!(e.given_up, ["r0"], "{by:?}, {stripes} stripes");
+            let (why, tick) = &e.why[0];
+            let want_left = matches!(
+                (why, by),
+                (GiveUp::Left(_), Leaving::Link) | (GiveUp::Unlisted, Leaving::List)
+            );
+            assert!(want_left, "{by:?}: given up for {why}");
+            // Within the tick it left (its wake), not once its silence reached STALL.
+            assert!(
+                *tick <= 2 && TICK < STALL,
+                "{by:?}, {stripes} stripes: given up at tick {tick}, it left at 2"
+            );
+            let t = e.pull.tally();
+            assert_eq!((t.stalled, t.left), (0, 1), "{by:?}");
+            assert!(
+                t.bytes_from_relays > 0,
+                "nothing came from r0 before it left"
+            );
+        }
+    }
+}
+
+/// The stall check itself: a relay that is no stripe's parent any more (the plan was made
+/// again) but still has chunks in flight is held to the list too.
+#[test]
+fn a_holder_off_the_list_with_chunks_in_flight_is_given_up_parent_or_not() {
+    let t0 = Instant::now();
+    let have = Have::striped(16, 2);
+    let members = vec![member("src", Role::Source), member("a", Role::Receiver)];
+    let mut a = Seen::new(members[1].clone(), 16, t0);
+    a.update(16, 16, Vec::new(), true, t0);
+    a.in_flight = 2;
+    let none: Vec<Option<String>> = vec![Some("src".into()), Some("src".into())];
+    let stall = Duration::from_secs(3);
+    let listed = stalled([("a", &a)].into_iter(), &none, &have, &members, stall, t0);
+    assert!(listed.is_empty(), "{listed:?}");
+    let gone = stalled(
+        [("a", &a)].into_iter(),
+        &none,
+        &have,
+        &members[..1],
+        stall,
+        t0,
+    );
+    assert!(matches!(gone[..], [(_, GiveUp::Unlisted)]), "{gone:?}");
+    // Nothing in flight and no stripe's parent: nothing to give up (the plan drops it).
+    a.in_flight = 0;
+    let idle = stalled(
+        [("a", &a)].into_iter(),
+        &none,
+        &have,
+        &members[..1],
+        stall,
+        t0,
+    );
+    assert!(idle.is_empty(), "{idle:?}");
 }
 
 #[test]
@@ -491,6 +587,9 @@ fn kind() -> impl Strategy<Value = Kind> {
         1 => Just(Kind::Unattachable),
         1 => (1u32..40).prop_map(|at| Kind::Leaves { at }),
         1 => Just(Kind::PollFails),
+        1 => Just(Kind::Finished),
+        1 => (1u32..40, prop_oneof![Just(Leaving::Link), Just(Leaving::List)])
+            .prop_map(|(at, by)| Kind::FinishedLeaves { at, by }),
     ]
 }
 
@@ -538,9 +637,20 @@ proptest! {
                 "{err}"
             );
         }
-        for id in &e.given_up {
+        for (id, (why, _)) in e.given_up.iter().zip(&e.why) {
             let k = id.strip_prefix('r').and_then(|i| i.parse::<usize>().ok()).map(|i| f.relays[i]);
-            prop_assert!(!matches!(k, Some(Kind::Good { .. })), "good relay {} given up", id);
+            prop_assert!(
+                !matches!(k, Some(Kind::Good { .. } | Kind::Finished)),
+                "good relay {} given up ({})", id, why
+            );
+            // One that left is given up for leaving, never waited on until it counts as
+            // stalled.
+            if matches!(k, Some(Kind::FinishedLeaves { .. })) {
+                prop_assert!(
+                    matches!(why, GiveUp::Left(_) | GiveUp::Unlisted),
+                    "{} given up for {}, not for leaving", id, why
+                );
+            }
             prop_assert!(id != "src" || f.source_dies.is_some(), "a live source given up");
         }
         for id in &e.pull.tally().corrupt_holders {

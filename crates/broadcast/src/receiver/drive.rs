@@ -380,6 +380,8 @@ impl Receiver {
             bytes_from_source: t.bytes_from_source,
             bytes_from_relays: t.bytes_from_relays,
             parents_given_up: t.parents_given_up,
+            holders_stalled: t.stalled,
+            holders_left: t.left,
             holders: t.holders.clone(),
             ..Default::default()
         };
@@ -399,7 +401,6 @@ impl Receiver {
         self.beat(pull.have(), d.first_request, &d.me_tx);
         drop(listing);
         self.heartbeat_now().await?;
-        self.reported_done = Some(Instant::now());
         tracing::info!(name = %sum.name, seconds = sum.seconds, refetched = sum.refetched_chunks,
             from_source = sum.bytes_from_source, from_relays = sum.bytes_from_relays, "pull complete");
         Ok(sum)

@@ -614,7 +614,6 @@ impl Receiver {
             snapshot_tx,
             _ctl: ctl,
             files,
-            reported_done: None,
             hooks: TestHooks::default(),
             source,
         })

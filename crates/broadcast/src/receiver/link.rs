@@ -215,7 +215,8 @@ impl Attacher {
             segs.push(v);
             ranges.push(r);
         }
-        let poll = follow_progress(ctl, m.id.clone(), polls.clone(), self.stall_after);
+        let relay = m.role == Role::Receiver;
+        let poll = follow_progress(ctl, m.id.clone(), relay, polls.clone(), self.stall_after);
         tracing::info!(holder = %m.id, %data_addr, role = ?m.role, "attached");
         Ok(Link {
             peer,
@@ -388,10 +389,13 @@ impl Receiver {
 
 /// Follows holder `id`'s progress over its control connection `ctl` (long polls of at most
 /// `stall` or 2 s, whichever is less), reporting each answer to `tx` as an
-/// [`Event::Progress`], and its failure as an [`Event::PollFailed`], until it is done.
+/// [`Event::Progress`], and its failure as an [`Event::PollFailed`], until it is done; then,
+/// for a `relay` (a receiver, not the source), keeps the connection open and reports its end
+/// as an [`Event::Left`] ([`until_left`]).
 fn follow_progress(
     mut ctl: CtlClient,
     id: String,
+    relay: bool,
     tx: mpsc::UnboundedSender<Event>,
     stall: Duration,
 ) -> JoinHandle<()> {
@@ -425,7 +429,13 @@ fn follow_progress(
                         count,
                         stripes,
                     };
-                    if tx.send(msg).is_err() || done {
+                    if tx.send(msg).is_err() {
+                        return;
+                    }
+                    if done {
+                        if relay {
+                            until_left(ctl, id, &tx).await;
+                        }
                         return;
                     }
                 }
@@ -446,4 +456,37 @@ fn follow_progress(
             }
         }
     })
+}
+
+/// How often the control connection to a finished holder is asked for its progress while
+/// [`until_left`] holds it: well within the idle limit members close proven connections at
+/// (60 s), so that only the holder leaving (or failing) ends it.
+const FINISHED_KEEPALIVE: Duration = Duration::from_secs(20);
+
+/// Holds the control connection to finished holder `id` until it ends, and reports that to
+/// `tx` as an [`Event::Left`]: a member that leaves closes its control service, and with it
+/// this connection, at once, so a receiver still reading from it re-plans then rather than
+/// when the member list next shows it gone (or, for fetches that hang, after `stall_after`).
+/// Asks for its progress every [`FINISHED_KEEPALIVE`] meanwhile.
+async fn until_left(mut ctl: CtlClient, id: String, tx: &mpsc::UnboundedSender<Event>) {
+    let req = Request::Progress {
+        after: 0,
+        wait_ms: 0,
+        after_count: Some(0),
+    };
+    let reason = loop {
+        tokio::select! {
+            end = ctl.closed() => break match end {
+                Ok(()) => "its control connection closed".to_owned(),
+                Err(e) => format!("its control connection failed: {e}"),
+            },
+            () = tokio::time::sleep(FINISHED_KEEPALIVE) => {
+                if let Err(e) = ctl.call(&req, Duration::from_secs(5)).await {
+                    break format!("its control connection failed: {e}");
+                }
+            }
+        }
+    };
+    tracing::debug!(holder = %id, %reason, "finished holder left");
+    let _ = tx.send(Event::Left { id, reason });
 }

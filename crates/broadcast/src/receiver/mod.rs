@@ -193,6 +193,13 @@ pub struct Summary {
     pub bytes_from_relays: u64,
     /// Parents given up on (dead, stalled, other epoch).
     pub parents_given_up: u64,
+    /// Holders given up for their silence: nothing from them for
+    /// [`ReceiverOptions::stall_after`] while this receiver waited on them.
+    pub holders_stalled: u64,
+    /// Holders given up because they left while this receiver still had them attached (their
+    /// control connection closed, or the member list no longer named them): re-planned at
+    /// once, not waited on.
+    pub holders_left: u64,
     /// Ids of the members it fetched from, in order.
     pub holders: Vec<String>,
     /// Bytes the CPU copied during the pull (see [`Receiver::bytes_copied`]).
@@ -295,8 +302,6 @@ pub struct Receiver {
     _ctl: control::Service,
     /// A pull into a directory ([`join_to_dir`](Self::join_to_dir)): where the chunks go.
     files: Option<Landing>,
-    /// When the completed pull was reported done to discovery.
-    reported_done: Option<Instant>,
     /// What the tests inject (none, unless feature `__test-hooks`).
     hooks: TestHooks,
     /// The source as listed when the manifest was fetched (the plan's source until a list
@@ -323,9 +328,6 @@ impl Drop for Receiver {
 
 /// How long [`Receiver::leave`] waits for discovery to answer.
 const LEAVE_WITHIN: Duration = Duration::from_secs(1);
-
-/// How long a finished receiver stays listed, done, at least ([`Receiver::leave`]).
-const FINISHED_LISTED: Duration = Duration::from_millis(250);
 
 /// How often [`Receiver::linger`] rereads the member list at most.
 const LINGER_CHECK: Duration = Duration::from_millis(100);
@@ -616,16 +618,15 @@ impl Receiver {
         }
     }
 
-    /// Leaves the member list and stops serving. A receiver that completed its pull stays
-    /// listed, done, until 250 ms after it reported done (serving meanwhile), so
-    /// that the source, which looks at its list every 100 ms, sees it finished rather than
-    /// gone unfinished. Discovery is given 1 s to answer (a stopped source's
-    /// tracker would hold the caller for its whole timeout); unanswered, the entry's lease runs
-    /// out instead.
+    /// Leaves the member list and stops serving, at once. A receiver that completed its pull
+    /// reported itself done before [`run`](Self::run) returned, and the embedded tracker
+    /// records the entry as last listed when it leaves, so its source sees it finished, not
+    /// gone. A member that had it attached as a holder sees its control connection close and
+    /// re-plans then, or, at the latest, when its list no longer names it (never waiting
+    /// [`ReceiverOptions::stall_after`] for it). Discovery is given 1 s to answer (a stopped
+    /// source's tracker would hold the caller for its whole timeout); unanswered, the entry's
+    /// lease runs out instead.
     pub async fn leave(self) {
-        if let Some(t) = self.reported_done {
-            tokio::time::sleep_until((t + FINISHED_LISTED).into()).await;
-        }
         self.leave_handle().leave().await;
         drop(self);
     }
