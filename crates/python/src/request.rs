@@ -1,12 +1,17 @@
 //! Batches, submitted requests and their outcomes.
 //!
-//! A submitted request is watched by one task on the shared runtime, which records the logical
-//! outcome and then the drained one in a [`Watch`]. `Request.wait` blocks on the watch's condvar
-//! with the GIL released; `await request` registers an asyncio future that the watch settles
-//! through `loop.call_soon_threadsafe`, called from tokio's blocking pool (never from a runtime
-//! worker, which must not wait for the GIL).
+//! A submitted request's logical outcome and then its drained one are recorded in a [`Watch`].
+//! A request with no step after it is driven by whoever waits for it, with no task of its own:
+//! `Request.wait` polls it in the caller's thread with the GIL released and sleeps on the
+//! watch's condvar until the transport's completion wakes it; `done()` polls it once. `await
+//! request` registers an asyncio future that the watch settles through
+//! `loop.call_soon_threadsafe`, called from tokio's blocking pool, where a job polls the request
+//! when its waker fires (never a runtime worker, which must not wait for the GIL). A request
+//! with a step after it (`notify`) is watched by one task on the shared runtime.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::future::{Future, IntoFuture};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use ferry::{Canceller, OpKind, Outcome, RemoteEffect, RemoteStatus};
@@ -20,6 +25,15 @@ use crate::errors::{self, Kind};
 use crate::gpu::GpuRegistration;
 use crate::handles::{Registration, RemoteSegment};
 
+/// A request's own future of an outcome, polled in whichever thread waits for it.
+type OutcomeFuture = std::pin::Pin<Box<dyn Future<Output = Outcome> + Send>>;
+
+/// An asyncio future to settle: (event loop, future, whether it waits for `drained`).
+type AsyncWaiter = (Py<PyAny>, Py<PyAny>, bool);
+
+/// An asyncio future now due, with what it gets (`None`: the watch was lost).
+type Due = (Py<PyAny>, Py<PyAny>, Option<Outcome>);
+
 /// What the watch of a request knows.
 #[derive(Default)]
 struct State {
@@ -27,104 +41,261 @@ struct State {
     outcome: Option<Outcome>,
     /// The final outcome once the buffers are free again (`drained: true`).
     drained: Option<Outcome>,
-    /// The watching task ended without an outcome (a panic below): waiting raises.
+    /// The request's futures ended without an outcome (a panic below, or the watching task was
+    /// dropped): waiting raises.
     lost: bool,
     /// Why the step run after the request completed (`watch_then`) failed, if it did.
     after_error: Option<String>,
-    /// asyncio futures to settle: (event loop, future, whether it waits for `drained`).
-    waiters: Vec<(Py<PyAny>, Py<PyAny>, bool)>,
+    /// asyncio futures to settle.
+    waiters: Vec<AsyncWaiter>,
+    /// Threads inside `Request.wait`'s loop (polling or asleep on the condvar): a wake of a
+    /// directly driven request only has to tell them, as they poll it themselves.
+    sleepers: usize,
+    /// A thread is polling the request's futures now: a wake meanwhile asks it to poll again.
+    polling: bool,
+    /// A wake came since the last poll began.
+    woken: bool,
+    /// A blocking-pool job that polls the request is queued and has not started.
+    queued: bool,
 }
 
-/// The outcome slots of one request, shared by its watching task and its Python handle.
-#[derive(Default)]
+impl State {
+    fn settled(&self) -> bool {
+        self.drained.is_some() || self.lost
+    }
+
+    /// Records the logical outcome (`drained == false`) or the drained one (or, with `None`,
+    /// that the watch was lost) and takes the asyncio futures that waited for it.
+    fn record(&mut self, outcome: Option<Outcome>, drained: bool) -> Vec<Due> {
+        match (outcome, drained) {
+            (Some(o), false) => self.outcome = Some(o),
+            (Some(o), true) => {
+                // The drained outcome is also the logical one unless one came first (a
+                // timeout, a cancel), which stays.
+                self.outcome.get_or_insert(o);
+                self.drained = Some(o);
+            }
+            (None, _) => self.lost = true,
+        }
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .partition(|(_, _, wants_drained)| outcome.is_none() || *wants_drained == drained);
+        self.waiters = keep;
+        due.into_iter().map(|(l, f, _)| (l, f, outcome)).collect()
+    }
+}
+
+/// The outcome slots of one request, shared by its Python handle and whatever drives it.
+///
+/// A request with no step after it (no `notify`) is driven *directly*: no task of its own
+/// watches it. Whoever waits polls its futures (the logical outcome, then the drained one) in
+/// its own thread: `Request.wait` (GIL released) with the watch's [`Nudge`] as waker, sleeping
+/// on the condvar until the transport's completion, the request's timer or a cancel wakes it;
+/// `Request.done()` once, never waiting. A wake that finds nobody in `wait` (an asyncio future
+/// awaits, or the request drains after its logical end) queues one job on the runtime's
+/// blocking pool that polls it and settles the asyncio futures there; no runtime worker ever
+/// waits for the GIL. A request with a step after it is watched by one task (`watch_then`).
 pub(crate) struct Watch {
     state: Mutex<State>,
     cond: Condvar,
-    /// The request's drained future, which `Request.done()` polls itself (requests with no
-    /// step after them): a caller that polls sees the end as soon as the transport resolved
-    /// it, not once a runtime worker has been woken to run the watching task.
+    /// The request's futures while it is driven directly and not drained.
     direct: Mutex<Option<Direct>>,
-}
-
-/// A future of the request's own outcome, polled in the caller's thread.
-struct Direct {
-    fut: std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>,
+    /// The waker of every poll that waits: a [`Nudge`] of this watch.
+    waker: Waker,
+    /// The engine's runtime: its timers and reactor serve the polls, its blocking pool the
+    /// jobs that settle asyncio futures.
     runtime: tokio::runtime::Handle,
 }
 
+/// The futures of a directly driven request.
+struct Direct {
+    /// The logical outcome (completion, the request's timeout, a cancel), until it resolved.
+    logical: Option<OutcomeFuture>,
+    /// The drained outcome.
+    drained: OutcomeFuture,
+}
+
+/// The waker of a directly driven request's polls. Weak: the request's futures hold it, and the
+/// watch holds them.
+struct Nudge(Weak<Watch>);
+
+impl Wake for Nudge {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(w) = self.0.upgrade() {
+            w.nudge();
+        }
+    }
+}
+
 impl Watch {
+    fn new(direct: Option<Direct>) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            state: Mutex::default(),
+            cond: Condvar::new(),
+            direct: Mutex::new(direct),
+            waker: Waker::from(Arc::new(Nudge(me.clone()))),
+            runtime: tokio::runtime::Handle::current(),
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Polls the request's drained future once in this thread (never waiting: another thread
-    /// polling it already is left to it) and records the outcome if the transport has resolved
-    /// the request. Whether the request is done now. The watching task still runs and records
-    /// the same outcome (settling twice keeps the first logical one).
-    fn poll_direct(&self) -> bool {
-        let Ok(mut slot) = self.direct.try_lock() else {
-            return false;
-        };
-        let Some(d) = slot.as_mut() else {
-            return false;
-        };
-        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // Timers and the reactor of the engine's runtime, as in its own tasks.
-            let _enter = d.runtime.enter();
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            d.fut.as_mut().poll(&mut cx)
-        }));
-        let o = match polled {
-            Ok(std::task::Poll::Ready(o)) => o,
-            Ok(std::task::Poll::Pending) => return false,
-            Err(_) => {
-                // A panic below stays out of Python: the watching task is left to end the
-                // request (or to mark it lost).
-                *slot = None;
-                return false;
+    /// The transport (or the request's timer, or a cancel) woke a poll of this request: the
+    /// poller polls again, a thread in `wait` is told, and with nobody there one blocking-pool
+    /// job polls it.
+    fn nudge(self: &Arc<Self>) {
+        let mut st = self.lock();
+        if st.settled() {
+            return;
+        }
+        st.woken = true;
+        if st.polling {
+            return;
+        }
+        if st.sleepers > 0 {
+            drop(st);
+            self.cond.notify_all();
+            return;
+        }
+        if std::mem::replace(&mut st.queued, true) {
+            return;
+        }
+        drop(st);
+        let w = self.clone();
+        self.runtime.spawn_blocking(move || {
+            w.lock().queued = false;
+            let due = w.poll_direct(&w.waker, true);
+            if !due.is_empty() {
+                // A blocking-pool thread: it may wait for the GIL.
+                Python::try_attach(|py| deliver(py, due));
             }
-        };
-        let runtime = d.runtime.clone();
-        *slot = None;
-        drop(slot);
-        // Under the runtime: settling may hand asyncio futures to its blocking pool. The
-        // drained outcome is also the logical one unless the task recorded one first (a
-        // timeout, a cancel), which it keeps.
-        let _enter = runtime.enter();
-        self.settle(Some(o), true);
-        true
+        });
     }
 
-    /// Records the logical outcome (`drained == false`) or the drained one, wakes the waiters
-    /// and settles the asyncio futures that waited for it.
-    fn settle(&self, outcome: Option<Outcome>, drained: bool) {
-        let due = {
-            let mut st = self.lock();
-            match (outcome, drained) {
-                (Some(o), false) => st.outcome = Some(o),
-                (Some(o), true) => {
-                    st.outcome.get_or_insert(o);
-                    st.drained = Some(o);
-                }
-                (None, _) => st.lost = true,
+    /// Polls the request's futures with `waker` in this thread, again while a wake came during
+    /// the poll, and records what resolved; returns the asyncio futures now due. `block`:
+    /// wait for a poll running in another thread to end first (without, that poll is left to
+    /// do it). A panic below stays out of Python: the watch is lost.
+    fn poll_direct(&self, waker: &Waker, block: bool) -> Vec<Due> {
+        let mut slot = match self.direct.try_lock() {
+            Ok(s) => s,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) if block => {
+                self.direct.lock().unwrap_or_else(PoisonError::into_inner)
             }
-            let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.waiters)
-                .into_iter()
-                .partition(|(_, _, wants_drained)| outcome.is_none() || *wants_drained == drained);
-            st.waiters = keep;
-            due
+            Err(std::sync::TryLockError::WouldBlock) => return Vec::new(),
         };
+        let mut due = Vec::new();
+        loop {
+            let Some(d) = slot.as_mut() else {
+                return due;
+            };
+            {
+                let mut st = self.lock();
+                st.polling = true;
+                st.woken = false;
+            }
+            let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Timers and the reactor of the engine's runtime, as in its own tasks.
+                let _enter = self.runtime.enter();
+                let mut cx = Context::from_waker(waker);
+                let logical = d.logical.as_mut().map(|f| f.as_mut().poll(&mut cx));
+                // The drained future once the logical one ended (on success both at once).
+                let drained = match logical {
+                    Some(Poll::Pending) => Poll::Pending,
+                    _ => d.drained.as_mut().poll(&mut cx),
+                };
+                (logical, drained)
+            }));
+            let mut st = self.lock();
+            st.polling = false;
+            match polled {
+                Ok((logical, drained)) => {
+                    if let Some(Poll::Ready(o)) = logical {
+                        d.logical = None;
+                        due.extend(st.record(Some(o), false));
+                    }
+                    if let Poll::Ready(o) = drained {
+                        due.extend(st.record(Some(o), true));
+                    }
+                }
+                Err(_) => {
+                    due.extend(st.record(None, false));
+                }
+            }
+            let again = st.woken && !st.settled();
+            let ended = st.settled();
+            drop(st);
+            if ended {
+                // Dropping the futures may unwind too (a poisoned lock below): it stays here.
+                let gone = slot.take();
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(gone)));
+            }
+            self.cond.notify_all();
+            if !again {
+                return due;
+            }
+        }
+    }
+
+    /// Waits, in a thread counted in `sleepers` with the GIL released, until the outcome asked
+    /// for (`drained`, or the logical one) is known, the watch is lost (`(None, true)`), or
+    /// `until` passes (`(None, false)`). A directly driven request is polled here, again at
+    /// each wake of its waker.
+    fn wait_until(&self, until: Instant, drained: bool) -> (Option<Outcome>, bool) {
+        loop {
+            let due = self.poll_direct(&self.waker, true);
+            if !due.is_empty() {
+                // This thread does not hold the GIL; the blocking pool settles them.
+                self.runtime.spawn_blocking(move || {
+                    Python::try_attach(|py| deliver(py, due));
+                });
+            }
+            let mut st = self.lock();
+            loop {
+                let ready = if drained { st.drained } else { st.outcome };
+                if ready.is_some() || st.lost {
+                    return (ready, st.lost);
+                }
+                let now = Instant::now();
+                if now >= until {
+                    return (None, false);
+                }
+                if st.woken {
+                    break;
+                }
+                st = self
+                    .cond
+                    .wait_timeout(st, until - now)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+        }
+    }
+
+    /// Records an outcome from the watching task (a runtime worker): the asyncio futures due
+    /// are settled from the blocking pool, never from the worker.
+    fn settle(&self, outcome: Option<Outcome>, drained: bool) {
+        let due = self.lock().record(outcome, drained);
         self.cond.notify_all();
         if !due.is_empty() {
-            // The blocking pool, not this runtime worker, waits for the GIL.
-            tokio::task::spawn_blocking(move || {
-                Python::try_attach(|py| {
-                    for (event_loop, fut, _) in due {
-                        settle_future(py, &event_loop, &fut, outcome);
-                    }
-                });
+            self.runtime.spawn_blocking(move || {
+                Python::try_attach(|py| deliver(py, due));
             });
         }
+    }
+}
+
+/// Settles each due asyncio future from its loop's thread (`call_soon_threadsafe`).
+fn deliver(py: Python<'_>, due: Vec<Due>) {
+    for (event_loop, fut, outcome) in due {
+        settle_future(py, &event_loop, &fut, outcome);
     }
 }
 
@@ -182,36 +353,45 @@ impl Drop for LostGuard {
     }
 }
 
-/// Starts watching `handle` on the current runtime.
+/// Starts watching `handle` on the current runtime, driven directly: no task of its own (see
+/// [`Watch`]). The request moves whether or not anyone polls it (its first attempt is posted
+/// at submit); its replays, its deadline's timer and its drain after a timeout or cancel run
+/// while someone waits for it (`wait`, `await`, a blocking-pool job once such a wait was left),
+/// as the facade's handle does (`ferry::RequestHandle`). `done()` polls it without waiting.
 pub(crate) fn watch(handle: ferry::RequestHandle) -> (Arc<Watch>, Canceller) {
-    watch_then(handle, None::<std::future::Ready<Result<(), ferry::Error>>>)
+    let canceller = handle.canceller();
+    let drained: OutcomeFuture = Box::pin(handle.drained());
+    let logical: OutcomeFuture = handle.into_future();
+    let watch = Watch::new(Some(Direct {
+        logical: Some(logical),
+        drained,
+    }));
+    (watch, canceller)
 }
 
 /// Like [`watch`], with `after` run once every op of the request completed (a notification
 /// to the peer, say), before the outcome is recorded: the request is done only once `after`
-/// is, and `after`'s error, if any, is kept as the request's `after_error`.
+/// is, and `after`'s error, if any, is kept as the request's `after_error`. With `after`, one
+/// task on the current runtime watches the request (`after` must run whether or not anyone
+/// waits); without, it is driven directly ([`watch`]).
 pub(crate) fn watch_then<F>(
     handle: ferry::RequestHandle,
     after: Option<F>,
 ) -> (Arc<Watch>, Canceller)
 where
-    F: std::future::Future<Output = Result<(), ferry::Error>> + Send + 'static,
+    F: Future<Output = Result<(), ferry::Error>> + Send + 'static,
 {
-    let watch = Arc::new(Watch::default());
+    let Some(after) = after else {
+        return watch(handle);
+    };
+    let watch = Watch::new(None);
     let canceller = handle.canceller();
     let drained = handle.drained();
-    if after.is_none() {
-        *watch.direct.lock().unwrap_or_else(PoisonError::into_inner) = Some(Direct {
-            fut: Box::pin(handle.drained()),
-            runtime: tokio::runtime::Handle::current(),
-        });
-    }
     let w = watch.clone();
     tokio::spawn(async move {
         let mut guard = LostGuard(Some(w.clone()));
         let outcome = handle.await;
-        if let Some(after) = after
-            && outcome.is_success()
+        if outcome.is_success()
             && let Err(e) = after.await
         {
             w.lock().after_error = Some(e.to_string());
@@ -535,24 +715,12 @@ impl Request {
         loop {
             let watch = &self.watch;
             let got = py.detach(|| {
-                let mut st = watch.lock();
                 let until = Instant::now() + SLICE;
                 let until = deadline.map_or(until, |d| d.min(until));
-                loop {
-                    let ready = if drained { st.drained } else { st.outcome };
-                    if ready.is_some() || st.lost {
-                        return (ready, st.lost);
-                    }
-                    let now = Instant::now();
-                    if now >= until {
-                        return (None, false);
-                    }
-                    st = watch
-                        .cond
-                        .wait_timeout(st, until - now)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
-                }
+                watch.lock().sleepers += 1;
+                let got = watch.wait_until(until, drained);
+                watch.lock().sleepers -= 1;
+                got
             });
             match got {
                 (Some(o), _) => return Ok(PyOutcome(o)),
@@ -589,6 +757,10 @@ impl Request {
             },
         )?;
         fut.call_method1("add_done_callback", (on_done,))?;
+        // A directly driven request is polled here with the watch's waker, so that its end
+        // (or its timer) wakes the watch, which settles this future from the blocking pool.
+        let due = self.watch.poll_direct(&self.watch.waker, false);
+        deliver(py, due);
         let ready = {
             let mut st = self.watch.lock();
             let ready = if drained { st.drained } else { st.outcome };
@@ -654,14 +826,45 @@ impl Request {
     /// Whether the request has ended (its outcome is known). Never waits for the transport: a
     /// request it has finished is resolved right here, in the caller's thread, so a loop that
     /// polls `done()` sees the end as soon as it happens.
-    fn done(&self) -> bool {
-        {
+    fn done(&self, py: Python<'_>) -> bool {
+        let awaited = {
             let st = self.watch.lock();
             if st.outcome.is_some() || st.lost {
                 return true;
             }
+            !st.waiters.is_empty()
+        };
+        // Polled with no waker unless asyncio futures await it: a caller that polls wants no
+        // thread woken for it.
+        let waker = if awaited {
+            &self.watch.waker
+        } else {
+            Waker::noop()
+        };
+        let due = self.watch.poll_direct(waker, false);
+        deliver(py, due);
+        let st = self.watch.lock();
+        st.outcome.is_some() || st.lost
+    }
+
+    /// Test hook, not part of the API: the request's next poll panics, as a bug below it
+    /// would (the watch is then lost). Whether it was planted (the request is driven directly
+    /// and has not drained).
+    fn _plant_panic_for_tests(&self) -> bool {
+        let mut slot = self
+            .watch
+            .direct
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(d) = slot.as_mut() else {
+            return false;
+        };
+        let boom: OutcomeFuture = Box::pin(async { panic!("a test panic in a request's poll") });
+        match d.logical.as_mut() {
+            Some(f) => *f = boom,
+            None => d.drained = boom,
         }
-        self.watch.poll_direct()
+        true
     }
 
     /// Ends the request logically: no further chunk is posted and it resolves with a
@@ -880,8 +1083,16 @@ impl PyFailure {
     }
 }
 
+/// Test hook, not part of the API: how many tasks of the shared runtime are alive now (a
+/// request driven directly adds none).
+#[pyfunction]
+fn _runtime_tasks_for_tests(py: Python<'_>) -> PyResult<usize> {
+    Ok(crate::runtime::get(py)?.metrics().num_alive_tasks())
+}
+
 /// Registers the classes of this module.
 pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(pyo3::wrap_pyfunction!(_runtime_tasks_for_tests, m)?)?;
     m.add_class::<Batch>()?;
     m.add_class::<Request>()?;
     m.add_class::<PyOutcome>()?;
