@@ -215,29 +215,32 @@ impl Watch {
             }));
             let mut st = self.lock();
             st.polling = false;
+            let mut recorded = true;
             match polled {
-                Ok((logical, drained)) => {
-                    if let Some(Poll::Ready(o)) = logical {
-                        d.logical = None;
-                        due.extend(st.record(Some(o), false));
-                    }
+                Ok((Some(Poll::Ready(o)), drained)) => {
+                    d.logical = None;
+                    due.extend(st.record(Some(o), false));
                     if let Poll::Ready(o) = drained {
                         due.extend(st.record(Some(o), true));
                     }
                 }
-                Err(_) => {
-                    due.extend(st.record(None, false));
-                }
+                Ok((_, Poll::Ready(o))) => due.extend(st.record(Some(o), true)),
+                Ok(_) => recorded = false,
+                Err(_) => due.extend(st.record(None, false)),
             }
             let again = st.woken && !st.settled();
             let ended = st.settled();
+            // Only a thread in `wait` sleeps on the condvar (a notify is a system call).
+            let tell = recorded && st.sleepers > 0;
             drop(st);
             if ended {
                 // Dropping the futures may unwind too (a poisoned lock below): it stays here.
                 let gone = slot.take();
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(gone)));
             }
-            self.cond.notify_all();
+            if tell {
+                self.cond.notify_all();
+            }
             if !again {
                 return due;
             }
@@ -282,8 +285,13 @@ impl Watch {
     /// Records an outcome from the watching task (a runtime worker): the asyncio futures due
     /// are settled from the blocking pool, never from the worker.
     fn settle(&self, outcome: Option<Outcome>, drained: bool) {
-        let due = self.lock().record(outcome, drained);
-        self.cond.notify_all();
+        let (due, tell) = {
+            let mut st = self.lock();
+            (st.record(outcome, drained), st.sleepers > 0)
+        };
+        if tell {
+            self.cond.notify_all();
+        }
         if !due.is_empty() {
             self.runtime.spawn_blocking(move || {
                 Python::try_attach(|py| deliver(py, due));
