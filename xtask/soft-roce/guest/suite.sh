@@ -90,7 +90,11 @@ for entry in "${TESTS[@]}"; do
   line=$(grep '^test result:' "$out" | tail -1)
   count() { echo "$line" | grep -o "[0-9]\+ $1" | grep -o '[0-9]\+' || echo 0; }
   result test $name rc=$rc passed=$(count passed) failed=$(count failed) ignored=$(count ignored) wall_s=$(secs "$t0" "$t1") timeout_s=$TEST_TIMEOUT
-  [ "$rc" = 0 ] || fails=$((fails+1))
+  if [ "$rc" != 0 ]; then
+    fails=$((fails+1))
+    # the kernel's account of a failure (rxe warnings, QP errors), if it left one
+    echo "== dmesg (last 40 lines) after $name failed"; dmesg | tail -40
+  fi
   rm -f "$out"
 done
 unset FERRY_RDMA_TEST_DEVICES FERRY_RDMA_TEST_GIDS FERRY_RDMA_TEST_FLAP
