@@ -2,7 +2,8 @@
 //!
 //! Records that name processes (a broadcast's members, the Mooncake layer's endpoint records,
 //! NIXL agents' metadata) are kept in etcd by three layers; this crate is what each of them
-//! uses to reach it: [`connect`] (one endpoint, a bounded wait, an error naming it), [`Lease`]
+//! uses to reach it: [`connect`] (one endpoint, proven to answer within a bounded wait, an error
+//! naming it), [`Lease`]
 //! (a lease kept alive by a task until it is dropped or revoked, so a process that dies takes
 //! its records with it within the lease's time) and [`EtcdKv`] (plain records under one
 //! lease). Broadcast discovery (`ferry_broadcast::Etcd`) builds its member list on
@@ -11,7 +12,10 @@
 //!
 //! It imports no crate of Ferry's: it sits beside the bottom of the map, below `broadcast`
 //! and `python`, which take it behind their `etcd` feature (etcd-client's build runs `protoc`).
-//! Errors are [`MetadataError`], naming the endpoint. [`etcd_client`] is re-exported for the
+//! Errors are [`MetadataError`], naming the endpoint. Every call this crate makes is bounded
+//! ([`CALL_TIMEOUT`], or [`EtcdKv::with_call_timeout`]): a store that stops answering (a frozen
+//! or partitioned etcd) is a [`MetadataError::Timeout`], never a caller held forever; layers that
+//! make calls of their own wrap them in [`bounded`]. [`etcd_client`] is re-exported for the
 //! layers that speak more of etcd than records (watches, transactions).
 
 #![warn(missing_docs)]
@@ -24,8 +28,11 @@ use etcd_client::{Client, PutOptions};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
-/// How long [`connect`] waits for an endpoint.
+/// How long [`connect`] waits for an endpoint to answer.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one call (a get, a put, a lease grant or revoke) waits for the store's answer.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What went wrong with a metadata store.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +45,16 @@ pub enum MetadataError {
         endpoint: String,
         /// Why.
         reason: String,
+    },
+    /// A call to a connected store got no answer within its bound.
+    #[error("etcd {endpoint}: {op}: no answer within {after:?}")]
+    Timeout {
+        /// The endpoint, as given.
+        endpoint: String,
+        /// The call: `lease grant`, `put`, `get`, ...
+        op: &'static str,
+        /// The bound it waited.
+        after: Duration,
     },
     /// A call to a connected store failed.
     #[error("etcd {endpoint}: {op} failed: {source}")]
@@ -74,16 +91,47 @@ pub fn url_of(endpoint: &str) -> String {
     }
 }
 
+/// Runs the call `op` to `endpoint`, waiting at most `within` for its answer: the store's error
+/// is [`MetadataError::Call`], no answer in time [`MetadataError::Timeout`].
+pub async fn bounded<T>(
+    endpoint: &str,
+    op: &'static str,
+    within: Duration,
+    call: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, MetadataError> {
+    match tokio::time::timeout(within, call).await {
+        Ok(r) => r.map_err(|e| MetadataError::call(endpoint, op, e)),
+        Err(_) => Err(MetadataError::Timeout {
+            endpoint: endpoint.to_owned(),
+            op,
+            after: within,
+        }),
+    }
+}
+
 /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`), waiting at most
-/// [`CONNECT_TIMEOUT`].
+/// [`CONNECT_TIMEOUT`]: [`connect_within`] with that bound.
 pub async fn connect(endpoint: &str) -> Result<Client, MetadataError> {
+    connect_within(endpoint, CONNECT_TIMEOUT).await
+}
+
+/// Connects to the etcd at `endpoint` and proves it answers (a status call) within `within`:
+/// a dead, refusing or frozen endpoint is a [`MetadataError::Connect`] naming it here, not at
+/// the first call (the client's channel connects lazily).
+pub async fn connect_within(endpoint: &str, within: Duration) -> Result<Client, MetadataError> {
     let fail = |reason: String| MetadataError::Connect {
         endpoint: endpoint.to_owned(),
         reason,
     };
-    tokio::time::timeout(CONNECT_TIMEOUT, Client::connect([url_of(endpoint)], None))
+    let options = etcd_client::ConnectOptions::new().with_connect_timeout(within);
+    let proven = async {
+        let mut client = Client::connect([url_of(endpoint)], Some(options)).await?;
+        client.status().await?;
+        Ok::<_, etcd_client::Error>(client)
+    };
+    tokio::time::timeout(within, proven)
         .await
-        .map_err(|_| fail(format!("no answer within {} s", CONNECT_TIMEOUT.as_secs())))?
+        .map_err(|_| fail(format!("no answer within {within:?}")))?
         .map_err(|e| fail(e.to_string()))
 }
 
@@ -94,26 +142,44 @@ pub async fn connect(endpoint: &str) -> Result<Client, MetadataError> {
 pub struct Lease {
     id: i64,
     keeper: JoinHandle<()>,
+    /// How long its calls (the grant, the revoke) wait for an answer.
+    within: Duration,
 }
 
 impl Lease {
-    /// Grants a lease of `ttl` (at least one second) on `client` and keeps it alive.
+    /// Grants a lease of `ttl` (at least one second) on `client` and keeps it alive; its
+    /// calls wait at most [`CALL_TIMEOUT`] ([`grant_within`](Self::grant_within)).
     pub async fn grant(
         client: &mut Client,
         endpoint: &str,
         ttl: Duration,
     ) -> Result<Self, MetadataError> {
+        Self::grant_within(client, endpoint, ttl, CALL_TIMEOUT).await
+    }
+
+    /// [`grant`](Self::grant), its calls (this grant, a later revoke) waiting at most `within`.
+    pub async fn grant_within(
+        client: &mut Client,
+        endpoint: &str,
+        ttl: Duration,
+        within: Duration,
+    ) -> Result<Self, MetadataError> {
         let ttl = ttl.as_secs().max(1) as i64;
-        let call = |op| move |e| MetadataError::call(endpoint, op, e);
-        let id = client
-            .lease_grant(ttl, None)
-            .await
-            .map_err(call("lease grant"))?
-            .id();
-        let (mut keeper, mut stream) = client
-            .lease_keep_alive(id)
-            .await
-            .map_err(call("lease keep-alive"))?;
+        let id = bounded(
+            endpoint,
+            "lease grant",
+            within,
+            client.lease_grant(ttl, None),
+        )
+        .await?
+        .id();
+        let (mut keeper, mut stream) = bounded(
+            endpoint,
+            "lease keep-alive",
+            within,
+            client.lease_keep_alive(id),
+        )
+        .await?;
         let every = Duration::from_millis((ttl as u64 * 1000 / 3).max(200));
         let keeper = tokio::spawn(async move {
             loop {
@@ -121,13 +187,16 @@ impl Lease {
                 if keeper.keep_alive().await.is_err() {
                     break;
                 }
-                if !matches!(stream.message().await, Ok(Some(_))) {
+                // A store that does not answer a renewal within a third of the lease's time
+                // lets it lapse: the lease is given up (`alive` is false from then on).
+                let answer = tokio::time::timeout(every, stream.message()).await;
+                if !matches!(answer, Ok(Ok(Some(_)))) {
                     break;
                 }
             }
             tracing::debug!(lease = id, "etcd lease keep-alive ended");
         });
-        Ok(Self { id, keeper })
+        Ok(Self { id, keeper, within })
     }
 
     /// The lease's id, for the options of a put bound to it.
@@ -143,10 +212,13 @@ impl Lease {
     /// Ends the lease now: every record bound to it goes.
     pub async fn revoke(self, client: &mut Client, endpoint: &str) -> Result<(), MetadataError> {
         self.keeper.abort();
-        client
-            .lease_revoke(self.id)
-            .await
-            .map_err(|e| MetadataError::call(endpoint, "lease revoke", e))?;
+        bounded(
+            endpoint,
+            "lease revoke",
+            self.within,
+            client.lease_revoke(self.id),
+        )
+        .await?;
         Ok(())
     }
 }
@@ -164,6 +236,7 @@ impl Drop for Lease {
 pub struct EtcdKv {
     endpoint: String,
     ttl: Duration,
+    call_timeout: Duration,
     client: Mutex<Client>,
     lease: Mutex<Option<Lease>>,
 }
@@ -173,21 +246,31 @@ impl std::fmt::Debug for EtcdKv {
         f.debug_struct("EtcdKv")
             .field("endpoint", &self.endpoint)
             .field("ttl", &self.ttl)
+            .field("call_timeout", &self.call_timeout)
             .finish_non_exhaustive()
     }
 }
 
 impl EtcdKv {
-    /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`); leased records
-    /// last `ttl` (at least one second) without renewal.
+    /// Connects to the etcd at `endpoint` (`http://HOST:PORT` or `HOST:PORT`; [`connect`]);
+    /// leased records last `ttl` (at least one second) without renewal. Each call waits at
+    /// most [`CALL_TIMEOUT`] for its answer.
     pub async fn connect(endpoint: &str, ttl: Duration) -> Result<Self, MetadataError> {
         let client = connect(endpoint).await?;
         Ok(Self {
             endpoint: endpoint.to_owned(),
             ttl,
+            call_timeout: CALL_TIMEOUT,
             client: Mutex::new(client),
             lease: Mutex::new(None),
         })
+    }
+
+    /// The same client, each of whose calls (a get, a put, a delete, the lease's grant or
+    /// revoke) waits at most `within` for its answer.
+    pub fn with_call_timeout(mut self, within: Duration) -> Self {
+        self.call_timeout = within;
+        self
     }
 
     /// The lease this client's records are bound to, granted (and kept alive) on first use,
@@ -200,7 +283,8 @@ impl EtcdKv {
             return Ok(l.id());
         }
         let mut client = self.client.lock().await.clone();
-        let l = Lease::grant(&mut client, &self.endpoint, self.ttl).await?;
+        let l =
+            Lease::grant_within(&mut client, &self.endpoint, self.ttl, self.call_timeout).await?;
         let id = l.id();
         *held = Some(l);
         Ok(id)
@@ -210,31 +294,33 @@ impl EtcdKv {
     pub async fn put_leased(&self, key: &str, value: Vec<u8>) -> Result<(), MetadataError> {
         let lease = self.lease().await?;
         let mut client = self.client.lock().await.clone();
-        client
-            .put(key, value, Some(PutOptions::new().with_lease(lease)))
-            .await
-            .map_err(|e| MetadataError::call(&self.endpoint, "put", e))?;
+        let options = PutOptions::new().with_lease(lease);
+        self.bounded("put", client.put(key, value, Some(options)))
+            .await?;
         Ok(())
     }
 
     /// The value under `key`, if any.
     pub async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, MetadataError> {
         let mut client = self.client.lock().await.clone();
-        let got = client
-            .get(key, None)
-            .await
-            .map_err(|e| MetadataError::call(&self.endpoint, "get", e))?;
+        let got = self.bounded("get", client.get(key, None)).await?;
         Ok(got.kvs().first().map(|kv| kv.value().to_vec()))
     }
 
     /// Removes `key` (nothing if it is absent).
     pub async fn delete(&self, key: &str) -> Result<(), MetadataError> {
         let mut client = self.client.lock().await.clone();
-        client
-            .delete(key, None)
-            .await
-            .map_err(|e| MetadataError::call(&self.endpoint, "delete", e))?;
+        self.bounded("delete", client.delete(key, None)).await?;
         Ok(())
+    }
+
+    /// `call` bounded by this client's call timeout.
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        call: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, MetadataError> {
+        bounded(&self.endpoint, op, self.call_timeout, call).await
     }
 
     /// Ends the lease: every leased record of this client goes now.
@@ -358,6 +444,86 @@ mod tests {
                 "the record outlived its lease"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A refusing endpoint and a frozen one (a listener that accepts and never answers) fail
+    /// `connect` with the endpoint named, within the bound: the client's lazy channel would
+    /// otherwise hand out a client that finds out at its first call, or never.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_refusing_or_frozen_endpoint_fails_connect_naming_it() {
+        let closed = free_port();
+        let endpoint = format!("127.0.0.1:{closed}");
+        let Err(err) = connect_within(&endpoint, Duration::from_secs(5)).await else {
+            panic!("nothing listens there, yet connect succeeded");
+        };
+        assert!(
+            matches!(&err, MetadataError::Connect { endpoint: e, .. } if *e == endpoint),
+            "{err}"
+        );
+        let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = frozen.local_addr().unwrap().to_string();
+        let bound = Duration::from_millis(300);
+        let got = tokio::time::timeout(Duration::from_secs(30), connect_within(&endpoint, bound))
+            .await
+            .expect("connect_within is bounded");
+        let Err(err) = got else {
+            panic!("the endpoint never answers, yet connect succeeded");
+        };
+        assert!(
+            matches!(&err, MetadataError::Connect { endpoint: e, reason } if *e == endpoint
+                && reason.contains("no answer")),
+            "{err}"
+        );
+        assert!(err.to_string().contains(&endpoint), "{err}");
+    }
+
+    /// A store that stops answering (etcd sent SIGSTOP) fails each call with `Timeout` naming
+    /// the endpoint and the call, within the client's bound; once it answers again, so do the
+    /// calls.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frozen_store_times_calls_out_and_serves_them_once_it_thaws() {
+        let Some(etcd) = start_etcd() else { return };
+        let signal = |sig: &str| {
+            let ok = std::process::Command::new("kill")
+                .args([sig, &etcd.child.id().to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "kill {sig} etcd");
+        };
+        let kv = EtcdKv::connect(&etcd.endpoint, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .with_call_timeout(Duration::from_millis(500));
+        kv.put_leased("/f/a", b"1".to_vec()).await.unwrap();
+        signal("-STOP");
+        let calls = async {
+            let get = kv.get("/f/a").await;
+            let put = kv.put_leased("/f/b", b"2".to_vec()).await;
+            (get, put)
+        };
+        let got = tokio::time::timeout(Duration::from_secs(30), calls).await;
+        signal("-CONT");
+        let (get, put) = got.expect("the calls are bounded");
+        for (r, op) in [(get.map(|_| ()), "get"), (put, "put")] {
+            let err = r.expect_err("etcd is stopped");
+            assert!(
+                matches!(&err, MetadataError::Timeout { endpoint, op: o, .. }
+                    if *endpoint == etcd.endpoint && *o == op),
+                "{err}"
+            );
+        }
+        // Thawed: the calls are answered again (the first may still meet the backlog).
+        let t0 = std::time::Instant::now();
+        loop {
+            match kv.get("/f/a").await {
+                Ok(v) => {
+                    assert_eq!(v.as_deref(), Some(&b"1"[..]));
+                    break;
+                }
+                Err(MetadataError::Timeout { .. }) if t0.elapsed() < Duration::from_secs(20) => {}
+                Err(e) => panic!("after the thaw: {e}"),
+            }
         }
     }
 }

@@ -23,7 +23,12 @@ pub(crate) struct EtcdKv {
 
 #[cfg(feature = "etcd")]
 fn kv_err(py: Python<'_>, e: ferry_metadata::MetadataError) -> PyErr {
-    errors::err(py, Kind::FerryError, e.to_string())
+    // A store that did not answer in time is a `TimeoutError` too, as a transfer's deadline is.
+    let kind = match e {
+        ferry_metadata::MetadataError::Timeout { .. } => Kind::Timeout,
+        _ => Kind::FerryError,
+    };
+    errors::err(py, kind, e.to_string())
 }
 
 #[cfg(feature = "etcd")]
