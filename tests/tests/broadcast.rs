@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdout, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use ferry::DataPlane;
 use ferry_broadcast::{
     Embedded, Manifest, Receiver, ReceiverOptions, Source, SourceOptions, TestHooks,
@@ -573,6 +573,55 @@ mod etcd {
             let number = |id: &str| ms.iter().find(|m| m.id == id).and_then(|m| m.number);
             assert_eq!(number("v1"), Some(0));
             assert_eq!(number("late"), Some(6));
+            Ok(())
+        })
+    }
+
+    /// An etcd that stops answering (SIGSTOP) fails a member's update with a discovery error
+    /// naming the endpoint and the call, within the metadata room's call bound, instead of
+    /// holding the member (and the client's lock) until it thaws; once thawed, updates work.
+    #[test]
+    fn a_frozen_etcd_fails_a_members_update_naming_it_and_serves_it_after_the_thaw() -> Result<()> {
+        let Some(etcd) = start_etcd()? else {
+            return Ok(());
+        };
+        let signal = |sig: &str| -> Result<()> {
+            let ok = std::process::Command::new("kill")
+                .args([sig, &etcd.child.id().to_string()])
+                .status()?
+                .success();
+            ensure!(ok, "kill {sig} etcd");
+            Ok(())
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let d = Etcd::connect(&etcd.url, "frozen", Duration::from_secs(30)).await?;
+            let me = member("m");
+            d.register(&me).await?;
+            signal("-STOP")?;
+            let got = tokio::time::timeout(Duration::from_secs(60), d.update(&me)).await;
+            signal("-CONT")?;
+            let err = got
+                .context("the update was not bounded")?
+                .err()
+                .context("the update succeeded against a stopped etcd")?;
+            let text = err.to_string();
+            let endpoint = etcd.url.trim_start_matches("http://");
+            ensure!(
+                text.contains("put") && text.contains("no answer") && text.contains(endpoint),
+                "{text}"
+            );
+            // Thawed: updates are answered again (the first may still meet the backlog).
+            let t0 = Instant::now();
+            while let Err(e) = d.update(&me).await {
+                ensure!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "after the thaw: {e}"
+                );
+            }
             Ok(())
         })
     }

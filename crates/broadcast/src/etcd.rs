@@ -195,10 +195,9 @@ impl Etcd {
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend)
             .with_limit(i64::try_from(cap).unwrap_or(i64::MAX));
-        let got = client
-            .get(self.prefix.as_str(), Some(first))
-            .await
-            .map_err(err)?;
+        let got = self
+            .bounded("get", client.get(self.prefix.as_str(), Some(first)))
+            .await?;
         let revision = got.header().map_or(0, |h| h.revision());
         {
             let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
@@ -213,17 +212,12 @@ impl Etcd {
                 cache.ignore(more, "past the most members listed", &self.prefix);
             }
         }
-        let mut stream = client
-            .watch(
-                self.prefix.as_str(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(revision + 1),
-                ),
-            )
-            .await
-            .map_err(err)?;
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let mut stream = self
+            .bounded("watch", client.watch(self.prefix.as_str(), Some(options)))
+            .await?;
         let cache = self.cache.clone();
         let task = tokio::spawn(async move {
             while let Ok(Some(resp)) = stream.message().await {
@@ -257,17 +251,24 @@ impl Etcd {
         let mut me = me.clone();
         me.number = *self.number.lock().unwrap_or_else(PoisonError::into_inner);
         let value = serde_json::to_vec(&me).map_err(err)?;
-        self.client
-            .lock()
-            .await
-            .put(
-                format!("{}{}", self.prefix, me.id),
-                value,
-                Some(PutOptions::new().with_lease(lease)),
-            )
-            .await
-            .map_err(err)?;
+        let mut client = self.client.lock().await.clone();
+        let key = format!("{}{}", self.prefix, me.id);
+        let options = PutOptions::new().with_lease(lease);
+        self.bounded("put", client.put(key, value, Some(options)))
+            .await?;
         Ok(())
+    }
+
+    /// The store's call `op`, waiting at most [`ferry_metadata::CALL_TIMEOUT`] for its answer
+    /// (a frozen etcd is a discovery error naming the endpoint and the call, not a caller held).
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        call: impl std::future::Future<Output = Result<T, ferry_metadata::etcd_client::Error>>,
+    ) -> Result<T, BroadcastError> {
+        ferry_metadata::bounded(&self.endpoint, op, ferry_metadata::CALL_TIMEOUT, call)
+            .await
+            .map_err(err)
     }
 }
 
@@ -303,7 +304,7 @@ impl Etcd {
                     me.id.as_str(),
                     Some(PutOptions::new().with_lease(lease)),
                 )]);
-            if client.txn(txn).await.map_err(err)?.succeeded() {
+            if self.bounded("txn", client.txn(txn)).await?.succeeded() {
                 return Ok(k);
             }
             k = k.saturating_add(1);
@@ -381,10 +382,11 @@ impl Discovery for Etcd {
         Box::pin(async move {
             let lease = self.lease.lock().await.take();
             let mut client = self.client.lock().await.clone();
-            client
-                .delete(format!("{}{id}", self.prefix), None)
-                .await
-                .map_err(err)?;
+            self.bounded(
+                "delete",
+                client.delete(format!("{}{id}", self.prefix), None),
+            )
+            .await?;
             if let Some(lease) = lease {
                 let _ = lease.revoke(&mut client, &self.endpoint).await;
             }
