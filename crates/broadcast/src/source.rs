@@ -813,8 +813,12 @@ impl Membership {
         let mut known = std::mem::take(&mut self.known);
         // Those that came off the list: seen finished, or gone unfinished.
         for (m, how) in departed {
-            if m.role != Role::Receiver || listed.contains_key(&m.id) {
-                continue; // back already (a lease renewed between two looks): nothing changed
+            // Listed again with the same version: back already (a lease renewed between two
+            // looks), nothing changed. With another version it is the same engine pulling the
+            // next one (a Python receiver's id is its engine's): this one still ended.
+            let back = listed.get(&m.id).is_some_and(|l| l.version == m.version);
+            if m.role != Role::Receiver || back {
+                continue;
             }
             let before = known.remove(&m.id);
             if before.is_none() {
@@ -1002,5 +1006,35 @@ mod tests {
         w.step(vec![b.clone()], vec![], t0);
         let blip = w.step(vec![b.clone()], vec![(b, Departure::Lapsed)], t0);
         assert!(blip.is_empty(), "{blip:?}");
+    }
+
+    /// One engine pulls version after version under one id (a Python receiver, each bucket),
+    /// and leaves each the moment it is done: its finish of one version and its join of the
+    /// next, seen in the same look, are both said.
+    #[test]
+    fn a_member_that_finishes_one_version_and_joins_the_next_between_two_looks_finished_it() {
+        let t0 = Instant::now();
+        let mut w = Membership::default();
+        let v2 = receiver("a", false, 3).1;
+        assert_eq!(said(&w.step(vec![v2.clone()], vec![], t0)), ["joined a"]);
+        let mut done = v2.clone();
+        done.done = true;
+        let mut v3 = receiver("a", false, 0).1;
+        v3.version = 3;
+        let events = w.step(vec![v3.clone()], vec![(done, Departure::Left)], t0);
+        assert_eq!(said(&events), ["finished a", "joined a"]);
+        let versions: Vec<u64> = events
+            .iter()
+            .map(|e| match e {
+                SourceEvent::Finished { version, .. } | SourceEvent::Joined { version, .. } => {
+                    *version
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(
+            versions.contains(&2) && versions.contains(&3),
+            "{versions:?}"
+        );
     }
 }
