@@ -329,8 +329,20 @@ impl Drop for Receiver {
 /// How long [`Receiver::leave`] waits for discovery to answer.
 const LEAVE_WITHIN: Duration = Duration::from_secs(1);
 
-/// How often [`Receiver::linger`] rereads the member list at most.
-const LINGER_CHECK: Duration = Duration::from_millis(100);
+/// How often [`Receiver::linger`] rereads the member list: every [`LINGER_PER_MEMBER`] per
+/// member listed, within [`LINGER_MIN`] and [`LINGER_MAX`], and at least every heartbeat. The
+/// last receiver to finish is waited on by every other for up to one of these (the caller, a
+/// Python pull, returns only then: every update pays it), while a fleet's rereads come to at most
+/// one list per [`LINGER_PER_MEMBER`] at its source (small fleets), or each member's one per
+/// [`LINGER_MAX`] (large ones).
+fn linger_every(listed: usize, heartbeat: Duration) -> Duration {
+    let per = LINGER_PER_MEMBER.saturating_mul(u32::try_from(listed).unwrap_or(u32::MAX));
+    per.clamp(LINGER_MIN, LINGER_MAX).min(heartbeat)
+}
+
+const LINGER_PER_MEMBER: Duration = Duration::from_millis(2);
+const LINGER_MIN: Duration = Duration::from_millis(10);
+const LINGER_MAX: Duration = Duration::from_millis(100);
 
 impl Receiver {
     /// Tests only: the faults and holds [`run`](Self::run) injects.
@@ -593,11 +605,13 @@ impl Receiver {
 
     /// Keeps serving (and heartbeating) after [`run`](Self::run) while another receiver of
     /// its source epoch and version has not finished, at most `max`; the list is read again
-    /// every 100 ms (or every heartbeat, if shorter). Every unfinished one, not only those
+    /// every 2 ms per member listed, within 10 and 100 ms (or every heartbeat, if shorter),
+    /// and the entry renewed every heartbeat. Every unfinished one, not only those
     /// that joined later: in the striped plan a member may be the parent of one that joined
     /// before it (a leaf of its tree), and a departure hands its children to others.
     pub async fn linger(&mut self, max: Duration) {
         let deadline = Instant::now() + max;
+        let mut next_beat = Instant::now();
         while Instant::now() < deadline {
             let Ok(members) = self.discovery.members().await else {
                 break;
@@ -612,9 +626,12 @@ impl Receiver {
             if !waiting {
                 break;
             }
-            let _ = self.discovery.update(&self.member).await;
+            if Instant::now() >= next_beat {
+                let _ = self.discovery.update(&self.member).await;
+                next_beat = Instant::now() + self.opts.heartbeat;
+            }
             // Checked more often than the heartbeat: the caller waits on this to return.
-            tokio::time::sleep(self.opts.heartbeat.min(LINGER_CHECK)).await;
+            tokio::time::sleep(linger_every(members.len(), self.opts.heartbeat)).await;
         }
     }
 
@@ -696,4 +713,23 @@ pub(crate) fn recover_dir(dir: &Path) -> Result<(), BroadcastError> {
             e,
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small fleet's lingering members reread the list every 10 ms (the last to finish is
+    /// not waited on for 100 ms), a large one's every 100 ms (its source is not asked more
+    /// than before), and never less often than the heartbeat.
+    #[test]
+    fn lingering_members_reread_the_list_as_often_as_the_fleet_allows() {
+        let beat = Duration::from_millis(500);
+        let ms = Duration::from_millis;
+        assert_eq!(linger_every(5, beat), ms(10));
+        assert_eq!(linger_every(20, beat), ms(40));
+        assert_eq!(linger_every(4096, beat), ms(100));
+        assert_eq!(linger_every(usize::MAX, beat), ms(100));
+        assert_eq!(linger_every(5, ms(5)), ms(5));
+    }
 }
