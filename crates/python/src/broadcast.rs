@@ -417,6 +417,8 @@ impl Puller {
         d.set_item("from_relays", sum.bytes_from_relays)?;
         d.set_item("refetched", sum.refetched_chunks)?;
         d.set_item("parents_given_up", sum.parents_given_up)?;
+        d.set_item("holders_stalled", sum.holders_stalled)?;
+        d.set_item("holders_left", sum.holders_left)?;
         d.set_item("bytes_copied", sum.bytes_copied)?;
         Ok(d)
     }

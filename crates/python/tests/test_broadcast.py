@@ -76,6 +76,9 @@ def test_numpy_in_place_relayed_then_the_next_version(np):
             assert s.version == 1 and s.refetched == 0
             assert s.bytes == sum(v.nbytes for v in w1.values())
             assert s.from_source + s.from_relays >= s.bytes
+            # The native summary's give-up counters reach Python (whatever their values).
+            for k in ("parents_given_up", "holders_stalled", "holders_left"):
+                assert isinstance(getattr(s, k), int) and getattr(s, k) >= 0, (k, s)
             # Copied out once to be hashed as it lands; checked at rest where it lies.
             assert s.copies_per_byte == 1.0 + AT_REST
         assert sum(s.from_relays for s in sums) > 0, "receivers relay to each other"

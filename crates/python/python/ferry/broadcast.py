@@ -345,8 +345,10 @@ class Publisher:
 @dataclass
 class PullSummary:
     """What a pull did. ``bytes`` is the payload, ``from_source``/``from_relays`` the bytes
-    received from each, ``refetched`` the chunks fetched again after a checksum mismatch. In
-    staged mode ``commit()`` copies the staging into the live tensors (until then they are
+    received from each, ``refetched`` the chunks fetched again after a checksum mismatch;
+    ``parents_given_up`` the relay parents left for another, ``holders_stalled`` the holders
+    given up for advertising nothing new in time, ``holders_left`` those given up because they
+    left (each pulled from elsewhere). In staged mode ``commit()`` copies the staging into the live tensors (until then they are
     untouched) and returns the seconds it took."""
 
     version: int
@@ -355,6 +357,9 @@ class PullSummary:
     from_source: int
     from_relays: int
     refetched: int
+    parents_given_up: int = 0
+    holders_stalled: int = 0
+    holders_left: int = 0
     mode: str = "in_place"
     bytes_copied: int = 0
     committed: bool = False
@@ -507,6 +512,9 @@ def pull(
         from_source=s["from_source"],
         from_relays=s["from_relays"],
         refetched=s["refetched"],
+        parents_given_up=s["parents_given_up"],
+        holders_stalled=s["holders_stalled"],
+        holders_left=s["holders_left"],
         mode=mode,
         bytes_copied=s["bytes_copied"],
         _native=native,
