@@ -76,7 +76,8 @@ pub const COMPAT_CHUNK: usize = 4 << 20;
 
 /// Loads `len` bytes of the file at `path` from `file_offset` into `dst` at `offset`: with cuFile
 /// when `libcufile.so.0` (or `FERRY_LIBCUFILE`) loads and registers the file, otherwise by the
-/// compatibility path. `gds: false` skips cuFile. Blocking.
+/// compatibility path. `gds: false` skips cuFile, as does a CUDA driver loaded from another
+/// library than `libcuda.so.1` (`FERRY_LIBCUDA`; see [`driver_mismatch`]). Blocking.
 pub fn read_file_into(
     dst: &DeviceMemory,
     offset: u64,
@@ -107,6 +108,21 @@ pub fn read_file_into(
     })
 }
 
+/// Why cuFile cannot run beside the CUDA driver this process loaded from `cuda_library`, if it
+/// cannot: cuFile opens the driver itself, by the name `libcuda.so.1`, so it can only work with
+/// the driver of that name. With another (a build pointed elsewhere by `FERRY_LIBCUDA`, such as
+/// the tests' fake driver) its `cuFileDriverOpen` finds no driver, and NVIDIA's libcufile then
+/// spins in it for ever rather than failing; so it is not called.
+pub fn driver_mismatch(cuda_library: &std::ffi::OsStr) -> Option<String> {
+    (cuda_library != std::ffi::OsStr::new(crate::LIBCUDA)).then(|| {
+        format!(
+            "cuFile uses the CUDA driver {}, but this process's is {} (FERRY_LIBCUDA)",
+            crate::LIBCUDA,
+            cuda_library.to_string_lossy()
+        )
+    })
+}
+
 /// cuFile; `Err` carries why it could not run (the caller takes the compatibility path before
 /// any byte moved, and says so). A failure after cuFile started is also reported this way: the
 /// compatibility path then rewrites the whole range.
@@ -117,6 +133,9 @@ fn read_gds(
     file_offset: u64,
     len: u64,
 ) -> Result<u64, String> {
+    if let Some(why) = driver_mismatch(&crate::library_name("FERRY_LIBCUDA", crate::LIBCUDA)) {
+        return Err(why);
+    }
     let name = crate::library_name("FERRY_LIBCUFILE", crate::LIBCUFILE);
     let lib = crate::open(&name).map_err(|e| e.to_string())?;
     // SAFETY: the aliases are the signatures in cufile.h; the pointers are used while `lib` lives.
@@ -261,4 +280,22 @@ fn read_compat(
         });
         read_result.and(copied).map(|_| len)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// cuFile is tried only beside the driver it loads itself: a process whose driver came from
+    /// elsewhere (the tests' fake, any `FERRY_LIBCUDA`) takes the compatibility path, saying why.
+    #[test]
+    fn cufile_runs_only_beside_the_driver_it_loads_itself() {
+        assert_eq!(driver_mismatch(std::ffi::OsStr::new("libcuda.so.1")), None);
+        let why = driver_mismatch(std::ffi::OsStr::new("/tmp/fake/libcuda.so.1"))
+            .expect("another driver library is a mismatch");
+        assert!(
+            why.contains("/tmp/fake/libcuda.so.1") && why.contains("FERRY_LIBCUDA"),
+            "{why}"
+        );
+    }
 }
