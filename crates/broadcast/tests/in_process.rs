@@ -12,6 +12,9 @@ use ferry_broadcast::{
     SourceOptions, TestHooks,
 };
 
+mod common;
+use common::logs;
+
 fn payload(len: usize, seed: u32) -> Vec<u8> {
     (0..len)
         .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
@@ -26,13 +29,6 @@ fn files(dir: &std::path::Path) -> (Vec<PathBuf>, Vec<Vec<u8>>) {
     std::fs::write(&pa, &a).unwrap();
     std::fs::write(&pb, &b).unwrap();
     (vec![pa, pb], vec![a, b])
-}
-
-fn logs() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
 }
 
 fn opts() -> ReceiverOptions {

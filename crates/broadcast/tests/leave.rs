@@ -14,25 +14,13 @@ use ferry_broadcast::{
 };
 use tokio::sync::Notify;
 
+mod common;
+use common::{engine, logs};
+
 const LEN: usize = 1 << 20;
 const CHUNK: u64 = 64 << 10;
 const RECEIVERS: usize = 4;
 const VERSIONS: u64 = 6;
-
-fn logs() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-fn engine() -> TransferEngine {
-    TransferEngine::builder()
-        .data_plane(DataPlane::Tcp)
-        .listen("127.0.0.1:0".parse().unwrap())
-        .build()
-        .unwrap()
-}
 
 fn payload(version: u64) -> Vec<u8> {
     (0..LEN)

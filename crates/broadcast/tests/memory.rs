@@ -15,22 +15,10 @@ use ferry_broadcast::{
 };
 use tokio::sync::Notify;
 
+mod common;
+use common::{engine, logs};
+
 const CHUNK: u64 = 4096;
-
-fn logs() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-fn engine() -> TransferEngine {
-    TransferEngine::builder()
-        .data_plane(DataPlane::Tcp)
-        .listen("127.0.0.1:0".parse().unwrap())
-        .build()
-        .unwrap()
-}
 
 fn payload(len: usize, seed: u32) -> Vec<u8> {
     (0..len)

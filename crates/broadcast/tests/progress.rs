@@ -5,20 +5,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry::{Access, DataPlane, MemoryRegion, TransferEngine};
+use ferry::{Access, DataPlane, MemoryRegion};
 use ferry_broadcast::{
     Destinations, Embedded, Receiver, ReceiverOptions, Slice, Source, SourceOptions, Tensor,
 };
 
-const LEN: usize = 40_000;
+mod common;
+use common::engine;
 
-fn engine() -> TransferEngine {
-    TransferEngine::builder()
-        .data_plane(DataPlane::Tcp)
-        .listen("127.0.0.1:0".parse().unwrap())
-        .build()
-        .unwrap()
-}
+const LEN: usize = 40_000;
 
 fn series(text: &str, name: &str, labels: &str) -> Option<u64> {
     let head = format!("{name}{{{labels}}} ");
