@@ -50,6 +50,7 @@ __all__ = [
     "__version__",
     "_join",
     "_panic_for_tests",
+    "_runtime_tasks_for_tests",
     "_publish",
     "doctor",
     "metrics_endpoints",
@@ -432,6 +433,8 @@ class Request:
     def drained(self) -> Future[Outcome]:
         """An asyncio future of the drained outcome."""
     def done(self) -> bool: ...
+    def _plant_panic_for_tests(self) -> bool:
+        """Test hook, not part of the API: the request's next poll panics (the watch is lost)."""
     @property
     def after_error(self) -> str | None:
         """Why the notification sent once the request completed failed (None if it did not)."""
@@ -619,3 +622,5 @@ def _join(
     kinds: dict[str, tuple[str | None, list[int] | None]] | None = None,
 ) -> _Puller: ...
 def _panic_for_tests(under: str) -> None: ...
+def _runtime_tasks_for_tests() -> int:
+    """Test hook, not part of the API: how many tasks of the shared runtime are alive now."""
