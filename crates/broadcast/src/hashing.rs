@@ -6,9 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::collections::HashSet;
 
 use crate::layout::{Slice, Tensor};
-use crate::manifest::{
-    CHUNK_SIZE_RANGE, Chunk, Digest, Entry, Manifest, ManifestError, Segment, invalid,
-};
+use crate::manifest::{Chunk, Digest, Entry, Manifest, ManifestError, Segment, invalid};
 
 /// BLAKE3 of `pieces` (`(slice, offset in it, length)`) in order, adding the bytes of host
 /// memory the CPU copied out to hash them to `copied`.
@@ -132,20 +130,7 @@ impl Manifest {
         tensors: &[Tensor],
         chunk_size: u64,
     ) -> Result<Self, ManifestError> {
-        let mut m = Manifest {
-            name: name.to_owned(),
-            version,
-            chunk_size,
-            segments: Vec::new(),
-            entries: Vec::new(),
-            chunks: Vec::new(),
-        };
-        let (lo, hi) = CHUNK_SIZE_RANGE;
-        if !(lo..=hi).contains(&chunk_size) {
-            return Err(invalid(format!(
-                "chunk size {chunk_size} outside {lo}..={hi}"
-            )));
-        }
+        let mut m = Manifest::empty(name, version, chunk_size)?;
         let mut wholes: Vec<Slice> = Vec::new();
         let mut seen = HashSet::new();
         for t in tensors {

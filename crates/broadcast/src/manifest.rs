@@ -227,6 +227,25 @@ pub fn is_plain_file_name(name: &str) -> bool {
 }
 
 impl Manifest {
+    /// A manifest with nothing in it yet, its chunk size checked against
+    /// [`CHUNK_SIZE_RANGE`] first (a zero chunk size would cut forever).
+    pub(crate) fn empty(name: &str, version: u64, chunk_size: u64) -> Result<Self, ManifestError> {
+        let (lo, hi) = CHUNK_SIZE_RANGE;
+        if !(lo..=hi).contains(&chunk_size) {
+            return Err(invalid(format!(
+                "chunk size {chunk_size} outside {lo}..={hi}"
+            )));
+        }
+        Ok(Manifest {
+            name: name.to_owned(),
+            version,
+            chunk_size,
+            segments: Vec::new(),
+            entries: Vec::new(),
+            chunks: Vec::new(),
+        })
+    }
+
     /// Parses and validates a manifest (see [`validate`](Self::validate)).
     pub fn from_json(bytes: &[u8]) -> Result<Self, ManifestError> {
         if bytes.len() > MAX_MANIFEST_BYTES {
@@ -370,21 +389,7 @@ impl Manifest {
         files: &[PathBuf],
         chunk_size: u64,
     ) -> Result<Self, ManifestError> {
-        // Checked before cutting: a zero chunk size would cut forever.
-        let (lo, hi) = CHUNK_SIZE_RANGE;
-        if !(lo..=hi).contains(&chunk_size) {
-            return Err(invalid(format!(
-                "chunk size {chunk_size} outside {lo}..={hi}"
-            )));
-        }
-        let mut m = Manifest {
-            name: name.to_owned(),
-            version,
-            chunk_size,
-            segments: Vec::new(),
-            entries: Vec::new(),
-            chunks: Vec::new(),
-        };
+        let mut m = Manifest::empty(name, version, chunk_size)?;
         for (si, path) in files.iter().enumerate() {
             let seg_name = path
                 .file_name()

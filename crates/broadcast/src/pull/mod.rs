@@ -135,6 +135,18 @@ pub(crate) enum Event {
     AtRest { bad: Vec<usize> },
 }
 
+impl Event {
+    /// The holder a poller's report is about (`Progress`, `PollFailed`, `Left`).
+    fn holder(&self) -> Option<&str> {
+        match self {
+            Event::Progress { id, .. } | Event::PollFailed { id, .. } | Event::Left { id, .. } => {
+                Some(id)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// What the pull asks of the driver.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Command {
@@ -486,6 +498,12 @@ impl Pull {
     /// Takes event `ev`, which happened at `now`. Errs when the pull cannot go on.
     pub(crate) fn handle(&mut self, now: Instant, ev: Event) -> Result<(), BroadcastError> {
         self.dirty = true;
+        // What a holder's poller reports before its attachment's end came in is kept, and
+        // taken in at `Event::Attached`.
+        if ev.holder().is_some_and(|id| self.is_attaching(id)) {
+            self.early.push(ev);
+            return Ok(());
+        }
         match ev {
             Event::Fetched {
                 chunk,
@@ -514,19 +532,6 @@ impl Pull {
                 count,
                 stripes,
             } => {
-                if self.is_attaching(&id) {
-                    // Its poller answered before the attachment's end came in.
-                    self.early.push(Event::Progress {
-                        id,
-                        source_epoch,
-                        prefix,
-                        done,
-                        version,
-                        count,
-                        stripes,
-                    });
-                    return Ok(());
-                }
                 let Some(p) = self.holders.get_mut(&id) else {
                     return Ok(());
                 };
@@ -542,16 +547,10 @@ impl Pull {
                     p.update(prefix, count, stripes, done, now);
                 }
             }
-            Event::PollFailed { id, reason } if self.is_attaching(&id) => {
-                self.early.push(Event::PollFailed { id, reason });
-            }
             Event::PollFailed { id, reason } => {
                 if self.is_relay(&id) {
                     self.give_up(&id, GiveUp::PollFailed(reason));
                 }
-            }
-            Event::Left { id, reason } if self.is_attaching(&id) => {
-                self.early.push(Event::Left { id, reason });
             }
             Event::Left { id, reason } => {
                 if self.is_relay(&id) {
