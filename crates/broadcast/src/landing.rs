@@ -257,3 +257,13 @@ pub(crate) fn recover(dir: &Path) -> std::io::Result<(usize, usize)> {
     }
     Ok((renamed, removed))
 }
+
+/// Finishes what killed pulls left in `dir` ([`recover`]), as the broadcast's error.
+pub(crate) fn recover_dir(dir: &Path) -> Result<(), BroadcastError> {
+    recover(dir).map(|_| ()).map_err(|e| {
+        BroadcastError::io(
+            format!("recovering {} from a killed pull", dir.display()),
+            e,
+        )
+    })
+}

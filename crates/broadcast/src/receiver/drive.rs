@@ -9,16 +9,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::control::Progress;
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
-use crate::landing::crc_of_file;
 use crate::plan::{Have, Member};
 use crate::pull::{Command, Config as PullConfig, Event, Outcome, Pull};
 
 use super::link::{Attacher, Fetched, Link};
 use super::{Receiver, Summary, unix_now};
-use crate::hashing::crc_of;
 
 /// Waits for `n` to be notified (never, if `None`).
 async fn notified(n: &Option<Arc<tokio::sync::Notify>>) {
@@ -172,7 +169,7 @@ impl Receiver {
             && !self.member.done
             && t.elapsed() >= Duration::from_secs(1)
         {
-            let bytes = self.snapshot_tx.borrow().bytes;
+            let bytes = self.advert.verified_bytes();
             self.member.rate = (bytes as f64 / t.elapsed().as_secs_f64()) as u64;
         }
         self.member.done = have.is_done();
@@ -182,7 +179,9 @@ impl Receiver {
     /// Renews this member's entry now (the pull's end: its last progress, done).
     pub(super) async fn heartbeat_now(&self) -> Result<(), BroadcastError> {
         match self.discovery.update(&self.member).await {
-            Ok(Some(found)) if found != self.source_epoch => Err(self.restarted(found)),
+            Ok(Some(found)) if found != self.origin.epoch => {
+                Err(self.origin.restarted(&self.manifest.name, found))
+            }
             Ok(_) => Ok(()),
             Err(e) => {
                 tracing::debug!(error = %e, "heartbeat failed");
@@ -191,17 +190,8 @@ impl Receiver {
         }
     }
 
-    /// The error of a source found at epoch `found`.
-    pub(super) fn restarted(&self, found: u64) -> BroadcastError {
-        BroadcastError::SourceRestarted {
-            name: self.manifest.name.clone(),
-            had: self.source_epoch,
-            found,
-        }
-    }
-
-    /// Updates the snapshot, then what the control service advertises (in that order: an
-    /// advertised prefix is never ahead of the snapshot's verified chunks).
+    /// Updates the snapshot, reports the pull to the engine, then updates what the control
+    /// service advertises ([`Advert`](super::Advert): in that order).
     pub(super) fn publish(
         &self,
         have: &Have,
@@ -211,14 +201,12 @@ impl Receiver {
         parent: &str,
         stalled: Option<(String, Duration)>,
     ) {
-        self.snapshot_tx.send_modify(|s| {
+        self.advert.snapshot(have, |s| {
             s.bytes = bytes;
-            s.chunks = have.count();
             s.refetched = refetched;
             s.peers = peers;
             s.parent = parent.to_owned();
             s.stalled = stalled;
-            s.done = have.is_done();
         });
         self.engine.report_broadcast(ferry::BroadcastDescription {
             role: "receiver".into(),
@@ -230,12 +218,7 @@ impl Receiver {
             peers: peers as u64,
             done: have.is_done(),
         });
-        let _ = self.progress_tx.send(Progress {
-            prefix: have.prefix(),
-            done: have.is_done(),
-            count: have.count(),
-            stripes: have.stripe_prefixes().to_vec(),
-        });
+        self.advert.advertise(have);
     }
 
     /// The pull's settings, as its decisions ([`Pull`]) take them.
@@ -243,7 +226,7 @@ impl Receiver {
         PullConfig {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
-            source_epoch: self.source_epoch,
+            source_epoch: self.origin.epoch,
             me: self.member.id.clone(),
             chunk_lens: self.manifest.chunks.iter().map(|c| c.len).collect(),
             stripes: if self.opts.relay {
@@ -270,7 +253,7 @@ impl Receiver {
         // manifest) leaves the source found then: it is attached, and given up if it stalls.
         let members = match self.discovery.members().await {
             Ok(m) if !m.is_empty() => m,
-            _ => vec![self.source.clone()],
+            _ => vec![self.origin.listed.clone()],
         };
         let mut pull = Pull::new(self.pull_config(), members, Instant::now());
         // Discovery runs beside the pull: a backend that stops answering (a stopped source
@@ -370,7 +353,7 @@ impl Receiver {
         let mut sum = Summary {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
-            source_epoch: self.source_epoch,
+            source_epoch: self.origin.epoch,
             bytes: self.manifest.total_bytes(),
             chunks: self.manifest.chunks.len() as u64,
             refetched_chunks: t.refetched,
@@ -388,7 +371,7 @@ impl Receiver {
         sum.seconds = started.elapsed().as_secs_f64();
         self.timeline.done = Some(unix_now());
         sum.timeline = self.timeline.clone();
-        sum.bytes_copied = self.copied.load(Ordering::Relaxed);
+        sum.bytes_copied = self.payload.copied.load(Ordering::Relaxed);
         sum.gb_per_s = sum.bytes as f64 / sum.seconds.max(1e-9) / 1e9;
         self.publish(
             pull.have(),
@@ -412,6 +395,7 @@ impl Receiver {
         if let Some(e) = f.write_failed {
             let c = self.manifest.chunks[f.chunk];
             let file = self
+                .payload
                 .files
                 .as_ref()
                 .map(|l| l.segs[c.segment as usize].tmp.display().to_string());
@@ -436,7 +420,8 @@ impl Receiver {
     /// Tests only ([`TestHooks::corrupt_after_verify`](super::TestHooks::corrupt_after_verify)): flips one byte of verified chunk `i`
     /// where it lies (a relay that corrupts what it serves).
     pub(super) fn corrupt(&self, i: usize) {
-        if let Some((slice, at, _)) = self.local_pieces(i).first() {
+        let pieces = self.payload.pieces(&self.manifest.chunks[i]);
+        if let Some((slice, at, _)) = pieces.first() {
             let mut b = [0u8; 1];
             let _ = slice.read(*at, &mut b);
             let _ = slice.write(*at, &[b[0] ^ 0xff]);
@@ -495,7 +480,7 @@ impl Receiver {
                     d.links.remove(&id);
                 }
                 Command::CheckAtRest => {
-                    let bad = self.check_at_rest();
+                    let bad = self.payload.check_at_rest(&self.manifest.chunks);
                     pull.handle(Instant::now(), Event::AtRest { bad })?;
                 }
                 Command::Heartbeat => self.beat(pull.have(), d.first_request, &d.me_tx),
@@ -510,28 +495,5 @@ impl Receiver {
             }
         }
         Ok(false)
-    }
-
-    /// The chunks whose CRC-32C at rest is not the manifest's.
-    pub(super) fn check_at_rest(&self) -> Vec<usize> {
-        let mut buf = Vec::new();
-        let mut bad = Vec::new();
-        for (i, c) in self.manifest.chunks.iter().enumerate() {
-            let crc = match &self.files {
-                None => crc_of(&self.local_pieces(i), &self.copied).ok(),
-                Some(l) => crc_of_file(
-                    &l.segs[c.segment as usize].file,
-                    c.offset,
-                    c.len,
-                    &mut buf,
-                    &self.copied,
-                )
-                .ok(),
-            };
-            if crc != Some(c.crc32c) {
-                bad.push(i);
-            }
-        }
-        bad
     }
 }

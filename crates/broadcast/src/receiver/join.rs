@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ferry::{Access, DataPlane, MemoryRegion, Registration, TransferEngine};
@@ -15,12 +15,13 @@ use tokio::sync::watch;
 use crate::control::{self, CtlClient, CtlState, Progress, Reply, Request};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
-use crate::landing::{Landing, LandingFile, partial_name, room_for};
+use crate::landing::{Landing, LandingFile, partial_name, recover_dir, room_for};
 use crate::layout::{self, LocalExtents, Slice};
 use crate::manifest::{MAX_TOTAL_BYTES, Manifest};
 use crate::plan::{Member, Role};
 
-use super::{Receiver, ReceiverOptions, Snapshot, TestHooks, Timeline, unix_now};
+use super::payload::Payload;
+use super::{Advert, Origin, Receiver, ReceiverOptions, Snapshot, TestHooks, Timeline, unix_now};
 use crate::destinations::{Destinations, match_tensors};
 
 pub(super) fn control_err(addr: &str, reason: impl Into<String>) -> BroadcastError {
@@ -39,9 +40,16 @@ pub(super) fn reachable(addr: &str, ip: IpAddr) -> String {
     }
 }
 
-/// What a source answered a joining receiver: the manifest, the source epoch, the source's IP,
-/// this end's IP and the source's record.
-type Answered = (Manifest, u64, IpAddr, IpAddr, Member);
+/// What a source answered a joining receiver.
+struct Answered {
+    manifest: Manifest,
+    /// The source that answered.
+    origin: Origin,
+    /// This end's IP on the connection to the source.
+    local_ip: IpAddr,
+    /// When the join started and the manifest was checked.
+    timeline: Timeline,
+}
 
 /// Finds the source of `name` through `discovery` and fetches the manifest of `version`
 /// (`None`: the newest). Every source record listed is tried in turn until one answers as
@@ -52,6 +60,7 @@ async fn manifest_from_source(
     wanted: Option<&str>,
     opts: &ReceiverOptions,
 ) -> Result<Answered, BroadcastError> {
+    let join_start = unix_now();
     crate::discovery::require_bound(
         discovery.listing(),
         &discovery.describe(),
@@ -62,7 +71,19 @@ async fn manifest_from_source(
     let mut refused = None;
     for source in listed.iter().filter(|m| m.role == Role::Source) {
         match manifest_from(source, &listed, wanted, opts).await {
-            Ok(answered) => return Ok(answered),
+            Ok((manifest, origin, local_ip)) => {
+                let timeline = Timeline {
+                    join_start: Some(join_start),
+                    manifest: Some(unix_now()),
+                    ..Default::default()
+                };
+                return Ok(Answered {
+                    manifest,
+                    origin,
+                    local_ip,
+                    timeline,
+                });
+            }
             Err(e) => {
                 tracing::warn!(source = %source.ctl_addr, error = %e,
                     "a listed source did not answer as asked; trying the next");
@@ -78,13 +99,13 @@ async fn manifest_from_source(
 
 /// Fetches the manifest from the source `source` names (one record of `listed`) and checks it
 /// answers as asked: its incarnation listed, the expected digest, a size within the limit, the
-/// name and version wanted.
+/// name and version wanted. Returns the manifest, the source, and this end's IP.
 async fn manifest_from(
     source: &Member,
     listed: &[Member],
     wanted: Option<&str>,
     opts: &ReceiverOptions,
-) -> Result<Answered, BroadcastError> {
+) -> Result<(Manifest, Origin, IpAddr), BroadcastError> {
     let version = opts.version;
     let name = wanted.unwrap_or("(any)");
     let timeout = Duration::from_secs(5);
@@ -142,13 +163,12 @@ async fn manifest_from(
             ),
         ));
     }
-    Ok((
-        manifest,
-        source_epoch,
-        source_ip,
-        ctl.local_addr().ip(),
-        source,
-    ))
+    let origin = Origin {
+        epoch: source_epoch,
+        ip: source_ip,
+        listed: source,
+    };
+    Ok((manifest, origin, ctl.local_addr().ip()))
 }
 
 /// Registration names of scratch buffers are unique within the process.
@@ -176,6 +196,23 @@ fn alloc_for(
     Ok(engine.register(lazily_zeroed(n, name)?, access, name)?)
 }
 
+/// A buffer of `len` bytes of this receiver's own for `manifest`'s pull (`what`: `scratch`,
+/// `landing`), registered with `access` on `engine` under a name no other in the process has
+/// (`NAME.vVERSION.WHAT.K`), and the slice of all of it.
+fn own_buffer(
+    engine: &TransferEngine,
+    manifest: &Manifest,
+    what: &str,
+    len: u64,
+    access: Access,
+) -> Result<(Registration, Slice), BroadcastError> {
+    let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
+    let reg_name = format!("{}.v{}.{what}.{k}", manifest.name, manifest.version);
+    let reg = alloc_for(engine, len, &reg_name, access)?;
+    let whole = Slice::whole(&reg, &reg_name);
+    Ok((reg, whole))
+}
+
 /// `n` zeroed bytes the kernel zeroes page by page as they are first written (`calloc`: fresh
 /// pages, small ones), not up front: the pull's receives fault them in as the chunks land, so
 /// no pass over the whole payload (and no compaction for huge pages) comes before joining.
@@ -199,21 +236,30 @@ fn lazily_zeroed(n: usize, name: &str) -> Result<MemoryRegion, BroadcastError> {
     Ok(MemoryRegion::from_vec(vec![0u8; n]))
 }
 
+/// An engine of the receiver's own ([`Receiver::join`], [`Receiver::join_to_dir`]): on
+/// [`ReceiverOptions::data_plane`] alone, or with the same-host plane for `Auto`, listening on
+/// `ip` (any free port), keyed with [`ReceiverOptions::keys`] when given.
+fn own_engine(opts: &ReceiverOptions, ip: IpAddr) -> Result<TransferEngine, BroadcastError> {
+    let mut builder = TransferEngine::builder()
+        .data_plane(opts.data_plane)
+        // An explicit network plane is used alone; `Auto` adds the same-host plane.
+        .same_host(opts.data_plane == DataPlane::Auto)
+        .listen(SocketAddr::new(ip, 0));
+    if let Some(k) = &opts.keys {
+        builder = builder.auth_keyring(k.clone());
+    }
+    Ok(builder.build()?)
+}
+
 /// What joining sets up, before the control service starts.
 struct Joined {
     engine: TransferEngine,
     owns_engine: bool,
-    manifest: Manifest,
-    source_epoch: u64,
-    source_ip: IpAddr,
+    /// The manifest, its source, and the timeline so far.
+    answered: Answered,
+    /// The IP its control service listens on.
     ip: IpAddr,
-    layout: Vec<LocalExtents>,
-    own: Vec<Registration>,
-    staged: Option<Vec<(String, Slice, Slice)>>,
-    tensors: Vec<String>,
-    timeline: Timeline,
-    files: Option<Landing>,
-    source: Member,
+    payload: Payload,
 }
 
 impl Receiver {
@@ -226,24 +272,10 @@ impl Receiver {
         name: Option<&str>,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
-        let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip, source) =
-            manifest_from_source(&discovery, name, &opts).await?;
-        let timeline = Timeline {
-            join_start: Some(join_start),
-            manifest: Some(unix_now()),
-            ..Default::default()
-        };
-        let ip = opts.listen_ip.unwrap_or(local_ip);
-        let mut builder = TransferEngine::builder()
-            .data_plane(opts.data_plane)
-            // An explicit network plane is used alone; `Auto` adds the same-host plane.
-            .same_host(opts.data_plane == DataPlane::Auto)
-            .listen(SocketAddr::new(ip, 0));
-        if let Some(k) = &opts.keys {
-            builder = builder.auth_keyring(k.clone());
-        }
-        let engine = builder.build()?;
+        let answered = manifest_from_source(&discovery, name, &opts).await?;
+        let manifest = &answered.manifest;
+        let ip = opts.listen_ip.unwrap_or(answered.local_ip);
+        let engine = own_engine(&opts, ip)?;
         let mut own = Vec::with_capacity(manifest.segments.len());
         let mut layout = Vec::with_capacity(manifest.segments.len());
         for seg in &manifest.segments {
@@ -258,17 +290,9 @@ impl Receiver {
         let j = Joined {
             engine,
             owns_engine: true,
-            manifest,
-            source_epoch,
-            source_ip,
+            answered,
             ip,
-            layout,
-            own,
-            staged: None,
-            tensors: Vec::new(),
-            timeline,
-            files: None,
-            source,
+            payload: Payload::new(layout, own, None, Vec::new(), None),
         };
         Self::start(j, discovery, opts).await
     }
@@ -289,28 +313,14 @@ impl Receiver {
         dir: &Path,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
-        let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip, source) =
-            manifest_from_source(&discovery, name, &opts).await?;
-        let timeline = Timeline {
-            join_start: Some(join_start),
-            manifest: Some(unix_now()),
-            ..Default::default()
-        };
+        let answered = manifest_from_source(&discovery, name, &opts).await?;
+        let manifest = &answered.manifest;
         // A pull killed in this directory before: its commit finished, its hidden files gone
         // (they would count against the room, and nothing else removes them).
-        super::recover_dir(dir)?;
+        recover_dir(dir)?;
         room_for(dir, manifest.total_bytes())?;
-        let ip = opts.listen_ip.unwrap_or(local_ip);
-        let mut builder = TransferEngine::builder()
-            .data_plane(opts.data_plane)
-            // An explicit network plane is used alone; `Auto` adds the same-host plane.
-            .same_host(opts.data_plane == DataPlane::Auto)
-            .listen(SocketAddr::new(ip, 0));
-        if let Some(k) = &opts.keys {
-            builder = builder.auth_keyring(k.clone());
-        }
-        let engine = builder.build()?;
+        let ip = opts.listen_ip.unwrap_or(answered.local_ip);
+        let engine = own_engine(&opts, ip)?;
         let mut landing = Landing {
             dir: dir.to_owned(),
             segs: Vec::with_capacity(manifest.segments.len()),
@@ -347,10 +357,8 @@ impl Receiver {
         let slots = opts.window.max(1) as u64;
         let mut own = Vec::new();
         if chunk > 0 {
-            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
-            let reg_name = format!("{}.v{}.landing.{k}", manifest.name, manifest.version);
-            let reg = alloc_for(&engine, slots * chunk, &reg_name, Access::LOCAL)?;
-            let whole = Slice::whole(&reg, &reg_name);
+            let (reg, whole) =
+                own_buffer(&engine, manifest, "landing", slots * chunk, Access::LOCAL)?;
             landing.slots = (0..slots).map(|i| whole.sub(i * chunk, chunk)).collect();
             *landing
                 .free
@@ -363,17 +371,9 @@ impl Receiver {
         let j = Joined {
             engine,
             owns_engine: true,
-            manifest,
-            source_epoch,
-            source_ip,
+            answered,
             ip,
-            layout,
-            own,
-            staged: None,
-            tensors: Vec::new(),
-            timeline,
-            files: Some(landing),
-            source,
+            payload: Payload::new(layout, own, None, Vec::new(), Some(landing)),
         };
         Self::start(j, discovery, opts).await
     }
@@ -398,15 +398,9 @@ impl Receiver {
         dests: Destinations,
         opts: ReceiverOptions,
     ) -> Result<Self, BroadcastError> {
-        let join_start = unix_now();
-        let (manifest, source_epoch, source_ip, local_ip, source) =
-            manifest_from_source(&discovery, name, &opts).await?;
-        let timeline = Timeline {
-            join_start: Some(join_start),
-            manifest: Some(unix_now()),
-            ..Default::default()
-        };
-        let matched = match_tensors(&manifest, &dests)?;
+        let answered = manifest_from_source(&discovery, name, &opts).await?;
+        let manifest = &answered.manifest;
+        let matched = match_tensors(manifest, &dests)?;
         // Where each tensor of `into` lands: itself, or its staging (matched by name above).
         let target: Vec<Slice> = match &dests.staging {
             None => dests.into.iter().map(|(_, s)| s.clone()).collect(),
@@ -442,13 +436,11 @@ impl Receiver {
                 });
             }
         }
-        let (gap_total, gaps) = layout::gaps(&manifest, &taken);
+        let (gap_total, gaps) = layout::gaps(manifest, &taken);
         let mut own = Vec::new();
         let scratch = if gap_total > 0 {
-            let k = SCRATCH.fetch_add(1, Ordering::Relaxed);
-            let reg_name = format!("{}.v{}.scratch.{k}", manifest.name, manifest.version);
-            let reg = alloc(engine, gap_total, &reg_name)?;
-            let whole = Slice::whole(&reg, &reg_name);
+            let (reg, whole) =
+                own_buffer(engine, manifest, "scratch", gap_total, Access::REMOTE_READ)?;
             own.push(reg);
             Some(whole)
         } else {
@@ -482,22 +474,14 @@ impl Receiver {
         });
         let ip = match engine.local_addr() {
             Some(a) if !a.ip().is_unspecified() => a.ip(),
-            _ => opts.listen_ip.unwrap_or(local_ip),
+            _ => opts.listen_ip.unwrap_or(answered.local_ip),
         };
         let j = Joined {
             engine: engine.clone(),
             owns_engine: false,
-            manifest,
-            source_epoch,
-            source_ip,
+            answered,
             ip,
-            layout,
-            own,
-            staged,
-            tensors,
-            timeline,
-            files: None,
-            source,
+            payload: Payload::new(layout, own, staged, tensors, None),
         };
         Self::start(j, discovery, opts).await
     }
@@ -510,22 +494,17 @@ impl Receiver {
         let Joined {
             engine,
             owns_engine,
-            manifest,
-            source_epoch,
-            source_ip,
+            answered:
+                Answered {
+                    manifest,
+                    origin,
+                    mut timeline,
+                    ..
+                },
             ip,
-            layout,
-            own,
-            staged,
-            tensors,
-            mut timeline,
-            files,
-            source,
+            payload,
         } = j;
-        let ranges = layout
-            .iter()
-            .map(|seg| seg.iter().map(|(at, s)| (*at, s.len())).collect())
-            .collect();
+        let source_epoch = origin.epoch;
         let listener = TcpListener::bind(SocketAddr::new(ip, 0))
             .await
             .map_err(|e| BroadcastError::io(format!("control listener on {ip}"), e))?;
@@ -539,10 +518,10 @@ impl Receiver {
             source_layouts: std::sync::Mutex::new(Default::default()),
             version: manifest.version,
             // A pull into files serves each segment whole from its file, under its own name.
-            layout: Some(if files.is_some() {
+            layout: Some(if payload.files.is_some() {
                 layout::identity(&manifest)
             } else {
-                layout::to_wire(&layout)
+                layout::to_wire(&payload.layout)
             }),
             progress,
             tracker: None,
@@ -577,11 +556,7 @@ impl Receiver {
         if let Some(found) = discovery.register(&member).await?
             && found != source_epoch
         {
-            return Err(BroadcastError::SourceRestarted {
-                name: manifest.name.clone(),
-                had: source_epoch,
-                found,
-            });
+            return Err(origin.restarted(&manifest.name, found));
         }
         timeline.joined = Some(unix_now());
         let total = manifest.total_bytes();
@@ -591,31 +566,23 @@ impl Receiver {
         });
         let name = manifest.name.clone();
         tracing::info!(name, version = manifest.version, id = %member.id, %data_addr, %ctl_addr, source_epoch,
-            chunks = manifest.chunks.len(), bytes = total, staged = staged.is_some(), "receiver joined");
+            chunks = manifest.chunks.len(), bytes = total, staged = payload.is_staged(), "receiver joined");
         Ok(Self {
             engine,
             owns_engine,
             discovery,
             manifest,
-            source_epoch,
-            source_ip,
-            layout,
-            ranges,
-            _own: own,
-            staged,
-            tensors,
-            touched: std::sync::atomic::AtomicBool::new(false),
-            copied: Arc::new(AtomicU64::new(0)),
-            pulled: false,
-            timeline,
+            origin,
             member,
             opts,
-            progress_tx,
-            snapshot_tx,
-            _ctl: ctl,
-            files,
+            timeline,
+            advert: Advert {
+                progress_tx,
+                snapshot_tx,
+                _ctl: ctl,
+            },
+            payload,
             hooks: TestHooks::default(),
-            source,
         })
     }
 }

@@ -2,7 +2,6 @@
 //! and the fetch of a chunk from it (READs, then the BLAKE3 of what landed).
 
 use std::collections::HashMap;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,13 +13,13 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::control::{CtlClient, Reply, Request};
 use crate::error::BroadcastError;
 use crate::landing::land;
-use crate::layout::{self, Slice};
+use crate::layout;
 use crate::manifest::Manifest;
 use crate::plan::{Member, Role};
 use crate::pull::Event;
 
-use super::Receiver;
 use super::join::{control_err, reachable};
+use super::{Origin, Receiver};
 use crate::hashing::blake3_of;
 
 /// An attached holder's data path: what fetches read from. What it advertised and every
@@ -62,8 +61,7 @@ pub(super) struct Attacher {
     engine: ferry::TransferEngine,
     keys: Option<ferry::Keyring>,
     manifest: Arc<Manifest>,
-    source_ip: IpAddr,
-    source_epoch: u64,
+    origin: Origin,
     stall_after: Duration,
 }
 
@@ -74,8 +72,7 @@ impl Receiver {
             engine: self.engine.clone(),
             keys: self.opts.keys.clone(),
             manifest: Arc::new(self.manifest.clone()),
-            source_ip: self.source_ip,
-            source_epoch: self.source_epoch,
+            origin: self.origin.clone(),
             stall_after: self.opts.stall_after,
         }
     }
@@ -111,25 +108,17 @@ impl Attacher {
         m: &Member,
         polls: &mpsc::UnboundedSender<Event>,
     ) -> Result<Link, BroadcastError> {
-        let data_addr = reachable(&m.data_addr, self.source_ip);
-        let ctl_addr = reachable(&m.ctl_addr, self.source_ip);
+        let data_addr = reachable(&m.data_addr, self.origin.ip);
+        let ctl_addr = reachable(&m.ctl_addr, self.origin.ip);
         let peer = match self.connect_holder(m, &data_addr).await {
             Ok(p) => p,
             Err(ferry::Error::StaleEpoch { found, .. }) if m.role == Role::Source => {
-                return Err(BroadcastError::SourceRestarted {
-                    name: self.manifest.name.clone(),
-                    had: self.source_epoch,
-                    found: found.0,
-                });
+                return Err(self.origin.restarted(&self.manifest.name, found.0));
             }
             Err(e) => return Err(e.into()),
         };
-        if m.role == Role::Source && peer.epoch().0 != self.source_epoch {
-            return Err(BroadcastError::SourceRestarted {
-                name: self.manifest.name.clone(),
-                had: self.source_epoch,
-                found: peer.epoch().0,
-            });
+        if m.role == Role::Source && peer.epoch().0 != self.origin.epoch {
+            return Err(self.origin.restarted(&self.manifest.name, peer.epoch().0));
         }
         crate::discovery::check_incarnation(m, peer.id(), peer.epoch())?;
         let keys = self.keys.as_ref();
@@ -246,20 +235,6 @@ impl Attacher {
 }
 
 impl Receiver {
-    /// The pieces of chunk `i` as held here: `(slice, offset in it, length)`, in order.
-    pub(super) fn local_pieces(&self, i: usize) -> Vec<(Slice, u64, u64)> {
-        let c = self.manifest.chunks[i];
-        let seg = c.segment as usize;
-        let r = &self.ranges[seg];
-        layout::pieces(r, r, c.offset, c.len)
-            .into_iter()
-            .map(|(li, _, at, n)| {
-                let (start, slice) = &self.layout[seg][li];
-                (slice.clone(), at - start, n)
-            })
-            .collect()
-    }
-
     /// Starts the READs of chunk `i` from `h` (one per piece where `h`'s extents and this
     /// receiver's meet) into where it lands here, then its verification over those pieces;
     /// pulling into files, into a free landing slot, verified there and written to its file.
@@ -275,7 +250,7 @@ impl Receiver {
         let c = self.manifest.chunks[i];
         let seg = c.segment as usize;
         // Pulling into files: the chunk lands in a slot of its own.
-        let slot = match &self.files {
+        let slot = match &self.payload.files {
             None => None,
             Some(l) => match l
                 .free
@@ -297,9 +272,9 @@ impl Receiver {
         match &slot {
             None => {
                 for (li, ri, at, n) in
-                    layout::pieces(&self.ranges[seg], &h.ranges[seg], c.offset, c.len)
+                    layout::pieces(&self.payload.ranges[seg], &h.ranges[seg], c.offset, c.len)
                 {
-                    let (lstart, slice) = &self.layout[seg][li];
+                    let (lstart, slice) = &self.payload.layout[seg][li];
                     let (rstart, roff, remote) = &h.segs[seg][ri];
                     batch.push(
                         ferry::OpKind::Read,
@@ -332,13 +307,13 @@ impl Receiver {
         let pieces = if slot.is_some() {
             Vec::new()
         } else {
-            self.local_pieces(i)
+            self.payload.pieces(&c)
         };
-        let copied = self.copied.clone();
+        let copied = self.payload.copied.clone();
         let from = from.to_owned();
         let from_source = h.from_source;
         let submitted = if covered == c.len {
-            self.touched.store(true, Ordering::Relaxed);
+            self.payload.touched.store(true, Ordering::Relaxed);
             self.engine.submit(batch).map_err(|e| e.to_string())
         } else {
             Err(format!(

@@ -43,24 +43,25 @@
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ferry::{DataPlane, Registration, TransferEngine};
+use ferry::{DataPlane, TransferEngine};
 use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::control::{self, Progress};
 use crate::discovery::Discovery;
 use crate::error::BroadcastError;
-use crate::landing::{self, Landing, partial_name};
-use crate::layout::{self, LocalExtents, Slice};
 use crate::manifest::{Digest, Manifest};
-use crate::plan::{Member, Role};
+use crate::plan::{Have, Member, Role};
 
 mod drive;
 mod join;
 mod link;
+mod payload;
+
+use payload::Payload;
 
 /// How a receiver runs.
 #[derive(Clone, Debug)]
@@ -269,44 +270,88 @@ pub struct Snapshot {
 /// A receiver that joined a broadcast: its engine and buffers are set up and registered, its
 /// control service runs and it is listed. [`run`](Self::run) fetches.
 pub struct Receiver {
+    // Field order is drop order (after `Drop` shut an engine of its own down): what it
+    // publishes, its control service among it, goes before where the payload lands.
     engine: TransferEngine,
     /// Whether the engine is this receiver's own (shut down with it) or the caller's.
     owns_engine: bool,
     discovery: Arc<dyn Discovery>,
     manifest: Manifest,
-    source_epoch: u64,
-    source_ip: IpAddr,
-    /// Where each segment lands: this receiver's buffers, the caller's destinations or their
-    /// staging slices, and scratch for bytes no destination takes.
-    layout: Vec<LocalExtents>,
-    /// `layout` as `(offset in the segment, length)`.
-    ranges: Vec<Vec<(u64, u64)>>,
-    /// Buffers this receiver allocated (whole segments, or scratch).
-    _own: Vec<Registration>,
-    /// Staged: `(tensor, staging, live)` for [`commit`](Self::commit).
-    staged: Option<Vec<(String, Slice, Slice)>>,
-    /// The destination tensors (local names).
-    tensors: Vec<String>,
-    /// Whether a READ into the destinations was started.
-    touched: std::sync::atomic::AtomicBool,
-    /// Bytes the CPU copied: host memory copied out to be hashed, and commits.
-    copied: Arc<AtomicU64>,
-    /// Whether [`run`](Self::run) verified every chunk.
-    pulled: bool,
-    timeline: Timeline,
+    /// The source it pulls from.
+    origin: Origin,
     member: Member,
     opts: ReceiverOptions,
+    timeline: Timeline,
+    /// What it publishes as the pull goes.
+    advert: Advert,
+    /// Where the payload lands.
+    payload: Payload,
+    /// What the tests inject (none, unless feature `__test-hooks`).
+    hooks: TestHooks,
+}
+
+/// The source as this receiver pulled from it: the incarnation that answered the manifest.
+#[derive(Clone, Debug)]
+struct Origin {
+    /// The source epoch every chunk comes from: a holder of another is never used.
+    epoch: u64,
+    /// The source's IP, which members listed with an unspecified IP are reached at.
+    ip: IpAddr,
+    /// Its record as listed when the manifest was fetched (the plan's source until a list is
+    /// read).
+    listed: Member,
+}
+
+impl Origin {
+    /// The error of the source of broadcast `name` found at epoch `found` (not this one's).
+    fn restarted(&self, name: &str, found: u64) -> BroadcastError {
+        BroadcastError::SourceRestarted {
+            name: name.to_owned(),
+            had: self.epoch,
+            found,
+        }
+    }
+}
+
+/// What a receiver publishes as its pull goes: the [`Snapshot`] its caller follows
+/// ([`Receiver::progress`]) and the [`Progress`] its control service advertises to the other
+/// members, always in that order, so that an advertised prefix is never ahead of the
+/// snapshot's verified chunks.
+struct Advert {
+    /// What the control service advertises.
     progress_tx: watch::Sender<Progress>,
+    /// What the caller follows.
     snapshot_tx: watch::Sender<Snapshot>,
     /// Held for its drop: the control listener closes with the member.
     _ctl: control::Service,
-    /// A pull into a directory ([`join_to_dir`](Self::join_to_dir)): where the chunks go.
-    files: Option<Landing>,
-    /// What the tests inject (none, unless feature `__test-hooks`).
-    hooks: TestHooks,
-    /// The source as listed when the manifest was fetched (the plan's source until a list
-    /// is read).
-    source: Member,
+}
+
+impl Advert {
+    /// Bytes verified, as last published.
+    fn verified_bytes(&self) -> u64 {
+        self.snapshot_tx.borrow().bytes
+    }
+
+    /// Updates the snapshot: `have`'s count of verified chunks and whether that is all of them,
+    /// and what `set` sets; the first half of a publication.
+    fn snapshot(&self, have: &Have, set: impl FnOnce(&mut Snapshot)) {
+        self.snapshot_tx.send_modify(|s| {
+            s.chunks = have.count();
+            s.done = have.is_done();
+            set(s);
+        });
+    }
+
+    /// Advertises `have` through the control service; the second half of a publication, after
+    /// [`snapshot`](Self::snapshot).
+    fn advertise(&self, have: &Have) {
+        let _ = self.progress_tx.send(Progress {
+            prefix: have.prefix(),
+            done: have.is_done(),
+            count: have.count(),
+            stripes: have.stripe_prefixes().to_vec(),
+        });
+    }
 }
 
 impl std::fmt::Debug for Receiver {
@@ -369,23 +414,13 @@ impl Receiver {
 
     /// Follows the pull's progress.
     pub fn progress(&self) -> watch::Receiver<Snapshot> {
-        self.snapshot_tx.subscribe()
+        self.advert.snapshot_tx.subscribe()
     }
 
     /// The bytes of segment `i` as held now (a copy).
     pub fn segment_bytes(&self, i: usize) -> Option<Vec<u8>> {
         let seg = self.manifest.segments.get(i)?;
-        let mut v = vec![0u8; usize::try_from(seg.len).ok()?];
-        if let Some(l) = &self.files {
-            use std::os::unix::fs::FileExt;
-            l.segs.get(i)?.file.read_exact_at(&mut v, 0).ok()?;
-            return Some(v);
-        }
-        for (at, slice) in &self.layout[i] {
-            let dst = v.get_mut(*at as usize..(*at + slice.len()) as usize)?;
-            slice.read(0, dst).ok()?;
-        }
-        Some(v)
+        self.payload.segment_bytes(i, seg.len)
     }
 
     /// The version pulled.
@@ -398,12 +433,12 @@ impl Receiver {
     /// compute CRC-32C over the memory in place) and, staged, the commit's copy. Divided by the payload: the copies per byte received, besides the data plane's
     /// own (the kernel's socket copy on TCP and io_uring).
     pub fn bytes_copied(&self) -> u64 {
-        self.copied.load(Ordering::Relaxed)
+        self.payload.copied.load(Ordering::Relaxed)
     }
 
     /// The destination tensors, by their local names.
     pub fn tensors(&self) -> &[String] {
-        &self.tensors
+        &self.payload.tensors
     }
 
     /// Staged mode: copies every tensor from its staging slice into its live one, after a
@@ -414,23 +449,7 @@ impl Receiver {
     /// copied once, directly, in pieces spread over half the CPUs (one to four threads). A copy that fails
     /// part way (a GPU copy the driver refused) leaves the live tensors partly written.
     pub fn commit(&self) -> Result<u64, BroadcastError> {
-        let refuse = |reason: &str| BroadcastError::Commit {
-            name: self.manifest.name.clone(),
-            version: self.manifest.version,
-            reason: reason.to_owned(),
-        };
-        let Some(staged) = &self.staged else {
-            return Err(refuse("the pull was in place: there is nothing to commit"));
-        };
-        if !self.pulled {
-            return Err(refuse("the pull has not completed"));
-        }
-        // Half the CPUs, one to four: the rest stay with the application and the relaying.
-        let threads = std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 4));
-        let cpu = layout::copy_all(staged, threads, layout::COPY_PIECE)
-            .map_err(|e| refuse(&format!("copying tensor {e}")))?;
-        self.copied.fetch_add(cpu, Ordering::Relaxed);
-        let bytes: u64 = staged.iter().map(|(_, _, live)| live.len()).sum();
+        let bytes = self.payload.commit(&self.manifest)?;
         tracing::info!(name = %self.manifest.name, version = self.manifest.version, bytes, "staged version committed");
         Ok(bytes)
     }
@@ -453,116 +472,7 @@ impl Receiver {
     /// the directory finishes the renames before anything else, and removes every hidden file
     /// of a killed pull. A reader that sees no `.ferry-commit.*` file sees a whole directory.
     pub fn write_to(&self, dir: &Path) -> Result<(), BroadcastError> {
-        if let Some(l) = &self.files {
-            return self.rename_into(l, dir);
-        }
-        std::fs::create_dir_all(dir)
-            .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
-        recover_dir(dir)?;
-        let mut staged = Vec::with_capacity(self.manifest.segments.len());
-        let mut written = Ok(());
-        for (i, seg) in self.manifest.segments.iter().enumerate() {
-            let tmp = partial_name(dir, &seg.name);
-            staged.push(tmp.clone());
-            written = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&tmp)
-                .and_then(|f| self.write_segment(i, f));
-            if written.is_err() {
-                break;
-            }
-        }
-        let written = written.and_then(|()| landing::commit(dir, &pairs(&self.manifest, &staged)));
-        if let Err(e) = written {
-            for tmp in &staged {
-                let _ = std::fs::remove_file(tmp);
-            }
-            return Err(BroadcastError::io(
-                format!("writing into {}", dir.display()),
-                e,
-            ));
-        }
-        Ok(())
-    }
-
-    /// Pulling into files, after a complete pull: each temporary file flushed and renamed into
-    /// `dir` (its own directory), or copied there beside its name and renamed; one commit
-    /// ([`write_to`](Self::write_to)).
-    fn rename_into(&self, l: &Landing, dir: &Path) -> Result<(), BroadcastError> {
-        if !self.pulled {
-            return Err(BroadcastError::io(
-                format!("writing {}", dir.display()),
-                std::io::Error::other("the pull has not completed: its files stay temporary"),
-            ));
-        }
-        let same = std::fs::canonicalize(dir).ok() == std::fs::canonicalize(&l.dir).ok();
-        if !same {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| BroadcastError::io(format!("creating {}", dir.display()), e))?;
-            recover_dir(dir)?;
-        }
-        let mut staged = Vec::with_capacity(l.segs.len());
-        let mut done = Ok(());
-        for (seg, f) in self.manifest.segments.iter().zip(&l.segs) {
-            if same {
-                staged.push(f.tmp.clone());
-                done = f.file.sync_data();
-            } else {
-                // From the file held open (renamed or not), never through a symlink there.
-                let tmp = partial_name(dir, &seg.name);
-                staged.push(tmp.clone());
-                done = (|| {
-                    use std::io::Seek;
-                    let mut from = f.file.try_clone()?;
-                    from.seek(std::io::SeekFrom::Start(0))?;
-                    let mut to = std::fs::OpenOptions::new()
-                        .write(true)
-                        .create_new(true)
-                        .open(&tmp)?;
-                    std::io::copy(&mut from, &mut to)?;
-                    to.sync_data()
-                })();
-            }
-            if done.is_err() {
-                break;
-            }
-        }
-        let done = done.and_then(|()| landing::commit(dir, &pairs(&self.manifest, &staged)));
-        if let Err(e) = done {
-            if !same {
-                for tmp in &staged {
-                    let _ = std::fs::remove_file(tmp);
-                }
-            }
-            return Err(BroadcastError::io(
-                format!("writing into {}", dir.display()),
-                e,
-            ));
-        }
-        if same {
-            l.renamed.store(true, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    /// Writes segment `i`, extent by extent in offset order, 1 MiB at a time.
-    fn write_segment(&self, i: usize, file: std::fs::File) -> std::io::Result<()> {
-        use std::io::Write;
-        const PIECE: u64 = 1 << 20;
-        let mut out = std::io::BufWriter::with_capacity(PIECE as usize, file);
-        let mut buf = Vec::new();
-        for (_, slice) in &self.layout[i] {
-            let mut at = 0;
-            while at < slice.len() {
-                let n = PIECE.min(slice.len() - at);
-                buf.resize(n as usize, 0);
-                slice.read(at, &mut buf).map_err(std::io::Error::other)?;
-                out.write_all(&buf)?;
-                at += n;
-            }
-        }
-        out.flush()
+        self.payload.write_to(&self.manifest, dir)
     }
 
     /// Fetches every chunk, verifying each, then checks every chunk once more at rest (a chunk
@@ -574,7 +484,7 @@ impl Receiver {
     pub async fn run(&mut self) -> Result<Summary, BroadcastError> {
         match self.run_inner().await {
             Ok(sum) => {
-                self.pulled = true;
+                self.payload.complete = true;
                 Ok(sum)
             }
             Err(e) => Err(self.failed(e)),
@@ -586,19 +496,15 @@ impl Receiver {
     /// [`BroadcastError::Torn`] with `cause`. For a caller that abandons [`run`](Self::run)
     /// (a timeout) as much as for `run`'s own errors.
     pub fn failed(&self, cause: BroadcastError) -> BroadcastError {
-        if self.staged.is_some()
-            || self.tensors.is_empty()
-            || !self.touched.load(Ordering::Relaxed)
-            || matches!(cause, BroadcastError::Torn { .. })
-        {
+        if !self.payload.tears() || matches!(cause, BroadcastError::Torn { .. }) {
             return cause;
         }
         tracing::warn!(name = %self.manifest.name, version = self.manifest.version,
-            tensors = self.tensors.len(), error = %cause, "pull in place failed: destinations torn");
+            tensors = self.payload.tensors.len(), error = %cause, "pull in place failed: destinations torn");
         BroadcastError::Torn {
             name: self.manifest.name.clone(),
             version: self.manifest.version,
-            tensors: self.tensors.clone(),
+            tensors: self.payload.tensors.clone(),
             cause: Box::new(cause),
         }
     }
@@ -620,7 +526,7 @@ impl Receiver {
                 m.role == Role::Receiver
                     && m.id != self.member.id
                     && !m.done
-                    && m.source_epoch == self.source_epoch
+                    && m.source_epoch == self.origin.epoch
                     && m.version == self.manifest.version
             });
             if !waiting {
@@ -686,33 +592,6 @@ impl LeaveHandle {
             tracing::info!(member = %self.id, "discovery did not answer the leave; the entry's lease runs out instead");
         }
     }
-}
-
-/// The (hidden name, final name) pairs of a commit: each staged file's name in its directory
-/// and its segment's name.
-fn pairs(manifest: &Manifest, staged: &[std::path::PathBuf]) -> Vec<(String, String)> {
-    manifest
-        .segments
-        .iter()
-        .zip(staged)
-        .map(|(seg, tmp)| {
-            let hidden = tmp
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            (hidden, seg.name.clone())
-        })
-        .collect()
-}
-
-/// Finishes what killed pulls left in `dir` ([`landing::recover`]).
-pub(crate) fn recover_dir(dir: &Path) -> Result<(), BroadcastError> {
-    landing::recover(dir).map(|_| ()).map_err(|e| {
-        BroadcastError::io(
-            format!("recovering {} from a killed pull", dir.display()),
-            e,
-        )
-    })
 }
 
 #[cfg(test)]
