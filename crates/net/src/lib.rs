@@ -1,8 +1,8 @@
 //! Socket plumbing that Ferry's two TCP data planes (`ferry-transport-tcp` on tokio,
 //! `ferry-transport-uring` on rings) share, so that it is written once: how a data socket is
-//! tuned (Nagle, buffers, the dead-peer limit), the receive low mark for large payloads, the
-//! limits on connections before their handshake is over ([`HandshakeGate`]), and the reading
-//! and writing of control frames. What the bytes mean is `ferry_core::wire`,
+//! tuned (Nagle, buffers, the dead-peer limit), the receive low mark for large payloads, how a
+//! server listens ([`listen`]), the limits on connections before their handshake is over
+//! ([`HandshakeGate`]), and the reading and writing of control frames. What the bytes mean is `ferry_core::wire`,
 //! `ferry_core::handshake` and `ferry_core::stream`, which do no I/O; this crate does only the
 //! socket calls around them.
 //!
@@ -248,6 +248,36 @@ impl Drop for HandshakeSlot {
             self.gate.pending.fetch_sub(1, Ordering::AcqRel);
         }
     }
+}
+
+/// The backlog of a server's listener ([`listen`]): connections the kernel completes and queues
+/// until the server accepts them.
+pub const LISTEN_BACKLOG: i32 = 1024;
+
+/// A server's listening socket on `addr` (port 0: any free one), and the address it is bound
+/// to. Both data planes listen alike: `SO_REUSEADDR`, so that a restarted process takes the
+/// same port again while its old connections linger; non-blocking, for an accept loop that
+/// polls (tokio's reactor, or a `poll(2)` loop over the listener and the connections in their
+/// handshake); and a backlog of [`LISTEN_BACKLOG`]. A failure is [`Error::Io`] naming the step
+/// (`bind`, `local address of`) and `addr`.
+pub fn listen(addr: SocketAddr) -> Result<(std::net::TcpListener, SocketAddr), Error> {
+    let bind = || -> std::io::Result<std::net::TcpListener> {
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )?;
+        sock.set_reuse_address(true)?;
+        sock.set_nonblocking(true)?;
+        sock.bind(&addr.into())?;
+        sock.listen(LISTEN_BACKLOG)?;
+        Ok(sock.into())
+    };
+    let listener = bind().map_err(|e| Error::io("bind", addr.to_string(), e))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
+    Ok((listener, bound))
 }
 
 /// Tunes a data socket: Nagle off; socket buffers of `size` where the kernel's maximum allows
@@ -701,6 +731,45 @@ mod tests {
         assert_eq!(HandshakeGate::victim(&[b, a, a]), Some(1));
         assert_eq!(HandshakeGate::victim(&[a, b]), Some(0));
         assert_eq!(HandshakeGate::victim(&[b, b, a, a, b]), Some(0));
+    }
+
+    /// The backlog a listening socket was given: `TCP_INFO`'s `tcpi_sacked` on a listener.
+    fn backlog(l: &TcpListener) -> u32 {
+        // SAFETY: `tcp_info` is plain integers, for which all zeros is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `info`, a local of that size; the
+        // listener's descriptor is open for the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                l.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&raw mut info).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        info.tcpi_sacked
+    }
+
+    /// A server listens where asked (port 0: a port chosen, and said), with `SO_REUSEADDR`,
+    /// non-blocking and with the shared backlog; a port already listened on is an I/O error
+    /// naming the bind and the address asked.
+    #[test]
+    fn a_server_listens_reusably_without_blocking_with_the_shared_backlog() {
+        let (l, addr) = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        assert_ne!(addr.port(), 0);
+        assert_eq!(l.local_addr().unwrap(), addr);
+        let sock = socket2::SockRef::from(&l);
+        assert!(sock.reuse_address().unwrap());
+        assert!(sock.nonblocking().unwrap());
+        assert_eq!(backlog(&l), LISTEN_BACKLOG as u32);
+        let taken = listen(addr).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(&taken, Error::Io { op: "bind", target, .. } if *target == addr.to_string()),
+            "{taken:?}"
+        );
     }
 
     /// `tune` arms dead-peer detection as asked (user timeout, keepalive from half of it) and

@@ -90,26 +90,17 @@ impl Drop for ServerHandle {
 }
 
 impl TcpServer {
-    /// Binds `addr` (port 0: any) with `SO_REUSEADDR`, so that a restarted process can take the
-    /// same port again. Must be called inside a tokio runtime.
+    /// Binds `addr` (port 0: any) as every Ferry server listens ([`ferry_net::listen`]:
+    /// `SO_REUSEADDR`, so that a restarted process can take the same port again). Must be
+    /// called inside a tokio runtime.
     pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
-        let bind = || -> std::io::Result<TcpListener> {
-            let sock = socket2::Socket::new(
-                socket2::Domain::for_address(addr),
-                socket2::Type::STREAM,
-                Some(socket2::Protocol::TCP),
-            )?;
-            sock.set_reuse_address(true)?;
-            sock.set_nonblocking(true)?;
-            sock.bind(&addr.into())?;
-            sock.listen(1024)?;
-            TcpListener::from_std(sock.into())
-        };
-        let listener = bind().map_err(|e| Error::io("bind", addr.to_string(), e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
-        Ok(Self { listener, addr })
+        let (listener, bound) = ferry_net::listen(addr)?;
+        let listener =
+            TcpListener::from_std(listener).map_err(|e| Error::io("bind", addr.to_string(), e))?;
+        Ok(Self {
+            listener,
+            addr: bound,
+        })
     }
 
     /// The bound address.

@@ -105,13 +105,11 @@ impl Drop for UringServerHandle {
 }
 
 impl UringServer {
-    /// Binds `addr` (port 0: any; `SO_REUSEADDR` as std sets it).
+    /// Binds `addr` (port 0: any) as every Ferry server listens ([`ferry_net::listen`]:
+    /// `SO_REUSEADDR`, and non-blocking: the accept thread polls the listener with the
+    /// connections in their handshake).
     pub fn bind(addr: SocketAddr) -> Result<Self, Error> {
-        let listener =
-            TcpListener::bind(addr).map_err(|e| Error::io("bind", addr.to_string(), e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
+        let (listener, addr) = ferry_net::listen(addr)?;
         Ok(Self { listener, addr })
     }
 
@@ -147,10 +145,6 @@ impl UringServer {
             .map_err(|e| Error::io("start the serving rings of", addr.to_string(), e))?;
         let rings = set.len();
         let listener = Arc::new(self.listener);
-        // The accept thread polls it with the connections in their handshake.
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("make non-blocking the listener on", addr.to_string(), e))?;
         let accepting = listener.clone();
         let gate = HandshakeGate::new(ctx.config.handshake);
         let gate_run = gate.clone();
