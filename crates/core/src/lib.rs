@@ -11,6 +11,7 @@
 pub mod auth;
 pub mod backoff;
 pub mod checksum;
+pub mod countdown;
 pub mod dealer;
 pub mod error;
 pub mod handshake;

@@ -17,8 +17,9 @@
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use ferry_core::countdown::Countdown;
 use ferry_core::dealer::{deal_request, direct_op};
 use ferry_core::queue::{JobQueue, Next, Wake};
 use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
@@ -44,8 +45,7 @@ struct ReqShared {
     ops: Arc<[Op]>,
     control: Arc<RequestControl>,
     /// Chunks handed to streams and not resolved yet, plus one held by the poster.
-    outstanding: AtomicUsize,
-    done: Notify,
+    parts: Arc<Countdown>,
 }
 
 impl ChunkOwner for ReqShared {
@@ -58,9 +58,7 @@ impl ChunkOwner for ReqShared {
     }
 
     fn chunk_done(&self) {
-        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.done.notify_one();
-        }
+        self.parts.done_one();
     }
 }
 
@@ -270,7 +268,7 @@ impl TcpChannel {
                 return false;
             }
             control.with_ledger(|l| l.plan(0, 1));
-            req.outstanding.fetch_add(1, Ordering::AcqRel);
+            req.parts.add(1);
             let job = Work::One(Chunk {
                 req: req.clone(),
                 op: 0,
@@ -330,8 +328,7 @@ impl Channel for TcpChannel {
         let req = Arc::new(ReqShared {
             ops: ops.clone(),
             control: control.clone(),
-            outstanding: AtomicUsize::new(1),
-            done: Notify::new(),
+            parts: Arc::new(Countdown::new(1)),
         });
         let closed = self.streams.is_closed();
         // Dealt now, before the future is first polled; each sender checks the request's stop
@@ -345,19 +342,16 @@ impl Channel for TcpChannel {
                 self.chunk,
                 self.vectored.then_some(self.chunk),
                 closed,
-                |n| {
-                    req.outstanding.fetch_add(n, Ordering::AcqRel);
-                },
+                |n| req.parts.add(n),
                 |set| queue.wake_all_in(set),
             );
         }
-        // The poster's own count; `notify_one` stores a permit, so the last chunk's
-        // notification is not lost if it comes before the future waits.
-        let last = req.outstanding.fetch_sub(1, Ordering::AcqRel) == 1;
+        // The poster's own part; a count done before the future waits stays done.
+        let parts = req.parts.clone();
+        drop(req);
+        parts.done_one();
         Box::pin(async move {
-            if !last {
-                req.done.notified().await;
-            }
+            parts.wait().await;
             control.outcome(true)
         })
     }

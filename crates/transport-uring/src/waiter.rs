@@ -1,9 +1,8 @@
-//! Runtime-agnostic bridges from the ring threads to futures: a counter that completes a future
-//! when it reaches zero, and a one-shot value.
+//! Runtime-agnostic bridges from the ring threads to futures: a one-shot value (a request's
+//! count of parts is [`ferry_core::countdown::Countdown`]).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -72,59 +71,6 @@ impl<T> Future for OneRx<T> {
             return Poll::Ready(None);
         }
         g.waker = Some(cx.waker().clone());
-        Poll::Pending
-    }
-}
-
-/// A count of unresolved parts (chunks, zero-copy notifications, plus one held by the poster);
-/// [`Countdown::wait`] resolves when it reaches zero.
-#[derive(Debug)]
-pub(crate) struct Countdown {
-    left: AtomicUsize,
-    waker: Mutex<(bool, Option<Waker>)>,
-}
-
-impl Countdown {
-    pub(crate) fn new(initial: usize) -> Self {
-        Self {
-            left: AtomicUsize::new(initial),
-            waker: Mutex::new((initial == 0, None)),
-        }
-    }
-
-    pub(crate) fn add(&self, n: usize) {
-        self.left.fetch_add(n, Ordering::AcqRel);
-    }
-
-    pub(crate) fn done_one(&self) {
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let w = {
-                let mut g = lock(&self.waker);
-                g.0 = true;
-                g.1.take()
-            };
-            if let Some(w) = w {
-                w.wake();
-            }
-        }
-    }
-
-    /// Resolves once the count is zero.
-    pub(crate) fn wait(self: Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
-        CountdownWait(self)
-    }
-}
-
-struct CountdownWait(Arc<Countdown>);
-
-impl Future for CountdownWait {
-    type Output = ();
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let mut g = lock(&self.0.waker);
-        if g.0 {
-            return Poll::Ready(());
-        }
-        g.1 = Some(cx.waker().clone());
         Poll::Pending
     }
 }

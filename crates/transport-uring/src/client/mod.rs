@@ -31,6 +31,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ferry_core::countdown::Countdown;
 use ferry_core::dealer::{DIRECT_MAX, deal_request, direct_op};
 use ferry_core::queue::Wake;
 use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
@@ -45,7 +46,6 @@ pub(crate) use rings::{ClientRings, RingPlan};
 use state::{Queue, ReqShared, SendState, StreamShared, shutdown};
 
 use crate::ring::IoStats;
-use crate::waiter::Countdown;
 
 /// How a channel's streams send payloads, and who drives them.
 #[derive(Clone, Copy, Debug)]

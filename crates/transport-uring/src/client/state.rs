@@ -5,13 +5,13 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ferry_core::countdown::Countdown;
 use ferry_core::queue::{JobQueue, Wake};
 use ferry_core::stream::{Chunk, ChunkOwner, ClientStream, Work};
 use ferry_core::{Op, RequestControl};
 
 use super::owners::Owners;
 use crate::ring::inbox::Inbox;
-use crate::waiter::Countdown;
 
 #[derive(Debug)]
 pub(crate) struct ReqShared {
