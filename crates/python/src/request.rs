@@ -849,10 +849,38 @@ impl Request {
         } else {
             Waker::noop()
         };
-        let due = self.watch.poll_direct(waker, false);
+        // The GIL released while it polls (the transport may spin briefly for the answer):
+        // the caller's other Python threads run meanwhile.
+        let watch = &self.watch;
+        let due = py.detach(|| watch.poll_direct(waker, false));
         deliver(py, due);
         let st = self.watch.lock();
         st.outcome.is_some() || st.lost
+    }
+
+    /// Test hook, not part of the API: the request's next poll first holds its thread at the
+    /// returned gate until [`TestGate::open`] is called (or [`TestGate::PATIENCE`] passed),
+    /// then polls the request as before. `None`: the request is not driven directly (or has
+    /// drained).
+    fn _plant_gate_for_tests(&self) -> Option<TestGate> {
+        let mut slot = self
+            .watch
+            .direct
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let d = slot.as_mut()?;
+        let gate = TestGate::default();
+        let held = gate.clone();
+        let target = match d.logical.as_mut() {
+            Some(f) => f,
+            None => &mut d.drained,
+        };
+        let inner = std::mem::replace(target, Box::pin(std::future::pending()));
+        *target = Box::pin(async move {
+            held.hold();
+            inner.await
+        });
+        Some(gate)
     }
 
     /// Test hook, not part of the API: the request's next poll panics, as a bug below it
@@ -891,6 +919,59 @@ impl Request {
             (Some(o), _) | (None, Some(o)) => format!("<ferry.Request done: {}>", describe(&o)),
             _ => "<ferry.Request running>".into(),
         }
+    }
+}
+
+/// Test hook, not part of the API: a gate that a planted poll waits at
+/// ([`Request::_plant_gate_for_tests`]), so that a test can tell whether the polling thread
+/// let other Python threads run while it waited.
+#[pyclass(module = "ferry", name = "_TestGate", frozen)]
+#[derive(Clone, Default)]
+pub(crate) struct TestGate(Arc<(Mutex<GateState>, Condvar)>);
+
+#[derive(Default)]
+struct GateState {
+    entered: bool,
+    opened: bool,
+    timed_out: bool,
+}
+
+impl TestGate {
+    /// How long a planted poll waits for the gate to open.
+    const PATIENCE: Duration = Duration::from_secs(5);
+
+    /// Marks the gate entered and waits for it to open, at most [`Self::PATIENCE`].
+    fn hold(&self) {
+        let (lock, cond) = &*self.0;
+        let mut st = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        st.entered = true;
+        let (mut st, waited) = cond
+            .wait_timeout_while(st, Self::PATIENCE, |s| !s.opened)
+            .unwrap_or_else(PoisonError::into_inner);
+        st.timed_out = waited.timed_out();
+    }
+
+    fn state<T>(&self, f: impl FnOnce(&mut GateState) -> T) -> T {
+        f(&mut self.0.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+#[pymethods]
+impl TestGate {
+    /// Whether a poll has reached the gate.
+    fn entered(&self) -> bool {
+        self.state(|s| s.entered)
+    }
+
+    /// Lets the poll at the gate go on.
+    fn open(&self) {
+        self.state(|s| s.opened = true);
+        self.0.1.notify_all();
+    }
+
+    /// Whether the poll gave up waiting for the gate to open.
+    fn timed_out(&self) -> bool {
+        self.state(|s| s.timed_out)
     }
 }
 
@@ -1103,6 +1184,7 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(pyo3::wrap_pyfunction!(_runtime_tasks_for_tests, m)?)?;
     m.add_class::<Batch>()?;
     m.add_class::<Request>()?;
+    m.add_class::<TestGate>()?;
     m.add_class::<PyOutcome>()?;
     m.add_class::<PyFailure>()?;
     Ok(())

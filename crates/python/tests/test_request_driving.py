@@ -126,3 +126,31 @@ def test_a_panic_in_a_requests_poll_ends_its_waits(peer_process, np):
             asyncio.run(awaited())
     finally:
         peer_process.resume()
+
+
+def test_done_lets_other_threads_run_while_it_polls(peer_process, np):
+    """`done()` polls with the GIL released: a poll held at a planted gate is let go by another
+    Python thread. Were the GIL held, that thread could not run until the gate gave up."""
+    import threading
+
+    engine = ferry.Engine()
+    peer = engine.connect(peer_process.addr)
+    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    peer_process.stop()
+    try:
+        req = engine.read(reg, peer.segment("src"))
+        gate = req._plant_gate_for_tests()
+        assert gate is not None
+
+        def opener():
+            _until(gate.entered, "the poll never reached the gate")
+            gate.open()
+
+        t = threading.Thread(target=opener)
+        t.start()
+        assert not req.done()
+        t.join(10)
+        assert gate.entered() and not gate.timed_out(), "done() held the GIL while it polled"
+    finally:
+        peer_process.resume()
+    assert req.wait(timeout=30).ok

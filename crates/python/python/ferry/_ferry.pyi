@@ -47,6 +47,7 @@ __all__ = [
     "Unquiesced",
     "_Publisher",
     "_Puller",
+    "_TestGate",
     "__version__",
     "_join",
     "_panic_for_tests",
@@ -435,12 +436,23 @@ class Request:
     def done(self) -> bool: ...
     def _plant_panic_for_tests(self) -> bool:
         """Test hook, not part of the API: the request's next poll panics (the watch is lost)."""
+    def _plant_gate_for_tests(self) -> _TestGate | None:
+        """Test hook, not part of the API: the request's next poll waits at the gate first."""
     @property
     def after_error(self) -> str | None:
         """Why the notification sent once the request completed failed (None if it did not)."""
     def cancel(self) -> None:
         """Ends the request logically; buffers stay in use until drained."""
     def __await__(self) -> Generator[Any, None, Outcome]: ...
+
+
+@final
+class _TestGate:
+    """Test hook, not part of the API: where a planted poll waits until ``open()``."""
+
+    def entered(self) -> bool: ...
+    def open(self) -> None: ...
+    def timed_out(self) -> bool: ...
 
 @final
 class RawEngine:
