@@ -1048,15 +1048,12 @@ impl Channel for LocalChannel {
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
         let shared = &self.shared;
-        // One-sided where every op can be (mapped shared registrations) and the request is at
-        // most a chunk (a larger one is copied by the owner's streams side by side): no stream
-        // is used.
+        // One-sided where every op can be (mapped shared registrations): no stream is used.
         if let Some(done) = self
             .shares
             .as_ref()
             .filter(|_| !shared.closed.load(Ordering::Acquire))
-            .filter(|_| ops.iter().map(|o| o.len).sum::<u64>() <= shared.chunk)
-            .and_then(|s| s.execute(&ops, &control))
+            .and_then(|s| s.execute(&ops, &control, shared.chunk))
         {
             return done;
         }

@@ -40,7 +40,9 @@
 //!   `ferry_core::MemoryRegion::alloc_shareable`): a channel asks for a token's memory on a
 //!   share stream; the owner grants it only where the peer's view holds it and its access allows
 //!   reading (read-only grants on a memfd sealed against writes), and the channel then moves
-//!   host READs and WRITEs inside it with `memcpy` in the submitting thread, one-sidedly. When
+//!   host READs and WRITEs inside it with `memcpy`, one-sidedly: in the submitting thread, and
+//!   for a request over a chunk also on a small pool of copy threads (half the CPUs, one to
+//!   four), the request resolving once its last piece was copied. When
 //!   the memory is freed the owner sets the memfd's revoked word and discards its bytes (the size
 //!   never changes, so nothing faults); a copy that saw the word fails (`UnknownSegment`).
 //!   [`LocalConfig::shared`] turns it off.
@@ -55,6 +57,7 @@ mod gpu;
 mod gpu;
 mod host;
 mod pipe;
+mod pool;
 mod ring;
 mod server;
 mod shares;

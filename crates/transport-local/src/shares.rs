@@ -9,10 +9,15 @@
 //!
 //! *Using* ([`Shares`]): a channel maps what it is granted, once per token, and then moves a
 //! request all of whose ops are host READs and WRITEs of mapped segments (inside their bounds,
-//! a WRITE only on a read-write grant), of at most a chunk in all (the channel's chunk size,
-//! 4 MiB by default: a larger one is copied faster by the owner's streams side by side than by
-//! one thread), with `memcpy` in the submitting thread: one-sided, the owner's threads never
-//! woken. Anything else takes the owner's copies. A token seen for the
+//! a WRITE only on a read-write grant) with `memcpy`: one-sided, the owner's threads never
+//! woken. A request of at most a chunk in all (the channel's chunk size, 4 MiB by default) is
+//! copied in the submitting thread before `execute` returns; a larger one is cut in pieces of
+//! 1 MiB (`PIECE`) copied side by side by the submitting thread and the process's copy threads
+//! (`crate::pool`: half the CPUs, one to four), each piece's parts recorded in the ledger as
+//! they are posted and copied, its future resolving once the last piece was copied, never
+//! before (issue 51: no copy of a request that resolved is still running). A stopped request
+//! (`RequestControl::stopped`) copies none of the pieces not started yet; they fail with the
+//! stop. Anything else takes the owner's copies. A token seen for the
 //! first time is asked for on a thread of its own while its ops go the owner's way, so a
 //! request never waits for a grant. A revoked registration (its owner's revoked word set)
 //! fails the ops that see it, `UnknownSegment` as the owner would answer, and its mapping is
@@ -29,11 +34,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use ferry_core::share::{Grant, ShareRefusal};
 use ferry_core::stream::ServerStream;
-use ferry_core::{BoxFuture, Op, OpKind, Outcome, RemoteStatus, RequestControl};
+use ferry_core::{BoxFuture, FailureKind, Op, OpKind, Outcome, RemoteStatus, RequestControl};
 use ferry_core::{SegmentLease, SegmentToken};
 use tracing::debug;
 
-use crate::shm::{Mapped, recv_fd, send_fd};
+use crate::pool::{self, Pieces, Pool};
+use crate::shm::{Mapped, Revoked, recv_fd, send_fd};
 use crate::wire::{
     SHARE_GRANT_LEN, SHARE_GRANTED, SHARE_READ_ONLY, SHARE_READ_WRITE, SHARE_REFUSED,
 };
@@ -250,10 +256,14 @@ impl Shares {
 
     /// Moves the request one-sidedly when every op can be (see the module); `None`: it takes
     /// the owner's copies (and tokens never asked for are asked for, on a thread of their own).
+    /// A request of at most `chunk` bytes is copied in this thread before this returns; a
+    /// larger one in pieces side by side (`crate::pool`), its future resolving once the last
+    /// piece was copied.
     pub(crate) fn execute(
         self: &Arc<Self>,
-        ops: &[Op],
+        ops: &Arc<[Op]>,
         control: &Arc<RequestControl>,
+        chunk: u64,
     ) -> Option<BoxFuture<'static, Outcome>> {
         let segs = self.segments(ops)?;
         // The owner still there: a process that died closed its end of the share stream. Looked
@@ -270,35 +280,63 @@ impl Shares {
             });
             return Some(done(control));
         }
-        let mut revoked = Vec::new();
+        self.one_sided
+            .fetch_add(ops.len() as u64, Ordering::Relaxed);
+        if ops.iter().map(|o| o.len).sum::<u64>() > chunk {
+            return Some(self.side_by_side(ops, segs, control));
+        }
         for (i, (op, seg)) in ops.iter().zip(&segs).enumerate() {
             control.with_ledger(|l| {
                 l.plan(i, 1);
                 l.posted(i);
             });
-            let off = (seg.base + op.remote_offset) as usize;
-            let n = op.len as usize;
-            let moved = match op.kind {
-                OpKind::Read => seg.map.copy_out(off, &op.local, op.local_offset, n),
-                _ => seg.map.copy_in(off, &op.local, op.local_offset, n),
-            };
+            let moved = copy(op, seg, 0, op.len);
             control.with_ledger(|l| match moved {
                 Ok(()) => l.acked(i),
                 Err(_) => l.refused(i, RemoteStatus::UnknownSegment),
             });
             if moved.is_err() {
-                revoked.push(op.token);
-            }
-        }
-        self.one_sided
-            .fetch_add(ops.len() as u64, Ordering::Relaxed);
-        if !revoked.is_empty() {
-            let mut map = lock(&self.map);
-            for t in revoked {
-                map.insert(t, Entry::Refused(ShareRefusal::Revoked));
+                self.forget_revoked(op.token);
             }
         }
         Some(done(control))
+    }
+
+    /// Copies a large request in pieces of [`PIECE`] bytes on this thread and the pool's.
+    fn side_by_side(
+        self: &Arc<Self>,
+        ops: &Arc<[Op]>,
+        segs: Vec<Arc<Segment>>,
+        control: &Arc<RequestControl>,
+    ) -> BoxFuture<'static, Outcome> {
+        let cut = Cut::new(ops.iter().map(|o| o.len), PIECE);
+        control.with_ledger(|l| {
+            for (i, n) in cut.per_op.iter().enumerate() {
+                l.plan(i, *n);
+            }
+        });
+        let request = Request {
+            shares: self.clone(),
+            ops: ops.clone(),
+            segs,
+            cut,
+            control: control.clone(),
+        };
+        let copying = pool::side_by_side(Pool::shared(), request);
+        if copying.done() {
+            return done(control);
+        }
+        let control = control.clone();
+        Box::pin(async move {
+            copying.await;
+            control.outcome(true)
+        })
+    }
+
+    /// A registration seen revoked: dropped here (unmapped once no copy holds it), and never
+    /// asked for again.
+    fn forget_revoked(&self, token: SegmentToken) {
+        lock(&self.map).insert(token, Entry::Refused(ShareRefusal::Revoked));
     }
 
     /// The mapped segment of every op, when each is a host READ or WRITE the grant allows
@@ -349,6 +387,141 @@ impl Shares {
         if let Err(e) = started {
             debug!(error = %e, "cannot ask for a shared registration; the owner copies");
         }
+    }
+}
+
+/// Bytes a piece of a large one-sided request copies: a 1 MiB op is one piece, a larger one
+/// several, smaller ones share one.
+const PIECE: u64 = 1 << 20;
+
+/// Copies `n` bytes of `op` from `at` on in its segment (a READ out of it, a WRITE into it).
+fn copy(op: &Op, seg: &Segment, at: u64, n: u64) -> Result<(), Revoked> {
+    let off = (seg.base + op.remote_offset + at) as usize;
+    let local = op.local_offset + at;
+    match op.kind {
+        OpKind::Read => seg.map.copy_out(off, &op.local, local, n as usize),
+        _ => seg.map.copy_in(off, &op.local, local, n as usize),
+    }
+}
+
+/// Bytes `at..at + len` of op `op`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Part {
+    op: usize,
+    at: u64,
+    len: u64,
+}
+
+/// A request's ops cut in pieces: its bytes, op after op, cut every `piece` bytes, each piece
+/// the parts of the ops it holds. An op of no bytes is a part of no bytes.
+#[derive(Debug, PartialEq, Eq)]
+struct Cut {
+    parts: Vec<Part>,
+    /// Where each piece's parts end in `parts`.
+    ends: Vec<usize>,
+    /// Parts per op (the ledger's chunks).
+    per_op: Vec<u32>,
+}
+
+impl Cut {
+    fn new(lens: impl IntoIterator<Item = u64>, piece: u64) -> Self {
+        let piece = piece.max(1);
+        let mut cut = Self {
+            parts: Vec::new(),
+            ends: Vec::new(),
+            per_op: Vec::new(),
+        };
+        // Bytes in the piece being filled.
+        let mut filled = 0;
+        for (op, len) in lens.into_iter().enumerate() {
+            let mut parts = 0u32;
+            let mut at = 0;
+            loop {
+                let n = (len - at).min(piece - filled);
+                cut.parts.push(Part { op, at, len: n });
+                parts += 1;
+                at += n;
+                filled += n;
+                if filled == piece {
+                    cut.ends.push(cut.parts.len());
+                    filled = 0;
+                }
+                if at == len {
+                    break;
+                }
+            }
+            cut.per_op.push(parts);
+        }
+        if cut.ends.last() != Some(&cut.parts.len()) {
+            cut.ends.push(cut.parts.len());
+        }
+        cut
+    }
+
+    /// Piece `p`'s parts.
+    fn piece(&self, p: usize) -> &[Part] {
+        let start = if p == 0 { 0 } else { self.ends[p - 1] };
+        &self.parts[start..self.ends[p]]
+    }
+}
+
+/// A large request copied one-sidedly in pieces (`crate::pool`): each piece's parts are
+/// posted, copied and acknowledged (or refused, the registration revoked) in the ledger as
+/// one op of a small request is.
+struct Request {
+    shares: Arc<Shares>,
+    ops: Arc<[Op]>,
+    segs: Vec<Arc<Segment>>,
+    cut: Cut,
+    control: Arc<RequestControl>,
+}
+
+impl Pieces for Request {
+    fn count(&self) -> usize {
+        self.cut.ends.len()
+    }
+
+    fn stopped(&self) -> bool {
+        self.control.stopped().is_some()
+    }
+
+    fn copy(&self, p: usize) {
+        let parts = self.cut.piece(p);
+        self.control.with_ledger(|l| {
+            for part in parts {
+                l.posted(part.op);
+            }
+        });
+        let moved: Vec<_> = parts
+            .iter()
+            .map(|part| {
+                let op = &self.ops[part.op];
+                copy(op, &self.segs[part.op], part.at, part.len)
+            })
+            .collect();
+        self.control.with_ledger(|l| {
+            for (part, moved) in parts.iter().zip(&moved) {
+                match moved {
+                    Ok(()) => l.acked(part.op),
+                    Err(_) => l.refused(part.op, RemoteStatus::UnknownSegment),
+                }
+            }
+        });
+        for (part, moved) in parts.iter().zip(&moved) {
+            if moved.is_err() {
+                self.shares.forget_revoked(self.ops[part.op].token);
+            }
+        }
+    }
+
+    fn skip(&self, p: usize) {
+        // Stopped, or the request's future dropped (nobody reads that outcome).
+        let why = self.control.stopped().unwrap_or(FailureKind::Cancelled);
+        self.control.with_ledger(|l| {
+            for part in self.cut.piece(p) {
+                l.not_posted(part.op, why, None);
+            }
+        });
     }
 }
 
@@ -408,4 +581,57 @@ fn adopt(fd: &OwnedFd, d: &[u8; SHARE_GRANT_LEN]) -> Result<Segment, ShareRefusa
 fn done(control: &Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
     let outcome = control.outcome(true);
     Box::pin(std::future::ready(outcome))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(op: usize, at: u64, len: u64) -> Part {
+        Part { op, at, len }
+    }
+
+    /// The request's bytes are cut every piece, across ops; every byte is in exactly one part,
+    /// in order, and each op's parts are counted.
+    #[test]
+    fn a_cut_covers_every_byte_once_in_pieces_of_at_most_a_piece() {
+        let cut = Cut::new([10, 3, 0, 14, 1], 8);
+        let pieces: Vec<&[Part]> = (0..cut.ends.len()).map(|p| cut.piece(p)).collect();
+        assert_eq!(
+            pieces,
+            [
+                &[part(0, 0, 8)][..],
+                &[part(0, 8, 2), part(1, 0, 3), part(2, 0, 0), part(3, 0, 3)],
+                &[part(3, 3, 8)],
+                &[part(3, 11, 3), part(4, 0, 1)],
+            ]
+        );
+        assert_eq!(cut.per_op, [2, 1, 1, 3, 1]);
+        for lens in [
+            vec![1 << 20; 64],
+            vec![(4 << 20) + 5, 3, 7 << 19],
+            vec![0, 0],
+        ] {
+            let cut = Cut::new(lens.iter().copied(), PIECE);
+            for p in 0..cut.ends.len() {
+                let bytes: u64 = cut.piece(p).iter().map(|x| x.len).sum();
+                assert!(bytes <= PIECE && (bytes == PIECE || p + 1 == cut.ends.len()));
+            }
+            for (op, len) in lens.iter().enumerate() {
+                let mine: Vec<_> = cut.parts.iter().filter(|x| x.op == op).collect();
+                assert_eq!(mine.len() as u32, cut.per_op[op]);
+                let mut at = 0;
+                for x in mine {
+                    assert_eq!(x.at, at);
+                    at += x.len;
+                }
+                assert_eq!(at, *len);
+            }
+        }
+        assert_eq!(
+            Cut::new([1 << 20; 64], PIECE).ends.len(),
+            64,
+            "a 1 MiB op a piece"
+        );
+    }
 }

@@ -24,6 +24,12 @@ const LEN: usize = 256 << 10;
 /// Where the segments start in their regions (a segment need not be its whole region).
 const BASE: u64 = 4096;
 const SEG: u64 = (LEN as u64) - BASE;
+/// A region for requests over a chunk (4 MiB by default).
+const BIG: usize = 40 << 20;
+/// Ops of 1 MiB in a request to stop or revoke mid-way, and the regions they lie in: long
+/// enough to be seen under way on a loaded machine.
+const LONG: u64 = 128;
+const LONG_REGION: usize = (LONG as usize + 1) << 20;
 
 const RW: SegmentToken = SegmentToken(1);
 const RO: SegmentToken = SegmentToken(2);
@@ -47,7 +53,7 @@ impl SegmentTable for Table {
         visible.then(|| SegmentLease {
             region: region.clone(),
             base: BASE,
-            len: SEG,
+            len: region.len() as u64 - BASE,
             access: *access,
             guard: None,
         })
@@ -346,4 +352,275 @@ async fn a_registration_whose_memory_is_freed_cannot_be_read_afterwards() {
             "{access:?}: the bytes outlived the registration"
         );
     }
+}
+
+/// A byte of a pattern no two nearby offsets share with a shift of a page or a piece.
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(0x9e37_79b9) >> 13) as u8 ^ seed ^ (i >> 20) as u8)
+        .collect()
+}
+
+fn bytes_of(r: &MemoryRegion) -> Vec<u8> {
+    let mut v = vec![0u8; r.len()];
+    r.read_at(0, &mut v).unwrap();
+    v
+}
+
+/// Runs `ops` on `ch` on a thread of its own, returning the control to stop it with.
+fn run_on_thread(
+    ch: &Arc<ferry_transport_local::LocalChannel>,
+    ops: Vec<Op>,
+) -> (
+    Arc<RequestControl>,
+    std::thread::JoinHandle<ferry_core::Outcome>,
+) {
+    let ops: Arc<[Op]> = ops.into();
+    let control = Arc::new(RequestControl::new(&ops));
+    let (ch, c) = (ch.clone(), control.clone());
+    let t = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(ch.execute(ops, c))
+    });
+    (control, t)
+}
+
+/// Waits (yielding) until `landed` says the request's first bytes are there.
+fn until(landed: impl Fn() -> bool, t: &std::thread::JoinHandle<ferry_core::Outcome>) {
+    while !landed() && !t.is_finished() {
+        std::thread::yield_now();
+    }
+}
+
+/// Requests over a chunk are moved one-sidedly too, in pieces copied side by side: READs and
+/// WRITEs of several ops of odd sizes and offsets land every byte where it belongs and none
+/// elsewhere, round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_a_chunk_is_copied_in_pieces_every_byte_right() {
+    let table = Arc::new(Table::default());
+    let region = Arc::new(MemoryRegion::alloc_shareable(BIG).unwrap());
+    let remote = pattern(0x3c, BIG);
+    region.write_at(0, &remote).unwrap();
+    table.add(
+        RW,
+        &region,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        true,
+    );
+    let (_h, peer) = serve(table.clone());
+    let ch = LocalTransport::new(LocalConfig::default())
+        .connect_channel(&peer)
+        .unwrap();
+    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    // (length, remote offset, local offset): odd sizes, a piece's edge crossed anywhere, one
+    // op of no bytes, local and remote offsets that differ.
+    let shape: [(u64, u64, u64); 7] = [
+        ((3 << 20) + 17, 5, 4096 + 3),
+        (1, (3 << 20) + 100, (3 << 20) + 8200),
+        ((5 << 20) - 3, (4 << 20) + 1, (4 << 20) + 77),
+        (0, 9 << 20, 9 << 20),
+        ((2 << 20) + 4095, 10 << 20, (12 << 20) + 1),
+        (64 << 10, (13 << 20) - 7, (15 << 20) + 5),
+        ((7 << 20) + 1, 20 << 20, (16 << 20) + 9),
+    ];
+    let total: u64 = shape.iter().map(|s| s.0).sum();
+    assert!(total > LocalConfig::default().chunk_size);
+    let ops_of = |kind, local: &Arc<MemoryRegion>| -> Vec<Op> {
+        shape
+            .iter()
+            .map(|&(len, remote_offset, local_offset)| Op {
+                kind,
+                local: local.clone(),
+                local_offset,
+                token: RW,
+                remote_offset,
+                len,
+            })
+            .collect()
+    };
+    let mut moved = one_sided(&ch);
+    for round in 0..4u8 {
+        // READs: each op's bytes of the segment, at its local offset; the rest untouched.
+        region.write_at(0, &remote).unwrap();
+        let local = Arc::new(MemoryRegion::alloc_zeroed(BIG, 4096).unwrap());
+        let o = run(&ch, ops_of(OpKind::Read, &local)).await;
+        assert!(o.is_success(), "{o:?}");
+        assert_eq!(o.completed_bytes, total);
+        let mut want = vec![0u8; BIG];
+        for &(len, r, l) in &shape {
+            let (r, l, n) = ((BASE + r) as usize, l as usize, len as usize);
+            want[l..l + n].copy_from_slice(&remote[r..r + n]);
+        }
+        assert!(
+            bytes_of(&local) == want,
+            "round {round}: a READ's bytes differ"
+        );
+        moved += shape.len() as u64;
+        assert_eq!(one_sided(&ch), moved, "one-sided, not the owner's");
+
+        // WRITEs: each op's local bytes into the segment; the rest of the region unchanged.
+        let src = pattern(0xa5 ^ round, BIG);
+        local.write_at(0, &src).unwrap();
+        let o = run(&ch, ops_of(OpKind::Write, &local)).await;
+        assert!(o.is_success(), "{o:?}");
+        let mut want = remote.clone();
+        for &(len, r, l) in &shape {
+            let (r, l, n) = ((BASE + r) as usize, l as usize, len as usize);
+            want[r..r + n].copy_from_slice(&src[l..l + n]);
+        }
+        assert!(
+            bytes_of(&region) == want,
+            "round {round}: a WRITE's bytes differ"
+        );
+        moved += shape.len() as u64;
+        assert_eq!(one_sided(&ch), moved);
+    }
+}
+
+/// A registration revoked while a request over a chunk is being copied: the ops that see it
+/// fail `UnknownSegment`, the request still resolves, and the mapping is dropped.
+#[test]
+fn a_registration_revoked_mid_request_fails_the_rest_and_the_request_resolves() {
+    let mut caught = 0;
+    for attempt in 0..10 {
+        let table = Arc::new(Table::default());
+        let region = Arc::new(MemoryRegion::alloc_shareable(LONG_REGION).unwrap());
+        table.add(
+            RW,
+            &region,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+            true,
+        );
+        let (_h, peer) = serve(table.clone());
+        let ch = Arc::new(
+            LocalTransport::new(LocalConfig::default())
+                .connect_channel(&peer)
+                .unwrap(),
+        );
+        assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+        let local = Arc::new(MemoryRegion::alloc_zeroed(LONG_REGION, 4096).unwrap());
+        local.write_at(0, &vec![0x5a; LONG_REGION]).unwrap();
+        let n = LONG;
+        let ops = (0..n)
+            .map(|i| Op {
+                kind: OpKind::Write,
+                local: local.clone(),
+                local_offset: i << 20,
+                token: RW,
+                remote_offset: i << 20,
+                len: 1 << 20,
+            })
+            .collect();
+        let (_, t) = run_on_thread(&ch, ops);
+        // The first piece's first byte landed: revoke (unregistered, the last hold dropped).
+        until(
+            || {
+                let mut b = [0u8; 1];
+                region.read_at(BASE, &mut b).unwrap();
+                b[0] == 0x5a
+            },
+            &t,
+        );
+        table.remove(RW);
+        drop(region);
+        let o = t.join().unwrap();
+        if o.is_success() {
+            // The whole request was copied before the revocation: try again.
+            continue;
+        }
+        caught += 1;
+        let f = o.failure.expect("failed");
+        assert_eq!(
+            f.kind,
+            FailureKind::Remote(ferry_core::RemoteStatus::UnknownSegment),
+            "attempt {attempt}: {o:?}"
+        );
+        assert!(o.completed_ops < n as usize);
+        assert_eq!(ch.shared_use().map(|u| u.0), Some(0), "the mapping dropped");
+        assert_eq!(ch.map_shared(RW), Some(Err(ShareRefusal::Revoked)));
+        break;
+    }
+    assert!(caught > 0, "every request finished before its revocation");
+}
+
+/// A request over a chunk stopped while it is being copied: the pieces not started are not
+/// copied, it resolves `Cancelled`, and nothing lands in the caller's memory afterwards.
+#[test]
+fn a_stopped_request_over_a_chunk_copies_nothing_after_it_resolves() {
+    let table = Arc::new(Table::default());
+    let region = Arc::new(MemoryRegion::alloc_shareable(LONG_REGION).unwrap());
+    region.write_at(0, &vec![0xab; LONG_REGION]).unwrap();
+    table.add(
+        RW,
+        &region,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        true,
+    );
+    let (_h, peer) = serve(table.clone());
+    let ch = Arc::new(
+        LocalTransport::new(LocalConfig::default())
+            .connect_channel(&peer)
+            .unwrap(),
+    );
+    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    let n = LONG as usize;
+    let reads = |local: &Arc<MemoryRegion>| -> Vec<Op> {
+        (0..n as u64)
+            .map(|i| Op {
+                kind: OpKind::Read,
+                local: local.clone(),
+                local_offset: i << 20,
+                token: RW,
+                remote_offset: i << 20,
+                len: 1 << 20,
+            })
+            .collect()
+    };
+    let mut caught = 0;
+    for _ in 0..10 {
+        let local = Arc::new(MemoryRegion::alloc_zeroed(LONG_REGION, 4096).unwrap());
+        let (control, t) = run_on_thread(&ch, reads(&local));
+        until(
+            || {
+                let mut b = [0u8; 1];
+                local.read_at(0, &mut b).unwrap();
+                b[0] == 0xab
+            },
+            &t,
+        );
+        control.stop(FailureKind::Cancelled);
+        let o = t.join().unwrap();
+        if o.is_success() {
+            continue;
+        }
+        caught += 1;
+        assert_eq!(o.failure.unwrap().kind, FailureKind::Cancelled, "{o:?}");
+        let at_end = bytes_of(&local);
+        // Blocks the request touched: every op complete, and at most the pieces in flight at
+        // the stop (one per copying thread) beyond them; the rest never started.
+        let touched: Vec<bool> = at_end
+            .chunks(1 << 20)
+            .take(n)
+            .map(|b| b.iter().any(|x| *x != 0))
+            .collect();
+        assert!(touched[..o.completed_ops].iter().all(|t| *t));
+        let beyond = touched[o.completed_ops..].iter().filter(|t| **t).count();
+        assert!(beyond <= 5, "{beyond} ops copied after the stop: {o:?}");
+        assert!(o.completed_ops + beyond < n, "nothing was skipped");
+        // Another request over a chunk on the same pool, to its end: the stopped one's bytes
+        // did not change meanwhile.
+        let other = Arc::new(MemoryRegion::alloc_zeroed(LONG_REGION, 4096).unwrap());
+        let (_, t) = run_on_thread(&ch, reads(&other));
+        assert!(t.join().unwrap().is_success());
+        assert!(
+            bytes_of(&local) == at_end,
+            "bytes landed after the request resolved"
+        );
+        if caught == 3 {
+            break;
+        }
+    }
+    assert!(caught > 0, "every request finished before its stop");
 }
