@@ -1,8 +1,8 @@
-//! A request's count of unresolved parts, as a channel executes it: one held by the poster
-//! while it deals the request ([`deal_request`](crate::dealer::deal_request)'s `count` adds one
-//! per chunk), one per chunk dealt or sent, and whatever else the transport must see finished
-//! before the request is over (zero-copy notifications, say). Every part is resolved exactly
-//! once, and the request's future ([`Countdown::wait`]) resolves once none is left.
+//! A request as a channel executes it ([`Executing`]) and its count of unresolved parts
+//! ([`Countdown`]): one held by the poster while it deals the request or sends it directly, one
+//! per chunk dealt or sent, and whatever else the transport must see finished before the
+//! request is over (zero-copy notifications, say). Every part is resolved exactly once, and
+//! the request's future ([`Executing::settle`], [`Countdown::wait`]) resolves once none is left.
 //! Runtime-agnostic: the last part's thread wakes the future's task, whatever runtime or ring
 //! thread each runs on.
 
@@ -11,6 +11,80 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
+
+use crate::dealer::deal_request;
+use crate::op::Op;
+use crate::outcome::RequestControl;
+use crate::queue::{JobQueue, Wake};
+use crate::stream::{ChunkOwner, Work};
+
+/// A request as a channel executes it: what its chunks carry ([`ChunkOwner`]) to the channel's
+/// streams, each chunk one of its parts.
+#[derive(Debug)]
+pub struct Executing {
+    /// The request's ops.
+    pub ops: Arc<[Op]>,
+    /// Its stop flag and ledger.
+    pub control: Arc<RequestControl>,
+    /// Its unresolved parts, the poster's among them until [`settle`](Self::settle).
+    pub parts: Arc<Countdown>,
+}
+
+impl Executing {
+    /// A request of `ops` under `control`, holding the poster's part.
+    pub fn new(ops: Arc<[Op]>, control: Arc<RequestControl>) -> Arc<Self> {
+        Arc::new(Self {
+            ops,
+            control,
+            parts: Arc::new(Countdown::new(1)),
+        })
+    }
+
+    /// Deals the request to `queue`'s streams ([`deal_request`]: chunks of at most `chunk`
+    /// bytes, runs of small ops as vectored requests of at most `group` bytes), each chunk a
+    /// part, and wakes the streams its jobs went to.
+    pub fn deal<W: Wake>(
+        self: &Arc<Self>,
+        queue: &JobQueue<Work<Self>, W>,
+        chunk: u64,
+        group: Option<u64>,
+        closed: bool,
+    ) {
+        deal_request(
+            queue.dealer(),
+            self,
+            chunk,
+            group,
+            closed,
+            |n| self.parts.add(n),
+            |set| queue.wake_all_in(set),
+        );
+    }
+
+    /// Resolves the poster's part, once the request is dealt or sent, and lets go of the
+    /// request: what it returns resolves once every part is (the chunks keep the request
+    /// alive until then).
+    pub fn settle(self: Arc<Self>) -> impl Future<Output = ()> + Send + 'static {
+        let parts = self.parts.clone();
+        drop(self);
+        parts.done_one();
+        parts.wait()
+    }
+}
+
+impl ChunkOwner for Executing {
+    fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    fn control(&self) -> &RequestControl {
+        &self.control
+    }
+
+    fn chunk_done(&self) {
+        self.parts.done_one();
+    }
+}
 
 /// A count of unresolved parts; [`Countdown::wait`] resolves when it reaches zero. A count that
 /// reached zero stays done (parts must all be added while one is still held).
@@ -76,17 +150,24 @@ impl Future for CountdownWait {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::op::OpKind;
     use std::sync::atomic::AtomicUsize;
-    use std::task::Wake;
 
     /// Counts its wakes.
     #[derive(Default)]
     struct Wakes(AtomicUsize);
 
-    impl Wake for Wakes {
+    impl std::task::Wake for Wakes {
         fn wake(self: Arc<Self>) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    /// A stream wake-up that does nothing (the test takes the jobs itself).
+    struct Asleep;
+
+    impl Wake for Asleep {
+        fn wake(&self) {}
     }
 
     /// The wait resolves only once every part (the poster's and those added) is done, the last
@@ -123,5 +204,41 @@ mod tests {
                 .poll(&mut cx)
                 .is_ready()
         );
+    }
+
+    /// An executed request's future resolves once every chunk dealt to the streams is resolved
+    /// and the poster settled, not before: each chunk is one part.
+    #[test]
+    fn a_dealt_request_is_over_when_its_last_chunk_resolves() {
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let ops: Arc<[Op]> = vec![Op {
+            kind: OpKind::Write,
+            local: Arc::new(crate::MemoryRegion::from_vec(vec![0; 64])),
+            local_offset: 0,
+            token: crate::SegmentToken(1),
+            remote_offset: 0,
+            len: 2500,
+        }]
+        .into();
+        let control = Arc::new(RequestControl::new(&ops));
+        let queue = JobQueue::new([Asleep, Asleep]);
+        let req = Executing::new(ops, control);
+        req.deal(&queue, 1000, None, false);
+        let mut over = Box::pin(req.settle());
+        let mut jobs = Vec::new();
+        while let Some(j) = queue.lock().take(0, true) {
+            jobs.push(j);
+        }
+        assert_eq!(jobs.len(), 3, "chunks of 1000 bytes");
+        for j in jobs {
+            assert!(over.as_mut().poll(&mut cx).is_pending());
+            let Work::One(c) = j else {
+                panic!("no vectored job without a group")
+            };
+            c.req.chunk_done();
+        }
+        assert!(over.as_mut().poll(&mut cx).is_ready());
     }
 }

@@ -19,10 +19,10 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use ferry_core::countdown::Countdown;
-use ferry_core::dealer::{deal_request, direct_op};
+use ferry_core::countdown::Executing;
+use ferry_core::dealer::direct_op;
 use ferry_core::queue::{JobQueue, Next, Wake};
-use ferry_core::stream::{AckPolicy, Chunk, ChunkOwner, ClientStream, Post, Resolution, Work};
+use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
 use ferry_core::wire::{DATA_REQUEST_LEN, DATA_RESPONSE_LEN};
 use ferry_core::{
     BoxFuture, Channel, FailureKind, Op, OpKind, Outcome, RequestControl, TransportKind,
@@ -39,30 +39,7 @@ use crate::pool::IoPool;
 /// Payloads up to this size are staged with their header and sent in one call.
 const SMALL: usize = 16 << 10;
 
-/// One request being executed.
-#[derive(Debug)]
-struct ReqShared {
-    ops: Arc<[Op]>,
-    control: Arc<RequestControl>,
-    /// Chunks handed to streams and not resolved yet, plus one held by the poster.
-    parts: Arc<Countdown>,
-}
-
-impl ChunkOwner for ReqShared {
-    fn ops(&self) -> &[Op] {
-        &self.ops
-    }
-
-    fn control(&self) -> &RequestControl {
-        &self.control
-    }
-
-    fn chunk_done(&self) {
-        self.parts.done_one();
-    }
-}
-
-type Job = Work<ReqShared>;
+type Job = Work<Executing>;
 
 /// A stream's sender task's wake-up: new work, room freed in flight, nothing left in flight
 /// (it may take others' jobs), the stream's or the channel's end.
@@ -246,7 +223,7 @@ impl TcpChannel {
     /// What the kernel does not take at once is left for the sender task to send before
     /// anything else, so each socket carries its requests in sequence order. `false`: nothing
     /// was done, deal the request.
-    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> bool {
+    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<Executing>) -> bool {
         let Some(op) = direct_op(ops, self.chunk) else {
             return false;
         };
@@ -324,34 +301,23 @@ impl Channel for TcpChannel {
     }
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
-        let queue = &self.queue;
-        let req = Arc::new(ReqShared {
-            ops: ops.clone(),
-            control: control.clone(),
-            parts: Arc::new(Countdown::new(1)),
-        });
+        let req = Executing::new(ops.clone(), control.clone());
         let closed = self.streams.is_closed();
         // Dealt now, before the future is first polled; each sender checks the request's stop
         // flag and failures again before it posts a chunk, and bounds what it has in flight.
         // A small request to an idle stream is sent from here; otherwise chunks are dealt (runs
         // of small ops as vectored requests of up to one chunk's bytes).
         if closed || !self.send_direct(&ops, &control, &req) {
-            deal_request(
-                queue.dealer(),
-                &req,
+            req.deal(
+                &self.queue,
                 self.chunk,
                 self.vectored.then_some(self.chunk),
                 closed,
-                |n| req.parts.add(n),
-                |set| queue.wake_all_in(set),
             );
         }
-        // The poster's own part; a count done before the future waits stays done.
-        let parts = req.parts.clone();
-        drop(req);
-        parts.done_one();
+        let settled = req.settle();
         Box::pin(async move {
-            parts.wait().await;
+            settled.await;
             control.outcome(true)
         })
     }
@@ -393,7 +359,7 @@ struct StreamProto {
 /// request in one go, so requests reach the socket in sequence order.
 #[derive(Debug)]
 struct SendState {
-    proto: ClientStream<ReqShared>,
+    proto: ClientStream<Executing>,
     /// The sender task is taking or sending a chunk (or a tail): nobody else writes the socket.
     busy: bool,
     /// Bytes of a direct send that the kernel did not take at once; the sender task sends them

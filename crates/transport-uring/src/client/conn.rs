@@ -8,10 +8,11 @@ use std::os::fd::{OwnedFd, RawFd};
 use std::sync::Arc;
 
 use ferry_core::MemoryRegion;
+use ferry_core::countdown::Executing;
 use ferry_core::stream::{Chunk, Outgoing};
 use ferry_core::wire::DATA_RESPONSE_LEN;
 
-use super::state::{Queue, ReqShared, StreamShared};
+use super::state::{Queue, StreamShared};
 use tracing::debug;
 
 use crate::ring::IoStats;
@@ -45,7 +46,7 @@ pub(super) enum Keep {
     /// A request the stream posted (header, piece table, the regions of its payload), and
     /// bytes a submitter left unsent before it, if any.
     Posted(
-        #[allow(dead_code)] Box<Outgoing<ReqShared>>,
+        #[allow(dead_code)] Box<Outgoing<Executing>>,
         #[allow(dead_code)] Option<Vec<u8>>,
     ),
     /// Bytes a submitter's send left over.
@@ -62,7 +63,7 @@ pub(super) enum Body {
         len: usize,
         done: usize,
         region: Arc<MemoryRegion>,
-        req: Arc<ReqShared>,
+        req: Arc<Executing>,
     },
     /// vmsplice + splice of `len` bytes at `ptr`: `done` moved to the socket, `piped` in the
     /// pipe and not yet moved.
@@ -92,13 +93,13 @@ pub(super) struct Out {
 pub(super) enum Incoming {
     /// A READ's (or a checksum's) payload, into its chunk's memory.
     One {
-        chunk: Chunk<ReqShared>,
+        chunk: Chunk<Executing>,
         part: (*const u8, usize),
         done: usize,
     },
     /// A vectored READ's payload, into its pieces' memory in order.
     Pieces {
-        pieces: Vec<Chunk<ReqShared>>,
+        pieces: Vec<Chunk<Executing>>,
         parts: Vec<(*const u8, usize)>,
         total: usize,
         done: usize,

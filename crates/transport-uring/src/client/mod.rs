@@ -31,8 +31,8 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::countdown::Countdown;
-use ferry_core::dealer::{DIRECT_MAX, deal_request, direct_op};
+use ferry_core::countdown::{Countdown, Executing};
+use ferry_core::dealer::{DIRECT_MAX, direct_op};
 use ferry_core::queue::Wake;
 use ferry_core::stream::{AckPolicy, Chunk, ClientStream, Post, Resolution, Work};
 use ferry_core::{
@@ -43,7 +43,7 @@ use tracing::debug;
 
 use owners::Owners;
 pub(crate) use rings::{ClientRings, RingPlan};
-use state::{Queue, ReqShared, SendState, StreamShared, shutdown};
+use state::{Queue, SendState, StreamShared, shutdown};
 
 use crate::ring::IoStats;
 
@@ -188,7 +188,7 @@ impl UringChannel {
     /// a poll for the socket's hang-up), and a WRITE or a READ of at most [`DIRECT_MAX`] bytes
     /// sent whole from a task on a tokio runtime makes that task the stream's reader
     /// ([`CallerRead`]); any other direct send wakes the stream's ring to arm its receive.
-    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<ReqShared>) -> Direct {
+    fn send_direct(&self, ops: &[Op], control: &RequestControl, req: &Arc<Executing>) -> Direct {
         let Some(op) = direct_op(ops, self.chunk) else {
             return Direct::Dealt;
         };
@@ -581,11 +581,7 @@ impl Channel for UringChannel {
 
     fn execute(&self, ops: Arc<[Op]>, control: Arc<RequestControl>) -> BoxFuture<'static, Outcome> {
         let closed = self.streams.is_closed();
-        let req = Arc::new(ReqShared {
-            ops: ops.clone(),
-            control: control.clone(),
-            parts: Arc::new(Countdown::new(1)),
-        });
+        let req = Executing::new(ops.clone(), control.clone());
         // A small request to an idle stream is sent from here; otherwise chunks are dealt to
         // the streams now; each stream checks the request's stop flag and failures again
         // before it posts a chunk, and bounds what it has in flight.
@@ -601,24 +597,19 @@ impl Channel for UringChannel {
         };
         if dealt {
             // Runs of small ops go out as vectored requests of up to one chunk's bytes.
-            deal_request(
-                self.queue.dealer(),
-                &req,
+            req.deal(
+                &self.queue,
                 self.chunk,
                 self.vectored.then_some(self.chunk),
                 closed,
-                |n| req.parts.add(n),
-                |set| self.queue.wake_all_in(set),
             );
         }
-        let parts = req.parts.clone();
-        drop(req);
-        parts.done_one();
+        let settled = req.settle();
         Box::pin(async move {
             if let Some(mut c) = caller {
                 c.read().await;
             }
-            parts.wait().await;
+            settled.await;
             control.outcome(true)
         })
     }

@@ -3,13 +3,14 @@
 
 use std::io;
 
+use ferry_core::countdown::Executing;
 use ferry_core::stream::Resolution;
 use ferry_core::wire::DATA_RESPONSE_LEN;
 use ferry_net::RECV_LOW_MARK as LOWAT;
 use tracing::debug;
 
 use super::conn::{Conn, Incoming, Op, on_fd, set_lowat};
-use super::state::{NotifHold, ReqShared};
+use super::state::NotifHold;
 use crate::ring::host::Io;
 use crate::ring::iovecs_from;
 
@@ -264,7 +265,7 @@ fn on_header_bytes(c: &mut Conn, n: usize) -> Result<(), Option<i32>> {
 /// nothing. `Err`: the response broke the protocol.
 fn resolve(
     c: &mut Conn,
-    resolved: Result<Resolution<ReqShared>, ferry_core::stream::Violation>,
+    resolved: Result<Resolution<Executing>, ferry_core::stream::Violation>,
 ) -> Result<(), Option<i32>> {
     match resolved {
         Ok(Resolution::Done) => Ok(()),

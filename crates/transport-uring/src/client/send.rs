@@ -5,13 +5,14 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 
+use ferry_core::countdown::Executing;
 use ferry_core::queue::Next;
 use ferry_core::stream::{Outgoing, Post};
 use ferry_core::{FailureKind, OpKind};
 use tracing::debug;
 
 use super::conn::{Body, Conn, Keep, Op, Out, SendOp, on_fd};
-use super::state::{NotifHold, ReqShared};
+use super::state::NotifHold;
 use crate::ring::host::Io;
 use crate::ring::{IoStats, iovecs_from};
 
@@ -115,7 +116,7 @@ pub(super) fn send(io: &mut Io<'_, NotifHold>, c: &mut Conn) -> Result<bool, Opt
 /// How one posted request goes out: its header (and piece table) copied, then its WRITE
 /// payload copied, by SEND_ZC or spliced. `tail`: a submitter's leftover bytes, which precede
 /// it on the wire.
-fn plan_out(c: &Conn, out: Box<Outgoing<ReqShared>>, tail: Vec<u8>) -> Out {
+fn plan_out(c: &Conn, out: Box<Outgoing<Executing>>, tail: Vec<u8>) -> Out {
     let mut parts: Vec<(*const u8, usize)> = Vec::with_capacity(3);
     // Leftover bytes of a submitter (rare: a direct send past a chunk taken here cannot
     // happen, but a tail left before is sent first) go first; kept with the request.

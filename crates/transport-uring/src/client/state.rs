@@ -1,47 +1,25 @@
-//! What a client stream's ring shares with the threads that submit to it: the request being
-//! executed, the stream's protocol state and send side, and how the stream is woken.
+//! What a client stream's ring shares with the threads that submit to it: the jobs of the
+//! requests being executed ([`Executing`]), the stream's protocol state and send side, and how
+//! the stream is woken.
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ferry_core::countdown::Countdown;
+use ferry_core::countdown::Executing;
 use ferry_core::queue::{JobQueue, Wake};
-use ferry_core::stream::{Chunk, ChunkOwner, ClientStream, Work};
-use ferry_core::{Op, RequestControl};
+use ferry_core::stream::{Chunk, ClientStream, Work};
 
 use super::owners::Owners;
 use crate::ring::inbox::Inbox;
 
-#[derive(Debug)]
-pub(crate) struct ReqShared {
-    pub(crate) ops: Arc<[Op]>,
-    pub(crate) control: Arc<RequestControl>,
-    /// Unresolved chunks and notifications, plus one held by the poster.
-    pub(crate) parts: Arc<Countdown>,
-}
-
-impl ChunkOwner for ReqShared {
-    fn ops(&self) -> &[Op] {
-        &self.ops
-    }
-
-    fn control(&self) -> &RequestControl {
-        &self.control
-    }
-
-    fn chunk_done(&self) {
-        self.parts.done_one();
-    }
-}
-
-pub(crate) type Job = Work<ReqShared>;
+pub(crate) type Job = Work<Executing>;
 
 /// Keeps a request un-drained until the zero-copy notification of one send.
-pub(crate) struct NotifHold(Arc<ReqShared>);
+pub(crate) struct NotifHold(Arc<Executing>);
 
 impl NotifHold {
-    pub(crate) fn new(req: &Arc<ReqShared>) -> Self {
+    pub(crate) fn new(req: &Arc<Executing>) -> Self {
         req.parts.add(1);
         Self(req.clone())
     }
@@ -125,9 +103,9 @@ pub(crate) struct StreamShared {
 
 #[derive(Debug)]
 pub(crate) struct SendState {
-    pub(crate) proto: ClientStream<ReqShared>,
+    pub(crate) proto: ClientStream<Executing>,
     /// Who may write and read the socket now, and what a reader left for the next.
-    pub(crate) owners: Owners<Chunk<ReqShared>>,
+    pub(crate) owners: Owners<Chunk<Executing>>,
 }
 
 impl StreamShared {
