@@ -32,6 +32,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Hand-offs that may wait for the pool's threads.
+const QUEUED_MAX: usize = 64;
+
 /// A request cut in pieces that any thread may run, each once.
 pub(crate) trait Pieces: Send + Sync + 'static {
     /// How many pieces.
@@ -107,14 +110,14 @@ impl Pool {
         self.threads
     }
 
-    /// Hands `work` to `n` threads (at most all of them).
+    /// Hands `work` to `n` threads (at most all of them), unless [`QUEUED_MAX`] hand-offs wait
+    /// already: the threads are busy (or gone: a child forked after they started has none),
+    /// and the submitting thread copies alone.
     fn help(&self, work: &Arc<dyn Work>, n: usize) {
-        let n = n.min(self.threads);
-        if n == 0 {
-            return;
-        }
+        let mut n = n.min(self.threads);
         {
             let mut q = lock(&self.inner.queue);
+            n = n.min(QUEUED_MAX.saturating_sub(q.len()));
             for _ in 0..n {
                 q.push_back(Arc::downgrade(work));
             }
@@ -449,6 +452,22 @@ mod tests {
         let ran = lock(&copying.pieces().ran).clone();
         assert_eq!(ran[0], Some(true));
         assert!(ran[1..].iter().all(|r| *r == Some(false)), "{ran:?}");
+        open.send(()).unwrap();
+        block_on(&mut held);
+    }
+
+    /// While the pool's threads are held, at most `QUEUED_MAX` hand-offs wait; the requests
+    /// past them are copied by their submitting threads alone.
+    #[test]
+    fn hand_offs_waiting_for_busy_threads_are_bounded() {
+        let pool = Pool::new(1);
+        let (blocker, open) = Gated::new(2, false);
+        let mut held = side_by_side(&pool, blocker);
+        let runs: Vec<_> = (0..QUEUED_MAX + 10)
+            .map(|_| side_by_side(&pool, Recorded::new(2, false)))
+            .collect();
+        assert!(runs.iter().all(|r| r.done()));
+        assert_eq!(lock(&pool.inner.queue).len(), QUEUED_MAX);
         open.send(()).unwrap();
         block_on(&mut held);
     }
