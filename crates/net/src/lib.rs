@@ -1,8 +1,9 @@
 //! Socket plumbing that Ferry's two TCP data planes (`ferry-transport-tcp` on tokio,
 //! `ferry-transport-uring` on rings) share, so that it is written once: how a data socket is
 //! tuned (Nagle, buffers, the dead-peer limit), the receive low mark for large payloads, how a
-//! server listens ([`listen`]), the limits on connections before their handshake is over
-//! ([`HandshakeGate`]), and the reading and writing of control frames. What the bytes mean is `ferry_core::wire`,
+//! server listens ([`listen`]) and waits after a failed accept ([`AcceptBackoff`]), the limits
+//! on connections before their handshake is over ([`HandshakeGate`]), and the reading and
+//! writing of control frames. What the bytes mean is `ferry_core::wire`,
 //! `ferry_core::handshake` and `ferry_core::stream`, which do no I/O; this crate does only the
 //! socket calls around them.
 //!
@@ -19,6 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_core::Error;
+use ferry_core::backoff::Backoff;
 use ferry_core::wire::{CONTROL_HEADER_LEN, ControlFrame, ControlHeader, SUPPORTED_VERSIONS};
 
 /// The default dead-peer limit of both data planes: a peer whose sent data stays unacknowledged
@@ -278,6 +280,49 @@ pub fn listen(addr: SocketAddr) -> Result<(std::net::TcpListener, SocketAddr), E
         .local_addr()
         .map_err(|e| Error::io("local address of", addr.to_string(), e))?;
     Ok((listener, bound))
+}
+
+/// The longest a server's first wait after a failed accept lasts ([`AcceptBackoff`]).
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+/// The longest any wait after a failed accept lasts ([`AcceptBackoff`]).
+pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// How long a server's accept loop leaves its listener alone after an accept fails (out of
+/// descriptors, say: the listener stays readable, so accepting again at once would spin on the
+/// same error). Every Ferry listener waits by this one rule: failure `n` in a row (from 0) waits
+/// a random time up to `min(ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF * 2^n)`
+/// ([`ferry_core::backoff::Backoff`]'s full jitter), and an accepted connection starts the
+/// count again. No clock, no I/O: the loop sleeps, or stops polling the listener, for the wait.
+#[derive(Debug)]
+pub struct AcceptBackoff {
+    backoff: Backoff,
+}
+
+impl AcceptBackoff {
+    /// No failure yet, jittered by a generator seeded at random.
+    pub fn new() -> Self {
+        Self {
+            backoff: Backoff::random(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX),
+        }
+    }
+
+    /// An accept returned a connection: the next failure waits as the first did.
+    pub fn accepted(&mut self) {
+        if self.backoff.attempts() > 0 {
+            *self = Self::new();
+        }
+    }
+
+    /// An accept failed: how long to leave the listener alone before the next.
+    pub fn failed(&mut self) -> Duration {
+        self.backoff.next_delay()
+    }
+}
+
+impl Default for AcceptBackoff {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Tunes a data socket: Nagle off; socket buffers of `size` where the kernel's maximum allows
@@ -631,6 +676,36 @@ mod tests {
         );
         a.shutdown(std::net::Shutdown::Both).unwrap();
         assert!(matches!(send_now(a.as_fd(), &small), SentNow::Failed(_)));
+    }
+
+    /// Failures in a row wait under a ceiling doubling from 10 ms to 1 s, and the late ones
+    /// use the whole second (some wait more than half of it); an accepted connection brings
+    /// the next failure's ceiling back to 10 ms.
+    #[test]
+    fn accept_failures_back_off_and_an_accept_starts_again() {
+        let mut longest = Duration::ZERO;
+        for seed in 0..100 {
+            let mut b = AcceptBackoff {
+                backoff: Backoff::new(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX, seed),
+            };
+            for n in 0..12 {
+                let ceiling = ACCEPT_BACKOFF
+                    .saturating_mul(1 << n)
+                    .min(ACCEPT_BACKOFF_MAX);
+                let wait = b.failed();
+                assert!(wait <= ceiling, "seed {seed}, failure {n}: {wait:?}");
+                longest = longest.max(wait);
+            }
+            b.accepted();
+            let wait = b.failed();
+            assert!(
+                wait <= ACCEPT_BACKOFF,
+                "seed {seed}, after an accept: {wait:?}"
+            );
+        }
+        assert!(longest > ACCEPT_BACKOFF_MAX / 2, "{longest:?}");
+        assert_eq!(ACCEPT_BACKOFF, Duration::from_millis(10));
+        assert_eq!(ACCEPT_BACKOFF_MAX, Duration::from_secs(1));
     }
 
     /// The gate admits up to its cap, refuses (and counts) past it, and frees a place when a

@@ -4,7 +4,6 @@ use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::Duration;
 
 use ferry_core::checksum::FileCrc;
 use ferry_core::handshake::{ServerConversation, ServerStep};
@@ -13,7 +12,7 @@ use ferry_core::wire::{
     ControlFrame, DATA_REQUEST_LEN, DATA_RESPONSE_LEN, StreamAttach, VectoredRequest,
 };
 use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
-use ferry_net::{HandshakeGate, HandshakeSlot, HandshakeStats, tune};
+use ferry_net::{AcceptBackoff, HandshakeGate, HandshakeSlot, HandshakeStats, tune};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
@@ -26,9 +25,6 @@ use crate::io::{
 };
 use crate::pool::{AbortOnDrop, IoPool};
 
-/// The first wait after an accept error, and the longest.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
-const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Payloads up to this size go out in one `sendmsg` with their header from a staging copy.
 const SMALL: usize = 16 << 10;
 
@@ -125,15 +121,12 @@ impl TcpServer {
         let gate_kept = gate.clone();
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
-            let fresh = || ferry_core::backoff::Backoff::random(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX);
-            let mut backoff = fresh();
+            let mut backoff = AcceptBackoff::new();
             loop {
                 while conns.try_join_next().is_some() {}
                 match listener.accept().await {
                     Ok((stream, from)) => {
-                        if backoff.attempts() > 0 {
-                            backoff = fresh();
-                        }
+                        backoff.accepted();
                         // Past the cap, the oldest pending connection of the busiest source
                         // makes room: a flood that arrived first cannot keep a peer out.
                         let Some(slot) = gate.admit_evicting(stream.as_fd(), from.ip()) else {
@@ -160,9 +153,8 @@ impl TcpServer {
                         });
                     }
                     Err(e) => {
-                        // Out of descriptors, say: wait longer each time instead of spinning
-                        // on the same error.
-                        let wait = backoff.next_delay();
+                        // Out of descriptors, say: wait instead of spinning on the same error.
+                        let wait = backoff.failed();
                         warn!(%addr, error = %e, ?wait, "accept failed");
                         tokio::time::sleep(wait).await;
                     }

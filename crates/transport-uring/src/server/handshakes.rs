@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use ferry_core::handshake::{ServerConversation, ServerStep};
 use ferry_core::stream::ServerStream;
 use ferry_core::wire::{CONTROL_HEADER_LEN, ControlHeader, StreamAttach};
-use ferry_net::{HandshakeGate, HandshakeSlot};
+use ferry_net::{AcceptBackoff, HandshakeGate, HandshakeSlot};
 use tracing::{debug, warn};
 
 /// What the accept thread serves with: the table and responder every conversation answers
@@ -212,18 +212,30 @@ const IDLE_WAIT: Duration = Duration::from_secs(1);
 /// Accepts connections on `listener` (non-blocking) and runs their handshakes until the server
 /// stops; an attached data stream goes to one of the server's rings ([`RingSet::attached`]).
 /// The listener is shared with the server's handle, which shuts it down to stop the server.
+/// After a failed accept the listener is left out of the poll for [`AcceptBackoff`]'s wait,
+/// while the handshakes in progress go on.
 pub(super) fn run(listener: Arc<TcpListener>, acceptor: Acceptor, gate: Arc<HandshakeGate>) {
     let ctx = &acceptor.ctx;
     let timeout = gate.limits().timeout;
     let mut conns: Vec<Conn> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut backoff = AcceptBackoff::new();
+    // Until when the listener rests after a failed accept.
+    let mut resting: Option<Instant> = None;
     loop {
         if ctx.live.stopped.load(Ordering::Acquire) {
             break;
         }
+        let now = Instant::now();
+        resting = resting.filter(|&until| until > now);
         fds.clear();
         fds.push(libc::pollfd {
-            fd: listener.as_raw_fd(),
+            // A negative descriptor is skipped by poll (its revents stay 0).
+            fd: if resting.is_some() {
+                -1
+            } else {
+                listener.as_raw_fd()
+            },
             events: libc::POLLIN,
             revents: 0,
         });
@@ -241,10 +253,11 @@ pub(super) fn run(listener: Arc<TcpListener>, acceptor: Acceptor, gate: Arc<Hand
                 revents: 0,
             });
         }
-        let now = Instant::now();
         let wait = conns
             .iter()
-            .map(|c| c.deadline.saturating_duration_since(now))
+            .map(|c| c.deadline)
+            .chain(resting)
+            .map(|at| at.saturating_duration_since(now))
             .min()
             .unwrap_or(IDLE_WAIT)
             .min(IDLE_WAIT);
@@ -300,27 +313,31 @@ pub(super) fn run(listener: Arc<TcpListener>, acceptor: Acceptor, gate: Arc<Hand
             }
         }
         if fds[0].revents != 0 {
-            accept_all(&listener, &acceptor, &gate, &mut conns, timeout);
+            let failed = accept_all(&listener, &acceptor, &gate, &mut conns, &mut backoff);
+            resting = failed.map(|wait| Instant::now() + wait);
         }
     }
 }
 
 /// Takes every connection waiting on the listener: admitted ones start their handshake; past the
 /// gate's cap the oldest pending connection of the source holding the most is shut down to make
-/// room (its handshake then ends as a closed connection), as on every listener.
+/// room (its handshake then ends as a closed connection), as on every listener. After a failed
+/// accept, how long the listener is to rest ([`AcceptBackoff`]).
 fn accept_all(
     listener: &TcpListener,
     acceptor: &Acceptor,
     gate: &Arc<HandshakeGate>,
     conns: &mut Vec<Conn>,
-    timeout: Duration,
-) {
+    backoff: &mut AcceptBackoff,
+) -> Option<Duration> {
     let ctx = &acceptor.ctx;
+    let timeout = gate.limits().timeout;
     loop {
         match listener.accept() {
             Ok((stream, from)) => {
+                backoff.accepted();
                 if ctx.live.stopped.load(Ordering::Acquire) {
-                    return;
+                    return None;
                 }
                 let Some(slot) = gate.admit_evicting(stream.as_fd(), from.ip()) else {
                     debug!(%from, "too many connections in their handshake; closed at once");
@@ -351,15 +368,16 @@ fn accept_all(
                     slot,
                 });
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return None,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) => {
-                if !ctx.live.stopped.load(Ordering::Acquire) {
-                    warn!(error = %e, "accept failed");
-                    // Out of descriptors (say): the listener stays readable; do not spin.
-                    std::thread::sleep(Duration::from_millis(10));
+                if ctx.live.stopped.load(Ordering::Acquire) {
+                    return None;
                 }
-                return;
+                // Out of descriptors (say): the listener stays readable; do not spin.
+                let wait = backoff.failed();
+                warn!(error = %e, ?wait, "accept failed");
+                return Some(wait);
             }
         }
     }

@@ -249,4 +249,127 @@ mod tests {
             );
         }
     }
+
+    /// Sends on its channel each time a warning says "accept failed".
+    struct AcceptFailures(Mutex<mpsc::Sender<()>>);
+
+    impl tracing::Subscriber for AcceptFailures {
+        fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+            *meta.level() == tracing::Level::WARN
+        }
+
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+        fn event(&self, event: &tracing::Event<'_>) {
+            struct Says(bool);
+            impl tracing::field::Visit for Says {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    if field.name() == "message" && format!("{value:?}") == "accept failed" {
+                        self.0 = true;
+                    }
+                }
+            }
+            let mut says = Says(false);
+            event.record(&mut says);
+            if says.0 {
+                let _ = self.0.lock().unwrap().send(());
+            }
+        }
+
+        fn enter(&self, _: &tracing::span::Id) {}
+
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// A failed accept leaves the listener out of the accept thread's poll for a while, not for
+    /// good: a connection whose accept failed (the process out of descriptors) is accepted and
+    /// answered once descriptors are free again. Run in a process of its own
+    /// ([`out_of_descriptors_in_a_process_of_its_own`]), whose descriptors it uses up.
+    #[test]
+    fn a_listener_accepts_again_after_a_failed_accept() {
+        if io_uring::IoUring::new(4).is_err() {
+            ferry_tests::require_or_skip(ferry_tests::URING, "the kernel refuses io_uring rings");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "server::tests::out_of_descriptors_in_a_process_of_its_own",
+            ])
+            .args(["--ignored", "--nocapture", "--test-threads=1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{said}{err}");
+        assert!(said.contains("1 passed"), "{said}");
+    }
+
+    #[test]
+    #[ignore = "run by a_listener_accepts_again_after_a_failed_accept, in a process of its own"]
+    fn out_of_descriptors_in_a_process_of_its_own() {
+        // A failure past this, never a pace.
+        const PATIENCE: Duration = Duration::from_secs(20);
+        let (failed_tx, failed_rx) = mpsc::channel();
+        tracing::subscriber::set_global_default(AcceptFailures(Mutex::new(failed_tx))).unwrap();
+        let server = UringServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let handle = server
+            .serve(
+                Arc::new(NoSegments),
+                Responder::new(|| {}),
+                UringConfig {
+                    server_rings: 1,
+                    ..UringConfig::default()
+                },
+            )
+            .unwrap();
+        let addr = handle.local_addr();
+        // Every descriptor below a soft limit of at most 1024 taken, but one for the client.
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `limit` is a valid rlimit for getrlimit to fill.
+        let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+        assert_eq!(got, 0);
+        limit.rlim_cur = limit.rlim_cur.min(1024);
+        // SAFETY: `limit` is a valid rlimit, its soft limit within the hard one.
+        let set = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+        assert_eq!(set, 0);
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let mut ballast = Vec::new();
+        loop {
+            match null.try_clone() {
+                Ok(f) => ballast.push(f),
+                Err(e) if e.raw_os_error() == Some(libc::EMFILE) => break,
+                Err(e) => panic!("dup: {e}"),
+            }
+        }
+        ballast.pop();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        failed_rx
+            .recv_timeout(PATIENCE)
+            .expect("the server's accept failed");
+        drop(ballast);
+        client.set_read_timeout(Some(PATIENCE)).unwrap();
+        let hello = hello();
+        crate::control::write_frame(
+            &mut client,
+            addr,
+            &ferry_core::wire::ControlFrame::Hello(hello.clone()),
+        )
+        .unwrap();
+        let reply = crate::control::read_frame(&mut client, addr).expect("an answer");
+        ferry_core::handshake::hello_reply(addr, &hello, reply).unwrap();
+    }
 }
