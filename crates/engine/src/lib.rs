@@ -63,8 +63,11 @@ pub use ferry_cuda as cuda;
 pub use ferry_transport_local::{LocalProbe, probe as probe_same_host};
 /// The pre-authentication gate of a listener (`ferry-net`): a cap on connections that have not
 /// proven a key yet and a deadline for the proof, shared by the data planes' listeners and the
-/// layers above the facade that open listeners of their own (the broadcast control services).
-pub use ferry_transport_tcp::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
+/// layers above the facade that open listeners of their own (the broadcast control services);
+/// and the one rule by which every listener waits after a failed accept.
+pub use ferry_transport_tcp::{
+    AcceptBackoff, HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats,
+};
 /// The io_uring kernel probe (inject one with [`EngineBuilder::uring_probe`]).
 #[cfg(feature = "uring")]
 pub use ferry_transport_uring::{OpcodeSupport, UringProbe, probe_kernel};

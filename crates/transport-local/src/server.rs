@@ -19,7 +19,7 @@ use ferry_core::wire::{
     ControlFrame, DATA_REQUEST_LEN, MAX_CHUNK, MAX_PIECES, Reject, RejectReason, SUPPORTED_VERSIONS,
 };
 use ferry_core::{Error, HandshakeResponder, OpKind, SegmentTable};
-use ferry_net::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
+use ferry_net::{AcceptBackoff, HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
 use tracing::{debug, warn};
 
 use crate::gpu::{Served, ServerGpu};
@@ -240,7 +240,7 @@ struct Shared {
 }
 
 fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
-    let mut backoff = Duration::from_millis(1);
+    let mut backoff = AcceptBackoff::new();
     loop {
         let accepted = listener.accept();
         if shared.stopped.load(Ordering::Acquire) {
@@ -248,14 +248,14 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
         }
         let sock = match accepted {
             Ok((sock, _)) => {
-                backoff = Duration::from_millis(1);
+                backoff.accepted();
                 sock
             }
             Err(e) => {
-                // EMFILE and friends: wait instead of spinning, longer each time.
-                warn!(error = %e, "same-host accept failed");
-                std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                // EMFILE and friends: wait instead of spinning on the same error.
+                let wait = backoff.failed();
+                warn!(error = %e, ?wait, "same-host accept failed");
+                std::thread::sleep(wait);
                 continue;
             }
         };

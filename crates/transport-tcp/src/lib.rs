@@ -75,7 +75,7 @@ pub struct TcpConfig {
 /// link flap, short enough that a dead host does not hold requests for the kernel's quarter of
 /// an hour (the same for both TCP data planes).
 pub use ferry_net::DEAD_PEER_AFTER;
-pub use ferry_net::{HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
+pub use ferry_net::{AcceptBackoff, HandshakeGate, HandshakeLimits, HandshakeSlot, HandshakeStats};
 
 impl Default for TcpConfig {
     fn default() -> Self {

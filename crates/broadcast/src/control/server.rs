@@ -11,7 +11,7 @@ use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 
-use ferry::{HandshakeGate, HandshakeLimits, HandshakeSlot};
+use ferry::{AcceptBackoff, HandshakeGate, HandshakeLimits, HandshakeSlot};
 
 use crate::layout::Extent;
 use crate::manifest::{Digest, Manifest};
@@ -109,8 +109,7 @@ async fn serve(
     proven: Arc<Proven>,
 ) {
     let mut conns = tokio::task::JoinSet::new();
-    let fresh = || ferry::core_types::backoff::Backoff::random(ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX);
-    let mut backoff = fresh();
+    let mut backoff = AcceptBackoff::new();
     let accept = || {
         std::future::poll_fn(|cx| match lock(&listener).as_ref() {
             Some(l) => l.poll_accept(cx).map(Some),
@@ -123,15 +122,13 @@ async fn serve(
                 let Some(accepted) = accepted else { return };
                 let (stream, from) = match accepted {
                     Ok(a) => {
-                        if backoff.attempts() > 0 {
-                            backoff = fresh();
-                        }
+                        backoff.accepted();
                         a
                     }
                     Err(e) => {
                         // Out of descriptors, say: wait before the next accept instead of
                         // spinning on the same error.
-                        let wait = backoff.next_delay();
+                        let wait = backoff.failed();
                         tracing::warn!(error = %e, ?wait, "control service: accept failed");
                         tokio::time::sleep(wait).await;
                         continue;
@@ -153,10 +150,6 @@ async fn serve(
         }
     }
 }
-
-/// The first wait after an accept error, and the longest.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
-const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// What one connection is served under: where it came from, its place at the gate until its
 /// proof, and the table it joins once proven.
