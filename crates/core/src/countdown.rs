@@ -88,6 +88,10 @@ impl ChunkOwner for Executing {
 
 /// A count of unresolved parts; [`Countdown::wait`] resolves when it reaches zero. A count that
 /// reached zero stays done (parts must all be added while one is still held).
+///
+/// Its changes and [`is_done`](Self::is_done) are sequentially consistent: a caller that sets
+/// a flag of its own (`SeqCst`) and then finds the count not done is sure that the thread
+/// resolving the last part sees the flag after [`done_one`](Self::done_one) returns `true`.
 #[derive(Debug)]
 pub struct Countdown {
     left: AtomicUsize,
@@ -106,21 +110,47 @@ impl Countdown {
 
     /// Adds `n` parts.
     pub fn add(&self, n: usize) {
-        self.left.fetch_add(n, Ordering::AcqRel);
+        self.left.fetch_add(n, Ordering::SeqCst);
     }
 
-    /// Resolves one part; the last wakes the task in [`wait`](Self::wait), if one is.
-    pub fn done_one(&self) {
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let w = {
-                let mut g = self.lock();
-                g.0 = true;
-                g.1.take()
-            };
-            if let Some(w) = w {
-                w.wake();
-            }
+    /// Resolves one part; the last wakes the task waiting for the count ([`wait`](Self::wait),
+    /// [`poll_done`](Self::poll_done)), if one is, and returns `true`.
+    pub fn done_one(&self) -> bool {
+        if self.left.fetch_sub(1, Ordering::SeqCst) != 1 {
+            return false;
         }
+        let w = {
+            let mut g = self.lock();
+            g.0 = true;
+            g.1.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+        true
+    }
+
+    /// Whether no part is left, without a lock (for a task that spins on the count, or checks
+    /// it before registering to be woken).
+    pub fn is_done(&self) -> bool {
+        self.left.load(Ordering::SeqCst) == 0
+    }
+
+    /// Ready once the count is zero; until then `cx`'s task is the one the last part wakes
+    /// (for a future that polls the count among other things).
+    pub fn poll_done(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.is_done() {
+            return Poll::Ready(());
+        }
+        let mut g = self.lock();
+        if g.0 {
+            return Poll::Ready(());
+        }
+        match &g.1 {
+            Some(old) if old.will_wake(cx.waker()) => {}
+            _ => g.1 = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 
     /// Resolves once the count is zero (at once if it is already).
@@ -138,12 +168,7 @@ struct CountdownWait(Arc<Countdown>);
 impl Future for CountdownWait {
     type Output = ();
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let mut g = self.0.lock();
-        if g.0 {
-            return Poll::Ready(());
-        }
-        g.1 = Some(cx.waker().clone());
-        Poll::Pending
+        self.0.poll_done(cx)
     }
 }
 
@@ -171,8 +196,8 @@ mod tests {
     }
 
     /// The wait resolves only once every part (the poster's and those added) is done, the last
-    /// waking the waiting task once; a count done before the wait is first polled is not lost,
-    /// and a count of zero is done at once.
+    /// (and only it) saying so and waking the waiting task once; a count done before the wait
+    /// is first polled is not lost, and a count of zero is done at once.
     #[test]
     fn the_wait_resolves_when_the_last_part_is_done_and_not_before() {
         let wakes = Arc::new(Wakes::default());
@@ -182,18 +207,22 @@ mod tests {
         let parts = Arc::new(Countdown::new(1));
         parts.add(2);
         let mut wait = Box::pin(parts.clone().wait());
-        parts.done_one();
+        assert!(!parts.done_one());
         assert!(wait.as_mut().poll(&mut cx).is_pending());
-        parts.done_one();
+        assert!(parts.poll_done(&mut cx).is_pending());
+        assert!(!parts.done_one());
         assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert!(!parts.is_done());
         assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
-        parts.done_one();
+        assert!(parts.done_one(), "the last part says so");
+        assert!(parts.is_done());
         assert_eq!(
             wakes.0.load(Ordering::SeqCst),
             1,
             "the last part wakes the waiter"
         );
         assert!(wait.as_mut().poll(&mut cx).is_ready());
+        assert!(parts.poll_done(&mut cx).is_ready());
 
         let early = Arc::new(Countdown::new(1));
         early.done_one();

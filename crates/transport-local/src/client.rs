@@ -11,7 +11,6 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::task::{Poll, Waker};
 use std::time::Duration;
 
 /// How long a closed channel waits for the server to answer what it holds and end its streams
@@ -25,6 +24,7 @@ const CLOSE_GRACE: Duration = Duration::from_millis(400);
 /// process's own memory).
 const SETTLE: Duration = Duration::from_millis(200);
 
+use ferry_core::countdown::Countdown;
 use ferry_core::dealer::{Dealer, StreamSet, deal_request};
 use ferry_core::handshake::{attach_frame, attach_reply, stream_attach};
 use ferry_core::outcome::FailureKind;
@@ -80,9 +80,9 @@ enum Attached {
 struct Req {
     ops: Arc<[Op]>,
     control: Arc<RequestControl>,
-    outstanding: AtomicUsize,
-    /// The task to wake when the last chunk resolves.
-    waker: Mutex<Option<Waker>>,
+    /// Its unresolved chunks, and the poster's part until everything is dealt; the last wakes
+    /// the request's task.
+    parts: Countdown,
     /// Whether it is counted in its channel's `watching` (its answers are the readers' to
     /// resolve), until its last chunk resolves.
     watched: AtomicBool,
@@ -104,14 +104,8 @@ impl ChunkOwner for Req {
     }
 
     fn chunk_done(&self) {
-        if self.outstanding.fetch_sub(1, Ordering::SeqCst) != 1 {
-            return;
-        }
-        if self.watched.swap(false, Ordering::SeqCst) {
+        if self.parts.done_one() && self.watched.swap(false, Ordering::SeqCst) {
             self.watching.fetch_sub(1, Ordering::SeqCst);
-        }
-        if let Some(w) = lock(&self.waker).take() {
-            w.wake();
         }
     }
 }
@@ -529,7 +523,7 @@ impl Shared {
         let until = std::time::Instant::now() + Duration::from_nanos(budget);
         let mut i = 0u32;
         let hit = loop {
-            if req.outstanding.load(Ordering::SeqCst) == 0 {
+            if req.parts.is_done() {
                 break true;
             }
             self.progress();
@@ -556,7 +550,7 @@ impl Shared {
         self.watching.fetch_add(1, Ordering::SeqCst);
         req.watched.store(true, Ordering::SeqCst);
         // Its last chunk may have resolved before it was marked: uncounted again.
-        if req.outstanding.load(Ordering::SeqCst) == 0 {
+        if req.parts.is_done() {
             if req.watched.swap(false, Ordering::SeqCst) {
                 self.watching.fetch_sub(1, Ordering::SeqCst);
             }
@@ -1015,7 +1009,7 @@ fn send_all_now(sock: &UnixStream, bytes: &[u8]) -> io::Result<usize> {
 fn finish(shared: Option<Arc<Shared>>, req: Arc<Req>, spin: bool) -> BoxFuture<'static, Outcome> {
     let mut first = spin;
     Box::pin(std::future::poll_fn(move |cx| {
-        if req.outstanding.load(Ordering::Acquire) != 0
+        if !req.parts.is_done()
             && let Some(shared) = &shared
         {
             shared.progress();
@@ -1023,21 +1017,7 @@ fn finish(shared: Option<Arc<Shared>>, req: Arc<Req>, spin: bool) -> BoxFuture<'
                 shared.spin_for(&req);
             }
         }
-        if req.outstanding.load(Ordering::Acquire) == 0 {
-            return Poll::Ready(req.control.outcome(true));
-        }
-        {
-            let mut w = lock(&req.waker);
-            match w.as_ref() {
-                Some(old) if old.will_wake(cx.waker()) => {}
-                _ => *w = Some(cx.waker().clone()),
-            }
-        }
-        // The last chunk may have resolved before the waker was in place.
-        if req.outstanding.load(Ordering::Acquire) == 0 {
-            return Poll::Ready(req.control.outcome(true));
-        }
-        Poll::Pending
+        req.parts.poll_done(cx).map(|()| req.control.outcome(true))
     }))
 }
 
@@ -1060,9 +1040,8 @@ impl Channel for LocalChannel {
         let req = Arc::new(Req {
             ops: ops.clone(),
             control: control.clone(),
-            // The poster's own count, released once everything is dealt.
-            outstanding: AtomicUsize::new(1),
-            waker: Mutex::new(None),
+            // The poster's own part, resolved once everything is dealt.
+            parts: Countdown::new(1),
             watched: AtomicBool::new(false),
             watching: shared.watching.clone(),
         });
@@ -1081,7 +1060,7 @@ impl Channel for LocalChannel {
             debug!(peer = %shared.peer, op = bad, gpu = %shared.gpu,
                 "device memory this channel cannot grant; the request fails");
             for (op, o) in ops.iter().enumerate() {
-                req.outstanding.fetch_add(1, Ordering::AcqRel);
+                req.parts.add(1);
                 Chunk {
                     req: req.clone(),
                     op,
@@ -1109,9 +1088,7 @@ impl Channel for LocalChannel {
             shared.chunk,
             shared.vectored.then_some(shared.chunk),
             closed,
-            |n| {
-                req.outstanding.fetch_add(n, Ordering::AcqRel);
-            },
+            |n| req.parts.add(n),
             |set| {
                 if spin {
                     shared.pump_small_first();

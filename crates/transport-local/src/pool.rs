@@ -24,8 +24,9 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
+use ferry_core::countdown::Countdown;
 use tracing::{debug, error};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -150,20 +151,19 @@ impl Inner {
     }
 }
 
-/// One request being run: its pieces, which are claimed, how many are not finished, and who
-/// waits.
+/// One request being run: its pieces, which are claimed, and those not finished (the last
+/// wakes the request's task).
 struct Run<P> {
     pieces: P,
     next: AtomicUsize,
-    left: AtomicUsize,
-    waker: Mutex<Option<Waker>>,
+    left: Countdown,
     /// The request's future was dropped: the pieces not started are skipped.
     dropped: AtomicBool,
 }
 
 impl<P: Pieces> Run<P> {
     fn done(&self) -> bool {
-        self.left.load(Ordering::Acquire) == 0
+        self.left.is_done()
     }
 }
 
@@ -172,11 +172,7 @@ struct Finished<'a, P: Pieces>(&'a Run<P>);
 
 impl<P: Pieces> Drop for Finished<'_, P> {
     fn drop(&mut self) {
-        if self.0.left.fetch_sub(1, Ordering::AcqRel) == 1
-            && let Some(w) = lock(&self.0.waker).take()
-        {
-            w.wake();
-        }
+        self.0.left.done_one();
     }
 }
 
@@ -206,8 +202,7 @@ pub(crate) fn side_by_side<P: Pieces>(pool: &Pool, pieces: P) -> Copying<P> {
     let run = Arc::new(Run {
         pieces,
         next: AtomicUsize::new(0),
-        left: AtomicUsize::new(count),
-        waker: Mutex::new(None),
+        left: Countdown::new(count),
         dropped: AtomicBool::new(false),
     });
     let work: Arc<dyn Work> = run.clone();
@@ -238,21 +233,7 @@ impl<P: Pieces> Future for Copying<P> {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if self.0.done() {
-            return Poll::Ready(());
-        }
-        {
-            let mut w = lock(&self.0.waker);
-            match w.as_ref() {
-                Some(old) if old.will_wake(cx.waker()) => {}
-                _ => *w = Some(cx.waker().clone()),
-            }
-        }
-        // The last piece may have finished before the waker was in place.
-        if self.0.done() {
-            return Poll::Ready(());
-        }
-        Poll::Pending
+        self.0.left.poll_done(cx)
     }
 }
 
@@ -266,6 +247,7 @@ impl<P: Pieces> Drop for Copying<P> {
 mod tests {
     use super::*;
     use std::sync::mpsc;
+    use std::task::Waker;
     use std::thread::ThreadId;
 
     /// Pieces that record who ran them. The first piece run off the submitting thread waits
@@ -478,8 +460,7 @@ mod tests {
         let run = Arc::new(Run {
             pieces: Recorded::new(3, false),
             next: AtomicUsize::new(0),
-            left: AtomicUsize::new(3),
-            waker: Mutex::new(None),
+            left: Countdown::new(3),
             dropped: AtomicBool::new(false),
         });
         drop(Copying(run.clone()));
