@@ -1347,4 +1347,53 @@ mod tests {
             drop(theirs);
         }
     }
+
+    /// A request no task spins for is counted in the channel's `watching` (what keeps the
+    /// readers awake) from its execute until its last chunk resolves, then uncounted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watched_request_is_uncounted_when_its_last_chunk_resolves() {
+        // A failure past this, never a pace.
+        const PATIENCE: Duration = Duration::from_secs(20);
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let ch = LocalChannel::new(
+            "127.0.0.1:1".parse().unwrap(),
+            vec![(ours, None)],
+            4,
+            1 << 20,
+            true,
+            GpuRoute::HostStage("test".into()),
+            (std::process::id(), host::TracerGrant::none()),
+        );
+        let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+        let ops: Arc<[Op]> = vec![Op {
+            kind: OpKind::Read,
+            local,
+            local_offset: 0,
+            token: SegmentToken(1),
+            remote_offset: 0,
+            len: 4096,
+        }]
+        .into();
+        let control = Arc::new(RequestControl::new(&ops));
+        let fut = ch.execute(ops, control);
+        let watching = ch.shared.watching.clone();
+        assert_eq!(watching.load(Ordering::SeqCst), 1, "no task spins for it");
+        let mut req = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
+        theirs.read_exact(&mut req).unwrap();
+        // An answer the protocol has no meaning for: the stream is given up, its chunk failed.
+        theirs.write_all(&[0xff; DATA_RESPONSE_LEN]).unwrap();
+        let o = tokio::time::timeout(PATIENCE, fut)
+            .await
+            .expect("the request ends with its stream");
+        assert!(o.failure.is_some(), "{o:?}");
+        // The last chunk's thread uncounts it just after waking the request's task.
+        let until = std::time::Instant::now() + PATIENCE;
+        while watching.load(Ordering::SeqCst) != 0 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the ended request is still counted as watched"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
 }
