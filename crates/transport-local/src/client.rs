@@ -11,7 +11,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long a closed channel waits for the server to answer what it holds and end its streams
 /// before it revokes the server's copies and gives the streams up: a server that is stopped
@@ -505,6 +505,12 @@ impl LocalChannel {
         self.shared.armed.load(Ordering::Relaxed)
     }
 
+    /// How long a small request's task spins for its answers now (nanoseconds): the
+    /// channel's adaptive spin ([`Spin`]), for diagnostics and tests.
+    pub fn spin_ns(&self) -> u64 {
+        self.shared.spin.load(Ordering::Relaxed)
+    }
+
     /// How the channel moves GPU buffers: by CUDA IPC (a region made by
     /// `DeviceMemory::ipc_region` may be an op's local region), or not (the host stage, why).
     pub fn gpu_route(&self) -> &GpuRoute {
@@ -517,10 +523,12 @@ const SPIN_OPS: usize = 16;
 
 impl Shared {
     /// Spins (resolving answers as they come) until `req` resolved or the channel's spin ran
-    /// out; adapts the spin to which.
-    fn spin_for(&self, req: &Req) {
+    /// out. Resolved: the spin grows, and `None`. Ran out: `req` is watched, and the spin's
+    /// start is returned, for [`spin_missed`](Self::spin_missed) once `req` resolves.
+    fn spin_for(&self, req: &Req) -> Option<Instant> {
         let budget = self.spin.load(Ordering::Relaxed);
-        let until = std::time::Instant::now() + Duration::from_nanos(budget);
+        let start = Instant::now();
+        let until = start + Duration::from_nanos(budget);
         let mut i = 0u32;
         let hit = loop {
             if req.parts.is_done() {
@@ -529,17 +537,25 @@ impl Shared {
             self.progress();
             std::hint::spin_loop();
             i = i.wrapping_add(1);
-            if i.is_multiple_of(16) && std::time::Instant::now() >= until {
+            if i.is_multiple_of(16) && Instant::now() >= until {
                 break false;
             }
         };
-        let mut s = Spin::from_ns(budget);
         if hit {
-            s.hit()
-        } else {
-            s.miss();
-            self.watch(req);
+            let mut s = Spin::from_ns(budget);
+            s.hit();
+            self.spin.store(s.budget_ns(), Ordering::Relaxed);
+            return None;
         }
+        self.watch(req);
+        Some(start)
+    }
+
+    /// A request whose spin ran out resolved `waited` after the spin began: the spin adapts
+    /// to that ([`Spin::missed`]).
+    fn spin_missed(&self, waited: Duration) {
+        let mut s = Spin::from_ns(self.spin.load(Ordering::Relaxed));
+        s.missed(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
         self.spin.store(s.budget_ns(), Ordering::Relaxed);
     }
 
@@ -1008,16 +1024,24 @@ fn send_all_now(sock: &UnixStream, bytes: &[u8]) -> io::Result<usize> {
 /// end with no thread woken and no system call. Past the spin, it waits for the reader.
 fn finish(shared: Option<Arc<Shared>>, req: Arc<Req>, spin: bool) -> BoxFuture<'static, Outcome> {
     let mut first = spin;
+    // When the spin ran out: when it began, until the request resolves.
+    let mut missed: Option<Instant> = None;
     Box::pin(std::future::poll_fn(move |cx| {
         if !req.parts.is_done()
             && let Some(shared) = &shared
         {
             shared.progress();
             if std::mem::take(&mut first) {
-                shared.spin_for(&req);
+                missed = shared.spin_for(&req);
             }
         }
-        req.parts.poll_done(cx).map(|()| req.control.outcome(true))
+        let done = req.parts.poll_done(cx);
+        if done.is_ready()
+            && let (Some(start), Some(shared)) = (missed.take(), &shared)
+        {
+            shared.spin_missed(start.elapsed());
+        }
+        done.map(|()| req.control.outcome(true))
     }))
 }
 

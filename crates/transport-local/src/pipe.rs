@@ -139,14 +139,15 @@ fn wake(shm: &Shm, word: usize) {
 }
 
 /// Spins on `ready` for at most `budget_ns`, then sleeps on `word` until `ready` (looking again
-/// after each wake and each [`BACKSTOP`]); whether it had to sleep.
-fn wait(shm: &Shm, word: usize, budget_ns: u64, ready: impl Fn() -> bool) -> bool {
+/// after each wake and each [`BACKSTOP`]). `None`: it came while spinning; else how long after
+/// the spin began it came, the side having slept.
+fn wait(shm: &Shm, word: usize, budget_ns: u64, ready: impl Fn() -> bool) -> Option<Duration> {
     let start = Instant::now();
     let budget = Duration::from_nanos(budget_ns);
     let mut i = 0u32;
     loop {
         if ready() {
-            return false;
+            return None;
         }
         std::hint::spin_loop();
         i = i.wrapping_add(1);
@@ -159,11 +160,11 @@ fn wait(shm: &Shm, word: usize, budget_ns: u64, ready: impl Fn() -> bool) -> boo
         w.store(1, Ordering::SeqCst);
         if ready() {
             w.store(0, Ordering::Relaxed);
-            return true;
+            return Some(start.elapsed());
         }
         futex_wait(w, 1, BACKSTOP);
         if ready() {
-            return true;
+            return Some(start.elapsed());
         }
     }
 }
@@ -296,10 +297,9 @@ impl Rx {
             self.ready()
         });
         let mut s = Spin::from_ns(budget);
-        if slept {
-            s.miss()
-        } else {
-            s.hit()
+        match slept {
+            Some(waited) => s.missed(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX)),
+            None => s.hit(),
         }
         self.spin.store(s.budget_ns(), Ordering::Relaxed);
     }

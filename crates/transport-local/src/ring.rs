@@ -119,9 +119,12 @@ pub(crate) fn plan_write(head: u64, tail: u64, cap: usize, want: usize) -> Resul
 }
 
 /// How long an idle side spins before it sleeps on its futex: adapted to what happened,
-/// doubled (to `MAX_NS`) when the bytes came while it spun, halved (to `MIN_NS`) when it had
-/// to sleep. A side woken by a busy peer keeps spinning; a side whose peer is idle soon
-/// sleeps at once.
+/// doubled (to `MAX_NS`) when the bytes came while it spun; when it had to sleep, grown to
+/// twice the wait where the bytes came within `MAX_NS` of the spin's start (a longer spin
+/// would have caught them, without the sleep and the wake-up), halved (to `MIN_NS`) where
+/// they came later. A side woken by a busy peer keeps spinning; a side whose peer is idle soon
+/// sleeps at once; and two sides that both slept between quick answers (each waiting out the
+/// other's wake-up) spin again, instead of each halving the other's spin for good.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Spin {
     ns: u64,
@@ -157,9 +160,15 @@ impl Spin {
         self.ns = (self.ns * 2).min(Self::MAX_NS);
     }
 
-    /// The spin ran out: the side slept.
-    pub(crate) fn miss(&mut self) {
-        self.ns = (self.ns / 2).max(Self::MIN_NS);
+    /// The spin ran out: the side slept, and what it waited for came `waited_ns` after the
+    /// spin began.
+    pub(crate) fn missed(&mut self, waited_ns: u64) {
+        self.ns = if waited_ns <= Self::MAX_NS {
+            waited_ns.saturating_mul(2).max(self.ns.saturating_mul(2))
+        } else {
+            self.ns / 2
+        }
+        .clamp(Self::MIN_NS, Self::MAX_NS);
     }
 }
 
@@ -305,12 +314,33 @@ mod tests {
     fn the_spin_grows_while_the_peer_is_busy_and_shrinks_while_it_idles() {
         let mut s = Spin::new();
         for _ in 0..20 {
-            s.miss();
+            s.missed(Spin::MAX_NS + 1);
         }
         assert_eq!(s.budget_ns(), Spin::MIN_NS);
         for _ in 0..20 {
             s.hit();
         }
         assert_eq!(s.budget_ns(), Spin::MAX_NS);
+    }
+
+    /// Both sides at the shortest spin, each answer coming a wake-up (about 10 us here) after
+    /// the other slept: each side's next spin covers that wait, so the pair spins again rather
+    /// than each keeping the other asleep.
+    #[test]
+    fn a_spin_that_missed_by_a_wake_up_grows_to_cover_it() {
+        let mut s = Spin::from_ns(Spin::MIN_NS);
+        s.missed(10_000);
+        assert_eq!(s.budget_ns(), 20_000);
+        // A wait just past the spin: doubled at least.
+        let mut s = Spin::from_ns(8_000);
+        s.missed(8_100);
+        assert_eq!(s.budget_ns(), 16_200);
+        let mut s = Spin::from_ns(30_000);
+        s.missed(Spin::MAX_NS);
+        assert_eq!(s.budget_ns(), Spin::MAX_NS);
+        // An idle peer (past the longest spin): halved.
+        let mut s = Spin::from_ns(30_000);
+        s.missed(Spin::MAX_NS + 1);
+        assert_eq!(s.budget_ns(), 15_000);
     }
 }

@@ -229,3 +229,105 @@ async fn a_file_segment_is_read_and_written_in_small_ops_on_the_ring() {
     }
     assert!(ch.is_alive());
 }
+
+/// A file segment whose reads wait while its gate is shut: a server held mid-answer.
+#[derive(Debug)]
+struct Gated {
+    bytes: FileBytes,
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gated {
+    fn set(&self, open: bool) {
+        *self.open.lock().unwrap() = open;
+        self.opened.notify_all();
+    }
+}
+
+impl ferry_core::FileSource for Gated {
+    fn check(&self, kind: OpKind, offset: u64, len: u64) -> Result<u64, ferry_core::RemoteStatus> {
+        self.bytes.check(kind, offset, len)
+    }
+    fn read_exact_at(&self, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let open = self.open.lock().unwrap();
+        drop(self.opened.wait_while(open, |o| !*o).unwrap());
+        self.bytes.read_exact_at(at, buf)
+    }
+    fn write_all_at(&self, at: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.bytes.write_all_at(at, buf)
+    }
+}
+
+#[derive(Debug)]
+struct GatedFiles(Arc<Gated>);
+
+impl SegmentTable for GatedFiles {
+    fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
+        None
+    }
+    fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
+        (token == TOKEN).then(|| self.0.clone() as Arc<dyn ferry_core::FileSource>)
+    }
+    fn published(&self) -> Vec<SegmentDesc> {
+        Vec::new()
+    }
+}
+
+/// A small request whose task's spin ran out adapts the channel's spin by how long it took
+/// once it resolves: an answer held past the longest spin (the server idle, as far as the
+/// client can tell) halves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_answered_after_its_spin_ran_out_adapts_the_spin_by_its_wait() {
+    let gated = Arc::new(Gated {
+        bytes: FileBytes(std::sync::Mutex::new(vec![7; 4096])),
+        open: std::sync::Mutex::new(true),
+        opened: std::sync::Condvar::new(),
+    });
+    let epoch = Epoch::fresh();
+    let h = LocalServer::bind()
+        .unwrap()
+        .serve(
+            Arc::new(GatedFiles(gated.clone())),
+            Arc::new(Responder(epoch)),
+            HandshakeLimits::default(),
+            16,
+        )
+        .unwrap();
+    let (_memory, mut peer) = serve(Arc::new(MemoryRegion::from_vec(vec![0; 8])));
+    peer.remote_epoch = epoch;
+    peer.offer = TransportOffer::Local {
+        boot_id: [0; 16],
+        pid: std::process::id(),
+        streams: 1,
+        socket: h.name().to_owned(),
+    };
+    let transport = LocalTransport::new(LocalConfig::default());
+    let ch = transport.connect_channel(&peer).unwrap();
+    assert_eq!(ch.ring_streams(), 1, "the test needs a ring stream");
+    let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
+
+    gated.set(false);
+    let before = ch.spin_ns();
+    let armed = ch.readers_armed();
+    let ops: Arc<[Op]> = vec![op(OpKind::Read, &local, 0, 64)].into();
+    let started = std::time::Instant::now();
+    let request = tokio::spawn(ch.execute(ops.clone(), Arc::new(RequestControl::new(&ops))));
+    // The spin ran out (the request is left to the reader), and the wait is past the longest
+    // spin (50 us) whatever the scheduler does next.
+    while ch.readers_armed() == armed || started.elapsed() < std::time::Duration::from_millis(1) {
+        tokio::task::yield_now().await;
+    }
+    gated.set(true);
+    let o = request.await.unwrap();
+    assert!(o.failure.is_none(), "{o:?}");
+    let mut got = [0u8; 64];
+    local.read_at(0, &mut got).unwrap();
+    assert_eq!(got, [7; 64]);
+    assert!(before >= 2_000, "a new channel spins for {before} ns");
+    assert_eq!(
+        ch.spin_ns(),
+        before / 2,
+        "the spin did not adapt to the request's wait (from {before} ns)"
+    );
+}
