@@ -1330,55 +1330,10 @@ mod tests {
         drop(server.join().unwrap());
     }
 
-    /// A server that answers with bytes the protocol has no meaning for, then goes quiet with
-    /// the socket open: the request ends (lost, its stream given up) instead of waiting for an
-    /// answer that never comes, whichever of the reader thread or the polling task read the
-    /// bad answer.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_server_answering_nonsense_ends_the_request() {
-        for _ in 0..20 {
-            let (ours, mut theirs) = UnixStream::pair().unwrap();
-            let ch = LocalChannel::new(
-                "127.0.0.1:1".parse().unwrap(),
-                vec![(ours, None)],
-                4,
-                1 << 20,
-                true,
-                GpuRoute::HostStage("test".into()),
-                (std::process::id(), host::TracerGrant::none()),
-            );
-            let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
-            let ops: Arc<[Op]> = vec![Op {
-                kind: OpKind::Read,
-                local,
-                local_offset: 0,
-                token: SegmentToken(1),
-                remote_offset: 0,
-                len: 4096,
-            }]
-            .into();
-            let control = Arc::new(RequestControl::new(&ops));
-            let fut = ch.execute(ops, control);
-            let mut req = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
-            theirs.read_exact(&mut req).unwrap();
-            theirs.write_all(&[0xff; DATA_RESPONSE_LEN]).unwrap();
-            let o = tokio::time::timeout(Duration::from_secs(30), fut)
-                .await
-                .expect("the request waited on a server that broke the protocol");
-            let f = o.failure.expect("a nonsense answer is no success");
-            assert_eq!(f.kind, FailureKind::PeerLost, "{o:?}");
-            assert!(!ch.is_alive());
-            drop(theirs);
-        }
-    }
-
-    /// A request no task spins for is counted in the channel's `watching` (what keeps the
-    /// readers awake) from its execute until its last chunk resolves, then uncounted.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_watched_request_is_uncounted_when_its_last_chunk_resolves() {
-        // A failure past this, never a pace.
-        const PATIENCE: Duration = Duration::from_secs(20);
-        let (ours, mut theirs) = UnixStream::pair().unwrap();
+    /// A channel of one socket stream whose server end the test plays (`theirs`), and a 4 KiB
+    /// READ executed on it (not yet answered).
+    fn one_read_on_a_socket() -> (LocalChannel, UnixStream, BoxFuture<'static, Outcome>) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
         let ch = LocalChannel::new(
             "127.0.0.1:1".parse().unwrap(),
             vec![(ours, None)],
@@ -1400,6 +1355,37 @@ mod tests {
         .into();
         let control = Arc::new(RequestControl::new(&ops));
         let fut = ch.execute(ops, control);
+        (ch, theirs, fut)
+    }
+
+    /// A server that answers with bytes the protocol has no meaning for, then goes quiet with
+    /// the socket open: the request ends (lost, its stream given up) instead of waiting for an
+    /// answer that never comes, whichever of the reader thread or the polling task read the
+    /// bad answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_answering_nonsense_ends_the_request() {
+        for _ in 0..20 {
+            let (ch, mut theirs, fut) = one_read_on_a_socket();
+            let mut req = [0u8; DATA_REQUEST_LEN + ADDR_LEN];
+            theirs.read_exact(&mut req).unwrap();
+            theirs.write_all(&[0xff; DATA_RESPONSE_LEN]).unwrap();
+            let o = tokio::time::timeout(Duration::from_secs(30), fut)
+                .await
+                .expect("the request waited on a server that broke the protocol");
+            let f = o.failure.expect("a nonsense answer is no success");
+            assert_eq!(f.kind, FailureKind::PeerLost, "{o:?}");
+            assert!(!ch.is_alive());
+            drop(theirs);
+        }
+    }
+
+    /// A request no task spins for is counted in the channel's `watching` (what keeps the
+    /// readers awake) from its execute until its last chunk resolves, then uncounted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watched_request_is_uncounted_when_its_last_chunk_resolves() {
+        // A failure past this, never a pace.
+        const PATIENCE: Duration = Duration::from_secs(20);
+        let (ch, mut theirs, fut) = one_read_on_a_socket();
         let watching = ch.shared.watching.clone();
         assert_eq!(watching.load(Ordering::SeqCst), 1, "no task spins for it");
         let mut req = [0u8; DATA_REQUEST_LEN + ADDR_LEN];

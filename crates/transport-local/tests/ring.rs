@@ -180,6 +180,44 @@ impl SegmentTable for Files {
     }
 }
 
+/// A channel of `streams` ring streams to a server of `files`' file segments (and the servers,
+/// held for as long as the channel is used).
+fn files_channel(
+    files: Arc<dyn SegmentTable>,
+    streams: u16,
+) -> (
+    (LocalServerHandle, LocalServerHandle),
+    ferry_transport_local::LocalChannel,
+) {
+    let epoch = Epoch::fresh();
+    let h = LocalServer::bind()
+        .unwrap()
+        .serve(
+            files,
+            Arc::new(Responder(epoch)),
+            HandshakeLimits::default(),
+            16,
+        )
+        .unwrap();
+    let (memory, mut peer) = serve(Arc::new(MemoryRegion::from_vec(vec![0; 8])));
+    peer.remote_epoch = epoch;
+    peer.offer = TransportOffer::Local {
+        boot_id: [0; 16],
+        pid: std::process::id(),
+        streams,
+        socket: h.name().to_owned(),
+    };
+    let ch = LocalTransport::new(LocalConfig::default())
+        .connect_channel(&peer)
+        .unwrap();
+    assert_eq!(
+        ch.ring_streams(),
+        usize::from(streams),
+        "the test needs ring streams"
+    );
+    ((h, memory), ch)
+}
+
 /// Small READs and WRITEs of a published file go inline on a ring stream, as memory's do (a
 /// pull of a published directory reads files in pieces of every size).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -187,27 +225,7 @@ async fn a_file_segment_is_read_and_written_in_small_ops_on_the_ring() {
     let file = Arc::new(FileBytes(std::sync::Mutex::new(
         (0..LEN).map(|i| (i % 251) as u8).collect(),
     )));
-    let epoch = Epoch::fresh();
-    let h = LocalServer::bind()
-        .unwrap()
-        .serve(
-            Arc::new(Files(file.clone())),
-            Arc::new(Responder(epoch)),
-            HandshakeLimits::default(),
-            16,
-        )
-        .unwrap();
-    let (_memory, mut peer) = serve(Arc::new(MemoryRegion::from_vec(vec![0; 8])));
-    peer.remote_epoch = epoch;
-    peer.offer = TransportOffer::Local {
-        boot_id: [0; 16],
-        pid: std::process::id(),
-        streams: 2,
-        socket: h.name().to_owned(),
-    };
-    let transport = LocalTransport::new(LocalConfig::default());
-    let ch = transport.connect_channel(&peer).unwrap();
-    assert_eq!(ch.ring_streams(), 2, "the test needs ring streams");
+    let (_servers, ch) = files_channel(Arc::new(Files(file.clone())), 2);
     let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
     for len in [1u64, 64, INLINE_MAX as u64, INLINE_MAX as u64 + 1] {
         let o = run(&ch, vec![op(OpKind::Read, &local, 1000, len)]).await;
@@ -284,27 +302,7 @@ async fn a_request_answered_after_its_spin_ran_out_adapts_the_spin_by_its_wait()
         open: std::sync::Mutex::new(true),
         opened: std::sync::Condvar::new(),
     });
-    let epoch = Epoch::fresh();
-    let h = LocalServer::bind()
-        .unwrap()
-        .serve(
-            Arc::new(GatedFiles(gated.clone())),
-            Arc::new(Responder(epoch)),
-            HandshakeLimits::default(),
-            16,
-        )
-        .unwrap();
-    let (_memory, mut peer) = serve(Arc::new(MemoryRegion::from_vec(vec![0; 8])));
-    peer.remote_epoch = epoch;
-    peer.offer = TransportOffer::Local {
-        boot_id: [0; 16],
-        pid: std::process::id(),
-        streams: 1,
-        socket: h.name().to_owned(),
-    };
-    let transport = LocalTransport::new(LocalConfig::default());
-    let ch = transport.connect_channel(&peer).unwrap();
-    assert_eq!(ch.ring_streams(), 1, "the test needs a ring stream");
+    let (_servers, ch) = files_channel(Arc::new(GatedFiles(gated.clone())), 1);
     let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
 
     gated.set(false);

@@ -397,23 +397,38 @@ fn until(landed: impl Fn() -> bool, t: &std::thread::JoinHandle<ferry_core::Outc
 /// Requests over a chunk are moved one-sidedly too, in pieces copied side by side: READs and
 /// WRITEs of several ops of odd sizes and offsets land every byte where it belongs and none
 /// elsewhere, round after round.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_over_a_chunk_is_copied_in_pieces_every_byte_right() {
+/// A shareable registration `RW` holding `bytes`, read-write, served, and a channel that mapped
+/// it: the table (to revoke it), the region, the server (held while the channel is used) and
+/// the channel.
+fn mapped_rw(
+    bytes: &[u8],
+) -> (
+    Arc<Table>,
+    Arc<MemoryRegion>,
+    LocalServerHandle,
+    ferry_transport_local::LocalChannel,
+) {
     let table = Arc::new(Table::default());
-    let region = Arc::new(MemoryRegion::alloc_shareable(BIG).unwrap());
-    let remote = pattern(0x3c, BIG);
-    region.write_at(0, &remote).unwrap();
+    let region = Arc::new(MemoryRegion::alloc_shareable(bytes.len()).unwrap());
+    region.write_at(0, bytes).unwrap();
     table.add(
         RW,
         &region,
         Access::REMOTE_READ | Access::REMOTE_WRITE,
         true,
     );
-    let (_h, peer) = serve(table.clone());
+    let (h, peer) = serve(table.clone());
     let ch = LocalTransport::new(LocalConfig::default())
         .connect_channel(&peer)
         .unwrap();
     assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    (table, region, h, ch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_a_chunk_is_copied_in_pieces_every_byte_right() {
+    let remote = pattern(0x3c, BIG);
+    let (_table, region, _h, ch) = mapped_rw(&remote);
     // (length, remote offset, local offset): odd sizes, a piece's edge crossed anywhere, one
     // op of no bytes, local and remote offsets that differ.
     let shape: [(u64, u64, u64); 7] = [
@@ -485,21 +500,8 @@ async fn a_request_over_a_chunk_is_copied_in_pieces_every_byte_right() {
 fn a_registration_revoked_mid_request_fails_the_rest_and_the_request_resolves() {
     let mut caught = 0;
     for attempt in 0..10 {
-        let table = Arc::new(Table::default());
-        let region = Arc::new(MemoryRegion::alloc_shareable(LONG_REGION).unwrap());
-        table.add(
-            RW,
-            &region,
-            Access::REMOTE_READ | Access::REMOTE_WRITE,
-            true,
-        );
-        let (_h, peer) = serve(table.clone());
-        let ch = Arc::new(
-            LocalTransport::new(LocalConfig::default())
-                .connect_channel(&peer)
-                .unwrap(),
-        );
-        assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+        let (table, region, _h, ch) = mapped_rw(&vec![0; LONG_REGION]);
+        let ch = Arc::new(ch);
         let local = Arc::new(MemoryRegion::alloc_zeroed(LONG_REGION, 4096).unwrap());
         local.write_at(0, &vec![0x5a; LONG_REGION]).unwrap();
         let n = LONG;
@@ -549,22 +551,8 @@ fn a_registration_revoked_mid_request_fails_the_rest_and_the_request_resolves() 
 /// copied, it resolves `Cancelled`, and nothing lands in the caller's memory afterwards.
 #[test]
 fn a_stopped_request_over_a_chunk_copies_nothing_after_it_resolves() {
-    let table = Arc::new(Table::default());
-    let region = Arc::new(MemoryRegion::alloc_shareable(LONG_REGION).unwrap());
-    region.write_at(0, &vec![0xab; LONG_REGION]).unwrap();
-    table.add(
-        RW,
-        &region,
-        Access::REMOTE_READ | Access::REMOTE_WRITE,
-        true,
-    );
-    let (_h, peer) = serve(table.clone());
-    let ch = Arc::new(
-        LocalTransport::new(LocalConfig::default())
-            .connect_channel(&peer)
-            .unwrap(),
-    );
-    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    let (_table, _region, _h, ch) = mapped_rw(&vec![0xab; LONG_REGION]);
+    let ch = Arc::new(ch);
     let n = LONG as usize;
     let reads = |local: &Arc<MemoryRegion>| -> Vec<Op> {
         (0..n as u64)
