@@ -506,7 +506,7 @@ impl LocalChannel {
     }
 
     /// How long a small request's task spins for its answers now (nanoseconds): the
-    /// channel's adaptive spin ([`Spin`]), for diagnostics and tests.
+    /// channel's adaptive spin, for diagnostics and tests.
     pub fn spin_ns(&self) -> u64 {
         self.shared.spin.load(Ordering::Relaxed)
     }
