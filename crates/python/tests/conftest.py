@@ -157,6 +157,16 @@ class PeerProcess:
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
 
+    def client(self, np):
+        """A new engine connected to this peer, the peer, and a registration of ``n`` uint32
+        zeros: what a test reads ``src`` into and writes ``sink`` from."""
+        import ferry
+
+        engine = ferry.Engine()
+        peer = engine.connect(self.addr)
+        reg = engine.register(np.zeros(self.n, dtype=np.uint32))
+        return engine, peer, reg
+
     def stop(self) -> None:
         """SIGSTOP, and wait until every thread of the peer is stopped (delivery is async)."""
         self.proc.send_signal(signal.SIGSTOP)

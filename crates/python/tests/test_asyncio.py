@@ -49,9 +49,7 @@ def test_await_and_drained_future(loopback):
 
 
 def test_wait_for_cancels_the_request(peer_process, np):
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"))
@@ -71,9 +69,7 @@ def test_wait_for_cancels_the_request(peer_process, np):
 
 
 def test_event_loop_keeps_running_while_a_request_waits(peer_process, np):
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     ticks = 0
 
     async def ticker():

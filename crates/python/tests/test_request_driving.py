@@ -48,9 +48,7 @@ def test_a_pending_request_has_no_task_of_its_own(peer_process, np):
 def test_an_awaited_request_times_out_on_its_timer(peer_process, np):
     """The request's own timer wakes the watch while asyncio awaits it (nobody in `wait`): the
     blocking pool polls it and settles the future with the timeout."""
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"), timeout=0.2)
@@ -76,9 +74,7 @@ def test_an_awaited_request_times_out_on_its_timer(peer_process, np):
 def test_a_request_drains_by_itself_after_its_logical_end(peer_process, np):
     """After `wait` gave the timeout, nobody waits any more: the transport's later end still
     drains the request (its waker queues a poll), without `wait_drained`."""
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"), timeout=0.2)
@@ -94,9 +90,7 @@ def test_a_panic_in_a_requests_poll_ends_its_waits(peer_process, np):
     """A panic while a request is polled (in `wait`'s thread, `done()`'s or the blocking pool's)
     reaches neither Python as a `PanicException` nor a waiter as a hang: `wait` raises a
     `FerryError`, `done()` is true and `await` raises the same."""
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     src = peer.segment("src")
     peer_process.stop()
     try:
@@ -133,9 +127,7 @@ def test_done_lets_other_threads_run_while_it_polls(peer_process, np):
     Python thread. Were the GIL held, that thread could not run until the gate gave up."""
     import threading
 
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"))

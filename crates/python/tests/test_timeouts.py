@@ -8,9 +8,7 @@ import ferry
 
 
 def test_wait_timeout_leaves_the_request_running(peer_process, np):
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"))
@@ -28,9 +26,7 @@ def test_request_timeout_ends_it_with_a_timeout_failure(peer_process, np):
     """The timeout ends the request, seen alike by a caller polling `done()` (which resolves a
     request itself once its transport has) and by `wait`; the transport's later end is only
     the drained outcome."""
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     try:
         req = engine.read(reg, peer.segment("src"), timeout=0.2)
@@ -67,9 +63,7 @@ def test_engine_request_timeout_is_the_default(peer_process, np):
 
 
 def test_killed_peer_fails_requests_with_peer_lost(peer_process, np):
-    engine = ferry.Engine()
-    peer = engine.connect(peer_process.addr)
-    reg = engine.register(np.zeros(peer_process.n, dtype=np.uint32))
+    engine, peer, reg = peer_process.client(np)
     peer_process.stop()
     req = engine.write(reg, peer.segment("sink"))
     peer_process.kill()

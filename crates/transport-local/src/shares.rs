@@ -492,24 +492,15 @@ impl Pieces for Request {
                 l.posted(part.op);
             }
         });
-        let moved: Vec<_> = parts
-            .iter()
-            .map(|part| {
-                let op = &self.ops[part.op];
-                copy(op, &self.segs[part.op], part.at, part.len)
-            })
-            .collect();
-        self.control.with_ledger(|l| {
-            for (part, moved) in parts.iter().zip(&moved) {
-                match moved {
-                    Ok(()) => l.acked(part.op),
-                    Err(_) => l.refused(part.op, RemoteStatus::UnknownSegment),
-                }
-            }
-        });
-        for (part, moved) in parts.iter().zip(&moved) {
+        for part in parts {
+            let op = &self.ops[part.op];
+            let moved = copy(op, &self.segs[part.op], part.at, part.len);
+            self.control.with_ledger(|l| match moved {
+                Ok(()) => l.acked(part.op),
+                Err(_) => l.refused(part.op, RemoteStatus::UnknownSegment),
+            });
             if moved.is_err() {
-                self.shares.forget_revoked(self.ops[part.op].token);
+                self.shares.forget_revoked(op.token);
             }
         }
     }

@@ -165,10 +165,11 @@ impl ferry_core::FileSource for FileBytes {
     }
 }
 
+/// A table of one file segment, `TOKEN`, served from `F`.
 #[derive(Debug)]
-struct Files(Arc<FileBytes>);
+struct Files<F>(Arc<F>);
 
-impl SegmentTable for Files {
+impl<F: ferry_core::FileSource> SegmentTable for Files<F> {
     fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
         None
     }
@@ -277,21 +278,6 @@ impl ferry_core::FileSource for Gated {
     }
 }
 
-#[derive(Debug)]
-struct GatedFiles(Arc<Gated>);
-
-impl SegmentTable for GatedFiles {
-    fn resolve(&self, _: SegmentToken) -> Option<SegmentLease> {
-        None
-    }
-    fn file(&self, token: SegmentToken) -> Option<Arc<dyn ferry_core::FileSource>> {
-        (token == TOKEN).then(|| self.0.clone() as Arc<dyn ferry_core::FileSource>)
-    }
-    fn published(&self) -> Vec<SegmentDesc> {
-        Vec::new()
-    }
-}
-
 /// A small request whose task's spin ran out adapts the channel's spin by how long it took
 /// once it resolves: an answer held past the longest spin (the server idle, as far as the
 /// client can tell) halves it.
@@ -302,7 +288,7 @@ async fn a_request_answered_after_its_spin_ran_out_adapts_the_spin_by_its_wait()
         open: std::sync::Mutex::new(true),
         opened: std::sync::Condvar::new(),
     });
-    let (_servers, ch) = files_channel(Arc::new(GatedFiles(gated.clone())), 1);
+    let (_servers, ch) = files_channel(Arc::new(Files(gated.clone())), 1);
     let local = Arc::new(MemoryRegion::alloc_zeroed(4096, 4096).unwrap());
 
     gated.set(false);

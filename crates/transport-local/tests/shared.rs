@@ -85,6 +85,34 @@ fn shareable(fill: u8) -> Arc<MemoryRegion> {
     Arc::new(r)
 }
 
+/// A shareable registration `RW` holding `bytes`, read-write, served, and a channel that mapped
+/// it: the table (to revoke it), the region, the server (held while the channel is used) and
+/// the channel.
+fn mapped_rw(
+    bytes: &[u8],
+) -> (
+    Arc<Table>,
+    Arc<MemoryRegion>,
+    LocalServerHandle,
+    ferry_transport_local::LocalChannel,
+) {
+    let table = Arc::new(Table::default());
+    let region = Arc::new(MemoryRegion::alloc_shareable(bytes.len()).expect("a memfd"));
+    region.write_at(0, bytes).unwrap();
+    table.add(
+        RW,
+        &region,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+        true,
+    );
+    let (h, peer) = serve(table.clone());
+    let ch = LocalTransport::new(LocalConfig::default())
+        .connect_channel(&peer)
+        .unwrap();
+    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    (table, region, h, ch)
+}
+
 fn op(kind: OpKind, local: &Arc<MemoryRegion>, token: SegmentToken, len: u64) -> Op {
     Op {
         kind,
@@ -108,19 +136,7 @@ fn one_sided(ch: &ferry_transport_local::LocalChannel) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_granted_registration_is_read_and_written_one_sidedly() {
-    let table = Arc::new(Table::default());
-    let region = shareable(0x11);
-    table.add(
-        RW,
-        &region,
-        Access::REMOTE_READ | Access::REMOTE_WRITE,
-        true,
-    );
-    let (_h, peer) = serve(table.clone());
-    let ch = LocalTransport::new(LocalConfig::default())
-        .connect_channel(&peer)
-        .unwrap();
-    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    let (_table, region, _h, ch) = mapped_rw(&[0x11; LEN]);
     assert_eq!(ch.shared_use(), Some((1, 0)));
     let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
     let o = run(&ch, vec![op(OpKind::Read, &local, RW, 64 << 10)]).await;
@@ -397,34 +413,6 @@ fn until(landed: impl Fn() -> bool, t: &std::thread::JoinHandle<ferry_core::Outc
 /// Requests over a chunk are moved one-sidedly too, in pieces copied side by side: READs and
 /// WRITEs of several ops of odd sizes and offsets land every byte where it belongs and none
 /// elsewhere, round after round.
-/// A shareable registration `RW` holding `bytes`, read-write, served, and a channel that mapped
-/// it: the table (to revoke it), the region, the server (held while the channel is used) and
-/// the channel.
-fn mapped_rw(
-    bytes: &[u8],
-) -> (
-    Arc<Table>,
-    Arc<MemoryRegion>,
-    LocalServerHandle,
-    ferry_transport_local::LocalChannel,
-) {
-    let table = Arc::new(Table::default());
-    let region = Arc::new(MemoryRegion::alloc_shareable(bytes.len()).unwrap());
-    region.write_at(0, bytes).unwrap();
-    table.add(
-        RW,
-        &region,
-        Access::REMOTE_READ | Access::REMOTE_WRITE,
-        true,
-    );
-    let (h, peer) = serve(table.clone());
-    let ch = LocalTransport::new(LocalConfig::default())
-        .connect_channel(&peer)
-        .unwrap();
-    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
-    (table, region, h, ch)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_over_a_chunk_is_copied_in_pieces_every_byte_right() {
     let remote = pattern(0x3c, BIG);
