@@ -369,6 +369,8 @@ pub(crate) struct RcQp {
     qpn: u32,
     cq: Arc<Cq>,
     pd: Arc<Pd>,
+    /// The device port the QP is bound to (asked by [`QpVerbs::link_up`]).
+    port: u8,
 }
 
 // SAFETY: verbs objects are thread-safe; one worker drives the QP at a time (`&self` methods
@@ -378,8 +380,13 @@ unsafe impl Send for RcQp {}
 unsafe impl Sync for RcQp {}
 
 impl RcQp {
-    /// A QP in RESET with `depth` send work requests and one SGE each.
-    pub(crate) fn create(pd: &Arc<Pd>, cq: &Arc<Cq>, depth: u32) -> Result<Self, RdmaError> {
+    /// A QP in RESET with `depth` send work requests and one SGE each, to be bound to `port`.
+    pub(crate) fn create(
+        pd: &Arc<Pd>,
+        cq: &Arc<Cq>,
+        depth: u32,
+        port: u8,
+    ) -> Result<Self, RdmaError> {
         let mut attr: ffi::ibv_qp_init_attr = zeroed();
         attr.send_cq = cq.cq.as_ptr();
         attr.recv_cq = cq.cq.as_ptr();
@@ -404,6 +411,7 @@ impl RcQp {
             qpn,
             cq: cq.clone(),
             pd: pd.clone(),
+            port,
         })
     }
 }
@@ -576,6 +584,13 @@ impl QpVerbs for RcQp {
                 vendor_err: w.vendor_err,
             })
             .collect())
+    }
+
+    fn link_up(&self) -> bool {
+        self.pd
+            .device
+            .query_port(self.port)
+            .map_or(true, |p| p.active)
     }
 }
 

@@ -13,12 +13,16 @@
 //!   replayed (below) it is, and counted in [`RailCounters::unproven`]; where it may not, the
 //!   request fails anyway and the inference only sets how long its completed prefix is;
 //! - `IBV_WC_REM_ACCESS_ERR` is a refusal (the responder checks key and bounds before placing a
-//!   byte); retry-exceeded errors mean the peer is lost;
+//!   byte); retry-exceeded errors mean the peer is lost, and so does a local error completion
+//!   read while the rail's port is not ACTIVE (the link failed under it: soft-RoCE completes a
+//!   work request it could not transmit with `IBV_WC_LOC_QP_OP_ERR`); other local errors fail
+//!   their op as `Local`;
 //! - a request resolves (with `drained: true`) only when none of its work requests is still
 //!   outstanding, so a failed QP is flushed before its buffers are declared free.
 //!
 //! Replay (docs/architecture.md section 5, multi-rail): a chunk whose work request completes with a
-//! transport error (retry or RNR retry exceeded) or is flushed off a failed queue pair was never
+//! transport error (retry or RNR retry exceeded, a local error on a port that went down) or is
+//! flushed off a failed queue pair was never
 //! acknowledged. When it is a READ (idempotent), or a WRITE and [`PumpLimits::replay_writes`]
 //! allows it, and its request has not failed or stopped, and another healthy rail can carry the
 //! op, the chunk is queued again and re-posted on that rail instead of being lost. It keeps its
@@ -185,6 +189,9 @@ impl QpVerbs for Retired {
     }
     fn poll(&self, _: usize) -> Result<Vec<Completion>, i32> {
         Ok(Vec::new())
+    }
+    fn link_up(&self) -> bool {
+        true
     }
 }
 
@@ -832,7 +839,12 @@ impl Pump {
                 }
                 other => {
                     rail.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    let kind = classify(other);
+                    let kind = match classify(other) {
+                        // A local error on a port that is down now is the link's (soft-RoCE
+                        // fails a work request it cannot transmit with LOC_QP_OP_ERR).
+                        FailureKind::Local if !rail.qp.link_up() => FailureKind::PeerLost,
+                        kind => kind,
+                    };
                     tracing::info!(rail = %rail.name, status = other, vendor_err = c.vendor_err,
                         op = e.op, kind = %kind, "work completion error");
                     let replayed = kind == FailureKind::PeerLost && replay(req, other);

@@ -26,7 +26,7 @@ impl RailCtx {
     /// A fresh queue pair (in RESET) on this rail, with a completion queue of its own.
     pub(crate) fn new_qp(&self) -> Result<RcQp, RdmaError> {
         let cq = Cq::create(&self.comp, self.depth.saturating_mul(2).max(16))?;
-        RcQp::create(&self.pd, &cq, self.depth)
+        RcQp::create(&self.pd, &cq, self.depth, self.local.port)
     }
 
     /// The port as it is now (`ibv_query_port`, `ibv_query_gid`): `None` while it is not ACTIVE.

@@ -110,6 +110,9 @@ pub(crate) trait QpVerbs: Send {
     fn post_send(&self, wrs: &[SendWr]) -> Result<(), PostError>;
     /// `ibv_poll_cq` for up to `max` completions; `Err(errno)` when polling failed.
     fn poll(&self, max: usize) -> Result<Vec<Completion>, i32>;
+    /// Whether the QP's port is ACTIVE now (`ibv_query_port`); `true` when the query itself
+    /// fails (nothing proves the link down then).
+    fn link_up(&self) -> bool;
 }
 
 /// `IBV_WC_SUCCESS`.

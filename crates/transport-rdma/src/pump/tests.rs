@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::verbs::{MockQpVerbs, PostError, WC_RETRY_EXC};
+use ferry_verbs_sys::ffi;
 use ferry_core::{MemoryRegion, RemoteEffect, SegmentToken};
 use mockall::Sequence;
 use std::sync::Mutex;
@@ -361,6 +362,8 @@ struct FakeQp {
     broken: bool,
     /// Completes nothing while set (a flush that has not come back yet).
     hold: bool,
+    /// The port is not ACTIVE (what `link_up` answers).
+    link_down: bool,
 }
 
 impl FakeQp {
@@ -430,6 +433,9 @@ fn fake_rail_with(fake: FakeQp) -> (Rail, Arc<Mutex<FakeQp>>) {
             s.lock().unwrap().broken = true;
             Ok(())
         });
+    let s = state.clone();
+    qp.expect_link_up()
+        .returning(move || !s.lock().unwrap().link_down);
     (rail(qp), state)
 }
 
@@ -537,6 +543,56 @@ fn writes_lost_on_a_failed_rail_stay_uncertain_unless_the_policy_allows_replay()
     assert_eq!(o.completed_bytes, 1000);
     assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
     assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 500);
+}
+
+/// Two rails; rail 1's second work request fails with a local error while its port is
+/// `down` or not. One READ of 1000 bytes in 10 chunks of 100.
+fn a_local_error_on_rail_1(down: bool) -> (Pump, Outcome) {
+    let (r0, _) = fake_rail(None);
+    let (r1, _) = fake_rail_with(FakeQp {
+        fail_at: Some((1, ffi::IBV_WC_LOC_QP_OP_ERR)),
+        link_down: down,
+        ..FakeQp::default()
+    });
+    let mut p = Pump::new(vec![r0, r1], limits(16));
+    let (_c, slot) = add(&mut p, ops(&[(OpKind::Read, 1000)]), 2);
+    let o = run(&mut p, &slot);
+    (p, o)
+}
+
+#[test]
+fn a_local_error_on_a_port_that_is_down_is_the_links_and_is_replayed() {
+    let (p, o) = a_local_error_on_rail_1(true);
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert_eq!(counter(&p, 1, |c| &c.errors), 1);
+    assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+    assert_eq!(counter(&p, 0, |c| &c.bytes), 1000);
+}
+
+#[test]
+fn a_local_error_on_a_port_that_is_up_fails_its_op_locally() {
+    let (p, o) = a_local_error_on_rail_1(false);
+    let f = o.failure.expect("failed");
+    assert_eq!(f.kind, FailureKind::Local);
+    assert_eq!(f.native_status, Some(ffi::IBV_WC_LOC_QP_OP_ERR as i32));
+    assert_eq!(counter(&p, 0, |c| &c.replayed), 0);
+}
+
+#[test]
+fn a_local_error_on_the_only_rail_whose_port_is_down_leaves_the_read_to_a_reconnect() {
+    let (r, _) = fake_rail_with(FakeQp {
+        fail_at: Some((1, ffi::IBV_WC_LOC_QP_OP_ERR)),
+        link_down: true,
+        ..FakeQp::default()
+    });
+    let mut p = Pump::new(vec![r], limits(16));
+    let (c, slot) = add(&mut p, ops(&[(OpKind::Read, 1000)]), 1);
+    let o = run(&mut p, &slot);
+    assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
+    assert!(!p.alive());
+    // The engine replays what a reconnect may carry: the READ is in the plan.
+    let plan = c.with_ledger(|l| l.replay_plan(false)).expect("a replay plan");
+    assert_eq!(plan.ops, vec![0]);
 }
 
 #[test]
