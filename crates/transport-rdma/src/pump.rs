@@ -13,16 +13,16 @@
 //!   replayed (below) it is, and counted in [`RailCounters::unproven`]; where it may not, the
 //!   request fails anyway and the inference only sets how long its completed prefix is;
 //! - `IBV_WC_REM_ACCESS_ERR` is a refusal (the responder checks key and bounds before placing a
-//!   byte); retry-exceeded errors mean the peer is lost, and so does a local error completion
-//!   read while the rail's port is not ACTIVE (the link failed under it: soft-RoCE completes a
-//!   work request it could not transmit with `IBV_WC_LOC_QP_OP_ERR`); other local errors fail
-//!   their op as `Local`;
+//!   byte); retry-exceeded errors mean the peer is lost, and so do a QP operation error
+//!   (`IBV_WC_LOC_QP_OP_ERR`: the pump's work requests are well formed by construction, and
+//!   soft-RoCE completes one it could not transmit with it) and any local error completion
+//!   read while the rail's port is not ACTIVE; other local errors fail their op as `Local`;
 //! - a request resolves (with `drained: true`) only when none of its work requests is still
 //!   outstanding, so a failed QP is flushed before its buffers are declared free.
 //!
 //! Replay (docs/architecture.md section 5, multi-rail): a chunk whose work request completes with a
-//! transport error (retry or RNR retry exceeded, a local error on a port that went down) or is
-//! flushed off a failed queue pair was never
+//! transport error (above: retry or RNR retry exceeded, a QP operation error, a local error on
+//! a port that went down) or is flushed off a failed queue pair was never
 //! acknowledged. When it is a READ (idempotent), or a WRITE and [`PumpLimits::replay_writes`]
 //! allows it, and its request has not failed or stopped, and another healthy rail can carry the
 //! op, the chunk is queued again and re-posted on that rail instead of being lost. It keeps its
@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 use ferry_core::{FailureKind, Op, OpKind, Outcome, RemoteStatus, RequestControl};
 
 use crate::verbs::{
-    Completion, PostError, QpVerbs, SendWr, Transition, WC_FLUSH, WC_REM_ACCESS, WC_RETRY_EXC,
-    WC_RNR_RETRY_EXC, WC_SUCCESS, WrKind,
+    Completion, PostError, QpVerbs, SendWr, Transition, WC_FLUSH, WC_LOC_QP_OP, WC_REM_ACCESS,
+    WC_RETRY_EXC, WC_RNR_RETRY_EXC, WC_SUCCESS, WrKind,
 };
 
 /// The keys one op uses on one rail.
@@ -325,10 +325,17 @@ pub(crate) struct Pump {
     closing: bool,
 }
 
-fn classify(status: u32) -> FailureKind {
+/// What an error completion's `status` says failed, where `link_up` asks whether the rail's
+/// port is ACTIVE now (asked only for a local error). A QP operation error is the transport's:
+/// the pump posts only work requests that are well formed by construction (one SGE, within
+/// the QP's depth and the chunk size), and soft-RoCE completes one it could not transmit (no
+/// route while the link is down) with it. Any other local error on a port that is down now
+/// is the link's too.
+fn classify(status: u32, link_up: impl FnOnce() -> bool) -> FailureKind {
     match status {
         WC_REM_ACCESS => FailureKind::Remote(RemoteStatus::AccessDenied),
-        WC_RETRY_EXC | WC_RNR_RETRY_EXC | WC_FLUSH => FailureKind::PeerLost,
+        WC_RETRY_EXC | WC_RNR_RETRY_EXC | WC_FLUSH | WC_LOC_QP_OP => FailureKind::PeerLost,
+        _ if !link_up() => FailureKind::PeerLost,
         _ => FailureKind::Local,
     }
 }
@@ -839,12 +846,7 @@ impl Pump {
                 }
                 other => {
                     rail.counters.errors.fetch_add(1, Ordering::Relaxed);
-                    let kind = match classify(other) {
-                        // A local error on a port that is down now is the link's (soft-RoCE
-                        // fails a work request it cannot transmit with LOC_QP_OP_ERR).
-                        FailureKind::Local if !rail.qp.link_up() => FailureKind::PeerLost,
-                        kind => kind,
-                    };
+                    let kind = classify(other, || rail.qp.link_up());
                     tracing::info!(rail = %rail.name, status = other, vendor_err = c.vendor_err,
                         op = e.op, kind = %kind, "work completion error");
                     let replayed = kind == FailureKind::PeerLost && replay(req, other);

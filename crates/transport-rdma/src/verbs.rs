@@ -119,6 +119,8 @@ pub(crate) trait QpVerbs: Send {
 pub(crate) const WC_SUCCESS: u32 = ffi::IBV_WC_SUCCESS;
 /// `IBV_WC_WR_FLUSH_ERR`.
 pub(crate) const WC_FLUSH: u32 = ffi::IBV_WC_WR_FLUSH_ERR;
+/// `IBV_WC_LOC_QP_OP_ERR`.
+pub(crate) const WC_LOC_QP_OP: u32 = ffi::IBV_WC_LOC_QP_OP_ERR;
 /// `IBV_WC_REM_ACCESS_ERR`.
 pub(crate) const WC_REM_ACCESS: u32 = ffi::IBV_WC_REM_ACCESS_ERR;
 /// `IBV_WC_RETRY_EXC_ERR`.

@@ -545,12 +545,12 @@ fn writes_lost_on_a_failed_rail_stay_uncertain_unless_the_policy_allows_replay()
     assert_eq!(counter(&p, 0, |c| &c.replayed_bytes), 500);
 }
 
-/// Two rails; rail 1's second work request fails with a local error while its port is
-/// `down` or not. One READ of 1000 bytes in 10 chunks of 100.
-fn a_local_error_on_rail_1(down: bool) -> (Pump, Outcome) {
+/// Two rails; rail 1's second work request fails with local error `status` while its port
+/// is `down` or not. One READ of 1000 bytes in 10 chunks of 100.
+fn a_local_error_on_rail_1(status: u32, down: bool) -> (Pump, Outcome) {
     let (r0, _) = fake_rail(None);
     let (r1, _) = fake_rail_with(FakeQp {
-        fail_at: Some((1, ffi::IBV_WC_LOC_QP_OP_ERR)),
+        fail_at: Some((1, status)),
         link_down: down,
         ..FakeQp::default()
     });
@@ -562,7 +562,7 @@ fn a_local_error_on_rail_1(down: bool) -> (Pump, Outcome) {
 
 #[test]
 fn a_local_error_on_a_port_that_is_down_is_the_links_and_is_replayed() {
-    let (p, o) = a_local_error_on_rail_1(true);
+    let (p, o) = a_local_error_on_rail_1(ffi::IBV_WC_LOC_PROT_ERR, true);
     assert!(o.is_success() && o.drained, "{o:?}");
     assert_eq!(counter(&p, 1, |c| &c.errors), 1);
     assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
@@ -570,19 +570,26 @@ fn a_local_error_on_a_port_that_is_down_is_the_links_and_is_replayed() {
 }
 
 #[test]
+fn a_qp_operation_error_is_the_transports_and_is_replayed_even_on_a_port_that_is_up() {
+    let (p, o) = a_local_error_on_rail_1(WC_LOC_QP_OP, false);
+    assert!(o.is_success() && o.drained, "{o:?}");
+    assert_eq!(counter(&p, 0, |c| &c.replayed), 5);
+}
+
+#[test]
 fn a_local_error_on_a_port_that_is_up_fails_its_op_locally() {
-    let (p, o) = a_local_error_on_rail_1(false);
+    let (p, o) = a_local_error_on_rail_1(ffi::IBV_WC_LOC_PROT_ERR, false);
     let f = o.failure.expect("failed");
     assert_eq!(f.kind, FailureKind::Local);
-    assert_eq!(f.native_status, Some(ffi::IBV_WC_LOC_QP_OP_ERR as i32));
+    assert_eq!(f.native_status, Some(ffi::IBV_WC_LOC_PROT_ERR as i32));
     assert_eq!(counter(&p, 0, |c| &c.replayed), 0);
 }
 
 #[test]
-fn a_local_error_on_the_only_rail_whose_port_is_down_leaves_the_read_to_a_reconnect() {
+fn a_qp_operation_error_on_the_only_rail_leaves_the_read_to_a_reconnect() {
     let (r, _) = fake_rail_with(FakeQp {
-        fail_at: Some((1, ffi::IBV_WC_LOC_QP_OP_ERR)),
-        link_down: true,
+        fail_at: Some((1, WC_LOC_QP_OP)),
+        link_down: false,
         ..FakeQp::default()
     });
     let mut p = Pump::new(vec![r], limits(16));
