@@ -2,8 +2,8 @@
 
 use super::*;
 use crate::verbs::{MockQpVerbs, PostError, WC_RETRY_EXC};
-use ferry_verbs_sys::ffi;
 use ferry_core::{MemoryRegion, RemoteEffect, SegmentToken};
+use ferry_verbs_sys::ffi;
 use mockall::Sequence;
 use std::sync::Mutex;
 
@@ -598,7 +598,9 @@ fn a_qp_operation_error_on_the_only_rail_leaves_the_read_to_a_reconnect() {
     assert_eq!(o.failure.map(|f| f.kind), Some(FailureKind::PeerLost));
     assert!(!p.alive());
     // The engine replays what a reconnect may carry: the READ is in the plan.
-    let plan = c.with_ledger(|l| l.replay_plan(false)).expect("a replay plan");
+    let plan = c
+        .with_ledger(|l| l.replay_plan(false))
+        .expect("a replay plan");
     assert_eq!(plan.ops, vec![0]);
 }
 
