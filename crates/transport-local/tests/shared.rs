@@ -169,19 +169,7 @@ async fn a_granted_registration_is_read_and_written_one_sidedly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_that_stopped_serving_is_copied_with_no_more() {
-    let table = Arc::new(Table::default());
-    let region = shareable(0x12);
-    table.add(
-        RW,
-        &region,
-        Access::REMOTE_READ | Access::REMOTE_WRITE,
-        true,
-    );
-    let (h, peer) = serve(table.clone());
-    let ch = LocalTransport::new(LocalConfig::default())
-        .connect_channel(&peer)
-        .unwrap();
-    assert_eq!(ch.map_shared(RW), Some(Ok(Grant::ReadWrite)));
+    let (_table, _region, h, ch) = mapped_rw(&[0x12; LEN]);
     let local = Arc::new(MemoryRegion::alloc_zeroed(LEN, 4096).unwrap());
     let o = run(&ch, vec![op(OpKind::Write, &local, RW, 4096)]).await;
     assert!(o.is_success(), "{o:?}");

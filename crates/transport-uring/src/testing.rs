@@ -1,5 +1,5 @@
-//! What the crate's unit tests share: a table with nothing published and a responder that
-//! accepts every hello (or runs a hook first).
+//! What the crate's unit tests share: a table with nothing published, a responder that
+//! accepts every hello (or runs a hook first), and a test run in a process of its own.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,4 +79,20 @@ pub(crate) fn hello() -> Hello {
         transports: Vec::new(),
         segments: Vec::new(),
     }
+}
+
+/// Runs the ignored unit test `name` (its full path, e.g. `server::tests::x`) alone in a child
+/// process of this test binary, requires that it passed, and returns its stdout and stderr.
+/// For a test that must own its process: its descriptors, or its first panic hook.
+pub(crate) fn in_a_process_of_its_own(name: &str) -> (String, String) {
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args(["--exact", name])
+        .args(["--ignored", "--nocapture", "--test-threads=1"])
+        .output()
+        .expect("the test binary runs");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{said}{err}");
+    assert!(said.contains("1 passed"), "{said}");
+    (said, err)
 }

@@ -92,15 +92,9 @@ mod tests {
     /// hook is the process's first and no other test's panic is counted.
     #[test]
     fn a_runtime_without_io_is_found_quietly_and_remembered() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "client::reactor::tests::in_a_process_of_its_own"])
-            .args(["--ignored", "--nocapture", "--test-threads=1"])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{said}{err}");
-        assert!(said.contains("1 passed"), "{said}");
+        let (_, err) = crate::testing::in_a_process_of_its_own(
+            "client::reactor::tests::in_a_process_of_its_own",
+        );
         assert!(
             !err.contains("IO is disabled"),
             "the panic was printed: {err}"

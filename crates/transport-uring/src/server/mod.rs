@@ -301,18 +301,9 @@ mod tests {
             ferry_tests::require_or_skip(ferry_tests::URING, "the kernel refuses io_uring rings");
             return;
         }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "server::tests::out_of_descriptors_in_a_process_of_its_own",
-            ])
-            .args(["--ignored", "--nocapture", "--test-threads=1"])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{said}{err}");
-        assert!(said.contains("1 passed"), "{said}");
+        crate::testing::in_a_process_of_its_own(
+            "server::tests::out_of_descriptors_in_a_process_of_its_own",
+        );
     }
 
     #[test]
